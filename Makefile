@@ -1,0 +1,47 @@
+# chunkserve: the two commands a new user types are `make demo` and `make test`.
+# Both set up a fresh Debian 12 machine first (scripts/bootstrap.sh, idempotent)
+# and fetch the default model (scripts/fetch-model.sh).
+BUILD ?= build
+JOBS ?= 2
+CMAKE_FLAGS ?=
+PY ?= python3
+MODEL ?= models/SmolLM2-135M-Instruct.Q4_1.gguf
+
+.PHONY: all build bootstrap model test test-unit test-py test-asan demo bench clean format
+
+all: build
+
+bootstrap:
+	@scripts/bootstrap.sh
+
+build: bootstrap
+	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo $(CMAKE_FLAGS) >/dev/null
+	cmake --build $(BUILD) -j$(JOBS)
+
+model:
+	@scripts/fetch-model.sh
+
+# Unit tests (CTest, incl. an ASan+UBSan build), then the process-level tests (pytest).
+test: build model
+	cd $(BUILD) && ctest --output-on-failure -j$(JOBS)
+	$(MAKE) --no-print-directory test-asan
+	CHUNKSERVE_BIN_DIR=$(abspath $(BUILD))/bin CHUNKSERVE_MODEL=$(abspath $(MODEL)) \
+	  $(PY) -m pytest -q tests/py
+
+test-asan: bootstrap
+	cmake -S . -B $(BUILD)-asan -DCMAKE_BUILD_TYPE=Debug -DCS_SANITIZE=ON -DCS_CUDA=OFF >/dev/null
+	cmake --build $(BUILD)-asan -j$(JOBS)
+	cd $(BUILD)-asan && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
+	  ctest --output-on-failure -j$(JOBS) -L unit
+
+demo: build model
+	@scripts/demo.sh $(BUILD)/bin $(MODEL)
+
+bench: build model
+	$(PY) bench/bench_single.py --bin $(BUILD)/bin/chunkserve --model $(MODEL)
+
+format:
+	clang-format -i $$(git ls-files '*.c' '*.h' | grep -v unicode_tables.c)
+
+clean:
+	rm -rf $(BUILD) $(BUILD)-asan

@@ -1,0 +1,82 @@
+#!/usr/bin/env python3
+"""Single-sequence prefill and decode speed: chunkserve's reference CPU path
+next to llama.cpp (llama-cpp-python) on the same GGUF file, same prompt, same
+thread count, in one run. Prints a table and the ratios; numbers are never
+asserted anywhere (machines are shared and noisy: compare the ratio).
+
+    python3 bench/bench_single.py --bin build/bin/chunkserve \
+        --model models/SmolLM2-135M-Instruct.Q4_1.gguf --threads 1
+
+llama.cpp's side needs `pip install llama-cpp-python` (not a CI dependency);
+without it only chunkserve's figures are printed.
+"""
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+sys.path.insert(0, HERE)
+from bench_llamacpp import PROMPT_TEXT  # noqa: E402  (the same text on both sides)
+
+
+def make_prompt_ids(bin_path, model, n_tokens):
+    """Exactly n_tokens ids: the shared text, repeated, tokenized by chunkserve
+    (whose tokenizer is checked id-for-id against llama.cpp's in the tests)."""
+    text = PROMPT_TEXT * (n_tokens // 50 + 1)
+    p = subprocess.run([bin_path, "tokenize", "--model", model], input=json.dumps(text) + "\n",
+                       capture_output=True, text=True, check=True)
+    return json.loads(p.stdout)[:n_tokens]
+
+
+def run_chunkserve(bin_path, model, ids, decode_tokens):
+    cmd = [bin_path, "generate", "--model", model, "--ids", ",".join(map(str, ids)),
+           "--max-tokens", str(decode_tokens), "--ignore-eos"]
+    env = dict(os.environ)
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+    if p.returncode != 0:
+        sys.exit(f"chunkserve failed: {p.stderr}")
+    m = re.search(r"prompt (\d+) tokens in ([\d.]+) s .*generated (\d+) tokens in ([\d.]+) s", p.stderr)
+    if not m:
+        sys.exit(f"could not parse chunkserve's timing line:\n{p.stderr}")
+    n_prompt, t_prompt, n_gen, t_gen = int(m[1]), float(m[2]), int(m[3]), float(m[4])
+    return {"prompt_tokens": n_prompt, "prefill_tok_s": n_prompt / t_prompt,
+            "decode_tok_s": (n_gen - 1) / t_gen if n_gen > 1 else 0.0}
+
+
+def run_llamacpp(model, prompt_tokens, decode_tokens, threads):
+    cmd = [sys.executable, os.path.join(HERE, "bench_llamacpp.py"), "--model", model,
+           "--prompt-tokens", str(prompt_tokens), "--decode-tokens", str(decode_tokens),
+           "--threads", str(threads)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if p.returncode != 0:
+        print(f"llama.cpp side skipped: {p.stderr.strip().splitlines()[-1] if p.stderr.strip() else p.returncode}")
+        return None
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bin", default="build/bin/chunkserve")
+    ap.add_argument("--model", default="models/SmolLM2-135M-Instruct.Q4_1.gguf")
+    ap.add_argument("--prompt-tokens", type=int, default=512)
+    ap.add_argument("--decode-tokens", type=int, default=64)
+    ap.add_argument("--threads", type=int, default=1,
+                    help="threads for llama.cpp (chunkserve's reference path is single-threaded)")
+    a = ap.parse_args()
+    ids = make_prompt_ids(a.bin, a.model, a.prompt_tokens)
+    ours = run_chunkserve(a.bin, a.model, ids, a.decode_tokens)
+    ref = run_llamacpp(a.model, a.prompt_tokens, a.decode_tokens, a.threads)
+    print(f"{'engine':<28} {'prompt tok':>10} {'prefill tok/s':>14} {'decode tok/s':>13}")
+    print(f"{'chunkserve (fp32 reference)':<28} {ours['prompt_tokens']:>10} {ours['prefill_tok_s']:>14.1f} {ours['decode_tok_s']:>13.1f}")
+    if ref:
+        print(f"{'llama.cpp ' + str(a.threads) + ' thr (Q4_1)':<28} {ref.get('prompt_tokens', a.prompt_tokens):>10} {ref['prefill_tok_s']:>14.1f} {ref['decode_tok_s']:>13.1f}")
+        print(f"ratio chunkserve/llama.cpp: prefill {ours['prefill_tok_s'] / ref['prefill_tok_s']:.3f}, "
+              f"decode {ours['decode_tok_s'] / ref['decode_tok_s']:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,482 @@
+/* chunkserve: command-line entry point. Thin: parse options from one table,
+ * load the model, run one subcommand, free in reverse order.
+ *
+ *   chunkserve generate --model PATH --prompt TEXT [--chat] [--max-tokens N] ...
+ *   chunkserve tokenize | detokenize | chat-format --model PATH   (JSON lines on stdin)
+ *   chunkserve logits --model PATH --ids 1,2,3 --out FILE
+ *   chunkserve info --model PATH */
+#include <cjson/cJSON.h>
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "chunkserve/error.h"
+#include "chunkserve/model.h"
+#include "chunkserve/refeval.h"
+#include "chunkserve/sampler.h"
+#include "chunkserve/tokenizer.h"
+#include "util.h"
+
+typedef struct {
+    const char *model, *prompt, *system, *ids, *out;
+    int chat, no_special, no_gen_prompt, verbose, ignore_eos;
+    long max_tokens;
+    double temperature, top_p, min_p, rep_pen, presence, frequency;
+    long top_k;
+    unsigned long long seed;
+} options;
+
+enum opt_type { OPT_STR, OPT_FLAG, OPT_LONG, OPT_DOUBLE, OPT_U64 };
+typedef struct {
+    const char *name;
+    enum opt_type type;
+    size_t off;
+    const char *deflt;
+    const char *help;
+} opt_spec;
+
+#define O(f) offsetof(options, f)
+static const opt_spec opt_table[] = {
+    {"model", OPT_STR, O(model), NULL, "model: a .gguf file or a Hugging Face directory (env CHUNKSERVE_MODEL)"},
+    {"prompt", OPT_STR, O(prompt), NULL, "prompt text (generate)"},
+    {"chat", OPT_FLAG, O(chat), "0", "wrap the prompt as a user message in the model's chat template"},
+    {"system", OPT_STR, O(system), NULL, "system message for --chat"},
+    {"max-tokens", OPT_LONG, O(max_tokens), "256", "maximum tokens to generate"},
+    {"temperature", OPT_DOUBLE, O(temperature), "0", "sampling temperature; 0 = greedy"},
+    {"top-k", OPT_LONG, O(top_k), "0", "keep the k most likely tokens; 0 = off"},
+    {"top-p", OPT_DOUBLE, O(top_p), "1", "nucleus sampling mass in (0,1]; 1 = off"},
+    {"min-p", OPT_DOUBLE, O(min_p), "0", "drop tokens below min-p times the top probability"},
+    {"repetition-penalty", OPT_DOUBLE, O(rep_pen), "1", "penalty for tokens already seen; 1 = off"},
+    {"presence-penalty", OPT_DOUBLE, O(presence), "0", "OpenAI presence penalty in [-2,2]"},
+    {"frequency-penalty", OPT_DOUBLE, O(frequency), "0", "OpenAI frequency penalty in [-2,2]"},
+    {"seed", OPT_U64, O(seed), "0", "random seed for sampling"},
+    {"ignore-eos", OPT_FLAG, O(ignore_eos), "0", "keep generating past end-of-generation tokens (benchmarks)"},
+    {"ids", OPT_STR, O(ids), NULL, "comma-separated token ids: the prompt for generate and logits"},
+    {"out", OPT_STR, O(out), NULL, "output file (logits: raw float32 [n_tokens, n_vocab])"},
+    {"no-special", OPT_FLAG, O(no_special), "0", "tokenize: treat special-token text as plain text"},
+    {"no-generation-prompt", OPT_FLAG, O(no_gen_prompt), "0", "chat-format: omit the assistant header"},
+    {"verbose", OPT_FLAG, O(verbose), "0", "debug logging"},
+};
+#undef O
+#define N_OPTS (sizeof opt_table / sizeof opt_table[0])
+
+static void usage(FILE *f) {
+    fprintf(f, "usage: chunkserve COMMAND [options]\n\n"
+               "commands:\n"
+               "  generate     generate text from --prompt on the CPU reference path\n"
+               "  tokenize     JSON lines of strings on stdin -> JSON arrays of ids\n"
+               "  detokenize   JSON lines of id arrays on stdin -> JSON strings\n"
+               "  chat-format  a JSON array of {role, content} on stdin -> rendered prompt\n"
+               "  logits       --ids 1,2,3 --out FILE: float32 logits of every position\n"
+               "  info         print the model's configuration\n\noptions:\n");
+    for (size_t i = 0; i < N_OPTS; i++) {
+        const opt_spec *o = &opt_table[i];
+        fprintf(f, "  --%-22s %s%s%s%s\n", o->name, o->help, o->deflt && o->type != OPT_FLAG ? " (default " : "",
+                o->deflt && o->type != OPT_FLAG ? o->deflt : "", o->deflt && o->type != OPT_FLAG ? ")" : "");
+    }
+}
+
+static int set_opt(options *o, const opt_spec *s, const char *val) {
+    char *end = NULL;
+    void *p = (char *)o + s->off;
+    errno = 0;
+    switch (s->type) {
+    case OPT_STR: *(const char **)p = val; return 0;
+    case OPT_FLAG: *(int *)p = val ? atoi(val) : 1; return 0;
+    case OPT_LONG: *(long *)p = strtol(val, &end, 10); break;
+    case OPT_DOUBLE: *(double *)p = strtod(val, &end); break;
+    case OPT_U64: *(unsigned long long *)p = strtoull(val, &end, 10); break;
+    }
+    if (!end || *end || end == val || errno) {
+        fprintf(stderr, "chunkserve: --%s: '%s' is not a valid number\n", s->name, val);
+        return -1;
+    }
+    return 0;
+}
+
+static int parse_options(int argc, char **argv, options *o) {
+    memset(o, 0, sizeof *o);
+    for (size_t i = 0; i < N_OPTS; i++)
+        if (opt_table[i].deflt) set_opt(o, &opt_table[i], opt_table[i].deflt);
+    if (getenv("CHUNKSERVE_MODEL")) o->model = getenv("CHUNKSERVE_MODEL");
+    for (int i = 2; i < argc; i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
+            usage(stdout);
+            exit(0);
+        }
+        if (strncmp(a, "--", 2) != 0) {
+            fprintf(stderr, "chunkserve: unexpected argument '%s'\n", a);
+            return -1;
+        }
+        const char *name = a + 2, *eq = strchr(name, '=');
+        size_t len = eq ? (size_t)(eq - name) : strlen(name);
+        const opt_spec *s = NULL;
+        for (size_t k = 0; k < N_OPTS; k++)
+            if (strlen(opt_table[k].name) == len && !strncmp(opt_table[k].name, name, len)) s = &opt_table[k];
+        if (!s) {
+            fprintf(stderr, "chunkserve: unknown option '%s' (see --help)\n", a);
+            return -1;
+        }
+        const char *val = eq ? eq + 1 : NULL;
+        if (!val && s->type != OPT_FLAG) {
+            if (i + 1 >= argc) {
+                fprintf(stderr, "chunkserve: option --%s needs a value\n", s->name);
+                return -1;
+            }
+            val = argv[++i];
+        }
+        if (set_opt(o, s, val)) return -1;
+    }
+    return 0;
+}
+
+static int fail_msg(const char *what, int r) {
+    const char *msg = cs_last_error();
+    fprintf(stderr, "chunkserve: %s: %s\n", what, msg[0] ? msg : cs_strerror(r));
+    return 1;
+}
+
+/* Reads one line of stdin (any length) into *buf; returns length or -1 at EOF. */
+static long read_line(char **buf, size_t *cap) {
+    ssize_t n = getline(buf, cap, stdin);
+    if (n < 0) return -1;
+    while (n > 0 && ((*buf)[n - 1] == '\n' || (*buf)[n - 1] == '\r')) (*buf)[--n] = 0;
+    return n;
+}
+
+static int cmd_tokenize(const cs_tokenizer *tok, const options *o) {
+    char *line = NULL;
+    size_t cap = 0;
+    long n;
+    int rc = 0;
+    while ((n = read_line(&line, &cap)) >= 0) {
+        if (n == 0) continue;
+        cJSON *j = cJSON_ParseWithLength(line, (size_t)n);
+        if (!cJSON_IsString(j)) {
+            fprintf(stderr, "chunkserve: tokenize: each input line must be a JSON string\n");
+            cJSON_Delete(j);
+            rc = 1;
+            break;
+        }
+        int32_t *ids = NULL;
+        size_t n_ids = 0;
+        int r = cs_tokenizer_encode(tok, j->valuestring, strlen(j->valuestring), !o->no_special, false, &ids, &n_ids);
+        cJSON_Delete(j);
+        if (r) {
+            rc = fail_msg("tokenize", r);
+            break;
+        }
+        putchar('[');
+        for (size_t i = 0; i < n_ids; i++) printf(i ? ",%d" : "%d", ids[i]);
+        printf("]\n");
+        free(ids);
+    }
+    free(line);
+    return rc;
+}
+
+static int cmd_detokenize(const cs_tokenizer *tok) {
+    char *line = NULL;
+    size_t cap = 0;
+    long n;
+    int rc = 0;
+    while ((n = read_line(&line, &cap)) >= 0) {
+        if (n == 0) continue;
+        cJSON *j = cJSON_ParseWithLength(line, (size_t)n);
+        int count = cJSON_IsArray(j) ? cJSON_GetArraySize(j) : -1;
+        int32_t *ids = malloc(sizeof(int32_t) * (size_t)(count > 0 ? count : 1));
+        for (int i = 0; ids && i < count; i++) {
+            const cJSON *e = cJSON_GetArrayItem(j, i);
+            if (!cJSON_IsNumber(e) || e->valuedouble != (double)(int32_t)e->valuedouble) count = -1;
+            else ids[i] = (int32_t)e->valuedouble;
+        }
+        cJSON_Delete(j);
+        if (count < 0 || !ids) {
+            fprintf(stderr, "chunkserve: detokenize: each input line must be a JSON array of integer ids\n");
+            free(ids);
+            rc = 1;
+            break;
+        }
+        char *text = NULL;
+        size_t len = 0;
+        int r = cs_tokenizer_decode(tok, ids, (size_t)count, false, &text, &len);
+        free(ids);
+        if (r) {
+            rc = fail_msg("detokenize", r);
+            break;
+        }
+        cJSON *s = cJSON_CreateString(text);
+        char *out = cJSON_PrintUnformatted(s);
+        printf("%s\n", out);
+        cJSON_free(out);
+        cJSON_Delete(s);
+        free(text);
+    }
+    free(line);
+    return rc;
+}
+
+/* Reads all of stdin (bounded) into a malloc'd NUL-terminated string. */
+static char *read_stdin(size_t limit) {
+    size_t cap = 4096, n = 0;
+    char *buf = malloc(cap);
+    while (buf) {
+        if (n + 1 >= cap) {
+            if (cap >= limit) {
+                free(buf);
+                return NULL;
+            }
+            char *nb = realloc(buf, cap *= 2);
+            if (!nb) free(buf);
+            buf = nb;
+            continue;
+        }
+        size_t r = fread(buf + n, 1, cap - 1 - n, stdin);
+        if (r == 0) break;
+        n += r;
+    }
+    if (buf) buf[n] = 0;
+    return buf;
+}
+
+static int cmd_chat_format(const cs_tokenizer *tok, const options *o) {
+    char *in = read_stdin(64u << 20);
+    cJSON *j = in ? cJSON_Parse(in) : NULL;
+    free(in);
+    int n = cJSON_IsArray(j) ? cJSON_GetArraySize(j) : -1;
+    cs_chat_message *msgs = calloc((size_t)(n > 0 ? n : 1), sizeof *msgs);
+    for (int i = 0; msgs && i < n; i++) {
+        const cJSON *m = cJSON_GetArrayItem(j, i);
+        const cJSON *role = cJSON_GetObjectItemCaseSensitive(m, "role");
+        const cJSON *content = cJSON_GetObjectItemCaseSensitive(m, "content");
+        if (!cJSON_IsString(role) || !cJSON_IsString(content)) n = -1;
+        else msgs[i] = (cs_chat_message){role->valuestring, content->valuestring};
+    }
+    int rc = 0;
+    if (n < 0 || !msgs) {
+        fprintf(stderr, "chunkserve: chat-format: stdin must hold a JSON array of {\"role\": ..., \"content\": ...}\n");
+        rc = 1;
+    } else {
+        char *text = NULL;
+        int r = cs_tokenizer_apply_chat(tok, msgs, (size_t)n, !o->no_gen_prompt, &text);
+        if (r) rc = fail_msg("chat-format", r);
+        else fputs(text, stdout);
+        free(text);
+    }
+    free(msgs);
+    cJSON_Delete(j);
+    return rc;
+}
+
+static int parse_ids(const char *s, int32_t **ids, int32_t *n) {
+    size_t cap = 16, k = 0;
+    int32_t *a = malloc(cap * sizeof *a);
+    while (a && *s) {
+        char *end;
+        errno = 0;
+        long v = strtol(s, &end, 10);
+        if (end == s || errno || v < INT32_MIN || v > INT32_MAX || (*end && *end != ',')) {
+            free(a);
+            return cs__fail(CS_EINVAL, "--ids must be comma-separated integers");
+        }
+        if (k == cap) {
+            int32_t *na = realloc(a, (cap *= 2) * sizeof *a);
+            if (!na) free(a);
+            a = na;
+            if (!a) break;
+        }
+        a[k++] = (int32_t)v;
+        s = *end ? end + 1 : end;
+    }
+    if (!a) return cs__fail(CS_ENOMEM, "out of memory");
+    if (k == 0) {
+        free(a);
+        return cs__fail(CS_EINVAL, "--ids is empty");
+    }
+    *ids = a;
+    *n = (int32_t)k;
+    return 0;
+}
+
+static int cmd_logits(const cs_model *m, const options *o) {
+    if (!o->ids || !o->out) {
+        fprintf(stderr, "chunkserve: logits needs --ids and --out\n");
+        return 2;
+    }
+    int32_t *ids = NULL, n = 0;
+    int r = parse_ids(o->ids, &ids, &n);
+    if (r) return fail_msg("logits", r);
+    const cs_model_config *c = cs_model_get_config(m);
+    cs_ref_seq *seq = NULL;
+    float *logits = malloc((size_t)n * (size_t)c->n_vocab * sizeof(float));
+    int rc = 1;
+    if (!logits) r = cs__fail(CS_ENOMEM, "out of memory for %d x %d logits", n, c->n_vocab);
+    if (!r) r = cs_ref_seq_init(m, n, &seq);
+    if (!r) r = cs_ref_seq_eval(seq, ids, n, true, logits);
+    if (r) {
+        fail_msg("logits", r);
+    } else {
+        FILE *f = fopen(o->out, "wb");
+        if (!f || fwrite(logits, sizeof(float) * (size_t)c->n_vocab, (size_t)n, f) != (size_t)n || fclose(f)) {
+            fprintf(stderr, "chunkserve: logits: cannot write '%s': %s\n", o->out, strerror(errno));
+        } else {
+            rc = 0;
+        }
+    }
+    cs_ref_seq_free(seq);
+    free(logits);
+    free(ids);
+    return rc;
+}
+
+static int cmd_generate(const cs_model *m, const options *o) {
+    if (!o->prompt == !o->ids) {
+        fprintf(stderr, "chunkserve: generate needs --prompt TEXT or --ids 1,2,3 (one of them)\n");
+        return 2;
+    }
+    if (o->max_tokens < 1) {
+        fprintf(stderr, "chunkserve: --max-tokens must be at least 1\n");
+        return 2;
+    }
+    const cs_tokenizer *tok = cs_model_tokenizer(m);
+    const cs_model_config *c = cs_model_get_config(m);
+    cs_sampling_params sp = cs_sampling_params_default();
+    sp.temperature = (float)o->temperature;
+    sp.top_k = (int32_t)o->top_k;
+    sp.top_p = (float)o->top_p;
+    sp.min_p = (float)o->min_p;
+    sp.repetition_penalty = (float)o->rep_pen;
+    sp.presence_penalty = (float)o->presence;
+    sp.frequency_penalty = (float)o->frequency;
+    sp.seed = o->seed;
+    char *text = NULL;
+    int32_t *ids = NULL;
+    size_t n_ids = 0;
+    cs_sampler *smp = NULL;
+    cs_ref_seq *seq = NULL;
+    float *logits = NULL;
+    int r = cs_sampler_init(&sp, c->n_vocab, &smp);
+    if (!r && o->chat && o->ids) r = cs__fail(CS_EINVAL, "--chat needs --prompt text, not --ids");
+    if (!r && o->chat) {
+        cs_chat_message msgs[2];
+        size_t n = 0;
+        if (o->system) msgs[n++] = (cs_chat_message){"system", o->system};
+        msgs[n++] = (cs_chat_message){"user", o->prompt};
+        r = cs_tokenizer_apply_chat(tok, msgs, n, true, &text);
+    }
+    const char *prompt = text ? text : o->prompt;
+    if (!r && o->ids) {
+        int32_t n = 0;
+        r = parse_ids(o->ids, &ids, &n);
+        n_ids = (size_t)n;
+        for (size_t i = 0; !r && i < n_ids; i++)
+            if (ids[i] < 0 || ids[i] >= c->n_vocab)
+                r = cs__fail(CS_EINVAL, "token id %d is outside the vocabulary (0..%d)", ids[i], c->n_vocab - 1);
+    } else if (!r) {
+        r = cs_tokenizer_encode(tok, prompt, strlen(prompt), true, true, &ids, &n_ids);
+    }
+    if (!r && n_ids == 0) r = cs__fail(CS_EINVAL, "the prompt is empty");
+    if (!r && (long)n_ids >= c->ctx_len)
+        r = cs__fail(CS_EINVAL, "the prompt has %zu tokens; the model's context is %d", n_ids, c->ctx_len);
+    long total = (long)n_ids + o->max_tokens;
+    if (total > c->ctx_len) total = c->ctx_len;
+    if (!r) r = cs_ref_seq_init(m, (int32_t)total, &seq);
+    if (!r && !(logits = malloc((size_t)c->n_vocab * sizeof(float)))) r = cs__fail(CS_ENOMEM, "out of memory");
+    if (r) {
+        int rc = fail_msg("generate", r);
+        free(text), free(ids), free(logits);
+        cs_sampler_free(smp);
+        cs_ref_seq_free(seq);
+        return rc;
+    }
+    cs_sampler_accept_prompt(smp, ids, n_ids);
+    double t0 = cs__now();
+    r = cs_ref_seq_eval(seq, ids, (int32_t)n_ids, false, logits);
+    double t1 = cs__now();
+    cs_detok dt;
+    cs_detok_init(&dt, tok, true);
+    char buf[1024];
+    size_t len;
+    long generated = 0;
+    const char *reason = "length";
+    while (!r) {
+        int32_t id = cs_sampler_sample(smp, logits, NULL);
+        cs_sampler_accept(smp, id);
+        generated++;
+        if (!o->ignore_eos && cs_tokenizer_is_eog(tok, id)) {
+            reason = "stop";
+            break;
+        }
+        if (cs_detok_push(&dt, id, buf, sizeof buf, &len) == 0 && len) {
+            fwrite(buf, 1, len, stdout);
+            fflush(stdout);
+        }
+        if (generated >= o->max_tokens || cs_ref_seq_len(seq) >= total) break;
+        r = cs_ref_seq_eval(seq, &id, 1, false, logits);
+    }
+    if (cs_detok_flush(&dt, buf, sizeof buf, &len) == 0 && len) fwrite(buf, 1, len, stdout);
+    putchar('\n');
+    double t2 = cs__now();
+    int rc = 0;
+    if (r) rc = fail_msg("generate", r);
+    else
+        CS_LOGI("prompt %zu tokens in %.3f s (%.1f tok/s); generated %ld tokens in %.3f s (%.1f tok/s); finish: %s",
+                n_ids, t1 - t0, (double)n_ids / (t1 - t0), generated, t2 - t1,
+                generated > 1 ? (double)(generated - 1) / (t2 - t1) : 0.0, reason);
+    free(logits);
+    cs_ref_seq_free(seq);
+    free(ids);
+    free(text);
+    cs_sampler_free(smp);
+    return rc;
+}
+
+static int cmd_info(const cs_model *m) {
+    const cs_model_config *c = cs_model_get_config(m);
+    printf("{\"arch\":\"%s\",\"n_vocab\":%d,\"dim\":%d,\"n_layers\":%d,\"n_heads\":%d,\"n_kv_heads\":%d,"
+           "\"head_dim\":%d,\"hidden_dim\":%d,\"ctx_len\":%d,\"norm_eps\":%g,\"rope_theta\":%g,"
+           "\"tied_embeddings\":%s,\"qkv_bias\":%s,\"weight_bytes\":%zu}\n",
+           c->arch, c->n_vocab, c->dim, c->n_layers, c->n_heads, c->n_kv_heads, c->head_dim, c->hidden_dim,
+           c->ctx_len, c->norm_eps, c->rope_theta, c->tied_embeddings ? "true" : "false",
+           c->qkv_bias ? "true" : "false", cs_model_weight_bytes(m));
+    return 0;
+}
+
+int main(int argc, char **argv) {
+    cs_log_set_role("cli");
+    if (argc < 2 || !strcmp(argv[1], "-h") || !strcmp(argv[1], "--help")) {
+        usage(argc < 2 ? stderr : stdout);
+        return argc < 2 ? 2 : 0;
+    }
+    const char *cmd = argv[1];
+    options o;
+    if (parse_options(argc, argv, &o)) return 2;
+    if (o.verbose) cs_log_set_level(CS_LOG_DEBUG);
+    if (!o.model) {
+        fprintf(stderr, "chunkserve: %s needs --model PATH\n", cmd);
+        return 2;
+    }
+    bool tok_only = !strcmp(cmd, "tokenize") || !strcmp(cmd, "detokenize") || !strcmp(cmd, "chat-format");
+    if (tok_only) {
+        cs_tokenizer *tok = NULL;
+        int r = cs_tokenizer_load(o.model, &tok);
+        if (r) return fail_msg("loading tokenizer", r);
+        int rc = !strcmp(cmd, "tokenize") ? cmd_tokenize(tok, &o)
+                 : !strcmp(cmd, "detokenize") ? cmd_detokenize(tok)
+                                              : cmd_chat_format(tok, &o);
+        cs_tokenizer_free(tok);
+        return rc;
+    }
+    if (strcmp(cmd, "generate") && strcmp(cmd, "logits") && strcmp(cmd, "info")) {
+        fprintf(stderr, "chunkserve: unknown command '%s' (see --help)\n", cmd);
+        return 2;
+    }
+    cs_model *m = NULL;
+    int r = cs_model_load(o.model, &m);
+    if (r) return fail_msg("loading model", r);
+    int rc = !strcmp(cmd, "generate") ? cmd_generate(m, &o) : !strcmp(cmd, "logits") ? cmd_logits(m, &o) : cmd_info(m);
+    cs_model_free(m);
+    return rc;
+}

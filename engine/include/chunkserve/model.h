@@ -1,0 +1,66 @@
+/* chunkserve/model.h: a Llama-family decoder loaded from GGUF or a Hugging Face
+ * safetensors directory into one in-memory representation.
+ *
+ * Covers RMSNorm, RoPE (theta, linear and Llama-3 scaling), GQA, SwiGLU, tied
+ * or untied embeddings and optional q/k/v biases (Qwen2). Weights are held as
+ * fp32 (quantized GGUF types are dequantized at load). Every length, offset,
+ * count, shape and type read from a file is validated before use: a bad file
+ * gives an error naming the problem, never a crash. */
+#ifndef CHUNKSERVE_MODEL_H
+#define CHUNKSERVE_MODEL_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "chunkserve/tokenizer.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct cs_model cs_model;
+
+enum cs_rope_scaling { CS_ROPE_SCALING_NONE = 0, CS_ROPE_SCALING_LINEAR, CS_ROPE_SCALING_LLAMA3 };
+
+typedef struct {
+    char arch[32];       /* "llama", "qwen2", ... */
+    char name[128];      /* general.name or directory name */
+    int32_t n_vocab;
+    int32_t dim;         /* hidden size */
+    int32_t n_layers;
+    int32_t n_heads;
+    int32_t n_kv_heads;
+    int32_t head_dim;
+    int32_t hidden_dim;  /* FFN inner size */
+    int32_t ctx_len;     /* max positions the model was trained for */
+    float norm_eps;
+    float rope_theta;
+    enum cs_rope_scaling rope_scaling;
+    float rope_factor;           /* linear / llama3 factor */
+    float rope_low_freq_factor;  /* llama3 */
+    float rope_high_freq_factor; /* llama3 */
+    int32_t rope_orig_ctx;       /* llama3 original_max_position_embeddings */
+    bool tied_embeddings;
+    bool qkv_bias;
+} cs_model_config;
+
+/* Loads a model. path is a .gguf file or a directory holding config.json,
+ * *.safetensors (one file or shards with model.safetensors.index.json) and
+ * tokenizer.json. The format is chosen from what path is.
+ * On success *out owns everything; free with cs_model_free().
+ * Failure: CS_ENOENT, CS_EBADMSG (malformed file), CS_ENOTSUP (architecture,
+ * tensor type or tokenizer not supported), CS_ENOMEM; cs_last_error() says
+ * what and where. *out is NULL on failure. */
+int cs_model_load(const char *path, cs_model **out);
+void cs_model_free(cs_model *m); /* NULL is a no-op */
+
+const cs_model_config *cs_model_get_config(const cs_model *m);
+const cs_tokenizer *cs_model_tokenizer(const cs_model *m);
+/* Bytes of fp32 weights held in memory. */
+size_t cs_model_weight_bytes(const cs_model *m);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,55 @@
+/* chunkserve/sampler.h: next-token selection for one sequence: greedy,
+ * temperature, top-k, top-p, min-p, repetition / presence / frequency
+ * penalties, with a per-sequence RNG so a sampled sequence's tokens never
+ * depend on what it is batched with. One sampler per sequence; not
+ * thread-safe per object. */
+#ifndef CHUNKSERVE_SAMPLER_H
+#define CHUNKSERVE_SAMPLER_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct {
+    float temperature;        /* 0 = greedy (argmax, lowest id on ties); must be >= 0 */
+    int32_t top_k;            /* 0 = off; keep the k most likely */
+    float top_p;              /* 1 = off; in (0, 1] */
+    float min_p;              /* 0 = off; in [0, 1]: drop p < min_p * p_max */
+    float repetition_penalty; /* 1 = off; > 0; prompt and output tokens (CTRL / HF style) */
+    float presence_penalty;   /* 0 = off; in [-2, 2]; output tokens (OpenAI style) */
+    float frequency_penalty;  /* 0 = off; in [-2, 2]; output tokens, times their count */
+    uint64_t seed;
+} cs_sampling_params;
+
+/* Greedy, no penalties, seed 0. */
+cs_sampling_params cs_sampling_params_default(void);
+/* 0, or CS_EINVAL with cs_last_error() naming the bad field and its range. */
+int cs_sampling_params_check(const cs_sampling_params *p);
+
+typedef struct cs_sampler cs_sampler;
+/* Checks p, allocates the per-vocabulary scratch. Free with cs_sampler_free. */
+int cs_sampler_init(const cs_sampling_params *p, int32_t n_vocab, cs_sampler **out);
+void cs_sampler_free(cs_sampler *s); /* NULL is a no-op */
+
+/* Records prompt tokens (they count for the repetition penalty only). */
+void cs_sampler_accept_prompt(cs_sampler *s, const int32_t *ids, size_t n);
+/* Records a generated token (all penalties). Call after each sample. */
+void cs_sampler_accept(cs_sampler *s, int32_t id);
+
+/* Picks the next token from logits (n_vocab floats; overwritten as scratch).
+ * If logprob is not NULL it receives the log-probability of the chosen token
+ * under the model's raw distribution (before penalties and temperature). */
+int32_t cs_sampler_sample(cs_sampler *s, float *logits, float *logprob);
+
+/* The RNG state, so a migrated sequence continues the same random stream. */
+void cs_sampler_get_rng(const cs_sampler *s, uint64_t state[4]);
+void cs_sampler_set_rng(cs_sampler *s, const uint64_t state[4]);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

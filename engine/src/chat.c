@@ -1,0 +1,213 @@
+/* chat.c: cs_tokenizer_apply_chat for the chat template families recognised
+ * from the model's template text: ChatML (SmolLM2, Qwen2; including the
+ * default system message such templates insert) and Llama-3. The output is
+ * byte-for-byte what jinja2 renders from those templates. This is not a
+ * Jinja interpreter: any other template is CS_ENOTSUP. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "tokenizer-impl.h"
+#include "unicode.h"
+#include "util.h"
+
+typedef struct {
+    char *p;
+    size_t n, cap;
+} sbuf;
+
+static int sb_add(sbuf *b, const char *s, size_t n) {
+    if (b->n + n + 1 > b->cap) {
+        size_t cap = b->cap ? b->cap : 256;
+        while (cap < b->n + n + 1)
+            cap *= 2;
+        char *p = realloc(b->p, cap);
+        if (!p) return cs__fail(CS_ENOMEM, "chat: out of memory");
+        b->p = p;
+        b->cap = cap;
+    }
+    memcpy(b->p + b->n, s, n);
+    b->n += n;
+    b->p[b->n] = 0;
+    return 0;
+}
+
+static int sb_adds(sbuf *b, const char *s) {
+    return sb_add(b, s, strlen(s));
+}
+
+/* Unescapes a Jinja string literal body (\n, \t, \r, \\, \', \"; other
+ * escapes stay as written, like Python's). */
+static int sb_add_unescaped(sbuf *b, const char *s, size_t n) {
+    for (size_t i = 0; i < n; i++) {
+        char c = s[i];
+        if (c == '\\' && i + 1 < n) {
+            char e = s[i + 1], r = 0;
+            switch (e) {
+            case 'n': r = '\n'; break;
+            case 't': r = '\t'; break;
+            case 'r': r = '\r'; break;
+            case '\\':
+            case '\'':
+            case '"': r = e; break;
+            default: break;
+            }
+            if (r) {
+                i++;
+                c = r;
+            }
+        }
+        int rc = sb_add(b, &c, 1);
+        if (rc) return rc;
+    }
+    return 0;
+}
+
+/* ChatML templates that add a system message when the conversation has none
+ * (SmolLM2: `{% if loop.first and messages[0]['role'] != 'system' %}`) carry
+ * its text in a string literal '<|im_start|>system\n...<|im_end|>'. A
+ * literal that closes right after "system\n" is the template's own system
+ * branch (+ message['content']), not a default. */
+static int chatml_default_system(const char *tmpl, sbuf *out, bool *found) {
+    static const char open[] = "<|im_start|>system";
+    static const char close[] = "<|im_end|>";
+    *found = false;
+    for (const char *p = strstr(tmpl, open); p; p = strstr(p + 1, open)) {
+        if (p == tmpl || (p[-1] != '\'' && p[-1] != '"')) continue;
+        char quote = p[-1];
+        const char *s = p + sizeof open - 1;
+        if (s[0] == '\n') {
+            s += 1;
+        } else if (s[0] == '\\' && s[1] == 'n') {
+            s += 2;
+        } else {
+            continue;
+        }
+        const char *e = s;
+        while (*e && *e != quote && strncmp(e, close, sizeof close - 1) != 0)
+            e += *e == '\\' && e[1] ? 2 : 1;
+        if (strncmp(e, close, sizeof close - 1) != 0) continue;
+        *found = true;
+        return sb_add_unescaped(out, s, (size_t)(e - s));
+    }
+    return 0;
+}
+
+/* Python's str.strip() (Jinja's |trim) over UTF-8. */
+static void py_strip(const char *s, size_t n, size_t *start, size_t *end) {
+    const uint8_t *u = (const uint8_t *)s;
+    size_t a = 0, b = n;
+    while (a < b) {
+        uint32_t cp;
+        int k = cs__utf8_decode(u + a, b - a, &cp);
+        if (k <= 0 || !(cs__unicode_flags(cp) & CS_UFLAG_PYSPACE)) break;
+        a += (size_t)k;
+    }
+    while (b > a) {
+        size_t c = b - 1;
+        while (c > a && (u[c] & 0xC0) == 0x80)
+            c--;
+        uint32_t cp;
+        int k = cs__utf8_decode(u + c, b - c, &cp);
+        if (k <= 0 || !(cs__unicode_flags(cp) & CS_UFLAG_PYSPACE)) break;
+        b = c;
+    }
+    *start = a;
+    *end = b;
+}
+
+static int check_messages(const cs_chat_message *msgs, size_t n_msgs) {
+    if (n_msgs && !msgs) return cs__fail(CS_EINVAL, "chat: NULL messages");
+    for (size_t i = 0; i < n_msgs; i++) {
+        const char *r = msgs[i].role;
+        if (!r || !msgs[i].content)
+            return cs__fail(CS_EINVAL, "chat: message %zu has no role or content", i);
+        if (strcmp(r, "system") != 0 && strcmp(r, "user") != 0 && strcmp(r, "assistant") != 0)
+            return cs__fail(
+                CS_EINVAL, "chat: message %zu has role '%.32s' (system, user, assistant supported)",
+                i, r);
+        if (!cs__utf8_valid((const uint8_t *)msgs[i].content, strlen(msgs[i].content)))
+            return cs__fail(CS_EINVAL, "chat: message %zu is not valid UTF-8", i);
+    }
+    return 0;
+}
+
+static int render_chatml(const cs_tokenizer *tok, const cs_chat_message *msgs, size_t n_msgs,
+                         bool add_generation_prompt, sbuf *b) {
+    sbuf def = {0};
+    bool has_def;
+    int rc = chatml_default_system(tok->chat_template, &def, &has_def);
+    for (size_t i = 0; rc == 0 && i < n_msgs; i++) {
+        if (i == 0 && has_def && strcmp(msgs[0].role, "system") != 0) {
+            if ((rc = sb_adds(b, "<|im_start|>system\n")) || (rc = sb_add(b, def.p, def.n)) ||
+                (rc = sb_adds(b, "<|im_end|>\n")))
+                break;
+        }
+        if ((rc = sb_adds(b, "<|im_start|>")) || (rc = sb_adds(b, msgs[i].role)) ||
+            (rc = sb_adds(b, "\n")) || (rc = sb_adds(b, msgs[i].content)) ||
+            (rc = sb_adds(b, "<|im_end|>\n")))
+            break;
+    }
+    if (rc == 0 && add_generation_prompt) rc = sb_adds(b, "<|im_start|>assistant\n");
+    free(def.p);
+    return rc;
+}
+
+/* Llama-3 Instruct: bos_token, then per message
+ * '<|start_header_id|>' + role + '<|end_header_id|>\n\n' + content | trim + '<|eot_id|>'. */
+static int render_llama3(const cs_tokenizer *tok, const cs_chat_message *msgs, size_t n_msgs,
+                         bool add_generation_prompt, sbuf *b) {
+    const char *t = tok->chat_template;
+    bool trim = strstr(t, "| trim") || strstr(t, "|trim");
+    int rc = 0;
+    for (size_t i = 0; rc == 0 && i < n_msgs; i++) {
+        if (i == 0 && tok->bos_id >= 0) {
+            size_t len;
+            const char *bos = cs__tok_text(tok, tok->bos_id, &len);
+            if ((rc = sb_add(b, bos, len))) break;
+        }
+        const char *c = msgs[i].content;
+        size_t a = 0, e = strlen(c);
+        if (trim) py_strip(c, e, &a, &e);
+        if ((rc = sb_adds(b, "<|start_header_id|>")) || (rc = sb_adds(b, msgs[i].role)) ||
+            (rc = sb_adds(b, "<|end_header_id|>\n\n")) || (rc = sb_add(b, c + a, e - a)) ||
+            (rc = sb_adds(b, "<|eot_id|>")))
+            break;
+    }
+    if (rc == 0 && add_generation_prompt)
+        rc = sb_adds(b, "<|start_header_id|>assistant<|end_header_id|>\n\n");
+    return rc;
+}
+
+int cs_tokenizer_apply_chat(const cs_tokenizer *tok, const cs_chat_message *msgs, size_t n_msgs,
+                            bool add_generation_prompt, char **text) {
+    *text = NULL;
+    const char *t = tok->chat_template;
+    if (!t || !*t) return cs__fail(CS_ENOTSUP, "chat: the model has no chat template");
+    int rc = check_messages(msgs, n_msgs);
+    if (rc) return rc;
+    sbuf b = {0};
+    if (strstr(t, "<|im_start|>")) {
+        /* Reasoning templates (Qwen3 style) rewrite assistant turns. */
+        if (strstr(t, "<think>"))
+            return cs__fail(CS_ENOTSUP,
+                            "chat: ChatML template with <think> blocks is not supported");
+        rc = render_chatml(tok, msgs, n_msgs, add_generation_prompt, &b);
+    } else if (strstr(t, "<|start_header_id|>")) {
+        /* 3.1+ templates add a dated system preamble and tool sections. */
+        if (strstr(t, "Cutting Knowledge Date"))
+            return cs__fail(CS_ENOTSUP,
+                            "chat: Llama-3.1+ template (knowledge-date preamble) is not supported");
+        rc = render_llama3(tok, msgs, n_msgs, add_generation_prompt, &b);
+    } else {
+        return cs__fail(
+            CS_ENOTSUP,
+            "chat: unrecognised chat template (ChatML and Llama-3 are supported): '%.60s'", t);
+    }
+    if (rc == 0 && !b.p) rc = sb_add(&b, "", 0);
+    if (rc) {
+        free(b.p);
+        return rc;
+    }
+    *text = b.p;
+    return 0;
+}

@@ -1,0 +1,69 @@
+/* model-impl.h: the in-memory model (one representation whatever the file
+ * format) and the loader plumbing shared by model_gguf.c and model_hf.c.
+ *
+ * Conventions: weights are fp32, row-major, PyTorch [out, in] order. q and k
+ * projection rows are in Hugging Face order, i.e. RoPE rotates dimension i
+ * with i + head_dim/2 ("rotate_half"/NeoX style): GGUF llama files, whose
+ * converter interleaved those rows, are un-permuted at load. */
+#ifndef CS_MODEL_IMPL_H
+#define CS_MODEL_IMPL_H
+
+#include "chunkserve/model.h"
+#include "dtype.h"
+
+typedef struct {
+    float *attn_norm; /* (dim) */
+    float *wq;        /* (n_heads * head_dim, dim) */
+    float *wk;        /* (n_kv_heads * head_dim, dim) */
+    float *wv;        /* (n_kv_heads * head_dim, dim) */
+    float *bq;        /* (n_heads * head_dim) or NULL */
+    float *bk;        /* (n_kv_heads * head_dim) or NULL */
+    float *bv;        /* (n_kv_heads * head_dim) or NULL */
+    float *wo;        /* (dim, n_heads * head_dim) */
+    float *ffn_norm;  /* (dim) */
+    float *w_gate;    /* (hidden_dim, dim) */
+    float *w_up;      /* (hidden_dim, dim) */
+    float *w_down;    /* (dim, hidden_dim) */
+} cs_layer;
+
+struct cs_model {
+    cs_model_config cfg;
+    float *tok_embd;      /* (n_vocab, dim) */
+    float *out_norm;      /* (dim) */
+    float *output;        /* (n_vocab, dim); == tok_embd when tied */
+    float *rope_inv_freq; /* (head_dim / 2) angle per position, scaling applied */
+    cs_layer *layers;     /* (n_layers) */
+    float *weights;       /* one allocation all the above point into */
+    size_t n_weights;     /* floats in weights */
+    cs_tokenizer *tok;
+};
+
+/* A tensor as a format reader sees it; shape outermost first (PyTorch order). */
+typedef struct {
+    enum cs_dtype type;
+    int n_dims;
+    int64_t shape[4];
+    const void *data;
+} cs_src_tensor;
+
+/* Format-neutral access to a file's tensors. find returns 0, or CS_ENOENT
+ * when the tensor does not exist. */
+typedef struct {
+    int (*find)(void *ctx, const char *name, cs_src_tensor *out);
+    void *ctx;
+    bool gguf_names;       /* blk.N.attn_q.weight vs model.layers.N.self_attn.q_proj.weight */
+    bool unpermute_qk;     /* GGUF llama: q/k rows interleaved for ggml's RoPE */
+    const float *rope_freq_factors; /* GGUF rope_freqs.weight (head_dim/2) or NULL */
+} cs_tensor_source;
+
+/* Validates cfg, then allocates and fills m's weights from src. m->cfg must
+ * be filled (tied_embeddings is decided here from what src holds when
+ * cfg.tied_embeddings is false but no output tensor exists). */
+int cs__model_build(cs_model *m, const cs_tensor_source *src, const char *path);
+
+int cs__model_load_gguf(const char *path, cs_model *m);
+int cs__model_load_hf(const char *dir, cs_model *m);
+int cs__tokenizer_load_gguf(const char *path, cs_tokenizer **out);
+int cs__tokenizer_load_hf(const char *dir, cs_tokenizer **out);
+
+#endif

@@ -1,0 +1,272 @@
+/* model.c: format-neutral model building: configuration checks, the weight
+ * table (which tensor goes where, with which shape), one carved fp32 buffer,
+ * RoPE frequencies. The readers in model_gguf.c and model_hf.c only supply
+ * the configuration and a tensor lookup. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#include "model-impl.h"
+#include "util.h"
+
+enum { PERM_NONE, PERM_Q, PERM_K };
+enum { DIM_ONE, DIM_VOCAB, DIM_MODEL, DIM_Q, DIM_KV, DIM_HIDDEN };
+
+typedef struct {
+    const char *gguf, *hf; /* name formats; per-layer ones contain %d */
+    int rows, cols;        /* DIM_*; cols DIM_ONE = vector */
+    bool optional;
+    int perm;
+    size_t layer_off; /* offsetof in cs_layer, or (size_t)-1 for model-level */
+    size_t model_off;
+} weight_spec;
+
+#define L(f) offsetof(cs_layer, f), 0
+#define M(f) (size_t)-1, offsetof(cs_model, f)
+static const weight_spec weight_table[] = {
+    {"token_embd.weight", "model.embed_tokens.weight", DIM_VOCAB, DIM_MODEL, false, PERM_NONE, M(tok_embd)},
+    {"output_norm.weight", "model.norm.weight", DIM_MODEL, DIM_ONE, false, PERM_NONE, M(out_norm)},
+    {"output.weight", "lm_head.weight", DIM_VOCAB, DIM_MODEL, true, PERM_NONE, M(output)},
+    {"blk.%d.attn_norm.weight", "model.layers.%d.input_layernorm.weight", DIM_MODEL, DIM_ONE, false, PERM_NONE, L(attn_norm)},
+    {"blk.%d.attn_q.weight", "model.layers.%d.self_attn.q_proj.weight", DIM_Q, DIM_MODEL, false, PERM_Q, L(wq)},
+    {"blk.%d.attn_k.weight", "model.layers.%d.self_attn.k_proj.weight", DIM_KV, DIM_MODEL, false, PERM_K, L(wk)},
+    {"blk.%d.attn_v.weight", "model.layers.%d.self_attn.v_proj.weight", DIM_KV, DIM_MODEL, false, PERM_NONE, L(wv)},
+    {"blk.%d.attn_q.bias", "model.layers.%d.self_attn.q_proj.bias", DIM_Q, DIM_ONE, true, PERM_Q, L(bq)},
+    {"blk.%d.attn_k.bias", "model.layers.%d.self_attn.k_proj.bias", DIM_KV, DIM_ONE, true, PERM_K, L(bk)},
+    {"blk.%d.attn_v.bias", "model.layers.%d.self_attn.v_proj.bias", DIM_KV, DIM_ONE, true, PERM_NONE, L(bv)},
+    {"blk.%d.attn_output.weight", "model.layers.%d.self_attn.o_proj.weight", DIM_MODEL, DIM_Q, false, PERM_NONE, L(wo)},
+    {"blk.%d.ffn_norm.weight", "model.layers.%d.post_attention_layernorm.weight", DIM_MODEL, DIM_ONE, false, PERM_NONE, L(ffn_norm)},
+    {"blk.%d.ffn_gate.weight", "model.layers.%d.mlp.gate_proj.weight", DIM_HIDDEN, DIM_MODEL, false, PERM_NONE, L(w_gate)},
+    {"blk.%d.ffn_up.weight", "model.layers.%d.mlp.up_proj.weight", DIM_HIDDEN, DIM_MODEL, false, PERM_NONE, L(w_up)},
+    {"blk.%d.ffn_down.weight", "model.layers.%d.mlp.down_proj.weight", DIM_MODEL, DIM_HIDDEN, false, PERM_NONE, L(w_down)},
+};
+#undef L
+#undef M
+#define N_SPECS (sizeof weight_table / sizeof weight_table[0])
+
+static int64_t dim_value(const cs_model_config *c, int d) {
+    switch (d) {
+    case DIM_ONE: return 1;
+    case DIM_VOCAB: return c->n_vocab;
+    case DIM_MODEL: return c->dim;
+    case DIM_Q: return (int64_t)c->n_heads * c->head_dim;
+    case DIM_KV: return (int64_t)c->n_kv_heads * c->head_dim;
+    case DIM_HIDDEN: return c->hidden_dim;
+    }
+    return 0;
+}
+
+static int check_config(const cs_model_config *c, const char *path) {
+#define REQ(cond, ...) \
+    if (!(cond)) return cs__fail(CS_EBADMSG, __VA_ARGS__)
+    REQ(c->n_vocab > 0 && c->n_vocab <= (1 << 22), "model %s: vocabulary size %d out of range", path, c->n_vocab);
+    REQ(c->dim > 0 && c->dim <= 65536, "model %s: hidden size %d out of range", path, c->dim);
+    REQ(c->n_layers > 0 && c->n_layers <= 1024, "model %s: layer count %d out of range", path, c->n_layers);
+    REQ(c->n_heads > 0 && c->n_heads <= 1024, "model %s: head count %d out of range", path, c->n_heads);
+    REQ(c->n_kv_heads > 0 && c->n_kv_heads <= c->n_heads && c->n_heads % c->n_kv_heads == 0,
+        "model %s: %d kv heads must divide %d heads", path, c->n_kv_heads, c->n_heads);
+    REQ(c->head_dim > 0 && c->head_dim <= 1024 && c->head_dim % 2 == 0,
+        "model %s: head dimension %d must be even and at most 1024", path, c->head_dim);
+    REQ(c->hidden_dim > 0 && c->hidden_dim <= (1 << 20), "model %s: FFN size %d out of range", path, c->hidden_dim);
+    REQ(c->ctx_len > 0, "model %s: context length %d must be positive", path, c->ctx_len);
+    REQ(c->norm_eps > 0 && c->norm_eps < 1, "model %s: RMSNorm epsilon %g out of range", path, c->norm_eps);
+    REQ(c->rope_theta > 0 && isfinite(c->rope_theta), "model %s: RoPE theta %g must be positive", path, c->rope_theta);
+    REQ(c->rope_scaling == CS_ROPE_SCALING_NONE || (c->rope_factor > 0 && isfinite(c->rope_factor)),
+        "model %s: RoPE scaling factor %g must be positive", path, c->rope_factor);
+    REQ(c->rope_scaling != CS_ROPE_SCALING_LLAMA3 ||
+            (c->rope_orig_ctx > 0 && c->rope_high_freq_factor > c->rope_low_freq_factor),
+        "model %s: llama3 RoPE scaling needs original_max_position_embeddings and high_freq_factor > low_freq_factor", path);
+#undef REQ
+    return 0;
+}
+
+/* inv_freq as Hugging Face computes it (fp32), then the configured scaling. */
+static void compute_rope(cs_model *m, const float *freq_factors) {
+    const cs_model_config *c = &m->cfg;
+    int half = c->head_dim / 2;
+    for (int i = 0; i < half; i++) {
+        float f = 1.0f / powf(c->rope_theta, (float)(2 * i) / (float)c->head_dim);
+        if (freq_factors) {
+            f /= freq_factors[i];
+        } else if (c->rope_scaling == CS_ROPE_SCALING_LINEAR) {
+            f /= c->rope_factor;
+        } else if (c->rope_scaling == CS_ROPE_SCALING_LLAMA3) {
+            float low_wavelen = (float)c->rope_orig_ctx / c->rope_low_freq_factor;
+            float high_wavelen = (float)c->rope_orig_ctx / c->rope_high_freq_factor;
+            float wavelen = 2.0f * (float)M_PI / f;
+            if (wavelen > low_wavelen) {
+                f /= c->rope_factor;
+            } else if (wavelen >= high_wavelen) {
+                float s = ((float)c->rope_orig_ctx / wavelen - c->rope_low_freq_factor) /
+                          (c->rope_high_freq_factor - c->rope_low_freq_factor);
+                f = (1.0f - s) * f / c->rope_factor + s * f;
+            }
+        }
+        m->rope_inv_freq[i] = f;
+    }
+}
+
+/* GGUF llama q/k rows: within each head, row 2i+j holds HF row j*head_dim/2+i. */
+static void unpermute_rows(float *w, int64_t n_heads, int64_t head_dim, int64_t cols, float *tmp) {
+    int64_t half = head_dim / 2;
+    for (int64_t h = 0; h < n_heads; h++) {
+        float *base = w + h * head_dim * cols;
+        memcpy(tmp, base, (size_t)(head_dim * cols) * sizeof(float));
+        for (int64_t i = 0; i < half; i++)
+            for (int64_t j = 0; j < 2; j++)
+                memcpy(base + (j * half + i) * cols, tmp + (2 * i + j) * cols, (size_t)cols * sizeof(float));
+    }
+}
+
+int cs__model_build(cs_model *m, const cs_tensor_source *src, const char *path) {
+    cs_model_config *c = &m->cfg;
+    int r = check_config(c, path);
+    if (r) return r;
+    int n_layers = c->n_layers;
+    /* pass 1: find every tensor, check its shape, count floats */
+    size_t n_specs_total = N_SPECS * (size_t)n_layers;
+    cs_src_tensor *found = calloc(n_specs_total, sizeof *found);
+    bool *present = calloc(n_specs_total, sizeof *present);
+    float *tmp = NULL;
+    if (!found || !present) {
+        r = cs__fail(CS_ENOMEM, "model %s: out of memory", path);
+        goto done;
+    }
+    size_t total = (size_t)(c->head_dim / 2);
+    int n_bias = 0; /* q/k/v biases found: all layers have all three, or none */
+    for (size_t s = 0; s < N_SPECS; s++) {
+        const weight_spec *w = &weight_table[s];
+        int reps = w->layer_off == (size_t)-1 ? 1 : n_layers;
+        for (int l = 0; l < reps; l++) {
+            char name[160];
+            snprintf(name, sizeof name, src->gguf_names ? w->gguf : w->hf, l);
+            size_t idx = s * (size_t)n_layers + (size_t)l;
+            if (w->model_off == offsetof(cs_model, output) && w->layer_off == (size_t)-1 &&
+                c->tied_embeddings)
+                continue; /* tied: ignore an lm_head a checkpoint may still carry */
+            r = src->find(src->ctx, name, &found[idx]);
+            if (r == CS_ENOENT) {
+                if (!w->optional) {
+                    r = cs__fail(CS_EBADMSG, "model %s: tensor '%s' is missing", path, name);
+                    goto done;
+                }
+                r = 0;
+                continue;
+            }
+            if (r) goto done;
+            int64_t rows = dim_value(c, w->rows), cols = dim_value(c, w->cols);
+            const cs_src_tensor *t = &found[idx];
+            bool ok = w->cols == DIM_ONE ? (t->n_dims == 1 && t->shape[0] == rows)
+                                         : (t->n_dims == 2 && t->shape[0] == rows && t->shape[1] == cols);
+            if (!ok) {
+                char got[96];
+                int off = 0;
+                for (int d = 0; d < t->n_dims && off < (int)sizeof got - 24; d++)
+                    off += snprintf(got + off, sizeof got - (size_t)off, d ? ", %lld" : "%lld", (long long)t->shape[d]);
+                if (w->cols == DIM_ONE)
+                    r = cs__fail(CS_EBADMSG, "model %s: tensor '%s' has shape [%s], expected [%lld]", path, name, got, (long long)rows);
+                else
+                    r = cs__fail(CS_EBADMSG, "model %s: tensor '%s' has shape [%s], expected [%lld, %lld]", path, name, got, (long long)rows, (long long)cols);
+                goto done;
+            }
+            if (w->layer_off == offsetof(cs_layer, bq) || w->layer_off == offsetof(cs_layer, bk) ||
+                w->layer_off == offsetof(cs_layer, bv))
+                n_bias++;
+            present[idx] = true;
+            total += (size_t)(rows * cols);
+        }
+    }
+    if (!present[2 * (size_t)n_layers] && !c->tied_embeddings) c->tied_embeddings = true;
+    if (n_bias != 0 && n_bias != 3 * n_layers) {
+        r = cs__fail(CS_EBADMSG, "model %s: q/k/v biases are present in some layers only (%d of %d)",
+                     path, n_bias, 3 * n_layers);
+        goto done;
+    }
+    c->qkv_bias = n_bias != 0;
+
+    m->weights = malloc(total * sizeof(float));
+    m->layers = calloc((size_t)n_layers, sizeof *m->layers);
+    int64_t max_rows = dim_value(c, DIM_Q) > dim_value(c, DIM_KV) ? dim_value(c, DIM_Q) : dim_value(c, DIM_KV);
+    tmp = malloc((size_t)(max_rows * c->dim) * sizeof(float));
+    if (!m->weights || !m->layers || !tmp) {
+        r = cs__fail(CS_ENOMEM, "model %s: out of memory for %zu MiB of fp32 weights", path, total * 4 >> 20);
+        goto done;
+    }
+    m->n_weights = total;
+    /* pass 2: convert into the carved buffer */
+    float *p = m->weights;
+    m->rope_inv_freq = p;
+    p += c->head_dim / 2;
+    for (size_t s = 0; s < N_SPECS; s++) {
+        const weight_spec *w = &weight_table[s];
+        int reps = w->layer_off == (size_t)-1 ? 1 : n_layers;
+        for (int l = 0; l < reps; l++) {
+            size_t idx = s * (size_t)n_layers + (size_t)l;
+            if (!present[idx]) continue;
+            const cs_src_tensor *t = &found[idx];
+            int64_t rows = dim_value(c, w->rows), cols = dim_value(c, w->cols);
+            size_t n = (size_t)(rows * cols);
+            cs__dtype_to_f32(t->type, t->data, p, n);
+            if (src->unpermute_qk && w->perm != PERM_NONE) {
+                int64_t heads = w->perm == PERM_Q ? c->n_heads : c->n_kv_heads;
+                unpermute_rows(p, heads, c->head_dim, w->cols == DIM_ONE ? 1 : cols, tmp);
+            }
+            float **slot = w->layer_off == (size_t)-1 ? (float **)((char *)m + w->model_off)
+                                                      : (float **)((char *)&m->layers[l] + w->layer_off);
+            *slot = p;
+            p += n;
+        }
+    }
+    CS_ASSERT((size_t)(p - m->weights) == total);
+    if (c->tied_embeddings) m->output = m->tok_embd;
+    compute_rope(m, src->rope_freq_factors);
+    r = 0;
+done:
+    free(found);
+    free(present);
+    free(tmp);
+    return r;
+}
+
+static bool is_dir(const char *path) {
+    struct stat st;
+    return stat(path, &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+int cs_model_load(const char *path, cs_model **out) {
+    *out = NULL;
+    cs_model *m = calloc(1, sizeof *m);
+    if (!m) return cs__fail(CS_ENOMEM, "model: out of memory");
+    double t0 = cs__now();
+    int r = is_dir(path) ? cs__model_load_hf(path, m) : cs__model_load_gguf(path, m);
+    if (r) {
+        cs_model_free(m);
+        return r;
+    }
+    const cs_model_config *c = &m->cfg;
+    CS_LOGI("loaded %s (%s): %d layers, dim %d, %d/%d heads x %d, ffn %d, vocab %d, %s embeddings, %.0f MiB fp32 in %.2f s",
+            path, c->arch, c->n_layers, c->dim, c->n_heads, c->n_kv_heads, c->head_dim, c->hidden_dim,
+            c->n_vocab, c->tied_embeddings ? "tied" : "untied", (double)m->n_weights * 4 / (1 << 20),
+            cs__now() - t0);
+    *out = m;
+    return 0;
+}
+
+void cs_model_free(cs_model *m) {
+    if (!m) return;
+    cs_tokenizer_free(m->tok);
+    free(m->layers);
+    free(m->weights);
+    free(m);
+}
+
+const cs_model_config *cs_model_get_config(const cs_model *m) { return &m->cfg; }
+const cs_tokenizer *cs_model_tokenizer(const cs_model *m) { return m->tok; }
+size_t cs_model_weight_bytes(const cs_model *m) { return m->n_weights * sizeof(float); }
+
+int cs_tokenizer_load(const char *path, cs_tokenizer **out) {
+    *out = NULL;
+    return is_dir(path) ? cs__tokenizer_load_hf(path, out) : cs__tokenizer_load_gguf(path, out);
+}

@@ -1,0 +1,194 @@
+/* sampler.c: token selection. Order of operations follows vLLM: penalties on
+ * raw logits, temperature, then top-k / min-p / top-p on probabilities, then
+ * one draw from the sequence's own xoshiro256** stream. */
+#include "chunkserve/sampler.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "util.h"
+
+struct cs_sampler {
+    cs_sampling_params p;
+    int32_t n_vocab;
+    uint64_t rng[4];
+    uint8_t *seen;   /* (n_vocab) token in prompt or output; NULL without repetition penalty */
+    int32_t *counts; /* (n_vocab) output count; NULL without presence/frequency penalty */
+    int32_t *idx;    /* (n_vocab) scratch for sorting */
+    float *raw;      /* (n_vocab) raw logits kept for logprobs; allocated on first use */
+};
+
+cs_sampling_params cs_sampling_params_default(void) {
+    cs_sampling_params p = {0};
+    p.top_p = 1.0f;
+    p.repetition_penalty = 1.0f;
+    return p;
+}
+
+int cs_sampling_params_check(const cs_sampling_params *p) {
+    if (!(p->temperature >= 0) || !isfinite(p->temperature))
+        return cs__fail(CS_EINVAL, "temperature %g must be >= 0", p->temperature);
+    if (p->top_k < 0) return cs__fail(CS_EINVAL, "top_k %d must be >= 0 (0 = off)", p->top_k);
+    if (!(p->top_p > 0 && p->top_p <= 1)) return cs__fail(CS_EINVAL, "top_p %g must be in (0, 1]", p->top_p);
+    if (!(p->min_p >= 0 && p->min_p <= 1)) return cs__fail(CS_EINVAL, "min_p %g must be in [0, 1]", p->min_p);
+    if (!(p->repetition_penalty > 0) || !isfinite(p->repetition_penalty))
+        return cs__fail(CS_EINVAL, "repetition_penalty %g must be > 0 (1 = off)", p->repetition_penalty);
+    if (!(p->presence_penalty >= -2 && p->presence_penalty <= 2))
+        return cs__fail(CS_EINVAL, "presence_penalty %g must be in [-2, 2]", p->presence_penalty);
+    if (!(p->frequency_penalty >= -2 && p->frequency_penalty <= 2))
+        return cs__fail(CS_EINVAL, "frequency_penalty %g must be in [-2, 2]", p->frequency_penalty);
+    return 0;
+}
+
+static uint64_t splitmix64(uint64_t *x) {
+    uint64_t z = (*x += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+static uint64_t rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
+
+static uint64_t next_u64(uint64_t s[4]) { /* xoshiro256** */
+    uint64_t result = rotl(s[1] * 5, 7) * 9, t = s[1] << 17;
+    s[2] ^= s[0];
+    s[3] ^= s[1];
+    s[1] ^= s[2];
+    s[0] ^= s[3];
+    s[2] ^= t;
+    s[3] = rotl(s[3], 45);
+    return result;
+}
+
+int cs_sampler_init(const cs_sampling_params *p, int32_t n_vocab, cs_sampler **out) {
+    *out = NULL;
+    int r = cs_sampling_params_check(p);
+    if (r) return r;
+    if (n_vocab < 1) return cs__fail(CS_EINVAL, "sampler: vocabulary size %d", n_vocab);
+    cs_sampler *s = calloc(1, sizeof *s);
+    if (!s) return cs__fail(CS_ENOMEM, "sampler: out of memory");
+    s->p = *p;
+    s->n_vocab = n_vocab;
+    uint64_t x = p->seed;
+    for (int i = 0; i < 4; i++) s->rng[i] = splitmix64(&x);
+    bool ok = true;
+    if (p->repetition_penalty != 1.0f) ok &= (s->seen = calloc((size_t)n_vocab, 1)) != NULL;
+    if (p->presence_penalty != 0 || p->frequency_penalty != 0)
+        ok &= (s->counts = calloc((size_t)n_vocab, sizeof *s->counts)) != NULL;
+    ok &= (s->idx = malloc((size_t)n_vocab * sizeof *s->idx)) != NULL;
+    if (!ok) {
+        cs_sampler_free(s);
+        return cs__fail(CS_ENOMEM, "sampler: out of memory");
+    }
+    *out = s;
+    return 0;
+}
+
+void cs_sampler_free(cs_sampler *s) {
+    if (!s) return;
+    free(s->seen);
+    free(s->counts);
+    free(s->idx);
+    free(s->raw);
+    free(s);
+}
+
+void cs_sampler_accept_prompt(cs_sampler *s, const int32_t *ids, size_t n) {
+    if (!s->seen) return;
+    for (size_t i = 0; i < n; i++)
+        if (ids[i] >= 0 && ids[i] < s->n_vocab) s->seen[ids[i]] = 1;
+}
+
+void cs_sampler_accept(cs_sampler *s, int32_t id) {
+    if (id < 0 || id >= s->n_vocab) return;
+    if (s->seen) s->seen[id] = 1;
+    if (s->counts) s->counts[id]++;
+}
+
+void cs_sampler_get_rng(const cs_sampler *s, uint64_t state[4]) { memcpy(state, s->rng, sizeof s->rng); }
+void cs_sampler_set_rng(cs_sampler *s, const uint64_t state[4]) { memcpy(s->rng, state, sizeof s->rng); }
+
+static int by_prob_desc(const void *a, const void *b, void *keys) {
+    const float *k = keys;
+    float x = k[*(const int32_t *)a], y = k[*(const int32_t *)b];
+    if (x != y) return x > y ? -1 : 1;
+    return *(const int32_t *)a - *(const int32_t *)b;
+}
+
+static int32_t argmax(const float *v, int32_t n) {
+    int32_t best = 0;
+    for (int32_t i = 1; i < n; i++)
+        if (v[i] > v[best]) best = i;
+    return best;
+}
+
+int32_t cs_sampler_sample(cs_sampler *s, float *logits, float *logprob) {
+    const int32_t n = s->n_vocab;
+    const cs_sampling_params *p = &s->p;
+    if (logprob && !s->raw && !(s->raw = malloc((size_t)n * sizeof *s->raw))) logprob = NULL;
+    if (logprob) memcpy(s->raw, logits, (size_t)n * sizeof *s->raw);
+    int32_t chosen;
+    if (s->seen)
+        for (int32_t i = 0; i < n; i++)
+            if (s->seen[i]) logits[i] = logits[i] > 0 ? logits[i] / p->repetition_penalty : logits[i] * p->repetition_penalty;
+    if (s->counts)
+        for (int32_t i = 0; i < n; i++)
+            if (s->counts[i])
+                logits[i] -= p->frequency_penalty * (float)s->counts[i] + p->presence_penalty;
+
+    if (p->temperature == 0) {
+        chosen = argmax(logits, n);
+    } else {
+        float mx = logits[argmax(logits, n)];
+        double sum = 0;
+        for (int32_t i = 0; i < n; i++) {
+            logits[i] = expf((logits[i] - mx) / p->temperature); /* now unnormalized probs */
+            sum += logits[i];
+        }
+        int32_t m = n;
+        bool filter = p->top_k > 0 || p->top_p < 1 || p->min_p > 0;
+        if (filter) {
+            for (int32_t i = 0; i < n; i++) s->idx[i] = i;
+            qsort_r(s->idx, (size_t)n, sizeof *s->idx, by_prob_desc, logits);
+            if (p->top_k > 0 && p->top_k < m) m = p->top_k;
+            if (p->min_p > 0) {
+                float cut = p->min_p * logits[s->idx[0]];
+                int32_t k = 1;
+                while (k < m && logits[s->idx[k]] >= cut) k++;
+                m = k;
+            }
+            double kept = 0;
+            for (int32_t i = 0; i < m; i++) kept += logits[s->idx[i]];
+            if (p->top_p < 1) {
+                double acc = 0;
+                int32_t k = 0;
+                while (k < m) {
+                    acc += logits[s->idx[k++]];
+                    if (acc >= p->top_p * kept) break;
+                }
+                m = k;
+                kept = acc;
+            }
+            sum = kept;
+        }
+        double u = (double)(next_u64(s->rng) >> 11) * (1.0 / 9007199254740992.0) * sum;
+        double acc = 0;
+        chosen = filter ? s->idx[m - 1] : n - 1;
+        for (int32_t i = 0; i < m; i++) {
+            int32_t id = filter ? s->idx[i] : i;
+            acc += logits[id];
+            if (u < acc) {
+                chosen = id;
+                break;
+            }
+        }
+    }
+    if (logprob) {
+        float mx = s->raw[argmax(s->raw, n)];
+        double sum = 0;
+        for (int32_t i = 0; i < n; i++) sum += exp((double)(s->raw[i] - mx));
+        *logprob = s->raw[chosen] - mx - (float)log(sum);
+    }
+    return chosen;
+}

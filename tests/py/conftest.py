@@ -1,0 +1,103 @@
+"""Shared pytest fixtures for chunkserve's process-level tests.
+
+Environment:
+  CHUNKSERVE_BIN_DIR  directory holding the built binaries (default <repo>/build/bin)
+  CHUNKSERVE_MODEL    the default model (default <repo>/models/SmolLM2-135M-Instruct.Q4_1.gguf)
+
+Tests that need a binary are skipped, with the reason, when it has not been built.  A missing
+model is a failure, not a skip: CI always fetches it (scripts/fetch-model.sh).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+FIXTURES_DIR = REPO_ROOT / "tests" / "fixtures"
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return REPO_ROOT
+
+
+@pytest.fixture(scope="session")
+def fixtures_dir() -> Path:
+    return FIXTURES_DIR
+
+
+@pytest.fixture(scope="session")
+def bin_dir() -> Path:
+    return Path(os.environ.get("CHUNKSERVE_BIN_DIR", REPO_ROOT / "build" / "bin")).resolve()
+
+
+@pytest.fixture(scope="session")
+def chunkserve_bin(bin_dir: Path) -> Path:
+    """Path of the `chunkserve` CLI; skips the test if it has not been built."""
+    exe = bin_dir / "chunkserve"
+    if not (exe.is_file() and os.access(exe, os.X_OK)):
+        pytest.skip(f"chunkserve CLI not built: {exe} missing (build with "
+                    f"`cmake -S . -B build && cmake --build build -j`, or set CHUNKSERVE_BIN_DIR)")
+    return exe
+
+
+@pytest.fixture(scope="session")
+def model_path() -> Path:
+    """The default model; a missing model fails (CI always fetches it)."""
+    p = Path(os.environ.get("CHUNKSERVE_MODEL",
+                            REPO_ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"))
+    if not p.is_file():
+        pytest.fail(f"model not found: {p} (run scripts/fetch-model.sh or set CHUNKSERVE_MODEL)")
+    return p
+
+
+def run_cli(exe: Path, args: list, stdin: bytes = b"", timeout: float = 300) -> bytes:
+    """Run the CLI, fail the test with its stderr on a non-zero exit; return stdout bytes."""
+    cmd = [str(exe), *[str(a) for a in args]]
+    try:
+        proc = subprocess.run(cmd, input=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"timed out after {timeout}s: {' '.join(cmd)}")
+    if proc.returncode != 0:
+        pytest.fail(f"exit {proc.returncode}: {' '.join(cmd)}\n"
+                    f"stderr:\n{proc.stderr.decode('utf-8', 'replace')[-4000:]}")
+    return proc.stdout
+
+
+def json_lines_in(values, ensure_ascii: bool = False) -> bytes:
+    """Encode values as JSON lines (one JSON value per line, '\\n' terminated)."""
+    return "".join(json.dumps(v, ensure_ascii=ensure_ascii) + "\n" for v in values).encode("utf-8")
+
+
+def json_lines_out(out: bytes, expected_count: int) -> list:
+    """Parse JSON-lines output; splits on '\\n' only (U+2028 etc. may appear raw in strings)."""
+    text = out.decode("utf-8")
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    assert len(lines) == expected_count, (
+        f"expected {expected_count} output lines, got {len(lines)}; first lines: {lines[:3]!r}")
+    return [json.loads(line) for line in lines]
+
+
+class CLI:
+    """The `chunkserve` CLI bound to one model: cli.run("tokenize", stdin=...) etc."""
+
+    json_lines_in = staticmethod(json_lines_in)
+    json_lines_out = staticmethod(json_lines_out)
+
+    def __init__(self, exe: Path, model: Path):
+        self.exe, self.model = exe, model
+
+    def run(self, subcommand: str, *args, stdin: bytes = b"", timeout: float = 300) -> bytes:
+        return run_cli(self.exe, [subcommand, "--model", self.model, *args], stdin, timeout)
+
+
+@pytest.fixture(scope="session")
+def cli(chunkserve_bin: Path, model_path: Path) -> CLI:
+    return CLI(chunkserve_bin, model_path)

@@ -1,0 +1,121 @@
+/* test_sampler: parameter checks, greedy ties, the filters (top-k, top-p,
+ * min-p), penalties, reproducibility from the seed and RNG state transfer. */
+#include "chunkserve/sampler.h"
+#include "test.h"
+
+#define V 8
+
+static int32_t sample_with(cs_sampling_params p, const float *logits_in, cs_sampler *s) {
+    float l[V];
+    memcpy(l, logits_in, sizeof l);
+    (void)p;
+    return cs_sampler_sample(s, l, NULL);
+}
+
+int main(void) {
+    cs_sampling_params p = cs_sampling_params_default();
+    ASSERT_EQ_INT(cs_sampling_params_check(&p), 0);
+    cs_sampling_params bad = p;
+    bad.temperature = -1;
+    ASSERT_EQ_INT(cs_sampling_params_check(&bad), CS_EINVAL);
+    ASSERT_MSG_HAS(cs_last_error(), "temperature");
+    bad = p, bad.top_p = 0;
+    ASSERT_EQ_INT(cs_sampling_params_check(&bad), CS_EINVAL);
+    bad = p, bad.top_p = 1.5f;
+    ASSERT_EQ_INT(cs_sampling_params_check(&bad), CS_EINVAL);
+    bad = p, bad.top_k = -1;
+    ASSERT_EQ_INT(cs_sampling_params_check(&bad), CS_EINVAL);
+    bad = p, bad.min_p = 2;
+    ASSERT_EQ_INT(cs_sampling_params_check(&bad), CS_EINVAL);
+    bad = p, bad.repetition_penalty = 0;
+    ASSERT_EQ_INT(cs_sampling_params_check(&bad), CS_EINVAL);
+    bad = p, bad.presence_penalty = 3;
+    ASSERT_EQ_INT(cs_sampling_params_check(&bad), CS_EINVAL);
+    cs_sampler *s = NULL;
+    ASSERT_EQ_INT(cs_sampler_init(&bad, V, &s), CS_EINVAL);
+    ASSERT_TRUE(s == NULL);
+
+    const float logits[V] = {1, 3, 3, 0, -1, 2, 0.5f, -2};
+    /* greedy: first of the tied maxima */
+    ASSERT_EQ_INT(cs_sampler_init(&p, V, &s), 0);
+    ASSERT_EQ_INT(sample_with(p, logits, s), 1);
+    float lp, l2[V];
+    memcpy(l2, logits, sizeof l2);
+    ASSERT_EQ_INT(cs_sampler_sample(s, l2, &lp), 1);
+    double z = 0;
+    for (int i = 0; i < V; i++) z += exp(logits[i]);
+    ASSERT_NEAR(lp, 3 - log(z), 1e-5);
+    cs_sampler_free(s);
+
+    /* repetition penalty turns the greedy choice */
+    cs_sampling_params rp = p;
+    rp.repetition_penalty = 2;
+    ASSERT_EQ_INT(cs_sampler_init(&rp, V, &s), 0);
+    int32_t prompt[] = {1, 2};
+    cs_sampler_accept_prompt(s, prompt, 2);
+    ASSERT_EQ_INT(sample_with(rp, logits, s), 5); /* 3/2 = 1.5 < 2 */
+    cs_sampler_free(s);
+
+    /* frequency penalty counts occurrences */
+    cs_sampling_params fp = p;
+    fp.frequency_penalty = 0.8f;
+    ASSERT_EQ_INT(cs_sampler_init(&fp, V, &s), 0);
+    cs_sampler_accept(s, 1);
+    ASSERT_EQ_INT(sample_with(fp, logits, s), 2);
+    cs_sampler_accept(s, 2);
+    cs_sampler_accept(s, 2);
+    ASSERT_EQ_INT(sample_with(fp, logits, s), 1); /* 3-0.8=2.2 > 3-1.6 */
+    cs_sampler_free(s);
+
+    /* top-k 1 and tiny top-p are greedy whatever the seed */
+    for (uint64_t seed = 0; seed < 50; seed++) {
+        cs_sampling_params t = p;
+        t.temperature = 1.5f;
+        t.top_k = 1;
+        t.seed = seed;
+        ASSERT_EQ_INT(cs_sampler_init(&t, V, &s), 0);
+        int32_t id = sample_with(t, logits, s);
+        ASSERT_TRUE(id == 1 || id == 2); /* the two tied maxima */
+        cs_sampler_free(s);
+        t.top_k = 0;
+        t.min_p = 0.9f; /* only tokens within 90% of the max survive: 1 and 2 */
+        ASSERT_EQ_INT(cs_sampler_init(&t, V, &s), 0);
+        id = sample_with(t, logits, s);
+        ASSERT_TRUE(id == 1 || id == 2);
+        cs_sampler_free(s);
+        t.min_p = 0;
+        t.top_p = 0.5f; /* at T=1.5 tokens 1 and 2 hold 0.31 each: both are needed to reach 0.5 */
+        ASSERT_EQ_INT(cs_sampler_init(&t, V, &s), 0);
+        id = sample_with(t, logits, s);
+        ASSERT_TRUE(id == 1 || id == 2);
+        cs_sampler_free(s);
+    }
+
+    /* same seed, same stream; the RNG state can be carried over */
+    cs_sampling_params t = p;
+    t.temperature = 1;
+    t.seed = 42;
+    cs_sampler *a = NULL, *b = NULL;
+    ASSERT_EQ_INT(cs_sampler_init(&t, V, &a), 0);
+    ASSERT_EQ_INT(cs_sampler_init(&t, V, &b), 0);
+    int32_t seq_a[64];
+    int hist[V] = {0};
+    for (int i = 0; i < 64; i++) {
+        seq_a[i] = sample_with(t, logits, a);
+        hist[seq_a[i]]++;
+        ASSERT_EQ_INT(sample_with(t, logits, b), seq_a[i]);
+    }
+    ASSERT_TRUE(hist[1] + hist[2] > 16 && hist[1] + hist[2] < 64); /* sampled, not greedy */
+    uint64_t st[4];
+    cs_sampler_get_rng(a, st);
+    cs_sampler *c = NULL;
+    t.seed = 7;
+    ASSERT_EQ_INT(cs_sampler_init(&t, V, &c), 0);
+    cs_sampler_set_rng(c, st);
+    for (int i = 0; i < 32; i++) ASSERT_EQ_INT(sample_with(t, logits, c), sample_with(t, logits, a));
+    cs_sampler_free(a);
+    cs_sampler_free(b);
+    cs_sampler_free(c);
+    cs_sampler_free(NULL);
+    return 0;
+}
