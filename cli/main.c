@@ -418,6 +418,7 @@ static int cmd_generate(const cs_model *m, const options *o) {
     }
     if (cs_detok_flush(&dt, buf, sizeof buf, &len) == 0 && len) fwrite(buf, 1, len, stdout);
     putchar('\n');
+    fflush(stdout);
     double t2 = cs__now();
     int rc = 0;
     if (r) rc = fail_msg("generate", r);
