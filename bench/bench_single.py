@@ -32,11 +32,10 @@ def make_prompt_ids(bin_path, model, n_tokens):
     return json.loads(p.stdout)[:n_tokens]
 
 
-def run_chunkserve(bin_path, model, ids, decode_tokens):
+def run_chunkserve(bin_path, model, ids, decode_tokens, extra):
     cmd = [bin_path, "generate", "--model", model, "--ids", ",".join(map(str, ids)),
-           "--max-tokens", str(decode_tokens), "--ignore-eos"]
-    env = dict(os.environ)
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
+           "--max-tokens", str(decode_tokens), "--ignore-eos", *extra]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if p.returncode != 0:
         sys.exit(f"chunkserve failed: {p.stderr}")
     m = re.search(r"prompt (\d+) tokens in ([\d.]+) s .*generated (\d+) tokens in ([\d.]+) s", p.stderr)
@@ -64,18 +63,22 @@ def main():
     ap.add_argument("--model", default="models/SmolLM2-135M-Instruct.Q4_1.gguf")
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--decode-tokens", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=1,
-                    help="threads for llama.cpp (chunkserve's reference path is single-threaded)")
+    ap.add_argument("--threads", type=int, default=2, help="threads for llama.cpp and chunkserve's engine")
     a = ap.parse_args()
     ids = make_prompt_ids(a.bin, a.model, a.prompt_tokens)
-    ours = run_chunkserve(a.bin, a.model, ids, a.decode_tokens)
+    rows = [(f"chunkserve engine, {a.threads} thr (fp32)", run_chunkserve(a.bin, a.model, ids, a.decode_tokens,
+                                                                           ["--threads", str(a.threads)])),
+            ("chunkserve reference, 1 thr (fp32)", run_chunkserve(a.bin, a.model, ids, a.decode_tokens, ["--reference"]))]
     ref = run_llamacpp(a.model, a.prompt_tokens, a.decode_tokens, a.threads)
-    print(f"{'engine':<28} {'prompt tok':>10} {'prefill tok/s':>14} {'decode tok/s':>13}")
-    print(f"{'chunkserve (fp32 reference)':<28} {ours['prompt_tokens']:>10} {ours['prefill_tok_s']:>14.1f} {ours['decode_tok_s']:>13.1f}")
+    print(f"{'engine':<38} {'prompt tok':>10} {'prefill tok/s':>14} {'decode tok/s':>13}")
+    for name, r in rows:
+        print(f"{name:<38} {r['prompt_tokens']:>10} {r['prefill_tok_s']:>14.1f} {r['decode_tok_s']:>13.1f}")
     if ref:
-        print(f"{'llama.cpp ' + str(a.threads) + ' thr (Q4_1)':<28} {ref.get('prompt_tokens', a.prompt_tokens):>10} {ref['prefill_tok_s']:>14.1f} {ref['decode_tok_s']:>13.1f}")
-        print(f"ratio chunkserve/llama.cpp: prefill {ours['prefill_tok_s'] / ref['prefill_tok_s']:.3f}, "
-              f"decode {ours['decode_tok_s'] / ref['decode_tok_s']:.3f}")
+        print(f"{'llama.cpp, ' + str(a.threads) + ' thr (Q4_1 weights)':<38} {a.prompt_tokens:>10} "
+              f"{ref['prefill_tok_s']:>14.1f} {ref['decode_tok_s']:>13.1f}")
+        for name, r in rows:
+            print(f"ratio {name} / llama.cpp: prefill {r['prefill_tok_s'] / ref['prefill_tok_s']:.3f}, "
+                  f"decode {r['decode_tok_s'] / ref['decode_tok_s']:.3f}")
 
 
 if __name__ == "__main__":

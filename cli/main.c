@@ -11,6 +11,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bench.h"
+#include "chunkserve/engine.h"
 #include "chunkserve/error.h"
 #include "chunkserve/model.h"
 #include "chunkserve/refeval.h"
@@ -20,8 +22,9 @@
 
 typedef struct {
     const char *model, *prompt, *system, *ids, *out;
-    int chat, no_special, no_gen_prompt, verbose, ignore_eos;
-    long max_tokens;
+    int chat, no_special, no_gen_prompt, verbose, ignore_eos, reference;
+    long max_tokens, threads, page_size, kv_mib, prompt_tokens;
+    const char *budget;
     double temperature, top_p, min_p, rep_pen, presence, frequency;
     long top_k;
     unsigned long long seed;
@@ -52,6 +55,13 @@ static const opt_spec opt_table[] = {
     {"frequency-penalty", OPT_DOUBLE, O(frequency), "0", "OpenAI frequency penalty in [-2,2]"},
     {"seed", OPT_U64, O(seed), "0", "random seed for sampling"},
     {"ignore-eos", OPT_FLAG, O(ignore_eos), "0", "keep generating past end-of-generation tokens (benchmarks)"},
+    {"max-batched-tokens", OPT_STR, O(budget), "unlimited",
+     "step token budget: the prompt is prefilled in chunks of at most N tokens; 0 or unlimited = one pass"},
+    {"page-size", OPT_LONG, O(page_size), "16", "tokens per KV-cache page"},
+    {"kv-cache-mib", OPT_LONG, O(kv_mib), "256", "KV-cache pool size in MiB"},
+    {"threads", OPT_LONG, O(threads), "0", "CPU threads; 0 = one per core (env CHUNKSERVE_THREADS)"},
+    {"prompt-tokens", OPT_LONG, O(prompt_tokens), "2000", "bench-engine: prompt length"},
+    {"reference", OPT_FLAG, O(reference), "0", "use the single-threaded fp32 reference forward pass"},
     {"ids", OPT_STR, O(ids), NULL, "comma-separated token ids: the prompt for generate and logits"},
     {"out", OPT_STR, O(out), NULL, "output file (logits: raw float32 [n_tokens, n_vocab])"},
     {"no-special", OPT_FLAG, O(no_special), "0", "tokenize: treat special-token text as plain text"},
@@ -69,7 +79,8 @@ static void usage(FILE *f) {
                "  detokenize   JSON lines of id arrays on stdin -> JSON strings\n"
                "  chat-format  a JSON array of {role, content} on stdin -> rendered prompt\n"
                "  logits       --ids 1,2,3 --out FILE: float32 logits of every position\n"
-               "  info         print the model's configuration\n\noptions:\n");
+               "  info         print the model's configuration\n"
+               "  bench-engine engine speed vs GEMM rate, memory bandwidth, chunk sizes (--prompt-tokens)\n\noptions:\n");
     for (size_t i = 0; i < N_OPTS; i++) {
         const opt_spec *o = &opt_table[i];
         fprintf(f, "  --%-22s %s%s%s%s\n", o->name, o->help, o->deflt && o->type != OPT_FLAG ? " (default " : "",
@@ -95,11 +106,19 @@ static int set_opt(options *o, const opt_spec *s, const char *val) {
     return 0;
 }
 
+static size_t threads_opt_index(void) {
+    for (size_t i = 0; i < N_OPTS; i++)
+        if (!strcmp(opt_table[i].name, "threads")) return i;
+    CS_ASSERT(!"no threads option");
+    return 0;
+}
+
 static int parse_options(int argc, char **argv, options *o) {
     memset(o, 0, sizeof *o);
     for (size_t i = 0; i < N_OPTS; i++)
         if (opt_table[i].deflt) set_opt(o, &opt_table[i], opt_table[i].deflt);
     if (getenv("CHUNKSERVE_MODEL")) o->model = getenv("CHUNKSERVE_MODEL");
+    if (getenv("CHUNKSERVE_THREADS")) set_opt(o, &opt_table[threads_opt_index()], getenv("CHUNKSERVE_THREADS"));
     for (int i = 2; i < argc; i++) {
         const char *a = argv[i];
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
@@ -331,6 +350,52 @@ static int cmd_logits(const cs_model *m, const options *o) {
     return rc;
 }
 
+/* What generate evaluates with: the paged engine (default) or the reference. */
+typedef struct {
+    cs_engine *engine;
+    cs_page_table pt;
+    cs_ref_seq *ref;
+    int32_t chunk; /* engine: prompt chunk size, 0 = one pass */
+} evaluator;
+
+static int parse_budget(const char *s, int32_t *out) {
+    if (!strcmp(s, "unlimited") || !strcmp(s, "0")) {
+        *out = 0;
+        return 0;
+    }
+    char *end;
+    long v = strtol(s, &end, 10);
+    if (*end || v < 1 || v > (1 << 30))
+        return cs__fail(CS_EINVAL, "--max-batched-tokens must be a positive number, 0 or 'unlimited' (got '%s')", s);
+    *out = (int32_t)v;
+    return 0;
+}
+
+static int eval_init(evaluator *ev, const cs_model *m, const options *o, int32_t max_tokens) {
+    memset(ev, 0, sizeof *ev);
+    if (o->reference) return cs_ref_seq_init(m, max_tokens, &ev->ref);
+    int r = parse_budget(o->budget, &ev->chunk);
+    if (r) return r;
+    cs_engine_params ep = cs_engine_params_default();
+    if (o->page_size < 1 || o->page_size > 4096 || o->kv_mib < 1 || o->threads < 0)
+        return cs__fail(CS_EINVAL, "--page-size must be 1..4096, --kv-cache-mib >= 1, --threads >= 0");
+    ep.page_size = (int32_t)o->page_size;
+    ep.kv_bytes = (size_t)o->kv_mib << 20;
+    ep.n_threads = (int32_t)o->threads;
+    return cs_engine_init(m, &ep, &ev->engine);
+}
+
+static int eval_tokens(evaluator *ev, const int32_t *ids, int32_t n, int32_t pos, float *logits) {
+    if (ev->ref) return cs_ref_seq_eval(ev->ref, ids, n, false, logits);
+    return cs_engine_eval_seq(ev->engine, &ev->pt, pos, ids, n, ev->chunk, logits);
+}
+
+static void eval_free(evaluator *ev) {
+    if (ev->engine) cs_page_table_release(&ev->pt, cs_engine_kv(ev->engine));
+    cs_engine_free(ev->engine);
+    cs_ref_seq_free(ev->ref);
+}
+
 static int cmd_generate(const cs_model *m, const options *o) {
     if (!o->prompt == !o->ids) {
         fprintf(stderr, "chunkserve: generate needs --prompt TEXT or --ids 1,2,3 (one of them)\n");
@@ -355,7 +420,8 @@ static int cmd_generate(const cs_model *m, const options *o) {
     int32_t *ids = NULL;
     size_t n_ids = 0;
     cs_sampler *smp = NULL;
-    cs_ref_seq *seq = NULL;
+    evaluator ev;
+    memset(&ev, 0, sizeof ev);
     float *logits = NULL;
     int r = cs_sampler_init(&sp, c->n_vocab, &smp);
     if (!r && o->chat && o->ids) r = cs__fail(CS_EINVAL, "--chat needs --prompt text, not --ids");
@@ -382,24 +448,24 @@ static int cmd_generate(const cs_model *m, const options *o) {
         r = cs__fail(CS_EINVAL, "the prompt has %zu tokens; the model's context is %d", n_ids, c->ctx_len);
     long total = (long)n_ids + o->max_tokens;
     if (total > c->ctx_len) total = c->ctx_len;
-    if (!r) r = cs_ref_seq_init(m, (int32_t)total, &seq);
+    if (!r) r = eval_init(&ev, m, o, (int32_t)total);
     if (!r && !(logits = malloc((size_t)c->n_vocab * sizeof(float)))) r = cs__fail(CS_ENOMEM, "out of memory");
     if (r) {
         int rc = fail_msg("generate", r);
         free(text), free(ids), free(logits);
         cs_sampler_free(smp);
-        cs_ref_seq_free(seq);
+        eval_free(&ev);
         return rc;
     }
     cs_sampler_accept_prompt(smp, ids, n_ids);
     double t0 = cs__now();
-    r = cs_ref_seq_eval(seq, ids, (int32_t)n_ids, false, logits);
+    r = eval_tokens(&ev, ids, (int32_t)n_ids, 0, logits);
     double t1 = cs__now();
     cs_detok dt;
     cs_detok_init(&dt, tok, true);
     char buf[1024];
     size_t len;
-    long generated = 0;
+    long generated = 0, pos = (long)n_ids;
     const char *reason = "length";
     while (!r) {
         int32_t id = cs_sampler_sample(smp, logits, NULL);
@@ -413,8 +479,8 @@ static int cmd_generate(const cs_model *m, const options *o) {
             fwrite(buf, 1, len, stdout);
             fflush(stdout);
         }
-        if (generated >= o->max_tokens || cs_ref_seq_len(seq) >= total) break;
-        r = cs_ref_seq_eval(seq, &id, 1, false, logits);
+        if (generated >= o->max_tokens || pos >= total) break;
+        r = eval_tokens(&ev, &id, 1, (int32_t)pos++, logits);
     }
     if (cs_detok_flush(&dt, buf, sizeof buf, &len) == 0 && len) fwrite(buf, 1, len, stdout);
     putchar('\n');
@@ -427,7 +493,7 @@ static int cmd_generate(const cs_model *m, const options *o) {
                 n_ids, t1 - t0, (double)n_ids / (t1 - t0), generated, t2 - t1,
                 generated > 1 ? (double)(generated - 1) / (t2 - t1) : 0.0, reason);
     free(logits);
-    cs_ref_seq_free(seq);
+    eval_free(&ev);
     free(ids);
     free(text);
     cs_sampler_free(smp);
@@ -470,14 +536,17 @@ int main(int argc, char **argv) {
         cs_tokenizer_free(tok);
         return rc;
     }
-    if (strcmp(cmd, "generate") && strcmp(cmd, "logits") && strcmp(cmd, "info")) {
+    if (strcmp(cmd, "generate") && strcmp(cmd, "logits") && strcmp(cmd, "info") && strcmp(cmd, "bench-engine")) {
         fprintf(stderr, "chunkserve: unknown command '%s' (see --help)\n", cmd);
         return 2;
     }
     cs_model *m = NULL;
     int r = cs_model_load(o.model, &m);
     if (r) return fail_msg("loading model", r);
-    int rc = !strcmp(cmd, "generate") ? cmd_generate(m, &o) : !strcmp(cmd, "logits") ? cmd_logits(m, &o) : cmd_info(m);
+    int rc = !strcmp(cmd, "generate")       ? cmd_generate(m, &o)
+             : !strcmp(cmd, "logits")       ? cmd_logits(m, &o)
+             : !strcmp(cmd, "bench-engine") ? cs_cli_bench_engine(m, (int)o.threads, (int)o.prompt_tokens)
+                                            : cmd_info(m);
     cs_model_free(m);
     return rc;
 }

@@ -1,0 +1,78 @@
+/* chunkserve/engine.h: one model on one backend with a paged KV pool, and the
+ * ragged forward step the schedulers drive.
+ *
+ * A step takes any mix of spans: a prompt chunk of any length for one
+ * sequence, a single decode token for another, ... Each span says where its
+ * new tokens sit (pos) and which pages hold the sequence's cache. Chunked
+ * prefill is exact: evaluating a prompt over any number of steps gives the
+ * logits and KV pages one pass gives, up to fp32 rounding of the GEMMs.
+ * Not thread-safe: one thread drives an engine. */
+#ifndef CHUNKSERVE_ENGINE_H
+#define CHUNKSERVE_ENGINE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "chunkserve/kv_cache.h"
+#include "chunkserve/model.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct cs_engine cs_engine;
+
+typedef struct {
+    int32_t page_size; /* tokens per KV page; default 16 */
+    int32_t n_pages;   /* KV pool size in pages; 0 = derive from kv_bytes */
+    size_t kv_bytes;   /* KV pool size when n_pages is 0; default 256 MiB */
+    int32_t n_threads; /* CPU threads; 0 = one per core */
+} cs_engine_params;
+
+cs_engine_params cs_engine_params_default(void);
+
+/* The model must outlive the engine. Failure: CS_EINVAL (bad params),
+ * CS_ENOMEM (pool does not fit). */
+int cs_engine_init(const cs_model *m, const cs_engine_params *p, cs_engine **out);
+void cs_engine_free(cs_engine *e); /* NULL is a no-op */
+
+const cs_model *cs_engine_model(const cs_engine *e);
+/* The page allocator for this engine's pool (owned by the engine). */
+cs_kv_cache *cs_engine_kv(cs_engine *e);
+/* Bytes of one page: all layers' K and V for page_size tokens. */
+size_t cs_engine_page_bytes(const cs_engine *e);
+const char *cs_engine_backend_name(const cs_engine *e);
+
+typedef struct {
+    const int32_t *tokens; /* (n_tokens) the span's new tokens */
+    int32_t n_tokens;      /* >= 1 */
+    int32_t pos;           /* position of tokens[0] = tokens already cached */
+    const int32_t *pages;  /* page table covering positions [0, pos + n_tokens) */
+    int32_t n_pages;
+    bool want_logits;      /* logits of the span's last token */
+} cs_span;
+
+/* One ragged forward step over n_spans spans (at most one span per sequence).
+ * Writes the new tokens' K and V into their pages and, for each span with
+ * want_logits, n_vocab floats into logits, in span order.
+ * Checks everything first (token ids, positions within the model's context,
+ * page ids allocated and covering each span); on CS_EINVAL nothing is written. */
+int cs_engine_step(cs_engine *e, const cs_span *spans, int32_t n_spans, float *logits);
+
+/* Convenience for driving one sequence (tools, tests; the scheduler does this
+ * for many): evaluates n tokens at positions pos.. in chunks of at most
+ * max_chunk tokens (0 = all at once), growing pt to cover them, and writes the
+ * last token's n_vocab logits. On failure pt keeps any pages it gained. */
+int cs_engine_eval_seq(cs_engine *e, cs_page_table *pt, int32_t pos, const int32_t *tokens, int32_t n,
+                       int32_t max_chunk, float *logits);
+
+/* Copies n pages (all layers, K and V; page-major, cs_engine_page_bytes()
+ * each) to a flat host buffer, or back. For the KV transport and for tests. */
+int cs_engine_kv_export(cs_engine *e, const int32_t *pages, int32_t n, void *dst);
+int cs_engine_kv_import(cs_engine *e, const int32_t *pages, int32_t n, const void *src);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,98 @@
+/* chunkserve/sched.h: the stall-free step scheduler both pools run
+ * (Sarathi-Serve style; DESIGN §5). Each step spends a token budget: first
+ * one token for every running decode, then chunks of waiting prompts in
+ * arrival order fill what is left; a prompt that does not fit continues next
+ * step. Sequences join and leave every step (continuous batching). Pages are
+ * reserved as tokens need them; when a decode finds none, the newest running
+ * sequence is preempted (its pages freed, recomputed later from its tokens).
+ * Full pages are shared between prompts with the same prefix (prefix cache).
+ * Single-threaded: the engine thread owns it (see chunkserve/serve.h for the
+ * thread-safe serving loop around it). */
+#ifndef CHUNKSERVE_SCHED_H
+#define CHUNKSERVE_SCHED_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "chunkserve/engine.h"
+#include "chunkserve/sampler.h"
+#include "chunkserve/stop.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct {
+    int32_t max_num_batched_tokens;   /* step budget; 0 = unlimited (whole prompts, no chunking) */
+    int32_t max_num_seqs;             /* running sequences at most; default 256 */
+    int32_t max_num_partial_prefills; /* prompts part-way through prefill at once; default 4 */
+    bool enable_prefix_caching;       /* default true */
+} cs_sched_params;
+
+cs_sched_params cs_sched_params_default(void);
+
+typedef struct {
+    uint64_t id;          /* the caller's id; unique among live requests */
+    const int32_t *prompt; /* (n_prompt) token ids; copied */
+    int32_t n_prompt;
+    cs_sampling_params sampling;
+    cs_stop_params stop;  /* max_tokens, stop strings and ids, ignore_eos; copied */
+    bool logprobs;        /* report the chosen tokens' log-probabilities */
+} cs_request;
+
+/* What a step produced for one request. */
+typedef struct {
+    uint64_t id;
+    int32_t token;     /* the new token, -1 when none (cancel, error) */
+    float logprob;     /* when requested */
+    const char *text;  /* text that became final with this token; "" if none */
+    enum cs_finish finish; /* CS_FINISH_NONE while the request goes on */
+    int32_t n_prompt_tokens, n_completion_tokens;
+    const char *error;     /* with CS_FINISH_ERROR: what went wrong */
+} cs_event;
+
+/* What the last step did (for tests, metrics and benchmarks). */
+typedef struct {
+    int32_t n_tokens;          /* tokens computed */
+    int32_t n_decode;          /* decode spans (one token each) */
+    int32_t n_prefill;         /* prompt chunk spans */
+    int32_t n_running_decodes; /* running sequences that wanted a decode token */
+    int32_t budget;            /* the step's budget (INT32_MAX when unlimited) */
+} cs_step_info;
+
+typedef struct {
+    uint64_t steps, preemptions, prefix_hit_tokens, prompt_tokens_computed, generated_tokens;
+    uint64_t requests_finished, requests_cancelled;
+    int32_t n_running, n_waiting;
+} cs_sched_stats;
+
+typedef struct cs_sched cs_sched;
+
+/* The engine must outlive the scheduler. CS_EINVAL for bad params. */
+int cs_sched_init(cs_engine *e, const cs_sched_params *p, cs_sched **out);
+/* Cancels and frees every request (no events). NULL is a no-op. */
+void cs_sched_free(cs_sched *s);
+
+/* Queues a request. Checks it first: CS_EINVAL (with a message) for an empty
+ * prompt, one that leaves no room in the context for a token, token ids out
+ * of the vocabulary, bad sampling or stop parameters, or an id already live;
+ * CS_ENOSPC when the prompt could never fit in the whole KV pool. Nothing
+ * changes on failure. */
+int cs_sched_add(cs_sched *s, const cs_request *r);
+/* Cancels a request at any point; its pages are freed now. CS_ENOENT when
+ * the id is not live. No event is produced for it. */
+int cs_sched_cancel(cs_sched *s, uint64_t id);
+
+/* Runs one step (does nothing when idle). *events/n_events: what happened,
+ * valid until the next call. Fails only on an engine error, after which every
+ * live request has been finished with CS_FINISH_ERROR in the events. */
+int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events);
+bool cs_sched_idle(const cs_sched *s);
+void cs_sched_last_step(const cs_sched *s, cs_step_info *info);
+void cs_sched_get_stats(const cs_sched *s, cs_sched_stats *st);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

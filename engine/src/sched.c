@@ -1,0 +1,386 @@
+/* sched.c: the step scheduler. A sequence is its tokens (prompt, then what it
+ * generated) and how many of them have KV in its pages (n_computed). Each
+ * step computes, per scheduled sequence, tokens [n_computed, n_computed + k):
+ * a decode is the case where exactly one token is left; a prompt chunk any
+ * other. A span that reaches the last known token yields logits, and the
+ * next token is sampled. Preemption sets n_computed back to 0 and frees the
+ * pages: recomputation needs nothing but the tokens. */
+#include "chunkserve/sched.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "util.h"
+
+typedef struct seq {
+    uint64_t id, arrival;
+    int32_t *tokens; /* (cap) prompt then generated */
+    int32_t n_tokens, cap, n_prompt;
+    int32_t n_computed;
+    cs_page_table pt;
+    int32_t n_hashed;     /* leading pages whose prefix hash is registered or looked up */
+    uint64_t last_hash;   /* hash of page n_hashed - 1 */
+    cs_sampler *smp;
+    cs_stop *stop;
+    bool logprobs, running;
+    struct seq *next;     /* in the waiting or running list, ordered by arrival */
+} seq;
+
+struct cs_sched {
+    cs_engine *e;
+    cs_kv_cache *kv;
+    const cs_tokenizer *tok;
+    cs_sched_params p;
+    int32_t n_vocab, page_size, ctx_len;
+    seq *waiting, *running; /* both ordered by arrival */
+    int32_t n_waiting, n_running;
+    uint64_t next_arrival;
+    cs_sched_stats st;
+    cs_step_info last;
+    /* step scratch */
+    cs_span *spans;
+    seq **owners;
+    float *logits;
+    int32_t cap_spans;
+    cs_event *events;
+    char **texts; /* texts of the last step's events, freed at the next step */
+    int32_t n_events, cap_events;
+};
+
+cs_sched_params cs_sched_params_default(void) {
+    cs_sched_params p = {0};
+    p.max_num_seqs = 256;
+    p.max_num_partial_prefills = 4;
+    p.enable_prefix_caching = true;
+    return p;
+}
+
+int cs_sched_init(cs_engine *e, const cs_sched_params *p, cs_sched **out) {
+    *out = NULL;
+    if (p->max_num_batched_tokens < 0 || p->max_num_seqs < 1 || p->max_num_partial_prefills < 1)
+        return cs__fail(CS_EINVAL, "scheduler: max_num_batched_tokens must be >= 0 (0 = unlimited), "
+                                   "max_num_seqs and max_num_partial_prefills >= 1");
+    cs_sched *s = calloc(1, sizeof *s);
+    if (!s) return cs__fail(CS_ENOMEM, "scheduler: out of memory");
+    s->e = e;
+    s->kv = cs_engine_kv(e);
+    const cs_model *m = cs_engine_model(e);
+    s->tok = cs_model_tokenizer(m);
+    s->p = *p;
+    s->n_vocab = cs_model_get_config(m)->n_vocab;
+    s->ctx_len = cs_model_get_config(m)->ctx_len;
+    s->page_size = cs_kv_cache_page_size(s->kv);
+    *out = s;
+    return 0;
+}
+
+static void seq_free(cs_sched *s, seq *q) {
+    cs_page_table_release(&q->pt, s->kv);
+    cs_sampler_free(q->smp);
+    cs_stop_free(q->stop);
+    free(q->tokens);
+    free(q);
+}
+
+static void free_texts(cs_sched *s) {
+    for (int32_t i = 0; i < s->n_events; i++) free(s->texts[i]);
+    s->n_events = 0;
+}
+
+void cs_sched_free(cs_sched *s) {
+    if (!s) return;
+    for (seq *q = s->waiting, *n; q; q = n) n = q->next, seq_free(s, q);
+    for (seq *q = s->running, *n; q; q = n) n = q->next, seq_free(s, q);
+    free_texts(s);
+    free(s->spans), free(s->owners), free(s->logits), free(s->events), free(s->texts);
+    free(s);
+}
+
+bool cs_sched_idle(const cs_sched *s) { return !s->waiting && !s->running; }
+void cs_sched_last_step(const cs_sched *s, cs_step_info *info) { *info = s->last; }
+void cs_sched_get_stats(const cs_sched *s, cs_sched_stats *st) {
+    *st = s->st;
+    st->n_running = s->n_running;
+    st->n_waiting = s->n_waiting;
+}
+
+static seq *find(cs_sched *s, uint64_t id, seq ***link) {
+    for (seq **l = &s->waiting; *l; l = &(*l)->next)
+        if ((*l)->id == id) return *link = l, *l;
+    for (seq **l = &s->running; *l; l = &(*l)->next)
+        if ((*l)->id == id) return *link = l, *l;
+    return NULL;
+}
+
+/* Inserts q into list by arrival (preempted sequences go back in order). */
+static void insert_ordered(seq **list, seq *q) {
+    while (*list && (*list)->arrival < q->arrival) list = &(*list)->next;
+    q->next = *list;
+    *list = q;
+}
+
+int cs_sched_add(cs_sched *s, const cs_request *r) {
+    seq **link;
+    if (find(s, r->id, &link)) return cs__fail(CS_EINVAL, "request %llu is already live", (unsigned long long)r->id);
+    if (r->n_prompt < 1 || !r->prompt) return cs__fail(CS_EINVAL, "request %llu: empty prompt", (unsigned long long)r->id);
+    if (r->n_prompt >= s->ctx_len)
+        return cs__fail(CS_EINVAL, "request %llu: prompt of %d tokens leaves no room in the model's context of %d",
+                        (unsigned long long)r->id, r->n_prompt, s->ctx_len);
+    for (int32_t i = 0; i < r->n_prompt; i++)
+        if (r->prompt[i] < 0 || r->prompt[i] >= s->n_vocab)
+            return cs__fail(CS_EINVAL, "request %llu: token id %d at index %d is outside the vocabulary (0..%d)",
+                            (unsigned long long)r->id, r->prompt[i], i, s->n_vocab - 1);
+    int64_t need = ((int64_t)r->n_prompt + 1 + s->page_size - 1) / s->page_size;
+    if (need > cs_kv_cache_n_pages(s->kv))
+        return cs__fail(CS_ENOSPC, "request %llu: a prompt of %d tokens needs %lld KV pages; the pool has %d",
+                        (unsigned long long)r->id, r->n_prompt, (long long)need, cs_kv_cache_n_pages(s->kv));
+    seq *q = calloc(1, sizeof *q);
+    if (!q) return cs__fail(CS_ENOMEM, "out of memory");
+    int64_t max_total = (int64_t)r->n_prompt + (r->stop.max_tokens > 0 ? r->stop.max_tokens : 0);
+    if (max_total > s->ctx_len) max_total = s->ctx_len;
+    q->cap = (int32_t)max_total + 1;
+    q->tokens = malloc((size_t)q->cap * sizeof(int32_t));
+    int rc = q->tokens ? 0 : cs__fail(CS_ENOMEM, "out of memory");
+    if (!rc) rc = cs_sampler_init(&r->sampling, s->n_vocab, &q->smp);
+    cs_stop_params sp = r->stop;
+    if (sp.max_tokens > s->ctx_len - r->n_prompt) sp.max_tokens = s->ctx_len - r->n_prompt; /* the context ends it */
+    if (!rc) rc = cs_stop_init(s->tok, &sp, &q->stop);
+    if (rc) {
+        cs_sampler_free(q->smp);
+        free(q->tokens);
+        free(q);
+        return rc;
+    }
+    memcpy(q->tokens, r->prompt, (size_t)r->n_prompt * sizeof(int32_t));
+    q->n_tokens = q->n_prompt = r->n_prompt;
+    q->id = r->id;
+    q->logprobs = r->logprobs;
+    q->arrival = s->next_arrival++;
+    cs_sampler_accept_prompt(q->smp, r->prompt, (size_t)r->n_prompt);
+    insert_ordered(&s->waiting, q);
+    s->n_waiting++;
+    return 0;
+}
+
+int cs_sched_cancel(cs_sched *s, uint64_t id) {
+    seq **link;
+    seq *q = find(s, id, &link);
+    if (!q) return cs__fail(CS_ENOENT, "request %llu is not live", (unsigned long long)id);
+    *link = q->next;
+    if (q->running) s->n_running--;
+    else s->n_waiting--;
+    seq_free(s, q);
+    s->st.requests_cancelled++;
+    return 0;
+}
+
+/* Takes back the longest cached prefix of a sequence that has nothing
+ * computed, leaving at least one token to compute (it yields the logits). */
+static void reuse_prefix(cs_sched *s, seq *q) {
+    if (!s->p.enable_prefix_caching || q->n_computed) return;
+    int32_t full = (q->n_tokens - 1) / s->page_size;
+    if (full > q->pt.cap) {
+        int32_t *np = realloc(q->pt.pages, (size_t)full * sizeof *np);
+        if (!np) return; /* no reuse; the pages are computed instead */
+        q->pt.pages = np;
+        q->pt.cap = full;
+    }
+    uint64_t h = 0;
+    for (int32_t i = 0; i < full; i++) {
+        h = cs_kv_cache_page_hash(h, q->tokens + (size_t)i * s->page_size, s->page_size);
+        int32_t id = cs_kv_cache_lookup(s->kv, h);
+        if (id < 0) break;
+        q->pt.pages[q->pt.n_pages++] = id;
+        q->n_hashed = i + 1;
+        q->last_hash = h;
+        q->n_computed = (i + 1) * s->page_size;
+    }
+}
+
+/* Registers the hashes of pages that became full with computed tokens. */
+static void register_pages(cs_sched *s, seq *q) {
+    if (!s->p.enable_prefix_caching) return;
+    int32_t full = q->n_computed / s->page_size;
+    for (; q->n_hashed < full; q->n_hashed++) {
+        q->last_hash = cs_kv_cache_page_hash(q->last_hash, q->tokens + (size_t)q->n_hashed * s->page_size, s->page_size);
+        cs_kv_cache_register(s->kv, q->pt.pages[q->n_hashed], q->last_hash);
+    }
+}
+
+/* Frees a running sequence's pages and puts it back in the waiting queue. */
+static void preempt(cs_sched *s, seq **link) {
+    seq *q = *link;
+    *link = q->next;
+    s->n_running--;
+    cs_page_table_release(&q->pt, s->kv);
+    q->n_computed = 0;
+    q->n_hashed = 0;
+    q->last_hash = 0;
+    q->running = false;
+    insert_ordered(&s->waiting, q);
+    s->n_waiting++;
+    s->st.preemptions++;
+}
+
+static int grow_scratch(cs_sched *s, int32_t n) {
+    if (n <= s->cap_spans) return 0;
+    int32_t cap = s->cap_spans ? s->cap_spans : 16;
+    while (cap < n) cap *= 2;
+    cs_span *sp = realloc(s->spans, (size_t)cap * sizeof *sp);
+    if (sp) s->spans = sp;
+    seq **ow = realloc(s->owners, (size_t)cap * sizeof *ow);
+    if (ow) s->owners = ow;
+    float *lg = realloc(s->logits, (size_t)cap * (size_t)s->n_vocab * sizeof *lg);
+    if (lg) s->logits = lg;
+    cs_event *ev = realloc(s->events, (size_t)cap * sizeof *ev);
+    if (ev) s->events = ev;
+    char **tx = realloc(s->texts, (size_t)cap * sizeof *tx);
+    if (tx) s->texts = tx;
+    if (!sp || !ow || !lg || !ev || !tx) return cs__fail(CS_ENOMEM, "scheduler: out of memory");
+    s->cap_spans = cap;
+    return 0;
+}
+
+static void add_span(cs_sched *s, int32_t *n_spans, seq *q, int32_t k) {
+    s->spans[*n_spans] = (cs_span){q->tokens + q->n_computed, k, q->n_computed, q->pt.pages, q->pt.n_pages,
+                                   q->n_computed + k == q->n_tokens};
+    s->owners[(*n_spans)++] = q;
+}
+
+int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
+    free_texts(s);
+    *events = s->events;
+    *n_events = 0;
+    memset(&s->last, 0, sizeof s->last);
+    if (cs_sched_idle(s)) return 0;
+    int r = grow_scratch(s, s->n_running + s->n_waiting);
+    if (r) return r;
+    int32_t budget = s->p.max_num_batched_tokens ? s->p.max_num_batched_tokens : INT32_MAX, used = 0, n_spans = 0;
+    s->last.budget = budget;
+
+    /* 1. one token for every running decode, oldest first; a decode that
+     * finds no page preempts the newest running sequence */
+    for (seq **l = &s->running; *l;) {
+        seq *q = *l;
+        if (q->n_tokens - q->n_computed != 1) {
+            l = &q->next;
+            continue;
+        }
+        s->last.n_running_decodes++;
+        if (used >= budget) {
+            l = &q->next;
+            continue;
+        }
+        /* Sequences after q in the list are newer and not scheduled yet, so
+         * the newest running one never holds pages this step already uses. */
+        while ((r = cs_page_table_reserve(&q->pt, s->kv, q->n_tokens)) == CS_ENOSPC) {
+            seq **newest = &s->running;
+            while ((*newest)->next) newest = &(*newest)->next;
+            bool self = *newest == q;
+            preempt(s, newest);
+            s->last.n_running_decodes -= self;
+            if (self) break;
+        }
+        if (r == CS_ENOSPC || *l != q) { /* q itself was preempted, or nothing could be freed */
+            if (*l == q) l = &q->next;
+            continue;
+        }
+        if (r) return r;
+        add_span(s, &n_spans, q, 1);
+        used++;
+        l = &q->next;
+    }
+    s->last.n_decode = n_spans;
+
+    /* 2. prompt chunks: running sequences part-way through their prompt,
+     * then waiting ones in arrival order, while budget, seats and pages last */
+    int32_t partial = 0;
+    for (seq *q = s->running; q; q = q->next)
+        if (q->n_tokens - q->n_computed > 1) partial++;
+    for (seq *q = s->running; q && used < budget; q = q->next) {
+        int32_t left = q->n_tokens - q->n_computed;
+        if (left <= 1) continue;
+        int32_t k = left < budget - used ? left : budget - used;
+        if (cs_page_table_reserve(&q->pt, s->kv, q->n_computed + k) != 0) continue;
+        add_span(s, &n_spans, q, k);
+        used += k;
+    }
+    while (s->waiting && used < budget && s->n_running < s->p.max_num_seqs && partial < s->p.max_num_partial_prefills) {
+        seq *q = s->waiting;
+        reuse_prefix(s, q);
+        int32_t left = q->n_tokens - q->n_computed;
+        int32_t k = left < budget - used ? left : budget - used;
+        if (cs_page_table_reserve(&q->pt, s->kv, q->n_computed + k) != 0) {
+            /* not enough pages now: give back the prefix and wait */
+            cs_page_table_release(&q->pt, s->kv);
+            q->n_computed = q->n_hashed = 0;
+            q->last_hash = 0;
+            break;
+        }
+        s->waiting = q->next;
+        s->n_waiting--;
+        s->st.prefix_hit_tokens += (uint64_t)q->n_computed;
+        q->running = true;
+        insert_ordered(&s->running, q);
+        s->n_running++;
+        add_span(s, &n_spans, q, k);
+        used += k;
+        if (q->n_computed + k < q->n_tokens) partial++;
+    }
+    s->last.n_prefill = n_spans - s->last.n_decode;
+    s->last.n_tokens = used;
+    if (n_spans == 0) return 0; /* everything waits for pages or seats */
+
+    /* 3. run it, then sample where a span reached the last known token */
+    int32_t n_logits = 0;
+    for (int32_t i = 0; i < n_spans; i++) n_logits += s->spans[i].want_logits;
+    r = cs_engine_step(s->e, s->spans, n_spans, s->logits);
+    if (r) {
+        CS_LOGE("scheduler: engine step failed: %s", cs_last_error());
+        int32_t ne = 0;
+        for (seq *q = s->running; q; q = q->next) s->events[ne] = (cs_event){q->id, -1, 0, "", CS_FINISH_ERROR, q->n_prompt, q->n_tokens - q->n_prompt, "engine step failed"}, s->texts[ne++] = NULL;
+        for (seq *q = s->waiting; q; q = q->next) s->events[ne] = (cs_event){q->id, -1, 0, "", CS_FINISH_ERROR, q->n_prompt, q->n_tokens - q->n_prompt, "engine step failed"}, s->texts[ne++] = NULL;
+        for (seq *q = s->waiting, *n; q; q = n) n = q->next, seq_free(s, q);
+        for (seq *q = s->running, *n; q; q = n) n = q->next, seq_free(s, q);
+        s->waiting = s->running = NULL;
+        s->n_waiting = s->n_running = 0;
+        s->n_events = ne;
+        *n_events = ne;
+        return r;
+    }
+    s->st.steps++;
+    int32_t li = 0, ne = 0;
+    for (int32_t i = 0; i < n_spans; i++) {
+        seq *q = s->owners[i];
+        const cs_span *sp = &s->spans[i];
+        if (q->n_computed < q->n_prompt)
+            s->st.prompt_tokens_computed += (uint64_t)((sp->n_tokens < q->n_prompt - q->n_computed) ? sp->n_tokens : q->n_prompt - q->n_computed);
+        q->n_computed += sp->n_tokens;
+        register_pages(s, q);
+        if (!sp->want_logits) continue;
+        float lp = 0;
+        int32_t id = cs_sampler_sample(q->smp, s->logits + (size_t)li++ * s->n_vocab, q->logprobs ? &lp : NULL);
+        cs_sampler_accept(q->smp, id);
+        char *text = NULL;
+        enum cs_finish fin = CS_FINISH_NONE;
+        if ((r = cs_stop_push(q->stop, id, &text, &fin))) return r;
+        CS_ASSERT(q->n_tokens < q->cap);
+        q->tokens[q->n_tokens++] = id;
+        s->st.generated_tokens++;
+        s->texts[ne] = text;
+        s->events[ne++] = (cs_event){q->id, id, lp, text ? text : "", fin, q->n_prompt, q->n_tokens - q->n_prompt, NULL};
+        if (fin != CS_FINISH_NONE) {
+            seq **link;
+            find(s, q->id, &link);
+            *link = q->next;
+            s->n_running--;
+            s->st.requests_finished++;
+            seq_free(s, q);
+            s->owners[i] = NULL;
+        }
+    }
+    CS_ASSERT(li == n_logits);
+    s->n_events = ne;
+    *n_events = ne;
+    return 0;
+}

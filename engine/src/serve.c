@@ -1,0 +1,218 @@
+/* serve.c: the serving loop. Submissions and cancellations are queued under
+ * a mutex and applied by the engine thread between steps, so the scheduler
+ * and engine stay single-threaded. The thread sleeps on a condition variable
+ * when there is nothing to do. */
+#include "chunkserve/serve.h"
+
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "util.h"
+
+typedef struct pending {
+    cs_request r; /* with owned copies of prompt and stop strings */
+    char **stops;
+    int32_t *stop_ids;
+    cs_serve_cb cb;
+    void *user;
+    bool cancel; /* a cancellation of r.id rather than a submission */
+    struct pending *next;
+} pending;
+
+typedef struct live {
+    uint64_t id;
+    cs_serve_cb cb;
+    void *user;
+    struct live *next;
+} live;
+
+struct cs_serve {
+    cs_sched *sched;
+    pthread_t thread;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    pending *head, **tail;
+    bool stopping;
+    live *lives; /* engine thread only */
+    cs_sched_stats stats; /* under mu */
+};
+
+static void pending_free(pending *p) {
+    if (!p) return;
+    for (size_t i = 0; p->stops && i < p->r.stop.n_stop; i++) free(p->stops[i]);
+    free(p->stops);
+    free(p->stop_ids);
+    free((void *)p->r.prompt);
+    free(p);
+}
+
+static live **find_live(cs_serve *sv, uint64_t id) {
+    live **l = &sv->lives;
+    while (*l && (*l)->id != id) l = &(*l)->next;
+    return l;
+}
+
+static void finish_live(cs_serve *sv, live **l, const cs_event *ev) {
+    live *x = *l;
+    x->cb(x->user, ev);
+    *l = x->next;
+    free(x);
+}
+
+static void apply(cs_serve *sv, pending *p) {
+    live **l = find_live(sv, p->r.id);
+    if (p->cancel) {
+        if (*l && cs_sched_cancel(sv->sched, p->r.id) == 0) {
+            cs_event ev = {p->r.id, -1, 0, "", CS_FINISH_CANCELLED, 0, 0, NULL};
+            finish_live(sv, l, &ev);
+        }
+        return;
+    }
+    int r = *l ? cs__fail(CS_EINVAL, "request id %llu is already live", (unsigned long long)p->r.id)
+               : cs_sched_add(sv->sched, &p->r);
+    if (r) {
+        cs_event ev = {p->r.id, -1, 0, "", CS_FINISH_ERROR, p->r.n_prompt, 0, cs_last_error()};
+        p->cb(p->user, &ev);
+        return;
+    }
+    live *x = malloc(sizeof *x);
+    if (!x) {
+        cs_sched_cancel(sv->sched, p->r.id);
+        cs_event ev = {p->r.id, -1, 0, "", CS_FINISH_ERROR, p->r.n_prompt, 0, "out of memory"};
+        p->cb(p->user, &ev);
+        return;
+    }
+    *x = (live){p->r.id, p->cb, p->user, sv->lives};
+    sv->lives = x;
+}
+
+static void *loop(void *arg) {
+    cs_serve *sv = arg;
+    cs_log_set_role("engine");
+    for (;;) {
+        pthread_mutex_lock(&sv->mu);
+        while (!sv->head && !sv->stopping && cs_sched_idle(sv->sched)) pthread_cond_wait(&sv->cv, &sv->mu);
+        pending *batch = sv->head;
+        sv->head = NULL;
+        sv->tail = &sv->head;
+        bool stopping = sv->stopping;
+        pthread_mutex_unlock(&sv->mu);
+        for (pending *p = batch, *n; p; p = n) {
+            n = p->next;
+            if (!stopping || p->cancel) apply(sv, p);
+            else { /* submitted as we stop: never started */
+                cs_event ev = {p->r.id, -1, 0, "", CS_FINISH_CANCELLED, p->r.n_prompt, 0, NULL};
+                p->cb(p->user, &ev);
+            }
+            pending_free(p);
+        }
+        if (stopping) break;
+        const cs_event *evs;
+        int32_t n = 0;
+        cs_sched_step(sv->sched, &evs, &n);
+        for (int32_t i = 0; i < n; i++) {
+            live **l = find_live(sv, evs[i].id);
+            if (!*l) continue;
+            if (evs[i].finish != CS_FINISH_NONE) finish_live(sv, l, &evs[i]);
+            else (*l)->cb((*l)->user, &evs[i]);
+        }
+        pthread_mutex_lock(&sv->mu);
+        cs_sched_get_stats(sv->sched, &sv->stats);
+        pthread_mutex_unlock(&sv->mu);
+    }
+    /* cancel whatever is still live */
+    while (sv->lives) {
+        cs_sched_cancel(sv->sched, sv->lives->id);
+        cs_event ev = {sv->lives->id, -1, 0, "", CS_FINISH_CANCELLED, 0, 0, NULL};
+        finish_live(sv, &sv->lives, &ev);
+    }
+    return NULL;
+}
+
+int cs_serve_start(cs_engine *e, const cs_sched_params *p, cs_serve **out) {
+    *out = NULL;
+    cs_serve *sv = calloc(1, sizeof *sv);
+    if (!sv) return cs__fail(CS_ENOMEM, "serve: out of memory");
+    int r = cs_sched_init(e, p, &sv->sched);
+    if (r) {
+        free(sv);
+        return r;
+    }
+    sv->tail = &sv->head;
+    pthread_mutex_init(&sv->mu, NULL);
+    pthread_cond_init(&sv->cv, NULL);
+    if (pthread_create(&sv->thread, NULL, loop, sv) != 0) {
+        cs_sched_free(sv->sched);
+        free(sv);
+        return cs__fail(CS_EAGAIN, "serve: cannot start the engine thread");
+    }
+    *out = sv;
+    return 0;
+}
+
+static int enqueue(cs_serve *sv, pending *p) {
+    pthread_mutex_lock(&sv->mu);
+    if (sv->stopping) {
+        pthread_mutex_unlock(&sv->mu);
+        return CS_ECANCELED;
+    }
+    *sv->tail = p;
+    sv->tail = &p->next;
+    pthread_cond_signal(&sv->cv);
+    pthread_mutex_unlock(&sv->mu);
+    return 0;
+}
+
+int cs_serve_submit(cs_serve *sv, const cs_request *r, cs_serve_cb cb, void *user) {
+    pending *p = calloc(1, sizeof *p);
+    if (!p) return cs__fail(CS_ENOMEM, "serve: out of memory");
+    p->r = *r;
+    p->cb = cb;
+    p->user = user;
+    int32_t *prompt = malloc(sizeof(int32_t) * (size_t)(r->n_prompt > 0 ? r->n_prompt : 1));
+    p->r.prompt = prompt;
+    p->stops = calloc(r->stop.n_stop + 1, sizeof(char *));
+    p->stop_ids = malloc(sizeof(int32_t) * (r->stop.n_stop_ids + 1));
+    bool ok = prompt && p->stops && p->stop_ids;
+    if (ok && r->n_prompt > 0) memcpy(prompt, r->prompt, sizeof(int32_t) * (size_t)r->n_prompt);
+    for (size_t i = 0; ok && i < r->stop.n_stop; i++) ok = (p->stops[i] = strdup(r->stop.stop[i] ? r->stop.stop[i] : "")) != NULL;
+    if (ok && r->stop.n_stop_ids) memcpy(p->stop_ids, r->stop.stop_ids, sizeof(int32_t) * r->stop.n_stop_ids);
+    p->r.stop.stop = (const char *const *)p->stops;
+    p->r.stop.stop_ids = p->stop_ids;
+    if (!ok) {
+        pending_free(p);
+        return cs__fail(CS_ENOMEM, "serve: out of memory");
+    }
+    int rc = enqueue(sv, p);
+    if (rc) pending_free(p);
+    return rc;
+}
+
+void cs_serve_cancel(cs_serve *sv, uint64_t id) {
+    pending *p = calloc(1, sizeof *p);
+    if (!p) return; /* the request runs to its end */
+    p->r.id = id;
+    p->cancel = true;
+    if (enqueue(sv, p)) pending_free(p);
+}
+
+void cs_serve_stats(cs_serve *sv, cs_sched_stats *st) {
+    pthread_mutex_lock(&sv->mu);
+    *st = sv->stats;
+    pthread_mutex_unlock(&sv->mu);
+}
+
+void cs_serve_stop(cs_serve *sv) {
+    if (!sv) return;
+    pthread_mutex_lock(&sv->mu);
+    sv->stopping = true;
+    pthread_cond_signal(&sv->cv);
+    pthread_mutex_unlock(&sv->mu);
+    pthread_join(sv->thread, NULL);
+    for (pending *p = sv->head, *n; p; p = n) n = p->next, pending_free(p);
+    cs_sched_free(sv->sched);
+    pthread_mutex_destroy(&sv->mu);
+    pthread_cond_destroy(&sv->cv);
+    free(sv);
+}

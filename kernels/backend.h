@@ -1,0 +1,42 @@
+/* kernels/backend.h: the one interface every compute backend implements
+ * (ggml-backend style: a vtable plus a context), cut where the engine needs
+ * it: KV pool storage, a whole ragged forward step, KV page export/import.
+ * Device pointers never leave a backend. The registry (backend.c) is the only
+ * place that knows which backends exist. */
+#ifndef CS_KERNELS_BACKEND_H
+#define CS_KERNELS_BACKEND_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "chunkserve/engine.h"
+#include "chunkserve/model.h"
+
+typedef struct cs_backend cs_backend;
+
+struct cs_backend_iface {
+    const char *name;
+    void (*free)(void *ctx);
+    /* Allocates the KV pool: n_pages pages of page_size tokens; sets the
+     * bytes one page takes (all layers, K and V) in the backend's format. */
+    int (*kv_init)(void *ctx, int32_t n_pages, int32_t page_size, size_t *page_bytes);
+    /* A validated ragged step (see cs_engine_step); n_tokens = sum of spans. */
+    int (*forward)(void *ctx, const cs_span *spans, int32_t n_spans, int32_t n_tokens, float *logits);
+    int (*kv_export)(void *ctx, const int32_t *pages, int32_t n, void *dst);
+    int (*kv_import)(void *ctx, const int32_t *pages, int32_t n, const void *src);
+};
+
+struct cs_backend {
+    const struct cs_backend_iface *iface;
+    void *ctx;
+};
+
+/* Bytes of one KV page in the CPU backend's format (fp32). */
+size_t cs_backend_cpu_page_bytes(const cs_model *m, int32_t page_size);
+/* The CPU backend (fp32, OpenBLAS GEMMs, threaded kernels). */
+int cs_backend_cpu_init(const cs_model *m, int n_threads, cs_backend **out);
+/* The best backend for this machine (the CPU one until the CUDA backend exists). */
+int cs_backend_init(const cs_model *m, int n_threads, cs_backend **out);
+void cs_backend_free(cs_backend *b); /* NULL is a no-op */
+
+#endif

@@ -1,0 +1,186 @@
+/* backend_cpu.c: the CPU backend. fp32 weights straight from the model (no
+ * copy), KV pool in host memory laid out page-major:
+ *   pool[n_pages][n_layers][2 (K, V)][page_size][n_kv_heads * head_dim]
+ * so one page (all layers, K and V) is one contiguous block: export/import is
+ * a memcpy per page and the KV transport can send pages without gathering.
+ * A step runs every GEMM over all the step's tokens at once (prompt chunks
+ * and decode tokens alike), attention per span over its pages. */
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend.h"
+#include "model-impl.h"
+#include "ops.h"
+#include "util.h"
+
+typedef struct {
+    const cs_model *m;
+    cs_threadpool *pool;
+    float *kv;          /* the page pool */
+    int32_t n_pages, page_size;
+    size_t page_floats; /* floats per page */
+    /* step scratch, grown to the largest step seen */
+    int32_t cap_tokens, cap_spans;
+    float *x, *xn, *q, *k, *v, *att, *proj, *gate, *up; /* (tokens, ...) */
+    int32_t *tok, *pos;                                  /* (tokens) */
+    cs_attn_span *aspans;                                /* (spans) */
+    float *xl;                                           /* (spans, dim) rows wanting logits */
+} cpu_ctx;
+
+static void cpu_free(void *p) {
+    cpu_ctx *c = p;
+    if (!c) return;
+    cs_threadpool_free(c->pool);
+    free(c->kv);
+    free(c->x), free(c->xn), free(c->q), free(c->k), free(c->v), free(c->att), free(c->proj);
+    free(c->gate), free(c->up), free(c->tok), free(c->pos), free(c->aspans), free(c->xl);
+    free(c);
+}
+
+size_t cs_backend_cpu_page_bytes(const cs_model *m, int32_t page_size) {
+    const cs_model_config *cf = &m->cfg;
+    return (size_t)cf->n_layers * 2 * (size_t)page_size * (size_t)cf->n_kv_heads * (size_t)cf->head_dim *
+           sizeof(float);
+}
+
+static int cpu_kv_init(void *p, int32_t n_pages, int32_t page_size, size_t *page_bytes) {
+    cpu_ctx *c = p;
+    c->page_floats = cs_backend_cpu_page_bytes(c->m, page_size) / sizeof(float);
+    size_t bytes;
+    if (cs__mul_overflow(c->page_floats * sizeof(float), (size_t)n_pages, &bytes))
+        return cs__fail(CS_ENOMEM, "cpu backend: KV pool of %d pages overflows", n_pages);
+    free(c->kv);
+    /* calloc: untouched pages cost no memory until used */
+    c->kv = calloc((size_t)n_pages, c->page_floats * sizeof(float));
+    if (!c->kv) return cs__fail(CS_ENOMEM, "cpu backend: cannot allocate a %zu MiB KV pool", bytes >> 20);
+    c->n_pages = n_pages;
+    c->page_size = page_size;
+    *page_bytes = c->page_floats * sizeof(float);
+    return 0;
+}
+
+static int grow(cpu_ctx *c, int32_t n_tokens, int32_t n_spans) {
+    const cs_model_config *cf = &c->m->cfg;
+    if (n_tokens > c->cap_tokens) {
+        size_t T = (size_t)n_tokens;
+        size_t dim = (size_t)cf->dim, qd = (size_t)cf->n_heads * cf->head_dim;
+        size_t kvd = (size_t)cf->n_kv_heads * cf->head_dim, hid = (size_t)cf->hidden_dim;
+#define RE(ptr, count)                                                              \
+    do {                                                                            \
+        void *np_ = realloc(ptr, (count) * sizeof *(ptr));                          \
+        if (!np_) return cs__fail(CS_ENOMEM, "cpu backend: out of memory for a %d-token step", n_tokens); \
+        ptr = np_;                                                                  \
+    } while (0)
+        RE(c->x, T * dim);
+        RE(c->xn, T * dim);
+        RE(c->q, T * qd);
+        RE(c->k, T * kvd);
+        RE(c->v, T * kvd);
+        RE(c->att, T * qd);
+        RE(c->proj, T * dim);
+        RE(c->gate, T * hid);
+        RE(c->up, T * hid);
+        RE(c->tok, T);
+        RE(c->pos, T);
+        c->cap_tokens = n_tokens;
+    }
+    if (n_spans > c->cap_spans) {
+        RE(c->aspans, (size_t)n_spans);
+        RE(c->xl, (size_t)n_spans * (size_t)cf->dim);
+        c->cap_spans = n_spans;
+    }
+#undef RE
+    return 0;
+}
+
+static int cpu_forward(void *p, const cs_span *spans, int32_t n_spans, int32_t n_tokens, float *logits) {
+    cpu_ctx *c = p;
+    const cs_model *m = c->m;
+    const cs_model_config *cf = &m->cfg;
+    int r = grow(c, n_tokens, n_spans);
+    if (r) return r;
+    const int dim = cf->dim, nh = cf->n_heads, nkv = cf->n_kv_heads, hd = cf->head_dim;
+    const int qd = nh * hd, kvd = nkv * hd, hid = cf->hidden_dim, T = n_tokens;
+    int32_t t = 0;
+    for (int32_t s = 0; s < n_spans; s++) {
+        c->aspans[s] = (cs_attn_span){t, spans[s].n_tokens, spans[s].pos, spans[s].pages};
+        for (int32_t i = 0; i < spans[s].n_tokens; i++, t++) {
+            c->tok[t] = spans[s].tokens[i];
+            c->pos[t] = spans[s].pos + i;
+        }
+    }
+    CS_ASSERT(t == n_tokens);
+    cs_op_embed(c->x, m->tok_embd, c->tok, T, dim);
+    for (int l = 0; l < cf->n_layers; l++) {
+        const cs_layer *L = &m->layers[l];
+        cs_kv_view kv = {c->kv + (size_t)l * 2 * c->page_size * kvd, c->page_floats,
+                         (size_t)c->page_size * kvd, c->page_size};
+        cs_op_rmsnorm(c->pool, c->xn, c->x, L->attn_norm, T, dim, cf->norm_eps);
+        cs_op_matmul(c->pool, c->q, c->xn, L->wq, L->bq, T, qd, dim);
+        cs_op_matmul(c->pool, c->k, c->xn, L->wk, L->bk, T, kvd, dim);
+        cs_op_matmul(c->pool, c->v, c->xn, L->wv, L->bv, T, kvd, dim);
+        cs_op_rope(c->pool, c->q, T, nh, hd, c->pos, m->rope_inv_freq);
+        cs_op_rope(c->pool, c->k, T, nkv, hd, c->pos, m->rope_inv_freq);
+        cs_op_kv_store(&kv, c->aspans, n_spans, c->k, c->v, kvd);
+        cs_op_attention(c->pool, c->att, c->q, c->aspans, n_spans, &kv, nh, nkv, hd);
+        cs_op_matmul(c->pool, c->proj, c->att, L->wo, NULL, T, dim, qd);
+        for (size_t i = 0; i < (size_t)T * dim; i++) c->x[i] += c->proj[i];
+        cs_op_rmsnorm(c->pool, c->xn, c->x, L->ffn_norm, T, dim, cf->norm_eps);
+        cs_op_matmul(c->pool, c->gate, c->xn, L->w_gate, NULL, T, hid, dim);
+        cs_op_matmul(c->pool, c->up, c->xn, L->w_up, NULL, T, hid, dim);
+        cs_op_swiglu(c->pool, c->gate, c->gate, c->up, (size_t)T * hid);
+        cs_op_matmul(c->pool, c->proj, c->gate, L->w_down, NULL, T, dim, hid);
+        for (size_t i = 0; i < (size_t)T * dim; i++) c->x[i] += c->proj[i];
+    }
+    int n_out = 0;
+    for (int32_t s = 0; s < n_spans; s++) {
+        if (!spans[s].want_logits) continue;
+        int32_t last = c->aspans[s].q_begin + spans[s].n_tokens - 1;
+        memcpy(c->xl + (size_t)n_out * dim, c->x + (size_t)last * dim, (size_t)dim * sizeof(float));
+        n_out++;
+    }
+    if (n_out) {
+        cs_op_rmsnorm(c->pool, c->xl, c->xl, m->out_norm, n_out, dim, cf->norm_eps);
+        cs_op_matmul(c->pool, logits, c->xl, m->output, NULL, n_out, cf->n_vocab, dim);
+    }
+    return 0;
+}
+
+static int cpu_kv_export(void *p, const int32_t *pages, int32_t n, void *dst) {
+    cpu_ctx *c = p;
+    size_t bytes = c->page_floats * sizeof(float);
+    for (int32_t i = 0; i < n; i++) memcpy((char *)dst + (size_t)i * bytes, c->kv + (size_t)pages[i] * c->page_floats, bytes);
+    return 0;
+}
+
+static int cpu_kv_import(void *p, const int32_t *pages, int32_t n, const void *src) {
+    cpu_ctx *c = p;
+    size_t bytes = c->page_floats * sizeof(float);
+    for (int32_t i = 0; i < n; i++) memcpy(c->kv + (size_t)pages[i] * c->page_floats, (const char *)src + (size_t)i * bytes, bytes);
+    return 0;
+}
+
+static const struct cs_backend_iface cpu_iface = {
+    "cpu", cpu_free, cpu_kv_init, cpu_forward, cpu_kv_export, cpu_kv_import,
+};
+
+int cs_backend_cpu_init(const cs_model *m, int n_threads, cs_backend **out) {
+    *out = NULL;
+    cs_backend *b = calloc(1, sizeof *b);
+    cpu_ctx *c = calloc(1, sizeof *c);
+    if (!b || !c) {
+        free(b), free(c);
+        return cs__fail(CS_ENOMEM, "cpu backend: out of memory");
+    }
+    c->m = m;
+    int r = cs_threadpool_init(n_threads, &c->pool);
+    if (r) {
+        free(b);
+        cpu_free(c);
+        return r;
+    }
+    b->iface = &cpu_iface;
+    b->ctx = c;
+    *out = b;
+    return 0;
+}

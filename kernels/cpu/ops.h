@@ -1,0 +1,109 @@
+/* kernels/cpu/ops.h: the CPU kernels the CPU backend is built from, and a
+ * small thread pool to run them on.
+ *
+ * Every op has two forms: `cs_op_X_ref` is the plain-loop specification
+ * (single-threaded, readable, what the tests trust) and `cs_op_X` is the fast
+ * path (threaded on the pool, vectorized, BLAS for GEMM), tested against the
+ * reference by normalized error in tests/unit/test_cpu_ops.c.
+ * Dimension names: n_tokens, n_heads, n_kv_heads, head_dim, page_size. All
+ * matrices are row-major fp32. Not a general tensor library. */
+#ifndef CS_KERNELS_CPU_OPS_H
+#define CS_KERNELS_CPU_OPS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- thread pool ---- */
+/* Fast ops take a pool; NULL runs them on the caller alone. Whatever the
+ * pool size, a fast op's output is bit-for-bit the same (work is cut by
+ * shape, never by thread count), so results don't depend on the machine. */
+typedef struct cs_threadpool cs_threadpool;
+/* n_threads <= 0: one per online core. Workers sleep on a futex between
+ * jobs (no spinning), so an idle engine costs no CPU; signals are blocked on
+ * them. Free with cs_threadpool_free. CS_EINVAL above 1024 threads,
+ * CS_EAGAIN or CS_ENOMEM when threads cannot be started. */
+int cs_threadpool_init(int n_threads, cs_threadpool **out);
+void cs_threadpool_free(cs_threadpool *pool); /* NULL is a no-op */
+int cs_threadpool_size(const cs_threadpool *pool); /* 1 for NULL */
+/* Splits [0, n) into contiguous ranges, calls fn(arg, begin, end, thread)
+ * on the workers and the caller, returns when all ranges are done. The
+ * split depends only on n and the pool size. Not reentrant: one job at a
+ * time per pool. */
+typedef void (*cs_range_fn)(void *arg, int64_t begin, int64_t end, int thread);
+void cs_threadpool_for(cs_threadpool *pool, int64_t n, cs_range_fn fn, void *arg);
+
+/* ---- dense ops ---- */
+/* out (n_tokens, rows) = x (n_tokens, cols) * w (rows, cols)^T (+ bias (rows) if not NULL).
+ * The fast path calls OpenBLAS single-threaded on fixed tiles spread over
+ * the pool, and sets OpenBLAS's own thread count to 1 (process-wide) on
+ * first use; out must not overlap x, w or bias. */
+void cs_op_matmul_ref(float *out, const float *x, const float *w, const float *bias, int n_tokens, int rows,
+                      int cols);
+void cs_op_matmul(cs_threadpool *pool, float *out, const float *x, const float *w, const float *bias, int n_tokens,
+                  int rows, int cols);
+
+/* out (n_tokens, dim) = x / sqrt(mean(x^2) + eps) * w; out may equal x */
+void cs_op_rmsnorm_ref(float *out, const float *x, const float *w, int n_tokens, int dim, float eps);
+void cs_op_rmsnorm(cs_threadpool *pool, float *out, const float *x, const float *w, int n_tokens, int dim,
+                   float eps);
+
+/* In-place rotate-half RoPE on x (n_tokens, n_heads * head_dim); token t is at
+ * position pos[t]; angle_i = pos * inv_freq[i] in fp32 (Hugging Face order). */
+void cs_op_rope_ref(float *x, int n_tokens, int n_heads, int head_dim, const int32_t *pos, const float *inv_freq);
+void cs_op_rope(cs_threadpool *pool, float *x, int n_tokens, int n_heads, int head_dim, const int32_t *pos,
+                const float *inv_freq);
+
+/* out[i] = silu(gate[i]) * up[i] for n elements; out may equal gate */
+void cs_op_swiglu_ref(float *out, const float *gate, const float *up, size_t n);
+void cs_op_swiglu(cs_threadpool *pool, float *out, const float *gate, const float *up, size_t n);
+
+/* out (n_tokens, dim) = table rows ids[t] */
+void cs_op_embed(float *out, const float *table, const int32_t *ids, int n_tokens, int dim);
+
+/* ---- paged KV and attention ---- */
+/* Where one layer's K and V live. Token at position p of a sequence whose
+ * page table is pages[] is stored at
+ *   K: k + pages[p / page_size] * page_stride + (p % page_size) * n_kv_heads * head_dim
+ *   V: the same address + v_offset
+ * (floats, not bytes). */
+typedef struct {
+    float *k;
+    size_t page_stride;
+    size_t v_offset;
+    int page_size;
+} cs_kv_view;
+
+/* One sequence's share of a step: its query rows q[q_begin .. q_begin+n_q)
+ * sit at positions pos .. pos+n_q-1; its pages cover [0, pos+n_q). */
+typedef struct {
+    int32_t q_begin;
+    int32_t n_q;
+    int32_t pos;
+    const int32_t *pages;
+} cs_attn_span;
+
+/* Writes k, v (n_tokens, n_kv_heads * head_dim) of each span's tokens into
+ * their page slots. */
+void cs_op_kv_store(const cs_kv_view *kv, const cs_attn_span *spans, int n_spans, const float *k, const float *v,
+                    int kv_dim);
+
+/* Causal attention with GQA over paged KV: for every query row of every span,
+ * softmax(q . K[0..p] / sqrt(head_dim)) V[0..p] where p is the row's position;
+ * query head h reads kv head h / (n_heads / n_kv_heads). out and q are
+ * (n_tokens, n_heads * head_dim) and must not overlap. The keys of the step's
+ * own tokens must already be stored (cs_op_kv_store). Only the slots of
+ * positions < pos + n_q are read. The fast path needs head_dim <= 256 and
+ * uses no heap memory. */
+void cs_op_attention_ref(float *out, const float *q, const cs_attn_span *spans, int n_spans, const cs_kv_view *kv,
+                         int n_heads, int n_kv_heads, int head_dim);
+void cs_op_attention(cs_threadpool *pool, float *out, const float *q, const cs_attn_span *spans, int n_spans,
+                     const cs_kv_view *kv, int n_heads, int n_kv_heads, int head_dim);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
