@@ -255,6 +255,7 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
     if (cs_sched_idle(s)) return 0;
     int r = grow_scratch(s, s->n_running + s->n_waiting);
     if (r) return r;
+    *events = s->events; /* after grow_scratch: it may move them */
     int32_t budget = s->p.max_num_batched_tokens ? s->p.max_num_batched_tokens : INT32_MAX, used = 0, n_spans = 0;
     s->last.budget = budget;
 
@@ -370,8 +371,8 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
         s->texts[ne] = text;
         s->events[ne++] = (cs_event){q->id, id, lp, text ? text : "", fin, q->n_prompt, q->n_tokens - q->n_prompt, NULL};
         if (fin != CS_FINISH_NONE) {
-            seq **link;
-            find(s, q->id, &link);
+            seq **link = NULL;
+            CS_ASSERT(find(s, q->id, &link) == q);
             *link = q->next;
             s->n_running--;
             s->st.requests_finished++;

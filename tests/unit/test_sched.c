@@ -1,0 +1,397 @@
+/* test_sched: the step scheduler on the tiny model.
+ * - invariants at every step of randomized workloads: budget kept, every
+ *   running decode served when the budget allows, nobody starves, pages
+ *   conserved (free + used + cached = pool);
+ * - the same tokens with and without chunking, with the prefix cache on and
+ *   off, and under forced preemption (greedy and seeded sampling);
+ * - a shared 300-token prefix is computed once;
+ * - cancellation at random points leaks no page;
+ * - the serving loop (submit / callbacks / cancel from other threads). */
+#include <pthread.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include "chunkserve/serve.h"
+#include "test.h"
+
+static cs_model *model;
+static int32_t V;
+
+static uint64_t rng = 0x9E3779B97F4A7C15ull;
+static uint32_t rnd(uint32_t n) {
+    rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
+    return (uint32_t)(rng % n);
+}
+
+static cs_engine *engine(int n_pages) {
+    cs_engine_params p = cs_engine_params_default();
+    p.n_pages = n_pages;
+    p.n_threads = 2;
+    cs_engine *e = NULL;
+    ASSERT_EQ_INT(cs_engine_init(model, &p, &e), 0);
+    return e;
+}
+
+enum { MAX_REQ = 24, MAX_PROMPT = 420, MAX_GEN = 40 };
+typedef struct {
+    int32_t prompt[MAX_PROMPT];
+    int32_t n_prompt, max_tokens;
+    uint64_t seed;
+    bool sampled;
+} req_spec;
+
+typedef struct {
+    int32_t out[MAX_GEN];
+    int32_t n_out;
+    enum cs_finish finish;
+} req_out;
+
+static cs_request make_req(const req_spec *s, uint64_t id) {
+    cs_request r = {0};
+    r.id = id;
+    r.prompt = s->prompt;
+    r.n_prompt = s->n_prompt;
+    r.sampling = cs_sampling_params_default();
+    if (s->sampled) r.sampling.temperature = 0.8f, r.sampling.top_k = 50, r.sampling.seed = s->seed;
+    r.stop.max_tokens = s->max_tokens;
+    r.stop.ignore_eos = true;
+    return r;
+}
+
+static void check_pages(cs_engine *e) {
+    cs_kv_cache *kv = cs_engine_kv(e);
+    ASSERT_EQ_INT(cs_kv_cache_check(kv), 0);
+    ASSERT_EQ_INT(cs_kv_cache_n_free(kv) + cs_kv_cache_n_used(kv) + cs_kv_cache_n_cached(kv), cs_kv_cache_n_pages(kv));
+}
+
+/* Runs all requests through a scheduler (arriving in rounds), checking the
+ * invariants at every step; returns the total steps. */
+static int run(cs_engine *e, const cs_sched_params *sp, const req_spec *specs, int n, req_out *outs, bool arrive_late) {
+    cs_sched *s = NULL;
+    ASSERT_EQ_INT(cs_sched_init(e, sp, &s), 0);
+    memset(outs, 0, sizeof(req_out) * (size_t)n);
+    int added = 0, finished = 0, steps = 0;
+    int last_progress = 0;
+    while (finished < n) {
+        /* requests arrive over time */
+        while (added < n && (!arrive_late || rnd(3) == 0 || cs_sched_idle(s))) {
+            cs_request r = make_req(&specs[added], (uint64_t)added);
+            ASSERT_EQ_INT(cs_sched_add(s, &r), 0);
+            added++;
+        }
+        const cs_event *ev;
+        int32_t ne;
+        ASSERT_EQ_INT(cs_sched_step(s, &ev, &ne), 0);
+        cs_step_info info;
+        cs_sched_last_step(s, &info);
+        steps++;
+        ASSERT_TRUE(info.n_tokens <= info.budget);
+        int32_t can = info.n_running_decodes < info.budget ? info.n_running_decodes : info.budget;
+        ASSERT_EQ_INT(info.n_decode, can);
+        check_pages(e);
+        for (int32_t i = 0; i < ne; i++) {
+            req_out *o = &outs[ev[i].id];
+            ASSERT_TRUE(ev[i].token >= 0 && o->n_out < MAX_GEN);
+            o->out[o->n_out++] = ev[i].token;
+            if (ev[i].finish) {
+                o->finish = ev[i].finish;
+                finished++;
+            }
+            last_progress = steps;
+        }
+        ASSERT_TRUE(steps - last_progress < 2000); /* no starvation, no livelock */
+    }
+    ASSERT_TRUE(cs_sched_idle(s));
+    cs_sched_free(s);
+    ASSERT_EQ_INT(cs_kv_cache_n_used(cs_engine_kv(e)), 0);
+    return steps;
+}
+
+static void make_specs(req_spec *specs, int n, bool sampled) {
+    for (int i = 0; i < n; i++) {
+        specs[i].n_prompt = 1 + (int32_t)rnd(MAX_PROMPT - 1);
+        for (int j = 0; j < specs[i].n_prompt; j++) specs[i].prompt[j] = (int32_t)rnd((uint32_t)V);
+        if (i % 3 == 1 && i > 0) { /* share a prefix with the previous request */
+            int32_t k = specs[i - 1].n_prompt < specs[i].n_prompt ? specs[i - 1].n_prompt : specs[i].n_prompt;
+            memcpy(specs[i].prompt, specs[i - 1].prompt, sizeof(int32_t) * (size_t)(k * 3 / 4));
+        }
+        specs[i].max_tokens = 1 + (int32_t)rnd(MAX_GEN);
+        specs[i].seed = 77 + (uint64_t)i;
+        specs[i].sampled = sampled;
+    }
+}
+
+static void check_same(const req_out *a, const req_out *b, int n, const char *what) {
+    for (int i = 0; i < n; i++) {
+        ASSERT_EQ_INT(a[i].n_out, b[i].n_out);
+        for (int j = 0; j < a[i].n_out; j++) {
+            if (a[i].out[j] != b[i].out[j]) fprintf(stderr, "%s: request %d token %d differs\n", what, i, j);
+            ASSERT_EQ_INT(a[i].out[j], b[i].out[j]);
+        }
+    }
+}
+
+static void check_equivalence(void) {
+    static req_spec specs[MAX_REQ];
+    static req_out base[MAX_REQ], other[MAX_REQ];
+    for (int sampled = 0; sampled < 2; sampled++) {
+        make_specs(specs, MAX_REQ, sampled);
+        cs_engine *big = engine(4096), *small = engine(60); /* 60 pages: preemption guaranteed */
+        cs_sched_params one_pass = cs_sched_params_default();
+        one_pass.enable_prefix_caching = false;
+        run(big, &one_pass, specs, MAX_REQ, base, false);
+        uint64_t preempt = 0;
+        const int32_t budgets[] = {0, 512, 64, 17, 3};
+        for (int pc = 0; pc < 2; pc++)
+            for (size_t bi = 0; bi < sizeof budgets / sizeof budgets[0]; bi++)
+                for (int tight = 0; tight < 2; tight++) {
+                    cs_sched_params p = cs_sched_params_default();
+                    p.max_num_batched_tokens = budgets[bi];
+                    p.enable_prefix_caching = pc;
+                    p.max_num_seqs = tight ? 8 : 256;
+                    cs_engine *e = tight ? small : big;
+                    cs_sched *probe = NULL;
+                    (void)probe;
+                    int steps = run(e, &p, specs, MAX_REQ, other, true);
+                    char what[96];
+                    snprintf(what, sizeof what, "%s budget %d prefix %d %s", sampled ? "sampled" : "greedy",
+                             budgets[bi], pc, tight ? "small pool" : "big pool");
+                    check_same(base, other, MAX_REQ, what);
+                    (void)steps;
+                }
+        /* a run that must preempt: count it */
+        cs_sched *s = NULL;
+        cs_sched_params p = cs_sched_params_default();
+        p.max_num_batched_tokens = 64;
+        ASSERT_EQ_INT(cs_sched_init(small, &p, &s), 0);
+        for (int i = 0; i < MAX_REQ; i++) {
+            cs_request r = make_req(&specs[i], (uint64_t)i);
+            ASSERT_EQ_INT(cs_sched_add(s, &r), 0);
+        }
+        while (!cs_sched_idle(s)) {
+            const cs_event *ev;
+            int32_t ne;
+            ASSERT_EQ_INT(cs_sched_step(s, &ev, &ne), 0);
+        }
+        cs_sched_stats st;
+        cs_sched_get_stats(s, &st);
+        preempt = st.preemptions;
+        cs_sched_free(s);
+        printf("%s: one pass = budgets {unlimited, 512, 64, 17, 3} x prefix cache on/off x big/small pool "
+               "(small pool preempted %llu times)\n",
+               sampled ? "seeded sampling" : "greedy", (unsigned long long)preempt);
+        ASSERT_TRUE(preempt > 0);
+        cs_engine_free(big);
+        cs_engine_free(small);
+    }
+}
+
+static void check_prefix_cache(void) {
+    cs_engine *e = engine(1024);
+    cs_sched *s = NULL;
+    cs_sched_params p = cs_sched_params_default();
+    p.max_num_batched_tokens = 128;
+    ASSERT_EQ_INT(cs_sched_init(e, &p, &s), 0);
+    static req_spec a, b;
+    a.n_prompt = 340, b.n_prompt = 320;
+    for (int i = 0; i < 340; i++) a.prompt[i] = (int32_t)rnd((uint32_t)V);
+    memcpy(b.prompt, a.prompt, sizeof(int32_t) * 300);
+    for (int i = 300; i < 320; i++) b.prompt[i] = (int32_t)rnd((uint32_t)V);
+    a.max_tokens = b.max_tokens = 16;
+    req_out oa = {0}, ob = {0}, ob_cold = {0};
+    cs_sched_stats st0, st1;
+    for (int k = 0; k < 2; k++) {
+        cs_request r = make_req(k ? &b : &a, (uint64_t)k);
+        cs_sched_get_stats(s, &st0);
+        ASSERT_EQ_INT(cs_sched_add(s, &r), 0);
+        while (!cs_sched_idle(s)) {
+            const cs_event *ev;
+            int32_t ne;
+            ASSERT_EQ_INT(cs_sched_step(s, &ev, &ne), 0);
+            for (int32_t i = 0; i < ne; i++) {
+                req_out *o = k ? &ob : &oa;
+                o->out[o->n_out++] = ev[i].token;
+            }
+        }
+        cs_sched_get_stats(s, &st1);
+    }
+    /* 300 shared tokens = 18 full pages of 16 (288 tokens): only 320 - 288 computed */
+    uint64_t computed = st1.prompt_tokens_computed - st0.prompt_tokens_computed;
+    printf("prefix cache: second request computed %llu of its 320 prompt tokens (%llu reused)\n",
+           (unsigned long long)computed, (unsigned long long)(st1.prefix_hit_tokens - st0.prefix_hit_tokens));
+    ASSERT_EQ_INT(computed, 320 - 288);
+    ASSERT_EQ_INT(st1.prefix_hit_tokens - st0.prefix_hit_tokens, 288);
+    cs_sched_free(s);
+    cs_engine_free(e);
+    /* same output as with a cold cache */
+    cs_engine *e2 = engine(1024);
+    req_out dummy[1];
+    (void)dummy;
+    cs_sched_params cold = cs_sched_params_default();
+    cold.enable_prefix_caching = false;
+    run(e2, &cold, &b, 1, &ob_cold, false);
+    ASSERT_EQ_INT(ob.n_out, ob_cold.n_out);
+    for (int j = 0; j < ob.n_out; j++) ASSERT_EQ_INT(ob.out[j], ob_cold.out[j]);
+    cs_engine_free(e2);
+}
+
+static void check_cancel(void) {
+    cs_engine *e = engine(200);
+    static req_spec specs[MAX_REQ];
+    make_specs(specs, MAX_REQ, true);
+    for (int round = 0; round < 20; round++) {
+        cs_sched *s = NULL;
+        cs_sched_params p = cs_sched_params_default();
+        p.max_num_batched_tokens = 1 + (int32_t)rnd(200);
+        ASSERT_EQ_INT(cs_sched_init(e, &p, &s), 0);
+        bool live[MAX_REQ] = {0};
+        for (int i = 0; i < MAX_REQ; i++) {
+            cs_request r = make_req(&specs[i], (uint64_t)i);
+            ASSERT_EQ_INT(cs_sched_add(s, &r), 0);
+            live[i] = true;
+        }
+        while (!cs_sched_idle(s)) {
+            int victim = (int)rnd(MAX_REQ * 3);
+            if (victim < MAX_REQ && live[victim]) {
+                ASSERT_EQ_INT(cs_sched_cancel(s, (uint64_t)victim), 0);
+                live[victim] = false;
+                ASSERT_EQ_INT(cs_sched_cancel(s, (uint64_t)victim), CS_ENOENT);
+            }
+            const cs_event *ev;
+            int32_t ne;
+            ASSERT_EQ_INT(cs_sched_step(s, &ev, &ne), 0);
+            for (int32_t i = 0; i < ne; i++)
+                if (ev[i].finish) live[ev[i].id] = false;
+            check_pages(e);
+        }
+        if (round == 7) { /* free with live requests: everything released */
+            cs_request r = make_req(&specs[0], 999);
+            ASSERT_EQ_INT(cs_sched_add(s, &r), 0);
+            const cs_event *ev;
+            int32_t ne;
+            ASSERT_EQ_INT(cs_sched_step(s, &ev, &ne), 0);
+        }
+        cs_sched_free(s);
+        ASSERT_EQ_INT(cs_kv_cache_n_used(cs_engine_kv(e)), 0);
+    }
+    cs_engine_free(e);
+}
+
+static void check_bad_requests(void) {
+    cs_engine *e = engine(64);
+    cs_sched *s = NULL;
+    cs_sched_params p = cs_sched_params_default();
+    ASSERT_EQ_INT(cs_sched_init(e, &p, &s), 0);
+    static req_spec sp;
+    sp.n_prompt = 10, sp.max_tokens = 5;
+    for (int i = 0; i < 10; i++) sp.prompt[i] = i;
+    cs_request r = make_req(&sp, 1);
+    ASSERT_EQ_INT(cs_sched_add(s, &r), 0);
+    ASSERT_EQ_INT(cs_sched_add(s, &r), CS_EINVAL); /* id already live */
+    ASSERT_MSG_HAS(cs_last_error(), "already live");
+    r.id = 2, r.n_prompt = 0;
+    ASSERT_EQ_INT(cs_sched_add(s, &r), CS_EINVAL);
+    r.n_prompt = 10, sp.prompt[3] = V;
+    ASSERT_EQ_INT(cs_sched_add(s, &r), CS_EINVAL);
+    ASSERT_MSG_HAS(cs_last_error(), "outside the vocabulary");
+    sp.prompt[3] = 3, r.sampling.temperature = -1;
+    ASSERT_EQ_INT(cs_sched_add(s, &r), CS_EINVAL);
+    r.sampling.temperature = 0, r.stop.max_tokens = 0;
+    ASSERT_EQ_INT(cs_sched_add(s, &r), CS_EINVAL);
+    static int32_t huge[4096];
+    r.stop.max_tokens = 4, r.prompt = huge, r.n_prompt = 4096;
+    ASSERT_EQ_INT(cs_sched_add(s, &r), CS_EINVAL); /* no room left in the context */
+    r.n_prompt = 2000;
+    ASSERT_EQ_INT(cs_sched_add(s, &r), CS_ENOSPC); /* 64 pages of 16 hold 1024 tokens */
+    cs_sched_stats st;
+    cs_sched_get_stats(s, &st);
+    ASSERT_EQ_INT(st.n_waiting, 1);
+    cs_sched_free(s);
+    ASSERT_EQ_INT(cs_kv_cache_n_used(cs_engine_kv(e)), 0);
+    cs_sched_params bad = p;
+    bad.max_num_seqs = 0;
+    ASSERT_EQ_INT(cs_sched_init(e, &bad, &s), CS_EINVAL);
+    cs_engine_free(e);
+}
+
+/* ---- the serving loop ---- */
+typedef struct {
+    pthread_mutex_t mu;
+    int n_tokens[64];
+    enum cs_finish finish[64];
+    int finished;
+    char err[64][128];
+} sink;
+
+static void on_event(void *user, const cs_event *ev) {
+    sink *k = user;
+    pthread_mutex_lock(&k->mu);
+    if (ev->token >= 0) k->n_tokens[ev->id]++;
+    if (ev->finish) {
+        k->finish[ev->id] = ev->finish;
+        if (ev->error) snprintf(k->err[ev->id], sizeof k->err[ev->id], "%s", ev->error);
+        k->finished++;
+    }
+    pthread_mutex_unlock(&k->mu);
+}
+
+static void check_serve(void) {
+    cs_engine *e = engine(512);
+    cs_serve *sv = NULL;
+    cs_sched_params p = cs_sched_params_default();
+    p.max_num_batched_tokens = 64;
+    ASSERT_EQ_INT(cs_serve_start(e, &p, &sv), 0);
+    static sink k;
+    pthread_mutex_init(&k.mu, NULL);
+    static req_spec specs[40];
+    make_specs(specs, 40, false);
+    for (int i = 0; i < 40; i++) {
+        cs_request r = make_req(&specs[i], (uint64_t)i);
+        if (i == 39) r.n_prompt = 0; /* bad: an ERROR event */
+        ASSERT_EQ_INT(cs_serve_submit(sv, &r, on_event, &k), 0);
+        if (i % 5 == 4) cs_serve_cancel(sv, (uint64_t)(i - 2));
+    }
+    for (int wait = 0; wait < 3000; wait++) {
+        pthread_mutex_lock(&k.mu);
+        int f = k.finished;
+        pthread_mutex_unlock(&k.mu);
+        if (f == 40) break;
+        usleep(10000);
+    }
+    ASSERT_EQ_INT(k.finished, 40);
+    int cancelled = 0;
+    for (int i = 0; i < 39; i++) {
+        ASSERT_TRUE(k.finish[i] == CS_FINISH_LENGTH || k.finish[i] == CS_FINISH_CANCELLED);
+        if (k.finish[i] == CS_FINISH_LENGTH) ASSERT_EQ_INT(k.n_tokens[i], specs[i].max_tokens);
+        cancelled += k.finish[i] == CS_FINISH_CANCELLED;
+    }
+    ASSERT_EQ_INT(k.finish[39], CS_FINISH_ERROR);
+    ASSERT_MSG_HAS(k.err[39], "empty prompt");
+    printf("serve: 40 requests from another thread, %d cancelled, 1 refused, all finished\n", cancelled);
+    /* stop with requests in flight: each gets CANCELLED */
+    static sink k2;
+    pthread_mutex_init(&k2.mu, NULL);
+    for (int i = 0; i < 10; i++) {
+        cs_request r = make_req(&specs[i], (uint64_t)i);
+        r.stop.max_tokens = 40;
+        ASSERT_EQ_INT(cs_serve_submit(sv, &r, on_event, &k2), 0);
+    }
+    cs_serve_stop(sv);
+    ASSERT_EQ_INT(k2.finished, 10);
+    ASSERT_EQ_INT(cs_kv_cache_n_used(cs_engine_kv(e)), 0);
+    cs_engine_free(e);
+}
+
+int main(void) {
+    char path[1024];
+    snprintf(path, sizeof path, "%s/f32/tiny.gguf", getenv("CS_TINY_DIR"));
+    ASSERT_EQ_INT(cs_model_load(path, &model), 0);
+    V = cs_model_get_config(model)->n_vocab;
+    check_bad_requests();
+    check_prefix_cache();
+    check_cancel();
+    check_equivalence();
+    check_serve();
+    cs_model_free(model);
+    return 0;
+}
