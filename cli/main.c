@@ -24,7 +24,8 @@ typedef struct {
     const char *model, *prompt, *system, *ids, *out;
     int chat, no_special, no_gen_prompt, verbose, ignore_eos, reference;
     long max_tokens, threads, page_size, kv_mib, prompt_tokens;
-    const char *budget;
+    const char *budget, *budgets;
+    double duration;
     double temperature, top_p, min_p, rep_pen, presence, frequency;
     long top_k;
     unsigned long long seed;
@@ -60,6 +61,8 @@ static const opt_spec opt_table[] = {
     {"page-size", OPT_LONG, O(page_size), "16", "tokens per KV-cache page"},
     {"kv-cache-mib", OPT_LONG, O(kv_mib), "256", "KV-cache pool size in MiB"},
     {"threads", OPT_LONG, O(threads), "0", "CPU threads; 0 = one per core (env CHUNKSERVE_THREADS)"},
+    {"duration", OPT_DOUBLE, O(duration), "60", "bench-local: seconds per budget"},
+    {"budgets", OPT_STR, O(budgets), "unlimited,256,512,2048", "bench-local: step budgets to compare"},
     {"prompt-tokens", OPT_LONG, O(prompt_tokens), "2000", "bench-engine: prompt length"},
     {"reference", OPT_FLAG, O(reference), "0", "use the single-threaded fp32 reference forward pass"},
     {"ids", OPT_STR, O(ids), NULL, "comma-separated token ids: the prompt for generate and logits"},
@@ -80,7 +83,8 @@ static void usage(FILE *f) {
                "  chat-format  a JSON array of {role, content} on stdin -> rendered prompt\n"
                "  logits       --ids 1,2,3 --out FILE: float32 logits of every position\n"
                "  info         print the model's configuration\n"
-               "  bench-engine engine speed vs GEMM rate, memory bandwidth, chunk sizes (--prompt-tokens)\n\noptions:\n");
+               "  bench-engine engine speed vs GEMM rate, memory bandwidth, chunk sizes (--prompt-tokens)\n"
+               "  bench-local  chat streams + long prompts per step budget (--duration, --budgets, --seed)\n\noptions:\n");
     for (size_t i = 0; i < N_OPTS; i++) {
         const opt_spec *o = &opt_table[i];
         fprintf(f, "  --%-22s %s%s%s%s\n", o->name, o->help, o->deflt && o->type != OPT_FLAG ? " (default " : "",
@@ -536,7 +540,8 @@ int main(int argc, char **argv) {
         cs_tokenizer_free(tok);
         return rc;
     }
-    if (strcmp(cmd, "generate") && strcmp(cmd, "logits") && strcmp(cmd, "info") && strcmp(cmd, "bench-engine")) {
+    if (strcmp(cmd, "generate") && strcmp(cmd, "logits") && strcmp(cmd, "info") && strcmp(cmd, "bench-engine") &&
+        strcmp(cmd, "bench-local")) {
         fprintf(stderr, "chunkserve: unknown command '%s' (see --help)\n", cmd);
         return 2;
     }
@@ -546,6 +551,7 @@ int main(int argc, char **argv) {
     int rc = !strcmp(cmd, "generate")       ? cmd_generate(m, &o)
              : !strcmp(cmd, "logits")       ? cmd_logits(m, &o)
              : !strcmp(cmd, "bench-engine") ? cs_cli_bench_engine(m, (int)o.threads, (int)o.prompt_tokens)
+             : !strcmp(cmd, "bench-local")  ? cs_cli_bench_local(m, (int)o.threads, o.duration, o.budgets, o.seed, o.out)
                                             : cmd_info(m);
     cs_model_free(m);
     return rc;
