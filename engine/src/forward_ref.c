@@ -27,7 +27,8 @@ int cs_ref_seq_init(const cs_model *m, int32_t max_tokens, cs_ref_seq **out) {
     *out = NULL;
     const cs_model_config *c = &m->cfg;
     if (max_tokens < 1 || max_tokens > c->ctx_len)
-        return cs__fail(CS_EINVAL, "sequence length %d must be in 1..%d (the model's context)", max_tokens, c->ctx_len);
+        return cs__fail(CS_EINVAL, "sequence length %d must be in 1..%d (the model's context)",
+                        max_tokens, c->ctx_len);
     cs_ref_seq *s = calloc(1, sizeof *s);
     size_t n = (size_t)c->n_layers * 2 * (size_t)max_tokens * (size_t)(c->n_kv_heads * c->head_dim);
     if (s) s->kv = malloc(n * sizeof(float));
@@ -47,18 +48,27 @@ void cs_ref_seq_free(cs_ref_seq *s) {
     free(s);
 }
 
-int32_t cs_ref_seq_len(const cs_ref_seq *s) { return s->len; }
-void cs_ref_seq_reset(cs_ref_seq *s) { s->len = 0; }
+int32_t cs_ref_seq_len(const cs_ref_seq *s) {
+    return s->len;
+}
+void cs_ref_seq_reset(cs_ref_seq *s) {
+    s->len = 0;
+}
 
-int cs_ref_seq_eval(cs_ref_seq *s, const int32_t *tokens, int32_t n, bool all_logits, float *logits) {
+int cs_ref_seq_eval(cs_ref_seq *s, const int32_t *tokens, int32_t n, bool all_logits,
+                    float *logits) {
     const cs_model *m = s->m;
     const cs_model_config *c = &m->cfg;
     if (n < 1) return cs__fail(CS_EINVAL, "evaluate: need at least one token");
     if (n > s->max_tokens - s->len)
-        return cs__fail(CS_ENOSPC, "evaluate: %d tokens after %d exceed the sequence's %d positions", n, s->len, s->max_tokens);
+        return cs__fail(CS_ENOSPC,
+                        "evaluate: %d tokens after %d exceed the sequence's %d positions", n,
+                        s->len, s->max_tokens);
     for (int32_t t = 0; t < n; t++)
         if (tokens[t] < 0 || tokens[t] >= c->n_vocab)
-            return cs__fail(CS_EINVAL, "evaluate: token id %d at index %d is outside the vocabulary (0..%d)", tokens[t], t, c->n_vocab - 1);
+            return cs__fail(CS_EINVAL,
+                            "evaluate: token id %d at index %d is outside the vocabulary (0..%d)",
+                            tokens[t], t, c->n_vocab - 1);
 
     const int dim = c->dim, hd = c->head_dim, nh = c->n_heads, nkv = c->n_kv_heads;
     const int q_dim = nh * hd, kv_dim = nkv * hd, hidden = c->hidden_dim;
@@ -76,18 +86,20 @@ int cs_ref_seq_eval(cs_ref_seq *s, const int32_t *tokens, int32_t n, bool all_lo
     float *up = malloc(N * hidden * sizeof(float));   /* (n, hidden) */
     int32_t *pos = malloc(N * sizeof(int32_t));       /* (n) */
     if (!x || !xn || !q || !k || !v || !att || !proj || !gate || !up || !pos) {
-        free(x), free(xn), free(q), free(k), free(v), free(att), free(proj), free(gate), free(up), free(pos);
+        free(x), free(xn), free(q), free(k), free(v), free(att), free(proj), free(gate), free(up),
+            free(pos);
         return cs__fail(CS_ENOMEM, "evaluate: out of memory for %d tokens", n);
     }
-    for (int t = 0; t < n; t++) pos[t] = pos0 + t;
+    for (int t = 0; t < n; t++)
+        pos[t] = pos0 + t;
     const int32_t page0 = 0;
     const cs_attn_span span = {0, n, pos0, &page0};
     cs_op_embed(x, m->tok_embd, tokens, n, dim);
 
     for (int l = 0; l < c->n_layers; l++) {
         const cs_layer *L = &m->layers[l];
-        const cs_kv_view kv = {s->kv + (size_t)l * layer_floats, layer_floats, (size_t)s->max_tokens * kv_dim,
-                               s->max_tokens};
+        const cs_kv_view kv = {s->kv + (size_t)l * layer_floats, layer_floats,
+                               (size_t)s->max_tokens * kv_dim, s->max_tokens};
         cs_op_rmsnorm_ref(xn, x, L->attn_norm, n, dim, c->norm_eps);
         cs_op_matmul_ref(q, xn, L->wq, L->bq, n, q_dim, dim);
         cs_op_matmul_ref(k, xn, L->wk, L->bk, n, kv_dim, dim);
@@ -97,19 +109,22 @@ int cs_ref_seq_eval(cs_ref_seq *s, const int32_t *tokens, int32_t n, bool all_lo
         cs_op_kv_store(&kv, &span, 1, k, v, kv_dim);
         cs_op_attention_ref(att, q, &span, 1, &kv, nh, nkv, hd);
         cs_op_matmul_ref(proj, att, L->wo, NULL, n, dim, q_dim);
-        for (size_t i = 0; i < N * dim; i++) x[i] += proj[i];
+        for (size_t i = 0; i < N * dim; i++)
+            x[i] += proj[i];
 
         cs_op_rmsnorm_ref(xn, x, L->ffn_norm, n, dim, c->norm_eps);
         cs_op_matmul_ref(gate, xn, L->w_gate, NULL, n, hidden, dim);
         cs_op_matmul_ref(up, xn, L->w_up, NULL, n, hidden, dim);
         cs_op_swiglu_ref(gate, gate, up, N * hidden);
         cs_op_matmul_ref(proj, gate, L->w_down, NULL, n, dim, hidden);
-        for (size_t i = 0; i < N * dim; i++) x[i] += proj[i];
+        for (size_t i = 0; i < N * dim; i++)
+            x[i] += proj[i];
     }
     int first = all_logits ? 0 : n - 1;
     cs_op_rmsnorm_ref(xn, x + (size_t)first * dim, m->out_norm, n - first, dim, c->norm_eps);
     cs_op_matmul_ref(logits, xn, m->output, NULL, n - first, c->n_vocab, dim);
     s->len += n;
-    free(x), free(xn), free(q), free(k), free(v), free(att), free(proj), free(gate), free(up), free(pos);
+    free(x), free(xn), free(q), free(k), free(v), free(att), free(proj), free(gate), free(up),
+        free(pos);
     return 0;
 }

@@ -20,14 +20,16 @@ extern "C" {
 /* ---- thread pool ---- */
 /* Fast ops take a pool; NULL runs them on the caller alone. Whatever the
  * pool size, a fast op's output is bit-for-bit the same (work is cut by
- * shape, never by thread count), so results don't depend on the machine. */
+ * shape, never by thread count), so results don't depend on the machine.
+ * Ops keep no state between calls: different pools may run ops at the same
+ * time. */
 typedef struct cs_threadpool cs_threadpool;
-/* n_threads <= 0: one per online core. Workers sleep on a futex between
- * jobs (no spinning), so an idle engine costs no CPU; signals are blocked on
- * them. Free with cs_threadpool_free. CS_EINVAL above 1024 threads,
- * CS_EAGAIN or CS_ENOMEM when threads cannot be started. */
+/* n_threads <= 0: one per online core. Between jobs workers poll for up to
+ * 50 us (yielding the CPU as they go), then sleep on a futex, so an idle
+ * engine costs no CPU; signals are blocked on them. Free with cs_threadpool_free. CS_EINVAL above
+ * 1024 threads, CS_EAGAIN or CS_ENOMEM when threads cannot be started. */
 int cs_threadpool_init(int n_threads, cs_threadpool **out);
-void cs_threadpool_free(cs_threadpool *pool); /* NULL is a no-op */
+void cs_threadpool_free(cs_threadpool *pool);      /* NULL is a no-op */
 int cs_threadpool_size(const cs_threadpool *pool); /* 1 for NULL */
 /* Splits [0, n) into contiguous ranges, calls fn(arg, begin, end, thread)
  * on the workers and the caller, returns when all ranges are done. The
@@ -41,21 +43,24 @@ void cs_threadpool_for(cs_threadpool *pool, int64_t n, cs_range_fn fn, void *arg
  * The fast path calls OpenBLAS single-threaded on fixed tiles spread over
  * the pool, and sets OpenBLAS's own thread count to 1 (process-wide) on
  * first use; out must not overlap x, w or bias. */
-void cs_op_matmul_ref(float *out, const float *x, const float *w, const float *bias, int n_tokens, int rows,
-                      int cols);
-void cs_op_matmul(cs_threadpool *pool, float *out, const float *x, const float *w, const float *bias, int n_tokens,
-                  int rows, int cols);
+void cs_op_matmul_ref(float *out, const float *x, const float *w, const float *bias, int n_tokens,
+                      int rows, int cols);
+void cs_op_matmul(cs_threadpool *pool, float *out, const float *x, const float *w,
+                  const float *bias, int n_tokens, int rows, int cols);
 
 /* out (n_tokens, dim) = x / sqrt(mean(x^2) + eps) * w; out may equal x */
-void cs_op_rmsnorm_ref(float *out, const float *x, const float *w, int n_tokens, int dim, float eps);
-void cs_op_rmsnorm(cs_threadpool *pool, float *out, const float *x, const float *w, int n_tokens, int dim,
-                   float eps);
+void cs_op_rmsnorm_ref(float *out, const float *x, const float *w, int n_tokens, int dim,
+                       float eps);
+void cs_op_rmsnorm(cs_threadpool *pool, float *out, const float *x, const float *w, int n_tokens,
+                   int dim, float eps);
 
 /* In-place rotate-half RoPE on x (n_tokens, n_heads * head_dim); token t is at
- * position pos[t]; angle_i = pos * inv_freq[i] in fp32 (Hugging Face order). */
-void cs_op_rope_ref(float *x, int n_tokens, int n_heads, int head_dim, const int32_t *pos, const float *inv_freq);
-void cs_op_rope(cs_threadpool *pool, float *x, int n_tokens, int n_heads, int head_dim, const int32_t *pos,
-                const float *inv_freq);
+ * position pos[t]; angle_i = pos * inv_freq[i] in fp32 (Hugging Face order).
+ * The fast path is bit-identical to the reference; head_dim <= 512. */
+void cs_op_rope_ref(float *x, int n_tokens, int n_heads, int head_dim, const int32_t *pos,
+                    const float *inv_freq);
+void cs_op_rope(cs_threadpool *pool, float *x, int n_tokens, int n_heads, int head_dim,
+                const int32_t *pos, const float *inv_freq);
 
 /* out[i] = silu(gate[i]) * up[i] for n elements; out may equal gate */
 void cs_op_swiglu_ref(float *out, const float *gate, const float *up, size_t n);
@@ -88,20 +93,21 @@ typedef struct {
 
 /* Writes k, v (n_tokens, n_kv_heads * head_dim) of each span's tokens into
  * their page slots. */
-void cs_op_kv_store(const cs_kv_view *kv, const cs_attn_span *spans, int n_spans, const float *k, const float *v,
-                    int kv_dim);
+void cs_op_kv_store(const cs_kv_view *kv, const cs_attn_span *spans, int n_spans, const float *k,
+                    const float *v, int kv_dim);
 
 /* Causal attention with GQA over paged KV: for every query row of every span,
  * softmax(q . K[0..p] / sqrt(head_dim)) V[0..p] where p is the row's position;
  * query head h reads kv head h / (n_heads / n_kv_heads). out and q are
  * (n_tokens, n_heads * head_dim) and must not overlap. The keys of the step's
  * own tokens must already be stored (cs_op_kv_store). Only the slots of
- * positions < pos + n_q are read. The fast path needs head_dim <= 256 and
- * uses no heap memory. */
-void cs_op_attention_ref(float *out, const float *q, const cs_attn_span *spans, int n_spans, const cs_kv_view *kv,
-                         int n_heads, int n_kv_heads, int head_dim);
-void cs_op_attention(cs_threadpool *pool, float *out, const float *q, const cs_attn_span *spans, int n_spans,
-                     const cs_kv_view *kv, int n_heads, int n_kv_heads, int head_dim);
+ * positions < pos + n_q are read. n_heads is a multiple of n_kv_heads. The
+ * fast path needs head_dim <= 256 and uses no heap memory (~70 KB of stack
+ * per thread). */
+void cs_op_attention_ref(float *out, const float *q, const cs_attn_span *spans, int n_spans,
+                         const cs_kv_view *kv, int n_heads, int n_kv_heads, int head_dim);
+void cs_op_attention(cs_threadpool *pool, float *out, const float *q, const cs_attn_span *spans,
+                     int n_spans, const cs_kv_view *kv, int n_heads, int n_kv_heads, int head_dim);
 
 #ifdef __cplusplus
 }

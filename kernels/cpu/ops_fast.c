@@ -1,6 +1,7 @@
 /* ops_fast.c: the fast CPU ops: threaded on a cs_threadpool, vectorized with
- * AVX-512 intrinsics when the compiler targets AVX-512 (a plain-C 16-lane
- * fallback with the same structure otherwise), GEMM through OpenBLAS.
+ * AVX-512 intrinsics when the compiler targets AVX-512 (GCC vector
+ * extensions, 8 lanes, with the same algorithms otherwise), GEMM through
+ * OpenBLAS.
  *
  * Every result is independent of the pool size: work is cut into pieces
  * chosen from the shapes alone, and each piece is computed the same way
@@ -14,6 +15,7 @@
 #include <cblas.h>
 #include <math.h>
 #include <pthread.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "ops.h"
@@ -23,60 +25,61 @@
 #include <immintrin.h>
 #endif
 
-/* ---- 16-lane fp32 vectors: AVX-512, or plain arrays with the same API ---- */
+/* ---- VL-lane fp32 vectors: AVX-512, or generic vectors with the same API ---- */
 
 #ifdef __AVX512F__
-typedef __m512 v16;
-typedef __m512i vi16;
-static inline v16 v_set1(float a) {
+#define VL 16
+typedef __m512 vf;
+typedef __m512i vi;
+static inline vf v_set1(float a) {
     return _mm512_set1_ps(a);
 }
-static inline v16 v_load(const float *p) {
+static inline vf v_load(const float *p) {
     return _mm512_loadu_ps(p);
 }
-static inline void v_store(float *p, v16 a) {
+static inline void v_store(float *p, vf a) {
     _mm512_storeu_ps(p, a);
 }
-/* The first n (0..16) lanes; the rest read as 0 and are not written. */
-static inline v16 v_load_n(const float *p, int n) {
+/* The first n (0..VL) lanes; the rest read as 0 and are not written. */
+static inline vf v_load_n(const float *p, int n) {
     return _mm512_maskz_loadu_ps((__mmask16)((1u << n) - 1), p);
 }
-static inline void v_store_n(float *p, v16 a, int n) {
+static inline void v_store_n(float *p, vf a, int n) {
     _mm512_mask_storeu_ps(p, (__mmask16)((1u << n) - 1), a);
 }
-static inline v16 v_add(v16 a, v16 b) {
+static inline vf v_add(vf a, vf b) {
     return _mm512_add_ps(a, b);
 }
-static inline v16 v_sub(v16 a, v16 b) {
+static inline vf v_sub(vf a, vf b) {
     return _mm512_sub_ps(a, b);
 }
-static inline v16 v_mul(v16 a, v16 b) {
+static inline vf v_mul(vf a, vf b) {
     return _mm512_mul_ps(a, b);
 }
-static inline v16 v_div(v16 a, v16 b) {
+static inline vf v_div(vf a, vf b) {
     return _mm512_div_ps(a, b);
 }
-static inline v16 v_max(v16 a, v16 b) {
+static inline vf v_max(vf a, vf b) {
     return _mm512_max_ps(a, b);
 }
-static inline v16 v_fma(v16 a, v16 b, v16 c) { /* a * b + c */
+static inline vf v_fma(vf a, vf b, vf c) { /* a * b + c */
     return _mm512_fmadd_ps(a, b, c);
 }
-static inline float v_hsum(v16 a) {
+static inline float v_hsum(vf a) {
     return _mm512_reduce_add_ps(a);
 }
-static inline vi16 vi_load(const int32_t *p) {
+static inline vi vi_load(const int32_t *p) {
     return _mm512_loadu_si512(p);
 }
 /* -inf in the lanes whose position is before key j (causal mask). */
-static inline v16 v_mask_causal(v16 s, vi16 pos, int32_t j) {
+static inline vf v_mask_causal(vf s, vi pos, int32_t j) {
     __mmask16 m = _mm512_cmplt_epi32_mask(pos, _mm512_set1_epi32(j));
     return _mm512_mask_mov_ps(s, m, _mm512_set1_ps(-INFINITY));
 }
 /* e^x, Cephes expf: 2^n * e^r with n = round(x / ln 2) and a degree-5
  * polynomial for e^r on |r| <= ln(2)/2; about 1 ulp. The clamp makes -inf
  * (masked scores) exactly 0 and keeps large x finite. */
-static inline v16 v_exp(v16 x) {
+static inline vf v_exp(vf x) {
     x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-127.0f)), _mm512_set1_ps(88.0f));
     __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
@@ -92,66 +95,86 @@ static inline v16 v_exp(v16 x) {
     return _mm512_scalef_ps(p, n);
 }
 #else
-typedef struct {
-    float f[16];
-} v16;
-typedef struct {
-    int32_t i[16];
-} vi16;
-#define V16_MAP(expr)                                                                                        \
-    v16 r_;                                                                                                  \
-    for (int l = 0; l < 16; l++) r_.f[l] = (expr);                                                          \
-    return r_
-static inline v16 v_set1(float a) {
-    V16_MAP(a);
+/* GCC/Clang vector extensions, lowered to whatever SIMD the target has (one
+ * AVX2 register, two SSE or NEON ones). 8 lanes, not 16: the kernels keep
+ * ~16 accumulators live, which must fit AVX2's 16 registers. */
+#define VL 8
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic ignored "-Wpsabi" /* static inline helpers only: no ABI is crossed */
+#endif
+typedef float vf __attribute__((vector_size(32)));
+typedef int32_t vi __attribute__((vector_size(32)));
+static inline vf v_set1(float a) {
+    return (vf){a, a, a, a, a, a, a, a};
 }
-static inline v16 v_load(const float *p) {
-    V16_MAP(p[l]);
-}
-static inline void v_store(float *p, v16 a) {
-    memcpy(p, a.f, sizeof a.f);
-}
-static inline v16 v_load_n(const float *p, int n) {
-    V16_MAP(l < n ? p[l] : 0.0f);
-}
-static inline void v_store_n(float *p, v16 a, int n) {
-    memcpy(p, a.f, (size_t)n * sizeof(float));
-}
-static inline v16 v_add(v16 a, v16 b) {
-    V16_MAP(a.f[l] + b.f[l]);
-}
-static inline v16 v_sub(v16 a, v16 b) {
-    V16_MAP(a.f[l] - b.f[l]);
-}
-static inline v16 v_mul(v16 a, v16 b) {
-    V16_MAP(a.f[l] * b.f[l]);
-}
-static inline v16 v_div(v16 a, v16 b) {
-    V16_MAP(a.f[l] / b.f[l]);
-}
-static inline v16 v_max(v16 a, v16 b) {
-    V16_MAP(a.f[l] > b.f[l] ? a.f[l] : b.f[l]);
-}
-static inline v16 v_fma(v16 a, v16 b, v16 c) {
-    V16_MAP(fmaf(a.f[l], b.f[l], c.f[l]));
-}
-static inline float v_hsum(v16 a) {
-    float s = 0;
-    for (int l = 0; l < 16; l++) s += a.f[l];
-    return s;
-}
-static inline vi16 vi_load(const int32_t *p) {
-    vi16 r;
-    memcpy(r.i, p, sizeof r.i);
+static inline vf v_load(const float *p) {
+    vf r;
+    memcpy(&r, p, sizeof r);
     return r;
 }
-static inline v16 v_mask_causal(v16 s, vi16 pos, int32_t j) {
-    V16_MAP(pos.i[l] < j ? -INFINITY : s.f[l]);
+static inline void v_store(float *p, vf a) {
+    memcpy(p, &a, sizeof a);
 }
-static inline v16 v_exp(v16 x) {
-    V16_MAP(expf(x.f[l]));
+static inline vf v_load_n(const float *p, int n) {
+    vf r = {0};
+    memcpy(&r, p, (size_t)n * sizeof(float));
+    return r;
 }
-#undef V16_MAP
+static inline void v_store_n(float *p, vf a, int n) {
+    memcpy(p, &a, (size_t)n * sizeof(float));
+}
+static inline vf v_add(vf a, vf b) {
+    return a + b;
+}
+static inline vf v_sub(vf a, vf b) {
+    return a - b;
+}
+static inline vf v_mul(vf a, vf b) {
+    return a * b;
+}
+static inline vf v_div(vf a, vf b) {
+    return a / b;
+}
+static inline vf v_select(vi mask, vf a, vf b) { /* mask ? a : b, lane-wise */
+    return (vf)(((vi)a & mask) | ((vi)b & ~mask));
+}
+static inline vf v_max(vf a, vf b) {
+    return v_select(a > b, a, b);
+}
+static inline vf v_fma(vf a, vf b, vf c) {
+    return a * b + c;
+}
+static inline float v_hsum(vf a) {
+    float s = 0;
+    for (int l = 0; l < VL; l++)
+        s += a[l];
+    return s;
+}
+static inline vi vi_load(const int32_t *p) {
+    vi r;
+    memcpy(&r, p, sizeof r);
+    return r;
+}
+static inline vf v_mask_causal(vf s, vi pos, int32_t j) {
+    return v_select(pos < (vi){0} + j, v_set1(-INFINITY), s);
+}
+/* Cephes expf as above; x is clamped to where 2^n is a normal float, so
+ * -inf gives ~1e-38 instead of 0. */
+static inline vf v_exp(vf x) {
+    x = v_select(x < v_set1(-87.0f), v_set1(-87.0f), x);
+    x = v_select(x > v_set1(88.0f), v_set1(88.0f), x);
+    vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round to nearest */
+    vf r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    vf p = 1.9875691500e-4f * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + (r + 1.0f);
+    vi e = (__builtin_convertvector(n, vi) + 127) << 23;
+    return p * (vf)e;
+}
 #endif
 
 /* Runs fn over [0, n) on the pool when there is enough work (in rough
@@ -170,11 +193,15 @@ static pthread_once_t blas_once = PTHREAD_ONCE_INIT;
 static void blas_init(void) {
     openblas_set_num_threads(1);
     /* OpenBLAS 0.3.21 does not know the newest Xeons and falls back to its
-     * SSE3 kernels, 5-8x slower than the AVX-512 ones. */
+     * SSE3 kernels, 4-5x slower here than the AVX-512 ones. */
+#if defined(__x86_64__) && defined(__GNUC__)
     const char *core = openblas_get_corename();
-    if (core && !strcmp(core, "Prescott") && !getenv("OPENBLAS_CORETYPE") && __builtin_cpu_supports("avx2"))
-        CS_LOGW("OpenBLAS picked its %s kernels on this CPU; export OPENBLAS_CORETYPE=%s for faster GEMM", core,
-                __builtin_cpu_supports("avx512f") ? "SkylakeX" : "Haswell");
+    if (core && !strcmp(core, "Prescott") && !getenv("OPENBLAS_CORETYPE") &&
+        __builtin_cpu_supports("avx2"))
+        CS_LOGW("OpenBLAS picked its %s kernels on this CPU; export OPENBLAS_CORETYPE=%s for "
+                "faster GEMM",
+                core, __builtin_cpu_supports("avx512f") ? "SkylakeX" : "Haswell");
+#endif
 }
 
 #define CS_MATMUL_MIN_TILES 8
@@ -204,21 +231,29 @@ static void matmul_tiles(void *arg, int64_t begin, int64_t end, int thread) {
         const float *w = j->w + (size_t)r0 * j->cols, *x = j->x + (size_t)t0 * j->cols;
         float beta = 0.0f;
         if (j->bias) {
-            for (int t = 0; t < tn; t++) memcpy(o + (size_t)t * j->rows, j->bias + r0, (size_t)rn * sizeof(float));
+            for (int t = 0; t < tn; t++)
+                memcpy(o + (size_t)t * j->rows, j->bias + r0, (size_t)rn * sizeof(float));
             beta = 1.0f;
         }
         if (tn == 1)
-            cblas_sgemv(CblasRowMajor, CblasNoTrans, rn, j->cols, 1.0f, w, j->cols, x, 1, beta, o, 1);
+            cblas_sgemv(CblasRowMajor, CblasNoTrans, rn, j->cols, 1.0f, w, j->cols, x, 1, beta, o,
+                        1);
         else
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, tn, rn, j->cols, 1.0f, x, j->cols, w, j->cols, beta,
-                        o, j->rows);
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, tn, rn, j->cols, 1.0f, x, j->cols,
+                        w, j->cols, beta, o, j->rows);
     }
 }
 
-void cs_op_matmul(cs_threadpool *pool, float *out, const float *x, const float *w, const float *bias, int n_tokens,
-                  int rows, int cols) {
+void cs_op_matmul(cs_threadpool *pool, float *out, const float *x, const float *w,
+                  const float *bias, int n_tokens, int rows, int cols) {
     pthread_once(&blas_once, blas_init);
     if (n_tokens <= 0 || rows <= 0) return;
+    if (cols <= 0) { /* BLAS rejects a zero leading dimension */
+        for (int t = 0; t < n_tokens; t++)
+            for (int r = 0; r < rows; r++)
+                out[(size_t)t * rows + r] = bias ? bias[r] : 0.0f;
+        return;
+    }
     /* Tiles from the shape alone (see the file comment): up to 256 x 256,
      * where OpenBLAS runs near its single-core peak, halved (down to 64) on
      * the longer side until there are enough tiles to keep a pool busy:
@@ -258,19 +293,23 @@ static void rmsnorm_rows(void *arg, int64_t begin, int64_t end, int thread) {
     for (int64_t t = begin; t < end; t++) {
         const float *x = j->x + (size_t)t * dim;
         float *o = j->out + (size_t)t * dim;
-        v16 acc = v_set1(0.0f);
+        vf acc = v_set1(0.0f);
         int i = 0;
-        for (; i + 16 <= dim; i += 16) acc = v_fma(v_load(x + i), v_load(x + i), acc);
+        for (; i + VL <= dim; i += VL)
+            acc = v_fma(v_load(x + i), v_load(x + i), acc);
         if (i < dim) acc = v_fma(v_load_n(x + i, dim - i), v_load_n(x + i, dim - i), acc);
-        v16 scale = v_set1(1.0f / sqrtf(v_hsum(acc) / (float)dim + j->eps));
-        for (i = 0; i + 16 <= dim; i += 16) v_store(o + i, v_mul(v_load(j->w + i), v_mul(v_load(x + i), scale)));
+        vf scale = v_set1(1.0f / sqrtf(v_hsum(acc) / (float)dim + j->eps));
+        for (i = 0; i + VL <= dim; i += VL)
+            v_store(o + i, v_mul(v_load(j->w + i), v_mul(v_load(x + i), scale)));
         if (i < dim)
-            v_store_n(o + i, v_mul(v_load_n(j->w + i, dim - i), v_mul(v_load_n(x + i, dim - i), scale)), dim - i);
+            v_store_n(o + i,
+                      v_mul(v_load_n(j->w + i, dim - i), v_mul(v_load_n(x + i, dim - i), scale)),
+                      dim - i);
     }
 }
 
-void cs_op_rmsnorm(cs_threadpool *pool, float *out, const float *x, const float *w, int n_tokens, int dim,
-                   float eps) {
+void cs_op_rmsnorm(cs_threadpool *pool, float *out, const float *x, const float *w, int n_tokens,
+                   int dim, float eps) {
     rmsnorm_job j = {out, x, w, dim, eps};
     run(pool, n_tokens, 3.0 * n_tokens * dim, rmsnorm_rows, &j);
 }
@@ -298,10 +337,10 @@ static void rope_tokens(void *arg, int64_t begin, int64_t end, int thread) {
         }
         for (int h = 0; h < j->n_heads; h++) {
             float *v = j->x + ((size_t)t * j->n_heads + h) * j->head_dim;
-            for (int i = 0; i < half; i += 16) {
-                int n = half - i < 16 ? half - i : 16;
-                v16 x0 = v_load_n(v + i, n), x1 = v_load_n(v + i + half, n);
-                v16 c = v_load_n(cs + i, n), s = v_load_n(sn + i, n);
+            for (int i = 0; i < half; i += VL) {
+                int n = half - i < VL ? half - i : VL;
+                vf x0 = v_load_n(v + i, n), x1 = v_load_n(v + i + half, n);
+                vf c = v_load_n(cs + i, n), s = v_load_n(sn + i, n);
                 v_store_n(v + i, v_sub(v_mul(x0, c), v_mul(x1, s)), n);
                 v_store_n(v + i + half, v_add(v_mul(x1, c), v_mul(x0, s)), n);
             }
@@ -309,11 +348,12 @@ static void rope_tokens(void *arg, int64_t begin, int64_t end, int thread) {
     }
 }
 
-void cs_op_rope(cs_threadpool *pool, float *x, int n_tokens, int n_heads, int head_dim, const int32_t *pos,
-                const float *inv_freq) {
+void cs_op_rope(cs_threadpool *pool, float *x, int n_tokens, int n_heads, int head_dim,
+                const int32_t *pos, const float *inv_freq) {
     CS_ASSERT(head_dim <= 2 * CS_ROPE_MAX_HALF);
     rope_job j = {x, n_heads, head_dim, pos, inv_freq};
-    run(pool, n_tokens, 3.0 * n_tokens * n_heads * head_dim + 40.0 * n_tokens * head_dim, rope_tokens, &j);
+    run(pool, n_tokens, 3.0 * n_tokens * n_heads * head_dim + 40.0 * n_tokens * head_dim,
+        rope_tokens, &j);
 }
 
 typedef struct {
@@ -322,39 +362,37 @@ typedef struct {
     size_t n;
 } swiglu_job;
 
-/* Over blocks of 16 elements, the last one masked, so every element takes
+/* Over blocks of VL elements, the last one masked, so every element takes
  * the same path whatever the split. */
 static void swiglu_blocks(void *arg, int64_t begin, int64_t end, int thread) {
     const swiglu_job *j = arg;
-    const v16 one = v_set1(1.0f), zero = v_set1(0.0f);
+    const vf one = v_set1(1.0f), zero = v_set1(0.0f);
     for (int64_t b = begin; b < end; b++) {
-        size_t i = (size_t)b * 16;
-        int n = j->n - i < 16 ? (int)(j->n - i) : 16;
-        v16 g = v_load_n(j->gate + i, n), u = v_load_n(j->up + i, n);
-        v16 silu = v_div(g, v_add(one, v_exp(v_sub(zero, g))));
+        size_t i = (size_t)b * VL;
+        int n = j->n - i < VL ? (int)(j->n - i) : VL;
+        vf g = v_load_n(j->gate + i, n), u = v_load_n(j->up + i, n);
+        vf silu = v_div(g, v_add(one, v_exp(v_sub(zero, g))));
         v_store_n(j->out + i, v_mul(silu, u), n);
     }
 }
 
 void cs_op_swiglu(cs_threadpool *pool, float *out, const float *gate, const float *up, size_t n) {
     swiglu_job j = {out, gate, up, n};
-    run(pool, (int64_t)((n + 15) / 16), 20.0 * (double)n, swiglu_blocks, &j);
+    run(pool, (int64_t)((n + VL - 1) / VL), 20.0 * (double)n, swiglu_blocks, &j);
 }
 
 /* ---- attention ---- */
 
-/* ---- attention ---- */
-
-/* A tile is 16 query rows, one per vector lane, that share a kv head: the
+/* A tile is VL query rows, one per vector lane, that share a kv head: the
  * (token, head) pairs of one span and kv head in token-major order, so GQA
  * heads of a token and consecutive tokens fill the lanes alike (a decode
  * token with 3 heads per kv head uses 3 lanes). Tiles go through the keys in
- * pairs, so each K or V value loaded feeds 32 rows: the loops are bound by
- * loads, not FMAs, with one tile. Keys go in blocks of up to CS_ATTN_KB with
+ * pairs, so each K or V value loaded feeds 2 * VL rows: with one tile the
+ * loops are bound by loads, not FMAs. Keys go in blocks of up to CS_ATTN_KB with
  * an online (running-max) softmax, so scratch stays on the stack whatever
- * the context length. Scores are kept transposed, one vector of 16 rows per
+ * the context length. Scores are kept transposed, one vector of VL rows per
  * key, so the softmax needs no horizontal operations. */
-#define CS_ATTN_ROWS 16
+#define CS_ATTN_ROWS VL
 #define CS_ATTN_KB 32
 #define CS_ATTN_MAX_HEAD_DIM 256
 #define PAIR (2 * CS_ATTN_ROWS) /* scratch row stride: two tiles side by side */
@@ -386,9 +424,10 @@ static int64_t pair_cost(const cs_attn_span *sp, int group, int64_t pair) {
 /* Rows r0 .. r0+n_rows-1 (n_rows <= 32) of span sp and kv head g, in nt
  * tiles; nt is a constant in each inlined copy, so the second tile's code
  * disappears when nt == 1. */
-static inline __attribute__((always_inline)) void attn_rows(const attn_job *j, const cs_attn_span *sp, int g,
-                                                              int64_t r0, int n_rows, const int nt) {
-    const int hd = j->head_dim, group = j->group, q_dim = j->n_heads * hd, kv_dim = j->n_kv_heads * hd;
+static inline __attribute__((always_inline)) void
+attn_rows(const attn_job *j, const cs_attn_span *sp, int g, int64_t r0, int n_rows, const int nt) {
+    const int hd = j->head_dim, group = j->group, q_dim = j->n_heads * hd,
+              kv_dim = j->n_kv_heads * hd;
     const cs_kv_view *kv = j->kv;
     const float scale = 1.0f / sqrtf((float)hd);
 
@@ -405,39 +444,42 @@ static inline __attribute__((always_inline)) void attn_rows(const attn_job *j, c
         int h = g * group + (int)(r % group);
         pos[l] = sp->pos + t;
         const float *qr = j->q + (size_t)(sp->q_begin + t) * q_dim + (size_t)h * hd;
-        for (int d = 0; d < hd; d++) qt[d * PAIR + l] = qr[d] * scale;
+        for (int d = 0; d < hd; d++)
+            qt[d * PAIR + l] = qr[d] * scale;
     }
     for (int d = 0; d < hd; d++) {
         v_store(ot + d * PAIR, v_set1(0.0f));
-        if (nt > 1) v_store(ot + d * PAIR + 16, v_set1(0.0f));
+        if (nt > 1) v_store(ot + d * PAIR + CS_ATTN_ROWS, v_set1(0.0f));
     }
-    const vi16 pos_a = vi_load(pos), pos_b = vi_load(nt > 1 ? pos + 16 : pos);
-    v16 m_a = v_set1(-INFINITY), m_b = m_a, l_a = v_set1(0.0f), l_b = l_a;
+    const vi pos_a = vi_load(pos), pos_b = vi_load(nt > 1 ? pos + CS_ATTN_ROWS : pos);
+    vf m_a = v_set1(-INFINITY), m_b = m_a, l_a = v_set1(0.0f), l_b = l_a;
 
     const int32_t n_keys = pos[n_rows - 1] + 1;
     int32_t page = 0, off = 0; /* page table cursor of key j0 */
     for (int32_t j0 = 0; j0 < n_keys; j0 += CS_ATTN_KB) {
         const int kb = n_keys - j0 < CS_ATTN_KB ? n_keys - j0 : CS_ATTN_KB;
         for (int jj = 0; jj < kb; jj++) {
-            kp[jj] = kv->k + (size_t)sp->pages[page] * kv->page_stride + (size_t)off * kv_dim + (size_t)g * hd;
+            kp[jj] = kv->k + (size_t)sp->pages[page] * kv->page_stride + (size_t)off * kv_dim +
+                     (size_t)g * hd;
             if (++off == kv->page_size) off = 0, page++;
         }
         /* Scores, 8 keys at a time (8 independent FMA chains per tile); the
          * padding keys of the last group repeat a real key and are ignored. */
-        for (int jj = kb; jj < (kb + 7) / 8 * 8; jj++) kp[jj] = kp[kb - 1];
+        for (int jj = kb; jj < (kb + 7) / 8 * 8; jj++)
+            kp[jj] = kp[kb - 1];
         for (int j8 = 0; j8 < kb; j8 += 8) {
-            const v16 z = v_set1(0.0f);
-            v16 a0 = z, a1 = z, a2 = z, a3 = z, a4 = z, a5 = z, a6 = z, a7 = z;
-            v16 b0 = z, b1 = z, b2 = z, b3 = z, b4 = z, b5 = z, b6 = z, b7 = z;
+            const vf z = v_set1(0.0f);
+            vf a0 = z, a1 = z, a2 = z, a3 = z, a4 = z, a5 = z, a6 = z, a7 = z;
+            vf b0 = z, b1 = z, b2 = z, b3 = z, b4 = z, b5 = z, b6 = z, b7 = z;
             const float *k0 = kp[j8], *k1 = kp[j8 + 1], *k2 = kp[j8 + 2], *k3 = kp[j8 + 3];
             const float *k4 = kp[j8 + 4], *k5 = kp[j8 + 5], *k6 = kp[j8 + 6], *k7 = kp[j8 + 7];
             for (int d = 0; d < hd; d++) {
-                const v16 qa = v_load(qt + d * PAIR);
-                v16 k;
-#define QK(i)                                                                                                \
-    k = v_set1(k##i[d]);                                                                                     \
-    a##i = v_fma(k, qa, a##i);                                                                               \
-    if (nt > 1) b##i = v_fma(k, v_load(qt + d * PAIR + 16), b##i)
+                const vf qa = v_load(qt + d * PAIR);
+                vf k;
+#define QK(i)                                                                                      \
+    k = v_set1(k##i[d]);                                                                           \
+    a##i = v_fma(k, qa, a##i);                                                                     \
+    if (nt > 1) b##i = v_fma(k, v_load(qt + d * PAIR + CS_ATTN_ROWS), b##i)
                 QK(0);
                 QK(1);
                 QK(2);
@@ -449,12 +491,14 @@ static inline __attribute__((always_inline)) void attn_rows(const attn_job *j, c
 #undef QK
             }
             float *s = st + j8 * PAIR;
-            v_store(s, a0), v_store(s + PAIR, a1), v_store(s + 2 * PAIR, a2), v_store(s + 3 * PAIR, a3);
+            v_store(s, a0), v_store(s + PAIR, a1), v_store(s + 2 * PAIR, a2),
+                v_store(s + 3 * PAIR, a3);
             v_store(s + 4 * PAIR, a4), v_store(s + 5 * PAIR, a5), v_store(s + 6 * PAIR, a6);
             v_store(s + 7 * PAIR, a7);
             if (nt > 1) {
-                s += 16;
-                v_store(s, b0), v_store(s + PAIR, b1), v_store(s + 2 * PAIR, b2), v_store(s + 3 * PAIR, b3);
+                s += CS_ATTN_ROWS;
+                v_store(s, b0), v_store(s + PAIR, b1), v_store(s + 2 * PAIR, b2),
+                    v_store(s + 3 * PAIR, b3);
                 v_store(s + 4 * PAIR, b4), v_store(s + 5 * PAIR, b5), v_store(s + 6 * PAIR, b6);
                 v_store(s + 7 * PAIR, b7);
             }
@@ -464,26 +508,28 @@ static inline __attribute__((always_inline)) void attn_rows(const attn_job *j, c
             for (int jj = 0; jj < kb; jj++) {
                 float *s = st + jj * PAIR;
                 v_store(s, v_mask_causal(v_load(s), pos_a, j0 + jj));
-                if (nt > 1) v_store(s + 16, v_mask_causal(v_load(s + 16), pos_b, j0 + jj));
+                if (nt > 1)
+                    v_store(s + CS_ATTN_ROWS,
+                            v_mask_causal(v_load(s + CS_ATTN_ROWS), pos_b, j0 + jj));
             }
         /* Online softmax: what was accumulated is rescaled by
          * e^(m_old - m_new). Block 0 holds key 0, which every row sees, so m
          * is finite after it and m_old - m_new is never -inf - -inf. */
-        v16 mn_a = m_a, mn_b = m_b, s_a = v_set1(0.0f), s_b = s_a;
+        vf mn_a = m_a, mn_b = m_b, s_a = v_set1(0.0f), s_b = s_a;
         for (int jj = 0; jj < kb; jj++) {
             mn_a = v_max(mn_a, v_load(st + jj * PAIR));
-            if (nt > 1) mn_b = v_max(mn_b, v_load(st + jj * PAIR + 16));
+            if (nt > 1) mn_b = v_max(mn_b, v_load(st + jj * PAIR + CS_ATTN_ROWS));
         }
-        const v16 al_a = v_exp(v_sub(m_a, mn_a)), al_b = nt > 1 ? v_exp(v_sub(m_b, mn_b)) : al_a;
+        const vf al_a = v_exp(v_sub(m_a, mn_a)), al_b = nt > 1 ? v_exp(v_sub(m_b, mn_b)) : al_a;
         m_a = mn_a, m_b = mn_b;
         for (int jj = 0; jj < kb; jj++) {
             float *s = st + jj * PAIR;
-            v16 p = v_exp(v_sub(v_load(s), mn_a));
+            vf p = v_exp(v_sub(v_load(s), mn_a));
             v_store(s, p);
             s_a = v_add(s_a, p);
             if (nt > 1) {
-                p = v_exp(v_sub(v_load(s + 16), mn_b));
-                v_store(s + 16, p);
+                p = v_exp(v_sub(v_load(s + CS_ATTN_ROWS), mn_b));
+                v_store(s + CS_ATTN_ROWS, p);
                 s_b = v_add(s_b, p);
             }
         }
@@ -494,25 +540,29 @@ static inline __attribute__((always_inline)) void attn_rows(const attn_job *j, c
         int d = 0;
         for (; d + 8 <= hd; d += 8) {
             float *o = ot + d * PAIR;
-            v16 a0 = v_mul(v_load(o), al_a), a1 = v_mul(v_load(o + PAIR), al_a);
-            v16 a2 = v_mul(v_load(o + 2 * PAIR), al_a), a3 = v_mul(v_load(o + 3 * PAIR), al_a);
-            v16 a4 = v_mul(v_load(o + 4 * PAIR), al_a), a5 = v_mul(v_load(o + 5 * PAIR), al_a);
-            v16 a6 = v_mul(v_load(o + 6 * PAIR), al_a), a7 = v_mul(v_load(o + 7 * PAIR), al_a);
-            v16 b0 = a0, b1 = a0, b2 = a0, b3 = a0, b4 = a0, b5 = a0, b6 = a0, b7 = a0;
+            vf a0 = v_mul(v_load(o), al_a), a1 = v_mul(v_load(o + PAIR), al_a);
+            vf a2 = v_mul(v_load(o + 2 * PAIR), al_a), a3 = v_mul(v_load(o + 3 * PAIR), al_a);
+            vf a4 = v_mul(v_load(o + 4 * PAIR), al_a), a5 = v_mul(v_load(o + 5 * PAIR), al_a);
+            vf a6 = v_mul(v_load(o + 6 * PAIR), al_a), a7 = v_mul(v_load(o + 7 * PAIR), al_a);
+            vf b0 = a0, b1 = a0, b2 = a0, b3 = a0, b4 = a0, b5 = a0, b6 = a0, b7 = a0;
             if (nt > 1) {
-                b0 = v_mul(v_load(o + 16), al_b), b1 = v_mul(v_load(o + PAIR + 16), al_b);
-                b2 = v_mul(v_load(o + 2 * PAIR + 16), al_b), b3 = v_mul(v_load(o + 3 * PAIR + 16), al_b);
-                b4 = v_mul(v_load(o + 4 * PAIR + 16), al_b), b5 = v_mul(v_load(o + 5 * PAIR + 16), al_b);
-                b6 = v_mul(v_load(o + 6 * PAIR + 16), al_b), b7 = v_mul(v_load(o + 7 * PAIR + 16), al_b);
+                b0 = v_mul(v_load(o + CS_ATTN_ROWS), al_b),
+                b1 = v_mul(v_load(o + PAIR + CS_ATTN_ROWS), al_b);
+                b2 = v_mul(v_load(o + 2 * PAIR + CS_ATTN_ROWS), al_b),
+                b3 = v_mul(v_load(o + 3 * PAIR + CS_ATTN_ROWS), al_b);
+                b4 = v_mul(v_load(o + 4 * PAIR + CS_ATTN_ROWS), al_b),
+                b5 = v_mul(v_load(o + 5 * PAIR + CS_ATTN_ROWS), al_b);
+                b6 = v_mul(v_load(o + 6 * PAIR + CS_ATTN_ROWS), al_b),
+                b7 = v_mul(v_load(o + 7 * PAIR + CS_ATTN_ROWS), al_b);
             }
             for (int jj = 0; jj < kb; jj++) {
                 const float *vr = kp[jj] + vo + d;
-                const v16 pa = v_load(st + jj * PAIR);
-                v16 v;
-#define PV(i)                                                                                                \
-    v = v_set1(vr[i]);                                                                                       \
-    a##i = v_fma(v, pa, a##i);                                                                               \
-    if (nt > 1) b##i = v_fma(v, v_load(st + jj * PAIR + 16), b##i)
+                const vf pa = v_load(st + jj * PAIR);
+                vf v;
+#define PV(i)                                                                                      \
+    v = v_set1(vr[i]);                                                                             \
+    a##i = v_fma(v, pa, a##i);                                                                     \
+    if (nt > 1) b##i = v_fma(v, v_load(st + jj * PAIR + CS_ATTN_ROWS), b##i)
                 PV(0);
                 PV(1);
                 PV(2);
@@ -523,39 +573,44 @@ static inline __attribute__((always_inline)) void attn_rows(const attn_job *j, c
                 PV(7);
 #undef PV
             }
-            v_store(o, a0), v_store(o + PAIR, a1), v_store(o + 2 * PAIR, a2), v_store(o + 3 * PAIR, a3);
+            v_store(o, a0), v_store(o + PAIR, a1), v_store(o + 2 * PAIR, a2),
+                v_store(o + 3 * PAIR, a3);
             v_store(o + 4 * PAIR, a4), v_store(o + 5 * PAIR, a5), v_store(o + 6 * PAIR, a6);
             v_store(o + 7 * PAIR, a7);
             if (nt > 1) {
-                o += 16;
-                v_store(o, b0), v_store(o + PAIR, b1), v_store(o + 2 * PAIR, b2), v_store(o + 3 * PAIR, b3);
+                o += CS_ATTN_ROWS;
+                v_store(o, b0), v_store(o + PAIR, b1), v_store(o + 2 * PAIR, b2),
+                    v_store(o + 3 * PAIR, b3);
                 v_store(o + 4 * PAIR, b4), v_store(o + 5 * PAIR, b5), v_store(o + 6 * PAIR, b6);
                 v_store(o + 7 * PAIR, b7);
             }
         }
         for (; d < hd; d++) {
             float *o = ot + d * PAIR;
-            v16 a = v_mul(v_load(o), al_a), b = nt > 1 ? v_mul(v_load(o + 16), al_b) : a;
+            vf a = v_mul(v_load(o), al_a), b = nt > 1 ? v_mul(v_load(o + CS_ATTN_ROWS), al_b) : a;
             for (int jj = 0; jj < kb; jj++) {
-                v16 v = v_set1(kp[jj][vo + d]);
+                vf v = v_set1(kp[jj][vo + d]);
                 a = v_fma(v, v_load(st + jj * PAIR), a);
-                if (nt > 1) b = v_fma(v, v_load(st + jj * PAIR + 16), b);
+                if (nt > 1) b = v_fma(v, v_load(st + jj * PAIR + CS_ATTN_ROWS), b);
             }
             v_store(o, a);
-            if (nt > 1) v_store(o + 16, b);
+            if (nt > 1) v_store(o + CS_ATTN_ROWS, b);
         }
     }
-    const v16 inv_a = v_div(v_set1(1.0f), l_a), inv_b = v_div(v_set1(1.0f), l_b);
+    const vf inv_a = v_div(v_set1(1.0f), l_a), inv_b = v_div(v_set1(1.0f), l_b);
     for (int d = 0; d < hd; d++) {
         v_store(ot + d * PAIR, v_mul(v_load(ot + d * PAIR), inv_a));
-        if (nt > 1) v_store(ot + d * PAIR + 16, v_mul(v_load(ot + d * PAIR + 16), inv_b));
+        if (nt > 1)
+            v_store(ot + d * PAIR + CS_ATTN_ROWS,
+                    v_mul(v_load(ot + d * PAIR + CS_ATTN_ROWS), inv_b));
     }
     for (int l = 0; l < n_rows; l++) {
         int64_t r = r0 + l;
         int32_t t = (int32_t)(r / group);
         int h = g * group + (int)(r % group);
         float *o = j->out + (size_t)(sp->q_begin + t) * q_dim + (size_t)h * hd;
-        for (int d = 0; d < hd; d++) o[d] = ot[d * PAIR + l];
+        for (int d = 0; d < hd; d++)
+            o[d] = ot[d * PAIR + l];
     }
 }
 
@@ -588,14 +643,16 @@ static void attn_parts(void *arg, int64_t begin, int64_t end, int thread) {
     }
 }
 
-void cs_op_attention(cs_threadpool *pool, float *out, const float *q, const cs_attn_span *spans, int n_spans,
-                     const cs_kv_view *kv, int n_heads, int n_kv_heads, int head_dim) {
+void cs_op_attention(cs_threadpool *pool, float *out, const float *q, const cs_attn_span *spans,
+                     int n_spans, const cs_kv_view *kv, int n_heads, int n_kv_heads, int head_dim) {
     CS_ASSERT(head_dim >= 1 && head_dim <= CS_ATTN_MAX_HEAD_DIM);
     CS_ASSERT(n_kv_heads >= 1 && n_heads % n_kv_heads == 0);
-    attn_job j = {out, q, spans, n_spans, kv, n_heads, n_kv_heads, head_dim, n_heads / n_kv_heads, 1, 0};
+    attn_job j = {out, q, spans, n_spans, kv, n_heads, n_kv_heads, head_dim, n_heads / n_kv_heads,
+                  1,   0};
     for (int s = 0; s < n_spans; s++) {
         const int64_t n_pairs = span_pairs(&spans[s], j.group);
-        for (int64_t t = 0; t < n_pairs; t++) j.total_cost += pair_cost(&spans[s], j.group, t);
+        for (int64_t t = 0; t < n_pairs; t++)
+            j.total_cost += pair_cost(&spans[s], j.group, t);
     }
     if (j.total_cost == 0) return;
     j.total_cost *= n_kv_heads;

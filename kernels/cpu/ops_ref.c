@@ -14,15 +14,18 @@ static float dot(const float *a, const float *b, int n) {
     float acc[16] = {0};
     int i = 0;
     for (; i + 16 <= n; i += 16)
-        for (int j = 0; j < 16; j++) acc[j] += a[i + j] * b[i + j];
+        for (int j = 0; j < 16; j++)
+            acc[j] += a[i + j] * b[i + j];
     float sum = 0;
-    for (int j = 0; j < 16; j++) sum += acc[j];
-    for (; i < n; i++) sum += a[i] * b[i];
+    for (int j = 0; j < 16; j++)
+        sum += acc[j];
+    for (; i < n; i++)
+        sum += a[i] * b[i];
     return sum;
 }
 
-void cs_op_matmul_ref(float *out, const float *x, const float *w, const float *bias, int n_tokens, int rows,
-                      int cols) {
+void cs_op_matmul_ref(float *out, const float *x, const float *w, const float *bias, int n_tokens,
+                      int rows, int cols) {
     for (int r = 0; r < rows; r++) {
         const float *wr = w + (size_t)r * cols;
         for (int t = 0; t < n_tokens; t++) {
@@ -32,17 +35,21 @@ void cs_op_matmul_ref(float *out, const float *x, const float *w, const float *b
     }
 }
 
-void cs_op_rmsnorm_ref(float *out, const float *x, const float *w, int n_tokens, int dim, float eps) {
+void cs_op_rmsnorm_ref(float *out, const float *x, const float *w, int n_tokens, int dim,
+                       float eps) {
     for (int t = 0; t < n_tokens; t++) {
         const float *xt = x + (size_t)t * dim;
         float ss = 0;
-        for (int i = 0; i < dim; i++) ss += xt[i] * xt[i];
+        for (int i = 0; i < dim; i++)
+            ss += xt[i] * xt[i];
         float scale = 1.0f / sqrtf(ss / (float)dim + eps);
-        for (int i = 0; i < dim; i++) out[(size_t)t * dim + i] = w[i] * (xt[i] * scale);
+        for (int i = 0; i < dim; i++)
+            out[(size_t)t * dim + i] = w[i] * (xt[i] * scale);
     }
 }
 
-void cs_op_rope_ref(float *x, int n_tokens, int n_heads, int head_dim, const int32_t *pos, const float *inv_freq) {
+void cs_op_rope_ref(float *x, int n_tokens, int n_heads, int head_dim, const int32_t *pos,
+                    const float *inv_freq) {
     int half = head_dim / 2;
     for (int t = 0; t < n_tokens; t++) {
         float *xt = x + (size_t)t * n_heads * head_dim;
@@ -73,11 +80,12 @@ void cs_op_embed(float *out, const float *table, const int32_t *ids, int n_token
 
 /* K row of position p in a sequence with page table pages (V: + v_offset). */
 static float *kv_row(const cs_kv_view *kv, const int32_t *pages, int32_t p, int kv_dim) {
-    return kv->k + (size_t)pages[p / kv->page_size] * kv->page_stride + (size_t)(p % kv->page_size) * kv_dim;
+    return kv->k + (size_t)pages[p / kv->page_size] * kv->page_stride +
+           (size_t)(p % kv->page_size) * kv_dim;
 }
 
-void cs_op_kv_store(const cs_kv_view *kv, const cs_attn_span *spans, int n_spans, const float *k, const float *v,
-                    int kv_dim) {
+void cs_op_kv_store(const cs_kv_view *kv, const cs_attn_span *spans, int n_spans, const float *k,
+                    const float *v, int kv_dim) {
     for (int s = 0; s < n_spans; s++) {
         const cs_attn_span *sp = &spans[s];
         for (int32_t i = 0; i < sp->n_q; i++) {
@@ -92,35 +100,43 @@ void cs_op_kv_store(const cs_kv_view *kv, const cs_attn_span *spans, int n_spans
 /* Three passes over the keys (max, sum, weighted values) that recompute each
  * score instead of storing it: no scratch memory, so the reference cannot
  * fail, and dot() is deterministic, so every pass sees the same values. */
-void cs_op_attention_ref(float *out, const float *q, const cs_attn_span *spans, int n_spans, const cs_kv_view *kv,
-                         int n_heads, int n_kv_heads, int head_dim) {
-    const int q_dim = n_heads * head_dim, kv_dim = n_kv_heads * head_dim, group = n_heads / n_kv_heads;
+void cs_op_attention_ref(float *out, const float *q, const cs_attn_span *spans, int n_spans,
+                         const cs_kv_view *kv, int n_heads, int n_kv_heads, int head_dim) {
+    const int q_dim = n_heads * head_dim, kv_dim = n_kv_heads * head_dim,
+              group = n_heads / n_kv_heads;
     const float scale = 1.0f / sqrtf((float)head_dim);
     for (int s = 0; s < n_spans; s++) {
         const cs_attn_span *sp = &spans[s];
         for (int32_t i = 0; i < sp->n_q; i++) {
-            const int32_t t = sp->q_begin + i, n_ctx = sp->pos + i + 1; /* causal: positions 0..pos+i */
+            const int32_t t = sp->q_begin + i,
+                          n_ctx = sp->pos + i + 1; /* causal: positions 0..pos+i */
             for (int h = 0; h < n_heads; h++) {
                 const float *qh = q + (size_t)t * q_dim + h * head_dim;
                 const int kvh = h / group;
                 float mx = -INFINITY;
                 for (int32_t j = 0; j < n_ctx; j++) {
-                    float sc = dot(qh, kv_row(kv, sp->pages, j, kv_dim) + kvh * head_dim, head_dim) * scale;
+                    float sc =
+                        dot(qh, kv_row(kv, sp->pages, j, kv_dim) + kvh * head_dim, head_dim) *
+                        scale;
                     if (sc > mx) mx = sc;
                 }
                 float sum = 0;
                 for (int32_t j = 0; j < n_ctx; j++) {
-                    float sc = dot(qh, kv_row(kv, sp->pages, j, kv_dim) + kvh * head_dim, head_dim) * scale;
+                    float sc =
+                        dot(qh, kv_row(kv, sp->pages, j, kv_dim) + kvh * head_dim, head_dim) *
+                        scale;
                     sum += expf(sc - mx);
                 }
                 float *o = out + (size_t)t * q_dim + h * head_dim;
-                for (int d = 0; d < head_dim; d++) o[d] = 0;
+                for (int d = 0; d < head_dim; d++)
+                    o[d] = 0;
                 for (int32_t j = 0; j < n_ctx; j++) {
                     const float *kj = kv_row(kv, sp->pages, j, kv_dim) + kvh * head_dim;
                     const float *vj = kj + kv->v_offset;
                     float sc = dot(qh, kj, head_dim) * scale;
                     float a = expf(sc - mx) / sum;
-                    for (int d = 0; d < head_dim; d++) o[d] += a * vj[d];
+                    for (int d = 0; d < head_dim; d++)
+                        o[d] += a * vj[d];
                 }
             }
         }

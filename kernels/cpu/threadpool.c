@@ -2,29 +2,69 @@
  *
  * One job at a time: the caller publishes (fn, arg, n), bumps a generation
  * counter, runs its own range as thread 0 and waits for the workers; workers
- * sleep on the generation counter with a futex, the caller on a count of
- * workers still running. Linux only (futex). Not a task scheduler: no queue,
- * no work stealing, no nesting; load balance is the caller's business (the
- * split is static so results can't depend on timing).
+ * wait on the generation counter, the caller on a count of workers still
+ * running. Linux only (futex). Not a task scheduler: no queue, no work
+ * stealing, no nesting; load balance is the caller's business (the split is
+ * static so results can't depend on timing).
  *
- * Nobody spins. Measured on a 2-vCPU VM with a fake decode step (~450 jobs):
- * pure futex waits took 35 ms a step; polling 30 us before sleeping, 47 ms;
- * 200 us, 104-128 ms. The scheduler tends to put a woken worker on its
- * waker's CPU, where a polling worker starves the caller it waits for, and a
- * futex wake-up costs only ~5 us there. */
+ * Waiting: poll for up to CS_POOL_SPIN_NS, yielding the CPU every few polls,
+ * then sleep on a futex. Measured on a 2-vCPU VM, a decode step of 30
+ * layers at SmolLM2-135M shapes (~450 jobs) took 20-24 ms this way, 36-50 ms
+ * with futex waits alone (the scheduler wakes a worker on its waker's CPU,
+ * so short jobs ran on one core) and 104-128 ms polling 200 us without
+ * yielding (a poller on the caller's CPU starved the caller). */
 #include <errno.h>
 #include <limits.h>
 #include <linux/futex.h>
 #include <pthread.h>
+#include <sched.h>
 #include <signal.h>
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stdlib.h>
 #include <sys/syscall.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "ops.h"
 #include "util.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define cpu_relax() _mm_pause()
+#else
+#define cpu_relax() ((void)0)
+#endif
+
+/* Short enough that an idle pool stops costing CPU at once, long enough to
+ * catch the next op of a forward step. */
+#define CS_POOL_SPIN_NS 50000
+#define CS_POOL_YIELD_EVERY 16
+
+static uint64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+/* Polls *word while (*word == val) != until_eq, for at most the spin time;
+ * returns the last value read. The yields let a thread that shares our CPU
+ * (often the one we wait for) run, and keep us runnable so the scheduler
+ * moves one of us to an idle CPU. */
+static uint32_t spin(_Atomic uint32_t *word, uint32_t val, bool until_eq) {
+    uint32_t v = atomic_load_explicit(word, memory_order_acquire);
+    if ((v == val) == until_eq) return v;
+    uint64_t t0 = now_ns();
+    for (unsigned i = 1;; i++) {
+        cpu_relax();
+        v = atomic_load_explicit(word, memory_order_acquire);
+        if ((v == val) == until_eq) return v;
+        if (i % CS_POOL_YIELD_EVERY == 0) {
+            sched_yield();
+            if (now_ns() - t0 > CS_POOL_SPIN_NS) return v;
+        }
+    }
+}
 
 struct worker {
     struct cs_threadpool *pool;
@@ -32,17 +72,17 @@ struct worker {
 };
 
 struct cs_threadpool {
-    int n_threads; /* workers + the caller */
-    int n_started; /* workers created */
-    pthread_t *threads;       /* (n_threads - 1) */
-    struct worker *workers;   /* (n_threads - 1) */
+    int n_threads;          /* workers + the caller */
+    int n_started;          /* workers created */
+    pthread_t *threads;     /* (n_threads - 1) */
+    struct worker *workers; /* (n_threads - 1) */
     /* The job; written by the caller before gen is bumped (release). */
     cs_range_fn fn;
     void *arg;
     int64_t n;
-    _Atomic uint32_t gen;     /* futex word: +1 per job and at shutdown */
-    _Atomic uint32_t pending; /* futex word: workers still on the job */
-    _Atomic int sleepers;     /* workers asleep (or going to sleep) on gen */
+    _Atomic uint32_t gen;      /* futex word: +1 per job and at shutdown */
+    _Atomic uint32_t pending;  /* futex word: workers still on the job */
+    _Atomic int sleepers;      /* workers asleep (or going to sleep) on gen */
     _Atomic int caller_asleep; /* the caller asleep (or going to) on pending */
     atomic_bool stop;
 };
@@ -73,12 +113,13 @@ static void *worker_main(void *p) {
     cs_threadpool *pool = w->pool;
     uint32_t seen = 0;
     for (;;) {
-        uint32_t g = atomic_load_explicit(&pool->gen, memory_order_acquire);
+        uint32_t g = spin(&pool->gen, seen, false);
         if (g == seen) {
             /* seq_cst pairs with the caller's bump-then-read of sleepers:
              * either it sees us here or we see its new generation. */
             atomic_fetch_add(&pool->sleepers, 1);
-            while ((g = atomic_load(&pool->gen)) == seen) futex_wait(&pool->gen, seen);
+            while ((g = atomic_load(&pool->gen)) == seen)
+                futex_wait(&pool->gen, seen);
             atomic_fetch_sub(&pool->sleepers, 1);
         }
         seen = g;
@@ -96,7 +137,8 @@ int cs_threadpool_init(int n_threads, cs_threadpool **out) {
         long n = sysconf(_SC_NPROCESSORS_ONLN);
         n_threads = n > 0 ? (int)(n < 1024 ? n : 1024) : 1;
     }
-    if (n_threads > 1024) return cs__fail(CS_EINVAL, "thread pool: %d threads is more than 1024", n_threads);
+    if (n_threads > 1024)
+        return cs__fail(CS_EINVAL, "thread pool: %d threads is more than 1024", n_threads);
     cs_threadpool *pool = calloc(1, sizeof *pool);
     if (!pool) return cs__fail(CS_ENOMEM, "thread pool: out of memory");
     pool->n_threads = n_threads;
@@ -117,8 +159,8 @@ int cs_threadpool_init(int n_threads, cs_threadpool **out) {
         pool->workers[i - 1] = (struct worker){pool, i};
         int e = pthread_create(&pool->threads[i - 1], NULL, worker_main, &pool->workers[i - 1]);
         if (e) {
-            r = cs__fail(e == EAGAIN ? CS_EAGAIN : CS_ENOMEM, "thread pool: cannot start thread %d of %d", i,
-                         n_threads);
+            r = cs__fail(e == EAGAIN ? CS_EAGAIN : CS_ENOMEM,
+                         "thread pool: cannot start thread %d of %d", i, n_threads);
             break;
         }
         pool->n_started++;
@@ -137,7 +179,8 @@ void cs_threadpool_free(cs_threadpool *pool) {
     atomic_store(&pool->stop, true);
     atomic_fetch_add(&pool->gen, 1);
     futex_wake(&pool->gen, INT_MAX);
-    for (int i = 0; i < pool->n_started; i++) pthread_join(pool->threads[i], NULL);
+    for (int i = 0; i < pool->n_started; i++)
+        pthread_join(pool->threads[i], NULL);
     free(pool->threads);
     free(pool->workers);
     free(pool);
@@ -164,10 +207,11 @@ void cs_threadpool_for(cs_threadpool *pool, int64_t n, cs_range_fn fn, void *arg
 
     run_range(pool, 0);
 
-    uint32_t p = atomic_load_explicit(&pool->pending, memory_order_acquire);
+    uint32_t p = spin(&pool->pending, 0, true);
     if (p != 0) {
         atomic_store(&pool->caller_asleep, 1);
-        while ((p = atomic_load(&pool->pending)) != 0) futex_wait(&pool->pending, p);
+        while ((p = atomic_load(&pool->pending)) != 0)
+            futex_wait(&pool->pending, p);
         atomic_store(&pool->caller_asleep, 0);
     }
 }

@@ -26,7 +26,8 @@ static int irand(int n) {
 static float *frandn(size_t n) {
     float *p = malloc(n * sizeof(float));
     ASSERT_TRUE(p);
-    for (size_t i = 0; i < n; i++) p[i] = frand();
+    for (size_t i = 0; i < n; i++)
+        p[i] = frand();
     return p;
 }
 static float *falloc(size_t n) {
@@ -90,24 +91,30 @@ static void test_threadpool(void) {
             int64_t n = ns[c];
             _Atomic int visits[1000];
             int owner[1000], owner2[1000];
-            for (int64_t i = 0; i < n; i++) atomic_init(&visits[i], 0);
+            for (int64_t i = 0; i < n; i++)
+                atomic_init(&visits[i], 0);
             visit_arg v = {visits, owner, size};
             cs_threadpool_for(pools[k], n, visit, &v);
-            for (int64_t i = 0; i < n; i++) ASSERT_EQ_INT(atomic_load(&visits[i]), 1);
+            for (int64_t i = 0; i < n; i++)
+                ASSERT_EQ_INT(atomic_load(&visits[i]), 1);
             /* contiguous ranges in thread order, the same every time */
-            for (int64_t i = 1; i < n; i++) ASSERT_TRUE(owner[i] >= owner[i - 1]);
+            for (int64_t i = 1; i < n; i++)
+                ASSERT_TRUE(owner[i] >= owner[i - 1]);
             memcpy(owner2, owner, sizeof owner);
             cs_threadpool_for(pools[k], n, visit, &v);
-            for (int64_t i = 0; i < n; i++) ASSERT_EQ_INT(owner[i], owner2[i]);
+            for (int64_t i = 0; i < n; i++)
+                ASSERT_EQ_INT(owner[i], owner2[i]);
             if (n >= size)
-                for (int64_t i = 0; i < n; i++) ASSERT_EQ_INT(owner[i], (int)(i * size / n));
+                for (int64_t i = 0; i < n; i++)
+                    ASSERT_EQ_INT(owner[i], (int)(i * size / n));
         }
         /* many small jobs back to back: the wake/finish handshake */
         static _Atomic int many[2];
         atomic_init(&many[0], 0), atomic_init(&many[1], 0);
         int owner[2];
         visit_arg v = {many, owner, size};
-        for (int r = 0; r < 20000; r++) cs_threadpool_for(pools[k], 2, visit, &v);
+        for (int r = 0; r < 20000; r++)
+            cs_threadpool_for(pools[k], 2, visit, &v);
         ASSERT_EQ_INT(atomic_load(&many[0]), 20000);
         ASSERT_EQ_INT(atomic_load(&many[1]), 20000);
     }
@@ -119,7 +126,7 @@ static void test_matmul(void) {
     printf("matmul\n");
     const int shapes[][4] = {
         /* n_tokens, rows, cols, bias */
-        {1, 37, 19, 0}, {1, 1000, 64, 1}, {1, 300, 576, 0}, {2, 33, 17, 1},   {5, 100, 64, 1},
+        {1, 37, 19, 0},    {1, 1000, 64, 1}, {1, 300, 576, 0},  {2, 33, 17, 1},   {5, 100, 64, 1},
         {64, 192, 130, 0}, {70, 400, 96, 1}, {300, 257, 48, 0}, {600, 20, 40, 1},
     };
     for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
@@ -174,8 +181,10 @@ static void test_rope(void) {
         size_t sz = (size_t)n * nh * hd;
         float *x = frandn(sz), *ref = falloc(sz), *out[3], inv_freq[64];
         int32_t *pos = malloc((size_t)n * sizeof(int32_t));
-        for (int i = 0; i < hd / 2; i++) inv_freq[i] = powf(10000.0f, -2.0f * i / hd);
-        for (int t = 0; t < n; t++) pos[t] = irand(8192);
+        for (int i = 0; i < hd / 2; i++)
+            inv_freq[i] = powf(10000.0f, -2.0f * i / hd);
+        for (int t = 0; t < n; t++)
+            pos[t] = irand(8192);
         memcpy(ref, x, sz * sizeof(float));
         cs_op_rope_ref(ref, n, nh, hd, pos, inv_freq);
         for (int k = 0; k < 3; k++) {
@@ -198,7 +207,8 @@ static void test_swiglu(void) {
     for (size_t c = 0; c < sizeof ns / sizeof ns[0]; c++) {
         size_t n = ns[c];
         float *g = frandn(n), *u = frandn(n), *ref = falloc(n), *out[3];
-        for (size_t i = 0; i < n; i++) g[i] *= 12.0f; /* reach both tails of silu */
+        for (size_t i = 0; i < n; i++)
+            g[i] *= 12.0f; /* reach both tails of silu */
         cs_op_swiglu_ref(ref, g, u, n);
         for (int k = 0; k < 3; k++) {
             out[k] = falloc(n);
@@ -221,7 +231,8 @@ static void test_embed(void) {
     float *table = frandn(50 * 24), out[4 * 24];
     int32_t ids[4] = {7, 0, 49, 7};
     cs_op_embed(out, table, ids, 4, 24);
-    for (int t = 0; t < 4; t++) ASSERT_TRUE(memcmp(out + t * 24, table + ids[t] * 24, 24 * sizeof(float)) == 0);
+    for (int t = 0; t < 4; t++)
+        ASSERT_TRUE(memcmp(out + t * 24, table + ids[t] * 24, 24 * sizeof(float)) == 0);
     free(table);
 }
 
@@ -235,8 +246,8 @@ typedef struct {
  * drawn in scrambled order from a shared pool. History positions [0, pos)
  * get random K/V written directly; the step's tokens go through
  * cs_op_kv_store. */
-static void attention_case(const char *name, const span_shape *shape, int n_spans, int n_heads, int n_kv_heads,
-                           int head_dim, int page_size) {
+static void attention_case(const char *name, const span_shape *shape, int n_spans, int n_heads,
+                           int n_kv_heads, int head_dim, int page_size) {
     const int q_dim = n_heads * head_dim, kv_dim = n_kv_heads * head_dim;
     int n_tokens = 0, n_pages = 0;
     for (int s = 0; s < n_spans; s++) {
@@ -244,15 +255,18 @@ static void attention_case(const char *name, const span_shape *shape, int n_span
         n_pages += (shape[s].pos + shape[s].n_q + page_size - 1) / page_size;
     }
     n_pages += 3; /* pages nobody owns */
-    /* page layout as the CPU backend's: [page][layer 0..1][K, V][slot][kv_dim]; layer 1 is tested */
+    /* page layout as the CPU backend's: [page][layer 0..1][K, V][slot][kv_dim]; layer 1 is tested
+     */
     const size_t layer_floats = 2 * (size_t)page_size * kv_dim, page_stride = 2 * layer_floats;
     float *pool = malloc((size_t)n_pages * page_stride * sizeof(float));
     ASSERT_TRUE(pool);
-    for (size_t i = 0; i < (size_t)n_pages * page_stride; i++) pool[i] = NAN;
+    for (size_t i = 0; i < (size_t)n_pages * page_stride; i++)
+        pool[i] = NAN;
     cs_kv_view kv = {pool + layer_floats, page_stride, (size_t)page_size * kv_dim, page_size};
 
     int32_t *perm = malloc((size_t)n_pages * sizeof(int32_t));
-    for (int i = 0; i < n_pages; i++) perm[i] = i;
+    for (int i = 0; i < n_pages; i++)
+        perm[i] = i;
     for (int i = n_pages - 1; i > 0; i--) {
         int j = irand(i + 1);
         int32_t t = perm[i];
@@ -266,20 +280,23 @@ static void attention_case(const char *name, const span_shape *shape, int n_span
         used += np;
         q_begin += shape[s].n_q;
         for (int p = 0; p < shape[s].pos; p++) {
-            float *k = kv.k + (size_t)spans[s].pages[p / page_size] * page_stride + (size_t)(p % page_size) * kv_dim;
-            for (int i = 0; i < kv_dim; i++) k[i] = 2.0f * frand(), k[kv.v_offset + i] = frand();
+            float *k = kv.k + (size_t)spans[s].pages[p / page_size] * page_stride +
+                       (size_t)(p % page_size) * kv_dim;
+            for (int i = 0; i < kv_dim; i++)
+                k[i] = 2.0f * frand(), k[kv.v_offset + i] = frand();
         }
     }
     float *k = frandn((size_t)n_tokens * kv_dim), *v = frandn((size_t)n_tokens * kv_dim);
     float *q = frandn((size_t)n_tokens * q_dim);
-    for (size_t i = 0; i < (size_t)n_tokens * q_dim; i++) q[i] *= 2.0f;
+    for (size_t i = 0; i < (size_t)n_tokens * q_dim; i++)
+        q[i] *= 2.0f;
     cs_op_kv_store(&kv, spans, n_spans, k, v, kv_dim);
     /* kv_store put each token where the view says */
     for (int s = 0; s < n_spans; s++)
         for (int i = 0; i < spans[s].n_q; i++) {
             int p = spans[s].pos + i;
-            const float *slot =
-                kv.k + (size_t)spans[s].pages[p / page_size] * page_stride + (size_t)(p % page_size) * kv_dim;
+            const float *slot = kv.k + (size_t)spans[s].pages[p / page_size] * page_stride +
+                                (size_t)(p % page_size) * kv_dim;
             size_t src = (size_t)(spans[s].q_begin + i) * kv_dim;
             ASSERT_TRUE(memcmp(slot, k + src, kv_dim * sizeof(float)) == 0);
             ASSERT_TRUE(memcmp(slot + kv.v_offset, v + src, kv_dim * sizeof(float)) == 0);
@@ -293,7 +310,8 @@ static void attention_case(const char *name, const span_shape *shape, int n_span
         cs_op_attention(pools[kk], out[kk], q, spans, n_spans, &kv, n_heads, n_kv_heads, head_dim);
     }
     char what[128];
-    snprintf(what, sizeof what, "%s (%d/%d heads x %d, page %d)", name, n_heads, n_kv_heads, head_dim, page_size);
+    snprintf(what, sizeof what, "%s (%d/%d heads x %d, page %d)", name, n_heads, n_kv_heads,
+             head_dim, page_size);
     check(what, out, ref, sz);
     free(pool), free(perm), free(spans), free(k), free(v), free(q), free(ref);
     free(out[0]), free(out[1]), free(out[2]);
@@ -325,7 +343,8 @@ static void test_attention(void) {
 }
 
 int main(void) {
-    for (int k = 0; k < 3; k++) ASSERT_EQ_INT(cs_threadpool_init(k + 1, &pools[k]), 0);
+    for (int k = 0; k < 3; k++)
+        ASSERT_EQ_INT(cs_threadpool_init(k + 1, &pools[k]), 0);
     test_threadpool();
     test_matmul();
     test_rmsnorm();
@@ -333,7 +352,8 @@ int main(void) {
     test_swiglu();
     test_embed();
     test_attention();
-    for (int k = 0; k < 3; k++) cs_threadpool_free(pools[k]);
+    for (int k = 0; k < 3; k++)
+        cs_threadpool_free(pools[k]);
     printf("ok\n");
     return 0;
 }
