@@ -10,7 +10,9 @@ ends every stream with a status.  Timing bounds are generous: they catch hangs o
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -45,6 +47,12 @@ def stubs(tmp_path_factory):
                 for n in ("echo_pb2", "echo_pb2_grpc", "generation_pb2", "cluster_pb2")}
     finally:
         sys.path.remove(str(out))
+    # grpc/health/v1/health_pb2.py would shadow the grpc package if imported as
+    # grpc.health...: load the message module on its own and call by method path.
+    spec = importlib.util.spec_from_file_location("cs_health_pb2",
+                                                  out / "grpc" / "health" / "v1" / "health_pb2.py")
+    mods["health_pb2"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mods["health_pb2"])
     return mods
 
 
@@ -98,7 +106,7 @@ def test_unary_round_trip(stub):
     assert resp.payload == b"hello"
     assert dict(call.initial_metadata()).get("x-request-id") == "py-1"
     deadline_ms = int(dict(call.trailing_metadata())["x-deadline-ms"])
-    assert 0 < deadline_ms <= 5000
+    assert 0 < deadline_ms <= 5100  # grpc-timeout is rounded up on the wire
 
 
 def test_stream_in_order(stub):
@@ -149,6 +157,48 @@ def test_too_large_and_malformed(stub):
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "EchoRequest" in e.value.details()
     assert s.Unary(pb.EchoRequest(payload=b"still"), timeout=5).payload == b"still"
+
+
+def test_health_check_and_watch(stub, stubs):
+    ch, _, _ = stub
+    h = stubs["health_pb2"]
+    check = ch.unary_unary("/grpc.health.v1.Health/Check",
+                           request_serializer=h.HealthCheckRequest.SerializeToString,
+                           response_deserializer=h.HealthCheckResponse.FromString)
+    watch = ch.unary_stream("/grpc.health.v1.Health/Watch",
+                            request_serializer=h.HealthCheckRequest.SerializeToString,
+                            response_deserializer=h.HealthCheckResponse.FromString)
+    assert check(h.HealthCheckRequest(service=""), timeout=5).status == h.HealthCheckResponse.SERVING
+    assert check(h.HealthCheckRequest(service="chunkserve.v1.Echo"), timeout=5).status == \
+        h.HealthCheckResponse.SERVING
+    with pytest.raises(grpc.RpcError) as e:
+        check(h.HealthCheckRequest(service="nope"), timeout=5)
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+    it = watch(h.HealthCheckRequest(service="nope"), timeout=10)
+    assert next(it).status == h.HealthCheckResponse.SERVICE_UNKNOWN
+    it.cancel()
+
+
+def test_random_bytes_burst(stub):
+    """1,000 random or truncated requests: each gets a status, the server keeps serving."""
+    ch, s, pb = stub
+    raw = ch.unary_unary(UNARY)
+    rng = random.Random(5)
+    codes = set()
+    good = pb.EchoRequest(payload=b"abc", count=3).SerializeToString()
+    for i in range(1000):
+        if i % 2:
+            body = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 64)))
+        else:
+            body = good[:rng.randrange(len(good))] + bytes([rng.randrange(256)])
+        try:
+            raw(body, timeout=5)
+            codes.add("OK")
+        except grpc.RpcError as e:
+            codes.add(e.code().name)
+    assert codes <= {"OK", "INVALID_ARGUMENT"}, codes
+    assert "INVALID_ARGUMENT" in codes
+    assert s.Unary(pb.EchoRequest(payload=b"alive"), timeout=5).payload == b"alive"
 
 
 def test_32_concurrent_streams(stub):

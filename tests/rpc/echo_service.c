@@ -25,7 +25,9 @@ typedef struct {
     int done;
 } echo_call;
 
-static void echo_call_free(uv_handle_t *h) { free(h->data); }
+static void echo_call_free(uv_handle_t *h) {
+    free(h->data);
+}
 
 /* Finishes the call (once) and frees the state after its timer closed. */
 static void echo_end(echo_call *e, int code, const char *msg) {
@@ -71,7 +73,9 @@ static void unary_answer(echo_call *e) {
     uv_close((uv_handle_t *)&e->timer, echo_call_free);
 }
 
-static void on_unary_timer(uv_timer_t *t) { unary_answer(t->data); }
+static void on_unary_timer(uv_timer_t *t) {
+    unary_answer(t->data);
+}
 
 static void handle_unary(cs_rpc_call *c, void *data) {
     echo_call *e = echo_begin(c, data);
@@ -141,7 +145,8 @@ int cs_echo_register(cs_rpc_server *s, cs_echo_service *svc) {
     int rc = cs_rpc_server_add_method(s, "/chunkserve.v1.Echo/Unary", CS_RPC_UNARY,
                                       &chunkserve__v1__echo_request__descriptor, handle_unary, svc);
     if (rc == 0)
-        rc = cs_rpc_server_add_method(s, "/chunkserve.v1.Echo/Stream", CS_RPC_SERVER_STREAMING,
-                                      &chunkserve__v1__echo_request__descriptor, handle_stream, svc);
+        rc =
+            cs_rpc_server_add_method(s, "/chunkserve.v1.Echo/Stream", CS_RPC_SERVER_STREAMING,
+                                     &chunkserve__v1__echo_request__descriptor, handle_stream, svc);
     return rc;
 }
