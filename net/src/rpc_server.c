@@ -468,6 +468,12 @@ static int call_finish(cs_rpc_call *c, int code, const char *message) {
 
 int cs_rpc_call_finish(cs_rpc_call *c, int code, const char *message) {
     CS_ASSERT(c->app_owned); /* finished twice, or a call the handler never had */
+    if (c->m->kind == CS_RPC_UNARY && code == CS_RPC_OK && c->n_queued == 0) {
+        /* Clients would fail it anyway ("no message"); say why. */
+        CS_LOGE("rpc: %s: handler finished OK without a reply", c->m->path);
+        code = CS_RPC_INTERNAL;
+        message = "the server sent no reply";
+    }
     return call_finish(c, code, message);
 }
 

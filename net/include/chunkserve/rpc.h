@@ -190,8 +190,9 @@ int cs_rpc_call_on_drain(cs_rpc_call *c, cs_rpc_call_cb cb, void *data);
 /* Ends the call: the status (code, message may be NULL) goes out after every
  * queued message. Must be called exactly once per call, also after
  * on_cancel; the handle is invalid afterwards and no callback of the call
- * runs any more. Returns 0, or CS_ECANCELED when the call was already dead
- * (the status is dropped; the handle is still released). */
+ * runs any more. A unary call finished OK without its message goes out as
+ * INTERNAL. Returns 0, or CS_ECANCELED when the call was already dead (the
+ * status is dropped; the handle is still released). */
 int cs_rpc_call_finish(cs_rpc_call *c, int code, const char *message);
 /* Unary answer: the message and status OK in one write, then as finish. */
 int cs_rpc_call_reply_msg(cs_rpc_call *c, const struct ProtobufCMessage *m);
