@@ -2,6 +2,7 @@
  * load the model, run one subcommand, free in reverse order.
  *
  *   chunkserve generate --model PATH --prompt TEXT [--chat] [--max-tokens N] ...
+ *   chunkserve serve --model PATH --port P [--max-batched-tokens N] ...   (server/)
  *   chunkserve tokenize | detokenize | chat-format --model PATH   (JSON lines on stdin)
  *   chunkserve logits --model PATH --ids 1,2,3 --out FILE
  *   chunkserve info --model PATH */
@@ -18,13 +19,15 @@
 #include "chunkserve/refeval.h"
 #include "chunkserve/sampler.h"
 #include "chunkserve/tokenizer.h"
+#include "server.h"
 #include "util.h"
 
 typedef struct {
     const char *model, *prompt, *system, *ids, *out;
     int chat, no_special, no_gen_prompt, verbose, ignore_eos, reference;
     long max_tokens, threads, page_size, kv_mib, prompt_tokens;
-    const char *budget, *budgets;
+    long port, max_num_seqs, max_queue, grace_ms;
+    const char *budget, *budgets, *host;
     double duration;
     double temperature, top_p, min_p, rep_pen, presence, frequency;
     long top_k;
@@ -61,6 +64,11 @@ static const opt_spec opt_table[] = {
     {"page-size", OPT_LONG, O(page_size), "16", "tokens per KV-cache page"},
     {"kv-cache-mib", OPT_LONG, O(kv_mib), "256", "KV-cache pool size in MiB"},
     {"threads", OPT_LONG, O(threads), "0", "CPU threads; 0 = one per core (env CHUNKSERVE_THREADS)"},
+    {"host", OPT_STR, O(host), "127.0.0.1", "serve: address to listen on (0.0.0.0 = all interfaces)"},
+    {"port", OPT_LONG, O(port), "50051", "serve: port to listen on; 0 = any free port (printed on stdout)"},
+    {"max-num-seqs", OPT_LONG, O(max_num_seqs), "256", "serve: running sequences at most"},
+    {"max-queue", OPT_LONG, O(max_queue), "256", "serve: waiting requests at most; more are refused (RESOURCE_EXHAUSTED)"},
+    {"grace-ms", OPT_LONG, O(grace_ms), "2000", "serve: on SIGTERM, time streams get to finish before they are cancelled"},
     {"duration", OPT_DOUBLE, O(duration), "60", "bench-local: seconds per budget"},
     {"budgets", OPT_STR, O(budgets), "unlimited,256,512,2048", "bench-local: step budgets to compare"},
     {"prompt-tokens", OPT_LONG, O(prompt_tokens), "2000", "bench-engine: prompt length"},
@@ -78,6 +86,7 @@ static void usage(FILE *f) {
     fprintf(f, "usage: chunkserve COMMAND [options]\n\n"
                "commands:\n"
                "  generate     generate text from --prompt on the CPU reference path\n"
+               "  serve        the gRPC Generation service on --host:--port until SIGTERM\n"
                "  tokenize     JSON lines of strings on stdin -> JSON arrays of ids\n"
                "  detokenize   JSON lines of id arrays on stdin -> JSON strings\n"
                "  chat-format  a JSON array of {role, content} on stdin -> rendered prompt\n"
@@ -504,6 +513,28 @@ static int cmd_generate(const cs_model *m, const options *o) {
     return rc;
 }
 
+static int cmd_serve(const cs_model *m, const options *o) {
+    cs_server_opts so = {.host = o->host, .model_path = o->model, .grace_ms = (int32_t)o->grace_ms};
+    so.engine = cs_engine_params_default();
+    so.sched = cs_sched_params_default();
+    int r = parse_budget(o->budget, &so.sched.max_num_batched_tokens);
+    if (r) return fail_msg("serve", r);
+    if (o->port < 0 || o->port > 65535 || o->page_size < 1 || o->page_size > 4096 || o->kv_mib < 1 ||
+        o->threads < 0 || o->max_num_seqs < 1 || o->max_queue < 1 || o->grace_ms < 0 || o->grace_ms > 600000) {
+        fprintf(stderr, "chunkserve: serve: --port must be 0..65535, --page-size 1..4096, --kv-cache-mib >= 1, "
+                        "--threads >= 0, --max-num-seqs >= 1, --max-queue >= 1, --grace-ms 0..600000\n");
+        return 2;
+    }
+    so.port = (int)o->port;
+    so.engine.page_size = (int32_t)o->page_size;
+    so.engine.kv_bytes = (size_t)o->kv_mib << 20;
+    so.engine.n_threads = (int32_t)o->threads;
+    so.sched.max_num_seqs = (int32_t)o->max_num_seqs;
+    so.max_queue = (int32_t)o->max_queue;
+    r = cs_server_run(m, &so);
+    return r ? fail_msg("serve", r) : 0;
+}
+
 static int cmd_info(const cs_model *m) {
     const cs_model_config *c = cs_model_get_config(m);
     printf("{\"arch\":\"%s\",\"n_vocab\":%d,\"dim\":%d,\"n_layers\":%d,\"n_heads\":%d,\"n_kv_heads\":%d,"
@@ -516,7 +547,7 @@ static int cmd_info(const cs_model *m) {
 }
 
 int main(int argc, char **argv) {
-    cs_log_set_role("cli");
+    cs_log_set_role(argc > 1 && !strcmp(argv[1], "serve") ? "serve" : "cli");
     if (argc < 2 || !strcmp(argv[1], "-h") || !strcmp(argv[1], "--help")) {
         usage(argc < 2 ? stderr : stdout);
         return argc < 2 ? 2 : 0;
@@ -541,7 +572,7 @@ int main(int argc, char **argv) {
         return rc;
     }
     if (strcmp(cmd, "generate") && strcmp(cmd, "logits") && strcmp(cmd, "info") && strcmp(cmd, "bench-engine") &&
-        strcmp(cmd, "bench-local")) {
+        strcmp(cmd, "bench-local") && strcmp(cmd, "serve")) {
         fprintf(stderr, "chunkserve: unknown command '%s' (see --help)\n", cmd);
         return 2;
     }
@@ -549,6 +580,7 @@ int main(int argc, char **argv) {
     int r = cs_model_load(o.model, &m);
     if (r) return fail_msg("loading model", r);
     int rc = !strcmp(cmd, "generate")       ? cmd_generate(m, &o)
+             : !strcmp(cmd, "serve")        ? cmd_serve(m, &o)
              : !strcmp(cmd, "logits")       ? cmd_logits(m, &o)
              : !strcmp(cmd, "bench-engine") ? cs_cli_bench_engine(m, (int)o.threads, (int)o.prompt_tokens)
              : !strcmp(cmd, "bench-local")  ? cs_cli_bench_local(m, (int)o.threads, o.duration, o.budgets, o.seed, o.out)

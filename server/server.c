@@ -1,0 +1,546 @@
+/* server.c: the single-process server: the Generation service's handlers
+ * on the RPC layer's libuv loop, one cs_serve engine thread behind them.
+ *
+ * Threads. Handlers run on the loop thread. Generation events arrive on the
+ * engine thread (cs_serve callbacks); each appends the event to its call's
+ * buffer under the call's mutex and, when no drain is pending, posts one
+ * (cs_rpc_loop_post). The drain, on the loop thread, turns everything
+ * buffered into one GenerateResponse, so a slow loop merges steps rather than
+ * queueing a post per token. The engine thread never calls the RPC layer.
+ *
+ * Lifetime of a Generate call (struct gen): created by the handler, freed
+ * by the drain that sees the engine's final event (after which the engine
+ * never touches it). The RPC call can end earlier (client cancel, deadline):
+ * then the request is cancelled in the engine and the gen waits for the
+ * final CANCELLED event.
+ *
+ * Shutdown (SIGTERM/SIGINT): health NOT_SERVING, the server stops accepting,
+ * streams get grace_ms to finish, then the rest are cancelled in the engine
+ * and end with UNAVAILABLE; once the RPC server is gone the engine thread is
+ * stopped, the last posts drain, and everything is freed in reverse order. */
+#include "server.h"
+
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <uv.h>
+
+#include "chunkserve/error.h"
+#include "chunkserve/rpc.h"
+#include "chunkserve/rpc_health.h"
+#include "chunkserve/serve.h"
+#include "util.h"
+#include "wire.h"
+
+#define SERVICE "chunkserve.v1.Generation"
+
+typedef struct server server;
+
+typedef struct gen {
+    server *s;
+    cs_rpc_call *call; /* NULL once the RPC call is finished */
+    uint64_t id;       /* the engine's request id */
+    char *request_id;  /* the client's, or "cs-<id>" */
+    bool logprobs, sent_first;
+    int end_code; /* status when we cancelled it ourselves (shutdown) */
+    const char *end_msg;
+    double t_start;
+    struct gen *prev, *next; /* the server's live list */
+
+    /* Filled on the engine thread, under mu; taken by the drain. */
+    pthread_mutex_t mu;
+    bool posted, done, oom;
+    int32_t *toks;
+    float *lps;
+    size_t n, cap;
+    char *text;
+    size_t text_len, text_cap;
+    enum cs_finish finish;
+    int32_t n_prompt, n_completion;
+    char *error;
+} gen;
+
+struct server {
+    const cs_server_opts *o;
+    cs_wire_model wm;
+    uv_loop_t uv;
+    cs_rpc_loop *rl;
+    cs_rpc_server *srv;
+    cs_rpc_health *health;
+    cs_engine *engine;
+    cs_serve *sv;
+    uv_signal_t sigterm, sigint;
+    uv_timer_t grace;
+    bool stopping;
+    gen *live;
+    int32_t n_live;
+    uint64_t next_id;
+};
+
+/* ------------------------------------------------------- engine thread -- */
+
+static void on_drain_post(void *data);
+
+static void gen_append(gen *g, const cs_event *ev) {
+    if (ev->token >= 0) {
+        if (g->n == g->cap) {
+            size_t nc = g->cap ? 2 * g->cap : 16;
+            int32_t *t = realloc(g->toks, nc * sizeof *t);
+            if (t) g->toks = t;
+            float *l = realloc(g->lps, nc * sizeof *l);
+            if (l) g->lps = l;
+            if (t && l) g->cap = nc;
+        }
+        if (g->n < g->cap) {
+            g->toks[g->n] = ev->token;
+            g->lps[g->n++] = ev->logprob;
+        } else {
+            g->oom = true;
+        }
+    }
+    size_t tl = ev->text ? strlen(ev->text) : 0;
+    if (tl) {
+        if (g->text_len + tl + 1 > g->text_cap) {
+            size_t nc = (g->text_len + tl + 1) * 2;
+            char *t = realloc(g->text, nc);
+            if (t) g->text = t, g->text_cap = nc;
+        }
+        if (g->text_len + tl + 1 <= g->text_cap) {
+            memcpy(g->text + g->text_len, ev->text, tl + 1);
+            g->text_len += tl;
+        } else {
+            g->oom = true;
+        }
+    }
+    if (ev->token >= 0) g->n_completion = ev->n_completion_tokens;
+    if (ev->finish != CS_FINISH_NONE) {
+        g->done = true;
+        g->finish = ev->finish; /* n_prompt was set at submit: cancel events carry 0 */
+        if (ev->error) g->error = strdup(ev->error);
+    }
+}
+
+/* cs_serve callback: engine thread. */
+static void on_event(void *user, const cs_event *ev) {
+    gen *g = user;
+    pthread_mutex_lock(&g->mu);
+    gen_append(g, ev);
+    bool post = !g->posted;
+    g->posted = true;
+    pthread_mutex_unlock(&g->mu);
+    if (post && cs_rpc_loop_post(g->s->rl, on_drain_post, g) != 0)
+        CS_LOGE("request %s: cannot hand an event to the loop: %s", g->request_id, cs_last_error());
+}
+
+/* ---------------------------------------------------------- loop thread -- */
+
+static void gen_free(gen *g) {
+    server *s = g->s;
+    if (g->prev)
+        g->prev->next = g->next;
+    else
+        s->live = g->next;
+    if (g->next) g->next->prev = g->prev;
+    s->n_live--;
+    free(g->toks);
+    free(g->lps);
+    free(g->text);
+    free(g->error);
+    free(g->request_id);
+    pthread_mutex_destroy(&g->mu);
+    free(g);
+}
+
+static void gen_finish_call(gen *g, int code, const char *msg) {
+    if (!g->call) return;
+    cs_rpc_call_finish(g->call, code, msg);
+    g->call = NULL;
+}
+
+/* Sends what one drain took; final: with finish_reason and usage. */
+static int gen_send(gen *g, const int32_t *toks, const float *lps, size_t n, const char *text,
+                    bool final) {
+    Chunkserve__V1__GenerateResponse r = CHUNKSERVE__V1__GENERATE_RESPONSE__INIT;
+    Chunkserve__V1__Usage usage = CHUNKSERVE__V1__USAGE__INIT;
+    Chunkserve__V1__TokenLogprob *lp = NULL, **lpp = NULL;
+    r.n_token_ids = n;
+    r.token_ids = (int32_t *)toks;
+    r.text = (char *)(text ? text : "");
+    if (!g->sent_first) r.request_id = g->request_id;
+    if (final) {
+        r.finish_reason = cs_wire_finish_reason(g->finish);
+        usage.prompt_tokens = g->n_prompt;
+        usage.completion_tokens = g->n_completion;
+        r.usage = &usage;
+    }
+    if (g->logprobs && n) {
+        lp = malloc(n * sizeof *lp);
+        lpp = malloc(n * sizeof *lpp);
+        if (!lp || !lpp) {
+            free(lp), free(lpp);
+            return CS_ENOMEM;
+        }
+        for (size_t i = 0; i < n; i++) {
+            lp[i] = (Chunkserve__V1__TokenLogprob)CHUNKSERVE__V1__TOKEN_LOGPROB__INIT;
+            lp[i].token_id = toks[i];
+            lp[i].logprob = lps[i];
+            lpp[i] = &lp[i];
+        }
+        r.n_logprobs = n;
+        r.logprobs = lpp;
+    }
+    int rc = cs_rpc_call_send_msg(g->call, &r.base);
+    free(lp);
+    free(lpp);
+    g->sent_first = true;
+    return rc;
+}
+
+static void gen_log_end(const gen *g) {
+    static const char *names[] = {"none", "stop", "length", "cancelled", "error"};
+    CS_LOGI("request %s: %s, %d prompt + %d completion tokens in %.3f s%s%s", g->request_id,
+            names[g->finish], g->n_prompt, g->n_completion, cs__now() - g->t_start,
+            g->error ? ": " : "", g->error ? g->error : "");
+}
+
+/* Posted by on_event: takes everything buffered and streams it. */
+static void on_drain_post(void *data) {
+    gen *g = data;
+    pthread_mutex_lock(&g->mu);
+    int32_t *toks = g->toks;
+    float *lps = g->lps;
+    char *text = g->text;
+    size_t n = g->n;
+    g->toks = NULL, g->lps = NULL, g->text = NULL;
+    g->n = g->cap = g->text_len = g->text_cap = 0;
+    bool done = g->done, oom = g->oom;
+    g->posted = false;
+    pthread_mutex_unlock(&g->mu);
+
+    if (g->call) {
+        bool ok_end = done && (g->finish == CS_FINISH_STOP || g->finish == CS_FINISH_LENGTH);
+        int rc = 0;
+        if (oom)
+            rc = CS_ENOMEM;
+        else if (ok_end || n || text)
+            rc = gen_send(g, toks, lps, n, text, ok_end);
+        if (rc == CS_ENOMEM) {
+            gen_finish_call(g, CS_RPC_RESOURCE_EXHAUSTED,
+                            "the server ran out of memory for this stream");
+            if (!done) cs_serve_cancel(g->s->sv, g->id);
+        } else if (ok_end) {
+            gen_finish_call(g, CS_RPC_OK, NULL);
+        } else if (done && g->finish == CS_FINISH_CANCELLED) {
+            gen_finish_call(g, g->end_code ? g->end_code : CS_RPC_CANCELLED,
+                            g->end_msg ? g->end_msg : "the request was cancelled");
+        } else if (done) {
+            char msg[512];
+            snprintf(msg, sizeof msg, "generation failed: %s",
+                     g->error ? g->error : "engine error");
+            gen_finish_call(g, CS_RPC_INTERNAL, msg);
+        }
+        /* rc == CS_ECANCELED: the call is dead and on_call_cancel has run or
+         * will run; it cancels the request. */
+    }
+    free(toks);
+    free(lps);
+    free(text);
+    if (done) {
+        gen_log_end(g);
+        gen_free(g);
+    }
+}
+
+/* The client cancelled or went away, its deadline passed, or the RPC
+ * server's backstop cancelled it: stop the request in the engine (its pages
+ * are freed there); the gen lives on until the CANCELLED event drains. */
+static void on_call_cancel(cs_rpc_call *c, void *data) {
+    gen *g = data;
+    CS_LOGD("request %s: call cancelled (%s)", g->request_id,
+            cs_rpc_call_deadline_ms(c) <= 0 ? "deadline" : "client");
+    cs_serve_cancel(g->s->sv, g->id);
+    gen_finish_call(g, CS_RPC_CANCELLED, "cancelled");
+}
+
+static int rpc_code_for(int r) {
+    return r == CS_ENOMEM    ? CS_RPC_RESOURCE_EXHAUSTED
+           : r == CS_ENOTSUP ? CS_RPC_FAILED_PRECONDITION
+                             : CS_RPC_INVALID_ARGUMENT;
+}
+
+static void handle_generate(cs_rpc_call *c, void *data) {
+    server *s = data;
+    const Chunkserve__V1__GenerateRequest *m = (const void *)cs_rpc_call_request_msg(c);
+    if (s->stopping) {
+        cs_rpc_call_finish(c, CS_RPC_UNAVAILABLE, "the server is shutting down");
+        return;
+    }
+    cs_sched_stats st;
+    cs_serve_stats(s->sv, &st);
+    int32_t waiting = s->n_live - st.n_running;
+    if (waiting >= s->o->max_queue) {
+        char msg[160];
+        snprintf(msg, sizeof msg,
+                 "the server is overloaded: %d requests are waiting (--max-queue %d); retry later",
+                 waiting, s->o->max_queue);
+        cs_rpc_call_finish(c, CS_RPC_RESOURCE_EXHAUSTED, msg);
+        return;
+    }
+    uint64_t id = ++s->next_id;
+    cs_wire_request w;
+    int r = cs_wire_generate_request(&s->wm, m, id, &w);
+    if (r) {
+        CS_LOGD("request rejected: %s", cs_last_error());
+        cs_rpc_call_finish(c, rpc_code_for(r), cs_last_error());
+        return;
+    }
+    gen *g = calloc(1, sizeof *g);
+    char idbuf[32];
+    snprintf(idbuf, sizeof idbuf, "cs-%llu", (unsigned long long)id);
+    if (g) g->request_id = strdup(m->request_id[0] ? m->request_id : idbuf);
+    if (!g || !g->request_id) {
+        free(g);
+        cs_wire_request_free(&w);
+        cs_rpc_call_finish(c, CS_RPC_RESOURCE_EXHAUSTED, "out of memory");
+        return;
+    }
+    g->s = s;
+    g->call = c;
+    g->id = id;
+    g->logprobs = w.r.logprobs;
+    g->t_start = cs__now();
+    g->n_prompt = w.r.n_prompt;
+    pthread_mutex_init(&g->mu, NULL);
+    g->next = s->live;
+    if (s->live) s->live->prev = g;
+    s->live = g;
+    s->n_live++;
+    CS_LOGD("request %s: %d prompt tokens, max_tokens %d", g->request_id, w.r.n_prompt,
+            w.r.stop.max_tokens);
+    r = cs_serve_submit(s->sv, &w.r, on_event, g);
+    cs_wire_request_free(&w);
+    if (r) {
+        gen_free(g);
+        cs_rpc_call_finish(c, r == CS_ENOMEM ? CS_RPC_RESOURCE_EXHAUSTED : CS_RPC_UNAVAILABLE,
+                           "the engine refused the request");
+        return;
+    }
+    if (cs_rpc_call_on_cancel(c, on_call_cancel, g) != 0) on_call_cancel(c, g); /* already dead */
+}
+
+static void handle_list_models(cs_rpc_call *c, void *data) {
+    server *s = data;
+    const cs_model_config *cfg = cs_model_get_config(s->wm.model);
+    Chunkserve__V1__ModelInfo mi = CHUNKSERVE__V1__MODEL_INFO__INIT, *mis[1] = {&mi};
+    mi.name = (char *)s->wm.name;
+    mi.context_length = cfg->ctx_len;
+    mi.vocab_size = cfg->n_vocab;
+    mi.architecture = (char *)cfg->arch;
+    mi.has_chat_template = s->wm.has_chat_template;
+    Chunkserve__V1__ListModelsResponse r = CHUNKSERVE__V1__LIST_MODELS_RESPONSE__INIT;
+    r.n_models = 1;
+    r.models = mis;
+    cs_rpc_call_reply_msg(c, &r.base);
+}
+
+static void handle_tokenize(cs_rpc_call *c, void *data) {
+    server *s = data;
+    const Chunkserve__V1__TokenizeRequest *m = (const void *)cs_rpc_call_request_msg(c);
+    char *chat = NULL;
+    int32_t *ids = NULL;
+    size_t n = 0;
+    int r = cs_wire_check_model(&s->wm, m->model);
+    if (!r && m->input_case == CHUNKSERVE__V1__TOKENIZE_REQUEST__INPUT_CHAT)
+        r = cs_wire_render_chat(&s->wm, m->chat, &chat);
+    const char *text = chat                                                            ? chat
+                       : m->input_case == CHUNKSERVE__V1__TOKENIZE_REQUEST__INPUT_TEXT ? m->text
+                                                                                       : "";
+    if (!r)
+        r = cs_tokenizer_encode(cs_model_tokenizer(s->wm.model), text, strlen(text), true,
+                                m->add_special, &ids, &n);
+    if (r) {
+        cs_rpc_call_finish(c, rpc_code_for(r), cs_last_error());
+    } else {
+        Chunkserve__V1__TokenizeResponse resp = CHUNKSERVE__V1__TOKENIZE_RESPONSE__INIT;
+        resp.n_ids = n;
+        resp.ids = ids;
+        cs_rpc_call_reply_msg(c, &resp.base);
+    }
+    free(ids);
+    free(chat);
+}
+
+static void handle_detokenize(cs_rpc_call *c, void *data) {
+    server *s = data;
+    const Chunkserve__V1__DetokenizeRequest *m = (const void *)cs_rpc_call_request_msg(c);
+    const cs_tokenizer *tok = cs_model_tokenizer(s->wm.model);
+    int32_t n_vocab = cs_tokenizer_n_vocab(tok);
+    int r = cs_wire_check_model(&s->wm, m->model);
+    for (size_t i = 0; !r && i < m->n_ids; i++)
+        if (m->ids[i] < 0 || m->ids[i] >= n_vocab)
+            r = cs__fail(CS_EINVAL, "ids[%zu] = %d is outside the vocabulary (0..%d)", i, m->ids[i],
+                         n_vocab - 1);
+    char *text = NULL;
+    size_t len = 0;
+    if (!r) r = cs_tokenizer_decode(tok, m->ids, m->n_ids, !m->include_special, &text, &len);
+    if (r) {
+        cs_rpc_call_finish(c, rpc_code_for(r), cs_last_error());
+    } else {
+        Chunkserve__V1__DetokenizeResponse resp = CHUNKSERVE__V1__DETOKENIZE_RESPONSE__INIT;
+        resp.text = text;
+        cs_rpc_call_reply_msg(c, &resp.base);
+    }
+    free(text);
+}
+
+/* ------------------------------------------------------------ shutdown -- */
+
+static void on_server_done(void *data) {
+    server *s = data;
+    s->srv = NULL;
+    if (!uv_is_closing((uv_handle_t *)&s->grace)) uv_close((uv_handle_t *)&s->grace, NULL);
+    /* Every request still live gets its CANCELLED event; the posts it makes
+     * run before the loop closes and free the gens. */
+    cs_serve_stop(s->sv);
+    s->sv = NULL;
+    cs_rpc_loop_close(s->rl);
+}
+
+/* Grace is over: cancel what still streams; each ends with UNAVAILABLE. */
+static void on_grace(uv_timer_t *t) {
+    server *s = t->data;
+    int n = 0;
+    for (gen *g = s->live; g; g = g->next) {
+        if (!g->call) continue;
+        g->end_code = CS_RPC_UNAVAILABLE;
+        g->end_msg = "the server is shutting down";
+        cs_serve_cancel(s->sv, g->id);
+        n++;
+    }
+    if (n) CS_LOGI("grace period over: cancelling %d streams", n);
+}
+
+static void on_signal(uv_signal_t *h, int signum) {
+    server *s = h->data;
+    if (s->stopping) return;
+    s->stopping = true;
+    CS_LOGI("signal %d: shutting down (%d requests in flight, %d ms grace)", signum, s->n_live,
+            s->o->grace_ms);
+    uv_close((uv_handle_t *)&s->sigterm, NULL);
+    uv_close((uv_handle_t *)&s->sigint, NULL);
+    cs_rpc_health_shutdown(s->health);
+    uv_timer_start(&s->grace, on_grace, (uint64_t)s->o->grace_ms, 0);
+    /* The RPC server's own grace is a backstop: ours ends the streams first. */
+    cs_rpc_server_shutdown(s->srv, s->o->grace_ms + 3000, on_server_done, s);
+}
+
+static void on_failed_server_done(void *data) {
+    server *s = data;
+    s->srv = NULL;
+    cs_rpc_loop_close(s->rl);
+}
+
+/* --------------------------------------------------------------- run -- */
+
+static int add_methods(server *s) {
+    static const struct {
+        const char *path;
+        enum cs_rpc_method_kind kind;
+        const ProtobufCMessageDescriptor *desc;
+        cs_rpc_handler fn;
+    } methods[] = {
+        {"/" SERVICE "/Generate", CS_RPC_SERVER_STREAMING,
+         &chunkserve__v1__generate_request__descriptor, handle_generate},
+        {"/" SERVICE "/ListModels", CS_RPC_UNARY, &chunkserve__v1__list_models_request__descriptor,
+         handle_list_models},
+        {"/" SERVICE "/Tokenize", CS_RPC_UNARY, &chunkserve__v1__tokenize_request__descriptor,
+         handle_tokenize},
+        {"/" SERVICE "/Detokenize", CS_RPC_UNARY, &chunkserve__v1__detokenize_request__descriptor,
+         handle_detokenize},
+    };
+    for (size_t i = 0; i < sizeof methods / sizeof methods[0]; i++) {
+        int r = cs_rpc_server_add_method(s->srv, methods[i].path, methods[i].kind, methods[i].desc,
+                                         methods[i].fn, s);
+        if (r) return r;
+    }
+    return 0;
+}
+
+static bool model_has_chat_template(const cs_model *m) {
+    cs_chat_message msg = {"user", "hi"};
+    char *text = NULL;
+    int r = cs_tokenizer_apply_chat(cs_model_tokenizer(m), &msg, 1, true, &text);
+    free(text);
+    return r == 0;
+}
+
+int cs_server_run(const cs_model *m, const cs_server_opts *o) {
+    server *s = calloc(1, sizeof *s);
+    if (!s) return cs__fail(CS_ENOMEM, "out of memory");
+    s->o = o;
+    const cs_model_config *cfg = cs_model_get_config(m);
+    const char *base = o->model_path ? strrchr(o->model_path, '/') : NULL;
+    base = base ? base + 1 : o->model_path ? o->model_path : "";
+    s->wm =
+        (cs_wire_model){m, cfg->name[0] ? cfg->name : base, base, 0, 0, model_has_chat_template(m)};
+
+    char addr[300];
+    int port = 0, r;
+    bool uv_ok = false;
+    snprintf(addr, sizeof addr, "%s:%d", o->host, o->port);
+    cs_rpc_server_opts so = {.addr = addr};
+    if ((r = cs_engine_init(m, &o->engine, &s->engine))) goto fail;
+    s->wm.n_kv_pages = cs_kv_cache_n_pages(cs_engine_kv(s->engine));
+    s->wm.page_size = cs_kv_cache_page_size(cs_engine_kv(s->engine));
+    if ((r = cs_serve_start(s->engine, &o->sched, &s->sv))) goto fail;
+    if ((r = uv_loop_init(&s->uv))) {
+        r = cs__fail(CS_EIO, "uv_loop_init: %s", uv_strerror(r));
+        goto fail;
+    }
+    uv_ok = true;
+    if ((r = cs_rpc_loop_init(&s->uv, &s->rl))) goto fail;
+    if ((r = cs_rpc_server_init(s->rl, &so, &s->srv))) goto fail;
+    if ((r = add_methods(s))) goto fail;
+    if ((r = cs_rpc_health_init(s->srv, &s->health))) goto fail;
+    if ((r = cs_rpc_server_start(s->srv, &port))) goto fail;
+    cs_rpc_health_set(s->health, "", CS_RPC_SERVING_SERVING);
+    cs_rpc_health_set(s->health, SERVICE, CS_RPC_SERVING_SERVING);
+    uv_signal_init(&s->uv, &s->sigterm);
+    uv_signal_init(&s->uv, &s->sigint);
+    uv_timer_init(&s->uv, &s->grace);
+    s->sigterm.data = s->sigint.data = s->grace.data = s;
+    uv_signal_start(&s->sigterm, on_signal, SIGTERM);
+    uv_signal_start(&s->sigint, on_signal, SIGINT);
+    CS_LOGI(
+        "serving '%s' (%s backend, %d KV pages of %d tokens, step budget %d, max %d seqs) on %s:%d",
+        s->wm.name, cs_engine_backend_name(s->engine), s->wm.n_kv_pages, s->wm.page_size,
+        o->sched.max_num_batched_tokens, o->sched.max_num_seqs, o->host, port);
+    printf("listening on %s:%d\n", o->host, port);
+    fflush(stdout);
+    uv_run(&s->uv, UV_RUN_DEFAULT);
+    r = 0;
+    CS_LOGI("stopped");
+    goto out;
+
+fail:
+    CS_LOGE("cannot start: %s", cs_last_error()[0] ? cs_last_error() : cs_strerror(r));
+    {
+        char msg[512];
+        snprintf(msg, sizeof msg, "%s", cs_last_error()); /* teardown may overwrite it */
+        if (s->srv)
+            cs_rpc_server_shutdown(s->srv, 0, on_failed_server_done, s);
+        else if (s->rl)
+            cs_rpc_loop_close(s->rl);
+        if (s->rl) uv_run(&s->uv, UV_RUN_DEFAULT);
+        cs__fail(r, "%s", msg);
+    }
+out:
+    cs_rpc_health_free(s->health);
+    if (uv_ok && uv_loop_close(&s->uv) != 0) CS_LOGW("the event loop still had handles at exit");
+    cs_serve_stop(s->sv); /* NULL after a normal shutdown */
+    cs_engine_free(s->engine);
+    free(s);
+    return r;
+}

@@ -1,0 +1,198 @@
+/* wire.c: GenerateRequest -> cs_request and the checks behind
+ * INVALID_ARGUMENT. Messages name the proto field ("sampling.top_p") because
+ * that is what the client wrote. Not here: building responses (server.c
+ * fills GenerateResponse directly from its event buffers). */
+#include "wire.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "chunkserve/error.h"
+#include "chunkserve/stop.h"
+#include "chunkserve/tokenizer.h"
+#include "util.h"
+
+enum { MAX_STOP = 64, MAX_STOP_BYTES = 256 };
+
+int cs_wire_check_model(const cs_wire_model *wm, const char *name) {
+    if (!name || !name[0] || !strcmp(name, wm->name) || !strcmp(name, wm->alias)) return 0;
+    return cs__fail(
+        CS_EINVAL,
+        "unknown model '%s'; this server serves '%s' (see ListModels, or leave model empty)", name,
+        wm->name);
+}
+
+int cs_wire_render_chat(const cs_wire_model *wm, const Chunkserve__V1__Chat *chat, char **text) {
+    *text = NULL;
+    if (!chat || chat->n_messages == 0) return cs__fail(CS_EINVAL, "chat has no messages");
+    cs_chat_message *msgs = calloc(chat->n_messages, sizeof *msgs);
+    if (!msgs) return cs__fail(CS_ENOMEM, "out of memory");
+    for (size_t i = 0; i < chat->n_messages; i++)
+        msgs[i] = (cs_chat_message){chat->messages[i]->role, chat->messages[i]->content};
+    int r =
+        cs_tokenizer_apply_chat(cs_model_tokenizer(wm->model), msgs, chat->n_messages, true, text);
+    free(msgs);
+    return r;
+}
+
+static int check_sampling(const Chunkserve__V1__SamplingParams *p) {
+    if (!(p->temperature >= 0) || isinf(p->temperature))
+        return cs__fail(CS_EINVAL, "sampling.temperature must be >= 0 (0 = greedy); got %g",
+                        p->temperature);
+    if (!(p->top_p >= 0 && p->top_p <= 1))
+        return cs__fail(CS_EINVAL, "sampling.top_p must be in (0, 1] (0 = not set); got %g",
+                        p->top_p);
+    if (p->top_k < 0)
+        return cs__fail(CS_EINVAL, "sampling.top_k must be >= 0 (0 = off); got %d", p->top_k);
+    if (!(p->min_p >= 0 && p->min_p <= 1))
+        return cs__fail(CS_EINVAL, "sampling.min_p must be in [0, 1] (0 = off); got %g", p->min_p);
+    if (!(p->repetition_penalty >= 0) || isinf(p->repetition_penalty))
+        return cs__fail(CS_EINVAL,
+                        "sampling.repetition_penalty must be > 0 (0 = not set, 1 = off); got %g",
+                        p->repetition_penalty);
+    if (!(p->presence_penalty >= -2 && p->presence_penalty <= 2))
+        return cs__fail(CS_EINVAL, "sampling.presence_penalty must be in [-2, 2]; got %g",
+                        p->presence_penalty);
+    if (!(p->frequency_penalty >= -2 && p->frequency_penalty <= 2))
+        return cs__fail(CS_EINVAL, "sampling.frequency_penalty must be in [-2, 2]; got %g",
+                        p->frequency_penalty);
+    if (p->max_tokens < 0)
+        return cs__fail(CS_EINVAL,
+                        "sampling.max_tokens must be >= 0 (0 = until the context is full); got %d",
+                        p->max_tokens);
+    if (p->n_stop > MAX_STOP)
+        return cs__fail(CS_EINVAL, "sampling.stop has %zu strings; at most %d are allowed",
+                        p->n_stop, MAX_STOP);
+    for (size_t i = 0; i < p->n_stop; i++) {
+        size_t len = strlen(p->stop[i]);
+        if (len == 0 || len > MAX_STOP_BYTES)
+            return cs__fail(CS_EINVAL, "sampling.stop[%zu] must be 1 to %d bytes; it has %zu", i,
+                            MAX_STOP_BYTES, len);
+    }
+    if (p->n_stop_token_ids > MAX_STOP)
+        return cs__fail(CS_EINVAL, "sampling.stop_token_ids has %zu ids; at most %d are allowed",
+                        p->n_stop_token_ids, MAX_STOP);
+    return 0;
+}
+
+static int check_ids(const int32_t *ids, size_t n, int32_t n_vocab, const char *field) {
+    for (size_t i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= n_vocab)
+            return cs__fail(CS_EINVAL, "%s[%zu] = %d is outside the vocabulary (0..%d)", field, i,
+                            ids[i], n_vocab - 1);
+    return 0;
+}
+
+/* The prompt's token ids, from whichever input the request set. */
+static int prompt_ids(const cs_wire_model *wm, const Chunkserve__V1__GenerateRequest *m,
+                      int32_t **ids, size_t *n) {
+    const cs_tokenizer *tok = cs_model_tokenizer(wm->model);
+    *ids = NULL;
+    *n = 0;
+    switch (m->input_case) {
+    case CHUNKSERVE__V1__GENERATE_REQUEST__INPUT_PROMPT:
+        if (!m->prompt[0]) return cs__fail(CS_EINVAL, "the prompt is empty");
+        return cs_tokenizer_encode(tok, m->prompt, strlen(m->prompt), true, true, ids, n);
+    case CHUNKSERVE__V1__GENERATE_REQUEST__INPUT_TOKEN_IDS: {
+        const Chunkserve__V1__TokenIds *t = m->token_ids;
+        if (!t || t->n_ids == 0) return cs__fail(CS_EINVAL, "token_ids is empty");
+        int r = check_ids(t->ids, t->n_ids, cs_tokenizer_n_vocab(tok), "token_ids.ids");
+        if (r) return r;
+        if (!(*ids = malloc(t->n_ids * sizeof(int32_t))))
+            return cs__fail(CS_ENOMEM, "out of memory");
+        memcpy(*ids, t->ids, t->n_ids * sizeof(int32_t));
+        *n = t->n_ids;
+        return 0;
+    }
+    case CHUNKSERVE__V1__GENERATE_REQUEST__INPUT_CHAT: {
+        char *text = NULL;
+        int r = cs_wire_render_chat(wm, m->chat, &text);
+        if (!r) r = cs_tokenizer_encode(tok, text, strlen(text), true, true, ids, n);
+        free(text);
+        return r;
+    }
+    default: return cs__fail(CS_EINVAL, "the request sets no input: set prompt, token_ids or chat");
+    }
+}
+
+int cs_wire_generate_request(const cs_wire_model *wm, const Chunkserve__V1__GenerateRequest *m,
+                             uint64_t id, cs_wire_request *out) {
+    memset(out, 0, sizeof *out);
+    const cs_model_config *cfg = cs_model_get_config(wm->model);
+    const cs_tokenizer *tok = cs_model_tokenizer(wm->model);
+    static const Chunkserve__V1__SamplingParams no_params = CHUNKSERVE__V1__SAMPLING_PARAMS__INIT;
+    const Chunkserve__V1__SamplingParams *p = m->sampling ? m->sampling : &no_params;
+    int r = cs_wire_check_model(wm, m->model);
+    if (!r) r = check_sampling(p);
+    if (!r)
+        r = check_ids(p->stop_token_ids, p->n_stop_token_ids, cfg->n_vocab,
+                      "sampling.stop_token_ids");
+    int32_t *ids = NULL;
+    size_t n = 0;
+    if (!r) r = prompt_ids(wm, m, &ids, &n);
+    if (!r && n == 0) r = cs__fail(CS_EINVAL, "the prompt is empty after tokenization");
+    if (!r && n >= (size_t)cfg->ctx_len)
+        r = cs__fail(
+            CS_EINVAL,
+            "the prompt has %zu tokens; the model's context is %d tokens, so at most %d fit", n,
+            cfg->ctx_len, cfg->ctx_len - 1);
+    if (!r && (int64_t)(n + 1 + (size_t)wm->page_size - 1) / wm->page_size > wm->n_kv_pages)
+        r = cs__fail(
+            CS_EINVAL,
+            "the prompt has %zu tokens, more than this server's KV cache holds (%d pages of %d "
+            "tokens; start it with a larger --kv-cache-mib)",
+            n, wm->n_kv_pages, wm->page_size);
+    if (r) {
+        free(ids);
+        return r;
+    }
+    cs_request *q = &out->r;
+    q->id = id;
+    q->prompt = ids;
+    q->n_prompt = (int32_t)n;
+    q->logprobs = p->logprobs;
+    q->sampling = cs_sampling_params_default();
+    q->sampling.temperature = p->temperature;
+    q->sampling.top_k = p->top_k;
+    q->sampling.top_p = p->top_p > 0 ? p->top_p : 1.0f;
+    q->sampling.min_p = p->min_p;
+    q->sampling.repetition_penalty = p->repetition_penalty > 0 ? p->repetition_penalty : 1.0f;
+    q->sampling.presence_penalty = p->presence_penalty;
+    q->sampling.frequency_penalty = p->frequency_penalty;
+    q->sampling.seed = p->seed;
+    q->stop = (cs_stop_params){
+        .stop = (const char *const *)p->stop,
+        .n_stop = p->n_stop,
+        .stop_ids = p->stop_token_ids,
+        .n_stop_ids = p->n_stop_token_ids,
+        /* the scheduler caps this at what the context leaves */
+        .max_tokens = p->max_tokens > 0 ? p->max_tokens : cfg->ctx_len,
+        .ignore_eos = p->ignore_eos,
+        .skip_special = !p->include_special,
+    };
+    out->prompt = ids;
+    /* The engine checks these again on its thread; checking here too turns
+     * its messages into INVALID_ARGUMENT before anything is queued. */
+    r = cs_sampling_params_check(&q->sampling);
+    cs_stop *st = NULL;
+    if (!r) r = cs_stop_init(tok, &q->stop, &st);
+    cs_stop_free(st);
+    if (r) cs_wire_request_free(out);
+    return r;
+}
+
+void cs_wire_request_free(cs_wire_request *w) {
+    free(w->prompt);
+    memset(w, 0, sizeof *w);
+}
+
+Chunkserve__V1__FinishReason cs_wire_finish_reason(enum cs_finish f) {
+    switch (f) {
+    case CS_FINISH_STOP: return CHUNKSERVE__V1__FINISH_REASON__FINISH_REASON_STOP;
+    case CS_FINISH_LENGTH: return CHUNKSERVE__V1__FINISH_REASON__FINISH_REASON_LENGTH;
+    case CS_FINISH_CANCELLED: return CHUNKSERVE__V1__FINISH_REASON__FINISH_REASON_CANCELLED;
+    case CS_FINISH_ERROR: return CHUNKSERVE__V1__FINISH_REASON__FINISH_REASON_ERROR;
+    default: return CHUNKSERVE__V1__FINISH_REASON__FINISH_REASON_UNSPECIFIED;
+    }
+}

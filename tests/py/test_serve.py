@@ -1,0 +1,398 @@
+"""`chunkserve serve` against a real gRPC client: Python grpcio stubs generated from proto/
+with grpcio-tools call the single-process server as a separate process on loopback.
+
+Most checks run on the tiny random-weight model (fast); the greedy-equals-CLI check, the
+deadline and the overload check run on the real default model, whose steps are slow enough
+to keep requests in flight.  The tiny server's KV pool (--kv-cache-mib 2: 256 pages of 16
+tokens) holds exactly one sequence that fills the whole 4096-token context, so a request
+that generates until the context is full after a cancelled one proves the cancelled one's
+pages were freed.  Timing bounds are generous: they catch hangs only.
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+grpc = pytest.importorskip("grpc")
+protoc = pytest.importorskip("grpc_tools.protoc")
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+PROTO_DIR = REPO_ROOT / "proto"
+SERVICE = "chunkserve.v1.Generation"
+TINY_NAME = "chunkserve tiny test model"
+TINY_CTX = 4096
+
+
+@pytest.fixture(scope="module")
+def pb(tmp_path_factory):
+    """Generated modules: generation_pb2, generation_pb2_grpc, health_pb2."""
+    out = tmp_path_factory.mktemp("serve_stubs")
+    include = Path(protoc.__file__).parent / "_proto"
+    for p in ("chunkserve/v1/generation.proto", "grpc/health/v1/health.proto"):
+        rc = protoc.main(["grpc_tools.protoc", f"-I{PROTO_DIR}", f"-I{include}",
+                          f"--python_out={out}", f"--grpc_python_out={out}", p])
+        assert rc == 0, f"grpc_tools.protoc failed on {p}"
+    sys.path.insert(0, str(out))
+    try:
+        mods = {n: importlib.import_module(f"chunkserve.v1.{n}")
+                for n in ("generation_pb2", "generation_pb2_grpc")}
+    finally:
+        sys.path.remove(str(out))
+    # Loaded on its own so it does not shadow the grpc package (see test_rpc_echo.py).
+    spec = importlib.util.spec_from_file_location("cs_serve_health_pb2",
+                                                  out / "grpc" / "health" / "v1" / "health_pb2.py")
+    mods["health_pb2"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mods["health_pb2"])
+    return type("PB", (), mods)
+
+
+class Server:
+    """A `chunkserve serve` process with a channel and stub to it."""
+
+    def __init__(self, exe: Path, model: Path, pb, *args):
+        self.proc = subprocess.Popen([str(exe), "serve", "--model", str(model), "--port", "0", *args],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        line = self.proc.stdout.readline().decode()
+        if not line.startswith("listening on "):
+            self.proc.kill()
+            pytest.fail(f"unexpected first line {line!r}; stderr: {self.proc.stderr.read()[-3000:]!r}")
+        self.addr = line.split()[-1]
+        self.channel = grpc.insecure_channel(self.addr)
+        self.stub = pb.generation_pb2_grpc.GenerationStub(self.channel)
+
+    def stop(self, timeout=15.0):
+        """SIGTERM; asserts exit 0 within timeout; returns the seconds it took."""
+        t0 = time.monotonic()
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            rc = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            pytest.fail(f"server did not exit within {timeout}s of SIGTERM")
+        self.channel.close()
+        err = self.proc.stderr.read().decode(errors="replace")
+        assert rc == 0, f"server exit {rc}: {err[-3000:]}"
+        return time.monotonic() - t0
+
+
+@pytest.fixture(scope="module")
+def tiny_model(bin_dir, tmp_path_factory):
+    exe = bin_dir / "chunkserve-mktiny"
+    if not exe.is_file():
+        pytest.skip(f"{exe} not built")
+    out = tmp_path_factory.mktemp("tiny")
+    subprocess.run([str(exe), "--out", str(out)], check=True, capture_output=True)
+    return out / "tiny.gguf"
+
+
+@pytest.fixture(scope="module")
+def tiny(chunkserve_bin, tiny_model, pb):
+    s = Server(chunkserve_bin, tiny_model, pb, "--kv-cache-mib", "2", "--max-batched-tokens", "256",
+               "--threads", "1")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def real(chunkserve_bin, model_path, pb):
+    """The real model, one sequence at a time, at most one waiting."""
+    s = Server(chunkserve_bin, model_path, pb, "--max-num-seqs", "1", "--max-queue", "1")
+    yield s
+    s.stop()
+
+
+def params(pb, **kw):
+    return pb.generation_pb2.SamplingParams(**kw)
+
+
+def collect(stream):
+    """(ids, text, messages) of a finished stream."""
+    msgs = list(stream)
+    return [t for m in msgs for t in m.token_ids], "".join(m.text for m in msgs), msgs
+
+
+# ---------------------------------------------------------------- unary calls --
+
+def test_list_models(tiny, pb):
+    r = tiny.stub.ListModels(pb.generation_pb2.ListModelsRequest(), timeout=5)
+    assert len(r.models) == 1
+    m = r.models[0]
+    assert (m.name, m.context_length, m.vocab_size, m.architecture) == (TINY_NAME, TINY_CTX, 349, "llama")
+    assert m.has_chat_template
+
+
+def test_tokenize_detokenize_round_trip(tiny, pb):
+    g = pb.generation_pb2
+    for text in ("Hello, world!", "naïve café — 你好 🙂", "  spaces\n\tand tabs  "):
+        ids = tiny.stub.Tokenize(g.TokenizeRequest(text=text), timeout=5).ids
+        assert len(ids) > 0
+        assert tiny.stub.Detokenize(g.DetokenizeRequest(ids=ids), timeout=5).text == text
+    # by model name and by file name; a chat renders through the template
+    chat = g.Chat(messages=[g.ChatMessage(role="user", content="hi")])
+    ids = tiny.stub.Tokenize(g.TokenizeRequest(model="tiny.gguf", chat=chat), timeout=5).ids
+    text = tiny.stub.Detokenize(g.DetokenizeRequest(model=TINY_NAME, ids=ids, include_special=True),
+                                timeout=5).text
+    assert "hi" in text and text.startswith("<|im_start|>")
+    with pytest.raises(grpc.RpcError) as e:
+        tiny.stub.Detokenize(g.DetokenizeRequest(ids=[1, 349]), timeout=5)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "ids[1] = 349" in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        tiny.stub.Tokenize(g.TokenizeRequest(model="gpt-9", text="x"), timeout=5)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "unknown model" in e.value.details()
+
+
+def test_health_check_and_watch(tiny, pb):
+    h = pb.health_pb2
+    check = tiny.channel.unary_unary("/grpc.health.v1.Health/Check",
+                                     request_serializer=h.HealthCheckRequest.SerializeToString,
+                                     response_deserializer=h.HealthCheckResponse.FromString)
+    watch = tiny.channel.unary_stream("/grpc.health.v1.Health/Watch",
+                                      request_serializer=h.HealthCheckRequest.SerializeToString,
+                                      response_deserializer=h.HealthCheckResponse.FromString)
+    for service in ("", SERVICE):
+        assert check(h.HealthCheckRequest(service=service), timeout=5).status == h.HealthCheckResponse.SERVING
+    it = watch(h.HealthCheckRequest(service=""), timeout=10)
+    assert next(it).status == h.HealthCheckResponse.SERVING
+    it.cancel()
+
+
+# ------------------------------------------------------------------ generation --
+
+def test_generate_stream(tiny, pb):
+    g = pb.generation_pb2
+    req = g.GenerateRequest(request_id="py-gen-1", prompt="hello",
+                            sampling=params(pb, max_tokens=40, ignore_eos=True, logprobs=True))
+    ids, text, msgs = collect(tiny.stub.Generate(req, timeout=30))
+    assert msgs[0].request_id == "py-gen-1"
+    assert all(m.finish_reason == g.FINISH_REASON_UNSPECIFIED for m in msgs[:-1])
+    last = msgs[-1]
+    assert last.finish_reason == g.FINISH_REASON_LENGTH
+    prompt_ids = tiny.stub.Tokenize(g.TokenizeRequest(text="hello", add_special=True), timeout=5).ids
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (len(prompt_ids), 40)
+    assert len(ids) == 40
+    lps = [lp for m in msgs for lp in m.logprobs]
+    assert [lp.token_id for lp in lps] == ids and all(lp.logprob <= 0 for lp in lps)
+    assert text == tiny.stub.Detokenize(g.DetokenizeRequest(ids=ids), timeout=5).text
+    # the same prompt as token ids gives the same greedy tokens
+    ids2, _, _ = collect(tiny.stub.Generate(g.GenerateRequest(
+        token_ids=g.TokenIds(ids=prompt_ids), sampling=params(pb, max_tokens=40, ignore_eos=True)),
+        timeout=30))
+    assert ids2 == ids
+    # a chat; a stop string ends it and is not shown
+    chat = g.Chat(messages=[g.ChatMessage(role="system", content="be brief"),
+                            g.ChatMessage(role="user", content="hi")])
+    _, text, msgs = collect(tiny.stub.Generate(g.GenerateRequest(chat=chat, sampling=params(
+        pb, max_tokens=30, ignore_eos=True)), timeout=30))
+    assert msgs[-1].finish_reason == g.FINISH_REASON_LENGTH and msgs[-1].usage.completion_tokens == 30
+    if len(text) > 4:
+        stop = text[2:4]
+        _, text2, msgs2 = collect(tiny.stub.Generate(g.GenerateRequest(chat=chat, sampling=params(
+            pb, max_tokens=30, ignore_eos=True, stop=[stop])), timeout=30))
+        assert msgs2[-1].finish_reason == g.FINISH_REASON_STOP
+        assert stop not in text2 and text.startswith(text2)
+
+
+BAD_INPUTS = [
+    # (fields of GenerateRequest, words the message must contain)
+    (dict(prompt=""), "empty"),
+    (dict(), "no input"),
+    (dict(token_ids={"ids": []}), "token_ids is empty"),
+    (dict(token_ids={"ids": [5, 349]}), "outside the vocabulary"),
+    (dict(token_ids={"ids": [-1]}), "outside the vocabulary"),
+    (dict(token_ids={"ids": [5] * TINY_CTX}), "context"),
+    (dict(chat={"messages": []}), "no messages"),
+    (dict(chat={"messages": [{"role": "robot", "content": "x"}]}), "role"),
+    (dict(model="gpt-9", prompt="x"), "unknown model"),
+    (dict(prompt="x", sampling=dict(temperature=-1)), "temperature"),
+    (dict(prompt="x", sampling=dict(top_p=1.5)), "top_p"),
+    (dict(prompt="x", sampling=dict(top_p=-0.1)), "top_p"),
+    (dict(prompt="x", sampling=dict(top_k=-1)), "top_k"),
+    (dict(prompt="x", sampling=dict(min_p=1.5)), "min_p"),
+    (dict(prompt="x", sampling=dict(repetition_penalty=-1)), "repetition_penalty"),
+    (dict(prompt="x", sampling=dict(presence_penalty=2.5)), "presence_penalty"),
+    (dict(prompt="x", sampling=dict(frequency_penalty=-3)), "frequency_penalty"),
+    (dict(prompt="x", sampling=dict(max_tokens=-1)), "max_tokens"),
+    (dict(prompt="x", sampling=dict(stop=[f"s{i}" for i in range(65)])), "at most 64"),
+    (dict(prompt="x", sampling=dict(stop=[""])), "stop[0]"),
+    (dict(prompt="x", sampling=dict(stop_token_ids=[400])), "stop_token_ids"),
+]
+
+
+@pytest.mark.parametrize("fields,words", BAD_INPUTS, ids=[w for _, w in BAD_INPUTS])
+def test_bad_input(tiny, pb, fields, words):
+    g = pb.generation_pb2
+    f = dict(fields)
+    if "sampling" in f:
+        f["sampling"] = g.SamplingParams(**f["sampling"])
+    if "token_ids" in f:
+        f["token_ids"] = g.TokenIds(**f["token_ids"])
+    if "chat" in f:
+        f["chat"] = g.Chat(messages=[g.ChatMessage(**m) for m in f["chat"]["messages"]])
+    t0 = time.monotonic()
+    with pytest.raises(grpc.RpcError) as e:
+        list(tiny.stub.Generate(g.GenerateRequest(**f), timeout=10))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+    assert words in e.value.details()
+    assert time.monotonic() - t0 < 5
+    ids, _, _ = collect(tiny.stub.Generate(g.GenerateRequest(prompt="ok", sampling=params(
+        pb, max_tokens=3, ignore_eos=True)), timeout=10))
+    assert len(ids) == 3
+
+
+def test_malformed_bytes(tiny, pb):
+    """Random bytes to Generate: each gets a status; the server keeps serving."""
+    raw = tiny.channel.unary_stream(f"/{SERVICE}/Generate")
+    rng = random.Random(7)
+    codes = set()
+    for _ in range(300):
+        body = bytes(rng.randrange(256) for _ in range(rng.randrange(1, 48)))
+        try:
+            list(raw(body, timeout=5))
+            codes.add("OK")
+        except grpc.RpcError as e:
+            codes.add(e.code().name)
+    assert codes <= {"OK", "INVALID_ARGUMENT"}, codes
+    assert tiny.stub.ListModels(pb.generation_pb2.ListModelsRequest(), timeout=5).models
+
+
+def test_32_concurrent_streams(tiny, pb):
+    g = pb.generation_pb2
+    results = [None] * 32
+
+    def run(i):
+        sp = params(pb, max_tokens=48, ignore_eos=True)
+        if i % 2:  # sampled, seeded
+            sp = params(pb, max_tokens=48, ignore_eos=True, temperature=0.9, top_p=0.9, seed=i)
+        try:
+            results[i] = collect(tiny.stub.Generate(g.GenerateRequest(prompt=f"stream {i % 4}",
+                                                                      sampling=sp), timeout=60))
+        except grpc.RpcError as e:
+            results[i] = e
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    assert all(isinstance(r, tuple) for r in results), [r for r in results if not isinstance(r, tuple)]
+    for ids, _, msgs in results:
+        assert len(ids) == 48 and msgs[-1].finish_reason == g.FINISH_REASON_LENGTH
+    # greedy output does not depend on what it was batched with
+    for i in range(0, 32, 2):
+        assert results[i][0] == results[i % 8][0]
+    alone, _, _ = collect(tiny.stub.Generate(g.GenerateRequest(prompt="stream 0", sampling=params(
+        pb, max_tokens=48, ignore_eos=True)), timeout=30))
+    assert alone == results[0][0]
+
+
+def test_cancel_frees_pages(tiny, pb):
+    """Cancel a stream that would fill the whole KV pool; then one that fills it must finish."""
+    g = pb.generation_pb2
+    full = g.GenerateRequest(prompt="fill the context", sampling=params(pb, ignore_eos=True))  # max_tokens 0
+    it = tiny.stub.Generate(full, timeout=30)
+    for i, _ in enumerate(it):
+        if i == 5:
+            it.cancel()
+            break
+    with pytest.raises(grpc.RpcError) as e:
+        next(it)
+    assert e.value.code() == grpc.StatusCode.CANCELLED
+    ids, _, msgs = collect(tiny.stub.Generate(full, timeout=60))
+    assert msgs[-1].finish_reason == g.FINISH_REASON_LENGTH
+    assert msgs[-1].usage.prompt_tokens + len(ids) == TINY_CTX
+
+
+# ------------------------------------------------------------ the real model --
+
+def test_greedy_equals_cli(real, cli, pb):
+    g = pb.generation_pb2
+    for prompt, chat in (("The capital of France is", False), ("Name three colors.", True)):
+        args = ["--prompt", prompt, "--max-tokens", "24"] + (["--chat"] if chat else [])
+        want = cli.run("generate", *args, timeout=120).decode()
+        assert want.endswith("\n")
+        want = want[:-1]
+        inp = (dict(chat=g.Chat(messages=[g.ChatMessage(role="user", content=prompt)])) if chat
+               else dict(prompt=prompt))
+        _, text, msgs = collect(real.stub.Generate(g.GenerateRequest(
+            **inp, sampling=params(pb, max_tokens=24)), timeout=120))
+        assert text == want, f"prompt {prompt!r}: server {text!r} != CLI {want!r}"
+        assert msgs[-1].finish_reason in (g.FINISH_REASON_LENGTH, g.FINISH_REASON_STOP)
+
+
+def test_deadline(real, pb):
+    g = pb.generation_pb2
+    t0 = time.monotonic()
+    with pytest.raises(grpc.RpcError) as e:
+        list(real.stub.Generate(g.GenerateRequest(prompt="Tell me a long story.", sampling=params(
+            pb, max_tokens=2000, ignore_eos=True)), timeout=0.5))
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert time.monotonic() - t0 < 5
+    # the request was cancelled in the engine: the next one (max-num-seqs 1) runs at once
+    ids, _, _ = collect(real.stub.Generate(g.GenerateRequest(prompt="Hi", sampling=params(
+        pb, max_tokens=4, ignore_eos=True)), timeout=20))
+    assert len(ids) == 4
+
+
+def test_overload_refused(real, pb):
+    """--max-num-seqs 1 --max-queue 1: one running, one waiting, the third is refused."""
+    g = pb.generation_pb2
+    long = g.GenerateRequest(prompt="Count to a thousand.", sampling=params(
+        pb, max_tokens=2000, ignore_eos=True))
+    a = real.stub.Generate(long, timeout=60)
+    next(a)  # running
+    b = real.stub.Generate(long, timeout=60)
+    time.sleep(1.0)  # b reaches the server and waits
+    with pytest.raises(grpc.RpcError) as e:
+        list(real.stub.Generate(long, timeout=10))
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-queue" in e.value.details()
+    a.cancel()
+    b.cancel()
+    # Cancellation reaches the engine asynchronously: a client retries, as it would.
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            ids, _, _ = collect(real.stub.Generate(g.GenerateRequest(prompt="Hi", sampling=params(
+                pb, max_tokens=2, ignore_eos=True)), timeout=20))
+            break
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and time.monotonic() < deadline
+            time.sleep(0.05)
+    assert len(ids) == 2
+
+
+def test_sigterm_with_streams_in_flight(chunkserve_bin, model_path, pb):
+    s = Server(chunkserve_bin, model_path, pb, "--grace-ms", "500")
+    g = pb.generation_pb2
+    started = threading.Barrier(17)
+    outcomes = [None] * 16
+
+    def run(i):
+        got = 0
+        try:
+            for _ in s.stub.Generate(g.GenerateRequest(prompt=f"Story number {i}:", sampling=params(
+                    pb, max_tokens=3000, ignore_eos=True)), timeout=60):
+                got += 1
+                if got == 1:
+                    started.wait(60)
+            outcomes[i] = "OK"
+        except grpc.RpcError as e:
+            outcomes[i] = e.code().name
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    started.wait(60)
+    took = s.stop(timeout=15)
+    assert took < 5, f"exit took {took:.1f}s"
+    for t in threads:
+        t.join(30)
+    assert outcomes == ["UNAVAILABLE"] * 16, outcomes
