@@ -42,7 +42,7 @@ void cs__assert_fail(const char *file, int line, const char *expr) {
 }
 
 int cs__log_level = CS_LOG_INFO;
-static const char *log_role = "chunkserve";
+static _Thread_local const char *log_role = "chunkserve"; /* per thread: "engine", "serve", ... */
 
 void cs_log_set_level(int level) { cs__log_level = level; }
 void cs_log_set_role(const char *role) { log_role = role; }

@@ -33,6 +33,7 @@ int cs__fail(int code, const char *fmt, ...) CS_PRINTF(2, 3);
 enum cs_log_level { CS_LOG_ERROR = 0, CS_LOG_WARN, CS_LOG_INFO, CS_LOG_DEBUG };
 extern int cs__log_level;
 void cs_log_set_level(int level);
+/* The role is per thread (set it at the start of each thread: "serve", "engine", ...). */
 void cs_log_set_role(const char *role);
 void cs__log(int level, const char *file, int line, const char *fmt, ...) CS_PRINTF(4, 5);
 #define CS_LOG(lvl, ...)                                                       \
