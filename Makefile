@@ -15,7 +15,7 @@ ifneq ($(OPENBLAS_CORETYPE),)
 export OPENBLAS_CORETYPE
 endif
 
-.PHONY: all build bootstrap model test test-unit test-py test-asan demo bench clean format
+.PHONY: all build bootstrap model test test-unit test-py asan-build test-asan test-serve-asan demo bench clean format
 
 all: build
 
@@ -33,14 +33,23 @@ model:
 test: build model
 	cd $(BUILD) && ctest --output-on-failure -j$(JOBS)
 	$(MAKE) --no-print-directory test-asan
+	$(MAKE) --no-print-directory test-serve-asan
 	CHUNKSERVE_BIN_DIR=$(abspath $(BUILD))/bin CHUNKSERVE_MODEL=$(abspath $(MODEL)) \
 	  $(PY) -m pytest -q tests/py
 
-test-asan: bootstrap
+asan-build: bootstrap
 	cmake -S . -B $(BUILD)-asan -DCMAKE_BUILD_TYPE=Debug -DCS_SANITIZE=ON -DCS_CUDA=OFF >/dev/null
 	cmake --build $(BUILD)-asan -j$(JOBS)
+
+test-asan: asan-build
 	cd $(BUILD)-asan && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
 	  ctest --output-on-failure -j$(JOBS) -L unit
+
+# The tiny-model part of the pytest suite against the ASan build's `chunkserve serve`
+# (incl. a burst of 1,000 malformed messages): the server must exit 0 with no report.
+test-serve-asan: asan-build
+	CHUNKSERVE_BIN_DIR=$(abspath $(BUILD))-asan/bin ASAN_OPTIONS=detect_leaks=1:exitcode=23 \
+	  UBSAN_OPTIONS=print_stacktrace=1 $(PY) -m pytest -q -m tiny tests/py/test_serve.py
 
 demo: build model
 	@scripts/demo.sh $(BUILD)/bin $(MODEL)

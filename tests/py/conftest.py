@@ -101,3 +101,17 @@ class CLI:
 @pytest.fixture(scope="session")
 def cli(chunkserve_bin: Path, model_path: Path) -> CLI:
     return CLI(chunkserve_bin, model_path)
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "tiny: uses only the tiny random-weight model (fast; `make test` also runs "
+                   "these against the ASan build with `-m tiny`)")
+
+
+def pytest_collection_modifyitems(config, items):
+    # A test that uses a fixture named `tiny` or `tiny_model` and no real model is a tiny test.
+    for item in items:
+        names = set(getattr(item, "fixturenames", ()))
+        if names & {"tiny", "tiny_model"} and not names & {"model_path", "real", "cli"}:
+            item.add_marker(pytest.mark.tiny)
