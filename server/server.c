@@ -25,6 +25,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/random.h>
+#include <time.h>
+#include <unistd.h>
 #include <uv.h>
 
 #include "chunkserve/error.h"
@@ -32,6 +35,7 @@
 #include "chunkserve/rpc_health.h"
 #include "chunkserve/serve.h"
 #include "util.h"
+#include "chunkserve/v1/cluster.pb-c.h"
 #include "wire.h"
 
 #define SERVICE "chunkserve.v1.Generation"
@@ -76,6 +80,7 @@ struct server {
     bool stopping;
     gen *live;
     int32_t n_live;
+    uint64_t instance_id; /* random per process start */
     uint64_t next_id;
 };
 
@@ -345,6 +350,39 @@ static void handle_list_models(cs_rpc_call *c, void *data) {
     cs_rpc_call_reply_msg(c, &r.base);
 }
 
+/* chunkserve.v1.Worker/GetStatus: the same snapshot the cluster's workers
+ * give the router (role unspecified: this process prefills and decodes).
+ * Tests use it to see that a cancelled stream's pages are free again. */
+static void handle_status(cs_rpc_call *c, void *data) {
+    server *s = data;
+    cs_sched_stats st;
+    cs_serve_stats(s->sv, &st);
+    const cs_model_config *cfg = cs_model_get_config(s->wm.model);
+    Chunkserve__V1__ModelInfo mi = CHUNKSERVE__V1__MODEL_INFO__INIT;
+    mi.name = (char *)s->wm.name;
+    mi.context_length = cfg->ctx_len;
+    mi.vocab_size = cfg->n_vocab;
+    mi.architecture = (char *)cfg->arch;
+    mi.has_chat_template = s->wm.has_chat_template;
+    Chunkserve__V1__WorkerStatus r = CHUNKSERVE__V1__WORKER_STATUS__INIT;
+    char worker_id[32];
+    snprintf(worker_id, sizeof worker_id, "serve-%016llx", (unsigned long long)s->instance_id);
+    r.worker_id = worker_id;
+    r.instance_id = s->instance_id;
+    r.role = CHUNKSERVE__V1__WORKER_ROLE__WORKER_ROLE_UNSPECIFIED;
+    r.model = &mi;
+    r.ready = !s->stopping;
+    r.draining = s->stopping;
+    r.page_size = st.page_size;
+    r.kv_pages_total = st.kv_pages_total;
+    r.kv_pages_free = st.kv_pages_total - st.kv_pages_used; /* cached prefix pages are reusable */
+    r.num_running = st.n_running;
+    r.num_waiting = st.n_waiting;
+    r.queued_prefill_tokens = st.queued_prompt_tokens;
+    r.max_num_batched_tokens = st.max_num_batched_tokens;
+    cs_rpc_call_reply_msg(c, &r.base);
+}
+
 static void handle_tokenize(cs_rpc_call *c, void *data) {
     server *s = data;
     const Chunkserve__V1__TokenizeRequest *m = (const void *)cs_rpc_call_request_msg(c);
@@ -459,6 +497,8 @@ static int add_methods(server *s) {
          handle_tokenize},
         {"/" SERVICE "/Detokenize", CS_RPC_UNARY, &chunkserve__v1__detokenize_request__descriptor,
          handle_detokenize},
+        {"/chunkserve.v1.Worker/GetStatus", CS_RPC_UNARY, &chunkserve__v1__worker_status_request__descriptor,
+         handle_status},
     };
     for (size_t i = 0; i < sizeof methods / sizeof methods[0]; i++) {
         int r = cs_rpc_server_add_method(s->srv, methods[i].path, methods[i].kind, methods[i].desc,
@@ -480,6 +520,8 @@ int cs_server_run(const cs_model *m, const cs_server_opts *o) {
     server *s = calloc(1, sizeof *s);
     if (!s) return cs__fail(CS_ENOMEM, "out of memory");
     s->o = o;
+    if (getrandom(&s->instance_id, sizeof s->instance_id, 0) != sizeof s->instance_id)
+        s->instance_id = (uint64_t)time(NULL) << 20 ^ (uint64_t)getpid();
     const cs_model_config *cfg = cs_model_get_config(m);
     const char *base = o->model_path ? strrchr(o->model_path, '/') : NULL;
     base = base ? base + 1 : o->model_path ? o->model_path : "";

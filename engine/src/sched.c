@@ -102,6 +102,15 @@ void cs_sched_get_stats(const cs_sched *s, cs_sched_stats *st) {
     *st = s->st;
     st->n_running = s->n_running;
     st->n_waiting = s->n_waiting;
+    st->queued_prompt_tokens = 0;
+    for (const seq *q = s->waiting; q; q = q->next) st->queued_prompt_tokens += q->n_tokens - q->n_computed;
+    for (const seq *q = s->running; q; q = q->next)
+        if (q->n_tokens - q->n_computed > 1) st->queued_prompt_tokens += q->n_tokens - q->n_computed;
+    st->kv_pages_total = cs_kv_cache_n_pages(s->kv);
+    st->kv_pages_used = cs_kv_cache_n_used(s->kv);
+    st->kv_pages_cached = cs_kv_cache_n_cached(s->kv);
+    st->page_size = s->page_size;
+    st->max_num_batched_tokens = s->p.max_num_batched_tokens;
 }
 
 static seq *find(cs_sched *s, uint64_t id, seq ***link) {

@@ -140,6 +140,7 @@ int cs_serve_start(cs_engine *e, const cs_sched_params *p, cs_serve **out) {
         return r;
     }
     sv->tail = &sv->head;
+    cs_sched_get_stats(sv->sched, &sv->stats); /* before the thread exists: no lock needed */
     pthread_mutex_init(&sv->mu, NULL);
     pthread_cond_init(&sv->cv, NULL);
     if (pthread_create(&sv->thread, NULL, loop, sv) != 0) {

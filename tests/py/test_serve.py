@@ -36,17 +36,17 @@ TINY_CTX = 4096
 
 @pytest.fixture(scope="module")
 def pb(tmp_path_factory):
-    """Generated modules: generation_pb2, generation_pb2_grpc, health_pb2."""
+    """Generated modules: generation_pb2, generation_pb2_grpc, cluster_pb2, cluster_pb2_grpc, health_pb2."""
     out = tmp_path_factory.mktemp("serve_stubs")
     include = Path(protoc.__file__).parent / "_proto"
-    for p in ("chunkserve/v1/generation.proto", "grpc/health/v1/health.proto"):
+    for p in ("chunkserve/v1/generation.proto", "chunkserve/v1/cluster.proto", "grpc/health/v1/health.proto"):
         rc = protoc.main(["grpc_tools.protoc", f"-I{PROTO_DIR}", f"-I{include}",
                           f"--python_out={out}", f"--grpc_python_out={out}", p])
         assert rc == 0, f"grpc_tools.protoc failed on {p}"
     sys.path.insert(0, str(out))
     try:
         mods = {n: importlib.import_module(f"chunkserve.v1.{n}")
-                for n in ("generation_pb2", "generation_pb2_grpc")}
+                for n in ("generation_pb2", "generation_pb2_grpc", "cluster_pb2", "cluster_pb2_grpc")}
     finally:
         sys.path.remove(str(out))
     # Loaded on its own so it does not shadow the grpc package (see test_rpc_echo.py).
@@ -62,6 +62,7 @@ class Server:
     not a pipe: a log line per request would fill a pipe nobody reads and block the server."""
 
     def __init__(self, exe: Path, model: Path, pb, *args):
+        self.pb = pb
         self.err = tempfile.TemporaryFile()
         self.proc = subprocess.Popen([str(exe), "serve", "--model", str(model), "--port", "0", *args],
                                      stdout=subprocess.PIPE, stderr=self.err)
@@ -72,6 +73,10 @@ class Server:
         self.addr = line.split()[-1]
         self.channel = grpc.insecure_channel(self.addr)
         self.stub = pb.generation_pb2_grpc.GenerationStub(self.channel)
+        self.worker = pb.cluster_pb2_grpc.WorkerStub(self.channel)
+
+    def status(self):
+        return self.worker.GetStatus(self.pb.cluster_pb2.WorkerStatusRequest(), timeout=10)
 
     def stop(self, timeout=15.0):
         """SIGTERM; asserts exit 0 within timeout; returns the seconds it took."""
@@ -332,6 +337,16 @@ def test_cancel_frees_pages(tiny, pb):
     with pytest.raises(grpc.RpcError) as e:
         next(it)
     assert e.value.code() == grpc.StatusCode.CANCELLED
+    # the status call shows every page free again (cached prefix pages count as free)
+    deadline = time.monotonic() + 10
+    while True:
+        st = tiny.status()
+        if (st.kv_pages_free == st.kv_pages_total and st.num_running == 0 and st.num_waiting == 0) \
+                or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert st.kv_pages_total > 0 and st.kv_pages_free == st.kv_pages_total, st
+    assert st.num_running == 0 and st.num_waiting == 0 and st.ready and not st.draining, st
     ids, _, msgs = collect(tiny.stub.Generate(full, timeout=60))
     assert msgs[-1].finish_reason == g.FINISH_REASON_LENGTH
     assert msgs[-1].usage.prompt_tokens + len(ids) == TINY_CTX

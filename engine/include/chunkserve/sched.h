@@ -65,6 +65,9 @@ typedef struct {
     uint64_t steps, preemptions, prefix_hit_tokens, prompt_tokens_computed, generated_tokens;
     uint64_t requests_finished, requests_cancelled;
     int32_t n_running, n_waiting;
+    int64_t queued_prompt_tokens;   /* prompt tokens of live requests not computed yet */
+    int32_t kv_pages_total, kv_pages_used, kv_pages_cached; /* cached = reusable prefix pages, no reference */
+    int32_t page_size, max_num_batched_tokens;
 } cs_sched_stats;
 
 typedef struct cs_sched cs_sched;
