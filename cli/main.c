@@ -59,8 +59,9 @@ static const opt_spec opt_table[] = {
     {"frequency-penalty", OPT_DOUBLE, O(frequency), "0", "OpenAI frequency penalty in [-2,2]"},
     {"seed", OPT_U64, O(seed), "0", "random seed for sampling"},
     {"ignore-eos", OPT_FLAG, O(ignore_eos), "0", "keep generating past end-of-generation tokens (benchmarks)"},
-    {"max-batched-tokens", OPT_STR, O(budget), "unlimited",
-     "step token budget: the prompt is prefilled in chunks of at most N tokens; 0 or unlimited = one pass"},
+    {"max-batched-tokens", OPT_STR, O(budget), "512",
+     "step token budget: prompts are prefilled in chunks so a step computes at most N tokens; "
+     "0 or unlimited = whole prompts in one step"},
     {"page-size", OPT_LONG, O(page_size), "16", "tokens per KV-cache page"},
     {"kv-cache-mib", OPT_LONG, O(kv_mib), "256", "KV-cache pool size in MiB"},
     {"threads", OPT_LONG, O(threads), "0", "CPU threads; 0 = one per core (env CHUNKSERVE_THREADS)"},
