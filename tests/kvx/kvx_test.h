@@ -5,6 +5,7 @@
 #define CS_KVX_TEST_H
 
 #include <arpa/inet.h>
+#include <errno.h>
 #include <netinet/in.h>
 #include <pthread.h>
 #include <stdint.h>

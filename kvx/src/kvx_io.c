@@ -1,0 +1,114 @@
+/* kvx_io.c: clock, socket options, wake-up pipes and writev of queued frames
+ * for the KV transport's I/O threads. */
+#include "kvx-impl.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <time.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include "chunkserve/error.h"
+
+int64_t cs__kvx_now_ms(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
+}
+
+int cs__kvx_set_socket_opts(int fd) {
+    int fl = fcntl(fd, F_GETFL);
+    if (fl < 0 || fcntl(fd, F_SETFL, fl | O_NONBLOCK) < 0) return -errno;
+    int one = 1;
+    setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    /* Kernel keepalive as a second line behind our own pings. */
+    setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof one);
+    int idle = 5, intvl = 2, cnt = 3;
+    setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof idle);
+    setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &intvl, sizeof intvl);
+    setsockopt(fd, IPPROTO_TCP, TCP_KEEPCNT, &cnt, sizeof cnt);
+    return 0;
+}
+
+int cs__kvx_wake_init(int fds[2]) {
+    int fd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (fd < 0) return -errno;
+    fds[0] = fds[1] = fd;
+    return 0;
+}
+
+void cs__kvx_wake(int fd) {
+    uint64_t one = 1;
+    ssize_t r = write(fd, &one, sizeof one);
+    (void)r;
+}
+
+void cs__kvx_drain(int fd) {
+    uint64_t v;
+    ssize_t r = read(fd, &v, sizeof v);
+    (void)r;
+}
+
+void cs__kvx_out_ctl(kvx_out *o, int type, uint64_t epoch, uint64_t xfer_id, uint64_t fingerprint,
+                     const void *payload, size_t len) {
+    memset(&o->h, 0, sizeof o->h);
+    o->type = type;
+    o->xfer_id = xfer_id;
+    o->h.type = (uint16_t)type;
+    o->h.epoch = epoch;
+    o->h.xfer_id = xfer_id;
+    o->h.fingerprint = fingerprint;
+    o->h.payload_len = len;
+    if (len) {
+        memcpy(o->ctl, payload, len);
+        o->h.flags = CS_KVX_FLAG_CHECKSUM;
+        o->h.payload_xxh64 = XXH64(o->ctl, len, 0);
+    }
+    cs_kvx_hdr_encode(&o->h, o->hdr);
+    o->sealed = true;
+    o->total = CS_KVX_HDR_BYTES + len;
+    o->off = 0;
+}
+
+int cs__kvx_out_write(int fd, kvx_out *o) {
+    enum { MAXV = 64 };
+    while (o->off < o->total) {
+        struct iovec iov[MAXV];
+        int n = 0;
+        size_t pos = 0; /* byte position of the next segment's start */
+#define SEG(ptr, len)                                                            \
+    do {                                                                         \
+        size_t l_ = (len);                                                       \
+        if (n < MAXV && o->off < pos + l_) {                                     \
+            size_t skip_ = o->off > pos ? o->off - pos : 0;                      \
+            iov[n].iov_base = (void *)((const uint8_t *)(ptr) + skip_);          \
+            iov[n].iov_len = l_ - skip_;                                         \
+            n++;                                                                 \
+        }                                                                        \
+        pos += l_;                                                               \
+    } while (0)
+        SEG(o->hdr, CS_KVX_HDR_BYTES);
+        if (o->pages) {
+            for (int32_t i = 0; i < o->n_pages && n < MAXV; i++) SEG(o->pages[i], o->page_bytes);
+        } else if (o->data) {
+            SEG(o->data, (size_t)o->n_pages * o->page_bytes);
+        } else if (o->total > CS_KVX_HDR_BYTES) {
+            SEG(o->ctl, o->total - CS_KVX_HDR_BYTES);
+        }
+#undef SEG
+        ssize_t w = writev(fd, iov, n);
+        if (w < 0) {
+            if (errno == EINTR) continue;
+            if (errno == EAGAIN || errno == EWOULDBLOCK) return 0;
+            return -errno;
+        }
+        o->off += (size_t)w;
+    }
+    return 1;
+}

@@ -1,0 +1,94 @@
+/* kvx_wire.h: the KV transport's frame format (internal). Encoding and
+ * validation only: no sockets, no allocation, no engine, so that the fuzzer
+ * links it alone. Every multi-byte field is little-endian.
+ *
+ * Header (64 bytes):
+ *   0 magic u32 "CSKV"   4 version u16   6 type u16   8 flags u32
+ *  12 hdr_xxh32 u32 (XXH32 of the header with this field zero)
+ *  16 epoch u64 (incarnation of the frame's writer)
+ *  24 xfer_id u64   32 first_page u32   36 n_pages u32
+ *  40 fingerprint u64 (cs_kvx_layout_fingerprint)
+ *  48 payload_len u64   56 payload_xxh64 u64 (when flags & CHECKSUM)
+ * then payload_len bytes. Control payloads have fixed sizes (below). */
+#ifndef CS_KVX_WIRE_H
+#define CS_KVX_WIRE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "chunkserve/kvx.h"
+
+#define CS_KVX_MAGIC 0x564b5343u /* "CSKV" */
+#define CS_KVX_VERSION 1
+#define CS_KVX_HDR_BYTES 64
+#define CS_KVX_FLAG_CHECKSUM 1u
+#define CS_KVX_NAME_MAX 64
+
+enum cs_kvx_frame_type {
+    CS_KVX_HELLO = 1,     /* tx -> rx: layout, name; epoch = tx incarnation */
+    CS_KVX_HELLO_ACK = 2, /* rx -> tx: status, message; epoch = rx incarnation */
+    CS_KVX_PAGES = 3,     /* tx -> rx: n_pages pages from first_page */
+    CS_KVX_TRAILER = 4,   /* tx -> rx */
+    CS_KVX_ABORT = 5,     /* either way: status */
+    CS_KVX_DONE = 6,      /* rx -> tx: the transfer's final status */
+    CS_KVX_PING = 7,      /* either way, empty */
+    CS_KVX_TYPE_MAX = 7
+};
+
+#define CS_KVX_HELLO_BYTES 96  /* layout (32) + name (64) */
+#define CS_KVX_ACK_BYTES 128   /* status i32, pad, message (120) */
+#define CS_KVX_TRAILER_BYTES 24 /* first_token, prompt_len, total_pages, pad, xxh64 of all pages */
+#define CS_KVX_STATUS_BYTES 8  /* status i32, pad (ABORT, DONE) */
+
+typedef struct {
+    uint16_t version, type;
+    uint32_t flags;
+    uint64_t epoch, xfer_id;
+    uint32_t first_page, n_pages;
+    uint64_t fingerprint, payload_len, payload_xxh64;
+} cs_kvx_hdr;
+
+typedef struct {
+    cs_kvx_layout layout;
+    char name[CS_KVX_NAME_MAX]; /* NUL-terminated on decode */
+} cs_kvx_hello;
+
+typedef struct {
+    cs_kvx_trailer t;
+    uint64_t xxh64; /* of every page's bytes in order */
+} cs_kvx_trailer_wire;
+
+/* What the reader accepts: page_bytes of its layout, its largest payload. */
+typedef struct {
+    uint64_t page_bytes;
+    uint64_t max_payload;
+} cs_kvx_limits;
+
+void cs_kvx_hdr_encode(const cs_kvx_hdr *h, uint8_t out[CS_KVX_HDR_BYTES]);
+/* 0, or CS_EBADMSG / CS_EPROTO with a message in err: bad magic, version,
+ * header checksum, type, or a payload length that does not fit the type
+ * (PAGES: n_pages >= 1 and payload_len == n_pages * page_bytes <= max_payload). */
+int cs_kvx_hdr_decode(const uint8_t in[CS_KVX_HDR_BYTES], const cs_kvx_limits *lim, cs_kvx_hdr *h,
+                      char *err, size_t errlen);
+/* Payload checksum check (when flagged); CS_EBADMSG on mismatch. */
+int cs_kvx_payload_check(const cs_kvx_hdr *h, const void *payload, bool require_checksum, char *err,
+                         size_t errlen);
+
+void cs_kvx_hello_encode(const cs_kvx_hello *m, uint8_t out[CS_KVX_HELLO_BYTES]);
+int cs_kvx_hello_decode(const uint8_t *in, size_t len, cs_kvx_hello *m, char *err, size_t errlen);
+void cs_kvx_ack_encode(int32_t status, const char *msg, uint8_t out[CS_KVX_ACK_BYTES]);
+int cs_kvx_ack_decode(const uint8_t *in, size_t len, int32_t *status, char *msg, size_t msglen);
+void cs_kvx_trailer_encode(const cs_kvx_trailer_wire *t, uint8_t out[CS_KVX_TRAILER_BYTES]);
+int cs_kvx_trailer_decode(const uint8_t *in, size_t len, cs_kvx_trailer_wire *t, char *err, size_t errlen);
+void cs_kvx_status_encode(int32_t status, uint8_t out[CS_KVX_STATUS_BYTES]);
+int cs_kvx_status_decode(const uint8_t *in, size_t len, int32_t *status, char *err, size_t errlen);
+
+/* Decodes a whole byte stream of frames as a receiver would, stopping at the
+ * first error (for the fuzzer and the malformed-frame tests). Returns the
+ * number of frames decoded, or a negative status. */
+int cs_kvx_decode_stream(const uint8_t *buf, size_t len, const cs_kvx_limits *lim, char *err, size_t errlen);
+
+const char *cs_kvx_frame_type_name(int type);
+
+#endif

@@ -1,0 +1,144 @@
+/* bench_kvx: bandwidth of the KV transport's TCP backend on loopback, side by
+ * side in one run with memcpy and with a plain loopback socket copy (one
+ * writer thread, one reader, 1 MiB write()/read() calls, no framing). Pages
+ * are SmolLM2-135M-sized (30 layers x K,V x 16 tokens x 3 kv heads x 64 x
+ * fp32 = 720 KiB). The kvx figure includes framing, xxHash64 on both sides
+ * (and without), the import memcpy into a page pool and the receiver's ack.
+ * Not a test: prints a table. Usage: chunkserve-bench-kvx [max_MiB] */
+#include <netinet/in.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kvx_test.h"
+
+static const cs_kvx_layout L = {30, 3, 64, CS_KVX_DTYPE_F32, 16, 30ull * 2 * 16 * 3 * 64 * 4};
+static uint8_t *pool; /* receiver's page pool */
+
+static int import_fn(void *arg, const int32_t *ids, int32_t n, const void *data) {
+    for (int32_t i = 0; i < n; i++)
+        memcpy(pool + (size_t)ids[i] * L.page_bytes, (const uint8_t *)data + (size_t)i * L.page_bytes, L.page_bytes);
+    return 0;
+}
+
+static double now_s(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + (double)ts.tv_nsec * 1e-9;
+}
+
+typedef struct {
+    int fd;
+    size_t bytes;
+    uint8_t *buf;
+} sock_arg;
+
+static void *sock_reader(void *p) {
+    sock_arg *a = p;
+    size_t got = 0;
+    while (got < a->bytes) {
+        size_t want = a->bytes - got < (1u << 20) ? a->bytes - got : (1u << 20);
+        ssize_t n = read(a->fd, a->buf + got, want);
+        if (n <= 0) break;
+        got += (size_t)n;
+    }
+    return NULL;
+}
+
+static double bench_socket(const uint8_t *src, uint8_t *dst, size_t bytes) {
+    int lfd = socket(AF_INET, SOCK_STREAM, 0);
+    struct sockaddr_in sa = {0};
+    sa.sin_family = AF_INET;
+    sa.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    bind(lfd, (struct sockaddr *)&sa, sizeof sa);
+    listen(lfd, 1);
+    socklen_t sl = sizeof sa;
+    getsockname(lfd, (struct sockaddr *)&sa, &sl);
+    int cfd = raw_connect(ntohs(sa.sin_port));
+    int afd = accept(lfd, NULL, NULL);
+    sock_arg a = {afd, bytes, dst};
+    double t0 = now_s();
+    pthread_t th;
+    pthread_create(&th, NULL, sock_reader, &a);
+    raw_write(cfd, src, bytes);
+    pthread_join(th, NULL);
+    double t = now_s() - t0;
+    close(cfd), close(afd), close(lfd);
+    return t;
+}
+
+static double bench_kvx(cs_kvx_tx *tx, cs_kvx_rx *rx, const uint8_t *src, int32_t n_pages, uint64_t id) {
+    static int32_t ids[8192];
+    for (int32_t i = 0; i < n_pages; i++) ids[i] = i;
+    waiter rw, tw;
+    waiter_init(&rw);
+    waiter_init(&tw);
+    double t0 = now_s();
+    ASSERT_EQ_INT(cs_kvx_rx_expect(rx, id, ids, n_pages, 60000, waiter_done, &rw), 0);
+    ASSERT_EQ_INT(cs_kvx_tx_begin(tx, "127.0.0.1", cs_kvx_rx_port(rx), id, n_pages, 60000, waiter_done, &tw), 0);
+    /* in chunks of 32 pages, as a prefill worker would after each step */
+    for (int32_t p = 0; p < n_pages; p += 32) {
+        int32_t k = n_pages - p < 32 ? n_pages - p : 32;
+        while (cs_kvx_tx_send_pages(tx, id, p, k, src + (size_t)p * L.page_bytes, NULL, NULL) == CS_EAGAIN) usleep(200);
+    }
+    cs_kvx_trailer t = {0, n_pages * 16, n_pages};
+    ASSERT_EQ_INT(cs_kvx_tx_finish(tx, id, &t), 0);
+    ASSERT_TRUE(waiter_wait(&tw, 1, 60000));
+    double dt = now_s() - t0;
+    ASSERT_EQ_INT(tw.status[0], 0);
+    ASSERT_TRUE(waiter_wait(&rw, 1, 60000));
+    return dt;
+}
+
+int main(int argc, char **argv) {
+    size_t max_mib = argc > 1 ? (size_t)atol(argv[1]) : 256;
+    size_t maxb = max_mib << 20;
+    uint8_t *src = malloc(maxb + L.page_bytes), *dst = malloc(maxb + L.page_bytes);
+    pool = malloc(maxb + L.page_bytes);
+    for (size_t i = 0; i < maxb + L.page_bytes; i++) src[i] = (uint8_t)(i * 2654435761u >> 13);
+    memset(dst, 0, maxb + L.page_bytes), memset(pool, 0, maxb + L.page_bytes);
+    cs_kvx_rx_params rp = cs_kvx_rx_params_default();
+    rp.layout = L;
+    rp.import = import_fn;
+    rp.require_checksum = false; /* so that the no-checksum sender can be measured too */
+    cs_kvx_rx *rx;
+    ASSERT_EQ_INT(cs_kvx_rx_init(&rp, &rx), 0);
+    cs_kvx_tx *tx[2];
+    for (int c = 0; c < 2; c++) {
+        cs_kvx_tx_params tp = cs_kvx_tx_params_default();
+        tp.layout = L;
+        tp.name = c ? "bench-nosum" : "bench";
+        tp.checksum = c == 0;
+        ASSERT_EQ_INT(cs_kvx_tx_init(&tp, &tx[c]), 0);
+    }
+    printf("# KV transport (TCP, loopback) vs memcpy vs plain socket; page %llu bytes; GB/s = 1e9 bytes/s, best of 3\n",
+           (unsigned long long)L.page_bytes);
+    printf("%10s %10s %12s %12s %14s %10s\n", "MiB", "memcpy", "socket", "kvx+xxh64", "kvx(no sum)", "kvx/sock");
+    uint64_t id = 1;
+    for (size_t mib = 1; mib <= max_mib; mib *= 4) {
+        int32_t n_pages = (int32_t)(((mib << 20) + L.page_bytes - 1) / L.page_bytes);
+        size_t bytes = (size_t)n_pages * L.page_bytes;
+        double best[4] = {1e9, 1e9, 1e9, 1e9};
+        for (int rep = 0; rep < 3; rep++) {
+            double t0 = now_s();
+            memcpy(dst, src, bytes);
+            double t = now_s() - t0;
+            if (t < best[0]) best[0] = t;
+            t = bench_socket(src, dst, bytes);
+            if (t < best[1]) best[1] = t;
+            t = bench_kvx(tx[0], rx, src, n_pages, id++);
+            if (t < best[2]) best[2] = t;
+            t = bench_kvx(tx[1], rx, src, n_pages, id++);
+            if (t < best[3]) best[3] = t;
+        }
+        double gb = (double)bytes / 1e9;
+        printf("%10zu %10.2f %12.2f %12.2f %14.2f %9.0f%%\n", mib, gb / best[0], gb / best[1], gb / best[2],
+               gb / best[3], 100.0 * best[1] / best[2]);
+        fflush(stdout);
+    }
+    for (int c = 0; c < 2; c++) cs_kvx_tx_free(tx[c]);
+    cs_kvx_rx_free(rx);
+    free(src), free(dst), free(pool);
+    return 0;
+}

@@ -1,0 +1,256 @@
+/* test_kvx_fail: failures across real processes on loopback. A child
+ * process plays the sender or the receiver and is killed with SIGKILL
+ * mid-transfer; the parent must report the failure well within its deadline,
+ * free everything, accept the restarted peer and refuse frames of the old
+ * incarnation. Then raw misbehaving peers: bad checksum, truncated frame,
+ * absurd lengths, unknown transfer id, wrong fingerprint: each closes only
+ * its own channel while a good transfer on another channel completes. */
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <sys/wait.h>
+
+#include "kvx_test.h"
+
+static cs_kvx_layout L = {4, 2, 16, CS_KVX_DTYPE_F32, 16, 4 * 2 * 16 * 2 * 16 * 4};
+#define PB 16384
+static volatile int imported; /* pages imported in the parent's receiver */
+
+static int import_count(void *arg, const int32_t *ids, int32_t n, const void *data) {
+    (void)arg, (void)ids, (void)data;
+    __atomic_add_fetch(&imported, n, __ATOMIC_SEQ_CST);
+    return 0;
+}
+
+static uint8_t page[PB];
+
+/* Child: sends transfer xfer of n pages to port, slowly when slow, then
+ * (if it is not killed) the trailer; exits 0 when acknowledged. */
+static void child_sender(int port, uint64_t xfer, int n, bool slow, uint64_t inc) {
+    cs_kvx_tx_params p = cs_kvx_tx_params_default();
+    p.layout = L;
+    p.name = "prefill-0";
+    p.incarnation = inc;
+    p.keepalive_ms = 100;
+    p.dead_ms = 1000;
+    cs_kvx_tx *tx;
+    if (cs_kvx_tx_init(&p, &tx)) _exit(2);
+    waiter w;
+    waiter_init(&w);
+    if (cs_kvx_tx_begin(tx, "127.0.0.1", port, xfer, n, 30000, waiter_done, &w)) _exit(3);
+    for (int i = 0; i < n; i++) {
+        while (cs_kvx_tx_send_pages(tx, xfer, i, 1, page, NULL, NULL) == CS_EAGAIN) usleep(1000);
+        if (slow) usleep(20000);
+    }
+    cs_kvx_trailer t = {1, n * 16, n};
+    cs_kvx_tx_finish(tx, xfer, &t);
+    if (!waiter_wait(&w, 1, 20000)) _exit(4);
+    int st = w.status[0];
+    cs_kvx_tx_free(tx);
+    _exit(st == 0 ? 0 : 5);
+}
+
+/* Child: a receiver on port whose import is slow; runs until killed. */
+static void child_receiver(int port) {
+    cs_kvx_rx_params p = cs_kvx_rx_params_default();
+    p.layout = L;
+    p.port = port;
+    p.import = import_count;
+    p.keepalive_ms = 100;
+    p.dead_ms = 1000;
+    cs_kvx_rx *rx;
+    if (cs_kvx_rx_init(&p, &rx)) _exit(2);
+    waiter w;
+    waiter_init(&w);
+    int32_t ids[64];
+    for (int i = 0; i < 64; i++) ids[i] = i;
+    for (uint64_t id = 1; id <= 4; id++) cs_kvx_rx_expect(rx, id, ids, 64, 30000, waiter_done, &w);
+    waiter_wait(&w, 4, 30000);
+    _exit(w.status[0] == 0 ? 0 : 5);
+}
+
+int main(void) {
+    signal(SIGPIPE, SIG_IGN);
+    memset(page, 0x5a, sizeof page);
+    cs_kvx_rx_params rp = cs_kvx_rx_params_default();
+    rp.layout = L;
+    rp.import = import_count;
+    rp.keepalive_ms = 100;
+    rp.dead_ms = 1000;
+    cs_kvx_rx *rx;
+    ASSERT_EQ_INT(cs_kvx_rx_init(&rp, &rx), 0);
+    int port = cs_kvx_rx_port(rx);
+    waiter w;
+    waiter_init(&w);
+    int32_t ids[64];
+    for (int i = 0; i < 64; i++) ids[i] = i;
+    int nd = 0;
+
+    /* 1. Sender killed mid-transfer: the receiver fails the transfer at once
+     * (EOF), long before its 20 s deadline. */
+    uint64_t inc1 = 1000, inc2 = 2000;
+    ASSERT_EQ_INT(cs_kvx_rx_expect(rx, 1, ids, 64, 20000, waiter_done, &w), 0);
+    pid_t pid = fork();
+    if (pid == 0) child_sender(port, 1, 64, true, inc1);
+    while (__atomic_load_n(&imported, __ATOMIC_SEQ_CST) < 5) usleep(1000);
+    int64_t t0 = test_now_ms();
+    kill(pid, SIGKILL);
+    waitpid(pid, NULL, 0);
+    ASSERT_TRUE(waiter_wait(&w, ++nd, 5000));
+    ASSERT_EQ_INT(waiter_status(&w, 1), CS_ECONNRESET);
+    fprintf(stderr, "sender killed: receiver failed the transfer after %lld ms\n", (long long)(test_now_ms() - t0));
+    ASSERT_TRUE(test_now_ms() - t0 < 2000);
+
+    /* 2. The restarted sender (new incarnation) connects and completes. */
+    ASSERT_EQ_INT(cs_kvx_rx_expect(rx, 2, ids, 64, 20000, waiter_done, &w), 0);
+    pid = fork();
+    if (pid == 0) child_sender(port, 2, 64, false, inc2);
+    int cst;
+    waitpid(pid, &cst, 0);
+    ASSERT_TRUE(WIFEXITED(cst));
+    ASSERT_EQ_INT(WEXITSTATUS(cst), 0);
+    ASSERT_TRUE(waiter_wait(&w, ++nd, 5000));
+    ASSERT_EQ_INT(waiter_status(&w, 2), 0);
+
+    /* 3. The old incarnation is fenced: its HELLO is refused, and frames
+     * stamped with it on a current channel close that channel. */
+    int fd = raw_connect(port);
+    raw_hello(fd, &L, "prefill-0", inc1);
+    ASSERT_TRUE(raw_closed_by_peer(fd));
+    close(fd);
+    ASSERT_EQ_INT(cs_kvx_rx_expect(rx, 3, ids, 4, 20000, waiter_done, &w), 0);
+    fd = raw_connect(port);
+    raw_hello(fd, &L, "prefill-0", inc2 + 1);
+    uint64_t fp = cs_kvx_layout_fingerprint(&L);
+    raw_frame(fd, CS_KVX_PAGES, inc2 + 1, 3, 0, 1, fp, page, PB, true); /* current: accepted */
+    raw_frame(fd, CS_KVX_PAGES, inc1, 3, 1, 1, fp, page, PB, true);     /* old: refused */
+    ASSERT_TRUE(raw_closed_by_peer(fd));
+    close(fd);
+    ASSERT_TRUE(waiter_wait(&w, ++nd, 5000));
+    ASSERT_EQ_INT(waiter_status(&w, 3), CS_EPROTO);
+    fprintf(stderr, "old incarnation fenced: ok\n");
+
+    /* 4. Malformed input from raw peers; each case closes its channel and
+     * fails only the transfer bound to it. */
+    struct {
+        const char *what;
+        int expect_status; /* of transfer 10+i, bound by a first good frame */
+    } cases[] = {{"bad payload checksum", CS_EBADMSG}, {"truncated frame", CS_ECONNRESET},
+                 {"absurd page count", CS_EBADMSG},    {"unknown transfer id", 1},
+                 {"wrong fingerprint", CS_EPROTO},      {"garbage header", CS_EBADMSG},
+                 {"pages out of order", CS_EPROTO},     {"no checksum", CS_EBADMSG}};
+    int nc = (int)(sizeof cases / sizeof *cases);
+    for (int i = 0; i < nc; i++) {
+        uint64_t id = 10 + (uint64_t)i;
+        ASSERT_EQ_INT(cs_kvx_rx_expect(rx, id, ids, 8, 20000, waiter_done, &w), 0);
+        char name[32];
+        snprintf(name, sizeof name, "raw-%d", i);
+        fd = raw_connect(port);
+        raw_hello(fd, &L, name, 1);
+        if (cases[i].expect_status != 1) raw_frame(fd, CS_KVX_PAGES, 1, id, 0, 1, fp, page, PB, true);
+        switch (i) {
+        case 0: {
+            cs_kvx_hdr h = {0};
+            h.type = CS_KVX_PAGES, h.epoch = 1, h.xfer_id = id, h.first_page = 1, h.n_pages = 1, h.fingerprint = fp;
+            h.payload_len = PB, h.flags = CS_KVX_FLAG_CHECKSUM, h.payload_xxh64 = 12345;
+            uint8_t hb[CS_KVX_HDR_BYTES];
+            cs_kvx_hdr_encode(&h, hb);
+            raw_write(fd, hb, sizeof hb);
+            raw_write(fd, page, PB);
+            break;
+        }
+        case 1: {
+            uint8_t hb[CS_KVX_HDR_BYTES];
+            cs_kvx_hdr h = {0};
+            h.type = CS_KVX_PAGES, h.epoch = 1, h.xfer_id = id, h.first_page = 1, h.n_pages = 1, h.fingerprint = fp;
+            h.payload_len = PB;
+            cs_kvx_hdr_encode(&h, hb);
+            raw_write(fd, hb, sizeof hb);
+            raw_write(fd, page, 100);
+            shutdown(fd, SHUT_WR);
+            break;
+        }
+        case 2: raw_frame(fd, CS_KVX_PAGES, 1, id, 1, 0x7fffffff, fp, NULL, 0, false); break;
+        case 3: raw_frame(fd, CS_KVX_PAGES, 1, 999999, 0, 1, fp, page, PB, true); break;
+        case 4: raw_frame(fd, CS_KVX_PAGES, 1, id, 1, 1, fp ^ 1, page, PB, true); break;
+        case 5: {
+            uint8_t junk[CS_KVX_HDR_BYTES];
+            memset(junk, 0xee, sizeof junk);
+            raw_write(fd, junk, sizeof junk);
+            break;
+        }
+        case 6: raw_frame(fd, CS_KVX_PAGES, 1, id, 5, 1, fp, page, PB, true); break;
+        case 7: raw_frame(fd, CS_KVX_PAGES, 1, id, 1, 1, fp, page, PB, false); break;
+        }
+        ASSERT_TRUE(raw_closed_by_peer(fd));
+        close(fd);
+        if (cases[i].expect_status != 1) {
+            ASSERT_TRUE(waiter_wait(&w, ++nd, 5000));
+            if (waiter_status(&w, id) != cases[i].expect_status) {
+                fprintf(stderr, "%s: status %d, expected %d\n", cases[i].what, waiter_status(&w, id),
+                        cases[i].expect_status);
+                exit(1);
+            }
+        } else {
+            ASSERT_EQ_INT(cs_kvx_rx_cancel(rx, id), 0); /* untouched by the bad channel */
+            ASSERT_TRUE(waiter_wait(&w, ++nd, 5000));
+        }
+        fprintf(stderr, "%s: rejected, channel closed\n", cases[i].what);
+    }
+    /* ... and a good sender is unaffected by all of it. */
+    ASSERT_EQ_INT(cs_kvx_rx_expect(rx, 50, ids, 64, 20000, waiter_done, &w), 0);
+    pid = fork();
+    if (pid == 0) child_sender(port, 50, 64, false, inc2 + 5);
+    waitpid(pid, &cst, 0);
+    ASSERT_EQ_INT(WEXITSTATUS(cst), 0);
+    ASSERT_TRUE(waiter_wait(&w, ++nd, 5000));
+    ASSERT_EQ_INT(waiter_status(&w, 50), 0);
+    cs_kvx_stats st;
+    cs_kvx_rx_get_stats(rx, &st);
+    ASSERT_EQ_INT(st.transfers_active, 0);
+    cs_kvx_rx_free(rx);
+
+    /* 5. Receiver killed mid-transfer: the sender fails it at once; after the
+     * receiver restarts on the same port the same channel reopens. */
+    int rport = 20000 + (int)(getpid() % 20000);
+    pid = fork();
+    if (pid == 0) child_receiver(rport);
+    cs_kvx_tx_params tp = cs_kvx_tx_params_default();
+    tp.layout = L;
+    tp.name = "prefill-parent";
+    tp.keepalive_ms = 100;
+    tp.dead_ms = 1000;
+    cs_kvx_tx *tx;
+    ASSERT_EQ_INT(cs_kvx_tx_init(&tp, &tx), 0);
+    waiter tw;
+    waiter_init(&tw);
+    usleep(200000); /* the child listens */
+    ASSERT_EQ_INT(cs_kvx_tx_begin(tx, "127.0.0.1", rport, 1, 64, 20000, waiter_done, &tw), 0);
+    for (int i = 0; i < 10; i++) ASSERT_EQ_INT(cs_kvx_tx_send_pages(tx, 1, i, 1, page, NULL, NULL), 0);
+    usleep(100000);
+    t0 = test_now_ms();
+    kill(pid, SIGKILL);
+    waitpid(pid, NULL, 0);
+    ASSERT_TRUE(waiter_wait(&tw, 1, 5000));
+    ASSERT_EQ_INT(waiter_status(&tw, 1), CS_ECONNRESET);
+    fprintf(stderr, "receiver killed: sender failed the transfer after %lld ms\n", (long long)(test_now_ms() - t0));
+    ASSERT_TRUE(test_now_ms() - t0 < 2000);
+    pid = fork();
+    if (pid == 0) child_receiver(rport);
+    usleep(200000);
+    ASSERT_EQ_INT(cs_kvx_tx_begin(tx, "127.0.0.1", rport, 2, 64, 20000, waiter_done, &tw), 0);
+    ASSERT_EQ_INT(cs_kvx_tx_send_pages(tx, 2, 0, 64, NULL, NULL, NULL), CS_EINVAL);
+    uint8_t *big = malloc((size_t)64 * PB);
+    memset(big, 0x11, (size_t)64 * PB);
+    ASSERT_EQ_INT(cs_kvx_tx_send_pages(tx, 2, 0, 64, big, NULL, NULL), 0);
+    cs_kvx_trailer t = {1, 64 * 16, 64};
+    ASSERT_EQ_INT(cs_kvx_tx_finish(tx, 2, &t), 0);
+    ASSERT_TRUE(waiter_wait(&tw, 2, 5000));
+    ASSERT_EQ_INT(waiter_status(&tw, 2), 0);
+    kill(pid, SIGKILL);
+    waitpid(pid, NULL, 0);
+    cs_kvx_tx_free(tx);
+    free(big);
+    fprintf(stderr, "ok\n");
+    return 0;
+}
