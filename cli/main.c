@@ -20,6 +20,7 @@
 #include "chunkserve/sampler.h"
 #include "chunkserve/tokenizer.h"
 #include "server.h"
+#include "ops.h"
 #include "util.h"
 
 typedef struct {
@@ -548,6 +549,7 @@ static int cmd_info(const cs_model *m) {
 }
 
 int main(int argc, char **argv) {
+    cs_op_blas_fix_coretype(argv);
     cs_log_set_role(argc > 1 && !strcmp(argv[1], "serve") ? "serve" : "cli");
     if (argc < 2 || !strcmp(argv[1], "-h") || !strcmp(argv[1], "--help")) {
         usage(argc < 2 ? stderr : stdout);

@@ -38,6 +38,15 @@ int cs_threadpool_size(const cs_threadpool *pool); /* 1 for NULL */
 typedef void (*cs_range_fn)(void *arg, int64_t begin, int64_t end, int thread);
 void cs_threadpool_for(cs_threadpool *pool, int64_t n, cs_range_fn fn, void *arg);
 
+/* Debian 12's OpenBLAS 0.3.21 does not know the newest Xeons and falls back
+ * to its SSE3 ("Prescott") kernels, 4-5x slower. It reads OPENBLAS_CORETYPE
+ * only when it loads, so when it made that choice, the environment names no
+ * core type and the CPU has AVX-512 (AVX2), this restarts the process (execv
+ * of /proc/self/exe with argv) with OPENBLAS_CORETYPE=SkylakeX (Haswell).
+ * Call first thing in main, before any thread exists. Returns when nothing
+ * needs doing or the exec failed. */
+void cs_op_blas_fix_coretype(char **argv);
+
 /* ---- dense ops ---- */
 /* out (n_tokens, rows) = x (n_tokens, cols) * w (rows, cols)^T (+ bias (rows) if not NULL).
  * The fast path calls OpenBLAS single-threaded on fixed tiles spread over

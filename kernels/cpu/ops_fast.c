@@ -17,6 +17,7 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "ops.h"
 #include "util.h"
@@ -202,6 +203,18 @@ static void blas_init(void) {
                 "faster GEMM",
                 core, __builtin_cpu_supports("avx512f") ? "SkylakeX" : "Haswell");
 #endif
+}
+
+void cs_op_blas_fix_coretype(char **argv) {
+    if (getenv("OPENBLAS_CORETYPE")) return;
+    const char *core = openblas_get_corename();
+    if (!core || strcmp(core, "Prescott") != 0) return;
+    const char *want = __builtin_cpu_supports("avx512f") ? "SkylakeX"
+                       : __builtin_cpu_supports("avx2") ? "Haswell"
+                                                         : NULL;
+    if (!want || setenv("OPENBLAS_CORETYPE", want, 1) != 0) return;
+    execv("/proc/self/exe", argv);
+    unsetenv("OPENBLAS_CORETYPE"); /* exec failed: keep the slow kernels, blas_init warns */
 }
 
 #define CS_MATMUL_MIN_TILES 8
