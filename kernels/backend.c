@@ -1,14 +1,65 @@
 /* backend.c: the backend registry: the only place that knows which backends
- * exist. Until the CUDA backend lands, every machine gets the CPU one. */
+ * exist and that CUDA may be absent (the one #ifdef CS_HAVE_CUDA).
+ *
+ * Selection (logged once at start): CHUNKSERVE_BACKEND=cpu|cuda forces one
+ * (cuda without a usable GPU is an error, not a silent fallback); unset or
+ * "auto" picks CUDA when cudaGetDeviceCount succeeds with >= 1 device of
+ * compute capability 8.0+, the CPU backend otherwise, with the reason. A
+ * model the CUDA kernels cannot run (CS_ENOTSUP) also falls back in auto
+ * mode. The CUDA runtime is linked, never libcuda (DESIGN §2): on a machine
+ * without a driver cudaGetDeviceCount fails (error 35) and we use the CPU. */
 #include <stdlib.h>
+#include <string.h>
 
 #include "backend.h"
+#include "model-impl.h"
 #include "util.h"
+#ifdef CS_HAVE_CUDA
+#include "cuda/backend_cuda.h"
+#endif
+
+static int cpu(const cs_model *m, int n_threads, const char *why, cs_backend **out) {
+    int r = cs_backend_cpu_init(m, n_threads, out);
+    if (r == 0) CS_LOGI("backend: cpu (%s)", why);
+    return r;
+}
 
 int cs_backend_init(const cs_model *m, int n_threads, cs_backend **out) {
-    int r = cs_backend_cpu_init(m, n_threads, out);
-    if (r == 0) CS_LOGI("backend: %s", (*out)->iface->name);
-    return r;
+    *out = NULL;
+    const char *want = getenv("CHUNKSERVE_BACKEND");
+    if (!want || !*want) want = "auto";
+    bool force_cuda = strcmp(want, "cuda") == 0;
+    if (strcmp(want, "cpu") == 0) return cpu(m, n_threads, "CHUNKSERVE_BACKEND=cpu", out);
+    if (!force_cuda && strcmp(want, "auto") != 0)
+        return cs__fail(CS_EINVAL, "CHUNKSERVE_BACKEND=%s: expected cpu, cuda or auto", want);
+#ifdef CS_HAVE_CUDA
+    char name[320], why[320];
+    int n = cs_backend_cuda_probe(name, sizeof name, why, sizeof why);
+    if (n < 1) {
+        if (force_cuda) return cs__fail(CS_ENOSYS, "CHUNKSERVE_BACKEND=cuda but no usable GPU: %s", why);
+        return cpu(m, n_threads, why, out);
+    }
+    int r = cs_backend_cuda_init(m, out);
+    if (r == 0) {
+        CS_LOGI("backend: cuda on device 0 of %d: %s", n, name);
+        return 0;
+    }
+    if (r != CS_ENOTSUP || force_cuda) return r;
+    CS_LOGW("backend: the CUDA backend cannot run this model (%s); using the CPU", cs_last_error());
+    return cpu(m, n_threads, "CUDA backend does not support the model", out);
+#else
+    if (force_cuda)
+        return cs__fail(CS_ENOSYS, "CHUNKSERVE_BACKEND=cuda but this build has no CUDA backend (configure with -DCS_CUDA=ON)");
+    return cpu(m, n_threads, "built without CUDA", out);
+#endif
+}
+
+size_t cs_backend_page_bytes(const cs_backend *b, const cs_model *m, int32_t page_size) {
+#ifdef CS_HAVE_CUDA
+    if (strcmp(b->iface->name, "cuda") == 0) return cs_backend_cuda_page_bytes(&m->cfg, page_size);
+#endif
+    (void)b;
+    return cs_backend_cpu_page_bytes(m, page_size);
 }
 
 void cs_backend_free(cs_backend *b) {

@@ -35,8 +35,13 @@ struct cs_backend {
 size_t cs_backend_cpu_page_bytes(const cs_model *m, int32_t page_size);
 /* The CPU backend (fp32, OpenBLAS GEMMs, threaded kernels). */
 int cs_backend_cpu_init(const cs_model *m, int n_threads, cs_backend **out);
-/* The best backend for this machine (the CPU one until the CUDA backend exists). */
+/* The backend for this machine: CUDA when the build has it and a usable GPU
+ * exists, the CPU otherwise; CHUNKSERVE_BACKEND=cpu|cuda|auto overrides
+ * (cuda without a GPU: CS_ENOSYS). Logs the choice and why. */
 int cs_backend_init(const cs_model *m, int n_threads, cs_backend **out);
+/* Bytes of one KV page (all layers, K and V) in b's format: fp32 on the CPU,
+ * bf16 on CUDA. What kv_init will report, known before the pool exists. */
+size_t cs_backend_page_bytes(const cs_backend *b, const cs_model *m, int32_t page_size);
 void cs_backend_free(cs_backend *b); /* NULL is a no-op */
 
 #endif

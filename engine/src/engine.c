@@ -30,18 +30,18 @@ int cs_engine_init(const cs_model *m, const cs_engine_params *p, cs_engine **out
         return cs__fail(CS_EINVAL, "engine: page size %d must be in 1..4096 tokens", p->page_size);
     if (p->n_pages < 0) return cs__fail(CS_EINVAL, "engine: %d pages", p->n_pages);
     if (p->n_threads < 0) return cs__fail(CS_EINVAL, "engine: %d threads", p->n_threads);
-    int32_t n_pages = p->n_pages;
-    if (n_pages == 0) {
-        size_t per_page = cs_backend_cpu_page_bytes(m, p->page_size);
-        size_t n = p->kv_bytes / per_page;
-        if (n < 1) return cs__fail(CS_EINVAL, "engine: a KV pool of %zu bytes holds no %zu-byte page", p->kv_bytes, per_page);
-        n_pages = n > INT32_MAX ? INT32_MAX : (int32_t)n;
-    }
     cs_engine *e = calloc(1, sizeof *e);
     if (!e) return cs__fail(CS_ENOMEM, "engine: out of memory");
     e->m = m;
     e->page_size = p->page_size;
     int r = cs_backend_init(m, p->n_threads, &e->be);
+    int32_t n_pages = p->n_pages;
+    if (!r && n_pages == 0) { /* the page size depends on the backend (fp32 CPU, bf16 CUDA) */
+        size_t per_page = cs_backend_page_bytes(e->be, m, p->page_size);
+        size_t n = p->kv_bytes / per_page;
+        if (n < 1) r = cs__fail(CS_EINVAL, "engine: a KV pool of %zu bytes holds no %zu-byte page", p->kv_bytes, per_page);
+        n_pages = n > INT32_MAX ? INT32_MAX : (int32_t)n;
+    }
     if (!r) r = e->be->iface->kv_init(e->be->ctx, n_pages, p->page_size, &e->page_bytes);
     if (!r) r = cs_kv_cache_init(n_pages, p->page_size, &e->kv);
     if (r) {
