@@ -10,7 +10,26 @@
 #include <stdlib.h>
 #include <sys/wait.h>
 
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include "kvx_test.h"
+
+/* A port the kernel just handed out (bound to port 0, then released), so
+ * both lives of the receiver can listen on the same, currently free port. */
+static int free_port(void) {
+    int fd = socket(AF_INET, SOCK_STREAM, 0);
+    ASSERT_TRUE(fd >= 0);
+    struct sockaddr_in a = {0};
+    a.sin_family = AF_INET;
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    ASSERT_TRUE(bind(fd, (struct sockaddr *)&a, sizeof a) == 0);
+    socklen_t len = sizeof a;
+    ASSERT_TRUE(getsockname(fd, (struct sockaddr *)&a, &len) == 0);
+    close(fd);
+    return ntohs(a.sin_port);
+}
 
 static cs_kvx_layout L = {4, 2, 16, CS_KVX_DTYPE_F32, 16, 4 * 2 * 16 * 2 * 16 * 4};
 #define PB 16384
@@ -212,7 +231,7 @@ int main(void) {
 
     /* 5. Receiver killed mid-transfer: the sender fails it at once; after the
      * receiver restarts on the same port the same channel reopens. */
-    int rport = 20000 + (int)(getpid() % 20000);
+    int rport = free_port();
     pid = fork();
     if (pid == 0) child_receiver(rport);
     cs_kvx_tx_params tp = cs_kvx_tx_params_default();
