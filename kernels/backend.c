@@ -36,7 +36,8 @@ int cs_backend_init(const cs_model *m, int n_threads, cs_backend **out) {
     char name[320], why[320];
     int n = cs_backend_cuda_probe(name, sizeof name, why, sizeof why);
     if (n < 1) {
-        if (force_cuda) return cs__fail(CS_ENOSYS, "CHUNKSERVE_BACKEND=cuda but no usable GPU: %s", why);
+        if (force_cuda)
+            return cs__fail(CS_ENOSYS, "CHUNKSERVE_BACKEND=cuda but no usable GPU: %s", why);
         return cpu(m, n_threads, why, out);
     }
     int r = cs_backend_cuda_init(m, out);
@@ -49,7 +50,8 @@ int cs_backend_init(const cs_model *m, int n_threads, cs_backend **out) {
     return cpu(m, n_threads, "CUDA backend does not support the model", out);
 #else
     if (force_cuda)
-        return cs__fail(CS_ENOSYS, "CHUNKSERVE_BACKEND=cuda but this build has no CUDA backend (configure with -DCS_CUDA=ON)");
+        return cs__fail(CS_ENOSYS, "CHUNKSERVE_BACKEND=cuda but this build has no CUDA backend "
+                                   "(configure with -DCS_CUDA=ON)");
     return cpu(m, n_threads, "built without CUDA", out);
 #endif
 }

@@ -9,9 +9,12 @@ model is a failure, not a skip: CI always fetches it (scripts/fetch-model.sh).
 """
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -115,3 +118,35 @@ def pytest_collection_modifyitems(config, items):
         names = set(getattr(item, "fixturenames", ()))
         if names & {"tiny", "tiny_model"} and not names & {"model_path", "real", "cli"}:
             item.add_marker(pytest.mark.tiny)
+
+
+PROTOS = ["chunkserve/v1/generation.proto", "chunkserve/v1/cluster.proto",
+          "chunkserve/v1/echo.proto", "grpc/health/v1/health.proto"]
+
+
+@pytest.fixture(scope="session")
+def proto_modules(tmp_path_factory) -> dict:
+    """Python modules generated with grpcio-tools from proto/ (the real client
+    side of the tests): echo_pb2(_grpc), generation_pb2(_grpc), cluster_pb2(_grpc),
+    health_pb2."""
+    protoc = pytest.importorskip("grpc_tools.protoc")
+    out = tmp_path_factory.mktemp("stubs")
+    include = Path(protoc.__file__).parent / "_proto"
+    for p in PROTOS:  # one file at a time so a failure names it
+        rc = protoc.main(["grpc_tools.protoc", f"-I{REPO_ROOT / 'proto'}", f"-I{include}",
+                          f"--python_out={out}", f"--grpc_python_out={out}", p])
+        assert rc == 0, f"grpc_tools.protoc failed on {p}"
+    sys.path.insert(0, str(out))
+    try:
+        mods = {n: importlib.import_module(f"chunkserve.v1.{n}")
+                for n in ("echo_pb2", "echo_pb2_grpc", "generation_pb2", "generation_pb2_grpc",
+                          "cluster_pb2", "cluster_pb2_grpc")}
+    finally:
+        sys.path.remove(str(out))
+    # grpc/health/v1/health_pb2.py would shadow the grpc package if imported as
+    # grpc.health...: load the message module on its own and call by method path.
+    spec = importlib.util.spec_from_file_location("cs_health_pb2",
+                                                  out / "grpc" / "health" / "v1" / "health_pb2.py")
+    mods["health_pb2"] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mods["health_pb2"])
+    return mods

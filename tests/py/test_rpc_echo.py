@@ -9,13 +9,9 @@ ends every stream with a status.  Timing bounds are generous: they catch hangs o
 """
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import os
 import random
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -23,37 +19,14 @@ from pathlib import Path
 import pytest
 
 grpc = pytest.importorskip("grpc")
-protoc = pytest.importorskip("grpc_tools.protoc")
+pytest.importorskip("grpc_tools.protoc")  # stubs: conftest.proto_modules
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-PROTO_DIR = REPO_ROOT / "proto"
-PROTOS = ["chunkserve/v1/generation.proto", "chunkserve/v1/cluster.proto",
-          "chunkserve/v1/echo.proto", "grpc/health/v1/health.proto"]
 UNARY = "/chunkserve.v1.Echo/Unary"
 
 
 @pytest.fixture(scope="module")
-def stubs(tmp_path_factory):
-    """Generates Python modules for every proto; imports the chunkserve.v1 ones."""
-    out = tmp_path_factory.mktemp("stubs")
-    include = Path(protoc.__file__).parent / "_proto"
-    for p in PROTOS:  # one file at a time so a failure names it
-        rc = protoc.main(["grpc_tools.protoc", f"-I{PROTO_DIR}", f"-I{include}",
-                          f"--python_out={out}", f"--grpc_python_out={out}", p])
-        assert rc == 0, f"grpc_tools.protoc failed on {p}"
-    sys.path.insert(0, str(out))
-    try:
-        mods = {n: importlib.import_module(f"chunkserve.v1.{n}")
-                for n in ("echo_pb2", "echo_pb2_grpc", "generation_pb2", "cluster_pb2")}
-    finally:
-        sys.path.remove(str(out))
-    # grpc/health/v1/health_pb2.py would shadow the grpc package if imported as
-    # grpc.health...: load the message module on its own and call by method path.
-    spec = importlib.util.spec_from_file_location("cs_health_pb2",
-                                                  out / "grpc" / "health" / "v1" / "health_pb2.py")
-    mods["health_pb2"] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mods["health_pb2"])
-    return mods
+def stubs(proto_modules):
+    return proto_modules
 
 
 def start_server(bin_dir: Path, *args):

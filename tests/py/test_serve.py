@@ -10,12 +10,9 @@ pages were freed.  Timing bounds are generous: they catch hangs only.
 """
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import random
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -25,36 +22,17 @@ from pathlib import Path
 import pytest
 
 grpc = pytest.importorskip("grpc")
-protoc = pytest.importorskip("grpc_tools.protoc")
+pytest.importorskip("grpc_tools.protoc")  # stubs: conftest.proto_modules
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
-PROTO_DIR = REPO_ROOT / "proto"
 SERVICE = "chunkserve.v1.Generation"
 TINY_NAME = "chunkserve tiny test model"
 TINY_CTX = 4096
 
 
 @pytest.fixture(scope="module")
-def pb(tmp_path_factory):
-    """Generated modules: generation_pb2, generation_pb2_grpc, cluster_pb2, cluster_pb2_grpc, health_pb2."""
-    out = tmp_path_factory.mktemp("serve_stubs")
-    include = Path(protoc.__file__).parent / "_proto"
-    for p in ("chunkserve/v1/generation.proto", "chunkserve/v1/cluster.proto", "grpc/health/v1/health.proto"):
-        rc = protoc.main(["grpc_tools.protoc", f"-I{PROTO_DIR}", f"-I{include}",
-                          f"--python_out={out}", f"--grpc_python_out={out}", p])
-        assert rc == 0, f"grpc_tools.protoc failed on {p}"
-    sys.path.insert(0, str(out))
-    try:
-        mods = {n: importlib.import_module(f"chunkserve.v1.{n}")
-                for n in ("generation_pb2", "generation_pb2_grpc", "cluster_pb2", "cluster_pb2_grpc")}
-    finally:
-        sys.path.remove(str(out))
-    # Loaded on its own so it does not shadow the grpc package (see test_rpc_echo.py).
-    spec = importlib.util.spec_from_file_location("cs_serve_health_pb2",
-                                                  out / "grpc" / "health" / "v1" / "health_pb2.py")
-    mods["health_pb2"] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mods["health_pb2"])
-    return type("PB", (), mods)
+def pb(proto_modules):
+    """The generated modules as attributes: pb.generation_pb2, pb.health_pb2, ..."""
+    return type("PB", (), proto_modules)
 
 
 class Server:

@@ -1,0 +1,492 @@
+/* backend_cuda.c: the CUDA backend (host side, plain C over the CUDA runtime
+ * and cuBLAS; the kernels are in kernels.cu).
+ *
+ * Weights: converted from the model's fp32 to bf16 on the device at init and
+ * carved out of one allocation; q/k/v rows are concatenated into one
+ * (q_dim + 2 kv_dim, dim) matrix and gate/up into one (2 hidden, dim) matrix,
+ * so a layer is 4 GEMMs. Norm weights, biases and RoPE frequencies stay fp32.
+ * GEMMs: cublasGemmEx, bf16 inputs, fp32 compute and fp32 outputs; the
+ * residual stream x stays fp32 and the o-proj/down-proj GEMMs add into it
+ * (beta = 1).
+ * KV pool: bf16, page-major like the CPU backend's,
+ *   pool[n_pages][n_layers][2 (K, V)][page_size][n_kv_heads * head_dim],
+ * so one page is one contiguous block of
+ *   page_bytes = n_layers * 2 * page_size * n_kv_heads * head_dim * 2 bytes,
+ * and kv_export/kv_import move pages in exactly that layout (bf16, not the
+ * CPU backend's fp32: a transfer between a CUDA and a CPU worker must
+ * convert; the engine reports page_bytes per backend).
+ * A step: one packed upload of the step's metadata, the layers, the logits of
+ * the spans that want them (final norm only on those rows), one download,
+ * one stream synchronize. Sampling stays on the host (the engine's sampler
+ * works on the logits the vtable returns; for greedy decode the logits
+ * download is n_vocab * 4 bytes per sequence, small next to the weights).
+ * Every CUDA/cuBLAS call is checked; device allocation failures return
+ * CS_ENOMEM, every other error is fatal (cs__cuda_fatal). Not thread-safe:
+ * one thread drives a backend (as for the engine). Not here: CUDA graphs,
+ * multi-GPU (tensor parallel), device-side sampling. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "backend.h"
+#include "backend_cuda.h"
+#include "cuda_impl.h"
+#include "model-impl.h"
+#include "util.h"
+
+typedef struct {
+    uint16_t *wqkv;   /* (q_dim + 2 kv_dim, dim) bf16 */
+    uint16_t *wo;     /* (dim, q_dim) */
+    uint16_t *wgu;    /* (2 hidden, dim): gate rows then up rows */
+    uint16_t *wdown;  /* (dim, hidden) */
+    float *attn_norm; /* (dim) */
+    float *ffn_norm;  /* (dim) */
+    float *bqkv;      /* (q_dim + 2 kv_dim) or NULL */
+} dev_layer;
+
+typedef struct {
+    cs_model_config cf;
+    cudaStream_t st;
+    cublasHandle_t blas;
+    uint16_t *w16; /* every bf16 matrix */
+    size_t w16_elems;
+    float *w32;         /* norms, biases, inv_freq */
+    uint16_t *tok_embd; /* (n_vocab, dim) */
+    uint16_t *output;   /* (n_vocab, dim); == tok_embd when tied */
+    float *out_norm;    /* (dim) */
+    float *inv_freq;    /* (head_dim / 2) */
+    dev_layer *layers;  /* (n_layers) */
+    int att_rows;       /* query rows per attention tile */
+    /* KV pool */
+    cs_cuda_kv kv;
+    int32_t n_pages;
+    size_t page_bytes;
+    /* step scratch, grown to the largest step seen */
+    int32_t cap_tokens, cap_spans, cap_meta;
+    float *x;                 /* (tokens, dim) residual stream */
+    float *big;               /* (tokens, max(q_dim + 2 kv_dim, 2 hidden)) GEMM outputs */
+    float *q;                 /* (tokens, q_dim) roped queries */
+    uint16_t *act;            /* (tokens, max(dim, q_dim, hidden)) bf16 GEMM inputs */
+    float *logits;            /* (spans, n_vocab) */
+    int32_t *meta_d, *meta_h; /* packed step metadata; meta_h is pinned */
+    /* kv_export/import staging */
+    void *stage;
+    int32_t *stage_pages;
+    size_t cap_stage;
+    int32_t cap_stage_pages;
+} cuda_ctx;
+
+void cs__cuda_fatal(const char *file, int line, const char *call, const char *name,
+                    const char *msg) {
+    cs__log(CS_LOG_ERROR, file, line,
+            "cuda: %s failed: %s: %s (fatal: the worker exits, the router fails over)", call,
+            name ? name : "?", msg ? msg : "?");
+    abort();
+}
+
+void cs__cuda_gemm(cublasHandle_t h, float *out, const uint16_t *x, const uint16_t *w, int n_tokens,
+                   int rows, int cols, float beta) {
+    /* Row-major out (T, rows) = x (T, cols) W^T is column-major
+     * out^T (rows, T) = W (as col-major (cols, rows))^T . x^T (cols, T). */
+    const float alpha = 1.0f;
+    CS_CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, rows, n_tokens, cols, &alpha, w,
+                                 CUDA_R_16BF, cols, x, CUDA_R_16BF, cols, &beta, out, CUDA_R_32F,
+                                 rows, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+}
+
+int cs_backend_cuda_probe(char *name, size_t name_len, char *why, size_t why_len) {
+    int n = 0;
+    if (name_len) name[0] = 0;
+    if (why_len) why[0] = 0;
+    cudaError_t e = cudaGetDeviceCount(&n);
+    if (e != cudaSuccess) {
+        snprintf(why, why_len, "cudaGetDeviceCount failed with error %d (%s: %s)", (int)e,
+                 cudaGetErrorName(e), cudaGetErrorString(e));
+        (void)cudaGetLastError(); /* clear the sticky-free error so later calls start clean */
+        return 0;
+    }
+    if (n < 1) {
+        snprintf(why, why_len, "cudaGetDeviceCount found no CUDA device");
+        return 0;
+    }
+    struct cudaDeviceProp p;
+    e = cudaGetDeviceProperties(&p, 0);
+    if (e != cudaSuccess) {
+        snprintf(why, why_len, "cudaGetDeviceProperties(0) failed with error %d (%s)", (int)e,
+                 cudaGetErrorName(e));
+        (void)cudaGetLastError();
+        return 0;
+    }
+    if (p.major < 8) {
+        snprintf(why, why_len,
+                 "device 0 (%s) has compute capability %d.%d; the CUDA backend needs 8.0+ (bf16)",
+                 p.name, p.major, p.minor);
+        return 0;
+    }
+    snprintf(name, name_len, "%s (sm_%d%d, %.1f GiB)", p.name, p.major, p.minor,
+             (double)p.totalGlobalMem / (double)(1u << 30));
+    return n;
+}
+
+size_t cs_backend_cuda_page_bytes(const cs_model_config *cf, int32_t page_size) {
+    return (size_t)cf->n_layers * 2 * (size_t)page_size * (size_t)cf->n_kv_heads *
+           (size_t)cf->head_dim * sizeof(uint16_t);
+}
+
+static int dalloc(void *pp, size_t bytes, const char *what) {
+    void **p = pp;
+    *p = NULL;
+    if (!bytes) bytes = 16;
+    cudaError_t e = cudaMalloc(p, bytes);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        *p = NULL;
+        return cs__fail(CS_ENOMEM,
+                        "cuda backend: cannot allocate %zu MiB of device memory for %s (%s)",
+                        bytes >> 20, what, cudaGetErrorString(e));
+    }
+    return 0;
+}
+
+static void dfree(void *p) {
+    if (p) CS_CUDA_CHECK(cudaFree(p));
+}
+
+static void cuda_free(void *p) {
+    cuda_ctx *c = p;
+    if (!c) return;
+    if (c->st) CS_CUDA_CHECK(cudaStreamSynchronize(c->st));
+    dfree(c->w16), dfree(c->w32), dfree(c->kv.pool);
+    dfree(c->x), dfree(c->big), dfree(c->q), dfree(c->act), dfree(c->logits), dfree(c->meta_d);
+    dfree(c->stage), dfree(c->stage_pages);
+    if (c->meta_h) CS_CUDA_CHECK(cudaFreeHost(c->meta_h));
+    if (c->blas) CS_CUBLAS_CHECK(cublasDestroy(c->blas));
+    if (c->st) CS_CUDA_CHECK(cudaStreamDestroy(c->st));
+    free(c->layers);
+    free(c);
+}
+
+static int cuda_kv_init(void *p, int32_t n_pages, int32_t page_size, size_t *page_bytes) {
+    cuda_ctx *c = p;
+    size_t pb = cs_backend_cuda_page_bytes(&c->cf, page_size), bytes;
+    if (cs__mul_overflow(pb, (size_t)n_pages, &bytes))
+        return cs__fail(CS_ENOMEM, "cuda backend: KV pool of %d pages overflows", n_pages);
+    dfree(c->kv.pool);
+    c->kv.pool = NULL;
+    int r = dalloc(&c->kv.pool, bytes, "the KV pool");
+    if (r) return r;
+    CS_CUDA_CHECK(cudaMemsetAsync(c->kv.pool, 0, bytes, c->st));
+    c->kv.page_elems = pb / sizeof(uint16_t);
+    c->kv.page_size = page_size;
+    c->kv.kv_dim = c->cf.n_kv_heads * c->cf.head_dim;
+    c->n_pages = n_pages;
+    c->page_bytes = pb;
+    *page_bytes = pb;
+    return 0;
+}
+
+/* Packed step metadata (int32): ids, pos, page, slot (tokens each), logit
+ * rows (spans), tiles (4 per tile, at most tokens), page tables. */
+static int grow(cuda_ctx *c, int32_t n_tokens, int32_t n_spans, int64_t n_meta) {
+    const cs_model_config *cf = &c->cf;
+    int r = 0;
+    if (n_tokens > c->cap_tokens) {
+        size_t T = (size_t)n_tokens, qd = (size_t)cf->n_heads * cf->head_dim,
+               kvd = (size_t)cf->n_kv_heads * cf->head_dim, hid = (size_t)cf->hidden_dim,
+               dim = (size_t)cf->dim;
+        size_t wbig = qd + 2 * kvd > 2 * hid ? qd + 2 * kvd : 2 * hid;
+        size_t wact = dim > qd ? dim : qd;
+        if (hid > wact) wact = hid;
+        dfree(c->x), dfree(c->big), dfree(c->q), dfree(c->act);
+        c->x = c->big = c->q = NULL, c->act = NULL, c->cap_tokens = 0;
+        if ((r = dalloc(&c->x, T * dim * 4, "step activations")) ||
+            (r = dalloc(&c->big, T * wbig * 4, "step activations")) ||
+            (r = dalloc(&c->q, T * qd * 4, "step activations")) ||
+            (r = dalloc(&c->act, T * wact * 2, "step activations")))
+            return r;
+        c->cap_tokens = n_tokens;
+    }
+    if (n_spans > c->cap_spans) {
+        dfree(c->logits);
+        c->logits = NULL, c->cap_spans = 0;
+        if ((r = dalloc(&c->logits, (size_t)n_spans * cf->n_vocab * 4, "step logits"))) return r;
+        c->cap_spans = n_spans;
+    }
+    if (n_meta > c->cap_meta) {
+        if (n_meta > INT32_MAX) return cs__fail(CS_ENOMEM, "cuda backend: step metadata too large");
+        dfree(c->meta_d);
+        c->meta_d = NULL;
+        if (c->meta_h) CS_CUDA_CHECK(cudaFreeHost(c->meta_h));
+        c->meta_h = NULL, c->cap_meta = 0;
+        if ((r = dalloc(&c->meta_d, (size_t)n_meta * 4, "step metadata"))) return r;
+        if (cudaMallocHost((void **)&c->meta_h, (size_t)n_meta * 4) != cudaSuccess) {
+            (void)cudaGetLastError();
+            return cs__fail(CS_ENOMEM, "cuda backend: cannot pin %zu bytes of step metadata",
+                            (size_t)n_meta * 4);
+        }
+        c->cap_meta = (int32_t)n_meta;
+    }
+    return 0;
+}
+
+static int cuda_forward(void *p, const cs_span *spans, int32_t n_spans, int32_t n_tokens,
+                        float *logits) {
+    cuda_ctx *c = p;
+    const cs_model_config *cf = &c->cf;
+    const int dim = cf->dim, nh = cf->n_heads, nkv = cf->n_kv_heads, hd = cf->head_dim;
+    const int qd = nh * hd, kvd = nkv * hd, hid = cf->hidden_dim, T = n_tokens;
+    int64_t n_page_ents = 0;
+    for (int32_t s = 0; s < n_spans; s++)
+        n_page_ents += spans[s].n_pages;
+    int64_t n_meta = 4 * (int64_t)T + n_spans + 4 * (int64_t)T + n_page_ents;
+    int r = grow(c, n_tokens, n_spans, n_meta);
+    if (r) return r;
+
+    int32_t *ids = c->meta_h, *pos = ids + T, *page = pos + T, *slot = page + T, *rows = slot + T;
+    cs_cuda_att_tile *tiles = (cs_cuda_att_tile *)(rows + n_spans);
+    int32_t *ptab = (int32_t *)(tiles + T);
+    int32_t t = 0, n_out = 0, n_tiles = 0, poff = 0;
+    for (int32_t s = 0; s < n_spans; s++) {
+        const cs_span *sp = &spans[s];
+        for (int32_t i0 = 0; i0 < sp->n_tokens; i0 += c->att_rows) {
+            int32_t n = sp->n_tokens - i0 < c->att_rows ? sp->n_tokens - i0 : c->att_rows;
+            tiles[n_tiles++] = (cs_cuda_att_tile){t + i0, n, sp->pos + i0, poff};
+        }
+        for (int32_t i = 0; i < sp->n_tokens; i++, t++) {
+            int32_t ps = sp->pos + i;
+            ids[t] = sp->tokens[i];
+            pos[t] = ps;
+            page[t] = sp->pages[ps / c->kv.page_size];
+            slot[t] = ps % c->kv.page_size;
+        }
+        if (sp->want_logits) rows[n_out++] = t - 1;
+        memcpy(ptab + poff, sp->pages, (size_t)sp->n_pages * sizeof(int32_t));
+        poff += sp->n_pages;
+    }
+    CS_ASSERT(t == n_tokens);
+    CS_CUDA_CHECK(
+        cudaMemcpyAsync(c->meta_d, c->meta_h, (size_t)n_meta * 4, cudaMemcpyHostToDevice, c->st));
+    const int32_t *d_ids = c->meta_d, *d_pos = d_ids + T, *d_page = d_pos + T, *d_slot = d_page + T,
+                  *d_rows = d_slot + T;
+    const cs_cuda_att_tile *d_tiles = (const cs_cuda_att_tile *)(d_rows + n_spans);
+    const int32_t *d_ptab = (const int32_t *)(d_tiles + T);
+
+    cs__cuda_embed(c->x, c->tok_embd, d_ids, T, dim, c->st);
+    for (int l = 0; l < cf->n_layers; l++) {
+        const dev_layer *L = &c->layers[l];
+        cs__cuda_rmsnorm(c->act, NULL, c->x, NULL, L->attn_norm, T, dim, cf->norm_eps, c->st);
+        cs__cuda_gemm(c->blas, c->big, c->act, L->wqkv, T, qd + 2 * kvd, dim, 0.0f);
+        cs__cuda_qkv_rope_store(c->q, c->big, L->bqkv, d_pos, c->inv_freq, d_page, d_slot, c->kv, l,
+                                T, nh, nkv, hd, c->st);
+        cs__cuda_attention(c->act, c->q, d_tiles, n_tiles, d_ptab, c->kv, l, nh, nkv, hd, c->st);
+        cs__cuda_gemm(c->blas, c->x, c->act, L->wo, T, dim, qd, 1.0f);
+        cs__cuda_rmsnorm(c->act, NULL, c->x, NULL, L->ffn_norm, T, dim, cf->norm_eps, c->st);
+        cs__cuda_gemm(c->blas, c->big, c->act, L->wgu, T, 2 * hid, dim, 0.0f);
+        cs__cuda_swiglu(c->act, c->big, T, hid, c->st);
+        cs__cuda_gemm(c->blas, c->x, c->act, L->wdown, T, dim, hid, 1.0f);
+    }
+    if (n_out) {
+        cs__cuda_rmsnorm(c->act, NULL, c->x, d_rows, c->out_norm, n_out, dim, cf->norm_eps, c->st);
+        cs__cuda_gemm(c->blas, c->logits, c->act, c->output, n_out, cf->n_vocab, dim, 0.0f);
+        CS_CUDA_CHECK(cudaMemcpyAsync(logits, c->logits,
+                                      (size_t)n_out * cf->n_vocab * sizeof(float),
+                                      cudaMemcpyDeviceToHost, c->st));
+    }
+    CS_CUDA_CHECK(cudaStreamSynchronize(c->st));
+    return 0;
+}
+
+/* Staging for n pages, in rounds of at most 64 MiB. */
+static int32_t stage_pages(cuda_ctx *c, int32_t n) {
+    int32_t per = (int32_t)(((size_t)64 << 20) / c->page_bytes);
+    if (per < 1) per = 1;
+    if (n > per) n = per;
+    if ((size_t)n * c->page_bytes > c->cap_stage || n > c->cap_stage_pages) {
+        dfree(c->stage), dfree(c->stage_pages);
+        c->stage = NULL, c->stage_pages = NULL, c->cap_stage = 0, c->cap_stage_pages = 0;
+        size_t want = (size_t)per * c->page_bytes;
+        if (dalloc(&c->stage, want, "KV staging") ||
+            dalloc(&c->stage_pages, (size_t)per * 4, "KV staging"))
+            return -1;
+        c->cap_stage = want, c->cap_stage_pages = per;
+    }
+    return n;
+}
+
+static int kv_move(cuda_ctx *c, const int32_t *pages, int32_t n, void *host, int to_pages) {
+    for (int32_t done = 0; done < n;) {
+        int32_t k = stage_pages(c, n - done);
+        if (k < 0) return CS_ENOMEM;
+        char *h = (char *)host + (size_t)done * c->page_bytes;
+        size_t bytes = (size_t)k * c->page_bytes;
+        CS_CUDA_CHECK(cudaMemcpyAsync(c->stage_pages, pages + done, (size_t)k * 4,
+                                      cudaMemcpyHostToDevice, c->st));
+        if (to_pages)
+            CS_CUDA_CHECK(cudaMemcpyAsync(c->stage, h, bytes, cudaMemcpyHostToDevice, c->st));
+        cs__cuda_pages_copy(c->kv.pool, c->stage, c->stage_pages, k, c->page_bytes, to_pages,
+                            c->st);
+        if (!to_pages)
+            CS_CUDA_CHECK(cudaMemcpyAsync(h, c->stage, bytes, cudaMemcpyDeviceToHost, c->st));
+        CS_CUDA_CHECK(cudaStreamSynchronize(c->st)); /* pageable host memory and reused staging */
+        done += k;
+    }
+    return 0;
+}
+
+static int cuda_kv_export(void *p, const int32_t *pages, int32_t n, void *dst) {
+    return kv_move(p, pages, n, dst, 0);
+}
+static int cuda_kv_import(void *p, const int32_t *pages, int32_t n, const void *src) {
+    return kv_move(p, pages, n, (void *)src, 1);
+}
+
+static const struct cs_backend_iface cuda_iface = {
+    "cuda", cuda_free, cuda_kv_init, cuda_forward, cuda_kv_export, cuda_kv_import,
+};
+
+/* Carves the weights; fills them from m (fp32, converted on the device) or
+ * with random values when m is NULL. */
+static int build(cuda_ctx *c, const cs_model *m, const float *inv_freq, uint64_t seed) {
+    const cs_model_config *cf = &c->cf;
+    const size_t dim = (size_t)cf->dim, qd = (size_t)cf->n_heads * cf->head_dim,
+                 kvd = (size_t)cf->n_kv_heads * cf->head_dim, hid = (size_t)cf->hidden_dim,
+                 V = (size_t)cf->n_vocab;
+    const size_t per_layer = (qd + 2 * kvd) * dim + dim * qd + 2 * hid * dim + dim * hid;
+    const bool tied = m ? m->output == m->tok_embd : cf->tied_embeddings;
+    const bool bias = m && (m->layers[0].bq || m->layers[0].bk || m->layers[0].bv);
+    c->w16_elems = V * dim * (tied ? 1 : 2) + per_layer * (size_t)cf->n_layers;
+    size_t w32 = dim + (size_t)cf->head_dim / 2 +
+                 (size_t)cf->n_layers * (2 * dim + (bias ? qd + 2 * kvd : 0));
+    int r;
+    if ((r = dalloc(&c->w16, c->w16_elems * 2, "bf16 weights")) ||
+        (r = dalloc(&c->w32, w32 * 4, "fp32 weights")))
+        return r;
+    c->layers = calloc((size_t)cf->n_layers, sizeof *c->layers);
+    if (!c->layers) return cs__fail(CS_ENOMEM, "cuda backend: out of memory");
+    uint16_t *w = c->w16;
+    float *f = c->w32;
+    c->tok_embd = w, w += V * dim;
+    c->output = tied ? c->tok_embd : w;
+    if (!tied) w += V * dim;
+    c->out_norm = f, f += dim;
+    c->inv_freq = f, f += cf->head_dim / 2;
+    for (int l = 0; l < cf->n_layers; l++) {
+        dev_layer *L = &c->layers[l];
+        L->wqkv = w, w += (qd + 2 * kvd) * dim;
+        L->wo = w, w += dim * qd;
+        L->wgu = w, w += 2 * hid * dim;
+        L->wdown = w, w += dim * hid;
+        L->attn_norm = f, f += dim;
+        L->ffn_norm = f, f += dim;
+        if (bias) L->bqkv = f, f += qd + 2 * kvd;
+    }
+    CS_ASSERT(w == c->w16 + c->w16_elems && f == c->w32 + w32);
+
+    if (!m) { /* random weights: uniform(-a, a) with a = sqrt(3 / fan_in): unit-variance outputs */
+        uint64_t s = seed;
+        cs__cuda_fill_bf16(c->tok_embd, V * dim, s++, 1.0f, c->st);
+        if (!tied) cs__cuda_fill_bf16(c->output, V * dim, s++, sqrtf(3.0f / (float)dim), c->st);
+        cs__cuda_fill_f32(c->w32, w32, 1.0f, c->st);
+        for (int l = 0; l < cf->n_layers; l++) {
+            dev_layer *L = &c->layers[l];
+            cs__cuda_fill_bf16(L->wqkv, (qd + 2 * kvd) * dim, s++, sqrtf(3.0f / (float)dim), c->st);
+            cs__cuda_fill_bf16(L->wo, dim * qd, s++, sqrtf(3.0f / (float)qd), c->st);
+            cs__cuda_fill_bf16(L->wgu, 2 * hid * dim, s++, sqrtf(3.0f / (float)dim), c->st);
+            cs__cuda_fill_bf16(L->wdown, dim * hid, s++, sqrtf(3.0f / (float)hid), c->st);
+        }
+        CS_CUDA_CHECK(cudaMemcpyAsync(c->inv_freq, inv_freq, (size_t)cf->head_dim / 2 * 4,
+                                      cudaMemcpyHostToDevice, c->st));
+        CS_CUDA_CHECK(cudaStreamSynchronize(c->st));
+        return 0;
+    }
+
+    /* from the model: fp32 through a device staging buffer, converted there */
+    size_t stage_elems = V * dim;
+    if ((qd + 2 * kvd) * dim > stage_elems) stage_elems = (qd + 2 * kvd) * dim;
+    if (2 * hid * dim > stage_elems) stage_elems = 2 * hid * dim;
+    float *stage;
+    if ((r = dalloc(&stage, stage_elems * 4, "weight upload staging"))) return r;
+#define UP16(dst, src, n)                                                                          \
+    do {                                                                                           \
+        CS_CUDA_CHECK(cudaMemcpy(stage, (src), (size_t)(n)*4, cudaMemcpyHostToDevice));            \
+        cs__cuda_f32_to_bf16((dst), stage, (size_t)(n), c->st);                                    \
+        CS_CUDA_CHECK(cudaStreamSynchronize(c->st)); /* stage is reused next */                    \
+    } while (0)
+#define UP32(dst, src, n)                                                                          \
+    CS_CUDA_CHECK(cudaMemcpy((dst), (src), (size_t)(n)*4, cudaMemcpyHostToDevice))
+    UP16(c->tok_embd, m->tok_embd, V * dim);
+    if (!tied) UP16(c->output, m->output, V * dim);
+    UP32(c->out_norm, m->out_norm, dim);
+    UP32(c->inv_freq, m->rope_inv_freq, cf->head_dim / 2);
+    for (int l = 0; l < cf->n_layers; l++) {
+        const cs_layer *S = &m->layers[l];
+        dev_layer *L = &c->layers[l];
+        UP16(L->wqkv, S->wq, qd * dim);
+        UP16(L->wqkv + qd * dim, S->wk, kvd * dim);
+        UP16(L->wqkv + (qd + kvd) * dim, S->wv, kvd * dim);
+        UP16(L->wo, S->wo, dim * qd);
+        UP16(L->wgu, S->w_gate, hid * dim);
+        UP16(L->wgu + hid * dim, S->w_up, hid * dim);
+        UP16(L->wdown, S->w_down, dim * hid);
+        UP32(L->attn_norm, S->attn_norm, dim);
+        UP32(L->ffn_norm, S->ffn_norm, dim);
+        if (bias) {
+            CS_CUDA_CHECK(cudaMemset(L->bqkv, 0, (qd + 2 * kvd) * 4));
+            if (S->bq) UP32(L->bqkv, S->bq, qd);
+            if (S->bk) UP32(L->bqkv + qd, S->bk, kvd);
+            if (S->bv) UP32(L->bqkv + qd + kvd, S->bv, kvd);
+        }
+    }
+#undef UP16
+#undef UP32
+    dfree(stage);
+    return 0;
+}
+
+static int init(const cs_model_config *cf, const cs_model *m, const float *inv_freq, uint64_t seed,
+                cs_backend **out) {
+    *out = NULL;
+    if (cf->head_dim % 2 || cf->head_dim > 256 || cf->n_kv_heads < 1 ||
+        cf->n_heads % cf->n_kv_heads)
+        return cs__fail(
+            CS_ENOTSUP,
+            "cuda backend: head_dim %d with %d/%d heads is not supported (even, <= 256, GQA)",
+            cf->head_dim, cf->n_heads, cf->n_kv_heads);
+    cs_backend *b = calloc(1, sizeof *b);
+    cuda_ctx *c = calloc(1, sizeof *c);
+    if (!b || !c) {
+        free(b), free(c);
+        return cs__fail(CS_ENOMEM, "cuda backend: out of memory");
+    }
+    c->cf = *cf;
+    c->att_rows = cs__cuda_attention_tile_rows(cf->n_heads, cf->n_kv_heads);
+    CS_CUDA_CHECK(cudaSetDevice(0));
+    CS_CUDA_CHECK(cudaStreamCreateWithFlags(&c->st, cudaStreamNonBlocking));
+    CS_CUBLAS_CHECK(cublasCreate(&c->blas));
+    CS_CUBLAS_CHECK(cublasSetStream(c->blas, c->st));
+    int r = build(c, m, inv_freq, seed);
+    if (r) {
+        free(b);
+        cuda_free(c);
+        return r;
+    }
+    b->iface = &cuda_iface;
+    b->ctx = c;
+    *out = b;
+    return 0;
+}
+
+int cs_backend_cuda_init(const cs_model *m, cs_backend **out) {
+    return init(&m->cfg, m, NULL, 0, out);
+}
+
+int cs_backend_cuda_init_random(const cs_model_config *cf, const float *rope_inv_freq,
+                                uint64_t seed, cs_backend **out) {
+    return init(cf, NULL, rope_inv_freq, seed, out);
+}
+
+size_t cs_backend_cuda_weight_bytes(const cs_backend *b) {
+    const cuda_ctx *c = b->ctx;
+    return c->w16_elems * sizeof(uint16_t);
+}

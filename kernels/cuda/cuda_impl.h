@@ -1,0 +1,115 @@
+/* kernels/cuda/cuda_impl.h: inside the CUDA backend: the error-check macros
+ * and the kernel launchers of kernels.cu. All pointers here are device
+ * pointers; bf16 tensors are passed as uint16_t so that C can name them.
+ * Every launcher enqueues on stream and checks the launch (CS_CUDA_CHECK);
+ * none synchronizes. Not a public header: only kernels/cuda and tests/gpu
+ * include it. */
+#ifndef CS_KERNELS_CUDA_IMPL_H
+#define CS_KERNELS_CUDA_IMPL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cublas_v2.h>
+#include <cuda_runtime_api.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Logs "cuda: <call> failed at file:line: <name>: <message>" and aborts:
+ * a CUDA error leaves the device state unknown, so the worker dies and the
+ * router fails its requests over (issue 8). */
+#if defined(__GNUC__)
+__attribute__((noreturn))
+#endif
+void cs__cuda_fatal(const char *file, int line, const char *call, const char *name, const char *msg);
+
+#define CS_CUDA_CHECK(call)                                                                        \
+    do {                                                                                           \
+        cudaError_t e_ = (call);                                                                   \
+        if (e_ != cudaSuccess)                                                                     \
+            cs__cuda_fatal(__FILE__, __LINE__, #call, cudaGetErrorName(e_),                        \
+                           cudaGetErrorString(e_));                                                \
+    } while (0)
+
+#define CS_CUBLAS_CHECK(call)                                                                      \
+    do {                                                                                           \
+        cublasStatus_t s_ = (call);                                                                \
+        if (s_ != CUBLAS_STATUS_SUCCESS)                                                           \
+            cs__cuda_fatal(__FILE__, __LINE__, #call, cublasGetStatusName(s_),                     \
+                           cublasGetStatusString(s_));                                             \
+    } while (0)
+
+/* One query tile of the attention kernel: n_q (<= cs__cuda_attention_tile_rows())
+ * consecutive
+ * query rows of one span, rows q_begin.., positions pos..; the span's page
+ * table starts at pages[page_off]. */
+typedef struct {
+    int32_t q_begin, n_q, pos, page_off;
+} cs_cuda_att_tile;
+
+/* Geometry of the bf16 KV pool, page-major like the CPU backend's:
+ *   pool[n_pages][n_layers][2 (K, V)][page_size][n_kv_heads * head_dim]
+ * page_elems = n_layers * 2 * page_size * kv_dim. */
+typedef struct {
+    uint16_t *pool;
+    size_t page_elems;
+    int32_t page_size, kv_dim;
+} cs_cuda_kv;
+
+/* out (rows) fp32 = bf16 weight W (rows, cols) . x (n_tokens, cols), into
+ * out (n_tokens, rows) fp32: out = beta * out + W x (beta 1 fuses a
+ * residual add into cuBLAS's epilogue). bf16 in, fp32 compute and out. */
+void cs__cuda_gemm(cublasHandle_t h, float *out, const uint16_t *x, const uint16_t *w, int n_tokens,
+                   int rows, int cols, float beta);
+
+/* x (n_tokens, dim) fp32 = bf16 table rows ids[t]. */
+void cs__cuda_embed(float *x, const uint16_t *table, const int32_t *ids, int n_tokens, int dim,
+                    cudaStream_t s);
+
+/* RMSNorm: out row r (n_rows, dim) = x row (rows ? rows[r] : r) / rms * w,
+ * written as bf16 (out16) and/or fp32 (out32, may be NULL). fp32 math. */
+void cs__cuda_rmsnorm(uint16_t *out16, float *out32, const float *x, const int32_t *rows,
+                      const float *w, int n_rows, int dim, float eps, cudaStream_t s);
+
+/* qkv (n_tokens, q_dim + 2 kv_dim) fp32 from the fused QKV GEMM:
+ * adds bias (q_dim + 2 kv_dim or NULL), applies rotate-half RoPE at pos[t]
+ * (angle pos * inv_freq[i] in fp32, like cs_op_rope_ref) to q and k, writes
+ * q (n_tokens, q_dim) fp32 and K, V as bf16 into the pool slot of token t:
+ * page page[t], slot slot[t], layer `layer`. One fused kernel: the QKV
+ * output is read once. */
+void cs__cuda_qkv_rope_store(float *q, const float *qkv, const float *bias, const int32_t *pos,
+                             const float *inv_freq, const int32_t *page, const int32_t *slot,
+                             cs_cuda_kv kv, int layer, int n_tokens, int n_heads, int n_kv_heads,
+                             int head_dim, cudaStream_t s);
+
+/* Causal GQA attention over paged bf16 KV (same semantics as
+ * cs_op_attention_ref) for the query tiles of one layer: out (n_tokens,
+ * n_heads * head_dim) bf16. head_dim even and <= 256. */
+int cs__cuda_attention_tile_rows(int n_heads, int n_kv_heads);
+void cs__cuda_attention(uint16_t *out, const float *q, const cs_cuda_att_tile *tiles, int n_tiles,
+                        const int32_t *pages, cs_cuda_kv kv, int layer, int n_heads, int n_kv_heads,
+                        int head_dim, cudaStream_t s);
+
+/* out (n_tokens, hidden) bf16 = silu(gate) * up, where gu (n_tokens, 2 hidden)
+ * fp32 holds [gate | up] per row (the fused gate/up GEMM). */
+void cs__cuda_swiglu(uint16_t *out, const float *gu, int n_tokens, int hidden, cudaStream_t s);
+
+/* Page gather (to_pages 0): dst[i] = page pages[i] of the pool, contiguous;
+ * scatter (to_pages 1): the reverse. page_bytes a multiple of 4. */
+void cs__cuda_pages_copy(uint16_t *pool, void *flat, const int32_t *pages, int n, size_t page_bytes,
+                         int to_pages, cudaStream_t s);
+
+/* fp32 -> bf16 (round to nearest even) and back, n elements. */
+void cs__cuda_f32_to_bf16(uint16_t *dst, const float *src, size_t n, cudaStream_t s);
+void cs__cuda_bf16_to_f32(float *dst, const uint16_t *src, size_t n, cudaStream_t s);
+/* dst[i] = bf16(scale * uniform(-1, 1)) from a counter hash of (seed, i):
+ * random weights generated on the device; fill_f32 writes a constant. */
+void cs__cuda_fill_bf16(uint16_t *dst, size_t n, uint64_t seed, float scale, cudaStream_t s);
+void cs__cuda_fill_f32(float *dst, size_t n, float value, cudaStream_t s);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,355 @@
+/* kernels.cu: the CUDA kernels of the CUDA backend, behind the C launchers of
+ * cuda_impl.h. One .cu file on purpose (nvcc is slow). GEMMs are not here:
+ * they go to cuBLAS (backend_cuda.c). Everything accumulates in fp32;
+ * weights, KV and GEMM inputs are bf16.
+ *
+ * Fusions, and why: the QKV GEMM output is read once by one kernel that adds
+ * the bias, applies RoPE and stores K/V into their pages (three passes over
+ * (T, q+2kv) fp32 become one); the residual add rides in the cuBLAS epilogue
+ * (beta = 1) of the o-proj and down-proj GEMMs, so RMSNorm reads x once;
+ * SwiGLU reads the fused gate/up GEMM output and writes the bf16 input of the
+ * down GEMM. Not here yet: tensor-core (mma) attention for long prefill and
+ * split-K flash-decoding for long contexts; see docs/architecture.md. */
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <math.h>
+
+#include "cuda_impl.h"
+
+#define LAUNCH_CHECK() CS_CUDA_CHECK(cudaGetLastError())
+
+static __device__ __forceinline__ float bf(uint16_t v) { return __uint_as_float((uint32_t)v << 16); }
+static __device__ __forceinline__ uint16_t to_bf(float f) {
+    __nv_bfloat16 h = __float2bfloat16_rn(f);
+    return *reinterpret_cast<uint16_t *>(&h);
+}
+
+static __device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+static __device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+static unsigned blocks_for(size_t n, unsigned threads) {
+    size_t b = (n + threads - 1) / threads;
+    return (unsigned)(b > 65535u * 16u ? 65535u * 16u : (b ? b : 1));
+}
+
+/* ---- embedding ---- */
+__global__ void k_embed(float *x, const uint16_t *table, const int32_t *ids, int dim) {
+    int t = blockIdx.x;
+    const uint16_t *row = table + (size_t)ids[t] * dim;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) x[(size_t)t * dim + i] = bf(row[i]);
+}
+
+extern "C" void cs__cuda_embed(float *x, const uint16_t *table, const int32_t *ids, int n_tokens, int dim,
+                               cudaStream_t s) {
+    if (n_tokens <= 0) return;
+    k_embed<<<n_tokens, 256, 0, s>>>(x, table, ids, dim);
+    LAUNCH_CHECK();
+}
+
+/* ---- RMSNorm: one block per row ---- */
+__global__ void k_rmsnorm(uint16_t *out16, float *out32, const float *x, const int32_t *rows, const float *w,
+                          int dim, float eps) {
+    __shared__ float red[32];
+    int r = blockIdx.x;
+    const float *xr = x + (size_t)(rows ? rows[r] : r) * dim;
+    float ss = 0;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) ss += xr[i] * xr[i];
+    ss = warp_sum(ss);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        float v = threadIdx.x < (blockDim.x >> 5) ? red[threadIdx.x] : 0.0f;
+        v = warp_sum(v);
+        if (threadIdx.x == 0) red[0] = v;
+    }
+    __syncthreads();
+    float scale = 1.0f / sqrtf(red[0] / (float)dim + eps);
+    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
+        float v = w[i] * (xr[i] * scale);
+        if (out16) out16[(size_t)r * dim + i] = to_bf(v);
+        if (out32) out32[(size_t)r * dim + i] = v;
+    }
+}
+
+extern "C" void cs__cuda_rmsnorm(uint16_t *out16, float *out32, const float *x, const int32_t *rows, const float *w,
+                                 int n_rows, int dim, float eps, cudaStream_t s) {
+    if (n_rows <= 0) return;
+    k_rmsnorm<<<n_rows, 256, 0, s>>>(out16, out32, x, rows, w, dim, eps);
+    LAUNCH_CHECK();
+}
+
+/* ---- bias + RoPE + KV store: one block per token ---- */
+__global__ void k_qkv_rope_store(float *q, const float *qkv, const float *bias, const int32_t *pos,
+                                 const float *inv_freq, const int32_t *page, const int32_t *slot, cs_cuda_kv kv,
+                                 int layer, int n_heads, int n_kv_heads, int head_dim) {
+    int t = blockIdx.x, half = head_dim / 2;
+    int q_dim = n_heads * head_dim, kv_dim = n_kv_heads * head_dim, width = q_dim + 2 * kv_dim;
+    const float *row = qkv + (size_t)t * width;
+    uint16_t *kd = kv.pool + (size_t)page[t] * kv.page_elems + (size_t)layer * 2 * kv.page_size * kv_dim +
+                   (size_t)slot[t] * kv_dim;
+    uint16_t *vd = kd + (size_t)kv.page_size * kv_dim;
+    float p = (float)pos[t];
+    /* rotated pairs of q heads then k heads */
+    int n_pairs = (n_heads + n_kv_heads) * half;
+    for (int j = threadIdx.x; j < n_pairs; j += blockDim.x) {
+        int h = j / half, i = j % half;
+        int c0 = h * head_dim + i, c1 = c0 + half; /* k heads follow q heads in the row */
+        float x0 = row[c0], x1 = row[c1];
+        if (bias) x0 += bias[c0], x1 += bias[c1];
+        float angle = p * inv_freq[i];
+        float cs = cosf(angle), sn = sinf(angle);
+        float y0 = x0 * cs - x1 * sn, y1 = x1 * cs + x0 * sn;
+        if (h < n_heads) {
+            q[(size_t)t * q_dim + c0] = y0;
+            q[(size_t)t * q_dim + c1] = y1;
+        } else {
+            kd[c0 - q_dim] = to_bf(y0);
+            kd[c1 - q_dim] = to_bf(y1);
+        }
+    }
+    for (int i = threadIdx.x; i < kv_dim; i += blockDim.x) {
+        int c = q_dim + kv_dim + i;
+        vd[i] = to_bf(row[c] + (bias ? bias[c] : 0.0f));
+    }
+}
+
+extern "C" void cs__cuda_qkv_rope_store(float *q, const float *qkv, const float *bias, const int32_t *pos,
+                                        const float *inv_freq, const int32_t *page, const int32_t *slot,
+                                        cs_cuda_kv kv, int layer, int n_tokens, int n_heads, int n_kv_heads,
+                                        int head_dim, cudaStream_t s) {
+    if (n_tokens <= 0) return;
+    k_qkv_rope_store<<<n_tokens, 256, 0, s>>>(q, qkv, bias, pos, inv_freq, page, slot, kv, layer, n_heads, n_kv_heads,
+                                              head_dim);
+    LAUNCH_CHECK();
+}
+
+/* ---- paged attention ----
+ * A block is (query tile, group of query heads sharing one KV head); a warp
+ * is one (query row, head). The block walks the tile's context 32 keys at a
+ * time: it stages that chunk of K and V (bf16) in shared memory once for all
+ * its warps (GQA and neighbouring query rows reuse it), then each lane scores
+ * one key (full dot product from shared memory, conflict-free thanks to the
+ * +2 padding), the warp updates an online softmax, and each lane accumulates
+ * its head_dim / 32 output dims. fp32 throughout; exp via expf. */
+#define ATT_CHUNK 32
+#define ATT_MAX_WARPS 8
+
+template <int NPL> /* output dims per lane: ceil(head_dim / 32) */
+__global__ void k_attention(uint16_t *out, const float *q, const cs_cuda_att_tile *tiles, const int32_t *pages,
+                            cs_cuda_kv kv, int layer, int n_heads, int n_kv_heads, int head_dim, int heads_per_block,
+                            int rows_per_block) {
+    extern __shared__ unsigned char smem_raw[];
+    const int hd = head_dim, stride = hd + 2; /* bf16 elements per staged row */
+    uint16_t *sk = (uint16_t *)smem_raw;
+    uint16_t *sv = sk + ATT_CHUNK * stride;
+    float *sq = (float *)(sv + ATT_CHUNK * stride); /* (warps, hd) */
+
+    const cs_cuda_att_tile tile = tiles[blockIdx.x];
+    const int group = n_heads / n_kv_heads, blocks_per_kvh = (group + heads_per_block - 1) / heads_per_block;
+    const int kvh = blockIdx.y / blocks_per_kvh, hb = blockIdx.y % blocks_per_kvh;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int w_row = warp / heads_per_block, w_head = warp % heads_per_block;
+    const int h = kvh * group + hb * heads_per_block + w_head;
+    const int q_dim = n_heads * hd, kv_dim = n_kv_heads * hd;
+    const bool active = w_row < tile.n_q && w_row < rows_per_block && hb * heads_per_block + w_head < group;
+    const int t = tile.q_begin + w_row;
+    const int n_ctx = active ? tile.pos + w_row + 1 : 0;
+    int tile_rows = tile.n_q < rows_per_block ? tile.n_q : rows_per_block;
+    const int tile_ctx = tile.pos + tile_rows; /* the most any warp needs */
+    const float scale = 1.0f / sqrtf((float)hd);
+
+    if (active)
+        for (int d = lane; d < hd; d += 32) sq[warp * hd + d] = q[(size_t)t * q_dim + h * hd + d];
+
+    const size_t layer_off = (size_t)layer * 2 * kv.page_size * kv_dim + (size_t)kvh * hd;
+    const int32_t *pt = pages + tile.page_off;
+    float m = -INFINITY, l = 0.0f, acc[NPL];
+#pragma unroll
+    for (int i = 0; i < NPL; i++) acc[i] = 0.0f;
+
+    for (int c0 = 0; c0 < tile_ctx; c0 += ATT_CHUNK) {
+        int nk = tile_ctx - c0 < ATT_CHUNK ? tile_ctx - c0 : ATT_CHUNK;
+        __syncthreads(); /* previous chunk consumed (and sq written) */
+        /* stage K and V of keys c0 .. c0+nk in 32-bit words (hd is even) */
+        const int words = hd / 2;
+        for (int e = threadIdx.x; e < nk * words; e += blockDim.x) {
+            int j = e / words, wd = e % words, p = c0 + j;
+            const uint16_t *src = kv.pool + (size_t)pt[p / kv.page_size] * kv.page_elems + layer_off +
+                                  (size_t)(p % kv.page_size) * kv_dim;
+            const uint32_t *k32 = (const uint32_t *)src;
+            const uint32_t *v32 = (const uint32_t *)(src + (size_t)kv.page_size * kv_dim);
+            ((uint32_t *)(sk + j * stride))[wd] = k32[wd];
+            ((uint32_t *)(sv + j * stride))[wd] = v32[wd];
+        }
+        __syncthreads();
+        if (!active || c0 >= n_ctx) continue; /* no early exit: every thread must reach __syncthreads */
+        int j = c0 + lane;
+        float sc = -INFINITY;
+        if (j < n_ctx) {
+            const float *qq = sq + warp * hd;
+            const uint32_t *kr = (const uint32_t *)(sk + lane * stride);
+            float a0 = 0.0f, a1 = 0.0f;
+            for (int wd = 0; wd < words; wd++) {
+                uint32_t kw = kr[wd];
+                a0 += qq[2 * wd] * __uint_as_float(kw << 16);
+                a1 += qq[2 * wd + 1] * __uint_as_float(kw & 0xffff0000u);
+            }
+            sc = (a0 + a1) * scale;
+        }
+        float new_m = fmaxf(m, warp_max(sc));
+        float pj = j < n_ctx ? expf(sc - new_m) : 0.0f;
+        float corr = expf(m - new_m); /* 0 on the first chunk: m = -inf */
+        l = l * corr + warp_sum(pj);
+        m = new_m;
+        int nj = n_ctx - c0 < ATT_CHUNK ? n_ctx - c0 : ATT_CHUNK;
+#pragma unroll
+        for (int i = 0; i < NPL; i++) acc[i] *= corr;
+        for (int jj = 0; jj < nj; jj++) {
+            float pb = __shfl_sync(0xffffffffu, pj, jj);
+            const uint16_t *vr = sv + jj * stride;
+#pragma unroll
+            for (int i = 0; i < NPL; i++) {
+                int d = lane + 32 * i;
+                if (d < hd) acc[i] += pb * bf(vr[d]);
+            }
+        }
+    }
+    if (active) {
+        float inv = 1.0f / l;
+#pragma unroll
+        for (int i = 0; i < NPL; i++) {
+            int d = lane + 32 * i;
+            if (d < hd) out[(size_t)t * q_dim + h * hd + d] = to_bf(acc[i] * inv);
+        }
+    }
+}
+
+/* Query heads per block (one GQA group, at most ATT_MAX_WARPS) and query rows per block. */
+static int att_heads_per_block(int n_heads, int n_kv_heads) {
+    int group = n_heads / n_kv_heads;
+    return group < ATT_MAX_WARPS ? group : ATT_MAX_WARPS;
+}
+extern "C" int cs__cuda_attention_tile_rows(int n_heads, int n_kv_heads) {
+    return ATT_MAX_WARPS / att_heads_per_block(n_heads, n_kv_heads);
+}
+
+extern "C" void cs__cuda_attention(uint16_t *out, const float *q, const cs_cuda_att_tile *tiles, int n_tiles,
+                                   const int32_t *pages, cs_cuda_kv kv, int layer, int n_heads, int n_kv_heads,
+                                   int head_dim, cudaStream_t s) {
+    if (n_tiles <= 0) return;
+    int group = n_heads / n_kv_heads;
+    int hpb = att_heads_per_block(n_heads, n_kv_heads);
+    int rows = cs__cuda_attention_tile_rows(n_heads, n_kv_heads);
+    int warps = hpb * rows;
+    dim3 grid((unsigned)n_tiles, (unsigned)(n_kv_heads * ((group + hpb - 1) / hpb)));
+    size_t smem = (size_t)2 * ATT_CHUNK * (head_dim + 2) * sizeof(uint16_t) + (size_t)warps * head_dim * sizeof(float);
+    int npl = (head_dim + 31) / 32;
+#define ATT_CASE(N)                                                                                          \
+    case N:                                                                                                  \
+        k_attention<N><<<grid, warps * 32, smem, s>>>(out, q, tiles, pages, kv, layer, n_heads, n_kv_heads, head_dim, \
+                                                      hpb, rows);                                            \
+        break
+    switch (npl) {
+        ATT_CASE(1);
+        ATT_CASE(2);
+        ATT_CASE(3);
+        ATT_CASE(4);
+        ATT_CASE(5);
+        ATT_CASE(6);
+        ATT_CASE(7);
+        ATT_CASE(8);
+    default:
+        cs__cuda_fatal(__FILE__, __LINE__, "cs__cuda_attention", "head_dim", "head_dim > 256 is not supported");
+    }
+#undef ATT_CASE
+    LAUNCH_CHECK();
+}
+
+/* ---- SwiGLU ---- */
+__global__ void k_swiglu(uint16_t *out, const float *gu, int hidden, size_t n) {
+    for (size_t e = blockIdx.x * (size_t)blockDim.x + threadIdx.x; e < n; e += (size_t)gridDim.x * blockDim.x) {
+        size_t t = e / hidden, i = e % hidden;
+        float g = gu[t * 2 * hidden + i], u = gu[t * 2 * hidden + hidden + i];
+        out[e] = to_bf(g / (1.0f + expf(-g)) * u);
+    }
+}
+
+extern "C" void cs__cuda_swiglu(uint16_t *out, const float *gu, int n_tokens, int hidden, cudaStream_t s) {
+    size_t n = (size_t)n_tokens * hidden;
+    if (!n) return;
+    k_swiglu<<<blocks_for(n, 256), 256, 0, s>>>(out, gu, hidden, n);
+    LAUNCH_CHECK();
+}
+
+/* ---- page gather/scatter: one block row per page, 32-bit words ---- */
+__global__ void k_pages_copy(uint32_t *pool, uint32_t *flat, const int32_t *pages, size_t page_words, int to_pages) {
+    int i = blockIdx.y;
+    uint32_t *pg = pool + (size_t)pages[i] * page_words, *fl = flat + (size_t)i * page_words;
+    for (size_t w = blockIdx.x * (size_t)blockDim.x + threadIdx.x; w < page_words; w += (size_t)gridDim.x * blockDim.x) {
+        if (to_pages)
+            pg[w] = fl[w];
+        else
+            fl[w] = pg[w];
+    }
+}
+
+extern "C" void cs__cuda_pages_copy(uint16_t *pool, void *flat, const int32_t *pages, int n, size_t page_bytes,
+                                    int to_pages, cudaStream_t s) {
+    if (n <= 0) return;
+    size_t words = page_bytes / 4;
+    unsigned bx = blocks_for(words, 256);
+    if (bx > 64) bx = 64;
+    dim3 grid(bx, (unsigned)n);
+    k_pages_copy<<<grid, 256, 0, s>>>((uint32_t *)pool, (uint32_t *)flat, pages, words, to_pages);
+    LAUNCH_CHECK();
+}
+
+/* ---- conversions and fills ---- */
+__global__ void k_f32_to_bf16(uint16_t *dst, const float *src, size_t n) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        dst[i] = to_bf(src[i]);
+}
+__global__ void k_bf16_to_f32(float *dst, const uint16_t *src, size_t n) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        dst[i] = bf(src[i]);
+}
+__global__ void k_fill_bf16(uint16_t *dst, size_t n, uint64_t seed, float scale) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+        uint64_t z = seed + 0x9e3779b97f4a7c15ull * (i + 1); /* splitmix64 of the index */
+        z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+        z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+        z ^= z >> 31;
+        float u = (float)(z >> 40) / (float)(1 << 24) * 2.0f - 1.0f;
+        dst[i] = to_bf(u * scale);
+    }
+}
+__global__ void k_fill_f32(float *dst, size_t n, float v) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) dst[i] = v;
+}
+
+extern "C" void cs__cuda_f32_to_bf16(uint16_t *dst, const float *src, size_t n, cudaStream_t s) {
+    if (!n) return;
+    k_f32_to_bf16<<<blocks_for(n, 256), 256, 0, s>>>(dst, src, n);
+    LAUNCH_CHECK();
+}
+extern "C" void cs__cuda_bf16_to_f32(float *dst, const uint16_t *src, size_t n, cudaStream_t s) {
+    if (!n) return;
+    k_bf16_to_f32<<<blocks_for(n, 256), 256, 0, s>>>(dst, src, n);
+    LAUNCH_CHECK();
+}
+extern "C" void cs__cuda_fill_bf16(uint16_t *dst, size_t n, uint64_t seed, float scale, cudaStream_t s) {
+    if (!n) return;
+    k_fill_bf16<<<blocks_for(n, 256), 256, 0, s>>>(dst, n, seed, scale);
+    LAUNCH_CHECK();
+}
+extern "C" void cs__cuda_fill_f32(float *dst, size_t n, float value, cudaStream_t s) {
+    if (!n) return;
+    k_fill_f32<<<blocks_for(n, 256), 256, 0, s>>>(dst, n, value);
+    LAUNCH_CHECK();
+}
