@@ -39,6 +39,9 @@
 #include "wire.h"
 
 #define SERVICE "chunkserve.v1.Generation"
+/* Unsent bytes a stream may hold for a client that does not read before the
+ * request is stopped (a few thousand messages of one token each). */
+#define MAX_UNSENT_BYTES ((size_t)4 << 20)
 
 typedef struct server server;
 
@@ -135,8 +138,15 @@ static void on_event(void *user, const cs_event *ev) {
     bool post = !g->posted;
     g->posted = true;
     pthread_mutex_unlock(&g->mu);
-    if (post && cs_rpc_loop_post(g->s->rl, on_drain_post, g) != 0)
+    if (post && cs_rpc_loop_post(g->s->rl, on_drain_post, g) != 0) {
+        /* let the next event try again; the final event always comes later
+         * than any token, so the request cannot be left without a drain
+         * unless memory stays exhausted */
         CS_LOGE("request %s: cannot hand an event to the loop: %s", g->request_id, cs_last_error());
+        pthread_mutex_lock(&g->mu);
+        g->posted = false;
+        pthread_mutex_unlock(&g->mu);
+    }
 }
 
 /* ---------------------------------------------------------- loop thread -- */
@@ -235,6 +245,11 @@ static void on_drain_post(void *data) {
             gen_finish_call(g, CS_RPC_RESOURCE_EXHAUSTED,
                             "the server ran out of memory for this stream");
             if (!done) cs_serve_cancel(g->s->sv, g->id);
+        } else if (!done && cs_rpc_call_pending_bytes(g->call) > MAX_UNSENT_BYTES) {
+            /* the client stopped reading: bound what waits for it */
+            gen_finish_call(g, CS_RPC_RESOURCE_EXHAUSTED,
+                            "the client is not reading its stream; generation stopped");
+            cs_serve_cancel(g->s->sv, g->id);
         } else if (ok_end) {
             gen_finish_call(g, CS_RPC_OK, NULL);
         } else if (done && g->finish == CS_FINISH_CANCELLED) {
@@ -526,7 +541,8 @@ int cs_server_run(const cs_model *m, const cs_server_opts *o) {
     const char *base = o->model_path ? strrchr(o->model_path, '/') : NULL;
     base = base ? base + 1 : o->model_path ? o->model_path : "";
     s->wm =
-        (cs_wire_model){m, cfg->name[0] ? cfg->name : base, base, 0, 0, model_has_chat_template(m)};
+        (cs_wire_model){m, cfg->name[0] ? cfg->name : base, base, 0, 0, model_has_chat_template(m),
+                        cs_wire_max_prompt_bytes(m)};
 
     char addr[300];
     int port = 0, r;

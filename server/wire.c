@@ -84,6 +84,26 @@ static int check_ids(const int32_t *ids, size_t n, int32_t n_vocab, const char *
     return 0;
 }
 
+size_t cs_wire_max_prompt_bytes(const cs_model *m) {
+    const cs_tokenizer *tok = cs_model_tokenizer(m);
+    size_t longest = 1;
+    for (int32_t id = 0; id < cs_tokenizer_n_vocab(tok); id++) {
+        const char *b;
+        size_t len;
+        if (cs_tokenizer_token_bytes(tok, id, &b, &len) == 0 && len > longest) longest = len;
+    }
+    return longest * (size_t)cs_model_get_config(m)->ctx_len;
+}
+
+/* Text that cannot fit in the context whatever its tokens is refused before
+ * it is tokenized (tokenizing runs on the server's loop thread). */
+static int check_prompt_bytes(const cs_wire_model *wm, size_t len, const char *what) {
+    if (len > wm->max_prompt_bytes)
+        return cs__fail(CS_EINVAL, "the %s has %zu bytes: more than the model's context of %d tokens can hold",
+                        what, len, cs_model_get_config(wm->model)->ctx_len);
+    return 0;
+}
+
 /* The prompt's token ids, from whichever input the request set. */
 static int prompt_ids(const cs_wire_model *wm, const Chunkserve__V1__GenerateRequest *m,
                       int32_t **ids, size_t *n) {
@@ -91,9 +111,11 @@ static int prompt_ids(const cs_wire_model *wm, const Chunkserve__V1__GenerateReq
     *ids = NULL;
     *n = 0;
     switch (m->input_case) {
-    case CHUNKSERVE__V1__GENERATE_REQUEST__INPUT_PROMPT:
+    case CHUNKSERVE__V1__GENERATE_REQUEST__INPUT_PROMPT: {
         if (!m->prompt[0]) return cs__fail(CS_EINVAL, "the prompt is empty");
-        return cs_tokenizer_encode(tok, m->prompt, strlen(m->prompt), true, true, ids, n);
+        int r = check_prompt_bytes(wm, strlen(m->prompt), "prompt");
+        return r ? r : cs_tokenizer_encode(tok, m->prompt, strlen(m->prompt), true, true, ids, n);
+    }
     case CHUNKSERVE__V1__GENERATE_REQUEST__INPUT_TOKEN_IDS: {
         const Chunkserve__V1__TokenIds *t = m->token_ids;
         if (!t || t->n_ids == 0) return cs__fail(CS_EINVAL, "token_ids is empty");
@@ -108,6 +130,7 @@ static int prompt_ids(const cs_wire_model *wm, const Chunkserve__V1__GenerateReq
     case CHUNKSERVE__V1__GENERATE_REQUEST__INPUT_CHAT: {
         char *text = NULL;
         int r = cs_wire_render_chat(wm, m->chat, &text);
+        if (!r) r = check_prompt_bytes(wm, strlen(text), "rendered chat");
         if (!r) r = cs_tokenizer_encode(tok, text, strlen(text), true, true, ids, n);
         free(text);
         return r;

@@ -22,7 +22,12 @@ typedef struct {
     const char *alias; /* the path's basename; also accepted as a model name */
     int32_t n_kv_pages, page_size;
     bool has_chat_template;
+    size_t max_prompt_bytes; /* cs_wire_max_prompt_bytes(model) */
 } cs_wire_model;
+
+/* Bytes beyond which a text prompt cannot fit in the context whatever it
+ * says: the longest token's bytes times the context length. */
+size_t cs_wire_max_prompt_bytes(const cs_model *m);
 
 /* 0 when name is "" or names the model; else CS_EINVAL with a message. */
 int cs_wire_check_model(const cs_wire_model *wm, const char *name);

@@ -505,7 +505,7 @@ int cs_rpc_server_init(cs_rpc_loop *l, const cs_rpc_server_opts *o, cs_rpc_serve
     s->t_shutdown.fn = NULL;
     if (!(s->addr = strdup(o->addr))) goto fail_addr;
 
-    grpc_arg args[3];
+    grpc_arg args[5];
     memset(args, 0, sizeof args);
     args[0].type = GRPC_ARG_INTEGER;
     args[0].key = (char *)GRPC_ARG_ALLOW_REUSEPORT;
@@ -516,7 +516,15 @@ int cs_rpc_server_init(cs_rpc_loop *l, const cs_rpc_server_opts *o, cs_rpc_serve
     args[2].type = GRPC_ARG_INTEGER;
     args[2].key = (char *)GRPC_ARG_MAX_SEND_MESSAGE_LENGTH;
     args[2].value.integer = o->max_send_bytes > 0 ? o->max_send_bytes : -1;
-    grpc_channel_args ca = {3, args};
+    /* Find dead or silent clients in about a minute, not gRPC's default two
+     * hours: their calls (and anything queued for them) are then released. */
+    args[3].type = GRPC_ARG_INTEGER;
+    args[3].key = (char *)GRPC_ARG_KEEPALIVE_TIME_MS;
+    args[3].value.integer = 60000;
+    args[4].type = GRPC_ARG_INTEGER;
+    args[4].key = (char *)GRPC_ARG_KEEPALIVE_TIMEOUT_MS;
+    args[4].value.integer = 20000;
+    grpc_channel_args ca = {5, args};
     s->server = grpc_server_create(&ca, NULL);
     if (!s->server) goto fail_server;
     grpc_server_register_completion_queue(s->server, l->cq, NULL);

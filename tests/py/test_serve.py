@@ -202,6 +202,7 @@ BAD_INPUTS = [
     (dict(token_ids={"ids": [5, 349]}), "outside the vocabulary"),
     (dict(token_ids={"ids": [-1]}), "outside the vocabulary"),
     (dict(token_ids={"ids": [5] * TINY_CTX}), "context"),
+    (dict(prompt="x" * 1_000_000), "bytes: more than"),  # refused before tokenizing
     (dict(chat={"messages": []}), "no messages"),
     (dict(chat={"messages": [{"role": "robot", "content": "x"}]}), "role"),
     (dict(model="gpt-9", prompt="x"), "unknown model"),
