@@ -65,7 +65,7 @@ typedef struct gen {
     char *text;
     size_t text_len, text_cap;
     enum cs_finish finish;
-    int32_t n_prompt, n_completion;
+    int32_t n_prompt, n_completion, n_cached;
     char *error;
 } gen;
 
@@ -122,7 +122,7 @@ static void gen_append(gen *g, const cs_event *ev) {
             g->oom = true;
         }
     }
-    if (ev->token >= 0) g->n_completion = ev->n_completion_tokens;
+    if (ev->token >= 0) g->n_completion = ev->n_completion_tokens, g->n_cached = ev->n_cached_prompt_tokens;
     if (ev->finish != CS_FINISH_NONE) {
         g->done = true;
         g->finish = ev->finish; /* n_prompt was set at submit: cancel events carry 0 */
@@ -188,6 +188,7 @@ static int gen_send(gen *g, const int32_t *toks, const float *lps, size_t n, con
         r.finish_reason = cs_wire_finish_reason(g->finish);
         usage.prompt_tokens = g->n_prompt;
         usage.completion_tokens = g->n_completion;
+        usage.cached_prompt_tokens = g->n_cached;
         r.usage = &usage;
     }
     if (g->logprobs && n) {

@@ -18,12 +18,14 @@ typedef struct seq {
     int32_t n_tokens, cap, n_prompt;
     int32_t n_computed;
     cs_page_table pt;
-    int32_t n_hashed;     /* leading pages whose prefix hash is registered or looked up */
-    uint64_t last_hash;   /* hash of page n_hashed - 1 */
+    int32_t n_hashed;   /* leading pages whose prefix hash is registered or looked up */
+    int32_t n_cached;   /* prompt tokens reused from the prefix cache at first admission */
+    bool admitted;      /* has run at least once (n_cached is then final) */
+    uint64_t last_hash; /* hash of page n_hashed - 1 */
     cs_sampler *smp;
     cs_stop *stop;
     bool logprobs, running;
-    struct seq *next;     /* in the waiting or running list, ordered by arrival */
+    struct seq *next; /* in the waiting or running list, ordered by arrival */
 } seq;
 
 struct cs_sched {
@@ -58,8 +60,9 @@ cs_sched_params cs_sched_params_default(void) {
 int cs_sched_init(cs_engine *e, const cs_sched_params *p, cs_sched **out) {
     *out = NULL;
     if (p->max_num_batched_tokens < 0 || p->max_num_seqs < 1 || p->max_num_partial_prefills < 1)
-        return cs__fail(CS_EINVAL, "scheduler: max_num_batched_tokens must be >= 0 (0 = unlimited), "
-                                   "max_num_seqs and max_num_partial_prefills >= 1");
+        return cs__fail(CS_EINVAL,
+                        "scheduler: max_num_batched_tokens must be >= 0 (0 = unlimited), "
+                        "max_num_seqs and max_num_partial_prefills >= 1");
     cs_sched *s = calloc(1, sizeof *s);
     if (!s) return cs__fail(CS_ENOMEM, "scheduler: out of memory");
     s->e = e;
@@ -83,29 +86,38 @@ static void seq_free(cs_sched *s, seq *q) {
 }
 
 static void free_texts(cs_sched *s) {
-    for (int32_t i = 0; i < s->n_events; i++) free(s->texts[i]);
+    for (int32_t i = 0; i < s->n_events; i++)
+        free(s->texts[i]);
     s->n_events = 0;
 }
 
 void cs_sched_free(cs_sched *s) {
     if (!s) return;
-    for (seq *q = s->waiting, *n; q; q = n) n = q->next, seq_free(s, q);
-    for (seq *q = s->running, *n; q; q = n) n = q->next, seq_free(s, q);
+    for (seq *q = s->waiting, *n; q; q = n)
+        n = q->next, seq_free(s, q);
+    for (seq *q = s->running, *n; q; q = n)
+        n = q->next, seq_free(s, q);
     free_texts(s);
     free(s->spans), free(s->owners), free(s->logits), free(s->events), free(s->texts);
     free(s);
 }
 
-bool cs_sched_idle(const cs_sched *s) { return !s->waiting && !s->running; }
-void cs_sched_last_step(const cs_sched *s, cs_step_info *info) { *info = s->last; }
+bool cs_sched_idle(const cs_sched *s) {
+    return !s->waiting && !s->running;
+}
+void cs_sched_last_step(const cs_sched *s, cs_step_info *info) {
+    *info = s->last;
+}
 void cs_sched_get_stats(const cs_sched *s, cs_sched_stats *st) {
     *st = s->st;
     st->n_running = s->n_running;
     st->n_waiting = s->n_waiting;
     st->queued_prompt_tokens = 0;
-    for (const seq *q = s->waiting; q; q = q->next) st->queued_prompt_tokens += q->n_tokens - q->n_computed;
+    for (const seq *q = s->waiting; q; q = q->next)
+        st->queued_prompt_tokens += q->n_tokens - q->n_computed;
     for (const seq *q = s->running; q; q = q->next)
-        if (q->n_tokens - q->n_computed > 1) st->queued_prompt_tokens += q->n_tokens - q->n_computed;
+        if (q->n_tokens - q->n_computed > 1)
+            st->queued_prompt_tokens += q->n_tokens - q->n_computed;
     st->kv_pages_total = cs_kv_cache_n_pages(s->kv);
     st->kv_pages_used = cs_kv_cache_n_used(s->kv);
     st->kv_pages_cached = cs_kv_cache_n_cached(s->kv);
@@ -123,26 +135,34 @@ static seq *find(cs_sched *s, uint64_t id, seq ***link) {
 
 /* Inserts q into list by arrival (preempted sequences go back in order). */
 static void insert_ordered(seq **list, seq *q) {
-    while (*list && (*list)->arrival < q->arrival) list = &(*list)->next;
+    while (*list && (*list)->arrival < q->arrival)
+        list = &(*list)->next;
     q->next = *list;
     *list = q;
 }
 
 int cs_sched_add(cs_sched *s, const cs_request *r) {
     seq **link;
-    if (find(s, r->id, &link)) return cs__fail(CS_EINVAL, "request %llu is already live", (unsigned long long)r->id);
-    if (r->n_prompt < 1 || !r->prompt) return cs__fail(CS_EINVAL, "request %llu: empty prompt", (unsigned long long)r->id);
+    if (find(s, r->id, &link))
+        return cs__fail(CS_EINVAL, "request %llu is already live", (unsigned long long)r->id);
+    if (r->n_prompt < 1 || !r->prompt)
+        return cs__fail(CS_EINVAL, "request %llu: empty prompt", (unsigned long long)r->id);
     if (r->n_prompt >= s->ctx_len)
-        return cs__fail(CS_EINVAL, "request %llu: prompt of %d tokens leaves no room in the model's context of %d",
-                        (unsigned long long)r->id, r->n_prompt, s->ctx_len);
+        return cs__fail(
+            CS_EINVAL,
+            "request %llu: prompt of %d tokens leaves no room in the model's context of %d",
+            (unsigned long long)r->id, r->n_prompt, s->ctx_len);
     for (int32_t i = 0; i < r->n_prompt; i++)
         if (r->prompt[i] < 0 || r->prompt[i] >= s->n_vocab)
-            return cs__fail(CS_EINVAL, "request %llu: token id %d at index %d is outside the vocabulary (0..%d)",
-                            (unsigned long long)r->id, r->prompt[i], i, s->n_vocab - 1);
+            return cs__fail(
+                CS_EINVAL,
+                "request %llu: token id %d at index %d is outside the vocabulary (0..%d)",
+                (unsigned long long)r->id, r->prompt[i], i, s->n_vocab - 1);
     int64_t need = ((int64_t)r->n_prompt + 1 + s->page_size - 1) / s->page_size;
     if (need > cs_kv_cache_n_pages(s->kv))
-        return cs__fail(CS_ENOSPC, "request %llu: a prompt of %d tokens needs %lld KV pages; the pool has %d",
-                        (unsigned long long)r->id, r->n_prompt, (long long)need, cs_kv_cache_n_pages(s->kv));
+        return cs__fail(
+            CS_ENOSPC, "request %llu: a prompt of %d tokens needs %lld KV pages; the pool has %d",
+            (unsigned long long)r->id, r->n_prompt, (long long)need, cs_kv_cache_n_pages(s->kv));
     seq *q = calloc(1, sizeof *q);
     if (!q) return cs__fail(CS_ENOMEM, "out of memory");
     int64_t max_total = (int64_t)r->n_prompt + (r->stop.max_tokens > 0 ? r->stop.max_tokens : 0);
@@ -152,7 +172,8 @@ int cs_sched_add(cs_sched *s, const cs_request *r) {
     int rc = q->tokens ? 0 : cs__fail(CS_ENOMEM, "out of memory");
     if (!rc) rc = cs_sampler_init(&r->sampling, s->n_vocab, &q->smp);
     cs_stop_params sp = r->stop;
-    if (sp.max_tokens > s->ctx_len - r->n_prompt) sp.max_tokens = s->ctx_len - r->n_prompt; /* the context ends it */
+    if (sp.max_tokens > s->ctx_len - r->n_prompt)
+        sp.max_tokens = s->ctx_len - r->n_prompt; /* the context ends it */
     if (!rc) rc = cs_stop_init(s->tok, &sp, &q->stop);
     if (rc) {
         cs_sampler_free(q->smp);
@@ -176,8 +197,10 @@ int cs_sched_cancel(cs_sched *s, uint64_t id) {
     seq *q = find(s, id, &link);
     if (!q) return cs__fail(CS_ENOENT, "request %llu is not live", (unsigned long long)id);
     *link = q->next;
-    if (q->running) s->n_running--;
-    else s->n_waiting--;
+    if (q->running)
+        s->n_running--;
+    else
+        s->n_waiting--;
     seq_free(s, q);
     s->st.requests_cancelled++;
     return 0;
@@ -211,7 +234,8 @@ static void register_pages(cs_sched *s, seq *q) {
     if (!s->p.enable_prefix_caching) return;
     int32_t full = q->n_computed / s->page_size;
     for (; q->n_hashed < full; q->n_hashed++) {
-        q->last_hash = cs_kv_cache_page_hash(q->last_hash, q->tokens + (size_t)q->n_hashed * s->page_size, s->page_size);
+        q->last_hash = cs_kv_cache_page_hash(
+            q->last_hash, q->tokens + (size_t)q->n_hashed * s->page_size, s->page_size);
         cs_kv_cache_register(s->kv, q->pt.pages[q->n_hashed], q->last_hash);
     }
 }
@@ -234,7 +258,8 @@ static void preempt(cs_sched *s, seq **link) {
 static int grow_scratch(cs_sched *s, int32_t n) {
     if (n <= s->cap_spans) return 0;
     int32_t cap = s->cap_spans ? s->cap_spans : 16;
-    while (cap < n) cap *= 2;
+    while (cap < n)
+        cap *= 2;
     cs_span *sp = realloc(s->spans, (size_t)cap * sizeof *sp);
     if (sp) s->spans = sp;
     seq **ow = realloc(s->owners, (size_t)cap * sizeof *ow);
@@ -251,8 +276,9 @@ static int grow_scratch(cs_sched *s, int32_t n) {
 }
 
 static void add_span(cs_sched *s, int32_t *n_spans, seq *q, int32_t k) {
-    s->spans[*n_spans] = (cs_span){q->tokens + q->n_computed, k, q->n_computed, q->pt.pages, q->pt.n_pages,
-                                   q->n_computed + k == q->n_tokens};
+    s->spans[*n_spans] =
+        (cs_span){q->tokens + q->n_computed,       k, q->n_computed, q->pt.pages, q->pt.n_pages,
+                  q->n_computed + k == q->n_tokens};
     s->owners[(*n_spans)++] = q;
 }
 
@@ -265,7 +291,8 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
     int r = grow_scratch(s, s->n_running + s->n_waiting);
     if (r) return r;
     *events = s->events; /* after grow_scratch: it may move them */
-    int32_t budget = s->p.max_num_batched_tokens ? s->p.max_num_batched_tokens : INT32_MAX, used = 0, n_spans = 0;
+    int32_t budget = s->p.max_num_batched_tokens ? s->p.max_num_batched_tokens : INT32_MAX,
+            used = 0, n_spans = 0;
     s->last.budget = budget;
 
     /* 1. one token for every running decode, oldest first; a decode that
@@ -285,7 +312,8 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
          * the newest running one never holds pages this step already uses. */
         while ((r = cs_page_table_reserve(&q->pt, s->kv, q->n_tokens)) == CS_ENOSPC) {
             seq **newest = &s->running;
-            while ((*newest)->next) newest = &(*newest)->next;
+            while ((*newest)->next)
+                newest = &(*newest)->next;
             bool self = *newest == q;
             preempt(s, newest);
             s->last.n_running_decodes -= self;
@@ -315,7 +343,8 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
         add_span(s, &n_spans, q, k);
         used += k;
     }
-    while (s->waiting && used < budget && s->n_running < s->p.max_num_seqs && partial < s->p.max_num_partial_prefills) {
+    while (s->waiting && used < budget && s->n_running < s->p.max_num_seqs &&
+           partial < s->p.max_num_partial_prefills) {
         seq *q = s->waiting;
         reuse_prefix(s, q);
         int32_t left = q->n_tokens - q->n_computed;
@@ -330,6 +359,7 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
         s->waiting = q->next;
         s->n_waiting--;
         s->st.prefix_hit_tokens += (uint64_t)q->n_computed;
+        if (!q->admitted) q->n_cached = q->n_computed, q->admitted = true;
         q->running = true;
         insert_ordered(&s->running, q);
         s->n_running++;
@@ -343,15 +373,36 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
 
     /* 3. run it, then sample where a span reached the last known token */
     int32_t n_logits = 0;
-    for (int32_t i = 0; i < n_spans; i++) n_logits += s->spans[i].want_logits;
+    for (int32_t i = 0; i < n_spans; i++)
+        n_logits += s->spans[i].want_logits;
     r = cs_engine_step(s->e, s->spans, n_spans, s->logits);
     if (r) {
         CS_LOGE("scheduler: engine step failed: %s", cs_last_error());
         int32_t ne = 0;
-        for (seq *q = s->running; q; q = q->next) s->events[ne] = (cs_event){q->id, -1, 0, "", CS_FINISH_ERROR, q->n_prompt, q->n_tokens - q->n_prompt, "engine step failed"}, s->texts[ne++] = NULL;
-        for (seq *q = s->waiting; q; q = q->next) s->events[ne] = (cs_event){q->id, -1, 0, "", CS_FINISH_ERROR, q->n_prompt, q->n_tokens - q->n_prompt, "engine step failed"}, s->texts[ne++] = NULL;
-        for (seq *q = s->waiting, *n; q; q = n) n = q->next, seq_free(s, q);
-        for (seq *q = s->running, *n; q; q = n) n = q->next, seq_free(s, q);
+        for (seq *q = s->running; q; q = q->next)
+            s->events[ne] = (cs_event){.id = q->id,
+                                       .token = -1,
+                                       .logprob = 0,
+                                       .text = "",
+                                       .finish = CS_FINISH_ERROR,
+                                       .n_prompt_tokens = q->n_prompt,
+                                       .n_completion_tokens = q->n_tokens - q->n_prompt,
+                                       .error = "engine step failed"},
+            s->texts[ne++] = NULL;
+        for (seq *q = s->waiting; q; q = q->next)
+            s->events[ne] = (cs_event){.id = q->id,
+                                       .token = -1,
+                                       .logprob = 0,
+                                       .text = "",
+                                       .finish = CS_FINISH_ERROR,
+                                       .n_prompt_tokens = q->n_prompt,
+                                       .n_completion_tokens = q->n_tokens - q->n_prompt,
+                                       .error = "engine step failed"},
+            s->texts[ne++] = NULL;
+        for (seq *q = s->waiting, *n; q; q = n)
+            n = q->next, seq_free(s, q);
+        for (seq *q = s->running, *n; q; q = n)
+            n = q->next, seq_free(s, q);
         s->waiting = s->running = NULL;
         s->n_waiting = s->n_running = 0;
         s->n_events = ne;
@@ -364,12 +415,15 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
         seq *q = s->owners[i];
         const cs_span *sp = &s->spans[i];
         if (q->n_computed < q->n_prompt)
-            s->st.prompt_tokens_computed += (uint64_t)((sp->n_tokens < q->n_prompt - q->n_computed) ? sp->n_tokens : q->n_prompt - q->n_computed);
+            s->st.prompt_tokens_computed += (uint64_t)((sp->n_tokens < q->n_prompt - q->n_computed)
+                                                           ? sp->n_tokens
+                                                           : q->n_prompt - q->n_computed);
         q->n_computed += sp->n_tokens;
         register_pages(s, q);
         if (!sp->want_logits) continue;
         float lp = 0;
-        int32_t id = cs_sampler_sample(q->smp, s->logits + (size_t)li++ * s->n_vocab, q->logprobs ? &lp : NULL);
+        int32_t id = cs_sampler_sample(q->smp, s->logits + (size_t)li++ * s->n_vocab,
+                                       q->logprobs ? &lp : NULL);
         cs_sampler_accept(q->smp, id);
         char *text = NULL;
         enum cs_finish fin = CS_FINISH_NONE;
@@ -378,7 +432,9 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
         q->tokens[q->n_tokens++] = id;
         s->st.generated_tokens++;
         s->texts[ne] = text;
-        s->events[ne++] = (cs_event){q->id, id, lp, text ? text : "", fin, q->n_prompt, q->n_tokens - q->n_prompt, NULL};
+        s->events[ne++] = (cs_event){
+            q->id, id,         lp, text ? text : "", fin, q->n_prompt, q->n_tokens - q->n_prompt,
+            NULL,  q->n_cached};
         if (fin != CS_FINISH_NONE) {
             seq **link = NULL;
             CS_ASSERT(find(s, q->id, &link) == q);

@@ -34,13 +34,14 @@ struct cs_serve {
     pthread_cond_t cv;
     pending *head, **tail;
     bool stopping;
-    live *lives; /* engine thread only */
+    live *lives;          /* engine thread only */
     cs_sched_stats stats; /* under mu */
 };
 
 static void pending_free(pending *p) {
     if (!p) return;
-    for (size_t i = 0; p->stops && i < p->r.stop.n_stop; i++) free(p->stops[i]);
+    for (size_t i = 0; p->stops && i < p->r.stop.n_stop; i++)
+        free(p->stops[i]);
     free(p->stops);
     free(p->stop_ids);
     free((void *)p->r.prompt);
@@ -49,7 +50,8 @@ static void pending_free(pending *p) {
 
 static live **find_live(cs_serve *sv, uint64_t id) {
     live **l = &sv->lives;
-    while (*l && (*l)->id != id) l = &(*l)->next;
+    while (*l && (*l)->id != id)
+        l = &(*l)->next;
     return l;
 }
 
@@ -64,7 +66,14 @@ static void apply(cs_serve *sv, pending *p) {
     live **l = find_live(sv, p->r.id);
     if (p->cancel) {
         if (*l && cs_sched_cancel(sv->sched, p->r.id) == 0) {
-            cs_event ev = {p->r.id, -1, 0, "", CS_FINISH_CANCELLED, 0, 0, NULL};
+            cs_event ev = {.id = p->r.id,
+                           .token = -1,
+                           .logprob = 0,
+                           .text = "",
+                           .finish = CS_FINISH_CANCELLED,
+                           .n_prompt_tokens = 0,
+                           .n_completion_tokens = 0,
+                           .error = NULL};
             finish_live(sv, l, &ev);
         }
         return;
@@ -72,14 +81,28 @@ static void apply(cs_serve *sv, pending *p) {
     int r = *l ? cs__fail(CS_EINVAL, "request id %llu is already live", (unsigned long long)p->r.id)
                : cs_sched_add(sv->sched, &p->r);
     if (r) {
-        cs_event ev = {p->r.id, -1, 0, "", CS_FINISH_ERROR, p->r.n_prompt, 0, cs_last_error()};
+        cs_event ev = {.id = p->r.id,
+                       .token = -1,
+                       .logprob = 0,
+                       .text = "",
+                       .finish = CS_FINISH_ERROR,
+                       .n_prompt_tokens = p->r.n_prompt,
+                       .n_completion_tokens = 0,
+                       .error = cs_last_error()};
         p->cb(p->user, &ev);
         return;
     }
     live *x = malloc(sizeof *x);
     if (!x) {
         cs_sched_cancel(sv->sched, p->r.id);
-        cs_event ev = {p->r.id, -1, 0, "", CS_FINISH_ERROR, p->r.n_prompt, 0, "out of memory"};
+        cs_event ev = {.id = p->r.id,
+                       .token = -1,
+                       .logprob = 0,
+                       .text = "",
+                       .finish = CS_FINISH_ERROR,
+                       .n_prompt_tokens = p->r.n_prompt,
+                       .n_completion_tokens = 0,
+                       .error = "out of memory"};
         p->cb(p->user, &ev);
         return;
     }
@@ -92,7 +115,8 @@ static void *loop(void *arg) {
     cs_log_set_role("engine");
     for (;;) {
         pthread_mutex_lock(&sv->mu);
-        while (!sv->head && !sv->stopping && cs_sched_idle(sv->sched)) pthread_cond_wait(&sv->cv, &sv->mu);
+        while (!sv->head && !sv->stopping && cs_sched_idle(sv->sched))
+            pthread_cond_wait(&sv->cv, &sv->mu);
         pending *batch = sv->head;
         sv->head = NULL;
         sv->tail = &sv->head;
@@ -100,9 +124,17 @@ static void *loop(void *arg) {
         pthread_mutex_unlock(&sv->mu);
         for (pending *p = batch, *n; p; p = n) {
             n = p->next;
-            if (!stopping || p->cancel) apply(sv, p);
+            if (!stopping || p->cancel)
+                apply(sv, p);
             else { /* submitted as we stop: never started */
-                cs_event ev = {p->r.id, -1, 0, "", CS_FINISH_CANCELLED, p->r.n_prompt, 0, NULL};
+                cs_event ev = {.id = p->r.id,
+                               .token = -1,
+                               .logprob = 0,
+                               .text = "",
+                               .finish = CS_FINISH_CANCELLED,
+                               .n_prompt_tokens = p->r.n_prompt,
+                               .n_completion_tokens = 0,
+                               .error = NULL};
                 p->cb(p->user, &ev);
             }
             pending_free(p);
@@ -114,8 +146,10 @@ static void *loop(void *arg) {
         for (int32_t i = 0; i < n; i++) {
             live **l = find_live(sv, evs[i].id);
             if (!*l) continue;
-            if (evs[i].finish != CS_FINISH_NONE) finish_live(sv, l, &evs[i]);
-            else (*l)->cb((*l)->user, &evs[i]);
+            if (evs[i].finish != CS_FINISH_NONE)
+                finish_live(sv, l, &evs[i]);
+            else
+                (*l)->cb((*l)->user, &evs[i]);
         }
         pthread_mutex_lock(&sv->mu);
         cs_sched_get_stats(sv->sched, &sv->stats);
@@ -124,7 +158,14 @@ static void *loop(void *arg) {
     /* cancel whatever is still live */
     while (sv->lives) {
         cs_sched_cancel(sv->sched, sv->lives->id);
-        cs_event ev = {sv->lives->id, -1, 0, "", CS_FINISH_CANCELLED, 0, 0, NULL};
+        cs_event ev = {.id = sv->lives->id,
+                       .token = -1,
+                       .logprob = 0,
+                       .text = "",
+                       .finish = CS_FINISH_CANCELLED,
+                       .n_prompt_tokens = 0,
+                       .n_completion_tokens = 0,
+                       .error = NULL};
         finish_live(sv, &sv->lives, &ev);
     }
     return NULL;
@@ -177,8 +218,10 @@ int cs_serve_submit(cs_serve *sv, const cs_request *r, cs_serve_cb cb, void *use
     p->stop_ids = malloc(sizeof(int32_t) * (r->stop.n_stop_ids + 1));
     bool ok = prompt && p->stops && p->stop_ids;
     if (ok && r->n_prompt > 0) memcpy(prompt, r->prompt, sizeof(int32_t) * (size_t)r->n_prompt);
-    for (size_t i = 0; ok && i < r->stop.n_stop; i++) ok = (p->stops[i] = strdup(r->stop.stop[i] ? r->stop.stop[i] : "")) != NULL;
-    if (ok && r->stop.n_stop_ids) memcpy(p->stop_ids, r->stop.stop_ids, sizeof(int32_t) * r->stop.n_stop_ids);
+    for (size_t i = 0; ok && i < r->stop.n_stop; i++)
+        ok = (p->stops[i] = strdup(r->stop.stop[i] ? r->stop.stop[i] : "")) != NULL;
+    if (ok && r->stop.n_stop_ids)
+        memcpy(p->stop_ids, r->stop.stop_ids, sizeof(int32_t) * r->stop.n_stop_ids);
     p->r.stop.stop = (const char *const *)p->stops;
     p->r.stop.stop_ids = p->stop_ids;
     if (!ok) {
@@ -211,7 +254,8 @@ void cs_serve_stop(cs_serve *sv) {
     pthread_cond_signal(&sv->cv);
     pthread_mutex_unlock(&sv->mu);
     pthread_join(sv->thread, NULL);
-    for (pending *p = sv->head, *n; p; p = n) n = p->next, pending_free(p);
+    for (pending *p = sv->head, *n; p; p = n)
+        n = p->next, pending_free(p);
     cs_sched_free(sv->sched);
     pthread_mutex_destroy(&sv->mu);
     pthread_cond_destroy(&sv->cv);

@@ -160,6 +160,20 @@ def test_health_check_and_watch(tiny, pb):
 
 # ------------------------------------------------------------------ generation --
 
+def test_prefix_cache_usage(tiny, pb):
+    """A second request sharing a long prompt prefix reports the whole pages it reused."""
+    g = pb.generation_pb2
+    shared = list(range(10, 10 + 200))
+    usage = []
+    for tail in ([7, 8, 9], [17, 18, 19]):
+        _, _, msgs = collect(tiny.stub.Generate(g.GenerateRequest(
+            token_ids=g.TokenIds(ids=shared + tail), sampling=params(pb, max_tokens=2, ignore_eos=True)),
+            timeout=30))
+        usage.append(msgs[-1].usage)
+    assert usage[1].prompt_tokens == 203
+    assert usage[1].cached_prompt_tokens == 192, usage[1]  # 12 full pages of 16 tokens
+
+
 def test_generate_stream(tiny, pb):
     g = pb.generation_pb2
     req = g.GenerateRequest(request_id="py-gen-1", prompt="hello",

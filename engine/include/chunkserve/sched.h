@@ -50,6 +50,7 @@ typedef struct {
     enum cs_finish finish; /* CS_FINISH_NONE while the request goes on */
     int32_t n_prompt_tokens, n_completion_tokens;
     const char *error;     /* with CS_FINISH_ERROR: what went wrong */
+    int32_t n_cached_prompt_tokens; /* prompt tokens taken from the prefix cache at first admission */
 } cs_event;
 
 /* What the last step did (for tests, metrics and benchmarks). */
