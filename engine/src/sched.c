@@ -379,26 +379,14 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
     if (r) {
         CS_LOGE("scheduler: engine step failed: %s", cs_last_error());
         int32_t ne = 0;
-        for (seq *q = s->running; q; q = q->next)
-            s->events[ne] = (cs_event){.id = q->id,
-                                       .token = -1,
-                                       .logprob = 0,
-                                       .text = "",
-                                       .finish = CS_FINISH_ERROR,
-                                       .n_prompt_tokens = q->n_prompt,
-                                       .n_completion_tokens = q->n_tokens - q->n_prompt,
-                                       .error = "engine step failed"},
-            s->texts[ne++] = NULL;
-        for (seq *q = s->waiting; q; q = q->next)
-            s->events[ne] = (cs_event){.id = q->id,
-                                       .token = -1,
-                                       .logprob = 0,
-                                       .text = "",
-                                       .finish = CS_FINISH_ERROR,
-                                       .n_prompt_tokens = q->n_prompt,
-                                       .n_completion_tokens = q->n_tokens - q->n_prompt,
-                                       .error = "engine step failed"},
-            s->texts[ne++] = NULL;
+        for (int list = 0; list < 2; list++)
+            for (seq *q = list ? s->waiting : s->running; q; q = q->next) {
+                s->events[ne] = (cs_event){.id = q->id, .token = -1, .text = "", .finish = CS_FINISH_ERROR,
+                                           .n_prompt_tokens = q->n_prompt,
+                                           .n_completion_tokens = q->n_tokens - q->n_prompt,
+                                           .error = "engine step failed"};
+                s->texts[ne++] = NULL;
+            }
         for (seq *q = s->waiting, *n; q; q = n)
             n = q->next, seq_free(s, q);
         for (seq *q = s->running, *n; q; q = n)

@@ -62,18 +62,17 @@ static void finish_live(cs_serve *sv, live **l, const cs_event *ev) {
     free(x);
 }
 
+/* The one event that ends a request without a token (cancel, refusal). */
+static cs_event end_event(uint64_t id, enum cs_finish finish, int32_t n_prompt, const char *error) {
+    return (cs_event){.id = id, .token = -1, .text = "", .finish = finish, .n_prompt_tokens = n_prompt,
+                      .error = error};
+}
+
 static void apply(cs_serve *sv, pending *p) {
     live **l = find_live(sv, p->r.id);
     if (p->cancel) {
         if (*l && cs_sched_cancel(sv->sched, p->r.id) == 0) {
-            cs_event ev = {.id = p->r.id,
-                           .token = -1,
-                           .logprob = 0,
-                           .text = "",
-                           .finish = CS_FINISH_CANCELLED,
-                           .n_prompt_tokens = 0,
-                           .n_completion_tokens = 0,
-                           .error = NULL};
+            cs_event ev = end_event(p->r.id, CS_FINISH_CANCELLED, 0, NULL);
             finish_live(sv, l, &ev);
         }
         return;
@@ -81,28 +80,14 @@ static void apply(cs_serve *sv, pending *p) {
     int r = *l ? cs__fail(CS_EINVAL, "request id %llu is already live", (unsigned long long)p->r.id)
                : cs_sched_add(sv->sched, &p->r);
     if (r) {
-        cs_event ev = {.id = p->r.id,
-                       .token = -1,
-                       .logprob = 0,
-                       .text = "",
-                       .finish = CS_FINISH_ERROR,
-                       .n_prompt_tokens = p->r.n_prompt,
-                       .n_completion_tokens = 0,
-                       .error = cs_last_error()};
+        cs_event ev = end_event(p->r.id, CS_FINISH_ERROR, p->r.n_prompt, cs_last_error());
         p->cb(p->user, &ev);
         return;
     }
     live *x = malloc(sizeof *x);
     if (!x) {
         cs_sched_cancel(sv->sched, p->r.id);
-        cs_event ev = {.id = p->r.id,
-                       .token = -1,
-                       .logprob = 0,
-                       .text = "",
-                       .finish = CS_FINISH_ERROR,
-                       .n_prompt_tokens = p->r.n_prompt,
-                       .n_completion_tokens = 0,
-                       .error = "out of memory"};
+        cs_event ev = end_event(p->r.id, CS_FINISH_ERROR, p->r.n_prompt, "out of memory");
         p->cb(p->user, &ev);
         return;
     }
@@ -127,14 +112,7 @@ static void *loop(void *arg) {
             if (!stopping || p->cancel)
                 apply(sv, p);
             else { /* submitted as we stop: never started */
-                cs_event ev = {.id = p->r.id,
-                               .token = -1,
-                               .logprob = 0,
-                               .text = "",
-                               .finish = CS_FINISH_CANCELLED,
-                               .n_prompt_tokens = p->r.n_prompt,
-                               .n_completion_tokens = 0,
-                               .error = NULL};
+                cs_event ev = end_event(p->r.id, CS_FINISH_CANCELLED, p->r.n_prompt, NULL);
                 p->cb(p->user, &ev);
             }
             pending_free(p);
@@ -158,14 +136,7 @@ static void *loop(void *arg) {
     /* cancel whatever is still live */
     while (sv->lives) {
         cs_sched_cancel(sv->sched, sv->lives->id);
-        cs_event ev = {.id = sv->lives->id,
-                       .token = -1,
-                       .logprob = 0,
-                       .text = "",
-                       .finish = CS_FINISH_CANCELLED,
-                       .n_prompt_tokens = 0,
-                       .n_completion_tokens = 0,
-                       .error = NULL};
+        cs_event ev = end_event(sv->lives->id, CS_FINISH_CANCELLED, 0, NULL);
         finish_live(sv, &sv->lives, &ev);
     }
     return NULL;
