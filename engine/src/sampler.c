@@ -12,7 +12,7 @@
 struct cs_sampler {
     cs_sampling_params p;
     int32_t n_vocab;
-    uint64_t rng[4];
+    int64_t n_generated; /* tokens accepted with cs_sampler_accept: the draw counter */
     uint8_t *seen;   /* (n_vocab) token in prompt or output; NULL without repetition penalty */
     int32_t *counts; /* (n_vocab) output count; NULL without presence/frequency penalty */
     int32_t *idx;    /* (n_vocab) scratch for sorting */
@@ -48,18 +48,6 @@ static uint64_t splitmix64(uint64_t *x) {
     return z ^ (z >> 31);
 }
 
-static uint64_t rotl(uint64_t x, int k) { return (x << k) | (x >> (64 - k)); }
-
-static uint64_t next_u64(uint64_t s[4]) { /* xoshiro256** */
-    uint64_t result = rotl(s[1] * 5, 7) * 9, t = s[1] << 17;
-    s[2] ^= s[0];
-    s[3] ^= s[1];
-    s[1] ^= s[2];
-    s[0] ^= s[3];
-    s[2] ^= t;
-    s[3] = rotl(s[3], 45);
-    return result;
-}
 
 int cs_sampler_init(const cs_sampling_params *p, int32_t n_vocab, cs_sampler **out) {
     *out = NULL;
@@ -70,8 +58,6 @@ int cs_sampler_init(const cs_sampling_params *p, int32_t n_vocab, cs_sampler **o
     if (!s) return cs__fail(CS_ENOMEM, "sampler: out of memory");
     s->p = *p;
     s->n_vocab = n_vocab;
-    uint64_t x = p->seed;
-    for (int i = 0; i < 4; i++) s->rng[i] = splitmix64(&x);
     bool ok = true;
     if (p->repetition_penalty != 1.0f) ok &= (s->seen = calloc((size_t)n_vocab, 1)) != NULL;
     if (p->presence_penalty != 0 || p->frequency_penalty != 0)
@@ -102,12 +88,18 @@ void cs_sampler_accept_prompt(cs_sampler *s, const int32_t *ids, size_t n) {
 
 void cs_sampler_accept(cs_sampler *s, int32_t id) {
     if (id < 0 || id >= s->n_vocab) return;
+    s->n_generated++;
+    if (id < 0 || id >= s->n_vocab) return;
     if (s->seen) s->seen[id] = 1;
     if (s->counts) s->counts[id]++;
 }
 
-void cs_sampler_get_rng(const cs_sampler *s, uint64_t state[4]) { memcpy(state, s->rng, sizeof s->rng); }
-void cs_sampler_set_rng(cs_sampler *s, const uint64_t state[4]) { memcpy(s->rng, state, sizeof s->rng); }
+/* The random number for the next token: the n_generated-th output of a
+ * splitmix64 stream started at the seed (counter-based, no state). */
+static uint64_t draw(const cs_sampler *s) {
+    uint64_t x = s->p.seed + 0x9E3779B97F4A7C15ull * (uint64_t)s->n_generated;
+    return splitmix64(&x);
+}
 
 static int by_prob_desc(const void *a, const void *b, void *keys) {
     const float *k = keys;
@@ -172,7 +164,7 @@ int32_t cs_sampler_sample(cs_sampler *s, float *logits, float *logprob) {
             }
             sum = kept;
         }
-        double u = (double)(next_u64(s->rng) >> 11) * (1.0 / 9007199254740992.0) * sum;
+        double u = (double)(draw(s) >> 11) * (1.0 / 9007199254740992.0) * sum;
         double acc = 0;
         chosen = filter ? s->idx[m - 1] : n - 1;
         for (int32_t i = 0; i < m; i++) {

@@ -16,6 +16,8 @@ typedef struct seq {
     uint64_t id, arrival;
     int32_t *tokens; /* (cap) prompt then generated */
     int32_t n_tokens, cap, n_prompt;
+    int32_t n_context;  /* tokens to compute before the first sample: the prompt
+                           plus any resumed (migrated) tokens */
     int32_t n_computed;
     cs_page_table pt;
     int32_t n_hashed;   /* leading pages whose prefix hash is registered or looked up */
@@ -25,7 +27,11 @@ typedef struct seq {
     cs_sampler *smp;
     cs_stop *stop;
     bool logprobs, running;
-    struct seq *next; /* in the waiting or running list, ordered by arrival */
+    enum cs_kv_mode kv_mode;
+    int32_t n_reported; /* PREFILL_ONLY: leading pages reported as completed */
+    bool kv_ready;      /* REMOTE: the KV is in place; join at the next step */
+    int32_t first_token;
+    struct seq *next; /* in its list (waiting, running: ordered by arrival) */
 } seq;
 
 struct cs_sched {
@@ -35,7 +41,10 @@ struct cs_sched {
     cs_sched_params p;
     int32_t n_vocab, page_size, ctx_len;
     seq *waiting, *running; /* both ordered by arrival */
-    int32_t n_waiting, n_running;
+    seq *remote;            /* CS_KV_REMOTE requests waiting for their KV */
+    seq *retired;           /* finished PREFILL_ONLY sequences: their pages are
+                               reported in the last events, freed next step */
+    int32_t n_waiting, n_running, n_remote, n_kv_ready;
     uint64_t next_arrival;
     cs_sched_stats st;
     cs_step_info last;
@@ -91,19 +100,25 @@ static void free_texts(cs_sched *s) {
     s->n_events = 0;
 }
 
+static void free_list(cs_sched *s, seq **list) {
+    for (seq *q = *list, *n; q; q = n)
+        n = q->next, seq_free(s, q);
+    *list = NULL;
+}
+
 void cs_sched_free(cs_sched *s) {
     if (!s) return;
-    for (seq *q = s->waiting, *n; q; q = n)
-        n = q->next, seq_free(s, q);
-    for (seq *q = s->running, *n; q; q = n)
-        n = q->next, seq_free(s, q);
+    free_list(s, &s->waiting);
+    free_list(s, &s->running);
+    free_list(s, &s->remote);
+    free_list(s, &s->retired);
     free_texts(s);
     free(s->spans), free(s->owners), free(s->logits), free(s->events), free(s->texts);
     free(s);
 }
 
 bool cs_sched_idle(const cs_sched *s) {
-    return !s->waiting && !s->running;
+    return !s->waiting && !s->running && !s->retired && !s->n_kv_ready;
 }
 void cs_sched_last_step(const cs_sched *s, cs_step_info *info) {
     *info = s->last;
@@ -111,7 +126,8 @@ void cs_sched_last_step(const cs_sched *s, cs_step_info *info) {
 void cs_sched_get_stats(const cs_sched *s, cs_sched_stats *st) {
     *st = s->st;
     st->n_running = s->n_running;
-    st->n_waiting = s->n_waiting;
+    st->n_waiting = s->n_waiting + s->n_remote;
+    st->n_waiting_kv = s->n_remote;
     st->queued_prompt_tokens = 0;
     for (const seq *q = s->waiting; q; q = q->next)
         st->queued_prompt_tokens += q->n_tokens - q->n_computed;
@@ -125,11 +141,12 @@ void cs_sched_get_stats(const cs_sched *s, cs_sched_stats *st) {
     st->max_num_batched_tokens = s->p.max_num_batched_tokens;
 }
 
+/* The live sequence id (waiting, running or waiting for its KV). */
 static seq *find(cs_sched *s, uint64_t id, seq ***link) {
-    for (seq **l = &s->waiting; *l; l = &(*l)->next)
-        if ((*l)->id == id) return *link = l, *l;
-    for (seq **l = &s->running; *l; l = &(*l)->next)
-        if ((*l)->id == id) return *link = l, *l;
+    seq **lists[] = {&s->waiting, &s->running, &s->remote};
+    for (int i = 0; i < 3; i++)
+        for (seq **l = lists[i]; *l; l = &(*l)->next)
+            if ((*l)->id == id) return *link = l, *l;
     return NULL;
 }
 
@@ -147,6 +164,11 @@ int cs_sched_add(cs_sched *s, const cs_request *r) {
         return cs__fail(CS_EINVAL, "request %llu is already live", (unsigned long long)r->id);
     if (r->n_prompt < 1 || !r->prompt)
         return cs__fail(CS_EINVAL, "request %llu: empty prompt", (unsigned long long)r->id);
+    if (r->n_resumed < 0 || r->n_resumed >= r->n_prompt)
+        return cs__fail(CS_EINVAL, "request %llu: %d resumed tokens in a context of %d (the prompt must keep one)",
+                        (unsigned long long)r->id, r->n_resumed, r->n_prompt);
+    if ((unsigned)r->kv_mode > CS_KV_REMOTE)
+        return cs__fail(CS_EINVAL, "request %llu: unknown kv mode %d", (unsigned long long)r->id, (int)r->kv_mode);
     if (r->n_prompt >= s->ctx_len)
         return cs__fail(
             CS_EINVAL,
@@ -163,32 +185,83 @@ int cs_sched_add(cs_sched *s, const cs_request *r) {
         return cs__fail(
             CS_ENOSPC, "request %llu: a prompt of %d tokens needs %lld KV pages; the pool has %d",
             (unsigned long long)r->id, r->n_prompt, (long long)need, cs_kv_cache_n_pages(s->kv));
+    int32_t n_real = r->n_prompt - r->n_resumed; /* the prompt proper */
+    if (r->n_resumed && r->stop.max_tokens > 0 && r->n_resumed >= r->stop.max_tokens)
+        return cs__fail(CS_EINVAL, "request %llu: its %d resumed tokens already reach max_tokens %d",
+                        (unsigned long long)r->id, r->n_resumed, r->stop.max_tokens);
     seq *q = calloc(1, sizeof *q);
     if (!q) return cs__fail(CS_ENOMEM, "out of memory");
-    int64_t max_total = (int64_t)r->n_prompt + (r->stop.max_tokens > 0 ? r->stop.max_tokens : 0);
-    if (max_total > s->ctx_len) max_total = s->ctx_len;
+    int64_t max_total = (int64_t)n_real + (r->stop.max_tokens > 0 ? r->stop.max_tokens : 0);
+    if (max_total > s->ctx_len || r->stop.max_tokens <= 0) max_total = s->ctx_len;
     q->cap = (int32_t)max_total + 1;
     q->tokens = malloc((size_t)q->cap * sizeof(int32_t));
     int rc = q->tokens ? 0 : cs__fail(CS_ENOMEM, "out of memory");
     if (!rc) rc = cs_sampler_init(&r->sampling, s->n_vocab, &q->smp);
     cs_stop_params sp = r->stop;
-    if (sp.max_tokens > s->ctx_len - r->n_prompt)
-        sp.max_tokens = s->ctx_len - r->n_prompt; /* the context ends it */
+    if (sp.max_tokens > s->ctx_len - n_real) sp.max_tokens = s->ctx_len - n_real; /* the context ends it */
     if (!rc) rc = cs_stop_init(s->tok, &sp, &q->stop);
+    /* Resumed tokens: the stop checker sees them as generated (max_tokens,
+     * stop strings spanning the resume point); their text was shown before. */
+    for (int32_t i = n_real; !rc && i < r->n_prompt; i++) {
+        char *text = NULL;
+        enum cs_finish fin = CS_FINISH_NONE;
+        rc = cs_stop_push(q->stop, r->prompt[i], &text, &fin);
+        free(text);
+        if (!rc && fin != CS_FINISH_NONE)
+            rc = cs__fail(CS_EINVAL, "request %llu: its resumed tokens already end the sequence",
+                          (unsigned long long)r->id);
+    }
+    if (!rc && (r->reserve || r->kv_mode == CS_KV_REMOTE) &&
+        (rc = cs_page_table_reserve(&q->pt, s->kv, r->n_prompt)) == CS_ENOSPC)
+        rc = cs__fail(CS_ENOSPC, "request %llu: no room now: its %d tokens need %d KV pages, %d are free",
+                      (unsigned long long)r->id, r->n_prompt, (r->n_prompt + s->page_size - 1) / s->page_size,
+                      cs_kv_cache_n_free(s->kv) + cs_kv_cache_n_cached(s->kv));
     if (rc) {
-        cs_sampler_free(q->smp);
-        free(q->tokens);
-        free(q);
+        seq_free(s, q);
         return rc;
     }
     memcpy(q->tokens, r->prompt, (size_t)r->n_prompt * sizeof(int32_t));
-    q->n_tokens = q->n_prompt = r->n_prompt;
+    q->n_tokens = q->n_context = r->n_prompt;
+    q->n_prompt = n_real;
     q->id = r->id;
     q->logprobs = r->logprobs;
+    q->kv_mode = r->kv_mode;
     q->arrival = s->next_arrival++;
-    cs_sampler_accept_prompt(q->smp, r->prompt, (size_t)r->n_prompt);
-    insert_ordered(&s->waiting, q);
-    s->n_waiting++;
+    cs_sampler_accept_prompt(q->smp, r->prompt, (size_t)n_real);
+    for (int32_t i = n_real; i < r->n_prompt; i++)
+        cs_sampler_accept(q->smp, r->prompt[i]);
+    if (q->kv_mode == CS_KV_REMOTE) {
+        q->next = s->remote;
+        s->remote = q;
+        s->n_remote++;
+    } else {
+        insert_ordered(&s->waiting, q);
+        s->n_waiting++;
+    }
+    return 0;
+}
+
+int cs_sched_kv_pages(cs_sched *s, uint64_t id, const int32_t **pages, int32_t *n_pages) {
+    seq **link;
+    seq *q = find(s, id, &link);
+    if (!q || q->admitted || q->n_computed || !q->pt.n_pages)
+        return cs__fail(CS_ENOENT, "request %llu has no reserved pages waiting", (unsigned long long)id);
+    *pages = q->pt.pages;
+    *n_pages = (q->n_context + s->page_size - 1) / s->page_size;
+    return 0;
+}
+
+int cs_sched_kv_ready(cs_sched *s, uint64_t id, int32_t first_token) {
+    seq **link;
+    seq *q = find(s, id, &link);
+    if (!q || q->kv_mode != CS_KV_REMOTE || q->running || q->kv_ready)
+        return cs__fail(CS_ENOENT, "request %llu is not waiting for its KV", (unsigned long long)id);
+    if (first_token < 0 || first_token >= s->n_vocab)
+        return cs__fail(CS_EINVAL, "request %llu: first token %d is outside the vocabulary (0..%d)",
+                        (unsigned long long)id, first_token, s->n_vocab - 1);
+    q->kv_ready = true;
+    q->first_token = first_token;
+    s->n_kv_ready++;
     return 0;
 }
 
@@ -199,6 +272,8 @@ int cs_sched_cancel(cs_sched *s, uint64_t id) {
     *link = q->next;
     if (q->running)
         s->n_running--;
+    else if (q->kv_mode == CS_KV_REMOTE)
+        s->n_remote--, s->n_kv_ready -= q->kv_ready;
     else
         s->n_waiting--;
     seq_free(s, q);
@@ -209,7 +284,7 @@ int cs_sched_cancel(cs_sched *s, uint64_t id) {
 /* Takes back the longest cached prefix of a sequence that has nothing
  * computed, leaving at least one token to compute (it yields the logits). */
 static void reuse_prefix(cs_sched *s, seq *q) {
-    if (!s->p.enable_prefix_caching || q->n_computed) return;
+    if (!s->p.enable_prefix_caching || q->n_computed || q->pt.n_pages) return; /* pages reserved at add */
     int32_t full = (q->n_tokens - 1) / s->page_size;
     if (full > q->pt.cap) {
         int32_t *np = realloc(q->pt.pages, (size_t)full * sizeof *np);
@@ -266,12 +341,13 @@ static int grow_scratch(cs_sched *s, int32_t n) {
     if (ow) s->owners = ow;
     float *lg = realloc(s->logits, (size_t)cap * (size_t)s->n_vocab * sizeof *lg);
     if (lg) s->logits = lg;
-    cs_event *ev = realloc(s->events, (size_t)cap * sizeof *ev);
+    cs_event *ev = realloc(s->events, 2 * (size_t)cap * sizeof *ev);
     if (ev) s->events = ev;
-    char **tx = realloc(s->texts, (size_t)cap * sizeof *tx);
+    char **tx = realloc(s->texts, 2 * (size_t)cap * sizeof *tx);
     if (tx) s->texts = tx;
     if (!sp || !ow || !lg || !ev || !tx) return cs__fail(CS_ENOMEM, "scheduler: out of memory");
     s->cap_spans = cap;
+    s->cap_events = 2 * cap;
     return 0;
 }
 
@@ -282,15 +358,120 @@ static void add_span(cs_sched *s, int32_t *n_spans, seq *q, int32_t k) {
     s->owners[(*n_spans)++] = q;
 }
 
+/* The next event slot (scratch holds two per live sequence: a join's first
+ * token and a decode in the same step). */
+static cs_event *next_event(cs_sched *s, char *text) {
+    CS_ASSERT(s->n_events < s->cap_events);
+    s->texts[s->n_events] = text;
+    cs_event *ev = &s->events[s->n_events++];
+    *ev = (cs_event){.token = -1, .text = text ? text : ""};
+    return ev;
+}
+
+/* Removes a finished sequence from the running list. */
+static void unlink_running(cs_sched *s, seq *q) {
+    seq **link = NULL;
+    CS_ASSERT(find(s, q->id, &link) == q && q->running);
+    *link = q->next;
+    s->n_running--;
+    s->st.requests_finished++;
+}
+
+/* Records token id for q (sampled here, or by the prefill side) and emits
+ * its event. A finished sequence leaves the running list: freed now, or kept
+ * until the next step when its pages are reported (PREFILL_ONLY). */
+static int emit_token(cs_sched *s, seq *q, int32_t id, float lp, const int32_t *pages, int32_t first_page,
+                      int32_t n_pages) {
+    char *text = NULL;
+    enum cs_finish fin = CS_FINISH_NONE;
+    if (q->kv_mode == CS_KV_PREFILL_ONLY)
+        fin = CS_FINISH_LENGTH; /* one token; the decode side applies the stop rules */
+    else {
+        int r = cs_stop_push(q->stop, id, &text, &fin);
+        if (r) return r;
+    }
+    cs_sampler_accept(q->smp, id);
+    CS_ASSERT(q->n_tokens < q->cap);
+    q->tokens[q->n_tokens++] = id;
+    s->st.generated_tokens++;
+    cs_event *ev = next_event(s, text);
+    ev->id = q->id;
+    ev->token = id;
+    ev->logprob = lp;
+    ev->finish = fin;
+    ev->n_prompt_tokens = q->n_prompt;
+    ev->n_completion_tokens = q->n_tokens - q->n_prompt;
+    ev->n_cached_prompt_tokens = q->n_cached;
+    ev->kv_pages = pages;
+    ev->kv_first_page = first_page;
+    ev->kv_n_pages = n_pages;
+    if (fin != CS_FINISH_NONE) {
+        unlink_running(s, q);
+        if (q->kv_mode == CS_KV_PREFILL_ONLY) {
+            q->next = s->retired;
+            s->retired = q;
+        } else {
+            seq_free(s, q);
+        }
+    }
+    return 0;
+}
+
+/* Remote sequences whose KV arrived join the running batch: their first
+ * token (sampled by the prefill side) is recorded and emitted. */
+static int join_ready(cs_sched *s) {
+    for (seq **l = &s->remote; *l && s->n_kv_ready;) {
+        seq *q = *l;
+        if (!q->kv_ready) {
+            l = &q->next;
+            continue;
+        }
+        *l = q->next;
+        s->n_remote--;
+        s->n_kv_ready--;
+        q->kv_ready = false;
+        q->n_computed = q->n_context;
+        q->admitted = q->running = true;
+        register_pages(s, q);
+        insert_ordered(&s->running, q);
+        s->n_running++;
+        int r = emit_token(s, q, q->first_token, 0.0f, NULL, 0, 0);
+        if (r) return r;
+    }
+    return 0;
+}
+
+/* Ends every live sequence with an error event after the engine failed. */
+static void fail_all(cs_sched *s, const char *why) {
+    seq **lists[] = {&s->running, &s->waiting, &s->remote};
+    for (int i = 0; i < 3; i++)
+        for (seq *q = *lists[i]; q; q = q->next) {
+            cs_event *ev = next_event(s, NULL);
+            ev->id = q->id;
+            ev->finish = CS_FINISH_ERROR;
+            ev->n_prompt_tokens = q->n_prompt;
+            ev->n_completion_tokens = q->n_tokens - q->n_prompt;
+            ev->error = why;
+            ev->status = CS_EIO;
+        }
+    for (int i = 0; i < 3; i++)
+        free_list(s, lists[i]);
+    s->n_waiting = s->n_running = s->n_remote = s->n_kv_ready = 0;
+}
+
 int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
     free_texts(s);
+    free_list(s, &s->retired); /* their pages were reported by the last step */
     *events = s->events;
     *n_events = 0;
     memset(&s->last, 0, sizeof s->last);
     if (cs_sched_idle(s)) return 0;
-    int r = grow_scratch(s, s->n_running + s->n_waiting);
+    int r = grow_scratch(s, s->n_running + s->n_waiting + s->n_remote);
     if (r) return r;
     *events = s->events; /* after grow_scratch: it may move them */
+    if ((r = join_ready(s))) return r;
+    *n_events = s->n_events;
+    if (!s->waiting && !s->running) return 0;
     int32_t budget = s->p.max_num_batched_tokens ? s->p.max_num_batched_tokens : INT32_MAX,
             used = 0, n_spans = 0;
     s->last.budget = budget;
@@ -378,63 +559,51 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
     r = cs_engine_step(s->e, s->spans, n_spans, s->logits);
     if (r) {
         CS_LOGE("scheduler: engine step failed: %s", cs_last_error());
-        int32_t ne = 0;
-        for (int list = 0; list < 2; list++)
-            for (seq *q = list ? s->waiting : s->running; q; q = q->next) {
-                s->events[ne] = (cs_event){.id = q->id, .token = -1, .text = "", .finish = CS_FINISH_ERROR,
-                                           .n_prompt_tokens = q->n_prompt,
-                                           .n_completion_tokens = q->n_tokens - q->n_prompt,
-                                           .error = "engine step failed"};
-                s->texts[ne++] = NULL;
-            }
-        for (seq *q = s->waiting, *n; q; q = n)
-            n = q->next, seq_free(s, q);
-        for (seq *q = s->running, *n; q; q = n)
-            n = q->next, seq_free(s, q);
-        s->waiting = s->running = NULL;
-        s->n_waiting = s->n_running = 0;
-        s->n_events = ne;
-        *n_events = ne;
+        fail_all(s, "engine step failed");
+        *n_events = s->n_events;
         return r;
     }
     s->st.steps++;
-    int32_t li = 0, ne = 0;
+    int32_t li = 0;
     for (int32_t i = 0; i < n_spans; i++) {
         seq *q = s->owners[i];
         const cs_span *sp = &s->spans[i];
-        if (q->n_computed < q->n_prompt)
-            s->st.prompt_tokens_computed += (uint64_t)((sp->n_tokens < q->n_prompt - q->n_computed)
+        if (q->n_computed < q->n_context)
+            s->st.prompt_tokens_computed += (uint64_t)((sp->n_tokens < q->n_context - q->n_computed)
                                                            ? sp->n_tokens
-                                                           : q->n_prompt - q->n_computed);
+                                                           : q->n_context - q->n_computed);
         q->n_computed += sp->n_tokens;
         register_pages(s, q);
-        if (!sp->want_logits) continue;
-        float lp = 0;
-        int32_t id = cs_sampler_sample(q->smp, s->logits + (size_t)li++ * s->n_vocab,
-                                       q->logprobs ? &lp : NULL);
-        cs_sampler_accept(q->smp, id);
-        char *text = NULL;
-        enum cs_finish fin = CS_FINISH_NONE;
-        if ((r = cs_stop_push(q->stop, id, &text, &fin))) return r;
-        CS_ASSERT(q->n_tokens < q->cap);
-        q->tokens[q->n_tokens++] = id;
-        s->st.generated_tokens++;
-        s->texts[ne] = text;
-        s->events[ne++] = (cs_event){
-            q->id, id,         lp, text ? text : "", fin, q->n_prompt, q->n_tokens - q->n_prompt,
-            NULL,  q->n_cached};
-        if (fin != CS_FINISH_NONE) {
-            seq **link = NULL;
-            CS_ASSERT(find(s, q->id, &link) == q);
-            *link = q->next;
-            s->n_running--;
-            s->st.requests_finished++;
-            seq_free(s, q);
-            s->owners[i] = NULL;
+        /* PREFILL_ONLY: the pages this step completed (the partial last one
+         * once the whole context is computed) */
+        int32_t first = 0, n_new = 0;
+        if (q->kv_mode == CS_KV_PREFILL_ONLY) {
+            int32_t done = q->n_computed >= q->n_context ? (q->n_context + s->page_size - 1) / s->page_size
+                                                         : q->n_computed / s->page_size;
+            if (done > q->n_reported) {
+                first = q->n_reported;
+                n_new = done - q->n_reported;
+                q->n_reported = done;
+            }
         }
+        if (!sp->want_logits) {
+            if (n_new) {
+                cs_event *ev = next_event(s, NULL);
+                ev->id = q->id;
+                ev->n_prompt_tokens = q->n_prompt;
+                ev->n_cached_prompt_tokens = q->n_cached;
+                ev->kv_pages = q->pt.pages + first;
+                ev->kv_first_page = first;
+                ev->kv_n_pages = n_new;
+            }
+            continue;
+        }
+        float lp = 0;
+        int32_t id = cs_sampler_sample(q->smp, s->logits + (size_t)li++ * s->n_vocab, q->logprobs ? &lp : NULL);
+        if ((r = emit_token(s, q, id, lp, n_new ? q->pt.pages + first : NULL, first, n_new))) return r;
+        s->owners[i] = NULL;
     }
     CS_ASSERT(li == n_logits);
-    s->n_events = ne;
-    *n_events = ne;
+    *n_events = s->n_events;
     return 0;
 }

@@ -16,7 +16,8 @@ typedef struct pending {
     int32_t *stop_ids;
     cs_serve_cb cb;
     void *user;
-    bool cancel; /* a cancellation of r.id rather than a submission */
+    enum { P_SUBMIT, P_CANCEL, P_KV_READY } kind;
+    int32_t first_token; /* P_KV_READY */
     struct pending *next;
 } pending;
 
@@ -70,9 +71,19 @@ static cs_event end_event(uint64_t id, enum cs_finish finish, int32_t n_prompt, 
 
 static void apply(cs_serve *sv, pending *p) {
     live **l = find_live(sv, p->r.id);
-    if (p->cancel) {
+    if (p->kind == P_CANCEL) {
         if (*l && cs_sched_cancel(sv->sched, p->r.id) == 0) {
             cs_event ev = end_event(p->r.id, CS_FINISH_CANCELLED, 0, NULL);
+            finish_live(sv, l, &ev);
+        }
+        return;
+    }
+    if (p->kind == P_KV_READY) {
+        if (*l && cs_sched_kv_ready(sv->sched, p->r.id, p->first_token) != 0) {
+            CS_LOGW("request %llu: %s", (unsigned long long)p->r.id, cs_last_error());
+            cs_sched_cancel(sv->sched, p->r.id);
+            cs_event ev = end_event(p->r.id, CS_FINISH_ERROR, 0, cs_last_error());
+            ev.status = CS_EINVAL;
             finish_live(sv, l, &ev);
         }
         return;
@@ -80,7 +91,8 @@ static void apply(cs_serve *sv, pending *p) {
     int r = *l ? cs__fail(CS_EINVAL, "request id %llu is already live", (unsigned long long)p->r.id)
                : cs_sched_add(sv->sched, &p->r);
     if (r) {
-        cs_event ev = end_event(p->r.id, CS_FINISH_ERROR, p->r.n_prompt, cs_last_error());
+        cs_event ev = end_event(p->r.id, CS_FINISH_ERROR, p->r.n_prompt - p->r.n_resumed, cs_last_error());
+        ev.status = r;
         p->cb(p->user, &ev);
         return;
     }
@@ -93,6 +105,10 @@ static void apply(cs_serve *sv, pending *p) {
     }
     *x = (live){p->r.id, p->cb, p->user, sv->lives};
     sv->lives = x;
+    /* admission event: the reserved pages (decode workers start the KV
+     * transfer into them) */
+    cs_event ev = end_event(p->r.id, CS_FINISH_NONE, p->r.n_prompt - p->r.n_resumed, NULL);
+    if (cs_sched_kv_pages(sv->sched, p->r.id, &ev.kv_pages, &ev.kv_n_pages) == 0) x->cb(x->user, &ev);
 }
 
 static void *loop(void *arg) {
@@ -109,7 +125,7 @@ static void *loop(void *arg) {
         pthread_mutex_unlock(&sv->mu);
         for (pending *p = batch, *n; p; p = n) {
             n = p->next;
-            if (!stopping || p->cancel)
+            if (!stopping || p->kind != P_SUBMIT)
                 apply(sv, p);
             else { /* submitted as we stop: never started */
                 cs_event ev = end_event(p->r.id, CS_FINISH_CANCELLED, p->r.n_prompt, NULL);
@@ -208,8 +224,19 @@ void cs_serve_cancel(cs_serve *sv, uint64_t id) {
     pending *p = calloc(1, sizeof *p);
     if (!p) return; /* the request runs to its end */
     p->r.id = id;
-    p->cancel = true;
+    p->kind = P_CANCEL;
     if (enqueue(sv, p)) pending_free(p);
+}
+
+int cs_serve_kv_ready(cs_serve *sv, uint64_t id, int32_t first_token) {
+    pending *p = calloc(1, sizeof *p);
+    if (!p) return cs__fail(CS_ENOMEM, "serve: out of memory");
+    p->r.id = id;
+    p->kind = P_KV_READY;
+    p->first_token = first_token;
+    int rc = enqueue(sv, p);
+    if (rc) pending_free(p);
+    return rc;
 }
 
 void cs_serve_stats(cs_serve *sv, cs_sched_stats *st) {

@@ -1,7 +1,7 @@
 /* chunkserve/sampler.h: next-token selection for one sequence: greedy,
  * temperature, top-k, top-p, min-p, repetition / presence / frequency
  * penalties, with a per-sequence RNG so a sampled sequence's tokens never
- * depend on what it is batched with. One sampler per sequence; not
+ * depend on what it is batched with or where it runs. One sampler per sequence; not
  * thread-safe per object. */
 #ifndef CHUNKSERVE_SAMPLER_H
 #define CHUNKSERVE_SAMPLER_H
@@ -45,9 +45,11 @@ void cs_sampler_accept(cs_sampler *s, int32_t id);
  * under the model's raw distribution (before penalties and temperature). */
 int32_t cs_sampler_sample(cs_sampler *s, float *logits, float *logprob);
 
-/* The RNG state, so a migrated sequence continues the same random stream. */
-void cs_sampler_get_rng(const cs_sampler *s, uint64_t state[4]);
-void cs_sampler_set_rng(cs_sampler *s, const uint64_t state[4]);
+/* Randomness is counter-based: the draw for the k-th generated token (k =
+ * tokens accepted so far) depends only on (seed, k). So a sequence continued
+ * in another process (a decode worker after a prefill worker sampled its
+ * first token, a migration) draws the same numbers with no state to carry:
+ * create a sampler with the same params and accept the same tokens. */
 
 #ifdef __cplusplus
 }

@@ -32,13 +32,35 @@ typedef struct {
 
 cs_sched_params cs_sched_params_default(void);
 
+/* Where a request's prompt KV comes from (disaggregation, DESIGN §4). */
+enum cs_kv_mode {
+    CS_KV_LOCAL = 0,    /* computed here in chunks, then decoded here (default) */
+    CS_KV_PREFILL_ONLY, /* prefill worker: compute the prompt, report each step's
+                         * completed pages (cs_event.kv_pages), sample one token,
+                         * finish with CS_FINISH_LENGTH (no stop rules, no text) */
+    CS_KV_REMOTE,       /* decode worker: the pages are reserved at add (as with
+                         * reserve) and filled from outside (cs_engine_kv_import
+                         * on cs_sched_kv_pages); the sequence joins the running
+                         * batch at cs_sched_kv_ready with the first token */
+};
+
 typedef struct {
     uint64_t id;          /* the caller's id; unique among live requests */
-    const int32_t *prompt; /* (n_prompt) token ids; copied */
+    const int32_t *prompt; /* (n_prompt) token ids; copied. With n_resumed > 0, the
+                             last n_resumed of them were generated earlier */
     int32_t n_prompt;
+    int32_t n_resumed;    /* migration: tokens at the end of prompt[] already
+                             generated (and streamed) elsewhere: they count toward
+                             max_tokens and usage, the sampler's penalties and the
+                             stop checker see them as generated; the next event is
+                             the token after them. 0 normally */
     cs_sampling_params sampling;
     cs_stop_params stop;  /* max_tokens, stop strings and ids, ignore_eos; copied */
     bool logprobs;        /* report the chosen tokens' log-probabilities */
+    enum cs_kv_mode kv_mode;
+    bool reserve;         /* reserve the prompt's pages at add, all or nothing:
+                             CS_ENOSPC when they are not free now (admission by
+                             free pages); implied by CS_KV_REMOTE */
 } cs_request;
 
 /* What a step produced for one request. */
@@ -50,7 +72,15 @@ typedef struct {
     enum cs_finish finish; /* CS_FINISH_NONE while the request goes on */
     int32_t n_prompt_tokens, n_completion_tokens;
     const char *error;     /* with CS_FINISH_ERROR: what went wrong */
+    int32_t status;        /* with CS_FINISH_ERROR: the CS_E* code (CS_ENOSPC: no room now) */
     int32_t n_cached_prompt_tokens; /* prompt tokens taken from the prefix cache at first admission */
+    /* CS_KV_PREFILL_ONLY: pages [kv_first_page, kv_first_page + kv_n_pages) of
+     * the prompt were completed by this step (the last partial page comes with
+     * the final event); their ids in kv_pages. The pages stay allocated and
+     * unchanged until the next cs_sched_step. Such an event may carry no token.
+     * (cs_serve also uses these fields for its admission event: see serve.h.) */
+    const int32_t *kv_pages;
+    int32_t kv_first_page, kv_n_pages;
 } cs_event;
 
 /* What the last step did (for tests, metrics and benchmarks). */
@@ -65,7 +95,8 @@ typedef struct {
 typedef struct {
     uint64_t steps, preemptions, prefix_hit_tokens, prompt_tokens_computed, generated_tokens;
     uint64_t requests_finished, requests_cancelled;
-    int32_t n_running, n_waiting;
+    int32_t n_running, n_waiting;   /* waiting includes remote requests waiting for KV */
+    int32_t n_waiting_kv;           /* remote requests whose KV has not arrived */
     int64_t queued_prompt_tokens;   /* prompt tokens of live requests not computed yet */
     int32_t kv_pages_total, kv_pages_used, kv_pages_cached; /* cached = reusable prefix pages, no reference */
     int32_t page_size, max_num_batched_tokens;
@@ -87,6 +118,18 @@ int cs_sched_add(cs_sched *s, const cs_request *r);
 /* Cancels a request at any point; its pages are freed now. CS_ENOENT when
  * the id is not live. No event is produced for it. */
 int cs_sched_cancel(cs_sched *s, uint64_t id);
+
+/* The pages reserved at add for request id (reserve or CS_KV_REMOTE), while
+ * nothing has run for it yet: for a remote request, the ids its KV goes
+ * into, in position order. The array stays valid until the request runs or
+ * ends. CS_ENOENT when the id is not live or has started. */
+int cs_sched_kv_pages(cs_sched *s, uint64_t id, const int32_t **pages, int32_t *n_pages);
+/* CS_KV_REMOTE: the prompt's KV is in the reserved pages and first_token
+ * was sampled by the prefill side: at the next step the token goes through
+ * the stop rules (its event is emitted) and the sequence joins the running
+ * batch. CS_ENOENT (not waiting for KV), CS_EINVAL (token outside the
+ * vocabulary: nothing changes). */
+int cs_sched_kv_ready(cs_sched *s, uint64_t id, int32_t first_token);
 
 /* Runs one step (does nothing when idle). *events/n_events: what happened,
  * valid until the next call. Fails only on an engine error, after which every

@@ -13,7 +13,19 @@ extern "C" {
 
 /* Called on the engine thread for every event of the request; the last one
  * has finish != CS_FINISH_NONE (STOP, LENGTH, CANCELLED or ERROR, the latter
- * with ev->error). The event's strings are valid during the call only. */
+ * with ev->error and ev->status: CS_ENOSPC when a reserving request found no
+ * room, CS_EINVAL for a bad request, ...). The event's strings and page ids
+ * are valid during the call only.
+ *
+ * A request with reserve or CS_KV_REMOTE first gets an admission event once
+ * its pages are reserved: token -1, finish NONE, kv_pages/kv_n_pages = the
+ * page ids its prompt's KV fills. A remote request's KV may then be written
+ * into exactly those pages from any thread (cs_engine_kv_import: steps never
+ * touch them while the request waits) until cs_serve_kv_ready; the writer
+ * must have stopped before the request is cancelled (the pages are freed at
+ * once). CS_KV_PREFILL_ONLY requests get events carrying completed pages
+ * (kv_pages), which the callback may read (cs_engine_kv_export: it runs on
+ * the engine thread) until it returns. */
 typedef void (*cs_serve_cb)(void *user, const cs_event *ev);
 
 typedef struct cs_serve cs_serve;
@@ -32,6 +44,12 @@ int cs_serve_submit(cs_serve *sv, const cs_request *r, cs_serve_cb cb, void *use
 /* Cancels a request at any point; it gets a CANCELLED event unless it had
  * already finished. Thread-safe; unknown ids are ignored. */
 void cs_serve_cancel(cs_serve *sv, uint64_t id);
+/* A CS_KV_REMOTE request's KV is in place; first_token (sampled by the
+ * prefill side) is emitted at the next step and the sequence joins the
+ * batch. Thread-safe; CS_ENOMEM or CS_ECANCELED (stopping). An id that is no
+ * longer waiting for its KV ends with an ERROR event. */
+int cs_serve_kv_ready(cs_serve *sv, uint64_t id, int32_t first_token);
+
 /* Scheduler statistics as of the last step. Thread-safe. */
 void cs_serve_stats(cs_serve *sv, cs_sched_stats *st);
 
