@@ -13,157 +13,104 @@
 #include <string.h>
 
 #include "bench.h"
+#include "chunkserve/config.h"
 #include "chunkserve/engine.h"
 #include "chunkserve/error.h"
 #include "chunkserve/model.h"
 #include "chunkserve/refeval.h"
 #include "chunkserve/sampler.h"
 #include "chunkserve/tokenizer.h"
+#include "cluster.h"
 #include "server.h"
 #include "ops.h"
 #include "util.h"
 
+/* Every field is written by cs_config_parse from opt_table. */
 typedef struct {
     const char *model, *prompt, *system, *ids, *out;
-    int chat, no_special, no_gen_prompt, verbose, ignore_eos, reference;
-    long max_tokens, threads, page_size, kv_mib, prompt_tokens;
-    long port, max_num_seqs, max_queue, grace_ms;
+    bool chat, no_special, no_gen_prompt, verbose, ignore_eos, reference;
+    int64_t max_tokens, threads, page_size, kv_mib, prompt_tokens;
+    int64_t port, max_num_seqs, max_queue, grace_ms;
     const char *budget, *budgets, *host;
     double duration;
     double temperature, top_p, min_p, rep_pen, presence, frequency;
-    long top_k;
-    unsigned long long seed;
+    int64_t top_k;
+    int64_t seed; /* used as uint64_t: -1 is 2^64 - 1 */
 } options;
 
-enum opt_type { OPT_STR, OPT_FLAG, OPT_LONG, OPT_DOUBLE, OPT_U64 };
-typedef struct {
-    const char *name;
-    enum opt_type type;
-    size_t off;
-    const char *deflt;
-    const char *help;
-} opt_spec;
-
-#define O(f) offsetof(options, f)
-static const opt_spec opt_table[] = {
-    {"model", OPT_STR, O(model), NULL, "model: a .gguf file or a Hugging Face directory (env CHUNKSERVE_MODEL)"},
-    {"prompt", OPT_STR, O(prompt), NULL, "prompt text (generate)"},
-    {"chat", OPT_FLAG, O(chat), "0", "wrap the prompt as a user message in the model's chat template"},
-    {"system", OPT_STR, O(system), NULL, "system message for --chat"},
-    {"max-tokens", OPT_LONG, O(max_tokens), "256", "maximum tokens to generate"},
-    {"temperature", OPT_DOUBLE, O(temperature), "0", "sampling temperature; 0 = greedy"},
-    {"top-k", OPT_LONG, O(top_k), "0", "keep the k most likely tokens; 0 = off"},
-    {"top-p", OPT_DOUBLE, O(top_p), "1", "nucleus sampling mass in (0,1]; 1 = off"},
-    {"min-p", OPT_DOUBLE, O(min_p), "0", "drop tokens below min-p times the top probability"},
-    {"repetition-penalty", OPT_DOUBLE, O(rep_pen), "1", "penalty for tokens already seen; 1 = off"},
-    {"presence-penalty", OPT_DOUBLE, O(presence), "0", "OpenAI presence penalty in [-2,2]"},
-    {"frequency-penalty", OPT_DOUBLE, O(frequency), "0", "OpenAI frequency penalty in [-2,2]"},
-    {"seed", OPT_U64, O(seed), "0", "random seed for sampling"},
-    {"ignore-eos", OPT_FLAG, O(ignore_eos), "0", "keep generating past end-of-generation tokens (benchmarks)"},
-    {"max-batched-tokens", OPT_STR, O(budget), "512",
-     "step token budget: prompts are prefilled in chunks so a step computes at most N tokens; "
-     "0 or unlimited = whole prompts in one step"},
-    {"page-size", OPT_LONG, O(page_size), "16", "tokens per KV-cache page"},
-    {"kv-cache-mib", OPT_LONG, O(kv_mib), "256", "KV-cache pool size in MiB"},
-    {"threads", OPT_LONG, O(threads), "0", "CPU threads; 0 = one per core (env CHUNKSERVE_THREADS)"},
-    {"host", OPT_STR, O(host), "127.0.0.1", "serve: address to listen on (0.0.0.0 = all interfaces)"},
-    {"port", OPT_LONG, O(port), "50051", "serve: port to listen on; 0 = any free port (printed on stdout)"},
-    {"max-num-seqs", OPT_LONG, O(max_num_seqs), "256", "serve: running sequences at most"},
-    {"max-queue", OPT_LONG, O(max_queue), "256", "serve: waiting requests at most; more are refused (RESOURCE_EXHAUSTED)"},
-    {"grace-ms", OPT_LONG, O(grace_ms), "2000", "serve: on SIGTERM, time streams get to finish before they are cancelled"},
-    {"duration", OPT_DOUBLE, O(duration), "60", "bench-local: seconds per budget"},
-    {"budgets", OPT_STR, O(budgets), "unlimited,256,512,2048", "bench-local: step budgets to compare"},
-    {"prompt-tokens", OPT_LONG, O(prompt_tokens), "2000", "bench-engine: prompt length"},
-    {"reference", OPT_FLAG, O(reference), "0", "use the single-threaded fp32 reference forward pass"},
-    {"ids", OPT_STR, O(ids), NULL, "comma-separated token ids: the prompt for generate and logits"},
-    {"out", OPT_STR, O(out), NULL, "output file (logits: raw float32 [n_tokens, n_vocab])"},
-    {"no-special", OPT_FLAG, O(no_special), "0", "tokenize: treat special-token text as plain text"},
-    {"no-generation-prompt", OPT_FLAG, O(no_gen_prompt), "0", "chat-format: omit the assistant header"},
-    {"verbose", OPT_FLAG, O(verbose), "0", "debug logging"},
+/* The flags, their CHUNKSERVE_* variables and --help (chunkserve/config.h).
+ * No bounds here: the commands check their values and say what they need. */
+#define O(name, type, field, def, help)                                                            \
+    { name, CS_CONFIG_##type, offsetof(options, field), def, help, 0, 0 }
+static const cs_config_entry opt_table[] = {
+    O("model", STR, model, NULL, "model: a .gguf file or a Hugging Face directory"),
+    O("prompt", STR, prompt, NULL, "prompt text (generate)"),
+    O("chat", BOOL, chat, NULL, "wrap the prompt as a user message in the model's chat template"),
+    O("system", STR, system, NULL, "system message for --chat"),
+    O("max-tokens", INT, max_tokens, "256", "maximum tokens to generate"),
+    O("temperature", DOUBLE, temperature, "0", "sampling temperature; 0 = greedy"),
+    O("top-k", INT, top_k, "0", "keep the k most likely tokens; 0 = off"),
+    O("top-p", DOUBLE, top_p, "1", "nucleus sampling mass in (0,1]; 1 = off"),
+    O("min-p", DOUBLE, min_p, "0", "drop tokens below min-p times the top probability"),
+    O("repetition-penalty", DOUBLE, rep_pen, "1", "penalty for tokens already seen; 1 = off"),
+    O("presence-penalty", DOUBLE, presence, "0", "OpenAI presence penalty in [-2,2]"),
+    O("frequency-penalty", DOUBLE, frequency, "0", "OpenAI frequency penalty in [-2,2]"),
+    O("seed", INT, seed, "0", "random seed for sampling"),
+    O("ignore-eos", BOOL, ignore_eos, NULL,
+      "keep generating past end-of-generation tokens (benchmarks)"),
+    O("max-batched-tokens", STR, budget, "512",
+      "step token budget: prompts are prefilled in chunks so a step computes at most N tokens; "
+      "0 or unlimited = whole prompts in one step"),
+    O("page-size", INT, page_size, "16", "tokens per KV-cache page"),
+    O("kv-cache-mib", INT, kv_mib, "256", "KV-cache pool size in MiB"),
+    O("threads", INT, threads, "0", "CPU threads; 0 = one per core"),
+    O("host", STR, host, "127.0.0.1", "serve: address to listen on (0.0.0.0 = all interfaces)"),
+    O("port", INT, port, "50051",
+      "serve: port to listen on; 0 = any free port (printed on stdout)"),
+    O("max-num-seqs", INT, max_num_seqs, "256", "serve: running sequences at most"),
+    O("max-queue", INT, max_queue, "256",
+      "serve: waiting requests at most; more are refused (RESOURCE_EXHAUSTED)"),
+    O("grace-ms", INT, grace_ms, "2000",
+      "serve: on SIGTERM, time streams get to finish before they are cancelled"),
+    O("duration", DOUBLE, duration, "60", "bench-local: seconds per budget"),
+    O("budgets", STR, budgets, "unlimited,256,512,2048", "bench-local: step budgets to compare"),
+    O("prompt-tokens", INT, prompt_tokens, "2000", "bench-engine: prompt length"),
+    O("reference", BOOL, reference, NULL, "use the single-threaded fp32 reference forward pass"),
+    O("ids", STR, ids, NULL, "comma-separated token ids: the prompt for generate and logits"),
+    O("out", STR, out, NULL, "output file (logits: raw float32 [n_tokens, n_vocab])"),
+    O("no-special", BOOL, no_special, NULL, "tokenize: treat special-token text as plain text"),
+    O("no-generation-prompt", BOOL, no_gen_prompt, NULL, "chat-format: omit the assistant header"),
+    O("verbose", BOOL, verbose, NULL, "debug logging"),
 };
 #undef O
 #define N_OPTS (sizeof opt_table / sizeof opt_table[0])
 
+static const char commands_help[] =
+    "commands:\n"
+    "  generate     generate text from --prompt, one sequence on the engine (--reference: fp32 reference path)\n"
+    "  serve        the gRPC Generation service on --host:--port until SIGTERM (one process)\n"
+    "  cluster up   a local disaggregated cluster: prefill + decode workers behind the router\n"
+    "               (chunkserve cluster up --help)\n"
+    "  tokenize     JSON lines of strings on stdin -> JSON arrays of ids\n"
+    "  detokenize   JSON lines of id arrays on stdin -> JSON strings\n"
+    "  chat-format  a JSON array of {role, content} on stdin -> rendered prompt\n"
+    "  logits       --ids 1,2,3 --out FILE: float32 logits of every position\n"
+    "  info         print the model's configuration\n"
+    "  bench-engine engine speed vs GEMM rate, memory bandwidth, chunk sizes (--prompt-tokens)\n"
+    "  bench-local  chat streams + long prompts per step budget (--duration, --budgets, --seed)\n";
+
 static void usage(FILE *f) {
-    fprintf(f, "usage: chunkserve COMMAND [options]\n\n"
-               "commands:\n"
-               "  generate     generate text from --prompt on the CPU reference path\n"
-               "  serve        the gRPC Generation service on --host:--port until SIGTERM\n"
-               "  tokenize     JSON lines of strings on stdin -> JSON arrays of ids\n"
-               "  detokenize   JSON lines of id arrays on stdin -> JSON strings\n"
-               "  chat-format  a JSON array of {role, content} on stdin -> rendered prompt\n"
-               "  logits       --ids 1,2,3 --out FILE: float32 logits of every position\n"
-               "  info         print the model's configuration\n"
-               "  bench-engine engine speed vs GEMM rate, memory bandwidth, chunk sizes (--prompt-tokens)\n"
-               "  bench-local  chat streams + long prompts per step budget (--duration, --budgets, --seed)\n\noptions:\n");
-    for (size_t i = 0; i < N_OPTS; i++) {
-        const opt_spec *o = &opt_table[i];
-        fprintf(f, "  --%-22s %s%s%s%s\n", o->name, o->help, o->deflt && o->type != OPT_FLAG ? " (default " : "",
-                o->deflt && o->type != OPT_FLAG ? o->deflt : "", o->deflt && o->type != OPT_FLAG ? ")" : "");
-    }
+    cs_config_print_help(opt_table, N_OPTS, "chunkserve COMMAND", commands_help, f);
 }
 
-static int set_opt(options *o, const opt_spec *s, const char *val) {
-    char *end = NULL;
-    void *p = (char *)o + s->off;
-    errno = 0;
-    switch (s->type) {
-    case OPT_STR: *(const char **)p = val; return 0;
-    case OPT_FLAG: *(int *)p = val ? atoi(val) : 1; return 0;
-    case OPT_LONG: *(long *)p = strtol(val, &end, 10); break;
-    case OPT_DOUBLE: *(double *)p = strtod(val, &end); break;
-    case OPT_U64: *(unsigned long long *)p = strtoull(val, &end, 10); break;
-    }
-    if (!end || *end || end == val || errno) {
-        fprintf(stderr, "chunkserve: --%s: '%s' is not a valid number\n", s->name, val);
-        return -1;
-    }
-    return 0;
-}
-
-static size_t threads_opt_index(void) {
-    for (size_t i = 0; i < N_OPTS; i++)
-        if (!strcmp(opt_table[i].name, "threads")) return i;
-    CS_ASSERT(!"no threads option");
-    return 0;
-}
-
+/* argv[1] is the command; the options follow it. Returns 0, 1 after --help
+ * (exit 0) or -1 after printing the error (exit 2). */
 static int parse_options(int argc, char **argv, options *o) {
     memset(o, 0, sizeof *o);
-    for (size_t i = 0; i < N_OPTS; i++)
-        if (opt_table[i].deflt) set_opt(o, &opt_table[i], opt_table[i].deflt);
-    if (getenv("CHUNKSERVE_MODEL")) o->model = getenv("CHUNKSERVE_MODEL");
-    if (getenv("CHUNKSERVE_THREADS")) set_opt(o, &opt_table[threads_opt_index()], getenv("CHUNKSERVE_THREADS"));
-    for (int i = 2; i < argc; i++) {
-        const char *a = argv[i];
-        if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
-            usage(stdout);
-            exit(0);
-        }
-        if (strncmp(a, "--", 2) != 0) {
-            fprintf(stderr, "chunkserve: unexpected argument '%s'\n", a);
-            return -1;
-        }
-        const char *name = a + 2, *eq = strchr(name, '=');
-        size_t len = eq ? (size_t)(eq - name) : strlen(name);
-        const opt_spec *s = NULL;
-        for (size_t k = 0; k < N_OPTS; k++)
-            if (strlen(opt_table[k].name) == len && !strncmp(opt_table[k].name, name, len)) s = &opt_table[k];
-        if (!s) {
-            fprintf(stderr, "chunkserve: unknown option '%s' (see --help)\n", a);
-            return -1;
-        }
-        const char *val = eq ? eq + 1 : NULL;
-        if (!val && s->type != OPT_FLAG) {
-            if (i + 1 >= argc) {
-                fprintf(stderr, "chunkserve: option --%s needs a value\n", s->name);
-                return -1;
-            }
-            val = argv[++i];
-        }
-        if (set_opt(o, s, val)) return -1;
-    }
-    return 0;
+    int r =
+        cs_config_parse(opt_table, N_OPTS, o, argc, argv, 2, "chunkserve COMMAND", commands_help);
+    if (r < 0) fprintf(stderr, "chunkserve: %s\n", cs_last_error());
+    return r < 0 ? -1 : r;
 }
 
 static int fail_msg(const char *what, int r) {
@@ -430,7 +377,7 @@ static int cmd_generate(const cs_model *m, const options *o) {
     sp.repetition_penalty = (float)o->rep_pen;
     sp.presence_penalty = (float)o->presence;
     sp.frequency_penalty = (float)o->frequency;
-    sp.seed = o->seed;
+    sp.seed = (uint64_t)o->seed;
     char *text = NULL;
     int32_t *ids = NULL;
     size_t n_ids = 0;
@@ -556,8 +503,10 @@ int main(int argc, char **argv) {
         return argc < 2 ? 2 : 0;
     }
     const char *cmd = argv[1];
+    if (!strcmp(cmd, "cluster")) return cs_cli_cluster(argc, argv);
     options o;
-    if (parse_options(argc, argv, &o)) return 2;
+    int pr = parse_options(argc, argv, &o);
+    if (pr) return pr > 0 ? 0 : 2;
     if (o.verbose) cs_log_set_level(CS_LOG_DEBUG);
     if (!o.model) {
         fprintf(stderr, "chunkserve: %s needs --model PATH\n", cmd);
@@ -586,7 +535,7 @@ int main(int argc, char **argv) {
              : !strcmp(cmd, "serve")        ? cmd_serve(m, &o)
              : !strcmp(cmd, "logits")       ? cmd_logits(m, &o)
              : !strcmp(cmd, "bench-engine") ? cs_cli_bench_engine(m, (int)o.threads, (int)o.prompt_tokens)
-             : !strcmp(cmd, "bench-local")  ? cs_cli_bench_local(m, (int)o.threads, o.duration, o.budgets, o.seed, o.out)
+             : !strcmp(cmd, "bench-local")  ? cs_cli_bench_local(m, (int)o.threads, o.duration, o.budgets, (uint64_t)o.seed, o.out)
                                             : cmd_info(m);
     cs_model_free(m);
     return rc;
