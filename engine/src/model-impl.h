@@ -54,15 +54,21 @@ typedef struct {
     bool gguf_names;       /* blk.N.attn_q.weight vs model.layers.N.self_attn.q_proj.weight */
     bool unpermute_qk;     /* GGUF llama: q/k rows interleaved for ggml's RoPE */
     const float *rope_freq_factors; /* GGUF rope_freqs.weight (head_dim/2) or NULL */
+    bool shapes_only;      /* vocab-only load: check names and shapes, read no weights */
 } cs_tensor_source;
 
 /* Validates cfg, then allocates and fills m's weights from src. m->cfg must
  * be filled (tied_embeddings is decided here from what src holds when
- * cfg.tied_embeddings is false but no output tensor exists). */
+ * cfg.tied_embeddings is false but no output tensor exists). With
+ * src->shapes_only every tensor is still found and its shape checked (so the
+ * configuration comes out as a full load's), but nothing is allocated or
+ * read. src NULL: only the configuration is checked (a Hugging Face
+ * directory without weights). */
 int cs__model_build(cs_model *m, const cs_tensor_source *src, const char *path);
 
-int cs__model_load_gguf(const char *path, cs_model *m);
-int cs__model_load_hf(const char *dir, cs_model *m);
+/* vocab_only: configuration and tokenizer, no weights (cs_model_load_vocab). */
+int cs__model_load_gguf(const char *path, cs_model *m, bool vocab_only);
+int cs__model_load_hf(const char *dir, cs_model *m, bool vocab_only);
 int cs__tokenizer_load_gguf(const char *path, cs_tokenizer **out);
 int cs__tokenizer_load_hf(const char *dir, cs_tokenizer **out);
 

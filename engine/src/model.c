@@ -123,7 +123,7 @@ static void unpermute_rows(float *w, int64_t n_heads, int64_t head_dim, int64_t 
 int cs__model_build(cs_model *m, const cs_tensor_source *src, const char *path) {
     cs_model_config *c = &m->cfg;
     int r = check_config(c, path);
-    if (r) return r;
+    if (r || !src) return r;
     int n_layers = c->n_layers;
     /* pass 1: find every tensor, check its shape, count floats */
     size_t n_specs_total = N_SPECS * (size_t)n_layers;
@@ -185,6 +185,10 @@ int cs__model_build(cs_model *m, const cs_tensor_source *src, const char *path) 
         goto done;
     }
     c->qkv_bias = n_bias != 0;
+    if (src->shapes_only) {
+        r = 0;
+        goto done;
+    }
 
     m->weights = malloc(total * sizeof(float));
     m->layers = calloc((size_t)n_layers, sizeof *m->layers);
@@ -235,24 +239,32 @@ static bool is_dir(const char *path) {
     return stat(path, &st) == 0 && S_ISDIR(st.st_mode);
 }
 
-int cs_model_load(const char *path, cs_model **out) {
+static int model_load(const char *path, bool vocab_only, cs_model **out) {
     *out = NULL;
     cs_model *m = calloc(1, sizeof *m);
     if (!m) return cs__fail(CS_ENOMEM, "model: out of memory");
     double t0 = cs__now();
-    int r = is_dir(path) ? cs__model_load_hf(path, m) : cs__model_load_gguf(path, m);
+    int r = is_dir(path) ? cs__model_load_hf(path, m, vocab_only)
+                         : cs__model_load_gguf(path, m, vocab_only);
     if (r) {
         cs_model_free(m);
         return r;
     }
     const cs_model_config *c = &m->cfg;
-    CS_LOGI("loaded %s (%s): %d layers, dim %d, %d/%d heads x %d, ffn %d, vocab %d, %s embeddings, %.0f MiB fp32 in %.2f s",
+    char what[64];
+    if (vocab_only)
+        snprintf(what, sizeof what, "vocabulary only");
+    else
+        snprintf(what, sizeof what, "%.0f MiB fp32", (double)m->n_weights * 4 / (1 << 20));
+    CS_LOGI("loaded %s (%s): %d layers, dim %d, %d/%d heads x %d, ffn %d, vocab %d, %s embeddings, %s in %.2f s",
             path, c->arch, c->n_layers, c->dim, c->n_heads, c->n_kv_heads, c->head_dim, c->hidden_dim,
-            c->n_vocab, c->tied_embeddings ? "tied" : "untied", (double)m->n_weights * 4 / (1 << 20),
-            cs__now() - t0);
+            c->n_vocab, c->tied_embeddings ? "tied" : "untied", what, cs__now() - t0);
     *out = m;
     return 0;
 }
+
+int cs_model_load(const char *path, cs_model **out) { return model_load(path, false, out); }
+int cs_model_load_vocab(const char *path, cs_model **out) { return model_load(path, true, out); }
 
 void cs_model_free(cs_model *m) {
     if (!m) return;

@@ -50,7 +50,7 @@ static int arch_f32(const cs_gguf *g, const char *arch, const char *suffix, floa
     return r == CS_ENOENT ? 0 : r;
 }
 
-int cs__model_load_gguf(const char *path, cs_model *m) {
+int cs__model_load_gguf(const char *path, cs_model *m, bool vocab_only) {
     cs_gguf g;
     int r = cs__gguf_open(path, &g);
     if (r) return r;
@@ -136,7 +136,7 @@ int cs__model_load_gguf(const char *path, cs_model *m) {
         c->rope_high_freq_factor = 1;
     }
     c->tied_embeddings = cs__gguf_find_tensor(&g, "output.weight") == NULL;
-    cs_tensor_source src = {gguf_find, &g, true, is_llama, freq_factors};
+    cs_tensor_source src = {gguf_find, &g, true, is_llama, freq_factors, vocab_only};
     if ((r = cs__model_build(m, &src, path))) goto done;
     if ((r = cs__tokenizer_load_gguf(path, &m->tok))) goto done;
     if (cs_tokenizer_n_vocab(m->tok) != c->n_vocab) {

@@ -1,7 +1,8 @@
 /* model_hf.c: Hugging Face model directory → cs_model: config.json for the
  * hyper-parameters, *.safetensors for the weights (already in HF layout, so
  * nothing is permuted), tokenizer.json (+ tokenizer_config.json) for the
- * tokenizer. */
+ * tokenizer. A vocabulary-only load needs no *.safetensors (when there are
+ * some, their shapes are still checked, so the configuration is a full load's). */
 #include <cjson/cJSON.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -121,15 +122,23 @@ done:
     return r;
 }
 
-int cs__model_load_hf(const char *dir, cs_model *m) {
+int cs__model_load_hf(const char *dir, cs_model *m, bool vocab_only) {
     int r = parse_config(dir, &m->cfg);
     if (r) return r;
     cs_st_set set;
-    if ((r = cs__st_open_dir(dir, &set))) return r;
-    cs_tensor_source src = {st_find, &set, false, false, NULL};
-    r = cs__model_build(m, &src, dir);
-    cs__st_close(&set);
-    if (r) return r;
+    if ((r = cs__st_open_dir(dir, &set))) {
+        /* A directory with config and tokenizer only is enough for the
+         * vocabulary (the router's copy of a model need not hold weights). */
+        if (!(vocab_only && r == CS_ENOENT)) return r;
+        if ((r = cs__model_build(m, NULL, dir))) return r;
+        /* what the tensors would have said: Qwen2 checkpoints carry q/k/v biases */
+        m->cfg.qkv_bias = !strcmp(m->cfg.arch, "qwen2");
+    } else {
+        cs_tensor_source src = {st_find, &set, false, false, NULL, vocab_only};
+        r = cs__model_build(m, &src, dir);
+        cs__st_close(&set);
+        if (r) return r;
+    }
     if ((r = cs__tokenizer_load_hf(dir, &m->tok))) return r;
     if (cs_tokenizer_n_vocab(m->tok) > m->cfg.n_vocab)
         return cs__fail(CS_EBADMSG, "model %s: tokenizer has %d tokens but the embedding only %d rows", dir,

@@ -110,6 +110,9 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "tiny: uses only the tiny random-weight model (fast; `make test` also runs "
                    "these against the ASan build with `-m tiny`)")
+    config.addinivalue_line(
+        "markers", "cluster: the router and workers as separate processes (or fake workers) on "
+                   "loopback")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,8 +1,12 @@
 /* test_model: the tiny model loads identically from GGUF (every weight type,
  * llama q/k permutation undone) and from its Hugging Face directory; the
  * reference forward pass gives the same logits whether a prompt is evaluated
- * at once or token by token; bad evaluation input is refused harmlessly. */
+ * at once or token by token; bad evaluation input is refused harmlessly; a
+ * vocabulary-only load (the router's) gives a full load's configuration and
+ * tokenizer without weights, also from a Hugging Face directory that has none. */
 #include <stdlib.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "chunkserve/model.h"
 #include "chunkserve/refeval.h"
@@ -117,6 +121,114 @@ static void check_quantized_close(void) {
     cs_model_free(q);
 }
 
+/* Same configuration, same tokens, same encoding and chat rendering. */
+static void check_same_vocab(const cs_model *full, const cs_model *voc) {
+    ASSERT_TRUE(memcmp(cs_model_get_config(full), cs_model_get_config(voc), sizeof(cs_model_config)) == 0);
+    ASSERT_EQ_INT(cs_model_weight_bytes(voc), 0);
+    ASSERT_TRUE(cs_model_weight_bytes(full) > 0);
+    const cs_tokenizer *a = cs_model_tokenizer(full), *b = cs_model_tokenizer(voc);
+    ASSERT_EQ_INT(cs_tokenizer_n_vocab(a), cs_tokenizer_n_vocab(b));
+    ASSERT_EQ_INT(cs_tokenizer_bos(a), cs_tokenizer_bos(b));
+    ASSERT_EQ_INT(cs_tokenizer_eos(a), cs_tokenizer_eos(b));
+    for (int32_t id = 0; id < cs_tokenizer_n_vocab(a); id++) {
+        const char *ba, *bb;
+        size_t la, lb;
+        ASSERT_EQ_INT(cs_tokenizer_token_bytes(a, id, &ba, &la), 0);
+        ASSERT_EQ_INT(cs_tokenizer_token_bytes(b, id, &bb, &lb), 0);
+        ASSERT_EQ_INT(la, lb);
+        ASSERT_TRUE(memcmp(ba, bb, la) == 0);
+        ASSERT_EQ_INT(cs_tokenizer_is_special(a, id), cs_tokenizer_is_special(b, id));
+        ASSERT_EQ_INT(cs_tokenizer_is_eog(a, id), cs_tokenizer_is_eog(b, id));
+    }
+    const char *text = "Hello, world! <|im_start|>user caf\xc3\xa9 42\n";
+    int32_t *ia = NULL, *ib = NULL;
+    size_t na = 0, nb = 0;
+    ASSERT_EQ_INT(cs_tokenizer_encode(a, text, strlen(text), true, true, &ia, &na), 0);
+    ASSERT_EQ_INT(cs_tokenizer_encode(b, text, strlen(text), true, true, &ib, &nb), 0);
+    ASSERT_EQ_INT(na, nb);
+    ASSERT_TRUE(memcmp(ia, ib, na * sizeof *ia) == 0);
+    free(ia);
+    free(ib);
+    cs_chat_message msg = {"user", "hi"};
+    char *ca = NULL, *cb = NULL;
+    int ra = cs_tokenizer_apply_chat(a, &msg, 1, true, &ca), rb = cs_tokenizer_apply_chat(b, &msg, 1, true, &cb);
+    ASSERT_EQ_INT(ra, rb);
+    if (!ra) ASSERT_EQ_STR(ca, cb);
+    free(ca);
+    free(cb);
+}
+
+static cs_model *load_vocab(const char *path) {
+    cs_model *m = NULL;
+    int r = cs_model_load_vocab(path, &m);
+    if (r) fprintf(stderr, "load_vocab %s: %s\n", path, cs_last_error());
+    ASSERT_EQ_INT(r, 0);
+    return m;
+}
+
+static void copy_file(const char *from, const char *to) {
+    FILE *in = fopen(from, "rb"), *out = fopen(to, "wb");
+    ASSERT_TRUE(in && out);
+    char buf[65536];
+    size_t n;
+    while ((n = fread(buf, 1, sizeof buf, in)) > 0) ASSERT_EQ_INT(fwrite(buf, 1, n, out), n);
+    fclose(in);
+    ASSERT_EQ_INT(fclose(out), 0);
+}
+
+static void check_vocab_only(const char *variant) {
+    char path[1024];
+    const char *files[] = {"tiny.gguf", "tiny-hf"};
+    for (int f = 0; f < 2; f++) {
+        snprintf(path, sizeof path, "%s/%s/%s", tiny_dir(), variant, files[f]);
+        cs_model *full = load(variant, files[f]), *voc = load_vocab(path);
+        check_same_vocab(full, voc);
+        cs_model_free(voc);
+        if (f == 1) {
+            /* config.json + tokenizer files only, no *.safetensors */
+            const char *tmp = getenv("CS_TEST_TMPDIR");
+            char dir[1024], from[1100], to[1100];
+            snprintf(dir, sizeof dir, "%s/vocab-only-%s", tmp ? tmp : "/tmp", variant);
+            mkdir(dir, 0755);
+            const char *keep[] = {"config.json", "tokenizer.json", "tokenizer_config.json"};
+            for (int k = 0; k < 3; k++) {
+                snprintf(from, sizeof from, "%s/%s", path, keep[k]);
+                snprintf(to, sizeof to, "%s/%s", dir, keep[k]);
+                struct stat st;
+                if (stat(from, &st) == 0) copy_file(from, to);
+            }
+            voc = load_vocab(dir);
+            /* the name comes from the directory's name */
+            cs_model_config cf = *cs_model_get_config(full), cv = *cs_model_get_config(voc);
+            memset(cf.name, 0, sizeof cf.name);
+            memset(cv.name, 0, sizeof cv.name);
+            ASSERT_TRUE(memcmp(&cf, &cv, sizeof cf) == 0);
+            ASSERT_EQ_INT(cs_model_weight_bytes(voc), 0);
+            cs_model_free(voc);
+            /* a full load of that directory still needs weights */
+            cs_model *none = NULL;
+            ASSERT_EQ_INT(cs_model_load(dir, &none), CS_ENOENT);
+            ASSERT_TRUE(none == NULL);
+        }
+        cs_model_free(full);
+    }
+    cs_model *bad = NULL;
+    ASSERT_EQ_INT(cs_model_load_vocab("/nonexistent/model.gguf", &bad), CS_ENOENT);
+    ASSERT_TRUE(bad == NULL);
+    /* a truncated file is refused as by a full load: the tensor table is still checked */
+    snprintf(path, sizeof path, "%s/%s/tiny.gguf", tiny_dir(), variant);
+    const char *tmp = getenv("CS_TEST_TMPDIR");
+    char cut[1024];
+    snprintf(cut, sizeof cut, "%s/vocab-only-cut-%s.gguf", tmp ? tmp : "/tmp", variant);
+    copy_file(path, cut);
+    struct stat st;
+    ASSERT_EQ_INT(stat(cut, &st), 0);
+    ASSERT_EQ_INT(truncate(cut, st.st_size - 1000), 0);
+    ASSERT_TRUE(cs_model_load_vocab(cut, &bad) < 0);
+    ASSERT_TRUE(bad == NULL);
+    printf("%-7s vocab-only load = full load's config and tokenizer\n", variant);
+}
+
 int main(void) {
     const char *variants[] = {"f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "untied", "qwen2"};
     for (size_t i = 0; i < sizeof variants / sizeof variants[0]; i++) check_formats_agree(variants[i]);
@@ -128,6 +240,10 @@ int main(void) {
     cs_model_free(q);
     check_incremental();
     check_quantized_close();
+    check_vocab_only("f32");
+    check_vocab_only("q4_1");
+    check_vocab_only("untied");
+    check_vocab_only("qwen2");
     cs_model_free(NULL);
     return 0;
 }

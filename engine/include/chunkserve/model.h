@@ -53,11 +53,20 @@ typedef struct {
  * tensor type or tokenizer not supported), CS_ENOMEM; cs_last_error() says
  * what and where. *out is NULL on failure. */
 int cs_model_load(const char *path, cs_model **out);
+/* Loads only what serves requests without running the model: the
+ * configuration, the tokenizer and the chat template (the router's needs).
+ * Same formats and errors as cs_model_load; the configuration and tokenizer
+ * equal a full load's. A GGUF file's tensor table is read and checked but no
+ * weight is; a Hugging Face directory needs config.json and tokenizer.json
+ * (its *.safetensors, when present, are checked but not read).
+ * cs_model_weight_bytes is 0 and the model cannot be run (cs_engine_init,
+ * cs_ref_seq_init need a full load). Free with cs_model_free(). */
+int cs_model_load_vocab(const char *path, cs_model **out);
 void cs_model_free(cs_model *m); /* NULL is a no-op */
 
 const cs_model_config *cs_model_get_config(const cs_model *m);
 const cs_tokenizer *cs_model_tokenizer(const cs_model *m);
-/* Bytes of fp32 weights held in memory. */
+/* Bytes of fp32 weights held in memory (0 after cs_model_load_vocab). */
 size_t cs_model_weight_bytes(const cs_model *m);
 
 #ifdef __cplusplus

@@ -1,0 +1,110 @@
+/* main.c: `chunkserve-router`: parse the option table (flags, CHUNKSERVE_*
+ * variables, --help), load the model's vocabulary, run the router, free in
+ * reverse order. Everything else is in router.c and pool.c. */
+#include <stddef.h>
+#include <stdio.h>
+#include <string.h>
+#include <strings.h>
+
+#include "chunkserve/config.h"
+#include "chunkserve/error.h"
+#include "chunkserve/model.h"
+#include "router.h"
+#include "util.h"
+
+#define O(f) offsetof(cs_router_opts, f)
+#define I64 9.2e18
+/* The one table: flags, CHUNKSERVE_<NAME> variables, --help and Helm values. */
+static const cs_config_entry options[] = {
+    {"host", CS_CONFIG_STR, O(host), "127.0.0.1", "address the gRPC API binds", 0, 0},
+    {"port", CS_CONFIG_INT, O(port), "50050", "gRPC port (0 = any free port)", 0, 65535},
+    {"http-host", CS_CONFIG_STR, O(http_host), NULL,
+     "address /metrics, /healthz, /readyz bind (default: host)", 0, 0},
+    {"http-port", CS_CONFIG_INT, O(http_port), "0", "HTTP port (0 = any free port)", 0, 65535},
+    {"model", CS_CONFIG_STR, O(model), NULL,
+     "model file (.gguf) or Hugging Face directory: its tokenizer and config (required)", 0, 0},
+    {"prefill-workers", CS_CONFIG_STR, O(prefill_workers), NULL,
+     "static prefill workers: host:port,host:port", 0, 0},
+    {"decode-workers", CS_CONFIG_STR, O(decode_workers), NULL,
+     "static decode workers: host:port,host:port", 0, 0},
+    {"prefill-dns", CS_CONFIG_STR, O(prefill_dns), NULL,
+     "DNS name:port whose A/AAAA records are prefill workers (a headless Service)", 0, 0},
+    {"decode-dns", CS_CONFIG_STR, O(decode_dns), NULL,
+     "DNS name:port whose A/AAAA records are decode workers", 0, 0},
+    {"dns-refresh-ms", CS_CONFIG_INT, O(dns_refresh_ms), "5000",
+     "re-resolve the DNS names this often", 100, 3600000},
+    {"status-interval-ms", CS_CONFIG_INT, O(status_interval_ms), "200",
+     "poll every worker's status this often", 10, 60000},
+    {"local-prefill-threshold", CS_CONFIG_INT, O(local_prefill_threshold), "512",
+     "contexts shorter than this (tokens) prefill on the decode worker", 0, 1e9},
+    {"max-inflight", CS_CONFIG_INT, O(max_inflight), "256", "requests placed on workers at once", 1,
+     1e6},
+    {"max-queue", CS_CONFIG_INT, O(max_queue), "1024",
+     "requests waiting beyond max-inflight; more are refused (RESOURCE_EXHAUSTED)", 0, 1e7},
+    {"queue-timeout-ms", CS_CONFIG_INT, O(queue_timeout_ms), "30000",
+     "longest wait for a slot or for KV room (then RESOURCE_EXHAUSTED)", 1, I64},
+    {"no-worker-wait-ms", CS_CONFIG_INT, O(no_worker_wait_ms), "2000",
+     "longest wait for a usable decode worker (then UNAVAILABLE)", 0, I64},
+    {"max-retries", CS_CONFIG_INT, O(max_retries), "3",
+     "failed attempts retried or migrated before UNAVAILABLE", 0, 100},
+    {"lease-ms", CS_CONFIG_INT, O(lease_ms), "120000",
+     "how long a decode worker holds reserved pages for the KV (DecodeRequest.lease_ms)", 1,
+     2147483647},
+    {"request-timeout-ms", CS_CONFIG_INT, O(request_timeout_ms), "600000",
+     "deadline of a request whose client sets none", 1, I64},
+    {"grace-ms", CS_CONFIG_INT, O(grace_ms), "5000",
+     "on SIGTERM/SIGINT: time streams get to finish", 0, 3600000},
+    {"log-level", CS_CONFIG_STR, O(log_level), "info", "error, warn, info or debug", 0, 0},
+    {"verbose", CS_CONFIG_BOOL, O(verbose), "false", "debug logging (same as --log-level debug)", 0,
+     0},
+};
+#undef O
+#define N_OPTIONS (sizeof options / sizeof options[0])
+
+static const char *summary =
+    "The chunkserve router: serves chunkserve.v1.Generation and grpc.health.v1 to clients and\n"
+    "places requests on the prefill and decode worker pools.";
+
+static int log_level(const char *s) {
+    static const char *names[] = {"error", "warn", "info", "debug"};
+    for (int i = 0; i < 4; i++)
+        if (!strcasecmp(s, names[i])) return i;
+    return -1;
+}
+
+int main(int argc, char **argv) {
+    cs_log_set_role("router");
+    cs_router_opts o;
+    memset(&o, 0, sizeof o);
+    int rc = cs_config_parse(options, N_OPTIONS, &o, argc, argv, 1, "chunkserve-router", summary);
+    if (rc == 1) return 0; /* --help */
+    if (rc) {
+        fprintf(stderr, "chunkserve-router: %s (see --help)\n", cs_last_error());
+        return 2;
+    }
+    int level = log_level(o.log_level);
+    if (level < 0) {
+        fprintf(stderr, "chunkserve-router: --log-level: '%s' is not error, warn, info or debug\n",
+                o.log_level);
+        return 2;
+    }
+    cs_log_set_level(o.verbose ? CS_LOG_DEBUG : level);
+    if (!o.model || !o.model[0]) {
+        fprintf(stderr, "chunkserve-router: --model (or CHUNKSERVE_MODEL) is required\n");
+        return 2;
+    }
+    if (cs__log_level >= CS_LOG_DEBUG) cs_config_dump(options, N_OPTIONS, &o, stderr);
+
+    cs_model *model = NULL;
+    if ((rc = cs_model_load_vocab(o.model, &model))) {
+        fprintf(stderr, "chunkserve-router: %s\n", cs_last_error());
+        return 1;
+    }
+    rc = cs_router_run(model, &o);
+    cs_model_free(model);
+    if (rc) {
+        fprintf(stderr, "chunkserve-router: %s\n", cs_last_error());
+        return 1;
+    }
+    return 0;
+}

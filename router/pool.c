@@ -1,0 +1,756 @@
+/* pool.c: worker discovery (static lists, DNS names re-resolved with
+ * uv_getaddrinfo), status polling (Worker/GetStatus on every worker each
+ * status interval, deadline 1 s), usability, and placement.
+ *
+ * Lifetime. A worker is referenced by its pool list, by its status call in
+ * flight and by every request that placed work there (cs_worker_ref); it is
+ * freed at the last reference. A worker that vanished from DNS leaves the
+ * list once no call of the router is active on it. The pool itself is freed
+ * by cs_pool_close once its timers are closed, its DNS lookups have called
+ * back and its last worker is gone.
+ *
+ * Why a worker's channel is sometimes recreated: gRPC backs off reconnects
+ * exponentially (up to minutes), so a worker that restarts after a long
+ * outage would stay unreachable for a while; while a worker fails its polls
+ * and has no call of ours on it, its channel is replaced every few seconds. */
+#include "pool.h"
+
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <uv.h>
+
+#include "chunkserve/error.h"
+#include "chunkserve/v1/cluster.pb-c.h"
+#include "util.h"
+
+#define STATUS_DEADLINE_MS 1000
+#define RECONNECT_EVERY_S 2.0
+/* A worker with calls of ours that has not answered a status poll for this
+ * long is declared down (on_down): a hung or stopped process keeps its TCP
+ * connections open, so its streams would otherwise stall until their
+ * deadlines. At least this many status intervals, too. */
+#define DOWN_AFTER_S 3.0
+#define DOWN_AFTER_POLLS 5
+
+/* ------------------------------------------------ placement (pure) -- */
+
+int32_t cs_place_pages(int64_t n_tokens, int32_t page_size) {
+    if (page_size <= 0) page_size = 16;
+    if (n_tokens < 1) n_tokens = 1;
+    int64_t pages = (n_tokens + page_size - 1) / page_size;
+    return pages > INT32_MAX ? INT32_MAX : (int32_t)pages;
+}
+
+int cs_place_decode(const cs_place_worker *w, size_t n, int64_t n_tokens, size_t start) {
+    int best = -1;
+    int64_t best_room = 0, best_load = 0;
+    for (size_t k = 0; k < n; k++) {
+        size_t i = (start + k) % n;
+        if (!w[i].usable || w[i].skip) continue;
+        int64_t room = (int64_t)w[i].kv_pages_free - w[i].pages_placed;
+        if (room < cs_place_pages(n_tokens, w[i].page_size)) continue;
+        int64_t load = (int64_t)w[i].num_running + w[i].num_waiting;
+        if (best < 0 || room > best_room || (room == best_room && load < best_load)) {
+            best = (int)i;
+            best_room = room;
+            best_load = load;
+        }
+    }
+    return best;
+}
+
+int cs_place_prefill(const cs_place_worker *w, size_t n, size_t start) {
+    int best = -1;
+    int64_t best_q = 0;
+    for (size_t k = 0; k < n; k++) {
+        size_t i = (start + k) % n;
+        if (!w[i].usable || w[i].skip) continue;
+        int64_t q = w[i].queued_prefill_tokens + w[i].tokens_placed;
+        if (best < 0 || q < best_q) {
+            best = (int)i;
+            best_q = q;
+        }
+    }
+    return best;
+}
+
+/* ------------------------------------------------------------ pool -- */
+
+static const char *role_name[2] = {"prefill", "decode"};
+
+struct cs_worker {
+    cs_pool *pool;
+    enum cs_pool_role role;
+    char *addr; /* "host:port", the channel's target */
+    int source; /* -1: static list; else the index of its DNS entry */
+    int refs;
+    bool listed;   /* in the pool's list */
+    bool vanished; /* no longer in its DNS answer: leaves once idle */
+    int active;    /* calls of the router on it */
+    cs_rpc_channel *ch;
+    cs_rpc_client_call *poll;
+    Chunkserve__V1__WorkerStatus *poll_msg; /* the answer of the poll in flight */
+    cs_worker *next;
+
+    /* Last status. */
+    bool have_status; /* valid: arrived, not stale, not suspected since */
+    double status_at;
+    uint64_t status_seq; /* counts statuses received */
+    bool ready, draining, role_ok, model_ok;
+    char *worker_id;
+    uint64_t instance_id;
+    int32_t page_size, pages_free, running, waiting;
+    int64_t queued_prefill;
+    char *kv_endpoint;
+    int kv_transport;
+    int32_t pages_placed;  /* since that status */
+    int64_t tokens_placed; /* since that status */
+
+    bool logged_usable; /* last state logged, so transitions log once */
+    bool down_reported; /* on_down ran since the last good status */
+    int poll_failures;
+    double last_reconnect;
+};
+
+typedef struct {
+    cs_pool *pool;
+    enum cs_pool_role role;
+    int index;
+    char *name, *port;
+    uv_getaddrinfo_t req;
+    bool in_flight;
+    bool resolved_once;
+} dns_entry;
+
+struct cs_pool {
+    uv_loop_t *uv;
+    cs_rpc_loop *rl;
+    cs_pool_opts o;
+    cs_worker *workers[2];
+    int n_workers[2];
+    dns_entry *dns;
+    int n_dns;
+    uv_timer_t poll_timer, dns_timer;
+    int open_handles;
+    int dns_in_flight;
+    int n_worker_objs; /* allocated workers, listed or not */
+    bool closing;
+    size_t rr[2];
+};
+
+static double stale_after_s(const cs_pool *p) {
+    return (2.0 * p->o.status_interval_ms + STATUS_DEADLINE_MS) / 1000.0;
+}
+
+static bool worker_usable(const cs_worker *w, double now) {
+    return w->ch && w->listed && !w->vanished && w->have_status &&
+           now - w->status_at <= stale_after_s(w->pool) && w->ready && !w->draining && w->role_ok &&
+           w->model_ok;
+}
+
+static void pool_maybe_free(cs_pool *p) {
+    if (!p->closing || p->open_handles || p->dns_in_flight || p->n_worker_objs) return;
+    for (int i = 0; i < p->n_dns; i++) {
+        free(p->dns[i].name);
+        free(p->dns[i].port);
+    }
+    free(p->dns);
+    free(p);
+}
+
+void cs_worker_ref(cs_worker *w) {
+    w->refs++;
+}
+
+void cs_worker_unref(cs_worker *w) {
+    if (!w) return;
+    CS_ASSERT(w->refs > 0);
+    if (--w->refs) return;
+    CS_ASSERT(!w->listed && !w->poll && !w->ch);
+    cs_pool *p = w->pool;
+    free(w->addr);
+    free(w->worker_id);
+    free(w->kv_endpoint);
+    free(w);
+    p->n_worker_objs--;
+    pool_maybe_free(p);
+}
+
+cs_rpc_channel *cs_worker_channel(const cs_worker *w) {
+    return w->ch;
+}
+const char *cs_worker_addr(const cs_worker *w) {
+    return w->addr;
+}
+const char *cs_worker_id(const cs_worker *w) {
+    return w->worker_id ? w->worker_id : "";
+}
+const char *cs_worker_kv_endpoint(const cs_worker *w) {
+    return w->kv_endpoint ? w->kv_endpoint : "";
+}
+int cs_worker_kv_transport(const cs_worker *w) {
+    return w->kv_transport;
+}
+void cs_worker_active(cs_worker *w, int delta) {
+    w->active += delta;
+    CS_ASSERT(w->active >= 0);
+}
+
+static void log_usability(cs_worker *w, double now, const char *why) {
+    bool u = worker_usable(w, now);
+    if (u == w->logged_usable) return;
+    w->logged_usable = u;
+    if (u)
+        CS_LOGI("%s worker %s (%s) is usable: %d KV pages of %d tokens free", role_name[w->role],
+                w->addr, cs_worker_id(w), w->pages_free, w->page_size);
+    else
+        CS_LOGW("%s worker %s (%s) is not usable: %s", role_name[w->role], w->addr, cs_worker_id(w),
+                why);
+}
+
+void cs_worker_suspect(cs_worker *w, const char *why) {
+    w->have_status = false;
+    log_usability(w, cs__now(), why);
+}
+
+static int channel_open(cs_worker *w) {
+    cs_rpc_channel_opts co = {.max_recv_bytes = 64 << 20, .max_send_bytes = 0};
+    return cs_rpc_channel_init(w->pool->rl, w->addr, &co, &w->ch);
+}
+
+static cs_worker *worker_find(cs_pool *p, enum cs_pool_role role, const char *addr) {
+    for (cs_worker *w = p->workers[role]; w; w = w->next)
+        if (!strcmp(w->addr, addr)) return w;
+    return NULL;
+}
+
+static int worker_add(cs_pool *p, enum cs_pool_role role, const char *addr, int source) {
+    cs_worker *w = worker_find(p, role, addr);
+    if (w) {
+        if (w->vanished && w->source == source) {
+            w->vanished = false;
+            CS_LOGI("%s worker %s is back in DNS", role_name[role], addr);
+        }
+        return 0;
+    }
+    w = calloc(1, sizeof *w);
+    if (!w || !(w->addr = strdup(addr))) {
+        free(w);
+        return cs__fail(CS_ENOMEM, "out of memory");
+    }
+    w->pool = p;
+    w->role = role;
+    w->source = source;
+    w->refs = 1;
+    w->listed = true;
+    p->n_worker_objs++;
+    int r = channel_open(w);
+    if (r) {
+        w->listed = false;
+        cs_worker_unref(w);
+        return r;
+    }
+    w->next = p->workers[role];
+    p->workers[role] = w;
+    p->n_workers[role]++;
+    CS_LOGI("%s worker %s added (%s)", role_name[role], addr,
+            source < 0 ? "static list" : p->dns[source].name);
+    return 0;
+}
+
+/* Takes w off the list and closes its channel (its calls end through their
+ * callbacks); the list's reference goes. */
+static void worker_remove(cs_worker *w) {
+    cs_pool *p = w->pool;
+    cs_worker **pp = &p->workers[w->role];
+    while (*pp != w)
+        pp = &(*pp)->next;
+    *pp = w->next;
+    w->next = NULL;
+    w->listed = false;
+    p->n_workers[w->role]--;
+    cs_rpc_channel *ch = w->ch;
+    w->ch = NULL;
+    cs_rpc_channel_free(ch);
+    cs_worker_unref(w);
+}
+
+/* --------------------------------------------------------- polling -- */
+
+static void apply_status(cs_worker *w, const Chunkserve__V1__WorkerStatus *s) {
+    cs_pool *p = w->pool;
+    if (w->instance_id && s->instance_id != w->instance_id)
+        CS_LOGW("%s worker %s restarted (%s instance %016llx -> %s instance %016llx)",
+                role_name[w->role], w->addr, cs_worker_id(w), (unsigned long long)w->instance_id,
+                s->worker_id, (unsigned long long)s->instance_id);
+    if (s->instance_id != w->instance_id) w->poll_failures = 0;
+    w->instance_id = s->instance_id;
+    if (!w->worker_id || strcmp(w->worker_id, s->worker_id)) {
+        char *id = strdup(s->worker_id);
+        if (id) free(w->worker_id), w->worker_id = id;
+    }
+    if (!w->kv_endpoint || strcmp(w->kv_endpoint, s->kv_endpoint)) {
+        char *e = strdup(s->kv_endpoint);
+        if (e) free(w->kv_endpoint), w->kv_endpoint = e;
+    }
+    int want = w->role == CS_POOL_DECODE ? CHUNKSERVE__V1__WORKER_ROLE__WORKER_ROLE_DECODE
+                                         : CHUNKSERVE__V1__WORKER_ROLE__WORKER_ROLE_PREFILL;
+    bool role_ok = (int)s->role == want, first = !w->status_seq;
+    bool model_ok =
+        !p->o.expect_n_vocab || !s->model || s->model->vocab_size == p->o.expect_n_vocab;
+    if (!role_ok && (first || w->role_ok))
+        CS_LOGE("%s worker %s reports role %d: not a %s worker", role_name[w->role], w->addr,
+                (int)s->role, role_name[w->role]);
+    if (!model_ok && (first || w->model_ok))
+        CS_LOGE("%s worker %s serves a model with vocabulary %d; this router's has %d",
+                role_name[w->role], w->addr, s->model ? s->model->vocab_size : 0,
+                p->o.expect_n_vocab);
+    w->role_ok = role_ok;
+    w->model_ok = model_ok;
+    w->ready = s->ready;
+    w->draining = s->draining;
+    w->page_size = s->page_size > 0 ? s->page_size : 16;
+    w->pages_free = s->kv_pages_free;
+    w->running = s->num_running;
+    w->waiting = s->num_waiting;
+    w->queued_prefill = s->queued_prefill_tokens;
+    w->kv_transport = s->kv_transport;
+    w->pages_placed = 0;
+    w->tokens_placed = 0;
+    w->status_at = cs__now();
+    w->status_seq++;
+    w->have_status = true;
+    w->poll_failures = 0;
+    w->down_reported = false;
+    log_usability(w, w->status_at,
+                  !role_ok      ? "wrong role"
+                  : !model_ok   ? "another model"
+                  : w->draining ? "draining"
+                  : !w->ready   ? "not ready"
+                                : "");
+}
+
+static void on_poll_message(cs_rpc_client_call *c, const uint8_t *buf, size_t len, void *data) {
+    cs_worker *w = data;
+    ProtobufCMessage *m = NULL;
+    if (cs_rpc_unpack(&chunkserve__v1__worker_status__descriptor, buf, len, &m) == 0) {
+        if (w->poll_msg) protobuf_c_message_free_unpacked(&w->poll_msg->base, NULL);
+        w->poll_msg = (Chunkserve__V1__WorkerStatus *)m;
+    }
+}
+
+static void maybe_reconnect(cs_worker *w) {
+    double now = cs__now();
+    if (w->active || !w->ch || w->pool->closing || w->poll_failures < 2 ||
+        now - w->last_reconnect < RECONNECT_EVERY_S)
+        return;
+    w->last_reconnect = now;
+    cs_rpc_channel *old = w->ch;
+    w->ch = NULL;
+    cs_rpc_channel_free(old);
+    if (channel_open(w) != 0)
+        CS_LOGE("worker %s: cannot reopen its channel: %s", w->addr, cs_last_error());
+}
+
+static void on_poll_done(cs_rpc_client_call *c, int code, const char *msg, void *data) {
+    cs_worker *w = data;
+    cs_pool *p = w->pool;
+    w->poll = NULL;
+    Chunkserve__V1__WorkerStatus *s = w->poll_msg;
+    w->poll_msg = NULL;
+    if (!p->closing && w->listed) {
+        if (code == CS_RPC_OK && s) {
+            apply_status(w, s);
+            if (worker_usable(w, w->status_at) && p->o.on_change) p->o.on_change(p->o.arg);
+        } else {
+            w->poll_failures++;
+            if (w->have_status || w->logged_usable || w->poll_failures == 1) {
+                char why[300];
+                snprintf(why, sizeof why, "status poll failed: %s %s", cs_rpc_code_name(code), msg);
+                if (w->poll_failures == 1 && !w->logged_usable && !w->status_seq)
+                    CS_LOGW("%s worker %s: %s", role_name[w->role], w->addr, why);
+                w->have_status = false;
+                log_usability(w, cs__now(), why);
+            }
+            maybe_reconnect(w);
+        }
+    }
+    if (s) protobuf_c_message_free_unpacked(&s->base, NULL);
+    cs_worker_unref(w);
+}
+
+static void poll_worker(cs_worker *w, double now) {
+    cs_pool *p = w->pool;
+    if (w->have_status && now - w->status_at > stale_after_s(p)) {
+        w->have_status = false;
+        log_usability(w, now, "status is stale");
+    }
+    double down_after = DOWN_AFTER_POLLS * p->o.status_interval_ms / 1000.0;
+    if (down_after < DOWN_AFTER_S) down_after = DOWN_AFTER_S;
+    if (w->active && w->status_seq && !w->down_reported && now - w->status_at > down_after &&
+        p->o.on_down) {
+        w->down_reported = true;
+        CS_LOGW("%s worker %s (%s) has not answered a status poll for %.1f s: failing over its "
+                "requests",
+                role_name[w->role], w->addr, cs_worker_id(w), now - w->status_at);
+        p->o.on_down(p->o.arg, w);
+    }
+    if (w->poll || !w->ch) return;
+    Chunkserve__V1__WorkerStatusRequest req = CHUNKSERVE__V1__WORKER_STATUS_REQUEST__INIT;
+    cs_rpc_call_opts o = {.timeout_ms = STATUS_DEADLINE_MS};
+    cs_worker_ref(w);
+    if (cs_rpc_channel_call_msg(w->ch, "/chunkserve.v1.Worker/GetStatus", &req.base, &o,
+                                on_poll_message, on_poll_done, w, &w->poll) != 0) {
+        CS_LOGE("worker %s: cannot poll its status: %s", w->addr, cs_last_error());
+        w->poll = NULL;
+        cs_worker_unref(w);
+    }
+}
+
+static void on_poll_tick(uv_timer_t *t) {
+    cs_pool *p = t->data;
+    double now = cs__now();
+    for (int role = 0; role < 2; role++) {
+        cs_worker *next;
+        for (cs_worker *w = p->workers[role]; w; w = next) {
+            next = w->next;
+            if (w->vanished && !w->active) {
+                CS_LOGI("%s worker %s (%s) left DNS and is idle: dropped", role_name[role], w->addr,
+                        cs_worker_id(w));
+                worker_remove(w);
+                continue;
+            }
+            poll_worker(w, now);
+        }
+    }
+}
+
+/* ------------------------------------------------------------- DNS -- */
+
+static void dns_resolve(dns_entry *d);
+
+static void on_resolved(uv_getaddrinfo_t *req, int status, struct addrinfo *res) {
+    dns_entry *d = req->data;
+    cs_pool *p = d->pool;
+    d->in_flight = false;
+    p->dns_in_flight--;
+    if (p->closing || status == UV_ECANCELED) {
+        uv_freeaddrinfo(res);
+        pool_maybe_free(p);
+        return;
+    }
+    if (status != 0 && status != UV_EAI_NONAME && status != UV_EAI_NODATA) {
+        /* a transient failure: keep what we know */
+        CS_LOGW("dns %s:%s: %s; keeping the %s workers known", d->name, d->port,
+                uv_strerror(status), role_name[d->role]);
+        uv_freeaddrinfo(res);
+        return;
+    }
+    /* the answer's addresses, deduplicated */
+    char(*addrs)[80] = NULL;
+    size_t n = 0, cap = 0;
+    for (struct addrinfo *a = status ? NULL : res; a; a = a->ai_next) {
+        char host[64] = "", one[80];
+        if (a->ai_family == AF_INET)
+            uv_ip4_name((const struct sockaddr_in *)a->ai_addr, host, sizeof host);
+        else if (a->ai_family == AF_INET6)
+            uv_ip6_name((const struct sockaddr_in6 *)a->ai_addr, host, sizeof host);
+        else
+            continue;
+        if (a->ai_family == AF_INET6)
+            snprintf(one, sizeof one, "[%s]:%s", host, d->port);
+        else
+            snprintf(one, sizeof one, "%s:%s", host, d->port);
+        bool dup = false;
+        for (size_t i = 0; i < n && !dup; i++)
+            dup = !strcmp(addrs[i], one);
+        if (dup) continue;
+        if (n == cap) {
+            size_t nc = cap ? 2 * cap : 8;
+            void *na = realloc(addrs, nc * sizeof *addrs);
+            if (!na) break;
+            addrs = na;
+            cap = nc;
+        }
+        snprintf(addrs[n++], sizeof addrs[0], "%s", one);
+    }
+    uv_freeaddrinfo(res);
+    if (!d->resolved_once || status)
+        CS_LOGI("dns %s:%s: %zu %s worker address%s%s", d->name, d->port, n, role_name[d->role],
+                n == 1 ? "" : "es", status ? " (no such name)" : "");
+    d->resolved_once = true;
+    for (cs_worker *w = p->workers[d->role]; w; w = w->next) {
+        if (w->source != d->index || w->vanished) continue;
+        bool found = false;
+        for (size_t i = 0; i < n && !found; i++)
+            found = !strcmp(addrs[i], w->addr);
+        if (!found) {
+            w->vanished = true;
+            CS_LOGI("%s worker %s left DNS %s; dropped once idle", role_name[d->role], w->addr,
+                    d->name);
+        }
+    }
+    for (size_t i = 0; i < n; i++)
+        if (worker_add(p, d->role, addrs[i], d->index) != 0)
+            CS_LOGE("dns %s: cannot add worker %s: %s", d->name, addrs[i], cs_last_error());
+    free(addrs);
+}
+
+static void dns_resolve(dns_entry *d) {
+    if (d->in_flight || d->pool->closing) return;
+    struct addrinfo hints;
+    memset(&hints, 0, sizeof hints);
+    hints.ai_family = AF_UNSPEC;
+    hints.ai_socktype = SOCK_STREAM;
+    d->req.data = d;
+    int r = uv_getaddrinfo(d->pool->uv, &d->req, on_resolved, d->name, d->port, &hints);
+    if (r) {
+        CS_LOGW("dns %s:%s: cannot start a lookup: %s", d->name, d->port, uv_strerror(r));
+        return;
+    }
+    d->in_flight = true;
+    d->pool->dns_in_flight++;
+}
+
+static void on_dns_tick(uv_timer_t *t) {
+    cs_pool *p = t->data;
+    for (int i = 0; i < p->n_dns; i++)
+        dns_resolve(&p->dns[i]);
+}
+
+/* ------------------------------------------------------------ init -- */
+
+/* "host:port" with a port in 1..65535 and a non-empty host ("[v6]:port" too).
+ * Splits into host and port when the out-parameters are given. */
+static int split_addr(const char *s, const char *what, char *host, size_t host_cap, char *port,
+                      size_t port_cap) {
+    const char *colon = strrchr(s, ':');
+    if (!colon || colon == s || !colon[1])
+        return cs__fail(CS_EINVAL, "%s: '%s' is not host:port", what, s);
+    char *end;
+    long v = strtol(colon + 1, &end, 10);
+    if (*end || v < 1 || v > 65535)
+        return cs__fail(CS_EINVAL, "%s: '%s' has a bad port (1..65535)", what, s);
+    size_t hl = (size_t)(colon - s);
+    if (host) {
+        if (hl >= host_cap) return cs__fail(CS_EINVAL, "%s: host name too long in '%s'", what, s);
+        memcpy(host, s, hl);
+        host[hl] = 0;
+        if (host[0] == '[' && hl >= 2 && host[hl - 1] == ']') {
+            memmove(host, host + 1, hl - 2);
+            host[hl - 2] = 0;
+        }
+    }
+    if (port) snprintf(port, port_cap, "%s", colon + 1);
+    return 0;
+}
+
+/* Calls fn for each comma-separated, trimmed, non-empty item of list. */
+static int for_each_item(const char *list, int (*fn)(cs_pool *, int, const char *), cs_pool *p,
+                         int role) {
+    if (!list) return 0;
+    const char *s = list;
+    while (*s) {
+        const char *e = strchr(s, ',');
+        size_t len = e ? (size_t)(e - s) : strlen(s);
+        char item[512];
+        while (len && (*s == ' ' || *s == '\t'))
+            s++, len--;
+        while (len && (s[len - 1] == ' ' || s[len - 1] == '\t'))
+            len--;
+        if (len >= sizeof item)
+            return cs__fail(CS_EINVAL, "worker address too long: '%.*s'", (int)len, s);
+        if (len) {
+            memcpy(item, s, len);
+            item[len] = 0;
+            int r = fn(p, role, item);
+            if (r) return r;
+        }
+        if (!e) break;
+        s = e + 1;
+    }
+    return 0;
+}
+
+static int add_static(cs_pool *p, int role, const char *item) {
+    int r = split_addr(item, role ? "--decode-workers" : "--prefill-workers", NULL, 0, NULL, 0);
+    return r ? r : worker_add(p, (enum cs_pool_role)role, item, -1);
+}
+
+static int add_dns(cs_pool *p, int role, const char *item) {
+    char host[256], port[16];
+    int r = split_addr(item, role ? "--decode-dns" : "--prefill-dns", host, sizeof host, port,
+                       sizeof port);
+    if (r) return r;
+    dns_entry *nd = realloc(p->dns, (size_t)(p->n_dns + 1) * sizeof *nd);
+    if (!nd) return cs__fail(CS_ENOMEM, "out of memory");
+    p->dns = nd;
+    dns_entry *d = &p->dns[p->n_dns];
+    memset(d, 0, sizeof *d);
+    d->pool = p;
+    d->role = (enum cs_pool_role)role;
+    d->index = p->n_dns;
+    d->name = strdup(host);
+    d->port = strdup(port);
+    if (!d->name || !d->port) {
+        free(d->name);
+        free(d->port);
+        return cs__fail(CS_ENOMEM, "out of memory");
+    }
+    p->n_dns++;
+    return 0;
+}
+
+static void on_timer_closed(uv_handle_t *h) {
+    cs_pool *p = h->data;
+    p->open_handles--;
+    pool_maybe_free(p);
+}
+
+int cs_pool_init(uv_loop_t *uv, cs_rpc_loop *rl, const cs_pool_opts *o, cs_pool **out) {
+    *out = NULL;
+    cs_pool *p = calloc(1, sizeof *p);
+    if (!p) return cs__fail(CS_ENOMEM, "out of memory");
+    p->uv = uv;
+    p->rl = rl;
+    p->o = *o;
+    if (p->o.status_interval_ms <= 0) p->o.status_interval_ms = 200;
+    if (p->o.dns_refresh_ms <= 0) p->o.dns_refresh_ms = 5000;
+    int r = 0;
+    for (int role = 0; role < 2 && !r; role++) {
+        if (!r) r = for_each_item(o->static_workers[role], add_static, p, role);
+        if (!r) r = for_each_item(o->dns[role], add_dns, p, role);
+    }
+    uv_timer_init(uv, &p->poll_timer);
+    uv_timer_init(uv, &p->dns_timer);
+    p->poll_timer.data = p->dns_timer.data = p;
+    p->open_handles = 2;
+    if (r) {
+        char msg[512];
+        snprintf(msg, sizeof msg, "%s", cs_last_error());
+        cs_pool_close(p);
+        return cs__fail(r, "%s", msg);
+    }
+    for (int i = 0; i < p->n_dns; i++)
+        dns_resolve(&p->dns[i]);
+    /* first poll at once, so a router started beside its workers is ready soon */
+    uv_timer_start(&p->poll_timer, on_poll_tick, 0, (uint64_t)p->o.status_interval_ms);
+    if (p->n_dns)
+        uv_timer_start(&p->dns_timer, on_dns_tick, (uint64_t)p->o.dns_refresh_ms,
+                       (uint64_t)p->o.dns_refresh_ms);
+    CS_LOGI("pools: %d prefill, %d decode workers listed, %d DNS names; status every %d ms",
+            p->n_workers[0], p->n_workers[1], p->n_dns, p->o.status_interval_ms);
+    *out = p;
+    return 0;
+}
+
+void cs_pool_close(cs_pool *p) {
+    if (!p || p->closing) return;
+    p->closing = true;
+    uv_close((uv_handle_t *)&p->poll_timer, on_timer_closed);
+    uv_close((uv_handle_t *)&p->dns_timer, on_timer_closed);
+    for (int i = 0; i < p->n_dns; i++)
+        if (p->dns[i].in_flight) uv_cancel((uv_req_t *)&p->dns[i].req);
+    for (int role = 0; role < 2; role++)
+        while (p->workers[role])
+            worker_remove(p->workers[role]);
+    pool_maybe_free(p);
+}
+
+int cs_pool_n_usable(const cs_pool *p, enum cs_pool_role role) {
+    double now = cs__now();
+    int n = 0;
+    for (const cs_worker *w = p->workers[role]; w; w = w->next)
+        n += worker_usable(w, now);
+    return n;
+}
+
+int cs_pool_n_workers(const cs_pool *p, enum cs_pool_role role) {
+    return p->n_workers[role];
+}
+
+static bool excluded(const cs_worker *w, const cs_pool_marks *m) {
+    for (size_t i = 0; m && i < m->n_excluded; i++)
+        if (m->excluded[i].w == w && m->excluded[i].instance_id == w->instance_id) return true;
+    return false;
+}
+
+static bool refused(const cs_worker *w, const cs_pool_marks *m) {
+    for (size_t i = 0; m && i < m->n_refused; i++)
+        if (m->refused[i].w == w && m->refused[i].status_seq == w->status_seq) return true;
+    return false;
+}
+
+cs_worker *cs_pool_place(cs_pool *p, enum cs_pool_role role, int64_t n_tokens,
+                         const cs_pool_marks *marks, int *n_candidates) {
+    if (n_candidates) *n_candidates = 0;
+    size_t n = (size_t)p->n_workers[role];
+    if (p->closing || n == 0) return NULL;
+    cs_place_worker stack[64], *snap = n <= 64 ? stack : malloc(n * sizeof *snap);
+    cs_worker *wstack[64], **ws = n <= 64 ? wstack : malloc(n * sizeof *ws);
+    cs_worker *chosen = NULL;
+    if (!snap || !ws) goto out;
+    double now = cs__now();
+    size_t i = 0;
+    int cand = 0;
+    for (cs_worker *w = p->workers[role]; w; w = w->next, i++) {
+        ws[i] = w;
+        snap[i] = (cs_place_worker){
+            .usable = worker_usable(w, now),
+            .skip = excluded(w, marks),
+            .page_size = w->page_size,
+            .kv_pages_free = w->pages_free,
+            .pages_placed = w->pages_placed,
+            .num_running = w->running,
+            .num_waiting = w->waiting,
+            .queued_prefill_tokens = w->queued_prefill,
+            .tokens_placed = w->tokens_placed,
+        };
+        cand += snap[i].usable && !snap[i].skip;
+        snap[i].skip = snap[i].skip || refused(w, marks);
+    }
+    if (n_candidates) *n_candidates = cand;
+    size_t start = p->rr[role]++ % n;
+    int k = role == CS_POOL_DECODE ? cs_place_decode(snap, n, n_tokens, start)
+                                   : cs_place_prefill(snap, n, start);
+    if (k >= 0) {
+        chosen = ws[k];
+        if (role == CS_POOL_DECODE)
+            chosen->pages_placed += cs_place_pages(n_tokens, chosen->page_size);
+        else
+            chosen->tokens_placed += n_tokens;
+        cs_worker_ref(chosen);
+    }
+out:
+    if (snap != stack) free(snap);
+    if (ws != wstack) free(ws);
+    return chosen;
+}
+
+int cs_pool_mark_add(cs_pool_mark **arr, size_t *n, cs_worker *w) {
+    for (size_t i = 0; i < *n; i++)
+        if ((*arr)[i].w == w) {
+            (*arr)[i].instance_id = w->instance_id;
+            (*arr)[i].status_seq = w->status_seq;
+            return 0;
+        }
+    cs_pool_mark *na = realloc(*arr, (*n + 1) * sizeof *na);
+    if (!na) return cs__fail(CS_ENOMEM, "out of memory");
+    *arr = na;
+    na[(*n)++] = (cs_pool_mark){w, w->instance_id, w->status_seq};
+    cs_worker_ref(w);
+    return 0;
+}
+
+void cs_pool_marks_free(cs_pool_marks *m) {
+    for (size_t i = 0; i < m->n_excluded; i++)
+        cs_worker_unref(m->excluded[i].w);
+    for (size_t i = 0; i < m->n_refused; i++)
+        cs_worker_unref(m->refused[i].w);
+    free(m->excluded);
+    free(m->refused);
+    memset(m, 0, sizeof *m);
+}

@@ -1,0 +1,147 @@
+/* pool.h: the router's view of the worker pools: which workers exist (static
+ * lists and DNS names re-resolved periodically), what each last said about
+ * itself (Worker/GetStatus, polled), which ones are usable, and the placement
+ * policy that picks one for a request.
+ *
+ * The placement policy is a pair of pure functions over snapshots
+ * (cs_place_decode, cs_place_prefill) so that it is tested without sockets.
+ * Everything else runs on the router's libuv loop thread and must be called
+ * there. Not here: requests, retries, the client side of Decode/Prefill
+ * (router.c); the pool only lends a worker's channel and counts what the
+ * router placed there since its last status. */
+#ifndef CS_ROUTER_POOL_H
+#define CS_ROUTER_POOL_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "chunkserve/rpc.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ------------------------------------------------ placement (pure) -- */
+
+/* One worker as placement sees it. */
+typedef struct {
+    bool usable;           /* fresh status, ready, not draining, right role */
+    bool skip;             /* excluded or refused for this request */
+    int32_t page_size;     /* tokens per KV page (decode) */
+    int32_t kv_pages_free; /* from the last status */
+    int32_t pages_placed;  /* pages this router placed there since that status */
+    int32_t num_running, num_waiting;
+    int64_t queued_prefill_tokens; /* from the last status (prefill) */
+    int64_t tokens_placed;         /* prompt tokens this router sent there since that status */
+} cs_place_worker;
+
+/* Pages a context of n_tokens needs on a decode worker with that page size. */
+int32_t cs_place_pages(int64_t n_tokens, int32_t page_size);
+
+/* The decode worker for a context of n_tokens: among usable, not skipped
+ * workers with room for the context's pages (kv_pages_free - pages_placed),
+ * the one with the most room left; ties go to the fewest running + waiting
+ * sequences, then to the first at or after index start (so equal workers
+ * share the load). -1 when none qualifies. */
+int cs_place_decode(const cs_place_worker *w, size_t n, int64_t n_tokens, size_t start);
+
+/* The prefill worker: among usable, not skipped workers, the fewest
+ * queued_prefill_tokens + tokens_placed; ties as above. -1 when none. */
+int cs_place_prefill(const cs_place_worker *w, size_t n, size_t start);
+
+/* ------------------------------------------------------------ pool -- */
+
+enum cs_pool_role { CS_POOL_PREFILL = 0, CS_POOL_DECODE = 1 };
+
+typedef struct cs_pool cs_pool;
+typedef struct cs_worker cs_worker;
+
+typedef struct {
+    const char *static_workers[2]; /* per role: "h:p,h:p" or NULL */
+    const char *dns[2];            /* per role: "name:port[,name:port]" or NULL */
+    int32_t dns_refresh_ms;        /* re-resolve period */
+    int32_t status_interval_ms;    /* GetStatus period per worker */
+    int32_t expect_n_vocab;        /* a worker whose model has another vocabulary is unusable */
+    /* Called after a status poll round in which some worker's status arrived
+     * (room may have appeared): the router retries what waits. May be NULL. */
+    void (*on_change)(void *arg);
+    /* Called once when a worker with calls of the router on it (see
+     * cs_worker_active) has not answered a status poll for a few seconds:
+     * the router fails those calls over. May be NULL. */
+    void (*on_down)(void *arg, cs_worker *w);
+    void *arg;
+} cs_pool_opts;
+
+/* Builds the pools and starts discovery and polling on the RPC loop's uv
+ * loop. Addresses are checked here (CS_EINVAL naming the bad entry); the
+ * option strings are only read during the call. Free with cs_pool_close. */
+int cs_pool_init(struct uv_loop_s *uv, cs_rpc_loop *rl, const cs_pool_opts *o, cs_pool **out);
+
+/* Stops timers and DNS, frees every worker's channel (their calls in flight
+ * are cancelled and still end through their callbacks); the memory goes once
+ * libuv has closed the handles and the last worker reference is dropped.
+ * NULL is a no-op. */
+void cs_pool_close(cs_pool *p);
+
+/* Workers of a role currently usable. */
+int cs_pool_n_usable(const cs_pool *p, enum cs_pool_role role);
+/* Workers of a role known (usable or not). */
+int cs_pool_n_workers(const cs_pool *p, enum cs_pool_role role);
+
+/* Exclusion and refusal lists are per request: a small array of entries. An
+ * exclusion names a worker instance (a restarted worker is a new instance
+ * and usable again); a refusal lasts until that worker's next status. */
+typedef struct {
+    cs_worker *w; /* referenced */
+    uint64_t instance_id;
+    uint64_t status_seq;
+} cs_pool_mark;
+
+typedef struct {
+    cs_pool_mark *excluded;
+    size_t n_excluded;
+    cs_pool_mark *refused;
+    size_t n_refused;
+} cs_pool_marks;
+
+/* Picks a worker of the role for a context of n_tokens, skipping the marked
+ * ones (decode: needs room for the pages). On success it takes a reference
+ * (drop it with cs_worker_unref) and counts the pages/tokens placed there
+ * until its next status. NULL when none qualifies. *n_candidates (may be
+ * NULL) receives how many usable, not excluded workers there were (with or
+ * without room, refused or not). */
+cs_worker *cs_pool_place(cs_pool *p, enum cs_pool_role role, int64_t n_tokens,
+                         const cs_pool_marks *marks, int *n_candidates);
+
+/* Adds a mark for w, or renews it (excluded: the worker's current instance;
+ * refused: its current status). A mark holds a reference to the worker.
+ * CS_ENOMEM. */
+int cs_pool_mark_add(cs_pool_mark **arr, size_t *n, cs_worker *w);
+/* Drops every mark and its reference; the struct is zeroed. */
+void cs_pool_marks_free(cs_pool_marks *m);
+
+void cs_worker_ref(cs_worker *w);
+void cs_worker_unref(cs_worker *w);
+
+/* The worker's channel (NULL once the pool is closing), address, last known
+ * worker_id ("" before the first status), KV endpoint/transport of its last
+ * status, and page size. */
+cs_rpc_channel *cs_worker_channel(const cs_worker *w);
+const char *cs_worker_addr(const cs_worker *w);
+const char *cs_worker_id(const cs_worker *w);
+const char *cs_worker_kv_endpoint(const cs_worker *w);
+int cs_worker_kv_transport(const cs_worker *w);
+
+/* A call on the worker failed in a way that suggests the worker is gone
+ * (UNAVAILABLE): treat it as unusable until its next successful status. */
+void cs_worker_suspect(cs_worker *w, const char *why);
+
+/* Counts calls the router has on the worker (a vanished or failing worker
+ * is not torn down while one is active). */
+void cs_worker_active(cs_worker *w, int delta);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

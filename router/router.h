@@ -1,0 +1,56 @@
+/* router.h: `chunkserve-router`, the process clients talk to: the public
+ * chunkserve.v1.Generation service and grpc.health.v1 on the RPC layer, and
+ * the client of the workers' chunkserve.v1.Worker service (DESIGN §4, §6).
+ * It validates and tokenizes requests itself (it holds the model's
+ * vocabulary, not its weights), admits or queues them, places them on decode
+ * and prefill workers, relays their tokens, retries and migrates on worker
+ * failure. /metrics, /healthz, /readyz on a small HTTP port.
+ * Not here: the option table and flag parsing (main.c), the pools (pool.h),
+ * OpenAI-style HTTP, TLS. */
+#ifndef CS_ROUTER_H
+#define CS_ROUTER_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "chunkserve/model.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Filled from main.c's option table (integers are int64_t there). */
+typedef struct {
+    const char *host;      /* gRPC address to bind */
+    int64_t port;          /* 0 = any free port */
+    const char *http_host; /* NULL = host */
+    int64_t http_port;     /* 0 = any free port */
+    const char *model;     /* path; its basename is accepted as a model name */
+    const char *prefill_workers, *decode_workers; /* "h:p,h:p" or NULL */
+    const char *prefill_dns, *decode_dns;         /* "name:port[,...]" or NULL */
+    int64_t dns_refresh_ms;
+    int64_t status_interval_ms;
+    int64_t local_prefill_threshold; /* contexts shorter than this prefill on the decode worker */
+    int64_t max_inflight;            /* requests placed on workers at once */
+    int64_t max_queue;               /* requests waiting beyond that; more: RESOURCE_EXHAUSTED */
+    int64_t queue_timeout_ms;        /* longest wait for a slot or for KV room */
+    int64_t no_worker_wait_ms;       /* longest wait for any usable decode worker */
+    int64_t max_retries;             /* failed attempts before UNAVAILABLE */
+    int64_t lease_ms;                /* DecodeRequest.lease_ms */
+    int64_t request_timeout_ms;      /* deadline when the client sets none */
+    int64_t grace_ms;                /* on SIGTERM/SIGINT: time streams get to finish */
+    const char *log_level;
+    bool verbose;
+} cs_router_opts;
+
+/* Serves until SIGTERM or SIGINT with m (a vocabulary-only load is enough;
+ * it must outlive the call), shuts down gracefully and frees everything it
+ * made. Prints "listening on HOST:PORT" and "http listening on HOST:PORT" on
+ * stdout once ready. Returns 0 after a clean shutdown, or a CS_E* code
+ * (cs_last_error() says why) when it cannot start. */
+int cs_router_run(const cs_model *m, const cs_router_opts *o);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
