@@ -139,41 +139,13 @@ static int prompt_ids(const cs_wire_model *wm, const Chunkserve__V1__GenerateReq
     }
 }
 
-int cs_wire_generate_request(const cs_wire_model *wm, const Chunkserve__V1__GenerateRequest *m,
-                             uint64_t id, cs_wire_request *out) {
-    memset(out, 0, sizeof *out);
+int cs_wire_sampling(const cs_wire_model *wm, const Chunkserve__V1__SamplingParams *m, cs_request *q) {
     const cs_model_config *cfg = cs_model_get_config(wm->model);
-    const cs_tokenizer *tok = cs_model_tokenizer(wm->model);
     static const Chunkserve__V1__SamplingParams no_params = CHUNKSERVE__V1__SAMPLING_PARAMS__INIT;
-    const Chunkserve__V1__SamplingParams *p = m->sampling ? m->sampling : &no_params;
-    int r = cs_wire_check_model(wm, m->model);
-    if (!r) r = check_sampling(p);
-    if (!r)
-        r = check_ids(p->stop_token_ids, p->n_stop_token_ids, cfg->n_vocab,
-                      "sampling.stop_token_ids");
-    int32_t *ids = NULL;
-    size_t n = 0;
-    if (!r) r = prompt_ids(wm, m, &ids, &n);
-    if (!r && n == 0) r = cs__fail(CS_EINVAL, "the prompt is empty after tokenization");
-    if (!r && n >= (size_t)cfg->ctx_len)
-        r = cs__fail(
-            CS_EINVAL,
-            "the prompt has %zu tokens; the model's context is %d tokens, so at most %d fit", n,
-            cfg->ctx_len, cfg->ctx_len - 1);
-    if (!r && (int64_t)(n + 1 + (size_t)wm->page_size - 1) / wm->page_size > wm->n_kv_pages)
-        r = cs__fail(
-            CS_EINVAL,
-            "the prompt has %zu tokens, more than this server's KV cache holds (%d pages of %d "
-            "tokens; start it with a larger --kv-cache-mib)",
-            n, wm->n_kv_pages, wm->page_size);
-    if (r) {
-        free(ids);
-        return r;
-    }
-    cs_request *q = &out->r;
-    q->id = id;
-    q->prompt = ids;
-    q->n_prompt = (int32_t)n;
+    const Chunkserve__V1__SamplingParams *p = m ? m : &no_params;
+    int r = check_sampling(p);
+    if (!r) r = check_ids(p->stop_token_ids, p->n_stop_token_ids, cfg->n_vocab, "sampling.stop_token_ids");
+    if (r) return r;
     q->logprobs = p->logprobs;
     q->sampling = cs_sampling_params_default();
     q->sampling.temperature = p->temperature;
@@ -194,15 +166,47 @@ int cs_wire_generate_request(const cs_wire_model *wm, const Chunkserve__V1__Gene
         .ignore_eos = p->ignore_eos,
         .skip_special = !p->include_special,
     };
-    out->prompt = ids;
     /* The engine checks these again on its thread; checking here too turns
      * its messages into INVALID_ARGUMENT before anything is queued. */
     r = cs_sampling_params_check(&q->sampling);
     cs_stop *st = NULL;
-    if (!r) r = cs_stop_init(tok, &q->stop, &st);
+    if (!r) r = cs_stop_init(cs_model_tokenizer(wm->model), &q->stop, &st);
     cs_stop_free(st);
-    if (r) cs_wire_request_free(out);
     return r;
+}
+
+int cs_wire_generate_request(const cs_wire_model *wm, const Chunkserve__V1__GenerateRequest *m,
+                             uint64_t id, cs_wire_request *out) {
+    memset(out, 0, sizeof *out);
+    const cs_model_config *cfg = cs_model_get_config(wm->model);
+    int r = cs_wire_check_model(wm, m->model);
+    cs_request *q = &out->r;
+    if (!r) r = cs_wire_sampling(wm, m->sampling, q);
+    int32_t *ids = NULL;
+    size_t n = 0;
+    if (!r) r = prompt_ids(wm, m, &ids, &n);
+    if (!r && n == 0) r = cs__fail(CS_EINVAL, "the prompt is empty after tokenization");
+    if (!r && n >= (size_t)cfg->ctx_len)
+        r = cs__fail(
+            CS_EINVAL,
+            "the prompt has %zu tokens; the model's context is %d tokens, so at most %d fit", n,
+            cfg->ctx_len, cfg->ctx_len - 1);
+    if (!r && (int64_t)(n + 1 + (size_t)wm->page_size - 1) / wm->page_size > wm->n_kv_pages)
+        r = cs__fail(
+            CS_EINVAL,
+            "the prompt has %zu tokens, more than this server's KV cache holds (%d pages of %d "
+            "tokens; start it with a larger --kv-cache-mib)",
+            n, wm->n_kv_pages, wm->page_size);
+    if (r) {
+        free(ids);
+        memset(out, 0, sizeof *out);
+        return r;
+    }
+    q->id = id;
+    q->prompt = ids;
+    q->n_prompt = (int32_t)n;
+    out->prompt = ids;
+    return 0;
 }
 
 void cs_wire_request_free(cs_wire_request *w) {

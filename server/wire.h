@@ -52,6 +52,11 @@ int cs_wire_generate_request(const cs_wire_model *wm, const Chunkserve__V1__Gene
                              uint64_t id, cs_wire_request *out);
 void cs_wire_request_free(cs_wire_request *w);
 
+/* Checks SamplingParams m (NULL = all defaults) and fills q's sampling,
+ * stop and logprobs (stop strings and ids borrow from m). 0, or CS_EINVAL
+ * naming the field. Used by the workers for the router's forwarded params. */
+int cs_wire_sampling(const cs_wire_model *wm, const Chunkserve__V1__SamplingParams *m, cs_request *q);
+
 /* Renders a Chat message list with the model's template (assistant prompt
  * appended); *text malloc'd. CS_EINVAL (no messages, bad role), CS_ENOTSUP. */
 int cs_wire_render_chat(const cs_wire_model *wm, const Chunkserve__V1__Chat *chat, char **text);

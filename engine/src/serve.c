@@ -134,6 +134,11 @@ static void *loop(void *arg) {
             pending_free(p);
         }
         if (stopping) break;
+        if (batch) { /* what was just queued shows in the stats before the step runs */
+            pthread_mutex_lock(&sv->mu);
+            cs_sched_get_stats(sv->sched, &sv->stats);
+            pthread_mutex_unlock(&sv->mu);
+        }
         const cs_event *evs;
         int32_t n = 0;
         cs_sched_step(sv->sched, &evs, &n);

@@ -1,0 +1,11 @@
+/* chunkserve-decode: the decode worker (see decode.c). Thin: the shared
+ * worker skeleton runs it. */
+#include "ops.h"
+#include "worker.h"
+
+extern const cs_worker_role cs_decode_role;
+
+int main(int argc, char **argv) {
+    cs_op_blas_fix_coretype(argv);
+    return cs_worker_main(argc, argv, &cs_decode_role);
+}

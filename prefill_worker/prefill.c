@@ -1,0 +1,440 @@
+/* prefill.c: the prefill role (chunkserve-prefill). Serves
+ * chunkserve.v1.Worker/Prefill: runs the prompt in chunks under the pool's
+ * budget (CS_KV_PREFILL_ONLY), and after every step streams the pages that
+ * step completed to the decode worker named in the request over the KV
+ * transport (cs_kvx_tx), while the next chunk computes. After the last chunk
+ * it samples the first token and sends the trailer; the call returns once
+ * the decode worker has acknowledged it.
+ *
+ * Threads: the engine thread exports completed pages (cs_engine_kv_export,
+ * between steps) and queues them on the transport; the transport's I/O
+ * thread writes them and reports the end; the loop thread owns the call.
+ * A slow decode worker pushes back: when the channel holds its limit of
+ * queued bytes the engine thread waits (bounded by the deadline).
+ * A preq holds a reference for the call, one for the engine side until its
+ * final event, one for the transfer until its done callback; the last frees
+ * it on the loop thread. */
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "chunkserve/kvx.h"
+#include "util.h"
+#include "worker.h"
+
+typedef struct prefill prefill;
+
+typedef struct preq {
+    cs_worker *w;
+    prefill *p;
+    cs_rpc_call *call; /* NULL once finished */
+    uint64_t id, transfer_id;
+    char request_id[80];
+    char decode_id[80];
+    char host[256];
+    int port;
+    int32_t n_context, total_pages;
+    double t_start, t_deadline;
+    atomic_int refs;
+    struct preq *prev, *next; /* live list, loop thread */
+
+    pthread_mutex_t mu; /* everything below */
+    bool engine_done, tx_done, send_failed;
+    double t_last_chunk; /* when the final step's pages and trailer were queued */
+    double tail;         /* from then to the trailer's acknowledgement */
+    int32_t first_token, n_cached;
+    int eng_status, tx_status;
+    char eng_error[256], tx_error[256];
+} preq;
+
+struct prefill {
+    cs_kvx_tx *tx;
+    preq *live;
+    int32_t n_live;
+    uint64_t next_id;
+    size_t page_bytes, max_queued;
+    cs_kvx_stats last;
+    cs_metric *m_requests, *m_xfer_started, *m_xfer_completed, *m_xfer_failed, *m_xfer_bytes, *m_xfer_seconds,
+        *m_tail_seconds, *m_prefill_seconds, *m_backpressure, *m_refused;
+};
+
+static prefill g_prefill;
+
+/* ------------------------------------------------------------ lifetime -- */
+
+static void preq_free_post(void *data) {
+    preq *q = data;
+    prefill *p = q->p;
+    if (q->prev)
+        q->prev->next = q->next;
+    else
+        p->live = q->next;
+    if (q->next) q->next->prev = q->prev;
+    p->n_live--;
+    pthread_mutex_destroy(&q->mu);
+    free(q);
+}
+
+static void preq_unref(preq *q) {
+    if (atomic_fetch_sub(&q->refs, 1) == 1 && cs_rpc_loop_post(q->w->rl, preq_free_post, q) != 0)
+        CS_LOGE("request %s: cannot post its release (leaked)", q->request_id);
+}
+
+static void finish_call(preq *q, int code, const char *msg) {
+    if (!q->call) return;
+    cs_rpc_call_finish(q->call, code, msg);
+    q->call = NULL;
+    preq_unref(q); /* the call's reference */
+}
+
+/* ---------------------------------------------------------- loop thread -- */
+
+/* Posted by the engine thread (its final event) and by the transport (the
+ * transfer's end), each carrying its reference: answers the call once the
+ * outcome is known. */
+static void on_end_post(void *data) {
+    preq *q = data;
+    pthread_mutex_lock(&q->mu);
+    bool eng_done = q->engine_done, tx_done = q->tx_done;
+    int eng_status = q->eng_status, tx_status = q->tx_status;
+    char eng_error[256], tx_error[256];
+    memcpy(eng_error, q->eng_error, sizeof eng_error);
+    memcpy(tx_error, q->tx_error, sizeof tx_error);
+    int32_t first = q->first_token, n_cached = q->n_cached;
+    double tail = q->tail;
+    pthread_mutex_unlock(&q->mu);
+    char msg[400];
+    if (q->call) {
+        if (eng_done && eng_status) {
+            snprintf(msg, sizeof msg, "prefill failed: %s", eng_error);
+            finish_call(q, cs_worker_rpc_code(eng_status), msg);
+        } else if (tx_done && tx_status) {
+            snprintf(msg, sizeof msg, "KV transfer to %s (%s:%d) failed: %s", q->decode_id, q->host, q->port,
+                     tx_error);
+            finish_call(q, tx_status == CS_ETIMEDOUT ? CS_RPC_DEADLINE_EXCEEDED : CS_RPC_UNAVAILABLE, msg);
+        } else if (tx_done && eng_done) {
+            Chunkserve__V1__PrefillResponse r = CHUNKSERVE__V1__PREFILL_RESPONSE__INIT;
+            r.first_token_id = first;
+            r.num_tokens = q->n_context;
+            r.num_cached_tokens = n_cached;
+            r.num_pages = q->total_pages;
+            r.kv_bytes = (uint64_t)q->total_pages * q->p->page_bytes;
+            cs_metric_observe(q->p->m_prefill_seconds, cs__now() - q->t_start);
+            cs_metric_observe(q->p->m_tail_seconds, tail);
+            CS_LOGI("request %s (transfer %016llx): %d tokens (%d cached), %d pages to %s in %.3f s, last chunk "
+                    "to acknowledged trailer %.4f s",
+                    q->request_id, (unsigned long long)q->transfer_id, q->n_context, n_cached, q->total_pages,
+                    q->decode_id, cs__now() - q->t_start, tail);
+            cs_rpc_call_reply_msg(q->call, &r.base);
+            q->call = NULL;
+            preq_unref(q);
+        }
+    }
+    preq_unref(q); /* the poster's reference */
+}
+
+/* ------------------------------------------------- engine + I/O threads -- */
+
+static void post_end(preq *q) {
+    if (cs_rpc_loop_post(q->w->rl, on_end_post, q) != 0) {
+        CS_LOGE("request %s: cannot post its end", q->request_id);
+        preq_unref(q);
+    }
+}
+
+/* Transport I/O thread: the transfer ended (acknowledged, or failed). */
+static void on_tx_done(void *arg, uint64_t xfer, int status, const char *msg, const cs_kvx_trailer *t) {
+    preq *q = arg;
+    (void)xfer, (void)t;
+    pthread_mutex_lock(&q->mu);
+    q->tx_done = true;
+    q->tx_status = status;
+    if (q->t_last_chunk > 0) q->tail = cs__now() - q->t_last_chunk;
+    if (status) snprintf(q->tx_error, sizeof q->tx_error, "%s", msg && msg[0] ? msg : cs_strerror(status));
+    bool engine_running = !q->engine_done;
+    pthread_mutex_unlock(&q->mu);
+    if (!status)
+        cs_metric_observe(q->p->m_xfer_seconds, cs__now() - q->t_start);
+    else if (engine_running)
+        cs_serve_cancel(q->w->sv, q->id); /* nobody will take these pages: stop computing them */
+    post_end(q);
+}
+
+static void release_buf(void *arg) {
+    free(arg);
+}
+
+/* Engine thread: copies completed pages out and queues them. When the
+ * channel already holds its limit (the decode side reads slower than this
+ * prefill computes) the engine thread waits for it to drain, bounded by the
+ * request's deadline: backpressure reaches the prefill pool itself. */
+static int send_pages(preq *q, const cs_event *ev) {
+    prefill *p = q->p;
+    size_t bytes = (size_t)ev->kv_n_pages * p->page_bytes;
+    bool waited = false;
+    for (;;) {
+        size_t queued = cs_kvx_tx_queued_bytes(p->tx, q->host, q->port);
+        if (queued == 0 || queued + bytes <= p->max_queued) break;
+        if (!waited) cs_metric_inc(p->m_backpressure), waited = true;
+        if (cs__now() > q->t_deadline) return cs__fail(CS_ETIMEDOUT, "the KV channel stayed full until the deadline");
+        nanosleep(&(struct timespec){0, 500000}, NULL);
+    }
+    void *buf = malloc(bytes);
+    if (!buf) return cs__fail(CS_ENOMEM, "no memory to stage %zu bytes of KV", bytes);
+    int r = cs_engine_kv_export(q->w->engine, ev->kv_pages, ev->kv_n_pages, buf);
+    if (r) {
+        free(buf);
+        return r;
+    }
+    /* buf is the transport's now: released (freed) when written, or inside
+     * this call when it fails */
+    return cs_kvx_tx_send_pages(p->tx, q->transfer_id, ev->kv_first_page, ev->kv_n_pages, buf, release_buf, buf);
+}
+
+static void on_event(void *user, const cs_event *ev) {
+    preq *q = user;
+    int r = 0;
+    pthread_mutex_lock(&q->mu);
+    bool failed = q->send_failed;
+    pthread_mutex_unlock(&q->mu);
+    if (!failed && ev->kv_n_pages) r = send_pages(q, ev);
+    if (!failed && !r && ev->token >= 0 && ev->finish == CS_FINISH_LENGTH) {
+        cs_kvx_trailer t = {ev->token, q->n_context, q->total_pages};
+        r = cs_kvx_tx_finish(q->p->tx, q->transfer_id, &t);
+    }
+    pthread_mutex_lock(&q->mu);
+    if (r && !q->send_failed) {
+        q->send_failed = true;
+        /* CS_ENOENT: the transfer already failed (its done reports why) */
+        if (r != CS_ENOENT) {
+            q->eng_status = r;
+            snprintf(q->eng_error, sizeof q->eng_error, "sending KV: %s", cs_last_error());
+        }
+    }
+    if (ev->finish != CS_FINISH_NONE) {
+        q->engine_done = true;
+        q->first_token = ev->token;
+        q->n_cached = ev->n_cached_prompt_tokens;
+        q->t_last_chunk = cs__now();
+        if (ev->finish == CS_FINISH_ERROR && !q->eng_status) {
+            q->eng_status = ev->status ? ev->status : CS_EIO;
+            snprintf(q->eng_error, sizeof q->eng_error, "%s", ev->error ? ev->error : "engine error");
+        }
+    }
+    bool abort_tx = (r && r != CS_ENOENT) || ev->finish == CS_FINISH_ERROR || ev->finish == CS_FINISH_CANCELLED;
+    bool cancel = r && ev->finish == CS_FINISH_NONE;
+    pthread_mutex_unlock(&q->mu);
+    if (abort_tx) cs_kvx_tx_abort(q->p->tx, q->transfer_id); /* CS_ENOENT when already over */
+    if (cancel) cs_serve_cancel(q->w->sv, q->id);
+    if (ev->finish != CS_FINISH_NONE) post_end(q); /* carries the engine's reference */
+}
+
+/* ---------------------------------------------------------- loop thread -- */
+
+static void preq_cancel(preq *q) {
+    cs_serve_cancel(q->w->sv, q->id);
+    cs_kvx_tx_abort(q->p->tx, q->transfer_id);
+}
+
+static void on_call_cancel(cs_rpc_call *c, void *data) {
+    preq *q = data;
+    (void)c;
+    CS_LOGD("request %s: call cancelled", q->request_id);
+    preq_cancel(q);
+    finish_call(q, CS_RPC_CANCELLED, "cancelled");
+}
+
+static void handle_prefill(cs_rpc_call *c, void *data) {
+    cs_worker *w = data;
+    prefill *p = &g_prefill;
+    const Chunkserve__V1__PrefillRequest *m = (const void *)cs_rpc_call_request_msg(c);
+    if (w->stopping) {
+        cs_rpc_call_finish(c, CS_RPC_UNAVAILABLE, "the worker is shutting down");
+        return;
+    }
+    if (p->n_live >= w->o.max_queue) {
+        cs_metric_inc(p->m_refused);
+        cs_rpc_call_finish(c, CS_RPC_RESOURCE_EXHAUSTED, "the prefill worker holds --max-queue requests");
+        return;
+    }
+    cs_request r;
+    int rc = cs_worker_request(w, m->token_ids, m->n_token_ids, m->num_prompt_tokens, m->sampling, &r);
+    char host[256];
+    int port = 0;
+    if (!rc && m->kv_transport == CHUNKSERVE__V1__KV_TRANSPORT__KV_TRANSPORT_NCCL)
+        rc = cs__fail(CS_ENOTSUP, "kv_transport NCCL: this worker sends KV over TCP");
+    if (!rc) rc = cs_worker_split_endpoint(m->kv_endpoint, host, sizeof host, &port);
+    if (rc) {
+        cs_rpc_call_finish(c, cs_worker_rpc_code(rc), cs_last_error());
+        return;
+    }
+    preq *q = calloc(1, sizeof *q);
+    if (!q) {
+        cs_rpc_call_finish(c, CS_RPC_RESOURCE_EXHAUSTED, "out of memory");
+        return;
+    }
+    q->w = w;
+    q->p = p;
+    q->call = c;
+    q->id = ++p->next_id;
+    q->transfer_id = m->transfer_id;
+    q->n_context = (int32_t)m->n_token_ids;
+    q->total_pages = (q->n_context + w->wm.page_size - 1) / w->wm.page_size;
+    q->t_start = cs__now();
+    int64_t left = cs_rpc_call_deadline_ms(c);
+    if (left > w->o.kv_deadline_ms) left = w->o.kv_deadline_ms;
+    if (left < 1) left = 1;
+    q->t_deadline = q->t_start + (double)left / 1000;
+    snprintf(q->request_id, sizeof q->request_id, "%s", m->request_id[0] ? m->request_id : "-");
+    snprintf(q->decode_id, sizeof q->decode_id, "%s", m->decode_worker_id[0] ? m->decode_worker_id : "decode");
+    snprintf(q->host, sizeof q->host, "%s", host);
+    q->port = port;
+    atomic_init(&q->refs, 1); /* the call's */
+    pthread_mutex_init(&q->mu, NULL);
+    q->next = p->live;
+    if (p->live) p->live->prev = q;
+    p->live = q;
+    p->n_live++;
+    cs_metric_inc(p->m_requests);
+    atomic_fetch_add(&q->refs, 1); /* the transfer's */
+    rc = cs_kvx_tx_begin(p->tx, host, port, q->transfer_id, q->total_pages, (int32_t)left, on_tx_done, q);
+    if (rc) {
+        atomic_fetch_sub(&q->refs, 1);
+        finish_call(q, rc == CS_EEXIST ? CS_RPC_ALREADY_EXISTS : CS_RPC_UNAVAILABLE, cs_last_error());
+        return;
+    }
+    r.id = q->id;
+    r.kv_mode = CS_KV_PREFILL_ONLY;
+    atomic_fetch_add(&q->refs, 1); /* the engine's */
+    rc = cs_serve_submit(w->sv, &r, on_event, q);
+    if (rc) {
+        atomic_fetch_sub(&q->refs, 1);
+        cs_kvx_tx_abort(p->tx, q->transfer_id);
+        finish_call(q, CS_RPC_UNAVAILABLE, "the engine refused the request");
+        return;
+    }
+    if (cs_rpc_call_on_cancel(c, on_call_cancel, q) != 0) on_call_cancel(c, q);
+}
+
+/* ---------------------------------------------------------- role hooks -- */
+
+static int prefill_start(cs_worker *w) {
+    prefill *p = &g_prefill;
+    w->role_data = p;
+    p->page_bytes = cs_engine_page_bytes(w->engine);
+    cs_kvx_tx_params tp = cs_kvx_tx_params_default();
+    tp.layout = cs_kvx_layout_of_engine(w->engine);
+    tp.name = w->worker_id[0] ? w->worker_id : "prefill";
+    tp.checksum = w->o.kv_checksum;
+    tp.dead_ms = (int32_t)w->o.kv_dead_ms;
+    p->max_queued = tp.max_queued_bytes;
+    int r = cs_kvx_tx_init(&tp, &p->tx);
+    if (r) return r;
+    cs_metrics *m = w->metrics;
+    p->m_requests = cs_metrics_counter(m, "chunkserve:prefill_requests_total", NULL, "Prefill calls accepted");
+    p->m_refused = cs_metrics_counter(m, "chunkserve:requests_refused_total", NULL,
+                                      "requests refused (RESOURCE_EXHAUSTED) by the queue limit");
+    p->m_xfer_started = cs_metrics_counter(m, "chunkserve:kv_transfers_started_total", NULL, "KV transfers begun");
+    p->m_xfer_completed = cs_metrics_counter(m, "chunkserve:kv_transfers_completed_total", NULL,
+                                             "KV transfers acknowledged by the decode worker");
+    p->m_xfer_failed = cs_metrics_counter(m, "chunkserve:kv_transfers_failed_total", NULL,
+                                          "KV transfers failed (peer died, deadline, aborted)");
+    p->m_xfer_bytes = cs_metrics_counter(m, "chunkserve:kv_transfer_bytes_total", NULL, "KV payload bytes sent");
+    static const double secs[] = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30};
+    size_t ns = sizeof secs / sizeof secs[0];
+    p->m_xfer_seconds = cs_metrics_histogram(m, "chunkserve:kv_transfer_seconds", NULL,
+                                             "Prefill call received to trailer acknowledged", secs, ns);
+    p->m_tail_seconds = cs_metrics_histogram(
+        m, "chunkserve:kv_transfer_tail_seconds", NULL,
+        "last chunk computed to trailer acknowledged: the transfer time left on the critical path", secs, ns);
+    p->m_prefill_seconds = cs_metrics_histogram(m, "chunkserve:prefill_seconds", NULL,
+                                                "Prefill call received to answered", secs, ns);
+    p->m_backpressure = cs_metrics_counter(m, "chunkserve:kv_backpressure_waits_total", NULL,
+                                           "steps that waited for a full KV channel to drain");
+    return cs_worker_add_method(w, "/chunkserve.v1.Worker/Prefill", CS_RPC_UNARY,
+                                &chunkserve__v1__prefill_request__descriptor, handle_prefill);
+}
+
+static void prefill_metrics(cs_worker *w) {
+    (void)w;
+    prefill *p = &g_prefill;
+    if (!p->tx) return;
+    cs_kvx_stats s;
+    cs_kvx_tx_get_stats(p->tx, &s);
+    cs_metric_add(p->m_xfer_started, (double)(s.transfers_started - p->last.transfers_started));
+    cs_metric_add(p->m_xfer_completed, (double)(s.transfers_completed - p->last.transfers_completed));
+    cs_metric_add(p->m_xfer_failed, (double)(s.transfers_failed - p->last.transfers_failed));
+    cs_metric_add(p->m_xfer_bytes, (double)(s.bytes - p->last.bytes));
+    p->last = s;
+}
+
+static bool prefill_cancel(cs_worker *w, uint64_t transfer_id) {
+    (void)w;
+    for (preq *q = g_prefill.live; q; q = q->next)
+        if (q->transfer_id == transfer_id) {
+            preq_cancel(q);
+            return true;
+        }
+    return false;
+}
+
+static void prefill_cancel_all(cs_worker *w) {
+    (void)w;
+    int n = 0;
+    for (preq *q = g_prefill.live; q; q = q->next)
+        if (q->call) {
+            preq_cancel(q);
+            finish_call(q, CS_RPC_UNAVAILABLE, "the prefill worker is shutting down");
+            n++;
+        }
+    if (n) CS_LOGI("grace period over: cancelling %d prefills", n);
+}
+
+/* The engine goes first: its final events still abort their transfers on
+ * a live transport; then the transport fails what is left (callbacks post
+ * their ends, which the loop runs before it closes). */
+static void prefill_stop(cs_worker *w) {
+    cs_serve_stop(w->sv);
+    w->sv = NULL;
+    cs_kvx_tx_free(g_prefill.tx);
+    g_prefill.tx = NULL;
+}
+
+/* Prompt tokens this worker holds and has not finished computing: counted
+ * here at once, not at the engine's next step (one step can be long). */
+static void prefill_status(cs_worker *w, Chunkserve__V1__WorkerStatus *st) {
+    (void)w;
+    int64_t queued = 0;
+    int32_t n = 0;
+    for (preq *q = g_prefill.live; q; q = q->next) {
+        pthread_mutex_lock(&q->mu);
+        if (!q->engine_done) queued += q->n_context, n++;
+        pthread_mutex_unlock(&q->mu);
+    }
+    st->queued_prefill_tokens = queued;
+    if (st->num_running + st->num_waiting < n) st->num_waiting = n - st->num_running;
+}
+
+static const cs_config_entry config[] = {
+    CS_WORKER_CONFIG_COMMON("50070", "8192"),
+    {"kv-deadline-ms", CS_CONFIG_INT, offsetof(cs_worker_opts, kv_deadline_ms), "120000",
+     "longest a KV transfer may take (the call's own deadline applies when shorter)", 100, 3600000},
+};
+
+const cs_worker_role cs_prefill_role = {
+    .name = "prefill",
+    .role = CHUNKSERVE__V1__WORKER_ROLE__WORKER_ROLE_PREFILL,
+    .config = config,
+    .n_config = sizeof config / sizeof config[0],
+    .summary = "the prefill worker: computes prompts in chunks under its budget and streams each chunk's KV "
+               "pages to the decode worker that reserved them",
+    .start = prefill_start,
+    .status = prefill_status,
+    .metrics = prefill_metrics,
+    .cancel = prefill_cancel,
+    .cancel_all = prefill_cancel_all,
+    .stop = prefill_stop,
+};
