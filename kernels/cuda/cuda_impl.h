@@ -101,6 +101,17 @@ void cs__cuda_swiglu(uint16_t *out, const float *gu, int n_tokens, int hidden, c
 void cs__cuda_pages_copy(uint16_t *pool, void *flat, const int32_t *pages, int n, size_t page_bytes,
                          int to_pages, cudaStream_t s);
 
+/* kv_pack.cu (the NCCL KV transport's staging, kvx/src/kvx_nccl_link.c):
+ * gather: staging page i = pool page ids[i], i < n, contiguous; scatter: the
+ * reverse. pool page p starts at pool + p * page_bytes; ids are n device
+ * int32 page ids; page_bytes a multiple of 8. sum (device, may be NULL) is
+ * set to the KV sum of the staging bytes, computed in the same pass: the
+ * formula of cs__kvx_sum_ref (kvx/src/kvx_nccl-impl.h). */
+void cs__cuda_kv_gather(const void *pool, size_t page_bytes, const int32_t *ids, int32_t n, void *staging,
+                        unsigned long long *sum, cudaStream_t s);
+void cs__cuda_kv_scatter(void *pool, size_t page_bytes, const int32_t *ids, int32_t n, const void *staging,
+                         unsigned long long *sum, cudaStream_t s);
+
 /* fp32 -> bf16 (round to nearest even) and back, n elements. */
 void cs__cuda_f32_to_bf16(uint16_t *dst, const float *src, size_t n, cudaStream_t s);
 void cs__cuda_bf16_to_f32(float *dst, const uint16_t *src, size_t n, cudaStream_t s);

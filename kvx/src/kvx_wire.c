@@ -35,8 +35,9 @@ static uint64_t get64(const uint8_t *p) {
     } while (0)
 
 const char *cs_kvx_frame_type_name(int type) {
-    static const char *const names[] = {"?", "HELLO", "HELLO_ACK", "PAGES", "TRAILER", "ABORT", "DONE", "PING"};
-    return type >= 1 && type <= CS_KVX_TYPE_MAX ? names[type] : "unknown";
+    static const char *const names[] = {"?",     "HELLO", "HELLO_ACK", "PAGES",      "TRAILER",   "ABORT",
+                                        "DONE",  "PING",  "NCCL_ID",   "NCCL_READY", "NCCL_PAGES"};
+    return type >= 1 && type <= CS_KVX_NCCL_TYPE_MAX ? names[type] : "unknown";
 }
 
 static void layout_encode(const cs_kvx_layout *l, uint8_t out[32]) {
@@ -80,7 +81,7 @@ void cs_kvx_hdr_encode(const cs_kvx_hdr *h, uint8_t out[CS_KVX_HDR_BYTES]) {
     put32(out + 12, XXH32(out, CS_KVX_HDR_BYTES, 0));
 }
 
-int cs_kvx_hdr_decode(const uint8_t in[CS_KVX_HDR_BYTES], const cs_kvx_limits *lim, cs_kvx_hdr *h,
+static int hdr_decode(const uint8_t in[CS_KVX_HDR_BYTES], const cs_kvx_limits *lim, bool nccl, cs_kvx_hdr *h,
                       char *err, size_t errlen) {
     uint32_t magic = get32(in);
     if (magic != CS_KVX_MAGIC) FAIL(CS_EBADMSG, "kvx: bad frame magic %08x", magic);
@@ -100,16 +101,30 @@ int cs_kvx_hdr_decode(const uint8_t in[CS_KVX_HDR_BYTES], const cs_kvx_limits *l
     h->payload_len = get64(in + 48);
     h->payload_xxh64 = get64(in + 56);
     if (h->version != CS_KVX_VERSION) FAIL(CS_EPROTO, "kvx: unsupported frame version %u", h->version);
-    if (h->flags & ~CS_KVX_FLAG_CHECKSUM) FAIL(CS_EBADMSG, "kvx: unknown frame flags %#x", h->flags);
+    uint32_t allowed = CS_KVX_FLAG_CHECKSUM;
+    if (nccl && h->type == CS_KVX_HELLO) allowed |= CS_KVX_FLAG_NCCL;
+    if (h->flags & ~allowed) FAIL(CS_EBADMSG, "kvx: unknown frame flags %#x", h->flags);
     uint64_t want;
-    switch (h->type) {
+    /* NCCL channel types are unknown types to a TCP reader */
+    int type = h->type > CS_KVX_TYPE_MAX && !nccl ? 0 : h->type;
+    switch (type) {
     case CS_KVX_HELLO: want = CS_KVX_HELLO_BYTES; break;
     case CS_KVX_HELLO_ACK: want = CS_KVX_ACK_BYTES; break;
     case CS_KVX_TRAILER: want = CS_KVX_TRAILER_BYTES; break;
     case CS_KVX_ABORT:
     case CS_KVX_DONE: want = CS_KVX_STATUS_BYTES; break;
     case CS_KVX_PING: want = 0; break;
+    case CS_KVX_NCCL_ID: want = CS_KVX_NCCL_ID_BYTES; break;
+    case CS_KVX_NCCL_READY: want = CS_KVX_ACK_BYTES; break;
+    case CS_KVX_NCCL_PAGES:
+        if (h->n_pages == 0) FAIL(CS_EBADMSG, "kvx: NCCL_PAGES frame with 0 pages");
+        if (lim->page_bytes == 0 || h->n_pages > lim->max_payload / lim->page_bytes)
+            FAIL(CS_EBADMSG, "kvx: NCCL_PAGES chunk of %u pages exceeds the %llu-byte chunk limit", h->n_pages,
+                 (unsigned long long)lim->max_payload);
+        want = CS_KVX_NCCL_DESC_BYTES;
+        break;
     case CS_KVX_PAGES:
+        if (nccl) FAIL(CS_EPROTO, "kvx: PAGES frame on an NCCL channel (page bytes travel over NCCL)");
         if (h->n_pages == 0) FAIL(CS_EBADMSG, "kvx: PAGES frame with 0 pages");
         if (lim->page_bytes == 0 || h->n_pages > lim->max_payload / lim->page_bytes)
             FAIL(CS_EBADMSG, "kvx: PAGES frame of %u pages exceeds the %llu-byte frame limit", h->n_pages,
@@ -122,6 +137,16 @@ int cs_kvx_hdr_decode(const uint8_t in[CS_KVX_HDR_BYTES], const cs_kvx_limits *l
         FAIL(CS_EBADMSG, "kvx: %s frame payload length %llu, expected %llu", cs_kvx_frame_type_name(h->type),
              (unsigned long long)h->payload_len, (unsigned long long)want);
     return 0;
+}
+
+int cs_kvx_hdr_decode(const uint8_t in[CS_KVX_HDR_BYTES], const cs_kvx_limits *lim, cs_kvx_hdr *h,
+                      char *err, size_t errlen) {
+    return hdr_decode(in, lim, false, h, err, errlen);
+}
+
+int cs_kvx_hdr_decode_nccl(const uint8_t in[CS_KVX_HDR_BYTES], const cs_kvx_limits *lim, cs_kvx_hdr *h, char *err,
+                           size_t errlen) {
+    return hdr_decode(in, lim, true, h, err, errlen);
 }
 
 int cs_kvx_payload_check(const cs_kvx_hdr *h, const void *payload, bool require_checksum, char *err,
@@ -203,13 +228,35 @@ int cs_kvx_status_decode(const uint8_t *in, size_t len, int32_t *status, char *e
     return 0;
 }
 
-int cs_kvx_decode_stream(const uint8_t *buf, size_t len, const cs_kvx_limits *lim, char *err, size_t errlen) {
+void cs_kvx_nccl_desc_encode(const cs_kvx_nccl_desc *d, uint8_t out[CS_KVX_NCCL_DESC_BYTES]) {
+    memset(out, 0, CS_KVX_NCCL_DESC_BYTES);
+    put64(out + 0, d->bytes);
+    put64(out + 8, d->sum);
+    put32(out + 16, d->flags);
+}
+
+int cs_kvx_nccl_desc_decode(const uint8_t *in, size_t len, const cs_kvx_hdr *h, uint64_t page_bytes,
+                            cs_kvx_nccl_desc *d, char *err, size_t errlen) {
+    if (len != CS_KVX_NCCL_DESC_BYTES) FAIL(CS_EBADMSG, "kvx: NCCL_PAGES payload of %zu bytes", len);
+    d->bytes = get64(in + 0);
+    d->sum = get64(in + 8);
+    d->flags = get32(in + 16);
+    if (d->flags & ~CS_KVX_DESC_SUM) FAIL(CS_EBADMSG, "kvx: NCCL_PAGES with unknown flags %#x", d->flags);
+    if (get32(in + 20) != 0) FAIL(CS_EBADMSG, "kvx: NCCL_PAGES with non-zero padding");
+    if (d->bytes != (uint64_t)h->n_pages * page_bytes)
+        FAIL(CS_EBADMSG, "kvx: NCCL_PAGES of %u pages announces %llu bytes, expected %llu", h->n_pages,
+             (unsigned long long)d->bytes, (unsigned long long)((uint64_t)h->n_pages * page_bytes));
+    return 0;
+}
+
+static int decode_stream(const uint8_t *buf, size_t len, const cs_kvx_limits *lim, bool nccl, char *err,
+                         size_t errlen) {
     int n = 0;
     size_t off = 0;
     while (off < len) {
         if (len - off < CS_KVX_HDR_BYTES) FAIL(CS_EBADMSG, "kvx: truncated frame header (%zu bytes)", len - off);
         cs_kvx_hdr h;
-        int r = cs_kvx_hdr_decode(buf + off, lim, &h, err, errlen);
+        int r = hdr_decode(buf + off, lim, nccl, &h, err, errlen);
         if (r) return r;
         off += CS_KVX_HDR_BYTES;
         if (h.payload_len > len - off)
@@ -223,9 +270,15 @@ int cs_kvx_decode_stream(const uint8_t *buf, size_t len, const cs_kvx_limits *li
         char msg[128];
         cs_kvx_hello hello;
         cs_kvx_trailer_wire tw;
+        cs_kvx_nccl_desc desc;
         switch (h.type) {
         case CS_KVX_HELLO: r = cs_kvx_hello_decode(p, pl, &hello, err, errlen); break;
-        case CS_KVX_HELLO_ACK: r = cs_kvx_ack_decode(p, pl, &st, msg, sizeof msg); break;
+        case CS_KVX_HELLO_ACK:
+        case CS_KVX_NCCL_READY:
+            r = cs_kvx_ack_decode(p, pl, &st, msg, sizeof msg);
+            if (r) FAIL(r, "kvx: %s with a positive status %d", cs_kvx_frame_type_name(h.type), st);
+            break;
+        case CS_KVX_NCCL_PAGES: r = cs_kvx_nccl_desc_decode(p, pl, &h, lim->page_bytes, &desc, err, errlen); break;
         case CS_KVX_TRAILER: r = cs_kvx_trailer_decode(p, pl, &tw, err, errlen); break;
         case CS_KVX_ABORT:
         case CS_KVX_DONE: r = cs_kvx_status_decode(p, pl, &st, err, errlen); break;
@@ -236,4 +289,12 @@ int cs_kvx_decode_stream(const uint8_t *buf, size_t len, const cs_kvx_limits *li
         n++;
     }
     return n;
+}
+
+int cs_kvx_decode_stream(const uint8_t *buf, size_t len, const cs_kvx_limits *lim, char *err, size_t errlen) {
+    return decode_stream(buf, len, lim, false, err, errlen);
+}
+
+int cs_kvx_decode_stream_nccl(const uint8_t *buf, size_t len, const cs_kvx_limits *lim, char *err, size_t errlen) {
+    return decode_stream(buf, len, lim, true, err, errlen);
 }

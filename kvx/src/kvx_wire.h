@@ -9,7 +9,12 @@
  *  24 xfer_id u64   32 first_page u32   36 n_pages u32
  *  40 fingerprint u64 (cs_kvx_layout_fingerprint)
  *  48 payload_len u64   56 payload_xxh64 u64 (when flags & CHECKSUM)
- * then payload_len bytes. Control payloads have fixed sizes (below). */
+ * then payload_len bytes. Control payloads have fixed sizes (below).
+ *
+ * NCCL channels (chunkserve/kvx_nccl.h) add three frame types and one HELLO
+ * flag, all additive within version 1: only the *_nccl decoders accept them,
+ * so a TCP peer refuses them exactly as it refuses any unknown type or flag
+ * (and an NCCL reader refuses PAGES). */
 #ifndef CS_KVX_WIRE_H
 #define CS_KVX_WIRE_H
 
@@ -23,6 +28,7 @@
 #define CS_KVX_VERSION 1
 #define CS_KVX_HDR_BYTES 64
 #define CS_KVX_FLAG_CHECKSUM 1u
+#define CS_KVX_FLAG_NCCL 2u /* HELLO only, NCCL channels only: page bytes travel over NCCL */
 #define CS_KVX_NAME_MAX 64
 
 enum cs_kvx_frame_type {
@@ -33,13 +39,22 @@ enum cs_kvx_frame_type {
     CS_KVX_ABORT = 5,     /* either way: status */
     CS_KVX_DONE = 6,      /* rx -> tx: the transfer's final status */
     CS_KVX_PING = 7,      /* either way, empty */
-    CS_KVX_TYPE_MAX = 7
+    CS_KVX_TYPE_MAX = 7,  /* the last type of a TCP channel */
+    /* NCCL channels only (cs_kvx_hdr_decode_nccl): */
+    CS_KVX_NCCL_ID = 8,    /* tx -> rx: the ncclUniqueId of the channel's communicator */
+    CS_KVX_NCCL_READY = 9, /* rx -> tx: ACK payload: communicator ready (0) or why not; n_pages = receiver's
+                              chunk limit in pages */
+    CS_KVX_NCCL_PAGES = 10, /* tx -> rx: chunk descriptor: pages first_page + n_pages follow over NCCL */
+    CS_KVX_NCCL_TYPE_MAX = 10
 };
 
 #define CS_KVX_HELLO_BYTES 96  /* layout (32) + name (64) */
 #define CS_KVX_ACK_BYTES 128   /* status i32, pad, message (120) */
 #define CS_KVX_TRAILER_BYTES 24 /* first_token, prompt_len, total_pages, pad, xxh64 of all pages */
 #define CS_KVX_STATUS_BYTES 8  /* status i32, pad (ABORT, DONE) */
+#define CS_KVX_NCCL_ID_BYTES 128  /* ncclUniqueId, opaque */
+#define CS_KVX_NCCL_DESC_BYTES 24 /* bytes u64, sum u64, flags u32, pad */
+#define CS_KVX_DESC_SUM 1u        /* descriptor flag: sum holds the device sum of the chunk */
 
 typedef struct {
     uint16_t version, type;
@@ -59,7 +74,15 @@ typedef struct {
     uint64_t xxh64; /* of every page's bytes in order */
 } cs_kvx_trailer_wire;
 
-/* What the reader accepts: page_bytes of its layout, its largest payload. */
+/* An NCCL_PAGES payload: what the ncclSend that follows carries. */
+typedef struct {
+    uint64_t bytes; /* n_pages * page_bytes */
+    uint64_t sum;   /* KV sum of those bytes (kvx_nccl-impl.h), when flags & CS_KVX_DESC_SUM */
+    uint32_t flags;
+} cs_kvx_nccl_desc;
+
+/* What the reader accepts: page_bytes of its layout, its largest payload
+ * (NCCL channels: the largest chunk of pages, in bytes). */
 typedef struct {
     uint64_t page_bytes;
     uint64_t max_payload;
@@ -68,9 +91,14 @@ typedef struct {
 void cs_kvx_hdr_encode(const cs_kvx_hdr *h, uint8_t out[CS_KVX_HDR_BYTES]);
 /* 0, or CS_EBADMSG / CS_EPROTO with a message in err: bad magic, version,
  * header checksum, type, or a payload length that does not fit the type
- * (PAGES: n_pages >= 1 and payload_len == n_pages * page_bytes <= max_payload). */
+ * (PAGES: n_pages >= 1 and payload_len == n_pages * page_bytes <= max_payload;
+ * NCCL_PAGES: n_pages >= 1 and n_pages * page_bytes <= max_payload). */
 int cs_kvx_hdr_decode(const uint8_t in[CS_KVX_HDR_BYTES], const cs_kvx_limits *lim, cs_kvx_hdr *h,
                       char *err, size_t errlen);
+/* The same for an NCCL channel: also NCCL_ID, NCCL_READY, NCCL_PAGES and the
+ * HELLO flag CS_KVX_FLAG_NCCL; PAGES is refused (CS_EPROTO). */
+int cs_kvx_hdr_decode_nccl(const uint8_t in[CS_KVX_HDR_BYTES], const cs_kvx_limits *lim, cs_kvx_hdr *h, char *err,
+                           size_t errlen);
 /* Payload checksum check (when flagged); CS_EBADMSG on mismatch. */
 int cs_kvx_payload_check(const cs_kvx_hdr *h, const void *payload, bool require_checksum, char *err,
                          size_t errlen);
@@ -83,11 +111,16 @@ void cs_kvx_trailer_encode(const cs_kvx_trailer_wire *t, uint8_t out[CS_KVX_TRAI
 int cs_kvx_trailer_decode(const uint8_t *in, size_t len, cs_kvx_trailer_wire *t, char *err, size_t errlen);
 void cs_kvx_status_encode(int32_t status, uint8_t out[CS_KVX_STATUS_BYTES]);
 int cs_kvx_status_decode(const uint8_t *in, size_t len, int32_t *status, char *err, size_t errlen);
+void cs_kvx_nccl_desc_encode(const cs_kvx_nccl_desc *d, uint8_t out[CS_KVX_NCCL_DESC_BYTES]);
+/* Checks bytes == h->n_pages * page_bytes and the flags. CS_EBADMSG. */
+int cs_kvx_nccl_desc_decode(const uint8_t *in, size_t len, const cs_kvx_hdr *h, uint64_t page_bytes,
+                            cs_kvx_nccl_desc *d, char *err, size_t errlen);
 
 /* Decodes a whole byte stream of frames as a receiver would, stopping at the
  * first error (for the fuzzer and the malformed-frame tests). Returns the
  * number of frames decoded, or a negative status. */
 int cs_kvx_decode_stream(const uint8_t *buf, size_t len, const cs_kvx_limits *lim, char *err, size_t errlen);
+int cs_kvx_decode_stream_nccl(const uint8_t *buf, size_t len, const cs_kvx_limits *lim, char *err, size_t errlen);
 
 const char *cs_kvx_frame_type_name(int type);
 

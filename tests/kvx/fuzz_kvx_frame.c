@@ -3,6 +3,8 @@
  * ways: with clang -fsanitize=fuzzer as a libFuzzer target (CS_LIBFUZZER),
  * and with the project's compiler as a deterministic random-mutation driver
  * that replays the corpus and its mutations (runs in every `make test`).
+ * Each input goes through both decoders: a TCP channel's and an NCCL
+ * channel's (cs_kvx_decode_stream_nccl: NCCL_ID, NCCL_READY, NCCL_PAGES).
  * Usage (fallback): fuzz_kvx_frame CORPUS_DIR [ITERATIONS]
  *                   fuzz_kvx_frame --write-corpus DIR (writes the seeds). */
 #include <dirent.h>
@@ -19,21 +21,59 @@ static const cs_kvx_layout L = {2, 2, 16, CS_KVX_DTYPE_F32, 16, 64};
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     cs_kvx_limits lim = {L.page_bytes, 4096};
-    char err[256];
+    char err[256] = "";
     int r = cs_kvx_decode_stream(data, size, &lim, err, sizeof err);
     if (r < 0 && !err[0]) __builtin_trap(); /* every rejection names its cause */
+    /* the same bytes as an NCCL channel (kvx_nccl.h) reads them */
+    err[0] = 0;
+    r = cs_kvx_decode_stream_nccl(data, size, &lim, err, sizeof err);
+    if (r < 0 && !err[0]) __builtin_trap();
     return 0;
 }
 
 #ifndef CS_LIBFUZZER
-static size_t frame(uint8_t *out, int type, uint64_t xfer, uint32_t first, uint32_t n, const void *pl, size_t len) {
+static size_t frame_f(uint8_t *out, int type, uint32_t flags, uint64_t xfer, uint32_t first, uint32_t n,
+                      const void *pl, size_t len) {
     cs_kvx_hdr h = {0};
-    h.type = (uint16_t)type, h.epoch = 7, h.xfer_id = xfer, h.first_page = first, h.n_pages = n;
+    h.type = (uint16_t)type, h.epoch = 7, h.xfer_id = xfer, h.first_page = first, h.n_pages = n, h.flags = flags;
     h.fingerprint = cs_kvx_layout_fingerprint(&L), h.payload_len = len;
-    if (len) h.flags = CS_KVX_FLAG_CHECKSUM, h.payload_xxh64 = XXH64(pl, len, 0);
+    if (len) h.flags |= CS_KVX_FLAG_CHECKSUM, h.payload_xxh64 = XXH64(pl, len, 0);
     cs_kvx_hdr_encode(&h, out);
     if (len) memcpy(out + CS_KVX_HDR_BYTES, pl, len);
     return CS_KVX_HDR_BYTES + len;
+}
+
+static size_t frame(uint8_t *out, int type, uint64_t xfer, uint32_t first, uint32_t n, const void *pl, size_t len) {
+    return frame_f(out, type, 0, xfer, first, n, pl, len);
+}
+
+/* An NCCL channel's frames, both directions: HELLO with the NCCL flag,
+ * NCCL_ID, HELLO_ACK, NCCL_READY, two NCCL_PAGES descriptors, TRAILER, DONE. */
+static size_t nccl_seed(uint8_t *buf) {
+    uint8_t pl[256];
+    size_t n = 0;
+    cs_kvx_hello hello;
+    memset(&hello, 0, sizeof hello);
+    hello.layout = L;
+    strcpy(hello.name, "prefill-0");
+    cs_kvx_hello_encode(&hello, pl);
+    n += frame_f(buf + n, CS_KVX_HELLO, CS_KVX_FLAG_NCCL, 0, 0, 0, pl, CS_KVX_HELLO_BYTES);
+    for (int i = 0; i < CS_KVX_NCCL_ID_BYTES; i++) pl[i] = (uint8_t)(i * 13 + 1);
+    n += frame(buf + n, CS_KVX_NCCL_ID, 0, 0, 0, pl, CS_KVX_NCCL_ID_BYTES);
+    cs_kvx_ack_encode(0, "ok", pl);
+    n += frame(buf + n, CS_KVX_HELLO_ACK, 0, 0, 0, pl, CS_KVX_ACK_BYTES);
+    n += frame(buf + n, CS_KVX_NCCL_READY, 0, 0, 64, pl, CS_KVX_ACK_BYTES);
+    for (uint32_t k = 0; k < 2; k++) {
+        cs_kvx_nccl_desc d = {2 * L.page_bytes, 0x0123456789abcdefull + k, CS_KVX_DESC_SUM};
+        cs_kvx_nccl_desc_encode(&d, pl);
+        n += frame(buf + n, CS_KVX_NCCL_PAGES, 1, 2 * k, 2, pl, CS_KVX_NCCL_DESC_BYTES);
+    }
+    cs_kvx_trailer_wire tw = {{5, 60, 4}, 42};
+    cs_kvx_trailer_encode(&tw, pl);
+    n += frame(buf + n, CS_KVX_TRAILER, 1, 0, 0, pl, CS_KVX_TRAILER_BYTES);
+    cs_kvx_status_encode(0, pl);
+    n += frame(buf + n, CS_KVX_DONE, 1, 0, 0, pl, CS_KVX_STATUS_BYTES);
+    return n;
 }
 
 static int write_corpus(const char *dir) {
@@ -67,6 +107,12 @@ static int write_corpus(const char *dir) {
     snprintf(path, sizeof path, "%s/pages", dir);
     f = fopen(path, "wb");
     fwrite(buf + CS_KVX_HDR_BYTES + CS_KVX_HELLO_BYTES, 1, CS_KVX_HDR_BYTES + 128, f);
+    fclose(f);
+    n = nccl_seed(buf);
+    snprintf(path, sizeof path, "%s/nccl", dir);
+    f = fopen(path, "wb");
+    if (!f) return 1;
+    fwrite(buf, 1, n, f);
     fclose(f);
     return 0;
 }

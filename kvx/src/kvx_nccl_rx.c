@@ -1,0 +1,1073 @@
+/* kvx_nccl_rx.c: the receiver of the NCCL KV transport: control plane. The
+ * TCP side (accept, HELLO checks and fencing, pings, trailers, aborts, DONE)
+ * works as in kvx_rx.c; page bytes arrive through the channel's payload link
+ * (kvx_nccl-impl.h). No CUDA or NCCL here.
+ *
+ * A channel's communicator is created when its NCCL_ID arrives (rank 1,
+ * non-blocking init polled by this thread, bounded by init_timeout_ms);
+ * NCCL_READY tells the sender the outcome. Every NCCL_PAGES descriptor, in
+ * arrival order, gets exactly one ncclRecv posted into a free staging slot,
+ * also for a transfer that already ended here (the bytes are then dropped):
+ * this keeps the two ranks' operations matched. A received chunk is
+ * scattered into the reserved ids and summed on the device; chunks complete
+ * in posting order. A transfer completes when its trailer came and its last
+ * chunk landed. A transfer that ends while a scatter into its pages may still
+ * run (cancel, deadline, broken channel) reports only once that scatter
+ * finished or its link was torn down, so its pages are free to reuse when
+ * done runs. */
+#define XXH_STATIC_LINKING_ONLY
+#include <arpa/inet.h>
+#include <errno.h>
+#include <netdb.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include "kvx-impl.h"
+#include "kvx_nccl-impl.h"
+#include "util.h"
+
+#define N_TOMB 4096
+#define N_PEERS 1024
+
+enum comm_state { COMM_NONE, COMM_OPENING, COMM_INIT, COMM_READY };
+
+struct nrx_xfer;
+
+/* A descriptor waiting for a free slot. */
+typedef struct nrx_item {
+    struct nrx_item *next;
+    uint64_t xfer_id; /* 0: the transfer already ended here: receive and drop */
+    uint32_t first_page, n_pages;
+    cs_kvx_nccl_desc d;
+} nrx_item;
+
+typedef struct {
+    bool busy;
+    struct nrx_xfer *x; /* the transfer whose pages the scatter writes, or NULL */
+    uint32_t first_page, n_pages;
+    cs_kvx_nccl_desc d;
+    int64_t since;
+} nrx_slot;
+
+typedef struct nrx_conn {
+    struct nrx_conn *next;
+    int fd;
+    bool hello, closing;
+    char name[CS_KVX_NAME_MAX];
+    char addr[64];
+    uint64_t peer_inc;
+    uint8_t hdr[CS_KVX_HDR_BYTES];
+    size_t hdr_len;
+    cs_kvx_hdr h;
+    uint8_t buf[CS_KVX_ACK_BYTES]; /* every payload of an NCCL channel fits */
+    size_t pl_len;
+    kvx_out *qhead, *qtail;
+    int64_t last_rx, last_tx;
+    /* payload link */
+    int comm;
+    uint8_t id[CS_KVX_NCCL_ID_BYTES];
+    int64_t init_deadline;
+    cs__kvx_link *link;
+    nrx_item *ihead, *itail;
+    nrx_slot *slots;
+    int *order; /* busy slots in posting order (ring) */
+    int ord_head, ord_n;
+} nrx_conn;
+
+typedef struct nrx_xfer {
+    struct nrx_xfer *next;
+    uint64_t id;
+    int32_t *ids;
+    int32_t n_pages, described, landed, inflight;
+    int64_t deadline;
+    nrx_conn *conn;
+    int fail;
+    cs_kvx_done_fn done;
+    void *arg;
+    XXH64_state_t fold;
+    bool all_sums;
+    bool trailer_seen;
+    cs_kvx_trailer_wire tw;
+    /* ended while a scatter into its pages was in flight */
+    bool ended;
+    int end_status;
+    char end_msg[200];
+} nrx_xfer;
+
+typedef struct nrx_event {
+    struct nrx_event *next;
+    cs_kvx_done_fn done;
+    void *arg;
+    uint64_t id;
+    int status;
+    bool has_trailer;
+    cs_kvx_trailer t;
+    char msg[200];
+} nrx_event;
+
+typedef struct nrx_grave {
+    struct nrx_grave *next;
+    cs__kvx_link *link;
+    nrx_slot *slots;
+} nrx_grave;
+
+struct cs_kvx_nccl_rx {
+    cs_kvx_nccl_rx_params p;
+    const cs__kvx_link_ops *ops;
+    char host[64];
+    uint64_t fingerprint, inc;
+    int32_t slot_pages;
+    int lfd, port;
+    pthread_mutex_t mu;
+    pthread_t thread;
+    int wake[2];
+    bool stop;
+    nrx_conn *conns;
+    int n_conns;
+    nrx_xfer *xfers;
+    nrx_xfer *zombies; /* ended, waiting for their in-flight scatters */
+    nrx_event *ev_head, *ev_tail;
+    nrx_grave *grave;
+    uint64_t tomb[N_TOMB];
+    int tomb_pos;
+    struct {
+        char name[CS_KVX_NAME_MAX];
+        uint64_t inc;
+    } peers[N_PEERS];
+    int n_peers;
+    cs_kvx_stats st;
+};
+
+cs_kvx_nccl_rx_params cs_kvx_nccl_rx_params_default(void) {
+    cs_kvx_nccl_rx_params p;
+    memset(&p, 0, sizeof p);
+    p.tcp = cs_kvx_rx_params_default();
+    p.tcp.max_frame_bytes = 32u << 20;
+    p.pool.device = 0;
+    p.n_slots = 2;
+    p.init_timeout_ms = 30000;
+    p.op_timeout_ms = 10000;
+    return p;
+}
+
+static void queue_ctl(cs_kvx_nccl_rx *rx, nrx_conn *c, int type, uint64_t xfer, uint32_t n_pages,
+                      const void *pl, size_t len) {
+    if (c->fd < 0 || c->closing) return;
+    kvx_out *o = calloc(1, sizeof *o);
+    CS_ASSERT(o);
+    cs__kvx_out_ctl(o, type, rx->inc, xfer, rx->fingerprint, pl, len);
+    if (n_pages) {
+        o->h.n_pages = n_pages;
+        cs_kvx_hdr_encode(&o->h, o->hdr);
+    }
+    if (c->qtail)
+        c->qtail->next = o;
+    else
+        c->qhead = o;
+    c->qtail = o;
+}
+
+static void queue_status(cs_kvx_nccl_rx *rx, nrx_conn *c, int type, uint64_t xfer, int status) {
+    uint8_t pl[CS_KVX_STATUS_BYTES];
+    cs_kvx_status_encode(status, pl);
+    queue_ctl(rx, c, type, xfer, 0, pl, sizeof pl);
+}
+
+static void tomb_add(cs_kvx_nccl_rx *rx, uint64_t id) {
+    rx->tomb[rx->tomb_pos] = id;
+    rx->tomb_pos = (rx->tomb_pos + 1) % N_TOMB;
+}
+
+static bool tomb_has(cs_kvx_nccl_rx *rx, uint64_t id) {
+    for (int i = 0; i < N_TOMB; i++)
+        if (rx->tomb[i] == id && id != 0) return true;
+    return false;
+}
+
+static nrx_xfer *find_xfer(cs_kvx_nccl_rx *rx, uint64_t id) {
+    for (nrx_xfer *x = rx->xfers; x; x = x->next)
+        if (x->id == id) return x;
+    return NULL;
+}
+
+static void report(cs_kvx_nccl_rx *rx, nrx_xfer *x, int status, const char *msg,
+                   const cs_kvx_trailer *t) {
+    nrx_event *e = calloc(1, sizeof *e);
+    CS_ASSERT(e);
+    e->done = x->done;
+    e->arg = x->arg;
+    e->id = x->id;
+    e->status = status;
+    if (t) e->has_trailer = true, e->t = *t;
+    snprintf(e->msg, sizeof e->msg, "%s", msg ? msg : "");
+    if (rx->ev_tail)
+        rx->ev_tail->next = e;
+    else
+        rx->ev_head = e;
+    rx->ev_tail = e;
+    free(x->ids);
+    free(x);
+}
+
+/* Ends x (removing it from the table); tells the bound sender when the end
+ * is ours. Reports now, or once its in-flight scatters finished. */
+static void xfer_end(cs_kvx_nccl_rx *rx, nrx_xfer *x, int status, const char *msg,
+                     const cs_kvx_trailer *t, bool tell_peer) {
+    for (nrx_xfer **pp = &rx->xfers; *pp; pp = &(*pp)->next)
+        if (*pp == x) {
+            *pp = x->next;
+            break;
+        }
+    if (tell_peer && x->conn)
+        queue_status(rx, x->conn, status == 0 ? CS_KVX_DONE : CS_KVX_ABORT, x->id, status);
+    tomb_add(rx, x->id);
+    rx->st.transfers_active--;
+    if (status == 0)
+        rx->st.transfers_completed++;
+    else
+        rx->st.transfers_failed++;
+    if (status)
+        CS_LOGW("kvx nccl rx: transfer %llu failed: %s (%s)", (unsigned long long)x->id,
+                cs_strerror(status), msg ? msg : "");
+    if (x->inflight > 0) {
+        x->ended = true;
+        x->end_status = status;
+        snprintf(x->end_msg, sizeof x->end_msg, "%s", msg ? msg : "");
+        x->next = rx->zombies;
+        rx->zombies = x;
+        return;
+    }
+    report(rx, x, status, msg, t);
+}
+
+static void zombie_release(cs_kvx_nccl_rx *rx, nrx_xfer *x) {
+    if (--x->inflight > 0) return;
+    for (nrx_xfer **pp = &rx->zombies; *pp; pp = &(*pp)->next)
+        if (*pp == x) {
+            *pp = x->next;
+            break;
+        }
+    report(rx, x, x->end_status, x->end_msg, NULL);
+}
+
+static void conn_fail(cs_kvx_nccl_rx *rx, nrx_conn *c, int status, const char *msg, bool protocol) {
+    if (c->closing) return;
+    if (protocol) {
+        rx->st.protocol_errors++;
+        CS_LOGW("kvx nccl rx: closing channel from %s (%s): %s", c->name[0] ? c->name : "?",
+                c->addr, msg);
+    }
+    c->closing = true;
+    for (nrx_xfer *x = rx->xfers, *nx; x; x = nx) {
+        nx = x->next;
+        if (x->conn == c) xfer_end(rx, x, status, msg, NULL, false);
+    }
+}
+
+/* At the safe point: the link goes to the graveyard with its slots (their
+ * transfers are released once it is torn down). */
+static void conn_free(cs_kvx_nccl_rx *rx, nrx_conn *c) {
+    if (c->fd >= 0) close(c->fd);
+    rx->st.conns_closed++;
+    while (c->qhead) {
+        kvx_out *o = c->qhead;
+        c->qhead = o->next;
+        free(o);
+    }
+    while (c->ihead) {
+        nrx_item *it = c->ihead;
+        c->ihead = it->next;
+        free(it);
+    }
+    if (c->link) {
+        nrx_grave *g = calloc(1, sizeof *g);
+        CS_ASSERT(g);
+        g->link = c->link;
+        g->slots = c->slots;
+        c->slots = NULL;
+        g->next = rx->grave;
+        rx->grave = g;
+    }
+    free(c->slots);
+    free(c->order);
+    free(c);
+    rx->n_conns--;
+}
+
+static void bury(cs_kvx_nccl_rx *rx) {
+    while (rx->grave) {
+        nrx_grave *g = rx->grave;
+        rx->grave = g->next;
+        pthread_mutex_unlock(&rx->mu);
+        bool drained = rx->ops->close(g->link);
+        pthread_mutex_lock(&rx->mu);
+        if (!drained)
+            CS_LOGE("kvx nccl rx: a closed link's streams did not drain: its staging is leaked");
+        for (int i = 0; i < rx->p.n_slots; i++)
+            if (g->slots[i].busy && g->slots[i].x) zombie_release(rx, g->slots[i].x);
+        free(g->slots);
+        free(g);
+    }
+}
+
+static void conn_write(cs_kvx_nccl_rx *rx, nrx_conn *c) {
+    while (c->qhead && !c->closing) {
+        int r = cs__kvx_out_write(c->fd, c->qhead);
+        if (r < 0) {
+            conn_fail(rx, c, CS_ECONNRESET, "write to the sender failed", false);
+            return;
+        }
+        if (r == 0) return;
+        c->last_tx = cs__kvx_now_ms();
+        kvx_out *o = c->qhead;
+        c->qhead = o->next;
+        if (!c->qhead) c->qtail = NULL;
+        free(o);
+    }
+}
+
+/* Best effort: a refusal's reason reaches the sender before the close,
+ * behind the frames already queued (the HELLO_ACK must come first). */
+static void send_now(cs_kvx_nccl_rx *rx, nrx_conn *c, int type, int32_t status, const char *msg) {
+    if (c->fd < 0 || c->closing) return;
+    while (c->qhead && cs__kvx_out_write(c->fd, c->qhead) == 1) {
+        kvx_out *o = c->qhead;
+        c->qhead = o->next;
+        if (!c->qhead) c->qtail = NULL;
+        free(o);
+    }
+    if (c->qhead) return;
+    uint8_t ack[CS_KVX_ACK_BYTES];
+    cs_kvx_ack_encode(status, msg, ack);
+    kvx_out o;
+    memset(&o, 0, sizeof o);
+    cs__kvx_out_ctl(&o, type, rx->inc, 0, rx->fingerprint, ack, sizeof ack);
+    (void)cs__kvx_out_write(c->fd, &o);
+}
+
+static void on_hello(cs_kvx_nccl_rx *rx, nrx_conn *c, const cs_kvx_hdr *h, const uint8_t *pl) {
+    char err[256];
+    cs_kvx_hello m;
+    int r = cs_kvx_hello_decode(pl, (size_t)h->payload_len, &m, err, sizeof err);
+    if (r) {
+        conn_fail(rx, c, r, err, true);
+        return;
+    }
+    if (!(h->flags & CS_KVX_FLAG_NCCL)) {
+        snprintf(err, sizeof err, "NCCL endpoint: sender %s is TCP-only", m.name);
+        send_now(rx, c, CS_KVX_HELLO_ACK, CS_ECONNREFUSED, err);
+        conn_fail(rx, c, CS_ECONNREFUSED, err, true);
+        return;
+    }
+    const cs_kvx_layout *a = &m.layout, *b = &rx->p.tcp.layout;
+    if (h->fingerprint != rx->fingerprint || a->n_layers != b->n_layers ||
+        a->n_kv_heads != b->n_kv_heads || a->head_dim != b->head_dim || a->dtype != b->dtype ||
+        a->page_size != b->page_size || a->page_bytes != b->page_bytes) {
+        snprintf(err, sizeof err,
+                 "layout mismatch: sender %d layers, %d kv heads, head_dim %d, dtype %d, page %d; "
+                 "receiver %d, %d, %d, %d, %d",
+                 a->n_layers, a->n_kv_heads, a->head_dim, a->dtype, a->page_size, b->n_layers,
+                 b->n_kv_heads, b->head_dim, b->dtype, b->page_size);
+        send_now(rx, c, CS_KVX_HELLO_ACK, CS_ECONNREFUSED, err);
+        conn_fail(rx, c, CS_ECONNREFUSED, err, true);
+        return;
+    }
+    int slot = -1;
+    for (int i = 0; i < rx->n_peers; i++)
+        if (strcmp(rx->peers[i].name, m.name) == 0) slot = i;
+    if (slot >= 0 && h->epoch < rx->peers[slot].inc) {
+        snprintf(err, sizeof err, "stale incarnation %llx of sender %s (current %llx)",
+                 (unsigned long long)h->epoch, m.name, (unsigned long long)rx->peers[slot].inc);
+        send_now(rx, c, CS_KVX_HELLO_ACK, CS_ECONNREFUSED, err);
+        conn_fail(rx, c, CS_ECONNREFUSED, err, true);
+        return;
+    }
+    for (nrx_conn *o = rx->conns; o; o = o->next)
+        if (o != c && o->hello && !o->closing && strcmp(o->name, m.name) == 0) {
+            snprintf(err, sizeof err, "sender %s reconnected (incarnation %llx replaces %llx)",
+                     m.name, (unsigned long long)h->epoch, (unsigned long long)o->peer_inc);
+            conn_fail(rx, o, CS_ECONNRESET, err, false);
+        }
+    if (slot < 0 && rx->n_peers < N_PEERS) slot = rx->n_peers++;
+    if (slot < 0) slot = (int)(h->epoch % N_PEERS);
+    snprintf(rx->peers[slot].name, sizeof rx->peers[slot].name, "%s", m.name);
+    rx->peers[slot].inc = h->epoch;
+    snprintf(c->name, sizeof c->name, "%s", m.name);
+    c->peer_inc = h->epoch;
+    c->hello = true;
+    uint8_t ack[CS_KVX_ACK_BYTES];
+    cs_kvx_ack_encode(0, "ok", ack);
+    queue_ctl(rx, c, CS_KVX_HELLO_ACK, 0, 0, ack, sizeof ack);
+}
+
+static void on_desc(cs_kvx_nccl_rx *rx, nrx_conn *c, const cs_kvx_hdr *h) {
+    char err[256];
+    if (c->comm == COMM_NONE) {
+        conn_fail(rx, c, CS_EPROTO, "NCCL_PAGES before NCCL_ID", true);
+        return;
+    }
+    nrx_item *it = calloc(1, sizeof *it);
+    CS_ASSERT(it);
+    int r = cs_kvx_nccl_desc_decode(c->buf, (size_t)h->payload_len, h, rx->p.tcp.layout.page_bytes,
+                                    &it->d, err, sizeof err);
+    if (!r && rx->p.tcp.require_checksum && !(it->d.flags & CS_KVX_DESC_SUM)) {
+        r = CS_EBADMSG;
+        snprintf(err, sizeof err, "kvx: NCCL_PAGES without the required checksum");
+    }
+    if (r) {
+        free(it);
+        conn_fail(rx, c, r, err, true);
+        return;
+    }
+    it->first_page = h->first_page;
+    it->n_pages = h->n_pages;
+    nrx_xfer *x = find_xfer(rx, h->xfer_id);
+    if (!x || (x->conn && x->conn != c)) {
+        if (!x && tomb_has(rx, h->xfer_id)) {
+            /* ended here while in flight: its bytes still come over NCCL */
+            queue_status(rx, c, CS_KVX_ABORT, h->xfer_id, CS_ECANCELED);
+            it->xfer_id = 0;
+            goto queue;
+        }
+        free(it);
+        snprintf(err, sizeof err, "NCCL_PAGES frame for %s transfer %llu",
+                 x ? "another channel's" : "unknown", (unsigned long long)h->xfer_id);
+        conn_fail(rx, c, CS_EPROTO, err, true);
+        return;
+    }
+    x->conn = c;
+    if (h->first_page != (uint32_t)x->described ||
+        h->n_pages > (uint32_t)(x->n_pages - x->described)) {
+        free(it);
+        snprintf(err, sizeof err, "transfer %llu: pages %u+%u, expected from %d of %d reserved",
+                 (unsigned long long)x->id, h->first_page, h->n_pages, x->described, x->n_pages);
+        conn_fail(rx, c, CS_EPROTO, err, true);
+        return;
+    }
+    x->described += (int32_t)h->n_pages;
+    if (!(it->d.flags & CS_KVX_DESC_SUM)) x->all_sums = false;
+    it->xfer_id = x->id;
+queue:
+    if (c->itail)
+        c->itail->next = it;
+    else
+        c->ihead = it;
+    c->itail = it;
+}
+
+static void try_complete(cs_kvx_nccl_rx *rx, nrx_xfer *x) {
+    if (!x->trailer_seen || x->landed != x->n_pages) return;
+    if (x->all_sums && x->tw.xxh64 != XXH64_digest(&x->fold)) {
+        char err[200];
+        snprintf(err, sizeof err, "transfer %llu: checksum of all chunks mismatch",
+                 (unsigned long long)x->id);
+        conn_fail(rx, x->conn, CS_EBADMSG, err, true);
+        return;
+    }
+    cs_kvx_trailer t = x->tw.t;
+    xfer_end(rx, x, 0, NULL, &t, true);
+}
+
+static void on_frame(cs_kvx_nccl_rx *rx, nrx_conn *c) {
+    const cs_kvx_hdr *h = &c->h;
+    char err[256];
+    int r = cs_kvx_payload_check(h, c->buf, false, err, sizeof err);
+    if (r) {
+        conn_fail(rx, c, r, err, true);
+        return;
+    }
+    rx->st.frames++;
+    if (!c->hello) {
+        if (h->type != CS_KVX_HELLO) {
+            snprintf(err, sizeof err, "%s frame before HELLO", cs_kvx_frame_type_name(h->type));
+            conn_fail(rx, c, CS_EPROTO, err, true);
+            return;
+        }
+        on_hello(rx, c, h, c->buf);
+        return;
+    }
+    if (h->epoch != c->peer_inc) {
+        snprintf(err, sizeof err, "%s frame from incarnation %llx on a channel of incarnation %llx",
+                 cs_kvx_frame_type_name(h->type), (unsigned long long)h->epoch,
+                 (unsigned long long)c->peer_inc);
+        conn_fail(rx, c, CS_EPROTO, err, true);
+        return;
+    }
+    if (h->fingerprint != rx->fingerprint) {
+        snprintf(err, sizeof err, "%s frame with layout fingerprint %llx, expected %llx",
+                 cs_kvx_frame_type_name(h->type), (unsigned long long)h->fingerprint,
+                 (unsigned long long)rx->fingerprint);
+        conn_fail(rx, c, CS_EPROTO, err, true);
+        return;
+    }
+    switch (h->type) {
+    case CS_KVX_PING: return;
+    case CS_KVX_NCCL_ID:
+        if (c->comm != COMM_NONE) {
+            conn_fail(rx, c, CS_EPROTO, "second NCCL_ID on a channel", true);
+            return;
+        }
+        memcpy(c->id, c->buf, sizeof c->id);
+        c->comm = COMM_OPENING; /* opened by the loop, without the mutex */
+        return;
+    case CS_KVX_NCCL_PAGES: on_desc(rx, c, h); return;
+    case CS_KVX_ABORT:
+    case CS_KVX_TRAILER: break;
+    default:
+        snprintf(err, sizeof err, "unexpected %s frame", cs_kvx_frame_type_name(h->type));
+        conn_fail(rx, c, CS_EPROTO, err, true);
+        return;
+    }
+    nrx_xfer *x = find_xfer(rx, h->xfer_id);
+    if (!x || (x->conn && x->conn != c)) {
+        if (!x && tomb_has(rx, h->xfer_id)) {
+            if (h->type != CS_KVX_ABORT)
+                queue_status(rx, c, CS_KVX_ABORT, h->xfer_id, CS_ECANCELED);
+            return;
+        }
+        snprintf(err, sizeof err, "%s frame for %s transfer %llu", cs_kvx_frame_type_name(h->type),
+                 x ? "another channel's" : "unknown", (unsigned long long)h->xfer_id);
+        conn_fail(rx, c, CS_EPROTO, err, true);
+        return;
+    }
+    x->conn = c;
+    if (h->type == CS_KVX_ABORT) {
+        int32_t st;
+        if (cs_kvx_status_decode(c->buf, (size_t)h->payload_len, &st, err, sizeof err)) {
+            conn_fail(rx, c, CS_EBADMSG, err, true);
+            return;
+        }
+        snprintf(err, sizeof err, "sender aborted the transfer (%s)", cs_strerror(st));
+        xfer_end(rx, x, CS_ECANCELED, err, NULL, false);
+        return;
+    }
+    /* TRAILER: every descriptor came before it */
+    cs_kvx_trailer_wire tw;
+    if (cs_kvx_trailer_decode(c->buf, (size_t)h->payload_len, &tw, err, sizeof err)) {
+        conn_fail(rx, c, CS_EBADMSG, err, true);
+        return;
+    }
+    if (x->trailer_seen || tw.t.total_pages != x->n_pages || x->described != x->n_pages) {
+        snprintf(err, sizeof err,
+                 "transfer %llu: trailer says %d pages, %d described of %d reserved",
+                 (unsigned long long)x->id, tw.t.total_pages, x->described, x->n_pages);
+        conn_fail(rx, c, CS_EPROTO, err, true);
+        return;
+    }
+    x->trailer_seen = true;
+    x->tw = tw;
+    try_complete(rx, x);
+}
+
+static void conn_read(cs_kvx_nccl_rx *rx, nrx_conn *c) {
+    cs_kvx_limits lim = {rx->p.tcp.layout.page_bytes, rx->p.tcp.max_frame_bytes};
+    for (int frames = 0; !c->closing && frames < 256; frames++) {
+        uint8_t *dst;
+        size_t want;
+        if (c->hdr_len < CS_KVX_HDR_BYTES) {
+            dst = c->hdr + c->hdr_len;
+            want = CS_KVX_HDR_BYTES - c->hdr_len;
+        } else {
+            dst = c->buf + c->pl_len;
+            want = (size_t)c->h.payload_len - c->pl_len;
+        }
+        ssize_t n = want ? read(c->fd, dst, want) : 0;
+        if (want && n <= 0) {
+            if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
+            if (n < 0 && errno == EINTR) continue;
+            char m[160];
+            if (c->hdr_len || c->pl_len)
+                snprintf(m, sizeof m, "channel from %s closed inside a frame (truncated)",
+                         c->name[0] ? c->name : c->addr);
+            else
+                snprintf(m, sizeof m, "sender %s closed the channel%s%s",
+                         c->name[0] ? c->name : c->addr, n < 0 ? ": " : "",
+                         n < 0 ? strerror(errno) : "");
+            conn_fail(rx, c, CS_ECONNRESET, m, c->hdr_len || c->pl_len);
+            return;
+        }
+        if (n > 0) c->last_rx = cs__kvx_now_ms();
+        if (c->hdr_len < CS_KVX_HDR_BYTES) {
+            c->hdr_len += (size_t)n;
+            if (c->hdr_len < CS_KVX_HDR_BYTES) continue;
+            char err[256];
+            int r = cs_kvx_hdr_decode_nccl(c->hdr, &lim, &c->h, err, sizeof err);
+            if (!r && c->h.payload_len > sizeof c->buf) {
+                r = CS_EPROTO;
+                snprintf(err, sizeof err, "%s frame from a sender",
+                         cs_kvx_frame_type_name(c->h.type));
+            }
+            if (r) {
+                conn_fail(rx, c, r, err, true);
+                return;
+            }
+            c->pl_len = 0;
+        } else {
+            c->pl_len += (size_t)n;
+        }
+        if (c->pl_len == c->h.payload_len) {
+            on_frame(rx, c);
+            c->hdr_len = 0;
+            c->pl_len = 0;
+        }
+    }
+}
+
+static void run_events(cs_kvx_nccl_rx *rx) {
+    nrx_event *e = rx->ev_head;
+    rx->ev_head = rx->ev_tail = NULL;
+    pthread_mutex_unlock(&rx->mu);
+    while (e) {
+        nrx_event *n = e->next;
+        e->done(e->arg, e->id, e->status, e->msg, e->has_trailer ? &e->t : NULL);
+        free(e);
+        e = n;
+    }
+    pthread_mutex_lock(&rx->mu);
+}
+
+static void do_accept(cs_kvx_nccl_rx *rx) {
+    for (;;) {
+        struct sockaddr_storage sa;
+        socklen_t sl = sizeof sa;
+        int fd = accept4(rx->lfd, (struct sockaddr *)&sa, &sl, SOCK_CLOEXEC);
+        if (fd < 0) return;
+        nrx_conn *c = rx->n_conns < rx->p.tcp.max_conns ? calloc(1, sizeof *c) : NULL;
+        nrx_slot *slots = c ? calloc((size_t)rx->p.n_slots, sizeof *slots) : NULL;
+        int *order = c ? calloc((size_t)rx->p.n_slots, sizeof *order) : NULL;
+        if (!c || !slots || !order || cs__kvx_set_socket_opts(fd) != 0) {
+            CS_LOGW("kvx nccl rx: refusing a channel (%d open)", rx->n_conns);
+            free(c), free(slots), free(order);
+            close(fd);
+            continue;
+        }
+        c->fd = fd;
+        c->slots = slots;
+        c->order = order;
+        char host[48] = "?";
+        if (sa.ss_family == AF_INET)
+            inet_ntop(AF_INET, &((struct sockaddr_in *)&sa)->sin_addr, host, sizeof host);
+        else if (sa.ss_family == AF_INET6)
+            inet_ntop(AF_INET6, &((struct sockaddr_in6 *)&sa)->sin6_addr, host, sizeof host);
+        snprintf(c->addr, sizeof c->addr, "%s", host);
+        c->last_rx = c->last_tx = cs__kvx_now_ms();
+        c->next = rx->conns;
+        rx->conns = c;
+        rx->n_conns++;
+        rx->st.conns_opened++;
+    }
+}
+
+/* Opens the link of a channel whose NCCL_ID arrived (without the mutex:
+ * staging allocation). */
+static void link_open(cs_kvx_nccl_rx *rx, nrx_conn *c) {
+    cs__kvx_link_cfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.rank = 1;
+    cfg.pool = rx->p.pool;
+    cfg.page_bytes = (size_t)rx->p.tcp.layout.page_bytes;
+    cfg.n_slots = rx->p.n_slots;
+    cfg.slot_pages = rx->slot_pages;
+    cfg.op_timeout_ms = rx->p.op_timeout_ms;
+    snprintf(cfg.name, sizeof cfg.name, "kvx %s->%s:%d", c->name, rx->host, rx->port);
+    uint8_t id[CS_KVX_NCCL_ID_BYTES];
+    memcpy(id, c->id, sizeof id);
+    char err[200] = "";
+    cs__kvx_link *link = NULL;
+    pthread_mutex_unlock(&rx->mu);
+    int r = rx->ops->open(&cfg, id, &link, err, sizeof err);
+    pthread_mutex_lock(&rx->mu);
+    if (r) {
+        char m[300];
+        snprintf(m, sizeof m, "cannot create the NCCL communicator: %s", err);
+        send_now(rx, c, CS_KVX_NCCL_READY, r, m);
+        conn_fail(rx, c, r, m, false);
+        return;
+    }
+    c->link = link;
+    c->comm = COMM_INIT;
+    c->init_deadline = cs__kvx_now_ms() + rx->p.init_timeout_ms;
+}
+
+static void slot_done(cs_kvx_nccl_rx *rx, nrx_conn *c, nrx_slot *sl, uint64_t sum) {
+    nrx_xfer *x = sl->x;
+    sl->busy = false;
+    sl->x = NULL;
+    if (!x) return; /* dropped bytes of an ended transfer */
+    if (x->ended) {
+        zombie_release(rx, x);
+        return;
+    }
+    x->inflight--;
+    if ((sl->d.flags & CS_KVX_DESC_SUM) && sum != sl->d.sum) {
+        char err[200];
+        snprintf(
+            err, sizeof err,
+            "transfer %llu: NCCL chunk of pages %u+%u: checksum mismatch (%016llx, sent %016llx)",
+            (unsigned long long)x->id, sl->first_page, sl->n_pages, (unsigned long long)sum,
+            (unsigned long long)sl->d.sum);
+        conn_fail(rx, c, CS_EBADMSG, err, true);
+        return;
+    }
+    if (sl->d.flags & CS_KVX_DESC_SUM) {
+        uint8_t le[8];
+        for (int i = 0; i < 8; i++)
+            le[i] = (uint8_t)(sum >> (8 * i));
+        XXH64_update(&x->fold, le, sizeof le);
+    }
+    x->landed += (int32_t)sl->n_pages;
+    rx->st.bytes += sl->d.bytes;
+    try_complete(rx, x);
+}
+
+/* Init progress, async errors, posting queued descriptors into free slots,
+ * finished chunks (in posting order), operations past op_timeout_ms. */
+static void link_poll(cs_kvx_nccl_rx *rx, nrx_conn *c, int64_t now) {
+    char err[200] = "", m[300];
+    int r = rx->ops->state(c->link, err, sizeof err);
+    if (r < 0) {
+        snprintf(m, sizeof m, "NCCL communicator with %s failed: %s", c->name, err);
+        if (c->comm != COMM_READY) send_now(rx, c, CS_KVX_NCCL_READY, CS_ECONNRESET, m);
+        conn_fail(rx, c, CS_ECONNRESET, m, false);
+        return;
+    }
+    if (c->comm == COMM_INIT) {
+        if (r == 0) {
+            uint8_t ack[CS_KVX_ACK_BYTES];
+            cs_kvx_ack_encode(0, "ok", ack);
+            queue_ctl(rx, c, CS_KVX_NCCL_READY, 0, (uint32_t)rx->slot_pages, ack, sizeof ack);
+            c->comm = COMM_READY;
+        } else if (now > c->init_deadline) {
+            snprintf(m, sizeof m, "NCCL communicator with %s not ready after %d ms", c->name,
+                     rx->p.init_timeout_ms);
+            send_now(rx, c, CS_KVX_NCCL_READY, CS_ETIMEDOUT, m);
+            conn_fail(rx, c, CS_ETIMEDOUT, m, false);
+            return;
+        }
+    }
+    if (c->comm != COMM_READY) return;
+    /* completions first: they free slots */
+    while (c->ord_n > 0 && !c->closing) {
+        int s = c->order[c->ord_head];
+        nrx_slot *sl = &c->slots[s];
+        uint64_t sum = 0;
+        r = rx->ops->query(c->link, s, &sum, err, sizeof err);
+        if (r < 0) {
+            snprintf(m, sizeof m, "NCCL receive from %s failed: %s", c->name, err);
+            conn_fail(rx, c, CS_EIO, m, false);
+            return;
+        }
+        if (r == 1) {
+            if (now - sl->since > rx->p.op_timeout_ms) {
+                snprintf(m, sizeof m,
+                         "NCCL receive of a %llu-byte chunk from %s not complete after %d ms",
+                         (unsigned long long)sl->d.bytes, c->name, rx->p.op_timeout_ms);
+                conn_fail(rx, c, CS_ETIMEDOUT, m, false);
+                return;
+            }
+            break;
+        }
+        c->ord_head = (c->ord_head + 1) % rx->p.n_slots;
+        c->ord_n--;
+        slot_done(rx, c, sl, sum);
+    }
+    while (c->ihead && !c->closing && c->ord_n < rx->p.n_slots) {
+        int s = -1;
+        for (int i = 0; i < rx->p.n_slots && s < 0; i++)
+            if (!c->slots[i].busy) s = i;
+        CS_ASSERT(s >= 0);
+        nrx_item *it = c->ihead;
+        nrx_xfer *x = it->xfer_id ? find_xfer(rx, it->xfer_id) : NULL;
+        if (x && x->conn != c) x = NULL;
+        bool sum = x && (it->d.flags & CS_KVX_DESC_SUM);
+        /* without the mutex (ncclInProgress may be waited for): only this
+         * thread touches the link, the items, and frees transfers */
+        pthread_mutex_unlock(&rx->mu);
+        r = rx->ops->recv(c->link, s, (size_t)it->d.bytes, x ? x->ids + it->first_page : NULL,
+                          (int32_t)it->n_pages, sum, err, sizeof err);
+        pthread_mutex_lock(&rx->mu);
+        if (r) {
+            snprintf(m, sizeof m, "ncclRecv from %s failed: %s", c->name, err);
+            conn_fail(rx, c, r == CS_ETIMEDOUT ? r : CS_ECONNRESET, m, false);
+            return;
+        }
+        c->ihead = it->next;
+        if (!c->ihead) c->itail = NULL;
+        c->slots[s] = (nrx_slot){true, x, it->first_page, it->n_pages, it->d, now};
+        if (!sum) c->slots[s].d.flags &= ~CS_KVX_DESC_SUM;
+        if (x) x->inflight++;
+        c->order[(c->ord_head + c->ord_n) % rx->p.n_slots] = s;
+        c->ord_n++;
+        free(it);
+    }
+}
+
+static void *rx_thread(void *arg) {
+    cs_kvx_nccl_rx *rx = arg;
+    cs_log_set_role("kvx-nccl-rx");
+    pthread_mutex_lock(&rx->mu);
+    struct pollfd *pfds = NULL;
+    nrx_conn **pc = NULL;
+    int cap = 0;
+    while (!rx->stop) {
+        int64_t now = cs__kvx_now_ms();
+        int64_t wait = rx->p.tcp.keepalive_ms;
+        bool busy = false;
+        for (nrx_xfer *x = rx->xfers, *nx; x; x = nx) {
+            nx = x->next;
+            if (x->fail)
+                xfer_end(rx, x, x->fail, "canceled by the receiver", NULL, true);
+            else if (now >= x->deadline)
+                xfer_end(rx, x, CS_ETIMEDOUT, "receiver deadline expired", NULL, true);
+            else if (x->deadline - now < wait)
+                wait = x->deadline - now;
+        }
+        for (nrx_conn **pp = &rx->conns; *pp;) {
+            nrx_conn *c = *pp;
+            if (!c->closing && now - c->last_rx > rx->p.tcp.dead_ms) {
+                char m[160];
+                snprintf(m, sizeof m, "sender %s silent for %d ms", c->name[0] ? c->name : c->addr,
+                         rx->p.tcp.dead_ms);
+                conn_fail(rx, c, CS_ECONNRESET, m, false);
+            }
+            if (!c->closing && c->comm == COMM_OPENING) link_open(rx, c);
+            if (!c->closing && c->link) link_poll(rx, c, now);
+            if (c->closing) { /* the safe point: nothing refers to c any more */
+                *pp = c->next;
+                conn_free(rx, c);
+                continue;
+            }
+            if (c->link && (c->comm != COMM_READY || c->ord_n || c->ihead)) busy = true;
+            if (c->hello && !c->qhead && now - c->last_tx >= rx->p.tcp.keepalive_ms)
+                queue_ctl(rx, c, CS_KVX_PING, 0, 0, NULL, 0);
+            if (c->qhead) conn_write(rx, c);
+            pp = &c->next;
+        }
+        /* report first: tearing a link down (ncclCommAbort, stream drain)
+         * may take a while */
+        if (rx->ev_head) {
+            run_events(rx);
+            continue;
+        }
+        if (rx->grave) {
+            bury(rx);
+            continue;
+        }
+        int n = 2;
+        if (rx->n_conns + 2 > cap) {
+            cap = 2 * (rx->n_conns + 2);
+            pfds = realloc(pfds, (size_t)cap * sizeof *pfds);
+            pc = realloc(pc, (size_t)cap * sizeof *pc);
+            CS_ASSERT(pfds && pc);
+        }
+        pfds[0] = (struct pollfd){.fd = rx->wake[0], .events = POLLIN};
+        pfds[1] = (struct pollfd){.fd = rx->lfd, .events = POLLIN};
+        for (nrx_conn *c = rx->conns; c; c = c->next) {
+            pfds[n] = (struct pollfd){.fd = c->fd, .events = POLLIN | (c->qhead ? POLLOUT : 0)};
+            pc[n++] = c;
+        }
+        pthread_mutex_unlock(&rx->mu);
+        struct timespec ts;
+        if (busy)
+            ts = (struct timespec){0, 200000};
+        else
+            ts = (struct timespec){(wait < 1 ? 1 : wait) / 1000,
+                                   ((wait < 1 ? 1 : wait) % 1000) * 1000000L};
+        int pr = ppoll(pfds, (nfds_t)n, &ts, NULL);
+        pthread_mutex_lock(&rx->mu);
+        if (pr < 0) continue;
+        if (pfds[0].revents) cs__kvx_drain(rx->wake[0]);
+        if (pfds[1].revents) do_accept(rx);
+        for (int i = 2; i < n; i++) {
+            nrx_conn *c = pc[i];
+            if (!pfds[i].revents || c->closing) continue;
+            if (pfds[i].revents & (POLLIN | POLLERR | POLLHUP)) conn_read(rx, c);
+            if (!c->closing && c->qhead) conn_write(rx, c);
+        }
+        run_events(rx);
+    }
+    pthread_mutex_unlock(&rx->mu);
+    free(pfds);
+    free(pc);
+    return NULL;
+}
+
+int cs__kvx_nccl_rx_init_ops(const cs_kvx_nccl_rx_params *p, const cs__kvx_link_ops *ops,
+                             cs_kvx_nccl_rx **out) {
+    *out = NULL;
+    const cs_kvx_rx_params *t = p ? &p->tcp : NULL;
+    if (!p || !ops || t->import || t->layout.page_bytes == 0 || t->layout.page_bytes % 8 ||
+        t->keepalive_ms <= 0 || t->dead_ms <= t->keepalive_ms ||
+        t->max_frame_bytes < t->layout.page_bytes || t->max_conns < 1 || t->port < 0 ||
+        t->port > 65535 || !p->pool.base || p->pool.n_pages < 1 || p->n_slots < 1 ||
+        p->n_slots > 64 || p->init_timeout_ms <= 0 || p->op_timeout_ms <= 0)
+        return cs__fail(
+            CS_EINVAL,
+            "kvx nccl rx: bad parameters (no import, page_bytes a multiple of 8, keepalive_ms "
+            "< dead_ms, max_frame_bytes >= page_bytes, pool, n_slots, timeouts)");
+    cs_kvx_nccl_rx *rx = calloc(1, sizeof *rx);
+    if (!rx) return cs__fail(CS_ENOMEM, "kvx nccl rx: out of memory");
+    rx->p = *p;
+    rx->ops = ops;
+    snprintf(rx->host, sizeof rx->host, "%s", t->host ? t->host : "127.0.0.1");
+    rx->p.tcp.host = rx->host;
+    uint64_t per = t->max_frame_bytes / t->layout.page_bytes;
+    rx->slot_pages = per > (uint64_t)INT32_MAX ? INT32_MAX : (int32_t)per;
+    rx->p.tcp.max_frame_bytes = (size_t)rx->slot_pages * t->layout.page_bytes;
+    rx->fingerprint = cs_kvx_layout_fingerprint(&t->layout);
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    rx->inc = ((uint64_t)ts.tv_sec * 1000000u + (uint64_t)ts.tv_nsec / 1000u) << 8 ^
+              (uint64_t)(getpid() & 0xff);
+    int r;
+    struct addrinfo hints, *res = NULL;
+    memset(&hints, 0, sizeof hints);
+    hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_PASSIVE;
+    char port[16];
+    snprintf(port, sizeof port, "%d", t->port);
+    rx->lfd = -1;
+    if (getaddrinfo(rx->host, port, &hints, &res) != 0) {
+        r = cs__fail(CS_EINVAL, "kvx nccl rx: cannot resolve %s", rx->host);
+        goto fail_addr;
+    }
+    rx->lfd = socket(res->ai_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+    int one = 1;
+    if (rx->lfd >= 0) setsockopt(rx->lfd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    if (rx->lfd < 0 || bind(rx->lfd, res->ai_addr, res->ai_addrlen) != 0 ||
+        listen(rx->lfd, 128) != 0) {
+        r = cs__fail(-errno, "kvx nccl rx: cannot listen on %s:%d: %s", rx->host, t->port,
+                     strerror(errno));
+        freeaddrinfo(res);
+        goto fail_listen;
+    }
+    freeaddrinfo(res);
+    struct sockaddr_storage sa;
+    socklen_t sl = sizeof sa;
+    getsockname(rx->lfd, (struct sockaddr *)&sa, &sl);
+    rx->port = ntohs(sa.ss_family == AF_INET6 ? ((struct sockaddr_in6 *)&sa)->sin6_port
+                                              : ((struct sockaddr_in *)&sa)->sin_port);
+    r = cs__kvx_wake_init(rx->wake);
+    if (r) {
+        r = cs__fail(r, "kvx nccl rx: eventfd: %s", cs_strerror(r));
+        goto fail_listen;
+    }
+    pthread_mutex_init(&rx->mu, NULL);
+    if (pthread_create(&rx->thread, NULL, rx_thread, rx) != 0) {
+        r = cs__fail(CS_ENOMEM, "kvx nccl rx: cannot start its thread");
+        goto fail_thread;
+    }
+    *out = rx;
+    return 0;
+fail_thread:
+    pthread_mutex_destroy(&rx->mu);
+    close(rx->wake[0]);
+fail_listen:
+    if (rx->lfd >= 0) close(rx->lfd);
+fail_addr:
+    free(rx);
+    return r;
+}
+
+void cs_kvx_nccl_rx_free(cs_kvx_nccl_rx *rx) {
+    if (!rx) return;
+    pthread_mutex_lock(&rx->mu);
+    rx->stop = true;
+    cs__kvx_wake(rx->wake[1]);
+    pthread_mutex_unlock(&rx->mu);
+    pthread_join(rx->thread, NULL);
+    pthread_mutex_lock(&rx->mu);
+    while (rx->xfers)
+        xfer_end(rx, rx->xfers, CS_ECANCELED, "receiver shut down", NULL, false);
+    while (rx->conns) {
+        nrx_conn *c = rx->conns;
+        rx->conns = c->next;
+        conn_free(rx, c);
+    }
+    bury(rx);
+    CS_ASSERT(!rx->zombies); /* every in-flight scatter belonged to a link just torn down */
+    run_events(rx);
+    pthread_mutex_unlock(&rx->mu);
+    pthread_mutex_destroy(&rx->mu);
+    close(rx->lfd);
+    close(rx->wake[0]);
+    free(rx);
+}
+
+int cs_kvx_nccl_rx_port(const cs_kvx_nccl_rx *rx) {
+    return rx->port;
+}
+uint64_t cs_kvx_nccl_rx_incarnation(const cs_kvx_nccl_rx *rx) {
+    return rx->inc;
+}
+
+int cs_kvx_nccl_rx_expect(cs_kvx_nccl_rx *rx, uint64_t xfer_id, const int32_t *page_ids,
+                          int32_t n_pages, int32_t deadline_ms, cs_kvx_done_fn done, void *arg) {
+    if (!page_ids || n_pages < 1 || deadline_ms <= 0 || !done || xfer_id == 0)
+        return cs__fail(
+            CS_EINVAL,
+            "kvx nccl rx: bad expectation (id != 0, n_pages >= 1, deadline_ms > 0, done)");
+    for (int32_t i = 0; i < n_pages; i++)
+        if (page_ids[i] < 0 || page_ids[i] >= rx->p.pool.n_pages)
+            return cs__fail(CS_EINVAL,
+                            "kvx nccl rx: transfer %llu: page id %d outside the pool (%d pages)",
+                            (unsigned long long)xfer_id, page_ids[i], rx->p.pool.n_pages);
+    nrx_xfer *x = calloc(1, sizeof *x);
+    int32_t *ids = malloc((size_t)n_pages * sizeof *ids);
+    if (!x || !ids) {
+        free(x), free(ids);
+        return cs__fail(CS_ENOMEM, "kvx nccl rx: out of memory");
+    }
+    memcpy(ids, page_ids, (size_t)n_pages * sizeof *ids);
+    x->id = xfer_id;
+    x->ids = ids;
+    x->n_pages = n_pages;
+    x->deadline = cs__kvx_now_ms() + deadline_ms;
+    x->done = done;
+    x->arg = arg;
+    x->all_sums = true;
+    XXH64_reset(&x->fold, 0);
+    pthread_mutex_lock(&rx->mu);
+    if (find_xfer(rx, xfer_id)) {
+        pthread_mutex_unlock(&rx->mu);
+        free(ids), free(x);
+        return cs__fail(CS_EEXIST, "kvx nccl rx: transfer %llu already expected",
+                        (unsigned long long)xfer_id);
+    }
+    for (int i = 0; i < N_TOMB; i++)
+        if (rx->tomb[i] == xfer_id) rx->tomb[i] = 0;
+    x->next = rx->xfers;
+    rx->xfers = x;
+    rx->st.transfers_started++;
+    rx->st.transfers_active++;
+    cs__kvx_wake(rx->wake[1]);
+    pthread_mutex_unlock(&rx->mu);
+    return 0;
+}
+
+int cs_kvx_nccl_rx_cancel(cs_kvx_nccl_rx *rx, uint64_t xfer_id) {
+    pthread_mutex_lock(&rx->mu);
+    nrx_xfer *x = find_xfer(rx, xfer_id);
+    int r = 0;
+    if (!x || x->fail)
+        r = cs__fail(CS_ENOENT, "kvx nccl rx: transfer %llu is not pending",
+                     (unsigned long long)xfer_id);
+    else
+        x->fail = CS_ECANCELED;
+    cs__kvx_wake(rx->wake[1]);
+    pthread_mutex_unlock(&rx->mu);
+    return r;
+}
+
+void cs_kvx_nccl_rx_get_stats(cs_kvx_nccl_rx *rx, cs_kvx_stats *s) {
+    pthread_mutex_lock(&rx->mu);
+    *s = rx->st;
+    pthread_mutex_unlock(&rx->mu);
+}

@@ -1,0 +1,1129 @@
+/* kvx_nccl_tx.c: the sender of the NCCL KV transport: control plane. The
+ * TCP channel (connect, HELLO with the NCCL flag, pings, trailers, aborts,
+ * the receiver's DONE) works as in kvx_tx.c; page bytes go through the
+ * channel's payload link (kvx_nccl-impl.h). No CUDA or NCCL here.
+ *
+ * Per channel, in order: a FIFO of items (chunks of at most one staging
+ * slot, trailers). The head chunks are gathered into free slots as soon as
+ * slots are free (overlapping the previous chunk's ncclSend); a gathered
+ * chunk at the head of the FIFO becomes an NCCL_PAGES descriptor on TCP, and
+ * its ncclSend is posted once that descriptor is fully written, so the
+ * receiver posts the matching ncclRecv in the same order. A descriptor that
+ * reached the socket is always followed by its ncclSend, even when its
+ * transfer ended meanwhile: the receiver receives and drops it, and the two
+ * ranks' operations stay matched. Only the I/O thread touches links and
+ * slots; slow link calls (open, close) run without the mutex. */
+#define XXH_STATIC_LINKING_ONLY
+#include <errno.h>
+#include <netdb.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <time.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include "kvx-impl.h"
+#include "kvx_nccl-impl.h"
+#include "util.h"
+
+enum chan_state { CH_IDLE, CH_CONNECTING, CH_OPEN };
+enum slot_state { SL_FREE, SL_PACKING, SL_PACKED, SL_QUEUED, SL_SENDING };
+enum item_kind { IT_CHUNK, IT_TRAILER };
+
+typedef struct ntx_send {
+    int refs;
+    cs_kvx_release_fn release;
+    void *arg;
+    int32_t *ids; /* owned copy of the page ids */
+} ntx_send;
+
+struct ntx_xfer;
+
+typedef struct ntx_item {
+    struct ntx_item *next;
+    int kind;
+    struct ntx_xfer *x; /* NULL once the transfer ended */
+    uint64_t xfer_id;
+    int32_t first_page, n_pages;
+    const int32_t *ids; /* into send->ids */
+    ntx_send *send;     /* reference held until the gather finished */
+    cs_kvx_trailer t;
+    int slot; /* -1 until gathered into a slot */
+} ntx_item;
+
+typedef struct {
+    int state;
+    ntx_item *item; /* PACKING, PACKED: the chunk (still in the FIFO) */
+    size_t bytes;
+    uint64_t sum;
+    int64_t since; /* start of the running operation (op timeout) */
+} ntx_slot;
+
+typedef struct ntx_chan {
+    struct ntx_chan *next;
+    char host[256];
+    int port;
+    int fd;
+    enum chan_state state;
+    bool acked;
+    uint64_t peer_inc;
+    kvx_out *qhead, *qtail;
+    int64_t last_rx, last_tx;
+    uint8_t in[CS_KVX_HDR_BYTES + CS_KVX_ACK_BYTES];
+    size_t in_len;
+    int n_xfers;
+    /* payload link: one per TCP connection */
+    cs__kvx_link *link;
+    bool local_ready, peer_ready;
+    int64_t init_deadline;
+    ntx_item *ihead, *itail;
+    size_t pending_bytes; /* chunk bytes in the FIFO (backpressure) */
+    ntx_slot *slots;
+} ntx_chan;
+
+typedef struct ntx_xfer {
+    struct ntx_xfer *next;
+    uint64_t id;
+    ntx_chan *ch;
+    int32_t total_pages, queued_pages;
+    bool trailer_queued;
+    int64_t deadline;
+    int fail;
+    cs_kvx_done_fn done;
+    void *arg;
+    XXH64_state_t fold; /* of the chunk sums, in order */
+} ntx_xfer;
+
+typedef struct ntx_event {
+    struct ntx_event *next;
+    cs_kvx_done_fn done;
+    void *arg;
+    uint64_t id;
+    int status;
+    char msg[200];
+    cs_kvx_release_fn release;
+    void *rel_arg;
+} ntx_event;
+
+/* A closed link waiting to be torn down without the mutex, with the sends
+ * whose pages its kernels may still read. */
+typedef struct ntx_grave {
+    struct ntx_grave *next;
+    cs__kvx_link *link;
+    ntx_send **sends;
+    int n_sends;
+} ntx_grave;
+
+struct cs_kvx_nccl_tx {
+    cs_kvx_nccl_tx_params p;
+    const cs__kvx_link_ops *ops;
+    char name[CS_KVX_NAME_MAX];
+    uint64_t fingerprint;
+    int32_t slot_pages;
+    pthread_mutex_t mu;
+    pthread_t thread;
+    int wake[2];
+    bool stop;
+    ntx_chan *chans;
+    ntx_xfer *xfers;
+    ntx_event *ev_head, *ev_tail;
+    ntx_grave *grave;
+    cs_kvx_stats st;
+};
+
+cs_kvx_nccl_tx_params cs_kvx_nccl_tx_params_default(void) {
+    cs_kvx_nccl_tx_params p;
+    memset(&p, 0, sizeof p);
+    p.tcp = cs_kvx_tx_params_default();
+    p.tcp.max_frame_bytes = 32u << 20;
+    p.pool.device = 0;
+    p.n_slots = 2;
+    p.init_timeout_ms = 30000;
+    p.op_timeout_ms = 10000;
+    return p;
+}
+
+static void push_event(cs_kvx_nccl_tx *tx, ntx_event *e) {
+    if (tx->ev_tail)
+        tx->ev_tail->next = e;
+    else
+        tx->ev_head = e;
+    tx->ev_tail = e;
+}
+
+static void send_unref(cs_kvx_nccl_tx *tx, ntx_send *s) {
+    if (!s || --s->refs > 0) return;
+    if (s->release) {
+        ntx_event *e = calloc(1, sizeof *e);
+        if (e) {
+            e->release = s->release;
+            e->rel_arg = s->arg;
+            push_event(tx, e);
+        } else {
+            s->release(s->arg); /* out of memory: release now rather than leak */
+        }
+    }
+    free(s->ids);
+    free(s);
+}
+
+static void enqueue(ntx_chan *ch, kvx_out *o) {
+    o->next = NULL;
+    if (ch->qtail)
+        ch->qtail->next = o;
+    else
+        ch->qhead = o;
+    ch->qtail = o;
+}
+
+static void queue_ctl(cs_kvx_nccl_tx *tx, ntx_chan *ch, int type, uint64_t xfer, const void *pl,
+                      size_t len) {
+    kvx_out *o = calloc(1, sizeof *o);
+    CS_ASSERT(o);
+    cs__kvx_out_ctl(o, type, tx->p.tcp.incarnation, xfer, tx->fingerprint, pl, len);
+    enqueue(ch, o);
+}
+
+/* A dropped descriptor frees its slot: nothing reached the receiver. */
+static void drop_out(kvx_out *o) {
+    if (o->type == CS_KVX_NCCL_PAGES && o->owner) ((ntx_slot *)o->owner)->state = SL_FREE;
+    free(o);
+}
+
+static void xfer_end(cs_kvx_nccl_tx *tx, ntx_xfer *x, int status, const char *msg) {
+    for (ntx_xfer **pp = &tx->xfers; *pp; pp = &(*pp)->next)
+        if (*pp == x) {
+            *pp = x->next;
+            break;
+        }
+    ntx_chan *ch = x->ch;
+    kvx_out **pp = &ch->qhead, *prev = NULL;
+    while (*pp) {
+        kvx_out *o = *pp;
+        if (o->xfer == x && o->off == 0) {
+            *pp = o->next;
+            if (ch->qtail == o) ch->qtail = prev;
+            drop_out(o);
+        } else {
+            if (o->xfer == x) o->xfer = NULL;
+            prev = o;
+            pp = &o->next;
+        }
+    }
+    for (ntx_item *it = ch->ihead; it; it = it->next)
+        if (it->x == x) it->x = NULL;
+    ch->n_xfers--;
+    tx->st.transfers_active--;
+    if (status == 0)
+        tx->st.transfers_completed++;
+    else
+        tx->st.transfers_failed++;
+    ntx_event *e = calloc(1, sizeof *e);
+    CS_ASSERT(e); /* a lost completion would hang the caller: fail loudly */
+    e->done = x->done;
+    e->arg = x->arg;
+    e->id = x->id;
+    e->status = status;
+    snprintf(e->msg, sizeof e->msg, "%s", msg ? msg : "");
+    push_event(tx, e);
+    if (status)
+        CS_LOGW("kvx nccl tx: transfer %llu to %s:%d failed: %s (%s)", (unsigned long long)x->id,
+                ch->host, ch->port, cs_strerror(status), msg ? msg : "");
+    free(x);
+}
+
+static void item_pop(ntx_chan *ch) {
+    ntx_item *it = ch->ihead;
+    ch->ihead = it->next;
+    if (!ch->ihead) ch->itail = NULL;
+}
+
+static void item_free(cs_kvx_nccl_tx *tx, ntx_chan *ch, ntx_item *it) {
+    if (it->kind == IT_CHUNK)
+        ch->pending_bytes -= (size_t)it->n_pages * (size_t)tx->p.tcp.layout.page_bytes;
+    send_unref(tx, it->send);
+    free(it);
+}
+
+/* Closes the TCP connection and the link (aborted later, without the
+ * mutex), fails every transfer of the channel. */
+static void chan_close(cs_kvx_nccl_tx *tx, ntx_chan *ch, int status, const char *msg) {
+    if (ch->fd >= 0) {
+        close(ch->fd);
+        tx->st.conns_closed++;
+    }
+    ch->fd = -1;
+    ch->state = CH_IDLE;
+    ch->acked = false;
+    ch->in_len = 0;
+    for (ntx_xfer *x = tx->xfers, *nx; x; x = nx) {
+        nx = x->next;
+        if (x->ch == ch) xfer_end(tx, x, status, msg);
+    }
+    while (ch->qhead) {
+        kvx_out *o = ch->qhead;
+        ch->qhead = o->next;
+        free(o);
+    }
+    ch->qtail = NULL;
+    ntx_grave *g = NULL;
+    if (ch->link) {
+        g = calloc(1, sizeof *g);
+        CS_ASSERT(g);
+        g->link = ch->link;
+        int n = 0;
+        for (ntx_item *it = ch->ihead; it; it = it->next)
+            n++;
+        g->sends = calloc((size_t)n + 1, sizeof *g->sends);
+        CS_ASSERT(g->sends);
+    }
+    /* Chunks being gathered keep their pages until the link is torn down. */
+    while (ch->ihead) {
+        ntx_item *it = ch->ihead;
+        item_pop(ch);
+        if (g && it->slot >= 0 && ch->slots[it->slot].state == SL_PACKING && it->send) {
+            g->sends[g->n_sends++] = it->send;
+            it->send = NULL;
+        }
+        item_free(tx, ch, it);
+    }
+    for (int i = 0; i < tx->p.n_slots; i++)
+        ch->slots[i] = (ntx_slot){0};
+    if (g) {
+        g->next = tx->grave;
+        tx->grave = g;
+    }
+    ch->link = NULL;
+    ch->local_ready = ch->peer_ready = false;
+}
+
+/* Tears closed links down without the mutex: ncclCommAbort and the wait for
+ * their streams may take a while. */
+static void bury(cs_kvx_nccl_tx *tx) {
+    while (tx->grave) {
+        ntx_grave *g = tx->grave;
+        tx->grave = g->next;
+        pthread_mutex_unlock(&tx->mu);
+        bool drained = tx->ops->close(g->link);
+        pthread_mutex_lock(&tx->mu);
+        if (!drained)
+            CS_LOGE("kvx nccl tx: a closed link's streams did not drain: its staging is leaked");
+        for (int i = 0; i < g->n_sends; i++)
+            send_unref(tx, g->sends[i]);
+        free(g->sends);
+        free(g);
+    }
+}
+
+static ntx_chan *find_chan(cs_kvx_nccl_tx *tx, const char *host, int port) {
+    for (ntx_chan *c = tx->chans; c; c = c->next)
+        if (c->port == port && strcmp(c->host, host) == 0) return c;
+    return NULL;
+}
+
+static ntx_xfer *find_xfer(cs_kvx_nccl_tx *tx, uint64_t id) {
+    for (ntx_xfer *x = tx->xfers; x; x = x->next)
+        if (x->id == id) return x;
+    return NULL;
+}
+
+static void link_cfg(cs_kvx_nccl_tx *tx, ntx_chan *ch, cs__kvx_link_cfg *cfg) {
+    memset(cfg, 0, sizeof *cfg);
+    cfg->rank = 0;
+    cfg->pool = tx->p.pool;
+    cfg->page_bytes = (size_t)tx->p.tcp.layout.page_bytes;
+    cfg->n_slots = tx->p.n_slots;
+    cfg->slot_pages = tx->slot_pages;
+    cfg->op_timeout_ms = tx->p.op_timeout_ms;
+    snprintf(cfg->name, sizeof cfg->name, "kvx %s->%s:%d", tx->name, ch->host, ch->port);
+}
+
+/* Connects (non-blocking), creates the communicator id and starts rank 0's
+ * init; HELLO (NCCL flag) and NCCL_ID go first on the connection. Called
+ * with the mutex, which it drops around the name lookup and the link's
+ * allocation. */
+static int chan_connect(cs_kvx_nccl_tx *tx, ntx_chan *ch) {
+    char host[256], port[16];
+    snprintf(host, sizeof host, "%s", ch->host);
+    snprintf(port, sizeof port, "%d", ch->port);
+    cs__kvx_link_cfg cfg;
+    link_cfg(tx, ch, &cfg);
+    pthread_mutex_unlock(&tx->mu);
+    struct addrinfo hints, *res = NULL;
+    memset(&hints, 0, sizeof hints);
+    hints.ai_socktype = SOCK_STREAM;
+    int gr = getaddrinfo(host, port, &hints, &res);
+    int fd = -1, err = 0;
+    char m[300] = "";
+    uint8_t id[CS_KVX_NCCL_ID_BYTES];
+    cs__kvx_link *link = NULL;
+    if (gr != 0) {
+        err = CS_ENOENT;
+        snprintf(m, sizeof m, "cannot resolve %s:%s: %s", host, port, gai_strerror(gr));
+    } else {
+        fd = socket(res->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        if (fd < 0 || cs__kvx_set_socket_opts(fd) != 0)
+            err = -errno;
+        else if (connect(fd, res->ai_addr, res->ai_addrlen) != 0 && errno != EINPROGRESS)
+            err = -errno;
+        freeaddrinfo(res);
+        if (err) snprintf(m, sizeof m, "cannot connect to %s:%s: %s", host, port, cs_strerror(err));
+    }
+    if (!err) {
+        char e[200] = "";
+        err = tx->ops->unique_id(&cfg, id, e, sizeof e);
+        if (!err) err = tx->ops->open(&cfg, id, &link, e, sizeof e);
+        if (err) snprintf(m, sizeof m, "NCCL communicator for %s:%s: %s", host, port, e);
+    }
+    pthread_mutex_lock(&tx->mu);
+    if (err) {
+        if (fd >= 0) close(fd);
+        chan_close(tx, ch, err, m);
+        return err;
+    }
+    CS_ASSERT(!ch->qhead);
+    ch->fd = fd;
+    ch->state = CH_CONNECTING;
+    ch->last_rx = ch->last_tx = cs__kvx_now_ms();
+    ch->link = link;
+    ch->local_ready = ch->peer_ready = false;
+    ch->init_deadline = cs__kvx_now_ms() + tx->p.init_timeout_ms;
+    tx->st.conns_opened++;
+    cs_kvx_hello hello;
+    memset(&hello, 0, sizeof hello);
+    hello.layout = tx->p.tcp.layout;
+    snprintf(hello.name, sizeof hello.name, "%s", tx->name);
+    uint8_t pl[CS_KVX_HELLO_BYTES];
+    cs_kvx_hello_encode(&hello, pl);
+    kvx_out *o = calloc(1, sizeof *o);
+    CS_ASSERT(o);
+    cs__kvx_out_ctl(o, CS_KVX_HELLO, tx->p.tcp.incarnation, 0, tx->fingerprint, pl, sizeof pl);
+    o->h.flags |= CS_KVX_FLAG_NCCL;
+    cs_kvx_hdr_encode(&o->h, o->hdr);
+    enqueue(ch, o);
+    queue_ctl(tx, ch, CS_KVX_NCCL_ID, 0, id, sizeof id);
+    return 0;
+}
+
+static bool comm_ready(const ntx_chan *ch) {
+    return ch->link && ch->local_ready && ch->peer_ready;
+}
+
+/* Gathers the first not yet gathered chunks into free slots, in order. */
+static void pack_chunks(cs_kvx_nccl_tx *tx, ntx_chan *ch) {
+    if (!ch->link || ch->fd < 0) return;
+    int64_t now = cs__kvx_now_ms();
+    for (ntx_item *it = ch->ihead; it; it = it->next) {
+        if (it->kind != IT_CHUNK || it->slot >= 0) continue;
+        if (!it->x) continue; /* ended before its gather: dropped at the head */
+        int s = -1;
+        for (int i = 0; i < tx->p.n_slots && s < 0; i++)
+            if (ch->slots[i].state == SL_FREE) s = i;
+        if (s < 0) return;
+        char err[200] = "";
+        int r =
+            tx->ops->pack(ch->link, s, it->ids, it->n_pages, tx->p.tcp.checksum, err, sizeof err);
+        if (r) {
+            char m[260];
+            snprintf(m, sizeof m, "gather of pages %d+%d failed: %s", it->first_page, it->n_pages,
+                     err);
+            chan_close(tx, ch, r == CS_ENOMEM ? r : CS_EIO, m);
+            return;
+        }
+        ch->slots[s] = (ntx_slot){
+            SL_PACKING, it, (size_t)it->n_pages * (size_t)tx->p.tcp.layout.page_bytes, 0, now};
+        it->slot = s;
+    }
+}
+
+/* Turns gathered head chunks into descriptors and trailers into TRAILER
+ * frames, in FIFO order; drops the items of ended transfers. */
+static void emit_items(cs_kvx_nccl_tx *tx, ntx_chan *ch) {
+    while (ch->ihead && ch->fd >= 0) {
+        ntx_item *it = ch->ihead;
+        ntx_xfer *x = it->x;
+        if (it->kind == IT_CHUNK) {
+            ntx_slot *sl = it->slot >= 0 ? &ch->slots[it->slot] : NULL;
+            if (sl && sl->state == SL_PACKING) return; /* its gather still reads the pages */
+            if (!x) {
+                if (sl) *sl = (ntx_slot){0};
+                item_pop(ch);
+                item_free(tx, ch, it);
+                continue;
+            }
+            if (!sl || !comm_ready(ch)) return;
+            cs_kvx_nccl_desc d = {sl->bytes, sl->sum, tx->p.tcp.checksum ? CS_KVX_DESC_SUM : 0};
+            uint8_t pl[CS_KVX_NCCL_DESC_BYTES];
+            cs_kvx_nccl_desc_encode(&d, pl);
+            kvx_out *o = calloc(1, sizeof *o);
+            CS_ASSERT(o);
+            cs__kvx_out_ctl(o, CS_KVX_NCCL_PAGES, tx->p.tcp.incarnation, x->id, tx->fingerprint, pl,
+                            sizeof pl);
+            o->h.first_page = (uint32_t)it->first_page;
+            o->h.n_pages = (uint32_t)it->n_pages;
+            cs_kvx_hdr_encode(&o->h, o->hdr);
+            o->owner = sl;
+            o->xfer = x;
+            enqueue(ch, o);
+            if (tx->p.tcp.checksum) {
+                uint8_t le[8];
+                for (int i = 0; i < 8; i++)
+                    le[i] = (uint8_t)(sl->sum >> (8 * i));
+                XXH64_update(&x->fold, le, sizeof le);
+            }
+            sl->state = SL_QUEUED;
+            sl->item = NULL;
+            it->slot = -1; /* the slot now belongs to the descriptor */
+            item_pop(ch);
+            item_free(tx, ch, it);
+            continue;
+        }
+        /* trailer: every descriptor of its transfer is ahead of it */
+        if (x) {
+            cs_kvx_trailer_wire tw;
+            memset(&tw, 0, sizeof tw);
+            tw.t = it->t;
+            tw.xxh64 = tx->p.tcp.checksum ? XXH64_digest(&x->fold) : 0;
+            uint8_t pl[CS_KVX_TRAILER_BYTES];
+            cs_kvx_trailer_encode(&tw, pl);
+            kvx_out *o = calloc(1, sizeof *o);
+            CS_ASSERT(o);
+            cs__kvx_out_ctl(o, CS_KVX_TRAILER, tx->p.tcp.incarnation, x->id, tx->fingerprint, pl,
+                            sizeof pl);
+            o->xfer = x;
+            enqueue(ch, o);
+        }
+        item_pop(ch);
+        item_free(tx, ch, it);
+    }
+}
+
+/* Polls the link: init progress, async errors, finished gathers and sends,
+ * operations past op_timeout_ms. Returns false when the channel closed. */
+static bool link_poll(cs_kvx_nccl_tx *tx, ntx_chan *ch, int64_t now) {
+    char err[200] = "", m[300];
+    int r = tx->ops->state(ch->link, err, sizeof err);
+    if (r < 0) {
+        snprintf(m, sizeof m, "NCCL communicator with %s:%d failed: %s", ch->host, ch->port, err);
+        chan_close(tx, ch, CS_ECONNRESET, m);
+        return false;
+    }
+    if (r == 0) ch->local_ready = true;
+    if (!comm_ready(ch) && now > ch->init_deadline) {
+        snprintf(m, sizeof m, "NCCL communicator with %s:%d not ready after %d ms (%s)", ch->host,
+                 ch->port, tx->p.init_timeout_ms,
+                 ch->local_ready ? "no NCCL_READY from the receiver" : "init in progress");
+        chan_close(tx, ch, CS_ETIMEDOUT, m);
+        return false;
+    }
+    for (int i = 0; i < tx->p.n_slots; i++) {
+        ntx_slot *sl = &ch->slots[i];
+        if (sl->state != SL_PACKING && sl->state != SL_SENDING) continue;
+        uint64_t sum = 0;
+        r = tx->ops->query(ch->link, i, &sum, err, sizeof err);
+        if (r < 0) {
+            snprintf(m, sizeof m, "NCCL %s to %s:%d failed: %s",
+                     sl->state == SL_PACKING ? "gather" : "send", ch->host, ch->port, err);
+            chan_close(tx, ch, CS_EIO, m);
+            return false;
+        }
+        if (r == 1) {
+            if (now - sl->since > tx->p.op_timeout_ms) {
+                snprintf(m, sizeof m,
+                         "NCCL %s of a %zu-byte chunk to %s:%d not complete after %d ms",
+                         sl->state == SL_PACKING ? "gather" : "send", sl->bytes, ch->host, ch->port,
+                         tx->p.op_timeout_ms);
+                chan_close(tx, ch, CS_ETIMEDOUT, m);
+                return false;
+            }
+            continue;
+        }
+        if (sl->state == SL_PACKING) {
+            sl->state = SL_PACKED;
+            sl->sum = sum;
+            send_unref(tx, sl->item->send); /* the pages may be reused now */
+            sl->item->send = NULL;
+        } else {
+            tx->st.bytes += sl->bytes;
+            sl->state = SL_FREE;
+        }
+    }
+    return true;
+}
+
+static bool link_busy(const cs_kvx_nccl_tx *tx, const ntx_chan *ch) {
+    if (!ch->link) return false;
+    if (!comm_ready(ch) || ch->ihead) return true;
+    for (int i = 0; i < tx->p.n_slots; i++)
+        if (ch->slots[i].state != SL_FREE) return true;
+    return false;
+}
+
+/* Without the mutex: a first ncclSend may wait for the connection to the
+ * peer (ncclInProgress, bounded by op_timeout_ms). Only this thread touches
+ * the link, the slots and the out queue, so nothing moves meanwhile. */
+static void post_send(cs_kvx_nccl_tx *tx, ntx_chan *ch, ntx_slot *sl) {
+    char err[200] = "";
+    int i = (int)(sl - ch->slots);
+    cs__kvx_link *link = ch->link;
+    size_t bytes = sl->bytes;
+    pthread_mutex_unlock(&tx->mu);
+    int r = tx->ops->send(link, i, bytes, err, sizeof err);
+    pthread_mutex_lock(&tx->mu);
+    if (r) {
+        char m[300];
+        snprintf(m, sizeof m, "ncclSend to %s:%d failed: %s", ch->host, ch->port, err);
+        chan_close(tx, ch, r == CS_ETIMEDOUT ? r : CS_ECONNRESET, m);
+        return;
+    }
+    sl->state = SL_SENDING;
+    sl->since = cs__kvx_now_ms();
+}
+
+static void chan_write(cs_kvx_nccl_tx *tx, ntx_chan *ch) {
+    while (ch->qhead) {
+        kvx_out *o = ch->qhead;
+        size_t before = o->off;
+        int r = cs__kvx_out_write(ch->fd, o);
+        if (o->off != before) ch->last_tx = cs__kvx_now_ms();
+        if (r < 0) {
+            char m[128];
+            snprintf(m, sizeof m, "write to %s:%d: %s", ch->host, ch->port, cs_strerror(r));
+            chan_close(tx, ch, CS_ECONNRESET, m);
+            return;
+        }
+        if (r == 0) return;
+        tx->st.frames++;
+        ch->qhead = o->next;
+        if (!ch->qhead) ch->qtail = NULL;
+        ntx_slot *sl = o->type == CS_KVX_NCCL_PAGES ? o->owner : NULL;
+        free(o);
+        if (sl) {
+            post_send(tx, ch, sl); /* the receiver will post the matching ncclRecv */
+            if (ch->fd < 0) return;
+        }
+    }
+}
+
+static void chan_frame(cs_kvx_nccl_tx *tx, ntx_chan *ch, const cs_kvx_hdr *h, const uint8_t *pl) {
+    char err[300];
+    if (h->type == CS_KVX_HELLO_ACK) {
+        int32_t status;
+        char msg[128];
+        int r = cs_kvx_ack_decode(pl, (size_t)h->payload_len, &status, msg, sizeof msg);
+        if (r || status) {
+            snprintf(err, sizeof err, "receiver %s:%d refused the channel: %s", ch->host, ch->port,
+                     r ? "bad HELLO_ACK" : msg);
+            chan_close(tx, ch, r ? CS_EPROTO : CS_ECONNREFUSED, err);
+            return;
+        }
+        ch->acked = true;
+        ch->peer_inc = h->epoch;
+        return;
+    }
+    if (!ch->acked || h->epoch != ch->peer_inc) {
+        snprintf(err, sizeof err, "%s frame from receiver incarnation %llx on a channel of %llx",
+                 cs_kvx_frame_type_name(h->type), (unsigned long long)h->epoch,
+                 (unsigned long long)ch->peer_inc);
+        tx->st.protocol_errors++;
+        chan_close(tx, ch, CS_EPROTO, err);
+        return;
+    }
+    if (h->type == CS_KVX_PING) return;
+    if (h->type == CS_KVX_NCCL_READY) {
+        int32_t status;
+        char msg[128];
+        int r = cs_kvx_ack_decode(pl, (size_t)h->payload_len, &status, msg, sizeof msg);
+        if (r || status) {
+            snprintf(err, sizeof err, "receiver %s:%d could not create the NCCL communicator: %s",
+                     ch->host, ch->port, r ? "bad NCCL_READY" : msg);
+            if (r) tx->st.protocol_errors++;
+            chan_close(tx, ch, r ? CS_EPROTO : CS_ECONNREFUSED, err);
+            return;
+        }
+        if (ch->peer_ready) {
+            tx->st.protocol_errors++;
+            chan_close(tx, ch, CS_EPROTO, "second NCCL_READY from the receiver");
+            return;
+        }
+        if ((int64_t)h->n_pages < tx->slot_pages) {
+            snprintf(err, sizeof err,
+                     "receiver %s:%d takes chunks of at most %u pages, not %d (max_frame_bytes)",
+                     ch->host, ch->port, h->n_pages, tx->slot_pages);
+            chan_close(tx, ch, CS_ECONNREFUSED, err);
+            return;
+        }
+        ch->peer_ready = true;
+        return;
+    }
+    if (h->type == CS_KVX_DONE || h->type == CS_KVX_ABORT) {
+        int32_t status;
+        if (cs_kvx_status_decode(pl, (size_t)h->payload_len, &status, err, sizeof err)) {
+            tx->st.protocol_errors++;
+            chan_close(tx, ch, CS_EPROTO, err);
+            return;
+        }
+        ntx_xfer *x = find_xfer(tx, h->xfer_id);
+        if (!x || x->ch != ch) return; /* already ended here */
+        if (h->type == CS_KVX_DONE && status == 0 && !x->trailer_queued) status = CS_EPROTO;
+        snprintf(err, sizeof err, "receiver %s the transfer",
+                 h->type == CS_KVX_DONE ? "ended" : "aborted");
+        xfer_end(tx, x, h->type == CS_KVX_ABORT && status == 0 ? CS_ECANCELED : status,
+                 status ? err : NULL);
+        return;
+    }
+    snprintf(err, sizeof err, "unexpected %s frame from the receiver",
+             cs_kvx_frame_type_name(h->type));
+    tx->st.protocol_errors++;
+    chan_close(tx, ch, CS_EPROTO, err);
+}
+
+static void chan_read(cs_kvx_nccl_tx *tx, ntx_chan *ch) {
+    cs_kvx_limits lim = {tx->p.tcp.layout.page_bytes, CS_KVX_ACK_BYTES};
+    for (;;) {
+        size_t want = CS_KVX_HDR_BYTES;
+        cs_kvx_hdr h;
+        char err[200];
+        if (ch->in_len >= CS_KVX_HDR_BYTES) {
+            int r = cs_kvx_hdr_decode_nccl(ch->in, &lim, &h, err, sizeof err);
+            if (r) {
+                tx->st.protocol_errors++;
+                chan_close(tx, ch, r, err);
+                return;
+            }
+            want += (size_t)h.payload_len;
+            if (want > sizeof ch->in) {
+                tx->st.protocol_errors++;
+                snprintf(err, sizeof err, "%s frame from a receiver",
+                         cs_kvx_frame_type_name(h.type));
+                chan_close(tx, ch, CS_EPROTO, err);
+                return;
+            }
+            if (ch->in_len == want) {
+                if (cs_kvx_payload_check(&h, ch->in + CS_KVX_HDR_BYTES, false, err, sizeof err)) {
+                    tx->st.protocol_errors++;
+                    chan_close(tx, ch, CS_EBADMSG, err);
+                    return;
+                }
+                ch->in_len = 0;
+                chan_frame(tx, ch, &h, ch->in + CS_KVX_HDR_BYTES);
+                if (ch->fd < 0) return;
+                continue;
+            }
+        }
+        ssize_t n = read(ch->fd, ch->in + ch->in_len, want - ch->in_len);
+        if (n > 0) {
+            ch->in_len += (size_t)n;
+            ch->last_rx = cs__kvx_now_ms();
+            continue;
+        }
+        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
+        if (n < 0 && errno == EINTR) continue;
+        char m[160];
+        snprintf(m, sizeof m, "receiver %s:%d closed the channel%s%s", ch->host, ch->port,
+                 n < 0 ? ": " : "", n < 0 ? strerror(errno) : "");
+        chan_close(tx, ch, CS_ECONNRESET, m);
+        return;
+    }
+}
+
+static void run_events(cs_kvx_nccl_tx *tx) {
+    ntx_event *e = tx->ev_head;
+    tx->ev_head = tx->ev_tail = NULL;
+    pthread_mutex_unlock(&tx->mu);
+    while (e) {
+        ntx_event *n = e->next;
+        if (e->release) e->release(e->rel_arg);
+        if (e->done) e->done(e->arg, e->id, e->status, e->msg, NULL);
+        free(e);
+        e = n;
+    }
+    pthread_mutex_lock(&tx->mu);
+}
+
+static void queue_abort(cs_kvx_nccl_tx *tx, ntx_xfer *x, int status) {
+    if (x->ch->fd < 0) return;
+    uint8_t pl[CS_KVX_STATUS_BYTES];
+    cs_kvx_status_encode(status, pl);
+    queue_ctl(tx, x->ch, CS_KVX_ABORT, x->id, pl, sizeof pl);
+}
+
+static void *tx_thread(void *arg) {
+    cs_kvx_nccl_tx *tx = arg;
+    cs_log_set_role("kvx-nccl-tx");
+    pthread_mutex_lock(&tx->mu);
+    struct pollfd *pfds = NULL;
+    ntx_chan **pch = NULL;
+    int cap = 0;
+    while (!tx->stop) {
+        int64_t now = cs__kvx_now_ms();
+        int64_t wait = tx->p.tcp.keepalive_ms;
+        bool busy = false;
+        for (ntx_xfer *x = tx->xfers, *nx; x; x = nx) {
+            nx = x->next;
+            if (x->fail) {
+                if (x->fail == CS_ECANCELED) queue_abort(tx, x, CS_ECANCELED);
+                xfer_end(tx, x, x->fail, x->fail == CS_ECANCELED ? "aborted by the sender" : NULL);
+            } else if (now >= x->deadline) {
+                queue_abort(tx, x, CS_ETIMEDOUT);
+                xfer_end(tx, x, CS_ETIMEDOUT, "sender deadline expired");
+            } else if (x->deadline - now < wait) {
+                wait = x->deadline - now;
+            }
+        }
+        int n = 1, nch = 0;
+        for (ntx_chan *c = tx->chans; c; c = c->next)
+            nch++;
+        if (nch + 1 > cap) {
+            cap = 2 * (nch + 1);
+            pfds = realloc(pfds, (size_t)cap * sizeof *pfds);
+            pch = realloc(pch, (size_t)cap * sizeof *pch);
+            CS_ASSERT(pfds && pch);
+        }
+        pfds[0].fd = tx->wake[0];
+        pfds[0].events = POLLIN;
+        for (ntx_chan *c = tx->chans; c; c = c->next) {
+            if (c->state == CH_IDLE && c->n_xfers > 0) chan_connect(tx, c);
+            if (c->fd < 0) continue;
+            if (now - c->last_rx > tx->p.tcp.dead_ms) {
+                char m[128];
+                snprintf(m, sizeof m, "receiver %s:%d silent for %d ms", c->host, c->port,
+                         tx->p.tcp.dead_ms);
+                chan_close(tx, c, CS_ECONNRESET, m);
+                continue;
+            }
+            if (c->link && !link_poll(tx, c, now)) continue;
+            pack_chunks(tx, c);
+            if (c->fd >= 0) emit_items(tx, c);
+            if (c->fd < 0) continue;
+            if (c->state == CH_OPEN && !c->qhead && now - c->last_tx >= tx->p.tcp.keepalive_ms &&
+                c->acked)
+                queue_ctl(tx, c, CS_KVX_PING, 0, NULL, 0);
+            if (c->state == CH_OPEN && c->qhead) chan_write(tx, c); /* descriptors go out at once */
+            if (c->fd < 0) continue;
+            busy |= link_busy(tx, c);
+            pfds[n].fd = c->fd;
+            pfds[n].events = POLLIN | (c->state == CH_CONNECTING || c->qhead ? POLLOUT : 0);
+            pch[n++] = c;
+        }
+        /* report first: tearing a link down (ncclCommAbort, stream drain)
+         * may take a while */
+        if (tx->ev_head) {
+            run_events(tx);
+            continue;
+        }
+        if (tx->grave) {
+            bury(tx);
+            continue;
+        }
+        pthread_mutex_unlock(&tx->mu);
+        /* GPU work cannot wake poll(): while a link has work in flight, poll
+         * it every 200 us. */
+        struct timespec ts;
+        if (busy)
+            ts = (struct timespec){0, 200000};
+        else
+            ts = (struct timespec){(wait < 1 ? 1 : wait) / 1000,
+                                   ((wait < 1 ? 1 : wait) % 1000) * 1000000L};
+        int pr = ppoll(pfds, (nfds_t)n, &ts, NULL);
+        pthread_mutex_lock(&tx->mu);
+        if (pr < 0) continue;
+        if (pfds[0].revents) cs__kvx_drain(tx->wake[0]);
+        for (int i = 1; i < n; i++) {
+            ntx_chan *c = pch[i];
+            short rev = pfds[i].revents;
+            if (!rev || c->fd != pfds[i].fd) continue;
+            if (c->state == CH_CONNECTING && (rev & (POLLOUT | POLLERR | POLLHUP))) {
+                int soerr = 0;
+                socklen_t sl = sizeof soerr;
+                getsockopt(c->fd, SOL_SOCKET, SO_ERROR, &soerr, &sl);
+                if (soerr) {
+                    char m[160];
+                    snprintf(m, sizeof m, "cannot connect to %s:%d: %s", c->host, c->port,
+                             strerror(soerr));
+                    chan_close(tx, c, CS_ECONNREFUSED, m);
+                    continue;
+                }
+                c->state = CH_OPEN;
+            }
+            if (rev & (POLLIN | POLLERR | POLLHUP)) chan_read(tx, c);
+            if (c->fd >= 0 && (rev & POLLOUT)) chan_write(tx, c);
+        }
+        run_events(tx);
+    }
+    pthread_mutex_unlock(&tx->mu);
+    free(pfds);
+    free(pch);
+    return NULL;
+}
+
+int cs__kvx_nccl_tx_init_ops(const cs_kvx_nccl_tx_params *p, const cs__kvx_link_ops *ops,
+                             cs_kvx_nccl_tx **out) {
+    *out = NULL;
+    const cs_kvx_tx_params *t = p ? &p->tcp : NULL;
+    if (!p || !ops || !t->name || !t->name[0] || strlen(t->name) >= CS_KVX_NAME_MAX ||
+        t->layout.page_bytes == 0 || t->layout.page_bytes % 8 || t->keepalive_ms <= 0 ||
+        t->dead_ms <= t->keepalive_ms || !p->pool.base || p->pool.n_pages < 1 || p->n_slots < 1 ||
+        p->n_slots > 64 || p->init_timeout_ms <= 0 || p->op_timeout_ms <= 0 ||
+        t->max_frame_bytes < t->layout.page_bytes)
+        return cs__fail(
+            CS_EINVAL,
+            "kvx nccl tx: bad parameters (name, page_bytes a multiple of 8, keepalive_ms < "
+            "dead_ms, pool, n_slots, timeouts, max_frame_bytes >= page_bytes)");
+    cs_kvx_nccl_tx *tx = calloc(1, sizeof *tx);
+    if (!tx) return cs__fail(CS_ENOMEM, "kvx nccl tx: out of memory");
+    tx->p = *p;
+    tx->ops = ops;
+    snprintf(tx->name, sizeof tx->name, "%s", t->name);
+    tx->p.tcp.name = tx->name;
+    uint64_t per = t->max_frame_bytes / t->layout.page_bytes;
+    tx->slot_pages = per > (uint64_t)INT32_MAX ? INT32_MAX : (int32_t)per;
+    if (!tx->p.tcp.incarnation) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        tx->p.tcp.incarnation = ((uint64_t)ts.tv_sec * 1000000u + (uint64_t)ts.tv_nsec / 1000u)
+                                    << 8 ^
+                                (uint64_t)(getpid() & 0xff);
+    }
+    tx->fingerprint = cs_kvx_layout_fingerprint(&t->layout);
+    int r = cs__kvx_wake_init(tx->wake);
+    if (r) goto fail_wake;
+    pthread_mutex_init(&tx->mu, NULL);
+    if (pthread_create(&tx->thread, NULL, tx_thread, tx) != 0) {
+        r = CS_ENOMEM;
+        goto fail_thread;
+    }
+    *out = tx;
+    return 0;
+fail_thread:
+    pthread_mutex_destroy(&tx->mu);
+    close(tx->wake[0]);
+fail_wake:
+    free(tx);
+    return cs__fail(r, "kvx nccl tx: cannot start: %s", cs_strerror(r));
+}
+
+void cs_kvx_nccl_tx_free(cs_kvx_nccl_tx *tx) {
+    if (!tx) return;
+    pthread_mutex_lock(&tx->mu);
+    tx->stop = true;
+    cs__kvx_wake(tx->wake[1]);
+    pthread_mutex_unlock(&tx->mu);
+    pthread_join(tx->thread, NULL);
+    pthread_mutex_lock(&tx->mu);
+    while (tx->chans) {
+        ntx_chan *c = tx->chans;
+        chan_close(tx, c, CS_ECANCELED, "sender shut down");
+        tx->chans = c->next;
+        free(c->slots);
+        free(c);
+    }
+    bury(tx);
+    run_events(tx);
+    pthread_mutex_unlock(&tx->mu);
+    pthread_mutex_destroy(&tx->mu);
+    close(tx->wake[0]);
+    free(tx);
+}
+
+uint64_t cs_kvx_nccl_tx_incarnation(const cs_kvx_nccl_tx *tx) {
+    return tx->p.tcp.incarnation;
+}
+
+int cs_kvx_nccl_tx_begin(cs_kvx_nccl_tx *tx, const char *host, int port, uint64_t xfer_id,
+                         int32_t total_pages, int32_t deadline_ms, cs_kvx_done_fn done, void *arg) {
+    if (!host || strlen(host) >= 256 || port <= 0 || port > 65535 || total_pages < 1 ||
+        deadline_ms <= 0 || !done)
+        return cs__fail(
+            CS_EINVAL,
+            "kvx nccl tx: bad transfer (host, port, total_pages >= 1, deadline_ms > 0, done)");
+    pthread_mutex_lock(&tx->mu);
+    int r = 0;
+    if (find_xfer(tx, xfer_id)) {
+        r = cs__fail(CS_EEXIST, "kvx nccl tx: transfer %llu already open",
+                     (unsigned long long)xfer_id);
+        goto out;
+    }
+    ntx_chan *ch = find_chan(tx, host, port);
+    if (!ch) {
+        ch = calloc(1, sizeof *ch);
+        ntx_slot *slots = calloc((size_t)tx->p.n_slots, sizeof *slots);
+        if (!ch || !slots) {
+            free(ch), free(slots);
+            r = cs__fail(CS_ENOMEM, "kvx nccl tx: out of memory");
+            goto out;
+        }
+        snprintf(ch->host, sizeof ch->host, "%s", host);
+        ch->port = port;
+        ch->fd = -1;
+        ch->slots = slots;
+        ch->next = tx->chans;
+        tx->chans = ch;
+    }
+    ntx_xfer *x = calloc(1, sizeof *x);
+    if (!x) {
+        r = cs__fail(CS_ENOMEM, "kvx nccl tx: out of memory");
+        goto out;
+    }
+    x->id = xfer_id;
+    x->ch = ch;
+    x->total_pages = total_pages;
+    x->deadline = cs__kvx_now_ms() + deadline_ms;
+    x->done = done;
+    x->arg = arg;
+    XXH64_reset(&x->fold, 0);
+    x->next = tx->xfers;
+    tx->xfers = x;
+    ch->n_xfers++;
+    tx->st.transfers_started++;
+    tx->st.transfers_active++;
+    cs__kvx_wake(tx->wake[1]);
+out:
+    pthread_mutex_unlock(&tx->mu);
+    return r;
+}
+
+static void item_push(ntx_chan *ch, ntx_item *it) {
+    it->next = NULL;
+    if (ch->itail)
+        ch->itail->next = it;
+    else
+        ch->ihead = it;
+    ch->itail = it;
+}
+
+int cs_kvx_nccl_tx_send_pages(cs_kvx_nccl_tx *tx, uint64_t xfer_id, int32_t first_page,
+                              int32_t n_pages, const int32_t *page_ids, cs_kvx_release_fn release,
+                              void *arg) {
+    int r = 0;
+    ntx_send *s = NULL;
+    ntx_item **items = NULL;
+    int32_t nit = 0;
+    pthread_mutex_lock(&tx->mu);
+    ntx_xfer *x = find_xfer(tx, xfer_id);
+    if (!x || x->fail || x->trailer_queued) {
+        r = cs__fail(CS_ENOENT, "kvx nccl tx: transfer %llu is not open",
+                     (unsigned long long)xfer_id);
+        goto fail;
+    }
+    if (n_pages < 1 || first_page != x->queued_pages ||
+        n_pages > x->total_pages - x->queued_pages || !page_ids) {
+        r = cs__fail(
+            CS_EINVAL, "kvx nccl tx: transfer %llu: pages %d+%d out of order (queued %d of %d)",
+            (unsigned long long)xfer_id, first_page, n_pages, x->queued_pages, x->total_pages);
+        goto fail;
+    }
+    for (int32_t i = 0; i < n_pages; i++)
+        if (page_ids[i] < 0 || page_ids[i] >= tx->p.pool.n_pages) {
+            r = cs__fail(CS_EINVAL,
+                         "kvx nccl tx: transfer %llu: page id %d outside the pool (%d pages)",
+                         (unsigned long long)xfer_id, page_ids[i], tx->p.pool.n_pages);
+            goto fail;
+        }
+    size_t pb = (size_t)tx->p.tcp.layout.page_bytes;
+    ntx_chan *ch = x->ch;
+    if (ch->pending_bytes + (size_t)n_pages * pb > tx->p.tcp.max_queued_bytes &&
+        ch->pending_bytes > 0) {
+        r = cs__fail(CS_EAGAIN, "kvx nccl tx: channel to %s:%d full (%zu bytes queued)", ch->host,
+                     ch->port, ch->pending_bytes);
+        goto fail;
+    }
+    s = calloc(1, sizeof *s);
+    if (!s || !(s->ids = malloc((size_t)n_pages * sizeof *s->ids))) goto nomem;
+    memcpy(s->ids, page_ids, (size_t)n_pages * sizeof *s->ids);
+    s->release = release;
+    s->arg = arg;
+    int32_t per = tx->slot_pages;
+    nit = (n_pages + per - 1) / per;
+    items = calloc((size_t)nit, sizeof *items);
+    if (!items) goto nomem;
+    for (int32_t i = 0; i < nit; i++)
+        if (!(items[i] = calloc(1, sizeof **items))) goto nomem;
+    for (int32_t i = 0; i < nit; i++) {
+        ntx_item *it = items[i];
+        int32_t p0 = i * per, np = n_pages - p0 < per ? n_pages - p0 : per;
+        it->kind = IT_CHUNK;
+        it->x = x;
+        it->xfer_id = xfer_id;
+        it->first_page = first_page + p0;
+        it->n_pages = np;
+        it->ids = s->ids + p0;
+        it->send = s;
+        it->slot = -1;
+        s->refs++;
+        ch->pending_bytes += (size_t)np * pb;
+        item_push(ch, it);
+    }
+    free(items);
+    x->queued_pages += n_pages;
+    cs__kvx_wake(tx->wake[1]);
+    pthread_mutex_unlock(&tx->mu);
+    return 0;
+nomem:
+    r = cs__fail(CS_ENOMEM, "kvx nccl tx: out of memory");
+    if (items)
+        for (int32_t i = 0; i < nit; i++)
+            free(items[i]);
+    free(items);
+fail:
+    pthread_mutex_unlock(&tx->mu);
+    if (s) free(s->ids);
+    free(s);
+    if (release) release(arg);
+    return r;
+}
+
+int cs_kvx_nccl_tx_finish(cs_kvx_nccl_tx *tx, uint64_t xfer_id, const cs_kvx_trailer *t) {
+    pthread_mutex_lock(&tx->mu);
+    int r = 0;
+    ntx_xfer *x = find_xfer(tx, xfer_id);
+    if (!x || x->fail || x->trailer_queued) {
+        r = cs__fail(CS_ENOENT, "kvx nccl tx: transfer %llu is not open",
+                     (unsigned long long)xfer_id);
+    } else if (!t || t->total_pages != x->total_pages || x->queued_pages != x->total_pages ||
+               t->first_token < 0 || t->prompt_len < 0) {
+        r = cs__fail(
+            CS_EINVAL, "kvx nccl tx: transfer %llu: trailer with %d pages after %d of %d queued",
+            (unsigned long long)xfer_id, t ? t->total_pages : -1, x->queued_pages, x->total_pages);
+    } else {
+        ntx_item *it = calloc(1, sizeof *it);
+        if (!it) {
+            r = cs__fail(CS_ENOMEM, "kvx nccl tx: out of memory");
+        } else {
+            it->kind = IT_TRAILER;
+            it->x = x;
+            it->xfer_id = xfer_id;
+            it->t = *t;
+            it->slot = -1;
+            item_push(x->ch, it);
+            x->trailer_queued = true;
+            cs__kvx_wake(tx->wake[1]);
+        }
+    }
+    pthread_mutex_unlock(&tx->mu);
+    return r;
+}
+
+int cs_kvx_nccl_tx_abort(cs_kvx_nccl_tx *tx, uint64_t xfer_id) {
+    pthread_mutex_lock(&tx->mu);
+    int r = 0;
+    ntx_xfer *x = find_xfer(tx, xfer_id);
+    if (!x || x->fail)
+        r = cs__fail(CS_ENOENT, "kvx nccl tx: transfer %llu is not open",
+                     (unsigned long long)xfer_id);
+    else
+        x->fail = CS_ECANCELED;
+    cs__kvx_wake(tx->wake[1]);
+    pthread_mutex_unlock(&tx->mu);
+    return r;
+}
+
+void cs_kvx_nccl_tx_get_stats(cs_kvx_nccl_tx *tx, cs_kvx_stats *s) {
+    pthread_mutex_lock(&tx->mu);
+    *s = tx->st;
+    pthread_mutex_unlock(&tx->mu);
+}
