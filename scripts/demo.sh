@@ -1,22 +1,33 @@
 #!/usr/bin/env bash
-# make demo: stream chat answers from the default model on the CPU reference
-# path. (Until the cluster exists, this is the single-process engine.)
+# make demo: a 1 prefill + 1 decode worker cluster behind the router on this
+# host (`chunkserve cluster up`), a long-document question and concurrent chats
+# through the gRPC API (scripts/demo.py), then the cluster is stopped.
 set -euo pipefail
 BIN=${1:-build/bin}
 MODEL=${2:-models/SmolLM2-135M-Instruct.Q4_1.gguf}
-LOG=$(mktemp)
-trap 'rm -f "$LOG"' EXIT
-
-ask() { # question, then extra generate options
-  local q=$1; shift
-  echo "user: $q"
-  printf 'assistant: '
-  "$BIN/chunkserve" generate --model "$MODEL" --chat --prompt "$q" "$@" 2>"$LOG" || { cat "$LOG" >&2; exit 1; }
-  sed -n 's/.* cli main.c:[0-9]* /  [/p' "$LOG" | sed 's/$/]/'
-  echo
+PORT=${CHUNKSERVE_DEMO_PORT:-0}
+OUT=$(mktemp) LOG=$(mktemp)
+cleanup() {
+  if [ -n "${PID:-}" ] && kill -0 "$PID" 2>/dev/null; then kill -INT "$PID"; wait "$PID" || true; fi
+  rm -f "$OUT" "$LOG"
 }
+trap cleanup EXIT
 
-echo "chunkserve demo: $MODEL (fp32 CPU reference forward pass)"
+echo "chunkserve demo: starting a 1+1 cluster on $MODEL (logs: $LOG)"
+"$BIN/chunkserve" cluster up --model "$MODEL" --prefill 1 --decode 1 --port "$PORT" >"$OUT" 2>"$LOG" &
+PID=$!
+for _ in $(seq 600); do
+  grep -q '^listening on ' "$OUT" && break
+  kill -0 "$PID" 2>/dev/null || { cat "$LOG" >&2; echo "demo: the cluster did not start" >&2; exit 1; }
+  sleep 0.2
+done
+grep -q '^listening on ' "$OUT" || { cat "$LOG" >&2; echo "demo: the cluster did not start in 120 s" >&2; exit 1; }
+sed '/^listening on /d' "$OUT"
+ADDR=$(sed -n 's/^listening on //p' "$OUT")
+HTTP=$(sed -n 's/^  \(prefill\|decode\) .*(http \([^,]*\),.*/\2/p' "$OUT" | sed 's|^|http://|')
+python3 scripts/demo.py --addr "$ADDR" --http $HTTP
 echo
-ask "What is the capital of France, and what is it famous for?" --max-tokens 96
-ask "Write a haiku about a cache." --max-tokens 48 --temperature 0.7 --top-p 0.9 --seed 1
+echo "stopping the cluster"
+kill -INT "$PID"
+wait "$PID"
+PID=

@@ -1,0 +1,157 @@
+"""Real processes for the cluster tests: prefill and decode workers and the
+router on loopback, started, killed (-9) and restarted on purpose.
+
+Each process's stderr goes to a temporary file (a pipe nobody reads would
+block it); its first stdout lines give its gRPC and HTTP ports."""
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+
+
+class Proc:
+    def __init__(self, exe: Path, args: list, name: str):
+        self.exe, self.args, self.name = exe, [str(a) for a in args], name
+        self.proc = None
+        self.port = None
+        self.start()
+
+    def start(self, port: int | None = None):
+        args = list(self.args)
+        if port is not None:  # a restart keeps the port the router knows
+            args = [a for a in args if not a.startswith("--port=")] + [f"--port={port}"]
+        self.err = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen([str(self.exe), *args], stdout=subprocess.PIPE, stderr=self.err)
+        lines = [self.proc.stdout.readline().decode() for _ in range(2)]
+        m = re.match(r"listening on (\S+):(\d+)$", lines[0].strip())
+        h = re.match(r"http listening on (\S+):(\d+)$", lines[1].strip())
+        if not m or not h:
+            self.proc.kill()
+            pytest.fail(f"{self.name}: unexpected start lines {lines!r}; stderr: {self.stderr()[-3000:]}")
+        self.port = int(m.group(2))
+        self.addr = f"{m.group(1)}:{self.port}"
+        self.http = f"http://{h.group(1)}:{h.group(2)}"
+
+    def stderr(self) -> str:
+        self.err.seek(0)
+        return self.err.read().decode(errors="replace")
+
+    def kill9(self):
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
+
+    def stop(self, timeout=30.0) -> int:
+        if self.proc.poll() is not None:
+            return self.proc.returncode
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            pytest.fail(f"{self.name} did not exit within {timeout}s of SIGTERM; "
+                        f"stderr: {self.stderr()[-3000:]}")
+
+    def metrics(self) -> dict:
+        """Prometheus text as {'name{labels}': value}."""
+        with urllib.request.urlopen(self.http + "/metrics", timeout=10) as r:
+            text = r.read().decode()
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                k, v = line.rsplit(" ", 1)
+                out[k] = float(v)
+        return out
+
+
+def metric(m: dict, name: str, labels: str = "") -> float:
+    return m.get(f"{name}{{{labels}}}" if labels else name, 0.0)
+
+
+class Cluster:
+    """n_prefill + n_decode workers behind a router, on loopback."""
+
+    def __init__(self, bin_dir: Path, model: Path, pb, n_prefill=2, n_decode=2, threads=1,
+                 router_args=(), worker_args=(), decode_args=(), prefill_args=()):
+        self.pb = pb
+        common = [f"--model={model}", "--port=0", f"--threads={threads}", "--kv-cache-mib=512",
+                  "--grace-ms=3000", *worker_args]
+        self.prefill = [Proc(bin_dir / "chunkserve-prefill", [*common, *prefill_args], f"prefill-{i}")
+                        for i in range(n_prefill)]
+        self.decode = [Proc(bin_dir / "chunkserve-decode", [*common, *decode_args], f"decode-{i}")
+                       for i in range(n_decode)]
+        rargs = [f"--model={model}", "--port=0", "--status-interval-ms=100", "--grace-ms=3000",
+                 "--decode-workers=" + ",".join(p.addr for p in self.decode), *router_args]
+        if self.prefill:
+            rargs.append("--prefill-workers=" + ",".join(p.addr for p in self.prefill))
+        self.router = Proc(bin_dir / "chunkserve-router", rargs, "router")
+        self.channel = grpc.insecure_channel(self.router.addr)
+        self.stub = pb.generation_pb2_grpc.GenerationStub(self.channel)
+        self.wait_usable(n_prefill, n_decode)
+
+    def worker_stub(self, p: Proc):
+        return self.pb.cluster_pb2_grpc.WorkerStub(grpc.insecure_channel(p.addr))
+
+    def status(self, p: Proc):
+        ch = grpc.insecure_channel(p.addr)
+        try:
+            return self.pb.cluster_pb2_grpc.WorkerStub(ch).GetStatus(
+                self.pb.cluster_pb2.WorkerStatusRequest(), timeout=10)
+        finally:
+            ch.close()
+
+    def wait_usable(self, n_prefill, n_decode, timeout=60.0):
+        t_end = time.monotonic() + timeout
+        while True:
+            m = self.router.metrics()
+            if (metric(m, "chunkserve:workers_usable", 'role="prefill"') == n_prefill and
+                    metric(m, "chunkserve:workers_usable", 'role="decode"') == n_decode):
+                return
+            if time.monotonic() > t_end:
+                pytest.fail(f"router sees {m} usable workers, want {n_prefill}+{n_decode}; "
+                            f"router stderr: {self.router.stderr()[-3000:]}")
+            time.sleep(0.1)
+
+    def wait_idle(self, timeout=30.0):
+        """Every live worker idle with every page free (the failure contract)."""
+        t_end = time.monotonic() + timeout
+        while True:
+            bad = []
+            for p in self.prefill + self.decode:
+                if p.proc.poll() is not None:
+                    continue
+                s = self.status(p)
+                if s.kv_pages_free != s.kv_pages_total or s.num_running or s.num_waiting:
+                    bad.append((p.name, s.kv_pages_free, s.kv_pages_total, s.num_running, s.num_waiting))
+            if not bad:
+                return
+            if time.monotonic() > t_end:
+                pytest.fail(f"workers not idle with all pages free: {bad}")
+            time.sleep(0.1)
+
+    def stop(self):
+        self.channel.close()
+        errs = []
+        for p in [self.router, *self.prefill, *self.decode]:
+            rc = p.stop()
+            err = p.stderr()
+            if rc not in (0, -9) or "Sanitizer" in err or "runtime error:" in err:
+                errs.append(f"{p.name} exit {rc}: {err[-3000:]}")
+        assert not errs, "\n".join(errs)
+
+
+def generate(stub, g, prompt=None, ids=None, max_tokens=16, timeout=300, **sampling):
+    """(ids, text, finish, messages) of one finished stream."""
+    inp = dict(prompt=prompt) if prompt is not None else dict(token_ids=g.TokenIds(ids=ids))
+    msgs = list(stub.Generate(g.GenerateRequest(
+        **inp, sampling=g.SamplingParams(max_tokens=max_tokens, **sampling)), timeout=timeout))
+    return ([t for m in msgs for t in m.token_ids], "".join(m.text for m in msgs),
+            msgs[-1].finish_reason, msgs)
