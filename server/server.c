@@ -36,9 +36,11 @@
 #include "chunkserve/serve.h"
 #include "util.h"
 #include "chunkserve/v1/cluster.pb-c.h"
+#include "generation.h"
+#include "outbuf.h"
 #include "wire.h"
 
-#define SERVICE "chunkserve.v1.Generation"
+#define SERVICE CS_GENERATION_SERVICE
 /* Unsent bytes a stream may hold for a client that does not read before the
  * request is stopped (a few thousand messages of one token each). */
 #define MAX_UNSENT_BYTES ((size_t)4 << 20)
@@ -58,12 +60,8 @@ typedef struct gen {
 
     /* Filled on the engine thread, under mu; taken by the drain. */
     pthread_mutex_t mu;
-    bool posted, done, oom;
-    int32_t *toks;
-    float *lps;
-    size_t n, cap;
-    char *text;
-    size_t text_len, text_cap;
+    bool posted, done;
+    cs_outbuf out;
     enum cs_finish finish;
     int32_t n_prompt, n_completion, n_cached;
     char *error;
@@ -92,36 +90,7 @@ struct server {
 static void on_drain_post(void *data);
 
 static void gen_append(gen *g, const cs_event *ev) {
-    if (ev->token >= 0) {
-        if (g->n == g->cap) {
-            size_t nc = g->cap ? 2 * g->cap : 16;
-            int32_t *t = realloc(g->toks, nc * sizeof *t);
-            if (t) g->toks = t;
-            float *l = realloc(g->lps, nc * sizeof *l);
-            if (l) g->lps = l;
-            if (t && l) g->cap = nc;
-        }
-        if (g->n < g->cap) {
-            g->toks[g->n] = ev->token;
-            g->lps[g->n++] = ev->logprob;
-        } else {
-            g->oom = true;
-        }
-    }
-    size_t tl = ev->text ? strlen(ev->text) : 0;
-    if (tl) {
-        if (g->text_len + tl + 1 > g->text_cap) {
-            size_t nc = (g->text_len + tl + 1) * 2;
-            char *t = realloc(g->text, nc);
-            if (t) g->text = t, g->text_cap = nc;
-        }
-        if (g->text_len + tl + 1 <= g->text_cap) {
-            memcpy(g->text + g->text_len, ev->text, tl + 1);
-            g->text_len += tl;
-        } else {
-            g->oom = true;
-        }
-    }
+    cs_outbuf_append(&g->out, ev);
     if (ev->token >= 0) g->n_completion = ev->n_completion_tokens, g->n_cached = ev->n_cached_prompt_tokens;
     if (ev->finish != CS_FINISH_NONE) {
         g->done = true;
@@ -159,9 +128,7 @@ static void gen_free(gen *g) {
         s->live = g->next;
     if (g->next) g->next->prev = g->prev;
     s->n_live--;
-    free(g->toks);
-    free(g->lps);
-    free(g->text);
+    cs_outbuf_free(&g->out);
     free(g->error);
     free(g->request_id);
     pthread_mutex_destroy(&g->mu);
@@ -175,14 +142,11 @@ static void gen_finish_call(gen *g, int code, const char *msg) {
 }
 
 /* Sends what one drain took; final: with finish_reason and usage. */
-static int gen_send(gen *g, const int32_t *toks, const float *lps, size_t n, const char *text,
-                    bool final) {
-    Chunkserve__V1__GenerateResponse r = CHUNKSERVE__V1__GENERATE_RESPONSE__INIT;
+static int gen_send(gen *g, const cs_outbuf *b, bool final) {
+    Chunkserve__V1__GenerateResponse r;
     Chunkserve__V1__Usage usage = CHUNKSERVE__V1__USAGE__INIT;
-    Chunkserve__V1__TokenLogprob *lp = NULL, **lpp = NULL;
-    r.n_token_ids = n;
-    r.token_ids = (int32_t *)toks;
-    r.text = (char *)(text ? text : "");
+    void *scratch;
+    if (cs_outbuf_response(b, g->logprobs, &r, &scratch)) return CS_ENOMEM;
     if (!g->sent_first) r.request_id = g->request_id;
     if (final) {
         r.finish_reason = cs_wire_finish_reason(g->finish);
@@ -191,25 +155,8 @@ static int gen_send(gen *g, const int32_t *toks, const float *lps, size_t n, con
         usage.cached_prompt_tokens = g->n_cached;
         r.usage = &usage;
     }
-    if (g->logprobs && n) {
-        lp = malloc(n * sizeof *lp);
-        lpp = malloc(n * sizeof *lpp);
-        if (!lp || !lpp) {
-            free(lp), free(lpp);
-            return CS_ENOMEM;
-        }
-        for (size_t i = 0; i < n; i++) {
-            lp[i] = (Chunkserve__V1__TokenLogprob)CHUNKSERVE__V1__TOKEN_LOGPROB__INIT;
-            lp[i].token_id = toks[i];
-            lp[i].logprob = lps[i];
-            lpp[i] = &lp[i];
-        }
-        r.n_logprobs = n;
-        r.logprobs = lpp;
-    }
     int rc = cs_rpc_call_send_msg(g->call, &r.base);
-    free(lp);
-    free(lpp);
+    cs_outbuf_response_free(scratch);
     g->sent_first = true;
     return rc;
 }
@@ -225,13 +172,9 @@ static void gen_log_end(const gen *g) {
 static void on_drain_post(void *data) {
     gen *g = data;
     pthread_mutex_lock(&g->mu);
-    int32_t *toks = g->toks;
-    float *lps = g->lps;
-    char *text = g->text;
-    size_t n = g->n;
-    g->toks = NULL, g->lps = NULL, g->text = NULL;
-    g->n = g->cap = g->text_len = g->text_cap = 0;
-    bool done = g->done, oom = g->oom;
+    cs_outbuf out;
+    cs_outbuf_take(&g->out, &out);
+    bool done = g->done, oom = out.oom;
     g->posted = false;
     pthread_mutex_unlock(&g->mu);
 
@@ -240,8 +183,8 @@ static void on_drain_post(void *data) {
         int rc = 0;
         if (oom)
             rc = CS_ENOMEM;
-        else if (ok_end || n || text)
-            rc = gen_send(g, toks, lps, n, text, ok_end);
+        else if (ok_end || !cs_outbuf_empty(&out))
+            rc = gen_send(g, &out, ok_end);
         if (rc == CS_ENOMEM) {
             gen_finish_call(g, CS_RPC_RESOURCE_EXHAUSTED,
                             "the server ran out of memory for this stream");
@@ -265,9 +208,7 @@ static void on_drain_post(void *data) {
         /* rc == CS_ECANCELED: the call is dead and on_call_cancel has run or
          * will run; it cancels the request. */
     }
-    free(toks);
-    free(lps);
-    free(text);
+    cs_outbuf_free(&out);
     if (done) {
         gen_log_end(g);
         gen_free(g);
@@ -283,12 +224,6 @@ static void on_call_cancel(cs_rpc_call *c, void *data) {
             cs_rpc_call_deadline_ms(c) <= 0 ? "deadline" : "client");
     cs_serve_cancel(g->s->sv, g->id);
     gen_finish_call(g, CS_RPC_CANCELLED, "cancelled");
-}
-
-static int rpc_code_for(int r) {
-    return r == CS_ENOMEM    ? CS_RPC_RESOURCE_EXHAUSTED
-           : r == CS_ENOTSUP ? CS_RPC_FAILED_PRECONDITION
-                             : CS_RPC_INVALID_ARGUMENT;
 }
 
 static void handle_generate(cs_rpc_call *c, void *data) {
@@ -314,7 +249,7 @@ static void handle_generate(cs_rpc_call *c, void *data) {
     int r = cs_wire_generate_request(&s->wm, m, id, &w);
     if (r) {
         CS_LOGD("request rejected: %s", cs_last_error());
-        cs_rpc_call_finish(c, rpc_code_for(r), cs_last_error());
+        cs_rpc_call_finish(c, cs_generation_rpc_code(r), cs_last_error());
         return;
     }
     gen *g = calloc(1, sizeof *g);
@@ -351,21 +286,6 @@ static void handle_generate(cs_rpc_call *c, void *data) {
     if (cs_rpc_call_on_cancel(c, on_call_cancel, g) != 0) on_call_cancel(c, g); /* already dead */
 }
 
-static void handle_list_models(cs_rpc_call *c, void *data) {
-    server *s = data;
-    const cs_model_config *cfg = cs_model_get_config(s->wm.model);
-    Chunkserve__V1__ModelInfo mi = CHUNKSERVE__V1__MODEL_INFO__INIT, *mis[1] = {&mi};
-    mi.name = (char *)s->wm.name;
-    mi.context_length = cfg->ctx_len;
-    mi.vocab_size = cfg->n_vocab;
-    mi.architecture = (char *)cfg->arch;
-    mi.has_chat_template = s->wm.has_chat_template;
-    Chunkserve__V1__ListModelsResponse r = CHUNKSERVE__V1__LIST_MODELS_RESPONSE__INIT;
-    r.n_models = 1;
-    r.models = mis;
-    cs_rpc_call_reply_msg(c, &r.base);
-}
-
 /* chunkserve.v1.Worker/GetStatus: the same snapshot the cluster's workers
  * give the router (role unspecified: this process prefills and decodes).
  * Tests use it to see that a cancelled stream's pages are free again. */
@@ -373,13 +293,8 @@ static void handle_status(cs_rpc_call *c, void *data) {
     server *s = data;
     cs_sched_stats st;
     cs_serve_stats(s->sv, &st);
-    const cs_model_config *cfg = cs_model_get_config(s->wm.model);
-    Chunkserve__V1__ModelInfo mi = CHUNKSERVE__V1__MODEL_INFO__INIT;
-    mi.name = (char *)s->wm.name;
-    mi.context_length = cfg->ctx_len;
-    mi.vocab_size = cfg->n_vocab;
-    mi.architecture = (char *)cfg->arch;
-    mi.has_chat_template = s->wm.has_chat_template;
+    Chunkserve__V1__ModelInfo mi;
+    cs_wire_model_info(&s->wm, &mi);
     Chunkserve__V1__WorkerStatus r = CHUNKSERVE__V1__WORKER_STATUS__INIT;
     char worker_id[32];
     snprintf(worker_id, sizeof worker_id, "serve-%016llx", (unsigned long long)s->instance_id);
@@ -397,56 +312,6 @@ static void handle_status(cs_rpc_call *c, void *data) {
     r.queued_prefill_tokens = st.queued_prompt_tokens;
     r.max_num_batched_tokens = st.max_num_batched_tokens;
     cs_rpc_call_reply_msg(c, &r.base);
-}
-
-static void handle_tokenize(cs_rpc_call *c, void *data) {
-    server *s = data;
-    const Chunkserve__V1__TokenizeRequest *m = (const void *)cs_rpc_call_request_msg(c);
-    char *chat = NULL;
-    int32_t *ids = NULL;
-    size_t n = 0;
-    int r = cs_wire_check_model(&s->wm, m->model);
-    if (!r && m->input_case == CHUNKSERVE__V1__TOKENIZE_REQUEST__INPUT_CHAT)
-        r = cs_wire_render_chat(&s->wm, m->chat, &chat);
-    const char *text = chat                                                            ? chat
-                       : m->input_case == CHUNKSERVE__V1__TOKENIZE_REQUEST__INPUT_TEXT ? m->text
-                                                                                       : "";
-    if (!r)
-        r = cs_tokenizer_encode(cs_model_tokenizer(s->wm.model), text, strlen(text), true,
-                                m->add_special, &ids, &n);
-    if (r) {
-        cs_rpc_call_finish(c, rpc_code_for(r), cs_last_error());
-    } else {
-        Chunkserve__V1__TokenizeResponse resp = CHUNKSERVE__V1__TOKENIZE_RESPONSE__INIT;
-        resp.n_ids = n;
-        resp.ids = ids;
-        cs_rpc_call_reply_msg(c, &resp.base);
-    }
-    free(ids);
-    free(chat);
-}
-
-static void handle_detokenize(cs_rpc_call *c, void *data) {
-    server *s = data;
-    const Chunkserve__V1__DetokenizeRequest *m = (const void *)cs_rpc_call_request_msg(c);
-    const cs_tokenizer *tok = cs_model_tokenizer(s->wm.model);
-    int32_t n_vocab = cs_tokenizer_n_vocab(tok);
-    int r = cs_wire_check_model(&s->wm, m->model);
-    for (size_t i = 0; !r && i < m->n_ids; i++)
-        if (m->ids[i] < 0 || m->ids[i] >= n_vocab)
-            r = cs__fail(CS_EINVAL, "ids[%zu] = %d is outside the vocabulary (0..%d)", i, m->ids[i],
-                         n_vocab - 1);
-    char *text = NULL;
-    size_t len = 0;
-    if (!r) r = cs_tokenizer_decode(tok, m->ids, m->n_ids, !m->include_special, &text, &len);
-    if (r) {
-        cs_rpc_call_finish(c, rpc_code_for(r), cs_last_error());
-    } else {
-        Chunkserve__V1__DetokenizeResponse resp = CHUNKSERVE__V1__DETOKENIZE_RESPONSE__INIT;
-        resp.text = text;
-        cs_rpc_call_reply_msg(c, &resp.base);
-    }
-    free(text);
 }
 
 /* ------------------------------------------------------------ shutdown -- */
@@ -507,12 +372,6 @@ static int add_methods(server *s) {
     } methods[] = {
         {"/" SERVICE "/Generate", CS_RPC_SERVER_STREAMING,
          &chunkserve__v1__generate_request__descriptor, handle_generate},
-        {"/" SERVICE "/ListModels", CS_RPC_UNARY, &chunkserve__v1__list_models_request__descriptor,
-         handle_list_models},
-        {"/" SERVICE "/Tokenize", CS_RPC_UNARY, &chunkserve__v1__tokenize_request__descriptor,
-         handle_tokenize},
-        {"/" SERVICE "/Detokenize", CS_RPC_UNARY, &chunkserve__v1__detokenize_request__descriptor,
-         handle_detokenize},
         {"/chunkserve.v1.Worker/GetStatus", CS_RPC_UNARY, &chunkserve__v1__worker_status_request__descriptor,
          handle_status},
     };
@@ -521,15 +380,7 @@ static int add_methods(server *s) {
                                          methods[i].fn, s);
         if (r) return r;
     }
-    return 0;
-}
-
-static bool model_has_chat_template(const cs_model *m) {
-    cs_chat_message msg = {"user", "hi"};
-    char *text = NULL;
-    int r = cs_tokenizer_apply_chat(cs_model_tokenizer(m), &msg, 1, true, &text);
-    free(text);
-    return r == 0;
+    return cs_generation_add_unary(s->srv, &s->wm);
 }
 
 int cs_server_run(const cs_model *m, const cs_server_opts *o) {
@@ -538,13 +389,7 @@ int cs_server_run(const cs_model *m, const cs_server_opts *o) {
     s->o = o;
     if (getrandom(&s->instance_id, sizeof s->instance_id, 0) != sizeof s->instance_id)
         s->instance_id = (uint64_t)time(NULL) << 20 ^ (uint64_t)getpid();
-    const cs_model_config *cfg = cs_model_get_config(m);
-    const char *base = o->model_path ? strrchr(o->model_path, '/') : NULL;
-    base = base ? base + 1 : o->model_path ? o->model_path : "";
-    s->wm =
-        (cs_wire_model){m, cfg->name[0] ? cfg->name : base, base, 0, 0, model_has_chat_template(m),
-                        cs_wire_max_prompt_bytes(m)};
-
+    cs_wire_model_init(&s->wm, m, o->model_path);
     char addr[300];
     int port = 0, r;
     bool uv_ok = false;

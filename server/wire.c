@@ -84,6 +84,27 @@ static int check_ids(const int32_t *ids, size_t n, int32_t n_vocab, const char *
     return 0;
 }
 
+void cs_wire_model_init(cs_wire_model *wm, const cs_model *m, const char *path) {
+    const cs_model_config *cfg = cs_model_get_config(m);
+    const char *base = path ? strrchr(path, '/') : NULL;
+    base = base ? base + 1 : path ? path : "";
+    cs_chat_message msg = {"user", "hi"};
+    char *text = NULL;
+    bool chat = cs_tokenizer_apply_chat(cs_model_tokenizer(m), &msg, 1, true, &text) == 0;
+    free(text);
+    *wm = (cs_wire_model){m, cfg->name[0] ? cfg->name : base, base, 0, 0, chat, cs_wire_max_prompt_bytes(m)};
+}
+
+void cs_wire_model_info(const cs_wire_model *wm, Chunkserve__V1__ModelInfo *mi) {
+    const cs_model_config *cfg = cs_model_get_config(wm->model);
+    *mi = (Chunkserve__V1__ModelInfo)CHUNKSERVE__V1__MODEL_INFO__INIT;
+    mi->name = (char *)wm->name;
+    mi->context_length = cfg->ctx_len;
+    mi->vocab_size = cfg->n_vocab;
+    mi->architecture = (char *)cfg->arch;
+    mi->has_chat_template = wm->has_chat_template;
+}
+
 size_t cs_wire_max_prompt_bytes(const cs_model *m) {
     const cs_tokenizer *tok = cs_model_tokenizer(m);
     size_t longest = 1;

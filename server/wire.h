@@ -25,6 +25,15 @@ typedef struct {
     size_t max_prompt_bytes; /* cs_wire_max_prompt_bytes(model) */
 } cs_wire_model;
 
+/* Fills name (general.name, else the path's basename), alias (the basename),
+ * has_chat_template and max_prompt_bytes for model m loaded from path;
+ * n_kv_pages and page_size are 0 (a process with an engine sets them).
+ * The strings borrow from m and path. */
+void cs_wire_model_init(cs_wire_model *wm, const cs_model *m, const char *path);
+
+/* The ModelInfo message of the model (strings borrowed from wm). */
+void cs_wire_model_info(const cs_wire_model *wm, Chunkserve__V1__ModelInfo *mi);
+
 /* Bytes beyond which a text prompt cannot fit in the context whatever it
  * says: the longest token's bytes times the context length. */
 size_t cs_wire_max_prompt_bytes(const cs_model *m);

@@ -85,13 +85,8 @@ static void handle_status(cs_rpc_call *c, void *data) {
     cs_worker *w = data;
     cs_sched_stats st;
     cs_serve_stats(w->sv, &st);
-    const cs_model_config *cfg = cs_model_get_config(w->model);
-    Chunkserve__V1__ModelInfo mi = CHUNKSERVE__V1__MODEL_INFO__INIT;
-    mi.name = (char *)w->wm.name;
-    mi.context_length = cfg->ctx_len;
-    mi.vocab_size = cfg->n_vocab;
-    mi.architecture = (char *)cfg->arch;
-    mi.has_chat_template = w->wm.has_chat_template;
+    Chunkserve__V1__ModelInfo mi;
+    cs_wire_model_info(&w->wm, &mi);
     Chunkserve__V1__WorkerStatus r = CHUNKSERVE__V1__WORKER_STATUS__INIT;
     r.worker_id = w->worker_id;
     r.instance_id = w->instance_id;
@@ -210,14 +205,6 @@ static void on_failed_server_done(void *data) {
 
 /* ----------------------------------------------------------------- run -- */
 
-static bool model_has_chat_template(const cs_model *m) {
-    cs_chat_message msg = {"user", "hi"};
-    char *text = NULL;
-    int r = cs_tokenizer_apply_chat(cs_model_tokenizer(m), &msg, 1, true, &text);
-    free(text);
-    return r == 0;
-}
-
 static int run(cs_worker *w) {
     const cs_worker_opts *o = &w->o;
     int r, port = 0;
@@ -227,11 +214,7 @@ static int run(cs_worker *w) {
     cs_rpc_server_opts so = {.addr = addr, .max_recv_bytes = 64 << 20};
 
     if ((r = cs_model_load(o->model, &w->model))) goto fail;
-    const cs_model_config *cfg = cs_model_get_config(w->model);
-    const char *base = strrchr(o->model, '/');
-    base = base ? base + 1 : o->model;
-    w->wm = (cs_wire_model){w->model, cfg->name[0] ? cfg->name : base, base, 0, 0, model_has_chat_template(w->model),
-                            cs_wire_max_prompt_bytes(w->model)};
+    cs_wire_model_init(&w->wm, w->model, o->model);
     cs_engine_params ep = cs_engine_params_default();
     ep.page_size = (int32_t)o->page_size;
     ep.kv_bytes = (size_t)o->kv_cache_mib << 20;

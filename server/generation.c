@@ -1,0 +1,88 @@
+/* generation.c: the Generation service's unary calls, shared by the
+ * single-process server and the router (see generation.h). */
+#include "generation.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+#include "chunkserve/v1/generation.pb-c.h"
+#include "util.h"
+
+int cs_generation_rpc_code(int r) {
+    return r == CS_ENOMEM ? CS_RPC_RESOURCE_EXHAUSTED : r == CS_ENOTSUP ? CS_RPC_FAILED_PRECONDITION : CS_RPC_INVALID_ARGUMENT;
+}
+
+static void handle_list_models(cs_rpc_call *c, void *data) {
+    const cs_wire_model *wm = data;
+    Chunkserve__V1__ModelInfo mi, *mis[1] = {&mi};
+    cs_wire_model_info(wm, &mi);
+    Chunkserve__V1__ListModelsResponse r = CHUNKSERVE__V1__LIST_MODELS_RESPONSE__INIT;
+    r.n_models = 1;
+    r.models = mis;
+    cs_rpc_call_reply_msg(c, &r.base);
+}
+
+static void handle_tokenize(cs_rpc_call *c, void *data) {
+    const cs_wire_model *wm = data;
+    const Chunkserve__V1__TokenizeRequest *m = (const void *)cs_rpc_call_request_msg(c);
+    char *chat = NULL;
+    int32_t *ids = NULL;
+    size_t n = 0;
+    int r = cs_wire_check_model(wm, m->model);
+    if (!r && m->input_case == CHUNKSERVE__V1__TOKENIZE_REQUEST__INPUT_CHAT) r = cs_wire_render_chat(wm, m->chat, &chat);
+    const char *text = chat                                                            ? chat
+                       : m->input_case == CHUNKSERVE__V1__TOKENIZE_REQUEST__INPUT_TEXT ? m->text
+                                                                                       : "";
+    if (!r && strlen(text) > wm->max_prompt_bytes)
+        r = cs__fail(CS_EINVAL, "the text has %zu bytes: more than the model's context can hold", strlen(text));
+    if (!r) r = cs_tokenizer_encode(cs_model_tokenizer(wm->model), text, strlen(text), true, m->add_special, &ids, &n);
+    if (r) {
+        cs_rpc_call_finish(c, cs_generation_rpc_code(r), cs_last_error());
+    } else {
+        Chunkserve__V1__TokenizeResponse resp = CHUNKSERVE__V1__TOKENIZE_RESPONSE__INIT;
+        resp.n_ids = n;
+        resp.ids = ids;
+        cs_rpc_call_reply_msg(c, &resp.base);
+    }
+    free(ids);
+    free(chat);
+}
+
+static void handle_detokenize(cs_rpc_call *c, void *data) {
+    const cs_wire_model *wm = data;
+    const Chunkserve__V1__DetokenizeRequest *m = (const void *)cs_rpc_call_request_msg(c);
+    const cs_tokenizer *tok = cs_model_tokenizer(wm->model);
+    int32_t n_vocab = cs_tokenizer_n_vocab(tok);
+    int r = cs_wire_check_model(wm, m->model);
+    for (size_t i = 0; !r && i < m->n_ids; i++)
+        if (m->ids[i] < 0 || m->ids[i] >= n_vocab)
+            r = cs__fail(CS_EINVAL, "ids[%zu] = %d is outside the vocabulary (0..%d)", i, m->ids[i], n_vocab - 1);
+    char *text = NULL;
+    size_t len = 0;
+    if (!r) r = cs_tokenizer_decode(tok, m->ids, m->n_ids, !m->include_special, &text, &len);
+    if (r) {
+        cs_rpc_call_finish(c, cs_generation_rpc_code(r), cs_last_error());
+    } else {
+        Chunkserve__V1__DetokenizeResponse resp = CHUNKSERVE__V1__DETOKENIZE_RESPONSE__INIT;
+        resp.text = text;
+        cs_rpc_call_reply_msg(c, &resp.base);
+    }
+    free(text);
+}
+
+int cs_generation_add_unary(cs_rpc_server *s, const cs_wire_model *wm) {
+    static const struct {
+        const char *path;
+        const ProtobufCMessageDescriptor *desc;
+        cs_rpc_handler fn;
+    } methods[] = {
+        {"/" CS_GENERATION_SERVICE "/ListModels", &chunkserve__v1__list_models_request__descriptor, handle_list_models},
+        {"/" CS_GENERATION_SERVICE "/Tokenize", &chunkserve__v1__tokenize_request__descriptor, handle_tokenize},
+        {"/" CS_GENERATION_SERVICE "/Detokenize", &chunkserve__v1__detokenize_request__descriptor, handle_detokenize},
+    };
+    for (size_t i = 0; i < sizeof methods / sizeof methods[0]; i++) {
+        int r = cs_rpc_server_add_method(s, methods[i].path, CS_RPC_UNARY, methods[i].desc, methods[i].fn, (void *)wm);
+        if (r) return r;
+    }
+    return 0;
+}

@@ -1,0 +1,40 @@
+/* outbuf.h: a stream's pending output between the engine thread and the
+ * loop thread. The engine thread appends each event's token, logprob and text
+ * (under the owner's lock); the loop thread's drain takes everything at once
+ * and sends it as one GenerateResponse, so a slow loop merges steps instead
+ * of queueing a message per token. Used by `chunkserve serve` and the decode
+ * worker. Not thread-safe by itself: the owner holds its lock around append
+ * and take. */
+#ifndef CHUNKSERVE_SERVER_OUTBUF_H
+#define CHUNKSERVE_SERVER_OUTBUF_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "chunkserve/sched.h"
+#include "chunkserve/v1/generation.pb-c.h"
+
+typedef struct {
+    int32_t *toks; /* (n) */
+    float *lps;    /* (n) */
+    size_t n, cap;
+    char *text;    /* NUL-terminated, text_len bytes; NULL when none */
+    size_t text_len, text_cap;
+    bool oom;      /* a token or text could not be kept: end the stream */
+} cs_outbuf;
+
+/* Appends ev's token (if any) and text; sets oom instead of failing. */
+void cs_outbuf_append(cs_outbuf *b, const cs_event *ev);
+/* Moves everything buffered to *out (which the caller frees) and empties b. */
+void cs_outbuf_take(cs_outbuf *b, cs_outbuf *out);
+void cs_outbuf_free(cs_outbuf *b);
+bool cs_outbuf_empty(const cs_outbuf *b);
+
+/* Builds the GenerateResponse of what b holds into *r (borrowing b's
+ * arrays): tokens, text, logprobs when asked (allocated into *scratch:
+ * cs_outbuf_response_free after packing). CS_ENOMEM. */
+int cs_outbuf_response(const cs_outbuf *b, bool logprobs, Chunkserve__V1__GenerateResponse *r, void **scratch);
+void cs_outbuf_response_free(void *scratch);
+
+#endif
