@@ -15,7 +15,7 @@ ifneq ($(OPENBLAS_CORETYPE),)
 export OPENBLAS_CORETYPE
 endif
 
-.PHONY: all build bootstrap model test test-unit test-py asan-build test-asan test-serve-asan demo bench clean format
+.PHONY: all build bootstrap model test test-unit test-py asan-build test-asan test-serve-asan test-cluster-asan demo bench clean format
 
 all: build
 
@@ -34,6 +34,7 @@ test: build model
 	cd $(BUILD) && ctest --output-on-failure -j$(JOBS)
 	$(MAKE) --no-print-directory test-asan
 	$(MAKE) --no-print-directory test-serve-asan
+	$(MAKE) --no-print-directory test-cluster-asan
 	CHUNKSERVE_BIN_DIR=$(abspath $(BUILD))/bin CHUNKSERVE_MODEL=$(abspath $(MODEL)) \
 	  $(PY) -m pytest -q -m "not cluster" tests/py
 
@@ -50,6 +51,14 @@ test-asan: asan-build
 test-serve-asan: asan-build
 	CHUNKSERVE_BIN_DIR=$(abspath $(BUILD))-asan/bin ASAN_OPTIONS=detect_leaks=1:exitcode=23 \
 	  UBSAN_OPTIONS=print_stacktrace=1 $(PY) -m pytest -q -m tiny tests/py/test_serve.py
+
+# The router in front of real chunkserve-prefill / -decode processes on the tiny model
+# (tests/py/test_router.py: kill -9, SIGSTOP, restarts, cancellation, SIGTERM) against the
+# ASan build: every process must exit 0 on SIGTERM (-9 only where a test killed it) with
+# no sanitizer report on its stderr (leaks exit 23).
+test-cluster-asan: asan-build
+	CHUNKSERVE_BIN_DIR=$(abspath $(BUILD))-asan/bin ASAN_OPTIONS=detect_leaks=1:exitcode=23 \
+	  UBSAN_OPTIONS=print_stacktrace=1 $(PY) -m pytest -q tests/py/test_router.py
 
 demo: build model
 	@scripts/demo.sh $(BUILD)/bin $(MODEL)

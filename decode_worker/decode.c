@@ -25,6 +25,7 @@
 
 #include "chunkserve/kvx.h"
 #include "util.h"
+#include "outbuf.h"
 #include "worker.h"
 
 #define MAX_UNSENT_BYTES ((size_t)4 << 20)
@@ -46,15 +47,11 @@ typedef struct dreq {
     struct dreq *prev, *next; /* live list, loop thread */
 
     pthread_mutex_t mu; /* everything below */
-    bool posted, admitted, sent_admitted, done, oom, expected, kv_done, cancel_requested, sent_first;
+    bool posted, admitted, sent_admitted, done, expected, kv_done, cancel_requested;
     int32_t pages_reserved, n_context;
     int kv_status;
     char kv_error[256];
-    int32_t *toks;
-    float *lps;
-    size_t n, cap;
-    char *text;
-    size_t text_len, text_cap;
+    cs_outbuf out;
     enum cs_finish finish;
     int err_status;
     char error[256];
@@ -85,9 +82,7 @@ static void dreq_free_post(void *data) {
         d->live = q->next;
     if (q->next) q->next->prev = q->prev;
     d->n_live--;
-    free(q->toks);
-    free(q->lps);
-    free(q->text);
+    cs_outbuf_free(&q->out);
     pthread_mutex_destroy(&q->mu);
     free(q);
 }
@@ -108,36 +103,7 @@ static void post_drain_locked(dreq *q) {
 }
 
 static void append_locked(dreq *q, const cs_event *ev) {
-    if (ev->token >= 0) {
-        if (q->n == q->cap) {
-            size_t nc = q->cap ? 2 * q->cap : 16;
-            int32_t *t = realloc(q->toks, nc * sizeof *t);
-            if (t) q->toks = t;
-            float *l = realloc(q->lps, nc * sizeof *l);
-            if (l) q->lps = l;
-            if (t && l) q->cap = nc;
-        }
-        if (q->n < q->cap) {
-            q->toks[q->n] = ev->token;
-            q->lps[q->n++] = ev->logprob;
-        } else {
-            q->oom = true;
-        }
-    }
-    size_t tl = ev->text ? strlen(ev->text) : 0;
-    if (tl) {
-        if (q->text_len + tl + 1 > q->text_cap) {
-            size_t nc = (q->text_len + tl + 1) * 2;
-            char *t = realloc(q->text, nc);
-            if (t) q->text = t, q->text_cap = nc;
-        }
-        if (q->text_len + tl + 1 <= q->text_cap) {
-            memcpy(q->text + q->text_len, ev->text, tl + 1);
-            q->text_len += tl;
-        } else {
-            q->oom = true;
-        }
-    }
+    cs_outbuf_append(&q->out, ev);
     if (ev->finish != CS_FINISH_NONE) {
         q->done = true;
         q->finish = ev->finish;
@@ -186,6 +152,7 @@ static void on_event(void *user, const cs_event *ev) {
     if (ev->token < 0 && ev->finish == CS_FINISH_NONE && ev->kv_pages) { /* admission: pages reserved */
         q->admitted = true;
         q->pages_reserved = ev->kv_n_pages;
+        cs_metric_inc(q->local ? d->m_local : d->m_remote);
         if (!q->local && !q->cancel_requested) {
             atomic_fetch_add(&q->refs, 1);
             int r = cs_kvx_rx_expect(d->rx, q->transfer_id, ev->kv_pages, ev->kv_n_pages,
@@ -209,6 +176,7 @@ static void on_event(void *user, const cs_event *ev) {
             q->t_last_token = now;
         }
         append_locked(q, ev);
+        if (ev->finish == CS_FINISH_ERROR && ev->status == CS_ENOSPC) cs_metric_inc(d->m_refused);
     }
     post_drain_locked(q);
     pthread_mutex_unlock(&q->mu);
@@ -239,14 +207,12 @@ static int send_admitted(dreq *q, int32_t pages) {
     return cs_rpc_call_send_msg(q->call, &r.base);
 }
 
-static int send_output(dreq *q, const int32_t *toks, const float *lps, size_t n, const char *text, bool final,
-                       enum cs_finish finish, int32_t n_prompt, int32_t n_completion, int32_t n_cached) {
-    Chunkserve__V1__GenerateResponse g = CHUNKSERVE__V1__GENERATE_RESPONSE__INIT;
+static int send_output(dreq *q, const cs_outbuf *b, bool final, enum cs_finish finish, int32_t n_prompt,
+                       int32_t n_completion, int32_t n_cached) {
+    Chunkserve__V1__GenerateResponse g;
     Chunkserve__V1__Usage usage = CHUNKSERVE__V1__USAGE__INIT;
-    Chunkserve__V1__TokenLogprob *lp = NULL, **lpp = NULL;
-    g.n_token_ids = n;
-    g.token_ids = (int32_t *)toks;
-    g.text = (char *)(text ? text : "");
+    void *scratch;
+    if (cs_outbuf_response(b, q->logprobs, &g, &scratch)) return CS_ENOMEM;
     if (final) {
         g.finish_reason = cs_wire_finish_reason(finish);
         usage.prompt_tokens = n_prompt;
@@ -254,28 +220,11 @@ static int send_output(dreq *q, const int32_t *toks, const float *lps, size_t n,
         usage.cached_prompt_tokens = n_cached;
         g.usage = &usage;
     }
-    if (q->logprobs && n) {
-        lp = malloc(n * sizeof *lp);
-        lpp = malloc(n * sizeof *lpp);
-        if (!lp || !lpp) {
-            free(lp), free(lpp);
-            return CS_ENOMEM;
-        }
-        for (size_t i = 0; i < n; i++) {
-            lp[i] = (Chunkserve__V1__TokenLogprob)CHUNKSERVE__V1__TOKEN_LOGPROB__INIT;
-            lp[i].token_id = toks[i];
-            lp[i].logprob = lps[i];
-            lpp[i] = &lp[i];
-        }
-        g.n_logprobs = n;
-        g.logprobs = lpp;
-    }
     Chunkserve__V1__DecodeResponse r = CHUNKSERVE__V1__DECODE_RESPONSE__INIT;
     r.event_case = CHUNKSERVE__V1__DECODE_RESPONSE__EVENT_OUTPUT;
     r.output = &g;
     int rc = cs_rpc_call_send_msg(q->call, &r.base);
-    free(lp);
-    free(lpp);
+    cs_outbuf_response_free(scratch);
     return rc;
 }
 
@@ -293,13 +242,9 @@ static void dreq_cancel(dreq *q) {
 static void on_drain_post(void *data) {
     dreq *q = data;
     pthread_mutex_lock(&q->mu);
-    int32_t *toks = q->toks;
-    float *lps = q->lps;
-    char *text = q->text;
-    size_t n = q->n;
-    q->toks = NULL, q->lps = NULL, q->text = NULL;
-    q->n = q->cap = q->text_len = q->text_cap = 0;
-    bool done = q->done, oom = q->oom, admit = q->admitted && !q->sent_admitted;
+    cs_outbuf out;
+    cs_outbuf_take(&q->out, &out);
+    bool done = q->done, oom = out.oom, admit = q->admitted && !q->sent_admitted;
     q->sent_admitted |= admit;
     int32_t pages = q->pages_reserved, n_prompt = q->n_prompt, n_completion = q->n_completion,
             n_cached = q->n_cached;
@@ -316,8 +261,8 @@ static void on_drain_post(void *data) {
         int rc = 0;
         if (admit) rc = send_admitted(q, pages);
         if (!rc && oom) rc = CS_ENOMEM;
-        if (!rc && (ok_end || n || text))
-            rc = send_output(q, toks, lps, n, text, ok_end, finish, n_prompt, n_completion, n_cached);
+        if (!rc && (ok_end || !cs_outbuf_empty(&out)))
+            rc = send_output(q, &out, ok_end, finish, n_prompt, n_completion, n_cached);
         char msg[400];
         if (rc == CS_ENOMEM) {
             finish_call(q, CS_RPC_RESOURCE_EXHAUSTED, "the worker ran out of memory for this stream");
@@ -341,9 +286,7 @@ static void on_drain_post(void *data) {
             finish_call(q, err_status ? cs_worker_rpc_code(err_status) : CS_RPC_INTERNAL, msg);
         }
     }
-    free(toks);
-    free(lps);
-    free(text);
+    cs_outbuf_free(&out);
     if (done) {
         static const char *names[] = {"none", "stop", "length", "cancelled", "error"};
         CS_LOGI("request %s (transfer %016llx, %s prefill): %s, %d + %d tokens in %.3f s%s%s", q->request_id,
@@ -408,7 +351,6 @@ static void handle_decode(cs_rpc_call *c, void *data) {
     r.id = q->id;
     r.kv_mode = q->local ? CS_KV_LOCAL : CS_KV_REMOTE;
     r.reserve = true;
-    cs_metric_inc(q->local ? d->m_local : d->m_remote);
     rc = cs_serve_submit(w->sv, &r, on_event, q);
     if (rc) {
         dreq_free_post(q);
@@ -440,7 +382,7 @@ static int decode_start(cs_worker *w) {
                                     "requests admitted, by where their prompt is prefilled");
     d->m_remote = cs_metrics_counter(m, "chunkserve:prefills_total", "path=\"remote\"", NULL);
     d->m_refused = cs_metrics_counter(m, "chunkserve:requests_refused_total", NULL,
-                                      "requests refused (RESOURCE_EXHAUSTED) by the queue limit");
+                                      "requests refused (RESOURCE_EXHAUSTED): queue limit or no free KV pages");
     d->m_xfer_started = cs_metrics_counter(m, "chunkserve:kv_transfers_started_total", NULL, "KV transfers expected");
     d->m_xfer_completed =
         cs_metrics_counter(m, "chunkserve:kv_transfers_completed_total", NULL, "KV transfers received whole");

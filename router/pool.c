@@ -62,12 +62,13 @@ int cs_place_decode(const cs_place_worker *w, size_t n, int64_t n_tokens, size_t
     return best;
 }
 
-int cs_place_prefill(const cs_place_worker *w, size_t n, size_t start) {
+int cs_place_prefill(const cs_place_worker *w, size_t n, int64_t n_tokens, size_t start) {
     int best = -1;
     int64_t best_q = 0;
     for (size_t k = 0; k < n; k++) {
         size_t i = (start + k) % n;
         if (!w[i].usable || w[i].skip) continue;
+        if (w[i].kv_pages_total < cs_place_pages(n_tokens, w[i].page_size)) continue;
         int64_t q = w[i].queued_prefill_tokens + w[i].tokens_placed;
         if (best < 0 || q < best_q) {
             best = (int)i;
@@ -102,7 +103,7 @@ struct cs_worker {
     bool ready, draining, role_ok, model_ok;
     char *worker_id;
     uint64_t instance_id;
-    int32_t page_size, pages_free, running, waiting;
+    int32_t page_size, pages_free, pages_total, running, waiting;
     int64_t queued_prefill;
     char *kv_endpoint;
     int kv_transport;
@@ -299,21 +300,24 @@ static void apply_status(cs_worker *w, const Chunkserve__V1__WorkerStatus *s) {
     int want = w->role == CS_POOL_DECODE ? CHUNKSERVE__V1__WORKER_ROLE__WORKER_ROLE_DECODE
                                          : CHUNKSERVE__V1__WORKER_ROLE__WORKER_ROLE_PREFILL;
     bool role_ok = (int)s->role == want, first = !w->status_seq;
-    bool model_ok =
-        !p->o.expect_n_vocab || !s->model || s->model->vocab_size == p->o.expect_n_vocab;
+    bool model_ok = !s->model || ((!p->o.expect_n_vocab || s->model->vocab_size == p->o.expect_n_vocab) &&
+                                  (!p->o.expect_arch || !strcmp(s->model->architecture, p->o.expect_arch)) &&
+                                  (!p->o.expect_ctx_len || s->model->context_length == p->o.expect_ctx_len));
     if (!role_ok && (first || w->role_ok))
         CS_LOGE("%s worker %s reports role %d: not a %s worker", role_name[w->role], w->addr,
                 (int)s->role, role_name[w->role]);
     if (!model_ok && (first || w->model_ok))
-        CS_LOGE("%s worker %s serves a model with vocabulary %d; this router's has %d",
-                role_name[w->role], w->addr, s->model ? s->model->vocab_size : 0,
-                p->o.expect_n_vocab);
+        CS_LOGE("%s worker %s serves another model (%s, vocabulary %d, context %d); this router's is %s, %d, %d",
+                role_name[w->role], w->addr, s->model ? s->model->architecture : "?",
+                s->model ? s->model->vocab_size : 0, s->model ? s->model->context_length : 0,
+                p->o.expect_arch ? p->o.expect_arch : "?", p->o.expect_n_vocab, p->o.expect_ctx_len);
     w->role_ok = role_ok;
     w->model_ok = model_ok;
     w->ready = s->ready;
     w->draining = s->draining;
     w->page_size = s->page_size > 0 ? s->page_size : 16;
     w->pages_free = s->kv_pages_free;
+    w->pages_total = s->kv_pages_total;
     w->running = s->num_running;
     w->waiting = s->num_waiting;
     w->queued_prefill = s->queued_prefill_tokens;
@@ -703,6 +707,7 @@ cs_worker *cs_pool_place(cs_pool *p, enum cs_pool_role role, int64_t n_tokens,
             .skip = excluded(w, marks),
             .page_size = w->page_size,
             .kv_pages_free = w->pages_free,
+            .kv_pages_total = w->pages_total,
             .pages_placed = w->pages_placed,
             .num_running = w->running,
             .num_waiting = w->waiting,
@@ -715,7 +720,7 @@ cs_worker *cs_pool_place(cs_pool *p, enum cs_pool_role role, int64_t n_tokens,
     if (n_candidates) *n_candidates = cand;
     size_t start = p->rr[role]++ % n;
     int k = role == CS_POOL_DECODE ? cs_place_decode(snap, n, n_tokens, start)
-                                   : cs_place_prefill(snap, n, start);
+                                   : cs_place_prefill(snap, n, n_tokens, start);
     if (k >= 0) {
         chosen = ws[k];
         if (role == CS_POOL_DECODE)

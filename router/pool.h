@@ -28,7 +28,8 @@ extern "C" {
 typedef struct {
     bool usable;           /* fresh status, ready, not draining, right role */
     bool skip;             /* excluded or refused for this request */
-    int32_t page_size;     /* tokens per KV page (decode) */
+    int32_t page_size;     /* tokens per KV page */
+    int32_t kv_pages_total; /* the worker's whole pool (a prompt beyond it can never run there) */
     int32_t kv_pages_free; /* from the last status */
     int32_t pages_placed;  /* pages this router placed there since that status */
     int32_t num_running, num_waiting;
@@ -46,9 +47,11 @@ int32_t cs_place_pages(int64_t n_tokens, int32_t page_size);
  * share the load). -1 when none qualifies. */
 int cs_place_decode(const cs_place_worker *w, size_t n, int64_t n_tokens, size_t start);
 
-/* The prefill worker: among usable, not skipped workers, the fewest
- * queued_prefill_tokens + tokens_placed; ties as above. -1 when none. */
-int cs_place_prefill(const cs_place_worker *w, size_t n, size_t start);
+/* The prefill worker for a prompt of n_tokens: among usable, not skipped
+ * workers whose whole pool can hold it, the fewest queued_prefill_tokens +
+ * tokens_placed; ties as above. -1 when none (the decode worker then
+ * prefills it itself). */
+int cs_place_prefill(const cs_place_worker *w, size_t n, int64_t n_tokens, size_t start);
 
 /* ------------------------------------------------------------ pool -- */
 
@@ -62,7 +65,9 @@ typedef struct {
     const char *dns[2];            /* per role: "name:port[,name:port]" or NULL */
     int32_t dns_refresh_ms;        /* re-resolve period */
     int32_t status_interval_ms;    /* GetStatus period per worker */
-    int32_t expect_n_vocab;        /* a worker whose model has another vocabulary is unusable */
+    int32_t expect_n_vocab;        /* a worker whose model has another vocabulary, */
+    const char *expect_arch;       /* architecture */
+    int32_t expect_ctx_len;        /* or context length is unusable */
     /* Called after a status poll round in which some worker's status arrived
      * (room may have appeared): the router retries what waits. May be NULL. */
     void (*on_change)(void *arg);

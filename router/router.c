@@ -48,11 +48,12 @@
 #include "chunkserve/rpc.h"
 #include "chunkserve/rpc_health.h"
 #include "chunkserve/v1/cluster.pb-c.h"
+#include "generation.h"
 #include "pool.h"
 #include "util.h"
 #include "wire.h"
 
-#define SERVICE "chunkserve.v1.Generation"
+#define SERVICE CS_GENERATION_SERVICE
 #define WORKER "/chunkserve.v1.Worker/"
 /* Unsent bytes a stream may hold for a client that does not read. */
 #define MAX_UNSENT_BYTES ((size_t)4 << 20)
@@ -180,12 +181,6 @@ static uint64_t new_transfer_id(router *r) {
         id = splitmix64(r->id_base + ++r->n_transfers);
     while (id == 0);
     return id;
-}
-
-static int rpc_code_for(int rc) {
-    return rc == CS_ENOMEM    ? CS_RPC_RESOURCE_EXHAUSTED
-           : rc == CS_ENOTSUP ? CS_RPC_FAILED_PRECONDITION
-                              : CS_RPC_INVALID_ARGUMENT;
 }
 
 static void count_code(router *r, int code) {
@@ -549,6 +544,9 @@ static bool relay(req *q, Chunkserve__V1__GenerateResponse *out) {
 static void on_prefill_done(cs_rpc_client_call *c, int code, const char *msg, void *data) {
     leg *l = data;
     req *q = l->q;
+    /* counted even when the stream already ended (a one-token answer can
+     * finish on the Decode stream before the Prefill reply arrives) */
+    if (code == CS_RPC_OK) cs_metric_inc(q->r->m.prefill_remote);
     if (q->pleg != l || q->state == RQ_ENDED) {
         leg_free(l);
         return;
@@ -556,7 +554,6 @@ static void on_prefill_done(cs_rpc_client_call *c, int code, const char *msg, vo
     q->pleg = NULL;
     if (code == CS_RPC_OK) {
         q->prefill_ok = true;
-        cs_metric_inc(q->r->m.prefill_remote);
         CS_LOGD("request %s: prefill on %s done", q->id, cs_worker_addr(l->w));
         if (q->state == RQ_PREFILL) q->state = RQ_STREAMING;
     } else if (code == CS_RPC_INVALID_ARGUMENT) {
@@ -934,7 +931,7 @@ static void handle_generate(cs_rpc_call *c, void *data) {
     cs_wire_request w;
     int rc = cs_wire_generate_request(&r->wm, m, seq, &w);
     if (rc) {
-        int code = rpc_code_for(rc);
+        int code = cs_generation_rpc_code(rc);
         CS_LOGD("request %s rejected: %s", m->request_id, cs_last_error());
         count_code(r, code);
         cs_rpc_call_finish(c, code, cs_last_error());
@@ -998,82 +995,6 @@ static void handle_generate(cs_rpc_call *c, void *data) {
     } else {
         attempt(q);
     }
-}
-
-static bool model_has_chat_template(const cs_model *m) {
-    cs_chat_message msg = {"user", "hi"};
-    char *text = NULL;
-    int rc = cs_tokenizer_apply_chat(cs_model_tokenizer(m), &msg, 1, true, &text);
-    free(text);
-    return rc == 0;
-}
-
-static void handle_list_models(cs_rpc_call *c, void *data) {
-    router *r = data;
-    const cs_model_config *cfg = cs_model_get_config(r->wm.model);
-    Chunkserve__V1__ModelInfo mi = CHUNKSERVE__V1__MODEL_INFO__INIT, *mis[1] = {&mi};
-    mi.name = (char *)r->wm.name;
-    mi.context_length = cfg->ctx_len;
-    mi.vocab_size = cfg->n_vocab;
-    mi.architecture = (char *)cfg->arch;
-    mi.has_chat_template = r->wm.has_chat_template;
-    Chunkserve__V1__ListModelsResponse resp = CHUNKSERVE__V1__LIST_MODELS_RESPONSE__INIT;
-    resp.n_models = 1;
-    resp.models = mis;
-    cs_rpc_call_reply_msg(c, &resp.base);
-}
-
-static void handle_tokenize(cs_rpc_call *c, void *data) {
-    router *r = data;
-    const Chunkserve__V1__TokenizeRequest *m = (const void *)cs_rpc_call_request_msg(c);
-    char *chat = NULL;
-    int32_t *ids = NULL;
-    size_t n = 0;
-    int rc = cs_wire_check_model(&r->wm, m->model);
-    if (!rc && m->input_case == CHUNKSERVE__V1__TOKENIZE_REQUEST__INPUT_CHAT)
-        rc = cs_wire_render_chat(&r->wm, m->chat, &chat);
-    const char *text = chat                                                            ? chat
-                       : m->input_case == CHUNKSERVE__V1__TOKENIZE_REQUEST__INPUT_TEXT ? m->text
-                                                                                       : "";
-    if (!rc && strlen(text) > r->wm.max_prompt_bytes)
-        rc = cs__fail(CS_EINVAL, "the text has %zu bytes: more than the model's context can hold",
-                      strlen(text));
-    if (!rc)
-        rc = cs_tokenizer_encode(cs_model_tokenizer(r->wm.model), text, strlen(text), true,
-                                 m->add_special, &ids, &n);
-    if (rc) {
-        cs_rpc_call_finish(c, rpc_code_for(rc), cs_last_error());
-    } else {
-        Chunkserve__V1__TokenizeResponse resp = CHUNKSERVE__V1__TOKENIZE_RESPONSE__INIT;
-        resp.n_ids = n;
-        resp.ids = ids;
-        cs_rpc_call_reply_msg(c, &resp.base);
-    }
-    free(ids);
-    free(chat);
-}
-
-static void handle_detokenize(cs_rpc_call *c, void *data) {
-    router *r = data;
-    const Chunkserve__V1__DetokenizeRequest *m = (const void *)cs_rpc_call_request_msg(c);
-    const cs_tokenizer *tok = cs_model_tokenizer(r->wm.model);
-    int32_t n_vocab = cs_tokenizer_n_vocab(tok);
-    int rc = cs_wire_check_model(&r->wm, m->model);
-    for (size_t i = 0; !rc && i < m->n_ids; i++)
-        if (m->ids[i] < 0 || m->ids[i] >= n_vocab)
-            rc = cs__fail(CS_EINVAL, "ids[%zu] = %d is outside the vocabulary (0..%d)", i,
-                          m->ids[i], n_vocab - 1);
-    char *text = NULL;
-    size_t len = 0;
-    if (!rc) rc = cs_tokenizer_decode(tok, m->ids, m->n_ids, !m->include_special, &text, &len);
-    if (rc) {
-        cs_rpc_call_finish(c, rpc_code_for(rc), cs_last_error());
-    } else {
-        Chunkserve__V1__DetokenizeResponse resp = CHUNKSERVE__V1__DETOKENIZE_RESPONSE__INIT;
-        resp.text = text;
-        cs_rpc_call_reply_msg(c, &resp.base);
-    }
-    free(text);
 }
 
 /* ---------------------------------------------------------- metrics -- */
@@ -1234,19 +1155,13 @@ static int add_methods(router *r) {
     } methods[] = {
         {"/" SERVICE "/Generate", CS_RPC_SERVER_STREAMING,
          &chunkserve__v1__generate_request__descriptor, handle_generate},
-        {"/" SERVICE "/ListModels", CS_RPC_UNARY, &chunkserve__v1__list_models_request__descriptor,
-         handle_list_models},
-        {"/" SERVICE "/Tokenize", CS_RPC_UNARY, &chunkserve__v1__tokenize_request__descriptor,
-         handle_tokenize},
-        {"/" SERVICE "/Detokenize", CS_RPC_UNARY, &chunkserve__v1__detokenize_request__descriptor,
-         handle_detokenize},
     };
     for (size_t i = 0; i < sizeof methods / sizeof methods[0]; i++) {
         int rc = cs_rpc_server_add_method(r->srv, methods[i].path, methods[i].kind, methods[i].desc,
                                           methods[i].fn, r);
         if (rc) return rc;
     }
-    return 0;
+    return cs_generation_add_unary(r->srv, &r->wm);
 }
 
 int cs_router_run(const cs_model *model, const cs_router_opts *o) {
@@ -1256,16 +1171,10 @@ int cs_router_run(const cs_model *model, const cs_router_opts *o) {
     if (getrandom(&r->id_base, sizeof r->id_base, 0) != sizeof r->id_base)
         r->id_base = (uint64_t)time(NULL) << 20 ^ (uint64_t)getpid();
     const cs_model_config *cfg = cs_model_get_config(model);
-    const char *base = o->model ? strrchr(o->model, '/') : NULL;
-    base = base ? base + 1 : o->model ? o->model : "";
     /* KV room is the workers' to judge: no pool bound here */
-    r->wm = (cs_wire_model){model,
-                            cfg->name[0] ? cfg->name : base,
-                            base,
-                            INT32_MAX,
-                            16,
-                            model_has_chat_template(model),
-                            cs_wire_max_prompt_bytes(model)};
+    cs_wire_model_init(&r->wm, model, o->model);
+    r->wm.n_kv_pages = INT32_MAX;
+    r->wm.page_size = 16;
 
     char addr[300];
     int port = 0, rc;
@@ -1290,6 +1199,8 @@ int cs_router_run(const cs_model *model, const cs_router_opts *o) {
         .dns_refresh_ms = (int32_t)o->dns_refresh_ms,
         .status_interval_ms = (int32_t)o->status_interval_ms,
         .expect_n_vocab = cfg->n_vocab,
+        .expect_arch = cfg->arch,
+        .expect_ctx_len = cfg->ctx_len,
         .on_change = on_pool_change,
         .on_down = on_worker_down,
         .arg = r,

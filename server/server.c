@@ -294,23 +294,15 @@ static void handle_status(cs_rpc_call *c, void *data) {
     cs_sched_stats st;
     cs_serve_stats(s->sv, &st);
     Chunkserve__V1__ModelInfo mi;
-    cs_wire_model_info(&s->wm, &mi);
-    Chunkserve__V1__WorkerStatus r = CHUNKSERVE__V1__WORKER_STATUS__INIT;
+    Chunkserve__V1__WorkerStatus r;
+    cs_wire_worker_status(&s->wm, &st, &mi, &r);
     char worker_id[32];
     snprintf(worker_id, sizeof worker_id, "serve-%016llx", (unsigned long long)s->instance_id);
     r.worker_id = worker_id;
     r.instance_id = s->instance_id;
     r.role = CHUNKSERVE__V1__WORKER_ROLE__WORKER_ROLE_UNSPECIFIED;
-    r.model = &mi;
     r.ready = !s->stopping;
     r.draining = s->stopping;
-    r.page_size = st.page_size;
-    r.kv_pages_total = st.kv_pages_total;
-    r.kv_pages_free = st.kv_pages_total - st.kv_pages_used; /* cached prefix pages are reusable */
-    r.num_running = st.n_running;
-    r.num_waiting = st.n_waiting;
-    r.queued_prefill_tokens = st.queued_prompt_tokens;
-    r.max_num_batched_tokens = st.max_num_batched_tokens;
     cs_rpc_call_reply_msg(c, &r.base);
 }
 

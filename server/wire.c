@@ -105,6 +105,20 @@ void cs_wire_model_info(const cs_wire_model *wm, Chunkserve__V1__ModelInfo *mi) 
     mi->has_chat_template = wm->has_chat_template;
 }
 
+void cs_wire_worker_status(const cs_wire_model *wm, const cs_sched_stats *st, Chunkserve__V1__ModelInfo *mi,
+                           Chunkserve__V1__WorkerStatus *r) {
+    cs_wire_model_info(wm, mi);
+    *r = (Chunkserve__V1__WorkerStatus)CHUNKSERVE__V1__WORKER_STATUS__INIT;
+    r->model = mi;
+    r->page_size = st->page_size;
+    r->kv_pages_total = st->kv_pages_total;
+    r->kv_pages_free = st->kv_pages_total - st->kv_pages_used; /* cached prefix pages are reusable */
+    r->num_running = st->n_running;
+    r->num_waiting = st->n_waiting;
+    r->queued_prefill_tokens = st->queued_prompt_tokens;
+    r->max_num_batched_tokens = st->max_num_batched_tokens;
+}
+
 size_t cs_wire_max_prompt_bytes(const cs_model *m) {
     const cs_tokenizer *tok = cs_model_tokenizer(m);
     size_t longest = 1;

@@ -13,6 +13,7 @@
 
 #include "chunkserve/model.h"
 #include "chunkserve/sched.h"
+#include "chunkserve/v1/cluster.pb-c.h"
 #include "chunkserve/v1/generation.pb-c.h"
 
 /* What the server knows about its one model (read-only after start). */
@@ -33,6 +34,13 @@ void cs_wire_model_init(cs_wire_model *wm, const cs_model *m, const char *path);
 
 /* The ModelInfo message of the model (strings borrowed from wm). */
 void cs_wire_model_info(const cs_wire_model *wm, Chunkserve__V1__ModelInfo *mi);
+
+/* A WorkerStatus snapshot from scheduler stats: *r gets the model (mi, which
+ * must outlive r), the KV pages (free counts reusable prefix pages), the
+ * running / waiting sequences, queued prompt tokens and the budget; the
+ * caller sets the identity, role, readiness and endpoint fields. */
+void cs_wire_worker_status(const cs_wire_model *wm, const cs_sched_stats *st, Chunkserve__V1__ModelInfo *mi,
+                           Chunkserve__V1__WorkerStatus *r);
 
 /* Bytes beyond which a text prompt cannot fit in the context whatever it
  * says: the longest token's bytes times the context length. */

@@ -86,21 +86,13 @@ static void handle_status(cs_rpc_call *c, void *data) {
     cs_sched_stats st;
     cs_serve_stats(w->sv, &st);
     Chunkserve__V1__ModelInfo mi;
-    cs_wire_model_info(&w->wm, &mi);
-    Chunkserve__V1__WorkerStatus r = CHUNKSERVE__V1__WORKER_STATUS__INIT;
+    Chunkserve__V1__WorkerStatus r;
+    cs_wire_worker_status(&w->wm, &st, &mi, &r);
     r.worker_id = w->worker_id;
     r.instance_id = w->instance_id;
     r.role = w->role->role;
-    r.model = &mi;
     r.ready = !w->stopping;
     r.draining = w->stopping;
-    r.page_size = st.page_size;
-    r.kv_pages_total = st.kv_pages_total;
-    r.kv_pages_free = st.kv_pages_total - st.kv_pages_used; /* cached prefix pages are reusable */
-    r.num_running = st.n_running;
-    r.num_waiting = st.n_waiting;
-    r.queued_prefill_tokens = st.queued_prompt_tokens;
-    r.max_num_batched_tokens = st.max_num_batched_tokens;
     char ep[300] = "";
     r.kv_endpoint = ep;
     if (w->role->status) w->role->status(w, &r);

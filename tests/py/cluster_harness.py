@@ -23,12 +23,20 @@ class Proc:
         self.exe, self.args, self.name = exe, [str(a) for a in args], name
         self.proc = None
         self.port = None
+        self.err = None
+        self.earlier = ""  # the stderr of earlier incarnations (before a restart)
+        self.paused = False
+        self.killed = False  # by kill9(), since the last start
         self.start()
 
     def start(self, port: int | None = None):
         args = list(self.args)
         if port is not None:  # a restart keeps the port the router knows
             args = [a for a in args if not a.startswith("--port=")] + [f"--port={port}"]
+        if self.err is not None:
+            self.earlier = self.stderr()
+            self.err.close()
+        self.paused = self.killed = False
         self.err = tempfile.TemporaryFile()
         self.proc = subprocess.Popen([str(self.exe), *args], stdout=subprocess.PIPE, stderr=self.err)
         lines = [self.proc.stdout.readline().decode() for _ in range(2)]
@@ -42,16 +50,31 @@ class Proc:
         self.http = f"http://{h.group(1)}:{h.group(2)}"
 
     def stderr(self) -> str:
+        """Everything the process wrote on stderr, earlier incarnations first."""
         self.err.seek(0)
-        return self.err.read().decode(errors="replace")
+        return self.earlier + self.err.read().decode(errors="replace")
 
     def kill9(self):
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(10)
+        self.paused = False
+        self.killed = True
+
+    def pause(self):
+        """SIGSTOP: a hung process (its sockets stay open, nothing answers)."""
+        self.proc.send_signal(signal.SIGSTOP)
+        self.paused = True
+
+    def resume(self):
+        """SIGCONT after pause()."""
+        self.proc.send_signal(signal.SIGCONT)
+        self.paused = False
 
     def stop(self, timeout=30.0) -> int:
         if self.proc.poll() is not None:
             return self.proc.returncode
+        if self.paused:
+            self.resume()
         self.proc.send_signal(signal.SIGTERM)
         try:
             return self.proc.wait(timeout)
@@ -59,6 +82,10 @@ class Proc:
             self.proc.kill()
             pytest.fail(f"{self.name} did not exit within {timeout}s of SIGTERM; "
                         f"stderr: {self.stderr()[-3000:]}")
+
+    def metric(self, name: str, labels: str = "") -> float:
+        """One series of this process's /metrics (0 when absent)."""
+        return metric(self.metrics(), name, labels)
 
     def metrics(self) -> dict:
         """Prometheus text as {'name{labels}': value}."""
@@ -76,13 +103,64 @@ def metric(m: dict, name: str, labels: str = "") -> float:
     return m.get(f"{name}{{{labels}}}" if labels else name, 0.0)
 
 
+def make_tiny(bin_dir: Path, out: Path, *flags) -> Path:
+    """A tiny random-weight model from chunkserve-mktiny (flags: --qwen2, --layers N, ...)
+    in out/; returns out/tiny.gguf."""
+    out.mkdir(parents=True, exist_ok=True)
+    subprocess.run([str(bin_dir / "chunkserve-mktiny"), "--out", str(out), *map(str, flags)],
+                   check=True, capture_output=True)
+    return out / "tiny.gguf"
+
+
+def worker_status(pb, p: Proc, timeout=10):
+    """Worker/GetStatus of one worker process."""
+    ch = grpc.insecure_channel(p.addr)
+    try:
+        return pb.cluster_pb2_grpc.WorkerStub(ch).GetStatus(pb.cluster_pb2.WorkerStatusRequest(),
+                                                            timeout=timeout)
+    finally:
+        ch.close()
+
+
+def wait_idle(pb, procs, timeout=30.0):
+    """Every live (not killed, not paused) worker of procs idle with every page free: no
+    request running or waiting (the failure contract)."""
+    t_end = time.monotonic() + timeout
+    while True:
+        bad = []
+        for p in procs:
+            if p.proc.poll() is not None or p.paused:
+                continue
+            s = worker_status(pb, p)
+            if s.kv_pages_free != s.kv_pages_total or s.num_running or s.num_waiting:
+                bad.append((p.name, s.kv_pages_free, s.kv_pages_total, s.num_running, s.num_waiting))
+        if not bad:
+            return
+        if time.monotonic() > t_end:
+            pytest.fail(f"workers not idle with all pages free: {bad}")
+        time.sleep(0.1)
+
+
+def wait_for(cond, timeout: float, what: str, interval=0.05):
+    """Polls cond() until it returns something true (returned); fails the test, naming
+    `what`, after timeout seconds."""
+    t_end = time.monotonic() + timeout
+    while True:
+        v = cond()
+        if v:
+            return v
+        if time.monotonic() > t_end:
+            pytest.fail(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(interval)
+
+
 class Cluster:
     """n_prefill + n_decode workers behind a router, on loopback."""
 
     def __init__(self, bin_dir: Path, model: Path, pb, n_prefill=2, n_decode=2, threads=1,
-                 router_args=(), worker_args=(), decode_args=(), prefill_args=()):
+                 router_args=(), worker_args=(), decode_args=(), prefill_args=(), kv_cache_mib=512):
         self.pb = pb
-        common = [f"--model={model}", "--port=0", f"--threads={threads}", "--kv-cache-mib=512",
+        common = [f"--model={model}", "--port=0", f"--threads={threads}", f"--kv-cache-mib={kv_cache_mib}",
                   "--grace-ms=3000", *worker_args]
         self.prefill = [Proc(bin_dir / "chunkserve-prefill", [*common, *prefill_args], f"prefill-{i}")
                         for i in range(n_prefill)]

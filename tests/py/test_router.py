@@ -4,20 +4,18 @@ Two parts:
 - the router alone, with no worker at all: input validation without workers, the unary
   calls it answers itself, a prompt UNAVAILABLE (no hang) when no worker exists, its HTTP
   endpoints, SIGTERM;
-- the router in front of fake workers: chunkserve.v1.Worker servers written here in
-  Python (grpcio) that follow cluster.proto's contract with a deterministic stand-in
-  "model" (the next token is a function of the context), so placement, local/remote
-  prefill, refusals, retries, migration without duplicates, cancellation propagation and
-  overload are checked exactly, without engines.  The real workers' end-to-end tests live
-  with them.
+- the router in front of real chunkserve-prefill / chunkserve-decode processes on the tiny
+  random-weight model (tests/py/cluster_harness.py): local and remote prefill, refusals,
+  pools too small, retries, migration without duplicates, hung (SIGSTOP) and killed (-9)
+  workers, the admission lease, cancellation and deadlines reaching the workers, overload,
+  SIGTERM with streams, DNS discovery, workers of another role or model, restarts.  Greedy
+  ids must equal single-process `chunkserve serve` on the same model.
 
-Timing bounds are generous: they catch hangs only.
+Timing bounds are generous: they catch hangs only.  No test asserts a speed.
 """
 from __future__ import annotations
 
-import math
 import os
-import random
 import re
 import signal
 import subprocess
@@ -33,6 +31,9 @@ import pytest
 
 grpc = pytest.importorskip("grpc")
 pytest.importorskip("grpc_tools.protoc")  # stubs: conftest.proto_modules
+
+from cluster_harness import (Cluster, Proc, generate, make_tiny, metric, wait_for,  # noqa: E402
+                             wait_idle, worker_status)
 
 pytestmark = pytest.mark.cluster
 
@@ -57,12 +58,9 @@ def router_bin(bin_dir):
 
 @pytest.fixture(scope="module")
 def tiny_model(bin_dir, tmp_path_factory):
-    exe = bin_dir / "chunkserve-mktiny"
-    if not exe.is_file():
-        pytest.skip(f"{exe} not built")
-    out = tmp_path_factory.mktemp("tiny")
-    subprocess.run([str(exe), "--out", str(out)], check=True, capture_output=True)
-    return out / "tiny.gguf"
+    if not (bin_dir / "chunkserve-mktiny").is_file():
+        pytest.skip(f"{bin_dir / 'chunkserve-mktiny'} not built")
+    return make_tiny(bin_dir, tmp_path_factory.mktemp("tiny"))
 
 
 class Router:
@@ -328,581 +326,785 @@ def test_bad_flags(router_bin, tiny_model):
     assert proc.wait(timeout=20) == 0
 
 
-# ======================================================= behind fake workers --
+# ====================================================== behind real workers --
+#
+# Real chunkserve-prefill / chunkserve-decode processes on the tiny model, started per test
+# (they start in well under a second). Expected tokens are the single-process greedy ids of
+# `chunkserve serve` on the same model (the `reference` fixture), compared by id.  Failures
+# are real: kill -9, SIGSTOP (a hung process: its sockets stay open and nothing answers),
+# restarts on the same port, and pools too small to admit.  What the router sent a worker is
+# checked through what is observable: the workers' /metrics counters and log lines, the
+# router's metrics and its debug log ("decode on ADDR", "prefill N tokens on ADDR").
+#
+# Timing: every wait polls for its condition with a generous bound.  Tests that act "mid
+# stream" use streams of ~4,000 tokens (the context is 4,096) and act right after the first
+# message.  Tests that need a request to be placed on a stopped worker stop it just after
+# its status was seen, with a status interval that keeps its last status fresh for seconds.
 
-def next_token(ctx):
-    """The fake workers' 'model': a pure function of the context (greedy-like)."""
-    return (ctx[-1] * 7 + len(ctx) * 13 + 5) % TINY_VOCAB
+LONG = 4000  # tokens of a "long" stream: prompt + LONG stays inside the 4,096 context
+LONG_PROMPT = [11, 12, 13]  # the prompt of every long stream checked to the end (one reference)
+WORKER_FAST = ["--threads=1", "--grace-ms=2000"]
+FAST = ["--status-interval-ms", "100", "--no-worker-wait-ms", "1500", "--queue-timeout-ms", "1500"]
+# A status interval of 1 s keeps a stopped worker's last status fresh (usable) for >= 2 s
+# (stale after 2 intervals + 1 s), and declares it down only after 5 s.
+SLOW_STATUS = ["--status-interval-ms", "1000", "--no-worker-wait-ms", "1500",
+               "--queue-timeout-ms", "1500", "--log-level", "debug"]
 
 
-def expected(prompt, n):
-    ctx = list(prompt)
-    for _ in range(n):
-        ctx.append(next_token(ctx))
-    return ctx[len(prompt):]
+@pytest.fixture(scope="module")
+def worker_bins(bin_dir):
+    for b in ("chunkserve-router", "chunkserve-prefill", "chunkserve-decode", "chunkserve"):
+        if not (bin_dir / b).is_file():
+            pytest.skip(f"{b} not built")
+    return bin_dir
 
 
-_KV = {}  # kv_endpoint -> decode FakeWorker (prefill fakes signal through it)
-_KV_LOCK = threading.Lock()
+class Reference:
+    """Single-process ids: `chunkserve serve` on the tiny model, ignore_eos (greedy unless
+    sampling parameters with a seed are given)."""
+
+    def __init__(self, exe: Path, model: Path, pb):
+        self.g = pb.generation_pb2
+        self.err = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen([str(exe), "serve", "--model", str(model), "--port", "0",
+                                      "--threads", "1", "--kv-cache-mib", "16"],
+                                     stdout=subprocess.PIPE, stderr=self.err)
+        line = self.proc.stdout.readline().decode()
+        if not line.startswith("listening on "):
+            self.proc.kill()
+            pytest.fail(f"chunkserve serve: unexpected first line {line!r}")
+        self.channel = grpc.insecure_channel(line.split()[-1])
+        self.stub = pb.generation_pb2_grpc.GenerationStub(self.channel)
+        self.cache = {}
+
+    def __call__(self, prompt, n, **sampling):
+        """(ids, text) of the continuation of prompt (token ids), n tokens."""
+        key = (tuple(prompt), n, tuple(sorted(sampling.items())))
+        if key not in self.cache:
+            ids, text, finish, _ = generate(self.stub, self.g, ids=list(prompt), max_tokens=n,
+                                            timeout=300, ignore_eos=True, **sampling)
+            assert len(ids) == n and finish == self.g.FINISH_REASON_LENGTH
+            self.cache[key] = (ids, text)
+        return self.cache[key]
+
+    def stop(self):
+        self.channel.close()
+        self.proc.send_signal(signal.SIGTERM)
+        rc = self.proc.wait(timeout=30)
+        self.err.seek(0)
+        err = self.err.read().decode(errors="replace")
+        assert rc == 0 and "Sanitizer" not in err and "runtime error:" not in err, err[-3000:]
 
 
-class FakeWorker:
-    """A chunkserve.v1.Worker in this process, following cluster.proto's contract.  Knobs:
-    refuse (RESOURCE_EXHAUSTED before admitting), fail_before_admit (a status code),
-    fail_after (abort UNAVAILABLE after that many tokens of a stream), fail_prefill,
-    invalid (INVALID_ARGUMENT), token_delay (seconds between tokens)."""
+@pytest.fixture(scope="module")
+def reference(worker_bins, tiny_model, pb):
+    ref = Reference(worker_bins / "chunkserve", tiny_model, pb)
+    yield ref
+    ref.stop()
 
-    def __init__(self, pb, role, pages=256, name=None, port=0):
-        self.pb = pb
-        c = pb.cluster_pb2
-        self.role = role
-        self.pages = pages
-        self.instance_id = random.getrandbits(63) + 1
-        self.refuse = False
-        self.fail_before_admit = None
-        self.fail_after = None
-        self.fail_prefill = None
-        self.invalid = False
-        self.hang_after = None  # after that many tokens: stop answering anything (a hung process)
-        self.hung = False
-        self.stall_admission = False  # never admit nor refuse (its status stays fine)
-        self.overrun = 0  # a buggy worker: sends this many tokens past max_tokens, in one message
-        self.token_delay = 0.002
-        self.decode_requests, self.prefill_requests, self.cancel_requests = [], [], []
-        self.ended = []  # (transfer_id, finished normally)
-        self.lock = threading.Lock()
-        self.prefilled = {}
-        self.server = grpc.server(ThreadPoolExecutor(max_workers=32))
-        handlers = {
-            "GetStatus": grpc.unary_unary_rpc_method_handler(
-                self.get_status, request_deserializer=c.WorkerStatusRequest.FromString,
-                response_serializer=c.WorkerStatus.SerializeToString),
-            "Cancel": grpc.unary_unary_rpc_method_handler(
-                self.cancel, request_deserializer=c.CancelRequest.FromString,
-                response_serializer=c.CancelResponse.SerializeToString),
-        }
-        if role == "decode":
-            handlers["Decode"] = grpc.unary_stream_rpc_method_handler(
-                self.decode, request_deserializer=c.DecodeRequest.FromString,
-                response_serializer=c.DecodeResponse.SerializeToString)
-        else:
-            handlers["Prefill"] = grpc.unary_unary_rpc_method_handler(
-                self.prefill, request_deserializer=c.PrefillRequest.FromString,
-                response_serializer=c.PrefillResponse.SerializeToString)
-        self.server.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler("chunkserve.v1.Worker", handlers),))
-        self.port = self.server.add_insecure_port(f"127.0.0.1:{port}")
-        self.server.start()
-        self.addr = f"127.0.0.1:{self.port}"
-        self.name = name or f"fake-{role}-{self.port}"
-        self.kv_endpoint = f"127.0.0.1:{self.port + 1}"  # never dialled: prefill fakes use _KV
-        if role == "decode":
-            with _KV_LOCK:
-                _KV[self.kv_endpoint] = self
 
-    def close(self):
-        self.server.stop(0)
-        with _KV_LOCK:
-            _KV.pop(self.kv_endpoint, None)
+class Procs:
+    """The processes of one test: decode and prefill workers (harness Procs) and routers
+    (Procs too, with a gRPC stub).  stop() ends routers first, then workers, each with
+    SIGTERM (a paused one is resumed first): exit 0 (-9 only for one the test killed and
+    did not restart) and no sanitizer report."""
 
-    def hang(self, ctx):
-        while self.hung and ctx.is_active():
-            time.sleep(0.02)
+    def __init__(self, bin_dir: Path, model: Path, pb):
+        self.bin, self.model, self.pb = bin_dir, model, pb
+        self.workers, self.routers, self.channels = [], [], []
+        self.n = {"decode": 0, "prefill": 0}
 
-    def get_status(self, req, ctx):
-        c, g = self.pb.cluster_pb2, self.pb.generation_pb2
-        self.hang(ctx)
-        return c.WorkerStatus(
-            worker_id=self.name, instance_id=self.instance_id,
-            role=c.WORKER_ROLE_DECODE if self.role == "decode" else c.WORKER_ROLE_PREFILL,
-            model=g.ModelInfo(name=TINY_NAME, context_length=TINY_CTX, vocab_size=TINY_VOCAB),
-            ready=True, page_size=16, kv_pages_total=self.pages, kv_pages_free=self.pages,
-            kv_endpoint=self.kv_endpoint, kv_transport=c.KV_TRANSPORT_TCP)
+    def worker(self, role, *args, mib=16, model=None):
+        name = f"{role}-{self.n[role]}"
+        self.n[role] += 1
+        p = Proc(self.bin / f"chunkserve-{role}",
+                 [f"--model={model or self.model}", "--port=0", f"--kv-cache-mib={mib}",
+                  *WORKER_FAST, *args], name)
+        self.workers.append(p)
+        return p
 
-    def cancel(self, req, ctx):
-        with self.lock:
-            self.cancel_requests.append(req)
-        return self.pb.cluster_pb2.CancelResponse(found=False)
+    def decode(self, *args, **kw):
+        return self.worker("decode", *args, **kw)
 
-    def prefilled_event(self, transfer_id):
-        with self.lock:
-            return self.prefilled.setdefault(transfer_id, threading.Event())
+    def prefill(self, *args, **kw):
+        return self.worker("prefill", *args, **kw)
 
-    def prefill(self, req, ctx):
-        with self.lock:
-            self.prefill_requests.append(req)
-        if self.fail_prefill is not None:
-            ctx.abort(self.fail_prefill, "fake prefill failure")
-        with _KV_LOCK:
-            dec = _KV.get(req.kv_endpoint)
-        if dec is None:
-            ctx.abort(grpc.StatusCode.UNAVAILABLE, f"no decode worker at {req.kv_endpoint}")
-        dec.prefilled_event(req.transfer_id).set()
-        return self.pb.cluster_pb2.PrefillResponse(first_token_id=next_token(list(req.token_ids)),
-                                                   num_tokens=len(req.token_ids))
+    def router(self, *args):
+        r = Proc(self.bin / "chunkserve-router",
+                 [f"--model={self.model}", "--port=0", "--grace-ms=2000", *args], "router")
+        ch = grpc.insecure_channel(r.addr)
+        self.channels.append(ch)
+        r.stub = self.pb.generation_pb2_grpc.GenerationStub(ch)
+        self.routers.append(r)
+        return r
 
-    def decode(self, req, ctx):
-        c, g = self.pb.cluster_pb2, self.pb.generation_pb2
-        with self.lock:
-            self.decode_requests.append(req)
-        state = {"ok": False}
-        ctx.add_callback(lambda: self.ended.append((req.transfer_id, state["ok"])))
-        if self.fail_before_admit is not None:
-            ctx.abort(self.fail_before_admit, "fake failure before admission")
-        pages = math.ceil(len(req.token_ids) / 16)
-        if self.refuse or pages > self.pages:
-            ctx.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "fake: no room")
-        if self.invalid:
-            ctx.abort(grpc.StatusCode.INVALID_ARGUMENT, "fake: sampling.seed is not acceptable")
-        while self.stall_admission and ctx.is_active():
-            time.sleep(0.02)
-        if not ctx.is_active():
-            return
-        yield c.DecodeResponse(admitted=c.DecodeAdmitted(
-            transfer_id=req.transfer_id, pages_reserved=pages, kv_endpoint=self.kv_endpoint,
-            kv_transport=c.KV_TRANSPORT_TCP))
-        if not req.local_prefill:
-            ev = self.prefilled_event(req.transfer_id)
-            t0 = time.monotonic()
-            while not ev.wait(0.05):
-                if not ctx.is_active():
-                    return
-                if time.monotonic() - t0 > 10:
-                    ctx.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "fake: the KV never arrived")
-        seq = list(req.token_ids)
-        max_tokens = req.sampling.max_tokens or 50
-        done = len(seq) - req.num_prompt_tokens
-        emitted = 0
-        while done < max_tokens:
-            if self.fail_after is not None and emitted >= self.fail_after:
-                ctx.abort(grpc.StatusCode.UNAVAILABLE, "fake worker died")
-            if self.hang_after is not None and emitted >= self.hang_after:
-                self.hung = True
-                self.hang(ctx)
-                return
-            t = next_token(seq)
-            seq.append(t)
-            done += 1
-            emitted += 1
-            last = done == max_tokens
-            out = g.GenerateResponse(token_ids=[t], text=f"<{t}>", request_id=req.request_id)
-            if req.sampling.logprobs:
-                out.logprobs.append(g.TokenLogprob(token_id=t, logprob=-0.5))
-            if last and self.overrun:
-                extra = expected(seq, self.overrun)
-                out.token_ids.extend(extra)
-                out.logprobs.extend(g.TokenLogprob(token_id=x, logprob=-1.0) for x in extra)
-                last = False
-            if last:
-                out.finish_reason = g.FINISH_REASON_LENGTH
-                out.usage.CopyFrom(g.Usage(prompt_tokens=req.num_prompt_tokens,
-                                           completion_tokens=done))
-            yield c.DecodeResponse(output=out, rng_state=c.RngState(s=[1, 2, 3, done]))
-            if self.token_delay:
-                time.sleep(self.token_delay)
-        state["ok"] = True
+    def stop(self):
+        for ch in self.channels:
+            ch.close()
+        errs = []
+        for p in [*self.routers, *self.workers]:
+            rc = p.stop()
+            err = p.stderr()
+            if rc != (-9 if p.killed else 0) or "Sanitizer" in err or "runtime error:" in err:
+                errs.append(f"{p.name} exit {rc}: {err[-4000:]}")
+        assert not errs, "\n".join(errs)
 
 
 @pytest.fixture
-def fakes(pb):
-    made = []
-
-    def make(role="decode", **kw):
-        w = FakeWorker(pb, role, **kw)
-        made.append(w)
-        return w
-
-    yield make
-    for w in made:
-        w.close()
+def cl(worker_bins, tiny_model, pb):
+    c = Procs(worker_bins, tiny_model, pb)
+    yield c
+    c.stop()
 
 
-FAST = ["--status-interval-ms", "50", "--no-worker-wait-ms", "1500", "--queue-timeout-ms", "1500"]
+def usable(r, role):
+    return metric(r.metrics(), "chunkserve:workers_usable", f'role="{role}"')
+
+
+def wait_usable(r, n_decode, n_prefill=0, timeout=60):
+    wait_for(lambda: usable(r, "decode") == n_decode and usable(r, "prefill") == n_prefill,
+             timeout, f"the router to see {n_decode} decode + {n_prefill} prefill workers usable")
+
+
+def readyz(r):
+    try:
+        with urllib.request.urlopen(r.http + "/readyz", timeout=10) as resp:
+            return resp.status
+    except urllib.error.HTTPError as e:
+        return e.code
 
 
 def gen(pb, ids, max_tokens, **sampling):
     g = pb.generation_pb2
+    sampling.setdefault("ignore_eos", True)
     return g.GenerateRequest(token_ids=g.TokenIds(ids=ids),
                              sampling=g.SamplingParams(max_tokens=max_tokens, **sampling))
 
 
-def test_local_prefill_stream(start_router, fakes, pb):
-    d = fakes("decode")
-    r = start_router("--decode-workers", d.addr, *FAST)
-    r.wait_ready()
-    assert r.metric('chunkserve:workers_usable{role="decode"}') == 1
+def run(r, pb, ids, n, timeout=120, **sampling):
+    """(ids, text, messages) of one whole stream through router r (greedy unless sampling
+    says otherwise)."""
+    got, text, _, msgs = generate(r.stub, pb.generation_pb2, ids=ids, max_tokens=n,
+                                  timeout=timeout, ignore_eos=True, **sampling)
+    return got, text, msgs
+
+
+def rest(it, ids):
+    """Reads the remaining messages of stream it; returns ids + their tokens."""
+    ids = list(ids)
+    for m in it:
+        ids += m.token_ids
+    return ids
+
+
+def placed_on(r, addr):
+    """How many Decode calls the router (--log-level debug) opened on addr."""
+    return r.stderr().count(f": decode on {addr}, ")
+
+
+def prefilled_on(r, addr):
+    return len(re.findall(rf": prefill \d+ tokens on {re.escape(addr)} ", r.stderr()))
+
+
+def wait_placed(r, want, others, what):
+    """Waits for the router's debug log to show a Decode call on want; fails at once if it
+    shows one on another worker first (the stopped worker's status went stale before the
+    request arrived: the premise of the test did not hold)."""
+    def seen():
+        for o in others:
+            if placed_on(r, o.addr):
+                pytest.fail(f"{what}: the router placed the request on {o.name}, not on "
+                            f"{want.name}; router log: {r.stderr()[-3000:]}")
+        return placed_on(r, want.addr) > 0
+    wait_for(seen, 30, f"{what}: a Decode call on {want.name}")
+
+
+def local_prefills(p):
+    return p.metric("chunkserve:prefills_total", 'path="local"')
+
+
+def remote_prefills(p):
+    return p.metric("chunkserve:prefills_total", 'path="remote"')
+
+
+def log_line(p, request_id, contains=""):
+    """The worker's end-of-request log line for request_id that contains `contains`, waited
+    for (a worker logs a request's end after its last message went out)."""
+    def find():
+        for line in p.stderr().splitlines():
+            if f"request {request_id} (transfer " in line and contains in line:
+                return line
+        return ""
+    return wait_for(find, 30, f"{p.name} to log the end of {request_id} with {contains!r}")
+
+
+def wait_metric(p, name, labels, value):
+    """Waits for p's series to reach value (counters a worker updates as a transfer's end
+    reaches it, which can come after the client's last token)."""
+    wait_for(lambda: p.metric(name, labels) == value, 30, f"{p.name}'s {name}{{{labels}}} == {value}")
+
+
+def test_local_prefill_stream(cl, pb, reference):
+    d = cl.decode()
+    r = cl.router("--decode-workers", d.addr, *FAST)
+    wait_usable(r, 1)
     prompt = [1, 40, 258, 7]
-    ids, text, msgs = collect(r.stub.Generate(gen(pb, prompt, 12), timeout=20))
-    assert ids == expected(prompt, 12)
-    assert text == "".join(f"<{t}>" for t in ids)
-    assert msgs[0].request_id.startswith("rt-") and all(m.request_id == "" for m in msgs[1:])
+    ids, text, msgs = run(r, pb, prompt, 12)
+    assert (ids, text) == reference(prompt, 12)
+    rid = msgs[0].request_id
+    assert rid.startswith("rt-") and all(m.request_id == "" for m in msgs[1:])
     assert msgs[-1].finish_reason == pb.generation_pb2.FINISH_REASON_LENGTH
     assert (msgs[-1].usage.prompt_tokens, msgs[-1].usage.completion_tokens) == (4, 12)
-    (dreq,) = d.decode_requests
-    assert dreq.local_prefill and list(dreq.token_ids) == prompt and dreq.num_prompt_tokens == 4
-    assert dreq.sampling.max_tokens == 12 and dreq.lease_ms == 120000 and dreq.transfer_id != 0
-    assert dreq.request_id == msgs[0].request_id
-    # the client's own id is used as is
-    _, _, msgs = collect(r.stub.Generate(pb.generation_pb2.GenerateRequest(
-        request_id="client-7", prompt="hello", sampling=pb.generation_pb2.SamplingParams(max_tokens=2)),
-        timeout=20))
+    # the worker got the router's request id, prefilled locally and generated exactly 12
+    log_line(d, rid, ", local prefill): length, 4 + 12 tokens")
+    # the client's own id is used as is, and reaches the worker
+    g = pb.generation_pb2
+    msgs = list(r.stub.Generate(g.GenerateRequest(request_id="client-7", prompt="hello",
+                                                  sampling=g.SamplingParams(max_tokens=2, ignore_eos=True)),
+                                timeout=60))
     assert msgs[0].request_id == "client-7"
-    assert d.decode_requests[1].transfer_id != dreq.transfer_id
-    assert r.metric('chunkserve:prefills_total{path="local"}') == 2
-    assert r.metric('chunkserve:requests_total{code="OK"}') == 2
-    assert r.metric("chunkserve:generation_tokens_total") == 14
-    assert r.metric("chunkserve:time_to_first_token_seconds_count") == 2
-    assert r.metric("chunkserve:router_overhead_seconds_count") == 2
-    assert r.metric("chunkserve:num_requests_running") == 0
+    t1 = re.search(r"\(transfer (\w+),", log_line(d, rid)).group(1)
+    t2 = re.search(r"\(transfer (\w+),", log_line(d, "client-7", ", local prefill): length")).group(1)
+    assert t1 != t2 and int(t1, 16) and int(t2, 16)  # a new, non-zero transfer id each
+    m, dm = r.metrics(), d.metrics()
+    assert metric(m, "chunkserve:prefills_total", 'path="local"') == 2
+    assert metric(m, "chunkserve:prefills_total", 'path="remote"') == 0
+    assert metric(m, "chunkserve:requests_total", 'code="OK"') == 2
+    assert metric(m, "chunkserve:generation_tokens_total") == 14
+    assert metric(m, "chunkserve:time_to_first_token_seconds_count") == 2
+    assert metric(m, "chunkserve:router_overhead_seconds_count") == 2
+    assert metric(m, "chunkserve:num_requests_running") == 0
+    assert metric(dm, "chunkserve:prefills_total", 'path="local"') == 2
+    assert metric(dm, "chunkserve:prefills_total", 'path="remote"') == 0
+    assert metric(dm, "chunkserve:generation_tokens_total") == 14
+    wait_idle(pb, [d])
 
 
-def test_remote_prefill(start_router, fakes, pb):
-    d, p = fakes("decode"), fakes("prefill")
-    r = start_router("--decode-workers", d.addr, "--prefill-workers", p.addr,
-                     "--local-prefill-threshold", "8", *FAST)
-    r.wait_ready()
-    time.sleep(0.2)  # the prefill worker's status too
-    long_prompt = list(range(20, 60))
-    ids, _, _ = collect(r.stub.Generate(gen(pb, long_prompt, 5), timeout=20))
-    assert ids == expected(long_prompt, 5)
-    dreq, preq = d.decode_requests[-1], p.prefill_requests[-1]
-    assert not dreq.local_prefill
-    assert preq.transfer_id == dreq.transfer_id and list(preq.token_ids) == long_prompt
-    assert preq.kv_endpoint == d.kv_endpoint and preq.decode_worker_id == d.name
-    assert preq.num_prompt_tokens == len(long_prompt) and preq.sampling.max_tokens == 5
-    # under the threshold: local, the prefill worker is not asked
-    ids, _, _ = collect(r.stub.Generate(gen(pb, [3, 4, 5], 3), timeout=20))
-    assert ids == expected([3, 4, 5], 3)
-    assert d.decode_requests[-1].local_prefill and len(p.prefill_requests) == 1
-    assert r.metric('chunkserve:prefills_total{path="remote"}') == 1
-    assert r.metric('chunkserve:prefills_total{path="local"}') == 1
+def test_remote_prefill(pb, reference, worker_bins, tiny_model):
+    """The harness's Cluster (1 prefill + 1 decode): a context at or above the threshold is
+    prefilled on the prefill worker and its KV sent to the decode worker; below, locally."""
+    c = Cluster(worker_bins, tiny_model, pb, n_prefill=1, n_decode=1, kv_cache_mib=16,
+                router_args=["--local-prefill-threshold=8"])
+    try:
+        (p,), (d,) = c.prefill, c.decode
+        g = pb.generation_pb2
+        long_prompt = list(range(20, 60))
+        ids, text, finish, msgs = generate(c.stub, g, ids=long_prompt, max_tokens=5, ignore_eos=True)
+        assert (ids, text) == reference(long_prompt, 5)
+        assert msgs[-1].usage.prompt_tokens == 40 and msgs[-1].usage.completion_tokens == 5
+        rid = msgs[0].request_id
+        wait_metric(p, "chunkserve:kv_transfers_completed_total", "", 1)
+        pm, dm = p.metrics(), d.metrics()
+        assert metric(pm, "chunkserve:prefill_requests_total") == 1
+        assert metric(dm, "chunkserve:kv_transfers_completed_total") == 1
+        assert metric(dm, "chunkserve:kv_transfer_bytes_total") > 0
+        assert metric(dm, "chunkserve:prefills_total", 'path="remote"') == 1
+        assert metric(dm, "chunkserve:prefills_total", 'path="local"') == 0
+        # one transfer: the same request and transfer id on both workers, the whole context
+        # sent to this decode worker (its id in the prefill worker's log)
+        pl, dl = log_line(p, rid), log_line(d, rid)
+        tp = re.search(r"\(transfer (\w+)\)", pl).group(1)
+        assert f"(transfer {tp}, remote prefill): length, 40 + 5 tokens" in dl
+        sd = c.status(d)
+        assert ": 40 tokens " in pl and f"to {sd.worker_id} " in pl
+        # under the threshold: local, the prefill worker is not asked
+        ids, text, _, _ = generate(c.stub, g, ids=[3, 4, 5], max_tokens=3, ignore_eos=True)
+        assert (ids, text) == reference([3, 4, 5], 3)
+        assert metric(p.metrics(), "chunkserve:prefill_requests_total") == 1
+        assert metric(d.metrics(), "chunkserve:prefills_total", 'path="local"') == 1
+        # (the router's prefills_total{path="remote"}: see test_router_counts_remote_prefills)
+        assert metric(c.router.metrics(), "chunkserve:prefills_total", 'path="local"') == 1
+        c.wait_idle()
+    finally:
+        c.stop()
 
 
-def test_refusal_goes_to_the_next_worker_then_resource_exhausted(start_router, fakes, pb):
-    a, b = fakes("decode"), fakes("decode")
-    a.refuse = True
-    r = start_router("--decode-workers", f"{a.addr},{b.addr}", *FAST)
-    r.wait_ready()
-    time.sleep(0.2)
-    for _ in range(4):  # whichever is tried first, b serves
-        ids, _, _ = collect(r.stub.Generate(gen(pb, [9, 8, 7], 4), timeout=20))
-        assert ids == expected([9, 8, 7], 4)
-    assert len(b.decode_requests) == 4
-    assert r.metric("chunkserve:retries_total") == 0  # a refusal is not a failure
-    b.refuse = True
-    t0 = time.monotonic()
+def test_router_counts_remote_prefills(cl, pb):
+    d, p = cl.decode(), cl.prefill()
+    r = cl.router("--decode-workers", d.addr, "--prefill-workers", p.addr,
+                  "--local-prefill-threshold", "8", *FAST)
+    wait_usable(r, 1, 1)
+    for i in range(20):
+        run(r, pb, [(i + j) % 300 + 1 for j in range(40)], 1)
+    assert metric(p.metrics(), "chunkserve:prefill_requests_total") == 20
+    assert remote_prefills(d) == 20
+    assert metric(r.metrics(), "chunkserve:prefills_total", 'path="remote"') == 20
+
+
+def hold_pages(pb, p, n_tokens, transfer_id):
+    """Reserves n_tokens' pages on decode worker p as another router replica would: a
+    Worker/Decode call for a remote prefill that never comes (its lease is long).  Returns
+    the open call (cancel it to free the pages) once the worker admitted it."""
+    c, g = pb.cluster_pb2, pb.generation_pb2
+    ch = grpc.insecure_channel(p.addr)
+    call = pb.cluster_pb2_grpc.WorkerStub(ch).Decode(c.DecodeRequest(
+        request_id=f"hold-{transfer_id}", transfer_id=transfer_id, token_ids=[7] * n_tokens,
+        num_prompt_tokens=n_tokens, sampling=g.SamplingParams(max_tokens=1), local_prefill=False,
+        lease_ms=600000), timeout=300)
+    first = next(call)
+    assert first.WhichOneof("event") == "admitted", first
+    call.channel = ch
+    return call
+
+
+def test_refusal_goes_to_the_next_worker_then_resource_exhausted(cl, pb, reference):
+    """Decode workers with tiny pools.  Another replica's reservation (hold_pages) fills a
+    worker the router still believes empty (its status interval is a minute): the worker
+    refuses (RESOURCE_EXHAUSTED before admitting), the router tries the next one; that is
+    not a failure.  When every worker refuses, the client gets RESOURCE_EXHAUSTED at the
+    queue timeout; once the pages are free again, requests are served."""
+    a = cl.decode(mib=2)  # preferred: the most free pages
+    b = cl.decode(mib=1)
+    sa, sb = worker_status(pb, a), worker_status(pb, b)
+    assert sa.kv_pages_total > sb.kv_pages_total
+    r = cl.router("--decode-workers", f"{a.addr},{b.addr}", "--status-interval-ms", "60000",
+                  "--queue-timeout-ms", "1500", "--log-level", "debug")
+    wait_usable(r, 2)  # the first poll is at once; the next one a minute later
+    ps = sa.page_size
+    hold_a = hold_pages(pb, a, (sa.kv_pages_total - 2) * ps, 11)
+    prompt = [i % 300 + 1 for i in range(5 * ps)]  # 5 pages: more than a has left
+    assert worker_status(pb, a).kv_pages_free < 5 <= worker_status(pb, b).kv_pages_free
+    ids, text, _ = run(r, pb, prompt, 5)
+    assert (ids, text) == reference(prompt, 5)
+    assert placed_on(r, a.addr) == 1 and placed_on(r, b.addr) == 1
+    assert f"decode worker {a.addr} refused" in r.stderr()
+    assert metric(r.metrics(), "chunkserve:retries_total") == 0  # a refusal is not a failure
+    # every worker full: RESOURCE_EXHAUSTED after the queue timeout (not a hang)
+    hold_b = hold_pages(pb, b, (sb.kv_pages_total - 2) * sb.page_size, 12)
     with pytest.raises(grpc.RpcError) as e:
-        list(r.stub.Generate(gen(pb, [9, 8, 7], 4), timeout=20))
+        run(r, pb, prompt, 5, timeout=60)
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value.details()
-    assert time.monotonic() - t0 < 10
-    # it kept asking while it waited (a refusal lasts until the worker's next status)
-    assert len(a.decode_requests) + len(b.decode_requests) > 6
+    assert "no decode worker had room" in e.value.details()
+    assert f"decode worker {b.addr} refused" in r.stderr()
     # room again: served
-    a.refuse = b.refuse = False
-    ids, _, _ = collect(r.stub.Generate(gen(pb, [9, 8, 7], 4), timeout=20))
-    assert ids == expected([9, 8, 7], 4)
+    hold_a.cancel()
+    hold_b.cancel()
+    wait_idle(pb, [a, b])
+    ids, text, _ = run(r, pb, prompt, 5)
+    assert (ids, text) == reference(prompt, 5)
+    assert metric(r.metrics(), "chunkserve:retries_total") == 0
+    hold_a.channel.close()
+    hold_b.channel.close()
 
 
-def test_worker_too_small_is_skipped(start_router, fakes, pb):
-    small, big = fakes("decode", pages=2), fakes("decode", pages=64)
-    r = start_router("--decode-workers", f"{small.addr},{big.addr}", *FAST)
-    r.wait_ready()
-    time.sleep(0.2)
-    prompt = list(range(1, 100))  # 7 pages
-    ids, _, _ = collect(r.stub.Generate(gen(pb, prompt, 3), timeout=20))
-    assert ids == expected(prompt, 3)
-    assert not small.decode_requests and len(big.decode_requests) == 1
+def test_worker_too_small_is_skipped(cl, pb, reference):
+    small, big = cl.decode(mib=1), cl.decode(mib=16)
+    ss, sb = worker_status(pb, small), worker_status(pb, big)
+    prompt = [i % 300 + 1 for i in range(3000)]
+    assert ss.kv_pages_total * ss.page_size < len(prompt) < sb.kv_pages_total * sb.page_size
+    r = cl.router("--decode-workers", f"{small.addr},{big.addr}", *FAST)
+    wait_usable(r, 2)
+    for _ in range(2):  # whichever the round robin starts with
+        ids, text, _ = run(r, pb, prompt, 3)
+        assert (ids, text) == reference(prompt, 3)
+    assert local_prefills(small) + remote_prefills(small) == 0
+    assert local_prefills(big) == 2
+    assert metric(r.metrics(), "chunkserve:retries_total") == 0
 
 
-def test_retry_before_tokens(start_router, fakes, pb):
-    a, b = fakes("decode", pages=1000), fakes("decode", pages=100)  # a is preferred (room)
-    a.fail_before_admit = grpc.StatusCode.INTERNAL
-    r = start_router("--decode-workers", f"{a.addr},{b.addr}", *FAST)
-    r.wait_ready()
-    time.sleep(0.2)
-    ids, _, _ = collect(r.stub.Generate(gen(pb, [5, 6], 6), timeout=20))
-    assert ids == expected([5, 6], 6)
-    assert len(a.decode_requests) == 1 and len(b.decode_requests) == 1
-    assert a.decode_requests[0].transfer_id != b.decode_requests[0].transfer_id
-    assert r.metric("chunkserve:retries_total") == 1
-    assert r.metric("chunkserve:migrations_total") == 0
+def test_retry_before_tokens(cl, pb, reference):
+    """A worker dies (kill -9) while the request waits for its admission there: retried on
+    another worker before any token, not migrated."""
+    a = cl.decode(mib=32)  # preferred: the most free pages
+    b = cl.decode()
+    r = cl.router("--decode-workers", f"{a.addr},{b.addr}", *SLOW_STATUS)
+    wait_usable(r, 2)
+    a.pause()  # the Decode call waits there, unanswered
+    prompt = [5, 6]
+    it = r.stub.Generate(gen(pb, prompt, 6), timeout=120)
+    wait_placed(r, a, [b], "retry before tokens")
+    a.kill9()
+    ids = rest(it, [])
+    assert ids == reference(prompt, 6)[0]
+    m = r.metrics()
+    assert metric(m, "chunkserve:retries_total") == 1
+    assert metric(m, "chunkserve:migrations_total") == 0
+    assert placed_on(r, b.addr) == 1 and local_prefills(b) == 1
+    assert "retrying (1/3)" in r.stderr()
+    wait_idle(pb, [b])
 
 
-def test_migration_continues_without_duplicates(start_router, fakes, pb):
-    a, b = fakes("decode", pages=1000), fakes("decode", pages=100)
-    a.fail_after = 5
-    r = start_router("--decode-workers", f"{a.addr},{b.addr}", *FAST)
-    r.wait_ready()
-    time.sleep(0.2)
-    prompt = [11, 12, 13]
-    ids, text, msgs = collect(r.stub.Generate(gen(pb, prompt, 20), timeout=20))
-    assert ids == expected(prompt, 20)  # exact, no duplicate, no gap
-    assert text == "".join(f"<{t}>" for t in ids)
-    assert msgs[-1].usage.completion_tokens == 20 and msgs[-1].usage.prompt_tokens == 3
+SAMPLED = dict(temperature=0.8, top_p=0.95, seed=1234)
+
+
+def test_migration_continues_without_duplicates(cl, pb, reference):
+    """kill -9 of the decode worker mid-stream: the stream continues on another worker from
+    prompt + the tokens relayed so far, exactly as the uninterrupted run.  The stream is
+    sampled (seeded): the new worker continues from the latest RNG state the router saw."""
+    a = cl.decode(mib=32)  # preferred
+    b = cl.decode()
+    r = cl.router("--decode-workers", f"{a.addr},{b.addr}", *FAST)
+    wait_usable(r, 2)
+    prompt = LONG_PROMPT
+    want, want_text = reference(prompt, LONG, **SAMPLED)
+    assert want != reference(prompt, LONG)[0]  # sampled, not greedy
+    it = r.stub.Generate(gen(pb, prompt, LONG, **SAMPLED), timeout=300)
+    msgs = [next(it)]
+    a.kill9()
+    msgs += list(it)
+    ids = [t for m in msgs for t in m.token_ids]
+    assert len(ids) == LONG, "duplicated or missing tokens"
+    assert ids == want and "".join(m.text for m in msgs) == want_text
+    assert (msgs[-1].usage.prompt_tokens, msgs[-1].usage.completion_tokens) == (len(prompt), LONG)
     assert msgs[0].request_id and all(not m.request_id for m in msgs[1:])
-    (breq,) = b.decode_requests
-    assert list(breq.token_ids) == prompt + ids[:5] and breq.num_prompt_tokens == 3
-    assert breq.sampling.max_tokens == 20
-    assert list(breq.rng_state.s) == [1, 2, 3, 5]  # the latest state the router saw
-    assert r.metric("chunkserve:migrations_total") == 1
-    assert r.metric("chunkserve:retries_total") == 0
+    m = r.metrics()
+    assert metric(m, "chunkserve:migrations_total") == 1
+    assert metric(m, "chunkserve:retries_total") == 0
+    assert local_prefills(b) == 1
+    # b prefilled prompt + the k tokens a had streamed, then generated the rest
+    bm = b.metrics()
+    k = metric(bm, "chunkserve:prompt_tokens_total") - len(prompt)
+    assert 0 < k < LONG and metric(bm, "chunkserve:generation_tokens_total") == LONG - k
+    wait_idle(pb, [b])
 
 
-def test_hung_worker_is_failed_over(start_router, fakes, pb):
-    """A worker that stops answering (its connections stay open: a stopped or hung process)
-    is declared down after a few seconds without a status, and its streams migrate."""
-    a, b = fakes("decode", pages=1000), fakes("decode", pages=100)
-    a.hang_after = 4
-    r = start_router("--decode-workers", f"{a.addr},{b.addr}", *FAST)
-    r.wait_ready()
-    time.sleep(0.2)
-    prompt = [21, 22]
-    t0 = time.monotonic()
-    ids, _, _ = collect(r.stub.Generate(gen(pb, prompt, 10), timeout=30))
-    assert ids == expected(prompt, 10)
-    assert time.monotonic() - t0 < 15
-    (breq,) = b.decode_requests
-    assert list(breq.token_ids) == prompt + ids[:4]
-    assert r.metric("chunkserve:migrations_total") == 1
+def test_hung_worker_is_failed_over(cl, pb, reference):
+    """A decode worker that stops answering mid-stream (SIGSTOP: its connections stay open)
+    is declared down after a few seconds without a status, and its streams migrate.  Once
+    it runs again it frees everything of the stream it lost."""
+    a = cl.decode(mib=32)  # preferred
+    b = cl.decode()
+    r = cl.router("--decode-workers", f"{a.addr},{b.addr}", *FAST)
+    wait_usable(r, 2)
+    prompt = LONG_PROMPT
+    want, _ = reference(prompt, LONG)
+    it = r.stub.Generate(gen(pb, prompt, LONG), timeout=300)
+    ids = list(next(it).token_ids)
+    a.pause()
+    ids = rest(it, ids)
+    assert ids == want
+    assert metric(r.metrics(), "chunkserve:migrations_total") == 1
     assert "has not answered a status poll" in r.stderr()
-    a.hung = False
+    a.resume()
+    wait_idle(pb, [a, b])
+    wait_usable(r, 2)  # a is used again
 
 
-def test_admission_is_bounded_by_the_lease(start_router, fakes, pb):
-    a, b = fakes("decode", pages=1000), fakes("decode", pages=100)
-    a.stall_admission = True
-    r = start_router("--decode-workers", f"{a.addr},{b.addr}", "--lease-ms", "700", *FAST)
-    r.wait_ready()
-    time.sleep(0.2)
-    ids, _, _ = collect(r.stub.Generate(gen(pb, [8, 9], 3), timeout=30))
-    assert ids == expected([8, 9], 3)
-    assert len(a.decode_requests) == 1 and len(b.decode_requests) == 1
-    assert b.decode_requests[0].lease_ms == 700
-    assert r.metric("chunkserve:retries_total") == 1
-    a.stall_admission = False
+def test_admission_is_bounded_by_the_lease(cl, pb, reference):
+    """A worker that does not admit within --lease-ms (stopped before the call) is given up
+    for the next one."""
+    a = cl.decode(mib=32)  # preferred
+    b = cl.decode()
+    r = cl.router("--decode-workers", f"{a.addr},{b.addr}", "--lease-ms", "700", *SLOW_STATUS)
+    wait_usable(r, 2)
+    a.pause()
+    prompt = [8, 9]
+    it = r.stub.Generate(gen(pb, prompt, 3), timeout=120)
+    wait_placed(r, a, [b], "admission bounded by the lease")
+    ids = rest(it, [])
+    assert ids == reference(prompt, 3)[0]
+    assert "not admitted within --lease-ms" in r.stderr()
+    assert metric(r.metrics(), "chunkserve:retries_total") == 1
+    assert placed_on(r, b.addr) == 1
+    a.resume()  # it sees the call, already cancelled: nothing stays reserved
+    wait_idle(pb, [a, b])
 
 
-def test_migration_to_remote_prefill_by_context_length(start_router, fakes, pb):
-    a, b, p = fakes("decode", pages=1000), fakes("decode", pages=100), fakes("prefill")
-    a.fail_after = 6
-    r = start_router("--decode-workers", f"{a.addr},{b.addr}", "--prefill-workers", p.addr,
-                     "--local-prefill-threshold", "8", *FAST)
-    r.wait_ready()
-    time.sleep(0.2)
-    prompt = [1, 2, 3]  # local at first; 3 + 6 = 9 tokens after the failure: remote
-    ids, _, _ = collect(r.stub.Generate(gen(pb, prompt, 10), timeout=20))
-    assert ids == expected(prompt, 10)
-    assert a.decode_requests[0].local_prefill and not b.decode_requests[0].local_prefill
-    (preq,) = p.prefill_requests
-    assert list(preq.token_ids) == prompt + ids[:6] and preq.num_prompt_tokens == 3
-    assert preq.decode_worker_id == b.name
+def test_migration_to_remote_prefill_by_context_length(cl, pb, reference):
+    """A short prompt is prefilled locally; after a migration its context (prompt + the
+    tokens relayed) is above the threshold: prefilled on the prefill worker."""
+    a = cl.decode(mib=32)  # preferred
+    b = cl.decode()
+    p = cl.prefill()
+    r = cl.router("--decode-workers", f"{a.addr},{b.addr}", "--prefill-workers", p.addr,
+                  "--local-prefill-threshold", "4", *FAST)
+    wait_usable(r, 2, 1)
+    prompt = LONG_PROMPT  # under the threshold
+    want, _ = reference(prompt, LONG)
+    it = r.stub.Generate(gen(pb, prompt, LONG), timeout=300)
+    first = next(it)
+    assert local_prefills(a) == 1 and remote_prefills(a) == 0
+    a.kill9()
+    ids = rest(it, first.token_ids)
+    assert ids == want
+    assert remote_prefills(b) == 1 and local_prefills(b) == 0
+    assert metric(p.metrics(), "chunkserve:prefill_requests_total") == 1
+    wait_metric(p, "chunkserve:kv_transfers_completed_total", "", 1)
+    assert metric(b.metrics(), "chunkserve:kv_transfers_completed_total") == 1
+    # the prefill worker got prompt + the relayed tokens (at least the first message's)
+    n = int(re.search(r"\): (\d+) tokens", log_line(p, first.request_id)).group(1))
+    assert len(prompt) + len(first.token_ids) <= n < len(prompt) + LONG
+    m = r.metrics()
+    assert metric(m, "chunkserve:migrations_total") == 1
+    assert metric(m, "chunkserve:prefills_total", 'path="local"') == 1
+    assert metric(m, "chunkserve:prefills_total", 'path="remote"') == 1
+    wait_idle(pb, [b, p])
 
 
-def test_prefill_failure_retries_and_cancels_decode(start_router, fakes, pb):
-    d, p1, p2 = fakes("decode"), fakes("prefill"), fakes("prefill")
-    p1.fail_prefill = p2.fail_prefill = grpc.StatusCode.INTERNAL
-    r = start_router("--decode-workers", d.addr, "--prefill-workers", f"{p1.addr},{p2.addr}",
-                     "--local-prefill-threshold", "4", *FAST)
-    r.wait_ready()
-    time.sleep(0.2)
+def test_prefill_failure_retries_and_cancels_decode(cl, pb, reference):
+    """Prefill workers killed (-9) while prefilling: each failure is a retry (the decode
+    worker's reservation for it is cancelled); with no prefill worker left the prompt is
+    prefilled locally."""
+    d = cl.decode()
+    p1, p2 = cl.prefill(), cl.prefill()
+    r = cl.router("--decode-workers", d.addr, "--prefill-workers", f"{p1.addr},{p2.addr}",
+                  "--local-prefill-threshold", "4", *SLOW_STATUS)
+    wait_usable(r, 1, 2)
+    p1.pause()
+    p2.pause()
     prompt = list(range(30, 50))
-    # both prefill workers fail: the third attempt prefills locally
-    ids, _, _ = collect(r.stub.Generate(gen(pb, prompt, 4), timeout=20))
-    assert ids == expected(prompt, 4)
-    assert len(p1.prefill_requests) == 1 and len(p2.prefill_requests) == 1
-    assert [q.local_prefill for q in d.decode_requests] == [False, False, True]
-    # the decode calls of the failed attempts were cancelled (the worker frees on cancel)
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and len(d.ended) < 3:
-        time.sleep(0.05)
-    assert sorted(ok for _, ok in d.ended) == [False, False, True]
-    assert r.metric("chunkserve:retries_total") == 2
+    with ThreadPoolExecutor(1) as ex:
+        fut = ex.submit(run, r, pb, prompt, 4)
+        killed = []
+        t_end = time.monotonic() + 60
+        while not fut.done() and time.monotonic() < t_end:
+            for p in (p1, p2):
+                if p not in killed and prefilled_on(r, p.addr):
+                    p.kill9()  # the Prefill call there fails at once
+                    killed.append(p)
+            time.sleep(0.05)
+        ids, text, _ = fut.result(timeout=120)
+    assert (ids, text) == reference(prompt, 4)
+    assert killed, "no prefill worker was ever asked"
+    assert metric(r.metrics(), "chunkserve:retries_total") == len(killed)
+    # one remote attempt per prefill worker killed, then the local one
+    assert remote_prefills(d) == len(killed) and local_prefills(d) == 1
+    wait_idle(pb, [d])
+    assert metric(d.metrics(), "chunkserve:kv_transfers_completed_total") == 0
+    wait_for(lambda: d.metric("chunkserve:kv_transfers_failed_total") == len(killed), 30,
+             "the decode worker to end the reservations of the failed attempts")
 
 
-def test_invalid_argument_from_a_worker_goes_to_the_client(start_router, fakes, pb):
-    a = fakes("decode")
-    a.invalid = True
-    r = start_router("--decode-workers", a.addr, *FAST)
-    r.wait_ready()
-    with pytest.raises(grpc.RpcError) as e:
-        list(r.stub.Generate(gen(pb, [1, 2], 3), timeout=20))
-    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "sampling.seed" in e.value.details()
-    assert len(a.decode_requests) == 1 and r.metric("chunkserve:retries_total") == 0
+def test_hung_prefill_worker_is_failed_over(cl, pb, reference):
+    """A prefill worker that stops (SIGSTOP) during a prefill is declared down; the request
+    is retried (here: prefilled locally).  Once it runs again, its late prefill of the
+    cancelled transfer changes nothing on the decode worker."""
+    d = cl.decode()
+    p = cl.prefill()
+    r = cl.router("--decode-workers", d.addr, "--prefill-workers", p.addr,
+                  "--local-prefill-threshold", "4", *SLOW_STATUS)
+    wait_usable(r, 1, 1)
+    p.pause()
+    prompt = list(range(60, 90))
+    ids, text, _ = run(r, pb, prompt, 4)
+    assert (ids, text) == reference(prompt, 4)
+    assert prefilled_on(r, p.addr) == 1, "the request was not sent to the stopped worker"
+    assert "has not answered a status poll" in r.stderr()
+    assert metric(r.metrics(), "chunkserve:retries_total") == 1
+    assert remote_prefills(d) == 1 and local_prefills(d) == 1
+    p.resume()
+    wait_idle(pb, [d, p])
+    wait_usable(r, 1, 1)
+    ids, text, _ = run(r, pb, prompt, 4)  # and it serves again
+    assert (ids, text) == reference(prompt, 4)
+    assert prefilled_on(r, p.addr) == 2
+    assert metric(d.metrics(), "chunkserve:kv_transfers_completed_total") == 1
 
 
-def test_max_retries_then_unavailable(start_router, fakes, pb):
-    ws = [fakes("decode") for _ in range(3)]
+def test_max_retries_then_unavailable(cl, pb):
+    """Three stopped decode workers, --max-retries 2: three attempts, each given up at the
+    lease, then UNAVAILABLE; each worker was tried once."""
+    ws = [cl.decode() for _ in range(3)]
+    r = cl.router("--decode-workers", ",".join(w.addr for w in ws), "--max-retries", "2",
+                  "--lease-ms", "300", *SLOW_STATUS)
+    wait_usable(r, 3)
     for w in ws:
-        w.fail_before_admit = grpc.StatusCode.UNAVAILABLE
-    r = start_router("--decode-workers", ",".join(w.addr for w in ws), "--max-retries", "2", *FAST)
-    r.wait_ready()
-    time.sleep(0.2)
-    t0 = time.monotonic()
+        w.pause()
     with pytest.raises(grpc.RpcError) as e:
-        list(r.stub.Generate(gen(pb, [1, 2], 3), timeout=20))
+        run(r, pb, [1, 2], 3, timeout=60)
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value.details()
     assert "3 attempts failed" in e.value.details()
-    assert time.monotonic() - t0 < 10
-    assert sum(len(w.decode_requests) for w in ws) == 3  # each worker tried once
+    assert [placed_on(r, w.addr) for w in ws] == [1, 1, 1], r.stderr()[-3000:]
+    for w in ws:
+        w.resume()
+    wait_idle(pb, ws)
 
 
-def test_client_cancel_reaches_the_worker(start_router, fakes, pb):
-    d = fakes("decode")
-    d.token_delay = 0.02
-    r = start_router("--decode-workers", d.addr, *FAST)
-    r.wait_ready()
-    it = r.stub.Generate(gen(pb, [4, 5, 6], 1000), timeout=30)
-    for _ in range(3):
-        next(it)
+def test_client_cancel_reaches_the_worker(cl, pb):
+    d = cl.decode()
+    r = cl.router("--decode-workers", d.addr, *FAST)
+    wait_usable(r, 1)
+    it = r.stub.Generate(gen(pb, [4, 5, 6], LONG), timeout=300)
+    rid = next(it).request_id
     it.cancel()
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and not d.ended:
-        time.sleep(0.02)
-    assert d.ended and d.ended[0][1] is False, "the worker's Decode call was not cancelled"
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and r.metric('chunkserve:requests_total{code="CANCELLED"}') != 1:
-        time.sleep(0.05)
-    assert r.metric('chunkserve:requests_total{code="CANCELLED"}') == 1
-    assert r.metric("chunkserve:num_requests_running") == 0
+    wait_for(lambda: metric(r.metrics(), "chunkserve:requests_total", 'code="CANCELLED"') == 1, 30,
+             "the router to count the cancelled request")
+    wait_idle(pb, [d])  # every page free again
+    log_line(d, rid, ", local prefill): cancelled")
+    assert d.metric("chunkserve:generation_tokens_total") < LONG
+    assert metric(r.metrics(), "chunkserve:num_requests_running") == 0
 
 
-def test_client_deadline_reaches_the_worker(start_router, fakes, pb):
-    d = fakes("decode")
-    d.token_delay = 0.05
-    r = start_router("--decode-workers", d.addr, *FAST)
-    r.wait_ready()
+def test_client_deadline_reaches_the_worker(cl, pb):
+    """The client's deadline passes while the worker is stopped mid-stream: the client gets
+    DEADLINE_EXCEEDED and, once the worker runs again, it ends the request and frees it."""
+    d = cl.decode()
+    r = cl.router("--decode-workers", d.addr, "--status-interval-ms", "1000")
+    wait_usable(r, 1)
+    it = r.stub.Generate(gen(pb, [4, 5, 6], LONG), timeout=2.0)
+    rid = None
     with pytest.raises(grpc.RpcError) as e:
-        list(r.stub.Generate(gen(pb, [4, 5, 6], 1000), timeout=1.0))
+        rid = next(it).request_id
+        d.pause()  # no more tokens: the deadline passes (long before the 5 s down detection)
+        list(it)
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and not d.ended:
-        time.sleep(0.02)
-    assert d.ended and d.ended[0][1] is False
+    d.resume()
+    wait_idle(pb, [d])
+    # DEADLINE_EXCEEDED, or CANCELLED when the client's own timer ended the call first
+    wait_for(lambda: sum(metric(r.metrics(), "chunkserve:requests_total", f'code="{c}"')
+                         for c in ("DEADLINE_EXCEEDED", "CANCELLED")) == 1,
+             30, "the router to count the request")
+    if rid:
+        log_line(d, rid, ", local prefill): cancelled")
+    assert metric(r.metrics(), "chunkserve:migrations_total") == 0
 
 
-def test_overload_is_refused_at_once(start_router, fakes, pb):
-    d = fakes("decode")
-    d.token_delay = 0.05
-    r = start_router("--decode-workers", d.addr, "--max-inflight", "1", "--max-queue", "1", *FAST,
-                     "--queue-timeout-ms", "20000")
-    r.wait_ready()
-    first = r.stub.Generate(gen(pb, [1, 2], 40), timeout=30)
+def test_overload_is_refused_at_once(cl, pb, reference):
+    """--max-inflight 1, --max-queue 1: with one request placed and one waiting, a third is
+    refused RESOURCE_EXHAUSTED at once (not at the queue timeout); the waiting one gets the
+    slot when the first ends."""
+    d = cl.decode()
+    r = cl.router("--decode-workers", d.addr, "--max-inflight", "1", "--max-queue", "1",
+                  "--queue-timeout-ms", "30000", "--status-interval-ms", "1000")
+    wait_usable(r, 1)
+    first = r.stub.Generate(gen(pb, [1, 2], LONG), timeout=300)
     next(first)  # placed and streaming
-    second = r.stub.Generate(gen(pb, [1, 2], 2), timeout=30)  # waits for the slot
-    time.sleep(0.2)
-    assert r.metric("chunkserve:num_requests_waiting") == 1
-    assert r.metric("chunkserve:num_requests_running") == 1
-    t0 = time.monotonic()
-    with pytest.raises(grpc.RpcError) as e:
-        list(r.stub.Generate(gen(pb, [1, 2], 2), timeout=30))
-    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert time.monotonic() - t0 < 2
-    assert len(list(first)) == 39
-    ids, _, _ = collect(second)  # got the slot once the first finished
-    assert ids == expected([1, 2], 2)
+    d.pause()  # ... and stays so while we look
+    second = r.stub.Generate(gen(pb, [1, 2], 2), timeout=300)  # waits for the slot
+    wait_for(lambda: metric(r.metrics(), "chunkserve:num_requests_waiting") == 1, 30,
+             "the second request to wait")
+    assert metric(r.metrics(), "chunkserve:num_requests_running") == 1
+    with pytest.raises(grpc.RpcError) as e:  # well before the 30 s queue timeout
+        run(r, pb, [1, 2], 2, timeout=20)
+    assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value.details()
+    assert "--max-queue" in e.value.details()
+    d.resume()
+    first.cancel()
+    assert rest(second, []) == reference([1, 2], 2)[0]  # got the slot once the first ended
+    m = r.metrics()
+    assert metric(m, "chunkserve:requests_total", 'code="RESOURCE_EXHAUSTED"') == 1
+    assert metric(m, "chunkserve:requests_total", 'code="OK"') == 1
+    wait_idle(pb, [d])
 
 
-def test_burst_through_a_small_window(start_router, fakes, pb):
-    """64 concurrent requests through --max-inflight 4 over two workers: all complete, exact,
-    in a bounded time; both workers used; the gauges are back to 0."""
-    a, b = fakes("decode"), fakes("decode")
-    r = start_router("--decode-workers", f"{a.addr},{b.addr}", "--max-inflight", "4", *FAST,
-                     "--queue-timeout-ms", "30000")
-    r.wait_ready()
-    time.sleep(0.2)
+def test_burst_through_a_small_window(pb, reference, worker_bins, tiny_model):
+    """64 concurrent requests through --max-inflight 4 over two decode workers (the harness's
+    Cluster): all complete, exact; both workers used; the gauges are back to 0."""
+    prompts = [[i % 300 + 1, 5, 6] for i in range(64)]
+    wants = [reference(p, 8)[0] for p in prompts]
+    c = Cluster(worker_bins, tiny_model, pb, n_prefill=0, n_decode=2, kv_cache_mib=16,
+                router_args=["--max-inflight=4", "--queue-timeout-ms=120000"])
+    try:
+        g = pb.generation_pb2
 
-    def one(i):
-        prompt = [i % 300 + 1, 5, 6]
-        ids, _, _ = collect(r.stub.Generate(gen(pb, prompt, 8), timeout=60))
-        return ids == expected(prompt, 8)
+        def one(p):
+            return generate(c.stub, g, ids=p, max_tokens=8, timeout=300, ignore_eos=True)[0]
 
-    with ThreadPoolExecutor(64) as ex:
-        results = list(ex.map(one, range(64)))
-    assert all(results)
-    assert a.decode_requests and b.decode_requests
-    assert len(a.decode_requests) + len(b.decode_requests) == 64
-    assert r.metric('chunkserve:requests_total{code="OK"}') == 64
-    assert r.metric("chunkserve:num_requests_running") == 0
-    assert r.metric("chunkserve:num_requests_waiting") == 0
+        with ThreadPoolExecutor(64) as ex:
+            got = list(ex.map(one, prompts))
+        assert got == wants
+        served = [local_prefills(w) for w in c.decode]
+        assert sum(served) == 64 and all(served), served
+        m = c.router.metrics()
+        assert metric(m, "chunkserve:requests_total", 'code="OK"') == 64
+        assert metric(m, "chunkserve:num_requests_running") == 0
+        assert metric(m, "chunkserve:num_requests_waiting") == 0
+        c.wait_idle()
+    finally:
+        c.stop()
 
 
-def test_sigterm_with_streams(start_router, fakes, pb):
-    """SIGTERM: a short stream finishes within the grace period; a long one ends UNAVAILABLE
-    after it, its worker call cancelled; new calls are refused; the router exits 0."""
-    d = fakes("decode")
-    d.token_delay = 0.02
-    r = start_router("--decode-workers", d.addr, "--grace-ms", "600", *FAST)
-    r.wait_ready()
-    short = r.stub.Generate(gen(pb, [1, 2], 10), timeout=30)   # ~0.2 s
-    long = r.stub.Generate(gen(pb, [3, 4], 1000), timeout=30)  # ~20 s
-    next(short)
-    next(long)
+def test_sigterm_with_streams(cl, pb, reference):
+    """SIGTERM: a short stream finishes within the grace period; a long one (its worker
+    stopped, so it cannot finish) ends UNAVAILABLE after it, its worker call cancelled; new
+    calls are refused; the router exits 0."""
+    d = cl.decode()
+    r = cl.router("--decode-workers", d.addr, "--grace-ms", "600", "--status-interval-ms", "1000")
+    wait_usable(r, 1)
+    long = r.stub.Generate(gen(pb, [3, 4], LONG), timeout=300)
+    long_id = next(long).request_id
+    short = r.stub.Generate(gen(pb, [1, 2], 10), timeout=300)
+    first = next(short)
     r.proc.send_signal(signal.SIGTERM)
-    ids = [1] + [t for m in short for t in m.token_ids]
-    assert len(ids) == 10
+    assert rest(short, first.token_ids) == reference([1, 2], 10)[0]
+    d.pause()
     with pytest.raises(grpc.RpcError) as e:
         list(long)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE, e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        run(r, pb, [1, 2], 2, timeout=20)
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert r.wait_exit() < 10
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and len(d.ended) < 2:
-        time.sleep(0.02)
-    assert sorted(ok for _, ok in d.ended) == [False, True]
+    assert r.proc.wait(timeout=30) == 0
+    d.resume()
+    wait_idle(pb, [d])
+    log_line(d, first.request_id, ", local prefill): length, 2 + 10 tokens")
+    log_line(d, long_id, ", local prefill): cancelled")  # its worker call was cancelled
 
 
-def test_never_more_tokens_than_max(start_router, fakes, pb):
-    """A worker that overruns max_tokens is cut at max_tokens (finish LENGTH), logprobs too."""
-    d = fakes("decode")
-    d.overrun = 3
-    r = start_router("--decode-workers", d.addr, *FAST)
-    r.wait_ready()
-    ids, _, msgs = collect(r.stub.Generate(gen(pb, [2, 3], 5, logprobs=True), timeout=20))
-    assert ids == expected([2, 3], 5)
-    assert [lp.token_id for m in msgs for lp in m.logprobs] == ids
-    assert msgs[-1].finish_reason == pb.generation_pb2.FINISH_REASON_LENGTH
-    assert msgs[-1].usage.completion_tokens == 5
-    assert "truncated" in r.stderr()
-
-
-def test_dns_discovery_and_readiness(start_router, fakes, pb):
-    d = fakes("decode")
-    r = start_router("--decode-dns", f"localhost:{d.port}", "--dns-refresh-ms", "200", *FAST)
-    r.wait_ready()
-    ids, _, _ = collect(r.stub.Generate(gen(pb, [7, 7], 3), timeout=20))
-    assert ids == expected([7, 7], 3)
+def test_dns_discovery_and_readiness(cl, pb, reference):
+    d = cl.decode()
+    r = cl.router("--decode-dns", f"localhost:{d.port}", "--dns-refresh-ms", "200", *FAST)
+    wait_for(lambda: readyz(r) == 200, 30, "the router to be ready")
+    ids, text, _ = run(r, pb, [7, 7], 3)
+    assert (ids, text) == reference([7, 7], 3)
+    assert local_prefills(d) == 1
     assert "dns localhost" in r.stderr()
 
 
-def test_worker_of_another_model_or_role_is_not_used(start_router, fakes, pb):
-    p = fakes("prefill")
-    r = start_router("--decode-workers", p.addr, *FAST)  # a prefill worker listed as decode
-    time.sleep(0.5)
-    assert r.get("/readyz")[0] == 503
+def test_worker_of_another_role_is_not_used(cl, pb):
+    """A prefill worker listed as a decode worker and a decode worker listed as a prefill
+    worker: neither is used."""
+    p, d = cl.prefill(), cl.decode()
+    r = cl.router("--decode-workers", p.addr, "--prefill-workers", d.addr,
+                  "--local-prefill-threshold", "1", *FAST)
+    wait_for(lambda: "not a decode worker" in r.stderr() and "not a prefill worker" in r.stderr(),
+             30, "the router to see both workers' statuses")
+    assert readyz(r) == 503
+    assert usable(r, "decode") == 0 and usable(r, "prefill") == 0
     with pytest.raises(grpc.RpcError) as e:
-        list(r.stub.Generate(gen(pb, [1], 2), timeout=20))
+        run(r, pb, [1], 2, timeout=30)
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE
-    assert "wrong role" in r.stderr() or "not a decode worker" in r.stderr()
+    assert metric(p.metrics(), "chunkserve:prefill_requests_total") == 0
+    assert local_prefills(d) + remote_prefills(d) == 0
 
 
-def test_worker_restart_and_death(start_router, fakes, pb):
-    """A worker that goes away stops being used (UNAVAILABLE after the no-worker wait); a new
-    instance on the same address is used again, and the restart is logged."""
-    d = fakes("decode")
-    r = start_router("--decode-workers", d.addr, *FAST)
-    r.wait_ready()
-    d.close()
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and r.get("/readyz")[0] == 200:
-        time.sleep(0.05)
-    assert r.get("/readyz")[0] == 503
+@pytest.fixture(scope="module")
+def qwen2_model(worker_bins, tmp_path_factory):
+    return make_tiny(worker_bins, tmp_path_factory.mktemp("qwen2"), "--qwen2")
+
+
+def test_worker_of_another_model_is_not_used(cl, pb, qwen2_model):
+    """A decode worker serving another model (the qwen2 tiny variant) is never usable."""
+    q = cl.decode(model=qwen2_model)
+    r = cl.router("--decode-workers", q.addr, *FAST)
+    t_end = time.monotonic() + 3  # some 30 status polls
+    while time.monotonic() < t_end:
+        assert readyz(r) == 503 and usable(r, "decode") == 0
+        time.sleep(0.1)
     with pytest.raises(grpc.RpcError) as e:
-        list(r.stub.Generate(gen(pb, [1], 2), timeout=20))
+        run(r, pb, [1], 2, timeout=30)
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE
-    time.sleep(3)  # the worker is down a while (gRPC backs off its reconnects)
-    d2 = fakes("decode", port=d.port)
-    r.wait_ready(timeout=15)
-    ids, _, _ = collect(r.stub.Generate(gen(pb, [1], 2), timeout=20))
-    assert ids == expected([1], 2)
-    assert len(d2.decode_requests) == 1
+    assert local_prefills(q) == 0
+
+
+def test_prefill_worker_too_small_is_skipped(cl, pb, reference):
+    d = cl.decode()
+    p = cl.prefill(mib=1)
+    sp = worker_status(pb, p)
+    prompt = [i % 300 + 1 for i in range(3000)]
+    assert sp.kv_pages_total * sp.page_size < len(prompt)
+    r = cl.router("--decode-workers", d.addr, "--prefill-workers", p.addr,
+                  "--local-prefill-threshold", "8", *FAST)
+    wait_usable(r, 1, 1)
+    ids, text, _ = run(r, pb, prompt, 3)
+    assert (ids, text) == reference(prompt, 3)
+
+
+def test_worker_restart_and_death(cl, pb, reference):
+    """A worker that dies (kill -9) stops being used (UNAVAILABLE after the no-worker wait);
+    the same worker started again on the same port is used again, and the restart is
+    logged."""
+    d = cl.decode()
+    r = cl.router("--decode-workers", d.addr, *FAST)
+    wait_usable(r, 1)
+    d.kill9()
+    wait_for(lambda: readyz(r) == 503, 30, "the router to see the worker gone")
+    with pytest.raises(grpc.RpcError) as e:
+        run(r, pb, [1], 2, timeout=30)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+    d.start(port=d.port)  # a new process: its counters start at 0
+    wait_for(lambda: readyz(r) == 200, 60, "the router to use the restarted worker")
+    ids, text, _ = run(r, pb, [1], 2)
+    assert (ids, text) == reference([1], 2)
+    assert local_prefills(d) == 1
     assert "restarted" in r.stderr()

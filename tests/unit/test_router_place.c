@@ -16,8 +16,11 @@ static cs_place_worker dec(int32_t free_pages, int32_t placed, int32_t running, 
 }
 
 static cs_place_worker pre(int64_t queued, int64_t placed) {
-    return (cs_place_worker){
-        .usable = true, .queued_prefill_tokens = queued, .tokens_placed = placed};
+    return (cs_place_worker){.usable = true,
+                             .page_size = 16,
+                             .kv_pages_total = 1000,
+                             .queued_prefill_tokens = queued,
+                             .tokens_placed = placed};
 }
 
 static void test_pages(void) {
@@ -71,18 +74,25 @@ static void test_decode(void) {
 static void test_prefill(void) {
     cs_place_worker w[3];
     w[0] = pre(1000, 0), w[1] = pre(200, 0), w[2] = pre(500, 0);
-    ASSERT_EQ_INT(cs_place_prefill(w, 3, 0), 1);
+    ASSERT_EQ_INT(cs_place_prefill(w, 3, 100, 0), 1);
     w[1].tokens_placed = 400; /* 600 now */
-    ASSERT_EQ_INT(cs_place_prefill(w, 3, 0), 2);
+    ASSERT_EQ_INT(cs_place_prefill(w, 3, 100, 0), 2);
     w[2].usable = false;
-    ASSERT_EQ_INT(cs_place_prefill(w, 3, 0), 1);
+    ASSERT_EQ_INT(cs_place_prefill(w, 3, 100, 0), 1);
     w[1].skip = true;
-    ASSERT_EQ_INT(cs_place_prefill(w, 3, 0), 0);
+    ASSERT_EQ_INT(cs_place_prefill(w, 3, 100, 0), 0);
     w[0].skip = true;
-    ASSERT_EQ_INT(cs_place_prefill(w, 3, 0), -1);
+    ASSERT_EQ_INT(cs_place_prefill(w, 3, 100, 0), -1);
     w[0] = pre(7, 0), w[1] = pre(7, 0), w[2] = pre(7, 0);
-    ASSERT_EQ_INT(cs_place_prefill(w, 3, 2), 2);
-    ASSERT_EQ_INT(cs_place_prefill(w, 3, 3), 0);
+    ASSERT_EQ_INT(cs_place_prefill(w, 3, 100, 2), 2);
+    ASSERT_EQ_INT(cs_place_prefill(w, 3, 100, 3), 0);
+    /* a pool that can never hold the prompt is skipped, however idle */
+    w[0] = pre(0, 0), w[1] = pre(5000, 0), w[2] = pre(9000, 0);
+    w[0].kv_pages_total = 10; /* 160 tokens */
+    ASSERT_EQ_INT(cs_place_prefill(w, 3, 160, 0), 0);
+    ASSERT_EQ_INT(cs_place_prefill(w, 3, 161, 0), 1);
+    w[1].kv_pages_total = w[2].kv_pages_total = 10;
+    ASSERT_EQ_INT(cs_place_prefill(w, 3, 161, 0), -1);
 }
 
 /* Placing repeatedly with the router's own accounting spreads a burst over
