@@ -459,7 +459,7 @@ static void decode_stop(cs_worker *w) {
 }
 
 static const cs_config_entry config[] = {
-    CS_WORKER_CONFIG_COMMON("50060", "512"),
+    CS_WORKER_CONFIG_COMMON("50060", "512", "4", "0"),
     {"kv-host", CS_CONFIG_STR, offsetof(cs_worker_opts, kv_host), "127.0.0.1",
      "address of the KV listener prefill workers send pages to", 0, 0},
     {"kv-port", CS_CONFIG_INT, offsetof(cs_worker_opts, kv_port), "0", "KV listener port; 0 = any free port", 0,

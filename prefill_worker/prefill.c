@@ -419,7 +419,7 @@ static void prefill_status(cs_worker *w, Chunkserve__V1__WorkerStatus *st) {
 }
 
 static const cs_config_entry config[] = {
-    CS_WORKER_CONFIG_COMMON("50070", "8192"),
+    CS_WORKER_CONFIG_COMMON("50070", "8192", "1", "512"),
     {"kv-deadline-ms", CS_CONFIG_INT, offsetof(cs_worker_opts, kv_deadline_ms), "120000",
      "longest a KV transfer may take (the call's own deadline applies when shorter)", 100, 3600000},
 };

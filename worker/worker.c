@@ -218,6 +218,7 @@ static int run(cs_worker *w) {
     sp.max_num_batched_tokens = (int32_t)o->max_batched_tokens;
     sp.max_num_seqs = (int32_t)o->max_num_seqs;
     sp.max_num_partial_prefills = (int32_t)o->max_partial_prefills;
+    sp.max_chunk_tokens = (int32_t)o->max_chunk_tokens;
     sp.enable_prefix_caching = o->prefix_caching;
     if ((r = cs_serve_start(w->engine, &sp, &w->sv))) goto fail;
     if ((r = cs_metrics_init(&w->metrics))) goto fail;

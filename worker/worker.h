@@ -31,13 +31,14 @@
 typedef struct {
     const char *host, *http_host, *model, *worker_id, *kv_host, *kv_advertise;
     int64_t port, http_port, kv_port;
-    int64_t max_batched_tokens, max_num_seqs, max_partial_prefills, page_size, kv_cache_mib, threads;
+    int64_t max_batched_tokens, max_num_seqs, max_partial_prefills, max_chunk_tokens, page_size, kv_cache_mib,
+        threads;
     int64_t max_queue, grace_ms, lease_ms, kv_deadline_ms, kv_dead_ms;
     bool prefix_caching, kv_checksum, verbose;
 } cs_worker_opts;
 
 /* The entries both workers have (spliced into each process's table). */
-#define CS_WORKER_CONFIG_COMMON(default_port, default_budget)                                               \
+#define CS_WORKER_CONFIG_COMMON(default_port, default_budget, default_partial, default_chunk)               \
     {"model", CS_CONFIG_STR, offsetof(cs_worker_opts, model), NULL,                                          \
      "model: a .gguf file or a Hugging Face directory (required)", 0, 0},                                    \
         {"host", CS_CONFIG_STR, offsetof(cs_worker_opts, host), "127.0.0.1",                                 \
@@ -54,8 +55,11 @@ typedef struct {
          "step token budget (decodes first, prompt chunks fill the rest); 0 = unlimited", 0, 1 << 30},       \
         {"max-num-seqs", CS_CONFIG_INT, offsetof(cs_worker_opts, max_num_seqs), "256",                       \
          "running sequences at most", 1, 1 << 20},                                                            \
-        {"max-partial-prefills", CS_CONFIG_INT, offsetof(cs_worker_opts, max_partial_prefills), "4",         \
-         "prompts part-way through prefill at once", 1, 1 << 20},                                             \
+        {"max-partial-prefills", CS_CONFIG_INT, offsetof(cs_worker_opts, max_partial_prefills), default_partial, \
+         "prompts part-way through prefill at once (1 = one at a time, in arrival order)", 1, 1 << 20},       \
+        {"max-chunk-tokens", CS_CONFIG_INT, offsetof(cs_worker_opts, max_chunk_tokens), default_chunk,       \
+         "one prompt's chunk per step at most; 0 = the budget (smaller: pages stream while the next "        \
+         "chunk computes)", 0, 1 << 30},                                                                      \
         {"page-size", CS_CONFIG_INT, offsetof(cs_worker_opts, page_size), "16", "tokens per KV page", 1,     \
          4096},                                                                                               \
         {"kv-cache-mib", CS_CONFIG_INT, offsetof(cs_worker_opts, kv_cache_mib), "1024",                      \

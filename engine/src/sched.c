@@ -68,10 +68,11 @@ cs_sched_params cs_sched_params_default(void) {
 
 int cs_sched_init(cs_engine *e, const cs_sched_params *p, cs_sched **out) {
     *out = NULL;
-    if (p->max_num_batched_tokens < 0 || p->max_num_seqs < 1 || p->max_num_partial_prefills < 1)
+    if (p->max_num_batched_tokens < 0 || p->max_num_seqs < 1 || p->max_num_partial_prefills < 1 ||
+        p->max_chunk_tokens < 0)
         return cs__fail(CS_EINVAL,
                         "scheduler: max_num_batched_tokens must be >= 0 (0 = unlimited), "
-                        "max_num_seqs and max_num_partial_prefills >= 1");
+                        "max_num_seqs and max_num_partial_prefills >= 1, max_chunk_tokens >= 0");
     cs_sched *s = calloc(1, sizeof *s);
     if (!s) return cs__fail(CS_ENOMEM, "scheduler: out of memory");
     s->e = e;
@@ -459,6 +460,12 @@ static void fail_all(cs_sched *s, const char *why) {
     s->n_waiting = s->n_running = s->n_remote = s->n_kv_ready = 0;
 }
 
+/* Tokens of a prompt with left to compute that go into this step. */
+static int32_t chunk_len(const cs_sched *s, int32_t left, int32_t room) {
+    int32_t k = left < room ? left : room;
+    return s->p.max_chunk_tokens && k > s->p.max_chunk_tokens ? s->p.max_chunk_tokens : k;
+}
+
 int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
     free_texts(s);
     free_list(s, &s->retired); /* their pages were reported by the last step */
@@ -519,7 +526,7 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
     for (seq *q = s->running; q && used < budget; q = q->next) {
         int32_t left = q->n_tokens - q->n_computed;
         if (left <= 1) continue;
-        int32_t k = left < budget - used ? left : budget - used;
+        int32_t k = chunk_len(s, left, budget - used);
         if (cs_page_table_reserve(&q->pt, s->kv, q->n_computed + k) != 0) continue;
         add_span(s, &n_spans, q, k);
         used += k;
@@ -529,7 +536,7 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
         seq *q = s->waiting;
         reuse_prefix(s, q);
         int32_t left = q->n_tokens - q->n_computed;
-        int32_t k = left < budget - used ? left : budget - used;
+        int32_t k = chunk_len(s, left, budget - used);
         if (cs_page_table_reserve(&q->pt, s->kv, q->n_computed + k) != 0) {
             /* not enough pages now: give back the prefix and wait */
             cs_page_table_release(&q->pt, s->kv);

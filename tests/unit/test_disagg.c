@@ -72,10 +72,12 @@ static void run_local(cs_engine *e, req *reqs, int n) {
     cs_sched_free(s);
 }
 
-/* The same requests disaggregated: prefill on P (budget chunk), decode on D. */
-static void run_disagg(cs_engine *P, cs_engine *D, const req *reqs, int n, int32_t chunk) {
+/* The same requests disaggregated: prefill on P (budget chunk, or a large
+ * budget with each prompt's chunk capped at cap), decode on D. */
+static void run_disagg(cs_engine *P, cs_engine *D, const req *reqs, int n, int32_t chunk, int32_t cap) {
     cs_sched_params pp = cs_sched_params_default(), dp = cs_sched_params_default();
     pp.max_num_batched_tokens = chunk;
+    pp.max_chunk_tokens = cap;
     dp.max_num_batched_tokens = 32;
     cs_sched *sp = NULL, *sd = NULL;
     ASSERT_EQ_INT(cs_sched_init(P, &pp, &sp), 0);
@@ -107,6 +109,9 @@ static void run_disagg(cs_engine *P, cs_engine *D, const req *reqs, int n, int32
         const cs_event *ev;
         int32_t ne;
         ASSERT_EQ_INT(cs_sched_step(sp, &ev, &ne), 0);
+        cs_step_info info;
+        cs_sched_last_step(sp, &info);
+        if (cap) ASSERT_TRUE(info.n_tokens <= cap * pp.max_num_partial_prefills);
         for (int32_t k = 0; k < ne; k++) {
             int i = (int)ev[k].id;
             if (ev[k].kv_n_pages) { /* in order, once each, then copied over */
@@ -262,7 +267,8 @@ int main(void) {
     cs_engine *L = engine(400), *P = engine(400), *D = engine(400);
     run_local(L, reqs, N_REQ);
     const int32_t chunks[] = {0, 7, 16, 50, 128};
-    for (size_t c = 0; c < sizeof chunks / sizeof chunks[0]; c++) run_disagg(P, D, reqs, N_REQ, chunks[c]);
+    for (size_t c = 0; c < sizeof chunks / sizeof chunks[0]; c++) run_disagg(P, D, reqs, N_REQ, chunks[c], 0);
+    run_disagg(P, D, reqs, N_REQ, 8192, 48); /* a prefill pool: large budget, capped chunks */
     check_resume(L, reqs, N_REQ);
     check_reserve();
     cs_engine_free(L), cs_engine_free(P), cs_engine_free(D);

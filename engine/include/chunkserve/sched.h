@@ -27,6 +27,9 @@ typedef struct {
     int32_t max_num_batched_tokens;   /* step budget; 0 = unlimited (whole prompts, no chunking) */
     int32_t max_num_seqs;             /* running sequences at most; default 256 */
     int32_t max_num_partial_prefills; /* prompts part-way through prefill at once; default 4 */
+    int32_t max_chunk_tokens;         /* one prompt's chunk per step at most (vLLM's
+                                         long_prefill_token_threshold); 0 = the budget. A prefill
+                                         worker sets it so pages stream while the next chunk computes */
     bool enable_prefix_caching;       /* default true */
 } cs_sched_params;
 
