@@ -29,7 +29,9 @@ build: bootstrap
 model:
 	@scripts/fetch-model.sh
 
-# Unit tests (CTest, incl. an ASan+UBSan build), then the process-level tests (pytest).
+# CTest (unit tests, and the cluster: real router + worker processes, label cluster),
+# the unit tests and the tiny-model server and router tests again in an ASan+UBSan
+# build, then the other process-level tests (pytest).
 test: build model
 	cd $(BUILD) && ctest --output-on-failure -j$(JOBS)
 	$(MAKE) --no-print-directory test-asan
