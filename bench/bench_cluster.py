@@ -419,6 +419,8 @@ def analyse(a, srv, calls, longs, t0, t_end, t_stop, t_join, m0, m1, cpu0, cpu1,
     if srv.router_http:
         r0, r1 = m0.get("router", {}), m1.get("router", {})
         res["router_overhead"] = hist_summary(r0, r1, "chunkserve:router_overhead_seconds")
+        res["router_to_worker"] = hist_summary(m0.get("decode", {}), m1.get("decode", {}),
+                                               "chunkserve:router_to_worker_seconds")
         res["router"] = {"prefills_remote": r1.get("chunkserve:prefills_total", {}).get('{path="remote"}', 0)
                          - r0.get("chunkserve:prefills_total", {}).get('{path="remote"}', 0),
                          "prefills_local": r1.get("chunkserve:prefills_total", {}).get('{path="local"}', 0)
@@ -525,6 +527,11 @@ def report(results, a, discarded=()):
             print(f"  router overhead (receipt -> Decode call), {o['count']:.0f} requests: mean "
                   f"{o['mean_s'] * 1e3:.3f} ms, p50 {o['p50_s'] * 1e3:.3f} ms {o['p50_bucket']}, p99 "
                   f"{o['p99_s'] * 1e3:.3f} ms {o['p99_bucket']} (bucket-interpolated)")
+            h = r.get("router_to_worker")
+            if h and h["count"]:
+                print(f"  router receipt -> decode worker receipt (wall clocks, one host), {h['count']:.0f} requests: "
+                      f"mean {h['mean_s'] * 1e3:.3f} ms, p50 {h['p50_s'] * 1e3:.3f} ms {h['p50_bucket']}, p99 "
+                      f"{h['p99_s'] * 1e3:.3f} ms {h['p99_bucket']} (bucket-interpolated)")
             rt = r["router"]
             print(f"  router: prefills remote {rt['prefills_remote']:.0f} local {rt['prefills_local']:.0f}, "
                   f"retries {rt['retries']:.0f}, migrations {rt['migrations']:.0f}, ended {rt['requests_by_code']}")

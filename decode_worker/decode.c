@@ -22,6 +22,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "chunkserve/kvx.h"
 #include "util.h"
@@ -66,7 +67,7 @@ struct decode {
     uint64_t next_id;
     cs_kvx_stats last; /* exported so far */
     cs_metric *m_local, *m_remote, *m_refused, *m_xfer_started, *m_xfer_completed, *m_xfer_failed, *m_xfer_bytes,
-        *m_xfer_seconds, *m_leases_expired, *m_ttft, *m_itl, *m_proto_errors;
+        *m_xfer_seconds, *m_leases_expired, *m_ttft, *m_itl, *m_proto_errors, *m_router_hop;
 };
 
 static decode g_decode;
@@ -306,6 +307,25 @@ static void on_call_cancel(cs_rpc_call *c, void *data) {
     finish_call(q, CS_RPC_CANCELLED, "cancelled");
 }
 
+/* The router's receipt of the client call (wall clock, its metadata) to
+ * ours: the router's own overhead plus the hop. Meaningful when both clocks
+ * agree (one host, or NTP/PTP-synced); skewed values are dropped. */
+static void observe_router_hop(decode *d, cs_rpc_call *c) {
+    size_t len;
+    const char *v = cs_rpc_call_metadata(c, "x-chunkserve-received-us", &len);
+    char buf[32];
+    if (!v || len == 0 || len >= sizeof buf) return;
+    memcpy(buf, v, len);
+    buf[len] = 0;
+    char *end;
+    long long t0 = strtoll(buf, &end, 10);
+    if (*end) return;
+    struct timespec now;
+    clock_gettime(CLOCK_REALTIME, &now);
+    double dt = ((double)now.tv_sec * 1e6 + (double)now.tv_nsec / 1e3 - (double)t0) / 1e6;
+    if (dt >= 0 && dt < 60) cs_metric_observe(d->m_router_hop, dt);
+}
+
 static void handle_decode(cs_rpc_call *c, void *data) {
     cs_worker *w = data;
     decode *d = &g_decode;
@@ -325,6 +345,7 @@ static void handle_decode(cs_rpc_call *c, void *data) {
         cs_rpc_call_finish(c, cs_worker_rpc_code(rc), cs_last_error());
         return;
     }
+    observe_router_hop(d, c);
     dreq *q = calloc(1, sizeof *q);
     if (!q) {
         cs_rpc_call_finish(c, CS_RPC_RESOURCE_EXHAUSTED, "out of memory");
@@ -395,6 +416,11 @@ static int decode_start(cs_worker *w) {
     d->m_xfer_seconds = cs_metrics_histogram(m, "chunkserve:kv_transfer_seconds", NULL,
                                              "admission to the KV trailer, per completed transfer", secs,
                                              sizeof secs / sizeof secs[0]);
+    static const double hop[] = {1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.1, 1};
+    d->m_router_hop = cs_metrics_histogram(
+        m, "chunkserve:router_to_worker_seconds", NULL,
+        "the router's receipt of a client call to this worker's receipt of its Decode call (wall clocks)", hop,
+        sizeof hop / sizeof hop[0]);
     d->m_leases_expired =
         cs_metrics_counter(m, "chunkserve:kv_leases_expired_total", NULL, "reservations freed at their deadline");
     d->m_ttft = cs_metrics_histogram(m, "chunkserve:time_to_first_token_seconds", NULL,

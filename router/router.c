@@ -127,6 +127,7 @@ struct req {
     double t_wait[3];
 
     double t_recv, t_deadline, t_first, t_last;
+    int64_t t_recv_wall_us; /* CLOCK_REALTIME at receipt, for the worker's hop measurement */
     double t_attempt; /* the current Decode call's start */
     bool overhead_seen;
 };
@@ -741,6 +742,16 @@ static void start_decode(req *q, cs_worker *dw) {
     m.local_prefill = q->local;
     m.lease_ms = (int32_t)r->o->lease_ms;
     cs_rpc_call_opts o = {.timeout_ms = ms_left(q)};
+    /* The wall-clock time of the client call's receipt, on the first attempt:
+     * the decode worker measures receipt-to-receipt (same host or synced
+     * clocks: chunkserve:router_to_worker_seconds). */
+    char t0[32];
+    cs_rpc_metadata md = {"x-chunkserve-received-us", t0};
+    if (!q->overhead_seen) {
+        snprintf(t0, sizeof t0, "%" PRId64, q->t_recv_wall_us);
+        o.metadata = &md;
+        o.n_metadata = 1;
+    }
     q->dleg = l;
     q->state = RQ_ADMITTING;
     q->t_attempt = cs__now();
@@ -975,6 +986,9 @@ static void handle_generate(cs_rpc_call *c, void *data) {
                      ? m->sampling->max_tokens
                      : room;
     q->t_recv = t_recv;
+    struct timespec wall;
+    clock_gettime(CLOCK_REALTIME, &wall);
+    q->t_recv_wall_us = (int64_t)wall.tv_sec * 1000000 + wall.tv_nsec / 1000;
     int64_t client_ms = cs_rpc_call_deadline_ms(c);
     q->t_deadline =
         t_recv + (client_ms == INT64_MAX ? r->o->request_timeout_ms : client_ms) / 1000.0;

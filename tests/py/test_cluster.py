@@ -101,6 +101,10 @@ def test_32_mixed_requests_exact(cluster, workload, pb, cli):
                    for a, b in zip(after[2:], before[2:]))
     assert sent >= 8 and received >= 8, (sent, received)
     assert sum(metric(a, "chunkserve:kv_transfer_bytes_total") for a in after[2:]) > 0
+    # the decode workers measured the router-to-worker hop of every request
+    assert sum(metric(a, "chunkserve:router_to_worker_seconds_count") -
+               metric(b, "chunkserve:router_to_worker_seconds_count")
+               for a, b in zip(after[2:], before[2:])) >= 32
     cluster.wait_idle()
 
 
