@@ -15,7 +15,7 @@ ifneq ($(OPENBLAS_CORETYPE),)
 export OPENBLAS_CORETYPE
 endif
 
-.PHONY: all build bootstrap model test test-unit test-py asan-build test-asan test-serve-asan test-cluster-asan demo bench clean format
+.PHONY: all build bootstrap model test test-unit test-py asan-build test-asan test-serve-asan test-cluster-asan tsan-build test-cluster-tsan demo bench clean format
 
 all: build
 
@@ -61,6 +61,17 @@ test-serve-asan: asan-build
 test-cluster-asan: asan-build
 	CHUNKSERVE_BIN_DIR=$(abspath $(BUILD))-asan/bin ASAN_OPTIONS=detect_leaks=1:exitcode=23 \
 	  UBSAN_OPTIONS=print_stacktrace=1 $(PY) -m pytest -q tests/py/test_router.py
+
+# Not part of `make test` (it would double its time): the router and the
+# workers under ThreadSanitizer, driven by the router tests (tiny model).
+tsan-build: bootstrap
+	cmake -S . -B $(BUILD)-tsan -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCS_CUDA=OFF \
+	  -DCMAKE_C_FLAGS="-fsanitize=thread -fno-omit-frame-pointer" -DCMAKE_EXE_LINKER_FLAGS="-fsanitize=thread" >/dev/null
+	cmake --build $(BUILD)-tsan -j$(JOBS) --target chunkserve chunkserve-mktiny chunkserve-router chunkserve-prefill chunkserve-decode
+
+test-cluster-tsan: tsan-build
+	CHUNKSERVE_BIN_DIR=$(abspath $(BUILD))-tsan/bin TSAN_OPTIONS="halt_on_error=0 suppressions=$(abspath tests/tsan.supp)" \
+	  $(PY) -m pytest -q tests/py/test_router.py
 
 demo: build model
 	@scripts/demo.sh $(BUILD)/bin $(MODEL)
