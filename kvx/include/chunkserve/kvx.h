@@ -24,7 +24,7 @@
  *
  * Threads: each tx and each rx owns one I/O thread (poll()); every callback
  * runs on that thread, never inside an API call. API functions are
- * thread-safe. Not in this header: the NCCL backend (issue 6, pending). */
+ * thread-safe. The NCCL payload backend (GPU peers) is chunkserve/kvx_nccl.h. */
 #ifndef CHUNKSERVE_KVX_H
 #define CHUNKSERVE_KVX_H
 
