@@ -1161,21 +1161,9 @@ static void on_failed_server_done(void *data) {
 /* --------------------------------------------------------------- run -- */
 
 static int add_methods(router *r) {
-    static const struct {
-        const char *path;
-        enum cs_rpc_method_kind kind;
-        const ProtobufCMessageDescriptor *desc;
-        cs_rpc_handler fn;
-    } methods[] = {
-        {"/" SERVICE "/Generate", CS_RPC_SERVER_STREAMING,
-         &chunkserve__v1__generate_request__descriptor, handle_generate},
-    };
-    for (size_t i = 0; i < sizeof methods / sizeof methods[0]; i++) {
-        int rc = cs_rpc_server_add_method(r->srv, methods[i].path, methods[i].kind, methods[i].desc,
-                                          methods[i].fn, r);
-        if (rc) return rc;
-    }
-    return cs_generation_add_unary(r->srv, &r->wm);
+    int rc = cs_rpc_server_add_method(r->srv, "/" SERVICE "/Generate", CS_RPC_SERVER_STREAMING,
+                                      &chunkserve__v1__generate_request__descriptor, handle_generate, r);
+    return rc ? rc : cs_generation_add_unary(r->srv, &r->wm);
 }
 
 int cs_router_run(const cs_model *model, const cs_router_opts *o) {
