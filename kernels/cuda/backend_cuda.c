@@ -448,11 +448,11 @@ static int init(const cs_model_config *cf, const cs_model *m, const float *inv_f
                 cs_backend **out) {
     *out = NULL;
     if (cf->head_dim % 2 || cf->head_dim > 256 || cf->n_kv_heads < 1 ||
-        cf->n_heads % cf->n_kv_heads)
-        return cs__fail(
-            CS_ENOTSUP,
-            "cuda backend: head_dim %d with %d/%d heads is not supported (even, <= 256, GQA)",
-            cf->head_dim, cf->n_heads, cf->n_kv_heads);
+        cf->n_heads % cf->n_kv_heads || cf->n_heads / cf->n_kv_heads > 64)
+        return cs__fail(CS_ENOTSUP,
+                        "cuda backend: head_dim %d with %d/%d heads is not supported (head_dim "
+                        "even and <= 256, at most 64 query heads per KV head)",
+                        cf->head_dim, cf->n_heads, cf->n_kv_heads);
     cs_backend *b = calloc(1, sizeof *b);
     cuda_ctx *c = calloc(1, sizeof *c);
     if (!b || !c) {

@@ -30,8 +30,8 @@ size_t cs_backend_cuda_page_bytes(const cs_model_config *cf, int32_t page_size);
 /* The CUDA backend on device 0: uploads m's fp32 weights as bf16 (the model
  * must outlive the backend only for its config; the device holds its own copy).
  * CS_ENOTSUP for shapes the kernels do not cover (odd head_dim, head_dim >
- * 256), CS_ENOMEM when the weights do not fit. Any other CUDA/cuBLAS error
- * is fatal (logged, then abort). */
+ * 256, more than 64 query heads per KV head), CS_ENOMEM when the weights do
+ * not fit. Any other CUDA/cuBLAS error is fatal (logged, then abort). */
 int cs_backend_cuda_init(const cs_model *m, cs_backend **out);
 
 /* The same backend with random bf16 weights generated on the device (uniform,

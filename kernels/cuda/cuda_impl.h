@@ -13,6 +13,8 @@
 #include <cublas_v2.h>
 #include <cuda_runtime_api.h>
 
+#include "attention.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -40,23 +42,6 @@ void cs__cuda_fatal(const char *file, int line, const char *call, const char *na
             cs__cuda_fatal(__FILE__, __LINE__, #call, cublasGetStatusName(s_),                     \
                            cublasGetStatusString(s_));                                             \
     } while (0)
-
-/* One query tile of the attention kernel: n_q (<= cs__cuda_attention_tile_rows())
- * consecutive
- * query rows of one span, rows q_begin.., positions pos..; the span's page
- * table starts at pages[page_off]. */
-typedef struct {
-    int32_t q_begin, n_q, pos, page_off;
-} cs_cuda_att_tile;
-
-/* Geometry of the bf16 KV pool, page-major like the CPU backend's:
- *   pool[n_pages][n_layers][2 (K, V)][page_size][n_kv_heads * head_dim]
- * page_elems = n_layers * 2 * page_size * kv_dim. */
-typedef struct {
-    uint16_t *pool;
-    size_t page_elems;
-    int32_t page_size, kv_dim;
-} cs_cuda_kv;
 
 /* out (rows) fp32 = bf16 weight W (rows, cols) . x (n_tokens, cols), into
  * out (n_tokens, rows) fp32: out = beta * out + W x (beta 1 fuses a

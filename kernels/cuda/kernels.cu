@@ -8,13 +8,15 @@
  * (T, q+2kv) fp32 become one); the residual add rides in the cuBLAS epilogue
  * (beta = 1) of the o-proj and down-proj GEMMs, so RMSNorm reads x once;
  * SwiGLU reads the fused gate/up GEMM output and writes the bf16 input of the
- * down GEMM. Not here yet: tensor-core (mma) attention for long prefill and
- * split-K flash-decoding for long contexts; see docs/architecture.md. */
+ * down GEMM. Attention runs on tensor cores (mma.sync) for prompt chunks
+ * and decode alike. Not here yet: split-K flash-decoding for long contexts
+ * at small batch; see docs/architecture.md. */
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <math.h>
 
 #include "cuda_impl.h"
+#include "attention.cuh"
 
 #define LAUNCH_CHECK() CS_CUDA_CHECK(cudaGetLastError())
 
@@ -26,10 +28,6 @@ static __device__ __forceinline__ uint16_t to_bf(float f) {
 
 static __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
-static __device__ __forceinline__ float warp_max(float v) {
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
     return v;
 }
 
@@ -129,145 +127,33 @@ extern "C" void cs__cuda_qkv_rope_store(float *q, const float *qkv, const float 
     LAUNCH_CHECK();
 }
 
-/* ---- paged attention ----
- * A block is (query tile, group of query heads sharing one KV head); a warp
- * is one (query row, head). The block walks the tile's context 32 keys at a
- * time: it stages that chunk of K and V (bf16) in shared memory once for all
- * its warps (GQA and neighbouring query rows reuse it), then each lane scores
- * one key (full dot product from shared memory, conflict-free thanks to the
- * +2 padding), the warp updates an online softmax, and each lane accumulates
- * its head_dim / 32 output dims. fp32 throughout; exp via expf. */
-#define ATT_CHUNK 32
-#define ATT_MAX_WARPS 8
-
-template <int NPL> /* output dims per lane: ceil(head_dim / 32) */
-__global__ void k_attention(uint16_t *out, const float *q, const cs_cuda_att_tile *tiles, const int32_t *pages,
-                            cs_cuda_kv kv, int layer, int n_heads, int n_kv_heads, int head_dim, int heads_per_block,
-                            int rows_per_block) {
-    extern __shared__ unsigned char smem_raw[];
-    const int hd = head_dim, stride = hd + 2; /* bf16 elements per staged row */
-    uint16_t *sk = (uint16_t *)smem_raw;
-    uint16_t *sv = sk + ATT_CHUNK * stride;
-    float *sq = (float *)(sv + ATT_CHUNK * stride); /* (warps, hd) */
-
-    const cs_cuda_att_tile tile = tiles[blockIdx.x];
-    const int group = n_heads / n_kv_heads, blocks_per_kvh = (group + heads_per_block - 1) / heads_per_block;
-    const int kvh = blockIdx.y / blocks_per_kvh, hb = blockIdx.y % blocks_per_kvh;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int w_row = warp / heads_per_block, w_head = warp % heads_per_block;
-    const int h = kvh * group + hb * heads_per_block + w_head;
-    const int q_dim = n_heads * hd, kv_dim = n_kv_heads * hd;
-    const bool active = w_row < tile.n_q && w_row < rows_per_block && hb * heads_per_block + w_head < group;
-    const int t = tile.q_begin + w_row;
-    const int n_ctx = active ? tile.pos + w_row + 1 : 0;
-    int tile_rows = tile.n_q < rows_per_block ? tile.n_q : rows_per_block;
-    const int tile_ctx = tile.pos + tile_rows; /* the most any warp needs */
-    const float scale = 1.0f / sqrtf((float)hd);
-
-    if (active)
-        for (int d = lane; d < hd; d += 32) sq[warp * hd + d] = q[(size_t)t * q_dim + h * hd + d];
-
-    const size_t layer_off = (size_t)layer * 2 * kv.page_size * kv_dim + (size_t)kvh * hd;
-    const int32_t *pt = pages + tile.page_off;
-    float m = -INFINITY, l = 0.0f, acc[NPL];
-#pragma unroll
-    for (int i = 0; i < NPL; i++) acc[i] = 0.0f;
-
-    for (int c0 = 0; c0 < tile_ctx; c0 += ATT_CHUNK) {
-        int nk = tile_ctx - c0 < ATT_CHUNK ? tile_ctx - c0 : ATT_CHUNK;
-        __syncthreads(); /* previous chunk consumed (and sq written) */
-        /* stage K and V of keys c0 .. c0+nk in 32-bit words (hd is even) */
-        const int words = hd / 2;
-        for (int e = threadIdx.x; e < nk * words; e += blockDim.x) {
-            int j = e / words, wd = e % words, p = c0 + j;
-            const uint16_t *src = kv.pool + (size_t)pt[p / kv.page_size] * kv.page_elems + layer_off +
-                                  (size_t)(p % kv.page_size) * kv_dim;
-            const uint32_t *k32 = (const uint32_t *)src;
-            const uint32_t *v32 = (const uint32_t *)(src + (size_t)kv.page_size * kv_dim);
-            ((uint32_t *)(sk + j * stride))[wd] = k32[wd];
-            ((uint32_t *)(sv + j * stride))[wd] = v32[wd];
-        }
-        __syncthreads();
-        if (!active || c0 >= n_ctx) continue; /* no early exit: every thread must reach __syncthreads */
-        int j = c0 + lane;
-        float sc = -INFINITY;
-        if (j < n_ctx) {
-            const float *qq = sq + warp * hd;
-            const uint32_t *kr = (const uint32_t *)(sk + lane * stride);
-            float a0 = 0.0f, a1 = 0.0f;
-            for (int wd = 0; wd < words; wd++) {
-                uint32_t kw = kr[wd];
-                a0 += qq[2 * wd] * __uint_as_float(kw << 16);
-                a1 += qq[2 * wd + 1] * __uint_as_float(kw & 0xffff0000u);
-            }
-            sc = (a0 + a1) * scale;
-        }
-        float new_m = fmaxf(m, warp_max(sc));
-        float pj = j < n_ctx ? expf(sc - new_m) : 0.0f;
-        float corr = expf(m - new_m); /* 0 on the first chunk: m = -inf */
-        l = l * corr + warp_sum(pj);
-        m = new_m;
-        int nj = n_ctx - c0 < ATT_CHUNK ? n_ctx - c0 : ATT_CHUNK;
-#pragma unroll
-        for (int i = 0; i < NPL; i++) acc[i] *= corr;
-        for (int jj = 0; jj < nj; jj++) {
-            float pb = __shfl_sync(0xffffffffu, pj, jj);
-            const uint16_t *vr = sv + jj * stride;
-#pragma unroll
-            for (int i = 0; i < NPL; i++) {
-                int d = lane + 32 * i;
-                if (d < hd) acc[i] += pb * bf(vr[d]);
-            }
-        }
-    }
-    if (active) {
-        float inv = 1.0f / l;
-#pragma unroll
-        for (int i = 0; i < NPL; i++) {
-            int d = lane + 32 * i;
-            if (d < hd) out[(size_t)t * q_dim + h * hd + d] = to_bf(acc[i] * inv);
-        }
-    }
-}
-
-/* Query heads per block (one GQA group, at most ATT_MAX_WARPS) and query rows per block. */
-static int att_heads_per_block(int n_heads, int n_kv_heads) {
-    int group = n_heads / n_kv_heads;
-    return group < ATT_MAX_WARPS ? group : ATT_MAX_WARPS;
-}
+/* ---- paged attention: the kernel is in attention.cuh ---- */
 extern "C" int cs__cuda_attention_tile_rows(int n_heads, int n_kv_heads) {
-    return ATT_MAX_WARPS / att_heads_per_block(n_heads, n_kv_heads);
+    return ATT_ROWS / (n_heads / n_kv_heads);
 }
 
 extern "C" void cs__cuda_attention(uint16_t *out, const float *q, const cs_cuda_att_tile *tiles, int n_tiles,
                                    const int32_t *pages, cs_cuda_kv kv, int layer, int n_heads, int n_kv_heads,
                                    int head_dim, cudaStream_t s) {
     if (n_tiles <= 0) return;
-    int group = n_heads / n_kv_heads;
-    int hpb = att_heads_per_block(n_heads, n_kv_heads);
-    int rows = cs__cuda_attention_tile_rows(n_heads, n_kv_heads);
-    int warps = hpb * rows;
-    dim3 grid((unsigned)n_tiles, (unsigned)(n_kv_heads * ((group + hpb - 1) / hpb)));
-    size_t smem = (size_t)2 * ATT_CHUNK * (head_dim + 2) * sizeof(uint16_t) + (size_t)warps * head_dim * sizeof(float);
-    int npl = (head_dim + 31) / 32;
-#define ATT_CASE(N)                                                                                          \
-    case N:                                                                                                  \
-        k_attention<N><<<grid, warps * 32, smem, s>>>(out, q, tiles, pages, kv, layer, n_heads, n_kv_heads, head_dim, \
-                                                      hpb, rows);                                            \
-        break
-    switch (npl) {
-        ATT_CASE(1);
-        ATT_CASE(2);
-        ATT_CASE(3);
-        ATT_CASE(4);
-        ATT_CASE(5);
-        ATT_CASE(6);
-        ATT_CASE(7);
-        ATT_CASE(8);
-    default:
-        cs__cuda_fatal(__FILE__, __LINE__, "cs__cuda_attention", "head_dim", "head_dim > 256 is not supported");
-    }
-#undef ATT_CASE
+    if (head_dim % 2 || head_dim > 256 || n_heads % n_kv_heads || n_heads / n_kv_heads > ATT_ROWS)
+        cs__cuda_fatal(__FILE__, __LINE__, "cs__cuda_attention", "shape",
+                       "head_dim must be even and <= 256, n_heads a multiple of n_kv_heads, group <= 64");
+    dim3 grid((unsigned)n_tiles, (unsigned)n_kv_heads);
+    int vec16 = head_dim % 8 == 0;
+#define ATT_LAUNCH(HDP, KC) \
+    k_attention<HDP, KC><<<grid, 32 * ATT_WARPS, 0, s>>>(out, q, tiles, pages, kv, layer, n_heads, n_kv_heads, head_dim, vec16)
+    if (head_dim <= 32)
+        ATT_LAUNCH(32, 64);
+    else if (head_dim <= 64)
+        ATT_LAUNCH(64, 64);
+    else if (head_dim <= 96)
+        ATT_LAUNCH(96, 64);
+    else if (head_dim <= 128)
+        ATT_LAUNCH(128, 64);
+    else
+        ATT_LAUNCH(256, 32); /* 32 keys per chunk keeps K + V staging under 48 KiB */
+#undef ATT_LAUNCH
     LAUNCH_CHECK();
 }
 

@@ -165,13 +165,14 @@ static void test_embed_rmsnorm_swiglu(void) {
 /* bias + RoPE + KV store, then attention, on random ragged spans (prompt
  * chunks over cached pages, decode tokens), GQA shapes, page sizes; then the
  * page gather/scatter of kv_export/kv_import. */
-static void test_attention_case(int nh, int nkv, int hd, int page_size, int n_spans) {
+static void test_attention_case(int nh, int nkv, int hd, int page_size, int n_spans, int max_pos,
+                                int max_q) {
     const int n_layers = 2, layer = 1, qd = nh * hd, kvd = nkv * hd, width = qd + 2 * kvd;
     cs_attn_span sp[8];
     int32_t pos[8], nq[8], npg[8], T = 0, P = 0;
     for (int s = 0; s < n_spans; s++) {
-        pos[s] = gt_irand(3) == 0 ? 0 : gt_irand(70);
-        nq[s] = gt_irand(3) == 0 ? 1 : 1 + gt_irand(24); /* a third decode tokens */
+        pos[s] = gt_irand(3) == 0 ? 0 : gt_irand(max_pos);
+        nq[s] = gt_irand(3) == 0 ? 1 : 1 + gt_irand(max_q); /* a third decode tokens */
         npg[s] = (pos[s] + nq[s] + page_size - 1) / page_size;
         T += nq[s], P += npg[s];
     }
@@ -327,8 +328,12 @@ int main(void) {
         for (int rep = 0; rep < 3; rep++) {
             static const int page_sizes[] = {1, 3, 16};
             test_attention_case(shapes[s][0], shapes[s][1], shapes[s][2], page_sizes[rep],
-                                1 + gt_irand(6));
+                                1 + gt_irand(6), 70, 24);
         }
+    /* several query tiles per span and several key chunks per tile */
+    test_attention_case(32, 8, 128, 16, 3, 600, 300);
+    test_attention_case(9, 3, 64, 16, 3, 400, 200);
+    test_attention_case(8, 1, 256, 3, 2, 200, 100);
     CS_CUBLAS_CHECK(cublasDestroy(blas));
     printf("test_cuda_ops: all passed\n");
     return 0;
