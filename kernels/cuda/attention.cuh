@@ -31,8 +31,8 @@
 
 #include "attention.h"
 
-#define ATT_WARPS 4
-#define ATT_ROWS (16 * ATT_WARPS) /* mma rows of a block: query rows x group heads */
+#define ATT_ROWS CS_CUDA_ATT_ROWS /* mma rows of a block: query rows x group heads */
+#define ATT_WARPS (ATT_ROWS / 16)
 
 #ifndef CS_SIMT_EMU
 static __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
@@ -63,11 +63,17 @@ static __device__ __forceinline__ void ldsm_x4_trans(uint32_t r[4], const uint16
 
 /* HDP: head_dim rounded up to a multiple of 16 (the padded k dimension of
  * QK^T, the n dimension of PV); KC: keys per chunk (a multiple of 16).
- * vec16: head_dim is a multiple of 8, so K/V rows load as 16-byte vectors. */
+ * vec16: head_dim is a multiple of 8, so K/V rows load as 16-byte vectors.
+ * Split-K (flash-decoding), when the grid alone would leave the GPU idle
+ * (few tiles, long contexts): sp.keys > 0 (a multiple of KC) and
+ * blockIdx.z = split z takes keys [z keys, (z + 1) keys) only and writes
+ * its unnormalized rows, running max and sum to sp.o / sp.ml (part p =
+ * (tile * n_kv_heads + kv head) * sp.n + z, ATT_ROWS rows each);
+ * k_attention_combine then merges the parts into out. */
 template <int HDP, int KC>
 __global__ void __launch_bounds__(32 * ATT_WARPS)
     k_attention(uint16_t *out, const float *q, const cs_cuda_att_tile *tiles, const int32_t *pages, cs_cuda_kv kv,
-                int layer, int n_heads, int n_kv_heads, int hd, int vec16) {
+                int layer, int n_heads, int n_kv_heads, int hd, int vec16, cs_cuda_att_parts sp) {
     constexpr int STRIDE = HDP + 8; /* bf16 per staged row */
     constexpr int NT = KC / 8;      /* 8-key n-tiles of S per chunk */
     constexpr int KS = HDP / 16;    /* k-steps of QK^T */
@@ -81,6 +87,9 @@ __global__ void __launch_bounds__(32 * ATT_WARPS)
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     const int q_dim = n_heads * hd, kv_dim = n_kv_heads * hd;
     const int tile_ctx = tile.pos + tile.n_q; /* keys 0 .. pos + n_q - 1 */
+    const int k_begin = sp.keys ? (int)blockIdx.z * sp.keys : 0;
+    const int k_end = sp.keys ? min(tile_ctx, k_begin + sp.keys) : tile_ctx;
+    if (k_begin >= tile_ctx) return; /* a split past this tile's context: the whole block */
     const float scale_log2 = 1.4426950408889634f / sqrtf((float)hd);
 
     /* this thread's two rows (g and g + 8 of its warp): last key each may
@@ -119,8 +128,8 @@ __global__ void __launch_bounds__(32 * ATT_WARPS)
     const size_t v_off = (size_t)kv.page_size * kv_dim;
     const int32_t *pt = pages + tile.page_off;
 
-    for (int c0 = 0; c0 < tile_ctx; c0 += KC) {
-        const int nk = min(KC, tile_ctx - c0);
+    for (int c0 = k_begin; c0 < k_end; c0 += KC) {
+        const int nk = min(KC, k_end - c0);
         __syncthreads(); /* every warp is done with the previous chunk */
         if (vec16) {
             constexpr int VPR = HDP / 8; /* 16-byte vectors per staged row */
@@ -180,7 +189,7 @@ __global__ void __launch_bounds__(32 * ATT_WARPS)
 #pragma unroll
             for (int i = 0; i < 4; i++) {
                 int key = c0 + nt * 8 + 2 * c + (i & 1), r = i >> 1;
-                float v = key <= lim[r] ? s[nt][i] * scale_log2 : -INFINITY;
+                float v = key <= lim[r] && key < k_end ? s[nt][i] * scale_log2 : -INFINITY;
                 s[nt][i] = v;
                 mx[r] = fmaxf(mx[r], v);
             }
@@ -223,6 +232,24 @@ __global__ void __launch_bounds__(32 * ATT_WARPS)
         }
     }
     if (!warp_on) return;
+    if (sp.keys) { /* a part: unnormalized rows, their max (log2 domain) and sum */
+        const size_t part = ((size_t)blockIdx.x * n_kv_heads + kvh) * sp.n + blockIdx.z;
+#pragma unroll
+        for (int r = 0; r < 2; r++) {
+            float l = l_run[r];
+            l += __shfl_xor_sync(0xffffffffu, l, 1);
+            l += __shfl_xor_sync(0xffffffffu, l, 2);
+            if (lim[r] < 0) continue;
+            const size_t row = part * ATT_ROWS + warp * 16 + g + 8 * r;
+            if (c == 0) sp.ml[2 * row] = m_run[r], sp.ml[2 * row + 1] = l;
+#pragma unroll
+            for (int dt = 0; dt < DT; dt++) {
+                int d = dt * 8 + 2 * c;
+                if (d < hd) *reinterpret_cast<float2 *>(sp.o + row * hd + d) = make_float2(o[dt][2 * r], o[dt][2 * r + 1]);
+            }
+        }
+        return;
+    }
     float inv[2];
 #pragma unroll
     for (int r = 0; r < 2; r++) {
@@ -239,6 +266,34 @@ __global__ void __launch_bounds__(32 * ATT_WARPS)
         for (int r = 0; r < 2; r++)
             if (lim[r] >= 0)
                 *reinterpret_cast<uint32_t *>(out + off[r] + d) = pack_bf16(o[dt][2 * r] * inv[r], o[dt][2 * r + 1] * inv[r]);
+    }
+}
+
+/* Merges the split parts of k_attention: for every row of a tile and every
+ * dim, out = sum_z 2^(m_z - M) o_z / sum_z 2^(m_z - M) l_z with M = max_z m_z,
+ * over the splits z that start inside the tile's context. A block per
+ * (tile, KV head), as in k_attention. */
+__global__ void __launch_bounds__(32 * ATT_WARPS)
+    k_attention_combine(uint16_t *out, const cs_cuda_att_tile *tiles, int n_heads, int n_kv_heads, int hd,
+                        cs_cuda_att_parts sp) {
+    const cs_cuda_att_tile tile = tiles[blockIdx.x];
+    const int kvh = blockIdx.y, group = n_heads / n_kv_heads, q_dim = n_heads * hd;
+    const int n_z = (tile.pos + tile.n_q + sp.keys - 1) / sp.keys;
+    const size_t part0 = ((size_t)blockIdx.x * n_kv_heads + kvh) * sp.n;
+    for (int e = threadIdx.x; e < tile.n_q * group * hd; e += 32 * ATT_WARPS) {
+        const int m = e / hd, d = e % hd;
+        float mx = -INFINITY;
+        for (int z = 0; z < n_z; z++)
+            mx = fmaxf(mx, sp.ml[2 * ((part0 + z) * ATT_ROWS + m)]);
+        float l = 0.0f, acc = 0.0f;
+        for (int z = 0; z < n_z; z++) {
+            const size_t row = (part0 + z) * ATT_ROWS + m;
+            float w = exp2f(sp.ml[2 * row] - mx); /* 0 for a split with no key of this row */
+            l += w * sp.ml[2 * row + 1];
+            acc += w * sp.o[row * hd + d];
+        }
+        const size_t o_at = (size_t)(tile.q_begin + m / group) * q_dim + (size_t)(kvh * group + m % group) * hd + d;
+        out[o_at] = (uint16_t)(pack_bf16(l > 0.0f ? acc / l : 0.0f, 0.0f) & 0xffffu);
     }
 }
 

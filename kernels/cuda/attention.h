@@ -25,4 +25,24 @@ typedef struct {
     int32_t page_size, kv_dim;
 } cs_cuda_kv;
 
+/* Rows of one attention block (query rows x the query heads of one KV
+ * head): a tile holds CS_CUDA_ATT_ROWS / group query rows. */
+#define CS_CUDA_ATT_ROWS 64
+
+/* Split-K parts, as the kernel sees them: keys per split (0: no split) and
+ * splits per (tile, KV head); o (parts, CS_CUDA_ATT_ROWS, head_dim) and ml
+ * (parts, CS_CUDA_ATT_ROWS, 2) fp32 device buffers. */
+typedef struct {
+    float *o, *ml;
+    int32_t keys, n;
+} cs_cuda_att_parts;
+
+/* What the launcher may split into: buffers for max_parts parts
+ * (cs__cuda_attention_scratch_size), and the device's SM count, the
+ * parallelism a grid should reach. */
+typedef struct {
+    float *o, *ml;
+    int32_t max_parts, n_sm;
+} cs_cuda_att_scratch;
+
 #endif

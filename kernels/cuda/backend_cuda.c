@@ -58,6 +58,7 @@ typedef struct {
     float *inv_freq;    /* (head_dim / 2) */
     dev_layer *layers;  /* (n_layers) */
     int att_rows;       /* query rows per attention tile */
+    cs_cuda_att_scratch att_split; /* split-K parts of the attention (flash-decoding) */
     /* KV pool */
     cs_cuda_kv kv;
     int32_t n_pages;
@@ -159,7 +160,7 @@ static void cuda_free(void *p) {
     if (c->st) CS_CUDA_CHECK(cudaStreamSynchronize(c->st));
     dfree(c->w16), dfree(c->w32), dfree(c->kv.pool);
     dfree(c->x), dfree(c->big), dfree(c->q), dfree(c->act), dfree(c->logits), dfree(c->meta_d);
-    dfree(c->stage), dfree(c->stage_pages);
+    dfree(c->stage), dfree(c->stage_pages), dfree(c->att_split.o), dfree(c->att_split.ml);
     if (c->meta_h) CS_CUDA_CHECK(cudaFreeHost(c->meta_h));
     if (c->blas) CS_CUBLAS_CHECK(cublasDestroy(c->blas));
     if (c->st) CS_CUDA_CHECK(cudaStreamDestroy(c->st));
@@ -246,9 +247,10 @@ static int cuda_forward(void *p, const cs_span *spans, int32_t n_spans, int32_t 
     int32_t *ids = c->meta_h, *pos = ids + T, *page = pos + T, *slot = page + T, *rows = slot + T;
     cs_cuda_att_tile *tiles = (cs_cuda_att_tile *)(rows + n_spans);
     int32_t *ptab = (int32_t *)(tiles + T);
-    int32_t t = 0, n_out = 0, n_tiles = 0, poff = 0;
+    int32_t t = 0, n_out = 0, n_tiles = 0, poff = 0, max_ctx = 0;
     for (int32_t s = 0; s < n_spans; s++) {
         const cs_span *sp = &spans[s];
+        if (sp->pos + sp->n_tokens > max_ctx) max_ctx = sp->pos + sp->n_tokens;
         for (int32_t i0 = 0; i0 < sp->n_tokens; i0 += c->att_rows) {
             int32_t n = sp->n_tokens - i0 < c->att_rows ? sp->n_tokens - i0 : c->att_rows;
             tiles[n_tiles++] = (cs_cuda_att_tile){t + i0, n, sp->pos + i0, poff};
@@ -279,7 +281,8 @@ static int cuda_forward(void *p, const cs_span *spans, int32_t n_spans, int32_t 
         cs__cuda_gemm(c->blas, c->big, c->act, L->wqkv, T, qd + 2 * kvd, dim, 0.0f);
         cs__cuda_qkv_rope_store(c->q, c->big, L->bqkv, d_pos, c->inv_freq, d_page, d_slot, c->kv, l,
                                 T, nh, nkv, hd, c->st);
-        cs__cuda_attention(c->act, c->q, d_tiles, n_tiles, d_ptab, c->kv, l, nh, nkv, hd, c->st);
+        cs__cuda_attention(c->act, c->q, d_tiles, n_tiles, max_ctx, d_ptab, c->kv, l, nh, nkv, hd,
+                           &c->att_split, c->st);
         cs__cuda_gemm(c->blas, c->x, c->act, L->wo, T, dim, qd, 1.0f);
         cs__cuda_rmsnorm(c->act, NULL, c->x, NULL, L->ffn_norm, T, dim, cf->norm_eps, c->st);
         cs__cuda_gemm(c->blas, c->big, c->act, L->wgu, T, 2 * hid, dim, 0.0f);
@@ -465,7 +468,14 @@ static int init(const cs_model_config *cf, const cs_model *m, const float *inv_f
     CS_CUDA_CHECK(cudaStreamCreateWithFlags(&c->st, cudaStreamNonBlocking));
     CS_CUBLAS_CHECK(cublasCreate(&c->blas));
     CS_CUBLAS_CHECK(cublasSetStream(c->blas, c->st));
-    int r = build(c, m, inv_freq, seed);
+    /* split-K parts for up to 3 x SMs blocks (the policy aims at 2 x SMs) */
+    CS_CUDA_CHECK(cudaDeviceGetAttribute(&c->att_split.n_sm, cudaDevAttrMultiProcessorCount, 0));
+    size_t o_floats, ml_floats;
+    c->att_split.max_parts = 3 * c->att_split.n_sm;
+    cs__cuda_attention_scratch_size(c->att_split.max_parts, cf->head_dim, &o_floats, &ml_floats);
+    int r = dalloc(&c->att_split.o, o_floats * 4, "attention split-K parts");
+    if (!r) r = dalloc(&c->att_split.ml, ml_floats * 4, "attention split-K parts");
+    if (!r) r = build(c, m, inv_freq, seed);
     if (r) {
         free(b);
         cuda_free(c);

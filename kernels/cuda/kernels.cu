@@ -132,17 +132,44 @@ extern "C" int cs__cuda_attention_tile_rows(int n_heads, int n_kv_heads) {
     return ATT_ROWS / (n_heads / n_kv_heads);
 }
 
+extern "C" void cs__cuda_attention_scratch_size(int max_parts, int head_dim, size_t *o_floats, size_t *ml_floats) {
+    *o_floats = (size_t)max_parts * ATT_ROWS * head_dim;
+    *ml_floats = (size_t)max_parts * ATT_ROWS * 2;
+}
+
+/* Split-K policy: split only when the (tile, KV head) blocks cannot fill the
+ * GPU and the longest context spans more than two key chunks; aim at two
+ * blocks per SM, at least two chunks per split. The split depends on the
+ * step's shape, so a row's attention may round differently in a small step
+ * than in a large one (within bf16 of each other; decode vs prefill already
+ * differ by their GEMMs). */
+static cs_cuda_att_parts att_parts(const cs_cuda_att_scratch *sc, int n_tiles, int n_kv_heads, int max_ctx, int kc) {
+    cs_cuda_att_parts p = {NULL, NULL, 0, 1};
+    long blocks = (long)n_tiles * n_kv_heads;
+    if (!sc || !sc->o || blocks >= sc->n_sm || max_ctx <= 2 * kc) return p;
+    long n = (2L * sc->n_sm + blocks - 1) / blocks, most = max_ctx / (2 * kc);
+    if (n > most) n = most;
+    if (n > sc->max_parts / blocks) n = sc->max_parts / blocks;
+    if (n < 2) return p;
+    int keys = (int)((max_ctx + n - 1) / n);
+    keys = (keys + kc - 1) / kc * kc;
+    p.o = sc->o, p.ml = sc->ml, p.keys = keys, p.n = (max_ctx + keys - 1) / keys;
+    return p;
+}
+
 extern "C" void cs__cuda_attention(uint16_t *out, const float *q, const cs_cuda_att_tile *tiles, int n_tiles,
-                                   const int32_t *pages, cs_cuda_kv kv, int layer, int n_heads, int n_kv_heads,
-                                   int head_dim, cudaStream_t s) {
+                                   int max_ctx, const int32_t *pages, cs_cuda_kv kv, int layer, int n_heads,
+                                   int n_kv_heads, int head_dim, const cs_cuda_att_scratch *scratch, cudaStream_t s) {
     if (n_tiles <= 0) return;
     if (head_dim % 2 || head_dim > 256 || n_heads % n_kv_heads || n_heads / n_kv_heads > ATT_ROWS)
         cs__cuda_fatal(__FILE__, __LINE__, "cs__cuda_attention", "shape",
                        "head_dim must be even and <= 256, n_heads a multiple of n_kv_heads, group <= 64");
-    dim3 grid((unsigned)n_tiles, (unsigned)n_kv_heads);
     int vec16 = head_dim % 8 == 0;
-#define ATT_LAUNCH(HDP, KC) \
-    k_attention<HDP, KC><<<grid, 32 * ATT_WARPS, 0, s>>>(out, q, tiles, pages, kv, layer, n_heads, n_kv_heads, head_dim, vec16)
+    cs_cuda_att_parts sp = att_parts(scratch, n_tiles, n_kv_heads, max_ctx, head_dim <= 128 ? 64 : 32);
+    dim3 grid((unsigned)n_tiles, (unsigned)n_kv_heads, (unsigned)sp.n);
+#define ATT_LAUNCH(HDP, KC)                                                                                    \
+    k_attention<HDP, KC><<<grid, 32 * ATT_WARPS, 0, s>>>(out, q, tiles, pages, kv, layer, n_heads, n_kv_heads, \
+                                                        head_dim, vec16, sp)
     if (head_dim <= 32)
         ATT_LAUNCH(32, 64);
     else if (head_dim <= 64)
@@ -155,6 +182,11 @@ extern "C" void cs__cuda_attention(uint16_t *out, const float *q, const cs_cuda_
         ATT_LAUNCH(256, 32); /* 32 keys per chunk keeps K + V staging under 48 KiB */
 #undef ATT_LAUNCH
     LAUNCH_CHECK();
+    if (sp.keys) {
+        k_attention_combine<<<dim3((unsigned)n_tiles, (unsigned)n_kv_heads), 32 * ATT_WARPS, 0, s>>>(
+            out, tiles, n_heads, n_kv_heads, head_dim, sp);
+        LAUNCH_CHECK();
+    }
 }
 
 /* ---- SwiGLU ---- */

@@ -76,13 +76,13 @@ inline Block *&block() {
     static Block *b;
     return b;
 }
-inline thread_local unsigned tid, bx, by;
+inline thread_local unsigned tid, bx, by, bz;
 inline int warp_of() { return (int)tid >> 5; }
 inline int lane_of() { return (int)tid & 31; }
 inline void warp_sync() { pthread_barrier_wait(&block()->warp[warp_of()]); }
 
-/* Runs fn for every thread of every block of grid (x, y), threads per block
- * a multiple of 32. */
+/* Runs fn for every thread of every block of grid, threads per block a
+ * multiple of 32 (at most 1024). */
 inline void launch(dim3 grid, unsigned threads, const std::function<void()> &fn) {
     Block *b = new Block;
     block() = b;
@@ -103,12 +103,13 @@ inline void launch(dim3 grid, unsigned threads, const std::function<void()> &fn)
             [](void *p) -> void * {
                 Arg *a = (Arg *)p;
                 tid = a->t;
-                for (unsigned y = 0; y < a->grid.y; y++)
-                    for (unsigned x = 0; x < a->grid.x; x++) {
-                        bx = x, by = y;
-                        (*a->fn)();
-                        pthread_barrier_wait(&block()->block); /* the block is done with its shared memory */
-                    }
+                for (unsigned z = 0; z < a->grid.z; z++)
+                    for (unsigned y = 0; y < a->grid.y; y++)
+                        for (unsigned x = 0; x < a->grid.x; x++) {
+                            bx = x, by = y, bz = z;
+                            (*a->fn)();
+                            pthread_barrier_wait(&block()->block); /* the block is done with its shared memory */
+                        }
                 return nullptr;
             },
             &args[t]);
@@ -124,7 +125,7 @@ inline void launch(dim3 grid, unsigned threads, const std::function<void()> &fn)
 
 /* threadIdx / blockIdx of the calling emulated thread */
 #define threadIdx (dim3(simt::tid))
-#define blockIdx (dim3(simt::bx, simt::by))
+#define blockIdx (dim3(simt::bx, simt::by, simt::bz))
 
 static inline void __syncthreads() { pthread_barrier_wait(&simt::block()->block); }
 

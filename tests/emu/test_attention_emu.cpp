@@ -8,7 +8,8 @@
  * (padded and unpadded, 16-byte and 4-byte staging), page sizes 1/3/16, NaN
  * in every slot the spans do not own. Then the claim the engine relies on:
  * a prompt attended in chunks (each chunk a span over the pages of the
- * previous ones) gives bit-identical rows to one pass. The same kernel on a
+ * previous ones) gives bit-identical rows to one pass; split-K parts
+ * merged by the combine kernel match the reference too. The same kernel on a
  * GPU is checked by tests/gpu/test_cuda_ops.c. */
 #include <cstdio>
 
@@ -23,14 +24,24 @@ static double frand() { /* uniform [-1, 1) */
 }
 static int irand(int n) { return (int)((frand() + 1.0) * 0.5 * n) % n; }
 
-/* the launcher of kernels.cu, minus the stream */
+/* The launcher of kernels.cu, minus the stream, with the split chosen by
+ * the caller: keys per split (0: none; a multiple of the kernel's chunk). */
 static void attention(uint16_t *out, const float *q, const cs_cuda_att_tile *tiles, int n_tiles,
-                      const int32_t *pages, cs_cuda_kv kv, int layer, int nh, int nkv, int hd) {
-    dim3 grid((unsigned)n_tiles, (unsigned)nkv);
+                      int max_ctx, const int32_t *pages, cs_cuda_kv kv, int layer, int nh, int nkv,
+                      int hd, int keys) {
     int vec16 = hd % 8 == 0;
+    cs_cuda_att_parts sp = {nullptr, nullptr, 0, 1};
+    std::vector<float> po, pml;
+    if (keys) {
+        sp.keys = keys, sp.n = (max_ctx + keys - 1) / keys;
+        po.assign((size_t)n_tiles * nkv * sp.n * ATT_ROWS * hd, NAN);
+        pml.assign((size_t)n_tiles * nkv * sp.n * ATT_ROWS * 2, NAN);
+        sp.o = po.data(), sp.ml = pml.data();
+    }
+    dim3 grid((unsigned)n_tiles, (unsigned)nkv, (unsigned)sp.n);
 #define RUN(HDP, KC)                                                                               \
     simt::launch(grid, 32 * ATT_WARPS, [&] {                                                       \
-        k_attention<HDP, KC>(out, q, tiles, pages, kv, layer, nh, nkv, hd, vec16);                 \
+        k_attention<HDP, KC>(out, q, tiles, pages, kv, layer, nh, nkv, hd, vec16, sp);             \
     })
     if (hd <= 32)
         RUN(32, 64);
@@ -43,6 +54,9 @@ static void attention(uint16_t *out, const float *q, const cs_cuda_att_tile *til
     else
         RUN(256, 32);
 #undef RUN
+    if (keys)
+        simt::launch(dim3((unsigned)n_tiles, (unsigned)nkv), 32 * ATT_WARPS,
+                     [&] { k_attention_combine(out, tiles, nh, nkv, hd, sp); });
 }
 
 struct Case {
@@ -95,24 +109,27 @@ static Case make_case(int nh, int nkv, int hd, int ps, int n_spans, int max_pos,
     return c;
 }
 
-static std::vector<uint16_t> run(const Case &c) {
-    int rows = ATT_ROWS / (c.nh / c.nkv); /* cs__cuda_attention_tile_rows */
+static std::vector<uint16_t> run(const Case &c, int keys) {
+    int rows = ATT_ROWS / (c.nh / c.nkv), max_ctx = 0; /* cs__cuda_attention_tile_rows */
     std::vector<cs_cuda_att_tile> tiles;
-    for (int s = 0, t = 0; s < (int)c.pos.size(); t += c.nq[s], s++)
+    for (int s = 0, t = 0; s < (int)c.pos.size(); t += c.nq[s], s++) {
+        max_ctx = std::max(max_ctx, c.pos[s] + c.nq[s]);
         for (int i0 = 0; i0 < c.nq[s]; i0 += rows)
             tiles.push_back({t + i0, std::min(rows, c.nq[s] - i0), c.pos[s] + i0, c.poff[s]});
-    std::vector<uint16_t> out((size_t)c.T * c.nh * c.hd, 0xffff);
+    }
+    std::vector<uint16_t> out((size_t)c.T * c.nh * c.hd, 0xffff); /* NaN until written */
     cs_cuda_kv kv = {(uint16_t *)c.pool.data(), c.page_elems(), c.ps, c.nkv * c.hd};
-    attention(out.data(), c.q.data(), tiles.data(), (int)tiles.size(), c.ptab.data(), kv, c.layer,
-              c.nh, c.nkv, c.hd);
+    attention(out.data(), c.q.data(), tiles.data(), (int)tiles.size(), max_ctx, c.ptab.data(), kv,
+              c.layer, c.nh, c.nkv, c.hd, keys);
     return out;
 }
 
 static int failures;
 
-static void check_reference(int nh, int nkv, int hd, int ps, int n_spans, int max_pos, int max_q) {
+static void check_reference(int nh, int nkv, int hd, int ps, int n_spans, int max_pos, int max_q,
+                            int keys = 0) {
     Case c = make_case(nh, nkv, hd, ps, n_spans, max_pos, max_q);
-    std::vector<uint16_t> out = run(c);
+    std::vector<uint16_t> out = run(c, keys);
     const int group = nh / nkv, qd = nh * hd;
     double num = 0, den = 0;
     int nan = 0;
@@ -144,8 +161,8 @@ static void check_reference(int nh, int nkv, int hd, int ps, int n_spans, int ma
             }
     double err = std::sqrt(num / den);
     bool ok = err <= 6e-3 && !nan; /* bf16 output and P: ~2^-9 relative */
-    printf("  attention heads %2d/%-2d hd %3d ps %2d spans %d T %3d  err %.2e%s  %s\n", nh, nkv, hd,
-           ps, n_spans, c.T, err, nan ? " NaN" : "", ok ? "ok" : "FAIL");
+    printf("  attention heads %2d/%-2d hd %3d ps %2d spans %d T %3d split %3d  err %.2e%s  %s\n", nh,
+           nkv, hd, ps, n_spans, c.T, keys, err, nan ? " NaN" : "", ok ? "ok" : "FAIL");
     failures += !ok;
 }
 
@@ -175,7 +192,7 @@ static void check_chunked(int nh, int nkv, int hd, int ps, int n, int chunk) {
     ch.pos.clear(), ch.nq.clear(), ch.poff.clear();
     for (int p = 0; p < n; p += chunk) /* every chunk's page table is the prompt's */
         ch.pos.push_back(p), ch.nq.push_back(std::min(chunk, n - p)), ch.poff.push_back(0);
-    bool same = run(one) == run(ch);
+    bool same = run(one, 0) == run(ch, 0);
     printf("  chunks of %d = one pass, heads %d/%d hd %d ps %d n %d: %s\n", chunk, nh, nkv, hd,
            ps, n, same ? "bit-identical" : "DIFFERENT");
     failures += !same;
@@ -192,6 +209,11 @@ int main() {
     /* several tiles per span and several key chunks per tile */
     check_reference(32, 8, 128, 16, 2, 200, 70);
     check_reference(9, 3, 64, 16, 2, 150, 90);
+    /* split-K (flash-decoding): parts of 64/128 keys merged by the combine kernel */
+    check_reference(32, 8, 128, 16, 3, 300, 4, 64);
+    check_reference(9, 3, 64, 3, 2, 200, 40, 128);
+    check_reference(8, 1, 256, 16, 2, 150, 3, 64);
+    check_reference(4, 2, 18, 1, 3, 200, 20, 64);
     check_chunked(9, 3, 64, 16, 150, 37);
     check_chunked(32, 8, 128, 3, 100, 16);
     if (failures) {

@@ -268,11 +268,27 @@ static void test_attention_case(int nh, int nkv, int hd, int page_size, int n_sp
     cs_cuda_att_tile *dtiles = dup_to_dev(tiles, sizeof *tiles * n_tiles);
     int32_t *dptab = dup_to_dev(ptab, 4 * (size_t)P);
     uint16_t *dout = dev_zero(2 * (size_t)T * qd);
-    cs__cuda_attention(dout, dq, dtiles, n_tiles, dptab, dkv, layer, nh, nkv, hd, 0);
-    float *gout = down_bf16(dout, (size_t)T * qd);
-    snprintf(what, sizeof what, "attention  heads %d/%d hd %d ps %d spans %d T %d", nh, nkv, hd,
-             page_size, n_spans, T);
-    GT_CHECK_ERR(what, gt_norm_err(gout, ref, (size_t)T * qd), TOL_BF16);
+    int max_ctx = 0;
+    for (int s = 0; s < n_spans; s++)
+        if (pos[s] + nq[s] > max_ctx) max_ctx = pos[s] + nq[s];
+    /* whole contexts per block, then split-K: the policy splits a grid
+     * smaller than the SM count, so claim 4x this grid's blocks as SMs */
+    cs_cuda_att_scratch split = {NULL, NULL, 12 * n_tiles * nkv, 4 * n_tiles * nkv};
+    size_t o_floats, ml_floats;
+    cs__cuda_attention_scratch_size(split.max_parts, hd, &o_floats, &ml_floats);
+    split.o = dev_zero(o_floats * 4), split.ml = dev_zero(ml_floats * 4);
+    for (int pass = 0; pass < 2; pass++) {
+        CS_CUDA_CHECK(cudaMemset(dout, 0xff, 2 * (size_t)T * qd));
+        cs__cuda_attention(dout, dq, dtiles, n_tiles, max_ctx, dptab, dkv, layer, nh, nkv, hd,
+                           pass ? &split : NULL, 0);
+        float *gout = down_bf16(dout, (size_t)T * qd);
+        snprintf(what, sizeof what, "attention%s heads %d/%d hd %d ps %d spans %d T %d ctx %d",
+                 pass ? " (split-K)" : "", nh, nkv, hd, page_size, n_spans, T, max_ctx);
+        GT_CHECK_ERR(what, gt_norm_err(gout, ref, (size_t)T * qd), TOL_BF16);
+        free(gout);
+    }
+    CS_CUDA_CHECK(cudaFree(split.o));
+    CS_CUDA_CHECK(cudaFree(split.ml));
 
     /* page gather (export) then scatter (import) into other pages */
     int n_move = 1 + gt_irand(n_pages);
@@ -313,7 +329,7 @@ static void test_attention_case(int nh, int nkv, int hd, int page_size, int n_sp
         free(pool16);
     free(qkv), free(bias), free(inv), free(q), free(k), free(v), free(gq), free(gpool), free(ref),
         free(ref_pool16);
-    free(gout), free(mv), free(flat), free(back);
+    free(mv), free(flat), free(back);
 }
 
 int main(void) {
