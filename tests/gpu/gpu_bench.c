@@ -10,8 +10,11 @@
  *                       generated on the device
  * Timings: device copy bandwidth and cuBLAS bf16 GEMM rate measured first in
  * the same run; decode step at batch 1/32/128 vs the HBM floor (weight bytes
- * / copy bandwidth); one-pass prefill vs the GEMM rate; chunked prefill vs
- * one pass. Each forward synchronizes its stream, so host clocks time it. */
+ * / copy bandwidth; also vs the bytes a decode step reads) and the logits
+ * download of such a step (host-side sampling's price); decode at batch 1
+ * over a 4096-token context (split-K attention); one-pass prefill vs the
+ * GEMM rate; chunked prefill vs one pass. Each forward synchronizes its
+ * stream, so host clocks time it. */
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -111,46 +114,82 @@ static double prefill(bench *B, const int32_t *toks, int32_t n, int32_t chunk, c
     return now() - t0;
 }
 
+/* Seconds to copy n rows of logits (fp32) to pageable host memory, as the
+ * backend's forward does: what host-side sampling costs a step. */
+static double logits_copy(int32_t n, int32_t n_vocab, float *host) {
+    size_t bytes = (size_t)n * n_vocab * sizeof(float);
+    float *d;
+    CS_CUDA_CHECK(cudaMalloc((void **)&d, bytes));
+    CS_CUDA_CHECK(cudaMemset(d, 0, bytes));
+    CS_CUDA_CHECK(cudaMemcpy(host, d, bytes, cudaMemcpyDeviceToHost)); /* warm-up */
+    double best = 1e30;
+    for (int r = 0; r < 5; r++) {
+        double t0 = now();
+        CS_CUDA_CHECK(cudaMemcpy(host, d, bytes, cudaMemcpyDeviceToHost));
+        if (now() - t0 < best) best = now() - t0;
+    }
+    CS_CUDA_CHECK(cudaFree(d));
+    return best;
+}
+
+/* Decode steps of nb sequences at context ctx (prefilled first), 1 token
+ * each: mean milliseconds of steps 3..steps. */
+static double decode_ms(bench *B, const int32_t *toks, int nb, int32_t ctx, int32_t steps) {
+    int32_t per_seq = (ctx + steps + B->page_size) / B->page_size + 1;
+    int32_t **pt = malloc(sizeof *pt * nb);
+    cs_span *sp = malloc(sizeof *sp * nb);
+    int32_t *tk = malloc(sizeof(int32_t) * nb);
+    for (int s = 0; s < nb; s++) {
+        pt[s] = alloc_pages(B, per_seq);
+        prefill(B, toks + s, ctx, 0, pt[s], per_seq);
+    }
+    double t = 0;
+    for (int st = 0; st < steps; st++) {
+        for (int s = 0; s < nb; s++) {
+            tk[s] = toks[s + st];
+            int32_t pos = ctx + st;
+            sp[s] = (cs_span){&tk[s], 1, pos, pt[s], pos / B->page_size + 1, true};
+        }
+        double t0 = now();
+        CS_ASSERT(B->b->iface->forward(B->b->ctx, sp, nb, nb, B->logits) == 0);
+        if (st >= 2) t += now() - t0; /* 2 warm-up steps */
+    }
+    for (int s = 0; s < nb; s++)
+        free(pt[s]);
+    free(pt), free(sp), free(tk);
+    return t / (steps - 2) * 1e3;
+}
+
 static void perf(bench *B, const char *label, double bw, double rate) {
     const cs_model_config *cf = &B->cf;
+    /* the issue's floor: every weight byte once per step; and the bytes a
+     * decode step does read (an untied embedding table is only gathered) */
     size_t wbytes = cs_backend_cuda_weight_bytes(B->b);
-    double floor_s = (double)wbytes / bw;
-    printf("RESULT %s.weight_GB %.2f\nRESULT %s.hbm_floor_ms %.3f\n", label, wbytes / 1e9, label,
-           floor_s * 1e3);
+    size_t rbytes = wbytes - (cf->tied_embeddings ? 0 : (size_t)cf->n_vocab * cf->dim * 2);
+    double floor_s = (double)wbytes / bw, read_floor_s = (double)rbytes / bw;
+    printf("RESULT %s.weight_GB %.2f\nRESULT %s.hbm_floor_ms %.3f\nRESULT %s.read_floor_ms %.3f\n",
+           label, wbytes / 1e9, label, floor_s * 1e3, label, read_floor_s * 1e3);
     int32_t *toks = malloc(sizeof(int32_t) * 8192);
     for (int i = 0; i < 8192; i++)
         toks[i] = (int32_t)((i * 2654435761u) % (uint32_t)cf->n_vocab);
 
-    /* decode: B sequences with a 256-token context, then 1 token each per step */
+    /* decode: B sequences with a 256-token context, then 1 token each per
+     * step; the logits download of such a step on its own */
     static const int batches[] = {1, 32, 128};
-    const int32_t ctx = 256, steps = 16;
     for (size_t bi = 0; bi < 3; bi++) {
         int nb = batches[bi];
-        int32_t per_seq = (ctx + steps + B->page_size) / B->page_size + 1;
-        int32_t **pt = malloc(sizeof *pt * nb);
-        cs_span *sp = malloc(sizeof *sp * nb);
-        int32_t *tk = malloc(sizeof(int32_t) * nb);
-        for (int s = 0; s < nb; s++) {
-            pt[s] = alloc_pages(B, per_seq);
-            prefill(B, toks + s, ctx, 0, pt[s], per_seq);
-        }
-        double t = 0;
-        for (int st = 0; st < steps; st++) {
-            for (int s = 0; s < nb; s++) {
-                tk[s] = toks[s + st];
-                int32_t pos = ctx + st;
-                sp[s] = (cs_span){&tk[s], 1, pos, pt[s], pos / B->page_size + 1, true};
-            }
-            double t0 = now();
-            CS_ASSERT(B->b->iface->forward(B->b->ctx, sp, nb, nb, B->logits) == 0);
-            if (st >= 2) t += now() - t0; /* 2 warm-up steps */
-        }
-        double ms = t / (steps - 2) * 1e3;
-        printf("RESULT %s.decode_b%d_ms %.3f\nRESULT %s.decode_b%d_vs_floor %.2f\n", label, nb, ms,
-               label, nb, ms / (floor_s * 1e3));
-        for (int s = 0; s < nb; s++)
-            free(pt[s]);
-        free(pt), free(sp), free(tk);
+        double ms = decode_ms(B, toks, nb, 256, 16);
+        double lg = logits_copy(nb, cf->n_vocab, B->logits) * 1e3;
+        printf("RESULT %s.decode_b%d_ms %.3f\nRESULT %s.decode_b%d_vs_floor %.2f\n"
+               "RESULT %s.decode_b%d_vs_read_floor %.2f\nRESULT %s.logits_b%d_ms %.3f\n",
+               label, nb, ms, label, nb, ms / (floor_s * 1e3), label, nb, ms / (read_floor_s * 1e3),
+               label, nb, lg);
+    }
+    /* long context at batch 1: the attention's split-K at work */
+    if (cf->ctx_len >= 4096 + 16) {
+        double ms = decode_ms(B, toks, 1, 4096, 10);
+        printf("RESULT %s.decode_b1_ctx4096_ms %.3f\nRESULT %s.decode_b1_ctx4096_vs_floor %.2f\n",
+               label, ms, label, ms / (floor_s * 1e3));
     }
 
     /* prefill: one pass vs chunks */
