@@ -327,8 +327,10 @@ static int kv_move(cuda_ctx *c, const int32_t *pages, int32_t n, void *host, int
                                       cudaMemcpyHostToDevice, c->st));
         if (to_pages)
             CS_CUDA_CHECK(cudaMemcpyAsync(c->stage, h, bytes, cudaMemcpyHostToDevice, c->st));
-        cs__cuda_pages_copy(c->kv.pool, c->stage, c->stage_pages, k, c->page_bytes, to_pages,
-                            c->st);
+        if (to_pages)
+            cs__cuda_kv_scatter(c->kv.pool, c->page_bytes, c->stage_pages, k, c->stage, NULL, c->st);
+        else
+            cs__cuda_kv_gather(c->kv.pool, c->page_bytes, c->stage_pages, k, c->stage, NULL, c->st);
         if (!to_pages)
             CS_CUDA_CHECK(cudaMemcpyAsync(h, c->stage, bytes, cudaMemcpyDeviceToHost, c->st));
         CS_CUDA_CHECK(cudaStreamSynchronize(c->st)); /* pageable host memory and reused staging */

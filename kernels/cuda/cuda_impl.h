@@ -88,13 +88,9 @@ void cs__cuda_attention(uint16_t *out, const float *q, const cs_cuda_att_tile *t
  * fp32 holds [gate | up] per row (the fused gate/up GEMM). */
 void cs__cuda_swiglu(uint16_t *out, const float *gu, int n_tokens, int hidden, cudaStream_t s);
 
-/* Page gather (to_pages 0): dst[i] = page pages[i] of the pool, contiguous;
- * scatter (to_pages 1): the reverse. page_bytes a multiple of 4. */
-void cs__cuda_pages_copy(uint16_t *pool, void *flat, const int32_t *pages, int n, size_t page_bytes,
-                         int to_pages, cudaStream_t s);
-
-/* kv_pack.cu (the NCCL KV transport's staging, kvx/src/kvx_nccl_link.c):
- * gather: staging page i = pool page ids[i], i < n, contiguous; scatter: the
+/* kv_pack.cu: KV pages <-> a contiguous device buffer, for the backend's
+ * kv_export/kv_import and the NCCL KV transport's staging
+ * (kvx/src/kvx_nccl_link.c). gather: staging page i = pool page ids[i], i < n, contiguous; scatter: the
  * reverse. pool page p starts at pool + p * page_bytes; ids are n device
  * int32 page ids; page_bytes a multiple of 8. sum (device, may be NULL) is
  * set to the KV sum of the staging bytes, computed in the same pass: the

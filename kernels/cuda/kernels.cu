@@ -1,7 +1,9 @@
-/* kernels.cu: the CUDA kernels of the CUDA backend, behind the C launchers of
- * cuda_impl.h. One .cu file on purpose (nvcc is slow). GEMMs are not here:
- * they go to cuBLAS (backend_cuda.c). Everything accumulates in fp32;
- * weights, KV and GEMM inputs are bf16.
+/* kernels.cu: the C launchers of cuda_impl.h over the CUDA backend's
+ * kernels (kernels.cuh, attention.cuh; kv_pack.cu has its own). One .cu file
+ * for them on purpose (nvcc is slow); the kernels sit in headers so that
+ * tests/emu compiles the same source for the host. GEMMs are not here: they
+ * go to cuBLAS (backend_cuda.c). Everything accumulates in fp32; weights, KV
+ * and GEMM inputs are bf16.
  *
  * Fusions, and why: the QKV GEMM output is read once by one kernel that adds
  * the bias, applies RoPE and stores K/V into their pages (three passes over
@@ -9,27 +11,17 @@
  * (beta = 1) of the o-proj and down-proj GEMMs, so RMSNorm reads x once;
  * SwiGLU reads the fused gate/up GEMM output and writes the bf16 input of the
  * down GEMM. Attention runs on tensor cores (mma.sync) for prompt chunks
- * and decode alike. Not here yet: split-K flash-decoding for long contexts
- * at small batch; see docs/architecture.md. */
+ * and decode alike, split-K when few blocks meet long contexts; see
+ * docs/architecture.md. */
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <math.h>
 
 #include "cuda_impl.h"
+#include "kernels.cuh"
 #include "attention.cuh"
 
 #define LAUNCH_CHECK() CS_CUDA_CHECK(cudaGetLastError())
-
-static __device__ __forceinline__ float bf(uint16_t v) { return __uint_as_float((uint32_t)v << 16); }
-static __device__ __forceinline__ uint16_t to_bf(float f) {
-    __nv_bfloat16 h = __float2bfloat16_rn(f);
-    return *reinterpret_cast<uint16_t *>(&h);
-}
-
-static __device__ __forceinline__ float warp_sum(float v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-    return v;
-}
 
 static unsigned blocks_for(size_t n, unsigned threads) {
     size_t b = (n + threads - 1) / threads;
@@ -37,12 +29,6 @@ static unsigned blocks_for(size_t n, unsigned threads) {
 }
 
 /* ---- embedding ---- */
-__global__ void k_embed(float *x, const uint16_t *table, const int32_t *ids, int dim) {
-    int t = blockIdx.x;
-    const uint16_t *row = table + (size_t)ids[t] * dim;
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) x[(size_t)t * dim + i] = bf(row[i]);
-}
-
 extern "C" void cs__cuda_embed(float *x, const uint16_t *table, const int32_t *ids, int n_tokens, int dim,
                                cudaStream_t s) {
     if (n_tokens <= 0) return;
@@ -51,30 +37,6 @@ extern "C" void cs__cuda_embed(float *x, const uint16_t *table, const int32_t *i
 }
 
 /* ---- RMSNorm: one block per row ---- */
-__global__ void k_rmsnorm(uint16_t *out16, float *out32, const float *x, const int32_t *rows, const float *w,
-                          int dim, float eps) {
-    __shared__ float red[32];
-    int r = blockIdx.x;
-    const float *xr = x + (size_t)(rows ? rows[r] : r) * dim;
-    float ss = 0;
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) ss += xr[i] * xr[i];
-    ss = warp_sum(ss);
-    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
-    __syncthreads();
-    if (threadIdx.x < 32) {
-        float v = threadIdx.x < (blockDim.x >> 5) ? red[threadIdx.x] : 0.0f;
-        v = warp_sum(v);
-        if (threadIdx.x == 0) red[0] = v;
-    }
-    __syncthreads();
-    float scale = 1.0f / sqrtf(red[0] / (float)dim + eps);
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) {
-        float v = w[i] * (xr[i] * scale);
-        if (out16) out16[(size_t)r * dim + i] = to_bf(v);
-        if (out32) out32[(size_t)r * dim + i] = v;
-    }
-}
-
 extern "C" void cs__cuda_rmsnorm(uint16_t *out16, float *out32, const float *x, const int32_t *rows, const float *w,
                                  int n_rows, int dim, float eps, cudaStream_t s) {
     if (n_rows <= 0) return;
@@ -83,40 +45,6 @@ extern "C" void cs__cuda_rmsnorm(uint16_t *out16, float *out32, const float *x, 
 }
 
 /* ---- bias + RoPE + KV store: one block per token ---- */
-__global__ void k_qkv_rope_store(float *q, const float *qkv, const float *bias, const int32_t *pos,
-                                 const float *inv_freq, const int32_t *page, const int32_t *slot, cs_cuda_kv kv,
-                                 int layer, int n_heads, int n_kv_heads, int head_dim) {
-    int t = blockIdx.x, half = head_dim / 2;
-    int q_dim = n_heads * head_dim, kv_dim = n_kv_heads * head_dim, width = q_dim + 2 * kv_dim;
-    const float *row = qkv + (size_t)t * width;
-    uint16_t *kd = kv.pool + (size_t)page[t] * kv.page_elems + (size_t)layer * 2 * kv.page_size * kv_dim +
-                   (size_t)slot[t] * kv_dim;
-    uint16_t *vd = kd + (size_t)kv.page_size * kv_dim;
-    float p = (float)pos[t];
-    /* rotated pairs of q heads then k heads */
-    int n_pairs = (n_heads + n_kv_heads) * half;
-    for (int j = threadIdx.x; j < n_pairs; j += blockDim.x) {
-        int h = j / half, i = j % half;
-        int c0 = h * head_dim + i, c1 = c0 + half; /* k heads follow q heads in the row */
-        float x0 = row[c0], x1 = row[c1];
-        if (bias) x0 += bias[c0], x1 += bias[c1];
-        float angle = p * inv_freq[i];
-        float cs = cosf(angle), sn = sinf(angle);
-        float y0 = x0 * cs - x1 * sn, y1 = x1 * cs + x0 * sn;
-        if (h < n_heads) {
-            q[(size_t)t * q_dim + c0] = y0;
-            q[(size_t)t * q_dim + c1] = y1;
-        } else {
-            kd[c0 - q_dim] = to_bf(y0);
-            kd[c1 - q_dim] = to_bf(y1);
-        }
-    }
-    for (int i = threadIdx.x; i < kv_dim; i += blockDim.x) {
-        int c = q_dim + kv_dim + i;
-        vd[i] = to_bf(row[c] + (bias ? bias[c] : 0.0f));
-    }
-}
-
 extern "C" void cs__cuda_qkv_rope_store(float *q, const float *qkv, const float *bias, const int32_t *pos,
                                         const float *inv_freq, const int32_t *page, const int32_t *slot,
                                         cs_cuda_kv kv, int layer, int n_tokens, int n_heads, int n_kv_heads,
@@ -190,14 +118,6 @@ extern "C" void cs__cuda_attention(uint16_t *out, const float *q, const cs_cuda_
 }
 
 /* ---- SwiGLU ---- */
-__global__ void k_swiglu(uint16_t *out, const float *gu, int hidden, size_t n) {
-    for (size_t e = blockIdx.x * (size_t)blockDim.x + threadIdx.x; e < n; e += (size_t)gridDim.x * blockDim.x) {
-        size_t t = e / hidden, i = e % hidden;
-        float g = gu[t * 2 * hidden + i], u = gu[t * 2 * hidden + hidden + i];
-        out[e] = to_bf(g / (1.0f + expf(-g)) * u);
-    }
-}
-
 extern "C" void cs__cuda_swiglu(uint16_t *out, const float *gu, int n_tokens, int hidden, cudaStream_t s) {
     size_t n = (size_t)n_tokens * hidden;
     if (!n) return;
@@ -205,52 +125,7 @@ extern "C" void cs__cuda_swiglu(uint16_t *out, const float *gu, int n_tokens, in
     LAUNCH_CHECK();
 }
 
-/* ---- page gather/scatter: one block row per page, 32-bit words ---- */
-__global__ void k_pages_copy(uint32_t *pool, uint32_t *flat, const int32_t *pages, size_t page_words, int to_pages) {
-    int i = blockIdx.y;
-    uint32_t *pg = pool + (size_t)pages[i] * page_words, *fl = flat + (size_t)i * page_words;
-    for (size_t w = blockIdx.x * (size_t)blockDim.x + threadIdx.x; w < page_words; w += (size_t)gridDim.x * blockDim.x) {
-        if (to_pages)
-            pg[w] = fl[w];
-        else
-            fl[w] = pg[w];
-    }
-}
-
-extern "C" void cs__cuda_pages_copy(uint16_t *pool, void *flat, const int32_t *pages, int n, size_t page_bytes,
-                                    int to_pages, cudaStream_t s) {
-    if (n <= 0) return;
-    size_t words = page_bytes / 4;
-    unsigned bx = blocks_for(words, 256);
-    if (bx > 64) bx = 64;
-    dim3 grid(bx, (unsigned)n);
-    k_pages_copy<<<grid, 256, 0, s>>>((uint32_t *)pool, (uint32_t *)flat, pages, words, to_pages);
-    LAUNCH_CHECK();
-}
-
 /* ---- conversions and fills ---- */
-__global__ void k_f32_to_bf16(uint16_t *dst, const float *src, size_t n) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
-        dst[i] = to_bf(src[i]);
-}
-__global__ void k_bf16_to_f32(float *dst, const uint16_t *src, size_t n) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
-        dst[i] = bf(src[i]);
-}
-__global__ void k_fill_bf16(uint16_t *dst, size_t n, uint64_t seed, float scale) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
-        uint64_t z = seed + 0x9e3779b97f4a7c15ull * (i + 1); /* splitmix64 of the index */
-        z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-        z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-        z ^= z >> 31;
-        float u = (float)(z >> 40) / (float)(1 << 24) * 2.0f - 1.0f;
-        dst[i] = to_bf(u * scale);
-    }
-}
-__global__ void k_fill_f32(float *dst, size_t n, float v) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) dst[i] = v;
-}
-
 extern "C" void cs__cuda_f32_to_bf16(uint16_t *dst, const float *src, size_t n, cudaStream_t s) {
     if (!n) return;
     k_f32_to_bf16<<<blocks_for(n, 256), 256, 0, s>>>(dst, src, n);

@@ -1,9 +1,9 @@
-/* kv_pack.cu: KV pages <-> the contiguous staging buffer that the NCCL KV
- * transport hands to ncclSend / fills with ncclRecv (kvx/src/kvx_nccl_link.c).
- * One pass per direction: the copy and the chunk's checksum (the "KV sum" of
- * kvx/src/kvx_nccl-impl.h) read each byte once. Not here: the backend's own
- * kv_export/kv_import staging (kernels.cu, cs__cuda_pages_copy), which also
- * goes through host memory.
+/* kv_pack.cu: KV pages <-> a contiguous device buffer: the staging of the
+ * backend's kv_export/kv_import (backend_cuda.c, then host memory) and the
+ * buffer the NCCL KV transport hands to ncclSend / fills with ncclRecv
+ * (kvx/src/kvx_nccl_link.c). One pass per direction: the copy and, when
+ * asked, the chunk's checksum (the "KV sum" of kvx/src/kvx_nccl-impl.h) read
+ * each byte once.
  *
  * Layout: a block column (blockIdx.y) walks pages, its blocks (blockIdx.x)
  * stride over the page in 16-byte vectors (8-byte when page_bytes is not a

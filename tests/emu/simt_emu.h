@@ -77,6 +77,7 @@ inline Block *&block() {
     return b;
 }
 inline thread_local unsigned tid, bx, by, bz;
+inline dim3 grid_dim, block_dim; /* of the running launch */
 inline int warp_of() { return (int)tid >> 5; }
 inline int lane_of() { return (int)tid & 31; }
 inline void warp_sync() { pthread_barrier_wait(&block()->warp[warp_of()]); }
@@ -86,6 +87,7 @@ inline void warp_sync() { pthread_barrier_wait(&block()->warp[warp_of()]); }
 inline void launch(dim3 grid, unsigned threads, const std::function<void()> &fn) {
     Block *b = new Block;
     block() = b;
+    grid_dim = grid, block_dim = dim3(threads);
     pthread_barrier_init(&b->block, nullptr, threads);
     for (unsigned w = 0; w < threads / 32; w++)
         pthread_barrier_init(&b->warp[w], nullptr, 32);
@@ -126,6 +128,8 @@ inline void launch(dim3 grid, unsigned threads, const std::function<void()> &fn)
 /* threadIdx / blockIdx of the calling emulated thread */
 #define threadIdx (dim3(simt::tid))
 #define blockIdx (dim3(simt::bx, simt::by, simt::bz))
+#define blockDim (simt::block_dim)
+#define gridDim (simt::grid_dim)
 
 static inline void __syncthreads() { pthread_barrier_wait(&simt::block()->block); }
 
@@ -138,6 +142,11 @@ static inline float __shfl_xor_sync(unsigned, float v, int lane_mask) {
     return r;
 }
 
+static inline float __uint_as_float(uint32_t u) { return simt::f32(u); }
+struct __nv_bfloat16 {
+    uint16_t x;
+};
+static inline __nv_bfloat16 __float2bfloat16_rn(float f) { return {simt::bf16_rn(f)}; }
 struct __nv_bfloat162 {
     uint16_t x, y;
 };

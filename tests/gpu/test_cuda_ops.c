@@ -298,7 +298,7 @@ static void test_attention_case(int nh, int nkv, int hd, int page_size, int n_sp
     size_t pb = page_elems * 2;
     int32_t *dmv = dup_to_dev(mv, 4 * (size_t)n_move);
     uint16_t *dflat = dev_zero(pb * n_move);
-    cs__cuda_pages_copy(dkv.pool, dflat, dmv, n_move, pb, 0, 0);
+    cs__cuda_kv_gather(dkv.pool, pb, dmv, n_move, dflat, NULL, 0);
     uint16_t *flat = malloc(pb * n_move);
     CS_CUDA_CHECK(cudaDeviceSynchronize());
     CS_CUDA_CHECK(cudaMemcpy(flat, dflat, pb * n_move, cudaMemcpyDeviceToHost));
@@ -311,7 +311,7 @@ static void test_attention_case(int nh, int nkv, int hd, int page_size, int n_sp
     for (int i = 0; i < n_move; i++)
         mv[i] = perm[(n_pages - 1 - i + n_pages) % n_pages];
     CS_CUDA_CHECK(cudaMemcpy(dmv, mv, 4 * (size_t)n_move, cudaMemcpyHostToDevice));
-    cs__cuda_pages_copy(dkv.pool, dflat, dmv, n_move, pb, 1, 0);
+    cs__cuda_kv_scatter(dkv.pool, pb, dmv, n_move, dflat, NULL, 0);
     uint16_t *back = malloc(pool_n * 2);
     CS_CUDA_CHECK(cudaDeviceSynchronize());
     CS_CUDA_CHECK(cudaMemcpy(back, dkv.pool, pool_n * 2, cudaMemcpyDeviceToHost));
