@@ -19,6 +19,17 @@
 extern "C" {
 #endif
 
+/* A kernel launch on stream s with no dynamic shared memory: kern<<<grid,
+ * block, 0, s>>>(args); under the host SIMT emulator (tests/emu,
+ * CS_SIMT_EMU) the same line runs the kernel's threads on the CPU. */
+#ifdef __cplusplus
+#ifdef CS_SIMT_EMU
+#define CS_LAUNCH(kern, grid, block, s, ...) simt::launch((grid), (block), [&] { kern(__VA_ARGS__); })
+#else
+#define CS_LAUNCH(kern, grid, block, s, ...) kern<<<(grid), (block), 0, (s)>>>(__VA_ARGS__)
+#endif
+#endif
+
 /* Logs "cuda: <call> failed at file:line: <name>: <message>" and aborts:
  * a CUDA error leaves the device state unknown, so the worker dies and the
  * router fails its requests over (issue 8). */

@@ -32,7 +32,7 @@ static unsigned blocks_for(size_t n, unsigned threads) {
 extern "C" void cs__cuda_embed(float *x, const uint16_t *table, const int32_t *ids, int n_tokens, int dim,
                                cudaStream_t s) {
     if (n_tokens <= 0) return;
-    k_embed<<<n_tokens, 256, 0, s>>>(x, table, ids, dim);
+    CS_LAUNCH(k_embed, n_tokens, 256, s, x, table, ids, dim);
     LAUNCH_CHECK();
 }
 
@@ -40,7 +40,7 @@ extern "C" void cs__cuda_embed(float *x, const uint16_t *table, const int32_t *i
 extern "C" void cs__cuda_rmsnorm(uint16_t *out16, float *out32, const float *x, const int32_t *rows, const float *w,
                                  int n_rows, int dim, float eps, cudaStream_t s) {
     if (n_rows <= 0) return;
-    k_rmsnorm<<<n_rows, 256, 0, s>>>(out16, out32, x, rows, w, dim, eps);
+    CS_LAUNCH(k_rmsnorm, n_rows, 256, s, out16, out32, x, rows, w, dim, eps);
     LAUNCH_CHECK();
 }
 
@@ -50,7 +50,7 @@ extern "C" void cs__cuda_qkv_rope_store(float *q, const float *qkv, const float 
                                         cs_cuda_kv kv, int layer, int n_tokens, int n_heads, int n_kv_heads,
                                         int head_dim, cudaStream_t s) {
     if (n_tokens <= 0) return;
-    k_qkv_rope_store<<<n_tokens, 256, 0, s>>>(q, qkv, bias, pos, inv_freq, page, slot, kv, layer, n_heads, n_kv_heads,
+    CS_LAUNCH(k_qkv_rope_store, n_tokens, 256, s, q, qkv, bias, pos, inv_freq, page, slot, kv, layer, n_heads, n_kv_heads,
                                               head_dim);
     LAUNCH_CHECK();
 }
@@ -96,8 +96,11 @@ extern "C" void cs__cuda_attention(uint16_t *out, const float *q, const cs_cuda_
     cs_cuda_att_parts sp = att_parts(scratch, n_tiles, n_kv_heads, max_ctx, head_dim <= 128 ? 64 : 32);
     dim3 grid((unsigned)n_tiles, (unsigned)n_kv_heads, (unsigned)sp.n);
 #define ATT_LAUNCH(HDP, KC)                                                                                    \
-    k_attention<HDP, KC><<<grid, 32 * ATT_WARPS, 0, s>>>(out, q, tiles, pages, kv, layer, n_heads, n_kv_heads, \
-                                                        head_dim, vec16, sp)
+    do {                                                                                                       \
+        auto *kern = k_attention<HDP, KC>; /* one name: CS_LAUNCH's argument list splits at commas */          \
+        CS_LAUNCH(kern, grid, 32 * ATT_WARPS, s, out, q, tiles, pages, kv, layer, n_heads, n_kv_heads, head_dim, \
+                  vec16, sp);                                                                                  \
+    } while (0)
     if (head_dim <= 32)
         ATT_LAUNCH(32, 64);
     else if (head_dim <= 64)
@@ -111,8 +114,8 @@ extern "C" void cs__cuda_attention(uint16_t *out, const float *q, const cs_cuda_
 #undef ATT_LAUNCH
     LAUNCH_CHECK();
     if (sp.keys) {
-        k_attention_combine<<<dim3((unsigned)n_tiles, (unsigned)n_kv_heads), 32 * ATT_WARPS, 0, s>>>(
-            out, tiles, n_heads, n_kv_heads, head_dim, sp);
+        CS_LAUNCH(k_attention_combine, dim3((unsigned)n_tiles, (unsigned)n_kv_heads), 32 * ATT_WARPS, s, out, tiles,
+                  n_heads, n_kv_heads, head_dim, sp);
         LAUNCH_CHECK();
     }
 }
@@ -121,28 +124,28 @@ extern "C" void cs__cuda_attention(uint16_t *out, const float *q, const cs_cuda_
 extern "C" void cs__cuda_swiglu(uint16_t *out, const float *gu, int n_tokens, int hidden, cudaStream_t s) {
     size_t n = (size_t)n_tokens * hidden;
     if (!n) return;
-    k_swiglu<<<blocks_for(n, 256), 256, 0, s>>>(out, gu, hidden, n);
+    CS_LAUNCH(k_swiglu, blocks_for(n, 256), 256, s, out, gu, hidden, n);
     LAUNCH_CHECK();
 }
 
 /* ---- conversions and fills ---- */
 extern "C" void cs__cuda_f32_to_bf16(uint16_t *dst, const float *src, size_t n, cudaStream_t s) {
     if (!n) return;
-    k_f32_to_bf16<<<blocks_for(n, 256), 256, 0, s>>>(dst, src, n);
+    CS_LAUNCH(k_f32_to_bf16, blocks_for(n, 256), 256, s, dst, src, n);
     LAUNCH_CHECK();
 }
 extern "C" void cs__cuda_bf16_to_f32(float *dst, const uint16_t *src, size_t n, cudaStream_t s) {
     if (!n) return;
-    k_bf16_to_f32<<<blocks_for(n, 256), 256, 0, s>>>(dst, src, n);
+    CS_LAUNCH(k_bf16_to_f32, blocks_for(n, 256), 256, s, dst, src, n);
     LAUNCH_CHECK();
 }
 extern "C" void cs__cuda_fill_bf16(uint16_t *dst, size_t n, uint64_t seed, float scale, cudaStream_t s) {
     if (!n) return;
-    k_fill_bf16<<<blocks_for(n, 256), 256, 0, s>>>(dst, n, seed, scale);
+    CS_LAUNCH(k_fill_bf16, blocks_for(n, 256), 256, s, dst, n, seed, scale);
     LAUNCH_CHECK();
 }
 extern "C" void cs__cuda_fill_f32(float *dst, size_t n, float value, cudaStream_t s) {
     if (!n) return;
-    k_fill_f32<<<blocks_for(n, 256), 256, 0, s>>>(dst, n, value);
+    CS_LAUNCH(k_fill_f32, blocks_for(n, 256), 256, s, dst, n, value);
     LAUNCH_CHECK();
 }

@@ -72,12 +72,11 @@ static void launch_v(void *pool, void *stage, const int32_t *ids, int32_t n, siz
     if (bx > 64) bx = 64;
     if (bx < 1) bx = 1;
     dim3 grid((unsigned)bx, (unsigned)(n < 65535 ? n : 65535));
+    auto *with_sum = k_kv_pack<V, TO_PAGES, true>, *without = k_kv_pack<V, TO_PAGES, false>;
     if (sum)
-        k_kv_pack<V, TO_PAGES, true>
-            <<<grid, 256, 0, s>>>((V *)pool, (V *)stage, ids, n, page_vecs, sum);
+        CS_LAUNCH(with_sum, grid, 256, s, (V *)pool, (V *)stage, ids, n, page_vecs, sum);
     else
-        k_kv_pack<V, TO_PAGES, false>
-            <<<grid, 256, 0, s>>>((V *)pool, (V *)stage, ids, n, page_vecs, NULL);
+        CS_LAUNCH(without, grid, 256, s, (V *)pool, (V *)stage, ids, n, page_vecs, NULL);
     LAUNCH_CHECK();
 }
 
