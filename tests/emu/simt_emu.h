@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
@@ -95,6 +96,8 @@ struct Block {
     const void *sched_bottom;
     size_t sched_size;
     const std::function<void()> *fn;
+    unsigned long yields; /* switches so far in this launch */
+    bool direct;          /* threads run as plain calls: the kernel never synchronizes */
 };
 inline Block *&block() {
     static Block *b;
@@ -131,6 +134,11 @@ constexpr size_t STACK = 64 << 10, GUARD = 4096;
 inline void yield() {
     Block *b = block();
     Fiber *f = cur();
+    if (b->direct) {
+        fprintf(stderr, "simt_emu: a kernel synchronized in a block after its first block did not\n");
+        abort();
+    }
+    b->yields++;
 #ifdef CS_SIMT_ASAN
     __sanitizer_start_switch_fiber(f->done ? nullptr : &f->asan_fake, b->sched_bottom, b->sched_size);
 #endif
@@ -166,9 +174,10 @@ inline void warp_sync() {
 
 /* Runs fn for every thread of every block of grid, threads per block a
  * multiple of 32 (at most 1024): blocks one after another, a block's
- * threads as fibers on the calling thread, switched at barriers only (a
- * kernel without them runs its threads one after another). One launch at
- * a time. */
+ * threads as fibers on the calling thread, switched at barriers only. When
+ * the first block never switched (an elementwise kernel), the other blocks'
+ * threads run as plain calls, one after another (a later block that does
+ * synchronize aborts loudly). One launch at a time. */
 inline void launch(dim3 grid, unsigned threads, const std::function<void()> &fn) {
     static char *stacks[1024]; /* reused by every launch; never freed (reachable) */
     for (unsigned t = 0; t < threads; t++)
@@ -187,6 +196,14 @@ inline void launch(dim3 grid, unsigned threads, const std::function<void()> &fn)
         for (unsigned y = 0; y < grid.y; y++)
             for (unsigned x = 0; x < grid.x; x++) {
                 bx = x, by = y, bz = z;
+                if (b->direct) { /* no barrier in the first block: no fibers needed */
+                    for (unsigned t = 0; t < threads; t++) {
+                        b->fibers[t].tid = t;
+                        cur() = &b->fibers[t];
+                        fn();
+                    }
+                    continue;
+                }
                 for (unsigned t = 0; t < threads; t++) {
                     Fiber &f = b->fibers[t];
                     f.tid = t, f.done = false, f.stack = stacks[t], f.asan_fake = nullptr;
@@ -212,6 +229,7 @@ inline void launch(dim3 grid, unsigned threads, const std::function<void()> &fn)
                         live += !f.done;
                     }
                 }
+                if (!b->yields) b->direct = true;
             }
     cur() = nullptr;
     block() = nullptr;
