@@ -548,7 +548,6 @@ static bool link_poll(cs_kvx_nccl_tx *tx, ntx_chan *ch, int64_t now) {
             send_unref(tx, sl->item->send); /* the pages may be reused now */
             sl->item->send = NULL;
         } else {
-            tx->st.bytes += sl->bytes;
             sl->state = SL_FREE;
         }
     }
@@ -582,6 +581,9 @@ static void post_send(cs_kvx_nccl_tx *tx, ntx_chan *ch, ntx_slot *sl) {
     }
     sl->state = SL_SENDING;
     sl->since = cs__kvx_now_ms();
+    /* counted when handed to NCCL (as the TCP sender counts bytes handed to
+     * the socket): by the receiver's DONE every chunk of it is counted */
+    tx->st.bytes += bytes;
 }
 
 static void chan_write(cs_kvx_nccl_tx *tx, ntx_chan *ch) {
