@@ -270,9 +270,10 @@ static int compare(const cs_model *m) {
         cs_page_table pc = {0}, pg = {0};
         CS_ASSERT(cs_engine_eval_seq(ec, &pc, 0, ids, (int32_t)n, 0, lc) == 0);
         CS_ASSERT(cs_engine_eval_seq(eg, &pg, 0, ids, (int32_t)n, 0, lg) == 0);
-        double w = 0;
+        double w = 0, margin = -1; /* the CPU's top-2 gap where the paths part */
         for (int i = 0; i < n_gen; i++) { /* free-running, each on its own path */
             tc[i] = argmax(lc, V), tg[i] = argmax(lg, V);
+            if (tc[i] != tg[i] && margin < 0) margin = lc[tc[i]] - lc[tg[i]];
             if (tc[i] == tg[i]) {
                 double e = rel(lg, lc, (size_t)V);
                 if (e > w) w = e;
@@ -284,10 +285,16 @@ static int compare(const cs_model *m) {
         while (same < n_gen && tc[same] == tg[same])
             same++;
         printf("compare prompt %d: %zu prompt tokens, same greedy tokens %d/%d, worst logits err "
-               "%.2e\n",
+               "%.2e",
                p, n, same, n_gen, w);
+        if (same < n_gen) /* a near-tie (a small gap) is bf16 rounding, a large one a bug */
+            printf("; parted at token %d where the CPU's logit for its token led the GPU's pick by %.3f",
+                   same, margin);
+        printf("\n");
         printf("RESULT compare.prompt%d_same_tokens %d\n", p, same);
-        if (same < n_gen || w > 3e-2) bad = 1;
+        /* bf16 weights, activations, KV, q and P vs fp32: the host emulation
+         * of this backend (tests/emu) saw 3.1-4.6e-2 on these prompts */
+        if (same < n_gen || w > 8e-2) bad = 1;
         if (w > worst) worst = w;
         cs_page_table_release(&pc, cs_engine_kv(ec));
         cs_page_table_release(&pg, cs_engine_kv(eg));
