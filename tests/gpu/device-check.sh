@@ -160,6 +160,10 @@ fi
   printf '%-34s %12s\n' "hbm copy GB/s" "$(r hbm_copy_GB_s | head -1)"
   printf '%-34s %12s\n' "cuBLAS bf16 TFLOPS" "$(r cublas_bf16_TFLOPS | head -1)"
   printf '%-34s %12s\n' "greedy GPU=CPU (5 prompts x 64)" "$(r compare.ok)"
+  for p in 0 1 2 3 4; do
+    printf '%-34s %12s\n' "prompt $p: same / forced / gap" \
+      "$(r compare.prompt${p}_same_tokens) / $(r compare.prompt${p}_forced_agree) / $(r compare.prompt${p}_forced_worst_gap)"
+  done
   printf '%-34s %12s\n' "worst logits err (bf16)" "$(r compare.worst_logits_err)"
   echo "targets (llama3-8b): decode_b1_vs_floor <= 1.3, prefill_vs_cublas >= 0.60, chunk2048_vs_onepass <= 1.10"
   if grep -q 'FAIL\|TIMEOUT\|MISSING' "$OUT/steps.txt"; then echo "RESULT: some steps FAILED (see above)"; else echo "RESULT: all steps run so far passed"; fi
