@@ -9,8 +9,12 @@ cs_kvx_layout cs_kvx_layout_of_engine(cs_engine *e) {
     l.n_layers = cf->n_layers;
     l.n_kv_heads = cf->n_kv_heads;
     l.head_dim = cf->head_dim;
-    l.dtype = CS_KVX_DTYPE_F32; /* the CPU backend's pool */
     l.page_size = cs_kv_cache_page_size(cs_engine_kv(e));
     l.page_bytes = cs_engine_page_bytes(e);
+    /* the element size tells the backend's pool: fp32 on the CPU, bf16 on
+     * CUDA (the only 2-byte pool) */
+    uint64_t elems = (uint64_t)l.n_layers * 2 * (uint64_t)l.page_size * (uint64_t)l.n_kv_heads *
+                     (uint64_t)l.head_dim;
+    l.dtype = elems && l.page_bytes == 2 * elems ? CS_KVX_DTYPE_BF16 : CS_KVX_DTYPE_F32;
     return l;
 }

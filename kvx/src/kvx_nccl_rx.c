@@ -371,10 +371,11 @@ static void on_hello(cs_kvx_nccl_rx *rx, nrx_conn *c, const cs_kvx_hdr *h, const
         a->n_kv_heads != b->n_kv_heads || a->head_dim != b->head_dim || a->dtype != b->dtype ||
         a->page_size != b->page_size || a->page_bytes != b->page_bytes) {
         snprintf(err, sizeof err,
-                 "layout mismatch: sender %d layers, %d kv heads, head_dim %d, dtype %d, page %d; "
-                 "receiver %d, %d, %d, %d, %d",
-                 a->n_layers, a->n_kv_heads, a->head_dim, a->dtype, a->page_size, b->n_layers,
-                 b->n_kv_heads, b->head_dim, b->dtype, b->page_size);
+                 "layout mismatch: sender %d layers, %d kv heads, head_dim %d, dtype %d, page %d "
+                 "(%llu bytes); receiver %d, %d, %d, %d, %d (%llu bytes)",
+                 a->n_layers, a->n_kv_heads, a->head_dim, a->dtype, a->page_size,
+                 (unsigned long long)a->page_bytes, b->n_layers, b->n_kv_heads, b->head_dim, b->dtype,
+                 b->page_size, (unsigned long long)b->page_bytes);
         send_now(rx, c, CS_KVX_HELLO_ACK, CS_ECONNREFUSED, err);
         conn_fail(rx, c, CS_ECONNREFUSED, err, true);
         return;
