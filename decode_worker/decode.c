@@ -331,7 +331,7 @@ static void handle_decode(cs_rpc_call *c, void *data) {
     decode *d = &g_decode;
     const Chunkserve__V1__DecodeRequest *m = (const void *)cs_rpc_call_request_msg(c);
     if (w->stopping) {
-        cs_rpc_call_finish(c, CS_RPC_UNAVAILABLE, "the worker is shutting down");
+        cs_rpc_call_finish(c, CS_RPC_UNAVAILABLE, "the worker is draining (shutting down)");
         return;
     }
     if (d->n_live >= w->o.max_queue) {
@@ -465,6 +465,13 @@ static bool decode_cancel(cs_worker *w, uint64_t transfer_id) {
     return false;
 }
 
+static int32_t decode_n_calls(cs_worker *w) {
+    (void)w;
+    int32_t n = 0;
+    for (dreq *q = g_decode.live; q; q = q->next) n += q->call != NULL;
+    return n;
+}
+
 static void decode_cancel_all(cs_worker *w) {
     (void)w;
     int n = 0;
@@ -507,6 +514,7 @@ const cs_worker_role cs_decode_role = {
     .status = decode_status,
     .metrics = decode_metrics,
     .cancel = decode_cancel,
+    .n_calls = decode_n_calls,
     .cancel_all = decode_cancel_all,
     .stop = decode_stop,
 };

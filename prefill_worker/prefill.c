@@ -252,7 +252,7 @@ static void handle_prefill(cs_rpc_call *c, void *data) {
     prefill *p = &g_prefill;
     const Chunkserve__V1__PrefillRequest *m = (const void *)cs_rpc_call_request_msg(c);
     if (w->stopping) {
-        cs_rpc_call_finish(c, CS_RPC_UNAVAILABLE, "the worker is shutting down");
+        cs_rpc_call_finish(c, CS_RPC_UNAVAILABLE, "the worker is draining (shutting down)");
         return;
     }
     if (p->n_live >= w->o.max_queue) {
@@ -358,9 +358,33 @@ static int prefill_start(cs_worker *w) {
                                 &chunkserve__v1__prefill_request__descriptor, handle_prefill);
 }
 
-static void prefill_metrics(cs_worker *w) {
+/* Prompt tokens this worker holds and has not finished computing (n: their
+ * requests): counted here at once, not at the engine's next step (one step
+ * can be long). GetStatus (the router's placement) and the
+ * chunkserve:queued_prefill_tokens metric (the prefill pool's autoscaling
+ * signal) both read it. */
+static int64_t queued_prefill_tokens(int32_t *n_requests) {
+    int64_t queued = 0;
+    int32_t n = 0;
+    for (preq *q = g_prefill.live; q; q = q->next) {
+        pthread_mutex_lock(&q->mu);
+        if (!q->engine_done) queued += q->n_context, n++;
+        pthread_mutex_unlock(&q->mu);
+    }
+    if (n_requests) *n_requests = n;
+    return queued;
+}
+
+static void prefill_status(cs_worker *w, Chunkserve__V1__WorkerStatus *st) {
     (void)w;
+    int32_t n;
+    st->queued_prefill_tokens = queued_prefill_tokens(&n);
+    if (st->num_running + st->num_waiting < n) st->num_waiting = n - st->num_running;
+}
+
+static void prefill_metrics(cs_worker *w) {
     prefill *p = &g_prefill;
+    cs_metric_set(w->m_queued_prefill, (double)queued_prefill_tokens(NULL));
     if (!p->tx) return;
     cs_kvx_stats s;
     cs_kvx_tx_get_stats(p->tx, &s);
@@ -379,6 +403,13 @@ static bool prefill_cancel(cs_worker *w, uint64_t transfer_id) {
             return true;
         }
     return false;
+}
+
+static int32_t prefill_n_calls(cs_worker *w) {
+    (void)w;
+    int32_t n = 0;
+    for (preq *q = g_prefill.live; q; q = q->next) n += q->call != NULL;
+    return n;
 }
 
 static void prefill_cancel_all(cs_worker *w) {
@@ -403,21 +434,6 @@ static void prefill_stop(cs_worker *w) {
     g_prefill.tx = NULL;
 }
 
-/* Prompt tokens this worker holds and has not finished computing: counted
- * here at once, not at the engine's next step (one step can be long). */
-static void prefill_status(cs_worker *w, Chunkserve__V1__WorkerStatus *st) {
-    (void)w;
-    int64_t queued = 0;
-    int32_t n = 0;
-    for (preq *q = g_prefill.live; q; q = q->next) {
-        pthread_mutex_lock(&q->mu);
-        if (!q->engine_done) queued += q->n_context, n++;
-        pthread_mutex_unlock(&q->mu);
-    }
-    st->queued_prefill_tokens = queued;
-    if (st->num_running + st->num_waiting < n) st->num_waiting = n - st->num_running;
-}
-
 static const cs_config_entry config[] = {
     CS_WORKER_CONFIG_COMMON("50070", "8192", "1", "512"),
     {"kv-deadline-ms", CS_CONFIG_INT, offsetof(cs_worker_opts, kv_deadline_ms), "120000",
@@ -435,6 +451,7 @@ const cs_worker_role cs_prefill_role = {
     .status = prefill_status,
     .metrics = prefill_metrics,
     .cancel = prefill_cancel,
+    .n_calls = prefill_n_calls,
     .cancel_all = prefill_cancel_all,
     .stop = prefill_stop,
 };

@@ -52,6 +52,10 @@ static const cs_config_entry options[] = {
      2147483647},
     {"request-timeout-ms", CS_CONFIG_INT, O(request_timeout_ms), "600000",
      "deadline of a request whose client sets none", 1, I64},
+    {"ready-without-workers", CS_CONFIG_BOOL, O(ready_without_workers), "false",
+     "/readyz answers 200 even when no decode worker is usable (Kubernetes: keeps the router's "
+     "Service up while a pool scales or restarts; requests then wait up to no-worker-wait-ms)",
+     0, 0},
     {"grace-ms", CS_CONFIG_INT, O(grace_ms), "5000",
      "on SIGTERM/SIGINT: time streams get to finish", 0, 3600000},
     {"log-level", CS_CONFIG_STR, O(log_level), "info", "error, warn, info or debug", 0, 0},

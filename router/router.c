@@ -158,7 +158,7 @@ struct router {
     struct {
         cs_metric *running, *waiting, *retries, *migrations, *prefill_local, *prefill_remote;
         cs_metric *ttft, *itl, *e2e, *overhead, *prompt_tokens, *gen_tokens;
-        cs_metric *usable[2];
+        cs_metric *usable[2], *draining;
         cs_metric *codes[17];
     } m;
 };
@@ -1072,12 +1072,15 @@ static void metrics_register(router *r) {
         cs_metrics_gauge(m, "chunkserve:workers_usable", "role=\"prefill\"", "Workers usable now.");
     r->m.usable[CS_POOL_DECODE] =
         cs_metrics_gauge(m, "chunkserve:workers_usable", "role=\"decode\"", "Workers usable now.");
+    r->m.draining = cs_metrics_gauge(m, "chunkserve:draining", NULL,
+                                     "1 from SIGTERM on: taking no new requests, finishing the open ones.");
 }
 
 static void before_metrics(void *arg) {
     router *r = arg;
     cs_metric_set(r->m.running, r->n_placed);
     cs_metric_set(r->m.waiting, r->n_queued);
+    cs_metric_set(r->m.draining, r->stopping);
     for (int role = 0; role < 2; role++)
         cs_metric_set(r->m.usable[role],
                       r->pool ? cs_pool_n_usable(r->pool, (enum cs_pool_role)role) : 0);
@@ -1090,7 +1093,7 @@ static bool http_ready(void *arg, char *why, size_t why_len) {
         return false;
     }
     int n = r->pool ? cs_pool_n_usable(r->pool, CS_POOL_DECODE) : 0;
-    if (n == 0) {
+    if (n == 0 && !r->o->ready_without_workers) {
         snprintf(why, why_len, "no usable decode worker (%d known)",
                  r->pool ? cs_pool_n_workers(r->pool, CS_POOL_DECODE) : 0);
         return false;

@@ -39,6 +39,7 @@ typedef struct {
     int64_t lease_ms;                /* DecodeRequest.lease_ms */
     int64_t request_timeout_ms;      /* deadline when the client sets none */
     int64_t grace_ms;                /* on SIGTERM/SIGINT: time streams get to finish */
+    bool ready_without_workers;      /* /readyz ignores the decode pool */
     const char *log_level;
     bool verbose;
 } cs_router_opts;

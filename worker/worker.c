@@ -1,11 +1,18 @@
 /* worker.c: the process skeleton of chunkserve-prefill and chunkserve-decode
  * (see worker.h). Start-up builds, in order: options, model, engine, serving
  * loop, libuv loop, RPC loop, RPC server (+ role method, Worker/GetStatus,
- * Worker/Cancel, health), metrics, HTTP port, signals. Shutdown (SIGTERM or
- * SIGINT): health NOT_SERVING and status draining (the router places
- * nothing new here), the RPC server stops accepting, calls get grace_ms, then
- * the role cancels the rest; once the RPC server is gone the role stops its
- * KV transport, the engine loop stops, and everything is freed in reverse. */
+ * Worker/Cancel, health), metrics, HTTP port, signals.
+ *
+ * Drain and shutdown (SIGTERM or SIGINT; Kubernetes scale-in): the worker
+ * goes unready (/readyz 503, health NOT_SERVING, status draining, metric
+ * chunkserve:draining 1) and the role refuses new calls (UNAVAILABLE, so the
+ * router places them elsewhere), while the RPC server keeps answering
+ * GetStatus and Cancel: the router sees a draining worker, not a dead one,
+ * and leaves its streams here. Once the role's calls have all ended, or
+ * grace_ms has passed (the role then ends the rest UNAVAILABLE and the
+ * router retries or migrates them), the RPC server shuts down; then the role
+ * stops its KV transport, the engine loop stops, and everything is freed in
+ * reverse. */
 #include "worker.h"
 
 #include <signal.h>
@@ -130,6 +137,8 @@ static void register_metrics(cs_worker *w) {
     w->m_prefix_hits = cs_metrics_counter(m, "chunkserve:prefix_cache_hit_tokens_total", NULL,
                                           "prompt tokens taken from the prefix cache");
     w->m_steps = cs_metrics_counter(m, "chunkserve:engine_steps_total", NULL, "engine steps run");
+    w->m_draining = cs_metrics_gauge(m, "chunkserve:draining", NULL,
+                                     "1 from SIGTERM on: taking no new requests, finishing the open ones");
 }
 
 static void before_metrics(void *arg) {
@@ -142,6 +151,7 @@ static void before_metrics(void *arg) {
     cs_metric_set(w->m_kv_free, st.kv_pages_total - st.kv_pages_used);
     cs_metric_set(w->m_kv_total, st.kv_pages_total);
     cs_metric_set(w->m_queued_prefill, (double)st.queued_prompt_tokens);
+    cs_metric_set(w->m_draining, w->stopping);
     cs_sched_stats *l = &w->last_stats;
     cs_metric_add(w->m_preemptions, (double)(st.preemptions - l->preemptions));
     cs_metric_add(w->m_prompt_tokens, (double)(st.prompt_tokens_computed - l->prompt_tokens_computed));
@@ -163,7 +173,6 @@ static bool ready(void *arg, char *why, size_t why_len) {
 static void on_server_done(void *data) {
     cs_worker *w = data;
     w->srv = NULL;
-    if (!uv_is_closing((uv_handle_t *)&w->grace)) uv_close((uv_handle_t *)&w->grace, NULL);
     w->role->stop(w); /* KV transport: its last callbacks cancel in the engine */
     cs_serve_stop(w->sv); /* every live request gets its final event; its posts drain next */
     w->sv = NULL;
@@ -172,21 +181,43 @@ static void on_server_done(void *data) {
     cs_rpc_loop_close(w->rl);
 }
 
+/* The drain is over (every call ended, or the grace passed and the role
+ * ended the rest): the RPC server goes. Its own grace is a backstop for the
+ * calls the role just cancelled. */
+static void close_server(cs_worker *w, int32_t cancelled) {
+    if (w->server_closing) return;
+    w->server_closing = true;
+    uv_close((uv_handle_t *)&w->grace, NULL);
+    uv_close((uv_handle_t *)&w->drain_poll, NULL);
+    CS_LOGI("drained in %.3f s (%d calls ended by the grace period): shutting down",
+            cs__now() - w->drain_start, cancelled);
+    cs_rpc_server_shutdown(w->srv, 3000, on_server_done, w);
+}
+
 static void on_grace(uv_timer_t *t) {
     cs_worker *w = t->data;
+    int32_t n = w->role->n_calls(w);
     w->role->cancel_all(w);
+    close_server(w, n);
+}
+
+static void on_drain_poll(uv_timer_t *t) {
+    cs_worker *w = t->data;
+    if (w->role->n_calls(w) == 0) close_server(w, 0);
 }
 
 static void on_signal(uv_signal_t *h, int signum) {
     cs_worker *w = h->data;
     if (w->stopping) return;
     w->stopping = true;
-    CS_LOGI("signal %d: draining (%lld ms grace)", signum, (long long)w->o.grace_ms);
+    w->drain_start = cs__now();
+    CS_LOGI("signal %d: draining (%d calls open, %lld ms grace)", signum, w->role->n_calls(w),
+            (long long)w->o.grace_ms);
     uv_close((uv_handle_t *)&w->sigterm, NULL);
     uv_close((uv_handle_t *)&w->sigint, NULL);
     cs_rpc_health_shutdown(w->health);
     uv_timer_start(&w->grace, on_grace, (uint64_t)w->o.grace_ms, 0);
-    cs_rpc_server_shutdown(w->srv, (int32_t)w->o.grace_ms + 3000, on_server_done, w);
+    uv_timer_start(&w->drain_poll, on_drain_poll, 0, 50);
 }
 
 static void on_failed_server_done(void *data) {
@@ -247,7 +278,8 @@ static int run(cs_worker *w) {
     uv_signal_init(&w->uv, &w->sigterm);
     uv_signal_init(&w->uv, &w->sigint);
     uv_timer_init(&w->uv, &w->grace);
-    w->sigterm.data = w->sigint.data = w->grace.data = w;
+    uv_timer_init(&w->uv, &w->drain_poll);
+    w->sigterm.data = w->sigint.data = w->grace.data = w->drain_poll.data = w;
     uv_signal_start(&w->sigterm, on_signal, SIGTERM);
     uv_signal_start(&w->sigint, on_signal, SIGINT);
     CS_LOGI("%s worker %s: '%s' (%s backend, %d KV pages of %d tokens, step budget %d) on %s:%d, http %s:%d",

@@ -99,6 +99,8 @@ typedef struct {
     void (*metrics)(cs_worker *w);
     /* Worker/Cancel: cancels what the role holds for transfer_id. */
     bool (*cancel)(cs_worker *w, uint64_t transfer_id);
+    /* Calls of the role's method still open (the drain waits for 0). */
+    int32_t (*n_calls)(cs_worker *w);
     /* Grace is over: end every call still open with UNAVAILABLE. */
     void (*cancel_all)(cs_worker *w);
     /* The RPC server is gone: stop the KV transport (its callbacks run
@@ -127,14 +129,16 @@ struct cs_worker {
     cs_rpc_health *health;
     cs_http_server *http;
     cs_metrics *metrics;
-    bool stopping;
+    bool stopping;          /* draining or shutting down: the role takes no new call */
+    bool server_closing;    /* cs_rpc_server_shutdown was called */
+    double drain_start;     /* cs__now() at the signal */
     void *role_data;
     /* common metrics */
     cs_metric *m_running, *m_waiting, *m_kv_usage, *m_kv_free, *m_kv_total, *m_preemptions, *m_prompt_tokens,
-        *m_gen_tokens, *m_prefix_hits, *m_steps, *m_queued_prefill;
+        *m_gen_tokens, *m_prefix_hits, *m_steps, *m_queued_prefill, *m_draining;
     cs_sched_stats last_stats; /* counters already exported */
     uv_signal_t sigterm, sigint;
-    uv_timer_t grace;
+    uv_timer_t grace, drain_poll;
 };
 
 /* Parses the role's table, loads the model, runs until SIGTERM/SIGINT, shuts

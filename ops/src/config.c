@@ -160,6 +160,11 @@ int cs_config_parse(const cs_config_entry *table, size_t n, void *opts, int argc
     int n_as = 0, r = 0;
     char first_error[256] = "";
     for (int i = first; i < argc; i++) {
+        if (!strcmp(argv[i], "--help-json")) { /* the table for tools (the Helm chart's tests) */
+            cs_config_print_json(table, n, stdout);
+            free(as);
+            return 1;
+        }
         if (is_help(argv[i])) { /* help wins over any other mistake on the line */
             cs_config_print_help(table, n, prog, summary, stdout);
             free(as);
@@ -217,6 +222,44 @@ void cs_config_print_help(const cs_config_entry *table, size_t n, const char *pr
         fprintf(fp, "env %s)\n", var);
     }
     fprintf(fp, "  %-*s   print this help and exit\n", width, "-h, --help");
+}
+
+static void json_string(FILE *fp, const char *s) {
+    fputc('"', fp);
+    for (const unsigned char *p = (const unsigned char *)s; *p; p++) {
+        if (*p == '"' || *p == '\\')
+            fprintf(fp, "\\%c", *p);
+        else if (*p < 0x20)
+            fprintf(fp, "\\u%04x", *p);
+        else
+            fputc(*p, fp);
+    }
+    fputc('"', fp);
+}
+
+void cs_config_print_json(const cs_config_entry *table, size_t n, void *f) {
+    static const char *types[] = {"string", "int", "bool", "double"};
+    FILE *fp = f;
+    fputc('[', fp);
+    for (size_t i = 0; i < n; i++) {
+        const cs_config_entry *e = &table[i];
+        char var[96];
+        env_name(e->name, var, sizeof var);
+        fprintf(fp, "%s\n {\"name\": ", i ? "," : "");
+        json_string(fp, e->name);
+        fprintf(fp, ", \"env\": ");
+        json_string(fp, var);
+        fprintf(fp, ", \"type\": \"%s\", \"default\": ", types[e->type]);
+        if (e->def)
+            json_string(fp, e->def);
+        else
+            fputs("null", fp);
+        fprintf(fp, ", \"help\": ");
+        json_string(fp, e->help ? e->help : "");
+        if (bounded(e)) fprintf(fp, ", \"min\": %.17g, \"max\": %.17g", e->min, e->max);
+        fputc('}', fp);
+    }
+    fputs("\n]\n", fp);
 }
 
 void cs_config_dump(const cs_config_entry *table, size_t n, const void *opts, void *f) {

@@ -1108,3 +1108,57 @@ def test_worker_restart_and_death(cl, pb, reference):
     assert (ids, text) == reference([1], 2)
     assert local_prefills(d) == 1
     assert "restarted" in r.stderr()
+
+
+def test_decode_worker_drains_on_sigterm(cl, pb, reference):
+    """Scale-in (Kubernetes sends SIGTERM): the decode worker goes unready and shows
+    chunkserve:draining 1, keeps answering status polls (so the router leaves its stream
+    there: no migration), refuses new calls (they go to the other worker), finishes its
+    stream exactly, logs the drain and exits 0 long before its grace period ends."""
+    a = cl.decode("--grace-ms=60000", mib=32)  # preferred: more free pages
+    b = cl.decode()
+    r = cl.router("--decode-workers", f"{a.addr},{b.addr}", "--log-level", "debug", *FAST[:2])
+    wait_usable(r, 2)
+    it = r.stub.Generate(gen(pb, LONG_PROMPT, LONG), timeout=300)
+    msgs = [next(it)]
+    assert placed_on(r, a.addr) == 1
+    a.proc.send_signal(signal.SIGTERM)
+    wait_for(lambda: a.metric("chunkserve:draining") == 1, 10, "a to show draining")
+    with urllib.request.urlopen(a.http + "/healthz", timeout=5) as h:
+        assert h.status == 200
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(a.http + "/readyz", timeout=5)
+    assert e.value.code == 503
+    wait_usable(r, 1)
+    assert run(r, pb, [5, 6], 4)[:2] == reference([5, 6], 4)  # placed on b
+    assert placed_on(r, b.addr) == 1
+    msgs += list(it)
+    ids = [t for m in msgs for t in m.token_ids]
+    assert ids == reference(LONG_PROMPT, LONG)[0], "duplicated, missing or wrong tokens"
+    assert a.proc.wait(timeout=30) == 0
+    assert "calls ended by the grace period" in a.stderr()
+    assert re.search(r"drained in [0-9.]+ s \(0 calls ended by the grace period\)", a.stderr())
+    m = r.metrics()
+    assert metric(m, "chunkserve:migrations_total") == 0
+    assert metric(m, "chunkserve:retries_total") == 0
+    wait_idle(pb, [b])
+
+
+def test_decode_worker_grace_over_migrates(cl, pb, reference):
+    """A stream longer than the worker's grace period: at its end the worker ends the call
+    UNAVAILABLE and the router migrates the stream to the other worker, exactly."""
+    a = cl.decode("--grace-ms=300", mib=32)
+    b = cl.decode()
+    r = cl.router("--decode-workers", f"{a.addr},{b.addr}", "--log-level", "debug", *FAST[:2])
+    wait_usable(r, 2)
+    it = r.stub.Generate(gen(pb, LONG_PROMPT, LONG), timeout=300)
+    msgs = [next(it)]
+    assert placed_on(r, a.addr) == 1
+    a.proc.send_signal(signal.SIGTERM)
+    msgs += list(it)
+    ids = [t for m in msgs for t in m.token_ids]
+    assert ids == reference(LONG_PROMPT, LONG)[0], "duplicated, missing or wrong tokens"
+    assert a.proc.wait(timeout=30) == 0
+    assert re.search(r"drained in [0-9.]+ s \(1 calls ended by the grace period\)", a.stderr())
+    assert metric(r.metrics(), "chunkserve:migrations_total") == 1
+    wait_idle(pb, [b])

@@ -222,6 +222,39 @@ static void test_help(void) {
     ASSERT_MSG_HAS(out, "  -h, --help                   print this help and exit\n");
 }
 
+static int parse_help_json(void) {
+    opts o;
+    setenv("CHUNKSERVE_PORT", "bad", 1); /* like --help: wins over a broken environment */
+    int r = parse(&o, ARGS("--help-json"));
+    clear_env();
+    return r;
+}
+
+/* --help-json: the table for tools (the Helm chart's tests read the flags). */
+static void test_help_json(void) {
+    int rc = 0;
+    char *out = capture_stdout(parse_help_json, &rc);
+    ASSERT_EQ_INT(rc, 1);
+    ASSERT_MSG_HAS(out, "[\n {\"name\": \"model\", \"env\": \"CHUNKSERVE_MODEL\", \"type\": \"string\", "
+                        "\"default\": null, \"help\": \"model path\"},\n");
+    ASSERT_MSG_HAS(out, " {\"name\": \"port\", \"env\": \"CHUNKSERVE_PORT\", \"type\": \"int\", \"default\": "
+                        "\"8080\", \"help\": \"port\", \"min\": 0, \"max\": 65535},\n");
+    ASSERT_MSG_HAS(out, "\"type\": \"double\", \"default\": \"0.7\"");
+    ASSERT_MSG_HAS(out, "\"name\": \"chat\", \"env\": \"CHUNKSERVE_CHAT\", \"type\": \"bool\"");
+    ASSERT_MSG_HAS(out, "\"help\": \"a boolean whose name starts with no-\"}\n]\n");
+    /* JSON string escapes */
+    static const cs_config_entry odd[] = {
+        {"x", CS_CONFIG_STR, 0, "a\\b", "say \"hi\"\n\tnow", 0, 0},
+    };
+    char buf[512];
+    FILE *f = fmemopen(buf, sizeof buf, "w");
+    ASSERT_TRUE(f != NULL);
+    cs_config_print_json(odd, 1, f);
+    fclose(f);
+    ASSERT_EQ_STR(buf, "[\n {\"name\": \"x\", \"env\": \"CHUNKSERVE_X\", \"type\": \"string\", \"default\": "
+                       "\"a\\\\b\", \"help\": \"say \\\"hi\\\"\\u000a\\u0009now\"}\n]\n");
+}
+
 static void test_dump(void) {
     clear_env();
     opts o;
@@ -241,6 +274,7 @@ int main(void) {
     test_bools();
     test_errors();
     test_help();
+    test_help_json();
     test_dump();
     printf("test_config: ok\n");
     return 0;

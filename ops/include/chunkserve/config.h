@@ -40,7 +40,8 @@ typedef struct {
 
 /* Fills opts from the table: defaults, then CHUNKSERVE_* variables, then
  * argv[first..argc); writes every entry's field. -h/--help anywhere in argv
- * prints the help on stdout and returns 1 (the caller exits 0). Returns 0 on success, CS_EINVAL
+ * prints the help on stdout and returns 1 (the caller exits 0); so does
+ * --help-json, with the table as JSON (cs_config_print_json). Returns 0 on success, CS_EINVAL
  * with cs_last_error() set (unknown flag, missing value, bad number, out of range, stray argument).
  * prog and summary head the help text. */
 int cs_config_parse(const cs_config_entry *table, size_t n, void *opts, int argc, char **argv,
@@ -50,6 +51,12 @@ int cs_config_parse(const cs_config_entry *table, size_t n, void *opts, int argc
  * one line per entry: "  --name VALUE   help (default X; env CHUNKSERVE_NAME)". */
 void cs_config_print_help(const cs_config_entry *table, size_t n, const char *prog,
                           const char *summary, void *f);
+
+/* The table as a JSON array on f (a FILE *), one object per entry:
+ * {"name", "env", "type" (string|int|bool|double), "default" (text or
+ * null), "help", and "min"/"max" when bounded}. Tools read it: the Helm
+ * chart's tests prove that its config: keys are real flags. */
+void cs_config_print_json(const cs_config_entry *table, size_t n, void *f);
 
 /* Prints "name = value" for every entry on f (a FILE *), for start-up logs. */
 void cs_config_dump(const cs_config_entry *table, size_t n, const void *opts, void *f);
