@@ -19,6 +19,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 #include <time.h>
 
 #include "chunkserve/kvx.h"
@@ -327,7 +328,21 @@ static int prefill_start(cs_worker *w) {
     p->page_bytes = cs_engine_page_bytes(w->engine);
     cs_kvx_tx_params tp = cs_kvx_tx_params_default();
     tp.layout = cs_kvx_layout_of_engine(w->engine);
-    tp.name = w->worker_id[0] ? w->worker_id : "prefill";
+    /* The KV channel's sender name: decode workers fence by it (a new
+     * incarnation of a name replaces the old one's channel and refuses older
+     * ones), so two live prefill workers must never share it. --worker-id
+     * (the chart passes the pod's name: stable across container restarts)
+     * or, when unset, the host name and this process's random instance. */
+    char name[64];
+    if (w->worker_id[0])
+        snprintf(name, sizeof name, "%s", w->worker_id);
+    else {
+        char host[40] = "";
+        if (gethostname(host, sizeof host) != 0) host[0] = 0;
+        host[sizeof host - 1] = 0;
+        snprintf(name, sizeof name, "prefill-%s-%08x", host, (unsigned)(w->instance_id & 0xffffffffu));
+    }
+    tp.name = name;
     tp.checksum = w->o.kv_checksum;
     tp.dead_ms = (int32_t)w->o.kv_dead_ms;
     p->max_queued = tp.max_queued_bytes;

@@ -270,7 +270,14 @@ static int run(cs_worker *w) {
     if ((r = cs_rpc_health_init(w->srv, &w->health))) goto fail;
     if ((r = w->role->start(w))) goto fail;
     if ((r = cs_rpc_server_start(w->srv, &port))) goto fail;
-    if (!o->worker_id) snprintf(w->worker_id, sizeof w->worker_id, "%s-%s:%d", w->role->name, o->host, port);
+    if (!o->worker_id) { /* a wildcard address names no host: the host name does (a pod's name) */
+        char host[64];
+        bool wild = !o->host[0] || !strcmp(o->host, "0.0.0.0") || !strcmp(o->host, "::") ||
+                    !strcmp(o->host, "[::]");
+        if (!wild || gethostname(host, sizeof host) != 0) snprintf(host, sizeof host, "%s", o->host);
+        host[sizeof host - 1] = 0;
+        snprintf(w->worker_id, sizeof w->worker_id, "%s-%s:%d", w->role->name, host, port);
+    }
     cs_http_routes routes = {.metrics = w->metrics, .before_metrics = before_metrics, .ready = ready, .arg = w};
     if ((r = cs_http_server_init(&w->uv, o->http_host, (int)o->http_port, &routes, &w->http))) goto fail;
     cs_rpc_health_set(w->health, "", CS_RPC_SERVING_SERVING);

@@ -1162,3 +1162,26 @@ def test_decode_worker_grace_over_migrates(cl, pb, reference):
     assert re.search(r"drained in [0-9.]+ s \(1 calls ended by the grace period\)", a.stderr())
     assert metric(r.metrics(), "chunkserve:migrations_total") == 1
     wait_idle(pb, [b])
+
+
+def test_two_prefill_workers_share_a_decode_worker(cl, pb, reference):
+    """A scaled-out prefill pool: two prefill workers stream KV to one decode worker at once.
+    Their KV channels carry distinct sender names (a shared default name made the decode
+    worker fence one out: "stale incarnation"), so no transfer fails and nothing retries."""
+    d = cl.decode(mib=32)
+    p1, p2 = cl.prefill(), cl.prefill()
+    r = cl.router("--decode-workers", d.addr, "--prefill-workers", f"{p1.addr},{p2.addr}",
+                  "--local-prefill-threshold", "4", *FAST)
+    wait_usable(r, 1, 2)
+    prompts = [list(range(40 + k, 140 + k)) for k in range(8)]
+    for _ in range(3):  # until both prefill workers have served (placement by queued tokens)
+        with ThreadPoolExecutor(len(prompts)) as ex:
+            outs = list(ex.map(lambda pr: run(r, pb, pr, 3)[:2], prompts))
+        assert outs == [reference(pr, 3) for pr in prompts]
+        if min(p.metric("chunkserve:prefill_requests_total") for p in (p1, p2)) > 0:
+            break
+    assert min(p.metric("chunkserve:prefill_requests_total") for p in (p1, p2)) > 0
+    assert metric(r.metrics(), "chunkserve:retries_total") == 0
+    assert d.metric("chunkserve:kv_transfers_failed_total") == 0
+    assert "stale incarnation" not in d.stderr() and "reconnected" not in d.stderr()
+    wait_idle(pb, [d])
