@@ -284,7 +284,7 @@ static void on_drain_post(void *data) {
                         q->end_msg ? q->end_msg : "the request was cancelled");
         } else if (done) {
             snprintf(msg, sizeof msg, "%s", error[0] ? error : "engine error");
-            finish_call(q, err_status ? cs_worker_rpc_code(err_status) : CS_RPC_INTERNAL, msg);
+            finish_call(q, err_status ? cs_rpc_code_of_status(err_status) : CS_RPC_INTERNAL, msg);
         }
     }
     cs_outbuf_free(&out);
@@ -342,7 +342,7 @@ static void handle_decode(cs_rpc_call *c, void *data) {
     cs_request r;
     int rc = cs_worker_request(w, m->token_ids, m->n_token_ids, m->num_prompt_tokens, m->sampling, &r);
     if (rc) {
-        cs_rpc_call_finish(c, cs_worker_rpc_code(rc), cs_last_error());
+        cs_rpc_call_finish(c, cs_rpc_code_of_status(rc), cs_last_error());
         return;
     }
     observe_router_hop(d, c);

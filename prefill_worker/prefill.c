@@ -111,7 +111,7 @@ static void on_end_post(void *data) {
     if (q->call) {
         if (eng_done && eng_status) {
             snprintf(msg, sizeof msg, "prefill failed: %s", eng_error);
-            finish_call(q, cs_worker_rpc_code(eng_status), msg);
+            finish_call(q, cs_rpc_code_of_status(eng_status), msg);
         } else if (tx_done && tx_status) {
             snprintf(msg, sizeof msg, "KV transfer to %s (%s:%d) failed: %s", q->decode_id, q->host, q->port,
                      tx_error);
@@ -269,7 +269,7 @@ static void handle_prefill(cs_rpc_call *c, void *data) {
         rc = cs__fail(CS_ENOTSUP, "kv_transport NCCL: this worker sends KV over TCP");
     if (!rc) rc = cs_worker_split_endpoint(m->kv_endpoint, host, sizeof host, &port);
     if (rc) {
-        cs_rpc_call_finish(c, cs_worker_rpc_code(rc), cs_last_error());
+        cs_rpc_call_finish(c, cs_rpc_code_of_status(rc), cs_last_error());
         return;
     }
     preq *q = calloc(1, sizeof *q);

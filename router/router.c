@@ -942,7 +942,7 @@ static void handle_generate(cs_rpc_call *c, void *data) {
     cs_wire_request w;
     int rc = cs_wire_generate_request(&r->wm, m, seq, &w);
     if (rc) {
-        int code = cs_generation_rpc_code(rc);
+        int code = cs_rpc_code_of_status(rc);
         CS_LOGD("request %s rejected: %s", m->request_id, cs_last_error());
         count_code(r, code);
         cs_rpc_call_finish(c, code, cs_last_error());

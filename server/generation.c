@@ -8,10 +8,6 @@
 #include "chunkserve/v1/generation.pb-c.h"
 #include "util.h"
 
-int cs_generation_rpc_code(int r) {
-    return r == CS_ENOMEM ? CS_RPC_RESOURCE_EXHAUSTED : r == CS_ENOTSUP ? CS_RPC_FAILED_PRECONDITION : CS_RPC_INVALID_ARGUMENT;
-}
-
 static void handle_list_models(cs_rpc_call *c, void *data) {
     const cs_wire_model *wm = data;
     Chunkserve__V1__ModelInfo mi, *mis[1] = {&mi};
@@ -37,7 +33,7 @@ static void handle_tokenize(cs_rpc_call *c, void *data) {
         r = cs__fail(CS_EINVAL, "the text has %zu bytes: more than the model's context can hold", strlen(text));
     if (!r) r = cs_tokenizer_encode(cs_model_tokenizer(wm->model), text, strlen(text), true, m->add_special, &ids, &n);
     if (r) {
-        cs_rpc_call_finish(c, cs_generation_rpc_code(r), cs_last_error());
+        cs_rpc_call_finish(c, cs_rpc_code_of_status(r), cs_last_error());
     } else {
         Chunkserve__V1__TokenizeResponse resp = CHUNKSERVE__V1__TOKENIZE_RESPONSE__INIT;
         resp.n_ids = n;
@@ -61,7 +57,7 @@ static void handle_detokenize(cs_rpc_call *c, void *data) {
     size_t len = 0;
     if (!r) r = cs_tokenizer_decode(tok, m->ids, m->n_ids, !m->include_special, &text, &len);
     if (r) {
-        cs_rpc_call_finish(c, cs_generation_rpc_code(r), cs_last_error());
+        cs_rpc_call_finish(c, cs_rpc_code_of_status(r), cs_last_error());
     } else {
         Chunkserve__V1__DetokenizeResponse resp = CHUNKSERVE__V1__DETOKENIZE_RESPONSE__INIT;
         resp.text = text;

@@ -15,9 +15,4 @@
  * must outlive the server. Returns cs_rpc_server_add_method's errors. */
 int cs_generation_add_unary(cs_rpc_server *s, const cs_wire_model *wm);
 
-/* The gRPC status for a request refused with engine code r:
- * RESOURCE_EXHAUSTED for CS_ENOMEM, FAILED_PRECONDITION for CS_ENOTSUP,
- * INVALID_ARGUMENT otherwise. */
-int cs_generation_rpc_code(int r);
-
 #endif

@@ -249,7 +249,7 @@ static void handle_generate(cs_rpc_call *c, void *data) {
     int r = cs_wire_generate_request(&s->wm, m, id, &w);
     if (r) {
         CS_LOGD("request rejected: %s", cs_last_error());
-        cs_rpc_call_finish(c, cs_generation_rpc_code(r), cs_last_error());
+        cs_rpc_call_finish(c, cs_rpc_code_of_status(r), cs_last_error());
         return;
     }
     gen *g = calloc(1, sizeof *g);

@@ -57,19 +57,6 @@ int cs_worker_request(cs_worker *w, const int32_t *ids, size_t n, int32_t num_pr
     return 0;
 }
 
-int cs_worker_rpc_code(int status) {
-    switch (status) {
-    case CS_ENOSPC: return CS_RPC_RESOURCE_EXHAUSTED;
-    case CS_ENOMEM: return CS_RPC_RESOURCE_EXHAUSTED;
-    case CS_EINVAL: return CS_RPC_INVALID_ARGUMENT;
-    case CS_EEXIST: return CS_RPC_ALREADY_EXISTS;
-    case CS_ETIMEDOUT: return CS_RPC_DEADLINE_EXCEEDED;
-    case CS_ECANCELED: return CS_RPC_CANCELLED;
-    case CS_ENOTSUP: return CS_RPC_FAILED_PRECONDITION;
-    default: return CS_RPC_INTERNAL;
-    }
-}
-
 int cs_worker_split_endpoint(const char *ep, char *host, size_t host_len, int *port) {
     const char *colon = strrchr(ep ? ep : "", ':');
     if (!ep || !colon || colon == ep) return cs__fail(CS_EINVAL, "endpoint '%s' is not host:port", ep ? ep : "");

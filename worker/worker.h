@@ -155,8 +155,6 @@ int cs_worker_add_method(cs_worker *w, const char *method, enum cs_rpc_method_ki
  * message. */
 int cs_worker_request(cs_worker *w, const int32_t *ids, size_t n, int32_t num_prompt,
                       const Chunkserve__V1__SamplingParams *sampling, cs_request *r);
-/* The RPC code for a failed request's engine status. */
-int cs_worker_rpc_code(int status);
 /* Splits "host:port" (IPv6 as [addr]:port) into host (NUL-terminated) and port. */
 int cs_worker_split_endpoint(const char *ep, char *host, size_t host_len, int *port);
 

@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "chunkserve/error.h"
 #include "rpc-impl.h"
 
 const char *cs_rpc_code_name(int code) {
@@ -30,6 +31,30 @@ const char *cs_rpc_code_name(int code) {
     };
     if (code < 0 || code >= (int)(sizeof names / sizeof names[0])) return "UNKNOWN_CODE";
     return names[code];
+}
+
+int cs_rpc_code_of_status(int status) {
+    switch (status) {
+    case CS_OK: return CS_RPC_OK;
+    case CS_EINVAL:
+    case CS_ERANGE:
+    case CS_E2BIG:
+    case CS_EOVERFLOW: return CS_RPC_INVALID_ARGUMENT;
+    case CS_ENOSPC:
+    case CS_ENOMEM:
+    case CS_EAGAIN: return CS_RPC_RESOURCE_EXHAUSTED;
+    case CS_ENOTSUP:
+    case CS_ENOSYS: return CS_RPC_FAILED_PRECONDITION;
+    case CS_EEXIST: return CS_RPC_ALREADY_EXISTS;
+    case CS_ETIMEDOUT: return CS_RPC_DEADLINE_EXCEEDED;
+    case CS_ECANCELED: return CS_RPC_CANCELLED;
+    case CS_EBADMSG: return CS_RPC_DATA_LOSS;
+    case CS_ECONNRESET:
+    case CS_ECONNREFUSED:
+    case CS_EPROTO:
+    case CS_EIO: return CS_RPC_UNAVAILABLE;
+    default: return CS_RPC_INTERNAL;
+    }
 }
 
 grpc_byte_buffer *cs__rpc_bb_from_bytes(const uint8_t *buf, size_t len) {

@@ -15,6 +15,7 @@
 #include <unistd.h>
 #include <uv.h>
 
+#include "chunkserve/error.h"
 #include "chunkserve/rpc.h"
 #include "chunkserve/rpc_health.h"
 #include "grpc/health/v1/health.pb-c.h"
@@ -454,8 +455,26 @@ static void test_shutdown_in_flight(server_ctx *s) {
     CHECK(r.t_end - r.t_start < 5.0);
 }
 
+/* The one status -> gRPC code map: client mistakes are never retried by the
+ * router (INVALID_ARGUMENT), transport faults are (DATA_LOSS, UNAVAILABLE). */
+static void test_code_of_status(void) {
+    CHECK_EQ(cs_rpc_code_of_status(0), CS_RPC_OK);
+    CHECK_EQ(cs_rpc_code_of_status(CS_EINVAL), CS_RPC_INVALID_ARGUMENT);
+    CHECK_EQ(cs_rpc_code_of_status(CS_ERANGE), CS_RPC_INVALID_ARGUMENT);
+    CHECK_EQ(cs_rpc_code_of_status(CS_ENOSPC), CS_RPC_RESOURCE_EXHAUSTED);
+    CHECK_EQ(cs_rpc_code_of_status(CS_ENOMEM), CS_RPC_RESOURCE_EXHAUSTED);
+    CHECK_EQ(cs_rpc_code_of_status(CS_ENOTSUP), CS_RPC_FAILED_PRECONDITION);
+    CHECK_EQ(cs_rpc_code_of_status(CS_EEXIST), CS_RPC_ALREADY_EXISTS);
+    CHECK_EQ(cs_rpc_code_of_status(CS_ETIMEDOUT), CS_RPC_DEADLINE_EXCEEDED);
+    CHECK_EQ(cs_rpc_code_of_status(CS_ECANCELED), CS_RPC_CANCELLED);
+    CHECK_EQ(cs_rpc_code_of_status(CS_EBADMSG), CS_RPC_DATA_LOSS);
+    CHECK_EQ(cs_rpc_code_of_status(CS_ECONNRESET), CS_RPC_UNAVAILABLE);
+    CHECK_EQ(cs_rpc_code_of_status(CS_EPERM), CS_RPC_INTERNAL);
+}
+
 int main(void) {
-    alarm(120); /* a hang fails the test rather than the CI job */
+    alarm(120);
+    test_code_of_status(); /* a hang fails the test rather than the CI job */
     server_ctx *s = calloc(1, sizeof *s);
     pthread_create(&s->thread, NULL, server_main, s);
     while (!atomic_load(&s->ready))

@@ -60,6 +60,16 @@ enum cs_rpc_code {
 /* "OK", "DEADLINE_EXCEEDED", ...; "UNKNOWN_CODE" outside the range. */
 const char *cs_rpc_code_name(int code);
 
+/* The one map from a CS_E* status (chunkserve/error.h) to the gRPC code a
+ * call ends with (the server, the router and both workers use it): bad input
+ * (EINVAL, ERANGE, E2BIG, EOVERFLOW) is INVALID_ARGUMENT, which the router
+ * never retries; no room (ENOSPC, ENOMEM, EAGAIN) RESOURCE_EXHAUSTED;
+ * ENOTSUP/ENOSYS FAILED_PRECONDITION; EEXIST ALREADY_EXISTS; ETIMEDOUT
+ * DEADLINE_EXCEEDED; ECANCELED CANCELLED; corrupt data (EBADMSG: a KV
+ * checksum) DATA_LOSS; a broken peer (ECONNRESET, ECONNREFUSED, EPROTO, EIO)
+ * UNAVAILABLE; 0 OK; anything else INTERNAL. */
+int cs_rpc_code_of_status(int status);
+
 /* One metadata entry (gRPC header or trailer). Keys are lowercase ASCII
  * ("x-request-id"); keys ending in "-bin" carry binary values, others
  * printable ASCII. */
