@@ -15,7 +15,7 @@ ifneq ($(OPENBLAS_CORETYPE),)
 export OPENBLAS_CORETYPE
 endif
 
-.PHONY: all build bootstrap model test test-unit test-py asan-build test-asan test-serve-asan test-cluster-asan tsan-build test-cluster-tsan demo bench clean format
+.PHONY: all build bootstrap model check test test-unit test-py asan-build test-asan test-serve-asan test-cluster-asan tsan-build test-cluster-tsan demo bench clean format
 
 all: build
 
@@ -28,6 +28,12 @@ build: bootstrap
 
 model:
 	@scripts/fetch-model.sh
+
+# The fast lane for the edit-test loop (about a minute on 2 cores): the default
+# build's unit tests (CTest label unit: every module's C tests, the CUDA backend
+# under its emulator). `make test` stays the full suite that CI runs.
+check: build
+	cd $(BUILD) && ctest --output-on-failure -j$(JOBS) -L unit
 
 # CTest (unit tests, and the cluster: real router + worker processes, label cluster),
 # the unit tests and the tiny-model server and router tests again in an ASan+UBSan
