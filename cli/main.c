@@ -85,30 +85,15 @@ static const cs_config_entry opt_table[] = {
 #undef O
 #define N_OPTS (sizeof opt_table / sizeof opt_table[0])
 
-static const char commands_help[] =
-    "commands:\n"
-    "  generate     generate text from --prompt, one sequence on the engine (--reference: fp32 reference path)\n"
-    "  serve        the gRPC Generation service on --host:--port until SIGTERM (one process)\n"
-    "  cluster up   a local disaggregated cluster: prefill + decode workers behind the router\n"
-    "               (chunkserve cluster up --help)\n"
-    "  tokenize     JSON lines of strings on stdin -> JSON arrays of ids\n"
-    "  detokenize   JSON lines of id arrays on stdin -> JSON strings\n"
-    "  chat-format  a JSON array of {role, content} on stdin -> rendered prompt\n"
-    "  logits       --ids 1,2,3 --out FILE: float32 logits of every position\n"
-    "  info         print the model's configuration\n"
-    "  bench-engine engine speed vs GEMM rate, memory bandwidth, chunk sizes (--prompt-tokens)\n"
-    "  bench-local  chat streams + long prompts per step budget (--duration, --budgets, --seed)\n";
-
-static void usage(FILE *f) {
-    cs_config_print_help(opt_table, N_OPTS, "chunkserve COMMAND", commands_help, f);
-}
+/* The commands' part of the usage text, made from their table (at the end
+ * of this file, where their functions are) before any option is parsed. */
+static char commands_help[2048];
 
 /* argv[1] is the command; the options follow it. Returns 0, 1 after --help
  * (exit 0) or -1 after printing the error (exit 2). */
 static int parse_options(int argc, char **argv, options *o) {
     memset(o, 0, sizeof *o);
-    int r =
-        cs_config_parse(opt_table, N_OPTS, o, argc, argv, 2, "chunkserve COMMAND", commands_help);
+    int r = cs_config_parse(opt_table, N_OPTS, o, argc, argv, 2, "chunkserve COMMAND", commands_help);
     if (r < 0) fprintf(stderr, "chunkserve: %s\n", cs_last_error());
     return r < 0 ? -1 : r;
 }
@@ -495,48 +480,124 @@ static int cmd_info(const cs_model *m) {
     return 0;
 }
 
+/* ----------------------------------------------------- command table -- */
+
+/* What a command needs before it runs: nothing but its argv (it parses its
+ * own table), the tokenizer alone, or the whole model. */
+enum cmd_needs { CMD_ARGV, CMD_TOKENIZER, CMD_MODEL };
+
+typedef struct {
+    const cs_model *m;
+    const cs_tokenizer *tok;
+    const options *o;
+    int argc;
+    char **argv;
+} cmd_ctx;
+
+static int run_generate(const cmd_ctx *c) { return cmd_generate(c->m, c->o); }
+static int run_serve(const cmd_ctx *c) { return cmd_serve(c->m, c->o); }
+static int run_cluster(const cmd_ctx *c) { return cs_cli_cluster(c->argc, c->argv); }
+static int run_tokenize(const cmd_ctx *c) { return cmd_tokenize(c->tok, c->o); }
+static int run_detokenize(const cmd_ctx *c) { return cmd_detokenize(c->tok); }
+static int run_chat_format(const cmd_ctx *c) { return cmd_chat_format(c->tok, c->o); }
+static int run_logits(const cmd_ctx *c) { return cmd_logits(c->m, c->o); }
+static int run_info(const cmd_ctx *c) { return cmd_info(c->m); }
+static int run_bench_engine(const cmd_ctx *c) {
+    return cs_cli_bench_engine(c->m, (int)c->o->threads, (int)c->o->prompt_tokens);
+}
+static int run_bench_local(const cmd_ctx *c) {
+    const options *o = c->o;
+    return cs_cli_bench_local(c->m, (int)o->threads, o->duration, o->budgets, (uint64_t)o->seed, o->out);
+}
+
+static const struct command {
+    const char *name; /* argv[1] */
+    enum cmd_needs needs;
+    int (*run)(const cmd_ctx *c);
+    const char *summary; /* the usage text's line(s) */
+} commands[] = {
+    {"generate", CMD_MODEL, run_generate,
+     "generate text from --prompt, one sequence on the engine (--reference: fp32 reference path)"},
+    {"serve", CMD_MODEL, run_serve, "the gRPC Generation service on --host:--port until SIGTERM (one process)"},
+    {"cluster", CMD_ARGV, run_cluster,
+     "up: a local disaggregated cluster, prefill + decode workers behind the router\n"
+     "(chunkserve cluster up --help)"},
+    {"tokenize", CMD_TOKENIZER, run_tokenize, "JSON lines of strings on stdin -> JSON arrays of ids"},
+    {"detokenize", CMD_TOKENIZER, run_detokenize, "JSON lines of id arrays on stdin -> JSON strings"},
+    {"chat-format", CMD_TOKENIZER, run_chat_format, "a JSON array of {role, content} on stdin -> rendered prompt"},
+    {"logits", CMD_MODEL, run_logits, "--ids 1,2,3 --out FILE: float32 logits of every position"},
+    {"info", CMD_MODEL, run_info, "print the model's configuration"},
+    {"bench-engine", CMD_MODEL, run_bench_engine,
+     "engine speed vs GEMM rate, memory bandwidth, chunk sizes (--prompt-tokens)"},
+    {"bench-local", CMD_MODEL, run_bench_local,
+     "chat streams + long prompts per step budget (--duration, --budgets, --seed)"},
+};
+#define N_COMMANDS (sizeof commands / sizeof commands[0])
+
+/* commands_help from the table: each summary line indented under the first. */
+static void make_commands_help(void) {
+    FILE *f = fmemopen(commands_help, sizeof commands_help, "w");
+    CS_ASSERT(f);
+    fprintf(f, "commands:\n");
+    for (size_t i = 0; i < N_COMMANDS; i++) {
+        fprintf(f, "  %-13s", commands[i].name);
+        for (const char *p = commands[i].summary; *p; p++) {
+            fputc(*p, f);
+            if (*p == '\n') fprintf(f, "  %-13s", "");
+        }
+        fputc('\n', f);
+    }
+    CS_ASSERT(ftell(f) < (long)sizeof commands_help);
+    fclose(f);
+}
+
+static void print_usage(FILE *f) {
+    cs_config_print_help(opt_table, N_OPTS, "chunkserve COMMAND", commands_help, f);
+}
+
+static const struct command *find_command(const char *name) {
+    for (size_t i = 0; i < N_COMMANDS; i++)
+        if (!strcmp(commands[i].name, name)) return &commands[i];
+    return NULL;
+}
+
 int main(int argc, char **argv) {
     cs_op_blas_fix_coretype(argv);
     cs_log_set_role(argc > 1 && !strcmp(argv[1], "serve") ? "serve" : "cli");
+    make_commands_help();
     if (argc < 2 || !strcmp(argv[1], "-h") || !strcmp(argv[1], "--help")) {
-        usage(argc < 2 ? stderr : stdout);
+        print_usage(argc < 2 ? stderr : stdout);
         return argc < 2 ? 2 : 0;
     }
-    const char *cmd = argv[1];
-    if (!strcmp(cmd, "cluster")) return cs_cli_cluster(argc, argv);
+    const struct command *cmd = find_command(argv[1]);
+    if (!cmd) {
+        fprintf(stderr, "chunkserve: unknown command '%s' (see --help)\n", argv[1]);
+        return 2;
+    }
+    cmd_ctx c = {.argc = argc, .argv = argv};
+    if (cmd->needs == CMD_ARGV) return cmd->run(&c);
     options o;
     int pr = parse_options(argc, argv, &o);
     if (pr) return pr > 0 ? 0 : 2;
     if (o.verbose) cs_log_set_level(CS_LOG_DEBUG);
     if (!o.model) {
-        fprintf(stderr, "chunkserve: %s needs --model PATH\n", cmd);
+        fprintf(stderr, "chunkserve: %s needs --model PATH\n", cmd->name);
         return 2;
     }
-    bool tok_only = !strcmp(cmd, "tokenize") || !strcmp(cmd, "detokenize") || !strcmp(cmd, "chat-format");
-    if (tok_only) {
+    c.o = &o;
+    int r, rc;
+    if (cmd->needs == CMD_TOKENIZER) {
         cs_tokenizer *tok = NULL;
-        int r = cs_tokenizer_load(o.model, &tok);
-        if (r) return fail_msg("loading tokenizer", r);
-        int rc = !strcmp(cmd, "tokenize") ? cmd_tokenize(tok, &o)
-                 : !strcmp(cmd, "detokenize") ? cmd_detokenize(tok)
-                                              : cmd_chat_format(tok, &o);
+        if ((r = cs_tokenizer_load(o.model, &tok))) return fail_msg("loading tokenizer", r);
+        c.tok = tok;
+        rc = cmd->run(&c);
         cs_tokenizer_free(tok);
         return rc;
     }
-    if (strcmp(cmd, "generate") && strcmp(cmd, "logits") && strcmp(cmd, "info") && strcmp(cmd, "bench-engine") &&
-        strcmp(cmd, "bench-local") && strcmp(cmd, "serve")) {
-        fprintf(stderr, "chunkserve: unknown command '%s' (see --help)\n", cmd);
-        return 2;
-    }
     cs_model *m = NULL;
-    int r = cs_model_load(o.model, &m);
-    if (r) return fail_msg("loading model", r);
-    int rc = !strcmp(cmd, "generate")       ? cmd_generate(m, &o)
-             : !strcmp(cmd, "serve")        ? cmd_serve(m, &o)
-             : !strcmp(cmd, "logits")       ? cmd_logits(m, &o)
-             : !strcmp(cmd, "bench-engine") ? cs_cli_bench_engine(m, (int)o.threads, (int)o.prompt_tokens)
-             : !strcmp(cmd, "bench-local")  ? cs_cli_bench_local(m, (int)o.threads, o.duration, o.budgets, (uint64_t)o.seed, o.out)
-                                            : cmd_info(m);
+    if ((r = cs_model_load(o.model, &m))) return fail_msg("loading model", r);
+    c.m = m;
+    rc = cmd->run(&c);
     cs_model_free(m);
     return rc;
 }
