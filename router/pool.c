@@ -3,7 +3,7 @@
  * status interval, deadline 1 s), usability, and placement.
  *
  * Lifetime. A worker is referenced by its pool list, by its status call in
- * flight and by every request that placed work there (cs_worker_ref); it is
+ * flight and by every request that placed work there (cs_pool_worker_ref); it is
  * freed at the last reference. A worker that vanished from DNS leaves the
  * list once no call of the router is active on it. The pool itself is freed
  * by cs_pool_close once its timers are closed, its DNS lookups have called
@@ -82,7 +82,7 @@ int cs_place_prefill(const cs_place_worker *w, size_t n, int64_t n_tokens, size_
 
 static const char *role_name[2] = {"prefill", "decode"};
 
-struct cs_worker {
+struct cs_pool_worker {
     cs_pool *pool;
     enum cs_pool_role role;
     char *addr; /* "host:port", the channel's target */
@@ -94,7 +94,7 @@ struct cs_worker {
     cs_rpc_channel *ch;
     cs_rpc_client_call *poll;
     Chunkserve__V1__WorkerStatus *poll_msg; /* the answer of the poll in flight */
-    cs_worker *next;
+    cs_pool_worker *next;
 
     /* Last status. */
     bool have_status; /* valid: arrived, not stale, not suspected since */
@@ -130,7 +130,7 @@ struct cs_pool {
     uv_loop_t *uv;
     cs_rpc_loop *rl;
     cs_pool_opts o;
-    cs_worker *workers[2];
+    cs_pool_worker *workers[2];
     int n_workers[2];
     dns_entry *dns;
     int n_dns;
@@ -146,7 +146,7 @@ static double stale_after_s(const cs_pool *p) {
     return (2.0 * p->o.status_interval_ms + STATUS_DEADLINE_MS) / 1000.0;
 }
 
-static bool worker_usable(const cs_worker *w, double now) {
+static bool worker_usable(const cs_pool_worker *w, double now) {
     return w->ch && w->listed && !w->vanished && w->have_status &&
            now - w->status_at <= stale_after_s(w->pool) && w->ready && !w->draining && w->role_ok &&
            w->model_ok;
@@ -162,11 +162,11 @@ static void pool_maybe_free(cs_pool *p) {
     free(p);
 }
 
-void cs_worker_ref(cs_worker *w) {
+void cs_pool_worker_ref(cs_pool_worker *w) {
     w->refs++;
 }
 
-void cs_worker_unref(cs_worker *w) {
+void cs_pool_worker_unref(cs_pool_worker *w) {
     if (!w) return;
     CS_ASSERT(w->refs > 0);
     if (--w->refs) return;
@@ -180,56 +180,56 @@ void cs_worker_unref(cs_worker *w) {
     pool_maybe_free(p);
 }
 
-cs_rpc_channel *cs_worker_channel(const cs_worker *w) {
+cs_rpc_channel *cs_pool_worker_channel(const cs_pool_worker *w) {
     return w->ch;
 }
-const char *cs_worker_addr(const cs_worker *w) {
+const char *cs_pool_worker_addr(const cs_pool_worker *w) {
     return w->addr;
 }
-const char *cs_worker_id(const cs_worker *w) {
+const char *cs_pool_worker_id(const cs_pool_worker *w) {
     return w->worker_id ? w->worker_id : "";
 }
-const char *cs_worker_kv_endpoint(const cs_worker *w) {
+const char *cs_pool_worker_kv_endpoint(const cs_pool_worker *w) {
     return w->kv_endpoint ? w->kv_endpoint : "";
 }
-int cs_worker_kv_transport(const cs_worker *w) {
+int cs_pool_worker_kv_transport(const cs_pool_worker *w) {
     return w->kv_transport;
 }
-void cs_worker_active(cs_worker *w, int delta) {
+void cs_pool_worker_active(cs_pool_worker *w, int delta) {
     w->active += delta;
     CS_ASSERT(w->active >= 0);
 }
 
-static void log_usability(cs_worker *w, double now, const char *why) {
+static void log_usability(cs_pool_worker *w, double now, const char *why) {
     bool u = worker_usable(w, now);
     if (u == w->logged_usable) return;
     w->logged_usable = u;
     if (u)
         CS_LOGI("%s worker %s (%s) is usable: %d KV pages of %d tokens free", role_name[w->role],
-                w->addr, cs_worker_id(w), w->pages_free, w->page_size);
+                w->addr, cs_pool_worker_id(w), w->pages_free, w->page_size);
     else
-        CS_LOGW("%s worker %s (%s) is not usable: %s", role_name[w->role], w->addr, cs_worker_id(w),
+        CS_LOGW("%s worker %s (%s) is not usable: %s", role_name[w->role], w->addr, cs_pool_worker_id(w),
                 why);
 }
 
-void cs_worker_suspect(cs_worker *w, const char *why) {
+void cs_pool_worker_suspect(cs_pool_worker *w, const char *why) {
     w->have_status = false;
     log_usability(w, cs__now(), why);
 }
 
-static int channel_open(cs_worker *w) {
+static int channel_open(cs_pool_worker *w) {
     cs_rpc_channel_opts co = {.max_recv_bytes = 64 << 20, .max_send_bytes = 0};
     return cs_rpc_channel_init(w->pool->rl, w->addr, &co, &w->ch);
 }
 
-static cs_worker *worker_find(cs_pool *p, enum cs_pool_role role, const char *addr) {
-    for (cs_worker *w = p->workers[role]; w; w = w->next)
+static cs_pool_worker *worker_find(cs_pool *p, enum cs_pool_role role, const char *addr) {
+    for (cs_pool_worker *w = p->workers[role]; w; w = w->next)
         if (!strcmp(w->addr, addr)) return w;
     return NULL;
 }
 
 static int worker_add(cs_pool *p, enum cs_pool_role role, const char *addr, int source) {
-    cs_worker *w = worker_find(p, role, addr);
+    cs_pool_worker *w = worker_find(p, role, addr);
     if (w) {
         if (w->vanished && w->source == source) {
             w->vanished = false;
@@ -251,7 +251,7 @@ static int worker_add(cs_pool *p, enum cs_pool_role role, const char *addr, int 
     int r = channel_open(w);
     if (r) {
         w->listed = false;
-        cs_worker_unref(w);
+        cs_pool_worker_unref(w);
         return r;
     }
     w->next = p->workers[role];
@@ -264,9 +264,9 @@ static int worker_add(cs_pool *p, enum cs_pool_role role, const char *addr, int 
 
 /* Takes w off the list and closes its channel (its calls end through their
  * callbacks); the list's reference goes. */
-static void worker_remove(cs_worker *w) {
+static void worker_remove(cs_pool_worker *w) {
     cs_pool *p = w->pool;
-    cs_worker **pp = &p->workers[w->role];
+    cs_pool_worker **pp = &p->workers[w->role];
     while (*pp != w)
         pp = &(*pp)->next;
     *pp = w->next;
@@ -276,16 +276,16 @@ static void worker_remove(cs_worker *w) {
     cs_rpc_channel *ch = w->ch;
     w->ch = NULL;
     cs_rpc_channel_free(ch);
-    cs_worker_unref(w);
+    cs_pool_worker_unref(w);
 }
 
 /* --------------------------------------------------------- polling -- */
 
-static void apply_status(cs_worker *w, const Chunkserve__V1__WorkerStatus *s) {
+static void apply_status(cs_pool_worker *w, const Chunkserve__V1__WorkerStatus *s) {
     cs_pool *p = w->pool;
     if (w->instance_id && s->instance_id != w->instance_id)
         CS_LOGW("%s worker %s restarted (%s instance %016llx -> %s instance %016llx)",
-                role_name[w->role], w->addr, cs_worker_id(w), (unsigned long long)w->instance_id,
+                role_name[w->role], w->addr, cs_pool_worker_id(w), (unsigned long long)w->instance_id,
                 s->worker_id, (unsigned long long)s->instance_id);
     if (s->instance_id != w->instance_id) w->poll_failures = 0;
     w->instance_id = s->instance_id;
@@ -338,7 +338,7 @@ static void apply_status(cs_worker *w, const Chunkserve__V1__WorkerStatus *s) {
 }
 
 static void on_poll_message(cs_rpc_client_call *c, const uint8_t *buf, size_t len, void *data) {
-    cs_worker *w = data;
+    cs_pool_worker *w = data;
     ProtobufCMessage *m = NULL;
     if (cs_rpc_unpack(&chunkserve__v1__worker_status__descriptor, buf, len, &m) == 0) {
         if (w->poll_msg) protobuf_c_message_free_unpacked(&w->poll_msg->base, NULL);
@@ -346,7 +346,7 @@ static void on_poll_message(cs_rpc_client_call *c, const uint8_t *buf, size_t le
     }
 }
 
-static void maybe_reconnect(cs_worker *w) {
+static void maybe_reconnect(cs_pool_worker *w) {
     double now = cs__now();
     if (w->active || !w->ch || w->pool->closing || w->poll_failures < 2 ||
         now - w->last_reconnect < RECONNECT_EVERY_S)
@@ -360,7 +360,7 @@ static void maybe_reconnect(cs_worker *w) {
 }
 
 static void on_poll_done(cs_rpc_client_call *c, int code, const char *msg, void *data) {
-    cs_worker *w = data;
+    cs_pool_worker *w = data;
     cs_pool *p = w->pool;
     w->poll = NULL;
     Chunkserve__V1__WorkerStatus *s = w->poll_msg;
@@ -383,10 +383,10 @@ static void on_poll_done(cs_rpc_client_call *c, int code, const char *msg, void 
         }
     }
     if (s) protobuf_c_message_free_unpacked(&s->base, NULL);
-    cs_worker_unref(w);
+    cs_pool_worker_unref(w);
 }
 
-static void poll_worker(cs_worker *w, double now) {
+static void poll_worker(cs_pool_worker *w, double now) {
     cs_pool *p = w->pool;
     if (w->have_status && now - w->status_at > stale_after_s(p)) {
         w->have_status = false;
@@ -399,18 +399,18 @@ static void poll_worker(cs_worker *w, double now) {
         w->down_reported = true;
         CS_LOGW("%s worker %s (%s) has not answered a status poll for %.1f s: failing over its "
                 "requests",
-                role_name[w->role], w->addr, cs_worker_id(w), now - w->status_at);
+                role_name[w->role], w->addr, cs_pool_worker_id(w), now - w->status_at);
         p->o.on_down(p->o.arg, w);
     }
     if (w->poll || !w->ch) return;
     Chunkserve__V1__WorkerStatusRequest req = CHUNKSERVE__V1__WORKER_STATUS_REQUEST__INIT;
     cs_rpc_call_opts o = {.timeout_ms = STATUS_DEADLINE_MS};
-    cs_worker_ref(w);
+    cs_pool_worker_ref(w);
     if (cs_rpc_channel_call_msg(w->ch, "/chunkserve.v1.Worker/GetStatus", &req.base, &o,
                                 on_poll_message, on_poll_done, w, &w->poll) != 0) {
         CS_LOGE("worker %s: cannot poll its status: %s", w->addr, cs_last_error());
         w->poll = NULL;
-        cs_worker_unref(w);
+        cs_pool_worker_unref(w);
     }
 }
 
@@ -418,12 +418,12 @@ static void on_poll_tick(uv_timer_t *t) {
     cs_pool *p = t->data;
     double now = cs__now();
     for (int role = 0; role < 2; role++) {
-        cs_worker *next;
-        for (cs_worker *w = p->workers[role]; w; w = next) {
+        cs_pool_worker *next;
+        for (cs_pool_worker *w = p->workers[role]; w; w = next) {
             next = w->next;
             if (w->vanished && !w->active) {
                 CS_LOGI("%s worker %s (%s) left DNS and is idle: dropped", role_name[role], w->addr,
-                        cs_worker_id(w));
+                        cs_pool_worker_id(w));
                 worker_remove(w);
                 continue;
             }
@@ -486,7 +486,7 @@ static void on_resolved(uv_getaddrinfo_t *req, int status, struct addrinfo *res)
         CS_LOGI("dns %s:%s: %zu %s worker address%s%s", d->name, d->port, n, role_name[d->role],
                 n == 1 ? "" : "es", status ? " (no such name)" : "");
     d->resolved_once = true;
-    for (cs_worker *w = p->workers[d->role]; w; w = w->next) {
+    for (cs_pool_worker *w = p->workers[d->role]; w; w = w->next) {
         if (w->source != d->index || w->vanished) continue;
         bool found = false;
         for (size_t i = 0; i < n && !found; i++)
@@ -667,7 +667,7 @@ void cs_pool_close(cs_pool *p) {
 int cs_pool_n_usable(const cs_pool *p, enum cs_pool_role role) {
     double now = cs__now();
     int n = 0;
-    for (const cs_worker *w = p->workers[role]; w; w = w->next)
+    for (const cs_pool_worker *w = p->workers[role]; w; w = w->next)
         n += worker_usable(w, now);
     return n;
 }
@@ -676,31 +676,31 @@ int cs_pool_n_workers(const cs_pool *p, enum cs_pool_role role) {
     return p->n_workers[role];
 }
 
-static bool excluded(const cs_worker *w, const cs_pool_marks *m) {
+static bool excluded(const cs_pool_worker *w, const cs_pool_marks *m) {
     for (size_t i = 0; m && i < m->n_excluded; i++)
         if (m->excluded[i].w == w && m->excluded[i].instance_id == w->instance_id) return true;
     return false;
 }
 
-static bool refused(const cs_worker *w, const cs_pool_marks *m) {
+static bool refused(const cs_pool_worker *w, const cs_pool_marks *m) {
     for (size_t i = 0; m && i < m->n_refused; i++)
         if (m->refused[i].w == w && m->refused[i].status_seq == w->status_seq) return true;
     return false;
 }
 
-cs_worker *cs_pool_place(cs_pool *p, enum cs_pool_role role, int64_t n_tokens,
+cs_pool_worker *cs_pool_place(cs_pool *p, enum cs_pool_role role, int64_t n_tokens,
                          const cs_pool_marks *marks, int *n_candidates) {
     if (n_candidates) *n_candidates = 0;
     size_t n = (size_t)p->n_workers[role];
     if (p->closing || n == 0) return NULL;
     cs_place_worker stack[64], *snap = n <= 64 ? stack : malloc(n * sizeof *snap);
-    cs_worker *wstack[64], **ws = n <= 64 ? wstack : malloc(n * sizeof *ws);
-    cs_worker *chosen = NULL;
+    cs_pool_worker *wstack[64], **ws = n <= 64 ? wstack : malloc(n * sizeof *ws);
+    cs_pool_worker *chosen = NULL;
     if (!snap || !ws) goto out;
     double now = cs__now();
     size_t i = 0;
     int cand = 0;
-    for (cs_worker *w = p->workers[role]; w; w = w->next, i++) {
+    for (cs_pool_worker *w = p->workers[role]; w; w = w->next, i++) {
         ws[i] = w;
         snap[i] = (cs_place_worker){
             .usable = worker_usable(w, now),
@@ -727,7 +727,7 @@ cs_worker *cs_pool_place(cs_pool *p, enum cs_pool_role role, int64_t n_tokens,
             chosen->pages_placed += cs_place_pages(n_tokens, chosen->page_size);
         else
             chosen->tokens_placed += n_tokens;
-        cs_worker_ref(chosen);
+        cs_pool_worker_ref(chosen);
     }
 out:
     if (snap != stack) free(snap);
@@ -735,7 +735,7 @@ out:
     return chosen;
 }
 
-int cs_pool_mark_add(cs_pool_mark **arr, size_t *n, cs_worker *w) {
+int cs_pool_mark_add(cs_pool_mark **arr, size_t *n, cs_pool_worker *w) {
     for (size_t i = 0; i < *n; i++)
         if ((*arr)[i].w == w) {
             (*arr)[i].instance_id = w->instance_id;
@@ -746,15 +746,15 @@ int cs_pool_mark_add(cs_pool_mark **arr, size_t *n, cs_worker *w) {
     if (!na) return cs__fail(CS_ENOMEM, "out of memory");
     *arr = na;
     na[(*n)++] = (cs_pool_mark){w, w->instance_id, w->status_seq};
-    cs_worker_ref(w);
+    cs_pool_worker_ref(w);
     return 0;
 }
 
 void cs_pool_marks_free(cs_pool_marks *m) {
     for (size_t i = 0; i < m->n_excluded; i++)
-        cs_worker_unref(m->excluded[i].w);
+        cs_pool_worker_unref(m->excluded[i].w);
     for (size_t i = 0; i < m->n_refused; i++)
-        cs_worker_unref(m->refused[i].w);
+        cs_pool_worker_unref(m->refused[i].w);
     free(m->excluded);
     free(m->refused);
     memset(m, 0, sizeof *m);

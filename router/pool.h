@@ -58,7 +58,9 @@ int cs_place_prefill(const cs_place_worker *w, size_t n, int64_t n_tokens, size_
 enum cs_pool_role { CS_POOL_PREFILL = 0, CS_POOL_DECODE = 1 };
 
 typedef struct cs_pool cs_pool;
-typedef struct cs_worker cs_worker;
+/* A worker process as the router sees it (address, channel, last status);
+ * not the worker's own process skeleton (worker/worker.h). */
+typedef struct cs_pool_worker cs_pool_worker;
 
 typedef struct {
     const char *static_workers[2]; /* per role: "h:p,h:p" or NULL */
@@ -72,9 +74,9 @@ typedef struct {
      * (room may have appeared): the router retries what waits. May be NULL. */
     void (*on_change)(void *arg);
     /* Called once when a worker with calls of the router on it (see
-     * cs_worker_active) has not answered a status poll for a few seconds:
+     * cs_pool_worker_active) has not answered a status poll for a few seconds:
      * the router fails those calls over. May be NULL. */
-    void (*on_down)(void *arg, cs_worker *w);
+    void (*on_down)(void *arg, cs_pool_worker *w);
     void *arg;
 } cs_pool_opts;
 
@@ -98,7 +100,7 @@ int cs_pool_n_workers(const cs_pool *p, enum cs_pool_role role);
  * exclusion names a worker instance (a restarted worker is a new instance
  * and usable again); a refusal lasts until that worker's next status. */
 typedef struct {
-    cs_worker *w; /* referenced */
+    cs_pool_worker *w; /* referenced */
     uint64_t instance_id;
     uint64_t status_seq;
 } cs_pool_mark;
@@ -112,39 +114,39 @@ typedef struct {
 
 /* Picks a worker of the role for a context of n_tokens, skipping the marked
  * ones (decode: needs room for the pages). On success it takes a reference
- * (drop it with cs_worker_unref) and counts the pages/tokens placed there
+ * (drop it with cs_pool_worker_unref) and counts the pages/tokens placed there
  * until its next status. NULL when none qualifies. *n_candidates (may be
  * NULL) receives how many usable, not excluded workers there were (with or
  * without room, refused or not). */
-cs_worker *cs_pool_place(cs_pool *p, enum cs_pool_role role, int64_t n_tokens,
+cs_pool_worker *cs_pool_place(cs_pool *p, enum cs_pool_role role, int64_t n_tokens,
                          const cs_pool_marks *marks, int *n_candidates);
 
 /* Adds a mark for w, or renews it (excluded: the worker's current instance;
  * refused: its current status). A mark holds a reference to the worker.
  * CS_ENOMEM. */
-int cs_pool_mark_add(cs_pool_mark **arr, size_t *n, cs_worker *w);
+int cs_pool_mark_add(cs_pool_mark **arr, size_t *n, cs_pool_worker *w);
 /* Drops every mark and its reference; the struct is zeroed. */
 void cs_pool_marks_free(cs_pool_marks *m);
 
-void cs_worker_ref(cs_worker *w);
-void cs_worker_unref(cs_worker *w);
+void cs_pool_worker_ref(cs_pool_worker *w);
+void cs_pool_worker_unref(cs_pool_worker *w);
 
 /* The worker's channel (NULL once the pool is closing), address, last known
  * worker_id ("" before the first status), KV endpoint/transport of its last
  * status, and page size. */
-cs_rpc_channel *cs_worker_channel(const cs_worker *w);
-const char *cs_worker_addr(const cs_worker *w);
-const char *cs_worker_id(const cs_worker *w);
-const char *cs_worker_kv_endpoint(const cs_worker *w);
-int cs_worker_kv_transport(const cs_worker *w);
+cs_rpc_channel *cs_pool_worker_channel(const cs_pool_worker *w);
+const char *cs_pool_worker_addr(const cs_pool_worker *w);
+const char *cs_pool_worker_id(const cs_pool_worker *w);
+const char *cs_pool_worker_kv_endpoint(const cs_pool_worker *w);
+int cs_pool_worker_kv_transport(const cs_pool_worker *w);
 
 /* A call on the worker failed in a way that suggests the worker is gone
  * (UNAVAILABLE): treat it as unusable until its next successful status. */
-void cs_worker_suspect(cs_worker *w, const char *why);
+void cs_pool_worker_suspect(cs_pool_worker *w, const char *why);
 
 /* Counts calls the router has on the worker (a vanished or failing worker
  * is not torn down while one is active). */
-void cs_worker_active(cs_worker *w, int delta);
+void cs_pool_worker_active(cs_pool_worker *w, int delta);
 
 #ifdef __cplusplus
 }

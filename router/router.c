@@ -83,7 +83,7 @@ enum leg_kind { LEG_DECODE, LEG_PREFILL };
 
 typedef struct leg {
     req *q;
-    cs_worker *w; /* referenced; active on it while the call lives */
+    cs_pool_worker *w; /* referenced; active on it while the call lives */
     cs_rpc_client_call *c;
     enum leg_kind kind;
 } leg;
@@ -110,9 +110,9 @@ struct req {
     /* The current attempt. */
     uint64_t transfer_id;
     leg *dleg, *pleg;
-    cs_worker *pw;      /* chosen prefill worker, before its call starts */
-    cs_worker *dw_last; /* decode worker of the attempt (referenced), for Cancel */
-    cs_worker *pw_last; /* prefill worker of the attempt (referenced), for Cancel */
+    cs_pool_worker *pw;      /* chosen prefill worker, before its call starts */
+    cs_pool_worker *dw_last; /* decode worker of the attempt (referenced), for Cancel */
+    cs_pool_worker *pw_last; /* prefill worker of the attempt (referenced), for Cancel */
     bool local, admitted, prefill_ok, sent_first;
     int legs; /* legs alive (current or not) */
 
@@ -276,9 +276,9 @@ static void req_maybe_free(req *q) {
         r->live = q->next;
     if (q->next) q->next->prev = q->prev;
     r->n_live--;
-    cs_worker_unref(q->pw);
-    cs_worker_unref(q->dw_last);
-    cs_worker_unref(q->pw_last);
+    cs_pool_worker_unref(q->pw);
+    cs_pool_worker_unref(q->dw_last);
+    cs_pool_worker_unref(q->pw_last);
     cs_pool_marks_free(&q->marks);
     if (q->sampling) protobuf_c_message_free_unpacked(&q->sampling->base, NULL);
     free(q->ctx);
@@ -287,25 +287,25 @@ static void req_maybe_free(req *q) {
 }
 
 static void on_cancel_sent(cs_rpc_client_call *c, int code, const char *msg, void *data) {
-    cs_worker *w = data;
-    CS_LOGD("Worker/Cancel on %s: %s %s", cs_worker_addr(w), cs_rpc_code_name(code), msg);
-    cs_worker_active(w, -1);
-    cs_worker_unref(w);
+    cs_pool_worker *w = data;
+    CS_LOGD("Worker/Cancel on %s: %s %s", cs_pool_worker_addr(w), cs_rpc_code_name(code), msg);
+    cs_pool_worker_active(w, -1);
+    cs_pool_worker_unref(w);
 }
 
 /* Worker/Cancel by transfer id, best effort, not tied to the request. */
-static void send_cancel(req *q, cs_worker *w) {
-    if (!w || !cs_worker_channel(w)) return;
+static void send_cancel(req *q, cs_pool_worker *w) {
+    if (!w || !cs_pool_worker_channel(w)) return;
     Chunkserve__V1__CancelRequest m = CHUNKSERVE__V1__CANCEL_REQUEST__INIT;
     m.transfer_id = q->transfer_id;
     m.request_id = q->id;
     cs_rpc_call_opts o = {.timeout_ms = CANCEL_DEADLINE_MS};
-    cs_worker_ref(w);
-    cs_worker_active(w, 1);
-    if (cs_rpc_channel_call_msg(cs_worker_channel(w), WORKER "Cancel", &m.base, &o, NULL,
+    cs_pool_worker_ref(w);
+    cs_pool_worker_active(w, 1);
+    if (cs_rpc_channel_call_msg(cs_pool_worker_channel(w), WORKER "Cancel", &m.base, &o, NULL,
                                 on_cancel_sent, w, NULL) != 0) {
-        cs_worker_active(w, -1);
-        cs_worker_unref(w);
+        cs_pool_worker_active(w, -1);
+        cs_pool_worker_unref(w);
     }
 }
 
@@ -325,7 +325,7 @@ static void drop_attempt(req *q, bool tell_workers) {
         send_cancel(q, q->dw_last);
         send_cancel(q, q->pw_last);
     }
-    cs_worker_unref(q->pw);
+    cs_pool_worker_unref(q->pw);
     q->pw = NULL;
     q->admitted = q->prefill_ok = false;
 }
@@ -370,14 +370,14 @@ static void end_request(req *q, int code, const char *msg) {
 
 /* ------------------------------------------------------------- legs -- */
 
-static leg *leg_new(req *q, cs_worker *w, enum leg_kind kind) {
+static leg *leg_new(req *q, cs_pool_worker *w, enum leg_kind kind) {
     leg *l = calloc(1, sizeof *l);
     if (!l) return NULL;
     l->q = q;
     l->w = w;
     l->kind = kind;
-    cs_worker_ref(w);
-    cs_worker_active(w, 1);
+    cs_pool_worker_ref(w);
+    cs_pool_worker_active(w, 1);
     q->legs++;
     return l;
 }
@@ -385,8 +385,8 @@ static leg *leg_new(req *q, cs_worker *w, enum leg_kind kind) {
 /* After its on_done: the leg's worker reference and the request's count. */
 static void leg_free(leg *l) {
     req *q = l->q;
-    cs_worker_active(l->w, -1);
-    cs_worker_unref(l->w);
+    cs_pool_worker_active(l->w, -1);
+    cs_pool_worker_unref(l->w);
     free(l);
     q->legs--;
     req_maybe_free(q);
@@ -395,14 +395,14 @@ static void leg_free(leg *l) {
 /* ---------------------------------------------------------- failures -- */
 
 /* The attempt failed on worker w (code, msg): exclude it, try again. */
-static void fail_attempt(req *q, cs_worker *w, const char *what, int code, const char *msg) {
+static void fail_attempt(req *q, cs_pool_worker *w, const char *what, int code, const char *msg) {
     router *r = q->r;
     snprintf(q->last_error, sizeof q->last_error, "%s on %s: %s%s%s", what,
-             w ? cs_worker_addr(w) : "?", cs_rpc_code_name(code), msg && *msg ? ": " : "",
+             w ? cs_pool_worker_addr(w) : "?", cs_rpc_code_name(code), msg && *msg ? ": " : "",
              msg ? msg : "");
     drop_attempt(q, false);
     if (w) {
-        if (code == CS_RPC_UNAVAILABLE) cs_worker_suspect(w, q->last_error);
+        if (code == CS_RPC_UNAVAILABLE) cs_pool_worker_suspect(w, q->last_error);
         if (cs_pool_mark_add(&q->marks.excluded, &q->marks.n_excluded, w) != 0) {
             end_request(q, CS_RPC_RESOURCE_EXHAUSTED, "the router ran out of memory");
             return;
@@ -555,7 +555,7 @@ static void on_prefill_done(cs_rpc_client_call *c, int code, const char *msg, vo
     q->pleg = NULL;
     if (code == CS_RPC_OK) {
         q->prefill_ok = true;
-        CS_LOGD("request %s: prefill on %s done", q->id, cs_worker_addr(l->w));
+        CS_LOGD("request %s: prefill on %s done", q->id, cs_pool_worker_addr(l->w));
         if (q->state == RQ_PREFILL) q->state = RQ_STREAMING;
     } else if (code == CS_RPC_INVALID_ARGUMENT) {
         end_request(q, code, msg);
@@ -569,17 +569,17 @@ static void on_prefill_done(cs_rpc_client_call *c, int code, const char *msg, vo
 
 /* The decode worker admitted the transfer: prefill it remotely. */
 static void start_prefill(req *q, const char *kv_endpoint, int kv_transport) {
-    cs_worker *pw = q->pw;
+    cs_pool_worker *pw = q->pw;
     q->pw = NULL;
     leg *l = leg_new(q, pw, LEG_PREFILL);
-    cs_worker_unref(pw); /* the leg holds its own reference */
+    cs_pool_worker_unref(pw); /* the leg holds its own reference */
     if (!l) {
         end_request(q, CS_RPC_RESOURCE_EXHAUSTED, "the router ran out of memory");
         return;
     }
-    cs_worker_unref(q->pw_last);
+    cs_pool_worker_unref(q->pw_last);
     q->pw_last = pw;
-    cs_worker_ref(pw);
+    cs_pool_worker_ref(pw);
     Chunkserve__V1__PrefillRequest m = CHUNKSERVE__V1__PREFILL_REQUEST__INIT;
     Chunkserve__V1__RngState rng = CHUNKSERVE__V1__RNG_STATE__INIT;
     m.request_id = q->id;
@@ -595,28 +595,28 @@ static void start_prefill(req *q, const char *kv_endpoint, int kv_transport) {
     }
     m.kv_endpoint = (char *)kv_endpoint;
     m.kv_transport = kv_transport;
-    m.decode_worker_id = (char *)cs_worker_id(q->dleg->w);
+    m.decode_worker_id = (char *)cs_pool_worker_id(q->dleg->w);
     cs_rpc_call_opts o = {.timeout_ms = ms_left(q)};
     q->pleg = l;
     q->state = RQ_PREFILL;
     CS_LOGD("request %s: prefill %zu tokens on %s -> %s (transfer %016" PRIx64 ")", q->id, q->n_ctx,
-            cs_worker_addr(pw), kv_endpoint, q->transfer_id);
+            cs_pool_worker_addr(pw), kv_endpoint, q->transfer_id);
     if (o.timeout_ms <= 0) {
         q->pleg = NULL;
         leg_free(l);
         end_request(q, CS_RPC_DEADLINE_EXCEEDED, NULL);
         return;
     }
-    if (!cs_worker_channel(pw) ||
-        cs_rpc_channel_call_msg(cs_worker_channel(pw), WORKER "Prefill", &m.base, &o, NULL,
+    if (!cs_pool_worker_channel(pw) ||
+        cs_rpc_channel_call_msg(cs_pool_worker_channel(pw), WORKER "Prefill", &m.base, &o, NULL,
                                 on_prefill_done, l, &l->c) != 0) {
         char why[300];
         snprintf(why, sizeof why, "cannot call it: %s", cs_last_error());
         q->pleg = NULL;
-        cs_worker_ref(pw);
+        cs_pool_worker_ref(pw);
         leg_free(l);
         fail_attempt(q, pw, "prefill", CS_RPC_UNAVAILABLE, why);
-        cs_worker_unref(pw);
+        cs_pool_worker_unref(pw);
     }
 }
 
@@ -646,9 +646,9 @@ static void on_decode_message(cs_rpc_client_call *c, const uint8_t *buf, size_t 
         memset(q->t_wait, 0, sizeof q->t_wait);
         const Chunkserve__V1__DecodeAdmitted *a = m->admitted;
         const char *ep =
-            a->kv_endpoint && a->kv_endpoint[0] ? a->kv_endpoint : cs_worker_kv_endpoint(l->w);
-        int tr = a->kv_transport ? (int)a->kv_transport : cs_worker_kv_transport(l->w);
-        CS_LOGD("request %s: admitted by %s (%d pages, kv %s)", q->id, cs_worker_addr(l->w),
+            a->kv_endpoint && a->kv_endpoint[0] ? a->kv_endpoint : cs_pool_worker_kv_endpoint(l->w);
+        int tr = a->kv_transport ? (int)a->kv_transport : cs_pool_worker_kv_transport(l->w);
+        CS_LOGD("request %s: admitted by %s (%d pages, kv %s)", q->id, cs_pool_worker_addr(l->w),
                 a->pages_reserved, ep);
         if (q->local) {
             cs_metric_inc(q->r->m.prefill_local);
@@ -683,7 +683,7 @@ static void on_decode_done(cs_rpc_client_call *c, int code, const char *msg, voi
     if (code == CS_RPC_RESOURCE_EXHAUSTED && !q->admitted) {
         /* refused: no room there now; try the next decode worker */
         q->refusals++;
-        CS_LOGD("request %s: decode worker %s refused: %s", q->id, cs_worker_addr(l->w), msg);
+        CS_LOGD("request %s: decode worker %s refused: %s", q->id, cs_pool_worker_addr(l->w), msg);
         drop_attempt(q, false);
         if (cs_pool_mark_add(&q->marks.refused, &q->marks.n_refused, l->w) != 0)
             end_request(q, CS_RPC_RESOURCE_EXHAUSTED, "the router ran out of memory");
@@ -704,23 +704,23 @@ static void on_decode_done(cs_rpc_client_call *c, int code, const char *msg, voi
 
 /* Starts an attempt on decode worker dw (a reference from the pool, taken
  * over here). */
-static void start_decode(req *q, cs_worker *dw) {
+static void start_decode(req *q, cs_pool_worker *dw) {
     router *r = q->r;
     queue_remove(r, q);
     set_placed(q, true);
     leg *l = leg_new(q, dw, LEG_DECODE);
-    cs_worker_unref(dw);
+    cs_pool_worker_unref(dw);
     if (!l) {
         end_request(q, CS_RPC_RESOURCE_EXHAUSTED, "the router ran out of memory");
         return;
     }
-    cs_worker_unref(q->dw_last);
+    cs_pool_worker_unref(q->dw_last);
     q->dw_last = dw;
-    cs_worker_ref(dw);
+    cs_pool_worker_ref(dw);
     q->transfer_id = new_transfer_id(r);
     q->admitted = q->prefill_ok = false;
     /* remote prefill for long contexts when a prefill worker can take it */
-    cs_worker_unref(q->pw);
+    cs_pool_worker_unref(q->pw);
     q->pw = NULL;
     if ((int64_t)q->n_ctx >= r->o->local_prefill_threshold)
         q->pw = cs_pool_place(r->pool, CS_POOL_PREFILL, (int64_t)q->n_ctx, &q->marks, NULL);
@@ -760,24 +760,24 @@ static void start_decode(req *q, cs_worker *dw) {
         cs_metric_observe(r->m.overhead, cs__now() - q->t_recv);
     }
     CS_LOGD("request %s: decode on %s, %s prefill%s%s, %zu tokens (transfer %016" PRIx64 ")", q->id,
-            cs_worker_addr(dw), q->local ? "local" : "remote", q->pw ? " on " : "",
-            q->pw ? cs_worker_addr(q->pw) : "", q->n_ctx, q->transfer_id);
+            cs_pool_worker_addr(dw), q->local ? "local" : "remote", q->pw ? " on " : "",
+            q->pw ? cs_pool_worker_addr(q->pw) : "", q->n_ctx, q->transfer_id);
     if (o.timeout_ms <= 0) {
         q->dleg = NULL;
         leg_free(l);
         end_request(q, CS_RPC_DEADLINE_EXCEEDED, NULL);
         return;
     }
-    if (!cs_worker_channel(dw) ||
-        cs_rpc_channel_call_msg(cs_worker_channel(dw), WORKER "Decode", &m.base, &o,
+    if (!cs_pool_worker_channel(dw) ||
+        cs_rpc_channel_call_msg(cs_pool_worker_channel(dw), WORKER "Decode", &m.base, &o,
                                 on_decode_message, on_decode_done, l, &l->c) != 0) {
         char why[300];
         snprintf(why, sizeof why, "cannot call it: %s", cs_last_error());
         q->dleg = NULL;
-        cs_worker_ref(dw);
+        cs_pool_worker_ref(dw);
         leg_free(l);
         fail_attempt(q, dw, "decode", CS_RPC_UNAVAILABLE, why);
-        cs_worker_unref(dw);
+        cs_pool_worker_unref(dw);
     }
 }
 
@@ -794,7 +794,7 @@ static void attempt(req *q) {
         return;
     }
     int cand = 0;
-    cs_worker *dw = cs_pool_place(r->pool, CS_POOL_DECODE, (int64_t)q->n_ctx, &q->marks, &cand);
+    cs_pool_worker *dw = cs_pool_place(r->pool, CS_POOL_DECODE, (int64_t)q->n_ctx, &q->marks, &cand);
     if (dw) {
         start_decode(q, dw);
         return;
@@ -840,7 +840,7 @@ static void on_pool_change(void *arg) {
 }
 
 /* A worker stopped answering: every attempt with a call there fails over. */
-static void on_worker_down(void *arg, cs_worker *w) {
+static void on_worker_down(void *arg, cs_pool_worker *w) {
     router *r = arg;
     req *next;
     for (req *q = r->live; q; q = next) {
