@@ -17,7 +17,8 @@
 #include "chunkserve/engine.h"
 #include "model-impl.h"
 #include "ops.h"
-#include "util.h"
+#include "chunkserve/clock.h"
+#include "chunkserve/error.h"
 
 static double median(double *v, int n) {
     for (int i = 1; i < n; i++)
@@ -37,9 +38,9 @@ static double copy_bandwidth(void) {
     memset(a, 1, n), memset(b, 2, n);
     double t[5];
     for (int i = 0; i < 5; i++) {
-        double t0 = cs__now();
+        double t0 = cs_now();
         memcpy(b, a, n);
-        t[i] = cs__now() - t0;
+        t[i] = cs_now() - t0;
     }
     free(a), free(b);
     return 2.0 * (double)n / median(t, 5) / 1e9;
@@ -56,9 +57,9 @@ static double forward_flops(const cs_model_config *c, double n, double pos) {
 
 static double time_prefill(cs_engine *e, const int32_t *ids, int32_t n, int32_t chunk, float *logits) {
     cs_page_table pt = {0};
-    double t0 = cs__now();
+    double t0 = cs_now();
     int r = cs_engine_eval_seq(e, &pt, 0, ids, n, chunk, logits);
-    double t = cs__now() - t0;
+    double t = cs_now() - t0;
     cs_page_table_release(&pt, cs_engine_kv(e));
     if (r) {
         fprintf(stderr, "bench: prefill failed: %s\n", cs_last_error());
@@ -98,11 +99,11 @@ int cs_cli_bench_engine(const cs_model *m, int threads, int prompt_tokens) {
     double gemm_flops = 0, gemm_time = 0;
     openblas_set_num_threads(cs_threadpool_size(pool));
     for (int rep = 0; rep < 4; rep++) {
-        double t0 = cs__now();
+        double t0 = cs_now();
         for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
             cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, shapes[s].rows, shapes[s].cols, 1.0f, x,
                         shapes[s].cols, shapes[s].w, shapes[s].cols, 0.0f, y, shapes[s].rows);
-        double t = cs__now() - t0;
+        double t = cs_now() - t0;
         if (rep) { /* first is warm-up */
             gemm_time += t;
             for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
@@ -143,9 +144,9 @@ int cs_cli_bench_engine(const cs_model *m, int threads, int prompt_tokens) {
                 sp[b] = (cs_span){&next[b], 1, 128 + step, pts[b].pages, pts[b].n_pages, true};
             }
             float *lg = malloc(sizeof(float) * (size_t)c->n_vocab * B);
-            double t0 = cs__now();
+            double t0 = cs_now();
             cs_engine_step(e, sp, B, lg);
-            if (step) ts[step - 1] = cs__now() - t0;
+            if (step) ts[step - 1] = cs_now() - t0;
             free(lg);
         }
         step_time[bi] = median(ts, 8);

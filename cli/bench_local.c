@@ -14,7 +14,8 @@
 
 #include "bench.h"
 #include "chunkserve/sched.h"
-#include "util.h"
+#include "chunkserve/clock.h"
+#include "chunkserve/error.h"
 
 typedef struct {
     double *v;
@@ -78,7 +79,7 @@ static int run_one(const cs_model *m, int threads, int32_t budget, double durati
     rng_state = seed * 2654435761u + 1;
     int32_t *prompt = malloc(sizeof(int32_t) * (size_t)max_long);
     for (int i = 0; i < max_long; i++) prompt[i] = 100 + (int32_t)(urand() * 20000);
-    double t0 = cs__now(), last_tok[MAX_STREAMS], next_arrival = t0 + (-log(1 - urand()) / rate);
+    double t0 = cs_now(), last_tok[MAX_STREAMS], next_arrival = t0 + (-log(1 - urand()) / rate);
     double arrival[64];
     int n_long = 0;
     uint64_t gen = 0, computed = 0;
@@ -96,8 +97,8 @@ static int run_one(const cs_model *m, int threads, int32_t budget, double durati
         cs_sched_add(s, &q);
         last_tok[i] = -1;
     }
-    while (cs__now() - t0 < duration) {
-        double now = cs__now();
+    while (cs_now() - t0 < duration) {
+        double now = cs_now();
         if (now >= next_arrival && n_long < 64) {
             cs_request q = {0};
             q.id = LONG_ID_BASE + (uint64_t)n_long;
@@ -111,9 +112,9 @@ static int run_one(const cs_model *m, int threads, int32_t budget, double durati
         }
         const cs_event *ev;
         int32_t ne;
-        double ts = cs__now();
+        double ts = cs_now();
         if ((r = cs_sched_step(s, &ev, &ne))) break;
-        double te = cs__now();
+        double te = cs_now();
         cs_step_info info;
         cs_sched_last_step(s, &info);
         if (info.n_tokens) {
@@ -133,7 +134,7 @@ static int run_one(const cs_model *m, int threads, int32_t budget, double durati
             }
         }
     }
-    double el = cs__now() - t0;
+    double el = cs_now() - t0;
     res->long_arrived = n_long;
     res->itl_p50 = pct(&itl, 50);
     res->itl_p99 = pct(&itl, 99);

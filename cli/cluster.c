@@ -25,8 +25,9 @@
 
 #include "cluster.h"
 #include "chunkserve/config.h"
+#include "chunkserve/assert.h"
+#include "chunkserve/clock.h"
 #include "chunkserve/error.h"
-#include "util.h"
 
 typedef struct {
     const char *model, *host;
@@ -99,12 +100,12 @@ static void add_arg(proc *p, const char *fmt, ...) {
 static int sibling(const char *name, char *out, size_t cap) {
     char self[PATH_MAX];
     ssize_t n = readlink("/proc/self/exe", self, sizeof self - 1);
-    if (n <= 0) return cs__fail(CS_EIO, "cannot find this executable (/proc/self/exe)");
+    if (n <= 0) return cs_fail(CS_EIO, "cannot find this executable (/proc/self/exe)");
     self[n] = 0;
     char *slash = strrchr(self, '/');
     *slash = 0;
     snprintf(out, cap, "%s/%s", self, name);
-    if (access(out, X_OK) != 0) return cs__fail(CS_ENOENT, "%s is missing (build it with make build)", out);
+    if (access(out, X_OK) != 0) return cs_fail(CS_ENOENT, "%s is missing (build it with make build)", out);
     return 0;
 }
 
@@ -112,11 +113,11 @@ static int sibling(const char *name, char *out, size_t cap) {
  * stdout, within the deadline. */
 static int spawn(proc *p, double deadline) {
     int fds[2];
-    if (pipe2(fds, O_CLOEXEC) != 0) return cs__fail(CS_EIO, "pipe: %s", strerror(errno));
+    if (pipe2(fds, O_CLOEXEC) != 0) return cs_fail(CS_EIO, "pipe: %s", strerror(errno));
     pid_t pid = fork();
     if (pid < 0) {
         close(fds[0]), close(fds[1]);
-        return cs__fail(CS_EIO, "fork: %s", strerror(errno));
+        return cs_fail(CS_EIO, "fork: %s", strerror(errno));
     }
     if (pid == 0) {
         dup2(fds[1], 1);
@@ -130,30 +131,30 @@ static int spawn(proc *p, double deadline) {
     }
     close(fds[1]);
     p->pid = pid;
-    p->last_start = cs__now();
+    p->last_start = cs_now();
     char buf[1024];
     size_t len = 0;
     int lines = 0, r = 0;
     while (lines < 2) {
-        int ms = (int)((deadline - cs__now()) * 1000);
+        int ms = (int)((deadline - cs_now()) * 1000);
         if (ms <= 0) {
-            r = cs__fail(CS_ETIMEDOUT, "%s did not start in time", p->exe);
+            r = cs_fail(CS_ETIMEDOUT, "%s did not start in time", p->exe);
             break;
         }
         struct pollfd pf = {fds[0], POLLIN, 0};
         int k = poll(&pf, 1, ms < 200 ? ms : 200);
         if (k < 0 && errno != EINTR) {
-            r = cs__fail(CS_EIO, "poll: %s", strerror(errno));
+            r = cs_fail(CS_EIO, "poll: %s", strerror(errno));
             break;
         }
         if (got_signal) {
-            r = cs__fail(CS_ECANCELED, "interrupted while starting %s", p->exe);
+            r = cs_fail(CS_ECANCELED, "interrupted while starting %s", p->exe);
             break;
         }
         if (k <= 0) continue;
         ssize_t n = read(fds[0], buf + len, sizeof buf - 1 - len);
         if (n <= 0) {
-            r = cs__fail(CS_EIO, "%s exited while starting (see its log above)", p->exe);
+            r = cs_fail(CS_EIO, "%s exited while starting (see its log above)", p->exe);
             break;
         }
         len += (size_t)n;
@@ -185,7 +186,7 @@ static void stop_procs(int from, int to, int sig, double deadline) {
                 alive = true;
         }
         if (!alive) return;
-        if (cs__now() > deadline) break;
+        if (cs_now() > deadline) break;
         nanosleep(&(struct timespec){0, 20000000}, NULL);
     }
     for (int i = from; i < to; i++)
@@ -252,7 +253,7 @@ int cs_cli_cluster(int argc, char **argv) {
     sa.sa_handler = on_child;
     sigaction(SIGCHLD, &sa, NULL);
 
-    double deadline = cs__now() + (double)o.start_timeout_ms / 1000;
+    double deadline = cs_now() + (double)o.start_timeout_ms / 1000;
     n_procs = 0;
     for (int64_t i = 0; i < o.prefill + o.decode; i++) {
         proc *p = &procs[n_procs++];
@@ -290,7 +291,7 @@ int cs_cli_cluster(int argc, char **argv) {
     }
     if (rc) {
         fprintf(stderr, "chunkserve cluster: %s\n", cs_last_error());
-        stop_procs(0, n_procs, SIGTERM, cs__now() + 5);
+        stop_procs(0, n_procs, SIGTERM, cs_now() + 5);
         return 1;
     }
     printf("cluster up: router %s:%d (http %s)\n", o.host, router->port, router->http);
@@ -318,12 +319,12 @@ int cs_cli_cluster(int argc, char **argv) {
                     got_signal = SIGTERM; /* no router, no cluster */
                     break;
                 }
-                if (cs__now() - p->last_start < 10 && p->restarts >= 3) {
+                if (cs_now() - p->last_start < 10 && p->restarts >= 3) {
                     fprintf(stderr, "chunkserve cluster: %s keeps failing; not restarting it\n", p->role);
                     continue;
                 }
                 p->restarts++;
-                if (spawn(p, cs__now() + (double)o.start_timeout_ms / 1000) == 0)
+                if (spawn(p, cs_now() + (double)o.start_timeout_ms / 1000) == 0)
                     fprintf(stderr, "chunkserve cluster: %s restarted on port %d (pid %d)\n", p->role, p->port,
                             (int)p->pid);
                 else
@@ -333,8 +334,8 @@ int cs_cli_cluster(int argc, char **argv) {
     }
     fprintf(stderr, "chunkserve cluster: stopping (router first, then %d workers)\n", n_procs - 1);
     double grace = (double)o.grace_ms / 1000 + 10;
-    stop_procs(n_procs - 1, n_procs, SIGTERM, cs__now() + grace);
-    stop_procs(0, n_procs - 1, SIGTERM, cs__now() + grace);
+    stop_procs(n_procs - 1, n_procs, SIGTERM, cs_now() + grace);
+    stop_procs(0, n_procs - 1, SIGTERM, cs_now() + grace);
     fprintf(stderr, "chunkserve cluster: stopped\n");
     return 0;
 }

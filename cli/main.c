@@ -15,7 +15,6 @@
 #include "bench.h"
 #include "chunkserve/config.h"
 #include "chunkserve/engine.h"
-#include "chunkserve/error.h"
 #include "chunkserve/model.h"
 #include "chunkserve/refeval.h"
 #include "chunkserve/sampler.h"
@@ -23,7 +22,10 @@
 #include "cluster.h"
 #include "server.h"
 #include "ops.h"
-#include "util.h"
+#include "chunkserve/assert.h"
+#include "chunkserve/clock.h"
+#include "chunkserve/error.h"
+#include "chunkserve/log.h"
 
 /* Every field is written by cs_config_parse from opt_table. */
 typedef struct {
@@ -245,7 +247,7 @@ static int parse_ids(const char *s, int32_t **ids, int32_t *n) {
         long v = strtol(s, &end, 10);
         if (end == s || errno || v < INT32_MIN || v > INT32_MAX || (*end && *end != ',')) {
             free(a);
-            return cs__fail(CS_EINVAL, "--ids must be comma-separated integers");
+            return cs_fail(CS_EINVAL, "--ids must be comma-separated integers");
         }
         if (k == cap) {
             int32_t *na = realloc(a, (cap *= 2) * sizeof *a);
@@ -256,10 +258,10 @@ static int parse_ids(const char *s, int32_t **ids, int32_t *n) {
         a[k++] = (int32_t)v;
         s = *end ? end + 1 : end;
     }
-    if (!a) return cs__fail(CS_ENOMEM, "out of memory");
+    if (!a) return cs_fail(CS_ENOMEM, "out of memory");
     if (k == 0) {
         free(a);
-        return cs__fail(CS_EINVAL, "--ids is empty");
+        return cs_fail(CS_EINVAL, "--ids is empty");
     }
     *ids = a;
     *n = (int32_t)k;
@@ -278,7 +280,7 @@ static int cmd_logits(const cs_model *m, const options *o) {
     cs_ref_seq *seq = NULL;
     float *logits = malloc((size_t)n * (size_t)c->n_vocab * sizeof(float));
     int rc = 1;
-    if (!logits) r = cs__fail(CS_ENOMEM, "out of memory for %d x %d logits", n, c->n_vocab);
+    if (!logits) r = cs_fail(CS_ENOMEM, "out of memory for %d x %d logits", n, c->n_vocab);
     if (!r) r = cs_ref_seq_init(m, n, &seq);
     if (!r) r = cs_ref_seq_eval(seq, ids, n, true, logits);
     if (r) {
@@ -313,7 +315,7 @@ static int parse_budget(const char *s, int32_t *out) {
     char *end;
     long v = strtol(s, &end, 10);
     if (*end || v < 1 || v > (1 << 30))
-        return cs__fail(CS_EINVAL, "--max-batched-tokens must be a positive number, 0 or 'unlimited' (got '%s')", s);
+        return cs_fail(CS_EINVAL, "--max-batched-tokens must be a positive number, 0 or 'unlimited' (got '%s')", s);
     *out = (int32_t)v;
     return 0;
 }
@@ -325,7 +327,7 @@ static int eval_init(evaluator *ev, const cs_model *m, const options *o, int32_t
     if (r) return r;
     cs_engine_params ep = cs_engine_params_default();
     if (o->page_size < 1 || o->page_size > 4096 || o->kv_mib < 1 || o->threads < 0)
-        return cs__fail(CS_EINVAL, "--page-size must be 1..4096, --kv-cache-mib >= 1, --threads >= 0");
+        return cs_fail(CS_EINVAL, "--page-size must be 1..4096, --kv-cache-mib >= 1, --threads >= 0");
     ep.page_size = (int32_t)o->page_size;
     ep.kv_bytes = (size_t)o->kv_mib << 20;
     ep.n_threads = (int32_t)o->threads;
@@ -371,7 +373,7 @@ static int cmd_generate(const cs_model *m, const options *o) {
     memset(&ev, 0, sizeof ev);
     float *logits = NULL;
     int r = cs_sampler_init(&sp, c->n_vocab, &smp);
-    if (!r && o->chat && o->ids) r = cs__fail(CS_EINVAL, "--chat needs --prompt text, not --ids");
+    if (!r && o->chat && o->ids) r = cs_fail(CS_EINVAL, "--chat needs --prompt text, not --ids");
     if (!r && o->chat) {
         cs_chat_message msgs[2];
         size_t n = 0;
@@ -386,17 +388,17 @@ static int cmd_generate(const cs_model *m, const options *o) {
         n_ids = (size_t)n;
         for (size_t i = 0; !r && i < n_ids; i++)
             if (ids[i] < 0 || ids[i] >= c->n_vocab)
-                r = cs__fail(CS_EINVAL, "token id %d is outside the vocabulary (0..%d)", ids[i], c->n_vocab - 1);
+                r = cs_fail(CS_EINVAL, "token id %d is outside the vocabulary (0..%d)", ids[i], c->n_vocab - 1);
     } else if (!r) {
         r = cs_tokenizer_encode(tok, prompt, strlen(prompt), true, true, &ids, &n_ids);
     }
-    if (!r && n_ids == 0) r = cs__fail(CS_EINVAL, "the prompt is empty");
+    if (!r && n_ids == 0) r = cs_fail(CS_EINVAL, "the prompt is empty");
     if (!r && (long)n_ids >= c->ctx_len)
-        r = cs__fail(CS_EINVAL, "the prompt has %zu tokens; the model's context is %d", n_ids, c->ctx_len);
+        r = cs_fail(CS_EINVAL, "the prompt has %zu tokens; the model's context is %d", n_ids, c->ctx_len);
     long total = (long)n_ids + o->max_tokens;
     if (total > c->ctx_len) total = c->ctx_len;
     if (!r) r = eval_init(&ev, m, o, (int32_t)total);
-    if (!r && !(logits = malloc((size_t)c->n_vocab * sizeof(float)))) r = cs__fail(CS_ENOMEM, "out of memory");
+    if (!r && !(logits = malloc((size_t)c->n_vocab * sizeof(float)))) r = cs_fail(CS_ENOMEM, "out of memory");
     if (r) {
         int rc = fail_msg("generate", r);
         free(text), free(ids), free(logits);
@@ -405,9 +407,9 @@ static int cmd_generate(const cs_model *m, const options *o) {
         return rc;
     }
     cs_sampler_accept_prompt(smp, ids, n_ids);
-    double t0 = cs__now();
+    double t0 = cs_now();
     r = eval_tokens(&ev, ids, (int32_t)n_ids, 0, logits);
-    double t1 = cs__now();
+    double t1 = cs_now();
     cs_detok dt;
     cs_detok_init(&dt, tok, true);
     char buf[1024];
@@ -432,7 +434,7 @@ static int cmd_generate(const cs_model *m, const options *o) {
     if (cs_detok_flush(&dt, buf, sizeof buf, &len) == 0 && len) fwrite(buf, 1, len, stdout);
     putchar('\n');
     fflush(stdout);
-    double t2 = cs__now();
+    double t2 = cs_now();
     int rc = 0;
     if (r) rc = fail_msg("generate", r);
     else

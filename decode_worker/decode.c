@@ -24,8 +24,10 @@
 #include <string.h>
 #include <time.h>
 
-#include "chunkserve/kvx.h"
-#include "util.h"
+#include "chunkserve/kvx_engine.h"
+#include "chunkserve/clock.h"
+#include "chunkserve/error.h"
+#include "chunkserve/log.h"
 #include "outbuf.h"
 #include "worker.h"
 
@@ -121,7 +123,7 @@ static void append_locked(dreq *q, const cs_event *ev) {
 static void on_kv_done(void *arg, uint64_t xfer, int status, const char *msg, const cs_kvx_trailer *t) {
     dreq *q = arg;
     decode *d = q->d;
-    double secs = cs__now() - q->t_start;
+    double secs = cs_now() - q->t_start;
     pthread_mutex_lock(&q->mu);
     q->kv_done = true;
     if (!status && (t->prompt_len != q->n_context || t->total_pages != q->pages_reserved)) {
@@ -168,7 +170,7 @@ static void on_event(void *user, const cs_event *ev) {
             }
         }
     } else {
-        double now = cs__now();
+        double now = cs_now();
         if (ev->token >= 0) {
             if (q->t_last_token > 0)
                 cs_metric_observe(d->m_itl, now - q->t_last_token);
@@ -292,7 +294,7 @@ static void on_drain_post(void *data) {
         static const char *names[] = {"none", "stop", "length", "cancelled", "error"};
         CS_LOGI("request %s (transfer %016llx, %s prefill): %s, %d + %d tokens in %.3f s%s%s", q->request_id,
                 (unsigned long long)q->transfer_id, q->local ? "local" : "remote", names[finish], n_prompt,
-                n_completion, cs__now() - q->t_start, error[0] || kv_error[0] ? ": " : "",
+                n_completion, cs_now() - q->t_start, error[0] || kv_error[0] ? ": " : "",
                 error[0] ? error : kv_error);
         q->done = false; /* a later drain (none expected) must not drop the reference again */
         dreq_unref(q);
@@ -359,7 +361,7 @@ static void handle_decode(cs_rpc_call *c, void *data) {
     q->local = m->local_prefill;
     q->lease_ms = m->lease_ms > 0 ? m->lease_ms : (int32_t)w->o.lease_ms;
     q->logprobs = r.logprobs;
-    q->t_start = cs__now();
+    q->t_start = cs_now();
     q->n_prompt = m->num_prompt_tokens;
     q->n_context = (int32_t)m->n_token_ids;
     snprintf(q->request_id, sizeof q->request_id, "%s", m->request_id[0] ? m->request_id : "-");

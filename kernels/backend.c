@@ -13,7 +13,8 @@
 
 #include "backend.h"
 #include "model-impl.h"
-#include "util.h"
+#include "chunkserve/error.h"
+#include "chunkserve/log.h"
 #ifdef CS_HAVE_CUDA
 #include "cuda/backend_cuda.h"
 #endif
@@ -31,13 +32,13 @@ int cs_backend_init(const cs_model *m, int n_threads, cs_backend **out) {
     bool force_cuda = strcmp(want, "cuda") == 0;
     if (strcmp(want, "cpu") == 0) return cpu(m, n_threads, "CHUNKSERVE_BACKEND=cpu", out);
     if (!force_cuda && strcmp(want, "auto") != 0)
-        return cs__fail(CS_EINVAL, "CHUNKSERVE_BACKEND=%s: expected cpu, cuda or auto", want);
+        return cs_fail(CS_EINVAL, "CHUNKSERVE_BACKEND=%s: expected cpu, cuda or auto", want);
 #ifdef CS_HAVE_CUDA
     char name[320], why[320];
     int n = cs_backend_cuda_probe(name, sizeof name, why, sizeof why);
     if (n < 1) {
         if (force_cuda)
-            return cs__fail(CS_ENOSYS, "CHUNKSERVE_BACKEND=cuda but no usable GPU: %s", why);
+            return cs_fail(CS_ENOSYS, "CHUNKSERVE_BACKEND=cuda but no usable GPU: %s", why);
         return cpu(m, n_threads, why, out);
     }
     int r = cs_backend_cuda_init(m, out);
@@ -50,7 +51,7 @@ int cs_backend_init(const cs_model *m, int n_threads, cs_backend **out) {
     return cpu(m, n_threads, "CUDA backend does not support the model", out);
 #else
     if (force_cuda)
-        return cs__fail(CS_ENOSYS, "CHUNKSERVE_BACKEND=cuda but this build has no CUDA backend "
+        return cs_fail(CS_ENOSYS, "CHUNKSERVE_BACKEND=cuda but this build has no CUDA backend "
                                    "(configure with -DCS_CUDA=ON)");
     return cpu(m, n_threads, "built without CUDA", out);
 #endif

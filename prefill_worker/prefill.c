@@ -22,8 +22,10 @@
 #include <unistd.h>
 #include <time.h>
 
-#include "chunkserve/kvx.h"
-#include "util.h"
+#include "chunkserve/kvx_engine.h"
+#include "chunkserve/clock.h"
+#include "chunkserve/error.h"
+#include "chunkserve/log.h"
 #include "worker.h"
 
 typedef struct prefill prefill;
@@ -123,12 +125,12 @@ static void on_end_post(void *data) {
             r.num_cached_tokens = n_cached;
             r.num_pages = q->total_pages;
             r.kv_bytes = (uint64_t)q->total_pages * q->p->page_bytes;
-            cs_metric_observe(q->p->m_prefill_seconds, cs__now() - q->t_start);
+            cs_metric_observe(q->p->m_prefill_seconds, cs_now() - q->t_start);
             cs_metric_observe(q->p->m_tail_seconds, tail);
             CS_LOGI("request %s (transfer %016llx): %d tokens (%d cached), %d pages to %s in %.3f s, last chunk "
                     "to acknowledged trailer %.4f s",
                     q->request_id, (unsigned long long)q->transfer_id, q->n_context, n_cached, q->total_pages,
-                    q->decode_id, cs__now() - q->t_start, tail);
+                    q->decode_id, cs_now() - q->t_start, tail);
             cs_rpc_call_reply_msg(q->call, &r.base);
             q->call = NULL;
             preq_unref(q);
@@ -153,12 +155,12 @@ static void on_tx_done(void *arg, uint64_t xfer, int status, const char *msg, co
     pthread_mutex_lock(&q->mu);
     q->tx_done = true;
     q->tx_status = status;
-    if (q->t_last_chunk > 0) q->tail = cs__now() - q->t_last_chunk;
+    if (q->t_last_chunk > 0) q->tail = cs_now() - q->t_last_chunk;
     if (status) snprintf(q->tx_error, sizeof q->tx_error, "%s", msg && msg[0] ? msg : cs_strerror(status));
     bool engine_running = !q->engine_done;
     pthread_mutex_unlock(&q->mu);
     if (!status)
-        cs_metric_observe(q->p->m_xfer_seconds, cs__now() - q->t_start);
+        cs_metric_observe(q->p->m_xfer_seconds, cs_now() - q->t_start);
     else if (engine_running)
         cs_serve_cancel(q->w->sv, q->id); /* nobody will take these pages: stop computing them */
     post_end(q);
@@ -180,11 +182,11 @@ static int send_pages(preq *q, const cs_event *ev) {
         size_t queued = cs_kvx_tx_queued_bytes(p->tx, q->host, q->port);
         if (queued == 0 || queued + bytes <= p->max_queued) break;
         if (!waited) cs_metric_inc(p->m_backpressure), waited = true;
-        if (cs__now() > q->t_deadline) return cs__fail(CS_ETIMEDOUT, "the KV channel stayed full until the deadline");
+        if (cs_now() > q->t_deadline) return cs_fail(CS_ETIMEDOUT, "the KV channel stayed full until the deadline");
         nanosleep(&(struct timespec){0, 500000}, NULL);
     }
     void *buf = malloc(bytes);
-    if (!buf) return cs__fail(CS_ENOMEM, "no memory to stage %zu bytes of KV", bytes);
+    if (!buf) return cs_fail(CS_ENOMEM, "no memory to stage %zu bytes of KV", bytes);
     int r = cs_engine_kv_export(q->w->engine, ev->kv_pages, ev->kv_n_pages, buf);
     if (r) {
         free(buf);
@@ -219,7 +221,7 @@ static void on_event(void *user, const cs_event *ev) {
         q->engine_done = true;
         q->first_token = ev->token;
         q->n_cached = ev->n_cached_prompt_tokens;
-        q->t_last_chunk = cs__now();
+        q->t_last_chunk = cs_now();
         if (ev->finish == CS_FINISH_ERROR && !q->eng_status) {
             q->eng_status = ev->status ? ev->status : CS_EIO;
             snprintf(q->eng_error, sizeof q->eng_error, "%s", ev->error ? ev->error : "engine error");
@@ -266,7 +268,7 @@ static void handle_prefill(cs_rpc_call *c, void *data) {
     char host[256];
     int port = 0;
     if (!rc && m->kv_transport == CHUNKSERVE__V1__KV_TRANSPORT__KV_TRANSPORT_NCCL)
-        rc = cs__fail(CS_ENOTSUP, "kv_transport NCCL: this worker sends KV over TCP");
+        rc = cs_fail(CS_ENOTSUP, "kv_transport NCCL: this worker sends KV over TCP");
     if (!rc) rc = cs_worker_split_endpoint(m->kv_endpoint, host, sizeof host, &port);
     if (rc) {
         cs_rpc_call_finish(c, cs_rpc_code_of_status(rc), cs_last_error());
@@ -284,7 +286,7 @@ static void handle_prefill(cs_rpc_call *c, void *data) {
     q->transfer_id = m->transfer_id;
     q->n_context = (int32_t)m->n_token_ids;
     q->total_pages = (q->n_context + w->wm.page_size - 1) / w->wm.page_size;
-    q->t_start = cs__now();
+    q->t_start = cs_now();
     int64_t left = cs_rpc_call_deadline_ms(c);
     if (left > w->o.kv_deadline_ms) left = w->o.kv_deadline_ms;
     if (left < 1) left = 1;

@@ -7,10 +7,10 @@
 #include <strings.h>
 
 #include "chunkserve/config.h"
-#include "chunkserve/error.h"
 #include "chunkserve/model.h"
 #include "router.h"
-#include "util.h"
+#include "chunkserve/error.h"
+#include "chunkserve/log.h"
 
 #define O(f) offsetof(cs_router_opts, f)
 #define I64 9.2e18
@@ -97,7 +97,7 @@ int main(int argc, char **argv) {
         fprintf(stderr, "chunkserve-router: --model (or CHUNKSERVE_MODEL) is required\n");
         return 2;
     }
-    if (cs__log_level >= CS_LOG_DEBUG) cs_config_dump(options, N_OPTIONS, &o, stderr);
+    if (cs_log_level() >= CS_LOG_DEBUG) cs_config_dump(options, N_OPTIONS, &o, stderr);
 
     cs_model *model = NULL;
     if ((rc = cs_model_load_vocab(o.model, &model))) {

@@ -22,9 +22,11 @@
 #include <string.h>
 #include <uv.h>
 
-#include "chunkserve/error.h"
 #include "chunkserve/v1/cluster.pb-c.h"
-#include "util.h"
+#include "chunkserve/assert.h"
+#include "chunkserve/clock.h"
+#include "chunkserve/error.h"
+#include "chunkserve/log.h"
 
 #define STATUS_DEADLINE_MS 1000
 #define RECONNECT_EVERY_S 2.0
@@ -214,7 +216,7 @@ static void log_usability(cs_pool_worker *w, double now, const char *why) {
 
 void cs_pool_worker_suspect(cs_pool_worker *w, const char *why) {
     w->have_status = false;
-    log_usability(w, cs__now(), why);
+    log_usability(w, cs_now(), why);
 }
 
 static int channel_open(cs_pool_worker *w) {
@@ -240,7 +242,7 @@ static int worker_add(cs_pool *p, enum cs_pool_role role, const char *addr, int 
     w = calloc(1, sizeof *w);
     if (!w || !(w->addr = strdup(addr))) {
         free(w);
-        return cs__fail(CS_ENOMEM, "out of memory");
+        return cs_fail(CS_ENOMEM, "out of memory");
     }
     w->pool = p;
     w->role = role;
@@ -324,7 +326,7 @@ static void apply_status(cs_pool_worker *w, const Chunkserve__V1__WorkerStatus *
     w->kv_transport = s->kv_transport;
     w->pages_placed = 0;
     w->tokens_placed = 0;
-    w->status_at = cs__now();
+    w->status_at = cs_now();
     w->status_seq++;
     w->have_status = true;
     w->poll_failures = 0;
@@ -347,7 +349,7 @@ static void on_poll_message(cs_rpc_client_call *c, const uint8_t *buf, size_t le
 }
 
 static void maybe_reconnect(cs_pool_worker *w) {
-    double now = cs__now();
+    double now = cs_now();
     if (w->active || !w->ch || w->pool->closing || w->poll_failures < 2 ||
         now - w->last_reconnect < RECONNECT_EVERY_S)
         return;
@@ -377,7 +379,7 @@ static void on_poll_done(cs_rpc_client_call *c, int code, const char *msg, void 
                 if (w->poll_failures == 1 && !w->logged_usable && !w->status_seq)
                     CS_LOGW("%s worker %s: %s", role_name[w->role], w->addr, why);
                 w->have_status = false;
-                log_usability(w, cs__now(), why);
+                log_usability(w, cs_now(), why);
             }
             maybe_reconnect(w);
         }
@@ -416,7 +418,7 @@ static void poll_worker(cs_pool_worker *w, double now) {
 
 static void on_poll_tick(uv_timer_t *t) {
     cs_pool *p = t->data;
-    double now = cs__now();
+    double now = cs_now();
     for (int role = 0; role < 2; role++) {
         cs_pool_worker *next;
         for (cs_pool_worker *w = p->workers[role]; w; w = next) {
@@ -533,14 +535,14 @@ static int split_addr(const char *s, const char *what, char *host, size_t host_c
                       size_t port_cap) {
     const char *colon = strrchr(s, ':');
     if (!colon || colon == s || !colon[1])
-        return cs__fail(CS_EINVAL, "%s: '%s' is not host:port", what, s);
+        return cs_fail(CS_EINVAL, "%s: '%s' is not host:port", what, s);
     char *end;
     long v = strtol(colon + 1, &end, 10);
     if (*end || v < 1 || v > 65535)
-        return cs__fail(CS_EINVAL, "%s: '%s' has a bad port (1..65535)", what, s);
+        return cs_fail(CS_EINVAL, "%s: '%s' has a bad port (1..65535)", what, s);
     size_t hl = (size_t)(colon - s);
     if (host) {
-        if (hl >= host_cap) return cs__fail(CS_EINVAL, "%s: host name too long in '%s'", what, s);
+        if (hl >= host_cap) return cs_fail(CS_EINVAL, "%s: host name too long in '%s'", what, s);
         memcpy(host, s, hl);
         host[hl] = 0;
         if (host[0] == '[' && hl >= 2 && host[hl - 1] == ']') {
@@ -566,7 +568,7 @@ static int for_each_item(const char *list, int (*fn)(cs_pool *, int, const char 
         while (len && (s[len - 1] == ' ' || s[len - 1] == '\t'))
             len--;
         if (len >= sizeof item)
-            return cs__fail(CS_EINVAL, "worker address too long: '%.*s'", (int)len, s);
+            return cs_fail(CS_EINVAL, "worker address too long: '%.*s'", (int)len, s);
         if (len) {
             memcpy(item, s, len);
             item[len] = 0;
@@ -590,7 +592,7 @@ static int add_dns(cs_pool *p, int role, const char *item) {
                        sizeof port);
     if (r) return r;
     dns_entry *nd = realloc(p->dns, (size_t)(p->n_dns + 1) * sizeof *nd);
-    if (!nd) return cs__fail(CS_ENOMEM, "out of memory");
+    if (!nd) return cs_fail(CS_ENOMEM, "out of memory");
     p->dns = nd;
     dns_entry *d = &p->dns[p->n_dns];
     memset(d, 0, sizeof *d);
@@ -602,7 +604,7 @@ static int add_dns(cs_pool *p, int role, const char *item) {
     if (!d->name || !d->port) {
         free(d->name);
         free(d->port);
-        return cs__fail(CS_ENOMEM, "out of memory");
+        return cs_fail(CS_ENOMEM, "out of memory");
     }
     p->n_dns++;
     return 0;
@@ -617,7 +619,7 @@ static void on_timer_closed(uv_handle_t *h) {
 int cs_pool_init(uv_loop_t *uv, cs_rpc_loop *rl, const cs_pool_opts *o, cs_pool **out) {
     *out = NULL;
     cs_pool *p = calloc(1, sizeof *p);
-    if (!p) return cs__fail(CS_ENOMEM, "out of memory");
+    if (!p) return cs_fail(CS_ENOMEM, "out of memory");
     p->uv = uv;
     p->rl = rl;
     p->o = *o;
@@ -636,7 +638,7 @@ int cs_pool_init(uv_loop_t *uv, cs_rpc_loop *rl, const cs_pool_opts *o, cs_pool 
         char msg[512];
         snprintf(msg, sizeof msg, "%s", cs_last_error());
         cs_pool_close(p);
-        return cs__fail(r, "%s", msg);
+        return cs_fail(r, "%s", msg);
     }
     for (int i = 0; i < p->n_dns; i++)
         dns_resolve(&p->dns[i]);
@@ -665,7 +667,7 @@ void cs_pool_close(cs_pool *p) {
 }
 
 int cs_pool_n_usable(const cs_pool *p, enum cs_pool_role role) {
-    double now = cs__now();
+    double now = cs_now();
     int n = 0;
     for (const cs_pool_worker *w = p->workers[role]; w; w = w->next)
         n += worker_usable(w, now);
@@ -697,7 +699,7 @@ cs_pool_worker *cs_pool_place(cs_pool *p, enum cs_pool_role role, int64_t n_toke
     cs_pool_worker *wstack[64], **ws = n <= 64 ? wstack : malloc(n * sizeof *ws);
     cs_pool_worker *chosen = NULL;
     if (!snap || !ws) goto out;
-    double now = cs__now();
+    double now = cs_now();
     size_t i = 0;
     int cand = 0;
     for (cs_pool_worker *w = p->workers[role]; w; w = w->next, i++) {
@@ -743,7 +745,7 @@ int cs_pool_mark_add(cs_pool_mark **arr, size_t *n, cs_pool_worker *w) {
             return 0;
         }
     cs_pool_mark *na = realloc(*arr, (*n + 1) * sizeof *na);
-    if (!na) return cs__fail(CS_ENOMEM, "out of memory");
+    if (!na) return cs_fail(CS_ENOMEM, "out of memory");
     *arr = na;
     na[(*n)++] = (cs_pool_mark){w, w->instance_id, w->status_seq};
     cs_pool_worker_ref(w);

@@ -42,7 +42,6 @@
 #include <unistd.h>
 #include <uv.h>
 
-#include "chunkserve/error.h"
 #include "chunkserve/http.h"
 #include "chunkserve/metrics.h"
 #include "chunkserve/rpc.h"
@@ -50,7 +49,10 @@
 #include "chunkserve/v1/cluster.pb-c.h"
 #include "generation.h"
 #include "pool.h"
-#include "util.h"
+#include "chunkserve/assert.h"
+#include "chunkserve/clock.h"
+#include "chunkserve/error.h"
+#include "chunkserve/log.h"
 #include "wire.h"
 
 #define SERVICE CS_GENERATION_SERVICE
@@ -190,7 +192,7 @@ static void count_code(router *r, int code) {
 }
 
 static int64_t ms_left(const req *q) {
-    double left = (q->t_deadline - cs__now()) * 1000.0;
+    double left = (q->t_deadline - cs_now()) * 1000.0;
     return left < 1 ? 0 : (int64_t)left;
 }
 
@@ -254,7 +256,7 @@ static void park(req *q, enum req_wait why) {
     set_placed(q, false);
     q->state = RQ_WAITING;
     if (!q->t_wait[why]) {
-        q->t_wait[why] = cs__now();
+        q->t_wait[why] = cs_now();
         CS_LOGD("request %s: waits %s", q->id,
                 why == WAIT_SLOT   ? "for a slot"
                 : why == WAIT_ROOM ? "for KV room on a decode worker"
@@ -346,7 +348,7 @@ static void end_request(req *q, int code, const char *msg) {
     queue_remove(r, q);
     set_placed(q, false);
     q->state = RQ_ENDED;
-    double now = cs__now();
+    double now = cs_now();
     if (q->call) {
         cs_rpc_call_finish(q->call, code, msg ? msg : code_msg(code));
         q->call = NULL;
@@ -477,7 +479,7 @@ static bool relay(req *q, Chunkserve__V1__GenerateResponse *out) {
         end_request(q, CS_RPC_RESOURCE_EXHAUSTED, "the router ran out of memory");
         return true;
     }
-    double now = cs__now();
+    double now = cs_now();
     if (n) {
         if (q->n_relayed == 0) {
             q->t_first = now;
@@ -754,10 +756,10 @@ static void start_decode(req *q, cs_pool_worker *dw) {
     }
     q->dleg = l;
     q->state = RQ_ADMITTING;
-    q->t_attempt = cs__now();
+    q->t_attempt = cs_now();
     if (!q->overhead_seen) {
         q->overhead_seen = true;
-        cs_metric_observe(r->m.overhead, cs__now() - q->t_recv);
+        cs_metric_observe(r->m.overhead, cs_now() - q->t_recv);
     }
     CS_LOGD("request %s: decode on %s, %s prefill%s%s, %zu tokens (transfer %016" PRIx64 ")", q->id,
             cs_pool_worker_addr(dw), q->local ? "local" : "remote", q->pw ? " on " : "",
@@ -812,7 +814,7 @@ static void attempt(req *q) {
 
 static void on_pump(uv_timer_t *t) {
     router *r = t->data;
-    r->t_last_pump = cs__now();
+    r->t_last_pump = cs_now();
     req *next;
     for (req *q = r->qhead; q; q = next) {
         next = q->qnext;
@@ -827,7 +829,7 @@ static void on_pump(uv_timer_t *t) {
 static void schedule_pump_after(router *r, double min_gap_s) {
     if (!r->handles_ok || !r->qhead || r->grace_over || uv_is_active((uv_handle_t *)&r->pump))
         return;
-    double wait = r->t_last_pump + min_gap_s - cs__now();
+    double wait = r->t_last_pump + min_gap_s - cs_now();
     uv_timer_start(&r->pump, on_pump, wait > 0 ? (uint64_t)(wait * 1000) + 1 : 0, 0);
 }
 
@@ -856,7 +858,7 @@ static void on_worker_down(void *arg, cs_pool_worker *w) {
 /* Bounds every wait: queue timeouts, the no-worker wait, request deadlines. */
 static void on_tick(uv_timer_t *t) {
     router *r = t->data;
-    double now = cs__now();
+    double now = cs_now();
     req *next;
     for (req *q = r->live; q; q = next) {
         next = q->next;
@@ -937,7 +939,7 @@ static void handle_generate(cs_rpc_call *c, void *data) {
         cs_rpc_call_finish(c, CS_RPC_UNAVAILABLE, "the router is shutting down");
         return;
     }
-    double t_recv = cs__now();
+    double t_recv = cs_now();
     uint64_t seq = ++r->next_seq;
     cs_wire_request w;
     int rc = cs_wire_generate_request(&r->wm, m, seq, &w);
@@ -1171,7 +1173,7 @@ static int add_methods(router *r) {
 
 int cs_router_run(const cs_model *model, const cs_router_opts *o) {
     router *r = calloc(1, sizeof *r);
-    if (!r) return cs__fail(CS_ENOMEM, "out of memory");
+    if (!r) return cs_fail(CS_ENOMEM, "out of memory");
     r->o = o;
     if (getrandom(&r->id_base, sizeof r->id_base, 0) != sizeof r->id_base)
         r->id_base = (uint64_t)time(NULL) << 20 ^ (uint64_t)getpid();
@@ -1190,7 +1192,7 @@ int cs_router_run(const cs_model *model, const cs_router_opts *o) {
     if ((rc = cs_metrics_init(&r->metrics))) goto fail;
     metrics_register(r);
     if ((rc = uv_loop_init(&r->uv))) {
-        rc = cs__fail(CS_EIO, "uv_loop_init: %s", uv_strerror(rc));
+        rc = cs_fail(CS_EIO, "uv_loop_init: %s", uv_strerror(rc));
         goto fail;
     }
     uv_ok = true;
@@ -1219,7 +1221,7 @@ int cs_router_run(const cs_model *model, const cs_router_opts *o) {
                              .arg = r};
     if ((rc = cs_http_server_init(&r->uv, http_host, (int)o->http_port, &routes, &r->http))) {
         if (!cs_last_error()[0])
-            cs__fail(rc, "http: cannot listen on %s:%lld: %s", http_host, (long long)o->http_port,
+            cs_fail(rc, "http: cannot listen on %s:%lld: %s", http_host, (long long)o->http_port,
                      uv_strerror(rc));
         goto fail;
     }
@@ -1261,7 +1263,7 @@ fail:
         else if (r->rl)
             cs_rpc_loop_close(r->rl);
         if (uv_ok) uv_run(&r->uv, UV_RUN_DEFAULT);
-        cs__fail(rc, "%s", msg);
+        cs_fail(rc, "%s", msg);
     }
 out:
     CS_ASSERT(r->n_live == 0);

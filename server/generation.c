@@ -6,7 +6,7 @@
 #include <string.h>
 
 #include "chunkserve/v1/generation.pb-c.h"
-#include "util.h"
+#include "chunkserve/error.h"
 
 static void handle_list_models(cs_rpc_call *c, void *data) {
     const cs_wire_model *wm = data;
@@ -30,7 +30,7 @@ static void handle_tokenize(cs_rpc_call *c, void *data) {
                        : m->input_case == CHUNKSERVE__V1__TOKENIZE_REQUEST__INPUT_TEXT ? m->text
                                                                                        : "";
     if (!r && strlen(text) > wm->max_prompt_bytes)
-        r = cs__fail(CS_EINVAL, "the text has %zu bytes: more than the model's context can hold", strlen(text));
+        r = cs_fail(CS_EINVAL, "the text has %zu bytes: more than the model's context can hold", strlen(text));
     if (!r) r = cs_tokenizer_encode(cs_model_tokenizer(wm->model), text, strlen(text), true, m->add_special, &ids, &n);
     if (r) {
         cs_rpc_call_finish(c, cs_rpc_code_of_status(r), cs_last_error());
@@ -52,7 +52,7 @@ static void handle_detokenize(cs_rpc_call *c, void *data) {
     int r = cs_wire_check_model(wm, m->model);
     for (size_t i = 0; !r && i < m->n_ids; i++)
         if (m->ids[i] < 0 || m->ids[i] >= n_vocab)
-            r = cs__fail(CS_EINVAL, "ids[%zu] = %d is outside the vocabulary (0..%d)", i, m->ids[i], n_vocab - 1);
+            r = cs_fail(CS_EINVAL, "ids[%zu] = %d is outside the vocabulary (0..%d)", i, m->ids[i], n_vocab - 1);
     char *text = NULL;
     size_t len = 0;
     if (!r) r = cs_tokenizer_decode(tok, m->ids, m->n_ids, !m->include_special, &text, &len);

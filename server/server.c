@@ -30,11 +30,12 @@
 #include <unistd.h>
 #include <uv.h>
 
-#include "chunkserve/error.h"
 #include "chunkserve/rpc.h"
 #include "chunkserve/rpc_health.h"
 #include "chunkserve/serve.h"
-#include "util.h"
+#include "chunkserve/clock.h"
+#include "chunkserve/error.h"
+#include "chunkserve/log.h"
 #include "chunkserve/v1/cluster.pb-c.h"
 #include "generation.h"
 #include "outbuf.h"
@@ -164,7 +165,7 @@ static int gen_send(gen *g, const cs_outbuf *b, bool final) {
 static void gen_log_end(const gen *g) {
     static const char *names[] = {"none", "stop", "length", "cancelled", "error"};
     CS_LOGI("request %s: %s, %d prompt + %d completion tokens in %.3f s%s%s", g->request_id,
-            names[g->finish], g->n_prompt, g->n_completion, cs__now() - g->t_start,
+            names[g->finish], g->n_prompt, g->n_completion, cs_now() - g->t_start,
             g->error ? ": " : "", g->error ? g->error : "");
 }
 
@@ -266,7 +267,7 @@ static void handle_generate(cs_rpc_call *c, void *data) {
     g->call = c;
     g->id = id;
     g->logprobs = w.r.logprobs;
-    g->t_start = cs__now();
+    g->t_start = cs_now();
     g->n_prompt = w.r.n_prompt;
     pthread_mutex_init(&g->mu, NULL);
     g->next = s->live;
@@ -377,7 +378,7 @@ static int add_methods(server *s) {
 
 int cs_server_run(const cs_model *m, const cs_server_opts *o) {
     server *s = calloc(1, sizeof *s);
-    if (!s) return cs__fail(CS_ENOMEM, "out of memory");
+    if (!s) return cs_fail(CS_ENOMEM, "out of memory");
     s->o = o;
     if (getrandom(&s->instance_id, sizeof s->instance_id, 0) != sizeof s->instance_id)
         s->instance_id = (uint64_t)time(NULL) << 20 ^ (uint64_t)getpid();
@@ -392,7 +393,7 @@ int cs_server_run(const cs_model *m, const cs_server_opts *o) {
     s->wm.page_size = cs_kv_cache_page_size(cs_engine_kv(s->engine));
     if ((r = cs_serve_start(s->engine, &o->sched, &s->sv))) goto fail;
     if ((r = uv_loop_init(&s->uv))) {
-        r = cs__fail(CS_EIO, "uv_loop_init: %s", uv_strerror(r));
+        r = cs_fail(CS_EIO, "uv_loop_init: %s", uv_strerror(r));
         goto fail;
     }
     uv_ok = true;
@@ -430,7 +431,7 @@ fail:
         else if (s->rl)
             cs_rpc_loop_close(s->rl);
         if (s->rl) uv_run(&s->uv, UV_RUN_DEFAULT);
-        cs__fail(r, "%s", msg);
+        cs_fail(r, "%s", msg);
     }
 out:
     cs_rpc_health_free(s->health);

@@ -8,16 +8,15 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "chunkserve/error.h"
 #include "chunkserve/stop.h"
 #include "chunkserve/tokenizer.h"
-#include "util.h"
+#include "chunkserve/error.h"
 
 enum { MAX_STOP = 64, MAX_STOP_BYTES = 256 };
 
 int cs_wire_check_model(const cs_wire_model *wm, const char *name) {
     if (!name || !name[0] || !strcmp(name, wm->name) || !strcmp(name, wm->alias)) return 0;
-    return cs__fail(
+    return cs_fail(
         CS_EINVAL,
         "unknown model '%s'; this server serves '%s' (see ListModels, or leave model empty)", name,
         wm->name);
@@ -25,9 +24,9 @@ int cs_wire_check_model(const cs_wire_model *wm, const char *name) {
 
 int cs_wire_render_chat(const cs_wire_model *wm, const Chunkserve__V1__Chat *chat, char **text) {
     *text = NULL;
-    if (!chat || chat->n_messages == 0) return cs__fail(CS_EINVAL, "chat has no messages");
+    if (!chat || chat->n_messages == 0) return cs_fail(CS_EINVAL, "chat has no messages");
     cs_chat_message *msgs = calloc(chat->n_messages, sizeof *msgs);
-    if (!msgs) return cs__fail(CS_ENOMEM, "out of memory");
+    if (!msgs) return cs_fail(CS_ENOMEM, "out of memory");
     for (size_t i = 0; i < chat->n_messages; i++)
         msgs[i] = (cs_chat_message){chat->messages[i]->role, chat->messages[i]->content};
     int r =
@@ -38,40 +37,40 @@ int cs_wire_render_chat(const cs_wire_model *wm, const Chunkserve__V1__Chat *cha
 
 static int check_sampling(const Chunkserve__V1__SamplingParams *p) {
     if (!(p->temperature >= 0) || isinf(p->temperature))
-        return cs__fail(CS_EINVAL, "sampling.temperature must be >= 0 (0 = greedy); got %g",
+        return cs_fail(CS_EINVAL, "sampling.temperature must be >= 0 (0 = greedy); got %g",
                         p->temperature);
     if (!(p->top_p >= 0 && p->top_p <= 1))
-        return cs__fail(CS_EINVAL, "sampling.top_p must be in (0, 1] (0 = not set); got %g",
+        return cs_fail(CS_EINVAL, "sampling.top_p must be in (0, 1] (0 = not set); got %g",
                         p->top_p);
     if (p->top_k < 0)
-        return cs__fail(CS_EINVAL, "sampling.top_k must be >= 0 (0 = off); got %d", p->top_k);
+        return cs_fail(CS_EINVAL, "sampling.top_k must be >= 0 (0 = off); got %d", p->top_k);
     if (!(p->min_p >= 0 && p->min_p <= 1))
-        return cs__fail(CS_EINVAL, "sampling.min_p must be in [0, 1] (0 = off); got %g", p->min_p);
+        return cs_fail(CS_EINVAL, "sampling.min_p must be in [0, 1] (0 = off); got %g", p->min_p);
     if (!(p->repetition_penalty >= 0) || isinf(p->repetition_penalty))
-        return cs__fail(CS_EINVAL,
+        return cs_fail(CS_EINVAL,
                         "sampling.repetition_penalty must be > 0 (0 = not set, 1 = off); got %g",
                         p->repetition_penalty);
     if (!(p->presence_penalty >= -2 && p->presence_penalty <= 2))
-        return cs__fail(CS_EINVAL, "sampling.presence_penalty must be in [-2, 2]; got %g",
+        return cs_fail(CS_EINVAL, "sampling.presence_penalty must be in [-2, 2]; got %g",
                         p->presence_penalty);
     if (!(p->frequency_penalty >= -2 && p->frequency_penalty <= 2))
-        return cs__fail(CS_EINVAL, "sampling.frequency_penalty must be in [-2, 2]; got %g",
+        return cs_fail(CS_EINVAL, "sampling.frequency_penalty must be in [-2, 2]; got %g",
                         p->frequency_penalty);
     if (p->max_tokens < 0)
-        return cs__fail(CS_EINVAL,
+        return cs_fail(CS_EINVAL,
                         "sampling.max_tokens must be >= 0 (0 = until the context is full); got %d",
                         p->max_tokens);
     if (p->n_stop > MAX_STOP)
-        return cs__fail(CS_EINVAL, "sampling.stop has %zu strings; at most %d are allowed",
+        return cs_fail(CS_EINVAL, "sampling.stop has %zu strings; at most %d are allowed",
                         p->n_stop, MAX_STOP);
     for (size_t i = 0; i < p->n_stop; i++) {
         size_t len = strlen(p->stop[i]);
         if (len == 0 || len > MAX_STOP_BYTES)
-            return cs__fail(CS_EINVAL, "sampling.stop[%zu] must be 1 to %d bytes; it has %zu", i,
+            return cs_fail(CS_EINVAL, "sampling.stop[%zu] must be 1 to %d bytes; it has %zu", i,
                             MAX_STOP_BYTES, len);
     }
     if (p->n_stop_token_ids > MAX_STOP)
-        return cs__fail(CS_EINVAL, "sampling.stop_token_ids has %zu ids; at most %d are allowed",
+        return cs_fail(CS_EINVAL, "sampling.stop_token_ids has %zu ids; at most %d are allowed",
                         p->n_stop_token_ids, MAX_STOP);
     return 0;
 }
@@ -79,7 +78,7 @@ static int check_sampling(const Chunkserve__V1__SamplingParams *p) {
 static int check_ids(const int32_t *ids, size_t n, int32_t n_vocab, const char *field) {
     for (size_t i = 0; i < n; i++)
         if (ids[i] < 0 || ids[i] >= n_vocab)
-            return cs__fail(CS_EINVAL, "%s[%zu] = %d is outside the vocabulary (0..%d)", field, i,
+            return cs_fail(CS_EINVAL, "%s[%zu] = %d is outside the vocabulary (0..%d)", field, i,
                             ids[i], n_vocab - 1);
     return 0;
 }
@@ -134,7 +133,7 @@ size_t cs_wire_max_prompt_bytes(const cs_model *m) {
  * it is tokenized (tokenizing runs on the server's loop thread). */
 static int check_prompt_bytes(const cs_wire_model *wm, size_t len, const char *what) {
     if (len > wm->max_prompt_bytes)
-        return cs__fail(CS_EINVAL, "the %s has %zu bytes: more than the model's context of %d tokens can hold",
+        return cs_fail(CS_EINVAL, "the %s has %zu bytes: more than the model's context of %d tokens can hold",
                         what, len, cs_model_get_config(wm->model)->ctx_len);
     return 0;
 }
@@ -147,17 +146,17 @@ static int prompt_ids(const cs_wire_model *wm, const Chunkserve__V1__GenerateReq
     *n = 0;
     switch (m->input_case) {
     case CHUNKSERVE__V1__GENERATE_REQUEST__INPUT_PROMPT: {
-        if (!m->prompt[0]) return cs__fail(CS_EINVAL, "the prompt is empty");
+        if (!m->prompt[0]) return cs_fail(CS_EINVAL, "the prompt is empty");
         int r = check_prompt_bytes(wm, strlen(m->prompt), "prompt");
         return r ? r : cs_tokenizer_encode(tok, m->prompt, strlen(m->prompt), true, true, ids, n);
     }
     case CHUNKSERVE__V1__GENERATE_REQUEST__INPUT_TOKEN_IDS: {
         const Chunkserve__V1__TokenIds *t = m->token_ids;
-        if (!t || t->n_ids == 0) return cs__fail(CS_EINVAL, "token_ids is empty");
+        if (!t || t->n_ids == 0) return cs_fail(CS_EINVAL, "token_ids is empty");
         int r = check_ids(t->ids, t->n_ids, cs_tokenizer_n_vocab(tok), "token_ids.ids");
         if (r) return r;
         if (!(*ids = malloc(t->n_ids * sizeof(int32_t))))
-            return cs__fail(CS_ENOMEM, "out of memory");
+            return cs_fail(CS_ENOMEM, "out of memory");
         memcpy(*ids, t->ids, t->n_ids * sizeof(int32_t));
         *n = t->n_ids;
         return 0;
@@ -170,7 +169,7 @@ static int prompt_ids(const cs_wire_model *wm, const Chunkserve__V1__GenerateReq
         free(text);
         return r;
     }
-    default: return cs__fail(CS_EINVAL, "the request sets no input: set prompt, token_ids or chat");
+    default: return cs_fail(CS_EINVAL, "the request sets no input: set prompt, token_ids or chat");
     }
 }
 
@@ -220,14 +219,14 @@ int cs_wire_generate_request(const cs_wire_model *wm, const Chunkserve__V1__Gene
     int32_t *ids = NULL;
     size_t n = 0;
     if (!r) r = prompt_ids(wm, m, &ids, &n);
-    if (!r && n == 0) r = cs__fail(CS_EINVAL, "the prompt is empty after tokenization");
+    if (!r && n == 0) r = cs_fail(CS_EINVAL, "the prompt is empty after tokenization");
     if (!r && n >= (size_t)cfg->ctx_len)
-        r = cs__fail(
+        r = cs_fail(
             CS_EINVAL,
             "the prompt has %zu tokens; the model's context is %d tokens, so at most %d fit", n,
             cfg->ctx_len, cfg->ctx_len - 1);
     if (!r && (int64_t)(n + 1 + (size_t)wm->page_size - 1) / wm->page_size > wm->n_kv_pages)
-        r = cs__fail(
+        r = cs_fail(
             CS_EINVAL,
             "the prompt has %zu tokens, more than this server's KV cache holds (%d pages of %d "
             "tokens; start it with a larger --kv-cache-mib)",

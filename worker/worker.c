@@ -23,8 +23,9 @@
 #include <time.h>
 #include <unistd.h>
 
+#include "chunkserve/clock.h"
 #include "chunkserve/error.h"
-#include "util.h"
+#include "chunkserve/log.h"
 
 /* ------------------------------------------------------------ helpers -- */
 
@@ -37,17 +38,17 @@ int cs_worker_request(cs_worker *w, const int32_t *ids, size_t n, int32_t num_pr
                       const Chunkserve__V1__SamplingParams *sampling, cs_request *r) {
     const cs_model_config *cfg = cs_model_get_config(w->model);
     memset(r, 0, sizeof *r);
-    if (n == 0) return cs__fail(CS_EINVAL, "token_ids is empty");
+    if (n == 0) return cs_fail(CS_EINVAL, "token_ids is empty");
     if (num_prompt < 1 || (size_t)num_prompt > n)
-        return cs__fail(CS_EINVAL, "num_prompt_tokens = %d must be in 1..%zu (the token ids sent)", num_prompt, n);
+        return cs_fail(CS_EINVAL, "num_prompt_tokens = %d must be in 1..%zu (the token ids sent)", num_prompt, n);
     if (n >= (size_t)cfg->ctx_len)
-        return cs__fail(CS_EINVAL, "%zu tokens leave no room in the model's context of %d", n, cfg->ctx_len);
+        return cs_fail(CS_EINVAL, "%zu tokens leave no room in the model's context of %d", n, cfg->ctx_len);
     for (size_t i = 0; i < n; i++)
         if (ids[i] < 0 || ids[i] >= cfg->n_vocab)
-            return cs__fail(CS_EINVAL, "token_ids[%zu] = %d is outside the vocabulary (0..%d)", i, ids[i],
+            return cs_fail(CS_EINVAL, "token_ids[%zu] = %d is outside the vocabulary (0..%d)", i, ids[i],
                             cfg->n_vocab - 1);
     if ((int64_t)(n + 1 + (size_t)w->wm.page_size - 1) / w->wm.page_size > w->wm.n_kv_pages)
-        return cs__fail(CS_EINVAL, "%zu tokens need more KV pages than this worker has (%d of %d tokens)", n,
+        return cs_fail(CS_EINVAL, "%zu tokens need more KV pages than this worker has (%d of %d tokens)", n,
                         w->wm.n_kv_pages, w->wm.page_size);
     int rc = cs_wire_sampling(&w->wm, sampling, r);
     if (rc) return rc;
@@ -59,14 +60,14 @@ int cs_worker_request(cs_worker *w, const int32_t *ids, size_t n, int32_t num_pr
 
 int cs_worker_split_endpoint(const char *ep, char *host, size_t host_len, int *port) {
     const char *colon = strrchr(ep ? ep : "", ':');
-    if (!ep || !colon || colon == ep) return cs__fail(CS_EINVAL, "endpoint '%s' is not host:port", ep ? ep : "");
+    if (!ep || !colon || colon == ep) return cs_fail(CS_EINVAL, "endpoint '%s' is not host:port", ep ? ep : "");
     const char *h = ep;
     size_t hl = (size_t)(colon - ep);
     if (h[0] == '[' && hl >= 2 && h[hl - 1] == ']') h++, hl -= 2;
     char *end = NULL;
     long p = strtol(colon + 1, &end, 10);
     if (hl == 0 || hl >= host_len || !end || *end || end == colon + 1 || p < 1 || p > 65535)
-        return cs__fail(CS_EINVAL, "endpoint '%s' is not host:port", ep);
+        return cs_fail(CS_EINVAL, "endpoint '%s' is not host:port", ep);
     memcpy(host, h, hl);
     host[hl] = 0;
     *port = (int)p;
@@ -177,7 +178,7 @@ static void close_server(cs_worker *w, int32_t cancelled) {
     uv_close((uv_handle_t *)&w->grace, NULL);
     uv_close((uv_handle_t *)&w->drain_poll, NULL);
     CS_LOGI("drained in %.3f s (%d calls ended by the grace period): shutting down",
-            cs__now() - w->drain_start, cancelled);
+            cs_now() - w->drain_start, cancelled);
     cs_rpc_server_shutdown(w->srv, 3000, on_server_done, w);
 }
 
@@ -197,7 +198,7 @@ static void on_signal(uv_signal_t *h, int signum) {
     cs_worker *w = h->data;
     if (w->stopping) return;
     w->stopping = true;
-    w->drain_start = cs__now();
+    w->drain_start = cs_now();
     CS_LOGI("signal %d: draining (%d calls open, %lld ms grace)", signum, w->role->n_calls(w),
             (long long)w->o.grace_ms);
     uv_close((uv_handle_t *)&w->sigterm, NULL);
@@ -242,7 +243,7 @@ static int run(cs_worker *w) {
     if ((r = cs_metrics_init(&w->metrics))) goto fail;
     register_metrics(w);
     if ((r = uv_loop_init(&w->uv))) {
-        r = cs__fail(CS_EIO, "uv_loop_init: %s", uv_strerror(r));
+        r = cs_fail(CS_EIO, "uv_loop_init: %s", uv_strerror(r));
         goto fail;
     }
     uv_ok = true;
@@ -301,7 +302,7 @@ fail:
             cs_rpc_loop_close(w->rl);
         if (uv_ok) uv_run(&w->uv, UV_RUN_DEFAULT);
         if (w->role_data && w->role->stop) w->role->stop(w);
-        cs__fail(r, "%s", msg);
+        cs_fail(r, "%s", msg);
     }
 out:
     cs_rpc_health_free(w->health);

@@ -131,7 +131,7 @@ struct cs_worker {
     cs_metrics *metrics;
     bool stopping;          /* draining or shutting down: the role takes no new call */
     bool server_closing;    /* cs_rpc_server_shutdown was called */
-    double drain_start;     /* cs__now() at the signal */
+    double drain_start;     /* cs_now() at the signal */
     void *role_data;
     /* common metrics */
     cs_metric *m_running, *m_waiting, *m_kv_usage, *m_kv_free, *m_kv_total, *m_preemptions, *m_prompt_tokens,

@@ -21,7 +21,7 @@ static int sb_add(sbuf *b, const char *s, size_t n) {
         while (cap < b->n + n + 1)
             cap *= 2;
         char *p = realloc(b->p, cap);
-        if (!p) return cs__fail(CS_ENOMEM, "chat: out of memory");
+        if (!p) return cs_fail(CS_ENOMEM, "chat: out of memory");
         b->p = p;
         b->cap = cap;
     }
@@ -116,17 +116,17 @@ static void py_strip(const char *s, size_t n, size_t *start, size_t *end) {
 }
 
 static int check_messages(const cs_chat_message *msgs, size_t n_msgs) {
-    if (n_msgs && !msgs) return cs__fail(CS_EINVAL, "chat: NULL messages");
+    if (n_msgs && !msgs) return cs_fail(CS_EINVAL, "chat: NULL messages");
     for (size_t i = 0; i < n_msgs; i++) {
         const char *r = msgs[i].role;
         if (!r || !msgs[i].content)
-            return cs__fail(CS_EINVAL, "chat: message %zu has no role or content", i);
+            return cs_fail(CS_EINVAL, "chat: message %zu has no role or content", i);
         if (strcmp(r, "system") != 0 && strcmp(r, "user") != 0 && strcmp(r, "assistant") != 0)
-            return cs__fail(
+            return cs_fail(
                 CS_EINVAL, "chat: message %zu has role '%.32s' (system, user, assistant supported)",
                 i, r);
         if (!cs__utf8_valid((const uint8_t *)msgs[i].content, strlen(msgs[i].content)))
-            return cs__fail(CS_EINVAL, "chat: message %zu is not valid UTF-8", i);
+            return cs_fail(CS_EINVAL, "chat: message %zu is not valid UTF-8", i);
     }
     return 0;
 }
@@ -182,24 +182,24 @@ int cs_tokenizer_apply_chat(const cs_tokenizer *tok, const cs_chat_message *msgs
                             bool add_generation_prompt, char **text) {
     *text = NULL;
     const char *t = tok->chat_template;
-    if (!t || !*t) return cs__fail(CS_ENOTSUP, "chat: the model has no chat template");
+    if (!t || !*t) return cs_fail(CS_ENOTSUP, "chat: the model has no chat template");
     int rc = check_messages(msgs, n_msgs);
     if (rc) return rc;
     sbuf b = {0};
     if (strstr(t, "<|im_start|>")) {
         /* Reasoning templates (Qwen3 style) rewrite assistant turns. */
         if (strstr(t, "<think>"))
-            return cs__fail(CS_ENOTSUP,
+            return cs_fail(CS_ENOTSUP,
                             "chat: ChatML template with <think> blocks is not supported");
         rc = render_chatml(tok, msgs, n_msgs, add_generation_prompt, &b);
     } else if (strstr(t, "<|start_header_id|>")) {
         /* 3.1+ templates add a dated system preamble and tool sections. */
         if (strstr(t, "Cutting Knowledge Date"))
-            return cs__fail(CS_ENOTSUP,
+            return cs_fail(CS_ENOTSUP,
                             "chat: Llama-3.1+ template (knowledge-date preamble) is not supported");
         rc = render_llama3(tok, msgs, n_msgs, add_generation_prompt, &b);
     } else {
-        return cs__fail(
+        return cs_fail(
             CS_ENOTSUP,
             "chat: unrecognised chat template (ChatML and Llama-3 are supported): '%.60s'", t);
     }

@@ -27,11 +27,11 @@ cs_engine_params cs_engine_params_default(void) {
 int cs_engine_init(const cs_model *m, const cs_engine_params *p, cs_engine **out) {
     *out = NULL;
     if (p->page_size < 1 || p->page_size > 4096)
-        return cs__fail(CS_EINVAL, "engine: page size %d must be in 1..4096 tokens", p->page_size);
-    if (p->n_pages < 0) return cs__fail(CS_EINVAL, "engine: %d pages", p->n_pages);
-    if (p->n_threads < 0) return cs__fail(CS_EINVAL, "engine: %d threads", p->n_threads);
+        return cs_fail(CS_EINVAL, "engine: page size %d must be in 1..4096 tokens", p->page_size);
+    if (p->n_pages < 0) return cs_fail(CS_EINVAL, "engine: %d pages", p->n_pages);
+    if (p->n_threads < 0) return cs_fail(CS_EINVAL, "engine: %d threads", p->n_threads);
     cs_engine *e = calloc(1, sizeof *e);
-    if (!e) return cs__fail(CS_ENOMEM, "engine: out of memory");
+    if (!e) return cs_fail(CS_ENOMEM, "engine: out of memory");
     e->m = m;
     e->page_size = p->page_size;
     int r = cs_backend_init(m, p->n_threads, &e->be);
@@ -39,7 +39,7 @@ int cs_engine_init(const cs_model *m, const cs_engine_params *p, cs_engine **out
     if (!r && n_pages == 0) { /* the page size depends on the backend (fp32 CPU, bf16 CUDA) */
         size_t per_page = cs_backend_page_bytes(e->be, m, p->page_size);
         size_t n = p->kv_bytes / per_page;
-        if (n < 1) r = cs__fail(CS_EINVAL, "engine: a KV pool of %zu bytes holds no %zu-byte page", p->kv_bytes, per_page);
+        if (n < 1) r = cs_fail(CS_EINVAL, "engine: a KV pool of %zu bytes holds no %zu-byte page", p->kv_bytes, per_page);
         n_pages = n > INT32_MAX ? INT32_MAX : (int32_t)n;
     }
     if (!r) r = e->be->iface->kv_init(e->be->ctx, n_pages, p->page_size, &e->page_bytes);
@@ -69,27 +69,27 @@ const char *cs_engine_backend_name(const cs_engine *e) { return e->be->iface->na
 static int check_pages(const cs_engine *e, const int32_t *pages, int32_t n, const char *what) {
     for (int32_t i = 0; i < n; i++)
         if (cs_kv_cache_refcount(e->kv, pages[i]) <= 0)
-            return cs__fail(CS_EINVAL, "%s: page %d (entry %d) is not an allocated page", what, pages[i], i);
+            return cs_fail(CS_EINVAL, "%s: page %d (entry %d) is not an allocated page", what, pages[i], i);
     return 0;
 }
 
 int cs_engine_step(cs_engine *e, const cs_span *spans, int32_t n_spans, float *logits) {
     const cs_model_config *c = &e->m->cfg;
-    if (n_spans < 1) return cs__fail(CS_EINVAL, "step: no spans");
+    if (n_spans < 1) return cs_fail(CS_EINVAL, "step: no spans");
     int64_t n_tokens = 0;
     for (int32_t s = 0; s < n_spans; s++) {
         const cs_span *sp = &spans[s];
         if (sp->n_tokens < 1 || !sp->tokens)
-            return cs__fail(CS_EINVAL, "step: span %d has no tokens", s);
+            return cs_fail(CS_EINVAL, "step: span %d has no tokens", s);
         if (sp->pos < 0 || (int64_t)sp->pos + sp->n_tokens > c->ctx_len)
-            return cs__fail(CS_EINVAL, "step: span %d covers positions %d..%lld, beyond the model's context of %d",
+            return cs_fail(CS_EINVAL, "step: span %d covers positions %d..%lld, beyond the model's context of %d",
                             s, sp->pos, (long long)sp->pos + sp->n_tokens - 1, c->ctx_len);
         if ((int64_t)sp->n_pages * e->page_size < (int64_t)sp->pos + sp->n_tokens)
-            return cs__fail(CS_EINVAL, "step: span %d needs %lld positions but its %d pages hold %lld", s,
+            return cs_fail(CS_EINVAL, "step: span %d needs %lld positions but its %d pages hold %lld", s,
                             (long long)sp->pos + sp->n_tokens, sp->n_pages, (long long)sp->n_pages * e->page_size);
         for (int32_t i = 0; i < sp->n_tokens; i++)
             if (sp->tokens[i] < 0 || sp->tokens[i] >= c->n_vocab)
-                return cs__fail(CS_EINVAL, "step: span %d token %d is id %d, outside the vocabulary (0..%d)", s, i,
+                return cs_fail(CS_EINVAL, "step: span %d token %d is id %d, outside the vocabulary (0..%d)", s, i,
                                 sp->tokens[i], c->n_vocab - 1);
         /* only the pages the span reads or writes must be live */
         int32_t used = (int32_t)(((int64_t)sp->pos + sp->n_tokens + e->page_size - 1) / e->page_size);
@@ -97,26 +97,26 @@ int cs_engine_step(cs_engine *e, const cs_span *spans, int32_t n_spans, float *l
         if (r) return r;
         n_tokens += sp->n_tokens;
     }
-    if (n_tokens > INT32_MAX / 2) return cs__fail(CS_EINVAL, "step: %lld tokens in one step", (long long)n_tokens);
+    if (n_tokens > INT32_MAX / 2) return cs_fail(CS_EINVAL, "step: %lld tokens in one step", (long long)n_tokens);
     return e->be->iface->forward(e->be->ctx, spans, n_spans, (int32_t)n_tokens, logits);
 }
 
 int cs_engine_kv_export(cs_engine *e, const int32_t *pages, int32_t n, void *dst) {
-    int r = n < 0 ? cs__fail(CS_EINVAL, "kv export: %d pages", n) : check_pages(e, pages, n, "kv export");
+    int r = n < 0 ? cs_fail(CS_EINVAL, "kv export: %d pages", n) : check_pages(e, pages, n, "kv export");
     return r ? r : e->be->iface->kv_export(e->be->ctx, pages, n, dst);
 }
 
 int cs_engine_kv_import(cs_engine *e, const int32_t *pages, int32_t n, const void *src) {
-    int r = n < 0 ? cs__fail(CS_EINVAL, "kv import: %d pages", n) : check_pages(e, pages, n, "kv import");
+    int r = n < 0 ? cs_fail(CS_EINVAL, "kv import: %d pages", n) : check_pages(e, pages, n, "kv import");
     return r ? r : e->be->iface->kv_import(e->be->ctx, pages, n, src);
 }
 
 int cs_engine_eval_seq(cs_engine *e, cs_page_table *pt, int32_t pos, const int32_t *tokens, int32_t n,
                        int32_t max_chunk, float *logits) {
     if (n < 1 || pos < 0 || max_chunk < 0)
-        return cs__fail(CS_EINVAL, "eval: %d tokens at position %d in chunks of %d", n, pos, max_chunk);
+        return cs_fail(CS_EINVAL, "eval: %d tokens at position %d in chunks of %d", n, pos, max_chunk);
     if ((int64_t)pos + n > e->m->cfg.ctx_len)
-        return cs__fail(CS_EINVAL, "eval: %lld positions exceed the model's context of %d", (long long)pos + n,
+        return cs_fail(CS_EINVAL, "eval: %lld positions exceed the model's context of %d", (long long)pos + n,
                         e->m->cfg.ctx_len);
     int r = cs_page_table_reserve(pt, e->kv, pos + n);
     if (r) return r;

@@ -27,14 +27,14 @@ int cs_ref_seq_init(const cs_model *m, int32_t max_tokens, cs_ref_seq **out) {
     *out = NULL;
     const cs_model_config *c = &m->cfg;
     if (max_tokens < 1 || max_tokens > c->ctx_len)
-        return cs__fail(CS_EINVAL, "sequence length %d must be in 1..%d (the model's context)",
+        return cs_fail(CS_EINVAL, "sequence length %d must be in 1..%d (the model's context)",
                         max_tokens, c->ctx_len);
     cs_ref_seq *s = calloc(1, sizeof *s);
     size_t n = (size_t)c->n_layers * 2 * (size_t)max_tokens * (size_t)(c->n_kv_heads * c->head_dim);
     if (s) s->kv = malloc(n * sizeof(float));
     if (!s || !s->kv) {
         cs_ref_seq_free(s);
-        return cs__fail(CS_ENOMEM, "out of memory for a %d-token KV cache", max_tokens);
+        return cs_fail(CS_ENOMEM, "out of memory for a %d-token KV cache", max_tokens);
     }
     s->m = m;
     s->max_tokens = max_tokens;
@@ -59,14 +59,14 @@ int cs_ref_seq_eval(cs_ref_seq *s, const int32_t *tokens, int32_t n, bool all_lo
                     float *logits) {
     const cs_model *m = s->m;
     const cs_model_config *c = &m->cfg;
-    if (n < 1) return cs__fail(CS_EINVAL, "evaluate: need at least one token");
+    if (n < 1) return cs_fail(CS_EINVAL, "evaluate: need at least one token");
     if (n > s->max_tokens - s->len)
-        return cs__fail(CS_ENOSPC,
+        return cs_fail(CS_ENOSPC,
                         "evaluate: %d tokens after %d exceed the sequence's %d positions", n,
                         s->len, s->max_tokens);
     for (int32_t t = 0; t < n; t++)
         if (tokens[t] < 0 || tokens[t] >= c->n_vocab)
-            return cs__fail(CS_EINVAL,
+            return cs_fail(CS_EINVAL,
                             "evaluate: token id %d at index %d is outside the vocabulary (0..%d)",
                             tokens[t], t, c->n_vocab - 1);
 
@@ -88,7 +88,7 @@ int cs_ref_seq_eval(cs_ref_seq *s, const int32_t *tokens, int32_t n, bool all_lo
     if (!x || !xn || !q || !k || !v || !att || !proj || !gate || !up || !pos) {
         free(x), free(xn), free(q), free(k), free(v), free(att), free(proj), free(gate), free(up),
             free(pos);
-        return cs__fail(CS_ENOMEM, "evaluate: out of memory for %d tokens", n);
+        return cs_fail(CS_ENOMEM, "evaluate: out of memory for %d tokens", n);
     }
     for (int t = 0; t < n; t++)
         pos[t] = pos0 + t;

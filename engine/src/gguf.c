@@ -21,7 +21,7 @@ typedef struct {
 
 static int need(cursor *c, size_t n, const char *what) {
     if ((size_t)(c->end - c->p) < n)
-        return cs__fail(CS_EBADMSG, "gguf: %s: file truncated while reading %s", c->path, what);
+        return cs_fail(CS_EBADMSG, "gguf: %s: file truncated while reading %s", c->path, what);
     return 0;
 }
 
@@ -46,10 +46,10 @@ static int rd_str(cursor *c, cs_gguf_str *s, const char *what) {
     int r = rd_u64(c, &len, what);
     if (r) return r;
     if (len > (uint64_t)(c->end - c->p))
-        return cs__fail(CS_EBADMSG, "gguf: %s: %s has length %llu, past end of file", c->path,
+        return cs_fail(CS_EBADMSG, "gguf: %s: %s has length %llu, past end of file", c->path,
                         what, (unsigned long long)len);
     if (!cs__utf8_valid(c->p, (size_t)len))
-        return cs__fail(CS_EBADMSG, "gguf: %s: %s is not valid UTF-8", c->path, what);
+        return cs_fail(CS_EBADMSG, "gguf: %s: %s is not valid UTF-8", c->path, what);
     s->ptr = (const char *)c->p;
     s->len = (size_t)len;
     c->p += len;
@@ -81,12 +81,12 @@ static int skip_value(cursor *c, enum cs_gguf_type t, const cs_gguf_str *key, in
         if (!r) r = rd_u64(c, &n, "array count");
         if (r) return r;
         if (et >= CS_GGUF_TYPE_COUNT || (et == CS_GGUF_ARRAY && depth >= GGUF_MAX_NESTING))
-            return cs__fail(CS_EBADMSG, "gguf: %s: key '%.*s': bad array element type %u",
+            return cs_fail(CS_EBADMSG, "gguf: %s: key '%.*s': bad array element type %u",
                             c->path, (int)key->len, key->ptr, et);
         size_t es = scalar_size((enum cs_gguf_type)et);
         if (es) {
             if (n > (uint64_t)(c->end - c->p) / es)
-                return cs__fail(CS_EBADMSG,
+                return cs_fail(CS_EBADMSG,
                                 "gguf: %s: key '%.*s': array of %llu elements runs past end of file",
                                 c->path, (int)key->len, key->ptr, (unsigned long long)n);
             c->p += n * es;
@@ -94,7 +94,7 @@ static int skip_value(cursor *c, enum cs_gguf_type t, const cs_gguf_str *key, in
         }
         /* strings/arrays: each element is at least 8 bytes, so n is bounded by the file */
         if (n > (uint64_t)(c->end - c->p) / 8)
-            return cs__fail(CS_EBADMSG,
+            return cs_fail(CS_EBADMSG,
                             "gguf: %s: key '%.*s': array count %llu is larger than the file allows",
                             c->path, (int)key->len, key->ptr, (unsigned long long)n);
         for (uint64_t i = 0; i < n; i++) {
@@ -105,12 +105,12 @@ static int skip_value(cursor *c, enum cs_gguf_type t, const cs_gguf_str *key, in
     }
     size_t sz = scalar_size(t);
     if (!sz)
-        return cs__fail(CS_EBADMSG, "gguf: %s: key '%.*s': unknown value type %u", c->path,
+        return cs_fail(CS_EBADMSG, "gguf: %s: key '%.*s': unknown value type %u", c->path,
                         (int)key->len, key->ptr, (unsigned)t);
     int r = need(c, sz, "scalar value");
     if (r) return r;
     if (t == CS_GGUF_BOOL && *c->p > 1)
-        return cs__fail(CS_EBADMSG, "gguf: %s: key '%.*s': bool value %u is not 0 or 1", c->path,
+        return cs_fail(CS_EBADMSG, "gguf: %s: key '%.*s': bool value %u is not 0 or 1", c->path,
                         (int)key->len, key->ptr, *c->p);
     c->p += sz;
     return 0;
@@ -130,12 +130,12 @@ int cs__gguf_open(const char *path, cs_gguf *g) {
     uint64_t n_tensors, n_kv;
     if ((r = rd_u32(&c, &magic, "magic"))) goto fail;
     if (magic != GGUF_MAGIC) {
-        r = cs__fail(CS_EBADMSG, "gguf: %s: bad magic 0x%08x (not a GGUF file)", path, magic);
+        r = cs_fail(CS_EBADMSG, "gguf: %s: bad magic 0x%08x (not a GGUF file)", path, magic);
         goto fail;
     }
     if ((r = rd_u32(&c, &g->version, "version"))) goto fail;
     if (g->version != 2 && g->version != 3) {
-        r = cs__fail(CS_ENOTSUP, "gguf: %s: unsupported GGUF version %u (2 and 3 are supported)",
+        r = cs_fail(CS_ENOTSUP, "gguf: %s: unsupported GGUF version %u (2 and 3 are supported)",
                      path, g->version);
         goto fail;
     }
@@ -143,7 +143,7 @@ int cs__gguf_open(const char *path, cs_gguf *g) {
         goto fail;
     /* a key-value pair takes at least 12 bytes, a tensor info at least 24 */
     if (n_kv > g->file.size / 12 || n_tensors > g->file.size / 24) {
-        r = cs__fail(CS_EBADMSG, "gguf: %s: absurd counts (%llu metadata keys, %llu tensors) for a %zu-byte file",
+        r = cs_fail(CS_EBADMSG, "gguf: %s: absurd counts (%llu metadata keys, %llu tensors) for a %zu-byte file",
                      path, (unsigned long long)n_kv, (unsigned long long)n_tensors, g->file.size);
         goto fail;
     }
@@ -152,7 +152,7 @@ int cs__gguf_open(const char *path, cs_gguf *g) {
     g->kv = calloc(n_kv ? n_kv : 1, sizeof *g->kv);
     g->tensors = calloc(n_tensors ? n_tensors : 1, sizeof *g->tensors);
     if (!g->kv || !g->tensors) {
-        r = cs__fail(CS_ENOMEM, "gguf: %s: out of memory", path);
+        r = cs_fail(CS_ENOMEM, "gguf: %s: out of memory", path);
         goto fail;
     }
 
@@ -163,13 +163,13 @@ int cs__gguf_open(const char *path, cs_gguf *g) {
         if ((r = rd_str(&c, &kv->key, "metadata key")) || (r = rd_u32(&c, &t, "metadata type")))
             goto fail;
         if (t >= CS_GGUF_TYPE_COUNT) {
-            r = cs__fail(CS_EBADMSG, "gguf: %s: key '%.*s' has unknown type %u", path,
+            r = cs_fail(CS_EBADMSG, "gguf: %s: key '%.*s' has unknown type %u", path,
                          (int)kv->key.len, kv->key.ptr, t);
             goto fail;
         }
         for (uint64_t j = 0; j < i; j++) {
             if (g->kv[j].key.len == kv->key.len && !memcmp(g->kv[j].key.ptr, kv->key.ptr, kv->key.len)) {
-                r = cs__fail(CS_EBADMSG, "gguf: %s: duplicate key '%.*s'", path, (int)kv->key.len,
+                r = cs_fail(CS_EBADMSG, "gguf: %s: duplicate key '%.*s'", path, (int)kv->key.len,
                              kv->key.ptr);
                 goto fail;
             }
@@ -190,12 +190,12 @@ int cs__gguf_open(const char *path, cs_gguf *g) {
         if (str_eq(kv->key, "general.alignment")) {
             uint32_t a = 0;
             if (kv->type != CS_GGUF_UINT32) {
-                r = cs__fail(CS_EBADMSG, "gguf: %s: general.alignment must be uint32", path);
+                r = cs_fail(CS_EBADMSG, "gguf: %s: general.alignment must be uint32", path);
                 goto fail;
             }
             memcpy(&a, kv->data, 4);
             if (a == 0 || (a & (a - 1)) || a > 65536) {
-                r = cs__fail(CS_EBADMSG, "gguf: %s: general.alignment %u is not a power of two <= 65536", path, a);
+                r = cs_fail(CS_EBADMSG, "gguf: %s: general.alignment %u is not a power of two <= 65536", path, a);
                 goto fail;
             }
             g->alignment = a;
@@ -208,7 +208,7 @@ int cs__gguf_open(const char *path, cs_gguf *g) {
         if ((r = rd_str(&c, &t->name, "tensor name")) || (r = rd_u32(&c, &t->n_dims, "tensor dims")))
             goto fail;
         if (t->n_dims == 0 || t->n_dims > CS_GGUF_MAX_DIMS) {
-            r = cs__fail(CS_EBADMSG, "gguf: %s: tensor '%.*s' has %u dimensions (1..%d allowed)",
+            r = cs_fail(CS_EBADMSG, "gguf: %s: tensor '%.*s' has %u dimensions (1..%d allowed)",
                          path, (int)t->name.len, t->name.ptr, t->n_dims, CS_GGUF_MAX_DIMS);
             goto fail;
         }
@@ -218,7 +218,7 @@ int cs__gguf_open(const char *path, cs_gguf *g) {
             uint64_t ne;
             if ((r = rd_u64(&c, &ne, "tensor shape"))) goto fail;
             if (ne == 0 || ne > ((uint64_t)1 << 40) || n_elem > UINT64_MAX / ne) {
-                r = cs__fail(CS_EBADMSG, "gguf: %s: tensor '%.*s' has bad dimension %u = %llu",
+                r = cs_fail(CS_EBADMSG, "gguf: %s: tensor '%.*s' has bad dimension %u = %llu",
                              path, (int)t->name.len, t->name.ptr, d, (unsigned long long)ne);
                 goto fail;
             }
@@ -228,26 +228,26 @@ int cs__gguf_open(const char *path, cs_gguf *g) {
         if ((r = rd_u32(&c, &type, "tensor type")) || (r = rd_u64(&c, &t->offset, "tensor offset")))
             goto fail;
         if (!cs__dtype_info(type)) {
-            r = cs__fail(CS_ENOTSUP, "gguf: %s: tensor '%.*s' has type %s (%u), which chunkserve does not support (f32, f16, bf16, q8_0, q4_0, q4_1)",
+            r = cs_fail(CS_ENOTSUP, "gguf: %s: tensor '%.*s' has type %s (%u), which chunkserve does not support (f32, f16, bf16, q8_0, q4_0, q4_1)",
                          path, (int)t->name.len, t->name.ptr, cs__dtype_name(type), type);
             goto fail;
         }
         t->type = (enum cs_dtype)type;
         if (!cs__dtype_nbytes(t->type, n_elem, &t->nbytes) ||
             t->ne[0] % cs__dtype_info(type)->block_size) {
-            r = cs__fail(CS_EBADMSG, "gguf: %s: tensor '%.*s': row of %lld elements is not a whole number of %s blocks",
+            r = cs_fail(CS_EBADMSG, "gguf: %s: tensor '%.*s': row of %lld elements is not a whole number of %s blocks",
                          path, (int)t->name.len, t->name.ptr, (long long)t->ne[0], cs__dtype_name(type));
             goto fail;
         }
         if (t->offset % g->alignment) {
-            r = cs__fail(CS_EBADMSG, "gguf: %s: tensor '%.*s' offset %llu is not aligned to %u",
+            r = cs_fail(CS_EBADMSG, "gguf: %s: tensor '%.*s' offset %llu is not aligned to %u",
                          path, (int)t->name.len, t->name.ptr, (unsigned long long)t->offset, g->alignment);
             goto fail;
         }
         for (uint64_t j = 0; j < i; j++) {
             if (g->tensors[j].name.len == t->name.len &&
                 !memcmp(g->tensors[j].name.ptr, t->name.ptr, t->name.len)) {
-                r = cs__fail(CS_EBADMSG, "gguf: %s: duplicate tensor '%.*s'", path, (int)t->name.len, t->name.ptr);
+                r = cs_fail(CS_EBADMSG, "gguf: %s: duplicate tensor '%.*s'", path, (int)t->name.len, t->name.ptr);
                 goto fail;
             }
         }
@@ -256,7 +256,7 @@ int cs__gguf_open(const char *path, cs_gguf *g) {
     size_t hdr = (size_t)(c.p - g->file.data);
     size_t data_off = (hdr + g->alignment - 1) / g->alignment * g->alignment;
     if (n_tensors && data_off > g->file.size) {
-        r = cs__fail(CS_EBADMSG, "gguf: %s: file truncated before the tensor data section", path);
+        r = cs_fail(CS_EBADMSG, "gguf: %s: file truncated before the tensor data section", path);
         goto fail;
     }
     g->data_section = g->file.data + data_off;
@@ -264,7 +264,7 @@ int cs__gguf_open(const char *path, cs_gguf *g) {
     for (uint64_t i = 0; i < n_tensors; i++) {
         cs_gguf_tensor *t = &g->tensors[i];
         if (t->offset > data_size || t->nbytes > data_size - t->offset) {
-            r = cs__fail(CS_EBADMSG, "gguf: %s: tensor '%.*s' (%zu bytes at offset %llu) ends past end of file (data section is %zu bytes)",
+            r = cs_fail(CS_EBADMSG, "gguf: %s: tensor '%.*s' (%zu bytes at offset %llu) ends past end of file (data section is %zu bytes)",
                          path, (int)t->name.len, t->name.ptr, t->nbytes,
                          (unsigned long long)t->offset, data_size);
             goto fail;
@@ -316,7 +316,7 @@ int cs__gguf_get_u32(const cs_gguf *g, const char *key, uint32_t *out) {
     if (!kv) return CS_ENOENT;
     int64_t v;
     if (get_int(kv, &v) || v < 0 || v > UINT32_MAX)
-        return cs__fail(CS_EBADMSG, "gguf: key '%s' must be a non-negative 32-bit integer", key);
+        return cs_fail(CS_EBADMSG, "gguf: key '%s' must be a non-negative 32-bit integer", key);
     *out = (uint32_t)v;
     return 0;
 }
@@ -332,7 +332,7 @@ int cs__gguf_get_f32(const cs_gguf *g, const char *key, float *out) {
         *out = (float)d;
     } else {
         int64_t v;
-        if (get_int(kv, &v)) return cs__fail(CS_EBADMSG, "gguf: key '%s' must be a number", key);
+        if (get_int(kv, &v)) return cs_fail(CS_EBADMSG, "gguf: key '%s' must be a number", key);
         *out = (float)v;
     }
     return 0;
@@ -341,7 +341,7 @@ int cs__gguf_get_f32(const cs_gguf *g, const char *key, float *out) {
 int cs__gguf_get_bool(const cs_gguf *g, const char *key, bool *out) {
     const cs_gguf_kv *kv = cs__gguf_find(g, key);
     if (!kv) return CS_ENOENT;
-    if (kv->type != CS_GGUF_BOOL) return cs__fail(CS_EBADMSG, "gguf: key '%s' must be a bool", key);
+    if (kv->type != CS_GGUF_BOOL) return cs_fail(CS_EBADMSG, "gguf: key '%s' must be a bool", key);
     *out = kv->data[0] != 0;
     return 0;
 }
@@ -349,7 +349,7 @@ int cs__gguf_get_bool(const cs_gguf *g, const char *key, bool *out) {
 int cs__gguf_get_str(const cs_gguf *g, const char *key, cs_gguf_str *out) {
     const cs_gguf_kv *kv = cs__gguf_find(g, key);
     if (!kv) return CS_ENOENT;
-    if (kv->type != CS_GGUF_STRING) return cs__fail(CS_EBADMSG, "gguf: key '%s' must be a string", key);
+    if (kv->type != CS_GGUF_STRING) return cs_fail(CS_EBADMSG, "gguf: key '%s' must be a string", key);
     uint64_t len;
     memcpy(&len, kv->data, 8);
     out->ptr = (const char *)kv->data + 8;
@@ -361,9 +361,9 @@ int cs__gguf_get_str_array(const cs_gguf *g, const char *key, cs_gguf_str **out,
     const cs_gguf_kv *kv = cs__gguf_find(g, key);
     if (!kv) return CS_ENOENT;
     if (kv->type != CS_GGUF_ARRAY || kv->arr_type != CS_GGUF_STRING)
-        return cs__fail(CS_EBADMSG, "gguf: key '%s' must be an array of strings", key);
+        return cs_fail(CS_EBADMSG, "gguf: key '%s' must be an array of strings", key);
     cs_gguf_str *a = malloc((kv->arr_count ? kv->arr_count : 1) * sizeof *a);
-    if (!a) return cs__fail(CS_ENOMEM, "gguf: out of memory reading '%s'", key);
+    if (!a) return cs_fail(CS_ENOMEM, "gguf: out of memory reading '%s'", key);
     const uint8_t *p = kv->data; /* already validated by open */
     for (uint64_t i = 0; i < kv->arr_count; i++) {
         uint64_t len;
@@ -381,9 +381,9 @@ int cs__gguf_get_i32_array(const cs_gguf *g, const char *key, int32_t **out, uin
     const cs_gguf_kv *kv = cs__gguf_find(g, key);
     if (!kv) return CS_ENOENT;
     if (kv->type != CS_GGUF_ARRAY || (kv->arr_type != CS_GGUF_INT32 && kv->arr_type != CS_GGUF_UINT32))
-        return cs__fail(CS_EBADMSG, "gguf: key '%s' must be an array of 32-bit integers", key);
+        return cs_fail(CS_EBADMSG, "gguf: key '%s' must be an array of 32-bit integers", key);
     int32_t *a = malloc((kv->arr_count ? kv->arr_count : 1) * sizeof *a);
-    if (!a) return cs__fail(CS_ENOMEM, "gguf: out of memory reading '%s'", key);
+    if (!a) return cs_fail(CS_ENOMEM, "gguf: out of memory reading '%s'", key);
     if (kv->arr_count) memcpy(a, kv->data, kv->arr_count * 4);
     *out = a;
     *count = kv->arr_count;

@@ -35,7 +35,7 @@ struct cs_kv_cache {
 int cs_kv_cache_init(int32_t n_pages, int32_t page_size, cs_kv_cache **out) {
     *out = NULL;
     if (n_pages < 1 || page_size < 1)
-        return cs__fail(
+        return cs_fail(
             CS_EINVAL,
             "kv cache: need at least one page of at least one token (got %d pages of %d)", n_pages,
             page_size);
@@ -43,7 +43,7 @@ int cs_kv_cache_init(int32_t n_pages, int32_t page_size, cs_kv_cache **out) {
     while ((UINT64_C(1) << bits) < 2 * (uint64_t)n_pages)
         bits++;
     if ((UINT64_C(1) << bits) > SIZE_MAX / sizeof(int32_t))
-        return cs__fail(CS_ENOMEM, "kv cache: %d pages too many for this host", n_pages);
+        return cs_fail(CS_ENOMEM, "kv cache: %d pages too many for this host", n_pages);
     size_t n_slots = (size_t)1 << bits;
     size_t n = (size_t)n_pages;
     cs_kv_cache *kv = calloc(1, sizeof *kv);
@@ -59,7 +59,7 @@ int cs_kv_cache_init(int32_t n_pages, int32_t page_size, cs_kv_cache **out) {
     if (!kv || !kv->free_stack || !kv->refs || !kv->hash || !kv->registered || !kv->lru_prev ||
         !kv->lru_next || !kv->slots) {
         cs_kv_cache_free(kv);
-        return cs__fail(CS_ENOMEM, "kv cache: out of memory for %d pages", n_pages);
+        return cs_fail(CS_ENOMEM, "kv cache: out of memory for %d pages", n_pages);
     }
     kv->n_pages = n_pages;
     kv->page_size = page_size;
@@ -178,9 +178,9 @@ static void lru_unlink(cs_kv_cache *kv, int32_t id) {
 /* ---- pages ---- */
 
 int cs_kv_cache_alloc_pages(cs_kv_cache *kv, int32_t n, int32_t *ids) {
-    if (n < 0) return cs__fail(CS_EINVAL, "kv cache: cannot allocate %d pages", n);
+    if (n < 0) return cs_fail(CS_EINVAL, "kv cache: cannot allocate %d pages", n);
     if (n > kv->n_free + kv->n_cached)
-        return cs__fail(CS_ENOSPC, "kv cache: %d pages wanted, %d free and %d cached of %d", n,
+        return cs_fail(CS_ENOSPC, "kv cache: %d pages wanted, %d free and %d cached of %d", n,
                         kv->n_free, kv->n_cached, kv->n_pages);
     for (int32_t i = 0; i < n; i++) {
         int32_t id;
@@ -200,15 +200,15 @@ int cs_kv_cache_alloc_pages(cs_kv_cache *kv, int32_t n, int32_t *ids) {
 
 int cs_kv_cache_ref_page(cs_kv_cache *kv, int32_t id) {
     if (id < 0 || id >= kv->n_pages)
-        return cs__fail(CS_EINVAL, "kv cache: page %d out of range (%d pages)", id, kv->n_pages);
+        return cs_fail(CS_EINVAL, "kv cache: page %d out of range (%d pages)", id, kv->n_pages);
     /* A cached page is held by nobody, so the caller's id is stale: accepting
      * it would make the bug visible only when the page had been evicted. */
     if (kv->refs[id] == 0 && kv->registered[id])
-        return cs__fail(CS_EINVAL,
+        return cs_fail(CS_EINVAL,
                         "kv cache: page %d is cached with no reference; take it back with "
                         "cs_kv_cache_lookup",
                         id);
-    if (kv->refs[id] == 0) return cs__fail(CS_EINVAL, "kv cache: page %d is not allocated", id);
+    if (kv->refs[id] == 0) return cs_fail(CS_EINVAL, "kv cache: page %d is not allocated", id);
     kv->refs[id]++;
     return 0;
 }
@@ -217,7 +217,7 @@ int cs_kv_cache_free_pages(cs_kv_cache *kv, const int32_t *ids, int32_t n) {
     for (int32_t i = 0; i < n; i++) {
         int32_t id = ids[i];
         if (id < 0 || id >= kv->n_pages || kv->refs[id] == 0)
-            return cs__fail(CS_EINVAL, "kv cache: page %d is not allocated (double free?)", id);
+            return cs_fail(CS_EINVAL, "kv cache: page %d is not allocated (double free?)", id);
     }
     /* a page listed twice must hold two references */
     for (int32_t i = 0; i < n; i++) {
@@ -225,7 +225,7 @@ int cs_kv_cache_free_pages(cs_kv_cache *kv, const int32_t *ids, int32_t n) {
         for (int32_t j = 0; j < n; j++)
             seen += ids[j] == id;
         if (seen > kv->refs[id])
-            return cs__fail(CS_EINVAL, "kv cache: page %d freed %d times but holds %d references",
+            return cs_fail(CS_EINVAL, "kv cache: page %d freed %d times but holds %d references",
                             id, seen, kv->refs[id]);
     }
     for (int32_t i = 0; i < n; i++) {
@@ -273,7 +273,7 @@ uint64_t cs_kv_cache_page_hash(uint64_t parent, const int32_t *tokens, int32_t n
 
 int cs_kv_cache_register(cs_kv_cache *kv, int32_t id, uint64_t hash) {
     if (id < 0 || id >= kv->n_pages || kv->refs[id] == 0)
-        return cs__fail(CS_EINVAL, "kv cache: cannot register page %d: not allocated", id);
+        return cs_fail(CS_EINVAL, "kv cache: cannot register page %d: not allocated", id);
     int32_t holder = kv->slots[slot_find(kv, hash)];
     if (holder >= 0) return 0; /* this page already, or another copy that wins */
     if (kv->registered[id]) table_remove(kv, id);
@@ -311,34 +311,34 @@ void cs_kv_cache_clear_prefixes(cs_kv_cache *kv) {
 int cs_kv_cache_check(const cs_kv_cache *kv) {
     int32_t n = kv->n_pages, n_free = 0, n_cached = 0, n_reg = 0;
     if (kv->n_free < 0 || kv->n_free > n || kv->n_cached < 0 || kv->n_cached > n - kv->n_free)
-        return cs__fail(CS_EBADMSG, "kv check: counts free %d cached %d of %d", kv->n_free,
+        return cs_fail(CS_EBADMSG, "kv check: counts free %d cached %d of %d", kv->n_free,
                         kv->n_cached, n);
     for (int32_t id = 0; id < n; id++) {
         if (kv->refs[id] < 0)
-            return cs__fail(CS_EBADMSG, "kv check: page %d refcount %d", id, kv->refs[id]);
+            return cs_fail(CS_EBADMSG, "kv check: page %d refcount %d", id, kv->refs[id]);
         bool cached = kv->refs[id] == 0 && kv->registered[id];
         n_free += kv->refs[id] == 0 && !kv->registered[id];
         n_cached += cached;
         n_reg += kv->registered[id] != 0;
         if (!cached && (kv->lru_prev[id] != -1 || kv->lru_next[id] != -1))
-            return cs__fail(CS_EBADMSG, "kv check: page %d not cached but has LRU links %d/%d", id,
+            return cs_fail(CS_EBADMSG, "kv check: page %d not cached but has LRU links %d/%d", id,
                             kv->lru_prev[id], kv->lru_next[id]);
         if (kv->registered[id] && kv->slots[slot_find(kv, kv->hash[id])] != id)
-            return cs__fail(CS_EBADMSG,
+            return cs_fail(CS_EBADMSG,
                             "kv check: registered page %d not found under its hash %016llx", id,
                             (unsigned long long)kv->hash[id]);
     }
     if (n_free != kv->n_free || n_cached != kv->n_cached)
-        return cs__fail(CS_EBADMSG, "kv check: %d free and %d cached pages, counters say %d and %d",
+        return cs_fail(CS_EBADMSG, "kv check: %d free and %d cached pages, counters say %d and %d",
                         n_free, n_cached, kv->n_free, kv->n_cached);
 
     uint8_t *seen = calloc((size_t)n, 1);
-    if (!seen) return cs__fail(CS_ENOMEM, "kv check: out of memory");
+    if (!seen) return cs_fail(CS_ENOMEM, "kv check: out of memory");
     int r = 0;
     for (int32_t i = 0; i < kv->n_free && !r; i++) {
         int32_t id = kv->free_stack[i];
         if (id < 0 || id >= n || seen[id] || kv->refs[id] != 0 || kv->registered[id])
-            r = cs__fail(CS_EBADMSG,
+            r = cs_fail(CS_EBADMSG,
                          "kv check: free stack entry %d is page %d (not free, or listed twice)", i,
                          id);
         else
@@ -350,7 +350,7 @@ int cs_kv_cache_check(const cs_kv_cache *kv) {
     int32_t steps = 0, prev = -1, cur = kv->lru_head;
     while (cur >= 0 && cur < n && !r) {
         if (seen[cur] || kv->refs[cur] != 0 || !kv->registered[cur] || kv->lru_prev[cur] != prev)
-            r = cs__fail(
+            r = cs_fail(
                 CS_EBADMSG,
                 "kv check: LRU entry %d is page %d (not cached, bad link, or listed twice)", steps,
                 cur);
@@ -360,7 +360,7 @@ int cs_kv_cache_check(const cs_kv_cache *kv) {
         steps++;
     }
     if (!r && (cur != -1 || steps != kv->n_cached || kv->lru_tail != prev))
-        r = cs__fail(
+        r = cs_fail(
             CS_EBADMSG,
             "kv check: LRU holds %d pages ending at %d (next %d), expected %d ending at %d", steps,
             prev, cur, kv->n_cached, kv->lru_tail);
@@ -370,11 +370,11 @@ int cs_kv_cache_check(const cs_kv_cache *kv) {
         if (id < 0) continue;
         n_slots_used++;
         if (id >= n || !kv->registered[id] || slot_find(kv, kv->hash[id]) != i)
-            r = cs__fail(CS_EBADMSG,
+            r = cs_fail(CS_EBADMSG,
                          "kv check: slot %zu holds page %d, which is not registered there", i, id);
     }
     if (!r && n_slots_used != n_reg)
-        r = cs__fail(CS_EBADMSG, "kv check: hash table holds %d pages, %d are registered",
+        r = cs_fail(CS_EBADMSG, "kv check: hash table holds %d pages, %d are registered",
                      n_slots_used, n_reg);
     free(seen);
     return r;
@@ -383,7 +383,7 @@ int cs_kv_cache_check(const cs_kv_cache *kv) {
 /* ---- page tables ---- */
 
 int cs_page_table_reserve(cs_page_table *pt, cs_kv_cache *kv, int32_t n_tokens) {
-    if (n_tokens < 0) return cs__fail(CS_EINVAL, "page table: %d tokens", n_tokens);
+    if (n_tokens < 0) return cs_fail(CS_EINVAL, "page table: %d tokens", n_tokens);
     int32_t need = (int32_t)(((int64_t)n_tokens + kv->page_size - 1) / kv->page_size);
     if (need <= pt->n_pages) return 0;
     if (need > pt->cap) {
@@ -391,7 +391,7 @@ int cs_page_table_reserve(cs_page_table *pt, cs_kv_cache *kv, int32_t n_tokens) 
         while (cap < need)
             cap *= 2;
         int32_t *p = realloc(pt->pages, (size_t)cap * sizeof *p);
-        if (!p) return cs__fail(CS_ENOMEM, "page table: out of memory");
+        if (!p) return cs_fail(CS_ENOMEM, "page table: out of memory");
         pt->pages = p;
         pt->cap = cap;
     }

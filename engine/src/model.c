@@ -60,7 +60,7 @@ static int64_t dim_value(const cs_model_config *c, int d) {
 
 static int check_config(const cs_model_config *c, const char *path) {
 #define REQ(cond, ...) \
-    if (!(cond)) return cs__fail(CS_EBADMSG, __VA_ARGS__)
+    if (!(cond)) return cs_fail(CS_EBADMSG, __VA_ARGS__)
     REQ(c->n_vocab > 0 && c->n_vocab <= (1 << 22), "model %s: vocabulary size %d out of range", path, c->n_vocab);
     REQ(c->dim > 0 && c->dim <= 65536, "model %s: hidden size %d out of range", path, c->dim);
     REQ(c->n_layers > 0 && c->n_layers <= 1024, "model %s: layer count %d out of range", path, c->n_layers);
@@ -131,7 +131,7 @@ int cs__model_build(cs_model *m, const cs_tensor_source *src, const char *path) 
     bool *present = calloc(n_specs_total, sizeof *present);
     float *tmp = NULL;
     if (!found || !present) {
-        r = cs__fail(CS_ENOMEM, "model %s: out of memory", path);
+        r = cs_fail(CS_ENOMEM, "model %s: out of memory", path);
         goto done;
     }
     size_t total = (size_t)(c->head_dim / 2);
@@ -149,7 +149,7 @@ int cs__model_build(cs_model *m, const cs_tensor_source *src, const char *path) 
             r = src->find(src->ctx, name, &found[idx]);
             if (r == CS_ENOENT) {
                 if (!w->optional) {
-                    r = cs__fail(CS_EBADMSG, "model %s: tensor '%s' is missing", path, name);
+                    r = cs_fail(CS_EBADMSG, "model %s: tensor '%s' is missing", path, name);
                     goto done;
                 }
                 r = 0;
@@ -166,9 +166,9 @@ int cs__model_build(cs_model *m, const cs_tensor_source *src, const char *path) 
                 for (int d = 0; d < t->n_dims && off < (int)sizeof got - 24; d++)
                     off += snprintf(got + off, sizeof got - (size_t)off, d ? ", %lld" : "%lld", (long long)t->shape[d]);
                 if (w->cols == DIM_ONE)
-                    r = cs__fail(CS_EBADMSG, "model %s: tensor '%s' has shape [%s], expected [%lld]", path, name, got, (long long)rows);
+                    r = cs_fail(CS_EBADMSG, "model %s: tensor '%s' has shape [%s], expected [%lld]", path, name, got, (long long)rows);
                 else
-                    r = cs__fail(CS_EBADMSG, "model %s: tensor '%s' has shape [%s], expected [%lld, %lld]", path, name, got, (long long)rows, (long long)cols);
+                    r = cs_fail(CS_EBADMSG, "model %s: tensor '%s' has shape [%s], expected [%lld, %lld]", path, name, got, (long long)rows, (long long)cols);
                 goto done;
             }
             if (w->layer_off == offsetof(cs_layer, bq) || w->layer_off == offsetof(cs_layer, bk) ||
@@ -180,7 +180,7 @@ int cs__model_build(cs_model *m, const cs_tensor_source *src, const char *path) 
     }
     if (!present[2 * (size_t)n_layers] && !c->tied_embeddings) c->tied_embeddings = true;
     if (n_bias != 0 && n_bias != 3 * n_layers) {
-        r = cs__fail(CS_EBADMSG, "model %s: q/k/v biases are present in some layers only (%d of %d)",
+        r = cs_fail(CS_EBADMSG, "model %s: q/k/v biases are present in some layers only (%d of %d)",
                      path, n_bias, 3 * n_layers);
         goto done;
     }
@@ -195,7 +195,7 @@ int cs__model_build(cs_model *m, const cs_tensor_source *src, const char *path) 
     int64_t max_rows = dim_value(c, DIM_Q) > dim_value(c, DIM_KV) ? dim_value(c, DIM_Q) : dim_value(c, DIM_KV);
     tmp = malloc((size_t)(max_rows * c->dim) * sizeof(float));
     if (!m->weights || !m->layers || !tmp) {
-        r = cs__fail(CS_ENOMEM, "model %s: out of memory for %zu MiB of fp32 weights", path, total * 4 >> 20);
+        r = cs_fail(CS_ENOMEM, "model %s: out of memory for %zu MiB of fp32 weights", path, total * 4 >> 20);
         goto done;
     }
     m->n_weights = total;
@@ -242,8 +242,8 @@ static bool is_dir(const char *path) {
 static int model_load(const char *path, bool vocab_only, cs_model **out) {
     *out = NULL;
     cs_model *m = calloc(1, sizeof *m);
-    if (!m) return cs__fail(CS_ENOMEM, "model: out of memory");
-    double t0 = cs__now();
+    if (!m) return cs_fail(CS_ENOMEM, "model: out of memory");
+    double t0 = cs_now();
     int r = is_dir(path) ? cs__model_load_hf(path, m, vocab_only)
                          : cs__model_load_gguf(path, m, vocab_only);
     if (r) {
@@ -258,7 +258,7 @@ static int model_load(const char *path, bool vocab_only, cs_model **out) {
         snprintf(what, sizeof what, "%.0f MiB fp32", (double)m->n_weights * 4 / (1 << 20));
     CS_LOGI("loaded %s (%s): %d layers, dim %d, %d/%d heads x %d, ffn %d, vocab %d, %s embeddings, %s in %.2f s",
             path, c->arch, c->n_layers, c->dim, c->n_heads, c->n_kv_heads, c->head_dim, c->hidden_dim,
-            c->n_vocab, c->tied_embeddings ? "tied" : "untied", what, cs__now() - t0);
+            c->n_vocab, c->tied_embeddings ? "tied" : "untied", what, cs_now() - t0);
     *out = m;
     return 0;
 }

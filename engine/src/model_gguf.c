@@ -34,11 +34,11 @@ static int arch_u32(const cs_gguf *g, const char *arch, const char *suffix, bool
     uint32_t v;
     int r = cs__gguf_get_u32(g, key, &v);
     if (r == CS_ENOENT) {
-        if (required) return cs__fail(CS_EBADMSG, "gguf: %s: missing metadata key '%s'", path, key);
+        if (required) return cs_fail(CS_EBADMSG, "gguf: %s: missing metadata key '%s'", path, key);
         return 0;
     }
     if (r) return r;
-    if (v > INT32_MAX) return cs__fail(CS_EBADMSG, "gguf: %s: '%s' = %u is too large", path, key, v);
+    if (v > INT32_MAX) return cs_fail(CS_EBADMSG, "gguf: %s: '%s' = %u is too large", path, key, v);
     *out = (int32_t)v;
     return 0;
 }
@@ -58,13 +58,13 @@ int cs__model_load_gguf(const char *path, cs_model *m, bool vocab_only) {
     cs_model_config *c = &m->cfg;
     cs_gguf_str s;
     if ((r = cs__gguf_get_str(&g, "general.architecture", &s))) {
-        if (r == CS_ENOENT) r = cs__fail(CS_EBADMSG, "gguf: %s: missing metadata key 'general.architecture'", path);
+        if (r == CS_ENOENT) r = cs_fail(CS_EBADMSG, "gguf: %s: missing metadata key 'general.architecture'", path);
         goto done;
     }
     str_copy(&s, c->arch, sizeof c->arch);
     bool is_llama = !strcmp(c->arch, "llama") || !strcmp(c->arch, "mistral");
     if (!is_llama && strcmp(c->arch, "qwen2") != 0) {
-        r = cs__fail(CS_ENOTSUP, "gguf: %s: architecture '%s' is not supported (llama, mistral, qwen2 are)", path, c->arch);
+        r = cs_fail(CS_ENOTSUP, "gguf: %s: architecture '%s' is not supported (llama, mistral, qwen2 are)", path, c->arch);
         goto done;
     }
     if (cs__gguf_get_str(&g, "general.name", &s) == 0) str_copy(&s, c->name, sizeof c->name);
@@ -84,7 +84,7 @@ int cs__model_load_gguf(const char *path, cs_model *m, bool vocab_only) {
     if (c->n_kv_heads < 0) c->n_kv_heads = c->n_heads;
     if (c->head_dim < 0 && c->n_heads > 0) c->head_dim = c->dim / c->n_heads;
     if (rope_dims >= 0 && rope_dims != c->head_dim) {
-        r = cs__fail(CS_ENOTSUP, "gguf: %s: partial rotary embeddings (%d of %d dims) are not supported", path, rope_dims, c->head_dim);
+        r = cs_fail(CS_ENOTSUP, "gguf: %s: partial rotary embeddings (%d of %d dims) are not supported", path, rope_dims, c->head_dim);
         goto done;
     }
     c->norm_eps = 1e-5f;
@@ -101,31 +101,31 @@ int cs__model_load_gguf(const char *path, cs_model *m, bool vocab_only) {
             c->rope_scaling = CS_ROPE_SCALING_LINEAR;
             if ((r = arch_f32(&g, a, "rope.scaling.factor", &c->rope_factor))) goto done;
         } else if (strcmp(type, "none") != 0) {
-            r = cs__fail(CS_ENOTSUP, "gguf: %s: RoPE scaling '%s' is not supported (linear and llama3 are)", path, type);
+            r = cs_fail(CS_ENOTSUP, "gguf: %s: RoPE scaling '%s' is not supported (linear and llama3 are)", path, type);
             goto done;
         }
     }
     const cs_gguf_tensor *embd = cs__gguf_find_tensor(&g, "token_embd.weight");
     if (!embd || embd->n_dims != 2) {
-        r = cs__fail(CS_EBADMSG, "gguf: %s: tensor 'token_embd.weight' is missing or not 2-D", path);
+        r = cs_fail(CS_EBADMSG, "gguf: %s: tensor 'token_embd.weight' is missing or not 2-D", path);
         goto done;
     }
     c->n_vocab = (int32_t)(embd->ne[1] > INT32_MAX ? -1 : embd->ne[1]);
     const cs_gguf_tensor *rf = cs__gguf_find_tensor(&g, "rope_freqs.weight");
     if (rf) { /* llama3 scaling is stored as per-frequency divisors */
         if (rf->n_dims != 1 || rf->ne[0] != c->head_dim / 2 || rf->type != CS_DTYPE_F32) {
-            r = cs__fail(CS_EBADMSG, "gguf: %s: rope_freqs.weight must be f32 [%d]", path, c->head_dim / 2);
+            r = cs_fail(CS_EBADMSG, "gguf: %s: rope_freqs.weight must be f32 [%d]", path, c->head_dim / 2);
             goto done;
         }
         freq_factors = malloc((size_t)rf->ne[0] * sizeof(float));
         if (!freq_factors) {
-            r = cs__fail(CS_ENOMEM, "gguf: out of memory");
+            r = cs_fail(CS_ENOMEM, "gguf: out of memory");
             goto done;
         }
         memcpy(freq_factors, rf->data, (size_t)rf->ne[0] * sizeof(float));
         for (int64_t i = 0; i < rf->ne[0]; i++) {
             if (!(freq_factors[i] > 0)) {
-                r = cs__fail(CS_EBADMSG, "gguf: %s: rope_freqs.weight[%lld] is not positive", path, (long long)i);
+                r = cs_fail(CS_EBADMSG, "gguf: %s: rope_freqs.weight[%lld] is not positive", path, (long long)i);
                 goto done;
             }
         }
@@ -140,7 +140,7 @@ int cs__model_load_gguf(const char *path, cs_model *m, bool vocab_only) {
     if ((r = cs__model_build(m, &src, path))) goto done;
     if ((r = cs__tokenizer_load_gguf(path, &m->tok))) goto done;
     if (cs_tokenizer_n_vocab(m->tok) != c->n_vocab) {
-        r = cs__fail(CS_EBADMSG, "gguf: %s: tokenizer has %d tokens but token_embd has %d rows", path,
+        r = cs_fail(CS_EBADMSG, "gguf: %s: tokenizer has %d tokens but token_embd has %d rows", path,
                      cs_tokenizer_n_vocab(m->tok), c->n_vocab);
         goto done;
     }
@@ -155,7 +155,7 @@ static int32_t opt_id(const cs_gguf *g, const char *key, int32_t n_vocab, int *e
     int r = cs__gguf_get_u32(g, key, &v);
     if (r == CS_ENOENT) return -1;
     if (r || v >= (uint32_t)n_vocab) {
-        *err = cs__fail(CS_EBADMSG, "gguf: '%s' = %u is not a valid token id (vocabulary has %d)", key, v, n_vocab);
+        *err = cs_fail(CS_EBADMSG, "gguf: '%s' = %u is not a valid token id (vocabulary has %d)", key, v, n_vocab);
         return -1;
     }
     return (int32_t)v;
@@ -175,33 +175,33 @@ int cs__tokenizer_load_gguf(const char *path, cs_tokenizer **out) {
     cs_gguf_str s;
     char model[32] = "", pre[64] = "gpt2";
     if ((r = cs__gguf_get_str(&g, "tokenizer.ggml.model", &s))) {
-        if (r == CS_ENOENT) r = cs__fail(CS_EBADMSG, "gguf: %s: missing metadata key 'tokenizer.ggml.model'", path);
+        if (r == CS_ENOENT) r = cs_fail(CS_EBADMSG, "gguf: %s: missing metadata key 'tokenizer.ggml.model'", path);
         goto done;
     }
     str_copy(&s, model, sizeof model);
     if (strcmp(model, "gpt2") != 0) {
-        r = cs__fail(CS_ENOTSUP, "gguf: %s: tokenizer model '%s' is not supported (byte-level BPE 'gpt2' is)", path, model);
+        r = cs_fail(CS_ENOTSUP, "gguf: %s: tokenizer model '%s' is not supported (byte-level BPE 'gpt2' is)", path, model);
         goto done;
     }
     if (cs__gguf_get_str(&g, "tokenizer.ggml.pre", &s) == 0) str_copy(&s, pre, sizeof pre);
     else CS_LOGW("gguf: %s: no tokenizer.ggml.pre (an old conversion); using the GPT-2 pre-tokenizer", path);
     if ((r = cs__gguf_get_str_array(&g, "tokenizer.ggml.tokens", &tokens, &n_tokens))) {
-        if (r == CS_ENOENT) r = cs__fail(CS_EBADMSG, "gguf: %s: missing metadata key 'tokenizer.ggml.tokens'", path);
+        if (r == CS_ENOENT) r = cs_fail(CS_EBADMSG, "gguf: %s: missing metadata key 'tokenizer.ggml.tokens'", path);
         goto done;
     }
     if (n_tokens == 0 || n_tokens > (1 << 22)) {
-        r = cs__fail(CS_EBADMSG, "gguf: %s: tokenizer.ggml.tokens has %llu entries", path, (unsigned long long)n_tokens);
+        r = cs_fail(CS_EBADMSG, "gguf: %s: tokenizer.ggml.tokens has %llu entries", path, (unsigned long long)n_tokens);
         goto done;
     }
     if ((r = cs__gguf_get_str_array(&g, "tokenizer.ggml.merges", &merges, &n_merges))) {
-        if (r == CS_ENOENT) r = cs__fail(CS_EBADMSG, "gguf: %s: missing metadata key 'tokenizer.ggml.merges'", path);
+        if (r == CS_ENOENT) r = cs_fail(CS_EBADMSG, "gguf: %s: missing metadata key 'tokenizer.ggml.merges'", path);
         goto done;
     }
     r = cs__gguf_get_i32_array(&g, "tokenizer.ggml.token_type", &types, &n_types);
     if (r && r != CS_ENOENT) goto done;
     r = 0;
     if (types && n_types != n_tokens) {
-        r = cs__fail(CS_EBADMSG, "gguf: %s: token_type has %llu entries for %llu tokens", path,
+        r = cs_fail(CS_EBADMSG, "gguf: %s: token_type has %llu entries for %llu tokens", path,
                      (unsigned long long)n_types, (unsigned long long)n_tokens);
         goto done;
     }
@@ -210,7 +210,7 @@ int cs__tokenizer_load_gguf(const char *path, cs_tokenizer **out) {
     merge_ptrs = malloc((n_merges + 1) * sizeof *merge_ptrs);
     merge_lens = malloc((n_merges + 1) * sizeof *merge_lens);
     if (!tok_ptrs || !tok_lens || !merge_ptrs || !merge_lens) {
-        r = cs__fail(CS_ENOMEM, "gguf: out of memory");
+        r = cs_fail(CS_ENOMEM, "gguf: out of memory");
         goto done;
     }
     for (uint64_t i = 0; i < n_tokens; i++) tok_ptrs[i] = tokens[i].ptr, tok_lens[i] = tokens[i].len;
@@ -241,7 +241,7 @@ int cs__tokenizer_load_gguf(const char *path, cs_tokenizer **out) {
     if (cs__gguf_get_str(&g, "tokenizer.chat_template", &s) == 0) {
         tmpl = malloc(s.len + 1);
         if (!tmpl) {
-            r = cs__fail(CS_ENOMEM, "gguf: out of memory");
+            r = cs_fail(CS_ENOMEM, "gguf: out of memory");
             goto done;
         }
         memcpy(tmpl, s.ptr, s.len);

@@ -26,12 +26,12 @@ static int st_find(void *ctx, const char *name, cs_src_tensor *out) {
 static int cfg_int(const cJSON *root, const char *key, bool required, int32_t *out, const char *path) {
     const cJSON *j = cJSON_GetObjectItemCaseSensitive(root, key);
     if (!j || cJSON_IsNull(j)) {
-        if (required) return cs__fail(CS_EBADMSG, "config.json in %s: missing key '%s'", path, key);
+        if (required) return cs_fail(CS_EBADMSG, "config.json in %s: missing key '%s'", path, key);
         return 0;
     }
     if (!cJSON_IsNumber(j) || j->valuedouble != (double)(int64_t)j->valuedouble ||
         j->valuedouble < 0 || j->valuedouble > INT32_MAX)
-        return cs__fail(CS_EBADMSG, "config.json in %s: '%s' must be a non-negative integer", path, key);
+        return cs_fail(CS_EBADMSG, "config.json in %s: '%s' must be a non-negative integer", path, key);
     *out = (int32_t)j->valuedouble;
     return 0;
 }
@@ -39,7 +39,7 @@ static int cfg_int(const cJSON *root, const char *key, bool required, int32_t *o
 static int cfg_float(const cJSON *root, const char *key, float *out, const char *path) {
     const cJSON *j = cJSON_GetObjectItemCaseSensitive(root, key);
     if (!j || cJSON_IsNull(j)) return 0;
-    if (!cJSON_IsNumber(j)) return cs__fail(CS_EBADMSG, "config.json in %s: '%s' must be a number", path, key);
+    if (!cJSON_IsNumber(j)) return cs_fail(CS_EBADMSG, "config.json in %s: '%s' must be a number", path, key);
     *out = (float)j->valuedouble;
     return 0;
 }
@@ -55,15 +55,15 @@ static int parse_config(const char *dir, cs_model_config *c) {
     free(text);
     if (!cJSON_IsObject(root)) {
         cJSON_Delete(root);
-        return cs__fail(CS_EBADMSG, "%s: not a JSON object", path);
+        return cs_fail(CS_EBADMSG, "%s: not a JSON object", path);
     }
     const cJSON *mt = cJSON_GetObjectItemCaseSensitive(root, "model_type");
     if (!cJSON_IsString(mt)) {
-        r = cs__fail(CS_EBADMSG, "%s: missing key 'model_type'", path);
+        r = cs_fail(CS_EBADMSG, "%s: missing key 'model_type'", path);
         goto done;
     }
     if (strcmp(mt->valuestring, "llama") && strcmp(mt->valuestring, "mistral") && strcmp(mt->valuestring, "qwen2")) {
-        r = cs__fail(CS_ENOTSUP, "%s: model_type '%s' is not supported (llama, mistral, qwen2 are)", path, mt->valuestring);
+        r = cs_fail(CS_ENOTSUP, "%s: model_type '%s' is not supported (llama, mistral, qwen2 are)", path, mt->valuestring);
         goto done;
     }
     snprintf(c->arch, sizeof c->arch, "%s", mt->valuestring);
@@ -89,7 +89,7 @@ static int parse_config(const char *dir, cs_model_config *c) {
     if (c->head_dim < 0 && c->n_heads > 0) c->head_dim = c->dim / c->n_heads;
     const cJSON *tie = cJSON_GetObjectItemCaseSensitive(root, "tie_word_embeddings");
     if (tie && !cJSON_IsBool(tie)) {
-        r = cs__fail(CS_EBADMSG, "%s: 'tie_word_embeddings' must be true or false", path);
+        r = cs_fail(CS_EBADMSG, "%s: 'tie_word_embeddings' must be true or false", path);
         goto done;
     }
     /* transformers' default is tied for PretrainedConfig */
@@ -99,7 +99,7 @@ static int parse_config(const char *dir, cs_model_config *c) {
         const cJSON *t = cJSON_GetObjectItemCaseSensitive(rs, "rope_type");
         if (!t) t = cJSON_GetObjectItemCaseSensitive(rs, "type");
         if (!cJSON_IsObject(rs) || !cJSON_IsString(t)) {
-            r = cs__fail(CS_EBADMSG, "%s: 'rope_scaling' needs a 'rope_type'", path);
+            r = cs_fail(CS_EBADMSG, "%s: 'rope_scaling' needs a 'rope_type'", path);
             goto done;
         }
         c->rope_factor = 1;
@@ -113,7 +113,7 @@ static int parse_config(const char *dir, cs_model_config *c) {
                 (r = cfg_int(rs, "original_max_position_embeddings", true, &c->rope_orig_ctx, dir)))
                 goto done;
         } else if (strcmp(t->valuestring, "default") != 0) {
-            r = cs__fail(CS_ENOTSUP, "%s: RoPE scaling '%s' is not supported (linear and llama3 are)", path, t->valuestring);
+            r = cs_fail(CS_ENOTSUP, "%s: RoPE scaling '%s' is not supported (linear and llama3 are)", path, t->valuestring);
             goto done;
         }
     }
@@ -141,7 +141,7 @@ int cs__model_load_hf(const char *dir, cs_model *m, bool vocab_only) {
     }
     if ((r = cs__tokenizer_load_hf(dir, &m->tok))) return r;
     if (cs_tokenizer_n_vocab(m->tok) > m->cfg.n_vocab)
-        return cs__fail(CS_EBADMSG, "model %s: tokenizer has %d tokens but the embedding only %d rows", dir,
+        return cs_fail(CS_EBADMSG, "model %s: tokenizer has %d tokens but the embedding only %d rows", dir,
                         cs_tokenizer_n_vocab(m->tok), m->cfg.n_vocab);
     return 0;
 }

@@ -56,7 +56,7 @@ static int emit(scan *sc, size_t end) {
     if (p->n == p->cap) {
         size_t cap = p->cap ? p->cap * 2 : 64;
         size_t *e = realloc(p->ends, cap * sizeof *e);
-        if (!e) return cs__fail(CS_ENOMEM, "tokenizer: out of memory pre-tokenizing");
+        if (!e) return cs_fail(CS_ENOMEM, "tokenizer: out of memory pre-tokenizing");
         p->ends = e;
         p->cap = cap;
     }
@@ -200,7 +200,7 @@ static int split_llama3(scan *sc, size_t pos, int max_digits) {
 int cs__pretok_split(enum cs_pretok kind, const char *text, size_t len, cs__pieces *out) {
     out->n = 0;
     if (!cs__utf8_valid((const uint8_t *)text, len))
-        return cs__fail(CS_EINVAL, "tokenizer: input is not valid UTF-8");
+        return cs_fail(CS_EINVAL, "tokenizer: input is not valid UTF-8");
     scan sc = {(const uint8_t *)text, len, out, 0};
     switch (kind) {
     case CS_PRETOK_GPT2: return split_gpt2(&sc, 0);
@@ -229,7 +229,7 @@ int cs__pretok_split(enum cs_pretok kind, const char *text, size_t len, cs__piec
         return seg < len ? split_gpt2(&sc, seg) : 0;
     }
     }
-    return cs__fail(CS_EINVAL, "tokenizer: bad pre-tokenizer kind %d", (int)kind);
+    return cs_fail(CS_EINVAL, "tokenizer: bad pre-tokenizer kind %d", (int)kind);
 }
 
 /* tokenizer.ggml.pre names, grouped as llama.cpp's llama-vocab.cpp groups
@@ -267,14 +267,14 @@ static const struct {
 };
 
 int cs__pretok_from_name(const char *name, enum cs_pretok *out) {
-    if (!name) return cs__fail(CS_ENOTSUP, "tokenizer: no pre-tokenizer name");
+    if (!name) return cs_fail(CS_ENOTSUP, "tokenizer: no pre-tokenizer name");
     for (size_t i = 0; i < sizeof pretok_names / sizeof pretok_names[0]; i++) {
         if (strcmp(name, pretok_names[i].name) == 0) {
             *out = pretok_names[i].kind;
             return 0;
         }
     }
-    return cs__fail(CS_ENOTSUP, "tokenizer: unsupported pre-tokenizer '%.64s'", name);
+    return cs_fail(CS_ENOTSUP, "tokenizer: unsupported pre-tokenizer '%.64s'", name);
 }
 
 const char *cs__pretok_name(enum cs_pretok kind) {

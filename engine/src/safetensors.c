@@ -39,22 +39,22 @@ static int add_file(const char *path, cs_st_set *set) {
     int n_new = 0;
     uint64_t hlen;
     if (mf.size < 8) {
-        r = cs__fail(CS_EBADMSG, "safetensors: %s: file truncated (%zu bytes)", path, mf.size);
+        r = cs_fail(CS_EBADMSG, "safetensors: %s: file truncated (%zu bytes)", path, mf.size);
         goto fail;
     }
     memcpy(&hlen, mf.data, 8);
     if (hlen > ST_MAX_HEADER || hlen > mf.size - 8) {
-        r = cs__fail(CS_EBADMSG, "safetensors: %s: header length %llu exceeds the file (%zu bytes)",
+        r = cs_fail(CS_EBADMSG, "safetensors: %s: header length %llu exceeds the file (%zu bytes)",
                      path, (unsigned long long)hlen, mf.size);
         goto fail;
     }
     if (!cs__utf8_valid(mf.data + 8, (size_t)hlen)) {
-        r = cs__fail(CS_EBADMSG, "safetensors: %s: header is not valid UTF-8", path);
+        r = cs_fail(CS_EBADMSG, "safetensors: %s: header is not valid UTF-8", path);
         goto fail;
     }
     root = cJSON_ParseWithLength((const char *)mf.data + 8, (size_t)hlen);
     if (!cJSON_IsObject(root)) {
-        r = cs__fail(CS_EBADMSG, "safetensors: %s: header is not a JSON object", path);
+        r = cs_fail(CS_EBADMSG, "safetensors: %s: header is not a JSON object", path);
         goto fail;
     }
     const uint8_t *buf = mf.data + 8 + hlen;
@@ -62,7 +62,7 @@ static int add_file(const char *path, cs_st_set *set) {
     int count = cJSON_GetArraySize(root);
     grown = realloc(set->tensors, (size_t)(set->n_tensors + count + 1) * sizeof *grown);
     if (!grown) {
-        r = cs__fail(CS_ENOMEM, "safetensors: out of memory");
+        r = cs_fail(CS_ENOMEM, "safetensors: out of memory");
         goto fail;
     }
     set->tensors = grown;
@@ -77,17 +77,17 @@ static int add_file(const char *path, cs_st_set *set) {
         const cJSON *off = cJSON_GetObjectItemCaseSensitive(it, "data_offsets");
         if (!cJSON_IsObject(it) || !cJSON_IsString(dt) || !cJSON_IsArray(sh) ||
             !cJSON_IsArray(off) || cJSON_GetArraySize(off) != 2) {
-            r = cs__fail(CS_EBADMSG, "safetensors: %s: tensor '%s' needs dtype, shape and data_offsets[2]", path, nm);
+            r = cs_fail(CS_EBADMSG, "safetensors: %s: tensor '%s' needs dtype, shape and data_offsets[2]", path, nm);
             goto fail;
         }
         if (parse_dtype(dt->valuestring, &t->type)) {
-            r = cs__fail(CS_ENOTSUP, "safetensors: %s: tensor '%s' has dtype %s (F32, F16 and BF16 are supported)",
+            r = cs_fail(CS_ENOTSUP, "safetensors: %s: tensor '%s' has dtype %s (F32, F16 and BF16 are supported)",
                          path, nm, dt->valuestring);
             goto fail;
         }
         int nd = cJSON_GetArraySize(sh);
         if (nd < 1 || nd > CS_ST_MAX_DIMS) {
-            r = cs__fail(CS_EBADMSG, "safetensors: %s: tensor '%s' has %d dimensions (1..%d allowed)", path, nm, nd, CS_ST_MAX_DIMS);
+            r = cs_fail(CS_EBADMSG, "safetensors: %s: tensor '%s' has %d dimensions (1..%d allowed)", path, nm, nd, CS_ST_MAX_DIMS);
             goto fail;
         }
         uint64_t n_elem = 1;
@@ -95,7 +95,7 @@ static int add_file(const char *path, cs_st_set *set) {
             uint64_t v;
             if (json_uint(cJSON_GetArrayItem(sh, d), &v) || v == 0 || v > ((uint64_t)1 << 40) ||
                 n_elem > UINT64_MAX / v) {
-                r = cs__fail(CS_EBADMSG, "safetensors: %s: tensor '%s' has a bad shape entry %d", path, nm, d);
+                r = cs_fail(CS_EBADMSG, "safetensors: %s: tensor '%s' has a bad shape entry %d", path, nm, d);
                 goto fail;
             }
             t->shape[d] = (int64_t)v;
@@ -106,22 +106,22 @@ static int add_file(const char *path, cs_st_set *set) {
         size_t want;
         if (json_uint(cJSON_GetArrayItem(off, 0), &b) || json_uint(cJSON_GetArrayItem(off, 1), &e) ||
             b > e || e > buf_size) {
-            r = cs__fail(CS_EBADMSG, "safetensors: %s: tensor '%s' data_offsets lie outside the %zu-byte data buffer",
+            r = cs_fail(CS_EBADMSG, "safetensors: %s: tensor '%s' data_offsets lie outside the %zu-byte data buffer",
                          path, nm, buf_size);
             goto fail;
         }
         if (!cs__dtype_nbytes(t->type, n_elem, &want) || want != e - b) {
-            r = cs__fail(CS_EBADMSG, "safetensors: %s: tensor '%s' has %llu bytes but its shape and dtype need %zu",
+            r = cs_fail(CS_EBADMSG, "safetensors: %s: tensor '%s' has %llu bytes but its shape and dtype need %zu",
                          path, nm, (unsigned long long)(e - b), want);
             goto fail;
         }
         if (cs__st_find(set, nm)) {
-            r = cs__fail(CS_EBADMSG, "safetensors: %s: tensor '%s' appears twice", path, nm);
+            r = cs_fail(CS_EBADMSG, "safetensors: %s: tensor '%s' appears twice", path, nm);
             goto fail;
         }
         t->name = strdup(nm);
         if (!t->name) {
-            r = cs__fail(CS_ENOMEM, "safetensors: out of memory");
+            r = cs_fail(CS_ENOMEM, "safetensors: out of memory");
             goto fail;
         }
         t->data = buf + b;
@@ -131,7 +131,7 @@ static int add_file(const char *path, cs_st_set *set) {
     }
     cs_mapped_file *files = realloc(set->files, (size_t)(set->n_files + 1) * sizeof *files);
     if (!files) {
-        r = cs__fail(CS_ENOMEM, "safetensors: out of memory");
+        r = cs_fail(CS_ENOMEM, "safetensors: out of memory");
         goto fail;
     }
     set->files = files;
@@ -160,7 +160,7 @@ static int name_cmp(const void *a, const void *b) {
 int cs__st_open_dir(const char *dir, cs_st_set *set) {
     memset(set, 0, sizeof *set);
     DIR *d = opendir(dir);
-    if (!d) return cs__fail(CS_ENOENT, "safetensors: cannot open directory '%s'", dir);
+    if (!d) return cs_fail(CS_ENOENT, "safetensors: cannot open directory '%s'", dir);
     char **names = NULL;
     int n = 0, r = 0;
     struct dirent *de;
@@ -170,7 +170,7 @@ int cs__st_open_dir(const char *dir, cs_st_set *set) {
             char **nn = realloc(names, (size_t)(n + 1) * sizeof *nn);
             if (!nn || !(nn[n] = strdup(de->d_name))) {
                 if (nn) names = nn;
-                r = cs__fail(CS_ENOMEM, "safetensors: out of memory");
+                r = cs_fail(CS_ENOMEM, "safetensors: out of memory");
                 break;
             }
             names = nn;
@@ -178,7 +178,7 @@ int cs__st_open_dir(const char *dir, cs_st_set *set) {
         }
     }
     closedir(d);
-    if (!r && n == 0) r = cs__fail(CS_ENOENT, "safetensors: no *.safetensors file in '%s'", dir);
+    if (!r && n == 0) r = cs_fail(CS_ENOENT, "safetensors: no *.safetensors file in '%s'", dir);
     if (!r) qsort(names, (size_t)n, sizeof *names, name_cmp);
     for (int i = 0; !r && i < n; i++) {
         char path[4096];

@@ -28,16 +28,16 @@ cs_sampling_params cs_sampling_params_default(void) {
 
 int cs_sampling_params_check(const cs_sampling_params *p) {
     if (!(p->temperature >= 0) || !isfinite(p->temperature))
-        return cs__fail(CS_EINVAL, "temperature %g must be >= 0", p->temperature);
-    if (p->top_k < 0) return cs__fail(CS_EINVAL, "top_k %d must be >= 0 (0 = off)", p->top_k);
-    if (!(p->top_p > 0 && p->top_p <= 1)) return cs__fail(CS_EINVAL, "top_p %g must be in (0, 1]", p->top_p);
-    if (!(p->min_p >= 0 && p->min_p <= 1)) return cs__fail(CS_EINVAL, "min_p %g must be in [0, 1]", p->min_p);
+        return cs_fail(CS_EINVAL, "temperature %g must be >= 0", p->temperature);
+    if (p->top_k < 0) return cs_fail(CS_EINVAL, "top_k %d must be >= 0 (0 = off)", p->top_k);
+    if (!(p->top_p > 0 && p->top_p <= 1)) return cs_fail(CS_EINVAL, "top_p %g must be in (0, 1]", p->top_p);
+    if (!(p->min_p >= 0 && p->min_p <= 1)) return cs_fail(CS_EINVAL, "min_p %g must be in [0, 1]", p->min_p);
     if (!(p->repetition_penalty > 0) || !isfinite(p->repetition_penalty))
-        return cs__fail(CS_EINVAL, "repetition_penalty %g must be > 0 (1 = off)", p->repetition_penalty);
+        return cs_fail(CS_EINVAL, "repetition_penalty %g must be > 0 (1 = off)", p->repetition_penalty);
     if (!(p->presence_penalty >= -2 && p->presence_penalty <= 2))
-        return cs__fail(CS_EINVAL, "presence_penalty %g must be in [-2, 2]", p->presence_penalty);
+        return cs_fail(CS_EINVAL, "presence_penalty %g must be in [-2, 2]", p->presence_penalty);
     if (!(p->frequency_penalty >= -2 && p->frequency_penalty <= 2))
-        return cs__fail(CS_EINVAL, "frequency_penalty %g must be in [-2, 2]", p->frequency_penalty);
+        return cs_fail(CS_EINVAL, "frequency_penalty %g must be in [-2, 2]", p->frequency_penalty);
     return 0;
 }
 
@@ -53,9 +53,9 @@ int cs_sampler_init(const cs_sampling_params *p, int32_t n_vocab, cs_sampler **o
     *out = NULL;
     int r = cs_sampling_params_check(p);
     if (r) return r;
-    if (n_vocab < 1) return cs__fail(CS_EINVAL, "sampler: vocabulary size %d", n_vocab);
+    if (n_vocab < 1) return cs_fail(CS_EINVAL, "sampler: vocabulary size %d", n_vocab);
     cs_sampler *s = calloc(1, sizeof *s);
-    if (!s) return cs__fail(CS_ENOMEM, "sampler: out of memory");
+    if (!s) return cs_fail(CS_ENOMEM, "sampler: out of memory");
     s->p = *p;
     s->n_vocab = n_vocab;
     bool ok = true;
@@ -65,7 +65,7 @@ int cs_sampler_init(const cs_sampling_params *p, int32_t n_vocab, cs_sampler **o
     ok &= (s->idx = malloc((size_t)n_vocab * sizeof *s->idx)) != NULL;
     if (!ok) {
         cs_sampler_free(s);
-        return cs__fail(CS_ENOMEM, "sampler: out of memory");
+        return cs_fail(CS_ENOMEM, "sampler: out of memory");
     }
     *out = s;
     return 0;

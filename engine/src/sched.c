@@ -70,11 +70,11 @@ int cs_sched_init(cs_engine *e, const cs_sched_params *p, cs_sched **out) {
     *out = NULL;
     if (p->max_num_batched_tokens < 0 || p->max_num_seqs < 1 || p->max_num_partial_prefills < 1 ||
         p->max_chunk_tokens < 0)
-        return cs__fail(CS_EINVAL,
+        return cs_fail(CS_EINVAL,
                         "scheduler: max_num_batched_tokens must be >= 0 (0 = unlimited), "
                         "max_num_seqs and max_num_partial_prefills >= 1, max_chunk_tokens >= 0");
     cs_sched *s = calloc(1, sizeof *s);
-    if (!s) return cs__fail(CS_ENOMEM, "scheduler: out of memory");
+    if (!s) return cs_fail(CS_ENOMEM, "scheduler: out of memory");
     s->e = e;
     s->kv = cs_engine_kv(e);
     const cs_model *m = cs_engine_model(e);
@@ -162,41 +162,41 @@ static void insert_ordered(seq **list, seq *q) {
 int cs_sched_add(cs_sched *s, const cs_request *r) {
     seq **link;
     if (find(s, r->id, &link))
-        return cs__fail(CS_EINVAL, "request %llu is already live", (unsigned long long)r->id);
+        return cs_fail(CS_EINVAL, "request %llu is already live", (unsigned long long)r->id);
     if (r->n_prompt < 1 || !r->prompt)
-        return cs__fail(CS_EINVAL, "request %llu: empty prompt", (unsigned long long)r->id);
+        return cs_fail(CS_EINVAL, "request %llu: empty prompt", (unsigned long long)r->id);
     if (r->n_resumed < 0 || r->n_resumed >= r->n_prompt)
-        return cs__fail(CS_EINVAL, "request %llu: %d resumed tokens in a context of %d (the prompt must keep one)",
+        return cs_fail(CS_EINVAL, "request %llu: %d resumed tokens in a context of %d (the prompt must keep one)",
                         (unsigned long long)r->id, r->n_resumed, r->n_prompt);
     if ((unsigned)r->kv_mode > CS_KV_REMOTE)
-        return cs__fail(CS_EINVAL, "request %llu: unknown kv mode %d", (unsigned long long)r->id, (int)r->kv_mode);
+        return cs_fail(CS_EINVAL, "request %llu: unknown kv mode %d", (unsigned long long)r->id, (int)r->kv_mode);
     if (r->n_prompt >= s->ctx_len)
-        return cs__fail(
+        return cs_fail(
             CS_EINVAL,
             "request %llu: prompt of %d tokens leaves no room in the model's context of %d",
             (unsigned long long)r->id, r->n_prompt, s->ctx_len);
     for (int32_t i = 0; i < r->n_prompt; i++)
         if (r->prompt[i] < 0 || r->prompt[i] >= s->n_vocab)
-            return cs__fail(
+            return cs_fail(
                 CS_EINVAL,
                 "request %llu: token id %d at index %d is outside the vocabulary (0..%d)",
                 (unsigned long long)r->id, r->prompt[i], i, s->n_vocab - 1);
     int64_t need = ((int64_t)r->n_prompt + 1 + s->page_size - 1) / s->page_size;
     if (need > cs_kv_cache_n_pages(s->kv))
-        return cs__fail(
+        return cs_fail(
             CS_ENOSPC, "request %llu: a prompt of %d tokens needs %lld KV pages; the pool has %d",
             (unsigned long long)r->id, r->n_prompt, (long long)need, cs_kv_cache_n_pages(s->kv));
     int32_t n_real = r->n_prompt - r->n_resumed; /* the prompt proper */
     if (r->n_resumed && r->stop.max_tokens > 0 && r->n_resumed >= r->stop.max_tokens)
-        return cs__fail(CS_EINVAL, "request %llu: its %d resumed tokens already reach max_tokens %d",
+        return cs_fail(CS_EINVAL, "request %llu: its %d resumed tokens already reach max_tokens %d",
                         (unsigned long long)r->id, r->n_resumed, r->stop.max_tokens);
     seq *q = calloc(1, sizeof *q);
-    if (!q) return cs__fail(CS_ENOMEM, "out of memory");
+    if (!q) return cs_fail(CS_ENOMEM, "out of memory");
     int64_t max_total = (int64_t)n_real + (r->stop.max_tokens > 0 ? r->stop.max_tokens : 0);
     if (max_total > s->ctx_len || r->stop.max_tokens <= 0) max_total = s->ctx_len;
     q->cap = (int32_t)max_total + 1;
     q->tokens = malloc((size_t)q->cap * sizeof(int32_t));
-    int rc = q->tokens ? 0 : cs__fail(CS_ENOMEM, "out of memory");
+    int rc = q->tokens ? 0 : cs_fail(CS_ENOMEM, "out of memory");
     if (!rc) rc = cs_sampler_init(&r->sampling, s->n_vocab, &q->smp);
     cs_stop_params sp = r->stop;
     if (sp.max_tokens > s->ctx_len - n_real) sp.max_tokens = s->ctx_len - n_real; /* the context ends it */
@@ -209,12 +209,12 @@ int cs_sched_add(cs_sched *s, const cs_request *r) {
         rc = cs_stop_push(q->stop, r->prompt[i], &text, &fin);
         free(text);
         if (!rc && fin != CS_FINISH_NONE)
-            rc = cs__fail(CS_EINVAL, "request %llu: its resumed tokens already end the sequence",
+            rc = cs_fail(CS_EINVAL, "request %llu: its resumed tokens already end the sequence",
                           (unsigned long long)r->id);
     }
     if (!rc && (r->reserve || r->kv_mode == CS_KV_REMOTE) &&
         (rc = cs_page_table_reserve(&q->pt, s->kv, r->n_prompt)) == CS_ENOSPC)
-        rc = cs__fail(CS_ENOSPC, "request %llu: no room now: its %d tokens need %d KV pages, %d are free",
+        rc = cs_fail(CS_ENOSPC, "request %llu: no room now: its %d tokens need %d KV pages, %d are free",
                       (unsigned long long)r->id, r->n_prompt, (r->n_prompt + s->page_size - 1) / s->page_size,
                       cs_kv_cache_n_free(s->kv) + cs_kv_cache_n_cached(s->kv));
     if (rc) {
@@ -246,7 +246,7 @@ int cs_sched_kv_pages(cs_sched *s, uint64_t id, const int32_t **pages, int32_t *
     seq **link;
     seq *q = find(s, id, &link);
     if (!q || q->admitted || q->n_computed || !q->pt.n_pages)
-        return cs__fail(CS_ENOENT, "request %llu has no reserved pages waiting", (unsigned long long)id);
+        return cs_fail(CS_ENOENT, "request %llu has no reserved pages waiting", (unsigned long long)id);
     *pages = q->pt.pages;
     *n_pages = (q->n_context + s->page_size - 1) / s->page_size;
     return 0;
@@ -256,9 +256,9 @@ int cs_sched_kv_ready(cs_sched *s, uint64_t id, int32_t first_token) {
     seq **link;
     seq *q = find(s, id, &link);
     if (!q || q->kv_mode != CS_KV_REMOTE || q->running || q->kv_ready)
-        return cs__fail(CS_ENOENT, "request %llu is not waiting for its KV", (unsigned long long)id);
+        return cs_fail(CS_ENOENT, "request %llu is not waiting for its KV", (unsigned long long)id);
     if (first_token < 0 || first_token >= s->n_vocab)
-        return cs__fail(CS_EINVAL, "request %llu: first token %d is outside the vocabulary (0..%d)",
+        return cs_fail(CS_EINVAL, "request %llu: first token %d is outside the vocabulary (0..%d)",
                         (unsigned long long)id, first_token, s->n_vocab - 1);
     q->kv_ready = true;
     q->first_token = first_token;
@@ -269,7 +269,7 @@ int cs_sched_kv_ready(cs_sched *s, uint64_t id, int32_t first_token) {
 int cs_sched_cancel(cs_sched *s, uint64_t id) {
     seq **link;
     seq *q = find(s, id, &link);
-    if (!q) return cs__fail(CS_ENOENT, "request %llu is not live", (unsigned long long)id);
+    if (!q) return cs_fail(CS_ENOENT, "request %llu is not live", (unsigned long long)id);
     *link = q->next;
     if (q->running)
         s->n_running--;
@@ -346,7 +346,7 @@ static int grow_scratch(cs_sched *s, int32_t n) {
     if (ev) s->events = ev;
     char **tx = realloc(s->texts, 2 * (size_t)cap * sizeof *tx);
     if (tx) s->texts = tx;
-    if (!sp || !ow || !lg || !ev || !tx) return cs__fail(CS_ENOMEM, "scheduler: out of memory");
+    if (!sp || !ow || !lg || !ev || !tx) return cs_fail(CS_ENOMEM, "scheduler: out of memory");
     s->cap_spans = cap;
     s->cap_events = 2 * cap;
     return 0;

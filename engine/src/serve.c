@@ -88,7 +88,7 @@ static void apply(cs_serve *sv, pending *p) {
         }
         return;
     }
-    int r = *l ? cs__fail(CS_EINVAL, "request id %llu is already live", (unsigned long long)p->r.id)
+    int r = *l ? cs_fail(CS_EINVAL, "request id %llu is already live", (unsigned long long)p->r.id)
                : cs_sched_add(sv->sched, &p->r);
     if (r) {
         cs_event ev = end_event(p->r.id, CS_FINISH_ERROR, p->r.n_prompt - p->r.n_resumed, cs_last_error());
@@ -166,7 +166,7 @@ static void *loop(void *arg) {
 int cs_serve_start(cs_engine *e, const cs_sched_params *p, cs_serve **out) {
     *out = NULL;
     cs_serve *sv = calloc(1, sizeof *sv);
-    if (!sv) return cs__fail(CS_ENOMEM, "serve: out of memory");
+    if (!sv) return cs_fail(CS_ENOMEM, "serve: out of memory");
     int r = cs_sched_init(e, p, &sv->sched);
     if (r) {
         free(sv);
@@ -179,7 +179,7 @@ int cs_serve_start(cs_engine *e, const cs_sched_params *p, cs_serve **out) {
     if (pthread_create(&sv->thread, NULL, loop, sv) != 0) {
         cs_sched_free(sv->sched);
         free(sv);
-        return cs__fail(CS_EAGAIN, "serve: cannot start the engine thread");
+        return cs_fail(CS_EAGAIN, "serve: cannot start the engine thread");
     }
     *out = sv;
     return 0;
@@ -200,7 +200,7 @@ static int enqueue(cs_serve *sv, pending *p) {
 
 int cs_serve_submit(cs_serve *sv, const cs_request *r, cs_serve_cb cb, void *user) {
     pending *p = calloc(1, sizeof *p);
-    if (!p) return cs__fail(CS_ENOMEM, "serve: out of memory");
+    if (!p) return cs_fail(CS_ENOMEM, "serve: out of memory");
     p->r = *r;
     p->cb = cb;
     p->user = user;
@@ -218,7 +218,7 @@ int cs_serve_submit(cs_serve *sv, const cs_request *r, cs_serve_cb cb, void *use
     p->r.stop.stop_ids = p->stop_ids;
     if (!ok) {
         pending_free(p);
-        return cs__fail(CS_ENOMEM, "serve: out of memory");
+        return cs_fail(CS_ENOMEM, "serve: out of memory");
     }
     int rc = enqueue(sv, p);
     if (rc) pending_free(p);
@@ -235,7 +235,7 @@ void cs_serve_cancel(cs_serve *sv, uint64_t id) {
 
 int cs_serve_kv_ready(cs_serve *sv, uint64_t id, int32_t first_token) {
     pending *p = calloc(1, sizeof *p);
-    if (!p) return cs__fail(CS_ENOMEM, "serve: out of memory");
+    if (!p) return cs_fail(CS_ENOMEM, "serve: out of memory");
     p->r.id = id;
     p->kind = P_KV_READY;
     p->first_token = first_token;

@@ -29,20 +29,20 @@ struct cs_stop {
 
 int cs_stop_init(const cs_tokenizer *tok, const cs_stop_params *p, cs_stop **out) {
     *out = NULL;
-    if (p->max_tokens < 1) return cs__fail(CS_EINVAL, "max_tokens %d must be at least 1", p->max_tokens);
+    if (p->max_tokens < 1) return cs_fail(CS_EINVAL, "max_tokens %d must be at least 1", p->max_tokens);
     if (p->n_stop > MAX_STOPS || p->n_stop_ids > MAX_STOPS)
-        return cs__fail(CS_EINVAL, "at most %d stop strings and %d stop token ids", MAX_STOPS, MAX_STOPS);
+        return cs_fail(CS_EINVAL, "at most %d stop strings and %d stop token ids", MAX_STOPS, MAX_STOPS);
     for (size_t i = 0; i < p->n_stop; i++) {
         size_t n = p->stop[i] ? strlen(p->stop[i]) : 0;
-        if (n == 0 || n > MAX_STOP_LEN) return cs__fail(CS_EINVAL, "stop string %zu must be 1..%d bytes", i, MAX_STOP_LEN);
+        if (n == 0 || n > MAX_STOP_LEN) return cs_fail(CS_EINVAL, "stop string %zu must be 1..%d bytes", i, MAX_STOP_LEN);
         if (!cs__utf8_valid((const uint8_t *)p->stop[i], n))
-            return cs__fail(CS_EINVAL, "stop string %zu is not valid UTF-8", i);
+            return cs_fail(CS_EINVAL, "stop string %zu is not valid UTF-8", i);
     }
     for (size_t i = 0; i < p->n_stop_ids; i++)
         if (p->stop_ids[i] < 0 || p->stop_ids[i] >= cs_tokenizer_n_vocab(tok))
-            return cs__fail(CS_EINVAL, "stop token id %d is outside the vocabulary", p->stop_ids[i]);
+            return cs_fail(CS_EINVAL, "stop token id %d is outside the vocabulary", p->stop_ids[i]);
     cs_stop *s = calloc(1, sizeof *s);
-    if (!s) return cs__fail(CS_ENOMEM, "out of memory");
+    if (!s) return cs_fail(CS_ENOMEM, "out of memory");
     s->tok = tok;
     s->max_tokens = p->max_tokens;
     s->ignore_eos = p->ignore_eos;
@@ -59,7 +59,7 @@ int cs_stop_init(const cs_tokenizer *tok, const cs_stop_params *p, cs_stop **out
     }
     if (!ok) {
         cs_stop_free(s);
-        return cs__fail(CS_ENOMEM, "out of memory");
+        return cs_fail(CS_ENOMEM, "out of memory");
     }
     if (p->n_stop_ids) memcpy(s->stop_ids, p->stop_ids, p->n_stop_ids * sizeof *s->stop_ids);
     s->n_stop_ids = p->n_stop_ids;
@@ -84,7 +84,7 @@ static int append(cs_stop *s, const char *p, size_t n) {
         size_t cap = s->cap ? s->cap : 64;
         while (cap < s->len + n + 1) cap *= 2;
         char *nb = realloc(s->buf, cap);
-        if (!nb) return cs__fail(CS_ENOMEM, "out of memory");
+        if (!nb) return cs_fail(CS_ENOMEM, "out of memory");
         s->buf = nb;
         s->cap = cap;
     }
@@ -97,7 +97,7 @@ static int append(cs_stop *s, const char *p, size_t n) {
 /* Moves the first n bytes of buf into a new string *text. */
 static int take(cs_stop *s, size_t n, char **text) {
     char *t = malloc(n + 1);
-    if (!t) return cs__fail(CS_ENOMEM, "out of memory");
+    if (!t) return cs_fail(CS_ENOMEM, "out of memory");
     memcpy(t, s->buf, n);
     t[n] = 0;
     memmove(s->buf, s->buf + n, s->len - n);
@@ -110,7 +110,7 @@ static int take(cs_stop *s, size_t n, char **text) {
 int cs_stop_push(cs_stop *s, int32_t id, char **text, enum cs_finish *finish) {
     *text = NULL;
     *finish = CS_FINISH_NONE;
-    if (id < 0 || id >= cs_tokenizer_n_vocab(s->tok)) return cs__fail(CS_EINVAL, "token id %d is outside the vocabulary", id);
+    if (id < 0 || id >= cs_tokenizer_n_vocab(s->tok)) return cs_fail(CS_EINVAL, "token id %d is outside the vocabulary", id);
     s->n_tokens++;
     bool stop_token = !s->ignore_eos && cs_tokenizer_is_eog(s->tok, id);
     for (size_t i = 0; i < s->n_stop_ids; i++) stop_token |= s->stop_ids[i] == id;

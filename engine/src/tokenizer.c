@@ -118,7 +118,7 @@ static int cmp_special(const void *a, const void *b) {
 
 static int check_id(int32_t id, int32_t n_vocab, const char *what) {
     if (id < -1 || id >= n_vocab)
-        return cs__fail(CS_EBADMSG, "tokenizer: %s id %d out of range (n_vocab %d)", what, id,
+        return cs_fail(CS_EBADMSG, "tokenizer: %s id %d out of range (n_vocab %d)", what, id,
                         n_vocab);
     return 0;
 }
@@ -127,18 +127,18 @@ static int build_tokens(cs_tokenizer *tok, const cs_vocab_spec *spec) {
     int32_t n = spec->n_vocab;
     size_t total = 0;
     for (int32_t i = 0; i < n; i++) {
-        if (!spec->tokens[i]) return cs__fail(CS_EBADMSG, "tokenizer: token %d is missing", i);
+        if (!spec->tokens[i]) return cs_fail(CS_EBADMSG, "tokenizer: token %d is missing", i);
         size_t len = spec->token_lens ? spec->token_lens[i] : strlen(spec->tokens[i]);
         if (cs__add_overflow(total, len + 1, &total) || len >= (size_t)1 << 30)
-            return cs__fail(CS_EBADMSG, "tokenizer: token %d too long", i);
+            return cs_fail(CS_EBADMSG, "tokenizer: token %d too long", i);
         int32_t type = spec->token_types ? spec->token_types[i] : CS_TOKEN_NORMAL;
         if (type < CS_TOKEN_UNDEFINED || type > CS_TOKEN_BYTE)
-            return cs__fail(CS_EBADMSG, "tokenizer: token %d has bad type %d", i, type);
+            return cs_fail(CS_EBADMSG, "tokenizer: token %d has bad type %d", i, type);
         tok->types[i] = (uint8_t)type;
     }
     tok->text = malloc(total ? total : 1);
     tok->bytes = malloc(total ? total : 1);
-    if (!tok->text || !tok->bytes) return cs__fail(CS_ENOMEM, "tokenizer: out of memory");
+    if (!tok->text || !tok->bytes) return cs_fail(CS_ENOMEM, "tokenizer: out of memory");
     size_t off = 0, boff = 0;
     for (int32_t i = 0; i < n; i++) {
         size_t len = spec->token_lens ? spec->token_lens[i] : strlen(spec->tokens[i]);
@@ -176,7 +176,7 @@ static int build_tokens(cs_tokenizer *tok, const cs_vocab_spec *spec) {
 
     size_t cap = table_size((size_t)n);
     tok->text_map = malloc(cap * sizeof *tok->text_map);
-    if (!tok->text_map) return cs__fail(CS_ENOMEM, "tokenizer: out of memory");
+    if (!tok->text_map) return cs_fail(CS_ENOMEM, "tokenizer: out of memory");
     memset(tok->text_map, 0xff, cap * sizeof *tok->text_map);
     tok->text_map_mask = cap - 1;
     for (int32_t i = 0; i < n; i++) {
@@ -188,7 +188,7 @@ static int build_tokens(cs_tokenizer *tok, const cs_vocab_spec *spec) {
             size_t l2;
             const char *t2 = cs__tok_text(tok, tok->text_map[h], &l2);
             if (l2 == len && memcmp(t, t2, len) == 0)
-                return cs__fail(CS_EBADMSG, "tokenizer: tokens %d and %d are both '%.40s'",
+                return cs_fail(CS_EBADMSG, "tokenizer: tokens %d and %d are both '%.40s'",
                                 tok->text_map[h], i, t);
             h = (h + 1) & tok->text_map_mask;
         }
@@ -211,7 +211,7 @@ static int build_merges(cs_tokenizer *tok, const cs_vocab_spec *spec) {
     int32_t n = spec->n_merges;
     size_t cap = table_size((size_t)n);
     tok->merge_map = malloc(cap * sizeof *tok->merge_map);
-    if (!tok->merge_map) return cs__fail(CS_ENOMEM, "tokenizer: out of memory");
+    if (!tok->merge_map) return cs_fail(CS_ENOMEM, "tokenizer: out of memory");
     for (size_t i = 0; i < cap; i++)
         tok->merge_map[i].key = UINT64_MAX;
     tok->merge_map_mask = cap - 1;
@@ -223,7 +223,7 @@ static int build_merges(cs_tokenizer *tok, const cs_vocab_spec *spec) {
     for (int32_t r = 0; r < n; r++) {
         const char *m = spec->merges[r];
         if (!m) {
-            rc = cs__fail(CS_EBADMSG, "tokenizer: merge %d is missing", r);
+            rc = cs_fail(CS_EBADMSG, "tokenizer: merge %d is missing", r);
             break;
         }
         size_t len = spec->merge_lens ? spec->merge_lens[r] : strlen(m);
@@ -231,7 +231,7 @@ static int build_merges(cs_tokenizer *tok, const cs_vocab_spec *spec) {
          * byte-level tokens never contain a literal space. */
         const char *sp = len > 1 ? memchr(m + 1, ' ', len - 1) : NULL;
         if (!sp) {
-            rc = cs__fail(CS_EBADMSG, "tokenizer: merge %d ('%.40s') has no space", r, m);
+            rc = cs_fail(CS_EBADMSG, "tokenizer: merge %d ('%.40s') has no space", r, m);
             break;
         }
         size_t ll = (size_t)(sp - m), rl = len - ll - 1;
@@ -240,7 +240,7 @@ static int build_merges(cs_tokenizer *tok, const cs_vocab_spec *spec) {
         if (ll + rl > buf_cap) {
             char *nb = realloc(buf, ll + rl);
             if (!nb) {
-                rc = cs__fail(CS_ENOMEM, "tokenizer: out of memory");
+                rc = cs_fail(CS_ENOMEM, "tokenizer: out of memory");
                 break;
             }
             buf = nb;
@@ -250,7 +250,7 @@ static int build_merges(cs_tokenizer *tok, const cs_vocab_spec *spec) {
         memcpy(buf + ll, sp + 1, rl);
         int32_t result = left >= 0 && right >= 0 ? text_lookup(tok, buf, ll + rl) : -1;
         if (result < 0) {
-            rc = cs__fail(CS_EBADMSG, "tokenizer: merge %d ('%.*s') refers to unknown tokens", r,
+            rc = cs_fail(CS_EBADMSG, "tokenizer: merge %d ('%.*s') refers to unknown tokens", r,
                           (int)(len < 60 ? len : 60), m);
             break;
         }
@@ -259,7 +259,7 @@ static int build_merges(cs_tokenizer *tok, const cs_vocab_spec *spec) {
         while (tok->merge_map[h].key != UINT64_MAX && tok->merge_map[h].key != key)
             h = (h + 1) & tok->merge_map_mask;
         if (tok->merge_map[h].key == key) {
-            rc = cs__fail(CS_EBADMSG, "tokenizer: merge %d ('%.*s') duplicates merge %d", r,
+            rc = cs_fail(CS_EBADMSG, "tokenizer: merge %d ('%.*s') duplicates merge %d", r,
                           (int)(len < 60 ? len : 60), m, tok->merge_map[h].rank);
             break;
         }
@@ -293,7 +293,7 @@ static int build_attrs(cs_tokenizer *tok, const cs_vocab_spec *spec) {
     for (int32_t k = 0; k < spec->n_eog_ids; k++) {
         int32_t id = spec->eog_ids[k];
         if (id < 0 || id >= n)
-            return cs__fail(CS_EBADMSG, "tokenizer: end-of-generation id %d out of range", id);
+            return cs_fail(CS_EBADMSG, "tokenizer: end-of-generation id %d out of range", id);
         tok->attrs[id] |= CS__TOK_EOG;
     }
 
@@ -301,7 +301,7 @@ static int build_attrs(cs_tokenizer *tok, const cs_vocab_spec *spec) {
     special_key *keys = malloc((size_t)(n_specials ? n_specials : 1) * sizeof *keys);
     if (!tok->specials || !keys) {
         free(keys);
-        return cs__fail(CS_ENOMEM, "tokenizer: out of memory");
+        return cs_fail(CS_ENOMEM, "tokenizer: out of memory");
     }
     int32_t k = 0;
     for (int32_t i = 0; i < n; i++) {
@@ -327,13 +327,13 @@ static int build_attrs(cs_tokenizer *tok, const cs_vocab_spec *spec) {
 int cs__tokenizer_create(const cs_vocab_spec *spec, cs_tokenizer **out) {
     *out = NULL;
     if (!spec || spec->n_vocab <= 0 || spec->n_vocab >= INT32_MAX - 1 || !spec->tokens)
-        return cs__fail(CS_EBADMSG, "tokenizer: empty vocabulary");
+        return cs_fail(CS_EBADMSG, "tokenizer: empty vocabulary");
     if (spec->n_merges < 0 || (spec->n_merges > 0 && !spec->merges))
-        return cs__fail(CS_EBADMSG, "tokenizer: bad merge list");
+        return cs_fail(CS_EBADMSG, "tokenizer: bad merge list");
     if (spec->n_eog_ids < 0 || (spec->n_eog_ids > 0 && !spec->eog_ids))
-        return cs__fail(CS_EBADMSG, "tokenizer: bad end-of-generation list");
+        return cs_fail(CS_EBADMSG, "tokenizer: bad end-of-generation list");
     if ((unsigned)spec->pretok > CS_PRETOK_QWEN2)
-        return cs__fail(CS_EBADMSG, "tokenizer: bad pre-tokenizer %d", (int)spec->pretok);
+        return cs_fail(CS_EBADMSG, "tokenizer: bad pre-tokenizer %d", (int)spec->pretok);
     int rc;
     if ((rc = check_id(spec->bos_id, spec->n_vocab, "bos")) ||
         (rc = check_id(spec->eos_id, spec->n_vocab, "eos")) ||
@@ -341,18 +341,18 @@ int cs__tokenizer_create(const cs_vocab_spec *spec, cs_tokenizer **out) {
         (rc = check_id(spec->pad_id, spec->n_vocab, "pad")))
         return rc;
     if (spec->add_bos && spec->bos_id < 0)
-        return cs__fail(CS_EBADMSG, "tokenizer: add_bos is set but there is no bos token");
+        return cs_fail(CS_EBADMSG, "tokenizer: add_bos is set but there is no bos token");
 
     size_t n = (size_t)spec->n_vocab;
     cs_tokenizer *tok = calloc(1, sizeof *tok);
-    if (!tok) return cs__fail(CS_ENOMEM, "tokenizer: out of memory");
+    if (!tok) return cs_fail(CS_ENOMEM, "tokenizer: out of memory");
     tok->n_vocab = spec->n_vocab;
     tok->types = malloc(n);
     tok->attrs = malloc(n);
     tok->text_off = malloc((n + 1) * sizeof *tok->text_off);
     tok->bytes_off = malloc((n + 1) * sizeof *tok->bytes_off);
     if (!tok->types || !tok->attrs || !tok->text_off || !tok->bytes_off) {
-        rc = cs__fail(CS_ENOMEM, "tokenizer: out of memory");
+        rc = cs_fail(CS_ENOMEM, "tokenizer: out of memory");
         goto fail;
     }
     if ((rc = build_tokens(tok, spec))) goto fail;
@@ -363,7 +363,7 @@ int cs__tokenizer_create(const cs_vocab_spec *spec, cs_tokenizer **out) {
         tok->chat_template = malloc(l + 1);
         if (tok->chat_template) memcpy(tok->chat_template, spec->chat_template, l + 1);
         if (!tok->chat_template) {
-            rc = cs__fail(CS_ENOMEM, "tokenizer: out of memory");
+            rc = cs_fail(CS_ENOMEM, "tokenizer: out of memory");
             goto fail;
         }
     }
@@ -422,7 +422,7 @@ bool cs_tokenizer_is_special(const cs_tokenizer *tok, int32_t id) {
 
 int cs_tokenizer_token_bytes(const cs_tokenizer *tok, int32_t id, const char **bytes, size_t *len) {
     if (id < 0 || id >= tok->n_vocab)
-        return cs__fail(CS_EINVAL, "tokenizer: token id %d out of range", id);
+        return cs_fail(CS_EINVAL, "tokenizer: token id %d out of range", id);
     *bytes = tok->bytes + tok->bytes_off[id];
     *len = tok->bytes_off[id + 1] - tok->bytes_off[id] - 1;
     return 0;
@@ -439,7 +439,7 @@ static int idvec_push(idvec *a, int32_t id) {
     if (a->n == a->cap) {
         size_t cap = a->cap ? a->cap * 2 : 64;
         int32_t *v = realloc(a->v, cap * sizeof *v);
-        if (!v) return cs__fail(CS_ENOMEM, "tokenizer: out of memory encoding");
+        if (!v) return cs_fail(CS_ENOMEM, "tokenizer: out of memory encoding");
         a->v = v;
         a->cap = cap;
     }
@@ -516,7 +516,7 @@ static int grow(void **p, size_t *cap, size_t need, size_t elem) {
     while (c < need)
         c *= 2;
     void *np = realloc(*p, c * elem);
-    if (!np) return cs__fail(CS_ENOMEM, "tokenizer: out of memory encoding");
+    if (!np) return cs_fail(CS_ENOMEM, "tokenizer: out of memory encoding");
     *p = np;
     *cap = c;
     return 0;
@@ -538,7 +538,7 @@ static int bpe_piece(const cs_tokenizer *tok, const uint8_t *p, size_t n, bpe_sc
     if (n == 1)
         return tok->byte_id[p[0]] >= 0 ? idvec_push(out, tok->byte_id[p[0]])
                                        : emit_unknown_byte(tok, p[0], out);
-    if (n > INT32_MAX / 2) return cs__fail(CS_EINVAL, "tokenizer: pre-token too long");
+    if (n > INT32_MAX / 2) return cs_fail(CS_EINVAL, "tokenizer: pre-token too long");
     if (tok->ignore_merges) {
         if ((rc = grow((void **)&sc->word, &sc->word_cap, n * 2, 1))) return rc;
         size_t w = 0;
@@ -613,9 +613,9 @@ int cs_tokenizer_encode(const cs_tokenizer *tok, const char *text, size_t len, b
                         bool add_bos, int32_t **ids, size_t *n_ids) {
     *ids = NULL;
     *n_ids = 0;
-    if (!text && len) return cs__fail(CS_EINVAL, "tokenizer: NULL text");
+    if (!text && len) return cs_fail(CS_EINVAL, "tokenizer: NULL text");
     if (!cs__utf8_valid((const uint8_t *)text, len))
-        return cs__fail(CS_EINVAL, "tokenizer: input is not valid UTF-8");
+        return cs_fail(CS_EINVAL, "tokenizer: input is not valid UTF-8");
     idvec out = {0};
     bpe_scratch sc = {0};
     int rc = 0;
@@ -693,13 +693,13 @@ int cs_tokenizer_decode(const cs_tokenizer *tok, const int32_t *ids, size_t n_id
     for (size_t i = 0; i < n_ids; i++) {
         int32_t id = ids[i];
         if (id < 0 || id >= tok->n_vocab)
-            return cs__fail(CS_EINVAL, "tokenizer: token id %d out of range (n_vocab %d)", id,
+            return cs_fail(CS_EINVAL, "tokenizer: token id %d out of range (n_vocab %d)", id,
                             tok->n_vocab);
         if (skip_special && (tok->attrs[id] & CS__TOK_SPECIAL)) continue;
         total += tok->bytes_off[id + 1] - tok->bytes_off[id] - 1;
     }
     uint8_t *raw = malloc(total + 1);
-    if (!raw) return cs__fail(CS_ENOMEM, "tokenizer: out of memory decoding");
+    if (!raw) return cs_fail(CS_ENOMEM, "tokenizer: out of memory decoding");
     size_t o = 0;
     for (size_t i = 0; i < n_ids; i++) {
         int32_t id = ids[i];
@@ -718,7 +718,7 @@ int cs_tokenizer_decode(const cs_tokenizer *tok, const int32_t *ids, size_t n_id
     uint8_t *clean = malloc(need + 1);
     if (!clean) {
         free(raw);
-        return cs__fail(CS_ENOMEM, "tokenizer: out of memory decoding");
+        return cs_fail(CS_ENOMEM, "tokenizer: out of memory decoding");
     }
     utf8_sanitize(raw, total, clean, false, NULL);
     clean[need] = 0;
@@ -740,7 +740,7 @@ int cs_detok_push(cs_detok *d, int32_t id, char *out, size_t out_cap, size_t *ou
     *out_len = 0;
     const cs_tokenizer *tok = d->tok;
     if (id < 0 || id >= tok->n_vocab)
-        return cs__fail(CS_EINVAL, "tokenizer: token id %d out of range (n_vocab %d)", id,
+        return cs_fail(CS_EINVAL, "tokenizer: token id %d out of range (n_vocab %d)", id,
                         tok->n_vocab);
     const uint8_t *b = (const uint8_t *)tok->bytes + tok->bytes_off[id];
     size_t nb = tok->bytes_off[id + 1] - tok->bytes_off[id] - 1;
@@ -751,14 +751,14 @@ int cs_detok_push(cs_detok *d, int32_t id, char *out, size_t out_cap, size_t *ou
     uint8_t stackbuf[256];
     size_t n = (size_t)d->n_pending + nb;
     uint8_t *buf = n <= sizeof stackbuf ? stackbuf : malloc(n);
-    if (!buf) return cs__fail(CS_ENOMEM, "tokenizer: out of memory detokenizing");
+    if (!buf) return cs_fail(CS_ENOMEM, "tokenizer: out of memory detokenizing");
     memcpy(buf, d->pending, (size_t)d->n_pending);
     if (nb) memcpy(buf + d->n_pending, b, nb);
     size_t used;
     size_t need = utf8_sanitize(buf, n, NULL, true, &used);
     int rc = 0;
     if (need > out_cap) {
-        rc = cs__fail(CS_ERANGE, "tokenizer: detok buffer of %zu bytes too small (need %zu)",
+        rc = cs_fail(CS_ERANGE, "tokenizer: detok buffer of %zu bytes too small (need %zu)",
                       out_cap, need);
     } else {
         utf8_sanitize(buf, n, (uint8_t *)out, true, NULL);
@@ -776,7 +776,7 @@ int cs_detok_flush(cs_detok *d, char *out, size_t out_cap, size_t *out_len) {
     *out_len = 0;
     if (d->n_pending == 0) return 0;
     if (out_cap < 3)
-        return cs__fail(CS_ERANGE, "tokenizer: detok buffer of %zu bytes too small", out_cap);
+        return cs_fail(CS_ERANGE, "tokenizer: detok buffer of %zu bytes too small", out_cap);
     memcpy(out, "\xEF\xBF\xBD", 3);
     *out_len = 3;
     d->n_pending = 0;

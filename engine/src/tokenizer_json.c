@@ -41,25 +41,25 @@ static int opt_bool(const cJSON *o, const char *key, int def) {
 
 static int unsupported_shape(const char *what, const cJSON *o) {
     const char *t = type_of(o);
-    return cs__fail(CS_ENOTSUP, "tokenizer.json: unsupported %s '%s'", what, t ? t : "(no type)");
+    return cs_fail(CS_ENOTSUP, "tokenizer.json: unsupported %s '%s'", what, t ? t : "(no type)");
 }
 
 /* ByteLevel pre-tokenizer without add_prefix_space; use_regex as given. */
 static int check_byte_level(const cJSON *o, int want_regex) {
     if (!is_type(o, "ByteLevel")) return unsupported_shape("pre-tokenizer", o);
     int aps = opt_bool(o, "add_prefix_space", 1), rx = opt_bool(o, "use_regex", 1);
-    if (aps < 0 || rx < 0) return cs__fail(CS_EBADMSG, "tokenizer.json: bad ByteLevel options");
+    if (aps < 0 || rx < 0) return cs_fail(CS_EBADMSG, "tokenizer.json: bad ByteLevel options");
     if (aps)
-        return cs__fail(CS_ENOTSUP, "tokenizer.json: ByteLevel add_prefix_space is not supported");
+        return cs_fail(CS_ENOTSUP, "tokenizer.json: ByteLevel add_prefix_space is not supported");
     if (rx != want_regex)
-        return cs__fail(CS_ENOTSUP, "tokenizer.json: ByteLevel use_regex=%s is not supported here",
+        return cs_fail(CS_ENOTSUP, "tokenizer.json: ByteLevel use_regex=%s is not supported here",
                         rx ? "true" : "false");
     return 0;
 }
 
 static int parse_pretok(const cJSON *pt, enum cs_pretok *out) {
     if (!cJSON_IsObject(pt))
-        return cs__fail(CS_ENOTSUP, "tokenizer.json: a pre-tokenizer is required (byte-level BPE)");
+        return cs_fail(CS_ENOTSUP, "tokenizer.json: a pre-tokenizer is required (byte-level BPE)");
     if (is_type(pt, "ByteLevel")) {
         *out = CS_PRETOK_GPT2;
         return check_byte_level(pt, 1);
@@ -67,17 +67,17 @@ static int parse_pretok(const cJSON *pt, enum cs_pretok *out) {
     if (!is_type(pt, "Sequence")) return unsupported_shape("pre-tokenizer", pt);
     const cJSON *list = cJSON_GetObjectItemCaseSensitive(pt, "pretokenizers");
     if (!cJSON_IsArray(list))
-        return cs__fail(CS_EBADMSG, "tokenizer.json: Sequence pre-tokenizer without a list");
+        return cs_fail(CS_EBADMSG, "tokenizer.json: Sequence pre-tokenizer without a list");
     if (cJSON_GetArraySize(list) != 2)
-        return cs__fail(CS_ENOTSUP,
+        return cs_fail(CS_ENOTSUP,
                         "tokenizer.json: Sequence of %d pre-tokenizers is not supported",
                         cJSON_GetArraySize(list));
     const cJSON *a = cJSON_GetArrayItem(list, 0), *b = cJSON_GetArrayItem(list, 1);
     if (is_type(a, "Digits")) {
         int ind = opt_bool(a, "individual_digits", 0);
-        if (ind < 0) return cs__fail(CS_EBADMSG, "tokenizer.json: bad Digits options");
+        if (ind < 0) return cs_fail(CS_EBADMSG, "tokenizer.json: bad Digits options");
         if (!ind)
-            return cs__fail(CS_ENOTSUP,
+            return cs_fail(CS_ENOTSUP,
                             "tokenizer.json: Digits without individual_digits is not supported");
         *out = CS_PRETOK_SMOLLM;
         return check_byte_level(b, 1);
@@ -88,17 +88,17 @@ static int parse_pretok(const cJSON *pt, enum cs_pretok *out) {
         const cJSON *beh = cJSON_GetObjectItemCaseSensitive(a, "behavior");
         int invert = opt_bool(a, "invert", 0);
         if (!cJSON_IsString(re) || !cJSON_IsString(beh) || invert < 0)
-            return cs__fail(CS_ENOTSUP,
+            return cs_fail(CS_ENOTSUP,
                             "tokenizer.json: Split pre-tokenizer without a Regex pattern");
         if (strcmp(beh->valuestring, "Isolated") != 0 || invert)
-            return cs__fail(CS_ENOTSUP, "tokenizer.json: Split behavior '%s'%s is not supported",
+            return cs_fail(CS_ENOTSUP, "tokenizer.json: Split behavior '%s'%s is not supported",
                             beh->valuestring, invert ? " (inverted)" : "");
         if (strcmp(re->valuestring, re_llama3) == 0) {
             *out = CS_PRETOK_LLAMA3;
         } else if (strcmp(re->valuestring, re_qwen2) == 0) {
             *out = CS_PRETOK_QWEN2;
         } else {
-            return cs__fail(CS_ENOTSUP, "tokenizer.json: unsupported Split regex '%.120s'",
+            return cs_fail(CS_ENOTSUP, "tokenizer.json: unsupported Split regex '%.120s'",
                             re->valuestring);
         }
         return check_byte_level(b, 0);
@@ -113,7 +113,7 @@ static int check_decoder(const cJSON *d) {
     if (is_type(d, "Sequence")) {
         const cJSON *list = cJSON_GetObjectItemCaseSensitive(d, "decoders");
         const cJSON *it;
-        if (!cJSON_IsArray(list)) return cs__fail(CS_EBADMSG, "tokenizer.json: bad decoder");
+        if (!cJSON_IsArray(list)) return cs_fail(CS_EBADMSG, "tokenizer.json: bad decoder");
         cJSON_ArrayForEach(it, list) {
             if (!is_type(it, "ByteLevel")) return unsupported_shape("decoder", it);
         }
@@ -141,7 +141,7 @@ static int find_token(const hf_parts *p, const char *text) {
 static int read_id(const cJSON *v, int32_t *id, const char *what) {
     if (!cJSON_IsNumber(v) || v->valuedouble < 0 || v->valuedouble >= MAX_VOCAB ||
         v->valuedouble != floor(v->valuedouble))
-        return cs__fail(CS_EBADMSG, "tokenizer.json: %s has a bad id", what);
+        return cs_fail(CS_EBADMSG, "tokenizer.json: %s has a bad id", what);
     *id = (int32_t)v->valuedouble;
     return 0;
 }
@@ -149,9 +149,9 @@ static int read_id(const cJSON *v, int32_t *id, const char *what) {
 static int parse_vocab(const cJSON *model, const cJSON *added, hf_parts *p) {
     const cJSON *vocab = cJSON_GetObjectItemCaseSensitive(model, "vocab");
     if (!cJSON_IsObject(vocab))
-        return cs__fail(CS_EBADMSG, "tokenizer.json: model.vocab is not an object");
+        return cs_fail(CS_EBADMSG, "tokenizer.json: model.vocab is not an object");
     if (added && !cJSON_IsNull(added) && !cJSON_IsArray(added))
-        return cs__fail(CS_EBADMSG, "tokenizer.json: added_tokens is not an array");
+        return cs_fail(CS_EBADMSG, "tokenizer.json: added_tokens is not an array");
     int32_t max_id = -1, id;
     const cJSON *it;
     int rc;
@@ -164,17 +164,17 @@ static int parse_vocab(const cJSON *model, const cJSON *added, hf_parts *p) {
             return rc;
         if (id > max_id) max_id = id;
     }
-    if (max_id < 0) return cs__fail(CS_EBADMSG, "tokenizer.json: empty vocabulary");
+    if (max_id < 0) return cs_fail(CS_EBADMSG, "tokenizer.json: empty vocabulary");
     p->n_vocab = max_id + 1;
     p->tokens = calloc((size_t)p->n_vocab, sizeof *p->tokens);
     p->types = malloc((size_t)p->n_vocab * sizeof *p->types);
-    if (!p->tokens || !p->types) return cs__fail(CS_ENOMEM, "tokenizer.json: out of memory");
+    if (!p->tokens || !p->types) return cs_fail(CS_ENOMEM, "tokenizer.json: out of memory");
     for (int32_t i = 0; i < p->n_vocab; i++)
         p->types[i] = CS_TOKEN_NORMAL;
     cJSON_ArrayForEach(it, vocab) {
         read_id(it, &id, "");
         if (p->tokens[id])
-            return cs__fail(CS_EBADMSG, "tokenizer.json: id %d is used by '%.40s' and '%.40s'", id,
+            return cs_fail(CS_EBADMSG, "tokenizer.json: id %d is used by '%.40s' and '%.40s'", id,
                             p->tokens[id], it->string);
         p->tokens[id] = it->string;
     }
@@ -182,27 +182,27 @@ static int parse_vocab(const cJSON *model, const cJSON *added, hf_parts *p) {
         const cJSON *content = cJSON_GetObjectItemCaseSensitive(it, "content");
         int special = opt_bool(it, "special", 0);
         if (!cJSON_IsString(content) || special < 0)
-            return cs__fail(CS_EBADMSG, "tokenizer.json: malformed added token");
+            return cs_fail(CS_EBADMSG, "tokenizer.json: malformed added token");
         read_id(cJSON_GetObjectItemCaseSensitive(it, "id"), &id, "");
         if (p->tokens[id] && strcmp(p->tokens[id], content->valuestring) != 0)
-            return cs__fail(CS_EBADMSG,
+            return cs_fail(CS_EBADMSG,
                             "tokenizer.json: added token '%.40s' reuses id %d of '%.40s'",
                             content->valuestring, id, p->tokens[id]);
         p->tokens[id] = content->valuestring;
         p->types[id] = special ? CS_TOKEN_CONTROL : CS_TOKEN_USER_DEFINED;
     }
     for (int32_t i = 0; i < p->n_vocab; i++)
-        if (!p->tokens[i]) return cs__fail(CS_EBADMSG, "tokenizer.json: no token has id %d", i);
+        if (!p->tokens[i]) return cs_fail(CS_EBADMSG, "tokenizer.json: no token has id %d", i);
     return 0;
 }
 
 static int parse_merges(const cJSON *model, hf_parts *p) {
     const cJSON *merges = cJSON_GetObjectItemCaseSensitive(model, "merges");
     if (!cJSON_IsArray(merges))
-        return cs__fail(CS_EBADMSG, "tokenizer.json: model.merges is not an array");
+        return cs_fail(CS_EBADMSG, "tokenizer.json: model.merges is not an array");
     int n = cJSON_GetArraySize(merges);
     p->merges = calloc((size_t)(n ? n : 1), sizeof *p->merges);
-    if (!p->merges) return cs__fail(CS_ENOMEM, "tokenizer.json: out of memory");
+    if (!p->merges) return cs_fail(CS_ENOMEM, "tokenizer.json: out of memory");
     const cJSON *it;
     int32_t i = 0;
     cJSON_ArrayForEach(it, merges) {
@@ -220,14 +220,14 @@ static int parse_merges(const cJSON *model, hf_parts *p) {
             /* The spec's merge form is "left right"; a space inside a token
              * (impossible in byte-level vocabularies) would be ambiguous. */
             if (!*l || strchr(l, ' ') || strchr(r, ' '))
-                return cs__fail(CS_EBADMSG, "tokenizer.json: merge %d has a token with a space", i);
+                return cs_fail(CS_EBADMSG, "tokenizer.json: merge %d has a token with a space", i);
         } else {
-            return cs__fail(CS_EBADMSG,
+            return cs_fail(CS_EBADMSG,
                             "tokenizer.json: merge %d is neither \"a b\" nor [\"a\", \"b\"]", i);
         }
         size_t ll = strlen(l), rl = r ? strlen(r) : 0;
         s = malloc(ll + rl + 2);
-        if (!s) return cs__fail(CS_ENOMEM, "tokenizer.json: out of memory");
+        if (!s) return cs_fail(CS_ENOMEM, "tokenizer.json: out of memory");
         memcpy(s, l, ll);
         if (r) {
             s[ll] = ' ';
@@ -248,7 +248,7 @@ static int parse_post(const cJSON *pp, hf_parts *p) {
     if (!pp || cJSON_IsNull(pp) || is_type(pp, "ByteLevel")) return 0;
     if (is_type(pp, "Sequence")) {
         const cJSON *list = cJSON_GetObjectItemCaseSensitive(pp, "processors"), *it;
-        if (!cJSON_IsArray(list)) return cs__fail(CS_EBADMSG, "tokenizer.json: bad post-processor");
+        if (!cJSON_IsArray(list)) return cs_fail(CS_EBADMSG, "tokenizer.json: bad post-processor");
         cJSON_ArrayForEach(it, list) {
             int rc = parse_post(it, p);
             if (rc) return rc;
@@ -264,12 +264,12 @@ static int parse_post(const cJSON *pp, hf_parts *p) {
     const cJSON *sid = cJSON_GetObjectItemCaseSensitive(st, "id");
     if (!cJSON_GetObjectItemCaseSensitive(last, "Sequence") || n > 2 ||
         (n == 2 && !cJSON_IsString(sid)))
-        return cs__fail(CS_ENOTSUP, "tokenizer.json: TemplateProcessing other than \"$A\" or "
+        return cs_fail(CS_ENOTSUP, "tokenizer.json: TemplateProcessing other than \"$A\" or "
                                     "\"<bos> $A\" is not supported");
     if (n == 2) {
         int32_t id = find_token(p, sid->valuestring);
         if (id < 0)
-            return cs__fail(CS_EBADMSG,
+            return cs_fail(CS_EBADMSG,
                             "tokenizer.json: post-processor token '%.40s' is not in the vocabulary",
                             sid->valuestring);
         p->post_bos = true;
@@ -284,10 +284,10 @@ static int config_token(const cJSON *cfg, const char *key, const hf_parts *p, in
     if (cJSON_IsObject(v)) v = cJSON_GetObjectItemCaseSensitive(v, "content");
     if (!v || cJSON_IsNull(v)) return 0;
     if (!cJSON_IsString(v))
-        return cs__fail(CS_EBADMSG, "tokenizer_config.json: %s is not a string", key);
+        return cs_fail(CS_EBADMSG, "tokenizer_config.json: %s is not a string", key);
     int32_t t = find_token(p, v->valuestring);
     if (t < 0)
-        return cs__fail(CS_EBADMSG, "tokenizer_config.json: %s '%.40s' is not in the vocabulary",
+        return cs_fail(CS_EBADMSG, "tokenizer_config.json: %s '%.40s' is not in the vocabulary",
                         key, v->valuestring);
     *id = t;
     return 0;
@@ -313,7 +313,7 @@ static int config_template(const cJSON *cfg, const char **out) {
         }
         return 0;
     }
-    return cs__fail(CS_EBADMSG,
+    return cs_fail(CS_EBADMSG,
                     "tokenizer_config.json: chat_template is neither a string nor a list");
 }
 
@@ -323,47 +323,47 @@ int cs__tokenizer_from_hf_json(const char *tokenizer_json, size_t len, const cha
     hf_parts p = {0};
     cJSON *root = NULL, *cfg = NULL;
     int rc;
-    if (!tokenizer_json) return cs__fail(CS_EINVAL, "tokenizer.json: no data");
+    if (!tokenizer_json) return cs_fail(CS_EINVAL, "tokenizer.json: no data");
     root = cJSON_ParseWithLength(tokenizer_json, len);
     if (!cJSON_IsObject(root)) {
-        rc = cs__fail(CS_EBADMSG, "tokenizer.json: not a JSON object");
+        rc = cs_fail(CS_EBADMSG, "tokenizer.json: not a JSON object");
         goto fail;
     }
     if (config_json) {
         cfg = cJSON_Parse(config_json);
         if (!cJSON_IsObject(cfg)) {
-            rc = cs__fail(CS_EBADMSG, "tokenizer_config.json: not a JSON object");
+            rc = cs_fail(CS_EBADMSG, "tokenizer_config.json: not a JSON object");
             goto fail;
         }
     }
 
     const cJSON *model = cJSON_GetObjectItemCaseSensitive(root, "model");
     if (!cJSON_IsObject(model)) {
-        rc = cs__fail(CS_EBADMSG, "tokenizer.json: no model object");
+        rc = cs_fail(CS_EBADMSG, "tokenizer.json: no model object");
         goto fail;
     }
     const char *mtype = type_of(model);
     if (mtype ? strcmp(mtype, "BPE") != 0 : !cJSON_HasObjectItem(model, "merges")) {
-        rc = cs__fail(CS_ENOTSUP, "tokenizer.json: model type '%s' is not supported (BPE is)",
+        rc = cs_fail(CS_ENOTSUP, "tokenizer.json: model type '%s' is not supported (BPE is)",
                       mtype ? mtype : "(none)");
         goto fail;
     }
     const cJSON *v = cJSON_GetObjectItemCaseSensitive(model, "dropout");
     if (v && !cJSON_IsNull(v) && !(cJSON_IsNumber(v) && v->valuedouble == 0)) {
-        rc = cs__fail(CS_ENOTSUP, "tokenizer.json: BPE dropout is not supported");
+        rc = cs_fail(CS_ENOTSUP, "tokenizer.json: BPE dropout is not supported");
         goto fail;
     }
     static const char *const no_affix[] = {"continuing_subword_prefix", "end_of_word_suffix"};
     for (size_t i = 0; i < 2; i++) {
         v = cJSON_GetObjectItemCaseSensitive(model, no_affix[i]);
         if (v && !cJSON_IsNull(v) && !(cJSON_IsString(v) && !*v->valuestring)) {
-            rc = cs__fail(CS_ENOTSUP, "tokenizer.json: BPE %s is not supported", no_affix[i]);
+            rc = cs_fail(CS_ENOTSUP, "tokenizer.json: BPE %s is not supported", no_affix[i]);
             goto fail;
         }
     }
     int ignore_merges = opt_bool(model, "ignore_merges", 0);
     if (ignore_merges < 0) {
-        rc = cs__fail(CS_EBADMSG, "tokenizer.json: model.ignore_merges is not a boolean");
+        rc = cs_fail(CS_EBADMSG, "tokenizer.json: model.ignore_merges is not a boolean");
         goto fail;
     }
     v = cJSON_GetObjectItemCaseSensitive(root, "normalizer");
@@ -386,7 +386,7 @@ int cs__tokenizer_from_hf_json(const char *tokenizer_json, size_t len, const cha
 
     v = cJSON_GetObjectItemCaseSensitive(model, "unk_token");
     if (cJSON_IsString(v) && (spec.unk_id = find_token(&p, v->valuestring)) < 0) {
-        rc = cs__fail(CS_EBADMSG, "tokenizer.json: unk_token '%.40s' is not in the vocabulary",
+        rc = cs_fail(CS_EBADMSG, "tokenizer.json: unk_token '%.40s' is not in the vocabulary",
                       v->valuestring);
         goto fail;
     }
@@ -403,7 +403,7 @@ int cs__tokenizer_from_hf_json(const char *tokenizer_json, size_t len, const cha
             goto fail;
         int ab = opt_bool(cfg, "add_bos_token", spec.add_bos);
         if (ab < 0) {
-            rc = cs__fail(CS_EBADMSG, "tokenizer_config.json: add_bos_token is not a boolean");
+            rc = cs_fail(CS_EBADMSG, "tokenizer_config.json: add_bos_token is not a boolean");
             goto fail;
         }
         spec.add_bos = ab && spec.bos_id >= 0;

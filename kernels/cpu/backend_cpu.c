@@ -11,7 +11,8 @@
 #include "backend.h"
 #include "model-impl.h"
 #include "ops.h"
-#include "util.h"
+#include "chunkserve/assert.h"
+#include "chunkserve/error.h"
 
 typedef struct {
     const cs_model *m;
@@ -47,12 +48,12 @@ static int cpu_kv_init(void *p, int32_t n_pages, int32_t page_size, size_t *page
     cpu_ctx *c = p;
     c->page_floats = cs_backend_cpu_page_bytes(c->m, page_size) / sizeof(float);
     size_t bytes;
-    if (cs__mul_overflow(c->page_floats * sizeof(float), (size_t)n_pages, &bytes))
-        return cs__fail(CS_ENOMEM, "cpu backend: KV pool of %d pages overflows", n_pages);
+    if (__builtin_mul_overflow(c->page_floats * sizeof(float), (size_t)n_pages, &bytes))
+        return cs_fail(CS_ENOMEM, "cpu backend: KV pool of %d pages overflows", n_pages);
     free(c->kv);
     /* calloc: untouched pages cost no memory until used */
     c->kv = calloc((size_t)n_pages, c->page_floats * sizeof(float));
-    if (!c->kv) return cs__fail(CS_ENOMEM, "cpu backend: cannot allocate a %zu MiB KV pool", bytes >> 20);
+    if (!c->kv) return cs_fail(CS_ENOMEM, "cpu backend: cannot allocate a %zu MiB KV pool", bytes >> 20);
     c->n_pages = n_pages;
     c->page_size = page_size;
     *page_bytes = c->page_floats * sizeof(float);
@@ -68,7 +69,7 @@ static int grow(cpu_ctx *c, int32_t n_tokens, int32_t n_spans) {
 #define RE(ptr, count)                                                              \
     do {                                                                            \
         void *np_ = realloc(ptr, (count) * sizeof *(ptr));                          \
-        if (!np_) return cs__fail(CS_ENOMEM, "cpu backend: out of memory for a %d-token step", n_tokens); \
+        if (!np_) return cs_fail(CS_ENOMEM, "cpu backend: out of memory for a %d-token step", n_tokens); \
         ptr = np_;                                                                  \
     } while (0)
         RE(c->x, T * dim);
@@ -170,7 +171,7 @@ int cs_backend_cpu_init(const cs_model *m, int n_threads, cs_backend **out) {
     cpu_ctx *c = calloc(1, sizeof *c);
     if (!b || !c) {
         free(b), free(c);
-        return cs__fail(CS_ENOMEM, "cpu backend: out of memory");
+        return cs_fail(CS_ENOMEM, "cpu backend: out of memory");
     }
     c->m = m;
     int r = cs_threadpool_init(n_threads, &c->pool);

@@ -20,7 +20,8 @@
 #include <unistd.h>
 
 #include "ops.h"
-#include "util.h"
+#include "chunkserve/assert.h"
+#include "chunkserve/log.h"
 
 #ifdef __AVX512F__
 #include <immintrin.h>

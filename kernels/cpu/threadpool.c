@@ -27,7 +27,7 @@
 #include <unistd.h>
 
 #include "ops.h"
-#include "util.h"
+#include "chunkserve/error.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -138,16 +138,16 @@ int cs_threadpool_init(int n_threads, cs_threadpool **out) {
         n_threads = n > 0 ? (int)(n < 1024 ? n : 1024) : 1;
     }
     if (n_threads > 1024)
-        return cs__fail(CS_EINVAL, "thread pool: %d threads is more than 1024", n_threads);
+        return cs_fail(CS_EINVAL, "thread pool: %d threads is more than 1024", n_threads);
     cs_threadpool *pool = calloc(1, sizeof *pool);
-    if (!pool) return cs__fail(CS_ENOMEM, "thread pool: out of memory");
+    if (!pool) return cs_fail(CS_ENOMEM, "thread pool: out of memory");
     pool->n_threads = n_threads;
     int r = 0;
     if (n_threads > 1) {
         pool->threads = calloc((size_t)n_threads - 1, sizeof *pool->threads);
         pool->workers = calloc((size_t)n_threads - 1, sizeof *pool->workers);
         if (!pool->threads || !pool->workers) {
-            r = cs__fail(CS_ENOMEM, "thread pool: out of memory for %d threads", n_threads);
+            r = cs_fail(CS_ENOMEM, "thread pool: out of memory for %d threads", n_threads);
             goto fail;
         }
     }
@@ -159,7 +159,7 @@ int cs_threadpool_init(int n_threads, cs_threadpool **out) {
         pool->workers[i - 1] = (struct worker){pool, i};
         int e = pthread_create(&pool->threads[i - 1], NULL, worker_main, &pool->workers[i - 1]);
         if (e) {
-            r = cs__fail(e == EAGAIN ? CS_EAGAIN : CS_ENOMEM,
+            r = cs_fail(e == EAGAIN ? CS_EAGAIN : CS_ENOMEM,
                          "thread pool: cannot start thread %d of %d", i, n_threads);
             break;
         }

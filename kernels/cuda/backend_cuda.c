@@ -33,7 +33,9 @@
 #include "backend_cuda.h"
 #include "cuda_impl.h"
 #include "model-impl.h"
-#include "util.h"
+#include "chunkserve/assert.h"
+#include "chunkserve/error.h"
+#include "chunkserve/log.h"
 
 typedef struct {
     uint16_t *wqkv;   /* (q_dim + 2 kv_dim, dim) bf16 */
@@ -143,7 +145,7 @@ static int dalloc(void *pp, size_t bytes, const char *what) {
     if (e != cudaSuccess) {
         (void)cudaGetLastError();
         *p = NULL;
-        return cs__fail(CS_ENOMEM,
+        return cs_fail(CS_ENOMEM,
                         "cuda backend: cannot allocate %zu MiB of device memory for %s (%s)",
                         bytes >> 20, what, cudaGetErrorString(e));
     }
@@ -171,8 +173,8 @@ static void cuda_free(void *p) {
 static int cuda_kv_init(void *p, int32_t n_pages, int32_t page_size, size_t *page_bytes) {
     cuda_ctx *c = p;
     size_t pb = cs_backend_cuda_page_bytes(&c->cf, page_size), bytes;
-    if (cs__mul_overflow(pb, (size_t)n_pages, &bytes))
-        return cs__fail(CS_ENOMEM, "cuda backend: KV pool of %d pages overflows", n_pages);
+    if (__builtin_mul_overflow(pb, (size_t)n_pages, &bytes))
+        return cs_fail(CS_ENOMEM, "cuda backend: KV pool of %d pages overflows", n_pages);
     dfree(c->kv.pool);
     c->kv.pool = NULL;
     int r = dalloc(&c->kv.pool, bytes, "the KV pool");
@@ -215,7 +217,7 @@ static int grow(cuda_ctx *c, int32_t n_tokens, int32_t n_spans, int64_t n_meta) 
         c->cap_spans = n_spans;
     }
     if (n_meta > c->cap_meta) {
-        if (n_meta > INT32_MAX) return cs__fail(CS_ENOMEM, "cuda backend: step metadata too large");
+        if (n_meta > INT32_MAX) return cs_fail(CS_ENOMEM, "cuda backend: step metadata too large");
         dfree(c->meta_d);
         c->meta_d = NULL;
         if (c->meta_h) CS_CUDA_CHECK(cudaFreeHost(c->meta_h));
@@ -223,7 +225,7 @@ static int grow(cuda_ctx *c, int32_t n_tokens, int32_t n_spans, int64_t n_meta) 
         if ((r = dalloc(&c->meta_d, (size_t)n_meta * 4, "step metadata"))) return r;
         if (cudaMallocHost((void **)&c->meta_h, (size_t)n_meta * 4) != cudaSuccess) {
             (void)cudaGetLastError();
-            return cs__fail(CS_ENOMEM, "cuda backend: cannot pin %zu bytes of step metadata",
+            return cs_fail(CS_ENOMEM, "cuda backend: cannot pin %zu bytes of step metadata",
                             (size_t)n_meta * 4);
         }
         c->cap_meta = (int32_t)n_meta;
@@ -368,7 +370,7 @@ static int build(cuda_ctx *c, const cs_model *m, const float *inv_freq, uint64_t
         (r = dalloc(&c->w32, w32 * 4, "fp32 weights")))
         return r;
     c->layers = calloc((size_t)cf->n_layers, sizeof *c->layers);
-    if (!c->layers) return cs__fail(CS_ENOMEM, "cuda backend: out of memory");
+    if (!c->layers) return cs_fail(CS_ENOMEM, "cuda backend: out of memory");
     uint16_t *w = c->w16;
     float *f = c->w32;
     c->tok_embd = w, w += V * dim;
@@ -454,7 +456,7 @@ static int init(const cs_model_config *cf, const cs_model *m, const float *inv_f
     *out = NULL;
     if (cf->head_dim % 2 || cf->head_dim > 256 || cf->n_kv_heads < 1 ||
         cf->n_heads % cf->n_kv_heads || cf->n_heads / cf->n_kv_heads > 64)
-        return cs__fail(CS_ENOTSUP,
+        return cs_fail(CS_ENOTSUP,
                         "cuda backend: head_dim %d with %d/%d heads is not supported (head_dim "
                         "even and <= 256, at most 64 query heads per KV head)",
                         cf->head_dim, cf->n_heads, cf->n_kv_heads);
@@ -462,7 +464,7 @@ static int init(const cs_model_config *cf, const cs_model *m, const float *inv_f
     cuda_ctx *c = calloc(1, sizeof *c);
     if (!b || !c) {
         free(b), free(c);
-        return cs__fail(CS_ENOMEM, "cuda backend: out of memory");
+        return cs_fail(CS_ENOMEM, "cuda backend: out of memory");
     }
     c->cf = *cf;
     c->att_rows = cs__cuda_attention_tile_rows(cf->n_heads, cf->n_kv_heads);

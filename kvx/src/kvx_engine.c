@@ -1,7 +1,6 @@
 /* kvx_engine.c: the glue between the KV transport and the engine: the
  * layout an engine's pool has on the wire. */
-#include "chunkserve/engine.h"
-#include "chunkserve/kvx.h"
+#include "chunkserve/kvx_engine.h"
 
 cs_kvx_layout cs_kvx_layout_of_engine(cs_engine *e) {
     const cs_model_config *cf = cs_model_get_config(cs_engine_model(e));

@@ -23,7 +23,9 @@
 #include "cuda_impl.h"
 #include "kvx-impl.h"
 #include "kvx_nccl-impl.h"
-#include "util.h"
+#include "chunkserve/assert.h"
+#include "chunkserve/error.h"
+#include "chunkserve/log.h"
 
 #define LINK_CUDA(call)                                                                            \
     do {                                                                                           \

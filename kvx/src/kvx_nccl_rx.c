@@ -31,7 +31,9 @@
 
 #include "kvx-impl.h"
 #include "kvx_nccl-impl.h"
-#include "util.h"
+#include "chunkserve/assert.h"
+#include "chunkserve/error.h"
+#include "chunkserve/log.h"
 
 #define N_TOMB 4096
 #define N_PEERS 1024
@@ -909,12 +911,12 @@ int cs__kvx_nccl_rx_init_ops(const cs_kvx_nccl_rx_params *p, const cs__kvx_link_
         t->max_frame_bytes < t->layout.page_bytes || t->max_conns < 1 || t->port < 0 ||
         t->port > 65535 || !p->pool.base || p->pool.n_pages < 1 || p->n_slots < 1 ||
         p->n_slots > 64 || p->init_timeout_ms <= 0 || p->op_timeout_ms <= 0)
-        return cs__fail(
+        return cs_fail(
             CS_EINVAL,
             "kvx nccl rx: bad parameters (no import, page_bytes a multiple of 8, keepalive_ms "
             "< dead_ms, max_frame_bytes >= page_bytes, pool, n_slots, timeouts)");
     cs_kvx_nccl_rx *rx = calloc(1, sizeof *rx);
-    if (!rx) return cs__fail(CS_ENOMEM, "kvx nccl rx: out of memory");
+    if (!rx) return cs_fail(CS_ENOMEM, "kvx nccl rx: out of memory");
     rx->p = *p;
     rx->ops = ops;
     snprintf(rx->host, sizeof rx->host, "%s", t->host ? t->host : "127.0.0.1");
@@ -936,7 +938,7 @@ int cs__kvx_nccl_rx_init_ops(const cs_kvx_nccl_rx_params *p, const cs__kvx_link_
     snprintf(port, sizeof port, "%d", t->port);
     rx->lfd = -1;
     if (getaddrinfo(rx->host, port, &hints, &res) != 0) {
-        r = cs__fail(CS_EINVAL, "kvx nccl rx: cannot resolve %s", rx->host);
+        r = cs_fail(CS_EINVAL, "kvx nccl rx: cannot resolve %s", rx->host);
         goto fail_addr;
     }
     rx->lfd = socket(res->ai_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
@@ -944,7 +946,7 @@ int cs__kvx_nccl_rx_init_ops(const cs_kvx_nccl_rx_params *p, const cs__kvx_link_
     if (rx->lfd >= 0) setsockopt(rx->lfd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
     if (rx->lfd < 0 || bind(rx->lfd, res->ai_addr, res->ai_addrlen) != 0 ||
         listen(rx->lfd, 128) != 0) {
-        r = cs__fail(-errno, "kvx nccl rx: cannot listen on %s:%d: %s", rx->host, t->port,
+        r = cs_fail(-errno, "kvx nccl rx: cannot listen on %s:%d: %s", rx->host, t->port,
                      strerror(errno));
         freeaddrinfo(res);
         goto fail_listen;
@@ -957,12 +959,12 @@ int cs__kvx_nccl_rx_init_ops(const cs_kvx_nccl_rx_params *p, const cs__kvx_link_
                                               : ((struct sockaddr_in *)&sa)->sin_port);
     r = cs__kvx_wake_init(rx->wake);
     if (r) {
-        r = cs__fail(r, "kvx nccl rx: eventfd: %s", cs_strerror(r));
+        r = cs_fail(r, "kvx nccl rx: eventfd: %s", cs_strerror(r));
         goto fail_listen;
     }
     pthread_mutex_init(&rx->mu, NULL);
     if (pthread_create(&rx->thread, NULL, rx_thread, rx) != 0) {
-        r = cs__fail(CS_ENOMEM, "kvx nccl rx: cannot start its thread");
+        r = cs_fail(CS_ENOMEM, "kvx nccl rx: cannot start its thread");
         goto fail_thread;
     }
     *out = rx;
@@ -1012,19 +1014,19 @@ uint64_t cs_kvx_nccl_rx_incarnation(const cs_kvx_nccl_rx *rx) {
 int cs_kvx_nccl_rx_expect(cs_kvx_nccl_rx *rx, uint64_t xfer_id, const int32_t *page_ids,
                           int32_t n_pages, int32_t deadline_ms, cs_kvx_done_fn done, void *arg) {
     if (!page_ids || n_pages < 1 || deadline_ms <= 0 || !done || xfer_id == 0)
-        return cs__fail(
+        return cs_fail(
             CS_EINVAL,
             "kvx nccl rx: bad expectation (id != 0, n_pages >= 1, deadline_ms > 0, done)");
     for (int32_t i = 0; i < n_pages; i++)
         if (page_ids[i] < 0 || page_ids[i] >= rx->p.pool.n_pages)
-            return cs__fail(CS_EINVAL,
+            return cs_fail(CS_EINVAL,
                             "kvx nccl rx: transfer %llu: page id %d outside the pool (%d pages)",
                             (unsigned long long)xfer_id, page_ids[i], rx->p.pool.n_pages);
     nrx_xfer *x = calloc(1, sizeof *x);
     int32_t *ids = malloc((size_t)n_pages * sizeof *ids);
     if (!x || !ids) {
         free(x), free(ids);
-        return cs__fail(CS_ENOMEM, "kvx nccl rx: out of memory");
+        return cs_fail(CS_ENOMEM, "kvx nccl rx: out of memory");
     }
     memcpy(ids, page_ids, (size_t)n_pages * sizeof *ids);
     x->id = xfer_id;
@@ -1039,7 +1041,7 @@ int cs_kvx_nccl_rx_expect(cs_kvx_nccl_rx *rx, uint64_t xfer_id, const int32_t *p
     if (find_xfer(rx, xfer_id)) {
         pthread_mutex_unlock(&rx->mu);
         free(ids), free(x);
-        return cs__fail(CS_EEXIST, "kvx nccl rx: transfer %llu already expected",
+        return cs_fail(CS_EEXIST, "kvx nccl rx: transfer %llu already expected",
                         (unsigned long long)xfer_id);
     }
     for (int i = 0; i < N_TOMB; i++)
@@ -1058,7 +1060,7 @@ int cs_kvx_nccl_rx_cancel(cs_kvx_nccl_rx *rx, uint64_t xfer_id) {
     nrx_xfer *x = find_xfer(rx, xfer_id);
     int r = 0;
     if (!x || x->fail)
-        r = cs__fail(CS_ENOENT, "kvx nccl rx: transfer %llu is not pending",
+        r = cs_fail(CS_ENOENT, "kvx nccl rx: transfer %llu is not pending",
                      (unsigned long long)xfer_id);
     else
         x->fail = CS_ECANCELED;

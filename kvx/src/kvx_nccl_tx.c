@@ -28,7 +28,9 @@
 
 #include "kvx-impl.h"
 #include "kvx_nccl-impl.h"
-#include "util.h"
+#include "chunkserve/assert.h"
+#include "chunkserve/error.h"
+#include "chunkserve/log.h"
 
 enum chan_state { CH_IDLE, CH_CONNECTING, CH_OPEN };
 enum slot_state { SL_FREE, SL_PACKING, SL_PACKED, SL_QUEUED, SL_SENDING };
@@ -872,12 +874,12 @@ int cs__kvx_nccl_tx_init_ops(const cs_kvx_nccl_tx_params *p, const cs__kvx_link_
         t->dead_ms <= t->keepalive_ms || !p->pool.base || p->pool.n_pages < 1 || p->n_slots < 1 ||
         p->n_slots > 64 || p->init_timeout_ms <= 0 || p->op_timeout_ms <= 0 ||
         t->max_frame_bytes < t->layout.page_bytes)
-        return cs__fail(
+        return cs_fail(
             CS_EINVAL,
             "kvx nccl tx: bad parameters (name, page_bytes a multiple of 8, keepalive_ms < "
             "dead_ms, pool, n_slots, timeouts, max_frame_bytes >= page_bytes)");
     cs_kvx_nccl_tx *tx = calloc(1, sizeof *tx);
-    if (!tx) return cs__fail(CS_ENOMEM, "kvx nccl tx: out of memory");
+    if (!tx) return cs_fail(CS_ENOMEM, "kvx nccl tx: out of memory");
     tx->p = *p;
     tx->ops = ops;
     snprintf(tx->name, sizeof tx->name, "%s", t->name);
@@ -906,7 +908,7 @@ fail_thread:
     close(tx->wake[0]);
 fail_wake:
     free(tx);
-    return cs__fail(r, "kvx nccl tx: cannot start: %s", cs_strerror(r));
+    return cs_fail(r, "kvx nccl tx: cannot start: %s", cs_strerror(r));
 }
 
 void cs_kvx_nccl_tx_free(cs_kvx_nccl_tx *tx) {
@@ -940,13 +942,13 @@ int cs_kvx_nccl_tx_begin(cs_kvx_nccl_tx *tx, const char *host, int port, uint64_
                          int32_t total_pages, int32_t deadline_ms, cs_kvx_done_fn done, void *arg) {
     if (!host || strlen(host) >= 256 || port <= 0 || port > 65535 || total_pages < 1 ||
         deadline_ms <= 0 || !done)
-        return cs__fail(
+        return cs_fail(
             CS_EINVAL,
             "kvx nccl tx: bad transfer (host, port, total_pages >= 1, deadline_ms > 0, done)");
     pthread_mutex_lock(&tx->mu);
     int r = 0;
     if (find_xfer(tx, xfer_id)) {
-        r = cs__fail(CS_EEXIST, "kvx nccl tx: transfer %llu already open",
+        r = cs_fail(CS_EEXIST, "kvx nccl tx: transfer %llu already open",
                      (unsigned long long)xfer_id);
         goto out;
     }
@@ -956,7 +958,7 @@ int cs_kvx_nccl_tx_begin(cs_kvx_nccl_tx *tx, const char *host, int port, uint64_
         ntx_slot *slots = calloc((size_t)tx->p.n_slots, sizeof *slots);
         if (!ch || !slots) {
             free(ch), free(slots);
-            r = cs__fail(CS_ENOMEM, "kvx nccl tx: out of memory");
+            r = cs_fail(CS_ENOMEM, "kvx nccl tx: out of memory");
             goto out;
         }
         snprintf(ch->host, sizeof ch->host, "%s", host);
@@ -968,7 +970,7 @@ int cs_kvx_nccl_tx_begin(cs_kvx_nccl_tx *tx, const char *host, int port, uint64_
     }
     ntx_xfer *x = calloc(1, sizeof *x);
     if (!x) {
-        r = cs__fail(CS_ENOMEM, "kvx nccl tx: out of memory");
+        r = cs_fail(CS_ENOMEM, "kvx nccl tx: out of memory");
         goto out;
     }
     x->id = xfer_id;
@@ -1008,20 +1010,20 @@ int cs_kvx_nccl_tx_send_pages(cs_kvx_nccl_tx *tx, uint64_t xfer_id, int32_t firs
     pthread_mutex_lock(&tx->mu);
     ntx_xfer *x = find_xfer(tx, xfer_id);
     if (!x || x->fail || x->trailer_queued) {
-        r = cs__fail(CS_ENOENT, "kvx nccl tx: transfer %llu is not open",
+        r = cs_fail(CS_ENOENT, "kvx nccl tx: transfer %llu is not open",
                      (unsigned long long)xfer_id);
         goto fail;
     }
     if (n_pages < 1 || first_page != x->queued_pages ||
         n_pages > x->total_pages - x->queued_pages || !page_ids) {
-        r = cs__fail(
+        r = cs_fail(
             CS_EINVAL, "kvx nccl tx: transfer %llu: pages %d+%d out of order (queued %d of %d)",
             (unsigned long long)xfer_id, first_page, n_pages, x->queued_pages, x->total_pages);
         goto fail;
     }
     for (int32_t i = 0; i < n_pages; i++)
         if (page_ids[i] < 0 || page_ids[i] >= tx->p.pool.n_pages) {
-            r = cs__fail(CS_EINVAL,
+            r = cs_fail(CS_EINVAL,
                          "kvx nccl tx: transfer %llu: page id %d outside the pool (%d pages)",
                          (unsigned long long)xfer_id, page_ids[i], tx->p.pool.n_pages);
             goto fail;
@@ -1030,7 +1032,7 @@ int cs_kvx_nccl_tx_send_pages(cs_kvx_nccl_tx *tx, uint64_t xfer_id, int32_t firs
     ntx_chan *ch = x->ch;
     if (ch->pending_bytes + (size_t)n_pages * pb > tx->p.tcp.max_queued_bytes &&
         ch->pending_bytes > 0) {
-        r = cs__fail(CS_EAGAIN, "kvx nccl tx: channel to %s:%d full (%zu bytes queued)", ch->host,
+        r = cs_fail(CS_EAGAIN, "kvx nccl tx: channel to %s:%d full (%zu bytes queued)", ch->host,
                      ch->port, ch->pending_bytes);
         goto fail;
     }
@@ -1066,7 +1068,7 @@ int cs_kvx_nccl_tx_send_pages(cs_kvx_nccl_tx *tx, uint64_t xfer_id, int32_t firs
     pthread_mutex_unlock(&tx->mu);
     return 0;
 nomem:
-    r = cs__fail(CS_ENOMEM, "kvx nccl tx: out of memory");
+    r = cs_fail(CS_ENOMEM, "kvx nccl tx: out of memory");
     if (items)
         for (int32_t i = 0; i < nit; i++)
             free(items[i]);
@@ -1084,17 +1086,17 @@ int cs_kvx_nccl_tx_finish(cs_kvx_nccl_tx *tx, uint64_t xfer_id, const cs_kvx_tra
     int r = 0;
     ntx_xfer *x = find_xfer(tx, xfer_id);
     if (!x || x->fail || x->trailer_queued) {
-        r = cs__fail(CS_ENOENT, "kvx nccl tx: transfer %llu is not open",
+        r = cs_fail(CS_ENOENT, "kvx nccl tx: transfer %llu is not open",
                      (unsigned long long)xfer_id);
     } else if (!t || t->total_pages != x->total_pages || x->queued_pages != x->total_pages ||
                t->first_token < 0 || t->prompt_len < 0) {
-        r = cs__fail(
+        r = cs_fail(
             CS_EINVAL, "kvx nccl tx: transfer %llu: trailer with %d pages after %d of %d queued",
             (unsigned long long)xfer_id, t ? t->total_pages : -1, x->queued_pages, x->total_pages);
     } else {
         ntx_item *it = calloc(1, sizeof *it);
         if (!it) {
-            r = cs__fail(CS_ENOMEM, "kvx nccl tx: out of memory");
+            r = cs_fail(CS_ENOMEM, "kvx nccl tx: out of memory");
         } else {
             it->kind = IT_TRAILER;
             it->x = x;
@@ -1115,7 +1117,7 @@ int cs_kvx_nccl_tx_abort(cs_kvx_nccl_tx *tx, uint64_t xfer_id) {
     int r = 0;
     ntx_xfer *x = find_xfer(tx, xfer_id);
     if (!x || x->fail)
-        r = cs__fail(CS_ENOENT, "kvx nccl tx: transfer %llu is not open",
+        r = cs_fail(CS_ENOENT, "kvx nccl tx: transfer %llu is not open",
                      (unsigned long long)xfer_id);
     else
         x->fail = CS_ECANCELED;

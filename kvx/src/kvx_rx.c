@@ -19,7 +19,9 @@
 
 #include "chunkserve/kvx.h"
 #include "kvx-impl.h"
-#include "util.h"
+#include "chunkserve/assert.h"
+#include "chunkserve/error.h"
+#include "chunkserve/log.h"
 
 #define N_TOMB 4096 /* recently ended transfer ids: their late frames are dropped */
 #define N_PEERS 1024
@@ -551,9 +553,9 @@ int cs_kvx_rx_init(const cs_kvx_rx_params *p, cs_kvx_rx **out) {
     *out = NULL;
     if (!p || !p->import || p->layout.page_bytes == 0 || p->keepalive_ms <= 0 || p->dead_ms <= p->keepalive_ms ||
         p->max_frame_bytes < p->layout.page_bytes || p->max_conns < 1 || p->port < 0 || p->port > 65535)
-        return cs__fail(CS_EINVAL, "kvx rx: bad parameters (import, page_bytes, keepalive_ms < dead_ms, max_frame_bytes)");
+        return cs_fail(CS_EINVAL, "kvx rx: bad parameters (import, page_bytes, keepalive_ms < dead_ms, max_frame_bytes)");
     cs_kvx_rx *rx = calloc(1, sizeof *rx);
-    if (!rx) return cs__fail(CS_ENOMEM, "kvx rx: out of memory");
+    if (!rx) return cs_fail(CS_ENOMEM, "kvx rx: out of memory");
     rx->p = *p;
     snprintf(rx->host, sizeof rx->host, "%s", p->host ? p->host : "127.0.0.1");
     rx->p.host = rx->host;
@@ -569,14 +571,14 @@ int cs_kvx_rx_init(const cs_kvx_rx_params *p, cs_kvx_rx **out) {
     char port[16];
     snprintf(port, sizeof port, "%d", p->port);
     if (getaddrinfo(rx->host, port, &hints, &res) != 0) {
-        r = cs__fail(CS_EINVAL, "kvx rx: cannot resolve %s", rx->host);
+        r = cs_fail(CS_EINVAL, "kvx rx: cannot resolve %s", rx->host);
         goto fail_addr;
     }
     rx->lfd = socket(res->ai_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     int one = 1;
     if (rx->lfd >= 0) setsockopt(rx->lfd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
     if (rx->lfd < 0 || bind(rx->lfd, res->ai_addr, res->ai_addrlen) != 0 || listen(rx->lfd, 128) != 0) {
-        r = cs__fail(-errno, "kvx rx: cannot listen on %s:%d: %s", rx->host, p->port, strerror(errno));
+        r = cs_fail(-errno, "kvx rx: cannot listen on %s:%d: %s", rx->host, p->port, strerror(errno));
         freeaddrinfo(res);
         goto fail_listen;
     }
@@ -588,12 +590,12 @@ int cs_kvx_rx_init(const cs_kvx_rx_params *p, cs_kvx_rx **out) {
                                               : ((struct sockaddr_in *)&sa)->sin_port);
     r = cs__kvx_wake_init(rx->wake);
     if (r) {
-        r = cs__fail(r, "kvx rx: eventfd: %s", cs_strerror(r));
+        r = cs_fail(r, "kvx rx: eventfd: %s", cs_strerror(r));
         goto fail_listen;
     }
     pthread_mutex_init(&rx->mu, NULL);
     if (pthread_create(&rx->thread, NULL, rx_thread, rx) != 0) {
-        r = cs__fail(CS_ENOMEM, "kvx rx: cannot start its thread");
+        r = cs_fail(CS_ENOMEM, "kvx rx: cannot start its thread");
         goto fail_thread;
     }
     *out = rx;
@@ -636,12 +638,12 @@ uint64_t cs_kvx_rx_incarnation(const cs_kvx_rx *rx) { return rx->inc; }
 int cs_kvx_rx_expect(cs_kvx_rx *rx, uint64_t xfer_id, const int32_t *page_ids, int32_t n_pages, int32_t deadline_ms,
                      cs_kvx_done_fn done, void *arg) {
     if (!page_ids || n_pages < 1 || deadline_ms <= 0 || !done || xfer_id == 0)
-        return cs__fail(CS_EINVAL, "kvx rx: bad expectation (id != 0, n_pages >= 1, deadline_ms > 0, done)");
+        return cs_fail(CS_EINVAL, "kvx rx: bad expectation (id != 0, n_pages >= 1, deadline_ms > 0, done)");
     rx_xfer *x = calloc(1, sizeof *x);
     int32_t *ids = malloc((size_t)n_pages * sizeof *ids);
     if (!x || !ids) {
         free(x), free(ids);
-        return cs__fail(CS_ENOMEM, "kvx rx: out of memory");
+        return cs_fail(CS_ENOMEM, "kvx rx: out of memory");
     }
     memcpy(ids, page_ids, (size_t)n_pages * sizeof *ids);
     x->id = xfer_id;
@@ -655,7 +657,7 @@ int cs_kvx_rx_expect(cs_kvx_rx *rx, uint64_t xfer_id, const int32_t *page_ids, i
     if (find_xfer(rx, xfer_id)) {
         pthread_mutex_unlock(&rx->mu);
         free(ids), free(x);
-        return cs__fail(CS_EEXIST, "kvx rx: transfer %llu already expected", (unsigned long long)xfer_id);
+        return cs_fail(CS_EEXIST, "kvx rx: transfer %llu already expected", (unsigned long long)xfer_id);
     }
     /* the id may be reused after it ended */
     for (int i = 0; i < N_TOMB; i++)
@@ -673,7 +675,7 @@ int cs_kvx_rx_cancel(cs_kvx_rx *rx, uint64_t xfer_id) {
     pthread_mutex_lock(&rx->mu);
     rx_xfer *x = find_xfer(rx, xfer_id);
     int r = 0;
-    if (!x || x->fail) r = cs__fail(CS_ENOENT, "kvx rx: transfer %llu is not pending", (unsigned long long)xfer_id);
+    if (!x || x->fail) r = cs_fail(CS_ENOENT, "kvx rx: transfer %llu is not pending", (unsigned long long)xfer_id);
     else x->fail = CS_ECANCELED;
     cs__kvx_wake(rx->wake[1]);
     pthread_mutex_unlock(&rx->mu);

@@ -16,7 +16,9 @@
 
 #include "chunkserve/kvx.h"
 #include "kvx-impl.h"
-#include "util.h"
+#include "chunkserve/assert.h"
+#include "chunkserve/error.h"
+#include "chunkserve/log.h"
 
 enum chan_state { CH_IDLE, CH_CONNECTING, CH_OPEN };
 
@@ -516,9 +518,9 @@ int cs_kvx_tx_init(const cs_kvx_tx_params *p, cs_kvx_tx **out) {
     *out = NULL;
     if (!p || !p->name || !p->name[0] || strlen(p->name) >= CS_KVX_NAME_MAX || p->layout.page_bytes == 0 ||
         p->keepalive_ms <= 0 || p->dead_ms <= p->keepalive_ms)
-        return cs__fail(CS_EINVAL, "kvx tx: bad parameters (name, page_bytes, keepalive_ms < dead_ms)");
+        return cs_fail(CS_EINVAL, "kvx tx: bad parameters (name, page_bytes, keepalive_ms < dead_ms)");
     cs_kvx_tx *tx = calloc(1, sizeof *tx);
-    if (!tx) return cs__fail(CS_ENOMEM, "kvx tx: out of memory");
+    if (!tx) return cs_fail(CS_ENOMEM, "kvx tx: out of memory");
     tx->p = *p;
     snprintf(tx->name, sizeof tx->name, "%s", p->name);
     tx->p.name = tx->name;
@@ -545,7 +547,7 @@ fail_thread:
     close(tx->wake[0]);
 fail_wake:
     free(tx);
-    return cs__fail(r, "kvx tx: cannot start: %s", cs_strerror(r));
+    return cs_fail(r, "kvx tx: cannot start: %s", cs_strerror(r));
 }
 
 void cs_kvx_tx_free(cs_kvx_tx *tx) {
@@ -574,18 +576,18 @@ uint64_t cs_kvx_tx_incarnation(const cs_kvx_tx *tx) { return tx->p.incarnation; 
 int cs_kvx_tx_begin(cs_kvx_tx *tx, const char *host, int port, uint64_t xfer_id, int32_t total_pages,
                     int32_t deadline_ms, cs_kvx_done_fn done, void *arg) {
     if (!host || strlen(host) >= 256 || port <= 0 || port > 65535 || total_pages < 1 || deadline_ms <= 0 || !done)
-        return cs__fail(CS_EINVAL, "kvx tx: bad transfer (host, port, total_pages >= 1, deadline_ms > 0, done)");
+        return cs_fail(CS_EINVAL, "kvx tx: bad transfer (host, port, total_pages >= 1, deadline_ms > 0, done)");
     pthread_mutex_lock(&tx->mu);
     int r = 0;
     if (find_xfer(tx, xfer_id)) {
-        r = cs__fail(CS_EEXIST, "kvx tx: transfer %llu already open", (unsigned long long)xfer_id);
+        r = cs_fail(CS_EEXIST, "kvx tx: transfer %llu already open", (unsigned long long)xfer_id);
         goto out;
     }
     tx_chan *ch = find_chan(tx, host, port);
     if (!ch) {
         ch = calloc(1, sizeof *ch);
         if (!ch) {
-            r = cs__fail(CS_ENOMEM, "kvx tx: out of memory");
+            r = cs_fail(CS_ENOMEM, "kvx tx: out of memory");
             goto out;
         }
         snprintf(ch->host, sizeof ch->host, "%s", host);
@@ -596,7 +598,7 @@ int cs_kvx_tx_begin(cs_kvx_tx *tx, const char *host, int port, uint64_t xfer_id,
     }
     tx_xfer *x = calloc(1, sizeof *x);
     if (!x) {
-        r = cs__fail(CS_ENOMEM, "kvx tx: out of memory");
+        r = cs_fail(CS_ENOMEM, "kvx tx: out of memory");
         goto out;
     }
     x->id = xfer_id;
@@ -624,17 +626,17 @@ static int send_common(cs_kvx_tx *tx, uint64_t xfer_id, int32_t first_page, int3
     pthread_mutex_lock(&tx->mu);
     tx_xfer *x = find_xfer(tx, xfer_id);
     if (!x || x->fail || x->trailer_queued) {
-        r = cs__fail(CS_ENOENT, "kvx tx: transfer %llu is not open", (unsigned long long)xfer_id);
+        r = cs_fail(CS_ENOENT, "kvx tx: transfer %llu is not open", (unsigned long long)xfer_id);
         goto fail;
     }
     if (n_pages < 1 || first_page != x->queued_pages || n_pages > x->total_pages - x->queued_pages || (!data && !pagev)) {
-        r = cs__fail(CS_EINVAL, "kvx tx: transfer %llu: pages %d+%d out of order (queued %d of %d)",
+        r = cs_fail(CS_EINVAL, "kvx tx: transfer %llu: pages %d+%d out of order (queued %d of %d)",
                      (unsigned long long)xfer_id, first_page, n_pages, x->queued_pages, x->total_pages);
         goto fail;
     }
     size_t pb = (size_t)tx->p.layout.page_bytes;
     if (x->ch->queued_bytes + (size_t)n_pages * pb > tx->p.max_queued_bytes && x->ch->queued_bytes > 0) {
-        r = cs__fail(CS_EAGAIN, "kvx tx: channel to %s:%d full (%zu bytes queued)", x->ch->host, x->ch->port,
+        r = cs_fail(CS_EAGAIN, "kvx tx: channel to %s:%d full (%zu bytes queued)", x->ch->host, x->ch->port,
                      x->ch->queued_bytes);
         goto fail;
     }
@@ -688,7 +690,7 @@ static int send_common(cs_kvx_tx *tx, uint64_t xfer_id, int32_t first_page, int3
     pthread_mutex_unlock(&tx->mu);
     return 0;
 nomem:
-    r = cs__fail(CS_ENOMEM, "kvx tx: out of memory");
+    r = cs_fail(CS_ENOMEM, "kvx tx: out of memory");
 fail:
     pthread_mutex_unlock(&tx->mu);
     if (s) free(s->pages);
@@ -712,15 +714,15 @@ int cs_kvx_tx_finish(cs_kvx_tx *tx, uint64_t xfer_id, const cs_kvx_trailer *t) {
     int r = 0;
     tx_xfer *x = find_xfer(tx, xfer_id);
     if (!x || x->fail || x->trailer_queued) {
-        r = cs__fail(CS_ENOENT, "kvx tx: transfer %llu is not open", (unsigned long long)xfer_id);
+        r = cs_fail(CS_ENOENT, "kvx tx: transfer %llu is not open", (unsigned long long)xfer_id);
     } else if (!t || t->total_pages != x->total_pages || x->queued_pages != x->total_pages || t->first_token < 0 ||
                t->prompt_len < 0) {
-        r = cs__fail(CS_EINVAL, "kvx tx: transfer %llu: trailer with %d pages after %d of %d queued",
+        r = cs_fail(CS_EINVAL, "kvx tx: transfer %llu: trailer with %d pages after %d of %d queued",
                      (unsigned long long)xfer_id, t ? t->total_pages : -1, x->queued_pages, x->total_pages);
     } else {
         kvx_out *o = calloc(1, sizeof *o);
         if (!o) {
-            r = cs__fail(CS_ENOMEM, "kvx tx: out of memory");
+            r = cs_fail(CS_ENOMEM, "kvx tx: out of memory");
         } else {
             /* sealed on the I/O thread, once every page before it is hashed */
             o->type = CS_KVX_TRAILER;
@@ -744,7 +746,7 @@ int cs_kvx_tx_abort(cs_kvx_tx *tx, uint64_t xfer_id) {
     pthread_mutex_lock(&tx->mu);
     int r = 0;
     tx_xfer *x = find_xfer(tx, xfer_id);
-    if (!x || x->fail) r = cs__fail(CS_ENOENT, "kvx tx: transfer %llu is not open", (unsigned long long)xfer_id);
+    if (!x || x->fail) r = cs_fail(CS_ENOENT, "kvx tx: transfer %llu is not open", (unsigned long long)xfer_id);
     else x->fail = CS_ECANCELED;
     cs__kvx_wake(tx->wake[1]);
     pthread_mutex_unlock(&tx->mu);

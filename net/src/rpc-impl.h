@@ -10,7 +10,10 @@
 #include <uv.h>
 
 #include "chunkserve/rpc.h"
-#include "util.h"
+#include "chunkserve/assert.h"
+#include "chunkserve/clock.h"
+#include "chunkserve/error.h"
+#include "chunkserve/log.h"
 
 /* Every tag handed to gRPC points at one of these (embedded in the object the
  * operation belongs to); the loop thread calls fn with the op's success. */

@@ -138,17 +138,17 @@ static int call_start(cs_rpc_channel *ch, const char *method, grpc_byte_buffer *
     if (out) *out = NULL;
     int rc = 0;
     if (ch->freeing) {
-        rc = cs__fail(CS_ECANCELED, "rpc: channel is being freed");
+        rc = cs_fail(CS_ECANCELED, "rpc: channel is being freed");
         goto fail_early;
     }
     if (!method || method[0] != '/' || !on_done) {
-        rc = cs__fail(CS_EINVAL,
+        rc = cs_fail(CS_EINVAL,
                       "rpc: a method path (/pkg.Service/Method) and on_done are required");
         goto fail_early;
     }
     cs_rpc_client_call *c = calloc(1, sizeof *c);
     if (!c) {
-        rc = cs__fail(CS_ENOMEM, "rpc: out of memory");
+        rc = cs_fail(CS_ENOMEM, "rpc: out of memory");
         goto fail_early;
     }
     c->ch = ch;
@@ -176,7 +176,7 @@ static int call_start(cs_rpc_channel *ch, const char *method, grpc_byte_buffer *
                                        NULL, deadline, NULL);
     grpc_slice_unref(mslice);
     if (!c->call) {
-        rc = cs__fail(CS_EIO, "rpc: cannot create a call to %s", method);
+        rc = cs_fail(CS_EIO, "rpc: cannot create a call to %s", method);
         goto fail;
     }
 
@@ -197,7 +197,7 @@ static int call_start(cs_rpc_channel *ch, const char *method, grpc_byte_buffer *
     grpc_call_error err = grpc_call_start_batch(c->call, ops, 4, &c->t_start, NULL);
     if (err != GRPC_CALL_OK) {
         cs__rpc_loop_end(ch->loop);
-        rc = cs__fail(CS_EIO, "rpc: %s: %s", method, grpc_call_error_to_string(err));
+        rc = cs_fail(CS_EIO, "rpc: %s: %s", method, grpc_call_error_to_string(err));
         goto fail;
     }
     c->ops++;
@@ -256,9 +256,9 @@ const char *cs_rpc_client_call_metadata(const cs_rpc_client_call *c, const char 
 int cs_rpc_channel_init(cs_rpc_loop *l, const char *target, const cs_rpc_channel_opts *o,
                         cs_rpc_channel **out) {
     *out = NULL;
-    if (!target || !*target) return cs__fail(CS_EINVAL, "rpc: channel target is required");
+    if (!target || !*target) return cs_fail(CS_EINVAL, "rpc: channel target is required");
     cs_rpc_channel *ch = calloc(1, sizeof *ch);
-    if (!ch) return cs__fail(CS_ENOMEM, "rpc: out of memory");
+    if (!ch) return cs_fail(CS_ENOMEM, "rpc: out of memory");
     ch->loop = l;
     grpc_arg args[2];
     memset(args, 0, sizeof args);
@@ -274,7 +274,7 @@ int cs_rpc_channel_init(cs_rpc_loop *l, const char *target, const cs_rpc_channel
     grpc_channel_credentials_release(creds);
     if (!ch->ch) {
         free(ch);
-        return cs__fail(CS_EINVAL, "rpc: cannot create a channel to '%s'", target);
+        return cs_fail(CS_EINVAL, "rpc: cannot create a channel to '%s'", target);
     }
     cs__rpc_loop_ref(l);
     *out = ch;

@@ -106,10 +106,10 @@ static int set_status(cs_rpc_health *h, const char *service, enum cs_rpc_serving
     cs__health_svc *s = find_svc(h, service);
     if (!s) {
         cs__health_svc *svcs = realloc(h->svcs, (h->n_svcs + 1) * sizeof *svcs);
-        if (!svcs) return cs__fail(CS_ENOMEM, "rpc: out of memory");
+        if (!svcs) return cs_fail(CS_ENOMEM, "rpc: out of memory");
         h->svcs = svcs;
         s = &svcs[h->n_svcs];
-        if (!(s->name = strdup(service))) return cs__fail(CS_ENOMEM, "rpc: out of memory");
+        if (!(s->name = strdup(service))) return cs_fail(CS_ENOMEM, "rpc: out of memory");
         h->n_svcs++;
     }
     s->status = status;
@@ -121,7 +121,7 @@ static int set_status(cs_rpc_health *h, const char *service, enum cs_rpc_serving
 int cs_rpc_health_init(cs_rpc_server *s, cs_rpc_health **out) {
     *out = NULL;
     cs_rpc_health *h = calloc(1, sizeof *h);
-    if (!h) return cs__fail(CS_ENOMEM, "rpc: out of memory");
+    if (!h) return cs_fail(CS_ENOMEM, "rpc: out of memory");
     int rc = set_status(h, "", CS_RPC_SERVING_NOT_SERVING);
     if (rc == 0)
         rc = cs_rpc_server_add_method(s, "/grpc.health.v1.Health/Check", CS_RPC_UNARY,
@@ -141,7 +141,7 @@ int cs_rpc_health_init(cs_rpc_server *s, cs_rpc_health **out) {
 
 int cs_rpc_health_set(cs_rpc_health *h, const char *service, enum cs_rpc_serving status) {
     if (!service || status < CS_RPC_SERVING_UNKNOWN || status > CS_RPC_SERVING_NOT_SERVING)
-        return cs__fail(CS_EINVAL, "rpc: health status %d for '%s'", (int)status,
+        return cs_fail(CS_EINVAL, "rpc: health status %d for '%s'", (int)status,
                         service ? service : "(null)");
     if (h->shut) return 0;
     return set_status(h, service, status);

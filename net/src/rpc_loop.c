@@ -112,7 +112,7 @@ static void on_async(uv_async_t *h) {
 int cs_rpc_loop_init(struct uv_loop_s *uv, cs_rpc_loop **out) {
     *out = NULL;
     cs_rpc_loop *l = calloc(1, sizeof *l);
-    if (!l) return cs__fail(CS_ENOMEM, "rpc: out of memory");
+    if (!l) return cs_fail(CS_ENOMEM, "rpc: out of memory");
     l->uv = uv;
     pthread_mutex_init(&l->mu, NULL);
     grpc_init();
@@ -124,7 +124,7 @@ int cs_rpc_loop_init(struct uv_loop_s *uv, cs_rpc_loop **out) {
         /* The handle exists now: the close path frees everything. */
         l->closing = true;
         maybe_finish_close(l);
-        return cs__fail(CS_EIO, "rpc: cannot start the completion queue thread");
+        return cs_fail(CS_EIO, "rpc: cannot start the completion queue thread");
     }
     l->thread_started = true;
     *out = l;
@@ -137,7 +137,7 @@ fail_cq:
     grpc_shutdown();
     pthread_mutex_destroy(&l->mu);
     free(l);
-    return cs__fail(CS_EIO, "rpc: cannot create the completion queue or its uv handle");
+    return cs_fail(CS_EIO, "rpc: cannot create the completion queue or its uv handle");
 }
 
 void cs_rpc_loop_close(cs_rpc_loop *l) {
@@ -149,7 +149,7 @@ void cs_rpc_loop_close(cs_rpc_loop *l) {
 
 int cs_rpc_loop_post(cs_rpc_loop *l, void (*fn)(void *data), void *data) {
     cs__rpc_post *p = malloc(sizeof *p);
-    if (!p) return cs__fail(CS_ENOMEM, "rpc: out of memory");
+    if (!p) return cs_fail(CS_ENOMEM, "rpc: out of memory");
     p->tag.fn = run_post;
     p->fn = fn;
     p->data = data;
@@ -162,7 +162,7 @@ int cs_rpc_loop_post(cs_rpc_loop *l, void (*fn)(void *data), void *data) {
     pthread_mutex_unlock(&l->mu);
     if (rc) {
         free(p);
-        return cs__fail(rc, rc == CS_ECANCELED ? "rpc: loop closed" : "rpc: out of memory");
+        return cs_fail(rc, rc == CS_ECANCELED ? "rpc: loop closed" : "rpc: out of memory");
     }
     return 0;
 }

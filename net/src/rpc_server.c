@@ -234,7 +234,7 @@ static int call_enqueue(cs_rpc_call *c, grpc_byte_buffer *bb, size_t len) {
     cs__rpc_wmsg *w = malloc(sizeof *w);
     if (!w) {
         grpc_byte_buffer_destroy(bb);
-        return cs__fail(CS_ENOMEM, "rpc: out of memory");
+        return cs_fail(CS_ENOMEM, "rpc: out of memory");
     }
     w->next = NULL;
     w->bb = bb;
@@ -251,9 +251,9 @@ static int call_enqueue(cs_rpc_call *c, grpc_byte_buffer *bb, size_t len) {
 
 static int send_check(const cs_rpc_call *c) {
     CS_ASSERT(c->app_owned);
-    if (c->dead) return cs__fail(CS_ECANCELED, "rpc: %s: call cancelled", c->m->path);
+    if (c->dead) return cs_fail(CS_ECANCELED, "rpc: %s: call cancelled", c->m->path);
     if (c->m->kind == CS_RPC_UNARY && c->n_queued > 0)
-        return cs__fail(CS_EINVAL, "rpc: %s: unary call answers one message", c->m->path);
+        return cs_fail(CS_EINVAL, "rpc: %s: unary call answers one message", c->m->path);
     return 0;
 }
 
@@ -261,7 +261,7 @@ static int send_check(const cs_rpc_call *c) {
 
 static int request_slot(cs_rpc_server *s, cs__rpc_method *m) {
     cs_rpc_call *c = calloc(1, sizeof *c);
-    if (!c) return cs__fail(CS_ENOMEM, "rpc: out of memory");
+    if (!c) return cs_fail(CS_ENOMEM, "rpc: out of memory");
     c->srv = s;
     c->m = m;
     c->req = grpc_empty_slice();
@@ -284,7 +284,7 @@ static int request_slot(cs_rpc_server *s, cs__rpc_method *m) {
         grpc_metadata_array_destroy(&c->req_md);
         grpc_call_details_destroy(&c->details);
         free(c);
-        return cs__fail(CS_EIO, "rpc: request call: %s", grpc_call_error_to_string(err));
+        return cs_fail(CS_EIO, "rpc: request call: %s", grpc_call_error_to_string(err));
     }
     s->n_slots++;
     return 0;
@@ -389,13 +389,13 @@ const char *cs_rpc_call_metadata(const cs_rpc_call *c, const char *key, size_t *
 
 int cs_rpc_call_add_header(cs_rpc_call *c, const char *key, const char *value) {
     if (c->hdr_sent || !c->app_owned)
-        return cs__fail(CS_EINVAL, "rpc: header '%s' after the first message", key);
+        return cs_fail(CS_EINVAL, "rpc: header '%s' after the first message", key);
     return cs__rpc_md_add(&c->hdrs, key, value);
 }
 
 int cs_rpc_call_add_trailer(cs_rpc_call *c, const char *key, const char *value) {
     if (c->status_queued || !c->app_owned)
-        return cs__fail(CS_EINVAL, "rpc: trailer '%s' after finish", key);
+        return cs_fail(CS_EINVAL, "rpc: trailer '%s' after finish", key);
     return cs__rpc_md_add(&c->trailers, key, value);
 }
 
@@ -408,7 +408,7 @@ void *cs_rpc_call_get_data(const cs_rpc_call *c) {
 
 int cs_rpc_call_on_cancel(cs_rpc_call *c, cs_rpc_call_cb cb, void *data) {
     CS_ASSERT(c->app_owned);
-    if (c->dead) return cs__fail(CS_ECANCELED, "rpc: %s: call cancelled", c->m->path);
+    if (c->dead) return cs_fail(CS_ECANCELED, "rpc: %s: call cancelled", c->m->path);
     c->on_cancel = cb;
     c->cancel_data = data;
     return 0;
@@ -420,7 +420,7 @@ bool cs_rpc_call_is_cancelled(const cs_rpc_call *c) {
 
 int cs_rpc_call_on_drain(cs_rpc_call *c, cs_rpc_call_cb cb, void *data) {
     CS_ASSERT(c->app_owned);
-    if (c->dead) return cs__fail(CS_ECANCELED, "rpc: %s: call cancelled", c->m->path);
+    if (c->dead) return cs_fail(CS_ECANCELED, "rpc: %s: call cancelled", c->m->path);
     c->on_drain = cb;
     c->drain_data = data;
     return 0;
@@ -498,9 +498,9 @@ int cs_rpc_call_reply_msg(cs_rpc_call *c, const struct ProtobufCMessage *m) {
 
 int cs_rpc_server_init(cs_rpc_loop *l, const cs_rpc_server_opts *o, cs_rpc_server **out) {
     *out = NULL;
-    if (!o || !o->addr || !*o->addr) return cs__fail(CS_EINVAL, "rpc: server address is required");
+    if (!o || !o->addr || !*o->addr) return cs_fail(CS_EINVAL, "rpc: server address is required");
     cs_rpc_server *s = calloc(1, sizeof *s);
-    if (!s) return cs__fail(CS_ENOMEM, "rpc: out of memory");
+    if (!s) return cs_fail(CS_ENOMEM, "rpc: out of memory");
     s->loop = l;
     s->t_shutdown.fn = NULL;
     if (!(s->addr = strdup(o->addr))) goto fail_addr;
@@ -540,30 +540,30 @@ fail_server:
     free(s->addr);
 fail_addr:
     free(s);
-    return cs__fail(CS_ENOMEM, "rpc: cannot create the server");
+    return cs_fail(CS_ENOMEM, "rpc: cannot create the server");
 }
 
 int cs_rpc_server_add_method(cs_rpc_server *s, const char *path, enum cs_rpc_method_kind kind,
                              const struct ProtobufCMessageDescriptor *req_desc,
                              cs_rpc_handler handler, void *data) {
-    if (s->started) return cs__fail(CS_EINVAL, "rpc: add_method '%s' after start", path);
+    if (s->started) return cs_fail(CS_EINVAL, "rpc: add_method '%s' after start", path);
     if (!path || path[0] != '/' || !strchr(path + 1, '/') || !handler)
-        return cs__fail(CS_EINVAL, "rpc: bad method path '%s' (want /package.Service/Method)",
+        return cs_fail(CS_EINVAL, "rpc: bad method path '%s' (want /package.Service/Method)",
                         path ? path : "(null)");
     for (int i = 0; i < s->n_methods; i++)
         if (strcmp(s->methods[i].path, path) == 0)
-            return cs__fail(CS_EINVAL, "rpc: method '%s' registered twice", path);
+            return cs_fail(CS_EINVAL, "rpc: method '%s' registered twice", path);
     cs__rpc_method *ms = realloc(s->methods, (size_t)(s->n_methods + 1) * sizeof *ms);
-    if (!ms) return cs__fail(CS_ENOMEM, "rpc: out of memory");
+    if (!ms) return cs_fail(CS_ENOMEM, "rpc: out of memory");
     s->methods = ms;
     cs__rpc_method *m = &ms[s->n_methods];
     memset(m, 0, sizeof *m);
-    if (!(m->path = strdup(path))) return cs__fail(CS_ENOMEM, "rpc: out of memory");
+    if (!(m->path = strdup(path))) return cs_fail(CS_ENOMEM, "rpc: out of memory");
     m->handle = grpc_server_register_method(s->server, m->path, NULL,
                                             GRPC_SRM_PAYLOAD_READ_INITIAL_BYTE_BUFFER, 0);
     if (!m->handle) {
         free(m->path);
-        return cs__fail(CS_EINVAL, "rpc: gRPC refused method '%s'", path);
+        return cs_fail(CS_EINVAL, "rpc: gRPC refused method '%s'", path);
     }
     m->kind = kind;
     m->desc = req_desc;
@@ -574,12 +574,12 @@ int cs_rpc_server_add_method(cs_rpc_server *s, const char *path, enum cs_rpc_met
 }
 
 int cs_rpc_server_start(cs_rpc_server *s, int *port) {
-    if (s->started || s->shutting_down) return cs__fail(CS_EINVAL, "rpc: server started twice");
+    if (s->started || s->shutting_down) return cs_fail(CS_EINVAL, "rpc: server started twice");
     grpc_server_credentials *creds = grpc_insecure_server_credentials_create();
     int p = grpc_server_add_http2_port(s->server, s->addr, creds);
     grpc_server_credentials_release(creds);
     if (p <= 0)
-        return cs__fail(CS_EBUSY, "rpc: cannot listen on %s (in use, or a bad address)", s->addr);
+        return cs_fail(CS_EBUSY, "rpc: cannot listen on %s (in use, or a bad address)", s->addr);
     grpc_server_start(s->server);
     s->started = true;
     int rc = 0;

@@ -84,7 +84,7 @@ bool cs__rpc_bb_flatten(grpc_byte_buffer *bb, grpc_slice *out) {
 }
 
 int cs__rpc_md_add(cs__rpc_md_list *l, const char *key, const char *value) {
-    if (!key || !value) return cs__fail(CS_EINVAL, "rpc: metadata key and value are required");
+    if (!key || !value) return cs_fail(CS_EINVAL, "rpc: metadata key and value are required");
     grpc_slice k = grpc_slice_from_copied_string(key);
     grpc_slice v = grpc_slice_from_copied_string(value);
     bool ok = grpc_header_key_is_legal(k) && key[0] != ':' &&
@@ -92,7 +92,7 @@ int cs__rpc_md_add(cs__rpc_md_list *l, const char *key, const char *value) {
     if (!ok) {
         grpc_slice_unref(k);
         grpc_slice_unref(v);
-        return cs__fail(CS_EINVAL,
+        return cs_fail(CS_EINVAL,
                         "rpc: illegal metadata '%s' (keys: lowercase a-z 0-9 - _ .; "
                         "values: printable ASCII unless the key ends in -bin)",
                         key);
@@ -103,7 +103,7 @@ int cs__rpc_md_add(cs__rpc_md_list *l, const char *key, const char *value) {
         if (!md) {
             grpc_slice_unref(k);
             grpc_slice_unref(v);
-            return cs__fail(CS_ENOMEM, "rpc: out of memory");
+            return cs_fail(CS_ENOMEM, "rpc: out of memory");
         }
         l->md = md;
         l->cap = cap;
@@ -140,6 +140,6 @@ const char *cs__rpc_md_find(const grpc_metadata_array *a, const char *key, size_
 int cs_rpc_unpack(const struct ProtobufCMessageDescriptor *desc, const uint8_t *buf, size_t len,
                   struct ProtobufCMessage **out) {
     *out = protobuf_c_message_unpack(desc, NULL, len, buf);
-    if (!*out) return cs__fail(CS_EBADMSG, "malformed %s message (%zu bytes)", desc->name, len);
+    if (!*out) return cs_fail(CS_EBADMSG, "malformed %s message (%zu bytes)", desc->name, len);
     return 0;
 }

@@ -14,7 +14,8 @@
 #include <string.h>
 #include <strings.h>
 
-#include "util.h"
+#include "chunkserve/assert.h"
+#include "chunkserve/error.h"
 
 /* Where a value came from, for error messages: "--port" or "CHUNKSERVE_PORT". */
 typedef struct {
@@ -60,24 +61,24 @@ static int set_value(const cs_config_entry *e, void *opts, const char *val, cons
     }
     if (e->type == CS_CONFIG_BOOL) {
         if (parse_bool(val, (bool *)p))
-            return cs__fail(CS_EINVAL, "%s: '%s' is not a boolean (true, false, 1 or 0)", where,
+            return cs_fail(CS_EINVAL, "%s: '%s' is not a boolean (true, false, 1 or 0)", where,
                             val);
         return 0;
     }
     /* strtoll/strtod skip leading space and accept an empty string: refuse both. */
     if (!*val || isspace((unsigned char)*val))
-        return cs__fail(CS_EINVAL, "%s: '%s' is not a%s number", where, val,
+        return cs_fail(CS_EINVAL, "%s: '%s' is not a%s number", where, val,
                         e->type == CS_CONFIG_INT ? "n integer" : "");
     char *end = NULL;
     errno = 0;
     if (e->type == CS_CONFIG_INT) {
         long long v = strtoll(val, &end, 10);
-        if (*end) return cs__fail(CS_EINVAL, "%s: '%s' is not an integer", where, val);
+        if (*end) return cs_fail(CS_EINVAL, "%s: '%s' is not an integer", where, val);
         if (errno == ERANGE || (bounded(e) && ((double)v < e->min || (double)v > e->max))) {
             if (bounded(e))
-                return cs__fail(CS_EINVAL, "%s: %s is out of range (%.0f..%.0f)", where, val,
+                return cs_fail(CS_EINVAL, "%s: %s is out of range (%.0f..%.0f)", where, val,
                                 e->min, e->max);
-            return cs__fail(CS_EINVAL, "%s: %s is out of range (a 64-bit integer)", where, val);
+            return cs_fail(CS_EINVAL, "%s: %s is out of range (a 64-bit integer)", where, val);
         }
         *(int64_t *)p = (int64_t)v;
         return 0;
@@ -86,10 +87,10 @@ static int set_value(const cs_config_entry *e, void *opts, const char *val, cons
     double v = strtod(val, &end);
     bool overflow = errno == ERANGE && isinf(v); /* an underflow rounds, and is fine */
     if (*end || (!isfinite(v) && !overflow))
-        return cs__fail(CS_EINVAL, "%s: '%s' is not a finite number", where, val);
-    if (overflow) return cs__fail(CS_EINVAL, "%s: %s is out of range (a double)", where, val);
+        return cs_fail(CS_EINVAL, "%s: '%s' is not a finite number", where, val);
+    if (overflow) return cs_fail(CS_EINVAL, "%s: %s is out of range (a double)", where, val);
     if (bounded(e) && (v < e->min || v > e->max))
-        return cs__fail(CS_EINVAL, "%s: %s is out of range (%g..%g)", where, val, e->min, e->max);
+        return cs_fail(CS_EINVAL, "%s: %s is out of range (%g..%g)", where, val, e->min, e->max);
     *(double *)p = v;
     return 0;
 }
@@ -118,7 +119,7 @@ static int resolve_flag(const cs_config_entry *table, size_t n, int argc, char *
                         assignment *a) {
     const char *arg = argv[*i];
     if (strncmp(arg, "--", 2) != 0 || arg[2] == 0)
-        return cs__fail(CS_EINVAL, "unexpected argument '%s' (options are --name VALUE)", arg);
+        return cs_fail(CS_EINVAL, "unexpected argument '%s' (options are --name VALUE)", arg);
     const char *name = arg + 2, *eq = strchr(name, '=');
     size_t len = eq ? (size_t)(eq - name) : strlen(name);
     const char *val = eq ? eq + 1 : NULL;
@@ -130,11 +131,11 @@ static int resolve_flag(const cs_config_entry *table, size_t n, int argc, char *
         if (e && e->type != CS_CONFIG_BOOL) e = NULL;
         negated = e != NULL;
     }
-    if (!e) return cs__fail(CS_EINVAL, "unknown option '%.*s' (see --help)", (int)(len + 2), arg);
+    if (!e) return cs_fail(CS_EINVAL, "unknown option '%.*s' (see --help)", (int)(len + 2), arg);
     a->e = e;
     snprintf(a->where, sizeof a->where, "--%s", e->name);
     if (negated) {
-        if (val) return cs__fail(CS_EINVAL, "--no-%s takes no value (got '%s')", e->name, val);
+        if (val) return cs_fail(CS_EINVAL, "--no-%s takes no value (got '%s')", e->name, val);
         a->val = "false";
         snprintf(a->where, sizeof a->where, "--no-%s", e->name);
     } else if (val) {
@@ -143,7 +144,7 @@ static int resolve_flag(const cs_config_entry *table, size_t n, int argc, char *
         a->val =
             "true"; /* a boolean never takes the next argument: --chat FILE is not --chat=FILE */
     } else {
-        if (*i + 1 >= argc) return cs__fail(CS_EINVAL, "--%s needs a value", e->name);
+        if (*i + 1 >= argc) return cs_fail(CS_EINVAL, "--%s needs a value", e->name);
         a->val = argv[++*i];
     }
     return 0;
@@ -156,7 +157,7 @@ int cs_config_parse(const cs_config_entry *table, size_t n, void *opts, int argc
      * no field is touched on a syntax error), then defaults, environment, flags. */
     int n_args = argc > first ? argc - first : 0;
     assignment *as = n_args ? calloc((size_t)n_args, sizeof *as) : NULL;
-    if (n_args && !as) return cs__fail(CS_ENOMEM, "out of memory parsing options");
+    if (n_args && !as) return cs_fail(CS_ENOMEM, "out of memory parsing options");
     int n_as = 0, r = 0;
     char first_error[256] = "";
     for (int i = first; i < argc; i++) {
@@ -180,7 +181,7 @@ int cs_config_parse(const cs_config_entry *table, size_t n, void *opts, int argc
     }
     if (r) {
         free(as);
-        return cs__fail(r, "%s", first_error);
+        return cs_fail(r, "%s", first_error);
     }
     for (size_t k = 0; k < n && !r; k++) {
         r = set_value(&table[k], opts, table[k].def, "default");

@@ -25,7 +25,9 @@
 
 #include "chunkserve/metrics.h"
 #include "http_internal.h"
-#include "util.h"
+#include "chunkserve/assert.h"
+#include "chunkserve/error.h"
+#include "chunkserve/log.h"
 
 #define MAX_CONNS 1024  /* more are accepted and closed at once */
 #define MAX_INFLIGHT 16 /* responses queued per connection before reading pauses */
@@ -433,12 +435,12 @@ static void on_connection(uv_stream_t *listener, int status) {
 
 int cs_http_server_init(struct uv_loop_s *loop, const char *host, int port,
                         const cs_http_routes *routes, cs_http_server **out) {
-    if (!out) return cs__fail(CS_EINVAL, "http: no place for the server");
+    if (!out) return cs_fail(CS_EINVAL, "http: no place for the server");
     *out = NULL;
     if (!loop || !host || !routes)
-        return cs__fail(CS_EINVAL, "http: loop, host and routes are required");
+        return cs_fail(CS_EINVAL, "http: loop, host and routes are required");
     if (port < 0 || port > 65535)
-        return cs__fail(CS_EINVAL, "http: port %d is not in 0..65535", port);
+        return cs_fail(CS_EINVAL, "http: port %d is not in 0..65535", port);
     struct sockaddr_storage ss;
     memset(&ss, 0, sizeof ss);
     socklen_t sslen;
@@ -447,29 +449,29 @@ int cs_http_server_init(struct uv_loop_s *loop, const char *host, int port,
     else if (uv_ip6_addr(host, port, (struct sockaddr_in6 *)&ss) == 0)
         sslen = sizeof(struct sockaddr_in6);
     else
-        return cs__fail(CS_EINVAL, "http: '%s' is not a numeric IPv4 or IPv6 address", host);
+        return cs_fail(CS_EINVAL, "http: '%s' is not a numeric IPv4 or IPv6 address", host);
     /* The socket is bound and listening before any libuv handle exists, so
      * that a bind error leaves nothing behind for the caller's loop. */
     int fd = socket(ss.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
-    if (fd < 0) return cs__fail(-errno, "http: socket: %s", strerror(errno));
+    if (fd < 0) return cs_fail(-errno, "http: socket: %s", strerror(errno));
     int one = 1;
     (void)setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
     if (bind(fd, (struct sockaddr *)&ss, sslen) != 0 || listen(fd, 128) != 0) {
         int e = errno;
         close(fd);
-        return cs__fail(-e, "http: cannot listen on %s:%d: %s", host, port, strerror(e));
+        return cs_fail(-e, "http: cannot listen on %s:%d: %s", host, port, strerror(e));
     }
     struct sockaddr_storage bound;
     socklen_t blen = sizeof bound;
     if (getsockname(fd, (struct sockaddr *)&bound, &blen) != 0) {
         int e = errno;
         close(fd);
-        return cs__fail(-e, "http: getsockname: %s", strerror(e));
+        return cs_fail(-e, "http: getsockname: %s", strerror(e));
     }
     cs_http_server *s = calloc(1, sizeof *s);
     if (!s) {
         close(fd);
-        return cs__fail(CS_ENOMEM, "http: out of memory");
+        return cs_fail(CS_ENOMEM, "http: out of memory");
     }
     s->loop = loop;
     s->routes = *routes;
@@ -488,7 +490,7 @@ int cs_http_server_init(struct uv_loop_s *loop, const char *host, int port,
          * runs the close callback. */
         s->closing = true;
         uv_close((uv_handle_t *)&s->listener, on_listener_close);
-        return cs__fail(r, "http: cannot accept on %s:%d: %s", host, port, uv_strerror(r));
+        return cs_fail(r, "http: cannot accept on %s:%d: %s", host, port, uv_strerror(r));
     }
     *out = s;
     return 0;

@@ -14,7 +14,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "util.h"
+#include "chunkserve/assert.h"
+#include "chunkserve/error.h"
 
 enum metric_type { METRIC_COUNTER, METRIC_GAUGE, METRIC_HISTOGRAM };
 static const char *const type_names[] = {"counter", "gauge", "histogram"};
@@ -64,10 +65,10 @@ static void atomic_add_double(_Atomic uint64_t *a, double v) {
 int cs_metrics_init(cs_metrics **out) {
     *out = NULL;
     cs_metrics *m = calloc(1, sizeof *m);
-    if (!m) return cs__fail(CS_ENOMEM, "metrics: out of memory");
+    if (!m) return cs_fail(CS_ENOMEM, "metrics: out of memory");
     if (pthread_mutex_init(&m->lock, NULL) != 0) {
         free(m);
-        return cs__fail(CS_ENOMEM, "metrics: cannot create the registry lock");
+        return cs_fail(CS_ENOMEM, "metrics: cannot create the registry lock");
     }
     *out = m;
     return 0;
@@ -257,7 +258,7 @@ static void sb_reserve(sbuf *b, size_t extra) {
     b->cap = cap;
 }
 
-static void sb_printf(sbuf *b, const char *fmt, ...) CS_PRINTF(2, 3);
+static void sb_printf(sbuf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static void sb_printf(sbuf *b, const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
@@ -357,7 +358,7 @@ int cs_metrics_render(cs_metrics *m, char **out, size_t *len) {
     pthread_mutex_unlock(&m->lock);
     if (b.oom) {
         free(b.p);
-        return cs__fail(CS_ENOMEM, "metrics: out of memory rendering");
+        return cs_fail(CS_ENOMEM, "metrics: out of memory rendering");
     }
     *out = b.p;
     if (len) *len = b.len;

@@ -6,7 +6,7 @@
 #include <stdlib.h>
 
 #include "chunkserve/engine.h"
-#include "chunkserve/kvx.h"
+#include "chunkserve/kvx_engine.h"
 #include "test.h"
 
 static void check(const cs_model *m, const char *backend, int32_t dtype, size_t elem_bytes) {

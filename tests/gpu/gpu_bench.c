@@ -24,12 +24,12 @@
 #include "backend.h"
 #include "backend_cuda.h"
 #include "chunkserve/engine.h"
-#include "chunkserve/error.h"
 #include "chunkserve/tokenizer.h"
 #include "cuda_impl.h"
 #include "dtype.h"
 #include "model-impl.h"
-#include "util.h"
+#include "chunkserve/assert.h"
+#include "chunkserve/error.h"
 
 static double now(void) {
     struct timespec ts;

@@ -29,7 +29,9 @@
 #include "cuda_impl.h"
 #include "kvx_nccl-impl.h"
 #include "kvx_test.h"
-#include "util.h"
+#include "chunkserve/clock.h"
+#include "chunkserve/error.h"
+#include "chunkserve/log.h"
 
 /* 8 layers, 2 KV heads, head_dim 64, 16-token pages, bf16: 64 KiB pages */
 static const cs_kvx_layout LG = {8, 2, 64, CS_KVX_DTYPE_BF16, 16, 8 * 2 * 16 * 2 * 64 * 2};
@@ -277,7 +279,7 @@ static void run_sender(int scenario, int port, int wfd, int rfd) {
     cs_kvx_nccl_tx *tx = tx_make(pool);
     waiter_init(&w_done);
     if (scenario == SC_TRANSFERS) {
-        double t0 = cs__now();
+        double t0 = cs_now();
         size_t bytes = 0;
         for (int k = 0; k < N_SEQ; k++) {
             tplan *t = &plan[k];
@@ -291,7 +293,7 @@ static void run_sender(int scenario, int port, int wfd, int rfd) {
             wait_ok(t);
             bytes += (size_t)t->n * PB;
         }
-        double dt = cs__now() - t0;
+        double dt = cs_now() - t0;
         printf("sender: %d transfers, %.1f MiB in %.3f s (%.2f GB/s incl. communicator creation)\n",
                N_SEQ, (double)bytes / (1 << 20), dt, (double)bytes / dt / 1e9);
         int32_t sent[N_IL] = {0};

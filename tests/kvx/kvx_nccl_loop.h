@@ -16,9 +16,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "chunkserve/error.h"
 #include "kvx_nccl-impl.h"
-#include "util.h"
+#include "chunkserve/assert.h"
+#include "chunkserve/error.h"
 
 static struct {
     int fail_comm;  /* state() of every link reports an async error */

@@ -8,6 +8,7 @@
 #include <stdlib.h>
 
 #include "chunkserve/engine.h"
+#include "chunkserve/kvx_engine.h"
 #include "kvx_test.h"
 
 static cs_model *model;

@@ -48,9 +48,6 @@ typedef struct {
     uint64_t page_bytes; /* bytes of one page: all layers' K and V */
 } cs_kvx_layout;
 
-typedef struct cs_engine cs_engine;
-/* The layout of an engine's KV pool (the CPU backend stores fp32). */
-cs_kvx_layout cs_kvx_layout_of_engine(cs_engine *e);
 /* 64-bit fingerprint of a layout (XXH64 of its fields, little-endian). */
 uint64_t cs_kvx_layout_fingerprint(const cs_kvx_layout *l);
 

@@ -1,4 +1,5 @@
-/* chunkserve/error.h: the one list of status codes used by every module.
+/* chunkserve/error.h (base library): the one list of status codes used by
+ * every module, their messages, and the per-thread last error.
  *
  * Every fallible function returns int: 0 on success, a negative CS_E* code on
  * failure. Codes are errno-compatible (CS_EINVAL == -EINVAL on Linux) so that
@@ -53,6 +54,14 @@ const char *cs_strerror(int code);
  * valid until the next failing call on the same thread). Never NULL: "" when
  * nothing has failed. */
 const char *cs_last_error(void);
+
+/* Records a formatted message for cs_last_error() and returns code, so that
+ * failure sites read: return cs_fail(CS_EBADMSG, "gguf: bad magic %08x", m);
+ * Messages longer than 511 bytes are cut. Thread-safe (per thread). */
+#if defined(__GNUC__)
+__attribute__((format(printf, 2, 3)))
+#endif
+int cs_fail(int code, const char *fmt, ...);
 
 #ifdef __cplusplus
 }
