@@ -25,6 +25,7 @@
 
 #include "cluster.h"
 #include "chunkserve/config.h"
+#include "chunkserve/engine.h"
 #include "chunkserve/assert.h"
 #include "chunkserve/clock.h"
 #include "chunkserve/error.h"
@@ -241,7 +242,7 @@ int cs_cli_cluster(int argc, char **argv) {
         fprintf(stderr, "chunkserve cluster: %s\n", cs_last_error());
         return 1;
     }
-    long cores = sysconf(_SC_NPROCESSORS_ONLN);
+    long cores = cs_engine_default_threads();
     int64_t share = cores / (o.prefill + o.decode);
     if (share < 1) share = 1;
     int64_t pt = o.prefill_threads ? o.prefill_threads : share, dt = o.decode_threads ? o.decode_threads : share;

@@ -7,6 +7,7 @@
 
 #include "backend.h"
 #include "model-impl.h"
+#include "ops.h"
 #include "util.h"
 
 struct cs_engine {
@@ -16,6 +17,8 @@ struct cs_engine {
     size_t page_bytes;
     int32_t page_size;
 };
+
+int cs_engine_default_threads(void) { return cs_threadpool_default_size(); }
 
 cs_engine_params cs_engine_params_default(void) {
     cs_engine_params p = {0};

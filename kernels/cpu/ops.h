@@ -24,11 +24,15 @@ extern "C" {
  * Ops keep no state between calls: different pools may run ops at the same
  * time. */
 typedef struct cs_threadpool cs_threadpool;
-/* n_threads <= 0: one per online core. Between jobs workers poll for up to
+/* n_threads <= 0: cs_threadpool_default_size(). Between jobs workers poll for up to
  * 50 us (yielding the CPU as they go), then sleep on a futex, so an idle
  * engine costs no CPU; signals are blocked on them. Free with cs_threadpool_free. CS_EINVAL above
  * 1024 threads, CS_EAGAIN or CS_ENOMEM when threads cannot be started. */
 int cs_threadpool_init(int n_threads, cs_threadpool **out);
+/* The CPUs this process may use: its affinity mask, capped by a cgroup CPU
+ * quota (a container's CPU limit, v2 cpu.max or v1 cfs_quota_us) rounded
+ * up; at most 1024. */
+int cs_threadpool_default_size(void);
 void cs_threadpool_free(cs_threadpool *pool);      /* NULL is a no-op */
 int cs_threadpool_size(const cs_threadpool *pool); /* 1 for NULL */
 /* Splits [0, n) into contiguous ranges, calls fn(arg, begin, end, thread)

@@ -21,7 +21,9 @@
 #include <signal.h>
 #include <stdatomic.h>
 #include <stdbool.h>
+#include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -131,12 +133,49 @@ static void *worker_main(void *p) {
     return NULL;
 }
 
+/* The first two numbers of a small text file; how many were read. */
+static int read_two(const char *path, long long *a, long long *b) {
+    FILE *f = fopen(path, "r");
+    if (!f) return 0;
+    char w[32] = "";
+    int n = fscanf(f, "%31s %lld", w, b);
+    fclose(f);
+    if (n < 1) return 0;
+    if (!strcmp(w, "max")) { /* cgroup v2: no quota */
+        *a = -1;
+        return n;
+    }
+    *a = strtoll(w, NULL, 10);
+    return n;
+}
+
+int cs_threadpool_default_size(void) {
+    long n = 0;
+    cpu_set_t set;
+    if (sched_getaffinity(0, sizeof set, &set) == 0) n = CPU_COUNT(&set);
+    if (n <= 0) n = sysconf(_SC_NPROCESSORS_ONLN);
+    if (n <= 0) n = 1;
+    /* A container's CPU limit (Kubernetes resources.limits.cpu) is a CFS
+     * quota, not an affinity: threads beyond it only get throttled. */
+    long long quota = -1, period = 0;
+    if (read_two("/sys/fs/cgroup/cpu.max", &quota, &period) != 2) { /* cgroup v2, else v1 */
+        long long p = 0, unused = 0;
+        quota = -1;
+        if (read_two("/sys/fs/cgroup/cpu/cpu.cfs_quota_us", &quota, &unused) < 1 ||
+            read_two("/sys/fs/cgroup/cpu/cpu.cfs_period_us", &p, &unused) < 1)
+            quota = -1;
+        period = p;
+    }
+    if (quota > 0 && period > 0) {
+        long limit = (long)((quota + period - 1) / period);
+        if (limit >= 1 && limit < n) n = limit;
+    }
+    return (int)(n < 1024 ? n : 1024);
+}
+
 int cs_threadpool_init(int n_threads, cs_threadpool **out) {
     *out = NULL;
-    if (n_threads <= 0) {
-        long n = sysconf(_SC_NPROCESSORS_ONLN);
-        n_threads = n > 0 ? (int)(n < 1024 ? n : 1024) : 1;
-    }
+    if (n_threads <= 0) n_threads = cs_threadpool_default_size();
     if (n_threads > 1024)
         return cs_fail(CS_EINVAL, "thread pool: %d threads is more than 1024", n_threads);
     cs_threadpool *pool = calloc(1, sizeof *pool);

@@ -27,10 +27,14 @@ typedef struct {
     int32_t page_size; /* tokens per KV page; default 16 */
     int32_t n_pages;   /* KV pool size in pages; 0 = derive from kv_bytes */
     size_t kv_bytes;   /* KV pool size when n_pages is 0; default 256 MiB */
-    int32_t n_threads; /* CPU threads; 0 = one per core */
+    int32_t n_threads; /* CPU threads; 0 = cs_engine_default_threads() */
 } cs_engine_params;
 
 cs_engine_params cs_engine_params_default(void);
+
+/* The CPUs this process may use: its affinity mask, capped by a cgroup CPU
+ * quota (a container's CPU limit) rounded up. */
+int cs_engine_default_threads(void);
 
 /* The model must outlive the engine. Failure: CS_EINVAL (bad params),
  * CS_ENOMEM (pool does not fit). */
