@@ -15,7 +15,7 @@ ifneq ($(OPENBLAS_CORETYPE),)
 export OPENBLAS_CORETYPE
 endif
 
-.PHONY: all build bootstrap model check test test-unit test-py asan-build test-asan test-serve-asan test-cluster-asan tsan-build test-cluster-tsan demo bench clean format
+.PHONY: all build bootstrap model check test test-unit test-py asan-build test-asan test-serve-asan test-cluster-asan tsan-build test-cluster-tsan demo bench image clean format
 
 all: build
 
@@ -84,6 +84,12 @@ demo: build model
 
 bench: build model
 	$(PY) bench/bench_single.py --bin $(BUILD)/bin/chunkserve --model $(MODEL)
+
+# The CPU container image (deploy/docker/Dockerfile.cpu) built without a Docker daemon
+# (buildah, on a Debian 12 base made with debootstrap), then checked from inside: ldd,
+# --help, a 1+1 cluster answering a gRPC request. Needs root; storage in /var/tmp/cs-image.
+image: model
+	CS_IMAGE_MODEL=$(MODEL) deploy/docker/build-image.sh
 
 format:
 	clang-format -i $$(git ls-files '*.c' '*.h' | grep -v unicode_tables.c)

@@ -113,6 +113,9 @@ def pytest_configure(config):
     config.addinivalue_line(
         "markers", "cluster: the router and workers as separate processes (or fake workers) on "
                    "loopback")
+    config.addinivalue_line(
+        "markers", "autoscale: the HPA algorithm scaling real worker pools behind the router "
+                   "(tests/py/test_autoscale.py; root, about 1.5 minutes)")
 
 
 def pytest_collection_modifyitems(config, items):
