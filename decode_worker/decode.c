@@ -185,11 +185,6 @@ static void on_event(void *user, const cs_event *ev) {
     pthread_mutex_unlock(&q->mu);
 }
 
-static int import_pages(void *arg, const int32_t *ids, int32_t n, const void *data) {
-    cs_worker *w = arg;
-    return cs_engine_kv_import(w->engine, ids, n, data);
-}
-
 /* ---------------------------------------------------------- loop thread -- */
 
 static void finish_call(dreq *q, int code, const char *msg) {
@@ -198,12 +193,19 @@ static void finish_call(dreq *q, int code, const char *msg) {
     q->call = NULL;
 }
 
+/* The payload the KV listener takes: the engine's pool decides (host: TCP,
+ * device: NCCL). */
+static Chunkserve__V1__KvTransport kv_transport(decode *d) {
+    return cs_kvx_rx_payload(d->rx) == CS_KVX_PAYLOAD_NCCL ? CHUNKSERVE__V1__KV_TRANSPORT__KV_TRANSPORT_NCCL
+                                                           : CHUNKSERVE__V1__KV_TRANSPORT__KV_TRANSPORT_TCP;
+}
+
 static int send_admitted(dreq *q, int32_t pages) {
     Chunkserve__V1__DecodeAdmitted a = CHUNKSERVE__V1__DECODE_ADMITTED__INIT;
     a.transfer_id = q->transfer_id;
     a.pages_reserved = pages;
     a.kv_endpoint = q->d->kv_endpoint;
-    a.kv_transport = CHUNKSERVE__V1__KV_TRANSPORT__KV_TRANSPORT_TCP;
+    a.kv_transport = kv_transport(q->d);
     Chunkserve__V1__DecodeResponse r = CHUNKSERVE__V1__DECODE_RESPONSE__INIT;
     r.event_case = CHUNKSERVE__V1__DECODE_RESPONSE__EVENT_ADMITTED;
     r.admitted = &a;
@@ -390,10 +392,9 @@ static int decode_start(cs_worker *w) {
     w->role_data = d;
     cs_kvx_rx_params p = cs_kvx_rx_params_default();
     p.layout = cs_kvx_layout_of_engine(w->engine);
+    p.pool = cs_kvx_pool_of_engine(w->engine); /* pages land straight in the reserved ids */
     p.host = w->o.kv_host;
     p.port = (int)w->o.kv_port;
-    p.import = import_pages;
-    p.import_arg = w;
     p.require_checksum = w->o.kv_checksum;
     p.dead_ms = (int32_t)w->o.kv_dead_ms;
     int r = cs_kvx_rx_init(&p, &d->rx);
@@ -435,10 +436,20 @@ static int decode_start(cs_worker *w) {
                                 &chunkserve__v1__decode_request__descriptor, handle_decode);
 }
 
+/* What the router pairs by: the KV payload, dtype and page layout. */
+static void kv_status(cs_worker *w, int payload, Chunkserve__V1__WorkerStatus *st) {
+    cs_kvx_layout l = cs_kvx_layout_of_engine(w->engine);
+    st->kv_transport = payload == CS_KVX_PAYLOAD_NCCL ? CHUNKSERVE__V1__KV_TRANSPORT__KV_TRANSPORT_NCCL
+                                                      : CHUNKSERVE__V1__KV_TRANSPORT__KV_TRANSPORT_TCP;
+    st->kv_dtype = l.dtype == CS_KVX_DTYPE_BF16  ? CHUNKSERVE__V1__KV_DTYPE__KV_DTYPE_BF16
+                   : l.dtype == CS_KVX_DTYPE_F16 ? CHUNKSERVE__V1__KV_DTYPE__KV_DTYPE_F16
+                                                 : CHUNKSERVE__V1__KV_DTYPE__KV_DTYPE_F32;
+    st->kv_layout_fingerprint = cs_kvx_layout_fingerprint(&l);
+}
+
 static void decode_status(cs_worker *w, Chunkserve__V1__WorkerStatus *st) {
-    (void)w;
     st->kv_endpoint = g_decode.kv_endpoint;
-    st->kv_transport = CHUNKSERVE__V1__KV_TRANSPORT__KV_TRANSPORT_TCP;
+    if (g_decode.rx) kv_status(w, cs_kvx_rx_payload(g_decode.rx), st);
 }
 
 static void decode_metrics(cs_worker *w) {

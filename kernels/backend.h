@@ -24,6 +24,9 @@ struct cs_backend_iface {
     int (*forward)(void *ctx, const cs_span *spans, int32_t n_spans, int32_t n_tokens, float *logits);
     int (*kv_export)(void *ctx, const int32_t *pages, int32_t n, void *dst);
     int (*kv_import)(void *ctx, const int32_t *pages, int32_t n, const void *src);
+    /* The pool's memory (page p at base + p * page_bytes) and where it is:
+     * *device = -1 for host memory, else the CUDA device ordinal. */
+    void *(*kv_pool)(void *ctx, int *device);
 };
 
 struct cs_backend {

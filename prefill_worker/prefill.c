@@ -6,11 +6,16 @@
  * it samples the first token and sends the trailer; the call returns once
  * the decode worker has acknowledged it.
  *
- * Threads: the engine thread exports completed pages (cs_engine_kv_export,
- * between steps) and queues them on the transport; the transport's I/O
- * thread writes them and reports the end; the loop thread owns the call.
- * A slow decode worker pushes back: when the channel holds its limit of
- * queued bytes the engine thread waits (bounded by the deadline).
+ * Threads: the engine thread holds each step's completed pages (a page
+ * reference, so the pool never reuses them) and queues them by id on the
+ * transport, which reads them straight from the pool (TCP: writev; NCCL: a
+ * gather kernel) and hands them back through its release callback
+ * (cs_serve_kv_release, applied by the engine thread); the transport's I/O
+ * thread reports the end; the loop thread owns the call. A slow decode
+ * worker pushes back without blocking anyone: when the channel holds its
+ * limit, the request's held ranges wait in its preq and the transport's room
+ * callback sends them (the engine keeps computing every prompt; the
+ * transfer's deadline bounds the wait).
  * A preq holds a reference for the call, one for the engine side until its
  * final event, one for the transfer until its done callback; the last frees
  * it on the loop thread. */
@@ -20,7 +25,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
-#include <time.h>
 
 #include "chunkserve/kvx_engine.h"
 #include "chunkserve/clock.h"
@@ -29,6 +33,13 @@
 #include "worker.h"
 
 typedef struct prefill prefill;
+
+/* Completed pages held for the transport and not yet queued on it. */
+typedef struct held {
+    struct held *next;
+    int32_t first, n;
+    int32_t ids[]; /* (n) */
+} held;
 
 typedef struct preq {
     cs_worker *w;
@@ -40,12 +51,15 @@ typedef struct preq {
     char host[256];
     int port;
     int32_t n_context, total_pages;
-    double t_start, t_deadline;
+    double t_start;
     atomic_int refs;
     struct preq *prev, *next; /* live list, loop thread */
 
     pthread_mutex_t mu; /* everything below */
     bool engine_done, tx_done, send_failed;
+    held *held_head, *held_tail; /* waiting for room on the channel, in order */
+    bool trailer_held;
+    int32_t trailer_token;
     double t_last_chunk; /* when the final step's pages and trailer were queued */
     double tail;         /* from then to the trailer's acknowledgement */
     int32_t first_token, n_cached;
@@ -55,10 +69,13 @@ typedef struct preq {
 
 struct prefill {
     cs_kvx_tx *tx;
+    cs_worker *w;
+    pthread_mutex_t rel_mu; /* engine_gone: releases after the engine stopped are dropped */
+    bool engine_gone;
     preq *live;
     int32_t n_live;
     uint64_t next_id;
-    size_t page_bytes, max_queued;
+    size_t page_bytes;
     cs_kvx_stats last;
     cs_metric *m_requests, *m_xfer_started, *m_xfer_completed, *m_xfer_failed, *m_xfer_bytes, *m_xfer_seconds,
         *m_tail_seconds, *m_prefill_seconds, *m_backpressure, *m_refused;
@@ -148,6 +165,62 @@ static void post_end(preq *q) {
     }
 }
 
+/* Transport I/O thread (or any, after a failure): held pages go back to
+ * the engine, which applies it before its next step. */
+static void release_pages(void *arg, const int32_t *ids, int32_t n) {
+    prefill *p = arg;
+    pthread_mutex_lock(&p->rel_mu);
+    if (!p->engine_gone && cs_serve_kv_release(p->w->sv, ids, n) != 0)
+        CS_LOGE("cannot hand %d KV pages back to the engine: %s", n, cs_last_error());
+    pthread_mutex_unlock(&p->rel_mu);
+}
+
+static void drop_held_locked(preq *q) {
+    while (q->held_head) {
+        held *h = q->held_head;
+        q->held_head = h->next;
+        release_pages(q->p, h->ids, h->n);
+        free(h);
+    }
+    q->held_tail = NULL;
+    q->trailer_held = false;
+}
+
+/* Queues the held ranges, then the trailer, in order, as far as the channel
+ * takes them (the rest waits for the room callback). 0 or the error. */
+static int flush_locked(preq *q) {
+    prefill *p = q->p;
+    while (q->held_head) {
+        held *h = q->held_head;
+        int r = cs_kvx_tx_send_pages(p->tx, q->transfer_id, h->first, h->n, h->ids, release_pages, p);
+        if (r == CS_EAGAIN) {
+            cs_metric_inc(p->m_backpressure);
+            return 0;
+        }
+        if (r) return r;
+        q->held_head = h->next;
+        if (!q->held_head) q->held_tail = NULL;
+        free(h);
+    }
+    if (!q->trailer_held) return 0;
+    q->trailer_held = false;
+    cs_kvx_trailer t = {q->trailer_token, q->n_context, q->total_pages};
+    return cs_kvx_tx_finish(p->tx, q->transfer_id, &t);
+}
+
+/* A send failed: records why (CS_ENOENT: the transfer already failed, its
+ * done reports why) and hands the held pages back. Whether the transfer is
+ * aborted and the request cancelled is the caller's. */
+static void send_failed_locked(preq *q, int r) {
+    drop_held_locked(q);
+    if (q->send_failed) return;
+    q->send_failed = true;
+    if (r != CS_ENOENT) {
+        q->eng_status = r;
+        snprintf(q->eng_error, sizeof q->eng_error, "sending KV: %s", cs_last_error());
+    }
+}
+
 /* Transport I/O thread: the transfer ended (acknowledged, or failed). */
 static void on_tx_done(void *arg, uint64_t xfer, int status, const char *msg, const cs_kvx_trailer *t) {
     preq *q = arg;
@@ -155,6 +228,7 @@ static void on_tx_done(void *arg, uint64_t xfer, int status, const char *msg, co
     pthread_mutex_lock(&q->mu);
     q->tx_done = true;
     q->tx_status = status;
+    drop_held_locked(q);
     if (q->t_last_chunk > 0) q->tail = cs_now() - q->t_last_chunk;
     if (status) snprintf(q->tx_error, sizeof q->tx_error, "%s", msg && msg[0] ? msg : cs_strerror(status));
     bool engine_running = !q->engine_done;
@@ -166,56 +240,58 @@ static void on_tx_done(void *arg, uint64_t xfer, int status, const char *msg, co
     post_end(q);
 }
 
-static void release_buf(void *arg) {
-    free(arg);
+/* Transport I/O thread: the channel has room again for what q holds. */
+static void on_tx_room(void *arg, uint64_t xfer) {
+    preq *q = arg;
+    (void)xfer;
+    pthread_mutex_lock(&q->mu);
+    int r = q->send_failed ? 0 : flush_locked(q);
+    if (r) send_failed_locked(q, r);
+    bool engine_running = !q->engine_done;
+    pthread_mutex_unlock(&q->mu);
+    if (r && r != CS_ENOENT) cs_kvx_tx_abort(q->p->tx, q->transfer_id);
+    if (r && engine_running) cs_serve_cancel(q->w->sv, q->id);
 }
 
-/* Engine thread: copies completed pages out and queues them. When the
- * channel already holds its limit (the decode side reads slower than this
- * prefill computes) the engine thread waits for it to drain, bounded by the
- * request's deadline: backpressure reaches the prefill pool itself. */
-static int send_pages(preq *q, const cs_event *ev) {
-    prefill *p = q->p;
-    size_t bytes = (size_t)ev->kv_n_pages * p->page_bytes;
-    bool waited = false;
-    for (;;) {
-        size_t queued = cs_kvx_tx_queued_bytes(p->tx, q->host, q->port);
-        if (queued == 0 || queued + bytes <= p->max_queued) break;
-        if (!waited) cs_metric_inc(p->m_backpressure), waited = true;
-        if (cs_now() > q->t_deadline) return cs_fail(CS_ETIMEDOUT, "the KV channel stayed full until the deadline");
-        nanosleep(&(struct timespec){0, 500000}, NULL);
+/* Engine thread: holds the pages a step completed (a reference each, so the
+ * pool never reuses them before the transport released them) behind the
+ * ones still waiting. */
+static int hold_pages_locked(preq *q, const cs_event *ev) {
+    held *h = malloc(sizeof *h + (size_t)ev->kv_n_pages * sizeof *h->ids);
+    if (!h) return cs_fail(CS_ENOMEM, "no memory to hold %d KV pages", ev->kv_n_pages);
+    cs_kv_cache *kv = cs_engine_kv(q->w->engine);
+    for (int32_t i = 0; i < ev->kv_n_pages; i++) {
+        int r = cs_kv_cache_ref_page(kv, ev->kv_pages[i]);
+        if (r) {
+            cs_kv_cache_free_pages(kv, ev->kv_pages, i);
+            free(h);
+            return r;
+        }
     }
-    void *buf = malloc(bytes);
-    if (!buf) return cs_fail(CS_ENOMEM, "no memory to stage %zu bytes of KV", bytes);
-    int r = cs_engine_kv_export(q->w->engine, ev->kv_pages, ev->kv_n_pages, buf);
-    if (r) {
-        free(buf);
-        return r;
-    }
-    /* buf is the transport's now: released (freed) when written, or inside
-     * this call when it fails */
-    return cs_kvx_tx_send_pages(p->tx, q->transfer_id, ev->kv_first_page, ev->kv_n_pages, buf, release_buf, buf);
+    h->next = NULL;
+    h->first = ev->kv_first_page;
+    h->n = ev->kv_n_pages;
+    memcpy(h->ids, ev->kv_pages, (size_t)h->n * sizeof *h->ids);
+    if (q->held_tail)
+        q->held_tail->next = h;
+    else
+        q->held_head = h;
+    q->held_tail = h;
+    return 0;
 }
 
 static void on_event(void *user, const cs_event *ev) {
     preq *q = user;
     int r = 0;
     pthread_mutex_lock(&q->mu);
-    bool failed = q->send_failed;
-    pthread_mutex_unlock(&q->mu);
-    if (!failed && ev->kv_n_pages) r = send_pages(q, ev);
-    if (!failed && !r && ev->token >= 0 && ev->finish == CS_FINISH_LENGTH) {
-        cs_kvx_trailer t = {ev->token, q->n_context, q->total_pages};
-        r = cs_kvx_tx_finish(q->p->tx, q->transfer_id, &t);
-    }
-    pthread_mutex_lock(&q->mu);
-    if (r && !q->send_failed) {
-        q->send_failed = true;
-        /* CS_ENOENT: the transfer already failed (its done reports why) */
-        if (r != CS_ENOENT) {
-            q->eng_status = r;
-            snprintf(q->eng_error, sizeof q->eng_error, "sending KV: %s", cs_last_error());
+    if (!q->send_failed) {
+        if (ev->kv_n_pages) r = hold_pages_locked(q, ev);
+        if (!r && ev->token >= 0 && ev->finish == CS_FINISH_LENGTH) {
+            q->trailer_held = true;
+            q->trailer_token = ev->token;
         }
+        if (!r) r = flush_locked(q);
+        if (r) send_failed_locked(q, r);
     }
     if (ev->finish != CS_FINISH_NONE) {
         q->engine_done = true;
@@ -267,8 +343,12 @@ static void handle_prefill(cs_rpc_call *c, void *data) {
     int rc = cs_worker_request(w, m->token_ids, m->n_token_ids, m->num_prompt_tokens, m->sampling, &r);
     char host[256];
     int port = 0;
-    if (!rc && m->kv_transport == CHUNKSERVE__V1__KV_TRANSPORT__KV_TRANSPORT_NCCL)
-        rc = cs_fail(CS_ENOTSUP, "kv_transport NCCL: this worker sends KV over TCP");
+    int mine = cs_kvx_tx_payload(p->tx) == CS_KVX_PAYLOAD_NCCL ? CHUNKSERVE__V1__KV_TRANSPORT__KV_TRANSPORT_NCCL
+                                                                : CHUNKSERVE__V1__KV_TRANSPORT__KV_TRANSPORT_TCP;
+    if (!rc && m->kv_transport && (int)m->kv_transport != mine)
+        rc = cs_fail(CS_ENOTSUP, "kv_transport %s: this worker sends KV over %s",
+                     m->kv_transport == CHUNKSERVE__V1__KV_TRANSPORT__KV_TRANSPORT_NCCL ? "NCCL" : "TCP",
+                     cs_kvx_payload_name(cs_kvx_tx_payload(p->tx)));
     if (!rc) rc = cs_worker_split_endpoint(m->kv_endpoint, host, sizeof host, &port);
     if (rc) {
         cs_rpc_call_finish(c, cs_rpc_code_of_status(rc), cs_last_error());
@@ -290,7 +370,6 @@ static void handle_prefill(cs_rpc_call *c, void *data) {
     int64_t left = cs_rpc_call_deadline_ms(c);
     if (left > w->o.kv_deadline_ms) left = w->o.kv_deadline_ms;
     if (left < 1) left = 1;
-    q->t_deadline = q->t_start + (double)left / 1000;
     snprintf(q->request_id, sizeof q->request_id, "%s", m->request_id[0] ? m->request_id : "-");
     snprintf(q->decode_id, sizeof q->decode_id, "%s", m->decode_worker_id[0] ? m->decode_worker_id : "decode");
     snprintf(q->host, sizeof q->host, "%s", host);
@@ -327,9 +406,13 @@ static void handle_prefill(cs_rpc_call *c, void *data) {
 static int prefill_start(cs_worker *w) {
     prefill *p = &g_prefill;
     w->role_data = p;
+    p->w = w;
+    pthread_mutex_init(&p->rel_mu, NULL);
     p->page_bytes = cs_engine_page_bytes(w->engine);
     cs_kvx_tx_params tp = cs_kvx_tx_params_default();
     tp.layout = cs_kvx_layout_of_engine(w->engine);
+    tp.pool = cs_kvx_pool_of_engine(w->engine);
+    tp.room = on_tx_room;
     /* The KV channel's sender name: decode workers fence by it (a new
      * incarnation of a name replaces the old one's channel and refuses older
      * ones), so two live prefill workers must never share it. --worker-id
@@ -347,7 +430,6 @@ static int prefill_start(cs_worker *w) {
     tp.name = name;
     tp.checksum = w->o.kv_checksum;
     tp.dead_ms = (int32_t)w->o.kv_dead_ms;
-    p->max_queued = tp.max_queued_bytes;
     int r = cs_kvx_tx_init(&tp, &p->tx);
     if (r) return r;
     cs_metrics *m = w->metrics;
@@ -370,9 +452,20 @@ static int prefill_start(cs_worker *w) {
     p->m_prefill_seconds = cs_metrics_histogram(m, "chunkserve:prefill_seconds", NULL,
                                                 "Prefill call received to answered", secs, ns);
     p->m_backpressure = cs_metrics_counter(m, "chunkserve:kv_backpressure_waits_total", NULL,
-                                           "steps that waited for a full KV channel to drain");
+                                           "page ranges held back by a full KV channel until it drained");
     return cs_worker_add_method(w, "/chunkserve.v1.Worker/Prefill", CS_RPC_UNARY,
                                 &chunkserve__v1__prefill_request__descriptor, handle_prefill);
+}
+
+/* What the router pairs by: the KV payload, dtype and page layout. */
+static void kv_status(cs_worker *w, int payload, Chunkserve__V1__WorkerStatus *st) {
+    cs_kvx_layout l = cs_kvx_layout_of_engine(w->engine);
+    st->kv_transport = payload == CS_KVX_PAYLOAD_NCCL ? CHUNKSERVE__V1__KV_TRANSPORT__KV_TRANSPORT_NCCL
+                                                      : CHUNKSERVE__V1__KV_TRANSPORT__KV_TRANSPORT_TCP;
+    st->kv_dtype = l.dtype == CS_KVX_DTYPE_BF16  ? CHUNKSERVE__V1__KV_DTYPE__KV_DTYPE_BF16
+                   : l.dtype == CS_KVX_DTYPE_F16 ? CHUNKSERVE__V1__KV_DTYPE__KV_DTYPE_F16
+                                                 : CHUNKSERVE__V1__KV_DTYPE__KV_DTYPE_F32;
+    st->kv_layout_fingerprint = cs_kvx_layout_fingerprint(&l);
 }
 
 /* Prompt tokens this worker holds and has not finished computing (n: their
@@ -393,7 +486,7 @@ static int64_t queued_prefill_tokens(int32_t *n_requests) {
 }
 
 static void prefill_status(cs_worker *w, Chunkserve__V1__WorkerStatus *st) {
-    (void)w;
+    kv_status(w, g_prefill.tx ? cs_kvx_tx_payload(g_prefill.tx) : CS_KVX_PAYLOAD_TCP, st);
     int32_t n;
     st->queued_prefill_tokens = queued_prefill_tokens(&n);
     if (st->num_running + st->num_waiting < n) st->num_waiting = n - st->num_running;
@@ -445,6 +538,9 @@ static void prefill_cancel_all(cs_worker *w) {
  * a live transport; then the transport fails what is left (callbacks post
  * their ends, which the loop runs before it closes). */
 static void prefill_stop(cs_worker *w) {
+    pthread_mutex_lock(&g_prefill.rel_mu); /* held pages die with the engine from here */
+    g_prefill.engine_gone = true;
+    pthread_mutex_unlock(&g_prefill.rel_mu);
     cs_serve_stop(w->sv);
     w->sv = NULL;
     cs_kvx_tx_free(g_prefill.tx);

@@ -114,6 +114,12 @@ int cs_engine_kv_import(cs_engine *e, const int32_t *pages, int32_t n, const voi
     return r ? r : e->be->iface->kv_import(e->be->ctx, pages, n, src);
 }
 
+void cs_engine_kv_pool(cs_engine *e, cs_engine_kv_pool_info *out) {
+    out->base = e->be->iface->kv_pool(e->be->ctx, &out->device);
+    out->page_bytes = e->page_bytes;
+    out->n_pages = cs_kv_cache_n_pages(e->kv);
+}
+
 int cs_engine_eval_seq(cs_engine *e, cs_page_table *pt, int32_t pos, const int32_t *tokens, int32_t n,
                        int32_t max_chunk, float *logits) {
     if (n < 1 || pos < 0 || max_chunk < 0)

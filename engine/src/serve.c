@@ -16,8 +16,10 @@ typedef struct pending {
     int32_t *stop_ids;
     cs_serve_cb cb;
     void *user;
-    enum { P_SUBMIT, P_CANCEL, P_KV_READY } kind;
+    enum { P_SUBMIT, P_CANCEL, P_KV_READY, P_KV_RELEASE } kind;
     int32_t first_token; /* P_KV_READY */
+    int32_t *pages;      /* P_KV_RELEASE: n_pages ids to drop one reference from */
+    int32_t n_pages;
     struct pending *next;
 } pending;
 
@@ -30,6 +32,7 @@ typedef struct live {
 
 struct cs_serve {
     cs_sched *sched;
+    cs_engine *e;
     pthread_t thread;
     pthread_mutex_t mu;
     pthread_cond_t cv;
@@ -45,6 +48,7 @@ static void pending_free(pending *p) {
         free(p->stops[i]);
     free(p->stops);
     free(p->stop_ids);
+    free(p->pages);
     free((void *)p->r.prompt);
     free(p);
 }
@@ -70,6 +74,11 @@ static cs_event end_event(uint64_t id, enum cs_finish finish, int32_t n_prompt, 
 }
 
 static void apply(cs_serve *sv, pending *p) {
+    if (p->kind == P_KV_RELEASE) {
+        if (cs_kv_cache_free_pages(cs_engine_kv(sv->e), p->pages, p->n_pages) != 0)
+            CS_LOGE("serve: releasing held KV pages: %s", cs_last_error());
+        return;
+    }
     live **l = find_live(sv, p->r.id);
     if (p->kind == P_CANCEL) {
         if (*l && cs_sched_cancel(sv->sched, p->r.id) == 0) {
@@ -172,6 +181,7 @@ int cs_serve_start(cs_engine *e, const cs_sched_params *p, cs_serve **out) {
         free(sv);
         return r;
     }
+    sv->e = e;
     sv->tail = &sv->head;
     cs_sched_get_stats(sv->sched, &sv->stats); /* before the thread exists: no lock needed */
     pthread_mutex_init(&sv->mu, NULL);
@@ -239,6 +249,22 @@ int cs_serve_kv_ready(cs_serve *sv, uint64_t id, int32_t first_token) {
     p->r.id = id;
     p->kind = P_KV_READY;
     p->first_token = first_token;
+    int rc = enqueue(sv, p);
+    if (rc) pending_free(p);
+    return rc;
+}
+
+int cs_serve_kv_release(cs_serve *sv, const int32_t *pages, int32_t n) {
+    pending *p = calloc(1, sizeof *p);
+    int32_t *ids = malloc(sizeof(int32_t) * (size_t)(n > 0 ? n : 1));
+    if (!p || !ids) {
+        free(p), free(ids);
+        return cs_fail(CS_ENOMEM, "serve: out of memory");
+    }
+    memcpy(ids, pages, sizeof(int32_t) * (size_t)n);
+    p->kind = P_KV_RELEASE;
+    p->pages = ids;
+    p->n_pages = n;
     int rc = enqueue(sv, p);
     if (rc) pending_free(p);
     return rc;

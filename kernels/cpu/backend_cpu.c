@@ -161,8 +161,13 @@ static int cpu_kv_import(void *p, const int32_t *pages, int32_t n, const void *s
     return 0;
 }
 
+static void *cpu_kv_pool(void *p, int *device) {
+    *device = -1;
+    return ((cpu_ctx *)p)->kv;
+}
+
 static const struct cs_backend_iface cpu_iface = {
-    "cpu", cpu_free, cpu_kv_init, cpu_forward, cpu_kv_export, cpu_kv_import,
+    "cpu", cpu_free, cpu_kv_init, cpu_forward, cpu_kv_export, cpu_kv_import, cpu_kv_pool,
 };
 
 int cs_backend_cpu_init(const cs_model *m, int n_threads, cs_backend **out) {

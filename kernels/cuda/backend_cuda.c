@@ -348,8 +348,15 @@ static int cuda_kv_import(void *p, const int32_t *pages, int32_t n, const void *
     return kv_move(p, pages, n, (void *)src, 1);
 }
 
+/* The device pool, for the KV transport's NCCL payload (the one place a
+ * device pointer leaves the backend: the transport names pages by id). */
+static void *cuda_kv_pool(void *p, int *device) {
+    *device = 0; /* the backend runs on device 0 */
+    return ((cuda_ctx *)p)->kv.pool;
+}
+
 static const struct cs_backend_iface cuda_iface = {
-    "cuda", cuda_free, cuda_kv_init, cuda_forward, cuda_kv_export, cuda_kv_import,
+    "cuda", cuda_free, cuda_kv_init, cuda_forward, cuda_kv_export, cuda_kv_import, cuda_kv_pool,
 };
 
 /* Carves the weights; fills them from m (fp32, converted on the device) or

@@ -1,5 +1,5 @@
 /* kvx_engine.c: the glue between the KV transport and the engine: the
- * layout an engine's pool has on the wire. */
+ * layout an engine's pool has on the wire, and where the pool is. */
 #include "chunkserve/kvx_engine.h"
 
 cs_kvx_layout cs_kvx_layout_of_engine(cs_engine *e) {
@@ -16,4 +16,15 @@ cs_kvx_layout cs_kvx_layout_of_engine(cs_engine *e) {
                      (uint64_t)l.head_dim;
     l.dtype = elems && l.page_bytes == 2 * elems ? CS_KVX_DTYPE_BF16 : CS_KVX_DTYPE_F32;
     return l;
+}
+
+cs_kvx_pool cs_kvx_pool_of_engine(cs_engine *e) {
+    cs_engine_kv_pool_info in;
+    cs_engine_kv_pool(e, &in);
+    cs_kvx_pool p = {0};
+    p.kind = in.device < 0 ? CS_KVX_POOL_HOST : CS_KVX_POOL_CUDA;
+    p.device = in.device < 0 ? 0 : in.device;
+    p.base = in.base;
+    p.n_pages = in.n_pages;
+    return p;
 }

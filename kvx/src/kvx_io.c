@@ -1,5 +1,6 @@
 /* kvx_io.c: clock, socket options, wake-up pipes and writev of queued frames
- * for the KV transport's I/O threads. */
+ * for the KV transport's I/O threads; the payload registry (which payload a
+ * pool kind uses in this build). */
 #include "kvx-impl.h"
 
 #include <errno.h>
@@ -15,6 +16,42 @@
 #include <xxhash.h>
 
 #include "chunkserve/error.h"
+
+/* Weak: defined only when the program links cs_kvx_nccl (CUDA + NCCL). */
+extern const cs__kvx_payload cs__kvx_payload_nccl __attribute__((weak));
+
+const cs__kvx_payload *cs__kvx_payload_for_pool(int pool_kind) {
+    if (pool_kind == CS_KVX_POOL_HOST) return &cs__kvx_payload_tcp;
+    if (pool_kind == CS_KVX_POOL_CUDA) return &cs__kvx_payload_nccl; /* NULL without NCCL */
+    return NULL;
+}
+
+const char *cs_kvx_payload_name(int payload) {
+    return payload == CS_KVX_PAYLOAD_TCP ? "tcp" : payload == CS_KVX_PAYLOAD_NCCL ? "nccl" : "?";
+}
+
+int cs_kvx_payload_of_pool(int kind) {
+    return kind == CS_KVX_POOL_CUDA ? CS_KVX_PAYLOAD_NCCL : CS_KVX_PAYLOAD_TCP;
+}
+
+bool cs_kvx_payload_available(int payload) {
+    return payload == CS_KVX_PAYLOAD_TCP ||
+           (payload == CS_KVX_PAYLOAD_NCCL && &cs__kvx_payload_nccl != NULL);
+}
+
+uint64_t cs__kvx_incarnation(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    return ((uint64_t)ts.tv_sec * 1000000u + (uint64_t)ts.tv_nsec / 1000u) << 8 ^
+           (uint64_t)(getpid() & 0xff);
+}
+
+void cs__kvx_fold(uint64_t *digest, uint64_t chunk_sum) {
+    uint8_t le[8];
+    for (int i = 0; i < 8; i++)
+        le[i] = (uint8_t)(chunk_sum >> (8 * i));
+    *digest = XXH3_64bits_withSeed(le, sizeof le, *digest);
+}
 
 int64_t cs__kvx_now_ms(void) {
     struct timespec ts;
@@ -68,10 +105,9 @@ void cs__kvx_out_ctl(kvx_out *o, int type, uint64_t epoch, uint64_t xfer_id, uin
     if (len) {
         memcpy(o->ctl, payload, len);
         o->h.flags = CS_KVX_FLAG_CHECKSUM;
-        o->h.payload_xxh64 = XXH64(o->ctl, len, 0);
+        o->h.payload_xxh64 = cs_kvx_payload_sum(o->ctl, len);
     }
     cs_kvx_hdr_encode(&o->h, o->hdr);
-    o->sealed = true;
     o->total = CS_KVX_HDR_BYTES + len;
     o->off = 0;
 }
@@ -82,22 +118,21 @@ int cs__kvx_out_write(int fd, kvx_out *o) {
         struct iovec iov[MAXV];
         int n = 0;
         size_t pos = 0; /* byte position of the next segment's start */
-#define SEG(ptr, len)                                                            \
-    do {                                                                         \
-        size_t l_ = (len);                                                       \
-        if (n < MAXV && o->off < pos + l_) {                                     \
-            size_t skip_ = o->off > pos ? o->off - pos : 0;                      \
-            iov[n].iov_base = (void *)((const uint8_t *)(ptr) + skip_);          \
-            iov[n].iov_len = l_ - skip_;                                         \
-            n++;                                                                 \
-        }                                                                        \
-        pos += l_;                                                               \
+#define SEG(ptr, len)                                                                              \
+    do {                                                                                           \
+        size_t l_ = (len);                                                                         \
+        if (n < MAXV && o->off < pos + l_) {                                                       \
+            size_t skip_ = o->off > pos ? o->off - pos : 0;                                        \
+            iov[n].iov_base = (void *)((const uint8_t *)(ptr) + skip_);                            \
+            iov[n].iov_len = l_ - skip_;                                                           \
+            n++;                                                                                   \
+        }                                                                                          \
+        pos += l_;                                                                                 \
     } while (0)
         SEG(o->hdr, CS_KVX_HDR_BYTES);
-        if (o->pages) {
-            for (int32_t i = 0; i < o->n_pages && n < MAXV; i++) SEG(o->pages[i], o->page_bytes);
-        } else if (o->data) {
-            SEG(o->data, (size_t)o->n_pages * o->page_bytes);
+        if (o->ids) { /* page bytes straight from the pool */
+            for (int32_t i = 0; i < o->n_pages && n < MAXV; i++)
+                SEG(o->base + (size_t)o->ids[i] * o->page_bytes, o->page_bytes);
         } else if (o->total > CS_KVX_HDR_BYTES) {
             SEG(o->ctl, o->total - CS_KVX_HDR_BYTES);
         }

@@ -1,9 +1,28 @@
-/* kvx_rx.c: the KV transport's receiver (TCP). One I/O thread accepts
- * senders' channels, validates every frame, imports pages into the reserved
- * page ids and reports each expected transfer exactly once. A bad frame
- * closes only its own channel (failing the transfers bound to it); a
- * transfer is bound to the channel of its first frame. */
-#define XXH_STATIC_LINKING_ONLY
+/* kvx_rx.c: the KV transport's receiver: the control plane for every
+ * payload. One I/O thread accepts senders' channels, validates every frame,
+ * lands pages in the reserved page ids and reports each expected transfer
+ * exactly once. A bad frame closes only its own channel (failing the
+ * transfers bound to it); a transfer is bound to the channel of its first
+ * frame.
+ *
+ * Page bytes land by the receiver's payload (kvx-impl.h):
+ *  - TCP (inline): a PAGES header is checked first (transfer, order), then
+ *    its payload is read straight into the reserved pages with readv and
+ *    hashed as it arrives (XXH3, while the bytes are still in the cache);
+ *    the checksum is compared at the frame's end. Bytes of a transfer that
+ *    ended here are read into scratch and dropped.
+ *  - NCCL: the link is created when NCCL_ID arrives (rank 1, non-blocking
+ *    init polled by this thread, bounded by init_timeout_ms) and NCCL_READY
+ *    tells the sender the outcome. Every NCCL_PAGES descriptor, in arrival
+ *    order, gets exactly one receive posted into a free staging slot, also
+ *    for a transfer that already ended here (the bytes are then dropped), so
+ *    the two ranks' operations stay matched; a received chunk is scattered
+ *    into the reserved ids and summed on the device; chunks complete in
+ *    posting order.
+ * A transfer completes when its trailer came and its last chunk landed. One
+ * that ends while a write into its pages may still run (cancel, deadline,
+ * broken channel) reports only once that write finished or its link was
+ * torn down, so its pages are free to reuse when done runs. */
 #include <arpa/inet.h>
 #include <errno.h>
 #include <netdb.h>
@@ -13,8 +32,11 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/uio.h>
 #include <time.h>
 #include <unistd.h>
+
+#define XXH_INLINE_ALL /* XXH3 compiled here, with this build's vector unit */
 #include <xxhash.h>
 
 #include "chunkserve/kvx.h"
@@ -25,35 +47,75 @@
 
 #define N_TOMB 4096 /* recently ended transfer ids: their late frames are dropped */
 #define N_PEERS 1024
+#define SCRATCH (64u << 10) /* discarded inline bytes land here */
+
+enum comm_state { COMM_NONE, COMM_OPENING, COMM_INIT, COMM_READY };
+
+struct rx_xfer;
+
+/* A descriptor waiting for a free slot (NCCL). */
+typedef struct rx_item {
+    struct rx_item *next;
+    uint64_t xfer_id; /* 0: the transfer already ended here: receive and drop */
+    uint32_t first_page, n_pages;
+    cs_kvx_nccl_desc d;
+} rx_item;
+
+typedef struct {
+    bool busy;
+    struct rx_xfer *x; /* the transfer whose pages the scatter writes, or NULL */
+    uint32_t first_page, n_pages;
+    cs_kvx_nccl_desc d;
+    int64_t since;
+} rx_slot;
 
 typedef struct rx_conn {
     struct rx_conn *next;
     int fd;
-    bool hello;     /* HELLO accepted */
-    bool closing;   /* closed at the next safe point */
+    bool hello;   /* HELLO accepted */
+    bool closing; /* closed at the next safe point */
     char name[CS_KVX_NAME_MAX];
     char addr[64];
     uint64_t peer_inc;
     uint8_t hdr[CS_KVX_HDR_BYTES];
     size_t hdr_len;
-    cs_kvx_hdr h; /* header of the frame being read, valid once hdr_len == 64 */
-    uint8_t *buf;
-    size_t buf_cap, pl_len;
+    cs_kvx_hdr h;                  /* header of the frame being read, valid once hdr_len == 64 */
+    uint8_t buf[CS_KVX_ACK_BYTES]; /* control payloads: every one fits */
+    size_t pl_len;                 /* payload bytes read of the current frame */
+    /* inline PAGES being read: into x's pages (x NULL: into scratch) */
+    struct rx_xfer *px;
+    bool pages;
+    XXH3_state_t hs;
     kvx_out *qhead, *qtail;
     int64_t last_rx, last_tx;
+    /* payload link (NCCL) */
+    int comm;
+    uint8_t id[CS_KVX_NCCL_ID_BYTES];
+    int64_t init_deadline;
+    cs__kvx_link *link;
+    rx_item *ihead, *itail;
+    rx_slot *slots;
+    int *order; /* busy slots in posting order (ring) */
+    int ord_head, ord_n;
 } rx_conn;
 
 typedef struct rx_xfer {
     struct rx_xfer *next;
     uint64_t id;
     int32_t *ids;
-    int32_t n_pages, received;
+    int32_t n_pages, described, landed, inflight;
     int64_t deadline;
     rx_conn *conn; /* bound on the first frame */
     int fail;      /* set by cs_kvx_rx_cancel */
     cs_kvx_done_fn done;
     void *arg;
-    XXH64_state_t hash;
+    uint64_t digest; /* fold of the chunk checksums, in order */
+    bool all_sums, trailer_seen;
+    cs_kvx_trailer_wire tw;
+    /* ended while a write into its pages was in flight */
+    bool ended;
+    int end_status;
+    char end_msg[200];
 } rx_xfer;
 
 typedef struct rx_event {
@@ -67,19 +129,30 @@ typedef struct rx_event {
     char msg[200];
 } rx_event;
 
+typedef struct rx_grave {
+    struct rx_grave *next;
+    cs__kvx_link *link;
+    rx_slot *slots;
+} rx_grave;
+
 struct cs_kvx_rx {
     cs_kvx_rx_params p;
+    const cs__kvx_payload *pl;
     char host[64];
     uint64_t fingerprint, inc;
+    int32_t slot_pages;
     int lfd, port;
     pthread_mutex_t mu;
     pthread_t thread;
     int wake[2];
     bool stop;
+    uint8_t *scratch;
     rx_conn *conns;
     int n_conns;
     rx_xfer *xfers;
+    rx_xfer *zombies; /* ended, waiting for their in-flight writes */
     rx_event *ev_head, *ev_tail;
+    rx_grave *grave;
     uint64_t tomb[N_TOMB];
     int tomb_pos;
     struct {
@@ -95,27 +168,36 @@ cs_kvx_rx_params cs_kvx_rx_params_default(void) {
     memset(&p, 0, sizeof p);
     p.host = "127.0.0.1";
     p.require_checksum = true;
-    p.max_frame_bytes = 64u << 20;
     p.keepalive_ms = 1000;
     p.dead_ms = 5000;
     p.max_conns = 256;
-    return p;
+    p.n_slots = 2;
+    p.init_timeout_ms = 30000;
+    p.op_timeout_ms = 10000;
+    return p; /* max_frame_bytes 0: the payload's default */
 }
 
-static void queue_ctl(cs_kvx_rx *rx, rx_conn *c, int type, uint64_t xfer, const void *pl, size_t len) {
+static void queue_ctl(cs_kvx_rx *rx, rx_conn *c, int type, uint64_t xfer, uint32_t n_pages,
+                      const void *pl, size_t len) {
     if (c->fd < 0 || c->closing) return;
     kvx_out *o = calloc(1, sizeof *o);
     CS_ASSERT(o);
     cs__kvx_out_ctl(o, type, rx->inc, xfer, rx->fingerprint, pl, len);
-    if (c->qtail) c->qtail->next = o;
-    else c->qhead = o;
+    if (n_pages) {
+        o->h.n_pages = n_pages;
+        cs_kvx_hdr_encode(&o->h, o->hdr);
+    }
+    if (c->qtail)
+        c->qtail->next = o;
+    else
+        c->qhead = o;
     c->qtail = o;
 }
 
 static void queue_status(cs_kvx_rx *rx, rx_conn *c, int type, uint64_t xfer, int status) {
     uint8_t pl[CS_KVX_STATUS_BYTES];
     cs_kvx_status_encode(status, pl);
-    queue_ctl(rx, c, type, xfer, pl, sizeof pl);
+    queue_ctl(rx, c, type, xfer, 0, pl, sizeof pl);
 }
 
 static void tomb_add(cs_kvx_rx *rx, uint64_t id) {
@@ -135,34 +217,66 @@ static rx_xfer *find_xfer(cs_kvx_rx *rx, uint64_t id) {
     return NULL;
 }
 
-/* Reports x (removing it); tells the bound sender when the end is ours. */
-static void xfer_end(cs_kvx_rx *rx, rx_xfer *x, int status, const char *msg, const cs_kvx_trailer *t,
-                     bool tell_peer) {
-    for (rx_xfer **pp = &rx->xfers; *pp; pp = &(*pp)->next)
-        if (*pp == x) {
-            *pp = x->next;
-            break;
-        }
-    if (tell_peer && x->conn) queue_status(rx, x->conn, status == 0 ? CS_KVX_DONE : CS_KVX_ABORT, x->id, status);
-    tomb_add(rx, x->id);
-    rx->st.transfers_active--;
-    if (status == 0) rx->st.transfers_completed++;
-    else rx->st.transfers_failed++;
+static void report(cs_kvx_rx *rx, rx_xfer *x, int status, const char *msg,
+                   const cs_kvx_trailer *t) {
     rx_event *e = calloc(1, sizeof *e);
-    CS_ASSERT(e);
+    CS_ASSERT(e); /* a lost completion would hang the caller: fail loudly */
     e->done = x->done;
     e->arg = x->arg;
     e->id = x->id;
     e->status = status;
     if (t) e->has_trailer = true, e->t = *t;
     snprintf(e->msg, sizeof e->msg, "%s", msg ? msg : "");
-    if (rx->ev_tail) rx->ev_tail->next = e;
-    else rx->ev_head = e;
+    if (rx->ev_tail)
+        rx->ev_tail->next = e;
+    else
+        rx->ev_head = e;
     rx->ev_tail = e;
-    if (status)
-        CS_LOGW("kvx rx: transfer %llu failed: %s (%s)", (unsigned long long)x->id, cs_strerror(status), msg ? msg : "");
     free(x->ids);
     free(x);
+}
+
+/* Ends x (removing it from the table); tells the bound sender when the end
+ * is ours. Reports now, or once its in-flight writes finished. */
+static void xfer_end(cs_kvx_rx *rx, rx_xfer *x, int status, const char *msg,
+                     const cs_kvx_trailer *t, bool tell_peer) {
+    for (rx_xfer **pp = &rx->xfers; *pp; pp = &(*pp)->next)
+        if (*pp == x) {
+            *pp = x->next;
+            break;
+        }
+    for (rx_conn *c = rx->conns; c; c = c->next)
+        if (c->px == x) c->px = NULL; /* the rest of its frame goes to scratch */
+    if (tell_peer && x->conn)
+        queue_status(rx, x->conn, status == 0 ? CS_KVX_DONE : CS_KVX_ABORT, x->id, status);
+    tomb_add(rx, x->id);
+    rx->st.transfers_active--;
+    if (status == 0)
+        rx->st.transfers_completed++;
+    else
+        rx->st.transfers_failed++;
+    if (status)
+        CS_LOGW("kvx rx: transfer %llu failed: %s (%s)", (unsigned long long)x->id,
+                cs_strerror(status), msg ? msg : "");
+    if (x->inflight > 0) {
+        x->ended = true;
+        x->end_status = status;
+        snprintf(x->end_msg, sizeof x->end_msg, "%s", msg ? msg : "");
+        x->next = rx->zombies;
+        rx->zombies = x;
+        return;
+    }
+    report(rx, x, status, msg, t);
+}
+
+static void zombie_release(cs_kvx_rx *rx, rx_xfer *x) {
+    if (--x->inflight > 0) return;
+    for (rx_xfer **pp = &rx->zombies; *pp; pp = &(*pp)->next)
+        if (*pp == x) {
+            *pp = x->next;
+            break;
+        }
+    report(rx, x, x->end_status, x->end_msg, NULL);
 }
 
 /* Marks c for closing and fails the transfers bound to it. */
@@ -170,7 +284,8 @@ static void conn_fail(cs_kvx_rx *rx, rx_conn *c, int status, const char *msg, bo
     if (c->closing) return;
     if (protocol) {
         rx->st.protocol_errors++;
-        CS_LOGW("kvx rx: closing channel from %s (%s): %s", c->name[0] ? c->name : "?", c->addr, msg);
+        CS_LOGW("kvx rx: closing channel from %s (%s): %s", c->name[0] ? c->name : "?", c->addr,
+                msg);
     }
     c->closing = true;
     for (rx_xfer *x = rx->xfers, *nx; x; x = nx) {
@@ -179,6 +294,8 @@ static void conn_fail(cs_kvx_rx *rx, rx_conn *c, int status, const char *msg, bo
     }
 }
 
+/* At the safe point: the link goes to the graveyard with its slots (their
+ * transfers are reported once it is torn down). */
 static void conn_free(cs_kvx_rx *rx, rx_conn *c) {
     if (c->fd >= 0) close(c->fd);
     rx->st.conns_closed++;
@@ -187,9 +304,40 @@ static void conn_free(cs_kvx_rx *rx, rx_conn *c) {
         c->qhead = o->next;
         free(o);
     }
-    free(c->buf);
+    while (c->ihead) {
+        rx_item *it = c->ihead;
+        c->ihead = it->next;
+        free(it);
+    }
+    if (c->link) {
+        rx_grave *g = calloc(1, sizeof *g);
+        CS_ASSERT(g);
+        g->link = c->link;
+        g->slots = c->slots;
+        c->slots = NULL;
+        g->next = rx->grave;
+        rx->grave = g;
+    }
+    free(c->slots);
+    free(c->order);
     free(c);
     rx->n_conns--;
+}
+
+static void bury(cs_kvx_rx *rx) {
+    while (rx->grave) {
+        rx_grave *g = rx->grave;
+        rx->grave = g->next;
+        pthread_mutex_unlock(&rx->mu);
+        bool drained = rx->pl->close(g->link);
+        pthread_mutex_lock(&rx->mu);
+        if (!drained)
+            CS_LOGE("kvx rx: a closed %s link did not drain: its staging is leaked", rx->pl->name);
+        for (int i = 0; i < rx->p.n_slots; i++)
+            if (g->slots[i].busy && g->slots[i].x) zombie_release(rx, g->slots[i].x);
+        free(g->slots);
+        free(g);
+    }
 }
 
 static void conn_write(cs_kvx_rx *rx, rx_conn *c) {
@@ -208,12 +356,28 @@ static void conn_write(cs_kvx_rx *rx, rx_conn *c) {
     }
 }
 
-/* Best effort: a refusal's reason reaches the sender before the close. */
-static void send_now(cs_kvx_rx *rx, rx_conn *c, int type, const void *pl, size_t len) {
+/* Best effort: a refusal's reason reaches the sender before the close,
+ * behind the frames already queued (the HELLO_ACK must come first). */
+static void send_now(cs_kvx_rx *rx, rx_conn *c, int type, int32_t status, const char *msg) {
+    if (c->fd < 0 || c->closing) return;
+    while (c->qhead && cs__kvx_out_write(c->fd, c->qhead) == 1) {
+        kvx_out *o = c->qhead;
+        c->qhead = o->next;
+        if (!c->qhead) c->qtail = NULL;
+        free(o);
+    }
+    if (c->qhead) return;
+    uint8_t ack[CS_KVX_ACK_BYTES];
+    cs_kvx_ack_encode(status, msg, ack);
     kvx_out o;
     memset(&o, 0, sizeof o);
-    cs__kvx_out_ctl(&o, type, rx->inc, 0, rx->fingerprint, pl, len);
+    cs__kvx_out_ctl(&o, type, rx->inc, 0, rx->fingerprint, ack, sizeof ack);
     (void)cs__kvx_out_write(c->fd, &o);
+}
+
+static void refuse(cs_kvx_rx *rx, rx_conn *c, const char *err) {
+    send_now(rx, c, CS_KVX_HELLO_ACK, CS_ECONNREFUSED, err);
+    conn_fail(rx, c, CS_ECONNREFUSED, err, true);
 }
 
 static void on_hello(cs_kvx_rx *rx, rx_conn *c, const cs_kvx_hdr *h, const uint8_t *pl) {
@@ -224,20 +388,26 @@ static void on_hello(cs_kvx_rx *rx, rx_conn *c, const cs_kvx_hdr *h, const uint8
         conn_fail(rx, c, r, err, true);
         return;
     }
+    int payload = h->flags & CS_KVX_FLAG_NCCL ? CS_KVX_PAYLOAD_NCCL : CS_KVX_PAYLOAD_TCP;
+    if (payload != rx->pl->kind) {
+        snprintf(err, sizeof err,
+                 "payload mismatch: sender %s sends its pages over %s; this receiver takes them "
+                 "over %s only",
+                 m.name, cs_kvx_payload_name(payload), rx->pl->name);
+        refuse(rx, c, err);
+        return;
+    }
     const cs_kvx_layout *a = &m.layout, *b = &rx->p.layout;
-    if (h->fingerprint != rx->fingerprint || a->n_layers != b->n_layers || a->n_kv_heads != b->n_kv_heads ||
-        a->head_dim != b->head_dim || a->dtype != b->dtype || a->page_size != b->page_size ||
-        a->page_bytes != b->page_bytes) {
+    if (h->fingerprint != rx->fingerprint || a->n_layers != b->n_layers ||
+        a->n_kv_heads != b->n_kv_heads || a->head_dim != b->head_dim || a->dtype != b->dtype ||
+        a->page_size != b->page_size || a->page_bytes != b->page_bytes) {
         snprintf(err, sizeof err,
                  "layout mismatch: sender %d layers, %d kv heads, head_dim %d, dtype %d, page %d "
                  "(%llu bytes); receiver %d, %d, %d, %d, %d (%llu bytes)",
                  a->n_layers, a->n_kv_heads, a->head_dim, a->dtype, a->page_size,
-                 (unsigned long long)a->page_bytes, b->n_layers, b->n_kv_heads, b->head_dim, b->dtype,
-                 b->page_size, (unsigned long long)b->page_bytes);
-        uint8_t ack[CS_KVX_ACK_BYTES];
-        cs_kvx_ack_encode(CS_ECONNREFUSED, err, ack);
-        send_now(rx, c, CS_KVX_HELLO_ACK, ack, sizeof ack);
-        conn_fail(rx, c, CS_ECONNREFUSED, err, true);
+                 (unsigned long long)a->page_bytes, b->n_layers, b->n_kv_heads, b->head_dim,
+                 b->dtype, b->page_size, (unsigned long long)b->page_bytes);
+        refuse(rx, c, err);
         return;
     }
     /* Fencing: a newer incarnation of a sender replaces its older channel
@@ -247,18 +417,15 @@ static void on_hello(cs_kvx_rx *rx, rx_conn *c, const cs_kvx_hdr *h, const uint8
     for (int i = 0; i < rx->n_peers; i++)
         if (strcmp(rx->peers[i].name, m.name) == 0) slot = i;
     if (slot >= 0 && h->epoch < rx->peers[slot].inc) {
-        snprintf(err, sizeof err, "stale incarnation %llx of sender %s (current %llx)", (unsigned long long)h->epoch,
-                 m.name, (unsigned long long)rx->peers[slot].inc);
-        uint8_t ack[CS_KVX_ACK_BYTES];
-        cs_kvx_ack_encode(CS_ECONNREFUSED, err, ack);
-        send_now(rx, c, CS_KVX_HELLO_ACK, ack, sizeof ack);
-        conn_fail(rx, c, CS_ECONNREFUSED, err, true);
+        snprintf(err, sizeof err, "stale incarnation %llx of sender %s (current %llx)",
+                 (unsigned long long)h->epoch, m.name, (unsigned long long)rx->peers[slot].inc);
+        refuse(rx, c, err);
         return;
     }
     for (rx_conn *o = rx->conns; o; o = o->next)
         if (o != c && o->hello && !o->closing && strcmp(o->name, m.name) == 0) {
-            snprintf(err, sizeof err, "sender %s reconnected (incarnation %llx replaces %llx)", m.name,
-                     (unsigned long long)h->epoch, (unsigned long long)o->peer_inc);
+            snprintf(err, sizeof err, "sender %s reconnected (incarnation %llx replaces %llx)",
+                     m.name, (unsigned long long)h->epoch, (unsigned long long)o->peer_inc);
             conn_fail(rx, o, CS_ECONNRESET, err, false);
         }
     if (slot < 0 && rx->n_peers < N_PEERS) slot = rx->n_peers++;
@@ -270,64 +437,385 @@ static void on_hello(cs_kvx_rx *rx, rx_conn *c, const cs_kvx_hdr *h, const uint8
     c->hello = true;
     uint8_t ack[CS_KVX_ACK_BYTES];
     cs_kvx_ack_encode(0, "ok", ack);
-    queue_ctl(rx, c, CS_KVX_HELLO_ACK, 0, ack, sizeof ack);
+    queue_ctl(rx, c, CS_KVX_HELLO_ACK, 0, 0, ack, sizeof ack);
 }
 
-/* A complete frame (header c->h, payload c->buf). */
-static void on_frame(cs_kvx_rx *rx, rx_conn *c) {
-    const cs_kvx_hdr *h = &c->h;
+/* Checks every frame of an accepted channel shares: HELLO first, the
+ * channel's incarnation, the layout. false when c is closing. */
+static bool frame_admissible(cs_kvx_rx *rx, rx_conn *c, const cs_kvx_hdr *h) {
     char err[256];
-    int r = cs_kvx_payload_check(h, c->buf, rx->p.require_checksum && h->type == CS_KVX_PAGES, err, sizeof err);
-    if (r) {
-        conn_fail(rx, c, r, err, true);
-        return;
-    }
-    rx->st.frames++;
     if (!c->hello) {
-        if (h->type != CS_KVX_HELLO) {
-            snprintf(err, sizeof err, "%s frame before HELLO", cs_kvx_frame_type_name(h->type));
-            conn_fail(rx, c, CS_EPROTO, err, true);
-            return;
-        }
-        on_hello(rx, c, h, c->buf);
-        return;
+        if (h->type == CS_KVX_HELLO) return true;
+        snprintf(err, sizeof err, "%s frame before HELLO", cs_kvx_frame_type_name(h->type));
+        conn_fail(rx, c, CS_EPROTO, err, true);
+        return false;
     }
     if (h->epoch != c->peer_inc) {
         snprintf(err, sizeof err, "%s frame from incarnation %llx on a channel of incarnation %llx",
-                 cs_kvx_frame_type_name(h->type), (unsigned long long)h->epoch, (unsigned long long)c->peer_inc);
+                 cs_kvx_frame_type_name(h->type), (unsigned long long)h->epoch,
+                 (unsigned long long)c->peer_inc);
         conn_fail(rx, c, CS_EPROTO, err, true);
-        return;
+        return false;
     }
     if (h->fingerprint != rx->fingerprint) {
         snprintf(err, sizeof err, "%s frame with layout fingerprint %llx, expected %llx",
                  cs_kvx_frame_type_name(h->type), (unsigned long long)h->fingerprint,
                  (unsigned long long)rx->fingerprint);
         conn_fail(rx, c, CS_EPROTO, err, true);
+        return false;
+    }
+    return true;
+}
+
+/* The transfer a data frame or trailer of c is for: bound to c, NULL with
+ * *dropped when it already ended here (late frames: dropped and answered
+ * with ABORT), NULL with c closing otherwise. */
+static rx_xfer *frame_xfer(cs_kvx_rx *rx, rx_conn *c, const cs_kvx_hdr *h, bool *dropped) {
+    *dropped = false;
+    rx_xfer *x = find_xfer(rx, h->xfer_id);
+    if (x && (!x->conn || x->conn == c)) {
+        x->conn = c;
+        return x;
+    }
+    if (!x &&
+        tomb_has(rx, h->xfer_id)) { /* ended here (deadline, cancel) while frames were in flight */
+        if (h->type != CS_KVX_ABORT) queue_status(rx, c, CS_KVX_ABORT, h->xfer_id, CS_ECANCELED);
+        *dropped = true;
+        return NULL;
+    }
+    char err[256];
+    snprintf(err, sizeof err, "%s frame for %s transfer %llu", cs_kvx_frame_type_name(h->type),
+             x ? "another channel's" : "unknown", (unsigned long long)h->xfer_id);
+    conn_fail(rx, c, CS_EPROTO, err, true);
+    return NULL;
+}
+
+/* A data chunk (either payload) of pages first+n of x is announced: in order? */
+static bool chunk_in_order(cs_kvx_rx *rx, rx_conn *c, rx_xfer *x, const cs_kvx_hdr *h) {
+    if (h->first_page == (uint32_t)x->described &&
+        h->n_pages <= (uint32_t)(x->n_pages - x->described))
+        return true;
+    char err[256];
+    snprintf(err, sizeof err, "transfer %llu: pages %u+%u, expected from %d of %d reserved",
+             (unsigned long long)x->id, h->first_page, h->n_pages, x->described, x->n_pages);
+    conn_fail(rx, c, CS_EPROTO, err, true);
+    return false;
+}
+
+static void try_complete(cs_kvx_rx *rx, rx_xfer *x) {
+    if (!x->trailer_seen || x->landed != x->n_pages) return;
+    if (x->all_sums && x->tw.xxh64 != x->digest) {
+        char err[200];
+        snprintf(err, sizeof err, "transfer %llu: checksum of all chunks mismatch",
+                 (unsigned long long)x->id);
+        conn_fail(rx, x->conn, CS_EBADMSG, err, true);
+        return;
+    }
+    cs_kvx_trailer t = x->tw.t;
+    xfer_end(rx, x, 0, NULL, &t, true);
+}
+
+/* A chunk of x landed in its pages with checksum sum (when summed). */
+static void chunk_landed(cs_kvx_rx *rx, rx_xfer *x, uint32_t n_pages, uint64_t bytes, bool summed,
+                         uint64_t sum) {
+    if (summed)
+        cs__kvx_fold(&x->digest, sum);
+    else
+        x->all_sums = false;
+    x->landed += (int32_t)n_pages;
+    rx->st.bytes += bytes;
+    try_complete(rx, x);
+}
+
+/* ------------------------------------------------------ inline (TCP) pages */
+
+/* A PAGES header: where its payload goes (x's pages, or scratch). */
+static void on_pages_header(cs_kvx_rx *rx, rx_conn *c) {
+    const cs_kvx_hdr *h = &c->h;
+    if (!frame_admissible(rx, c, h)) return;
+    bool dropped;
+    rx_xfer *x = frame_xfer(rx, c, h, &dropped);
+    if (!x && !dropped) return;
+    if (x && !chunk_in_order(rx, c, x, h)) return;
+    if (x) x->described += (int32_t)h->n_pages;
+    c->pages = true;
+    c->px = x;
+    XXH3_64bits_reset(&c->hs);
+}
+
+/* Reads what the socket has of the current PAGES payload into its pages. */
+static ssize_t read_pages(cs_kvx_rx *rx, rx_conn *c) {
+    enum { MAXV = 64 };
+    struct iovec iov[MAXV];
+    int n = 0;
+    size_t left = (size_t)c->h.payload_len - c->pl_len;
+    if (!c->px) {
+        iov[0].iov_base = rx->scratch;
+        iov[0].iov_len = left < SCRATCH ? left : SCRATCH;
+        n = 1;
+    } else {
+        size_t pb = (size_t)rx->p.layout.page_bytes, off = c->pl_len;
+        const int32_t *ids = c->px->ids + c->h.first_page;
+        for (uint32_t i = (uint32_t)(off / pb); i < c->h.n_pages && n < MAXV; i++) {
+            size_t skip = i == off / pb ? off % pb : 0;
+            iov[n].iov_base = (uint8_t *)rx->p.pool.base + (size_t)ids[i] * pb + skip;
+            iov[n].iov_len = pb - skip;
+            n++;
+        }
+    }
+    ssize_t r = readv(c->fd, iov, n);
+    if (r > 0 && (c->h.flags & CS_KVX_FLAG_CHECKSUM)) { /* hash while the bytes are in the cache */
+        size_t k = (size_t)r;
+        for (int i = 0; i < n && k; i++) {
+            size_t len = iov[i].iov_len < k ? iov[i].iov_len : k;
+            XXH3_64bits_update(&c->hs, iov[i].iov_base, len);
+            k -= len;
+        }
+    }
+    return r;
+}
+
+/* The whole PAGES payload was read. */
+static void on_pages_end(cs_kvx_rx *rx, rx_conn *c) {
+    const cs_kvx_hdr *h = &c->h;
+    rx->st.frames++;
+    rx_xfer *x = c->px;
+    c->px = NULL;
+    c->pages = false;
+    bool summed = h->flags & CS_KVX_FLAG_CHECKSUM;
+    if (!summed && rx->p.require_checksum) {
+        conn_fail(rx, c, CS_EBADMSG, "kvx: PAGES frame without the required checksum", true);
+        return;
+    }
+    uint64_t sum = summed ? XXH3_64bits_digest(&c->hs) : 0;
+    if (summed && sum != h->payload_xxh64) {
+        char err[256];
+        snprintf(err, sizeof err,
+                 "kvx: PAGES frame payload checksum mismatch (transfer %llu, pages %u+%u)",
+                 (unsigned long long)h->xfer_id, h->first_page, h->n_pages);
+        conn_fail(rx, c, CS_EBADMSG, err, true);
+        return;
+    }
+    if (x) chunk_landed(rx, x, h->n_pages, h->payload_len, summed, sum);
+}
+
+/* -------------------------------------------------- linked (NCCL) pages */
+
+static void on_desc(cs_kvx_rx *rx, rx_conn *c, const cs_kvx_hdr *h) {
+    char err[256];
+    if (c->comm == COMM_NONE) {
+        conn_fail(rx, c, CS_EPROTO, "NCCL_PAGES before NCCL_ID", true);
+        return;
+    }
+    rx_item *it = calloc(1, sizeof *it);
+    CS_ASSERT(it);
+    int r = cs_kvx_nccl_desc_decode(c->buf, (size_t)h->payload_len, h, rx->p.layout.page_bytes,
+                                    &it->d, err, sizeof err);
+    if (!r && rx->p.require_checksum && !(it->d.flags & CS_KVX_DESC_SUM)) {
+        r = CS_EBADMSG;
+        snprintf(err, sizeof err, "kvx: NCCL_PAGES without the required checksum");
+    }
+    if (r) {
+        free(it);
+        conn_fail(rx, c, r, err, true);
+        return;
+    }
+    it->first_page = h->first_page;
+    it->n_pages = h->n_pages;
+    bool dropped;
+    rx_xfer *x = frame_xfer(rx, c, h, &dropped);
+    if (!x && !dropped) {
+        free(it);
+        return;
+    }
+    if (x && !chunk_in_order(rx, c, x, h)) {
+        free(it);
+        return;
+    }
+    if (x) x->described += (int32_t)h->n_pages;
+    it->xfer_id = x ? x->id : 0; /* 0: its bytes still come over the link, to be dropped */
+    if (c->itail)
+        c->itail->next = it;
+    else
+        c->ihead = it;
+    c->itail = it;
+}
+
+/* Opens the link of a channel whose NCCL_ID arrived (without the mutex:
+ * staging allocation). */
+static void link_open(cs_kvx_rx *rx, rx_conn *c) {
+    cs__kvx_link_cfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.rank = 1;
+    cfg.pool = rx->p.pool;
+    cfg.page_bytes = (size_t)rx->p.layout.page_bytes;
+    cfg.n_slots = rx->p.n_slots;
+    cfg.slot_pages = rx->slot_pages;
+    cfg.op_timeout_ms = rx->p.op_timeout_ms;
+    snprintf(cfg.name, sizeof cfg.name, "kvx %s->%s:%d", c->name, rx->host, rx->port);
+    uint8_t id[CS_KVX_NCCL_ID_BYTES];
+    memcpy(id, c->id, sizeof id);
+    char err[200] = "";
+    cs__kvx_link *link = NULL;
+    pthread_mutex_unlock(&rx->mu);
+    int r = rx->pl->open(&cfg, id, &link, err, sizeof err);
+    pthread_mutex_lock(&rx->mu);
+    if (r) {
+        char m[300];
+        snprintf(m, sizeof m, "cannot open the %s link: %s", rx->pl->name, err);
+        send_now(rx, c, CS_KVX_NCCL_READY, r, m);
+        conn_fail(rx, c, r, m, false);
+        return;
+    }
+    c->link = link;
+    c->comm = COMM_INIT;
+    c->init_deadline = cs__kvx_now_ms() + rx->p.init_timeout_ms;
+}
+
+static void slot_done(cs_kvx_rx *rx, rx_conn *c, rx_slot *sl, uint64_t sum) {
+    rx_xfer *x = sl->x;
+    sl->busy = false;
+    sl->x = NULL;
+    if (!x) return; /* dropped bytes of an ended transfer */
+    if (x->ended) {
+        zombie_release(rx, x);
+        return;
+    }
+    x->inflight--;
+    bool summed = sl->d.flags & CS_KVX_DESC_SUM;
+    if (summed && sum != sl->d.sum) {
+        char err[200];
+        snprintf(
+            err, sizeof err,
+            "transfer %llu: %s chunk of pages %u+%u: checksum mismatch (%016llx, sent %016llx)",
+            (unsigned long long)x->id, rx->pl->name, sl->first_page, sl->n_pages,
+            (unsigned long long)sum, (unsigned long long)sl->d.sum);
+        conn_fail(rx, c, CS_EBADMSG, err, true);
+        return;
+    }
+    chunk_landed(rx, x, sl->n_pages, sl->d.bytes, summed, sum);
+}
+
+/* Init progress, async errors, posting queued descriptors into free slots,
+ * finished chunks (in posting order), operations past op_timeout_ms. */
+static void link_poll(cs_kvx_rx *rx, rx_conn *c, int64_t now) {
+    char err[200] = "", m[300];
+    int r = rx->pl->state(c->link, err, sizeof err);
+    if (r < 0) {
+        snprintf(m, sizeof m, "%s link with %s failed: %s", rx->pl->name, c->name, err);
+        if (c->comm != COMM_READY) send_now(rx, c, CS_KVX_NCCL_READY, CS_ECONNRESET, m);
+        conn_fail(rx, c, CS_ECONNRESET, m, false);
+        return;
+    }
+    if (c->comm == COMM_INIT) {
+        if (r == 0) {
+            uint8_t ack[CS_KVX_ACK_BYTES];
+            cs_kvx_ack_encode(0, "ok", ack);
+            queue_ctl(rx, c, CS_KVX_NCCL_READY, 0, (uint32_t)rx->slot_pages, ack, sizeof ack);
+            c->comm = COMM_READY;
+        } else if (now > c->init_deadline) {
+            snprintf(m, sizeof m, "%s link with %s not ready after %d ms", rx->pl->name, c->name,
+                     rx->p.init_timeout_ms);
+            send_now(rx, c, CS_KVX_NCCL_READY, CS_ETIMEDOUT, m);
+            conn_fail(rx, c, CS_ETIMEDOUT, m, false);
+            return;
+        }
+    }
+    if (c->comm != COMM_READY) return;
+    /* completions first: they free slots */
+    while (c->ord_n > 0 && !c->closing) {
+        int s = c->order[c->ord_head];
+        rx_slot *sl = &c->slots[s];
+        uint64_t sum = 0;
+        r = rx->pl->query(c->link, s, &sum, err, sizeof err);
+        if (r < 0) {
+            snprintf(m, sizeof m, "%s receive from %s failed: %s", rx->pl->name, c->name, err);
+            conn_fail(rx, c, CS_EIO, m, false);
+            return;
+        }
+        if (r == 1) {
+            if (now - sl->since > rx->p.op_timeout_ms) {
+                snprintf(
+                    m, sizeof m, "%s receive of a %llu-byte chunk from %s not complete after %d ms",
+                    rx->pl->name, (unsigned long long)sl->d.bytes, c->name, rx->p.op_timeout_ms);
+                conn_fail(rx, c, CS_ETIMEDOUT, m, false);
+                return;
+            }
+            break;
+        }
+        c->ord_head = (c->ord_head + 1) % rx->p.n_slots;
+        c->ord_n--;
+        slot_done(rx, c, sl, sum);
+    }
+    while (c->ihead && !c->closing && c->ord_n < rx->p.n_slots) {
+        int s = -1;
+        for (int i = 0; i < rx->p.n_slots && s < 0; i++)
+            if (!c->slots[i].busy) s = i;
+        CS_ASSERT(s >= 0);
+        rx_item *it = c->ihead;
+        rx_xfer *x = it->xfer_id ? find_xfer(rx, it->xfer_id) : NULL;
+        if (x && x->conn != c) x = NULL;
+        bool sum = x && (it->d.flags & CS_KVX_DESC_SUM);
+        /* without the mutex (ncclInProgress may be waited for): only this
+         * thread touches the link, the items, and frees transfers */
+        pthread_mutex_unlock(&rx->mu);
+        r = rx->pl->recv(c->link, s, (size_t)it->d.bytes, x ? x->ids + it->first_page : NULL,
+                         (int32_t)it->n_pages, sum, err, sizeof err);
+        pthread_mutex_lock(&rx->mu);
+        if (r) {
+            snprintf(m, sizeof m, "%s receive from %s failed: %s", rx->pl->name, c->name, err);
+            conn_fail(rx, c, r == CS_ETIMEDOUT ? r : CS_ECONNRESET, m, false);
+            return;
+        }
+        c->ihead = it->next;
+        if (!c->ihead) c->itail = NULL;
+        c->slots[s] = (rx_slot){true, x, it->first_page, it->n_pages, it->d, now};
+        if (!sum) c->slots[s].d.flags &= ~CS_KVX_DESC_SUM;
+        if (x) x->inflight++;
+        c->order[(c->ord_head + c->ord_n) % rx->p.n_slots] = s;
+        c->ord_n++;
+        free(it);
+    }
+}
+
+/* ------------------------------------------------------------- frames */
+
+/* A complete control frame (header c->h, payload c->buf). */
+static void on_frame(cs_kvx_rx *rx, rx_conn *c) {
+    const cs_kvx_hdr *h = &c->h;
+    char err[256];
+    int r = cs_kvx_payload_check(h, c->buf, false, err, sizeof err);
+    if (r) {
+        conn_fail(rx, c, r, err, true);
+        return;
+    }
+    rx->st.frames++;
+    if (!frame_admissible(rx, c, h)) return;
+    if (h->type == CS_KVX_HELLO && !c->hello) {
+        on_hello(rx, c, h, c->buf);
         return;
     }
     switch (h->type) {
     case CS_KVX_PING: return;
-    case CS_KVX_HELLO:
-    case CS_KVX_HELLO_ACK:
-    case CS_KVX_DONE:
+    case CS_KVX_NCCL_ID:
+        if (c->comm != COMM_NONE || !rx->pl->unique_id) {
+            conn_fail(rx, c, CS_EPROTO, "unexpected NCCL_ID on a channel", true);
+            return;
+        }
+        memcpy(c->id, c->buf, sizeof c->id);
+        c->comm = COMM_OPENING; /* opened by the loop, without the mutex */
+        return;
+    case CS_KVX_NCCL_PAGES: on_desc(rx, c, h); return;
+    case CS_KVX_ABORT:
+    case CS_KVX_TRAILER: break;
+    default:
         snprintf(err, sizeof err, "unexpected %s frame", cs_kvx_frame_type_name(h->type));
         conn_fail(rx, c, CS_EPROTO, err, true);
         return;
-    default: break;
     }
-    rx_xfer *x = find_xfer(rx, h->xfer_id);
-    if (!x || (x->conn && x->conn != c)) {
-        if (!x && tomb_has(rx, h->xfer_id)) {
-            /* ended here (deadline, cancel) while frames were in flight */
-            if (h->type != CS_KVX_ABORT) queue_status(rx, c, CS_KVX_ABORT, h->xfer_id, CS_ECANCELED);
-            return;
-        }
-        snprintf(err, sizeof err, "%s frame for %s transfer %llu", cs_kvx_frame_type_name(h->type),
-                 x ? "another channel's" : "unknown", (unsigned long long)h->xfer_id);
-        conn_fail(rx, c, CS_EPROTO, err, true);
-        return;
-    }
-    x->conn = c;
+    bool dropped;
+    rx_xfer *x = frame_xfer(rx, c, h, &dropped);
+    if (!x) return;
     if (h->type == CS_KVX_ABORT) {
         int32_t st;
         if (cs_kvx_status_decode(c->buf, (size_t)h->payload_len, &st, err, sizeof err)) {
@@ -338,72 +826,51 @@ static void on_frame(cs_kvx_rx *rx, rx_conn *c) {
         xfer_end(rx, x, CS_ECANCELED, err, NULL, false);
         return;
     }
-    if (h->type == CS_KVX_PAGES) {
-        if (h->first_page != (uint32_t)x->received || h->n_pages > (uint32_t)(x->n_pages - x->received)) {
-            snprintf(err, sizeof err, "transfer %llu: pages %u+%u, expected from %d of %d reserved",
-                     (unsigned long long)x->id, h->first_page, h->n_pages, x->received, x->n_pages);
-            conn_fail(rx, c, CS_EPROTO, err, true);
-            return;
-        }
-        XXH64_update(&x->hash, c->buf, (size_t)h->payload_len);
-        /* Import without the lock: only this thread ends transfers, so x
-         * stays valid; cancel only flags it. */
-        const int32_t *ids = x->ids + h->first_page;
-        pthread_mutex_unlock(&rx->mu);
-        r = rx->p.import(rx->p.import_arg, ids, (int32_t)h->n_pages, c->buf);
-        pthread_mutex_lock(&rx->mu);
-        if (r) {
-            snprintf(err, sizeof err, "import of pages %u+%u failed: %s", h->first_page, h->n_pages, cs_strerror(r));
-            xfer_end(rx, x, r < 0 ? r : CS_EIO, err, NULL, true);
-            return;
-        }
-        x->received += (int32_t)h->n_pages;
-        rx->st.bytes += h->payload_len;
-        return;
-    }
-    /* TRAILER */
+    /* TRAILER: every data frame came before it */
     cs_kvx_trailer_wire tw;
     if (cs_kvx_trailer_decode(c->buf, (size_t)h->payload_len, &tw, err, sizeof err)) {
         conn_fail(rx, c, CS_EBADMSG, err, true);
         return;
     }
-    if (tw.t.total_pages != x->n_pages || x->received != x->n_pages) {
-        snprintf(err, sizeof err, "transfer %llu: trailer says %d pages, %d received of %d reserved",
-                 (unsigned long long)x->id, tw.t.total_pages, x->received, x->n_pages);
+    if (x->trailer_seen || tw.t.total_pages != x->n_pages || x->described != x->n_pages) {
+        snprintf(err, sizeof err,
+                 "transfer %llu: trailer says %d pages, %d received of %d reserved",
+                 (unsigned long long)x->id, tw.t.total_pages, x->described, x->n_pages);
         conn_fail(rx, c, CS_EPROTO, err, true);
         return;
     }
-    if (tw.xxh64 != XXH64_digest(&x->hash)) {
-        snprintf(err, sizeof err, "transfer %llu: checksum of all pages mismatch", (unsigned long long)x->id);
-        conn_fail(rx, c, CS_EBADMSG, err, true);
-        return;
-    }
-    xfer_end(rx, x, 0, NULL, &tw.t, true);
+    x->trailer_seen = true;
+    x->tw = tw;
+    try_complete(rx, x);
 }
 
 static void conn_read(cs_kvx_rx *rx, rx_conn *c) {
-    cs_kvx_limits lim = {rx->p.layout.page_bytes, rx->p.max_frame_bytes};
+    cs_kvx_limits lim = {rx->p.layout.page_bytes, rx->p.max_frame_bytes, rx->pl->kind};
     size_t budget = 16u << 20; /* per poll round, for fairness between channels */
     while (!c->closing && budget > 0) {
-        uint8_t *dst;
+        ssize_t n;
         size_t want;
         if (c->hdr_len < CS_KVX_HDR_BYTES) {
-            dst = c->hdr + c->hdr_len;
             want = CS_KVX_HDR_BYTES - c->hdr_len;
-        } else {
-            dst = c->buf + c->pl_len;
+            n = read(c->fd, c->hdr + c->hdr_len, want);
+        } else if (c->pages) {
             want = (size_t)c->h.payload_len - c->pl_len;
+            n = read_pages(rx, c);
+        } else {
+            want = (size_t)c->h.payload_len - c->pl_len;
+            n = want ? read(c->fd, c->buf + c->pl_len, want) : 0;
         }
-        ssize_t n = want ? read(c->fd, dst, want) : 0;
         if (want && n <= 0) {
             if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
             if (n < 0 && errno == EINTR) continue;
             char m[160];
             if (c->hdr_len || c->pl_len)
-                snprintf(m, sizeof m, "channel from %s closed inside a frame (truncated)", c->name[0] ? c->name : c->addr);
+                snprintf(m, sizeof m, "channel from %s closed inside a frame (truncated)",
+                         c->name[0] ? c->name : c->addr);
             else
-                snprintf(m, sizeof m, "sender %s closed the channel%s%s", c->name[0] ? c->name : c->addr,
-                         n < 0 ? ": " : "", n < 0 ? strerror(errno) : "");
+                snprintf(m, sizeof m, "sender %s closed the channel%s%s",
+                         c->name[0] ? c->name : c->addr, n < 0 ? ": " : "",
+                         n < 0 ? strerror(errno) : "");
             conn_fail(rx, c, CS_ECONNRESET, m, c->hdr_len || c->pl_len);
             return;
         }
@@ -416,25 +883,28 @@ static void conn_read(cs_kvx_rx *rx, rx_conn *c) {
             if (c->hdr_len < CS_KVX_HDR_BYTES) continue;
             char err[256];
             int r = cs_kvx_hdr_decode(c->hdr, &lim, &c->h, err, sizeof err);
+            if (!r && c->h.type != CS_KVX_PAGES && c->h.payload_len > sizeof c->buf) {
+                r = CS_EPROTO;
+                snprintf(err, sizeof err, "%s frame from a sender",
+                         cs_kvx_frame_type_name(c->h.type));
+            }
             if (r) {
                 conn_fail(rx, c, r, err, true);
                 return;
             }
-            if (c->h.payload_len > c->buf_cap) {
-                uint8_t *nb = realloc(c->buf, (size_t)c->h.payload_len);
-                if (!nb) {
-                    conn_fail(rx, c, CS_ENOMEM, "out of memory for a frame", true);
-                    return;
-                }
-                c->buf = nb;
-                c->buf_cap = (size_t)c->h.payload_len;
-            }
             c->pl_len = 0;
+            if (c->h.type == CS_KVX_PAGES) {
+                on_pages_header(rx, c);
+                if (c->closing) return;
+            }
         } else {
             c->pl_len += (size_t)n;
         }
         if (c->pl_len == c->h.payload_len) {
-            on_frame(rx, c);
+            if (c->pages)
+                on_pages_end(rx, c);
+            else
+                on_frame(rx, c);
             c->hdr_len = 0;
             c->pl_len = 0;
         }
@@ -460,17 +930,25 @@ static void do_accept(cs_kvx_rx *rx) {
         socklen_t sl = sizeof sa;
         int fd = accept4(rx->lfd, (struct sockaddr *)&sa, &sl, SOCK_CLOEXEC);
         if (fd < 0) return;
-        rx_conn *c = rx->n_conns < rx->p.max_conns ? calloc(1, sizeof *c) : NULL;
-        if (!c || cs__kvx_set_socket_opts(fd) != 0) {
+        rx_conn *c = NULL; /* 64-byte aligned: the XXH3 state in it is */
+        if (rx->n_conns < rx->p.max_conns && posix_memalign((void **)&c, 64, sizeof *c) == 0)
+            memset(c, 0, sizeof *c);
+        rx_slot *slots = c ? calloc((size_t)rx->p.n_slots, sizeof *slots) : NULL;
+        int *order = c ? calloc((size_t)rx->p.n_slots, sizeof *order) : NULL;
+        if (!c || !slots || !order || cs__kvx_set_socket_opts(fd) != 0) {
             CS_LOGW("kvx rx: refusing a channel (%d open)", rx->n_conns);
-            free(c);
+            free(c), free(slots), free(order);
             close(fd);
             continue;
         }
         c->fd = fd;
+        c->slots = slots;
+        c->order = order;
         char host[48] = "?";
-        if (sa.ss_family == AF_INET) inet_ntop(AF_INET, &((struct sockaddr_in *)&sa)->sin_addr, host, sizeof host);
-        else if (sa.ss_family == AF_INET6) inet_ntop(AF_INET6, &((struct sockaddr_in6 *)&sa)->sin6_addr, host, sizeof host);
+        if (sa.ss_family == AF_INET)
+            inet_ntop(AF_INET, &((struct sockaddr_in *)&sa)->sin_addr, host, sizeof host);
+        else if (sa.ss_family == AF_INET6)
+            inet_ntop(AF_INET6, &((struct sockaddr_in6 *)&sa)->sin6_addr, host, sizeof host);
         snprintf(c->addr, sizeof c->addr, "%s", host);
         c->last_rx = c->last_tx = cs__kvx_now_ms();
         c->next = rx->conns;
@@ -490,30 +968,45 @@ static void *rx_thread(void *arg) {
     while (!rx->stop) {
         int64_t now = cs__kvx_now_ms();
         int64_t wait = rx->p.keepalive_ms;
+        bool busy = false;
         for (rx_xfer *x = rx->xfers, *nx; x; x = nx) {
             nx = x->next;
-            if (x->fail) xfer_end(rx, x, x->fail, "canceled by the receiver", NULL, true);
-            else if (now >= x->deadline) xfer_end(rx, x, CS_ETIMEDOUT, "receiver deadline expired", NULL, true);
-            else if (x->deadline - now < wait) wait = x->deadline - now;
+            if (x->fail)
+                xfer_end(rx, x, x->fail, "canceled by the receiver", NULL, true);
+            else if (now >= x->deadline)
+                xfer_end(rx, x, CS_ETIMEDOUT, "receiver deadline expired", NULL, true);
+            else if (x->deadline - now < wait)
+                wait = x->deadline - now;
         }
         for (rx_conn **pp = &rx->conns; *pp;) {
             rx_conn *c = *pp;
             if (!c->closing && now - c->last_rx > rx->p.dead_ms) {
                 char m[160];
-                snprintf(m, sizeof m, "sender %s silent for %d ms", c->name[0] ? c->name : c->addr, rx->p.dead_ms);
+                snprintf(m, sizeof m, "sender %s silent for %d ms", c->name[0] ? c->name : c->addr,
+                         rx->p.dead_ms);
                 conn_fail(rx, c, CS_ECONNRESET, m, false);
             }
+            if (!c->closing && c->comm == COMM_OPENING) link_open(rx, c);
+            if (!c->closing && c->link) link_poll(rx, c, now);
             if (c->closing) { /* the safe point: nothing refers to c any more */
                 *pp = c->next;
                 conn_free(rx, c);
                 continue;
             }
+            if (c->link && (c->comm != COMM_READY || c->ord_n || c->ihead)) busy = true;
             if (c->hello && !c->qhead && now - c->last_tx >= rx->p.keepalive_ms)
-                queue_ctl(rx, c, CS_KVX_PING, 0, NULL, 0);
+                queue_ctl(rx, c, CS_KVX_PING, 0, 0, NULL, 0);
+            if (c->qhead) conn_write(rx, c);
             pp = &c->next;
         }
+        /* report first: tearing a link down (ncclCommAbort, stream drain)
+         * may take a while */
         if (rx->ev_head) {
             run_events(rx);
+            continue;
+        }
+        if (rx->grave) {
+            bury(rx);
             continue;
         }
         int n = 2;
@@ -530,7 +1023,15 @@ static void *rx_thread(void *arg) {
             pc[n++] = c;
         }
         pthread_mutex_unlock(&rx->mu);
-        int pr = poll(pfds, (nfds_t)n, (int)(wait < 1 ? 1 : wait));
+        /* GPU work cannot wake poll(): while a link has work in flight, poll
+         * it every 200 us. */
+        struct timespec ts;
+        if (busy)
+            ts = (struct timespec){0, 200000};
+        else
+            ts = (struct timespec){(wait < 1 ? 1 : wait) / 1000,
+                                   ((wait < 1 ? 1 : wait) % 1000) * 1000000L};
+        int pr = ppoll(pfds, (nfds_t)n, &ts, NULL);
         pthread_mutex_lock(&rx->mu);
         if (pr < 0) continue;
         if (pfds[0].revents) cs__kvx_drain(rx->wake[0]);
@@ -549,21 +1050,38 @@ static void *rx_thread(void *arg) {
     return NULL;
 }
 
-int cs_kvx_rx_init(const cs_kvx_rx_params *p, cs_kvx_rx **out) {
+int cs__kvx_rx_init_payload(const cs_kvx_rx_params *p, const cs__kvx_payload *pl, cs_kvx_rx **out) {
     *out = NULL;
-    if (!p || !p->import || p->layout.page_bytes == 0 || p->keepalive_ms <= 0 || p->dead_ms <= p->keepalive_ms ||
-        p->max_frame_bytes < p->layout.page_bytes || p->max_conns < 1 || p->port < 0 || p->port > 65535)
-        return cs_fail(CS_EINVAL, "kvx rx: bad parameters (import, page_bytes, keepalive_ms < dead_ms, max_frame_bytes)");
+    if (!p || !pl || p->layout.page_bytes == 0 || (!pl->inline_pages && p->layout.page_bytes % 8) ||
+        p->keepalive_ms <= 0 || p->dead_ms <= p->keepalive_ms ||
+        (p->max_frame_bytes && p->max_frame_bytes < p->layout.page_bytes) || p->max_conns < 1 ||
+        p->port < 0 || p->port > 65535 || !p->pool.base || p->pool.n_pages < 1 ||
+        p->pool.kind != pl->pool_kind || p->n_slots < 1 || p->n_slots > 64 ||
+        p->init_timeout_ms <= 0 || p->op_timeout_ms <= 0)
+        return cs_fail(
+            CS_EINVAL,
+            "kvx rx: bad parameters (page_bytes (a multiple of 8 for NCCL), keepalive_ms < "
+            "dead_ms, "
+            "max_frame_bytes >= page_bytes, a pool of the payload's kind, n_slots, timeouts)");
     cs_kvx_rx *rx = calloc(1, sizeof *rx);
     if (!rx) return cs_fail(CS_ENOMEM, "kvx rx: out of memory");
     rx->p = *p;
+    rx->pl = pl;
+    rx->lfd = -1;
     snprintf(rx->host, sizeof rx->host, "%s", p->host ? p->host : "127.0.0.1");
     rx->p.host = rx->host;
+    if (!rx->p.max_frame_bytes) rx->p.max_frame_bytes = pl->inline_pages ? 64u << 20 : 32u << 20;
+    uint64_t per = rx->p.max_frame_bytes / p->layout.page_bytes;
+    rx->slot_pages = per > (uint64_t)INT32_MAX ? INT32_MAX : (int32_t)per;
+    rx->p.max_frame_bytes = (size_t)rx->slot_pages * p->layout.page_bytes;
     rx->fingerprint = cs_kvx_layout_fingerprint(&p->layout);
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    rx->inc = ((uint64_t)ts.tv_sec * 1000000u + (uint64_t)ts.tv_nsec / 1000u) << 8 ^ (uint64_t)(getpid() & 0xff);
+    rx->inc = cs__kvx_incarnation();
     int r;
+    rx->scratch = malloc(SCRATCH);
+    if (!rx->scratch) {
+        r = cs_fail(CS_ENOMEM, "kvx rx: out of memory");
+        goto fail_addr;
+    }
     struct addrinfo hints, *res = NULL;
     memset(&hints, 0, sizeof hints);
     hints.ai_socktype = SOCK_STREAM;
@@ -577,8 +1095,10 @@ int cs_kvx_rx_init(const cs_kvx_rx_params *p, cs_kvx_rx **out) {
     rx->lfd = socket(res->ai_family, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
     int one = 1;
     if (rx->lfd >= 0) setsockopt(rx->lfd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-    if (rx->lfd < 0 || bind(rx->lfd, res->ai_addr, res->ai_addrlen) != 0 || listen(rx->lfd, 128) != 0) {
-        r = cs_fail(-errno, "kvx rx: cannot listen on %s:%d: %s", rx->host, p->port, strerror(errno));
+    if (rx->lfd < 0 || bind(rx->lfd, res->ai_addr, res->ai_addrlen) != 0 ||
+        listen(rx->lfd, 128) != 0) {
+        r = cs_fail(-errno, "kvx rx: cannot listen on %s:%d: %s", rx->host, p->port,
+                    strerror(errno));
         freeaddrinfo(res);
         goto fail_listen;
     }
@@ -606,8 +1126,20 @@ fail_thread:
 fail_listen:
     if (rx->lfd >= 0) close(rx->lfd);
 fail_addr:
+    free(rx->scratch);
     free(rx);
     return r;
+}
+
+int cs_kvx_rx_init(const cs_kvx_rx_params *p, cs_kvx_rx **out) {
+    *out = NULL;
+    const cs__kvx_payload *pl = p ? cs__kvx_payload_for_pool(p->pool.kind) : NULL;
+    if (p && !pl)
+        return cs_fail(
+            p->pool.kind == CS_KVX_POOL_CUDA ? CS_ENOTSUP : CS_EINVAL,
+            "kvx rx: no payload for a pool of kind %d in this build (CUDA pools need CUDA + NCCL)",
+            p->pool.kind);
+    return cs__kvx_rx_init_payload(p, pl, out);
 }
 
 void cs_kvx_rx_free(cs_kvx_rx *rx) {
@@ -618,27 +1150,44 @@ void cs_kvx_rx_free(cs_kvx_rx *rx) {
     pthread_mutex_unlock(&rx->mu);
     pthread_join(rx->thread, NULL);
     pthread_mutex_lock(&rx->mu);
-    while (rx->xfers) xfer_end(rx, rx->xfers, CS_ECANCELED, "receiver shut down", NULL, false);
+    while (rx->xfers)
+        xfer_end(rx, rx->xfers, CS_ECANCELED, "receiver shut down", NULL, false);
     while (rx->conns) {
         rx_conn *c = rx->conns;
         rx->conns = c->next;
         conn_free(rx, c);
     }
+    bury(rx);
+    CS_ASSERT(!rx->zombies); /* every in-flight write belonged to a link just torn down */
     run_events(rx);
     pthread_mutex_unlock(&rx->mu);
     pthread_mutex_destroy(&rx->mu);
     close(rx->lfd);
     close(rx->wake[0]);
+    free(rx->scratch);
     free(rx);
 }
 
-int cs_kvx_rx_port(const cs_kvx_rx *rx) { return rx->port; }
-uint64_t cs_kvx_rx_incarnation(const cs_kvx_rx *rx) { return rx->inc; }
+int cs_kvx_rx_port(const cs_kvx_rx *rx) {
+    return rx->port;
+}
+uint64_t cs_kvx_rx_incarnation(const cs_kvx_rx *rx) {
+    return rx->inc;
+}
+int cs_kvx_rx_payload(const cs_kvx_rx *rx) {
+    return rx->pl->kind;
+}
 
-int cs_kvx_rx_expect(cs_kvx_rx *rx, uint64_t xfer_id, const int32_t *page_ids, int32_t n_pages, int32_t deadline_ms,
-                     cs_kvx_done_fn done, void *arg) {
+int cs_kvx_rx_expect(cs_kvx_rx *rx, uint64_t xfer_id, const int32_t *page_ids, int32_t n_pages,
+                     int32_t deadline_ms, cs_kvx_done_fn done, void *arg) {
     if (!page_ids || n_pages < 1 || deadline_ms <= 0 || !done || xfer_id == 0)
-        return cs_fail(CS_EINVAL, "kvx rx: bad expectation (id != 0, n_pages >= 1, deadline_ms > 0, done)");
+        return cs_fail(CS_EINVAL,
+                       "kvx rx: bad expectation (id != 0, n_pages >= 1, deadline_ms > 0, done)");
+    for (int32_t i = 0; i < n_pages; i++)
+        if (page_ids[i] < 0 || page_ids[i] >= rx->p.pool.n_pages)
+            return cs_fail(CS_EINVAL,
+                           "kvx rx: transfer %llu: page id %d outside the pool (%d pages)",
+                           (unsigned long long)xfer_id, page_ids[i], rx->p.pool.n_pages);
     rx_xfer *x = calloc(1, sizeof *x);
     int32_t *ids = malloc((size_t)n_pages * sizeof *ids);
     if (!x || !ids) {
@@ -652,12 +1201,13 @@ int cs_kvx_rx_expect(cs_kvx_rx *rx, uint64_t xfer_id, const int32_t *page_ids, i
     x->deadline = cs__kvx_now_ms() + deadline_ms;
     x->done = done;
     x->arg = arg;
-    XXH64_reset(&x->hash, 0);
+    x->all_sums = true;
     pthread_mutex_lock(&rx->mu);
     if (find_xfer(rx, xfer_id)) {
         pthread_mutex_unlock(&rx->mu);
         free(ids), free(x);
-        return cs_fail(CS_EEXIST, "kvx rx: transfer %llu already expected", (unsigned long long)xfer_id);
+        return cs_fail(CS_EEXIST, "kvx rx: transfer %llu already expected",
+                       (unsigned long long)xfer_id);
     }
     /* the id may be reused after it ended */
     for (int i = 0; i < N_TOMB; i++)
@@ -675,8 +1225,10 @@ int cs_kvx_rx_cancel(cs_kvx_rx *rx, uint64_t xfer_id) {
     pthread_mutex_lock(&rx->mu);
     rx_xfer *x = find_xfer(rx, xfer_id);
     int r = 0;
-    if (!x || x->fail) r = cs_fail(CS_ENOENT, "kvx rx: transfer %llu is not pending", (unsigned long long)xfer_id);
-    else x->fail = CS_ECANCELED;
+    if (!x || x->fail)
+        r = cs_fail(CS_ENOENT, "kvx rx: transfer %llu is not pending", (unsigned long long)xfer_id);
+    else
+        x->fail = CS_ECANCELED;
     cs__kvx_wake(rx->wake[1]);
     pthread_mutex_unlock(&rx->mu);
     return r;

@@ -1,8 +1,20 @@
-/* kvx_tx.c: the KV transport's sender (TCP). One I/O thread polls every
- * channel; API calls only queue work under the mutex and wake it, so the
- * engine's step never waits on the network. Checksums are computed on the
- * I/O thread as each frame reaches the head of its channel's queue. */
-#define XXH_STATIC_LINKING_ONLY
+/* kvx_tx.c: the KV transport's sender: the control plane for every payload.
+ * One I/O thread polls every channel; API calls only queue work under the
+ * mutex and wake it, so the engine's step never waits on the network.
+ *
+ * Per channel, in order: a FIFO of items (chunks of at most one staging
+ * slot, trailers). The head chunks are packed into free slots of the
+ * channel's payload link as soon as slots are free (TCP: the chunk's XXH3;
+ * NCCL: the gather kernel, overlapping the previous chunk's ncclSend). A
+ * packed chunk at the head of the FIFO becomes its data frame on TCP (PAGES
+ * with the page bytes written straight from the pool, or an NCCL_PAGES
+ * descriptor), and once that frame is fully written the link sends the chunk
+ * (NCCL: ncclSend, so the receiver posts the matching ncclRecv in the same
+ * order). A data frame that reached the socket is always followed by its
+ * send, even when its transfer ended meanwhile (the receiver drops the
+ * bytes), so the two sides stay matched. Only the I/O thread touches links
+ * and slots; slow link calls (open, close, a send waiting for NCCL) run
+ * without the mutex. */
 #include <errno.h>
 #include <netdb.h>
 #include <poll.h>
@@ -11,8 +23,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <time.h>
 #include <unistd.h>
-#include <xxhash.h>
 
 #include "chunkserve/kvx.h"
 #include "kvx-impl.h"
@@ -21,6 +33,42 @@
 #include "chunkserve/log.h"
 
 enum chan_state { CH_IDLE, CH_CONNECTING, CH_OPEN };
+/* PACKING -> PACKED -> QUEUED (its frame in the out queue) -> SENDING -> FREE */
+enum slot_state { SL_FREE, SL_PACKING, SL_PACKED, SL_QUEUED, SL_SENDING };
+enum item_kind { IT_CHUNK, IT_TRAILER };
+
+/* One successful cs_kvx_tx_send_pages: its ids, referenced by its chunks. */
+typedef struct tx_send {
+    int refs;
+    cs_kvx_release_fn release;
+    void *arg;
+    int32_t n;
+    int32_t ids[]; /* (n) owned copy of the page ids */
+} tx_send;
+
+struct tx_xfer;
+
+typedef struct tx_item {
+    struct tx_item *next;
+    int kind;
+    struct tx_xfer *x; /* NULL once the transfer ended */
+    int32_t first_page, n_pages;
+    const int32_t *ids; /* into send->ids */
+    tx_send *send;      /* reference, handed to the slot when packed */
+    cs_kvx_trailer t;
+    int slot; /* -1 until packed into a slot */
+} tx_item;
+
+typedef struct {
+    int state;
+    tx_item *item; /* PACKING, PACKED: the chunk (still in the FIFO) */
+    tx_send *send; /* reference while the pages may still be read */
+    const int32_t *ids;
+    int32_t first_page, n_pages;
+    size_t bytes;
+    uint64_t sum;
+    int64_t since; /* start of the running operation (op timeout) */
+} tx_slot;
 
 typedef struct tx_chan {
     struct tx_chan *next;
@@ -28,14 +76,20 @@ typedef struct tx_chan {
     int port;
     int fd;
     enum chan_state state;
-    bool acked;            /* HELLO_ACK received */
-    uint64_t peer_inc;     /* receiver incarnation from the ACK */
+    bool acked;        /* HELLO_ACK received */
+    uint64_t peer_inc; /* receiver incarnation from the ACK */
     kvx_out *qhead, *qtail;
-    size_t queued_bytes;
     int64_t last_rx, last_tx;
     uint8_t in[CS_KVX_HDR_BYTES + CS_KVX_ACK_BYTES]; /* incoming control frame */
     size_t in_len;
     int n_xfers;
+    size_t queued_bytes; /* page bytes accepted and not yet handed on (backpressure) */
+    /* payload link: one per TCP connection */
+    cs__kvx_link *link;
+    bool local_ready, peer_ready;
+    int64_t init_deadline;
+    tx_item *ihead, *itail;
+    tx_slot *slots;
 } tx_chan;
 
 typedef struct tx_xfer {
@@ -43,37 +97,41 @@ typedef struct tx_xfer {
     uint64_t id;
     tx_chan *ch;
     int32_t total_pages, queued_pages;
-    bool trailer_queued;
+    bool trailer_queued, want_room;
     int64_t deadline;
     int fail; /* pending failure set by an API call (abort) */
     cs_kvx_done_fn done;
     void *arg;
-    XXH64_state_t hash; /* of all pages written so far, in order */
+    uint64_t digest; /* fold of the chunk checksums, in order */
 } tx_xfer;
 
-typedef struct tx_send {
-    int refs;
-    cs_kvx_release_fn release;
-    void *arg;
-    const void **pages; /* owned copy of the pointer array, or NULL */
-} tx_send;
-
-/* A finished transfer or a released send, reported after unlocking. */
+/* A finished transfer, a released send or room, reported after unlocking. */
 typedef struct tx_event {
     struct tx_event *next;
     cs_kvx_done_fn done;
+    cs_kvx_room_fn room;
     void *arg;
     uint64_t id;
     int status;
-    char msg[160];
-    cs_kvx_release_fn release;
-    void *rel_arg;
+    char msg[200];
+    tx_send *send; /* release, then free */
 } tx_event;
+
+/* A closed link waiting to be torn down without the mutex, with the sends
+ * whose pages its operations may still read. */
+typedef struct tx_grave {
+    struct tx_grave *next;
+    cs__kvx_link *link;
+    tx_send **sends;
+    int n_sends;
+} tx_grave;
 
 struct cs_kvx_tx {
     cs_kvx_tx_params p;
+    const cs__kvx_payload *pl;
     char name[CS_KVX_NAME_MAX];
     uint64_t fingerprint;
+    int32_t slot_pages;
     pthread_mutex_t mu;
     pthread_t thread;
     int wake[2];
@@ -81,6 +139,7 @@ struct cs_kvx_tx {
     tx_chan *chans;
     tx_xfer *xfers;
     tx_event *ev_head, *ev_tail;
+    tx_grave *grave;
     cs_kvx_stats st;
 };
 
@@ -89,50 +148,65 @@ cs_kvx_tx_params cs_kvx_tx_params_default(void) {
     memset(&p, 0, sizeof p);
     p.name = "prefill";
     p.checksum = true;
-    p.max_frame_bytes = 4u << 20;
     p.max_queued_bytes = 256u << 20;
     p.keepalive_ms = 1000;
     p.dead_ms = 5000;
-    return p;
+    p.n_slots = 2;
+    p.init_timeout_ms = 30000;
+    p.op_timeout_ms = 10000;
+    return p; /* max_frame_bytes 0: the payload's default */
 }
 
 static void push_event(cs_kvx_tx *tx, tx_event *e) {
-    if (tx->ev_tail) tx->ev_tail->next = e;
-    else tx->ev_head = e;
+    if (tx->ev_tail)
+        tx->ev_tail->next = e;
+    else
+        tx->ev_head = e;
     tx->ev_tail = e;
 }
 
-static void send_unref(cs_kvx_tx *tx, tx_send *s) {
-    if (--s->refs > 0) return;
-    if (s->release) {
-        tx_event *e = calloc(1, sizeof *e);
-        if (e) {
-            e->release = s->release;
-            e->rel_arg = s->arg;
-            push_event(tx, e);
-        } else {
-            s->release(s->arg); /* out of memory: release now rather than leak */
-        }
-    }
-    free(s->pages);
-    free(s);
+static tx_event *new_event(void) {
+    tx_event *e = calloc(1, sizeof *e);
+    CS_ASSERT(e); /* a lost completion would hang the caller: fail loudly */
+    return e;
 }
 
-static void free_out(cs_kvx_tx *tx, kvx_out *o) {
-    if (o->owner) send_unref(tx, o->owner);
-    free(o);
+static void send_unref(cs_kvx_tx *tx, tx_send *s) {
+    if (!s || --s->refs > 0) return;
+    tx_event *e = new_event();
+    e->send = s;
+    push_event(tx, e);
 }
 
 static void enqueue(tx_chan *ch, kvx_out *o) {
     o->next = NULL;
-    if (ch->qtail) ch->qtail->next = o;
-    else ch->qhead = o;
+    if (ch->qtail)
+        ch->qtail->next = o;
+    else
+        ch->qhead = o;
     ch->qtail = o;
-    ch->queued_bytes += o->total;
 }
 
-/* Removes x from the table and reports status; drops its frames that have
- * not started (a started one finishes so the stream stays framed). */
+static void queue_ctl(cs_kvx_tx *tx, tx_chan *ch, int type, uint64_t xfer, const void *pl,
+                      size_t len) {
+    kvx_out *o = calloc(1, sizeof *o);
+    CS_ASSERT(o);
+    cs__kvx_out_ctl(o, type, tx->p.incarnation, xfer, tx->fingerprint, pl, len);
+    enqueue(ch, o);
+}
+
+/* A data frame dropped before any byte was written frees its slot and its
+ * chunk's room: nothing reached the receiver. */
+static void drop_out(cs_kvx_tx *tx, tx_chan *ch, kvx_out *o) {
+    tx_slot *sl = o->owner;
+    if (sl) {
+        ch->queued_bytes -= sl->bytes;
+        send_unref(tx, sl->send);
+        *sl = (tx_slot){0};
+    }
+    free(o);
+}
+
 static void xfer_end(cs_kvx_tx *tx, tx_xfer *x, int status, const char *msg) {
     for (tx_xfer **pp = &tx->xfers; *pp; pp = &(*pp)->next)
         if (*pp == x) {
@@ -145,32 +219,51 @@ static void xfer_end(cs_kvx_tx *tx, tx_xfer *x, int status, const char *msg) {
         kvx_out *o = *pp;
         if (o->xfer == x && o->off == 0) {
             *pp = o->next;
-            ch->queued_bytes -= o->total;
             if (ch->qtail == o) ch->qtail = prev;
-            free_out(tx, o);
+            drop_out(tx, ch, o);
         } else {
             if (o->xfer == x) o->xfer = NULL;
             prev = o;
             pp = &o->next;
         }
     }
+    for (tx_item *it = ch->ihead; it; it = it->next)
+        if (it->x == x) it->x = NULL;
     ch->n_xfers--;
     tx->st.transfers_active--;
-    if (status == 0) tx->st.transfers_completed++;
-    else tx->st.transfers_failed++;
-    tx_event *e = calloc(1, sizeof *e);
-    CS_ASSERT(e); /* a lost completion would hang the caller: fail loudly */
+    if (status == 0)
+        tx->st.transfers_completed++;
+    else
+        tx->st.transfers_failed++;
+    tx_event *e = new_event();
     e->done = x->done;
     e->arg = x->arg;
     e->id = x->id;
     e->status = status;
     snprintf(e->msg, sizeof e->msg, "%s", msg ? msg : "");
     push_event(tx, e);
-    if (status) CS_LOGW("kvx tx: transfer %llu to %s:%d failed: %s (%s)", (unsigned long long)x->id, ch->host, ch->port,
-                        cs_strerror(status), msg ? msg : "");
+    if (status)
+        CS_LOGW("kvx tx: transfer %llu to %s:%d failed: %s (%s)", (unsigned long long)x->id,
+                ch->host, ch->port, cs_strerror(status), msg ? msg : "");
     free(x);
 }
 
+static void item_pop(tx_chan *ch) {
+    tx_item *it = ch->ihead;
+    ch->ihead = it->next;
+    if (!ch->ihead) ch->itail = NULL;
+}
+
+/* Frees an item that never became a frame: its pages leave the queue. */
+static void item_drop(cs_kvx_tx *tx, tx_chan *ch, tx_item *it) {
+    if (it->kind == IT_CHUNK)
+        ch->queued_bytes -= (size_t)it->n_pages * (size_t)tx->p.layout.page_bytes;
+    send_unref(tx, it->send);
+    free(it);
+}
+
+/* Closes the TCP connection and the link (torn down later, without the
+ * mutex), fails every transfer of the channel. */
 static void chan_close(cs_kvx_tx *tx, tx_chan *ch, int status, const char *msg) {
     if (ch->fd >= 0) {
         close(ch->fd);
@@ -187,10 +280,58 @@ static void chan_close(cs_kvx_tx *tx, tx_chan *ch, int status, const char *msg) 
     while (ch->qhead) {
         kvx_out *o = ch->qhead;
         ch->qhead = o->next;
-        free_out(tx, o);
+        free(o);
     }
     ch->qtail = NULL;
+    tx_grave *g = NULL;
+    if (ch->link) {
+        g = calloc(1, sizeof *g);
+        CS_ASSERT(g);
+        g->link = ch->link;
+        g->sends = calloc((size_t)tx->p.n_slots + 1, sizeof *g->sends);
+        CS_ASSERT(g->sends);
+    }
+    /* Pages an asynchronous pack may still read stay held until the link is
+     * torn down; the others are released now. */
+    for (int i = 0; i < tx->p.n_slots; i++) {
+        tx_slot *sl = &ch->slots[i];
+        if (sl->send && g && sl->state == SL_PACKING && !tx->pl->inline_pages)
+            g->sends[g->n_sends++] = sl->send;
+        else
+            send_unref(tx, sl->send);
+        if (sl->item) sl->item->send = NULL; /* the slot held the item's reference */
+        *sl = (tx_slot){0};
+    }
+    while (ch->ihead) {
+        tx_item *it = ch->ihead;
+        item_pop(ch);
+        item_drop(tx, ch, it);
+    }
     ch->queued_bytes = 0;
+    if (g) {
+        g->next = tx->grave;
+        tx->grave = g;
+    }
+    ch->link = NULL;
+    ch->local_ready = ch->peer_ready = false;
+}
+
+/* Tears closed links down without the mutex: ncclCommAbort and the wait for
+ * their streams may take a while. */
+static void bury(cs_kvx_tx *tx) {
+    while (tx->grave) {
+        tx_grave *g = tx->grave;
+        tx->grave = g->next;
+        pthread_mutex_unlock(&tx->mu);
+        bool drained = tx->pl->close(g->link);
+        pthread_mutex_lock(&tx->mu);
+        if (!drained)
+            CS_LOGE("kvx tx: a closed %s link did not drain: its staging is leaked", tx->pl->name);
+        for (int i = 0; i < g->n_sends; i++)
+            send_unref(tx, g->sends[i]);
+        free(g->sends);
+        free(g);
+    }
 }
 
 static tx_chan *find_chan(cs_kvx_tx *tx, const char *host, int port) {
@@ -205,51 +346,64 @@ static tx_xfer *find_xfer(cs_kvx_tx *tx, uint64_t id) {
     return NULL;
 }
 
-static void queue_ctl(cs_kvx_tx *tx, tx_chan *ch, int type, uint64_t xfer, const void *pl, size_t len, bool front) {
-    kvx_out *o = calloc(1, sizeof *o);
-    CS_ASSERT(o);
-    cs__kvx_out_ctl(o, type, tx->p.incarnation, xfer, tx->fingerprint, pl, len);
-    if (front && (!ch->qhead || ch->qhead->off == 0)) {
-        o->next = ch->qhead;
-        ch->qhead = o;
-        if (!ch->qtail) ch->qtail = o;
-        ch->queued_bytes += o->total;
-    } else {
-        enqueue(ch, o);
-    }
-}
-
-/* Starts a non-blocking connect; the HELLO goes first in the queue. Called
- * without the lock held for the name lookup. */
+/* Connects (non-blocking) and opens the channel's link (NCCL: a fresh
+ * communicator id, rank 0's init started); HELLO (and NCCL_ID) go first on
+ * the connection. Called with the mutex, which it drops around the name
+ * lookup and the link's allocation. */
 static int chan_connect(cs_kvx_tx *tx, tx_chan *ch) {
     char host[256], port[16];
     snprintf(host, sizeof host, "%s", ch->host);
     snprintf(port, sizeof port, "%d", ch->port);
+    cs__kvx_link_cfg cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.rank = 0;
+    cfg.pool = tx->p.pool;
+    cfg.page_bytes = (size_t)tx->p.layout.page_bytes;
+    cfg.n_slots = tx->p.n_slots;
+    cfg.slot_pages = tx->slot_pages;
+    cfg.op_timeout_ms = tx->p.op_timeout_ms;
+    snprintf(cfg.name, sizeof cfg.name, "kvx %s->%s:%d", tx->name, ch->host, ch->port);
     pthread_mutex_unlock(&tx->mu);
     struct addrinfo hints, *res = NULL;
     memset(&hints, 0, sizeof hints);
     hints.ai_socktype = SOCK_STREAM;
     int gr = getaddrinfo(host, port, &hints, &res);
     int fd = -1, err = 0;
+    char m[300] = "";
+    uint8_t id[CS_KVX_NCCL_ID_BYTES];
+    cs__kvx_link *link = NULL;
     if (gr != 0) {
         err = CS_ENOENT;
+        snprintf(m, sizeof m, "cannot resolve %s:%s: %s", host, port, gai_strerror(gr));
     } else {
         fd = socket(res->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
-        if (fd < 0 || cs__kvx_set_socket_opts(fd) != 0) err = -errno;
-        else if (connect(fd, res->ai_addr, res->ai_addrlen) != 0 && errno != EINPROGRESS) err = -errno;
+        if (fd < 0 || cs__kvx_set_socket_opts(fd) != 0)
+            err = -errno;
+        else if (connect(fd, res->ai_addr, res->ai_addrlen) != 0 && errno != EINPROGRESS)
+            err = -errno;
         freeaddrinfo(res);
+        if (err) snprintf(m, sizeof m, "cannot connect to %s:%s: %s", host, port, cs_strerror(err));
+    }
+    if (!err) {
+        char e[200] = "";
+        if (tx->pl->unique_id) err = tx->pl->unique_id(&cfg, id, e, sizeof e);
+        if (!err) err = tx->pl->open(&cfg, tx->pl->unique_id ? id : NULL, &link, e, sizeof e);
+        if (err) snprintf(m, sizeof m, "%s link to %s:%s: %s", tx->pl->name, host, port, e);
     }
     pthread_mutex_lock(&tx->mu);
     if (err) {
         if (fd >= 0) close(fd);
-        char m[300];
-        snprintf(m, sizeof m, "cannot connect to %s:%s: %s", host, port, gr ? gai_strerror(gr) : cs_strerror(err));
-        chan_close(tx, ch, gr ? CS_ENOENT : err, m);
+        chan_close(tx, ch, err, m);
         return err;
     }
+    CS_ASSERT(!ch->qhead);
     ch->fd = fd;
     ch->state = CH_CONNECTING;
     ch->last_rx = ch->last_tx = cs__kvx_now_ms();
+    ch->link = link;
+    ch->local_ready = false;
+    ch->peer_ready = !tx->pl->unique_id; /* no handshake: nothing to wait for */
+    ch->init_deadline = cs__kvx_now_ms() + tx->p.init_timeout_ms;
     tx->st.conns_opened++;
     cs_kvx_hello hello;
     memset(&hello, 0, sizeof hello);
@@ -257,49 +411,232 @@ static int chan_connect(cs_kvx_tx *tx, tx_chan *ch) {
     snprintf(hello.name, sizeof hello.name, "%s", tx->name);
     uint8_t pl[CS_KVX_HELLO_BYTES];
     cs_kvx_hello_encode(&hello, pl);
-    queue_ctl(tx, ch, CS_KVX_HELLO, 0, pl, sizeof pl, true);
+    kvx_out *o = calloc(1, sizeof *o);
+    CS_ASSERT(o);
+    cs__kvx_out_ctl(o, CS_KVX_HELLO, tx->p.incarnation, 0, tx->fingerprint, pl, sizeof pl);
+    if (tx->pl->kind == CS_KVX_PAYLOAD_NCCL) { /* the payload is announced in HELLO */
+        o->h.flags |= CS_KVX_FLAG_NCCL;
+        cs_kvx_hdr_encode(&o->h, o->hdr);
+    }
+    enqueue(ch, o);
+    if (tx->pl->unique_id) queue_ctl(tx, ch, CS_KVX_NCCL_ID, 0, id, sizeof id);
     return 0;
 }
 
-/* Seals a page frame at the head of the queue: payload checksum, running
- * transfer checksum, header. Trailers take the transfer's digest. */
-static void seal(cs_kvx_tx *tx, kvx_out *o) {
-    tx_xfer *x = o->xfer;
-    if (o->type == CS_KVX_PAGES) {
-        XXH64_state_t st;
-        XXH64_reset(&st, 0);
-        for (int32_t i = 0; i < o->n_pages; i++) {
-            const void *pg = o->pages ? o->pages[i] : o->data + (size_t)i * o->page_bytes;
-            if (tx->p.checksum) XXH64_update(&st, pg, o->page_bytes);
-            if (x) XXH64_update(&x->hash, pg, o->page_bytes);
+static bool link_ready(const tx_chan *ch) {
+    return ch->link && ch->local_ready && ch->peer_ready;
+}
+
+static bool slot_progress(cs_kvx_tx *tx, tx_chan *ch, int i, int64_t now);
+
+/* Packs the first not yet packed chunks into free slots, in order (a pack
+ * that finishes at once, as TCP's checksum does, is packed at once). */
+static void pack_chunks(cs_kvx_tx *tx, tx_chan *ch) {
+    if (!ch->link || ch->fd < 0) return;
+    int64_t now = cs__kvx_now_ms();
+    for (tx_item *it = ch->ihead; it; it = it->next) {
+        if (it->kind != IT_CHUNK || it->slot >= 0) continue;
+        if (!it->x) continue; /* ended before its pack: dropped at the head */
+        int s = -1;
+        for (int i = 0; i < tx->p.n_slots && s < 0; i++)
+            if (ch->slots[i].state == SL_FREE) s = i;
+        if (s < 0) return;
+        char err[200] = "";
+        int r = tx->pl->pack(ch->link, s, it->ids, it->n_pages, tx->p.checksum, err, sizeof err);
+        if (r) {
+            char m[260];
+            snprintf(m, sizeof m, "%s pack of pages %d+%d failed: %s", tx->pl->name, it->first_page,
+                     it->n_pages, err);
+            chan_close(tx, ch, r == CS_ENOMEM ? r : CS_EIO, m);
+            return;
         }
-        if (tx->p.checksum) {
-            o->h.flags |= CS_KVX_FLAG_CHECKSUM;
-            o->h.payload_xxh64 = XXH64_digest(&st);
-        }
-    } else if (o->type == CS_KVX_TRAILER) {
-        cs_kvx_trailer_wire tw;
-        memset(&tw, 0, sizeof tw);
-        tw.t.first_token = (int32_t)o->h.first_page; /* stashed by cs_kvx_tx_finish */
-        tw.t.prompt_len = (int32_t)o->h.n_pages;
-        tw.t.total_pages = (int32_t)o->h.payload_xxh64;
-        tw.xxh64 = x ? XXH64_digest(&x->hash) : 0;
-        uint64_t fp = o->h.fingerprint;
-        cs__kvx_out_ctl(o, CS_KVX_TRAILER, tx->p.incarnation, o->xfer_id, fp, NULL, 0);
-        cs_kvx_trailer_encode(&tw, o->ctl);
-        o->h.payload_len = CS_KVX_TRAILER_BYTES;
-        o->h.flags = CS_KVX_FLAG_CHECKSUM;
-        o->h.payload_xxh64 = XXH64(o->ctl, CS_KVX_TRAILER_BYTES, 0);
-        o->total = CS_KVX_HDR_BYTES + CS_KVX_TRAILER_BYTES;
+        size_t bytes = (size_t)it->n_pages * (size_t)tx->p.layout.page_bytes;
+        ch->slots[s] = (tx_slot){SL_PACKING,  it,    it->send, it->ids, it->first_page,
+                                 it->n_pages, bytes, 0,        now};
+        it->send = NULL; /* the slot holds the reference now */
+        it->slot = s;
+        if (!slot_progress(tx, ch, s, now)) return;
     }
-    cs_kvx_hdr_encode(&o->h, o->hdr);
-    o->sealed = true;
+}
+
+/* Turns packed head chunks into data frames and trailers into TRAILER
+ * frames, in FIFO order; drops the items of ended transfers. */
+static void emit_items(cs_kvx_tx *tx, tx_chan *ch) {
+    while (ch->ihead && ch->fd >= 0) {
+        tx_item *it = ch->ihead;
+        tx_xfer *x = it->x;
+        if (it->kind == IT_CHUNK) {
+            tx_slot *sl = it->slot >= 0 ? &ch->slots[it->slot] : NULL;
+            if (sl && sl->state == SL_PACKING) return; /* its pack still reads the pages */
+            if (!x) {
+                if (sl) {
+                    send_unref(tx, sl->send);
+                    *sl = (tx_slot){0};
+                }
+                item_pop(ch);
+                item_drop(tx, ch, it);
+                continue;
+            }
+            if (!sl || !link_ready(ch)) return;
+            kvx_out *o = calloc(1, sizeof *o);
+            CS_ASSERT(o);
+            if (tx->pl->inline_pages) { /* PAGES: the bytes follow, from the pool */
+                o->type = CS_KVX_PAGES;
+                o->xfer_id = x->id;
+                o->h.type = CS_KVX_PAGES;
+                o->h.epoch = tx->p.incarnation;
+                o->h.xfer_id = x->id;
+                o->h.fingerprint = tx->fingerprint;
+                o->h.payload_len = sl->bytes;
+                if (tx->p.checksum) o->h.flags = CS_KVX_FLAG_CHECKSUM, o->h.payload_xxh64 = sl->sum;
+                o->base = tx->p.pool.base;
+                o->ids = sl->ids;
+                o->n_pages = sl->n_pages;
+                o->page_bytes = (size_t)tx->p.layout.page_bytes;
+                o->total = CS_KVX_HDR_BYTES + sl->bytes;
+            } else { /* NCCL_PAGES: a descriptor; the bytes follow over the link */
+                cs_kvx_nccl_desc d = {sl->bytes, sl->sum, tx->p.checksum ? CS_KVX_DESC_SUM : 0};
+                uint8_t pl[CS_KVX_NCCL_DESC_BYTES];
+                cs_kvx_nccl_desc_encode(&d, pl);
+                cs__kvx_out_ctl(o, CS_KVX_NCCL_PAGES, tx->p.incarnation, x->id, tx->fingerprint, pl,
+                                sizeof pl);
+            }
+            o->h.first_page = (uint32_t)sl->first_page;
+            o->h.n_pages = (uint32_t)sl->n_pages;
+            cs_kvx_hdr_encode(&o->h, o->hdr);
+            o->owner = sl;
+            o->xfer = x;
+            enqueue(ch, o);
+            if (tx->p.checksum) cs__kvx_fold(&x->digest, sl->sum);
+            sl->state = SL_QUEUED;
+            sl->item = NULL;
+            it->slot = -1; /* the slot now belongs to the frame */
+            item_pop(ch);
+            free(it);
+            continue;
+        }
+        /* trailer: every data frame of its transfer is ahead of it */
+        if (x) {
+            cs_kvx_trailer_wire tw;
+            memset(&tw, 0, sizeof tw);
+            tw.t = it->t;
+            tw.xxh64 = tx->p.checksum ? x->digest : 0;
+            uint8_t pl[CS_KVX_TRAILER_BYTES];
+            cs_kvx_trailer_encode(&tw, pl);
+            kvx_out *o = calloc(1, sizeof *o);
+            CS_ASSERT(o);
+            cs__kvx_out_ctl(o, CS_KVX_TRAILER, tx->p.incarnation, x->id, tx->fingerprint, pl,
+                            sizeof pl);
+            o->xfer = x;
+            enqueue(ch, o);
+        }
+        item_pop(ch);
+        item_drop(tx, ch, it);
+    }
+}
+
+/* Progress of slot i's running operation (pack or send): finished ones move
+ * on, ones past op_timeout_ms close the channel. Returns false when the
+ * channel closed. */
+static bool slot_progress(cs_kvx_tx *tx, tx_chan *ch, int i, int64_t now) {
+    tx_slot *sl = &ch->slots[i];
+    if (sl->state != SL_PACKING && sl->state != SL_SENDING) return true;
+    char err[200] = "", m[300];
+    uint64_t sum = 0;
+    int r = tx->pl->query(ch->link, i, &sum, err, sizeof err);
+    if (r < 0) {
+        snprintf(m, sizeof m, "%s %s to %s:%d failed: %s", tx->pl->name,
+                 sl->state == SL_PACKING ? "pack" : "send", ch->host, ch->port, err);
+        chan_close(tx, ch, CS_EIO, m);
+        return false;
+    }
+    if (r == 1) {
+        if (now - sl->since <= tx->p.op_timeout_ms) return true;
+        snprintf(m, sizeof m, "%s %s of a %zu-byte chunk to %s:%d not complete after %d ms",
+                 tx->pl->name, sl->state == SL_PACKING ? "pack" : "send", sl->bytes, ch->host,
+                 ch->port, tx->p.op_timeout_ms);
+        chan_close(tx, ch, CS_ETIMEDOUT, m);
+        return false;
+    }
+    if (sl->state == SL_PACKING) {
+        sl->state = SL_PACKED;
+        sl->sum = sum;
+        if (!tx->pl->inline_pages) { /* copied to staging: the pages may be reused now */
+            send_unref(tx, sl->send);
+            sl->send = NULL;
+        }
+    } else {
+        *sl = (tx_slot){0};
+    }
+    return true;
+}
+
+/* Polls the link: init progress, async errors, finished packs and sends.
+ * Returns false when the channel closed. */
+static bool link_poll(cs_kvx_tx *tx, tx_chan *ch, int64_t now) {
+    char err[200] = "", m[300];
+    int r = tx->pl->state(ch->link, err, sizeof err);
+    if (r < 0) {
+        snprintf(m, sizeof m, "%s link with %s:%d failed: %s", tx->pl->name, ch->host, ch->port,
+                 err);
+        chan_close(tx, ch, CS_ECONNRESET, m);
+        return false;
+    }
+    if (r == 0) ch->local_ready = true;
+    if (!link_ready(ch) && now > ch->init_deadline) {
+        snprintf(m, sizeof m, "%s link with %s:%d not ready after %d ms (%s)", tx->pl->name,
+                 ch->host, ch->port, tx->p.init_timeout_ms,
+                 ch->local_ready ? "no NCCL_READY from the receiver" : "init in progress");
+        chan_close(tx, ch, CS_ETIMEDOUT, m);
+        return false;
+    }
+    for (int i = 0; i < tx->p.n_slots; i++)
+        if (!slot_progress(tx, ch, i, now)) return false;
+    return true;
+}
+
+static bool link_busy(const cs_kvx_tx *tx, const tx_chan *ch) {
+    if (!ch->link || tx->pl->inline_pages) return false; /* inline: progress is the socket's */
+    if (!link_ready(ch) || ch->ihead) return true;
+    for (int i = 0; i < tx->p.n_slots; i++)
+        if (ch->slots[i].state != SL_FREE) return true;
+    return false;
+}
+
+/* A data frame was fully written: the link sends its chunk. Without the
+ * mutex: a first ncclSend may wait for the connection to the peer
+ * (ncclInProgress, bounded by op_timeout_ms). Only this thread touches the
+ * link, the slots and the out queue, so nothing moves meanwhile. */
+static void post_send(cs_kvx_tx *tx, tx_chan *ch, tx_slot *sl) {
+    char err[200] = "";
+    int i = (int)(sl - ch->slots);
+    cs__kvx_link *link = ch->link;
+    size_t bytes = sl->bytes;
+    if (!tx->pl->inline_pages) pthread_mutex_unlock(&tx->mu);
+    int r = tx->pl->send(link, i, bytes, err, sizeof err);
+    if (!tx->pl->inline_pages) pthread_mutex_lock(&tx->mu);
+    ch->queued_bytes -= bytes;
+    /* counted when handed to the socket or NCCL: by the receiver's DONE
+     * every chunk of it is counted */
+    tx->st.bytes += bytes;
+    if (tx->pl->inline_pages) { /* written: the pages may be reused now, the slot too */
+        send_unref(tx, sl->send);
+        *sl = (tx_slot){0};
+    }
+    if (r) {
+        char m[300];
+        snprintf(m, sizeof m, "%s send to %s:%d failed: %s", tx->pl->name, ch->host, ch->port, err);
+        chan_close(tx, ch, r == CS_ETIMEDOUT ? r : CS_ECONNRESET, m);
+        return;
+    }
+    if (tx->pl->inline_pages) return;
+    sl->state = SL_SENDING;
+    sl->since = cs__kvx_now_ms();
 }
 
 static void chan_write(cs_kvx_tx *tx, tx_chan *ch) {
     while (ch->qhead) {
         kvx_out *o = ch->qhead;
-        if (!o->sealed) seal(tx, o);
         size_t before = o->off;
         int r = cs__kvx_out_write(ch->fd, o);
         if (o->off != before) ch->last_tx = cs__kvx_now_ms();
@@ -310,19 +647,54 @@ static void chan_write(cs_kvx_tx *tx, tx_chan *ch) {
             return;
         }
         if (r == 0) return;
-        ch->queued_bytes -= o->total;
-        if (o->type == CS_KVX_PAGES) {
-            tx->st.bytes += o->total - CS_KVX_HDR_BYTES;
-        }
         tx->st.frames++;
         ch->qhead = o->next;
         if (!ch->qhead) ch->qtail = NULL;
-        free_out(tx, o);
+        tx_slot *sl = o->owner;
+        free(o);
+        if (sl) {
+            post_send(tx, ch, sl); /* NCCL: the receiver posts the matching ncclRecv */
+            if (ch->fd < 0) return;
+        }
     }
 }
 
+/* Packs, emits and writes as far as the socket and the slots allow. With
+ * an inline payload a written frame frees its slot at once, so this goes
+ * round while the socket takes everything and chunks are waiting. */
+static void pump(cs_kvx_tx *tx, tx_chan *ch) {
+    for (;;) {
+        pack_chunks(tx, ch);
+        if (ch->fd >= 0) emit_items(tx, ch);
+        if (ch->fd >= 0 && ch->state == CH_OPEN && ch->qhead)
+            chan_write(tx, ch); /* frames go out at once */
+        if (ch->fd < 0 || ch->state != CH_OPEN || ch->qhead || !ch->ihead ||
+            !tx->pl->inline_pages || !link_ready(ch))
+            return;
+        bool free_slot = false;
+        for (int i = 0; i < tx->p.n_slots; i++)
+            free_slot |= ch->slots[i].state == SL_FREE;
+        if (!free_slot) return;
+    }
+}
+
+/* Room again on ch: the transfers whose send was refused hear it once. */
+static void room_check(cs_kvx_tx *tx, tx_chan *ch) {
+    if (ch->queued_bytes > tx->p.max_queued_bytes / 2) return;
+    for (tx_xfer *x = tx->xfers; x; x = x->next)
+        if (x->ch == ch && x->want_room && !x->fail) {
+            x->want_room = false;
+            if (!tx->p.room) continue;
+            tx_event *e = new_event();
+            e->room = tx->p.room;
+            e->arg = x->arg;
+            e->id = x->id;
+            push_event(tx, e);
+        }
+}
+
 static void chan_frame(cs_kvx_tx *tx, tx_chan *ch, const cs_kvx_hdr *h, const uint8_t *pl) {
-    char err[200];
+    char err[300];
     if (h->type == CS_KVX_HELLO_ACK) {
         int32_t status;
         char msg[128];
@@ -339,12 +711,39 @@ static void chan_frame(cs_kvx_tx *tx, tx_chan *ch, const cs_kvx_hdr *h, const ui
     }
     if (!ch->acked || h->epoch != ch->peer_inc) {
         snprintf(err, sizeof err, "%s frame from receiver incarnation %llx on a channel of %llx",
-                 cs_kvx_frame_type_name(h->type), (unsigned long long)h->epoch, (unsigned long long)ch->peer_inc);
+                 cs_kvx_frame_type_name(h->type), (unsigned long long)h->epoch,
+                 (unsigned long long)ch->peer_inc);
         tx->st.protocol_errors++;
         chan_close(tx, ch, CS_EPROTO, err);
         return;
     }
     if (h->type == CS_KVX_PING) return;
+    if (h->type == CS_KVX_NCCL_READY) {
+        int32_t status;
+        char msg[128];
+        int r = cs_kvx_ack_decode(pl, (size_t)h->payload_len, &status, msg, sizeof msg);
+        if (r || status) {
+            snprintf(err, sizeof err, "receiver %s:%d could not open its %s link: %s", ch->host,
+                     ch->port, tx->pl->name, r ? "bad NCCL_READY" : msg);
+            if (r) tx->st.protocol_errors++;
+            chan_close(tx, ch, r ? CS_EPROTO : CS_ECONNREFUSED, err);
+            return;
+        }
+        if (ch->peer_ready) {
+            tx->st.protocol_errors++;
+            chan_close(tx, ch, CS_EPROTO, "unexpected NCCL_READY from the receiver");
+            return;
+        }
+        if ((int64_t)h->n_pages < tx->slot_pages) {
+            snprintf(err, sizeof err,
+                     "receiver %s:%d takes chunks of at most %u pages, not %d (max_frame_bytes)",
+                     ch->host, ch->port, h->n_pages, tx->slot_pages);
+            chan_close(tx, ch, CS_ECONNREFUSED, err);
+            return;
+        }
+        ch->peer_ready = true;
+        return;
+    }
     if (h->type == CS_KVX_DONE || h->type == CS_KVX_ABORT) {
         int32_t status;
         if (cs_kvx_status_decode(pl, (size_t)h->payload_len, &status, err, sizeof err)) {
@@ -355,24 +754,32 @@ static void chan_frame(cs_kvx_tx *tx, tx_chan *ch, const cs_kvx_hdr *h, const ui
         tx_xfer *x = find_xfer(tx, h->xfer_id);
         if (!x || x->ch != ch) return; /* already ended here */
         if (h->type == CS_KVX_DONE && status == 0 && !x->trailer_queued) status = CS_EPROTO;
-        snprintf(err, sizeof err, "receiver %s the transfer", h->type == CS_KVX_DONE ? "ended" : "aborted");
-        xfer_end(tx, x, h->type == CS_KVX_ABORT && status == 0 ? CS_ECANCELED : status, status ? err : NULL);
+        snprintf(err, sizeof err, "receiver %s the transfer",
+                 h->type == CS_KVX_DONE ? "ended" : "aborted");
+        xfer_end(tx, x, h->type == CS_KVX_ABORT && status == 0 ? CS_ECANCELED : status,
+                 status ? err : NULL);
         return;
     }
-    snprintf(err, sizeof err, "unexpected %s frame from the receiver", cs_kvx_frame_type_name(h->type));
+    snprintf(err, sizeof err, "unexpected %s frame from the receiver",
+             cs_kvx_frame_type_name(h->type));
     tx->st.protocol_errors++;
     chan_close(tx, ch, CS_EPROTO, err);
 }
 
 static void chan_read(cs_kvx_tx *tx, tx_chan *ch) {
-    cs_kvx_limits lim = {tx->p.layout.page_bytes, CS_KVX_ACK_BYTES};
+    cs_kvx_limits lim = {tx->p.layout.page_bytes, CS_KVX_ACK_BYTES, tx->pl->kind};
     for (;;) {
         size_t want = CS_KVX_HDR_BYTES;
         cs_kvx_hdr h;
         char err[200];
         if (ch->in_len >= CS_KVX_HDR_BYTES) {
             int r = cs_kvx_hdr_decode(ch->in, &lim, &h, err, sizeof err);
-            if (!r && h.type == CS_KVX_PAGES) r = CS_EPROTO, snprintf(err, sizeof err, "PAGES frame from a receiver");
+            if (!r && (h.type == CS_KVX_PAGES || h.type == CS_KVX_NCCL_PAGES ||
+                       h.type == CS_KVX_NCCL_ID)) {
+                r = CS_EPROTO;
+                snprintf(err, sizeof err, "%s frame from a receiver",
+                         cs_kvx_frame_type_name(h.type));
+            }
             if (r) {
                 tx->st.protocol_errors++;
                 chan_close(tx, ch, r, err);
@@ -399,9 +806,9 @@ static void chan_read(cs_kvx_tx *tx, tx_chan *ch) {
         }
         if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
         if (n < 0 && errno == EINTR) continue;
-        char m[128];
-        snprintf(m, sizeof m, "receiver %s:%d closed the channel%s%s", ch->host, ch->port, n < 0 ? ": " : "",
-                 n < 0 ? strerror(errno) : "");
+        char m[160];
+        snprintf(m, sizeof m, "receiver %s:%d closed the channel%s%s", ch->host, ch->port,
+                 n < 0 ? ": " : "", n < 0 ? strerror(errno) : "");
         chan_close(tx, ch, CS_ECONNRESET, m);
         return;
     }
@@ -413,12 +820,23 @@ static void run_events(cs_kvx_tx *tx) {
     pthread_mutex_unlock(&tx->mu);
     while (e) {
         tx_event *n = e->next;
-        if (e->release) e->release(e->rel_arg);
+        if (e->send) {
+            if (e->send->release) e->send->release(e->send->arg, e->send->ids, e->send->n);
+            free(e->send);
+        }
+        if (e->room) e->room(e->arg, e->id);
         if (e->done) e->done(e->arg, e->id, e->status, e->msg, NULL);
         free(e);
         e = n;
     }
     pthread_mutex_lock(&tx->mu);
+}
+
+static void queue_abort(cs_kvx_tx *tx, tx_xfer *x, int status) {
+    if (x->ch->fd < 0) return;
+    uint8_t pl[CS_KVX_STATUS_BYTES];
+    cs_kvx_status_encode(status, pl);
+    queue_ctl(tx, x->ch, CS_KVX_ABORT, x->id, pl, sizeof pl);
 }
 
 static void *tx_thread(void *arg) {
@@ -431,29 +849,23 @@ static void *tx_thread(void *arg) {
     while (!tx->stop) {
         int64_t now = cs__kvx_now_ms();
         int64_t wait = tx->p.keepalive_ms;
+        bool busy = false;
         /* failures requested by API calls, deadlines */
         for (tx_xfer *x = tx->xfers, *nx; x; x = nx) {
             nx = x->next;
             if (x->fail) {
-                if (x->fail == CS_ECANCELED && x->ch->fd >= 0) {
-                    uint8_t pl[CS_KVX_STATUS_BYTES];
-                    cs_kvx_status_encode(CS_ECANCELED, pl);
-                    queue_ctl(tx, x->ch, CS_KVX_ABORT, x->id, pl, sizeof pl, false);
-                }
+                if (x->fail == CS_ECANCELED) queue_abort(tx, x, CS_ECANCELED);
                 xfer_end(tx, x, x->fail, x->fail == CS_ECANCELED ? "aborted by the sender" : NULL);
             } else if (now >= x->deadline) {
-                if (x->ch->fd >= 0) {
-                    uint8_t pl[CS_KVX_STATUS_BYTES];
-                    cs_kvx_status_encode(CS_ETIMEDOUT, pl);
-                    queue_ctl(tx, x->ch, CS_KVX_ABORT, x->id, pl, sizeof pl, false);
-                }
+                queue_abort(tx, x, CS_ETIMEDOUT);
                 xfer_end(tx, x, CS_ETIMEDOUT, "sender deadline expired");
             } else if (x->deadline - now < wait) {
                 wait = x->deadline - now;
             }
         }
         int n = 1, nch = 0;
-        for (tx_chan *c = tx->chans; c; c = c->next) nch++;
+        for (tx_chan *c = tx->chans; c; c = c->next)
+            nch++;
         if (nch + 1 > cap) {
             cap = 2 * (nch + 1);
             pfds = realloc(pfds, (size_t)cap * sizeof *pfds);
@@ -462,28 +874,50 @@ static void *tx_thread(void *arg) {
         }
         pfds[0].fd = tx->wake[0];
         pfds[0].events = POLLIN;
-        for (tx_chan *c = tx->chans, *nc; c; c = nc) {
-            nc = c->next;
+        for (tx_chan *c = tx->chans; c; c = c->next) {
             if (c->state == CH_IDLE && c->n_xfers > 0) chan_connect(tx, c);
             if (c->fd < 0) continue;
             if (now - c->last_rx > tx->p.dead_ms) {
                 char m[128];
-                snprintf(m, sizeof m, "receiver %s:%d silent for %d ms", c->host, c->port, tx->p.dead_ms);
+                snprintf(m, sizeof m, "receiver %s:%d silent for %d ms", c->host, c->port,
+                         tx->p.dead_ms);
                 chan_close(tx, c, CS_ECONNRESET, m);
                 continue;
             }
-            if (c->state == CH_OPEN && !c->qhead && now - c->last_tx >= tx->p.keepalive_ms && c->acked)
-                queue_ctl(tx, c, CS_KVX_PING, 0, NULL, 0, false);
+            if (c->link && !link_poll(tx, c, now)) continue;
+            pump(tx, c);
+            if (c->fd < 0) continue;
+            if (c->state == CH_OPEN && !c->qhead && now - c->last_tx >= tx->p.keepalive_ms &&
+                c->acked)
+                queue_ctl(tx, c, CS_KVX_PING, 0, NULL, 0);
+            if (c->state == CH_OPEN && c->qhead) chan_write(tx, c);
+            if (c->fd < 0) continue;
+            room_check(tx, c);
+            busy |= link_busy(tx, c);
             pfds[n].fd = c->fd;
             pfds[n].events = POLLIN | (c->state == CH_CONNECTING || c->qhead ? POLLOUT : 0);
             pch[n++] = c;
         }
+        /* report first: tearing a link down (ncclCommAbort, stream drain)
+         * may take a while */
         if (tx->ev_head) {
             run_events(tx);
             continue;
         }
+        if (tx->grave) {
+            bury(tx);
+            continue;
+        }
         pthread_mutex_unlock(&tx->mu);
-        int pr = poll(pfds, (nfds_t)n, (int)(wait < 1 ? 1 : wait));
+        /* GPU work cannot wake poll(): while a link has work in flight, poll
+         * it every 200 us. */
+        struct timespec ts;
+        if (busy)
+            ts = (struct timespec){0, 200000};
+        else
+            ts = (struct timespec){(wait < 1 ? 1 : wait) / 1000,
+                                   ((wait < 1 ? 1 : wait) % 1000) * 1000000L};
+        int pr = ppoll(pfds, (nfds_t)n, &ts, NULL);
         pthread_mutex_lock(&tx->mu);
         if (pr < 0) continue;
         if (pfds[0].revents) cs__kvx_drain(tx->wake[0]);
@@ -497,7 +931,8 @@ static void *tx_thread(void *arg) {
                 getsockopt(c->fd, SOL_SOCKET, SO_ERROR, &soerr, &sl);
                 if (soerr) {
                     char m[160];
-                    snprintf(m, sizeof m, "cannot connect to %s:%d: %s", c->host, c->port, strerror(soerr));
+                    snprintf(m, sizeof m, "cannot connect to %s:%d: %s", c->host, c->port,
+                             strerror(soerr));
                     chan_close(tx, c, CS_ECONNREFUSED, m);
                     continue;
                 }
@@ -505,6 +940,8 @@ static void *tx_thread(void *arg) {
             }
             if (rev & (POLLIN | POLLERR | POLLHUP)) chan_read(tx, c);
             if (c->fd >= 0 && (rev & POLLOUT)) chan_write(tx, c);
+            if (c->fd >= 0) pump(tx, c);
+            if (c->fd >= 0) room_check(tx, c);
         }
         run_events(tx);
     }
@@ -514,24 +951,30 @@ static void *tx_thread(void *arg) {
     return NULL;
 }
 
-int cs_kvx_tx_init(const cs_kvx_tx_params *p, cs_kvx_tx **out) {
+int cs__kvx_tx_init_payload(const cs_kvx_tx_params *p, const cs__kvx_payload *pl, cs_kvx_tx **out) {
     *out = NULL;
-    if (!p || !p->name || !p->name[0] || strlen(p->name) >= CS_KVX_NAME_MAX || p->layout.page_bytes == 0 ||
-        p->keepalive_ms <= 0 || p->dead_ms <= p->keepalive_ms)
-        return cs_fail(CS_EINVAL, "kvx tx: bad parameters (name, page_bytes, keepalive_ms < dead_ms)");
+    if (!p || !pl || !p->name || !p->name[0] || strlen(p->name) >= CS_KVX_NAME_MAX ||
+        p->layout.page_bytes == 0 || (!pl->inline_pages && p->layout.page_bytes % 8) ||
+        p->keepalive_ms <= 0 || p->dead_ms <= p->keepalive_ms || !p->pool.base ||
+        p->pool.n_pages < 1 || p->pool.kind != pl->pool_kind || p->n_slots < 1 || p->n_slots > 64 ||
+        p->init_timeout_ms <= 0 || p->op_timeout_ms <= 0 ||
+        (p->max_frame_bytes && p->max_frame_bytes < p->layout.page_bytes))
+        return cs_fail(
+            CS_EINVAL,
+            "kvx tx: bad parameters (name, page_bytes (a multiple of 8 for NCCL), keepalive_ms < "
+            "dead_ms, a pool of the payload's kind, n_slots, timeouts, max_frame_bytes >= "
+            "page_bytes)");
     cs_kvx_tx *tx = calloc(1, sizeof *tx);
     if (!tx) return cs_fail(CS_ENOMEM, "kvx tx: out of memory");
     tx->p = *p;
+    tx->pl = pl;
     snprintf(tx->name, sizeof tx->name, "%s", p->name);
     tx->p.name = tx->name;
+    if (!tx->p.max_frame_bytes) tx->p.max_frame_bytes = pl->inline_pages ? 4u << 20 : 32u << 20;
     if (tx->p.max_frame_bytes < p->layout.page_bytes) tx->p.max_frame_bytes = p->layout.page_bytes;
-    if (!tx->p.incarnation) {
-        /* Increases across restarts of one host's process: wall clock in
-         * microseconds; the pid breaks ties. */
-        struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
-        tx->p.incarnation = ((uint64_t)ts.tv_sec * 1000000u + (uint64_t)ts.tv_nsec / 1000u) << 8 ^ (uint64_t)(getpid() & 0xff);
-    }
+    uint64_t per = tx->p.max_frame_bytes / p->layout.page_bytes;
+    tx->slot_pages = per > (uint64_t)INT32_MAX ? INT32_MAX : (int32_t)per;
+    if (!tx->p.incarnation) tx->p.incarnation = cs__kvx_incarnation();
     tx->fingerprint = cs_kvx_layout_fingerprint(&p->layout);
     int r = cs__kvx_wake_init(tx->wake);
     if (r) goto fail_wake;
@@ -550,6 +993,17 @@ fail_wake:
     return cs_fail(r, "kvx tx: cannot start: %s", cs_strerror(r));
 }
 
+int cs_kvx_tx_init(const cs_kvx_tx_params *p, cs_kvx_tx **out) {
+    *out = NULL;
+    const cs__kvx_payload *pl = p ? cs__kvx_payload_for_pool(p->pool.kind) : NULL;
+    if (p && !pl)
+        return cs_fail(
+            p->pool.kind == CS_KVX_POOL_CUDA ? CS_ENOTSUP : CS_EINVAL,
+            "kvx tx: no payload for a pool of kind %d in this build (CUDA pools need CUDA + NCCL)",
+            p->pool.kind);
+    return cs__kvx_tx_init_payload(p, pl, out);
+}
+
 void cs_kvx_tx_free(cs_kvx_tx *tx) {
     if (!tx) return;
     pthread_mutex_lock(&tx->mu);
@@ -562,8 +1016,10 @@ void cs_kvx_tx_free(cs_kvx_tx *tx) {
         tx_chan *c = tx->chans;
         chan_close(tx, c, CS_ECANCELED, "sender shut down");
         tx->chans = c->next;
+        free(c->slots);
         free(c);
     }
+    bury(tx);
     run_events(tx);
     pthread_mutex_unlock(&tx->mu);
     pthread_mutex_destroy(&tx->mu);
@@ -571,12 +1027,20 @@ void cs_kvx_tx_free(cs_kvx_tx *tx) {
     free(tx);
 }
 
-uint64_t cs_kvx_tx_incarnation(const cs_kvx_tx *tx) { return tx->p.incarnation; }
+uint64_t cs_kvx_tx_incarnation(const cs_kvx_tx *tx) {
+    return tx->p.incarnation;
+}
+int cs_kvx_tx_payload(const cs_kvx_tx *tx) {
+    return tx->pl->kind;
+}
 
-int cs_kvx_tx_begin(cs_kvx_tx *tx, const char *host, int port, uint64_t xfer_id, int32_t total_pages,
-                    int32_t deadline_ms, cs_kvx_done_fn done, void *arg) {
-    if (!host || strlen(host) >= 256 || port <= 0 || port > 65535 || total_pages < 1 || deadline_ms <= 0 || !done)
-        return cs_fail(CS_EINVAL, "kvx tx: bad transfer (host, port, total_pages >= 1, deadline_ms > 0, done)");
+int cs_kvx_tx_begin(cs_kvx_tx *tx, const char *host, int port, uint64_t xfer_id,
+                    int32_t total_pages, int32_t deadline_ms, cs_kvx_done_fn done, void *arg) {
+    if (!host || strlen(host) >= 256 || port <= 0 || port > 65535 || total_pages < 1 ||
+        deadline_ms <= 0 || !done)
+        return cs_fail(
+            CS_EINVAL,
+            "kvx tx: bad transfer (host, port, total_pages >= 1, deadline_ms > 0, done)");
     pthread_mutex_lock(&tx->mu);
     int r = 0;
     if (find_xfer(tx, xfer_id)) {
@@ -586,13 +1050,16 @@ int cs_kvx_tx_begin(cs_kvx_tx *tx, const char *host, int port, uint64_t xfer_id,
     tx_chan *ch = find_chan(tx, host, port);
     if (!ch) {
         ch = calloc(1, sizeof *ch);
-        if (!ch) {
+        tx_slot *slots = calloc((size_t)tx->p.n_slots, sizeof *slots);
+        if (!ch || !slots) {
+            free(ch), free(slots);
             r = cs_fail(CS_ENOMEM, "kvx tx: out of memory");
             goto out;
         }
         snprintf(ch->host, sizeof ch->host, "%s", host);
         ch->port = port;
         ch->fd = -1;
+        ch->slots = slots;
         ch->next = tx->chans;
         tx->chans = ch;
     }
@@ -607,7 +1074,6 @@ int cs_kvx_tx_begin(cs_kvx_tx *tx, const char *host, int port, uint64_t xfer_id,
     x->deadline = cs__kvx_now_ms() + deadline_ms;
     x->done = done;
     x->arg = arg;
-    XXH64_reset(&x->hash, 0);
     x->next = tx->xfers;
     tx->xfers = x;
     ch->n_xfers++;
@@ -619,94 +1085,91 @@ out:
     return r;
 }
 
-static int send_common(cs_kvx_tx *tx, uint64_t xfer_id, int32_t first_page, int32_t n_pages, const void *data,
-                       const void *const *pagev, cs_kvx_release_fn release, void *arg) {
+static void item_push(tx_chan *ch, tx_item *it) {
+    it->next = NULL;
+    if (ch->itail)
+        ch->itail->next = it;
+    else
+        ch->ihead = it;
+    ch->itail = it;
+}
+
+int cs_kvx_tx_send_pages(cs_kvx_tx *tx, uint64_t xfer_id, int32_t first_page, int32_t n_pages,
+                         const int32_t *page_ids, cs_kvx_release_fn release, void *arg) {
     int r = 0;
     tx_send *s = NULL;
+    tx_item **items = NULL;
+    int32_t nit = 0;
     pthread_mutex_lock(&tx->mu);
     tx_xfer *x = find_xfer(tx, xfer_id);
     if (!x || x->fail || x->trailer_queued) {
         r = cs_fail(CS_ENOENT, "kvx tx: transfer %llu is not open", (unsigned long long)xfer_id);
         goto fail;
     }
-    if (n_pages < 1 || first_page != x->queued_pages || n_pages > x->total_pages - x->queued_pages || (!data && !pagev)) {
+    if (n_pages < 1 || first_page != x->queued_pages ||
+        n_pages > x->total_pages - x->queued_pages || !page_ids) {
         r = cs_fail(CS_EINVAL, "kvx tx: transfer %llu: pages %d+%d out of order (queued %d of %d)",
-                     (unsigned long long)xfer_id, first_page, n_pages, x->queued_pages, x->total_pages);
+                    (unsigned long long)xfer_id, first_page, n_pages, x->queued_pages,
+                    x->total_pages);
         goto fail;
     }
+    for (int32_t i = 0; i < n_pages; i++)
+        if (page_ids[i] < 0 || page_ids[i] >= tx->p.pool.n_pages) {
+            r = cs_fail(CS_EINVAL, "kvx tx: transfer %llu: page id %d outside the pool (%d pages)",
+                        (unsigned long long)xfer_id, page_ids[i], tx->p.pool.n_pages);
+            goto fail;
+        }
     size_t pb = (size_t)tx->p.layout.page_bytes;
-    if (x->ch->queued_bytes + (size_t)n_pages * pb > tx->p.max_queued_bytes && x->ch->queued_bytes > 0) {
-        r = cs_fail(CS_EAGAIN, "kvx tx: channel to %s:%d full (%zu bytes queued)", x->ch->host, x->ch->port,
-                     x->ch->queued_bytes);
+    tx_chan *ch = x->ch;
+    if (ch->queued_bytes + (size_t)n_pages * pb > tx->p.max_queued_bytes && ch->queued_bytes > 0) {
+        x->want_room = true;
+        tx->st.room_waits++;
+        r = cs_fail(CS_EAGAIN, "kvx tx: channel to %s:%d full (%zu bytes queued)", ch->host,
+                    ch->port, ch->queued_bytes);
         goto fail;
     }
-    s = calloc(1, sizeof *s);
+    s = malloc(sizeof *s + (size_t)n_pages * sizeof *s->ids);
     if (!s) goto nomem;
-    if (pagev) {
-        s->pages = malloc((size_t)n_pages * sizeof *s->pages);
-        if (!s->pages) goto nomem;
-        memcpy(s->pages, pagev, (size_t)n_pages * sizeof *s->pages);
-    }
+    memcpy(s->ids, page_ids, (size_t)n_pages * sizeof *s->ids);
+    s->n = n_pages;
+    s->refs = 0;
     s->release = release;
     s->arg = arg;
-    int32_t per = (int32_t)(tx->p.max_frame_bytes / pb);
-    if (per < 1) per = 1;
-    int32_t nfr = (n_pages + per - 1) / per;
-    kvx_out **outs = calloc((size_t)nfr, sizeof *outs);
-    if (!outs) goto nomem;
-    for (int32_t i = 0; i < nfr; i++) {
-        outs[i] = calloc(1, sizeof **outs);
-        if (!outs[i]) {
-            for (int32_t j = 0; j < i; j++) free(outs[j]);
-            free(outs);
-            goto nomem;
-        }
-    }
-    for (int32_t i = 0; i < nfr; i++) {
-        kvx_out *o = outs[i];
+    int32_t per = tx->slot_pages;
+    nit = (n_pages + per - 1) / per;
+    items = calloc((size_t)nit, sizeof *items);
+    if (!items) goto nomem;
+    for (int32_t i = 0; i < nit; i++)
+        if (!(items[i] = calloc(1, sizeof **items))) goto nomem;
+    for (int32_t i = 0; i < nit; i++) {
+        tx_item *it = items[i];
         int32_t p0 = i * per, np = n_pages - p0 < per ? n_pages - p0 : per;
-        o->type = CS_KVX_PAGES;
-        o->xfer_id = xfer_id;
-        o->h.type = CS_KVX_PAGES;
-        o->h.epoch = tx->p.incarnation;
-        o->h.xfer_id = xfer_id;
-        o->h.first_page = (uint32_t)(first_page + p0);
-        o->h.n_pages = (uint32_t)np;
-        o->h.fingerprint = tx->fingerprint;
-        o->h.payload_len = (uint64_t)np * pb;
-        if (s->pages) o->pages = (const void *const *)s->pages + p0;
-        else o->data = (const uint8_t *)data + (size_t)p0 * pb;
-        o->n_pages = np;
-        o->page_bytes = pb;
-        o->owner = s;
-        o->xfer = x;
-        o->total = CS_KVX_HDR_BYTES + (size_t)np * pb;
+        it->kind = IT_CHUNK;
+        it->x = x;
+        it->first_page = first_page + p0;
+        it->n_pages = np;
+        it->ids = s->ids + p0;
+        it->send = s;
+        it->slot = -1;
         s->refs++;
-        enqueue(x->ch, o);
+        ch->queued_bytes += (size_t)np * pb;
+        item_push(ch, it);
     }
-    free(outs);
+    free(items);
     x->queued_pages += n_pages;
     cs__kvx_wake(tx->wake[1]);
     pthread_mutex_unlock(&tx->mu);
     return 0;
 nomem:
     r = cs_fail(CS_ENOMEM, "kvx tx: out of memory");
+    if (items)
+        for (int32_t i = 0; i < nit; i++)
+            free(items[i]);
+    free(items);
 fail:
     pthread_mutex_unlock(&tx->mu);
-    if (s) free(s->pages);
     free(s);
-    if (release) release(arg);
     return r;
-}
-
-int cs_kvx_tx_send_pages(cs_kvx_tx *tx, uint64_t xfer_id, int32_t first_page, int32_t n_pages, const void *data,
-                         cs_kvx_release_fn release, void *arg) {
-    return send_common(tx, xfer_id, first_page, n_pages, data, NULL, release, arg);
-}
-
-int cs_kvx_tx_send_pagev(cs_kvx_tx *tx, uint64_t xfer_id, int32_t first_page, int32_t n_pages,
-                         const void *const *pages, cs_kvx_release_fn release, void *arg) {
-    return send_common(tx, xfer_id, first_page, n_pages, NULL, pages, release, arg);
 }
 
 int cs_kvx_tx_finish(cs_kvx_tx *tx, uint64_t xfer_id, const cs_kvx_trailer *t) {
@@ -715,25 +1178,21 @@ int cs_kvx_tx_finish(cs_kvx_tx *tx, uint64_t xfer_id, const cs_kvx_trailer *t) {
     tx_xfer *x = find_xfer(tx, xfer_id);
     if (!x || x->fail || x->trailer_queued) {
         r = cs_fail(CS_ENOENT, "kvx tx: transfer %llu is not open", (unsigned long long)xfer_id);
-    } else if (!t || t->total_pages != x->total_pages || x->queued_pages != x->total_pages || t->first_token < 0 ||
-               t->prompt_len < 0) {
+    } else if (!t || t->total_pages != x->total_pages || x->queued_pages != x->total_pages ||
+               t->first_token < 0 || t->prompt_len < 0) {
         r = cs_fail(CS_EINVAL, "kvx tx: transfer %llu: trailer with %d pages after %d of %d queued",
-                     (unsigned long long)xfer_id, t ? t->total_pages : -1, x->queued_pages, x->total_pages);
+                    (unsigned long long)xfer_id, t ? t->total_pages : -1, x->queued_pages,
+                    x->total_pages);
     } else {
-        kvx_out *o = calloc(1, sizeof *o);
-        if (!o) {
+        tx_item *it = calloc(1, sizeof *it);
+        if (!it) {
             r = cs_fail(CS_ENOMEM, "kvx tx: out of memory");
         } else {
-            /* sealed on the I/O thread, once every page before it is hashed */
-            o->type = CS_KVX_TRAILER;
-            o->xfer_id = xfer_id;
-            o->h.first_page = (uint32_t)t->first_token;
-            o->h.n_pages = (uint32_t)t->prompt_len;
-            o->h.payload_xxh64 = (uint64_t)t->total_pages;
-            o->h.fingerprint = tx->fingerprint;
-            o->xfer = x;
-            o->total = CS_KVX_HDR_BYTES + CS_KVX_TRAILER_BYTES;
-            enqueue(x->ch, o);
+            it->kind = IT_TRAILER;
+            it->x = x;
+            it->t = *t;
+            it->slot = -1;
+            item_push(x->ch, it);
             x->trailer_queued = true;
             cs__kvx_wake(tx->wake[1]);
         }
@@ -746,8 +1205,10 @@ int cs_kvx_tx_abort(cs_kvx_tx *tx, uint64_t xfer_id) {
     pthread_mutex_lock(&tx->mu);
     int r = 0;
     tx_xfer *x = find_xfer(tx, xfer_id);
-    if (!x || x->fail) r = cs_fail(CS_ENOENT, "kvx tx: transfer %llu is not open", (unsigned long long)xfer_id);
-    else x->fail = CS_ECANCELED;
+    if (!x || x->fail)
+        r = cs_fail(CS_ENOENT, "kvx tx: transfer %llu is not open", (unsigned long long)xfer_id);
+    else
+        x->fail = CS_ECANCELED;
     cs__kvx_wake(tx->wake[1]);
     pthread_mutex_unlock(&tx->mu);
     return r;

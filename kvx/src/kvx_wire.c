@@ -9,34 +9,43 @@
 
 #include "chunkserve/error.h"
 
-static void put16(uint8_t *p, uint16_t v) { p[0] = (uint8_t)v, p[1] = (uint8_t)(v >> 8); }
+static void put16(uint8_t *p, uint16_t v) {
+    p[0] = (uint8_t)v, p[1] = (uint8_t)(v >> 8);
+}
 static void put32(uint8_t *p, uint32_t v) {
-    for (int i = 0; i < 4; i++) p[i] = (uint8_t)(v >> (8 * i));
+    for (int i = 0; i < 4; i++)
+        p[i] = (uint8_t)(v >> (8 * i));
 }
 static void put64(uint8_t *p, uint64_t v) {
-    for (int i = 0; i < 8; i++) p[i] = (uint8_t)(v >> (8 * i));
+    for (int i = 0; i < 8; i++)
+        p[i] = (uint8_t)(v >> (8 * i));
 }
-static uint16_t get16(const uint8_t *p) { return (uint16_t)(p[0] | (p[1] << 8)); }
+static uint16_t get16(const uint8_t *p) {
+    return (uint16_t)(p[0] | (p[1] << 8));
+}
 static uint32_t get32(const uint8_t *p) {
     uint32_t v = 0;
-    for (int i = 3; i >= 0; i--) v = (v << 8) | p[i];
+    for (int i = 3; i >= 0; i--)
+        v = (v << 8) | p[i];
     return v;
 }
 static uint64_t get64(const uint8_t *p) {
     uint64_t v = 0;
-    for (int i = 7; i >= 0; i--) v = (v << 8) | p[i];
+    for (int i = 7; i >= 0; i--)
+        v = (v << 8) | p[i];
     return v;
 }
 
-#define FAIL(code, ...)                                   \
-    do {                                                  \
-        if (err && errlen) snprintf(err, errlen, __VA_ARGS__); \
-        return (code);                                    \
+#define FAIL(code, ...)                                                                            \
+    do {                                                                                           \
+        if (err && errlen) snprintf(err, errlen, __VA_ARGS__);                                     \
+        return (code);                                                                             \
     } while (0)
 
 const char *cs_kvx_frame_type_name(int type) {
-    static const char *const names[] = {"?",     "HELLO", "HELLO_ACK", "PAGES",      "TRAILER",   "ABORT",
-                                        "DONE",  "PING",  "NCCL_ID",   "NCCL_READY", "NCCL_PAGES"};
+    static const char *const names[] = {"?",       "HELLO",      "HELLO_ACK", "PAGES",
+                                        "TRAILER", "ABORT",      "DONE",      "PING",
+                                        "NCCL_ID", "NCCL_READY", "NCCL_PAGES"};
     return type >= 1 && type <= CS_KVX_NCCL_TYPE_MAX ? names[type] : "unknown";
 }
 
@@ -81,8 +90,13 @@ void cs_kvx_hdr_encode(const cs_kvx_hdr *h, uint8_t out[CS_KVX_HDR_BYTES]) {
     put32(out + 12, XXH32(out, CS_KVX_HDR_BYTES, 0));
 }
 
-static int hdr_decode(const uint8_t in[CS_KVX_HDR_BYTES], const cs_kvx_limits *lim, bool nccl, cs_kvx_hdr *h,
+uint64_t cs_kvx_payload_sum(const void *payload, size_t len) {
+    return XXH3_64bits(payload, len);
+}
+
+int cs_kvx_hdr_decode(const uint8_t in[CS_KVX_HDR_BYTES], const cs_kvx_limits *lim, cs_kvx_hdr *h,
                       char *err, size_t errlen) {
+    bool nccl = lim->payload == CS_KVX_PAYLOAD_NCCL;
     uint32_t magic = get32(in);
     if (magic != CS_KVX_MAGIC) FAIL(CS_EBADMSG, "kvx: bad frame magic %08x", magic);
     uint8_t tmp[CS_KVX_HDR_BYTES];
@@ -100,13 +114,16 @@ static int hdr_decode(const uint8_t in[CS_KVX_HDR_BYTES], const cs_kvx_limits *l
     h->fingerprint = get64(in + 40);
     h->payload_len = get64(in + 48);
     h->payload_xxh64 = get64(in + 56);
-    if (h->version != CS_KVX_VERSION) FAIL(CS_EPROTO, "kvx: unsupported frame version %u", h->version);
+    if (h->version != CS_KVX_VERSION)
+        FAIL(CS_EPROTO, "kvx: unsupported frame version %u", h->version);
     uint32_t allowed = CS_KVX_FLAG_CHECKSUM;
-    if (nccl && h->type == CS_KVX_HELLO) allowed |= CS_KVX_FLAG_NCCL;
+    if (h->type == CS_KVX_HELLO) allowed |= CS_KVX_FLAG_NCCL; /* the receiver checks the payload */
     if (h->flags & ~allowed) FAIL(CS_EBADMSG, "kvx: unknown frame flags %#x", h->flags);
     uint64_t want;
-    /* NCCL channel types are unknown types to a TCP reader */
-    int type = h->type > CS_KVX_TYPE_MAX && !nccl ? 0 : h->type;
+    if (h->type > CS_KVX_TYPE_MAX && h->type <= CS_KVX_NCCL_TYPE_MAX && !nccl)
+        FAIL(CS_EPROTO, "kvx: %s frame on a tcp channel (the page bytes travel inline)",
+             cs_kvx_frame_type_name(h->type));
+    int type = h->type;
     switch (type) {
     case CS_KVX_HELLO: want = CS_KVX_HELLO_BYTES; break;
     case CS_KVX_HELLO_ACK: want = CS_KVX_ACK_BYTES; break;
@@ -119,47 +136,42 @@ static int hdr_decode(const uint8_t in[CS_KVX_HDR_BYTES], const cs_kvx_limits *l
     case CS_KVX_NCCL_PAGES:
         if (h->n_pages == 0) FAIL(CS_EBADMSG, "kvx: NCCL_PAGES frame with 0 pages");
         if (lim->page_bytes == 0 || h->n_pages > lim->max_payload / lim->page_bytes)
-            FAIL(CS_EBADMSG, "kvx: NCCL_PAGES chunk of %u pages exceeds the %llu-byte chunk limit", h->n_pages,
-                 (unsigned long long)lim->max_payload);
+            FAIL(CS_EBADMSG, "kvx: NCCL_PAGES chunk of %u pages exceeds the %llu-byte chunk limit",
+                 h->n_pages, (unsigned long long)lim->max_payload);
         want = CS_KVX_NCCL_DESC_BYTES;
         break;
     case CS_KVX_PAGES:
-        if (nccl) FAIL(CS_EPROTO, "kvx: PAGES frame on an NCCL channel (page bytes travel over NCCL)");
+        if (nccl)
+            FAIL(CS_EPROTO,
+                 "kvx: PAGES frame on an nccl channel (the page bytes travel over NCCL)");
         if (h->n_pages == 0) FAIL(CS_EBADMSG, "kvx: PAGES frame with 0 pages");
         if (lim->page_bytes == 0 || h->n_pages > lim->max_payload / lim->page_bytes)
-            FAIL(CS_EBADMSG, "kvx: PAGES frame of %u pages exceeds the %llu-byte frame limit", h->n_pages,
-                 (unsigned long long)lim->max_payload);
+            FAIL(CS_EBADMSG, "kvx: PAGES frame of %u pages exceeds the %llu-byte frame limit",
+                 h->n_pages, (unsigned long long)lim->max_payload);
         want = (uint64_t)h->n_pages * lim->page_bytes;
         break;
     default: FAIL(CS_EPROTO, "kvx: unknown frame type %u", h->type);
     }
     if (h->payload_len != want)
-        FAIL(CS_EBADMSG, "kvx: %s frame payload length %llu, expected %llu", cs_kvx_frame_type_name(h->type),
-             (unsigned long long)h->payload_len, (unsigned long long)want);
+        FAIL(CS_EBADMSG, "kvx: %s frame payload length %llu, expected %llu",
+             cs_kvx_frame_type_name(h->type), (unsigned long long)h->payload_len,
+             (unsigned long long)want);
     return 0;
-}
-
-int cs_kvx_hdr_decode(const uint8_t in[CS_KVX_HDR_BYTES], const cs_kvx_limits *lim, cs_kvx_hdr *h,
-                      char *err, size_t errlen) {
-    return hdr_decode(in, lim, false, h, err, errlen);
-}
-
-int cs_kvx_hdr_decode_nccl(const uint8_t in[CS_KVX_HDR_BYTES], const cs_kvx_limits *lim, cs_kvx_hdr *h, char *err,
-                           size_t errlen) {
-    return hdr_decode(in, lim, true, h, err, errlen);
 }
 
 int cs_kvx_payload_check(const cs_kvx_hdr *h, const void *payload, bool require_checksum, char *err,
                          size_t errlen) {
     if (!(h->flags & CS_KVX_FLAG_CHECKSUM)) {
         if (require_checksum && h->payload_len)
-            FAIL(CS_EBADMSG, "kvx: %s frame without the required checksum", cs_kvx_frame_type_name(h->type));
+            FAIL(CS_EBADMSG, "kvx: %s frame without the required checksum",
+                 cs_kvx_frame_type_name(h->type));
         return 0;
     }
-    uint64_t sum = XXH64(payload, (size_t)h->payload_len, 0);
+    uint64_t sum = cs_kvx_payload_sum(payload, (size_t)h->payload_len);
     if (sum != h->payload_xxh64)
         FAIL(CS_EBADMSG, "kvx: %s frame payload checksum mismatch (transfer %llu, pages %u+%u)",
-             cs_kvx_frame_type_name(h->type), (unsigned long long)h->xfer_id, h->first_page, h->n_pages);
+             cs_kvx_frame_type_name(h->type), (unsigned long long)h->xfer_id, h->first_page,
+             h->n_pages);
     return 0;
 }
 
@@ -205,7 +217,8 @@ void cs_kvx_trailer_encode(const cs_kvx_trailer_wire *t, uint8_t out[CS_KVX_TRAI
     put64(out + 16, t->xxh64);
 }
 
-int cs_kvx_trailer_decode(const uint8_t *in, size_t len, cs_kvx_trailer_wire *t, char *err, size_t errlen) {
+int cs_kvx_trailer_decode(const uint8_t *in, size_t len, cs_kvx_trailer_wire *t, char *err,
+                          size_t errlen) {
     if (len != CS_KVX_TRAILER_BYTES) FAIL(CS_EBADMSG, "kvx: TRAILER payload of %zu bytes", len);
     t->t.first_token = (int32_t)get32(in + 0);
     t->t.prompt_len = (int32_t)get32(in + 4);
@@ -237,31 +250,35 @@ void cs_kvx_nccl_desc_encode(const cs_kvx_nccl_desc *d, uint8_t out[CS_KVX_NCCL_
 
 int cs_kvx_nccl_desc_decode(const uint8_t *in, size_t len, const cs_kvx_hdr *h, uint64_t page_bytes,
                             cs_kvx_nccl_desc *d, char *err, size_t errlen) {
-    if (len != CS_KVX_NCCL_DESC_BYTES) FAIL(CS_EBADMSG, "kvx: NCCL_PAGES payload of %zu bytes", len);
+    if (len != CS_KVX_NCCL_DESC_BYTES)
+        FAIL(CS_EBADMSG, "kvx: NCCL_PAGES payload of %zu bytes", len);
     d->bytes = get64(in + 0);
     d->sum = get64(in + 8);
     d->flags = get32(in + 16);
-    if (d->flags & ~CS_KVX_DESC_SUM) FAIL(CS_EBADMSG, "kvx: NCCL_PAGES with unknown flags %#x", d->flags);
+    if (d->flags & ~CS_KVX_DESC_SUM)
+        FAIL(CS_EBADMSG, "kvx: NCCL_PAGES with unknown flags %#x", d->flags);
     if (get32(in + 20) != 0) FAIL(CS_EBADMSG, "kvx: NCCL_PAGES with non-zero padding");
     if (d->bytes != (uint64_t)h->n_pages * page_bytes)
-        FAIL(CS_EBADMSG, "kvx: NCCL_PAGES of %u pages announces %llu bytes, expected %llu", h->n_pages,
-             (unsigned long long)d->bytes, (unsigned long long)((uint64_t)h->n_pages * page_bytes));
+        FAIL(CS_EBADMSG, "kvx: NCCL_PAGES of %u pages announces %llu bytes, expected %llu",
+             h->n_pages, (unsigned long long)d->bytes,
+             (unsigned long long)((uint64_t)h->n_pages * page_bytes));
     return 0;
 }
 
-static int decode_stream(const uint8_t *buf, size_t len, const cs_kvx_limits *lim, bool nccl, char *err,
+int cs_kvx_decode_stream(const uint8_t *buf, size_t len, const cs_kvx_limits *lim, char *err,
                          size_t errlen) {
     int n = 0;
     size_t off = 0;
     while (off < len) {
-        if (len - off < CS_KVX_HDR_BYTES) FAIL(CS_EBADMSG, "kvx: truncated frame header (%zu bytes)", len - off);
+        if (len - off < CS_KVX_HDR_BYTES)
+            FAIL(CS_EBADMSG, "kvx: truncated frame header (%zu bytes)", len - off);
         cs_kvx_hdr h;
-        int r = hdr_decode(buf + off, lim, nccl, &h, err, errlen);
+        int r = cs_kvx_hdr_decode(buf + off, lim, &h, err, errlen);
         if (r) return r;
         off += CS_KVX_HDR_BYTES;
         if (h.payload_len > len - off)
-            FAIL(CS_EBADMSG, "kvx: truncated %s frame payload (%zu of %llu bytes)", cs_kvx_frame_type_name(h.type),
-                 len - off, (unsigned long long)h.payload_len);
+            FAIL(CS_EBADMSG, "kvx: truncated %s frame payload (%zu of %llu bytes)",
+                 cs_kvx_frame_type_name(h.type), len - off, (unsigned long long)h.payload_len);
         const uint8_t *p = buf + off;
         size_t pl = (size_t)h.payload_len;
         r = cs_kvx_payload_check(&h, p, false, err, errlen);
@@ -278,7 +295,9 @@ static int decode_stream(const uint8_t *buf, size_t len, const cs_kvx_limits *li
             r = cs_kvx_ack_decode(p, pl, &st, msg, sizeof msg);
             if (r) FAIL(r, "kvx: %s with a positive status %d", cs_kvx_frame_type_name(h.type), st);
             break;
-        case CS_KVX_NCCL_PAGES: r = cs_kvx_nccl_desc_decode(p, pl, &h, lim->page_bytes, &desc, err, errlen); break;
+        case CS_KVX_NCCL_PAGES:
+            r = cs_kvx_nccl_desc_decode(p, pl, &h, lim->page_bytes, &desc, err, errlen);
+            break;
         case CS_KVX_TRAILER: r = cs_kvx_trailer_decode(p, pl, &tw, err, errlen); break;
         case CS_KVX_ABORT:
         case CS_KVX_DONE: r = cs_kvx_status_decode(p, pl, &st, err, errlen); break;
@@ -289,12 +308,4 @@ static int decode_stream(const uint8_t *buf, size_t len, const cs_kvx_limits *li
         n++;
     }
     return n;
-}
-
-int cs_kvx_decode_stream(const uint8_t *buf, size_t len, const cs_kvx_limits *lim, char *err, size_t errlen) {
-    return decode_stream(buf, len, lim, false, err, errlen);
-}
-
-int cs_kvx_decode_stream_nccl(const uint8_t *buf, size_t len, const cs_kvx_limits *lim, char *err, size_t errlen) {
-    return decode_stream(buf, len, lim, true, err, errlen);
 }

@@ -8,13 +8,17 @@
  *  16 epoch u64 (incarnation of the frame's writer)
  *  24 xfer_id u64   32 first_page u32   36 n_pages u32
  *  40 fingerprint u64 (cs_kvx_layout_fingerprint)
- *  48 payload_len u64   56 payload_xxh64 u64 (when flags & CHECKSUM)
+ *  48 payload_len u64   56 payload_xxh64 u64 (XXH3-64 of the payload, when
+ *  flags & CHECKSUM)
  * then payload_len bytes. Control payloads have fixed sizes (below).
  *
- * NCCL channels (chunkserve/kvx_nccl.h) add three frame types and one HELLO
- * flag, all additive within version 1: only the *_nccl decoders accept them,
- * so a TCP peer refuses them exactly as it refuses any unknown type or flag
- * (and an NCCL reader refuses PAGES). */
+ * The channel's payload (kvx.h) decides which data frames it carries: TCP
+ * channels PAGES (the page bytes follow the header), NCCL channels
+ * NCCL_ID / NCCL_READY / NCCL_PAGES (descriptors; the bytes go over NCCL).
+ * A reader decodes with its own payload (cs_kvx_limits.payload) and refuses
+ * the other's data frames. HELLO announces the sender's payload (flag NCCL);
+ * the receiver refuses one it does not speak, naming both.
+ * Version 2: XXH3 payload checksums, trailer = fold of the chunk checksums. */
 #ifndef CS_KVX_WIRE_H
 #define CS_KVX_WIRE_H
 
@@ -25,10 +29,10 @@
 #include "chunkserve/kvx.h"
 
 #define CS_KVX_MAGIC 0x564b5343u /* "CSKV" */
-#define CS_KVX_VERSION 1
+#define CS_KVX_VERSION 2
 #define CS_KVX_HDR_BYTES 64
 #define CS_KVX_FLAG_CHECKSUM 1u
-#define CS_KVX_FLAG_NCCL 2u /* HELLO only, NCCL channels only: page bytes travel over NCCL */
+#define CS_KVX_FLAG_NCCL 2u /* HELLO only: the sender's payload is NCCL (else TCP) */
 #define CS_KVX_NAME_MAX 64
 
 enum cs_kvx_frame_type {
@@ -40,18 +44,20 @@ enum cs_kvx_frame_type {
     CS_KVX_DONE = 6,      /* rx -> tx: the transfer's final status */
     CS_KVX_PING = 7,      /* either way, empty */
     CS_KVX_TYPE_MAX = 7,  /* the last type of a TCP channel */
-    /* NCCL channels only (cs_kvx_hdr_decode_nccl): */
+    /* NCCL channels only: */
     CS_KVX_NCCL_ID = 8,    /* tx -> rx: the ncclUniqueId of the channel's communicator */
-    CS_KVX_NCCL_READY = 9, /* rx -> tx: ACK payload: communicator ready (0) or why not; n_pages = receiver's
-                              chunk limit in pages */
-    CS_KVX_NCCL_PAGES = 10, /* tx -> rx: chunk descriptor: pages first_page + n_pages follow over NCCL */
+    CS_KVX_NCCL_READY = 9, /* rx -> tx: ACK payload: communicator ready (0) or why not; n_pages =
+                              receiver's chunk limit in pages */
+    CS_KVX_NCCL_PAGES =
+        10, /* tx -> rx: chunk descriptor: pages first_page + n_pages follow over NCCL */
     CS_KVX_NCCL_TYPE_MAX = 10
 };
 
-#define CS_KVX_HELLO_BYTES 96  /* layout (32) + name (64) */
-#define CS_KVX_ACK_BYTES 128   /* status i32, pad, message (120) */
-#define CS_KVX_TRAILER_BYTES 24 /* first_token, prompt_len, total_pages, pad, xxh64 of all pages */
-#define CS_KVX_STATUS_BYTES 8  /* status i32, pad (ABORT, DONE) */
+#define CS_KVX_HELLO_BYTES 96 /* layout (32) + name (64) */
+#define CS_KVX_ACK_BYTES 128  /* status i32, pad, message (120) */
+#define CS_KVX_TRAILER_BYTES                                                                       \
+    24 /* first_token, prompt_len, total_pages, pad, fold of the chunk checksums */
+#define CS_KVX_STATUS_BYTES 8     /* status i32, pad (ABORT, DONE) */
 #define CS_KVX_NCCL_ID_BYTES 128  /* ncclUniqueId, opaque */
 #define CS_KVX_NCCL_DESC_BYTES 24 /* bytes u64, sum u64, flags u32, pad */
 #define CS_KVX_DESC_SUM 1u        /* descriptor flag: sum holds the device sum of the chunk */
@@ -71,34 +77,33 @@ typedef struct {
 
 typedef struct {
     cs_kvx_trailer t;
-    uint64_t xxh64; /* of every page's bytes in order */
+    uint64_t xxh64; /* cs__kvx_fold of every chunk's checksum, in order */
 } cs_kvx_trailer_wire;
 
 /* An NCCL_PAGES payload: what the ncclSend that follows carries. */
 typedef struct {
     uint64_t bytes; /* n_pages * page_bytes */
-    uint64_t sum;   /* KV sum of those bytes (kvx_nccl-impl.h), when flags & CS_KVX_DESC_SUM */
+    uint64_t sum;   /* KV sum of those bytes (kvx-impl.h), when flags & CS_KVX_DESC_SUM */
     uint32_t flags;
 } cs_kvx_nccl_desc;
 
 /* What the reader accepts: page_bytes of its layout, its largest payload
- * (NCCL channels: the largest chunk of pages, in bytes). */
+ * (NCCL channels: the largest chunk of pages, in bytes), its payload. */
 typedef struct {
     uint64_t page_bytes;
     uint64_t max_payload;
+    int payload; /* enum cs_kvx_payload */
 } cs_kvx_limits;
 
 void cs_kvx_hdr_encode(const cs_kvx_hdr *h, uint8_t out[CS_KVX_HDR_BYTES]);
 /* 0, or CS_EBADMSG / CS_EPROTO with a message in err: bad magic, version,
- * header checksum, type, or a payload length that does not fit the type
- * (PAGES: n_pages >= 1 and payload_len == n_pages * page_bytes <= max_payload;
- * NCCL_PAGES: n_pages >= 1 and n_pages * page_bytes <= max_payload). */
+ * header checksum, flags, a type the channel's payload does not carry
+ * (PAGES on NCCL channels, NCCL_* on TCP ones), or a payload length that does
+ * not fit the type (PAGES: n_pages >= 1 and payload_len == n_pages *
+ * page_bytes <= max_payload; NCCL_PAGES: n_pages >= 1 and n_pages *
+ * page_bytes <= max_payload). */
 int cs_kvx_hdr_decode(const uint8_t in[CS_KVX_HDR_BYTES], const cs_kvx_limits *lim, cs_kvx_hdr *h,
                       char *err, size_t errlen);
-/* The same for an NCCL channel: also NCCL_ID, NCCL_READY, NCCL_PAGES and the
- * HELLO flag CS_KVX_FLAG_NCCL; PAGES is refused (CS_EPROTO). */
-int cs_kvx_hdr_decode_nccl(const uint8_t in[CS_KVX_HDR_BYTES], const cs_kvx_limits *lim, cs_kvx_hdr *h, char *err,
-                           size_t errlen);
 /* Payload checksum check (when flagged); CS_EBADMSG on mismatch. */
 int cs_kvx_payload_check(const cs_kvx_hdr *h, const void *payload, bool require_checksum, char *err,
                          size_t errlen);
@@ -108,7 +113,8 @@ int cs_kvx_hello_decode(const uint8_t *in, size_t len, cs_kvx_hello *m, char *er
 void cs_kvx_ack_encode(int32_t status, const char *msg, uint8_t out[CS_KVX_ACK_BYTES]);
 int cs_kvx_ack_decode(const uint8_t *in, size_t len, int32_t *status, char *msg, size_t msglen);
 void cs_kvx_trailer_encode(const cs_kvx_trailer_wire *t, uint8_t out[CS_KVX_TRAILER_BYTES]);
-int cs_kvx_trailer_decode(const uint8_t *in, size_t len, cs_kvx_trailer_wire *t, char *err, size_t errlen);
+int cs_kvx_trailer_decode(const uint8_t *in, size_t len, cs_kvx_trailer_wire *t, char *err,
+                          size_t errlen);
 void cs_kvx_status_encode(int32_t status, uint8_t out[CS_KVX_STATUS_BYTES]);
 int cs_kvx_status_decode(const uint8_t *in, size_t len, int32_t *status, char *err, size_t errlen);
 void cs_kvx_nccl_desc_encode(const cs_kvx_nccl_desc *d, uint8_t out[CS_KVX_NCCL_DESC_BYTES]);
@@ -116,11 +122,14 @@ void cs_kvx_nccl_desc_encode(const cs_kvx_nccl_desc *d, uint8_t out[CS_KVX_NCCL_
 int cs_kvx_nccl_desc_decode(const uint8_t *in, size_t len, const cs_kvx_hdr *h, uint64_t page_bytes,
                             cs_kvx_nccl_desc *d, char *err, size_t errlen);
 
-/* Decodes a whole byte stream of frames as a receiver would, stopping at the
- * first error (for the fuzzer and the malformed-frame tests). Returns the
- * number of frames decoded, or a negative status. */
-int cs_kvx_decode_stream(const uint8_t *buf, size_t len, const cs_kvx_limits *lim, char *err, size_t errlen);
-int cs_kvx_decode_stream_nccl(const uint8_t *buf, size_t len, const cs_kvx_limits *lim, char *err, size_t errlen);
+/* XXH3-64 of a payload (the header's payload_xxh64). */
+uint64_t cs_kvx_payload_sum(const void *payload, size_t len);
+
+/* Decodes a whole byte stream of frames as a reader of lim->payload would,
+ * stopping at the first error (for the fuzzer and the malformed-frame tests).
+ * Returns the number of frames decoded, or a negative status. */
+int cs_kvx_decode_stream(const uint8_t *buf, size_t len, const cs_kvx_limits *lim, char *err,
+                         size_t errlen);
 
 const char *cs_kvx_frame_type_name(int type);
 

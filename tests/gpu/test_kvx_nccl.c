@@ -1,4 +1,5 @@
-/* test_kvx_nccl: the NCCL KV transport on real GPUs (labels gpu, kvx).
+/* test_kvx_nccl: the KV transport's NCCL payload on real GPUs (labels gpu,
+ * kvx): the public API with CUDA pools (the payload follows the pool).
  *
  * The parent never touches CUDA (a CUDA context does not survive fork): a
  * probe child counts the devices and, on device 0, checks the kv_pack.cu
@@ -16,7 +17,7 @@
  *    from the same sender process (a new communicator on the same channel);
  *  - kill -9 of the sender mid-transfer: the receiver reports the failure
  *    within 15 s.
- * Not yet run on GPUs (docs/architecture.md, "NCCL backend"). */
+ * Not yet run on GPUs (docs/architecture.md, "KV transport"). */
 #include <cuda_runtime_api.h>
 #include <poll.h>
 #include <signal.h>
@@ -25,9 +26,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "chunkserve/kvx_nccl.h"
+#include "chunkserve/kvx.h"
 #include "cuda_impl.h"
-#include "kvx_nccl-impl.h"
+#include "kvx-impl.h"
 #include "kvx_test.h"
 #include "chunkserve/clock.h"
 #include "chunkserve/error.h"
@@ -139,33 +140,33 @@ static void *pool_alloc(int device, bool fill) {
     return pool;
 }
 
-static cs_kvx_nccl_tx *tx_make(void *pool) {
-    cs_kvx_nccl_tx_params p = cs_kvx_nccl_tx_params_default();
-    p.tcp.layout = LG;
-    p.tcp.name = "prefill-gpu0";
-    p.tcp.max_frame_bytes = 8u << 20; /* 128 pages per chunk */
-    p.tcp.keepalive_ms = 500;
-    p.tcp.dead_ms = 3000;
-    p.pool = (cs_kvx_nccl_pool){0, pool, NPOOL};
+static cs_kvx_tx *tx_make(void *pool) {
+    cs_kvx_tx_params p = cs_kvx_tx_params_default();
+    p.layout = LG;
+    p.name = "prefill-gpu0";
+    p.max_frame_bytes = 8u << 20; /* 128 pages per chunk */
+    p.keepalive_ms = 500;
+    p.dead_ms = 3000;
+    p.pool = (cs_kvx_pool){CS_KVX_POOL_CUDA, 0, pool, NPOOL};
     p.init_timeout_ms = 60000;
     p.op_timeout_ms = 20000;
-    cs_kvx_nccl_tx *tx;
-    if (cs_kvx_nccl_tx_init(&p, &tx)) FAILX("cs_kvx_nccl_tx_init: %s", cs_last_error());
+    cs_kvx_tx *tx;
+    if (cs_kvx_tx_init(&p, &tx)) FAILX("cs_kvx_tx_init: %s", cs_last_error());
     return tx;
 }
 
-static cs_kvx_nccl_rx *rx_make(void *pool, int port) {
-    cs_kvx_nccl_rx_params p = cs_kvx_nccl_rx_params_default();
-    p.tcp.layout = LG;
-    p.tcp.port = port;
-    p.tcp.max_frame_bytes = 8u << 20;
-    p.tcp.keepalive_ms = 500;
-    p.tcp.dead_ms = 3000;
-    p.pool = (cs_kvx_nccl_pool){1, pool, NPOOL};
+static cs_kvx_rx *rx_make(void *pool, int port) {
+    cs_kvx_rx_params p = cs_kvx_rx_params_default();
+    p.layout = LG;
+    p.port = port;
+    p.max_frame_bytes = 8u << 20;
+    p.keepalive_ms = 500;
+    p.dead_ms = 3000;
+    p.pool = (cs_kvx_pool){CS_KVX_POOL_CUDA, 1, pool, NPOOL};
     p.init_timeout_ms = 60000;
     p.op_timeout_ms = 20000;
-    cs_kvx_nccl_rx *rx;
-    if (cs_kvx_nccl_rx_init(&p, &rx)) FAILX("cs_kvx_nccl_rx_init: %s", cs_last_error());
+    cs_kvx_rx *rx;
+    if (cs_kvx_rx_init(&p, &rx)) FAILX("cs_kvx_rx_init: %s", cs_last_error());
     return rx;
 }
 
@@ -178,20 +179,20 @@ static void check_pages(const uint64_t *h, const tplan *t) {
                       (unsigned long long)t->id, i, t->src[i], t->dst[i], (unsigned long long)w);
 }
 
-static int send_some(cs_kvx_nccl_tx *tx, const tplan *t, int32_t *sent, int32_t step) {
+static int send_some(cs_kvx_tx *tx, const tplan *t, int32_t *sent, int32_t step) {
     int32_t k = t->n - *sent < step ? t->n - *sent : step;
     if (k <= 0) return 0;
     int r;
-    while ((r = cs_kvx_nccl_tx_send_pages(tx, t->id, *sent, k, t->src + *sent, NULL, NULL)) ==
+    while ((r = cs_kvx_tx_send_pages(tx, t->id, *sent, k, t->src + *sent, NULL, NULL)) ==
            CS_EAGAIN)
         usleep(500);
     if (r == 0) *sent += k;
     return r;
 }
 
-static void finish(cs_kvx_nccl_tx *tx, const tplan *t) {
+static void finish(cs_kvx_tx *tx, const tplan *t) {
     cs_kvx_trailer tr = {1, t->n * LG.page_size, t->n};
-    if (cs_kvx_nccl_tx_finish(tx, t->id, &tr))
+    if (cs_kvx_tx_finish(tx, t->id, &tr))
         FAILX("finish %llu: %s", (unsigned long long)t->id, cs_last_error());
 }
 
@@ -214,18 +215,18 @@ static void run_receiver(int scenario, int port, int wfd) {
     else
         list[n++] = &big;
     void *pool = pool_alloc(1, false);
-    cs_kvx_nccl_rx *rx = rx_make(pool, port);
+    cs_kvx_rx *rx = rx_make(pool, port);
     waiter_init(&w_done);
     for (int k = 0; k < n; k++)
-        if (cs_kvx_nccl_rx_expect(rx, list[k]->id, list[k]->dst, list[k]->n, 150000, waiter_done,
+        if (cs_kvx_rx_expect(rx, list[k]->id, list[k]->dst, list[k]->n, 150000, waiter_done,
                                   &w_done))
             FAILX("expect: %s", cs_last_error());
-    say(wfd, 'P', cs_kvx_nccl_rx_port(rx));
+    say(wfd, 'P', cs_kvx_rx_port(rx));
     if (scenario == SC_KILL_TX) {
         cs_kvx_stats st;
         do {
             usleep(1000);
-            cs_kvx_nccl_rx_get_stats(rx, &st);
+            cs_kvx_rx_get_stats(rx, &st);
         } while (st.bytes == 0);
         say(wfd, 'R', 0);
         if (!waiter_wait(&w_done, 1, 60000))
@@ -234,7 +235,7 @@ static void run_receiver(int scenario, int port, int wfd) {
         if (w_done.status[0] >= 0)
             FAILX("receiver: status %d after the sender was killed", w_done.status[0]);
         printf("receiver: %s (%s)\n", cs_strerror(w_done.status[0]), w_done.msg[0]);
-        cs_kvx_nccl_rx_free(rx);
+        cs_kvx_rx_free(rx);
         _exit(0);
     }
     if (!waiter_wait(&w_done, n, 150000))
@@ -255,11 +256,11 @@ static void run_receiver(int scenario, int port, int wfd) {
     }
     free(h);
     cs_kvx_stats st;
-    cs_kvx_nccl_rx_get_stats(rx, &st);
+    cs_kvx_rx_get_stats(rx, &st);
     printf("receiver: %d transfers checked bit-identical, %llu bytes scattered, %llu protocol "
            "errors\n",
            n, (unsigned long long)st.bytes, (unsigned long long)st.protocol_errors);
-    cs_kvx_nccl_rx_free(rx);
+    cs_kvx_rx_free(rx);
     CS_CUDA_CHECK(cudaFree(pool));
     _exit(0);
 }
@@ -276,7 +277,7 @@ static void run_sender(int scenario, int port, int wfd, int rfd) {
     static tplan plan[N_PLAN];
     plan_make(plan);
     void *pool = pool_alloc(0, true);
-    cs_kvx_nccl_tx *tx = tx_make(pool);
+    cs_kvx_tx *tx = tx_make(pool);
     waiter_init(&w_done);
     if (scenario == SC_TRANSFERS) {
         double t0 = cs_now();
@@ -284,7 +285,7 @@ static void run_sender(int scenario, int port, int wfd, int rfd) {
         for (int k = 0; k < N_SEQ; k++) {
             tplan *t = &plan[k];
             int32_t sent = 0;
-            if (cs_kvx_nccl_tx_begin(tx, "127.0.0.1", port, t->id, t->n, 120000, waiter_done,
+            if (cs_kvx_tx_begin(tx, "127.0.0.1", port, t->id, t->n, 120000, waiter_done,
                                      &w_done))
                 FAILX("begin: %s", cs_last_error());
             while (sent < t->n)
@@ -298,7 +299,7 @@ static void run_sender(int scenario, int port, int wfd, int rfd) {
                N_SEQ, (double)bytes / (1 << 20), dt, (double)bytes / dt / 1e9);
         int32_t sent[N_IL] = {0};
         for (int k = 0; k < N_IL; k++)
-            if (cs_kvx_nccl_tx_begin(tx, "127.0.0.1", port, plan[N_SEQ + k].id, plan[N_SEQ + k].n,
+            if (cs_kvx_tx_begin(tx, "127.0.0.1", port, plan[N_SEQ + k].id, plan[N_SEQ + k].n,
                                      120000, waiter_done, &w_done))
                 FAILX("begin: %s", cs_last_error());
         for (int left = 1; left;) {
@@ -318,29 +319,29 @@ static void run_sender(int scenario, int port, int wfd, int rfd) {
             wait_ok(&plan[N_SEQ + k]);
         tplan *a = &plan[N_SEQ + N_IL];
         int32_t sa = 0;
-        if (cs_kvx_nccl_tx_begin(tx, "127.0.0.1", port, a->id, a->n, 120000, waiter_done, &w_done))
+        if (cs_kvx_tx_begin(tx, "127.0.0.1", port, a->id, a->n, 120000, waiter_done, &w_done))
             FAILX("begin: %s", cs_last_error());
         if (send_some(tx, a, &sa, 50)) FAILX("send: %s", cs_last_error());
         usleep(200000);
-        if (cs_kvx_nccl_tx_abort(tx, a->id)) FAILX("abort: %s", cs_last_error());
+        if (cs_kvx_tx_abort(tx, a->id)) FAILX("abort: %s", cs_last_error());
         for (int i = 0; i < 10000 && waiter_status(&w_done, a->id) == 1; i++)
             usleep(1000);
         if (waiter_status(&w_done, a->id) != CS_ECANCELED)
             FAILX("sender: abort reported %d", waiter_status(&w_done, a->id));
         tplan *f = &plan[N_PLAN - 1];
         int32_t sf = 0;
-        if (cs_kvx_nccl_tx_begin(tx, "127.0.0.1", port, f->id, f->n, 120000, waiter_done, &w_done))
+        if (cs_kvx_tx_begin(tx, "127.0.0.1", port, f->id, f->n, 120000, waiter_done, &w_done))
             FAILX("begin: %s", cs_last_error());
         while (sf < f->n)
             if (send_some(tx, f, &sf, 64)) FAILX("send: %s", cs_last_error());
         finish(tx, f);
         wait_ok(f);
         cs_kvx_stats st;
-        cs_kvx_nccl_tx_get_stats(tx, &st);
+        cs_kvx_tx_get_stats(tx, &st);
         if (st.conns_opened != 1)
             FAILX("sender: %llu channels opened, expected 1", (unsigned long long)st.conns_opened);
         printf("sender: all transfers acknowledged, one communicator\n");
-        cs_kvx_nccl_tx_free(tx);
+        cs_kvx_tx_free(tx);
         CS_CUDA_CHECK(cudaFree(pool));
         _exit(0);
     }
@@ -348,14 +349,14 @@ static void run_sender(int scenario, int port, int wfd, int rfd) {
     static tplan big;
     big_make(plan, &big);
     int32_t sent = 0;
-    if (cs_kvx_nccl_tx_begin(tx, "127.0.0.1", port, big.id, big.n, 120000, waiter_done, &w_done))
+    if (cs_kvx_tx_begin(tx, "127.0.0.1", port, big.id, big.n, 120000, waiter_done, &w_done))
         FAILX("begin: %s", cs_last_error());
     bool told = false;
     for (;;) {
         if (sent < big.n && send_some(tx, &big, &sent, 2) != 0) break; /* ended: failed */
         if (waiter_status(&w_done, big.id) != 1) break;
         cs_kvx_stats st;
-        cs_kvx_nccl_tx_get_stats(tx, &st);
+        cs_kvx_tx_get_stats(tx, &st);
         if (!told && st.bytes > 0) say(wfd, 'R', 0), told = true;
         usleep(5000);
     }
@@ -369,17 +370,17 @@ static void run_sender(int scenario, int port, int wfd, int rfd) {
     if (!hear(rfd, &m, 120000) || m.tag != 'P') FAILX("sender: no restarted receiver");
     tplan *f = &plan[N_PLAN - 1];
     int32_t sf = 0;
-    if (cs_kvx_nccl_tx_begin(tx, "127.0.0.1", (int)m.v, f->id, f->n, 120000, waiter_done, &w_done))
+    if (cs_kvx_tx_begin(tx, "127.0.0.1", (int)m.v, f->id, f->n, 120000, waiter_done, &w_done))
         FAILX("begin: %s", cs_last_error());
     while (sf < f->n)
         if (send_some(tx, f, &sf, 64)) FAILX("send after restart: %s", cs_last_error());
     finish(tx, f);
     wait_ok(f);
     cs_kvx_stats st;
-    cs_kvx_nccl_tx_get_stats(tx, &st);
+    cs_kvx_tx_get_stats(tx, &st);
     printf("sender: transfer after the receiver's restart acknowledged (%llu connections)\n",
            (unsigned long long)st.conns_opened);
-    cs_kvx_nccl_tx_free(tx);
+    cs_kvx_tx_free(tx);
     CS_CUDA_CHECK(cudaFree(pool));
     _exit(0);
 }

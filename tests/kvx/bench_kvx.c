@@ -1,10 +1,11 @@
-/* bench_kvx: bandwidth of the KV transport's TCP backend on loopback, side by
- * side in one run with memcpy and with a plain loopback socket copy (one
+/* bench_kvx: bandwidth of the KV transport's TCP payload on loopback, side
+ * by side in one run with memcpy and with a plain loopback socket copy (one
  * writer thread, one reader, 1 MiB write()/read() calls, no framing). Pages
  * are SmolLM2-135M-sized (30 layers x K,V x 16 tokens x 3 kv heads x 64 x
- * fp32 = 720 KiB). The kvx figure includes framing, xxHash64 on both sides
- * (and without), the import memcpy into a page pool and the receiver's ack.
- * Not a test: prints a table. Usage: chunkserve-bench-kvx [max_MiB] */
+ * fp32 = 720 KiB), sent by id from a host pool and landing by id in another.
+ * The kvx figure includes framing, the XXH3 checksums on both sides (and
+ * without), and the receiver's ack. Not a test: prints a table.
+ * Usage: chunkserve-bench-kvx [max_MiB [repetitions]] */
 #include <netinet/in.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -15,12 +16,6 @@
 
 static const cs_kvx_layout L = {30, 3, 64, CS_KVX_DTYPE_F32, 16, 30ull * 2 * 16 * 3 * 64 * 4};
 static uint8_t *pool; /* receiver's page pool */
-
-static int import_fn(void *arg, const int32_t *ids, int32_t n, const void *data) {
-    for (int32_t i = 0; i < n; i++)
-        memcpy(pool + (size_t)ids[i] * L.page_bytes, (const uint8_t *)data + (size_t)i * L.page_bytes, L.page_bytes);
-    return 0;
-}
 
 static double now_s(void) {
     struct timespec ts;
@@ -68,19 +63,22 @@ static double bench_socket(const uint8_t *src, uint8_t *dst, size_t bytes) {
     return t;
 }
 
-static double bench_kvx(cs_kvx_tx *tx, cs_kvx_rx *rx, const uint8_t *src, int32_t n_pages, uint64_t id) {
+static double bench_kvx(cs_kvx_tx *tx, cs_kvx_rx *rx, int32_t n_pages, uint64_t id) {
     static int32_t ids[8192];
-    for (int32_t i = 0; i < n_pages; i++) ids[i] = i;
+    for (int32_t i = 0; i < n_pages; i++)
+        ids[i] = i;
     waiter rw, tw;
     waiter_init(&rw);
     waiter_init(&tw);
     double t0 = now_s();
     ASSERT_EQ_INT(cs_kvx_rx_expect(rx, id, ids, n_pages, 60000, waiter_done, &rw), 0);
-    ASSERT_EQ_INT(cs_kvx_tx_begin(tx, "127.0.0.1", cs_kvx_rx_port(rx), id, n_pages, 60000, waiter_done, &tw), 0);
+    ASSERT_EQ_INT(
+        cs_kvx_tx_begin(tx, "127.0.0.1", cs_kvx_rx_port(rx), id, n_pages, 60000, waiter_done, &tw),
+        0);
     /* in chunks of 32 pages, as a prefill worker would after each step */
     for (int32_t p = 0; p < n_pages; p += 32) {
         int32_t k = n_pages - p < 32 ? n_pages - p : 32;
-        while (cs_kvx_tx_send_pages(tx, id, p, k, src + (size_t)p * L.page_bytes, NULL, NULL) == CS_EAGAIN) usleep(200);
+        ASSERT_EQ_INT(send_retry(tx, id, p, k, ids + p, NULL, NULL), 0);
     }
     cs_kvx_trailer t = {0, n_pages * 16, n_pages};
     ASSERT_EQ_INT(cs_kvx_tx_finish(tx, id, &t), 0);
@@ -91,16 +89,42 @@ static double bench_kvx(cs_kvx_tx *tx, cs_kvx_rx *rx, const uint8_t *src, int32_
     return dt;
 }
 
+static int cmp_d(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* Median of n values (sorted in place), and the spread around it. */
+static double median(double *v, int n) {
+    qsort(v, (size_t)n, sizeof *v, cmp_d);
+    return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
+}
+static double minof(const double *v, int n) {
+    double m = v[0];
+    for (int i = 1; i < n; i++)
+        m = v[i] < m ? v[i] : m;
+    return m;
+}
+static double maxof(const double *v, int n) {
+    double m = v[0];
+    for (int i = 1; i < n; i++)
+        m = v[i] > m ? v[i] : m;
+    return m;
+}
+
 int main(int argc, char **argv) {
     size_t max_mib = argc > 1 ? (size_t)atol(argv[1]) : 256;
+    int reps = argc > 2 ? atoi(argv[2]) : 3;
     size_t maxb = max_mib << 20;
     uint8_t *src = malloc(maxb + L.page_bytes), *dst = malloc(maxb + L.page_bytes);
     pool = malloc(maxb + L.page_bytes);
-    for (size_t i = 0; i < maxb + L.page_bytes; i++) src[i] = (uint8_t)(i * 2654435761u >> 13);
+    for (size_t i = 0; i < maxb + L.page_bytes; i++)
+        src[i] = (uint8_t)(i * 2654435761u >> 13);
     memset(dst, 0, maxb + L.page_bytes), memset(pool, 0, maxb + L.page_bytes);
+    int32_t n_pool = (int32_t)(maxb / L.page_bytes + 1);
     cs_kvx_rx_params rp = cs_kvx_rx_params_default();
     rp.layout = L;
-    rp.import = import_fn;
+    rp.pool = host_pool(pool, n_pool);
     rp.require_checksum = false; /* so that the no-checksum sender can be measured too */
     cs_kvx_rx *rx;
     ASSERT_EQ_INT(cs_kvx_rx_init(&rp, &rx), 0);
@@ -108,36 +132,42 @@ int main(int argc, char **argv) {
     for (int c = 0; c < 2; c++) {
         cs_kvx_tx_params tp = cs_kvx_tx_params_default();
         tp.layout = L;
+        tp.pool = host_pool(src, n_pool);
         tp.name = c ? "bench-nosum" : "bench";
         tp.checksum = c == 0;
         ASSERT_EQ_INT(cs_kvx_tx_init(&tp, &tx[c]), 0);
     }
-    printf("# KV transport (TCP, loopback) vs memcpy vs plain socket; page %llu bytes; GB/s = 1e9 bytes/s, best of 3\n",
-           (unsigned long long)L.page_bytes);
-    printf("%10s %10s %12s %12s %14s %10s\n", "MiB", "memcpy", "socket", "kvx+xxh64", "kvx(no sum)", "kvx/sock");
+    printf("# KV transport (TCP payload, loopback) vs memcpy vs plain socket; page %llu bytes; "
+           "GB/s = 1e9 bytes/s, "
+           "median of %d repetitions, kvx/sock: median [min-max] of per-repetition ratios\n",
+           (unsigned long long)L.page_bytes, reps);
+    printf("%10s %10s %12s %12s %14s %10s\n", "MiB", "memcpy", "socket", "kvx+xxh3", "kvx(no sum)",
+           "kvx/sock");
     uint64_t id = 1;
     for (size_t mib = 1; mib <= max_mib; mib *= 4) {
         int32_t n_pages = (int32_t)(((mib << 20) + L.page_bytes - 1) / L.page_bytes);
         size_t bytes = (size_t)n_pages * L.page_bytes;
-        double best[4] = {1e9, 1e9, 1e9, 1e9};
-        for (int rep = 0; rep < 3; rep++) {
+        enum { MAXR = 64 };
+        double t[4][MAXR], ratio[MAXR];
+        for (int rep = 0; rep < reps && rep < MAXR; rep++) {
             double t0 = now_s();
             memcpy(dst, src, bytes);
-            double t = now_s() - t0;
-            if (t < best[0]) best[0] = t;
-            t = bench_socket(src, dst, bytes);
-            if (t < best[1]) best[1] = t;
-            t = bench_kvx(tx[0], rx, src, n_pages, id++);
-            if (t < best[2]) best[2] = t;
-            t = bench_kvx(tx[1], rx, src, n_pages, id++);
-            if (t < best[3]) best[3] = t;
+            t[0][rep] = now_s() - t0;
+            t[1][rep] = bench_socket(src, dst, bytes);
+            t[2][rep] = bench_kvx(tx[0], rx, n_pages, id++);
+            t[3][rep] = bench_kvx(tx[1], rx, n_pages, id++);
+            ratio[rep] = t[1][rep] / t[2][rep]; /* this repetition's socket time over kvx's */
         }
+        int nr = reps < MAXR ? reps : MAXR;
         double gb = (double)bytes / 1e9;
-        printf("%10zu %10.2f %12.2f %12.2f %14.2f %9.0f%%\n", mib, gb / best[0], gb / best[1], gb / best[2],
-               gb / best[3], 100.0 * best[1] / best[2]);
+        printf("%10zu %10.2f %12.2f %12.2f %14.2f %9.0f%% [%3.0f-%3.0f%%]\n", mib,
+               gb / median(t[0], nr), gb / median(t[1], nr), gb / median(t[2], nr),
+               gb / median(t[3], nr), 100.0 * median(ratio, nr), 100.0 * minof(ratio, nr),
+               100.0 * maxof(ratio, nr));
         fflush(stdout);
     }
-    for (int c = 0; c < 2; c++) cs_kvx_tx_free(tx[c]);
+    for (int c = 0; c < 2; c++)
+        cs_kvx_tx_free(tx[c]);
     cs_kvx_rx_free(rx);
     free(src), free(dst), free(pool);
     return 0;

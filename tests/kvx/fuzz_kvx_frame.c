@@ -3,8 +3,8 @@
  * ways: with clang -fsanitize=fuzzer as a libFuzzer target (CS_LIBFUZZER),
  * and with the project's compiler as a deterministic random-mutation driver
  * that replays the corpus and its mutations (runs in every `make test`).
- * Each input goes through both decoders: a TCP channel's and an NCCL
- * channel's (cs_kvx_decode_stream_nccl: NCCL_ID, NCCL_READY, NCCL_PAGES).
+ * Each input is decoded twice: as a TCP channel's reader and as an NCCL
+ * channel's (cs_kvx_limits.payload: NCCL_ID, NCCL_READY, NCCL_PAGES).
  * Usage (fallback): fuzz_kvx_frame CORPUS_DIR [ITERATIONS]
  *                   fuzz_kvx_frame --write-corpus DIR (writes the seeds). */
 #include <dirent.h>
@@ -20,30 +20,33 @@ static const cs_kvx_layout L = {2, 2, 16, CS_KVX_DTYPE_F32, 16, 64};
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
-    cs_kvx_limits lim = {L.page_bytes, 4096};
+    cs_kvx_limits lim = {L.page_bytes, 4096, CS_KVX_PAYLOAD_TCP};
     char err[256] = "";
     int r = cs_kvx_decode_stream(data, size, &lim, err, sizeof err);
     if (r < 0 && !err[0]) __builtin_trap(); /* every rejection names its cause */
-    /* the same bytes as an NCCL channel (kvx_nccl.h) reads them */
+    /* the same bytes as an NCCL channel reads them */
     err[0] = 0;
-    r = cs_kvx_decode_stream_nccl(data, size, &lim, err, sizeof err);
+    lim.payload = CS_KVX_PAYLOAD_NCCL;
+    r = cs_kvx_decode_stream(data, size, &lim, err, sizeof err);
     if (r < 0 && !err[0]) __builtin_trap();
     return 0;
 }
 
 #ifndef CS_LIBFUZZER
-static size_t frame_f(uint8_t *out, int type, uint32_t flags, uint64_t xfer, uint32_t first, uint32_t n,
-                      const void *pl, size_t len) {
+static size_t frame_f(uint8_t *out, int type, uint32_t flags, uint64_t xfer, uint32_t first,
+                      uint32_t n, const void *pl, size_t len) {
     cs_kvx_hdr h = {0};
-    h.type = (uint16_t)type, h.epoch = 7, h.xfer_id = xfer, h.first_page = first, h.n_pages = n, h.flags = flags;
+    h.type = (uint16_t)type, h.epoch = 7, h.xfer_id = xfer, h.first_page = first, h.n_pages = n,
+    h.flags = flags;
     h.fingerprint = cs_kvx_layout_fingerprint(&L), h.payload_len = len;
-    if (len) h.flags |= CS_KVX_FLAG_CHECKSUM, h.payload_xxh64 = XXH64(pl, len, 0);
+    if (len) h.flags |= CS_KVX_FLAG_CHECKSUM, h.payload_xxh64 = cs_kvx_payload_sum(pl, len);
     cs_kvx_hdr_encode(&h, out);
     if (len) memcpy(out + CS_KVX_HDR_BYTES, pl, len);
     return CS_KVX_HDR_BYTES + len;
 }
 
-static size_t frame(uint8_t *out, int type, uint64_t xfer, uint32_t first, uint32_t n, const void *pl, size_t len) {
+static size_t frame(uint8_t *out, int type, uint64_t xfer, uint32_t first, uint32_t n,
+                    const void *pl, size_t len) {
     return frame_f(out, type, 0, xfer, first, n, pl, len);
 }
 
@@ -58,7 +61,8 @@ static size_t nccl_seed(uint8_t *buf) {
     strcpy(hello.name, "prefill-0");
     cs_kvx_hello_encode(&hello, pl);
     n += frame_f(buf + n, CS_KVX_HELLO, CS_KVX_FLAG_NCCL, 0, 0, 0, pl, CS_KVX_HELLO_BYTES);
-    for (int i = 0; i < CS_KVX_NCCL_ID_BYTES; i++) pl[i] = (uint8_t)(i * 13 + 1);
+    for (int i = 0; i < CS_KVX_NCCL_ID_BYTES; i++)
+        pl[i] = (uint8_t)(i * 13 + 1);
     n += frame(buf + n, CS_KVX_NCCL_ID, 0, 0, 0, pl, CS_KVX_NCCL_ID_BYTES);
     cs_kvx_ack_encode(0, "ok", pl);
     n += frame(buf + n, CS_KVX_HELLO_ACK, 0, 0, 0, pl, CS_KVX_ACK_BYTES);
@@ -86,7 +90,8 @@ static int write_corpus(const char *dir) {
     strcpy(hello.name, "prefill-0");
     cs_kvx_hello_encode(&hello, pl);
     n += frame(buf + n, CS_KVX_HELLO, 0, 0, 0, pl, CS_KVX_HELLO_BYTES);
-    for (int i = 0; i < 128; i++) pl[i] = (uint8_t)(i * 31);
+    for (int i = 0; i < 128; i++)
+        pl[i] = (uint8_t)(i * 31);
     n += frame(buf + n, CS_KVX_PAGES, 1, 0, 2, pl, 128);
     cs_kvx_trailer_wire tw = {{5, 30, 2}, 99};
     uint8_t tb[CS_KVX_TRAILER_BYTES];
@@ -167,7 +172,8 @@ int main(int argc, char **argv) {
         }
         LLVMFuzzerTestOneInput(buf, n);
     }
-    for (int i = 0; i < ns; i++) free(seeds[i]);
+    for (int i = 0; i < ns; i++)
+        free(seeds[i]);
     free(buf);
     printf("fuzz_kvx_frame: %ld mutated inputs from %d seeds: no crash\n", iters, ns);
     return 0;

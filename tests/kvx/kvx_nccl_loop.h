@@ -1,6 +1,7 @@
-/* kvx_nccl_loop.h: a loopback payload link for the NCCL KV transport's
- * control plane (kvx_nccl-impl.h), so that the CPU tests run the real sender
- * and receiver (TCP, descriptors, ordering, failures) without a GPU. The
+/* kvx_nccl_loop.h: a loopback stand-in for the KV transport's NCCL payload
+ * (cs__kvx_payload in kvx-impl.h), so that the CPU tests run the real
+ * control plane (kvx_tx.c, kvx_rx.c: TCP, descriptors, ordering, failures)
+ * over a linked payload without a GPU. It claims CUDA pools but the
  * "pool" is host memory; a communicator is a process-wide pair found by its
  * id; ncclSend copies into the pair's FIFO, ncclRecv takes from it in posting
  * order, exactly the matching NCCL does between two ranks. Operations report
@@ -16,7 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "kvx_nccl-impl.h"
+#include "kvx-impl.h"
 #include "chunkserve/assert.h"
 #include "chunkserve/error.h"
 
@@ -82,8 +83,8 @@ static int loop_unique_id(const cs__kvx_link_cfg *cfg, uint8_t id[CS_KVX_NCCL_ID
     return 0;
 }
 
-static int loop_open(const cs__kvx_link_cfg *cfg, const uint8_t id[CS_KVX_NCCL_ID_BYTES],
-                     cs__kvx_link **out, char *err, size_t errlen) {
+static int loop_open(const cs__kvx_link_cfg *cfg, const uint8_t *id, cs__kvx_link **out, char *err,
+                     size_t errlen) {
     (void)err, (void)errlen;
     cs__kvx_link *l = calloc(1, sizeof *l);
     l->cfg = *cfg;
@@ -264,9 +265,20 @@ static bool loop_close(cs__kvx_link *l) {
     return true;
 }
 
-static const cs__kvx_link_ops loop_ops = {"loop",     loop_unique_id, loop_open,
-                                          loop_state, loop_pack,      loop_send,
-                                          loop_recv,  loop_query,     loop_close};
+static const cs__kvx_payload loop_ops = {
+    .name = "nccl", /* it plays NCCL on the wire */
+    .kind = CS_KVX_PAYLOAD_NCCL,
+    .pool_kind = CS_KVX_POOL_CUDA,
+    .inline_pages = false,
+    .unique_id = loop_unique_id,
+    .open = loop_open,
+    .state = loop_state,
+    .pack = loop_pack,
+    .send = loop_send,
+    .recv = loop_recv,
+    .query = loop_query,
+    .close = loop_close,
+};
 
 #define LOOP_SET(field, value)                                                                     \
     do {                                                                                           \

@@ -1,6 +1,6 @@
 /* kvx_test.h: helpers for the KV transport tests: a waiter that collects
- * done callbacks (they run on the transport's I/O threads), and raw frames
- * written straight to a socket to play a misbehaving peer. */
+ * done callbacks (they run on the transport's I/O threads), host pools, and
+ * raw frames written straight to a socket to play a misbehaving peer. */
 #ifndef CS_KVX_TEST_H
 #define CS_KVX_TEST_H
 
@@ -36,7 +36,8 @@ static inline void waiter_init(waiter *w) {
     pthread_cond_init(&w->cv, NULL);
 }
 
-static inline void waiter_done(void *arg, uint64_t id, int status, const char *msg, const cs_kvx_trailer *t) {
+static inline void waiter_done(void *arg, uint64_t id, int status, const char *msg,
+                               const cs_kvx_trailer *t) {
     waiter *w = arg;
     pthread_mutex_lock(&w->mu);
     if (w->n_done < MAXW) {
@@ -65,7 +66,8 @@ static inline int waiter_wait(waiter *w, int n, int timeout_ms) {
     if (ts.tv_nsec >= 1000000000L) ts.tv_sec++, ts.tv_nsec -= 1000000000L;
     pthread_mutex_lock(&w->mu);
     int ok = 1;
-    while (w->n_done < n && ok) ok = pthread_cond_timedwait(&w->cv, &w->mu, &ts) == 0;
+    while (w->n_done < n && ok)
+        ok = pthread_cond_timedwait(&w->cv, &w->mu, &ts) == 0;
     ok = w->n_done >= n;
     pthread_mutex_unlock(&w->mu);
     return ok;
@@ -79,6 +81,20 @@ static inline int waiter_status(waiter *w, uint64_t id) {
         if (w->ids[i] == id) s = w->status[i];
     pthread_mutex_unlock(&w->mu);
     return s;
+}
+
+static inline cs_kvx_pool host_pool(void *base, int32_t n_pages) {
+    cs_kvx_pool p = {CS_KVX_POOL_HOST, 0, base, n_pages};
+    return p;
+}
+
+/* Sends pages of a transfer, retrying while the channel is full. */
+static inline int send_retry(cs_kvx_tx *tx, uint64_t id, int32_t first, int32_t n,
+                             const int32_t *ids, cs_kvx_release_fn release, void *arg) {
+    int r;
+    while ((r = cs_kvx_tx_send_pages(tx, id, first, n, ids, release, arg)) == CS_EAGAIN)
+        usleep(200);
+    return r;
 }
 
 static inline int raw_connect(int port) {
@@ -103,8 +119,9 @@ static inline void raw_write(int fd, const void *p, size_t n) {
 }
 
 /* Writes one frame; payload may be NULL with len 0. */
-static inline void raw_frame(int fd, int type, uint64_t epoch, uint64_t xfer, uint32_t first, uint32_t n_pages,
-                             uint64_t fp, const void *payload, size_t len, bool checksum) {
+static inline void raw_frame(int fd, int type, uint64_t epoch, uint64_t xfer, uint32_t first,
+                             uint32_t n_pages, uint64_t fp, const void *payload, size_t len,
+                             bool checksum) {
     cs_kvx_hdr h = {0};
     h.type = (uint16_t)type;
     h.epoch = epoch;
@@ -113,7 +130,8 @@ static inline void raw_frame(int fd, int type, uint64_t epoch, uint64_t xfer, ui
     h.n_pages = n_pages;
     h.fingerprint = fp;
     h.payload_len = len;
-    if (checksum && len) h.flags = CS_KVX_FLAG_CHECKSUM, h.payload_xxh64 = XXH64(payload, len, 0);
+    if (checksum && len)
+        h.flags = CS_KVX_FLAG_CHECKSUM, h.payload_xxh64 = cs_kvx_payload_sum(payload, len);
     uint8_t hdr[CS_KVX_HDR_BYTES];
     cs_kvx_hdr_encode(&h, hdr);
     raw_write(fd, hdr, sizeof hdr);

@@ -33,21 +33,25 @@ static int free_port(void) {
 
 static cs_kvx_layout L = {4, 2, 16, CS_KVX_DTYPE_F32, 16, 4 * 2 * 16 * 2 * 16 * 4};
 #define PB 16384
-static volatile int imported; /* pages imported in the parent's receiver */
-
-static int import_count(void *arg, const int32_t *ids, int32_t n, const void *data) {
-    (void)arg, (void)ids, (void)data;
-    __atomic_add_fetch(&imported, n, __ATOMIC_SEQ_CST);
-    return 0;
-}
-
+#define NP 64
 static uint8_t page[PB];
+static uint8_t *tx_pool,
+    *rx_pool;           /* NP pages each: the sender's (page i = 0x5a) and the receiver's */
+static int32_t ids[NP]; /* 0..63 */
+
+/* Pages landed in rx so far. */
+static int64_t landed(cs_kvx_rx *rx) {
+    cs_kvx_stats st;
+    cs_kvx_rx_get_stats(rx, &st);
+    return (int64_t)(st.bytes / PB);
+}
 
 /* Child: sends transfer xfer of n pages to port, slowly when slow, then
  * (if it is not killed) the trailer; exits 0 when acknowledged. */
 static void child_sender(int port, uint64_t xfer, int n, bool slow, uint64_t inc) {
     cs_kvx_tx_params p = cs_kvx_tx_params_default();
     p.layout = L;
+    p.pool = host_pool(tx_pool, NP);
     p.name = "prefill-0";
     p.incarnation = inc;
     p.keepalive_ms = 100;
@@ -58,7 +62,7 @@ static void child_sender(int port, uint64_t xfer, int n, bool slow, uint64_t inc
     waiter_init(&w);
     if (cs_kvx_tx_begin(tx, "127.0.0.1", port, xfer, n, 30000, waiter_done, &w)) _exit(3);
     for (int i = 0; i < n; i++) {
-        while (cs_kvx_tx_send_pages(tx, xfer, i, 1, page, NULL, NULL) == CS_EAGAIN) usleep(1000);
+        send_retry(tx, xfer, i, 1, &ids[i % NP], NULL, NULL);
         if (slow) usleep(20000);
     }
     cs_kvx_trailer t = {1, n * 16, n};
@@ -69,21 +73,20 @@ static void child_sender(int port, uint64_t xfer, int n, bool slow, uint64_t inc
     _exit(st == 0 ? 0 : 5);
 }
 
-/* Child: a receiver on port whose import is slow; runs until killed. */
+/* Child: a receiver on port; runs until killed. */
 static void child_receiver(int port) {
     cs_kvx_rx_params p = cs_kvx_rx_params_default();
     p.layout = L;
     p.port = port;
-    p.import = import_count;
+    p.pool = host_pool(rx_pool, NP);
     p.keepalive_ms = 100;
     p.dead_ms = 1000;
     cs_kvx_rx *rx;
     if (cs_kvx_rx_init(&p, &rx)) _exit(2);
     waiter w;
     waiter_init(&w);
-    int32_t ids[64];
-    for (int i = 0; i < 64; i++) ids[i] = i;
-    for (uint64_t id = 1; id <= 4; id++) cs_kvx_rx_expect(rx, id, ids, 64, 30000, waiter_done, &w);
+    for (uint64_t id = 1; id <= 4; id++)
+        cs_kvx_rx_expect(rx, id, ids, 64, 30000, waiter_done, &w);
     waiter_wait(&w, 4, 30000);
     _exit(w.status[0] == 0 ? 0 : 5);
 }
@@ -91,9 +94,15 @@ static void child_receiver(int port) {
 int main(void) {
     signal(SIGPIPE, SIG_IGN);
     memset(page, 0x5a, sizeof page);
+    tx_pool = malloc((size_t)NP * PB);
+    rx_pool = calloc(NP, PB);
+    ASSERT_TRUE(tx_pool && rx_pool);
+    memset(tx_pool, 0x5a, (size_t)NP * PB);
+    for (int i = 0; i < NP; i++)
+        ids[i] = i;
     cs_kvx_rx_params rp = cs_kvx_rx_params_default();
     rp.layout = L;
-    rp.import = import_count;
+    rp.pool = host_pool(rx_pool, NP);
     rp.keepalive_ms = 100;
     rp.dead_ms = 1000;
     cs_kvx_rx *rx;
@@ -101,8 +110,6 @@ int main(void) {
     int port = cs_kvx_rx_port(rx);
     waiter w;
     waiter_init(&w);
-    int32_t ids[64];
-    for (int i = 0; i < 64; i++) ids[i] = i;
     int nd = 0;
 
     /* 1. Sender killed mid-transfer: the receiver fails the transfer at once
@@ -111,13 +118,15 @@ int main(void) {
     ASSERT_EQ_INT(cs_kvx_rx_expect(rx, 1, ids, 64, 20000, waiter_done, &w), 0);
     pid_t pid = fork();
     if (pid == 0) child_sender(port, 1, 64, true, inc1);
-    while (__atomic_load_n(&imported, __ATOMIC_SEQ_CST) < 5) usleep(1000);
+    while (landed(rx) < 5)
+        usleep(1000);
     int64_t t0 = test_now_ms();
     kill(pid, SIGKILL);
     waitpid(pid, NULL, 0);
     ASSERT_TRUE(waiter_wait(&w, ++nd, 5000));
     ASSERT_EQ_INT(waiter_status(&w, 1), CS_ECONNRESET);
-    fprintf(stderr, "sender killed: receiver failed the transfer after %lld ms\n", (long long)(test_now_ms() - t0));
+    fprintf(stderr, "sender killed: receiver failed the transfer after %lld ms\n",
+            (long long)(test_now_ms() - t0));
     ASSERT_TRUE(test_now_ms() - t0 < 2000);
 
     /* 2. The restarted sender (new incarnation) connects and completes. */
@@ -156,8 +165,8 @@ int main(void) {
         int expect_status; /* of transfer 10+i, bound by a first good frame */
     } cases[] = {{"bad payload checksum", CS_EBADMSG}, {"truncated frame", CS_ECONNRESET},
                  {"absurd page count", CS_EBADMSG},    {"unknown transfer id", 1},
-                 {"wrong fingerprint", CS_EPROTO},      {"garbage header", CS_EBADMSG},
-                 {"pages out of order", CS_EPROTO},     {"no checksum", CS_EBADMSG}};
+                 {"wrong fingerprint", CS_EPROTO},     {"garbage header", CS_EBADMSG},
+                 {"pages out of order", CS_EPROTO},    {"no checksum", CS_EBADMSG}};
     int nc = (int)(sizeof cases / sizeof *cases);
     for (int i = 0; i < nc; i++) {
         uint64_t id = 10 + (uint64_t)i;
@@ -166,11 +175,13 @@ int main(void) {
         snprintf(name, sizeof name, "raw-%d", i);
         fd = raw_connect(port);
         raw_hello(fd, &L, name, 1);
-        if (cases[i].expect_status != 1) raw_frame(fd, CS_KVX_PAGES, 1, id, 0, 1, fp, page, PB, true);
+        if (cases[i].expect_status != 1)
+            raw_frame(fd, CS_KVX_PAGES, 1, id, 0, 1, fp, page, PB, true);
         switch (i) {
         case 0: {
             cs_kvx_hdr h = {0};
-            h.type = CS_KVX_PAGES, h.epoch = 1, h.xfer_id = id, h.first_page = 1, h.n_pages = 1, h.fingerprint = fp;
+            h.type = CS_KVX_PAGES, h.epoch = 1, h.xfer_id = id, h.first_page = 1, h.n_pages = 1,
+            h.fingerprint = fp;
             h.payload_len = PB, h.flags = CS_KVX_FLAG_CHECKSUM, h.payload_xxh64 = 12345;
             uint8_t hb[CS_KVX_HDR_BYTES];
             cs_kvx_hdr_encode(&h, hb);
@@ -181,7 +192,8 @@ int main(void) {
         case 1: {
             uint8_t hb[CS_KVX_HDR_BYTES];
             cs_kvx_hdr h = {0};
-            h.type = CS_KVX_PAGES, h.epoch = 1, h.xfer_id = id, h.first_page = 1, h.n_pages = 1, h.fingerprint = fp;
+            h.type = CS_KVX_PAGES, h.epoch = 1, h.xfer_id = id, h.first_page = 1, h.n_pages = 1,
+            h.fingerprint = fp;
             h.payload_len = PB;
             cs_kvx_hdr_encode(&h, hb);
             raw_write(fd, hb, sizeof hb);
@@ -206,8 +218,8 @@ int main(void) {
         if (cases[i].expect_status != 1) {
             ASSERT_TRUE(waiter_wait(&w, ++nd, 5000));
             if (waiter_status(&w, id) != cases[i].expect_status) {
-                fprintf(stderr, "%s: status %d, expected %d\n", cases[i].what, waiter_status(&w, id),
-                        cases[i].expect_status);
+                fprintf(stderr, "%s: status %d, expected %d\n", cases[i].what,
+                        waiter_status(&w, id), cases[i].expect_status);
                 exit(1);
             }
         } else {
@@ -236,6 +248,7 @@ int main(void) {
     if (pid == 0) child_receiver(rport);
     cs_kvx_tx_params tp = cs_kvx_tx_params_default();
     tp.layout = L;
+    tp.pool = host_pool(tx_pool, NP);
     tp.name = "prefill-parent";
     tp.keepalive_ms = 100;
     tp.dead_ms = 1000;
@@ -245,23 +258,27 @@ int main(void) {
     waiter_init(&tw);
     usleep(200000); /* the child listens */
     ASSERT_EQ_INT(cs_kvx_tx_begin(tx, "127.0.0.1", rport, 1, 64, 20000, waiter_done, &tw), 0);
-    for (int i = 0; i < 10; i++) ASSERT_EQ_INT(cs_kvx_tx_send_pages(tx, 1, i, 1, page, NULL, NULL), 0);
+    for (int i = 0; i < 10; i++)
+        ASSERT_EQ_INT(cs_kvx_tx_send_pages(tx, 1, i, 1, &ids[i], NULL, NULL), 0);
     usleep(100000);
     t0 = test_now_ms();
     kill(pid, SIGKILL);
     waitpid(pid, NULL, 0);
     ASSERT_TRUE(waiter_wait(&tw, 1, 5000));
     ASSERT_EQ_INT(waiter_status(&tw, 1), CS_ECONNRESET);
-    fprintf(stderr, "receiver killed: sender failed the transfer after %lld ms\n", (long long)(test_now_ms() - t0));
+    fprintf(stderr, "receiver killed: sender failed the transfer after %lld ms\n",
+            (long long)(test_now_ms() - t0));
     ASSERT_TRUE(test_now_ms() - t0 < 2000);
     pid = fork();
     if (pid == 0) child_receiver(rport);
     usleep(200000);
     ASSERT_EQ_INT(cs_kvx_tx_begin(tx, "127.0.0.1", rport, 2, 64, 20000, waiter_done, &tw), 0);
     ASSERT_EQ_INT(cs_kvx_tx_send_pages(tx, 2, 0, 64, NULL, NULL, NULL), CS_EINVAL);
-    uint8_t *big = malloc((size_t)64 * PB);
-    memset(big, 0x11, (size_t)64 * PB);
-    ASSERT_EQ_INT(cs_kvx_tx_send_pages(tx, 2, 0, 64, big, NULL, NULL), 0);
+    int32_t bad = NP;
+    ASSERT_EQ_INT(cs_kvx_tx_send_pages(tx, 2, 0, 1, &bad, NULL, NULL),
+                  CS_EINVAL); /* outside the pool */
+    memset(tx_pool, 0x11, (size_t)NP * PB);
+    ASSERT_EQ_INT(cs_kvx_tx_send_pages(tx, 2, 0, 64, ids, NULL, NULL), 0);
     cs_kvx_trailer t = {1, 64 * 16, 64};
     ASSERT_EQ_INT(cs_kvx_tx_finish(tx, 2, &t), 0);
     ASSERT_TRUE(waiter_wait(&tw, 2, 5000));
@@ -269,7 +286,7 @@ int main(void) {
     kill(pid, SIGKILL);
     waitpid(pid, NULL, 0);
     cs_kvx_tx_free(tx);
-    free(big);
+    free(tx_pool), free(rx_pool);
     fprintf(stderr, "ok\n");
     return 0;
 }

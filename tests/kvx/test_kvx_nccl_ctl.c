@@ -1,14 +1,15 @@
-/* test_kvx_nccl_ctl: the NCCL KV transport without a GPU. First the wire
- * additions: the NCCL frame types and HELLO flag decode on an NCCL channel and
- * are refused by a TCP reader (and PAGES by an NCCL reader), malformed NCCL
- * frames are refused with a message, the KV sum's properties. Then the real
- * control plane (kvx_nccl_tx.c, kvx_nccl_rx.c) over the loopback link of
- * kvx_nccl_loop.h: pages bit-identical from 1 to 3,000 pages, 24 interleaved
+/* test_kvx_nccl_ctl: the KV transport's NCCL payload without a GPU. First
+ * the wire: the NCCL frame types decode on an NCCL channel and are refused by
+ * a TCP reader (and PAGES by an NCCL reader), malformed NCCL frames are
+ * refused with a message, the KV sum's properties. Then the one control
+ * plane (kvx_tx.c, kvx_rx.c: the same code the TCP tests drive) over the
+ * loopback stand-in of kvx_nccl_loop.h: pages bit-identical from 1 to 3,000 pages, 24 interleaved
  * transfers, abort and cancel mid-transfer (the receiver still drains the
  * cancelled transfer's chunks, so later transfers stay matched), deadlines,
  * an async communicator error, a hung send (op timeout), a corrupted chunk,
  * an init that never completes, no communicator id, a chunk-size mismatch,
- * TCP/NCCL endpoint mix-ups, peer death both ways. Every failure must reach
+ * TCP/NCCL payload mix-ups (refused at HELLO, naming both), peer death both
+ * ways. Every failure must reach
  * every transfer of the channel exactly once, and the next transfer must
  * build a new communicator. What it cannot show: NCCL and the kernels
  * themselves (tests/gpu/test_kvx_nccl.c, 2 GPUs). */
@@ -24,10 +25,10 @@
 #define NPOOL 4096
 static const cs_kvx_layout L = {2, 1, 16, CS_KVX_DTYPE_BF16, 2, PB};
 static uint8_t *pool_a, *pool_b; /* sender's and receiver's "device" pools */
-static int releases, attempts;   /* release runs once per send_pages call, failed ones included */
+static int releases, accepted;   /* release runs once per accepted send_pages call */
 
-static void on_release(void *arg) {
-    (void)arg;
+static void on_release(void *arg, const int32_t *ids, int32_t n) {
+    (void)arg, (void)ids, (void)n;
     __atomic_add_fetch(&releases, 1, __ATOMIC_SEQ_CST);
 }
 
@@ -44,7 +45,7 @@ static size_t put_frame(uint8_t *out, int type, uint32_t flags, uint64_t xfer, u
     cs_kvx_hdr h = {0};
     h.type = (uint16_t)type, h.epoch = 9, h.xfer_id = xfer, h.first_page = first, h.n_pages = n;
     h.fingerprint = cs_kvx_layout_fingerprint(&L), h.payload_len = len, h.flags = flags;
-    if (len) h.flags |= CS_KVX_FLAG_CHECKSUM, h.payload_xxh64 = XXH64(pl, len, 0);
+    if (len) h.flags |= CS_KVX_FLAG_CHECKSUM, h.payload_xxh64 = cs_kvx_payload_sum(pl, len);
     cs_kvx_hdr_encode(&h, out);
     if (len) memcpy(out + CS_KVX_HDR_BYTES, pl, len);
     return CS_KVX_HDR_BYTES + len;
@@ -68,7 +69,8 @@ static size_t put_desc(uint8_t *out, uint64_t xfer, uint32_t first, uint32_t n, 
     } while (0)
 
 static void test_wire(void) {
-    cs_kvx_limits lim = {PB, 16 * PB};
+    cs_kvx_limits lim = {PB, 16 * PB, CS_KVX_PAYLOAD_TCP},
+                  nlim = {PB, 16 * PB, CS_KVX_PAYLOAD_NCCL};
     uint8_t buf[4096], pl[256];
     size_t n = 0;
     cs_kvx_hello hello;
@@ -91,46 +93,43 @@ static void test_wire(void) {
     n += put_frame(buf + n, CS_KVX_TRAILER, 0, 1, 0, 0, tb, sizeof tb);
     n += put_frame(buf + n, CS_KVX_PING, 0, 0, 0, 0, NULL, 0);
     char err[256] = "";
-    ASSERT_EQ_INT(cs_kvx_decode_stream_nccl(buf, n, &lim, err, sizeof err), 6);
-    /* a TCP reader refuses the NCCL HELLO, and an NCCL_ID after a plain HELLO */
-    EXPECT_REFUSED(cs_kvx_decode_stream(buf, n, &lim, e_, sizeof e_), CS_EBADMSG,
-                   "unknown frame flags");
+    ASSERT_EQ_INT(cs_kvx_decode_stream(buf, n, &nlim, err, sizeof err), 6);
+    /* a TCP reader takes the HELLO (the receiver refuses its payload, naming
+     * both) but refuses the NCCL frames after it, also after a plain HELLO */
+    EXPECT_REFUSED(cs_kvx_decode_stream(buf, n, &lim, e_, sizeof e_), CS_EPROTO,
+                   "NCCL_ID frame on a tcp channel");
     uint8_t b2[1024];
     size_t n2 = put_frame(b2, CS_KVX_HELLO, 0, 0, 0, 0, buf + CS_KVX_HDR_BYTES, CS_KVX_HELLO_BYTES);
     memcpy(b2 + n2, buf + hello_end, CS_KVX_HDR_BYTES + CS_KVX_NCCL_ID_BYTES);
     n2 += CS_KVX_HDR_BYTES + CS_KVX_NCCL_ID_BYTES;
-    EXPECT_REFUSED(cs_kvx_decode_stream(b2, n2, &lim, e_, sizeof e_), CS_EPROTO,
-                   "unknown frame type 8");
-    ASSERT_EQ_INT(cs_kvx_decode_stream_nccl(b2, n2, &lim, err, sizeof err), 2);
+    EXPECT_REFUSED(cs_kvx_decode_stream(b2, n2, &lim, e_, sizeof e_), CS_EPROTO, "tcp channel");
+    ASSERT_EQ_INT(cs_kvx_decode_stream(b2, n2, &nlim, err, sizeof err), 2);
     /* an NCCL reader refuses page bytes on TCP */
     uint8_t pg[2 * PB] = {1};
     n2 = put_frame(b2, CS_KVX_PAGES, 0, 1, 0, 2, pg, sizeof pg);
     ASSERT_EQ_INT(cs_kvx_decode_stream(b2, n2, &lim, err, sizeof err), 1);
-    EXPECT_REFUSED(cs_kvx_decode_stream_nccl(b2, n2, &lim, e_, sizeof e_), CS_EPROTO,
-                   "NCCL channel");
+    EXPECT_REFUSED(cs_kvx_decode_stream(b2, n2, &nlim, e_, sizeof e_), CS_EPROTO, "nccl channel");
     /* malformed NCCL frames */
     n2 = put_desc(b2, 1, 0, 0, 0, CS_KVX_DESC_SUM);
-    EXPECT_REFUSED(cs_kvx_decode_stream_nccl(b2, n2, &lim, e_, sizeof e_), CS_EBADMSG, "0 pages");
+    EXPECT_REFUSED(cs_kvx_decode_stream(b2, n2, &nlim, e_, sizeof e_), CS_EBADMSG, "0 pages");
     n2 = put_desc(b2, 1, 0, 17, 17 * PB, CS_KVX_DESC_SUM);
-    EXPECT_REFUSED(cs_kvx_decode_stream_nccl(b2, n2, &lim, e_, sizeof e_), CS_EBADMSG,
-                   "chunk limit");
+    EXPECT_REFUSED(cs_kvx_decode_stream(b2, n2, &nlim, e_, sizeof e_), CS_EBADMSG, "chunk limit");
     n2 = put_desc(b2, 1, 0, 2, 3 * PB, CS_KVX_DESC_SUM);
-    EXPECT_REFUSED(cs_kvx_decode_stream_nccl(b2, n2, &lim, e_, sizeof e_), CS_EBADMSG, "announces");
+    EXPECT_REFUSED(cs_kvx_decode_stream(b2, n2, &nlim, e_, sizeof e_), CS_EBADMSG, "announces");
     n2 = put_desc(b2, 1, 0, 2, 2 * PB, 2);
-    EXPECT_REFUSED(cs_kvx_decode_stream_nccl(b2, n2, &lim, e_, sizeof e_), CS_EBADMSG,
-                   "unknown flags");
+    EXPECT_REFUSED(cs_kvx_decode_stream(b2, n2, &nlim, e_, sizeof e_), CS_EBADMSG, "unknown flags");
     n2 = put_frame(b2, CS_KVX_NCCL_ID, 0, 0, 0, 0, pl, 100);
-    EXPECT_REFUSED(cs_kvx_decode_stream_nccl(b2, n2, &lim, e_, sizeof e_), CS_EBADMSG,
+    EXPECT_REFUSED(cs_kvx_decode_stream(b2, n2, &nlim, e_, sizeof e_), CS_EBADMSG,
                    "payload length");
     n2 = put_frame(b2, CS_KVX_PING, CS_KVX_FLAG_NCCL, 0, 0, 0, NULL, 0);
-    EXPECT_REFUSED(cs_kvx_decode_stream_nccl(b2, n2, &lim, e_, sizeof e_), CS_EBADMSG,
+    EXPECT_REFUSED(cs_kvx_decode_stream(b2, n2, &nlim, e_, sizeof e_), CS_EBADMSG,
                    "unknown frame flags");
     cs_kvx_ack_encode(5, "??", ack);
     n2 = put_frame(b2, CS_KVX_NCCL_READY, 0, 0, 0, 0, ack, sizeof ack);
-    EXPECT_REFUSED(cs_kvx_decode_stream_nccl(b2, n2, &lim, e_, sizeof e_), CS_EBADMSG,
+    EXPECT_REFUSED(cs_kvx_decode_stream(b2, n2, &nlim, e_, sizeof e_), CS_EBADMSG,
                    "positive status");
     n2 = put_frame(b2, CS_KVX_NCCL_TYPE_MAX + 1, 0, 0, 0, 0, NULL, 0);
-    EXPECT_REFUSED(cs_kvx_decode_stream_nccl(b2, n2, &lim, e_, sizeof e_), CS_EPROTO,
+    EXPECT_REFUSED(cs_kvx_decode_stream(b2, n2, &nlim, e_, sizeof e_), CS_EPROTO,
                    "unknown frame type");
     ASSERT_EQ_STR(cs_kvx_frame_type_name(CS_KVX_NCCL_PAGES), "NCCL_PAGES");
     ASSERT_EQ_STR(cs_kvx_frame_type_name(CS_KVX_NCCL_TYPE_MAX + 1), "unknown");
@@ -179,25 +178,21 @@ static void xf_free(xf *x) {
 }
 
 /* Queues up to step pages of x (retrying on backpressure); 0 or the error. */
-static int xf_send_try(cs_kvx_nccl_tx *tx, xf *x, int32_t step) {
+static int xf_send_try(cs_kvx_tx *tx, xf *x, int32_t step) {
     int32_t k = x->n - x->sent < step ? x->n - x->sent : step;
     if (k <= 0) return 0;
-    int r;
-    while (__atomic_add_fetch(&attempts, 1, __ATOMIC_SEQ_CST),
-           (r = cs_kvx_nccl_tx_send_pages(tx, x->id, x->sent, k, x->src + x->sent, on_release,
-                                          NULL)) == CS_EAGAIN)
-        usleep(200);
-    if (r == 0) x->sent += k;
+    int r = send_retry(tx, x->id, x->sent, k, x->src + x->sent, on_release, NULL);
+    if (r == 0) x->sent += k, __atomic_add_fetch(&accepted, 1, __ATOMIC_SEQ_CST);
     return r;
 }
 
-static void xf_send(cs_kvx_nccl_tx *tx, xf *x, int32_t step) {
+static void xf_send(cs_kvx_tx *tx, xf *x, int32_t step) {
     ASSERT_EQ_INT(xf_send_try(tx, x, step), 0);
 }
 
-static void xf_finish(cs_kvx_nccl_tx *tx, xf *x) {
+static void xf_finish(cs_kvx_tx *tx, xf *x) {
     cs_kvx_trailer t = {(int32_t)(x->id % 1000), x->n * L.page_size, x->n};
-    ASSERT_EQ_INT(cs_kvx_nccl_tx_finish(tx, x->id, &t), 0);
+    ASSERT_EQ_INT(cs_kvx_tx_finish(tx, x->id, &t), 0);
 }
 
 static void xf_check(const xf *x) {
@@ -208,36 +203,36 @@ static void xf_check(const xf *x) {
         }
 }
 
-static cs_kvx_nccl_tx *mk_tx(const char *name, int32_t chunk_pages, int32_t op_timeout,
-                             int32_t init_timeout) {
-    cs_kvx_nccl_tx_params p = cs_kvx_nccl_tx_params_default();
-    p.tcp.layout = L;
-    p.tcp.name = name;
-    p.tcp.max_frame_bytes = (size_t)chunk_pages * PB;
-    p.tcp.max_queued_bytes = 64 * PB;
-    p.tcp.keepalive_ms = 100;
-    p.tcp.dead_ms = 1000;
-    p.pool = (cs_kvx_nccl_pool){-1, pool_a, NPOOL};
+static cs_kvx_tx *mk_tx(const char *name, int32_t chunk_pages, int32_t op_timeout,
+                        int32_t init_timeout) {
+    cs_kvx_tx_params p = cs_kvx_tx_params_default();
+    p.layout = L;
+    p.name = name;
+    p.max_frame_bytes = (size_t)chunk_pages * PB;
+    p.max_queued_bytes = 64 * PB;
+    p.keepalive_ms = 100;
+    p.dead_ms = 1000;
+    p.pool = (cs_kvx_pool){CS_KVX_POOL_CUDA, -1, pool_a, NPOOL};
     p.n_slots = 2;
     p.op_timeout_ms = op_timeout;
     p.init_timeout_ms = init_timeout;
-    cs_kvx_nccl_tx *tx;
-    ASSERT_EQ_INT(cs__kvx_nccl_tx_init_ops(&p, &loop_ops, &tx), 0);
+    cs_kvx_tx *tx;
+    ASSERT_EQ_INT(cs__kvx_tx_init_payload(&p, &loop_ops, &tx), 0);
     return tx;
 }
 
-static cs_kvx_nccl_rx *mk_rx(int32_t chunk_pages, int32_t op_timeout, int32_t init_timeout) {
-    cs_kvx_nccl_rx_params p = cs_kvx_nccl_rx_params_default();
-    p.tcp.layout = L;
-    p.tcp.max_frame_bytes = (size_t)chunk_pages * PB;
-    p.tcp.keepalive_ms = 100;
-    p.tcp.dead_ms = 1000;
-    p.pool = (cs_kvx_nccl_pool){-1, pool_b, NPOOL};
+static cs_kvx_rx *mk_rx(int32_t chunk_pages, int32_t op_timeout, int32_t init_timeout) {
+    cs_kvx_rx_params p = cs_kvx_rx_params_default();
+    p.layout = L;
+    p.max_frame_bytes = (size_t)chunk_pages * PB;
+    p.keepalive_ms = 100;
+    p.dead_ms = 1000;
+    p.pool = (cs_kvx_pool){CS_KVX_POOL_CUDA, -1, pool_b, NPOOL};
     p.n_slots = 3;
     p.op_timeout_ms = op_timeout;
     p.init_timeout_ms = init_timeout;
-    cs_kvx_nccl_rx *rx;
-    ASSERT_EQ_INT(cs__kvx_nccl_rx_init_ops(&p, &loop_ops, &rx), 0);
+    cs_kvx_rx *rx;
+    ASSERT_EQ_INT(cs__kvx_rx_init_payload(&p, &loop_ops, &rx), 0);
     return rx;
 }
 
@@ -255,10 +250,10 @@ static void waiters_reset(void) {
     waiter_init(wr);
 }
 
-static void begin(cs_kvx_nccl_tx *tx, cs_kvx_nccl_rx *rx, const xf *x, int32_t deadline_ms) {
-    ASSERT_EQ_INT(cs_kvx_nccl_rx_expect(rx, x->id, x->dst, x->n, deadline_ms, waiter_done, wr), 0);
-    ASSERT_EQ_INT(cs_kvx_nccl_tx_begin(tx, "127.0.0.1", cs_kvx_nccl_rx_port(rx), x->id, x->n,
-                                       deadline_ms, waiter_done, wt),
+static void begin(cs_kvx_tx *tx, cs_kvx_rx *rx, const xf *x, int32_t deadline_ms) {
+    ASSERT_EQ_INT(cs_kvx_rx_expect(rx, x->id, x->dst, x->n, deadline_ms, waiter_done, wr), 0);
+    ASSERT_EQ_INT(cs_kvx_tx_begin(tx, "127.0.0.1", cs_kvx_rx_port(rx), x->id, x->n, deadline_ms,
+                                  waiter_done, wt),
                   0);
 }
 
@@ -273,8 +268,8 @@ static void expect_done(int n, int timeout_ms) {
 
 static void test_sizes(void) {
     waiters_reset();
-    cs_kvx_nccl_rx *rx = mk_rx(16, 5000, 5000);
-    cs_kvx_nccl_tx *tx = mk_tx("prefill-0", 8, 5000, 5000);
+    cs_kvx_rx *rx = mk_rx(16, 5000, 5000);
+    cs_kvx_tx *tx = mk_tx("prefill-0", 8, 5000, 5000);
     int32_t sizes[] = {1, 7, 8, 9, 37, 3000};
     int nt = (int)(sizeof sizes / sizeof *sizes);
     int64_t pages = 0;
@@ -297,19 +292,19 @@ static void test_sizes(void) {
         xf_free(&x);
     }
     cs_kvx_stats st, sr;
-    cs_kvx_nccl_tx_get_stats(tx, &st);
-    cs_kvx_nccl_rx_get_stats(rx, &sr);
+    cs_kvx_tx_get_stats(tx, &st);
+    cs_kvx_rx_get_stats(rx, &sr);
     ASSERT_EQ_INT(st.transfers_completed, nt);
     ASSERT_EQ_INT(sr.transfers_completed, nt);
     ASSERT_EQ_INT(st.bytes, pages * PB);
     ASSERT_EQ_INT(sr.bytes, pages * PB);
     ASSERT_EQ_INT(st.conns_opened, 1);
     ASSERT_EQ_INT(sr.protocol_errors, 0);
-    for (int i = 0; i < 200 && __atomic_load_n(&releases, __ATOMIC_SEQ_CST) < attempts; i++)
+    for (int i = 0; i < 200 && __atomic_load_n(&releases, __ATOMIC_SEQ_CST) < accepted; i++)
         usleep(10000);
-    ASSERT_EQ_INT(releases, attempts);
-    cs_kvx_nccl_tx_free(tx);
-    cs_kvx_nccl_rx_free(rx);
+    ASSERT_EQ_INT(releases, accepted);
+    cs_kvx_tx_free(tx);
+    cs_kvx_rx_free(rx);
     ASSERT_EQ_INT(loop_get_open_links(), 0);
     printf("sizes: 1 to 3000 pages bit-identical over 8-page chunks, one communicator, every page "
            "released\n");
@@ -317,8 +312,8 @@ static void test_sizes(void) {
 
 static void test_interleaved(void) {
     waiters_reset();
-    cs_kvx_nccl_rx *rx = mk_rx(16, 5000, 5000);
-    cs_kvx_nccl_tx *tx = mk_tx("prefill-1", 16, 5000, 5000);
+    cs_kvx_rx *rx = mk_rx(16, 5000, 5000);
+    cs_kvx_tx *tx = mk_tx("prefill-1", 16, 5000, 5000);
     enum { NX = 24 };
     xf xs[NX];
     for (int i = 0; i < NX; i++) {
@@ -343,22 +338,22 @@ static void test_interleaved(void) {
         xf_check(&xs[i]);
         xf_free(&xs[i]);
     }
-    cs_kvx_nccl_tx_free(tx);
-    cs_kvx_nccl_rx_free(rx);
+    cs_kvx_tx_free(tx);
+    cs_kvx_rx_free(rx);
     printf("interleaved: %d transfers on one channel, all bit-identical\n", NX);
 }
 
 static void test_abort_cancel_deadline(void) {
     waiters_reset();
-    cs_kvx_nccl_rx *rx = mk_rx(16, 5000, 5000);
-    cs_kvx_nccl_tx *tx = mk_tx("prefill-2", 8, 5000, 5000);
+    cs_kvx_rx *rx = mk_rx(16, 5000, 5000);
+    cs_kvx_tx *tx = mk_tx("prefill-2", 8, 5000, 5000);
     xf a, b, c, d;
     /* sender aborts mid-transfer */
     xf_make(&a, 2001, 100);
     begin(tx, rx, &a, 20000);
     xf_send(tx, &a, 50);
     usleep(50000);
-    ASSERT_EQ_INT(cs_kvx_nccl_tx_abort(tx, a.id), 0);
+    ASSERT_EQ_INT(cs_kvx_tx_abort(tx, a.id), 0);
     ASSERT_TRUE(waiter_wait(wt, 1, 5000) && waiter_wait(wr, 1, 5000));
     ASSERT_EQ_INT(waiter_status(wt, a.id), CS_ECANCELED);
     ASSERT_EQ_INT(waiter_status(wr, a.id), CS_ECANCELED);
@@ -368,7 +363,7 @@ static void test_abort_cancel_deadline(void) {
     begin(tx, rx, &b, 20000);
     xf_send(tx, &b, 20);
     usleep(50000);
-    ASSERT_EQ_INT(cs_kvx_nccl_rx_cancel(rx, b.id), 0);
+    ASSERT_EQ_INT(cs_kvx_rx_cancel(rx, b.id), 0);
     ASSERT_TRUE(waiter_wait(wr, 2, 5000));
     ASSERT_EQ_INT(waiter_status(wr, b.id), CS_ECANCELED);
     while (b.sent < b.n && xf_send_try(tx, &b, 10) == 0) {
@@ -377,17 +372,16 @@ static void test_abort_cancel_deadline(void) {
     ASSERT_EQ_INT(waiter_status(wt, b.id), CS_ECANCELED);
     /* sender deadline: ABORT reaches the receiver */
     xf_make(&d, 2004, 10);
-    ASSERT_EQ_INT(cs_kvx_nccl_rx_expect(rx, d.id, d.dst, d.n, 20000, waiter_done, wr), 0);
-    ASSERT_EQ_INT(cs_kvx_nccl_tx_begin(tx, "127.0.0.1", cs_kvx_nccl_rx_port(rx), d.id, d.n, 200,
-                                       waiter_done, wt),
-                  0);
+    ASSERT_EQ_INT(cs_kvx_rx_expect(rx, d.id, d.dst, d.n, 20000, waiter_done, wr), 0);
+    ASSERT_EQ_INT(
+        cs_kvx_tx_begin(tx, "127.0.0.1", cs_kvx_rx_port(rx), d.id, d.n, 200, waiter_done, wt), 0);
     xf_send(tx, &d, 3);
     ASSERT_TRUE(waiter_wait(wt, 3, 5000) && waiter_wait(wr, 3, 5000));
     ASSERT_EQ_INT(waiter_status(wt, d.id), CS_ETIMEDOUT);
     ASSERT_EQ_INT(waiter_status(wr, d.id), CS_ECANCELED);
     /* receiver deadline */
     int32_t ids[4] = {1, 2, 3, 4};
-    ASSERT_EQ_INT(cs_kvx_nccl_rx_expect(rx, 2005, ids, 4, 150, waiter_done, wr), 0);
+    ASSERT_EQ_INT(cs_kvx_rx_expect(rx, 2005, ids, 4, 150, waiter_done, wr), 0);
     ASSERT_TRUE(waiter_wait(wr, 4, 5000));
     ASSERT_EQ_INT(waiter_status(wr, 2005), CS_ETIMEDOUT);
     /* the channel and its communicator still work, ops still matched */
@@ -401,11 +395,11 @@ static void test_abort_cancel_deadline(void) {
     ASSERT_EQ_INT(waiter_status(wr, c.id), 0);
     xf_check(&c);
     cs_kvx_stats st;
-    cs_kvx_nccl_tx_get_stats(tx, &st);
+    cs_kvx_tx_get_stats(tx, &st);
     ASSERT_EQ_INT(st.conns_opened, 1);
     ASSERT_EQ_INT(loop_get_open_links(), 2);
-    cs_kvx_nccl_tx_free(tx);
-    cs_kvx_nccl_rx_free(rx);
+    cs_kvx_tx_free(tx);
+    cs_kvx_rx_free(rx);
     xf_free(&a), xf_free(&b), xf_free(&c), xf_free(&d);
     printf("abort, cancel (chunks drained), deadlines both sides; the channel kept its "
            "communicator\n");
@@ -417,8 +411,8 @@ static void test_abort_cancel_deadline(void) {
 static void fail_case(const char *what, int *knob_on, int32_t op_timeout, int32_t init_timeout,
                       int max_ms, const char *tx_msg) {
     waiters_reset();
-    cs_kvx_nccl_rx *rx = mk_rx(16, op_timeout, init_timeout);
-    cs_kvx_nccl_tx *tx = mk_tx("prefill-3", 8, op_timeout, init_timeout);
+    cs_kvx_rx *rx = mk_rx(16, op_timeout, init_timeout);
+    cs_kvx_tx *tx = mk_tx("prefill-3", 8, op_timeout, init_timeout);
     xf xs[3];
     bool before_init = !strcmp(what, "init never completes") || !strcmp(what, "no communicator id");
     /* the transfers may fail at any point from here: ENOENT is fine */
@@ -435,7 +429,7 @@ static void fail_case(const char *what, int *knob_on, int32_t op_timeout, int32_
         LOOP_SET_PTR(knob_on, 1);
         for (int i = 0; i < 3; i++) {
             cs_kvx_trailer t = {1, 60 * L.page_size, 60};
-            if (xf_send_try(tx, &xs[i], 30) == 0) (void)cs_kvx_nccl_tx_finish(tx, xs[i].id, &t);
+            if (xf_send_try(tx, &xs[i], 30) == 0) (void)cs_kvx_tx_finish(tx, xs[i].id, &t);
         }
     }
     /* Before the communicator is up no descriptor reached the receiver: its
@@ -453,7 +447,7 @@ static void fail_case(const char *what, int *knob_on, int32_t op_timeout, int32_
     LOOP_SET_PTR(knob_on, 0);
     if (before_init) {
         for (int i = 0; i < 3; i++)
-            ASSERT_EQ_INT(cs_kvx_nccl_rx_cancel(rx, xs[i].id), 0);
+            ASSERT_EQ_INT(cs_kvx_rx_cancel(rx, xs[i].id), 0);
         ASSERT_TRUE(waiter_wait(wr, 3, 5000));
     }
     usleep(100000);
@@ -473,11 +467,11 @@ static void fail_case(const char *what, int *knob_on, int32_t op_timeout, int32_
     ASSERT_EQ_INT(waiter_status(wr, x.id), 0);
     xf_check(&x);
     cs_kvx_stats st;
-    cs_kvx_nccl_tx_get_stats(tx, &st);
+    cs_kvx_tx_get_stats(tx, &st);
     ASSERT_EQ_INT(st.conns_opened,
                   knob_on == &loop_knobs.id_fail ? 1 : 2); /* no id: the connection never opened */
-    cs_kvx_nccl_tx_free(tx);
-    cs_kvx_nccl_rx_free(rx);
+    cs_kvx_tx_free(tx);
+    cs_kvx_rx_free(rx);
     ASSERT_EQ_INT(loop_get_open_links(), 0);
     for (int i = 0; i < 3; i++)
         xf_free(&xs[i]);
@@ -492,16 +486,11 @@ static void test_failures(void) {
     fail_case("no communicator id", &loop_knobs.id_fail, 5000, 5000, 3000, "ncclGetUniqueId");
 }
 
-static int import_any(void *arg, const int32_t *ids, int32_t n, const void *data) {
-    (void)arg, (void)ids, (void)n, (void)data;
-    return 0;
-}
-
 static void test_mixups(void) {
     waiters_reset();
     /* receiver takes smaller chunks than the sender sends */
-    cs_kvx_nccl_rx *rx = mk_rx(4, 5000, 5000);
-    cs_kvx_nccl_tx *tx = mk_tx("prefill-4", 8, 5000, 5000);
+    cs_kvx_rx *rx = mk_rx(4, 5000, 5000);
+    cs_kvx_tx *tx = mk_tx("prefill-4", 8, 5000, 5000);
     xf x;
     xf_make(&x, 4001, 20);
     begin(tx, rx, &x, 5000);
@@ -509,56 +498,54 @@ static void test_mixups(void) {
     ASSERT_TRUE(waiter_wait(wt, 1, 5000));
     ASSERT_EQ_INT(wt->status[0], CS_ECONNREFUSED);
     ASSERT_MSG_HAS(wt->msg[0], "max_frame_bytes");
-    ASSERT_EQ_INT(cs_kvx_nccl_rx_cancel(rx, x.id), 0);
+    ASSERT_EQ_INT(cs_kvx_rx_cancel(rx, x.id), 0);
     ASSERT_TRUE(waiter_wait(wr, 1, 5000));
-    /* a TCP sender at an NCCL endpoint is refused with the reason */
+    /* a TCP sender at an NCCL endpoint is refused with the reason, naming both */
     cs_kvx_tx_params tp = cs_kvx_tx_params_default();
     tp.layout = L;
+    tp.pool = (cs_kvx_pool){CS_KVX_POOL_HOST, 0, pool_a, NPOOL};
     tp.name = "tcp-prefill";
     cs_kvx_tx *ttx;
     ASSERT_EQ_INT(cs_kvx_tx_init(&tp, &ttx), 0);
     ASSERT_EQ_INT(
-        cs_kvx_tx_begin(ttx, "127.0.0.1", cs_kvx_nccl_rx_port(rx), 4002, 1, 5000, waiter_done, wt),
-        0);
+        cs_kvx_tx_begin(ttx, "127.0.0.1", cs_kvx_rx_port(rx), 4002, 1, 5000, waiter_done, wt), 0);
     ASSERT_TRUE(waiter_wait(wt, 2, 5000));
     ASSERT_EQ_INT(wt->status[1], CS_ECONNREFUSED);
-    ASSERT_MSG_HAS(wt->msg[1], "NCCL");
+    ASSERT_MSG_HAS(wt->msg[1], "payload mismatch: sender tcp-prefill");
     cs_kvx_tx_free(ttx);
-    /* an NCCL sender at a TCP endpoint: the TCP receiver refuses the flag */
+    /* an NCCL sender at a TCP endpoint: refused the same way */
     cs_kvx_rx_params rp = cs_kvx_rx_params_default();
     rp.layout = L;
-    rp.import = import_any;
+    rp.pool = (cs_kvx_pool){CS_KVX_POOL_HOST, 0, pool_b, NPOOL};
     cs_kvx_rx *trx;
     ASSERT_EQ_INT(cs_kvx_rx_init(&rp, &trx), 0);
     ASSERT_EQ_INT(
-        cs_kvx_nccl_tx_begin(tx, "127.0.0.1", cs_kvx_rx_port(trx), 4003, 1, 5000, waiter_done, wt),
-        0);
+        cs_kvx_tx_begin(tx, "127.0.0.1", cs_kvx_rx_port(trx), 4003, 1, 5000, waiter_done, wt), 0);
     ASSERT_TRUE(waiter_wait(wt, 3, 5000));
-    ASSERT_TRUE(wt->status[2] < 0);
+    ASSERT_EQ_INT(wt->status[2], CS_ECONNREFUSED);
+    ASSERT_MSG_HAS(wt->msg[2], "payload mismatch");
     cs_kvx_stats s;
     cs_kvx_rx_get_stats(trx, &s);
     ASSERT_TRUE(s.protocol_errors >= 1);
     cs_kvx_rx_free(trx);
     /* bad arguments */
     int32_t bad = NPOOL;
-    ASSERT_EQ_INT(cs_kvx_nccl_rx_expect(rx, 4004, &bad, 1, 1000, waiter_done, wr), CS_EINVAL);
-    ASSERT_EQ_INT(cs_kvx_nccl_tx_begin(tx, "127.0.0.1", cs_kvx_nccl_rx_port(rx), 4004, 1, 1000,
-                                       waiter_done, wt),
-                  0);
-    ASSERT_EQ_INT(cs_kvx_nccl_tx_send_pages(tx, 4004, 0, 1, &bad, NULL, NULL), CS_EINVAL);
-    ASSERT_EQ_INT(cs_kvx_nccl_tx_abort(tx, 4004), 0);
-    cs_kvx_nccl_rx_params p = cs_kvx_nccl_rx_params_default();
-    p.tcp.layout = L;
-    p.pool = (cs_kvx_nccl_pool){-1, pool_b, NPOOL};
-    p.tcp.import = import_any;
-    cs_kvx_nccl_rx *r2;
-    ASSERT_EQ_INT(cs__kvx_nccl_rx_init_ops(&p, &loop_ops, &r2), CS_EINVAL);
-    p.tcp.import = NULL;
-    p.tcp.layout.page_bytes = 100;
-    p.tcp.max_frame_bytes = 1000;
-    ASSERT_EQ_INT(cs__kvx_nccl_rx_init_ops(&p, &loop_ops, &r2), CS_EINVAL);
-    cs_kvx_nccl_tx_free(tx);
-    cs_kvx_nccl_rx_free(rx);
+    ASSERT_EQ_INT(cs_kvx_rx_expect(rx, 4004, &bad, 1, 1000, waiter_done, wr), CS_EINVAL);
+    ASSERT_EQ_INT(
+        cs_kvx_tx_begin(tx, "127.0.0.1", cs_kvx_rx_port(rx), 4004, 1, 1000, waiter_done, wt), 0);
+    ASSERT_EQ_INT(cs_kvx_tx_send_pages(tx, 4004, 0, 1, &bad, NULL, NULL), CS_EINVAL);
+    ASSERT_EQ_INT(cs_kvx_tx_abort(tx, 4004), 0);
+    cs_kvx_rx_params p = cs_kvx_rx_params_default();
+    p.layout = L;
+    p.pool = (cs_kvx_pool){CS_KVX_POOL_HOST, -1, pool_b, NPOOL}; /* not the payload's pool */
+    cs_kvx_rx *r2;
+    ASSERT_EQ_INT(cs__kvx_rx_init_payload(&p, &loop_ops, &r2), CS_EINVAL);
+    p.pool.kind = CS_KVX_POOL_CUDA;
+    p.layout.page_bytes = 100;
+    p.max_frame_bytes = 1000;
+    ASSERT_EQ_INT(cs__kvx_rx_init_payload(&p, &loop_ops, &r2), CS_EINVAL);
+    cs_kvx_tx_free(tx);
+    cs_kvx_rx_free(rx);
     xf_free(&x);
     printf("mix-ups: chunk limit, TCP sender at an NCCL endpoint, NCCL sender at a TCP endpoint, "
            "bad ids: refused\n");
@@ -567,14 +554,14 @@ static void test_mixups(void) {
 static void test_peer_death(void) {
     waiters_reset();
     /* the receiver goes away mid-transfer */
-    cs_kvx_nccl_rx *rx = mk_rx(16, 5000, 5000);
-    cs_kvx_nccl_tx *tx = mk_tx("prefill-5", 8, 5000, 5000);
+    cs_kvx_rx *rx = mk_rx(16, 5000, 5000);
+    cs_kvx_tx *tx = mk_tx("prefill-5", 8, 5000, 5000);
     xf a;
     xf_make(&a, 5001, 200);
     begin(tx, rx, &a, 30000);
     xf_send(tx, &a, 100);
     usleep(100000);
-    cs_kvx_nccl_rx_free(rx); /* its done callback: CS_ECANCELED */
+    cs_kvx_rx_free(rx); /* its done callback: CS_ECANCELED */
     int64_t t0 = test_now_ms();
     ASSERT_TRUE(waiter_wait(wt, 1, 3000));
     ASSERT_TRUE(waiter_status(wt, a.id) < 0);
@@ -587,13 +574,13 @@ static void test_peer_death(void) {
     begin(tx, rx, &b, 30000);
     xf_send(tx, &b, 100);
     usleep(100000);
-    cs_kvx_nccl_tx_free(tx);
+    cs_kvx_tx_free(tx);
     ASSERT_EQ_INT(waiter_status(wt, b.id), CS_ECANCELED);
     t0 = test_now_ms();
     ASSERT_TRUE(waiter_wait(wr, 2, 3000));
     ASSERT_TRUE(waiter_status(wr, b.id) < 0);
     int64_t dt2 = test_now_ms() - t0;
-    cs_kvx_nccl_rx_free(rx);
+    cs_kvx_rx_free(rx);
     ASSERT_EQ_INT(loop_get_open_links(), 0);
     ASSERT_EQ_INT(wt->n_done, 2);
     ASSERT_EQ_INT(wr->n_done, 2);
@@ -626,7 +613,7 @@ int main(void) {
     test_mixups();
     test_peer_death();
     ASSERT_EQ_INT(loop_get_open_links(), 0);
-    ASSERT_EQ_INT(releases, attempts); /* every page handed over was released */
+    ASSERT_EQ_INT(releases, accepted); /* every page handed over was released once */
     free(pool_a), free(pool_b), free(perm), free(wt), free(wr);
     printf("test_kvx_nccl_ctl: ok\n");
     return 0;

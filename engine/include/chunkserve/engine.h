@@ -76,6 +76,22 @@ int cs_engine_eval_seq(cs_engine *e, cs_page_table *pt, int32_t pos, const int32
 int cs_engine_kv_export(cs_engine *e, const int32_t *pages, int32_t n, void *dst);
 int cs_engine_kv_import(cs_engine *e, const int32_t *pages, int32_t n, const void *src);
 
+/* The KV pool's memory, for a transport that moves pages by id (the KV
+ * transport, chunkserve/kvx_engine.h): page p is page_bytes bytes (all
+ * layers' K and V, in the backend's format: what kv_export writes) at
+ * base + p * page_bytes, for p < n_pages. device is -1 when base is host
+ * memory (CPU backend), else the CUDA device ordinal whose memory it points
+ * into (CUDA backend). Valid while the engine lives. Who may read or write
+ * which pages from another thread, and when, is serve.h's contract. */
+typedef struct {
+    void *base;
+    int device;
+    size_t page_bytes;
+    int32_t n_pages;
+} cs_engine_kv_pool_info;
+
+void cs_engine_kv_pool(cs_engine *e, cs_engine_kv_pool_info *out);
+
 #ifdef __cplusplus
 }
 #endif

@@ -50,6 +50,12 @@ void cs_serve_cancel(cs_serve *sv, uint64_t id);
  * longer waiting for its KV ends with an ERROR event. */
 int cs_serve_kv_ready(cs_serve *sv, uint64_t id, int32_t first_token);
 
+/* Drops one reference from each of n pages (ids copied), applied by the
+ * engine thread before its next step (it wakes for it): the other half of
+ * holding pages past a callback (see cs_serve_cb). Thread-safe; CS_ENOMEM or
+ * CS_ECANCELED (stopping: the references are then left to the pool's end). */
+int cs_serve_kv_release(cs_serve *sv, const int32_t *pages, int32_t n);
+
 /* Scheduler statistics as of the last step. Thread-safe. */
 void cs_serve_stats(cs_serve *sv, cs_sched_stats *st);
 

@@ -1,5 +1,5 @@
-/* kvx_nccl_link.c: the payload link of the NCCL KV transport (see
- * kvx_nccl-impl.h): one 2-rank communicator per channel, created with
+/* kvx_payload_nccl.c: the NCCL payload of the KV transport (see
+ * kvx-impl.h), for device pools: one 2-rank communicator per channel, created with
  * ncclCommInitRankConfig in non-blocking mode (NCCL runs the init on its own
  * thread; the transport's I/O thread polls ncclCommGetAsyncError, so a dead
  * peer cannot hang it), two streams (net: ncclSend/ncclRecv only; pack: the
@@ -11,7 +11,8 @@
  * "call: name: message" in err and return a status instead of aborting: a
  * failed peer must fail the channel, not the worker. (A broken device still
  * ends the worker: the kernels' launch checks are fatal, as in the backend.)
- * Also the public init functions, which bind the control plane to this link. */
+ * Library cs_kvx_nccl (CUDA + NCCL builds); the control plane finds it
+ * through cs__kvx_payload_for_pool (a weak reference in kvx_io.c). */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -22,7 +23,6 @@
 
 #include "cuda_impl.h"
 #include "kvx-impl.h"
-#include "kvx_nccl-impl.h"
 #include "chunkserve/assert.h"
 #include "chunkserve/error.h"
 #include "chunkserve/log.h"
@@ -137,8 +137,8 @@ fail:
     return r;
 }
 
-static int l_open(const cs__kvx_link_cfg *cfg, const uint8_t id[CS_KVX_NCCL_ID_BYTES],
-                  cs__kvx_link **out, char *err, size_t errlen) {
+static int l_open(const cs__kvx_link_cfg *cfg, const uint8_t *id, cs__kvx_link **out, char *err,
+                  size_t errlen) {
     _Static_assert(sizeof(ncclUniqueId) == CS_KVX_NCCL_ID_BYTES, "NCCL_ID frame size");
     int r = 0;
     bool in_progress = false;
@@ -319,13 +319,17 @@ static bool l_close(cs__kvx_link *l) {
     return true;
 }
 
-const cs__kvx_link_ops cs__kvx_link_nccl = {"nccl", l_unique_id, l_open,  l_state, l_pack,
-                                            l_send, l_recv,      l_query, l_close};
-
-int cs_kvx_nccl_tx_init(const cs_kvx_nccl_tx_params *p, cs_kvx_nccl_tx **out) {
-    return cs__kvx_nccl_tx_init_ops(p, &cs__kvx_link_nccl, out);
-}
-
-int cs_kvx_nccl_rx_init(const cs_kvx_nccl_rx_params *p, cs_kvx_nccl_rx **out) {
-    return cs__kvx_nccl_rx_init_ops(p, &cs__kvx_link_nccl, out);
-}
+const cs__kvx_payload cs__kvx_payload_nccl = {
+    .name = "nccl",
+    .kind = CS_KVX_PAYLOAD_NCCL,
+    .pool_kind = CS_KVX_POOL_CUDA,
+    .inline_pages = false,
+    .unique_id = l_unique_id,
+    .open = l_open,
+    .state = l_state,
+    .pack = l_pack,
+    .send = l_send,
+    .recv = l_recv,
+    .query = l_query,
+    .close = l_close,
+};
