@@ -1,7 +1,7 @@
 /* router.c: the router's Generation handlers and the request state machine
  * (DESIGN §4 request flow, §6 failure contract), on one libuv loop.
  *
- * A request (struct req) is validated and tokenized on arrival (server/wire.h,
+ * A request (struct req) is validated and tokenized on arrival (api/wire.h,
  * exactly as the single-process server), then admitted: placed at once when
  * fewer than max-inflight are placed and nobody waits, else queued (FIFO,
  * at most max-queue), else refused RESOURCE_EXHAUSTED.
