@@ -42,10 +42,9 @@
 #include <unistd.h>
 #include <uv.h>
 
-#include "chunkserve/http.h"
 #include "chunkserve/metrics.h"
+#include "chunkserve/proc.h"
 #include "chunkserve/rpc.h"
-#include "chunkserve/rpc_health.h"
 #include "chunkserve/v1/cluster.pb-c.h"
 #include "generation.h"
 #include "pool.h"
@@ -136,16 +135,13 @@ struct req {
 
 struct router {
     const cs_router_opts *o;
+    const cs_model *model; /* vocabulary and config only */
     cs_wire_model wm;
-    uv_loop_t uv;
+    cs_proc *proc; /* the process shell: loop, RPC server, ops HTTP, drain */
     cs_rpc_loop *rl;
-    cs_rpc_server *srv;
-    cs_rpc_health *health;
     cs_pool *pool;
     cs_metrics *metrics;
-    cs_http_server *http;
-    uv_signal_t sigterm, sigint;
-    uv_timer_t grace, tick, pump;
+    uv_timer_t tick, pump;
     bool stopping, grace_over, handles_ok;
     req *live;
     int n_live;
@@ -160,7 +156,7 @@ struct router {
     struct {
         cs_metric *running, *waiting, *retries, *migrations, *prefill_local, *prefill_remote;
         cs_metric *ttft, *itl, *e2e, *overhead, *prompt_tokens, *gen_tokens;
-        cs_metric *usable[2], *draining;
+        cs_metric *usable[2];
         cs_metric *codes[17];
     } m;
 };
@@ -1019,81 +1015,86 @@ static const double e2e_buckets[] = {0.05, 0.1, 0.25, 0.5, 1,   2.5, 5,
                                      10,   20,  40,   60,  120, 300, 600};
 static const double overhead_buckets[] = {1e-5, 5e-5, 1e-4,  2.5e-4, 5e-4, 1e-3, 2.5e-3,
                                           5e-3, 0.01, 0.025, 0.05,   0.1,  0.5,  1};
+#define N_BUCKETS(b) (sizeof b / sizeof b[0])
+#define M(f) offsetof(router, m.f)
+#define REQUESTS(code, name)                                                                   \
+    {M(codes[code]), "chunkserve:requests_total", CS_METRIC_COUNTER, "code=\"" name "\"",     \
+     "Generate requests ended, by gRPC status.", NULL, 0}
+#define PREFILLS "Prefills, on the decode worker (local) or on a prefill worker (remote)."
+/* The router's metrics: one table, the twin of its config table
+ * (chunkserve-router --metrics-json prints it). */
+static const cs_metric_def router_metrics[] = {
+    {M(running), "chunkserve:num_requests_running", CS_METRIC_GAUGE, NULL,
+     "Requests placed on workers (Decode call open).", NULL, 0},
+    {M(waiting), "chunkserve:num_requests_waiting", CS_METRIC_GAUGE, NULL, "Requests waiting in the router's queue.",
+     NULL, 0},
+    REQUESTS(CS_RPC_OK, "OK"),
+    REQUESTS(CS_RPC_CANCELLED, "CANCELLED"),
+    REQUESTS(CS_RPC_UNKNOWN, "UNKNOWN"),
+    REQUESTS(CS_RPC_INVALID_ARGUMENT, "INVALID_ARGUMENT"),
+    REQUESTS(CS_RPC_DEADLINE_EXCEEDED, "DEADLINE_EXCEEDED"),
+    REQUESTS(CS_RPC_RESOURCE_EXHAUSTED, "RESOURCE_EXHAUSTED"),
+    REQUESTS(CS_RPC_FAILED_PRECONDITION, "FAILED_PRECONDITION"),
+    REQUESTS(CS_RPC_ABORTED, "ABORTED"),
+    REQUESTS(CS_RPC_INTERNAL, "INTERNAL"),
+    REQUESTS(CS_RPC_UNAVAILABLE, "UNAVAILABLE"),
+    {M(prefill_local), "chunkserve:prefills_total", CS_METRIC_COUNTER, "path=\"local\"", PREFILLS, NULL, 0},
+    {M(prefill_remote), "chunkserve:prefills_total", CS_METRIC_COUNTER, "path=\"remote\"", PREFILLS, NULL, 0},
+    {M(retries), "chunkserve:retries_total", CS_METRIC_COUNTER, NULL,
+     "Attempts that failed before any token and were retried.", NULL, 0},
+    {M(migrations), "chunkserve:migrations_total", CS_METRIC_COUNTER, NULL,
+     "Attempts that failed after tokens streamed and were migrated to another worker.", NULL, 0},
+    {M(ttft), "chunkserve:time_to_first_token_seconds", CS_METRIC_HISTOGRAM, NULL,
+     "Receipt of the request to its first token relayed.", cs_metrics_ttft_buckets, 0},
+    {M(itl), "chunkserve:inter_token_latency_seconds", CS_METRIC_HISTOGRAM, NULL,
+     "Time between token messages relayed to a client.", cs_metrics_itl_buckets, 0},
+    {M(e2e), "chunkserve:e2e_request_latency_seconds", CS_METRIC_HISTOGRAM, NULL,
+     "Receipt of the request to its last message (OK only).", e2e_buckets, N_BUCKETS(e2e_buckets)},
+    {M(overhead), "chunkserve:router_overhead_seconds", CS_METRIC_HISTOGRAM, NULL,
+     "Receipt of the request to its first Decode call (validation, tokenization, placement).", overhead_buckets,
+     N_BUCKETS(overhead_buckets)},
+    {M(prompt_tokens), "chunkserve:prompt_tokens_total", CS_METRIC_COUNTER, NULL,
+     "Prompt tokens of requests that got a first token.", NULL, 0},
+    {M(gen_tokens), "chunkserve:generation_tokens_total", CS_METRIC_COUNTER, NULL, "Tokens relayed to clients.",
+     NULL, 0},
+    {M(usable[CS_POOL_PREFILL]), "chunkserve:workers_usable", CS_METRIC_GAUGE, "role=\"prefill\"",
+     "Workers usable now.", NULL, 0},
+    {M(usable[CS_POOL_DECODE]), "chunkserve:workers_usable", CS_METRIC_GAUGE, "role=\"decode\"",
+     "Workers usable now.", NULL, 0},
+};
+#undef M
+#undef REQUESTS
+#undef PREFILLS
+#define N_ROUTER_METRICS (sizeof router_metrics / sizeof router_metrics[0])
+
+void cs_router_print_metrics_json(void *f) { cs_metrics_print_json(router_metrics, N_ROUTER_METRICS, f); }
 
 static void metrics_register(router *r) {
-    cs_metrics *m = r->metrics;
-    r->m.running = cs_metrics_gauge(m, "chunkserve:num_requests_running", NULL,
-                                    "Requests placed on workers (Decode call open).");
-    r->m.waiting = cs_metrics_gauge(m, "chunkserve:num_requests_waiting", NULL,
-                                    "Requests waiting in the router's queue.");
-    static const int codes[] = {CS_RPC_OK,
-                                CS_RPC_CANCELLED,
-                                CS_RPC_UNKNOWN,
-                                CS_RPC_INVALID_ARGUMENT,
-                                CS_RPC_DEADLINE_EXCEEDED,
-                                CS_RPC_RESOURCE_EXHAUSTED,
-                                CS_RPC_FAILED_PRECONDITION,
-                                CS_RPC_ABORTED,
-                                CS_RPC_INTERNAL,
-                                CS_RPC_UNAVAILABLE};
-    for (size_t i = 0; i < sizeof codes / sizeof codes[0]; i++) {
-        char labels[64];
-        snprintf(labels, sizeof labels, "code=\"%s\"", cs_rpc_code_name(codes[i]));
-        r->m.codes[codes[i]] = cs_metrics_counter(m, "chunkserve:requests_total", labels,
-                                                  "Generate requests ended, by gRPC status.");
+    /* the standard latency bucket sets' lengths are not constant expressions */
+    cs_metric_def t[N_ROUTER_METRICS];
+    memcpy(t, router_metrics, sizeof t);
+    for (size_t i = 0; i < N_ROUTER_METRICS; i++) {
+        if (t[i].buckets == cs_metrics_ttft_buckets) t[i].n_buckets = cs_metrics_n_ttft_buckets;
+        if (t[i].buckets == cs_metrics_itl_buckets) t[i].n_buckets = cs_metrics_n_itl_buckets;
     }
-    r->m.prefill_local = cs_metrics_counter(m, "chunkserve:prefills_total", "path=\"local\"",
-                                            "Prefills, on the decode worker (local) or on a "
-                                            "prefill worker (remote).");
-    r->m.prefill_remote = cs_metrics_counter(m, "chunkserve:prefills_total", "path=\"remote\"",
-                                             "Prefills, on the decode worker (local) or on a "
-                                             "prefill worker (remote).");
-    r->m.retries = cs_metrics_counter(m, "chunkserve:retries_total", NULL,
-                                      "Attempts that failed before any token and were retried.");
-    r->m.migrations = cs_metrics_counter(
-        m, "chunkserve:migrations_total", NULL,
-        "Attempts that failed after tokens streamed and were migrated to another worker.");
-    r->m.ttft = cs_metrics_histogram(m, "chunkserve:time_to_first_token_seconds", NULL,
-                                     "Receipt of the request to its first token relayed.",
-                                     cs_metrics_ttft_buckets, cs_metrics_n_ttft_buckets);
-    r->m.itl = cs_metrics_histogram(m, "chunkserve:inter_token_latency_seconds", NULL,
-                                    "Time between token messages relayed to a client.",
-                                    cs_metrics_itl_buckets, cs_metrics_n_itl_buckets);
-    r->m.e2e = cs_metrics_histogram(m, "chunkserve:e2e_request_latency_seconds", NULL,
-                                    "Receipt of the request to its last message (OK only).",
-                                    e2e_buckets, sizeof e2e_buckets / sizeof e2e_buckets[0]);
-    r->m.overhead = cs_metrics_histogram(
-        m, "chunkserve:router_overhead_seconds", NULL,
-        "Receipt of the request to its first Decode call (validation, tokenization, placement).",
-        overhead_buckets, sizeof overhead_buckets / sizeof overhead_buckets[0]);
-    r->m.prompt_tokens = cs_metrics_counter(m, "chunkserve:prompt_tokens_total", NULL,
-                                            "Prompt tokens of requests that got a first token.");
-    r->m.gen_tokens = cs_metrics_counter(m, "chunkserve:generation_tokens_total", NULL,
-                                         "Tokens relayed to clients.");
-    r->m.usable[CS_POOL_PREFILL] =
-        cs_metrics_gauge(m, "chunkserve:workers_usable", "role=\"prefill\"", "Workers usable now.");
-    r->m.usable[CS_POOL_DECODE] =
-        cs_metrics_gauge(m, "chunkserve:workers_usable", "role=\"decode\"", "Workers usable now.");
-    r->m.draining = cs_metrics_gauge(m, "chunkserve:draining", NULL,
-                                     "1 from SIGTERM on: taking no new requests, finishing the open ones.");
+    cs_metrics_register_table(r->metrics, t, N_ROUTER_METRICS, r);
 }
 
-static void before_metrics(void *arg) {
+static void update_metrics(cs_proc *p, void *arg) {
+    (void)p;
     router *r = arg;
     cs_metric_set(r->m.running, r->n_placed);
     cs_metric_set(r->m.waiting, r->n_queued);
-    cs_metric_set(r->m.draining, r->stopping);
     for (int role = 0; role < 2; role++)
         cs_metric_set(r->m.usable[role],
                       r->pool ? cs_pool_n_usable(r->pool, (enum cs_pool_role)role) : 0);
 }
 
-static bool http_ready(void *arg, char *why, size_t why_len) {
+/* ---------------------------------------- the process shell's hooks -- */
+
+static bool ready(cs_proc *p, void *arg, char *why, size_t why_len) {
+    (void)p;
     router *r = arg;
-    if (r->stopping) {
-        snprintf(why, why_len, "shutting down");
-        return false;
-    }
     int n = r->pool ? cs_pool_n_usable(r->pool, CS_POOL_DECODE) : 0;
     if (n == 0 && !r->o->ready_without_workers) {
         snprintf(why, why_len, "no usable decode worker (%d known)",
@@ -1103,103 +1104,19 @@ static bool http_ready(void *arg, char *why, size_t why_len) {
     return true;
 }
 
-/* ------------------------------------------------------------ shutdown -- */
-
-static void close_handles(router *r) {
-    if (!r->handles_ok) return;
-    r->handles_ok = false;
-    uv_close((uv_handle_t *)&r->grace, NULL);
-    uv_close((uv_handle_t *)&r->tick, NULL);
-    uv_close((uv_handle_t *)&r->pump, NULL);
-    if (!uv_is_closing((uv_handle_t *)&r->sigterm)) uv_close((uv_handle_t *)&r->sigterm, NULL);
-    if (!uv_is_closing((uv_handle_t *)&r->sigint)) uv_close((uv_handle_t *)&r->sigint, NULL);
-}
-
-static void on_server_done(void *data) {
-    router *r = data;
-    r->srv = NULL;
-    /* every client call has ended; their worker calls end as the channels go */
-    close_handles(r);
-    cs_pool_close(r->pool);
-    r->pool = NULL;
-    cs_http_server_close(r->http);
-    r->http = NULL;
-    cs_rpc_loop_close(r->rl);
-}
-
-/* Grace is over: what still streams ends UNAVAILABLE. */
-static void on_grace(uv_timer_t *t) {
-    router *r = t->data;
-    r->grace_over = true;
-    int n = 0;
-    req *next;
-    for (req *q = r->live; q; q = next) {
-        next = q->next;
-        if (q->state == RQ_ENDED) continue;
-        end_request(q, CS_RPC_UNAVAILABLE, "the router is shutting down");
-        n++;
-    }
-    if (n) CS_LOGI("grace period over: %d requests ended", n);
-}
-
-static void on_signal(uv_signal_t *h, int signum) {
-    router *r = h->data;
-    if (r->stopping) return;
-    r->stopping = true;
-    CS_LOGI("signal %d: shutting down (%d requests: %d placed, %d waiting; %lld ms grace)", signum,
-            r->n_live, r->n_placed, r->n_queued, (long long)r->o->grace_ms);
-    uv_close((uv_handle_t *)&r->sigterm, NULL);
-    uv_close((uv_handle_t *)&r->sigint, NULL);
-    cs_rpc_health_shutdown(r->health);
-    uv_timer_start(&r->grace, on_grace, (uint64_t)r->o->grace_ms, 0);
-    if (!r->n_live) on_grace(&r->grace);
-    /* The RPC server's own grace is a backstop: ours ends the streams first. */
-    cs_rpc_server_shutdown(r->srv, (int32_t)r->o->grace_ms + 3000, on_server_done, r);
-}
-
-static void on_failed_server_done(void *data) {
-    router *r = data;
-    r->srv = NULL;
-    cs_rpc_loop_close(r->rl);
-}
-
-/* --------------------------------------------------------------- run -- */
-
-static int add_methods(router *r) {
-    int rc = cs_rpc_server_add_method(r->srv, "/" SERVICE "/Generate", CS_RPC_SERVER_STREAMING,
-                                      &chunkserve__v1__generate_request__descriptor, handle_generate, r);
-    return rc ? rc : cs_generation_add_unary(r->srv, &r->wm);
-}
-
-int cs_router_run(const cs_model *model, const cs_router_opts *o) {
-    router *r = calloc(1, sizeof *r);
-    if (!r) return cs_fail(CS_ENOMEM, "out of memory");
-    r->o = o;
-    if (getrandom(&r->id_base, sizeof r->id_base, 0) != sizeof r->id_base)
-        r->id_base = (uint64_t)time(NULL) << 20 ^ (uint64_t)getpid();
-    const cs_model_config *cfg = cs_model_get_config(model);
-    /* KV room is the workers' to judge: no pool bound here */
-    cs_wire_model_init(&r->wm, model, o->model);
-    r->wm.n_kv_pages = INT32_MAX;
-    r->wm.page_size = 16;
-
-    char addr[300];
-    int port = 0, rc;
-    bool uv_ok = false;
-    snprintf(addr, sizeof addr, "%s:%lld", o->host, (long long)o->port);
-    cs_rpc_server_opts so = {.addr = addr};
-    const char *http_host = o->http_host && o->http_host[0] ? o->http_host : o->host;
-    if ((rc = cs_metrics_init(&r->metrics))) goto fail;
+static int start(cs_proc *p, void *arg) {
+    router *r = arg;
+    const cs_router_opts *o = r->o;
+    r->proc = p;
+    r->rl = cs_proc_rpc_loop(p);
+    r->metrics = cs_proc_metrics(p);
     metrics_register(r);
-    if ((rc = uv_loop_init(&r->uv))) {
-        rc = cs_fail(CS_EIO, "uv_loop_init: %s", uv_strerror(rc));
-        goto fail;
-    }
-    uv_ok = true;
-    if ((rc = cs_rpc_loop_init(&r->uv, &r->rl))) goto fail;
-    if ((rc = cs_rpc_server_init(r->rl, &so, &r->srv))) goto fail;
-    if ((rc = add_methods(r))) goto fail;
-    if ((rc = cs_rpc_health_init(r->srv, &r->health))) goto fail;
+    cs_rpc_server *srv = cs_proc_server(p);
+    int rc = cs_rpc_server_add_method(srv, "/" SERVICE "/Generate", CS_RPC_SERVER_STREAMING,
+                                      &chunkserve__v1__generate_request__descriptor, handle_generate, r);
+    if (!rc) rc = cs_generation_add_unary(srv, &r->wm);
+    if (rc) return rc;
+    const cs_model_config *cfg = cs_model_get_config(r->model);
     cs_pool_opts po = {
         .static_workers = {o->prefill_workers, o->decode_workers},
         .dns = {o->prefill_dns, o->decode_dns},
@@ -1212,64 +1129,101 @@ int cs_router_run(const cs_model *model, const cs_router_opts *o) {
         .on_down = on_worker_down,
         .arg = r,
     };
-    if ((rc = cs_pool_init(&r->uv, r->rl, &po, &r->pool))) goto fail;
-    if ((rc = cs_rpc_server_start(r->srv, &port))) goto fail;
-    cs_http_routes routes = {.metrics = r->metrics,
-                             .before_metrics = before_metrics,
-                             .healthy = NULL,
-                             .ready = http_ready,
-                             .arg = r};
-    if ((rc = cs_http_server_init(&r->uv, http_host, (int)o->http_port, &routes, &r->http))) {
-        if (!cs_last_error()[0])
-            cs_fail(rc, "http: cannot listen on %s:%lld: %s", http_host, (long long)o->http_port,
-                     uv_strerror(rc));
-        goto fail;
-    }
-    cs_rpc_health_set(r->health, "", CS_RPC_SERVING_SERVING);
-    cs_rpc_health_set(r->health, SERVICE, CS_RPC_SERVING_SERVING);
-    uv_signal_init(&r->uv, &r->sigterm);
-    uv_signal_init(&r->uv, &r->sigint);
-    uv_timer_init(&r->uv, &r->grace);
-    uv_timer_init(&r->uv, &r->tick);
-    uv_timer_init(&r->uv, &r->pump);
-    r->sigterm.data = r->sigint.data = r->grace.data = r->tick.data = r->pump.data = r;
+    if ((rc = cs_pool_init(cs_proc_uv(p), r->rl, &po, &r->pool))) return rc;
+    uv_timer_init(cs_proc_uv(p), &r->tick);
+    uv_timer_init(cs_proc_uv(p), &r->pump);
+    r->tick.data = r->pump.data = r;
     r->handles_ok = true;
-    uv_signal_start(&r->sigterm, on_signal, SIGTERM);
-    uv_signal_start(&r->sigint, on_signal, SIGINT);
     uv_timer_start(&r->tick, on_tick, TICK_MS, TICK_MS);
+    return 0;
+}
+
+static void started(cs_proc *p, void *arg) {
+    router *r = arg;
+    const cs_model_config *cfg = cs_model_get_config(r->model);
     CS_LOGI("routing '%s' (vocab %d, context %d) on %s:%d; max %lld in flight, %lld queued; "
             "local prefill below %lld tokens",
-            r->wm.name, cfg->n_vocab, cfg->ctx_len, o->host, port, (long long)o->max_inflight,
-            (long long)o->max_queue, (long long)o->local_prefill_threshold);
-    printf("listening on %s:%d\n", o->host, port);
-    printf("http listening on %s:%d\n", http_host, cs_http_server_port(r->http));
-    fflush(stdout);
-    uv_run(&r->uv, UV_RUN_DEFAULT);
-    rc = 0;
-    CS_LOGI("stopped");
-    goto out;
+            r->wm.name, cfg->n_vocab, cfg->ctx_len, r->o->host, cs_proc_port(p), (long long)r->o->max_inflight,
+            (long long)r->o->max_queue, (long long)r->o->local_prefill_threshold);
+}
 
-fail:
-    CS_LOGE("cannot start: %s", cs_last_error()[0] ? cs_last_error() : cs_strerror(rc));
-    {
-        char msg[512];
-        snprintf(msg, sizeof msg, "%s", cs_last_error()); /* teardown may overwrite it */
-        cs_http_server_close(r->http);
-        r->http = NULL;
-        cs_pool_close(r->pool);
-        r->pool = NULL;
-        if (r->srv)
-            cs_rpc_server_shutdown(r->srv, 0, on_failed_server_done, r);
-        else if (r->rl)
-            cs_rpc_loop_close(r->rl);
-        if (uv_ok) uv_run(&r->uv, UV_RUN_DEFAULT);
-        cs_fail(rc, "%s", msg);
+static int32_t n_open(cs_proc *p, void *arg) {
+    (void)p;
+    router *r = arg;
+    return r->n_live;
+}
+
+/* New Generate calls are refused (UNAVAILABLE) from now on; the requests
+ * already here keep going until they end or the grace period does. */
+static void drain(cs_proc *p, void *arg) {
+    (void)p;
+    router *r = arg;
+    r->stopping = true;
+    CS_LOGI("draining: %d requests (%d placed, %d waiting)", r->n_live, r->n_placed, r->n_queued);
+}
+
+/* Grace is over: what still streams or waits ends UNAVAILABLE. */
+static void cancel_all(cs_proc *p, void *arg) {
+    (void)p;
+    router *r = arg;
+    r->grace_over = true;
+    int n = 0;
+    req *next;
+    for (req *q = r->live; q; q = next) {
+        next = q->next;
+        if (q->state == RQ_ENDED) continue;
+        end_request(q, CS_RPC_UNAVAILABLE, "the router is shutting down");
+        n++;
     }
-out:
-    CS_ASSERT(r->n_live == 0);
-    cs_rpc_health_free(r->health);
-    if (uv_ok && uv_loop_close(&r->uv) != 0) CS_LOGW("the event loop still had handles at exit");
-    cs_metrics_free(r->metrics);
+    if (n) CS_LOGI("grace period over: %d requests ended", n);
+}
+
+/* Every client call has ended; their worker calls end as the channels go. */
+static void stop(cs_proc *p, void *arg) {
+    (void)p;
+    router *r = arg;
+    if (r->handles_ok) {
+        r->handles_ok = false;
+        uv_close((uv_handle_t *)&r->tick, NULL);
+        uv_close((uv_handle_t *)&r->pump, NULL);
+    }
+    cs_pool_close(r->pool);
+    r->pool = NULL;
+}
+
+static const cs_proc_role router_proc = {
+    .name = "router",
+    .health_service = SERVICE,
+    .start = start,
+    .started = started,
+    .metrics = update_metrics,
+    .ready = ready,
+    .n_open = n_open,
+    .drain = drain,
+    .cancel_all = cancel_all,
+    .stop = stop,
+};
+
+/* --------------------------------------------------------------- run -- */
+
+int cs_router_run(const cs_model *model, const cs_router_opts *o) {
+    router *r = calloc(1, sizeof *r);
+    if (!r) return cs_fail(CS_ENOMEM, "out of memory");
+    r->o = o;
+    r->model = model;
+    if (getrandom(&r->id_base, sizeof r->id_base, 0) != sizeof r->id_base)
+        r->id_base = (uint64_t)time(NULL) << 20 ^ (uint64_t)getpid();
+    /* KV room is the workers' to judge: no pool bound here */
+    cs_wire_model_init(&r->wm, model, o->model);
+    r->wm.n_kv_pages = INT32_MAX;
+    r->wm.page_size = 16;
+    cs_proc_opts po = {.host = o->host,
+                       .port = (int)o->port,
+                       .http_host = o->http_host,
+                       .http_port = (int)o->http_port,
+                       .grace_ms = o->grace_ms};
+    int rc = cs_proc_run(&po, &router_proc, r);
+    CS_ASSERT(rc || r->n_live == 0);
     free(r);
     return rc;
 }
