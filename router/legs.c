@@ -41,10 +41,21 @@ void cs__leg_cancel(leg *l) {
     if (l && l->c) cs_rpc_client_call_cancel(l->c);
 }
 
-/* A current leg whose call could not start: detached, reported, freed. */
-static void start_failed(leg *l, leg **slot, int code, const char *msg) {
+/* Opens the leg's call (l is the request's current leg, in *slot). When it
+ * cannot start (no time left, no channel, the RPC layer refused), the leg is
+ * detached, the request told (an event like any other end), the leg freed. */
+static void open_call(leg *l, leg **slot, const char *method, const ProtobufCMessage *m, const cs_rpc_call_opts *o,
+                      cs_rpc_on_message on_message, cs_rpc_on_done on_done) {
+    int code = CS_RPC_DEADLINE_EXCEEDED;
+    char why[300] = "";
+    if (o->timeout_ms > 0) {
+        cs_rpc_channel *ch = cs_pool_worker_channel(l->w);
+        if (ch && cs_rpc_channel_call_msg(ch, method, m, o, on_message, on_done, l, &l->c) == 0) return;
+        code = CS_RPC_UNAVAILABLE;
+        snprintf(why, sizeof why, "cannot call it: %s", ch ? cs_last_error() : "no channel");
+    }
     *slot = NULL;
-    cs__req_on_leg_failed(l->q, l, code, msg);
+    cs__req_on_leg_failed(l->q, l, code, why[0] ? why : NULL);
     leg_free(l);
 }
 
@@ -130,17 +141,7 @@ void cs__leg_start_prefill(req *q, const char *kv_endpoint, int kv_transport) {
     q->pleg = l;
     CS_LOGD("request %s: prefill %zu tokens on %s -> %s (transfer %016" PRIx64 ")", q->id, q->n_ctx,
             cs_pool_worker_addr(pw), kv_endpoint, q->transfer_id);
-    if (o.timeout_ms <= 0) {
-        start_failed(l, &q->pleg, CS_RPC_DEADLINE_EXCEEDED, NULL);
-        return;
-    }
-    if (!cs_pool_worker_channel(pw) ||
-        cs_rpc_channel_call_msg(cs_pool_worker_channel(pw), WORKER_SERVICE "Prefill", &m.base, &o, NULL,
-                                on_prefill_done, l, &l->c) != 0) {
-        char why[300];
-        snprintf(why, sizeof why, "cannot call it: %s", cs_last_error());
-        start_failed(l, &q->pleg, CS_RPC_UNAVAILABLE, why);
-    }
+    open_call(l, &q->pleg, WORKER_SERVICE "Prefill", &m.base, &o, NULL, on_prefill_done);
 }
 
 /* ----------------------------------------------------------- decode -- */
@@ -235,15 +236,5 @@ void cs__leg_start_decode(req *q, cs_pool_worker *dw, bool first) {
     CS_LOGD("request %s: decode on %s, %s prefill%s%s, %zu tokens (transfer %016" PRIx64 ")", q->id,
             cs_pool_worker_addr(dw), q->local ? "local" : "remote", q->pw ? " on " : "",
             q->pw ? cs_pool_worker_addr(q->pw) : "", q->n_ctx, q->transfer_id);
-    if (o.timeout_ms <= 0) {
-        start_failed(l, &q->dleg, CS_RPC_DEADLINE_EXCEEDED, NULL);
-        return;
-    }
-    if (!cs_pool_worker_channel(dw) ||
-        cs_rpc_channel_call_msg(cs_pool_worker_channel(dw), WORKER_SERVICE "Decode", &m.base, &o, on_decode_message,
-                                on_decode_done, l, &l->c) != 0) {
-        char why[300];
-        snprintf(why, sizeof why, "cannot call it: %s", cs_last_error());
-        start_failed(l, &q->dleg, CS_RPC_UNAVAILABLE, why);
-    }
+    open_call(l, &q->dleg, WORKER_SERVICE "Decode", &m.base, &o, on_decode_message, on_decode_done);
 }
