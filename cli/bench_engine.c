@@ -15,7 +15,6 @@
 
 #include "bench.h"
 #include "chunkserve/engine.h"
-#include "model-impl.h"
 #include "ops.h"
 #include "chunkserve/clock.h"
 #include "chunkserve/error.h"
@@ -91,11 +90,20 @@ int cs_cli_bench_engine(const cs_model *m, int threads, int prompt_tokens) {
     int T = 512;
     float *x = calloc((size_t)T * c->hidden_dim, sizeof(float)), *y = calloc((size_t)T * c->hidden_dim * 2, sizeof(float));
     for (size_t i = 0; i < (size_t)T * c->hidden_dim; i++) x[i] = (float)(i % 13) * 0.01f;
-    const cs_layer *L = &m->layers[0];
+    /* weights of layer 0's shapes (a GEMM's speed does not depend on the values) */
     int qd = c->n_heads * c->head_dim, kvd = c->n_kv_heads * c->head_dim;
-    struct { const float *w; int rows, cols; } shapes[] = {
-        {L->wq, qd, c->dim}, {L->wk, kvd, c->dim}, {L->wv, kvd, c->dim}, {L->wo, c->dim, qd},
-        {L->w_gate, c->hidden_dim, c->dim}, {L->w_up, c->hidden_dim, c->dim}, {L->w_down, c->dim, c->hidden_dim}};
+    struct { float *w; int rows, cols; } shapes[] = {
+        {NULL, qd, c->dim}, {NULL, kvd, c->dim}, {NULL, kvd, c->dim}, {NULL, c->dim, qd},
+        {NULL, c->hidden_dim, c->dim}, {NULL, c->hidden_dim, c->dim}, {NULL, c->dim, c->hidden_dim}};
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
+        size_t n_w = (size_t)shapes[s].rows * (size_t)shapes[s].cols;
+        shapes[s].w = malloc(n_w * sizeof(float));
+        if (!shapes[s].w) {
+            fprintf(stderr, "bench: out of memory\n");
+            return 1;
+        }
+        for (size_t i = 0; i < n_w; i++) shapes[s].w[i] = (float)(i % 17) * 0.01f - 0.08f;
+    }
     double gemm_flops = 0, gemm_time = 0;
     openblas_set_num_threads(cs_threadpool_size(pool));
     for (int rep = 0; rep < 4; rep++) {
@@ -111,6 +119,7 @@ int cs_cli_bench_engine(const cs_model *m, int threads, int prompt_tokens) {
         }
     }
     double gemm_rate = gemm_flops / gemm_time / 1e9;
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) free(shapes[s].w);
     openblas_set_num_threads(1); /* back to what the engine expects */
 
     /* 2. prefill */

@@ -32,8 +32,8 @@ typedef struct {
     const char *model, *prompt, *system, *ids, *out;
     bool chat, no_special, no_gen_prompt, verbose, ignore_eos, reference;
     int64_t max_tokens, threads, page_size, kv_mib, prompt_tokens;
-    int64_t port, max_num_seqs, max_queue, grace_ms;
-    const char *budget, *budgets, *host;
+    int64_t port, http_port, max_num_seqs, max_queue, grace_ms;
+    const char *budget, *budgets, *host, *http_host;
     double duration;
     double temperature, top_p, min_p, rep_pen, presence, frequency;
     int64_t top_k;
@@ -69,6 +69,8 @@ static const cs_config_entry opt_table[] = {
     O("host", STR, host, "127.0.0.1", "serve: address to listen on (0.0.0.0 = all interfaces)"),
     O("port", INT, port, "50051",
       "serve: port to listen on; 0 = any free port (printed on stdout)"),
+    O("http-host", STR, http_host, NULL, "serve: address of the ops HTTP port (/metrics, /healthz, /readyz); default --host"),
+    O("http-port", INT, http_port, "0", "serve: ops HTTP port; 0 = any free port (printed on stdout)"),
     O("max-num-seqs", INT, max_num_seqs, "256", "serve: running sequences at most"),
     O("max-queue", INT, max_queue, "256",
       "serve: waiting requests at most; more are refused (RESOURCE_EXHAUSTED)"),
@@ -455,13 +457,15 @@ static int cmd_serve(const cs_model *m, const options *o) {
     so.sched = cs_sched_params_default();
     int r = parse_budget(o->budget, &so.sched.max_num_batched_tokens);
     if (r) return fail_msg("serve", r);
-    if (o->port < 0 || o->port > 65535 || o->page_size < 1 || o->page_size > 4096 || o->kv_mib < 1 ||
+    if (o->port < 0 || o->port > 65535 || o->http_port < 0 || o->http_port > 65535 || o->page_size < 1 || o->page_size > 4096 || o->kv_mib < 1 ||
         o->threads < 0 || o->max_num_seqs < 1 || o->max_queue < 1 || o->grace_ms < 0 || o->grace_ms > 600000) {
-        fprintf(stderr, "chunkserve: serve: --port must be 0..65535, --page-size 1..4096, --kv-cache-mib >= 1, "
+        fprintf(stderr, "chunkserve: serve: --port and --http-port must be 0..65535, --page-size 1..4096, --kv-cache-mib >= 1, "
                         "--threads >= 0, --max-num-seqs >= 1, --max-queue >= 1, --grace-ms 0..600000\n");
         return 2;
     }
     so.port = (int)o->port;
+    so.http_host = o->http_host;
+    so.http_port = (int)o->http_port;
     so.engine.page_size = (int32_t)o->page_size;
     so.engine.kv_bytes = (size_t)o->kv_mib << 20;
     so.engine.n_threads = (int32_t)o->threads;

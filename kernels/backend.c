@@ -12,20 +12,19 @@
 #include <string.h>
 
 #include "backend.h"
-#include "model-impl.h"
 #include "chunkserve/error.h"
 #include "chunkserve/log.h"
 #ifdef CS_HAVE_CUDA
 #include "cuda/backend_cuda.h"
 #endif
 
-static int cpu(const cs_model *m, int n_threads, const char *why, cs_backend **out) {
+static int cpu(const cs_weights *m, int n_threads, const char *why, cs_backend **out) {
     int r = cs_backend_cpu_init(m, n_threads, out);
     if (r == 0) CS_LOGI("backend: cpu (%s)", why);
     return r;
 }
 
-int cs_backend_init(const cs_model *m, int n_threads, cs_backend **out) {
+int cs_backend_init(const cs_weights *m, int n_threads, cs_backend **out) {
     *out = NULL;
     const char *want = getenv("CHUNKSERVE_BACKEND");
     if (!want || !*want) want = "auto";
@@ -57,12 +56,12 @@ int cs_backend_init(const cs_model *m, int n_threads, cs_backend **out) {
 #endif
 }
 
-size_t cs_backend_page_bytes(const cs_backend *b, const cs_model *m, int32_t page_size) {
+size_t cs_backend_page_bytes(const cs_backend *b, const cs_weights_shape *shape, int32_t page_size) {
 #ifdef CS_HAVE_CUDA
-    if (strcmp(b->iface->name, "cuda") == 0) return cs_backend_cuda_page_bytes(&m->cfg, page_size);
+    if (strcmp(b->iface->name, "cuda") == 0) return cs_backend_cuda_page_bytes(shape, page_size);
 #endif
     (void)b;
-    return cs_backend_cpu_page_bytes(m, page_size);
+    return cs_backend_cpu_page_bytes(shape, page_size);
 }
 
 void cs_backend_free(cs_backend *b) {

@@ -78,6 +78,11 @@ static int log_level(const char *s) {
 
 int main(int argc, char **argv) {
     cs_log_set_role("router");
+    for (int i = 1; i < argc; i++)
+        if (!strcmp(argv[i], "--metrics-json")) { /* the metrics table, for tools and dashboards */
+            cs_router_print_metrics_json(stdout);
+            return 0;
+        }
     cs_router_opts o;
     memset(&o, 0, sizeof o);
     int rc = cs_config_parse(options, N_OPTIONS, &o, argc, argv, 1, "chunkserve-router", summary);

@@ -4,7 +4,8 @@
  * It validates and tokenizes requests itself (it holds the model's
  * vocabulary, not its weights), admits or queues them, places them on decode
  * and prefill workers, relays their tokens, retries and migrates on worker
- * failure. /metrics, /healthz, /readyz on a small HTTP port.
+ * failure. /metrics, /healthz, /readyz on a small HTTP port; the process
+ * shell (chunkserve/proc.h) runs it.
  * Not here: the option table and flag parsing (main.c), the pools (pool.h),
  * OpenAI-style HTTP, TLS. */
 #ifndef CS_ROUTER_H
@@ -50,6 +51,9 @@ typedef struct {
  * stdout once ready. Returns 0 after a clean shutdown, or a CS_E* code
  * (cs_last_error() says why) when it cannot start. */
 int cs_router_run(const cs_model *m, const cs_router_opts *o);
+
+/* The router's metrics table as JSON on f (a FILE *): --metrics-json. */
+void cs_router_print_metrics_json(void *f);
 
 #ifdef __cplusplus
 }

@@ -14,10 +14,11 @@
  * then the request is cancelled in the engine and the gen waits for the
  * final CANCELLED event.
  *
- * Shutdown (SIGTERM/SIGINT): health NOT_SERVING, the server stops accepting,
- * streams get grace_ms to finish, then the rest are cancelled in the engine
- * and end with UNAVAILABLE; once the RPC server is gone the engine thread is
- * stopped, the last posts drain, and everything is freed in reverse order. */
+ * Shutdown (SIGTERM/SIGINT) is the process shell's drain (chunkserve/proc.h):
+ * health NOT_SERVING, new calls refused, streams get grace_ms to finish,
+ * then the rest are cancelled in the engine and end with UNAVAILABLE; once
+ * the RPC server is gone the engine thread is stopped, the last posts drain,
+ * and everything is freed in reverse order. */
 #include "server.h"
 
 #include <pthread.h>
@@ -30,8 +31,8 @@
 #include <unistd.h>
 #include <uv.h>
 
+#include "chunkserve/proc.h"
 #include "chunkserve/rpc.h"
-#include "chunkserve/rpc_health.h"
 #include "chunkserve/serve.h"
 #include "chunkserve/clock.h"
 #include "chunkserve/error.h"
@@ -71,15 +72,11 @@ typedef struct gen {
 struct server {
     const cs_server_opts *o;
     cs_wire_model wm;
-    uv_loop_t uv;
+    cs_proc *proc; /* the process shell: loop, RPC server, ops HTTP, drain */
     cs_rpc_loop *rl;
-    cs_rpc_server *srv;
-    cs_rpc_health *health;
     cs_engine *engine;
     cs_serve *sv;
-    uv_signal_t sigterm, sigint;
-    uv_timer_t grace;
-    bool stopping;
+    bool stopping; /* draining: new calls are refused */
     gen *live;
     int32_t n_live;
     uint64_t instance_id; /* random per process start */
@@ -307,56 +304,9 @@ static void handle_status(cs_rpc_call *c, void *data) {
     cs_rpc_call_reply_msg(c, &r.base);
 }
 
-/* ------------------------------------------------------------ shutdown -- */
+/* ---------------------------------------- the process shell's hooks -- */
 
-static void on_server_done(void *data) {
-    server *s = data;
-    s->srv = NULL;
-    if (!uv_is_closing((uv_handle_t *)&s->grace)) uv_close((uv_handle_t *)&s->grace, NULL);
-    /* Every request still live gets its CANCELLED event; the posts it makes
-     * run before the loop closes and free the gens. */
-    cs_serve_stop(s->sv);
-    s->sv = NULL;
-    cs_rpc_loop_close(s->rl);
-}
-
-/* Grace is over: cancel what still streams; each ends with UNAVAILABLE. */
-static void on_grace(uv_timer_t *t) {
-    server *s = t->data;
-    int n = 0;
-    for (gen *g = s->live; g; g = g->next) {
-        if (!g->call) continue;
-        g->end_code = CS_RPC_UNAVAILABLE;
-        g->end_msg = "the server is shutting down";
-        cs_serve_cancel(s->sv, g->id);
-        n++;
-    }
-    if (n) CS_LOGI("grace period over: cancelling %d streams", n);
-}
-
-static void on_signal(uv_signal_t *h, int signum) {
-    server *s = h->data;
-    if (s->stopping) return;
-    s->stopping = true;
-    CS_LOGI("signal %d: shutting down (%d requests in flight, %d ms grace)", signum, s->n_live,
-            s->o->grace_ms);
-    uv_close((uv_handle_t *)&s->sigterm, NULL);
-    uv_close((uv_handle_t *)&s->sigint, NULL);
-    cs_rpc_health_shutdown(s->health);
-    uv_timer_start(&s->grace, on_grace, (uint64_t)s->o->grace_ms, 0);
-    /* The RPC server's own grace is a backstop: ours ends the streams first. */
-    cs_rpc_server_shutdown(s->srv, s->o->grace_ms + 3000, on_server_done, s);
-}
-
-static void on_failed_server_done(void *data) {
-    server *s = data;
-    s->srv = NULL;
-    cs_rpc_loop_close(s->rl);
-}
-
-/* --------------------------------------------------------------- run -- */
-
-static int add_methods(server *s) {
+static int add_methods(server *s, cs_rpc_server *srv) {
     static const struct {
         const char *path;
         enum cs_rpc_method_kind kind;
@@ -369,12 +319,79 @@ static int add_methods(server *s) {
          handle_status},
     };
     for (size_t i = 0; i < sizeof methods / sizeof methods[0]; i++) {
-        int r = cs_rpc_server_add_method(s->srv, methods[i].path, methods[i].kind, methods[i].desc,
+        int r = cs_rpc_server_add_method(srv, methods[i].path, methods[i].kind, methods[i].desc,
                                          methods[i].fn, s);
         if (r) return r;
     }
-    return cs_generation_add_unary(s->srv, &s->wm);
+    return cs_generation_add_unary(srv, &s->wm);
 }
+
+static int start(cs_proc *p, void *arg) {
+    server *s = arg;
+    s->proc = p;
+    s->rl = cs_proc_rpc_loop(p);
+    return add_methods(s, cs_proc_server(p));
+}
+
+static void started(cs_proc *p, void *arg) {
+    server *s = arg;
+    const cs_server_opts *o = s->o;
+    CS_LOGI(
+        "serving '%s' (%s backend, %d KV pages of %d tokens, step budget %d, max %d seqs) on %s:%d",
+        s->wm.name, cs_engine_backend_name(s->engine), s->wm.n_kv_pages, s->wm.page_size,
+        o->sched.max_num_batched_tokens, o->sched.max_num_seqs, o->host, cs_proc_port(p));
+}
+
+static int32_t n_open(cs_proc *p, void *arg) {
+    (void)p;
+    server *s = arg;
+    int32_t n = 0;
+    for (gen *g = s->live; g; g = g->next) n += g->call != NULL;
+    return n;
+}
+
+static void drain(cs_proc *p, void *arg) {
+    (void)p;
+    server *s = arg;
+    s->stopping = true;
+}
+
+/* Grace is over: cancel what still streams; each ends with UNAVAILABLE. */
+static void cancel_all(cs_proc *p, void *arg) {
+    (void)p;
+    server *s = arg;
+    int n = 0;
+    for (gen *g = s->live; g; g = g->next) {
+        if (!g->call) continue;
+        g->end_code = CS_RPC_UNAVAILABLE;
+        g->end_msg = "the server is shutting down";
+        cs_serve_cancel(s->sv, g->id);
+        n++;
+    }
+    if (n) CS_LOGI("grace period over: cancelling %d streams", n);
+}
+
+/* The RPC server is gone: every request still live gets its CANCELLED
+ * event; the posts it makes run before the loop closes and free the gens. */
+static void stop(cs_proc *p, void *arg) {
+    (void)p;
+    server *s = arg;
+    cs_serve_stop(s->sv);
+    s->sv = NULL;
+}
+
+static const cs_proc_role server_proc = {
+    .name = "serve",
+    .health_service = SERVICE,
+    .start = start,
+    .started = started,
+    .n_open = n_open,
+    .drain = drain,
+    .cancel_all = cancel_all,
+    .stop = stop,
+};
+
+/* --------------------------------------------------------------- run -- */
 
 int cs_server_run(const cs_model *m, const cs_server_opts *o) {
     server *s = calloc(1, sizeof *s);
@@ -383,59 +400,19 @@ int cs_server_run(const cs_model *m, const cs_server_opts *o) {
     if (getrandom(&s->instance_id, sizeof s->instance_id, 0) != sizeof s->instance_id)
         s->instance_id = (uint64_t)time(NULL) << 20 ^ (uint64_t)getpid();
     cs_wire_model_init(&s->wm, m, o->model_path);
-    char addr[300];
-    int port = 0, r;
-    bool uv_ok = false;
-    snprintf(addr, sizeof addr, "%s:%d", o->host, o->port);
-    cs_rpc_server_opts so = {.addr = addr};
-    if ((r = cs_engine_init(m, &o->engine, &s->engine))) goto fail;
+    int r;
+    if ((r = cs_engine_init(m, &o->engine, &s->engine))) goto out;
     s->wm.n_kv_pages = cs_kv_cache_n_pages(cs_engine_kv(s->engine));
     s->wm.page_size = cs_kv_cache_page_size(cs_engine_kv(s->engine));
-    if ((r = cs_serve_start(s->engine, &o->sched, &s->sv))) goto fail;
-    if ((r = uv_loop_init(&s->uv))) {
-        r = cs_fail(CS_EIO, "uv_loop_init: %s", uv_strerror(r));
-        goto fail;
-    }
-    uv_ok = true;
-    if ((r = cs_rpc_loop_init(&s->uv, &s->rl))) goto fail;
-    if ((r = cs_rpc_server_init(s->rl, &so, &s->srv))) goto fail;
-    if ((r = add_methods(s))) goto fail;
-    if ((r = cs_rpc_health_init(s->srv, &s->health))) goto fail;
-    if ((r = cs_rpc_server_start(s->srv, &port))) goto fail;
-    cs_rpc_health_set(s->health, "", CS_RPC_SERVING_SERVING);
-    cs_rpc_health_set(s->health, SERVICE, CS_RPC_SERVING_SERVING);
-    uv_signal_init(&s->uv, &s->sigterm);
-    uv_signal_init(&s->uv, &s->sigint);
-    uv_timer_init(&s->uv, &s->grace);
-    s->sigterm.data = s->sigint.data = s->grace.data = s;
-    uv_signal_start(&s->sigterm, on_signal, SIGTERM);
-    uv_signal_start(&s->sigint, on_signal, SIGINT);
-    CS_LOGI(
-        "serving '%s' (%s backend, %d KV pages of %d tokens, step budget %d, max %d seqs) on %s:%d",
-        s->wm.name, cs_engine_backend_name(s->engine), s->wm.n_kv_pages, s->wm.page_size,
-        o->sched.max_num_batched_tokens, o->sched.max_num_seqs, o->host, port);
-    printf("listening on %s:%d\n", o->host, port);
-    fflush(stdout);
-    uv_run(&s->uv, UV_RUN_DEFAULT);
-    r = 0;
-    CS_LOGI("stopped");
-    goto out;
-
-fail:
-    CS_LOGE("cannot start: %s", cs_last_error()[0] ? cs_last_error() : cs_strerror(r));
-    {
-        char msg[512];
-        snprintf(msg, sizeof msg, "%s", cs_last_error()); /* teardown may overwrite it */
-        if (s->srv)
-            cs_rpc_server_shutdown(s->srv, 0, on_failed_server_done, s);
-        else if (s->rl)
-            cs_rpc_loop_close(s->rl);
-        if (s->rl) uv_run(&s->uv, UV_RUN_DEFAULT);
-        cs_fail(r, "%s", msg);
-    }
+    if ((r = cs_serve_start(s->engine, &o->sched, &s->sv))) goto out;
+    cs_proc_opts po = {.host = o->host,
+                       .port = o->port,
+                       .http_host = o->http_host,
+                       .http_port = o->http_port,
+                       .grace_ms = o->grace_ms};
+    r = cs_proc_run(&po, &server_proc, s);
 out:
-    cs_rpc_health_free(s->health);
-    if (uv_ok && uv_loop_close(&s->uv) != 0) CS_LOGW("the event loop still had handles at exit");
+    if (r) CS_LOGE("cannot start: %s", cs_last_error()[0] ? cs_last_error() : cs_strerror(r));
     cs_serve_stop(s->sv); /* NULL after a normal shutdown */
     cs_engine_free(s->engine);
     free(s);

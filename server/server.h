@@ -1,7 +1,8 @@
 /* server.h: `chunkserve serve`: one process, one engine, the
  * chunkserve.v1.Generation service and grpc.health.v1.Health on the RPC
- * layer. The colocated baseline the disaggregated cluster is compared with.
- * Not here: metrics endpoints, several models, TLS. */
+ * layer, in the process shell (chunkserve/proc.h: ops HTTP, drain). The
+ * colocated baseline the disaggregated cluster is compared with.
+ * Not here: several models, TLS. */
 #ifndef CHUNKSERVE_SERVER_H
 #define CHUNKSERVE_SERVER_H
 
@@ -18,6 +19,8 @@ extern "C" {
 typedef struct {
     const char *host;       /* address to bind, e.g. "127.0.0.1" or "0.0.0.0" */
     int port;               /* 0 = any free port */
+    const char *http_host;  /* ops HTTP (/metrics, /healthz, /readyz); NULL = host */
+    int http_port;          /* 0 = any free port */
     const char *model_path; /* its basename is accepted as a model name too */
     cs_engine_params engine;
     cs_sched_params sched;
@@ -27,7 +30,8 @@ typedef struct {
 
 /* Builds the engine on m (which must outlive the call), serves until SIGTERM
  * or SIGINT, shuts down gracefully and frees everything it made. Prints
- * "listening on HOST:PORT" on stdout once ready. Returns 0 after a clean
+ * "listening on HOST:PORT" and "http listening on HOST:PORT" on stdout once
+ * ready. Returns 0 after a clean
  * shutdown, or a CS_E* code (cs_last_error() says why) when it cannot start. */
 int cs_server_run(const cs_model *m, const cs_server_opts *o);
 

@@ -1,16 +1,15 @@
 /* worker.c: the process skeleton of chunkserve-prefill and chunkserve-decode
- * (see worker.h). Start-up builds, in order: options, model, engine, serving
- * loop, libuv loop, RPC loop, RPC server (+ role method, Worker/GetStatus,
- * Worker/Cancel, health), metrics, HTTP port, signals.
+ * (see worker.h): the model, the engine and its serving loop, then the
+ * process shell (chunkserve/proc.h) with the worker's hooks: the
+ * chunkserve.v1.Worker service (GetStatus, Cancel) and health, the common
+ * metrics table, and a role (prefill or decode) plugged in through
+ * cs_worker_role.
  *
- * Drain and shutdown (SIGTERM or SIGINT; Kubernetes scale-in): the worker
- * goes unready (/readyz 503, health NOT_SERVING, status draining, metric
- * chunkserve:draining 1) and the role refuses new calls (UNAVAILABLE, so the
- * router places them elsewhere), while the RPC server keeps answering
- * GetStatus and Cancel: the router sees a draining worker, not a dead one,
- * and leaves its streams here. Once the role's calls have all ended, or
- * grace_ms has passed (the role then ends the rest UNAVAILABLE and the
- * router retries or migrates them), the RPC server shuts down; then the role
+ * Drain (SIGTERM; Kubernetes scale-in) is the shell's: the role refuses new
+ * calls (w->stopping) while GetStatus and Cancel keep answering, so the
+ * router sees a draining worker, not a dead one, and leaves its streams here
+ * until they end or the grace passes (then the role ends the rest and the
+ * router retries or migrates them). Once the RPC server is gone the role
  * stops its KV transport, the engine loop stops, and everything is freed in
  * reverse. */
 #include "worker.h"
@@ -31,7 +30,7 @@
 
 int cs_worker_add_method(cs_worker *w, const char *method, enum cs_rpc_method_kind kind,
                          const ProtobufCMessageDescriptor *desc, cs_rpc_handler fn) {
-    return cs_rpc_server_add_method(w->srv, method, kind, desc, fn, w);
+    return cs_rpc_server_add_method(cs_proc_server(w->proc), method, kind, desc, fn, w);
 }
 
 int cs_worker_request(cs_worker *w, const int32_t *ids, size_t n, int32_t num_prompt,
@@ -106,30 +105,31 @@ static void handle_cancel(cs_rpc_call *c, void *data) {
 
 /* ------------------------------------------------------------- metrics -- */
 
-static void register_metrics(cs_worker *w) {
-    cs_metrics *m = w->metrics;
-    w->m_running = cs_metrics_gauge(m, "chunkserve:num_requests_running", NULL, "sequences in the running batch");
-    w->m_waiting = cs_metrics_gauge(m, "chunkserve:num_requests_waiting", NULL,
-                                    "requests admitted and not running (waiting for a seat, pages or their KV)");
-    w->m_kv_usage =
-        cs_metrics_gauge(m, "chunkserve:kv_cache_usage_perc", NULL, "fraction of KV pages in use (0..1)");
-    w->m_kv_free = cs_metrics_gauge(m, "chunkserve:kv_pages_free", NULL,
-                                    "KV pages free or holding reusable prefixes (not reserved)");
-    w->m_kv_total = cs_metrics_gauge(m, "chunkserve:kv_pages_total", NULL, "KV pages in the pool");
-    w->m_queued_prefill = cs_metrics_gauge(m, "chunkserve:queued_prefill_tokens", NULL,
-                                           "prompt tokens admitted and not computed yet");
-    w->m_preemptions =
-        cs_metrics_counter(m, "chunkserve:num_preemptions_total", NULL, "sequences preempted (pages freed, recomputed)");
-    w->m_prompt_tokens = cs_metrics_counter(m, "chunkserve:prompt_tokens_total", NULL, "prompt tokens computed");
-    w->m_gen_tokens = cs_metrics_counter(m, "chunkserve:generation_tokens_total", NULL, "tokens sampled");
-    w->m_prefix_hits = cs_metrics_counter(m, "chunkserve:prefix_cache_hit_tokens_total", NULL,
-                                          "prompt tokens taken from the prefix cache");
-    w->m_steps = cs_metrics_counter(m, "chunkserve:engine_steps_total", NULL, "engine steps run");
-    w->m_draining = cs_metrics_gauge(m, "chunkserve:draining", NULL,
-                                     "1 from SIGTERM on: taking no new requests, finishing the open ones");
-}
+#define M(f) offsetof(cs_worker, f)
+/* The metrics every worker exports (a role adds its own): one table, the
+ * twin of the config table (--metrics-json prints it). */
+static const cs_metric_def common_metrics[] = {
+    {M(m_running), "chunkserve:num_requests_running", CS_METRIC_GAUGE, NULL, "sequences in the running batch", NULL, 0},
+    {M(m_waiting), "chunkserve:num_requests_waiting", CS_METRIC_GAUGE, NULL,
+     "requests admitted and not running (waiting for a seat, pages or their KV)", NULL, 0},
+    {M(m_kv_usage), "chunkserve:kv_cache_usage_perc", CS_METRIC_GAUGE, NULL, "fraction of KV pages in use (0..1)", NULL, 0},
+    {M(m_kv_free), "chunkserve:kv_pages_free", CS_METRIC_GAUGE, NULL,
+     "KV pages free or holding reusable prefixes (not reserved)", NULL, 0},
+    {M(m_kv_total), "chunkserve:kv_pages_total", CS_METRIC_GAUGE, NULL, "KV pages in the pool", NULL, 0},
+    {M(m_queued_prefill), "chunkserve:queued_prefill_tokens", CS_METRIC_GAUGE, NULL,
+     "prompt tokens admitted and not computed yet", NULL, 0},
+    {M(m_preemptions), "chunkserve:num_preemptions_total", CS_METRIC_COUNTER, NULL,
+     "sequences preempted (pages freed, recomputed)", NULL, 0},
+    {M(m_prompt_tokens), "chunkserve:prompt_tokens_total", CS_METRIC_COUNTER, NULL, "prompt tokens computed", NULL, 0},
+    {M(m_gen_tokens), "chunkserve:generation_tokens_total", CS_METRIC_COUNTER, NULL, "tokens sampled", NULL, 0},
+    {M(m_prefix_hits), "chunkserve:prefix_cache_hit_tokens_total", CS_METRIC_COUNTER, NULL,
+     "prompt tokens taken from the prefix cache", NULL, 0},
+    {M(m_steps), "chunkserve:engine_steps_total", CS_METRIC_COUNTER, NULL, "engine steps run", NULL, 0},
+};
+#undef M
 
-static void before_metrics(void *arg) {
+static void update_metrics(cs_proc *p, void *arg) {
+    (void)p;
     cs_worker *w = arg;
     cs_sched_stats st;
     cs_serve_stats(w->sv, &st);
@@ -139,7 +139,6 @@ static void before_metrics(void *arg) {
     cs_metric_set(w->m_kv_free, st.kv_pages_total - st.kv_pages_used);
     cs_metric_set(w->m_kv_total, st.kv_pages_total);
     cs_metric_set(w->m_queued_prefill, (double)st.queued_prompt_tokens);
-    cs_metric_set(w->m_draining, w->stopping);
     cs_sched_stats *l = &w->last_stats;
     cs_metric_add(w->m_preemptions, (double)(st.preemptions - l->preemptions));
     cs_metric_add(w->m_prompt_tokens, (double)(st.prompt_tokens_computed - l->prompt_tokens_computed));
@@ -150,87 +149,102 @@ static void before_metrics(void *arg) {
     if (w->role->metrics) w->role->metrics(w);
 }
 
-static bool ready(void *arg, char *why, size_t why_len) {
+/* ------------------------------------------- the process shell's hooks -- */
+
+static int start(cs_proc *p, void *arg) {
     cs_worker *w = arg;
-    if (w->stopping) snprintf(why, why_len, "shutting down");
-    return !w->stopping;
+    w->proc = p;
+    w->rl = cs_proc_rpc_loop(p);
+    w->metrics = cs_proc_metrics(p);
+    cs_metrics_register_table(w->metrics, common_metrics, sizeof common_metrics / sizeof common_metrics[0], w);
+    int r;
+    if ((r = cs_worker_add_method(w, "/chunkserve.v1.Worker/GetStatus", CS_RPC_UNARY,
+                                  &chunkserve__v1__worker_status_request__descriptor, handle_status)))
+        return r;
+    if ((r = cs_worker_add_method(w, "/chunkserve.v1.Worker/Cancel", CS_RPC_UNARY,
+                                  &chunkserve__v1__cancel_request__descriptor, handle_cancel)))
+        return r;
+    return w->role->start(w);
 }
 
-/* ------------------------------------------------------------ shutdown -- */
-
-static void on_server_done(void *data) {
-    cs_worker *w = data;
-    w->srv = NULL;
-    w->role->stop(w); /* KV transport: its last callbacks cancel in the engine */
-    cs_serve_stop(w->sv); /* every live request gets its final event; its posts drain next */
-    w->sv = NULL;
-    cs_http_server_close(w->http);
-    w->http = NULL;
-    cs_rpc_loop_close(w->rl);
+static void started(cs_proc *p, void *arg) {
+    cs_worker *w = arg;
+    const cs_worker_opts *o = &w->o;
+    if (!o->worker_id) { /* a wildcard address names no host: the host name does (a pod's name) */
+        char host[64];
+        bool wild = !o->host[0] || !strcmp(o->host, "0.0.0.0") || !strcmp(o->host, "::") ||
+                    !strcmp(o->host, "[::]");
+        if (!wild || gethostname(host, sizeof host) != 0) snprintf(host, sizeof host, "%s", o->host);
+        host[sizeof host - 1] = 0;
+        snprintf(w->worker_id, sizeof w->worker_id, "%s-%s:%d", w->role->name, host, cs_proc_port(p));
+    }
+    CS_LOGI("%s worker %s: '%s' (%s backend, %d KV pages of %d tokens, step budget %lld) on %s:%d",
+            w->role->name, w->worker_id, w->wm.name, cs_engine_backend_name(w->engine), w->wm.n_kv_pages,
+            w->wm.page_size, (long long)o->max_batched_tokens, o->host, cs_proc_port(p));
 }
 
-/* The drain is over (every call ended, or the grace passed and the role
- * ended the rest): the RPC server goes. Its own grace is a backstop for the
- * calls the role just cancelled. */
-static void close_server(cs_worker *w, int32_t cancelled) {
-    if (w->server_closing) return;
-    w->server_closing = true;
-    uv_close((uv_handle_t *)&w->grace, NULL);
-    uv_close((uv_handle_t *)&w->drain_poll, NULL);
-    CS_LOGI("drained in %.3f s (%d calls ended by the grace period): shutting down",
-            cs_now() - w->drain_start, cancelled);
-    cs_rpc_server_shutdown(w->srv, 3000, on_server_done, w);
+static int32_t n_open(cs_proc *p, void *arg) {
+    (void)p;
+    cs_worker *w = arg;
+    return w->role->n_calls(w);
 }
 
-static void on_grace(uv_timer_t *t) {
-    cs_worker *w = t->data;
-    int32_t n = w->role->n_calls(w);
+static void drain(cs_proc *p, void *arg) {
+    (void)p;
+    cs_worker *w = arg;
+    w->stopping = true; /* the role refuses new calls from now on */
+}
+
+static void cancel_all(cs_proc *p, void *arg) {
+    (void)p;
+    cs_worker *w = arg;
     w->role->cancel_all(w);
-    close_server(w, n);
 }
 
-static void on_drain_poll(uv_timer_t *t) {
-    cs_worker *w = t->data;
-    if (w->role->n_calls(w) == 0) close_server(w, 0);
+/* The RPC server is gone: the role stops its KV transport (and, where its
+ * data path needs that order, the engine loop first), then the engine loop
+ * stops: every live request gets its final event, whose posts drain before
+ * the loop closes. */
+static void stop(cs_proc *p, void *arg) {
+    (void)p;
+    cs_worker *w = arg;
+    if (w->role_data) w->role->stop(w);
+    cs_serve_stop(w->sv);
+    w->sv = NULL;
 }
 
-static void on_signal(uv_signal_t *h, int signum) {
-    cs_worker *w = h->data;
-    if (w->stopping) return;
-    w->stopping = true;
-    w->drain_start = cs_now();
-    CS_LOGI("signal %d: draining (%d calls open, %lld ms grace)", signum, w->role->n_calls(w),
-            (long long)w->o.grace_ms);
-    uv_close((uv_handle_t *)&w->sigterm, NULL);
-    uv_close((uv_handle_t *)&w->sigint, NULL);
-    cs_rpc_health_shutdown(w->health);
-    uv_timer_start(&w->grace, on_grace, (uint64_t)w->o.grace_ms, 0);
-    uv_timer_start(&w->drain_poll, on_drain_poll, 0, 50);
+static void free_role(cs_proc *p, void *arg) {
+    (void)p;
+    cs_worker *w = arg;
+    if (w->role->free) w->role->free(w);
 }
 
-static void on_failed_server_done(void *data) {
-    cs_worker *w = data;
-    w->srv = NULL;
-    cs_rpc_loop_close(w->rl);
-}
+static const cs_proc_role worker_proc = {
+    .name = "worker",
+    .health_service = "chunkserve.v1.Worker",
+    .start = start,
+    .started = started,
+    .metrics = update_metrics,
+    .n_open = n_open,
+    .drain = drain,
+    .cancel_all = cancel_all,
+    .stop = stop,
+    .free = free_role,
+};
 
 /* ----------------------------------------------------------------- run -- */
 
+/* Model, engine and serving loop, then the process shell; freed in reverse. */
 static int run(cs_worker *w) {
     const cs_worker_opts *o = &w->o;
-    int r, port = 0;
-    bool uv_ok = false;
-    char addr[300];
-    snprintf(addr, sizeof addr, "%s:%lld", o->host, (long long)o->port);
-    cs_rpc_server_opts so = {.addr = addr, .max_recv_bytes = 64 << 20};
-
-    if ((r = cs_model_load(o->model, &w->model))) goto fail;
+    int r;
+    if ((r = cs_model_load(o->model, &w->model))) goto out;
     cs_wire_model_init(&w->wm, w->model, o->model);
     cs_engine_params ep = cs_engine_params_default();
     ep.page_size = (int32_t)o->page_size;
     ep.kv_bytes = (size_t)o->kv_cache_mib << 20;
     ep.n_threads = (int32_t)o->threads;
-    if ((r = cs_engine_init(w->model, &ep, &w->engine))) goto fail;
+    if ((r = cs_engine_init(w->model, &ep, &w->engine))) goto out;
     w->wm.n_kv_pages = cs_kv_cache_n_pages(cs_engine_kv(w->engine));
     w->wm.page_size = cs_kv_cache_page_size(cs_engine_kv(w->engine));
     cs_sched_params sp = cs_sched_params_default();
@@ -239,77 +253,17 @@ static int run(cs_worker *w) {
     sp.max_num_partial_prefills = (int32_t)o->max_partial_prefills;
     sp.max_chunk_tokens = (int32_t)o->max_chunk_tokens;
     sp.enable_prefix_caching = o->prefix_caching;
-    if ((r = cs_serve_start(w->engine, &sp, &w->sv))) goto fail;
-    if ((r = cs_metrics_init(&w->metrics))) goto fail;
-    register_metrics(w);
-    if ((r = uv_loop_init(&w->uv))) {
-        r = cs_fail(CS_EIO, "uv_loop_init: %s", uv_strerror(r));
-        goto fail;
-    }
-    uv_ok = true;
-    if ((r = cs_rpc_loop_init(&w->uv, &w->rl))) goto fail;
-    if ((r = cs_rpc_server_init(w->rl, &so, &w->srv))) goto fail;
-    if ((r = cs_worker_add_method(w, "/chunkserve.v1.Worker/GetStatus", CS_RPC_UNARY,
-                                  &chunkserve__v1__worker_status_request__descriptor, handle_status)))
-        goto fail;
-    if ((r = cs_worker_add_method(w, "/chunkserve.v1.Worker/Cancel", CS_RPC_UNARY,
-                                  &chunkserve__v1__cancel_request__descriptor, handle_cancel)))
-        goto fail;
-    if ((r = cs_rpc_health_init(w->srv, &w->health))) goto fail;
-    if ((r = w->role->start(w))) goto fail;
-    if ((r = cs_rpc_server_start(w->srv, &port))) goto fail;
-    if (!o->worker_id) { /* a wildcard address names no host: the host name does (a pod's name) */
-        char host[64];
-        bool wild = !o->host[0] || !strcmp(o->host, "0.0.0.0") || !strcmp(o->host, "::") ||
-                    !strcmp(o->host, "[::]");
-        if (!wild || gethostname(host, sizeof host) != 0) snprintf(host, sizeof host, "%s", o->host);
-        host[sizeof host - 1] = 0;
-        snprintf(w->worker_id, sizeof w->worker_id, "%s-%s:%d", w->role->name, host, port);
-    }
-    cs_http_routes routes = {.metrics = w->metrics, .before_metrics = before_metrics, .ready = ready, .arg = w};
-    if ((r = cs_http_server_init(&w->uv, o->http_host, (int)o->http_port, &routes, &w->http))) goto fail;
-    cs_rpc_health_set(w->health, "", CS_RPC_SERVING_SERVING);
-    cs_rpc_health_set(w->health, "chunkserve.v1.Worker", CS_RPC_SERVING_SERVING);
-    uv_signal_init(&w->uv, &w->sigterm);
-    uv_signal_init(&w->uv, &w->sigint);
-    uv_timer_init(&w->uv, &w->grace);
-    uv_timer_init(&w->uv, &w->drain_poll);
-    w->sigterm.data = w->sigint.data = w->grace.data = w->drain_poll.data = w;
-    uv_signal_start(&w->sigterm, on_signal, SIGTERM);
-    uv_signal_start(&w->sigint, on_signal, SIGINT);
-    CS_LOGI("%s worker %s: '%s' (%s backend, %d KV pages of %d tokens, step budget %d) on %s:%d, http %s:%d",
-            w->role->name, w->worker_id, w->wm.name, cs_engine_backend_name(w->engine), w->wm.n_kv_pages,
-            w->wm.page_size, sp.max_num_batched_tokens, o->host, port, o->http_host,
-            cs_http_server_port(w->http));
-    printf("listening on %s:%d\nhttp listening on %s:%d\n", o->host, port, o->http_host,
-           cs_http_server_port(w->http));
-    fflush(stdout);
-    uv_run(&w->uv, UV_RUN_DEFAULT);
-    r = 0;
-    CS_LOGI("stopped");
-    goto out;
-
-fail:
-    CS_LOGE("cannot start: %s", cs_last_error()[0] ? cs_last_error() : cs_strerror(r));
-    {
-        char msg[512];
-        snprintf(msg, sizeof msg, "%s", cs_last_error());
-        cs_http_server_close(w->http);
-        w->http = NULL;
-        if (w->srv)
-            cs_rpc_server_shutdown(w->srv, 0, on_failed_server_done, w);
-        else if (w->rl)
-            cs_rpc_loop_close(w->rl);
-        if (uv_ok) uv_run(&w->uv, UV_RUN_DEFAULT);
-        if (w->role_data && w->role->stop) w->role->stop(w);
-        cs_fail(r, "%s", msg);
-    }
+    if ((r = cs_serve_start(w->engine, &sp, &w->sv))) goto out;
+    cs_proc_opts po = {.host = o->host,
+                       .port = (int)o->port,
+                       .http_host = o->http_host,
+                       .http_port = (int)o->http_port,
+                       .grace_ms = o->grace_ms,
+                       .max_recv_bytes = 64 << 20};
+    r = cs_proc_run(&po, &worker_proc, w);
 out:
-    cs_rpc_health_free(w->health);
-    if (uv_ok && uv_loop_close(&w->uv) != 0) CS_LOGW("the event loop still had handles at exit");
+    if (r) CS_LOGE("cannot start: %s", cs_last_error()[0] ? cs_last_error() : cs_strerror(r));
     cs_serve_stop(w->sv); /* NULL after a normal shutdown */
-    if (w->role->free) w->role->free(w);
-    cs_metrics_free(w->metrics);
     cs_engine_free(w->engine);
     cs_model_free(w->model);
     return r;
@@ -320,6 +274,11 @@ int cs_worker_main(int argc, char **argv, const cs_worker_role *role) {
     w.role = role;
     char prog[64];
     snprintf(prog, sizeof prog, "chunkserve-%s", role->name);
+    for (int i = 1; i < argc; i++)
+        if (!strcmp(argv[i], "--metrics-json")) { /* the table for tools and dashboards */
+            cs_metrics_print_json(common_metrics, sizeof common_metrics / sizeof common_metrics[0], stdout);
+            return 0;
+        }
     int r = cs_config_parse(role->config, role->n_config, &w.o, argc, argv, 1, prog, role->summary);
     if (r == 1) return 0;
     if (r) {

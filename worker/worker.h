@@ -1,8 +1,9 @@
 /* worker.h: the process skeleton both workers share (chunkserve-prefill,
  * chunkserve-decode): configuration, the engine and its serving loop, the
  * RPC server with chunkserve.v1.Worker (GetStatus, Cancel) and health, the
- * HTTP port (/metrics, /healthz, /readyz), signals and the ordered shutdown.
- * A role (prefill_worker/prefill.c, decode_worker/decode.c) plugs in through
+ * HTTP port (/metrics, /healthz, /readyz), signals and the ordered shutdown,
+ * through the process shell (chunkserve/proc.h). A role
+ * (prefill_worker/prefill.c, decode_worker/decode.c) plugs in through
  * cs_worker_role: its RPC method, its KV transport end and its metrics.
  *
  * Threads: the libuv loop thread runs RPC handlers, HTTP and role hooks;
@@ -21,6 +22,7 @@
 #include "chunkserve/engine.h"
 #include "chunkserve/http.h"
 #include "chunkserve/metrics.h"
+#include "chunkserve/proc.h"
 #include "chunkserve/rpc.h"
 #include "chunkserve/rpc_health.h"
 #include "chunkserve/serve.h"
@@ -123,22 +125,15 @@ struct cs_worker {
     cs_wire_model wm;
     cs_engine *engine;
     cs_serve *sv;
-    uv_loop_t uv;
-    cs_rpc_loop *rl;
-    cs_rpc_server *srv;
-    cs_rpc_health *health;
-    cs_http_server *http;
-    cs_metrics *metrics;
-    bool stopping;          /* draining or shutting down: the role takes no new call */
-    bool server_closing;    /* cs_rpc_server_shutdown was called */
-    double drain_start;     /* cs_now() at the signal */
+    cs_proc *proc;           /* the process shell (loop, RPC server, metrics, drain) */
+    cs_rpc_loop *rl;         /* cs_proc_rpc_loop(proc): roles post to the loop with it */
+    cs_metrics *metrics;     /* cs_proc_metrics(proc) */
+    bool stopping;           /* draining or shutting down: the role takes no new call */
     void *role_data;
-    /* common metrics */
+    /* the common metrics table (worker.c) */
     cs_metric *m_running, *m_waiting, *m_kv_usage, *m_kv_free, *m_kv_total, *m_preemptions, *m_prompt_tokens,
-        *m_gen_tokens, *m_prefix_hits, *m_steps, *m_queued_prefill, *m_draining;
+        *m_gen_tokens, *m_prefix_hits, *m_steps, *m_queued_prefill;
     cs_sched_stats last_stats; /* counters already exported */
-    uv_signal_t sigterm, sigint;
-    uv_timer_t grace, drain_poll;
 };
 
 /* Parses the role's table, loads the model, runs until SIGTERM/SIGINT, shuts

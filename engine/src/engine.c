@@ -12,6 +12,10 @@
 
 struct cs_engine {
     const cs_model *m;
+    cs_weights w;             /* the backends' view of m's weights */
+    cs_layer_weights *layers; /* (n_layers) w.layers */
+    cs_backend_span *bspans;  /* (cap_spans) a step's spans as the backend takes them */
+    int32_t cap_spans;
     cs_backend *be;
     cs_kv_cache *kv;
     size_t page_bytes;
@@ -19,6 +23,7 @@ struct cs_engine {
 };
 
 int cs_engine_default_threads(void) { return cs_threadpool_default_size(); }
+
 
 cs_engine_params cs_engine_params_default(void) {
     cs_engine_params p = {0};
@@ -37,10 +42,15 @@ int cs_engine_init(const cs_model *m, const cs_engine_params *p, cs_engine **out
     if (!e) return cs_fail(CS_ENOMEM, "engine: out of memory");
     e->m = m;
     e->page_size = p->page_size;
-    int r = cs_backend_init(m, p->n_threads, &e->be);
+    /* the kernels see the model through a view, never its struct:
+     * dependencies run engine -> kernels only */
+    e->layers = calloc((size_t)m->cfg.n_layers, sizeof *e->layers);
+    int r = e->layers ? 0 : cs_fail(CS_ENOMEM, "engine: out of memory");
+    if (!r) cs__model_weights(m, &e->w, e->layers);
+    if (!r) r = cs_backend_init(&e->w, p->n_threads, &e->be);
     int32_t n_pages = p->n_pages;
     if (!r && n_pages == 0) { /* the page size depends on the backend (fp32 CPU, bf16 CUDA) */
-        size_t per_page = cs_backend_page_bytes(e->be, m, p->page_size);
+        size_t per_page = cs_backend_page_bytes(e->be, &e->w.shape, p->page_size);
         size_t n = p->kv_bytes / per_page;
         if (n < 1) r = cs_fail(CS_EINVAL, "engine: a KV pool of %zu bytes holds no %zu-byte page", p->kv_bytes, per_page);
         n_pages = n > INT32_MAX ? INT32_MAX : (int32_t)n;
@@ -61,6 +71,8 @@ void cs_engine_free(cs_engine *e) {
     if (!e) return;
     cs_kv_cache_free(e->kv);
     cs_backend_free(e->be);
+    free(e->layers);
+    free(e->bspans);
     free(e);
 }
 
@@ -101,7 +113,16 @@ int cs_engine_step(cs_engine *e, const cs_span *spans, int32_t n_spans, float *l
         n_tokens += sp->n_tokens;
     }
     if (n_tokens > INT32_MAX / 2) return cs_fail(CS_EINVAL, "step: %lld tokens in one step", (long long)n_tokens);
-    return e->be->iface->forward(e->be->ctx, spans, n_spans, (int32_t)n_tokens, logits);
+    if (n_spans > e->cap_spans) {
+        cs_backend_span *b = realloc(e->bspans, (size_t)n_spans * sizeof *b);
+        if (!b) return cs_fail(CS_ENOMEM, "step: out of memory for %d spans", n_spans);
+        e->bspans = b;
+        e->cap_spans = n_spans;
+    }
+    for (int32_t s = 0; s < n_spans; s++)
+        e->bspans[s] = (cs_backend_span){spans[s].tokens, spans[s].n_tokens, spans[s].pos,
+                                         spans[s].pages,  spans[s].n_pages,  spans[s].want_logits};
+    return e->be->iface->forward(e->be->ctx, e->bspans, n_spans, (int32_t)n_tokens, logits);
 }
 
 int cs_engine_kv_export(cs_engine *e, const int32_t *pages, int32_t n, void *dst) {

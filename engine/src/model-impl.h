@@ -8,6 +8,7 @@
 #ifndef CS_MODEL_IMPL_H
 #define CS_MODEL_IMPL_H
 
+#include "backend.h"
 #include "chunkserve/model.h"
 #include "dtype.h"
 
@@ -65,6 +66,10 @@ typedef struct {
  * read. src NULL: only the configuration is checked (a Hugging Face
  * directory without weights). */
 int cs__model_build(cs_model *m, const cs_tensor_source *src, const char *path);
+
+/* The kernels' view of m's weights (kernels/backend.h): w->layers points at
+ * layers, an array of n_layers the caller provides; both borrow m's memory. */
+void cs__model_weights(const cs_model *m, cs_weights *w, cs_layer_weights *layers);
 
 /* vocab_only: configuration and tokenizer, no weights (cs_model_load_vocab). */
 int cs__model_load_gguf(const char *path, cs_model *m, bool vocab_only);

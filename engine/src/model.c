@@ -282,3 +282,19 @@ int cs_tokenizer_load(const char *path, cs_tokenizer **out) {
     *out = NULL;
     return is_dir(path) ? cs__tokenizer_load_hf(path, out) : cs__tokenizer_load_gguf(path, out);
 }
+
+void cs__model_weights(const cs_model *m, cs_weights *w, cs_layer_weights *layers) {
+    const cs_model_config *c = &m->cfg;
+    for (int32_t l = 0; l < c->n_layers; l++) {
+        const cs_layer *S = &m->layers[l];
+        layers[l] = (cs_layer_weights){S->attn_norm, S->wq, S->wk, S->wv, S->bq, S->bk,
+                                       S->bv, S->wo, S->ffn_norm, S->w_gate, S->w_up, S->w_down};
+    }
+    w->shape = (cs_weights_shape){c->n_vocab, c->dim, c->n_layers, c->n_heads, c->n_kv_heads,
+                                  c->head_dim, c->hidden_dim, c->norm_eps, m->output == m->tok_embd};
+    w->tok_embd = m->tok_embd;
+    w->out_norm = m->out_norm;
+    w->output = m->output;
+    w->rope_inv_freq = m->rope_inv_freq;
+    w->layers = layers;
+}

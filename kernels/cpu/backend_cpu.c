@@ -9,13 +9,12 @@
 #include <string.h>
 
 #include "backend.h"
-#include "model-impl.h"
 #include "ops.h"
 #include "chunkserve/assert.h"
 #include "chunkserve/error.h"
 
 typedef struct {
-    const cs_model *m;
+    const cs_weights *m; /* the engine's view of the model's weights */
     cs_threadpool *pool;
     float *kv;          /* the page pool */
     int32_t n_pages, page_size;
@@ -38,15 +37,14 @@ static void cpu_free(void *p) {
     free(c);
 }
 
-size_t cs_backend_cpu_page_bytes(const cs_model *m, int32_t page_size) {
-    const cs_model_config *cf = &m->cfg;
+size_t cs_backend_cpu_page_bytes(const cs_weights_shape *cf, int32_t page_size) {
     return (size_t)cf->n_layers * 2 * (size_t)page_size * (size_t)cf->n_kv_heads * (size_t)cf->head_dim *
            sizeof(float);
 }
 
 static int cpu_kv_init(void *p, int32_t n_pages, int32_t page_size, size_t *page_bytes) {
     cpu_ctx *c = p;
-    c->page_floats = cs_backend_cpu_page_bytes(c->m, page_size) / sizeof(float);
+    c->page_floats = cs_backend_cpu_page_bytes(&c->m->shape, page_size) / sizeof(float);
     size_t bytes;
     if (__builtin_mul_overflow(c->page_floats * sizeof(float), (size_t)n_pages, &bytes))
         return cs_fail(CS_ENOMEM, "cpu backend: KV pool of %d pages overflows", n_pages);
@@ -61,7 +59,7 @@ static int cpu_kv_init(void *p, int32_t n_pages, int32_t page_size, size_t *page
 }
 
 static int grow(cpu_ctx *c, int32_t n_tokens, int32_t n_spans) {
-    const cs_model_config *cf = &c->m->cfg;
+    const cs_weights_shape *cf = &c->m->shape;
     if (n_tokens > c->cap_tokens) {
         size_t T = (size_t)n_tokens;
         size_t dim = (size_t)cf->dim, qd = (size_t)cf->n_heads * cf->head_dim;
@@ -94,10 +92,10 @@ static int grow(cpu_ctx *c, int32_t n_tokens, int32_t n_spans) {
     return 0;
 }
 
-static int cpu_forward(void *p, const cs_span *spans, int32_t n_spans, int32_t n_tokens, float *logits) {
+static int cpu_forward(void *p, const cs_backend_span *spans, int32_t n_spans, int32_t n_tokens, float *logits) {
     cpu_ctx *c = p;
-    const cs_model *m = c->m;
-    const cs_model_config *cf = &m->cfg;
+    const cs_weights *m = c->m;
+    const cs_weights_shape *cf = &m->shape;
     int r = grow(c, n_tokens, n_spans);
     if (r) return r;
     const int dim = cf->dim, nh = cf->n_heads, nkv = cf->n_kv_heads, hd = cf->head_dim;
@@ -113,7 +111,7 @@ static int cpu_forward(void *p, const cs_span *spans, int32_t n_spans, int32_t n
     CS_ASSERT(t == n_tokens);
     cs_op_embed(c->x, m->tok_embd, c->tok, T, dim);
     for (int l = 0; l < cf->n_layers; l++) {
-        const cs_layer *L = &m->layers[l];
+        const cs_layer_weights *L = &m->layers[l];
         cs_kv_view kv = {c->kv + (size_t)l * 2 * c->page_size * kvd, c->page_floats,
                          (size_t)c->page_size * kvd, c->page_size};
         cs_op_rmsnorm(c->pool, c->xn, c->x, L->attn_norm, T, dim, cf->norm_eps);
@@ -170,7 +168,7 @@ static const struct cs_backend_iface cpu_iface = {
     "cpu", cpu_free, cpu_kv_init, cpu_forward, cpu_kv_export, cpu_kv_import, cpu_kv_pool,
 };
 
-int cs_backend_cpu_init(const cs_model *m, int n_threads, cs_backend **out) {
+int cs_backend_cpu_init(const cs_weights *m, int n_threads, cs_backend **out) {
     *out = NULL;
     cs_backend *b = calloc(1, sizeof *b);
     cpu_ctx *c = calloc(1, sizeof *c);

@@ -32,7 +32,6 @@
 #include "backend.h"
 #include "backend_cuda.h"
 #include "cuda_impl.h"
-#include "model-impl.h"
 #include "chunkserve/assert.h"
 #include "chunkserve/error.h"
 #include "chunkserve/log.h"
@@ -48,7 +47,7 @@ typedef struct {
 } dev_layer;
 
 typedef struct {
-    cs_model_config cf;
+    cs_weights_shape cf;
     cudaStream_t st;
     cublasHandle_t blas;
     uint16_t *w16; /* every bf16 matrix */
@@ -132,7 +131,7 @@ int cs_backend_cuda_probe(char *name, size_t name_len, char *why, size_t why_len
     return n;
 }
 
-size_t cs_backend_cuda_page_bytes(const cs_model_config *cf, int32_t page_size) {
+size_t cs_backend_cuda_page_bytes(const cs_weights_shape *cf, int32_t page_size) {
     return (size_t)cf->n_layers * 2 * (size_t)page_size * (size_t)cf->n_kv_heads *
            (size_t)cf->head_dim * sizeof(uint16_t);
 }
@@ -192,7 +191,7 @@ static int cuda_kv_init(void *p, int32_t n_pages, int32_t page_size, size_t *pag
 /* Packed step metadata (int32): ids, pos, page, slot (tokens each), logit
  * rows (spans), tiles (4 per tile, at most tokens), page tables. */
 static int grow(cuda_ctx *c, int32_t n_tokens, int32_t n_spans, int64_t n_meta) {
-    const cs_model_config *cf = &c->cf;
+    const cs_weights_shape *cf = &c->cf;
     int r = 0;
     if (n_tokens > c->cap_tokens) {
         size_t T = (size_t)n_tokens, qd = (size_t)cf->n_heads * cf->head_dim,
@@ -233,10 +232,10 @@ static int grow(cuda_ctx *c, int32_t n_tokens, int32_t n_spans, int64_t n_meta) 
     return 0;
 }
 
-static int cuda_forward(void *p, const cs_span *spans, int32_t n_spans, int32_t n_tokens,
+static int cuda_forward(void *p, const cs_backend_span *spans, int32_t n_spans, int32_t n_tokens,
                         float *logits) {
     cuda_ctx *c = p;
-    const cs_model_config *cf = &c->cf;
+    const cs_weights_shape *cf = &c->cf;
     const int dim = cf->dim, nh = cf->n_heads, nkv = cf->n_kv_heads, hd = cf->head_dim;
     const int qd = nh * hd, kvd = nkv * hd, hid = cf->hidden_dim, T = n_tokens;
     int64_t n_page_ents = 0;
@@ -251,7 +250,7 @@ static int cuda_forward(void *p, const cs_span *spans, int32_t n_spans, int32_t 
     int32_t *ptab = (int32_t *)(tiles + T);
     int32_t t = 0, n_out = 0, n_tiles = 0, poff = 0, max_ctx = 0;
     for (int32_t s = 0; s < n_spans; s++) {
-        const cs_span *sp = &spans[s];
+        const cs_backend_span *sp = &spans[s];
         if (sp->pos + sp->n_tokens > max_ctx) max_ctx = sp->pos + sp->n_tokens;
         for (int32_t i0 = 0; i0 < sp->n_tokens; i0 += c->att_rows) {
             int32_t n = sp->n_tokens - i0 < c->att_rows ? sp->n_tokens - i0 : c->att_rows;
@@ -361,8 +360,8 @@ static const struct cs_backend_iface cuda_iface = {
 
 /* Carves the weights; fills them from m (fp32, converted on the device) or
  * with random values when m is NULL. */
-static int build(cuda_ctx *c, const cs_model *m, const float *inv_freq, uint64_t seed) {
-    const cs_model_config *cf = &c->cf;
+static int build(cuda_ctx *c, const cs_weights *m, const float *inv_freq, uint64_t seed) {
+    const cs_weights_shape *cf = &c->cf;
     const size_t dim = (size_t)cf->dim, qd = (size_t)cf->n_heads * cf->head_dim,
                  kvd = (size_t)cf->n_kv_heads * cf->head_dim, hid = (size_t)cf->hidden_dim,
                  V = (size_t)cf->n_vocab;
@@ -434,7 +433,7 @@ static int build(cuda_ctx *c, const cs_model *m, const float *inv_freq, uint64_t
     UP32(c->out_norm, m->out_norm, dim);
     UP32(c->inv_freq, m->rope_inv_freq, cf->head_dim / 2);
     for (int l = 0; l < cf->n_layers; l++) {
-        const cs_layer *S = &m->layers[l];
+        const cs_layer_weights *S = &m->layers[l];
         dev_layer *L = &c->layers[l];
         UP16(L->wqkv, S->wq, qd * dim);
         UP16(L->wqkv + qd * dim, S->wk, kvd * dim);
@@ -458,7 +457,7 @@ static int build(cuda_ctx *c, const cs_model *m, const float *inv_freq, uint64_t
     return 0;
 }
 
-static int init(const cs_model_config *cf, const cs_model *m, const float *inv_freq, uint64_t seed,
+static int init(const cs_weights_shape *cf, const cs_weights *m, const float *inv_freq, uint64_t seed,
                 cs_backend **out) {
     *out = NULL;
     if (cf->head_dim % 2 || cf->head_dim > 256 || cf->n_kv_heads < 1 ||
@@ -498,11 +497,11 @@ static int init(const cs_model_config *cf, const cs_model *m, const float *inv_f
     return 0;
 }
 
-int cs_backend_cuda_init(const cs_model *m, cs_backend **out) {
-    return init(&m->cfg, m, NULL, 0, out);
+int cs_backend_cuda_init(const cs_weights *m, cs_backend **out) {
+    return init(&m->shape, m, NULL, 0, out);
 }
 
-int cs_backend_cuda_init_random(const cs_model_config *cf, const float *rope_inv_freq,
+int cs_backend_cuda_init_random(const cs_weights_shape *cf, const float *rope_inv_freq,
                                 uint64_t seed, cs_backend **out) {
     return init(cf, NULL, rope_inv_freq, seed, out);
 }

@@ -108,7 +108,7 @@ static double prefill(bench *B, const int32_t *toks, int32_t n, int32_t chunk, c
     double t0 = now();
     for (int32_t p = 0; p < n; p += chunk) {
         int32_t k = n - p < chunk ? n - p : chunk;
-        cs_span s = {toks + p, k, p, pages, (p + k + B->page_size - 1) / B->page_size, p + k == n};
+        cs_backend_span s = {toks + p, k, p, pages, (p + k + B->page_size - 1) / B->page_size, p + k == n};
         CS_ASSERT(B->b->iface->forward(B->b->ctx, &s, 1, k, B->logits) == 0);
     }
     return now() - t0;
@@ -137,7 +137,7 @@ static double logits_copy(int32_t n, int32_t n_vocab, float *host) {
 static double decode_ms(bench *B, const int32_t *toks, int nb, int32_t ctx, int32_t steps) {
     int32_t per_seq = (ctx + steps + B->page_size) / B->page_size + 1;
     int32_t **pt = malloc(sizeof *pt * nb);
-    cs_span *sp = malloc(sizeof *sp * nb);
+    cs_backend_span *sp = malloc(sizeof *sp * nb);
     int32_t *tk = malloc(sizeof(int32_t) * nb);
     for (int s = 0; s < nb; s++) {
         pt[s] = alloc_pages(B, per_seq);
@@ -148,7 +148,7 @@ static double decode_ms(bench *B, const int32_t *toks, int nb, int32_t ctx, int3
         for (int s = 0; s < nb; s++) {
             tk[s] = toks[s + st];
             int32_t pos = ctx + st;
-            sp[s] = (cs_span){&tk[s], 1, pos, pt[s], pos / B->page_size + 1, true};
+            sp[s] = (cs_backend_span){&tk[s], 1, pos, pt[s], pos / B->page_size + 1, true};
         }
         double t0 = now();
         CS_ASSERT(B->b->iface->forward(B->b->ctx, sp, nb, nb, B->logits) == 0);
@@ -393,10 +393,17 @@ int main(int argc, char **argv) {
         cf.tied_embeddings = false;
         for (int i = 0; i < 64; i++)
             inv[i] = powf(cf.rope_theta, -2.0f * (float)i / 128.0f);
-        CS_ASSERT(cs_backend_cuda_init_random(&cf, inv, 42, &B.b) == 0);
+        cs_weights_shape shape = {cf.n_vocab, cf.dim, cf.n_layers, cf.n_heads, cf.n_kv_heads,
+                                  cf.head_dim, cf.hidden_dim, cf.norm_eps, cf.tied_embeddings};
+        CS_ASSERT(cs_backend_cuda_init_random(&shape, inv, 42, &B.b) == 0);
         B.cf = cf;
     } else {
-        CS_ASSERT(cs_backend_cuda_init(m, &B.b) == 0);
+        cs_weights w;
+        cs_layer_weights *layers = calloc((size_t)m->cfg.n_layers, sizeof *layers);
+        CS_ASSERT(layers);
+        cs__model_weights(m, &w, layers);
+        CS_ASSERT(cs_backend_cuda_init(&w, &B.b) == 0); /* the device keeps its own copy */
+        free(layers);
         B.cf = m->cfg;
     }
     /* pool: 128 sequences x ~18 pages for decode + a 4096-token prompt */

@@ -84,6 +84,8 @@ static int start_server(const char *exe, const char *model, double timeout_s) {
         n += (size_t)k;
     }
     line[n] = 0;
+    char *nl = strchr(line, '\n'); /* the first line; "http listening on" follows */
+    if (nl) *nl = 0;
     /* The read end stays open (the server must not get SIGPIPE). */
     const char *colon = strrchr(line, ':');
     if (strncmp(line, "listening on ", 13) != 0 || !colon) {

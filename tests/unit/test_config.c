@@ -1,4 +1,4 @@
-/* test_config.c: the option table (ops/src/config.c): defaults, environment
+/* test_config.c: the option table (proc/src/config.c): defaults, environment
  * over defaults, flags over both, --x=v, booleans and --no-x, every error
  * (bad number, out of range, unknown flag, missing value, stray argument)
  * naming what was wrong, --help, and the dump. */

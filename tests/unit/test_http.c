@@ -1,4 +1,4 @@
-/* test_http.c: the operator HTTP server (ops/src/http.c) on a real libuv
+/* test_http.c: the operator HTTP server (proc/src/http.c) on a real libuv
  * loop (its own thread) on 127.0.0.1, port 0, driven by real blocking client
  * sockets: /metrics, /healthz, /readyz, 404, 405, HEAD, keep-alive,
  * pipelining (beyond the per-connection queue limit), Connection: close,
@@ -22,7 +22,7 @@
 
 #include "chunkserve/http.h"
 #include "chunkserve/metrics.h"
-#include "http_internal.h"
+#include "http-impl.h"
 #include "test.h"
 
 #define IDLE_MS 1500

@@ -1,4 +1,4 @@
-/* test_metrics.c: the metrics registry (ops/src/metrics.c): the exact
+/* test_metrics.c: the metrics registry (proc/src/metrics.c): the exact
  * Prometheus text of a small registry (families grouped under one header
  * even when registered interleaved, cumulative histogram buckets, escaping,
  * number formats), re-registration, and exact sums of concurrent updates

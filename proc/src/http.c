@@ -24,7 +24,7 @@
 #include <uv.h>
 
 #include "chunkserve/metrics.h"
-#include "http_internal.h"
+#include "http-impl.h"
 #include "chunkserve/assert.h"
 #include "chunkserve/error.h"
 #include "chunkserve/log.h"

@@ -364,3 +364,50 @@ int cs_metrics_render(cs_metrics *m, char **out, size_t *len) {
     if (len) *len = b.len;
     return 0;
 }
+
+void cs_metrics_register_table(cs_metrics *m, const cs_metric_def *t, size_t n, void *owner) {
+    for (size_t i = 0; i < n; i++) {
+        cs_metric **slot = (cs_metric **)((char *)owner + t[i].offset);
+        switch (t[i].kind) {
+        case CS_METRIC_COUNTER: *slot = cs_metrics_counter(m, t[i].name, t[i].labels, t[i].help); break;
+        case CS_METRIC_GAUGE: *slot = cs_metrics_gauge(m, t[i].name, t[i].labels, t[i].help); break;
+        case CS_METRIC_HISTOGRAM:
+            CS_ASSERT(t[i].buckets && t[i].n_buckets > 0);
+            *slot = cs_metrics_histogram(m, t[i].name, t[i].labels, t[i].help, t[i].buckets, t[i].n_buckets);
+            break;
+        }
+    }
+}
+
+static void json_str(FILE *f, const char *s) {
+    if (!s) {
+        fputs("null", f);
+        return;
+    }
+    fputc('"', f);
+    for (const unsigned char *p = (const unsigned char *)s; *p; p++) {
+        if (*p == '"' || *p == '\\')
+            fprintf(f, "\\%c", *p);
+        else if (*p < 0x20)
+            fprintf(f, "\\u%04x", *p);
+        else
+            fputc(*p, f);
+    }
+    fputc('"', f);
+}
+
+void cs_metrics_print_json(const cs_metric_def *t, size_t n, void *fp) {
+    static const char *kinds[] = {"counter", "gauge", "histogram"};
+    FILE *f = fp;
+    fputc('[', f);
+    for (size_t i = 0; i < n; i++) {
+        fprintf(f, "%s\n {\"name\": ", i ? "," : "");
+        json_str(f, t[i].name);
+        fprintf(f, ", \"kind\": \"%s\", \"labels\": ", kinds[t[i].kind]);
+        json_str(f, t[i].labels);
+        fputs(", \"help\": ", f);
+        json_str(f, t[i].help);
+        fputc('}', f);
+    }
+    fputs("\n]\n", f);
+}

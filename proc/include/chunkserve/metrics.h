@@ -52,6 +52,28 @@ void cs_metric_observe(cs_metric *h, double v);
 /* Current value of a counter or gauge; a histogram's count. */
 double cs_metric_value(const cs_metric *c);
 
+/* A process's metrics table (the twin of its config table, chunkserve/
+ * config.h): one row per series, registered at start-up into a struct of
+ * cs_metric pointers; tools read the same rows (--metrics-json). */
+enum cs_metric_kind { CS_METRIC_COUNTER, CS_METRIC_GAUGE, CS_METRIC_HISTOGRAM };
+
+typedef struct {
+    size_t offset;          /* of the cs_metric * field that gets the series */
+    const char *name;       /* "chunkserve:num_requests_waiting" */
+    enum cs_metric_kind kind;
+    const char *labels;     /* NULL or the inside of the braces: "role=\"decode\"" */
+    const char *help;       /* one line */
+    const double *buckets;  /* histograms: ascending upper bounds */
+    size_t n_buckets;
+} cs_metric_def;
+
+/* Registers every row of t, storing each series at (char *)owner + offset.
+ * Aborts on a bad row (CS_ASSERT), like the calls above. */
+void cs_metrics_register_table(cs_metrics *m, const cs_metric_def *t, size_t n, void *owner);
+/* The rows as one JSON array on f (a FILE *): {"name", "kind" (counter|gauge|
+ * histogram), "labels" (text or null), "help"} per row. */
+void cs_metrics_print_json(const cs_metric_def *t, size_t n, void *f);
+
 /* Standard bucket sets (seconds) for latency histograms. */
 extern const double cs_metrics_ttft_buckets[]; /* 1 ms .. 60 s */
 extern const size_t cs_metrics_n_ttft_buckets;

@@ -1,4 +1,4 @@
-/* http_internal.h: knobs of the operator HTTP server (http.c) that only the
+/* http-impl.h: knobs of the operator HTTP server (http.c) that only the
  * tests turn. Not public API. */
 #ifndef CS_HTTP_INTERNAL_H
 #define CS_HTTP_INTERNAL_H

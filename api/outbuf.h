@@ -5,8 +5,8 @@
  * of queueing a message per token. Used by `chunkserve serve` and the decode
  * worker. Not thread-safe by itself: the owner holds its lock around append
  * and take. */
-#ifndef CHUNKSERVE_SERVER_OUTBUF_H
-#define CHUNKSERVE_SERVER_OUTBUF_H
+#ifndef CHUNKSERVE_API_OUTBUF_H
+#define CHUNKSERVE_API_OUTBUF_H
 
 #include <stdbool.h>
 #include <stddef.h>

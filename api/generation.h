@@ -3,8 +3,8 @@
  * tokenizer alone. The single-process server and the router register the
  * same handlers; Generate itself differs (one engine vs worker legs) and
  * stays with each process. Loop thread only, like the RPC layer. */
-#ifndef CHUNKSERVE_SERVER_GENERATION_H
-#define CHUNKSERVE_SERVER_GENERATION_H
+#ifndef CHUNKSERVE_API_GENERATION_H
+#define CHUNKSERVE_API_GENERATION_H
 
 #include "chunkserve/rpc.h"
 #include "wire.h"
