@@ -436,20 +436,10 @@ static int decode_start(cs_worker *w) {
                                 &chunkserve__v1__decode_request__descriptor, handle_decode);
 }
 
-/* What the router pairs by: the KV payload, dtype and page layout. */
-static void kv_status(cs_worker *w, int payload, Chunkserve__V1__WorkerStatus *st) {
-    cs_kvx_layout l = cs_kvx_layout_of_engine(w->engine);
-    st->kv_transport = payload == CS_KVX_PAYLOAD_NCCL ? CHUNKSERVE__V1__KV_TRANSPORT__KV_TRANSPORT_NCCL
-                                                      : CHUNKSERVE__V1__KV_TRANSPORT__KV_TRANSPORT_TCP;
-    st->kv_dtype = l.dtype == CS_KVX_DTYPE_BF16  ? CHUNKSERVE__V1__KV_DTYPE__KV_DTYPE_BF16
-                   : l.dtype == CS_KVX_DTYPE_F16 ? CHUNKSERVE__V1__KV_DTYPE__KV_DTYPE_F16
-                                                 : CHUNKSERVE__V1__KV_DTYPE__KV_DTYPE_F32;
-    st->kv_layout_fingerprint = cs_kvx_layout_fingerprint(&l);
-}
 
 static void decode_status(cs_worker *w, Chunkserve__V1__WorkerStatus *st) {
     st->kv_endpoint = g_decode.kv_endpoint;
-    if (g_decode.rx) kv_status(w, cs_kvx_rx_payload(g_decode.rx), st);
+    if (g_decode.rx) cs_worker_kv_status(w, cs_kvx_rx_payload(g_decode.rx), st);
 }
 
 static void decode_metrics(cs_worker *w) {

@@ -457,16 +457,6 @@ static int prefill_start(cs_worker *w) {
                                 &chunkserve__v1__prefill_request__descriptor, handle_prefill);
 }
 
-/* What the router pairs by: the KV payload, dtype and page layout. */
-static void kv_status(cs_worker *w, int payload, Chunkserve__V1__WorkerStatus *st) {
-    cs_kvx_layout l = cs_kvx_layout_of_engine(w->engine);
-    st->kv_transport = payload == CS_KVX_PAYLOAD_NCCL ? CHUNKSERVE__V1__KV_TRANSPORT__KV_TRANSPORT_NCCL
-                                                      : CHUNKSERVE__V1__KV_TRANSPORT__KV_TRANSPORT_TCP;
-    st->kv_dtype = l.dtype == CS_KVX_DTYPE_BF16  ? CHUNKSERVE__V1__KV_DTYPE__KV_DTYPE_BF16
-                   : l.dtype == CS_KVX_DTYPE_F16 ? CHUNKSERVE__V1__KV_DTYPE__KV_DTYPE_F16
-                                                 : CHUNKSERVE__V1__KV_DTYPE__KV_DTYPE_F32;
-    st->kv_layout_fingerprint = cs_kvx_layout_fingerprint(&l);
-}
 
 /* Prompt tokens this worker holds and has not finished computing (n: their
  * requests): counted here at once, not at the engine's next step (one step
@@ -486,7 +476,7 @@ static int64_t queued_prefill_tokens(int32_t *n_requests) {
 }
 
 static void prefill_status(cs_worker *w, Chunkserve__V1__WorkerStatus *st) {
-    kv_status(w, g_prefill.tx ? cs_kvx_tx_payload(g_prefill.tx) : CS_KVX_PAYLOAD_TCP, st);
+    cs_worker_kv_status(w, g_prefill.tx ? cs_kvx_tx_payload(g_prefill.tx) : CS_KVX_PAYLOAD_TCP, st);
     int32_t n;
     st->queued_prefill_tokens = queued_prefill_tokens(&n);
     if (st->num_running + st->num_waiting < n) st->num_waiting = n - st->num_running;

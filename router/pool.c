@@ -109,6 +109,7 @@ struct cs_pool_worker {
     int64_t queued_prefill;
     char *kv_endpoint;
     int kv_transport;
+    uint64_t kv_layout; /* the KV layout fingerprint it reported (0: unknown) */
     int32_t pages_placed;  /* since that status */
     int64_t tokens_placed; /* since that status */
 
@@ -324,6 +325,7 @@ static void apply_status(cs_pool_worker *w, const Chunkserve__V1__WorkerStatus *
     w->waiting = s->num_waiting;
     w->queued_prefill = s->queued_prefill_tokens;
     w->kv_transport = s->kv_transport;
+    w->kv_layout = s->kv_layout_fingerprint;
     w->pages_placed = 0;
     w->tokens_placed = 0;
     w->status_at = cs_now();
@@ -690,8 +692,16 @@ static bool refused(const cs_pool_worker *w, const cs_pool_marks *m) {
     return false;
 }
 
+/* Can w send its KV pages to peer (same payload, same page layout)? A worker
+ * that did not report a layout (an older one) is taken at its word. */
+static bool kv_compatible(const cs_pool_worker *w, const cs_pool_worker *peer) {
+    if (!peer) return true;
+    if (w->kv_transport != peer->kv_transport) return false;
+    return !w->kv_layout || !peer->kv_layout || w->kv_layout == peer->kv_layout;
+}
+
 cs_pool_worker *cs_pool_place(cs_pool *p, enum cs_pool_role role, int64_t n_tokens,
-                         const cs_pool_marks *marks, int *n_candidates) {
+                              const cs_pool_marks *marks, int *n_candidates, const cs_pool_worker *peer) {
     if (n_candidates) *n_candidates = 0;
     size_t n = (size_t)p->n_workers[role];
     if (p->closing || n == 0) return NULL;
@@ -717,7 +727,7 @@ cs_pool_worker *cs_pool_place(cs_pool *p, enum cs_pool_role role, int64_t n_toke
             .tokens_placed = w->tokens_placed,
         };
         cand += snap[i].usable && !snap[i].skip;
-        snap[i].skip = snap[i].skip || refused(w, marks);
+        snap[i].skip = snap[i].skip || refused(w, marks) || !kv_compatible(w, peer);
     }
     if (n_candidates) *n_candidates = cand;
     size_t start = p->rr[role]++ % n;

@@ -113,13 +113,16 @@ typedef struct {
 } cs_pool_marks;
 
 /* Picks a worker of the role for a context of n_tokens, skipping the marked
- * ones (decode: needs room for the pages). On success it takes a reference
- * (drop it with cs_pool_worker_unref) and counts the pages/tokens placed there
- * until its next status. NULL when none qualifies. *n_candidates (may be
- * NULL) receives how many usable, not excluded workers there were (with or
- * without room, refused or not). */
+ * ones (decode: needs room for the pages). peer (prefill only; may be NULL):
+ * the decode worker the pages go to; a prefill worker whose KV payload (TCP,
+ * NCCL) or page layout (dtype, page size, shapes: the layout fingerprint)
+ * differs from it is never chosen, since its KV channel would be refused.
+ * On success it takes a reference (drop it with cs_pool_worker_unref) and
+ * counts the pages/tokens placed there until its next status. NULL when none
+ * qualifies. *n_candidates (may be NULL) receives how many usable, not
+ * excluded workers there were (with or without room, refused or not). */
 cs_pool_worker *cs_pool_place(cs_pool *p, enum cs_pool_role role, int64_t n_tokens,
-                         const cs_pool_marks *marks, int *n_candidates);
+                              const cs_pool_marks *marks, int *n_candidates, const cs_pool_worker *peer);
 
 /* Adds a mark for w, or renews it (excluded: the worker's current instance;
  * refused: its current status). A mark holds a reference to the worker.

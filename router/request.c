@@ -214,7 +214,7 @@ static void start_attempt(req *q, cs_pool_worker *dw) {
     cs_pool_worker_unref(q->pw);
     q->pw = NULL;
     if ((int64_t)q->n_ctx >= r->o->local_prefill_threshold)
-        q->pw = cs_pool_place(r->pool, CS_POOL_PREFILL, (int64_t)q->n_ctx, &q->marks, NULL);
+        q->pw = cs_pool_place(r->pool, CS_POOL_PREFILL, (int64_t)q->n_ctx, &q->marks, NULL, dw);
     q->local = q->pw == NULL;
     cs__req_set_state(q, RQ_ADMITTING);
     q->t_attempt = cs_now();
@@ -238,7 +238,7 @@ void cs__req_attempt(req *q) {
         return;
     }
     int cand = 0;
-    cs_pool_worker *dw = cs_pool_place(r->pool, CS_POOL_DECODE, (int64_t)q->n_ctx, &q->marks, &cand);
+    cs_pool_worker *dw = cs_pool_place(r->pool, CS_POOL_DECODE, (int64_t)q->n_ctx, &q->marks, &cand, NULL);
     if (dw) {
         start_attempt(q, dw);
         return;

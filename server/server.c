@@ -79,6 +79,7 @@ struct server {
     bool stopping; /* draining: new calls are refused */
     gen *live;
     int32_t n_live;
+    int32_t n_calls; /* live gens whose call is still open (the admission count) */
     uint64_t instance_id; /* random per process start */
     uint64_t next_id;
 };
@@ -126,6 +127,7 @@ static void gen_free(gen *g) {
         s->live = g->next;
     if (g->next) g->next->prev = g->prev;
     s->n_live--;
+    if (g->call) s->n_calls--; /* freed with its call open: the engine refused it */
     cs_outbuf_free(&g->out);
     free(g->error);
     free(g->request_id);
@@ -137,6 +139,7 @@ static void gen_finish_call(gen *g, int code, const char *msg) {
     if (!g->call) return;
     cs_rpc_call_finish(g->call, code, msg);
     g->call = NULL;
+    g->s->n_calls--;
 }
 
 /* Sends what one drain took; final: with finish_reason and usage. */
@@ -233,7 +236,9 @@ static void handle_generate(cs_rpc_call *c, void *data) {
     }
     cs_sched_stats st;
     cs_serve_stats(s->sv, &st);
-    int32_t waiting = s->n_live - st.n_running;
+    /* A request whose call ended (cancelled, deadline) no longer counts,
+     * though the engine may not have dropped it yet. */
+    int32_t waiting = s->n_calls - st.n_running;
     if (waiting >= s->o->max_queue) {
         char msg[160];
         snprintf(msg, sizeof msg,
@@ -271,6 +276,7 @@ static void handle_generate(cs_rpc_call *c, void *data) {
     if (s->live) s->live->prev = g;
     s->live = g;
     s->n_live++;
+    s->n_calls++;
     CS_LOGD("request %s: %d prompt tokens, max_tokens %d", g->request_id, w.r.n_prompt,
             w.r.stop.max_tokens);
     r = cs_serve_submit(s->sv, &w.r, on_event, g);
@@ -345,9 +351,7 @@ static void started(cs_proc *p, void *arg) {
 static int32_t n_open(cs_proc *p, void *arg) {
     (void)p;
     server *s = arg;
-    int32_t n = 0;
-    for (gen *g = s->live; g; g = g->next) n += g->call != NULL;
-    return n;
+    return s->n_calls;
 }
 
 static void drain(cs_proc *p, void *arg) {

@@ -23,6 +23,7 @@
 #include <unistd.h>
 
 #include "chunkserve/clock.h"
+#include "chunkserve/kvx_engine.h"
 #include "chunkserve/error.h"
 #include "chunkserve/log.h"
 
@@ -55,6 +56,16 @@ int cs_worker_request(cs_worker *w, const int32_t *ids, size_t n, int32_t num_pr
     r->n_prompt = (int32_t)n;
     r->n_resumed = (int32_t)n - num_prompt;
     return 0;
+}
+
+void cs_worker_kv_status(cs_worker *w, int payload, Chunkserve__V1__WorkerStatus *st) {
+    cs_kvx_layout l = cs_kvx_layout_of_engine(w->engine);
+    st->kv_transport = payload == CS_KVX_PAYLOAD_NCCL ? CHUNKSERVE__V1__KV_TRANSPORT__KV_TRANSPORT_NCCL
+                                                      : CHUNKSERVE__V1__KV_TRANSPORT__KV_TRANSPORT_TCP;
+    st->kv_dtype = l.dtype == CS_KVX_DTYPE_BF16  ? CHUNKSERVE__V1__KV_DTYPE__KV_DTYPE_BF16
+                   : l.dtype == CS_KVX_DTYPE_F16 ? CHUNKSERVE__V1__KV_DTYPE__KV_DTYPE_F16
+                                                 : CHUNKSERVE__V1__KV_DTYPE__KV_DTYPE_F32;
+    st->kv_layout_fingerprint = cs_kvx_layout_fingerprint(&l);
 }
 
 int cs_worker_split_endpoint(const char *ep, char *host, size_t host_len, int *port) {

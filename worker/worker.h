@@ -150,6 +150,10 @@ int cs_worker_add_method(cs_worker *w, const char *method, enum cs_rpc_method_ki
  * message. */
 int cs_worker_request(cs_worker *w, const int32_t *ids, size_t n, int32_t num_prompt,
                       const Chunkserve__V1__SamplingParams *sampling, cs_request *r);
+/* The KV fields of a status: the payload the role's transport end speaks
+ * (enum cs_kvx_payload), the pool's dtype and layout fingerprint (the router
+ * pairs a prefill and a decode worker only when both match). */
+void cs_worker_kv_status(cs_worker *w, int payload, Chunkserve__V1__WorkerStatus *st);
 /* Splits "host:port" (IPv6 as [addr]:port) into host (NUL-terminated) and port. */
 int cs_worker_split_endpoint(const char *ep, char *host, size_t host_len, int *port);
 

@@ -1185,3 +1185,21 @@ def test_two_prefill_workers_share_a_decode_worker(cl, pb, reference):
     assert d.metric("chunkserve:kv_transfers_failed_total") == 0
     assert "stale incarnation" not in d.stderr() and "reconnected" not in d.stderr()
     wait_idle(pb, [d])
+
+
+def test_prefill_worker_of_another_kv_layout_is_not_paired(cl, pb, reference):
+    """A prefill worker whose KV pages have another layout (here: another page size) than the
+    decode worker's is never paired with it (GetStatus reports the layout fingerprint): the
+    prompt is prefilled on the decode worker at once, with no failed transfer and no retry."""
+    d = cl.decode()
+    p = cl.prefill("--page-size=8")
+    r = cl.router("--decode-workers", d.addr, "--prefill-workers", p.addr,
+                  "--local-prefill-threshold", "4", *FAST)
+    wait_usable(r, 1, 1)
+    assert worker_status(pb, p).kv_layout_fingerprint != worker_status(pb, d).kv_layout_fingerprint
+    prompt = list(range(60, 100))
+    assert run(r, pb, prompt, 3)[:2] == reference(prompt, 3)
+    assert metric(r.metrics(), "chunkserve:retries_total") == 0
+    assert p.metric("chunkserve:prefill_requests_total") == 0
+    assert local_prefills(d) == 1 and remote_prefills(d) == 0
+    assert d.metric("chunkserve:kv_transfers_failed_total") == 0
