@@ -92,7 +92,7 @@ image: model
 	CS_IMAGE_MODEL=$(MODEL) deploy/docker/build-image.sh
 
 format:
-	clang-format -i $$(git ls-files '*.c' '*.h' | grep -v unicode_tables.c)
+	clang-format -i $$(git ls-files '*.c' '*.h' '*.cu' '*.cuh' '*.cpp' | grep -v unicode_tables.c)
 
 clean:
 	rm -rf $(BUILD) $(BUILD)-asan

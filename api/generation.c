@@ -25,13 +25,17 @@ static void handle_tokenize(cs_rpc_call *c, void *data) {
     int32_t *ids = NULL;
     size_t n = 0;
     int r = cs_wire_check_model(wm, m->model);
-    if (!r && m->input_case == CHUNKSERVE__V1__TOKENIZE_REQUEST__INPUT_CHAT) r = cs_wire_render_chat(wm, m->chat, &chat);
+    if (!r && m->input_case == CHUNKSERVE__V1__TOKENIZE_REQUEST__INPUT_CHAT)
+        r = cs_wire_render_chat(wm, m->chat, &chat);
     const char *text = chat                                                            ? chat
                        : m->input_case == CHUNKSERVE__V1__TOKENIZE_REQUEST__INPUT_TEXT ? m->text
                                                                                        : "";
     if (!r && strlen(text) > wm->max_prompt_bytes)
-        r = cs_fail(CS_EINVAL, "the text has %zu bytes: more than the model's context can hold", strlen(text));
-    if (!r) r = cs_tokenizer_encode(cs_model_tokenizer(wm->model), text, strlen(text), true, m->add_special, &ids, &n);
+        r = cs_fail(CS_EINVAL, "the text has %zu bytes: more than the model's context can hold",
+                    strlen(text));
+    if (!r)
+        r = cs_tokenizer_encode(cs_model_tokenizer(wm->model), text, strlen(text), true,
+                                m->add_special, &ids, &n);
     if (r) {
         cs_rpc_call_finish(c, cs_rpc_code_of_status(r), cs_last_error());
     } else {
@@ -52,7 +56,8 @@ static void handle_detokenize(cs_rpc_call *c, void *data) {
     int r = cs_wire_check_model(wm, m->model);
     for (size_t i = 0; !r && i < m->n_ids; i++)
         if (m->ids[i] < 0 || m->ids[i] >= n_vocab)
-            r = cs_fail(CS_EINVAL, "ids[%zu] = %d is outside the vocabulary (0..%d)", i, m->ids[i], n_vocab - 1);
+            r = cs_fail(CS_EINVAL, "ids[%zu] = %d is outside the vocabulary (0..%d)", i, m->ids[i],
+                        n_vocab - 1);
     char *text = NULL;
     size_t len = 0;
     if (!r) r = cs_tokenizer_decode(tok, m->ids, m->n_ids, !m->include_special, &text, &len);
@@ -72,12 +77,16 @@ int cs_generation_add_unary(cs_rpc_server *s, const cs_wire_model *wm) {
         const ProtobufCMessageDescriptor *desc;
         cs_rpc_handler fn;
     } methods[] = {
-        {"/" CS_GENERATION_SERVICE "/ListModels", &chunkserve__v1__list_models_request__descriptor, handle_list_models},
-        {"/" CS_GENERATION_SERVICE "/Tokenize", &chunkserve__v1__tokenize_request__descriptor, handle_tokenize},
-        {"/" CS_GENERATION_SERVICE "/Detokenize", &chunkserve__v1__detokenize_request__descriptor, handle_detokenize},
+        {"/" CS_GENERATION_SERVICE "/ListModels", &chunkserve__v1__list_models_request__descriptor,
+         handle_list_models},
+        {"/" CS_GENERATION_SERVICE "/Tokenize", &chunkserve__v1__tokenize_request__descriptor,
+         handle_tokenize},
+        {"/" CS_GENERATION_SERVICE "/Detokenize", &chunkserve__v1__detokenize_request__descriptor,
+         handle_detokenize},
     };
     for (size_t i = 0; i < sizeof methods / sizeof methods[0]; i++) {
-        int r = cs_rpc_server_add_method(s, methods[i].path, CS_RPC_UNARY, methods[i].desc, methods[i].fn, (void *)wm);
+        int r = cs_rpc_server_add_method(s, methods[i].path, CS_RPC_UNARY, methods[i].desc,
+                                         methods[i].fn, (void *)wm);
         if (r) return r;
     }
     return 0;

@@ -54,7 +54,8 @@ bool cs_outbuf_empty(const cs_outbuf *b) {
     return b->n == 0 && !b->text;
 }
 
-int cs_outbuf_response(const cs_outbuf *b, bool logprobs, Chunkserve__V1__GenerateResponse *r, void **scratch) {
+int cs_outbuf_response(const cs_outbuf *b, bool logprobs, Chunkserve__V1__GenerateResponse *r,
+                       void **scratch) {
     *r = (Chunkserve__V1__GenerateResponse)CHUNKSERVE__V1__GENERATE_RESPONSE__INIT;
     *scratch = NULL;
     r->n_token_ids = b->n;

@@ -19,9 +19,9 @@ typedef struct {
     int32_t *toks; /* (n) */
     float *lps;    /* (n) */
     size_t n, cap;
-    char *text;    /* NUL-terminated, text_len bytes; NULL when none */
+    char *text; /* NUL-terminated, text_len bytes; NULL when none */
     size_t text_len, text_cap;
-    bool oom;      /* a token or text could not be kept: end the stream */
+    bool oom; /* a token or text could not be kept: end the stream */
 } cs_outbuf;
 
 /* Appends ev's token (if any) and text; sets oom instead of failing. */
@@ -34,7 +34,8 @@ bool cs_outbuf_empty(const cs_outbuf *b);
 /* Builds the GenerateResponse of what b holds into *r (borrowing b's
  * arrays): tokens, text, logprobs when asked (allocated into *scratch:
  * cs_outbuf_response_free after packing). CS_ENOMEM. */
-int cs_outbuf_response(const cs_outbuf *b, bool logprobs, Chunkserve__V1__GenerateResponse *r, void **scratch);
+int cs_outbuf_response(const cs_outbuf *b, bool logprobs, Chunkserve__V1__GenerateResponse *r,
+                       void **scratch);
 void cs_outbuf_response_free(void *scratch);
 
 #endif

@@ -38,40 +38,40 @@ int cs_wire_render_chat(const cs_wire_model *wm, const Chunkserve__V1__Chat *cha
 static int check_sampling(const Chunkserve__V1__SamplingParams *p) {
     if (!(p->temperature >= 0) || isinf(p->temperature))
         return cs_fail(CS_EINVAL, "sampling.temperature must be >= 0 (0 = greedy); got %g",
-                        p->temperature);
+                       p->temperature);
     if (!(p->top_p >= 0 && p->top_p <= 1))
         return cs_fail(CS_EINVAL, "sampling.top_p must be in (0, 1] (0 = not set); got %g",
-                        p->top_p);
+                       p->top_p);
     if (p->top_k < 0)
         return cs_fail(CS_EINVAL, "sampling.top_k must be >= 0 (0 = off); got %d", p->top_k);
     if (!(p->min_p >= 0 && p->min_p <= 1))
         return cs_fail(CS_EINVAL, "sampling.min_p must be in [0, 1] (0 = off); got %g", p->min_p);
     if (!(p->repetition_penalty >= 0) || isinf(p->repetition_penalty))
         return cs_fail(CS_EINVAL,
-                        "sampling.repetition_penalty must be > 0 (0 = not set, 1 = off); got %g",
-                        p->repetition_penalty);
+                       "sampling.repetition_penalty must be > 0 (0 = not set, 1 = off); got %g",
+                       p->repetition_penalty);
     if (!(p->presence_penalty >= -2 && p->presence_penalty <= 2))
         return cs_fail(CS_EINVAL, "sampling.presence_penalty must be in [-2, 2]; got %g",
-                        p->presence_penalty);
+                       p->presence_penalty);
     if (!(p->frequency_penalty >= -2 && p->frequency_penalty <= 2))
         return cs_fail(CS_EINVAL, "sampling.frequency_penalty must be in [-2, 2]; got %g",
-                        p->frequency_penalty);
+                       p->frequency_penalty);
     if (p->max_tokens < 0)
         return cs_fail(CS_EINVAL,
-                        "sampling.max_tokens must be >= 0 (0 = until the context is full); got %d",
-                        p->max_tokens);
+                       "sampling.max_tokens must be >= 0 (0 = until the context is full); got %d",
+                       p->max_tokens);
     if (p->n_stop > MAX_STOP)
         return cs_fail(CS_EINVAL, "sampling.stop has %zu strings; at most %d are allowed",
-                        p->n_stop, MAX_STOP);
+                       p->n_stop, MAX_STOP);
     for (size_t i = 0; i < p->n_stop; i++) {
         size_t len = strlen(p->stop[i]);
         if (len == 0 || len > MAX_STOP_BYTES)
             return cs_fail(CS_EINVAL, "sampling.stop[%zu] must be 1 to %d bytes; it has %zu", i,
-                            MAX_STOP_BYTES, len);
+                           MAX_STOP_BYTES, len);
     }
     if (p->n_stop_token_ids > MAX_STOP)
         return cs_fail(CS_EINVAL, "sampling.stop_token_ids has %zu ids; at most %d are allowed",
-                        p->n_stop_token_ids, MAX_STOP);
+                       p->n_stop_token_ids, MAX_STOP);
     return 0;
 }
 
@@ -79,7 +79,7 @@ static int check_ids(const int32_t *ids, size_t n, int32_t n_vocab, const char *
     for (size_t i = 0; i < n; i++)
         if (ids[i] < 0 || ids[i] >= n_vocab)
             return cs_fail(CS_EINVAL, "%s[%zu] = %d is outside the vocabulary (0..%d)", field, i,
-                            ids[i], n_vocab - 1);
+                           ids[i], n_vocab - 1);
     return 0;
 }
 
@@ -91,7 +91,8 @@ void cs_wire_model_init(cs_wire_model *wm, const cs_model *m, const char *path) 
     char *text = NULL;
     bool chat = cs_tokenizer_apply_chat(cs_model_tokenizer(m), &msg, 1, true, &text) == 0;
     free(text);
-    *wm = (cs_wire_model){m, cfg->name[0] ? cfg->name : base, base, 0, 0, chat, cs_wire_max_prompt_bytes(m)};
+    *wm = (cs_wire_model){m,    cfg->name[0] ? cfg->name : base, base, 0, 0,
+                          chat, cs_wire_max_prompt_bytes(m)};
 }
 
 void cs_wire_model_info(const cs_wire_model *wm, Chunkserve__V1__ModelInfo *mi) {
@@ -104,14 +105,15 @@ void cs_wire_model_info(const cs_wire_model *wm, Chunkserve__V1__ModelInfo *mi) 
     mi->has_chat_template = wm->has_chat_template;
 }
 
-void cs_wire_worker_status(const cs_wire_model *wm, const cs_sched_stats *st, Chunkserve__V1__ModelInfo *mi,
-                           Chunkserve__V1__WorkerStatus *r) {
+void cs_wire_worker_status(const cs_wire_model *wm, const cs_sched_stats *st,
+                           Chunkserve__V1__ModelInfo *mi, Chunkserve__V1__WorkerStatus *r) {
     cs_wire_model_info(wm, mi);
     *r = (Chunkserve__V1__WorkerStatus)CHUNKSERVE__V1__WORKER_STATUS__INIT;
     r->model = mi;
     r->page_size = st->page_size;
     r->kv_pages_total = st->kv_pages_total;
-    r->kv_pages_free = st->kv_pages_total - st->kv_pages_used; /* cached prefix pages are reusable */
+    r->kv_pages_free =
+        st->kv_pages_total - st->kv_pages_used; /* cached prefix pages are reusable */
     r->num_running = st->n_running;
     r->num_waiting = st->n_waiting;
     r->queued_prefill_tokens = st->queued_prompt_tokens;
@@ -133,8 +135,9 @@ size_t cs_wire_max_prompt_bytes(const cs_model *m) {
  * it is tokenized (tokenizing runs on the server's loop thread). */
 static int check_prompt_bytes(const cs_wire_model *wm, size_t len, const char *what) {
     if (len > wm->max_prompt_bytes)
-        return cs_fail(CS_EINVAL, "the %s has %zu bytes: more than the model's context of %d tokens can hold",
-                        what, len, cs_model_get_config(wm->model)->ctx_len);
+        return cs_fail(CS_EINVAL,
+                       "the %s has %zu bytes: more than the model's context of %d tokens can hold",
+                       what, len, cs_model_get_config(wm->model)->ctx_len);
     return 0;
 }
 
@@ -173,12 +176,15 @@ static int prompt_ids(const cs_wire_model *wm, const Chunkserve__V1__GenerateReq
     }
 }
 
-int cs_wire_sampling(const cs_wire_model *wm, const Chunkserve__V1__SamplingParams *m, cs_request *q) {
+int cs_wire_sampling(const cs_wire_model *wm, const Chunkserve__V1__SamplingParams *m,
+                     cs_request *q) {
     const cs_model_config *cfg = cs_model_get_config(wm->model);
     static const Chunkserve__V1__SamplingParams no_params = CHUNKSERVE__V1__SAMPLING_PARAMS__INIT;
     const Chunkserve__V1__SamplingParams *p = m ? m : &no_params;
     int r = check_sampling(p);
-    if (!r) r = check_ids(p->stop_token_ids, p->n_stop_token_ids, cfg->n_vocab, "sampling.stop_token_ids");
+    if (!r)
+        r = check_ids(p->stop_token_ids, p->n_stop_token_ids, cfg->n_vocab,
+                      "sampling.stop_token_ids");
     if (r) return r;
     q->logprobs = p->logprobs;
     q->sampling = cs_sampling_params_default();

@@ -8,7 +8,7 @@
 int cs_cli_bench_engine(const cs_model *m, int threads, int prompt_tokens);
 
 /* chunkserve bench-local: mixed chat + long-prompt workload per step budget. */
-int cs_cli_bench_local(const cs_model *m, int threads, double duration, const char *budgets, uint64_t seed,
-                       const char *out_dir);
+int cs_cli_bench_local(const cs_model *m, int threads, double duration, const char *budgets,
+                       uint64_t seed, const char *out_dir);
 
 #endif

@@ -48,13 +48,15 @@ static double copy_bandwidth(void) {
 /* Flops of one forward over n tokens at positions pos..pos+n-1 (no lm_head). */
 static double forward_flops(const cs_model_config *c, double n, double pos) {
     double qd = (double)c->n_heads * c->head_dim, kvd = (double)c->n_kv_heads * c->head_dim;
-    double per_tok = 2.0 * c->dim * (qd + 2 * kvd) + 2.0 * qd * c->dim + 3 * 2.0 * c->dim * c->hidden_dim;
+    double per_tok =
+        2.0 * c->dim * (qd + 2 * kvd) + 2.0 * qd * c->dim + 3 * 2.0 * c->dim * c->hidden_dim;
     /* attention: QK^T and AV over on average pos + (n+1)/2 keys */
     double attn = 4.0 * qd * n * (pos + (n + 1) / 2);
     return c->n_layers * (per_tok * n + attn);
 }
 
-static double time_prefill(cs_engine *e, const int32_t *ids, int32_t n, int32_t chunk, float *logits) {
+static double time_prefill(cs_engine *e, const int32_t *ids, int32_t n, int32_t chunk,
+                           float *logits) {
     cs_page_table pt = {0};
     double t0 = cs_now();
     int r = cs_engine_eval_seq(e, &pt, 0, ids, n, chunk, logits);
@@ -79,7 +81,8 @@ int cs_cli_bench_engine(const cs_model *m, int threads, int prompt_tokens) {
     }
     int32_t n = prompt_tokens;
     int32_t *ids = malloc(sizeof(int32_t) * (size_t)n);
-    for (int32_t i = 0; i < n; i++) ids[i] = 100 + (int32_t)((i * 7919u) % 20000u);
+    for (int32_t i = 0; i < n; i++)
+        ids[i] = 100 + (int32_t)((i * 7919u) % 20000u);
     float *logits = malloc(sizeof(float) * (size_t)c->n_vocab * 64);
     cs_threadpool *pool = NULL;
     cs_threadpool_init(threads, &pool);
@@ -88,13 +91,19 @@ int cs_cli_bench_engine(const cs_model *m, int threads, int prompt_tokens) {
      * cblas_sgemm per weight with OpenBLAS's own threads (the engine runs
      * OpenBLAS single-threaded on fixed tiles over its pool instead) */
     int T = 512;
-    float *x = calloc((size_t)T * c->hidden_dim, sizeof(float)), *y = calloc((size_t)T * c->hidden_dim * 2, sizeof(float));
-    for (size_t i = 0; i < (size_t)T * c->hidden_dim; i++) x[i] = (float)(i % 13) * 0.01f;
+    float *x = calloc((size_t)T * c->hidden_dim, sizeof(float)),
+          *y = calloc((size_t)T * c->hidden_dim * 2, sizeof(float));
+    for (size_t i = 0; i < (size_t)T * c->hidden_dim; i++)
+        x[i] = (float)(i % 13) * 0.01f;
     /* weights of layer 0's shapes (a GEMM's speed does not depend on the values) */
     int qd = c->n_heads * c->head_dim, kvd = c->n_kv_heads * c->head_dim;
-    struct { float *w; int rows, cols; } shapes[] = {
-        {NULL, qd, c->dim}, {NULL, kvd, c->dim}, {NULL, kvd, c->dim}, {NULL, c->dim, qd},
-        {NULL, c->hidden_dim, c->dim}, {NULL, c->hidden_dim, c->dim}, {NULL, c->dim, c->hidden_dim}};
+    struct {
+        float *w;
+        int rows, cols;
+    } shapes[] = {
+        {NULL, qd, c->dim},           {NULL, kvd, c->dim},           {NULL, kvd, c->dim},
+        {NULL, c->dim, qd},           {NULL, c->hidden_dim, c->dim}, {NULL, c->hidden_dim, c->dim},
+        {NULL, c->dim, c->hidden_dim}};
     for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) {
         size_t n_w = (size_t)shapes[s].rows * (size_t)shapes[s].cols;
         shapes[s].w = malloc(n_w * sizeof(float));
@@ -102,15 +111,17 @@ int cs_cli_bench_engine(const cs_model *m, int threads, int prompt_tokens) {
             fprintf(stderr, "bench: out of memory\n");
             return 1;
         }
-        for (size_t i = 0; i < n_w; i++) shapes[s].w[i] = (float)(i % 17) * 0.01f - 0.08f;
+        for (size_t i = 0; i < n_w; i++)
+            shapes[s].w[i] = (float)(i % 17) * 0.01f - 0.08f;
     }
     double gemm_flops = 0, gemm_time = 0;
     openblas_set_num_threads(cs_threadpool_size(pool));
     for (int rep = 0; rep < 4; rep++) {
         double t0 = cs_now();
         for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
-            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, shapes[s].rows, shapes[s].cols, 1.0f, x,
-                        shapes[s].cols, shapes[s].w, shapes[s].cols, 0.0f, y, shapes[s].rows);
+            cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, T, shapes[s].rows, shapes[s].cols,
+                        1.0f, x, shapes[s].cols, shapes[s].w, shapes[s].cols, 0.0f, y,
+                        shapes[s].rows);
         double t = cs_now() - t0;
         if (rep) { /* first is warm-up */
             gemm_time += t;
@@ -119,13 +130,15 @@ int cs_cli_bench_engine(const cs_model *m, int threads, int prompt_tokens) {
         }
     }
     double gemm_rate = gemm_flops / gemm_time / 1e9;
-    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++) free(shapes[s].w);
+    for (size_t s = 0; s < sizeof shapes / sizeof shapes[0]; s++)
+        free(shapes[s].w);
     openblas_set_num_threads(1); /* back to what the engine expects */
 
     /* 2. prefill */
     time_prefill(e, ids, n < 64 ? n : 64, 0, logits); /* warm-up */
     double tp[3];
-    for (int i = 0; i < 3; i++) tp[i] = time_prefill(e, ids, n, 0, logits);
+    for (int i = 0; i < 3; i++)
+        tp[i] = time_prefill(e, ids, n, 0, logits);
     double t_prefill = median(tp, 3);
     double prefill_rate = forward_flops(c, n, 0) / t_prefill / 1e9;
 
@@ -159,7 +172,8 @@ int cs_cli_bench_engine(const cs_model *m, int threads, int prompt_tokens) {
             free(lg);
         }
         step_time[bi] = median(ts, 8);
-        for (int b = 0; b < B; b++) cs_page_table_release(&pts[b], cs_engine_kv(e));
+        for (int b = 0; b < B; b++)
+            cs_page_table_release(&pts[b], cs_engine_kv(e));
         free(pts), free(sp), free(next);
     }
     double floor_s = weight_bytes / (bw * 1e9); /* every weight byte is read once per step */
@@ -169,26 +183,33 @@ int cs_cli_bench_engine(const cs_model *m, int threads, int prompt_tokens) {
     double t_chunk[6];
     for (int i = 0; i < 6; i++) {
         double t3[3];
-        for (int k = 0; k < 3; k++) t3[k] = time_prefill(e, ids, n, chunks[i], logits);
+        for (int k = 0; k < 3; k++)
+            t3[k] = time_prefill(e, ids, n, chunks[i], logits);
         t_chunk[i] = median(t3, 3);
     }
 
     printf("chunkserve bench-engine: %s, %d threads, backend %s, fp32 weights %.0f MiB\n", c->name,
            cs_threadpool_size(pool), cs_engine_backend_name(e), weight_bytes / (1 << 20));
     printf("\n%-44s %10s %10s %8s\n", "measure", "ours", "limit", "ratio");
-    printf("%-44s %10.1f %10s %8s\n", "OpenBLAS sgemm, model shapes x512 [GFLOP/s]", gemm_rate, "", "");
-    printf("%-44s %10.1f %10.1f %8.2f\n", "prefill one pass [GFLOP/s] vs OpenBLAS rate", prefill_rate, gemm_rate,
-           prefill_rate / gemm_rate);
+    printf("%-44s %10.1f %10s %8s\n", "OpenBLAS sgemm, model shapes x512 [GFLOP/s]", gemm_rate, "",
+           "");
+    printf("%-44s %10.1f %10.1f %8.2f\n", "prefill one pass [GFLOP/s] vs OpenBLAS rate",
+           prefill_rate, gemm_rate, prefill_rate / gemm_rate);
     printf("%-44s %10.1f\n", "prefill tokens/s", n / t_prefill);
     printf("%-44s %10.1f %10s %8s\n", "memory copy bandwidth [GB/s, read+write]", bw, "", "");
     for (int bi = 0; bi < 3; bi++) {
         char label[64];
-        snprintf(label, sizeof label, "decode step batch %d [ms] vs weights/bandwidth", batches[bi]);
-        printf("%-44s %10.2f %10.2f %8.2f\n", label, step_time[bi] * 1e3, floor_s * 1e3, step_time[bi] / floor_s);
+        snprintf(label, sizeof label, "decode step batch %d [ms] vs weights/bandwidth",
+                 batches[bi]);
+        printf("%-44s %10.2f %10.2f %8.2f\n", label, step_time[bi] * 1e3, floor_s * 1e3,
+               step_time[bi] / floor_s);
     }
-    for (int bi = 0; bi < 3; bi++) printf("decode batch %-2d aggregate tokens/s %31.1f\n", batches[bi], batches[bi] / step_time[bi]);
+    for (int bi = 0; bi < 3; bi++)
+        printf("decode batch %-2d aggregate tokens/s %31.1f\n", batches[bi],
+               batches[bi] / step_time[bi]);
     printf("\nchunked prefill of %d tokens vs one pass (%.3f s):\n", n, t_prefill);
-    for (int i = 0; i < 6; i++) printf("  chunk %5d: %.3f s  ratio %.3f\n", chunks[i], t_chunk[i], t_chunk[i] / t_prefill);
+    for (int i = 0; i < 6; i++)
+        printf("  chunk %5d: %.3f s  ratio %.3f\n", chunks[i], t_chunk[i], t_chunk[i] / t_prefill);
     free(x), free(y), free(ids), free(logits);
     cs_threadpool_free(pool);
     cs_engine_free(e);

@@ -59,8 +59,8 @@ typedef struct {
     vec step_tokens, step_ms;
 } result;
 
-static int run_one(const cs_model *m, int threads, int32_t budget, double duration, int n_streams, int min_long,
-                   int max_long, double rate, uint64_t seed, result *res) {
+static int run_one(const cs_model *m, int threads, int32_t budget, double duration, int n_streams,
+                   int min_long, int max_long, double rate, uint64_t seed, result *res) {
     const cs_model_config *c = cs_model_get_config(m);
     cs_engine_params ep = cs_engine_params_default();
     ep.n_threads = threads;
@@ -78,7 +78,8 @@ static int run_one(const cs_model *m, int threads, int32_t budget, double durati
     }
     rng_state = seed * 2654435761u + 1;
     int32_t *prompt = malloc(sizeof(int32_t) * (size_t)max_long);
-    for (int i = 0; i < max_long; i++) prompt[i] = 100 + (int32_t)(urand() * 20000);
+    for (int i = 0; i < max_long; i++)
+        prompt[i] = 100 + (int32_t)(urand() * 20000);
     double t0 = cs_now(), last_tok[MAX_STREAMS], next_arrival = t0 + (-log(1 - urand()) / rate);
     double arrival[64];
     int n_long = 0;
@@ -140,7 +141,8 @@ static int run_one(const cs_model *m, int threads, int32_t budget, double durati
     res->itl_p99 = pct(&itl, 99);
     res->itl_max = itl.n ? itl.v[itl.n - 1] : NAN;
     double sum = 0;
-    for (size_t i = 0; i < ttft.n; i++) sum += ttft.v[i];
+    for (size_t i = 0; i < ttft.n; i++)
+        sum += ttft.v[i];
     res->ttft_mean = ttft.n ? sum / (double)ttft.n : NAN;
     res->ttft_max = ttft.n ? pct(&ttft, 100) : NAN;
     res->gen_tok_s = (double)gen / el;
@@ -152,15 +154,17 @@ static int run_one(const cs_model *m, int threads, int32_t budget, double durati
     return r;
 }
 
-int cs_cli_bench_local(const cs_model *m, int threads, double duration, const char *budgets_s, uint64_t seed,
-                       const char *out_dir) {
+int cs_cli_bench_local(const cs_model *m, int threads, double duration, const char *budgets_s,
+                       uint64_t seed, const char *out_dir) {
     int32_t budgets[16];
     int nb = 0;
     char buf[256];
     snprintf(buf, sizeof buf, "%s", budgets_s);
     for (char *tok = strtok(buf, ","); tok && nb < 16; tok = strtok(NULL, ",")) {
-        if (!strcmp(tok, "unlimited") || !strcmp(tok, "0")) budgets[nb++] = 0;
-        else if (atoi(tok) > 0) budgets[nb++] = atoi(tok);
+        if (!strcmp(tok, "unlimited") || !strcmp(tok, "0"))
+            budgets[nb++] = 0;
+        else if (atoi(tok) > 0)
+            budgets[nb++] = atoi(tok);
         else {
             fprintf(stderr, "bench-local: bad budget '%s' (numbers or 'unlimited')\n", tok);
             return 2;
@@ -169,25 +173,28 @@ int cs_cli_bench_local(const cs_model *m, int threads, double duration, const ch
     const int n_streams = 16, min_long = 2000, max_long = 8000;
     const double rate = 1.0 / 20.0; /* one long prompt per 20 s on average */
     result *res = calloc((size_t)nb, sizeof *res);
-    printf("bench-local: %d chat streams decoding; prompts of %d-%d tokens arriving Poisson(1/%.0f s), seed %llu, "
+    printf("bench-local: %d chat streams decoding; prompts of %d-%d tokens arriving Poisson(1/%.0f "
+           "s), seed %llu, "
            "%.0f s per budget\n\n",
            n_streams, min_long, max_long, 1 / rate, (unsigned long long)seed, duration);
-    printf("%-10s %10s %10s %10s %10s %10s %9s %11s %11s\n", "budget", "ITL p50ms", "ITL p99ms", "ITL maxms",
-           "TTFT mean", "TTFT max", "long done", "gen tok/s", "total tok/s");
+    printf("%-10s %10s %10s %10s %10s %10s %9s %11s %11s\n", "budget", "ITL p50ms", "ITL p99ms",
+           "ITL maxms", "TTFT mean", "TTFT max", "long done", "gen tok/s", "total tok/s");
     for (int i = 0; i < nb; i++) {
-        if (run_one(m, threads, budgets[i], duration, n_streams, min_long, max_long, rate, seed, &res[i])) {
+        if (run_one(m, threads, budgets[i], duration, n_streams, min_long, max_long, rate, seed,
+                    &res[i])) {
             fprintf(stderr, "bench-local: %s\n", cs_last_error());
             return 1;
         }
         char name[16];
         snprintf(name, sizeof name, budgets[i] ? "%d" : "unlimited", budgets[i]);
-        printf("%-10s %10.1f %10.1f %10.1f %9.1fs %9.1fs %5d/%-3d %11.1f %11.1f\n", name, res[i].itl_p50,
-               res[i].itl_p99, res[i].itl_max, res[i].ttft_mean, res[i].ttft_max, res[i].long_done,
-               res[i].long_arrived, res[i].gen_tok_s, res[i].total_tok_s);
+        printf("%-10s %10.1f %10.1f %10.1f %9.1fs %9.1fs %5d/%-3d %11.1f %11.1f\n", name,
+               res[i].itl_p50, res[i].itl_p99, res[i].itl_max, res[i].ttft_mean, res[i].ttft_max,
+               res[i].long_done, res[i].long_arrived, res[i].gen_tok_s, res[i].total_tok_s);
         fflush(stdout);
     }
     /* step time against tokens per step, pooled over all runs */
-    printf("\nstep time by tokens per step (all runs):\n%-14s %8s %12s\n", "tokens", "steps", "median ms");
+    printf("\nstep time by tokens per step (all runs):\n%-14s %8s %12s\n", "tokens", "steps",
+           "median ms");
     const int edges[] = {1, 17, 33, 65, 129, 257, 513, 1025, 2049, 4097, 1 << 30};
     for (int b = 0; b + 1 < (int)(sizeof edges / sizeof edges[0]); b++) {
         vec v = {0};
@@ -203,14 +210,19 @@ int cs_cli_bench_local(const cs_model *m, int threads, double duration, const ch
         snprintf(path, sizeof path, "%s/bench_local.json", out_dir);
         FILE *f = fopen(path, "w");
         if (f) {
-            fprintf(f, "{\"duration\": %g, \"seed\": %llu, \"runs\": [", duration, (unsigned long long)seed);
+            fprintf(f, "{\"duration\": %g, \"seed\": %llu, \"runs\": [", duration,
+                    (unsigned long long)seed);
             for (int i = 0; i < nb; i++) {
-                fprintf(f, "%s{\"budget\": %d, \"itl_p50_ms\": %g, \"itl_p99_ms\": %g, \"ttft_mean_s\": %g, "
-                           "\"gen_tok_s\": %g, \"total_tok_s\": %g, \"steps\": [",
+                fprintf(f,
+                        "%s{\"budget\": %d, \"itl_p50_ms\": %g, \"itl_p99_ms\": %g, "
+                        "\"ttft_mean_s\": %g, "
+                        "\"gen_tok_s\": %g, \"total_tok_s\": %g, \"steps\": [",
                         i ? ", " : "", res[i].budget, res[i].itl_p50, res[i].itl_p99,
-                        isnan(res[i].ttft_mean) ? -1.0 : res[i].ttft_mean, res[i].gen_tok_s, res[i].total_tok_s);
+                        isnan(res[i].ttft_mean) ? -1.0 : res[i].ttft_mean, res[i].gen_tok_s,
+                        res[i].total_tok_s);
                 for (size_t k = 0; k < res[i].step_tokens.n; k++)
-                    fprintf(f, "%s[%g, %.3f]", k ? ", " : "", res[i].step_tokens.v[k], res[i].step_ms.v[k]);
+                    fprintf(f, "%s[%g, %.3f]", k ? ", " : "", res[i].step_tokens.v[k],
+                            res[i].step_ms.v[k]);
                 fprintf(f, "]}");
             }
             fprintf(f, "]}\n");
@@ -224,7 +236,8 @@ int cs_cli_bench_local(const cs_model *m, int threads, double duration, const ch
         if (res[i].budget == 512) b512 = res[i].itl_p99;
     }
     printf("p99 ITL ratio unlimited/512: %.2f\n", un / b512);
-    for (int i = 0; i < nb; i++) free(res[i].step_tokens.v), free(res[i].step_ms.v);
+    for (int i = 0; i < nb; i++)
+        free(res[i].step_tokens.v), free(res[i].step_ms.v);
     free(res);
     return 0;
 }

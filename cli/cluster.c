@@ -39,23 +39,29 @@ typedef struct {
 
 #define O(f) offsetof(cluster_opts, f)
 static const cs_config_entry cluster_table[] = {
-    {"model", CS_CONFIG_STR, O(model), NULL, "model: a .gguf file or a Hugging Face directory (required)", 0, 0},
+    {"model", CS_CONFIG_STR, O(model), NULL,
+     "model: a .gguf file or a Hugging Face directory (required)", 0, 0},
     {"host", CS_CONFIG_STR, O(host), "127.0.0.1", "address every process binds", 0, 0},
-    {"port", CS_CONFIG_INT, O(port), "50050", "the router's gRPC port (the cluster's public API)", 0, 65535},
+    {"port", CS_CONFIG_INT, O(port), "50050", "the router's gRPC port (the cluster's public API)",
+     0, 65535},
     {"prefill", CS_CONFIG_INT, O(prefill), "1", "prefill workers", 0, 64},
     {"decode", CS_CONFIG_INT, O(decode), "1", "decode workers", 1, 64},
-    {"prefill-budget", CS_CONFIG_INT, O(prefill_budget), "8192", "prefill workers' step token budget", 0, 1 << 30},
-    {"decode-budget", CS_CONFIG_INT, O(decode_budget), "512", "decode workers' step token budget", 0, 1 << 30},
+    {"prefill-budget", CS_CONFIG_INT, O(prefill_budget), "8192",
+     "prefill workers' step token budget", 0, 1 << 30},
+    {"decode-budget", CS_CONFIG_INT, O(decode_budget), "512", "decode workers' step token budget",
+     0, 1 << 30},
     {"prefill-threads", CS_CONFIG_INT, O(prefill_threads), "0",
      "engine threads per prefill worker; 0 = the cores split evenly between all workers", 0, 4096},
     {"decode-threads", CS_CONFIG_INT, O(decode_threads), "0",
      "engine threads per decode worker; 0 = the cores split evenly between all workers", 0, 4096},
     {"local-prefill-threshold", CS_CONFIG_INT, O(local_prefill_threshold), "512",
      "prompts shorter than this are prefilled on the decode worker", 0, 1 << 30},
-    {"kv-cache-mib", CS_CONFIG_INT, O(kv_cache_mib), "1024", "KV-cache pool per worker, MiB", 1, 1 << 24},
-    {"start-timeout-ms", CS_CONFIG_INT, O(start_timeout_ms), "300000", "longest a process may take to start",
-     1000, 3600000},
-    {"grace-ms", CS_CONFIG_INT, O(grace_ms), "5000", "on SIGINT/SIGTERM: time streams get to finish", 0, 3600000},
+    {"kv-cache-mib", CS_CONFIG_INT, O(kv_cache_mib), "1024", "KV-cache pool per worker, MiB", 1,
+     1 << 24},
+    {"start-timeout-ms", CS_CONFIG_INT, O(start_timeout_ms), "300000",
+     "longest a process may take to start", 1000, 3600000},
+    {"grace-ms", CS_CONFIG_INT, O(grace_ms), "5000",
+     "on SIGINT/SIGTERM: time streams get to finish", 0, 3600000},
     {"verbose", CS_CONFIG_BOOL, O(verbose), "false", "debug logging in every process", 0, 0},
 };
 #undef O
@@ -106,7 +112,8 @@ static int sibling(const char *name, char *out, size_t cap) {
     char *slash = strrchr(self, '/');
     *slash = 0;
     snprintf(out, cap, "%s/%s", self, name);
-    if (access(out, X_OK) != 0) return cs_fail(CS_ENOENT, "%s is missing (build it with make build)", out);
+    if (access(out, X_OK) != 0)
+        return cs_fail(CS_ENOENT, "%s is missing (build it with make build)", out);
     return 0;
 }
 
@@ -122,7 +129,8 @@ static int spawn(proc *p, double deadline) {
     }
     if (pid == 0) {
         dup2(fds[1], 1);
-        signal(SIGINT, SIG_IGN); /* a terminal's ^C reaches the whole group: we order the shutdown */
+        signal(SIGINT,
+               SIG_IGN); /* a terminal's ^C reaches the whole group: we order the shutdown */
         sigset_t none;
         sigemptyset(&none);
         sigprocmask(SIG_SETMASK, &none, NULL);
@@ -164,8 +172,10 @@ static int spawn(proc *p, double deadline) {
         while ((nl = strchr(buf, '\n'))) {
             *nl = 0;
             const char *colon = strrchr(buf, ':');
-            if (!strncmp(buf, "listening on ", 13) && colon) p->port = atoi(colon + 1), lines++;
-            else if (!strncmp(buf, "http listening on ", 18)) snprintf(p->http, sizeof p->http, "%s", buf + 18), lines++;
+            if (!strncmp(buf, "listening on ", 13) && colon)
+                p->port = atoi(colon + 1), lines++;
+            else if (!strncmp(buf, "http listening on ", 18))
+                snprintf(p->http, sizeof p->http, "%s", buf + 18), lines++;
             len -= (size_t)(nl + 1 - buf);
             memmove(buf, nl + 1, len + 1);
         }
@@ -192,15 +202,16 @@ static void stop_procs(int from, int to, int sig, double deadline) {
     }
     for (int i = from; i < to; i++)
         if (procs[i].pid > 0) {
-            fprintf(stderr, "chunkserve cluster: %s (pid %d) did not stop in time: killed\n", procs[i].role,
-                    (int)procs[i].pid);
+            fprintf(stderr, "chunkserve cluster: %s (pid %d) did not stop in time: killed\n",
+                    procs[i].role, (int)procs[i].pid);
             kill(procs[i].pid, SIGKILL);
             waitpid(procs[i].pid, NULL, 0);
             procs[i].pid = 0;
         }
 }
 
-static void worker_args(proc *p, const cluster_opts *o, const char *role, int64_t budget, int64_t threads, int port) {
+static void worker_args(proc *p, const cluster_opts *o, const char *role, int64_t budget,
+                        int64_t threads, int port) {
     p->role = role;
     p->n_args = 0;
     add_arg(p, "chunkserve-%s", role);
@@ -219,13 +230,16 @@ static void worker_args(proc *p, const cluster_opts *o, const char *role, int64_
 int cs_cli_cluster(int argc, char **argv) {
     cluster_opts o;
     if (argc < 3 || strcmp(argv[2], "up") != 0) {
-        fprintf(stderr, "usage: chunkserve cluster up --model PATH [--prefill N] [--decode M] [--port P] ...\n"
-                        "       chunkserve cluster up --help\n");
+        fprintf(
+            stderr,
+            "usage: chunkserve cluster up --model PATH [--prefill N] [--decode M] [--port P] ...\n"
+            "       chunkserve cluster up --help\n");
         return 2;
     }
-    int r = cs_config_parse(cluster_table, sizeof cluster_table / sizeof cluster_table[0], &o, argc, argv, 3,
-                            "chunkserve cluster up",
-                            "a local cluster in the foreground: prefill and decode workers behind the router");
+    int r = cs_config_parse(
+        cluster_table, sizeof cluster_table / sizeof cluster_table[0], &o, argc, argv, 3,
+        "chunkserve cluster up",
+        "a local cluster in the foreground: prefill and decode workers behind the router");
     if (r == 1) return 0;
     if (r) {
         fprintf(stderr, "chunkserve cluster: %s\n", cs_last_error());
@@ -245,7 +259,8 @@ int cs_cli_cluster(int argc, char **argv) {
     long cores = cs_engine_default_threads();
     int64_t share = cores / (o.prefill + o.decode);
     if (share < 1) share = 1;
-    int64_t pt = o.prefill_threads ? o.prefill_threads : share, dt = o.decode_threads ? o.decode_threads : share;
+    int64_t pt = o.prefill_threads ? o.prefill_threads : share,
+            dt = o.decode_threads ? o.decode_threads : share;
 
     struct sigaction sa = {0};
     sa.sa_handler = on_signal;
@@ -260,17 +275,21 @@ int cs_cli_cluster(int argc, char **argv) {
         proc *p = &procs[n_procs++];
         bool pre = i < o.prefill;
         p->exe = pre ? prefill_exe : decode_exe;
-        worker_args(p, &o, pre ? "prefill" : "decode", pre ? o.prefill_budget : o.decode_budget, pre ? pt : dt, 0);
+        worker_args(p, &o, pre ? "prefill" : "decode", pre ? o.prefill_budget : o.decode_budget,
+                    pre ? pt : dt, 0);
     }
     /* workers load the model in parallel; read their ports in turn */
     int rc = 0;
-    for (int i = 0; i < n_procs && !rc; i++) rc = spawn(&procs[i], deadline);
+    for (int i = 0; i < n_procs && !rc; i++)
+        rc = spawn(&procs[i], deadline);
     char list[2][4096] = {"", ""};
     for (int i = 0; i < n_procs && !rc; i++) {
         char *l = list[!strcmp(procs[i].role, "decode")];
-        snprintf(l + strlen(l), 4096 - strlen(l), "%s%s:%d", l[0] ? "," : "", o.host, procs[i].port);
+        snprintf(l + strlen(l), 4096 - strlen(l), "%s%s:%d", l[0] ? "," : "", o.host,
+                 procs[i].port);
         /* a restart keeps the port the router knows */
-        worker_args(&procs[i], &o, procs[i].role, !strcmp(procs[i].role, "prefill") ? o.prefill_budget : o.decode_budget,
+        worker_args(&procs[i], &o, procs[i].role,
+                    !strcmp(procs[i].role, "prefill") ? o.prefill_budget : o.decode_budget,
                     !strcmp(procs[i].role, "prefill") ? pt : dt, procs[i].port);
     }
     proc *router = &procs[n_procs];
@@ -297,8 +316,8 @@ int cs_cli_cluster(int argc, char **argv) {
     }
     printf("cluster up: router %s:%d (http %s)\n", o.host, router->port, router->http);
     for (int i = 0; i < n_procs - 1; i++)
-        printf("  %-7s %s:%d (http %s, pid %d)\n", procs[i].role, o.host, procs[i].port, procs[i].http,
-               (int)procs[i].pid);
+        printf("  %-7s %s:%d (http %s, pid %d)\n", procs[i].role, o.host, procs[i].port,
+               procs[i].http, (int)procs[i].pid);
     printf("listening on %s:%d\n", o.host, router->port);
     fflush(stdout);
 
@@ -313,23 +332,25 @@ int cs_cli_cluster(int argc, char **argv) {
                 proc *p = &procs[i];
                 if (p->pid != pid) continue;
                 p->pid = 0;
-                fprintf(stderr, "chunkserve cluster: %s on port %d exited (%s %d)\n", p->role, p->port,
-                        WIFSIGNALED(status) ? "signal" : "status",
+                fprintf(stderr, "chunkserve cluster: %s on port %d exited (%s %d)\n", p->role,
+                        p->port, WIFSIGNALED(status) ? "signal" : "status",
                         WIFSIGNALED(status) ? WTERMSIG(status) : WEXITSTATUS(status));
                 if (p == router) {
                     got_signal = SIGTERM; /* no router, no cluster */
                     break;
                 }
                 if (cs_now() - p->last_start < 10 && p->restarts >= 3) {
-                    fprintf(stderr, "chunkserve cluster: %s keeps failing; not restarting it\n", p->role);
+                    fprintf(stderr, "chunkserve cluster: %s keeps failing; not restarting it\n",
+                            p->role);
                     continue;
                 }
                 p->restarts++;
                 if (spawn(p, cs_now() + (double)o.start_timeout_ms / 1000) == 0)
-                    fprintf(stderr, "chunkserve cluster: %s restarted on port %d (pid %d)\n", p->role, p->port,
-                            (int)p->pid);
+                    fprintf(stderr, "chunkserve cluster: %s restarted on port %d (pid %d)\n",
+                            p->role, p->port, (int)p->pid);
                 else
-                    fprintf(stderr, "chunkserve cluster: cannot restart %s: %s\n", p->role, cs_last_error());
+                    fprintf(stderr, "chunkserve cluster: cannot restart %s: %s\n", p->role,
+                            cs_last_error());
             }
         }
     }

@@ -69,8 +69,10 @@ static const cs_config_entry opt_table[] = {
     O("host", STR, host, "127.0.0.1", "serve: address to listen on (0.0.0.0 = all interfaces)"),
     O("port", INT, port, "50051",
       "serve: port to listen on; 0 = any free port (printed on stdout)"),
-    O("http-host", STR, http_host, NULL, "serve: address of the ops HTTP port (/metrics, /healthz, /readyz); default --host"),
-    O("http-port", INT, http_port, "0", "serve: ops HTTP port; 0 = any free port (printed on stdout)"),
+    O("http-host", STR, http_host, NULL,
+      "serve: address of the ops HTTP port (/metrics, /healthz, /readyz); default --host"),
+    O("http-port", INT, http_port, "0",
+      "serve: ops HTTP port; 0 = any free port (printed on stdout)"),
     O("max-num-seqs", INT, max_num_seqs, "256", "serve: running sequences at most"),
     O("max-queue", INT, max_queue, "256",
       "serve: waiting requests at most; more are refused (RESOURCE_EXHAUSTED)"),
@@ -97,7 +99,8 @@ static char commands_help[2048];
  * (exit 0) or -1 after printing the error (exit 2). */
 static int parse_options(int argc, char **argv, options *o) {
     memset(o, 0, sizeof *o);
-    int r = cs_config_parse(opt_table, N_OPTS, o, argc, argv, 2, "chunkserve COMMAND", commands_help);
+    int r =
+        cs_config_parse(opt_table, N_OPTS, o, argc, argv, 2, "chunkserve COMMAND", commands_help);
     if (r < 0) fprintf(stderr, "chunkserve: %s\n", cs_last_error());
     return r < 0 ? -1 : r;
 }
@@ -112,7 +115,8 @@ static int fail_msg(const char *what, int r) {
 static long read_line(char **buf, size_t *cap) {
     ssize_t n = getline(buf, cap, stdin);
     if (n < 0) return -1;
-    while (n > 0 && ((*buf)[n - 1] == '\n' || (*buf)[n - 1] == '\r')) (*buf)[--n] = 0;
+    while (n > 0 && ((*buf)[n - 1] == '\n' || (*buf)[n - 1] == '\r'))
+        (*buf)[--n] = 0;
     return n;
 }
 
@@ -132,14 +136,16 @@ static int cmd_tokenize(const cs_tokenizer *tok, const options *o) {
         }
         int32_t *ids = NULL;
         size_t n_ids = 0;
-        int r = cs_tokenizer_encode(tok, j->valuestring, strlen(j->valuestring), !o->no_special, false, &ids, &n_ids);
+        int r = cs_tokenizer_encode(tok, j->valuestring, strlen(j->valuestring), !o->no_special,
+                                    false, &ids, &n_ids);
         cJSON_Delete(j);
         if (r) {
             rc = fail_msg("tokenize", r);
             break;
         }
         putchar('[');
-        for (size_t i = 0; i < n_ids; i++) printf(i ? ",%d" : "%d", ids[i]);
+        for (size_t i = 0; i < n_ids; i++)
+            printf(i ? ",%d" : "%d", ids[i]);
         printf("]\n");
         free(ids);
     }
@@ -159,12 +165,16 @@ static int cmd_detokenize(const cs_tokenizer *tok) {
         int32_t *ids = malloc(sizeof(int32_t) * (size_t)(count > 0 ? count : 1));
         for (int i = 0; ids && i < count; i++) {
             const cJSON *e = cJSON_GetArrayItem(j, i);
-            if (!cJSON_IsNumber(e) || e->valuedouble != (double)(int32_t)e->valuedouble) count = -1;
-            else ids[i] = (int32_t)e->valuedouble;
+            if (!cJSON_IsNumber(e) || e->valuedouble != (double)(int32_t)e->valuedouble)
+                count = -1;
+            else
+                ids[i] = (int32_t)e->valuedouble;
         }
         cJSON_Delete(j);
         if (count < 0 || !ids) {
-            fprintf(stderr, "chunkserve: detokenize: each input line must be a JSON array of integer ids\n");
+            fprintf(
+                stderr,
+                "chunkserve: detokenize: each input line must be a JSON array of integer ids\n");
             free(ids);
             rc = 1;
             break;
@@ -221,18 +231,23 @@ static int cmd_chat_format(const cs_tokenizer *tok, const options *o) {
         const cJSON *m = cJSON_GetArrayItem(j, i);
         const cJSON *role = cJSON_GetObjectItemCaseSensitive(m, "role");
         const cJSON *content = cJSON_GetObjectItemCaseSensitive(m, "content");
-        if (!cJSON_IsString(role) || !cJSON_IsString(content)) n = -1;
-        else msgs[i] = (cs_chat_message){role->valuestring, content->valuestring};
+        if (!cJSON_IsString(role) || !cJSON_IsString(content))
+            n = -1;
+        else
+            msgs[i] = (cs_chat_message){role->valuestring, content->valuestring};
     }
     int rc = 0;
     if (n < 0 || !msgs) {
-        fprintf(stderr, "chunkserve: chat-format: stdin must hold a JSON array of {\"role\": ..., \"content\": ...}\n");
+        fprintf(stderr, "chunkserve: chat-format: stdin must hold a JSON array of {\"role\": ..., "
+                        "\"content\": ...}\n");
         rc = 1;
     } else {
         char *text = NULL;
         int r = cs_tokenizer_apply_chat(tok, msgs, (size_t)n, !o->no_gen_prompt, &text);
-        if (r) rc = fail_msg("chat-format", r);
-        else fputs(text, stdout);
+        if (r)
+            rc = fail_msg("chat-format", r);
+        else
+            fputs(text, stdout);
         free(text);
     }
     free(msgs);
@@ -289,7 +304,8 @@ static int cmd_logits(const cs_model *m, const options *o) {
         fail_msg("logits", r);
     } else {
         FILE *f = fopen(o->out, "wb");
-        if (!f || fwrite(logits, sizeof(float) * (size_t)c->n_vocab, (size_t)n, f) != (size_t)n || fclose(f)) {
+        if (!f || fwrite(logits, sizeof(float) * (size_t)c->n_vocab, (size_t)n, f) != (size_t)n ||
+            fclose(f)) {
             fprintf(stderr, "chunkserve: logits: cannot write '%s': %s\n", o->out, strerror(errno));
         } else {
             rc = 0;
@@ -317,7 +333,9 @@ static int parse_budget(const char *s, int32_t *out) {
     char *end;
     long v = strtol(s, &end, 10);
     if (*end || v < 1 || v > (1 << 30))
-        return cs_fail(CS_EINVAL, "--max-batched-tokens must be a positive number, 0 or 'unlimited' (got '%s')", s);
+        return cs_fail(
+            CS_EINVAL,
+            "--max-batched-tokens must be a positive number, 0 or 'unlimited' (got '%s')", s);
     *out = (int32_t)v;
     return 0;
 }
@@ -329,7 +347,8 @@ static int eval_init(evaluator *ev, const cs_model *m, const options *o, int32_t
     if (r) return r;
     cs_engine_params ep = cs_engine_params_default();
     if (o->page_size < 1 || o->page_size > 4096 || o->kv_mib < 1 || o->threads < 0)
-        return cs_fail(CS_EINVAL, "--page-size must be 1..4096, --kv-cache-mib >= 1, --threads >= 0");
+        return cs_fail(CS_EINVAL,
+                       "--page-size must be 1..4096, --kv-cache-mib >= 1, --threads >= 0");
     ep.page_size = (int32_t)o->page_size;
     ep.kv_bytes = (size_t)o->kv_mib << 20;
     ep.n_threads = (int32_t)o->threads;
@@ -390,17 +409,20 @@ static int cmd_generate(const cs_model *m, const options *o) {
         n_ids = (size_t)n;
         for (size_t i = 0; !r && i < n_ids; i++)
             if (ids[i] < 0 || ids[i] >= c->n_vocab)
-                r = cs_fail(CS_EINVAL, "token id %d is outside the vocabulary (0..%d)", ids[i], c->n_vocab - 1);
+                r = cs_fail(CS_EINVAL, "token id %d is outside the vocabulary (0..%d)", ids[i],
+                            c->n_vocab - 1);
     } else if (!r) {
         r = cs_tokenizer_encode(tok, prompt, strlen(prompt), true, true, &ids, &n_ids);
     }
     if (!r && n_ids == 0) r = cs_fail(CS_EINVAL, "the prompt is empty");
     if (!r && (long)n_ids >= c->ctx_len)
-        r = cs_fail(CS_EINVAL, "the prompt has %zu tokens; the model's context is %d", n_ids, c->ctx_len);
+        r = cs_fail(CS_EINVAL, "the prompt has %zu tokens; the model's context is %d", n_ids,
+                    c->ctx_len);
     long total = (long)n_ids + o->max_tokens;
     if (total > c->ctx_len) total = c->ctx_len;
     if (!r) r = eval_init(&ev, m, o, (int32_t)total);
-    if (!r && !(logits = malloc((size_t)c->n_vocab * sizeof(float)))) r = cs_fail(CS_ENOMEM, "out of memory");
+    if (!r && !(logits = malloc((size_t)c->n_vocab * sizeof(float))))
+        r = cs_fail(CS_ENOMEM, "out of memory");
     if (r) {
         int rc = fail_msg("generate", r);
         free(text), free(ids), free(logits);
@@ -438,9 +460,11 @@ static int cmd_generate(const cs_model *m, const options *o) {
     fflush(stdout);
     double t2 = cs_now();
     int rc = 0;
-    if (r) rc = fail_msg("generate", r);
+    if (r)
+        rc = fail_msg("generate", r);
     else
-        CS_LOGI("prompt %zu tokens in %.3f s (%.1f tok/s); generated %ld tokens in %.3f s (%.1f tok/s); finish: %s",
+        CS_LOGI("prompt %zu tokens in %.3f s (%.1f tok/s); generated %ld tokens in %.3f s (%.1f "
+                "tok/s); finish: %s",
                 n_ids, t1 - t0, (double)n_ids / (t1 - t0), generated, t2 - t1,
                 generated > 1 ? (double)(generated - 1) / (t2 - t1) : 0.0, reason);
     free(logits);
@@ -457,10 +481,13 @@ static int cmd_serve(const cs_model *m, const options *o) {
     so.sched = cs_sched_params_default();
     int r = parse_budget(o->budget, &so.sched.max_num_batched_tokens);
     if (r) return fail_msg("serve", r);
-    if (o->port < 0 || o->port > 65535 || o->http_port < 0 || o->http_port > 65535 || o->page_size < 1 || o->page_size > 4096 || o->kv_mib < 1 ||
-        o->threads < 0 || o->max_num_seqs < 1 || o->max_queue < 1 || o->grace_ms < 0 || o->grace_ms > 600000) {
-        fprintf(stderr, "chunkserve: serve: --port and --http-port must be 0..65535, --page-size 1..4096, --kv-cache-mib >= 1, "
-                        "--threads >= 0, --max-num-seqs >= 1, --max-queue >= 1, --grace-ms 0..600000\n");
+    if (o->port < 0 || o->port > 65535 || o->http_port < 0 || o->http_port > 65535 ||
+        o->page_size < 1 || o->page_size > 4096 || o->kv_mib < 1 || o->threads < 0 ||
+        o->max_num_seqs < 1 || o->max_queue < 1 || o->grace_ms < 0 || o->grace_ms > 600000) {
+        fprintf(stderr,
+                "chunkserve: serve: --port and --http-port must be 0..65535, --page-size 1..4096, "
+                "--kv-cache-mib >= 1, "
+                "--threads >= 0, --max-num-seqs >= 1, --max-queue >= 1, --grace-ms 0..600000\n");
         return 2;
     }
     so.port = (int)o->port;
@@ -477,12 +504,14 @@ static int cmd_serve(const cs_model *m, const options *o) {
 
 static int cmd_info(const cs_model *m) {
     const cs_model_config *c = cs_model_get_config(m);
-    printf("{\"arch\":\"%s\",\"n_vocab\":%d,\"dim\":%d,\"n_layers\":%d,\"n_heads\":%d,\"n_kv_heads\":%d,"
+    printf("{\"arch\":\"%s\",\"n_vocab\":%d,\"dim\":%d,\"n_layers\":%d,\"n_heads\":%d,\"n_kv_"
+           "heads\":%d,"
            "\"head_dim\":%d,\"hidden_dim\":%d,\"ctx_len\":%d,\"norm_eps\":%g,\"rope_theta\":%g,"
            "\"tied_embeddings\":%s,\"qkv_bias\":%s,\"weight_bytes\":%zu}\n",
-           c->arch, c->n_vocab, c->dim, c->n_layers, c->n_heads, c->n_kv_heads, c->head_dim, c->hidden_dim,
-           c->ctx_len, c->norm_eps, c->rope_theta, c->tied_embeddings ? "true" : "false",
-           c->qkv_bias ? "true" : "false", cs_model_weight_bytes(m));
+           c->arch, c->n_vocab, c->dim, c->n_layers, c->n_heads, c->n_kv_heads, c->head_dim,
+           c->hidden_dim, c->ctx_len, c->norm_eps, c->rope_theta,
+           c->tied_embeddings ? "true" : "false", c->qkv_bias ? "true" : "false",
+           cs_model_weight_bytes(m));
     return 0;
 }
 
@@ -500,20 +529,37 @@ typedef struct {
     char **argv;
 } cmd_ctx;
 
-static int run_generate(const cmd_ctx *c) { return cmd_generate(c->m, c->o); }
-static int run_serve(const cmd_ctx *c) { return cmd_serve(c->m, c->o); }
-static int run_cluster(const cmd_ctx *c) { return cs_cli_cluster(c->argc, c->argv); }
-static int run_tokenize(const cmd_ctx *c) { return cmd_tokenize(c->tok, c->o); }
-static int run_detokenize(const cmd_ctx *c) { return cmd_detokenize(c->tok); }
-static int run_chat_format(const cmd_ctx *c) { return cmd_chat_format(c->tok, c->o); }
-static int run_logits(const cmd_ctx *c) { return cmd_logits(c->m, c->o); }
-static int run_info(const cmd_ctx *c) { return cmd_info(c->m); }
+static int run_generate(const cmd_ctx *c) {
+    return cmd_generate(c->m, c->o);
+}
+static int run_serve(const cmd_ctx *c) {
+    return cmd_serve(c->m, c->o);
+}
+static int run_cluster(const cmd_ctx *c) {
+    return cs_cli_cluster(c->argc, c->argv);
+}
+static int run_tokenize(const cmd_ctx *c) {
+    return cmd_tokenize(c->tok, c->o);
+}
+static int run_detokenize(const cmd_ctx *c) {
+    return cmd_detokenize(c->tok);
+}
+static int run_chat_format(const cmd_ctx *c) {
+    return cmd_chat_format(c->tok, c->o);
+}
+static int run_logits(const cmd_ctx *c) {
+    return cmd_logits(c->m, c->o);
+}
+static int run_info(const cmd_ctx *c) {
+    return cmd_info(c->m);
+}
 static int run_bench_engine(const cmd_ctx *c) {
     return cs_cli_bench_engine(c->m, (int)c->o->threads, (int)c->o->prompt_tokens);
 }
 static int run_bench_local(const cmd_ctx *c) {
     const options *o = c->o;
-    return cs_cli_bench_local(c->m, (int)o->threads, o->duration, o->budgets, (uint64_t)o->seed, o->out);
+    return cs_cli_bench_local(c->m, (int)o->threads, o->duration, o->budgets, (uint64_t)o->seed,
+                              o->out);
 }
 
 static const struct command {
@@ -524,13 +570,17 @@ static const struct command {
 } commands[] = {
     {"generate", CMD_MODEL, run_generate,
      "generate text from --prompt, one sequence on the engine (--reference: fp32 reference path)"},
-    {"serve", CMD_MODEL, run_serve, "the gRPC Generation service on --host:--port until SIGTERM (one process)"},
+    {"serve", CMD_MODEL, run_serve,
+     "the gRPC Generation service on --host:--port until SIGTERM (one process)"},
     {"cluster", CMD_ARGV, run_cluster,
      "up: a local disaggregated cluster, prefill + decode workers behind the router\n"
      "(chunkserve cluster up --help)"},
-    {"tokenize", CMD_TOKENIZER, run_tokenize, "JSON lines of strings on stdin -> JSON arrays of ids"},
-    {"detokenize", CMD_TOKENIZER, run_detokenize, "JSON lines of id arrays on stdin -> JSON strings"},
-    {"chat-format", CMD_TOKENIZER, run_chat_format, "a JSON array of {role, content} on stdin -> rendered prompt"},
+    {"tokenize", CMD_TOKENIZER, run_tokenize,
+     "JSON lines of strings on stdin -> JSON arrays of ids"},
+    {"detokenize", CMD_TOKENIZER, run_detokenize,
+     "JSON lines of id arrays on stdin -> JSON strings"},
+    {"chat-format", CMD_TOKENIZER, run_chat_format,
+     "a JSON array of {role, content} on stdin -> rendered prompt"},
     {"logits", CMD_MODEL, run_logits, "--ids 1,2,3 --out FILE: float32 logits of every position"},
     {"info", CMD_MODEL, run_info, "print the model's configuration"},
     {"bench-engine", CMD_MODEL, run_bench_engine,

@@ -68,8 +68,9 @@ struct decode {
     int32_t n_live;
     uint64_t next_id;
     cs_kvx_stats last; /* exported so far */
-    cs_metric *m_local, *m_remote, *m_refused, *m_xfer_started, *m_xfer_completed, *m_xfer_failed, *m_xfer_bytes,
-        *m_xfer_seconds, *m_leases_expired, *m_ttft, *m_itl, *m_proto_errors, *m_router_hop;
+    cs_metric *m_local, *m_remote, *m_refused, *m_xfer_started, *m_xfer_completed, *m_xfer_failed,
+        *m_xfer_bytes, *m_xfer_seconds, *m_leases_expired, *m_ttft, *m_itl, *m_proto_errors,
+        *m_router_hop;
 };
 
 static decode g_decode;
@@ -102,7 +103,8 @@ static void on_drain_post(void *data);
 static void post_drain_locked(dreq *q) {
     if (q->posted) return;
     q->posted = true;
-    if (cs_rpc_loop_post(q->w->rl, on_drain_post, q) != 0) q->posted = false; /* the next event retries */
+    if (cs_rpc_loop_post(q->w->rl, on_drain_post, q) != 0)
+        q->posted = false; /* the next event retries */
 }
 
 static void append_locked(dreq *q, const cs_event *ev) {
@@ -120,7 +122,8 @@ static void append_locked(dreq *q, const cs_event *ev) {
 }
 
 /* KV I/O thread: the transfer into the reserved pages ended. */
-static void on_kv_done(void *arg, uint64_t xfer, int status, const char *msg, const cs_kvx_trailer *t) {
+static void on_kv_done(void *arg, uint64_t xfer, int status, const char *msg,
+                       const cs_kvx_trailer *t) {
     dreq *q = arg;
     decode *d = q->d;
     double secs = cs_now() - q->t_start;
@@ -137,11 +140,12 @@ static void on_kv_done(void *arg, uint64_t xfer, int status, const char *msg, co
     pthread_mutex_unlock(&q->mu);
     if (!status) {
         cs_metric_observe(d->m_xfer_seconds, secs);
-        if (cs_serve_kv_ready(q->w->sv, q->id, t->first_token) != 0) cs_serve_cancel(q->w->sv, q->id);
+        if (cs_serve_kv_ready(q->w->sv, q->id, t->first_token) != 0)
+            cs_serve_cancel(q->w->sv, q->id);
     } else {
         if (status == CS_ETIMEDOUT) cs_metric_inc(d->m_leases_expired);
-        CS_LOGW("request %s: KV transfer %016llx failed: %s", q->request_id, (unsigned long long)xfer,
-                q->kv_error);
+        CS_LOGW("request %s: KV transfer %016llx failed: %s", q->request_id,
+                (unsigned long long)xfer, q->kv_error);
         cs_serve_cancel(q->w->sv, q->id); /* frees the pages: the transport is done with them */
     }
     dreq_unref(q);
@@ -152,7 +156,8 @@ static void on_event(void *user, const cs_event *ev) {
     dreq *q = user;
     decode *d = q->d;
     pthread_mutex_lock(&q->mu);
-    if (ev->token < 0 && ev->finish == CS_FINISH_NONE && ev->kv_pages) { /* admission: pages reserved */
+    if (ev->token < 0 && ev->finish == CS_FINISH_NONE &&
+        ev->kv_pages) { /* admission: pages reserved */
         q->admitted = true;
         q->pages_reserved = ev->kv_n_pages;
         cs_metric_inc(q->local ? d->m_local : d->m_remote);
@@ -165,7 +170,8 @@ static void on_event(void *user, const cs_event *ev) {
             } else {
                 atomic_fetch_sub(&q->refs, 1);
                 q->kv_status = r;
-                snprintf(q->kv_error, sizeof q->kv_error, "cannot expect the KV transfer: %s", cs_last_error());
+                snprintf(q->kv_error, sizeof q->kv_error, "cannot expect the KV transfer: %s",
+                         cs_last_error());
                 cs_serve_cancel(q->w->sv, q->id);
             }
         }
@@ -196,8 +202,9 @@ static void finish_call(dreq *q, int code, const char *msg) {
 /* The payload the KV listener takes: the engine's pool decides (host: TCP,
  * device: NCCL). */
 static Chunkserve__V1__KvTransport kv_transport(decode *d) {
-    return cs_kvx_rx_payload(d->rx) == CS_KVX_PAYLOAD_NCCL ? CHUNKSERVE__V1__KV_TRANSPORT__KV_TRANSPORT_NCCL
-                                                           : CHUNKSERVE__V1__KV_TRANSPORT__KV_TRANSPORT_TCP;
+    return cs_kvx_rx_payload(d->rx) == CS_KVX_PAYLOAD_NCCL
+               ? CHUNKSERVE__V1__KV_TRANSPORT__KV_TRANSPORT_NCCL
+               : CHUNKSERVE__V1__KV_TRANSPORT__KV_TRANSPORT_TCP;
 }
 
 static int send_admitted(dreq *q, int32_t pages) {
@@ -212,8 +219,8 @@ static int send_admitted(dreq *q, int32_t pages) {
     return cs_rpc_call_send_msg(q->call, &r.base);
 }
 
-static int send_output(dreq *q, const cs_outbuf *b, bool final, enum cs_finish finish, int32_t n_prompt,
-                       int32_t n_completion, int32_t n_cached) {
+static int send_output(dreq *q, const cs_outbuf *b, bool final, enum cs_finish finish,
+                       int32_t n_prompt, int32_t n_completion, int32_t n_cached) {
     Chunkserve__V1__GenerateResponse g;
     Chunkserve__V1__Usage usage = CHUNKSERVE__V1__USAGE__INIT;
     void *scratch;
@@ -241,7 +248,8 @@ static void dreq_cancel(dreq *q) {
     q->cancel_requested = true;
     bool via_rx = q->expected && !q->kv_done;
     pthread_mutex_unlock(&q->mu);
-    if (!via_rx || cs_kvx_rx_cancel(q->d->rx, q->transfer_id) != 0) cs_serve_cancel(q->w->sv, q->id);
+    if (!via_rx || cs_kvx_rx_cancel(q->d->rx, q->transfer_id) != 0)
+        cs_serve_cancel(q->w->sv, q->id);
 }
 
 static void on_drain_post(void *data) {
@@ -270,10 +278,12 @@ static void on_drain_post(void *data) {
             rc = send_output(q, &out, ok_end, finish, n_prompt, n_completion, n_cached);
         char msg[400];
         if (rc == CS_ENOMEM) {
-            finish_call(q, CS_RPC_RESOURCE_EXHAUSTED, "the worker ran out of memory for this stream");
+            finish_call(q, CS_RPC_RESOURCE_EXHAUSTED,
+                        "the worker ran out of memory for this stream");
             if (!done) dreq_cancel(q);
         } else if (!done && cs_rpc_call_pending_bytes(q->call) > MAX_UNSENT_BYTES) {
-            finish_call(q, CS_RPC_RESOURCE_EXHAUSTED, "the router is not reading the stream; decoding stopped");
+            finish_call(q, CS_RPC_RESOURCE_EXHAUSTED,
+                        "the router is not reading the stream; decoding stopped");
             dreq_cancel(q);
         } else if (ok_end) {
             finish_call(q, CS_RPC_OK, NULL);
@@ -294,10 +304,10 @@ static void on_drain_post(void *data) {
     cs_outbuf_free(&out);
     if (done) {
         static const char *names[] = {"none", "stop", "length", "cancelled", "error"};
-        CS_LOGI("request %s (transfer %016llx, %s prefill): %s, %d + %d tokens in %.3f s%s%s", q->request_id,
-                (unsigned long long)q->transfer_id, q->local ? "local" : "remote", names[finish], n_prompt,
-                n_completion, cs_now() - q->t_start, error[0] || kv_error[0] ? ": " : "",
-                error[0] ? error : kv_error);
+        CS_LOGI("request %s (transfer %016llx, %s prefill): %s, %d + %d tokens in %.3f s%s%s",
+                q->request_id, (unsigned long long)q->transfer_id, q->local ? "local" : "remote",
+                names[finish], n_prompt, n_completion, cs_now() - q->t_start,
+                error[0] || kv_error[0] ? ": " : "", error[0] ? error : kv_error);
         q->done = false; /* a later drain (none expected) must not drop the reference again */
         dreq_unref(q);
     }
@@ -340,11 +350,13 @@ static void handle_decode(cs_rpc_call *c, void *data) {
     }
     if (d->n_live >= w->o.max_queue) {
         cs_metric_inc(d->m_refused);
-        cs_rpc_call_finish(c, CS_RPC_RESOURCE_EXHAUSTED, "the decode worker holds --max-queue requests");
+        cs_rpc_call_finish(c, CS_RPC_RESOURCE_EXHAUSTED,
+                           "the decode worker holds --max-queue requests");
         return;
     }
     cs_request r;
-    int rc = cs_worker_request(w, m->token_ids, m->n_token_ids, m->num_prompt_tokens, m->sampling, &r);
+    int rc =
+        cs_worker_request(w, m->token_ids, m->n_token_ids, m->num_prompt_tokens, m->sampling, &r);
     if (rc) {
         cs_rpc_call_finish(c, cs_rpc_code_of_status(rc), cs_last_error());
         return;
@@ -405,37 +417,42 @@ static int decode_start(cs_worker *w) {
     d->m_local = cs_metrics_counter(m, "chunkserve:prefills_total", "path=\"local\"",
                                     "requests admitted, by where their prompt is prefilled");
     d->m_remote = cs_metrics_counter(m, "chunkserve:prefills_total", "path=\"remote\"", NULL);
-    d->m_refused = cs_metrics_counter(m, "chunkserve:requests_refused_total", NULL,
-                                      "requests refused (RESOURCE_EXHAUSTED): queue limit or no free KV pages");
-    d->m_xfer_started = cs_metrics_counter(m, "chunkserve:kv_transfers_started_total", NULL, "KV transfers expected");
-    d->m_xfer_completed =
-        cs_metrics_counter(m, "chunkserve:kv_transfers_completed_total", NULL, "KV transfers received whole");
-    d->m_xfer_failed = cs_metrics_counter(m, "chunkserve:kv_transfers_failed_total", NULL,
-                                          "KV transfers failed (lease expired, peer died, bad frame, cancelled)");
-    d->m_xfer_bytes = cs_metrics_counter(m, "chunkserve:kv_transfer_bytes_total", NULL, "KV payload bytes received");
+    d->m_refused = cs_metrics_counter(
+        m, "chunkserve:requests_refused_total", NULL,
+        "requests refused (RESOURCE_EXHAUSTED): queue limit or no free KV pages");
+    d->m_xfer_started = cs_metrics_counter(m, "chunkserve:kv_transfers_started_total", NULL,
+                                           "KV transfers expected");
+    d->m_xfer_completed = cs_metrics_counter(m, "chunkserve:kv_transfers_completed_total", NULL,
+                                             "KV transfers received whole");
+    d->m_xfer_failed =
+        cs_metrics_counter(m, "chunkserve:kv_transfers_failed_total", NULL,
+                           "KV transfers failed (lease expired, peer died, bad frame, cancelled)");
+    d->m_xfer_bytes = cs_metrics_counter(m, "chunkserve:kv_transfer_bytes_total", NULL,
+                                         "KV payload bytes received");
     d->m_proto_errors = cs_metrics_counter(m, "chunkserve:kv_protocol_errors_total", NULL,
                                            "KV connections closed for bad input");
-    static const double secs[] = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30};
+    static const double secs[] = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                                  0.25,  0.5,    1,     2.5,  5,     10,   30};
     d->m_xfer_seconds = cs_metrics_histogram(m, "chunkserve:kv_transfer_seconds", NULL,
-                                             "admission to the KV trailer, per completed transfer", secs,
-                                             sizeof secs / sizeof secs[0]);
-    static const double hop[] = {1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.1, 1};
-    d->m_router_hop = cs_metrics_histogram(
-        m, "chunkserve:router_to_worker_seconds", NULL,
-        "the router's receipt of a client call to this worker's receipt of its Decode call (wall clocks)", hop,
-        sizeof hop / sizeof hop[0]);
-    d->m_leases_expired =
-        cs_metrics_counter(m, "chunkserve:kv_leases_expired_total", NULL, "reservations freed at their deadline");
+                                             "admission to the KV trailer, per completed transfer",
+                                             secs, sizeof secs / sizeof secs[0]);
+    static const double hop[] = {1e-5,   2.5e-5, 5e-5, 1e-4,  2.5e-4, 5e-4, 1e-3,
+                                 2.5e-3, 5e-3,   0.01, 0.025, 0.1,    1};
+    d->m_router_hop = cs_metrics_histogram(m, "chunkserve:router_to_worker_seconds", NULL,
+                                           "the router's receipt of a client call to this worker's "
+                                           "receipt of its Decode call (wall clocks)",
+                                           hop, sizeof hop / sizeof hop[0]);
+    d->m_leases_expired = cs_metrics_counter(m, "chunkserve:kv_leases_expired_total", NULL,
+                                             "reservations freed at their deadline");
     d->m_ttft = cs_metrics_histogram(m, "chunkserve:time_to_first_token_seconds", NULL,
-                                     "Decode call received to first token, at this worker", cs_metrics_ttft_buckets,
-                                     cs_metrics_n_ttft_buckets);
+                                     "Decode call received to first token, at this worker",
+                                     cs_metrics_ttft_buckets, cs_metrics_n_ttft_buckets);
     d->m_itl = cs_metrics_histogram(m, "chunkserve:inter_token_latency_seconds", NULL,
-                                    "time between a sequence's consecutive tokens", cs_metrics_itl_buckets,
-                                    cs_metrics_n_itl_buckets);
+                                    "time between a sequence's consecutive tokens",
+                                    cs_metrics_itl_buckets, cs_metrics_n_itl_buckets);
     return cs_worker_add_method(w, "/chunkserve.v1.Worker/Decode", CS_RPC_SERVER_STREAMING,
                                 &chunkserve__v1__decode_request__descriptor, handle_decode);
 }
-
 
 static void decode_status(cs_worker *w, Chunkserve__V1__WorkerStatus *st) {
     st->kv_endpoint = g_decode.kv_endpoint;
@@ -449,7 +466,8 @@ static void decode_metrics(cs_worker *w) {
     cs_kvx_stats s;
     cs_kvx_rx_get_stats(d->rx, &s);
     cs_metric_add(d->m_xfer_started, (double)(s.transfers_started - d->last.transfers_started));
-    cs_metric_add(d->m_xfer_completed, (double)(s.transfers_completed - d->last.transfers_completed));
+    cs_metric_add(d->m_xfer_completed,
+                  (double)(s.transfers_completed - d->last.transfers_completed));
     cs_metric_add(d->m_xfer_failed, (double)(s.transfers_failed - d->last.transfers_failed));
     cs_metric_add(d->m_xfer_bytes, (double)(s.bytes - d->last.bytes));
     cs_metric_add(d->m_proto_errors, (double)(s.protocol_errors - d->last.protocol_errors));
@@ -471,7 +489,8 @@ static bool decode_cancel(cs_worker *w, uint64_t transfer_id) {
 static int32_t decode_n_calls(cs_worker *w) {
     (void)w;
     int32_t n = 0;
-    for (dreq *q = g_decode.live; q; q = q->next) n += q->call != NULL;
+    for (dreq *q = g_decode.live; q; q = q->next)
+        n += q->call != NULL;
     return n;
 }
 
@@ -498,12 +517,14 @@ static const cs_config_entry config[] = {
     CS_WORKER_CONFIG_COMMON("50060", "512", "4", "0"),
     {"kv-host", CS_CONFIG_STR, offsetof(cs_worker_opts, kv_host), "127.0.0.1",
      "address of the KV listener prefill workers send pages to", 0, 0},
-    {"kv-port", CS_CONFIG_INT, offsetof(cs_worker_opts, kv_port), "0", "KV listener port; 0 = any free port", 0,
-     65535},
+    {"kv-port", CS_CONFIG_INT, offsetof(cs_worker_opts, kv_port), "0",
+     "KV listener port; 0 = any free port", 0, 65535},
     {"kv-advertise", CS_CONFIG_STR, offsetof(cs_worker_opts, kv_advertise), NULL,
-     "host prefill workers should connect to (default --kv-host; set it when binding 0.0.0.0)", 0, 0},
+     "host prefill workers should connect to (default --kv-host; set it when binding 0.0.0.0)", 0,
+     0},
     {"lease-ms", CS_CONFIG_INT, offsetof(cs_worker_opts, lease_ms), "120000",
-     "a reservation whose KV has not arrived by then is freed (the router's lease_ms overrides)", 100, 3600000},
+     "a reservation whose KV has not arrived by then is freed (the router's lease_ms overrides)",
+     100, 3600000},
 };
 
 const cs_worker_role cs_decode_role = {
@@ -511,7 +532,8 @@ const cs_worker_role cs_decode_role = {
     .role = CHUNKSERVE__V1__WORKER_ROLE__WORKER_ROLE_DECODE,
     .config = config,
     .n_config = sizeof config / sizeof config[0],
-    .summary = "the decode worker: admits requests by free KV pages, receives prompt KV from prefill workers, "
+    .summary = "the decode worker: admits requests by free KV pages, receives prompt KV from "
+               "prefill workers, "
                "runs mixed decode/prefill steps under its budget and streams tokens",
     .start = decode_start,
     .status = decode_status,

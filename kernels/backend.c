@@ -51,12 +51,13 @@ int cs_backend_init(const cs_weights *m, int n_threads, cs_backend **out) {
 #else
     if (force_cuda)
         return cs_fail(CS_ENOSYS, "CHUNKSERVE_BACKEND=cuda but this build has no CUDA backend "
-                                   "(configure with -DCS_CUDA=ON)");
+                                  "(configure with -DCS_CUDA=ON)");
     return cpu(m, n_threads, "built without CUDA", out);
 #endif
 }
 
-size_t cs_backend_page_bytes(const cs_backend *b, const cs_weights_shape *shape, int32_t page_size) {
+size_t cs_backend_page_bytes(const cs_backend *b, const cs_weights_shape *shape,
+                             int32_t page_size) {
 #ifdef CS_HAVE_CUDA
     if (strcmp(b->iface->name, "cuda") == 0) return cs_backend_cuda_page_bytes(shape, page_size);
 #endif

@@ -18,7 +18,7 @@
 /* The model's shape, as the kernels need it. */
 typedef struct {
     int32_t n_vocab;
-    int32_t dim;        /* hidden size */
+    int32_t dim; /* hidden size */
     int32_t n_layers;
     int32_t n_heads;
     int32_t n_kv_heads;
@@ -49,10 +49,10 @@ typedef struct {
  * memory, which must outlive every backend made from the view). */
 typedef struct {
     cs_weights_shape shape;
-    const float *tok_embd;         /* (n_vocab, dim) */
-    const float *out_norm;         /* (dim) */
-    const float *output;           /* (n_vocab, dim); == tok_embd when tied */
-    const float *rope_inv_freq;    /* (head_dim / 2) angle per position, scaling applied */
+    const float *tok_embd;          /* (n_vocab, dim) */
+    const float *out_norm;          /* (dim) */
+    const float *output;            /* (n_vocab, dim); == tok_embd when tied */
+    const float *rope_inv_freq;     /* (head_dim / 2) angle per position, scaling applied */
     const cs_layer_weights *layers; /* (n_layers) */
 } cs_weights;
 
@@ -63,7 +63,7 @@ typedef struct {
     int32_t pos;           /* position of tokens[0] = tokens already cached */
     const int32_t *pages;  /* page table covering positions [0, pos + n_tokens) */
     int32_t n_pages;
-    bool want_logits;      /* logits of the span's last token */
+    bool want_logits; /* logits of the span's last token */
 } cs_backend_span;
 
 typedef struct cs_backend cs_backend;
@@ -75,7 +75,8 @@ struct cs_backend_iface {
      * bytes one page takes (all layers, K and V) in the backend's format. */
     int (*kv_init)(void *ctx, int32_t n_pages, int32_t page_size, size_t *page_bytes);
     /* A validated ragged step (see cs_engine_step); n_tokens = sum of spans. */
-    int (*forward)(void *ctx, const cs_backend_span *spans, int32_t n_spans, int32_t n_tokens, float *logits);
+    int (*forward)(void *ctx, const cs_backend_span *spans, int32_t n_spans, int32_t n_tokens,
+                   float *logits);
     int (*kv_export)(void *ctx, const int32_t *pages, int32_t n, void *dst);
     int (*kv_import)(void *ctx, const int32_t *pages, int32_t n, const void *src);
     /* The pool's memory (page p at base + p * page_bytes) and where it is:

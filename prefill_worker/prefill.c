@@ -77,8 +77,8 @@ struct prefill {
     uint64_t next_id;
     size_t page_bytes;
     cs_kvx_stats last;
-    cs_metric *m_requests, *m_xfer_started, *m_xfer_completed, *m_xfer_failed, *m_xfer_bytes, *m_xfer_seconds,
-        *m_tail_seconds, *m_prefill_seconds, *m_backpressure, *m_refused;
+    cs_metric *m_requests, *m_xfer_started, *m_xfer_completed, *m_xfer_failed, *m_xfer_bytes,
+        *m_xfer_seconds, *m_tail_seconds, *m_prefill_seconds, *m_backpressure, *m_refused;
 };
 
 static prefill g_prefill;
@@ -132,9 +132,10 @@ static void on_end_post(void *data) {
             snprintf(msg, sizeof msg, "prefill failed: %s", eng_error);
             finish_call(q, cs_rpc_code_of_status(eng_status), msg);
         } else if (tx_done && tx_status) {
-            snprintf(msg, sizeof msg, "KV transfer to %s (%s:%d) failed: %s", q->decode_id, q->host, q->port,
-                     tx_error);
-            finish_call(q, tx_status == CS_ETIMEDOUT ? CS_RPC_DEADLINE_EXCEEDED : CS_RPC_UNAVAILABLE, msg);
+            snprintf(msg, sizeof msg, "KV transfer to %s (%s:%d) failed: %s", q->decode_id, q->host,
+                     q->port, tx_error);
+            finish_call(
+                q, tx_status == CS_ETIMEDOUT ? CS_RPC_DEADLINE_EXCEEDED : CS_RPC_UNAVAILABLE, msg);
         } else if (tx_done && eng_done) {
             Chunkserve__V1__PrefillResponse r = CHUNKSERVE__V1__PREFILL_RESPONSE__INIT;
             r.first_token_id = first;
@@ -144,10 +145,11 @@ static void on_end_post(void *data) {
             r.kv_bytes = (uint64_t)q->total_pages * q->p->page_bytes;
             cs_metric_observe(q->p->m_prefill_seconds, cs_now() - q->t_start);
             cs_metric_observe(q->p->m_tail_seconds, tail);
-            CS_LOGI("request %s (transfer %016llx): %d tokens (%d cached), %d pages to %s in %.3f s, last chunk "
+            CS_LOGI("request %s (transfer %016llx): %d tokens (%d cached), %d pages to %s in %.3f "
+                    "s, last chunk "
                     "to acknowledged trailer %.4f s",
-                    q->request_id, (unsigned long long)q->transfer_id, q->n_context, n_cached, q->total_pages,
-                    q->decode_id, cs_now() - q->t_start, tail);
+                    q->request_id, (unsigned long long)q->transfer_id, q->n_context, n_cached,
+                    q->total_pages, q->decode_id, cs_now() - q->t_start, tail);
             cs_rpc_call_reply_msg(q->call, &r.base);
             q->call = NULL;
             preq_unref(q);
@@ -192,7 +194,8 @@ static int flush_locked(preq *q) {
     prefill *p = q->p;
     while (q->held_head) {
         held *h = q->held_head;
-        int r = cs_kvx_tx_send_pages(p->tx, q->transfer_id, h->first, h->n, h->ids, release_pages, p);
+        int r =
+            cs_kvx_tx_send_pages(p->tx, q->transfer_id, h->first, h->n, h->ids, release_pages, p);
         if (r == CS_EAGAIN) {
             cs_metric_inc(p->m_backpressure);
             return 0;
@@ -222,7 +225,8 @@ static void send_failed_locked(preq *q, int r) {
 }
 
 /* Transport I/O thread: the transfer ended (acknowledged, or failed). */
-static void on_tx_done(void *arg, uint64_t xfer, int status, const char *msg, const cs_kvx_trailer *t) {
+static void on_tx_done(void *arg, uint64_t xfer, int status, const char *msg,
+                       const cs_kvx_trailer *t) {
     preq *q = arg;
     (void)xfer, (void)t;
     pthread_mutex_lock(&q->mu);
@@ -230,7 +234,8 @@ static void on_tx_done(void *arg, uint64_t xfer, int status, const char *msg, co
     q->tx_status = status;
     drop_held_locked(q);
     if (q->t_last_chunk > 0) q->tail = cs_now() - q->t_last_chunk;
-    if (status) snprintf(q->tx_error, sizeof q->tx_error, "%s", msg && msg[0] ? msg : cs_strerror(status));
+    if (status)
+        snprintf(q->tx_error, sizeof q->tx_error, "%s", msg && msg[0] ? msg : cs_strerror(status));
     bool engine_running = !q->engine_done;
     pthread_mutex_unlock(&q->mu);
     if (!status)
@@ -300,10 +305,12 @@ static void on_event(void *user, const cs_event *ev) {
         q->t_last_chunk = cs_now();
         if (ev->finish == CS_FINISH_ERROR && !q->eng_status) {
             q->eng_status = ev->status ? ev->status : CS_EIO;
-            snprintf(q->eng_error, sizeof q->eng_error, "%s", ev->error ? ev->error : "engine error");
+            snprintf(q->eng_error, sizeof q->eng_error, "%s",
+                     ev->error ? ev->error : "engine error");
         }
     }
-    bool abort_tx = (r && r != CS_ENOENT) || ev->finish == CS_FINISH_ERROR || ev->finish == CS_FINISH_CANCELLED;
+    bool abort_tx =
+        (r && r != CS_ENOENT) || ev->finish == CS_FINISH_ERROR || ev->finish == CS_FINISH_CANCELLED;
     bool cancel = r && ev->finish == CS_FINISH_NONE;
     pthread_mutex_unlock(&q->mu);
     if (abort_tx) cs_kvx_tx_abort(q->p->tx, q->transfer_id); /* CS_ENOENT when already over */
@@ -336,18 +343,22 @@ static void handle_prefill(cs_rpc_call *c, void *data) {
     }
     if (p->n_live >= w->o.max_queue) {
         cs_metric_inc(p->m_refused);
-        cs_rpc_call_finish(c, CS_RPC_RESOURCE_EXHAUSTED, "the prefill worker holds --max-queue requests");
+        cs_rpc_call_finish(c, CS_RPC_RESOURCE_EXHAUSTED,
+                           "the prefill worker holds --max-queue requests");
         return;
     }
     cs_request r;
-    int rc = cs_worker_request(w, m->token_ids, m->n_token_ids, m->num_prompt_tokens, m->sampling, &r);
+    int rc =
+        cs_worker_request(w, m->token_ids, m->n_token_ids, m->num_prompt_tokens, m->sampling, &r);
     char host[256];
     int port = 0;
-    int mine = cs_kvx_tx_payload(p->tx) == CS_KVX_PAYLOAD_NCCL ? CHUNKSERVE__V1__KV_TRANSPORT__KV_TRANSPORT_NCCL
-                                                                : CHUNKSERVE__V1__KV_TRANSPORT__KV_TRANSPORT_TCP;
+    int mine = cs_kvx_tx_payload(p->tx) == CS_KVX_PAYLOAD_NCCL
+                   ? CHUNKSERVE__V1__KV_TRANSPORT__KV_TRANSPORT_NCCL
+                   : CHUNKSERVE__V1__KV_TRANSPORT__KV_TRANSPORT_TCP;
     if (!rc && m->kv_transport && (int)m->kv_transport != mine)
         rc = cs_fail(CS_ENOTSUP, "kv_transport %s: this worker sends KV over %s",
-                     m->kv_transport == CHUNKSERVE__V1__KV_TRANSPORT__KV_TRANSPORT_NCCL ? "NCCL" : "TCP",
+                     m->kv_transport == CHUNKSERVE__V1__KV_TRANSPORT__KV_TRANSPORT_NCCL ? "NCCL"
+                                                                                        : "TCP",
                      cs_kvx_payload_name(cs_kvx_tx_payload(p->tx)));
     if (!rc) rc = cs_worker_split_endpoint(m->kv_endpoint, host, sizeof host, &port);
     if (rc) {
@@ -371,7 +382,8 @@ static void handle_prefill(cs_rpc_call *c, void *data) {
     if (left > w->o.kv_deadline_ms) left = w->o.kv_deadline_ms;
     if (left < 1) left = 1;
     snprintf(q->request_id, sizeof q->request_id, "%s", m->request_id[0] ? m->request_id : "-");
-    snprintf(q->decode_id, sizeof q->decode_id, "%s", m->decode_worker_id[0] ? m->decode_worker_id : "decode");
+    snprintf(q->decode_id, sizeof q->decode_id, "%s",
+             m->decode_worker_id[0] ? m->decode_worker_id : "decode");
     snprintf(q->host, sizeof q->host, "%s", host);
     q->port = port;
     atomic_init(&q->refs, 1); /* the call's */
@@ -382,10 +394,12 @@ static void handle_prefill(cs_rpc_call *c, void *data) {
     p->n_live++;
     cs_metric_inc(p->m_requests);
     atomic_fetch_add(&q->refs, 1); /* the transfer's */
-    rc = cs_kvx_tx_begin(p->tx, host, port, q->transfer_id, q->total_pages, (int32_t)left, on_tx_done, q);
+    rc = cs_kvx_tx_begin(p->tx, host, port, q->transfer_id, q->total_pages, (int32_t)left,
+                         on_tx_done, q);
     if (rc) {
         atomic_fetch_sub(&q->refs, 1);
-        finish_call(q, rc == CS_EEXIST ? CS_RPC_ALREADY_EXISTS : CS_RPC_UNAVAILABLE, cs_last_error());
+        finish_call(q, rc == CS_EEXIST ? CS_RPC_ALREADY_EXISTS : CS_RPC_UNAVAILABLE,
+                    cs_last_error());
         return;
     }
     r.id = q->id;
@@ -425,7 +439,8 @@ static int prefill_start(cs_worker *w) {
         char host[40] = "";
         if (gethostname(host, sizeof host) != 0) host[0] = 0;
         host[sizeof host - 1] = 0;
-        snprintf(name, sizeof name, "prefill-%s-%08x", host, (unsigned)(w->instance_id & 0xffffffffu));
+        snprintf(name, sizeof name, "prefill-%s-%08x", host,
+                 (unsigned)(w->instance_id & 0xffffffffu));
     }
     tp.name = name;
     tp.checksum = w->o.kv_checksum;
@@ -433,30 +448,36 @@ static int prefill_start(cs_worker *w) {
     int r = cs_kvx_tx_init(&tp, &p->tx);
     if (r) return r;
     cs_metrics *m = w->metrics;
-    p->m_requests = cs_metrics_counter(m, "chunkserve:prefill_requests_total", NULL, "Prefill calls accepted");
+    p->m_requests =
+        cs_metrics_counter(m, "chunkserve:prefill_requests_total", NULL, "Prefill calls accepted");
     p->m_refused = cs_metrics_counter(m, "chunkserve:requests_refused_total", NULL,
                                       "requests refused (RESOURCE_EXHAUSTED) by the queue limit");
-    p->m_xfer_started = cs_metrics_counter(m, "chunkserve:kv_transfers_started_total", NULL, "KV transfers begun");
+    p->m_xfer_started =
+        cs_metrics_counter(m, "chunkserve:kv_transfers_started_total", NULL, "KV transfers begun");
     p->m_xfer_completed = cs_metrics_counter(m, "chunkserve:kv_transfers_completed_total", NULL,
                                              "KV transfers acknowledged by the decode worker");
     p->m_xfer_failed = cs_metrics_counter(m, "chunkserve:kv_transfers_failed_total", NULL,
                                           "KV transfers failed (peer died, deadline, aborted)");
-    p->m_xfer_bytes = cs_metrics_counter(m, "chunkserve:kv_transfer_bytes_total", NULL, "KV payload bytes sent");
-    static const double secs[] = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30};
+    p->m_xfer_bytes =
+        cs_metrics_counter(m, "chunkserve:kv_transfer_bytes_total", NULL, "KV payload bytes sent");
+    static const double secs[] = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                                  0.25,  0.5,    1,     2.5,  5,     10,   30};
     size_t ns = sizeof secs / sizeof secs[0];
-    p->m_xfer_seconds = cs_metrics_histogram(m, "chunkserve:kv_transfer_seconds", NULL,
-                                             "Prefill call received to trailer acknowledged", secs, ns);
+    p->m_xfer_seconds =
+        cs_metrics_histogram(m, "chunkserve:kv_transfer_seconds", NULL,
+                             "Prefill call received to trailer acknowledged", secs, ns);
     p->m_tail_seconds = cs_metrics_histogram(
         m, "chunkserve:kv_transfer_tail_seconds", NULL,
-        "last chunk computed to trailer acknowledged: the transfer time left on the critical path", secs, ns);
+        "last chunk computed to trailer acknowledged: the transfer time left on the critical path",
+        secs, ns);
     p->m_prefill_seconds = cs_metrics_histogram(m, "chunkserve:prefill_seconds", NULL,
                                                 "Prefill call received to answered", secs, ns);
-    p->m_backpressure = cs_metrics_counter(m, "chunkserve:kv_backpressure_waits_total", NULL,
-                                           "page ranges held back by a full KV channel until it drained");
+    p->m_backpressure =
+        cs_metrics_counter(m, "chunkserve:kv_backpressure_waits_total", NULL,
+                           "page ranges held back by a full KV channel until it drained");
     return cs_worker_add_method(w, "/chunkserve.v1.Worker/Prefill", CS_RPC_UNARY,
                                 &chunkserve__v1__prefill_request__descriptor, handle_prefill);
 }
-
 
 /* Prompt tokens this worker holds and has not finished computing (n: their
  * requests): counted here at once, not at the engine's next step (one step
@@ -489,7 +510,8 @@ static void prefill_metrics(cs_worker *w) {
     cs_kvx_stats s;
     cs_kvx_tx_get_stats(p->tx, &s);
     cs_metric_add(p->m_xfer_started, (double)(s.transfers_started - p->last.transfers_started));
-    cs_metric_add(p->m_xfer_completed, (double)(s.transfers_completed - p->last.transfers_completed));
+    cs_metric_add(p->m_xfer_completed,
+                  (double)(s.transfers_completed - p->last.transfers_completed));
     cs_metric_add(p->m_xfer_failed, (double)(s.transfers_failed - p->last.transfers_failed));
     cs_metric_add(p->m_xfer_bytes, (double)(s.bytes - p->last.bytes));
     p->last = s;
@@ -508,7 +530,8 @@ static bool prefill_cancel(cs_worker *w, uint64_t transfer_id) {
 static int32_t prefill_n_calls(cs_worker *w) {
     (void)w;
     int32_t n = 0;
-    for (preq *q = g_prefill.live; q; q = q->next) n += q->call != NULL;
+    for (preq *q = g_prefill.live; q; q = q->next)
+        n += q->call != NULL;
     return n;
 }
 
@@ -548,7 +571,8 @@ const cs_worker_role cs_prefill_role = {
     .role = CHUNKSERVE__V1__WORKER_ROLE__WORKER_ROLE_PREFILL,
     .config = config,
     .n_config = sizeof config / sizeof config[0],
-    .summary = "the prefill worker: computes prompts in chunks under its budget and streams each chunk's KV "
+    .summary = "the prefill worker: computes prompts in chunks under its budget and streams each "
+               "chunk's KV "
                "pages to the decode worker that reserved them",
     .start = prefill_start,
     .status = prefill_status,

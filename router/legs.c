@@ -44,13 +44,15 @@ void cs__leg_cancel(leg *l) {
 /* Opens the leg's call (l is the request's current leg, in *slot). When it
  * cannot start (no time left, no channel, the RPC layer refused), the leg is
  * detached, the request told (an event like any other end), the leg freed. */
-static void open_call(leg *l, leg **slot, const char *method, const ProtobufCMessage *m, const cs_rpc_call_opts *o,
-                      cs_rpc_on_message on_message, cs_rpc_on_done on_done) {
+static void open_call(leg *l, leg **slot, const char *method, const ProtobufCMessage *m,
+                      const cs_rpc_call_opts *o, cs_rpc_on_message on_message,
+                      cs_rpc_on_done on_done) {
     int code = CS_RPC_DEADLINE_EXCEEDED;
     char why[300] = "";
     if (o->timeout_ms > 0) {
         cs_rpc_channel *ch = cs_pool_worker_channel(l->w);
-        if (ch && cs_rpc_channel_call_msg(ch, method, m, o, on_message, on_done, l, &l->c) == 0) return;
+        if (ch && cs_rpc_channel_call_msg(ch, method, m, o, on_message, on_done, l, &l->c) == 0)
+            return;
         code = CS_RPC_UNAVAILABLE;
         snprintf(why, sizeof why, "cannot call it: %s", ch ? cs_last_error() : "no channel");
     }
@@ -85,8 +87,8 @@ void cs__leg_send_cancel(req *q, cs_pool_worker *w) {
     cs_rpc_call_opts o = {.timeout_ms = CANCEL_DEADLINE_MS};
     cs_pool_worker_ref(w);
     cs_pool_worker_active(w, 1);
-    if (cs_rpc_channel_call_msg(cs_pool_worker_channel(w), WORKER_SERVICE "Cancel", &m.base, &o, NULL,
-                                on_cancel_sent, w, NULL) != 0) {
+    if (cs_rpc_channel_call_msg(cs_pool_worker_channel(w), WORKER_SERVICE "Cancel", &m.base, &o,
+                                NULL, on_cancel_sent, w, NULL) != 0) {
         cs_pool_worker_active(w, -1);
         cs_pool_worker_unref(w);
     }
@@ -152,7 +154,8 @@ static void on_decode_message(cs_rpc_client_call *c, const uint8_t *buf, size_t 
     req *q = l->q;
     if (q->dleg != l || q->state == RQ_ENDED) return;
     Chunkserve__V1__DecodeResponse *m = NULL;
-    if (cs_rpc_unpack(&chunkserve__v1__decode_response__descriptor, buf, len, (ProtobufCMessage **)&m) != 0) {
+    if (cs_rpc_unpack(&chunkserve__v1__decode_response__descriptor, buf, len,
+                      (ProtobufCMessage **)&m) != 0) {
         cs__req_fail_attempt(q, l->w, "decode", CS_RPC_INTERNAL, "malformed DecodeResponse");
         return;
     }
@@ -167,10 +170,11 @@ static void on_decode_message(cs_rpc_client_call *c, const uint8_t *buf, size_t 
             break;
         }
         const Chunkserve__V1__DecodeAdmitted *a = m->admitted;
-        const char *ep = a->kv_endpoint && a->kv_endpoint[0] ? a->kv_endpoint : cs_pool_worker_kv_endpoint(l->w);
+        const char *ep =
+            a->kv_endpoint && a->kv_endpoint[0] ? a->kv_endpoint : cs_pool_worker_kv_endpoint(l->w);
         int tr = a->kv_transport ? (int)a->kv_transport : cs_pool_worker_kv_transport(l->w);
-        CS_LOGD("request %s: admitted by %s (%d pages, kv %s)", q->id, cs_pool_worker_addr(l->w), a->pages_reserved,
-                ep);
+        CS_LOGD("request %s: admitted by %s (%d pages, kv %s)", q->id, cs_pool_worker_addr(l->w),
+                a->pages_reserved, ep);
         cs__req_on_admitted(q, l, ep, tr);
         break;
     }

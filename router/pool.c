@@ -109,7 +109,7 @@ struct cs_pool_worker {
     int64_t queued_prefill;
     char *kv_endpoint;
     int kv_transport;
-    uint64_t kv_layout; /* the KV layout fingerprint it reported (0: unknown) */
+    uint64_t kv_layout;    /* the KV layout fingerprint it reported (0: unknown) */
     int32_t pages_placed;  /* since that status */
     int64_t tokens_placed; /* since that status */
 
@@ -211,8 +211,8 @@ static void log_usability(cs_pool_worker *w, double now, const char *why) {
         CS_LOGI("%s worker %s (%s) is usable: %d KV pages of %d tokens free", role_name[w->role],
                 w->addr, cs_pool_worker_id(w), w->pages_free, w->page_size);
     else
-        CS_LOGW("%s worker %s (%s) is not usable: %s", role_name[w->role], w->addr, cs_pool_worker_id(w),
-                why);
+        CS_LOGW("%s worker %s (%s) is not usable: %s", role_name[w->role], w->addr,
+                cs_pool_worker_id(w), why);
 }
 
 void cs_pool_worker_suspect(cs_pool_worker *w, const char *why) {
@@ -288,8 +288,9 @@ static void apply_status(cs_pool_worker *w, const Chunkserve__V1__WorkerStatus *
     cs_pool *p = w->pool;
     if (w->instance_id && s->instance_id != w->instance_id)
         CS_LOGW("%s worker %s restarted (%s instance %016llx -> %s instance %016llx)",
-                role_name[w->role], w->addr, cs_pool_worker_id(w), (unsigned long long)w->instance_id,
-                s->worker_id, (unsigned long long)s->instance_id);
+                role_name[w->role], w->addr, cs_pool_worker_id(w),
+                (unsigned long long)w->instance_id, s->worker_id,
+                (unsigned long long)s->instance_id);
     if (s->instance_id != w->instance_id) w->poll_failures = 0;
     w->instance_id = s->instance_id;
     if (!w->worker_id || strcmp(w->worker_id, s->worker_id)) {
@@ -303,17 +304,20 @@ static void apply_status(cs_pool_worker *w, const Chunkserve__V1__WorkerStatus *
     int want = w->role == CS_POOL_DECODE ? CHUNKSERVE__V1__WORKER_ROLE__WORKER_ROLE_DECODE
                                          : CHUNKSERVE__V1__WORKER_ROLE__WORKER_ROLE_PREFILL;
     bool role_ok = (int)s->role == want, first = !w->status_seq;
-    bool model_ok = !s->model || ((!p->o.expect_n_vocab || s->model->vocab_size == p->o.expect_n_vocab) &&
-                                  (!p->o.expect_arch || !strcmp(s->model->architecture, p->o.expect_arch)) &&
-                                  (!p->o.expect_ctx_len || s->model->context_length == p->o.expect_ctx_len));
+    bool model_ok =
+        !s->model || ((!p->o.expect_n_vocab || s->model->vocab_size == p->o.expect_n_vocab) &&
+                      (!p->o.expect_arch || !strcmp(s->model->architecture, p->o.expect_arch)) &&
+                      (!p->o.expect_ctx_len || s->model->context_length == p->o.expect_ctx_len));
     if (!role_ok && (first || w->role_ok))
         CS_LOGE("%s worker %s reports role %d: not a %s worker", role_name[w->role], w->addr,
                 (int)s->role, role_name[w->role]);
     if (!model_ok && (first || w->model_ok))
-        CS_LOGE("%s worker %s serves another model (%s, vocabulary %d, context %d); this router's is %s, %d, %d",
+        CS_LOGE("%s worker %s serves another model (%s, vocabulary %d, context %d); this router's "
+                "is %s, %d, %d",
                 role_name[w->role], w->addr, s->model ? s->model->architecture : "?",
                 s->model ? s->model->vocab_size : 0, s->model ? s->model->context_length : 0,
-                p->o.expect_arch ? p->o.expect_arch : "?", p->o.expect_n_vocab, p->o.expect_ctx_len);
+                p->o.expect_arch ? p->o.expect_arch : "?", p->o.expect_n_vocab,
+                p->o.expect_ctx_len);
     w->role_ok = role_ok;
     w->model_ok = model_ok;
     w->ready = s->ready;
@@ -701,7 +705,8 @@ static bool kv_compatible(const cs_pool_worker *w, const cs_pool_worker *peer) {
 }
 
 cs_pool_worker *cs_pool_place(cs_pool *p, enum cs_pool_role role, int64_t n_tokens,
-                              const cs_pool_marks *marks, int *n_candidates, const cs_pool_worker *peer) {
+                              const cs_pool_marks *marks, int *n_candidates,
+                              const cs_pool_worker *peer) {
     if (n_candidates) *n_candidates = 0;
     size_t n = (size_t)p->n_workers[role];
     if (p->closing || n == 0) return NULL;

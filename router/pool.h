@@ -26,12 +26,12 @@ extern "C" {
 
 /* One worker as placement sees it. */
 typedef struct {
-    bool usable;           /* fresh status, ready, not draining, right role */
-    bool skip;             /* excluded or refused for this request */
-    int32_t page_size;     /* tokens per KV page */
+    bool usable;            /* fresh status, ready, not draining, right role */
+    bool skip;              /* excluded or refused for this request */
+    int32_t page_size;      /* tokens per KV page */
     int32_t kv_pages_total; /* the worker's whole pool (a prompt beyond it can never run there) */
-    int32_t kv_pages_free; /* from the last status */
-    int32_t pages_placed;  /* pages this router placed there since that status */
+    int32_t kv_pages_free;  /* from the last status */
+    int32_t pages_placed;   /* pages this router placed there since that status */
     int32_t num_running, num_waiting;
     int64_t queued_prefill_tokens; /* from the last status (prefill) */
     int64_t tokens_placed;         /* prompt tokens this router sent there since that status */
@@ -122,7 +122,8 @@ typedef struct {
  * qualifies. *n_candidates (may be NULL) receives how many usable, not
  * excluded workers there were (with or without room, refused or not). */
 cs_pool_worker *cs_pool_place(cs_pool *p, enum cs_pool_role role, int64_t n_tokens,
-                              const cs_pool_marks *marks, int *n_candidates, const cs_pool_worker *peer);
+                              const cs_pool_marks *marks, int *n_candidates,
+                              const cs_pool_worker *peer);
 
 /* Adds a mark for w, or renews it (excluded: the worker's current instance;
  * refused: its current status). A mark holds a reference to the worker.

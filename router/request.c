@@ -50,9 +50,13 @@ int64_t cs__req_ms_left(const req *q) {
 static const bool transitions[6][6] = {
     [RQ_NEW] = {[RQ_WAITING] = true, [RQ_ADMITTING] = true, [RQ_ENDED] = true},
     [RQ_WAITING] = {[RQ_WAITING] = true, [RQ_ADMITTING] = true, [RQ_ENDED] = true},
-    [RQ_ADMITTING] = {[RQ_WAITING] = true, [RQ_ADMITTING] = true, [RQ_PREFILL] = true, [RQ_STREAMING] = true,
+    [RQ_ADMITTING] = {[RQ_WAITING] = true,
+                      [RQ_ADMITTING] = true,
+                      [RQ_PREFILL] = true,
+                      [RQ_STREAMING] = true,
                       [RQ_ENDED] = true},
-    [RQ_PREFILL] = {[RQ_WAITING] = true, [RQ_ADMITTING] = true, [RQ_STREAMING] = true, [RQ_ENDED] = true},
+    [RQ_PREFILL] =
+        {[RQ_WAITING] = true, [RQ_ADMITTING] = true, [RQ_STREAMING] = true, [RQ_ENDED] = true},
     [RQ_STREAMING] = {[RQ_WAITING] = true, [RQ_ADMITTING] = true, [RQ_ENDED] = true},
 };
 
@@ -111,7 +115,8 @@ void cs__req_park(req *q, enum req_wait why) {
     if (q->state == RQ_NEW && r->n_queued >= r->o->max_queue) {
         char msg[200];
         snprintf(msg, sizeof msg,
-                 "the router is overloaded: %d requests placed and %d waiting (--max-queue %lld); retry later",
+                 "the router is overloaded: %d requests placed and %d waiting (--max-queue %lld); "
+                 "retry later",
                  r->n_placed, r->n_queued, (long long)r->o->max_queue);
         cs__req_end(q, CS_RPC_RESOURCE_EXHAUSTED, msg);
         return;
@@ -191,8 +196,8 @@ void cs__req_end(req *q, int code, const char *msg) {
                 q->id, cs_rpc_code_name(code), q->n_prompt, q->n_relayed, now - q->t_recv,
                 q->t_first ? q->t_first - q->t_recv : 0.0, q->retries, q->migrations);
     else
-        CS_LOGW("request %s: %s: %s (%d completion tokens, %d retries, %d migrations, %.3f s)", q->id,
-                cs_rpc_code_name(code),
+        CS_LOGW("request %s: %s: %s (%d completion tokens, %d retries, %d migrations, %.3f s)",
+                q->id, cs_rpc_code_name(code),
                 msg              ? msg
                 : code_msg(code) ? code_msg(code)
                                  : "",
@@ -238,7 +243,8 @@ void cs__req_attempt(req *q) {
         return;
     }
     int cand = 0;
-    cs_pool_worker *dw = cs_pool_place(r->pool, CS_POOL_DECODE, (int64_t)q->n_ctx, &q->marks, &cand, NULL);
+    cs_pool_worker *dw =
+        cs_pool_place(r->pool, CS_POOL_DECODE, (int64_t)q->n_ctx, &q->marks, &cand, NULL);
     if (dw) {
         start_attempt(q, dw);
         return;
@@ -254,8 +260,9 @@ void cs__req_attempt(req *q) {
 
 void cs__req_fail_attempt(req *q, cs_pool_worker *w, const char *what, int code, const char *msg) {
     router *r = q->r;
-    snprintf(q->last_error, sizeof q->last_error, "%s on %s: %s%s%s", what, w ? cs_pool_worker_addr(w) : "?",
-             cs_rpc_code_name(code), msg && *msg ? ": " : "", msg ? msg : "");
+    snprintf(q->last_error, sizeof q->last_error, "%s on %s: %s%s%s", what,
+             w ? cs_pool_worker_addr(w) : "?", cs_rpc_code_name(code), msg && *msg ? ": " : "",
+             msg ? msg : "");
     drop_attempt(q, false);
     if (w) {
         if (code == CS_RPC_UNAVAILABLE) cs_pool_worker_suspect(w, q->last_error);
@@ -275,13 +282,13 @@ void cs__req_fail_attempt(req *q, cs_pool_worker *w, const char *what, int code,
     }
     if (q->failures > r->o->max_retries) {
         char m[512];
-        snprintf(m, sizeof m, "no worker could serve the request: %d attempts failed (last: %s)", q->failures,
-                 q->last_error);
+        snprintf(m, sizeof m, "no worker could serve the request: %d attempts failed (last: %s)",
+                 q->failures, q->last_error);
         cs__req_end(q, CS_RPC_UNAVAILABLE, m);
         return;
     }
-    CS_LOGW("request %s: %s; %s (%d/%d)", q->id, q->last_error, migrate ? "migrating" : "retrying", q->failures,
-            (int)r->o->max_retries);
+    CS_LOGW("request %s: %s; %s (%d/%d)", q->id, q->last_error, migrate ? "migrating" : "retrying",
+            q->failures, (int)r->o->max_retries);
     cs__req_attempt(q);
 }
 
@@ -323,7 +330,8 @@ void cs__req_on_leg_failed(req *q, leg *l, int code, const char *msg) {
     else if (cs__req_ms_left(q) <= 0)
         cs__req_end(q, CS_RPC_DEADLINE_EXCEEDED, NULL);
     else if (code == CS_RPC_OK)
-        cs__req_fail_attempt(q, l->w, what, CS_RPC_INTERNAL, "the stream ended without a finish reason");
+        cs__req_fail_attempt(q, l->w, what, CS_RPC_INTERNAL,
+                             "the stream ended without a finish reason");
     else
         cs__req_fail_attempt(q, l->w, what, code, msg);
 }
@@ -431,9 +439,10 @@ static bool relay(req *q, Chunkserve__V1__GenerateResponse *out) {
     }
     if (failed && q->dleg) {
         cs__req_fail_attempt(q, q->dleg->w, "decode",
-                     fin == CHUNKSERVE__V1__FINISH_REASON__FINISH_REASON_ERROR ? CS_RPC_INTERNAL
-                                                                               : CS_RPC_ABORTED,
-                     "the stream ended with finish reason error/cancelled");
+                             fin == CHUNKSERVE__V1__FINISH_REASON__FINISH_REASON_ERROR
+                                 ? CS_RPC_INTERNAL
+                                 : CS_RPC_ABORTED,
+                             "the stream ended with finish reason error/cancelled");
         return true;
     }
     return false;
@@ -461,7 +470,8 @@ static void on_pump(uv_timer_t *t) {
  * when it is only that some worker's status arrived (with many workers that
  * is often, and each run tries every waiting request). */
 static void schedule_pump_after(router *r, double min_gap_s) {
-    if (!r->handles_ok || !r->qhead || r->grace_over || uv_is_active((uv_handle_t *)&r->pump)) return;
+    if (!r->handles_ok || !r->qhead || r->grace_over || uv_is_active((uv_handle_t *)&r->pump))
+        return;
     double wait = r->t_last_pump + min_gap_s - cs_now();
     uv_timer_start(&r->pump, on_pump, wait > 0 ? (uint64_t)(wait * 1000) + 1 : 0, 0);
 }
@@ -482,9 +492,11 @@ void cs__router_on_worker_down(void *arg, cs_pool_worker *w) {
         next = q->next;
         if (q->state == RQ_ENDED) continue;
         if (q->dleg && q->dleg->w == w)
-            cs__req_fail_attempt(q, w, "decode", CS_RPC_UNAVAILABLE, "the worker stopped answering");
+            cs__req_fail_attempt(q, w, "decode", CS_RPC_UNAVAILABLE,
+                                 "the worker stopped answering");
         else if (q->pleg && q->pleg->w == w)
-            cs__req_fail_attempt(q, w, "prefill", CS_RPC_UNAVAILABLE, "the worker stopped answering");
+            cs__req_fail_attempt(q, w, "prefill", CS_RPC_UNAVAILABLE,
+                                 "the worker stopped answering");
     }
 }
 
@@ -504,7 +516,7 @@ void cs__router_on_tick(uv_timer_t *t) {
             /* admitting is a reservation, not work: a worker that cannot do it
              * within a lease period is stuck */
             cs__req_fail_attempt(q, q->dleg->w, "decode", CS_RPC_DEADLINE_EXCEEDED,
-                         "not admitted within --lease-ms");
+                                 "not admitted within --lease-ms");
             continue;
         }
         if (q->state != RQ_WAITING) continue;
@@ -538,4 +550,3 @@ void cs__router_on_tick(uv_timer_t *t) {
     /* a safety net: slots and statuses schedule runs themselves */
     if (r->qhead && r->n_placed < r->o->max_inflight) schedule_pump_after(r, 0.25);
 }
-

@@ -132,7 +132,8 @@ static void handle_generate(cs_rpc_call *c, void *data) {
     }
     if (queue) {
         cs__req_park(q, WAIT_SLOT);
-        if (r->n_placed < r->o->max_inflight) cs__router_schedule_pump(r); /* others wait for room */
+        if (r->n_placed < r->o->max_inflight)
+            cs__router_schedule_pump(r); /* others wait for room */
     } else {
         cs__req_attempt(q);
     }
@@ -146,17 +147,19 @@ static const double overhead_buckets[] = {1e-5, 5e-5, 1e-4,  2.5e-4, 5e-4, 1e-3,
                                           5e-3, 0.01, 0.025, 0.05,   0.1,  0.5,  1};
 #define N_BUCKETS(b) (sizeof b / sizeof b[0])
 #define M(f) offsetof(router, m.f)
-#define REQUESTS(code, name)                                                                   \
-    {M(codes[code]), "chunkserve:requests_total", CS_METRIC_COUNTER, "code=\"" name "\"",     \
-     "Generate requests ended, by gRPC status.", NULL, 0}
+#define REQUESTS(code, name)                                                                       \
+    {                                                                                              \
+        M(codes[code]), "chunkserve:requests_total", CS_METRIC_COUNTER, "code=\"" name "\"",       \
+            "Generate requests ended, by gRPC status.", NULL, 0                                    \
+    }
 #define PREFILLS "Prefills, on the decode worker (local) or on a prefill worker (remote)."
 /* The router's metrics: one table, the twin of its config table
  * (chunkserve-router --metrics-json prints it). */
 static const cs_metric_def router_metrics[] = {
     {M(running), "chunkserve:num_requests_running", CS_METRIC_GAUGE, NULL,
      "Requests placed on workers (Decode call open).", NULL, 0},
-    {M(waiting), "chunkserve:num_requests_waiting", CS_METRIC_GAUGE, NULL, "Requests waiting in the router's queue.",
-     NULL, 0},
+    {M(waiting), "chunkserve:num_requests_waiting", CS_METRIC_GAUGE, NULL,
+     "Requests waiting in the router's queue.", NULL, 0},
     REQUESTS(CS_RPC_OK, "OK"),
     REQUESTS(CS_RPC_CANCELLED, "CANCELLED"),
     REQUESTS(CS_RPC_UNKNOWN, "UNKNOWN"),
@@ -167,8 +170,10 @@ static const cs_metric_def router_metrics[] = {
     REQUESTS(CS_RPC_ABORTED, "ABORTED"),
     REQUESTS(CS_RPC_INTERNAL, "INTERNAL"),
     REQUESTS(CS_RPC_UNAVAILABLE, "UNAVAILABLE"),
-    {M(prefill_local), "chunkserve:prefills_total", CS_METRIC_COUNTER, "path=\"local\"", PREFILLS, NULL, 0},
-    {M(prefill_remote), "chunkserve:prefills_total", CS_METRIC_COUNTER, "path=\"remote\"", PREFILLS, NULL, 0},
+    {M(prefill_local), "chunkserve:prefills_total", CS_METRIC_COUNTER, "path=\"local\"", PREFILLS,
+     NULL, 0},
+    {M(prefill_remote), "chunkserve:prefills_total", CS_METRIC_COUNTER, "path=\"remote\"", PREFILLS,
+     NULL, 0},
     {M(retries), "chunkserve:retries_total", CS_METRIC_COUNTER, NULL,
      "Attempts that failed before any token and were retried.", NULL, 0},
     {M(migrations), "chunkserve:migrations_total", CS_METRIC_COUNTER, NULL,
@@ -180,12 +185,12 @@ static const cs_metric_def router_metrics[] = {
     {M(e2e), "chunkserve:e2e_request_latency_seconds", CS_METRIC_HISTOGRAM, NULL,
      "Receipt of the request to its last message (OK only).", e2e_buckets, N_BUCKETS(e2e_buckets)},
     {M(overhead), "chunkserve:router_overhead_seconds", CS_METRIC_HISTOGRAM, NULL,
-     "Receipt of the request to its first Decode call (validation, tokenization, placement).", overhead_buckets,
-     N_BUCKETS(overhead_buckets)},
+     "Receipt of the request to its first Decode call (validation, tokenization, placement).",
+     overhead_buckets, N_BUCKETS(overhead_buckets)},
     {M(prompt_tokens), "chunkserve:prompt_tokens_total", CS_METRIC_COUNTER, NULL,
      "Prompt tokens of requests that got a first token.", NULL, 0},
-    {M(gen_tokens), "chunkserve:generation_tokens_total", CS_METRIC_COUNTER, NULL, "Tokens relayed to clients.",
-     NULL, 0},
+    {M(gen_tokens), "chunkserve:generation_tokens_total", CS_METRIC_COUNTER, NULL,
+     "Tokens relayed to clients.", NULL, 0},
     {M(usable[CS_POOL_PREFILL]), "chunkserve:workers_usable", CS_METRIC_GAUGE, "role=\"prefill\"",
      "Workers usable now.", NULL, 0},
     {M(usable[CS_POOL_DECODE]), "chunkserve:workers_usable", CS_METRIC_GAUGE, "role=\"decode\"",
@@ -196,7 +201,9 @@ static const cs_metric_def router_metrics[] = {
 #undef PREFILLS
 #define N_ROUTER_METRICS (sizeof router_metrics / sizeof router_metrics[0])
 
-void cs_router_print_metrics_json(void *f) { cs_metrics_print_json(router_metrics, N_ROUTER_METRICS, f); }
+void cs_router_print_metrics_json(void *f) {
+    cs_metrics_print_json(router_metrics, N_ROUTER_METRICS, f);
+}
 
 static void metrics_register(router *r) {
     /* the standard latency bucket sets' lengths are not constant expressions */
@@ -241,8 +248,9 @@ static int start(cs_proc *p, void *arg) {
     r->metrics = cs_proc_metrics(p);
     metrics_register(r);
     cs_rpc_server *srv = cs_proc_server(p);
-    int rc = cs_rpc_server_add_method(srv, "/" SERVICE "/Generate", CS_RPC_SERVER_STREAMING,
-                                      &chunkserve__v1__generate_request__descriptor, handle_generate, r);
+    int rc =
+        cs_rpc_server_add_method(srv, "/" SERVICE "/Generate", CS_RPC_SERVER_STREAMING,
+                                 &chunkserve__v1__generate_request__descriptor, handle_generate, r);
     if (!rc) rc = cs_generation_add_unary(srv, &r->wm);
     if (rc) return rc;
     const cs_model_config *cfg = cs_model_get_config(r->model);
@@ -272,8 +280,9 @@ static void started(cs_proc *p, void *arg) {
     const cs_model_config *cfg = cs_model_get_config(r->model);
     CS_LOGI("routing '%s' (vocab %d, context %d) on %s:%d; max %lld in flight, %lld queued; "
             "local prefill below %lld tokens",
-            r->wm.name, cfg->n_vocab, cfg->ctx_len, r->o->host, cs_proc_port(p), (long long)r->o->max_inflight,
-            (long long)r->o->max_queue, (long long)r->o->local_prefill_threshold);
+            r->wm.name, cfg->n_vocab, cfg->ctx_len, r->o->host, cs_proc_port(p),
+            (long long)r->o->max_inflight, (long long)r->o->max_queue,
+            (long long)r->o->local_prefill_threshold);
 }
 
 static int32_t n_open(cs_proc *p, void *arg) {

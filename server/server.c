@@ -79,7 +79,7 @@ struct server {
     bool stopping; /* draining: new calls are refused */
     gen *live;
     int32_t n_live;
-    int32_t n_calls; /* live gens whose call is still open (the admission count) */
+    int32_t n_calls;      /* live gens whose call is still open (the admission count) */
     uint64_t instance_id; /* random per process start */
     uint64_t next_id;
 };
@@ -90,7 +90,8 @@ static void on_drain_post(void *data);
 
 static void gen_append(gen *g, const cs_event *ev) {
     cs_outbuf_append(&g->out, ev);
-    if (ev->token >= 0) g->n_completion = ev->n_completion_tokens, g->n_cached = ev->n_cached_prompt_tokens;
+    if (ev->token >= 0)
+        g->n_completion = ev->n_completion_tokens, g->n_cached = ev->n_cached_prompt_tokens;
     if (ev->finish != CS_FINISH_NONE) {
         g->done = true;
         g->finish = ev->finish; /* n_prompt was set at submit: cancel events carry 0 */
@@ -321,8 +322,8 @@ static int add_methods(server *s, cs_rpc_server *srv) {
     } methods[] = {
         {"/" SERVICE "/Generate", CS_RPC_SERVER_STREAMING,
          &chunkserve__v1__generate_request__descriptor, handle_generate},
-        {"/chunkserve.v1.Worker/GetStatus", CS_RPC_UNARY, &chunkserve__v1__worker_status_request__descriptor,
-         handle_status},
+        {"/chunkserve.v1.Worker/GetStatus", CS_RPC_UNARY,
+         &chunkserve__v1__worker_status_request__descriptor, handle_status},
     };
     for (size_t i = 0; i < sizeof methods / sizeof methods[0]; i++) {
         int r = cs_rpc_server_add_method(srv, methods[i].path, methods[i].kind, methods[i].desc,

@@ -40,16 +40,19 @@ int cs_worker_request(cs_worker *w, const int32_t *ids, size_t n, int32_t num_pr
     memset(r, 0, sizeof *r);
     if (n == 0) return cs_fail(CS_EINVAL, "token_ids is empty");
     if (num_prompt < 1 || (size_t)num_prompt > n)
-        return cs_fail(CS_EINVAL, "num_prompt_tokens = %d must be in 1..%zu (the token ids sent)", num_prompt, n);
+        return cs_fail(CS_EINVAL, "num_prompt_tokens = %d must be in 1..%zu (the token ids sent)",
+                       num_prompt, n);
     if (n >= (size_t)cfg->ctx_len)
-        return cs_fail(CS_EINVAL, "%zu tokens leave no room in the model's context of %d", n, cfg->ctx_len);
+        return cs_fail(CS_EINVAL, "%zu tokens leave no room in the model's context of %d", n,
+                       cfg->ctx_len);
     for (size_t i = 0; i < n; i++)
         if (ids[i] < 0 || ids[i] >= cfg->n_vocab)
-            return cs_fail(CS_EINVAL, "token_ids[%zu] = %d is outside the vocabulary (0..%d)", i, ids[i],
-                            cfg->n_vocab - 1);
+            return cs_fail(CS_EINVAL, "token_ids[%zu] = %d is outside the vocabulary (0..%d)", i,
+                           ids[i], cfg->n_vocab - 1);
     if ((int64_t)(n + 1 + (size_t)w->wm.page_size - 1) / w->wm.page_size > w->wm.n_kv_pages)
-        return cs_fail(CS_EINVAL, "%zu tokens need more KV pages than this worker has (%d of %d tokens)", n,
-                        w->wm.n_kv_pages, w->wm.page_size);
+        return cs_fail(CS_EINVAL,
+                       "%zu tokens need more KV pages than this worker has (%d of %d tokens)", n,
+                       w->wm.n_kv_pages, w->wm.page_size);
     int rc = cs_wire_sampling(&w->wm, sampling, r);
     if (rc) return rc;
     r->prompt = ids;
@@ -60,8 +63,9 @@ int cs_worker_request(cs_worker *w, const int32_t *ids, size_t n, int32_t num_pr
 
 void cs_worker_kv_status(cs_worker *w, int payload, Chunkserve__V1__WorkerStatus *st) {
     cs_kvx_layout l = cs_kvx_layout_of_engine(w->engine);
-    st->kv_transport = payload == CS_KVX_PAYLOAD_NCCL ? CHUNKSERVE__V1__KV_TRANSPORT__KV_TRANSPORT_NCCL
-                                                      : CHUNKSERVE__V1__KV_TRANSPORT__KV_TRANSPORT_TCP;
+    st->kv_transport = payload == CS_KVX_PAYLOAD_NCCL
+                           ? CHUNKSERVE__V1__KV_TRANSPORT__KV_TRANSPORT_NCCL
+                           : CHUNKSERVE__V1__KV_TRANSPORT__KV_TRANSPORT_TCP;
     st->kv_dtype = l.dtype == CS_KVX_DTYPE_BF16  ? CHUNKSERVE__V1__KV_DTYPE__KV_DTYPE_BF16
                    : l.dtype == CS_KVX_DTYPE_F16 ? CHUNKSERVE__V1__KV_DTYPE__KV_DTYPE_F16
                                                  : CHUNKSERVE__V1__KV_DTYPE__KV_DTYPE_F32;
@@ -70,7 +74,8 @@ void cs_worker_kv_status(cs_worker *w, int payload, Chunkserve__V1__WorkerStatus
 
 int cs_worker_split_endpoint(const char *ep, char *host, size_t host_len, int *port) {
     const char *colon = strrchr(ep ? ep : "", ':');
-    if (!ep || !colon || colon == ep) return cs_fail(CS_EINVAL, "endpoint '%s' is not host:port", ep ? ep : "");
+    if (!ep || !colon || colon == ep)
+        return cs_fail(CS_EINVAL, "endpoint '%s' is not host:port", ep ? ep : "");
     const char *h = ep;
     size_t hl = (size_t)(colon - ep);
     if (h[0] == '[' && hl >= 2 && h[hl - 1] == ']') h++, hl -= 2;
@@ -120,22 +125,28 @@ static void handle_cancel(cs_rpc_call *c, void *data) {
 /* The metrics every worker exports (a role adds its own): one table, the
  * twin of the config table (--metrics-json prints it). */
 static const cs_metric_def common_metrics[] = {
-    {M(m_running), "chunkserve:num_requests_running", CS_METRIC_GAUGE, NULL, "sequences in the running batch", NULL, 0},
+    {M(m_running), "chunkserve:num_requests_running", CS_METRIC_GAUGE, NULL,
+     "sequences in the running batch", NULL, 0},
     {M(m_waiting), "chunkserve:num_requests_waiting", CS_METRIC_GAUGE, NULL,
      "requests admitted and not running (waiting for a seat, pages or their KV)", NULL, 0},
-    {M(m_kv_usage), "chunkserve:kv_cache_usage_perc", CS_METRIC_GAUGE, NULL, "fraction of KV pages in use (0..1)", NULL, 0},
+    {M(m_kv_usage), "chunkserve:kv_cache_usage_perc", CS_METRIC_GAUGE, NULL,
+     "fraction of KV pages in use (0..1)", NULL, 0},
     {M(m_kv_free), "chunkserve:kv_pages_free", CS_METRIC_GAUGE, NULL,
      "KV pages free or holding reusable prefixes (not reserved)", NULL, 0},
-    {M(m_kv_total), "chunkserve:kv_pages_total", CS_METRIC_GAUGE, NULL, "KV pages in the pool", NULL, 0},
+    {M(m_kv_total), "chunkserve:kv_pages_total", CS_METRIC_GAUGE, NULL, "KV pages in the pool",
+     NULL, 0},
     {M(m_queued_prefill), "chunkserve:queued_prefill_tokens", CS_METRIC_GAUGE, NULL,
      "prompt tokens admitted and not computed yet", NULL, 0},
     {M(m_preemptions), "chunkserve:num_preemptions_total", CS_METRIC_COUNTER, NULL,
      "sequences preempted (pages freed, recomputed)", NULL, 0},
-    {M(m_prompt_tokens), "chunkserve:prompt_tokens_total", CS_METRIC_COUNTER, NULL, "prompt tokens computed", NULL, 0},
-    {M(m_gen_tokens), "chunkserve:generation_tokens_total", CS_METRIC_COUNTER, NULL, "tokens sampled", NULL, 0},
+    {M(m_prompt_tokens), "chunkserve:prompt_tokens_total", CS_METRIC_COUNTER, NULL,
+     "prompt tokens computed", NULL, 0},
+    {M(m_gen_tokens), "chunkserve:generation_tokens_total", CS_METRIC_COUNTER, NULL,
+     "tokens sampled", NULL, 0},
     {M(m_prefix_hits), "chunkserve:prefix_cache_hit_tokens_total", CS_METRIC_COUNTER, NULL,
      "prompt tokens taken from the prefix cache", NULL, 0},
-    {M(m_steps), "chunkserve:engine_steps_total", CS_METRIC_COUNTER, NULL, "engine steps run", NULL, 0},
+    {M(m_steps), "chunkserve:engine_steps_total", CS_METRIC_COUNTER, NULL, "engine steps run", NULL,
+     0},
 };
 #undef M
 
@@ -146,13 +157,15 @@ static void update_metrics(cs_proc *p, void *arg) {
     cs_serve_stats(w->sv, &st);
     cs_metric_set(w->m_running, st.n_running);
     cs_metric_set(w->m_waiting, st.n_waiting);
-    cs_metric_set(w->m_kv_usage, st.kv_pages_total ? (double)st.kv_pages_used / st.kv_pages_total : 0);
+    cs_metric_set(w->m_kv_usage,
+                  st.kv_pages_total ? (double)st.kv_pages_used / st.kv_pages_total : 0);
     cs_metric_set(w->m_kv_free, st.kv_pages_total - st.kv_pages_used);
     cs_metric_set(w->m_kv_total, st.kv_pages_total);
     cs_metric_set(w->m_queued_prefill, (double)st.queued_prompt_tokens);
     cs_sched_stats *l = &w->last_stats;
     cs_metric_add(w->m_preemptions, (double)(st.preemptions - l->preemptions));
-    cs_metric_add(w->m_prompt_tokens, (double)(st.prompt_tokens_computed - l->prompt_tokens_computed));
+    cs_metric_add(w->m_prompt_tokens,
+                  (double)(st.prompt_tokens_computed - l->prompt_tokens_computed));
     cs_metric_add(w->m_gen_tokens, (double)(st.generated_tokens - l->generated_tokens));
     cs_metric_add(w->m_prefix_hits, (double)(st.prefix_hit_tokens - l->prefix_hit_tokens));
     cs_metric_add(w->m_steps, (double)(st.steps - l->steps));
@@ -167,10 +180,12 @@ static int start(cs_proc *p, void *arg) {
     w->proc = p;
     w->rl = cs_proc_rpc_loop(p);
     w->metrics = cs_proc_metrics(p);
-    cs_metrics_register_table(w->metrics, common_metrics, sizeof common_metrics / sizeof common_metrics[0], w);
+    cs_metrics_register_table(w->metrics, common_metrics,
+                              sizeof common_metrics / sizeof common_metrics[0], w);
     int r;
     if ((r = cs_worker_add_method(w, "/chunkserve.v1.Worker/GetStatus", CS_RPC_UNARY,
-                                  &chunkserve__v1__worker_status_request__descriptor, handle_status)))
+                                  &chunkserve__v1__worker_status_request__descriptor,
+                                  handle_status)))
         return r;
     if ((r = cs_worker_add_method(w, "/chunkserve.v1.Worker/Cancel", CS_RPC_UNARY,
                                   &chunkserve__v1__cancel_request__descriptor, handle_cancel)))
@@ -185,13 +200,16 @@ static void started(cs_proc *p, void *arg) {
         char host[64];
         bool wild = !o->host[0] || !strcmp(o->host, "0.0.0.0") || !strcmp(o->host, "::") ||
                     !strcmp(o->host, "[::]");
-        if (!wild || gethostname(host, sizeof host) != 0) snprintf(host, sizeof host, "%s", o->host);
+        if (!wild || gethostname(host, sizeof host) != 0)
+            snprintf(host, sizeof host, "%s", o->host);
         host[sizeof host - 1] = 0;
-        snprintf(w->worker_id, sizeof w->worker_id, "%s-%s:%d", w->role->name, host, cs_proc_port(p));
+        snprintf(w->worker_id, sizeof w->worker_id, "%s-%s:%d", w->role->name, host,
+                 cs_proc_port(p));
     }
     CS_LOGI("%s worker %s: '%s' (%s backend, %d KV pages of %d tokens, step budget %lld) on %s:%d",
-            w->role->name, w->worker_id, w->wm.name, cs_engine_backend_name(w->engine), w->wm.n_kv_pages,
-            w->wm.page_size, (long long)o->max_batched_tokens, o->host, cs_proc_port(p));
+            w->role->name, w->worker_id, w->wm.name, cs_engine_backend_name(w->engine),
+            w->wm.n_kv_pages, w->wm.page_size, (long long)o->max_batched_tokens, o->host,
+            cs_proc_port(p));
 }
 
 static int32_t n_open(cs_proc *p, void *arg) {
@@ -287,7 +305,8 @@ int cs_worker_main(int argc, char **argv, const cs_worker_role *role) {
     snprintf(prog, sizeof prog, "chunkserve-%s", role->name);
     for (int i = 1; i < argc; i++)
         if (!strcmp(argv[i], "--metrics-json")) { /* the table for tools and dashboards */
-            cs_metrics_print_json(common_metrics, sizeof common_metrics / sizeof common_metrics[0], stdout);
+            cs_metrics_print_json(common_metrics, sizeof common_metrics / sizeof common_metrics[0],
+                                  stdout);
             return 0;
         }
     int r = cs_config_parse(role->config, role->n_config, &w.o, argc, argv, 1, prog, role->summary);

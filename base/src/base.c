@@ -16,7 +16,7 @@ static _Thread_local char last_error[512];
 const char *cs_strerror(int code) {
     switch (code) {
     case CS_OK: return "success";
-#define CS__ERRNO_CASE(name, val, msg) \
+#define CS__ERRNO_CASE(name, val, msg)                                                             \
     case CS_##name: return msg;
         CS_ERRNO_MAP(CS__ERRNO_CASE)
 #undef CS__ERRNO_CASE
@@ -24,7 +24,9 @@ const char *cs_strerror(int code) {
     }
 }
 
-const char *cs_last_error(void) { return last_error; }
+const char *cs_last_error(void) {
+    return last_error;
+}
 
 int cs_fail(int code, const char *fmt, ...) {
     va_list ap;
@@ -43,9 +45,15 @@ void cs__assert_fail(const char *file, int line, const char *expr) {
 int cs__log_level = CS_LOG_INFO;
 static _Thread_local const char *log_role = "chunkserve"; /* per thread: "engine", "serve", ... */
 
-void cs_log_set_level(int level) { cs__log_level = level; }
-int cs_log_level(void) { return cs__log_level; }
-void cs_log_set_role(const char *role) { log_role = role; }
+void cs_log_set_level(int level) {
+    cs__log_level = level;
+}
+int cs_log_level(void) {
+    return cs__log_level;
+}
+void cs_log_set_role(const char *role) {
+    log_role = role;
+}
 
 void cs__log(int level, const char *file, int line, const char *fmt, ...) {
     static const char *names[] = {"E", "W", "I", "D"};
@@ -60,8 +68,11 @@ void cs__log(int level, const char *file, int line, const char *fmt, ...) {
     struct tm tm;
     gmtime_r(&ts.tv_sec, &tm);
     fprintf(stderr, "%02d:%02d:%02d.%03ld %s %s %s:%d %s\n", tm.tm_hour, tm.tm_min, tm.tm_sec,
-            ts.tv_nsec / 1000000, names[level < 0 ? 0 : level > 3 ? 3 : level], log_role,
-            base ? base + 1 : file, line, msg);
+            ts.tv_nsec / 1000000,
+            names[level < 0   ? 0
+                  : level > 3 ? 3
+                              : level],
+            log_role, base ? base + 1 : file, line, msg);
 }
 
 double cs_now(void) {

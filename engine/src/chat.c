@@ -122,9 +122,9 @@ static int check_messages(const cs_chat_message *msgs, size_t n_msgs) {
         if (!r || !msgs[i].content)
             return cs_fail(CS_EINVAL, "chat: message %zu has no role or content", i);
         if (strcmp(r, "system") != 0 && strcmp(r, "user") != 0 && strcmp(r, "assistant") != 0)
-            return cs_fail(
-                CS_EINVAL, "chat: message %zu has role '%.32s' (system, user, assistant supported)",
-                i, r);
+            return cs_fail(CS_EINVAL,
+                           "chat: message %zu has role '%.32s' (system, user, assistant supported)",
+                           i, r);
         if (!cs__utf8_valid((const uint8_t *)msgs[i].content, strlen(msgs[i].content)))
             return cs_fail(CS_EINVAL, "chat: message %zu is not valid UTF-8", i);
     }
@@ -190,13 +190,13 @@ int cs_tokenizer_apply_chat(const cs_tokenizer *tok, const cs_chat_message *msgs
         /* Reasoning templates (Qwen3 style) rewrite assistant turns. */
         if (strstr(t, "<think>"))
             return cs_fail(CS_ENOTSUP,
-                            "chat: ChatML template with <think> blocks is not supported");
+                           "chat: ChatML template with <think> blocks is not supported");
         rc = render_chatml(tok, msgs, n_msgs, add_generation_prompt, &b);
     } else if (strstr(t, "<|start_header_id|>")) {
         /* 3.1+ templates add a dated system preamble and tool sections. */
         if (strstr(t, "Cutting Knowledge Date"))
             return cs_fail(CS_ENOTSUP,
-                            "chat: Llama-3.1+ template (knowledge-date preamble) is not supported");
+                           "chat: Llama-3.1+ template (knowledge-date preamble) is not supported");
         rc = render_llama3(tok, msgs, n_msgs, add_generation_prompt, &b);
     } else {
         return cs_fail(

@@ -22,8 +22,9 @@ struct cs_engine {
     int32_t page_size;
 };
 
-int cs_engine_default_threads(void) { return cs_threadpool_default_size(); }
-
+int cs_engine_default_threads(void) {
+    return cs_threadpool_default_size();
+}
 
 cs_engine_params cs_engine_params_default(void) {
     cs_engine_params p = {0};
@@ -52,7 +53,9 @@ int cs_engine_init(const cs_model *m, const cs_engine_params *p, cs_engine **out
     if (!r && n_pages == 0) { /* the page size depends on the backend (fp32 CPU, bf16 CUDA) */
         size_t per_page = cs_backend_page_bytes(e->be, &e->w.shape, p->page_size);
         size_t n = p->kv_bytes / per_page;
-        if (n < 1) r = cs_fail(CS_EINVAL, "engine: a KV pool of %zu bytes holds no %zu-byte page", p->kv_bytes, per_page);
+        if (n < 1)
+            r = cs_fail(CS_EINVAL, "engine: a KV pool of %zu bytes holds no %zu-byte page",
+                        p->kv_bytes, per_page);
         n_pages = n > INT32_MAX ? INT32_MAX : (int32_t)n;
     }
     if (!r) r = e->be->iface->kv_init(e->be->ctx, n_pages, p->page_size, &e->page_bytes);
@@ -61,8 +64,9 @@ int cs_engine_init(const cs_model *m, const cs_engine_params *p, cs_engine **out
         cs_engine_free(e);
         return r;
     }
-    CS_LOGI("engine: %s backend, %d KV pages of %d tokens (%zu KiB each, %zu MiB pool)", e->be->iface->name,
-            n_pages, p->page_size, e->page_bytes >> 10, (e->page_bytes * (size_t)n_pages) >> 20);
+    CS_LOGI("engine: %s backend, %d KV pages of %d tokens (%zu KiB each, %zu MiB pool)",
+            e->be->iface->name, n_pages, p->page_size, e->page_bytes >> 10,
+            (e->page_bytes * (size_t)n_pages) >> 20);
     *out = e;
     return 0;
 }
@@ -76,15 +80,24 @@ void cs_engine_free(cs_engine *e) {
     free(e);
 }
 
-const cs_model *cs_engine_model(const cs_engine *e) { return e->m; }
-cs_kv_cache *cs_engine_kv(cs_engine *e) { return e->kv; }
-size_t cs_engine_page_bytes(const cs_engine *e) { return e->page_bytes; }
-const char *cs_engine_backend_name(const cs_engine *e) { return e->be->iface->name; }
+const cs_model *cs_engine_model(const cs_engine *e) {
+    return e->m;
+}
+cs_kv_cache *cs_engine_kv(cs_engine *e) {
+    return e->kv;
+}
+size_t cs_engine_page_bytes(const cs_engine *e) {
+    return e->page_bytes;
+}
+const char *cs_engine_backend_name(const cs_engine *e) {
+    return e->be->iface->name;
+}
 
 static int check_pages(const cs_engine *e, const int32_t *pages, int32_t n, const char *what) {
     for (int32_t i = 0; i < n; i++)
         if (cs_kv_cache_refcount(e->kv, pages[i]) <= 0)
-            return cs_fail(CS_EINVAL, "%s: page %d (entry %d) is not an allocated page", what, pages[i], i);
+            return cs_fail(CS_EINVAL, "%s: page %d (entry %d) is not an allocated page", what,
+                           pages[i], i);
     return 0;
 }
 
@@ -97,22 +110,29 @@ int cs_engine_step(cs_engine *e, const cs_span *spans, int32_t n_spans, float *l
         if (sp->n_tokens < 1 || !sp->tokens)
             return cs_fail(CS_EINVAL, "step: span %d has no tokens", s);
         if (sp->pos < 0 || (int64_t)sp->pos + sp->n_tokens > c->ctx_len)
-            return cs_fail(CS_EINVAL, "step: span %d covers positions %d..%lld, beyond the model's context of %d",
-                            s, sp->pos, (long long)sp->pos + sp->n_tokens - 1, c->ctx_len);
+            return cs_fail(
+                CS_EINVAL,
+                "step: span %d covers positions %d..%lld, beyond the model's context of %d", s,
+                sp->pos, (long long)sp->pos + sp->n_tokens - 1, c->ctx_len);
         if ((int64_t)sp->n_pages * e->page_size < (int64_t)sp->pos + sp->n_tokens)
-            return cs_fail(CS_EINVAL, "step: span %d needs %lld positions but its %d pages hold %lld", s,
-                            (long long)sp->pos + sp->n_tokens, sp->n_pages, (long long)sp->n_pages * e->page_size);
+            return cs_fail(CS_EINVAL,
+                           "step: span %d needs %lld positions but its %d pages hold %lld", s,
+                           (long long)sp->pos + sp->n_tokens, sp->n_pages,
+                           (long long)sp->n_pages * e->page_size);
         for (int32_t i = 0; i < sp->n_tokens; i++)
             if (sp->tokens[i] < 0 || sp->tokens[i] >= c->n_vocab)
-                return cs_fail(CS_EINVAL, "step: span %d token %d is id %d, outside the vocabulary (0..%d)", s, i,
-                                sp->tokens[i], c->n_vocab - 1);
+                return cs_fail(CS_EINVAL,
+                               "step: span %d token %d is id %d, outside the vocabulary (0..%d)", s,
+                               i, sp->tokens[i], c->n_vocab - 1);
         /* only the pages the span reads or writes must be live */
-        int32_t used = (int32_t)(((int64_t)sp->pos + sp->n_tokens + e->page_size - 1) / e->page_size);
+        int32_t used =
+            (int32_t)(((int64_t)sp->pos + sp->n_tokens + e->page_size - 1) / e->page_size);
         int r = check_pages(e, sp->pages, used, "step");
         if (r) return r;
         n_tokens += sp->n_tokens;
     }
-    if (n_tokens > INT32_MAX / 2) return cs_fail(CS_EINVAL, "step: %lld tokens in one step", (long long)n_tokens);
+    if (n_tokens > INT32_MAX / 2)
+        return cs_fail(CS_EINVAL, "step: %lld tokens in one step", (long long)n_tokens);
     if (n_spans > e->cap_spans) {
         cs_backend_span *b = realloc(e->bspans, (size_t)n_spans * sizeof *b);
         if (!b) return cs_fail(CS_ENOMEM, "step: out of memory for %d spans", n_spans);
@@ -126,12 +146,14 @@ int cs_engine_step(cs_engine *e, const cs_span *spans, int32_t n_spans, float *l
 }
 
 int cs_engine_kv_export(cs_engine *e, const int32_t *pages, int32_t n, void *dst) {
-    int r = n < 0 ? cs_fail(CS_EINVAL, "kv export: %d pages", n) : check_pages(e, pages, n, "kv export");
+    int r = n < 0 ? cs_fail(CS_EINVAL, "kv export: %d pages", n)
+                  : check_pages(e, pages, n, "kv export");
     return r ? r : e->be->iface->kv_export(e->be->ctx, pages, n, dst);
 }
 
 int cs_engine_kv_import(cs_engine *e, const int32_t *pages, int32_t n, const void *src) {
-    int r = n < 0 ? cs_fail(CS_EINVAL, "kv import: %d pages", n) : check_pages(e, pages, n, "kv import");
+    int r = n < 0 ? cs_fail(CS_EINVAL, "kv import: %d pages", n)
+                  : check_pages(e, pages, n, "kv import");
     return r ? r : e->be->iface->kv_import(e->be->ctx, pages, n, src);
 }
 
@@ -141,13 +163,14 @@ void cs_engine_kv_pool(cs_engine *e, cs_engine_kv_pool_info *out) {
     out->n_pages = cs_kv_cache_n_pages(e->kv);
 }
 
-int cs_engine_eval_seq(cs_engine *e, cs_page_table *pt, int32_t pos, const int32_t *tokens, int32_t n,
-                       int32_t max_chunk, float *logits) {
+int cs_engine_eval_seq(cs_engine *e, cs_page_table *pt, int32_t pos, const int32_t *tokens,
+                       int32_t n, int32_t max_chunk, float *logits) {
     if (n < 1 || pos < 0 || max_chunk < 0)
-        return cs_fail(CS_EINVAL, "eval: %d tokens at position %d in chunks of %d", n, pos, max_chunk);
+        return cs_fail(CS_EINVAL, "eval: %d tokens at position %d in chunks of %d", n, pos,
+                       max_chunk);
     if ((int64_t)pos + n > e->m->cfg.ctx_len)
-        return cs_fail(CS_EINVAL, "eval: %lld positions exceed the model's context of %d", (long long)pos + n,
-                        e->m->cfg.ctx_len);
+        return cs_fail(CS_EINVAL, "eval: %lld positions exceed the model's context of %d",
+                       (long long)pos + n, e->m->cfg.ctx_len);
     int r = cs_page_table_reserve(pt, e->kv, pos + n);
     if (r) return r;
     int32_t chunk = max_chunk ? max_chunk : n;

@@ -28,7 +28,7 @@ int cs_ref_seq_init(const cs_model *m, int32_t max_tokens, cs_ref_seq **out) {
     const cs_model_config *c = &m->cfg;
     if (max_tokens < 1 || max_tokens > c->ctx_len)
         return cs_fail(CS_EINVAL, "sequence length %d must be in 1..%d (the model's context)",
-                        max_tokens, c->ctx_len);
+                       max_tokens, c->ctx_len);
     cs_ref_seq *s = calloc(1, sizeof *s);
     size_t n = (size_t)c->n_layers * 2 * (size_t)max_tokens * (size_t)(c->n_kv_heads * c->head_dim);
     if (s) s->kv = malloc(n * sizeof(float));
@@ -61,14 +61,13 @@ int cs_ref_seq_eval(cs_ref_seq *s, const int32_t *tokens, int32_t n, bool all_lo
     const cs_model_config *c = &m->cfg;
     if (n < 1) return cs_fail(CS_EINVAL, "evaluate: need at least one token");
     if (n > s->max_tokens - s->len)
-        return cs_fail(CS_ENOSPC,
-                        "evaluate: %d tokens after %d exceed the sequence's %d positions", n,
-                        s->len, s->max_tokens);
+        return cs_fail(CS_ENOSPC, "evaluate: %d tokens after %d exceed the sequence's %d positions",
+                       n, s->len, s->max_tokens);
     for (int32_t t = 0; t < n; t++)
         if (tokens[t] < 0 || tokens[t] >= c->n_vocab)
             return cs_fail(CS_EINVAL,
-                            "evaluate: token id %d at index %d is outside the vocabulary (0..%d)",
-                            tokens[t], t, c->n_vocab - 1);
+                           "evaluate: token id %d at index %d is outside the vocabulary (0..%d)",
+                           tokens[t], t, c->n_vocab - 1);
 
     const int dim = c->dim, hd = c->head_dim, nh = c->n_heads, nkv = c->n_kv_heads;
     const int q_dim = nh * hd, kv_dim = nkv * hd, hidden = c->hidden_dim;

@@ -46,8 +46,8 @@ static int rd_str(cursor *c, cs_gguf_str *s, const char *what) {
     int r = rd_u64(c, &len, what);
     if (r) return r;
     if (len > (uint64_t)(c->end - c->p))
-        return cs_fail(CS_EBADMSG, "gguf: %s: %s has length %llu, past end of file", c->path,
-                        what, (unsigned long long)len);
+        return cs_fail(CS_EBADMSG, "gguf: %s: %s has length %llu, past end of file", c->path, what,
+                       (unsigned long long)len);
     if (!cs__utf8_valid(c->p, (size_t)len))
         return cs_fail(CS_EBADMSG, "gguf: %s: %s is not valid UTF-8", c->path, what);
     s->ptr = (const char *)c->p;
@@ -58,10 +58,17 @@ static int rd_str(cursor *c, cs_gguf_str *s, const char *what) {
 
 static size_t scalar_size(enum cs_gguf_type t) {
     switch (t) {
-    case CS_GGUF_UINT8: case CS_GGUF_INT8: case CS_GGUF_BOOL: return 1;
-    case CS_GGUF_UINT16: case CS_GGUF_INT16: return 2;
-    case CS_GGUF_UINT32: case CS_GGUF_INT32: case CS_GGUF_FLOAT32: return 4;
-    case CS_GGUF_UINT64: case CS_GGUF_INT64: case CS_GGUF_FLOAT64: return 8;
+    case CS_GGUF_UINT8:
+    case CS_GGUF_INT8:
+    case CS_GGUF_BOOL: return 1;
+    case CS_GGUF_UINT16:
+    case CS_GGUF_INT16: return 2;
+    case CS_GGUF_UINT32:
+    case CS_GGUF_INT32:
+    case CS_GGUF_FLOAT32: return 4;
+    case CS_GGUF_UINT64:
+    case CS_GGUF_INT64:
+    case CS_GGUF_FLOAT64: return 8;
     default: return 0;
     }
 }
@@ -81,22 +88,22 @@ static int skip_value(cursor *c, enum cs_gguf_type t, const cs_gguf_str *key, in
         if (!r) r = rd_u64(c, &n, "array count");
         if (r) return r;
         if (et >= CS_GGUF_TYPE_COUNT || (et == CS_GGUF_ARRAY && depth >= GGUF_MAX_NESTING))
-            return cs_fail(CS_EBADMSG, "gguf: %s: key '%.*s': bad array element type %u",
-                            c->path, (int)key->len, key->ptr, et);
+            return cs_fail(CS_EBADMSG, "gguf: %s: key '%.*s': bad array element type %u", c->path,
+                           (int)key->len, key->ptr, et);
         size_t es = scalar_size((enum cs_gguf_type)et);
         if (es) {
             if (n > (uint64_t)(c->end - c->p) / es)
                 return cs_fail(CS_EBADMSG,
-                                "gguf: %s: key '%.*s': array of %llu elements runs past end of file",
-                                c->path, (int)key->len, key->ptr, (unsigned long long)n);
+                               "gguf: %s: key '%.*s': array of %llu elements runs past end of file",
+                               c->path, (int)key->len, key->ptr, (unsigned long long)n);
             c->p += n * es;
             return 0;
         }
         /* strings/arrays: each element is at least 8 bytes, so n is bounded by the file */
         if (n > (uint64_t)(c->end - c->p) / 8)
             return cs_fail(CS_EBADMSG,
-                            "gguf: %s: key '%.*s': array count %llu is larger than the file allows",
-                            c->path, (int)key->len, key->ptr, (unsigned long long)n);
+                           "gguf: %s: key '%.*s': array count %llu is larger than the file allows",
+                           c->path, (int)key->len, key->ptr, (unsigned long long)n);
         for (uint64_t i = 0; i < n; i++) {
             int r2 = skip_value(c, (enum cs_gguf_type)et, key, depth + 1);
             if (r2) return r2;
@@ -106,12 +113,12 @@ static int skip_value(cursor *c, enum cs_gguf_type t, const cs_gguf_str *key, in
     size_t sz = scalar_size(t);
     if (!sz)
         return cs_fail(CS_EBADMSG, "gguf: %s: key '%.*s': unknown value type %u", c->path,
-                        (int)key->len, key->ptr, (unsigned)t);
+                       (int)key->len, key->ptr, (unsigned)t);
     int r = need(c, sz, "scalar value");
     if (r) return r;
     if (t == CS_GGUF_BOOL && *c->p > 1)
         return cs_fail(CS_EBADMSG, "gguf: %s: key '%.*s': bool value %u is not 0 or 1", c->path,
-                        (int)key->len, key->ptr, *c->p);
+                       (int)key->len, key->ptr, *c->p);
     c->p += sz;
     return 0;
 }
@@ -136,15 +143,17 @@ int cs__gguf_open(const char *path, cs_gguf *g) {
     if ((r = rd_u32(&c, &g->version, "version"))) goto fail;
     if (g->version != 2 && g->version != 3) {
         r = cs_fail(CS_ENOTSUP, "gguf: %s: unsupported GGUF version %u (2 and 3 are supported)",
-                     path, g->version);
+                    path, g->version);
         goto fail;
     }
     if ((r = rd_u64(&c, &n_tensors, "tensor count")) || (r = rd_u64(&c, &n_kv, "metadata count")))
         goto fail;
     /* a key-value pair takes at least 12 bytes, a tensor info at least 24 */
     if (n_kv > g->file.size / 12 || n_tensors > g->file.size / 24) {
-        r = cs_fail(CS_EBADMSG, "gguf: %s: absurd counts (%llu metadata keys, %llu tensors) for a %zu-byte file",
-                     path, (unsigned long long)n_kv, (unsigned long long)n_tensors, g->file.size);
+        r = cs_fail(
+            CS_EBADMSG,
+            "gguf: %s: absurd counts (%llu metadata keys, %llu tensors) for a %zu-byte file", path,
+            (unsigned long long)n_kv, (unsigned long long)n_tensors, g->file.size);
         goto fail;
     }
     g->n_kv = n_kv;
@@ -164,13 +173,14 @@ int cs__gguf_open(const char *path, cs_gguf *g) {
             goto fail;
         if (t >= CS_GGUF_TYPE_COUNT) {
             r = cs_fail(CS_EBADMSG, "gguf: %s: key '%.*s' has unknown type %u", path,
-                         (int)kv->key.len, kv->key.ptr, t);
+                        (int)kv->key.len, kv->key.ptr, t);
             goto fail;
         }
         for (uint64_t j = 0; j < i; j++) {
-            if (g->kv[j].key.len == kv->key.len && !memcmp(g->kv[j].key.ptr, kv->key.ptr, kv->key.len)) {
+            if (g->kv[j].key.len == kv->key.len &&
+                !memcmp(g->kv[j].key.ptr, kv->key.ptr, kv->key.len)) {
                 r = cs_fail(CS_EBADMSG, "gguf: %s: duplicate key '%.*s'", path, (int)kv->key.len,
-                             kv->key.ptr);
+                            kv->key.ptr);
                 goto fail;
             }
         }
@@ -178,7 +188,8 @@ int cs__gguf_open(const char *path, cs_gguf *g) {
         if (t == CS_GGUF_ARRAY) {
             const uint8_t *save = c.p;
             uint32_t et;
-            if ((r = rd_u32(&c, &et, "array type")) || (r = rd_u64(&c, &kv->arr_count, "array count")))
+            if ((r = rd_u32(&c, &et, "array type")) ||
+                (r = rd_u64(&c, &kv->arr_count, "array count")))
                 goto fail;
             kv->arr_type = (enum cs_gguf_type)et;
             kv->data = c.p;
@@ -195,7 +206,9 @@ int cs__gguf_open(const char *path, cs_gguf *g) {
             }
             memcpy(&a, kv->data, 4);
             if (a == 0 || (a & (a - 1)) || a > 65536) {
-                r = cs_fail(CS_EBADMSG, "gguf: %s: general.alignment %u is not a power of two <= 65536", path, a);
+                r = cs_fail(CS_EBADMSG,
+                            "gguf: %s: general.alignment %u is not a power of two <= 65536", path,
+                            a);
                 goto fail;
             }
             g->alignment = a;
@@ -205,21 +218,23 @@ int cs__gguf_open(const char *path, cs_gguf *g) {
     for (uint64_t i = 0; i < n_tensors; i++) {
         cs_gguf_tensor *t = &g->tensors[i];
         uint32_t type;
-        if ((r = rd_str(&c, &t->name, "tensor name")) || (r = rd_u32(&c, &t->n_dims, "tensor dims")))
+        if ((r = rd_str(&c, &t->name, "tensor name")) ||
+            (r = rd_u32(&c, &t->n_dims, "tensor dims")))
             goto fail;
         if (t->n_dims == 0 || t->n_dims > CS_GGUF_MAX_DIMS) {
             r = cs_fail(CS_EBADMSG, "gguf: %s: tensor '%.*s' has %u dimensions (1..%d allowed)",
-                         path, (int)t->name.len, t->name.ptr, t->n_dims, CS_GGUF_MAX_DIMS);
+                        path, (int)t->name.len, t->name.ptr, t->n_dims, CS_GGUF_MAX_DIMS);
             goto fail;
         }
         uint64_t n_elem = 1;
-        for (uint32_t d = 0; d < CS_GGUF_MAX_DIMS; d++) t->ne[d] = 1;
+        for (uint32_t d = 0; d < CS_GGUF_MAX_DIMS; d++)
+            t->ne[d] = 1;
         for (uint32_t d = 0; d < t->n_dims; d++) {
             uint64_t ne;
             if ((r = rd_u64(&c, &ne, "tensor shape"))) goto fail;
             if (ne == 0 || ne > ((uint64_t)1 << 40) || n_elem > UINT64_MAX / ne) {
-                r = cs_fail(CS_EBADMSG, "gguf: %s: tensor '%.*s' has bad dimension %u = %llu",
-                             path, (int)t->name.len, t->name.ptr, d, (unsigned long long)ne);
+                r = cs_fail(CS_EBADMSG, "gguf: %s: tensor '%.*s' has bad dimension %u = %llu", path,
+                            (int)t->name.len, t->name.ptr, d, (unsigned long long)ne);
                 goto fail;
             }
             t->ne[d] = (int64_t)ne;
@@ -228,26 +243,32 @@ int cs__gguf_open(const char *path, cs_gguf *g) {
         if ((r = rd_u32(&c, &type, "tensor type")) || (r = rd_u64(&c, &t->offset, "tensor offset")))
             goto fail;
         if (!cs__dtype_info(type)) {
-            r = cs_fail(CS_ENOTSUP, "gguf: %s: tensor '%.*s' has type %s (%u), which chunkserve does not support (f32, f16, bf16, q8_0, q4_0, q4_1)",
-                         path, (int)t->name.len, t->name.ptr, cs__dtype_name(type), type);
+            r = cs_fail(CS_ENOTSUP,
+                        "gguf: %s: tensor '%.*s' has type %s (%u), which chunkserve does not "
+                        "support (f32, f16, bf16, q8_0, q4_0, q4_1)",
+                        path, (int)t->name.len, t->name.ptr, cs__dtype_name(type), type);
             goto fail;
         }
         t->type = (enum cs_dtype)type;
         if (!cs__dtype_nbytes(t->type, n_elem, &t->nbytes) ||
             t->ne[0] % cs__dtype_info(type)->block_size) {
-            r = cs_fail(CS_EBADMSG, "gguf: %s: tensor '%.*s': row of %lld elements is not a whole number of %s blocks",
-                         path, (int)t->name.len, t->name.ptr, (long long)t->ne[0], cs__dtype_name(type));
+            r = cs_fail(
+                CS_EBADMSG,
+                "gguf: %s: tensor '%.*s': row of %lld elements is not a whole number of %s blocks",
+                path, (int)t->name.len, t->name.ptr, (long long)t->ne[0], cs__dtype_name(type));
             goto fail;
         }
         if (t->offset % g->alignment) {
             r = cs_fail(CS_EBADMSG, "gguf: %s: tensor '%.*s' offset %llu is not aligned to %u",
-                         path, (int)t->name.len, t->name.ptr, (unsigned long long)t->offset, g->alignment);
+                        path, (int)t->name.len, t->name.ptr, (unsigned long long)t->offset,
+                        g->alignment);
             goto fail;
         }
         for (uint64_t j = 0; j < i; j++) {
             if (g->tensors[j].name.len == t->name.len &&
                 !memcmp(g->tensors[j].name.ptr, t->name.ptr, t->name.len)) {
-                r = cs_fail(CS_EBADMSG, "gguf: %s: duplicate tensor '%.*s'", path, (int)t->name.len, t->name.ptr);
+                r = cs_fail(CS_EBADMSG, "gguf: %s: duplicate tensor '%.*s'", path, (int)t->name.len,
+                            t->name.ptr);
                 goto fail;
             }
         }
@@ -264,9 +285,11 @@ int cs__gguf_open(const char *path, cs_gguf *g) {
     for (uint64_t i = 0; i < n_tensors; i++) {
         cs_gguf_tensor *t = &g->tensors[i];
         if (t->offset > data_size || t->nbytes > data_size - t->offset) {
-            r = cs_fail(CS_EBADMSG, "gguf: %s: tensor '%.*s' (%zu bytes at offset %llu) ends past end of file (data section is %zu bytes)",
-                         path, (int)t->name.len, t->name.ptr, t->nbytes,
-                         (unsigned long long)t->offset, data_size);
+            r = cs_fail(CS_EBADMSG,
+                        "gguf: %s: tensor '%.*s' (%zu bytes at offset %llu) ends past end of file "
+                        "(data section is %zu bytes)",
+                        path, (int)t->name.len, t->name.ptr, t->nbytes,
+                        (unsigned long long)t->offset, data_size);
             goto fail;
         }
         t->data = g->data_section + t->offset;
@@ -301,12 +324,43 @@ static int get_int(const cs_gguf_kv *kv, int64_t *v) {
     switch (kv->type) {
     case CS_GGUF_UINT8: *v = p[0]; return 0;
     case CS_GGUF_INT8: *v = (int8_t)p[0]; return 0;
-    case CS_GGUF_UINT16: { uint16_t x; memcpy(&x, p, 2); *v = x; return 0; }
-    case CS_GGUF_INT16: { int16_t x; memcpy(&x, p, 2); *v = x; return 0; }
-    case CS_GGUF_UINT32: { uint32_t x; memcpy(&x, p, 4); *v = x; return 0; }
-    case CS_GGUF_INT32: { int32_t x; memcpy(&x, p, 4); *v = x; return 0; }
-    case CS_GGUF_UINT64: { uint64_t x; memcpy(&x, p, 8); if (x > INT64_MAX) return -1; *v = (int64_t)x; return 0; }
-    case CS_GGUF_INT64: { int64_t x; memcpy(&x, p, 8); *v = x; return 0; }
+    case CS_GGUF_UINT16: {
+        uint16_t x;
+        memcpy(&x, p, 2);
+        *v = x;
+        return 0;
+    }
+    case CS_GGUF_INT16: {
+        int16_t x;
+        memcpy(&x, p, 2);
+        *v = x;
+        return 0;
+    }
+    case CS_GGUF_UINT32: {
+        uint32_t x;
+        memcpy(&x, p, 4);
+        *v = x;
+        return 0;
+    }
+    case CS_GGUF_INT32: {
+        int32_t x;
+        memcpy(&x, p, 4);
+        *v = x;
+        return 0;
+    }
+    case CS_GGUF_UINT64: {
+        uint64_t x;
+        memcpy(&x, p, 8);
+        if (x > INT64_MAX) return -1;
+        *v = (int64_t)x;
+        return 0;
+    }
+    case CS_GGUF_INT64: {
+        int64_t x;
+        memcpy(&x, p, 8);
+        *v = x;
+        return 0;
+    }
     default: return -1;
     }
 }
@@ -349,7 +403,8 @@ int cs__gguf_get_bool(const cs_gguf *g, const char *key, bool *out) {
 int cs__gguf_get_str(const cs_gguf *g, const char *key, cs_gguf_str *out) {
     const cs_gguf_kv *kv = cs__gguf_find(g, key);
     if (!kv) return CS_ENOENT;
-    if (kv->type != CS_GGUF_STRING) return cs_fail(CS_EBADMSG, "gguf: key '%s' must be a string", key);
+    if (kv->type != CS_GGUF_STRING)
+        return cs_fail(CS_EBADMSG, "gguf: key '%s' must be a string", key);
     uint64_t len;
     memcpy(&len, kv->data, 8);
     out->ptr = (const char *)kv->data + 8;
@@ -380,7 +435,8 @@ int cs__gguf_get_str_array(const cs_gguf *g, const char *key, cs_gguf_str **out,
 int cs__gguf_get_i32_array(const cs_gguf *g, const char *key, int32_t **out, uint64_t *count) {
     const cs_gguf_kv *kv = cs__gguf_find(g, key);
     if (!kv) return CS_ENOENT;
-    if (kv->type != CS_GGUF_ARRAY || (kv->arr_type != CS_GGUF_INT32 && kv->arr_type != CS_GGUF_UINT32))
+    if (kv->type != CS_GGUF_ARRAY ||
+        (kv->arr_type != CS_GGUF_INT32 && kv->arr_type != CS_GGUF_UINT32))
         return cs_fail(CS_EBADMSG, "gguf: key '%s' must be an array of 32-bit integers", key);
     int32_t *a = malloc((kv->arr_count ? kv->arr_count : 1) * sizeof *a);
     if (!a) return cs_fail(CS_ENOMEM, "gguf: out of memory reading '%s'", key);

@@ -181,7 +181,7 @@ int cs_kv_cache_alloc_pages(cs_kv_cache *kv, int32_t n, int32_t *ids) {
     if (n < 0) return cs_fail(CS_EINVAL, "kv cache: cannot allocate %d pages", n);
     if (n > kv->n_free + kv->n_cached)
         return cs_fail(CS_ENOSPC, "kv cache: %d pages wanted, %d free and %d cached of %d", n,
-                        kv->n_free, kv->n_cached, kv->n_pages);
+                       kv->n_free, kv->n_cached, kv->n_pages);
     for (int32_t i = 0; i < n; i++) {
         int32_t id;
         if (kv->n_free > 0) {
@@ -205,9 +205,9 @@ int cs_kv_cache_ref_page(cs_kv_cache *kv, int32_t id) {
      * it would make the bug visible only when the page had been evicted. */
     if (kv->refs[id] == 0 && kv->registered[id])
         return cs_fail(CS_EINVAL,
-                        "kv cache: page %d is cached with no reference; take it back with "
-                        "cs_kv_cache_lookup",
-                        id);
+                       "kv cache: page %d is cached with no reference; take it back with "
+                       "cs_kv_cache_lookup",
+                       id);
     if (kv->refs[id] == 0) return cs_fail(CS_EINVAL, "kv cache: page %d is not allocated", id);
     kv->refs[id]++;
     return 0;
@@ -226,7 +226,7 @@ int cs_kv_cache_free_pages(cs_kv_cache *kv, const int32_t *ids, int32_t n) {
             seen += ids[j] == id;
         if (seen > kv->refs[id])
             return cs_fail(CS_EINVAL, "kv cache: page %d freed %d times but holds %d references",
-                            id, seen, kv->refs[id]);
+                           id, seen, kv->refs[id]);
     }
     for (int32_t i = 0; i < n; i++) {
         int32_t id = ids[i];
@@ -312,7 +312,7 @@ int cs_kv_cache_check(const cs_kv_cache *kv) {
     int32_t n = kv->n_pages, n_free = 0, n_cached = 0, n_reg = 0;
     if (kv->n_free < 0 || kv->n_free > n || kv->n_cached < 0 || kv->n_cached > n - kv->n_free)
         return cs_fail(CS_EBADMSG, "kv check: counts free %d cached %d of %d", kv->n_free,
-                        kv->n_cached, n);
+                       kv->n_cached, n);
     for (int32_t id = 0; id < n; id++) {
         if (kv->refs[id] < 0)
             return cs_fail(CS_EBADMSG, "kv check: page %d refcount %d", id, kv->refs[id]);
@@ -322,15 +322,15 @@ int cs_kv_cache_check(const cs_kv_cache *kv) {
         n_reg += kv->registered[id] != 0;
         if (!cached && (kv->lru_prev[id] != -1 || kv->lru_next[id] != -1))
             return cs_fail(CS_EBADMSG, "kv check: page %d not cached but has LRU links %d/%d", id,
-                            kv->lru_prev[id], kv->lru_next[id]);
+                           kv->lru_prev[id], kv->lru_next[id]);
         if (kv->registered[id] && kv->slots[slot_find(kv, kv->hash[id])] != id)
             return cs_fail(CS_EBADMSG,
-                            "kv check: registered page %d not found under its hash %016llx", id,
-                            (unsigned long long)kv->hash[id]);
+                           "kv check: registered page %d not found under its hash %016llx", id,
+                           (unsigned long long)kv->hash[id]);
     }
     if (n_free != kv->n_free || n_cached != kv->n_cached)
         return cs_fail(CS_EBADMSG, "kv check: %d free and %d cached pages, counters say %d and %d",
-                        n_free, n_cached, kv->n_free, kv->n_cached);
+                       n_free, n_cached, kv->n_free, kv->n_cached);
 
     uint8_t *seen = calloc((size_t)n, 1);
     if (!seen) return cs_fail(CS_ENOMEM, "kv check: out of memory");
@@ -339,8 +339,8 @@ int cs_kv_cache_check(const cs_kv_cache *kv) {
         int32_t id = kv->free_stack[i];
         if (id < 0 || id >= n || seen[id] || kv->refs[id] != 0 || kv->registered[id])
             r = cs_fail(CS_EBADMSG,
-                         "kv check: free stack entry %d is page %d (not free, or listed twice)", i,
-                         id);
+                        "kv check: free stack entry %d is page %d (not free, or listed twice)", i,
+                        id);
         else
             seen[id] = 1;
     }
@@ -350,20 +350,18 @@ int cs_kv_cache_check(const cs_kv_cache *kv) {
     int32_t steps = 0, prev = -1, cur = kv->lru_head;
     while (cur >= 0 && cur < n && !r) {
         if (seen[cur] || kv->refs[cur] != 0 || !kv->registered[cur] || kv->lru_prev[cur] != prev)
-            r = cs_fail(
-                CS_EBADMSG,
-                "kv check: LRU entry %d is page %d (not cached, bad link, or listed twice)", steps,
-                cur);
+            r = cs_fail(CS_EBADMSG,
+                        "kv check: LRU entry %d is page %d (not cached, bad link, or listed twice)",
+                        steps, cur);
         seen[cur] = 2;
         prev = cur;
         cur = kv->lru_next[cur];
         steps++;
     }
     if (!r && (cur != -1 || steps != kv->n_cached || kv->lru_tail != prev))
-        r = cs_fail(
-            CS_EBADMSG,
-            "kv check: LRU holds %d pages ending at %d (next %d), expected %d ending at %d", steps,
-            prev, cur, kv->n_cached, kv->lru_tail);
+        r = cs_fail(CS_EBADMSG,
+                    "kv check: LRU holds %d pages ending at %d (next %d), expected %d ending at %d",
+                    steps, prev, cur, kv->n_cached, kv->lru_tail);
     int32_t n_slots_used = 0;
     for (size_t i = 0; i <= kv->slot_mask && !r; i++) {
         int32_t id = kv->slots[i];
@@ -371,11 +369,11 @@ int cs_kv_cache_check(const cs_kv_cache *kv) {
         n_slots_used++;
         if (id >= n || !kv->registered[id] || slot_find(kv, kv->hash[id]) != i)
             r = cs_fail(CS_EBADMSG,
-                         "kv check: slot %zu holds page %d, which is not registered there", i, id);
+                        "kv check: slot %zu holds page %d, which is not registered there", i, id);
     }
     if (!r && n_slots_used != n_reg)
         r = cs_fail(CS_EBADMSG, "kv check: hash table holds %d pages, %d are registered",
-                     n_slots_used, n_reg);
+                    n_slots_used, n_reg);
     free(seen);
     return r;
 }

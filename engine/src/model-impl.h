@@ -52,10 +52,10 @@ typedef struct {
 typedef struct {
     int (*find)(void *ctx, const char *name, cs_src_tensor *out);
     void *ctx;
-    bool gguf_names;       /* blk.N.attn_q.weight vs model.layers.N.self_attn.q_proj.weight */
-    bool unpermute_qk;     /* GGUF llama: q/k rows interleaved for ggml's RoPE */
+    bool gguf_names;   /* blk.N.attn_q.weight vs model.layers.N.self_attn.q_proj.weight */
+    bool unpermute_qk; /* GGUF llama: q/k rows interleaved for ggml's RoPE */
     const float *rope_freq_factors; /* GGUF rope_freqs.weight (head_dim/2) or NULL */
-    bool shapes_only;      /* vocab-only load: check names and shapes, read no weights */
+    bool shapes_only;               /* vocab-only load: check names and shapes, read no weights */
 } cs_tensor_source;
 
 /* Validates cfg, then allocates and fills m's weights from src. m->cfg must

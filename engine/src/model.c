@@ -24,23 +24,36 @@ typedef struct {
 } weight_spec;
 
 #define L(f) offsetof(cs_layer, f), 0
-#define M(f) (size_t)-1, offsetof(cs_model, f)
+#define M(f) (size_t) - 1, offsetof(cs_model, f)
 static const weight_spec weight_table[] = {
-    {"token_embd.weight", "model.embed_tokens.weight", DIM_VOCAB, DIM_MODEL, false, PERM_NONE, M(tok_embd)},
+    {"token_embd.weight", "model.embed_tokens.weight", DIM_VOCAB, DIM_MODEL, false, PERM_NONE,
+     M(tok_embd)},
     {"output_norm.weight", "model.norm.weight", DIM_MODEL, DIM_ONE, false, PERM_NONE, M(out_norm)},
     {"output.weight", "lm_head.weight", DIM_VOCAB, DIM_MODEL, true, PERM_NONE, M(output)},
-    {"blk.%d.attn_norm.weight", "model.layers.%d.input_layernorm.weight", DIM_MODEL, DIM_ONE, false, PERM_NONE, L(attn_norm)},
-    {"blk.%d.attn_q.weight", "model.layers.%d.self_attn.q_proj.weight", DIM_Q, DIM_MODEL, false, PERM_Q, L(wq)},
-    {"blk.%d.attn_k.weight", "model.layers.%d.self_attn.k_proj.weight", DIM_KV, DIM_MODEL, false, PERM_K, L(wk)},
-    {"blk.%d.attn_v.weight", "model.layers.%d.self_attn.v_proj.weight", DIM_KV, DIM_MODEL, false, PERM_NONE, L(wv)},
-    {"blk.%d.attn_q.bias", "model.layers.%d.self_attn.q_proj.bias", DIM_Q, DIM_ONE, true, PERM_Q, L(bq)},
-    {"blk.%d.attn_k.bias", "model.layers.%d.self_attn.k_proj.bias", DIM_KV, DIM_ONE, true, PERM_K, L(bk)},
-    {"blk.%d.attn_v.bias", "model.layers.%d.self_attn.v_proj.bias", DIM_KV, DIM_ONE, true, PERM_NONE, L(bv)},
-    {"blk.%d.attn_output.weight", "model.layers.%d.self_attn.o_proj.weight", DIM_MODEL, DIM_Q, false, PERM_NONE, L(wo)},
-    {"blk.%d.ffn_norm.weight", "model.layers.%d.post_attention_layernorm.weight", DIM_MODEL, DIM_ONE, false, PERM_NONE, L(ffn_norm)},
-    {"blk.%d.ffn_gate.weight", "model.layers.%d.mlp.gate_proj.weight", DIM_HIDDEN, DIM_MODEL, false, PERM_NONE, L(w_gate)},
-    {"blk.%d.ffn_up.weight", "model.layers.%d.mlp.up_proj.weight", DIM_HIDDEN, DIM_MODEL, false, PERM_NONE, L(w_up)},
-    {"blk.%d.ffn_down.weight", "model.layers.%d.mlp.down_proj.weight", DIM_MODEL, DIM_HIDDEN, false, PERM_NONE, L(w_down)},
+    {"blk.%d.attn_norm.weight", "model.layers.%d.input_layernorm.weight", DIM_MODEL, DIM_ONE, false,
+     PERM_NONE, L(attn_norm)},
+    {"blk.%d.attn_q.weight", "model.layers.%d.self_attn.q_proj.weight", DIM_Q, DIM_MODEL, false,
+     PERM_Q, L(wq)},
+    {"blk.%d.attn_k.weight", "model.layers.%d.self_attn.k_proj.weight", DIM_KV, DIM_MODEL, false,
+     PERM_K, L(wk)},
+    {"blk.%d.attn_v.weight", "model.layers.%d.self_attn.v_proj.weight", DIM_KV, DIM_MODEL, false,
+     PERM_NONE, L(wv)},
+    {"blk.%d.attn_q.bias", "model.layers.%d.self_attn.q_proj.bias", DIM_Q, DIM_ONE, true, PERM_Q,
+     L(bq)},
+    {"blk.%d.attn_k.bias", "model.layers.%d.self_attn.k_proj.bias", DIM_KV, DIM_ONE, true, PERM_K,
+     L(bk)},
+    {"blk.%d.attn_v.bias", "model.layers.%d.self_attn.v_proj.bias", DIM_KV, DIM_ONE, true,
+     PERM_NONE, L(bv)},
+    {"blk.%d.attn_output.weight", "model.layers.%d.self_attn.o_proj.weight", DIM_MODEL, DIM_Q,
+     false, PERM_NONE, L(wo)},
+    {"blk.%d.ffn_norm.weight", "model.layers.%d.post_attention_layernorm.weight", DIM_MODEL,
+     DIM_ONE, false, PERM_NONE, L(ffn_norm)},
+    {"blk.%d.ffn_gate.weight", "model.layers.%d.mlp.gate_proj.weight", DIM_HIDDEN, DIM_MODEL, false,
+     PERM_NONE, L(w_gate)},
+    {"blk.%d.ffn_up.weight", "model.layers.%d.mlp.up_proj.weight", DIM_HIDDEN, DIM_MODEL, false,
+     PERM_NONE, L(w_up)},
+    {"blk.%d.ffn_down.weight", "model.layers.%d.mlp.down_proj.weight", DIM_MODEL, DIM_HIDDEN, false,
+     PERM_NONE, L(w_down)},
 };
 #undef L
 #undef M
@@ -59,25 +72,33 @@ static int64_t dim_value(const cs_model_config *c, int d) {
 }
 
 static int check_config(const cs_model_config *c, const char *path) {
-#define REQ(cond, ...) \
+#define REQ(cond, ...)                                                                             \
     if (!(cond)) return cs_fail(CS_EBADMSG, __VA_ARGS__)
-    REQ(c->n_vocab > 0 && c->n_vocab <= (1 << 22), "model %s: vocabulary size %d out of range", path, c->n_vocab);
+    REQ(c->n_vocab > 0 && c->n_vocab <= (1 << 22), "model %s: vocabulary size %d out of range",
+        path, c->n_vocab);
     REQ(c->dim > 0 && c->dim <= 65536, "model %s: hidden size %d out of range", path, c->dim);
-    REQ(c->n_layers > 0 && c->n_layers <= 1024, "model %s: layer count %d out of range", path, c->n_layers);
-    REQ(c->n_heads > 0 && c->n_heads <= 1024, "model %s: head count %d out of range", path, c->n_heads);
+    REQ(c->n_layers > 0 && c->n_layers <= 1024, "model %s: layer count %d out of range", path,
+        c->n_layers);
+    REQ(c->n_heads > 0 && c->n_heads <= 1024, "model %s: head count %d out of range", path,
+        c->n_heads);
     REQ(c->n_kv_heads > 0 && c->n_kv_heads <= c->n_heads && c->n_heads % c->n_kv_heads == 0,
         "model %s: %d kv heads must divide %d heads", path, c->n_kv_heads, c->n_heads);
     REQ(c->head_dim > 0 && c->head_dim <= 1024 && c->head_dim % 2 == 0,
         "model %s: head dimension %d must be even and at most 1024", path, c->head_dim);
-    REQ(c->hidden_dim > 0 && c->hidden_dim <= (1 << 20), "model %s: FFN size %d out of range", path, c->hidden_dim);
+    REQ(c->hidden_dim > 0 && c->hidden_dim <= (1 << 20), "model %s: FFN size %d out of range", path,
+        c->hidden_dim);
     REQ(c->ctx_len > 0, "model %s: context length %d must be positive", path, c->ctx_len);
-    REQ(c->norm_eps > 0 && c->norm_eps < 1, "model %s: RMSNorm epsilon %g out of range", path, c->norm_eps);
-    REQ(c->rope_theta > 0 && isfinite(c->rope_theta), "model %s: RoPE theta %g must be positive", path, c->rope_theta);
+    REQ(c->norm_eps > 0 && c->norm_eps < 1, "model %s: RMSNorm epsilon %g out of range", path,
+        c->norm_eps);
+    REQ(c->rope_theta > 0 && isfinite(c->rope_theta), "model %s: RoPE theta %g must be positive",
+        path, c->rope_theta);
     REQ(c->rope_scaling == CS_ROPE_SCALING_NONE || (c->rope_factor > 0 && isfinite(c->rope_factor)),
         "model %s: RoPE scaling factor %g must be positive", path, c->rope_factor);
     REQ(c->rope_scaling != CS_ROPE_SCALING_LLAMA3 ||
             (c->rope_orig_ctx > 0 && c->rope_high_freq_factor > c->rope_low_freq_factor),
-        "model %s: llama3 RoPE scaling needs original_max_position_embeddings and high_freq_factor > low_freq_factor", path);
+        "model %s: llama3 RoPE scaling needs original_max_position_embeddings and high_freq_factor "
+        "> low_freq_factor",
+        path);
 #undef REQ
     return 0;
 }
@@ -116,7 +137,8 @@ static void unpermute_rows(float *w, int64_t n_heads, int64_t head_dim, int64_t 
         memcpy(tmp, base, (size_t)(head_dim * cols) * sizeof(float));
         for (int64_t i = 0; i < half; i++)
             for (int64_t j = 0; j < 2; j++)
-                memcpy(base + (j * half + i) * cols, tmp + (2 * i + j) * cols, (size_t)cols * sizeof(float));
+                memcpy(base + (j * half + i) * cols, tmp + (2 * i + j) * cols,
+                       (size_t)cols * sizeof(float));
     }
 }
 
@@ -158,17 +180,22 @@ int cs__model_build(cs_model *m, const cs_tensor_source *src, const char *path) 
             if (r) goto done;
             int64_t rows = dim_value(c, w->rows), cols = dim_value(c, w->cols);
             const cs_src_tensor *t = &found[idx];
-            bool ok = w->cols == DIM_ONE ? (t->n_dims == 1 && t->shape[0] == rows)
-                                         : (t->n_dims == 2 && t->shape[0] == rows && t->shape[1] == cols);
+            bool ok = w->cols == DIM_ONE
+                          ? (t->n_dims == 1 && t->shape[0] == rows)
+                          : (t->n_dims == 2 && t->shape[0] == rows && t->shape[1] == cols);
             if (!ok) {
                 char got[96];
                 int off = 0;
                 for (int d = 0; d < t->n_dims && off < (int)sizeof got - 24; d++)
-                    off += snprintf(got + off, sizeof got - (size_t)off, d ? ", %lld" : "%lld", (long long)t->shape[d]);
+                    off += snprintf(got + off, sizeof got - (size_t)off, d ? ", %lld" : "%lld",
+                                    (long long)t->shape[d]);
                 if (w->cols == DIM_ONE)
-                    r = cs_fail(CS_EBADMSG, "model %s: tensor '%s' has shape [%s], expected [%lld]", path, name, got, (long long)rows);
+                    r = cs_fail(CS_EBADMSG, "model %s: tensor '%s' has shape [%s], expected [%lld]",
+                                path, name, got, (long long)rows);
                 else
-                    r = cs_fail(CS_EBADMSG, "model %s: tensor '%s' has shape [%s], expected [%lld, %lld]", path, name, got, (long long)rows, (long long)cols);
+                    r = cs_fail(CS_EBADMSG,
+                                "model %s: tensor '%s' has shape [%s], expected [%lld, %lld]", path,
+                                name, got, (long long)rows, (long long)cols);
                 goto done;
             }
             if (w->layer_off == offsetof(cs_layer, bq) || w->layer_off == offsetof(cs_layer, bk) ||
@@ -181,7 +208,7 @@ int cs__model_build(cs_model *m, const cs_tensor_source *src, const char *path) 
     if (!present[2 * (size_t)n_layers] && !c->tied_embeddings) c->tied_embeddings = true;
     if (n_bias != 0 && n_bias != 3 * n_layers) {
         r = cs_fail(CS_EBADMSG, "model %s: q/k/v biases are present in some layers only (%d of %d)",
-                     path, n_bias, 3 * n_layers);
+                    path, n_bias, 3 * n_layers);
         goto done;
     }
     c->qkv_bias = n_bias != 0;
@@ -192,10 +219,12 @@ int cs__model_build(cs_model *m, const cs_tensor_source *src, const char *path) 
 
     m->weights = malloc(total * sizeof(float));
     m->layers = calloc((size_t)n_layers, sizeof *m->layers);
-    int64_t max_rows = dim_value(c, DIM_Q) > dim_value(c, DIM_KV) ? dim_value(c, DIM_Q) : dim_value(c, DIM_KV);
+    int64_t max_rows =
+        dim_value(c, DIM_Q) > dim_value(c, DIM_KV) ? dim_value(c, DIM_Q) : dim_value(c, DIM_KV);
     tmp = malloc((size_t)(max_rows * c->dim) * sizeof(float));
     if (!m->weights || !m->layers || !tmp) {
-        r = cs_fail(CS_ENOMEM, "model %s: out of memory for %zu MiB of fp32 weights", path, total * 4 >> 20);
+        r = cs_fail(CS_ENOMEM, "model %s: out of memory for %zu MiB of fp32 weights", path,
+                    total * 4 >> 20);
         goto done;
     }
     m->n_weights = total;
@@ -217,8 +246,9 @@ int cs__model_build(cs_model *m, const cs_tensor_source *src, const char *path) 
                 int64_t heads = w->perm == PERM_Q ? c->n_heads : c->n_kv_heads;
                 unpermute_rows(p, heads, c->head_dim, w->cols == DIM_ONE ? 1 : cols, tmp);
             }
-            float **slot = w->layer_off == (size_t)-1 ? (float **)((char *)m + w->model_off)
-                                                      : (float **)((char *)&m->layers[l] + w->layer_off);
+            float **slot = w->layer_off == (size_t)-1
+                               ? (float **)((char *)m + w->model_off)
+                               : (float **)((char *)&m->layers[l] + w->layer_off);
             *slot = p;
             p += n;
         }
@@ -256,15 +286,20 @@ static int model_load(const char *path, bool vocab_only, cs_model **out) {
         snprintf(what, sizeof what, "vocabulary only");
     else
         snprintf(what, sizeof what, "%.0f MiB fp32", (double)m->n_weights * 4 / (1 << 20));
-    CS_LOGI("loaded %s (%s): %d layers, dim %d, %d/%d heads x %d, ffn %d, vocab %d, %s embeddings, %s in %.2f s",
-            path, c->arch, c->n_layers, c->dim, c->n_heads, c->n_kv_heads, c->head_dim, c->hidden_dim,
-            c->n_vocab, c->tied_embeddings ? "tied" : "untied", what, cs_now() - t0);
+    CS_LOGI("loaded %s (%s): %d layers, dim %d, %d/%d heads x %d, ffn %d, vocab %d, %s embeddings, "
+            "%s in %.2f s",
+            path, c->arch, c->n_layers, c->dim, c->n_heads, c->n_kv_heads, c->head_dim,
+            c->hidden_dim, c->n_vocab, c->tied_embeddings ? "tied" : "untied", what, cs_now() - t0);
     *out = m;
     return 0;
 }
 
-int cs_model_load(const char *path, cs_model **out) { return model_load(path, false, out); }
-int cs_model_load_vocab(const char *path, cs_model **out) { return model_load(path, true, out); }
+int cs_model_load(const char *path, cs_model **out) {
+    return model_load(path, false, out);
+}
+int cs_model_load_vocab(const char *path, cs_model **out) {
+    return model_load(path, true, out);
+}
 
 void cs_model_free(cs_model *m) {
     if (!m) return;
@@ -274,9 +309,15 @@ void cs_model_free(cs_model *m) {
     free(m);
 }
 
-const cs_model_config *cs_model_get_config(const cs_model *m) { return &m->cfg; }
-const cs_tokenizer *cs_model_tokenizer(const cs_model *m) { return m->tok; }
-size_t cs_model_weight_bytes(const cs_model *m) { return m->n_weights * sizeof(float); }
+const cs_model_config *cs_model_get_config(const cs_model *m) {
+    return &m->cfg;
+}
+const cs_tokenizer *cs_model_tokenizer(const cs_model *m) {
+    return m->tok;
+}
+size_t cs_model_weight_bytes(const cs_model *m) {
+    return m->n_weights * sizeof(float);
+}
 
 int cs_tokenizer_load(const char *path, cs_tokenizer **out) {
     *out = NULL;
@@ -287,11 +328,13 @@ void cs__model_weights(const cs_model *m, cs_weights *w, cs_layer_weights *layer
     const cs_model_config *c = &m->cfg;
     for (int32_t l = 0; l < c->n_layers; l++) {
         const cs_layer *S = &m->layers[l];
-        layers[l] = (cs_layer_weights){S->attn_norm, S->wq, S->wk, S->wv, S->bq, S->bk,
-                                       S->bv, S->wo, S->ffn_norm, S->w_gate, S->w_up, S->w_down};
+        layers[l] =
+            (cs_layer_weights){S->attn_norm, S->wq, S->wk,       S->wv,     S->bq,   S->bk,
+                               S->bv,        S->wo, S->ffn_norm, S->w_gate, S->w_up, S->w_down};
     }
-    w->shape = (cs_weights_shape){c->n_vocab, c->dim, c->n_layers, c->n_heads, c->n_kv_heads,
-                                  c->head_dim, c->hidden_dim, c->norm_eps, m->output == m->tok_embd};
+    w->shape = (cs_weights_shape){c->n_vocab,    c->dim,        c->n_layers,
+                                  c->n_heads,    c->n_kv_heads, c->head_dim,
+                                  c->hidden_dim, c->norm_eps,   m->output == m->tok_embd};
     w->tok_embd = m->tok_embd;
     w->out_norm = m->out_norm;
     w->output = m->output;

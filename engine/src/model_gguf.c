@@ -14,7 +14,8 @@ static int gguf_find(void *ctx, const char *name, cs_src_tensor *out) {
     if (!t) return CS_ENOENT;
     out->type = t->type;
     out->n_dims = (int)t->n_dims;
-    for (uint32_t d = 0; d < t->n_dims; d++) out->shape[d] = t->ne[t->n_dims - 1 - d];
+    for (uint32_t d = 0; d < t->n_dims; d++)
+        out->shape[d] = t->ne[t->n_dims - 1 - d];
     out->data = t->data;
     return 0;
 }
@@ -58,13 +59,16 @@ int cs__model_load_gguf(const char *path, cs_model *m, bool vocab_only) {
     cs_model_config *c = &m->cfg;
     cs_gguf_str s;
     if ((r = cs__gguf_get_str(&g, "general.architecture", &s))) {
-        if (r == CS_ENOENT) r = cs_fail(CS_EBADMSG, "gguf: %s: missing metadata key 'general.architecture'", path);
+        if (r == CS_ENOENT)
+            r = cs_fail(CS_EBADMSG, "gguf: %s: missing metadata key 'general.architecture'", path);
         goto done;
     }
     str_copy(&s, c->arch, sizeof c->arch);
     bool is_llama = !strcmp(c->arch, "llama") || !strcmp(c->arch, "mistral");
     if (!is_llama && strcmp(c->arch, "qwen2") != 0) {
-        r = cs_fail(CS_ENOTSUP, "gguf: %s: architecture '%s' is not supported (llama, mistral, qwen2 are)", path, c->arch);
+        r = cs_fail(CS_ENOTSUP,
+                    "gguf: %s: architecture '%s' is not supported (llama, mistral, qwen2 are)",
+                    path, c->arch);
         goto done;
     }
     if (cs__gguf_get_str(&g, "general.name", &s) == 0) str_copy(&s, c->name, sizeof c->name);
@@ -84,7 +88,9 @@ int cs__model_load_gguf(const char *path, cs_model *m, bool vocab_only) {
     if (c->n_kv_heads < 0) c->n_kv_heads = c->n_heads;
     if (c->head_dim < 0 && c->n_heads > 0) c->head_dim = c->dim / c->n_heads;
     if (rope_dims >= 0 && rope_dims != c->head_dim) {
-        r = cs_fail(CS_ENOTSUP, "gguf: %s: partial rotary embeddings (%d of %d dims) are not supported", path, rope_dims, c->head_dim);
+        r = cs_fail(CS_ENOTSUP,
+                    "gguf: %s: partial rotary embeddings (%d of %d dims) are not supported", path,
+                    rope_dims, c->head_dim);
         goto done;
     }
     c->norm_eps = 1e-5f;
@@ -101,7 +107,9 @@ int cs__model_load_gguf(const char *path, cs_model *m, bool vocab_only) {
             c->rope_scaling = CS_ROPE_SCALING_LINEAR;
             if ((r = arch_f32(&g, a, "rope.scaling.factor", &c->rope_factor))) goto done;
         } else if (strcmp(type, "none") != 0) {
-            r = cs_fail(CS_ENOTSUP, "gguf: %s: RoPE scaling '%s' is not supported (linear and llama3 are)", path, type);
+            r = cs_fail(CS_ENOTSUP,
+                        "gguf: %s: RoPE scaling '%s' is not supported (linear and llama3 are)",
+                        path, type);
             goto done;
         }
     }
@@ -114,7 +122,8 @@ int cs__model_load_gguf(const char *path, cs_model *m, bool vocab_only) {
     const cs_gguf_tensor *rf = cs__gguf_find_tensor(&g, "rope_freqs.weight");
     if (rf) { /* llama3 scaling is stored as per-frequency divisors */
         if (rf->n_dims != 1 || rf->ne[0] != c->head_dim / 2 || rf->type != CS_DTYPE_F32) {
-            r = cs_fail(CS_EBADMSG, "gguf: %s: rope_freqs.weight must be f32 [%d]", path, c->head_dim / 2);
+            r = cs_fail(CS_EBADMSG, "gguf: %s: rope_freqs.weight must be f32 [%d]", path,
+                        c->head_dim / 2);
             goto done;
         }
         freq_factors = malloc((size_t)rf->ne[0] * sizeof(float));
@@ -125,7 +134,8 @@ int cs__model_load_gguf(const char *path, cs_model *m, bool vocab_only) {
         memcpy(freq_factors, rf->data, (size_t)rf->ne[0] * sizeof(float));
         for (int64_t i = 0; i < rf->ne[0]; i++) {
             if (!(freq_factors[i] > 0)) {
-                r = cs_fail(CS_EBADMSG, "gguf: %s: rope_freqs.weight[%lld] is not positive", path, (long long)i);
+                r = cs_fail(CS_EBADMSG, "gguf: %s: rope_freqs.weight[%lld] is not positive", path,
+                            (long long)i);
                 goto done;
             }
         }
@@ -140,8 +150,8 @@ int cs__model_load_gguf(const char *path, cs_model *m, bool vocab_only) {
     if ((r = cs__model_build(m, &src, path))) goto done;
     if ((r = cs__tokenizer_load_gguf(path, &m->tok))) goto done;
     if (cs_tokenizer_n_vocab(m->tok) != c->n_vocab) {
-        r = cs_fail(CS_EBADMSG, "gguf: %s: tokenizer has %d tokens but token_embd has %d rows", path,
-                     cs_tokenizer_n_vocab(m->tok), c->n_vocab);
+        r = cs_fail(CS_EBADMSG, "gguf: %s: tokenizer has %d tokens but token_embd has %d rows",
+                    path, cs_tokenizer_n_vocab(m->tok), c->n_vocab);
         goto done;
     }
 done:
@@ -155,7 +165,8 @@ static int32_t opt_id(const cs_gguf *g, const char *key, int32_t n_vocab, int *e
     int r = cs__gguf_get_u32(g, key, &v);
     if (r == CS_ENOENT) return -1;
     if (r || v >= (uint32_t)n_vocab) {
-        *err = cs_fail(CS_EBADMSG, "gguf: '%s' = %u is not a valid token id (vocabulary has %d)", key, v, n_vocab);
+        *err = cs_fail(CS_EBADMSG, "gguf: '%s' = %u is not a valid token id (vocabulary has %d)",
+                       key, v, n_vocab);
         return -1;
     }
     return (int32_t)v;
@@ -175,26 +186,36 @@ int cs__tokenizer_load_gguf(const char *path, cs_tokenizer **out) {
     cs_gguf_str s;
     char model[32] = "", pre[64] = "gpt2";
     if ((r = cs__gguf_get_str(&g, "tokenizer.ggml.model", &s))) {
-        if (r == CS_ENOENT) r = cs_fail(CS_EBADMSG, "gguf: %s: missing metadata key 'tokenizer.ggml.model'", path);
+        if (r == CS_ENOENT)
+            r = cs_fail(CS_EBADMSG, "gguf: %s: missing metadata key 'tokenizer.ggml.model'", path);
         goto done;
     }
     str_copy(&s, model, sizeof model);
     if (strcmp(model, "gpt2") != 0) {
-        r = cs_fail(CS_ENOTSUP, "gguf: %s: tokenizer model '%s' is not supported (byte-level BPE 'gpt2' is)", path, model);
+        r = cs_fail(CS_ENOTSUP,
+                    "gguf: %s: tokenizer model '%s' is not supported (byte-level BPE 'gpt2' is)",
+                    path, model);
         goto done;
     }
-    if (cs__gguf_get_str(&g, "tokenizer.ggml.pre", &s) == 0) str_copy(&s, pre, sizeof pre);
-    else CS_LOGW("gguf: %s: no tokenizer.ggml.pre (an old conversion); using the GPT-2 pre-tokenizer", path);
+    if (cs__gguf_get_str(&g, "tokenizer.ggml.pre", &s) == 0)
+        str_copy(&s, pre, sizeof pre);
+    else
+        CS_LOGW(
+            "gguf: %s: no tokenizer.ggml.pre (an old conversion); using the GPT-2 pre-tokenizer",
+            path);
     if ((r = cs__gguf_get_str_array(&g, "tokenizer.ggml.tokens", &tokens, &n_tokens))) {
-        if (r == CS_ENOENT) r = cs_fail(CS_EBADMSG, "gguf: %s: missing metadata key 'tokenizer.ggml.tokens'", path);
+        if (r == CS_ENOENT)
+            r = cs_fail(CS_EBADMSG, "gguf: %s: missing metadata key 'tokenizer.ggml.tokens'", path);
         goto done;
     }
     if (n_tokens == 0 || n_tokens > (1 << 22)) {
-        r = cs_fail(CS_EBADMSG, "gguf: %s: tokenizer.ggml.tokens has %llu entries", path, (unsigned long long)n_tokens);
+        r = cs_fail(CS_EBADMSG, "gguf: %s: tokenizer.ggml.tokens has %llu entries", path,
+                    (unsigned long long)n_tokens);
         goto done;
     }
     if ((r = cs__gguf_get_str_array(&g, "tokenizer.ggml.merges", &merges, &n_merges))) {
-        if (r == CS_ENOENT) r = cs_fail(CS_EBADMSG, "gguf: %s: missing metadata key 'tokenizer.ggml.merges'", path);
+        if (r == CS_ENOENT)
+            r = cs_fail(CS_EBADMSG, "gguf: %s: missing metadata key 'tokenizer.ggml.merges'", path);
         goto done;
     }
     r = cs__gguf_get_i32_array(&g, "tokenizer.ggml.token_type", &types, &n_types);
@@ -202,7 +223,7 @@ int cs__tokenizer_load_gguf(const char *path, cs_tokenizer **out) {
     r = 0;
     if (types && n_types != n_tokens) {
         r = cs_fail(CS_EBADMSG, "gguf: %s: token_type has %llu entries for %llu tokens", path,
-                     (unsigned long long)n_types, (unsigned long long)n_tokens);
+                    (unsigned long long)n_types, (unsigned long long)n_tokens);
         goto done;
     }
     tok_ptrs = malloc(n_tokens * sizeof *tok_ptrs);
@@ -213,8 +234,10 @@ int cs__tokenizer_load_gguf(const char *path, cs_tokenizer **out) {
         r = cs_fail(CS_ENOMEM, "gguf: out of memory");
         goto done;
     }
-    for (uint64_t i = 0; i < n_tokens; i++) tok_ptrs[i] = tokens[i].ptr, tok_lens[i] = tokens[i].len;
-    for (uint64_t i = 0; i < n_merges; i++) merge_ptrs[i] = merges[i].ptr, merge_lens[i] = merges[i].len;
+    for (uint64_t i = 0; i < n_tokens; i++)
+        tok_ptrs[i] = tokens[i].ptr, tok_lens[i] = tokens[i].len;
+    for (uint64_t i = 0; i < n_merges; i++)
+        merge_ptrs[i] = merges[i].ptr, merge_lens[i] = merges[i].len;
     cs_vocab_spec spec = {0};
     spec.n_vocab = (int32_t)n_tokens;
     spec.tokens = tok_ptrs;
@@ -235,7 +258,8 @@ int cs__tokenizer_load_gguf(const char *path, cs_tokenizer **out) {
         spec.n_eog_ids = 1;
     }
     bool add_bos = true; /* llama.cpp's default for BPE vocabularies when the key is absent */
-    if ((r = cs__gguf_get_bool(&g, "tokenizer.ggml.add_bos_token", &add_bos)) && r != CS_ENOENT) goto done;
+    if ((r = cs__gguf_get_bool(&g, "tokenizer.ggml.add_bos_token", &add_bos)) && r != CS_ENOENT)
+        goto done;
     r = 0;
     spec.add_bos = add_bos;
     if (cs__gguf_get_str(&g, "tokenizer.chat_template", &s) == 0) {

@@ -17,13 +17,15 @@ static int st_find(void *ctx, const char *name, cs_src_tensor *out) {
     if (!t) return CS_ENOENT;
     out->type = t->type;
     out->n_dims = t->n_dims;
-    for (int d = 0; d < t->n_dims; d++) out->shape[d] = t->shape[d];
+    for (int d = 0; d < t->n_dims; d++)
+        out->shape[d] = t->shape[d];
     out->data = t->data;
     return 0;
 }
 
 /* Integer field: required ones fail when missing; all must be exact ints. */
-static int cfg_int(const cJSON *root, const char *key, bool required, int32_t *out, const char *path) {
+static int cfg_int(const cJSON *root, const char *key, bool required, int32_t *out,
+                   const char *path) {
     const cJSON *j = cJSON_GetObjectItemCaseSensitive(root, key);
     if (!j || cJSON_IsNull(j)) {
         if (required) return cs_fail(CS_EBADMSG, "config.json in %s: missing key '%s'", path, key);
@@ -31,7 +33,8 @@ static int cfg_int(const cJSON *root, const char *key, bool required, int32_t *o
     }
     if (!cJSON_IsNumber(j) || j->valuedouble != (double)(int64_t)j->valuedouble ||
         j->valuedouble < 0 || j->valuedouble > INT32_MAX)
-        return cs_fail(CS_EBADMSG, "config.json in %s: '%s' must be a non-negative integer", path, key);
+        return cs_fail(CS_EBADMSG, "config.json in %s: '%s' must be a non-negative integer", path,
+                       key);
     *out = (int32_t)j->valuedouble;
     return 0;
 }
@@ -39,7 +42,8 @@ static int cfg_int(const cJSON *root, const char *key, bool required, int32_t *o
 static int cfg_float(const cJSON *root, const char *key, float *out, const char *path) {
     const cJSON *j = cJSON_GetObjectItemCaseSensitive(root, key);
     if (!j || cJSON_IsNull(j)) return 0;
-    if (!cJSON_IsNumber(j)) return cs_fail(CS_EBADMSG, "config.json in %s: '%s' must be a number", path, key);
+    if (!cJSON_IsNumber(j))
+        return cs_fail(CS_EBADMSG, "config.json in %s: '%s' must be a number", path, key);
     *out = (float)j->valuedouble;
     return 0;
 }
@@ -62,8 +66,10 @@ static int parse_config(const char *dir, cs_model_config *c) {
         r = cs_fail(CS_EBADMSG, "%s: missing key 'model_type'", path);
         goto done;
     }
-    if (strcmp(mt->valuestring, "llama") && strcmp(mt->valuestring, "mistral") && strcmp(mt->valuestring, "qwen2")) {
-        r = cs_fail(CS_ENOTSUP, "%s: model_type '%s' is not supported (llama, mistral, qwen2 are)", path, mt->valuestring);
+    if (strcmp(mt->valuestring, "llama") && strcmp(mt->valuestring, "mistral") &&
+        strcmp(mt->valuestring, "qwen2")) {
+        r = cs_fail(CS_ENOTSUP, "%s: model_type '%s' is not supported (llama, mistral, qwen2 are)",
+                    path, mt->valuestring);
         goto done;
     }
     snprintf(c->arch, sizeof c->arch, "%s", mt->valuestring);
@@ -113,7 +119,9 @@ static int parse_config(const char *dir, cs_model_config *c) {
                 (r = cfg_int(rs, "original_max_position_embeddings", true, &c->rope_orig_ctx, dir)))
                 goto done;
         } else if (strcmp(t->valuestring, "default") != 0) {
-            r = cs_fail(CS_ENOTSUP, "%s: RoPE scaling '%s' is not supported (linear and llama3 are)", path, t->valuestring);
+            r = cs_fail(CS_ENOTSUP,
+                        "%s: RoPE scaling '%s' is not supported (linear and llama3 are)", path,
+                        t->valuestring);
             goto done;
         }
     }
@@ -141,8 +149,9 @@ int cs__model_load_hf(const char *dir, cs_model *m, bool vocab_only) {
     }
     if ((r = cs__tokenizer_load_hf(dir, &m->tok))) return r;
     if (cs_tokenizer_n_vocab(m->tok) > m->cfg.n_vocab)
-        return cs_fail(CS_EBADMSG, "model %s: tokenizer has %d tokens but the embedding only %d rows", dir,
-                        cs_tokenizer_n_vocab(m->tok), m->cfg.n_vocab);
+        return cs_fail(CS_EBADMSG,
+                       "model %s: tokenizer has %d tokens but the embedding only %d rows", dir,
+                       cs_tokenizer_n_vocab(m->tok), m->cfg.n_vocab);
     return 0;
 }
 

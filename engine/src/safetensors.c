@@ -14,10 +14,14 @@
 #define ST_MAX_HEADER (100u << 20) /* the format's own limit */
 
 static int parse_dtype(const char *s, enum cs_dtype *t) {
-    if (!strcmp(s, "F32")) *t = CS_DTYPE_F32;
-    else if (!strcmp(s, "F16")) *t = CS_DTYPE_F16;
-    else if (!strcmp(s, "BF16")) *t = CS_DTYPE_BF16;
-    else return -1;
+    if (!strcmp(s, "F32"))
+        *t = CS_DTYPE_F32;
+    else if (!strcmp(s, "F16"))
+        *t = CS_DTYPE_F16;
+    else if (!strcmp(s, "BF16"))
+        *t = CS_DTYPE_BF16;
+    else
+        return -1;
     return 0;
 }
 
@@ -45,7 +49,7 @@ static int add_file(const char *path, cs_st_set *set) {
     memcpy(&hlen, mf.data, 8);
     if (hlen > ST_MAX_HEADER || hlen > mf.size - 8) {
         r = cs_fail(CS_EBADMSG, "safetensors: %s: header length %llu exceeds the file (%zu bytes)",
-                     path, (unsigned long long)hlen, mf.size);
+                    path, (unsigned long long)hlen, mf.size);
         goto fail;
     }
     if (!cs__utf8_valid(mf.data + 8, (size_t)hlen)) {
@@ -77,17 +81,23 @@ static int add_file(const char *path, cs_st_set *set) {
         const cJSON *off = cJSON_GetObjectItemCaseSensitive(it, "data_offsets");
         if (!cJSON_IsObject(it) || !cJSON_IsString(dt) || !cJSON_IsArray(sh) ||
             !cJSON_IsArray(off) || cJSON_GetArraySize(off) != 2) {
-            r = cs_fail(CS_EBADMSG, "safetensors: %s: tensor '%s' needs dtype, shape and data_offsets[2]", path, nm);
+            r = cs_fail(CS_EBADMSG,
+                        "safetensors: %s: tensor '%s' needs dtype, shape and data_offsets[2]", path,
+                        nm);
             goto fail;
         }
         if (parse_dtype(dt->valuestring, &t->type)) {
-            r = cs_fail(CS_ENOTSUP, "safetensors: %s: tensor '%s' has dtype %s (F32, F16 and BF16 are supported)",
-                         path, nm, dt->valuestring);
+            r = cs_fail(
+                CS_ENOTSUP,
+                "safetensors: %s: tensor '%s' has dtype %s (F32, F16 and BF16 are supported)", path,
+                nm, dt->valuestring);
             goto fail;
         }
         int nd = cJSON_GetArraySize(sh);
         if (nd < 1 || nd > CS_ST_MAX_DIMS) {
-            r = cs_fail(CS_EBADMSG, "safetensors: %s: tensor '%s' has %d dimensions (1..%d allowed)", path, nm, nd, CS_ST_MAX_DIMS);
+            r = cs_fail(CS_EBADMSG,
+                        "safetensors: %s: tensor '%s' has %d dimensions (1..%d allowed)", path, nm,
+                        nd, CS_ST_MAX_DIMS);
             goto fail;
         }
         uint64_t n_elem = 1;
@@ -95,7 +105,8 @@ static int add_file(const char *path, cs_st_set *set) {
             uint64_t v;
             if (json_uint(cJSON_GetArrayItem(sh, d), &v) || v == 0 || v > ((uint64_t)1 << 40) ||
                 n_elem > UINT64_MAX / v) {
-                r = cs_fail(CS_EBADMSG, "safetensors: %s: tensor '%s' has a bad shape entry %d", path, nm, d);
+                r = cs_fail(CS_EBADMSG, "safetensors: %s: tensor '%s' has a bad shape entry %d",
+                            path, nm, d);
                 goto fail;
             }
             t->shape[d] = (int64_t)v;
@@ -104,15 +115,19 @@ static int add_file(const char *path, cs_st_set *set) {
         t->n_dims = nd;
         uint64_t b, e;
         size_t want;
-        if (json_uint(cJSON_GetArrayItem(off, 0), &b) || json_uint(cJSON_GetArrayItem(off, 1), &e) ||
-            b > e || e > buf_size) {
-            r = cs_fail(CS_EBADMSG, "safetensors: %s: tensor '%s' data_offsets lie outside the %zu-byte data buffer",
-                         path, nm, buf_size);
+        if (json_uint(cJSON_GetArrayItem(off, 0), &b) ||
+            json_uint(cJSON_GetArrayItem(off, 1), &e) || b > e || e > buf_size) {
+            r = cs_fail(
+                CS_EBADMSG,
+                "safetensors: %s: tensor '%s' data_offsets lie outside the %zu-byte data buffer",
+                path, nm, buf_size);
             goto fail;
         }
         if (!cs__dtype_nbytes(t->type, n_elem, &want) || want != e - b) {
-            r = cs_fail(CS_EBADMSG, "safetensors: %s: tensor '%s' has %llu bytes but its shape and dtype need %zu",
-                         path, nm, (unsigned long long)(e - b), want);
+            r = cs_fail(
+                CS_EBADMSG,
+                "safetensors: %s: tensor '%s' has %llu bytes but its shape and dtype need %zu",
+                path, nm, (unsigned long long)(e - b), want);
             goto fail;
         }
         if (cs__st_find(set, nm)) {
@@ -139,7 +154,8 @@ static int add_file(const char *path, cs_st_set *set) {
     cJSON_Delete(root);
     return 0;
 fail:
-    for (int i = 0; i < n_new; i++) free(set->tensors[set->n_tensors - n_new + i].name);
+    for (int i = 0; i < n_new; i++)
+        free(set->tensors[set->n_tensors - n_new + i].name);
     set->n_tensors -= n_new;
     cJSON_Delete(root);
     cs__unmap_file(&mf);
@@ -185,15 +201,18 @@ int cs__st_open_dir(const char *dir, cs_st_set *set) {
         snprintf(path, sizeof path, "%s/%s", dir, names[i]);
         r = add_file(path, set);
     }
-    for (int i = 0; i < n; i++) free(names[i]);
+    for (int i = 0; i < n; i++)
+        free(names[i]);
     free(names);
     if (r) cs__st_close(set);
     return r;
 }
 
 void cs__st_close(cs_st_set *set) {
-    for (int i = 0; i < set->n_tensors; i++) free(set->tensors[i].name);
-    for (int i = 0; i < set->n_files; i++) cs__unmap_file(&set->files[i]);
+    for (int i = 0; i < set->n_tensors; i++)
+        free(set->tensors[i].name);
+    for (int i = 0; i < set->n_files; i++)
+        cs__unmap_file(&set->files[i]);
     free(set->tensors);
     free(set->files);
     memset(set, 0, sizeof *set);

@@ -13,10 +13,10 @@ struct cs_sampler {
     cs_sampling_params p;
     int32_t n_vocab;
     int64_t n_generated; /* tokens accepted with cs_sampler_accept: the draw counter */
-    uint8_t *seen;   /* (n_vocab) token in prompt or output; NULL without repetition penalty */
-    int32_t *counts; /* (n_vocab) output count; NULL without presence/frequency penalty */
-    int32_t *idx;    /* (n_vocab) scratch for sorting */
-    float *raw;      /* (n_vocab) raw logits kept for logprobs; allocated on first use */
+    uint8_t *seen;       /* (n_vocab) token in prompt or output; NULL without repetition penalty */
+    int32_t *counts;     /* (n_vocab) output count; NULL without presence/frequency penalty */
+    int32_t *idx;        /* (n_vocab) scratch for sorting */
+    float *raw;          /* (n_vocab) raw logits kept for logprobs; allocated on first use */
 };
 
 cs_sampling_params cs_sampling_params_default(void) {
@@ -30,10 +30,13 @@ int cs_sampling_params_check(const cs_sampling_params *p) {
     if (!(p->temperature >= 0) || !isfinite(p->temperature))
         return cs_fail(CS_EINVAL, "temperature %g must be >= 0", p->temperature);
     if (p->top_k < 0) return cs_fail(CS_EINVAL, "top_k %d must be >= 0 (0 = off)", p->top_k);
-    if (!(p->top_p > 0 && p->top_p <= 1)) return cs_fail(CS_EINVAL, "top_p %g must be in (0, 1]", p->top_p);
-    if (!(p->min_p >= 0 && p->min_p <= 1)) return cs_fail(CS_EINVAL, "min_p %g must be in [0, 1]", p->min_p);
+    if (!(p->top_p > 0 && p->top_p <= 1))
+        return cs_fail(CS_EINVAL, "top_p %g must be in (0, 1]", p->top_p);
+    if (!(p->min_p >= 0 && p->min_p <= 1))
+        return cs_fail(CS_EINVAL, "min_p %g must be in [0, 1]", p->min_p);
     if (!(p->repetition_penalty > 0) || !isfinite(p->repetition_penalty))
-        return cs_fail(CS_EINVAL, "repetition_penalty %g must be > 0 (1 = off)", p->repetition_penalty);
+        return cs_fail(CS_EINVAL, "repetition_penalty %g must be > 0 (1 = off)",
+                       p->repetition_penalty);
     if (!(p->presence_penalty >= -2 && p->presence_penalty <= 2))
         return cs_fail(CS_EINVAL, "presence_penalty %g must be in [-2, 2]", p->presence_penalty);
     if (!(p->frequency_penalty >= -2 && p->frequency_penalty <= 2))
@@ -47,7 +50,6 @@ static uint64_t splitmix64(uint64_t *x) {
     z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
     return z ^ (z >> 31);
 }
-
 
 int cs_sampler_init(const cs_sampling_params *p, int32_t n_vocab, cs_sampler **out) {
     *out = NULL;
@@ -123,7 +125,9 @@ int32_t cs_sampler_sample(cs_sampler *s, float *logits, float *logprob) {
     int32_t chosen;
     if (s->seen)
         for (int32_t i = 0; i < n; i++)
-            if (s->seen[i]) logits[i] = logits[i] > 0 ? logits[i] / p->repetition_penalty : logits[i] * p->repetition_penalty;
+            if (s->seen[i])
+                logits[i] = logits[i] > 0 ? logits[i] / p->repetition_penalty
+                                          : logits[i] * p->repetition_penalty;
     if (s->counts)
         for (int32_t i = 0; i < n; i++)
             if (s->counts[i])
@@ -141,17 +145,20 @@ int32_t cs_sampler_sample(cs_sampler *s, float *logits, float *logprob) {
         int32_t m = n;
         bool filter = p->top_k > 0 || p->top_p < 1 || p->min_p > 0;
         if (filter) {
-            for (int32_t i = 0; i < n; i++) s->idx[i] = i;
+            for (int32_t i = 0; i < n; i++)
+                s->idx[i] = i;
             qsort_r(s->idx, (size_t)n, sizeof *s->idx, by_prob_desc, logits);
             if (p->top_k > 0 && p->top_k < m) m = p->top_k;
             if (p->min_p > 0) {
                 float cut = p->min_p * logits[s->idx[0]];
                 int32_t k = 1;
-                while (k < m && logits[s->idx[k]] >= cut) k++;
+                while (k < m && logits[s->idx[k]] >= cut)
+                    k++;
                 m = k;
             }
             double kept = 0;
-            for (int32_t i = 0; i < m; i++) kept += logits[s->idx[i]];
+            for (int32_t i = 0; i < m; i++)
+                kept += logits[s->idx[i]];
             if (p->top_p < 1) {
                 double acc = 0;
                 int32_t k = 0;
@@ -179,7 +186,8 @@ int32_t cs_sampler_sample(cs_sampler *s, float *logits, float *logprob) {
     if (logprob) {
         float mx = s->raw[argmax(s->raw, n)];
         double sum = 0;
-        for (int32_t i = 0; i < n; i++) sum += exp((double)(s->raw[i] - mx));
+        for (int32_t i = 0; i < n; i++)
+            sum += exp((double)(s->raw[i] - mx));
         *logprob = s->raw[chosen] - mx - (float)log(sum);
     }
     return chosen;

@@ -16,8 +16,8 @@ typedef struct seq {
     uint64_t id, arrival;
     int32_t *tokens; /* (cap) prompt then generated */
     int32_t n_tokens, cap, n_prompt;
-    int32_t n_context;  /* tokens to compute before the first sample: the prompt
-                           plus any resumed (migrated) tokens */
+    int32_t n_context; /* tokens to compute before the first sample: the prompt
+                          plus any resumed (migrated) tokens */
     int32_t n_computed;
     cs_page_table pt;
     int32_t n_hashed;   /* leading pages whose prefix hash is registered or looked up */
@@ -71,8 +71,8 @@ int cs_sched_init(cs_engine *e, const cs_sched_params *p, cs_sched **out) {
     if (p->max_num_batched_tokens < 0 || p->max_num_seqs < 1 || p->max_num_partial_prefills < 1 ||
         p->max_chunk_tokens < 0)
         return cs_fail(CS_EINVAL,
-                        "scheduler: max_num_batched_tokens must be >= 0 (0 = unlimited), "
-                        "max_num_seqs and max_num_partial_prefills >= 1, max_chunk_tokens >= 0");
+                       "scheduler: max_num_batched_tokens must be >= 0 (0 = unlimited), "
+                       "max_num_seqs and max_num_partial_prefills >= 1, max_chunk_tokens >= 0");
     cs_sched *s = calloc(1, sizeof *s);
     if (!s) return cs_fail(CS_ENOMEM, "scheduler: out of memory");
     s->e = e;
@@ -166,10 +166,13 @@ int cs_sched_add(cs_sched *s, const cs_request *r) {
     if (r->n_prompt < 1 || !r->prompt)
         return cs_fail(CS_EINVAL, "request %llu: empty prompt", (unsigned long long)r->id);
     if (r->n_resumed < 0 || r->n_resumed >= r->n_prompt)
-        return cs_fail(CS_EINVAL, "request %llu: %d resumed tokens in a context of %d (the prompt must keep one)",
-                        (unsigned long long)r->id, r->n_resumed, r->n_prompt);
+        return cs_fail(
+            CS_EINVAL,
+            "request %llu: %d resumed tokens in a context of %d (the prompt must keep one)",
+            (unsigned long long)r->id, r->n_resumed, r->n_prompt);
     if ((unsigned)r->kv_mode > CS_KV_REMOTE)
-        return cs_fail(CS_EINVAL, "request %llu: unknown kv mode %d", (unsigned long long)r->id, (int)r->kv_mode);
+        return cs_fail(CS_EINVAL, "request %llu: unknown kv mode %d", (unsigned long long)r->id,
+                       (int)r->kv_mode);
     if (r->n_prompt >= s->ctx_len)
         return cs_fail(
             CS_EINVAL,
@@ -189,7 +192,7 @@ int cs_sched_add(cs_sched *s, const cs_request *r) {
     int32_t n_real = r->n_prompt - r->n_resumed; /* the prompt proper */
     if (r->n_resumed && r->stop.max_tokens > 0 && r->n_resumed >= r->stop.max_tokens)
         return cs_fail(CS_EINVAL, "request %llu: its %d resumed tokens already reach max_tokens %d",
-                        (unsigned long long)r->id, r->n_resumed, r->stop.max_tokens);
+                       (unsigned long long)r->id, r->n_resumed, r->stop.max_tokens);
     seq *q = calloc(1, sizeof *q);
     if (!q) return cs_fail(CS_ENOMEM, "out of memory");
     int64_t max_total = (int64_t)n_real + (r->stop.max_tokens > 0 ? r->stop.max_tokens : 0);
@@ -199,7 +202,8 @@ int cs_sched_add(cs_sched *s, const cs_request *r) {
     int rc = q->tokens ? 0 : cs_fail(CS_ENOMEM, "out of memory");
     if (!rc) rc = cs_sampler_init(&r->sampling, s->n_vocab, &q->smp);
     cs_stop_params sp = r->stop;
-    if (sp.max_tokens > s->ctx_len - n_real) sp.max_tokens = s->ctx_len - n_real; /* the context ends it */
+    if (sp.max_tokens > s->ctx_len - n_real)
+        sp.max_tokens = s->ctx_len - n_real; /* the context ends it */
     if (!rc) rc = cs_stop_init(s->tok, &sp, &q->stop);
     /* Resumed tokens: the stop checker sees them as generated (max_tokens,
      * stop strings spanning the resume point); their text was shown before. */
@@ -210,13 +214,14 @@ int cs_sched_add(cs_sched *s, const cs_request *r) {
         free(text);
         if (!rc && fin != CS_FINISH_NONE)
             rc = cs_fail(CS_EINVAL, "request %llu: its resumed tokens already end the sequence",
-                          (unsigned long long)r->id);
+                         (unsigned long long)r->id);
     }
     if (!rc && (r->reserve || r->kv_mode == CS_KV_REMOTE) &&
         (rc = cs_page_table_reserve(&q->pt, s->kv, r->n_prompt)) == CS_ENOSPC)
-        rc = cs_fail(CS_ENOSPC, "request %llu: no room now: its %d tokens need %d KV pages, %d are free",
-                      (unsigned long long)r->id, r->n_prompt, (r->n_prompt + s->page_size - 1) / s->page_size,
-                      cs_kv_cache_n_free(s->kv) + cs_kv_cache_n_cached(s->kv));
+        rc = cs_fail(
+            CS_ENOSPC, "request %llu: no room now: its %d tokens need %d KV pages, %d are free",
+            (unsigned long long)r->id, r->n_prompt, (r->n_prompt + s->page_size - 1) / s->page_size,
+            cs_kv_cache_n_free(s->kv) + cs_kv_cache_n_cached(s->kv));
     if (rc) {
         seq_free(s, q);
         return rc;
@@ -246,7 +251,8 @@ int cs_sched_kv_pages(cs_sched *s, uint64_t id, const int32_t **pages, int32_t *
     seq **link;
     seq *q = find(s, id, &link);
     if (!q || q->admitted || q->n_computed || !q->pt.n_pages)
-        return cs_fail(CS_ENOENT, "request %llu has no reserved pages waiting", (unsigned long long)id);
+        return cs_fail(CS_ENOENT, "request %llu has no reserved pages waiting",
+                       (unsigned long long)id);
     *pages = q->pt.pages;
     *n_pages = (q->n_context + s->page_size - 1) / s->page_size;
     return 0;
@@ -259,7 +265,7 @@ int cs_sched_kv_ready(cs_sched *s, uint64_t id, int32_t first_token) {
         return cs_fail(CS_ENOENT, "request %llu is not waiting for its KV", (unsigned long long)id);
     if (first_token < 0 || first_token >= s->n_vocab)
         return cs_fail(CS_EINVAL, "request %llu: first token %d is outside the vocabulary (0..%d)",
-                        (unsigned long long)id, first_token, s->n_vocab - 1);
+                       (unsigned long long)id, first_token, s->n_vocab - 1);
     q->kv_ready = true;
     q->first_token = first_token;
     s->n_kv_ready++;
@@ -285,7 +291,8 @@ int cs_sched_cancel(cs_sched *s, uint64_t id) {
 /* Takes back the longest cached prefix of a sequence that has nothing
  * computed, leaving at least one token to compute (it yields the logits). */
 static void reuse_prefix(cs_sched *s, seq *q) {
-    if (!s->p.enable_prefix_caching || q->n_computed || q->pt.n_pages) return; /* pages reserved at add */
+    if (!s->p.enable_prefix_caching || q->n_computed || q->pt.n_pages)
+        return; /* pages reserved at add */
     int32_t full = (q->n_tokens - 1) / s->page_size;
     if (full > q->pt.cap) {
         int32_t *np = realloc(q->pt.pages, (size_t)full * sizeof *np);
@@ -381,8 +388,8 @@ static void unlink_running(cs_sched *s, seq *q) {
 /* Records token id for q (sampled here, or by the prefill side) and emits
  * its event. A finished sequence leaves the running list: freed now, or kept
  * until the next step when its pages are reported (PREFILL_ONLY). */
-static int emit_token(cs_sched *s, seq *q, int32_t id, float lp, const int32_t *pages, int32_t first_page,
-                      int32_t n_pages) {
+static int emit_token(cs_sched *s, seq *q, int32_t id, float lp, const int32_t *pages,
+                      int32_t first_page, int32_t n_pages) {
     char *text = NULL;
     enum cs_finish fin = CS_FINISH_NONE;
     if (q->kv_mode == CS_KV_PREFILL_ONLY)
@@ -585,8 +592,9 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
          * once the whole context is computed) */
         int32_t first = 0, n_new = 0;
         if (q->kv_mode == CS_KV_PREFILL_ONLY) {
-            int32_t done = q->n_computed >= q->n_context ? (q->n_context + s->page_size - 1) / s->page_size
-                                                         : q->n_computed / s->page_size;
+            int32_t done = q->n_computed >= q->n_context
+                               ? (q->n_context + s->page_size - 1) / s->page_size
+                               : q->n_computed / s->page_size;
             if (done > q->n_reported) {
                 first = q->n_reported;
                 n_new = done - q->n_reported;
@@ -606,8 +614,10 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
             continue;
         }
         float lp = 0;
-        int32_t id = cs_sampler_sample(q->smp, s->logits + (size_t)li++ * s->n_vocab, q->logprobs ? &lp : NULL);
-        if ((r = emit_token(s, q, id, lp, n_new ? q->pt.pages + first : NULL, first, n_new))) return r;
+        int32_t id = cs_sampler_sample(q->smp, s->logits + (size_t)li++ * s->n_vocab,
+                                       q->logprobs ? &lp : NULL);
+        if ((r = emit_token(s, q, id, lp, n_new ? q->pt.pages + first : NULL, first, n_new)))
+            return r;
         s->owners[i] = NULL;
     }
     CS_ASSERT(li == n_logits);

@@ -69,7 +69,11 @@ static void finish_live(cs_serve *sv, live **l, const cs_event *ev) {
 
 /* The one event that ends a request without a token (cancel, refusal). */
 static cs_event end_event(uint64_t id, enum cs_finish finish, int32_t n_prompt, const char *error) {
-    return (cs_event){.id = id, .token = -1, .text = "", .finish = finish, .n_prompt_tokens = n_prompt,
+    return (cs_event){.id = id,
+                      .token = -1,
+                      .text = "",
+                      .finish = finish,
+                      .n_prompt_tokens = n_prompt,
                       .error = error};
 }
 
@@ -100,7 +104,8 @@ static void apply(cs_serve *sv, pending *p) {
     int r = *l ? cs_fail(CS_EINVAL, "request id %llu is already live", (unsigned long long)p->r.id)
                : cs_sched_add(sv->sched, &p->r);
     if (r) {
-        cs_event ev = end_event(p->r.id, CS_FINISH_ERROR, p->r.n_prompt - p->r.n_resumed, cs_last_error());
+        cs_event ev =
+            end_event(p->r.id, CS_FINISH_ERROR, p->r.n_prompt - p->r.n_resumed, cs_last_error());
         ev.status = r;
         p->cb(p->user, &ev);
         return;
@@ -117,7 +122,8 @@ static void apply(cs_serve *sv, pending *p) {
     /* admission event: the reserved pages (decode workers start the KV
      * transfer into them) */
     cs_event ev = end_event(p->r.id, CS_FINISH_NONE, p->r.n_prompt - p->r.n_resumed, NULL);
-    if (cs_sched_kv_pages(sv->sched, p->r.id, &ev.kv_pages, &ev.kv_n_pages) == 0) x->cb(x->user, &ev);
+    if (cs_sched_kv_pages(sv->sched, p->r.id, &ev.kv_pages, &ev.kv_n_pages) == 0)
+        x->cb(x->user, &ev);
 }
 
 static void *loop(void *arg) {

@@ -29,12 +29,15 @@ struct cs_stop {
 
 int cs_stop_init(const cs_tokenizer *tok, const cs_stop_params *p, cs_stop **out) {
     *out = NULL;
-    if (p->max_tokens < 1) return cs_fail(CS_EINVAL, "max_tokens %d must be at least 1", p->max_tokens);
+    if (p->max_tokens < 1)
+        return cs_fail(CS_EINVAL, "max_tokens %d must be at least 1", p->max_tokens);
     if (p->n_stop > MAX_STOPS || p->n_stop_ids > MAX_STOPS)
-        return cs_fail(CS_EINVAL, "at most %d stop strings and %d stop token ids", MAX_STOPS, MAX_STOPS);
+        return cs_fail(CS_EINVAL, "at most %d stop strings and %d stop token ids", MAX_STOPS,
+                       MAX_STOPS);
     for (size_t i = 0; i < p->n_stop; i++) {
         size_t n = p->stop[i] ? strlen(p->stop[i]) : 0;
-        if (n == 0 || n > MAX_STOP_LEN) return cs_fail(CS_EINVAL, "stop string %zu must be 1..%d bytes", i, MAX_STOP_LEN);
+        if (n == 0 || n > MAX_STOP_LEN)
+            return cs_fail(CS_EINVAL, "stop string %zu must be 1..%d bytes", i, MAX_STOP_LEN);
         if (!cs__utf8_valid((const uint8_t *)p->stop[i], n))
             return cs_fail(CS_EINVAL, "stop string %zu is not valid UTF-8", i);
     }
@@ -69,7 +72,8 @@ int cs_stop_init(const cs_tokenizer *tok, const cs_stop_params *p, cs_stop **out
 
 void cs_stop_free(cs_stop *s) {
     if (!s) return;
-    for (size_t i = 0; i < s->n_stop; i++) free(s->stop[i]);
+    for (size_t i = 0; i < s->n_stop; i++)
+        free(s->stop[i]);
     free(s->stop);
     free(s->stop_len);
     free(s->stop_ids);
@@ -77,12 +81,15 @@ void cs_stop_free(cs_stop *s) {
     free(s);
 }
 
-int32_t cs_stop_n_tokens(const cs_stop *s) { return s->n_tokens; }
+int32_t cs_stop_n_tokens(const cs_stop *s) {
+    return s->n_tokens;
+}
 
 static int append(cs_stop *s, const char *p, size_t n) {
     if (s->len + n + 1 > s->cap) {
         size_t cap = s->cap ? s->cap : 64;
-        while (cap < s->len + n + 1) cap *= 2;
+        while (cap < s->len + n + 1)
+            cap *= 2;
         char *nb = realloc(s->buf, cap);
         if (!nb) return cs_fail(CS_ENOMEM, "out of memory");
         s->buf = nb;
@@ -110,10 +117,12 @@ static int take(cs_stop *s, size_t n, char **text) {
 int cs_stop_push(cs_stop *s, int32_t id, char **text, enum cs_finish *finish) {
     *text = NULL;
     *finish = CS_FINISH_NONE;
-    if (id < 0 || id >= cs_tokenizer_n_vocab(s->tok)) return cs_fail(CS_EINVAL, "token id %d is outside the vocabulary", id);
+    if (id < 0 || id >= cs_tokenizer_n_vocab(s->tok))
+        return cs_fail(CS_EINVAL, "token id %d is outside the vocabulary", id);
     s->n_tokens++;
     bool stop_token = !s->ignore_eos && cs_tokenizer_is_eog(s->tok, id);
-    for (size_t i = 0; i < s->n_stop_ids; i++) stop_token |= s->stop_ids[i] == id;
+    for (size_t i = 0; i < s->n_stop_ids; i++)
+        stop_token |= s->stop_ids[i] == id;
     int r;
     if (stop_token) { /* the stop token's own text is not shown */
         *finish = CS_FINISH_STOP;
@@ -146,7 +155,8 @@ int cs_stop_push(cs_stop *s, int32_t id, char **text, enum cs_finish *finish) {
     if (*finish != CS_FINISH_NONE) { /* flush held text and any incomplete character */
         char tail[16];
         size_t n = 0;
-        if (*finish == CS_FINISH_LENGTH && (r = cs_detok_flush(&s->detok, tail, sizeof tail, &n)) == 0 && n)
+        if (*finish == CS_FINISH_LENGTH &&
+            (r = cs_detok_flush(&s->detok, tail, sizeof tail, &n)) == 0 && n)
             if ((r = append(s, tail, n))) return r;
         return take(s, s->len, text);
     }
@@ -162,6 +172,7 @@ int cs_stop_push(cs_stop *s, int32_t id, char **text, enum cs_finish *finish) {
     }
     /* never split a UTF-8 character when emitting */
     size_t emit = s->len - hold;
-    while (emit > 0 && emit < s->len && ((unsigned char)s->buf[emit] & 0xc0) == 0x80) emit--;
+    while (emit > 0 && emit < s->len && ((unsigned char)s->buf[emit] & 0xc0) == 0x80)
+        emit--;
     return take(s, emit, text);
 }

@@ -119,7 +119,7 @@ static int cmp_special(const void *a, const void *b) {
 static int check_id(int32_t id, int32_t n_vocab, const char *what) {
     if (id < -1 || id >= n_vocab)
         return cs_fail(CS_EBADMSG, "tokenizer: %s id %d out of range (n_vocab %d)", what, id,
-                        n_vocab);
+                       n_vocab);
     return 0;
 }
 
@@ -189,7 +189,7 @@ static int build_tokens(cs_tokenizer *tok, const cs_vocab_spec *spec) {
             const char *t2 = cs__tok_text(tok, tok->text_map[h], &l2);
             if (l2 == len && memcmp(t, t2, len) == 0)
                 return cs_fail(CS_EBADMSG, "tokenizer: tokens %d and %d are both '%.40s'",
-                                tok->text_map[h], i, t);
+                               tok->text_map[h], i, t);
             h = (h + 1) & tok->text_map_mask;
         }
         tok->text_map[h] = i;
@@ -251,7 +251,7 @@ static int build_merges(cs_tokenizer *tok, const cs_vocab_spec *spec) {
         int32_t result = left >= 0 && right >= 0 ? text_lookup(tok, buf, ll + rl) : -1;
         if (result < 0) {
             rc = cs_fail(CS_EBADMSG, "tokenizer: merge %d ('%.*s') refers to unknown tokens", r,
-                          (int)(len < 60 ? len : 60), m);
+                         (int)(len < 60 ? len : 60), m);
             break;
         }
         uint64_t key = ((uint64_t)(uint32_t)left << 32) | (uint32_t)right;
@@ -260,7 +260,7 @@ static int build_merges(cs_tokenizer *tok, const cs_vocab_spec *spec) {
             h = (h + 1) & tok->merge_map_mask;
         if (tok->merge_map[h].key == key) {
             rc = cs_fail(CS_EBADMSG, "tokenizer: merge %d ('%.*s') duplicates merge %d", r,
-                          (int)(len < 60 ? len : 60), m, tok->merge_map[h].rank);
+                         (int)(len < 60 ? len : 60), m, tok->merge_map[h].rank);
             break;
         }
         tok->merge_map[h].key = key;
@@ -694,7 +694,7 @@ int cs_tokenizer_decode(const cs_tokenizer *tok, const int32_t *ids, size_t n_id
         int32_t id = ids[i];
         if (id < 0 || id >= tok->n_vocab)
             return cs_fail(CS_EINVAL, "tokenizer: token id %d out of range (n_vocab %d)", id,
-                            tok->n_vocab);
+                           tok->n_vocab);
         if (skip_special && (tok->attrs[id] & CS__TOK_SPECIAL)) continue;
         total += tok->bytes_off[id + 1] - tok->bytes_off[id] - 1;
     }
@@ -741,7 +741,7 @@ int cs_detok_push(cs_detok *d, int32_t id, char *out, size_t out_cap, size_t *ou
     const cs_tokenizer *tok = d->tok;
     if (id < 0 || id >= tok->n_vocab)
         return cs_fail(CS_EINVAL, "tokenizer: token id %d out of range (n_vocab %d)", id,
-                        tok->n_vocab);
+                       tok->n_vocab);
     const uint8_t *b = (const uint8_t *)tok->bytes + tok->bytes_off[id];
     size_t nb = tok->bytes_off[id + 1] - tok->bytes_off[id] - 1;
     if (d->skip_special && (tok->attrs[id] & CS__TOK_SPECIAL)) nb = 0;
@@ -759,7 +759,7 @@ int cs_detok_push(cs_detok *d, int32_t id, char *out, size_t out_cap, size_t *ou
     int rc = 0;
     if (need > out_cap) {
         rc = cs_fail(CS_ERANGE, "tokenizer: detok buffer of %zu bytes too small (need %zu)",
-                      out_cap, need);
+                     out_cap, need);
     } else {
         utf8_sanitize(buf, n, (uint8_t *)out, true, NULL);
         /* What is held back is a proper prefix of one character: < 4 bytes. */

@@ -53,7 +53,7 @@ static int check_byte_level(const cJSON *o, int want_regex) {
         return cs_fail(CS_ENOTSUP, "tokenizer.json: ByteLevel add_prefix_space is not supported");
     if (rx != want_regex)
         return cs_fail(CS_ENOTSUP, "tokenizer.json: ByteLevel use_regex=%s is not supported here",
-                        rx ? "true" : "false");
+                       rx ? "true" : "false");
     return 0;
 }
 
@@ -69,16 +69,15 @@ static int parse_pretok(const cJSON *pt, enum cs_pretok *out) {
     if (!cJSON_IsArray(list))
         return cs_fail(CS_EBADMSG, "tokenizer.json: Sequence pre-tokenizer without a list");
     if (cJSON_GetArraySize(list) != 2)
-        return cs_fail(CS_ENOTSUP,
-                        "tokenizer.json: Sequence of %d pre-tokenizers is not supported",
-                        cJSON_GetArraySize(list));
+        return cs_fail(CS_ENOTSUP, "tokenizer.json: Sequence of %d pre-tokenizers is not supported",
+                       cJSON_GetArraySize(list));
     const cJSON *a = cJSON_GetArrayItem(list, 0), *b = cJSON_GetArrayItem(list, 1);
     if (is_type(a, "Digits")) {
         int ind = opt_bool(a, "individual_digits", 0);
         if (ind < 0) return cs_fail(CS_EBADMSG, "tokenizer.json: bad Digits options");
         if (!ind)
             return cs_fail(CS_ENOTSUP,
-                            "tokenizer.json: Digits without individual_digits is not supported");
+                           "tokenizer.json: Digits without individual_digits is not supported");
         *out = CS_PRETOK_SMOLLM;
         return check_byte_level(b, 1);
     }
@@ -89,17 +88,17 @@ static int parse_pretok(const cJSON *pt, enum cs_pretok *out) {
         int invert = opt_bool(a, "invert", 0);
         if (!cJSON_IsString(re) || !cJSON_IsString(beh) || invert < 0)
             return cs_fail(CS_ENOTSUP,
-                            "tokenizer.json: Split pre-tokenizer without a Regex pattern");
+                           "tokenizer.json: Split pre-tokenizer without a Regex pattern");
         if (strcmp(beh->valuestring, "Isolated") != 0 || invert)
             return cs_fail(CS_ENOTSUP, "tokenizer.json: Split behavior '%s'%s is not supported",
-                            beh->valuestring, invert ? " (inverted)" : "");
+                           beh->valuestring, invert ? " (inverted)" : "");
         if (strcmp(re->valuestring, re_llama3) == 0) {
             *out = CS_PRETOK_LLAMA3;
         } else if (strcmp(re->valuestring, re_qwen2) == 0) {
             *out = CS_PRETOK_QWEN2;
         } else {
             return cs_fail(CS_ENOTSUP, "tokenizer.json: unsupported Split regex '%.120s'",
-                            re->valuestring);
+                           re->valuestring);
         }
         return check_byte_level(b, 0);
     }
@@ -175,7 +174,7 @@ static int parse_vocab(const cJSON *model, const cJSON *added, hf_parts *p) {
         read_id(it, &id, "");
         if (p->tokens[id])
             return cs_fail(CS_EBADMSG, "tokenizer.json: id %d is used by '%.40s' and '%.40s'", id,
-                            p->tokens[id], it->string);
+                           p->tokens[id], it->string);
         p->tokens[id] = it->string;
     }
     cJSON_ArrayForEach(it, added) {
@@ -186,8 +185,8 @@ static int parse_vocab(const cJSON *model, const cJSON *added, hf_parts *p) {
         read_id(cJSON_GetObjectItemCaseSensitive(it, "id"), &id, "");
         if (p->tokens[id] && strcmp(p->tokens[id], content->valuestring) != 0)
             return cs_fail(CS_EBADMSG,
-                            "tokenizer.json: added token '%.40s' reuses id %d of '%.40s'",
-                            content->valuestring, id, p->tokens[id]);
+                           "tokenizer.json: added token '%.40s' reuses id %d of '%.40s'",
+                           content->valuestring, id, p->tokens[id]);
         p->tokens[id] = content->valuestring;
         p->types[id] = special ? CS_TOKEN_CONTROL : CS_TOKEN_USER_DEFINED;
     }
@@ -223,7 +222,7 @@ static int parse_merges(const cJSON *model, hf_parts *p) {
                 return cs_fail(CS_EBADMSG, "tokenizer.json: merge %d has a token with a space", i);
         } else {
             return cs_fail(CS_EBADMSG,
-                            "tokenizer.json: merge %d is neither \"a b\" nor [\"a\", \"b\"]", i);
+                           "tokenizer.json: merge %d is neither \"a b\" nor [\"a\", \"b\"]", i);
         }
         size_t ll = strlen(l), rl = r ? strlen(r) : 0;
         s = malloc(ll + rl + 2);
@@ -265,13 +264,13 @@ static int parse_post(const cJSON *pp, hf_parts *p) {
     if (!cJSON_GetObjectItemCaseSensitive(last, "Sequence") || n > 2 ||
         (n == 2 && !cJSON_IsString(sid)))
         return cs_fail(CS_ENOTSUP, "tokenizer.json: TemplateProcessing other than \"$A\" or "
-                                    "\"<bos> $A\" is not supported");
+                                   "\"<bos> $A\" is not supported");
     if (n == 2) {
         int32_t id = find_token(p, sid->valuestring);
         if (id < 0)
             return cs_fail(CS_EBADMSG,
-                            "tokenizer.json: post-processor token '%.40s' is not in the vocabulary",
-                            sid->valuestring);
+                           "tokenizer.json: post-processor token '%.40s' is not in the vocabulary",
+                           sid->valuestring);
         p->post_bos = true;
         p->post_bos_id = id;
     }
@@ -288,7 +287,7 @@ static int config_token(const cJSON *cfg, const char *key, const hf_parts *p, in
     int32_t t = find_token(p, v->valuestring);
     if (t < 0)
         return cs_fail(CS_EBADMSG, "tokenizer_config.json: %s '%.40s' is not in the vocabulary",
-                        key, v->valuestring);
+                       key, v->valuestring);
     *id = t;
     return 0;
 }
@@ -314,7 +313,7 @@ static int config_template(const cJSON *cfg, const char **out) {
         return 0;
     }
     return cs_fail(CS_EBADMSG,
-                    "tokenizer_config.json: chat_template is neither a string nor a list");
+                   "tokenizer_config.json: chat_template is neither a string nor a list");
 }
 
 int cs__tokenizer_from_hf_json(const char *tokenizer_json, size_t len, const char *config_json,
@@ -345,7 +344,7 @@ int cs__tokenizer_from_hf_json(const char *tokenizer_json, size_t len, const cha
     const char *mtype = type_of(model);
     if (mtype ? strcmp(mtype, "BPE") != 0 : !cJSON_HasObjectItem(model, "merges")) {
         rc = cs_fail(CS_ENOTSUP, "tokenizer.json: model type '%s' is not supported (BPE is)",
-                      mtype ? mtype : "(none)");
+                     mtype ? mtype : "(none)");
         goto fail;
     }
     const cJSON *v = cJSON_GetObjectItemCaseSensitive(model, "dropout");
@@ -387,7 +386,7 @@ int cs__tokenizer_from_hf_json(const char *tokenizer_json, size_t len, const cha
     v = cJSON_GetObjectItemCaseSensitive(model, "unk_token");
     if (cJSON_IsString(v) && (spec.unk_id = find_token(&p, v->valuestring)) < 0) {
         rc = cs_fail(CS_EBADMSG, "tokenizer.json: unk_token '%.40s' is not in the vocabulary",
-                      v->valuestring);
+                     v->valuestring);
         goto fail;
     }
     if (p.post_bos) {

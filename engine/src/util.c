@@ -80,4 +80,3 @@ int cs__read_file(const char *path, char **out, size_t *len) {
     if (len) *len = n;
     return 0;
 }
-

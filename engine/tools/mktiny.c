@@ -36,7 +36,9 @@ static uint64_t next_u64(void) {
     z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
     return z ^ (z >> 31);
 }
-static float uniform(float a) { return ((float)(next_u64() >> 40) / (float)(1 << 24) * 2.0f - 1.0f) * a; }
+static float uniform(float a) {
+    return ((float)(next_u64() >> 40) / (float)(1 << 24) * 2.0f - 1.0f) * a;
+}
 
 /* ---- tokenizer: byte-level BPE trained on a small corpus ---- */
 static const char *corpus =
@@ -54,8 +56,10 @@ static const char *corpus =
 static const char *special_tokens[N_SPECIAL] = {"<|endoftext|>", "<|im_start|>", "<|im_end|>"};
 static const char *chat_template =
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
-    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
-    "{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
+    "Face<|im_end|>\n' }}"
+    "{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + "
+    "'\n'}}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
 
 typedef struct {
@@ -67,19 +71,27 @@ typedef struct {
 
 static char *xstrdup(const char *s) {
     char *d = strdup(s);
-    if (!d) { fprintf(stderr, "mktiny: out of memory\n"); exit(1); }
+    if (!d) {
+        fprintf(stderr, "mktiny: out of memory\n");
+        exit(1);
+    }
     return d;
 }
 
 /* Splits the corpus into words: an optional leading space plus a run of
  * letters, single digits, or runs of other non-space bytes. Any split works
  * for training: merges never cross word boundaries. */
-typedef struct { int *sym; int n; int count; } word;
+typedef struct {
+    int *sym;
+    int n;
+    int count;
+} word;
 
 static void train_bpe(vocab *v, int n_merges) {
     v->tokens = calloc(N_SPECIAL + 256 + (size_t)n_merges, sizeof(char *));
     v->merges = calloc((size_t)n_merges, sizeof(char *));
-    for (int i = 0; i < N_SPECIAL; i++) v->tokens[v->n_tokens++] = xstrdup(special_tokens[i]);
+    for (int i = 0; i < N_SPECIAL; i++)
+        v->tokens[v->n_tokens++] = xstrdup(special_tokens[i]);
     for (int b = 0; b < 256; b++) {
         uint8_t u[5] = {0};
         cs__utf8_encode(cs__byte_to_unicode((uint8_t)b), u);
@@ -93,7 +105,8 @@ static void train_bpe(vocab *v, int n_merges) {
         size_t j = i;
         if (s[j] == ' ' && j + 1 < len && s[j + 1] != ' ') j++;
         if ((s[j] | 32) >= 'a' && (s[j] | 32) <= 'z') {
-            while (j < len && (s[j] | 32) >= 'a' && (s[j] | 32) <= 'z') j++;
+            while (j < len && (s[j] | 32) >= 'a' && (s[j] | 32) <= 'z')
+                j++;
         } else {
             j++;
         }
@@ -102,7 +115,8 @@ static void train_bpe(vocab *v, int n_merges) {
         w->n = (int)(j - i);
         w->count = 1;
         w->sym = malloc((size_t)w->n * sizeof(int));
-        for (int k = 0; k < w->n; k++) w->sym[k] = N_SPECIAL + s[i + k];
+        for (int k = 0; k < w->n; k++)
+            w->sym[k] = N_SPECIAL + s[i + k];
         i = j;
     }
     int cap = N_SPECIAL + 256 + n_merges;
@@ -139,7 +153,8 @@ static void train_bpe(vocab *v, int n_merges) {
             words[w].n = o;
         }
     }
-    for (int w = 0; w < n_words; w++) free(words[w].sym);
+    for (int w = 0; w < n_words; w++)
+        free(words[w].sym);
     free(words);
     free(pair_count);
 }
@@ -152,8 +167,8 @@ typedef struct {
     float *data;
 } tensor;
 
-static int add_tensor(tensor *ts, int n, const char *gguf, const char *hf, int layer, int rows, int cols,
-                      float scale, float offset, int perm_heads) {
+static int add_tensor(tensor *ts, int n, const char *gguf, const char *hf, int layer, int rows,
+                      int cols, float scale, float offset, int perm_heads) {
     tensor *t = &ts[n];
     snprintf(t->gguf, sizeof t->gguf, gguf, layer);
     snprintf(t->hf, sizeof t->hf, hf, layer);
@@ -162,7 +177,8 @@ static int add_tensor(tensor *ts, int n, const char *gguf, const char *hf, int l
     t->perm_heads = perm_heads;
     size_t count = (size_t)rows * (size_t)(cols ? cols : 1);
     t->data = malloc(count * sizeof(float));
-    for (size_t i = 0; i < count; i++) t->data[i] = offset + uniform(scale);
+    for (size_t i = 0; i < count; i++)
+        t->data[i] = offset + uniform(scale);
     return n + 1;
 }
 
@@ -172,26 +188,41 @@ static void *quantize(enum cs_dtype type, const float *x, size_t n, size_t *nbyt
 static int build_tensors(const tiny_cfg *c, int n_vocab, tensor *ts) {
     int n = 0, q = c->n_heads * c->head_dim, kv = c->n_kv_heads * c->head_dim;
     bool llama = !strcmp(c->arch, "llama");
-    n = add_tensor(ts, n, "token_embd.weight", "model.embed_tokens.weight", 0, n_vocab, c->dim, 1.0f, 0, 0);
+    n = add_tensor(ts, n, "token_embd.weight", "model.embed_tokens.weight", 0, n_vocab, c->dim,
+                   1.0f, 0, 0);
     n = add_tensor(ts, n, "output_norm.weight", "model.norm.weight", 0, c->dim, 0, 0.1f, 1.0f, 0);
     if (c->untied)
-        n = add_tensor(ts, n, "output.weight", "lm_head.weight", 0, n_vocab, c->dim, sqrtf(3.0f / c->dim), 0, 0);
+        n = add_tensor(ts, n, "output.weight", "lm_head.weight", 0, n_vocab, c->dim,
+                       sqrtf(3.0f / c->dim), 0, 0);
     for (int l = 0; l < c->n_layers; l++) {
         float sd = sqrtf(3.0f / c->dim), sh = sqrtf(3.0f / c->hidden), sq = sqrtf(3.0f / q);
-        n = add_tensor(ts, n, "blk.%d.attn_norm.weight", "model.layers.%d.input_layernorm.weight", l, c->dim, 0, 0.1f, 1.0f, 0);
-        n = add_tensor(ts, n, "blk.%d.attn_q.weight", "model.layers.%d.self_attn.q_proj.weight", l, q, c->dim, sd * 2, 0, llama ? c->n_heads : 0);
-        n = add_tensor(ts, n, "blk.%d.attn_k.weight", "model.layers.%d.self_attn.k_proj.weight", l, kv, c->dim, sd * 2, 0, llama ? c->n_kv_heads : 0);
-        n = add_tensor(ts, n, "blk.%d.attn_v.weight", "model.layers.%d.self_attn.v_proj.weight", l, kv, c->dim, sd, 0, 0);
+        n = add_tensor(ts, n, "blk.%d.attn_norm.weight", "model.layers.%d.input_layernorm.weight",
+                       l, c->dim, 0, 0.1f, 1.0f, 0);
+        n = add_tensor(ts, n, "blk.%d.attn_q.weight", "model.layers.%d.self_attn.q_proj.weight", l,
+                       q, c->dim, sd * 2, 0, llama ? c->n_heads : 0);
+        n = add_tensor(ts, n, "blk.%d.attn_k.weight", "model.layers.%d.self_attn.k_proj.weight", l,
+                       kv, c->dim, sd * 2, 0, llama ? c->n_kv_heads : 0);
+        n = add_tensor(ts, n, "blk.%d.attn_v.weight", "model.layers.%d.self_attn.v_proj.weight", l,
+                       kv, c->dim, sd, 0, 0);
         if (c->bias) {
-            n = add_tensor(ts, n, "blk.%d.attn_q.bias", "model.layers.%d.self_attn.q_proj.bias", l, q, 0, 0.5f, 0, llama ? c->n_heads : 0);
-            n = add_tensor(ts, n, "blk.%d.attn_k.bias", "model.layers.%d.self_attn.k_proj.bias", l, kv, 0, 0.5f, 0, llama ? c->n_kv_heads : 0);
-            n = add_tensor(ts, n, "blk.%d.attn_v.bias", "model.layers.%d.self_attn.v_proj.bias", l, kv, 0, 0.5f, 0, 0);
+            n = add_tensor(ts, n, "blk.%d.attn_q.bias", "model.layers.%d.self_attn.q_proj.bias", l,
+                           q, 0, 0.5f, 0, llama ? c->n_heads : 0);
+            n = add_tensor(ts, n, "blk.%d.attn_k.bias", "model.layers.%d.self_attn.k_proj.bias", l,
+                           kv, 0, 0.5f, 0, llama ? c->n_kv_heads : 0);
+            n = add_tensor(ts, n, "blk.%d.attn_v.bias", "model.layers.%d.self_attn.v_proj.bias", l,
+                           kv, 0, 0.5f, 0, 0);
         }
-        n = add_tensor(ts, n, "blk.%d.attn_output.weight", "model.layers.%d.self_attn.o_proj.weight", l, c->dim, q, sq, 0, 0);
-        n = add_tensor(ts, n, "blk.%d.ffn_norm.weight", "model.layers.%d.post_attention_layernorm.weight", l, c->dim, 0, 0.1f, 1.0f, 0);
-        n = add_tensor(ts, n, "blk.%d.ffn_gate.weight", "model.layers.%d.mlp.gate_proj.weight", l, c->hidden, c->dim, sd, 0, 0);
-        n = add_tensor(ts, n, "blk.%d.ffn_up.weight", "model.layers.%d.mlp.up_proj.weight", l, c->hidden, c->dim, sd, 0, 0);
-        n = add_tensor(ts, n, "blk.%d.ffn_down.weight", "model.layers.%d.mlp.down_proj.weight", l, c->dim, c->hidden, sh, 0, 0);
+        n = add_tensor(ts, n, "blk.%d.attn_output.weight",
+                       "model.layers.%d.self_attn.o_proj.weight", l, c->dim, q, sq, 0, 0);
+        n = add_tensor(ts, n, "blk.%d.ffn_norm.weight",
+                       "model.layers.%d.post_attention_layernorm.weight", l, c->dim, 0, 0.1f, 1.0f,
+                       0);
+        n = add_tensor(ts, n, "blk.%d.ffn_gate.weight", "model.layers.%d.mlp.gate_proj.weight", l,
+                       c->hidden, c->dim, sd, 0, 0);
+        n = add_tensor(ts, n, "blk.%d.ffn_up.weight", "model.layers.%d.mlp.up_proj.weight", l,
+                       c->hidden, c->dim, sd, 0, 0);
+        n = add_tensor(ts, n, "blk.%d.ffn_down.weight", "model.layers.%d.mlp.down_proj.weight", l,
+                       c->dim, c->hidden, sh, 0, 0);
     }
     /* Vectors stay f32 in GGUF (as llama.cpp writes norms); matrices take the
      * type. The safetensors file stores everything as F16/BF16 when that is
@@ -209,7 +240,10 @@ static int build_tensors(const tiny_cfg *c, int n_vocab, tensor *ts) {
 
 static void *quantize(enum cs_dtype type, const float *x, size_t n, size_t *nbytes) {
     size_t nb = 0;
-    if (!cs__dtype_nbytes(type, n, &nb)) { fprintf(stderr, "mktiny: bad size for type\n"); exit(1); }
+    if (!cs__dtype_nbytes(type, n, &nb)) {
+        fprintf(stderr, "mktiny: bad size for type\n");
+        exit(1);
+    }
     uint8_t *out = calloc(1, nb), *o = out;
     *nbytes = nb;
     switch (type) {
@@ -224,11 +258,13 @@ static void *quantize(enum cs_dtype type, const float *x, size_t n, size_t *nbyt
     case CS_DTYPE_Q8_0:
         for (size_t b = 0; b < n / 32; b++, o += 34) {
             float amax = 0;
-            for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(x[b * 32 + j]));
+            for (int j = 0; j < 32; j++)
+                amax = fmaxf(amax, fabsf(x[b * 32 + j]));
             uint16_t dh = cs__f32_to_f16(amax / 127.0f);
             float d = cs__f16_to_f32(dh), id = d ? 1.0f / d : 0;
             memcpy(o, &dh, 2);
-            for (int j = 0; j < 32; j++) o[2 + j] = (uint8_t)(int8_t)lrintf(fminf(127, fmaxf(-127, x[b * 32 + j] * id)));
+            for (int j = 0; j < 32; j++)
+                o[2 + j] = (uint8_t)(int8_t)lrintf(fminf(127, fmaxf(-127, x[b * 32 + j] * id)));
         }
         break;
     case CS_DTYPE_Q4_0:
@@ -249,7 +285,8 @@ static void *quantize(enum cs_dtype type, const float *x, size_t n, size_t *nbyt
     case CS_DTYPE_Q4_1:
         for (size_t b = 0; b < n / 32; b++, o += 20) {
             float mn = INFINITY, mx = -INFINITY;
-            for (int j = 0; j < 32; j++) mn = fminf(mn, x[b * 32 + j]), mx = fmaxf(mx, x[b * 32 + j]);
+            for (int j = 0; j < 32; j++)
+                mn = fminf(mn, x[b * 32 + j]), mx = fmaxf(mx, x[b * 32 + j]);
             uint16_t dh = cs__f32_to_f16((mx - mn) / 15.0f), mh = cs__f32_to_f16(mn);
             float d = cs__f16_to_f32(dh), id = d ? 1.0f / d : 0;
             memcpy(o, &dh, 2);
@@ -267,23 +304,47 @@ static void *quantize(enum cs_dtype type, const float *x, size_t n, size_t *nbyt
 }
 
 /* ---- GGUF writer ---- */
-static void w_u32(FILE *f, uint32_t v) { fwrite(&v, 4, 1, f); }
-static void w_u64(FILE *f, uint64_t v) { fwrite(&v, 8, 1, f); }
-static void w_str(FILE *f, const char *s) { w_u64(f, strlen(s)); fwrite(s, 1, strlen(s), f); }
+static void w_u32(FILE *f, uint32_t v) {
+    fwrite(&v, 4, 1, f);
+}
+static void w_u64(FILE *f, uint64_t v) {
+    fwrite(&v, 8, 1, f);
+}
+static void w_str(FILE *f, const char *s) {
+    w_u64(f, strlen(s));
+    fwrite(s, 1, strlen(s), f);
+}
 static uint64_t n_kv_written; /* patched into the header once all pairs are out */
-static void kv_key(FILE *f, const char *k, uint32_t type) { w_str(f, k); w_u32(f, type); n_kv_written++; }
-static void kv_str(FILE *f, const char *k, const char *v) { kv_key(f, k, 8); w_str(f, v); }
-static void kv_u32(FILE *f, const char *k, uint32_t v) { kv_key(f, k, 4); w_u32(f, v); }
-static void kv_f32(FILE *f, const char *k, float v) { kv_key(f, k, 6); fwrite(&v, 4, 1, f); }
-static void kv_bool(FILE *f, const char *k, bool v) { kv_key(f, k, 7); uint8_t b = v; fwrite(&b, 1, 1, f); }
+static void kv_key(FILE *f, const char *k, uint32_t type) {
+    w_str(f, k);
+    w_u32(f, type);
+    n_kv_written++;
+}
+static void kv_str(FILE *f, const char *k, const char *v) {
+    kv_key(f, k, 8);
+    w_str(f, v);
+}
+static void kv_u32(FILE *f, const char *k, uint32_t v) {
+    kv_key(f, k, 4);
+    w_u32(f, v);
+}
+static void kv_f32(FILE *f, const char *k, float v) {
+    kv_key(f, k, 6);
+    fwrite(&v, 4, 1, f);
+}
+static void kv_bool(FILE *f, const char *k, bool v) {
+    kv_key(f, k, 7);
+    uint8_t b = v;
+    fwrite(&b, 1, 1, f);
+}
 
 static void permute_rows(const float *src, float *dst, int n_heads, int head_dim, int cols) {
     int half = head_dim / 2, c = cols ? cols : 1;
     for (int h = 0; h < n_heads; h++)
         for (int i = 0; i < half; i++)
             for (int j = 0; j < 2; j++)
-                memcpy(dst + ((size_t)h * head_dim + 2 * i + j) * c, src + ((size_t)h * head_dim + j * half + i) * c,
-                       (size_t)c * sizeof(float));
+                memcpy(dst + ((size_t)h * head_dim + 2 * i + j) * c,
+                       src + ((size_t)h * head_dim + j * half + i) * c, (size_t)c * sizeof(float));
 }
 
 static int write_gguf(const char *path, const tiny_cfg *c, const vocab *v, tensor *ts, int n) {
@@ -316,15 +377,18 @@ static int write_gguf(const char *path, const tiny_cfg *c, const vocab *v, tenso
     kv_key(f, "tokenizer.ggml.tokens", 9);
     w_u32(f, 8);
     w_u64(f, (uint64_t)v->n_tokens);
-    for (int i = 0; i < v->n_tokens; i++) w_str(f, v->tokens[i]);
+    for (int i = 0; i < v->n_tokens; i++)
+        w_str(f, v->tokens[i]);
     kv_key(f, "tokenizer.ggml.token_type", 9);
     w_u32(f, 5);
     w_u64(f, (uint64_t)v->n_tokens);
-    for (int i = 0; i < v->n_tokens; i++) w_u32(f, i < N_SPECIAL ? 3 : 1);
+    for (int i = 0; i < v->n_tokens; i++)
+        w_u32(f, i < N_SPECIAL ? 3 : 1);
     kv_key(f, "tokenizer.ggml.merges", 9);
     w_u32(f, 8);
     w_u64(f, (uint64_t)v->n_merges);
-    for (int i = 0; i < v->n_merges; i++) w_str(f, v->merges[i]);
+    for (int i = 0; i < v->n_merges; i++)
+        w_str(f, v->merges[i]);
     kv_u32(f, "tokenizer.ggml.bos_token_id", 1);
     kv_u32(f, "tokenizer.ggml.eos_token_id", 2);
     kv_u32(f, "tokenizer.ggml.unknown_token_id", 0);
@@ -364,10 +428,12 @@ static int write_gguf(const char *path, const tiny_cfg *c, const vocab *v, tenso
         off += (sizes[i] + 31) / 32 * 32;
     }
     long pos = ftell(f);
-    for (long p = pos; p % 32; p++) fputc(0, f);
+    for (long p = pos; p % 32; p++)
+        fputc(0, f);
     for (int i = 0; i < n; i++) {
         fwrite(blobs[i], 1, sizes[i], f);
-        for (size_t p = sizes[i]; p % 32; p++) fputc(0, f);
+        for (size_t p = sizes[i]; p % 32; p++)
+            fputc(0, f);
         free(blobs[i]);
     }
     free(blobs);
@@ -386,13 +452,17 @@ static int write_text(const char *path, const char *text) {
 static int write_hf(const char *dir, const tiny_cfg *c, const vocab *v, tensor *ts, int n) {
     char path[4096];
     if (mkdir(dir, 0755) && errno != EEXIST) return -1;
-    enum cs_dtype st_type = c->type == CS_DTYPE_F16 || c->type == CS_DTYPE_BF16 ? c->type : CS_DTYPE_F32;
-    const char *st_name = st_type == CS_DTYPE_F16 ? "F16" : st_type == CS_DTYPE_BF16 ? "BF16" : "F32";
+    enum cs_dtype st_type =
+        c->type == CS_DTYPE_F16 || c->type == CS_DTYPE_BF16 ? c->type : CS_DTYPE_F32;
+    const char *st_name = st_type == CS_DTYPE_F16    ? "F16"
+                          : st_type == CS_DTYPE_BF16 ? "BF16"
+                                                     : "F32";
     /* config.json */
     cJSON *cfg = cJSON_CreateObject();
     cJSON_AddStringToObject(cfg, "model_type", c->arch);
     cJSON *archs = cJSON_AddArrayToObject(cfg, "architectures");
-    cJSON_AddItemToArray(archs, cJSON_CreateString(!strcmp(c->arch, "qwen2") ? "Qwen2ForCausalLM" : "LlamaForCausalLM"));
+    cJSON_AddItemToArray(archs, cJSON_CreateString(!strcmp(c->arch, "qwen2") ? "Qwen2ForCausalLM"
+                                                                             : "LlamaForCausalLM"));
     cJSON_AddNumberToObject(cfg, "vocab_size", v->n_tokens);
     cJSON_AddNumberToObject(cfg, "hidden_size", c->dim);
     cJSON_AddNumberToObject(cfg, "intermediate_size", c->hidden);
@@ -407,7 +477,10 @@ static int write_hf(const char *dir, const tiny_cfg *c, const vocab *v, tensor *
     cJSON_AddBoolToObject(cfg, "attention_bias", c->bias);
     cJSON_AddNumberToObject(cfg, "bos_token_id", 1);
     cJSON_AddNumberToObject(cfg, "eos_token_id", 2);
-    cJSON_AddStringToObject(cfg, "torch_dtype", st_type == CS_DTYPE_F16 ? "float16" : st_type == CS_DTYPE_BF16 ? "bfloat16" : "float32");
+    cJSON_AddStringToObject(cfg, "torch_dtype",
+                            st_type == CS_DTYPE_F16    ? "float16"
+                            : st_type == CS_DTYPE_BF16 ? "bfloat16"
+                                                       : "float32");
     char *text = cJSON_Print(cfg);
     snprintf(path, sizeof path, "%s/config.json", dir);
     int r = write_text(path, text);
@@ -455,9 +528,11 @@ static int write_hf(const char *dir, const tiny_cfg *c, const vocab *v, tensor *
     cJSON_AddNullToObject(model, "unk_token");
     cJSON_AddBoolToObject(model, "byte_fallback", false);
     cJSON *vj = cJSON_AddObjectToObject(model, "vocab");
-    for (int i = 0; i < v->n_tokens; i++) cJSON_AddNumberToObject(vj, v->tokens[i], i);
+    for (int i = 0; i < v->n_tokens; i++)
+        cJSON_AddNumberToObject(vj, v->tokens[i], i);
     cJSON *mj = cJSON_AddArrayToObject(model, "merges");
-    for (int i = 0; i < v->n_merges; i++) cJSON_AddItemToArray(mj, cJSON_CreateString(v->merges[i]));
+    for (int i = 0; i < v->n_merges; i++)
+        cJSON_AddItemToArray(mj, cJSON_CreateString(v->merges[i]));
     text = cJSON_PrintUnformatted(tj);
     snprintf(path, sizeof path, "%s/tokenizer.json", dir);
     r = write_text(path, text);
@@ -504,7 +579,8 @@ static int write_hf(const char *dir, const tiny_cfg *c, const vocab *v, tensor *
     }
     w_u64(f, padded);
     fwrite(text, 1, hlen, f);
-    for (size_t p = hlen; p < padded; p++) fputc(' ', f);
+    for (size_t p = hlen; p < padded; p++)
+        fputc(' ', f);
     free(text);
     for (int i = 0; i < n; i++) {
         tensor *t = &ts[i];
@@ -529,22 +605,40 @@ int main(int argc, char **argv) {
     const char *out = NULL;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *val = i + 1 < argc ? argv[i + 1] : NULL;
-        if (!strcmp(a, "--out") && val) out = argv[++i];
-        else if (!strcmp(a, "--untied")) c.untied = true;
-        else if (!strcmp(a, "--qwen2")) c.bias = true, c.arch = "qwen2";
-        else if (!strcmp(a, "--layers") && val) c.n_layers = atoi(argv[++i]);
-        else if (!strcmp(a, "--dim") && val) c.dim = atoi(argv[++i]);
-        else if (!strcmp(a, "--seed") && val) c.seed = strtoull(argv[++i], NULL, 10);
+        if (!strcmp(a, "--out") && val)
+            out = argv[++i];
+        else if (!strcmp(a, "--untied"))
+            c.untied = true;
+        else if (!strcmp(a, "--qwen2"))
+            c.bias = true, c.arch = "qwen2";
+        else if (!strcmp(a, "--layers") && val)
+            c.n_layers = atoi(argv[++i]);
+        else if (!strcmp(a, "--dim") && val)
+            c.dim = atoi(argv[++i]);
+        else if (!strcmp(a, "--seed") && val)
+            c.seed = strtoull(argv[++i], NULL, 10);
         else if (!strcmp(a, "--type") && val) {
             const char *t = argv[++i];
-            if (!strcmp(t, "f32")) c.type = CS_DTYPE_F32;
-            else if (!strcmp(t, "f16")) c.type = CS_DTYPE_F16;
-            else if (!strcmp(t, "bf16")) c.type = CS_DTYPE_BF16;
-            else if (!strcmp(t, "q8_0")) c.type = CS_DTYPE_Q8_0;
-            else if (!strcmp(t, "q4_0")) c.type = CS_DTYPE_Q4_0;
-            else if (!strcmp(t, "q4_1")) c.type = CS_DTYPE_Q4_1;
-            else { usage(); return 2; }
-        } else { usage(); return 2; }
+            if (!strcmp(t, "f32"))
+                c.type = CS_DTYPE_F32;
+            else if (!strcmp(t, "f16"))
+                c.type = CS_DTYPE_F16;
+            else if (!strcmp(t, "bf16"))
+                c.type = CS_DTYPE_BF16;
+            else if (!strcmp(t, "q8_0"))
+                c.type = CS_DTYPE_Q8_0;
+            else if (!strcmp(t, "q4_0"))
+                c.type = CS_DTYPE_Q4_0;
+            else if (!strcmp(t, "q4_1"))
+                c.type = CS_DTYPE_Q4_1;
+            else {
+                usage();
+                return 2;
+            }
+        } else {
+            usage();
+            return 2;
+        }
     }
     if (!out || c.n_layers < 1 || c.dim < 32 || c.dim % 32 || c.dim % c.n_heads) {
         usage();
@@ -572,12 +666,16 @@ int main(int argc, char **argv) {
         fprintf(stderr, "mktiny: cannot write %s\n", path);
         return 1;
     }
-    fprintf(stderr, "mktiny: wrote %s/tiny.gguf and %s/tiny-hf (%s, %d layers, dim %d, vocab %d, %s)\n", out, out,
-            c.arch, c.n_layers, c.dim, v.n_tokens, cs__dtype_name(c.type));
-    for (int i = 0; i < n; i++) free(ts[i].data);
+    fprintf(stderr,
+            "mktiny: wrote %s/tiny.gguf and %s/tiny-hf (%s, %d layers, dim %d, vocab %d, %s)\n",
+            out, out, c.arch, c.n_layers, c.dim, v.n_tokens, cs__dtype_name(c.type));
+    for (int i = 0; i < n; i++)
+        free(ts[i].data);
     free(ts);
-    for (int i = 0; i < v.n_tokens; i++) free(v.tokens[i]);
-    for (int i = 0; i < v.n_merges; i++) free(v.merges[i]);
+    for (int i = 0; i < v.n_tokens; i++)
+        free(v.tokens[i]);
+    for (int i = 0; i < v.n_merges; i++)
+        free(v.merges[i]);
     free(v.tokens);
     free(v.merges);
     return 0;

@@ -16,15 +16,15 @@
 typedef struct {
     const cs_weights *m; /* the engine's view of the model's weights */
     cs_threadpool *pool;
-    float *kv;          /* the page pool */
+    float *kv; /* the page pool */
     int32_t n_pages, page_size;
     size_t page_floats; /* floats per page */
     /* step scratch, grown to the largest step seen */
     int32_t cap_tokens, cap_spans;
     float *x, *xn, *q, *k, *v, *att, *proj, *gate, *up; /* (tokens, ...) */
-    int32_t *tok, *pos;                                  /* (tokens) */
-    cs_attn_span *aspans;                                /* (spans) */
-    float *xl;                                           /* (spans, dim) rows wanting logits */
+    int32_t *tok, *pos;                                 /* (tokens) */
+    cs_attn_span *aspans;                               /* (spans) */
+    float *xl;                                          /* (spans, dim) rows wanting logits */
 } cpu_ctx;
 
 static void cpu_free(void *p) {
@@ -38,8 +38,8 @@ static void cpu_free(void *p) {
 }
 
 size_t cs_backend_cpu_page_bytes(const cs_weights_shape *cf, int32_t page_size) {
-    return (size_t)cf->n_layers * 2 * (size_t)page_size * (size_t)cf->n_kv_heads * (size_t)cf->head_dim *
-           sizeof(float);
+    return (size_t)cf->n_layers * 2 * (size_t)page_size * (size_t)cf->n_kv_heads *
+           (size_t)cf->head_dim * sizeof(float);
 }
 
 static int cpu_kv_init(void *p, int32_t n_pages, int32_t page_size, size_t *page_bytes) {
@@ -51,7 +51,8 @@ static int cpu_kv_init(void *p, int32_t n_pages, int32_t page_size, size_t *page
     free(c->kv);
     /* calloc: untouched pages cost no memory until used */
     c->kv = calloc((size_t)n_pages, c->page_floats * sizeof(float));
-    if (!c->kv) return cs_fail(CS_ENOMEM, "cpu backend: cannot allocate a %zu MiB KV pool", bytes >> 20);
+    if (!c->kv)
+        return cs_fail(CS_ENOMEM, "cpu backend: cannot allocate a %zu MiB KV pool", bytes >> 20);
     c->n_pages = n_pages;
     c->page_size = page_size;
     *page_bytes = c->page_floats * sizeof(float);
@@ -64,11 +65,12 @@ static int grow(cpu_ctx *c, int32_t n_tokens, int32_t n_spans) {
         size_t T = (size_t)n_tokens;
         size_t dim = (size_t)cf->dim, qd = (size_t)cf->n_heads * cf->head_dim;
         size_t kvd = (size_t)cf->n_kv_heads * cf->head_dim, hid = (size_t)cf->hidden_dim;
-#define RE(ptr, count)                                                              \
-    do {                                                                            \
-        void *np_ = realloc(ptr, (count) * sizeof *(ptr));                          \
-        if (!np_) return cs_fail(CS_ENOMEM, "cpu backend: out of memory for a %d-token step", n_tokens); \
-        ptr = np_;                                                                  \
+#define RE(ptr, count)                                                                             \
+    do {                                                                                           \
+        void *np_ = realloc(ptr, (count) * sizeof *(ptr));                                         \
+        if (!np_)                                                                                  \
+            return cs_fail(CS_ENOMEM, "cpu backend: out of memory for a %d-token step", n_tokens); \
+        ptr = np_;                                                                                 \
     } while (0)
         RE(c->x, T * dim);
         RE(c->xn, T * dim);
@@ -92,7 +94,8 @@ static int grow(cpu_ctx *c, int32_t n_tokens, int32_t n_spans) {
     return 0;
 }
 
-static int cpu_forward(void *p, const cs_backend_span *spans, int32_t n_spans, int32_t n_tokens, float *logits) {
+static int cpu_forward(void *p, const cs_backend_span *spans, int32_t n_spans, int32_t n_tokens,
+                       float *logits) {
     cpu_ctx *c = p;
     const cs_weights *m = c->m;
     const cs_weights_shape *cf = &m->shape;
@@ -123,13 +126,15 @@ static int cpu_forward(void *p, const cs_backend_span *spans, int32_t n_spans, i
         cs_op_kv_store(&kv, c->aspans, n_spans, c->k, c->v, kvd);
         cs_op_attention(c->pool, c->att, c->q, c->aspans, n_spans, &kv, nh, nkv, hd);
         cs_op_matmul(c->pool, c->proj, c->att, L->wo, NULL, T, dim, qd);
-        for (size_t i = 0; i < (size_t)T * dim; i++) c->x[i] += c->proj[i];
+        for (size_t i = 0; i < (size_t)T * dim; i++)
+            c->x[i] += c->proj[i];
         cs_op_rmsnorm(c->pool, c->xn, c->x, L->ffn_norm, T, dim, cf->norm_eps);
         cs_op_matmul(c->pool, c->gate, c->xn, L->w_gate, NULL, T, hid, dim);
         cs_op_matmul(c->pool, c->up, c->xn, L->w_up, NULL, T, hid, dim);
         cs_op_swiglu(c->pool, c->gate, c->gate, c->up, (size_t)T * hid);
         cs_op_matmul(c->pool, c->proj, c->gate, L->w_down, NULL, T, dim, hid);
-        for (size_t i = 0; i < (size_t)T * dim; i++) c->x[i] += c->proj[i];
+        for (size_t i = 0; i < (size_t)T * dim; i++)
+            c->x[i] += c->proj[i];
     }
     int n_out = 0;
     for (int32_t s = 0; s < n_spans; s++) {
@@ -148,14 +153,17 @@ static int cpu_forward(void *p, const cs_backend_span *spans, int32_t n_spans, i
 static int cpu_kv_export(void *p, const int32_t *pages, int32_t n, void *dst) {
     cpu_ctx *c = p;
     size_t bytes = c->page_floats * sizeof(float);
-    for (int32_t i = 0; i < n; i++) memcpy((char *)dst + (size_t)i * bytes, c->kv + (size_t)pages[i] * c->page_floats, bytes);
+    for (int32_t i = 0; i < n; i++)
+        memcpy((char *)dst + (size_t)i * bytes, c->kv + (size_t)pages[i] * c->page_floats, bytes);
     return 0;
 }
 
 static int cpu_kv_import(void *p, const int32_t *pages, int32_t n, const void *src) {
     cpu_ctx *c = p;
     size_t bytes = c->page_floats * sizeof(float);
-    for (int32_t i = 0; i < n; i++) memcpy(c->kv + (size_t)pages[i] * c->page_floats, (const char *)src + (size_t)i * bytes, bytes);
+    for (int32_t i = 0; i < n; i++)
+        memcpy(c->kv + (size_t)pages[i] * c->page_floats, (const char *)src + (size_t)i * bytes,
+               bytes);
     return 0;
 }
 

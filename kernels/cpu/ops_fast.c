@@ -211,7 +211,7 @@ void cs_op_blas_fix_coretype(char **argv) {
     const char *core = openblas_get_corename();
     if (!core || strcmp(core, "Prescott") != 0) return;
     const char *want = __builtin_cpu_supports("avx512f") ? "SkylakeX"
-                       : __builtin_cpu_supports("avx2") ? "Haswell"
+                       : __builtin_cpu_supports("avx2")  ? "Haswell"
                                                          : NULL;
     if (!want || setenv("OPENBLAS_CORETYPE", want, 1) != 0) return;
     execv("/proc/self/exe", argv);

@@ -199,7 +199,7 @@ int cs_threadpool_init(int n_threads, cs_threadpool **out) {
         int e = pthread_create(&pool->threads[i - 1], NULL, worker_main, &pool->workers[i - 1]);
         if (e) {
             r = cs_fail(e == EAGAIN ? CS_EAGAIN : CS_ENOMEM,
-                         "thread pool: cannot start thread %d of %d", i, n_threads);
+                        "thread pool: cannot start thread %d of %d", i, n_threads);
             break;
         }
         pool->n_started++;

@@ -5,19 +5,16 @@
  * built-ins and the three PTX helpers below) and runs it in CI, where no GPU
  * exists.
  *
- * Paged attention on tensor cores, FlashAttention-2 style, mma.sync m16n8k16 (bf16 in, fp32 accumulate;
- * sm_80+). A block is (query tile, KV head); its ATT_WARPS warps own 16 mma
- * rows each, and row m is query row m / group of the tile with query head
- * m % group of that KV head's group (GQA packing: the group's heads share
- * every K/V load and fill the mma's 16 rows even with one query row, so
- * decode runs the same kernel). The block walks the tile's context ATT_KC
- * keys at a time from key 0: K and V rows of the chunk are staged in shared
- * memory (row-major, rows padded by 8 bf16: 16-byte aligned and
- * conflict-free fragment loads; zeros past the context and past head_dim),
- * S = Q K^T by mma with Q held in registers as bf16, the causal mask, an
- * online softmax on the S fragments in registers (exp2 with the scale
- * folded in), then P rounded to bf16 is the A operand of O += P V as it
- * stands (the C layout of two 8-key n-tiles is the A layout of one 16-key
+ * Paged attention on tensor cores, FlashAttention-2 style, mma.sync m16n8k16 (bf16 in, fp32
+ * accumulate; sm_80+). A block is (query tile, KV head); its ATT_WARPS warps own 16 mma rows each,
+ * and row m is query row m / group of the tile with query head m % group of that KV head's group
+ * (GQA packing: the group's heads share every K/V load and fill the mma's 16 rows even with one
+ * query row, so decode runs the same kernel). The block walks the tile's context ATT_KC keys at a
+ * time from key 0: K and V rows of the chunk are staged in shared memory (row-major, rows padded by
+ * 8 bf16: 16-byte aligned and conflict-free fragment loads; zeros past the context and past
+ * head_dim), S = Q K^T by mma with Q held in registers as bf16, the causal mask, an online softmax
+ * on the S fragments in registers (exp2 with the scale folded in), then P rounded to bf16 is the A
+ * operand of O += P V as it stands (the C layout of two 8-key n-tiles is the A layout of one 16-key
  * k-step), V's B operands come from ldmatrix.trans. The row sum adds the
  * rounded P, so the normalization matches what was multiplied.
  * Every query row walks the same key chunks in the same order whatever tile
@@ -41,8 +38,10 @@ static __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
 }
 
 /* d += a b, one m16n8k16 bf16 mma with fp32 accumulators */
-static __device__ __forceinline__ void mma_bf16(float d[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+static __device__ __forceinline__ void mma_bf16(float d[4], const uint32_t a[4], uint32_t b0,
+                                                uint32_t b1) {
+    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, "
+                 "{%4,%5,%6,%7}, {%8,%9}, "
                  "{%0,%1,%2,%3};\n"
                  : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
@@ -72,8 +71,9 @@ static __device__ __forceinline__ void ldsm_x4_trans(uint32_t r[4], const uint16
  * k_attention_combine then merges the parts into out. */
 template <int HDP, int KC>
 __global__ void __launch_bounds__(32 * ATT_WARPS)
-    k_attention(uint16_t *out, const float *q, const cs_cuda_att_tile *tiles, const int32_t *pages, cs_cuda_kv kv,
-                int layer, int n_heads, int n_kv_heads, int hd, int vec16, cs_cuda_att_parts sp) {
+    k_attention(uint16_t *out, const float *q, const cs_cuda_att_tile *tiles, const int32_t *pages,
+                cs_cuda_kv kv, int layer, int n_heads, int n_kv_heads, int hd, int vec16,
+                cs_cuda_att_parts sp) {
     constexpr int STRIDE = HDP + 8; /* bf16 per staged row */
     constexpr int NT = KC / 8;      /* 8-key n-tiles of S per chunk */
     constexpr int KS = HDP / 16;    /* k-steps of QK^T */
@@ -101,7 +101,9 @@ __global__ void __launch_bounds__(32 * ATT_WARPS)
         int m = warp * 16 + g + 8 * r, qi = m / group;
         bool valid = qi < tile.n_q;
         lim[r] = valid ? tile.pos + qi : -1;
-        off[r] = valid ? (size_t)(tile.q_begin + qi) * q_dim + (size_t)(kvh * group + m % group) * hd : 0;
+        off[r] = valid
+                     ? (size_t)(tile.q_begin + qi) * q_dim + (size_t)(kvh * group + m % group) * hd
+                     : 0;
     }
     /* the warp computes while its first row is in the tile, up to its last row's key */
     const bool warp_on = (warp * 16) / group < tile.n_q;
@@ -141,8 +143,8 @@ __global__ void __launch_bounds__(32 * ATT_WARPS)
                 uint4 kw = make_uint4(0, 0, 0, 0), vw = kw;
                 if (j < nk && d < hd) {
                     int p = c0 + j;
-                    const uint16_t *src = kv.pool + (size_t)pt[p / kv.page_size] * kv.page_elems + layer_off +
-                                          (size_t)(p % kv.page_size) * kv_dim + d;
+                    const uint16_t *src = kv.pool + (size_t)pt[p / kv.page_size] * kv.page_elems +
+                                          layer_off + (size_t)(p % kv.page_size) * kv_dim + d;
                     kw = *reinterpret_cast<const uint4 *>(src);
                     vw = *reinterpret_cast<const uint4 *>(src + v_off);
                 }
@@ -159,8 +161,8 @@ __global__ void __launch_bounds__(32 * ATT_WARPS)
                 uint32_t kw = 0, vw = 0;
                 if (j < nk && d < hd) {
                     int p = c0 + j;
-                    const uint16_t *src = kv.pool + (size_t)pt[p / kv.page_size] * kv.page_elems + layer_off +
-                                          (size_t)(p % kv.page_size) * kv_dim + d;
+                    const uint16_t *src = kv.pool + (size_t)pt[p / kv.page_size] * kv.page_elems +
+                                          layer_off + (size_t)(p % kv.page_size) * kv_dim + d;
                     kw = *reinterpret_cast<const uint32_t *>(src);
                     vw = *reinterpret_cast<const uint32_t *>(src + v_off);
                 }
@@ -216,12 +218,15 @@ __global__ void __launch_bounds__(32 * ATT_WARPS)
             for (int i = 0; i < 4; i++) {
                 const float *sv4 = s[2 * kk + (i >> 1)];
                 int r = i & 1;
-                __nv_bfloat162 p2 = __floats2bfloat162_rn(exp2f(sv4[2 * r] - base[r]), exp2f(sv4[2 * r + 1] - base[r]));
+                __nv_bfloat162 p2 = __floats2bfloat162_rn(exp2f(sv4[2 * r] - base[r]),
+                                                          exp2f(sv4[2 * r + 1] - base[r]));
                 l_run[r] += __low2float(p2) + __high2float(p2);
                 pa[i] = *reinterpret_cast<uint32_t *>(&p2);
             }
-            /* lanes 0-7: keys 16kk + 0..7, 8-15: + 8..15, at dims 16dp; 16-31 the same at 16dp + 8 */
-            const uint16_t *vr = sv + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * STRIDE + (lane >> 4) * 8;
+            /* lanes 0-7: keys 16kk + 0..7, 8-15: + 8..15, at dims 16dp; 16-31 the same at 16dp + 8
+             */
+            const uint16_t *vr =
+                sv + (kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8) * STRIDE + (lane >> 4) * 8;
 #pragma unroll
             for (int dp = 0; dp < DT / 2; dp++) {
                 uint32_t b[4];
@@ -245,7 +250,9 @@ __global__ void __launch_bounds__(32 * ATT_WARPS)
 #pragma unroll
             for (int dt = 0; dt < DT; dt++) {
                 int d = dt * 8 + 2 * c;
-                if (d < hd) *reinterpret_cast<float2 *>(sp.o + row * hd + d) = make_float2(o[dt][2 * r], o[dt][2 * r + 1]);
+                if (d < hd)
+                    *reinterpret_cast<float2 *>(sp.o + row * hd + d) =
+                        make_float2(o[dt][2 * r], o[dt][2 * r + 1]);
             }
         }
         return;
@@ -265,7 +272,8 @@ __global__ void __launch_bounds__(32 * ATT_WARPS)
 #pragma unroll
         for (int r = 0; r < 2; r++)
             if (lim[r] >= 0)
-                *reinterpret_cast<uint32_t *>(out + off[r] + d) = pack_bf16(o[dt][2 * r] * inv[r], o[dt][2 * r + 1] * inv[r]);
+                *reinterpret_cast<uint32_t *>(out + off[r] + d) =
+                    pack_bf16(o[dt][2 * r] * inv[r], o[dt][2 * r + 1] * inv[r]);
     }
 }
 
@@ -274,8 +282,8 @@ __global__ void __launch_bounds__(32 * ATT_WARPS)
  * over the splits z that start inside the tile's context. A block per
  * (tile, KV head), as in k_attention. */
 __global__ void __launch_bounds__(32 * ATT_WARPS)
-    k_attention_combine(uint16_t *out, const cs_cuda_att_tile *tiles, int n_heads, int n_kv_heads, int hd,
-                        cs_cuda_att_parts sp) {
+    k_attention_combine(uint16_t *out, const cs_cuda_att_tile *tiles, int n_heads, int n_kv_heads,
+                        int hd, cs_cuda_att_parts sp) {
     const cs_cuda_att_tile tile = tiles[blockIdx.x];
     const int kvh = blockIdx.y, group = n_heads / n_kv_heads, q_dim = n_heads * hd;
     const int n_z = (tile.pos + tile.n_q + sp.keys - 1) / sp.keys;
@@ -292,7 +300,8 @@ __global__ void __launch_bounds__(32 * ATT_WARPS)
             l += w * sp.ml[2 * row + 1];
             acc += w * sp.o[row * hd + d];
         }
-        const size_t o_at = (size_t)(tile.q_begin + m / group) * q_dim + (size_t)(kvh * group + m % group) * hd + d;
+        const size_t o_at =
+            (size_t)(tile.q_begin + m / group) * q_dim + (size_t)(kvh * group + m % group) * hd + d;
         out[o_at] = (uint16_t)(pack_bf16(l > 0.0f ? acc / l : 0.0f, 0.0f) & 0xffffu);
     }
 }

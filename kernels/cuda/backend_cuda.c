@@ -52,13 +52,13 @@ typedef struct {
     cublasHandle_t blas;
     uint16_t *w16; /* every bf16 matrix */
     size_t w16_elems;
-    float *w32;         /* norms, biases, inv_freq */
-    uint16_t *tok_embd; /* (n_vocab, dim) */
-    uint16_t *output;   /* (n_vocab, dim); == tok_embd when tied */
-    float *out_norm;    /* (dim) */
-    float *inv_freq;    /* (head_dim / 2) */
-    dev_layer *layers;  /* (n_layers) */
-    int att_rows;       /* query rows per attention tile */
+    float *w32;                    /* norms, biases, inv_freq */
+    uint16_t *tok_embd;            /* (n_vocab, dim) */
+    uint16_t *output;              /* (n_vocab, dim); == tok_embd when tied */
+    float *out_norm;               /* (dim) */
+    float *inv_freq;               /* (head_dim / 2) */
+    dev_layer *layers;             /* (n_layers) */
+    int att_rows;                  /* query rows per attention tile */
     cs_cuda_att_scratch att_split; /* split-K parts of the attention (flash-decoding) */
     /* KV pool */
     cs_cuda_kv kv;
@@ -145,8 +145,8 @@ static int dalloc(void *pp, size_t bytes, const char *what) {
         (void)cudaGetLastError();
         *p = NULL;
         return cs_fail(CS_ENOMEM,
-                        "cuda backend: cannot allocate %zu MiB of device memory for %s (%s)",
-                        bytes >> 20, what, cudaGetErrorString(e));
+                       "cuda backend: cannot allocate %zu MiB of device memory for %s (%s)",
+                       bytes >> 20, what, cudaGetErrorString(e));
     }
     return 0;
 }
@@ -225,7 +225,7 @@ static int grow(cuda_ctx *c, int32_t n_tokens, int32_t n_spans, int64_t n_meta) 
         if (cudaMallocHost((void **)&c->meta_h, (size_t)n_meta * 4) != cudaSuccess) {
             (void)cudaGetLastError();
             return cs_fail(CS_ENOMEM, "cuda backend: cannot pin %zu bytes of step metadata",
-                            (size_t)n_meta * 4);
+                           (size_t)n_meta * 4);
         }
         c->cap_meta = (int32_t)n_meta;
     }
@@ -329,7 +329,8 @@ static int kv_move(cuda_ctx *c, const int32_t *pages, int32_t n, void *host, int
         if (to_pages)
             CS_CUDA_CHECK(cudaMemcpyAsync(c->stage, h, bytes, cudaMemcpyHostToDevice, c->st));
         if (to_pages)
-            cs__cuda_kv_scatter(c->kv.pool, c->page_bytes, c->stage_pages, k, c->stage, NULL, c->st);
+            cs__cuda_kv_scatter(c->kv.pool, c->page_bytes, c->stage_pages, k, c->stage, NULL,
+                                c->st);
         else
             cs__cuda_kv_gather(c->kv.pool, c->page_bytes, c->stage_pages, k, c->stage, NULL, c->st);
         if (!to_pages)
@@ -457,15 +458,15 @@ static int build(cuda_ctx *c, const cs_weights *m, const float *inv_freq, uint64
     return 0;
 }
 
-static int init(const cs_weights_shape *cf, const cs_weights *m, const float *inv_freq, uint64_t seed,
-                cs_backend **out) {
+static int init(const cs_weights_shape *cf, const cs_weights *m, const float *inv_freq,
+                uint64_t seed, cs_backend **out) {
     *out = NULL;
     if (cf->head_dim % 2 || cf->head_dim > 256 || cf->n_kv_heads < 1 ||
         cf->n_heads % cf->n_kv_heads || cf->n_heads / cf->n_kv_heads > 64)
         return cs_fail(CS_ENOTSUP,
-                        "cuda backend: head_dim %d with %d/%d heads is not supported (head_dim "
-                        "even and <= 256, at most 64 query heads per KV head)",
-                        cf->head_dim, cf->n_heads, cf->n_kv_heads);
+                       "cuda backend: head_dim %d with %d/%d heads is not supported (head_dim "
+                       "even and <= 256, at most 64 query heads per KV head)",
+                       cf->head_dim, cf->n_heads, cf->n_kv_heads);
     cs_backend *b = calloc(1, sizeof *b);
     cuda_ctx *c = calloc(1, sizeof *c);
     if (!b || !c) {

@@ -24,7 +24,8 @@ extern "C" {
  * CS_SIMT_EMU) the same line runs the kernel's threads on the CPU. */
 #ifdef __cplusplus
 #ifdef CS_SIMT_EMU
-#define CS_LAUNCH(kern, grid, block, s, ...) simt::launch((grid), (block), [&] { kern(__VA_ARGS__); })
+#define CS_LAUNCH(kern, grid, block, s, ...)                                                       \
+    simt::launch((grid), (block), [&] { kern(__VA_ARGS__); })
 #else
 #define CS_LAUNCH(kern, grid, block, s, ...) kern<<<(grid), (block), 0, (s)>>>(__VA_ARGS__)
 #endif
@@ -101,15 +102,14 @@ void cs__cuda_swiglu(uint16_t *out, const float *gu, int n_tokens, int hidden, c
 
 /* kv_pack.cu: KV pages <-> a contiguous device buffer, for the backend's
  * kv_export/kv_import and the NCCL KV transport's staging
- * (kvx/src/kvx_nccl_link.c). gather: staging page i = pool page ids[i], i < n, contiguous; scatter: the
- * reverse. pool page p starts at pool + p * page_bytes; ids are n device
- * int32 page ids; page_bytes a multiple of 8. sum (device, may be NULL) is
- * set to the KV sum of the staging bytes, computed in the same pass: the
- * formula of cs__kvx_sum_ref (kvx/src/kvx_nccl-impl.h). */
-void cs__cuda_kv_gather(const void *pool, size_t page_bytes, const int32_t *ids, int32_t n, void *staging,
-                        unsigned long long *sum, cudaStream_t s);
-void cs__cuda_kv_scatter(void *pool, size_t page_bytes, const int32_t *ids, int32_t n, const void *staging,
-                         unsigned long long *sum, cudaStream_t s);
+ * (kvx/src/kvx_nccl_link.c). gather: staging page i = pool page ids[i], i < n, contiguous; scatter:
+ * the reverse. pool page p starts at pool + p * page_bytes; ids are n device int32 page ids;
+ * page_bytes a multiple of 8. sum (device, may be NULL) is set to the KV sum of the staging bytes,
+ * computed in the same pass: the formula of cs__kvx_sum_ref (kvx/src/kvx_nccl-impl.h). */
+void cs__cuda_kv_gather(const void *pool, size_t page_bytes, const int32_t *ids, int32_t n,
+                        void *staging, unsigned long long *sum, cudaStream_t s);
+void cs__cuda_kv_scatter(void *pool, size_t page_bytes, const int32_t *ids, int32_t n,
+                         const void *staging, unsigned long long *sum, cudaStream_t s);
 
 /* fp32 -> bf16 (round to nearest even) and back, n elements. */
 void cs__cuda_f32_to_bf16(uint16_t *dst, const float *src, size_t n, cudaStream_t s);

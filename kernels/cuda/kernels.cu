@@ -29,29 +29,30 @@ static unsigned blocks_for(size_t n, unsigned threads) {
 }
 
 /* ---- embedding ---- */
-extern "C" void cs__cuda_embed(float *x, const uint16_t *table, const int32_t *ids, int n_tokens, int dim,
-                               cudaStream_t s) {
+extern "C" void cs__cuda_embed(float *x, const uint16_t *table, const int32_t *ids, int n_tokens,
+                               int dim, cudaStream_t s) {
     if (n_tokens <= 0) return;
     CS_LAUNCH(k_embed, n_tokens, 256, s, x, table, ids, dim);
     LAUNCH_CHECK();
 }
 
 /* ---- RMSNorm: one block per row ---- */
-extern "C" void cs__cuda_rmsnorm(uint16_t *out16, float *out32, const float *x, const int32_t *rows, const float *w,
-                                 int n_rows, int dim, float eps, cudaStream_t s) {
+extern "C" void cs__cuda_rmsnorm(uint16_t *out16, float *out32, const float *x, const int32_t *rows,
+                                 const float *w, int n_rows, int dim, float eps, cudaStream_t s) {
     if (n_rows <= 0) return;
     CS_LAUNCH(k_rmsnorm, n_rows, 256, s, out16, out32, x, rows, w, dim, eps);
     LAUNCH_CHECK();
 }
 
 /* ---- bias + RoPE + KV store: one block per token ---- */
-extern "C" void cs__cuda_qkv_rope_store(float *q, const float *qkv, const float *bias, const int32_t *pos,
-                                        const float *inv_freq, const int32_t *page, const int32_t *slot,
-                                        cs_cuda_kv kv, int layer, int n_tokens, int n_heads, int n_kv_heads,
+extern "C" void cs__cuda_qkv_rope_store(float *q, const float *qkv, const float *bias,
+                                        const int32_t *pos, const float *inv_freq,
+                                        const int32_t *page, const int32_t *slot, cs_cuda_kv kv,
+                                        int layer, int n_tokens, int n_heads, int n_kv_heads,
                                         int head_dim, cudaStream_t s) {
     if (n_tokens <= 0) return;
-    CS_LAUNCH(k_qkv_rope_store, n_tokens, 256, s, q, qkv, bias, pos, inv_freq, page, slot, kv, layer, n_heads, n_kv_heads,
-                                              head_dim);
+    CS_LAUNCH(k_qkv_rope_store, n_tokens, 256, s, q, qkv, bias, pos, inv_freq, page, slot, kv,
+              layer, n_heads, n_kv_heads, head_dim);
     LAUNCH_CHECK();
 }
 
@@ -60,7 +61,8 @@ extern "C" int cs__cuda_attention_tile_rows(int n_heads, int n_kv_heads) {
     return ATT_ROWS / (n_heads / n_kv_heads);
 }
 
-extern "C" void cs__cuda_attention_scratch_size(int max_parts, int head_dim, size_t *o_floats, size_t *ml_floats) {
+extern "C" void cs__cuda_attention_scratch_size(int max_parts, int head_dim, size_t *o_floats,
+                                                size_t *ml_floats) {
     *o_floats = (size_t)max_parts * ATT_ROWS * head_dim;
     *ml_floats = (size_t)max_parts * ATT_ROWS * 2;
 }
@@ -71,7 +73,8 @@ extern "C" void cs__cuda_attention_scratch_size(int max_parts, int head_dim, siz
  * step's shape, so a row's attention may round differently in a small step
  * than in a large one (within bf16 of each other; decode vs prefill already
  * differ by their GEMMs). */
-static cs_cuda_att_parts att_parts(const cs_cuda_att_scratch *sc, int n_tiles, int n_kv_heads, int max_ctx, int kc) {
+static cs_cuda_att_parts att_parts(const cs_cuda_att_scratch *sc, int n_tiles, int n_kv_heads,
+                                   int max_ctx, int kc) {
     cs_cuda_att_parts p = {NULL, NULL, 0, 1};
     long blocks = (long)n_tiles * n_kv_heads;
     if (!sc || !sc->o || blocks >= sc->n_sm || max_ctx <= 2 * kc) return p;
@@ -85,21 +88,25 @@ static cs_cuda_att_parts att_parts(const cs_cuda_att_scratch *sc, int n_tiles, i
     return p;
 }
 
-extern "C" void cs__cuda_attention(uint16_t *out, const float *q, const cs_cuda_att_tile *tiles, int n_tiles,
-                                   int max_ctx, const int32_t *pages, cs_cuda_kv kv, int layer, int n_heads,
-                                   int n_kv_heads, int head_dim, const cs_cuda_att_scratch *scratch, cudaStream_t s) {
+extern "C" void cs__cuda_attention(uint16_t *out, const float *q, const cs_cuda_att_tile *tiles,
+                                   int n_tiles, int max_ctx, const int32_t *pages, cs_cuda_kv kv,
+                                   int layer, int n_heads, int n_kv_heads, int head_dim,
+                                   const cs_cuda_att_scratch *scratch, cudaStream_t s) {
     if (n_tiles <= 0) return;
     if (head_dim % 2 || head_dim > 256 || n_heads % n_kv_heads || n_heads / n_kv_heads > ATT_ROWS)
-        cs__cuda_fatal(__FILE__, __LINE__, "cs__cuda_attention", "shape",
-                       "head_dim must be even and <= 256, n_heads a multiple of n_kv_heads, group <= 64");
+        cs__cuda_fatal(
+            __FILE__, __LINE__, "cs__cuda_attention", "shape",
+            "head_dim must be even and <= 256, n_heads a multiple of n_kv_heads, group <= 64");
     int vec16 = head_dim % 8 == 0;
-    cs_cuda_att_parts sp = att_parts(scratch, n_tiles, n_kv_heads, max_ctx, head_dim <= 128 ? 64 : 32);
+    cs_cuda_att_parts sp =
+        att_parts(scratch, n_tiles, n_kv_heads, max_ctx, head_dim <= 128 ? 64 : 32);
     dim3 grid((unsigned)n_tiles, (unsigned)n_kv_heads, (unsigned)sp.n);
-#define ATT_LAUNCH(HDP, KC)                                                                                    \
-    do {                                                                                                       \
-        auto *kern = k_attention<HDP, KC>; /* one name: CS_LAUNCH's argument list splits at commas */          \
-        CS_LAUNCH(kern, grid, 32 * ATT_WARPS, s, out, q, tiles, pages, kv, layer, n_heads, n_kv_heads, head_dim, \
-                  vec16, sp);                                                                                  \
+#define ATT_LAUNCH(HDP, KC)                                                                        \
+    do {                                                                                           \
+        auto *kern =                                                                               \
+            k_attention<HDP, KC>; /* one name: CS_LAUNCH's argument list splits at commas */       \
+        CS_LAUNCH(kern, grid, 32 * ATT_WARPS, s, out, q, tiles, pages, kv, layer, n_heads,         \
+                  n_kv_heads, head_dim, vec16, sp);                                                \
     } while (0)
     if (head_dim <= 32)
         ATT_LAUNCH(32, 64);
@@ -114,14 +121,15 @@ extern "C" void cs__cuda_attention(uint16_t *out, const float *q, const cs_cuda_
 #undef ATT_LAUNCH
     LAUNCH_CHECK();
     if (sp.keys) {
-        CS_LAUNCH(k_attention_combine, dim3((unsigned)n_tiles, (unsigned)n_kv_heads), 32 * ATT_WARPS, s, out, tiles,
-                  n_heads, n_kv_heads, head_dim, sp);
+        CS_LAUNCH(k_attention_combine, dim3((unsigned)n_tiles, (unsigned)n_kv_heads),
+                  32 * ATT_WARPS, s, out, tiles, n_heads, n_kv_heads, head_dim, sp);
         LAUNCH_CHECK();
     }
 }
 
 /* ---- SwiGLU ---- */
-extern "C" void cs__cuda_swiglu(uint16_t *out, const float *gu, int n_tokens, int hidden, cudaStream_t s) {
+extern "C" void cs__cuda_swiglu(uint16_t *out, const float *gu, int n_tokens, int hidden,
+                                cudaStream_t s) {
     size_t n = (size_t)n_tokens * hidden;
     if (!n) return;
     CS_LAUNCH(k_swiglu, blocks_for(n, 256), 256, s, out, gu, hidden, n);
@@ -139,7 +147,8 @@ extern "C" void cs__cuda_bf16_to_f32(float *dst, const uint16_t *src, size_t n, 
     CS_LAUNCH(k_bf16_to_f32, blocks_for(n, 256), 256, s, dst, src, n);
     LAUNCH_CHECK();
 }
-extern "C" void cs__cuda_fill_bf16(uint16_t *dst, size_t n, uint64_t seed, float scale, cudaStream_t s) {
+extern "C" void cs__cuda_fill_bf16(uint16_t *dst, size_t n, uint64_t seed, float scale,
+                                   cudaStream_t s) {
     if (!n) return;
     CS_LAUNCH(k_fill_bf16, blocks_for(n, 256), 256, s, dst, n, seed, scale);
     LAUNCH_CHECK();

@@ -9,14 +9,17 @@
 
 #include "attention.h"
 
-static __device__ __forceinline__ float bf(uint16_t v) { return __uint_as_float((uint32_t)v << 16); }
+static __device__ __forceinline__ float bf(uint16_t v) {
+    return __uint_as_float((uint32_t)v << 16);
+}
 static __device__ __forceinline__ uint16_t to_bf(float f) {
     __nv_bfloat16 h = __float2bfloat16_rn(f);
     return *reinterpret_cast<uint16_t *>(&h);
 }
 
 static __device__ __forceinline__ float warp_sum(float v) {
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    for (int o = 16; o > 0; o >>= 1)
+        v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
 }
 
@@ -24,17 +27,19 @@ static __device__ __forceinline__ float warp_sum(float v) {
 __global__ void k_embed(float *x, const uint16_t *table, const int32_t *ids, int dim) {
     int t = blockIdx.x;
     const uint16_t *row = table + (size_t)ids[t] * dim;
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) x[(size_t)t * dim + i] = bf(row[i]);
+    for (int i = threadIdx.x; i < dim; i += blockDim.x)
+        x[(size_t)t * dim + i] = bf(row[i]);
 }
 
 /* ---- RMSNorm: one block per row ---- */
-__global__ void k_rmsnorm(uint16_t *out16, float *out32, const float *x, const int32_t *rows, const float *w,
-                          int dim, float eps) {
+__global__ void k_rmsnorm(uint16_t *out16, float *out32, const float *x, const int32_t *rows,
+                          const float *w, int dim, float eps) {
     __shared__ float red[32];
     int r = blockIdx.x;
     const float *xr = x + (size_t)(rows ? rows[r] : r) * dim;
     float ss = 0;
-    for (int i = threadIdx.x; i < dim; i += blockDim.x) ss += xr[i] * xr[i];
+    for (int i = threadIdx.x; i < dim; i += blockDim.x)
+        ss += xr[i] * xr[i];
     ss = warp_sum(ss);
     if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
     __syncthreads();
@@ -54,13 +59,14 @@ __global__ void k_rmsnorm(uint16_t *out16, float *out32, const float *x, const i
 
 /* ---- bias + RoPE + KV store: one block per token ---- */
 __global__ void k_qkv_rope_store(float *q, const float *qkv, const float *bias, const int32_t *pos,
-                                 const float *inv_freq, const int32_t *page, const int32_t *slot, cs_cuda_kv kv,
-                                 int layer, int n_heads, int n_kv_heads, int head_dim) {
+                                 const float *inv_freq, const int32_t *page, const int32_t *slot,
+                                 cs_cuda_kv kv, int layer, int n_heads, int n_kv_heads,
+                                 int head_dim) {
     int t = blockIdx.x, half = head_dim / 2;
     int q_dim = n_heads * head_dim, kv_dim = n_kv_heads * head_dim, width = q_dim + 2 * kv_dim;
     const float *row = qkv + (size_t)t * width;
-    uint16_t *kd = kv.pool + (size_t)page[t] * kv.page_elems + (size_t)layer * 2 * kv.page_size * kv_dim +
-                   (size_t)slot[t] * kv_dim;
+    uint16_t *kd = kv.pool + (size_t)page[t] * kv.page_elems +
+                   (size_t)layer * 2 * kv.page_size * kv_dim + (size_t)slot[t] * kv_dim;
     uint16_t *vd = kd + (size_t)kv.page_size * kv_dim;
     float p = (float)pos[t];
     /* rotated pairs of q heads then k heads */
@@ -89,7 +95,8 @@ __global__ void k_qkv_rope_store(float *q, const float *qkv, const float *bias, 
 
 /* ---- SwiGLU ---- */
 __global__ void k_swiglu(uint16_t *out, const float *gu, int hidden, size_t n) {
-    for (size_t e = blockIdx.x * (size_t)blockDim.x + threadIdx.x; e < n; e += (size_t)gridDim.x * blockDim.x) {
+    for (size_t e = blockIdx.x * (size_t)blockDim.x + threadIdx.x; e < n;
+         e += (size_t)gridDim.x * blockDim.x) {
         size_t t = e / hidden, i = e % hidden;
         float g = gu[t * 2 * hidden + i], u = gu[t * 2 * hidden + hidden + i];
         out[e] = to_bf(g / (1.0f + expf(-g)) * u);
@@ -98,15 +105,18 @@ __global__ void k_swiglu(uint16_t *out, const float *gu, int hidden, size_t n) {
 
 /* ---- conversions and fills ---- */
 __global__ void k_f32_to_bf16(uint16_t *dst, const float *src, size_t n) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x)
         dst[i] = to_bf(src[i]);
 }
 __global__ void k_bf16_to_f32(float *dst, const uint16_t *src, size_t n) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x)
         dst[i] = bf(src[i]);
 }
 __global__ void k_fill_bf16(uint16_t *dst, size_t n, uint64_t seed, float scale) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x) {
         uint64_t z = seed + 0x9e3779b97f4a7c15ull * (i + 1); /* splitmix64 of the index */
         z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
         z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
@@ -116,7 +126,9 @@ __global__ void k_fill_bf16(uint16_t *dst, size_t n, uint64_t seed, float scale)
     }
 }
 __global__ void k_fill_f32(float *dst, size_t n, float v) {
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) dst[i] = v;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n;
+         i += (size_t)gridDim.x * blockDim.x)
+        dst[i] = v;
 }
 
 #endif

@@ -142,8 +142,8 @@ static int call_start(cs_rpc_channel *ch, const char *method, grpc_byte_buffer *
         goto fail_early;
     }
     if (!method || method[0] != '/' || !on_done) {
-        rc = cs_fail(CS_EINVAL,
-                      "rpc: a method path (/pkg.Service/Method) and on_done are required");
+        rc =
+            cs_fail(CS_EINVAL, "rpc: a method path (/pkg.Service/Method) and on_done are required");
         goto fail_early;
     }
     cs_rpc_client_call *c = calloc(1, sizeof *c);

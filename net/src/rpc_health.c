@@ -142,7 +142,7 @@ int cs_rpc_health_init(cs_rpc_server *s, cs_rpc_health **out) {
 int cs_rpc_health_set(cs_rpc_health *h, const char *service, enum cs_rpc_serving status) {
     if (!service || status < CS_RPC_SERVING_UNKNOWN || status > CS_RPC_SERVING_NOT_SERVING)
         return cs_fail(CS_EINVAL, "rpc: health status %d for '%s'", (int)status,
-                        service ? service : "(null)");
+                       service ? service : "(null)");
     if (h->shut) return 0;
     return set_status(h, service, status);
 }

@@ -549,7 +549,7 @@ int cs_rpc_server_add_method(cs_rpc_server *s, const char *path, enum cs_rpc_met
     if (s->started) return cs_fail(CS_EINVAL, "rpc: add_method '%s' after start", path);
     if (!path || path[0] != '/' || !strchr(path + 1, '/') || !handler)
         return cs_fail(CS_EINVAL, "rpc: bad method path '%s' (want /package.Service/Method)",
-                        path ? path : "(null)");
+                       path ? path : "(null)");
     for (int i = 0; i < s->n_methods; i++)
         if (strcmp(s->methods[i].path, path) == 0)
             return cs_fail(CS_EINVAL, "rpc: method '%s' registered twice", path);

@@ -93,9 +93,9 @@ int cs__rpc_md_add(cs__rpc_md_list *l, const char *key, const char *value) {
         grpc_slice_unref(k);
         grpc_slice_unref(v);
         return cs_fail(CS_EINVAL,
-                        "rpc: illegal metadata '%s' (keys: lowercase a-z 0-9 - _ .; "
-                        "values: printable ASCII unless the key ends in -bin)",
-                        key);
+                       "rpc: illegal metadata '%s' (keys: lowercase a-z 0-9 - _ .; "
+                       "values: printable ASCII unless the key ends in -bin)",
+                       key);
     }
     if (l->n == l->cap) {
         size_t cap = l->cap ? 2 * l->cap : 4;

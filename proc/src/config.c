@@ -62,13 +62,13 @@ static int set_value(const cs_config_entry *e, void *opts, const char *val, cons
     if (e->type == CS_CONFIG_BOOL) {
         if (parse_bool(val, (bool *)p))
             return cs_fail(CS_EINVAL, "%s: '%s' is not a boolean (true, false, 1 or 0)", where,
-                            val);
+                           val);
         return 0;
     }
     /* strtoll/strtod skip leading space and accept an empty string: refuse both. */
     if (!*val || isspace((unsigned char)*val))
         return cs_fail(CS_EINVAL, "%s: '%s' is not a%s number", where, val,
-                        e->type == CS_CONFIG_INT ? "n integer" : "");
+                       e->type == CS_CONFIG_INT ? "n integer" : "");
     char *end = NULL;
     errno = 0;
     if (e->type == CS_CONFIG_INT) {
@@ -76,8 +76,8 @@ static int set_value(const cs_config_entry *e, void *opts, const char *val, cons
         if (*end) return cs_fail(CS_EINVAL, "%s: '%s' is not an integer", where, val);
         if (errno == ERANGE || (bounded(e) && ((double)v < e->min || (double)v > e->max))) {
             if (bounded(e))
-                return cs_fail(CS_EINVAL, "%s: %s is out of range (%.0f..%.0f)", where, val,
-                                e->min, e->max);
+                return cs_fail(CS_EINVAL, "%s: %s is out of range (%.0f..%.0f)", where, val, e->min,
+                               e->max);
             return cs_fail(CS_EINVAL, "%s: %s is out of range (a 64-bit integer)", where, val);
         }
         *(int64_t *)p = (int64_t)v;

@@ -369,11 +369,14 @@ void cs_metrics_register_table(cs_metrics *m, const cs_metric_def *t, size_t n, 
     for (size_t i = 0; i < n; i++) {
         cs_metric **slot = (cs_metric **)((char *)owner + t[i].offset);
         switch (t[i].kind) {
-        case CS_METRIC_COUNTER: *slot = cs_metrics_counter(m, t[i].name, t[i].labels, t[i].help); break;
+        case CS_METRIC_COUNTER:
+            *slot = cs_metrics_counter(m, t[i].name, t[i].labels, t[i].help);
+            break;
         case CS_METRIC_GAUGE: *slot = cs_metrics_gauge(m, t[i].name, t[i].labels, t[i].help); break;
         case CS_METRIC_HISTOGRAM:
             CS_ASSERT(t[i].buckets && t[i].n_buckets > 0);
-            *slot = cs_metrics_histogram(m, t[i].name, t[i].labels, t[i].help, t[i].buckets, t[i].n_buckets);
+            *slot = cs_metrics_histogram(m, t[i].name, t[i].labels, t[i].help, t[i].buckets,
+                                         t[i].n_buckets);
             break;
         }
     }

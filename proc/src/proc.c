@@ -39,13 +39,27 @@ struct cs_proc {
     int port;
 };
 
-uv_loop_t *cs_proc_uv(cs_proc *p) { return &p->uv; }
-cs_rpc_loop *cs_proc_rpc_loop(cs_proc *p) { return p->rl; }
-cs_rpc_server *cs_proc_server(cs_proc *p) { return p->srv; }
-cs_rpc_health *cs_proc_health(cs_proc *p) { return p->health; }
-cs_metrics *cs_proc_metrics(cs_proc *p) { return p->metrics; }
-bool cs_proc_draining(const cs_proc *p) { return p->draining; }
-int cs_proc_port(const cs_proc *p) { return p->port; }
+uv_loop_t *cs_proc_uv(cs_proc *p) {
+    return &p->uv;
+}
+cs_rpc_loop *cs_proc_rpc_loop(cs_proc *p) {
+    return p->rl;
+}
+cs_rpc_server *cs_proc_server(cs_proc *p) {
+    return p->srv;
+}
+cs_rpc_health *cs_proc_health(cs_proc *p) {
+    return p->health;
+}
+cs_metrics *cs_proc_metrics(cs_proc *p) {
+    return p->metrics;
+}
+bool cs_proc_draining(const cs_proc *p) {
+    return p->draining;
+}
+int cs_proc_port(const cs_proc *p) {
+    return p->port;
+}
 
 /* ---------------------------------------------------------- ops HTTP -- */
 
@@ -136,8 +150,9 @@ int cs_proc_run(const cs_proc_opts *o, const cs_proc_role *role, void *role_data
     bool uv_ok = false, started = false;
     int r;
     if ((r = cs_metrics_init(&p->metrics))) goto fail;
-    p->m_draining = cs_metrics_gauge(p->metrics, "chunkserve:draining", NULL,
-                                     "1 from SIGTERM on: taking no new requests, finishing the open ones");
+    p->m_draining =
+        cs_metrics_gauge(p->metrics, "chunkserve:draining", NULL,
+                         "1 from SIGTERM on: taking no new requests, finishing the open ones");
     if ((r = uv_loop_init(&p->uv))) {
         r = cs_fail(CS_EIO, "uv_loop_init: %s", uv_strerror(r));
         goto fail;
@@ -149,14 +164,16 @@ int cs_proc_run(const cs_proc_opts *o, const cs_proc_role *role, void *role_data
     started = true; /* from here on, role->stop runs whatever happens */
     if ((r = role->start(p, role_data))) goto fail;
     if ((r = cs_rpc_server_start(p->srv, &p->port))) goto fail;
-    cs_http_routes routes = {.metrics = p->metrics, .before_metrics = before_metrics, .ready = ready, .arg = p};
+    cs_http_routes routes = {
+        .metrics = p->metrics, .before_metrics = before_metrics, .ready = ready, .arg = p};
     if ((r = cs_http_server_init(&p->uv, http_host, o->http_port, &routes, &p->http))) {
         if (!cs_last_error()[0])
             cs_fail(r, "http: cannot listen on %s:%d: %s", http_host, o->http_port, uv_strerror(r));
         goto fail;
     }
     cs_rpc_health_set(p->health, "", CS_RPC_SERVING_SERVING);
-    if (role->health_service) cs_rpc_health_set(p->health, role->health_service, CS_RPC_SERVING_SERVING);
+    if (role->health_service)
+        cs_rpc_health_set(p->health, role->health_service, CS_RPC_SERVING_SERVING);
     uv_signal_init(&p->uv, &p->sigterm);
     uv_signal_init(&p->uv, &p->sigint);
     uv_timer_init(&p->uv, &p->grace);

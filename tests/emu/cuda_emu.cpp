@@ -44,9 +44,15 @@ cudaError_t cudaDeviceGetAttribute(int *value, cudaDeviceAttr attr, int device) 
     *value = 4;
     return cudaSuccess;
 }
-cudaError_t cudaSetDevice(int device) { return device == 0 ? cudaSuccess : cudaErrorInvalidDevice; }
-cudaError_t cudaDeviceSynchronize(void) { return cudaSuccess; }
-cudaError_t cudaGetLastError(void) { return cudaSuccess; }
+cudaError_t cudaSetDevice(int device) {
+    return device == 0 ? cudaSuccess : cudaErrorInvalidDevice;
+}
+cudaError_t cudaDeviceSynchronize(void) {
+    return cudaSuccess;
+}
+cudaError_t cudaGetLastError(void) {
+    return cudaSuccess;
+}
 const char *cudaGetErrorName(cudaError_t e) {
     switch (e) {
     case cudaSuccess: return "cudaSuccess";
@@ -56,7 +62,9 @@ const char *cudaGetErrorName(cudaError_t e) {
     }
     return "cudaErrorUnknown";
 }
-const char *cudaGetErrorString(cudaError_t e) { return cudaGetErrorName(e); }
+const char *cudaGetErrorString(cudaError_t e) {
+    return cudaGetErrorName(e);
+}
 
 cudaError_t cudaMalloc(void **p, size_t bytes) {
     *p = aligned_alloc(256, (bytes + 255) / 256 * 256 + 256);
@@ -66,8 +74,12 @@ cudaError_t cudaFree(void *p) {
     free(p);
     return cudaSuccess;
 }
-cudaError_t cudaMallocHost(void **p, size_t bytes) { return cudaMalloc(p, bytes); }
-cudaError_t cudaFreeHost(void *p) { return cudaFree(p); }
+cudaError_t cudaMallocHost(void **p, size_t bytes) {
+    return cudaMalloc(p, bytes);
+}
+cudaError_t cudaFreeHost(void *p) {
+    return cudaFree(p);
+}
 cudaError_t cudaMemcpy(void *dst, const void *src, size_t bytes, cudaMemcpyKind) {
     if (bytes) memmove(dst, src, bytes);
     return cudaSuccess;
@@ -91,7 +103,9 @@ cudaError_t cudaStreamDestroy(cudaStream_t s) {
     delete s;
     return cudaSuccess;
 }
-cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
+cudaError_t cudaStreamSynchronize(cudaStream_t) {
+    return cudaSuccess;
+}
 cudaError_t cudaEventCreate(cudaEvent_t *e) {
     *e = new cs_emu_event();
     return cudaSuccess;
@@ -106,7 +120,9 @@ cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t) {
     e->t = (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
     return cudaSuccess;
 }
-cudaError_t cudaEventSynchronize(cudaEvent_t) { return cudaSuccess; }
+cudaError_t cudaEventSynchronize(cudaEvent_t) {
+    return cudaSuccess;
+}
 cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t start, cudaEvent_t end) {
     *ms = (float)((end->t - start->t) * 1e3);
     return cudaSuccess;
@@ -127,7 +143,9 @@ cublasStatus_t cublasSetStream(cublasHandle_t h, cudaStream_t s) {
 const char *cublasGetStatusName(cublasStatus_t s) {
     return s == CUBLAS_STATUS_SUCCESS ? "CUBLAS_STATUS_SUCCESS" : "CUBLAS_STATUS_NOT_SUPPORTED";
 }
-const char *cublasGetStatusString(cublasStatus_t s) { return cublasGetStatusName(s); }
+const char *cublasGetStatusString(cublasStatus_t s) {
+    return cublasGetStatusName(s);
+}
 
 cublasStatus_t cublasGemmEx(cublasHandle_t, cublasOperation_t ta, cublasOperation_t tb, int m,
                             int n, int k, const void *alpha, const void *A, cudaDataType a_type,
@@ -143,8 +161,10 @@ cublasStatus_t cublasGemmEx(cublasHandle_t, cublasOperation_t ta, cublasOperatio
         for (int i = 0; i < m; i++) {
             float acc = 0.0f;
             for (int p = 0; p < k; p++) {
-                float x = simt::bf16_f32(ta == CUBLAS_OP_N ? a[i + (size_t)p * lda] : a[p + (size_t)i * lda]);
-                float y = simt::bf16_f32(tb == CUBLAS_OP_N ? b[p + (size_t)j * ldb] : b[j + (size_t)p * ldb]);
+                float x = simt::bf16_f32(ta == CUBLAS_OP_N ? a[i + (size_t)p * lda]
+                                                           : a[p + (size_t)i * lda]);
+                float y = simt::bf16_f32(tb == CUBLAS_OP_N ? b[p + (size_t)j * ldb]
+                                                           : b[j + (size_t)p * ldb]);
                 acc += x * y;
             }
             float *o = &c[i + (size_t)j * ldc];

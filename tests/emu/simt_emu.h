@@ -52,8 +52,12 @@ struct uint2 {
 struct float2 {
     float x, y;
 };
-static inline uint4 make_uint4(uint32_t a, uint32_t b, uint32_t c, uint32_t d) { return {a, b, c, d}; }
-static inline float2 make_float2(float a, float b) { return {a, b}; }
+static inline uint4 make_uint4(uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
+    return {a, b, c, d};
+}
+static inline float2 make_float2(float a, float b) {
+    return {a, b};
+}
 
 namespace simt {
 inline float f32(uint32_t u) {
@@ -71,7 +75,9 @@ inline uint16_t bf16_rn(float f) { /* round to nearest even, NaN stays NaN */
     if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;
     return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1)) >> 16);
 }
-inline float bf16_f32(uint16_t v) { return f32((uint32_t)v << 16); }
+inline float bf16_f32(uint16_t v) {
+    return f32((uint32_t)v << 16);
+}
 
 constexpr int MAX_WARPS = 32;
 
@@ -109,9 +115,15 @@ inline Fiber *&cur() {
 }
 inline unsigned bx, by, bz;
 inline dim3 grid_dim, block_dim; /* of the running launch */
-inline unsigned tid() { return cur()->tid; }
-inline int warp_of() { return (int)tid() >> 5; }
-inline int lane_of() { return (int)tid() & 31; }
+inline unsigned tid() {
+    return cur()->tid;
+}
+inline int warp_of() {
+    return (int)tid() >> 5;
+}
+inline int lane_of() {
+    return (int)tid() & 31;
+}
 
 #if defined(__SANITIZE_ADDRESS__)
 #define CS_SIMT_ASAN 1
@@ -121,7 +133,8 @@ inline int lane_of() { return (int)tid() & 31; }
 #endif
 #endif
 #ifdef CS_SIMT_ASAN
-extern "C" void __sanitizer_start_switch_fiber(void **fake_stack_save, const void *bottom, size_t size);
+extern "C" void __sanitizer_start_switch_fiber(void **fake_stack_save, const void *bottom,
+                                               size_t size);
 extern "C" void __sanitizer_finish_switch_fiber(void *fake_stack_save, const void **bottom_old,
                                                 size_t *size_old);
 #endif
@@ -135,12 +148,14 @@ inline void yield() {
     Block *b = block();
     Fiber *f = cur();
     if (b->direct) {
-        fprintf(stderr, "simt_emu: a kernel synchronized in a block after its first block did not\n");
+        fprintf(stderr,
+                "simt_emu: a kernel synchronized in a block after its first block did not\n");
         abort();
     }
     b->yields++;
 #ifdef CS_SIMT_ASAN
-    __sanitizer_start_switch_fiber(f->done ? nullptr : &f->asan_fake, b->sched_bottom, b->sched_size);
+    __sanitizer_start_switch_fiber(f->done ? nullptr : &f->asan_fake, b->sched_bottom,
+                                   b->sched_size);
 #endif
     swapcontext(&f->ctx, &b->sched);
 #ifdef CS_SIMT_ASAN
@@ -182,7 +197,8 @@ inline void launch(dim3 grid, unsigned threads, const std::function<void()> &fn)
     static char *stacks[1024]; /* reused by every launch; never freed (reachable) */
     for (unsigned t = 0; t < threads; t++)
         if (!stacks[t]) {
-            void *m = mmap(nullptr, GUARD + STACK, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+            void *m = mmap(nullptr, GUARD + STACK, PROT_READ | PROT_WRITE,
+                           MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
             if (m == MAP_FAILED) abort();
             mprotect(m, GUARD, PROT_NONE);
             stacks[t] = (char *)m + GUARD;
@@ -276,19 +292,27 @@ static inline float __shfl_xor_sync(unsigned, float v, int lane_mask) {
     return r;
 }
 
-static inline float __uint_as_float(uint32_t u) { return simt::f32(u); }
+static inline float __uint_as_float(uint32_t u) {
+    return simt::f32(u);
+}
 struct __nv_bfloat16 {
     uint16_t x;
 };
-static inline __nv_bfloat16 __float2bfloat16_rn(float f) { return {simt::bf16_rn(f)}; }
+static inline __nv_bfloat16 __float2bfloat16_rn(float f) {
+    return {simt::bf16_rn(f)};
+}
 struct __nv_bfloat162 {
     uint16_t x, y;
 };
 static inline __nv_bfloat162 __floats2bfloat162_rn(float a, float b) {
     return {simt::bf16_rn(a), simt::bf16_rn(b)};
 }
-static inline float __low2float(__nv_bfloat162 v) { return simt::bf16_f32(v.x); }
-static inline float __high2float(__nv_bfloat162 v) { return simt::bf16_f32(v.y); }
+static inline float __low2float(__nv_bfloat162 v) {
+    return simt::bf16_f32(v.x);
+}
+static inline float __high2float(__nv_bfloat162 v) {
+    return simt::bf16_f32(v.y);
+}
 
 /* the PTX helpers of kernels/cuda/attention.cuh */
 static inline uint32_t pack_bf16(float lo, float hi) {

@@ -22,7 +22,9 @@ static double frand() { /* uniform [-1, 1) */
     rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
     return (double)(rng >> 11) / 4503599627370496.0 - 1.0;
 }
-static int irand(int n) { return (int)((frand() + 1.0) * 0.5 * n) % n; }
+static int irand(int n) {
+    return (int)((frand() + 1.0) * 0.5 * n) % n;
+}
 
 /* The launcher of kernels.cu, minus the stream, with the split chosen by
  * the caller: keys per split (0: none; a multiple of the kernel's chunk). */
@@ -67,8 +69,11 @@ struct Case {
     std::vector<uint16_t> pool;
     std::vector<float> q;
     int T = 0;
-    size_t page_elems() const { return (size_t)n_layers * 2 * ps * nkv * hd; }
-    const uint16_t *row(int s, int p, int v) const { /* K (v 0) or V (v 1) of span s at position p */
+    size_t page_elems() const {
+        return (size_t)n_layers * 2 * ps * nkv * hd;
+    }
+    const uint16_t *row(int s, int p,
+                        int v) const { /* K (v 0) or V (v 1) of span s at position p */
         size_t kvd = (size_t)nkv * hd;
         return pool.data() + (size_t)ptab[poff[s] + p / ps] * page_elems() +
                (size_t)layer * 2 * ps * kvd + (size_t)v * ps * kvd + (size_t)(p % ps) * kvd;
@@ -143,7 +148,8 @@ static void check_reference(int nh, int nkv, int hd, int ps, int n_spans, int ma
                     const uint16_t *k = c.row(s, j, 0) + kvh * hd;
                     double d = 0;
                     for (int e = 0; e < hd; e++)
-                        d += (double)simt::bf16_f32(simt::bf16_rn(c.q[(size_t)t * qd + h * hd + e])) *
+                        d += (double)simt::bf16_f32(
+                                 simt::bf16_rn(c.q[(size_t)t * qd + h * hd + e])) *
                              simt::bf16_f32(k[e]);
                     w[j] = d / std::sqrt((double)hd);
                     mx = std::max(mx, w[j]);
@@ -161,8 +167,8 @@ static void check_reference(int nh, int nkv, int hd, int ps, int n_spans, int ma
             }
     double err = std::sqrt(num / den);
     bool ok = err <= 6e-3 && !nan; /* bf16 output and P: ~2^-9 relative */
-    printf("  attention heads %2d/%-2d hd %3d ps %2d spans %d T %3d split %3d  err %.2e%s  %s\n", nh,
-           nkv, hd, ps, n_spans, c.T, keys, err, nan ? " NaN" : "", ok ? "ok" : "FAIL");
+    printf("  attention heads %2d/%-2d hd %3d ps %2d spans %d T %3d split %3d  err %.2e%s  %s\n",
+           nh, nkv, hd, ps, n_spans, c.T, keys, err, nan ? " NaN" : "", ok ? "ok" : "FAIL");
     failures += !ok;
 }
 
@@ -193,8 +199,8 @@ static void check_chunked(int nh, int nkv, int hd, int ps, int n, int chunk) {
     for (int p = 0; p < n; p += chunk) /* every chunk's page table is the prompt's */
         ch.pos.push_back(p), ch.nq.push_back(std::min(chunk, n - p)), ch.poff.push_back(0);
     bool same = run(one, 0) == run(ch, 0);
-    printf("  chunks of %d = one pass, heads %d/%d hd %d ps %d n %d: %s\n", chunk, nh, nkv, hd,
-           ps, n, same ? "bit-identical" : "DIFFERENT");
+    printf("  chunks of %d = one pass, heads %d/%d hd %d ps %d n %d: %s\n", chunk, nh, nkv, hd, ps,
+           n, same ? "bit-identical" : "DIFFERENT");
     failures += !same;
 }
 

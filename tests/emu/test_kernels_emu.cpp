@@ -20,8 +20,12 @@ static float frand() { /* uniform [-1, 1) */
     rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
     return (float)((double)(rng >> 11) / 4503599627370496.0 - 1.0);
 }
-static int irand(int n) { return (int)((frand() + 1.0f) * 0.5f * n) % n; }
-static float bf_round(float f) { return simt::bf16_f32(simt::bf16_rn(f)); }
+static int irand(int n) {
+    return (int)((frand() + 1.0f) * 0.5f * n) % n;
+}
+static float bf_round(float f) {
+    return simt::bf16_f32(simt::bf16_rn(f));
+}
 static std::vector<float> rand_vec(size_t n, bool bf16_exact) {
     std::vector<float> v(n);
     for (float &x : v)
@@ -43,7 +47,8 @@ static std::vector<float> from_bf16(const std::vector<uint16_t> &b) {
 static double norm_err(const std::vector<float> &got, const std::vector<float> &ref) {
     double num = 0, den = 0;
     for (size_t i = 0; i < ref.size(); i++)
-        num += ((double)got[i] - ref[i]) * ((double)got[i] - ref[i]), den += (double)ref[i] * ref[i];
+        num += ((double)got[i] - ref[i]) * ((double)got[i] - ref[i]),
+            den += (double)ref[i] * ref[i];
     return std::sqrt(num / (den > 0 ? den : 1)); /* NaN stays NaN: fails below */
 }
 
@@ -134,7 +139,8 @@ static void test_qkv_rope_store(int nh, int nkv, int hd, int ps, bool bias) {
     const size_t page_elems = (size_t)n_layers * 2 * ps * kvd;
     std::vector<uint16_t> pool(page_elems * n_pages, 0x7fc0), want = pool;
     for (int t = 0; t < T; t++) {
-        size_t at = (size_t)page[t] * page_elems + (size_t)layer * 2 * ps * kvd + (size_t)slot[t] * kvd;
+        size_t at =
+            (size_t)page[t] * page_elems + (size_t)layer * 2 * ps * kvd + (size_t)slot[t] * kvd;
         for (int i = 0; i < kvd; i++) {
             want[at + i] = simt::bf16_rn(k[(size_t)t * kvd + i]);
             want[at + (size_t)ps * kvd + i] = simt::bf16_rn(v[(size_t)t * kvd + i]);

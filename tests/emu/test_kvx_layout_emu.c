@@ -20,8 +20,8 @@ static void check(const cs_model *m, const char *backend, int32_t dtype, size_t 
     const cs_model_config *cf = cs_model_get_config(m);
     ASSERT_EQ_INT(l.dtype, dtype);
     ASSERT_EQ_INT(l.page_size, 16);
-    ASSERT_EQ_INT((int64_t)l.page_bytes,
-                  (int64_t)((size_t)cf->n_layers * 2 * 16 * cf->n_kv_heads * cf->head_dim * elem_bytes));
+    ASSERT_EQ_INT((int64_t)l.page_bytes, (int64_t)((size_t)cf->n_layers * 2 * 16 * cf->n_kv_heads *
+                                                   cf->head_dim * elem_bytes));
     printf("  %-5s backend: KV dtype %d, %llu bytes a page\n", backend, l.dtype,
            (unsigned long long)l.page_bytes);
     cs_engine_free(e);

@@ -108,7 +108,8 @@ static double prefill(bench *B, const int32_t *toks, int32_t n, int32_t chunk, c
     double t0 = now();
     for (int32_t p = 0; p < n; p += chunk) {
         int32_t k = n - p < chunk ? n - p : chunk;
-        cs_backend_span s = {toks + p, k, p, pages, (p + k + B->page_size - 1) / B->page_size, p + k == n};
+        cs_backend_span s = {toks + p,  k, p, pages, (p + k + B->page_size - 1) / B->page_size,
+                             p + k == n};
         CS_ASSERT(B->b->iface->forward(B->b->ctx, &s, 1, k, B->logits) == 0);
     }
     return now() - t0;
@@ -280,7 +281,7 @@ static int compare(const cs_model *m) {
         cs_page_table pc = {0}, pg = {0};
         CS_ASSERT(cs_engine_eval_seq(ec, &pc, 0, ids, (int32_t)n, 0, lc) == 0);
         CS_ASSERT(cs_engine_eval_seq(eg, &pg, 0, ids, (int32_t)n, 0, lg) == 0);
-        double w = 0, margin = -1; /* the CPU's top-2 gap where the paths part */
+        double w = 0, margin = -1;        /* the CPU's top-2 gap where the paths part */
         for (int i = 0; i < n_gen; i++) { /* free-running, each on its own path */
             tc[i] = argmax(lc, V), tg[i] = argmax(lg, V), gap[i] = top2_gap(lc, V);
             if (tc[i] != tg[i] && margin < 0) margin = lc[tc[i]] - lc[tg[i]];
@@ -298,7 +299,8 @@ static int compare(const cs_model *m) {
                "%.2e",
                p, n, same, n_gen, w);
         if (same < n_gen) /* a near-tie (a small gap) is bf16 rounding, a large one a bug */
-            printf("; parted at token %d where the CPU's logit for its token led the GPU's pick by %.3f",
+            printf("; parted at token %d where the CPU's logit for its token led the GPU's pick by "
+                   "%.3f",
                    same, margin);
         printf("\n");
         printf("RESULT compare.prompt%d_same_tokens %d\n", p, same);
@@ -320,7 +322,8 @@ static int compare(const cs_model *m) {
         printf("compare prompt %d: on the CPU's path the GPU's argmax agrees at %d/%d steps; "
                "largest CPU top-2 gap where it did not: %.3f\n",
                p, forced, n_gen, forced_gap);
-        printf("RESULT compare.prompt%d_forced_agree %d\nRESULT compare.prompt%d_forced_worst_gap %.3f\n",
+        printf("RESULT compare.prompt%d_forced_agree %d\nRESULT compare.prompt%d_forced_worst_gap "
+               "%.3f\n",
                p, forced, p, forced_gap);
         /* bf16 weights, activations, KV, q and P vs fp32: the host emulation
          * of this backend (tests/emu) saw 3.1-4.6e-2 on these prompts */
@@ -393,8 +396,9 @@ int main(int argc, char **argv) {
         cf.tied_embeddings = false;
         for (int i = 0; i < 64; i++)
             inv[i] = powf(cf.rope_theta, -2.0f * (float)i / 128.0f);
-        cs_weights_shape shape = {cf.n_vocab, cf.dim, cf.n_layers, cf.n_heads, cf.n_kv_heads,
-                                  cf.head_dim, cf.hidden_dim, cf.norm_eps, cf.tied_embeddings};
+        cs_weights_shape shape = {cf.n_vocab,    cf.dim,        cf.n_layers,
+                                  cf.n_heads,    cf.n_kv_heads, cf.head_dim,
+                                  cf.hidden_dim, cf.norm_eps,   cf.tied_embeddings};
         CS_ASSERT(cs_backend_cuda_init_random(&shape, inv, 42, &B.b) == 0);
         B.cf = cf;
     } else {

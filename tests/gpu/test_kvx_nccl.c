@@ -183,8 +183,7 @@ static int send_some(cs_kvx_tx *tx, const tplan *t, int32_t *sent, int32_t step)
     int32_t k = t->n - *sent < step ? t->n - *sent : step;
     if (k <= 0) return 0;
     int r;
-    while ((r = cs_kvx_tx_send_pages(tx, t->id, *sent, k, t->src + *sent, NULL, NULL)) ==
-           CS_EAGAIN)
+    while ((r = cs_kvx_tx_send_pages(tx, t->id, *sent, k, t->src + *sent, NULL, NULL)) == CS_EAGAIN)
         usleep(500);
     if (r == 0) *sent += k;
     return r;
@@ -219,7 +218,7 @@ static void run_receiver(int scenario, int port, int wfd) {
     waiter_init(&w_done);
     for (int k = 0; k < n; k++)
         if (cs_kvx_rx_expect(rx, list[k]->id, list[k]->dst, list[k]->n, 150000, waiter_done,
-                                  &w_done))
+                             &w_done))
             FAILX("expect: %s", cs_last_error());
     say(wfd, 'P', cs_kvx_rx_port(rx));
     if (scenario == SC_KILL_TX) {
@@ -285,8 +284,7 @@ static void run_sender(int scenario, int port, int wfd, int rfd) {
         for (int k = 0; k < N_SEQ; k++) {
             tplan *t = &plan[k];
             int32_t sent = 0;
-            if (cs_kvx_tx_begin(tx, "127.0.0.1", port, t->id, t->n, 120000, waiter_done,
-                                     &w_done))
+            if (cs_kvx_tx_begin(tx, "127.0.0.1", port, t->id, t->n, 120000, waiter_done, &w_done))
                 FAILX("begin: %s", cs_last_error());
             while (sent < t->n)
                 if (send_some(tx, t, &sent, 37)) FAILX("send: %s", cs_last_error());
@@ -300,7 +298,7 @@ static void run_sender(int scenario, int port, int wfd, int rfd) {
         int32_t sent[N_IL] = {0};
         for (int k = 0; k < N_IL; k++)
             if (cs_kvx_tx_begin(tx, "127.0.0.1", port, plan[N_SEQ + k].id, plan[N_SEQ + k].n,
-                                     120000, waiter_done, &w_done))
+                                120000, waiter_done, &w_done))
                 FAILX("begin: %s", cs_last_error());
         for (int left = 1; left;) {
             left = 0;

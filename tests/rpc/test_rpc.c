@@ -25,7 +25,6 @@
 
 static atomic_int failures;
 
-
 /* ------------------------------------------------------------ server -- */
 
 typedef struct {

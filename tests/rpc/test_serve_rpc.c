@@ -32,7 +32,6 @@
 static int failures;
 static volatile pid_t child = -1;
 
-
 /* ------------------------------------------------------------- child -- */
 
 static void kill_child(void) {

@@ -235,10 +235,12 @@ static void test_help_json(void) {
     int rc = 0;
     char *out = capture_stdout(parse_help_json, &rc);
     ASSERT_EQ_INT(rc, 1);
-    ASSERT_MSG_HAS(out, "[\n {\"name\": \"model\", \"env\": \"CHUNKSERVE_MODEL\", \"type\": \"string\", "
-                        "\"default\": null, \"help\": \"model path\"},\n");
-    ASSERT_MSG_HAS(out, " {\"name\": \"port\", \"env\": \"CHUNKSERVE_PORT\", \"type\": \"int\", \"default\": "
-                        "\"8080\", \"help\": \"port\", \"min\": 0, \"max\": 65535},\n");
+    ASSERT_MSG_HAS(out,
+                   "[\n {\"name\": \"model\", \"env\": \"CHUNKSERVE_MODEL\", \"type\": \"string\", "
+                   "\"default\": null, \"help\": \"model path\"},\n");
+    ASSERT_MSG_HAS(
+        out, " {\"name\": \"port\", \"env\": \"CHUNKSERVE_PORT\", \"type\": \"int\", \"default\": "
+             "\"8080\", \"help\": \"port\", \"min\": 0, \"max\": 65535},\n");
     ASSERT_MSG_HAS(out, "\"type\": \"double\", \"default\": \"0.7\"");
     ASSERT_MSG_HAS(out, "\"name\": \"chat\", \"env\": \"CHUNKSERVE_CHAT\", \"type\": \"bool\"");
     ASSERT_MSG_HAS(out, "\"help\": \"a boolean whose name starts with no-\"}\n]\n");
@@ -251,8 +253,9 @@ static void test_help_json(void) {
     ASSERT_TRUE(f != NULL);
     cs_config_print_json(odd, 1, f);
     fclose(f);
-    ASSERT_EQ_STR(buf, "[\n {\"name\": \"x\", \"env\": \"CHUNKSERVE_X\", \"type\": \"string\", \"default\": "
-                       "\"a\\\\b\", \"help\": \"say \\\"hi\\\"\\u000a\\u0009now\"}\n]\n");
+    ASSERT_EQ_STR(
+        buf, "[\n {\"name\": \"x\", \"env\": \"CHUNKSERVE_X\", \"type\": \"string\", \"default\": "
+             "\"a\\\\b\", \"help\": \"say \\\"hi\\\"\\u000a\\u0009now\"}\n]\n");
 }
 
 static void test_dump(void) {

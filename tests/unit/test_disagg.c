@@ -46,7 +46,8 @@ static cs_request make_req(const req *q, uint64_t id) {
     r.prompt = q->prompt;
     r.n_prompt = q->n_prompt;
     r.sampling = cs_sampling_params_default();
-    if (q->sampled) r.sampling.temperature = 0.9f, r.sampling.top_k = 40, r.sampling.seed = 1000 + id;
+    if (q->sampled)
+        r.sampling.temperature = 0.9f, r.sampling.top_k = 40, r.sampling.seed = 1000 + id;
     r.stop.max_tokens = q->max_tokens;
     r.stop.ignore_eos = true;
     return r;
@@ -67,14 +68,16 @@ static void run_local(cs_engine *e, req *reqs, int n) {
         const cs_event *ev;
         int32_t ne;
         ASSERT_EQ_INT(cs_sched_step(s, &ev, &ne), 0);
-        for (int32_t i = 0; i < ne; i++) reqs[ev[i].id].out[reqs[ev[i].id].n_out++] = ev[i].token;
+        for (int32_t i = 0; i < ne; i++)
+            reqs[ev[i].id].out[reqs[ev[i].id].n_out++] = ev[i].token;
     }
     cs_sched_free(s);
 }
 
 /* The same requests disaggregated: prefill on P (budget chunk, or a large
  * budget with each prompt's chunk capped at cap), decode on D. */
-static void run_disagg(cs_engine *P, cs_engine *D, const req *reqs, int n, int32_t chunk, int32_t cap) {
+static void run_disagg(cs_engine *P, cs_engine *D, const req *reqs, int n, int32_t chunk,
+                       int32_t cap) {
     cs_sched_params pp = cs_sched_params_default(), dp = cs_sched_params_default();
     pp.max_num_batched_tokens = chunk;
     pp.max_chunk_tokens = cap;
@@ -120,7 +123,8 @@ static void run_disagg(cs_engine *P, cs_engine *D, const req *reqs, int n, int32
                 for (int32_t c = 0; c < ev[k].kv_n_pages; c += 64) {
                     int32_t m = ev[k].kv_n_pages - c < 64 ? ev[k].kv_n_pages - c : 64;
                     ASSERT_EQ_INT(cs_engine_kv_export(P, ev[k].kv_pages + c, m, buf), 0);
-                    ASSERT_EQ_INT(cs_engine_kv_import(D, dst[i] + ev[k].kv_first_page + c, m, buf), 0);
+                    ASSERT_EQ_INT(cs_engine_kv_import(D, dst[i] + ev[k].kv_first_page + c, m, buf),
+                                  0);
                 }
                 reported[i] += ev[k].kv_n_pages;
             }
@@ -140,7 +144,8 @@ static void run_disagg(cs_engine *P, cs_engine *D, const req *reqs, int n, int32
     }
     for (int i = 0; i < n; i++) {
         ASSERT_EQ_INT(n_got[i], reqs[i].n_out);
-        for (int j = 0; j < n_got[i]; j++) ASSERT_EQ_INT(out[i][j], reqs[i].out[j]);
+        for (int j = 0; j < n_got[i]; j++)
+            ASSERT_EQ_INT(out[i][j], reqs[i].out[j]);
     }
     free(buf);
     const cs_event *ev;
@@ -207,7 +212,8 @@ static void check_reserve(void) {
     cs_sched_params sp = cs_sched_params_default();
     ASSERT_EQ_INT(cs_sched_init(e, &sp, &s), 0);
     static int32_t prompt[200];
-    for (int i = 0; i < 200; i++) prompt[i] = (int32_t)rnd((uint32_t)V);
+    for (int i = 0; i < 200; i++)
+        prompt[i] = (int32_t)rnd((uint32_t)V);
     cs_request r = {0};
     r.prompt = prompt;
     r.n_prompt = 200; /* 13 pages of 16 */
@@ -258,7 +264,8 @@ int main(void) {
     static req reqs[N_REQ];
     for (int i = 0; i < N_REQ; i++) {
         reqs[i].n_prompt = 1 + (int32_t)rnd(MAX_PROMPT);
-        for (int j = 0; j < reqs[i].n_prompt; j++) reqs[i].prompt[j] = (int32_t)rnd((uint32_t)V);
+        for (int j = 0; j < reqs[i].n_prompt; j++)
+            reqs[i].prompt[j] = (int32_t)rnd((uint32_t)V);
         reqs[i].max_tokens = 1 + (int32_t)rnd(MAX_GEN);
         reqs[i].sampled = i % 2;
     }
@@ -267,7 +274,8 @@ int main(void) {
     cs_engine *L = engine(400), *P = engine(400), *D = engine(400);
     run_local(L, reqs, N_REQ);
     const int32_t chunks[] = {0, 7, 16, 50, 128};
-    for (size_t c = 0; c < sizeof chunks / sizeof chunks[0]; c++) run_disagg(P, D, reqs, N_REQ, chunks[c], 0);
+    for (size_t c = 0; c < sizeof chunks / sizeof chunks[0]; c++)
+        run_disagg(P, D, reqs, N_REQ, chunks[c], 0);
     run_disagg(P, D, reqs, N_REQ, 8192, 48); /* a prefill pool: large budget, capped chunks */
     check_resume(L, reqs, N_REQ);
     check_reserve();

@@ -34,7 +34,8 @@ static cs_engine *engine(const cs_model *m, int page_size, int n_pages, int thre
 
 static double rel_err(const float *a, const float *b, size_t n) {
     double num = 0, den = 0;
-    for (size_t i = 0; i < n; i++) num += ((double)a[i] - b[i]) * ((double)a[i] - b[i]), den += (double)b[i] * b[i];
+    for (size_t i = 0; i < n; i++)
+        num += ((double)a[i] - b[i]) * ((double)a[i] - b[i]), den += (double)b[i] * b[i];
     return den > 0 ? sqrt(num / den) : sqrt(num);
 }
 
@@ -54,8 +55,8 @@ static int32_t argmax(const float *v, int32_t n) {
 /* Prefill prompt in chunks, then greedy-decode n_gen tokens. Returns the
  * prompt's last logits in last, the pages in kv_out (export of the prompt's
  * pages), the generated tokens in gen. */
-static void run_one(cs_engine *e, const int32_t *prompt, int32_t n, int32_t chunk, float *last, float *kv_out,
-                    int32_t *gen, int n_gen) {
+static void run_one(cs_engine *e, const int32_t *prompt, int32_t n, int32_t chunk, float *last,
+                    float *kv_out, int32_t *gen, int n_gen) {
     const cs_model *m = cs_engine_model(e);
     int32_t V = cs_model_get_config(m)->n_vocab;
     float *logits = malloc(sizeof(float) * (size_t)V);
@@ -73,7 +74,8 @@ static void run_one(cs_engine *e, const int32_t *prompt, int32_t n, int32_t chun
 
 /* Compares exported pages over the positions [0, n) only (the tail of the
  * last page is unwritten). Layout: [page][layer][K,V][page_size][kv_dim]. */
-static double kv_rel_err(const float *a, const float *b, const cs_model_config *c, int page_size, int32_t n) {
+static double kv_rel_err(const float *a, const float *b, const cs_model_config *c, int page_size,
+                         int32_t n) {
     size_t kvd = (size_t)c->n_kv_heads * c->head_dim, num = 0;
     double s_num = 0, s_den = 0;
     for (int32_t p = 0; p < n; p++) {
@@ -101,8 +103,10 @@ static void check_chunked_equals_one_pass(const char *variant, int page_size) {
     const int32_t chunks[] = {1, 2, 15, 16, 17, 64, 100, 256, 0};
     enum { GEN = 32 };
     int32_t *prompt = malloc(sizeof(int32_t) * 700);
-    for (int i = 0; i < 700; i++) prompt[i] = (int32_t)rnd((uint32_t)V);
-    size_t kv_floats = cs_engine_page_bytes(e) / sizeof(float) * (size_t)((700 + GEN) / page_size + 2);
+    for (int i = 0; i < 700; i++)
+        prompt[i] = (int32_t)rnd((uint32_t)V);
+    size_t kv_floats =
+        cs_engine_page_bytes(e) / sizeof(float) * (size_t)((700 + GEN) / page_size + 2);
     float *ref_last = malloc(sizeof(float) * V), *last = malloc(sizeof(float) * V);
     float *ref_kv = malloc(sizeof(float) * kv_floats), *kv = malloc(sizeof(float) * kv_floats);
     int32_t ref_gen[GEN], gen[GEN];
@@ -122,19 +126,24 @@ static void check_chunked_equals_one_pass(const char *variant, int page_size) {
         for (size_t ci = 0; ci < sizeof chunks / sizeof chunks[0]; ci++) {
             if (chunks[ci] >= n) continue; /* same as one pass */
             run_one(e, prompt, n, chunks[ci], last, kv, gen, GEN);
-            double el = rel_err(last, ref_last, (size_t)V), ek = kv_rel_err(kv, ref_kv, c, page_size, n);
+            double el = rel_err(last, ref_last, (size_t)V),
+                   ek = kv_rel_err(kv, ref_kv, c, page_size, n);
             if (el > worst_logit) worst_logit = el;
             if (ek > worst_kv) worst_kv = ek;
             if (el > 1e-5 || ek > 1e-5)
-                fprintf(stderr, "len %d chunk %d: logits rel %g, kv rel %g\n", n, chunks[ci], el, ek);
+                fprintf(stderr, "len %d chunk %d: logits rel %g, kv rel %g\n", n, chunks[ci], el,
+                        ek);
             ASSERT_TRUE(el <= 1e-5);
             ASSERT_TRUE(ek <= 1e-5);
-            for (int i = 0; i < GEN; i++) ASSERT_EQ_INT(gen[i], ref_gen[i]);
+            for (int i = 0; i < GEN; i++)
+                ASSERT_EQ_INT(gen[i], ref_gen[i]);
         }
     }
-    printf("%-6s page %2d: chunked vs one pass over %zu lengths x %zu chunk sizes: worst logits rel %.3g, "
+    printf("%-6s page %2d: chunked vs one pass over %zu lengths x %zu chunk sizes: worst logits "
+           "rel %.3g, "
            "worst KV rel %.3g, 32 greedy tokens identical\n",
-           variant, page_size, sizeof lens / sizeof lens[0], sizeof chunks / sizeof chunks[0], worst_logit, worst_kv);
+           variant, page_size, sizeof lens / sizeof lens[0], sizeof chunks / sizeof chunks[0],
+           worst_logit, worst_kv);
     ASSERT_EQ_INT(cs_kv_cache_n_free(cs_engine_kv(e)), cs_kv_cache_n_pages(cs_engine_kv(e)));
     free(prompt), free(ref_last), free(last), free(ref_kv), free(kv);
     cs_engine_free(e);
@@ -151,8 +160,8 @@ typedef struct {
     int32_t n_out;
     cs_page_table pt;
     cs_sampler *smp;
-    int32_t next;       /* token to feed at the next decode */
-    uint64_t seed;      /* sampling seed: the sequence's own, wherever it runs */
+    int32_t next;  /* token to feed at the next decode */
+    uint64_t seed; /* sampling seed: the sequence's own, wherever it runs */
 } seq;
 
 static void run_seqs(cs_engine *e, seq *s, int n_seq, bool sampled, bool mixed) {
@@ -176,7 +185,8 @@ static void run_seqs(cs_engine *e, seq *s, int n_seq, bool sampled, bool mixed) 
             if (s[i].done == s[i].n_prompt && s[i].n_out < N_GEN) {
                 int32_t pos = s[i].n_prompt + s[i].n_out - 1;
                 ASSERT_EQ_INT(cs_page_table_reserve(&s[i].pt, kv, pos + 1), 0);
-                spans[n_spans] = (cs_span){&s[i].next, 1, pos, s[i].pt.pages, s[i].pt.n_pages, true};
+                spans[n_spans] =
+                    (cs_span){&s[i].next, 1, pos, s[i].pt.pages, s[i].pt.n_pages, true};
                 owner[n_spans++] = i;
                 used++;
             }
@@ -185,8 +195,9 @@ static void run_seqs(cs_engine *e, seq *s, int n_seq, bool sampled, bool mixed) 
                 int32_t k = s[i].n_prompt - s[i].done;
                 if (k > budget - used) k = budget - used;
                 ASSERT_EQ_INT(cs_page_table_reserve(&s[i].pt, kv, s[i].done + k), 0);
-                spans[n_spans] = (cs_span){s[i].prompt + s[i].done, k, s[i].done, s[i].pt.pages, s[i].pt.n_pages,
-                                           s[i].done + k == s[i].n_prompt};
+                spans[n_spans] = (cs_span){
+                    s[i].prompt + s[i].done,       k, s[i].done, s[i].pt.pages, s[i].pt.n_pages,
+                    s[i].done + k == s[i].n_prompt};
                 owner[n_spans++] = i;
                 used += k;
             }
@@ -208,7 +219,8 @@ static void run_seqs(cs_engine *e, seq *s, int n_seq, bool sampled, bool mixed) 
             }
         }
     }
-    for (int i = 0; i < n_seq; i++) cs_sampler_free(s[i].smp);
+    for (int i = 0; i < n_seq; i++)
+        cs_sampler_free(s[i].smp);
     free(logits);
 }
 
@@ -221,15 +233,18 @@ static void check_batch_invariance(const char *variant) {
         for (int i = 0; i < N_SEQ; i++) {
             together[i].n_prompt = 1 + (int32_t)rnd(380);
             together[i].seed = 1000 + (uint64_t)i;
-            for (int j = 0; j < together[i].n_prompt; j++) together[i].prompt[j] = (int32_t)rnd((uint32_t)V);
+            for (int j = 0; j < together[i].n_prompt; j++)
+                together[i].prompt[j] = (int32_t)rnd((uint32_t)V);
             alone[i] = together[i];
         }
         run_seqs(e, together, N_SEQ, sampled, true);
-        for (int i = 0; i < N_SEQ; i++) run_seqs(e, &alone[i], 1, sampled, false);
         for (int i = 0; i < N_SEQ; i++)
-            for (int j = 0; j < N_GEN; j++) ASSERT_EQ_INT(together[i].out[j], alone[i].out[j]);
-        printf("%-6s batch invariance (%s): 8 sequences x %d tokens, mixed steps = alone\n", variant,
-               sampled ? "seeded sampling" : "greedy", N_GEN);
+            run_seqs(e, &alone[i], 1, sampled, false);
+        for (int i = 0; i < N_SEQ; i++)
+            for (int j = 0; j < N_GEN; j++)
+                ASSERT_EQ_INT(together[i].out[j], alone[i].out[j]);
+        printf("%-6s batch invariance (%s): 8 sequences x %d tokens, mixed steps = alone\n",
+               variant, sampled ? "seeded sampling" : "greedy", N_GEN);
     }
     ASSERT_EQ_INT(cs_kv_cache_n_free(cs_engine_kv(e)), cs_kv_cache_n_pages(cs_engine_kv(e)));
     cs_engine_free(e);
@@ -244,7 +259,8 @@ static void check_pages(void) {
     cs_kv_cache *kv = cs_engine_kv(e);
     float *logits = malloc(sizeof(float) * (size_t)V);
     int32_t toks[200];
-    for (int i = 0; i < 200; i++) toks[i] = i % V;
+    for (int i = 0; i < 200; i++)
+        toks[i] = i % V;
     cs_page_table a = {0}, b = {0};
     ASSERT_EQ_INT(cs_engine_eval_seq(e, &a, 0, toks, 100, 32, logits), 0); /* 7 pages */
     ASSERT_EQ_INT(cs_kv_cache_n_free(kv), 1);

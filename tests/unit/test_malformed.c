@@ -38,8 +38,10 @@ static int load_bytes(const uint8_t *b, size_t n) {
     write_all(tmp_path, b, n);
     cs_model *m = NULL;
     int r = cs_model_load(tmp_path, &m);
-    if (r == 0) ASSERT_TRUE(m != NULL);
-    else ASSERT_TRUE(m == NULL);
+    if (r == 0)
+        ASSERT_TRUE(m != NULL);
+    else
+        ASSERT_TRUE(m == NULL);
     cs_model_free(m);
     return r;
 }
@@ -63,8 +65,12 @@ static size_t tensor_info_offset(const cs_gguf *g, const char *name) {
     return (size_t)((const uint8_t *)t->name.ptr - g->file.data) + t->name.len; /* -> n_dims */
 }
 
-static void put_u32(uint8_t *b, size_t off, uint32_t v) { memcpy(b + off, &v, 4); }
-static void put_u64(uint8_t *b, size_t off, uint64_t v) { memcpy(b + off, &v, 8); }
+static void put_u32(uint8_t *b, size_t off, uint32_t v) {
+    memcpy(b + off, &v, 4);
+}
+static void put_u64(uint8_t *b, size_t off, uint64_t v) {
+    memcpy(b + off, &v, 8);
+}
 
 static void gguf_cases(const char *src) {
     orig = read_all(src, &orig_size);
@@ -100,7 +106,8 @@ static void gguf_cases(const char *src) {
     expect("too many dimensions", b, orig_size, CS_EBADMSG, "dimensions");
 
     size_t name = key_offset(&g, "general.name");
-    memcpy(b, orig, orig_size), b[name + 12 + 4 + 8 + 3] = 0xff; /* key, type, length, then the value */
+    memcpy(b, orig, orig_size),
+        b[name + 12 + 4 + 8 + 3] = 0xff; /* key, type, length, then the value */
     expect("invalid UTF-8 in metadata", b, orig_size, CS_EBADMSG, "UTF-8");
     memcpy(b, orig, orig_size), b[name + 2] = 0xc0;
     expect("invalid UTF-8 in a key", b, orig_size, CS_EBADMSG, "UTF-8");
@@ -132,7 +139,8 @@ static void gguf_cases(const char *src) {
     int n_err = 0;
     for (int i = 0; i < 300; i++) {
         memcpy(b, orig, orig_size);
-        for (int k = 0; k < 4; k++) b[(size_t)rand() % hdr] ^= (uint8_t)(1 + rand() % 255);
+        for (int k = 0; k < 4; k++)
+            b[(size_t)rand() % hdr] ^= (uint8_t)(1 + rand() % 255);
         n_err += load_bytes(b, orig_size) < 0;
     }
     printf("random header damage: %d of 300 refused, none crashed\n", n_err);
@@ -179,12 +187,12 @@ static void hf_cases(const char *src, const char *tmp) {
     uint64_t hlen;
     memcpy(&hlen, st, 8);
 
-#define CASE(what, code, needle)                                   \
-    do {                                                           \
-        int r_ = load_dir(dir);                                    \
-        printf("%-28s -> %d: %s\n", what, r_, cs_last_error());    \
-        ASSERT_EQ_INT(r_, code);                                   \
-        ASSERT_MSG_HAS(cs_last_error(), needle);                   \
+#define CASE(what, code, needle)                                                                   \
+    do {                                                                                           \
+        int r_ = load_dir(dir);                                                                    \
+        printf("%-28s -> %d: %s\n", what, r_, cs_last_error());                                    \
+        ASSERT_EQ_INT(r_, code);                                                                   \
+        ASSERT_MSG_HAS(cs_last_error(), needle);                                                   \
     } while (0)
 
     memcpy(b, st, n), put_u64(b, 0, (uint64_t)n);

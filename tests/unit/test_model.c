@@ -31,7 +31,8 @@ static cs_model *load(const char *variant, const char *file) {
     return m;
 }
 
-static const int32_t prompt[] = {1, 40, 258, 7, 250, 99, 3, 250, 12, 201, 2, 77, 77, 77, 150, 151, 5};
+static const int32_t prompt[] = {1,   40, 258, 7,  250, 99,  3,   250, 12,
+                                 201, 2,  77,  77, 77,  150, 151, 5};
 #define N_PROMPT ((int32_t)(sizeof prompt / sizeof prompt[0]))
 
 static float *all_logits(const cs_model *m) {
@@ -46,7 +47,8 @@ static float *all_logits(const cs_model *m) {
 
 static double max_abs_diff(const float *a, const float *b, size_t n) {
     double d = 0;
-    for (size_t i = 0; i < n; i++) d = fmax(d, fabs((double)a[i] - b[i]));
+    for (size_t i = 0; i < n; i++)
+        d = fmax(d, fabs((double)a[i] - b[i]));
     return d;
 }
 
@@ -112,7 +114,8 @@ static void check_quantized_close(void) {
     int32_t V = cs_model_get_config(f)->n_vocab;
     float *a = all_logits(f), *b = all_logits(q);
     double num = 0, den = 0;
-    for (size_t i = 0; i < (size_t)V * N_PROMPT; i++) num += (a[i] - b[i]) * (a[i] - b[i]), den += a[i] * a[i];
+    for (size_t i = 0; i < (size_t)V * N_PROMPT; i++)
+        num += (a[i] - b[i]) * (a[i] - b[i]), den += a[i] * a[i];
     printf("q8_0 vs f32 relative L2 = %g\n", sqrt(num / den));
     ASSERT_TRUE(sqrt(num / den) < 0.05);
     free(a);
@@ -123,7 +126,8 @@ static void check_quantized_close(void) {
 
 /* Same configuration, same tokens, same encoding and chat rendering. */
 static void check_same_vocab(const cs_model *full, const cs_model *voc) {
-    ASSERT_TRUE(memcmp(cs_model_get_config(full), cs_model_get_config(voc), sizeof(cs_model_config)) == 0);
+    ASSERT_TRUE(
+        memcmp(cs_model_get_config(full), cs_model_get_config(voc), sizeof(cs_model_config)) == 0);
     ASSERT_EQ_INT(cs_model_weight_bytes(voc), 0);
     ASSERT_TRUE(cs_model_weight_bytes(full) > 0);
     const cs_tokenizer *a = cs_model_tokenizer(full), *b = cs_model_tokenizer(voc);
@@ -151,7 +155,8 @@ static void check_same_vocab(const cs_model *full, const cs_model *voc) {
     free(ib);
     cs_chat_message msg = {"user", "hi"};
     char *ca = NULL, *cb = NULL;
-    int ra = cs_tokenizer_apply_chat(a, &msg, 1, true, &ca), rb = cs_tokenizer_apply_chat(b, &msg, 1, true, &cb);
+    int ra = cs_tokenizer_apply_chat(a, &msg, 1, true, &ca),
+        rb = cs_tokenizer_apply_chat(b, &msg, 1, true, &cb);
     ASSERT_EQ_INT(ra, rb);
     if (!ra) ASSERT_EQ_STR(ca, cb);
     free(ca);
@@ -171,7 +176,8 @@ static void copy_file(const char *from, const char *to) {
     ASSERT_TRUE(in && out);
     char buf[65536];
     size_t n;
-    while ((n = fread(buf, 1, sizeof buf, in)) > 0) ASSERT_EQ_INT(fwrite(buf, 1, n, out), n);
+    while ((n = fread(buf, 1, sizeof buf, in)) > 0)
+        ASSERT_EQ_INT(fwrite(buf, 1, n, out), n);
     fclose(in);
     ASSERT_EQ_INT(fclose(out), 0);
 }
@@ -231,7 +237,8 @@ static void check_vocab_only(const char *variant) {
 
 int main(void) {
     const char *variants[] = {"f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "untied", "qwen2"};
-    for (size_t i = 0; i < sizeof variants / sizeof variants[0]; i++) check_formats_agree(variants[i]);
+    for (size_t i = 0; i < sizeof variants / sizeof variants[0]; i++)
+        check_formats_agree(variants[i]);
     cs_model *u = load("untied", "tiny.gguf"), *q = load("qwen2", "tiny-hf");
     ASSERT_TRUE(!cs_model_get_config(u)->tied_embeddings);
     ASSERT_TRUE(cs_model_get_config(q)->qkv_bias);

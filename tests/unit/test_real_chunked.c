@@ -12,7 +12,8 @@
 
 static double rel_err(const float *a, const float *b, size_t n) {
     double num = 0, den = 0;
-    for (size_t i = 0; i < n; i++) num += ((double)a[i] - b[i]) * ((double)a[i] - b[i]), den += (double)b[i] * b[i];
+    for (size_t i = 0; i < n; i++)
+        num += ((double)a[i] - b[i]) * ((double)a[i] - b[i]), den += (double)b[i] * b[i];
     return sqrt(num / (den > 0 ? den : 1));
 }
 
@@ -27,7 +28,8 @@ enum { GEN = 32 };
 
 /* Prefill in chunks; returns last logits, exported pages (positions < n
  * compared by the caller) and GEN greedy tokens. */
-static void run(cs_engine *e, const int32_t *prompt, int32_t n, int32_t chunk, float *last, float *kv, int32_t *gen) {
+static void run(cs_engine *e, const int32_t *prompt, int32_t n, int32_t chunk, float *last,
+                float *kv, int32_t *gen) {
     int32_t V = cs_model_get_config(cs_engine_model(e))->n_vocab;
     float *logits = malloc(sizeof(float) * (size_t)V);
     cs_page_table pt = {0};
@@ -46,7 +48,8 @@ static void run(cs_engine *e, const int32_t *prompt, int32_t n, int32_t chunk, f
 int main(void) {
     const char *path = getenv("CS_MODEL");
     if (!path || access(path, R_OK) != 0) {
-        fprintf(stderr, "default model not found (%s): run scripts/fetch-model.sh\n", path ? path : "CS_MODEL unset");
+        fprintf(stderr, "default model not found (%s): run scripts/fetch-model.sh\n",
+                path ? path : "CS_MODEL unset");
         return TEST_SKIP;
     }
     cs_model *m = NULL;
@@ -65,7 +68,8 @@ int main(void) {
     }
     size_t page_floats = cs_engine_page_bytes(e) / sizeof(float);
     float *ref_last = malloc(sizeof(float) * V), *last = malloc(sizeof(float) * V);
-    float *ref_kv = malloc(sizeof(float) * page_floats * 44), *kv = malloc(sizeof(float) * page_floats * 44);
+    float *ref_kv = malloc(sizeof(float) * page_floats * 44),
+          *kv = malloc(sizeof(float) * page_floats * 44);
     int32_t ref_gen[GEN], gen[GEN];
     const int32_t lens[] = {1, 17, 300, 700};
     const int32_t chunks[] = {1, 2, 15, 16, 17, 64, 100, 256};
@@ -86,14 +90,17 @@ int main(void) {
         }
         for (size_t ci = 0; ci < sizeof chunks / sizeof chunks[0]; ci++) {
             int32_t ch = chunks[ci];
-            if (ch >= n || (ch <= 2 && n > 300)) continue; /* chunk 1-2 of 700: covered by 300, too slow */
+            if (ch >= n || (ch <= 2 && n > 300))
+                continue; /* chunk 1-2 of 700: covered by 300, too slow */
             run(e, prompt, n, ch, last, kv, gen);
             double el = rel_err(last, ref_last, (size_t)V);
             double ek = rel_err(kv, ref_kv, page_floats * (size_t)(n / 16));
             int same = 0;
-            while (same < GEN && gen[same] == ref_gen[same]) same++;
-            printf("len %3d chunk %3d: logits rel %.3g, KV pages rel %.3g, greedy %d/%d identical\n", n, ch, el, ek,
-                   same, GEN);
+            while (same < GEN && gen[same] == ref_gen[same])
+                same++;
+            printf(
+                "len %3d chunk %3d: logits rel %.3g, KV pages rel %.3g, greedy %d/%d identical\n",
+                n, ch, el, ek, same, GEN);
             ASSERT_TRUE(el <= 1e-5);
             ASSERT_TRUE(ek <= 1e-5);
             ASSERT_EQ_INT(same, GEN);

@@ -43,7 +43,8 @@ int main(void) {
     memcpy(l2, logits, sizeof l2);
     ASSERT_EQ_INT(cs_sampler_sample(s, l2, &lp), 1);
     double z = 0;
-    for (int i = 0; i < V; i++) z += exp(logits[i]);
+    for (int i = 0; i < V; i++)
+        z += exp(logits[i]);
     ASSERT_NEAR(lp, 3 - log(z), 1e-5);
     cs_sampler_free(s);
 
@@ -112,7 +113,8 @@ int main(void) {
      * continued elsewhere) draws the same numbers */
     cs_sampler *c = NULL;
     ASSERT_EQ_INT(cs_sampler_init(&t, V, &c), 0);
-    for (int i = 0; i < 64; i++) cs_sampler_accept(c, seq_a[i]);
+    for (int i = 0; i < 64; i++)
+        cs_sampler_accept(c, seq_a[i]);
     for (int i = 0; i < 32; i++) {
         int32_t x = sample_with(t, logits, a);
         ASSERT_EQ_INT(sample_with(t, logits, c), x);

@@ -61,12 +61,14 @@ static cs_request make_req(const req_spec *s, uint64_t id) {
 static void check_pages(cs_engine *e) {
     cs_kv_cache *kv = cs_engine_kv(e);
     ASSERT_EQ_INT(cs_kv_cache_check(kv), 0);
-    ASSERT_EQ_INT(cs_kv_cache_n_free(kv) + cs_kv_cache_n_used(kv) + cs_kv_cache_n_cached(kv), cs_kv_cache_n_pages(kv));
+    ASSERT_EQ_INT(cs_kv_cache_n_free(kv) + cs_kv_cache_n_used(kv) + cs_kv_cache_n_cached(kv),
+                  cs_kv_cache_n_pages(kv));
 }
 
 /* Runs all requests through a scheduler (arriving in rounds), checking the
  * invariants at every step; returns the total steps. */
-static int run(cs_engine *e, const cs_sched_params *sp, const req_spec *specs, int n, req_out *outs, bool arrive_late) {
+static int run(cs_engine *e, const cs_sched_params *sp, const req_spec *specs, int n, req_out *outs,
+               bool arrive_late) {
     cs_sched *s = NULL;
     ASSERT_EQ_INT(cs_sched_init(e, sp, &s), 0);
     memset(outs, 0, sizeof(req_out) * (size_t)n);
@@ -110,9 +112,11 @@ static int run(cs_engine *e, const cs_sched_params *sp, const req_spec *specs, i
 static void make_specs(req_spec *specs, int n, bool sampled) {
     for (int i = 0; i < n; i++) {
         specs[i].n_prompt = 1 + (int32_t)rnd(MAX_PROMPT - 1);
-        for (int j = 0; j < specs[i].n_prompt; j++) specs[i].prompt[j] = (int32_t)rnd((uint32_t)V);
+        for (int j = 0; j < specs[i].n_prompt; j++)
+            specs[i].prompt[j] = (int32_t)rnd((uint32_t)V);
         if (i % 3 == 1 && i > 0) { /* share a prefix with the previous request */
-            int32_t k = specs[i - 1].n_prompt < specs[i].n_prompt ? specs[i - 1].n_prompt : specs[i].n_prompt;
+            int32_t k = specs[i - 1].n_prompt < specs[i].n_prompt ? specs[i - 1].n_prompt
+                                                                  : specs[i].n_prompt;
             memcpy(specs[i].prompt, specs[i - 1].prompt, sizeof(int32_t) * (size_t)(k * 3 / 4));
         }
         specs[i].max_tokens = 1 + (int32_t)rnd(MAX_GEN);
@@ -125,7 +129,8 @@ static void check_same(const req_out *a, const req_out *b, int n, const char *wh
     for (int i = 0; i < n; i++) {
         ASSERT_EQ_INT(a[i].n_out, b[i].n_out);
         for (int j = 0; j < a[i].n_out; j++) {
-            if (a[i].out[j] != b[i].out[j]) fprintf(stderr, "%s: request %d token %d differs\n", what, i, j);
+            if (a[i].out[j] != b[i].out[j])
+                fprintf(stderr, "%s: request %d token %d differs\n", what, i, j);
             ASSERT_EQ_INT(a[i].out[j], b[i].out[j]);
         }
     }
@@ -154,8 +159,9 @@ static void check_equivalence(void) {
                     (void)probe;
                     int steps = run(e, &p, specs, MAX_REQ, other, true);
                     char what[96];
-                    snprintf(what, sizeof what, "%s budget %d prefix %d %s", sampled ? "sampled" : "greedy",
-                             budgets[bi], pc, tight ? "small pool" : "big pool");
+                    snprintf(what, sizeof what, "%s budget %d prefix %d %s",
+                             sampled ? "sampled" : "greedy", budgets[bi], pc,
+                             tight ? "small pool" : "big pool");
                     check_same(base, other, MAX_REQ, what);
                     (void)steps;
                 }
@@ -177,7 +183,8 @@ static void check_equivalence(void) {
         cs_sched_get_stats(s, &st);
         preempt = st.preemptions;
         cs_sched_free(s);
-        printf("%s: one pass = budgets {unlimited, 512, 64, 17, 3} x prefix cache on/off x big/small pool "
+        printf("%s: one pass = budgets {unlimited, 512, 64, 17, 3} x prefix cache on/off x "
+               "big/small pool "
                "(small pool preempted %llu times)\n",
                sampled ? "seeded sampling" : "greedy", (unsigned long long)preempt);
         ASSERT_TRUE(preempt > 0);
@@ -194,9 +201,11 @@ static void check_prefix_cache(void) {
     ASSERT_EQ_INT(cs_sched_init(e, &p, &s), 0);
     static req_spec a, b;
     a.n_prompt = 340, b.n_prompt = 320;
-    for (int i = 0; i < 340; i++) a.prompt[i] = (int32_t)rnd((uint32_t)V);
+    for (int i = 0; i < 340; i++)
+        a.prompt[i] = (int32_t)rnd((uint32_t)V);
     memcpy(b.prompt, a.prompt, sizeof(int32_t) * 300);
-    for (int i = 300; i < 320; i++) b.prompt[i] = (int32_t)rnd((uint32_t)V);
+    for (int i = 300; i < 320; i++)
+        b.prompt[i] = (int32_t)rnd((uint32_t)V);
     a.max_tokens = b.max_tokens = 16;
     req_out oa = {0}, ob = {0}, ob_cold = {0};
     cs_sched_stats st0, st1;
@@ -218,7 +227,8 @@ static void check_prefix_cache(void) {
     /* 300 shared tokens = 18 full pages of 16 (288 tokens): only 320 - 288 computed */
     uint64_t computed = st1.prompt_tokens_computed - st0.prompt_tokens_computed;
     printf("prefix cache: second request computed %llu of its 320 prompt tokens (%llu reused)\n",
-           (unsigned long long)computed, (unsigned long long)(st1.prefix_hit_tokens - st0.prefix_hit_tokens));
+           (unsigned long long)computed,
+           (unsigned long long)(st1.prefix_hit_tokens - st0.prefix_hit_tokens));
     ASSERT_EQ_INT(computed, 320 - 288);
     ASSERT_EQ_INT(st1.prefix_hit_tokens - st0.prefix_hit_tokens, 288);
     cs_sched_free(s);
@@ -231,7 +241,8 @@ static void check_prefix_cache(void) {
     cold.enable_prefix_caching = false;
     run(e2, &cold, &b, 1, &ob_cold, false);
     ASSERT_EQ_INT(ob.n_out, ob_cold.n_out);
-    for (int j = 0; j < ob.n_out; j++) ASSERT_EQ_INT(ob.out[j], ob_cold.out[j]);
+    for (int j = 0; j < ob.n_out; j++)
+        ASSERT_EQ_INT(ob.out[j], ob_cold.out[j]);
     cs_engine_free(e2);
 }
 
@@ -284,7 +295,8 @@ static void check_bad_requests(void) {
     ASSERT_EQ_INT(cs_sched_init(e, &p, &s), 0);
     static req_spec sp;
     sp.n_prompt = 10, sp.max_tokens = 5;
-    for (int i = 0; i < 10; i++) sp.prompt[i] = i;
+    for (int i = 0; i < 10; i++)
+        sp.prompt[i] = i;
     cs_request r = make_req(&sp, 1);
     ASSERT_EQ_INT(cs_sched_add(s, &r), 0);
     ASSERT_EQ_INT(cs_sched_add(s, &r), CS_EINVAL); /* id already live */
@@ -367,7 +379,8 @@ static void check_serve(void) {
     }
     ASSERT_EQ_INT(k.finish[39], CS_FINISH_ERROR);
     ASSERT_MSG_HAS(k.err[39], "empty prompt");
-    printf("serve: 40 requests from another thread, %d cancelled, 1 refused, all finished\n", cancelled);
+    printf("serve: 40 requests from another thread, %d cancelled, 1 refused, all finished\n",
+           cancelled);
     /* stop with requests in flight: each gets CANCELLED */
     static sink k2;
     pthread_mutex_init(&k2.mu, NULL);

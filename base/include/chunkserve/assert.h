@@ -8,9 +8,9 @@
 extern "C" {
 #endif
 
-#define CS_ASSERT(x)                                                  \
-    do {                                                              \
-        if (!(x)) cs__assert_fail(__FILE__, __LINE__, #x);            \
+#define CS_ASSERT(x)                                                                               \
+    do {                                                                                           \
+        if (!(x)) cs__assert_fail(__FILE__, __LINE__, #x);                                         \
     } while (0)
 
 #if defined(__GNUC__)

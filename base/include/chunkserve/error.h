@@ -17,27 +17,27 @@ extern "C" {
 #endif
 
 /* X(name, errno value, default message) */
-#define CS_ERRNO_MAP(X)                                            \
-    X(EPERM, -1, "operation not permitted")                        \
-    X(ENOENT, -2, "no such file or directory")                     \
-    X(EIO, -5, "i/o error")                                        \
-    X(E2BIG, -7, "argument list too long")                         \
-    X(EAGAIN, -11, "resource temporarily unavailable")             \
-    X(ENOMEM, -12, "out of memory")                                \
-    X(EACCES, -13, "permission denied")                            \
-    X(EBUSY, -16, "resource busy")                                 \
-    X(EEXIST, -17, "already exists")                               \
-    X(EINVAL, -22, "invalid argument")                             \
-    X(ENOSPC, -28, "no space left (pool exhausted)")               \
-    X(ERANGE, -34, "value out of range")                           \
-    X(ENOSYS, -38, "function not implemented")                     \
-    X(EOVERFLOW, -75, "value too large for defined data type")     \
-    X(EBADMSG, -74, "malformed data")                              \
-    X(EPROTO, -71, "protocol error")                               \
-    X(ENOTSUP, -95, "operation not supported")                     \
-    X(ECONNRESET, -104, "connection reset by peer")                \
-    X(ETIMEDOUT, -110, "timed out")                                \
-    X(ECONNREFUSED, -111, "connection refused")                    \
+#define CS_ERRNO_MAP(X)                                                                            \
+    X(EPERM, -1, "operation not permitted")                                                        \
+    X(ENOENT, -2, "no such file or directory")                                                     \
+    X(EIO, -5, "i/o error")                                                                        \
+    X(E2BIG, -7, "argument list too long")                                                         \
+    X(EAGAIN, -11, "resource temporarily unavailable")                                             \
+    X(ENOMEM, -12, "out of memory")                                                                \
+    X(EACCES, -13, "permission denied")                                                            \
+    X(EBUSY, -16, "resource busy")                                                                 \
+    X(EEXIST, -17, "already exists")                                                               \
+    X(EINVAL, -22, "invalid argument")                                                             \
+    X(ENOSPC, -28, "no space left (pool exhausted)")                                               \
+    X(ERANGE, -34, "value out of range")                                                           \
+    X(ENOSYS, -38, "function not implemented")                                                     \
+    X(EOVERFLOW, -75, "value too large for defined data type")                                     \
+    X(EBADMSG, -74, "malformed data")                                                              \
+    X(EPROTO, -71, "protocol error")                                                               \
+    X(ENOTSUP, -95, "operation not supported")                                                     \
+    X(ECONNRESET, -104, "connection reset by peer")                                                \
+    X(ETIMEDOUT, -110, "timed out")                                                                \
+    X(ECONNREFUSED, -111, "connection refused")                                                    \
     X(ECANCELED, -125, "operation canceled")
 
 enum cs_status {

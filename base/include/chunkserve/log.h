@@ -29,9 +29,9 @@ extern int cs__log_level;
 __attribute__((format(printf, 4, 5)))
 #endif
 void cs__log(int level, const char *file, int line, const char *fmt, ...);
-#define CS_LOG(lvl, ...)                                                               \
-    do {                                                                               \
-        if ((lvl) <= cs__log_level) cs__log((lvl), __FILE__, __LINE__, __VA_ARGS__);   \
+#define CS_LOG(lvl, ...)                                                                           \
+    do {                                                                                           \
+        if ((lvl) <= cs__log_level) cs__log((lvl), __FILE__, __LINE__, __VA_ARGS__);               \
     } while (0)
 
 #ifdef __cplusplus

@@ -54,7 +54,7 @@ typedef struct {
     int32_t pos;           /* position of tokens[0] = tokens already cached */
     const int32_t *pages;  /* page table covering positions [0, pos + n_tokens) */
     int32_t n_pages;
-    bool want_logits;      /* logits of the span's last token */
+    bool want_logits; /* logits of the span's last token */
 } cs_span;
 
 /* One ragged forward step over n_spans spans (at most one span per sequence).
@@ -68,8 +68,8 @@ int cs_engine_step(cs_engine *e, const cs_span *spans, int32_t n_spans, float *l
  * for many): evaluates n tokens at positions pos.. in chunks of at most
  * max_chunk tokens (0 = all at once), growing pt to cover them, and writes the
  * last token's n_vocab logits. On failure pt keeps any pages it gained. */
-int cs_engine_eval_seq(cs_engine *e, cs_page_table *pt, int32_t pos, const int32_t *tokens, int32_t n,
-                       int32_t max_chunk, float *logits);
+int cs_engine_eval_seq(cs_engine *e, cs_page_table *pt, int32_t pos, const int32_t *tokens,
+                       int32_t n, int32_t max_chunk, float *logits);
 
 /* Copies n pages (all layers, K and V; page-major, cs_engine_page_bytes()
  * each) to a flat host buffer, or back. For the KV transport and for tests. */

@@ -24,16 +24,16 @@ typedef struct cs_model cs_model;
 enum cs_rope_scaling { CS_ROPE_SCALING_NONE = 0, CS_ROPE_SCALING_LINEAR, CS_ROPE_SCALING_LLAMA3 };
 
 typedef struct {
-    char arch[32];       /* "llama", "qwen2", ... */
-    char name[128];      /* general.name or directory name */
+    char arch[32];  /* "llama", "qwen2", ... */
+    char name[128]; /* general.name or directory name */
     int32_t n_vocab;
-    int32_t dim;         /* hidden size */
+    int32_t dim; /* hidden size */
     int32_t n_layers;
     int32_t n_heads;
     int32_t n_kv_heads;
     int32_t head_dim;
-    int32_t hidden_dim;  /* FFN inner size */
-    int32_t ctx_len;     /* max positions the model was trained for */
+    int32_t hidden_dim; /* FFN inner size */
+    int32_t ctx_len;    /* max positions the model was trained for */
     float norm_eps;
     float rope_theta;
     enum cs_rope_scaling rope_scaling;

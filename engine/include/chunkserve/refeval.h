@@ -31,7 +31,8 @@ void cs_ref_seq_reset(cs_ref_seq *s);
  * cache. logits receives n * n_vocab floats (all_logits) or n_vocab floats for
  * the last token. CS_EINVAL for n < 1 or a token id out of range, CS_ENOSPC
  * when the sequence would exceed max_tokens; nothing changes on failure. */
-int cs_ref_seq_eval(cs_ref_seq *s, const int32_t *tokens, int32_t n, bool all_logits, float *logits);
+int cs_ref_seq_eval(cs_ref_seq *s, const int32_t *tokens, int32_t n, bool all_logits,
+                    float *logits);
 
 #ifdef __cplusplus
 }

@@ -48,35 +48,36 @@ enum cs_kv_mode {
 };
 
 typedef struct {
-    uint64_t id;          /* the caller's id; unique among live requests */
+    uint64_t id;           /* the caller's id; unique among live requests */
     const int32_t *prompt; /* (n_prompt) token ids; copied. With n_resumed > 0, the
                              last n_resumed of them were generated earlier */
     int32_t n_prompt;
-    int32_t n_resumed;    /* migration: tokens at the end of prompt[] already
-                             generated (and streamed) elsewhere: they count toward
-                             max_tokens and usage, the sampler's penalties and the
-                             stop checker see them as generated; the next event is
-                             the token after them. 0 normally */
+    int32_t n_resumed; /* migration: tokens at the end of prompt[] already
+                          generated (and streamed) elsewhere: they count toward
+                          max_tokens and usage, the sampler's penalties and the
+                          stop checker see them as generated; the next event is
+                          the token after them. 0 normally */
     cs_sampling_params sampling;
-    cs_stop_params stop;  /* max_tokens, stop strings and ids, ignore_eos; copied */
-    bool logprobs;        /* report the chosen tokens' log-probabilities */
+    cs_stop_params stop; /* max_tokens, stop strings and ids, ignore_eos; copied */
+    bool logprobs;       /* report the chosen tokens' log-probabilities */
     enum cs_kv_mode kv_mode;
-    bool reserve;         /* reserve the prompt's pages at add, all or nothing:
-                             CS_ENOSPC when they are not free now (admission by
-                             free pages); implied by CS_KV_REMOTE */
+    bool reserve; /* reserve the prompt's pages at add, all or nothing:
+                     CS_ENOSPC when they are not free now (admission by
+                     free pages); implied by CS_KV_REMOTE */
 } cs_request;
 
 /* What a step produced for one request. */
 typedef struct {
     uint64_t id;
-    int32_t token;     /* the new token, -1 when none (cancel, error) */
-    float logprob;     /* when requested */
-    const char *text;  /* text that became final with this token; "" if none */
+    int32_t token;         /* the new token, -1 when none (cancel, error) */
+    float logprob;         /* when requested */
+    const char *text;      /* text that became final with this token; "" if none */
     enum cs_finish finish; /* CS_FINISH_NONE while the request goes on */
     int32_t n_prompt_tokens, n_completion_tokens;
-    const char *error;     /* with CS_FINISH_ERROR: what went wrong */
-    int32_t status;        /* with CS_FINISH_ERROR: the CS_E* code (CS_ENOSPC: no room now) */
-    int32_t n_cached_prompt_tokens; /* prompt tokens taken from the prefix cache at first admission */
+    const char *error; /* with CS_FINISH_ERROR: what went wrong */
+    int32_t status;    /* with CS_FINISH_ERROR: the CS_E* code (CS_ENOSPC: no room now) */
+    int32_t
+        n_cached_prompt_tokens; /* prompt tokens taken from the prefix cache at first admission */
     /* CS_KV_PREFILL_ONLY: pages [kv_first_page, kv_first_page + kv_n_pages) of
      * the prompt were completed by this step (the last partial page comes with
      * the final event); their ids in kv_pages. The pages stay allocated and
@@ -98,10 +99,11 @@ typedef struct {
 typedef struct {
     uint64_t steps, preemptions, prefix_hit_tokens, prompt_tokens_computed, generated_tokens;
     uint64_t requests_finished, requests_cancelled;
-    int32_t n_running, n_waiting;   /* waiting includes remote requests waiting for KV */
-    int32_t n_waiting_kv;           /* remote requests whose KV has not arrived */
-    int64_t queued_prompt_tokens;   /* prompt tokens of live requests not computed yet */
-    int32_t kv_pages_total, kv_pages_used, kv_pages_cached; /* cached = reusable prefix pages, no reference */
+    int32_t n_running, n_waiting; /* waiting includes remote requests waiting for KV */
+    int32_t n_waiting_kv;         /* remote requests whose KV has not arrived */
+    int64_t queued_prompt_tokens; /* prompt tokens of live requests not computed yet */
+    int32_t kv_pages_total, kv_pages_used,
+        kv_pages_cached; /* cached = reusable prefix pages, no reference */
     int32_t page_size, max_num_batched_tokens;
 } cs_sched_stats;
 

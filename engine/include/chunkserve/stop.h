@@ -18,16 +18,22 @@ extern "C" {
 
 /* Why a sequence ended. The stop checker reports STOP and LENGTH; the
  * scheduler adds CANCELLED and ERROR. */
-enum cs_finish { CS_FINISH_NONE = 0, CS_FINISH_STOP, CS_FINISH_LENGTH, CS_FINISH_CANCELLED, CS_FINISH_ERROR };
+enum cs_finish {
+    CS_FINISH_NONE = 0,
+    CS_FINISH_STOP,
+    CS_FINISH_LENGTH,
+    CS_FINISH_CANCELLED,
+    CS_FINISH_ERROR
+};
 
 typedef struct {
     const char *const *stop; /* stop strings (UTF-8, non-empty) */
     size_t n_stop;
     const int32_t *stop_ids; /* extra stop token ids */
     size_t n_stop_ids;
-    int32_t max_tokens;      /* >= 1 */
-    bool ignore_eos;         /* do not stop on the model's end-of-generation tokens */
-    bool skip_special;       /* leave control tokens out of the text */
+    int32_t max_tokens; /* >= 1 */
+    bool ignore_eos;    /* do not stop on the model's end-of-generation tokens */
+    bool skip_special;  /* leave control tokens out of the text */
 } cs_stop_params;
 
 typedef struct cs_stop cs_stop;

@@ -58,12 +58,12 @@ double cs_metric_value(const cs_metric *c);
 enum cs_metric_kind { CS_METRIC_COUNTER, CS_METRIC_GAUGE, CS_METRIC_HISTOGRAM };
 
 typedef struct {
-    size_t offset;          /* of the cs_metric * field that gets the series */
-    const char *name;       /* "chunkserve:num_requests_waiting" */
+    size_t offset;    /* of the cs_metric * field that gets the series */
+    const char *name; /* "chunkserve:num_requests_waiting" */
     enum cs_metric_kind kind;
-    const char *labels;     /* NULL or the inside of the braces: "role=\"decode\"" */
-    const char *help;       /* one line */
-    const double *buckets;  /* histograms: ascending upper bounds */
+    const char *labels;    /* NULL or the inside of the braces: "role=\"decode\"" */
+    const char *help;      /* one line */
+    const double *buckets; /* histograms: ascending upper bounds */
     size_t n_buckets;
 } cs_metric_def;
 

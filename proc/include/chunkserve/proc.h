@@ -76,11 +76,11 @@ typedef struct {
 } cs_proc_role;
 
 typedef struct {
-    const char *host;      /* gRPC bind address */
-    int port;              /* 0 = any free port */
-    const char *http_host; /* ops HTTP bind address; NULL = host */
-    int http_port;         /* 0 = any free port */
-    int64_t grace_ms;      /* the drain's longest wait for open calls */
+    const char *host;       /* gRPC bind address */
+    int port;               /* 0 = any free port */
+    const char *http_host;  /* ops HTTP bind address; NULL = host */
+    int http_port;          /* 0 = any free port */
+    int64_t grace_ms;       /* the drain's longest wait for open calls */
     int32_t max_recv_bytes; /* largest RPC request; 0 = the RPC layer's default (4 MiB) */
 } cs_proc_opts;
 
