@@ -397,6 +397,49 @@ static void handle_decode(cs_rpc_call *c, void *data) {
     if (cs_rpc_call_on_cancel(c, on_call_cancel, q) != 0) on_call_cancel(c, q);
 }
 
+/* ---------------------------------------------------------- metrics -- */
+
+static const double xfer_secs[] = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                                   0.25,  0.5,    1,     2.5,  5,     10,   30};
+static const double hop_secs[] = {1e-5,   2.5e-5, 5e-5, 1e-4,  2.5e-4, 5e-4, 1e-3,
+                                  2.5e-3, 5e-3,   0.01, 0.025, 0.1,    1};
+#define M(f) offsetof(decode, f)
+#define PREFILLS "requests admitted, by where their prompt is prefilled"
+/* The decode role's metrics (besides the worker's common ones). */
+static const cs_metric_def decode_metrics_table[] = {
+    {M(m_local), "chunkserve:prefills_total", CS_METRIC_COUNTER, "path=\"local\"", PREFILLS, NULL,
+     0},
+    {M(m_remote), "chunkserve:prefills_total", CS_METRIC_COUNTER, "path=\"remote\"", PREFILLS, NULL,
+     0},
+    {M(m_refused), "chunkserve:requests_refused_total", CS_METRIC_COUNTER, NULL,
+     "requests refused (RESOURCE_EXHAUSTED): queue limit or no free KV pages", NULL, 0},
+    {M(m_xfer_started), "chunkserve:kv_transfers_started_total", CS_METRIC_COUNTER, NULL,
+     "KV transfers expected", NULL, 0},
+    {M(m_xfer_completed), "chunkserve:kv_transfers_completed_total", CS_METRIC_COUNTER, NULL,
+     "KV transfers received whole", NULL, 0},
+    {M(m_xfer_failed), "chunkserve:kv_transfers_failed_total", CS_METRIC_COUNTER, NULL,
+     "KV transfers failed (lease expired, peer died, bad frame, cancelled)", NULL, 0},
+    {M(m_xfer_bytes), "chunkserve:kv_transfer_bytes_total", CS_METRIC_COUNTER, NULL,
+     "KV payload bytes received", NULL, 0},
+    {M(m_proto_errors), "chunkserve:kv_protocol_errors_total", CS_METRIC_COUNTER, NULL,
+     "KV connections closed for bad input", NULL, 0},
+    {M(m_xfer_seconds), "chunkserve:kv_transfer_seconds", CS_METRIC_HISTOGRAM, NULL,
+     "admission to the KV trailer, per completed transfer", xfer_secs,
+     sizeof xfer_secs / sizeof xfer_secs[0]},
+    {M(m_router_hop), "chunkserve:router_to_worker_seconds", CS_METRIC_HISTOGRAM, NULL,
+     "the router's receipt of a client call to this worker's receipt of its Decode call (wall "
+     "clocks)",
+     hop_secs, sizeof hop_secs / sizeof hop_secs[0]},
+    {M(m_leases_expired), "chunkserve:kv_leases_expired_total", CS_METRIC_COUNTER, NULL,
+     "reservations freed at their deadline", NULL, 0},
+    {M(m_ttft), "chunkserve:time_to_first_token_seconds", CS_METRIC_HISTOGRAM, NULL,
+     "Decode call received to first token, at this worker", cs_metrics_ttft_buckets, 0},
+    {M(m_itl), "chunkserve:inter_token_latency_seconds", CS_METRIC_HISTOGRAM, NULL,
+     "time between a sequence's consecutive tokens", cs_metrics_itl_buckets, 0},
+};
+#undef M
+#undef PREFILLS
+
 /* ---------------------------------------------------------- role hooks -- */
 
 static int decode_start(cs_worker *w) {
@@ -413,43 +456,6 @@ static int decode_start(cs_worker *w) {
     if (r) return r;
     snprintf(d->kv_endpoint, sizeof d->kv_endpoint, "%s:%d",
              w->o.kv_advertise ? w->o.kv_advertise : w->o.kv_host, cs_kvx_rx_port(d->rx));
-    cs_metrics *m = w->metrics;
-    d->m_local = cs_metrics_counter(m, "chunkserve:prefills_total", "path=\"local\"",
-                                    "requests admitted, by where their prompt is prefilled");
-    d->m_remote = cs_metrics_counter(m, "chunkserve:prefills_total", "path=\"remote\"", NULL);
-    d->m_refused = cs_metrics_counter(
-        m, "chunkserve:requests_refused_total", NULL,
-        "requests refused (RESOURCE_EXHAUSTED): queue limit or no free KV pages");
-    d->m_xfer_started = cs_metrics_counter(m, "chunkserve:kv_transfers_started_total", NULL,
-                                           "KV transfers expected");
-    d->m_xfer_completed = cs_metrics_counter(m, "chunkserve:kv_transfers_completed_total", NULL,
-                                             "KV transfers received whole");
-    d->m_xfer_failed =
-        cs_metrics_counter(m, "chunkserve:kv_transfers_failed_total", NULL,
-                           "KV transfers failed (lease expired, peer died, bad frame, cancelled)");
-    d->m_xfer_bytes = cs_metrics_counter(m, "chunkserve:kv_transfer_bytes_total", NULL,
-                                         "KV payload bytes received");
-    d->m_proto_errors = cs_metrics_counter(m, "chunkserve:kv_protocol_errors_total", NULL,
-                                           "KV connections closed for bad input");
-    static const double secs[] = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
-                                  0.25,  0.5,    1,     2.5,  5,     10,   30};
-    d->m_xfer_seconds = cs_metrics_histogram(m, "chunkserve:kv_transfer_seconds", NULL,
-                                             "admission to the KV trailer, per completed transfer",
-                                             secs, sizeof secs / sizeof secs[0]);
-    static const double hop[] = {1e-5,   2.5e-5, 5e-5, 1e-4,  2.5e-4, 5e-4, 1e-3,
-                                 2.5e-3, 5e-3,   0.01, 0.025, 0.1,    1};
-    d->m_router_hop = cs_metrics_histogram(m, "chunkserve:router_to_worker_seconds", NULL,
-                                           "the router's receipt of a client call to this worker's "
-                                           "receipt of its Decode call (wall clocks)",
-                                           hop, sizeof hop / sizeof hop[0]);
-    d->m_leases_expired = cs_metrics_counter(m, "chunkserve:kv_leases_expired_total", NULL,
-                                             "reservations freed at their deadline");
-    d->m_ttft = cs_metrics_histogram(m, "chunkserve:time_to_first_token_seconds", NULL,
-                                     "Decode call received to first token, at this worker",
-                                     cs_metrics_ttft_buckets, cs_metrics_n_ttft_buckets);
-    d->m_itl = cs_metrics_histogram(m, "chunkserve:inter_token_latency_seconds", NULL,
-                                    "time between a sequence's consecutive tokens",
-                                    cs_metrics_itl_buckets, cs_metrics_n_itl_buckets);
     return cs_worker_add_method(w, "/chunkserve.v1.Worker/Decode", CS_RPC_SERVER_STREAMING,
                                 &chunkserve__v1__decode_request__descriptor, handle_decode);
 }
@@ -536,6 +542,8 @@ const cs_worker_role cs_decode_role = {
                "prefill workers, "
                "runs mixed decode/prefill steps under its budget and streams tokens",
     .start = decode_start,
+    .metrics_table = decode_metrics_table,
+    .n_metrics_table = sizeof decode_metrics_table / sizeof decode_metrics_table[0],
     .status = decode_status,
     .metrics = decode_metrics,
     .cancel = decode_cancel,

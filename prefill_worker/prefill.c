@@ -415,6 +415,39 @@ static void handle_prefill(cs_rpc_call *c, void *data) {
     if (cs_rpc_call_on_cancel(c, on_call_cancel, q) != 0) on_call_cancel(c, q);
 }
 
+/* ---------------------------------------------------------- metrics -- */
+
+static const double xfer_secs[] = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                                   0.25,  0.5,    1,     2.5,  5,     10,   30};
+#define M(f) offsetof(prefill, f)
+#define N_SECS (sizeof xfer_secs / sizeof xfer_secs[0])
+/* The prefill role's metrics (besides the worker's common ones). */
+static const cs_metric_def prefill_metrics_table[] = {
+    {M(m_requests), "chunkserve:prefill_requests_total", CS_METRIC_COUNTER, NULL,
+     "Prefill calls accepted", NULL, 0},
+    {M(m_refused), "chunkserve:requests_refused_total", CS_METRIC_COUNTER, NULL,
+     "requests refused (RESOURCE_EXHAUSTED) by the queue limit", NULL, 0},
+    {M(m_xfer_started), "chunkserve:kv_transfers_started_total", CS_METRIC_COUNTER, NULL,
+     "KV transfers begun", NULL, 0},
+    {M(m_xfer_completed), "chunkserve:kv_transfers_completed_total", CS_METRIC_COUNTER, NULL,
+     "KV transfers acknowledged by the decode worker", NULL, 0},
+    {M(m_xfer_failed), "chunkserve:kv_transfers_failed_total", CS_METRIC_COUNTER, NULL,
+     "KV transfers failed (peer died, deadline, aborted)", NULL, 0},
+    {M(m_xfer_bytes), "chunkserve:kv_transfer_bytes_total", CS_METRIC_COUNTER, NULL,
+     "KV payload bytes sent", NULL, 0},
+    {M(m_xfer_seconds), "chunkserve:kv_transfer_seconds", CS_METRIC_HISTOGRAM, NULL,
+     "Prefill call received to trailer acknowledged", xfer_secs, N_SECS},
+    {M(m_tail_seconds), "chunkserve:kv_transfer_tail_seconds", CS_METRIC_HISTOGRAM, NULL,
+     "last chunk computed to trailer acknowledged: the transfer time left on the critical path",
+     xfer_secs, N_SECS},
+    {M(m_prefill_seconds), "chunkserve:prefill_seconds", CS_METRIC_HISTOGRAM, NULL,
+     "Prefill call received to answered", xfer_secs, N_SECS},
+    {M(m_backpressure), "chunkserve:kv_backpressure_waits_total", CS_METRIC_COUNTER, NULL,
+     "page ranges held back by a full KV channel until it drained", NULL, 0},
+};
+#undef M
+#undef N_SECS
+
 /* ---------------------------------------------------------- role hooks -- */
 
 static int prefill_start(cs_worker *w) {
@@ -447,34 +480,6 @@ static int prefill_start(cs_worker *w) {
     tp.dead_ms = (int32_t)w->o.kv_dead_ms;
     int r = cs_kvx_tx_init(&tp, &p->tx);
     if (r) return r;
-    cs_metrics *m = w->metrics;
-    p->m_requests =
-        cs_metrics_counter(m, "chunkserve:prefill_requests_total", NULL, "Prefill calls accepted");
-    p->m_refused = cs_metrics_counter(m, "chunkserve:requests_refused_total", NULL,
-                                      "requests refused (RESOURCE_EXHAUSTED) by the queue limit");
-    p->m_xfer_started =
-        cs_metrics_counter(m, "chunkserve:kv_transfers_started_total", NULL, "KV transfers begun");
-    p->m_xfer_completed = cs_metrics_counter(m, "chunkserve:kv_transfers_completed_total", NULL,
-                                             "KV transfers acknowledged by the decode worker");
-    p->m_xfer_failed = cs_metrics_counter(m, "chunkserve:kv_transfers_failed_total", NULL,
-                                          "KV transfers failed (peer died, deadline, aborted)");
-    p->m_xfer_bytes =
-        cs_metrics_counter(m, "chunkserve:kv_transfer_bytes_total", NULL, "KV payload bytes sent");
-    static const double secs[] = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
-                                  0.25,  0.5,    1,     2.5,  5,     10,   30};
-    size_t ns = sizeof secs / sizeof secs[0];
-    p->m_xfer_seconds =
-        cs_metrics_histogram(m, "chunkserve:kv_transfer_seconds", NULL,
-                             "Prefill call received to trailer acknowledged", secs, ns);
-    p->m_tail_seconds = cs_metrics_histogram(
-        m, "chunkserve:kv_transfer_tail_seconds", NULL,
-        "last chunk computed to trailer acknowledged: the transfer time left on the critical path",
-        secs, ns);
-    p->m_prefill_seconds = cs_metrics_histogram(m, "chunkserve:prefill_seconds", NULL,
-                                                "Prefill call received to answered", secs, ns);
-    p->m_backpressure =
-        cs_metrics_counter(m, "chunkserve:kv_backpressure_waits_total", NULL,
-                           "page ranges held back by a full KV channel until it drained");
     return cs_worker_add_method(w, "/chunkserve.v1.Worker/Prefill", CS_RPC_UNARY,
                                 &chunkserve__v1__prefill_request__descriptor, handle_prefill);
 }
@@ -575,6 +580,8 @@ const cs_worker_role cs_prefill_role = {
                "chunk's KV "
                "pages to the decode worker that reserved them",
     .start = prefill_start,
+    .metrics_table = prefill_metrics_table,
+    .n_metrics_table = sizeof prefill_metrics_table / sizeof prefill_metrics_table[0],
     .status = prefill_status,
     .metrics = prefill_metrics,
     .cancel = prefill_cancel,

@@ -206,14 +206,7 @@ void cs_router_print_metrics_json(void *f) {
 }
 
 static void metrics_register(router *r) {
-    /* the standard latency bucket sets' lengths are not constant expressions */
-    cs_metric_def t[N_ROUTER_METRICS];
-    memcpy(t, router_metrics, sizeof t);
-    for (size_t i = 0; i < N_ROUTER_METRICS; i++) {
-        if (t[i].buckets == cs_metrics_ttft_buckets) t[i].n_buckets = cs_metrics_n_ttft_buckets;
-        if (t[i].buckets == cs_metrics_itl_buckets) t[i].n_buckets = cs_metrics_n_itl_buckets;
-    }
-    cs_metrics_register_table(r->metrics, t, N_ROUTER_METRICS, r);
+    cs_metrics_register_table(r->metrics, router_metrics, N_ROUTER_METRICS, r);
 }
 
 static void update_metrics(cs_proc *p, void *arg) {

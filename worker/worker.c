@@ -190,7 +190,11 @@ static int start(cs_proc *p, void *arg) {
     if ((r = cs_worker_add_method(w, "/chunkserve.v1.Worker/Cancel", CS_RPC_UNARY,
                                   &chunkserve__v1__cancel_request__descriptor, handle_cancel)))
         return r;
-    return w->role->start(w);
+    if ((r = w->role->start(w))) return r;
+    if (w->role->n_metrics_table)
+        cs_metrics_register_table(w->metrics, w->role->metrics_table, w->role->n_metrics_table,
+                                  w->role_data);
+    return 0;
 }
 
 static void started(cs_proc *p, void *arg) {
@@ -305,8 +309,14 @@ int cs_worker_main(int argc, char **argv, const cs_worker_role *role) {
     snprintf(prog, sizeof prog, "chunkserve-%s", role->name);
     for (int i = 1; i < argc; i++)
         if (!strcmp(argv[i], "--metrics-json")) { /* the table for tools and dashboards */
-            cs_metrics_print_json(common_metrics, sizeof common_metrics / sizeof common_metrics[0],
-                                  stdout);
+            size_t n = sizeof common_metrics / sizeof common_metrics[0];
+            cs_metric_def *all = malloc((n + role->n_metrics_table) * sizeof *all);
+            if (!all) return 1;
+            memcpy(all, common_metrics, n * sizeof *all);
+            if (role->n_metrics_table)
+                memcpy(all + n, role->metrics_table, role->n_metrics_table * sizeof *all);
+            cs_metrics_print_json(all, n + role->n_metrics_table, stdout);
+            free(all);
             return 0;
         }
     int r = cs_config_parse(role->config, role->n_config, &w.o, argc, argv, 1, prog, role->summary);

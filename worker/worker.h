@@ -183,6 +183,10 @@ typedef struct {
      * starts: create the KV transport end, register metrics and the role's
      * RPC method (cs_worker_add_method). Returns 0 or a CS_E* code. */
     int (*start)(cs_worker *w);
+    /* The role's metrics table: registered right after start, into the
+     * role's data (w->role_data, which start sets) as the owner struct. */
+    const cs_metric_def *metrics_table;
+    size_t n_metrics_table;
     /* Fills the role's status fields (kv_endpoint, ...). */
     void (*status)(cs_worker *w, Chunkserve__V1__WorkerStatus *st);
     /* Before each /metrics render. */

@@ -373,11 +373,14 @@ void cs_metrics_register_table(cs_metrics *m, const cs_metric_def *t, size_t n, 
             *slot = cs_metrics_counter(m, t[i].name, t[i].labels, t[i].help);
             break;
         case CS_METRIC_GAUGE: *slot = cs_metrics_gauge(m, t[i].name, t[i].labels, t[i].help); break;
-        case CS_METRIC_HISTOGRAM:
-            CS_ASSERT(t[i].buckets && t[i].n_buckets > 0);
-            *slot = cs_metrics_histogram(m, t[i].name, t[i].labels, t[i].help, t[i].buckets,
-                                         t[i].n_buckets);
+        case CS_METRIC_HISTOGRAM: {
+            size_t nb = t[i].n_buckets;
+            if (!nb && t[i].buckets == cs_metrics_ttft_buckets) nb = cs_metrics_n_ttft_buckets;
+            if (!nb && t[i].buckets == cs_metrics_itl_buckets) nb = cs_metrics_n_itl_buckets;
+            CS_ASSERT(t[i].buckets && nb > 0);
+            *slot = cs_metrics_histogram(m, t[i].name, t[i].labels, t[i].help, t[i].buckets, nb);
             break;
+        }
         }
     }
 }

@@ -15,6 +15,7 @@ Timing bounds are generous: they catch hangs only.  No test asserts a speed.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -1203,3 +1204,30 @@ def test_prefill_worker_of_another_kv_layout_is_not_paired(cl, pb, reference):
     assert p.metric("chunkserve:prefill_requests_total") == 0
     assert local_prefills(d) == 1 and remote_prefills(d) == 0
     assert d.metric("chunkserve:kv_transfers_failed_total") == 0
+
+
+def exported_series(metrics: dict) -> set:
+    """The series of a /metrics snapshot, histograms by their family name."""
+    out = set()
+    for key in metrics:
+        name, _, labels = key.partition("{")
+        for suffix in ("_bucket", "_sum", "_count"):
+            if name.endswith(suffix):
+                name, labels = name[:-len(suffix)], ""  # a histogram (ours have no labels)
+        out.add(name + ("{" + labels if labels else ""))
+    return out
+
+
+def test_metrics_tables_match_what_is_exported(cl, worker_bins):
+    """--metrics-json prints each process's metrics table (the twin of --help-json): every
+    series it declares is in the live /metrics and every series exported is declared (the
+    process shell's chunkserve:draining aside)."""
+    d, p = cl.decode(), cl.prefill()
+    r = cl.router("--decode-workers", d.addr)
+    for proc, exe in ((d, "chunkserve-decode"), (p, "chunkserve-prefill"), (r, "chunkserve-router")):
+        table = json.loads(subprocess.run([str(worker_bins / exe), "--metrics-json"], check=True,
+                                          capture_output=True, text=True).stdout)
+        declared = {t["name"] + ("{" + t["labels"] + "}" if t["labels"] else "") for t in table}
+        live = exported_series(proc.metrics())
+        assert declared - live == set(), (exe, declared - live)
+        assert live - declared == {"chunkserve:draining"}, (exe, live - declared)
