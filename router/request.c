@@ -23,11 +23,12 @@ uint64_t cs__splitmix64(uint64_t x) {
     return x ^ (x >> 31);
 }
 
-/* Router-unique (a bijection of a counter), random-looking, never 0. */
+/* Router-unique (a bijection of a counter), random-looking, never 0, and
+ * never a request id's number (those take the even inputs: router.c). */
 static uint64_t new_transfer_id(router *r) {
     uint64_t id;
     do
-        id = cs__splitmix64(r->id_base + ++r->n_transfers);
+        id = cs__splitmix64(r->id_base ^ (++r->n_transfers << 1 | 1));
     while (id == 0);
     return id;
 }

@@ -435,6 +435,7 @@ static void on_hello(cs_kvx_rx *rx, rx_conn *c, const cs_kvx_hdr *h, const uint8
     snprintf(c->name, sizeof c->name, "%s", m.name);
     c->peer_inc = h->epoch;
     c->hello = true;
+    CS_LOGI("kvx rx: channel from %s (%s) open, %s payload", c->name, c->addr, rx->pl->name);
     uint8_t ack[CS_KVX_ACK_BYTES];
     cs_kvx_ack_encode(0, "ok", ack);
     queue_ctl(rx, c, CS_KVX_HELLO_ACK, 0, 0, ack, sizeof ack);

@@ -707,6 +707,7 @@ static void chan_frame(cs_kvx_tx *tx, tx_chan *ch, const cs_kvx_hdr *h, const ui
         }
         ch->acked = true;
         ch->peer_inc = h->epoch;
+        CS_LOGI("kvx tx: channel to %s:%d open, %s payload", ch->host, ch->port, tx->pl->name);
         return;
     }
     if (!ch->acked || h->epoch != ch->peer_inc) {

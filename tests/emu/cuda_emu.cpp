@@ -59,6 +59,7 @@ const char *cudaGetErrorName(cudaError_t e) {
     case cudaErrorInvalidValue: return "cudaErrorInvalidValue";
     case cudaErrorMemoryAllocation: return "cudaErrorMemoryAllocation";
     case cudaErrorInvalidDevice: return "cudaErrorInvalidDevice";
+    case cudaErrorNotReady: return "cudaErrorNotReady";
     }
     return "cudaErrorUnknown";
 }
@@ -79,6 +80,9 @@ cudaError_t cudaMallocHost(void **p, size_t bytes) {
 }
 cudaError_t cudaFreeHost(void *p) {
     return cudaFree(p);
+}
+cudaError_t cudaHostAlloc(void **p, size_t bytes, unsigned) {
+    return cudaMalloc(p, bytes);
 }
 cudaError_t cudaMemcpy(void *dst, const void *src, size_t bytes, cudaMemcpyKind) {
     if (bytes) memmove(dst, src, bytes);
@@ -106,8 +110,20 @@ cudaError_t cudaStreamDestroy(cudaStream_t s) {
 cudaError_t cudaStreamSynchronize(cudaStream_t) {
     return cudaSuccess;
 }
+cudaError_t cudaStreamQuery(cudaStream_t) {
+    return cudaSuccess;
+}
+cudaError_t cudaStreamWaitEvent(cudaStream_t, cudaEvent_t, unsigned) {
+    return cudaSuccess;
+}
 cudaError_t cudaEventCreate(cudaEvent_t *e) {
     *e = new cs_emu_event();
+    return cudaSuccess;
+}
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned) {
+    return cudaEventCreate(e);
+}
+cudaError_t cudaEventQuery(cudaEvent_t) {
     return cudaSuccess;
 }
 cudaError_t cudaEventDestroy(cudaEvent_t e) {

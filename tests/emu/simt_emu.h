@@ -192,8 +192,16 @@ inline void warp_sync() {
  * threads as fibers on the calling thread, switched at barriers only. When
  * the first block never switched (an elementwise kernel), the other blocks'
  * threads run as plain calls, one after another (a later block that does
- * synchronize aborts loudly). One launch at a time. */
+ * synchronize aborts loudly). One launch at a time: launches from several
+ * host threads (a worker's engine and its KV transport) take turns. */
 inline void launch(dim3 grid, unsigned threads, const std::function<void()> &fn) {
+    static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+    pthread_mutex_lock(&mu);
+    struct unlock {
+        ~unlock() {
+            pthread_mutex_unlock(&mu);
+        }
+    } unlock_at_return;
     static char *stacks[1024]; /* reused by every launch; never freed (reachable) */
     for (unsigned t = 0; t < threads; t++)
         if (!stacks[t]) {

@@ -233,3 +233,40 @@ def generate(stub, g, prompt=None, ids=None, max_tokens=16, timeout=300, **sampl
         **inp, sampling=g.SamplingParams(max_tokens=max_tokens, **sampling)), timeout=timeout))
     return ([t for m in msgs for t in m.token_ids], "".join(m.text for m in msgs),
             msgs[-1].finish_reason, msgs)
+
+
+class Reference:
+    """Single-process ids: `chunkserve serve` (exe) on a model, ignore_eos (greedy unless
+    sampling parameters with a seed are given)."""
+
+    def __init__(self, exe: Path, model: Path, pb):
+        self.g = pb.generation_pb2
+        self.err = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen([str(exe), "serve", "--model", str(model), "--port", "0",
+                                      "--threads", "1", "--kv-cache-mib", "16"],
+                                     stdout=subprocess.PIPE, stderr=self.err)
+        line = self.proc.stdout.readline().decode()
+        if not line.startswith("listening on "):
+            self.proc.kill()
+            pytest.fail(f"chunkserve serve: unexpected first line {line!r}")
+        self.channel = grpc.insecure_channel(line.split()[-1])
+        self.stub = pb.generation_pb2_grpc.GenerationStub(self.channel)
+        self.cache = {}
+
+    def __call__(self, prompt, n, **sampling):
+        """(ids, text) of the continuation of prompt (token ids), n tokens."""
+        key = (tuple(prompt), n, tuple(sorted(sampling.items())))
+        if key not in self.cache:
+            ids, text, finish, _ = generate(self.stub, self.g, ids=list(prompt), max_tokens=n,
+                                            timeout=300, ignore_eos=True, **sampling)
+            assert len(ids) == n and finish == self.g.FINISH_REASON_LENGTH
+            self.cache[key] = (ids, text)
+        return self.cache[key]
+
+    def stop(self):
+        self.channel.close()
+        self.proc.send_signal(signal.SIGTERM)
+        rc = self.proc.wait(timeout=30)
+        self.err.seek(0)
+        err = self.err.read().decode(errors="replace")
+        assert rc == 0 and "Sanitizer" not in err and "runtime error:" not in err, err[-3000:]

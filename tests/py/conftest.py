@@ -114,6 +114,9 @@ def pytest_configure(config):
         "markers", "cluster: the router and workers as separate processes (or fake workers) on "
                    "loopback")
     config.addinivalue_line(
+        "markers", "emu: the cluster on the emulated CUDA backend with the NCCL payload over a "
+                   "loopback NCCL stand-in (tests/py/test_cluster_emu.py; CTest cluster_emu)")
+    config.addinivalue_line(
         "markers", "autoscale: the HPA algorithm scaling real worker pools behind the router "
                    "(tests/py/test_autoscale.py; root, about 1.5 minutes)")
 

@@ -33,8 +33,8 @@ import pytest
 grpc = pytest.importorskip("grpc")
 pytest.importorskip("grpc_tools.protoc")  # stubs: conftest.proto_modules
 
-from cluster_harness import (Cluster, Proc, generate, make_tiny, metric, wait_for,  # noqa: E402
-                             wait_idle, worker_status)
+from cluster_harness import (Cluster, Proc, Reference, generate, make_tiny, metric,  # noqa: E402
+                             wait_for, wait_idle, worker_status)
 
 pytestmark = pytest.mark.cluster
 
@@ -358,43 +358,6 @@ def worker_bins(bin_dir):
         if not (bin_dir / b).is_file():
             pytest.skip(f"{b} not built")
     return bin_dir
-
-
-class Reference:
-    """Single-process ids: `chunkserve serve` on the tiny model, ignore_eos (greedy unless
-    sampling parameters with a seed are given)."""
-
-    def __init__(self, exe: Path, model: Path, pb):
-        self.g = pb.generation_pb2
-        self.err = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen([str(exe), "serve", "--model", str(model), "--port", "0",
-                                      "--threads", "1", "--kv-cache-mib", "16"],
-                                     stdout=subprocess.PIPE, stderr=self.err)
-        line = self.proc.stdout.readline().decode()
-        if not line.startswith("listening on "):
-            self.proc.kill()
-            pytest.fail(f"chunkserve serve: unexpected first line {line!r}")
-        self.channel = grpc.insecure_channel(line.split()[-1])
-        self.stub = pb.generation_pb2_grpc.GenerationStub(self.channel)
-        self.cache = {}
-
-    def __call__(self, prompt, n, **sampling):
-        """(ids, text) of the continuation of prompt (token ids), n tokens."""
-        key = (tuple(prompt), n, tuple(sorted(sampling.items())))
-        if key not in self.cache:
-            ids, text, finish, _ = generate(self.stub, self.g, ids=list(prompt), max_tokens=n,
-                                            timeout=300, ignore_eos=True, **sampling)
-            assert len(ids) == n and finish == self.g.FINISH_REASON_LENGTH
-            self.cache[key] = (ids, text)
-        return self.cache[key]
-
-    def stop(self):
-        self.channel.close()
-        self.proc.send_signal(signal.SIGTERM)
-        rc = self.proc.wait(timeout=30)
-        self.err.seek(0)
-        err = self.err.read().decode(errors="replace")
-        assert rc == 0 and "Sanitizer" not in err and "runtime error:" not in err, err[-3000:]
 
 
 @pytest.fixture(scope="module")
