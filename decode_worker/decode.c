@@ -14,9 +14,9 @@
  *    only now that the transport will never write them again;
  *  - loop thread: the handler, the drain (sends `admitted`, then outputs,
  *    then the status) and the call's cancellation.
- * A dreq holds one reference for the engine side (dropped by the drain of
- * its final event) and one while a KV transfer is expected (dropped by the
- * rx done callback); the last one frees it on the loop thread. */
+ * A dreq is a cs_worker_call (worker.h: admission, references, the drain's
+ * posting and the answer are the shell's); it adds a reference while a KV
+ * transfer is expected (dropped by the rx done callback). */
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -36,21 +36,13 @@
 typedef struct decode decode;
 
 typedef struct dreq {
-    cs_worker *w;
+    cs_worker_call base; /* first: the shell's part (base.mu guards the fields below it) */
     decode *d;
-    cs_rpc_call *call; /* NULL once finished */
-    uint64_t id, transfer_id;
-    char request_id[80];
     bool local, logprobs;
     int32_t lease_ms;
-    double t_start, t_last_token;
-    int end_code; /* why we cancelled it ourselves (0 = the call's own cancel) */
-    const char *end_msg;
-    atomic_int refs;
-    struct dreq *prev, *next; /* live list, loop thread */
+    double t_last_token;
 
-    pthread_mutex_t mu; /* everything below */
-    bool posted, admitted, sent_admitted, done, expected, kv_done, cancel_requested;
+    bool admitted, sent_admitted, done, logged, expected, kv_done, cancel_requested;
     int32_t pages_reserved, n_context;
     int kv_status;
     char kv_error[256];
@@ -64,48 +56,17 @@ typedef struct dreq {
 struct decode {
     cs_kvx_rx *rx;
     char kv_endpoint[300];
-    dreq *live;
-    int32_t n_live;
-    uint64_t next_id;
     cs_kvx_stats last; /* exported so far */
-    cs_metric *m_local, *m_remote, *m_refused, *m_xfer_started, *m_xfer_completed, *m_xfer_failed,
+    cs_metric *m_local, *m_remote, *m_xfer_started, *m_xfer_completed, *m_xfer_failed,
         *m_xfer_bytes, *m_xfer_seconds, *m_leases_expired, *m_ttft, *m_itl, *m_proto_errors,
         *m_router_hop;
 };
 
-static decode g_decode;
-
-/* ------------------------------------------------------------ lifetime -- */
-
-static void dreq_free_post(void *data) {
-    dreq *q = data;
-    decode *d = q->d;
-    if (q->prev)
-        q->prev->next = q->next;
-    else
-        d->live = q->next;
-    if (q->next) q->next->prev = q->prev;
-    d->n_live--;
-    cs_outbuf_free(&q->out);
-    pthread_mutex_destroy(&q->mu);
-    free(q);
-}
-
-static void dreq_unref(dreq *q) {
-    if (atomic_fetch_sub(&q->refs, 1) == 1 && cs_rpc_loop_post(q->w->rl, dreq_free_post, q) != 0)
-        CS_LOGE("request %s: cannot post its release (leaked)", q->request_id);
+static void decode_call_free(cs_worker_call *c) {
+    cs_outbuf_free(&((dreq *)c)->out);
 }
 
 /* ------------------------------------------------- engine + I/O threads -- */
-
-static void on_drain_post(void *data);
-
-static void post_drain_locked(dreq *q) {
-    if (q->posted) return;
-    q->posted = true;
-    if (cs_rpc_loop_post(q->w->rl, on_drain_post, q) != 0)
-        q->posted = false; /* the next event retries */
-}
 
 static void append_locked(dreq *q, const cs_event *ev) {
     cs_outbuf_append(&q->out, ev);
@@ -126,8 +87,8 @@ static void on_kv_done(void *arg, uint64_t xfer, int status, const char *msg,
                        const cs_kvx_trailer *t) {
     dreq *q = arg;
     decode *d = q->d;
-    double secs = cs_now() - q->t_start;
-    pthread_mutex_lock(&q->mu);
+    double secs = cs_now() - q->base.t_start;
+    pthread_mutex_lock(&q->base.mu);
     q->kv_done = true;
     if (!status && (t->prompt_len != q->n_context || t->total_pages != q->pages_reserved)) {
         status = CS_EPROTO;
@@ -137,42 +98,43 @@ static void on_kv_done(void *arg, uint64_t xfer, int status, const char *msg,
         q->kv_status = status;
         snprintf(q->kv_error, sizeof q->kv_error, "%s", msg && msg[0] ? msg : cs_strerror(status));
     }
-    pthread_mutex_unlock(&q->mu);
+    pthread_mutex_unlock(&q->base.mu);
     if (!status) {
         cs_metric_observe(d->m_xfer_seconds, secs);
-        if (cs_serve_kv_ready(q->w->sv, q->id, t->first_token) != 0)
-            cs_serve_cancel(q->w->sv, q->id);
+        if (cs_serve_kv_ready(q->base.w->sv, q->base.id, t->first_token) != 0)
+            cs_serve_cancel(q->base.w->sv, q->base.id);
     } else {
         if (status == CS_ETIMEDOUT) cs_metric_inc(d->m_leases_expired);
-        CS_LOGW("request %s: KV transfer %016llx failed: %s", q->request_id,
+        CS_LOGW("request %s: KV transfer %016llx failed: %s", q->base.request_id,
                 (unsigned long long)xfer, q->kv_error);
-        cs_serve_cancel(q->w->sv, q->id); /* frees the pages: the transport is done with them */
+        cs_serve_cancel(q->base.w->sv,
+                        q->base.id); /* frees the pages: the transport is done with them */
     }
-    dreq_unref(q);
+    cs_worker_call_unref(&q->base);
 }
 
 /* Engine thread: every event of the request. */
 static void on_event(void *user, const cs_event *ev) {
     dreq *q = user;
     decode *d = q->d;
-    pthread_mutex_lock(&q->mu);
+    pthread_mutex_lock(&q->base.mu);
     if (ev->token < 0 && ev->finish == CS_FINISH_NONE &&
         ev->kv_pages) { /* admission: pages reserved */
         q->admitted = true;
         q->pages_reserved = ev->kv_n_pages;
         cs_metric_inc(q->local ? d->m_local : d->m_remote);
         if (!q->local && !q->cancel_requested) {
-            atomic_fetch_add(&q->refs, 1);
-            int r = cs_kvx_rx_expect(d->rx, q->transfer_id, ev->kv_pages, ev->kv_n_pages,
+            cs_worker_call_ref(&q->base);
+            int r = cs_kvx_rx_expect(d->rx, q->base.transfer_id, ev->kv_pages, ev->kv_n_pages,
                                      q->lease_ms, on_kv_done, q);
             if (r == 0) {
                 q->expected = true;
             } else {
-                atomic_fetch_sub(&q->refs, 1);
+                atomic_fetch_sub(&q->base.refs, 1); /* never the last: the engine holds one */
                 q->kv_status = r;
                 snprintf(q->kv_error, sizeof q->kv_error, "cannot expect the KV transfer: %s",
                          cs_last_error());
-                cs_serve_cancel(q->w->sv, q->id);
+                cs_serve_cancel(q->base.w->sv, q->base.id);
             }
         }
     } else {
@@ -181,23 +143,19 @@ static void on_event(void *user, const cs_event *ev) {
             if (q->t_last_token > 0)
                 cs_metric_observe(d->m_itl, now - q->t_last_token);
             else
-                cs_metric_observe(d->m_ttft, now - q->t_start);
+                cs_metric_observe(d->m_ttft, now - q->base.t_start);
             q->t_last_token = now;
         }
         append_locked(q, ev);
-        if (ev->finish == CS_FINISH_ERROR && ev->status == CS_ENOSPC) cs_metric_inc(d->m_refused);
+        if (ev->finish == CS_FINISH_ERROR && ev->status == CS_ENOSPC)
+            cs_metric_inc(q->base.w->m_refused);
     }
-    post_drain_locked(q);
-    pthread_mutex_unlock(&q->mu);
+    cs_worker_call_post_locked(&q->base);
+    pthread_mutex_unlock(&q->base.mu);
+    if (ev->finish != CS_FINISH_NONE) cs_worker_call_unref(&q->base); /* the engine's */
 }
 
 /* ---------------------------------------------------------- loop thread -- */
-
-static void finish_call(dreq *q, int code, const char *msg) {
-    if (!q->call) return;
-    cs_rpc_call_finish(q->call, code, msg);
-    q->call = NULL;
-}
 
 /* The payload the KV listener takes: the engine's pool decides (host: TCP,
  * device: NCCL). */
@@ -209,14 +167,14 @@ static Chunkserve__V1__KvTransport kv_transport(decode *d) {
 
 static int send_admitted(dreq *q, int32_t pages) {
     Chunkserve__V1__DecodeAdmitted a = CHUNKSERVE__V1__DECODE_ADMITTED__INIT;
-    a.transfer_id = q->transfer_id;
+    a.transfer_id = q->base.transfer_id;
     a.pages_reserved = pages;
     a.kv_endpoint = q->d->kv_endpoint;
     a.kv_transport = kv_transport(q->d);
     Chunkserve__V1__DecodeResponse r = CHUNKSERVE__V1__DECODE_RESPONSE__INIT;
     r.event_case = CHUNKSERVE__V1__DECODE_RESPONSE__EVENT_ADMITTED;
     r.admitted = &a;
-    return cs_rpc_call_send_msg(q->call, &r.base);
+    return cs_rpc_call_send_msg(q->base.call, &r.base);
 }
 
 static int send_output(dreq *q, const cs_outbuf *b, bool final, enum cs_finish finish,
@@ -235,7 +193,7 @@ static int send_output(dreq *q, const cs_outbuf *b, bool final, enum cs_finish f
     Chunkserve__V1__DecodeResponse r = CHUNKSERVE__V1__DECODE_RESPONSE__INIT;
     r.event_case = CHUNKSERVE__V1__DECODE_RESPONSE__EVENT_OUTPUT;
     r.output = &g;
-    int rc = cs_rpc_call_send_msg(q->call, &r.base);
+    int rc = cs_rpc_call_send_msg(q->base.call, &r.base);
     cs_outbuf_response_free(scratch);
     return rc;
 }
@@ -243,22 +201,26 @@ static int send_output(dreq *q, const cs_outbuf *b, bool final, enum cs_finish f
 /* Cancels the request wherever it is. While a KV transfer is expected the
  * transport is cancelled first: its done callback then cancels in the engine
  * (freeing pages the transport might otherwise still write). */
-static void dreq_cancel(dreq *q) {
-    pthread_mutex_lock(&q->mu);
+static void decode_cancel(cs_worker_call *c) {
+    dreq *q = (dreq *)c;
+    pthread_mutex_lock(&q->base.mu);
     q->cancel_requested = true;
     bool via_rx = q->expected && !q->kv_done;
-    pthread_mutex_unlock(&q->mu);
-    if (!via_rx || cs_kvx_rx_cancel(q->d->rx, q->transfer_id) != 0)
-        cs_serve_cancel(q->w->sv, q->id);
+    pthread_mutex_unlock(&q->base.mu);
+    if (!via_rx || cs_kvx_rx_cancel(q->d->rx, q->base.transfer_id) != 0)
+        cs_serve_cancel(q->base.w->sv, q->base.id);
 }
 
-static void on_drain_post(void *data) {
-    dreq *q = data;
-    pthread_mutex_lock(&q->mu);
+/* The drain: sends `admitted`, then the outputs, then the status. */
+static void decode_drain(cs_worker_call *c) {
+    dreq *q = (dreq *)c;
+    pthread_mutex_lock(&q->base.mu);
     cs_outbuf out;
     cs_outbuf_take(&q->out, &out);
     bool done = q->done, oom = out.oom, admit = q->admitted && !q->sent_admitted;
+    bool log_end = done && !q->logged;
     q->sent_admitted |= admit;
+    q->logged |= done;
     int32_t pages = q->pages_reserved, n_prompt = q->n_prompt, n_completion = q->n_completion,
             n_cached = q->n_cached;
     enum cs_finish finish = q->finish;
@@ -266,10 +228,9 @@ static void on_drain_post(void *data) {
     char kv_error[256], error[256];
     memcpy(kv_error, q->kv_error, sizeof kv_error);
     memcpy(error, q->error, sizeof error);
-    q->posted = false;
-    pthread_mutex_unlock(&q->mu);
+    pthread_mutex_unlock(&q->base.mu);
 
-    if (q->call) {
+    if (c->call) {
         bool ok_end = done && (finish == CS_FINISH_STOP || finish == CS_FINISH_LENGTH);
         int rc = 0;
         if (admit) rc = send_admitted(q, pages);
@@ -278,47 +239,39 @@ static void on_drain_post(void *data) {
             rc = send_output(q, &out, ok_end, finish, n_prompt, n_completion, n_cached);
         char msg[400];
         if (rc == CS_ENOMEM) {
-            finish_call(q, CS_RPC_RESOURCE_EXHAUSTED,
-                        "the worker ran out of memory for this stream");
-            if (!done) dreq_cancel(q);
-        } else if (!done && cs_rpc_call_pending_bytes(q->call) > MAX_UNSENT_BYTES) {
-            finish_call(q, CS_RPC_RESOURCE_EXHAUSTED,
-                        "the router is not reading the stream; decoding stopped");
-            dreq_cancel(q);
+            cs_worker_call_finish(c, CS_RPC_RESOURCE_EXHAUSTED,
+                                  "the worker ran out of memory for this stream");
+            if (!done) decode_cancel(c);
+        } else if (!done && cs_rpc_call_pending_bytes(c->call) > MAX_UNSENT_BYTES) {
+            cs_worker_call_finish(c, CS_RPC_RESOURCE_EXHAUSTED,
+                                  "the router is not reading the stream; decoding stopped");
+            decode_cancel(c);
         } else if (ok_end) {
-            finish_call(q, CS_RPC_OK, NULL);
+            cs_worker_call_finish(c, CS_RPC_OK, NULL);
         } else if (done && finish == CS_FINISH_CANCELLED && kv_status) {
             snprintf(msg, sizeof msg, "%s: %s",
                      kv_status == CS_ETIMEDOUT ? "KV lease expired before the transfer completed"
                                                : "KV transfer failed",
                      kv_error);
-            finish_call(q, CS_RPC_UNAVAILABLE, msg);
+            cs_worker_call_finish(c, CS_RPC_UNAVAILABLE, msg);
         } else if (done && finish == CS_FINISH_CANCELLED) {
-            finish_call(q, q->end_code ? q->end_code : CS_RPC_CANCELLED,
-                        q->end_msg ? q->end_msg : "the request was cancelled");
+            cs_worker_call_finish(c, c->end_code ? c->end_code : CS_RPC_CANCELLED,
+                                  c->end_msg ? c->end_msg : "the request was cancelled");
         } else if (done) {
             snprintf(msg, sizeof msg, "%s", error[0] ? error : "engine error");
-            finish_call(q, err_status ? cs_rpc_code_of_status(err_status) : CS_RPC_INTERNAL, msg);
+            cs_worker_call_finish(
+                c, err_status ? cs_rpc_code_of_status(err_status) : CS_RPC_INTERNAL, msg);
         }
     }
     cs_outbuf_free(&out);
-    if (done) {
+    if (log_end) {
         static const char *names[] = {"none", "stop", "length", "cancelled", "error"};
         CS_LOGI("request %s (transfer %016llx, %s prefill): %s, %d + %d tokens in %.3f s%s%s",
-                q->request_id, (unsigned long long)q->transfer_id, q->local ? "local" : "remote",
-                names[finish], n_prompt, n_completion, cs_now() - q->t_start,
-                error[0] || kv_error[0] ? ": " : "", error[0] ? error : kv_error);
-        q->done = false; /* a later drain (none expected) must not drop the reference again */
-        dreq_unref(q);
+                q->base.request_id, (unsigned long long)q->base.transfer_id,
+                q->local ? "local" : "remote", names[finish], n_prompt, n_completion,
+                cs_now() - q->base.t_start, error[0] || kv_error[0] ? ": " : "",
+                error[0] ? error : kv_error);
     }
-}
-
-static void on_call_cancel(cs_rpc_call *c, void *data) {
-    dreq *q = data;
-    (void)c;
-    CS_LOGD("request %s: call cancelled", q->request_id);
-    dreq_cancel(q);
-    finish_call(q, CS_RPC_CANCELLED, "cancelled");
 }
 
 /* The router's receipt of the client call (wall clock, its metadata) to
@@ -342,59 +295,22 @@ static void observe_router_hop(decode *d, cs_rpc_call *c) {
 
 static void handle_decode(cs_rpc_call *c, void *data) {
     cs_worker *w = data;
-    decode *d = &g_decode;
+    decode *d = w->role_data;
     const Chunkserve__V1__DecodeRequest *m = (const void *)cs_rpc_call_request_msg(c);
-    if (w->stopping) {
-        cs_rpc_call_finish(c, CS_RPC_UNAVAILABLE, "the worker is draining (shutting down)");
-        return;
-    }
-    if (d->n_live >= w->o.max_queue) {
-        cs_metric_inc(d->m_refused);
-        cs_rpc_call_finish(c, CS_RPC_RESOURCE_EXHAUSTED,
-                           "the decode worker holds --max-queue requests");
-        return;
-    }
     cs_request r;
-    int rc =
-        cs_worker_request(w, m->token_ids, m->n_token_ids, m->num_prompt_tokens, m->sampling, &r);
-    if (rc) {
-        cs_rpc_call_finish(c, cs_rpc_code_of_status(rc), cs_last_error());
-        return;
-    }
+    dreq *q = (dreq *)cs_worker_admit(w, c, m->token_ids, m->n_token_ids, m->num_prompt_tokens,
+                                      m->sampling, m->transfer_id, m->request_id, &r);
+    if (!q) return;
     observe_router_hop(d, c);
-    dreq *q = calloc(1, sizeof *q);
-    if (!q) {
-        cs_rpc_call_finish(c, CS_RPC_RESOURCE_EXHAUSTED, "out of memory");
-        return;
-    }
-    q->w = w;
     q->d = d;
-    q->call = c;
-    q->id = ++d->next_id;
-    q->transfer_id = m->transfer_id;
     q->local = m->local_prefill;
     q->lease_ms = m->lease_ms > 0 ? m->lease_ms : (int32_t)w->o.lease_ms;
     q->logprobs = r.logprobs;
-    q->t_start = cs_now();
     q->n_prompt = m->num_prompt_tokens;
     q->n_context = (int32_t)m->n_token_ids;
-    snprintf(q->request_id, sizeof q->request_id, "%s", m->request_id[0] ? m->request_id : "-");
-    atomic_init(&q->refs, 1);
-    pthread_mutex_init(&q->mu, NULL);
-    q->next = d->live;
-    if (d->live) d->live->prev = q;
-    d->live = q;
-    d->n_live++;
-    r.id = q->id;
     r.kv_mode = q->local ? CS_KV_LOCAL : CS_KV_REMOTE;
     r.reserve = true;
-    rc = cs_serve_submit(w->sv, &r, on_event, q);
-    if (rc) {
-        dreq_free_post(q);
-        cs_rpc_call_finish(c, CS_RPC_UNAVAILABLE, "the engine refused the request");
-        return;
-    }
-    if (cs_rpc_call_on_cancel(c, on_call_cancel, q) != 0) on_call_cancel(c, q);
+    cs_worker_call_submit(&q->base, &r, on_event);
 }
 
 /* ---------------------------------------------------------- metrics -- */
@@ -411,8 +327,6 @@ static const cs_metric_def decode_metrics_table[] = {
      0},
     {M(m_remote), "chunkserve:prefills_total", CS_METRIC_COUNTER, "path=\"remote\"", PREFILLS, NULL,
      0},
-    {M(m_refused), "chunkserve:requests_refused_total", CS_METRIC_COUNTER, NULL,
-     "requests refused (RESOURCE_EXHAUSTED): queue limit or no free KV pages", NULL, 0},
     {M(m_xfer_started), "chunkserve:kv_transfers_started_total", CS_METRIC_COUNTER, NULL,
      "KV transfers expected", NULL, 0},
     {M(m_xfer_completed), "chunkserve:kv_transfers_completed_total", CS_METRIC_COUNTER, NULL,
@@ -443,8 +357,7 @@ static const cs_metric_def decode_metrics_table[] = {
 /* ---------------------------------------------------------- role hooks -- */
 
 static int decode_start(cs_worker *w) {
-    decode *d = &g_decode;
-    w->role_data = d;
+    decode *d = w->role_data;
     cs_kvx_rx_params p = cs_kvx_rx_params_default();
     p.layout = cs_kvx_layout_of_engine(w->engine);
     p.pool = cs_kvx_pool_of_engine(w->engine); /* pages land straight in the reserved ids */
@@ -461,13 +374,13 @@ static int decode_start(cs_worker *w) {
 }
 
 static void decode_status(cs_worker *w, Chunkserve__V1__WorkerStatus *st) {
-    st->kv_endpoint = g_decode.kv_endpoint;
-    if (g_decode.rx) cs_worker_kv_status(w, cs_kvx_rx_payload(g_decode.rx), st);
+    decode *d = w->role_data;
+    st->kv_endpoint = d->kv_endpoint;
+    if (d->rx) cs_worker_kv_status(w, cs_kvx_rx_payload(d->rx), st);
 }
 
 static void decode_metrics(cs_worker *w) {
-    (void)w;
-    decode *d = &g_decode;
+    decode *d = w->role_data;
     if (!d->rx) return;
     cs_kvx_stats s;
     cs_kvx_rx_get_stats(d->rx, &s);
@@ -480,43 +393,10 @@ static void decode_metrics(cs_worker *w) {
     d->last = s;
 }
 
-static bool decode_cancel(cs_worker *w, uint64_t transfer_id) {
-    (void)w;
-    for (dreq *q = g_decode.live; q; q = q->next)
-        if (q->transfer_id == transfer_id) {
-            q->end_code = CS_RPC_CANCELLED;
-            q->end_msg = "cancelled by Worker/Cancel";
-            dreq_cancel(q);
-            return true;
-        }
-    return false;
-}
-
-static int32_t decode_n_calls(cs_worker *w) {
-    (void)w;
-    int32_t n = 0;
-    for (dreq *q = g_decode.live; q; q = q->next)
-        n += q->call != NULL;
-    return n;
-}
-
-static void decode_cancel_all(cs_worker *w) {
-    (void)w;
-    int n = 0;
-    for (dreq *q = g_decode.live; q; q = q->next) {
-        if (!q->call) continue;
-        q->end_code = CS_RPC_UNAVAILABLE;
-        q->end_msg = "the decode worker is shutting down";
-        dreq_cancel(q);
-        n++;
-    }
-    if (n) CS_LOGI("grace period over: cancelling %d streams", n);
-}
-
 static void decode_stop(cs_worker *w) {
-    (void)w;
-    cs_kvx_rx_free(g_decode.rx); /* pending transfers fail: their callbacks cancel in the engine */
-    g_decode.rx = NULL;
+    decode *d = w->role_data;
+    cs_kvx_rx_free(d->rx); /* pending transfers fail: their callbacks cancel in the engine */
+    d->rx = NULL;
 }
 
 static const cs_config_entry config[] = {
@@ -541,13 +421,15 @@ const cs_worker_role cs_decode_role = {
     .summary = "the decode worker: admits requests by free KV pages, receives prompt KV from "
                "prefill workers, "
                "runs mixed decode/prefill steps under its budget and streams tokens",
+    .state_size = sizeof(decode),
+    .call_size = sizeof(dreq),
     .start = decode_start,
     .metrics_table = decode_metrics_table,
     .n_metrics_table = sizeof decode_metrics_table / sizeof decode_metrics_table[0],
     .status = decode_status,
     .metrics = decode_metrics,
+    .drain = decode_drain,
     .cancel = decode_cancel,
-    .n_calls = decode_n_calls,
-    .cancel_all = decode_cancel_all,
     .stop = decode_stop,
+    .call_free = decode_call_free,
 };

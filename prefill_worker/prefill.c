@@ -16,9 +16,9 @@
  * limit, the request's held ranges wait in its preq and the transport's room
  * callback sends them (the engine keeps computing every prompt; the
  * transfer's deadline bounds the wait).
- * A preq holds a reference for the call, one for the engine side until its
- * final event, one for the transfer until its done callback; the last frees
- * it on the loop thread. */
+ * A preq is a cs_worker_call (worker.h: admission, references, the event
+ * drain and the answer are the shell's): the engine's final event and the
+ * transfer's end each post the drain, which answers once both are known. */
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -42,20 +42,13 @@ typedef struct held {
 } held;
 
 typedef struct preq {
-    cs_worker *w;
+    cs_worker_call base; /* first: the shell's part (base.mu guards the fields below it) */
     prefill *p;
-    cs_rpc_call *call; /* NULL once finished */
-    uint64_t id, transfer_id;
-    char request_id[80];
     char decode_id[80];
     char host[256];
     int port;
     int32_t n_context, total_pages;
-    double t_start;
-    atomic_int refs;
-    struct preq *prev, *next; /* live list, loop thread */
 
-    pthread_mutex_t mu; /* everything below */
     bool engine_done, tx_done, send_failed;
     held *held_head, *held_tail; /* waiting for room on the channel, in order */
     bool trailer_held;
@@ -72,52 +65,20 @@ struct prefill {
     cs_worker *w;
     pthread_mutex_t rel_mu; /* engine_gone: releases after the engine stopped are dropped */
     bool engine_gone;
-    preq *live;
-    int32_t n_live;
-    uint64_t next_id;
     size_t page_bytes;
     cs_kvx_stats last;
     cs_metric *m_requests, *m_xfer_started, *m_xfer_completed, *m_xfer_failed, *m_xfer_bytes,
-        *m_xfer_seconds, *m_tail_seconds, *m_prefill_seconds, *m_backpressure, *m_refused;
+        *m_xfer_seconds, *m_tail_seconds, *m_prefill_seconds, *m_backpressure;
 };
-
-static prefill g_prefill;
-
-/* ------------------------------------------------------------ lifetime -- */
-
-static void preq_free_post(void *data) {
-    preq *q = data;
-    prefill *p = q->p;
-    if (q->prev)
-        q->prev->next = q->next;
-    else
-        p->live = q->next;
-    if (q->next) q->next->prev = q->prev;
-    p->n_live--;
-    pthread_mutex_destroy(&q->mu);
-    free(q);
-}
-
-static void preq_unref(preq *q) {
-    if (atomic_fetch_sub(&q->refs, 1) == 1 && cs_rpc_loop_post(q->w->rl, preq_free_post, q) != 0)
-        CS_LOGE("request %s: cannot post its release (leaked)", q->request_id);
-}
-
-static void finish_call(preq *q, int code, const char *msg) {
-    if (!q->call) return;
-    cs_rpc_call_finish(q->call, code, msg);
-    q->call = NULL;
-    preq_unref(q); /* the call's reference */
-}
 
 /* ---------------------------------------------------------- loop thread -- */
 
-/* Posted by the engine thread (its final event) and by the transport (the
- * transfer's end), each carrying its reference: answers the call once the
- * outcome is known. */
-static void on_end_post(void *data) {
-    preq *q = data;
-    pthread_mutex_lock(&q->mu);
+/* The drain, posted by the engine thread (its final event) and by the
+ * transport (the transfer's end): answers the call once the outcome is
+ * known. */
+static void prefill_drain(cs_worker_call *c) {
+    preq *q = (preq *)c;
+    pthread_mutex_lock(&q->base.mu);
     bool eng_done = q->engine_done, tx_done = q->tx_done;
     int eng_status = q->eng_status, tx_status = q->tx_status;
     char eng_error[256], tx_error[256];
@@ -125,17 +86,19 @@ static void on_end_post(void *data) {
     memcpy(tx_error, q->tx_error, sizeof tx_error);
     int32_t first = q->first_token, n_cached = q->n_cached;
     double tail = q->tail;
-    pthread_mutex_unlock(&q->mu);
+    pthread_mutex_unlock(&q->base.mu);
     char msg[400];
-    if (q->call) {
-        if (eng_done && eng_status) {
+    if (q->base.call) {
+        if (q->base.end_code && (eng_done || tx_done)) {
+            cs_worker_call_finish(c, q->base.end_code, q->base.end_msg);
+        } else if (eng_done && eng_status) {
             snprintf(msg, sizeof msg, "prefill failed: %s", eng_error);
-            finish_call(q, cs_rpc_code_of_status(eng_status), msg);
+            cs_worker_call_finish(c, cs_rpc_code_of_status(eng_status), msg);
         } else if (tx_done && tx_status) {
             snprintf(msg, sizeof msg, "KV transfer to %s (%s:%d) failed: %s", q->decode_id, q->host,
                      q->port, tx_error);
-            finish_call(
-                q, tx_status == CS_ETIMEDOUT ? CS_RPC_DEADLINE_EXCEEDED : CS_RPC_UNAVAILABLE, msg);
+            cs_worker_call_finish(
+                c, tx_status == CS_ETIMEDOUT ? CS_RPC_DEADLINE_EXCEEDED : CS_RPC_UNAVAILABLE, msg);
         } else if (tx_done && eng_done) {
             Chunkserve__V1__PrefillResponse r = CHUNKSERVE__V1__PREFILL_RESPONSE__INIT;
             r.first_token_id = first;
@@ -143,29 +106,19 @@ static void on_end_post(void *data) {
             r.num_cached_tokens = n_cached;
             r.num_pages = q->total_pages;
             r.kv_bytes = (uint64_t)q->total_pages * q->p->page_bytes;
-            cs_metric_observe(q->p->m_prefill_seconds, cs_now() - q->t_start);
+            cs_metric_observe(q->p->m_prefill_seconds, cs_now() - q->base.t_start);
             cs_metric_observe(q->p->m_tail_seconds, tail);
             CS_LOGI("request %s (transfer %016llx): %d tokens (%d cached), %d pages to %s in %.3f "
                     "s, last chunk "
                     "to acknowledged trailer %.4f s",
-                    q->request_id, (unsigned long long)q->transfer_id, q->n_context, n_cached,
-                    q->total_pages, q->decode_id, cs_now() - q->t_start, tail);
-            cs_rpc_call_reply_msg(q->call, &r.base);
-            q->call = NULL;
-            preq_unref(q);
+                    q->base.request_id, (unsigned long long)q->base.transfer_id, q->n_context,
+                    n_cached, q->total_pages, q->decode_id, cs_now() - q->base.t_start, tail);
+            cs_worker_call_reply(c, &r.base);
         }
     }
-    preq_unref(q); /* the poster's reference */
 }
 
 /* ------------------------------------------------- engine + I/O threads -- */
-
-static void post_end(preq *q) {
-    if (cs_rpc_loop_post(q->w->rl, on_end_post, q) != 0) {
-        CS_LOGE("request %s: cannot post its end", q->request_id);
-        preq_unref(q);
-    }
-}
 
 /* Transport I/O thread (or any, after a failure): held pages go back to
  * the engine, which applies it before its next step. */
@@ -194,8 +147,8 @@ static int flush_locked(preq *q) {
     prefill *p = q->p;
     while (q->held_head) {
         held *h = q->held_head;
-        int r =
-            cs_kvx_tx_send_pages(p->tx, q->transfer_id, h->first, h->n, h->ids, release_pages, p);
+        int r = cs_kvx_tx_send_pages(p->tx, q->base.transfer_id, h->first, h->n, h->ids,
+                                     release_pages, p);
         if (r == CS_EAGAIN) {
             cs_metric_inc(p->m_backpressure);
             return 0;
@@ -208,7 +161,7 @@ static int flush_locked(preq *q) {
     if (!q->trailer_held) return 0;
     q->trailer_held = false;
     cs_kvx_trailer t = {q->trailer_token, q->n_context, q->total_pages};
-    return cs_kvx_tx_finish(p->tx, q->transfer_id, &t);
+    return cs_kvx_tx_finish(p->tx, q->base.transfer_id, &t);
 }
 
 /* A send failed: records why (CS_ENOENT: the transfer already failed, its
@@ -229,7 +182,7 @@ static void on_tx_done(void *arg, uint64_t xfer, int status, const char *msg,
                        const cs_kvx_trailer *t) {
     preq *q = arg;
     (void)xfer, (void)t;
-    pthread_mutex_lock(&q->mu);
+    pthread_mutex_lock(&q->base.mu);
     q->tx_done = true;
     q->tx_status = status;
     drop_held_locked(q);
@@ -237,25 +190,26 @@ static void on_tx_done(void *arg, uint64_t xfer, int status, const char *msg,
     if (status)
         snprintf(q->tx_error, sizeof q->tx_error, "%s", msg && msg[0] ? msg : cs_strerror(status));
     bool engine_running = !q->engine_done;
-    pthread_mutex_unlock(&q->mu);
+    cs_worker_call_post_locked(&q->base);
+    pthread_mutex_unlock(&q->base.mu);
     if (!status)
-        cs_metric_observe(q->p->m_xfer_seconds, cs_now() - q->t_start);
+        cs_metric_observe(q->p->m_xfer_seconds, cs_now() - q->base.t_start);
     else if (engine_running)
-        cs_serve_cancel(q->w->sv, q->id); /* nobody will take these pages: stop computing them */
-    post_end(q);
+        cs_serve_cancel(q->base.w->sv, q->base.id); /* nobody will take these pages: stop */
+    cs_worker_call_unref(&q->base);                 /* the transfer's */
 }
 
 /* Transport I/O thread: the channel has room again for what q holds. */
 static void on_tx_room(void *arg, uint64_t xfer) {
     preq *q = arg;
     (void)xfer;
-    pthread_mutex_lock(&q->mu);
+    pthread_mutex_lock(&q->base.mu);
     int r = q->send_failed ? 0 : flush_locked(q);
     if (r) send_failed_locked(q, r);
     bool engine_running = !q->engine_done;
-    pthread_mutex_unlock(&q->mu);
-    if (r && r != CS_ENOENT) cs_kvx_tx_abort(q->p->tx, q->transfer_id);
-    if (r && engine_running) cs_serve_cancel(q->w->sv, q->id);
+    pthread_mutex_unlock(&q->base.mu);
+    if (r && r != CS_ENOENT) cs_kvx_tx_abort(q->p->tx, q->base.transfer_id);
+    if (r && engine_running) cs_serve_cancel(q->base.w->sv, q->base.id);
 }
 
 /* Engine thread: holds the pages a step completed (a reference each, so the
@@ -264,7 +218,7 @@ static void on_tx_room(void *arg, uint64_t xfer) {
 static int hold_pages_locked(preq *q, const cs_event *ev) {
     held *h = malloc(sizeof *h + (size_t)ev->kv_n_pages * sizeof *h->ids);
     if (!h) return cs_fail(CS_ENOMEM, "no memory to hold %d KV pages", ev->kv_n_pages);
-    cs_kv_cache *kv = cs_engine_kv(q->w->engine);
+    cs_kv_cache *kv = cs_engine_kv(q->base.w->engine);
     for (int32_t i = 0; i < ev->kv_n_pages; i++) {
         int r = cs_kv_cache_ref_page(kv, ev->kv_pages[i]);
         if (r) {
@@ -288,7 +242,7 @@ static int hold_pages_locked(preq *q, const cs_event *ev) {
 static void on_event(void *user, const cs_event *ev) {
     preq *q = user;
     int r = 0;
-    pthread_mutex_lock(&q->mu);
+    pthread_mutex_lock(&q->base.mu);
     if (!q->send_failed) {
         if (ev->kv_n_pages) r = hold_pages_locked(q, ev);
         if (!r && ev->token >= 0 && ev->finish == CS_FINISH_LENGTH) {
@@ -312,107 +266,69 @@ static void on_event(void *user, const cs_event *ev) {
     bool abort_tx =
         (r && r != CS_ENOENT) || ev->finish == CS_FINISH_ERROR || ev->finish == CS_FINISH_CANCELLED;
     bool cancel = r && ev->finish == CS_FINISH_NONE;
-    pthread_mutex_unlock(&q->mu);
-    if (abort_tx) cs_kvx_tx_abort(q->p->tx, q->transfer_id); /* CS_ENOENT when already over */
-    if (cancel) cs_serve_cancel(q->w->sv, q->id);
-    if (ev->finish != CS_FINISH_NONE) post_end(q); /* carries the engine's reference */
+    if (ev->finish != CS_FINISH_NONE) cs_worker_call_post_locked(&q->base);
+    pthread_mutex_unlock(&q->base.mu);
+    if (abort_tx) cs_kvx_tx_abort(q->p->tx, q->base.transfer_id); /* CS_ENOENT when already over */
+    if (cancel) cs_serve_cancel(q->base.w->sv, q->base.id);
+    if (ev->finish != CS_FINISH_NONE) cs_worker_call_unref(&q->base); /* the engine's */
 }
 
 /* ---------------------------------------------------------- loop thread -- */
 
-static void preq_cancel(preq *q) {
-    cs_serve_cancel(q->w->sv, q->id);
-    cs_kvx_tx_abort(q->p->tx, q->transfer_id);
-}
-
-static void on_call_cancel(cs_rpc_call *c, void *data) {
-    preq *q = data;
-    (void)c;
-    CS_LOGD("request %s: call cancelled", q->request_id);
-    preq_cancel(q);
-    finish_call(q, CS_RPC_CANCELLED, "cancelled");
+static void prefill_cancel(cs_worker_call *c) {
+    preq *q = (preq *)c;
+    cs_serve_cancel(c->w->sv, c->id);
+    cs_kvx_tx_abort(q->p->tx, c->transfer_id);
 }
 
 static void handle_prefill(cs_rpc_call *c, void *data) {
     cs_worker *w = data;
-    prefill *p = &g_prefill;
+    prefill *p = w->role_data;
     const Chunkserve__V1__PrefillRequest *m = (const void *)cs_rpc_call_request_msg(c);
-    if (w->stopping) {
-        cs_rpc_call_finish(c, CS_RPC_UNAVAILABLE, "the worker is draining (shutting down)");
-        return;
-    }
-    if (p->n_live >= w->o.max_queue) {
-        cs_metric_inc(p->m_refused);
-        cs_rpc_call_finish(c, CS_RPC_RESOURCE_EXHAUSTED,
-                           "the prefill worker holds --max-queue requests");
-        return;
-    }
     cs_request r;
-    int rc =
-        cs_worker_request(w, m->token_ids, m->n_token_ids, m->num_prompt_tokens, m->sampling, &r);
+    preq *q = (preq *)cs_worker_admit(w, c, m->token_ids, m->n_token_ids, m->num_prompt_tokens,
+                                      m->sampling, m->transfer_id, m->request_id, &r);
+    if (!q) return;
     char host[256];
     int port = 0;
     int mine = cs_kvx_tx_payload(p->tx) == CS_KVX_PAYLOAD_NCCL
                    ? CHUNKSERVE__V1__KV_TRANSPORT__KV_TRANSPORT_NCCL
                    : CHUNKSERVE__V1__KV_TRANSPORT__KV_TRANSPORT_TCP;
-    if (!rc && m->kv_transport && (int)m->kv_transport != mine)
+    int rc = 0;
+    if (m->kv_transport && (int)m->kv_transport != mine)
         rc = cs_fail(CS_ENOTSUP, "kv_transport %s: this worker sends KV over %s",
                      m->kv_transport == CHUNKSERVE__V1__KV_TRANSPORT__KV_TRANSPORT_NCCL ? "NCCL"
                                                                                         : "TCP",
                      cs_kvx_payload_name(cs_kvx_tx_payload(p->tx)));
     if (!rc) rc = cs_worker_split_endpoint(m->kv_endpoint, host, sizeof host, &port);
     if (rc) {
-        cs_rpc_call_finish(c, cs_rpc_code_of_status(rc), cs_last_error());
+        cs_worker_call_finish(&q->base, cs_rpc_code_of_status(rc), cs_last_error());
         return;
     }
-    preq *q = calloc(1, sizeof *q);
-    if (!q) {
-        cs_rpc_call_finish(c, CS_RPC_RESOURCE_EXHAUSTED, "out of memory");
-        return;
-    }
-    q->w = w;
     q->p = p;
-    q->call = c;
-    q->id = ++p->next_id;
-    q->transfer_id = m->transfer_id;
     q->n_context = (int32_t)m->n_token_ids;
     q->total_pages = (q->n_context + w->wm.page_size - 1) / w->wm.page_size;
-    q->t_start = cs_now();
     int64_t left = cs_rpc_call_deadline_ms(c);
     if (left > w->o.kv_deadline_ms) left = w->o.kv_deadline_ms;
     if (left < 1) left = 1;
-    snprintf(q->request_id, sizeof q->request_id, "%s", m->request_id[0] ? m->request_id : "-");
     snprintf(q->decode_id, sizeof q->decode_id, "%s",
              m->decode_worker_id[0] ? m->decode_worker_id : "decode");
     snprintf(q->host, sizeof q->host, "%s", host);
     q->port = port;
-    atomic_init(&q->refs, 1); /* the call's */
-    pthread_mutex_init(&q->mu, NULL);
-    q->next = p->live;
-    if (p->live) p->live->prev = q;
-    p->live = q;
-    p->n_live++;
     cs_metric_inc(p->m_requests);
-    atomic_fetch_add(&q->refs, 1); /* the transfer's */
-    rc = cs_kvx_tx_begin(p->tx, host, port, q->transfer_id, q->total_pages, (int32_t)left,
+    cs_worker_call_ref(&q->base); /* the transfer's */
+    rc = cs_kvx_tx_begin(p->tx, host, port, q->base.transfer_id, q->total_pages, (int32_t)left,
                          on_tx_done, q);
     if (rc) {
-        atomic_fetch_sub(&q->refs, 1);
-        finish_call(q, rc == CS_EEXIST ? CS_RPC_ALREADY_EXISTS : CS_RPC_UNAVAILABLE,
-                    cs_last_error());
+        atomic_fetch_sub(&q->base.refs, 1); /* never the last: the RPC holds one */
+        cs_worker_call_finish(&q->base,
+                              rc == CS_EEXIST ? CS_RPC_ALREADY_EXISTS : CS_RPC_UNAVAILABLE,
+                              cs_last_error());
         return;
     }
-    r.id = q->id;
     r.kv_mode = CS_KV_PREFILL_ONLY;
-    atomic_fetch_add(&q->refs, 1); /* the engine's */
-    rc = cs_serve_submit(w->sv, &r, on_event, q);
-    if (rc) {
-        atomic_fetch_sub(&q->refs, 1);
-        cs_kvx_tx_abort(p->tx, q->transfer_id);
-        finish_call(q, CS_RPC_UNAVAILABLE, "the engine refused the request");
-        return;
-    }
-    if (cs_rpc_call_on_cancel(c, on_call_cancel, q) != 0) on_call_cancel(c, q);
+    if (cs_worker_call_submit(&q->base, &r, on_event) != 0)
+        cs_kvx_tx_abort(p->tx, q->base.transfer_id);
 }
 
 /* ---------------------------------------------------------- metrics -- */
@@ -425,8 +341,6 @@ static const double xfer_secs[] = {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
 static const cs_metric_def prefill_metrics_table[] = {
     {M(m_requests), "chunkserve:prefill_requests_total", CS_METRIC_COUNTER, NULL,
      "Prefill calls accepted", NULL, 0},
-    {M(m_refused), "chunkserve:requests_refused_total", CS_METRIC_COUNTER, NULL,
-     "requests refused (RESOURCE_EXHAUSTED) by the queue limit", NULL, 0},
     {M(m_xfer_started), "chunkserve:kv_transfers_started_total", CS_METRIC_COUNTER, NULL,
      "KV transfers begun", NULL, 0},
     {M(m_xfer_completed), "chunkserve:kv_transfers_completed_total", CS_METRIC_COUNTER, NULL,
@@ -451,8 +365,7 @@ static const cs_metric_def prefill_metrics_table[] = {
 /* ---------------------------------------------------------- role hooks -- */
 
 static int prefill_start(cs_worker *w) {
-    prefill *p = &g_prefill;
-    w->role_data = p;
+    prefill *p = w->role_data;
     p->w = w;
     pthread_mutex_init(&p->rel_mu, NULL);
     p->page_bytes = cs_engine_page_bytes(w->engine);
@@ -489,28 +402,30 @@ static int prefill_start(cs_worker *w) {
  * can be long). GetStatus (the router's placement) and the
  * chunkserve:queued_prefill_tokens metric (the prefill pool's autoscaling
  * signal) both read it. */
-static int64_t queued_prefill_tokens(int32_t *n_requests) {
+static int64_t queued_prefill_tokens(cs_worker *w, int32_t *n_requests) {
     int64_t queued = 0;
     int32_t n = 0;
-    for (preq *q = g_prefill.live; q; q = q->next) {
-        pthread_mutex_lock(&q->mu);
-        if (!q->engine_done) queued += q->n_context, n++;
-        pthread_mutex_unlock(&q->mu);
+    for (cs_worker_call *c = w->calls; c; c = c->next) {
+        preq *q = (preq *)c;
+        pthread_mutex_lock(&c->mu);
+        if (!q->engine_done && q->p) queued += q->n_context, n++;
+        pthread_mutex_unlock(&c->mu);
     }
     if (n_requests) *n_requests = n;
     return queued;
 }
 
 static void prefill_status(cs_worker *w, Chunkserve__V1__WorkerStatus *st) {
-    cs_worker_kv_status(w, g_prefill.tx ? cs_kvx_tx_payload(g_prefill.tx) : CS_KVX_PAYLOAD_TCP, st);
+    prefill *p = w->role_data;
+    cs_worker_kv_status(w, p->tx ? cs_kvx_tx_payload(p->tx) : CS_KVX_PAYLOAD_TCP, st);
     int32_t n;
-    st->queued_prefill_tokens = queued_prefill_tokens(&n);
+    st->queued_prefill_tokens = queued_prefill_tokens(w, &n);
     if (st->num_running + st->num_waiting < n) st->num_waiting = n - st->num_running;
 }
 
 static void prefill_metrics(cs_worker *w) {
-    prefill *p = &g_prefill;
-    cs_metric_set(w->m_queued_prefill, (double)queued_prefill_tokens(NULL));
+    prefill *p = w->role_data;
+    cs_metric_set(w->m_queued_prefill, (double)queued_prefill_tokens(w, NULL));
     if (!p->tx) return;
     cs_kvx_stats s;
     cs_kvx_tx_get_stats(p->tx, &s);
@@ -522,47 +437,20 @@ static void prefill_metrics(cs_worker *w) {
     p->last = s;
 }
 
-static bool prefill_cancel(cs_worker *w, uint64_t transfer_id) {
-    (void)w;
-    for (preq *q = g_prefill.live; q; q = q->next)
-        if (q->transfer_id == transfer_id) {
-            preq_cancel(q);
-            return true;
-        }
-    return false;
-}
-
-static int32_t prefill_n_calls(cs_worker *w) {
-    (void)w;
-    int32_t n = 0;
-    for (preq *q = g_prefill.live; q; q = q->next)
-        n += q->call != NULL;
-    return n;
-}
-
-static void prefill_cancel_all(cs_worker *w) {
-    (void)w;
-    int n = 0;
-    for (preq *q = g_prefill.live; q; q = q->next)
-        if (q->call) {
-            preq_cancel(q);
-            finish_call(q, CS_RPC_UNAVAILABLE, "the prefill worker is shutting down");
-            n++;
-        }
-    if (n) CS_LOGI("grace period over: cancelling %d prefills", n);
-}
-
 /* The engine goes first: its final events still abort their transfers on
  * a live transport; then the transport fails what is left (callbacks post
  * their ends, which the loop runs before it closes). */
 static void prefill_stop(cs_worker *w) {
-    pthread_mutex_lock(&g_prefill.rel_mu); /* held pages die with the engine from here */
-    g_prefill.engine_gone = true;
-    pthread_mutex_unlock(&g_prefill.rel_mu);
+    prefill *p = w->role_data;
+    if (p->w) {
+        pthread_mutex_lock(&p->rel_mu); /* held pages die with the engine from here */
+        p->engine_gone = true;
+        pthread_mutex_unlock(&p->rel_mu);
+    }
     cs_serve_stop(w->sv);
     w->sv = NULL;
-    cs_kvx_tx_free(g_prefill.tx);
-    g_prefill.tx = NULL;
+    cs_kvx_tx_free(p->tx);
+    p->tx = NULL;
 }
 
 static const cs_config_entry config[] = {
@@ -579,13 +467,14 @@ const cs_worker_role cs_prefill_role = {
     .summary = "the prefill worker: computes prompts in chunks under its budget and streams each "
                "chunk's KV "
                "pages to the decode worker that reserved them",
+    .state_size = sizeof(prefill),
+    .call_size = sizeof(preq),
     .start = prefill_start,
     .metrics_table = prefill_metrics_table,
     .n_metrics_table = sizeof prefill_metrics_table / sizeof prefill_metrics_table[0],
     .status = prefill_status,
     .metrics = prefill_metrics,
+    .drain = prefill_drain,
     .cancel = prefill_cancel,
-    .n_calls = prefill_n_calls,
-    .cancel_all = prefill_cancel_all,
     .stop = prefill_stop,
 };

@@ -34,33 +34,6 @@ int cs_worker_add_method(cs_worker *w, const char *method, enum cs_rpc_method_ki
     return cs_rpc_server_add_method(cs_proc_server(w->proc), method, kind, desc, fn, w);
 }
 
-int cs_worker_request(cs_worker *w, const int32_t *ids, size_t n, int32_t num_prompt,
-                      const Chunkserve__V1__SamplingParams *sampling, cs_request *r) {
-    const cs_model_config *cfg = cs_model_get_config(w->model);
-    memset(r, 0, sizeof *r);
-    if (n == 0) return cs_fail(CS_EINVAL, "token_ids is empty");
-    if (num_prompt < 1 || (size_t)num_prompt > n)
-        return cs_fail(CS_EINVAL, "num_prompt_tokens = %d must be in 1..%zu (the token ids sent)",
-                       num_prompt, n);
-    if (n >= (size_t)cfg->ctx_len)
-        return cs_fail(CS_EINVAL, "%zu tokens leave no room in the model's context of %d", n,
-                       cfg->ctx_len);
-    for (size_t i = 0; i < n; i++)
-        if (ids[i] < 0 || ids[i] >= cfg->n_vocab)
-            return cs_fail(CS_EINVAL, "token_ids[%zu] = %d is outside the vocabulary (0..%d)", i,
-                           ids[i], cfg->n_vocab - 1);
-    if ((int64_t)(n + 1 + (size_t)w->wm.page_size - 1) / w->wm.page_size > w->wm.n_kv_pages)
-        return cs_fail(CS_EINVAL,
-                       "%zu tokens need more KV pages than this worker has (%d of %d tokens)", n,
-                       w->wm.n_kv_pages, w->wm.page_size);
-    int rc = cs_wire_sampling(&w->wm, sampling, r);
-    if (rc) return rc;
-    r->prompt = ids;
-    r->n_prompt = (int32_t)n;
-    r->n_resumed = (int32_t)n - num_prompt;
-    return 0;
-}
-
 void cs_worker_kv_status(cs_worker *w, int payload, Chunkserve__V1__WorkerStatus *st) {
     cs_kvx_layout l = cs_kvx_layout_of_engine(w->engine);
     st->kv_transport = payload == CS_KVX_PAYLOAD_NCCL
@@ -113,7 +86,13 @@ static void handle_cancel(cs_rpc_call *c, void *data) {
     cs_worker *w = data;
     const Chunkserve__V1__CancelRequest *m = (const void *)cs_rpc_call_request_msg(c);
     Chunkserve__V1__CancelResponse r = CHUNKSERVE__V1__CANCEL_RESPONSE__INIT;
-    r.found = w->role->cancel(w, m->transfer_id);
+    for (cs_worker_call *q = w->calls; q && !r.found; q = q->next)
+        if (q->transfer_id == m->transfer_id) {
+            q->end_code = CS_RPC_CANCELLED;
+            q->end_msg = "cancelled by Worker/Cancel";
+            w->role->cancel(q); /* the role's drain answers the call */
+            r.found = true;
+        }
     CS_LOGD("cancel transfer %016llx (%s): %s", (unsigned long long)m->transfer_id, m->request_id,
             r.found ? "found" : "not found");
     cs_rpc_call_reply_msg(c, &r.base);
@@ -146,6 +125,9 @@ static const cs_metric_def common_metrics[] = {
     {M(m_prefix_hits), "chunkserve:prefix_cache_hit_tokens_total", CS_METRIC_COUNTER, NULL,
      "prompt tokens taken from the prefix cache", NULL, 0},
     {M(m_steps), "chunkserve:engine_steps_total", CS_METRIC_COUNTER, NULL, "engine steps run", NULL,
+     0},
+    {M(m_refused), "chunkserve:requests_refused_total", CS_METRIC_COUNTER, NULL,
+     "requests refused (RESOURCE_EXHAUSTED): the queue limit, or no free KV pages (decode)", NULL,
      0},
 };
 #undef M
@@ -190,6 +172,8 @@ static int start(cs_proc *p, void *arg) {
     if ((r = cs_worker_add_method(w, "/chunkserve.v1.Worker/Cancel", CS_RPC_UNARY,
                                   &chunkserve__v1__cancel_request__descriptor, handle_cancel)))
         return r;
+    if (!(w->role_data = calloc(1, w->role->state_size)))
+        return cs_fail(CS_ENOMEM, "out of memory");
     if ((r = w->role->start(w))) return r;
     if (w->role->n_metrics_table)
         cs_metrics_register_table(w->metrics, w->role->metrics_table, w->role->n_metrics_table,
@@ -216,10 +200,14 @@ static void started(cs_proc *p, void *arg) {
             cs_proc_port(p));
 }
 
+/* Calls not answered yet (the drain waits for none). */
 static int32_t n_open(cs_proc *p, void *arg) {
     (void)p;
     cs_worker *w = arg;
-    return w->role->n_calls(w);
+    int32_t n = 0;
+    for (cs_worker_call *q = w->calls; q; q = q->next)
+        n += q->call != NULL;
+    return n;
 }
 
 static void drain(cs_proc *p, void *arg) {
@@ -228,10 +216,23 @@ static void drain(cs_proc *p, void *arg) {
     w->stopping = true; /* the role refuses new calls from now on */
 }
 
+/* The grace period is over: every open call ends UNAVAILABLE (the router
+ * retries or migrates it) and its work stops. */
 static void cancel_all(cs_proc *p, void *arg) {
     (void)p;
     cs_worker *w = arg;
-    w->role->cancel_all(w);
+    char msg[80];
+    snprintf(msg, sizeof msg, "the %s worker is shutting down", w->role->name);
+    int n = 0;
+    for (cs_worker_call *q = w->calls; q; q = q->next)
+        if (q->call) {
+            q->end_code = CS_RPC_UNAVAILABLE;
+            q->end_msg = "the worker is shutting down";
+            w->role->cancel(q);
+            cs_worker_call_finish(q, CS_RPC_UNAVAILABLE, msg);
+            n++;
+        }
+    if (n) CS_LOGI("grace period over: cancelling %d %s calls", n, w->role->name);
 }
 
 /* The RPC server is gone: the role stops its KV transport (and, where its
@@ -249,7 +250,8 @@ static void stop(cs_proc *p, void *arg) {
 static void free_role(cs_proc *p, void *arg) {
     (void)p;
     cs_worker *w = arg;
-    if (w->role->free) w->role->free(w);
+    free(w->role_data);
+    w->role_data = NULL;
 }
 
 static const cs_proc_role worker_proc = {

@@ -14,6 +14,8 @@
 #ifndef CHUNKSERVE_WORKER_H
 #define CHUNKSERVE_WORKER_H
 
+#include <pthread.h>
+#include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include <uv.h>
@@ -171,6 +173,7 @@ typedef struct {
     }
 
 typedef struct cs_worker cs_worker;
+typedef struct cs_worker_call cs_worker_call;
 
 /* What a role adds to the skeleton. Hooks run on the loop thread. */
 typedef struct {
@@ -179,33 +182,62 @@ typedef struct {
     const cs_config_entry *config;
     size_t n_config;
     const char *summary; /* first line of --help */
+    size_t state_size;   /* the role's state: w->role_data, zeroed, owned by the shell */
+    size_t call_size;    /* the role's request struct, which begins with a cs_worker_call */
     /* After the engine and the serving loop exist, before the RPC server
-     * starts: create the KV transport end, register metrics and the role's
-     * RPC method (cs_worker_add_method). Returns 0 or a CS_E* code. */
+     * starts: create the KV transport end and register the role's RPC
+     * method (cs_worker_add_method). Returns 0 or a CS_E* code. */
     int (*start)(cs_worker *w);
-    /* The role's metrics table: registered right after start, into the
-     * role's data (w->role_data, which start sets) as the owner struct. */
+    /* The role's metrics table: registered right after start, into
+     * w->role_data as the owner struct. */
     const cs_metric_def *metrics_table;
     size_t n_metrics_table;
     /* Fills the role's status fields (kv_endpoint, ...). */
     void (*status)(cs_worker *w, Chunkserve__V1__WorkerStatus *st);
     /* Before each /metrics render. */
     void (*metrics)(cs_worker *w);
-    /* Worker/Cancel: cancels what the role holds for transfer_id. */
-    bool (*cancel)(cs_worker *w, uint64_t transfer_id);
-    /* Calls of the role's method still open (the drain waits for 0). */
-    int32_t (*n_calls)(cs_worker *w);
-    /* Grace is over: end every call still open with UNAVAILABLE. */
-    void (*cancel_all)(cs_worker *w);
+    /* The event drain, after cs_worker_call_post: forwards what the engine
+     * and the transport produced to the call, and answers it once the
+     * outcome is known (with q->end_code / q->end_msg when the shell
+     * cancelled it). Posts coalesce, and a drain may find nothing new: it
+     * must be idempotent. */
+    void (*drain)(cs_worker_call *q);
+    /* Stops the request wherever it is (engine, transport); its final
+     * events then drain as usual. */
+    void (*cancel)(cs_worker_call *q);
     /* The RPC server is gone: stop the KV transport (its callbacks run
      * before this returns) and, if the data path needs that order, the
      * engine loop first (set w->sv to NULL then). The decode role stops the
      * transport first (it writes into pages the engine would free); the
      * prefill role the engine first (its final events abort transfers). */
     void (*stop)(cs_worker *w);
-    /* After the engine loop stopped and the loop drained: free the role. */
-    void (*free)(cs_worker *w);
+    /* The last reference to a request went: free what the role added
+     * (optional; the shell frees the struct). */
+    void (*call_free)(cs_worker_call *q);
 } cs_worker_role;
+
+/* A request as the shell sees it: the first member of the role's request
+ * struct. The shell admits it (cs_worker_admit), lists it (w->calls),
+ * drains its events on the loop thread (role->drain after
+ * cs_worker_call_post), counts, cancels and ends the open ones
+ * (Worker/Cancel, the client's cancel, the end of the grace period) and
+ * frees it on the loop thread when its last reference goes. References:
+ * the RPC's (until answered: cs_worker_call_finish/reply), the engine's
+ * (cs_worker_call_submit; the role drops it after posting the final
+ * event), the transport's (the role takes and drops it), a posted drain's. */
+struct cs_worker_call {
+    cs_worker *w;
+    cs_rpc_call *call;        /* NULL once answered */
+    uint64_t id, transfer_id; /* the engine's request id; the router's transfer id */
+    char request_id[80];
+    double t_start;
+    int end_code;        /* set by the shell before role->cancel: how the call is to end */
+    const char *end_msg; /* (0, NULL: the request's own outcome) */
+    atomic_int refs;
+    cs_worker_call *prev, *next; /* w->calls (loop thread) */
+    pthread_mutex_t mu;          /* the role's fields several threads touch, and: */
+    bool drain_posted;
+};
 
 /* The skeleton's state, shared with the role. */
 struct cs_worker {
@@ -217,14 +249,17 @@ struct cs_worker {
     cs_wire_model wm;
     cs_engine *engine;
     cs_serve *sv;
-    cs_proc *proc;       /* the process shell (loop, RPC server, metrics, drain) */
-    cs_rpc_loop *rl;     /* cs_proc_rpc_loop(proc): roles post to the loop with it */
-    cs_metrics *metrics; /* cs_proc_metrics(proc) */
-    bool stopping;       /* draining or shutting down: the role takes no new call */
-    void *role_data;
+    cs_proc *proc;         /* the process shell (loop, RPC server, metrics, drain) */
+    cs_rpc_loop *rl;       /* cs_proc_rpc_loop(proc): roles post to the loop with it */
+    cs_metrics *metrics;   /* cs_proc_metrics(proc) */
+    bool stopping;         /* draining or shutting down: no new call is admitted */
+    void *role_data;       /* role->state_size bytes */
+    cs_worker_call *calls; /* live requests, newest first (loop thread) */
+    int32_t n_calls;       /* their number (the --max-queue limit) */
+    uint64_t next_id;
     /* the common metrics table (worker.c) */
     cs_metric *m_running, *m_waiting, *m_kv_usage, *m_kv_free, *m_kv_total, *m_preemptions,
-        *m_prompt_tokens, *m_gen_tokens, *m_prefix_hits, *m_steps, *m_queued_prefill;
+        *m_prompt_tokens, *m_gen_tokens, *m_prefix_hits, *m_steps, *m_queued_prefill, *m_refused;
     cs_sched_stats last_stats; /* counters already exported */
 };
 
@@ -236,12 +271,32 @@ int cs_worker_main(int argc, char **argv, const cs_worker_role *role);
 /* For role start hooks. */
 int cs_worker_add_method(cs_worker *w, const char *method, enum cs_rpc_method_kind kind,
                          const ProtobufCMessageDescriptor *desc, cs_rpc_handler fn);
-/* A request's prompt from a Decode/Prefill message: checks token ids against
- * the vocabulary, the context and the pool, num_prompt_tokens in [1, n], and
- * the sampling params; fills r (prompt borrowed from ids). CS_EINVAL with a
- * message. */
-int cs_worker_request(cs_worker *w, const int32_t *ids, size_t n, int32_t num_prompt,
-                      const Chunkserve__V1__SamplingParams *sampling, cs_request *r);
+
+/* --- requests (worker/call.c; loop thread unless said otherwise) --- */
+
+/* Admits a Decode/Prefill call: refuses it while draining (UNAVAILABLE),
+ * beyond --max-queue (RESOURCE_EXHAUSTED) or when its prompt is bad
+ * (INVALID_ARGUMENT: token ids against the vocabulary, the context and the
+ * pool, num_prompt_tokens in [1, n], the sampling params); otherwise
+ * returns a zeroed request of role->call_size bytes on w->calls holding the
+ * RPC's reference, with r filled (prompt borrowed from ids, r->id set).
+ * NULL when the call was answered. */
+cs_worker_call *cs_worker_admit(cs_worker *w, cs_rpc_call *c, const int32_t *ids, size_t n,
+                                int32_t num_prompt, const Chunkserve__V1__SamplingParams *sampling,
+                                uint64_t transfer_id, const char *request_id, cs_request *r);
+/* Hands r to the engine (on_event gets q) with the engine's reference and
+ * watches for the client's cancel. Otherwise the call is answered
+ * UNAVAILABLE; returns the error. */
+int cs_worker_call_submit(cs_worker_call *q, cs_request *r, cs_serve_cb on_event);
+/* Answers the RPC (once; later calls do nothing) and drops its reference. */
+void cs_worker_call_finish(cs_worker_call *q, int code, const char *msg);
+void cs_worker_call_reply(cs_worker_call *q, const ProtobufCMessage *msg);
+/* Any thread. */
+void cs_worker_call_ref(cs_worker_call *q);
+void cs_worker_call_unref(cs_worker_call *q);
+/* Any thread, q->mu held: runs role->drain(q) on the loop thread soon
+ * (once for any number of posts before it runs). */
+void cs_worker_call_post_locked(cs_worker_call *q);
 /* The KV fields of a status: the payload the role's transport end speaks
  * (enum cs_kvx_payload), the pool's dtype and layout fingerprint (the router
  * pairs a prefill and a decode worker only when both match). */

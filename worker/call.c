@@ -1,0 +1,160 @@
+/* call.c: the requests of both worker roles (see cs_worker_call in
+ * worker.h): admission, the engine's submission, the event drain posted to
+ * the loop thread, references, answers and the release, in one place; the
+ * roles add their data path (prefill_worker/prefill.c: pages out over the KV
+ * transport; decode_worker/decode.c: pages in, tokens out). The shell's
+ * side (Worker/Cancel, open calls, the grace period's end) is in worker.c. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "chunkserve/clock.h"
+#include "chunkserve/error.h"
+#include "chunkserve/log.h"
+#include "worker.h"
+
+/* The prompt of a Decode/Prefill message into r; CS_EINVAL with a message. */
+static int check_request(cs_worker *w, const int32_t *ids, size_t n, int32_t num_prompt,
+                         const Chunkserve__V1__SamplingParams *sampling, cs_request *r) {
+    const cs_model_config *cfg = cs_model_get_config(w->model);
+    memset(r, 0, sizeof *r);
+    if (n == 0) return cs_fail(CS_EINVAL, "token_ids is empty");
+    if (num_prompt < 1 || (size_t)num_prompt > n)
+        return cs_fail(CS_EINVAL, "num_prompt_tokens = %d must be in 1..%zu (the token ids sent)",
+                       num_prompt, n);
+    if (n >= (size_t)cfg->ctx_len)
+        return cs_fail(CS_EINVAL, "%zu tokens leave no room in the model's context of %d", n,
+                       cfg->ctx_len);
+    for (size_t i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= cfg->n_vocab)
+            return cs_fail(CS_EINVAL, "token_ids[%zu] = %d is outside the vocabulary (0..%d)", i,
+                           ids[i], cfg->n_vocab - 1);
+    if ((int64_t)(n + 1 + (size_t)w->wm.page_size - 1) / w->wm.page_size > w->wm.n_kv_pages)
+        return cs_fail(CS_EINVAL,
+                       "%zu tokens need more KV pages than this worker has (%d of %d tokens)", n,
+                       w->wm.n_kv_pages, w->wm.page_size);
+    int rc = cs_wire_sampling(&w->wm, sampling, r);
+    if (rc) return rc;
+    r->prompt = ids;
+    r->n_prompt = (int32_t)n;
+    r->n_resumed = (int32_t)n - num_prompt;
+    return 0;
+}
+
+static void on_free_post(void *data) {
+    cs_worker_call *q = data;
+    cs_worker *w = q->w;
+    if (q->prev)
+        q->prev->next = q->next;
+    else
+        w->calls = q->next;
+    if (q->next) q->next->prev = q->prev;
+    w->n_calls--;
+    if (w->role->call_free) w->role->call_free(q);
+    pthread_mutex_destroy(&q->mu);
+    free(q);
+}
+
+void cs_worker_call_ref(cs_worker_call *q) {
+    atomic_fetch_add(&q->refs, 1);
+}
+
+void cs_worker_call_unref(cs_worker_call *q) {
+    if (atomic_fetch_sub(&q->refs, 1) == 1 && cs_rpc_loop_post(q->w->rl, on_free_post, q) != 0)
+        CS_LOGE("request %s: cannot post its release (leaked)", q->request_id);
+}
+
+void cs_worker_call_finish(cs_worker_call *q, int code, const char *msg) {
+    if (!q->call) return;
+    cs_rpc_call_finish(q->call, code, msg);
+    q->call = NULL;
+    cs_worker_call_unref(q);
+}
+
+void cs_worker_call_reply(cs_worker_call *q, const ProtobufCMessage *msg) {
+    if (!q->call) return;
+    cs_rpc_call_reply_msg(q->call, msg);
+    q->call = NULL;
+    cs_worker_call_unref(q);
+}
+
+static void on_drain_post(void *data) {
+    cs_worker_call *q = data;
+    pthread_mutex_lock(&q->mu);
+    q->drain_posted = false; /* events from here on post again */
+    pthread_mutex_unlock(&q->mu);
+    q->w->role->drain(q);
+    cs_worker_call_unref(q); /* the post's */
+}
+
+void cs_worker_call_post_locked(cs_worker_call *q) {
+    if (q->drain_posted) return;
+    q->drain_posted = true;
+    cs_worker_call_ref(q);
+    if (cs_rpc_loop_post(q->w->rl, on_drain_post, q) != 0) {
+        q->drain_posted = false;       /* the next event retries */
+        atomic_fetch_sub(&q->refs, 1); /* never the last: the poster holds one */
+    }
+}
+
+cs_worker_call *cs_worker_admit(cs_worker *w, cs_rpc_call *c, const int32_t *ids, size_t n,
+                                int32_t num_prompt, const Chunkserve__V1__SamplingParams *sampling,
+                                uint64_t transfer_id, const char *request_id, cs_request *r) {
+    if (w->stopping) {
+        cs_rpc_call_finish(c, CS_RPC_UNAVAILABLE, "the worker is draining (shutting down)");
+        return NULL;
+    }
+    if (w->n_calls >= w->o.max_queue) {
+        char msg[80];
+        snprintf(msg, sizeof msg, "the %s worker holds --max-queue requests", w->role->name);
+        cs_metric_inc(w->m_refused);
+        cs_rpc_call_finish(c, CS_RPC_RESOURCE_EXHAUSTED, msg);
+        return NULL;
+    }
+    int rc = check_request(w, ids, n, num_prompt, sampling, r);
+    if (rc) {
+        cs_rpc_call_finish(c, cs_rpc_code_of_status(rc), cs_last_error());
+        return NULL;
+    }
+    cs_worker_call *q = calloc(1, w->role->call_size);
+    if (!q) {
+        cs_rpc_call_finish(c, CS_RPC_RESOURCE_EXHAUSTED, "out of memory");
+        return NULL;
+    }
+    q->w = w;
+    q->call = c;
+    q->id = r->id = ++w->next_id;
+    q->transfer_id = transfer_id;
+    snprintf(q->request_id, sizeof q->request_id, "%s",
+             request_id && request_id[0] ? request_id : "-");
+    q->t_start = cs_now();
+    atomic_init(&q->refs, 1); /* the RPC's */
+    pthread_mutex_init(&q->mu, NULL);
+    q->next = w->calls;
+    if (w->calls) w->calls->prev = q;
+    w->calls = q;
+    w->n_calls++;
+    return q;
+}
+
+/* The client cancelled (or its deadline passed): the work stops, the call
+ * ends at once. */
+static void on_call_cancel(cs_rpc_call *c, void *data) {
+    cs_worker_call *q = data;
+    (void)c;
+    CS_LOGD("request %s: call cancelled", q->request_id);
+    q->w->role->cancel(q);
+    cs_worker_call_finish(q, CS_RPC_CANCELLED, "cancelled");
+}
+
+int cs_worker_call_submit(cs_worker_call *q, cs_request *r, cs_serve_cb on_event) {
+    cs_worker_call_ref(q); /* the engine's */
+    int rc = cs_serve_submit(q->w->sv, r, on_event, q);
+    if (rc) {
+        atomic_fetch_sub(&q->refs, 1); /* never the last: the RPC holds one */
+        cs_worker_call_finish(q, CS_RPC_UNAVAILABLE, "the engine refused the request");
+        return rc;
+    }
+    if (cs_rpc_call_on_cancel(q->call, on_call_cancel, q) != 0) on_call_cancel(q->call, q);
+    return 0;
+}
