@@ -9,7 +9,9 @@
 #include "chunkserve/error.h"
 
 static void handle_list_models(cs_rpc_call *c, void *data) {
-    const cs_wire_model *wm = data;
+    const cs_generation_ctx *g = data;
+    const cs_wire_model *wm = g->wm;
+    if (!cs_api_keys_rpc_check(g->keys, c)) return;
     Chunkserve__V1__ModelInfo mi, *mis[1] = {&mi};
     cs_wire_model_info(wm, &mi);
     Chunkserve__V1__ListModelsResponse r = CHUNKSERVE__V1__LIST_MODELS_RESPONSE__INIT;
@@ -19,7 +21,9 @@ static void handle_list_models(cs_rpc_call *c, void *data) {
 }
 
 static void handle_tokenize(cs_rpc_call *c, void *data) {
-    const cs_wire_model *wm = data;
+    const cs_generation_ctx *g = data;
+    const cs_wire_model *wm = g->wm;
+    if (!cs_api_keys_rpc_check(g->keys, c)) return;
     const Chunkserve__V1__TokenizeRequest *m = (const void *)cs_rpc_call_request_msg(c);
     char *chat = NULL;
     int32_t *ids = NULL;
@@ -49,7 +53,9 @@ static void handle_tokenize(cs_rpc_call *c, void *data) {
 }
 
 static void handle_detokenize(cs_rpc_call *c, void *data) {
-    const cs_wire_model *wm = data;
+    const cs_generation_ctx *g = data;
+    const cs_wire_model *wm = g->wm;
+    if (!cs_api_keys_rpc_check(g->keys, c)) return;
     const Chunkserve__V1__DetokenizeRequest *m = (const void *)cs_rpc_call_request_msg(c);
     const cs_tokenizer *tok = cs_model_tokenizer(wm->model);
     int32_t n_vocab = cs_tokenizer_n_vocab(tok);
@@ -71,7 +77,7 @@ static void handle_detokenize(cs_rpc_call *c, void *data) {
     free(text);
 }
 
-int cs_generation_add_unary(cs_rpc_server *s, const cs_wire_model *wm) {
+int cs_generation_add_unary(cs_rpc_server *s, const cs_generation_ctx *ctx) {
     static const struct {
         const char *path;
         const ProtobufCMessageDescriptor *desc;
@@ -86,7 +92,7 @@ int cs_generation_add_unary(cs_rpc_server *s, const cs_wire_model *wm) {
     };
     for (size_t i = 0; i < sizeof methods / sizeof methods[0]; i++) {
         int r = cs_rpc_server_add_method(s, methods[i].path, CS_RPC_UNARY, methods[i].desc,
-                                         methods[i].fn, (void *)wm);
+                                         methods[i].fn, (void *)ctx);
         if (r) return r;
     }
     return 0;

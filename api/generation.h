@@ -6,13 +6,22 @@
 #ifndef CHUNKSERVE_API_GENERATION_H
 #define CHUNKSERVE_API_GENERATION_H
 
+#include "auth.h"
 #include "chunkserve/rpc.h"
 #include "wire.h"
 
 #define CS_GENERATION_SERVICE "chunkserve.v1.Generation"
 
-/* Registers ListModels, Tokenize and Detokenize on s (before start); wm
- * must outlive the server. Returns cs_rpc_server_add_method's errors. */
-int cs_generation_add_unary(cs_rpc_server *s, const cs_wire_model *wm);
+/* What the handlers serve from: the model, and the API keys calls must
+ * carry (NULL or none: open). */
+typedef struct {
+    const cs_wire_model *wm;
+    const cs_api_keys *keys;
+} cs_generation_ctx;
+
+/* Registers ListModels, Tokenize and Detokenize on s (before start); ctx
+ * and what it points to must outlive the server. Returns
+ * cs_rpc_server_add_method's errors. */
+int cs_generation_add_unary(cs_rpc_server *s, const cs_generation_ctx *ctx);
 
 #endif

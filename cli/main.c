@@ -37,7 +37,8 @@ typedef struct {
     double duration;
     double temperature, top_p, min_p, rep_pen, presence, frequency;
     int64_t top_k;
-    int64_t seed; /* used as uint64_t: -1 is 2^64 - 1 */
+    int64_t seed;            /* used as uint64_t: -1 is 2^64 - 1 */
+    cs_openai_config openai; /* serve: the OpenAI-compatible HTTP API, API keys */
 } options;
 
 /* The flags, their CHUNKSERVE_* variables and --help (chunkserve/config.h).
@@ -78,6 +79,7 @@ static const cs_config_entry opt_table[] = {
       "serve: waiting requests at most; more are refused (RESOURCE_EXHAUSTED)"),
     O("grace-ms", INT, grace_ms, "2000",
       "serve: on SIGTERM, time streams get to finish before they are cancelled"),
+    CS_OPENAI_CONFIG(options, openai),
     O("duration", DOUBLE, duration, "60", "bench-local: seconds per budget"),
     O("budgets", STR, budgets, "unlimited,256,512,2048", "bench-local: step budgets to compare"),
     O("prompt-tokens", INT, prompt_tokens, "2000", "bench-engine: prompt length"),
@@ -498,6 +500,7 @@ static int cmd_serve(const cs_model *m, const options *o) {
     so.engine.n_threads = (int32_t)o->threads;
     so.sched.max_num_seqs = (int32_t)o->max_num_seqs;
     so.max_queue = (int32_t)o->max_queue;
+    so.openai = o->openai;
     r = cs_server_run(m, &so);
     return r ? fail_msg("serve", r) : 0;
 }

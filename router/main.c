@@ -56,6 +56,7 @@ static const cs_config_entry options[] = {
      "/readyz answers 200 even when no decode worker is usable (Kubernetes: keeps the router's "
      "Service up while a pool scales or restarts; requests then wait up to no-worker-wait-ms)",
      0, 0},
+    CS_OPENAI_CONFIG(cs_router_opts, openai),
     {"grace-ms", CS_CONFIG_INT, O(grace_ms), "5000",
      "on SIGTERM/SIGINT: time streams get to finish", 0, 3600000},
     {"log-level", CS_CONFIG_STR, O(log_level), "info", "error, warn, info or debug", 0, 0},

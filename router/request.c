@@ -186,7 +186,7 @@ void cs__req_end(req *q, int code, const char *msg) {
     cs__req_set_state(q, RQ_ENDED);
     double now = cs_now();
     if (q->call) {
-        cs_rpc_call_finish(q->call, code, msg ? msg : code_msg(code));
+        cs_gen_call_finish(q->call, code, msg ? msg : code_msg(code));
         q->call = NULL;
     }
     cs__router_count_code(r, code);
@@ -413,7 +413,7 @@ static bool relay(req *q, Chunkserve__V1__GenerateResponse *out) {
         } else {
             out->usage = NULL;
         }
-        rc = cs_rpc_call_send_msg(q->call, &out->base);
+        rc = cs_gen_call_send(q->call, out);
         out->usage = worker_usage; /* both freed with the message */
         out->request_id = worker_id;
         q->sent_first = true;
@@ -423,7 +423,7 @@ static bool relay(req *q, Chunkserve__V1__GenerateResponse *out) {
         cs__req_end(q, CS_RPC_RESOURCE_EXHAUSTED, "the router ran out of memory for this stream");
         return true;
     }
-    if (q->call && rc == 0 && cs_rpc_call_pending_bytes(q->call) > MAX_UNSENT_BYTES) {
+    if (q->call && rc == 0 && cs_gen_call_pending_bytes(q->call) > MAX_UNSENT_BYTES) {
         cs__req_end(q, CS_RPC_RESOURCE_EXHAUSTED,
                     "the client is not reading its stream; generation stopped");
         return true;

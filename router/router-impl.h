@@ -54,6 +54,9 @@
 #include "chunkserve/v1/cluster.pb-c.h"
 #include "pool.h"
 #include "router.h"
+#include "gen_call.h"
+#include "generation.h"
+#include "openai.h"
 #include "wire.h"
 
 #define WORKER_SERVICE "/chunkserve.v1.Worker/"
@@ -95,7 +98,7 @@ struct leg {
 
 struct req {
     router *r;
-    cs_rpc_call *call; /* the client's; NULL once finished */
+    cs_gen_call *call; /* the client's (either door: api/gen_call.h); NULL once answered */
     char *id;
     uint64_t seq;
     enum req_state state; /* change it only with cs__req_set_state */
@@ -139,7 +142,10 @@ struct req {
 
 struct router {
     const cs_router_opts *o;
-    const cs_model *model; /* vocabulary and config only */
+    cs_api_keys keys;       /* the public API's (both doors) */
+    cs_generation_ctx gctx; /* the unary Generation calls' */
+    cs_openai *openai;      /* the OpenAI-compatible HTTP door, or NULL */
+    const cs_model *model;  /* vocabulary and config only */
     cs_wire_model wm;
     cs_proc *proc; /* the process shell: loop, RPC server, ops HTTP, drain */
     cs_rpc_loop *rl;

@@ -36,9 +36,9 @@
 
 /* The client cancelled or went away, or its deadline passed: the workers'
  * calls are cancelled at once (that is how cancellation reaches them). */
-static void on_call_cancel(cs_rpc_call *c, void *data) {
+static void on_call_cancel(cs_gen_call *c, void *data) {
     req *q = data;
-    bool deadline = cs_rpc_call_deadline_ms(c) <= 0;
+    bool deadline = cs_gen_call_deadline_ms(c) <= 0;
     CS_LOGD("request %s: call cancelled (%s)", q->id, deadline ? "deadline" : "client");
     cs__req_end(q, deadline ? CS_RPC_DEADLINE_EXCEEDED : CS_RPC_CANCELLED, NULL);
 }
@@ -57,12 +57,13 @@ static int copy_sampling(const Chunkserve__V1__SamplingParams *p,
     return rc ? CS_ENOMEM : 0;
 }
 
-static void handle_generate(cs_rpc_call *c, void *data) {
-    router *r = data;
-    const Chunkserve__V1__GenerateRequest *m = (const void *)cs_rpc_call_request_msg(c);
+/* Generate, from either door (gRPC below, or the OpenAI HTTP routes). */
+static void generate(void *arg, cs_gen_call *c) {
+    router *r = arg;
+    const Chunkserve__V1__GenerateRequest *m = c->req;
     if (r->stopping) {
         cs__router_count_code(r, CS_RPC_UNAVAILABLE);
-        cs_rpc_call_finish(c, CS_RPC_UNAVAILABLE, "the router is shutting down");
+        cs_gen_call_finish(c, CS_RPC_UNAVAILABLE, "the router is shutting down");
         return;
     }
     double t_recv = cs_now();
@@ -73,7 +74,7 @@ static void handle_generate(cs_rpc_call *c, void *data) {
         int code = cs_rpc_code_of_status(rc);
         CS_LOGD("request %s rejected: %s", m->request_id, cs_last_error());
         cs__router_count_code(r, code);
-        cs_rpc_call_finish(c, code, cs_last_error());
+        cs_gen_call_finish(c, code, cs_last_error());
         return;
     }
     bool queue = r->n_placed >= r->o->max_inflight || r->qhead;
@@ -85,7 +86,7 @@ static void handle_generate(cs_rpc_call *c, void *data) {
                  r->n_placed, r->n_queued, (long long)r->o->max_queue);
         cs_wire_request_free(&w);
         cs__router_count_code(r, CS_RPC_RESOURCE_EXHAUSTED);
-        cs_rpc_call_finish(c, CS_RPC_RESOURCE_EXHAUSTED, msg);
+        cs_gen_call_finish(c, CS_RPC_RESOURCE_EXHAUSTED, msg);
         return;
     }
     req *q = calloc(1, sizeof *q);
@@ -97,7 +98,7 @@ static void handle_generate(cs_rpc_call *c, void *data) {
         free(q);
         cs_wire_request_free(&w);
         cs__router_count_code(r, CS_RPC_RESOURCE_EXHAUSTED);
-        cs_rpc_call_finish(c, CS_RPC_RESOURCE_EXHAUSTED, "the router ran out of memory");
+        cs_gen_call_finish(c, CS_RPC_RESOURCE_EXHAUSTED, "the router ran out of memory");
         return;
     }
     const cs_model_config *cfg = cs_model_get_config(r->wm.model);
@@ -117,7 +118,7 @@ static void handle_generate(cs_rpc_call *c, void *data) {
     struct timespec wall;
     clock_gettime(CLOCK_REALTIME, &wall);
     q->t_recv_wall_us = (int64_t)wall.tv_sec * 1000000 + wall.tv_nsec / 1000;
-    int64_t client_ms = cs_rpc_call_deadline_ms(c);
+    int64_t client_ms = cs_gen_call_deadline_ms(c);
     q->t_deadline =
         t_recv + (client_ms == INT64_MAX ? r->o->request_timeout_ms : client_ms) / 1000.0;
     q->next = r->live;
@@ -126,7 +127,7 @@ static void handle_generate(cs_rpc_call *c, void *data) {
     r->n_live++;
     cs_wire_request_free(&w);
     CS_LOGD("request %s: %d prompt tokens, up to %d new", q->id, q->n_prompt, q->max_new);
-    if (cs_rpc_call_on_cancel(c, on_call_cancel, q) != 0) {
+    if (cs_gen_call_on_cancel(c, on_call_cancel, q) != 0) {
         on_call_cancel(c, q); /* already dead */
         return;
     }
@@ -137,6 +138,16 @@ static void handle_generate(cs_rpc_call *c, void *data) {
     } else {
         cs__req_attempt(q);
     }
+}
+
+static void handle_generate(cs_rpc_call *rpc, void *data) {
+    router *r = data;
+    if (!cs_api_keys_rpc_check(&r->keys, rpc)) {
+        cs__router_count_code(r, CS_RPC_UNAUTHENTICATED);
+        return;
+    }
+    cs_gen_call *c = cs_gen_call_grpc(rpc);
+    if (c) generate(r, c);
 }
 
 /* ---------------------------------------------------------- metrics -- */
@@ -170,6 +181,7 @@ static const cs_metric_def router_metrics[] = {
     REQUESTS(CS_RPC_ABORTED, "ABORTED"),
     REQUESTS(CS_RPC_INTERNAL, "INTERNAL"),
     REQUESTS(CS_RPC_UNAVAILABLE, "UNAVAILABLE"),
+    REQUESTS(CS_RPC_UNAUTHENTICATED, "UNAUTHENTICATED"),
     {M(prefill_local), "chunkserve:prefills_total", CS_METRIC_COUNTER, "path=\"local\"", PREFILLS,
      NULL, 0},
     {M(prefill_remote), "chunkserve:prefills_total", CS_METRIC_COUNTER, "path=\"remote\"", PREFILLS,
@@ -244,7 +256,11 @@ static int start(cs_proc *p, void *arg) {
     int rc =
         cs_rpc_server_add_method(srv, "/" SERVICE "/Generate", CS_RPC_SERVER_STREAMING,
                                  &chunkserve__v1__generate_request__descriptor, handle_generate, r);
-    if (!rc) rc = cs_generation_add_unary(srv, &r->wm);
+    r->gctx = (cs_generation_ctx){&r->wm, &r->keys};
+    if (!rc) rc = cs_generation_add_unary(srv, &r->gctx);
+    if (!rc)
+        rc = cs_openai_start_config(cs_proc_uv(p), &o->openai, o->host, &r->wm, generate, r,
+                                    &r->keys, &r->openai);
     if (rc) return rc;
     const cs_model_config *cfg = cs_model_get_config(r->model);
     cs_pool_opts po = {
@@ -276,6 +292,7 @@ static void started(cs_proc *p, void *arg) {
             r->wm.name, cfg->n_vocab, cfg->ctx_len, r->o->host, cs_proc_port(p),
             (long long)r->o->max_inflight, (long long)r->o->max_queue,
             (long long)r->o->local_prefill_threshold);
+    cs_openai_print_listening(r->openai);
 }
 
 static int32_t n_open(cs_proc *p, void *arg) {
@@ -320,6 +337,8 @@ static void stop(cs_proc *p, void *arg) {
     }
     cs_pool_close(r->pool);
     r->pool = NULL;
+    cs_openai_close(r->openai);
+    r->openai = NULL;
 }
 
 static const cs_proc_role router_proc = {
@@ -355,6 +374,8 @@ int cs_router_run(const cs_model *model, const cs_router_opts *o) {
                        .grace_ms = o->grace_ms};
     int rc = cs_proc_run(&po, &router_proc, r);
     CS_ASSERT(rc || r->n_live == 0);
+    cs_openai_close(r->openai); /* when start failed after opening it */
+    cs_api_keys_free(&r->keys);
     free(r);
     return rc;
 }

@@ -15,6 +15,7 @@
 #include <stdint.h>
 
 #include "chunkserve/model.h"
+#include "openai.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -43,6 +44,7 @@ typedef struct {
     bool ready_without_workers;      /* /readyz ignores the decode pool */
     const char *log_level;
     bool verbose;
+    cs_openai_config openai; /* the public HTTP API and the API keys */
 } cs_router_opts;
 
 /* Serves until SIGTERM or SIGINT with m (a vocabulary-only load is enough;

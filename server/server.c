@@ -38,6 +38,7 @@
 #include "chunkserve/error.h"
 #include "chunkserve/log.h"
 #include "chunkserve/v1/cluster.pb-c.h"
+#include "gen_call.h"
 #include "generation.h"
 #include "outbuf.h"
 #include "wire.h"
@@ -51,7 +52,7 @@ typedef struct server server;
 
 typedef struct gen {
     server *s;
-    cs_rpc_call *call; /* NULL once the RPC call is finished */
+    cs_gen_call *call; /* NULL once answered (either door: api/gen_call.h) */
     uint64_t id;       /* the engine's request id */
     char *request_id;  /* the client's, or "cs-<id>" */
     bool logprobs, sent_first;
@@ -82,6 +83,9 @@ struct server {
     int32_t n_calls;      /* live gens whose call is still open (the admission count) */
     uint64_t instance_id; /* random per process start */
     uint64_t next_id;
+    cs_api_keys keys;       /* the public API's (both doors) */
+    cs_generation_ctx gctx; /* the unary Generation calls' */
+    cs_openai *openai;      /* the OpenAI-compatible HTTP door, or NULL */
 };
 
 /* ------------------------------------------------------- engine thread -- */
@@ -138,7 +142,7 @@ static void gen_free(gen *g) {
 
 static void gen_finish_call(gen *g, int code, const char *msg) {
     if (!g->call) return;
-    cs_rpc_call_finish(g->call, code, msg);
+    cs_gen_call_finish(g->call, code, msg);
     g->call = NULL;
     g->s->n_calls--;
 }
@@ -157,7 +161,7 @@ static int gen_send(gen *g, const cs_outbuf *b, bool final) {
         usage.cached_prompt_tokens = g->n_cached;
         r.usage = &usage;
     }
-    int rc = cs_rpc_call_send_msg(g->call, &r.base);
+    int rc = cs_gen_call_send(g->call, &r);
     cs_outbuf_response_free(scratch);
     g->sent_first = true;
     return rc;
@@ -191,7 +195,7 @@ static void on_drain_post(void *data) {
             gen_finish_call(g, CS_RPC_RESOURCE_EXHAUSTED,
                             "the server ran out of memory for this stream");
             if (!done) cs_serve_cancel(g->s->sv, g->id);
-        } else if (!done && cs_rpc_call_pending_bytes(g->call) > MAX_UNSENT_BYTES) {
+        } else if (!done && cs_gen_call_pending_bytes(g->call) > MAX_UNSENT_BYTES) {
             /* the client stopped reading: bound what waits for it */
             gen_finish_call(g, CS_RPC_RESOURCE_EXHAUSTED,
                             "the client is not reading its stream; generation stopped");
@@ -220,19 +224,20 @@ static void on_drain_post(void *data) {
 /* The client cancelled or went away, its deadline passed, or the RPC
  * server's backstop cancelled it: stop the request in the engine (its pages
  * are freed there); the gen lives on until the CANCELLED event drains. */
-static void on_call_cancel(cs_rpc_call *c, void *data) {
+static void on_call_cancel(cs_gen_call *c, void *data) {
     gen *g = data;
     CS_LOGD("request %s: call cancelled (%s)", g->request_id,
-            cs_rpc_call_deadline_ms(c) <= 0 ? "deadline" : "client");
+            cs_gen_call_deadline_ms(c) <= 0 ? "deadline" : "client");
     cs_serve_cancel(g->s->sv, g->id);
     gen_finish_call(g, CS_RPC_CANCELLED, "cancelled");
 }
 
-static void handle_generate(cs_rpc_call *c, void *data) {
-    server *s = data;
-    const Chunkserve__V1__GenerateRequest *m = (const void *)cs_rpc_call_request_msg(c);
+/* Generate, from either door (gRPC below, or the OpenAI HTTP routes). */
+static void generate(void *arg, cs_gen_call *c) {
+    server *s = arg;
+    const Chunkserve__V1__GenerateRequest *m = c->req;
     if (s->stopping) {
-        cs_rpc_call_finish(c, CS_RPC_UNAVAILABLE, "the server is shutting down");
+        cs_gen_call_finish(c, CS_RPC_UNAVAILABLE, "the server is shutting down");
         return;
     }
     cs_sched_stats st;
@@ -245,7 +250,7 @@ static void handle_generate(cs_rpc_call *c, void *data) {
         snprintf(msg, sizeof msg,
                  "the server is overloaded: %d requests are waiting (--max-queue %d); retry later",
                  waiting, s->o->max_queue);
-        cs_rpc_call_finish(c, CS_RPC_RESOURCE_EXHAUSTED, msg);
+        cs_gen_call_finish(c, CS_RPC_RESOURCE_EXHAUSTED, msg);
         return;
     }
     uint64_t id = ++s->next_id;
@@ -253,7 +258,7 @@ static void handle_generate(cs_rpc_call *c, void *data) {
     int r = cs_wire_generate_request(&s->wm, m, id, &w);
     if (r) {
         CS_LOGD("request rejected: %s", cs_last_error());
-        cs_rpc_call_finish(c, cs_rpc_code_of_status(r), cs_last_error());
+        cs_gen_call_finish(c, cs_rpc_code_of_status(r), cs_last_error());
         return;
     }
     gen *g = calloc(1, sizeof *g);
@@ -263,7 +268,7 @@ static void handle_generate(cs_rpc_call *c, void *data) {
     if (!g || !g->request_id) {
         free(g);
         cs_wire_request_free(&w);
-        cs_rpc_call_finish(c, CS_RPC_RESOURCE_EXHAUSTED, "out of memory");
+        cs_gen_call_finish(c, CS_RPC_RESOURCE_EXHAUSTED, "out of memory");
         return;
     }
     g->s = s;
@@ -284,11 +289,18 @@ static void handle_generate(cs_rpc_call *c, void *data) {
     cs_wire_request_free(&w);
     if (r) {
         gen_free(g);
-        cs_rpc_call_finish(c, r == CS_ENOMEM ? CS_RPC_RESOURCE_EXHAUSTED : CS_RPC_UNAVAILABLE,
+        cs_gen_call_finish(c, r == CS_ENOMEM ? CS_RPC_RESOURCE_EXHAUSTED : CS_RPC_UNAVAILABLE,
                            "the engine refused the request");
         return;
     }
-    if (cs_rpc_call_on_cancel(c, on_call_cancel, g) != 0) on_call_cancel(c, g); /* already dead */
+    if (cs_gen_call_on_cancel(c, on_call_cancel, g) != 0) on_call_cancel(c, g); /* already dead */
+}
+
+static void handle_generate(cs_rpc_call *rpc, void *data) {
+    server *s = data;
+    if (!cs_api_keys_rpc_check(&s->keys, rpc)) return;
+    cs_gen_call *c = cs_gen_call_grpc(rpc);
+    if (c) generate(s, c);
 }
 
 /* chunkserve.v1.Worker/GetStatus: the same snapshot the cluster's workers
@@ -330,14 +342,19 @@ static int add_methods(server *s, cs_rpc_server *srv) {
                                          methods[i].fn, s);
         if (r) return r;
     }
-    return cs_generation_add_unary(srv, &s->wm);
+    s->gctx = (cs_generation_ctx){&s->wm, &s->keys};
+    return cs_generation_add_unary(srv, &s->gctx);
 }
 
 static int start(cs_proc *p, void *arg) {
     server *s = arg;
     s->proc = p;
     s->rl = cs_proc_rpc_loop(p);
-    return add_methods(s, cs_proc_server(p));
+    int r = add_methods(s, cs_proc_server(p));
+    if (!r)
+        r = cs_openai_start_config(cs_proc_uv(p), &s->o->openai, s->o->host, &s->wm, generate, s,
+                                   &s->keys, &s->openai);
+    return r;
 }
 
 static void started(cs_proc *p, void *arg) {
@@ -347,6 +364,7 @@ static void started(cs_proc *p, void *arg) {
         "serving '%s' (%s backend, %d KV pages of %d tokens, step budget %d, max %d seqs) on %s:%d",
         s->wm.name, cs_engine_backend_name(s->engine), s->wm.n_kv_pages, s->wm.page_size,
         o->sched.max_num_batched_tokens, o->sched.max_num_seqs, o->host, cs_proc_port(p));
+    cs_openai_print_listening(s->openai);
 }
 
 static int32_t n_open(cs_proc *p, void *arg) {
@@ -381,6 +399,8 @@ static void cancel_all(cs_proc *p, void *arg) {
 static void stop(cs_proc *p, void *arg) {
     (void)p;
     server *s = arg;
+    cs_openai_close(s->openai); /* its open streams' calls end with the engine below */
+    s->openai = NULL;
     cs_serve_stop(s->sv);
     s->sv = NULL;
 }
@@ -418,8 +438,10 @@ int cs_server_run(const cs_model *m, const cs_server_opts *o) {
     r = cs_proc_run(&po, &server_proc, s);
 out:
     if (r) CS_LOGE("cannot start: %s", cs_last_error()[0] ? cs_last_error() : cs_strerror(r));
-    cs_serve_stop(s->sv); /* NULL after a normal shutdown */
+    cs_openai_close(s->openai); /* when the start failed after opening it */
+    cs_serve_stop(s->sv);       /* NULL after a normal shutdown */
     cs_engine_free(s->engine);
+    cs_api_keys_free(&s->keys);
     free(s);
     return r;
 }

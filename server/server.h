@@ -11,6 +11,7 @@
 #include "chunkserve/engine.h"
 #include "chunkserve/model.h"
 #include "chunkserve/sched.h"
+#include "openai.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -26,6 +27,7 @@ typedef struct {
     cs_sched_params sched;
     int32_t max_queue; /* waiting requests beyond this are refused (RESOURCE_EXHAUSTED) */
     int32_t grace_ms;  /* on SIGTERM/SIGINT: time streams get before they are cancelled */
+    cs_openai_config openai; /* the public HTTP API and the API keys */
 } cs_server_opts;
 
 /* Builds the engine on m (which must outlive the call), serves until SIGTERM

@@ -164,7 +164,7 @@ typedef struct {
          CS_CONFIG_BOOL,                                                                           \
          offsetof(cs_worker_opts, kv_checksum),                                                    \
          "true",                                                                                   \
-         "xxHash64 of every KV frame's payload",                                                   \
+         "checksum (XXH3-64) of every KV chunk's payload",                                         \
          0,                                                                                        \
          0},                                                                                       \
     {                                                                                              \

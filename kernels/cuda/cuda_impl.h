@@ -102,10 +102,10 @@ void cs__cuda_swiglu(uint16_t *out, const float *gu, int n_tokens, int hidden, c
 
 /* kv_pack.cu: KV pages <-> a contiguous device buffer, for the backend's
  * kv_export/kv_import and the NCCL KV transport's staging
- * (kvx/src/kvx_nccl_link.c). gather: staging page i = pool page ids[i], i < n, contiguous; scatter:
- * the reverse. pool page p starts at pool + p * page_bytes; ids are n device int32 page ids;
- * page_bytes a multiple of 8. sum (device, may be NULL) is set to the KV sum of the staging bytes,
- * computed in the same pass: the formula of cs__kvx_sum_ref (kvx/src/kvx_nccl-impl.h). */
+ * (kvx/src/kvx_payload_nccl.c). gather: staging page i = pool page ids[i], i < n, contiguous;
+ * scatter: the reverse. pool page p starts at pool + p * page_bytes; ids are n device int32 page
+ * ids; page_bytes a multiple of 8. sum (device, may be NULL) is set to the KV sum of the staging
+ * bytes, computed in the same pass: the formula of cs__kvx_sum_ref (kvx/src/kvx-impl.h). */
 void cs__cuda_kv_gather(const void *pool, size_t page_bytes, const int32_t *ids, int32_t n,
                         void *staging, unsigned long long *sum, cudaStream_t s);
 void cs__cuda_kv_scatter(void *pool, size_t page_bytes, const int32_t *ids, int32_t n,

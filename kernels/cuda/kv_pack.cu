@@ -1,8 +1,8 @@
 /* kv_pack.cu: KV pages <-> a contiguous device buffer: the staging of the
  * backend's kv_export/kv_import (backend_cuda.c, then host memory) and the
  * buffer the NCCL KV transport hands to ncclSend / fills with ncclRecv
- * (kvx/src/kvx_nccl_link.c). One pass per direction: the copy and, when
- * asked, the chunk's checksum (the "KV sum" of kvx/src/kvx_nccl-impl.h) read
+ * (kvx/src/kvx_payload_nccl.c). One pass per direction: the copy and, when
+ * asked, the chunk's checksum (the "KV sum" of kvx/src/kvx-impl.h) read
  * each byte once.
  *
  * Layout: a block column (blockIdx.y) walks pages, its blocks (blockIdx.x)
@@ -17,7 +17,7 @@
 
 #define LAUNCH_CHECK() CS_CUDA_CHECK(cudaGetLastError())
 
-/* Must match cs__kvx_sum_mix (kvx/src/kvx_nccl-impl.h); tests/gpu/test_kvx_nccl.c
+/* Must match cs__kvx_sum_mix (kvx/src/kvx-impl.h); tests/gpu/test_kvx_nccl.c
  * checks both against each other. */
 static __device__ __forceinline__ unsigned long long kv_mix(unsigned long long w,
                                                             unsigned long long i) {

@@ -46,7 +46,7 @@ static int parse_bool(const char *s, bool *out) {
 /* Converts text into the entry's field. where names the source in errors. */
 static int set_value(const cs_config_entry *e, void *opts, const char *val, const char *where) {
     void *p = (char *)opts + e->offset;
-    if (e->type == CS_CONFIG_STR) {
+    if (e->type == CS_CONFIG_STR || e->type == CS_CONFIG_SECRET) {
         *(const char **)p = val;
         return 0;
     }
@@ -239,7 +239,7 @@ static void json_string(FILE *fp, const char *s) {
 }
 
 void cs_config_print_json(const cs_config_entry *table, size_t n, void *f) {
-    static const char *types[] = {"string", "int", "bool", "double"};
+    static const char *types[] = {"string", "int", "bool", "double", "string"};
     FILE *fp = f;
     fputc('[', fp);
     for (size_t i = 0; i < n; i++) {
@@ -258,6 +258,7 @@ void cs_config_print_json(const cs_config_entry *table, size_t n, void *f) {
         fprintf(fp, ", \"help\": ");
         json_string(fp, e->help ? e->help : "");
         if (bounded(e)) fprintf(fp, ", \"min\": %.17g, \"max\": %.17g", e->min, e->max);
+        if (e->type == CS_CONFIG_SECRET) fputs(", \"secret\": true", fp);
         fputc('}', fp);
     }
     fputs("\n]\n", fp);
@@ -279,6 +280,9 @@ void cs_config_dump(const cs_config_entry *table, size_t n, const void *opts, vo
             fprintf(fp, "%s = %s\n", e->name, *(const bool *)p ? "true" : "false");
             break;
         case CS_CONFIG_DOUBLE: fprintf(fp, "%s = %g\n", e->name, *(const double *)p); break;
+        case CS_CONFIG_SECRET:
+            fprintf(fp, "%s = %s\n", e->name, *(const char *const *)p ? "(set)" : "(unset)");
+            break;
         }
     }
 }

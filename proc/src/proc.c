@@ -166,7 +166,7 @@ int cs_proc_run(const cs_proc_opts *o, const cs_proc_role *role, void *role_data
     if ((r = cs_rpc_server_start(p->srv, &p->port))) goto fail;
     cs_http_routes routes = {
         .metrics = p->metrics, .before_metrics = before_metrics, .ready = ready, .arg = p};
-    if ((r = cs_http_server_init(&p->uv, http_host, o->http_port, &routes, &p->http))) {
+    if ((r = cs_http_ops_start(&p->uv, http_host, o->http_port, &routes, &p->http))) {
         if (!cs_last_error()[0])
             cs_fail(r, "http: cannot listen on %s:%d: %s", http_host, o->http_port, uv_strerror(r));
         goto fail;
@@ -181,10 +181,10 @@ int cs_proc_run(const cs_proc_opts *o, const cs_proc_role *role, void *role_data
     p->sigterm.data = p->sigint.data = p->grace.data = p->drain_poll.data = p;
     uv_signal_start(&p->sigterm, on_signal, SIGTERM);
     uv_signal_start(&p->sigint, on_signal, SIGINT);
-    if (role->started) role->started(p, role_data);
     printf("listening on %s:%d\nhttp listening on %s:%d\n", o->host, p->port, http_host,
            cs_http_server_port(p->http));
     fflush(stdout);
+    if (role->started) role->started(p, role_data); /* may print more listening lines */
     uv_run(&p->uv, UV_RUN_DEFAULT);
     r = 0;
     CS_LOGI("stopped");

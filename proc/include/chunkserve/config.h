@@ -27,6 +27,7 @@ enum cs_config_type {
     CS_CONFIG_INT,    /* int64_t, within [min, max] */
     CS_CONFIG_BOOL,   /* bool: --name, --name=true|false|1|0, --no-name; env 1/0/true/false */
     CS_CONFIG_DOUBLE, /* double, within [min, max] */
+    CS_CONFIG_SECRET, /* const char *, like STR, but never printed (dump: "(set)") */
 };
 
 typedef struct {

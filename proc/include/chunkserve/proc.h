@@ -54,8 +54,8 @@ typedef struct {
      * code (the start fails; stop and free still run). */
     int (*start)(cs_proc *p, void *role);
     /* The RPC server and the ops port listen (cs_proc_port is known), just
-     * before "listening on" is printed: the role's start-up log line. May be
-     * NULL. */
+     * after "listening on" / "http listening on" are printed: the role's
+     * start-up log line and any listening line of its own. May be NULL. */
     void (*started)(cs_proc *p, void *role);
     /* Before each /metrics render: update gauges. May be NULL. */
     void (*metrics)(cs_proc *p, void *role);

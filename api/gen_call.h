@@ -1,0 +1,63 @@
+/* gen_call.h (api/): one Generate call, whatever door it came in by: the
+ * gRPC method chunkserve.v1.Generation/Generate (cs_gen_call_grpc below) or
+ * the OpenAI-compatible HTTP routes (openai/: one call per choice). The
+ * router and `chunkserve serve` serve Generate against this interface only,
+ * so both doors validate, admit, stream, cancel and end a request alike.
+ * Loop thread only. A call is answered exactly once (cs_gen_call_finish),
+ * after which its object is gone; a cancel callback never runs after that. */
+#ifndef CHUNKSERVE_API_GEN_CALL_H
+#define CHUNKSERVE_API_GEN_CALL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "chunkserve/rpc.h"
+#include "chunkserve/v1/generation.pb-c.h"
+
+typedef struct cs_gen_call cs_gen_call;
+typedef void (*cs_gen_cancel_fn)(cs_gen_call *c, void *arg);
+
+typedef struct {
+    /* One streamed message. 0, CS_ECANCELED (the call is dead: its cancel
+     * callback has run or will), or CS_ENOMEM. */
+    int (*send)(cs_gen_call *c, const Chunkserve__V1__GenerateResponse *m);
+    /* The end: code is a gRPC status (CS_RPC_*), msg its message (NULL for
+     * OK). Frees the call. */
+    void (*finish)(cs_gen_call *c, int code, const char *msg);
+    /* Bytes sent and not yet taken by the client (slow readers are capped). */
+    size_t (*pending_bytes)(cs_gen_call *c);
+    /* fn(c, arg) once if the client cancels, goes away or its deadline
+     * passes before finish. Nonzero when the call is already dead (the
+     * caller then cancels at once). */
+    int (*on_cancel)(cs_gen_call *c, cs_gen_cancel_fn fn, void *arg);
+    /* Milliseconds left before the client's deadline; INT64_MAX: none. */
+    int64_t (*deadline_ms)(cs_gen_call *c);
+} cs_gen_call_ops;
+
+struct cs_gen_call {
+    const cs_gen_call_ops *ops;
+    const Chunkserve__V1__GenerateRequest *req; /* valid until finish */
+};
+
+static inline int cs_gen_call_send(cs_gen_call *c, const Chunkserve__V1__GenerateResponse *m) {
+    return c->ops->send(c, m);
+}
+static inline void cs_gen_call_finish(cs_gen_call *c, int code, const char *msg) {
+    c->ops->finish(c, code, msg);
+}
+static inline size_t cs_gen_call_pending_bytes(cs_gen_call *c) {
+    return c->ops->pending_bytes(c);
+}
+static inline int cs_gen_call_on_cancel(cs_gen_call *c, cs_gen_cancel_fn fn, void *arg) {
+    return c->ops->on_cancel(c, fn, arg);
+}
+static inline int64_t cs_gen_call_deadline_ms(cs_gen_call *c) {
+    return c->ops->deadline_ms(c);
+}
+
+/* The gRPC door: a cs_gen_call over a Generate RPC call (its request
+ * message). NULL when out of memory (the RPC is then finished
+ * RESOURCE_EXHAUSTED). */
+cs_gen_call *cs_gen_call_grpc(cs_rpc_call *rpc);
+
+#endif

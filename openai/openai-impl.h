@@ -1,0 +1,60 @@
+/* openai-impl.h: the parts of openai/ (see openai.h): the request parser
+ * (request.c: JSON -> GenerateRequests), the response writer (response.c:
+ * GenerateResponses -> JSON and SSE events) and the routes (openai.c). */
+#ifndef CS_OPENAI_IMPL_H
+#define CS_OPENAI_IMPL_H
+
+#include <cjson/cJSON.h>
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "openai.h"
+
+#define OA_MAX_N 16           /* choices per prompt */
+#define OA_MAX_PROMPTS 64     /* prompts in one completions request */
+#define OA_MAX_TOP_LOGPROBS 0 /* alternatives per token: not in the engine yet */
+
+/* An error answer: HTTP status, OpenAI type and code, the request field it
+ * is about (NULL: none). */
+typedef struct {
+    int status;
+    const char *type; /* "invalid_request_error", "authentication_error", ... */
+    const char *code; /* NULL, "model_not_found", "context_length_exceeded", ... */
+    char param[64];
+    char message[512];
+} oa_error;
+
+/* One parsed request. The GenerateRequest of choice i is req[i]; their
+ * strings point into json (kept until oa_request_free). */
+typedef struct {
+    cJSON *json;
+    bool chat, stream, include_usage, logprobs;
+    int32_t top_logprobs; /* completions: logprobs=N asks N alternatives */
+    int32_t n;            /* choices per prompt */
+    int32_t n_prompts;
+    int32_t n_choices; /* n * n_prompts; choice i is prompt i / n */
+    const char *model;
+    Chunkserve__V1__GenerateRequest *req;     /* n_choices */
+    Chunkserve__V1__SamplingParams *sampling; /* n_choices (seeds differ) */
+    Chunkserve__V1__Chat chat_msg;
+    Chunkserve__V1__ChatMessage *msgs, **msg_ptrs;
+    Chunkserve__V1__TokenIds *ids; /* n_prompts (token-id prompts) */
+    int32_t **id_store;
+    char **stops;
+    int32_t *stop_ids;
+    char *text_store; /* chat contents joined from parts */
+} oa_request;
+
+/* Parses body (len bytes) for /v1/chat/completions (chat) or
+ * /v1/completions. 0, or -1 with *e filled (status 400 and the field). */
+int oa_request_parse(const char *body, size_t len, bool chat, const cs_wire_model *wm,
+                     oa_request *out, oa_error *e);
+void oa_request_free(oa_request *r);
+
+/* The HTTP status, OpenAI type/code and param of a gRPC status and message
+ * from Generate (the message's leading field name becomes the param). */
+void oa_error_from_status(int code, const char *msg, bool chat, oa_error *e);
+/* {"error":{...}} as a malloc'd string. */
+char *oa_error_json(const oa_error *e);
+
+#endif

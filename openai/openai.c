@@ -1,0 +1,691 @@
+/* openai.c: the OpenAI-compatible routes (openai.h) on the project's HTTP
+ * server (chunkserve/http.h).
+ *
+ * One HTTP request (struct oa_call) runs one Generate call per choice
+ * (struct oa_choice, a cs_gen_call: api/gen_call.h) through the process's
+ * own generate function. Each choice's messages are written as SSE events
+ * as they come (stream) or gathered into one JSON object (not stream). The
+ * request ends when every choice has ended: a choice that fails cancels the
+ * others and the answer is the failure (an HTTP status before the first
+ * byte of a stream; an error event then [DONE] after it). A connection that
+ * closes cancels every choice still running. Loop thread only; re-entrancy
+ * (generate or a cancel answering at once) is held off by oc->busy. */
+#include "openai.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "chunkserve/error.h"
+#include "chunkserve/http.h"
+#include "chunkserve/log.h"
+#include "chunkserve/tokenizer.h"
+#include "openai-impl.h"
+
+#define DEFAULT_MAX_REQUEST ((size_t)4 << 20)
+
+struct cs_openai {
+    cs_openai_opts o;
+    cs_http_server *http;
+    int32_t n_open;
+    uint64_t next_id;
+    bool closed; /* freed when the last open request ends */
+};
+
+typedef struct oa_call oa_call;
+
+typedef struct {
+    cs_gen_call base; /* what Generate sees */
+    oa_call *oc;
+    int32_t index;
+    cs_gen_cancel_fn cancel_fn;
+    void *cancel_arg;
+    bool started, finished, role_sent;
+    /* gathered (not stream), and the end */
+    char *text;
+    size_t len, cap;
+    int32_t *lp_ids;
+    float *lp;
+    size_t n_lp, cap_lp;
+    Chunkserve__V1__FinishReason finish;
+    int32_t prompt_tokens, completion_tokens, cached_tokens;
+} oa_choice;
+
+struct oa_call {
+    cs_openai *s;
+    cs_http_res *res;
+    oa_request rq;
+    oa_choice *choices;
+    int32_t n_done, busy;
+    bool sse_started, failed, closed, ended;
+    oa_error err;
+    char id[48];
+    long long created;
+    char cors[512]; /* Access-Control-* lines for this origin, or "" */
+};
+
+/* ------------------------------------------------------------ writing -- */
+
+static void send_json(cs_http_res *res, int status, const char *cors, const char *extra,
+                      const char *json) {
+    char headers[1024];
+    snprintf(headers, sizeof headers, "%s%s", cors ? cors : "", extra ? extra : "");
+    cs_http_res_send(res, status, "application/json", headers, json, strlen(json));
+}
+
+static void send_error(cs_http_res *res, const char *cors, const oa_error *e) {
+    char *body = oa_error_json(e);
+    const char *extra = e->status == 429 || e->status == 503 ? "Retry-After: 1\r\n"
+                        : e->status == 401                   ? "WWW-Authenticate: Bearer\r\n"
+                                                             : NULL;
+    send_json(res, e->status, cors, extra,
+              body ? body
+                   : "{\"error\":{\"message\":\"out of memory\",\"type\":\"server_error\"}}");
+    free(body);
+}
+
+/* One SSE event "data: <json>\n\n"; 0 or the write's error. */
+static int sse_event(oa_call *oc, cJSON *j) {
+    char *s = j ? cJSON_PrintUnformatted(j) : NULL;
+    if (!s) return CS_ENOMEM;
+    size_t n = strlen(s);
+    char *ev = malloc(n + 8);
+    int r = CS_ENOMEM;
+    if (ev) {
+        memcpy(ev, "data: ", 6);
+        memcpy(ev + 6, s, n);
+        memcpy(ev + 6 + n, "\n\n", 2);
+        r = cs_http_res_write(oc->res, ev, n + 8);
+        free(ev);
+    }
+    free(s);
+    return r;
+}
+
+static int sse_start(oa_call *oc) {
+    if (oc->sse_started) return 0;
+    oc->sse_started = true;
+    char headers[1024];
+    snprintf(headers, sizeof headers, "Cache-Control: no-cache\r\nX-Accel-Buffering: no\r\n%s",
+             oc->cors);
+    return cs_http_res_start(oc->res, 200, "text/event-stream", headers);
+}
+
+static const char *finish_name(Chunkserve__V1__FinishReason f) {
+    switch (f) {
+    case CHUNKSERVE__V1__FINISH_REASON__FINISH_REASON_STOP: return "stop";
+    case CHUNKSERVE__V1__FINISH_REASON__FINISH_REASON_LENGTH: return "length";
+    default: return NULL;
+    }
+}
+
+/* A chunk's or answer's frame: id, object, created, model, choices[]. */
+static cJSON *frame(oa_call *oc, const char *object, cJSON **choices) {
+    cJSON *j = cJSON_CreateObject();
+    cJSON_AddStringToObject(j, "id", oc->id);
+    cJSON_AddStringToObject(j, "object", object);
+    cJSON_AddNumberToObject(j, "created", (double)oc->created);
+    cJSON_AddStringToObject(j, "model", oc->s->o.wm->name);
+    *choices = cJSON_AddArrayToObject(j, "choices");
+    return j;
+}
+
+/* The token's text (U+FFFD for bytes that are not UTF-8 by themselves). */
+static char *token_text(oa_call *oc, int32_t id) {
+    char *t = NULL;
+    size_t n;
+    if (cs_tokenizer_decode(cs_model_tokenizer(oc->s->o.wm->model), &id, 1, false, &t, &n) != 0)
+        return NULL;
+    return t;
+}
+
+/* logprobs for ids[0..n): chat {"content":[{token,logprob,bytes,top_logprobs}]},
+ * completions {tokens, token_logprobs, top_logprobs, text_offset}. */
+static cJSON *logprobs_json(oa_call *oc, const int32_t *ids, const float *lp, size_t n,
+                            size_t text_offset) {
+    const cs_tokenizer *tok = cs_model_tokenizer(oc->s->o.wm->model);
+    cJSON *j = cJSON_CreateObject();
+    if (oc->rq.chat) {
+        cJSON *content = cJSON_AddArrayToObject(j, "content");
+        for (size_t i = 0; i < n; i++) {
+            cJSON *e = cJSON_CreateObject();
+            char *t = token_text(oc, ids[i]);
+            cJSON_AddStringToObject(e, "token", t ? t : "");
+            free(t);
+            cJSON_AddNumberToObject(e, "logprob", lp[i]);
+            const char *b;
+            size_t bl;
+            cJSON *bytes = cJSON_AddArrayToObject(e, "bytes");
+            if (cs_tokenizer_token_bytes(tok, ids[i], &b, &bl) == 0)
+                for (size_t k = 0; k < bl; k++)
+                    cJSON_AddItemToArray(bytes, cJSON_CreateNumber((unsigned char)b[k]));
+            cJSON_AddArrayToObject(e, "top_logprobs");
+            cJSON_AddItemToArray(content, e);
+        }
+    } else {
+        cJSON *tokens = cJSON_AddArrayToObject(j, "tokens");
+        cJSON *tlp = cJSON_AddArrayToObject(j, "token_logprobs");
+        cJSON_AddNullToObject(j, "top_logprobs");
+        cJSON *off = cJSON_AddArrayToObject(j, "text_offset");
+        for (size_t i = 0; i < n; i++) {
+            char *t = token_text(oc, ids[i]);
+            cJSON_AddItemToArray(tokens, cJSON_CreateString(t ? t : ""));
+            cJSON_AddItemToArray(tlp, cJSON_CreateNumber(lp[i]));
+            cJSON_AddItemToArray(off, cJSON_CreateNumber((double)text_offset));
+            text_offset += t ? strlen(t) : 0;
+            free(t);
+        }
+    }
+    return j;
+}
+
+/* The usage object over every choice (a prompt counted once, not n times). */
+static cJSON *usage_json(oa_call *oc) {
+    int64_t prompt = 0, completion = 0, cached = 0;
+    for (int32_t i = 0; i < oc->rq.n_choices; i++) {
+        oa_choice *c = &oc->choices[i];
+        completion += c->completion_tokens;
+        if (i % oc->rq.n == 0) prompt += c->prompt_tokens, cached += c->cached_tokens;
+    }
+    cJSON *u = cJSON_CreateObject();
+    cJSON_AddNumberToObject(u, "prompt_tokens", (double)prompt);
+    cJSON_AddNumberToObject(u, "completion_tokens", (double)completion);
+    cJSON_AddNumberToObject(u, "total_tokens", (double)(prompt + completion));
+    cJSON *d = cJSON_AddObjectToObject(u, "prompt_tokens_details");
+    cJSON_AddNumberToObject(d, "cached_tokens", (double)cached);
+    return u;
+}
+
+/* One streamed chunk for choice c: delta text (chat) or text, its logprobs,
+ * and the finish reason when final. */
+static int stream_chunk(oa_call *oc, oa_choice *c, const char *text, cJSON *lp,
+                        const char *finish) {
+    cJSON *choices,
+        *j = frame(oc, oc->rq.chat ? "chat.completion.chunk" : "text_completion", &choices);
+    cJSON *ch = cJSON_CreateObject();
+    cJSON_AddNumberToObject(ch, "index", c->index);
+    if (oc->rq.chat) {
+        cJSON *delta = cJSON_AddObjectToObject(ch, "delta");
+        if (!c->role_sent) cJSON_AddStringToObject(delta, "role", "assistant");
+        if (text) cJSON_AddStringToObject(delta, "content", text);
+        c->role_sent = true;
+    } else {
+        cJSON_AddStringToObject(ch, "text", text ? text : "");
+    }
+    if (lp)
+        cJSON_AddItemToObject(ch, "logprobs", lp);
+    else
+        cJSON_AddNullToObject(ch, "logprobs");
+    if (finish)
+        cJSON_AddStringToObject(ch, "finish_reason", finish);
+    else
+        cJSON_AddNullToObject(ch, "finish_reason");
+    cJSON_AddItemToArray(choices, ch);
+    if (oc->rq.include_usage) cJSON_AddNullToObject(j, "usage");
+    int r = sse_event(oc, j);
+    cJSON_Delete(j);
+    return r;
+}
+
+/* ------------------------------------------------------------ the end -- */
+
+static void oa_call_free(oa_call *oc) {
+    for (int32_t i = 0; oc->choices && i < oc->rq.n_choices; i++) {
+        free(oc->choices[i].text);
+        free(oc->choices[i].lp_ids);
+        free(oc->choices[i].lp);
+    }
+    free(oc->choices);
+    oa_request_free(&oc->rq);
+    cs_openai *s = oc->s;
+    free(oc);
+    if (--s->n_open == 0 && s->closed) free(s);
+}
+
+/* Every choice ended: the answer, then the response ends. */
+static void complete(oa_call *oc) {
+    if (oc->busy || oc->n_done < oc->rq.n_choices || oc->ended) return;
+    oc->ended = true;
+    if (oc->closed) {
+        /* nobody to answer */
+    } else if (oc->failed && oc->sse_started) {
+        char *e = oa_error_json(&oc->err);
+        if (e) {
+            char *ev = malloc(strlen(e) + 32);
+            if (ev) {
+                int n = sprintf(ev, "data: %s\n\n", e);
+                cs_http_res_write(oc->res, ev, (size_t)n);
+                free(ev);
+            }
+            free(e);
+        }
+        cs_http_res_write(oc->res, "data: [DONE]\n\n", 14);
+    } else if (oc->failed) {
+        send_error(oc->res, oc->cors, &oc->err);
+    } else if (oc->rq.stream) {
+        if (oc->rq.include_usage) {
+            cJSON *choices,
+                *j = frame(oc, oc->rq.chat ? "chat.completion.chunk" : "text_completion", &choices);
+            cJSON_AddItemToObject(j, "usage", usage_json(oc));
+            sse_event(oc, j);
+            cJSON_Delete(j);
+        }
+        cs_http_res_write(oc->res, "data: [DONE]\n\n", 14);
+    } else {
+        cJSON *choices,
+            *j = frame(oc, oc->rq.chat ? "chat.completion" : "text_completion", &choices);
+        for (int32_t i = 0; i < oc->rq.n_choices; i++) {
+            oa_choice *c = &oc->choices[i];
+            cJSON *ch = cJSON_CreateObject();
+            cJSON_AddNumberToObject(ch, "index", i);
+            if (oc->rq.chat) {
+                cJSON *m = cJSON_AddObjectToObject(ch, "message");
+                cJSON_AddStringToObject(m, "role", "assistant");
+                cJSON_AddStringToObject(m, "content", c->text ? c->text : "");
+            } else {
+                cJSON_AddStringToObject(ch, "text", c->text ? c->text : "");
+            }
+            if (oc->rq.logprobs)
+                cJSON_AddItemToObject(ch, "logprobs",
+                                      logprobs_json(oc, c->lp_ids, c->lp, c->n_lp, 0));
+            else
+                cJSON_AddNullToObject(ch, "logprobs");
+            const char *f = finish_name(c->finish);
+            cJSON_AddStringToObject(ch, "finish_reason", f ? f : "stop");
+            cJSON_AddItemToArray(choices, ch);
+        }
+        cJSON_AddItemToObject(j, "usage", usage_json(oc));
+        char *s = cJSON_PrintUnformatted(j);
+        cJSON_Delete(j);
+        if (s)
+            send_json(oc->res, 200, oc->cors, NULL, s);
+        else
+            send_error(
+                oc->res, oc->cors,
+                &(oa_error){.status = 500, .type = "server_error", .message = "out of memory"});
+        free(s);
+    }
+    cs_http_res_end(oc->res);
+    oc->res = NULL;
+    oa_call_free(oc);
+}
+
+/* Cancels every choice still running (they then finish CANCELLED). */
+static void cancel_choices(oa_call *oc) {
+    oc->busy++;
+    for (int32_t i = 0; i < oc->rq.n_choices; i++) {
+        oa_choice *c = &oc->choices[i];
+        if (c->started && !c->finished && c->cancel_fn) {
+            cs_gen_cancel_fn fn = c->cancel_fn;
+            c->cancel_fn = NULL;
+            fn(&c->base, c->cancel_arg);
+        }
+    }
+    oc->busy--;
+}
+
+/* ------------------------------------------- cs_gen_call for a choice -- */
+
+static int c_send(cs_gen_call *g, const Chunkserve__V1__GenerateResponse *m) {
+    oa_choice *c = (oa_choice *)g;
+    oa_call *oc = c->oc;
+    if (oc->closed) return CS_ECANCELED;
+    if (m->usage) {
+        c->prompt_tokens = m->usage->prompt_tokens;
+        c->completion_tokens = m->usage->completion_tokens;
+        c->cached_tokens = m->usage->cached_prompt_tokens;
+    }
+    if (m->finish_reason) c->finish = m->finish_reason;
+    size_t tl = m->text ? strlen(m->text) : 0;
+    if (!oc->rq.stream) { /* gather */
+        if (c->len + tl + 1 > c->cap) {
+            size_t cap = (c->len + tl + 1) * 2;
+            char *t = realloc(c->text, cap);
+            if (!t) return CS_ENOMEM;
+            c->text = t, c->cap = cap;
+        }
+        memcpy(c->text + c->len, m->text ? m->text : "", tl);
+        c->len += tl;
+        c->text[c->len] = 0;
+        if (oc->rq.logprobs && m->n_logprobs) {
+            if (c->n_lp + m->n_logprobs > c->cap_lp) {
+                size_t cap = (c->n_lp + m->n_logprobs) * 2;
+                int32_t *ids = realloc(c->lp_ids, cap * sizeof *ids);
+                if (ids) c->lp_ids = ids;
+                float *lp = realloc(c->lp, cap * sizeof *lp);
+                if (lp) c->lp = lp;
+                if (!ids || !lp) return CS_ENOMEM;
+                c->cap_lp = cap;
+            }
+            for (size_t i = 0; i < m->n_logprobs; i++) {
+                c->lp_ids[c->n_lp] = m->logprobs[i]->token_id;
+                c->lp[c->n_lp++] = m->logprobs[i]->logprob;
+            }
+        }
+        return 0;
+    }
+    int r = sse_start(oc);
+    cJSON *lp = NULL;
+    if (!r && oc->rq.logprobs && m->n_logprobs) {
+        int32_t *ids = malloc(m->n_logprobs * sizeof *ids);
+        float *v = malloc(m->n_logprobs * sizeof *v);
+        if (ids && v) {
+            for (size_t i = 0; i < m->n_logprobs; i++)
+                ids[i] = m->logprobs[i]->token_id, v[i] = m->logprobs[i]->logprob;
+            lp = logprobs_json(oc, ids, v, m->n_logprobs, c->len);
+        }
+        free(ids);
+        free(v);
+    }
+    c->len += tl;
+    const char *fin = finish_name(m->finish_reason);
+    if (!r && oc->rq.chat) {
+        /* the role first, then text, then exactly one finish_reason */
+        if (!c->role_sent && !tl) r = stream_chunk(oc, c, "", NULL, NULL);
+        if (!r && (tl || lp)) r = stream_chunk(oc, c, m->text ? m->text : "", lp, NULL), lp = NULL;
+        if (!r && fin) r = stream_chunk(oc, c, NULL, NULL, fin);
+    } else if (!r && (tl || lp || fin)) {
+        r = stream_chunk(oc, c, m->text ? m->text : "", lp, fin), lp = NULL;
+    }
+    cJSON_Delete(lp);
+    return r ? CS_ECANCELED : 0;
+}
+
+static void c_finish(cs_gen_call *g, int code, const char *msg) {
+    oa_choice *c = (oa_choice *)g;
+    oa_call *oc = c->oc;
+    c->finished = true;
+    c->cancel_fn = NULL;
+    oc->n_done++;
+    if (code != CS_RPC_OK && !oc->failed) {
+        oc->failed = true;
+        oa_error_from_status(code, msg, oc->rq.chat, &oc->err);
+        if (oc->rq.n_choices > 1) /* n > 1: one choice failed, the answer is that failure */
+            CS_LOGD("%s: choice %d failed (%s); cancelling the others", oc->id, c->index,
+                    oc->err.message);
+        cancel_choices(oc);
+    }
+    complete(oc);
+}
+
+static size_t c_pending_bytes(cs_gen_call *g) {
+    oa_call *oc = ((oa_choice *)g)->oc;
+    return oc->res && !oc->closed ? cs_http_res_pending_bytes(oc->res) : 0;
+}
+
+static int c_on_cancel(cs_gen_call *g, cs_gen_cancel_fn fn, void *arg) {
+    oa_choice *c = (oa_choice *)g;
+    if (c->oc->closed) return CS_ECANCELED;
+    c->cancel_fn = fn;
+    c->cancel_arg = arg;
+    return 0;
+}
+
+static int64_t c_deadline_ms(cs_gen_call *g) {
+    (void)g;
+    return INT64_MAX; /* HTTP carries none: the process's own timeout applies */
+}
+
+static const cs_gen_call_ops choice_ops = {
+    .send = c_send,
+    .finish = c_finish,
+    .pending_bytes = c_pending_bytes,
+    .on_cancel = c_on_cancel,
+    .deadline_ms = c_deadline_ms,
+};
+
+/* The client went away: stop everything it asked for. */
+static void on_conn_close(void *arg) {
+    oa_call *oc = arg;
+    oc->closed = true;
+    CS_LOGD("%s: the client closed the connection; cancelling", oc->id);
+    cancel_choices(oc);
+    complete(oc);
+}
+
+/* ------------------------------------------------------------- routes -- */
+
+/* Access-Control-* lines for this request's Origin when CORS allows it. */
+static void cors_headers(const cs_openai *s, const cs_http_req *req, char *out, size_t cap) {
+    out[0] = 0;
+    const char *origin = cs_http_req_header(req, "Origin");
+    const char *allow = s->o.cors_allow_origins;
+    if (!allow || !origin) return;
+    bool ok = !strcmp(allow, "*");
+    size_t ol = strlen(origin);
+    for (const char *p = allow; !ok && *p;) {
+        size_t l = strcspn(p, ",");
+        while (l && p[l - 1] == ' ')
+            l--;
+        if (l == ol && !strncmp(p, origin, l)) ok = true;
+        p += strcspn(p, ",");
+        while (*p == ',' || *p == ' ')
+            p++;
+    }
+    if (ok && ol < 300)
+        snprintf(out, cap, "Access-Control-Allow-Origin: %s\r\nVary: Origin\r\n", origin);
+}
+
+static cJSON *model_json(const cs_openai *s) {
+    cJSON *m = cJSON_CreateObject();
+    cJSON_AddStringToObject(m, "id", s->o.wm->name);
+    cJSON_AddStringToObject(m, "object", "model");
+    cJSON_AddNumberToObject(m, "created", 0);
+    cJSON_AddStringToObject(m, "owned_by", "chunkserve");
+    cJSON_AddNumberToObject(m, "max_model_len", cs_model_get_config(s->o.wm->model)->ctx_len);
+    return m;
+}
+
+static void send_cjson(cs_http_res *res, const char *cors, cJSON *j) {
+    char *t = cJSON_PrintUnformatted(j);
+    cJSON_Delete(j);
+    send_json(res, 200, cors, NULL, t ? t : "{}");
+    free(t);
+}
+
+static void route_models(cs_openai *s, const char *path, cs_http_res *res, const char *cors) {
+    if (!strcmp(path, "/v1/models")) {
+        cJSON *j = cJSON_CreateObject();
+        cJSON_AddStringToObject(j, "object", "list");
+        cJSON_AddItemToArray(cJSON_AddArrayToObject(j, "data"), model_json(s));
+        send_cjson(res, cors, j);
+        return;
+    }
+    char id[256]; /* percent-decoded: model names have spaces */
+    size_t n = 0;
+    for (const char *p = path + strlen("/v1/models/"); *p && n + 1 < sizeof id; p++) {
+        unsigned v;
+        if (p[0] == '%' && p[1] && p[2] && sscanf(p + 1, "%2x", &v) == 1)
+            id[n++] = (char)v, p += 2;
+        else
+            id[n++] = *p;
+    }
+    id[n] = 0;
+    if (id[0] && strlen(id) == n && cs_wire_check_model(s->o.wm, id) == 0) {
+        send_cjson(res, cors, model_json(s));
+        return;
+    }
+    oa_error e = {.status = 404, .type = "invalid_request_error", .code = "model_not_found"};
+    snprintf(e.param, sizeof e.param, "model");
+    snprintf(e.message, sizeof e.message, "The model '%.200s' does not exist", id);
+    send_error(res, cors, &e);
+}
+
+static void route_generate(cs_openai *s, cs_http_req *req, cs_http_res *res, bool chat,
+                           const char *cors) {
+    size_t len;
+    const char *body = cs_http_req_body(req, &len);
+    oa_call *oc = calloc(1, sizeof *oc);
+    if (!oc) {
+        send_error(res, cors,
+                   &(oa_error){.status = 503, .type = "server_error", .message = "out of memory"});
+        cs_http_res_end(res);
+        return;
+    }
+    oa_error e = {0};
+    if (oa_request_parse(body, len, chat, s->o.wm, &oc->rq, &e) != 0 ||
+        !(oc->choices = calloc((size_t)oc->rq.n_choices, sizeof *oc->choices))) {
+        if (!e.status)
+            e = (oa_error){.status = 503, .type = "server_error", .message = "out of memory"};
+        send_error(res, cors, &e);
+        cs_http_res_end(res);
+        oa_request_free(&oc->rq);
+        free(oc);
+        return;
+    }
+    s->n_open++;
+    oc->s = s;
+    oc->res = res;
+    oc->created = (long long)time(NULL);
+    snprintf(oc->id, sizeof oc->id, "%s-%016llx", chat ? "chatcmpl" : "cmpl",
+             (unsigned long long)++s->next_id ^ ((unsigned long long)oc->created << 24));
+    snprintf(oc->cors, sizeof oc->cors, "%s", cors);
+    cs_http_res_on_close(res, on_conn_close, oc);
+    oc->busy++;
+    for (int32_t i = 0; i < oc->rq.n_choices; i++) {
+        oa_choice *c = &oc->choices[i];
+        c->base.ops = &choice_ops;
+        c->base.req = &oc->rq.req[i];
+        c->oc = oc;
+        c->index = i;
+        if (oc->failed || oc->closed) { /* an earlier choice already decided the answer */
+            c->finished = true;
+            oc->n_done++;
+            continue;
+        }
+        c->started = true;
+        s->o.generate(s->o.arg, &c->base);
+    }
+    oc->busy--;
+    complete(oc);
+}
+
+static void handle(void *arg, cs_http_req *req, cs_http_res *res) {
+    cs_openai *s = arg;
+    const char *path = cs_http_req_path(req), *method = cs_http_req_method_name(req);
+    char cors[512];
+    cors_headers(s, req, cors, sizeof cors);
+    bool chat = !strcmp(path, "/v1/chat/completions"), compl = !strcmp(path, "/v1/completions");
+    bool models = !strcmp(path, "/v1/models") || !strncmp(path, "/v1/models/", 11);
+    if (!strcmp(method, "OPTIONS") && s->o.cors_allow_origins && (chat || compl || models)) {
+        char h[1024];
+        snprintf(h, sizeof h,
+                 "%sAccess-Control-Allow-Methods: GET, POST, OPTIONS\r\n"
+                 "Access-Control-Allow-Headers: Authorization, Content-Type\r\n"
+                 "Access-Control-Max-Age: 600\r\n",
+                 cors);
+        cs_http_res_send(res, 204, NULL, h, "", 0);
+        cs_http_res_end(res);
+        return;
+    }
+    oa_error e = {.type = "invalid_request_error"};
+    if (!chat && !compl &&!models) {
+        e.status = 404;
+        snprintf(e.message, sizeof e.message, "no route %.200s %.300s", method, path);
+    } else if ((models && strcmp(method, "GET") && strcmp(method, "HEAD")) ||
+               (!models && strcmp(method, "POST"))) {
+        e.status = 405;
+        snprintf(e.message, sizeof e.message, "%s takes %s, not %.20s", path,
+                 models ? "GET" : "POST", method);
+    } else if (!cs_api_keys_check(s->o.api_keys, cs_http_req_header(req, "Authorization"),
+                                  cs_http_req_header(req, "Authorization")
+                                      ? strlen(cs_http_req_header(req, "Authorization"))
+                                      : 0)) {
+        e.status = 401;
+        e.type = "authentication_error";
+        e.code = "invalid_api_key";
+        snprintf(e.message, sizeof e.message,
+                 "a valid API key is required: send it as 'Authorization: Bearer <key>'");
+    }
+    if (e.status) {
+        if (e.status == 405) {
+            char h[600];
+            snprintf(h, sizeof h, "%sAllow: %s\r\n", cors, models ? "GET, HEAD" : "POST");
+            char *b = oa_error_json(&e);
+            send_json(res, 405, NULL, h, b ? b : "{}");
+            free(b);
+        } else {
+            send_error(res, cors, &e);
+        }
+        cs_http_res_end(res);
+        return;
+    }
+    if (models) {
+        route_models(s, path, res, cors);
+        cs_http_res_end(res);
+        return;
+    }
+    route_generate(s, req, res, chat, cors);
+}
+
+/* The HTTP server's own refusals (malformed, too large, too slow), as
+ * OpenAI error bodies. */
+static void http_error(void *arg, int status, const char *message, cs_http_res *res) {
+    (void)arg;
+    oa_error e = {.status = status, .type = "invalid_request_error"};
+    snprintf(e.message, sizeof e.message, "%s", message ? message : "bad request");
+    send_error(res, NULL, &e);
+}
+
+/* ------------------------------------------------------------- public -- */
+
+int cs_openai_start(struct uv_loop_s *loop, const cs_openai_opts *o, cs_openai **out) {
+    *out = NULL;
+    if (!o || !o->wm || !o->generate) return cs_fail(CS_EINVAL, "openai: missing options");
+    cs_openai *s = calloc(1, sizeof *s);
+    if (!s) return cs_fail(CS_ENOMEM, "out of memory");
+    s->o = *o;
+    if (!s->o.max_request_bytes) s->o.max_request_bytes = DEFAULT_MAX_REQUEST;
+    cs_http_opts ho = {
+        .handler = handle, .arg = s, .max_body_bytes = s->o.max_request_bytes, .error = http_error};
+    int r = cs_http_server_start(loop, o->host, o->port, &ho, &s->http);
+    if (r) {
+        free(s);
+        return r;
+    }
+    *out = s;
+    return 0;
+}
+
+int cs_openai_start_config(struct uv_loop_s *loop, const cs_openai_config *c,
+                           const char *default_host, const cs_wire_model *wm,
+                           void (*generate)(void *arg, cs_gen_call *call), void *arg,
+                           cs_api_keys *keys, cs_openai **out) {
+    *out = NULL;
+    int r = cs_api_keys_load(c->api_key, c->api_key_file, keys);
+    if (r || c->port < 0) return r;
+    cs_openai_opts o = {.host = c->host && c->host[0] ? c->host : default_host,
+                        .port = (int)c->port,
+                        .wm = wm,
+                        .generate = generate,
+                        .arg = arg,
+                        .max_request_bytes = (size_t)c->max_request_bytes,
+                        .api_keys = keys,
+                        .cors_allow_origins = c->cors_allow_origins};
+    if ((r = cs_openai_start(loop, &o, out))) return r;
+    CS_LOGI("OpenAI-compatible API on %s:%d (%s)", o.host, cs_openai_port(*out),
+            keys->n ? "API key required" : "no API key");
+    return 0;
+}
+
+void cs_openai_print_listening(const cs_openai *s) {
+    if (!s) return;
+    printf("openai listening on %s:%d\n", s->o.host, cs_openai_port(s));
+    fflush(stdout);
+}
+
+int cs_openai_port(const cs_openai *s) {
+    return cs_http_server_port(s->http);
+}
+
+int32_t cs_openai_n_open(const cs_openai *s) {
+    return s ? s->n_open : 0;
+}
+
+void cs_openai_close(cs_openai *s) {
+    if (!s || s->closed) return;
+    s->closed = true;
+    cs_http_server_close(s->http); /* open responses see their connection close */
+    if (s->n_open == 0) free(s);
+}

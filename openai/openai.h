@@ -1,0 +1,121 @@
+/* openai.h (openai/): the OpenAI-compatible HTTP API of the router and of
+ * `chunkserve serve`, on a port of its own (the ops port keeps /metrics,
+ * /healthz, /readyz):
+ *
+ *   POST /v1/chat/completions   chat.completion / SSE chat.completion.chunk
+ *   POST /v1/completions        text_completion (also streamed)
+ *   GET  /v1/models, /v1/models/{id}
+ *
+ * A request becomes one chunkserve.v1 GenerateRequest per choice (n per
+ * prompt), handed to the process's own Generate (the same function its gRPC
+ * door calls, through api/gen_call.h), so HTTP and gRPC validate, admit,
+ * stream and refuse alike; gRPC statuses become HTTP ones (400, 404, 429
+ * and 503 with Retry-After, 504, 500) with OpenAI error bodies
+ * {"error":{"message","type","param","code"}}. Streams are Server-Sent
+ * Events written as tokens come (no buffering); a client that goes away
+ * cancels its choices (their pages are freed). Loop thread only. */
+#ifndef CHUNKSERVE_OPENAI_H
+#define CHUNKSERVE_OPENAI_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "auth.h"
+#include "gen_call.h"
+#include "wire.h"
+
+struct uv_loop_s;
+typedef struct cs_openai cs_openai;
+
+/* The public HTTP API's options in a process's config table (the router's,
+ * `chunkserve serve`'s): CS_OPENAI_CONFIG(type of the options struct, the
+ * member of this type) expands to their entries. */
+typedef struct {
+    const char *host, *api_key, *api_key_file, *cors_allow_origins;
+    int64_t port, max_request_bytes;
+} cs_openai_config;
+#define CS_OPENAI_CONFIG(T, m)                                                                     \
+    {"openai-host",                                                                                \
+     CS_CONFIG_STR,                                                                                \
+     offsetof(T, m.host),                                                                          \
+     NULL,                                                                                         \
+     "address of the OpenAI-compatible HTTP API (default: host)",                                  \
+     0,                                                                                            \
+     0},                                                                                           \
+        {"openai-port",                                                                            \
+         CS_CONFIG_INT,                                                                            \
+         offsetof(T, m.port),                                                                      \
+         "-1",                                                                                     \
+         "OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models); "        \
+         "0 = any free port, -1 = off",                                                            \
+         -1,                                                                                       \
+         65535},                                                                                   \
+        {"api-key",                                                                                \
+         CS_CONFIG_SECRET,                                                                         \
+         offsetof(T, m.api_key),                                                                   \
+         NULL,                                                                                     \
+         "API keys (comma-separated) the public API requires: HTTP 'Authorization: Bearer KEY', "  \
+         "gRPC 'authorization' metadata; none = open",                                             \
+         0,                                                                                        \
+         0},                                                                                       \
+        {"api-key-file",                                                                           \
+         CS_CONFIG_STR,                                                                            \
+         offsetof(T, m.api_key_file),                                                              \
+         NULL,                                                                                     \
+         "file with more API keys, one per line",                                                  \
+         0,                                                                                        \
+         0},                                                                                       \
+        {"cors-allow-origins",                                                                     \
+         CS_CONFIG_STR,                                                                            \
+         offsetof(T, m.cors_allow_origins),                                                        \
+         NULL,                                                                                     \
+         "origins (comma-separated, * = any) browsers may call the HTTP API from; none = no CORS", \
+         0,                                                                                        \
+         0},                                                                                       \
+    {                                                                                              \
+        "max-request-bytes", CS_CONFIG_INT, offsetof(T, m.max_request_bytes), "4194304",           \
+            "largest HTTP request body (413 beyond)", 1024, 1 << 30                                \
+    }
+
+typedef struct {
+    const char *host;
+    int port;                /* 0: any free port (cs_openai_port) */
+    const cs_wire_model *wm; /* the model served: /v1/models, token text for logprobs */
+    /* The process's Generate: takes c (answers it exactly once). */
+    void (*generate)(void *arg, cs_gen_call *c);
+    void *arg;
+    size_t max_request_bytes; /* a body beyond gets 413; 0 = 4 MiB */
+    /* API keys (NULL or none: no key needed). A request without
+     * "Authorization: Bearer <one of them>" gets 401. */
+    const cs_api_keys *api_keys;
+    /* Origins allowed by CORS (comma-separated, "*" = any); NULL: no CORS. */
+    const char *cors_allow_origins;
+} cs_openai_opts;
+
+/* For a process with a CS_OPENAI_CONFIG table: loads the API keys (into
+ * *keys, shared with the process's gRPC door; free with cs_api_keys_free)
+ * and, unless c->port is -1, starts the HTTP API on c->host (default_host
+ * when unset); *out stays NULL when off. 0 or the error (printed by the
+ * caller). */
+int cs_openai_start_config(struct uv_loop_s *loop, const cs_openai_config *c,
+                           const char *default_host, const cs_wire_model *wm,
+                           void (*generate)(void *arg, cs_gen_call *call), void *arg,
+                           cs_api_keys *keys, cs_openai **out);
+/* "openai listening on HOST:PORT" on stdout (after the process's other
+ * listening lines), when s runs. */
+void cs_openai_print_listening(const cs_openai *s);
+
+/* Binds and starts serving on loop. The options are copied (the strings and
+ * key list are borrowed: keep them alive). CS_EINVAL, CS_ENOMEM, or the bind
+ * error. */
+int cs_openai_start(struct uv_loop_s *loop, const cs_openai_opts *o, cs_openai **out);
+int cs_openai_port(const cs_openai *s);
+/* HTTP requests in flight (answered or streaming: the drain waits for 0). */
+int32_t cs_openai_n_open(const cs_openai *s);
+/* Stops accepting; open streams go on until they end (their Generate calls
+ * are the process's to end). Freed once the last one ended and libuv closed
+ * the handles (keep running the loop). NULL is a no-op. */
+void cs_openai_close(cs_openai *s);
+
+#endif

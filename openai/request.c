@@ -1,0 +1,456 @@
+/* request.c: an OpenAI request body -> one chunkserve.v1 GenerateRequest per
+ * choice (openai-impl.h). Only the JSON's shape is checked here (types,
+ * integral numbers within +-2^53, no NaN or Infinity, no duplicate keys,
+ * the fields we do not serve); the values go through the same checks as the
+ * gRPC door (api/wire.c), whose messages name the proto field, which
+ * oa_error_from_status turns back into the request's field. */
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+
+#include "chunkserve/error.h"
+#include "openai-impl.h"
+
+#define MAX_SAFE_INT 9007199254740992.0 /* 2^53 */
+
+static int fail(oa_error *e, const char *param, const char *fmt, ...) {
+    e->status = 400;
+    e->type = "invalid_request_error";
+    e->code = NULL;
+    snprintf(e->param, sizeof e->param, "%s", param ? param : "");
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(e->message, sizeof e->message, fmt, ap);
+    va_end(ap);
+    return -1;
+}
+
+/* The first key that appears twice in an object, anywhere in j; NULL. */
+static const char *duplicate_key(const cJSON *j) {
+    for (const cJSON *a = j ? j->child : NULL; a; a = a->next) {
+        if (cJSON_IsObject(j))
+            for (const cJSON *b = a->next; b; b = b->next)
+                if (a->string && b->string && strcmp(a->string, b->string) == 0) return a->string;
+        const char *d = duplicate_key(a);
+        if (d) return d;
+    }
+    return NULL;
+}
+
+/* The item at key, NULL when absent or null. */
+static cJSON *field(const cJSON *o, const char *key) {
+    cJSON *it = cJSON_GetObjectItemCaseSensitive(o, key);
+    return it && !cJSON_IsNull(it) ? it : NULL;
+}
+
+static bool is_int(const cJSON *it) {
+    return cJSON_IsNumber(it) && isfinite(it->valuedouble) &&
+           it->valuedouble == floor(it->valuedouble) && fabs(it->valuedouble) <= MAX_SAFE_INT;
+}
+
+/* *out = the integer at key within [lo, hi]; untouched when absent. */
+static int get_int(const cJSON *o, const char *key, double lo, double hi, int64_t *out,
+                   oa_error *e) {
+    cJSON *it = field(o, key);
+    if (!it) return 0;
+    if (!is_int(it)) return fail(e, key, "%s must be an integer", key);
+    if (it->valuedouble < lo || it->valuedouble > hi)
+        return fail(e, key, "%s must be in [%.0f, %.0f]; got %.0f", key, lo, hi, it->valuedouble);
+    *out = (int64_t)it->valuedouble;
+    return 0;
+}
+
+static int get_num(const cJSON *o, const char *key, double lo, double hi, float *out, oa_error *e) {
+    cJSON *it = field(o, key);
+    if (!it) return 0;
+    if (!cJSON_IsNumber(it) || !isfinite(it->valuedouble))
+        return fail(e, key, "%s must be a number", key);
+    if (it->valuedouble < lo || it->valuedouble > hi)
+        return fail(e, key, "%s must be in [%g, %g]; got %g", key, lo, hi, it->valuedouble);
+    *out = (float)it->valuedouble;
+    return 0;
+}
+
+static int get_bool(const cJSON *o, const char *key, bool *out, oa_error *e) {
+    cJSON *it = field(o, key);
+    if (!it) return 0;
+    if (!cJSON_IsBool(it)) return fail(e, key, "%s must be true or false", key);
+    *out = cJSON_IsTrue(it);
+    return 0;
+}
+
+static int get_str(const cJSON *o, const char *key, const char **out, oa_error *e) {
+    cJSON *it = field(o, key);
+    if (!it) return 0;
+    if (!cJSON_IsString(it)) return fail(e, key, "%s must be a string", key);
+    *out = it->valuestring;
+    return 0;
+}
+
+/* Fields this server does not serve: refused by name unless they ask for
+ * nothing (absent, null, false, empty, or the default). */
+static int refuse_unsupported(const cJSON *o, bool chat, oa_error *e) {
+    static const char *const names[] = {"logit_bias", "echo",          "suffix",
+                                        "best_of",    "tools",         "tool_choice",
+                                        "functions",  "function_call", "response_format",
+                                        "audio",      "prediction",    "parallel_tool_calls"};
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+        cJSON *it = field(o, names[i]);
+        if (!it || cJSON_IsFalse(it)) continue;
+        if ((cJSON_IsObject(it) || cJSON_IsArray(it)) && !it->child) continue;
+        if (!strcmp(names[i], "best_of") && is_int(it) && it->valuedouble == 1) continue;
+        if (!strcmp(names[i], "response_format") && cJSON_IsObject(it)) {
+            cJSON *t = cJSON_GetObjectItemCaseSensitive(it, "type");
+            if (cJSON_IsString(t) && !strcmp(t->valuestring, "text") && !t->next && !t->prev)
+                continue;
+        }
+        return fail(e, names[i], "%s is not supported by this server", names[i]);
+    }
+    (void)chat;
+    return 0;
+}
+
+/* messages -> r->chat_msg (contents of text parts joined in r->text_store). */
+static int parse_messages(const cJSON *o, oa_request *r, oa_error *e) {
+    cJSON *ms = field(o, "messages");
+    if (!ms) return fail(e, "messages", "messages is required");
+    if (!cJSON_IsArray(ms) || !ms->child)
+        return fail(e, "messages", "messages must be a non-empty array");
+    int n = cJSON_GetArraySize(ms);
+    size_t text_bytes = 0;
+    for (cJSON *m = ms->child; m; m = m->next) {
+        cJSON *c = cJSON_IsObject(m) ? field(m, "content") : NULL;
+        if (cJSON_IsArray(c))
+            for (cJSON *p = c->child; p; p = p->next) {
+                cJSON *t = cJSON_IsObject(p) ? field(p, "text") : NULL;
+                if (cJSON_IsString(t)) text_bytes += strlen(t->valuestring);
+            }
+    }
+    r->msgs = calloc((size_t)n, sizeof *r->msgs);
+    r->msg_ptrs = calloc((size_t)n, sizeof *r->msg_ptrs);
+    r->text_store = malloc(text_bytes + (size_t)n);
+    if (!r->msgs || !r->msg_ptrs || !r->text_store) return fail(e, NULL, "out of memory");
+    char *store = r->text_store, param[64];
+    int i = 0;
+    for (cJSON *m = ms->child; m; m = m->next, i++) {
+        Chunkserve__V1__ChatMessage *cm = &r->msgs[i];
+        chunkserve__v1__chat_message__init(cm);
+        r->msg_ptrs[i] = cm;
+        snprintf(param, sizeof param, "messages[%d]", i);
+        if (!cJSON_IsObject(m)) return fail(e, param, "%s must be an object", param);
+        cJSON *role = field(m, "role");
+        snprintf(param, sizeof param, "messages[%d].role", i);
+        if (!cJSON_IsString(role)) return fail(e, param, "%s must be a string", param);
+        const char *rs = role->valuestring;
+        if (!strcmp(rs, "developer"))
+            cm->role = "system"; /* OpenAI's newer name for the system role */
+        else if (!strcmp(rs, "system") || !strcmp(rs, "user") || !strcmp(rs, "assistant"))
+            cm->role = role->valuestring;
+        else
+            return fail(e, param,
+                        "%s '%s' is not supported: use system, developer, user or assistant", param,
+                        rs);
+        cJSON *c = field(m, "content");
+        snprintf(param, sizeof param, "messages[%d].content", i);
+        if (!c) {
+            if (strcmp(cm->role, "assistant") != 0) return fail(e, param, "%s is required", param);
+            cm->content = "";
+        } else if (cJSON_IsString(c)) {
+            cm->content = c->valuestring;
+        } else if (cJSON_IsArray(c)) {
+            cm->content = store;
+            int j = 0;
+            for (cJSON *p = c->child; p; p = p->next, j++) {
+                cJSON *t = cJSON_IsObject(p) ? field(p, "type") : NULL;
+                cJSON *tx = cJSON_IsObject(p) ? field(p, "text") : NULL;
+                snprintf(param, sizeof param, "messages[%d].content[%d]", i, j);
+                if (!cJSON_IsString(t) || strcmp(t->valuestring, "text") != 0)
+                    return fail(e, param,
+                                "%s: only text parts are supported ({\"type\": \"text\", "
+                                "\"text\": ...})",
+                                param);
+                if (!cJSON_IsString(tx)) return fail(e, param, "%s.text must be a string", param);
+                size_t l = strlen(tx->valuestring);
+                memcpy(store, tx->valuestring, l);
+                store += l;
+            }
+            *store++ = 0;
+        } else {
+            return fail(e, param, "%s must be a string or an array of text parts", param);
+        }
+    }
+    chunkserve__v1__chat__init(&r->chat_msg);
+    r->chat_msg.n_messages = (size_t)n;
+    r->chat_msg.messages = r->msg_ptrs;
+    r->n_prompts = 1;
+    return 0;
+}
+
+/* A token id list (JSON array of integers) into ids; param names it. */
+static int parse_ids(const cJSON *a, Chunkserve__V1__TokenIds *ids, int32_t **store,
+                     const char *param, oa_error *e) {
+    int n = cJSON_GetArraySize(a);
+    chunkserve__v1__token_ids__init(ids);
+    *store = malloc((size_t)(n ? n : 1) * sizeof **store);
+    if (!*store) return fail(e, NULL, "out of memory");
+    int i = 0;
+    for (cJSON *t = a->child; t; t = t->next, i++) {
+        if (!is_int(t) || t->valuedouble < 0 || t->valuedouble > INT32_MAX)
+            return fail(e, param, "%s[%d] must be a token id (a non-negative integer)", param, i);
+        (*store)[i] = (int32_t)t->valuedouble;
+    }
+    ids->n_ids = (size_t)n;
+    ids->ids = *store;
+    return 0;
+}
+
+/* prompt: a string, a list of strings, a list of token ids, or a list of
+ * token id lists. Sets n_prompts; texts are left in json. */
+static int parse_prompt(const cJSON *o, oa_request *r, oa_error *e) {
+    cJSON *p = field(o, "prompt");
+    if (!p) return fail(e, "prompt", "prompt is required");
+    if (cJSON_IsString(p)) {
+        r->n_prompts = 1;
+        return 0;
+    }
+    if (!cJSON_IsArray(p) || !p->child)
+        return fail(e, "prompt",
+                    "prompt must be a string, a list of strings, a list of token ids or a list "
+                    "of token id lists");
+    int n = cJSON_GetArraySize(p);
+    if (cJSON_IsNumber(p->child)) { /* one prompt of token ids */
+        r->ids = calloc(1, sizeof *r->ids);
+        r->id_store = calloc(1, sizeof *r->id_store);
+        if (!r->ids || !r->id_store) return fail(e, NULL, "out of memory");
+        r->n_prompts = 1;
+        return parse_ids(p, &r->ids[0], &r->id_store[0], "prompt", e);
+    }
+    if (n > OA_MAX_PROMPTS)
+        return fail(e, "prompt", "prompt has %d entries; at most %d are allowed", n,
+                    OA_MAX_PROMPTS);
+    bool lists = cJSON_IsArray(p->child);
+    if (lists) {
+        r->ids = calloc((size_t)n, sizeof *r->ids);
+        r->id_store = calloc((size_t)n, sizeof *r->id_store);
+        if (!r->ids || !r->id_store) return fail(e, NULL, "out of memory");
+    }
+    int i = 0;
+    char param[32];
+    for (cJSON *it = p->child; it; it = it->next, i++) {
+        snprintf(param, sizeof param, "prompt[%d]", i);
+        if (lists ? !cJSON_IsArray(it) : !cJSON_IsString(it))
+            return fail(e, param, "%s must be a %s like the first entry", param,
+                        lists ? "token id list" : "string");
+        if (lists && parse_ids(it, &r->ids[i], &r->id_store[i], param, e)) return -1;
+    }
+    r->n_prompts = n;
+    return 0;
+}
+
+/* stop: a string or a list of strings. */
+static int parse_stop(const cJSON *o, Chunkserve__V1__SamplingParams *s, oa_request *r,
+                      oa_error *e) {
+    cJSON *st = field(o, "stop");
+    if (!st) return 0;
+    if (cJSON_IsString(st)) {
+        r->stops = malloc(sizeof *r->stops);
+        if (!r->stops) return fail(e, NULL, "out of memory");
+        r->stops[0] = st->valuestring;
+        s->n_stop = 1;
+    } else if (cJSON_IsArray(st)) {
+        int n = cJSON_GetArraySize(st), i = 0;
+        r->stops = malloc((size_t)(n ? n : 1) * sizeof *r->stops);
+        if (!r->stops) return fail(e, NULL, "out of memory");
+        for (cJSON *it = st->child; it; it = it->next, i++) {
+            if (!cJSON_IsString(it)) return fail(e, "stop", "stop[%d] must be a string", i);
+            r->stops[i] = it->valuestring;
+        }
+        s->n_stop = (size_t)n;
+    } else {
+        return fail(e, "stop", "stop must be a string or a list of strings");
+    }
+    s->stop = r->stops;
+    return 0;
+}
+
+static int parse_stop_ids(const cJSON *o, Chunkserve__V1__SamplingParams *s, oa_request *r,
+                          oa_error *e) {
+    cJSON *st = field(o, "stop_token_ids");
+    if (!st) return 0;
+    if (!cJSON_IsArray(st)) return fail(e, "stop_token_ids", "stop_token_ids must be a list");
+    int n = cJSON_GetArraySize(st), i = 0;
+    r->stop_ids = malloc((size_t)(n ? n : 1) * sizeof *r->stop_ids);
+    if (!r->stop_ids) return fail(e, NULL, "out of memory");
+    for (cJSON *it = st->child; it; it = it->next, i++) {
+        if (!is_int(it) || it->valuedouble < 0 || it->valuedouble > INT32_MAX)
+            return fail(e, "stop_token_ids", "stop_token_ids[%d] must be a token id", i);
+        r->stop_ids[i] = (int32_t)it->valuedouble;
+    }
+    s->n_stop_token_ids = (size_t)n;
+    s->stop_token_ids = r->stop_ids;
+    return 0;
+}
+
+/* Sampling shared by every choice (the seed is set per choice). */
+static int parse_sampling(const cJSON *o, oa_request *r, const cs_wire_model *wm,
+                          Chunkserve__V1__SamplingParams *s, uint64_t *seed, bool *has_seed,
+                          oa_error *e) {
+    chunkserve__v1__sampling_params__init(s);
+    const cs_model_config *cfg = cs_model_get_config(wm->model);
+    s->temperature = 1.0f; /* OpenAI's default */
+    if (get_num(o, "temperature", 0, 2, &s->temperature, e)) return -1;
+    float top_p = 1.0f;
+    if (get_num(o, "top_p", 0, 1, &top_p, e)) return -1;
+    if (top_p <= 0) return fail(e, "top_p", "top_p must be in (0, 1]; got 0");
+    s->top_p = top_p;
+    int64_t v = r->chat ? 0 : 16; /* completions: OpenAI's default of 16 tokens */
+    if (get_int(o, "max_tokens", 1, cfg->ctx_len, &v, e)) return -1;
+    if (r->chat && get_int(o, "max_completion_tokens", 1, cfg->ctx_len, &v, e)) return -1;
+    s->max_tokens = (int32_t)v;
+    if (get_num(o, "presence_penalty", -2, 2, &s->presence_penalty, e)) return -1;
+    if (get_num(o, "frequency_penalty", -2, 2, &s->frequency_penalty, e)) return -1;
+    v = 0;
+    if (get_int(o, "top_k", -1, cfg->n_vocab, &v, e)) return -1;
+    s->top_k = v < 0 ? 0 : (int32_t)v; /* vLLM's -1 = off */
+    if (get_num(o, "min_p", 0, 1, &s->min_p, e)) return -1;
+    float rep = 0;
+    if (get_num(o, "repetition_penalty", 0, 1e6, &rep, e)) return -1;
+    if (field(o, "repetition_penalty") && rep <= 0)
+        return fail(e, "repetition_penalty", "repetition_penalty must be > 0");
+    s->repetition_penalty = rep;
+    bool ignore_eos = false;
+    if (get_bool(o, "ignore_eos", &ignore_eos, e)) return -1;
+    s->ignore_eos = ignore_eos;
+    bool skip = true;
+    if (get_bool(o, "skip_special_tokens", &skip, e)) return -1;
+    s->include_special = !skip;
+    v = 0;
+    if (get_int(o, "min_tokens", 0, cfg->ctx_len, &v, e)) return -1;
+    if (v > 0) return fail(e, "min_tokens", "min_tokens is not supported by this server yet");
+    int64_t sd = 0;
+    *has_seed = field(o, "seed") != NULL;
+    if (get_int(o, "seed", -MAX_SAFE_INT, MAX_SAFE_INT, &sd, e)) return -1;
+    *seed = (uint64_t)sd;
+    /* logprobs: chat: a bool (+ top_logprobs 0..20); completions: 0..5 alternatives */
+    int64_t top = 0;
+    if (r->chat) {
+        if (get_bool(o, "logprobs", &r->logprobs, e)) return -1;
+        if (get_int(o, "top_logprobs", 0, 20, &top, e)) return -1;
+        if (field(o, "top_logprobs") && !r->logprobs)
+            return fail(e, "top_logprobs", "top_logprobs needs logprobs set to true");
+    } else {
+        cJSON *lp = field(o, "logprobs");
+        if (lp && cJSON_IsBool(lp)) return fail(e, "logprobs", "logprobs must be an integer");
+        top = -1;
+        if (get_int(o, "logprobs", 0, 5, &top, e)) return -1;
+        r->logprobs = top >= 0;
+        if (top < 0) top = 0;
+    }
+    if (top > OA_MAX_TOP_LOGPROBS)
+        return fail(e, r->chat ? "top_logprobs" : "logprobs",
+                    "%s above %d is not supported by this server yet (the chosen token's "
+                    "logprob is)",
+                    r->chat ? "top_logprobs" : "logprobs", OA_MAX_TOP_LOGPROBS);
+    r->top_logprobs = (int32_t)top;
+    s->logprobs = r->logprobs;
+    if (parse_stop(o, s, r, e) || parse_stop_ids(o, s, r, e)) return -1;
+    return 0;
+}
+
+int oa_request_parse(const char *body, size_t len, bool chat, const cs_wire_model *wm,
+                     oa_request *r, oa_error *e) {
+    memset(r, 0, sizeof *r);
+    r->chat = chat;
+    const char *end = NULL;
+    r->json = cJSON_ParseWithLengthOpts(body, len, &end, false);
+    if (!r->json) {
+        size_t at = end && end >= body ? (size_t)(end - body) : 0;
+        return fail(e, NULL, "the body is not valid JSON (at byte %zu)", at);
+    }
+    for (const char *p = end; p < body + len; p++)
+        if (*p != ' ' && *p != '\t' && *p != '\r' && *p != '\n')
+            return fail(e, NULL, "the body has data after its JSON value (at byte %zu)",
+                        (size_t)(p - body));
+    const cJSON *o = r->json;
+    if (!cJSON_IsObject(o)) return fail(e, NULL, "the body must be a JSON object");
+    const char *dup = duplicate_key(o);
+    if (dup) return fail(e, dup, "the key '%s' appears twice in one object", dup);
+    if (refuse_unsupported(o, chat, e)) return -1;
+    r->model = "";
+    if (get_str(o, "model", &r->model, e)) return -1;
+    if (cs_wire_check_model(wm, r->model) != 0) {
+        fail(e, "model", "The model '%s' does not exist (this server serves '%s')", r->model,
+             wm->name);
+        e->status = 404;
+        e->code = "model_not_found";
+        return -1;
+    }
+    if (get_bool(o, "stream", &r->stream, e)) return -1;
+    cJSON *so = field(o, "stream_options");
+    if (so) {
+        if (!r->stream)
+            return fail(e, "stream_options", "stream_options is only allowed when stream is true");
+        if (!cJSON_IsObject(so))
+            return fail(e, "stream_options", "stream_options must be an object");
+        if (get_bool(so, "include_usage", &r->include_usage, e)) return -1;
+    }
+    int64_t n = 1;
+    if (get_int(o, "n", 1, OA_MAX_N, &n, e)) return -1;
+    r->n = (int32_t)n;
+    const char *user = NULL;
+    if (get_str(o, "user", &user, e)) return -1;
+    if (chat ? parse_messages(o, r, e) : parse_prompt(o, r, e)) return -1;
+
+    Chunkserve__V1__SamplingParams base;
+    uint64_t seed = 0;
+    bool has_seed = false;
+    if (parse_sampling(o, r, wm, &base, &seed, &has_seed, e)) return -1;
+    if (!has_seed && getrandom(&seed, sizeof seed, 0) != (ssize_t)sizeof seed)
+        return fail(e, NULL, "no randomness for the seed");
+    r->n_choices = r->n * r->n_prompts;
+    r->req = calloc((size_t)r->n_choices, sizeof *r->req);
+    r->sampling = calloc((size_t)r->n_choices, sizeof *r->sampling);
+    if (!r->req || !r->sampling) return fail(e, NULL, "out of memory");
+    cJSON *prompt = chat ? NULL : field(o, "prompt");
+    for (int32_t i = 0; i < r->n_choices; i++) {
+        int32_t p = i / r->n;
+        Chunkserve__V1__GenerateRequest *q = &r->req[i];
+        chunkserve__v1__generate_request__init(q);
+        q->model = (char *)r->model;
+        r->sampling[i] = base;
+        r->sampling[i].seed = seed + (uint64_t)(i % r->n); /* each choice its own stream */
+        q->sampling = &r->sampling[i];
+        if (chat) {
+            q->input_case = CHUNKSERVE__V1__GENERATE_REQUEST__INPUT_CHAT;
+            q->chat = &r->chat_msg;
+        } else if (r->ids) {
+            q->input_case = CHUNKSERVE__V1__GENERATE_REQUEST__INPUT_TOKEN_IDS;
+            q->token_ids = &r->ids[p];
+        } else {
+            q->input_case = CHUNKSERVE__V1__GENERATE_REQUEST__INPUT_PROMPT;
+            q->prompt = cJSON_IsString(prompt) ? prompt->valuestring
+                                               : cJSON_GetArrayItem(prompt, p)->valuestring;
+        }
+    }
+    return 0;
+}
+
+void oa_request_free(oa_request *r) {
+    if (r->id_store)
+        for (int32_t i = 0; i < r->n_prompts; i++)
+            free(r->id_store[i]);
+    free(r->id_store);
+    free(r->ids);
+    free(r->msgs);
+    free(r->msg_ptrs);
+    free(r->text_store);
+    free(r->stops);
+    free(r->stop_ids);
+    free(r->req);
+    free(r->sampling);
+    cJSON_Delete(r->json);
+    memset(r, 0, sizeof *r);
+}

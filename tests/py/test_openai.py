@@ -1,0 +1,566 @@
+"""The OpenAI-compatible HTTP API (openai/) with the official `openai` client
+(max_retries=0) against `chunkserve serve` and against a real router + workers.
+
+Reference answers come from the gRPC door of the same process (grpcio stubs) and from
+`chunkserve generate`: greedy text must be equal token for token. Errors must arrive as the
+client's matching exception class with OpenAI's error body (type, param, code). Raw-socket
+cases check what the client library hides: status lines, headers, SSE framing.
+"""
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+grpc = pytest.importorskip("grpc")
+openai = pytest.importorskip("openai")
+pytest.importorskip("grpc_tools.protoc")  # stubs: conftest.proto_modules
+
+from cluster_harness import Proc, make_tiny, metric, wait_for, worker_status  # noqa: E402
+
+QUESTION = "What is the capital of France? Answer in one short sentence."
+PROMPT = "The three primary colors are"
+
+
+@pytest.fixture(scope="module")
+def pb(proto_modules):
+    return type("PB", (), proto_modules)
+
+
+class Serve:
+    """`chunkserve serve` with its OpenAI port: a gRPC stub, an `openai` client, the HTTP
+    address for raw requests."""
+
+    def __init__(self, exe: Path, model: Path, pb, *args, api_key=None):
+        self.pb = pb
+        self.err = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(
+            [str(exe), "serve", "--model", str(model), "--port", "0", "--openai-port", "0",
+             "--threads", "1", "--kv-cache-mib", "64", *args],
+            stdout=subprocess.PIPE, stderr=self.err)
+        lines = [self.proc.stdout.readline().decode().strip() for _ in range(3)]
+        if not lines[2].startswith("openai listening on "):
+            self.proc.kill()
+            pytest.fail(f"unexpected start lines {lines!r}; stderr: {self.stderr()[-3000:]}")
+        self.addr = lines[0].split()[-1]
+        self.http = lines[2].split()[-1]
+        self.channel = grpc.insecure_channel(self.addr)
+        self.stub = pb.generation_pb2_grpc.GenerationStub(self.channel)
+        self.worker = pb.cluster_pb2_grpc.WorkerStub(self.channel)
+        self.client = openai.OpenAI(base_url=f"http://{self.http}/v1", api_key=api_key or "none",
+                                    max_retries=0, timeout=120)
+        self.model = self.client.models.list().data[0].id if not api_key else None
+
+    def stderr(self) -> str:
+        self.err.seek(0)
+        return self.err.read().decode(errors="replace")
+
+    def status(self):
+        return self.worker.GetStatus(self.pb.cluster_pb2.WorkerStatusRequest(), timeout=10)
+
+    def stop(self, timeout=30.0):
+        self.channel.close()
+        self.proc.send_signal(signal.SIGTERM)
+        rc = self.proc.wait(timeout)
+        err = self.stderr()
+        assert rc == 0 and "Sanitizer" not in err and "runtime error:" not in err, err[-3000:]
+
+
+@pytest.fixture(scope="module")
+def real(chunkserve_bin, model_path, pb):
+    s = Serve(chunkserve_bin, model_path, pb)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def tiny_model(bin_dir, tmp_path_factory):
+    if not (bin_dir / "chunkserve-mktiny").is_file():
+        pytest.skip("chunkserve-mktiny not built")
+    return make_tiny(bin_dir, tmp_path_factory.mktemp("tiny"))
+
+
+@pytest.fixture(scope="module")
+def tiny(chunkserve_bin, tiny_model, pb):
+    s = Serve(chunkserve_bin, tiny_model, pb, "--max-queue", "64")
+    yield s
+    s.stop()
+
+
+def grpc_generate(s, **kw):
+    """(ids, text, finish, usage, logprobs) of one gRPC Generate."""
+    g = s.pb.generation_pb2
+    sampling = kw.pop("sampling", {})
+    msgs = list(s.stub.Generate(g.GenerateRequest(**kw, sampling=g.SamplingParams(**sampling)),
+                                timeout=120))
+    return ([t for m in msgs for t in m.token_ids], "".join(m.text for m in msgs),
+            msgs[-1].finish_reason, msgs[-1].usage,
+            [(lp.token_id, lp.logprob) for m in msgs for lp in m.logprobs])
+
+
+def chat_input(s, content):
+    g = s.pb.generation_pb2
+    return g.Chat(messages=[g.ChatMessage(role="user", content=content)])
+
+
+# ------------------------------------------------------------ models --
+
+
+def test_models(real):
+    ms = real.client.models.list()
+    assert len(ms.data) == 1 and ms.data[0].object == "model"
+    m = real.client.models.retrieve(ms.data[0].id)
+    assert m.id == ms.data[0].id
+    with pytest.raises(openai.NotFoundError) as e:
+        real.client.models.retrieve("no-such-model")
+    assert e.value.body["code"] == "model_not_found"
+
+
+# ------------------------------------------------ answers equal gRPC --
+
+
+def test_chat_greedy_equals_grpc_and_cli(real, cli):
+    r = real.client.chat.completions.create(
+        model=real.model, messages=[{"role": "user", "content": QUESTION}], temperature=0,
+        max_tokens=24)
+    ids, text, finish, usage, _ = grpc_generate(real, chat=chat_input(real, QUESTION),
+                                                sampling=dict(max_tokens=24))
+    c = r.choices[0]
+    assert c.message.role == "assistant" and c.message.content == text
+    assert c.finish_reason == ("length" if finish == 2 else "stop")
+    assert r.object == "chat.completion" and r.id.startswith("chatcmpl-")
+    assert r.usage.prompt_tokens == usage.prompt_tokens
+    assert r.usage.completion_tokens == usage.completion_tokens == len(ids)
+    assert r.usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    out = cli.run("generate", "--chat", "--prompt", QUESTION, "--max-tokens", "24").decode()
+    assert out.rstrip("\n") == text.rstrip("\n") or out.startswith(text)
+
+
+def test_completion_greedy_equals_grpc(real):
+    r = real.client.completions.create(model=real.model, prompt=PROMPT, temperature=0,
+                                       max_tokens=20)
+    ids, text, _, usage, _ = grpc_generate(real, prompt=PROMPT, sampling=dict(max_tokens=20))
+    assert r.object == "text_completion"
+    assert r.choices[0].text == text
+    assert r.usage.completion_tokens == len(ids) and r.usage.prompt_tokens == usage.prompt_tokens
+
+
+def test_completion_default_max_tokens_is_16(real):
+    r = real.client.completions.create(model=real.model, prompt=PROMPT, temperature=0,
+                                       extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 16 and r.choices[0].finish_reason == "length"
+
+
+def test_token_id_prompts_and_batches(real):
+    g = real.pb.generation_pb2
+    ids = list(real.stub.Tokenize(g.TokenizeRequest(text=PROMPT), timeout=30).ids)
+    a = real.client.completions.create(model=real.model, prompt=ids, temperature=0, max_tokens=8)
+    b = real.client.completions.create(model=real.model, prompt=[PROMPT, PROMPT],
+                                       temperature=0, max_tokens=8)
+    assert [c.index for c in b.choices] == [0, 1]
+    assert a.choices[0].text == b.choices[1].text
+    assert b.usage.prompt_tokens == 2 * a.usage.prompt_tokens
+
+
+def test_stream_equals_non_stream(real):
+    kw = dict(model=real.model, messages=[{"role": "user", "content": QUESTION}], temperature=0,
+              max_tokens=24)
+    full = real.client.chat.completions.create(**kw)
+    chunks = list(real.client.chat.completions.create(**kw, stream=True,
+                                                      stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [full.choices[0].finish_reason]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == \
+        full.choices[0].message.content
+    assert all(c.usage is None for c in chunks[:-1])
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == \
+        full.usage.completion_tokens
+    assert all(c.id == chunks[0].id and c.object == "chat.completion.chunk" for c in chunks)
+    text = "".join(c.choices[0].text for c in real.client.completions.create(
+        model=real.model, prompt=PROMPT, temperature=0, max_tokens=20, stream=True))
+    assert text == real.client.completions.create(model=real.model, prompt=PROMPT, temperature=0,
+                                                  max_tokens=20).choices[0].text
+
+
+def test_n_with_seed_reproducible_and_distinct(real):
+    kw = dict(model=real.model, messages=[{"role": "user", "content": "Tell me a story."}],
+              temperature=1.0, max_tokens=16, n=3, seed=1234)
+    a = real.client.chat.completions.create(**kw)
+    b = real.client.chat.completions.create(**kw)
+    ta = [c.message.content for c in a.choices]
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    assert ta == [c.message.content for c in b.choices]
+    assert len(set(ta)) >= 2, ta
+    assert a.usage.completion_tokens <= 48
+    # choice i is the request with seed + i, alone
+    one = real.client.chat.completions.create(**{**kw, "n": 1, "seed": 1235})
+    assert one.choices[0].message.content == ta[1]
+
+
+def test_finish_reasons(real):
+    r = real.client.completions.create(model=real.model, prompt=PROMPT, temperature=0,
+                                       max_tokens=1)
+    assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 1
+    full = real.client.completions.create(model=real.model, prompt=PROMPT, temperature=0,
+                                          max_tokens=20).choices[0].text
+    word = full.split()[1]
+    r = real.client.completions.create(model=real.model, prompt=PROMPT, temperature=0,
+                                       max_tokens=20, stop=[word])
+    assert r.choices[0].finish_reason == "stop" and word not in r.choices[0].text
+
+
+def test_logprobs_equal_grpc(real):
+    r = real.client.chat.completions.create(
+        model=real.model, messages=[{"role": "user", "content": QUESTION}], temperature=0,
+        max_tokens=8, logprobs=True)
+    _, _, _, _, lps = grpc_generate(real, chat=chat_input(real, QUESTION),
+                                    sampling=dict(max_tokens=8, logprobs=True))
+    got = [(e.token, e.logprob) for e in r.choices[0].logprobs.content]
+    assert len(got) == len(lps) == 8
+    assert [round(x[1], 5) for x in got] == [round(x[1], 5) for x in lps]
+    g = real.pb.generation_pb2
+    for (tok, _), (tid, _) in zip(got, lps):
+        t = real.stub.Detokenize(g.DetokenizeRequest(ids=[tid], include_special=True), timeout=30)
+        assert tok == t.text
+    c = real.client.completions.create(model=real.model, prompt=PROMPT, temperature=0,
+                                       max_tokens=5, logprobs=0)
+    assert len(c.choices[0].logprobs.token_logprobs) == 5
+    assert "".join(c.choices[0].logprobs.tokens) == c.choices[0].text
+
+
+# ------------------------------------------------------------ errors --
+
+
+@pytest.mark.parametrize("kw, param", [
+    (dict(temperature=-1), "temperature"),
+    (dict(temperature=3), "temperature"),
+    (dict(top_p=0), "top_p"),
+    (dict(n=17), "n"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(presence_penalty=5), "presence_penalty"),
+    (dict(extra_body={"tools": [{"type": "function", "function": {"name": "f"}}]}), "tools"),
+    (dict(extra_body={"logit_bias": {"5": 1}}), "logit_bias"),
+    (dict(extra_body={"top_k": 1.5}), "top_k"),
+    (dict(extra_body={"stop_token_ids": [10 ** 9]}), "stop_token_ids"),
+])
+def test_bad_params_are_400_naming_the_field(tiny, kw, param):
+    with pytest.raises(openai.BadRequestError) as e:
+        tiny.client.chat.completions.create(model=tiny.model,
+                                            messages=[{"role": "user", "content": "hi"}], **kw)
+    assert e.value.status_code == 400
+    assert e.value.body["type"] == "invalid_request_error"
+    assert e.value.body["param"] == param, e.value.body
+
+
+def test_bad_messages(tiny):
+    for msgs, param in [([], "messages"), ([{"role": "tool", "content": "x"}], "messages[0].role"),
+                        ([{"role": "user", "content": [{"type": "image_url"}]}],
+                         "messages[0].content[0]"),
+                        ([{"role": "user"}], "messages[0].content")]:
+        with pytest.raises(openai.BadRequestError) as e:
+            tiny.client.chat.completions.create(model=tiny.model, messages=msgs)
+        assert e.value.body["param"] == param, (msgs, e.value.body)
+
+
+def test_unknown_model_is_404(tiny):
+    with pytest.raises(openai.NotFoundError) as e:
+        tiny.client.chat.completions.create(model="gpt-4", messages=[{"role": "user", "content": "x"}])
+    assert e.value.body["code"] == "model_not_found" and e.value.body["param"] == "model"
+
+
+def test_context_length_exceeded(tiny):
+    with pytest.raises(openai.BadRequestError) as e:
+        tiny.client.completions.create(model=tiny.model, prompt=[5] * 5000, max_tokens=4)
+    assert e.value.body["code"] == "context_length_exceeded" and e.value.body["param"] == "prompt"
+
+
+def test_text_parts_and_developer_role(tiny):
+    a = tiny.client.chat.completions.create(
+        model=tiny.model, temperature=0, max_tokens=6,
+        messages=[{"role": "developer", "content": "Be brief."},
+                  {"role": "user", "content": [{"type": "text", "text": "Hello "},
+                                               {"type": "text", "text": "there"}]}])
+    b = tiny.client.chat.completions.create(
+        model=tiny.model, temperature=0, max_tokens=6,
+        messages=[{"role": "system", "content": "Be brief."},
+                  {"role": "user", "content": "Hello there"}])
+    assert a.choices[0].message.content == b.choices[0].message.content
+
+
+def raw(addr, data: bytes, timeout=10.0) -> bytes:
+    """Sends data on a fresh connection; everything the server answers until it closes or
+    goes quiet for a second."""
+    host, port = addr.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=timeout) as s:
+        s.sendall(data)
+        s.settimeout(1.0)
+        out = b""
+        try:
+            while True:
+                b = s.recv(65536)
+                if not b:
+                    break
+                out += b
+        except socket.timeout:
+            pass
+        return out
+
+
+def post(path, body: bytes, extra=b""):
+    return (b"POST " + path.encode() + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            + extra + b"Content-Length: " + str(len(body)).encode() + b"\r\nConnection: close\r\n\r\n"
+            + body)
+
+
+@pytest.mark.parametrize("body, fragment", [
+    (b"{", "not valid JSON"),
+    (b"[1]", "JSON object"),
+    (b'{"model": "x", "model": "y", "messages": []}', "twice"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 1.5}', "integer"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 1e300}', "integer"),
+    (b'{"messages": [{"role": "user", "content": "x"}], "seed": 1e16}', "integer"),
+    (b'{"messages": [{"role": "user", "content": "x"}]} x', "after its JSON"),
+])
+def test_json_guards(tiny, body, fragment):
+    out = raw(tiny.http, post("/v1/chat/completions", body))
+    head, _, rest = out.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400"), out[:300]
+    err = json.loads(rest)["error"]
+    assert fragment in err["message"] and err["type"] == "invalid_request_error", err
+
+
+def test_http_statuses(tiny):
+    out = raw(tiny.http, b"GET /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    assert out.startswith(b"HTTP/1.1 405") and b"Allow: POST" in out
+    out = raw(tiny.http, b"GET /nope HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    assert out.startswith(b"HTTP/1.1 404") and b'"error"' in out
+    big = b'{"prompt": "' + b"a" * (5 << 20) + b'"}'
+    out = raw(tiny.http, post("/v1/completions", big))
+    assert out.startswith(b"HTTP/1.1 413"), out[:200]
+    out = raw(tiny.http, b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 40000 +
+              b"\r\n\r\n")
+    assert out.startswith(b"HTTP/1.1 431"), out[:200]
+    out = raw(tiny.http, b"BLAH\r\n\r\n")
+    assert out.startswith(b"HTTP/1.1 400")
+
+
+def test_chunked_body_and_expect_continue(tiny):
+    body = json.dumps({"model": tiny.model, "prompt": "hello", "max_tokens": 3,
+                       "temperature": 0}).encode()
+    chunked = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in (body[:10], body[10:])) + b"0\r\n\r\n"
+    out = raw(tiny.http, b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+              b"Connection: close\r\n\r\n" + chunked)
+    assert out.startswith(b"HTTP/1.1 200"), out[:300]
+    host, port = tiny.http.rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nExpect: 100-continue\r\n"
+                  b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body))
+        assert s.recv(100).startswith(b"HTTP/1.1 100 Continue")
+        s.sendall(body)
+        out = b""
+        while (b := s.recv(65536)):
+            out += b
+    assert b"HTTP/1.1 200" in out and b"text_completion" in out
+
+
+def test_sse_framing_and_pipelining(tiny):
+    body = json.dumps({"model": tiny.model, "prompt": "hello", "max_tokens": 4, "temperature": 0,
+                       "stream": True}).encode()
+    req = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body)
+           + body)
+    out = raw(tiny.http, req + req + b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    assert out.count(b"HTTP/1.1 200") == 3, out[:500]
+    assert b"text/event-stream" in out and out.count(b"data: [DONE]") == 2
+    first = out.index(b"data: [DONE]")
+    assert out.index(b"HTTP/1.1 200", 1) > first  # responses in request order
+
+
+def test_api_keys_both_doors(chunkserve_bin, tiny_model, pb, tmp_path):
+    keyfile = tmp_path / "keys"
+    keyfile.write_text("# team keys\nsecond-key-0123\n")
+    s = Serve(chunkserve_bin, tiny_model, pb, "--api-key", "first-key-0123",
+              "--api-key-file", str(keyfile), api_key="wrong-key-0123")
+    try:
+        with pytest.raises(openai.AuthenticationError) as e:
+            s.client.models.list()
+        assert e.value.status_code == 401
+        for key in ("first-key-0123", "second-key-0123"):
+            c = openai.OpenAI(base_url=f"http://{s.http}/v1", api_key=key, max_retries=0)
+            m = c.models.list().data[0].id
+            r = c.completions.create(model=m, prompt="hi", max_tokens=2)
+            assert r.usage.completion_tokens >= 1
+        out = raw(s.http, b"GET /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        assert out.startswith(b"HTTP/1.1 401") and b"WWW-Authenticate: Bearer" in out
+        g = pb.generation_pb2
+        with pytest.raises(grpc.RpcError) as e:
+            list(s.stub.Generate(g.GenerateRequest(prompt="hi"), timeout=10))
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        with pytest.raises(grpc.RpcError) as e:
+            s.stub.ListModels(g.ListModelsRequest(), timeout=10)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        ok = list(s.stub.Generate(g.GenerateRequest(prompt="hi", sampling=g.SamplingParams(max_tokens=2)),
+                                  timeout=10, metadata=[("authorization", "Bearer first-key-0123")]))
+        assert ok[-1].finish_reason
+        assert "first-key-0123" not in s.stderr() and "second-key-0123" not in s.stderr()
+    finally:
+        s.stop()
+
+
+def test_cors(chunkserve_bin, tiny_model, pb, tiny):
+    s = Serve(chunkserve_bin, tiny_model, pb, "--cors-allow-origins", "https://a.example")
+    try:
+        out = raw(s.http, b"OPTIONS /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                  b"Origin: https://a.example\r\nAccess-Control-Request-Method: POST\r\n"
+                  b"Connection: close\r\n\r\n")
+        assert out.startswith(b"HTTP/1.1 204") and b"Access-Control-Allow-Origin: https://a.example" in out
+        out = raw(s.http, b"GET /v1/models HTTP/1.1\r\nHost: x\r\nOrigin: https://b.example\r\n"
+                  b"Connection: close\r\n\r\n")
+        assert out.startswith(b"HTTP/1.1 200") and b"Access-Control-Allow-Origin" not in out
+    finally:
+        s.stop()
+    # without --cors-allow-origins there is no CORS: a preflight is an unknown method
+    out = raw(tiny.http, b"OPTIONS /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    assert out.startswith(b"HTTP/1.1 405")
+
+
+# ----------------------------------------------------------- streams --
+
+
+def test_closing_a_stream_frees_every_page(tiny):
+    st = tiny.status()
+    stream = tiny.client.completions.create(model=tiny.model, prompt="hello", max_tokens=3000,
+                                            stream=True, extra_body={"ignore_eos": True})
+    for i, _ in enumerate(stream):
+        if i == 5:
+            break
+    stream.close()
+    wait_for(lambda: (lambda s: s.kv_pages_free == s.kv_pages_total and not s.num_running)(
+        tiny.status()), 30, "every KV page free after the stream closed")
+    assert tiny.status().kv_pages_total == st.kv_pages_total
+
+
+def test_32_concurrent_streams(tiny):
+    want = tiny.client.completions.create(model=tiny.model, prompt="abc", temperature=0,
+                                          max_tokens=40).choices[0].text
+    out, errs = [None] * 32, []
+
+    def one(i):
+        try:
+            out[i] = "".join(c.choices[0].text for c in tiny.client.completions.create(
+                model=tiny.model, prompt="abc", temperature=0, max_tokens=40, stream=True))
+        except Exception as e:  # noqa: BLE001
+            errs.append(repr(e))
+
+    ts = [threading.Thread(target=one, args=(i,)) for i in range(32)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(120)
+    assert not errs and out == [want] * 32
+
+
+def test_queue_full_is_429_with_retry_after(chunkserve_bin, tiny_model, pb):
+    s = Serve(chunkserve_bin, tiny_model, pb, "--max-queue", "1", "--max-num-seqs", "1")
+    try:
+        # one running (--max-num-seqs 1), one waiting (--max-queue 1): the third is refused
+        streams = [s.client.completions.create(model=s.model, prompt="x", max_tokens=3000,
+                                               stream=True, extra_body={"ignore_eos": True})]
+        next(iter(streams[0]))
+        body2 = json.dumps({"model": s.model, "prompt": "y", "max_tokens": 3000, "stream": True,
+                            "ignore_eos": True}).encode()
+        host, port = s.http.rsplit(":", 1)
+        waiting = socket.create_connection((host, int(port)), timeout=10)
+        waiting.sendall(post("/v1/completions", body2))
+        wait_for(lambda: s.status().num_waiting >= 1, 30, "the second request waiting")
+        body = json.dumps({"model": s.model, "prompt": "x", "max_tokens": 2}).encode()
+        out = raw(s.http, post("/v1/completions", body))
+        assert out.startswith(b"HTTP/1.1 429"), out[:300]
+        assert b"Retry-After:" in out and b"rate_limit" in out
+        waiting.close()
+        for st in streams:
+            st.close()
+    finally:
+        s.stop()
+
+
+def test_sigterm_drains_http_streams(chunkserve_bin, tiny_model, pb):
+    s = Serve(chunkserve_bin, tiny_model, pb, "--grace-ms", "20000")
+    stream = s.client.completions.create(model=s.model, prompt="x", max_tokens=3000, stream=True,
+                                         extra_body={"ignore_eos": True})
+    it = iter(stream)
+    next(it)
+    s.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    body = json.dumps({"model": s.model, "prompt": "x", "max_tokens": 2}).encode()
+    out = raw(s.http, post("/v1/completions", body))
+    assert out.startswith(b"HTTP/1.1 503") and b"Retry-After:" in out, out[:300]
+    n = 1 + sum(1 for _ in it)  # the open stream finishes within its grace
+    assert n >= 2
+    assert s.proc.wait(60) == 0
+
+
+# ----------------------------------------------------- through a router --
+
+
+@pytest.fixture
+def cluster(bin_dir, tiny_model, pb):
+    for b in ("chunkserve-router", "chunkserve-prefill", "chunkserve-decode"):
+        if not (bin_dir / b).is_file():
+            pytest.skip(f"{b} not built")
+    common = [f"--model={tiny_model}", "--port=0", "--threads=1", "--kv-cache-mib=16",
+              "--grace-ms=2000"]
+    decode = [Proc(bin_dir / "chunkserve-decode", common, f"decode-{i}") for i in range(2)]
+    prefill = Proc(bin_dir / "chunkserve-prefill", common, "prefill")
+    router = Proc(bin_dir / "chunkserve-router",
+                  [f"--model={tiny_model}", "--port=0", "--openai-port=0", "--grace-ms=2000",
+                   "--status-interval-ms=100", "--local-prefill-threshold=8",
+                   "--decode-workers=" + ",".join(d.addr for d in decode),
+                   f"--prefill-workers={prefill.addr}"], "router")
+    line = router.proc.stdout.readline().decode().strip()
+    assert line.startswith("openai listening on "), line
+    router.openai = line.split()[-1]
+    wait_for(lambda: metric(router.metrics(), "chunkserve:workers_usable", 'role="decode"') == 2,
+             60, "both decode workers usable")
+    yield router, decode, prefill
+    for p in (router, *decode, prefill):
+        rc = p.stop()
+        assert rc == (-9 if p.killed else 0), p.stderr()[-3000:]
+
+
+def test_router_answers_like_serve(cluster, tiny):
+    router, _, _ = cluster
+    c = openai.OpenAI(base_url=f"http://{router.openai}/v1", api_key="none", max_retries=0)
+    msgs = [{"role": "user", "content": "hello there, how are you today? " * 3}]
+    a = c.chat.completions.create(model=tiny.model, messages=msgs, temperature=0, max_tokens=30)
+    b = tiny.client.chat.completions.create(model=tiny.model, messages=msgs, temperature=0,
+                                            max_tokens=30)
+    assert a.choices[0].message.content == b.choices[0].message.content
+    assert a.usage.prompt_tokens == b.usage.prompt_tokens
+    s = "".join(ch.choices[0].delta.content or "" for ch in c.chat.completions.create(
+        model=tiny.model, messages=msgs, temperature=0, max_tokens=30, stream=True) if ch.choices)
+    assert s == b.choices[0].message.content
+    assert metric(router.metrics(), "chunkserve:prefills_total", 'path="remote"') >= 1
+
+
+def test_decode_killed_mid_stream_completes_without_duplicates(cluster, tiny, pb):
+    router, decode, _ = cluster
+    c = openai.OpenAI(base_url=f"http://{router.openai}/v1", api_key="none", max_retries=0)
+    kw = dict(model=tiny.model, prompt="abc", temperature=0, max_tokens=1500,
+              extra_body={"ignore_eos": True})
+    want = tiny.client.completions.create(**kw).choices[0].text
+    it = iter(c.completions.create(**kw, stream=True))
+    got = [next(it).choices[0].text]
+    busy = [d for d in decode if worker_status(pb, d).num_running]
+    assert len(busy) == 1
+    busy[0].kill9()
+    got += [ch.choices[0].text for ch in it]
+    assert "".join(got) == want
+    assert metric(router.metrics(), "chunkserve:migrations_total") >= 1
