@@ -33,7 +33,7 @@
 typedef struct {
     const char *model, *host;
     int64_t prefill, decode, port, prefill_budget, decode_budget, prefill_threads, decode_threads;
-    int64_t local_prefill_threshold, kv_cache_mib, start_timeout_ms, grace_ms;
+    int64_t local_prefill_threshold, kv_cache_mib, start_timeout_ms, grace_ms, openai_port;
     bool verbose;
 } cluster_opts;
 
@@ -62,6 +62,8 @@ static const cs_config_entry cluster_table[] = {
      "longest a process may take to start", 1000, 3600000},
     {"grace-ms", CS_CONFIG_INT, O(grace_ms), "5000",
      "on SIGINT/SIGTERM: time streams get to finish", 0, 3600000},
+    {"openai-port", CS_CONFIG_INT, O(openai_port), "-1",
+     "the router's OpenAI-compatible HTTP API port (0 = any free port, -1 = off)", -1, 65535},
     {"verbose", CS_CONFIG_BOOL, O(verbose), "false", "debug logging in every process", 0, 0},
 };
 #undef O
@@ -75,6 +77,8 @@ typedef struct {
     pid_t pid;
     int port;
     char http[300];
+    char openai[300]; /* "openai listening on" (the router, with --openai-port) */
+    int want_lines;   /* listening lines to read at start: 2, or 3 with openai */
     const char *role;
     int restarts;
     double last_start;
@@ -144,7 +148,7 @@ static int spawn(proc *p, double deadline) {
     char buf[1024];
     size_t len = 0;
     int lines = 0, r = 0;
-    while (lines < 2) {
+    while (lines < (p->want_lines ? p->want_lines : 2)) {
         int ms = (int)((deadline - cs_now()) * 1000);
         if (ms <= 0) {
             r = cs_fail(CS_ETIMEDOUT, "%s did not start in time", p->exe);
@@ -176,6 +180,8 @@ static int spawn(proc *p, double deadline) {
                 p->port = atoi(colon + 1), lines++;
             else if (!strncmp(buf, "http listening on ", 18))
                 snprintf(p->http, sizeof p->http, "%s", buf + 18), lines++;
+            else if (!strncmp(buf, "openai listening on ", 20))
+                snprintf(p->openai, sizeof p->openai, "%s", buf + 20), lines++;
             len -= (size_t)(nl + 1 - buf);
             memmove(buf, nl + 1, len + 1);
         }
@@ -306,6 +312,10 @@ int cs_cli_cluster(int argc, char **argv) {
         add_arg(router, "--decode-workers=%s", list[1]);
         add_arg(router, "--local-prefill-threshold=%lld", (long long)o.local_prefill_threshold);
         add_arg(router, "--grace-ms=%lld", (long long)o.grace_ms);
+        if (o.openai_port >= 0) {
+            add_arg(router, "--openai-port=%lld", (long long)o.openai_port);
+            router->want_lines = 3;
+        }
         if (o.verbose) add_arg(router, "--verbose");
         rc = spawn(router, deadline);
     }
@@ -315,6 +325,7 @@ int cs_cli_cluster(int argc, char **argv) {
         return 1;
     }
     printf("cluster up: router %s:%d (http %s)\n", o.host, router->port, router->http);
+    if (router->openai[0]) printf("openai listening on %s\n", router->openai);
     for (int i = 0; i < n_procs - 1; i++)
         printf("  %-7s %s:%d (http %s, pid %d)\n", procs[i].role, o.host, procs[i].port,
                procs[i].http, (int)procs[i].pid);

@@ -6,7 +6,10 @@ Sends one long-document question (several thousand tokens: remote prefill on the
 prefill worker, KV pages streamed to the decode worker) and several concurrent
 chats (short: prefilled on the decode worker), prints the streamed answers and a
 summary: TTFT and p50/p99 inter-token latency per stream, and the KV pages the
-workers transferred (from their /metrics)."""
+workers transferred (from their /metrics). Then one chat streamed through the
+OpenAI-compatible HTTP API with the official `openai` client. The chats sample
+(temperature 0.7, top_p 0.9, repetition penalty 1.1, a fixed seed): greedy
+decoding makes this small model loop."""
 from __future__ import annotations
 
 import argparse
@@ -60,6 +63,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--addr", required=True)
     ap.add_argument("--http", nargs="*", default=[], help="workers' HTTP addresses (for KV metrics)")
+    ap.add_argument("--openai", help="the router's OpenAI-compatible API base URL (.../v1)")
     a = ap.parse_args()
     g, gg = stubs()
     stub = gg.GenerationStub(grpc.insecure_channel(a.addr))
@@ -77,8 +81,9 @@ def main():
         name, chat, n = job
         t0 = time.monotonic()
         stamps, text, usage = [], [], None
-        for m in stub.Generate(g.GenerateRequest(chat=chat, sampling=g.SamplingParams(max_tokens=n)),
-                               timeout=600):
+        sampling = g.SamplingParams(max_tokens=n, temperature=0.7, top_p=0.9, repetition_penalty=1.1,
+                                    seed=42)
+        for m in stub.Generate(g.GenerateRequest(chat=chat, sampling=sampling), timeout=600):
             now = time.monotonic()
             stamps += [now] * len(m.token_ids)
             text.append(m.text)
@@ -103,6 +108,31 @@ def main():
                 for m, b in zip(after, before))
     print(f"\nKV transferred prefill -> decode: {xfers / 2:.0f} transfers, {pages / 2 / 2**20:.1f} MiB "
           f"(counted on both ends)")
+    if a.openai:
+        openai_stream(a.openai)
+
+
+def openai_stream(base_url):
+    """One chat through the OpenAI-compatible API, streamed, with the official client."""
+    try:
+        import openai
+    except ImportError:
+        print("\n(the `openai` package is not installed: pip install openai, to see the HTTP API)")
+        return
+    client = openai.OpenAI(base_url=base_url, api_key="none", max_retries=0)
+    model = client.models.list().data[0].id
+    q = "Name three things a good README should have."
+    print(f"\n--- OpenAI API ({base_url}): {q}")
+    stream = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": q}], max_tokens=80, temperature=0.7,
+        top_p=0.9, seed=42, stream=True, stream_options={"include_usage": True},
+        extra_body={"repetition_penalty": 1.1})
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            print(chunk.choices[0].delta.content, end="", flush=True)
+        if chunk.usage:
+            print(f"\n({chunk.usage.prompt_tokens} prompt + {chunk.usage.completion_tokens} "
+                  "completion tokens)")
 
 
 if __name__ == "__main__":

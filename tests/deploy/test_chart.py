@@ -663,8 +663,13 @@ def test_env_parses_in_the_binary(renders, name, bin_dir, tmp_path):
         role = component(d)
         env = {k: v for k, v in os.environ.items() if not k.startswith("CHUNKSERVE_")}
         fake = {"POD_IP": "10.1.2.3", "POD_NAME": f"{role}-0"}
+        secrets = {(o["metadata"]["name"], k): v for o in r.kind("Secret")
+                   for k, v in (o.get("stringData") or {}).items()}
         for e in containers(d)[0]["env"]:
-            if "valueFrom" in e:
+            ref = e.get("valueFrom", {}).get("secretKeyRef")
+            if ref:  # the Secret the chart renders beside it
+                env[e["name"]] = secrets[(ref["name"], ref["key"])]
+            elif "valueFrom" in e:
                 env[e["name"]] = fake[e["name"]]
             else:
                 env[e["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], e["value"])
