@@ -679,10 +679,6 @@ int cs_openai_port(const cs_openai *s) {
     return cs_http_server_port(s->http);
 }
 
-int32_t cs_openai_n_open(const cs_openai *s) {
-    return s ? s->n_open : 0;
-}
-
 void cs_openai_close(cs_openai *s) {
     if (!s || s->closed) return;
     s->closed = true;

@@ -111,8 +111,6 @@ void cs_openai_print_listening(const cs_openai *s);
  * error. */
 int cs_openai_start(struct uv_loop_s *loop, const cs_openai_opts *o, cs_openai **out);
 int cs_openai_port(const cs_openai *s);
-/* HTTP requests in flight (answered or streaming: the drain waits for 0). */
-int32_t cs_openai_n_open(const cs_openai *s);
 /* Stops accepting; open streams go on until they end (their Generate calls
  * are the process's to end). Freed once the last one ended and libuv closed
  * the handles (keep running the loop). NULL is a no-op. */

@@ -92,7 +92,7 @@ static int get_str(const cJSON *o, const char *key, const char **out, oa_error *
 
 /* Fields this server does not serve: refused by name unless they ask for
  * nothing (absent, null, false, empty, or the default). */
-static int refuse_unsupported(const cJSON *o, bool chat, oa_error *e) {
+static int refuse_unsupported(const cJSON *o, oa_error *e) {
     static const char *const names[] = {"logit_bias", "echo",          "suffix",
                                         "best_of",    "tools",         "tool_choice",
                                         "functions",  "function_call", "response_format",
@@ -109,7 +109,6 @@ static int refuse_unsupported(const cJSON *o, bool chat, oa_error *e) {
         }
         return fail(e, names[i], "%s is not supported by this server", names[i]);
     }
-    (void)chat;
     return 0;
 }
 
@@ -378,7 +377,7 @@ int oa_request_parse(const char *body, size_t len, bool chat, const cs_wire_mode
     if (!cJSON_IsObject(o)) return fail(e, NULL, "the body must be a JSON object");
     const char *dup = duplicate_key(o);
     if (dup) return fail(e, dup, "the key '%s' appears twice in one object", dup);
-    if (refuse_unsupported(o, chat, e)) return -1;
+    if (refuse_unsupported(o, e)) return -1;
     r->model = "";
     if (get_str(o, "model", &r->model, e)) return -1;
     if (cs_wire_check_model(wm, r->model) != 0) {
