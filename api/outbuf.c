@@ -12,13 +12,13 @@ void cs_outbuf_append(cs_outbuf *b, const cs_event *ev) {
             size_t nc = b->cap ? 2 * b->cap : 16;
             int32_t *t = realloc(b->toks, nc * sizeof *t);
             if (t) b->toks = t;
-            float *l = realloc(b->lps, nc * sizeof *l);
+            cs_logprobs *l = realloc(b->lps, nc * sizeof *l);
             if (l) b->lps = l;
             if (t && l) b->cap = nc;
         }
         if (b->n < b->cap) {
             b->toks[b->n] = ev->token;
-            b->lps[b->n++] = ev->logprob;
+            b->lps[b->n++] = ev->lp;
         } else {
             b->oom = true;
         }
@@ -62,14 +62,28 @@ int cs_outbuf_response(const cs_outbuf *b, bool logprobs, Chunkserve__V1__Genera
     r->token_ids = b->toks;
     r->text = b->text ? b->text : "";
     if (!logprobs || !b->n) return 0;
-    /* one block: the messages, then the pointers to them */
-    Chunkserve__V1__TokenLogprob *lp = malloc(b->n * (sizeof *lp + sizeof(void *)));
+    /* one block: the messages (each token's, then the alternatives'), then
+     * the pointers to them */
+    size_t n_msg = b->n;
+    for (size_t i = 0; i < b->n; i++)
+        n_msg += (size_t)b->lps[i].n_top;
+    Chunkserve__V1__TokenLogprob *lp = malloc(n_msg * (sizeof *lp + sizeof(void *)));
     if (!lp) return CS_ENOMEM;
-    Chunkserve__V1__TokenLogprob **lpp = (Chunkserve__V1__TokenLogprob **)(lp + b->n);
+    Chunkserve__V1__TokenLogprob **lpp = (Chunkserve__V1__TokenLogprob **)(lp + n_msg);
+    size_t k = b->n; /* the next alternative's slot */
     for (size_t i = 0; i < b->n; i++) {
+        const cs_logprobs *e = &b->lps[i];
         lp[i] = (Chunkserve__V1__TokenLogprob)CHUNKSERVE__V1__TOKEN_LOGPROB__INIT;
         lp[i].token_id = b->toks[i];
-        lp[i].logprob = b->lps[i];
+        lp[i].logprob = e->logprob;
+        lp[i].n_top_logprobs = (size_t)e->n_top;
+        lp[i].top_logprobs = e->n_top ? &lpp[k] : NULL;
+        for (int32_t j = 0; j < e->n_top; j++, k++) {
+            lp[k] = (Chunkserve__V1__TokenLogprob)CHUNKSERVE__V1__TOKEN_LOGPROB__INIT;
+            lp[k].token_id = e->top_ids[j];
+            lp[k].logprob = e->top_logprobs[j];
+            lpp[k] = &lp[k];
+        }
         lpp[i] = &lp[i];
     }
     r->n_logprobs = b->n;

@@ -16,8 +16,8 @@
 #include "chunkserve/v1/generation.pb-c.h"
 
 typedef struct {
-    int32_t *toks; /* (n) */
-    float *lps;    /* (n) */
+    int32_t *toks;    /* (n) */
+    cs_logprobs *lps; /* (n) */
     size_t n, cap;
     char *text; /* NUL-terminated, text_len bytes; NULL when none */
     size_t text_len, text_cap;
@@ -32,8 +32,9 @@ void cs_outbuf_free(cs_outbuf *b);
 bool cs_outbuf_empty(const cs_outbuf *b);
 
 /* Builds the GenerateResponse of what b holds into *r (borrowing b's
- * arrays): tokens, text, logprobs when asked (allocated into *scratch:
- * cs_outbuf_response_free after packing). CS_ENOMEM. */
+ * arrays): tokens, text, logprobs with their alternatives when asked
+ * (allocated into *scratch: cs_outbuf_response_free after packing).
+ * CS_ENOMEM. */
 int cs_outbuf_response(const cs_outbuf *b, bool logprobs, Chunkserve__V1__GenerateResponse *r,
                        void **scratch);
 void cs_outbuf_response_free(void *scratch);

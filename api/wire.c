@@ -69,6 +69,16 @@ static int check_sampling(const Chunkserve__V1__SamplingParams *p) {
             return cs_fail(CS_EINVAL, "sampling.stop[%zu] must be 1 to %d bytes; it has %zu", i,
                            MAX_STOP_BYTES, len);
     }
+    if (p->top_logprobs < 0 || p->top_logprobs > CS_MAX_TOP_LOGPROBS)
+        return cs_fail(CS_EINVAL, "sampling.top_logprobs must be in [0, %d]; got %d",
+                       CS_MAX_TOP_LOGPROBS, p->top_logprobs);
+    if (p->top_logprobs > 0 && !p->logprobs)
+        return cs_fail(CS_EINVAL, "sampling.top_logprobs needs sampling.logprobs set");
+    if (p->min_tokens < 0)
+        return cs_fail(CS_EINVAL, "sampling.min_tokens must be >= 0; got %d", p->min_tokens);
+    if (p->max_tokens > 0 && p->min_tokens > p->max_tokens)
+        return cs_fail(CS_EINVAL, "sampling.min_tokens %d is more than sampling.max_tokens %d",
+                       p->min_tokens, p->max_tokens);
     if (p->n_stop_token_ids > MAX_STOP)
         return cs_fail(CS_EINVAL, "sampling.stop_token_ids has %zu ids; at most %d are allowed",
                        p->n_stop_token_ids, MAX_STOP);
@@ -187,6 +197,7 @@ int cs_wire_sampling(const cs_wire_model *wm, const Chunkserve__V1__SamplingPara
                       "sampling.stop_token_ids");
     if (r) return r;
     q->logprobs = p->logprobs;
+    q->top_logprobs = p->top_logprobs;
     q->sampling = cs_sampling_params_default();
     q->sampling.temperature = p->temperature;
     q->sampling.top_k = p->top_k;
@@ -204,6 +215,7 @@ int cs_wire_sampling(const cs_wire_model *wm, const Chunkserve__V1__SamplingPara
         /* the scheduler caps this at what the context leaves */
         .max_tokens = p->max_tokens > 0 ? p->max_tokens : cfg->ctx_len,
         .ignore_eos = p->ignore_eos,
+        .min_tokens = p->min_tokens,
         .skip_special = !p->include_special,
     };
     /* The engine checks these again on its thread; checking here too turns

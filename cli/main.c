@@ -443,7 +443,7 @@ static int cmd_generate(const cs_model *m, const options *o) {
     long generated = 0, pos = (long)n_ids;
     const char *reason = "length";
     while (!r) {
-        int32_t id = cs_sampler_sample(smp, logits, NULL);
+        int32_t id = cs_sampler_sample(smp, logits, 0, NULL);
         cs_sampler_accept(smp, id);
         generated++;
         if (!o->ignore_eos && cs_tokenizer_is_eog(tok, id)) {

@@ -101,7 +101,11 @@ static void on_kv_done(void *arg, uint64_t xfer, int status, const char *msg,
     pthread_mutex_unlock(&q->base.mu);
     if (!status) {
         cs_metric_observe(d->m_xfer_seconds, secs);
-        if (cs_serve_kv_ready(q->base.w->sv, q->base.id, t->first_token) != 0)
+        cs_logprobs lp = {.logprob = t->first_logprob, .n_top = t->n_top};
+        memcpy(lp.top_ids, t->top_ids, sizeof lp.top_ids);
+        memcpy(lp.top_logprobs, t->top_logprobs, sizeof lp.top_logprobs);
+        if (cs_serve_kv_ready(q->base.w->sv, q->base.id, t->first_token,
+                              q->logprobs ? &lp : NULL) != 0)
             cs_serve_cancel(q->base.w->sv, q->base.id);
     } else {
         if (status == CS_ETIMEDOUT) cs_metric_inc(d->m_leases_expired);

@@ -10,9 +10,8 @@
 
 #include "openai.h"
 
-#define OA_MAX_N 16           /* choices per prompt */
-#define OA_MAX_PROMPTS 64     /* prompts in one completions request */
-#define OA_MAX_TOP_LOGPROBS 0 /* alternatives per token: not in the engine yet */
+#define OA_MAX_N 16       /* choices per prompt */
+#define OA_MAX_PROMPTS 64 /* prompts in one completions request */
 
 /* An error answer: HTTP status, OpenAI type and code, the request field it
  * is about (NULL: none). */

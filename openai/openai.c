@@ -46,7 +46,7 @@ typedef struct {
     char *text;
     size_t len, cap;
     int32_t *lp_ids;
-    float *lp;
+    cs_logprobs *lp;
     size_t n_lp, cap_lp;
     Chunkserve__V1__FinishReason finish;
     int32_t prompt_tokens, completion_tokens, cached_tokens;
@@ -140,44 +140,79 @@ static char *token_text(oa_call *oc, int32_t id) {
     return t;
 }
 
-/* logprobs for ids[0..n): chat {"content":[{token,logprob,bytes,top_logprobs}]},
- * completions {tokens, token_logprobs, top_logprobs, text_offset}. */
-static cJSON *logprobs_json(oa_call *oc, const int32_t *ids, const float *lp, size_t n,
-                            size_t text_offset) {
+/* A chat logprob entry: {token, logprob, bytes}. */
+static cJSON *token_entry(oa_call *oc, int32_t id, float logprob) {
     const cs_tokenizer *tok = cs_model_tokenizer(oc->s->o.wm->model);
+    cJSON *e = cJSON_CreateObject();
+    char *t = token_text(oc, id);
+    cJSON_AddStringToObject(e, "token", t ? t : "");
+    free(t);
+    cJSON_AddNumberToObject(e, "logprob", logprob);
+    const char *b;
+    size_t bl;
+    cJSON *bytes = cJSON_AddArrayToObject(e, "bytes");
+    if (cs_tokenizer_token_bytes(tok, id, &b, &bl) == 0)
+        for (size_t k = 0; k < bl; k++)
+            cJSON_AddItemToArray(bytes, cJSON_CreateNumber((unsigned char)b[k]));
+    return e;
+}
+
+/* logprobs for ids[0..n): chat {"content":[{token,logprob,bytes,top_logprobs}]},
+ * completions {tokens, token_logprobs, top_logprobs ([{text: logprob}] when
+ * alternatives were asked, else null), text_offset}. */
+static cJSON *logprobs_json(oa_call *oc, const int32_t *ids, const cs_logprobs *lp, size_t n,
+                            size_t text_offset) {
     cJSON *j = cJSON_CreateObject();
     if (oc->rq.chat) {
         cJSON *content = cJSON_AddArrayToObject(j, "content");
         for (size_t i = 0; i < n; i++) {
-            cJSON *e = cJSON_CreateObject();
-            char *t = token_text(oc, ids[i]);
-            cJSON_AddStringToObject(e, "token", t ? t : "");
-            free(t);
-            cJSON_AddNumberToObject(e, "logprob", lp[i]);
-            const char *b;
-            size_t bl;
-            cJSON *bytes = cJSON_AddArrayToObject(e, "bytes");
-            if (cs_tokenizer_token_bytes(tok, ids[i], &b, &bl) == 0)
-                for (size_t k = 0; k < bl; k++)
-                    cJSON_AddItemToArray(bytes, cJSON_CreateNumber((unsigned char)b[k]));
-            cJSON_AddArrayToObject(e, "top_logprobs");
+            cJSON *e = token_entry(oc, ids[i], lp[i].logprob);
+            cJSON *top = cJSON_AddArrayToObject(e, "top_logprobs");
+            for (int32_t k = 0; k < lp[i].n_top; k++)
+                cJSON_AddItemToArray(top, token_entry(oc, lp[i].top_ids[k], lp[i].top_logprobs[k]));
             cJSON_AddItemToArray(content, e);
         }
     } else {
         cJSON *tokens = cJSON_AddArrayToObject(j, "tokens");
         cJSON *tlp = cJSON_AddArrayToObject(j, "token_logprobs");
-        cJSON_AddNullToObject(j, "top_logprobs");
+        cJSON *tops = oc->rq.top_logprobs > 0 ? cJSON_AddArrayToObject(j, "top_logprobs")
+                                              : cJSON_AddNullToObject(j, "top_logprobs");
         cJSON *off = cJSON_AddArrayToObject(j, "text_offset");
         for (size_t i = 0; i < n; i++) {
             char *t = token_text(oc, ids[i]);
             cJSON_AddItemToArray(tokens, cJSON_CreateString(t ? t : ""));
-            cJSON_AddItemToArray(tlp, cJSON_CreateNumber(lp[i]));
+            cJSON_AddItemToArray(tlp, cJSON_CreateNumber(lp[i].logprob));
             cJSON_AddItemToArray(off, cJSON_CreateNumber((double)text_offset));
             text_offset += t ? strlen(t) : 0;
             free(t);
+            if (oc->rq.top_logprobs <= 0) continue;
+            cJSON *d = cJSON_CreateObject(); /* tokens with the same text: the likelier stays */
+            for (int32_t k = 0; k < lp[i].n_top; k++) {
+                char *a = token_text(oc, lp[i].top_ids[k]);
+                if (a && !cJSON_GetObjectItemCaseSensitive(d, a))
+                    cJSON_AddNumberToObject(d, a, lp[i].top_logprobs[k]);
+                free(a);
+            }
+            cJSON_AddItemToArray(tops, d);
         }
     }
     return j;
+}
+
+/* The logprobs of m's tokens, alternatives included (at most
+ * CS_MAX_TOP_LOGPROBS kept), into ids[i] and lp[i]. */
+static void take_logprobs(const Chunkserve__V1__GenerateResponse *m, int32_t *ids,
+                          cs_logprobs *lp) {
+    for (size_t i = 0; i < m->n_logprobs; i++) {
+        const Chunkserve__V1__TokenLogprob *t = m->logprobs[i];
+        ids[i] = t->token_id;
+        lp[i] = (cs_logprobs){.logprob = t->logprob};
+        for (size_t k = 0; k < t->n_top_logprobs && k < CS_MAX_TOP_LOGPROBS; k++) {
+            lp[i].top_ids[k] = t->top_logprobs[k]->token_id;
+            lp[i].top_logprobs[k] = t->top_logprobs[k]->logprob;
+            lp[i].n_top++;
+        }
+    }
 }
 
 /* The usage object over every choice (a prompt counted once, not n times). */
@@ -353,15 +388,13 @@ static int c_send(cs_gen_call *g, const Chunkserve__V1__GenerateResponse *m) {
                 size_t cap = (c->n_lp + m->n_logprobs) * 2;
                 int32_t *ids = realloc(c->lp_ids, cap * sizeof *ids);
                 if (ids) c->lp_ids = ids;
-                float *lp = realloc(c->lp, cap * sizeof *lp);
+                cs_logprobs *lp = realloc(c->lp, cap * sizeof *lp);
                 if (lp) c->lp = lp;
                 if (!ids || !lp) return CS_ENOMEM;
                 c->cap_lp = cap;
             }
-            for (size_t i = 0; i < m->n_logprobs; i++) {
-                c->lp_ids[c->n_lp] = m->logprobs[i]->token_id;
-                c->lp[c->n_lp++] = m->logprobs[i]->logprob;
-            }
+            take_logprobs(m, c->lp_ids + c->n_lp, c->lp + c->n_lp);
+            c->n_lp += m->n_logprobs;
         }
         return 0;
     }
@@ -369,10 +402,9 @@ static int c_send(cs_gen_call *g, const Chunkserve__V1__GenerateResponse *m) {
     cJSON *lp = NULL;
     if (!r && oc->rq.logprobs && m->n_logprobs) {
         int32_t *ids = malloc(m->n_logprobs * sizeof *ids);
-        float *v = malloc(m->n_logprobs * sizeof *v);
+        cs_logprobs *v = malloc(m->n_logprobs * sizeof *v);
         if (ids && v) {
-            for (size_t i = 0; i < m->n_logprobs; i++)
-                ids[i] = m->logprobs[i]->token_id, v[i] = m->logprobs[i]->logprob;
+            take_logprobs(m, ids, v);
             lp = logprobs_json(oc, ids, v, m->n_logprobs, c->len);
         }
         free(ids);

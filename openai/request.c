@@ -235,6 +235,7 @@ static int parse_prompt(const cJSON *o, oa_request *r, oa_error *e) {
         r->ids = calloc((size_t)n, sizeof *r->ids);
         r->id_store = calloc((size_t)n, sizeof *r->id_store);
         if (!r->ids || !r->id_store) return fail(e, NULL, "out of memory");
+        r->n_prompts = n; /* oa_request_free frees the lists parsed before an error */
     }
     int i = 0;
     char param[32];
@@ -328,7 +329,7 @@ static int parse_sampling(const cJSON *o, oa_request *r, const cs_wire_model *wm
     s->include_special = !skip;
     v = 0;
     if (get_int(o, "min_tokens", 0, cfg->ctx_len, &v, e)) return -1;
-    if (v > 0) return fail(e, "min_tokens", "min_tokens is not supported by this server yet");
+    s->min_tokens = (int32_t)v;
     int64_t sd = 0;
     *has_seed = field(o, "seed") != NULL;
     if (get_int(o, "seed", -MAX_SAFE_INT, MAX_SAFE_INT, &sd, e)) return -1;
@@ -337,7 +338,7 @@ static int parse_sampling(const cJSON *o, oa_request *r, const cs_wire_model *wm
     int64_t top = 0;
     if (r->chat) {
         if (get_bool(o, "logprobs", &r->logprobs, e)) return -1;
-        if (get_int(o, "top_logprobs", 0, 20, &top, e)) return -1;
+        if (get_int(o, "top_logprobs", 0, CS_MAX_TOP_LOGPROBS, &top, e)) return -1;
         if (field(o, "top_logprobs") && !r->logprobs)
             return fail(e, "top_logprobs", "top_logprobs needs logprobs set to true");
     } else {
@@ -348,13 +349,9 @@ static int parse_sampling(const cJSON *o, oa_request *r, const cs_wire_model *wm
         r->logprobs = top >= 0;
         if (top < 0) top = 0;
     }
-    if (top > OA_MAX_TOP_LOGPROBS)
-        return fail(e, r->chat ? "top_logprobs" : "logprobs",
-                    "%s above %d is not supported by this server yet (the chosen token's "
-                    "logprob is)",
-                    r->chat ? "top_logprobs" : "logprobs", OA_MAX_TOP_LOGPROBS);
     r->top_logprobs = (int32_t)top;
     s->logprobs = r->logprobs;
+    s->top_logprobs = r->top_logprobs;
     if (parse_stop(o, s, r, e) || parse_stop_ids(o, s, r, e)) return -1;
     return 0;
 }

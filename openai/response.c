@@ -26,6 +26,8 @@ static void param_of(const char *msg, bool chat, char *param, size_t cap) {
                                         "presence_penalty",
                                         "frequency_penalty",
                                         "max_tokens",
+                                        "min_tokens",
+                                        "top_logprobs",
                                         "stop",
                                         "stop_token_ids",
                                         "seed",

@@ -53,8 +53,9 @@ typedef struct preq {
     held *held_head, *held_tail; /* waiting for room on the channel, in order */
     bool trailer_held;
     int32_t trailer_token;
-    double t_last_chunk; /* when the final step's pages and trailer were queued */
-    double tail;         /* from then to the trailer's acknowledgement */
+    cs_logprobs trailer_lp; /* the first token's, when asked */
+    double t_last_chunk;    /* when the final step's pages and trailer were queued */
+    double tail;            /* from then to the trailer's acknowledgement */
     int32_t first_token, n_cached;
     int eng_status, tx_status;
     char eng_error[256], tx_error[256];
@@ -160,7 +161,13 @@ static int flush_locked(preq *q) {
     }
     if (!q->trailer_held) return 0;
     q->trailer_held = false;
-    cs_kvx_trailer t = {q->trailer_token, q->n_context, q->total_pages};
+    cs_kvx_trailer t = {
+        .first_token = q->trailer_token, .prompt_len = q->n_context, .total_pages = q->total_pages};
+    _Static_assert(CS_KVX_MAX_TOP == CS_MAX_TOP_LOGPROBS, "the trailer carries every alternative");
+    t.first_logprob = q->trailer_lp.logprob;
+    t.n_top = q->trailer_lp.n_top;
+    memcpy(t.top_ids, q->trailer_lp.top_ids, sizeof t.top_ids);
+    memcpy(t.top_logprobs, q->trailer_lp.top_logprobs, sizeof t.top_logprobs);
     return cs_kvx_tx_finish(p->tx, q->base.transfer_id, &t);
 }
 
@@ -248,6 +255,7 @@ static void on_event(void *user, const cs_event *ev) {
         if (!r && ev->token >= 0 && ev->finish == CS_FINISH_LENGTH) {
             q->trailer_held = true;
             q->trailer_token = ev->token;
+            q->trailer_lp = ev->lp; /* zero unless the request asked */
         }
         if (!r) r = flush_locked(q);
         if (r) send_failed_locked(q, r);

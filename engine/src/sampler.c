@@ -17,6 +17,9 @@ struct cs_sampler {
     int32_t *counts;     /* (n_vocab) output count; NULL without presence/frequency penalty */
     int32_t *idx;        /* (n_vocab) scratch for sorting */
     float *raw;          /* (n_vocab) raw logits kept for logprobs; allocated on first use */
+    int32_t *suppress;   /* (n_suppress) ids masked while n_generated < min_tokens */
+    size_t n_suppress;
+    int32_t min_tokens;
 };
 
 cs_sampling_params cs_sampling_params_default(void) {
@@ -79,7 +82,21 @@ void cs_sampler_free(cs_sampler *s) {
     free(s->counts);
     free(s->idx);
     free(s->raw);
+    free(s->suppress);
     free(s);
+}
+
+int cs_sampler_suppress(cs_sampler *s, const int32_t *ids, size_t n, int32_t min_tokens) {
+    int32_t *c = malloc((n ? n : 1) * sizeof *c);
+    if (!c) return cs_fail(CS_ENOMEM, "sampler: out of memory");
+    size_t k = 0;
+    for (size_t i = 0; i < n; i++)
+        if (ids[i] >= 0 && ids[i] < s->n_vocab) c[k++] = ids[i];
+    free(s->suppress);
+    s->suppress = c;
+    s->n_suppress = k;
+    s->min_tokens = min_tokens;
+    return 0;
 }
 
 void cs_sampler_accept_prompt(cs_sampler *s, const int32_t *ids, size_t n) {
@@ -117,11 +134,42 @@ static int32_t argmax(const float *v, int32_t n) {
     return best;
 }
 
-int32_t cs_sampler_sample(cs_sampler *s, float *logits, float *logprob) {
+/* lp from the raw logits: log-softmax in double, the top n_top by one pass of
+ * insertion into a short sorted list (n_top <= 20: cheaper than a sort). */
+static void raw_logprobs(const float *raw, int32_t n, int32_t chosen, int32_t n_top,
+                         cs_logprobs *lp) {
+    float mx = raw[argmax(raw, n)];
+    double sum = 0;
+    for (int32_t i = 0; i < n; i++)
+        sum += exp((double)(raw[i] - mx));
+    float ls = (float)log(sum);
+    lp->logprob = raw[chosen] - mx - ls;
+    if (n_top < 0) n_top = 0;
+    if (n_top > CS_MAX_TOP_LOGPROBS) n_top = CS_MAX_TOP_LOGPROBS;
+    if (n_top > n) n_top = n;
+    int32_t k = 0;
+    for (int32_t i = 0; i < n; i++) {
+        if (k == n_top && (k == 0 || !(raw[i] > raw[lp->top_ids[k - 1]]))) continue;
+        int32_t j = k < n_top ? k++ : k - 1; /* the slot freed at the end */
+        while (j > 0 && raw[i] > raw[lp->top_ids[j - 1]]) {
+            lp->top_ids[j] = lp->top_ids[j - 1];
+            j--;
+        }
+        lp->top_ids[j] = i;
+    }
+    lp->n_top = k;
+    for (int32_t j = 0; j < k; j++)
+        lp->top_logprobs[j] = raw[lp->top_ids[j]] - mx - ls;
+}
+
+int32_t cs_sampler_sample(cs_sampler *s, float *logits, int32_t n_top, cs_logprobs *lp) {
     const int32_t n = s->n_vocab;
     const cs_sampling_params *p = &s->p;
-    if (logprob && !s->raw && !(s->raw = malloc((size_t)n * sizeof *s->raw))) logprob = NULL;
-    if (logprob) memcpy(s->raw, logits, (size_t)n * sizeof *s->raw);
+    if (lp && !s->raw && !(s->raw = malloc((size_t)n * sizeof *s->raw))) {
+        *lp = (cs_logprobs){0}; /* out of memory: report nothing rather than fail the step */
+        lp = NULL;
+    }
+    if (lp) memcpy(s->raw, logits, (size_t)n * sizeof *s->raw);
     int32_t chosen;
     if (s->seen)
         for (int32_t i = 0; i < n; i++)
@@ -132,6 +180,9 @@ int32_t cs_sampler_sample(cs_sampler *s, float *logits, float *logprob) {
         for (int32_t i = 0; i < n; i++)
             if (s->counts[i])
                 logits[i] -= p->frequency_penalty * (float)s->counts[i] + p->presence_penalty;
+    if (s->n_generated < s->min_tokens)
+        for (size_t i = 0; i < s->n_suppress; i++)
+            logits[s->suppress[i]] = -INFINITY;
 
     if (p->temperature == 0) {
         chosen = argmax(logits, n);
@@ -183,12 +234,6 @@ int32_t cs_sampler_sample(cs_sampler *s, float *logits, float *logprob) {
             }
         }
     }
-    if (logprob) {
-        float mx = s->raw[argmax(s->raw, n)];
-        double sum = 0;
-        for (int32_t i = 0; i < n; i++)
-            sum += exp((double)(s->raw[i] - mx));
-        *logprob = s->raw[chosen] - mx - (float)log(sum);
-    }
+    if (lp) raw_logprobs(s->raw, n, chosen, n_top, lp);
     return chosen;
 }

@@ -27,11 +27,13 @@ typedef struct seq {
     cs_sampler *smp;
     cs_stop *stop;
     bool logprobs, running;
+    int32_t top_logprobs;
     enum cs_kv_mode kv_mode;
     int32_t n_reported; /* PREFILL_ONLY: leading pages reported as completed */
     bool kv_ready;      /* REMOTE: the KV is in place; join at the next step */
     int32_t first_token;
-    struct seq *next; /* in its list (waiting, running: ordered by arrival) */
+    cs_logprobs first_lp; /* REMOTE with logprobs: the first token's, from the prefill side */
+    struct seq *next;     /* in its list (waiting, running: ordered by arrival) */
 } seq;
 
 struct cs_sched {
@@ -159,6 +161,23 @@ static void insert_ordered(seq **list, seq *q) {
     *list = q;
 }
 
+/* min_tokens: the sampler never picks a stop token before it is reached. */
+static int suppress_stops(cs_sched *s, seq *q, const cs_stop_params *sp) {
+    int32_t n_eog = 0;
+    for (int32_t i = 0; !sp->ignore_eos && i < s->n_vocab; i++)
+        n_eog += cs_tokenizer_is_eog(s->tok, i);
+    int32_t *ids = malloc(((size_t)n_eog + sp->n_stop_ids + 1) * sizeof *ids);
+    if (!ids) return cs_fail(CS_ENOMEM, "out of memory");
+    size_t k = 0;
+    for (int32_t i = 0; n_eog && i < s->n_vocab; i++)
+        if (cs_tokenizer_is_eog(s->tok, i)) ids[k++] = i;
+    for (size_t i = 0; i < sp->n_stop_ids; i++)
+        ids[k++] = sp->stop_ids[i];
+    int rc = cs_sampler_suppress(q->smp, ids, k, sp->min_tokens);
+    free(ids);
+    return rc;
+}
+
 int cs_sched_add(cs_sched *s, const cs_request *r) {
     seq **link;
     if (find(s, r->id, &link))
@@ -170,6 +189,9 @@ int cs_sched_add(cs_sched *s, const cs_request *r) {
             CS_EINVAL,
             "request %llu: %d resumed tokens in a context of %d (the prompt must keep one)",
             (unsigned long long)r->id, r->n_resumed, r->n_prompt);
+    if (r->top_logprobs < 0 || r->top_logprobs > CS_MAX_TOP_LOGPROBS)
+        return cs_fail(CS_EINVAL, "request %llu: top_logprobs %d must be in [0, %d]",
+                       (unsigned long long)r->id, r->top_logprobs, CS_MAX_TOP_LOGPROBS);
     if ((unsigned)r->kv_mode > CS_KV_REMOTE)
         return cs_fail(CS_EINVAL, "request %llu: unknown kv mode %d", (unsigned long long)r->id,
                        (int)r->kv_mode);
@@ -204,7 +226,9 @@ int cs_sched_add(cs_sched *s, const cs_request *r) {
     cs_stop_params sp = r->stop;
     if (sp.max_tokens > s->ctx_len - n_real)
         sp.max_tokens = s->ctx_len - n_real; /* the context ends it */
+    if (sp.min_tokens > sp.max_tokens) sp.min_tokens = sp.max_tokens;
     if (!rc) rc = cs_stop_init(s->tok, &sp, &q->stop);
+    if (!rc && sp.min_tokens > 0) rc = suppress_stops(s, q, &sp);
     /* Resumed tokens: the stop checker sees them as generated (max_tokens,
      * stop strings spanning the resume point); their text was shown before. */
     for (int32_t i = n_real; !rc && i < r->n_prompt; i++) {
@@ -231,6 +255,7 @@ int cs_sched_add(cs_sched *s, const cs_request *r) {
     q->n_prompt = n_real;
     q->id = r->id;
     q->logprobs = r->logprobs;
+    q->top_logprobs = r->logprobs ? r->top_logprobs : 0;
     q->kv_mode = r->kv_mode;
     q->arrival = s->next_arrival++;
     cs_sampler_accept_prompt(q->smp, r->prompt, (size_t)n_real);
@@ -258,7 +283,7 @@ int cs_sched_kv_pages(cs_sched *s, uint64_t id, const int32_t **pages, int32_t *
     return 0;
 }
 
-int cs_sched_kv_ready(cs_sched *s, uint64_t id, int32_t first_token) {
+int cs_sched_kv_ready(cs_sched *s, uint64_t id, int32_t first_token, const cs_logprobs *first_lp) {
     seq **link;
     seq *q = find(s, id, &link);
     if (!q || q->kv_mode != CS_KV_REMOTE || q->running || q->kv_ready)
@@ -266,6 +291,18 @@ int cs_sched_kv_ready(cs_sched *s, uint64_t id, int32_t first_token) {
     if (first_token < 0 || first_token >= s->n_vocab)
         return cs_fail(CS_EINVAL, "request %llu: first token %d is outside the vocabulary (0..%d)",
                        (unsigned long long)id, first_token, s->n_vocab - 1);
+    if (q->logprobs) {
+        if (!first_lp || first_lp->n_top < 0 || first_lp->n_top > q->top_logprobs)
+            return cs_fail(
+                CS_EINVAL,
+                "request %llu: the first token came with %d alternatives, at most %d asked",
+                (unsigned long long)id, first_lp ? first_lp->n_top : -1, q->top_logprobs);
+        for (int32_t i = 0; i < first_lp->n_top; i++)
+            if (first_lp->top_ids[i] < 0 || first_lp->top_ids[i] >= s->n_vocab)
+                return cs_fail(CS_EINVAL, "request %llu: alternative %d is outside the vocabulary",
+                               (unsigned long long)id, first_lp->top_ids[i]);
+        q->first_lp = *first_lp;
+    }
     q->kv_ready = true;
     q->first_token = first_token;
     s->n_kv_ready++;
@@ -388,7 +425,7 @@ static void unlink_running(cs_sched *s, seq *q) {
 /* Records token id for q (sampled here, or by the prefill side) and emits
  * its event. A finished sequence leaves the running list: freed now, or kept
  * until the next step when its pages are reported (PREFILL_ONLY). */
-static int emit_token(cs_sched *s, seq *q, int32_t id, float lp, const int32_t *pages,
+static int emit_token(cs_sched *s, seq *q, int32_t id, const cs_logprobs *lp, const int32_t *pages,
                       int32_t first_page, int32_t n_pages) {
     char *text = NULL;
     enum cs_finish fin = CS_FINISH_NONE;
@@ -405,7 +442,7 @@ static int emit_token(cs_sched *s, seq *q, int32_t id, float lp, const int32_t *
     cs_event *ev = next_event(s, text);
     ev->id = q->id;
     ev->token = id;
-    ev->logprob = lp;
+    if (q->logprobs) ev->lp = *lp;
     ev->finish = fin;
     ev->n_prompt_tokens = q->n_prompt;
     ev->n_completion_tokens = q->n_tokens - q->n_prompt;
@@ -443,7 +480,7 @@ static int join_ready(cs_sched *s) {
         register_pages(s, q);
         insert_ordered(&s->running, q);
         s->n_running++;
-        int r = emit_token(s, q, q->first_token, 0.0f, NULL, 0, 0);
+        int r = emit_token(s, q, q->first_token, &q->first_lp, NULL, 0, 0);
         if (r) return r;
     }
     return 0;
@@ -613,10 +650,10 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
             }
             continue;
         }
-        float lp = 0;
+        cs_logprobs lp;
         int32_t id = cs_sampler_sample(q->smp, s->logits + (size_t)li++ * s->n_vocab,
-                                       q->logprobs ? &lp : NULL);
-        if ((r = emit_token(s, q, id, lp, n_new ? q->pt.pages + first : NULL, first, n_new)))
+                                       q->top_logprobs, q->logprobs ? &lp : NULL);
+        if ((r = emit_token(s, q, id, &lp, n_new ? q->pt.pages + first : NULL, first, n_new)))
             return r;
         s->owners[i] = NULL;
     }

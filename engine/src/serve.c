@@ -17,8 +17,10 @@ typedef struct pending {
     cs_serve_cb cb;
     void *user;
     enum { P_SUBMIT, P_CANCEL, P_KV_READY, P_KV_RELEASE } kind;
-    int32_t first_token; /* P_KV_READY */
-    int32_t *pages;      /* P_KV_RELEASE: n_pages ids to drop one reference from */
+    int32_t first_token; /* P_KV_READY, with first_lp when has_lp */
+    bool has_lp;
+    cs_logprobs first_lp;
+    int32_t *pages; /* P_KV_RELEASE: n_pages ids to drop one reference from */
     int32_t n_pages;
     struct pending *next;
 } pending;
@@ -92,7 +94,8 @@ static void apply(cs_serve *sv, pending *p) {
         return;
     }
     if (p->kind == P_KV_READY) {
-        if (*l && cs_sched_kv_ready(sv->sched, p->r.id, p->first_token) != 0) {
+        if (*l && cs_sched_kv_ready(sv->sched, p->r.id, p->first_token,
+                                    p->has_lp ? &p->first_lp : NULL) != 0) {
             CS_LOGW("request %llu: %s", (unsigned long long)p->r.id, cs_last_error());
             cs_sched_cancel(sv->sched, p->r.id);
             cs_event ev = end_event(p->r.id, CS_FINISH_ERROR, 0, cs_last_error());
@@ -249,12 +252,13 @@ void cs_serve_cancel(cs_serve *sv, uint64_t id) {
     if (enqueue(sv, p)) pending_free(p);
 }
 
-int cs_serve_kv_ready(cs_serve *sv, uint64_t id, int32_t first_token) {
+int cs_serve_kv_ready(cs_serve *sv, uint64_t id, int32_t first_token, const cs_logprobs *first_lp) {
     pending *p = calloc(1, sizeof *p);
     if (!p) return cs_fail(CS_ENOMEM, "serve: out of memory");
     p->r.id = id;
     p->kind = P_KV_READY;
     p->first_token = first_token;
+    if (first_lp) p->has_lp = true, p->first_lp = *first_lp;
     int rc = enqueue(sv, p);
     if (rc) pending_free(p);
     return rc;

@@ -21,7 +21,7 @@ struct cs_stop {
     size_t n_stop, max_stop_len;
     int32_t *stop_ids;
     size_t n_stop_ids;
-    int32_t max_tokens, n_tokens;
+    int32_t max_tokens, min_tokens, n_tokens;
     bool ignore_eos;
     char *buf; /* text decoded and not yet emitted */
     size_t len, cap;
@@ -31,6 +31,9 @@ int cs_stop_init(const cs_tokenizer *tok, const cs_stop_params *p, cs_stop **out
     *out = NULL;
     if (p->max_tokens < 1)
         return cs_fail(CS_EINVAL, "max_tokens %d must be at least 1", p->max_tokens);
+    if (p->min_tokens < 0 || p->min_tokens > p->max_tokens)
+        return cs_fail(CS_EINVAL, "min_tokens %d must be in [0, max_tokens %d]", p->min_tokens,
+                       p->max_tokens);
     if (p->n_stop > MAX_STOPS || p->n_stop_ids > MAX_STOPS)
         return cs_fail(CS_EINVAL, "at most %d stop strings and %d stop token ids", MAX_STOPS,
                        MAX_STOPS);
@@ -49,6 +52,7 @@ int cs_stop_init(const cs_tokenizer *tok, const cs_stop_params *p, cs_stop **out
     s->tok = tok;
     s->max_tokens = p->max_tokens;
     s->ignore_eos = p->ignore_eos;
+    s->min_tokens = p->min_tokens;
     cs_detok_init(&s->detok, tok, p->skip_special);
     s->stop = calloc(p->n_stop + 1, sizeof *s->stop);
     s->stop_len = calloc(p->n_stop + 1, sizeof *s->stop_len);
@@ -123,6 +127,10 @@ int cs_stop_push(cs_stop *s, int32_t id, char **text, enum cs_finish *finish) {
     bool stop_token = !s->ignore_eos && cs_tokenizer_is_eog(s->tok, id);
     for (size_t i = 0; i < s->n_stop_ids; i++)
         stop_token |= s->stop_ids[i] == id;
+    /* min_tokens: the sampler masks stop tokens up to here; one forced in (a
+     * resumed token, a prefill side without the mask) is text like any other */
+    if (s->n_tokens <= s->min_tokens) stop_token = false;
+    size_t n_stop = s->n_tokens < s->min_tokens ? 0 : s->n_stop;
     int r;
     if (stop_token) { /* the stop token's own text is not shown */
         *finish = CS_FINISH_STOP;
@@ -141,7 +149,7 @@ int cs_stop_push(cs_stop *s, int32_t id, char **text, enum cs_finish *finish) {
         if (r) return r;
         /* the earliest stop string occurrence ends the text there */
         size_t cut = s->len + 1;
-        for (size_t i = 0; i < s->n_stop; i++) {
+        for (size_t i = 0; i < n_stop; i++) {
             const char *hit = strstr(s->buf ? s->buf : "", s->stop[i]);
             if (hit && (size_t)(hit - s->buf) < cut) cut = (size_t)(hit - s->buf);
         }

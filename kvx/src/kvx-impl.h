@@ -47,7 +47,7 @@ typedef struct kvx_out {
     uint64_t xfer_id;
     cs_kvx_hdr h;
     uint8_t hdr[CS_KVX_HDR_BYTES];
-    uint8_t ctl[CS_KVX_ACK_BYTES];
+    uint8_t ctl[CS_KVX_CTRL_MAX_BYTES];
     const uint8_t *base; /* PAGES: pool base; page ids[i] at base + ids[i] * page_bytes */
     const int32_t *ids;
     int32_t n_pages;

@@ -15,6 +15,7 @@
 #include <unistd.h>
 #include <xxhash.h>
 
+#include "chunkserve/assert.h"
 #include "chunkserve/error.h"
 
 /* Weak: defined only when the program links cs_kvx_nccl (CUDA + NCCL). */
@@ -102,6 +103,7 @@ void cs__kvx_out_ctl(kvx_out *o, int type, uint64_t epoch, uint64_t xfer_id, uin
     o->h.xfer_id = xfer_id;
     o->h.fingerprint = fingerprint;
     o->h.payload_len = len;
+    CS_ASSERT(len <= sizeof o->ctl);
     if (len) {
         memcpy(o->ctl, payload, len);
         o->h.flags = CS_KVX_FLAG_CHECKSUM;

@@ -79,9 +79,9 @@ typedef struct rx_conn {
     uint64_t peer_inc;
     uint8_t hdr[CS_KVX_HDR_BYTES];
     size_t hdr_len;
-    cs_kvx_hdr h;                  /* header of the frame being read, valid once hdr_len == 64 */
-    uint8_t buf[CS_KVX_ACK_BYTES]; /* control payloads: every one fits */
-    size_t pl_len;                 /* payload bytes read of the current frame */
+    cs_kvx_hdr h; /* header of the frame being read, valid once hdr_len == 64 */
+    uint8_t buf[CS_KVX_CTRL_MAX_BYTES]; /* control payloads: every one fits */
+    size_t pl_len;                      /* payload bytes read of the current frame */
     /* inline PAGES being read: into x's pages (x NULL: into scratch) */
     struct rx_xfer *px;
     bool pages;

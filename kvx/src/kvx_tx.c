@@ -1180,7 +1180,8 @@ int cs_kvx_tx_finish(cs_kvx_tx *tx, uint64_t xfer_id, const cs_kvx_trailer *t) {
     if (!x || x->fail || x->trailer_queued) {
         r = cs_fail(CS_ENOENT, "kvx tx: transfer %llu is not open", (unsigned long long)xfer_id);
     } else if (!t || t->total_pages != x->total_pages || x->queued_pages != x->total_pages ||
-               t->first_token < 0 || t->prompt_len < 0) {
+               t->first_token < 0 || t->prompt_len < 0 || t->n_top < 0 ||
+               t->n_top > CS_KVX_MAX_TOP) {
         r = cs_fail(CS_EINVAL, "kvx tx: transfer %llu: trailer with %d pages after %d of %d queued",
                     (unsigned long long)xfer_id, t ? t->total_pages : -1, x->queued_pages,
                     x->total_pages);

@@ -35,6 +35,21 @@ static uint64_t get64(const uint8_t *p) {
         v = (v << 8) | p[i];
     return v;
 }
+_Static_assert(CS_KVX_CTRL_MAX_BYTES >= CS_KVX_ACK_BYTES &&
+                   CS_KVX_CTRL_MAX_BYTES >= CS_KVX_NCCL_ID_BYTES &&
+                   CS_KVX_CTRL_MAX_BYTES >= CS_KVX_HELLO_BYTES,
+               "every control payload fits CS_KVX_CTRL_MAX_BYTES");
+
+static uint32_t f32_bits(float f) {
+    uint32_t v;
+    memcpy(&v, &f, sizeof v);
+    return v;
+}
+static float bits_f32(uint32_t v) {
+    float f;
+    memcpy(&f, &v, sizeof f);
+    return f;
+}
 
 #define FAIL(code, ...)                                                                            \
     do {                                                                                           \
@@ -214,7 +229,13 @@ void cs_kvx_trailer_encode(const cs_kvx_trailer_wire *t, uint8_t out[CS_KVX_TRAI
     put32(out + 0, (uint32_t)t->t.first_token);
     put32(out + 4, (uint32_t)t->t.prompt_len);
     put32(out + 8, (uint32_t)t->t.total_pages);
+    put32(out + 12, (uint32_t)t->t.n_top);
     put64(out + 16, t->xxh64);
+    put32(out + 24, f32_bits(t->t.first_logprob));
+    for (int32_t i = 0; i < t->t.n_top && i < CS_KVX_MAX_TOP; i++) {
+        put32(out + 32 + 8 * i, (uint32_t)t->t.top_ids[i]);
+        put32(out + 36 + 8 * i, f32_bits(t->t.top_logprobs[i]));
+    }
 }
 
 int cs_kvx_trailer_decode(const uint8_t *in, size_t len, cs_kvx_trailer_wire *t, char *err,
@@ -223,9 +244,21 @@ int cs_kvx_trailer_decode(const uint8_t *in, size_t len, cs_kvx_trailer_wire *t,
     t->t.first_token = (int32_t)get32(in + 0);
     t->t.prompt_len = (int32_t)get32(in + 4);
     t->t.total_pages = (int32_t)get32(in + 8);
+    t->t.n_top = (int32_t)get32(in + 12);
     t->xxh64 = get64(in + 16);
+    t->t.first_logprob = bits_f32(get32(in + 24));
     if (t->t.first_token < 0 || t->t.prompt_len < 0 || t->t.total_pages < 0)
         FAIL(CS_EBADMSG, "kvx: TRAILER with negative fields");
+    if (t->t.n_top < 0 || t->t.n_top > CS_KVX_MAX_TOP)
+        FAIL(CS_EBADMSG, "kvx: TRAILER with %d alternatives (at most %d)", t->t.n_top,
+             CS_KVX_MAX_TOP);
+    if (!(t->t.first_logprob <= 0)) FAIL(CS_EBADMSG, "kvx: TRAILER with a logprob above 0");
+    for (int32_t i = 0; i < t->t.n_top; i++) {
+        t->t.top_ids[i] = (int32_t)get32(in + 32 + 8 * i);
+        t->t.top_logprobs[i] = bits_f32(get32(in + 36 + 8 * i));
+        if (t->t.top_ids[i] < 0 || !(t->t.top_logprobs[i] <= 0))
+            FAIL(CS_EBADMSG, "kvx: TRAILER alternative %d is not a token and a logprob <= 0", i);
+    }
     return 0;
 }
 

@@ -18,7 +18,8 @@
  * A reader decodes with its own payload (cs_kvx_limits.payload) and refuses
  * the other's data frames. HELLO announces the sender's payload (flag NCCL);
  * the receiver refuses one it does not speak, naming both.
- * Version 2: XXH3 payload checksums, trailer = fold of the chunk checksums. */
+ * Version 2: XXH3 payload checksums, trailer = fold of the chunk checksums.
+ * Version 3: the trailer carries the first token's log-probabilities. */
 #ifndef CS_KVX_WIRE_H
 #define CS_KVX_WIRE_H
 
@@ -29,7 +30,7 @@
 #include "chunkserve/kvx.h"
 
 #define CS_KVX_MAGIC 0x564b5343u /* "CSKV" */
-#define CS_KVX_VERSION 2
+#define CS_KVX_VERSION 3
 #define CS_KVX_HDR_BYTES 64
 #define CS_KVX_FLAG_CHECKSUM 1u
 #define CS_KVX_FLAG_NCCL 2u /* HELLO only: the sender's payload is NCCL (else TCP) */
@@ -55,12 +56,15 @@ enum cs_kvx_frame_type {
 
 #define CS_KVX_HELLO_BYTES 96 /* layout (32) + name (64) */
 #define CS_KVX_ACK_BYTES 128  /* status i32, pad, message (120) */
-#define CS_KVX_TRAILER_BYTES                                                                       \
-    24 /* first_token, prompt_len, total_pages, pad, fold of the chunk checksums */
-#define CS_KVX_STATUS_BYTES 8     /* status i32, pad (ABORT, DONE) */
-#define CS_KVX_NCCL_ID_BYTES 128  /* ncclUniqueId, opaque */
-#define CS_KVX_NCCL_DESC_BYTES 24 /* bytes u64, sum u64, flags u32, pad */
-#define CS_KVX_DESC_SUM 1u        /* descriptor flag: sum holds the device sum of the chunk */
+/* TRAILER: 0 first_token, 4 prompt_len, 8 total_pages, 12 n_top (<= 20),
+ * 16 fold of the chunk checksums u64, 24 first_logprob f32, 28 pad, 32 n_top
+ * pairs (id i32, logprob f32), the rest zero */
+#define CS_KVX_TRAILER_BYTES (32 + 8 * CS_KVX_MAX_TOP)
+#define CS_KVX_CTRL_MAX_BYTES CS_KVX_TRAILER_BYTES /* the largest control payload */
+#define CS_KVX_STATUS_BYTES 8                      /* status i32, pad (ABORT, DONE) */
+#define CS_KVX_NCCL_ID_BYTES 128                   /* ncclUniqueId, opaque */
+#define CS_KVX_NCCL_DESC_BYTES 24                  /* bytes u64, sum u64, flags u32, pad */
+#define CS_KVX_DESC_SUM 1u /* descriptor flag: sum holds the device sum of the chunk */
 
 typedef struct {
     uint16_t version, type;

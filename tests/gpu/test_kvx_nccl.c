@@ -190,7 +190,7 @@ static int send_some(cs_kvx_tx *tx, const tplan *t, int32_t *sent, int32_t step)
 }
 
 static void finish(cs_kvx_tx *tx, const tplan *t) {
-    cs_kvx_trailer tr = {1, t->n * LG.page_size, t->n};
+    cs_kvx_trailer tr = {.first_token = 1, .prompt_len = t->n * LG.page_size, .total_pages = t->n};
     if (cs_kvx_tx_finish(tx, t->id, &tr))
         FAILX("finish %llu: %s", (unsigned long long)t->id, cs_last_error());
 }

@@ -80,7 +80,7 @@ static double bench_kvx(cs_kvx_tx *tx, cs_kvx_rx *rx, int32_t n_pages, uint64_t 
         int32_t k = n_pages - p < 32 ? n_pages - p : 32;
         ASSERT_EQ_INT(send_retry(tx, id, p, k, ids + p, NULL, NULL), 0);
     }
-    cs_kvx_trailer t = {0, n_pages * 16, n_pages};
+    cs_kvx_trailer t = {.first_token = 0, .prompt_len = n_pages * 16, .total_pages = n_pages};
     ASSERT_EQ_INT(cs_kvx_tx_finish(tx, id, &t), 0);
     ASSERT_TRUE(waiter_wait(&tw, 1, 60000));
     double dt = now_s() - t0;

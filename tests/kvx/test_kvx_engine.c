@@ -116,7 +116,14 @@ static bool xfer_step(xfer *x, cs_kvx_tx *tx, int32_t chunk) {
     queued_pages += k;
     x->sent += k;
     if (x->sent == x->n) {
-        cs_kvx_trailer t = {(int32_t)(x->id % 1000), x->n * 16 - 3, x->n};
+        /* the first token's logprobs ride along (n_top varies with the id) */
+        cs_kvx_trailer t = {.first_token = (int32_t)(x->id % 1000),
+                            .prompt_len = x->n * 16 - 3,
+                            .total_pages = x->n,
+                            .first_logprob = -0.5f,
+                            .n_top = (int32_t)(x->id % (CS_KVX_MAX_TOP + 1))};
+        for (int32_t i = 0; i < t.n_top; i++)
+            t.top_ids[i] = i * 7, t.top_logprobs[i] = -0.125f * (float)(i + 1);
         ASSERT_EQ_INT(cs_kvx_tx_finish(tx, x->id, &t), 0);
         return true;
     }
@@ -205,7 +212,13 @@ int main(void) {
         ASSERT_TRUE(waiter_wait(&tw, ++done_tx, 20000));
         ASSERT_EQ_INT(waiter_status(&tw, x.id), 0);
         ASSERT_EQ_INT(r[0].w.t[done_rx0 - 1].total_pages, sizes[k]);
-        ASSERT_EQ_INT(r[0].w.t[done_rx0 - 1].first_token, (int32_t)(x.id % 1000));
+        const cs_kvx_trailer *got = &r[0].w.t[done_rx0 - 1];
+        ASSERT_EQ_INT(got->first_token, (int32_t)(x.id % 1000));
+        ASSERT_TRUE(got->first_logprob == -0.5f);
+        ASSERT_EQ_INT(got->n_top, (int32_t)(x.id % (CS_KVX_MAX_TOP + 1)));
+        for (int32_t i = 0; i < got->n_top; i++)
+            ASSERT_TRUE(got->top_ids[i] == i * 7 &&
+                        got->top_logprobs[i] == -0.125f * (float)(i + 1));
         xfer_check_free(&x, &r[0]);
     }
     fprintf(stderr, "ranges 1..3000 pages: ok\n");

@@ -65,7 +65,7 @@ static void child_sender(int port, uint64_t xfer, int n, bool slow, uint64_t inc
         send_retry(tx, xfer, i, 1, &ids[i % NP], NULL, NULL);
         if (slow) usleep(20000);
     }
-    cs_kvx_trailer t = {1, n * 16, n};
+    cs_kvx_trailer t = {.first_token = 1, .prompt_len = n * 16, .total_pages = n};
     cs_kvx_tx_finish(tx, xfer, &t);
     if (!waiter_wait(&w, 1, 20000)) _exit(4);
     int st = w.status[0];
@@ -279,7 +279,7 @@ int main(void) {
                   CS_EINVAL); /* outside the pool */
     memset(tx_pool, 0x11, (size_t)NP * PB);
     ASSERT_EQ_INT(cs_kvx_tx_send_pages(tx, 2, 0, 64, ids, NULL, NULL), 0);
-    cs_kvx_trailer t = {1, 64 * 16, 64};
+    cs_kvx_trailer t = {.first_token = 1, .prompt_len = 64 * 16, .total_pages = 64};
     ASSERT_EQ_INT(cs_kvx_tx_finish(tx, 2, &t), 0);
     ASSERT_TRUE(waiter_wait(&tw, 2, 5000));
     ASSERT_EQ_INT(waiter_status(&tw, 2), 0);

@@ -87,7 +87,8 @@ static void test_wire(void) {
     cs_kvx_ack_encode(0, "ok", ack);
     n += put_frame(buf + n, CS_KVX_NCCL_READY, 0, 0, 0, 16, ack, sizeof ack);
     n += put_desc(buf + n, 1, 0, 2, 2 * PB, CS_KVX_DESC_SUM);
-    cs_kvx_trailer_wire tw = {{5, 4, 2}, 77};
+    cs_kvx_trailer_wire tw = {.t = {.first_token = 5, .prompt_len = 4, .total_pages = 2},
+                              .xxh64 = 77};
     uint8_t tb[CS_KVX_TRAILER_BYTES];
     cs_kvx_trailer_encode(&tw, tb);
     n += put_frame(buf + n, CS_KVX_TRAILER, 0, 1, 0, 0, tb, sizeof tb);
@@ -191,7 +192,9 @@ static void xf_send(cs_kvx_tx *tx, xf *x, int32_t step) {
 }
 
 static void xf_finish(cs_kvx_tx *tx, xf *x) {
-    cs_kvx_trailer t = {(int32_t)(x->id % 1000), x->n * L.page_size, x->n};
+    cs_kvx_trailer t = {.first_token = (int32_t)(x->id % 1000),
+                        .prompt_len = x->n * L.page_size,
+                        .total_pages = x->n};
     ASSERT_EQ_INT(cs_kvx_tx_finish(tx, x->id, &t), 0);
 }
 
@@ -428,7 +431,8 @@ static void fail_case(const char *what, int *knob_on, int32_t op_timeout, int32_
         t0 = test_now_ms();
         LOOP_SET_PTR(knob_on, 1);
         for (int i = 0; i < 3; i++) {
-            cs_kvx_trailer t = {1, 60 * L.page_size, 60};
+            cs_kvx_trailer t = {
+                .first_token = 1, .prompt_len = 60 * L.page_size, .total_pages = 60};
             if (xf_send_try(tx, &xs[i], 30) == 0) (void)cs_kvx_tx_finish(tx, xs[i].id, &t);
         }
     }

@@ -3,7 +3,9 @@
  * engine, a decode scheduler (CS_KV_REMOTE) on another, pages copied with
  * kv export/import as each step reports them. Checks:
  * - the tokens equal those of one local scheduler, greedy and sampled, for
- *   any prefill chunk size, with pages arriving in step-sized pieces;
+ *   any prefill chunk size, with pages arriving in step-sized pieces; so do
+ *   their logprobs and alternatives (the first token's come from the prefill
+ *   side, as the KV trailer carries them);
  * - pages are reported in order, each exactly once, covering the prompt;
  * - resumed (migrated) requests continue exactly where the original was;
  * - admission by free pages (reserve): CS_ENOSPC changes nothing;
@@ -37,6 +39,7 @@ typedef struct {
     int32_t n_prompt, max_tokens;
     bool sampled;
     int32_t out[MAX_GEN + 1];
+    cs_logprobs lp[MAX_GEN + 1];
     int32_t n_out;
 } req;
 
@@ -50,6 +53,8 @@ static cs_request make_req(const req *q, uint64_t id) {
         r.sampling.temperature = 0.9f, r.sampling.top_k = 40, r.sampling.seed = 1000 + id;
     r.stop.max_tokens = q->max_tokens;
     r.stop.ignore_eos = true;
+    r.logprobs = true;
+    r.top_logprobs = (int32_t)(id % 4) * 3; /* 0, 3, 6, 9 alternatives */
     return r;
 }
 
@@ -68,8 +73,11 @@ static void run_local(cs_engine *e, req *reqs, int n) {
         const cs_event *ev;
         int32_t ne;
         ASSERT_EQ_INT(cs_sched_step(s, &ev, &ne), 0);
-        for (int32_t i = 0; i < ne; i++)
-            reqs[ev[i].id].out[reqs[ev[i].id].n_out++] = ev[i].token;
+        for (int32_t i = 0; i < ne; i++) {
+            req *q = &reqs[ev[i].id];
+            q->lp[q->n_out] = ev[i].lp;
+            q->out[q->n_out++] = ev[i].token;
+        }
     }
     cs_sched_free(s);
 }
@@ -89,6 +97,7 @@ static void run_disagg(cs_engine *P, cs_engine *D, const req *reqs, int n, int32
     ASSERT_EQ_INT((int)pb, (int)cs_engine_page_bytes(D));
     const int32_t ps = cs_kv_cache_page_size(cs_engine_kv(P));
     static int32_t n_got[N_REQ], reported[N_REQ], out[N_REQ][MAX_GEN + 1];
+    static cs_logprobs lps[N_REQ][MAX_GEN + 1];
     static const int32_t *dst[N_REQ];
     static int32_t n_dst[N_REQ];
     int finished = 0;
@@ -131,21 +140,31 @@ static void run_disagg(cs_engine *P, cs_engine *D, const req *reqs, int n, int32
             if (ev[k].token >= 0) { /* the first token: the prompt's KV is all there */
                 ASSERT_EQ_INT(ev[k].finish, CS_FINISH_LENGTH);
                 ASSERT_EQ_INT(reported[i], n_dst[i]);
-                ASSERT_EQ_INT(cs_sched_kv_ready(sd, ev[k].id, ev[k].token), 0);
+                ASSERT_EQ_INT(cs_sched_kv_ready(sd, ev[k].id, ev[k].token, &ev[k].lp), 0);
             }
         }
         ASSERT_EQ_INT(cs_sched_step(sd, &ev, &ne), 0);
         for (int32_t k = 0; k < ne; k++) {
             int i = (int)ev[k].id;
             ASSERT_TRUE(ev[k].token >= 0 && n_got[i] <= MAX_GEN);
+            lps[i][n_got[i]] = ev[k].lp;
             out[i][n_got[i]++] = ev[k].token;
             if (ev[k].finish) finished++;
         }
     }
     for (int i = 0; i < n; i++) {
         ASSERT_EQ_INT(n_got[i], reqs[i].n_out);
-        for (int j = 0; j < n_got[i]; j++)
+        for (int j = 0; j < n_got[i]; j++) {
             ASSERT_EQ_INT(out[i][j], reqs[i].out[j]);
+            /* chunking changes the logits' bits only within the CPU tolerance */
+            const cs_logprobs *a = &lps[i][j], *b = &reqs[i].lp[j];
+            ASSERT_NEAR(a->logprob, b->logprob, 1e-3);
+            ASSERT_EQ_INT(a->n_top, (i % 4) * 3);
+            ASSERT_EQ_INT(b->n_top, a->n_top);
+            for (int32_t k = 0; k < a->n_top; k++)
+                ASSERT_NEAR(a->top_logprobs[k], b->top_logprobs[k], 1e-3);
+            if (a->n_top) ASSERT_EQ_INT(a->top_ids[0], b->top_ids[0]);
+        }
     }
     free(buf);
     const cs_event *ev;
@@ -220,6 +239,8 @@ static void check_reserve(void) {
     r.sampling = cs_sampling_params_default();
     r.stop.max_tokens = 4;
     r.kv_mode = CS_KV_REMOTE;
+    r.logprobs = true;
+    r.top_logprobs = 2;
     r.id = 1;
     ASSERT_EQ_INT(cs_sched_add(s, &r), 0);
     ASSERT_EQ_INT(cs_kv_cache_n_used(kv), 13);
@@ -230,12 +251,17 @@ static void check_reserve(void) {
     ASSERT_EQ_INT(cs_sched_add(s, &r), CS_ENOSPC);
     ASSERT_EQ_INT(cs_kv_cache_n_used(kv), 13);
     ASSERT_EQ_INT(cs_kv_cache_check(kv), 0);
-    ASSERT_EQ_INT(cs_sched_kv_ready(s, 1, V), CS_EINVAL); /* outside the vocabulary */
-    ASSERT_EQ_INT(cs_sched_kv_ready(s, 9, 1), CS_ENOENT);
+    ASSERT_EQ_INT(cs_sched_kv_ready(s, 1, V, NULL), CS_EINVAL); /* outside the vocabulary */
+    cs_logprobs lp = {.logprob = -1, .n_top = 2, .top_ids = {3, V}, .top_logprobs = {-1, -2}};
+    ASSERT_EQ_INT(cs_sched_kv_ready(s, 1, 3, NULL), CS_EINVAL); /* logprobs asked, none came */
+    ASSERT_EQ_INT(cs_sched_kv_ready(s, 1, 3, &lp), CS_EINVAL);  /* an alternative outside */
+    lp.n_top = 3;
+    ASSERT_EQ_INT(cs_sched_kv_ready(s, 1, 3, &lp), CS_EINVAL); /* more than asked */
+    ASSERT_EQ_INT(cs_sched_kv_ready(s, 9, 1, NULL), CS_ENOENT);
     ASSERT_TRUE(cs_sched_idle(s)); /* waiting for KV is not work */
     ASSERT_EQ_INT(cs_sched_cancel(s, 1), 0);
     ASSERT_EQ_INT(cs_kv_cache_n_used(kv), 0);
-    ASSERT_EQ_INT(cs_sched_kv_ready(s, 1, 1), CS_ENOENT);
+    ASSERT_EQ_INT(cs_sched_kv_ready(s, 1, 1, NULL), CS_ENOENT);
     /* a reserved local request runs normally from its reserved pages */
     r.n_prompt = 100;
     ASSERT_EQ_INT(cs_sched_add(s, &r), 0);

@@ -9,7 +9,7 @@ static int32_t sample_with(cs_sampling_params p, const float *logits_in, cs_samp
     float l[V];
     memcpy(l, logits_in, sizeof l);
     (void)p;
-    return cs_sampler_sample(s, l, NULL);
+    return cs_sampler_sample(s, l, 0, NULL);
 }
 
 int main(void) {
@@ -39,13 +39,55 @@ int main(void) {
     /* greedy: first of the tied maxima */
     ASSERT_EQ_INT(cs_sampler_init(&p, V, &s), 0);
     ASSERT_EQ_INT(sample_with(p, logits, s), 1);
-    float lp, l2[V];
+    cs_logprobs lp;
+    float l2[V];
     memcpy(l2, logits, sizeof l2);
-    ASSERT_EQ_INT(cs_sampler_sample(s, l2, &lp), 1);
+    ASSERT_EQ_INT(cs_sampler_sample(s, l2, 0, &lp), 1);
     double z = 0;
     for (int i = 0; i < V; i++)
         z += exp(logits[i]);
-    ASSERT_NEAR(lp, 3 - log(z), 1e-5);
+    ASSERT_NEAR(lp.logprob, 3 - log(z), 1e-5);
+    ASSERT_EQ_INT(lp.n_top, 0);
+    /* top logprobs: most likely first, the lower id first on ties; raw */
+    memcpy(l2, logits, sizeof l2);
+    ASSERT_EQ_INT(cs_sampler_sample(s, l2, 4, &lp), 1);
+    ASSERT_EQ_INT(lp.n_top, 4);
+    const int32_t want_top[4] = {1, 2, 5, 0};
+    for (int i = 0; i < 4; i++) {
+        ASSERT_EQ_INT(lp.top_ids[i], want_top[i]);
+        ASSERT_NEAR(lp.top_logprobs[i], logits[want_top[i]] - log(z), 1e-5);
+    }
+    ASSERT_TRUE(lp.top_logprobs[0] == lp.logprob); /* the same formula, the same bits */
+    memcpy(l2, logits, sizeof l2);
+    ASSERT_EQ_INT(cs_sampler_sample(s, l2, 99, &lp), 1); /* clamped to the vocabulary */
+    ASSERT_EQ_INT(lp.n_top, V);
+    for (int i = 1; i < V; i++)
+        ASSERT_TRUE(lp.top_logprobs[i] <= lp.top_logprobs[i - 1]);
+    ASSERT_EQ_INT(lp.top_ids[V - 1], 7);
+    cs_sampler_free(s);
+
+    /* min_tokens: suppressed ids are never picked until that many accepted;
+     * logprobs stay raw */
+    ASSERT_EQ_INT(cs_sampler_init(&p, V, &s), 0);
+    const int32_t stops[] = {1, 2, 99};
+    ASSERT_EQ_INT(cs_sampler_suppress(s, stops, 3, 2), 0);
+    memcpy(l2, logits, sizeof l2);
+    ASSERT_EQ_INT(cs_sampler_sample(s, l2, 1, &lp), 5);
+    ASSERT_EQ_INT(lp.top_ids[0], 1);
+    cs_sampler_accept(s, 5);
+    ASSERT_EQ_INT(sample_with(p, logits, s), 5);
+    cs_sampler_accept(s, 5);
+    ASSERT_EQ_INT(sample_with(p, logits, s), 1); /* two accepted: free again */
+    cs_sampler_free(s);
+    cs_sampling_params hot = p;
+    hot.temperature = 5;
+    ASSERT_EQ_INT(cs_sampler_init(&hot, V, &s), 0);
+    ASSERT_EQ_INT(cs_sampler_suppress(s, stops, 2, 1000), 0);
+    for (int i = 0; i < 200; i++) {
+        int32_t id = sample_with(hot, logits, s);
+        ASSERT_TRUE(id != 1 && id != 2);
+        cs_sampler_accept(s, id);
+    }
     cs_sampler_free(s);
 
     /* repetition penalty turns the greedy choice */

@@ -92,6 +92,26 @@ int main(void) {
     ASSERT_EQ_INT(fin, CS_FINISH_STOP);
     ASSERT_EQ_STR(t, "hi");
     free(t);
+    /* min_tokens: a stop token or string before it is text like any other */
+    p.min_tokens = 50;
+    t = feed(&p, "hi<|im_end|>more", &fin, &used);
+    ASSERT_EQ_INT(fin, CS_FINISH_NONE);
+    ASSERT_EQ_STR(t, "himore");
+    free(t);
+    p.stop = stops, p.n_stop = 1;
+    t = feed(&p, "one two STOP three", &fin, &used);
+    ASSERT_EQ_INT(fin, CS_FINISH_NONE);
+    ASSERT_EQ_STR(t, "one two STOP three");
+    free(t);
+    p.min_tokens = 1; /* from token 1 on stop strings count, from token 2 stop tokens */
+    t = feed(&p, "one two STOP three", &fin, &used);
+    ASSERT_EQ_INT(fin, CS_FINISH_STOP);
+    ASSERT_EQ_STR(t, "one two ");
+    free(t);
+    p.n_stop = 0, p.min_tokens = 101; /* more than max_tokens */
+    ASSERT_EQ_INT(cs_stop_init(tok, &p, &s), CS_EINVAL);
+    ASSERT_MSG_HAS(cs_last_error(), "min_tokens");
+    p.min_tokens = 0;
     p.ignore_eos = true;
     t = feed(&p, "hi<|im_end|>more", &fin, &used);
     ASSERT_EQ_INT(fin, CS_FINISH_NONE);

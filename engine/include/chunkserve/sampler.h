@@ -35,15 +35,33 @@ typedef struct cs_sampler cs_sampler;
 int cs_sampler_init(const cs_sampling_params *p, int32_t n_vocab, cs_sampler **out);
 void cs_sampler_free(cs_sampler *s); /* NULL is a no-op */
 
+/* min_tokens: until min_tokens tokens have been accepted, the n ids (the
+ * stop tokens: end-of-generation unless ignored, stop_token_ids; copied) are
+ * never sampled (their logits are -inf after the penalties; logprobs stay
+ * raw). CS_ENOMEM. */
+int cs_sampler_suppress(cs_sampler *s, const int32_t *ids, size_t n, int32_t min_tokens);
+
 /* Records prompt tokens (they count for the repetition penalty only). */
 void cs_sampler_accept_prompt(cs_sampler *s, const int32_t *ids, size_t n);
 /* Records a generated token (all penalties). Call after each sample. */
 void cs_sampler_accept(cs_sampler *s, int32_t id);
 
+/* Log-probabilities under the model's raw distribution (before penalties and
+ * temperature): the chosen token's and the n_top most likely tokens' (most
+ * likely first, the lower id first on ties), as OpenAI's logprobs and
+ * top_logprobs report them. */
+#define CS_MAX_TOP_LOGPROBS 20
+typedef struct {
+    float logprob; /* the chosen token's */
+    int32_t n_top; /* 0..CS_MAX_TOP_LOGPROBS */
+    int32_t top_ids[CS_MAX_TOP_LOGPROBS];
+    float top_logprobs[CS_MAX_TOP_LOGPROBS];
+} cs_logprobs;
+
 /* Picks the next token from logits (n_vocab floats; overwritten as scratch).
- * If logprob is not NULL it receives the log-probability of the chosen token
- * under the model's raw distribution (before penalties and temperature). */
-int32_t cs_sampler_sample(cs_sampler *s, float *logits, float *logprob);
+ * If lp is not NULL it receives the chosen token's log-probability and the
+ * n_top (0..CS_MAX_TOP_LOGPROBS, clamped) most likely alternatives. */
+int32_t cs_sampler_sample(cs_sampler *s, float *logits, int32_t n_top, cs_logprobs *lp);
 
 /* Randomness is counter-based: the draw for the k-th generated token (k =
  * tokens accepted so far) depends only on (seed, k). So a sequence continued

@@ -58,8 +58,10 @@ typedef struct {
                           stop checker see them as generated; the next event is
                           the token after them. 0 normally */
     cs_sampling_params sampling;
-    cs_stop_params stop; /* max_tokens, stop strings and ids, ignore_eos; copied */
-    bool logprobs;       /* report the chosen tokens' log-probabilities */
+    cs_stop_params stop;  /* max_tokens, stop strings and ids, ignore_eos; copied */
+    bool logprobs;        /* report the chosen tokens' log-probabilities */
+    int32_t top_logprobs; /* with logprobs: the most likely alternatives per token to
+                             report, 0..CS_MAX_TOP_LOGPROBS */
     enum cs_kv_mode kv_mode;
     bool reserve; /* reserve the prompt's pages at add, all or nothing:
                      CS_ENOSPC when they are not free now (admission by
@@ -70,7 +72,7 @@ typedef struct {
 typedef struct {
     uint64_t id;
     int32_t token;         /* the new token, -1 when none (cancel, error) */
-    float logprob;         /* when requested */
+    cs_logprobs lp;        /* when requested: the token's log-probability, alternatives */
     const char *text;      /* text that became final with this token; "" if none */
     enum cs_finish finish; /* CS_FINISH_NONE while the request goes on */
     int32_t n_prompt_tokens, n_completion_tokens;
@@ -130,11 +132,12 @@ int cs_sched_cancel(cs_sched *s, uint64_t id);
  * ends. CS_ENOENT when the id is not live or has started. */
 int cs_sched_kv_pages(cs_sched *s, uint64_t id, const int32_t **pages, int32_t *n_pages);
 /* CS_KV_REMOTE: the prompt's KV is in the reserved pages and first_token
- * was sampled by the prefill side: at the next step the token goes through
- * the stop rules (its event is emitted) and the sequence joins the running
- * batch. CS_ENOENT (not waiting for KV), CS_EINVAL (token outside the
- * vocabulary: nothing changes). */
-int cs_sched_kv_ready(cs_sched *s, uint64_t id, int32_t first_token);
+ * was sampled by the prefill side (first_lp: its log-probabilities, when the
+ * request asked for them; NULL otherwise): at the next step the token goes
+ * through the stop rules (its event is emitted) and the sequence joins the
+ * running batch. CS_ENOENT (not waiting for KV), CS_EINVAL (a token outside
+ * the vocabulary or more alternatives than asked: nothing changes). */
+int cs_sched_kv_ready(cs_sched *s, uint64_t id, int32_t first_token, const cs_logprobs *first_lp);
 
 /* Runs one step (does nothing when idle). *events/n_events: what happened,
  * valid until the next call. Fails only on an engine error, after which every

@@ -33,12 +33,15 @@ typedef struct {
     size_t n_stop_ids;
     int32_t max_tokens; /* >= 1 */
     bool ignore_eos;    /* do not stop on the model's end-of-generation tokens */
+    int32_t min_tokens; /* 0..max_tokens: no stop token before token min_tokens + 1 and
+                           no stop string before token min_tokens (as vLLM); 0 = off */
     bool skip_special;  /* leave control tokens out of the text */
 } cs_stop_params;
 
 typedef struct cs_stop cs_stop;
 
-/* Copies the params. CS_EINVAL for max_tokens < 1, an empty or invalid UTF-8
+/* Copies the params. CS_EINVAL for max_tokens < 1, min_tokens outside
+ * [0, max_tokens], an empty or invalid UTF-8
  * stop string, more than 64 stop strings or ids, or strings over 256 bytes. */
 int cs_stop_init(const cs_tokenizer *tok, const cs_stop_params *p, cs_stop **out);
 void cs_stop_free(cs_stop *s); /* NULL is a no-op */

@@ -81,10 +81,17 @@ int cs_kvx_payload_of_pool(int kind);
 bool cs_kvx_payload_available(int payload);
 
 /* What the sender appends after the last page. */
+#define CS_KVX_MAX_TOP 20 /* alternatives of the first token (the engine's CS_MAX_TOP_LOGPROBS) */
 typedef struct {
     int32_t first_token; /* sampled after the last prompt chunk */
     int32_t prompt_len;  /* tokens whose KV the pages hold */
     int32_t total_pages; /* must equal the pages sent and the pages reserved */
+    /* the first token's log-probability and n_top alternatives (most likely
+     * first) when the request asked for logprobs; 0 otherwise */
+    float first_logprob;
+    int32_t n_top;
+    int32_t top_ids[CS_KVX_MAX_TOP];
+    float top_logprobs[CS_KVX_MAX_TOP];
 } cs_kvx_trailer;
 
 /* Counters (monotonic except the gauges marked). */
