@@ -1,7 +1,7 @@
 /* auth.h (api/): the public API's keys, checked alike at both doors: HTTP
  * "Authorization: Bearer <key>" (openai/) and gRPC "authorization:
  * Bearer <key>" metadata (Generation service). Keys come from
- * --api-key / CHUNKSERVE_API_KEY (comma-separated) and --api-key-file (one
+ * --api-key (repeatable) / CHUNKSERVE_API_KEY (comma-separated) and --api-key-file (one
  * per line); they are compared in constant time and never logged. No keys
  * configured: every call is let through. */
 #ifndef CHUNKSERVE_API_AUTH_H

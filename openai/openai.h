@@ -55,7 +55,8 @@ typedef struct {
          CS_CONFIG_SECRET,                                                                         \
          offsetof(T, m.api_key),                                                                   \
          NULL,                                                                                     \
-         "API keys (comma-separated) the public API requires: HTTP 'Authorization: Bearer KEY', "  \
+         "API key the public API requires (repeat the flag, or comma-separate, for more): HTTP "   \
+         "'Authorization: Bearer KEY', "                                                           \
          "gRPC 'authorization' metadata; none = open",                                             \
          0,                                                                                        \
          0},                                                                                       \

@@ -150,6 +150,35 @@ static int resolve_flag(const cs_config_entry *table, size_t n, int argc, char *
     return 0;
 }
 
+/* Every value given to as[k]'s entry on the command line, joined by ','
+ * (a repeated CS_CONFIG_SECRET flag). A join lives as long as the process,
+ * like argv: `joins` keeps it reachable. NULL when out of memory. */
+static const char *join_repeats(const assignment *as, int n_as, int k) {
+    static char **joins;
+    static size_t n_joins;
+    size_t len = 0;
+    int count = 0;
+    for (int j = 0; j < n_as; j++)
+        if (as[j].e == as[k].e) len += strlen(as[j].val) + 1, count++;
+    if (count == 1) return as[k].val;
+    char **grown = realloc(joins, (n_joins + 1) * sizeof *joins);
+    if (!grown) return NULL;
+    joins = grown;
+    char *s = malloc(len);
+    if (!s) return NULL;
+    joins[n_joins++] = s;
+    size_t at = 0;
+    for (int j = 0; j < n_as; j++) {
+        if (as[j].e != as[k].e) continue;
+        if (at) s[at++] = ',';
+        size_t l = strlen(as[j].val);
+        memcpy(s + at, as[j].val, l);
+        at += l;
+    }
+    s[at] = 0;
+    return s;
+}
+
 int cs_config_parse(const cs_config_entry *table, size_t n, void *opts, int argc, char **argv,
                     int first, const char *prog, const char *summary) {
     CS_ASSERT(table && opts && first >= 0);
@@ -192,8 +221,18 @@ int cs_config_parse(const cs_config_entry *table, size_t n, void *opts, int argc
         /* An empty variable counts as unset (a Helm value left blank). */
         if (v && *v) r = set_value(&table[k], opts, v, var);
     }
-    for (int k = 0; k < n_as && !r; k++)
-        r = set_value(as[k].e, opts, as[k].val, as[k].where);
+    for (int k = 0; k < n_as && !r; k++) {
+        const char *v = as[k].val;
+        if (as[k].e->type == CS_CONFIG_SECRET) { /* a list: the first flag takes them all */
+            bool repeat = false;
+            for (int j = 0; j < k && !repeat; j++)
+                repeat = as[j].e == as[k].e;
+            if (repeat) continue;
+            if (!(v = join_repeats(as, n_as, k)))
+                r = cs_fail(CS_ENOMEM, "out of memory parsing options");
+        }
+        if (!r) r = set_value(as[k].e, opts, v, as[k].where);
+    }
     free(as);
     return r;
 }

@@ -7,7 +7,6 @@
  * channel's (cs_kvx_limits.payload: NCCL_ID, NCCL_READY, NCCL_PAGES).
  * Usage (fallback): fuzz_kvx_frame CORPUS_DIR [ITERATIONS]
  *                   fuzz_kvx_frame --write-corpus DIR (writes the seeds). */
-#include <dirent.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -72,7 +71,8 @@ static size_t nccl_seed(uint8_t *buf) {
         cs_kvx_nccl_desc_encode(&d, pl);
         n += frame(buf + n, CS_KVX_NCCL_PAGES, 1, 2 * k, 2, pl, CS_KVX_NCCL_DESC_BYTES);
     }
-    cs_kvx_trailer_wire tw = {{5, 60, 4}, 42};
+    cs_kvx_trailer_wire tw = {.t = {.first_token = 5, .prompt_len = 60, .total_pages = 4},
+                              .xxh64 = 42};
     cs_kvx_trailer_encode(&tw, pl);
     n += frame(buf + n, CS_KVX_TRAILER, 1, 0, 0, pl, CS_KVX_TRAILER_BYTES);
     cs_kvx_status_encode(0, pl);
@@ -80,7 +80,7 @@ static size_t nccl_seed(uint8_t *buf) {
     return n;
 }
 
-static int write_corpus(const char *dir) {
+static int fuzz_write_corpus(const char *dir) {
     uint8_t buf[4096], pl[256];
     char path[1024];
     size_t n = 0;
@@ -93,7 +93,14 @@ static int write_corpus(const char *dir) {
     for (int i = 0; i < 128; i++)
         pl[i] = (uint8_t)(i * 31);
     n += frame(buf + n, CS_KVX_PAGES, 1, 0, 2, pl, 128);
-    cs_kvx_trailer_wire tw = {{5, 30, 2}, 99};
+    cs_kvx_trailer_wire tw = {.t = {.first_token = 5,
+                                    .prompt_len = 30,
+                                    .total_pages = 2,
+                                    .first_logprob = -0.25f,
+                                    .n_top = 2,
+                                    .top_ids = {5, 9},
+                                    .top_logprobs = {-0.25f, -2.5f}},
+                              .xxh64 = 99};
     uint8_t tb[CS_KVX_TRAILER_BYTES];
     cs_kvx_trailer_encode(&tw, tb);
     n += frame(buf + n, CS_KVX_TRAILER, 1, 0, 0, tb, sizeof tb);
@@ -122,60 +129,6 @@ static int write_corpus(const char *dir) {
     return 0;
 }
 
-static uint64_t rng = 0x9e3779b97f4a7c15u;
-static uint64_t next(void) {
-    rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
-    return rng;
-}
-
-int main(int argc, char **argv) {
-    if (argc == 3 && !strcmp(argv[1], "--write-corpus")) return write_corpus(argv[2]);
-    if (argc < 2) {
-        fprintf(stderr, "usage: %s CORPUS_DIR [ITERATIONS]\n", argv[0]);
-        return 2;
-    }
-    long iters = argc > 2 ? atol(argv[2]) : 200000;
-    uint8_t *seeds[64];
-    size_t lens[64];
-    int ns = 0;
-    DIR *d = opendir(argv[1]);
-    if (!d) return 2;
-    struct dirent *de;
-    while ((de = readdir(d)) && ns < 64) {
-        if (de->d_name[0] == '.') continue;
-        char path[1024];
-        snprintf(path, sizeof path, "%s/%s", argv[1], de->d_name);
-        FILE *f = fopen(path, "rb");
-        if (!f) continue;
-        seeds[ns] = malloc(1 << 16);
-        lens[ns] = fread(seeds[ns], 1, 1 << 16, f);
-        fclose(f);
-        LLVMFuzzerTestOneInput(seeds[ns], lens[ns]);
-        ns++;
-    }
-    closedir(d);
-    if (!ns) return 2;
-    uint8_t *buf = malloc(1 << 16);
-    for (long it = 0; it < iters; it++) {
-        int s = (int)(next() % (uint64_t)ns);
-        size_t n = lens[s];
-        memcpy(buf, seeds[s], n);
-        int muts = 1 + (int)(next() % 4);
-        for (int m = 0; m < muts && n; m++) {
-            size_t pos = next() % n;
-            switch (next() % 4) {
-            case 0: buf[pos] ^= (uint8_t)(1u << (next() % 8)); break;
-            case 1: buf[pos] = (uint8_t)next(); break;
-            case 2: n = pos; break; /* truncate */
-            case 3: memset(buf + pos, 0xff, n - pos < 8 ? n - pos : 8); break;
-            }
-        }
-        LLVMFuzzerTestOneInput(buf, n);
-    }
-    for (int i = 0; i < ns; i++)
-        free(seeds[i]);
-    free(buf);
-    printf("fuzz_kvx_frame: %ld mutated inputs from %d seeds: no crash\n", iters, ns);
-    return 0;
-}
 #endif
+
+#include "../fuzz/fuzz_main.h"

@@ -271,6 +271,36 @@ static void test_dump(void) {
                        "temperature = 0.25\nchat = true\nverbose = true\nno-special = false\n");
 }
 
+/* A secret list: the variable's comma list, replaced by the flags, which
+ * repeat and join; the dump never shows it. */
+static void test_secret_list(void) {
+    struct {
+        const char *key;
+        int64_t port;
+    } o;
+    static const cs_config_entry t[] = {
+        {"key", CS_CONFIG_SECRET, 0, NULL, "keys", 0, 0},
+        {"port", CS_CONFIG_INT, sizeof(const char *), "1", "port", 0, 0},
+    };
+    char *argv[8] = {"prog", "--key", "s1", "--port=2", "--key=s2,s3", "--key", "s4", NULL};
+    unsetenv("CHUNKSERVE_KEY");
+    ASSERT_EQ_INT(cs_config_parse(t, 2, &o, 7, argv, 1, "prog", NULL), 0);
+    ASSERT_EQ_STR(o.key, "s1,s2,s3,s4");
+    ASSERT_EQ_INT(o.port, 2);
+    setenv("CHUNKSERVE_KEY", "e1,e2", 1);
+    ASSERT_EQ_INT(cs_config_parse(t, 2, &o, 1, argv, 1, "prog", NULL), 0);
+    ASSERT_EQ_STR(o.key, "e1,e2");
+    ASSERT_EQ_INT(cs_config_parse(t, 2, &o, 3, argv, 1, "prog", NULL), 0); /* one flag */
+    ASSERT_EQ_STR(o.key, "s1");
+    unsetenv("CHUNKSERVE_KEY");
+    char buf[256];
+    FILE *f = fmemopen(buf, sizeof buf, "w");
+    ASSERT_TRUE(f != NULL);
+    cs_config_dump(t, 2, &o, f);
+    fclose(f);
+    ASSERT_EQ_STR(buf, "key = (set)\nport = 1\n");
+}
+
 int main(void) {
     test_defaults();
     test_env_and_flags();
@@ -279,6 +309,7 @@ int main(void) {
     test_help();
     test_help_json();
     test_dump();
+    test_secret_list();
     printf("test_config: ok\n");
     return 0;
 }

@@ -27,7 +27,9 @@ enum cs_config_type {
     CS_CONFIG_INT,    /* int64_t, within [min, max] */
     CS_CONFIG_BOOL,   /* bool: --name, --name=true|false|1|0, --no-name; env 1/0/true/false */
     CS_CONFIG_DOUBLE, /* double, within [min, max] */
-    CS_CONFIG_SECRET, /* const char *, like STR, but never printed (dump: "(set)") */
+    CS_CONFIG_SECRET, /* const char *, a comma-separated list of secrets: never printed
+                       * (dump: "(set)"); the flag repeats (--api-key A --api-key B is
+                       * "A,B", replacing the variable's list) */
 };
 
 typedef struct {
