@@ -669,8 +669,12 @@ int cs_openai_start(struct uv_loop_s *loop, const cs_openai_opts *o, cs_openai *
     if (!s) return cs_fail(CS_ENOMEM, "out of memory");
     s->o = *o;
     if (!s->o.max_request_bytes) s->o.max_request_bytes = DEFAULT_MAX_REQUEST;
-    cs_http_opts ho = {
-        .handler = handle, .arg = s, .max_body_bytes = s->o.max_request_bytes, .error = http_error};
+    cs_http_opts ho = {.handler = handle,
+                       .arg = s,
+                       .max_body_bytes = s->o.max_request_bytes,
+                       .request_ms = s->o.request_ms,
+                       .idle_ms = s->o.idle_ms,
+                       .error = http_error};
     int r = cs_http_server_start(loop, o->host, o->port, &ho, &s->http);
     if (r) {
         free(s);
@@ -693,6 +697,8 @@ int cs_openai_start_config(struct uv_loop_s *loop, const cs_openai_config *c,
                         .generate = generate,
                         .arg = arg,
                         .max_request_bytes = (size_t)c->max_request_bytes,
+                        .request_ms = (uint64_t)c->request_timeout_ms,
+                        .idle_ms = (uint64_t)c->idle_timeout_ms,
                         .api_keys = keys,
                         .cors_allow_origins = c->cors_allow_origins};
     if ((r = cs_openai_start(loop, &o, out))) return r;

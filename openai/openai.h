@@ -33,7 +33,7 @@ typedef struct cs_openai cs_openai;
  * member of this type) expands to their entries. */
 typedef struct {
     const char *host, *api_key, *api_key_file, *cors_allow_origins;
-    int64_t port, max_request_bytes;
+    int64_t port, max_request_bytes, request_timeout_ms, idle_timeout_ms;
 } cs_openai_config;
 #define CS_OPENAI_CONFIG(T, m)                                                                     \
     {"openai-host",                                                                                \
@@ -74,9 +74,24 @@ typedef struct {
          "origins (comma-separated, * = any) browsers may call the HTTP API from; none = no CORS", \
          0,                                                                                        \
          0},                                                                                       \
+        {"max-request-bytes",                                                                      \
+         CS_CONFIG_INT,                                                                            \
+         offsetof(T, m.max_request_bytes),                                                         \
+         "4194304",                                                                                \
+         "largest HTTP request body (413 beyond)",                                                 \
+         1024,                                                                                     \
+         1 << 30},                                                                                 \
+        {"openai-request-timeout-ms",                                                              \
+         CS_CONFIG_INT,                                                                            \
+         offsetof(T, m.request_timeout_ms),                                                        \
+         "30000",                                                                                  \
+         "deadline for an HTTP request's headers and body from its first byte (408 after; "        \
+         "slow clients cannot hold a connection)",                                                 \
+         100,                                                                                      \
+         3600000},                                                                                 \
     {                                                                                              \
-        "max-request-bytes", CS_CONFIG_INT, offsetof(T, m.max_request_bytes), "4194304",           \
-            "largest HTTP request body (413 beyond)", 1024, 1 << 30                                \
+        "openai-idle-timeout-ms", CS_CONFIG_INT, offsetof(T, m.idle_timeout_ms), "30000",          \
+            "an idle keep-alive HTTP connection is closed after this", 100, 3600000                \
     }
 
 typedef struct {
@@ -87,6 +102,8 @@ typedef struct {
     void (*generate)(void *arg, cs_gen_call *c);
     void *arg;
     size_t max_request_bytes; /* a body beyond gets 413; 0 = 4 MiB */
+    uint64_t request_ms;      /* a request's arrival deadline (408); 0 = 30 s */
+    uint64_t idle_ms;         /* keep-alive idle timeout; 0 = 30 s */
     /* API keys (NULL or none: no key needed). A request without
      * "Authorization: Bearer <one of them>" gets 401. */
     const cs_api_keys *api_keys;

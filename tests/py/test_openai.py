@@ -563,6 +563,48 @@ def test_32_concurrent_streams(tiny):
     assert not errs and out == [want] * 32
 
 
+def test_slowloris_and_idle_keep_alive(chunkserve_bin, tiny_model, pb):
+    """A client trickling one header byte every 100 ms gets a 408 and is closed once
+    --openai-request-timeout-ms has passed since its first byte, while other clients are
+    answered; an idle keep-alive connection is closed after --openai-idle-timeout-ms."""
+    s = Serve(chunkserve_bin, tiny_model, pb, "--openai-request-timeout-ms", "1000",
+              "--openai-idle-timeout-ms", "1500")
+    try:
+        host, port = s.http.rsplit(":", 1)
+        slow = socket.create_connection((host, int(port)), timeout=10)
+        slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        t0, out = time.monotonic(), b""
+        while time.monotonic() - t0 < 10:  # far past the deadline
+            try:
+                slow.sendall(b"X")
+            except OSError:
+                break  # closed by the server
+            assert s.client.models.list().data  # others are served meanwhile
+            slow.settimeout(0.1)
+            try:
+                b = slow.recv(65536)
+                out += b
+                if not b:
+                    break
+            except socket.timeout:
+                pass
+        slow.close()
+        assert out.startswith(b"HTTP/1.1 408"), out[:300]
+        assert "message" in json.loads(out.partition(b"\r\n\r\n")[2])["error"]
+        idle = socket.create_connection((host, int(port)), timeout=10)
+        idle.sendall(b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n")
+        first = idle.recv(65536)
+        assert first.startswith(b"HTTP/1.1 200")
+        idle.settimeout(10)  # the idle timeout (1.5 s) closes it well before this
+        rest = b""
+        while (b := idle.recv(65536)):
+            rest += b
+        assert rest == b""
+        idle.close()
+    finally:
+        s.stop()
+
+
 def test_queue_full_is_429_with_retry_after(chunkserve_bin, tiny_model, pb):
     s = Serve(chunkserve_bin, tiny_model, pb, "--max-queue", "1", "--max-num-seqs", "1")
     try:
