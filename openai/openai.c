@@ -16,6 +16,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <uv.h>
 
 #include "chunkserve/error.h"
 #include "chunkserve/http.h"
@@ -25,15 +26,19 @@
 
 #define DEFAULT_MAX_REQUEST ((size_t)4 << 20)
 
+typedef struct oa_call oa_call;
+
 struct cs_openai {
     cs_openai_opts o;
     cs_http_server *http;
     int32_t n_open;
     uint64_t next_id;
     bool closed; /* freed when the last open request ends */
+    /* Calls whose later choices are due to start (see start_later), started
+     * from the loop's check phase, outside any Generate callback. */
+    uv_check_t kick;
+    oa_call *kicks;
 };
-
-typedef struct oa_call oa_call;
 
 typedef struct {
     cs_gen_call base; /* what Generate sees */
@@ -42,6 +47,7 @@ typedef struct {
     cs_gen_cancel_fn cancel_fn;
     void *cancel_arg;
     bool started, finished, role_sent;
+    bool due; /* not started; its prompt's first choice has answered: start it */
     /* gathered (not stream), and the end */
     char *text;
     size_t len, cap;
@@ -59,6 +65,8 @@ struct oa_call {
     oa_choice *choices;
     int32_t n_done, busy;
     bool sse_started, failed, closed, ended;
+    bool kicked; /* on s->kicks (holds busy) */
+    oa_call *kick_next;
     oa_error err;
     char id[48];
     long long created;
@@ -265,6 +273,16 @@ static int stream_chunk(oa_call *oc, oa_choice *c, const char *text, cJSON *lp,
 
 /* ------------------------------------------------------------ the end -- */
 
+static void complete(oa_call *oc);
+
+static void on_kick_closed(uv_handle_t *h) {
+    free(h->data);
+}
+
+static void server_free(cs_openai *s) {
+    uv_close((uv_handle_t *)&s->kick, on_kick_closed);
+}
+
 static void oa_call_free(oa_call *oc) {
     for (int32_t i = 0; oc->choices && i < oc->rq.n_choices; i++) {
         free(oc->choices[i].text);
@@ -275,7 +293,7 @@ static void oa_call_free(oa_call *oc) {
     oa_request_free(&oc->rq);
     cs_openai *s = oc->s;
     free(oc);
-    if (--s->n_open == 0 && s->closed) free(s);
+    if (--s->n_open == 0 && s->closed) server_free(s);
 }
 
 /* Every choice ended: the answer, then the response ends. */
@@ -362,10 +380,60 @@ static void cancel_choices(oa_call *oc) {
 
 /* ------------------------------------------- cs_gen_call for a choice -- */
 
+/* n > 1: a prompt's first choice runs alone until its first message (its
+ * prompt's pages are then in the prefix cache) or its end; then the other
+ * n - 1 start and reuse those pages instead of computing the prompt again.
+ * They start from the loop's check phase, never inside the Generate callback
+ * that got here. */
+static void on_kick(uv_check_t *h);
+
+static void start_later(oa_call *oc, oa_choice *first) {
+    int32_t n = oc->rq.n;
+    if (n <= 1 || first->index % n != 0 || oc->choices[first->index + 1].due ||
+        oc->choices[first->index + 1].started)
+        return;
+    for (int32_t i = first->index + 1; i < first->index + n; i++)
+        oc->choices[i].due = true;
+    if (!oc->kicked) {
+        cs_openai *s = oc->s;
+        oc->kicked = true;
+        oc->busy++;
+        oc->kick_next = s->kicks, s->kicks = oc;
+        uv_check_start(&s->kick, on_kick);
+    }
+}
+
+static void start_choice(oa_call *oc, oa_choice *c) {
+    if (oc->failed || oc->closed) { /* an earlier choice already decided the answer */
+        c->finished = true;
+        oc->n_done++;
+        return;
+    }
+    c->started = true;
+    oc->s->o.generate(oc->s->o.arg, &c->base);
+}
+
+static void on_kick(uv_check_t *h) {
+    cs_openai *s = h->data;
+    while (s->kicks) {
+        oa_call *oc = s->kicks;
+        s->kicks = oc->kick_next;
+        oc->kicked = false;
+        for (int32_t i = 0; i < oc->rq.n_choices; i++) {
+            oa_choice *c = &oc->choices[i];
+            if (c->due) c->due = false, start_choice(oc, c);
+        }
+        oc->busy--;
+        complete(oc);
+    }
+    uv_check_stop(&s->kick);
+}
+
 static int c_send(cs_gen_call *g, const Chunkserve__V1__GenerateResponse *m) {
     oa_choice *c = (oa_choice *)g;
     oa_call *oc = c->oc;
     if (oc->closed) return CS_ECANCELED;
+    start_later(oc, c); /* its prompt is in the prefix cache now */
     if (m->usage) {
         c->prompt_tokens = m->usage->prompt_tokens;
         c->completion_tokens = m->usage->completion_tokens;
@@ -430,6 +498,7 @@ static void c_finish(cs_gen_call *g, int code, const char *msg) {
     c->finished = true;
     c->cancel_fn = NULL;
     oc->n_done++;
+    start_later(oc, c);
     if (code != CS_RPC_OK && !oc->failed) {
         oc->failed = true;
         oa_error_from_status(code, msg, oc->rq.chat, &oc->err);
@@ -581,14 +650,9 @@ static void route_generate(cs_openai *s, cs_http_req *req, cs_http_res *res, boo
         c->base.req = &oc->rq.req[i];
         c->oc = oc;
         c->index = i;
-        if (oc->failed || oc->closed) { /* an earlier choice already decided the answer */
-            c->finished = true;
-            oc->n_done++;
-            continue;
-        }
-        c->started = true;
-        s->o.generate(s->o.arg, &c->base);
     }
+    for (int32_t i = 0; i < oc->rq.n_choices; i += oc->rq.n) /* each prompt's first */
+        start_choice(oc, &oc->choices[i]);
     oc->busy--;
     complete(oc);
 }
@@ -680,6 +744,8 @@ int cs_openai_start(struct uv_loop_s *loop, const cs_openai_opts *o, cs_openai *
         free(s);
         return r;
     }
+    uv_check_init(loop, &s->kick);
+    s->kick.data = s;
     *out = s;
     return 0;
 }
@@ -721,5 +787,5 @@ void cs_openai_close(cs_openai *s) {
     if (!s || s->closed) return;
     s->closed = true;
     cs_http_server_close(s->http); /* open responses see their connection close */
-    if (s->n_open == 0) free(s);
+    if (s->n_open == 0) server_free(s);
 }

@@ -710,6 +710,24 @@ def test_router_logprobs_equal_serve(cluster, tiny):
     assert la[0].logprob < 0  # the first token's came from the prefill worker, not a 0
 
 
+def test_n_choices_share_the_prompt_pages(cluster, tiny):
+    """n = 4: the first choice computes the prompt; the other three start once its pages
+    are in the prefix cache and reuse them (the prefill worker's hit counter), through the
+    router as through serve."""
+    router, decode, prefill = cluster
+    c = openai.OpenAI(base_url=f"http://{router.openai}/v1", api_key="none", max_retries=0)
+    prompt = "shared pages " + " ".join(f"w{i}" for i in range(120))
+    before = prefill.metric("chunkserve:prefix_cache_hit_tokens_total")
+    r = c.completions.create(model=tiny.model, prompt=prompt, max_tokens=4, n=4, seed=9,
+                             temperature=1.0, extra_body={"ignore_eos": True})
+    assert sorted(ch.index for ch in r.choices) == [0, 1, 2, 3]
+    assert all(ch.finish_reason == "length" for ch in r.choices)
+    assert r.usage.completion_tokens == 16
+    hits = prefill.metric("chunkserve:prefix_cache_hit_tokens_total") - before
+    page = 16
+    assert hits >= 3 * (r.usage.prompt_tokens // page - 1) * page, (hits, r.usage)
+
+
 def test_decode_killed_mid_stream_completes_without_duplicates(cluster, tiny, pb):
     router, decode, _ = cluster
     c = openai.OpenAI(base_url=f"http://{router.openai}/v1", api_key="none", max_retries=0)
