@@ -238,6 +238,8 @@ def test_prefill_killed_mid_transfer_frees_the_gpu_pages(bin_dir, emu_bins, mode
     wait_for(lambda: (lambda s: s.kv_pages_free == s.kv_pages_total and not s.num_running)(
         status(pb, decode)), 30, "every KV page free on the decode worker")
     err = decode.stderr()
-    assert "open, nccl payload" in err and "KV transfer" in err and "closed the channel" in err, \
-        err[-3000:]
+    # The decode side learns of the death from whichever it reads first: the control
+    # connection closing, or the payload's receive failing (NCCL reports the remote error).
+    assert "open, nccl payload" in err and "KV transfer" in err, err[-3000:]
+    assert "closed the channel" in err or "nccl receive from" in err, err[-3000:]
     assert "retrying (1/3)" in r.stderr(), r.stderr()[-3000:]
