@@ -29,8 +29,8 @@
 
 /* Every field is written by cs_config_parse from opt_table. */
 typedef struct {
-    const char *model, *prompt, *system, *ids, *out;
-    bool chat, no_special, no_gen_prompt, verbose, ignore_eos, reference;
+    const char *model, *prompt, *system, *ids, *out, *kv_out;
+    bool chat, no_special, no_gen_prompt, verbose, ignore_eos, reference, exact, engine, every_pos;
     int64_t max_tokens, threads, page_size, kv_mib, prompt_tokens;
     int64_t port, http_port, max_num_seqs, max_queue, grace_ms;
     const char *budget, *budgets, *host, *http_host;
@@ -67,6 +67,9 @@ static const cs_config_entry opt_table[] = {
     O("page-size", INT, page_size, "16", "tokens per KV-cache page"),
     O("kv-cache-mib", INT, kv_mib, "256", "KV-cache pool size in MiB"),
     O("threads", INT, threads, "0", "CPU threads; 0 = one per core"),
+    O("exact", BOOL, exact, NULL,
+      "fp32 weights (quantized files dequantized at load, OpenBLAS GEMMs); default: a "
+      "Q4_0/Q4_1/Q8_0 file keeps its blocks and runs the CPU's integer kernels"),
     O("host", STR, host, "127.0.0.1", "serve: address to listen on (0.0.0.0 = all interfaces)"),
     O("port", INT, port, "50051",
       "serve: port to listen on; 0 = any free port (printed on stdout)"),
@@ -85,7 +88,15 @@ static const cs_config_entry opt_table[] = {
     O("prompt-tokens", INT, prompt_tokens, "2000", "bench-engine: prompt length"),
     O("reference", BOOL, reference, NULL, "use the single-threaded fp32 reference forward pass"),
     O("ids", STR, ids, NULL, "comma-separated token ids: the prompt for generate and logits"),
-    O("out", STR, out, NULL, "output file (logits: raw float32 [n_tokens, n_vocab])"),
+    O("out", STR, out, NULL,
+      "output file (logits: raw float32 [n_tokens, n_vocab]; with --engine [1, n_vocab])"),
+    O("engine", BOOL, engine, NULL,
+      "logits: run the engine (backend, weight mode, --threads, prompt chunks of "
+      "--max-batched-tokens) instead of the fp32 reference; writes the last position's logits"),
+    O("every-position", BOOL, every_pos, NULL,
+      "logits --engine: one token a step, the logits of every position (quantized kernels "
+      "give any chunking's bits)"),
+    O("kv-out", STR, kv_out, NULL, "logits --engine: also write the prompt's KV pages (raw bytes)"),
     O("no-special", BOOL, no_special, NULL, "tokenize: treat special-token text as plain text"),
     O("no-generation-prompt", BOOL, no_gen_prompt, NULL, "chat-format: omit the assistant header"),
     O("verbose", BOOL, verbose, NULL, "debug logging"),
@@ -287,38 +298,6 @@ static int parse_ids(const char *s, int32_t **ids, int32_t *n) {
     return 0;
 }
 
-static int cmd_logits(const cs_model *m, const options *o) {
-    if (!o->ids || !o->out) {
-        fprintf(stderr, "chunkserve: logits needs --ids and --out\n");
-        return 2;
-    }
-    int32_t *ids = NULL, n = 0;
-    int r = parse_ids(o->ids, &ids, &n);
-    if (r) return fail_msg("logits", r);
-    const cs_model_config *c = cs_model_get_config(m);
-    cs_ref_seq *seq = NULL;
-    float *logits = malloc((size_t)n * (size_t)c->n_vocab * sizeof(float));
-    int rc = 1;
-    if (!logits) r = cs_fail(CS_ENOMEM, "out of memory for %d x %d logits", n, c->n_vocab);
-    if (!r) r = cs_ref_seq_init(m, n, &seq);
-    if (!r) r = cs_ref_seq_eval(seq, ids, n, true, logits);
-    if (r) {
-        fail_msg("logits", r);
-    } else {
-        FILE *f = fopen(o->out, "wb");
-        if (!f || fwrite(logits, sizeof(float) * (size_t)c->n_vocab, (size_t)n, f) != (size_t)n ||
-            fclose(f)) {
-            fprintf(stderr, "chunkserve: logits: cannot write '%s': %s\n", o->out, strerror(errno));
-        } else {
-            rc = 0;
-        }
-    }
-    cs_ref_seq_free(seq);
-    free(logits);
-    free(ids);
-    return rc;
-}
-
 /* What generate evaluates with: the paged engine (default) or the reference. */
 typedef struct {
     cs_engine *engine;
@@ -366,6 +345,76 @@ static void eval_free(evaluator *ev) {
     if (ev->engine) cs_page_table_release(&ev->pt, cs_engine_kv(ev->engine));
     cs_engine_free(ev->engine);
     cs_ref_seq_free(ev->ref);
+}
+
+static int write_file(const char *path, const void *p, size_t n) {
+    FILE *f = fopen(path, "wb");
+    if (!f) return -1;
+    size_t w = n ? fwrite(p, 1, n, f) : 0;
+    return (fclose(f) != 0 || w != n) ? -1 : 0;
+}
+
+/* logits: the fp32 reference's logits of every position (default), or with
+ * --engine the engine's (backend, weight mode, --threads, prompt chunks of
+ * --max-batched-tokens): the last position's logits, and with --kv-out the
+ * prompt's KV pages as the engine holds them, so two runs compare with cmp. */
+static int cmd_logits(const cs_model *m, const options *o) {
+    if (!o->ids || !o->out) {
+        fprintf(stderr, "chunkserve: logits needs --ids and --out\n");
+        return 2;
+    }
+    if (o->kv_out && !o->engine) {
+        fprintf(stderr, "chunkserve: logits: --kv-out needs --engine\n");
+        return 2;
+    }
+    int32_t *ids = NULL, n = 0;
+    int r = parse_ids(o->ids, &ids, &n);
+    if (r) return fail_msg("logits", r);
+    const cs_model_config *c = cs_model_get_config(m);
+    for (int32_t i = 0; !r && i < n; i++)
+        if (ids[i] < 0 || ids[i] >= c->n_vocab)
+            r = cs_fail(CS_EINVAL, "token id %d is outside the vocabulary (0..%d)", ids[i],
+                        c->n_vocab - 1);
+    int32_t rows = o->engine && !o->every_pos ? 1 : n;
+    float *logits = malloc((size_t)rows * (size_t)c->n_vocab * sizeof(float));
+    void *kv = NULL;
+    size_t kv_bytes = 0;
+    int rc = 1;
+    evaluator ev;
+    memset(&ev, 0, sizeof ev);
+    if (!r && !logits) r = cs_fail(CS_ENOMEM, "out of memory for %d x %d logits", rows, c->n_vocab);
+    if (!r && o->engine) {
+        options eo = *o;
+        eo.reference = false;
+        r = eval_init(&ev, m, &eo, n);
+        if (!r && o->every_pos)
+            for (int32_t i = 0; !r && i < n; i++)
+                r = eval_tokens(&ev, ids + i, 1, i, logits + (size_t)i * (size_t)c->n_vocab);
+        else if (!r)
+            r = eval_tokens(&ev, ids, n, 0, logits);
+        if (!r && o->kv_out) {
+            kv_bytes = (size_t)ev.pt.n_pages * cs_engine_page_bytes(ev.engine);
+            kv = malloc(kv_bytes ? kv_bytes : 1);
+            r = kv ? cs_engine_kv_export(ev.engine, ev.pt.pages, ev.pt.n_pages, kv)
+                   : cs_fail(CS_ENOMEM, "out of memory for the KV pages");
+        }
+    } else if (!r) {
+        r = cs_ref_seq_init(m, n, &ev.ref);
+        if (!r) r = cs_ref_seq_eval(ev.ref, ids, n, true, logits);
+    }
+    if (r) {
+        fail_msg("logits", r);
+    } else if (write_file(o->out, logits, sizeof(float) * (size_t)c->n_vocab * (size_t)rows) ||
+               (o->kv_out && write_file(o->kv_out, kv, kv_bytes))) {
+        fprintf(stderr, "chunkserve: logits: cannot write: %s\n", strerror(errno));
+    } else {
+        rc = 0;
+    }
+    eval_free(&ev);
+    free(kv);
+    free(logits);
+    free(ids);
+    return rc;
 }
 
 static int cmd_generate(const cs_model *m, const options *o) {
@@ -584,7 +633,9 @@ static const struct command {
      "JSON lines of id arrays on stdin -> JSON strings"},
     {"chat-format", CMD_TOKENIZER, run_chat_format,
      "a JSON array of {role, content} on stdin -> rendered prompt"},
-    {"logits", CMD_MODEL, run_logits, "--ids 1,2,3 --out FILE: float32 logits of every position"},
+    {"logits", CMD_MODEL, run_logits,
+     "--ids 1,2,3 --out FILE: float32 logits of every position (fp32 reference), or with\n"
+     "--engine the engine's last-position logits (and --kv-out FILE its KV pages)"},
     {"info", CMD_MODEL, run_info, "print the model's configuration"},
     {"bench-engine", CMD_MODEL, run_bench_engine,
      "engine speed vs GEMM rate, memory bandwidth, chunk sizes (--prompt-tokens)"},
@@ -654,7 +705,9 @@ int main(int argc, char **argv) {
         return rc;
     }
     cs_model *m = NULL;
-    if ((r = cs_model_load(o.model, &m))) return fail_msg("loading model", r);
+    /* the reference forward and the CUDA backend run fp32 weights */
+    cs_weight_mode mode = o.exact || o.reference ? CS_WEIGHTS_EXACT : CS_WEIGHTS_AUTO;
+    if ((r = cs_model_load_mode(o.model, mode, &m))) return fail_msg("loading model", r);
     c.m = m;
     rc = cmd->run(&c);
     cs_model_free(m);

@@ -24,6 +24,18 @@ static int cpu(const cs_weights *m, int n_threads, const char *why, cs_backend *
     return r;
 }
 
+bool cs_backend_will_use_cuda(void) {
+    const char *want = getenv("CHUNKSERVE_BACKEND");
+    if (want && strcmp(want, "cuda") == 0) return true;
+    if (want && *want && strcmp(want, "auto") != 0) return false;
+#ifdef CS_HAVE_CUDA
+    char name[320], why[320];
+    return cs_backend_cuda_probe(name, sizeof name, why, sizeof why) >= 1;
+#else
+    return false;
+#endif
+}
+
 int cs_backend_init(const cs_weights *m, int n_threads, cs_backend **out) {
     *out = NULL;
     const char *want = getenv("CHUNKSERVE_BACKEND");
@@ -32,6 +44,12 @@ int cs_backend_init(const cs_weights *m, int n_threads, cs_backend **out) {
     if (strcmp(want, "cpu") == 0) return cpu(m, n_threads, "CHUNKSERVE_BACKEND=cpu", out);
     if (!force_cuda && strcmp(want, "auto") != 0)
         return cs_fail(CS_EINVAL, "CHUNKSERVE_BACKEND=%s: expected cpu, cuda or auto", want);
+    if (m->q_tok_embd) { /* quant mode: integer kernels exist for the CPU only */
+        if (force_cuda)
+            return cs_fail(CS_ENOTSUP, "CHUNKSERVE_BACKEND=cuda: the CUDA backend runs fp32 "
+                                       "weights; load the model in exact mode (--exact)");
+        return cpu(m, n_threads, "quantized weights run on the CPU", out);
+    }
 #ifdef CS_HAVE_CUDA
     char name[320], why[320];
     int n = cs_backend_cuda_probe(name, sizeof name, why, sizeof why);

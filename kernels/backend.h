@@ -43,6 +43,12 @@ typedef struct {
     const float *w_gate;    /* (hidden_dim, dim) */
     const float *w_up;      /* (hidden_dim, dim) */
     const float *w_down;    /* (dim, hidden_dim) */
+    /* Quant mode (the matrices above are NULL): packed for the CPU backend's
+     * integer kernels, declared below */
+    const struct cs_qmat *qkv;     /* parts wq, wk, wv */
+    const struct cs_qmat *o;       /* wo */
+    const struct cs_qmat *gate_up; /* parts w_gate, w_up */
+    const struct cs_qmat *down;    /* w_down */
 } cs_layer_weights;
 
 /* A view of a model's weights (the engine builds it; the model owns the
@@ -54,7 +60,40 @@ typedef struct {
     const float *output;            /* (n_vocab, dim); == tok_embd when tied */
     const float *rope_inv_freq;     /* (head_dim / 2) angle per position, scaling applied */
     const cs_layer_weights *layers; /* (n_layers) */
+    /* Quant mode: tok_embd and output are NULL and these are set; only the
+     * CPU backend runs such weights (the registry refuses the others). */
+    const struct cs_qmat *q_tok_embd; /* (n_vocab, dim) */
+    const struct cs_qmat *q_output;   /* (n_vocab, dim); == q_tok_embd when tied */
 } cs_weights;
+
+/* ---- quantized weights (the CPU backend's quant mode; kernels/cpu/qmat.h
+ * says the arithmetic) ---- */
+enum { CS_QMAT_Q4_0 = 0, CS_QMAT_Q4_1, CS_QMAT_Q8_0, CS_QMAT_F32 };
+typedef struct cs_qmat cs_qmat;
+/* One matrix of a pack: rows x cols, row-major. type CS_QMAT_Q4_0/Q4_1/Q8_0:
+ * data is the file's blocks (GGUF layout: 32 weights a block along a row);
+ * CS_QMAT_F32: data is floats, quantized here to Q8_0 (d = amax / 127 as
+ * fp16, q = round-half-even(x / d)). perm NULL, or (rows): packed row r is
+ * the source's row perm[r] (GGUF q/k rows back in Hugging Face order). */
+typedef struct {
+    int type;
+    const void *data;
+    int64_t rows;
+    const int32_t *perm;
+} cs_qmat_src;
+/* Packs 1..4 matrices of the same type (Q4_0, Q4_1, Q8_0; F32 sources
+ * become Q8_0 and may be stacked only with each other) and cols stacked on
+ * their rows, each part starting a new 16-row panel, so one GEMM computes
+ * them all (q|k|v, gate|up). cols must be a positive multiple of 32.
+ * CS_EINVAL (nothing allocated) or CS_ENOMEM. Free with cs_qmat_free. */
+int cs_qmat_pack(const cs_qmat_src *parts, int n_parts, int64_t cols, cs_qmat **out);
+void cs_qmat_free(cs_qmat *w); /* NULL is a no-op */
+size_t cs_qmat_bytes(const cs_qmat *w);
+int cs_qmat_type(const cs_qmat *w);           /* CS_QMAT_Q4_0 / Q4_1 / Q8_0 */
+const char *cs_qmat_type_name(int type);      /* "q4_0", ... */
+/* Rows ids[0..n) of part `part` as fp32 (w = d*(q-z), or d*q + m for Q4_1,
+ * in fp32 as the GGUF dequantizer does) into out (n, cols); ids in range. */
+void cs_qmat_get_rows(const cs_qmat *w, int part, const int32_t *ids, int n, float *out);
 
 /* One sequence's part of a ragged step (the engine's cs_span, validated). */
 typedef struct {
@@ -91,9 +130,13 @@ struct cs_backend {
 
 /* Bytes of one KV page in the CPU backend's format (fp32). */
 size_t cs_backend_cpu_page_bytes(const cs_weights_shape *shape, int32_t page_size);
-/* The CPU backend (fp32, OpenBLAS GEMMs, threaded kernels): reads w in place
- * (w must outlive it). n_threads <= 0: cs_threadpool_default_size(). */
+/* The CPU backend (threaded kernels; fp32 weights through OpenBLAS GEMMs, or
+ * packed quantized ones through the integer kernels of cpu/qmat.h): reads w
+ * in place (w must outlive it). n_threads <= 0: cs_threadpool_default_size(). */
 int cs_backend_cpu_init(const cs_weights *w, int n_threads, cs_backend **out);
+/* Whether cs_backend_init will pick the CUDA backend (CHUNKSERVE_BACKEND=cuda,
+ * or auto with a usable GPU): the engine then loads fp32 weights. */
+bool cs_backend_will_use_cuda(void);
 /* The backend for this machine: CUDA when the build has it and a usable GPU
  * exists, the CPU otherwise; CHUNKSERVE_BACKEND=cpu|cuda|auto overrides
  * (cuda without a GPU: CS_ENOSYS). Logs the choice and why. */

@@ -26,6 +26,9 @@ struct cs_ref_seq {
 int cs_ref_seq_init(const cs_model *m, int32_t max_tokens, cs_ref_seq **out) {
     *out = NULL;
     const cs_model_config *c = &m->cfg;
+    if (m->mode == CS_WEIGHTS_QUANT)
+        return cs_fail(CS_ENOTSUP, "the reference forward runs fp32 weights; this model was "
+                                   "loaded with quantized ones (load it in exact mode)");
     if (max_tokens < 1 || max_tokens > c->ctx_len)
         return cs_fail(CS_EINVAL, "sequence length %d must be in 1..%d (the model's context)",
                        max_tokens, c->ctx_len);

@@ -25,6 +25,11 @@ typedef struct {
     float *w_gate;    /* (hidden_dim, dim) */
     float *w_up;      /* (hidden_dim, dim) */
     float *w_down;    /* (dim, hidden_dim) */
+    /* QUANT mode: the matrices above are NULL and live here (backend.h) */
+    cs_qmat *q_qkv;     /* parts wq, wk, wv */
+    cs_qmat *q_o;       /* wo */
+    cs_qmat *q_gate_up; /* parts w_gate, w_up */
+    cs_qmat *q_down;    /* w_down */
 } cs_layer;
 
 struct cs_model {
@@ -34,8 +39,13 @@ struct cs_model {
     float *output;        /* (n_vocab, dim); == tok_embd when tied */
     float *rope_inv_freq; /* (head_dim / 2) angle per position, scaling applied */
     cs_layer *layers;     /* (n_layers) */
+    cs_weight_mode mode;  /* EXACT or QUANT; set before cs__model_build (AUTO resolved there) */
+    cs_qmat *q_tok_embd;  /* QUANT: tok_embd (NULL then) */
+    cs_qmat *q_output;    /* QUANT: output; == q_tok_embd when tied */
+    char weight_desc[48];
     float *weights;       /* one allocation all the above point into */
     size_t n_weights;     /* floats in weights */
+    size_t q_bytes;       /* bytes of the packed matrices */
     cs_tokenizer *tok;
 };
 

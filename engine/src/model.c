@@ -13,6 +13,9 @@
 
 enum { PERM_NONE, PERM_Q, PERM_K };
 enum { DIM_ONE, DIM_VOCAB, DIM_MODEL, DIM_Q, DIM_KV, DIM_HIDDEN };
+/* In QUANT mode the matrices are packed in groups that one GEMM computes
+ * (q|k|v, gate|up); QG_NONE tensors (norms, biases) stay fp32. */
+enum { QG_NONE, QG_EMBD, QG_OUT, QG_QKV, QG_O, QG_GATE_UP, QG_DOWN, QG_COUNT };
 
 typedef struct {
     const char *gguf, *hf; /* name formats; per-layer ones contain %d */
@@ -21,39 +24,40 @@ typedef struct {
     int perm;
     size_t layer_off; /* offsetof in cs_layer, or (size_t)-1 for model-level */
     size_t model_off;
+    int qg, qpart; /* QUANT mode: group QG_* and part within it */
 } weight_spec;
 
 #define L(f) offsetof(cs_layer, f), 0
 #define M(f) (size_t) - 1, offsetof(cs_model, f)
 static const weight_spec weight_table[] = {
     {"token_embd.weight", "model.embed_tokens.weight", DIM_VOCAB, DIM_MODEL, false, PERM_NONE,
-     M(tok_embd)},
-    {"output_norm.weight", "model.norm.weight", DIM_MODEL, DIM_ONE, false, PERM_NONE, M(out_norm)},
-    {"output.weight", "lm_head.weight", DIM_VOCAB, DIM_MODEL, true, PERM_NONE, M(output)},
+     M(tok_embd), QG_EMBD, 0},
+    {"output_norm.weight", "model.norm.weight", DIM_MODEL, DIM_ONE, false, PERM_NONE, M(out_norm), QG_NONE, 0},
+    {"output.weight", "lm_head.weight", DIM_VOCAB, DIM_MODEL, true, PERM_NONE, M(output), QG_OUT, 0},
     {"blk.%d.attn_norm.weight", "model.layers.%d.input_layernorm.weight", DIM_MODEL, DIM_ONE, false,
-     PERM_NONE, L(attn_norm)},
+     PERM_NONE, L(attn_norm), QG_NONE, 0},
     {"blk.%d.attn_q.weight", "model.layers.%d.self_attn.q_proj.weight", DIM_Q, DIM_MODEL, false,
-     PERM_Q, L(wq)},
+     PERM_Q, L(wq), QG_QKV, 0},
     {"blk.%d.attn_k.weight", "model.layers.%d.self_attn.k_proj.weight", DIM_KV, DIM_MODEL, false,
-     PERM_K, L(wk)},
+     PERM_K, L(wk), QG_QKV, 1},
     {"blk.%d.attn_v.weight", "model.layers.%d.self_attn.v_proj.weight", DIM_KV, DIM_MODEL, false,
-     PERM_NONE, L(wv)},
+     PERM_NONE, L(wv), QG_QKV, 2},
     {"blk.%d.attn_q.bias", "model.layers.%d.self_attn.q_proj.bias", DIM_Q, DIM_ONE, true, PERM_Q,
-     L(bq)},
+     L(bq), QG_NONE, 0},
     {"blk.%d.attn_k.bias", "model.layers.%d.self_attn.k_proj.bias", DIM_KV, DIM_ONE, true, PERM_K,
-     L(bk)},
+     L(bk), QG_NONE, 0},
     {"blk.%d.attn_v.bias", "model.layers.%d.self_attn.v_proj.bias", DIM_KV, DIM_ONE, true,
-     PERM_NONE, L(bv)},
+     PERM_NONE, L(bv), QG_NONE, 0},
     {"blk.%d.attn_output.weight", "model.layers.%d.self_attn.o_proj.weight", DIM_MODEL, DIM_Q,
-     false, PERM_NONE, L(wo)},
+     false, PERM_NONE, L(wo), QG_O, 0},
     {"blk.%d.ffn_norm.weight", "model.layers.%d.post_attention_layernorm.weight", DIM_MODEL,
-     DIM_ONE, false, PERM_NONE, L(ffn_norm)},
+     DIM_ONE, false, PERM_NONE, L(ffn_norm), QG_NONE, 0},
     {"blk.%d.ffn_gate.weight", "model.layers.%d.mlp.gate_proj.weight", DIM_HIDDEN, DIM_MODEL, false,
-     PERM_NONE, L(w_gate)},
+     PERM_NONE, L(w_gate), QG_GATE_UP, 0},
     {"blk.%d.ffn_up.weight", "model.layers.%d.mlp.up_proj.weight", DIM_HIDDEN, DIM_MODEL, false,
-     PERM_NONE, L(w_up)},
+     PERM_NONE, L(w_up), QG_GATE_UP, 1},
     {"blk.%d.ffn_down.weight", "model.layers.%d.mlp.down_proj.weight", DIM_MODEL, DIM_HIDDEN, false,
-     PERM_NONE, L(w_down)},
+     PERM_NONE, L(w_down), QG_DOWN, 0},
 };
 #undef L
 #undef M
@@ -142,6 +146,101 @@ static void unpermute_rows(float *w, int64_t n_heads, int64_t head_dim, int64_t 
     }
 }
 
+static int qmat_type_of(enum cs_dtype t) {
+    switch (t) {
+    case CS_DTYPE_Q4_0: return CS_QMAT_Q4_0;
+    case CS_DTYPE_Q4_1: return CS_QMAT_Q4_1;
+    case CS_DTYPE_Q8_0: return CS_QMAT_Q8_0;
+    default: return -1;
+    }
+}
+
+/* QUANT mode: packs each group of matrices (backend.h cs_qmat_pack) from the
+ * file's blocks when the group's tensors share a Q4_0/Q4_1/Q8_0 type, else
+ * from their fp32 conversion (quantized to Q8_0). GGUF q/k rows go back to
+ * Hugging Face order through the packer's row permutation. */
+static int pack_quant(cs_model *m, const cs_tensor_source *src, const cs_src_tensor *found,
+                      const bool *present, const char *path) {
+    const cs_model_config *c = &m->cfg;
+    const int n_layers = c->n_layers;
+    int32_t *perm[2] = {0};
+    float *f32[3] = {0};
+    int r = 0;
+    if (src->unpermute_qk) {
+        int heads[2] = {c->n_heads, c->n_kv_heads};
+        for (int k = 0; k < 2; k++) {
+            int half = c->head_dim / 2;
+            perm[k] = malloc((size_t)heads[k] * (size_t)c->head_dim * sizeof(int32_t));
+            if (!perm[k]) {
+                r = cs_fail(CS_ENOMEM, "model %s: out of memory", path);
+                goto out;
+            }
+            for (int h = 0; h < heads[k]; h++)
+                for (int i = 0; i < half; i++)
+                    for (int j = 0; j < 2; j++)
+                        perm[k][h * c->head_dim + j * half + i] = h * c->head_dim + 2 * i + j;
+        }
+    }
+    for (int g = QG_EMBD; g < QG_COUNT; g++) {
+        bool per_layer = g != QG_EMBD && g != QG_OUT;
+        for (int l = 0; l < (per_layer ? n_layers : 1); l++) {
+            size_t spec[3];
+            int n = 0;
+            for (size_t s = 0; s < N_SPECS; s++)
+                if (weight_table[s].qg == g) spec[weight_table[s].qpart] = s, n++;
+            const cs_src_tensor *t[3];
+            bool same = true;
+            for (int k = 0; k < n; k++) {
+                size_t idx = spec[k] * (size_t)n_layers + (size_t)l;
+                if (!present[idx]) goto next; /* an absent output: tied */
+                t[k] = &found[idx];
+                if (qmat_type_of(t[k]->type) < 0 || t[k]->type != t[0]->type) same = false;
+            }
+            cs_qmat_src parts[3];
+            int64_t cols = dim_value(c, weight_table[spec[0]].cols);
+            for (int k = 0; k < n; k++) {
+                const weight_spec *w = &weight_table[spec[k]];
+                int64_t rows = dim_value(c, w->rows);
+                int pk = w->perm == PERM_Q ? 0 : w->perm == PERM_K ? 1 : -1;
+                if (same) {
+                    parts[k] = (cs_qmat_src){qmat_type_of(t[k]->type), t[k]->data, rows,
+                                             pk >= 0 ? perm[pk] : NULL};
+                    continue;
+                }
+                free(f32[k]);
+                f32[k] = malloc((size_t)(rows * cols) * sizeof(float));
+                float *tmp = pk >= 0 ? malloc((size_t)(rows * cols) * sizeof(float)) : NULL;
+                if (!f32[k] || (pk >= 0 && !tmp)) {
+                    free(tmp);
+                    r = cs_fail(CS_ENOMEM, "model %s: out of memory", path);
+                    goto out;
+                }
+                cs__dtype_to_f32(t[k]->type, t[k]->data, f32[k], (size_t)(rows * cols));
+                if (pk >= 0 && src->unpermute_qk)
+                    unpermute_rows(f32[k], pk == 0 ? c->n_heads : c->n_kv_heads, c->head_dim,
+                                   cols, tmp);
+                free(tmp);
+                parts[k] = (cs_qmat_src){CS_QMAT_F32, f32[k], rows, NULL};
+            }
+            cs_qmat *q;
+            if ((r = cs_qmat_pack(parts, n, cols, &q))) goto out;
+            m->q_bytes += cs_qmat_bytes(q);
+            cs_layer *L = &m->layers[l];
+            cs_qmat **slot = g == QG_EMBD ? &m->q_tok_embd : g == QG_OUT ? &m->q_output
+                             : g == QG_QKV ? &L->q_qkv : g == QG_O ? &L->q_o
+                             : g == QG_GATE_UP ? &L->q_gate_up : &L->q_down;
+            *slot = q;
+        next:;
+        }
+    }
+    if (!m->q_output) m->q_output = m->q_tok_embd; /* tied */
+out:
+    free(perm[0]), free(perm[1]);
+    for (int k = 0; k < 3; k++)
+        free(f32[k]);
+    return r;
+}
+
 int cs__model_build(cs_model *m, const cs_tensor_source *src, const char *path) {
     cs_model_config *c = &m->cfg;
     int r = check_config(c, path);
@@ -216,6 +315,32 @@ int cs__model_build(cs_model *m, const cs_tensor_source *src, const char *path) 
         r = 0;
         goto done;
     }
+    if (m->mode == CS_WEIGHTS_AUTO) {
+        bool all_blocks = true; /* every layer matrix in Q4_0 / Q4_1 / Q8_0 */
+        for (size_t s = 0; s < N_SPECS; s++)
+            if (weight_table[s].qg != QG_NONE && weight_table[s].layer_off != (size_t)-1)
+                for (int l = 0; l < n_layers; l++)
+                    if (qmat_type_of(found[s * (size_t)n_layers + (size_t)l].type) < 0)
+                        all_blocks = false;
+        m->mode = all_blocks && !cs_backend_will_use_cuda() ? CS_WEIGHTS_QUANT : CS_WEIGHTS_EXACT;
+    }
+    if (m->mode == CS_WEIGHTS_QUANT) {
+        if (c->dim % 32 || ((int64_t)c->n_heads * c->head_dim) % 32 || c->hidden_dim % 32) {
+            r = cs_fail(CS_EINVAL,
+                        "model %s: quantized weights need inner sizes that are multiples of 32 "
+                        "(dim %d, heads x head_dim %d, ffn %d); load it in exact mode",
+                        path, c->dim, c->n_heads * c->head_dim, c->hidden_dim);
+            goto done;
+        }
+        for (size_t s = 0; s < N_SPECS; s++) /* packed matrices take no fp32 */
+            if (weight_table[s].qg != QG_NONE) {
+                int reps = weight_table[s].layer_off == (size_t)-1 ? 1 : n_layers;
+                for (int l = 0; l < reps; l++)
+                    if (present[s * (size_t)n_layers + (size_t)l])
+                        total -= (size_t)(dim_value(c, weight_table[s].rows) *
+                                          dim_value(c, weight_table[s].cols));
+            }
+    }
 
     m->weights = malloc(total * sizeof(float));
     m->layers = calloc((size_t)n_layers, sizeof *m->layers);
@@ -237,7 +362,7 @@ int cs__model_build(cs_model *m, const cs_tensor_source *src, const char *path) 
         int reps = w->layer_off == (size_t)-1 ? 1 : n_layers;
         for (int l = 0; l < reps; l++) {
             size_t idx = s * (size_t)n_layers + (size_t)l;
-            if (!present[idx]) continue;
+            if (!present[idx] || (m->mode == CS_WEIGHTS_QUANT && w->qg != QG_NONE)) continue;
             const cs_src_tensor *t = &found[idx];
             int64_t rows = dim_value(c, w->rows), cols = dim_value(c, w->cols);
             size_t n = (size_t)(rows * cols);
@@ -256,6 +381,12 @@ int cs__model_build(cs_model *m, const cs_tensor_source *src, const char *path) 
     CS_ASSERT((size_t)(p - m->weights) == total);
     if (c->tied_embeddings) m->output = m->tok_embd;
     compute_rope(m, src->rope_freq_factors);
+    if (m->mode == CS_WEIGHTS_QUANT && (r = pack_quant(m, src, found, present, path))) goto done;
+    if (m->mode == CS_WEIGHTS_QUANT)
+        snprintf(m->weight_desc, sizeof m->weight_desc, "%s (quantized kernels)",
+                 cs_qmat_type_name(cs_qmat_type(m->layers[0].q_qkv)));
+    else
+        snprintf(m->weight_desc, sizeof m->weight_desc, "fp32");
     r = 0;
 done:
     free(found);
@@ -269,10 +400,11 @@ static bool is_dir(const char *path) {
     return stat(path, &st) == 0 && S_ISDIR(st.st_mode);
 }
 
-static int model_load(const char *path, bool vocab_only, cs_model **out) {
+static int model_load(const char *path, bool vocab_only, cs_weight_mode mode, cs_model **out) {
     *out = NULL;
     cs_model *m = calloc(1, sizeof *m);
     if (!m) return cs_fail(CS_ENOMEM, "model: out of memory");
+    m->mode = mode;
     double t0 = cs_now();
     int r = is_dir(path) ? cs__model_load_hf(path, m, vocab_only)
                          : cs__model_load_gguf(path, m, vocab_only);
@@ -285,7 +417,8 @@ static int model_load(const char *path, bool vocab_only, cs_model **out) {
     if (vocab_only)
         snprintf(what, sizeof what, "vocabulary only");
     else
-        snprintf(what, sizeof what, "%.0f MiB fp32", (double)m->n_weights * 4 / (1 << 20));
+        snprintf(what, sizeof what, "%.0f MiB %s", (double)cs_model_weight_bytes(m) / (1 << 20),
+                 m->weight_desc);
     CS_LOGI("loaded %s (%s): %d layers, dim %d, %d/%d heads x %d, ffn %d, vocab %d, %s embeddings, "
             "%s in %.2f s",
             path, c->arch, c->n_layers, c->dim, c->n_heads, c->n_kv_heads, c->head_dim,
@@ -295,15 +428,37 @@ static int model_load(const char *path, bool vocab_only, cs_model **out) {
 }
 
 int cs_model_load(const char *path, cs_model **out) {
-    return model_load(path, false, out);
+    return model_load(path, false, CS_WEIGHTS_EXACT, out);
+}
+int cs_model_load_mode(const char *path, cs_weight_mode mode, cs_model **out) {
+    return model_load(path, false, mode, out);
 }
 int cs_model_load_vocab(const char *path, cs_model **out) {
-    return model_load(path, true, out);
+    return model_load(path, true, CS_WEIGHTS_EXACT, out);
+}
+
+cs_weight_mode cs_model_weight_mode(const cs_model *m) {
+    return m->mode;
+}
+const char *cs_weight_mode_name(cs_weight_mode mode) {
+    return mode == CS_WEIGHTS_QUANT ? "quant" : mode == CS_WEIGHTS_EXACT ? "exact" : "auto";
+}
+const char *cs_model_weight_desc(const cs_model *m) {
+    return m->weight_desc[0] ? m->weight_desc : "none";
 }
 
 void cs_model_free(cs_model *m) {
     if (!m) return;
     cs_tokenizer_free(m->tok);
+    if (m->layers)
+        for (int32_t l = 0; l < m->cfg.n_layers; l++) {
+            cs_qmat_free(m->layers[l].q_qkv);
+            cs_qmat_free(m->layers[l].q_o);
+            cs_qmat_free(m->layers[l].q_gate_up);
+            cs_qmat_free(m->layers[l].q_down);
+        }
+    if (m->q_output != m->q_tok_embd) cs_qmat_free(m->q_output);
+    cs_qmat_free(m->q_tok_embd);
     free(m->layers);
     free(m->weights);
     free(m);
@@ -316,7 +471,7 @@ const cs_tokenizer *cs_model_tokenizer(const cs_model *m) {
     return m->tok;
 }
 size_t cs_model_weight_bytes(const cs_model *m) {
-    return m->n_weights * sizeof(float);
+    return m->n_weights * sizeof(float) + m->q_bytes;
 }
 
 int cs_tokenizer_load(const char *path, cs_tokenizer **out) {
@@ -328,16 +483,33 @@ void cs__model_weights(const cs_model *m, cs_weights *w, cs_layer_weights *layer
     const cs_model_config *c = &m->cfg;
     for (int32_t l = 0; l < c->n_layers; l++) {
         const cs_layer *S = &m->layers[l];
-        layers[l] =
-            (cs_layer_weights){S->attn_norm, S->wq, S->wk,       S->wv,     S->bq,   S->bk,
-                               S->bv,        S->wo, S->ffn_norm, S->w_gate, S->w_up, S->w_down};
+        layers[l] = (cs_layer_weights){.attn_norm = S->attn_norm,
+                                       .wq = S->wq,
+                                       .wk = S->wk,
+                                       .wv = S->wv,
+                                       .bq = S->bq,
+                                       .bk = S->bk,
+                                       .bv = S->bv,
+                                       .wo = S->wo,
+                                       .ffn_norm = S->ffn_norm,
+                                       .w_gate = S->w_gate,
+                                       .w_up = S->w_up,
+                                       .w_down = S->w_down,
+                                       .qkv = S->q_qkv,
+                                       .o = S->q_o,
+                                       .gate_up = S->q_gate_up,
+                                       .down = S->q_down};
     }
     w->shape = (cs_weights_shape){c->n_vocab,    c->dim,        c->n_layers,
                                   c->n_heads,    c->n_kv_heads, c->head_dim,
-                                  c->hidden_dim, c->norm_eps,   m->output == m->tok_embd};
+                                  c->hidden_dim, c->norm_eps,
+                                  m->mode == CS_WEIGHTS_QUANT ? m->q_output == m->q_tok_embd
+                                                              : m->output == m->tok_embd};
     w->tok_embd = m->tok_embd;
     w->out_norm = m->out_norm;
     w->output = m->output;
     w->rope_inv_freq = m->rope_inv_freq;
     w->layers = layers;
+    w->q_tok_embd = m->q_tok_embd;
+    w->q_output = m->q_output;
 }

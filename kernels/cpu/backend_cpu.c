@@ -1,5 +1,8 @@
-/* backend_cpu.c: the CPU backend. fp32 weights straight from the model (no
- * copy), KV pool in host memory laid out page-major:
+/* backend_cpu.c: the CPU backend. Weights straight from the model (no copy):
+ * fp32 matrices through OpenBLAS (cs_op_matmul), or in quant mode packed
+ * quantized ones through the integer kernels (cpu/qmat.h: activations
+ * quantized per row once per GEMM input, q|k|v and gate|up one GEMM each).
+ * KV pool in host memory laid out page-major:
  *   pool[n_pages][n_layers][2 (K, V)][page_size][n_kv_heads * head_dim]
  * so one page (all layers, K and V) is one contiguous block: export/import is
  * a memcpy per page and the KV transport can send pages without gathering.
@@ -10,6 +13,7 @@
 
 #include "backend.h"
 #include "ops.h"
+#include "qmat.h"
 #include "chunkserve/assert.h"
 #include "chunkserve/error.h"
 
@@ -25,6 +29,8 @@ typedef struct {
     int32_t *tok, *pos;                                 /* (tokens) */
     cs_attn_span *aspans;                               /* (spans) */
     float *xl;                                          /* (spans, dim) rows wanting logits */
+    void *qa;       /* quant mode: quantized activations, cs_qact_bytes(cap_tokens, widest) */
+    size_t qa_size; /* bytes of qa */
 } cpu_ctx;
 
 static void cpu_free(void *p) {
@@ -34,6 +40,7 @@ static void cpu_free(void *p) {
     free(c->kv);
     free(c->x), free(c->xn), free(c->q), free(c->k), free(c->v), free(c->att), free(c->proj);
     free(c->gate), free(c->up), free(c->tok), free(c->pos), free(c->aspans), free(c->xl);
+    free(c->qa);
     free(c);
 }
 
@@ -84,6 +91,17 @@ static int grow(cpu_ctx *c, int32_t n_tokens, int32_t n_spans) {
         RE(c->tok, T);
         RE(c->pos, T);
         c->cap_tokens = n_tokens;
+        if (c->m->q_tok_embd) {
+            size_t widest = dim > qd ? dim : qd;
+            widest = widest > hid ? widest : hid;
+            size_t bytes = (cs_qact_bytes(n_tokens, (int64_t)widest) + 63) / 64 * 64;
+            void *np = aligned_alloc(64, bytes);
+            if (!np) return cs_fail(CS_ENOMEM, "cpu backend: out of memory for a %d-token step",
+                                    n_tokens);
+            free(c->qa);
+            c->qa = np;
+            c->qa_size = bytes;
+        }
     }
     if (n_spans > c->cap_spans) {
         RE(c->aspans, (size_t)n_spans);
@@ -92,6 +110,17 @@ static int grow(cpu_ctx *c, int32_t n_tokens, int32_t n_spans) {
     }
 #undef RE
     return 0;
+}
+
+/* outs = x (n_tokens, cols) * w^T through the integer kernels: x quantized
+ * once into the step's scratch, then one GEMM over every part of w. */
+static void qgemm(cpu_ctx *c, const cs_qout *outs, const float *x, int n_tokens, int cols,
+                  const cs_qmat *w) {
+    cs_qact a;
+    CS_ASSERT(cs_qact_bytes(n_tokens, cols) <= c->qa_size);
+    cs_qact_init(&a, c->qa, n_tokens, cols);
+    cs_op_quantize(c->pool, &a, x);
+    cs_op_qmatmul(c->pool, outs, &a, w);
 }
 
 static int cpu_forward(void *p, const cs_backend_span *spans, int32_t n_spans, int32_t n_tokens,
@@ -112,27 +141,46 @@ static int cpu_forward(void *p, const cs_backend_span *spans, int32_t n_spans, i
         }
     }
     CS_ASSERT(t == n_tokens);
-    cs_op_embed(c->x, m->tok_embd, c->tok, T, dim);
+    if (m->q_tok_embd)
+        cs_qmat_get_rows(m->q_tok_embd, 0, c->tok, T, c->x);
+    else
+        cs_op_embed(c->x, m->tok_embd, c->tok, T, dim);
     for (int l = 0; l < cf->n_layers; l++) {
         const cs_layer_weights *L = &m->layers[l];
         cs_kv_view kv = {c->kv + (size_t)l * 2 * c->page_size * kvd, c->page_floats,
                          (size_t)c->page_size * kvd, c->page_size};
         cs_op_rmsnorm(c->pool, c->xn, c->x, L->attn_norm, T, dim, cf->norm_eps);
-        cs_op_matmul(c->pool, c->q, c->xn, L->wq, L->bq, T, qd, dim);
-        cs_op_matmul(c->pool, c->k, c->xn, L->wk, L->bk, T, kvd, dim);
-        cs_op_matmul(c->pool, c->v, c->xn, L->wv, L->bv, T, kvd, dim);
+        if (L->qkv) {
+            cs_qout o[3] = {{c->q, qd, L->bq}, {c->k, kvd, L->bk}, {c->v, kvd, L->bv}};
+            qgemm(c, o, c->xn, T, dim, L->qkv);
+        } else {
+            cs_op_matmul(c->pool, c->q, c->xn, L->wq, L->bq, T, qd, dim);
+            cs_op_matmul(c->pool, c->k, c->xn, L->wk, L->bk, T, kvd, dim);
+            cs_op_matmul(c->pool, c->v, c->xn, L->wv, L->bv, T, kvd, dim);
+        }
         cs_op_rope(c->pool, c->q, T, nh, hd, c->pos, m->rope_inv_freq);
         cs_op_rope(c->pool, c->k, T, nkv, hd, c->pos, m->rope_inv_freq);
         cs_op_kv_store(&kv, c->aspans, n_spans, c->k, c->v, kvd);
         cs_op_attention(c->pool, c->att, c->q, c->aspans, n_spans, &kv, nh, nkv, hd);
-        cs_op_matmul(c->pool, c->proj, c->att, L->wo, NULL, T, dim, qd);
+        if (L->o)
+            qgemm(c, &(cs_qout){c->proj, dim, NULL}, c->att, T, qd, L->o);
+        else
+            cs_op_matmul(c->pool, c->proj, c->att, L->wo, NULL, T, dim, qd);
         for (size_t i = 0; i < (size_t)T * dim; i++)
             c->x[i] += c->proj[i];
         cs_op_rmsnorm(c->pool, c->xn, c->x, L->ffn_norm, T, dim, cf->norm_eps);
-        cs_op_matmul(c->pool, c->gate, c->xn, L->w_gate, NULL, T, hid, dim);
-        cs_op_matmul(c->pool, c->up, c->xn, L->w_up, NULL, T, hid, dim);
+        if (L->gate_up) {
+            cs_qout o[2] = {{c->gate, hid, NULL}, {c->up, hid, NULL}};
+            qgemm(c, o, c->xn, T, dim, L->gate_up);
+        } else {
+            cs_op_matmul(c->pool, c->gate, c->xn, L->w_gate, NULL, T, hid, dim);
+            cs_op_matmul(c->pool, c->up, c->xn, L->w_up, NULL, T, hid, dim);
+        }
         cs_op_swiglu(c->pool, c->gate, c->gate, c->up, (size_t)T * hid);
-        cs_op_matmul(c->pool, c->proj, c->gate, L->w_down, NULL, T, dim, hid);
+        if (L->down)
+            qgemm(c, &(cs_qout){c->proj, dim, NULL}, c->gate, T, hid, L->down);
+        else
+            cs_op_matmul(c->pool, c->proj, c->gate, L->w_down, NULL, T, dim, hid);
         for (size_t i = 0; i < (size_t)T * dim; i++)
             c->x[i] += c->proj[i];
     }
@@ -145,7 +193,10 @@ static int cpu_forward(void *p, const cs_backend_span *spans, int32_t n_spans, i
     }
     if (n_out) {
         cs_op_rmsnorm(c->pool, c->xl, c->xl, m->out_norm, n_out, dim, cf->norm_eps);
-        cs_op_matmul(c->pool, logits, c->xl, m->output, NULL, n_out, cf->n_vocab, dim);
+        if (m->q_output)
+            qgemm(c, &(cs_qout){logits, cf->n_vocab, NULL}, c->xl, n_out, dim, m->q_output);
+        else
+            cs_op_matmul(c->pool, logits, c->xl, m->output, NULL, n_out, cf->n_vocab, dim);
     }
     return 0;
 }

@@ -2,8 +2,9 @@
  * safetensors directory into one in-memory representation.
  *
  * Covers RMSNorm, RoPE (theta, linear and Llama-3 scaling), GQA, SwiGLU, tied
- * or untied embeddings and optional q/k/v biases (Qwen2). Weights are held as
- * fp32 (quantized GGUF types are dequantized at load). Every length, offset,
+ * or untied embeddings and optional q/k/v biases (Qwen2). Weights are held in
+ * one of two modes (cs_weight_mode): fp32 ("exact"), or the file's quantized
+ * blocks repacked for the CPU's integer kernels ("quant"). Every length, offset,
  * count, shape and type read from a file is validated before use: a bad file
  * gives an error naming the problem, never a crash. */
 #ifndef CHUNKSERVE_MODEL_H
@@ -53,6 +54,26 @@ typedef struct {
  * tensor type or tokenizer not supported), CS_ENOMEM; cs_last_error() says
  * what and where. *out is NULL on failure. */
 int cs_model_load(const char *path, cs_model **out);
+
+/* How weight matrices are held. EXACT: fp32 (quantized GGUF types
+ * dequantized at load), what every backend and the reference forward run.
+ * QUANT: the matrices stay in the file's Q4_0 / Q4_1 / Q8_0 blocks, repacked
+ * once for the CPU backend's integer kernels (kernels/cpu/qmat.h), no fp32
+ * copy; F16/BF16/F32 matrices (and groups of matrices with mixed types) are
+ * quantized to Q8_0; norms and biases stay fp32. Only the CPU backend runs
+ * it. AUTO: QUANT when every layer matrix of the file is Q4_0/Q4_1/Q8_0 and
+ * the backend registry will pick the CPU (cs_backend_will_use_cuda), else
+ * EXACT. */
+typedef enum { CS_WEIGHTS_AUTO = 0, CS_WEIGHTS_EXACT, CS_WEIGHTS_QUANT } cs_weight_mode;
+/* cs_model_load (which is EXACT) with a mode; same errors, and CS_EINVAL for
+ * QUANT when a matrix's inner size is not a multiple of 32. */
+int cs_model_load_mode(const char *path, cs_weight_mode mode, cs_model **out);
+/* The mode the model was loaded in: EXACT or QUANT (never AUTO). */
+cs_weight_mode cs_model_weight_mode(const cs_model *m);
+/* "exact" / "quant" (and "auto"). */
+const char *cs_weight_mode_name(cs_weight_mode mode);
+/* A short description of the weights: "fp32" or "q4_1 (quantized kernels)". */
+const char *cs_model_weight_desc(const cs_model *m);
 /* Loads only what serves requests without running the model: the
  * configuration, the tokenizer and the chat template (the router's needs).
  * Same formats and errors as cs_model_load; the configuration and tokenizer
@@ -66,7 +87,7 @@ void cs_model_free(cs_model *m); /* NULL is a no-op */
 
 const cs_model_config *cs_model_get_config(const cs_model *m);
 const cs_tokenizer *cs_model_tokenizer(const cs_model *m);
-/* Bytes of fp32 weights held in memory (0 after cs_model_load_vocab). */
+/* Bytes of weights held in memory, fp32 and packed (0 after cs_model_load_vocab). */
 size_t cs_model_weight_bytes(const cs_model *m);
 
 #ifdef __cplusplus
