@@ -188,8 +188,9 @@ int cs_cli_bench_engine(const cs_model *m, int threads, int prompt_tokens) {
         t_chunk[i] = median(t3, 3);
     }
 
-    printf("chunkserve bench-engine: %s, %d threads, backend %s, fp32 weights %.0f MiB\n", c->name,
-           cs_threadpool_size(pool), cs_engine_backend_name(e), weight_bytes / (1 << 20));
+    printf("chunkserve bench-engine: %s, %d threads, backend %s, weights %s, %.0f MiB\n",
+           c->name, cs_threadpool_size(pool), cs_engine_backend_name(e), cs_model_weight_desc(m),
+           weight_bytes / (1 << 20));
     printf("\n%-44s %10s %10s %8s\n", "measure", "ours", "limit", "ratio");
     printf("%-44s %10.1f %10s %8s\n", "OpenBLAS sgemm, model shapes x512 [GFLOP/s]", gemm_rate, "",
            "");

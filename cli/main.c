@@ -706,7 +706,8 @@ int main(int argc, char **argv) {
     }
     cs_model *m = NULL;
     /* the reference forward and the CUDA backend run fp32 weights */
-    cs_weight_mode mode = o.exact || o.reference ? CS_WEIGHTS_EXACT : CS_WEIGHTS_AUTO;
+    bool fp32 = o.exact || o.reference || (!strcmp(cmd->name, "logits") && !o.engine);
+    cs_weight_mode mode = fp32 ? CS_WEIGHTS_EXACT : CS_WEIGHTS_AUTO;
     if ((r = cs_model_load_mode(o.model, mode, &m))) return fail_msg("loading model", r);
     c.m = m;
     rc = cmd->run(&c);

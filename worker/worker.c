@@ -43,6 +43,7 @@ void cs_worker_kv_status(cs_worker *w, int payload, Chunkserve__V1__WorkerStatus
                    : l.dtype == CS_KVX_DTYPE_F16 ? CHUNKSERVE__V1__KV_DTYPE__KV_DTYPE_F16
                                                  : CHUNKSERVE__V1__KV_DTYPE__KV_DTYPE_F32;
     st->kv_layout_fingerprint = cs_kvx_layout_fingerprint(&l);
+    st->weight_mode = (char *)cs_weight_mode_name(cs_model_weight_mode(w->model));
 }
 
 int cs_worker_split_endpoint(const char *ep, char *host, size_t host_len, int *port) {
@@ -129,6 +130,12 @@ static const cs_metric_def common_metrics[] = {
     {M(m_refused), "chunkserve:requests_refused_total", CS_METRIC_COUNTER, NULL,
      "requests refused (RESOURCE_EXHAUSTED): the queue limit, or no free KV pages (decode)", NULL,
      0},
+    {M(m_weights_quant), "chunkserve:weight_mode", CS_METRIC_GAUGE, "mode=\"quant\"",
+     "1 for the engine's weight mode: quant (quantized blocks, integer kernels) or exact (fp32)",
+     NULL, 0},
+    {M(m_weights_exact), "chunkserve:weight_mode", CS_METRIC_GAUGE, "mode=\"exact\"",
+     "1 for the engine's weight mode: quant (quantized blocks, integer kernels) or exact (fp32)",
+     NULL, 0},
 };
 #undef M
 
@@ -144,6 +151,9 @@ static void update_metrics(cs_proc *p, void *arg) {
     cs_metric_set(w->m_kv_free, st.kv_pages_total - st.kv_pages_used);
     cs_metric_set(w->m_kv_total, st.kv_pages_total);
     cs_metric_set(w->m_queued_prefill, (double)st.queued_prompt_tokens);
+    bool quant = cs_model_weight_mode(w->model) == CS_WEIGHTS_QUANT;
+    cs_metric_set(w->m_weights_quant, quant);
+    cs_metric_set(w->m_weights_exact, !quant);
     cs_sched_stats *l = &w->last_stats;
     cs_metric_add(w->m_preemptions, (double)(st.preemptions - l->preemptions));
     cs_metric_add(w->m_prompt_tokens,
@@ -273,7 +283,9 @@ static const cs_proc_role worker_proc = {
 static int run(cs_worker *w) {
     const cs_worker_opts *o = &w->o;
     int r;
-    if ((r = cs_model_load(o->model, &w->model))) goto out;
+    if ((r = cs_model_load_mode(o->model, o->exact ? CS_WEIGHTS_EXACT : CS_WEIGHTS_AUTO,
+                                &w->model)))
+        goto out;
     cs_wire_model_init(&w->wm, w->model, o->model);
     cs_engine_params ep = cs_engine_params_default();
     ep.page_size = (int32_t)o->page_size;

@@ -38,7 +38,7 @@ typedef struct {
     int64_t max_batched_tokens, max_num_seqs, max_partial_prefills, max_chunk_tokens, page_size,
         kv_cache_mib, threads;
     int64_t max_queue, grace_ms, lease_ms, kv_deadline_ms, kv_dead_ms;
-    bool prefix_caching, kv_checksum, verbose;
+    bool prefix_caching, kv_checksum, verbose, exact;
 } cs_worker_opts;
 
 /* The entries both workers have (spliced into each process's table). */
@@ -132,6 +132,15 @@ typedef struct {
          "CPU threads for the engine; 0 = one per core",                                           \
          0,                                                                                        \
          4096},                                                                                    \
+        {"exact",                                                                                  \
+         CS_CONFIG_BOOL,                                                                           \
+         offsetof(cs_worker_opts, exact),                                                          \
+         "false",                                                                                     \
+         "fp32 weights (quantized files dequantized at load); default: a Q4_0/Q4_1/Q8_0 file "     \
+         "keeps its blocks and runs the CPU's integer kernels (every worker of a cluster must "    \
+         "use the same mode)",                                                                     \
+         0,                                                                                        \
+         0},                                                                                       \
         {"prefix-caching",                                                                         \
          CS_CONFIG_BOOL,                                                                           \
          offsetof(cs_worker_opts, prefix_caching),                                                 \
@@ -259,7 +268,8 @@ struct cs_worker {
     uint64_t next_id;
     /* the common metrics table (worker.c) */
     cs_metric *m_running, *m_waiting, *m_kv_usage, *m_kv_free, *m_kv_total, *m_preemptions,
-        *m_prompt_tokens, *m_gen_tokens, *m_prefix_hits, *m_steps, *m_queued_prefill, *m_refused;
+        *m_prompt_tokens, *m_gen_tokens, *m_prefix_hits, *m_steps, *m_queued_prefill, *m_refused,
+        *m_weights_quant, *m_weights_exact;
     cs_sched_stats last_stats; /* counters already exported */
 };
 

@@ -31,6 +31,7 @@ bool cs__qmat_vnni_usable(void) {
 }
 
 #define MAX_NT 8
+typedef int32_t a32 __attribute__((may_alias)); /* int8 data read 4 bytes at a time */
 
 static inline __attribute__((always_inline)) void
 tile(const int nt, const int type, const uint8_t *pq, const uint16_t *pd, const uint16_t *pm,
@@ -59,13 +60,14 @@ tile(const int nt, const int type, const uint8_t *pq, const uint16_t *pd, const 
         if (type == CS_QMAT_Q4_1)
             m = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(pm + b * CS_QROWS)));
         for (int t = 0; t < nt; t++) {
-            const int8_t *x = xq + (size_t)t * (size_t)cols + (size_t)b * CS_QK;
-            int32_t x4[8];
-            memcpy(x4, x, sizeof x4);
+            /* 4 activation bytes broadcast straight from memory (a load, not a
+             * shuffle competing with vpdpbusd for its ports) */
+            const a32 *x = (const a32 *)(const void *)(xq + (size_t)t * (size_t)cols +
+                                                       (size_t)b * CS_QK);
             __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
             for (int i = 0; i < 8; i += 2) {
-                s0 = _mm512_dpbusd_epi32(s0, wv[i], _mm512_set1_epi32(x4[i]));
-                s1 = _mm512_dpbusd_epi32(s1, wv[i + 1], _mm512_set1_epi32(x4[i + 1]));
+                s0 = _mm512_dpbusd_epi32(s0, wv[i], _mm512_set1_epi32(x[i]));
+                s1 = _mm512_dpbusd_epi32(s1, wv[i + 1], _mm512_set1_epi32(x[i + 1]));
             }
             __m512i s = _mm512_add_epi32(s0, s1);
             const cs_qblock *mb = meta + (size_t)t * (size_t)nb + (size_t)b;

@@ -15,6 +15,8 @@ cs_kvx_layout cs_kvx_layout_of_engine(cs_engine *e) {
     uint64_t elems = (uint64_t)l.n_layers * 2 * (uint64_t)l.page_size * (uint64_t)l.n_kv_heads *
                      (uint64_t)l.head_dim;
     l.dtype = elems && l.page_bytes == 2 * elems ? CS_KVX_DTYPE_BF16 : CS_KVX_DTYPE_F32;
+    l.weights = cs_model_weight_mode(cs_engine_model(e)) == CS_WEIGHTS_QUANT ? CS_KVX_WEIGHTS_QUANT
+                                                                             : CS_KVX_WEIGHTS_FP32;
     return l;
 }
 

@@ -400,13 +400,15 @@ static void on_hello(cs_kvx_rx *rx, rx_conn *c, const cs_kvx_hdr *h, const uint8
     const cs_kvx_layout *a = &m.layout, *b = &rx->p.layout;
     if (h->fingerprint != rx->fingerprint || a->n_layers != b->n_layers ||
         a->n_kv_heads != b->n_kv_heads || a->head_dim != b->head_dim || a->dtype != b->dtype ||
-        a->page_size != b->page_size || a->page_bytes != b->page_bytes) {
+        a->page_size != b->page_size || a->page_bytes != b->page_bytes ||
+        a->weights != b->weights) {
         snprintf(err, sizeof err,
                  "layout mismatch: sender %d layers, %d kv heads, head_dim %d, dtype %d, page %d "
-                 "(%llu bytes); receiver %d, %d, %d, %d, %d (%llu bytes)",
+                 "(%llu bytes), %s weights; receiver %d, %d, %d, %d, %d (%llu bytes), %s weights",
                  a->n_layers, a->n_kv_heads, a->head_dim, a->dtype, a->page_size,
-                 (unsigned long long)a->page_bytes, b->n_layers, b->n_kv_heads, b->head_dim,
-                 b->dtype, b->page_size, (unsigned long long)b->page_bytes);
+                 (unsigned long long)a->page_bytes, a->weights ? "quant" : "fp32", b->n_layers,
+                 b->n_kv_heads, b->head_dim, b->dtype, b->page_size,
+                 (unsigned long long)b->page_bytes, b->weights ? "quant" : "fp32");
         refuse(rx, c, err);
         return;
     }

@@ -71,6 +71,7 @@ static void layout_encode(const cs_kvx_layout *l, uint8_t out[32]) {
     put32(out + 8, (uint32_t)l->head_dim);
     put32(out + 12, (uint32_t)l->dtype);
     put32(out + 16, (uint32_t)l->page_size);
+    put32(out + 20, (uint32_t)l->weights);
     put64(out + 24, l->page_bytes);
 }
 
@@ -80,6 +81,7 @@ static void layout_decode(const uint8_t in[32], cs_kvx_layout *l) {
     l->head_dim = (int32_t)get32(in + 8);
     l->dtype = (int32_t)get32(in + 12);
     l->page_size = (int32_t)get32(in + 16);
+    l->weights = (int32_t)get32(in + 20);
     l->page_bytes = get64(in + 24);
 }
 

@@ -58,12 +58,14 @@ def model_path() -> Path:
     return p
 
 
-def run_cli(exe: Path, args: list, stdin: bytes = b"", timeout: float = 300) -> bytes:
-    """Run the CLI, fail the test with its stderr on a non-zero exit; return stdout bytes."""
+def run_cli(exe: Path, args: list, stdin: bytes = b"", timeout: float = 300,
+            env: dict | None = None) -> bytes:
+    """Run the CLI, fail the test with its stderr on a non-zero exit; return stdout bytes.
+    env: variables added to this process's environment for the run."""
     cmd = [str(exe), *[str(a) for a in args]]
     try:
         proc = subprocess.run(cmd, input=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              timeout=timeout)
+                              timeout=timeout, env={**os.environ, **env} if env else None)
     except subprocess.TimeoutExpired:
         pytest.fail(f"timed out after {timeout}s: {' '.join(cmd)}")
     if proc.returncode != 0:
@@ -97,8 +99,9 @@ class CLI:
     def __init__(self, exe: Path, model: Path):
         self.exe, self.model = exe, model
 
-    def run(self, subcommand: str, *args, stdin: bytes = b"", timeout: float = 300) -> bytes:
-        return run_cli(self.exe, [subcommand, "--model", self.model, *args], stdin, timeout)
+    def run(self, subcommand: str, *args, stdin: bytes = b"", timeout: float = 300,
+            env: dict | None = None) -> bytes:
+        return run_cli(self.exe, [subcommand, "--model", self.model, *args], stdin, timeout, env)
 
 
 @pytest.fixture(scope="session")

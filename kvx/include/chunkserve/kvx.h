@@ -57,7 +57,10 @@ typedef struct {
     int32_t dtype;       /* enum cs_kvx_dtype of the KV pool */
     int32_t page_size;   /* tokens per page */
     uint64_t page_bytes; /* bytes of one page: all layers' K and V */
+    int32_t weights;     /* enum cs_kvx_weights: what computed the pages (the two modes'
+                            pages differ, so a pair must match) */
 } cs_kvx_layout;
+enum cs_kvx_weights { CS_KVX_WEIGHTS_FP32 = 0, CS_KVX_WEIGHTS_QUANT = 1 };
 
 /* 64-bit fingerprint of a layout (XXH64 of its fields, little-endian). */
 uint64_t cs_kvx_layout_fingerprint(const cs_kvx_layout *l);
