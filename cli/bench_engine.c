@@ -16,6 +16,7 @@
 #include "bench.h"
 #include "chunkserve/engine.h"
 #include "ops.h"
+#include "qmat.h"
 #include "chunkserve/clock.h"
 #include "chunkserve/error.h"
 
@@ -134,6 +135,10 @@ int cs_cli_bench_engine(const cs_model *m, int threads, int prompt_tokens) {
         free(shapes[s].w);
     openblas_set_num_threads(1); /* back to what the engine expects */
 
+    /* 1b. the int8 multiply-accumulate peak of the quantized kernels' instruction */
+    double peak_macs = cs_model_weight_mode(m) == CS_WEIGHTS_QUANT ? cs_qmat_peak_macs(pool, 0.5)
+                                                                    : 0;
+
     /* 2. prefill */
     time_prefill(e, ids, n < 64 ? n : 64, 0, logits); /* warm-up */
     double tp[3];
@@ -197,6 +202,12 @@ int cs_cli_bench_engine(const cs_model *m, int threads, int prompt_tokens) {
     printf("%-44s %10.1f %10.1f %8.2f\n", "prefill one pass [GFLOP/s] vs OpenBLAS rate",
            prefill_rate, gemm_rate, prefill_rate / gemm_rate);
     printf("%-44s %10.1f\n", "prefill tokens/s", n / t_prefill);
+    if (peak_macs > 0) { /* quant mode: the projections' MACs (no attention) vs vpdpbusd's peak */
+        double macs = forward_flops(c, n, 0) / 2 - 2.0 * c->n_layers * (double)c->n_heads *
+                                                       c->head_dim * n * ((n + 1) / 2.0);
+        printf("%-44s %10.1f %10.1f %8.2f\n", "prefill int8 GMAC/s vs vpdpbusd peak",
+               macs / t_prefill / 1e9, peak_macs / 1e9, macs / t_prefill / peak_macs);
+    }
     printf("%-44s %10.1f %10s %8s\n", "memory copy bandwidth [GB/s, read+write]", bw, "", "");
     for (int bi = 0; bi < 3; bi++) {
         char label[64];

@@ -9,6 +9,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "qmat.h"
 #include "chunkserve/assert.h"
@@ -373,6 +374,29 @@ static void quantize_fn(void *arg, int64_t begin, int64_t end, int thread) {
         cs__quantize_vnni_rows(j->a, j->x, begin, end);
     else
         cs__quantize_ref_rows(j->a, j->x, begin, end);
+}
+
+static void peak_fn(void *arg, int64_t begin, int64_t end, int thread) {
+    (void)thread;
+    volatile int64_t sink = 0;
+    for (int64_t i = begin; i < end; i++)
+        sink += cs__qmat_vnni_peak_loop(*(const int64_t *)arg);
+    (void)sink;
+}
+
+double cs_qmat_peak_macs(cs_threadpool *pool, double seconds) {
+    if (!use_vnni()) return 0;
+    int n = cs_threadpool_size(pool);
+    int64_t iters = 1 << 16;
+    for (;;) { /* grow until a run takes `seconds` */
+        struct timespec t0, t1;
+        clock_gettime(CLOCK_MONOTONIC, &t0);
+        cs_threadpool_for(pool, n, peak_fn, &iters);
+        clock_gettime(CLOCK_MONOTONIC, &t1);
+        double t = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+        if (t >= seconds || iters > ((int64_t)1 << 40)) return (double)n * (double)iters * 1024.0 / t;
+        iters *= 2;
+    }
 }
 
 void cs_op_quantize(cs_threadpool *pool, cs_qact *a, const float *x) {

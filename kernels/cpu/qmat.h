@@ -110,6 +110,12 @@ bool cs__qmat_vnni_usable(void);
 void cs__qmat_vnni_panels(const cs_qout *outs, const cs_qact *a, const cs_qmat *w, int64_t p0,
                           int64_t p1);
 void cs__quantize_vnni_rows(cs_qact *a, const float *x, int64_t t0, int64_t t1);
+/* Benchmarks: iters x 16 independent vpdpbusd (1024 int8 MACs each
+ * iteration) on the calling thread (only where cs__qmat_vnni_usable()). */
+int64_t cs__qmat_vnni_peak_loop(int64_t iters);
+/* int8 multiply-accumulates per second of the whole pool, every thread in
+ * that loop for about `seconds`; 0 where the VNNI kernels do not run. */
+double cs_qmat_peak_macs(cs_threadpool *pool, double seconds);
 /* The plain C versions of the same two. */
 void cs__qmat_ref_panels(const cs_qout *outs, const cs_qact *a, const cs_qmat *w, int64_t p0,
                          int64_t p1);

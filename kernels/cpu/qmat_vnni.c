@@ -37,6 +37,7 @@ static inline __attribute__((always_inline)) void
 tile(const int nt, const int type, const uint8_t *pq, const uint16_t *pd, const uint16_t *pm,
      int64_t nb, const int8_t *xq, int64_t cols, const cs_qblock *meta, int32_t z, __m512 *out) {
     __m512 acc[MAX_NT];
+#pragma GCC unroll 8
     for (int t = 0; t < nt; t++)
         acc[t] = _mm512_setzero_ps();
     const __m512i m4 = _mm512_set1_epi8(0x0f);
@@ -45,9 +46,11 @@ tile(const int nt, const int type, const uint8_t *pq, const uint16_t *pd, const 
         __m512i wv[8];
         const uint8_t *p = pq + b * qb;
         if (type == CS_QMAT_Q8_0) {
+#pragma GCC unroll 8
             for (int j = 0; j < 8; j++)
                 wv[j] = _mm512_load_si512((const void *)(p + 64 * j));
         } else {
+#pragma GCC unroll 4
             for (int j = 0; j < 4; j++) {
                 __m512i v = _mm512_load_si512((const void *)(p + 64 * j));
                 wv[2 * j] = _mm512_and_si512(v, m4);
@@ -59,12 +62,14 @@ tile(const int nt, const int type, const uint8_t *pq, const uint16_t *pd, const 
         __m512 m = _mm512_setzero_ps();
         if (type == CS_QMAT_Q4_1)
             m = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(pm + b * CS_QROWS)));
+#pragma GCC unroll 8
         for (int t = 0; t < nt; t++) {
             /* 4 activation bytes broadcast straight from memory (a load, not a
              * shuffle competing with vpdpbusd for its ports) */
             const a32 *x = (const a32 *)(const void *)(xq + (size_t)t * (size_t)cols +
                                                        (size_t)b * CS_QK);
             __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+#pragma GCC unroll 4
             for (int i = 0; i < 8; i += 2) {
                 s0 = _mm512_dpbusd_epi32(s0, wv[i], _mm512_set1_epi32(x[i]));
                 s1 = _mm512_dpbusd_epi32(s1, wv[i + 1], _mm512_set1_epi32(x[i + 1]));
@@ -78,6 +83,7 @@ tile(const int nt, const int type, const uint8_t *pq, const uint16_t *pd, const 
                 acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(mb->fsum), acc[t]);
         }
     }
+#pragma GCC unroll 8
     for (int t = 0; t < nt; t++)
         out[t] = acc[t];
 }
@@ -156,6 +162,24 @@ void cs__quantize_vnni_rows(cs_qact *a, const float *x, int64_t t0, int64_t t1) 
         }
 }
 
+/* 16 independent vpdpbusd chains, iters times: 1024 MACs an iteration. The
+ * sum is returned so the loop cannot be dropped. */
+int64_t cs__qmat_vnni_peak_loop(int64_t iters) {
+    __m512i a[16], w = _mm512_set1_epi8(3), x = _mm512_set1_epi8(1);
+    for (int i = 0; i < 16; i++)
+        a[i] = _mm512_set1_epi32(i);
+    for (int64_t it = 0; it < iters; it++) {
+#pragma GCC unroll 16
+        for (int i = 0; i < 16; i++)
+            a[i] = _mm512_dpbusd_epi32(a[i], w, x);
+        __asm__ volatile("" : "+v"(a[0]), "+v"(a[5]), "+v"(a[10]), "+v"(a[15]));
+    }
+    __m512i s = a[0];
+    for (int i = 1; i < 16; i++)
+        s = _mm512_add_epi32(s, a[i]);
+    return _mm512_reduce_add_epi32(s);
+}
+
 #else /* not built for x86-64: the reference runs */
 bool cs__qmat_vnni_usable(void) {
     return false;
@@ -166,5 +190,9 @@ void cs__qmat_vnni_panels(const cs_qout *outs, const cs_qact *a, const cs_qmat *
 }
 void cs__quantize_vnni_rows(cs_qact *a, const float *x, int64_t t0, int64_t t1) {
     cs__quantize_ref_rows(a, x, t0, t1);
+}
+int64_t cs__qmat_vnni_peak_loop(int64_t iters) {
+    (void)iters;
+    return 0;
 }
 #endif

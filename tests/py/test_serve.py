@@ -288,7 +288,29 @@ def test_malformed_bytes(tiny, pb):
     assert len(ids) == 5
 
 
+@pytest.fixture(scope="module")
+def tiny_quant(chunkserve_bin, bin_dir, tmp_path_factory, pb):
+    """The tiny model as a Q4_1 file: served in quant mode (the integer kernels), 2 threads."""
+    out = tmp_path_factory.mktemp("tiny_q4_1")
+    subprocess.run([str(bin_dir / "chunkserve-mktiny"), "--out", str(out), "--type", "q4_1"],
+                   check=True, capture_output=True)
+    s = Server(chunkserve_bin, out / "tiny.gguf", pb, "--kv-cache-mib", "2",
+               "--max-batched-tokens", "64", "--threads", "2")
+    yield s
+    s.stop()
+
+
 def test_32_concurrent_streams(tiny, pb):
+    concurrent_streams(tiny, pb)
+
+
+def test_32_concurrent_streams_quant(tiny_quant, pb):
+    """Quant mode: a request's tokens (greedy and seeded) do not depend on the 31 others in its
+    steps, nor on its prompt's chunking (budget 64), nor on the thread split."""
+    concurrent_streams(tiny_quant, pb)
+
+
+def concurrent_streams(tiny, pb):
     g = pb.generation_pb2
     results = [None] * 32
 
@@ -316,6 +338,10 @@ def test_32_concurrent_streams(tiny, pb):
     alone, _, _ = collect(tiny.stub.Generate(g.GenerateRequest(prompt="stream 0", sampling=params(
         pb, max_tokens=48, ignore_eos=True)), timeout=30))
     assert alone == results[0][0]
+    # seeded sampling too: stream 5 alone == stream 5 among the others
+    alone, _, _ = collect(tiny.stub.Generate(g.GenerateRequest(prompt="stream 1", sampling=params(
+        pb, max_tokens=48, ignore_eos=True, temperature=0.9, top_p=0.9, seed=5)), timeout=30))
+    assert alone == results[5][0]
 
 
 def test_cancel_frees_pages(tiny, pb):
