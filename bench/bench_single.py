@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
-"""Single-sequence prefill and decode speed: chunkserve's reference CPU path
-next to llama.cpp (llama-cpp-python) on the same GGUF file, same prompt, same
-thread count, in one run. Prints a table and the ratios; numbers are never
+"""Single-sequence prefill and decode speed: chunkserve's engine (quantized
+kernels, the same with bf16 KV, and --exact fp32) next to llama.cpp
+(llama-cpp-python) on the same GGUF file, same prompt, same thread count, in
+one run. Prints a table and the ratios; numbers are never
 asserted anywhere (machines are shared and noisy: compare the ratio).
 
     python3 bench/bench_single.py --bin build/bin/chunkserve \
@@ -66,15 +67,19 @@ def main():
     ap.add_argument("--threads", type=int, default=2, help="threads for llama.cpp and chunkserve's engine")
     a = ap.parse_args()
     ids = make_prompt_ids(a.bin, a.model, a.prompt_tokens)
-    rows = [(f"chunkserve engine, {a.threads} thr (fp32)", run_chunkserve(a.bin, a.model, ids, a.decode_tokens,
-                                                                           ["--threads", str(a.threads)])),
-            ("chunkserve reference, 1 thr (fp32)", run_chunkserve(a.bin, a.model, ids, a.decode_tokens, ["--reference"]))]
+    common = ["--threads", str(a.threads), "--max-batched-tokens", "0"]
+    rows = [(f"chunkserve, {a.threads} thr (quant)", run_chunkserve(a.bin, a.model, ids, a.decode_tokens,
+                                                                     common)),
+            (f"chunkserve, {a.threads} thr (quant, bf16 KV)",
+             run_chunkserve(a.bin, a.model, ids, a.decode_tokens, common + ["--kv-bf16"])),
+            (f"chunkserve, {a.threads} thr (--exact fp32)",
+             run_chunkserve(a.bin, a.model, ids, a.decode_tokens, common + ["--exact"]))]
     ref = run_llamacpp(a.model, a.prompt_tokens, a.decode_tokens, a.threads)
-    print(f"{'engine':<38} {'prompt tok':>10} {'prefill tok/s':>14} {'decode tok/s':>13}")
+    print(f"{'engine':<40} {'prompt tok':>10} {'prefill tok/s':>14} {'decode tok/s':>13}")
     for name, r in rows:
-        print(f"{name:<38} {r['prompt_tokens']:>10} {r['prefill_tok_s']:>14.1f} {r['decode_tok_s']:>13.1f}")
+        print(f"{name:<40} {r['prompt_tokens']:>10} {r['prefill_tok_s']:>14.1f} {r['decode_tok_s']:>13.1f}")
     if ref:
-        print(f"{'llama.cpp, ' + str(a.threads) + ' thr (Q4_1 weights)':<38} {a.prompt_tokens:>10} "
+        print(f"{'llama.cpp, ' + str(a.threads) + ' thr (same file)':<40} {a.prompt_tokens:>10} "
               f"{ref['prefill_tok_s']:>14.1f} {ref['decode_tok_s']:>13.1f}")
         for name, r in rows:
             print(f"ratio {name} / llama.cpp: prefill {r['prefill_tok_s'] / ref['prefill_tok_s']:.3f}, "

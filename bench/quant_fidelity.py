@@ -9,6 +9,7 @@ same weights, so what is measured is what the activations' rounding costs:
   quant   chunkserve logits --engine           the integer kernels: activations quantized per
                                                row and 32-block to int8 with an fp32 scale
                                                (round half to even), exact int32 block sums
+  quant+bf16kv  ... --kv-bf16                  the same with KV pages held in bf16
 
 The measurement is the real kernels rather than a fake-quantized fp32 model: the two differ
 only by fp32 rounding in the block epilogue (kernels/cpu/qmat.h), far below the figures here.
@@ -40,12 +41,14 @@ def log_softmax(x):
     return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
 
 
-def run(bin_dir, model, ids, exact, tmp):
+def run(bin_dir, model, ids, exact, tmp, kv_bf16=False):
     out = os.path.join(tmp, "l.f32")
     cmd = [os.path.join(bin_dir, "chunkserve"), "logits", "--model", model, "--engine",
            "--every-position", "--ids", ",".join(str(int(t)) for t in ids), "--out", out]
     if exact:
         cmd.append("--exact")
+    if kv_bf16:
+        cmd.append("--kv-bf16")
     subprocess.run(cmd, check=True, stderr=subprocess.DEVNULL, env=dict(os.environ,
                                                                         CHUNKSERVE_BACKEND="cpu"))
     return np.fromfile(out, dtype="<f4")
@@ -86,17 +89,18 @@ def main():
     names = [str(s) for s in fx["prompt_names"]]
     summary = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for mode in ("exact", "quant"):
+        for mode in ("exact", "quant", "quant+bf16kv"):
             all_l2, all_kl, kl_last, agree, n_sure = [], [], [], 0, 0
             for i, name in enumerate(names):
                 ids = fx[f"p{i}_ids"]
-                ours = run(a.bin, a.model, ids, mode == "exact", tmp).reshape(len(ids), V)
+                ours = run(a.bin, a.model, ids, mode == "exact", tmp,
+                           kv_bf16=mode.endswith("bf16kv")).reshape(len(ids), V)
                 f = figures(fx, R, i, ours)
                 all_l2.append(f["rel_l2"]), all_kl.append(f["kl_top64"])
                 kl_last.append(f["kl_last"])
                 agree += f["top1_agree"]
                 n_sure += f["top1_n"]
-                print(f"{mode:5s} {name:12s} n={f['n']:4d} rel L2 max {f['rel_l2'].max():.2e} "
+                print(f"{mode:12s} {name:12s} n={f['n']:4d} rel L2 max {f['rel_l2'].max():.2e} "
                       f"median {np.median(f['rel_l2']):.2e}  KL top-64 max "
                       f"{f['kl_top64'].max():.2e} mean {f['kl_top64'].mean():.2e}  KL last "
                       f"{f['kl_last']:.2e}  top-1 {f['top1_agree']}/{f['top1_n']}",

@@ -5,7 +5,7 @@
 #include "chunkserve/model.h"
 
 /* chunkserve bench-engine: prints ratios against limits measured in the same run. */
-int cs_cli_bench_engine(const cs_model *m, int threads, int prompt_tokens);
+int cs_cli_bench_engine(const cs_model *m, int threads, int prompt_tokens, bool kv_bf16);
 
 /* chunkserve bench-local: mixed chat + long-prompt workload per step budget. */
 int cs_cli_bench_local(const cs_model *m, int threads, double duration, const char *budgets,

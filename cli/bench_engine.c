@@ -70,10 +70,11 @@ static double time_prefill(cs_engine *e, const int32_t *ids, int32_t n, int32_t 
     return t;
 }
 
-int cs_cli_bench_engine(const cs_model *m, int threads, int prompt_tokens) {
+int cs_cli_bench_engine(const cs_model *m, int threads, int prompt_tokens, bool kv_bf16) {
     const cs_model_config *c = cs_model_get_config(m);
     cs_engine_params ep = cs_engine_params_default();
     ep.n_threads = threads;
+    ep.kv_bf16 = kv_bf16;
     ep.kv_bytes = (size_t)1 << 30;
     cs_engine *e = NULL;
     if (cs_engine_init(m, &ep, &e)) {

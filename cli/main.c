@@ -30,7 +30,8 @@
 /* Every field is written by cs_config_parse from opt_table. */
 typedef struct {
     const char *model, *prompt, *system, *ids, *out, *kv_out;
-    bool chat, no_special, no_gen_prompt, verbose, ignore_eos, reference, exact, engine, every_pos;
+    bool chat, no_special, no_gen_prompt, verbose, ignore_eos, reference, exact, engine, every_pos,
+        kv_bf16;
     int64_t max_tokens, threads, page_size, kv_mib, prompt_tokens;
     int64_t port, http_port, max_num_seqs, max_queue, grace_ms;
     const char *budget, *budgets, *host, *http_host;
@@ -67,6 +68,9 @@ static const cs_config_entry opt_table[] = {
     O("page-size", INT, page_size, "16", "tokens per KV-cache page"),
     O("kv-cache-mib", INT, kv_mib, "256", "KV-cache pool size in MiB"),
     O("threads", INT, threads, "0", "CPU threads; 0 = one per core"),
+    O("kv-bf16", BOOL, kv_bf16, NULL,
+      "CPU backend: KV pages in bf16 (half the memory and KV bytes; values rounded to nearest "
+      "even when stored); the CUDA backend's are bf16 anyway"),
     O("exact", BOOL, exact, NULL,
       "fp32 weights (quantized files dequantized at load, OpenBLAS GEMMs); default: a "
       "Q4_0/Q4_1/Q8_0 file keeps its blocks and runs the CPU's integer kernels"),
@@ -333,6 +337,7 @@ static int eval_init(evaluator *ev, const cs_model *m, const options *o, int32_t
     ep.page_size = (int32_t)o->page_size;
     ep.kv_bytes = (size_t)o->kv_mib << 20;
     ep.n_threads = (int32_t)o->threads;
+    ep.kv_bf16 = o->kv_bf16;
     return cs_engine_init(m, &ep, &ev->engine);
 }
 
@@ -547,6 +552,7 @@ static int cmd_serve(const cs_model *m, const options *o) {
     so.engine.page_size = (int32_t)o->page_size;
     so.engine.kv_bytes = (size_t)o->kv_mib << 20;
     so.engine.n_threads = (int32_t)o->threads;
+    so.engine.kv_bf16 = o->kv_bf16;
     so.sched.max_num_seqs = (int32_t)o->max_num_seqs;
     so.max_queue = (int32_t)o->max_queue;
     so.openai = o->openai;
@@ -606,7 +612,8 @@ static int run_info(const cmd_ctx *c) {
     return cmd_info(c->m);
 }
 static int run_bench_engine(const cmd_ctx *c) {
-    return cs_cli_bench_engine(c->m, (int)c->o->threads, (int)c->o->prompt_tokens);
+    return cs_cli_bench_engine(c->m, (int)c->o->threads, (int)c->o->prompt_tokens,
+                               c->o->kv_bf16);
 }
 static int run_bench_local(const cmd_ctx *c) {
     const options *o = c->o;

@@ -18,9 +18,10 @@
 #include "cuda/backend_cuda.h"
 #endif
 
-static int cpu(const cs_weights *m, int n_threads, const char *why, cs_backend **out) {
-    int r = cs_backend_cpu_init(m, n_threads, out);
-    if (r == 0) CS_LOGI("backend: cpu (%s)", why);
+static int cpu(const cs_weights *m, int n_threads, bool kv_bf16, const char *why,
+               cs_backend **out) {
+    int r = cs_backend_cpu_init(m, n_threads, kv_bf16, out);
+    if (r == 0) CS_LOGI("backend: cpu (%s), %s KV pages", why, kv_bf16 ? "bf16" : "fp32");
     return r;
 }
 
@@ -36,19 +37,20 @@ bool cs_backend_will_use_cuda(void) {
 #endif
 }
 
-int cs_backend_init(const cs_weights *m, int n_threads, cs_backend **out) {
+int cs_backend_init(const cs_weights *m, int n_threads, bool kv_bf16, cs_backend **out) {
     *out = NULL;
     const char *want = getenv("CHUNKSERVE_BACKEND");
     if (!want || !*want) want = "auto";
     bool force_cuda = strcmp(want, "cuda") == 0;
-    if (strcmp(want, "cpu") == 0) return cpu(m, n_threads, "CHUNKSERVE_BACKEND=cpu", out);
+    if (strcmp(want, "cpu") == 0)
+        return cpu(m, n_threads, kv_bf16, "CHUNKSERVE_BACKEND=cpu", out);
     if (!force_cuda && strcmp(want, "auto") != 0)
         return cs_fail(CS_EINVAL, "CHUNKSERVE_BACKEND=%s: expected cpu, cuda or auto", want);
     if (m->q_tok_embd) { /* quant mode: integer kernels exist for the CPU only */
         if (force_cuda)
             return cs_fail(CS_ENOTSUP, "CHUNKSERVE_BACKEND=cuda: the CUDA backend runs fp32 "
                                        "weights; load the model in exact mode (--exact)");
-        return cpu(m, n_threads, "quantized weights run on the CPU", out);
+        return cpu(m, n_threads, kv_bf16, "quantized weights run on the CPU", out);
     }
 #ifdef CS_HAVE_CUDA
     char name[320], why[320];
@@ -56,7 +58,7 @@ int cs_backend_init(const cs_weights *m, int n_threads, cs_backend **out) {
     if (n < 1) {
         if (force_cuda)
             return cs_fail(CS_ENOSYS, "CHUNKSERVE_BACKEND=cuda but no usable GPU: %s", why);
-        return cpu(m, n_threads, why, out);
+        return cpu(m, n_threads, kv_bf16, why, out);
     }
     int r = cs_backend_cuda_init(m, out);
     if (r == 0) {
@@ -65,12 +67,12 @@ int cs_backend_init(const cs_weights *m, int n_threads, cs_backend **out) {
     }
     if (r != CS_ENOTSUP || force_cuda) return r;
     CS_LOGW("backend: the CUDA backend cannot run this model (%s); using the CPU", cs_last_error());
-    return cpu(m, n_threads, "CUDA backend does not support the model", out);
+    return cpu(m, n_threads, kv_bf16, "CUDA backend does not support the model", out);
 #else
     if (force_cuda)
         return cs_fail(CS_ENOSYS, "CHUNKSERVE_BACKEND=cuda but this build has no CUDA backend "
                                   "(configure with -DCS_CUDA=ON)");
-    return cpu(m, n_threads, "built without CUDA", out);
+    return cpu(m, n_threads, kv_bf16, "built without CUDA", out);
 #endif
 }
 
@@ -79,8 +81,7 @@ size_t cs_backend_page_bytes(const cs_backend *b, const cs_weights_shape *shape,
 #ifdef CS_HAVE_CUDA
     if (strcmp(b->iface->name, "cuda") == 0) return cs_backend_cuda_page_bytes(shape, page_size);
 #endif
-    (void)b;
-    return cs_backend_cpu_page_bytes(shape, page_size);
+    return cs_backend_cpu_page_bytes(shape, page_size, cs_backend_cpu_kv_bf16(b));
 }
 
 void cs_backend_free(cs_backend *b) {

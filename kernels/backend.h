@@ -128,21 +128,25 @@ struct cs_backend {
     void *ctx;
 };
 
-/* Bytes of one KV page in the CPU backend's format (fp32). */
-size_t cs_backend_cpu_page_bytes(const cs_weights_shape *shape, int32_t page_size);
+/* Bytes of one KV page in the CPU backend's format (fp32, or bf16). */
+size_t cs_backend_cpu_page_bytes(const cs_weights_shape *shape, int32_t page_size, bool kv_bf16);
 /* The CPU backend (threaded kernels; fp32 weights through OpenBLAS GEMMs, or
  * packed quantized ones through the integer kernels of cpu/qmat.h): reads w
  * in place (w must outlive it). n_threads <= 0: cs_threadpool_default_size(). */
-int cs_backend_cpu_init(const cs_weights *w, int n_threads, cs_backend **out);
+int cs_backend_cpu_init(const cs_weights *w, int n_threads, bool kv_bf16, cs_backend **out);
+/* Whether a CPU backend holds its KV pages in bf16. */
+bool cs_backend_cpu_kv_bf16(const cs_backend *b);
 /* Whether cs_backend_init will pick the CUDA backend (CHUNKSERVE_BACKEND=cuda,
  * or auto with a usable GPU): the engine then loads fp32 weights. */
 bool cs_backend_will_use_cuda(void);
 /* The backend for this machine: CUDA when the build has it and a usable GPU
  * exists, the CPU otherwise; CHUNKSERVE_BACKEND=cpu|cuda|auto overrides
- * (cuda without a GPU: CS_ENOSYS). Logs the choice and why. */
-int cs_backend_init(const cs_weights *w, int n_threads, cs_backend **out);
-/* Bytes of one KV page (all layers, K and V) in b's format: fp32 on the CPU,
- * bf16 on CUDA. What kv_init will report, known before the pool exists. */
+ * (cuda without a GPU: CS_ENOSYS). Logs the choice and why. kv_bf16: the CPU
+ * backend's KV pages in bf16 (CUDA's are bf16 whatever it says). */
+int cs_backend_init(const cs_weights *w, int n_threads, bool kv_bf16, cs_backend **out);
+/* Bytes of one KV page (all layers, K and V) in b's format: fp32 on the CPU
+ * (bf16 with kv_bf16), bf16 on CUDA. What kv_init will report, known before
+ * the pool exists. */
 size_t cs_backend_page_bytes(const cs_backend *b, const cs_weights_shape *shape, int32_t page_size);
 void cs_backend_free(cs_backend *b); /* NULL is a no-op */
 

@@ -291,6 +291,7 @@ static int run(cs_worker *w) {
     ep.page_size = (int32_t)o->page_size;
     ep.kv_bytes = (size_t)o->kv_cache_mib << 20;
     ep.n_threads = (int32_t)o->threads;
+    ep.kv_bf16 = o->kv_bf16;
     if ((r = cs_engine_init(w->model, &ep, &w->engine))) goto out;
     w->wm.n_kv_pages = cs_kv_cache_n_pages(cs_engine_kv(w->engine));
     w->wm.page_size = cs_kv_cache_page_size(cs_engine_kv(w->engine));

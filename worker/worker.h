@@ -38,7 +38,7 @@ typedef struct {
     int64_t max_batched_tokens, max_num_seqs, max_partial_prefills, max_chunk_tokens, page_size,
         kv_cache_mib, threads;
     int64_t max_queue, grace_ms, lease_ms, kv_deadline_ms, kv_dead_ms;
-    bool prefix_caching, kv_checksum, verbose, exact;
+    bool prefix_caching, kv_checksum, verbose, exact, kv_bf16;
 } cs_worker_opts;
 
 /* The entries both workers have (spliced into each process's table). */
@@ -132,6 +132,14 @@ typedef struct {
          "CPU threads for the engine; 0 = one per core",                                           \
          0,                                                                                        \
          4096},                                                                                    \
+        {"kv-bf16",                                                                                \
+         CS_CONFIG_BOOL,                                                                           \
+         offsetof(cs_worker_opts, kv_bf16),                                                        \
+         "false",                                                                                  \
+         "CPU backend: KV pages in bf16 (half the memory and transfer bytes); a prefill and a "    \
+         "decode worker pair only when their KV dtypes match",                                     \
+         0,                                                                                        \
+         0},                                                                                       \
         {"exact",                                                                                  \
          CS_CONFIG_BOOL,                                                                           \
          offsetof(cs_worker_opts, exact),                                                          \

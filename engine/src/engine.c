@@ -48,7 +48,7 @@ int cs_engine_init(const cs_model *m, const cs_engine_params *p, cs_engine **out
     e->layers = calloc((size_t)m->cfg.n_layers, sizeof *e->layers);
     int r = e->layers ? 0 : cs_fail(CS_ENOMEM, "engine: out of memory");
     if (!r) cs__model_weights(m, &e->w, e->layers);
-    if (!r) r = cs_backend_init(&e->w, p->n_threads, &e->be);
+    if (!r) r = cs_backend_init(&e->w, p->n_threads, p->kv_bf16, &e->be);
     int32_t n_pages = p->n_pages;
     if (!r && n_pages == 0) { /* the page size depends on the backend (fp32 CPU, bf16 CUDA) */
         size_t per_page = cs_backend_page_bytes(e->be, &e->w.shape, p->page_size);

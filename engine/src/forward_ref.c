@@ -101,7 +101,7 @@ int cs_ref_seq_eval(cs_ref_seq *s, const int32_t *tokens, int32_t n, bool all_lo
     for (int l = 0; l < c->n_layers; l++) {
         const cs_layer *L = &m->layers[l];
         const cs_kv_view kv = {s->kv + (size_t)l * layer_floats, layer_floats,
-                               (size_t)s->max_tokens * kv_dim, s->max_tokens};
+                               (size_t)s->max_tokens * kv_dim, s->max_tokens, NULL};
         cs_op_rmsnorm_ref(xn, x, L->attn_norm, n, dim, c->norm_eps);
         cs_op_matmul_ref(q, xn, L->wq, L->bq, n, q_dim, dim);
         cs_op_matmul_ref(k, xn, L->wk, L->bk, n, kv_dim, dim);

@@ -2,7 +2,7 @@
  * fp32 matrices through OpenBLAS (cs_op_matmul), or in quant mode packed
  * quantized ones through the integer kernels (cpu/qmat.h: activations
  * quantized per row once per GEMM input, q|k|v and gate|up one GEMM each).
- * KV pool in host memory laid out page-major:
+ * KV pool in host memory (fp32, or bf16 with kv_bf16) laid out page-major:
  *   pool[n_pages][n_layers][2 (K, V)][page_size][n_kv_heads * head_dim]
  * so one page (all layers, K and V) is one contiguous block: export/import is
  * a memcpy per page and the KV transport can send pages without gathering.
@@ -20,9 +20,10 @@
 typedef struct {
     const cs_weights *m; /* the engine's view of the model's weights */
     cs_threadpool *pool;
-    float *kv; /* the page pool */
+    void *kv; /* the page pool: fp32 elements, or bf16 when kv_bf16 */
+    bool kv_bf16;
     int32_t n_pages, page_size;
-    size_t page_floats; /* floats per page */
+    size_t page_elems; /* elements per page */
     /* step scratch, grown to the largest step seen */
     int32_t cap_tokens, cap_spans;
     float *x, *xn, *q, *k, *v, *att, *proj, *gate, *up; /* (tokens, ...) */
@@ -44,25 +45,33 @@ static void cpu_free(void *p) {
     free(c);
 }
 
-size_t cs_backend_cpu_page_bytes(const cs_weights_shape *cf, int32_t page_size) {
+size_t cs_backend_cpu_page_bytes(const cs_weights_shape *cf, int32_t page_size, bool kv_bf16) {
     return (size_t)cf->n_layers * 2 * (size_t)page_size * (size_t)cf->n_kv_heads *
-           (size_t)cf->head_dim * sizeof(float);
+           (size_t)cf->head_dim * (kv_bf16 ? sizeof(uint16_t) : sizeof(float));
+}
+
+bool cs_backend_cpu_kv_bf16(const cs_backend *b) {
+    return ((const cpu_ctx *)b->ctx)->kv_bf16;
+}
+
+static size_t elem_bytes(const cpu_ctx *c) {
+    return c->kv_bf16 ? sizeof(uint16_t) : sizeof(float);
 }
 
 static int cpu_kv_init(void *p, int32_t n_pages, int32_t page_size, size_t *page_bytes) {
     cpu_ctx *c = p;
-    c->page_floats = cs_backend_cpu_page_bytes(&c->m->shape, page_size) / sizeof(float);
+    c->page_elems = cs_backend_cpu_page_bytes(&c->m->shape, page_size, c->kv_bf16) / elem_bytes(c);
     size_t bytes;
-    if (__builtin_mul_overflow(c->page_floats * sizeof(float), (size_t)n_pages, &bytes))
+    if (__builtin_mul_overflow(c->page_elems * elem_bytes(c), (size_t)n_pages, &bytes))
         return cs_fail(CS_ENOMEM, "cpu backend: KV pool of %d pages overflows", n_pages);
     free(c->kv);
     /* calloc: untouched pages cost no memory until used */
-    c->kv = calloc((size_t)n_pages, c->page_floats * sizeof(float));
+    c->kv = calloc((size_t)n_pages, c->page_elems * elem_bytes(c));
     if (!c->kv)
         return cs_fail(CS_ENOMEM, "cpu backend: cannot allocate a %zu MiB KV pool", bytes >> 20);
     c->n_pages = n_pages;
     c->page_size = page_size;
-    *page_bytes = c->page_floats * sizeof(float);
+    *page_bytes = c->page_elems * elem_bytes(c);
     return 0;
 }
 
@@ -147,8 +156,10 @@ static int cpu_forward(void *p, const cs_backend_span *spans, int32_t n_spans, i
         cs_op_embed(c->x, m->tok_embd, c->tok, T, dim);
     for (int l = 0; l < cf->n_layers; l++) {
         const cs_layer_weights *L = &m->layers[l];
-        cs_kv_view kv = {c->kv + (size_t)l * 2 * c->page_size * kvd, c->page_floats,
-                         (size_t)c->page_size * kvd, c->page_size};
+        size_t layer0 = (size_t)l * 2 * (size_t)c->page_size * (size_t)kvd;
+        cs_kv_view kv = {c->kv_bf16 ? NULL : (float *)c->kv + layer0, c->page_elems,
+                         (size_t)c->page_size * kvd, c->page_size,
+                         c->kv_bf16 ? (uint16_t *)c->kv + layer0 : NULL};
         cs_op_rmsnorm(c->pool, c->xn, c->x, L->attn_norm, T, dim, cf->norm_eps);
         if (L->qkv) {
             cs_qout o[3] = {{c->q, qd, L->bq}, {c->k, kvd, L->bk}, {c->v, kvd, L->bv}};
@@ -203,17 +214,18 @@ static int cpu_forward(void *p, const cs_backend_span *spans, int32_t n_spans, i
 
 static int cpu_kv_export(void *p, const int32_t *pages, int32_t n, void *dst) {
     cpu_ctx *c = p;
-    size_t bytes = c->page_floats * sizeof(float);
+    size_t bytes = c->page_elems * elem_bytes(c);
     for (int32_t i = 0; i < n; i++)
-        memcpy((char *)dst + (size_t)i * bytes, c->kv + (size_t)pages[i] * c->page_floats, bytes);
+        memcpy((char *)dst + (size_t)i * bytes, (const char *)c->kv + (size_t)pages[i] * bytes,
+               bytes);
     return 0;
 }
 
 static int cpu_kv_import(void *p, const int32_t *pages, int32_t n, const void *src) {
     cpu_ctx *c = p;
-    size_t bytes = c->page_floats * sizeof(float);
+    size_t bytes = c->page_elems * elem_bytes(c);
     for (int32_t i = 0; i < n; i++)
-        memcpy(c->kv + (size_t)pages[i] * c->page_floats, (const char *)src + (size_t)i * bytes,
+        memcpy((char *)c->kv + (size_t)pages[i] * bytes, (const char *)src + (size_t)i * bytes,
                bytes);
     return 0;
 }
@@ -227,7 +239,7 @@ static const struct cs_backend_iface cpu_iface = {
     "cpu", cpu_free, cpu_kv_init, cpu_forward, cpu_kv_export, cpu_kv_import, cpu_kv_pool,
 };
 
-int cs_backend_cpu_init(const cs_weights *m, int n_threads, cs_backend **out) {
+int cs_backend_cpu_init(const cs_weights *m, int n_threads, bool kv_bf16, cs_backend **out) {
     *out = NULL;
     cs_backend *b = calloc(1, sizeof *b);
     cpu_ctx *c = calloc(1, sizeof *c);
@@ -236,6 +248,7 @@ int cs_backend_cpu_init(const cs_weights *m, int n_threads, cs_backend **out) {
         return cs_fail(CS_ENOMEM, "cpu backend: out of memory");
     }
     c->m = m;
+    c->kv_bf16 = kv_bf16;
     int r = cs_threadpool_init(n_threads, &c->pool);
     if (r) {
         free(b);

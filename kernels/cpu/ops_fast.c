@@ -438,8 +438,16 @@ static int64_t pair_cost(const cs_attn_span *sp, int group, int64_t pair) {
 /* Rows r0 .. r0+n_rows-1 (n_rows <= 32) of span sp and kv head g, in nt
  * tiles; nt is a constant in each inlined copy, so the second tile's code
  * disappears when nt == 1. */
+/* Element i of a K/V row at p: fp32, or bf16 widened (bf is a constant in
+ * each inlined copy). */
+static inline __attribute__((always_inline)) float kv_elem(const char *p, size_t i, const int bf) {
+    return bf ? cs_f32_of_bf16(((const uint16_t *)(const void *)p)[i])
+              : ((const float *)(const void *)p)[i];
+}
+
 static inline __attribute__((always_inline)) void
-attn_rows(const attn_job *j, const cs_attn_span *sp, int g, int64_t r0, int n_rows, const int nt) {
+attn_rows(const attn_job *j, const cs_attn_span *sp, int g, int64_t r0, int n_rows, const int nt,
+          const int bf) {
     const int hd = j->head_dim, group = j->group, q_dim = j->n_heads * hd,
               kv_dim = j->n_kv_heads * hd;
     const cs_kv_view *kv = j->kv;
@@ -449,7 +457,9 @@ attn_rows(const attn_job *j, const cs_attn_span *sp, int g, int64_t r0, int n_ro
     _Alignas(64) float ot[CS_ATTN_MAX_HEAD_DIM * PAIR]; /* (head_dim, 32): output accumulator */
     _Alignas(64) float st[CS_ATTN_KB * PAIR];           /* (keys, 32): scores, then weights */
     int32_t pos[PAIR];
-    const float *kp[CS_ATTN_KB]; /* K rows of the block's keys (V: + v_offset) */
+    const char *kp[CS_ATTN_KB]; /* K rows of the block's keys (V: + v_offset elements) */
+    const size_t es = bf ? sizeof(uint16_t) : sizeof(float);
+    const char *base = bf ? (const char *)kv->k16 : (const char *)kv->k;
 
     /* Unused lanes repeat the last row: finite, and never stored. */
     for (int l = 0; l < nt * CS_ATTN_ROWS; l++) {
@@ -473,8 +483,9 @@ attn_rows(const attn_job *j, const cs_attn_span *sp, int g, int64_t r0, int n_ro
     for (int32_t j0 = 0; j0 < n_keys; j0 += CS_ATTN_KB) {
         const int kb = n_keys - j0 < CS_ATTN_KB ? n_keys - j0 : CS_ATTN_KB;
         for (int jj = 0; jj < kb; jj++) {
-            kp[jj] = kv->k + (size_t)sp->pages[page] * kv->page_stride + (size_t)off * kv_dim +
-                     (size_t)g * hd;
+            kp[jj] = base + ((size_t)sp->pages[page] * kv->page_stride + (size_t)off * kv_dim +
+                             (size_t)g * hd) *
+                                es;
             if (++off == kv->page_size) off = 0, page++;
         }
         /* Scores, 8 keys at a time (8 independent FMA chains per tile); the
@@ -485,13 +496,13 @@ attn_rows(const attn_job *j, const cs_attn_span *sp, int g, int64_t r0, int n_ro
             const vf z = v_set1(0.0f);
             vf a0 = z, a1 = z, a2 = z, a3 = z, a4 = z, a5 = z, a6 = z, a7 = z;
             vf b0 = z, b1 = z, b2 = z, b3 = z, b4 = z, b5 = z, b6 = z, b7 = z;
-            const float *k0 = kp[j8], *k1 = kp[j8 + 1], *k2 = kp[j8 + 2], *k3 = kp[j8 + 3];
-            const float *k4 = kp[j8 + 4], *k5 = kp[j8 + 5], *k6 = kp[j8 + 6], *k7 = kp[j8 + 7];
+            const char *k0 = kp[j8], *k1 = kp[j8 + 1], *k2 = kp[j8 + 2], *k3 = kp[j8 + 3];
+            const char *k4 = kp[j8 + 4], *k5 = kp[j8 + 5], *k6 = kp[j8 + 6], *k7 = kp[j8 + 7];
             for (int d = 0; d < hd; d++) {
                 const vf qa = v_load(qt + d * PAIR);
                 vf k;
 #define QK(i)                                                                                      \
-    k = v_set1(k##i[d]);                                                                           \
+    k = v_set1(kv_elem(k##i, (size_t)d, bf));                                                      \
     a##i = v_fma(k, qa, a##i);                                                                     \
     if (nt > 1) b##i = v_fma(k, v_load(qt + d * PAIR + CS_ATTN_ROWS), b##i)
                 QK(0);
@@ -570,11 +581,11 @@ attn_rows(const attn_job *j, const cs_attn_span *sp, int g, int64_t r0, int n_ro
                 b7 = v_mul(v_load(o + 7 * PAIR + CS_ATTN_ROWS), al_b);
             }
             for (int jj = 0; jj < kb; jj++) {
-                const float *vr = kp[jj] + vo + d;
+                const char *vr = kp[jj] + (vo + (size_t)d) * es;
                 const vf pa = v_load(st + jj * PAIR);
                 vf v;
 #define PV(i)                                                                                      \
-    v = v_set1(vr[i]);                                                                             \
+    v = v_set1(kv_elem(vr, i, bf));                                                                \
     a##i = v_fma(v, pa, a##i);                                                                     \
     if (nt > 1) b##i = v_fma(v, v_load(st + jj * PAIR + CS_ATTN_ROWS), b##i)
                 PV(0);
@@ -603,7 +614,7 @@ attn_rows(const attn_job *j, const cs_attn_span *sp, int g, int64_t r0, int n_ro
             float *o = ot + d * PAIR;
             vf a = v_mul(v_load(o), al_a), b = nt > 1 ? v_mul(v_load(o + CS_ATTN_ROWS), al_b) : a;
             for (int jj = 0; jj < kb; jj++) {
-                vf v = v_set1(kp[jj][vo + d]);
+                vf v = v_set1(kv_elem(kp[jj], vo + (size_t)d, bf));
                 a = v_fma(v, v_load(st + jj * PAIR), a);
                 if (nt > 1) b = v_fma(v, v_load(st + jj * PAIR + CS_ATTN_ROWS), b);
             }
@@ -631,10 +642,15 @@ attn_rows(const attn_job *j, const cs_attn_span *sp, int g, int64_t r0, int n_ro
 static void attn_pair(const attn_job *j, const cs_attn_span *sp, int g, int64_t pair) {
     int64_t r0 = pair * PAIR, rows = (int64_t)sp->n_q * j->group;
     int n_rows = rows - r0 < PAIR ? (int)(rows - r0) : PAIR;
-    if (n_rows > CS_ATTN_ROWS)
-        attn_rows(j, sp, g, r0, n_rows, 2);
+    const int bf = j->kv->k16 != NULL;
+    if (n_rows > CS_ATTN_ROWS && bf)
+        attn_rows(j, sp, g, r0, n_rows, 2, 1);
+    else if (n_rows > CS_ATTN_ROWS)
+        attn_rows(j, sp, g, r0, n_rows, 2, 0);
+    else if (bf)
+        attn_rows(j, sp, g, r0, n_rows, 1, 1);
     else
-        attn_rows(j, sp, g, r0, n_rows, 1);
+        attn_rows(j, sp, g, r0, n_rows, 1, 0);
 }
 
 /* Part p of n_parts takes the tile pairs whose cost midpoint falls in its

@@ -78,10 +78,19 @@ void cs_op_embed(float *out, const float *table, const int32_t *ids, int n_token
         memcpy(out + (size_t)t * dim, table + (size_t)ids[t] * dim, (size_t)dim * sizeof(float));
 }
 
-/* K row of position p in a sequence with page table pages (V: + v_offset). */
-static float *kv_row(const cs_kv_view *kv, const int32_t *pages, int32_t p, int kv_dim) {
-    return kv->k + (size_t)pages[p / kv->page_size] * kv->page_stride +
-           (size_t)(p % kv->page_size) * kv_dim;
+/* Element offset of position p's K row in a sequence with page table pages
+ * (V: + v_offset). */
+static size_t kv_off(const cs_kv_view *kv, const int32_t *pages, int32_t p, int kv_dim) {
+    return (size_t)pages[p / kv->page_size] * kv->page_stride + (size_t)(p % kv->page_size) * kv_dim;
+}
+
+/* n values at element offset off as fp32: the pool's own floats, or bf16
+ * widened into tmp. */
+static const float *kv_vals(const cs_kv_view *kv, size_t off, int n, float *tmp) {
+    if (!kv->k16) return kv->k + off;
+    for (int i = 0; i < n; i++)
+        tmp[i] = cs_f32_of_bf16(kv->k16[off + (size_t)i]);
+    return tmp;
 }
 
 void cs_op_kv_store(const cs_kv_view *kv, const cs_attn_span *spans, int n_spans, const float *k,
@@ -89,10 +98,17 @@ void cs_op_kv_store(const cs_kv_view *kv, const cs_attn_span *spans, int n_spans
     for (int s = 0; s < n_spans; s++) {
         const cs_attn_span *sp = &spans[s];
         for (int32_t i = 0; i < sp->n_q; i++) {
-            float *dst = kv_row(kv, sp->pages, sp->pos + i, kv_dim);
+            size_t dst = kv_off(kv, sp->pages, sp->pos + i, kv_dim);
             size_t src = (size_t)(sp->q_begin + i) * kv_dim;
-            memcpy(dst, k + src, (size_t)kv_dim * sizeof(float));
-            memcpy(dst + kv->v_offset, v + src, (size_t)kv_dim * sizeof(float));
+            if (kv->k16) {
+                for (int d = 0; d < kv_dim; d++) {
+                    kv->k16[dst + (size_t)d] = cs_bf16_of_f32(k[src + (size_t)d]);
+                    kv->k16[dst + kv->v_offset + (size_t)d] = cs_bf16_of_f32(v[src + (size_t)d]);
+                }
+                continue;
+            }
+            memcpy(kv->k + dst, k + src, (size_t)kv_dim * sizeof(float));
+            memcpy(kv->k + dst + kv->v_offset, v + src, (size_t)kv_dim * sizeof(float));
         }
     }
 }
@@ -100,6 +116,8 @@ void cs_op_kv_store(const cs_kv_view *kv, const cs_attn_span *spans, int n_spans
 /* Three passes over the keys (max, sum, weighted values) that recompute each
  * score instead of storing it: no scratch memory, so the reference cannot
  * fail, and dot() is deterministic, so every pass sees the same values. */
+#define CS_REF_MAX_HEAD_DIM 1024 /* the models' limit (model.c) */
+
 void cs_op_attention_ref(float *out, const float *q, const cs_attn_span *spans, int n_spans,
                          const cs_kv_view *kv, int n_heads, int n_kv_heads, int head_dim) {
     const int q_dim = n_heads * head_dim, kv_dim = n_kv_heads * head_dim,
@@ -113,26 +131,25 @@ void cs_op_attention_ref(float *out, const float *q, const cs_attn_span *spans, 
             for (int h = 0; h < n_heads; h++) {
                 const float *qh = q + (size_t)t * q_dim + h * head_dim;
                 const int kvh = h / group;
-                float mx = -INFINITY;
+                float mx = -INFINITY, tk[CS_REF_MAX_HEAD_DIM], tv[CS_REF_MAX_HEAD_DIM];
                 for (int32_t j = 0; j < n_ctx; j++) {
-                    float sc =
-                        dot(qh, kv_row(kv, sp->pages, j, kv_dim) + kvh * head_dim, head_dim) *
-                        scale;
+                    size_t off = kv_off(kv, sp->pages, j, kv_dim) + (size_t)kvh * head_dim;
+                    float sc = dot(qh, kv_vals(kv, off, head_dim, tk), head_dim) * scale;
                     if (sc > mx) mx = sc;
                 }
                 float sum = 0;
                 for (int32_t j = 0; j < n_ctx; j++) {
-                    float sc =
-                        dot(qh, kv_row(kv, sp->pages, j, kv_dim) + kvh * head_dim, head_dim) *
-                        scale;
+                    size_t off = kv_off(kv, sp->pages, j, kv_dim) + (size_t)kvh * head_dim;
+                    float sc = dot(qh, kv_vals(kv, off, head_dim, tk), head_dim) * scale;
                     sum += expf(sc - mx);
                 }
                 float *o = out + (size_t)t * q_dim + h * head_dim;
                 for (int d = 0; d < head_dim; d++)
                     o[d] = 0;
                 for (int32_t j = 0; j < n_ctx; j++) {
-                    const float *kj = kv_row(kv, sp->pages, j, kv_dim) + kvh * head_dim;
-                    const float *vj = kj + kv->v_offset;
+                    size_t off = kv_off(kv, sp->pages, j, kv_dim) + (size_t)kvh * head_dim;
+                    const float *kj = kv_vals(kv, off, head_dim, tk);
+                    const float *vj = kv_vals(kv, off + kv->v_offset, head_dim, tv);
                     float sc = dot(qh, kj, head_dim) * scale;
                     float a = expf(sc - mx) / sum;
                     for (int d = 0; d < head_dim; d++)

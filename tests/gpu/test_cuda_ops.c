@@ -194,7 +194,7 @@ static void test_attention_case(int nh, int nkv, int hd, int page_size, int n_sp
     for (size_t i = 0; i < pool_n; i++)
         pool[i] = NAN;
     cs_kv_view kv = {pool + (size_t)layer * 2 * page_size * kvd, page_elems,
-                     (size_t)page_size * kvd, page_size};
+                     (size_t)page_size * kvd, page_size, NULL};
     int32_t *tpos = malloc(sizeof(int32_t) * T), *tpage = malloc(sizeof(int32_t) * T),
             *tslot = malloc(sizeof(int32_t) * T);
     int32_t t = 0, poff = 0;

@@ -246,6 +246,8 @@ typedef struct {
  * drawn in scrambled order from a shared pool. History positions [0, pos)
  * get random K/V written directly; the step's tokens go through
  * cs_op_kv_store. */
+static int g_bf16; /* attention cases on a bf16 pool */
+
 static void attention_case(const char *name, const span_shape *shape, int n_spans, int n_heads,
                            int n_kv_heads, int head_dim, int page_size) {
     const int q_dim = n_heads * head_dim, kv_dim = n_kv_heads * head_dim;
@@ -259,10 +261,12 @@ static void attention_case(const char *name, const span_shape *shape, int n_span
      */
     const size_t layer_floats = 2 * (size_t)page_size * kv_dim, page_stride = 2 * layer_floats;
     float *pool = malloc((size_t)n_pages * page_stride * sizeof(float));
-    ASSERT_TRUE(pool);
+    uint16_t *pool16 = malloc((size_t)n_pages * page_stride * sizeof(uint16_t));
+    ASSERT_TRUE(pool && pool16);
     for (size_t i = 0; i < (size_t)n_pages * page_stride; i++)
-        pool[i] = NAN;
-    cs_kv_view kv = {pool + layer_floats, page_stride, (size_t)page_size * kv_dim, page_size};
+        pool[i] = NAN, pool16[i] = 0x7fc0; /* NaN */
+    cs_kv_view kv = {pool + layer_floats, page_stride, (size_t)page_size * kv_dim, page_size, NULL};
+    if (g_bf16) kv.k = NULL, kv.k16 = pool16 + layer_floats;
 
     int32_t *perm = malloc((size_t)n_pages * sizeof(int32_t));
     for (int i = 0; i < n_pages; i++)
@@ -280,10 +284,17 @@ static void attention_case(const char *name, const span_shape *shape, int n_span
         used += np;
         q_begin += shape[s].n_q;
         for (int p = 0; p < shape[s].pos; p++) {
-            float *k = kv.k + (size_t)spans[s].pages[p / page_size] * page_stride +
-                       (size_t)(p % page_size) * kv_dim;
-            for (int i = 0; i < kv_dim; i++)
-                k[i] = 2.0f * frand(), k[kv.v_offset + i] = frand();
+            size_t off = (size_t)spans[s].pages[p / page_size] * page_stride +
+                         (size_t)(p % page_size) * kv_dim;
+            for (int i = 0; i < kv_dim; i++) {
+                float a = 2.0f * frand(), b = frand();
+                if (g_bf16) {
+                    kv.k16[off + i] = cs_bf16_of_f32(a);
+                    kv.k16[off + kv.v_offset + i] = cs_bf16_of_f32(b);
+                } else {
+                    kv.k[off + i] = a, kv.k[off + kv.v_offset + i] = b;
+                }
+            }
         }
     }
     float *k = frandn((size_t)n_tokens * kv_dim), *v = frandn((size_t)n_tokens * kv_dim);
@@ -295,9 +306,19 @@ static void attention_case(const char *name, const span_shape *shape, int n_span
     for (int s = 0; s < n_spans; s++)
         for (int i = 0; i < spans[s].n_q; i++) {
             int p = spans[s].pos + i;
-            const float *slot = kv.k + (size_t)spans[s].pages[p / page_size] * page_stride +
-                                (size_t)(p % page_size) * kv_dim;
+            size_t off = (size_t)spans[s].pages[p / page_size] * page_stride +
+                         (size_t)(p % page_size) * kv_dim;
             size_t src = (size_t)(spans[s].q_begin + i) * kv_dim;
+            if (g_bf16) { /* rounded to nearest even: within half a bf16 ulp (2^-8 relative) */
+                for (int d = 0; d < kv_dim; d++) {
+                    float a = cs_f32_of_bf16(kv.k16[off + d]), b = k[src + d];
+                    ASSERT_TRUE(kv.k16[off + d] == cs_bf16_of_f32(b));
+                    ASSERT_TRUE(fabsf(a - b) <= fabsf(b) * (1.0f / 256));
+                    ASSERT_TRUE(kv.k16[off + kv.v_offset + d] == cs_bf16_of_f32(v[src + d]));
+                }
+                continue;
+            }
+            const float *slot = kv.k + off;
             ASSERT_TRUE(memcmp(slot, k + src, kv_dim * sizeof(float)) == 0);
             ASSERT_TRUE(memcmp(slot + kv.v_offset, v + src, kv_dim * sizeof(float)) == 0);
         }
@@ -310,10 +331,10 @@ static void attention_case(const char *name, const span_shape *shape, int n_span
         cs_op_attention(pools[kk], out[kk], q, spans, n_spans, &kv, n_heads, n_kv_heads, head_dim);
     }
     char what[128];
-    snprintf(what, sizeof what, "%s (%d/%d heads x %d, page %d)", name, n_heads, n_kv_heads,
-             head_dim, page_size);
+    snprintf(what, sizeof what, "%s (%d/%d heads x %d, page %d%s)", name, n_heads, n_kv_heads,
+             head_dim, page_size, g_bf16 ? ", bf16 KV" : "");
     check(what, out, ref, sz);
-    free(pool), free(perm), free(spans), free(k), free(v), free(q), free(ref);
+    free(pool), free(pool16), free(perm), free(spans), free(k), free(v), free(q), free(ref);
     free(out[0]), free(out[1]), free(out[2]);
 }
 
@@ -351,6 +372,8 @@ int main(void) {
     test_rope();
     test_swiglu();
     test_embed();
+    test_attention();
+    g_bf16 = 1;
     test_attention();
     for (int k = 0; k < 3; k++)
         cs_threadpool_free(pools[k]);

@@ -6,6 +6,7 @@
  * - a sequence alone == the same sequence inside steps with 1..31 random
  *   co-tenants (prompt chunks and decode tokens), its logits at every step;
  * - 1 thread == 2 threads;
+ * all with fp32 and with bf16 KV pages;
  * - the mode is what was asked: AUTO picks quant for these files, EXACT fp32,
  *   and the reference forward refuses a quant model. */
 #include <stdlib.h>
@@ -24,8 +25,11 @@ static cs_model *load(const char *variant, cs_weight_mode mode) {
     return m;
 }
 
+static bool g_kv_bf16; /* the engines below hold bf16 KV pages */
+
 static cs_engine *engine(const cs_model *m, int threads) {
     cs_engine_params p = cs_engine_params_default();
+    p.kv_bf16 = g_kv_bf16;
     p.page_size = 16;
     p.n_pages = 2048;
     p.n_threads = threads;
@@ -47,7 +51,7 @@ static uint32_t rnd(uint32_t n) {
  * user left). */
 static bool kv_equal(const char *a, const char *b, const cs_model_config *c, int32_t n_pages,
                      size_t page_bytes) {
-    size_t slot = (size_t)c->n_kv_heads * c->head_dim * sizeof(float);
+    size_t slot = (size_t)c->n_kv_heads * c->head_dim * (g_kv_bf16 ? 2 : sizeof(float));
     for (int32_t p = 0; p < n_pages; p++) {
         int used = p == n_pages - 1 && PROMPT % 16 ? PROMPT % 16 : 16;
         for (int l = 0; l < c->n_layers * 2; l++) {
@@ -185,11 +189,14 @@ int main(void) {
         cs_ref_seq *ref = NULL;
         ASSERT_EQ_INT(cs_ref_seq_init(m, 8, &ref), CS_ENOTSUP);
         int32_t V = cs_model_get_config(m)->n_vocab;
-        check_chunks(m, V);
-        check_batch_and_threads(m, V);
+        for (int bf = 0; bf < 2; bf++) {
+            g_kv_bf16 = bf;
+            check_chunks(m, V);
+            check_batch_and_threads(m, V);
+            printf("%s, %s KV: chunked == one pass, alone == among co-tenants, 1 == 2 threads\n",
+                   variants[v], bf ? "bf16" : "fp32");
+        }
         cs_model_free(m);
-        printf("%s: chunked == one pass, alone == among co-tenants, 1 == 2 threads\n",
-               variants[v]);
     }
     /* an fp16 file stays fp32 in AUTO; EXACT is fp32 whatever the file */
     cs_model *m = load("f16", CS_WEIGHTS_AUTO);

@@ -28,6 +28,9 @@ typedef struct {
     int32_t n_pages;   /* KV pool size in pages; 0 = derive from kv_bytes */
     size_t kv_bytes;   /* KV pool size when n_pages is 0; default 256 MiB */
     int32_t n_threads; /* CPU threads; 0 = cs_engine_default_threads() */
+    bool kv_bf16;      /* CPU backend: KV pages in bf16 (half the bytes to hold, attend and
+                          send; each K/V value rounded to nearest even as it is stored, so
+                          chunking and batching stay exact); CUDA pools are bf16 anyway */
 } cs_engine_params;
 
 cs_engine_params cs_engine_params_default(void);
