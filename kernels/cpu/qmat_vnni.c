@@ -45,6 +45,15 @@ tile(const int nt, const int type, const uint8_t *pq, const uint16_t *pd, const 
     for (int64_t b = 0; b < nb; b++) {
         __m512i wv[8];
         const uint8_t *p = pq + b * qb;
+        if (nt <= 2) { /* decode: memory-bound; ask for the weights 8 blocks ahead */
+            _mm_prefetch((const char *)(p + 8 * qb), _MM_HINT_T0);
+            _mm_prefetch((const char *)(p + 8 * qb + 64), _MM_HINT_T0);
+            _mm_prefetch((const char *)(p + 8 * qb + 128), _MM_HINT_T0);
+            _mm_prefetch((const char *)(p + 8 * qb + 192), _MM_HINT_T0);
+            if (type == CS_QMAT_Q8_0)
+                for (int j = 4; j < 8; j++)
+                    _mm_prefetch((const char *)(p + 8 * qb + 64 * j), _MM_HINT_T0);
+        }
         if (type == CS_QMAT_Q8_0) {
 #pragma GCC unroll 8
             for (int j = 0; j < 8; j++)
