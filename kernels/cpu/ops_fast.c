@@ -440,9 +440,21 @@ static int64_t pair_cost(const cs_attn_span *sp, int group, int64_t pair) {
  * disappears when nt == 1. */
 /* Element i of a K/V row at p: fp32, or bf16 widened (bf is a constant in
  * each inlined copy). */
-static inline __attribute__((always_inline)) float kv_elem(const char *p, size_t i, const int bf) {
-    return bf ? cs_f32_of_bf16(((const uint16_t *)(const void *)p)[i])
-              : ((const float *)(const void *)p)[i];
+static inline __attribute__((always_inline)) float kv_elem(const char *p, size_t i) {
+    return ((const float *)(const void *)p)[i];
+}
+
+/* n bf16 values widened to fp32 (exactly: the bits move up 16 places). */
+static inline void widen_bf16(float *dst, const uint16_t *src, int n) {
+    int i = 0;
+#ifdef __AVX512F__
+    for (; i + 16 <= n; i += 16)
+        _mm512_storeu_si512(dst + i, _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                                           (const __m256i *)(src + i))),
+                                                       16));
+#endif
+    for (; i < n; i++)
+        dst[i] = cs_f32_of_bf16(src[i]);
 }
 
 static inline __attribute__((always_inline)) void
@@ -458,8 +470,12 @@ attn_rows(const attn_job *j, const cs_attn_span *sp, int g, int64_t r0, int n_ro
     _Alignas(64) float st[CS_ATTN_KB * PAIR];           /* (keys, 32): scores, then weights */
     int32_t pos[PAIR];
     const char *kp[CS_ATTN_KB]; /* K rows of the block's keys (V: + v_offset elements) */
+    /* bf16 pools: each block's K and V rows are widened once into kvw, (keys,
+     * K|V, head_dim), and read from there like an fp32 pool's */
     const size_t es = bf ? sizeof(uint16_t) : sizeof(float);
     const char *base = bf ? (const char *)kv->k16 : (const char *)kv->k;
+    _Alignas(64) float kvw[bf ? CS_ATTN_KB * 2 * CS_ATTN_MAX_HEAD_DIM : 1];
+    const size_t vo = bf ? (size_t)hd : kv->v_offset; /* V after K, in elements */
 
     /* Unused lanes repeat the last row: finite, and never stored. */
     for (int l = 0; l < nt * CS_ATTN_ROWS; l++) {
@@ -488,6 +504,14 @@ attn_rows(const attn_job *j, const cs_attn_span *sp, int g, int64_t r0, int n_ro
                                 es;
             if (++off == kv->page_size) off = 0, page++;
         }
+        if (bf)
+            for (int jj = 0; jj < kb; jj++) {
+                const uint16_t *k16 = (const uint16_t *)(const void *)kp[jj];
+                float *w = kvw + (size_t)jj * 2 * hd;
+                widen_bf16(w, k16, hd);
+                widen_bf16(w + hd, k16 + kv->v_offset, hd);
+                kp[jj] = (const char *)w;
+            }
         /* Scores, 8 keys at a time (8 independent FMA chains per tile); the
          * padding keys of the last group repeat a real key and are ignored. */
         for (int jj = kb; jj < (kb + 7) / 8 * 8; jj++)
@@ -502,7 +526,7 @@ attn_rows(const attn_job *j, const cs_attn_span *sp, int g, int64_t r0, int n_ro
                 const vf qa = v_load(qt + d * PAIR);
                 vf k;
 #define QK(i)                                                                                      \
-    k = v_set1(kv_elem(k##i, (size_t)d, bf));                                                      \
+    k = v_set1(kv_elem(k##i, (size_t)d));                                                          \
     a##i = v_fma(k, qa, a##i);                                                                     \
     if (nt > 1) b##i = v_fma(k, v_load(qt + d * PAIR + CS_ATTN_ROWS), b##i)
                 QK(0);
@@ -561,7 +585,6 @@ attn_rows(const attn_job *j, const cs_attn_span *sp, int g, int64_t r0, int n_ro
         l_a = v_fma(l_a, al_a, s_a);
         if (nt > 1) l_b = v_fma(l_b, al_b, s_b);
         /* ot[d] = alpha * ot[d] + sum_j V[j][d] * p[j], 8 dims at a time. */
-        const size_t vo = kv->v_offset;
         int d = 0;
         for (; d + 8 <= hd; d += 8) {
             float *o = ot + d * PAIR;
@@ -581,11 +604,11 @@ attn_rows(const attn_job *j, const cs_attn_span *sp, int g, int64_t r0, int n_ro
                 b7 = v_mul(v_load(o + 7 * PAIR + CS_ATTN_ROWS), al_b);
             }
             for (int jj = 0; jj < kb; jj++) {
-                const char *vr = kp[jj] + (vo + (size_t)d) * es;
+                const char *vr = kp[jj] + (vo + (size_t)d) * sizeof(float);
                 const vf pa = v_load(st + jj * PAIR);
                 vf v;
 #define PV(i)                                                                                      \
-    v = v_set1(kv_elem(vr, i, bf));                                                                \
+    v = v_set1(kv_elem(vr, i));                                                                    \
     a##i = v_fma(v, pa, a##i);                                                                     \
     if (nt > 1) b##i = v_fma(v, v_load(st + jj * PAIR + CS_ATTN_ROWS), b##i)
                 PV(0);
@@ -614,7 +637,7 @@ attn_rows(const attn_job *j, const cs_attn_span *sp, int g, int64_t r0, int n_ro
             float *o = ot + d * PAIR;
             vf a = v_mul(v_load(o), al_a), b = nt > 1 ? v_mul(v_load(o + CS_ATTN_ROWS), al_b) : a;
             for (int jj = 0; jj < kb; jj++) {
-                vf v = v_set1(kv_elem(kp[jj], vo + (size_t)d, bf));
+                vf v = v_set1(kv_elem(kp[jj], vo + (size_t)d));
                 a = v_fma(v, v_load(st + jj * PAIR), a);
                 if (nt > 1) b = v_fma(v, v_load(st + jj * PAIR + CS_ATTN_ROWS), b);
             }
