@@ -239,11 +239,11 @@ class Reference:
     """Single-process ids: `chunkserve serve` (exe) on a model, ignore_eos (greedy unless
     sampling parameters with a seed are given)."""
 
-    def __init__(self, exe: Path, model: Path, pb):
+    def __init__(self, exe: Path, model: Path, pb, *args):
         self.g = pb.generation_pb2
         self.err = tempfile.TemporaryFile()
         self.proc = subprocess.Popen([str(exe), "serve", "--model", str(model), "--port", "0",
-                                      "--threads", "1", "--kv-cache-mib", "16"],
+                                      "--threads", "1", "--kv-cache-mib", "16", *args],
                                      stdout=subprocess.PIPE, stderr=self.err)
         line = self.proc.stdout.readline().decode()
         if not line.startswith("listening on "):

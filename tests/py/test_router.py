@@ -1198,3 +1198,37 @@ def test_metrics_tables_match_what_is_exported(cl, worker_bins):
         live = exported_series(proc.metrics())
         assert declared - live == set(), (exe, declared - live)
         assert live - declared == {"chunkserve:draining"}, (exe, live - declared)
+
+
+@pytest.mark.parametrize("kv", ["fp32", "bf16"])
+def test_quantized_cluster_equals_one_process(pb, worker_bins, tmp_path, kv):
+    """A Q4_1 model (quant mode: the integer kernels) in a 1 prefill + 1 decode cluster, with
+    fp32 or bf16 KV pages: greedy and seeded tokens equal `chunkserve serve` on the same model
+    and flags, prompts go remote and every transfer completes (GetStatus says quant and the
+    dtype)."""
+    model = make_tiny(worker_bins, tmp_path / "q4_1", "--type", "q4_1")
+    flags = ["--kv-bf16"] if kv == "bf16" else []
+    ref = Reference(worker_bins / "chunkserve", model, pb, *flags)
+    c = Cluster(worker_bins, model, pb, n_prefill=1, n_decode=1, kv_cache_mib=16,
+                worker_args=flags, router_args=["--local-prefill-threshold=8"])
+    try:
+        (p,), (d,) = c.prefill, c.decode
+        sp, sd = c.status(p), c.status(d)
+        assert sp.weight_mode == sd.weight_mode == "quant"
+        want_dtype = pb.cluster_pb2.KV_DTYPE_BF16 if kv == "bf16" else pb.cluster_pb2.KV_DTYPE_F32
+        assert sp.kv_dtype == sd.kv_dtype == want_dtype
+        assert metric(p.metrics(), "chunkserve:weight_mode", 'mode="quant"') == 1
+        g = pb.generation_pb2
+        prompts = [list(range(20, 60)), [(i * 7) % 300 + 3 for i in range(150)]]
+        for prompt in prompts:
+            assert generate(c.stub, g, ids=prompt, max_tokens=12, ignore_eos=True)[:2] == \
+                ref(prompt, 12)
+            assert generate(c.stub, g, ids=prompt, max_tokens=12, ignore_eos=True,
+                            temperature=0.8, seed=7)[:2] == ref(prompt, 12, temperature=0.8, seed=7)
+        wait_metric(d, "chunkserve:kv_transfers_completed_total", "", 4)
+        assert metric(d.metrics(), "chunkserve:prefills_total", 'path="remote"') == 4
+        assert metric(d.metrics(), "chunkserve:kv_transfers_failed_total") == 0
+        c.wait_idle()
+    finally:
+        c.stop()
+        ref.stop()
