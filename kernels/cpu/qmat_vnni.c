@@ -10,9 +10,9 @@
  * to 8 tokens. Per 32-weight block the panel's 16x32 weights are loaded
  * once (4 vectors of nibbles for Q4, split into 8 of bytes, or 8 of bytes
  * for Q8) and each token's 32 activation bytes are broadcast 4 at a time
- * into vpdpbusd: lane r sums u[r][k] * q[k] in int32, exactly, in two
- * chains (even and odd vectors) added at the end, so the order does not
- * matter. Then the block's epilogue (cvt, fma) in the reference's order. */
+ * into vpdpbusd: lane r sums u[r][k] * q[k] in int32, exactly (one chain,
+ * or two added at the end when few tokens must hide the latency), so the
+ * order does not matter. Then the block's epilogue (cvt, fma) in the reference's order. */
 #include <string.h>
 
 #include "qmat.h"
@@ -77,13 +77,21 @@ tile(const int nt, const int type, const uint8_t *pq, const uint16_t *pd, const 
              * shuffle competing with vpdpbusd for its ports) */
             const a32 *x = (const a32 *)(const void *)(xq + (size_t)t * (size_t)cols +
                                                        (size_t)b * CS_QK);
-            __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+            __m512i s;
+            if (nt >= 4) { /* enough independent tokens to hide the latency: one chain */
+                s = _mm512_setzero_si512();
+#pragma GCC unroll 8
+                for (int i = 0; i < 8; i++)
+                    s = _mm512_dpbusd_epi32(s, wv[i], _mm512_set1_epi32(x[i]));
+            } else { /* two chains, added at the end */
+                __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
 #pragma GCC unroll 4
-            for (int i = 0; i < 8; i += 2) {
-                s0 = _mm512_dpbusd_epi32(s0, wv[i], _mm512_set1_epi32(x[i]));
-                s1 = _mm512_dpbusd_epi32(s1, wv[i + 1], _mm512_set1_epi32(x[i + 1]));
+                for (int i = 0; i < 8; i += 2) {
+                    s0 = _mm512_dpbusd_epi32(s0, wv[i], _mm512_set1_epi32(x[i]));
+                    s1 = _mm512_dpbusd_epi32(s1, wv[i + 1], _mm512_set1_epi32(x[i + 1]));
+                }
+                s = _mm512_add_epi32(s0, s1);
             }
-            __m512i s = _mm512_add_epi32(s0, s1);
             const cs_qblock *mb = meta + (size_t)t * (size_t)nb + (size_t)b;
             if (z) s = _mm512_sub_epi32(s, _mm512_set1_epi32(z * mb->xsum));
             acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(mb->dx)),
