@@ -137,8 +137,8 @@ int cs_cli_bench_engine(const cs_model *m, int threads, int prompt_tokens, bool 
     openblas_set_num_threads(1); /* back to what the engine expects */
 
     /* 1b. the int8 multiply-accumulate peak of the quantized kernels' instruction */
-    double peak_macs = cs_model_weight_mode(m) == CS_WEIGHTS_QUANT ? cs_qmat_peak_macs(pool, 0.5)
-                                                                    : 0;
+    double peak_macs =
+        cs_model_weight_mode(m) == CS_WEIGHTS_QUANT ? cs_qmat_peak_macs(pool, 0.5) : 0;
 
     /* 2. prefill */
     time_prefill(e, ids, n < 64 ? n : 64, 0, logits); /* warm-up */
@@ -194,8 +194,8 @@ int cs_cli_bench_engine(const cs_model *m, int threads, int prompt_tokens, bool 
         t_chunk[i] = median(t3, 3);
     }
 
-    printf("chunkserve bench-engine: %s, %d threads, backend %s, weights %s, %.0f MiB\n",
-           c->name, cs_threadpool_size(pool), cs_engine_backend_name(e), cs_model_weight_desc(m),
+    printf("chunkserve bench-engine: %s, %d threads, backend %s, weights %s, %.0f MiB\n", c->name,
+           cs_threadpool_size(pool), cs_engine_backend_name(e), cs_model_weight_desc(m),
            weight_bytes / (1 << 20));
     printf("\n%-44s %10s %10s %8s\n", "measure", "ours", "limit", "ratio");
     printf("%-44s %10.1f %10s %8s\n", "OpenBLAS sgemm, model shapes x512 [GFLOP/s]", gemm_rate, "",
@@ -204,8 +204,8 @@ int cs_cli_bench_engine(const cs_model *m, int threads, int prompt_tokens, bool 
            prefill_rate, gemm_rate, prefill_rate / gemm_rate);
     printf("%-44s %10.1f\n", "prefill tokens/s", n / t_prefill);
     if (peak_macs > 0) { /* quant mode: the projections' MACs (no attention) vs vpdpbusd's peak */
-        double macs = forward_flops(c, n, 0) / 2 - 2.0 * c->n_layers * (double)c->n_heads *
-                                                       c->head_dim * n * ((n + 1) / 2.0);
+        double macs = forward_flops(c, n, 0) / 2 -
+                      2.0 * c->n_layers * (double)c->n_heads * c->head_dim * n * ((n + 1) / 2.0);
         printf("%-44s %10.1f %10.1f %8.2f\n", "prefill int8 GMAC/s vs vpdpbusd peak",
                macs / t_prefill / 1e9, peak_macs / 1e9, macs / t_prefill / peak_macs);
     }

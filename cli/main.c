@@ -612,8 +612,7 @@ static int run_info(const cmd_ctx *c) {
     return cmd_info(c->m);
 }
 static int run_bench_engine(const cmd_ctx *c) {
-    return cs_cli_bench_engine(c->m, (int)c->o->threads, (int)c->o->prompt_tokens,
-                               c->o->kv_bf16);
+    return cs_cli_bench_engine(c->m, (int)c->o->threads, (int)c->o->prompt_tokens, c->o->kv_bf16);
 }
 static int run_bench_local(const cmd_ctx *c) {
     const options *o = c->o;

@@ -42,8 +42,7 @@ int cs_backend_init(const cs_weights *m, int n_threads, bool kv_bf16, cs_backend
     const char *want = getenv("CHUNKSERVE_BACKEND");
     if (!want || !*want) want = "auto";
     bool force_cuda = strcmp(want, "cuda") == 0;
-    if (strcmp(want, "cpu") == 0)
-        return cpu(m, n_threads, kv_bf16, "CHUNKSERVE_BACKEND=cpu", out);
+    if (strcmp(want, "cpu") == 0) return cpu(m, n_threads, kv_bf16, "CHUNKSERVE_BACKEND=cpu", out);
     if (!force_cuda && strcmp(want, "auto") != 0)
         return cs_fail(CS_EINVAL, "CHUNKSERVE_BACKEND=%s: expected cpu, cuda or auto", want);
     if (m->q_tok_embd) { /* quant mode: integer kernels exist for the CPU only */

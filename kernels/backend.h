@@ -89,8 +89,8 @@ typedef struct {
 int cs_qmat_pack(const cs_qmat_src *parts, int n_parts, int64_t cols, cs_qmat **out);
 void cs_qmat_free(cs_qmat *w); /* NULL is a no-op */
 size_t cs_qmat_bytes(const cs_qmat *w);
-int cs_qmat_type(const cs_qmat *w);           /* CS_QMAT_Q4_0 / Q4_1 / Q8_0 */
-const char *cs_qmat_type_name(int type);      /* "q4_0", ... */
+int cs_qmat_type(const cs_qmat *w);      /* CS_QMAT_Q4_0 / Q4_1 / Q8_0 */
+const char *cs_qmat_type_name(int type); /* "q4_0", ... */
 /* Rows ids[0..n) of part `part` as fp32 (w = d*(q-z), or d*q + m for Q4_1,
  * in fp32 as the GGUF dequantizer does) into out (n, cols); ids in range. */
 void cs_qmat_get_rows(const cs_qmat *w, int part, const int32_t *ids, int n, float *out);

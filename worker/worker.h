@@ -143,7 +143,7 @@ typedef struct {
         {"exact",                                                                                  \
          CS_CONFIG_BOOL,                                                                           \
          offsetof(cs_worker_opts, exact),                                                          \
-         "false",                                                                                     \
+         "false",                                                                                  \
          "fp32 weights (quantized files dequantized at load); default: a Q4_0/Q4_1/Q8_0 file "     \
          "keeps its blocks and runs the CPU's integer kernels (every worker of a cluster must "    \
          "use the same mode)",                                                                     \

@@ -43,9 +43,9 @@ struct cs_model {
     cs_qmat *q_tok_embd;  /* QUANT: tok_embd (NULL then) */
     cs_qmat *q_output;    /* QUANT: output; == q_tok_embd when tied */
     char weight_desc[48];
-    float *weights;       /* one allocation all the above point into */
-    size_t n_weights;     /* floats in weights */
-    size_t q_bytes;       /* bytes of the packed matrices */
+    float *weights;   /* one allocation all the above point into */
+    size_t n_weights; /* floats in weights */
+    size_t q_bytes;   /* bytes of the packed matrices */
     cs_tokenizer *tok;
 };
 

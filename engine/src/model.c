@@ -32,8 +32,10 @@ typedef struct {
 static const weight_spec weight_table[] = {
     {"token_embd.weight", "model.embed_tokens.weight", DIM_VOCAB, DIM_MODEL, false, PERM_NONE,
      M(tok_embd), QG_EMBD, 0},
-    {"output_norm.weight", "model.norm.weight", DIM_MODEL, DIM_ONE, false, PERM_NONE, M(out_norm), QG_NONE, 0},
-    {"output.weight", "lm_head.weight", DIM_VOCAB, DIM_MODEL, true, PERM_NONE, M(output), QG_OUT, 0},
+    {"output_norm.weight", "model.norm.weight", DIM_MODEL, DIM_ONE, false, PERM_NONE, M(out_norm),
+     QG_NONE, 0},
+    {"output.weight", "lm_head.weight", DIM_VOCAB, DIM_MODEL, true, PERM_NONE, M(output), QG_OUT,
+     0},
     {"blk.%d.attn_norm.weight", "model.layers.%d.input_layernorm.weight", DIM_MODEL, DIM_ONE, false,
      PERM_NONE, L(attn_norm), QG_NONE, 0},
     {"blk.%d.attn_q.weight", "model.layers.%d.self_attn.q_proj.weight", DIM_Q, DIM_MODEL, false,
@@ -217,8 +219,8 @@ static int pack_quant(cs_model *m, const cs_tensor_source *src, const cs_src_ten
                 }
                 cs__dtype_to_f32(t[k]->type, t[k]->data, f32[k], (size_t)(rows * cols));
                 if (pk >= 0 && src->unpermute_qk)
-                    unpermute_rows(f32[k], pk == 0 ? c->n_heads : c->n_kv_heads, c->head_dim,
-                                   cols, tmp);
+                    unpermute_rows(f32[k], pk == 0 ? c->n_heads : c->n_kv_heads, c->head_dim, cols,
+                                   tmp);
                 free(tmp);
                 parts[k] = (cs_qmat_src){CS_QMAT_F32, f32[k], rows, NULL};
             }
@@ -226,9 +228,12 @@ static int pack_quant(cs_model *m, const cs_tensor_source *src, const cs_src_ten
             if ((r = cs_qmat_pack(parts, n, cols, &q))) goto out;
             m->q_bytes += cs_qmat_bytes(q);
             cs_layer *L = &m->layers[l];
-            cs_qmat **slot = g == QG_EMBD ? &m->q_tok_embd : g == QG_OUT ? &m->q_output
-                             : g == QG_QKV ? &L->q_qkv : g == QG_O ? &L->q_o
-                             : g == QG_GATE_UP ? &L->q_gate_up : &L->q_down;
+            cs_qmat **slot = g == QG_EMBD      ? &m->q_tok_embd
+                             : g == QG_OUT     ? &m->q_output
+                             : g == QG_QKV     ? &L->q_qkv
+                             : g == QG_O       ? &L->q_o
+                             : g == QG_GATE_UP ? &L->q_gate_up
+                                               : &L->q_down;
             *slot = q;
         next:;
         }
@@ -500,9 +505,14 @@ void cs__model_weights(const cs_model *m, cs_weights *w, cs_layer_weights *layer
                                        .gate_up = S->q_gate_up,
                                        .down = S->q_down};
     }
-    w->shape = (cs_weights_shape){c->n_vocab,    c->dim,        c->n_layers,
-                                  c->n_heads,    c->n_kv_heads, c->head_dim,
-                                  c->hidden_dim, c->norm_eps,
+    w->shape = (cs_weights_shape){c->n_vocab,
+                                  c->dim,
+                                  c->n_layers,
+                                  c->n_heads,
+                                  c->n_kv_heads,
+                                  c->head_dim,
+                                  c->hidden_dim,
+                                  c->norm_eps,
                                   m->mode == CS_WEIGHTS_QUANT ? m->q_output == m->q_tok_embd
                                                               : m->output == m->tok_embd};
     w->tok_embd = m->tok_embd;

@@ -105,8 +105,9 @@ static int grow(cpu_ctx *c, int32_t n_tokens, int32_t n_spans) {
             widest = widest > hid ? widest : hid;
             size_t bytes = (cs_qact_bytes(n_tokens, (int64_t)widest) + 63) / 64 * 64;
             void *np = aligned_alloc(64, bytes);
-            if (!np) return cs_fail(CS_ENOMEM, "cpu backend: out of memory for a %d-token step",
-                                    n_tokens);
+            if (!np)
+                return cs_fail(CS_ENOMEM, "cpu backend: out of memory for a %d-token step",
+                               n_tokens);
             free(c->qa);
             c->qa = np;
             c->qa_size = bytes;

@@ -449,17 +449,19 @@ static inline void widen_bf16(float *dst, const uint16_t *src, int n) {
     int i = 0;
 #ifdef __AVX512F__
     for (; i + 16 <= n; i += 16)
-        _mm512_storeu_si512(dst + i, _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
-                                                           (const __m256i *)(src + i))),
-                                                       16));
+        _mm512_storeu_si512(
+            dst + i,
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + i))),
+                              16));
 #endif
     for (; i < n; i++)
         dst[i] = cs_f32_of_bf16(src[i]);
 }
 
-static inline __attribute__((always_inline)) void
-attn_rows(const attn_job *j, const cs_attn_span *sp, int g, int64_t r0, int n_rows, const int nt,
-          const int bf) {
+static inline __attribute__((always_inline)) void attn_rows(const attn_job *j,
+                                                            const cs_attn_span *sp, int g,
+                                                            int64_t r0, int n_rows, const int nt,
+                                                            const int bf) {
     const int hd = j->head_dim, group = j->group, q_dim = j->n_heads * hd,
               kv_dim = j->n_kv_heads * hd;
     const cs_kv_view *kv = j->kv;

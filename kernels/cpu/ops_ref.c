@@ -81,7 +81,8 @@ void cs_op_embed(float *out, const float *table, const int32_t *ids, int n_token
 /* Element offset of position p's K row in a sequence with page table pages
  * (V: + v_offset). */
 static size_t kv_off(const cs_kv_view *kv, const int32_t *pages, int32_t p, int kv_dim) {
-    return (size_t)pages[p / kv->page_size] * kv->page_stride + (size_t)(p % kv->page_size) * kv_dim;
+    return (size_t)pages[p / kv->page_size] * kv->page_stride +
+           (size_t)(p % kv->page_size) * kv_dim;
 }
 
 /* n values at element offset off as fp32: the pool's own floats, or bf16

@@ -155,8 +155,9 @@ static inline int32_t get_u(const cs_qmat *w, int64_t p, int64_t b, int r, int k
 int cs_qmat_pack(const cs_qmat_src *parts, int n_parts, int64_t cols, cs_qmat **out) {
     *out = NULL;
     if (n_parts < 1 || n_parts > CS_QMAT_PARTS || cols <= 0 || cols % CS_QK)
-        return cs_fail(CS_EINVAL, "qmat: %d parts of %lld columns (1..%d parts, columns a "
-                                  "positive multiple of %d)",
+        return cs_fail(CS_EINVAL,
+                       "qmat: %d parts of %lld columns (1..%d parts, columns a "
+                       "positive multiple of %d)",
                        n_parts, (long long)cols, CS_QMAT_PARTS, CS_QK);
     int in_type = parts[0].type;
     for (int p = 0; p < n_parts; p++) {
@@ -394,7 +395,8 @@ double cs_qmat_peak_macs(cs_threadpool *pool, double seconds) {
         cs_threadpool_for(pool, n, peak_fn, &iters);
         clock_gettime(CLOCK_MONOTONIC, &t1);
         double t = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
-        if (t >= seconds || iters > ((int64_t)1 << 40)) return (double)n * (double)iters * 1024.0 / t;
+        if (t >= seconds || iters > ((int64_t)1 << 40))
+            return (double)n * (double)iters * 1024.0 / t;
         iters *= 2;
     }
 }

@@ -37,8 +37,8 @@
 #include "backend.h"
 #include "ops.h"
 
-#define CS_QK 32       /* weights per block along K */
-#define CS_QROWS 16    /* rows per panel (vector lanes) */
+#define CS_QK 32        /* weights per block along K */
+#define CS_QROWS 16     /* rows per panel (vector lanes) */
 #define CS_QMAT_PARTS 4 /* matrices one qmat may stack (q|k|v, gate|up) */
 
 struct cs_qmat {

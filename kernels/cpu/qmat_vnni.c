@@ -75,8 +75,8 @@ tile(const int nt, const int type, const uint8_t *pq, const uint16_t *pd, const 
         for (int t = 0; t < nt; t++) {
             /* 4 activation bytes broadcast straight from memory (a load, not a
              * shuffle competing with vpdpbusd for its ports) */
-            const a32 *x = (const a32 *)(const void *)(xq + (size_t)t * (size_t)cols +
-                                                       (size_t)b * CS_QK);
+            const a32 *x =
+                (const a32 *)(const void *)(xq + (size_t)t * (size_t)cols + (size_t)b * CS_QK);
             __m512i s;
             if (nt >= 4) { /* enough independent tokens to hide the latency: one chain */
                 s = _mm512_setzero_si512();
@@ -96,8 +96,7 @@ tile(const int nt, const int type, const uint8_t *pq, const uint16_t *pd, const 
             if (z) s = _mm512_sub_epi32(s, _mm512_set1_epi32(z * mb->xsum));
             acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(mb->dx)),
                                      _mm512_cvtepi32_ps(s), acc[t]);
-            if (type == CS_QMAT_Q4_1)
-                acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(mb->fsum), acc[t]);
+            if (type == CS_QMAT_Q4_1) acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(mb->fsum), acc[t]);
         }
     }
 #pragma GCC unroll 8
@@ -130,8 +129,10 @@ void cs__qmat_vnni_panels(const cs_qout *outs, const cs_qact *a, const cs_qmat *
     const int32_t z = cs__qmat_zero(w->type);
     const int64_t nb = w->n_blocks, qb = cs__qmat_qbytes(w->type);
     void (*fn)(int, const uint8_t *, const uint16_t *, const uint16_t *, int64_t, const int8_t *,
-               int64_t, const cs_qblock *, int32_t, __m512 *) =
-        w->type == CS_QMAT_Q4_0 ? tile_q4_0 : w->type == CS_QMAT_Q4_1 ? tile_q4_1 : tile_q8_0;
+               int64_t, const cs_qblock *, int32_t, __m512 *) = w->type == CS_QMAT_Q4_0 ? tile_q4_0
+                                                                : w->type == CS_QMAT_Q4_1
+                                                                    ? tile_q4_1
+                                                                    : tile_q8_0;
     int part = 0;
     for (int64_t p = p0; p < p1; p++) {
         while (part + 1 < w->n_parts && p >= w->part[part + 1].panel0)
@@ -140,7 +141,8 @@ void cs__qmat_vnni_panels(const cs_qout *outs, const cs_qact *a, const cs_qmat *
         const int64_t left = w->part[part].rows - row0;
         const __mmask16 mask = left >= CS_QROWS ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
         const cs_qout *o = &outs[part];
-        const __m512 bias = o->bias ? _mm512_maskz_loadu_ps(mask, o->bias + row0) : _mm512_setzero_ps();
+        const __m512 bias =
+            o->bias ? _mm512_maskz_loadu_ps(mask, o->bias + row0) : _mm512_setzero_ps();
         const uint8_t *pq = w->q + (size_t)(p * nb * qb);
         const uint16_t *pd = w->d + (size_t)(p * nb * CS_QROWS);
         const uint16_t *pm = w->m ? w->m + (size_t)(p * nb * CS_QROWS) : NULL;

@@ -122,7 +122,7 @@ static void run_target(cs_engine *e, int32_t V, bool crowd, float *log) {
         int n_co = crowd ? 1 + (int)rnd(MAXC) : 0;
         for (int c = 0; c < n_co; c++) {
             int32_t cn = rnd(3) ? 1 : 1 + (int32_t)rnd(40); /* a decode or a prompt chunk */
-            if (cpos[c] + cn > 900) { /* start over: a new sequence */
+            if (cpos[c] + cn > 900) {                       /* start over: a new sequence */
                 cs_page_table_release(&cpt[c], kv);
                 cpos[c] = 0;
             }
