@@ -37,72 +37,6 @@ bool cs__dtype_nbytes(enum cs_dtype t, uint64_t n, size_t *out) {
     return true;
 }
 
-float cs__f16_to_f32(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16;
-    uint32_t exp = (h >> 10) & 0x1f;
-    uint32_t mant = h & 0x3ff;
-    uint32_t bits;
-    if (exp == 0) {
-        if (mant == 0) {
-            bits = sign;
-        } else { /* subnormal: normalize */
-            exp = 127 - 15 + 1;
-            while (!(mant & 0x400)) {
-                mant <<= 1;
-                exp--;
-            }
-            mant &= 0x3ff;
-            bits = sign | (exp << 23) | (mant << 13);
-        }
-    } else if (exp == 0x1f) {
-        bits = sign | 0x7f800000u | (mant << 13);
-    } else {
-        bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-uint16_t cs__f32_to_f16(float f) { /* round to nearest even */
-    uint32_t x;
-    memcpy(&x, &f, 4);
-    uint32_t sign = (x >> 16) & 0x8000;
-    int32_t exp = (int32_t)((x >> 23) & 0xff) - 127 + 15;
-    uint32_t mant = x & 0x7fffff;
-    if (((x >> 23) & 0xff) == 0xff) return (uint16_t)(sign | 0x7c00 | (mant ? 0x200 : 0));
-    if (exp >= 0x1f) return (uint16_t)(sign | 0x7c00);
-    if (exp <= 0) {
-        if (exp < -10) return (uint16_t)sign;
-        mant |= 0x800000;
-        uint32_t shift = (uint32_t)(14 - exp);
-        uint32_t half = 1u << (shift - 1);
-        uint32_t r = mant >> shift;
-        uint32_t rem = mant & ((1u << shift) - 1);
-        if (rem > half || (rem == half && (r & 1))) r++;
-        return (uint16_t)(sign | r);
-    }
-    uint32_t r = ((uint32_t)exp << 10) | (mant >> 13);
-    uint32_t rem = mant & 0x1fff;
-    if (rem > 0x1000 || (rem == 0x1000 && (r & 1))) r++;
-    return (uint16_t)(sign | r);
-}
-
-float cs__bf16_to_f32(uint16_t h) {
-    uint32_t bits = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-uint16_t cs__f32_to_bf16(float f) { /* round to nearest even, NaN kept quiet */
-    uint32_t x;
-    memcpy(&x, &f, 4);
-    if ((x & 0x7fffffff) > 0x7f800000) return (uint16_t)((x >> 16) | 0x40);
-    x += 0x7fff + ((x >> 16) & 1);
-    return (uint16_t)(x >> 16);
-}
-
 static uint16_t rd16(const uint8_t *p) {
     return (uint16_t)(p[0] | (p[1] << 8));
 }
@@ -113,15 +47,15 @@ void cs__dtype_to_f32(enum cs_dtype t, const void *src, float *dst, size_t n) {
     case CS_DTYPE_F32: memcpy(dst, src, n * 4); break;
     case CS_DTYPE_F16:
         for (size_t i = 0; i < n; i++)
-            dst[i] = cs__f16_to_f32(rd16(s + 2 * i));
+            dst[i] = cs_f16_to_f32(rd16(s + 2 * i));
         break;
     case CS_DTYPE_BF16:
         for (size_t i = 0; i < n; i++)
-            dst[i] = cs__bf16_to_f32(rd16(s + 2 * i));
+            dst[i] = cs_bf16_to_f32(rd16(s + 2 * i));
         break;
     case CS_DTYPE_Q8_0: /* {f16 d; int8 qs[32]}: x = d * q */
         for (size_t b = 0; b < n / 32; b++, s += 34) {
-            float d = cs__f16_to_f32(rd16(s));
+            float d = cs_f16_to_f32(rd16(s));
             for (int j = 0; j < 32; j++)
                 dst[b * 32 + j] = d * (float)(int8_t)s[2 + j];
         }
@@ -129,7 +63,7 @@ void cs__dtype_to_f32(enum cs_dtype t, const void *src, float *dst, size_t n) {
     case CS_DTYPE_Q4_0: /* {f16 d; u8 qs[16]}: low nibbles are x[0..15], high x[16..31]; x = d*(q-8)
                          */
         for (size_t b = 0; b < n / 32; b++, s += 18) {
-            float d = cs__f16_to_f32(rd16(s));
+            float d = cs_f16_to_f32(rd16(s));
             for (int j = 0; j < 16; j++) {
                 dst[b * 32 + j] = d * (float)((s[2 + j] & 0x0f) - 8);
                 dst[b * 32 + j + 16] = d * (float)((s[2 + j] >> 4) - 8);
@@ -138,8 +72,8 @@ void cs__dtype_to_f32(enum cs_dtype t, const void *src, float *dst, size_t n) {
         break;
     case CS_DTYPE_Q4_1: /* {f16 d; f16 m; u8 qs[16]}: x = d*q + m */
         for (size_t b = 0; b < n / 32; b++, s += 20) {
-            float d = cs__f16_to_f32(rd16(s));
-            float m = cs__f16_to_f32(rd16(s + 2));
+            float d = cs_f16_to_f32(rd16(s));
+            float m = cs_f16_to_f32(rd16(s + 2));
             for (int j = 0; j < 16; j++) {
                 dst[b * 32 + j] = d * (float)(s[4 + j] & 0x0f) + m;
                 dst[b * 32 + j + 16] = d * (float)(s[4 + j] >> 4) + m;

@@ -6,6 +6,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include "chunkserve/half.h"
 
 enum cs_dtype {
     CS_DTYPE_F32 = 0,
@@ -32,10 +33,5 @@ const char *cs__dtype_name(uint32_t type);
 bool cs__dtype_nbytes(enum cs_dtype t, uint64_t n, size_t *out);
 /* Converts n elements (a whole number of blocks) to fp32. */
 void cs__dtype_to_f32(enum cs_dtype t, const void *src, float *dst, size_t n);
-
-float cs__f16_to_f32(uint16_t h);
-uint16_t cs__f32_to_f16(float f);
-float cs__bf16_to_f32(uint16_t h);
-uint16_t cs__f32_to_bf16(float f);
 
 #endif

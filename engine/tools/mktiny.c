@@ -251,7 +251,7 @@ static void *quantize(enum cs_dtype type, const float *x, size_t n, size_t *nbyt
     case CS_DTYPE_F16:
     case CS_DTYPE_BF16:
         for (size_t i = 0; i < n; i++) {
-            uint16_t h = type == CS_DTYPE_F16 ? cs__f32_to_f16(x[i]) : cs__f32_to_bf16(x[i]);
+            uint16_t h = type == CS_DTYPE_F16 ? cs_f32_to_f16(x[i]) : cs_f32_to_bf16(x[i]);
             memcpy(out + 2 * i, &h, 2);
         }
         break;
@@ -260,8 +260,8 @@ static void *quantize(enum cs_dtype type, const float *x, size_t n, size_t *nbyt
             float amax = 0;
             for (int j = 0; j < 32; j++)
                 amax = fmaxf(amax, fabsf(x[b * 32 + j]));
-            uint16_t dh = cs__f32_to_f16(amax / 127.0f);
-            float d = cs__f16_to_f32(dh), id = d ? 1.0f / d : 0;
+            uint16_t dh = cs_f32_to_f16(amax / 127.0f);
+            float d = cs_f16_to_f32(dh), id = d ? 1.0f / d : 0;
             memcpy(o, &dh, 2);
             for (int j = 0; j < 32; j++)
                 o[2 + j] = (uint8_t)(int8_t)lrintf(fminf(127, fmaxf(-127, x[b * 32 + j] * id)));
@@ -272,8 +272,8 @@ static void *quantize(enum cs_dtype type, const float *x, size_t n, size_t *nbyt
             float amax = 0, mx = 0;
             for (int j = 0; j < 32; j++)
                 if (fabsf(x[b * 32 + j]) > amax) amax = fabsf(x[b * 32 + j]), mx = x[b * 32 + j];
-            uint16_t dh = cs__f32_to_f16(mx / -8.0f);
-            float d = cs__f16_to_f32(dh), id = d ? 1.0f / d : 0;
+            uint16_t dh = cs_f32_to_f16(mx / -8.0f);
+            float d = cs_f16_to_f32(dh), id = d ? 1.0f / d : 0;
             memcpy(o, &dh, 2);
             for (int j = 0; j < 16; j++) {
                 int q0 = (int)fminf(15, fmaxf(0, x[b * 32 + j] * id + 8.5f));
@@ -287,8 +287,8 @@ static void *quantize(enum cs_dtype type, const float *x, size_t n, size_t *nbyt
             float mn = INFINITY, mx = -INFINITY;
             for (int j = 0; j < 32; j++)
                 mn = fminf(mn, x[b * 32 + j]), mx = fmaxf(mx, x[b * 32 + j]);
-            uint16_t dh = cs__f32_to_f16((mx - mn) / 15.0f), mh = cs__f32_to_f16(mn);
-            float d = cs__f16_to_f32(dh), id = d ? 1.0f / d : 0;
+            uint16_t dh = cs_f32_to_f16((mx - mn) / 15.0f), mh = cs_f32_to_f16(mn);
+            float d = cs_f16_to_f32(dh), id = d ? 1.0f / d : 0;
             memcpy(o, &dh, 2);
             memcpy(o + 2, &mh, 2);
             for (int j = 0; j < 16; j++) {

@@ -13,6 +13,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "chunkserve/half.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -97,23 +99,6 @@ typedef struct {
     int page_size;
     uint16_t *k16;
 } cs_kv_view;
-
-/* fp32 -> bf16, round to nearest even (NaN stays NaN); bf16 -> fp32, exact. */
-static inline uint16_t cs_bf16_of_f32(float f) {
-    union {
-        float f;
-        uint32_t u;
-    } x = {f};
-    if ((x.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((x.u >> 16) | 0x40);
-    return (uint16_t)((x.u + 0x7fffu + ((x.u >> 16) & 1u)) >> 16);
-}
-static inline float cs_f32_of_bf16(uint16_t h) {
-    union {
-        uint32_t u;
-        float f;
-    } x = {(uint32_t)h << 16};
-    return x.f;
-}
 
 /* One sequence's share of a step: its query rows q[q_begin .. q_begin+n_q)
  * sit at positions pos .. pos+n_q-1; its pages cover [0, pos+n_q). */

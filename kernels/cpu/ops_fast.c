@@ -455,7 +455,7 @@ static inline void widen_bf16(float *dst, const uint16_t *src, int n) {
                               16));
 #endif
     for (; i < n; i++)
-        dst[i] = cs_f32_of_bf16(src[i]);
+        dst[i] = cs_bf16_to_f32(src[i]);
 }
 
 static inline __attribute__((always_inline)) void attn_rows(const attn_job *j,

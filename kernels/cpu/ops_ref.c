@@ -90,7 +90,7 @@ static size_t kv_off(const cs_kv_view *kv, const int32_t *pages, int32_t p, int 
 static const float *kv_vals(const cs_kv_view *kv, size_t off, int n, float *tmp) {
     if (!kv->k16) return kv->k + off;
     for (int i = 0; i < n; i++)
-        tmp[i] = cs_f32_of_bf16(kv->k16[off + (size_t)i]);
+        tmp[i] = cs_bf16_to_f32(kv->k16[off + (size_t)i]);
     return tmp;
 }
 
@@ -103,8 +103,8 @@ void cs_op_kv_store(const cs_kv_view *kv, const cs_attn_span *spans, int n_spans
             size_t src = (size_t)(sp->q_begin + i) * kv_dim;
             if (kv->k16) {
                 for (int d = 0; d < kv_dim; d++) {
-                    kv->k16[dst + (size_t)d] = cs_bf16_of_f32(k[src + (size_t)d]);
-                    kv->k16[dst + kv->v_offset + (size_t)d] = cs_bf16_of_f32(v[src + (size_t)d]);
+                    kv->k16[dst + (size_t)d] = cs_f32_to_bf16(k[src + (size_t)d]);
+                    kv->k16[dst + kv->v_offset + (size_t)d] = cs_f32_to_bf16(v[src + (size_t)d]);
                 }
                 continue;
             }

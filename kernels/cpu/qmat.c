@@ -14,54 +14,7 @@
 #include "qmat.h"
 #include "chunkserve/assert.h"
 #include "chunkserve/error.h"
-
-/* ---- fp16 ---- */
-
-static float f16_to_f32(uint16_t h) {
-    uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
-    if (exp == 0) {
-        if (mant == 0) {
-            bits = sign;
-        } else { /* subnormal */
-            exp = 127 - 15 + 1;
-            while (!(mant & 0x400)) {
-                mant <<= 1;
-                exp--;
-            }
-            bits = sign | (exp << 23) | ((mant & 0x3ff) << 13);
-        }
-    } else if (exp == 0x1f) {
-        bits = sign | 0x7f800000u | (mant << 13);
-    } else {
-        bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
-    }
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
-/* Round to nearest even; finite inputs below 65520 in magnitude (a Q8_0
- * scale is amax / 127). */
-static uint16_t f32_to_f16(float f) {
-    uint32_t x;
-    memcpy(&x, &f, sizeof x);
-    uint32_t sign = (x >> 16) & 0x8000, e = (x >> 23) & 0xff, mant = x & 0x7fffff;
-    int32_t exp = (int32_t)e - 127 + 15;
-    if (e == 0) return (uint16_t)sign;
-    if (exp >= 31) return (uint16_t)(sign | 0x7c00);
-    uint32_t m = mant | 0x800000, shift;
-    if (exp <= 0) { /* subnormal half */
-        if (exp < -10) return (uint16_t)sign;
-        shift = (uint32_t)(14 - exp);
-        exp = 0;
-    } else {
-        shift = 13;
-        m &= 0x7fffff;
-    }
-    uint32_t r = m >> shift, rem = m & ((1u << shift) - 1), half = 1u << (shift - 1);
-    if (rem > half || (rem == half && (r & 1))) r++;
-    return (uint16_t)(sign | ((uint32_t)exp << 10)) + (uint16_t)r; /* a carry bumps the exponent */
-}
+#include "chunkserve/half.h"
 
 /* ---- packing ---- */
 
@@ -118,9 +71,9 @@ static void src_block(int type, const uint8_t *row, int64_t b, uint8_t u[CS_QK],
         float amax = 0;
         for (int i = 0; i < CS_QK; i++)
             amax = fmaxf(amax, fabsf(x[i]));
-        *d = f32_to_f16(amax / 127.0f);
+        *d = cs_f32_to_f16(amax / 127.0f);
         *m = 0;
-        float dd = f16_to_f32(*d);
+        float dd = cs_f16_to_f32(*d);
         for (int i = 0; i < CS_QK; i++) {
             float q = dd > 0 ? nearbyintf(x[i] / dd) : 0.0f;
             q = fminf(fmaxf(q, -127.0f), 127.0f);
@@ -239,7 +192,7 @@ void cs_qmat_get_rows(const cs_qmat *w, int part, const int32_t *ids, int n, flo
         float *o = out + (size_t)t * (size_t)w->cols;
         for (int64_t b = 0; b < w->n_blocks; b++) {
             size_t s = (size_t)(p * w->n_blocks + b) * CS_QROWS + (size_t)r;
-            float d = f16_to_f32(w->d[s]), m = w->m ? f16_to_f32(w->m[s]) : 0.0f;
+            float d = cs_f16_to_f32(w->d[s]), m = w->m ? cs_f16_to_f32(w->m[s]) : 0.0f;
             for (int k = 0; k < CS_QK; k++) {
                 float q = (float)(get_u(w, p, b, r, k) - z);
                 o[b * CS_QK + k] = w->m ? fmaf(d, q, m) : d * q;
@@ -316,9 +269,9 @@ void cs__qmat_ref_panels(const cs_qout *outs, const cs_qact *a, const cs_qmat *w
                     for (int k = 0; k < CS_QK; k++)
                         isum += get_u(w, p, b, r, k) * q[k];
                     size_t s = (size_t)(p * w->n_blocks + b) * CS_QROWS + (size_t)r;
-                    float d = f16_to_f32(w->d[s]);
+                    float d = cs_f16_to_f32(w->d[s]);
                     acc = fmaf(d * mb->dx, (float)(isum - z * mb->xsum), acc);
-                    if (w->m) acc = fmaf(f16_to_f32(w->m[s]), mb->fsum, acc);
+                    if (w->m) acc = fmaf(cs_f16_to_f32(w->m[s]), mb->fsum, acc);
                 }
                 if (o->bias) acc += o->bias[row0 + r];
                 o->out[(size_t)t * (size_t)o->ldo + (size_t)(row0 + r)] = acc;

@@ -31,7 +31,7 @@ static inline int gt_irand(int n) {
     return (int)(gt_next() % (uint64_t)n);
 }
 static inline float gt_round_bf16(float f) {
-    return cs__bf16_to_f32(cs__f32_to_bf16(f));
+    return cs_bf16_to_f32(cs_f32_to_bf16(f));
 }
 
 /* ||a - ref|| / ||ref||; positions where both are NaN are skipped, a NaN on

@@ -120,8 +120,8 @@ static void cpu_vs_cuda(const char *variant) {
             size_t pg_i = i / (pb / 2), in_page = i % (pb / 2),
                    slot = (in_page % per_layer_half) / kvd;
             int written = pg_i * 16 + slot < (size_t)np;
-            a[i] = written ? cs__bf16_to_f32(kv1[i]) : 0,
-            b[i] = written ? cs__bf16_to_f32(kv0[i]) : 0;
+            a[i] = written ? cs_bf16_to_f32(kv1[i]) : 0,
+            b[i] = written ? cs_bf16_to_f32(kv0[i]) : 0;
         }
         char what[96];
         snprintf(what, sizeof what, "%s cuda chunk %d vs one pass: last logits", variant,

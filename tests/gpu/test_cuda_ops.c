@@ -40,7 +40,7 @@ static uint16_t *to_bf16(const float *f, size_t n) {
     uint16_t *p = malloc(n * sizeof *p + 2);
     ASSERT_TRUE(p);
     for (size_t i = 0; i < n; i++)
-        p[i] = cs__f32_to_bf16(f[i]);
+        p[i] = cs_f32_to_bf16(f[i]);
     return p;
 }
 static float *down_f32(const float *d, size_t n) {
@@ -57,7 +57,7 @@ static float *down_bf16(const uint16_t *d, size_t n) {
     CS_CUDA_CHECK(cudaDeviceSynchronize());
     CS_CUDA_CHECK(cudaMemcpy(t, d, n * sizeof *t, cudaMemcpyDeviceToHost));
     for (size_t i = 0; i < n; i++)
-        h[i] = cs__bf16_to_f32(t[i]);
+        h[i] = cs_bf16_to_f32(t[i]);
     free(t);
     return h;
 }

@@ -289,8 +289,8 @@ static void attention_case(const char *name, const span_shape *shape, int n_span
             for (int i = 0; i < kv_dim; i++) {
                 float a = 2.0f * frand(), b = frand();
                 if (g_bf16) {
-                    kv.k16[off + i] = cs_bf16_of_f32(a);
-                    kv.k16[off + kv.v_offset + i] = cs_bf16_of_f32(b);
+                    kv.k16[off + i] = cs_f32_to_bf16(a);
+                    kv.k16[off + kv.v_offset + i] = cs_f32_to_bf16(b);
                 } else {
                     kv.k[off + i] = a, kv.k[off + kv.v_offset + i] = b;
                 }
@@ -311,10 +311,10 @@ static void attention_case(const char *name, const span_shape *shape, int n_span
             size_t src = (size_t)(spans[s].q_begin + i) * kv_dim;
             if (g_bf16) { /* rounded to nearest even: within half a bf16 ulp (2^-8 relative) */
                 for (int d = 0; d < kv_dim; d++) {
-                    float a = cs_f32_of_bf16(kv.k16[off + d]), b = k[src + d];
-                    ASSERT_TRUE(kv.k16[off + d] == cs_bf16_of_f32(b));
+                    float a = cs_bf16_to_f32(kv.k16[off + d]), b = k[src + d];
+                    ASSERT_TRUE(kv.k16[off + d] == cs_f32_to_bf16(b));
                     ASSERT_TRUE(fabsf(a - b) <= fabsf(b) * (1.0f / 256));
-                    ASSERT_TRUE(kv.k16[off + kv.v_offset + d] == cs_bf16_of_f32(v[src + d]));
+                    ASSERT_TRUE(kv.k16[off + kv.v_offset + d] == cs_f32_to_bf16(v[src + d]));
                 }
                 continue;
             }

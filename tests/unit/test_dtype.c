@@ -4,18 +4,18 @@
 #include "test.h"
 
 static void check_f16(void) {
-    ASSERT_EQ_INT(cs__f32_to_f16(1.0f), 0x3c00);
-    ASSERT_EQ_INT(cs__f32_to_f16(-2.0f), 0xc000);
-    ASSERT_EQ_INT(cs__f32_to_f16(65504.0f), 0x7bff);
-    ASSERT_EQ_INT(cs__f32_to_f16(1e6f), 0x7c00);          /* overflow -> inf */
-    ASSERT_EQ_INT(cs__f32_to_f16(5.9604645e-8f), 0x0001); /* smallest subnormal */
-    ASSERT_NEAR(cs__f16_to_f32(0x0001), 5.9604645e-8, 1e-15);
-    ASSERT_NEAR(cs__f16_to_f32(0x3555), 0.33325195, 1e-8);
+    ASSERT_EQ_INT(cs_f32_to_f16(1.0f), 0x3c00);
+    ASSERT_EQ_INT(cs_f32_to_f16(-2.0f), 0xc000);
+    ASSERT_EQ_INT(cs_f32_to_f16(65504.0f), 0x7bff);
+    ASSERT_EQ_INT(cs_f32_to_f16(1e6f), 0x7c00);          /* overflow -> inf */
+    ASSERT_EQ_INT(cs_f32_to_f16(5.9604645e-8f), 0x0001); /* smallest subnormal */
+    ASSERT_NEAR(cs_f16_to_f32(0x0001), 5.9604645e-8, 1e-15);
+    ASSERT_NEAR(cs_f16_to_f32(0x3555), 0.33325195, 1e-8);
     for (uint32_t h = 0; h < 0x7c00; h++) /* every finite positive half round-trips */
-        ASSERT_EQ_INT(cs__f32_to_f16(cs__f16_to_f32((uint16_t)h)), h);
-    ASSERT_EQ_INT(cs__f32_to_bf16(1.0f), 0x3f80);
-    ASSERT_NEAR(cs__bf16_to_f32(0x4049), 3.140625, 0);
-    ASSERT_EQ_INT(cs__f32_to_bf16(1.00390625f), 0x3f80); /* tie rounds to even */
+        ASSERT_EQ_INT(cs_f32_to_f16(cs_f16_to_f32((uint16_t)h)), h);
+    ASSERT_EQ_INT(cs_f32_to_bf16(1.0f), 0x3f80);
+    ASSERT_NEAR(cs_bf16_to_f32(0x4049), 3.140625, 0);
+    ASSERT_EQ_INT(cs_f32_to_bf16(1.00390625f), 0x3f80); /* tie rounds to even */
 }
 
 static void check_blocks(void) {
