@@ -368,8 +368,9 @@ static int cmd_logits(const cs_model *m, const options *o) {
         fprintf(stderr, "chunkserve: logits needs --ids and --out\n");
         return 2;
     }
-    if (o->kv_out && !o->engine) {
-        fprintf(stderr, "chunkserve: logits: --kv-out needs --engine\n");
+    if ((o->kv_out || o->every_pos) && !o->engine) {
+        fprintf(stderr, "chunkserve: logits: %s needs --engine\n",
+                o->kv_out ? "--kv-out" : "--every-position");
         return 2;
     }
     int32_t *ids = NULL, n = 0;
