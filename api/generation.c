@@ -60,6 +60,10 @@ static void handle_detokenize(cs_rpc_call *c, void *data) {
     const cs_tokenizer *tok = cs_model_tokenizer(wm->model);
     int32_t n_vocab = cs_tokenizer_n_vocab(tok);
     int r = cs_wire_check_model(wm, m->model);
+    int32_t ctx = cs_model_get_config(wm->model)->ctx_len;
+    if (!r && m->n_ids > (size_t)ctx) /* bounds the text too: no token is long */
+        r = cs_fail(CS_EINVAL, "ids has %zu tokens; at most the context (%d) are detokenized",
+                    m->n_ids, ctx);
     for (size_t i = 0; !r && i < m->n_ids; i++)
         if (m->ids[i] < 0 || m->ids[i] >= n_vocab)
             r = cs_fail(CS_EINVAL, "ids[%zu] = %d is outside the vocabulary (0..%d)", i, m->ids[i],

@@ -227,11 +227,26 @@ int cs_wire_sampling(const cs_wire_model *wm, const Chunkserve__V1__SamplingPara
     return r;
 }
 
+int cs_wire_check_request_id(const char *id) {
+    size_t n = id ? strlen(id) : 0;
+    if (n > CS_WIRE_MAX_REQUEST_ID)
+        return cs_fail(CS_EINVAL, "request_id has %zu bytes; at most %d are allowed", n,
+                       CS_WIRE_MAX_REQUEST_ID);
+    for (size_t i = 0; i < n; i++)
+        if (id[i] < 0x21 || id[i] > 0x7e)
+            return cs_fail(CS_EINVAL,
+                           "request_id byte %zu is 0x%02x; only printable ASCII without spaces "
+                           "(0x21..0x7e) is allowed",
+                           i, (unsigned char)id[i]);
+    return 0;
+}
+
 int cs_wire_generate_request(const cs_wire_model *wm, const Chunkserve__V1__GenerateRequest *m,
                              uint64_t id, cs_wire_request *out) {
     memset(out, 0, sizeof *out);
     const cs_model_config *cfg = cs_model_get_config(wm->model);
-    int r = cs_wire_check_model(wm, m->model);
+    int r = cs_wire_check_request_id(m->request_id);
+    if (!r) r = cs_wire_check_model(wm, m->model);
     cs_request *q = &out->r;
     if (!r) r = cs_wire_sampling(wm, m->sampling, q);
     int32_t *ids = NULL;

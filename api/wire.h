@@ -69,6 +69,12 @@ int cs_wire_generate_request(const cs_wire_model *wm, const Chunkserve__V1__Gene
                              uint64_t id, cs_wire_request *out);
 void cs_wire_request_free(cs_wire_request *w);
 
+/* request_id (client or router): at most CS_WIRE_MAX_REQUEST_ID bytes of
+ * printable ASCII without spaces (it is logged and copied into every
+ * attempt). 0 or CS_EINVAL naming request_id. */
+#define CS_WIRE_MAX_REQUEST_ID 128
+int cs_wire_check_request_id(const char *id);
+
 /* Checks SamplingParams m (NULL = all defaults) and fills q's sampling,
  * stop and logprobs (stop strings and ids borrow from m). 0, or CS_EINVAL
  * naming the field. Used by the workers for the router's forwarded params. */

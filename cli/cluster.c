@@ -29,6 +29,7 @@
 #include "chunkserve/assert.h"
 #include "chunkserve/clock.h"
 #include "chunkserve/error.h"
+#include "chunkserve/secret.h"
 
 typedef struct {
     const char *model, *host;
@@ -261,6 +262,21 @@ int cs_cli_cluster(int argc, char **argv) {
         sibling("chunkserve-router", router_exe, sizeof router_exe)) {
         fprintf(stderr, "chunkserve cluster: %s\n", cs_last_error());
         return 1;
+    }
+    /* One secret for this cluster's processes (inherited through the
+     * environment, never on a command line that ps shows), unless the
+     * caller chose one: worker RPCs and the KV link then trust only them. */
+    const char *sec = getenv("CHUNKSERVE_CLUSTER_SECRET");
+    if ((!sec || !sec[0]) && !getenv("CHUNKSERVE_CLUSTER_SECRET_FILE")) {
+        uint8_t raw[24];
+        char hex[2 * sizeof raw + 1];
+        if (cs_random_bytes(raw, sizeof raw) != 0) {
+            fprintf(stderr, "chunkserve cluster: no random bytes for the cluster secret\n");
+            return 1;
+        }
+        for (size_t i = 0; i < sizeof raw; i++)
+            snprintf(hex + 2 * i, 3, "%02x", raw[i]);
+        setenv("CHUNKSERVE_CLUSTER_SECRET", hex, 1);
     }
     long cores = cs_engine_default_threads();
     int64_t share = cores / (o.prefill + o.decode);

@@ -308,7 +308,10 @@ static void handle_decode(cs_rpc_call *c, void *data) {
     observe_router_hop(d, c);
     q->d = d;
     q->local = m->local_prefill;
-    q->lease_ms = m->lease_ms > 0 ? m->lease_ms : (int32_t)w->o.lease_ms;
+    /* --lease-ms is the default and the most a caller gets: a reservation
+     * can never hold pages longer than the operator allowed */
+    q->lease_ms =
+        m->lease_ms > 0 && m->lease_ms < w->o.lease_ms ? m->lease_ms : (int32_t)w->o.lease_ms;
     q->logprobs = r.logprobs;
     q->n_prompt = m->num_prompt_tokens;
     q->n_context = (int32_t)m->n_token_ids;
@@ -413,7 +416,8 @@ static const cs_config_entry config[] = {
      "host prefill workers should connect to (default --kv-host; set it when binding 0.0.0.0)", 0,
      0},
     {"lease-ms", CS_CONFIG_INT, offsetof(cs_worker_opts, lease_ms), "120000",
-     "a reservation whose KV has not arrived by then is freed (the router's lease_ms overrides)",
+     "a reservation whose KV has not arrived by then is freed (the router's lease_ms may shorten "
+     "it, never lengthen it)",
      100, 3600000},
 };
 

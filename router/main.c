@@ -47,6 +47,12 @@ static const cs_config_entry options[] = {
      "longest wait for a usable decode worker (then UNAVAILABLE)", 0, I64},
     {"max-retries", CS_CONFIG_INT, O(max_retries), "3",
      "failed attempts retried or migrated before UNAVAILABLE", 0, 100},
+    {"cluster-secret", CS_CONFIG_SECRET, O(cluster_secret), NULL,
+     "the cluster's shared secret (>= 16 bytes): calls to workers carry its token; unset = "
+     "trust the network",
+     0, 0},
+    {"cluster-secret-file", CS_CONFIG_STR, O(cluster_secret_file), NULL,
+     "file holding the cluster secret (a mounted Kubernetes Secret)", 0, 0},
     {"lease-ms", CS_CONFIG_INT, O(lease_ms), "120000",
      "how long a decode worker holds reserved pages for the KV (DecodeRequest.lease_ms)", 1,
      2147483647},

@@ -24,6 +24,7 @@
 
 #include "chunkserve/v1/cluster.pb-c.h"
 #include "chunkserve/assert.h"
+#include "chunkserve/secret.h"
 #include "chunkserve/clock.h"
 #include "chunkserve/error.h"
 #include "chunkserve/log.h"
@@ -221,7 +222,11 @@ void cs_pool_worker_suspect(cs_pool_worker *w, const char *why) {
 }
 
 static int channel_open(cs_pool_worker *w) {
-    cs_rpc_channel_opts co = {.max_recv_bytes = 64 << 20, .max_send_bytes = 0};
+    cs_rpc_metadata md = {CS_RPC_TOKEN_KEY, w->pool->o.rpc_token};
+    cs_rpc_channel_opts co = {.max_recv_bytes = 64 << 20,
+                              .max_send_bytes = 0,
+                              .metadata = &md,
+                              .n_metadata = w->pool->o.rpc_token ? 1 : 0};
     return cs_rpc_channel_init(w->pool->rl, w->addr, &co, &w->ch);
 }
 

@@ -70,6 +70,8 @@ typedef struct {
     int32_t expect_n_vocab;        /* a worker whose model has another vocabulary, */
     const char *expect_arch;       /* architecture */
     int32_t expect_ctx_len;        /* or context length is unusable */
+    const char *rpc_token;         /* sent with every call (CS_RPC_TOKEN_KEY); NULL = none;
+                                      must outlive the pool */
     /* Called after a status poll round in which some worker's status arrived
      * (room may have appeared): the router retries what waits. May be NULL. */
     void (*on_change)(void *arg);

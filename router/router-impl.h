@@ -51,6 +51,7 @@
 #include "chunkserve/metrics.h"
 #include "chunkserve/proc.h"
 #include "chunkserve/rpc.h"
+#include "chunkserve/secret.h"
 #include "chunkserve/v1/cluster.pb-c.h"
 #include "pool.h"
 #include "router.h"
@@ -143,6 +144,7 @@ struct req {
 struct router {
     const cs_router_opts *o;
     cs_api_keys keys;       /* the public API's (both doors) */
+    cs_secret secret;       /* --cluster-secret: calls to workers carry its token */
     cs_generation_ctx gctx; /* the unary Generation calls' */
     cs_openai *openai;      /* the OpenAI-compatible HTTP door, or NULL */
     const cs_model *model;  /* vocabulary and config only */
@@ -161,7 +163,6 @@ struct router {
     double t_last_pump;
     uint64_t next_seq;
     uint64_t id_base; /* random per process: transfer ids and request ids */
-    uint64_t n_transfers;
 
     struct {
         cs_metric *running, *waiting, *retries, *migrations, *prefill_local, *prefill_remote;

@@ -72,7 +72,7 @@ static void generate(void *arg, cs_gen_call *c) {
     int rc = cs_wire_generate_request(&r->wm, m, seq, &w);
     if (rc) {
         int code = cs_rpc_code_of_status(rc);
-        CS_LOGD("request %s rejected: %s", m->request_id, cs_last_error());
+        CS_LOGD("request rejected: %s", cs_last_error()); /* its id may be what is bad */
         cs__router_count_code(r, code);
         cs_gen_call_finish(c, code, cs_last_error());
         return;
@@ -271,6 +271,7 @@ static int start(cs_proc *p, void *arg) {
         .expect_n_vocab = cfg->n_vocab,
         .expect_arch = cfg->arch,
         .expect_ctx_len = cfg->ctx_len,
+        .rpc_token = r->secret.set ? r->secret.token : NULL,
         .on_change = cs__router_on_pool_change,
         .on_down = cs__router_on_worker_down,
         .arg = r,
@@ -361,8 +362,12 @@ int cs_router_run(const cs_model *model, const cs_router_opts *o) {
     if (!r) return cs_fail(CS_ENOMEM, "out of memory");
     r->o = o;
     r->model = model;
-    if (getrandom(&r->id_base, sizeof r->id_base, 0) != sizeof r->id_base)
-        r->id_base = (uint64_t)time(NULL) << 20 ^ (uint64_t)getpid();
+    int rc = cs_secret_load(o->cluster_secret, o->cluster_secret_file, &r->secret);
+    if (rc) {
+        free(r);
+        return rc;
+    }
+    r->id_base = cs_random_u64(); /* public request ids; transfer ids are drawn apart */
     /* KV room is the workers' to judge: no pool bound here */
     cs_wire_model_init(&r->wm, model, o->model);
     r->wm.n_kv_pages = INT32_MAX;
@@ -372,10 +377,11 @@ int cs_router_run(const cs_model *model, const cs_router_opts *o) {
                        .http_host = o->http_host,
                        .http_port = (int)o->http_port,
                        .grace_ms = o->grace_ms};
-    int rc = cs_proc_run(&po, &router_proc, r);
+    rc = cs_proc_run(&po, &router_proc, r);
     CS_ASSERT(rc || r->n_live == 0);
     cs_openai_close(r->openai); /* when start failed after opening it */
     cs_api_keys_free(&r->keys);
+    cs_secret_clear(&r->secret);
     free(r);
     return rc;
 }

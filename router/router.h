@@ -42,6 +42,7 @@ typedef struct {
     int64_t request_timeout_ms;      /* deadline when the client sets none */
     int64_t grace_ms;                /* on SIGTERM/SIGINT: time streams get to finish */
     bool ready_without_workers;      /* /readyz ignores the decode pool */
+    const char *cluster_secret, *cluster_secret_file; /* worker RPCs carry its token */
     const char *log_level;
     bool verbose;
     cs_openai_config openai; /* the public HTTP API and the API keys */

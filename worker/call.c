@@ -111,7 +111,8 @@ cs_worker_call *cs_worker_admit(cs_worker *w, cs_rpc_call *c, const int32_t *ids
         cs_rpc_call_finish(c, CS_RPC_RESOURCE_EXHAUSTED, msg);
         return NULL;
     }
-    int rc = check_request(w, ids, n, num_prompt, sampling, r);
+    int rc = cs_wire_check_request_id(request_id);
+    if (!rc) rc = check_request(w, ids, n, num_prompt, sampling, r);
     if (rc) {
         cs_rpc_call_finish(c, cs_rpc_code_of_status(rc), cs_last_error());
         return NULL;

@@ -29,9 +29,31 @@
 
 /* ------------------------------------------------------------ helpers -- */
 
+/* Every Worker method: the caller proves the cluster secret (its token in
+ * metadata, compared in constant time) or is answered UNAUTHENTICATED
+ * before its request is looked at. */
+static void gated(cs_rpc_call *c, void *data) {
+    cs_worker_method *m = data;
+    size_t len = 0;
+    const char *v = cs_rpc_call_metadata(c, CS_RPC_TOKEN_KEY, &len);
+    if (!cs_secret_check_token(&m->w->secret, v, v ? len : 0)) {
+        cs_metric_inc(m->w->m_unauthenticated);
+        cs_rpc_call_finish(c, CS_RPC_UNAUTHENTICATED,
+                           "this worker takes calls from its cluster only: metadata "
+                           "'" CS_RPC_TOKEN_KEY "' (derived from --cluster-secret) is missing "
+                           "or wrong");
+        return;
+    }
+    m->fn(c, m->w);
+}
+
 int cs_worker_add_method(cs_worker *w, const char *method, enum cs_rpc_method_kind kind,
                          const ProtobufCMessageDescriptor *desc, cs_rpc_handler fn) {
-    return cs_rpc_server_add_method(cs_proc_server(w->proc), method, kind, desc, fn, w);
+    if (w->n_methods == CS_WORKER_MAX_METHODS) return cs_fail(CS_ENOMEM, "too many methods");
+    cs_worker_method *m = &w->methods[w->n_methods++];
+    m->w = w;
+    m->fn = fn;
+    return cs_rpc_server_add_method(cs_proc_server(w->proc), method, kind, desc, gated, m);
 }
 
 void cs_worker_kv_status(cs_worker *w, int payload, Chunkserve__V1__WorkerStatus *st) {
@@ -136,6 +158,8 @@ static const cs_metric_def common_metrics[] = {
     {M(m_weights_exact), "chunkserve:weight_mode", CS_METRIC_GAUGE, "mode=\"exact\"",
      "1 for the engine's weight mode: quant (quantized blocks, integer kernels) or exact (fp32)",
      NULL, 0},
+    {M(m_unauthenticated), "chunkserve:rpc_unauthenticated_total", CS_METRIC_COUNTER, NULL,
+     "Worker calls refused for a missing or wrong cluster token", NULL, 0},
 };
 #undef M
 
@@ -203,7 +227,17 @@ static void started(cs_proc *p, void *arg) {
         host[sizeof host - 1] = 0;
         snprintf(w->worker_id, sizeof w->worker_id, "%s-%s:%d", w->role->name, host,
                  cs_proc_port(p));
+        if (wild)
+            CS_LOGW("binding %s with no --worker-id: named %s (give each replica its own id, "
+                    "e.g. the pod name)",
+                    o->host, w->worker_id);
     }
+    bool loopback =
+        !strncmp(o->host, "127.", 4) || !strcmp(o->host, "::1") || !strcmp(o->host, "localhost");
+    if (!w->secret.set && !loopback)
+        CS_LOGW("no --cluster-secret: anyone who reaches %s:%d can call this worker and its KV "
+                "port; set one (docs/security.md) or isolate the network",
+                o->host, cs_proc_port(p));
     CS_LOGI("%s worker %s: '%s' (%s backend, %d KV pages of %d tokens, step budget %lld) on %s:%d",
             w->role->name, w->worker_id, w->wm.name, cs_engine_backend_name(w->engine),
             w->wm.n_kv_pages, w->wm.page_size, (long long)o->max_batched_tokens, o->host,
@@ -342,6 +376,10 @@ int cs_worker_main(int argc, char **argv, const cs_worker_role *role) {
     }
     if (!w.o.model) {
         fprintf(stderr, "%s: --model is required (or CHUNKSERVE_MODEL)\n", prog);
+        return 2;
+    }
+    if (cs_secret_load(w.o.cluster_secret, w.o.cluster_secret_file, &w.secret)) {
+        fprintf(stderr, "%s: %s\n", prog, cs_last_error());
         return 2;
     }
     cs_log_set_role(role->name);

@@ -27,6 +27,7 @@
 #include "chunkserve/proc.h"
 #include "chunkserve/rpc.h"
 #include "chunkserve/rpc_health.h"
+#include "chunkserve/secret.h"
 #include "chunkserve/serve.h"
 #include "chunkserve/v1/cluster.pb-c.h"
 #include "wire.h"
@@ -34,6 +35,7 @@
 /* Every worker option; a process's table lists the ones it uses. */
 typedef struct {
     const char *host, *http_host, *model, *worker_id, *kv_host, *kv_advertise;
+    const char *cluster_secret, *cluster_secret_file;
     int64_t port, http_port, kv_port;
     int64_t max_batched_tokens, max_num_seqs, max_partial_prefills, max_chunk_tokens, page_size,
         kv_cache_mib, threads;
@@ -83,6 +85,21 @@ typedef struct {
          offsetof(cs_worker_opts, worker_id),                                                      \
          NULL,                                                                                     \
          "stable name in logs and status (default ROLE-HOST:PORT)",                                \
+         0,                                                                                        \
+         0},                                                                                       \
+        {"cluster-secret",                                                                         \
+         CS_CONFIG_SECRET,                                                                         \
+         offsetof(cs_worker_opts, cluster_secret),                                                 \
+         NULL,                                                                                     \
+         "the cluster's shared secret (>= 16 bytes): worker RPCs must carry its token; unset = "   \
+         "trust the network",                                                                      \
+         0,                                                                                        \
+         0},                                                                                       \
+        {"cluster-secret-file",                                                                    \
+         CS_CONFIG_STR,                                                                            \
+         offsetof(cs_worker_opts, cluster_secret_file),                                            \
+         NULL,                                                                                     \
+         "file holding the cluster secret (a mounted Kubernetes Secret)",                          \
          0,                                                                                        \
          0},                                                                                       \
         {"max-batched-tokens",                                                                     \
@@ -192,6 +209,14 @@ typedef struct {
 typedef struct cs_worker cs_worker;
 typedef struct cs_worker_call cs_worker_call;
 
+/* A registered Worker method: its handler runs only for callers with the
+ * cluster's token (worker.c). */
+typedef struct {
+    cs_worker *w;
+    cs_rpc_handler fn;
+} cs_worker_method;
+#define CS_WORKER_MAX_METHODS 8
+
 /* What a role adds to the skeleton. Hooks run on the loop thread. */
 typedef struct {
     const char *name; /* "prefill", "decode": logs, default worker id */
@@ -246,7 +271,7 @@ struct cs_worker_call {
     cs_worker *w;
     cs_rpc_call *call;        /* NULL once answered */
     uint64_t id, transfer_id; /* the engine's request id; the router's transfer id */
-    char request_id[80];
+    char request_id[CS_WIRE_MAX_REQUEST_ID + 1];
     double t_start;
     int end_code;        /* set by the shell before role->cancel: how the call is to end */
     const char *end_msg; /* (0, NULL: the request's own outcome) */
@@ -262,6 +287,9 @@ struct cs_worker {
     cs_worker_opts o;
     char worker_id[128];
     uint64_t instance_id; /* random per process start */
+    cs_secret secret;     /* --cluster-secret: worker RPCs and the KV link prove it */
+    cs_worker_method methods[CS_WORKER_MAX_METHODS];
+    int n_methods;
     cs_model *model;
     cs_wire_model wm;
     cs_engine *engine;
@@ -277,7 +305,7 @@ struct cs_worker {
     /* the common metrics table (worker.c) */
     cs_metric *m_running, *m_waiting, *m_kv_usage, *m_kv_free, *m_kv_total, *m_preemptions,
         *m_prompt_tokens, *m_gen_tokens, *m_prefix_hits, *m_steps, *m_queued_prefill, *m_refused,
-        *m_weights_quant, *m_weights_exact;
+        *m_weights_quant, *m_weights_exact, *m_unauthenticated;
     cs_sched_stats last_stats; /* counters already exported */
 };
 

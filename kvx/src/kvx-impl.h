@@ -37,7 +37,7 @@ int cs__kvx_set_socket_opts(int fd); /* non-blocking, TCP_NODELAY, keepalive */
 int cs__kvx_wake_init(int fds[2]);
 void cs__kvx_wake(int fd);
 void cs__kvx_drain(int fd);
-uint64_t cs__kvx_incarnation(void); /* clock in µs << 8 ^ pid: grows across restarts */
+uint64_t cs__kvx_incarnation(void); /* 64 random bits, never 0 */
 
 /* One frame waiting to be written: a sealed header, then a control payload
  * (ctl) or n_pages pages straight from pool memory (pages: one pointer each). */

@@ -17,6 +17,7 @@
 
 #include "chunkserve/assert.h"
 #include "chunkserve/error.h"
+#include "chunkserve/secret.h"
 
 /* Weak: defined only when the program links cs_kvx_nccl (CUDA + NCCL). */
 extern const cs__kvx_payload cs__kvx_payload_nccl __attribute__((weak));
@@ -41,10 +42,7 @@ bool cs_kvx_payload_available(int payload) {
 }
 
 uint64_t cs__kvx_incarnation(void) {
-    struct timespec ts;
-    clock_gettime(CLOCK_REALTIME, &ts);
-    return ((uint64_t)ts.tv_sec * 1000000u + (uint64_t)ts.tv_nsec / 1000u) << 8 ^
-           (uint64_t)(getpid() & 0xff);
+    return cs_random_u64(); /* never from the clock: nothing outside predicts it */
 }
 
 void cs__kvx_fold(uint64_t *digest, uint64_t chunk_sum) {

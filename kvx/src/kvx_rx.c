@@ -47,6 +47,7 @@
 
 #define N_TOMB 4096 /* recently ended transfer ids: their late frames are dropped */
 #define N_PEERS 1024
+#define N_OLD 4             /* replaced incarnations remembered per sender */
 #define SCRATCH (64u << 10) /* discarded inline bytes land here */
 
 enum comm_state { COMM_NONE, COMM_OPENING, COMM_INIT, COMM_READY };
@@ -88,6 +89,7 @@ typedef struct rx_conn {
     XXH3_state_t hs;
     kvx_out *qhead, *qtail;
     int64_t last_rx, last_tx;
+    int64_t opened; /* accepted at (ms): HELLO must come by opened + hello_timeout_ms */
     /* payload link (NCCL) */
     int comm;
     uint8_t id[CS_KVX_NCCL_ID_BYTES];
@@ -157,7 +159,9 @@ struct cs_kvx_rx {
     int tomb_pos;
     struct {
         char name[CS_KVX_NAME_MAX];
-        uint64_t inc;
+        uint64_t inc;             /* the current incarnation of that sender */
+        uint64_t replaced[N_OLD]; /* incarnations a newer one replaced: refused */
+        int n_replaced;
     } peers[N_PEERS];
     int n_peers;
     cs_kvx_stats st;
@@ -171,6 +175,9 @@ cs_kvx_rx_params cs_kvx_rx_params_default(void) {
     p.keepalive_ms = 1000;
     p.dead_ms = 5000;
     p.max_conns = 256;
+    p.hello_timeout_ms = 3000;
+    p.max_pending = 64;
+    p.max_pending_per_addr = 16;
     p.n_slots = 2;
     p.init_timeout_ms = 30000;
     p.op_timeout_ms = 10000;
@@ -412,27 +419,42 @@ static void on_hello(cs_kvx_rx *rx, rx_conn *c, const cs_kvx_hdr *h, const uint8
         refuse(rx, c, err);
         return;
     }
-    /* Fencing: a newer incarnation of a sender replaces its older channel
-     * (its half-open connection may not have seen EOF yet); an older
-     * incarnation than one already seen is refused. */
+    /* Fencing: a new incarnation of a sender replaces its current channel
+     * (its half-open connection may not have seen EOF yet); an incarnation
+     * that was replaced is refused. Incarnations are random (no order):
+     * "replaced" is what makes one stale. */
     int slot = -1;
     for (int i = 0; i < rx->n_peers; i++)
         if (strcmp(rx->peers[i].name, m.name) == 0) slot = i;
-    if (slot >= 0 && h->epoch < rx->peers[slot].inc) {
-        snprintf(err, sizeof err, "stale incarnation %llx of sender %s (current %llx)",
-                 (unsigned long long)h->epoch, m.name, (unsigned long long)rx->peers[slot].inc);
-        refuse(rx, c, err);
-        return;
-    }
+    for (int i = 0; slot >= 0 && i < rx->peers[slot].n_replaced; i++)
+        if (rx->peers[slot].replaced[i] == h->epoch) {
+            snprintf(err, sizeof err, "stale incarnation %llx of sender %s (replaced by %llx)",
+                     (unsigned long long)h->epoch, m.name, (unsigned long long)rx->peers[slot].inc);
+            refuse(rx, c, err);
+            return;
+        }
     for (rx_conn *o = rx->conns; o; o = o->next)
-        if (o != c && o->hello && !o->closing && strcmp(o->name, m.name) == 0) {
+        if (o != c && o->hello && !o->closing && strcmp(o->name, m.name) == 0 &&
+            o->peer_inc != h->epoch) {
             snprintf(err, sizeof err, "sender %s reconnected (incarnation %llx replaces %llx)",
                      m.name, (unsigned long long)h->epoch, (unsigned long long)o->peer_inc);
             conn_fail(rx, o, CS_ECONNRESET, err, false);
         }
     if (slot < 0 && rx->n_peers < N_PEERS) slot = rx->n_peers++;
     if (slot < 0) slot = (int)(h->epoch % N_PEERS);
-    snprintf(rx->peers[slot].name, sizeof rx->peers[slot].name, "%s", m.name);
+    if (strcmp(rx->peers[slot].name, m.name)) { /* a new name (or a reused slot) */
+        memset(&rx->peers[slot], 0, sizeof rx->peers[slot]);
+        snprintf(rx->peers[slot].name, sizeof rx->peers[slot].name, "%s", m.name);
+    } else if (rx->peers[slot].inc != h->epoch) {
+        int k = rx->peers[slot].n_replaced;
+        if (k == N_OLD) {
+            memmove(rx->peers[slot].replaced, rx->peers[slot].replaced + 1,
+                    (N_OLD - 1) * sizeof rx->peers[slot].replaced[0]);
+            k--;
+        }
+        rx->peers[slot].replaced[k] = rx->peers[slot].inc;
+        rx->peers[slot].n_replaced = k + 1;
+    }
     rx->peers[slot].inc = h->epoch;
     snprintf(c->name, sizeof c->name, "%s", m.name);
     c->peer_inc = h->epoch;
@@ -886,6 +908,11 @@ static void conn_read(cs_kvx_rx *rx, rx_conn *c) {
             if (c->hdr_len < CS_KVX_HDR_BYTES) continue;
             char err[256];
             int r = cs_kvx_hdr_decode(c->hdr, &lim, &c->h, err, sizeof err);
+            if (!r && !c->hello && c->h.type != CS_KVX_HELLO) { /* before any payload byte */
+                r = CS_EPROTO;
+                snprintf(err, sizeof err, "%s frame before HELLO",
+                         cs_kvx_frame_type_name(c->h.type));
+            }
             if (!r && c->h.type != CS_KVX_PAGES && c->h.payload_len > sizeof c->buf) {
                 r = CS_EPROTO;
                 snprintf(err, sizeof err, "%s frame from a sender",
@@ -927,6 +954,31 @@ static void run_events(cs_kvx_rx *rx) {
     pthread_mutex_lock(&rx->mu);
 }
 
+/* Before a newcomer from addr joins: connections that have not sent HELLO
+ * are capped (max_pending in all, max_pending_per_addr from one address);
+ * at a cap the oldest such connection goes, so idle or slow peers can
+ * delay a real sender by one round trip but never lock it out. */
+static void make_room(cs_kvx_rx *rx, const char *addr) {
+    int all = 0, mine = 0;
+    rx_conn *oldest = NULL, *oldest_mine = NULL;
+    for (rx_conn *c = rx->conns; c; c = c->next) {
+        if (c->hello || c->closing) continue;
+        all++;
+        if (!oldest || c->opened <= oldest->opened) oldest = c;
+        if (!strcmp(c->addr, addr)) {
+            mine++;
+            if (!oldest_mine || c->opened <= oldest_mine->opened) oldest_mine = c;
+        }
+    }
+    rx_conn *evict = mine >= rx->p.max_pending_per_addr ? oldest_mine
+                     : all >= rx->p.max_pending         ? oldest
+                                                        : NULL;
+    if (evict) {
+        rx->st.pending_evicted++;
+        conn_fail(rx, evict, CS_ECONNRESET, "closed before its HELLO to make room", false);
+    }
+}
+
 static void do_accept(cs_kvx_rx *rx) {
     for (;;) {
         struct sockaddr_storage sa;
@@ -953,7 +1005,8 @@ static void do_accept(cs_kvx_rx *rx) {
         else if (sa.ss_family == AF_INET6)
             inet_ntop(AF_INET6, &((struct sockaddr_in6 *)&sa)->sin6_addr, host, sizeof host);
         snprintf(c->addr, sizeof c->addr, "%s", host);
-        c->last_rx = c->last_tx = cs__kvx_now_ms();
+        c->last_rx = c->last_tx = c->opened = cs__kvx_now_ms();
+        make_room(rx, c->addr);
         c->next = rx->conns;
         rx->conns = c;
         rx->n_conns++;
@@ -983,6 +1036,12 @@ static void *rx_thread(void *arg) {
         }
         for (rx_conn **pp = &rx->conns; *pp;) {
             rx_conn *c = *pp;
+            if (!c->closing && !c->hello && now - c->opened > rx->p.hello_timeout_ms) {
+                char m[160];
+                snprintf(m, sizeof m, "no HELLO from %s within %d ms", c->addr,
+                         rx->p.hello_timeout_ms);
+                conn_fail(rx, c, CS_ETIMEDOUT, m, true);
+            }
             if (!c->closing && now - c->last_rx > rx->p.dead_ms) {
                 char m[160];
                 snprintf(m, sizeof m, "sender %s silent for %d ms", c->name[0] ? c->name : c->addr,
@@ -1013,6 +1072,9 @@ static void *rx_thread(void *arg) {
             continue;
         }
         int n = 2;
+        for (rx_conn *c = rx->conns; c; c = c->next)
+            if (!c->hello && !c->closing && c->opened + rx->p.hello_timeout_ms - now < wait)
+                wait = c->opened + rx->p.hello_timeout_ms - now;
         if (rx->n_conns + 2 > cap) {
             cap = 2 * (rx->n_conns + 2);
             pfds = realloc(pfds, (size_t)cap * sizeof *pfds);
@@ -1060,7 +1122,8 @@ int cs__kvx_rx_init_payload(const cs_kvx_rx_params *p, const cs__kvx_payload *pl
         (p->max_frame_bytes && p->max_frame_bytes < p->layout.page_bytes) || p->max_conns < 1 ||
         p->port < 0 || p->port > 65535 || !p->pool.base || p->pool.n_pages < 1 ||
         p->pool.kind != pl->pool_kind || p->n_slots < 1 || p->n_slots > 64 ||
-        p->init_timeout_ms <= 0 || p->op_timeout_ms <= 0)
+        p->init_timeout_ms <= 0 || p->op_timeout_ms <= 0 || p->hello_timeout_ms <= 0 ||
+        p->max_pending < 1 || p->max_pending_per_addr < 1)
         return cs_fail(
             CS_EINVAL,
             "kvx rx: bad parameters (page_bytes (a multiple of 8 for NCCL), keepalive_ms < "

@@ -22,6 +22,8 @@ struct cs_rpc_channel {
     cs_rpc_loop *loop;
     grpc_channel *ch;
     cs_rpc_client_call *calls; /* in flight, doubly linked */
+    char **md;                 /* sent with every call: key, value, key, value, ... */
+    size_t n_md;               /* pairs */
     bool freeing;
 };
 
@@ -42,9 +44,16 @@ struct cs_rpc_client_call {
     void *data;
 };
 
+static void md_free(cs_rpc_channel *ch) {
+    for (size_t i = 0; i < 2 * ch->n_md; i++)
+        free(ch->md[i]);
+    free(ch->md);
+}
+
 static void channel_destroy(cs_rpc_channel *ch) {
     cs_rpc_loop *l = ch->loop;
     grpc_channel_destroy(ch->ch);
+    md_free(ch);
     free(ch);
     cs__rpc_loop_unref(l);
 }
@@ -163,6 +172,8 @@ static int call_start(cs_rpc_channel *ch, const char *method, grpc_byte_buffer *
     c->data = data;
     grpc_metadata_array_init(&c->hdrs_in);
     grpc_metadata_array_init(&c->trailers_in);
+    for (size_t i = 0; i < ch->n_md; i++)
+        if ((rc = cs__rpc_md_add(&c->md_out, ch->md[2 * i], ch->md[2 * i + 1])) != 0) goto fail;
     for (size_t i = 0; o && i < o->n_metadata; i++)
         if ((rc = cs__rpc_md_add(&c->md_out, o->metadata[i].key, o->metadata[i].value)) != 0)
             goto fail;
@@ -260,6 +271,18 @@ int cs_rpc_channel_init(cs_rpc_loop *l, const char *target, const cs_rpc_channel
     cs_rpc_channel *ch = calloc(1, sizeof *ch);
     if (!ch) return cs_fail(CS_ENOMEM, "rpc: out of memory");
     ch->loop = l;
+    if (o && o->n_metadata && !(ch->md = calloc(2 * o->n_metadata, sizeof *ch->md))) {
+        free(ch);
+        return cs_fail(CS_ENOMEM, "rpc: out of memory");
+    }
+    for (size_t i = 0; o && i < o->n_metadata; i++, ch->n_md++)
+        if (!(ch->md[2 * i] = strdup(o->metadata[i].key)) ||
+            !(ch->md[2 * i + 1] = strdup(o->metadata[i].value))) {
+            ch->n_md++;
+            md_free(ch);
+            free(ch);
+            return cs_fail(CS_ENOMEM, "rpc: out of memory");
+        }
     grpc_arg args[2];
     memset(args, 0, sizeof args);
     args[0].type = GRPC_ARG_INTEGER;
@@ -273,6 +296,7 @@ int cs_rpc_channel_init(cs_rpc_loop *l, const char *target, const cs_rpc_channel
     ch->ch = grpc_channel_create(target, creds, &ca);
     grpc_channel_credentials_release(creds);
     if (!ch->ch) {
+        md_free(ch);
         free(ch);
         return cs_fail(CS_EINVAL, "rpc: cannot create a channel to '%s'", target);
     }

@@ -10,8 +10,8 @@
  * model/layout fingerprint and its payload; the receiver refuses a layout
  * that is not its own and a payload it does not speak (the message names
  * both), and a new incarnation of a known sender closes (fences) the old
- * one's connection. Every frame carries the incarnation of its writer:
- * frames of another incarnation are refused.
+ * one's connection; an incarnation once replaced is refused from then on. Every frame carries the
+ * incarnation of its writer: frames of another incarnation are refused.
  *
  * Payload: how page bytes move, chosen by the pool's kind. A host pool sends
  * them inline on the channel's TCP connection (gathered from the pool with
@@ -105,6 +105,7 @@ typedef struct {
     uint64_t conns_opened, conns_closed;
     uint64_t protocol_errors; /* connections closed for bad input */
     uint64_t room_waits;      /* tx: sends refused with CS_EAGAIN (channel full) */
+    uint64_t pending_evicted; /* rx: connections closed before HELLO to make room */
     int64_t transfers_active; /* gauge */
 } cs_kvx_stats;
 
@@ -134,7 +135,7 @@ typedef struct {
     cs_kvx_layout layout;
     cs_kvx_pool pool;        /* pages are read from here; must outlive the sender */
     const char *name;        /* this sender's name, e.g. "prefill-0" (<= 63 bytes) */
-    uint64_t incarnation;    /* 0 = derived from the clock and pid at init */
+    uint64_t incarnation;    /* 0 = 64 random bits drawn at init */
     bool checksum;           /* a checksum per chunk and in the trailer; default true */
     size_t max_frame_bytes;  /* one chunk (TCP frame / NCCL staging slot); default 4 MiB
                                 (TCP), 32 MiB (NCCL); at least one page */
@@ -210,6 +211,13 @@ typedef struct {
     int32_t keepalive_ms;   /* default 1000 */
     int32_t dead_ms;        /* default 5000 */
     int32_t max_conns;      /* default 256 */
+    /* Before HELLO a connection may send only a HELLO header (checked before
+     * its payload is read) and must finish it within hello_timeout_ms; such
+     * connections are capped in all and per peer address, the oldest closed
+     * first when a newcomer needs room. */
+    int32_t hello_timeout_ms;     /* default 3000 */
+    int32_t max_pending;          /* default 64 */
+    int32_t max_pending_per_addr; /* default 16 */
     /* NCCL payload only */
     int32_t n_slots;         /* staging slots per channel; default 2 */
     int32_t init_timeout_ms; /* default 30000 */

@@ -215,6 +215,9 @@ typedef struct cs_rpc_client_call cs_rpc_client_call;
 typedef struct {
     int32_t max_recv_bytes; /* largest response accepted; 0 = 4 MiB */
     int32_t max_send_bytes; /* largest request sent; 0 = no limit */
+    const cs_rpc_metadata *metadata; /* sent with every call on the channel (before
+                                        the call's own), copied; e.g. the cluster token */
+    size_t n_metadata;
 } cs_rpc_channel_opts;
 
 /* A channel to target ("host:port", "dns:///name:port", ...); connects
