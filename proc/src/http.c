@@ -55,11 +55,12 @@
 #include "chunkserve/log.h"
 #include "http-impl.h"
 
-#define MAX_CONNS 1024  /* more are accepted and closed at once */
-#define MAX_INFLIGHT 16 /* writes queued per connection before parsing pauses */
-#define LINGER_MS 5000  /* after our last response, how long we wait for the peer's close */
-#define READ_BUF 16384  /* unparsed input buffered per connection */
-#define PEER_MAX 64     /* "[ipv6]:port" */
+#define MAX_CONNS 1024   /* beyond: the oldest connection not being answered is closed */
+#define MAX_PER_ADDR 256 /* from one peer address, the same */
+#define MAX_INFLIGHT 16  /* writes queued per connection before parsing pauses */
+#define LINGER_MS 5000   /* after our last response, how long we wait for the peer's close */
+#define READ_BUF 16384   /* unparsed input buffered per connection */
+#define PEER_MAX 64      /* "[ipv6]:port" */
 
 enum conn_state { CONN_OPEN, CONN_DRAINING, CONN_CLOSING };
 /* What the connection's one timer is doing (the phases are exclusive). */
@@ -133,6 +134,7 @@ struct conn {
     hdr *hdrs;
     size_t n_hdrs, cap_hdrs;
     char peer[PEER_MAX];
+    char ip[PEER_MAX]; /* the peer's address without its port (the per-address cap) */
     /* Input not parsed yet, rbuf[roff..rlen). */
     size_t roff, rlen;
     char rbuf[READ_BUF];
@@ -146,6 +148,7 @@ struct cs_http_server {
     bool closing, listener_closed;
     conn *conns;
     size_t n_conns;
+    uint64_t n_evicted; /* connections closed to make room (make_room) */
     void (*on_free)(void *);
     void *on_free_arg;
 };
@@ -864,12 +867,36 @@ static void conn_peer_name(conn *c) {
             uv_ip6_name((struct sockaddr_in6 *)&ss, ip, sizeof ip);
             port = ntohs(((struct sockaddr_in6 *)&ss)->sin6_port);
             snprintf(c->peer, sizeof c->peer, "[%s]:%d", ip, port);
+            snprintf(c->ip, sizeof c->ip, "%s", ip);
             return;
         }
         uv_ip4_name((struct sockaddr_in *)&ss, ip, sizeof ip);
         port = ntohs(((struct sockaddr_in *)&ss)->sin_port);
     }
     snprintf(c->peer, sizeof c->peer, "%s:%d", ip, port);
+    snprintf(c->ip, sizeof c->ip, "%s", ip);
+}
+
+/* A newcomer c is in: when its address holds MAX_PER_ADDR connections or
+ * the server MAX_CONNS, the oldest one with no response in flight (idle,
+ * or a request still arriving: slowloris) goes, so a flood of slow sockets
+ * delays a probe by nothing and never locks /healthz out. */
+static void make_room(cs_http_server *s, conn *c) {
+    size_t mine = 0;
+    conn *old_mine = NULL, *old_any = NULL; /* the list is newest first */
+    for (conn *o = s->conns; o; o = o->next) {
+        if (o == c || o->state == CONN_CLOSING) continue;
+        bool same = !strcmp(o->ip, c->ip);
+        mine += same;
+        if (o->res) continue;
+        old_any = o;
+        if (same) old_mine = o;
+    }
+    conn *evict = mine >= MAX_PER_ADDR ? old_mine : s->n_conns > MAX_CONNS ? old_any : NULL;
+    if (evict) {
+        s->n_evicted++;
+        conn_close(evict);
+    }
 }
 
 static void on_connection(uv_stream_t *listener, int status) {
@@ -896,8 +923,12 @@ static void on_connection(uv_stream_t *listener, int status) {
     http_parser_init(&c->parser, HTTP_REQUEST);
     c->parser.data = c;
     int r = uv_accept(listener, (uv_stream_t *)&c->tcp);
-    if (r == 0 && s->n_conns > MAX_CONNS) {
-        CS_LOGW("http: %d connections open; refusing another", MAX_CONNS);
+    if (r == 0) {
+        conn_peer_name(c);
+        make_room(s, c);
+    }
+    if (r == 0 && s->n_conns > MAX_CONNS + MAX_CONNS / 4) { /* every one is answering */
+        CS_LOGW("http: %zu connections open; refusing another", s->n_conns);
         r = UV_EMFILE;
     }
     if (r == 0) r = uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read);
@@ -907,7 +938,6 @@ static void on_connection(uv_stream_t *listener, int status) {
     }
     c->reading = true;
     uv_tcp_nodelay(&c->tcp, 1);
-    conn_peer_name(c);
     conn_timer(c, T_IDLE);
 }
 

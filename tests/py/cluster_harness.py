@@ -5,6 +5,8 @@ Each process's stderr goes to a temporary file (a pipe nobody reads would
 block it); its first stdout lines give its gRPC and HTTP ports."""
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 import re
 import signal
@@ -112,12 +114,22 @@ def make_tiny(bin_dir: Path, out: Path, *flags) -> Path:
     return out / "tiny.gguf"
 
 
-def worker_status(pb, p: Proc, timeout=10):
+def rpc_token(secret: str | None) -> list:
+    """The metadata worker RPCs carry under a cluster secret (base/src/secret.c): the hex
+    HMAC-SHA256 of a fixed label keyed by the secret; [] without one."""
+    if not secret:
+        return []
+    tok = hmac.new(secret.encode(), b"chunkserve worker rpc v1", hashlib.sha256).hexdigest()
+    return [("x-chunkserve-token", tok)]
+
+
+def worker_status(pb, p: Proc, timeout=10, secret: str | None = None):
     """Worker/GetStatus of one worker process."""
     ch = grpc.insecure_channel(p.addr)
     try:
         return pb.cluster_pb2_grpc.WorkerStub(ch).GetStatus(pb.cluster_pb2.WorkerStatusRequest(),
-                                                            timeout=timeout)
+                                                            timeout=timeout,
+                                                            metadata=rpc_token(secret))
     finally:
         ch.close()
 
@@ -158,16 +170,19 @@ class Cluster:
     """n_prefill + n_decode workers behind a router, on loopback."""
 
     def __init__(self, bin_dir: Path, model: Path, pb, n_prefill=2, n_decode=2, threads=1,
-                 router_args=(), worker_args=(), decode_args=(), prefill_args=(), kv_cache_mib=512):
+                 router_args=(), worker_args=(), decode_args=(), prefill_args=(), kv_cache_mib=512,
+                 secret: str | None = None):
         self.pb = pb
+        self.secret = secret
+        sec = [f"--cluster-secret={secret}"] if secret else []
         common = [f"--model={model}", "--port=0", f"--threads={threads}", f"--kv-cache-mib={kv_cache_mib}",
-                  "--grace-ms=3000", *worker_args]
+                  "--grace-ms=3000", *sec, *worker_args]
         self.prefill = [Proc(bin_dir / "chunkserve-prefill", [*common, *prefill_args], f"prefill-{i}")
                         for i in range(n_prefill)]
         self.decode = [Proc(bin_dir / "chunkserve-decode", [*common, *decode_args], f"decode-{i}")
                        for i in range(n_decode)]
         rargs = [f"--model={model}", "--port=0", "--status-interval-ms=100", "--grace-ms=3000",
-                 "--decode-workers=" + ",".join(p.addr for p in self.decode), *router_args]
+                 "--decode-workers=" + ",".join(p.addr for p in self.decode), *sec, *router_args]
         if self.prefill:
             rargs.append("--prefill-workers=" + ",".join(p.addr for p in self.prefill))
         self.router = Proc(bin_dir / "chunkserve-router", rargs, "router")
@@ -182,7 +197,8 @@ class Cluster:
         ch = grpc.insecure_channel(p.addr)
         try:
             return self.pb.cluster_pb2_grpc.WorkerStub(ch).GetStatus(
-                self.pb.cluster_pb2.WorkerStatusRequest(), timeout=10)
+                self.pb.cluster_pb2.WorkerStatusRequest(), timeout=10,
+                metadata=rpc_token(self.secret))
         finally:
             ch.close()
 

@@ -1,0 +1,265 @@
+"""Scripted attackers against every port of a cluster that has a cluster secret
+(issue 17; docs/security.md): each test says what must not happen, checks it, and then
+that a canary request still succeeds and that every worker's KV pages are free again.
+
+The cluster: one prefill and one decode worker behind the router on the tiny model, all
+with --cluster-secret; the router prefills remotely from the first token
+(--local-prefill-threshold=1), so every canary crosses the KV link.  Timing bounds catch
+hangs only.
+"""
+from __future__ import annotations
+
+import os
+import resource
+import socket
+import threading
+import time
+import urllib.request
+
+import pytest
+
+grpc = pytest.importorskip("grpc")
+pytest.importorskip("grpc_tools.protoc")
+
+from cluster_harness import Cluster, generate, make_tiny, metric, rpc_token  # noqa: E402
+
+pytestmark = pytest.mark.cluster
+
+SECRET = "hostile-test-secret-0123456789"
+LEASE_MS = 3000  # the decode worker's --lease-ms: the most any caller's lease gets
+
+
+@pytest.fixture(scope="module")
+def pb(proto_modules):
+    return type("PB", (), proto_modules)
+
+
+@pytest.fixture(scope="module")
+def cl(bin_dir, pb, tmp_path_factory):
+    if not (bin_dir / "chunkserve-mktiny").is_file():
+        pytest.skip("chunkserve-mktiny not built")
+    model = make_tiny(bin_dir, tmp_path_factory.mktemp("tiny"))
+    c = Cluster(bin_dir, model, pb, n_prefill=1, n_decode=1, secret=SECRET, kv_cache_mib=64,
+                router_args=["--local-prefill-threshold=1"], decode_args=[f"--lease-ms={LEASE_MS}"])
+    yield c
+    c.stop()
+
+
+def canary(cl, pb, n=3):
+    """n requests through the router, each over the KV link: all finish with 8 tokens."""
+    g = pb.generation_pb2
+    for i in range(n):
+        ids, _, finish, _ = generate(cl.stub, g, ids=[(7 * i + j) % 300 + 1 for j in range(40)],
+                                     max_tokens=8, ignore_eos=True, timeout=60)
+        assert len(ids) == 8 and finish == g.FINISH_REASON_LENGTH
+
+
+def pages_free(cl):
+    cl.wait_idle(timeout=30)
+
+
+def rss_kib(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+def worker_calls(pb):
+    c, g = pb.cluster_pb2, pb.generation_pb2
+    return {
+        "GetStatus": lambda st, md: st.GetStatus(c.WorkerStatusRequest(), timeout=10, metadata=md),
+        "Cancel": lambda st, md: st.Cancel(c.CancelRequest(transfer_id=1), timeout=10, metadata=md),
+        "Decode": lambda st, md: list(st.Decode(c.DecodeRequest(
+            request_id="x", transfer_id=99, token_ids=[5] * 40, num_prompt_tokens=40,
+            sampling=g.SamplingParams(max_tokens=1), lease_ms=2**31 - 1), timeout=10,
+            metadata=md)),
+        "Prefill": lambda st, md: st.Prefill(c.PrefillRequest(
+            request_id="x", transfer_id=99, token_ids=[5] * 40, num_prompt_tokens=40,
+            kv_endpoint="127.0.0.1:9", decode_worker_id="d"), timeout=10, metadata=md),
+    }
+
+
+def test_worker_calls_without_the_secret_are_refused(cl, pb):
+    """Every Worker method of both workers answers UNAUTHENTICATED to a caller without the
+    cluster's token or with a wrong one (a token of another secret), before looking at the
+    request: no page is reserved, no connection is made to the kv_endpoint it names."""
+    wrong = rpc_token("another-secret-of-16+bytes")
+    for p in cl.prefill + cl.decode:
+        before = p.metric("chunkserve:rpc_unauthenticated_total")
+        stub = cl.worker_stub(p)
+        own = "Prefill" if p in cl.prefill else "Decode"
+        for name, call in worker_calls(pb).items():
+            if name in ("Prefill", "Decode") and name != own:
+                continue  # the other role's method: UNIMPLEMENTED
+            for md in ([], wrong, [("x-chunkserve-token", "0" * 64)]):
+                with pytest.raises(grpc.RpcError) as e:
+                    call(stub, md)
+                assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED, (p.name, name)
+                assert "cluster" in e.value.details()
+        assert p.metric("chunkserve:rpc_unauthenticated_total") - before == 9
+        # the token opens the door
+        s = stub.GetStatus(pb.cluster_pb2.WorkerStatusRequest(), timeout=10,
+                           metadata=rpc_token(SECRET))
+        assert s.ready
+    pages_free(cl)
+    canary(cl, pb)
+    pages_free(cl)
+
+
+def test_a_huge_lease_is_clamped_to_the_workers_maximum(cl, pb):
+    """A caller with the token asks the decode worker to hold pages for 2^31-1 ms and never
+    sends the KV: the reservation ends at the worker's --lease-ms, its pages free."""
+    c, g = pb.cluster_pb2, pb.generation_pb2
+    stub = cl.worker_stub(cl.decode[0])
+    t0 = time.monotonic()
+    call = stub.Decode(c.DecodeRequest(
+        request_id="hold", transfer_id=4242, token_ids=[9] * 64, num_prompt_tokens=64,
+        sampling=g.SamplingParams(max_tokens=1), local_prefill=False, lease_ms=2**31 - 1),
+        timeout=120, metadata=rpc_token(SECRET))
+    first = next(call)
+    assert first.WhichOneof("event") == "admitted"
+    assert cl.status(cl.decode[0]).kv_pages_free < cl.status(cl.decode[0]).kv_pages_total
+    with pytest.raises(grpc.RpcError) as e:
+        for _ in call:
+            pass
+    took = time.monotonic() - t0
+    assert "lease" in e.value.details(), e.value.details()
+    assert took < LEASE_MS / 1000 + 30, took  # not 2^31 ms
+    pages_free(cl)
+    canary(cl, pb)
+
+
+def test_request_id_is_bounded_and_printable(cl, pb):
+    """request_id longer than 128 bytes, with a newline (log injection) or of 4 MiB is
+    refused (INVALID_ARGUMENT; 4 MiB may already exceed the message limit: RESOURCE_EXHAUSTED);
+    128 printable bytes are fine; the log never shows the injected line."""
+    g = pb.generation_pb2
+
+    def gen(rid):
+        return list(cl.stub.Generate(g.GenerateRequest(
+            request_id=rid, token_ids=g.TokenIds(ids=[1, 2, 3]),
+            sampling=g.SamplingParams(max_tokens=2)), timeout=60))
+
+    for rid, codes in (("a" * 129, {grpc.StatusCode.INVALID_ARGUMENT}),
+                       ("ok\nINJECTED-LOG-LINE", {grpc.StatusCode.INVALID_ARGUMENT}),
+                       ("sp ace", {grpc.StatusCode.INVALID_ARGUMENT}),
+                       ("z" * (4 << 20), {grpc.StatusCode.INVALID_ARGUMENT,
+                                          grpc.StatusCode.RESOURCE_EXHAUSTED})):
+        with pytest.raises(grpc.RpcError) as e:
+            gen(rid)
+        assert e.value.code() in codes, (len(rid), e.value.code())
+        if e.value.code() == grpc.StatusCode.INVALID_ARGUMENT:
+            assert "request_id" in e.value.details()
+    assert gen("r" * 128)[-1].finish_reason
+    assert "INJECTED-LOG-LINE" not in cl.router.stderr()
+    pages_free(cl)
+    canary(cl, pb)
+
+
+def test_detokenize_of_a_million_ids_is_refused_with_bounded_memory(cl, pb):
+    """Detokenize takes at most the context's worth of ids: 1M ids are refused and the
+    router's memory stays bounded."""
+    g = pb.generation_pb2
+    rss0 = rss_kib(cl.router.proc.pid)
+    for _ in range(3):
+        with pytest.raises(grpc.RpcError) as e:
+            cl.stub.Detokenize(g.DetokenizeRequest(ids=[5] * 1_000_000), timeout=60)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "context" in e.value.details()
+    assert rss_kib(cl.router.proc.pid) - rss0 < 200 * 1024
+    assert cl.stub.Detokenize(g.DetokenizeRequest(ids=[5] * 10), timeout=10).text is not None
+    canary(cl, pb, n=1)
+
+
+def test_pre_hello_connections_cannot_block_the_kv_port(cl, pb):
+    """300 raw connections to the decode worker's KV port (idle, garbage instead of a HELLO
+    header, a byte every half second) while real transfers complete: pre-HELLO connections
+    are capped (the oldest closed first) and must send HELLO within a deadline; a garbage
+    header closes its connection before any payload is read.  The prefill worker restarts
+    in the middle of the flood, so its new channel has to get through."""
+    host, port = cl.status(cl.decode[0]).kv_endpoint.rsplit(":", 1)
+    socks, stop = [], threading.Event()
+    for i in range(300):
+        s = socket.create_connection((host, int(port)), timeout=5)
+        if i % 3 == 1:
+            s.sendall(os.urandom(64))  # not a HELLO header
+        socks.append(s)
+
+    def drip():
+        while not stop.is_set():
+            for s in socks[2::3]:
+                try:
+                    s.send(b"C")
+                except OSError:
+                    pass
+            time.sleep(0.5)
+
+    t = threading.Thread(target=drip, daemon=True)
+    t.start()
+    try:
+        # a restarted prefill worker opens its KV channel in the middle of the flood
+        p = cl.prefill[0]
+        assert p.stop() == 0
+        p.start(port=p.port)
+        cl.wait_usable(1, 1)
+        canary(cl, pb, n=4)
+    finally:
+        stop.set()
+        t.join()
+    # the receiver closed them all: evicted, refused, or past the HELLO deadline
+    deadline = time.monotonic() + 20
+    open_left = socks
+    while open_left and time.monotonic() < deadline:
+        still = []
+        for s in open_left:
+            s.settimeout(0.01)
+            try:
+                if s.recv(1 << 16) == b"":
+                    continue
+            except (ConnectionResetError, BrokenPipeError):
+                continue
+            except (socket.timeout, BlockingIOError):
+                pass
+            still.append(s)
+        open_left = still
+        time.sleep(0.2)
+    assert not open_left, f"{len(open_left)} pre-HELLO connections still open"
+    for s in socks:
+        s.close()
+    pages_free(cl)
+    canary(cl, pb, n=1)
+
+
+def test_slowloris_on_an_ops_port_leaves_healthz_answering(cl, pb):
+    """1,100 sockets on the decode worker's ops port, each sending a request head one byte
+    at a time: the oldest unanswered connections make room, so /healthz keeps answering
+    (each probe within a second)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard != resource.RLIM_INFINITY and hard < 1400:
+        pytest.skip(f"the file limit ({hard}) is below 1,400")
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4096)), hard))
+    http = cl.decode[0].http
+    host, port = http.split("//")[1].rsplit(":", 1)
+    socks = []
+    try:
+        for _ in range(1100):
+            s = socket.create_connection((host, int(port)), timeout=5)
+            s.sendall(b"GET /healthz HTTP/1.1\r\nX-Slow: ")
+            socks.append(s)
+        for _ in range(5):
+            for s in socks[::50]:
+                try:
+                    s.send(b"a")
+                except OSError:
+                    pass
+            t0 = time.monotonic()
+            with urllib.request.urlopen(http + "/healthz", timeout=5) as r:
+                assert r.status == 200
+            assert time.monotonic() - t0 < 1.0
+    finally:
+        for s in socks:
+            s.close()
+    canary(cl, pb, n=1)
+    pages_free(cl)
