@@ -372,6 +372,8 @@ static int decode_start(cs_worker *w) {
     p.port = (int)w->o.kv_port;
     p.require_checksum = w->o.kv_checksum;
     p.dead_ms = (int32_t)w->o.kv_dead_ms;
+    p.secret = w->secret.key; /* senders must prove the cluster secret */
+    p.secret_len = w->secret.len;
     int r = cs_kvx_rx_init(&p, &d->rx);
     if (r) return r;
     snprintf(d->kv_endpoint, sizeof d->kv_endpoint, "%s:%d",

@@ -399,6 +399,8 @@ static int prefill_start(cs_worker *w) {
     tp.name = name;
     tp.checksum = w->o.kv_checksum;
     tp.dead_ms = (int32_t)w->o.kv_dead_ms;
+    tp.secret = w->secret.key; /* the KV link proves the cluster secret too */
+    tp.secret_len = w->secret.len;
     int r = cs_kvx_tx_init(&tp, &p->tx);
     if (r) return r;
     return cs_worker_add_method(w, "/chunkserve.v1.Worker/Prefill", CS_RPC_UNARY,

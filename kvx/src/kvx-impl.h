@@ -64,6 +64,34 @@ int cs__kvx_out_write(int fd, kvx_out *o);
 void cs__kvx_out_ctl(kvx_out *o, int type, uint64_t epoch, uint64_t xfer_id, uint64_t fingerprint,
                      const void *payload, size_t len);
 
+/* ---------------------------------------------------------- handshake */
+
+/* The cluster secret as the transport holds it (len 0: none configured;
+ * the handshake then runs with an empty key and proves nothing). */
+typedef struct {
+    uint8_t key[512];
+    size_t len;
+} kvx_key;
+/* Copies a params secret; CS_EINVAL when longer than kvx_key holds. */
+int cs__kvx_key_set(kvx_key *k, const void *secret, size_t len);
+
+/* What both ends of a channel's handshake hash (kvx_wire.h version 4). */
+typedef struct {
+    uint8_t tx_nonce[CS_KVX_NONCE_BYTES], rx_nonce[CS_KVX_NONCE_BYTES];
+    uint64_t tx_inc, rx_inc, fingerprint;
+    char name[CS_KVX_NAME_MAX];
+} kvx_transcript;
+enum kvx_derive { KVX_PROOF_RX, KVX_PROOF_TX, KVX_SESSION };
+/* HMAC-SHA256(secret, label of what || transcript): the receiver's proof
+ * (CHALLENGE), the sender's proof (AUTH) or the channel's session key. */
+void cs__kvx_derive(const kvx_key *k, enum kvx_derive what, const kvx_transcript *t,
+                    uint8_t out[32]);
+/* The TRAILER's MAC: HMAC-SHA256(session, xfer_id || trailer bytes before
+ * the MAC), truncated. */
+void cs__kvx_trailer_mac(const uint8_t session[32], uint64_t xfer_id,
+                         const uint8_t trailer[CS_KVX_TRAILER_BYTES],
+                         uint8_t mac[CS_KVX_MAC_BYTES]);
+
 /* Folds a chunk checksum into a transfer's running digest (the trailer's). */
 void cs__kvx_fold(uint64_t *digest, uint64_t chunk_sum);
 

@@ -44,6 +44,7 @@
 #include "chunkserve/assert.h"
 #include "chunkserve/error.h"
 #include "chunkserve/log.h"
+#include "chunkserve/secret.h"
 
 #define N_TOMB 4096 /* recently ended transfer ids: their late frames are dropped */
 #define N_PEERS 1024
@@ -73,7 +74,10 @@ typedef struct {
 typedef struct rx_conn {
     struct rx_conn *next;
     int fd;
-    bool hello;   /* HELLO accepted */
+    bool hello;        /* authenticated (AUTH checked): the channel is open */
+    bool challenged;   /* HELLO checked, CHALLENGE sent: only AUTH may follow */
+    kvx_transcript tr; /* the handshake's (set by HELLO) */
+    uint8_t session[32];
     bool closing; /* closed at the next safe point */
     char name[CS_KVX_NAME_MAX];
     char addr[64];
@@ -139,6 +143,7 @@ typedef struct rx_grave {
 
 struct cs_kvx_rx {
     cs_kvx_rx_params p;
+    kvx_key key; /* the cluster secret */
     const cs__kvx_payload *pl;
     char host[64];
     uint64_t fingerprint, inc;
@@ -419,32 +424,69 @@ static void on_hello(cs_kvx_rx *rx, rx_conn *c, const cs_kvx_hdr *h, const uint8
         refuse(rx, c, err);
         return;
     }
+    /* Challenge: the sender must prove the secret over both nonces before
+     * anything about the channel changes (fencing below comes after). */
+    memset(&c->tr, 0, sizeof c->tr);
+    memcpy(c->tr.tx_nonce, m.nonce, sizeof c->tr.tx_nonce);
+    CS_ASSERT(cs_random_bytes(c->tr.rx_nonce, sizeof c->tr.rx_nonce) == 0);
+    c->tr.tx_inc = h->epoch;
+    c->tr.rx_inc = rx->inc;
+    c->tr.fingerprint = rx->fingerprint;
+    snprintf(c->tr.name, sizeof c->tr.name, "%s", m.name);
+    cs_kvx_challenge ch;
+    memcpy(ch.nonce, c->tr.rx_nonce, sizeof ch.nonce);
+    cs__kvx_derive(&rx->key, KVX_PROOF_RX, &c->tr, ch.proof);
+    uint8_t pl2[CS_KVX_CHALLENGE_BYTES];
+    cs_kvx_challenge_encode(&ch, pl2);
+    c->challenged = true;
+    queue_ctl(rx, c, CS_KVX_CHALLENGE, 0, 0, pl2, sizeof pl2);
+}
+
+/* The sender's AUTH: its proof of the secret over the transcript. Only then
+ * does its HELLO count: fencing, the channel's name, the ACK. */
+static void on_auth(cs_kvx_rx *rx, rx_conn *c, const cs_kvx_hdr *h, const uint8_t *pl) {
+    char err[256];
+    uint8_t want[32];
+    cs__kvx_derive(&rx->key, KVX_PROOF_TX, &c->tr, want);
+    if (h->payload_len != CS_KVX_AUTH_BYTES || h->epoch != c->tr.tx_inc ||
+        !cs_ct_equal(want, pl, sizeof want)) {
+        snprintf(err, sizeof err,
+                 "authentication failed: the sender at %s (named %s) does not hold this "
+                 "cluster's secret",
+                 c->addr, c->tr.name);
+        CS_LOGW("kvx rx: %s", err);
+        send_now(rx, c, CS_KVX_HELLO_ACK, CS_ECONNREFUSED, "authentication failed");
+        conn_fail(rx, c, CS_ECONNREFUSED, err, true);
+        return;
+    }
+    cs__kvx_derive(&rx->key, KVX_SESSION, &c->tr, c->session);
+    const char *name = c->tr.name;
     /* Fencing: a new incarnation of a sender replaces its current channel
      * (its half-open connection may not have seen EOF yet); an incarnation
      * that was replaced is refused. Incarnations are random (no order):
      * "replaced" is what makes one stale. */
     int slot = -1;
     for (int i = 0; i < rx->n_peers; i++)
-        if (strcmp(rx->peers[i].name, m.name) == 0) slot = i;
+        if (strcmp(rx->peers[i].name, name) == 0) slot = i;
     for (int i = 0; slot >= 0 && i < rx->peers[slot].n_replaced; i++)
         if (rx->peers[slot].replaced[i] == h->epoch) {
             snprintf(err, sizeof err, "stale incarnation %llx of sender %s (replaced by %llx)",
-                     (unsigned long long)h->epoch, m.name, (unsigned long long)rx->peers[slot].inc);
+                     (unsigned long long)h->epoch, name, (unsigned long long)rx->peers[slot].inc);
             refuse(rx, c, err);
             return;
         }
     for (rx_conn *o = rx->conns; o; o = o->next)
-        if (o != c && o->hello && !o->closing && strcmp(o->name, m.name) == 0 &&
+        if (o != c && o->hello && !o->closing && strcmp(o->name, name) == 0 &&
             o->peer_inc != h->epoch) {
             snprintf(err, sizeof err, "sender %s reconnected (incarnation %llx replaces %llx)",
-                     m.name, (unsigned long long)h->epoch, (unsigned long long)o->peer_inc);
+                     name, (unsigned long long)h->epoch, (unsigned long long)o->peer_inc);
             conn_fail(rx, o, CS_ECONNRESET, err, false);
         }
     if (slot < 0 && rx->n_peers < N_PEERS) slot = rx->n_peers++;
     if (slot < 0) slot = (int)(h->epoch % N_PEERS);
-    if (strcmp(rx->peers[slot].name, m.name)) { /* a new name (or a reused slot) */
+    if (strcmp(rx->peers[slot].name, name)) { /* a new name (or a reused slot) */
         memset(&rx->peers[slot], 0, sizeof rx->peers[slot]);
-        snprintf(rx->peers[slot].name, sizeof rx->peers[slot].name, "%s", m.name);
+        snprintf(rx->peers[slot].name, sizeof rx->peers[slot].name, "%s", name);
     } else if (rx->peers[slot].inc != h->epoch) {
         int k = rx->peers[slot].n_replaced;
         if (k == N_OLD) {
@@ -456,7 +498,7 @@ static void on_hello(cs_kvx_rx *rx, rx_conn *c, const cs_kvx_hdr *h, const uint8
         rx->peers[slot].n_replaced = k + 1;
     }
     rx->peers[slot].inc = h->epoch;
-    snprintf(c->name, sizeof c->name, "%s", m.name);
+    snprintf(c->name, sizeof c->name, "%s", name);
     c->peer_inc = h->epoch;
     c->hello = true;
     CS_LOGI("kvx rx: channel from %s (%s) open, %s payload", c->name, c->addr, rx->pl->name);
@@ -470,8 +512,9 @@ static void on_hello(cs_kvx_rx *rx, rx_conn *c, const cs_kvx_hdr *h, const uint8
 static bool frame_admissible(cs_kvx_rx *rx, rx_conn *c, const cs_kvx_hdr *h) {
     char err[256];
     if (!c->hello) {
-        if (h->type == CS_KVX_HELLO) return true;
-        snprintf(err, sizeof err, "%s frame before HELLO", cs_kvx_frame_type_name(h->type));
+        if (h->type == (c->challenged ? CS_KVX_AUTH : CS_KVX_HELLO)) return true;
+        snprintf(err, sizeof err, "%s frame before %s", cs_kvx_frame_type_name(h->type),
+                 c->challenged ? "AUTH" : "HELLO");
         conn_fail(rx, c, CS_EPROTO, err, true);
         return false;
     }
@@ -816,8 +859,11 @@ static void on_frame(cs_kvx_rx *rx, rx_conn *c) {
     }
     rx->st.frames++;
     if (!frame_admissible(rx, c, h)) return;
-    if (h->type == CS_KVX_HELLO && !c->hello) {
-        on_hello(rx, c, h, c->buf);
+    if (!c->hello) {
+        if (h->type == CS_KVX_HELLO)
+            on_hello(rx, c, h, c->buf);
+        else
+            on_auth(rx, c, h, c->buf);
         return;
     }
     switch (h->type) {
@@ -864,6 +910,14 @@ static void on_frame(cs_kvx_rx *rx, rx_conn *c) {
         conn_fail(rx, c, CS_EPROTO, err, true);
         return;
     }
+    uint8_t mac[CS_KVX_MAC_BYTES];
+    cs__kvx_trailer_mac(c->session, x->id, c->buf, mac);
+    if (!cs_ct_equal(mac, tw.mac, sizeof mac)) {
+        snprintf(err, sizeof err, "transfer %llu: the trailer's MAC does not match the session's",
+                 (unsigned long long)x->id);
+        conn_fail(rx, c, CS_EBADMSG, err, true);
+        return;
+    }
     x->trailer_seen = true;
     x->tw = tw;
     try_complete(rx, x);
@@ -908,10 +962,11 @@ static void conn_read(cs_kvx_rx *rx, rx_conn *c) {
             if (c->hdr_len < CS_KVX_HDR_BYTES) continue;
             char err[256];
             int r = cs_kvx_hdr_decode(c->hdr, &lim, &c->h, err, sizeof err);
-            if (!r && !c->hello && c->h.type != CS_KVX_HELLO) { /* before any payload byte */
+            int first = c->challenged ? CS_KVX_AUTH : CS_KVX_HELLO;
+            if (!r && !c->hello && c->h.type != first) { /* before any payload byte */
                 r = CS_EPROTO;
-                snprintf(err, sizeof err, "%s frame before HELLO",
-                         cs_kvx_frame_type_name(c->h.type));
+                snprintf(err, sizeof err, "%s frame before %s", cs_kvx_frame_type_name(c->h.type),
+                         cs_kvx_frame_type_name(first));
             }
             if (!r && c->h.type != CS_KVX_PAGES && c->h.payload_len > sizeof c->buf) {
                 r = CS_EPROTO;
@@ -1142,8 +1197,10 @@ int cs__kvx_rx_init_payload(const cs_kvx_rx_params *p, const cs__kvx_payload *pl
     rx->p.max_frame_bytes = (size_t)rx->slot_pages * p->layout.page_bytes;
     rx->fingerprint = cs_kvx_layout_fingerprint(&p->layout);
     rx->inc = cs__kvx_incarnation();
-    int r;
-    rx->scratch = malloc(SCRATCH);
+    int r = cs__kvx_key_set(&rx->key, p->secret, p->secret ? p->secret_len : 0);
+    rx->p.secret = NULL;
+    rx->scratch = r ? NULL : malloc(SCRATCH);
+    if (r) goto fail_addr;
     if (!rx->scratch) {
         r = cs_fail(CS_ENOMEM, "kvx rx: out of memory");
         goto fail_addr;
@@ -1193,6 +1250,7 @@ fail_listen:
     if (rx->lfd >= 0) close(rx->lfd);
 fail_addr:
     free(rx->scratch);
+    memset(&rx->key, 0, sizeof rx->key);
     free(rx);
     return r;
 }

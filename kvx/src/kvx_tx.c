@@ -30,6 +30,7 @@
 #include "kvx-impl.h"
 #include "chunkserve/assert.h"
 #include "chunkserve/error.h"
+#include "chunkserve/secret.h"
 #include "chunkserve/log.h"
 
 enum chan_state { CH_IDLE, CH_CONNECTING, CH_OPEN };
@@ -76,8 +77,11 @@ typedef struct tx_chan {
     int port;
     int fd;
     enum chan_state state;
-    bool acked;        /* HELLO_ACK received */
-    uint64_t peer_inc; /* receiver incarnation from the ACK */
+    bool acked;                        /* HELLO_ACK received */
+    bool authed;                       /* CHALLENGE checked, AUTH queued: the session key is set */
+    uint64_t peer_inc;                 /* receiver incarnation from the CHALLENGE */
+    uint8_t nonce[CS_KVX_NONCE_BYTES]; /* this channel's HELLO nonce */
+    uint8_t session[32];
     kvx_out *qhead, *qtail;
     int64_t last_rx, last_tx;
     uint8_t in[CS_KVX_HDR_BYTES + CS_KVX_ACK_BYTES]; /* incoming control frame */
@@ -128,6 +132,7 @@ typedef struct tx_grave {
 
 struct cs_kvx_tx {
     cs_kvx_tx_params p;
+    kvx_key key; /* the cluster secret */
     const cs__kvx_payload *pl;
     char name[CS_KVX_NAME_MAX];
     uint64_t fingerprint;
@@ -271,7 +276,8 @@ static void chan_close(cs_kvx_tx *tx, tx_chan *ch, int status, const char *msg) 
     }
     ch->fd = -1;
     ch->state = CH_IDLE;
-    ch->acked = false;
+    ch->acked = ch->authed = false;
+    memset(ch->session, 0, sizeof ch->session);
     ch->in_len = 0;
     for (tx_xfer *x = tx->xfers, *nx; x; x = nx) {
         nx = x->next;
@@ -409,6 +415,8 @@ static int chan_connect(cs_kvx_tx *tx, tx_chan *ch) {
     memset(&hello, 0, sizeof hello);
     hello.layout = tx->p.layout;
     snprintf(hello.name, sizeof hello.name, "%s", tx->name);
+    CS_ASSERT(cs_random_bytes(ch->nonce, sizeof ch->nonce) == 0);
+    memcpy(hello.nonce, ch->nonce, sizeof hello.nonce);
     uint8_t pl[CS_KVX_HELLO_BYTES];
     cs_kvx_hello_encode(&hello, pl);
     kvx_out *o = calloc(1, sizeof *o);
@@ -424,7 +432,14 @@ static int chan_connect(cs_kvx_tx *tx, tx_chan *ch) {
 }
 
 static bool link_ready(const tx_chan *ch) {
-    return ch->link && ch->local_ready && ch->peer_ready;
+    return ch->link && ch->local_ready && ch->peer_ready && ch->authed;
+}
+
+/* Whether the head frame may go out: before the CHALLENGE is checked only
+ * HELLO (and the AUTH that answers it) leave this side. */
+static bool head_writable(const tx_chan *ch) {
+    const kvx_out *o = ch->qhead;
+    return o && (ch->authed || o->off > 0 || o->type == CS_KVX_HELLO || o->type == CS_KVX_AUTH);
 }
 
 static bool slot_progress(cs_kvx_tx *tx, tx_chan *ch, int i, int64_t now);
@@ -523,6 +538,7 @@ static void emit_items(cs_kvx_tx *tx, tx_chan *ch) {
             tw.xxh64 = tx->p.checksum ? x->digest : 0;
             uint8_t pl[CS_KVX_TRAILER_BYTES];
             cs_kvx_trailer_encode(&tw, pl);
+            cs__kvx_trailer_mac(ch->session, x->id, pl, pl + CS_KVX_TRAILER_MAC_AT);
             kvx_out *o = calloc(1, sizeof *o);
             CS_ASSERT(o);
             cs__kvx_out_ctl(o, CS_KVX_TRAILER, tx->p.incarnation, x->id, tx->fingerprint, pl,
@@ -635,7 +651,7 @@ static void post_send(cs_kvx_tx *tx, tx_chan *ch, tx_slot *sl) {
 }
 
 static void chan_write(cs_kvx_tx *tx, tx_chan *ch) {
-    while (ch->qhead) {
+    while (head_writable(ch)) {
         kvx_out *o = ch->qhead;
         size_t before = o->off;
         int r = cs__kvx_out_write(ch->fd, o);
@@ -693,9 +709,56 @@ static void room_check(cs_kvx_tx *tx, tx_chan *ch) {
         }
 }
 
+/* The receiver's CHALLENGE: checks its proof of the secret, then answers
+ * with this side's proof (AUTH, ahead of every frame queued since HELLO)
+ * and derives the session key. */
+static void on_challenge(cs_kvx_tx *tx, tx_chan *ch, const cs_kvx_hdr *h, const uint8_t *pl) {
+    char err[300];
+    cs_kvx_challenge m;
+    if (cs_kvx_challenge_decode(pl, (size_t)h->payload_len, &m, err, sizeof err)) {
+        tx->st.protocol_errors++;
+        chan_close(tx, ch, CS_EPROTO, err);
+        return;
+    }
+    kvx_transcript t;
+    memset(&t, 0, sizeof t);
+    memcpy(t.tx_nonce, ch->nonce, sizeof t.tx_nonce);
+    memcpy(t.rx_nonce, m.nonce, sizeof t.rx_nonce);
+    t.tx_inc = tx->p.incarnation;
+    t.rx_inc = h->epoch;
+    t.fingerprint = tx->fingerprint;
+    snprintf(t.name, sizeof t.name, "%s", tx->name);
+    uint8_t want[32];
+    cs__kvx_derive(&tx->key, KVX_PROOF_RX, &t, want);
+    if (!cs_ct_equal(want, m.proof, sizeof want)) {
+        snprintf(err, sizeof err,
+                 "receiver %s:%d failed authentication: it does not hold this cluster's secret",
+                 ch->host, ch->port);
+        tx->st.protocol_errors++;
+        chan_close(tx, ch, CS_ECONNREFUSED, err);
+        return;
+    }
+    uint8_t proof[CS_KVX_AUTH_BYTES];
+    cs__kvx_derive(&tx->key, KVX_PROOF_TX, &t, proof);
+    cs__kvx_derive(&tx->key, KVX_SESSION, &t, ch->session);
+    kvx_out *o = calloc(1, sizeof *o);
+    CS_ASSERT(o);
+    cs__kvx_out_ctl(o, CS_KVX_AUTH, tx->p.incarnation, 0, tx->fingerprint, proof, sizeof proof);
+    CS_ASSERT(!ch->qhead || ch->qhead->off == 0); /* nothing but HELLO went out, whole */
+    o->next = ch->qhead; /* first: the frames queued behind HELLO waited for it */
+    ch->qhead = o;
+    if (!ch->qtail) ch->qtail = o;
+    ch->peer_inc = h->epoch;
+    ch->authed = true;
+}
+
 static void chan_frame(cs_kvx_tx *tx, tx_chan *ch, const cs_kvx_hdr *h, const uint8_t *pl) {
     char err[300];
-    if (h->type == CS_KVX_HELLO_ACK) {
+    if (h->type == CS_KVX_CHALLENGE && !ch->authed) {
+        on_challenge(tx, ch, h, pl);
+        return;
+    }
+    if (h->type == CS_KVX_HELLO_ACK && !ch->acked) {
         int32_t status;
         char msg[128];
         int r = cs_kvx_ack_decode(pl, (size_t)h->payload_len, &status, msg, sizeof msg);
@@ -705,8 +768,12 @@ static void chan_frame(cs_kvx_tx *tx, tx_chan *ch, const cs_kvx_hdr *h, const ui
             chan_close(tx, ch, r ? CS_EPROTO : CS_ECONNREFUSED, err);
             return;
         }
+        if (!ch->authed || h->epoch != ch->peer_inc) {
+            tx->st.protocol_errors++;
+            chan_close(tx, ch, CS_EPROTO, "HELLO_ACK before the receiver's CHALLENGE");
+            return;
+        }
         ch->acked = true;
-        ch->peer_inc = h->epoch;
         CS_LOGI("kvx tx: channel to %s:%d open, %s payload", ch->host, ch->port, tx->pl->name);
         return;
     }
@@ -891,12 +958,12 @@ static void *tx_thread(void *arg) {
             if (c->state == CH_OPEN && !c->qhead && now - c->last_tx >= tx->p.keepalive_ms &&
                 c->acked)
                 queue_ctl(tx, c, CS_KVX_PING, 0, NULL, 0);
-            if (c->state == CH_OPEN && c->qhead) chan_write(tx, c);
+            if (c->state == CH_OPEN && head_writable(c)) chan_write(tx, c);
             if (c->fd < 0) continue;
             room_check(tx, c);
             busy |= link_busy(tx, c);
             pfds[n].fd = c->fd;
-            pfds[n].events = POLLIN | (c->state == CH_CONNECTING || c->qhead ? POLLOUT : 0);
+            pfds[n].events = POLLIN | (c->state == CH_CONNECTING || head_writable(c) ? POLLOUT : 0);
             pch[n++] = c;
         }
         /* report first: tearing a link down (ncclCommAbort, stream drain)
@@ -954,7 +1021,10 @@ static void *tx_thread(void *arg) {
 
 int cs__kvx_tx_init_payload(const cs_kvx_tx_params *p, const cs__kvx_payload *pl, cs_kvx_tx **out) {
     *out = NULL;
-    if (!p || !pl || !p->name || !p->name[0] || strlen(p->name) >= CS_KVX_NAME_MAX ||
+    bool printable = p && p->name;
+    for (const char *c = p && p->name ? p->name : ""; *c; c++)
+        printable &= *c >= 0x21 && *c <= 0x7e;
+    if (!p || !pl || !printable || !p->name[0] || strlen(p->name) >= CS_KVX_NAME_MAX ||
         p->layout.page_bytes == 0 || (!pl->inline_pages && p->layout.page_bytes % 8) ||
         p->keepalive_ms <= 0 || p->dead_ms <= p->keepalive_ms || !p->pool.base ||
         p->pool.n_pages < 1 || p->pool.kind != pl->pool_kind || p->n_slots < 1 || p->n_slots > 64 ||
@@ -976,6 +1046,11 @@ int cs__kvx_tx_init_payload(const cs_kvx_tx_params *p, const cs__kvx_payload *pl
     uint64_t per = tx->p.max_frame_bytes / p->layout.page_bytes;
     tx->slot_pages = per > (uint64_t)INT32_MAX ? INT32_MAX : (int32_t)per;
     if (!tx->p.incarnation) tx->p.incarnation = cs__kvx_incarnation();
+    if (cs__kvx_key_set(&tx->key, p->secret, p->secret ? p->secret_len : 0)) {
+        free(tx);
+        return CS_EINVAL;
+    }
+    tx->p.secret = NULL;
     tx->fingerprint = cs_kvx_layout_fingerprint(&p->layout);
     int r = cs__kvx_wake_init(tx->wake);
     if (r) goto fail_wake;
@@ -1025,6 +1100,7 @@ void cs_kvx_tx_free(cs_kvx_tx *tx) {
     pthread_mutex_unlock(&tx->mu);
     pthread_mutex_destroy(&tx->mu);
     close(tx->wake[0]);
+    memset(&tx->key, 0, sizeof tx->key);
     free(tx);
 }
 

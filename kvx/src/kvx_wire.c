@@ -58,10 +58,10 @@ static float bits_f32(uint32_t v) {
     } while (0)
 
 const char *cs_kvx_frame_type_name(int type) {
-    static const char *const names[] = {"?",       "HELLO",      "HELLO_ACK", "PAGES",
-                                        "TRAILER", "ABORT",      "DONE",      "PING",
-                                        "NCCL_ID", "NCCL_READY", "NCCL_PAGES"};
-    return type >= 1 && type <= CS_KVX_NCCL_TYPE_MAX ? names[type] : "unknown";
+    static const char *const names[] = {
+        "?",    "HELLO",   "HELLO_ACK",  "PAGES",      "TRAILER",   "ABORT", "DONE",
+        "PING", "NCCL_ID", "NCCL_READY", "NCCL_PAGES", "CHALLENGE", "AUTH"};
+    return type >= 1 && type <= CS_KVX_LAST_TYPE ? names[type] : "unknown";
 }
 
 static void layout_encode(const cs_kvx_layout *l, uint8_t out[32]) {
@@ -143,6 +143,8 @@ int cs_kvx_hdr_decode(const uint8_t in[CS_KVX_HDR_BYTES], const cs_kvx_limits *l
     int type = h->type;
     switch (type) {
     case CS_KVX_HELLO: want = CS_KVX_HELLO_BYTES; break;
+    case CS_KVX_CHALLENGE: want = CS_KVX_CHALLENGE_BYTES; break;
+    case CS_KVX_AUTH: want = CS_KVX_AUTH_BYTES; break;
     case CS_KVX_HELLO_ACK: want = CS_KVX_ACK_BYTES; break;
     case CS_KVX_TRAILER: want = CS_KVX_TRAILER_BYTES; break;
     case CS_KVX_ABORT:
@@ -197,6 +199,20 @@ void cs_kvx_hello_encode(const cs_kvx_hello *m, uint8_t out[CS_KVX_HELLO_BYTES])
     layout_encode(&m->layout, out);
     size_t n = strnlen(m->name, CS_KVX_NAME_MAX - 1);
     memcpy(out + 32, m->name, n);
+    memcpy(out + 32 + CS_KVX_NAME_MAX, m->nonce, CS_KVX_NONCE_BYTES);
+}
+
+void cs_kvx_challenge_encode(const cs_kvx_challenge *m, uint8_t out[CS_KVX_CHALLENGE_BYTES]) {
+    memcpy(out, m->nonce, CS_KVX_NONCE_BYTES);
+    memcpy(out + CS_KVX_NONCE_BYTES, m->proof, CS_KVX_PROOF_BYTES);
+}
+
+int cs_kvx_challenge_decode(const uint8_t *in, size_t len, cs_kvx_challenge *m, char *err,
+                            size_t errlen) {
+    if (len != CS_KVX_CHALLENGE_BYTES) FAIL(CS_EBADMSG, "kvx: CHALLENGE payload of %zu bytes", len);
+    memcpy(m->nonce, in, CS_KVX_NONCE_BYTES);
+    memcpy(m->proof, in + CS_KVX_NONCE_BYTES, CS_KVX_PROOF_BYTES);
+    return 0;
 }
 
 int cs_kvx_hello_decode(const uint8_t *in, size_t len, cs_kvx_hello *m, char *err, size_t errlen) {
@@ -205,6 +221,9 @@ int cs_kvx_hello_decode(const uint8_t *in, size_t len, cs_kvx_hello *m, char *er
     memcpy(m->name, in + 32, CS_KVX_NAME_MAX);
     if (m->name[CS_KVX_NAME_MAX - 1] != 0) FAIL(CS_EBADMSG, "kvx: HELLO name not terminated");
     if (m->name[0] == 0) FAIL(CS_EBADMSG, "kvx: HELLO with an empty name");
+    for (const char *c = m->name; *c; c++)
+        if (*c < 0x21 || *c > 0x7e) FAIL(CS_EBADMSG, "kvx: HELLO name with a non-printable byte");
+    memcpy(m->nonce, in + 32 + CS_KVX_NAME_MAX, CS_KVX_NONCE_BYTES);
     return 0;
 }
 
@@ -238,6 +257,7 @@ void cs_kvx_trailer_encode(const cs_kvx_trailer_wire *t, uint8_t out[CS_KVX_TRAI
         put32(out + 32 + 8 * i, (uint32_t)t->t.top_ids[i]);
         put32(out + 36 + 8 * i, f32_bits(t->t.top_logprobs[i]));
     }
+    memcpy(out + CS_KVX_TRAILER_MAC_AT, t->mac, CS_KVX_MAC_BYTES);
 }
 
 int cs_kvx_trailer_decode(const uint8_t *in, size_t len, cs_kvx_trailer_wire *t, char *err,
@@ -249,6 +269,7 @@ int cs_kvx_trailer_decode(const uint8_t *in, size_t len, cs_kvx_trailer_wire *t,
     t->t.n_top = (int32_t)get32(in + 12);
     t->xxh64 = get64(in + 16);
     t->t.first_logprob = bits_f32(get32(in + 24));
+    memcpy(t->mac, in + CS_KVX_TRAILER_MAC_AT, CS_KVX_MAC_BYTES);
     if (t->t.first_token < 0 || t->t.prompt_len < 0 || t->t.total_pages < 0)
         FAIL(CS_EBADMSG, "kvx: TRAILER with negative fields");
     if (t->t.n_top < 0 || t->t.n_top > CS_KVX_MAX_TOP)
@@ -323,8 +344,10 @@ int cs_kvx_decode_stream(const uint8_t *buf, size_t len, const cs_kvx_limits *li
         cs_kvx_hello hello;
         cs_kvx_trailer_wire tw;
         cs_kvx_nccl_desc desc;
+        cs_kvx_challenge ch;
         switch (h.type) {
         case CS_KVX_HELLO: r = cs_kvx_hello_decode(p, pl, &hello, err, errlen); break;
+        case CS_KVX_CHALLENGE: r = cs_kvx_challenge_decode(p, pl, &ch, err, errlen); break;
         case CS_KVX_HELLO_ACK:
         case CS_KVX_NCCL_READY:
             r = cs_kvx_ack_decode(p, pl, &st, msg, sizeof msg);

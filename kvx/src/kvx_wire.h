@@ -19,7 +19,14 @@
  * the other's data frames. HELLO announces the sender's payload (flag NCCL);
  * the receiver refuses one it does not speak, naming both.
  * Version 2: XXH3 payload checksums, trailer = fold of the chunk checksums.
- * Version 3: the trailer carries the first token's log-probabilities. */
+ * Version 3: the trailer carries the first token's log-probabilities.
+ * Version 4: the HELLO is authenticated by challenge-response over the
+ * cluster secret (HELLO carries the sender's nonce; CHALLENGE the
+ * receiver's nonce and proof; AUTH the sender's proof, see kvx-impl.h), and
+ * the trailer carries a MAC under the session key over the transfer id and
+ * the trailer (which holds the fold of every chunk's checksum). Before AUTH
+ * is accepted a receiver reads nothing but HELLO and AUTH; before CHALLENGE
+ * a sender writes nothing but HELLO. */
 #ifndef CS_KVX_WIRE_H
 #define CS_KVX_WIRE_H
 
@@ -30,7 +37,7 @@
 #include "chunkserve/kvx.h"
 
 #define CS_KVX_MAGIC 0x564b5343u /* "CSKV" */
-#define CS_KVX_VERSION 3
+#define CS_KVX_VERSION 4
 #define CS_KVX_HDR_BYTES 64
 #define CS_KVX_FLAG_CHECKSUM 1u
 #define CS_KVX_FLAG_NCCL 2u /* HELLO only: the sender's payload is NCCL (else TCP) */
@@ -51,15 +58,26 @@ enum cs_kvx_frame_type {
                               receiver's chunk limit in pages */
     CS_KVX_NCCL_PAGES =
         10, /* tx -> rx: chunk descriptor: pages first_page + n_pages follow over NCCL */
-    CS_KVX_NCCL_TYPE_MAX = 10
+    CS_KVX_NCCL_TYPE_MAX = 10,
+    /* both payloads: the handshake */
+    CS_KVX_CHALLENGE = 11, /* rx -> tx: rx nonce, rx proof; epoch = rx incarnation */
+    CS_KVX_AUTH = 12,      /* tx -> rx: tx proof */
+    CS_KVX_LAST_TYPE = 12
 };
 
-#define CS_KVX_HELLO_BYTES 96 /* layout (32) + name (64) */
-#define CS_KVX_ACK_BYTES 128  /* status i32, pad, message (120) */
+#define CS_KVX_NONCE_BYTES 16
+#define CS_KVX_PROOF_BYTES 32
+#define CS_KVX_MAC_BYTES 16
+#define CS_KVX_HELLO_BYTES 112 /* layout (32) + name (64) + sender nonce (16) */
+#define CS_KVX_CHALLENGE_BYTES (CS_KVX_NONCE_BYTES + CS_KVX_PROOF_BYTES)
+#define CS_KVX_AUTH_BYTES CS_KVX_PROOF_BYTES
+#define CS_KVX_ACK_BYTES 128 /* status i32, pad, message (120) */
 /* TRAILER: 0 first_token, 4 prompt_len, 8 total_pages, 12 n_top (<= 20),
  * 16 fold of the chunk checksums u64, 24 first_logprob f32, 28 pad, 32 n_top
- * pairs (id i32, logprob f32), the rest zero */
-#define CS_KVX_TRAILER_BYTES (32 + 8 * CS_KVX_MAX_TOP)
+ * pairs (id i32, logprob f32), the rest zero; then the MAC (16) over the
+ * bytes before it (CS_KVX_TRAILER_MAC_AT) */
+#define CS_KVX_TRAILER_MAC_AT (32 + 8 * CS_KVX_MAX_TOP)
+#define CS_KVX_TRAILER_BYTES (CS_KVX_TRAILER_MAC_AT + CS_KVX_MAC_BYTES)
 #define CS_KVX_CTRL_MAX_BYTES CS_KVX_TRAILER_BYTES /* the largest control payload */
 #define CS_KVX_STATUS_BYTES 8                      /* status i32, pad (ABORT, DONE) */
 #define CS_KVX_NCCL_ID_BYTES 128                   /* ncclUniqueId, opaque */
@@ -77,11 +95,18 @@ typedef struct {
 typedef struct {
     cs_kvx_layout layout;
     char name[CS_KVX_NAME_MAX]; /* NUL-terminated on decode */
+    uint8_t nonce[CS_KVX_NONCE_BYTES];
 } cs_kvx_hello;
+
+typedef struct {
+    uint8_t nonce[CS_KVX_NONCE_BYTES];
+    uint8_t proof[CS_KVX_PROOF_BYTES];
+} cs_kvx_challenge;
 
 typedef struct {
     cs_kvx_trailer t;
     uint64_t xxh64; /* cs__kvx_fold of every chunk's checksum, in order */
+    uint8_t mac[CS_KVX_MAC_BYTES];
 } cs_kvx_trailer_wire;
 
 /* An NCCL_PAGES payload: what the ncclSend that follows carries. */
@@ -114,6 +139,9 @@ int cs_kvx_payload_check(const cs_kvx_hdr *h, const void *payload, bool require_
 
 void cs_kvx_hello_encode(const cs_kvx_hello *m, uint8_t out[CS_KVX_HELLO_BYTES]);
 int cs_kvx_hello_decode(const uint8_t *in, size_t len, cs_kvx_hello *m, char *err, size_t errlen);
+void cs_kvx_challenge_encode(const cs_kvx_challenge *m, uint8_t out[CS_KVX_CHALLENGE_BYTES]);
+int cs_kvx_challenge_decode(const uint8_t *in, size_t len, cs_kvx_challenge *m, char *err,
+                            size_t errlen);
 void cs_kvx_ack_encode(int32_t status, const char *msg, uint8_t out[CS_KVX_ACK_BYTES]);
 int cs_kvx_ack_decode(const uint8_t *in, size_t len, int32_t *status, char *msg, size_t msglen);
 void cs_kvx_trailer_encode(const cs_kvx_trailer_wire *t, uint8_t out[CS_KVX_TRAILER_BYTES]);

@@ -111,6 +111,15 @@ static int fuzz_write_corpus(const char *dir) {
     uint8_t ab[CS_KVX_ACK_BYTES];
     cs_kvx_ack_encode(0, "ok", ab);
     n += frame(buf + n, CS_KVX_HELLO_ACK, 0, 0, 0, ab, sizeof ab);
+    cs_kvx_challenge chal; /* the version 4 handshake frames */
+    for (int i = 0; i < CS_KVX_NONCE_BYTES; i++)
+        chal.nonce[i] = (uint8_t)(i * 13);
+    for (int i = 0; i < CS_KVX_PROOF_BYTES; i++)
+        chal.proof[i] = (uint8_t)(i * 7 + 1);
+    uint8_t cb[CS_KVX_CHALLENGE_BYTES];
+    cs_kvx_challenge_encode(&chal, cb);
+    n += frame(buf + n, CS_KVX_CHALLENGE, 0, 0, 0, cb, sizeof cb);
+    n += frame(buf + n, CS_KVX_AUTH, 0, 0, 0, chal.proof, CS_KVX_AUTH_BYTES);
     snprintf(path, sizeof path, "%s/stream", dir);
     FILE *f = fopen(path, "wb");
     if (!f) return 1;

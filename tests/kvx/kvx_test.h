@@ -18,6 +18,7 @@
 #include "../unit/test.h"
 #include "chunkserve/kvx.h"
 #include "kvx_wire.h"
+#include "kvx-impl.h"
 
 #define MAXW 4096
 typedef struct {
@@ -138,14 +139,62 @@ static inline void raw_frame(int fd, int type, uint64_t epoch, uint64_t xfer, ui
     if (len) raw_write(fd, payload, len);
 }
 
-static inline void raw_hello(int fd, const cs_kvx_layout *l, const char *name, uint64_t inc) {
+/* Reads one whole frame (header into h, payload into pl of cap bytes);
+ * false on EOF, timeout or a frame that does not decode. */
+static inline bool raw_read_frame(int fd, cs_kvx_hdr *h, uint8_t *pl, size_t cap) {
+    uint8_t hb[CS_KVX_HDR_BYTES];
+    size_t got = 0;
+    while (got < sizeof hb) {
+        ssize_t n = recv(fd, hb + got, sizeof hb - got, 0);
+        if (n <= 0) return false;
+        got += (size_t)n;
+    }
+    cs_kvx_limits lim = {1, 1 << 20, CS_KVX_PAYLOAD_TCP};
+    if (cs_kvx_hdr_decode(hb, &lim, h, NULL, 0) != 0 || h->payload_len > cap) return false;
+    for (got = 0; got < h->payload_len;) {
+        ssize_t n = recv(fd, pl + got, (size_t)h->payload_len - got, 0);
+        if (n <= 0) return false;
+        got += (size_t)n;
+    }
+    return true;
+}
+
+/* A raw sender's handshake: HELLO, the receiver's CHALLENGE, AUTH proved
+ * with key (len 0: the empty key of a receiver without a secret). session
+ * (may be NULL) receives the session key. Returns true once AUTH is sent;
+ * false when the receiver answered HELLO with something else (a refusal). */
+static inline bool raw_hello_key(int fd, const cs_kvx_layout *l, const char *name, uint64_t inc,
+                                 const void *key, size_t key_len, uint8_t session[32]) {
     cs_kvx_hello m;
     memset(&m, 0, sizeof m);
     m.layout = *l;
     snprintf(m.name, sizeof m.name, "%s", name);
+    for (int i = 0; i < CS_KVX_NONCE_BYTES; i++)
+        m.nonce[i] = (uint8_t)(inc * 31 + (uint64_t)i);
     uint8_t pl[CS_KVX_HELLO_BYTES];
     cs_kvx_hello_encode(&m, pl);
-    raw_frame(fd, CS_KVX_HELLO, inc, 0, 0, 0, cs_kvx_layout_fingerprint(l), pl, sizeof pl, true);
+    uint64_t fp = cs_kvx_layout_fingerprint(l);
+    raw_frame(fd, CS_KVX_HELLO, inc, 0, 0, 0, fp, pl, sizeof pl, true);
+    cs_kvx_hdr h;
+    uint8_t in[CS_KVX_CTRL_MAX_BYTES];
+    if (!raw_read_frame(fd, &h, in, sizeof in) || h.type != CS_KVX_CHALLENGE) return false;
+    kvx_transcript t;
+    memset(&t, 0, sizeof t);
+    memcpy(t.tx_nonce, m.nonce, sizeof t.tx_nonce);
+    memcpy(t.rx_nonce, in, sizeof t.rx_nonce);
+    t.tx_inc = inc, t.rx_inc = h.epoch, t.fingerprint = fp;
+    snprintf(t.name, sizeof t.name, "%s", name);
+    kvx_key k;
+    cs__kvx_key_set(&k, key, key_len);
+    uint8_t proof[CS_KVX_AUTH_BYTES];
+    cs__kvx_derive(&k, KVX_PROOF_TX, &t, proof);
+    if (session) cs__kvx_derive(&k, KVX_SESSION, &t, session);
+    raw_frame(fd, CS_KVX_AUTH, inc, 0, 0, 0, fp, proof, sizeof proof, true);
+    return true;
+}
+
+static inline void raw_hello(int fd, const cs_kvx_layout *l, const char *name, uint64_t inc) {
+    (void)raw_hello_key(fd, l, name, inc, NULL, 0, NULL);
 }
 
 /* Reads until EOF (true) or timeout/error (false): the receiver closed us. */

@@ -129,11 +129,12 @@ static void test_wire(void) {
     n2 = put_frame(b2, CS_KVX_NCCL_READY, 0, 0, 0, 0, ack, sizeof ack);
     EXPECT_REFUSED(cs_kvx_decode_stream(b2, n2, &nlim, e_, sizeof e_), CS_EBADMSG,
                    "positive status");
-    n2 = put_frame(b2, CS_KVX_NCCL_TYPE_MAX + 1, 0, 0, 0, 0, NULL, 0);
+    n2 = put_frame(b2, CS_KVX_LAST_TYPE + 1, 0, 0, 0, 0, NULL, 0);
     EXPECT_REFUSED(cs_kvx_decode_stream(b2, n2, &nlim, e_, sizeof e_), CS_EPROTO,
                    "unknown frame type");
     ASSERT_EQ_STR(cs_kvx_frame_type_name(CS_KVX_NCCL_PAGES), "NCCL_PAGES");
-    ASSERT_EQ_STR(cs_kvx_frame_type_name(CS_KVX_NCCL_TYPE_MAX + 1), "unknown");
+    ASSERT_EQ_STR(cs_kvx_frame_type_name(CS_KVX_AUTH), "AUTH");
+    ASSERT_EQ_STR(cs_kvx_frame_type_name(CS_KVX_LAST_TYPE + 1), "unknown");
 
     /* the KV sum: every changed word, every swap, and the zero-padded tail count */
     uint8_t a[200], b[200];

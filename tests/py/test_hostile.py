@@ -9,9 +9,11 @@ hangs only.
 """
 from __future__ import annotations
 
+import itertools
 import os
 import resource
 import socket
+import struct
 import threading
 import time
 import urllib.request
@@ -262,4 +264,98 @@ def test_slowloris_on_an_ops_port_leaves_healthz_answering(cl, pb):
         for s in socks:
             s.close()
     canary(cl, pb, n=1)
+    pages_free(cl)
+
+
+# ------------------------------------------------------------------ raw KV frames
+KV_MAGIC, KV_VERSION = 0x564B5343, 4
+HELLO, HELLO_ACK, PAGES, CHALLENGE, AUTH = 1, 2, 3, 11, 12
+
+
+def kv_frame(ftype, epoch, xfer, fingerprint, payload=b"", first=0, n_pages=0):
+    """One KV frame (kvx/src/kvx_wire.h): the 64-byte header, its XXH32, the payload."""
+    import xxhash
+    def hdr(sum32):
+        return struct.pack("<IHHIIQQIIQQQ", KV_MAGIC, KV_VERSION, ftype, 0, sum32, epoch, xfer,
+                           first, n_pages, fingerprint, len(payload), 0)
+    return hdr(xxhash.xxh32_intdigest(hdr(0))) + payload
+
+
+def kv_layout(fingerprint):
+    """The 32-byte layout whose XXH64 is the status's fingerprint: an attacker needs no
+    secret for it (a small search over plausible tiny-model shapes)."""
+    import xxhash
+    for nl, kh, hd, dt, wt in itertools.product(range(1, 9), range(1, 9), (8, 16, 32, 64),
+                                                (0, 1, 2), (0, 1)):
+        pb = nl * kh * hd * 2 * 16 * (4 if dt == 0 else 2)
+        b = struct.pack("<6IQ", nl, kh, hd, dt, 16, wt, pb)
+        if xxhash.xxh64_intdigest(b, seed=KV_MAGIC) == fingerprint:
+            return b, pb
+    pytest.fail("no layout matches the fingerprint")
+
+
+def kv_read(s):
+    """(type, payload) of the next frame, or None when the peer closed the connection."""
+    buf = b""
+    try:
+        while len(buf) < 64:
+            d = s.recv(64 - len(buf))
+            if not d:
+                return None
+            buf += d
+        n = struct.unpack_from("<Q", buf, 48)[0]
+        pl = b""
+        while len(pl) < n:
+            d = s.recv(n - len(pl))
+            if not d:
+                return None
+            pl += d
+    except (ConnectionResetError, socket.timeout):
+        return None
+    return struct.unpack_from("<H", buf, 6)[0], pl
+
+
+def test_forged_hello_and_pages_into_a_live_reservation(cl, pb):
+    """A live reservation on the decode worker (a held Decode call). An attacker who knows
+    the layout sends a HELLO naming a prefill worker with epoch UINT64_MAX, gets the
+    CHALLENGE, answers with a proof it cannot make, then pushes PAGES for the reservation:
+    the receiver refuses the AUTH and closes the connection before any page is taken; the
+    real prefill worker is not fenced (its transfers keep completing); the reservation's
+    pages are freed at its lease."""
+    c, g = pb.cluster_pb2, pb.generation_pb2
+    st = cl.status(cl.decode[0])
+    layout, page_bytes = kv_layout(st.kv_layout_fingerprint)
+    host, port = st.kv_endpoint.rsplit(":", 1)
+    before = cl.decode[0].metric("chunkserve:kv_protocol_errors_total")
+    call = cl.worker_stub(cl.decode[0]).Decode(c.DecodeRequest(
+        request_id="victim", transfer_id=777, token_ids=[11] * 32, num_prompt_tokens=32,
+        sampling=g.SamplingParams(max_tokens=1), local_prefill=False, lease_ms=LEASE_MS),
+        timeout=60, metadata=rpc_token(SECRET))
+    assert next(call).WhichOneof("event") == "admitted"
+    fp = st.kv_layout_fingerprint
+    for name in (b"prefill-0", cl.status(cl.prefill[0]).worker_id.encode()):
+        s = socket.create_connection((host, int(port)), timeout=5)
+        hello = layout + name[:63].ljust(64, b"\0") + os.urandom(16)
+        s.sendall(kv_frame(HELLO, 2**64 - 1, 0, fp, hello))
+        reply = kv_read(s)
+        assert reply is not None and reply[0] == CHALLENGE, reply
+        s.sendall(kv_frame(AUTH, 2**64 - 1, 0, fp, os.urandom(32)))
+        try:
+            s.sendall(kv_frame(PAGES, 2**64 - 1, 777, fp, b"\x7f" * (2 * page_bytes),
+                               n_pages=2))
+        except OSError:
+            pass
+        reply = kv_read(s)
+        assert reply is None or reply[0] == HELLO_ACK  # the refusal, then the close
+        if reply is not None:
+            assert kv_read(s) is None
+        s.close()
+    assert cl.decode[0].metric("chunkserve:kv_protocol_errors_total") - before >= 2
+    canary(cl, pb, n=3)  # the real sender still delivers
+    with pytest.raises(grpc.RpcError) as e:
+        for _ in call:
+            pass
+    assert "lease" in e.value.details()
+    assert "authentication failed" in cl.decode[0].stderr()
+    assert "reconnected" not in cl.decode[0].stderr()
     pages_free(cl)

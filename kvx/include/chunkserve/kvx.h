@@ -133,8 +133,12 @@ typedef void (*cs_kvx_room_fn)(void *arg, uint64_t xfer_id);
 
 typedef struct {
     cs_kvx_layout layout;
-    cs_kvx_pool pool;        /* pages are read from here; must outlive the sender */
-    const char *name;        /* this sender's name, e.g. "prefill-0" (<= 63 bytes) */
+    cs_kvx_pool pool;   /* pages are read from here; must outlive the sender */
+    const char *name;   /* this sender's name, e.g. "prefill-0" (<= 63 printable bytes) */
+    const void *secret; /* the cluster secret (copied; <= 512 bytes): HELLO is proved by
+                           challenge-response and each trailer MAC'd with it; NULL /
+                           secret_len 0 = an empty key (authenticates nothing) */
+    size_t secret_len;
     uint64_t incarnation;    /* 0 = 64 random bits drawn at init */
     bool checksum;           /* a checksum per chunk and in the trailer; default true */
     size_t max_frame_bytes;  /* one chunk (TCP frame / NCCL staging slot); default 4 MiB
@@ -203,8 +207,10 @@ typedef struct cs_kvx_rx cs_kvx_rx;
 
 typedef struct {
     cs_kvx_layout layout;
-    cs_kvx_pool pool;       /* pages land here; must outlive the receiver */
-    const char *host;       /* bind address; default "127.0.0.1" */
+    cs_kvx_pool pool;   /* pages land here; must outlive the receiver */
+    const char *host;   /* bind address; default "127.0.0.1" */
+    const void *secret; /* the cluster secret (copied); senders must prove it */
+    size_t secret_len;
     int port;               /* 0 = any free port (see cs_kvx_rx_port) */
     bool require_checksum;  /* refuse chunks without one; default true */
     size_t max_frame_bytes; /* largest chunk accepted; default 64 MiB (TCP), 32 MiB (NCCL) */

@@ -1,0 +1,161 @@
+/* test_kvx_auth: the KV link's trust boundary (kvx_wire.h version 4). A
+ * receiver with a cluster secret takes pages only from senders that prove
+ * it: a sender with another secret is refused, a forged HELLO (a real
+ * sender's name, epoch UINT64_MAX, an empty key) neither opens a channel nor
+ * fences the real sender, frames before the handshake close their
+ * connection before any page is written, and a trailer whose MAC is not the
+ * session's fails its transfer. Throughout, a legitimate transfer completes
+ * with the right bytes. */
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include "kvx_test.h"
+
+#define NP 16
+static cs_kvx_layout L = {
+    2, 2, 16, CS_KVX_DTYPE_F32, 16, 2 * 2 * 16 * 2 * 16 * 4, CS_KVX_WEIGHTS_FP32};
+#define PB (2 * 2 * 16 * 2 * 16 * 4)
+static const char SECRET[] = "kv-link-secret-0123456789abcdef";
+static const char OTHER[] = "another-secret-0123456789abcdef";
+static uint8_t *tx_pool, *rx_pool;
+static int32_t ids[NP];
+
+static cs_kvx_tx *sender(const char *name, const char *secret) {
+    cs_kvx_tx_params p = cs_kvx_tx_params_default();
+    p.layout = L;
+    p.pool = host_pool(tx_pool, NP);
+    p.name = name;
+    p.secret = secret;
+    p.secret_len = strlen(secret);
+    cs_kvx_tx *tx;
+    ASSERT_EQ_INT(cs_kvx_tx_init(&p, &tx), 0);
+    return tx;
+}
+
+/* Transfer id of n pages from tx to port; the sender's status. */
+static int transfer(cs_kvx_tx *tx, int port, uint64_t id, int n) {
+    waiter w;
+    waiter_init(&w);
+    ASSERT_EQ_INT(cs_kvx_tx_begin(tx, "127.0.0.1", port, id, n, 10000, waiter_done, &w), 0);
+    ASSERT_EQ_INT(send_retry(tx, id, 0, n, ids, NULL, NULL), 0);
+    cs_kvx_trailer t = {.first_token = 3, .prompt_len = n * 16, .total_pages = n};
+    ASSERT_EQ_INT(cs_kvx_tx_finish(tx, id, &t), 0);
+    ASSERT_TRUE(waiter_wait(&w, 1, 15000));
+    if (w.status[0]) fprintf(stderr, "transfer %llu: %s\n", (unsigned long long)id, w.msg[0]);
+    return w.status[0];
+}
+
+static bool pages_are(const uint8_t *pool, int n, uint8_t v) {
+    for (size_t i = 0; i < (size_t)n * PB; i++)
+        if (pool[i] != v) return false;
+    return true;
+}
+
+int main(void) {
+    signal(SIGPIPE, SIG_IGN);
+    tx_pool = malloc((size_t)NP * PB);
+    rx_pool = calloc(NP, PB);
+    ASSERT_TRUE(tx_pool && rx_pool);
+    memset(tx_pool, 0x5a, (size_t)NP * PB);
+    for (int i = 0; i < NP; i++)
+        ids[i] = i;
+    cs_kvx_rx_params rp = cs_kvx_rx_params_default();
+    rp.layout = L;
+    rp.pool = host_pool(rx_pool, NP);
+    rp.secret = SECRET;
+    rp.secret_len = strlen(SECRET);
+    cs_kvx_rx *rx;
+    ASSERT_EQ_INT(cs_kvx_rx_init(&rp, &rx), 0);
+    int port = cs_kvx_rx_port(rx);
+    uint64_t fp = cs_kvx_layout_fingerprint(&L);
+    waiter w;
+    waiter_init(&w);
+    int nd = 0;
+
+    /* 1. A sender of another cluster: refused at the handshake (it finds
+     * the receiver's proof wrong); the reservation is untouched. */
+    ASSERT_EQ_INT(cs_kvx_rx_expect(rx, 1, ids, 4, 20000, waiter_done, &w), 0);
+    cs_kvx_tx *bad = sender("prefill-x", OTHER);
+    ASSERT_EQ_INT(transfer(bad, port, 1, 4), CS_ECONNREFUSED);
+    cs_kvx_tx_free(bad);
+    ASSERT_TRUE(pages_are(rx_pool, 4, 0));
+
+    /* 2. Frames before the handshake and a forged HELLO: PAGES for the
+     * live reservation, HELLO naming the real sender with epoch UINT64_MAX
+     * answered with an AUTH under the empty key. Each connection closes;
+     * no page is written. */
+    int fd = raw_connect(port);
+    raw_frame(fd, CS_KVX_PAGES, 1, 1, 0, 1, fp, tx_pool, PB, true);
+    ASSERT_TRUE(raw_closed_by_peer(fd));
+    close(fd);
+    fd = raw_connect(port);
+    ASSERT_TRUE(raw_hello_key(fd, &L, "prefill-0", UINT64_MAX, NULL, 0, NULL));
+    raw_frame(fd, CS_KVX_PAGES, UINT64_MAX, 1, 0, 1, fp, tx_pool, PB, true);
+    ASSERT_TRUE(raw_closed_by_peer(fd));
+    close(fd);
+    ASSERT_TRUE(pages_are(rx_pool, 4, 0));
+    cs_kvx_stats st;
+    cs_kvx_rx_get_stats(rx, &st);
+    ASSERT_TRUE(st.protocol_errors >= 2);
+    ASSERT_EQ_INT(st.transfers_completed, 0);
+    fprintf(stderr, "foreign sender, pre-HELLO pages, forged HELLO: refused\n");
+
+    /* 3. The real sender (whose name the forger used) is not fenced: its
+     * transfer into the same reservation completes with its bytes. */
+    cs_kvx_tx *good = sender("prefill-0", SECRET);
+    ASSERT_EQ_INT(transfer(good, port, 1, 4), 0);
+    ASSERT_TRUE(waiter_wait(&w, ++nd, 5000));
+    ASSERT_EQ_INT(waiter_status(&w, 1), 0);
+    ASSERT_TRUE(pages_are(rx_pool, 4, 0x5a));
+
+    /* 4. A trailer whose MAC is not the session's (a peer that holds the
+     * secret but splices a trailer): the transfer fails, nothing else. */
+    memset(rx_pool, 0, (size_t)NP * PB);
+    ASSERT_EQ_INT(cs_kvx_rx_expect(rx, 2, ids, 1, 20000, waiter_done, &w), 0);
+    fd = raw_connect(port);
+    uint8_t session[32];
+    ASSERT_TRUE(raw_hello_key(fd, &L, "raw-insider", 77, SECRET, strlen(SECRET), session));
+    raw_frame(fd, CS_KVX_PAGES, 77, 2, 0, 1, fp, tx_pool, PB, true);
+    cs_kvx_trailer_wire tw;
+    memset(&tw, 0, sizeof tw);
+    tw.t.total_pages = 1;
+    tw.t.prompt_len = 16;
+    tw.xxh64 = 0;
+    cs__kvx_fold(&tw.xxh64, cs_kvx_payload_sum(tx_pool, PB));
+    uint8_t tb[CS_KVX_TRAILER_BYTES];
+    cs_kvx_trailer_encode(&tw, tb); /* MAC all zero */
+    raw_frame(fd, CS_KVX_TRAILER, 77, 2, 0, 0, fp, tb, sizeof tb, true);
+    ASSERT_TRUE(raw_closed_by_peer(fd));
+    close(fd);
+    ASSERT_TRUE(waiter_wait(&w, ++nd, 5000));
+    ASSERT_EQ_INT(waiter_status(&w, 2), CS_EBADMSG);
+    ASSERT_MSG_HAS(w.msg[nd - 1], "MAC");
+    /* the same with the session's MAC completes */
+    ASSERT_EQ_INT(cs_kvx_rx_expect(rx, 3, ids, 1, 20000, waiter_done, &w), 0);
+    fd = raw_connect(port);
+    ASSERT_TRUE(raw_hello_key(fd, &L, "raw-insider", 78, SECRET, strlen(SECRET), session));
+    raw_frame(fd, CS_KVX_PAGES, 78, 3, 0, 1, fp, tx_pool, PB, true);
+    cs__kvx_trailer_mac(session, 3, tb, tb + CS_KVX_TRAILER_MAC_AT);
+    raw_frame(fd, CS_KVX_TRAILER, 78, 3, 0, 0, fp, tb, sizeof tb, true);
+    ASSERT_TRUE(waiter_wait(&w, ++nd, 5000));
+    ASSERT_EQ_INT(waiter_status(&w, 3), 0);
+    close(fd);
+    fprintf(stderr, "trailer MAC: a wrong one fails the transfer, the session's completes\n");
+
+    /* 5. The real channel survived all of it. */
+    ASSERT_EQ_INT(cs_kvx_rx_expect(rx, 4, ids, 8, 20000, waiter_done, &w), 0);
+    ASSERT_EQ_INT(transfer(good, port, 4, 8), 0);
+    ASSERT_TRUE(waiter_wait(&w, ++nd, 5000));
+    ASSERT_EQ_INT(waiter_status(&w, 4), 0);
+    cs_kvx_stats ts;
+    cs_kvx_tx_get_stats(good, &ts);
+    ASSERT_EQ_INT(ts.conns_opened, 1);
+    cs_kvx_tx_free(good);
+    cs_kvx_rx_free(rx);
+    free(tx_pool);
+    free(rx_pool);
+    fprintf(stderr, "test_kvx_auth: ok\n");
+    return 0;
+}
