@@ -22,6 +22,7 @@ behaviour; see docs/deploy.md.
 """
 from __future__ import annotations
 
+import base64
 import copy
 import json
 import math
@@ -156,7 +157,12 @@ class Render:
     def __init__(self, name: str, values: dict):
         self.name, self.values = name, values
         self.rendered = render(values)
-        self.text = manifest_text(self.rendered)
+        # the chart's cluster secret is random per render (randAlphaNum): masked,
+        # after checking it is 48 random characters, so the goldens stay stable
+        text = manifest_text(self.rendered)
+        for m in re.finditer(r"^  cluster-secret: (\S+)$", text, re.M):
+            assert len(base64.b64decode(m.group(1))) == 48, m.group(0)
+        self.text = re.sub(r"^  cluster-secret: \S+$", "  cluster-secret: RANDOM", text, flags=re.M)
         self.objs = objects(self.text)
         self.merged = merged_values(values)
 
@@ -673,6 +679,13 @@ def test_env_parses_in_the_binary(renders, name, bin_dir, tmp_path):
                 env[e["name"]] = fake[e["name"]]
             else:
                 env[e["name"]] = re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], e["value"])
+        if "CHUNKSERVE_CLUSTER_SECRET_FILE" in env:  # the mounted Secret (masked in the render)
+            mount = {m["mountPath"] for m in containers(d)[0]["volumeMounts"]
+                     if m["name"] == "cluster-secret"}
+            assert os.path.dirname(env["CHUNKSERVE_CLUSTER_SECRET_FILE"]) in mount
+            f = tmp_path / f"{role}-cluster-secret"
+            f.write_text(base64.b32encode(os.urandom(30)).decode())  # 48 characters
+            env["CHUNKSERVE_CLUSTER_SECRET_FILE"] = str(f)
         env["CHUNKSERVE_MODEL"] = str(tmp_path / "absent.gguf")
         env["CHUNKSERVE_BACKEND"] = "cpu"  # no GPU here; the value itself is checked in test_pods
         proc = subprocess.run([str(bin_dir / f"chunkserve-{role}")], env=env, capture_output=True, text=True,
@@ -814,3 +827,24 @@ def test_autoscaling_queries_use_live_metrics(renders, name, live_metrics):
                     assert not cm or cm.group(1) == comp
             checked += 1
     assert checked, f"{name}: no autoscaling signal rendered"
+
+
+def test_every_process_gets_the_cluster_secret(renders):
+    """The router and both pools read the same mounted cluster secret (docs/security.md);
+    the chart makes the Secret unless existingSecret names one, and then makes none."""
+    for name, r in renders.items():
+        if not r.merged["clusterSecret"]["enabled"]:
+            continue
+        made = [o for o in r.kind("Secret") if o["metadata"]["name"].endswith("-cluster-secret")]
+        assert len(made) == 1, name
+        for d in r.kind("Deployment"):
+            c = containers(d)[0]
+            env = {e["name"]: e.get("value") for e in c["env"]}
+            assert env["CHUNKSERVE_CLUSTER_SECRET_FILE"] == "/etc/chunkserve/cluster/cluster-secret"
+            vols = {v["name"]: v for v in d["spec"]["template"]["spec"]["volumes"]}
+            assert vols["cluster-secret"]["secret"]["secretName"] == made[0]["metadata"]["name"]
+    mine = Render("existing", {"clusterSecret": {"enabled": True, "existingSecret": "ops-kv"}})
+    assert not [o for o in mine.kind("Secret") if o["metadata"]["name"].endswith("-cluster-secret")]
+    for d in mine.kind("Deployment"):
+        vols = {v["name"]: v for v in d["spec"]["template"]["spec"]["volumes"]}
+        assert vols["cluster-secret"]["secret"]["secretName"] == "ops-kv"

@@ -6,12 +6,18 @@
  *
  * Channel: a TCP connection opened lazily by the sender on the first transfer
  * to an endpoint, reopened on the next transfer after it broke (peer restart).
- * It starts with a HELLO carrying the sender's name, its incarnation id, the
- * model/layout fingerprint and its payload; the receiver refuses a layout
- * that is not its own and a payload it does not speak (the message names
- * both), and a new incarnation of a known sender closes (fences) the old
- * one's connection; an incarnation once replaced is refused from then on. Every frame carries the
- * incarnation of its writer: frames of another incarnation are refused.
+ * It starts with a HELLO carrying the sender's name, its incarnation id (64
+ * random bits per process), the model/layout fingerprint, its payload and a
+ * nonce; the receiver refuses a layout that is not its own and a payload it
+ * does not speak (the message names both), else answers with a CHALLENGE (its
+ * nonce and its proof of the cluster secret); the sender checks that proof and
+ * answers with its own (AUTH). Only an authenticated HELLO counts: then a new
+ * incarnation of a known sender closes (fences) the old one's connection, and
+ * an incarnation once replaced is refused from then on. Before AUTH the
+ * receiver reads nothing but HELLO and AUTH headers (checked before any
+ * payload is read), within hello_timeout_ms. Every frame carries the
+ * incarnation of its writer (frames of another are refused); every trailer
+ * carries a MAC under the session key the handshake derived.
  *
  * Payload: how page bytes move, chosen by the pool's kind. A host pool sends
  * them inline on the channel's TCP connection (gathered from the pool with

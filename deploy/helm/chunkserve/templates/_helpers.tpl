@@ -184,7 +184,18 @@ volumeMounts:
     mountPath: {{ .root.Values.model.mountPath }}
     readOnly: true
 {{- end }}
+{{- if .root.Values.clusterSecret.enabled }}
+  - name: cluster-secret
+    mountPath: /etc/chunkserve/cluster
+    readOnly: true
 {{- end }}
+{{- end }}
+
+{{/* The Secret holding the cluster secret (key cluster-secret). */}}
+{{- define "chunkserve.clusterSecretName" -}}
+{{- .Values.clusterSecret.existingSecret | default (printf "%s-cluster-secret" (include "chunkserve.fullname" .)) }}
+{{- end }}
+
 
 {{- define "chunkserve.volumes" -}}
 volumes:
@@ -199,6 +210,12 @@ volumes:
 {{- with .root.Values.model.volume }}
   - name: model
     {{- toYaml . | nindent 4 }}
+{{- end }}
+{{- if .root.Values.clusterSecret.enabled }}
+  - name: cluster-secret
+    secret:
+      secretName: {{ include "chunkserve.clusterSecretName" .root }}
+      defaultMode: 0400
 {{- end }}
 {{- end }}
 

@@ -96,6 +96,10 @@ spec:
               value: {{ int64 $p.ports.ops | toString | quote }}
             - name: CHUNKSERVE_WORKER_ID
               value: "$(POD_NAME)"
+            {{- if $root.Values.clusterSecret.enabled }}
+            - name: CHUNKSERVE_CLUSTER_SECRET_FILE
+              value: /etc/chunkserve/cluster/cluster-secret
+            {{- end }}
             {{- if eq $role "decode" }}
             - name: CHUNKSERVE_KV_HOST
               value: "0.0.0.0"
