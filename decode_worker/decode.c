@@ -40,6 +40,7 @@ typedef struct dreq {
     decode *d;
     bool local, logprobs;
     int32_t lease_ms;
+    char kv_sender[64]; /* the only sender whose pages are taken ("" = any authenticated) */
     double t_last_token;
 
     bool admitted, sent_admitted, done, logged, expected, kv_done, cancel_requested;
@@ -129,8 +130,8 @@ static void on_event(void *user, const cs_event *ev) {
         cs_metric_inc(q->local ? d->m_local : d->m_remote);
         if (!q->local && !q->cancel_requested) {
             cs_worker_call_ref(&q->base);
-            int r = cs_kvx_rx_expect(d->rx, q->base.transfer_id, ev->kv_pages, ev->kv_n_pages,
-                                     q->lease_ms, on_kv_done, q);
+            int r = cs_kvx_rx_expect(d->rx, q->base.transfer_id, q->kv_sender, ev->kv_pages,
+                                     ev->kv_n_pages, q->lease_ms, on_kv_done, q);
             if (r == 0) {
                 q->expected = true;
             } else {
@@ -308,6 +309,7 @@ static void handle_decode(cs_rpc_call *c, void *data) {
     observe_router_hop(d, c);
     q->d = d;
     q->local = m->local_prefill;
+    snprintf(q->kv_sender, sizeof q->kv_sender, "%s", m->kv_sender ? m->kv_sender : "");
     /* --lease-ms is the default and the most a caller gets: a reservation
      * can never hold pages longer than the operator allowed */
     q->lease_ms =

@@ -63,6 +63,7 @@ typedef struct preq {
 
 struct prefill {
     cs_kvx_tx *tx;
+    char kv_sender[64]; /* the name its KV channels authenticate as (GetStatus.kv_sender) */
     cs_worker *w;
     pthread_mutex_t rel_mu; /* engine_gone: releases after the engine stopped are dropped */
     bool engine_gone;
@@ -397,6 +398,7 @@ static int prefill_start(cs_worker *w) {
                  (unsigned)(w->instance_id & 0xffffffffu));
     }
     tp.name = name;
+    snprintf(p->kv_sender, sizeof p->kv_sender, "%s", name);
     tp.checksum = w->o.kv_checksum;
     tp.dead_ms = (int32_t)w->o.kv_dead_ms;
     tp.secret = w->secret.key; /* the KV link proves the cluster secret too */
@@ -428,6 +430,7 @@ static int64_t queued_prefill_tokens(cs_worker *w, int32_t *n_requests) {
 static void prefill_status(cs_worker *w, Chunkserve__V1__WorkerStatus *st) {
     prefill *p = w->role_data;
     cs_worker_kv_status(w, p->tx ? cs_kvx_tx_payload(p->tx) : CS_KVX_PAYLOAD_TCP, st);
+    st->kv_sender = p->kv_sender;
     int32_t n;
     st->queued_prefill_tokens = queued_prefill_tokens(w, &n);
     if (st->num_running + st->num_waiting < n) st->num_waiting = n - st->num_running;

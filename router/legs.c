@@ -225,6 +225,9 @@ void cs__leg_start_decode(req *q, cs_pool_worker *dw, bool first) {
     m.rng_state = rng_of(q, &rng);
     m.local_prefill = q->local;
     m.lease_ms = (int32_t)r->o->lease_ms;
+    /* the decode worker takes this transfer's pages only from the prefill
+     * worker chosen for it (by the name its KV channel authenticates as) */
+    m.kv_sender = (char *)(q->pw && !q->local ? cs_pool_worker_kv_sender(q->pw) : "");
     cs_rpc_call_opts o = {.timeout_ms = cs__req_ms_left(q)};
     /* The wall-clock time of the client call's receipt, on the first attempt:
      * the decode worker measures receipt-to-receipt (same host or synced

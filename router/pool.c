@@ -109,6 +109,7 @@ struct cs_pool_worker {
     int32_t page_size, pages_free, pages_total, running, waiting;
     int64_t queued_prefill;
     char *kv_endpoint;
+    char *kv_sender; /* prefill: the name its KV channels authenticate as */
     int kv_transport;
     uint64_t kv_layout;    /* the KV layout fingerprint it reported (0: unknown) */
     int32_t pages_placed;  /* since that status */
@@ -179,6 +180,7 @@ void cs_pool_worker_unref(cs_pool_worker *w) {
     free(w->addr);
     free(w->worker_id);
     free(w->kv_endpoint);
+    free(w->kv_sender);
     free(w);
     p->n_worker_objs--;
     pool_maybe_free(p);
@@ -193,6 +195,10 @@ const char *cs_pool_worker_addr(const cs_pool_worker *w) {
 const char *cs_pool_worker_id(const cs_pool_worker *w) {
     return w->worker_id ? w->worker_id : "";
 }
+const char *cs_pool_worker_kv_sender(const cs_pool_worker *w) {
+    return w->kv_sender ? w->kv_sender : "";
+}
+
 const char *cs_pool_worker_kv_endpoint(const cs_pool_worker *w) {
     return w->kv_endpoint ? w->kv_endpoint : "";
 }
@@ -301,6 +307,10 @@ static void apply_status(cs_pool_worker *w, const Chunkserve__V1__WorkerStatus *
     if (!w->worker_id || strcmp(w->worker_id, s->worker_id)) {
         char *id = strdup(s->worker_id);
         if (id) free(w->worker_id), w->worker_id = id;
+    }
+    if (!w->kv_sender || strcmp(w->kv_sender, s->kv_sender)) {
+        char *e = strdup(s->kv_sender);
+        if (e) free(w->kv_sender), w->kv_sender = e;
     }
     if (!w->kv_endpoint || strcmp(w->kv_endpoint, s->kv_endpoint)) {
         char *e = strdup(s->kv_endpoint);

@@ -144,6 +144,8 @@ cs_rpc_channel *cs_pool_worker_channel(const cs_pool_worker *w);
 const char *cs_pool_worker_addr(const cs_pool_worker *w);
 const char *cs_pool_worker_id(const cs_pool_worker *w);
 const char *cs_pool_worker_kv_endpoint(const cs_pool_worker *w);
+/* A prefill worker's KV sender name ("" until its status said it). */
+const char *cs_pool_worker_kv_sender(const cs_pool_worker *w);
 int cs_pool_worker_kv_transport(const cs_pool_worker *w);
 
 /* A call on the worker failed in a way that suggests the worker is gone

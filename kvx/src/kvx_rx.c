@@ -111,8 +111,9 @@ typedef struct rx_xfer {
     int32_t *ids;
     int32_t n_pages, described, landed, inflight;
     int64_t deadline;
-    rx_conn *conn; /* bound on the first frame */
-    int fail;      /* set by cs_kvx_rx_cancel */
+    rx_conn *conn;                /* bound on the first frame */
+    char sender[CS_KVX_NAME_MAX]; /* "" = any authenticated sender */
+    int fail;                     /* set by cs_kvx_rx_cancel */
     cs_kvx_done_fn done;
     void *arg;
     uint64_t digest; /* fold of the chunk checksums, in order */
@@ -541,6 +542,14 @@ static bool frame_admissible(cs_kvx_rx *rx, rx_conn *c, const cs_kvx_hdr *h) {
 static rx_xfer *frame_xfer(cs_kvx_rx *rx, rx_conn *c, const cs_kvx_hdr *h, bool *dropped) {
     *dropped = false;
     rx_xfer *x = find_xfer(rx, h->xfer_id);
+    char err[256];
+    if (x && !x->conn && x->sender[0] && strcmp(x->sender, c->name) != 0) {
+        snprintf(err, sizeof err, "%s frame for transfer %llu from %s; it is expected from %s",
+                 cs_kvx_frame_type_name(h->type), (unsigned long long)h->xfer_id, c->name,
+                 x->sender);
+        conn_fail(rx, c, CS_EPROTO, err, true);
+        return NULL;
+    }
     if (x && (!x->conn || x->conn == c)) {
         x->conn = c;
         return x;
@@ -551,7 +560,6 @@ static rx_xfer *frame_xfer(cs_kvx_rx *rx, rx_conn *c, const cs_kvx_hdr *h, bool 
         *dropped = true;
         return NULL;
     }
-    char err[256];
     snprintf(err, sizeof err, "%s frame for %s transfer %llu", cs_kvx_frame_type_name(h->type),
              x ? "another channel's" : "unknown", (unsigned long long)h->xfer_id);
     conn_fail(rx, c, CS_EPROTO, err, true);
@@ -1302,8 +1310,8 @@ int cs_kvx_rx_payload(const cs_kvx_rx *rx) {
     return rx->pl->kind;
 }
 
-int cs_kvx_rx_expect(cs_kvx_rx *rx, uint64_t xfer_id, const int32_t *page_ids, int32_t n_pages,
-                     int32_t deadline_ms, cs_kvx_done_fn done, void *arg) {
+int cs_kvx_rx_expect(cs_kvx_rx *rx, uint64_t xfer_id, const char *sender, const int32_t *page_ids,
+                     int32_t n_pages, int32_t deadline_ms, cs_kvx_done_fn done, void *arg) {
     if (!page_ids || n_pages < 1 || deadline_ms <= 0 || !done || xfer_id == 0)
         return cs_fail(CS_EINVAL,
                        "kvx rx: bad expectation (id != 0, n_pages >= 1, deadline_ms > 0, done)");
@@ -1320,6 +1328,7 @@ int cs_kvx_rx_expect(cs_kvx_rx *rx, uint64_t xfer_id, const int32_t *page_ids, i
     }
     memcpy(ids, page_ids, (size_t)n_pages * sizeof *ids);
     x->id = xfer_id;
+    if (sender) snprintf(x->sender, sizeof x->sender, "%s", sender);
     x->ids = ids;
     x->n_pages = n_pages;
     x->deadline = cs__kvx_now_ms() + deadline_ms;

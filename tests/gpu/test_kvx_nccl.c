@@ -218,7 +218,7 @@ static void run_receiver(int scenario, int port, int wfd) {
     cs_kvx_rx *rx = rx_make(pool, port);
     waiter_init(&w_done);
     for (int k = 0; k < n; k++)
-        if (cs_kvx_rx_expect(rx, list[k]->id, list[k]->dst, list[k]->n, 150000, waiter_done,
+        if (cs_kvx_rx_expect(rx, list[k]->id, NULL, list[k]->dst, list[k]->n, 150000, waiter_done,
                              &w_done))
             FAILX("expect: %s", cs_last_error());
     say(wfd, 'P', cs_kvx_rx_port(rx));

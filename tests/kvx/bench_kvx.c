@@ -72,7 +72,7 @@ static double bench_kvx(cs_kvx_tx *tx, cs_kvx_rx *rx, int32_t n_pages, uint64_t 
     waiter_init(&rw);
     waiter_init(&tw);
     double t0 = now_s();
-    ASSERT_EQ_INT(cs_kvx_rx_expect(rx, id, ids, n_pages, 60000, waiter_done, &rw), 0);
+    ASSERT_EQ_INT(cs_kvx_rx_expect(rx, id, NULL, ids, n_pages, 60000, waiter_done, &rw), 0);
     ASSERT_EQ_INT(
         cs_kvx_tx_begin(tx, "127.0.0.1", cs_kvx_rx_port(rx), id, n_pages, 60000, waiter_done, &tw),
         0);

@@ -4,7 +4,8 @@
  * sender's name, epoch UINT64_MAX, an empty key) neither opens a channel nor
  * fences the real sender, frames before the handshake close their
  * connection before any page is written, and a trailer whose MAC is not the
- * session's fails its transfer. Throughout, a legitimate transfer completes
+ * session's fails its transfer; a transfer expected from one sender takes no
+ * page from another. Throughout, a legitimate transfer completes
  * with the right bytes. */
 #include <signal.h>
 #include <stdio.h>
@@ -76,7 +77,7 @@ int main(void) {
 
     /* 1. A sender of another cluster: refused at the handshake (it finds
      * the receiver's proof wrong); the reservation is untouched. */
-    ASSERT_EQ_INT(cs_kvx_rx_expect(rx, 1, ids, 4, 20000, waiter_done, &w), 0);
+    ASSERT_EQ_INT(cs_kvx_rx_expect(rx, 1, NULL, ids, 4, 20000, waiter_done, &w), 0);
     cs_kvx_tx *bad = sender("prefill-x", OTHER);
     ASSERT_EQ_INT(transfer(bad, port, 1, 4), CS_ECONNREFUSED);
     cs_kvx_tx_free(bad);
@@ -113,7 +114,7 @@ int main(void) {
     /* 4. A trailer whose MAC is not the session's (a peer that holds the
      * secret but splices a trailer): the transfer fails, nothing else. */
     memset(rx_pool, 0, (size_t)NP * PB);
-    ASSERT_EQ_INT(cs_kvx_rx_expect(rx, 2, ids, 1, 20000, waiter_done, &w), 0);
+    ASSERT_EQ_INT(cs_kvx_rx_expect(rx, 2, NULL, ids, 1, 20000, waiter_done, &w), 0);
     fd = raw_connect(port);
     uint8_t session[32];
     ASSERT_TRUE(raw_hello_key(fd, &L, "raw-insider", 77, SECRET, strlen(SECRET), session));
@@ -133,7 +134,7 @@ int main(void) {
     ASSERT_EQ_INT(waiter_status(&w, 2), CS_EBADMSG);
     ASSERT_MSG_HAS(w.msg[nd - 1], "MAC");
     /* the same with the session's MAC completes */
-    ASSERT_EQ_INT(cs_kvx_rx_expect(rx, 3, ids, 1, 20000, waiter_done, &w), 0);
+    ASSERT_EQ_INT(cs_kvx_rx_expect(rx, 3, NULL, ids, 1, 20000, waiter_done, &w), 0);
     fd = raw_connect(port);
     ASSERT_TRUE(raw_hello_key(fd, &L, "raw-insider", 78, SECRET, strlen(SECRET), session));
     raw_frame(fd, CS_KVX_PAGES, 78, 3, 0, 1, fp, tx_pool, PB, true);
@@ -144,8 +145,20 @@ int main(void) {
     close(fd);
     fprintf(stderr, "trailer MAC: a wrong one fails the transfer, the session's completes\n");
 
-    /* 5. The real channel survived all of it. */
-    ASSERT_EQ_INT(cs_kvx_rx_expect(rx, 4, ids, 8, 20000, waiter_done, &w), 0);
+    /* 5. A transfer expected from prefill-0: another authenticated sender's
+     * pages for it close that sender's channel and leave it waiting. */
+    memset(rx_pool, 0, (size_t)NP * PB);
+    ASSERT_EQ_INT(cs_kvx_rx_expect(rx, 4, "prefill-0", ids, 8, 20000, waiter_done, &w), 0);
+    fd = raw_connect(port);
+    ASSERT_TRUE(raw_hello_key(fd, &L, "raw-insider", 79, SECRET, strlen(SECRET), NULL));
+    raw_frame(fd, CS_KVX_PAGES, 79, 4, 0, 1, fp, rx_pool + PB, PB, true);
+    ASSERT_TRUE(raw_closed_by_peer(fd));
+    close(fd);
+    ASSERT_EQ_INT(waiter_status(&w, 4), 1); /* still pending */
+    ASSERT_TRUE(pages_are(rx_pool, 8, 0));
+    fprintf(stderr, "a transfer's pages from another sender than the expected one: refused\n");
+
+    /* 6. The real channel survived all of it and delivers the transfer. */
     ASSERT_EQ_INT(transfer(good, port, 4, 8), 0);
     ASSERT_TRUE(waiter_wait(&w, ++nd, 5000));
     ASSERT_EQ_INT(waiter_status(&w, 4), 0);

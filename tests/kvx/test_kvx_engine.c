@@ -102,7 +102,7 @@ static void xfer_open(xfer *x, uint64_t id, int32_t n, recv_side *r, cs_kvx_tx *
                page_bytes);
     }
     ASSERT_EQ_INT(cs_kv_cache_alloc_pages(cs_engine_kv(r->e), n, x->ids), 0);
-    ASSERT_EQ_INT(cs_kvx_rx_expect(r->rx, id, x->ids, n, 20000, waiter_done, &r->w), 0);
+    ASSERT_EQ_INT(cs_kvx_rx_expect(r->rx, id, NULL, x->ids, n, 20000, waiter_done, &r->w), 0);
     ASSERT_EQ_INT(
         cs_kvx_tx_begin(tx, "127.0.0.1", cs_kvx_rx_port(r->rx), id, n, 20000, waiter_done, tw), 0);
 }
@@ -298,7 +298,7 @@ int main(void) {
         x.sids[i] = src_perm[src_next++ % NSRC];
     ASSERT_EQ_INT(cs_kv_cache_alloc_pages(cs_engine_kv(r[0].e), 40, x.ids), 0);
     int64_t t0 = test_now_ms();
-    ASSERT_EQ_INT(cs_kvx_rx_expect(r[0].rx, x.id, x.ids, 40, 300, waiter_done, &r[0].w), 0);
+    ASSERT_EQ_INT(cs_kvx_rx_expect(r[0].rx, x.id, NULL, x.ids, 40, 300, waiter_done, &r[0].w), 0);
     ASSERT_EQ_INT(cs_kvx_tx_begin(tx, "127.0.0.1", cs_kvx_rx_port(r[0].rx), x.id, 40, 10000,
                                   waiter_done, &tw),
                   0);
@@ -314,7 +314,8 @@ int main(void) {
     t0 = test_now_ms();
     int32_t one_id;
     ASSERT_EQ_INT(cs_kv_cache_alloc_pages(cs_engine_kv(r[0].e), 1, &one_id), 0);
-    ASSERT_EQ_INT(cs_kvx_rx_expect(r[0].rx, x.id, &one_id, 1, 10000, waiter_done, &r[0].w), 0);
+    ASSERT_EQ_INT(cs_kvx_rx_expect(r[0].rx, x.id, NULL, &one_id, 1, 10000, waiter_done, &r[0].w),
+                  0);
     ASSERT_EQ_INT(
         cs_kvx_tx_begin(tx, "127.0.0.1", cs_kvx_rx_port(r[0].rx), x.id, 1, 200, waiter_done, &tw),
         0);

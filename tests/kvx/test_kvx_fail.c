@@ -87,7 +87,7 @@ static void child_receiver(int port) {
     waiter w;
     waiter_init(&w);
     for (uint64_t id = 1; id <= 4; id++)
-        cs_kvx_rx_expect(rx, id, ids, 64, 30000, waiter_done, &w);
+        cs_kvx_rx_expect(rx, id, NULL, ids, 64, 30000, waiter_done, &w);
     waiter_wait(&w, 4, 30000);
     _exit(w.status[0] == 0 ? 0 : 5);
 }
@@ -116,7 +116,7 @@ int main(void) {
     /* 1. Sender killed mid-transfer: the receiver fails the transfer at once
      * (EOF), long before its 20 s deadline. */
     uint64_t inc1 = 1000, inc2 = 2000;
-    ASSERT_EQ_INT(cs_kvx_rx_expect(rx, 1, ids, 64, 20000, waiter_done, &w), 0);
+    ASSERT_EQ_INT(cs_kvx_rx_expect(rx, 1, NULL, ids, 64, 20000, waiter_done, &w), 0);
     pid_t pid = fork();
     if (pid == 0) child_sender(port, 1, 64, true, inc1);
     while (landed(rx) < 5)
@@ -131,7 +131,7 @@ int main(void) {
     ASSERT_TRUE(test_now_ms() - t0 < 2000);
 
     /* 2. The restarted sender (new incarnation) connects and completes. */
-    ASSERT_EQ_INT(cs_kvx_rx_expect(rx, 2, ids, 64, 20000, waiter_done, &w), 0);
+    ASSERT_EQ_INT(cs_kvx_rx_expect(rx, 2, NULL, ids, 64, 20000, waiter_done, &w), 0);
     pid = fork();
     if (pid == 0) child_sender(port, 2, 64, false, inc2);
     int cst;
@@ -147,7 +147,7 @@ int main(void) {
     raw_hello(fd, &L, "prefill-0", inc1);
     ASSERT_TRUE(raw_closed_by_peer(fd));
     close(fd);
-    ASSERT_EQ_INT(cs_kvx_rx_expect(rx, 3, ids, 4, 20000, waiter_done, &w), 0);
+    ASSERT_EQ_INT(cs_kvx_rx_expect(rx, 3, NULL, ids, 4, 20000, waiter_done, &w), 0);
     fd = raw_connect(port);
     raw_hello(fd, &L, "prefill-0", inc2 + 1);
     uint64_t fp = cs_kvx_layout_fingerprint(&L);
@@ -171,7 +171,7 @@ int main(void) {
     int nc = (int)(sizeof cases / sizeof *cases);
     for (int i = 0; i < nc; i++) {
         uint64_t id = 10 + (uint64_t)i;
-        ASSERT_EQ_INT(cs_kvx_rx_expect(rx, id, ids, 8, 20000, waiter_done, &w), 0);
+        ASSERT_EQ_INT(cs_kvx_rx_expect(rx, id, NULL, ids, 8, 20000, waiter_done, &w), 0);
         char name[32];
         snprintf(name, sizeof name, "raw-%d", i);
         fd = raw_connect(port);
@@ -230,7 +230,7 @@ int main(void) {
         fprintf(stderr, "%s: rejected, channel closed\n", cases[i].what);
     }
     /* ... and a good sender is unaffected by all of it. */
-    ASSERT_EQ_INT(cs_kvx_rx_expect(rx, 50, ids, 64, 20000, waiter_done, &w), 0);
+    ASSERT_EQ_INT(cs_kvx_rx_expect(rx, 50, NULL, ids, 64, 20000, waiter_done, &w), 0);
     pid = fork();
     if (pid == 0) child_sender(port, 50, 64, false, inc2 + 5);
     waitpid(pid, &cst, 0);

@@ -255,7 +255,7 @@ static void waiters_reset(void) {
 }
 
 static void begin(cs_kvx_tx *tx, cs_kvx_rx *rx, const xf *x, int32_t deadline_ms) {
-    ASSERT_EQ_INT(cs_kvx_rx_expect(rx, x->id, x->dst, x->n, deadline_ms, waiter_done, wr), 0);
+    ASSERT_EQ_INT(cs_kvx_rx_expect(rx, x->id, NULL, x->dst, x->n, deadline_ms, waiter_done, wr), 0);
     ASSERT_EQ_INT(cs_kvx_tx_begin(tx, "127.0.0.1", cs_kvx_rx_port(rx), x->id, x->n, deadline_ms,
                                   waiter_done, wt),
                   0);
@@ -376,7 +376,7 @@ static void test_abort_cancel_deadline(void) {
     ASSERT_EQ_INT(waiter_status(wt, b.id), CS_ECANCELED);
     /* sender deadline: ABORT reaches the receiver */
     xf_make(&d, 2004, 10);
-    ASSERT_EQ_INT(cs_kvx_rx_expect(rx, d.id, d.dst, d.n, 20000, waiter_done, wr), 0);
+    ASSERT_EQ_INT(cs_kvx_rx_expect(rx, d.id, NULL, d.dst, d.n, 20000, waiter_done, wr), 0);
     ASSERT_EQ_INT(
         cs_kvx_tx_begin(tx, "127.0.0.1", cs_kvx_rx_port(rx), d.id, d.n, 200, waiter_done, wt), 0);
     xf_send(tx, &d, 3);
@@ -385,7 +385,7 @@ static void test_abort_cancel_deadline(void) {
     ASSERT_EQ_INT(waiter_status(wr, d.id), CS_ECANCELED);
     /* receiver deadline */
     int32_t ids[4] = {1, 2, 3, 4};
-    ASSERT_EQ_INT(cs_kvx_rx_expect(rx, 2005, ids, 4, 150, waiter_done, wr), 0);
+    ASSERT_EQ_INT(cs_kvx_rx_expect(rx, 2005, NULL, ids, 4, 150, waiter_done, wr), 0);
     ASSERT_TRUE(waiter_wait(wr, 4, 5000));
     ASSERT_EQ_INT(waiter_status(wr, 2005), CS_ETIMEDOUT);
     /* the channel and its communicator still work, ops still matched */
@@ -535,7 +535,7 @@ static void test_mixups(void) {
     cs_kvx_rx_free(trx);
     /* bad arguments */
     int32_t bad = NPOOL;
-    ASSERT_EQ_INT(cs_kvx_rx_expect(rx, 4004, &bad, 1, 1000, waiter_done, wr), CS_EINVAL);
+    ASSERT_EQ_INT(cs_kvx_rx_expect(rx, 4004, NULL, &bad, 1, 1000, waiter_done, wr), CS_EINVAL);
     ASSERT_EQ_INT(
         cs_kvx_tx_begin(tx, "127.0.0.1", cs_kvx_rx_port(rx), 4004, 1, 1000, waiter_done, wt), 0);
     ASSERT_EQ_INT(cs_kvx_tx_send_pages(tx, 4004, 0, 1, &bad, NULL, NULL), CS_EINVAL);

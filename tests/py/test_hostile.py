@@ -333,6 +333,7 @@ def test_forged_hello_and_pages_into_a_live_reservation(cl, pb):
         timeout=60, metadata=rpc_token(SECRET))
     assert next(call).WhichOneof("event") == "admitted"
     fp = st.kv_layout_fingerprint
+    assert cl.status(cl.prefill[0]).kv_sender  # the name the router tells the decode side
     for name in (b"prefill-0", cl.status(cl.prefill[0]).worker_id.encode()):
         s = socket.create_connection((host, int(port)), timeout=5)
         hello = layout + name[:63].ljust(64, b"\0") + os.urandom(16)

@@ -250,14 +250,16 @@ uint64_t cs_kvx_rx_incarnation(const cs_kvx_rx *rx);
 int cs_kvx_rx_payload(const cs_kvx_rx *rx); /* enum cs_kvx_payload */
 
 /* Expects transfer xfer_id into the n_pages reserved page ids of the pool
- * (copied). Pages are written only between this call and done: done runs
- * after the last write into them finished (NCCL: on the device), also on
+ * (copied), from the authenticated sender named sender (NULL or "": any
+ * authenticated sender; a frame of it from another is a protocol error that
+ * closes that channel and leaves the transfer waiting). Pages are written only between this call
+ * and done: done runs after the last write into them finished (NCCL: on the device), also on
  * failure, so the caller may free them at once. deadline_ms: relative, > 0:
  * past it the transfer fails with CS_ETIMEDOUT. done is called exactly once
  * unless this returns an error: CS_EINVAL (an id outside the pool),
  * CS_EEXIST, CS_ENOMEM. */
-int cs_kvx_rx_expect(cs_kvx_rx *rx, uint64_t xfer_id, const int32_t *page_ids, int32_t n_pages,
-                     int32_t deadline_ms, cs_kvx_done_fn done, void *arg);
+int cs_kvx_rx_expect(cs_kvx_rx *rx, uint64_t xfer_id, const char *sender, const int32_t *page_ids,
+                     int32_t n_pages, int32_t deadline_ms, cs_kvx_done_fn done, void *arg);
 /* Fails the transfer with CS_ECANCELED (done runs on the I/O thread soon
  * after) and tells the sender. CS_ENOENT when it is not pending. */
 int cs_kvx_rx_cancel(cs_kvx_rx *rx, uint64_t xfer_id);
