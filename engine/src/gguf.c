@@ -128,6 +128,18 @@ static bool str_eq(cs_gguf_str s, const char *z) {
     return s.len == n && memcmp(s.ptr, z, n) == 0;
 }
 
+static const char *kv_name(const void *ctx, size_t i, size_t *len) {
+    const cs_gguf *g = ctx;
+    *len = g->kv[i].key.len;
+    return g->kv[i].key.ptr;
+}
+
+static const char *tensor_name(const void *ctx, size_t i, size_t *len) {
+    const cs_gguf *g = ctx;
+    *len = g->tensors[i].name.len;
+    return g->tensors[i].name.ptr;
+}
+
 int cs__gguf_open(const char *path, cs_gguf *g) {
     memset(g, 0, sizeof *g);
     int r = cs__map_file(path, &g->file);
@@ -175,14 +187,6 @@ int cs__gguf_open(const char *path, cs_gguf *g) {
             r = cs_fail(CS_EBADMSG, "gguf: %s: key '%.*s' has unknown type %u", path,
                         (int)kv->key.len, kv->key.ptr, t);
             goto fail;
-        }
-        for (uint64_t j = 0; j < i; j++) {
-            if (g->kv[j].key.len == kv->key.len &&
-                !memcmp(g->kv[j].key.ptr, kv->key.ptr, kv->key.len)) {
-                r = cs_fail(CS_EBADMSG, "gguf: %s: duplicate key '%.*s'", path, (int)kv->key.len,
-                            kv->key.ptr);
-                goto fail;
-            }
         }
         kv->type = (enum cs_gguf_type)t;
         if (t == CS_GGUF_ARRAY) {
@@ -264,14 +268,24 @@ int cs__gguf_open(const char *path, cs_gguf *g) {
                         g->alignment);
             goto fail;
         }
-        for (uint64_t j = 0; j < i; j++) {
-            if (g->tensors[j].name.len == t->name.len &&
-                !memcmp(g->tensors[j].name.ptr, t->name.ptr, t->name.len)) {
-                r = cs_fail(CS_EBADMSG, "gguf: %s: duplicate tensor '%.*s'", path, (int)t->name.len,
-                            t->name.ptr);
-                goto fail;
-            }
-        }
+    }
+    /* duplicate keys and tensor names: O(n), so a header of a million names
+     * costs milliseconds, not hours */
+    int64_t dk = cs__first_duplicate((size_t)g->n_kv, kv_name, g);
+    int64_t dt = dk == -1 ? cs__first_duplicate((size_t)g->n_tensors, tensor_name, g) : -1;
+    if (dk == CS_DUP_NOMEM || dt == CS_DUP_NOMEM) {
+        r = cs_fail(CS_ENOMEM, "gguf: %s: out of memory", path);
+        goto fail;
+    }
+    if (dk >= 0) {
+        r = cs_fail(CS_EBADMSG, "gguf: %s: duplicate key '%.*s'", path, (int)g->kv[dk].key.len,
+                    g->kv[dk].key.ptr);
+        goto fail;
+    }
+    if (dt >= 0) {
+        r = cs_fail(CS_EBADMSG, "gguf: %s: duplicate tensor '%.*s'", path,
+                    (int)g->tensors[dt].name.len, g->tensors[dt].name.ptr);
+        goto fail;
     }
 
     size_t hdr = (size_t)(c.p - g->file.data);

@@ -34,6 +34,12 @@ static int json_uint(const cJSON *j, uint64_t *out) {
     return 0;
 }
 
+static const char *st_name(const void *ctx, size_t i, size_t *len) {
+    const cs_st_set *set = ctx;
+    *len = strlen(set->tensors[i].name);
+    return set->tensors[i].name;
+}
+
 static int add_file(const char *path, cs_st_set *set) {
     cs_mapped_file mf;
     int r = cs__map_file(path, &mf);
@@ -130,10 +136,6 @@ static int add_file(const char *path, cs_st_set *set) {
                 path, nm, (unsigned long long)(e - b), want);
             goto fail;
         }
-        if (cs__st_find(set, nm)) {
-            r = cs_fail(CS_EBADMSG, "safetensors: %s: tensor '%s' appears twice", path, nm);
-            goto fail;
-        }
         t->name = strdup(nm);
         if (!t->name) {
             r = cs_fail(CS_ENOMEM, "safetensors: out of memory");
@@ -142,7 +144,18 @@ static int add_file(const char *path, cs_st_set *set) {
         t->data = buf + b;
         t->nbytes = (size_t)(e - b);
         n_new++;
-        set->n_tensors++; /* visible to cs__st_find for the duplicate check */
+        set->n_tensors++;
+    }
+    /* a name twice, in this file or across the set's files: O(n) */
+    int64_t dup = cs__first_duplicate((size_t)set->n_tensors, st_name, set);
+    if (dup == CS_DUP_NOMEM) {
+        r = cs_fail(CS_ENOMEM, "safetensors: out of memory");
+        goto fail;
+    }
+    if (dup >= 0) {
+        r = cs_fail(CS_EBADMSG, "safetensors: %s: tensor '%s' appears twice", path,
+                    set->tensors[dup].name);
+        goto fail;
     }
     cs_mapped_file *files = realloc(set->files, (size_t)(set->n_files + 1) * sizeof *files);
     if (!files) {

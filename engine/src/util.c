@@ -1,4 +1,4 @@
-/* util.c: the engine's file helpers (mapping, reading). */
+/* util.c: the engine's file helpers (mapping, reading, duplicate names). */
 #include "util.h"
 
 #include <errno.h>
@@ -9,6 +9,7 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include <xxhash.h>
 
 int cs__map_file(const char *path, cs_mapped_file *out) {
     out->data = NULL;
@@ -79,4 +80,34 @@ int cs__read_file(const char *path, char **out, size_t *len) {
     *out = buf;
     if (len) *len = n;
     return 0;
+}
+
+int64_t cs__first_duplicate(size_t n, const char *(*name)(const void *ctx, size_t i, size_t *len),
+                            const void *ctx) {
+    size_t cap = 16;
+    while (cap < 2 * n)
+        cap *= 2;
+    int64_t *slot = malloc(cap * sizeof *slot); /* entry index + 1, 0 = empty */
+    if (!slot) return CS_DUP_NOMEM;
+    memset(slot, 0, cap * sizeof *slot);
+    int64_t dup = -1;
+    for (size_t i = 0; i < n && dup < 0; i++) {
+        size_t len;
+        const char *s = name(ctx, i, &len);
+        size_t h = (size_t)XXH3_64bits(s, len) & (cap - 1);
+        for (;; h = (h + 1) & (cap - 1)) {
+            if (!slot[h]) {
+                slot[h] = (int64_t)i + 1;
+                break;
+            }
+            size_t ol;
+            const char *o = name(ctx, (size_t)slot[h] - 1, &ol);
+            if (ol == len && !memcmp(o, s, len)) {
+                dup = (int64_t)i;
+                break;
+            }
+        }
+    }
+    free(slot);
+    return dup;
 }

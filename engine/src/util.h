@@ -28,6 +28,14 @@ typedef struct {
 int cs__map_file(const char *path, cs_mapped_file *out);
 void cs__unmap_file(cs_mapped_file *f);
 
+/* Duplicate names in a file's table (GGUF keys and tensors, safetensors
+ * tensors), in O(n) with a hash set: name(ctx, i, &len) gives entry i.
+ * Returns the index of the first entry equal to an earlier one, -1 when all
+ * differ, or CS_ENOMEM (as -2) when the set cannot be allocated. */
+#define CS_DUP_NOMEM (-2)
+int64_t cs__first_duplicate(size_t n, const char *(*name)(const void *ctx, size_t i, size_t *len),
+                            const void *ctx);
+
 /* Read a whole (small) file into a NUL-terminated malloc'd buffer. */
 int cs__read_file(const char *path, char **out, size_t *len);
 

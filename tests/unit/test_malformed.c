@@ -8,6 +8,7 @@
 
 #include "chunkserve/model.h"
 #include "gguf.h"
+#include "util.h"
 #include "test.h"
 
 static uint8_t *orig;
@@ -72,6 +73,27 @@ static void put_u64(uint8_t *b, size_t off, uint64_t v) {
     memcpy(b + off, &v, 8);
 }
 
+/* cs__first_duplicate: a table of 300,000 names (O(n): instant; the old
+ * pairwise check took minutes), the first repeat found, NULL-free. */
+static char dup_names[300000][16];
+static const char *dup_name(const void *ctx, size_t i, size_t *len) {
+    (void)ctx;
+    *len = strlen(dup_names[i]);
+    return dup_names[i];
+}
+static void duplicate_cases(void) {
+    size_t n = sizeof dup_names / sizeof dup_names[0];
+    for (size_t i = 0; i < n; i++)
+        snprintf(dup_names[i], sizeof dup_names[i], "t.%zu", i);
+    ASSERT_EQ_INT(cs__first_duplicate(n, dup_name, NULL), -1);
+    ASSERT_EQ_INT(cs__first_duplicate(0, dup_name, NULL), -1);
+    snprintf(dup_names[n - 1], sizeof dup_names[0], "t.%d", 123);
+    ASSERT_EQ_INT(cs__first_duplicate(n, dup_name, NULL), (int64_t)(n - 1));
+    snprintf(dup_names[7], sizeof dup_names[0], "t.%d", 5);
+    ASSERT_EQ_INT(cs__first_duplicate(n, dup_name, NULL), 7);
+    printf("duplicate names: found in O(n) over %zu names\n", n);
+}
+
 static void gguf_cases(const char *src) {
     orig = read_all(src, &orig_size);
     uint8_t *b = malloc(orig_size);
@@ -104,6 +126,9 @@ static void gguf_cases(const char *src) {
     expect("misaligned tensor", b, orig_size, CS_EBADMSG, "aligned");
     memcpy(b, orig, orig_size), put_u32(b, q, 9);
     expect("too many dimensions", b, orig_size, CS_EBADMSG, "dimensions");
+    size_t kt = tensor_info_offset(&g, "blk.0.attn_k.weight");
+    memcpy(b, orig, orig_size), b[kt - 8] = 'q'; /* "blk.0.attn_q.weight" twice */
+    expect("duplicate tensor", b, orig_size, CS_EBADMSG, "duplicate tensor 'blk.0.attn_q.weight'");
 
     size_t name = key_offset(&g, "general.name");
     memcpy(b, orig, orig_size),
@@ -220,6 +245,12 @@ static void hf_cases(const char *src, const char *tmp) {
     CASE("st: shape vs bytes", CS_EBADMSG, "bytes");
     write_all(p, st, n);
     ASSERT_EQ_INT(load_dir(dir), 0);
+    char p2[2048]; /* the same tensors again in a second shard */
+    snprintf(p2, sizeof p2, "%s/model-2.safetensors", dir);
+    write_all(p2, st, n);
+    CASE("st: tensor in two shards", CS_EBADMSG, "appears twice");
+    unlink(p2);
+    ASSERT_EQ_INT(load_dir(dir), 0);
 
     write_text(dir, "config.json", "{\"model_type\": \"llama\", \"vocab_size\": 512}");
     CASE("config: missing key", CS_EBADMSG, "hidden_size");
@@ -250,6 +281,7 @@ int main(void) {
     snprintf(tmp_path, sizeof tmp_path, "%s/malformed-%d.gguf", tmp, (int)getpid());
     char src[1024];
     snprintf(src, sizeof src, "%s/f32/tiny.gguf", tiny);
+    duplicate_cases();
     gguf_cases(src);
     unlink(tmp_path);
     snprintf(src, sizeof src, "%s/f32/tiny-hf", tiny);
