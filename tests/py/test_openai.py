@@ -631,14 +631,21 @@ def test_queue_full_is_429_with_retry_after(chunkserve_bin, tiny_model, pb):
 
 def test_sigterm_drains_http_streams(chunkserve_bin, tiny_model, pb):
     s = Serve(chunkserve_bin, tiny_model, pb, "--grace-ms", "20000")
-    stream = s.client.completions.create(model=s.model, prompt="x", max_tokens=3000, stream=True,
+    # the tiny model streams ~10k tokens/s on a quiet machine: the longest stream the
+    # context allows, and the refusal checked as soon as the signal is handled (no
+    # fixed sleep that the stream could outlast)
+    stream = s.client.completions.create(model=s.model, prompt="x", max_tokens=4000, stream=True,
                                          extra_body={"ignore_eos": True})
     it = iter(stream)
     next(it)
     s.proc.send_signal(signal.SIGTERM)
-    time.sleep(0.3)
     body = json.dumps({"model": s.model, "prompt": "x", "max_tokens": 2}).encode()
-    out = raw(s.http, post("/v1/completions", body))
+    t_end = time.monotonic() + 5
+    while True:
+        out = raw(s.http, post("/v1/completions", body))
+        if not out.startswith(b"HTTP/1.1 200") or time.monotonic() > t_end:
+            break
+        time.sleep(0.005)  # the signal not handled yet
     assert out.startswith(b"HTTP/1.1 503") and b"Retry-After:" in out, out[:300]
     n = 1 + sum(1 for _ in it)  # the open stream finishes within its grace
     assert n >= 2
