@@ -530,7 +530,9 @@ static void emit_items(cs_kvx_tx *tx, tx_chan *ch) {
             free(it);
             continue;
         }
-        /* trailer: every data frame of its transfer is ahead of it */
+        /* trailer: every data frame of its transfer is ahead of it; its MAC
+         * needs the session key */
+        if (!ch->authed) return;
         if (x) {
             cs_kvx_trailer_wire tw;
             memset(&tw, 0, sizeof tw);
