@@ -101,8 +101,14 @@ void cs_wire_model_init(cs_wire_model *wm, const cs_model *m, const char *path) 
     char *text = NULL;
     bool chat = cs_tokenizer_apply_chat(cs_model_tokenizer(m), &msg, 1, true, &text) == 0;
     free(text);
-    *wm = (cs_wire_model){m,    cfg->name[0] ? cfg->name : base, base, 0, 0,
-                          chat, cs_wire_max_prompt_bytes(m)};
+    *wm = (cs_wire_model){m,
+                          cfg->name[0] ? cfg->name : base,
+                          base,
+                          0,
+                          0,
+                          chat,
+                          cs_wire_max_prompt_bytes(m),
+                          cs_tokenizer_fingerprint(cs_model_tokenizer(m))};
 }
 
 void cs_wire_model_info(const cs_wire_model *wm, Chunkserve__V1__ModelInfo *mi) {
@@ -113,6 +119,8 @@ void cs_wire_model_info(const cs_wire_model *wm, Chunkserve__V1__ModelInfo *mi) 
     mi->vocab_size = cfg->n_vocab;
     mi->architecture = (char *)cfg->arch;
     mi->has_chat_template = wm->has_chat_template;
+    mi->fingerprint = cs_model_fingerprint(wm->model);
+    mi->tokenizer_fingerprint = wm->tokenizer_fingerprint;
 }
 
 void cs_wire_worker_status(const cs_wire_model *wm, const cs_sched_stats *st,

@@ -24,10 +24,12 @@ typedef struct {
     int32_t n_kv_pages, page_size;
     bool has_chat_template;
     size_t max_prompt_bytes; /* cs_wire_max_prompt_bytes(model) */
+    uint64_t tokenizer_fingerprint; /* cs_tokenizer_fingerprint, computed once */
 } cs_wire_model;
 
 /* Fills name (general.name, else the path's basename), alias (the basename),
- * has_chat_template and max_prompt_bytes for model m loaded from path;
+ * has_chat_template, max_prompt_bytes and tokenizer_fingerprint for model m
+ * loaded from path;
  * n_kv_pages and page_size are 0 (a process with an engine sets them).
  * The strings borrow from m and path. */
 void cs_wire_model_init(cs_wire_model *wm, const cs_model *m, const char *path);

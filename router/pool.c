@@ -319,20 +319,26 @@ static void apply_status(cs_pool_worker *w, const Chunkserve__V1__WorkerStatus *
     int want = w->role == CS_POOL_DECODE ? CHUNKSERVE__V1__WORKER_ROLE__WORKER_ROLE_DECODE
                                          : CHUNKSERVE__V1__WORKER_ROLE__WORKER_ROLE_PREFILL;
     bool role_ok = (int)s->role == want, first = !w->status_seq;
+    const Chunkserve__V1__ModelInfo *mi = s->model;
     bool model_ok =
-        !s->model || ((!p->o.expect_n_vocab || s->model->vocab_size == p->o.expect_n_vocab) &&
-                      (!p->o.expect_arch || !strcmp(s->model->architecture, p->o.expect_arch)) &&
-                      (!p->o.expect_ctx_len || s->model->context_length == p->o.expect_ctx_len));
+        mi && (!p->o.expect_n_vocab || mi->vocab_size == p->o.expect_n_vocab) &&
+        (!p->o.expect_arch || !strcmp(mi->architecture, p->o.expect_arch)) &&
+        (!p->o.expect_ctx_len || mi->context_length == p->o.expect_ctx_len) &&
+        (!p->o.expect_model_fp || mi->fingerprint == p->o.expect_model_fp) &&
+        (!p->o.expect_tokenizer_fp || mi->tokenizer_fingerprint == p->o.expect_tokenizer_fp);
     if (!role_ok && (first || w->role_ok))
         CS_LOGE("%s worker %s reports role %d: not a %s worker", role_name[w->role], w->addr,
                 (int)s->role, role_name[w->role]);
     if (!model_ok && (first || w->model_ok))
-        CS_LOGE("%s worker %s serves another model (%s, vocabulary %d, context %d); this router's "
-                "is %s, %d, %d",
-                role_name[w->role], w->addr, s->model ? s->model->architecture : "?",
-                s->model ? s->model->vocab_size : 0, s->model ? s->model->context_length : 0,
+        CS_LOGE("%s worker %s serves another model (%s, vocabulary %d, context %d, fingerprint "
+                "%016llx, tokenizer %016llx); this router's is %s, %d, %d, %016llx, %016llx: it "
+                "gets no requests",
+                role_name[w->role], w->addr, mi ? mi->architecture : "?", mi ? mi->vocab_size : 0,
+                mi ? mi->context_length : 0, mi ? (unsigned long long)mi->fingerprint : 0ull,
+                mi ? (unsigned long long)mi->tokenizer_fingerprint : 0ull,
                 p->o.expect_arch ? p->o.expect_arch : "?", p->o.expect_n_vocab,
-                p->o.expect_ctx_len);
+                p->o.expect_ctx_len, (unsigned long long)p->o.expect_model_fp,
+                (unsigned long long)p->o.expect_tokenizer_fp);
     w->role_ok = role_ok;
     w->model_ok = model_ok;
     w->ready = s->ready;

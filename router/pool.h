@@ -69,7 +69,9 @@ typedef struct {
     int32_t status_interval_ms;    /* GetStatus period per worker */
     int32_t expect_n_vocab;        /* a worker whose model has another vocabulary, */
     const char *expect_arch;       /* architecture */
-    int32_t expect_ctx_len;        /* or context length is unusable */
+    int32_t expect_ctx_len;        /* or context length is unusable, */
+    uint64_t expect_model_fp;      /* or another cs_model_fingerprint (0: not checked), */
+    uint64_t expect_tokenizer_fp;  /* or another tokenizer (0: not checked) */
     const char *rpc_token;         /* sent with every call (CS_RPC_TOKEN_KEY); NULL = none;
                                       must outlive the pool */
     /* Called after a status poll round in which some worker's status arrived

@@ -271,6 +271,8 @@ static int start(cs_proc *p, void *arg) {
         .expect_n_vocab = cfg->n_vocab,
         .expect_arch = cfg->arch,
         .expect_ctx_len = cfg->ctx_len,
+        .expect_model_fp = cs_model_fingerprint(r->model),
+        .expect_tokenizer_fp = r->wm.tokenizer_fingerprint,
         .rpc_token = r->secret.set ? r->secret.token : NULL,
         .on_change = cs__router_on_pool_change,
         .on_down = cs__router_on_worker_down,

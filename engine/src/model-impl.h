@@ -47,6 +47,9 @@ struct cs_model {
     size_t n_weights; /* floats in weights */
     size_t q_bytes;   /* bytes of the packed matrices */
     cs_tokenizer *tok;
+    uint64_t fp_tensors; /* the tensor table and samples of the bytes (cs__model_build) */
+    bool fp_has_tensors; /* whether the load saw the tensors (not a directory without weights) */
+    uint64_t fingerprint; /* cs_model_fingerprint, 0 = unknown */
 };
 
 /* A tensor as a format reader sees it; shape outermost first (PyTorch order). */

@@ -7,6 +7,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#define XXH_STATIC_LINKING_ONLY /* XXH3_state_t on the stack */
+#include <xxhash.h>
 
 #include "model-impl.h"
 #include "util.h"
@@ -246,6 +248,44 @@ out:
     return r;
 }
 
+static void fp_u64(XXH3_state_t *st, uint64_t v) {
+    uint8_t b[8];
+    for (int i = 0; i < 8; i++)
+        b[i] = (uint8_t)(v >> (8 * i));
+    XXH3_64bits_update(st, b, 8);
+}
+
+/* The tensor table and samples of each tensor's bytes (cs_model_fingerprint):
+ * role (spec, layer), type, shape, then 16 windows of 64 bytes spread evenly
+ * over the tensor (all of it up to 1 KiB), so a vocabulary-only load reads a
+ * few pages per tensor and a full load the same ones. */
+static uint64_t fingerprint_tensors(const cs_src_tensor *found, const bool *present, int n_layers,
+                                    const float *freq_factors, int32_t head_dim) {
+    enum { WINDOWS = 16, WINDOW = 64 };
+    XXH3_state_t state, *st = &state;
+    XXH3_64bits_reset(st);
+    XXH3_64bits_update(st, "chunkserve tensors v1", 21);
+    for (size_t i = 0; i < N_SPECS * (size_t)n_layers; i++) {
+        if (!present[i]) continue;
+        const cs_src_tensor *t = &found[i];
+        fp_u64(st, i), fp_u64(st, (uint64_t)t->type), fp_u64(st, (uint64_t)t->n_dims);
+        uint64_t n = 1;
+        for (int d = 0; d < t->n_dims; d++)
+            fp_u64(st, (uint64_t)t->shape[d]), n *= (uint64_t)t->shape[d];
+        size_t bytes = 0;
+        if (!t->data || !cs__dtype_nbytes(t->type, n, &bytes)) continue;
+        const uint8_t *p = t->data;
+        if (bytes <= WINDOWS * WINDOW) {
+            XXH3_64bits_update(st, p, bytes);
+            continue;
+        }
+        for (int w = 0; w < WINDOWS; w++)
+            XXH3_64bits_update(st, p + (bytes - WINDOW) / (WINDOWS - 1) * (size_t)w, WINDOW);
+    }
+    if (freq_factors) XXH3_64bits_update(st, freq_factors, (size_t)(head_dim / 2) * sizeof(float));
+    return XXH3_64bits_digest(st);
+}
+
 int cs__model_build(cs_model *m, const cs_tensor_source *src, const char *path) {
     cs_model_config *c = &m->cfg;
     int r = check_config(c, path);
@@ -316,6 +356,8 @@ int cs__model_build(cs_model *m, const cs_tensor_source *src, const char *path) 
         goto done;
     }
     c->qkv_bias = n_bias != 0;
+    m->fp_tensors = fingerprint_tensors(found, present, n_layers, src->rope_freq_factors, c->head_dim);
+    m->fp_has_tensors = true;
     if (src->shapes_only) {
         r = 0;
         goto done;
@@ -418,6 +460,27 @@ static int model_load(const char *path, bool vocab_only, cs_weight_mode mode, cs
         return r;
     }
     const cs_model_config *c = &m->cfg;
+    if (m->fp_has_tensors) { /* the configuration as loaded, the tensors, the tokenizer */
+        XXH3_state_t state, *st = &state;
+        XXH3_64bits_reset(st);
+        XXH3_64bits_update(st, "chunkserve model v1", 19);
+        XXH3_64bits_update(st, c->arch, strnlen(c->arch, sizeof c->arch));
+        const int32_t ints[] = {c->n_vocab,    c->dim,          c->n_layers,   c->n_heads,
+                                c->n_kv_heads, c->head_dim,     c->hidden_dim, c->ctx_len,
+                                c->rope_scaling, c->rope_orig_ctx, c->tied_embeddings, c->qkv_bias};
+        for (size_t i = 0; i < sizeof ints / sizeof *ints; i++)
+            fp_u64(st, (uint64_t)(uint32_t)ints[i]);
+        const float floats[] = {c->norm_eps, c->rope_theta, c->rope_factor, c->rope_low_freq_factor,
+                                c->rope_high_freq_factor};
+        for (size_t i = 0; i < sizeof floats / sizeof *floats; i++) {
+            uint32_t u;
+            memcpy(&u, &floats[i], 4);
+            fp_u64(st, u);
+        }
+        fp_u64(st, m->fp_tensors);
+        fp_u64(st, cs_tokenizer_fingerprint(m->tok));
+        m->fingerprint = XXH3_64bits_digest(st);
+    }
     char what[64];
     if (vocab_only)
         snprintf(what, sizeof what, "vocabulary only");
@@ -425,9 +488,10 @@ static int model_load(const char *path, bool vocab_only, cs_weight_mode mode, cs
         snprintf(what, sizeof what, "%.0f MiB %s", (double)cs_model_weight_bytes(m) / (1 << 20),
                  m->weight_desc);
     CS_LOGI("loaded %s (%s): %d layers, dim %d, %d/%d heads x %d, ffn %d, vocab %d, %s embeddings, "
-            "%s in %.2f s",
+            "%s, fingerprint %016llx in %.2f s",
             path, c->arch, c->n_layers, c->dim, c->n_heads, c->n_kv_heads, c->head_dim,
-            c->hidden_dim, c->n_vocab, c->tied_embeddings ? "tied" : "untied", what, cs_now() - t0);
+            c->hidden_dim, c->n_vocab, c->tied_embeddings ? "tied" : "untied", what,
+            (unsigned long long)m->fingerprint, cs_now() - t0);
     *out = m;
     return 0;
 }
@@ -474,6 +538,9 @@ const cs_model_config *cs_model_get_config(const cs_model *m) {
 }
 const cs_tokenizer *cs_model_tokenizer(const cs_model *m) {
     return m->tok;
+}
+uint64_t cs_model_fingerprint(const cs_model *m) {
+    return m->fingerprint;
 }
 size_t cs_model_weight_bytes(const cs_model *m) {
     return m->n_weights * sizeof(float) + m->q_bytes;

@@ -6,6 +6,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#define XXH_STATIC_LINKING_ONLY /* XXH3_state_t on the stack */
+#include <xxhash.h>
 
 #include "tokenizer-impl.h"
 #include "unicode.h"
@@ -404,6 +406,56 @@ void cs_tokenizer_free(cs_tokenizer *tok) {
 
 int32_t cs_tokenizer_n_vocab(const cs_tokenizer *tok) {
     return tok->n_vocab;
+}
+
+static void fp_i32(XXH3_state_t *st, int32_t v) {
+    uint8_t b[4] = {(uint8_t)v, (uint8_t)(v >> 8), (uint8_t)(v >> 16), (uint8_t)(v >> 24)};
+    XXH3_64bits_update(st, b, 4);
+}
+
+uint64_t cs_tokenizer_fingerprint(const cs_tokenizer *tok) {
+    XXH3_state_t state, *st = &state;
+    XXH3_64bits_reset(st);
+    XXH3_64bits_update(st, "chunkserve tokenizer v1", 23);
+    fp_i32(st, tok->n_vocab);
+    XXH3_64bits_update(st, tok->types, (size_t)tok->n_vocab);
+    XXH3_64bits_update(st, tok->attrs, (size_t)tok->n_vocab);
+    /* texts with their NULs: the boundaries count */
+    XXH3_64bits_update(st, tok->text, tok->text_off[tok->n_vocab]);
+    /* merges in rank order (the table's slot order depends on nothing else,
+     * but rank order is what defines the tokenizer) */
+    int32_t *by_rank = tok->n_merges ? malloc((size_t)tok->n_merges * 3 * sizeof *by_rank) : NULL;
+    CS_ASSERT(!tok->n_merges || by_rank);
+    for (int32_t i = 0; i < 3 * tok->n_merges; i++)
+        by_rank[i] = -1;
+    if (tok->merge_map)
+        for (size_t i = 0; i <= tok->merge_map_mask; i++) {
+            const struct cs__merge_slot *e = &tok->merge_map[i];
+            if (e->key == UINT64_MAX || e->rank < 0 || e->rank >= tok->n_merges) continue;
+            int32_t *d = by_rank + 3 * (size_t)e->rank;
+            d[0] = (int32_t)(e->key >> 32), d[1] = (int32_t)(uint32_t)e->key, d[2] = e->result;
+        }
+    for (int32_t i = 0; i < 3 * tok->n_merges; i++)
+        fp_i32(st, by_rank[i]);
+    free(by_rank);
+    fp_i32(st, tok->n_merges);
+    for (int32_t i = 0; i < tok->n_specials; i++)
+        fp_i32(st, tok->specials[i]);
+    fp_i32(st, tok->n_specials);
+    /* UNK only where it can come out: a byte with neither a token nor a
+     * fallback. PAD never changes a token. (A GGUF file and its
+     * tokenizer.json often disagree about both.) */
+    bool unk_reachable = false;
+    for (int b = 0; b < 256; b++) {
+        fp_i32(st, tok->byte_fallback[b] >= 0);
+        unk_reachable |= tok->byte_id[b] < 0 && tok->byte_fallback[b] < 0;
+    }
+    fp_i32(st, (int32_t)tok->pretok);
+    fp_i32(st, tok->ignore_merges), fp_i32(st, tok->add_bos);
+    fp_i32(st, tok->bos_id), fp_i32(st, tok->eos_id), fp_i32(st, unk_reachable ? tok->unk_id : -2);
+    if (tok->chat_template)
+        XXH3_64bits_update(st, tok->chat_template, strlen(tok->chat_template) + 1);
+    return XXH3_64bits_digest(st);
 }
 int32_t cs_tokenizer_bos(const cs_tokenizer *tok) {
     return tok->bos_id;

@@ -17,6 +17,7 @@ cs_kvx_layout cs_kvx_layout_of_engine(cs_engine *e) {
     l.dtype = elems && l.page_bytes == 2 * elems ? CS_KVX_DTYPE_BF16 : CS_KVX_DTYPE_F32;
     l.weights = cs_model_weight_mode(cs_engine_model(e)) == CS_WEIGHTS_QUANT ? CS_KVX_WEIGHTS_QUANT
                                                                              : CS_KVX_WEIGHTS_FP32;
+    l.model = cs_model_fingerprint(cs_engine_model(e));
     return l;
 }
 

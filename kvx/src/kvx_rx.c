@@ -411,6 +411,18 @@ static void on_hello(cs_kvx_rx *rx, rx_conn *c, const cs_kvx_hdr *h, const uint8
         return;
     }
     const cs_kvx_layout *a = &m.layout, *b = &rx->p.layout;
+    bool fields_agree = a->n_layers == b->n_layers && a->n_kv_heads == b->n_kv_heads &&
+                        a->head_dim == b->head_dim && a->dtype == b->dtype &&
+                        a->page_size == b->page_size && a->page_bytes == b->page_bytes &&
+                        a->weights == b->weights;
+    if (fields_agree && h->fingerprint != rx->fingerprint) {
+        snprintf(err, sizeof err,
+                 "model mismatch: layout fingerprint %016llx, receiver's %016llx, every field "
+                 "equal (sender %s)",
+                 (unsigned long long)h->fingerprint, (unsigned long long)rx->fingerprint, m.name);
+        refuse(rx, c, err);
+        return;
+    }
     if (h->fingerprint != rx->fingerprint || a->n_layers != b->n_layers ||
         a->n_kv_heads != b->n_kv_heads || a->head_dim != b->head_dim || a->dtype != b->dtype ||
         a->page_size != b->page_size || a->page_bytes != b->page_bytes ||

@@ -86,8 +86,9 @@ static void layout_decode(const uint8_t in[32], cs_kvx_layout *l) {
 }
 
 uint64_t cs_kvx_layout_fingerprint(const cs_kvx_layout *l) {
-    uint8_t b[32];
+    uint8_t b[40];
     layout_encode(l, b);
+    put64(b + 32, l->model);
     return XXH64(b, sizeof b, CS_KVX_MAGIC);
 }
 

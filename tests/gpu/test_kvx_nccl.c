@@ -36,7 +36,7 @@
 
 /* 8 layers, 2 KV heads, head_dim 64, 16-token pages, bf16: 64 KiB pages */
 static const cs_kvx_layout LG = {
-    8, 2, 64, CS_KVX_DTYPE_BF16, 16, 8 * 2 * 16 * 2 * 64 * 2, CS_KVX_WEIGHTS_FP32};
+    8, 2, 64, CS_KVX_DTYPE_BF16, 16, 8 * 2 * 16 * 2 * 64 * 2, CS_KVX_WEIGHTS_FP32, 0x5eed};
 #define PB ((size_t)(8 * 2 * 16 * 2 * 64 * 2))
 #define NPOOL 4096
 #define PW (PB / 8) /* 64-bit words per page */

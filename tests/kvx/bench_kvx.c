@@ -15,7 +15,7 @@
 #include "kvx_test.h"
 
 static const cs_kvx_layout L = {
-    30, 3, 64, CS_KVX_DTYPE_F32, 16, 30ull * 2 * 16 * 3 * 64 * 4, CS_KVX_WEIGHTS_FP32};
+    30, 3, 64, CS_KVX_DTYPE_F32, 16, 30ull * 2 * 16 * 3 * 64 * 4, CS_KVX_WEIGHTS_FP32, 0x5eed};
 static uint8_t *pool; /* receiver's page pool */
 
 static double now_s(void) {

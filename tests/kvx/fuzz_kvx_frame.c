@@ -15,7 +15,7 @@
 
 #include "kvx_wire.h"
 
-static const cs_kvx_layout L = {2, 2, 16, CS_KVX_DTYPE_F32, 16, 64, CS_KVX_WEIGHTS_FP32};
+static const cs_kvx_layout L = {2, 2, 16, CS_KVX_DTYPE_F32, 16, 64, CS_KVX_WEIGHTS_FP32, 0x5eed};
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {

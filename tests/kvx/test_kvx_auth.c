@@ -16,7 +16,7 @@
 
 #define NP 16
 static cs_kvx_layout L = {
-    2, 2, 16, CS_KVX_DTYPE_F32, 16, 2 * 2 * 16 * 2 * 16 * 4, CS_KVX_WEIGHTS_FP32};
+    2, 2, 16, CS_KVX_DTYPE_F32, 16, 2 * 2 * 16 * 2 * 16 * 4, CS_KVX_WEIGHTS_FP32, 0x5eed};
 #define PB (2 * 2 * 16 * 2 * 16 * 4)
 static const char SECRET[] = "kv-link-secret-0123456789abcdef";
 static const char OTHER[] = "another-secret-0123456789abcdef";

@@ -345,6 +345,20 @@ int main(void) {
     ASSERT_EQ_INT(bw.status[0], CS_ECONNREFUSED);
     ASSERT_MSG_HAS(bw.msg[0], "layout mismatch");
     cs_kvx_tx_free(bad);
+    /* the same layout from another model (its fingerprint): refused as such */
+    ASSERT_TRUE(cs_kvx_layout_of_engine(pe).model != 0);
+    bp.layout = cs_kvx_layout_of_engine(pe);
+    bp.layout.model ^= 1;
+    bp.name = "prefill-other-model";
+    ASSERT_EQ_INT(cs_kvx_tx_init(&bp, &bad), 0);
+    waiter_init(&bw);
+    ASSERT_EQ_INT(
+        cs_kvx_tx_begin(bad, "127.0.0.1", cs_kvx_rx_port(r[0].rx), ++id, 1, 5000, waiter_done, &bw),
+        0);
+    ASSERT_TRUE(waiter_wait(&bw, 1, 5000));
+    ASSERT_EQ_INT(bw.status[0], CS_ECONNREFUSED);
+    ASSERT_MSG_HAS(bw.msg[0], "model mismatch: layout fingerprint");
+    cs_kvx_tx_free(bad);
     /* connection refused (nobody listening) fails the transfer, not the caller */
     ASSERT_EQ_INT(cs_kvx_tx_begin(tx, "127.0.0.1", 1, ++id, 1, 5000, waiter_done, &tw), 0);
     ASSERT_TRUE(waiter_wait(&tw, ++done_tx, 5000));
@@ -358,7 +372,7 @@ int main(void) {
             (unsigned long long)st.transfers_failed, (unsigned long long)st.bytes,
             (unsigned long long)st.protocol_errors);
     ASSERT_EQ_INT(st.transfers_active, 0);
-    ASSERT_EQ_INT(st.protocol_errors, 1); /* the refused layout */
+    ASSERT_EQ_INT(st.protocol_errors, 2); /* the two refused layouts */
     cs_kvx_tx_free(tx);
     cs_kvx_tx_free(tx2);
     ASSERT_EQ_INT(released, queued_pages); /* every page sent was handed back once */

@@ -32,7 +32,7 @@ static int free_port(void) {
 }
 
 static cs_kvx_layout L = {
-    4, 2, 16, CS_KVX_DTYPE_F32, 16, 4 * 2 * 16 * 2 * 16 * 4, CS_KVX_WEIGHTS_FP32};
+    4, 2, 16, CS_KVX_DTYPE_F32, 16, 4 * 2 * 16 * 2 * 16 * 4, CS_KVX_WEIGHTS_FP32, 0x5eed};
 #define PB 16384
 #define NP 64
 static uint8_t page[PB];

@@ -23,7 +23,7 @@
 
 #define PB 256
 #define NPOOL 4096
-static const cs_kvx_layout L = {2, 1, 16, CS_KVX_DTYPE_BF16, 2, PB, CS_KVX_WEIGHTS_FP32};
+static const cs_kvx_layout L = {2, 1, 16, CS_KVX_DTYPE_BF16, 2, PB, CS_KVX_WEIGHTS_FP32, 0x5eed};
 static uint8_t *pool_a, *pool_b; /* sender's and receiver's "device" pools */
 static int releases, accepted;   /* release runs once per accepted send_pages call */
 

@@ -23,7 +23,8 @@ import pytest
 grpc = pytest.importorskip("grpc")
 pytest.importorskip("grpc_tools.protoc")
 
-from cluster_harness import Cluster, generate, make_tiny, metric, rpc_token  # noqa: E402
+from cluster_harness import (Cluster, Proc, generate, make_tiny, metric, rpc_token,  # noqa: E402
+                             wait_for)
 
 pytestmark = pytest.mark.cluster
 
@@ -43,6 +44,7 @@ def cl(bin_dir, pb, tmp_path_factory):
     model = make_tiny(bin_dir, tmp_path_factory.mktemp("tiny"))
     c = Cluster(bin_dir, model, pb, n_prefill=1, n_decode=1, secret=SECRET, kv_cache_mib=64,
                 router_args=["--local-prefill-threshold=1"], decode_args=[f"--lease-ms={LEASE_MS}"])
+    c.model_path = model
     yield c
     c.stop()
 
@@ -281,15 +283,16 @@ def kv_frame(ftype, epoch, xfer, fingerprint, payload=b"", first=0, n_pages=0):
     return hdr(xxhash.xxh32_intdigest(hdr(0))) + payload
 
 
-def kv_layout(fingerprint):
-    """The 32-byte layout whose XXH64 is the status's fingerprint: an attacker needs no
-    secret for it (a small search over plausible tiny-model shapes)."""
+def kv_layout(fingerprint, model_fp):
+    """The 32-byte layout whose XXH64 (with the model's fingerprint, public in ListModels)
+    is the status's fingerprint: an attacker needs no secret for it (a small search over
+    plausible tiny-model shapes)."""
     import xxhash
     for nl, kh, hd, dt, wt in itertools.product(range(1, 9), range(1, 9), (8, 16, 32, 64),
                                                 (0, 1, 2), (0, 1)):
         pb = nl * kh * hd * 2 * 16 * (4 if dt == 0 else 2)
         b = struct.pack("<6IQ", nl, kh, hd, dt, 16, wt, pb)
-        if xxhash.xxh64_intdigest(b, seed=KV_MAGIC) == fingerprint:
+        if xxhash.xxh64_intdigest(b + struct.pack("<Q", model_fp), seed=KV_MAGIC) == fingerprint:
             return b, pb
     pytest.fail("no layout matches the fingerprint")
 
@@ -324,7 +327,8 @@ def test_forged_hello_and_pages_into_a_live_reservation(cl, pb):
     pages are freed at its lease."""
     c, g = pb.cluster_pb2, pb.generation_pb2
     st = cl.status(cl.decode[0])
-    layout, page_bytes = kv_layout(st.kv_layout_fingerprint)
+    model_fp = cl.stub.ListModels(pb.generation_pb2.ListModelsRequest(), timeout=10).models[0].fingerprint
+    layout, page_bytes = kv_layout(st.kv_layout_fingerprint, model_fp)
     host, port = st.kv_endpoint.rsplit(":", 1)
     before = cl.decode[0].metric("chunkserve:kv_protocol_errors_total")
     call = cl.worker_stub(cl.decode[0]).Decode(c.DecodeRequest(
@@ -359,4 +363,71 @@ def test_forged_hello_and_pages_into_a_live_reservation(cl, pb):
     assert "lease" in e.value.details()
     assert "authentication failed" in cl.decode[0].stderr()
     assert "reconnected" not in cl.decode[0].stderr()
+    pages_free(cl)
+
+
+def test_two_models_of_different_seeds_refuse_each_other(cl, pb, bin_dir, tmp_path):
+    """Workers on the tiny model drawn with another seed (same architecture, shapes,
+    vocabulary, context and tokenizer: only the weights differ) are refused by a router on
+    the first model (it sends them nothing), and their KV channels refuse the first model's
+    workers at HELLO (and the other way round): no page crosses, every page is free."""
+    c, g = pb.cluster_pb2, pb.generation_pb2
+    other = make_tiny(bin_dir, tmp_path / "seed2", "--seed", 2)
+    common = [f"--model={other}", "--port=0", "--threads=1", "--kv-cache-mib=64",
+              "--grace-ms=3000", f"--cluster-secret={SECRET}"]
+    pre_b = Proc(bin_dir / "chunkserve-prefill", common, "prefill-seed2")
+    dec_b = Proc(bin_dir / "chunkserve-decode", common, "decode-seed2")
+    router = None
+    try:
+        own = cl.status(cl.decode[0]).model
+        sb = cl.status(dec_b).model
+        assert (sb.architecture, sb.vocab_size, sb.context_length) == \
+            (own.architecture, own.vocab_size, own.context_length)
+        assert sb.tokenizer_fingerprint == own.tokenizer_fingerprint != 0
+        assert sb.fingerprint != own.fingerprint and 0 not in (sb.fingerprint, own.fingerprint)
+        assert cl.status(pre_b).model.fingerprint == sb.fingerprint
+
+        # A router on the first model in front of both models' workers: only its own are usable.
+        router = Proc(bin_dir / "chunkserve-router", [
+            f"--model={cl.model_path}", "--port=0", "--status-interval-ms=100", "--grace-ms=3000",
+            f"--cluster-secret={SECRET}", "--local-prefill-threshold=1",
+            f"--prefill-workers={cl.prefill[0].addr},{pre_b.addr}",
+            f"--decode-workers={cl.decode[0].addr},{dec_b.addr}"], "router-mixed")
+        wait_for(lambda: "serves another model" in router.stderr() and
+                 router.stderr().count("serves another model") >= 2, 20,
+                 "the router to refuse both seed-2 workers")
+        m = router.metrics()
+        assert metric(m, "chunkserve:workers_usable", 'role="prefill"') == 1
+        assert metric(m, "chunkserve:workers_usable", 'role="decode"') == 1
+        assert f"{sb.fingerprint:016x}" in router.stderr()
+        stub = pb.generation_pb2_grpc.GenerationStub(grpc.insecure_channel(router.addr))
+        for i in range(4):
+            ids, _, finish, _ = generate(stub, g, ids=[(5 * i + j) % 300 + 1 for j in range(40)],
+                                         max_tokens=6, ignore_eos=True, timeout=60)
+            assert len(ids) == 6 and finish == g.FINISH_REASON_LENGTH
+        for p in (pre_b, dec_b):
+            assert p.metric("chunkserve:prompt_tokens_total") == 0, p.name
+
+        # At HELLO: each model's prefill worker pointed at the other's decode worker.
+        for n, (pre, dec) in enumerate(((cl.prefill[0], dec_b), (pre_b, cl.decode[0]))):
+            before = dec.metric("chunkserve:kv_protocol_errors_total")
+            with pytest.raises(grpc.RpcError) as e:
+                cl.worker_stub(pre).Prefill(c.PrefillRequest(
+                    request_id=f"mix-{n}", transfer_id=777 + n, token_ids=[5] * 40,
+                    num_prompt_tokens=40, kv_endpoint=cl.status(dec).kv_endpoint,
+                    decode_worker_id="d", sampling=g.SamplingParams(max_tokens=1)),
+                    timeout=30, metadata=rpc_token(SECRET))
+            assert e.value.code() != grpc.StatusCode.OK
+            wait_for(lambda: "model mismatch" in dec.stderr(), 10, f"{dec.name} to log the refusal")
+            assert dec.metric("chunkserve:kv_protocol_errors_total") > before, dec.name
+        for p in (pre_b, dec_b):
+            s = cl.status(p)
+            assert s.kv_pages_free == s.kv_pages_total and not s.num_running, p.name
+    finally:
+        if router:
+            router.stop()
+        for p in (pre_b, dec_b):
+            p.stop()
+    pages_free(cl)
+    canary(cl, pb)
     pages_free(cl)

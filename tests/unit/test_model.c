@@ -189,6 +189,9 @@ static void check_vocab_only(const char *variant) {
         snprintf(path, sizeof path, "%s/%s/%s", tiny_dir(), variant, files[f]);
         cs_model *full = load(variant, files[f]), *voc = load_vocab(path);
         check_same_vocab(full, voc);
+        /* the vocabulary-only load samples the same bytes */
+        ASSERT_TRUE(cs_model_fingerprint(full) != 0);
+        ASSERT_TRUE(cs_model_fingerprint(voc) == cs_model_fingerprint(full));
         cs_model_free(voc);
         if (f == 1) {
             /* config.json + tokenizer files only, no *.safetensors */
@@ -210,6 +213,10 @@ static void check_vocab_only(const char *variant) {
             memset(cv.name, 0, sizeof cv.name);
             ASSERT_TRUE(memcmp(&cf, &cv, sizeof cf) == 0);
             ASSERT_EQ_INT(cs_model_weight_bytes(voc), 0);
+            /* no tensors seen: the model's fingerprint is unknown, the tokenizer's is not */
+            ASSERT_TRUE(cs_model_fingerprint(voc) == 0);
+            ASSERT_TRUE(cs_tokenizer_fingerprint(cs_model_tokenizer(voc)) ==
+                        cs_tokenizer_fingerprint(cs_model_tokenizer(full)));
             cs_model_free(voc);
             /* a full load of that directory still needs weights */
             cs_model *none = NULL;
@@ -235,6 +242,31 @@ static void check_vocab_only(const char *variant) {
     printf("%-7s vocab-only load = full load's config and tokenizer\n", variant);
 }
 
+/* cs_model_fingerprint tells models apart that the configuration does not:
+ * another seed (same shapes, same tokenizer), another weight type; the same
+ * file twice gives the same value. */
+static void check_fingerprints(void) {
+    cs_model *a = load("f32", "tiny.gguf"), *a2 = load("f32", "tiny.gguf");
+    cs_model *s2 = load("seed2", "tiny.gguf"), *q = load("q4_1", "tiny.gguf");
+    cs_model *h = load("f32", "tiny-hf"), *hs2 = load("seed2", "tiny-hf");
+    uint64_t fa = cs_model_fingerprint(a);
+    ASSERT_TRUE(fa != 0 && fa == cs_model_fingerprint(a2));
+    ASSERT_TRUE(!memcmp(cs_model_get_config(a), cs_model_get_config(s2), sizeof(cs_model_config)));
+    ASSERT_TRUE(fa != cs_model_fingerprint(s2));
+    ASSERT_TRUE(fa != cs_model_fingerprint(q));
+    ASSERT_TRUE(cs_model_fingerprint(h) != cs_model_fingerprint(hs2));
+    uint64_t ta = cs_tokenizer_fingerprint(cs_model_tokenizer(a));
+    ASSERT_TRUE(ta == cs_tokenizer_fingerprint(cs_model_tokenizer(s2)));
+    ASSERT_TRUE(ta == cs_tokenizer_fingerprint(cs_model_tokenizer(q)));
+    /* the same tokenizer from tokenizer.json */
+    ASSERT_TRUE(ta == cs_tokenizer_fingerprint(cs_model_tokenizer(h)));
+    printf("fingerprints: seed 1 %016llx, seed 2 %016llx, q4_1 %016llx, tokenizer %016llx\n",
+           (unsigned long long)fa, (unsigned long long)cs_model_fingerprint(s2),
+           (unsigned long long)cs_model_fingerprint(q), (unsigned long long)ta);
+    cs_model_free(a), cs_model_free(a2), cs_model_free(s2), cs_model_free(q), cs_model_free(h),
+        cs_model_free(hs2);
+}
+
 int main(void) {
     const char *variants[] = {"f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "untied", "qwen2"};
     for (size_t i = 0; i < sizeof variants / sizeof variants[0]; i++)
@@ -247,6 +279,7 @@ int main(void) {
     cs_model_free(q);
     check_incremental();
     check_quantized_close();
+    check_fingerprints();
     check_vocab_only("f32");
     check_vocab_only("q4_1");
     check_vocab_only("untied");

@@ -90,6 +90,20 @@ const cs_tokenizer *cs_model_tokenizer(const cs_model *m);
 /* Bytes of weights held in memory, fp32 and packed (0 after cs_model_load_vocab). */
 size_t cs_model_weight_bytes(const cs_model *m);
 
+/* What a cluster compares to know that two processes serve the same model
+ * (the router and its workers, a prefill and a decode worker). 64 bits of
+ * XXH3 over the architecture and every hyperparameter, the tensor table
+ * (each tensor's role, layer, type and shape), samples of every tensor's
+ * bytes (16 windows of 64 bytes spread over the tensor, all of it when it is
+ * smaller) and the tokenizer (cs_tokenizer_fingerprint). Not the file's name
+ * or general.name. It tells apart another model, another fine-tune or seed,
+ * another quantization or format of the same weights; it is not an integrity
+ * check against a crafted file (verify the file's checksum for that).
+ * A vocabulary-only load reads the same samples when the weights are there
+ * (a GGUF file; a Hugging Face directory with its *.safetensors) and gives
+ * the same value as a full load; without them it is 0 (unknown). */
+uint64_t cs_model_fingerprint(const cs_model *m);
+
 #ifdef __cplusplus
 }
 #endif

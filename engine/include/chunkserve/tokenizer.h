@@ -26,6 +26,13 @@ void cs_tokenizer_free(cs_tokenizer *tok); /* NULL is a no-op */
 
 /* Number of token ids (valid ids are 0 .. n_vocab-1). */
 int32_t cs_tokenizer_n_vocab(const cs_tokenizer *tok);
+/* 64 bits of XXH3 over everything that decides how text becomes ids and ids
+ * become text: every token's text, type and attributes, the merges in rank
+ * order, the special tokens, the pre-tokenizer, BOS, EOS and add_bos, UNK
+ * where a byte can map to it (PAD never changes a token), and the chat
+ * template. A GGUF file and the tokenizer.json it came from give the same
+ * value. O(vocabulary); call it once. */
+uint64_t cs_tokenizer_fingerprint(const cs_tokenizer *tok);
 /* Special ids, or -1 when the model has none. */
 int32_t cs_tokenizer_bos(const cs_tokenizer *tok);
 int32_t cs_tokenizer_eos(const cs_tokenizer *tok);

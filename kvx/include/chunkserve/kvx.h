@@ -65,10 +65,14 @@ typedef struct {
     uint64_t page_bytes; /* bytes of one page: all layers' K and V */
     int32_t weights;     /* enum cs_kvx_weights: what computed the pages (the two modes'
                             pages differ, so a pair must match) */
+    uint64_t model;      /* cs_model_fingerprint of the weights that computed them (0 where
+                            unknown); only in the fingerprint, not in a HELLO's fields */
 } cs_kvx_layout;
 enum cs_kvx_weights { CS_KVX_WEIGHTS_FP32 = 0, CS_KVX_WEIGHTS_QUANT = 1 };
 
-/* 64-bit fingerprint of a layout (XXH64 of its fields, little-endian). */
+/* 64-bit fingerprint of a layout (XXH64 of its fields, little-endian, and
+ * the model's fingerprint): every frame carries it, so pages of another model
+ * are refused at HELLO and after. */
 uint64_t cs_kvx_layout_fingerprint(const cs_kvx_layout *l);
 
 /* Where the pages are. kind picks the payload: HOST -> TCP, CUDA -> NCCL. */
