@@ -16,6 +16,7 @@
 #include "chunkserve/config.h"
 #include "chunkserve/engine.h"
 #include "chunkserve/model.h"
+#include "chunkserve/proc.h"
 #include "chunkserve/refeval.h"
 #include "chunkserve/sampler.h"
 #include "chunkserve/tokenizer.h"
@@ -40,6 +41,7 @@ typedef struct {
     int64_t top_k;
     int64_t seed;            /* used as uint64_t: -1 is 2^64 - 1 */
     cs_openai_config openai; /* serve: the OpenAI-compatible HTTP API, API keys */
+    cs_rpc_limits rpc;       /* serve: the gRPC port's limits */
 } options;
 
 /* The flags, their CHUNKSERVE_* variables and --help (chunkserve/config.h).
@@ -87,6 +89,7 @@ static const cs_config_entry opt_table[] = {
     O("grace-ms", INT, grace_ms, "2000",
       "serve: on SIGTERM, time streams get to finish before they are cancelled"),
     CS_OPENAI_CONFIG(options, openai),
+    CS_PROC_RPC_CONFIG(options, rpc),
     O("duration", DOUBLE, duration, "60", "bench-local: seconds per budget"),
     O("budgets", STR, budgets, "unlimited,256,512,2048", "bench-local: step budgets to compare"),
     O("prompt-tokens", INT, prompt_tokens, "2000", "bench-engine: prompt length"),
@@ -557,6 +560,7 @@ static int cmd_serve(const cs_model *m, const options *o) {
     so.sched.max_num_seqs = (int32_t)o->max_num_seqs;
     so.max_queue = (int32_t)o->max_queue;
     so.openai = o->openai;
+    so.rpc = o->rpc;
     r = cs_server_run(m, &so);
     return r ? fail_msg("serve", r) : 0;
 }

@@ -8,6 +8,7 @@
 
 #include "chunkserve/config.h"
 #include "chunkserve/model.h"
+#include "chunkserve/proc.h"
 #include "router.h"
 #include "chunkserve/error.h"
 #include "chunkserve/log.h"
@@ -63,6 +64,7 @@ static const cs_config_entry options[] = {
      "Service up while a pool scales or restarts; requests then wait up to no-worker-wait-ms)",
      0, 0},
     CS_OPENAI_CONFIG(cs_router_opts, openai),
+    CS_PROC_RPC_CONFIG(cs_router_opts, rpc),
     {"grace-ms", CS_CONFIG_INT, O(grace_ms), "5000",
      "on SIGTERM/SIGINT: time streams get to finish", 0, 3600000},
     {"log-level", CS_CONFIG_STR, O(log_level), "info", "error, warn, info or debug", 0, 0},

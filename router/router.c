@@ -378,7 +378,8 @@ int cs_router_run(const cs_model *model, const cs_router_opts *o) {
                        .port = (int)o->port,
                        .http_host = o->http_host,
                        .http_port = (int)o->http_port,
-                       .grace_ms = o->grace_ms};
+                       .grace_ms = o->grace_ms,
+                       .rpc = o->rpc};
     rc = cs_proc_run(&po, &router_proc, r);
     CS_ASSERT(rc || r->n_live == 0);
     cs_openai_close(r->openai); /* when start failed after opening it */

@@ -15,6 +15,7 @@
 #include <stdint.h>
 
 #include "chunkserve/model.h"
+#include "chunkserve/rpc.h"
 #include "openai.h"
 
 #ifdef __cplusplus
@@ -46,6 +47,7 @@ typedef struct {
     const char *log_level;
     bool verbose;
     cs_openai_config openai; /* the public HTTP API and the API keys */
+    cs_rpc_limits rpc;       /* the gRPC port's limits (CS_PROC_RPC_CONFIG) */
 } cs_router_opts;
 
 /* Serves until SIGTERM or SIGINT with m (a vocabulary-only load is enough;

@@ -10,6 +10,7 @@
 
 #include "chunkserve/engine.h"
 #include "chunkserve/model.h"
+#include "chunkserve/rpc.h"
 #include "chunkserve/sched.h"
 #include "openai.h"
 
@@ -28,6 +29,7 @@ typedef struct {
     int32_t max_queue; /* waiting requests beyond this are refused (RESOURCE_EXHAUSTED) */
     int32_t grace_ms;  /* on SIGTERM/SIGINT: time streams get before they are cancelled */
     cs_openai_config openai; /* the public HTTP API and the API keys */
+    cs_rpc_limits rpc;       /* the gRPC port's limits */
 } cs_server_opts;
 
 /* Builds the engine on m (which must outlive the call), serves until SIGTERM

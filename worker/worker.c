@@ -341,7 +341,8 @@ static int run(cs_worker *w) {
                        .http_host = o->http_host,
                        .http_port = (int)o->http_port,
                        .grace_ms = o->grace_ms,
-                       .max_recv_bytes = 64 << 20};
+                       .max_recv_bytes = 64 << 20,
+                       .rpc = o->rpc};
     r = cs_proc_run(&po, &worker_proc, w);
 out:
     if (r) CS_LOGE("cannot start: %s", cs_last_error()[0] ? cs_last_error() : cs_strerror(r));

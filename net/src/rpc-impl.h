@@ -79,4 +79,7 @@ void cs__rpc_md_free(cs__rpc_md_list *l);
 /* Finds key in a received array; value not NUL-terminated. */
 const char *cs__rpc_md_find(const grpc_metadata_array *a, const char *key, size_t *len);
 
+/* The server's Health/Watch stream cap (cs_rpc_limits.max_watches, resolved). */
+int64_t cs__rpc_server_max_watches(const cs_rpc_server *s);
+
 #endif

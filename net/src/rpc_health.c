@@ -26,6 +26,7 @@ struct cs_rpc_health {
     cs__health_svc *svcs; /* (n_svcs) */
     size_t n_svcs;
     cs__health_watch *watches;
+    int64_t n_watches, max_watches;
     bool shut;
 };
 
@@ -67,6 +68,7 @@ static void watch_end(cs__health_watch *w, int code, const char *msg) {
     else
         h->watches = w->next;
     if (w->next) w->next->prev = w->prev;
+    h->n_watches--;
     cs_rpc_call_finish(w->call, code, msg);
     free(w->service);
     free(w);
@@ -86,6 +88,11 @@ static void handle_watch(cs_rpc_call *c, void *data) {
     cs_rpc_health *h = data;
     const Grpc__Health__V1__HealthCheckRequest *req =
         (const Grpc__Health__V1__HealthCheckRequest *)cs_rpc_call_request_msg(c);
+    if (h->n_watches >= h->max_watches) {
+        cs_rpc_call_finish(c, CS_RPC_RESOURCE_EXHAUSTED,
+                           "too many Health/Watch streams on this server; use Check");
+        return;
+    }
     cs__health_watch *w = calloc(1, sizeof *w);
     if (!w || !(w->service = strdup(req->service))) {
         free(w);
@@ -97,6 +104,7 @@ static void handle_watch(cs_rpc_call *c, void *data) {
     w->next = h->watches;
     if (h->watches) h->watches->prev = w;
     h->watches = w;
+    h->n_watches++;
     cs_rpc_call_on_cancel(c, on_watch_cancel, w);
     watch_send(w, status_of(h, w->service, true));
     if (h->shut) watch_end(w, CS_RPC_UNAVAILABLE, "server is shutting down");
@@ -122,6 +130,7 @@ int cs_rpc_health_init(cs_rpc_server *s, cs_rpc_health **out) {
     *out = NULL;
     cs_rpc_health *h = calloc(1, sizeof *h);
     if (!h) return cs_fail(CS_ENOMEM, "rpc: out of memory");
+    h->max_watches = cs__rpc_server_max_watches(s);
     int rc = set_status(h, "", CS_RPC_SERVING_NOT_SERVING);
     if (rc == 0)
         rc = cs_rpc_server_add_method(s, "/grpc.health.v1.Health/Check", CS_RPC_UNARY,

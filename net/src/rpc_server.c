@@ -50,7 +50,13 @@ struct cs_rpc_server {
     uv_timer_t grace_timer;
     cs_rpc_done_cb done;
     void *done_data;
+    cs_rpc_limits lim;          /* defaults resolved */
+    grpc_resource_quota *quota; /* until the server holds it */
 };
+
+int64_t cs__rpc_server_max_watches(const cs_rpc_server *s) {
+    return s->lim.max_watches;
+}
 
 struct cs_rpc_call {
     cs_rpc_server *srv;
@@ -505,27 +511,45 @@ int cs_rpc_server_init(cs_rpc_loop *l, const cs_rpc_server_opts *o, cs_rpc_serve
     s->t_shutdown.fn = NULL;
     if (!(s->addr = strdup(o->addr))) goto fail_addr;
 
-    grpc_arg args[5];
-    memset(args, 0, sizeof args);
-    args[0].type = GRPC_ARG_INTEGER;
-    args[0].key = (char *)GRPC_ARG_ALLOW_REUSEPORT;
-    args[0].value.integer = 0;
-    args[1].type = GRPC_ARG_INTEGER;
-    args[1].key = (char *)GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH;
-    args[1].value.integer = o->max_recv_bytes > 0 ? o->max_recv_bytes : CS__DEFAULT_MAX_RECV;
-    args[2].type = GRPC_ARG_INTEGER;
-    args[2].key = (char *)GRPC_ARG_MAX_SEND_MESSAGE_LENGTH;
-    args[2].value.integer = o->max_send_bytes > 0 ? o->max_send_bytes : -1;
+    cs_rpc_limits lim = o->lim;
+    if (!lim.max_streams) lim.max_streams = 4096;
+    if (!lim.memory_mib) lim.memory_mib = 512;
+    if (!lim.idle_ms) lim.idle_ms = 300000;
+    if (!lim.age_grace_ms) lim.age_grace_ms = 60000;
+    if (!lim.max_watches) lim.max_watches = 256;
+    s->lim = lim;
+    if (!(s->quota = grpc_resource_quota_create(s->addr))) goto fail_server;
+    grpc_resource_quota_resize(s->quota, (size_t)lim.memory_mib << 20);
+    grpc_arg args[12];
+    int n = 0;
+#define INT_ARG(k, v)                                                                              \
+    args[n].type = GRPC_ARG_INTEGER, args[n].key = (char *)(k), args[n++].value.integer = (int)(v)
+    INT_ARG(GRPC_ARG_ALLOW_REUSEPORT, 0);
+    INT_ARG(GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH,
+            o->max_recv_bytes > 0 ? o->max_recv_bytes : CS__DEFAULT_MAX_RECV);
+    INT_ARG(GRPC_ARG_MAX_SEND_MESSAGE_LENGTH, o->max_send_bytes > 0 ? o->max_send_bytes : 64 << 20);
     /* Find dead or silent clients in about a minute, not gRPC's default two
      * hours: their calls (and anything queued for them) are then released. */
-    args[3].type = GRPC_ARG_INTEGER;
-    args[3].key = (char *)GRPC_ARG_KEEPALIVE_TIME_MS;
-    args[3].value.integer = 60000;
-    args[4].type = GRPC_ARG_INTEGER;
-    args[4].key = (char *)GRPC_ARG_KEEPALIVE_TIMEOUT_MS;
-    args[4].value.integer = 20000;
-    grpc_channel_args ca = {5, args};
+    INT_ARG(GRPC_ARG_KEEPALIVE_TIME_MS, 60000);
+    INT_ARG(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 20000);
+    INT_ARG(GRPC_ARG_MAX_CONCURRENT_STREAMS,
+            lim.max_streams > INT32_MAX ? INT32_MAX : lim.max_streams);
+    INT_ARG(GRPC_ARG_MAX_METADATA_SIZE, 16 << 10);
+    if (lim.idle_ms > 0) INT_ARG(GRPC_ARG_MAX_CONNECTION_IDLE_MS, lim.idle_ms);
+    if (lim.age_ms > 0) {
+        INT_ARG(GRPC_ARG_MAX_CONNECTION_AGE_MS, lim.age_ms);
+        INT_ARG(GRPC_ARG_MAX_CONNECTION_AGE_GRACE_MS, lim.age_grace_ms);
+    }
+#undef INT_ARG
+    args[n].type = GRPC_ARG_POINTER;
+    args[n].key = (char *)GRPC_ARG_RESOURCE_QUOTA;
+    args[n].value.pointer.p = s->quota;
+    args[n++].value.pointer.vtable = grpc_resource_quota_arg_vtable();
+    CS_ASSERT(n <= (int)(sizeof args / sizeof args[0]));
+    grpc_channel_args ca = {(size_t)n, args};
     s->server = grpc_server_create(&ca, NULL);
+    grpc_resource_quota_unref(s->quota); /* the server holds its own reference */
+    s->quota = NULL;
     if (!s->server) goto fail_server;
     grpc_server_register_completion_queue(s->server, l->cq, NULL);
     if (uv_timer_init(l->uv, &s->grace_timer) != 0) goto fail_timer;

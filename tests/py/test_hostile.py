@@ -30,6 +30,7 @@ pytestmark = pytest.mark.cluster
 
 SECRET = "hostile-test-secret-0123456789"
 LEASE_MS = 3000  # the decode worker's --lease-ms: the most any caller's lease gets
+ROUTER_GRPC_MIB = 64  # the router's --grpc-memory-mib: what its gRPC transport may buffer
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +44,8 @@ def cl(bin_dir, pb, tmp_path_factory):
         pytest.skip("chunkserve-mktiny not built")
     model = make_tiny(bin_dir, tmp_path_factory.mktemp("tiny"))
     c = Cluster(bin_dir, model, pb, n_prefill=1, n_decode=1, secret=SECRET, kv_cache_mib=64,
-                router_args=["--local-prefill-threshold=1"], decode_args=[f"--lease-ms={LEASE_MS}"])
+                router_args=["--local-prefill-threshold=1", f"--grpc-memory-mib={ROUTER_GRPC_MIB}"],
+                decode_args=[f"--lease-ms={LEASE_MS}"])
     c.model_path = model
     yield c
     c.stop()
@@ -428,6 +430,99 @@ def test_two_models_of_different_seeds_refuse_each_other(cl, pb, bin_dir, tmp_pa
             router.stop()
         for p in (pre_b, dec_b):
             p.stop()
+    pages_free(cl)
+    canary(cl, pb)
+    pages_free(cl)
+
+
+def h2_half_sent(addr: str, body: int, t_end: float) -> tuple:
+    """One HTTP/2 connection that starts a Generate call announcing a `body`-byte message
+    and sends all of it but the last byte, as fast as the server's flow-control windows
+    allow, until it stops granting more (or t_end). Returns (socket, bytes sent): the
+    caller keeps the socket open, holding whatever the server buffered (a server under
+    memory pressure answers GOAWAY ENHANCE_YOUR_CALM "Buffers full" and drops it)."""
+    import h2.config
+    import h2.connection
+    host, port = addr.rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)), timeout=5)
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    conn.initiate_connection()
+    sid = conn.get_next_available_stream_id()
+    conn.send_headers(sid, [(":method", "POST"), (":scheme", "http"), (":authority", addr),
+                            (":path", "/chunkserve.v1.Generation/Generate"),
+                            ("content-type", "application/grpc"), ("te", "trailers")])
+    data = struct.pack(">BI", 0, body) + b"\x01" * (body - 1)
+    sent = 0
+    sock.settimeout(0.3)
+    while sent < len(data) and time.monotonic() < t_end:
+        n = min(conn.local_flow_control_window(sid), conn.max_outbound_frame_size,
+                len(data) - sent)
+        if n > 0:
+            conn.send_data(sid, data[sent:sent + n])
+            sent += n
+        sock.sendall(conn.data_to_send())
+        if n <= 0:  # wait for a window update
+            try:
+                chunk = sock.recv(65536)
+            except socket.timeout:
+                break  # the server grants no more: it is holding back
+            if not chunk:
+                break
+            conn.receive_data(chunk)
+            sock.sendall(conn.data_to_send())
+    return sock, sent
+
+
+def test_watch_flood_and_half_sent_bodies_leave_the_router_bounded(cl, pb):
+    """300 grpc.health.v1 Health/Watch streams: the first 256 (--grpc-max-health-watches)
+    stream SERVING, the rest are refused with RESOURCE_EXHAUSTED; then 100 HTTP/2
+    connections each announce a 4 MiB Generate request and send all of it but its last
+    byte (400 MiB announced) and hold it. The router's RSS grows by less than its gRPC
+    memory quota (--grpc-memory-mib=64) plus 96 MiB, a canary still succeeds while all
+    of it is held, and everything is released when the attackers leave."""
+    h = pb.health_pb2
+    ch = grpc.insecure_channel(cl.router.addr)
+    watch = ch.unary_stream("/grpc.health.v1.Health/Watch",
+                            request_serializer=h.HealthCheckRequest.SerializeToString,
+                            response_deserializer=h.HealthCheckResponse.FromString)
+    base = rss_kib(cl.router.proc.pid)
+    streams, ok, refused = [], 0, 0
+    for _ in range(300):
+        it = watch(h.HealthCheckRequest(service=""), timeout=120)
+        try:
+            assert next(it).status == h.HealthCheckResponse.SERVING
+            ok += 1
+            streams.append(it)
+        except grpc.RpcError as e:
+            assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e
+            assert "Health/Watch" in e.details()
+            refused += 1
+    assert (ok, refused) == (256, 44)
+    canary(cl, pb, n=1)
+    for it in streams:
+        it.cancel()
+    # the slots come back
+    def one_more():
+        it = watch(h.HealthCheckRequest(service=""), timeout=10)
+        try:
+            return next(it).status == h.HealthCheckResponse.SERVING
+        except grpc.RpcError:
+            return False
+        finally:
+            it.cancel()
+    wait_for(one_more, 10, "a Health/Watch slot after the flood ended")
+    ch.close()
+
+    t_end = time.monotonic() + 60
+    held = [h2_half_sent(cl.router.addr, 4 << 20, t_end) for _ in range(100)]
+    accepted = sum(n for _, n in held)
+    grown_mib = (rss_kib(cl.router.proc.pid) - base) / 1024
+    canary(cl, pb, n=1)
+    print(f"half-sent bodies: {accepted / 2**20:.0f} MiB written of {100 * 4} MiB announced, "
+          f"router RSS +{grown_mib:.0f} MiB (without the quota: about +410 MiB)")
+    assert grown_mib < ROUTER_GRPC_MIB + 96, f"router RSS grew by {grown_mib:.0f} MiB"
+    for sock, _ in held:
+        sock.close()
     pages_free(cl)
     canary(cl, pb)
     pages_free(cl)

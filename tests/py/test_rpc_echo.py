@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import random
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -220,3 +221,68 @@ def test_sigterm_with_streams_in_flight(bin_dir, stubs):
         t.join(30)
     ch.close()
     assert all(o in ("UNAVAILABLE", "CANCELLED") for o in outcomes), outcomes
+
+
+def h2_connect(port: int):
+    """A raw HTTP/2 client connection (h2): returns (socket, connection, the server's
+    SETTINGS as a dict)."""
+    import h2.config
+    import h2.connection
+    import h2.events
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    conn.initiate_connection()
+    sock.sendall(conn.data_to_send())
+    t_end = time.monotonic() + 5
+    while time.monotonic() < t_end:
+        for ev in conn.receive_data(sock.recv(65536)):
+            if isinstance(ev, h2.events.RemoteSettingsChanged):
+                sock.sendall(conn.data_to_send())
+                return sock, conn, {k: v.new_value for k, v in ev.changed_settings.items()}
+    pytest.fail("no SETTINGS from the server")
+
+
+def h2_wait_goaway(sock, conn, timeout: float):
+    """Seconds until the server sends GOAWAY (or closes the connection)."""
+    import h2.events
+    import h2.exceptions
+    t0 = time.monotonic()
+    sock.settimeout(timeout)
+    while True:
+        data = sock.recv(65536)
+        if not data:
+            return time.monotonic() - t0
+        try:
+            events = conn.receive_data(data)
+        except h2.exceptions.ProtocolError:  # frames after the GOAWAY in the same read
+            return time.monotonic() - t0
+        if any(isinstance(ev, h2.events.ConnectionTerminated) for ev in events):
+            return time.monotonic() - t0
+        sock.sendall(conn.data_to_send())  # ping acks
+
+
+def test_connection_limits(bin_dir):
+    """cs_rpc_limits on the wire: the server announces its stream cap in SETTINGS (4096
+    unless set), sends GOAWAY to a connection idle for --idle-ms, and to one older than
+    --age-ms even with idling turned off."""
+    import h2.settings
+    proc, port = start_server(bin_dir, "--max-streams", "7", "--idle-ms", "600")
+    try:
+        sock, conn, settings = h2_connect(port)
+        assert settings.get(h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS) == 7
+        waited = h2_wait_goaway(sock, conn, 10)
+        assert 0.3 < waited < 5, waited
+        sock.close()
+    finally:
+        stop_server(proc)
+    proc, port = start_server(bin_dir, "--age-ms", "700", "--age-grace-ms", "300", "--idle-ms", "-1")
+    try:
+        sock, conn, _ = h2_connect(port)
+        waited = h2_wait_goaway(sock, conn, 10)
+        assert 0.3 < waited < 5, waited
+        sock.close()
+        sock, conn, settings = h2_connect(port)
+        assert settings.get(h2.settings.SettingCodes.MAX_CONCURRENT_STREAMS) == 4096
+        sock.close()
+    finally:
+        stop_server(proc)

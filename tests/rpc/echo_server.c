@@ -52,8 +52,18 @@ int main(int argc, char **argv) {
             o.max_recv_bytes = atoi(argv[i + 1]);
         else if (strcmp(argv[i], "--grace-ms") == 0)
             a.grace_ms = atoi(argv[i + 1]);
+        else if (strcmp(argv[i], "--max-streams") == 0)
+            o.lim.max_streams = atoll(argv[i + 1]);
+        else if (strcmp(argv[i], "--idle-ms") == 0)
+            o.lim.idle_ms = atoll(argv[i + 1]);
+        else if (strcmp(argv[i], "--age-ms") == 0)
+            o.lim.age_ms = atoll(argv[i + 1]);
+        else if (strcmp(argv[i], "--age-grace-ms") == 0)
+            o.lim.age_grace_ms = atoll(argv[i + 1]);
         else {
-            fprintf(stderr, "usage: %s [--addr HOST:PORT] [--max-recv-bytes N] [--grace-ms N]\n",
+            fprintf(stderr,
+                    "usage: %s [--addr HOST:PORT] [--max-recv-bytes N] [--grace-ms N] "
+                    "[--max-streams N] [--idle-ms N] [--age-ms N] [--age-grace-ms N]\n",
                     argv[0]);
             return 2;
         }

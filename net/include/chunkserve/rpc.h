@@ -107,11 +107,29 @@ int cs_rpc_loop_post(cs_rpc_loop *l, void (*fn)(void *data), void *data);
 typedef struct cs_rpc_server cs_rpc_server;
 typedef struct cs_rpc_call cs_rpc_call;
 
+/* What one server gives its clients (every field: 0 = the default named).
+ * int64_t so that a process's option table (chunkserve/config.h) fills them
+ * directly (CS_PROC_RPC_CONFIG in chunkserve/proc.h). */
+typedef struct {
+    int64_t max_streams;  /* concurrent streams per connection (HTTP/2 SETTINGS; a client
+                             queues the rest); 0 = 4096 */
+    int64_t memory_mib;   /* gRPC resource quota over the transport's buffers: under
+                             pressure it shrinks read windows and refuses new streams
+                             rather than grow; 0 = 512 */
+    int64_t idle_ms;      /* close a connection with no call for this long; 0 = 300000,
+                             < 0 = never */
+    int64_t age_ms;       /* GOAWAY a connection this old (clients reconnect); 0 = never */
+    int64_t age_grace_ms; /* then let its calls finish for this long; 0 = 60000 */
+    int64_t max_watches;  /* grpc.health.v1 Health/Watch streams at once (more:
+                             RESOURCE_EXHAUSTED); 0 = 256 */
+} cs_rpc_limits;
+
 typedef struct {
     const char *addr;       /* "host:port"; port 0 picks a free one (see start) */
     int32_t max_recv_bytes; /* largest request accepted, else RESOURCE_EXHAUSTED;
                                0 = 4 MiB */
-    int32_t max_send_bytes; /* largest message sent; 0 = no limit */
+    int32_t max_send_bytes; /* largest message sent; 0 = 64 MiB */
+    cs_rpc_limits lim;      /* also: request metadata at most 16 KiB */
 } cs_rpc_server_opts;
 
 enum cs_rpc_method_kind { CS_RPC_UNARY, CS_RPC_SERVER_STREAMING };

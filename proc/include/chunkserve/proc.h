@@ -35,6 +35,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "chunkserve/rpc.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -75,6 +77,53 @@ typedef struct {
     void (*free)(cs_proc *p, void *role);
 } cs_proc_role;
 
+/* The RPC server's limits as options of a process (cs_rpc_limits, field m
+ * of options struct T): one set of flags, env variables and Helm values for
+ * every process. Bounds: 0 keeps the RPC layer's default. */
+#define CS_PROC_RPC_CONFIG(T, m)                                                                   \
+    {"grpc-max-streams",                                                                           \
+     CS_CONFIG_INT,                                                                                \
+     offsetof(T, m.max_streams),                                                                   \
+     "4096",                                                                                       \
+     "gRPC: concurrent streams per connection (a client queues the rest)",                         \
+     1,                                                                                            \
+     1 << 20},                                                                                     \
+        {"grpc-memory-mib",                                                                        \
+         CS_CONFIG_INT,                                                                            \
+         offsetof(T, m.memory_mib),                                                                \
+         "512",                                                                                    \
+         "gRPC: memory quota of the transport's buffers (full: smaller reads, new streams "        \
+         "refused)",                                                                               \
+         16,                                                                                       \
+         1 << 20},                                                                                 \
+        {"grpc-max-connection-idle-ms",                                                            \
+         CS_CONFIG_INT,                                                                            \
+         offsetof(T, m.idle_ms),                                                                   \
+         "300000",                                                                                 \
+         "gRPC: close a connection without calls after this long; -1 = never",                     \
+         -1,                                                                                       \
+         86400000},                                                                                \
+        {"grpc-max-connection-age-ms",                                                             \
+         CS_CONFIG_INT,                                                                            \
+         offsetof(T, m.age_ms),                                                                    \
+         "0",                                                                                      \
+         "gRPC: send GOAWAY to a connection this old (clients reconnect, e.g. to rebalance); "     \
+         "0 = never",                                                                              \
+         0,                                                                                        \
+         86400000},                                                                                \
+        {"grpc-max-connection-age-grace-ms",                                                       \
+         CS_CONFIG_INT,                                                                            \
+         offsetof(T, m.age_grace_ms),                                                              \
+         "60000",                                                                                  \
+         "gRPC: after that GOAWAY, time the connection's calls get to finish",                     \
+         1,                                                                                        \
+         86400000},                                                                                \
+    {                                                                                              \
+        "grpc-max-health-watches", CS_CONFIG_INT, offsetof(T, m.max_watches), "256",               \
+            "gRPC: grpc.health.v1 Health/Watch streams at once (more: RESOURCE_EXHAUSTED)", 1,     \
+            1 << 20                                                                                \
+    }
+
 typedef struct {
     const char *host;       /* gRPC bind address */
     int port;               /* 0 = any free port */
@@ -82,6 +131,7 @@ typedef struct {
     int http_port;          /* 0 = any free port */
     int64_t grace_ms;       /* the drain's longest wait for open calls */
     int32_t max_recv_bytes; /* largest RPC request; 0 = the RPC layer's default (4 MiB) */
+    cs_rpc_limits rpc;      /* CS_PROC_RPC_CONFIG */
 } cs_proc_opts;
 
 /* Runs the process with role until SIGTERM/SIGINT and the drain end, then
