@@ -249,11 +249,20 @@ int cs_wire_check_request_id(const char *id) {
     return 0;
 }
 
+int cs_wire_check_cache_salt(const char *salt) {
+    size_t n = salt ? strlen(salt) : 0;
+    if (n > CS_WIRE_MAX_CACHE_SALT)
+        return cs_fail(CS_EINVAL, "cache_salt has %zu bytes; at most %d are allowed", n,
+                       CS_WIRE_MAX_CACHE_SALT);
+    return 0;
+}
+
 int cs_wire_generate_request(const cs_wire_model *wm, const Chunkserve__V1__GenerateRequest *m,
                              uint64_t id, cs_wire_request *out) {
     memset(out, 0, sizeof *out);
     const cs_model_config *cfg = cs_model_get_config(wm->model);
     int r = cs_wire_check_request_id(m->request_id);
+    if (!r) r = cs_wire_check_cache_salt(m->cache_salt);
     if (!r) r = cs_wire_check_model(wm, m->model);
     cs_request *q = &out->r;
     if (!r) r = cs_wire_sampling(wm, m->sampling, q);
@@ -280,6 +289,7 @@ int cs_wire_generate_request(const cs_wire_model *wm, const Chunkserve__V1__Gene
     q->id = id;
     q->prompt = ids;
     q->n_prompt = (int32_t)n;
+    q->cache_salt = m->cache_salt; /* borrowed from m (cs_serve_submit copies it) */
     out->prompt = ids;
     return 0;
 }

@@ -64,9 +64,10 @@ typedef struct {
  * rendered with the model's template and the assistant prompt), prompt
  * length against the context and the KV pool, sampling and stop parameters
  * (proto 0 = "not set": top_p -> 1, repetition_penalty -> 1, max_tokens ->
- * until the context is full). 0, or CS_EINVAL with cs_last_error() naming
- * the field, the value and what is allowed; CS_ENOMEM. On failure nothing is
- * left to free. id: the engine request id. */
+ * until the context is full), cache_salt (borrowed from m: out->r.cache_salt
+ * points into it). 0, or CS_EINVAL with cs_last_error() naming the field, the
+ * value and what is allowed; CS_ENOMEM. On failure nothing is left to free.
+ * id: the engine request id. */
 int cs_wire_generate_request(const cs_wire_model *wm, const Chunkserve__V1__GenerateRequest *m,
                              uint64_t id, cs_wire_request *out);
 void cs_wire_request_free(cs_wire_request *w);
@@ -75,6 +76,10 @@ void cs_wire_request_free(cs_wire_request *w);
  * printable ASCII without spaces (it is logged and copied into every
  * attempt). 0 or CS_EINVAL naming request_id. */
 #define CS_WIRE_MAX_REQUEST_ID 128
+/* cache_salt (GenerateRequest, worker calls): at most this many bytes. */
+#define CS_WIRE_MAX_CACHE_SALT 256
+/* 0, or CS_EINVAL naming the length. */
+int cs_wire_check_cache_salt(const char *salt);
 int cs_wire_check_request_id(const char *id);
 
 /* Checks SamplingParams m (NULL = all defaults) and fills q's sampling,

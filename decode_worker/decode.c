@@ -105,7 +105,7 @@ static void on_kv_done(void *arg, uint64_t xfer, int status, const char *msg,
         cs_logprobs lp = {.logprob = t->first_logprob, .n_top = t->n_top};
         memcpy(lp.top_ids, t->top_ids, sizeof lp.top_ids);
         memcpy(lp.top_logprobs, t->top_logprobs, sizeof lp.top_logprobs);
-        if (cs_serve_kv_ready(q->base.w->sv, q->base.id, t->first_token,
+        if (cs_serve_kv_ready(q->base.w->sv, q->base.id, t->first_token, t->n_cached,
                               q->logprobs ? &lp : NULL) != 0)
             cs_serve_cancel(q->base.w->sv, q->base.id);
     } else {
@@ -304,7 +304,8 @@ static void handle_decode(cs_rpc_call *c, void *data) {
     const Chunkserve__V1__DecodeRequest *m = (const void *)cs_rpc_call_request_msg(c);
     cs_request r;
     dreq *q = (dreq *)cs_worker_admit(w, c, m->token_ids, m->n_token_ids, m->num_prompt_tokens,
-                                      m->sampling, m->transfer_id, m->request_id, &r);
+                                      m->sampling, m->transfer_id, m->request_id, m->cache_salt,
+                                      &r);
     if (!q) return;
     observe_router_hop(d, c);
     q->d = d;

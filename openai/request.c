@@ -398,6 +398,8 @@ int oa_request_parse(const char *body, size_t len, bool chat, const cs_wire_mode
     r->n = (int32_t)n;
     const char *user = NULL;
     if (get_str(o, "user", &user, e)) return -1;
+    const char *salt = NULL; /* vLLM's field: the prefix cache's namespace (a tenant) */
+    if (get_str(o, "cache_salt", &salt, e)) return -1;
     if (chat ? parse_messages(o, r, e) : parse_prompt(o, r, e)) return -1;
 
     Chunkserve__V1__SamplingParams base;
@@ -416,6 +418,7 @@ int oa_request_parse(const char *body, size_t len, bool chat, const cs_wire_mode
         Chunkserve__V1__GenerateRequest *q = &r->req[i];
         chunkserve__v1__generate_request__init(q);
         q->model = (char *)r->model;
+        if (salt) q->cache_salt = (char *)salt; /* checked with the rest (cs_wire) */
         r->sampling[i] = base;
         r->sampling[i].seed = seed + (uint64_t)(i % r->n); /* each choice its own stream */
         q->sampling = &r->sampling[i];

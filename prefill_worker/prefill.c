@@ -162,8 +162,10 @@ static int flush_locked(preq *q) {
     }
     if (!q->trailer_held) return 0;
     q->trailer_held = false;
-    cs_kvx_trailer t = {
-        .first_token = q->trailer_token, .prompt_len = q->n_context, .total_pages = q->total_pages};
+    cs_kvx_trailer t = {.first_token = q->trailer_token,
+                        .prompt_len = q->n_context,
+                        .total_pages = q->total_pages,
+                        .n_cached = q->n_cached};
     _Static_assert(CS_KVX_MAX_TOP == CS_MAX_TOP_LOGPROBS, "the trailer carries every alternative");
     t.first_logprob = q->trailer_lp.logprob;
     t.n_top = q->trailer_lp.n_top;
@@ -257,6 +259,7 @@ static void on_event(void *user, const cs_event *ev) {
             q->trailer_held = true;
             q->trailer_token = ev->token;
             q->trailer_lp = ev->lp; /* zero unless the request asked */
+            q->n_cached = ev->n_cached_prompt_tokens; /* the trailer carries it */
         }
         if (!r) r = flush_locked(q);
         if (r) send_failed_locked(q, r);
@@ -295,8 +298,9 @@ static void handle_prefill(cs_rpc_call *c, void *data) {
     prefill *p = w->role_data;
     const Chunkserve__V1__PrefillRequest *m = (const void *)cs_rpc_call_request_msg(c);
     cs_request r;
-    preq *q = (preq *)cs_worker_admit(w, c, m->token_ids, m->n_token_ids, m->num_prompt_tokens,
-                                      m->sampling, m->transfer_id, m->request_id, &r);
+    preq *q =
+        (preq *)cs_worker_admit(w, c, m->token_ids, m->n_token_ids, m->num_prompt_tokens,
+                                m->sampling, m->transfer_id, m->request_id, m->cache_salt, &r);
     if (!q) return;
     char host[256];
     int port = 0;

@@ -138,6 +138,7 @@ void cs__leg_start_prefill(req *q, const char *kv_endpoint, int kv_transport) {
     m.rng_state = rng_of(q, &rng);
     m.kv_endpoint = (char *)kv_endpoint;
     m.kv_transport = kv_transport;
+    m.cache_salt = q->cache_salt;
     m.decode_worker_id = (char *)cs_pool_worker_id(q->dleg->w);
     cs_rpc_call_opts o = {.timeout_ms = cs__req_ms_left(q)};
     q->pleg = l;
@@ -228,6 +229,7 @@ void cs__leg_start_decode(req *q, cs_pool_worker *dw, bool first) {
     /* the decode worker takes this transfer's pages only from the prefill
      * worker chosen for it (by the name its KV channel authenticates as) */
     m.kv_sender = (char *)(q->pw && !q->local ? cs_pool_worker_kv_sender(q->pw) : "");
+    m.cache_salt = q->cache_salt;
     cs_rpc_call_opts o = {.timeout_ms = cs__req_ms_left(q)};
     /* The wall-clock time of the client call's receipt, on the first attempt:
      * the decode worker measures receipt-to-receipt (same host or synced

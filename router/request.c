@@ -149,6 +149,7 @@ void cs__req_maybe_free(req *q) {
     if (q->sampling) protobuf_c_message_free_unpacked(&q->sampling->base, NULL);
     free(q->ctx);
     free(q->id);
+    free(q->cache_salt);
     free(q);
 }
 

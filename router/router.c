@@ -93,8 +93,9 @@ static void generate(void *arg, cs_gen_call *c) {
     char idbuf[40];
     snprintf(idbuf, sizeof idbuf, "rt-%016" PRIx64, cs__splitmix64(r->id_base ^ (seq << 1)));
     if (q) q->id = strdup(m->request_id[0] ? m->request_id : idbuf);
-    if (!q || !q->id || copy_sampling(m->sampling, &q->sampling) != 0) {
-        if (q) free(q->id);
+    if (q) q->cache_salt = strdup(m->cache_salt);
+    if (!q || !q->id || !q->cache_salt || copy_sampling(m->sampling, &q->sampling) != 0) {
+        if (q) free(q->id), free(q->cache_salt);
         free(q);
         cs_wire_request_free(&w);
         cs__router_count_code(r, CS_RPC_RESOURCE_EXHAUSTED);

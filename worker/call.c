@@ -99,7 +99,8 @@ void cs_worker_call_post_locked(cs_worker_call *q) {
 
 cs_worker_call *cs_worker_admit(cs_worker *w, cs_rpc_call *c, const int32_t *ids, size_t n,
                                 int32_t num_prompt, const Chunkserve__V1__SamplingParams *sampling,
-                                uint64_t transfer_id, const char *request_id, cs_request *r) {
+                                uint64_t transfer_id, const char *request_id,
+                                const char *cache_salt, cs_request *r) {
     if (w->stopping) {
         cs_rpc_call_finish(c, CS_RPC_UNAVAILABLE, "the worker is draining (shutting down)");
         return NULL;
@@ -112,6 +113,7 @@ cs_worker_call *cs_worker_admit(cs_worker *w, cs_rpc_call *c, const int32_t *ids
         return NULL;
     }
     int rc = cs_wire_check_request_id(request_id);
+    if (!rc) rc = cs_wire_check_cache_salt(cache_salt);
     if (!rc) rc = check_request(w, ids, n, num_prompt, sampling, r);
     if (rc) {
         cs_rpc_call_finish(c, cs_rpc_code_of_status(rc), cs_last_error());
@@ -125,6 +127,7 @@ cs_worker_call *cs_worker_admit(cs_worker *w, cs_rpc_call *c, const int32_t *ids
     q->w = w;
     q->call = c;
     q->id = r->id = ++w->next_id;
+    r->cache_salt = cache_salt; /* borrowed from the call's message; the engine copies it */
     q->transfer_id = transfer_id;
     snprintf(q->request_id, sizeof q->request_id, "%s",
              request_id && request_id[0] ? request_id : "-");

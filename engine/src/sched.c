@@ -9,6 +9,7 @@
 
 #include <stdlib.h>
 #include <string.h>
+#include <xxhash.h>
 
 #include "util.h"
 
@@ -23,7 +24,8 @@ typedef struct seq {
     int32_t n_hashed;   /* leading pages whose prefix hash is registered or looked up */
     int32_t n_cached;   /* prompt tokens reused from the prefix cache at first admission */
     bool admitted;      /* has run at least once (n_cached is then final) */
-    uint64_t last_hash; /* hash of page n_hashed - 1 */
+    uint64_t last_hash; /* hash of page n_hashed - 1 (hash_root when n_hashed is 0) */
+    uint64_t hash_root; /* the chain's seed: 0, or the request's cache_salt hashed */
     cs_sampler *smp;
     cs_stop *stop;
     bool logprobs, running;
@@ -258,6 +260,10 @@ int cs_sched_add(cs_sched *s, const cs_request *r) {
     q->top_logprobs = r->logprobs ? r->top_logprobs : 0;
     q->kv_mode = r->kv_mode;
     q->arrival = s->next_arrival++;
+    if (r->cache_salt && r->cache_salt[0]) { /* never 0: that is the shared namespace */
+        q->hash_root = XXH64(r->cache_salt, strlen(r->cache_salt), 0x63616368652d73ull) | 1;
+        q->last_hash = q->hash_root;
+    }
     cs_sampler_accept_prompt(q->smp, r->prompt, (size_t)n_real);
     for (int32_t i = n_real; i < r->n_prompt; i++)
         cs_sampler_accept(q->smp, r->prompt[i]);
@@ -283,7 +289,8 @@ int cs_sched_kv_pages(cs_sched *s, uint64_t id, const int32_t **pages, int32_t *
     return 0;
 }
 
-int cs_sched_kv_ready(cs_sched *s, uint64_t id, int32_t first_token, const cs_logprobs *first_lp) {
+int cs_sched_kv_ready(cs_sched *s, uint64_t id, int32_t first_token, int32_t n_cached,
+                      const cs_logprobs *first_lp) {
     seq **link;
     seq *q = find(s, id, &link);
     if (!q || q->kv_mode != CS_KV_REMOTE || q->running || q->kv_ready)
@@ -291,6 +298,9 @@ int cs_sched_kv_ready(cs_sched *s, uint64_t id, int32_t first_token, const cs_lo
     if (first_token < 0 || first_token >= s->n_vocab)
         return cs_fail(CS_EINVAL, "request %llu: first token %d is outside the vocabulary (0..%d)",
                        (unsigned long long)id, first_token, s->n_vocab - 1);
+    if (n_cached < 0 || n_cached > q->n_prompt)
+        return cs_fail(CS_EINVAL, "request %llu: %d cached tokens of a %d-token prompt",
+                       (unsigned long long)id, n_cached, q->n_prompt);
     if (q->logprobs) {
         if (!first_lp || first_lp->n_top < 0 || first_lp->n_top > q->top_logprobs)
             return cs_fail(
@@ -305,6 +315,7 @@ int cs_sched_kv_ready(cs_sched *s, uint64_t id, int32_t first_token, const cs_lo
     }
     q->kv_ready = true;
     q->first_token = first_token;
+    q->n_cached = n_cached;
     s->n_kv_ready++;
     return 0;
 }
@@ -337,7 +348,7 @@ static void reuse_prefix(cs_sched *s, seq *q) {
         q->pt.pages = np;
         q->pt.cap = full;
     }
-    uint64_t h = 0;
+    uint64_t h = q->hash_root;
     for (int32_t i = 0; i < full; i++) {
         h = cs_kv_cache_page_hash(h, q->tokens + (size_t)i * s->page_size, s->page_size);
         int32_t id = cs_kv_cache_lookup(s->kv, h);
@@ -368,7 +379,7 @@ static void preempt(cs_sched *s, seq **link) {
     cs_page_table_release(&q->pt, s->kv);
     q->n_computed = 0;
     q->n_hashed = 0;
-    q->last_hash = 0;
+    q->last_hash = q->hash_root;
     q->running = false;
     insert_ordered(&s->waiting, q);
     s->n_waiting++;
@@ -585,7 +596,7 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
             /* not enough pages now: give back the prefix and wait */
             cs_page_table_release(&q->pt, s->kv);
             q->n_computed = q->n_hashed = 0;
-            q->last_hash = 0;
+            q->last_hash = q->hash_root;
             break;
         }
         s->waiting = q->next;

@@ -11,13 +11,14 @@
 #include "util.h"
 
 typedef struct pending {
-    cs_request r; /* with owned copies of prompt and stop strings */
+    cs_request r; /* with owned copies of prompt, stop strings and cache_salt */
     char **stops;
     int32_t *stop_ids;
     cs_serve_cb cb;
     void *user;
     enum { P_SUBMIT, P_CANCEL, P_KV_READY, P_KV_RELEASE } kind;
-    int32_t first_token; /* P_KV_READY, with first_lp when has_lp */
+    int32_t first_token; /* P_KV_READY, with first_lp when has_lp, and n_cached */
+    int32_t n_cached;
     bool has_lp;
     cs_logprobs first_lp;
     int32_t *pages; /* P_KV_RELEASE: n_pages ids to drop one reference from */
@@ -52,6 +53,7 @@ static void pending_free(pending *p) {
     free(p->stop_ids);
     free(p->pages);
     free((void *)p->r.prompt);
+    free((void *)p->r.cache_salt);
     free(p);
 }
 
@@ -94,7 +96,7 @@ static void apply(cs_serve *sv, pending *p) {
         return;
     }
     if (p->kind == P_KV_READY) {
-        if (*l && cs_sched_kv_ready(sv->sched, p->r.id, p->first_token,
+        if (*l && cs_sched_kv_ready(sv->sched, p->r.id, p->first_token, p->n_cached,
                                     p->has_lp ? &p->first_lp : NULL) != 0) {
             CS_LOGW("request %llu: %s", (unsigned long long)p->r.id, cs_last_error());
             cs_sched_cancel(sv->sched, p->r.id);
@@ -235,6 +237,9 @@ int cs_serve_submit(cs_serve *sv, const cs_request *r, cs_serve_cb cb, void *use
         memcpy(p->stop_ids, r->stop.stop_ids, sizeof(int32_t) * r->stop.n_stop_ids);
     p->r.stop.stop = (const char *const *)p->stops;
     p->r.stop.stop_ids = p->stop_ids;
+    p->r.cache_salt = NULL;
+    if (ok && r->cache_salt && r->cache_salt[0])
+        ok = (p->r.cache_salt = strdup(r->cache_salt)) != NULL;
     if (!ok) {
         pending_free(p);
         return cs_fail(CS_ENOMEM, "serve: out of memory");
@@ -252,12 +257,14 @@ void cs_serve_cancel(cs_serve *sv, uint64_t id) {
     if (enqueue(sv, p)) pending_free(p);
 }
 
-int cs_serve_kv_ready(cs_serve *sv, uint64_t id, int32_t first_token, const cs_logprobs *first_lp) {
+int cs_serve_kv_ready(cs_serve *sv, uint64_t id, int32_t first_token, int32_t n_cached,
+                      const cs_logprobs *first_lp) {
     pending *p = calloc(1, sizeof *p);
     if (!p) return cs_fail(CS_ENOMEM, "serve: out of memory");
     p->r.id = id;
     p->kind = P_KV_READY;
     p->first_token = first_token;
+    p->n_cached = n_cached;
     if (first_lp) p->has_lp = true, p->first_lp = *first_lp;
     int rc = enqueue(sv, p);
     if (rc) pending_free(p);

@@ -254,6 +254,7 @@ void cs_kvx_trailer_encode(const cs_kvx_trailer_wire *t, uint8_t out[CS_KVX_TRAI
     put32(out + 12, (uint32_t)t->t.n_top);
     put64(out + 16, t->xxh64);
     put32(out + 24, f32_bits(t->t.first_logprob));
+    put32(out + 28, (uint32_t)t->t.n_cached);
     for (int32_t i = 0; i < t->t.n_top && i < CS_KVX_MAX_TOP; i++) {
         put32(out + 32 + 8 * i, (uint32_t)t->t.top_ids[i]);
         put32(out + 36 + 8 * i, f32_bits(t->t.top_logprobs[i]));
@@ -270,9 +271,13 @@ int cs_kvx_trailer_decode(const uint8_t *in, size_t len, cs_kvx_trailer_wire *t,
     t->t.n_top = (int32_t)get32(in + 12);
     t->xxh64 = get64(in + 16);
     t->t.first_logprob = bits_f32(get32(in + 24));
+    t->t.n_cached = (int32_t)get32(in + 28);
     memcpy(t->mac, in + CS_KVX_TRAILER_MAC_AT, CS_KVX_MAC_BYTES);
     if (t->t.first_token < 0 || t->t.prompt_len < 0 || t->t.total_pages < 0)
         FAIL(CS_EBADMSG, "kvx: TRAILER with negative fields");
+    if (t->t.n_cached < 0 || t->t.n_cached > t->t.prompt_len)
+        FAIL(CS_EBADMSG, "kvx: TRAILER with %d cached of %d tokens", t->t.n_cached,
+             t->t.prompt_len);
     if (t->t.n_top < 0 || t->t.n_top > CS_KVX_MAX_TOP)
         FAIL(CS_EBADMSG, "kvx: TRAILER with %d alternatives (at most %d)", t->t.n_top,
              CS_KVX_MAX_TOP);

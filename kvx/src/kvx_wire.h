@@ -73,7 +73,7 @@ enum cs_kvx_frame_type {
 #define CS_KVX_AUTH_BYTES CS_KVX_PROOF_BYTES
 #define CS_KVX_ACK_BYTES 128 /* status i32, pad, message (120) */
 /* TRAILER: 0 first_token, 4 prompt_len, 8 total_pages, 12 n_top (<= 20),
- * 16 fold of the chunk checksums u64, 24 first_logprob f32, 28 pad, 32 n_top
+ * 16 fold of the chunk checksums u64, 24 first_logprob f32, 28 n_cached, 32 n_top
  * pairs (id i32, logprob f32), the rest zero; then the MAC (16) over the
  * bytes before it (CS_KVX_TRAILER_MAC_AT) */
 #define CS_KVX_TRAILER_MAC_AT (32 + 8 * CS_KVX_MAX_TOP)

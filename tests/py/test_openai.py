@@ -530,6 +530,23 @@ def test_cors(chunkserve_bin, tiny_model, pb, tiny):
 # ----------------------------------------------------------- streams --
 
 
+def test_cache_salt(tiny):
+    """vLLM's cache_salt through the official client (extra_body): a prompt is reused from
+    the prefix cache only under its own salt; usage.prompt_tokens_details.cached_tokens is
+    0 under another; a salt over 256 bytes is a 400 naming it."""
+    prompt = [(13 * j) % 300 + 1 for j in range(70)]  # 4 full 16-token pages cacheable
+
+    def cached(salt):
+        r = tiny.client.completions.create(model=tiny.model, prompt=prompt, max_tokens=1,
+                                           extra_body={"cache_salt": salt})
+        return r.usage.prompt_tokens_details.cached_tokens
+
+    assert [cached(s) for s in ("oa-a", "oa-b", "oa-a", "oa-b", "oa-c")] == [0, 0, 64, 64, 0]
+    with pytest.raises(openai.BadRequestError) as e:
+        cached("x" * 257)
+    assert "cache_salt" in str(e.value)
+
+
 def test_closing_a_stream_frees_every_page(tiny):
     st = tiny.status()
     stream = tiny.client.completions.create(model=tiny.model, prompt="hello", max_tokens=3000,

@@ -140,7 +140,9 @@ static void run_disagg(cs_engine *P, cs_engine *D, const req *reqs, int n, int32
             if (ev[k].token >= 0) { /* the first token: the prompt's KV is all there */
                 ASSERT_EQ_INT(ev[k].finish, CS_FINISH_LENGTH);
                 ASSERT_EQ_INT(reported[i], n_dst[i]);
-                ASSERT_EQ_INT(cs_sched_kv_ready(sd, ev[k].id, ev[k].token, &ev[k].lp), 0);
+                ASSERT_EQ_INT(cs_sched_kv_ready(sd, ev[k].id, ev[k].token,
+                                                ev[k].n_cached_prompt_tokens, &ev[k].lp),
+                              0);
             }
         }
         ASSERT_EQ_INT(cs_sched_step(sd, &ev, &ne), 0);
@@ -251,17 +253,21 @@ static void check_reserve(void) {
     ASSERT_EQ_INT(cs_sched_add(s, &r), CS_ENOSPC);
     ASSERT_EQ_INT(cs_kv_cache_n_used(kv), 13);
     ASSERT_EQ_INT(cs_kv_cache_check(kv), 0);
-    ASSERT_EQ_INT(cs_sched_kv_ready(s, 1, V, NULL), CS_EINVAL); /* outside the vocabulary */
+    ASSERT_EQ_INT(cs_sched_kv_ready(s, 1, V, 0, NULL), CS_EINVAL); /* outside the vocabulary */
+    ASSERT_EQ_INT(cs_sched_kv_ready(s, 1, 3, -1, NULL), CS_EINVAL);
+    ASSERT_TRUE(strstr(cs_last_error(), "cached tokens") != NULL);
+    ASSERT_EQ_INT(cs_sched_kv_ready(s, 1, 3, r.n_prompt + 1, NULL), CS_EINVAL);
+    ASSERT_TRUE(strstr(cs_last_error(), "cached tokens") != NULL);
     cs_logprobs lp = {.logprob = -1, .n_top = 2, .top_ids = {3, V}, .top_logprobs = {-1, -2}};
-    ASSERT_EQ_INT(cs_sched_kv_ready(s, 1, 3, NULL), CS_EINVAL); /* logprobs asked, none came */
-    ASSERT_EQ_INT(cs_sched_kv_ready(s, 1, 3, &lp), CS_EINVAL);  /* an alternative outside */
+    ASSERT_EQ_INT(cs_sched_kv_ready(s, 1, 3, 0, NULL), CS_EINVAL); /* logprobs asked, none came */
+    ASSERT_EQ_INT(cs_sched_kv_ready(s, 1, 3, 0, &lp), CS_EINVAL);  /* an alternative outside */
     lp.n_top = 3;
-    ASSERT_EQ_INT(cs_sched_kv_ready(s, 1, 3, &lp), CS_EINVAL); /* more than asked */
-    ASSERT_EQ_INT(cs_sched_kv_ready(s, 9, 1, NULL), CS_ENOENT);
+    ASSERT_EQ_INT(cs_sched_kv_ready(s, 1, 3, 0, &lp), CS_EINVAL); /* more than asked */
+    ASSERT_EQ_INT(cs_sched_kv_ready(s, 9, 1, 0, NULL), CS_ENOENT);
     ASSERT_TRUE(cs_sched_idle(s)); /* waiting for KV is not work */
     ASSERT_EQ_INT(cs_sched_cancel(s, 1), 0);
     ASSERT_EQ_INT(cs_kv_cache_n_used(kv), 0);
-    ASSERT_EQ_INT(cs_sched_kv_ready(s, 1, 1, NULL), CS_ENOENT);
+    ASSERT_EQ_INT(cs_sched_kv_ready(s, 1, 1, 0, NULL), CS_ENOENT);
     /* a reserved local request runs normally from its reserved pages */
     r.n_prompt = 100;
     ASSERT_EQ_INT(cs_sched_add(s, &r), 0);

@@ -395,6 +395,43 @@ static void check_serve(void) {
     cs_engine_free(e);
 }
 
+/* cache_salt: the same prompt under another salt reuses nothing, under its
+ * own salt everything a full page holds; no salt is a namespace of its own. */
+static void check_cache_salt(void) {
+    cs_engine *e = engine(1024);
+    cs_sched *s = NULL;
+    cs_sched_params p = cs_sched_params_default();
+    ASSERT_EQ_INT(cs_sched_init(e, &p, &s), 0);
+    static req_spec a;
+    a.n_prompt = 100;
+    for (int i = 0; i < a.n_prompt; i++)
+        a.prompt[i] = (int32_t)rnd((uint32_t)V);
+    a.max_tokens = 2;
+    const char *salts[] = {"tenant-a", "tenant-b", NULL, "", "tenant-a", "tenant-b", "tenant-c"};
+    /* 100 tokens: 6 full pages of 16 (96 tokens) are cacheable */
+    const int32_t want[] = {0, 0, 0, 96, 96, 96, 0};
+    for (int k = 0; k < 7; k++) {
+        cs_request r = make_req(&a, (uint64_t)(100 + k));
+        r.cache_salt = salts[k];
+        ASSERT_EQ_INT(cs_sched_add(s, &r), 0);
+        int32_t cached = -1;
+        while (!cs_sched_idle(s)) {
+            const cs_event *ev;
+            int32_t ne;
+            ASSERT_EQ_INT(cs_sched_step(s, &ev, &ne), 0);
+            for (int32_t i = 0; i < ne; i++)
+                if (ev[i].finish != CS_FINISH_NONE) cached = ev[i].n_cached_prompt_tokens;
+        }
+        if (cached != want[k])
+            fprintf(stderr, "salt %s: %d cached, want %d\n", salts[k] ? salts[k] : "(none)", cached,
+                    want[k]);
+        ASSERT_EQ_INT(cached, want[k]);
+    }
+    printf("cache_salt: a prompt is reused only under its own salt\n");
+    cs_sched_free(s);
+    cs_engine_free(e);
+}
+
 int main(void) {
     char path[1024];
     snprintf(path, sizeof path, "%s/f32/tiny.gguf", getenv("CS_TINY_DIR"));
@@ -402,6 +439,7 @@ int main(void) {
     V = cs_model_get_config(model)->n_vocab;
     check_bad_requests();
     check_prefix_cache();
+    check_cache_salt();
     check_cancel();
     check_equivalence();
     check_serve();

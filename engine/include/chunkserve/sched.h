@@ -66,6 +66,10 @@ typedef struct {
     bool reserve; /* reserve the prompt's pages at add, all or nothing:
                      CS_ENOSPC when they are not free now (admission by
                      free pages); implied by CS_KV_REMOTE */
+    const char *cache_salt; /* the prefix cache's namespace: only requests with the same
+                               salt share cached pages (it seeds the page hash chain, so
+                               cached-token counts tell nothing across salts); NULL or ""
+                               = the shared namespace. Hashed at add, not kept */
 } cs_request;
 
 /* What a step produced for one request. */
@@ -135,9 +139,12 @@ int cs_sched_kv_pages(cs_sched *s, uint64_t id, const int32_t **pages, int32_t *
  * was sampled by the prefill side (first_lp: its log-probabilities, when the
  * request asked for them; NULL otherwise): at the next step the token goes
  * through the stop rules (its event is emitted) and the sequence joins the
- * running batch. CS_ENOENT (not waiting for KV), CS_EINVAL (a token outside
- * the vocabulary or more alternatives than asked: nothing changes). */
-int cs_sched_kv_ready(cs_sched *s, uint64_t id, int32_t first_token, const cs_logprobs *first_lp);
+ * running batch. n_cached: prompt tokens the prefill side took from its
+ * prefix cache (reported as the request's cached tokens). CS_ENOENT (not
+ * waiting for KV), CS_EINVAL (a token outside the vocabulary, n_cached
+ * outside 0..prompt, more alternatives than asked: nothing changes). */
+int cs_sched_kv_ready(cs_sched *s, uint64_t id, int32_t first_token, int32_t n_cached,
+                      const cs_logprobs *first_lp);
 
 /* Runs one step (does nothing when idle). *events/n_events: what happened,
  * valid until the next call. Fails only on an engine error, after which every

@@ -45,11 +45,13 @@ int cs_serve_submit(cs_serve *sv, const cs_request *r, cs_serve_cb cb, void *use
  * already finished. Thread-safe; unknown ids are ignored. */
 void cs_serve_cancel(cs_serve *sv, uint64_t id);
 /* A CS_KV_REMOTE request's KV is in place; first_token (sampled by the
- * prefill side, with its log-probabilities first_lp when asked; copied) is
+ * prefill side, with its log-probabilities first_lp when asked; copied; and
+ * n_cached, the prompt tokens that side took from its prefix cache) is
  * emitted at the next step and the sequence joins the batch. Thread-safe;
  * CS_ENOMEM or CS_ECANCELED (stopping). An id that is no longer waiting for
  * its KV ends with an ERROR event (as does one cs_sched_kv_ready refuses). */
-int cs_serve_kv_ready(cs_serve *sv, uint64_t id, int32_t first_token, const cs_logprobs *first_lp);
+int cs_serve_kv_ready(cs_serve *sv, uint64_t id, int32_t first_token, int32_t n_cached,
+                      const cs_logprobs *first_lp);
 
 /* Drops one reference from each of n pages (ids copied), applied by the
  * engine thread before its next step (it wakes for it): the other half of

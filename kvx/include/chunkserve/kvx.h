@@ -99,6 +99,8 @@ typedef struct {
     int32_t first_token; /* sampled after the last prompt chunk */
     int32_t prompt_len;  /* tokens whose KV the pages hold */
     int32_t total_pages; /* must equal the pages sent and the pages reserved */
+    int32_t n_cached;    /* of prompt_len, tokens the sender took from its prefix cache (the
+                            client's usage.cached_prompt_tokens); 0..prompt_len */
     /* the first token's log-probability and n_top alternatives (most likely
      * first) when the request asked for logprobs; 0 otherwise */
     float first_logprob;
