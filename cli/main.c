@@ -42,6 +42,7 @@ typedef struct {
     int64_t seed;            /* used as uint64_t: -1 is 2^64 - 1 */
     cs_openai_config openai; /* serve: the OpenAI-compatible HTTP API, API keys */
     cs_rpc_limits rpc;       /* serve: the gRPC port's limits */
+    cs_rpc_tls tls;          /* serve: TLS on the gRPC port */
 } options;
 
 /* The flags, their CHUNKSERVE_* variables and --help (chunkserve/config.h).
@@ -90,6 +91,7 @@ static const cs_config_entry opt_table[] = {
       "serve: on SIGTERM, time streams get to finish before they are cancelled"),
     CS_OPENAI_CONFIG(options, openai),
     CS_PROC_RPC_CONFIG(options, rpc),
+    CS_PROC_TLS_CONFIG(options, tls),
     O("duration", DOUBLE, duration, "60", "bench-local: seconds per budget"),
     O("budgets", STR, budgets, "unlimited,256,512,2048", "bench-local: step budgets to compare"),
     O("prompt-tokens", INT, prompt_tokens, "2000", "bench-engine: prompt length"),
@@ -561,6 +563,7 @@ static int cmd_serve(const cs_model *m, const options *o) {
     so.max_queue = (int32_t)o->max_queue;
     so.openai = o->openai;
     so.rpc = o->rpc;
+    so.tls = o->tls;
     r = cs_server_run(m, &so);
     return r ? fail_msg("serve", r) : 0;
 }

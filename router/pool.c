@@ -233,6 +233,7 @@ static int channel_open(cs_pool_worker *w) {
                               .max_send_bytes = 0,
                               .metadata = &md,
                               .n_metadata = w->pool->o.rpc_token ? 1 : 0};
+    if (w->pool->o.worker_tls) co.tls = *w->pool->o.worker_tls;
     return cs_rpc_channel_init(w->pool->rl, w->addr, &co, &w->ch);
 }
 

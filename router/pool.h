@@ -74,6 +74,7 @@ typedef struct {
     uint64_t expect_tokenizer_fp;  /* or another tokenizer (0: not checked) */
     const char *rpc_token;         /* sent with every call (CS_RPC_TOKEN_KEY); NULL = none;
                                       must outlive the pool */
+    const cs_rpc_tls *worker_tls;  /* TLS to the workers (NULL = plaintext); outlives the pool */
     /* Called after a status poll round in which some worker's status arrived
      * (room may have appeared): the router retries what waits. May be NULL. */
     void (*on_change)(void *arg);

@@ -275,6 +275,7 @@ static int start(cs_proc *p, void *arg) {
         .expect_model_fp = cs_model_fingerprint(r->model),
         .expect_tokenizer_fp = r->wm.tokenizer_fingerprint,
         .rpc_token = r->secret.set ? r->secret.token : NULL,
+        .worker_tls = &o->worker_tls,
         .on_change = cs__router_on_pool_change,
         .on_down = cs__router_on_worker_down,
         .arg = r,
@@ -380,7 +381,8 @@ int cs_router_run(const cs_model *model, const cs_router_opts *o) {
                        .http_host = o->http_host,
                        .http_port = (int)o->http_port,
                        .grace_ms = o->grace_ms,
-                       .rpc = o->rpc};
+                       .rpc = o->rpc,
+                       .tls = o->tls};
     rc = cs_proc_run(&po, &router_proc, r);
     CS_ASSERT(rc || r->n_live == 0);
     cs_openai_close(r->openai); /* when start failed after opening it */

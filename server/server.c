@@ -435,7 +435,8 @@ int cs_server_run(const cs_model *m, const cs_server_opts *o) {
                        .http_host = o->http_host,
                        .http_port = o->http_port,
                        .grace_ms = o->grace_ms,
-                       .rpc = o->rpc};
+                       .rpc = o->rpc,
+                       .tls = o->tls};
     r = cs_proc_run(&po, &server_proc, s);
 out:
     if (r) CS_LOGE("cannot start: %s", cs_last_error()[0] ? cs_last_error() : cs_strerror(r));

@@ -30,6 +30,7 @@ typedef struct {
     int32_t grace_ms;  /* on SIGTERM/SIGINT: time streams get before they are cancelled */
     cs_openai_config openai; /* the public HTTP API and the API keys */
     cs_rpc_limits rpc;       /* the gRPC port's limits */
+    cs_rpc_tls tls;          /* TLS on the gRPC port */
 } cs_server_opts;
 
 /* Builds the engine on m (which must outlive the call), serves until SIGTERM

@@ -342,7 +342,8 @@ static int run(cs_worker *w) {
                        .http_port = (int)o->http_port,
                        .grace_ms = o->grace_ms,
                        .max_recv_bytes = 64 << 20,
-                       .rpc = o->rpc};
+                       .rpc = o->rpc,
+                       .tls = o->tls};
     r = cs_proc_run(&po, &worker_proc, w);
 out:
     if (r) CS_LOGE("cannot start: %s", cs_last_error()[0] ? cs_last_error() : cs_strerror(r));

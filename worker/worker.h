@@ -42,6 +42,7 @@ typedef struct {
     int64_t max_queue, grace_ms, lease_ms, kv_deadline_ms, kv_dead_ms;
     bool prefix_caching, kv_checksum, verbose, exact, kv_bf16;
     cs_rpc_limits rpc; /* the gRPC port's limits (CS_PROC_RPC_CONFIG) */
+    cs_rpc_tls tls;    /* TLS on the gRPC port (CS_PROC_TLS_CONFIG) */
 } cs_worker_opts;
 
 /* The entries both workers have (spliced into each process's table). */
@@ -204,7 +205,7 @@ typedef struct {
          0},                                                                                        \
         {"verbose", CS_CONFIG_BOOL, offsetof(cs_worker_opts, verbose), "false", "debug logging", 0, \
          0},                                                                                        \
-        CS_PROC_RPC_CONFIG(cs_worker_opts, rpc)
+        CS_PROC_RPC_CONFIG(cs_worker_opts, rpc), CS_PROC_TLS_CONFIG(cs_worker_opts, tls)
 
 typedef struct cs_worker cs_worker;
 typedef struct cs_worker_call cs_worker_call;

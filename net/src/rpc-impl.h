@@ -6,6 +6,7 @@
 
 #include <grpc/byte_buffer.h>
 #include <grpc/grpc.h>
+#include <grpc/grpc_security.h>
 #include <pthread.h>
 #include <uv.h>
 
@@ -81,5 +82,11 @@ const char *cs__rpc_md_find(const grpc_metadata_array *a, const char *key, size_
 
 /* The server's Health/Watch stream cap (cs_rpc_limits.max_watches, resolved). */
 int64_t cs__rpc_server_max_watches(const cs_rpc_server *s);
+
+/* TLS credentials from PEM files (rpc_util.c). Server: NULL when t has no
+ * certificate (plaintext). Channel: insecure when t has no CA. 0, or
+ * CS_EINVAL naming the file; the key's copy is wiped. */
+int cs__rpc_server_creds(const cs_rpc_tls *t, grpc_server_credentials **out);
+int cs__rpc_channel_creds(const cs_rpc_tls *t, grpc_channel_credentials **out);
 
 #endif

@@ -291,8 +291,21 @@ int cs_rpc_channel_init(cs_rpc_loop *l, const char *target, const cs_rpc_channel
     args[1].type = GRPC_ARG_INTEGER;
     args[1].key = (char *)GRPC_ARG_MAX_SEND_MESSAGE_LENGTH;
     args[1].value.integer = o && o->max_send_bytes > 0 ? o->max_send_bytes : -1;
-    grpc_channel_args ca = {2, args};
-    grpc_channel_credentials *creds = grpc_insecure_credentials_create();
+    grpc_arg name_arg = {GRPC_ARG_STRING,
+                         (char *)GRPC_SSL_TARGET_NAME_OVERRIDE_ARG,
+                         {.string = o ? (char *)o->tls.server_name : NULL}};
+    grpc_arg all[3] = {args[0], args[1], name_arg};
+    bool named =
+        o && o->tls.ca_file && o->tls.ca_file[0] && o->tls.server_name && o->tls.server_name[0];
+    grpc_channel_args ca = {named ? 3 : 2, all};
+    grpc_channel_credentials *creds = NULL;
+    static const cs_rpc_tls plain = {0};
+    int rc = cs__rpc_channel_creds(o ? &o->tls : &plain, &creds);
+    if (rc) {
+        md_free(ch);
+        free(ch);
+        return rc;
+    }
     ch->ch = grpc_channel_create(target, creds, &ca);
     grpc_channel_credentials_release(creds);
     if (!ch->ch) {

@@ -50,8 +50,9 @@ struct cs_rpc_server {
     uv_timer_t grace_timer;
     cs_rpc_done_cb done;
     void *done_data;
-    cs_rpc_limits lim;          /* defaults resolved */
-    grpc_resource_quota *quota; /* until the server holds it */
+    cs_rpc_limits lim;              /* defaults resolved */
+    grpc_server_credentials *creds; /* TLS; NULL = plaintext */
+    grpc_resource_quota *quota;     /* until the server holds it */
 };
 
 int64_t cs__rpc_server_max_watches(const cs_rpc_server *s) {
@@ -510,6 +511,12 @@ int cs_rpc_server_init(cs_rpc_loop *l, const cs_rpc_server_opts *o, cs_rpc_serve
     s->loop = l;
     s->t_shutdown.fn = NULL;
     if (!(s->addr = strdup(o->addr))) goto fail_addr;
+    int rc = cs__rpc_server_creds(&o->tls, &s->creds);
+    if (rc) {
+        free(s->addr);
+        free(s);
+        return rc;
+    }
 
     cs_rpc_limits lim = o->lim;
     if (!lim.max_streams) lim.max_streams = 4096;
@@ -561,6 +568,7 @@ int cs_rpc_server_init(cs_rpc_loop *l, const cs_rpc_server_opts *o, cs_rpc_serve
 fail_timer:
     grpc_server_destroy(s->server);
 fail_server:
+    if (s->creds) grpc_server_credentials_release(s->creds);
     free(s->addr);
 fail_addr:
     free(s);
@@ -599,9 +607,11 @@ int cs_rpc_server_add_method(cs_rpc_server *s, const char *path, enum cs_rpc_met
 
 int cs_rpc_server_start(cs_rpc_server *s, int *port) {
     if (s->started || s->shutting_down) return cs_fail(CS_EINVAL, "rpc: server started twice");
-    grpc_server_credentials *creds = grpc_insecure_server_credentials_create();
+    grpc_server_credentials *creds =
+        s->creds ? s->creds : grpc_insecure_server_credentials_create();
     int p = grpc_server_add_http2_port(s->server, s->addr, creds);
     grpc_server_credentials_release(creds);
+    s->creds = NULL;
     if (p <= 0)
         return cs_fail(CS_EBUSY, "rpc: cannot listen on %s (in use, or a bad address)", s->addr);
     grpc_server_start(s->server);
@@ -625,6 +635,7 @@ static void on_server_closed(uv_handle_t *h) {
         free(s->methods[i].path);
     free(s->methods);
     free(s->addr);
+    if (s->creds) grpc_server_credentials_release(s->creds); /* never started */
     free(s);
     if (done) done(done_data);
     cs__rpc_loop_unref(l);

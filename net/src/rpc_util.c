@@ -1,8 +1,11 @@
 /* rpc_util.c: byte buffers, metadata and protobuf-c glue shared by the
  * server and client sides, and the status code names. */
 #include <grpc/byte_buffer_reader.h>
+#include <errno.h>
+#include <grpc/grpc_security.h>
 #include <grpc/slice.h>
 #include <protobuf-c/protobuf-c.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -142,4 +145,80 @@ int cs_rpc_unpack(const struct ProtobufCMessageDescriptor *desc, const uint8_t *
     *out = protobuf_c_message_unpack(desc, NULL, len, buf);
     if (!*out) return cs_fail(CS_EBADMSG, "malformed %s message (%zu bytes)", desc->name, len);
     return 0;
+}
+
+/* ---------------------------------------------------------------- TLS -- */
+
+/* The whole of a PEM file (at most 1 MiB), NUL-terminated, into *out. */
+static int read_pem(const char *path, const char *what, char **out) {
+    *out = NULL;
+    FILE *f = fopen(path, "rb");
+    if (!f)
+        return cs_fail(CS_EINVAL, "rpc: cannot open the TLS %s %s: %s", what, path,
+                       strerror(errno));
+    enum { MAX = 1 << 20 };
+    char *buf = malloc(MAX + 1);
+    size_t n = buf ? fread(buf, 1, MAX + 1, f) : 0;
+    bool err = ferror(f);
+    fclose(f);
+    if (!buf) return cs_fail(CS_ENOMEM, "rpc: out of memory");
+    if (err || n == 0 || n > MAX || !strstr(buf, "-----BEGIN")) {
+        free(buf);
+        return cs_fail(CS_EINVAL, "rpc: the TLS %s %s is %s", what, path,
+                       err       ? "unreadable"
+                       : n > MAX ? "over 1 MiB"
+                                 : "not PEM");
+    }
+    buf[n] = 0;
+    *out = buf;
+    return 0;
+}
+
+int cs__rpc_server_creds(const cs_rpc_tls *t, grpc_server_credentials **out) {
+    *out = NULL;
+    if (!t->cert_file || !t->cert_file[0]) return 0;
+    if (!t->key_file || !t->key_file[0])
+        return cs_fail(CS_EINVAL, "rpc: a TLS certificate (%s) needs its key file", t->cert_file);
+    char *cert = NULL, *key = NULL, *ca = NULL;
+    int r = read_pem(t->cert_file, "certificate", &cert);
+    if (!r) r = read_pem(t->key_file, "key", &key);
+    if (!r && t->ca_file && t->ca_file[0]) r = read_pem(t->ca_file, "client CA", &ca);
+    if (!r) {
+        grpc_ssl_pem_key_cert_pair pair = {key, cert};
+        *out = grpc_ssl_server_credentials_create_ex(
+            ca, &pair, 1,
+            ca ? GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY
+               : GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE,
+            NULL);
+        if (!*out)
+            r = cs_fail(CS_EINVAL, "rpc: gRPC refused the TLS certificate %s or its key",
+                        t->cert_file);
+    }
+    if (key) memset(key, 0, strlen(key));
+    free(cert), free(key), free(ca);
+    return r;
+}
+
+int cs__rpc_channel_creds(const cs_rpc_tls *t, grpc_channel_credentials **out) {
+    *out = NULL;
+    if (!t->ca_file || !t->ca_file[0]) {
+        *out = grpc_insecure_credentials_create();
+        return 0;
+    }
+    bool mutual = t->cert_file && t->cert_file[0];
+    if (mutual && (!t->key_file || !t->key_file[0]))
+        return cs_fail(CS_EINVAL, "rpc: a TLS client certificate (%s) needs its key file",
+                       t->cert_file);
+    char *cert = NULL, *key = NULL, *ca = NULL;
+    int r = read_pem(t->ca_file, "CA", &ca);
+    if (!r && mutual) r = read_pem(t->cert_file, "client certificate", &cert);
+    if (!r && mutual) r = read_pem(t->key_file, "client key", &key);
+    if (!r) {
+        grpc_ssl_pem_key_cert_pair pair = {key, cert};
+        *out = grpc_ssl_credentials_create(ca, mutual ? &pair : NULL, NULL, NULL);
+        if (!*out) r = cs_fail(CS_EINVAL, "rpc: gRPC refused the TLS files (CA %s)", t->ca_file);
+    }
+    if (key) memset(key, 0, strlen(key));
+    free(cert), free(key), free(ca);
+    return r;
 }

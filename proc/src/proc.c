@@ -146,7 +146,7 @@ int cs_proc_run(const cs_proc_opts *o, const cs_proc_role *role, void *role_data
     const char *http_host = o->http_host && o->http_host[0] ? o->http_host : o->host;
     char addr[300];
     snprintf(addr, sizeof addr, "%s:%d", o->host, o->port);
-    cs_rpc_server_opts so = {.addr = addr, .max_recv_bytes = o->max_recv_bytes, .lim = o->rpc};
+    cs_rpc_server_opts so = {.addr = addr, .max_recv_bytes = o->max_recv_bytes, .lim = o->rpc, .tls = o->tls};
     bool uv_ok = false, started = false;
     int r;
     if ((r = cs_metrics_init(&p->metrics))) goto fail;

@@ -4,9 +4,14 @@
  * are SmolLM2-135M-sized (30 layers x K,V x 16 tokens x 3 kv heads x 64 x
  * fp32 = 720 KiB), sent by id from a host pool and landing by id in another.
  * The kvx figure includes framing, the XXH3 checksums on both sides (and
- * without), and the receiver's ack. Not a test: prints a table.
+ * without), and the receiver's ack. The last two columns are what
+ * encrypting the link would cost each side: one core's AES-256-GCM and
+ * ChaCha20-Poly1305 (OpenSSL EVP) over 16 KiB records, the work TLS or a
+ * WireGuard/IPsec overlay adds per byte on the sender (and the same again on
+ * the receiver). Not a test: prints a table.
  * Usage: chunkserve-bench-kvx [max_MiB [repetitions]] */
 #include <netinet/in.h>
+#include <openssl/evp.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -90,6 +95,25 @@ static double bench_kvx(cs_kvx_tx *tx, cs_kvx_rx *rx, int32_t n_pages, uint64_t 
     return dt;
 }
 
+/* One core sealing bytes in 16 KiB AEAD records (a TLS record's size). */
+static double bench_aead(const EVP_CIPHER *cipher, const uint8_t *src, uint8_t *dst, size_t bytes) {
+    EVP_CIPHER_CTX *x = EVP_CIPHER_CTX_new();
+    ASSERT_TRUE(x != NULL);
+    uint8_t key[32] = {1}, iv[12] = {2}, tag[16];
+    double t0 = now_s();
+    for (size_t off = 0; off < bytes; off += 16384) {
+        int len = (int)(bytes - off < 16384 ? bytes - off : 16384), n = 0;
+        iv[0]++;
+        ASSERT_TRUE(EVP_EncryptInit_ex(x, cipher, NULL, key, iv) == 1);
+        ASSERT_TRUE(EVP_EncryptUpdate(x, dst + off, &n, src + off, len) == 1);
+        ASSERT_TRUE(EVP_EncryptFinal_ex(x, dst + off + n, &n) == 1);
+        ASSERT_TRUE(EVP_CIPHER_CTX_ctrl(x, EVP_CTRL_AEAD_GET_TAG, 16, tag) == 1);
+    }
+    double t = now_s() - t0;
+    EVP_CIPHER_CTX_free(x);
+    return t;
+}
+
 static int cmp_d(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
     return x < y ? -1 : x > y;
@@ -142,14 +166,14 @@ int main(int argc, char **argv) {
            "GB/s = 1e9 bytes/s, "
            "median of %d repetitions, kvx/sock: median [min-max] of per-repetition ratios\n",
            (unsigned long long)L.page_bytes, reps);
-    printf("%10s %10s %12s %12s %14s %10s\n", "MiB", "memcpy", "socket", "kvx+xxh3", "kvx(no sum)",
-           "kvx/sock");
+    printf("%10s %10s %12s %12s %14s %10s %12s %12s\n", "MiB", "memcpy", "socket", "kvx+xxh3",
+           "kvx(no sum)", "kvx/sock", "aes256-gcm", "chacha-poly");
     uint64_t id = 1;
     for (size_t mib = 1; mib <= max_mib; mib *= 4) {
         int32_t n_pages = (int32_t)(((mib << 20) + L.page_bytes - 1) / L.page_bytes);
         size_t bytes = (size_t)n_pages * L.page_bytes;
         enum { MAXR = 64 };
-        double t[4][MAXR], ratio[MAXR];
+        double t[6][MAXR], ratio[MAXR];
         for (int rep = 0; rep < reps && rep < MAXR; rep++) {
             double t0 = now_s();
             memcpy(dst, src, bytes);
@@ -158,13 +182,15 @@ int main(int argc, char **argv) {
             t[2][rep] = bench_kvx(tx[0], rx, n_pages, id++);
             t[3][rep] = bench_kvx(tx[1], rx, n_pages, id++);
             ratio[rep] = t[1][rep] / t[2][rep]; /* this repetition's socket time over kvx's */
+            t[4][rep] = bench_aead(EVP_aes_256_gcm(), src, dst, bytes);
+            t[5][rep] = bench_aead(EVP_chacha20_poly1305(), src, dst, bytes);
         }
         int nr = reps < MAXR ? reps : MAXR;
         double gb = (double)bytes / 1e9;
-        printf("%10zu %10.2f %12.2f %12.2f %14.2f %9.0f%% [%3.0f-%3.0f%%]\n", mib,
+        printf("%10zu %10.2f %12.2f %12.2f %14.2f %9.0f%% [%3.0f-%3.0f%%] %12.2f %12.2f\n", mib,
                gb / median(t[0], nr), gb / median(t[1], nr), gb / median(t[2], nr),
                gb / median(t[3], nr), 100.0 * median(ratio, nr), 100.0 * minof(ratio, nr),
-               100.0 * maxof(ratio, nr));
+               100.0 * maxof(ratio, nr), gb / median(t[4], nr), gb / median(t[5], nr));
         fflush(stdout);
     }
     for (int c = 0; c < 2; c++)

@@ -124,12 +124,26 @@ typedef struct {
                              RESOURCE_EXHAUSTED); 0 = 256 */
 } cs_rpc_limits;
 
+/* TLS for a gRPC port or channel: PEM files, read at init (rotating them
+ * takes a restart). All NULL = plaintext. */
+typedef struct {
+    const char *cert_file;   /* this side's certificate chain. Server: TLS on when set.
+                                Client: its identity for mutual TLS (optional) */
+    const char *key_file;    /* the private key of cert_file (required with it) */
+    const char *ca_file;     /* server: clients must present a certificate that chains to
+                                these roots (mutual TLS; NULL = none asked). Client: TLS on
+                                when set: the roots the server's certificate must chain to */
+    const char *server_name; /* client: the name the server's certificate must carry
+                                (default: the target's host) */
+} cs_rpc_tls;
+
 typedef struct {
     const char *addr;       /* "host:port"; port 0 picks a free one (see start) */
     int32_t max_recv_bytes; /* largest request accepted, else RESOURCE_EXHAUSTED;
                                0 = 4 MiB */
     int32_t max_send_bytes; /* largest message sent; 0 = 64 MiB */
     cs_rpc_limits lim;      /* also: request metadata at most 16 KiB */
+    cs_rpc_tls tls;         /* cert_file (+ key_file, optional ca_file): TLS */
 } cs_rpc_server_opts;
 
 enum cs_rpc_method_kind { CS_RPC_UNARY, CS_RPC_SERVER_STREAMING };
@@ -236,10 +250,12 @@ typedef struct {
     const cs_rpc_metadata *metadata; /* sent with every call on the channel (before
                                         the call's own), copied; e.g. the cluster token */
     size_t n_metadata;
+    cs_rpc_tls tls; /* ca_file (+ optional cert_file/key_file, server_name): TLS */
 } cs_rpc_channel_opts;
 
 /* A channel to target ("host:port", "dns:///name:port", ...); connects
- * lazily and reconnects on its own. o may be NULL. CS_EINVAL, CS_ENOMEM. */
+ * lazily and reconnects on its own. o may be NULL. CS_EINVAL (also: a TLS
+ * file that cannot be read), CS_ENOMEM. */
 int cs_rpc_channel_init(cs_rpc_loop *l, const char *target, const cs_rpc_channel_opts *o,
                         cs_rpc_channel **out);
 /* Cancels the calls in flight (each still gets its on_done, later, on the

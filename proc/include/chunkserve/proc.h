@@ -124,6 +124,27 @@ typedef struct {
             1 << 20                                                                                \
     }
 
+/* TLS on the process's gRPC port (cs_rpc_tls, field m of options struct T). */
+#define CS_PROC_TLS_CONFIG(T, m)                                                                   \
+    {"tls-cert-file",                                                                              \
+     CS_CONFIG_STR,                                                                                \
+     offsetof(T, m.cert_file),                                                                     \
+     NULL,                                                                                         \
+     "PEM certificate chain: the gRPC port speaks TLS (needs --tls-key-file)",                     \
+     0,                                                                                            \
+     0},                                                                                           \
+        {"tls-key-file",                                                                           \
+         CS_CONFIG_STR,                                                                            \
+         offsetof(T, m.key_file),                                                                  \
+         NULL,                                                                                     \
+         "PEM private key of --tls-cert-file",                                                     \
+         0,                                                                                        \
+         0},                                                                                       \
+    {                                                                                              \
+        "tls-client-ca-file", CS_CONFIG_STR, offsetof(T, m.ca_file), NULL,                         \
+            "PEM roots: gRPC clients must present a certificate they signed (mutual TLS)", 0, 0    \
+    }
+
 typedef struct {
     const char *host;       /* gRPC bind address */
     int port;               /* 0 = any free port */
@@ -132,6 +153,7 @@ typedef struct {
     int64_t grace_ms;       /* the drain's longest wait for open calls */
     int32_t max_recv_bytes; /* largest RPC request; 0 = the RPC layer's default (4 MiB) */
     cs_rpc_limits rpc;      /* CS_PROC_RPC_CONFIG */
+    cs_rpc_tls tls;         /* CS_PROC_TLS_CONFIG */
 } cs_proc_opts;
 
 /* Runs the process with role until SIGTERM/SIGINT and the drain end, then
