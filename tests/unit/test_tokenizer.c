@@ -814,6 +814,19 @@ static void test_chat(void) {
     free(text);
     cs_tokenizer_free(tok);
 
+    /* an empty default system message (found by fuzz_chat_template: it once
+     * passed NULL to memcpy, undefined behaviour) */
+    s.chat_template =
+        "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ "
+        "'<|im_start|>system\n<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + "
+        "'\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}";
+    ASSERT_EQ_INT(cs__tokenizer_create(&s, &tok), 0);
+    cs_chat_message hi[] = {{"user", "hi"}};
+    ASSERT_EQ_INT(cs_tokenizer_apply_chat(tok, hi, 1, false, &text), 0);
+    ASSERT_EQ_STR(text, "<|im_start|>system\n<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n");
+    free(text);
+    cs_tokenizer_free(tok);
+
     s.chat_template = NULL;
     ASSERT_EQ_INT(cs__tokenizer_create(&s, &tok), 0);
     ASSERT_EQ_INT(cs_tokenizer_apply_chat(tok, one, 1, true, &text), CS_ENOTSUP);
