@@ -97,10 +97,15 @@ static void prefill_drain(cs_worker_call *c) {
             snprintf(msg, sizeof msg, "prefill failed: %s", eng_error);
             cs_worker_call_finish(c, cs_rpc_code_of_status(eng_status), msg);
         } else if (tx_done && tx_status) {
-            snprintf(msg, sizeof msg, "KV transfer to %s (%s:%d) failed: %s", q->decode_id, q->host,
-                     q->port, tx_error);
-            cs_worker_call_finish(
-                c, tx_status == CS_ETIMEDOUT ? CS_RPC_DEADLINE_EXCEEDED : CS_RPC_UNAVAILABLE, msg);
+            /* The caller learns that the transfer failed, not how: refused,
+             * unreachable, silent or not a KV port all read the same, so
+             * kv_endpoint is no oracle for what listens where. The cause is
+             * in this worker's log. */
+            CS_LOGW("request %s: KV transfer to %s (%s:%d) failed: %s", q->base.request_id,
+                    q->decode_id, q->host, q->port, tx_error);
+            cs_worker_call_finish(c, CS_RPC_UNAVAILABLE,
+                                  "the KV transfer to the decode worker failed (the prefill "
+                                  "worker's log has the cause)");
         } else if (tx_done && eng_done) {
             Chunkserve__V1__PrefillResponse r = CHUNKSERVE__V1__PREFILL_RESPONSE__INIT;
             r.first_token_id = first;

@@ -557,3 +557,72 @@ def test_cache_salt_keeps_tenants_apart(cl, pb):
     pages_free(cl)
     canary(cl, pb)
     pages_free(cl)
+
+
+def test_foreign_kv_endpoint_is_no_oracle(cl, pb):
+    """Prefill pointed at a kv_endpoint that is not a decode worker's: without the token the
+    worker never connects there (a listener sees no connection); with it, a closed port, a
+    listener that accepts and stays silent, and one that answers garbage all give the same
+    UNAVAILABLE and the same words (no "refused", "timed out" or address), the cause only in
+    the prefill worker's log; nothing is left reserved."""
+    c, g = pb.cluster_pb2, pb.generation_pb2
+    stub = cl.worker_stub(cl.prefill[0])
+    lis = socket.socket()
+    lis.bind(("127.0.0.1", 0))
+    lis.listen(16)
+    lis.settimeout(0.5)
+    ep = f"127.0.0.1:{lis.getsockname()[1]}"
+
+    def prefill(endpoint, md, n):
+        return stub.Prefill(c.PrefillRequest(
+            request_id=f"foreign-{n}", transfer_id=9000 + n, token_ids=[5] * 40,
+            num_prompt_tokens=40, kv_endpoint=endpoint, decode_worker_id="d",
+            sampling=g.SamplingParams(max_tokens=1)), timeout=20, metadata=md)
+
+    with pytest.raises(grpc.RpcError) as e:
+        prefill(ep, [], 0)
+    assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with pytest.raises(socket.timeout):
+        lis.accept()  # nobody came
+
+    stop = threading.Event()
+
+    def garbage_server():
+        while not stop.is_set():
+            try:
+                s, _ = lis.accept()
+            except socket.timeout:
+                continue
+            s.sendall(b"HTTP/1.1 200 OK\r\n\r\n" + os.urandom(200))
+            threading.Timer(5, s.close).start()
+
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    closed_ep = f"127.0.0.1:{closed.getsockname()[1]}"
+    closed.close()  # nothing listens there now
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(4)  # accepts (in the backlog) and never answers
+    silent_ep = f"127.0.0.1:{silent.getsockname()[1]}"
+    t = threading.Thread(target=garbage_server, daemon=True)
+    t.start()
+    answers = []
+    try:
+        for n, endpoint in enumerate((closed_ep, silent_ep, ep), start=1):
+            with pytest.raises(grpc.RpcError) as e:
+                prefill(endpoint, rpc_token(SECRET), n)
+            answers.append((e.value.code(), e.value.details()))
+    finally:
+        stop.set()
+        t.join(timeout=5)
+        silent.close()
+        lis.close()
+    assert len(set(answers)) == 1, answers
+    code, details = answers[0]
+    assert code == grpc.StatusCode.UNAVAILABLE
+    for leak in ("refused", "timed out", "127.0.0.1", "reset", "HTTP"):
+        assert leak not in details, details
+    assert "KV transfer" in cl.prefill[0].stderr()
+    pages_free(cl)
+    canary(cl, pb)
+    pages_free(cl)
