@@ -848,3 +848,42 @@ def test_every_process_gets_the_cluster_secret(renders):
     for d in mine.kind("Deployment"):
         vols = {v["name"]: v for v in d["spec"]["template"]["spec"]["volumes"]}
         assert vols["cluster-secret"]["secret"]["secretName"] == "ops-kv"
+
+
+def test_tls_mounts_the_users_secret_in_every_pod(renders, flag_tables):
+    """tls.enabled (ci/tls-values.yaml): every pod mounts the named Secret at
+    /etc/chunkserve/tls; workers serve TLS and want client certificates of its ca.crt;
+    the router presents tls.crt to them and checks theirs against ca.crt and serverName;
+    every variable is a flag of that binary. Off (the default): no TLS variable anywhere."""
+    r = renders["tls"]
+    want = {
+        "router": {"CHUNKSERVE_WORKER_TLS_CA_FILE": "/etc/chunkserve/tls/ca.crt",
+                   "CHUNKSERVE_WORKER_TLS_CERT_FILE": "/etc/chunkserve/tls/tls.crt",
+                   "CHUNKSERVE_WORKER_TLS_KEY_FILE": "/etc/chunkserve/tls/tls.key",
+                   "CHUNKSERVE_WORKER_TLS_SERVER_NAME": "chunkserve-worker"},
+        "worker": {"CHUNKSERVE_TLS_CERT_FILE": "/etc/chunkserve/tls/tls.crt",
+                   "CHUNKSERVE_TLS_KEY_FILE": "/etc/chunkserve/tls/tls.key",
+                   "CHUNKSERVE_TLS_CLIENT_CA_FILE": "/etc/chunkserve/tls/ca.crt"},
+    }
+    deployments = r.kind("Deployment")
+    assert len(deployments) == 3
+    for d in deployments:
+        c = containers(d)[0]
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        comp = d["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]
+        role = "router" if comp == "router" else comp
+        exp = want["router" if role == "router" else "worker"]
+        for k, v in exp.items():
+            assert env.get(k) == v, (role, k, env.get(k))
+        envs = {e["env"] for e in flag_tables[role]}
+        assert set(exp) <= envs, (role, set(exp) - envs)
+        vols = {v["name"]: v for v in d["spec"]["template"]["spec"]["volumes"]}
+        assert vols["tls"]["secret"]["secretName"] == "chunkserve-internal-tls"
+        mounts = {m["name"]: m for m in c["volumeMounts"]}
+        assert mounts["tls"]["mountPath"] == "/etc/chunkserve/tls" and mounts["tls"]["readOnly"]
+    for name, other in renders.items():
+        if other.merged["tls"]["enabled"]:
+            continue
+        for d in other.kind("Deployment"):
+            names = {e["name"] for e in containers(d)[0]["env"]}
+            assert not [n for n in names if "_TLS_" in n], name

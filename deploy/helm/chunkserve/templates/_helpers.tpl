@@ -189,6 +189,11 @@ volumeMounts:
     mountPath: /etc/chunkserve/cluster
     readOnly: true
 {{- end }}
+{{- if .root.Values.tls.enabled }}
+  - name: tls
+    mountPath: /etc/chunkserve/tls
+    readOnly: true
+{{- end }}
 {{- end }}
 
 {{/* The Secret holding the cluster secret (key cluster-secret). */}}
@@ -215,6 +220,12 @@ volumes:
   - name: cluster-secret
     secret:
       secretName: {{ include "chunkserve.clusterSecretName" .root }}
+      defaultMode: 0400
+{{- end }}
+{{- if .root.Values.tls.enabled }}
+  - name: tls
+    secret:
+      secretName: {{ .root.Values.tls.secretName }}
       defaultMode: 0400
 {{- end }}
 {{- end }}

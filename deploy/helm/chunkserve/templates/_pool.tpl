@@ -100,6 +100,14 @@ spec:
             - name: CHUNKSERVE_CLUSTER_SECRET_FILE
               value: /etc/chunkserve/cluster/cluster-secret
             {{- end }}
+            {{- if $root.Values.tls.enabled }}
+            - name: CHUNKSERVE_TLS_CERT_FILE
+              value: /etc/chunkserve/tls/tls.crt
+            - name: CHUNKSERVE_TLS_KEY_FILE
+              value: /etc/chunkserve/tls/tls.key
+            - name: CHUNKSERVE_TLS_CLIENT_CA_FILE
+              value: /etc/chunkserve/tls/ca.crt
+            {{- end }}
             {{- if eq $role "decode" }}
             - name: CHUNKSERVE_KV_HOST
               value: "0.0.0.0"
