@@ -60,6 +60,7 @@ struct decode {
     cs_kvx_stats last; /* exported so far */
     cs_metric *m_local, *m_remote, *m_xfer_started, *m_xfer_completed, *m_xfer_failed,
         *m_xfer_bytes, *m_xfer_seconds, *m_leases_expired, *m_ttft, *m_itl, *m_proto_errors,
+        *m_stale_frames,
         *m_router_hop;
 };
 
@@ -347,6 +348,10 @@ static const cs_metric_def decode_metrics_table[] = {
      "KV payload bytes received", NULL, 0},
     {M(m_proto_errors), "chunkserve:kv_protocol_errors_total", CS_METRIC_COUNTER, NULL,
      "KV connections closed for bad input", NULL, 0},
+    {M(m_stale_frames), "chunkserve:kv_stale_frames_total", CS_METRIC_COUNTER, NULL,
+     "KV frames for a transfer that had ended or was never expected here: dropped and "
+     "answered with ABORT (the channel stays open)",
+     NULL, 0},
     {M(m_xfer_seconds), "chunkserve:kv_transfer_seconds", CS_METRIC_HISTOGRAM, NULL,
      "admission to the KV trailer, per completed transfer", xfer_secs,
      sizeof xfer_secs / sizeof xfer_secs[0]},
@@ -402,6 +407,7 @@ static void decode_metrics(cs_worker *w) {
     cs_metric_add(d->m_xfer_failed, (double)(s.transfers_failed - d->last.transfers_failed));
     cs_metric_add(d->m_xfer_bytes, (double)(s.bytes - d->last.bytes));
     cs_metric_add(d->m_proto_errors, (double)(s.protocol_errors - d->last.protocol_errors));
+    cs_metric_add(d->m_stale_frames, (double)(s.stale_frames - d->last.stale_frames));
     d->last = s;
 }
 

@@ -3,7 +3,10 @@
  * lands pages in the reserved page ids and reports each expected transfer
  * exactly once. A bad frame closes only its own channel (failing the
  * transfers bound to it); a transfer is bound to the channel of its first
- * frame.
+ * frame. A well-formed frame for a transfer that is not live here (it
+ * ended: deadline, cancel; or it was never expected) is no reason to close
+ * a channel that carries others: its bytes are dropped, the sender gets an
+ * ABORT for that id, and stats.stale_frames counts it.
  *
  * Page bytes land by the receiver's payload (kvx-impl.h):
  *  - TCP (inline): a PAGES header is checked first (transfer, order), then
@@ -46,7 +49,6 @@
 #include "chunkserve/log.h"
 #include "chunkserve/secret.h"
 
-#define N_TOMB 4096 /* recently ended transfer ids: their late frames are dropped */
 #define N_PEERS 1024
 #define N_OLD 4             /* replaced incarnations remembered per sender */
 #define SCRATCH (64u << 10) /* discarded inline bytes land here */
@@ -161,8 +163,6 @@ struct cs_kvx_rx {
     rx_xfer *zombies; /* ended, waiting for their in-flight writes */
     rx_event *ev_head, *ev_tail;
     rx_grave *grave;
-    uint64_t tomb[N_TOMB];
-    int tomb_pos;
     struct {
         char name[CS_KVX_NAME_MAX];
         uint64_t inc;             /* the current incarnation of that sender */
@@ -213,17 +213,6 @@ static void queue_status(cs_kvx_rx *rx, rx_conn *c, int type, uint64_t xfer, int
     queue_ctl(rx, c, type, xfer, 0, pl, sizeof pl);
 }
 
-static void tomb_add(cs_kvx_rx *rx, uint64_t id) {
-    rx->tomb[rx->tomb_pos] = id;
-    rx->tomb_pos = (rx->tomb_pos + 1) % N_TOMB;
-}
-
-static bool tomb_has(cs_kvx_rx *rx, uint64_t id) {
-    for (int i = 0; i < N_TOMB; i++)
-        if (rx->tomb[i] == id && id != 0) return true;
-    return false;
-}
-
 static rx_xfer *find_xfer(cs_kvx_rx *rx, uint64_t id) {
     for (rx_xfer *x = rx->xfers; x; x = x->next)
         if (x->id == id) return x;
@@ -262,7 +251,6 @@ static void xfer_end(cs_kvx_rx *rx, rx_xfer *x, int status, const char *msg,
         if (c->px == x) c->px = NULL; /* the rest of its frame goes to scratch */
     if (tell_peer && x->conn)
         queue_status(rx, x->conn, status == 0 ? CS_KVX_DONE : CS_KVX_ABORT, x->id, status);
-    tomb_add(rx, x->id);
     rx->st.transfers_active--;
     if (status == 0)
         rx->st.transfers_completed++;
@@ -549,8 +537,9 @@ static bool frame_admissible(cs_kvx_rx *rx, rx_conn *c, const cs_kvx_hdr *h) {
 }
 
 /* The transfer a data frame or trailer of c is for: bound to c, NULL with
- * *dropped when it already ended here (late frames: dropped and answered
- * with ABORT), NULL with c closing otherwise. */
+ * *dropped when it is not live here (ended, or never expected: dropped,
+ * answered with ABORT, counted), NULL with c closing otherwise (another
+ * sender's or another channel's transfer). */
 static rx_xfer *frame_xfer(cs_kvx_rx *rx, rx_conn *c, const cs_kvx_hdr *h, bool *dropped) {
     *dropped = false;
     rx_xfer *x = find_xfer(rx, h->xfer_id);
@@ -566,14 +555,14 @@ static rx_xfer *frame_xfer(cs_kvx_rx *rx, rx_conn *c, const cs_kvx_hdr *h, bool 
         x->conn = c;
         return x;
     }
-    if (!x &&
-        tomb_has(rx, h->xfer_id)) { /* ended here (deadline, cancel) while frames were in flight */
+    if (!x) { /* ended here (deadline, cancel) while frames were in flight, or never expected */
         if (h->type != CS_KVX_ABORT) queue_status(rx, c, CS_KVX_ABORT, h->xfer_id, CS_ECANCELED);
+        rx->st.stale_frames++;
         *dropped = true;
         return NULL;
     }
-    snprintf(err, sizeof err, "%s frame for %s transfer %llu", cs_kvx_frame_type_name(h->type),
-             x ? "another channel's" : "unknown", (unsigned long long)h->xfer_id);
+    snprintf(err, sizeof err, "%s frame for another channel's transfer %llu",
+             cs_kvx_frame_type_name(h->type), (unsigned long long)h->xfer_id);
     conn_fail(rx, c, CS_EPROTO, err, true);
     return NULL;
 }
@@ -1354,9 +1343,6 @@ int cs_kvx_rx_expect(cs_kvx_rx *rx, uint64_t xfer_id, const char *sender, const 
         return cs_fail(CS_EEXIST, "kvx rx: transfer %llu already expected",
                        (unsigned long long)xfer_id);
     }
-    /* the id may be reused after it ended */
-    for (int i = 0; i < N_TOMB; i++)
-        if (rx->tomb[i] == xfer_id) rx->tomb[i] = 0;
     x->next = rx->xfers;
     rx->xfers = x;
     rx->st.transfers_started++;

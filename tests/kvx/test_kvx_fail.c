@@ -3,8 +3,10 @@
  * mid-transfer; the parent must report the failure well within its deadline,
  * free everything, accept the restarted peer and refuse frames of the old
  * incarnation. Then raw misbehaving peers: bad checksum, truncated frame,
- * absurd lengths, unknown transfer id, wrong fingerprint: each closes only
- * its own channel while a good transfer on another channel completes. */
+ * absurd lengths, wrong fingerprint: each closes only its own channel while
+ * a good transfer on another channel completes. A frame for a transfer that
+ * is not live (never expected, or ended) closes nothing: it is dropped,
+ * answered with ABORT and counted, and the channel goes on. */
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -15,6 +17,14 @@
 #include <unistd.h>
 
 #include "kvx_test.h"
+
+/* The next ABORT the receiver sends on fd (HELLO_ACK and PING skipped). */
+static bool read_abort(int fd, cs_kvx_hdr *h) {
+    uint8_t in[CS_KVX_CTRL_MAX_BYTES];
+    while (raw_read_frame(fd, h, in, sizeof in))
+        if (h->type == CS_KVX_ABORT) return true;
+    return false;
+}
 
 /* A port the kernel just handed out (bound to port 0, then released), so
  * both lives of the receiver can listen on the same, currently free port. */
@@ -165,9 +175,9 @@ int main(void) {
         const char *what;
         int expect_status; /* of transfer 10+i, bound by a first good frame */
     } cases[] = {{"bad payload checksum", CS_EBADMSG}, {"truncated frame", CS_ECONNRESET},
-                 {"absurd page count", CS_EBADMSG},    {"unknown transfer id", 1},
-                 {"wrong fingerprint", CS_EPROTO},     {"garbage header", CS_EBADMSG},
-                 {"pages out of order", CS_EPROTO},    {"no checksum", CS_EBADMSG}};
+                 {"absurd page count", CS_EBADMSG},    {"wrong fingerprint", CS_EPROTO},
+                 {"garbage header", CS_EBADMSG},       {"pages out of order", CS_EPROTO},
+                 {"no checksum", CS_EBADMSG}};
     int nc = (int)(sizeof cases / sizeof *cases);
     for (int i = 0; i < nc; i++) {
         uint64_t id = 10 + (uint64_t)i;
@@ -176,8 +186,7 @@ int main(void) {
         snprintf(name, sizeof name, "raw-%d", i);
         fd = raw_connect(port);
         raw_hello(fd, &L, name, 1);
-        if (cases[i].expect_status != 1)
-            raw_frame(fd, CS_KVX_PAGES, 1, id, 0, 1, fp, page, PB, true);
+        raw_frame(fd, CS_KVX_PAGES, 1, id, 0, 1, fp, page, PB, true);
         switch (i) {
         case 0: {
             cs_kvx_hdr h = {0};
@@ -203,31 +212,61 @@ int main(void) {
             break;
         }
         case 2: raw_frame(fd, CS_KVX_PAGES, 1, id, 1, 0x7fffffff, fp, NULL, 0, false); break;
-        case 3: raw_frame(fd, CS_KVX_PAGES, 1, 999999, 0, 1, fp, page, PB, true); break;
-        case 4: raw_frame(fd, CS_KVX_PAGES, 1, id, 1, 1, fp ^ 1, page, PB, true); break;
-        case 5: {
+        case 3: raw_frame(fd, CS_KVX_PAGES, 1, id, 1, 1, fp ^ 1, page, PB, true); break;
+        case 4: {
             uint8_t junk[CS_KVX_HDR_BYTES];
             memset(junk, 0xee, sizeof junk);
             raw_write(fd, junk, sizeof junk);
             break;
         }
-        case 6: raw_frame(fd, CS_KVX_PAGES, 1, id, 5, 1, fp, page, PB, true); break;
-        case 7: raw_frame(fd, CS_KVX_PAGES, 1, id, 1, 1, fp, page, PB, false); break;
+        case 5: raw_frame(fd, CS_KVX_PAGES, 1, id, 5, 1, fp, page, PB, true); break;
+        case 6: raw_frame(fd, CS_KVX_PAGES, 1, id, 1, 1, fp, page, PB, false); break;
         }
         ASSERT_TRUE(raw_closed_by_peer(fd));
         close(fd);
-        if (cases[i].expect_status != 1) {
-            ASSERT_TRUE(waiter_wait(&w, ++nd, 5000));
-            if (waiter_status(&w, id) != cases[i].expect_status) {
-                fprintf(stderr, "%s: status %d, expected %d\n", cases[i].what,
-                        waiter_status(&w, id), cases[i].expect_status);
-                exit(1);
-            }
-        } else {
-            ASSERT_EQ_INT(cs_kvx_rx_cancel(rx, id), 0); /* untouched by the bad channel */
-            ASSERT_TRUE(waiter_wait(&w, ++nd, 5000));
+        ASSERT_TRUE(waiter_wait(&w, ++nd, 5000));
+        if (waiter_status(&w, id) != cases[i].expect_status) {
+            fprintf(stderr, "%s: status %d, expected %d\n", cases[i].what, waiter_status(&w, id),
+                    cases[i].expect_status);
+            exit(1);
         }
         fprintf(stderr, "%s: rejected, channel closed\n", cases[i].what);
+    }
+    /* 5. Frames for transfers that are not live: one never expected, one
+     * that ended here (cancelled) while its sender still sends. Each is
+     * answered with ABORT for its id and dropped; the channel stays open and
+     * its live transfer goes on. */
+    {
+        cs_kvx_stats s0, s1;
+        cs_kvx_rx_get_stats(rx, &s0);
+        ASSERT_EQ_INT(cs_kvx_rx_expect(rx, 40, NULL, ids, 8, 20000, waiter_done, &w), 0);
+        ASSERT_EQ_INT(cs_kvx_rx_expect(rx, 41, NULL, ids + 8, 8, 20000, waiter_done, &w), 0);
+        fd = raw_connect(port);
+        raw_hello(fd, &L, "raw-stale", 7);
+        raw_frame(fd, CS_KVX_PAGES, 7, 40, 0, 1, fp, page, PB, true); /* binds 40 */
+        raw_frame(fd, CS_KVX_PAGES, 7, 41, 0, 1, fp, page, PB, true); /* binds 41 */
+        ASSERT_EQ_INT(cs_kvx_rx_cancel(rx, 41), 0);
+        ASSERT_TRUE(waiter_wait(&w, ++nd, 5000));
+        ASSERT_EQ_INT(waiter_status(&w, 41), CS_ECANCELED);
+        cs_kvx_hdr h;
+        ASSERT_TRUE(read_abort(fd, &h)); /* the cancel's */
+        ASSERT_TRUE(h.xfer_id == 41);
+        raw_frame(fd, CS_KVX_PAGES, 7, 999999, 0, 1, fp, page, PB, true); /* never expected */
+        raw_frame(fd, CS_KVX_PAGES, 7, 41, 1, 1, fp, page, PB, true);     /* ended here */
+        for (int k = 0; k < 2; k++) {
+            ASSERT_TRUE(read_abort(fd, &h));
+            ASSERT_TRUE(h.xfer_id == (k ? 41u : 999999u));
+        }
+        /* the channel still carries transfer 40 */
+        raw_frame(fd, CS_KVX_PAGES, 7, 40, 1, 1, fp, page, PB, true);
+        cs_kvx_rx_get_stats(rx, &s1);
+        ASSERT_EQ_INT(s1.stale_frames - s0.stale_frames, 2);
+        ASSERT_EQ_INT(s1.protocol_errors, s0.protocol_errors);
+        ASSERT_EQ_INT(cs_kvx_rx_cancel(rx, 40), 0); /* still live: nothing failed it */
+        ASSERT_TRUE(waiter_wait(&w, ++nd, 5000));
+        ASSERT_EQ_INT(waiter_status(&w, 40), CS_ECANCELED);
+        close(fd);
+        fprintf(stderr, "stale frames: dropped, answered, channel kept\n");
     }
     /* ... and a good sender is unaffected by all of it. */
     ASSERT_EQ_INT(cs_kvx_rx_expect(rx, 50, NULL, ids, 64, 20000, waiter_done, &w), 0);

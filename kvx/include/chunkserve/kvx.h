@@ -118,6 +118,8 @@ typedef struct {
     uint64_t protocol_errors; /* connections closed for bad input */
     uint64_t room_waits;      /* tx: sends refused with CS_EAGAIN (channel full) */
     uint64_t pending_evicted; /* rx: connections closed before HELLO to make room */
+    uint64_t stale_frames;    /* rx: frames for a transfer not live here (ended or never
+                                 expected): dropped and answered with ABORT, channel kept */
     int64_t transfers_active; /* gauge */
 } cs_kvx_stats;
 
