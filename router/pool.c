@@ -140,6 +140,11 @@ struct cs_pool {
     dns_entry *dns;
     int n_dns;
     uv_timer_t poll_timer, dns_timer;
+    double last_tick;  /* when on_poll_tick last ran */
+    double resumed_at; /* the end of this process's last stall (loop lag): no worker is
+                          declared down on the silence of a time we were not listening */
+    double lag_max;    /* the longest tick lag seen (cs_pool_loop_lag) */
+    uint64_t stalls;
     int open_handles;
     int dns_in_flight;
     int n_worker_objs; /* allocated workers, listed or not */
@@ -424,7 +429,10 @@ static void poll_worker(cs_pool_worker *w, double now) {
     }
     double down_after = DOWN_AFTER_POLLS * p->o.status_interval_ms / 1000.0;
     if (down_after < DOWN_AFTER_S) down_after = DOWN_AFTER_S;
-    if (w->active && w->status_seq && !w->down_reported && now - w->status_at > down_after &&
+    /* silence counts from the last status, or from the end of our own stall
+     * if that came later: the workers get a full window of fresh polls */
+    double silent_since = w->status_at > p->resumed_at ? w->status_at : p->resumed_at;
+    if (w->active && w->status_seq && !w->down_reported && now - silent_since > down_after &&
         p->o.on_down) {
         w->down_reported = true;
         CS_LOGW("%s worker %s (%s) has not answered a status poll for %.1f s: failing over its "
@@ -444,9 +452,26 @@ static void poll_worker(cs_pool_worker *w, double now) {
     }
 }
 
+void cs_pool_loop_lag(const cs_pool *p, double *lag_max_s, uint64_t *stalls) {
+    *lag_max_s = p->lag_max;
+    *stalls = p->stalls;
+}
+
 static void on_poll_tick(uv_timer_t *t) {
     cs_pool *p = t->data;
     double now = cs_now();
+    /* Our own loop lag: the tick came this much later than it was due (a
+     * burst of work on the loop thread, CPU starvation, SIGSTOP, a VM pause). */
+    double lag = p->last_tick > 0 ? now - p->last_tick - p->o.status_interval_ms / 1000.0 : 0;
+    p->last_tick = now;
+    if (lag > p->lag_max) p->lag_max = lag;
+    if (lag > 1.0 && lag > p->o.status_interval_ms / 1000.0) {
+        p->stalls++;
+        p->resumed_at = now;
+        CS_LOGW("this router's loop stalled for %.1f s: no worker is declared down before a "
+                "fresh round of status polls",
+                lag);
+    }
     for (int role = 0; role < 2; role++) {
         cs_pool_worker *next;
         for (cs_pool_worker *w = p->workers[role]; w; w = next) {

@@ -98,6 +98,11 @@ void cs_pool_close(cs_pool *p);
 
 /* Workers of a role currently usable. */
 int cs_pool_n_usable(const cs_pool *p, enum cs_pool_role role);
+/* This process's own loop stalls as the status timer saw them: the longest
+ * lag of a tick behind its schedule (seconds) and how many ticks came over a
+ * second late. After such a stall no worker is declared down before a fresh
+ * round of polls could answer. */
+void cs_pool_loop_lag(const cs_pool *p, double *lag_max_s, uint64_t *stalls);
 /* Workers of a role known (usable or not). */
 int cs_pool_n_workers(const cs_pool *p, enum cs_pool_role role);
 

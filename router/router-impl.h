@@ -169,8 +169,10 @@ struct router {
         cs_metric *running, *waiting, *retries, *migrations, *prefill_local, *prefill_remote;
         cs_metric *ttft, *itl, *e2e, *overhead, *prompt_tokens, *gen_tokens;
         cs_metric *usable[2];
+        cs_metric *lag_max, *stalls;
         cs_metric *codes[17];
     } m;
+    uint64_t stalls_counted; /* cs_pool_loop_lag stalls already added to m.stalls */
 };
 
 /* --- request.c: a request's life --------------------------------------- */

@@ -208,6 +208,10 @@ static const cs_metric_def router_metrics[] = {
      "Workers usable now.", NULL, 0},
     {M(usable[CS_POOL_DECODE]), "chunkserve:workers_usable", CS_METRIC_GAUGE, "role=\"decode\"",
      "Workers usable now.", NULL, 0},
+    {M(lag_max), "chunkserve:router_loop_lag_max_seconds", CS_METRIC_GAUGE, NULL,
+     "The longest the router's event loop ran behind its status timer.", NULL, 0},
+    {M(stalls), "chunkserve:router_loop_stalls_total", CS_METRIC_COUNTER, NULL,
+     "Loop stalls over a second (no worker is declared down right after one).", NULL, 0},
 };
 #undef M
 #undef REQUESTS
@@ -230,6 +234,14 @@ static void update_metrics(cs_proc *p, void *arg) {
     for (int role = 0; role < 2; role++)
         cs_metric_set(r->m.usable[role],
                       r->pool ? cs_pool_n_usable(r->pool, (enum cs_pool_role)role) : 0);
+    if (r->pool) {
+        double lag;
+        uint64_t stalls;
+        cs_pool_loop_lag(r->pool, &lag, &stalls);
+        cs_metric_set(r->m.lag_max, lag);
+        cs_metric_add(r->m.stalls, (double)(stalls - r->stalls_counted));
+        r->stalls_counted = stalls;
+    }
 }
 
 /* ---------------------------------------- the process shell's hooks -- */

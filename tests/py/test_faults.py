@@ -1,0 +1,142 @@
+"""Faults other than kill -9 (issue 18), injected for real on the tiny model: the
+router's own stall, and a second router dying under load.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+grpc = pytest.importorskip("grpc")
+pytest.importorskip("grpc_tools.protoc")
+
+from cluster_harness import Cluster, Proc, make_tiny, metric, wait_for  # noqa: E402
+
+pytestmark = pytest.mark.cluster
+
+
+@pytest.fixture(scope="module")
+def pb(proto_modules):
+    return type("PB", (), proto_modules)
+
+
+@pytest.fixture(scope="module")
+def model(bin_dir, tmp_path_factory):
+    if not (bin_dir / "chunkserve-mktiny").is_file():
+        pytest.skip("chunkserve-mktiny not built")
+    return make_tiny(bin_dir, tmp_path_factory.mktemp("tiny"))
+
+
+def stream(stub, g, ids, n, timeout=120):
+    msgs = list(stub.Generate(g.GenerateRequest(
+        token_ids=g.TokenIds(ids=ids), sampling=g.SamplingParams(max_tokens=n, ignore_eos=True)),
+        timeout=timeout))
+    return [t for m in msgs for t in m.token_ids]
+
+
+def test_router_stall_causes_no_migration(bin_dir, model, pb):
+    """The router SIGSTOPped for 5 s with streams open (its loop cannot poll anyone): on
+    SIGCONT it sees a stall of its own and declares no worker down; no stream migrates or
+    retries, every stream finishes with all its tokens, equal to an undisturbed run."""
+    g = pb.generation_pb2
+    cl = Cluster(bin_dir, model, pb, n_prefill=1, n_decode=2, kv_cache_mib=64,
+                 router_args=["--local-prefill-threshold=1"])
+    try:
+        n = 4000  # long streams: they are still open (flow control) when the router stops
+        prompts = [[(5 * k + j) % 300 + 1 for j in range(30)] for k in range(4)]
+        want = [stream(cl.stub, g, p, n) for p in prompts]
+        m0 = cl.router.metrics()
+        out, errors = [None] * 4, []
+        started, stopped = threading.Barrier(5), threading.Event()
+
+        def client(k):
+            try:
+                it = cl.stub.Generate(g.GenerateRequest(
+                    token_ids=g.TokenIds(ids=prompts[k]),
+                    sampling=g.SamplingParams(max_tokens=n, ignore_eos=True)), timeout=120)
+                ids = list(next(it).token_ids)
+                started.wait(timeout=30)
+                stopped.wait(timeout=30)  # the rest only once the router is stopped
+                for m in it:
+                    ids += m.token_ids
+                out[k] = ids
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(repr(e))
+
+        threads = [threading.Thread(target=client, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        started.wait(timeout=30)  # every stream has its first tokens and is open
+        os.kill(cl.router.proc.pid, signal.SIGSTOP)
+        stopped.set()
+        time.sleep(5)
+        os.kill(cl.router.proc.pid, signal.SIGCONT)
+        for t in threads:
+            t.join(timeout=120)
+        assert not errors, errors
+        assert out == want
+        m1 = cl.router.metrics()
+        for name in ("chunkserve:migrations_total", "chunkserve:retries_total"):
+            assert metric(m1, name) == metric(m0, name), (name, cl.router.stderr()[-3000:])
+        assert metric(m1, "chunkserve:router_loop_stalls_total") >= 1
+        assert metric(m1, "chunkserve:router_loop_lag_max_seconds") >= 4
+        assert "failing over" not in cl.router.stderr()
+        cl.wait_idle()
+    finally:
+        cl.stop()
+
+
+def test_two_routers_one_killed_under_load(bin_dir, model, pb):
+    """Two routers in front of the same workers (as replicas behind one Service): clients
+    spread over both and retry on the other when theirs fails with UNAVAILABLE; one router
+    is killed with -9 under load. Every request completes with all its tokens, the other
+    router keeps serving, and the workers return to idle with every page free (the dead
+    router's streams are cancelled on the workers when its connections close)."""
+    g = pb.generation_pb2
+    cl = Cluster(bin_dir, model, pb, n_prefill=1, n_decode=2, kv_cache_mib=64,
+                 router_args=["--local-prefill-threshold=1"])
+    r2 = Proc(bin_dir / "chunkserve-router", [*cl.router.args], "router-2")
+    try:
+        wait_for(lambda: metric(r2.metrics(), "chunkserve:workers_usable", 'role="decode"') == 2, 30,
+                 "the second router to see the workers")
+        stubs = [cl.stub, pb.generation_pb2_grpc.GenerationStub(grpc.insecure_channel(r2.addr))]
+        t_end = time.monotonic() + 12
+        done, errors, retried = [0], [], [0]
+
+        def client(k):
+            i = 0
+            while time.monotonic() < t_end:
+                ids = [(k * 31 + i * 7 + j) % 300 + 1 for j in range(24)]
+                first = (k + i) % 2
+                for attempt in range(2):
+                    stub = stubs[(first + attempt) % 2]
+                    try:
+                        assert len(stream(stub, g, ids, 40, timeout=60)) == 40
+                        done[0] += 1
+                        break
+                    except grpc.RpcError as e:
+                        if attempt == 0 and e.code() == grpc.StatusCode.UNAVAILABLE:
+                            retried[0] += 1
+                            continue
+                        errors.append(f"{e.code()}: {e.details()}")
+                        break
+                i += 1
+
+        threads = [threading.Thread(target=client, args=(k,)) for k in range(6)]
+        for t in threads:
+            t.start()
+        time.sleep(4)
+        r2.kill9()
+        stubs[1] = stubs[0]  # the clients' next pick: the Service sends them to the live one
+        for t in threads:
+            t.join(timeout=120)
+        assert not errors, errors[:5]
+        assert done[0] > 20 and retried[0] >= 1, (done, retried)
+        cl.wait_idle(timeout=30)
+    finally:
+        if r2.proc.poll() is None:
+            r2.stop()
+        cl.stop()
