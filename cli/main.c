@@ -90,7 +90,7 @@ static const cs_config_entry opt_table[] = {
     O("grace-ms", INT, grace_ms, "2000",
       "serve: on SIGTERM, time streams get to finish before they are cancelled"),
     CS_OPENAI_CONFIG(options, openai),
-    CS_PROC_RPC_CONFIG(options, rpc),
+    CS_PROC_RPC_CONFIG(options, rpc, "60000", "20000"),
     CS_PROC_TLS_CONFIG(options, tls),
     O("duration", DOUBLE, duration, "60", "bench-local: seconds per budget"),
     O("budgets", STR, budgets, "unlimited,256,512,2048", "bench-local: step budgets to compare"),

@@ -64,7 +64,7 @@ static const cs_config_entry options[] = {
      "Service up while a pool scales or restarts; requests then wait up to no-worker-wait-ms)",
      0, 0},
     CS_OPENAI_CONFIG(cs_router_opts, openai),
-    CS_PROC_RPC_CONFIG(cs_router_opts, rpc),
+    CS_PROC_RPC_CONFIG(cs_router_opts, rpc, "60000", "20000"),
     CS_PROC_TLS_CONFIG(cs_router_opts, tls),
     {"worker-tls-ca-file", CS_CONFIG_STR, O(worker_tls.ca_file), NULL,
      "PEM roots: talk TLS to the workers and check their certificates against these", 0, 0},

@@ -205,7 +205,7 @@ typedef struct {
          0},                                                                                        \
         {"verbose", CS_CONFIG_BOOL, offsetof(cs_worker_opts, verbose), "false", "debug logging", 0, \
          0},                                                                                        \
-        CS_PROC_RPC_CONFIG(cs_worker_opts, rpc), CS_PROC_TLS_CONFIG(cs_worker_opts, tls)
+        CS_PROC_RPC_CONFIG(cs_worker_opts, rpc, "5000", "5000"), CS_PROC_TLS_CONFIG(cs_worker_opts, tls)
 
 typedef struct cs_worker cs_worker;
 typedef struct cs_worker_call cs_worker_call;

@@ -524,6 +524,8 @@ int cs_rpc_server_init(cs_rpc_loop *l, const cs_rpc_server_opts *o, cs_rpc_serve
     if (!lim.idle_ms) lim.idle_ms = 300000;
     if (!lim.age_grace_ms) lim.age_grace_ms = 60000;
     if (!lim.max_watches) lim.max_watches = 256;
+    if (!lim.keepalive_ms) lim.keepalive_ms = 60000;
+    if (!lim.keepalive_timeout_ms) lim.keepalive_timeout_ms = 20000;
     s->lim = lim;
     if (!(s->quota = grpc_resource_quota_create(s->addr))) goto fail_server;
     grpc_resource_quota_resize(s->quota, (size_t)lim.memory_mib << 20);
@@ -535,10 +537,12 @@ int cs_rpc_server_init(cs_rpc_loop *l, const cs_rpc_server_opts *o, cs_rpc_serve
     INT_ARG(GRPC_ARG_MAX_RECEIVE_MESSAGE_LENGTH,
             o->max_recv_bytes > 0 ? o->max_recv_bytes : CS__DEFAULT_MAX_RECV);
     INT_ARG(GRPC_ARG_MAX_SEND_MESSAGE_LENGTH, o->max_send_bytes > 0 ? o->max_send_bytes : 64 << 20);
-    /* Find dead or silent clients in about a minute, not gRPC's default two
-     * hours: their calls (and anything queued for them) are then released. */
-    INT_ARG(GRPC_ARG_KEEPALIVE_TIME_MS, 60000);
-    INT_ARG(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, 20000);
+    /* Find dead, partitioned or silent clients in keepalive + timeout, not
+     * gRPC's default two hours: their calls (and anything queued for them,
+     * a decode worker's KV pages) are then released. */
+    INT_ARG(GRPC_ARG_KEEPALIVE_TIME_MS, lim.keepalive_ms);
+    INT_ARG(GRPC_ARG_KEEPALIVE_TIMEOUT_MS, lim.keepalive_timeout_ms);
+    INT_ARG(GRPC_ARG_HTTP2_MAX_PINGS_WITHOUT_DATA, 0); /* keep pinging a stream that waits */
     INT_ARG(GRPC_ARG_MAX_CONCURRENT_STREAMS,
             lim.max_streams > INT32_MAX ? INT32_MAX : lim.max_streams);
     INT_ARG(GRPC_ARG_MAX_METADATA_SIZE, 16 << 10);

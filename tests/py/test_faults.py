@@ -4,6 +4,7 @@ router's own stall, and a second router dying under load.
 from __future__ import annotations
 
 import os
+import socket
 import signal
 import threading
 import time
@@ -140,3 +141,122 @@ def test_two_routers_one_killed_under_load(bin_dir, model, pb):
         if r2.proc.poll() is None:
             r2.stop()
         cl.stop()
+
+
+class Blackhole:
+    """A TCP proxy (one thread per direction per connection) that can partition silently:
+    after cut() it stops reading and writing but keeps every socket open, so neither end
+    sees an error or a FIN: their bytes just stop arriving, as behind a failed switch."""
+
+    def __init__(self, target: str):
+        self.host, port = target.rsplit(":", 1)
+        self.target = (self.host, int(port))
+        self.lis = socket.socket()
+        self.lis.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.lis.bind(("127.0.0.1", 0))
+        self.lis.listen(64)
+        self.addr = f"127.0.0.1:{self.lis.getsockname()[1]}"
+        self.cut_ = threading.Event()
+        self.closing = threading.Event()
+        self.socks = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while not self.closing.is_set():
+            try:
+                c, _ = self.lis.accept()
+            except OSError:
+                return
+            u = socket.create_connection(self.target)
+            self.socks += [c, u]
+            for a, b in ((c, u), (u, c)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    def _pump(self, a, b):
+        a.settimeout(0.2)
+        while not self.closing.is_set():
+            if self.cut_.is_set():
+                time.sleep(0.1)
+                continue
+            try:
+                data = a.recv(65536)
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            if not data:
+                return
+            try:
+                b.sendall(data)
+            except OSError:
+                return
+
+    def cut(self):
+        self.cut_.set()
+
+    def close(self):
+        self.closing.set()
+        self.lis.close()
+        for s in self.socks:
+            try:
+                s.close()
+            except OSError:
+                pass
+
+
+def test_silent_router_decode_partition_frees_the_orphan(bin_dir, pb, tmp_path):
+    """Two decode workers, each reached by the router through a proxy; the one holding a
+    long stream is partitioned silently (its proxy stops passing bytes, no socket closes).
+    The router declares it down and migrates the stream to the other (the client's stream
+    goes on); the partitioned worker, whose client went silent, ends the orphaned call
+    by its gRPC keepalive (--grpc-keepalive-ms 5000, timeout 5000) and frees every KV page
+    within 15 s, long before the sequence would have ended by itself (a slower tiny model:
+    4,000 tokens take it ~25 s; at gRPC keepalive 60 s + 20 s the pages stayed held)."""
+    g = pb.generation_pb2
+    model = make_tiny(bin_dir, tmp_path / "slow", "--layers", 16, "--dim", 512)
+    common = [f"--model={model}", "--port=0", "--threads=1", "--kv-cache-mib=256",
+              "--grace-ms=2000"]
+    # CS_DECODE_ARGS="--grpc-keepalive-ms=60000 --grpc-keepalive-timeout-ms=20000" shows the
+    # old behaviour: this test then fails (the pages stay held)
+    decs = [Proc(bin_dir / "chunkserve-decode", common + os.environ.get("CS_DECODE_ARGS", "").split(),
+                 f"decode-{i}") for i in range(2)]
+    holes = [Blackhole(d.addr) for d in decs]
+    router = None
+    try:
+        router = Proc(bin_dir / "chunkserve-router", [
+            f"--model={model}", "--port=0", "--status-interval-ms=100", "--grace-ms=2000",
+            "--decode-workers=" + ",".join(h.addr for h in holes)], "router")
+        wait_for(lambda: metric(router.metrics(), "chunkserve:workers_usable", 'role="decode"') == 2,
+                 30, "both decode workers usable")
+        n, ids = 4000, [(9 * j) % 300 + 1 for j in range(30)]
+        stub = pb.generation_pb2_grpc.GenerationStub(grpc.insecure_channel(router.addr))
+        it = stub.Generate(g.GenerateRequest(token_ids=g.TokenIds(ids=ids),
+                                             sampling=g.SamplingParams(max_tokens=n, ignore_eos=True)),
+                           timeout=300)
+        got = list(next(it).token_ids)
+        busy = [k for k, d in enumerate(decs) if d.metric("chunkserve:num_requests_running") > 0]
+        assert len(busy) == 1, busy
+        k = busy[0]
+        total = decs[k].metric("chunkserve:kv_pages_total")
+        assert decs[k].metric("chunkserve:kv_pages_free") < total
+        holes[k].cut()
+        t_cut = time.monotonic()
+        wait_for(lambda: decs[k].metric("chunkserve:kv_pages_free") == total, 15,
+                 "the partitioned decode worker to free the orphaned stream's pages")
+        freed = time.monotonic() - t_cut
+        assert decs[k].metric("chunkserve:num_requests_running") == 0
+        before = len(got)
+        for m in it:  # the stream goes on, migrated to the other worker
+            got += m.token_ids
+            if len(got) > before + 50:
+                break
+        assert len(got) > before + 50
+        assert metric(router.metrics(), "chunkserve:migrations_total") >= 1
+        it.cancel()
+        print(f"orphan freed {freed:.1f} s after the partition")
+    finally:
+        for h in holes:
+            h.close()
+        for p in [router, *decs]:
+            if p:
+                p.stop()

@@ -160,3 +160,4 @@ def test_two_identical_prefill_replicas_in_separate_namespaces(namespaces, bin_d
             if p and p.stop() != 0:
                 bad.append(f"{p.name}: {p.stderr()[-2000:]}")
         assert not bad, bad
+

@@ -122,6 +122,9 @@ typedef struct {
     int64_t age_grace_ms; /* then let its calls finish for this long; 0 = 60000 */
     int64_t max_watches;  /* grpc.health.v1 Health/Watch streams at once (more:
                              RESOURCE_EXHAUSTED); 0 = 256 */
+    int64_t keepalive_ms; /* ping a client (with calls open) silent this long; 0 = 60000 */
+    int64_t keepalive_timeout_ms; /* an unanswered ping closes the connection and cancels its
+                                     calls after this long; 0 = 20000 */
 } cs_rpc_limits;
 
 /* TLS for a gRPC port or channel: PEM files, read at init (rotating them

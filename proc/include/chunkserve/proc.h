@@ -80,7 +80,7 @@ typedef struct {
 /* The RPC server's limits as options of a process (cs_rpc_limits, field m
  * of options struct T): one set of flags, env variables and Helm values for
  * every process. Bounds: 0 keeps the RPC layer's default. */
-#define CS_PROC_RPC_CONFIG(T, m)                                                                   \
+#define CS_PROC_RPC_CONFIG(T, m, ka_default, ka_timeout_default)                                   \
     {"grpc-max-streams",                                                                           \
      CS_CONFIG_INT,                                                                                \
      offsetof(T, m.max_streams),                                                                   \
@@ -118,10 +118,26 @@ typedef struct {
          "gRPC: after that GOAWAY, time the connection's calls get to finish",                     \
          1,                                                                                        \
          86400000},                                                                                \
+        {"grpc-max-health-watches",                                                                \
+         CS_CONFIG_INT,                                                                            \
+         offsetof(T, m.max_watches),                                                               \
+         "256",                                                                                    \
+         "gRPC: grpc.health.v1 Health/Watch streams at once (more: RESOURCE_EXHAUSTED)",           \
+         1,                                                                                        \
+         1 << 20},                                                                                 \
+        {"grpc-keepalive-ms",                                                                      \
+         CS_CONFIG_INT,                                                                            \
+         offsetof(T, m.keepalive_ms),                                                              \
+         ka_default,                                                                               \
+         "gRPC: ping a client with calls open after this long without a frame from it",            \
+         1000,                                                                                     \
+         86400000},                                                                                \
     {                                                                                              \
-        "grpc-max-health-watches", CS_CONFIG_INT, offsetof(T, m.max_watches), "256",               \
-            "gRPC: grpc.health.v1 Health/Watch streams at once (more: RESOURCE_EXHAUSTED)", 1,     \
-            1 << 20                                                                                \
+        "grpc-keepalive-timeout-ms", CS_CONFIG_INT, offsetof(T, m.keepalive_timeout_ms),           \
+            ka_timeout_default,                                                                    \
+            "gRPC: a ping unanswered this long closes the connection and cancels its calls (a "    \
+            "partitioned or dead client's streams end and free their KV pages)",                   \
+            1000, 86400000                                                                         \
     }
 
 /* TLS on the process's gRPC port (cs_rpc_tls, field m of options struct T). */
