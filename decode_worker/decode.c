@@ -17,6 +17,7 @@
  * A dreq is a cs_worker_call (worker.h: admission, references, the drain's
  * posting and the answer are the shell's); it adds a reference while a KV
  * transfer is expected (dropped by the rx done callback). */
+#include <netdb.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -371,6 +372,26 @@ static const cs_metric_def decode_metrics_table[] = {
 
 /* ---------------------------------------------------------- role hooks -- */
 
+/* The KV endpoint prefill workers are told: host resolved here, once, to a
+ * numeric address (they connect to numbers only, so no KV I/O thread ever
+ * waits on DNS), IPv6 in brackets. */
+static int advertised_endpoint(const char *host, int port, char *out, size_t cap) {
+    struct addrinfo hints, *res = NULL;
+    memset(&hints, 0, sizeof hints);
+    hints.ai_socktype = SOCK_STREAM;
+    int gr = getaddrinfo(host, NULL, &hints, &res);
+    if (gr != 0)
+        return cs_fail(CS_EINVAL, "cannot resolve the KV address %s: %s", host, gai_strerror(gr));
+    char num[NI_MAXHOST];
+    gr = getnameinfo(res->ai_addr, res->ai_addrlen, num, sizeof num, NULL, 0, NI_NUMERICHOST);
+    bool v6 = res->ai_family == AF_INET6;
+    freeaddrinfo(res);
+    if (gr != 0) return cs_fail(CS_EINVAL, "KV address %s: %s", host, gai_strerror(gr));
+    if (strcmp(num, host)) CS_LOGI("KV endpoint: %s is advertised as %s", host, num);
+    snprintf(out, cap, v6 ? "[%s]:%d" : "%s:%d", num, port);
+    return 0;
+}
+
 static int decode_start(cs_worker *w) {
     decode *d = w->role_data;
     cs_kvx_rx_params p = cs_kvx_rx_params_default();
@@ -384,8 +405,9 @@ static int decode_start(cs_worker *w) {
     p.secret_len = w->secret.len;
     int r = cs_kvx_rx_init(&p, &d->rx);
     if (r) return r;
-    snprintf(d->kv_endpoint, sizeof d->kv_endpoint, "%s:%d",
-             w->o.kv_advertise ? w->o.kv_advertise : w->o.kv_host, cs_kvx_rx_port(d->rx));
+    r = advertised_endpoint(w->o.kv_advertise ? w->o.kv_advertise : w->o.kv_host,
+                            cs_kvx_rx_port(d->rx), d->kv_endpoint, sizeof d->kv_endpoint);
+    if (r) return r;
     return cs_worker_add_method(w, "/chunkserve.v1.Worker/Decode", CS_RPC_SERVER_STREAMING,
                                 &chunkserve__v1__decode_request__descriptor, handle_decode);
 }

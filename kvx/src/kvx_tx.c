@@ -373,6 +373,7 @@ static int chan_connect(cs_kvx_tx *tx, tx_chan *ch) {
     struct addrinfo hints, *res = NULL;
     memset(&hints, 0, sizeof hints);
     hints.ai_socktype = SOCK_STREAM;
+    hints.ai_flags = AI_NUMERICHOST | AI_NUMERICSERV; /* never DNS on the I/O thread */
     int gr = getaddrinfo(host, port, &hints, &res);
     int fd = -1, err = 0;
     char m[300] = "";
@@ -380,7 +381,10 @@ static int chan_connect(cs_kvx_tx *tx, tx_chan *ch) {
     cs__kvx_link *link = NULL;
     if (gr != 0) {
         err = CS_ENOENT;
-        snprintf(m, sizeof m, "cannot resolve %s:%s: %s", host, port, gai_strerror(gr));
+        snprintf(m, sizeof m,
+                 "%s:%s is not a numeric address (decode workers advertise one; names are not "
+                 "resolved here): %s",
+                 host, port, gai_strerror(gr));
     } else {
         fd = socket(res->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
         if (fd < 0 || cs__kvx_set_socket_opts(fd) != 0)

@@ -182,7 +182,9 @@ int cs_kvx_tx_init(const cs_kvx_tx_params *p, cs_kvx_tx **out);
 void cs_kvx_tx_free(cs_kvx_tx *tx);
 
 /* Begins transfer xfer_id of total_pages pages to the receiver at host:port
- * (numeric IPv4/IPv6 or a name), opening that channel if it is not open.
+ * (a numeric IPv4/IPv6 address: names are not resolved, so the I/O thread
+ * never waits on DNS; a name fails the transfer with CS_ENOENT), opening
+ * that channel if it is not open.
  * deadline_ms: relative, > 0, covers everything up to the receiver's
  * acknowledgement. done is called exactly once unless this returns an error:
  * CS_EINVAL, CS_EEXIST (id in use), CS_ENOMEM. */
