@@ -61,8 +61,7 @@ struct decode {
     cs_kvx_stats last; /* exported so far */
     cs_metric *m_local, *m_remote, *m_xfer_started, *m_xfer_completed, *m_xfer_failed,
         *m_xfer_bytes, *m_xfer_seconds, *m_leases_expired, *m_ttft, *m_itl, *m_proto_errors,
-        *m_stale_frames,
-        *m_router_hop;
+        *m_stale_frames, *m_router_hop;
 };
 
 static void decode_call_free(cs_worker_call *c) {
@@ -260,7 +259,11 @@ static void decode_drain(cs_worker_call *c) {
                      kv_status == CS_ETIMEDOUT ? "KV lease expired before the transfer completed"
                                                : "KV transfer failed",
                      kv_error);
-            cs_worker_call_finish(c, CS_RPC_UNAVAILABLE, msg);
+            /* ABORTED: the transfer into this worker failed (the link or the
+             * sender), this worker is fine; a lease that ran out is this
+             * worker giving up on a slow prefill: UNAVAILABLE */
+            cs_worker_call_finish(
+                c, kv_status == CS_ETIMEDOUT ? CS_RPC_UNAVAILABLE : CS_RPC_ABORTED, msg);
         } else if (done && finish == CS_FINISH_CANCELLED) {
             cs_worker_call_finish(c, c->end_code ? c->end_code : CS_RPC_CANCELLED,
                                   c->end_msg ? c->end_msg : "the request was cancelled");
@@ -305,9 +308,9 @@ static void handle_decode(cs_rpc_call *c, void *data) {
     decode *d = w->role_data;
     const Chunkserve__V1__DecodeRequest *m = (const void *)cs_rpc_call_request_msg(c);
     cs_request r;
-    dreq *q = (dreq *)cs_worker_admit(w, c, m->token_ids, m->n_token_ids, m->num_prompt_tokens,
-                                      m->sampling, m->transfer_id, m->request_id, m->cache_salt,
-                                      &r);
+    dreq *q =
+        (dreq *)cs_worker_admit(w, c, m->token_ids, m->n_token_ids, m->num_prompt_tokens,
+                                m->sampling, m->transfer_id, m->request_id, m->cache_salt, &r);
     if (!q) return;
     observe_router_hop(d, c);
     q->d = d;

@@ -103,7 +103,7 @@ static void prefill_drain(cs_worker_call *c) {
              * in this worker's log. */
             CS_LOGW("request %s: KV transfer to %s (%s:%d) failed: %s", q->base.request_id,
                     q->decode_id, q->host, q->port, tx_error);
-            cs_worker_call_finish(c, CS_RPC_UNAVAILABLE,
+            cs_worker_call_finish(c, CS_RPC_ABORTED, /* the pair's link, not this worker */
                                   "the KV transfer to the decode worker failed (the prefill "
                                   "worker's log has the cause)");
         } else if (tx_done && eng_done) {
@@ -263,7 +263,7 @@ static void on_event(void *user, const cs_event *ev) {
         if (!r && ev->token >= 0 && ev->finish == CS_FINISH_LENGTH) {
             q->trailer_held = true;
             q->trailer_token = ev->token;
-            q->trailer_lp = ev->lp; /* zero unless the request asked */
+            q->trailer_lp = ev->lp;                   /* zero unless the request asked */
             q->n_cached = ev->n_cached_prompt_tokens; /* the trailer carries it */
         }
         if (!r) r = flush_locked(q);

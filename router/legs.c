@@ -108,9 +108,10 @@ static void on_prefill_done(cs_rpc_client_call *c, int code, const char *msg, vo
         return;
     }
     q->pleg = NULL;
-    if (code == CS_RPC_OK)
+    if (code == CS_RPC_OK) {
+        if (q->dleg) cs_pool_pair_ok(l->w, q->dleg->w); /* the pair works */
         cs__req_on_prefilled(q, l);
-    else
+    } else
         cs__req_on_leg_failed(q, l, code, msg);
     leg_free(l);
 }

@@ -37,6 +37,11 @@
  * deadlines. At least this many status intervals, too. */
 #define DOWN_AFTER_S 3.0
 #define DOWN_AFTER_POLLS 5
+/* Per-pair KV breakers: how many decode peers a prefill worker remembers,
+ * the first cooldown and the longest. */
+#define PAIR_BREAKERS 16
+#define PAIR_COOLDOWN_S 10.0
+#define PAIR_COOLDOWN_MAX_S 60.0
 
 /* ------------------------------------------------ placement (pure) -- */
 
@@ -119,6 +124,17 @@ struct cs_pool_worker {
     bool down_reported; /* on_down ran since the last good status */
     int poll_failures;
     double last_reconnect;
+
+    /* Prefill: the breaker of each (this, decode worker) KV pair that failed
+     * (cs_pool_pair_failed): open until open_until, then half-open (one
+     * success closes it, a failure opens it again for twice as long). Keyed
+     * by the decode worker's address and instance (a restart closes it). */
+    struct pair_breaker {
+        char dw_addr[96];
+        uint64_t dw_instance;
+        double open_until, cooldown;
+    } pairs[PAIR_BREAKERS];
+    int n_pairs;
 };
 
 typedef struct {
@@ -145,6 +161,7 @@ struct cs_pool {
                           declared down on the silence of a time we were not listening */
     double lag_max;    /* the longest tick lag seen (cs_pool_loop_lag) */
     uint64_t stalls;
+    uint64_t pair_trips; /* cs_pool_pair_failed calls */
     int open_handles;
     int dns_in_flight;
     int n_worker_objs; /* allocated workers, listed or not */
@@ -342,8 +359,8 @@ static void apply_status(cs_pool_worker *w, const Chunkserve__V1__WorkerStatus *
                 role_name[w->role], w->addr, mi ? mi->architecture : "?", mi ? mi->vocab_size : 0,
                 mi ? mi->context_length : 0, mi ? (unsigned long long)mi->fingerprint : 0ull,
                 mi ? (unsigned long long)mi->tokenizer_fingerprint : 0ull,
-                p->o.expect_arch ? p->o.expect_arch : "?", p->o.expect_n_vocab,
-                p->o.expect_ctx_len, (unsigned long long)p->o.expect_model_fp,
+                p->o.expect_arch ? p->o.expect_arch : "?", p->o.expect_n_vocab, p->o.expect_ctx_len,
+                (unsigned long long)p->o.expect_model_fp,
                 (unsigned long long)p->o.expect_tokenizer_fp);
     w->role_ok = role_ok;
     w->model_ok = model_ok;
@@ -745,6 +762,52 @@ static bool refused(const cs_pool_worker *w, const cs_pool_marks *m) {
 
 /* Can w send its KV pages to peer (same payload, same page layout)? A worker
  * that did not report a layout (an older one) is taken at its word. */
+static struct pair_breaker *pair_find(cs_pool_worker *pw, const cs_pool_worker *dw) {
+    for (int i = 0; i < pw->n_pairs; i++)
+        if (!strcmp(pw->pairs[i].dw_addr, dw->addr) && pw->pairs[i].dw_instance == dw->instance_id)
+            return &pw->pairs[i];
+    return NULL;
+}
+
+void cs_pool_pair_failed(cs_pool_worker *pw, cs_pool_worker *dw) {
+    double now = cs_now();
+    struct pair_breaker *b = pair_find(pw, dw);
+    if (!b) {
+        if (pw->n_pairs < PAIR_BREAKERS) {
+            b = &pw->pairs[pw->n_pairs++];
+        } else { /* forget the one that reopened longest ago */
+            b = &pw->pairs[0];
+            for (int i = 1; i < pw->n_pairs; i++)
+                if (pw->pairs[i].open_until < b->open_until) b = &pw->pairs[i];
+        }
+        memset(b, 0, sizeof *b);
+        snprintf(b->dw_addr, sizeof b->dw_addr, "%s", dw->addr);
+        b->dw_instance = dw->instance_id;
+    }
+    b->cooldown = b->cooldown > 0 ? 2 * b->cooldown : PAIR_COOLDOWN_S;
+    if (b->cooldown > PAIR_COOLDOWN_MAX_S) b->cooldown = PAIR_COOLDOWN_MAX_S;
+    b->open_until = now + b->cooldown;
+    pw->pool->pair_trips++;
+    CS_LOGW("KV pair prefill %s -> decode %s failed: its prefills go elsewhere for %.0f s",
+            pw->addr, dw->addr, b->cooldown);
+}
+
+void cs_pool_pair_ok(cs_pool_worker *pw, const cs_pool_worker *dw) {
+    struct pair_breaker *b = pair_find(pw, dw);
+    if (!b) return;
+    CS_LOGI("KV pair prefill %s -> decode %s works again", pw->addr, dw->addr);
+    *b = pw->pairs[--pw->n_pairs];
+}
+
+uint64_t cs_pool_pair_trips(const cs_pool *p) {
+    return p->pair_trips;
+}
+
+static bool pair_open(cs_pool_worker *pw, const cs_pool_worker *dw, double now) {
+    struct pair_breaker *b = dw ? pair_find(pw, dw) : NULL;
+    return b && now < b->open_until;
+}
+
 static bool kv_compatible(const cs_pool_worker *w, const cs_pool_worker *peer) {
     if (!peer) return true;
     if (w->kv_transport != peer->kv_transport) return false;
@@ -779,7 +842,8 @@ cs_pool_worker *cs_pool_place(cs_pool *p, enum cs_pool_role role, int64_t n_toke
             .tokens_placed = w->tokens_placed,
         };
         cand += snap[i].usable && !snap[i].skip;
-        snap[i].skip = snap[i].skip || refused(w, marks) || !kv_compatible(w, peer);
+        snap[i].skip = snap[i].skip || refused(w, marks) || !kv_compatible(w, peer) ||
+                       (role == CS_POOL_PREFILL && pair_open(w, peer, now));
     }
     if (n_candidates) *n_candidates = cand;
     size_t start = p->rr[role]++ % n;

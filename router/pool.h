@@ -103,6 +103,15 @@ int cs_pool_n_usable(const cs_pool *p, enum cs_pool_role role);
  * second late. After such a stall no worker is declared down before a fresh
  * round of polls could answer. */
 void cs_pool_loop_lag(const cs_pool *p, double *lag_max_s, uint64_t *stalls);
+
+/* Per-(prefill, decode) KV pair breakers: a KV transfer from pw to dw failed
+ * (the link between them, not necessarily either worker): cs_pool_place
+ * gives dw no prefill on pw for 10 s, then tries the pair again (doubling
+ * up to 60 s while it keeps failing); cs_pool_pair_ok closes it. A restart
+ * of dw (new instance) starts afresh. Trips: how many times one opened. */
+void cs_pool_pair_failed(cs_pool_worker *pw, cs_pool_worker *dw);
+void cs_pool_pair_ok(cs_pool_worker *pw, const cs_pool_worker *dw);
+uint64_t cs_pool_pair_trips(const cs_pool *p);
 /* Workers of a role known (usable or not). */
 int cs_pool_n_workers(const cs_pool *p, enum cs_pool_role role);
 

@@ -264,7 +264,7 @@ void cs__req_fail_attempt(req *q, cs_pool_worker *w, const char *what, int code,
              msg ? msg : "");
     drop_attempt(q, false);
     if (w) {
-        if (code == CS_RPC_UNAVAILABLE) cs_pool_worker_suspect(w, q->last_error);
+        if (code == CS_RPC_UNAVAILABLE) cs_pool_worker_suspect(w, q->last_error); /* not ABORTED */
         if (cs_pool_mark_add(&q->marks.excluded, &q->marks.n_excluded, w) != 0) {
             cs__req_end(q, CS_RPC_RESOURCE_EXHAUSTED, "the router ran out of memory");
             return;
@@ -324,6 +324,14 @@ void cs__req_on_refused(req *q, leg *l, const char *msg) {
 
 void cs__req_on_leg_failed(req *q, leg *l, int code, const char *msg) {
     const char *what = l->kind == LEG_DECODE ? "decode" : "prefill";
+    if (code == CS_RPC_ABORTED && !q->local && q->pw_last && q->dw_last && cs__req_ms_left(q) > 0) {
+        /* Either side says the KV transfer between them failed: blame the
+         * pair (its breaker), not a worker; retry without this prefill
+         * worker. */
+        cs_pool_pair_failed(q->pw_last, q->dw_last);
+        cs__req_fail_attempt(q, q->pw_last, "KV transfer", code, msg);
+        return;
+    }
     if (code == CS_RPC_INVALID_ARGUMENT)
         cs__req_end(q, code, msg); /* the client's input, as the worker judged it */
     else if (cs__req_ms_left(q) <= 0)

@@ -169,10 +169,11 @@ struct router {
         cs_metric *running, *waiting, *retries, *migrations, *prefill_local, *prefill_remote;
         cs_metric *ttft, *itl, *e2e, *overhead, *prompt_tokens, *gen_tokens;
         cs_metric *usable[2];
-        cs_metric *lag_max, *stalls;
+        cs_metric *lag_max, *stalls, *pair_trips;
         cs_metric *codes[17];
     } m;
     uint64_t stalls_counted; /* cs_pool_loop_lag stalls already added to m.stalls */
+    uint64_t trips_counted;  /* cs_pool_pair_trips already added to m.pair_trips */
 };
 
 /* --- request.c: a request's life --------------------------------------- */

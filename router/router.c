@@ -212,6 +212,8 @@ static const cs_metric_def router_metrics[] = {
      "The longest the router's event loop ran behind its status timer.", NULL, 0},
     {M(stalls), "chunkserve:router_loop_stalls_total", CS_METRIC_COUNTER, NULL,
      "Loop stalls over a second (no worker is declared down right after one).", NULL, 0},
+    {M(pair_trips), "chunkserve:kv_pair_breaker_trips_total", CS_METRIC_COUNTER, NULL,
+     "A (prefill, decode) pair's KV transfer failed: the pair is avoided for a while.", NULL, 0},
 };
 #undef M
 #undef REQUESTS
@@ -241,6 +243,9 @@ static void update_metrics(cs_proc *p, void *arg) {
         cs_metric_set(r->m.lag_max, lag);
         cs_metric_add(r->m.stalls, (double)(stalls - r->stalls_counted));
         r->stalls_counted = stalls;
+        uint64_t trips = cs_pool_pair_trips(r->pool);
+        cs_metric_add(r->m.pair_trips, (double)(trips - r->trips_counted));
+        r->trips_counted = trips;
     }
 }
 

@@ -148,14 +148,14 @@ class Blackhole:
     after cut() it stops reading and writing but keeps every socket open, so neither end
     sees an error or a FIN: their bytes just stop arriving, as behind a failed switch."""
 
-    def __init__(self, target: str):
+    def __init__(self, target: str, listen=("127.0.0.1", 0)):
         self.host, port = target.rsplit(":", 1)
         self.target = (self.host, int(port))
         self.lis = socket.socket()
         self.lis.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.lis.bind(("127.0.0.1", 0))
+        self.lis.bind(listen)
         self.lis.listen(64)
-        self.addr = f"127.0.0.1:{self.lis.getsockname()[1]}"
+        self.addr = f"{listen[0]}:{self.lis.getsockname()[1]}"
         self.cut_ = threading.Event()
         self.closing = threading.Event()
         self.socks = []
@@ -258,5 +258,66 @@ def test_silent_router_decode_partition_frees_the_orphan(bin_dir, pb, tmp_path):
         for h in holes:
             h.close()
         for p in [router, *decs]:
+            if p:
+                p.stop()
+
+
+def free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+def test_partitioned_kv_pair_is_routed_around(bin_dir, model, pb):
+    """One prefill and two decode workers; the KV link from the prefill worker to decode
+    worker A goes through a proxy (A advertises 127.0.0.2, where the proxy listens) that
+    then partitions silently. The first request that needs that pair pays the dead-link
+    timeout (--kv-dead-ms), its transfer fails ABORTED on both sides, the router opens the
+    pair's breaker and retries; later requests to A prefill locally or land on B: each
+    pays nothing. Every request completes with the tokens of one process; no worker is
+    suspected or excluded for the pair's fault."""
+    g = pb.generation_pb2
+    common = [f"--model={model}", "--port=0", "--threads=1", "--kv-cache-mib=64",
+              "--grace-ms=2000", "--kv-dead-ms=1500"]
+    kv_port = free_port()
+    dec_a = Proc(bin_dir / "chunkserve-decode", [*common, f"--kv-port={kv_port}",
+                                                   "--kv-advertise=127.0.0.2"], "decode-a")
+    hole = Blackhole(f"127.0.0.1:{kv_port}", listen=("127.0.0.2", kv_port))
+    dec_b = Proc(bin_dir / "chunkserve-decode", common, "decode-b")
+    pre = Proc(bin_dir / "chunkserve-prefill", common, "prefill")
+    ref = Proc(bin_dir / "chunkserve", ["serve", f"--model={model}", "--port=0", "--http-port=0"],
+               "reference")
+    router = None
+    try:
+        router = Proc(bin_dir / "chunkserve-router", [
+            f"--model={model}", "--port=0", "--status-interval-ms=100", "--grace-ms=2000",
+            "--local-prefill-threshold=1", f"--prefill-workers={pre.addr}",
+            f"--decode-workers={dec_a.addr},{dec_b.addr}"], "router")
+        wait_for(lambda: metric(router.metrics(), "chunkserve:workers_usable", 'role="decode"') == 2,
+                 30, "both decode workers usable")
+        stub = pb.generation_pb2_grpc.GenerationStub(grpc.insecure_channel(router.addr))
+        ref_stub = pb.generation_pb2_grpc.GenerationStub(grpc.insecure_channel(ref.addr))
+        prompts = [[(13 * k + j) % 300 + 1 for j in range(40)] for k in range(16)]
+        for p in prompts[:4]:  # both pairs carry KV
+            assert stream(stub, g, p, 8) == stream(ref_stub, g, p, 8)
+        assert dec_a.metric("chunkserve:kv_transfers_completed_total") >= 1
+        hole.cut()
+        slow = []
+        for k, p in enumerate(prompts[4:]):
+            t0 = time.monotonic()
+            assert stream(stub, g, p, 8) == stream(ref_stub, g, p, 8), k
+            if time.monotonic() - t0 > 1.0:
+                slow.append(k)
+        m = router.metrics()
+        assert len(slow) == 1, (slow, router.stderr()[-3000:])
+        assert metric(m, "chunkserve:kv_pair_breaker_trips_total") == 1
+        assert metric(m, "chunkserve:workers_usable", 'role="decode"') == 2
+        assert metric(m, "chunkserve:workers_usable", 'role="prefill"') == 1
+        assert "suspect" not in router.stderr().lower()
+    finally:
+        hole.close()
+        for p in [router, pre, dec_a, dec_b, ref]:
             if p:
                 p.stop()

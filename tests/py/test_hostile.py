@@ -563,7 +563,7 @@ def test_foreign_kv_endpoint_is_no_oracle(cl, pb):
     """Prefill pointed at a kv_endpoint that is not a decode worker's: without the token the
     worker never connects there (a listener sees no connection); with it, a closed port, a
     listener that accepts and stays silent, and one that answers garbage all give the same
-    UNAVAILABLE and the same words (no "refused", "timed out" or address), the cause only in
+    ABORTED and the same words (no "refused", "timed out" or address), the cause only in
     the prefill worker's log; nothing is left reserved."""
     c, g = pb.cluster_pb2, pb.generation_pb2
     stub = cl.worker_stub(cl.prefill[0])
@@ -619,7 +619,7 @@ def test_foreign_kv_endpoint_is_no_oracle(cl, pb):
         lis.close()
     assert len(set(answers)) == 1, answers
     code, details = answers[0]
-    assert code == grpc.StatusCode.UNAVAILABLE
+    assert code == grpc.StatusCode.ABORTED  # the KV pair failed, not the worker
     for leak in ("refused", "timed out", "127.0.0.1", "reset", "HTTP"):
         assert leak not in details, details
     assert "KV transfer" in cl.prefill[0].stderr()
