@@ -325,7 +325,7 @@ static void apply_status(cs_pool_worker *w, const Chunkserve__V1__WorkerStatus *
                 role_name[w->role], w->addr, cs_pool_worker_id(w),
                 (unsigned long long)w->instance_id, s->worker_id,
                 (unsigned long long)s->instance_id);
-    if (s->instance_id != w->instance_id) w->poll_failures = 0;
+    if (s->instance_id != w->instance_id) w->poll_failures = 0, w->n_pairs = 0; /* a new life */
     w->instance_id = s->instance_id;
     if (!w->worker_id || strcmp(w->worker_id, s->worker_id)) {
         char *id = strdup(s->worker_id);
