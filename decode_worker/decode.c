@@ -80,8 +80,8 @@ static void append_locked(dreq *q, const cs_event *ev) {
         q->n_completion = ev->n_completion_tokens;
     } else if (ev->token >= 0) {
         q->n_completion = ev->n_completion_tokens;
-        q->n_cached = ev->n_cached_prompt_tokens;
     }
+    if (ev->token >= 0) q->n_cached = ev->n_cached_prompt_tokens; /* also on the last one */
 }
 
 /* KV I/O thread: the transfer into the reserved pages ended. */

@@ -180,6 +180,8 @@ static int suppress_stops(cs_sched *s, seq *q, const cs_stop_params *sp) {
     return rc;
 }
 
+static void reuse_prefix(cs_sched *s, seq *q);
+
 int cs_sched_add(cs_sched *s, const cs_request *r) {
     seq **link;
     if (find(s, r->id, &link))
@@ -242,6 +244,16 @@ int cs_sched_add(cs_sched *s, const cs_request *r) {
             rc = cs_fail(CS_EINVAL, "request %llu: its resumed tokens already end the sequence",
                          (unsigned long long)r->id);
     }
+    if (!rc) { /* the prompt and its hash chain's seed, before any page is taken */
+        memcpy(q->tokens, r->prompt, (size_t)r->n_prompt * sizeof(int32_t));
+        q->n_tokens = q->n_context = r->n_prompt;
+        if (r->cache_salt && r->cache_salt[0]) /* never 0: that is the shared namespace */
+            q->hash_root = XXH64(r->cache_salt, strlen(r->cache_salt), 0x63616368652d73ull) | 1;
+        q->last_hash = q->hash_root;
+    }
+    /* A reserved local prompt takes its cached prefix first and reserves only
+     * the rest (at admission reuse_prefix skips a sequence that holds pages) */
+    if (!rc && r->reserve && r->kv_mode != CS_KV_REMOTE) reuse_prefix(s, q);
     if (!rc && (r->reserve || r->kv_mode == CS_KV_REMOTE) &&
         (rc = cs_page_table_reserve(&q->pt, s->kv, r->n_prompt)) == CS_ENOSPC)
         rc = cs_fail(
@@ -252,18 +264,12 @@ int cs_sched_add(cs_sched *s, const cs_request *r) {
         seq_free(s, q);
         return rc;
     }
-    memcpy(q->tokens, r->prompt, (size_t)r->n_prompt * sizeof(int32_t));
-    q->n_tokens = q->n_context = r->n_prompt;
     q->n_prompt = n_real;
     q->id = r->id;
     q->logprobs = r->logprobs;
     q->top_logprobs = r->logprobs ? r->top_logprobs : 0;
     q->kv_mode = r->kv_mode;
     q->arrival = s->next_arrival++;
-    if (r->cache_salt && r->cache_salt[0]) { /* never 0: that is the shared namespace */
-        q->hash_root = XXH64(r->cache_salt, strlen(r->cache_salt), 0x63616368652d73ull) | 1;
-        q->last_hash = q->hash_root;
-    }
     cs_sampler_accept_prompt(q->smp, r->prompt, (size_t)n_real);
     for (int32_t i = n_real; i < r->n_prompt; i++)
         cs_sampler_accept(q->smp, r->prompt[i]);
@@ -281,7 +287,7 @@ int cs_sched_add(cs_sched *s, const cs_request *r) {
 int cs_sched_kv_pages(cs_sched *s, uint64_t id, const int32_t **pages, int32_t *n_pages) {
     seq **link;
     seq *q = find(s, id, &link);
-    if (!q || q->admitted || q->n_computed || !q->pt.n_pages)
+    if (!q || q->admitted || !q->pt.n_pages) /* n_computed may count a reused prefix */
         return cs_fail(CS_ENOENT, "request %llu has no reserved pages waiting",
                        (unsigned long long)id);
     *pages = q->pt.pages;

@@ -1232,3 +1232,24 @@ def test_quantized_cluster_equals_one_process(pb, worker_bins, tmp_path, kv):
     finally:
         c.stop()
         ref.stop()
+
+
+def test_local_prefills_on_decode_workers_hit_their_prefix_cache(cl, pb):
+    """Six identical 304-token prompts prefilled locally by two decode workers (issue 20's
+    first finding): from each worker's second one on, 288 tokens (18 full pages) come from
+    its prefix cache, and the client's usage says so even when the first generated token is
+    also the last (max_tokens 1). Before: the reserved local prefill never looked at the
+    cache, and the count came only from non-final tokens."""
+    ds = [cl.decode(mib=32), cl.decode(mib=32)]
+    r = cl.router("--decode-workers", ",".join(d.addr for d in ds), *FAST)
+    wait_usable(r, 2)
+    prompt = [(17 * j) % 300 + 1 for j in range(304)]
+    cached = []
+    for _ in range(6):
+        _, _, msgs = run(r, pb, prompt, 1)
+        cached.append(msgs[-1].usage.cached_prompt_tokens)
+    hits = sum(d.metric("chunkserve:prefix_cache_hit_tokens_total") for d in ds)
+    used = sum(1 for d in ds if local_prefills(d) > 0)
+    assert sum(local_prefills(d) for d in ds) == 6
+    assert hits == (6 - used) * 288, (hits, used, cached)
+    assert sorted(cached) == [0] * used + [288] * (6 - used)

@@ -432,6 +432,38 @@ static void check_cache_salt(void) {
     cs_engine_free(e);
 }
 
+/* A reserved local request (a decode worker's local prefill) takes its cached
+ * prefix too: it was admitted with every page reserved and never looked. */
+static void check_reserved_reuse(void) {
+    cs_engine *e = engine(1024);
+    cs_sched *s = NULL;
+    cs_sched_params p = cs_sched_params_default();
+    ASSERT_EQ_INT(cs_sched_init(e, &p, &s), 0);
+    static req_spec a;
+    a.n_prompt = 100;
+    for (int i = 0; i < a.n_prompt; i++)
+        a.prompt[i] = (int32_t)rnd((uint32_t)V);
+    a.max_tokens = 1; /* the first token is also the last */
+    int32_t want[] = {0, 96, 96};
+    for (int k = 0; k < 3; k++) {
+        cs_request r = make_req(&a, (uint64_t)(200 + k));
+        r.reserve = k > 0;
+        ASSERT_EQ_INT(cs_sched_add(s, &r), 0);
+        int32_t cached = -1;
+        while (!cs_sched_idle(s)) {
+            const cs_event *ev;
+            int32_t ne;
+            ASSERT_EQ_INT(cs_sched_step(s, &ev, &ne), 0);
+            for (int32_t i = 0; i < ne; i++)
+                if (ev[i].finish != CS_FINISH_NONE) cached = ev[i].n_cached_prompt_tokens;
+        }
+        ASSERT_EQ_INT(cached, want[k]);
+        ASSERT_EQ_INT(cs_kv_cache_check(cs_engine_kv(e)), 0);
+    }
+    cs_sched_free(s);
+    cs_engine_free(e);
+}
+
 int main(void) {
     char path[1024];
     snprintf(path, sizeof path, "%s/f32/tiny.gguf", getenv("CS_TINY_DIR"));
@@ -440,6 +472,7 @@ int main(void) {
     check_bad_requests();
     check_prefix_cache();
     check_cache_salt();
+    check_reserved_reuse();
     check_cancel();
     check_equivalence();
     check_serve();
