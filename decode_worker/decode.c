@@ -61,7 +61,7 @@ struct decode {
     cs_kvx_stats last; /* exported so far */
     cs_metric *m_local, *m_remote, *m_xfer_started, *m_xfer_completed, *m_xfer_failed,
         *m_xfer_bytes, *m_xfer_seconds, *m_leases_expired, *m_ttft, *m_itl, *m_proto_errors,
-        *m_stale_frames, *m_router_hop;
+        *m_stale_frames, *m_renewals, *m_router_hop;
 };
 
 static void decode_call_free(cs_worker_call *c) {
@@ -352,6 +352,8 @@ static const cs_metric_def decode_metrics_table[] = {
      "KV payload bytes received", NULL, 0},
     {M(m_proto_errors), "chunkserve:kv_protocol_errors_total", CS_METRIC_COUNTER, NULL,
      "KV connections closed for bad input", NULL, 0},
+    {M(m_renewals), "chunkserve:kv_lease_renewals_total", CS_METRIC_COUNTER, NULL,
+     "reservations extended by their prefill worker while the prompt waits or runs", NULL, 0},
     {M(m_stale_frames), "chunkserve:kv_stale_frames_total", CS_METRIC_COUNTER, NULL,
      "KV frames for a transfer that had ended or was never expected here: dropped and "
      "answered with ABORT (the channel stays open)",
@@ -433,6 +435,7 @@ static void decode_metrics(cs_worker *w) {
     cs_metric_add(d->m_xfer_bytes, (double)(s.bytes - d->last.bytes));
     cs_metric_add(d->m_proto_errors, (double)(s.protocol_errors - d->last.protocol_errors));
     cs_metric_add(d->m_stale_frames, (double)(s.stale_frames - d->last.stale_frames));
+    cs_metric_add(d->m_renewals, (double)(s.renewals - d->last.renewals));
     d->last = s;
 }
 
@@ -451,8 +454,9 @@ static const cs_config_entry config[] = {
     {"kv-advertise", CS_CONFIG_STR, offsetof(cs_worker_opts, kv_advertise), NULL,
      "host prefill workers should connect to (default --kv-host; set it when binding 0.0.0.0)", 0,
      0},
-    {"lease-ms", CS_CONFIG_INT, offsetof(cs_worker_opts, lease_ms), "120000",
-     "a reservation whose KV has not arrived by then is freed (the router's lease_ms may shorten "
+    {"lease-ms", CS_CONFIG_INT, offsetof(cs_worker_opts, lease_ms), "10000",
+     "a reservation whose KV has not arrived by then is freed; every renewal from its prefill "
+     "worker (--kv-renew-ms) moves that to lease-ms later (the router's lease_ms may shorten "
      "it, never lengthen it)",
      100, 3600000},
 };

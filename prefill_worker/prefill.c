@@ -410,6 +410,7 @@ static int prefill_start(cs_worker *w) {
     snprintf(p->kv_sender, sizeof p->kv_sender, "%s", name);
     tp.checksum = w->o.kv_checksum;
     tp.dead_ms = (int32_t)w->o.kv_dead_ms;
+    tp.renew_ms = (int32_t)w->o.kv_renew_ms;
     tp.secret = w->secret.key; /* the KV link proves the cluster secret too */
     tp.secret_len = w->secret.len;
     int r = cs_kvx_tx_init(&tp, &p->tx);
@@ -479,6 +480,10 @@ static const cs_config_entry config[] = {
     CS_WORKER_CONFIG_COMMON("50070", "8192", "1", "512"),
     {"kv-deadline-ms", CS_CONFIG_INT, offsetof(cs_worker_opts, kv_deadline_ms), "120000",
      "longest a KV transfer may take (the call's own deadline applies when shorter)", 100, 3600000},
+    {"kv-renew-ms", CS_CONFIG_INT, offsetof(cs_worker_opts, kv_renew_ms), "1000",
+     "renew each pending transfer's reservation on its decode worker this often (keep it "
+     "well under the decode workers' --lease-ms)",
+     10, 600000},
 };
 
 const cs_worker_role cs_prefill_role = {

@@ -54,8 +54,9 @@ static const cs_config_entry options[] = {
      0, 0},
     {"cluster-secret-file", CS_CONFIG_STR, O(cluster_secret_file), NULL,
      "file holding the cluster secret (a mounted Kubernetes Secret)", 0, 0},
-    {"lease-ms", CS_CONFIG_INT, O(lease_ms), "120000",
-     "how long a decode worker holds reserved pages for the KV (DecodeRequest.lease_ms)", 1,
+    {"lease-ms", CS_CONFIG_INT, O(lease_ms), "10000",
+     "how long a decode worker holds reserved pages for the KV without a renewal from the "
+     "prefill worker (DecodeRequest.lease_ms; the worker's --lease-ms caps it)", 1,
      2147483647},
     {"request-timeout-ms", CS_CONFIG_INT, O(request_timeout_ms), "600000",
      "deadline of a request whose client sets none", 1, I64},

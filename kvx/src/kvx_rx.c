@@ -113,6 +113,7 @@ typedef struct rx_xfer {
     int32_t *ids;
     int32_t n_pages, described, landed, inflight;
     int64_t deadline;
+    int32_t lease_ms;             /* deadline_ms of the expectation: what a renewal grants */
     rx_conn *conn;                /* bound on the first frame */
     char sender[CS_KVX_NAME_MAX]; /* "" = any authenticated sender */
     int fail;                     /* set by cs_kvx_rx_cancel */
@@ -876,7 +877,15 @@ static void on_frame(cs_kvx_rx *rx, rx_conn *c) {
         return;
     }
     switch (h->type) {
-    case CS_KVX_PING: return;
+    case CS_KVX_PING: { /* naming a transfer: its sender renews it */
+        rx_xfer *x = h->xfer_id ? find_xfer(rx, h->xfer_id) : NULL;
+        if (x && !x->fail && (x->conn == c || (!x->conn && (!x->sender[0] ||
+                                                            !strcmp(x->sender, c->name))))) {
+            x->deadline = cs__kvx_now_ms() + x->lease_ms;
+            rx->st.renewals++;
+        }
+        return;
+    }
     case CS_KVX_NCCL_ID:
         if (c->comm != COMM_NONE || !rx->pl->unique_id) {
             conn_fail(rx, c, CS_EPROTO, "unexpected NCCL_ID on a channel", true);
@@ -1333,6 +1342,7 @@ int cs_kvx_rx_expect(cs_kvx_rx *rx, uint64_t xfer_id, const char *sender, const 
     x->ids = ids;
     x->n_pages = n_pages;
     x->deadline = cs__kvx_now_ms() + deadline_ms;
+    x->lease_ms = deadline_ms;
     x->done = done;
     x->arg = arg;
     x->all_sums = true;

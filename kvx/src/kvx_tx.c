@@ -103,7 +103,8 @@ typedef struct tx_xfer {
     int32_t total_pages, queued_pages;
     bool trailer_queued, want_room;
     int64_t deadline;
-    int fail; /* pending failure set by an API call (abort) */
+    int64_t renewed; /* when its last renewal (PING naming it) was queued */
+    int fail;        /* pending failure set by an API call (abort) */
     cs_kvx_done_fn done;
     void *arg;
     uint64_t digest; /* fold of the chunk checksums, in order */
@@ -155,6 +156,7 @@ cs_kvx_tx_params cs_kvx_tx_params_default(void) {
     p.checksum = true;
     p.max_queued_bytes = 256u << 20;
     p.keepalive_ms = 1000;
+    p.renew_ms = 1000;
     p.dead_ms = 5000;
     p.n_slots = 2;
     p.init_timeout_ms = 30000;
@@ -913,6 +915,18 @@ static void queue_abort(cs_kvx_tx *tx, tx_xfer *x, int status) {
     queue_ctl(tx, x->ch, CS_KVX_ABORT, x->id, pl, sizeof pl);
 }
 
+/* Renewals: every unfinished transfer of c names itself in a PING every
+ * renew_ms, so the receiver keeps its reservation while this side lives
+ * (the prompt may still wait in the prefill queue). */
+static void renew(cs_kvx_tx *tx, tx_chan *c, int64_t now) {
+    if (c->n_xfers == 0) return;
+    for (tx_xfer *x = tx->xfers; x; x = x->next)
+        if (x->ch == c && !x->trailer_queued && !x->fail && now - x->renewed >= tx->p.renew_ms) {
+            queue_ctl(tx, c, CS_KVX_PING, x->id, NULL, 0);
+            x->renewed = now;
+        }
+}
+
 static void *tx_thread(void *arg) {
     cs_kvx_tx *tx = arg;
     cs_log_set_role("kvx-tx");
@@ -923,6 +937,7 @@ static void *tx_thread(void *arg) {
     while (!tx->stop) {
         int64_t now = cs__kvx_now_ms();
         int64_t wait = tx->p.keepalive_ms;
+        if (tx->xfers && tx->p.renew_ms > 0 && tx->p.renew_ms < wait) wait = tx->p.renew_ms;
         bool busy = false;
         /* failures requested by API calls, deadlines */
         for (tx_xfer *x = tx->xfers, *nx; x; x = nx) {
@@ -964,6 +979,7 @@ static void *tx_thread(void *arg) {
             if (c->state == CH_OPEN && !c->qhead && now - c->last_tx >= tx->p.keepalive_ms &&
                 c->acked)
                 queue_ctl(tx, c, CS_KVX_PING, 0, NULL, 0);
+            if (c->state == CH_OPEN && c->acked && tx->p.renew_ms > 0) renew(tx, c, now);
             if (c->state == CH_OPEN && head_writable(c)) chan_write(tx, c);
             if (c->fd < 0) continue;
             room_check(tx, c);
@@ -1155,6 +1171,7 @@ int cs_kvx_tx_begin(cs_kvx_tx *tx, const char *host, int port, uint64_t xfer_id,
     x->ch = ch;
     x->total_pages = total_pages;
     x->deadline = cs__kvx_now_ms() + deadline_ms;
+    x->renewed = cs__kvx_now_ms(); /* the reservation is fresh: first renewal in renew_ms */
     x->done = done;
     x->arg = arg;
     x->next = tx->xfers;

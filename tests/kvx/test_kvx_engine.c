@@ -88,6 +88,8 @@ typedef struct {
     int32_t sent;
 } xfer;
 
+static int32_t lease_ms = 20000; /* the receiver's deadline in xfer_open */
+
 static void xfer_open(xfer *x, uint64_t id, int32_t n, recv_side *r, cs_kvx_tx *tx, waiter *tw) {
     x->id = id;
     x->n = n;
@@ -102,7 +104,7 @@ static void xfer_open(xfer *x, uint64_t id, int32_t n, recv_side *r, cs_kvx_tx *
                page_bytes);
     }
     ASSERT_EQ_INT(cs_kv_cache_alloc_pages(cs_engine_kv(r->e), n, x->ids), 0);
-    ASSERT_EQ_INT(cs_kvx_rx_expect(r->rx, id, NULL, x->ids, n, 20000, waiter_done, &r->w), 0);
+    ASSERT_EQ_INT(cs_kvx_rx_expect(r->rx, id, NULL, x->ids, n, lease_ms, waiter_done, &r->w), 0);
     ASSERT_EQ_INT(
         cs_kvx_tx_begin(tx, "127.0.0.1", cs_kvx_rx_port(r->rx), id, n, 20000, waiter_done, tw), 0);
 }
@@ -345,6 +347,38 @@ int main(void) {
     ASSERT_EQ_INT(bw.status[0], CS_ECONNREFUSED);
     ASSERT_MSG_HAS(bw.msg[0], "layout mismatch");
     cs_kvx_tx_free(bad);
+    /* Renewals: a 300 ms reservation outlives a 1.5 s wait for its first page
+     * while the sender renews it every 50 ms, and the transfer completes; the
+     * same wait without renewals (tx above: every 1000 ms) expires it. */
+    {
+        cs_kvx_tx_params np = cs_kvx_tx_params_default();
+        np.layout = cs_kvx_layout_of_engine(pe);
+        np.pool = host_pool(src_pool, NSRC);
+        np.name = "prefill-renew";
+        np.renew_ms = 50;
+        cs_kvx_tx *rt;
+        ASSERT_EQ_INT(cs_kvx_tx_init(&np, &rt), 0);
+        cs_kvx_stats s0, s1;
+        cs_kvx_rx_get_stats(r[0].rx, &s0);
+        waiter rw;
+        waiter_init(&rw);
+        xfer x2;
+        lease_ms = 300;
+        xfer_open(&x2, ++id, 4, &r[0], rt, &rw);
+        lease_ms = 20000;
+        usleep(1500 * 1000);
+        while (!xfer_step(&x2, rt, 4)) {
+        }
+        ASSERT_TRUE(waiter_wait(&r[0].w, ++done_rx0, 5000));
+        xfer_check_free(&x2, &r[0]);
+        ASSERT_TRUE(waiter_wait(&rw, 1, 5000));
+        ASSERT_EQ_INT(waiter_status(&rw, x2.id), 0);
+        cs_kvx_rx_get_stats(r[0].rx, &s1);
+        ASSERT_TRUE(s1.renewals - s0.renewals >= 10);
+        cs_kvx_tx_free(rt);
+        fprintf(stderr, "renewals: %llu, the reservation lived through the wait\n",
+                (unsigned long long)(s1.renewals - s0.renewals));
+    }
     /* the same layout from another model (its fingerprint): refused as such */
     ASSERT_TRUE(cs_kvx_layout_of_engine(pe).model != 0);
     bp.layout = cs_kvx_layout_of_engine(pe);

@@ -120,6 +120,7 @@ typedef struct {
     uint64_t pending_evicted; /* rx: connections closed before HELLO to make room */
     uint64_t stale_frames;    /* rx: frames for a transfer not live here (ended or never
                                  expected): dropped and answered with ABORT, channel kept */
+    uint64_t renewals;        /* rx: deadlines extended by the transfer's sender */
     int64_t transfers_active; /* gauge */
 } cs_kvx_stats;
 
@@ -161,6 +162,10 @@ typedef struct {
                                 the socket or NCCL; default 256 MiB */
     int32_t keepalive_ms;    /* ping when idle; default 1000 */
     int32_t dead_ms;         /* peer dead after this long silent; default 5000 */
+    int32_t renew_ms;        /* every transfer not yet finished sends a PING naming it this
+                                often once its channel is open: the receiver extends its
+                                deadline (the decode worker's lease) while the sender lives,
+                                however long the prompt waits; default 1000, 0 = never */
     cs_kvx_room_fn room;     /* optional: see cs_kvx_room_fn */
     /* NCCL payload only */
     int32_t n_slots;         /* staging slots per channel (pipelining); default 2 */
@@ -265,7 +270,9 @@ int cs_kvx_rx_payload(const cs_kvx_rx *rx); /* enum cs_kvx_payload */
  * closes that channel and leaves the transfer waiting). Pages are written only between this call
  * and done: done runs after the last write into them finished (NCCL: on the device), also on
  * failure, so the caller may free them at once. deadline_ms: relative, > 0:
- * past it the transfer fails with CS_ETIMEDOUT. done is called exactly once
+ * past it the transfer fails with CS_ETIMEDOUT; a renewal from its sender
+ * (a PING naming the transfer, cs_kvx_tx_params.renew_ms) moves it to
+ * deadline_ms after that renewal. done is called exactly once
  * unless this returns an error: CS_EINVAL (an id outside the pool),
  * CS_EEXIST, CS_ENOMEM. */
 int cs_kvx_rx_expect(cs_kvx_rx *rx, uint64_t xfer_id, const char *sender, const int32_t *page_ids,
