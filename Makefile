@@ -15,7 +15,7 @@ ifneq ($(OPENBLAS_CORETYPE),)
 export OPENBLAS_CORETYPE
 endif
 
-.PHONY: all build bootstrap model check test test-unit test-py asan-build test-asan test-serve-asan test-cluster-asan tsan-build test-cluster-tsan demo bench image clean format
+.PHONY: all build bootstrap model check test test-unit test-py asan-build test-asan test-serve-asan test-cluster-asan tsan-build test-cluster-tsan fuzz-long demo bench image clean format
 
 all: build
 
@@ -78,6 +78,16 @@ tsan-build: bootstrap
 test-cluster-tsan: tsan-build
 	CHUNKSERVE_BIN_DIR=$(abspath $(BUILD))-tsan/bin TSAN_OPTIONS="halt_on_error=0 suppressions=$(abspath tests/tsan.supp)" \
 	  $(PY) -m pytest -q tests/py/test_router.py
+
+# Not part of `make test`: every libFuzzer driver (tests/fuzz, tests/kvx; built by
+# `make build` where clang's libFuzzer works) for FUZZ_SECONDS each, one at a time,
+# on scratch corpora under $(BUILD)/test-tmp/fuzz-long; prints executions and the
+# final cov/ft per target and fails on any crash or UBSan report. FUZZ_TARGETS picks
+# some (e.g. "gguf wire"). docs/security.md (Fuzzing) has the figures.
+FUZZ_SECONDS ?= 300
+FUZZ_TARGETS ?=
+fuzz-long: build
+	tests/fuzz/fuzz-long.sh $(BUILD) $(FUZZ_SECONDS) $(FUZZ_TARGETS)
 
 demo: build model
 	@scripts/demo.sh $(BUILD)/bin $(MODEL)

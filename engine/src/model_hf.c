@@ -4,6 +4,8 @@
  * tokenizer. A vocabulary-only load needs no *.safetensors (when there are
  * some, their shapes are still checked, so the configuration is a full load's). */
 #include <cjson/cJSON.h>
+#include <float.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -31,8 +33,9 @@ static int cfg_int(const cJSON *root, const char *key, bool required, int32_t *o
         if (required) return cs_fail(CS_EBADMSG, "config.json in %s: missing key '%s'", path, key);
         return 0;
     }
-    if (!cJSON_IsNumber(j) || j->valuedouble != (double)(int64_t)j->valuedouble ||
-        j->valuedouble < 0 || j->valuedouble > INT32_MAX)
+    /* the range first: converting a double outside int64 is undefined */
+    if (!cJSON_IsNumber(j) || !(j->valuedouble >= 0 && j->valuedouble <= INT32_MAX) ||
+        j->valuedouble != (double)(int64_t)j->valuedouble)
         return cs_fail(CS_EBADMSG, "config.json in %s: '%s' must be a non-negative integer", path,
                        key);
     *out = (int32_t)j->valuedouble;
@@ -42,8 +45,9 @@ static int cfg_int(const cJSON *root, const char *key, bool required, int32_t *o
 static int cfg_float(const cJSON *root, const char *key, float *out, const char *path) {
     const cJSON *j = cJSON_GetObjectItemCaseSensitive(root, key);
     if (!j || cJSON_IsNull(j)) return 0;
-    if (!cJSON_IsNumber(j))
-        return cs_fail(CS_EBADMSG, "config.json in %s: '%s' must be a number", path, key);
+    if (!cJSON_IsNumber(j) || !(fabs(j->valuedouble) <= FLT_MAX)) /* no inf, NaN, overflow */
+        return cs_fail(CS_EBADMSG, "config.json in %s: '%s' must be a finite float32 number", path,
+                       key);
     *out = (float)j->valuedouble;
     return 0;
 }
