@@ -7,7 +7,8 @@ cd "$(dirname "$0")/.."
 
 PKGS=(build-essential cmake pkg-config git python3 python3-pip
       libcjson-dev libopenblas-dev libxxhash-dev libuv1-dev
-      libgrpc-dev libssl-dev libprotobuf-c-dev protobuf-c-compiler libhttp-parser-dev)
+      libgrpc-dev libssl-dev libprotobuf-c-dev protobuf-c-compiler libhttp-parser-dev
+      openssl iproute2)  # the tests: certificates (test_tls.py), network namespaces (test_netns.py)
 
 missing=()
 for p in "${PKGS[@]}"; do
