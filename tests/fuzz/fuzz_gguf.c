@@ -34,22 +34,12 @@
 #include "chunkserve/model.h"
 #include "chunkserve/tokenizer.h"
 #include "gguf.h"
+#include "fuzz_check.h"
 
 static int memfd = -1;
 static char gguf_path[64];
 
-/* A refusal must name its cause. */
-/* CS_FUZZ_VERBOSE=1: every status on stderr (to see how far a seed gets). */
-static void check_refusal(int r) {
-    const char *e = cs_last_error();
-    static int verbose = -1;
-    if (verbose < 0) verbose = getenv("CS_FUZZ_VERBOSE") && *getenv("CS_FUZZ_VERBOSE") == '1';
-    if (verbose) fprintf(stderr, "[%d %s]\n", r, r ? e : "ok");
-    if (r < 0 && (!e || !e[0])) {
-        fprintf(stderr, "fuzz_gguf: status %d without a message\n", r);
-        abort();
-    }
-}
+#define check_refusal(r) fuzz_check_refusal("fuzz_gguf", (r))
 
 static void check_inside(const cs_gguf *g, const void *p, size_t n) {
     const uint8_t *a = g->file.data, *b = p;

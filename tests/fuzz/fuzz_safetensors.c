@@ -28,6 +28,7 @@
 #include "chunkserve/log.h"
 #include "chunkserve/model.h"
 #include "safetensors.h"
+#include "fuzz_check.h"
 
 /* Three ASCII tokens and one merge: enough for the HF tokenizer loader. */
 static const char tokenizer_json[] =
@@ -38,17 +39,7 @@ static const char tokenizer_json[] =
 
 static char dir[256], st_path[300], cfg_path[300];
 
-/* CS_FUZZ_VERBOSE=1: every status on stderr (to see how far a seed gets). */
-static void check_refusal(int r) {
-    const char *e = cs_last_error();
-    static int verbose = -1;
-    if (verbose < 0) verbose = getenv("CS_FUZZ_VERBOSE") && *getenv("CS_FUZZ_VERBOSE") == '1';
-    if (verbose) fprintf(stderr, "[%d %s]\n", r, r ? e : "ok");
-    if (r < 0 && (!e || !e[0])) {
-        fprintf(stderr, "fuzz_safetensors: status %d without a message\n", r);
-        abort();
-    }
-}
+#define check_refusal(r) fuzz_check_refusal("fuzz_safetensors", (r))
 
 static void write_file(const char *p, const void *data, size_t n) {
     FILE *f = fopen(p, "wb");

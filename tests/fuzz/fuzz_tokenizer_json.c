@@ -26,18 +26,9 @@
 #include "chunkserve/tokenizer.h"
 #include "tokenizer-impl.h"
 #include "unicode.h"
+#include "fuzz_check.h"
 
-/* CS_FUZZ_VERBOSE=1: every status on stderr (to see how far a seed gets). */
-static void check_refusal(int r) {
-    const char *e = cs_last_error();
-    static int verbose = -1;
-    if (verbose < 0) verbose = getenv("CS_FUZZ_VERBOSE") && *getenv("CS_FUZZ_VERBOSE") == '1';
-    if (verbose) fprintf(stderr, "[%d %s]\n", r, r ? e : "ok");
-    if (r < 0 && (!e || !e[0])) {
-        fprintf(stderr, "fuzz_tokenizer_json: status %d without a message\n", r);
-        abort();
-    }
-}
+#define check_refusal(r) fuzz_check_refusal("fuzz_tokenizer_json", (r))
 
 static void use(const cs_tokenizer *tok) {
     static const char text[] =
