@@ -395,6 +395,20 @@ static void check_serve(void) {
     cs_engine_free(e);
 }
 
+/* Runs r alone to its end: the prompt tokens its finish event says were cached. */
+static int32_t run_cached(cs_sched *s, const cs_request *r) {
+    ASSERT_EQ_INT(cs_sched_add(s, r), 0);
+    int32_t cached = -1;
+    while (!cs_sched_idle(s)) {
+        const cs_event *ev;
+        int32_t ne;
+        ASSERT_EQ_INT(cs_sched_step(s, &ev, &ne), 0);
+        for (int32_t i = 0; i < ne; i++)
+            if (ev[i].finish != CS_FINISH_NONE) cached = ev[i].n_cached_prompt_tokens;
+    }
+    return cached;
+}
+
 /* cache_salt: the same prompt under another salt reuses nothing, under its
  * own salt everything a full page holds; no salt is a namespace of its own. */
 static void check_cache_salt(void) {
@@ -413,15 +427,7 @@ static void check_cache_salt(void) {
     for (int k = 0; k < 7; k++) {
         cs_request r = make_req(&a, (uint64_t)(100 + k));
         r.cache_salt = salts[k];
-        ASSERT_EQ_INT(cs_sched_add(s, &r), 0);
-        int32_t cached = -1;
-        while (!cs_sched_idle(s)) {
-            const cs_event *ev;
-            int32_t ne;
-            ASSERT_EQ_INT(cs_sched_step(s, &ev, &ne), 0);
-            for (int32_t i = 0; i < ne; i++)
-                if (ev[i].finish != CS_FINISH_NONE) cached = ev[i].n_cached_prompt_tokens;
-        }
+        int32_t cached = run_cached(s, &r);
         if (cached != want[k])
             fprintf(stderr, "salt %s: %d cached, want %d\n", salts[k] ? salts[k] : "(none)", cached,
                     want[k]);
@@ -448,15 +454,7 @@ static void check_reserved_reuse(void) {
     for (int k = 0; k < 3; k++) {
         cs_request r = make_req(&a, (uint64_t)(200 + k));
         r.reserve = k > 0;
-        ASSERT_EQ_INT(cs_sched_add(s, &r), 0);
-        int32_t cached = -1;
-        while (!cs_sched_idle(s)) {
-            const cs_event *ev;
-            int32_t ne;
-            ASSERT_EQ_INT(cs_sched_step(s, &ev, &ne), 0);
-            for (int32_t i = 0; i < ne; i++)
-                if (ev[i].finish != CS_FINISH_NONE) cached = ev[i].n_cached_prompt_tokens;
-        }
+        int32_t cached = run_cached(s, &r);
         ASSERT_EQ_INT(cached, want[k]);
         ASSERT_EQ_INT(cs_kv_cache_check(cs_engine_kv(e)), 0);
     }
