@@ -201,15 +201,30 @@ static bool wait_closed(int fd) {
  * minute. */
 static int connect_rx(void) {
     static uint32_t k;
-    uint32_t a = k++ % 62500;
-    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    struct sockaddr_in src = {.sin_family = AF_INET}, dst = {.sin_family = AF_INET};
-    src.sin_addr.s_addr = htonl(0x7f010101u + (a % 250) + ((a / 250) << 8));
-    dst.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-    dst.sin_port = htons((uint16_t)cs_kvx_rx_port(rx));
-    if (fd < 0 || bind(fd, (struct sockaddr *)&src, sizeof src) ||
-        connect(fd, (struct sockaddr *)&dst, sizeof dst)) {
-        fprintf(stderr, "fuzz_kvx_rx_seq: cannot connect to the receiver: %s\n", strerror(errno));
+    int fd = -1;
+    /* a signal (libFuzzer's timers) may interrupt connect: start again from
+     * the next address (the half-open one is the receiver's to close) */
+    for (int attempt = 0; attempt < 8 && fd < 0; attempt++) {
+        uint32_t a = k++ % 62500;
+        fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+        struct sockaddr_in src = {.sin_family = AF_INET}, dst = {.sin_family = AF_INET};
+        src.sin_addr.s_addr = htonl(0x7f010101u + (a % 250) + ((a / 250) << 8));
+        dst.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+        dst.sin_port = htons((uint16_t)cs_kvx_rx_port(rx));
+        if (fd >= 0 && !bind(fd, (struct sockaddr *)&src, sizeof src) &&
+            !connect(fd, (struct sockaddr *)&dst, sizeof dst))
+            break;
+        int err = errno;
+        if (fd >= 0) close(fd);
+        fd = -1;
+        if (err != EINTR) {
+            fprintf(stderr, "fuzz_kvx_rx_seq: cannot connect to the receiver: %s\n",
+                    strerror(err));
+            abort();
+        }
+    }
+    if (fd < 0) {
+        fprintf(stderr, "fuzz_kvx_rx_seq: connect interrupted 8 times\n");
         abort();
     }
     struct timeval tv = {10, 0};
