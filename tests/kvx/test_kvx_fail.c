@@ -245,6 +245,13 @@ int main(void) {
         raw_hello(fd, &L, "raw-stale", 7);
         raw_frame(fd, CS_KVX_PAGES, 7, 40, 0, 1, fp, page, PB, true); /* binds 40 */
         raw_frame(fd, CS_KVX_PAGES, 7, 41, 0, 1, fp, page, PB, true); /* binds 41 */
+        /* both pages landed before the cancel (else 41's is a third stale frame) */
+        for (int64_t t_end = test_now_ms() + 5000;;) {
+            cs_kvx_rx_get_stats(rx, &s1);
+            if (s1.bytes - s0.bytes >= 2 * (uint64_t)PB) break;
+            ASSERT_TRUE(test_now_ms() < t_end);
+            usleep(1000);
+        }
         ASSERT_EQ_INT(cs_kvx_rx_cancel(rx, 41), 0);
         ASSERT_TRUE(waiter_wait(&w, ++nd, 5000));
         ASSERT_EQ_INT(waiter_status(&w, 41), CS_ECANCELED);
