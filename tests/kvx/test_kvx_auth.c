@@ -40,9 +40,14 @@ static int transfer(cs_kvx_tx *tx, int port, uint64_t id, int n) {
     waiter w;
     waiter_init(&w);
     ASSERT_EQ_INT(cs_kvx_tx_begin(tx, "127.0.0.1", port, id, n, 10000, waiter_done, &w), 0);
-    ASSERT_EQ_INT(send_retry(tx, id, 0, n, ids, NULL, NULL), 0);
+    /* a refused handshake may end the transfer before its pages are queued */
+    int r = send_retry(tx, id, 0, n, ids, NULL, NULL);
+    ASSERT_TRUE(r == 0 || r == CS_ENOENT);
     cs_kvx_trailer t = {.first_token = 3, .prompt_len = n * 16, .total_pages = n};
-    ASSERT_EQ_INT(cs_kvx_tx_finish(tx, id, &t), 0);
+    if (r == 0) {
+        r = cs_kvx_tx_finish(tx, id, &t);
+        ASSERT_TRUE(r == 0 || r == CS_ENOENT);
+    }
     ASSERT_TRUE(waiter_wait(&w, 1, 15000));
     if (w.status[0]) fprintf(stderr, "transfer %llu: %s\n", (unsigned long long)id, w.msg[0]);
     return w.status[0];
