@@ -18,7 +18,17 @@
  * transfer's deadline bounds the wait).
  * A preq is a cs_worker_call (worker.h: admission, references, the event
  * drain and the answer are the shell's): the engine's final event and the
- * transfer's end each post the drain, which answers once both are known. */
+ * transfer's end each post the drain, which answers once both are known.
+ *
+ * Where pages may go. With --decode-workers / --decode-dns the worker polls
+ * the decode pool as the router does (router/pool.h) and connects only to a
+ * kv_endpoint that one of those decode workers advertised: a caller cannot
+ * point it at an arbitrary address. A request naming an endpoint not (yet)
+ * known waits, without computing, for up to one status staleness (a decode
+ * worker the router saw first shows up at the next poll), then is refused
+ * ABORTED, as a failed transfer would be (the router's pair breaker then
+ * keeps that pair apart). Without a decode list any endpoint is taken (the
+ * network is trusted; a warning says so off loopback). */
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -30,6 +40,7 @@
 #include "chunkserve/clock.h"
 #include "chunkserve/error.h"
 #include "chunkserve/log.h"
+#include "pool.h"
 #include "worker.h"
 
 typedef struct prefill prefill;
@@ -59,6 +70,13 @@ typedef struct preq {
     int32_t first_token, n_cached;
     int eng_status, tx_status;
     char eng_error[256], tx_error[256];
+
+    /* waiting for its kv_endpoint to be a known decode worker's (loop thread) */
+    bool parked;
+    double park_until;
+    struct preq *park_next;
+    char kv_endpoint[300];
+    cs_request r; /* borrows the call's request message, alive until answered */
 } preq;
 
 struct prefill {
@@ -69,6 +87,11 @@ struct prefill {
     bool engine_gone;
     size_t page_bytes;
     cs_kvx_stats last;
+    cs_pool *decode_pool; /* the decode workers pages may go to; NULL = any endpoint */
+    preq *parked;         /* requests whose kv_endpoint is not known yet */
+    uv_timer_t park_timer;
+    bool park_timer_ok;
+    cs_metric *m_unknown_endpoint;
     cs_metric *m_requests, *m_xfer_started, *m_xfer_completed, *m_xfer_failed, *m_xfer_bytes,
         *m_xfer_seconds, *m_tail_seconds, *m_prefill_seconds, *m_backpressure;
 };
@@ -292,10 +315,96 @@ static void on_event(void *user, const cs_event *ev) {
 
 /* ---------------------------------------------------------- loop thread -- */
 
+static void unpark(preq *q) {
+    preq **pp = &q->p->parked;
+    while (*pp && *pp != q)
+        pp = &(*pp)->park_next;
+    if (*pp) *pp = q->park_next;
+    q->park_next = NULL;
+    q->parked = false;
+}
+
 static void prefill_cancel(cs_worker_call *c) {
     preq *q = (preq *)c;
+    if (q->parked) { /* nothing started: no event will drain it */
+        unpark(q);
+        cs_worker_call_finish(c, c->end_code ? c->end_code : CS_RPC_CANCELLED,
+                              c->end_msg ? c->end_msg : "cancelled");
+        return;
+    }
     cs_serve_cancel(c->w->sv, c->id);
     cs_kvx_tx_abort(q->p->tx, c->transfer_id);
+}
+
+/* Opens the transfer to q's decode worker and hands the prompt to the
+ * engine. */
+static void begin(preq *q) {
+    cs_worker *w = q->base.w;
+    prefill *p = q->p;
+    int64_t left = q->base.call ? cs_rpc_call_deadline_ms(q->base.call) : 0;
+    if (left > w->o.kv_deadline_ms) left = w->o.kv_deadline_ms;
+    if (left < 1) left = 1;
+    cs_metric_inc(p->m_requests);
+    cs_worker_call_ref(&q->base); /* the transfer's */
+    int rc = cs_kvx_tx_begin(p->tx, q->host, q->port, q->base.transfer_id, q->total_pages,
+                             (int32_t)left, on_tx_done, q);
+    if (rc) {
+        atomic_fetch_sub(&q->base.refs, 1); /* never the last: the RPC holds one */
+        cs_worker_call_finish(&q->base,
+                              rc == CS_EEXIST ? CS_RPC_ALREADY_EXISTS : CS_RPC_UNAVAILABLE,
+                              cs_last_error());
+        return;
+    }
+    q->r.kv_mode = CS_KV_PREFILL_ONLY;
+    if (cs_worker_call_submit(&q->base, &q->r, on_event) != 0)
+        cs_kvx_tx_abort(p->tx, q->base.transfer_id);
+}
+
+/* The longest a request waits for its kv_endpoint to be known: the pool's
+ * own bound on a status's age, plus one DNS refresh with --decode-dns (the
+ * router may have resolved a new decode pod that long before this worker):
+ * a decode worker that answers is known by then. */
+static double park_limit_s(const cs_worker *w) {
+    double ms = 2.0 * (double)w->o.status_interval_ms + 1000.0;
+    if (w->o.decode_dns) ms += (double)w->o.dns_refresh_ms;
+    return ms / 1000.0;
+}
+
+/* Starts the parked requests whose endpoint became known and refuses those
+ * that waited too long. Loop thread: the park timer, and the pool's
+ * on_change after each poll round. */
+static void check_parked(prefill *p) {
+    double now = cs_now();
+    preq *q = p->parked;
+    while (q) {
+        preq *next = q->park_next;
+        bool known = cs_pool_knows_kv_endpoint(p->decode_pool, CS_POOL_DECODE, q->kv_endpoint);
+        if (known || now >= q->park_until || !q->base.call) {
+            unpark(q);
+            if (known && q->base.call)
+                begin(q);
+            else {
+                cs_metric_inc(p->m_unknown_endpoint);
+                CS_LOGW("request %s: kv_endpoint %s is not the KV endpoint of a decode worker "
+                        "this worker knows (--decode-workers/--decode-dns); refused",
+                        q->base.request_id, q->kv_endpoint);
+                cs_worker_call_finish(&q->base, CS_RPC_ABORTED,
+                                      "the KV transfer to the decode worker failed (the prefill "
+                                      "worker's log has the cause)");
+            }
+        }
+        q = next;
+    }
+    if (!p->parked && p->park_timer_ok) uv_timer_stop(&p->park_timer);
+}
+
+static void on_park_tick(uv_timer_t *t) {
+    check_parked(t->data);
+}
+
+static void on_decode_pool_change(void *arg) {
+    prefill *p = arg;
+    if (p->parked) check_parked(p);
 }
 
 static void handle_prefill(cs_rpc_call *c, void *data) {
@@ -324,29 +433,29 @@ static void handle_prefill(cs_rpc_call *c, void *data) {
         return;
     }
     q->p = p;
+    q->r = r;
     q->n_context = (int32_t)m->n_token_ids;
     q->total_pages = (q->n_context + w->wm.page_size - 1) / w->wm.page_size;
-    int64_t left = cs_rpc_call_deadline_ms(c);
-    if (left > w->o.kv_deadline_ms) left = w->o.kv_deadline_ms;
-    if (left < 1) left = 1;
     snprintf(q->decode_id, sizeof q->decode_id, "%s",
              m->decode_worker_id[0] ? m->decode_worker_id : "decode");
     snprintf(q->host, sizeof q->host, "%s", host);
+    snprintf(q->kv_endpoint, sizeof q->kv_endpoint, "%s", m->kv_endpoint);
     q->port = port;
-    cs_metric_inc(p->m_requests);
-    cs_worker_call_ref(&q->base); /* the transfer's */
-    rc = cs_kvx_tx_begin(p->tx, host, port, q->base.transfer_id, q->total_pages, (int32_t)left,
-                         on_tx_done, q);
-    if (rc) {
-        atomic_fetch_sub(&q->base.refs, 1); /* never the last: the RPC holds one */
-        cs_worker_call_finish(&q->base,
-                              rc == CS_EEXIST ? CS_RPC_ALREADY_EXISTS : CS_RPC_UNAVAILABLE,
-                              cs_last_error());
+    if (!p->decode_pool ||
+        cs_pool_knows_kv_endpoint(p->decode_pool, CS_POOL_DECODE, m->kv_endpoint)) {
+        begin(q);
         return;
     }
-    r.kv_mode = CS_KV_PREFILL_ONLY;
-    if (cs_worker_call_submit(&q->base, &r, on_event) != 0)
-        cs_kvx_tx_abort(p->tx, q->base.transfer_id);
+    /* not known (yet): wait for the decode pool's next polls, within the call's deadline */
+    double wait = park_limit_s(w), left_s = (double)cs_rpc_call_deadline_ms(c) / 1000.0;
+    q->park_until = cs_now() + (left_s < wait ? left_s : wait);
+    q->parked = true;
+    q->park_next = p->parked;
+    p->parked = q;
+    if (!uv_is_active((uv_handle_t *)&p->park_timer))
+        uv_timer_start(&p->park_timer, on_park_tick, 50, 50);
+    CS_LOGD("request %s: kv_endpoint %s not known yet; waiting up to %.1f s", q->base.request_id,
+            q->kv_endpoint, q->park_until - cs_now());
 }
 
 /* ---------------------------------------------------------- metrics -- */
@@ -376,11 +485,50 @@ static const cs_metric_def prefill_metrics_table[] = {
      "Prefill call received to answered", xfer_secs, N_SECS},
     {M(m_backpressure), "chunkserve:kv_backpressure_waits_total", CS_METRIC_COUNTER, NULL,
      "page ranges held back by a full KV channel until it drained", NULL, 0},
+    {M(m_unknown_endpoint), "chunkserve:kv_endpoint_refused_total", CS_METRIC_COUNTER, NULL,
+     "Prefill calls refused: their kv_endpoint is no known decode worker's (--decode-workers, "
+     "--decode-dns)",
+     NULL, 0},
 };
 #undef M
 #undef N_SECS
 
 /* ---------------------------------------------------------- role hooks -- */
+
+/* --decode-workers / --decode-dns: the decode pool whose advertised KV
+ * endpoints are the only ones pages go to. */
+static int start_decode_pool(cs_worker *w) {
+    prefill *p = w->role_data;
+    const cs_worker_opts *o = &w->o;
+    bool loopback =
+        !strncmp(o->host, "127.", 4) || !strcmp(o->host, "::1") || !strcmp(o->host, "localhost");
+    if (!o->decode_workers && !o->decode_dns) {
+        if (!loopback)
+            CS_LOGW("no --decode-workers/--decode-dns: KV pages go to any kv_endpoint a caller "
+                    "names; list the decode pool (docs/security.md)");
+        return 0;
+    }
+    const cs_model_config *cfg = cs_model_get_config(w->model);
+    cs_pool_opts po = {
+        .static_workers = {NULL, o->decode_workers},
+        .dns = {NULL, o->decode_dns},
+        .dns_refresh_ms = (int32_t)o->dns_refresh_ms,
+        .status_interval_ms = (int32_t)o->status_interval_ms,
+        .expect_n_vocab = cfg->n_vocab,
+        .expect_arch = cfg->arch,
+        .expect_ctx_len = cfg->ctx_len,
+        .expect_model_fp = cs_model_fingerprint(w->model),
+        .expect_tokenizer_fp = w->wm.tokenizer_fingerprint,
+        .rpc_token = w->secret.set ? w->secret.token : NULL,
+        .worker_tls = &w->o.worker_tls,
+        .on_change = on_decode_pool_change,
+        .arg = p,
+    };
+    uv_timer_init(cs_proc_uv(w->proc), &p->park_timer);
+    p->park_timer.data = p;
+    p->park_timer_ok = true;
+    return cs_pool_init(cs_proc_uv(w->proc), w->rl, &po, &p->decode_pool);
+}
 
 static int prefill_start(cs_worker *w) {
     prefill *p = w->role_data;
@@ -415,6 +563,7 @@ static int prefill_start(cs_worker *w) {
     tp.secret_len = w->secret.len;
     int r = cs_kvx_tx_init(&tp, &p->tx);
     if (r) return r;
+    if ((r = start_decode_pool(w))) return r;
     return cs_worker_add_method(w, "/chunkserve.v1.Worker/Prefill", CS_RPC_UNARY,
                                 &chunkserve__v1__prefill_request__descriptor, handle_prefill);
 }
@@ -470,6 +619,17 @@ static void prefill_stop(cs_worker *w) {
         p->engine_gone = true;
         pthread_mutex_unlock(&p->rel_mu);
     }
+    while (p->parked) { /* answered by the shell's cancel_all; drop what is left */
+        preq *q = p->parked;
+        unpark(q);
+        cs_worker_call_finish(&q->base, CS_RPC_UNAVAILABLE, "the prefill worker is shutting down");
+    }
+    if (p->park_timer_ok) {
+        p->park_timer_ok = false;
+        uv_close((uv_handle_t *)&p->park_timer, NULL);
+    }
+    cs_pool_close(p->decode_pool);
+    p->decode_pool = NULL;
     cs_serve_stop(w->sv);
     w->sv = NULL;
     cs_kvx_tx_free(p->tx);
@@ -484,6 +644,24 @@ static const cs_config_entry config[] = {
      "renew each pending transfer's reservation on its decode worker this often (keep it "
      "well under the decode workers' --lease-ms)",
      10, 600000},
+    {"decode-workers", CS_CONFIG_STR, offsetof(cs_worker_opts, decode_workers), NULL,
+     "the decode workers (gRPC host:port,host:port): KV pages go only to the KV endpoints "
+     "they advertise; unset (with --decode-dns) = to any endpoint a caller names",
+     0, 0},
+    {"decode-dns", CS_CONFIG_STR, offsetof(cs_worker_opts, decode_dns), NULL,
+     "DNS name:port whose A/AAAA records are the decode workers (a headless Service)", 0, 0},
+    {"dns-refresh-ms", CS_CONFIG_INT, offsetof(cs_worker_opts, dns_refresh_ms), "5000",
+     "re-resolve --decode-dns this often", 100, 3600000},
+    {"status-interval-ms", CS_CONFIG_INT, offsetof(cs_worker_opts, status_interval_ms), "500",
+     "poll each decode worker's status (its KV endpoint) this often", 10, 60000},
+    {"worker-tls-ca-file", CS_CONFIG_STR, offsetof(cs_worker_opts, worker_tls.ca_file), NULL,
+     "PEM roots: poll the decode workers over TLS and check their certificates", 0, 0},
+    {"worker-tls-cert-file", CS_CONFIG_STR, offsetof(cs_worker_opts, worker_tls.cert_file), NULL,
+     "PEM certificate presented to the decode workers (their --tls-client-ca-file)", 0, 0},
+    {"worker-tls-key-file", CS_CONFIG_STR, offsetof(cs_worker_opts, worker_tls.key_file), NULL,
+     "PEM private key of --worker-tls-cert-file", 0, 0},
+    {"worker-tls-server-name", CS_CONFIG_STR, offsetof(cs_worker_opts, worker_tls.server_name),
+     NULL, "name the decode workers' certificates must carry (default: each one's host)", 0, 0},
 };
 
 const cs_worker_role cs_prefill_role = {

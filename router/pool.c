@@ -224,6 +224,13 @@ const char *cs_pool_worker_kv_sender(const cs_pool_worker *w) {
 const char *cs_pool_worker_kv_endpoint(const cs_pool_worker *w) {
     return w->kv_endpoint ? w->kv_endpoint : "";
 }
+bool cs_pool_knows_kv_endpoint(const cs_pool *p, enum cs_pool_role role, const char *ep) {
+    for (const cs_pool_worker *w = p->workers[role]; w; w = w->next)
+        if (w->listed && !w->vanished && w->status_seq && w->role_ok && w->model_ok &&
+            w->kv_endpoint && w->kv_endpoint[0] && !strcmp(w->kv_endpoint, ep))
+            return true;
+    return false;
+}
 int cs_pool_worker_kv_transport(const cs_pool_worker *w) {
     return w->kv_transport;
 }

@@ -161,6 +161,11 @@ cs_rpc_channel *cs_pool_worker_channel(const cs_pool_worker *w);
 const char *cs_pool_worker_addr(const cs_pool_worker *w);
 const char *cs_pool_worker_id(const cs_pool_worker *w);
 const char *cs_pool_worker_kv_endpoint(const cs_pool_worker *w);
+/* Whether a listed worker of the role (not vanished from DNS, of this
+ * model and role) advertised exactly ep as its KV endpoint in its last
+ * status: the prefill worker sends KV pages only to decode workers it knows
+ * this way (prefill_worker/prefill.c). */
+bool cs_pool_knows_kv_endpoint(const cs_pool *p, enum cs_pool_role role, const char *ep);
 /* A prefill worker's KV sender name ("" until its status said it). */
 const char *cs_pool_worker_kv_sender(const cs_pool_worker *w);
 int cs_pool_worker_kv_transport(const cs_pool_worker *w);

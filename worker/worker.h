@@ -43,6 +43,11 @@ typedef struct {
     bool prefix_caching, kv_checksum, verbose, exact, kv_bf16;
     cs_rpc_limits rpc; /* the gRPC port's limits (CS_PROC_RPC_CONFIG) */
     cs_rpc_tls tls;    /* TLS on the gRPC port (CS_PROC_TLS_CONFIG) */
+    /* prefill: the decode workers it may send KV pages to (polled like the
+     * router's pool), and TLS for those polls */
+    const char *decode_workers, *decode_dns;
+    int64_t dns_refresh_ms, status_interval_ms;
+    cs_rpc_tls worker_tls;
 } cs_worker_opts;
 
 /* The entries both workers have (spliced into each process's table). */
@@ -205,7 +210,8 @@ typedef struct {
          0},                                                                                        \
         {"verbose", CS_CONFIG_BOOL, offsetof(cs_worker_opts, verbose), "false", "debug logging", 0, \
          0},                                                                                        \
-        CS_PROC_RPC_CONFIG(cs_worker_opts, rpc, "5000", "5000"), CS_PROC_TLS_CONFIG(cs_worker_opts, tls)
+        CS_PROC_RPC_CONFIG(cs_worker_opts, rpc, "5000", "5000"),                                    \
+        CS_PROC_TLS_CONFIG(cs_worker_opts, tls)
 
 typedef struct cs_worker cs_worker;
 typedef struct cs_worker_call cs_worker_call;

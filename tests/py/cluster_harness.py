@@ -171,16 +171,28 @@ class Cluster:
 
     def __init__(self, bin_dir: Path, model: Path, pb, n_prefill=2, n_decode=2, threads=1,
                  router_args=(), worker_args=(), decode_args=(), prefill_args=(), kv_cache_mib=512,
-                 secret: str | None = None):
+                 secret: str | None = None, prefill_knows_decode="list"):
         self.pb = pb
         self.secret = secret
         sec = [f"--cluster-secret={secret}"] if secret else []
         common = [f"--model={model}", "--port=0", f"--threads={threads}", f"--kv-cache-mib={kv_cache_mib}",
                   "--grace-ms=3000", *sec, *worker_args]
-        self.prefill = [Proc(bin_dir / "chunkserve-prefill", [*common, *prefill_args], f"prefill-{i}")
-                        for i in range(n_prefill)]
         self.decode = [Proc(bin_dir / "chunkserve-decode", [*common, *decode_args], f"decode-{i}")
                        for i in range(n_decode)]
+        # as deployed: a prefill worker sends KV pages only to the decode
+        # workers it polls itself (their advertised KV endpoints), listed
+        # ("list") or found by DNS ("dns": localhost:port, one decode worker)
+        known = []
+        if self.decode and prefill_knows_decode == "list":
+            known = ["--decode-workers=" + ",".join(p.addr for p in self.decode)]
+        elif self.decode and prefill_knows_decode == "dns":
+            assert len(self.decode) == 1, "one name:port is one decode worker here"
+            port = self.decode[0].addr.rsplit(":", 1)[1]
+            known = [f"--decode-dns=localhost:{port}", "--dns-refresh-ms=500"]
+        if known:
+            known.append("--status-interval-ms=100")
+        self.prefill = [Proc(bin_dir / "chunkserve-prefill", [*common, *known, *prefill_args], f"prefill-{i}")
+                        for i in range(n_prefill)]
         rargs = [f"--model={model}", "--port=0", "--status-interval-ms=100", "--grace-ms=3000",
                  "--decode-workers=" + ",".join(p.addr for p in self.decode), *sec, *router_args]
         if self.prefill:

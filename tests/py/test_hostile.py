@@ -4,7 +4,8 @@ that a canary request still succeeds and that every worker's KV pages are free a
 
 The cluster: one prefill and one decode worker behind the router on the tiny model, all
 with --cluster-secret; the router prefills remotely from the first token
-(--local-prefill-threshold=1), so every canary crosses the KV link.  Timing bounds catch
+(--local-prefill-threshold=1), so every canary crosses the KV link; the prefill worker
+finds its decode pool by DNS (--decode-dns=localhost:port).  Timing bounds catch
 hangs only.
 """
 from __future__ import annotations
@@ -45,7 +46,7 @@ def cl(bin_dir, pb, tmp_path_factory):
     model = make_tiny(bin_dir, tmp_path_factory.mktemp("tiny"))
     c = Cluster(bin_dir, model, pb, n_prefill=1, n_decode=1, secret=SECRET, kv_cache_mib=64,
                 router_args=["--local-prefill-threshold=1", f"--grpc-memory-mib={ROUTER_GRPC_MIB}"],
-                decode_args=[f"--lease-ms={LEASE_MS}"])
+                decode_args=[f"--lease-ms={LEASE_MS}"], prefill_knows_decode="dns")
     c.model_path = model
     yield c
     c.stop()
@@ -371,8 +372,10 @@ def test_forged_hello_and_pages_into_a_live_reservation(cl, pb):
 def test_two_models_of_different_seeds_refuse_each_other(cl, pb, bin_dir, tmp_path):
     """Workers on the tiny model drawn with another seed (same architecture, shapes,
     vocabulary, context and tokenizer: only the weights differ) are refused by a router on
-    the first model (it sends them nothing), and their KV channels refuse the first model's
-    workers at HELLO (and the other way round): no page crosses, every page is free."""
+    the first model (it sends them nothing); the first model's prefill worker refuses to
+    send pages to the other's decode worker (its decode pool refused that model), and a
+    decode worker refuses the other model's prefill worker at HELLO: no page crosses,
+    every page is free."""
     c, g = pb.cluster_pb2, pb.generation_pb2
     other = make_tiny(bin_dir, tmp_path / "seed2", "--seed", 2)
     common = [f"--model={other}", "--port=0", "--threads=1", "--kv-cache-mib=64",
@@ -410,18 +413,31 @@ def test_two_models_of_different_seeds_refuse_each_other(cl, pb, bin_dir, tmp_pa
         for p in (pre_b, dec_b):
             assert p.metric("chunkserve:prompt_tokens_total") == 0, p.name
 
-        # At HELLO: each model's prefill worker pointed at the other's decode worker.
-        for n, (pre, dec) in enumerate(((cl.prefill[0], dec_b), (pre_b, cl.decode[0]))):
-            before = dec.metric("chunkserve:kv_protocol_errors_total")
-            with pytest.raises(grpc.RpcError) as e:
-                cl.worker_stub(pre).Prefill(c.PrefillRequest(
-                    request_id=f"mix-{n}", transfer_id=777 + n, token_ids=[5] * 40,
-                    num_prompt_tokens=40, kv_endpoint=cl.status(dec).kv_endpoint,
-                    decode_worker_id="d", sampling=g.SamplingParams(max_tokens=1)),
-                    timeout=30, metadata=rpc_token(SECRET))
-            assert e.value.code() != grpc.StatusCode.OK
-            wait_for(lambda: "model mismatch" in dec.stderr(), 10, f"{dec.name} to log the refusal")
-            assert dec.metric("chunkserve:kv_protocol_errors_total") > before, dec.name
+        # The first model's prefill worker knows its decode pool: it refuses the other
+        # model's decode worker before connecting (its pool saw the fingerprint).
+        before = cl.prefill[0].metric("chunkserve:kv_endpoint_refused_total")
+        with pytest.raises(grpc.RpcError) as e:
+            cl.worker_stub(cl.prefill[0]).Prefill(c.PrefillRequest(
+                request_id="mix-0", transfer_id=777, token_ids=[5] * 40,
+                num_prompt_tokens=40, kv_endpoint=cl.status(dec_b).kv_endpoint,
+                decode_worker_id="d", sampling=g.SamplingParams(max_tokens=1)),
+                timeout=30, metadata=rpc_token(SECRET))
+        assert e.value.code() == grpc.StatusCode.ABORTED
+        assert cl.prefill[0].metric("chunkserve:kv_endpoint_refused_total") == before + 1
+        assert "model mismatch" not in dec_b.stderr()  # nobody knocked
+        # At HELLO: a prefill worker with no decode list (pre_b) pointed at the first
+        # model's decode worker is refused there.
+        before = cl.decode[0].metric("chunkserve:kv_protocol_errors_total")
+        with pytest.raises(grpc.RpcError) as e:
+            cl.worker_stub(pre_b).Prefill(c.PrefillRequest(
+                request_id="mix-1", transfer_id=778, token_ids=[5] * 40,
+                num_prompt_tokens=40, kv_endpoint=cl.status(cl.decode[0]).kv_endpoint,
+                decode_worker_id="d", sampling=g.SamplingParams(max_tokens=1)),
+                timeout=30, metadata=rpc_token(SECRET))
+        assert e.value.code() != grpc.StatusCode.OK
+        wait_for(lambda: "model mismatch" in cl.decode[0].stderr(), 10,
+                 "the decode worker to log the refusal")
+        assert cl.decode[0].metric("chunkserve:kv_protocol_errors_total") > before
         for p in (pre_b, dec_b):
             s = cl.status(p)
             assert s.kv_pages_free == s.kv_pages_total and not s.num_running, p.name
@@ -560,17 +576,19 @@ def test_cache_salt_keeps_tenants_apart(cl, pb):
 
 
 def test_foreign_kv_endpoint_is_no_oracle(cl, pb):
-    """Prefill pointed at a kv_endpoint that is not a decode worker's: without the token the
-    worker never connects there (a listener sees no connection); with it, a closed port, a
-    listener that accepts and stays silent, and one that answers garbage all give the same
-    ABORTED and the same words (no "refused", "timed out" or address), the cause only in
-    the prefill worker's log; nothing is left reserved."""
+    """Prefill pointed at a kv_endpoint that is not a decode worker's: the prefill worker
+    knows its decode pool (--decode-dns, as the chart deploys it) and never connects
+    anywhere else, with or without the token.  A closed port, a listener that accepts and
+    stays silent, and one that would answer garbage all give the same ABORTED and the same
+    words as a failed transfer (no "refused", "timed out" or address), the cause only in
+    the prefill worker's log and its kv_endpoint_refused_total; nothing is reserved, and
+    the real decode worker's endpoint still works."""
     c, g = pb.cluster_pb2, pb.generation_pb2
     stub = cl.worker_stub(cl.prefill[0])
     lis = socket.socket()
     lis.bind(("127.0.0.1", 0))
     lis.listen(16)
-    lis.settimeout(0.5)
+    lis.settimeout(0.2)
     ep = f"127.0.0.1:{lis.getsockname()[1]}"
 
     def prefill(endpoint, md, n):
@@ -582,10 +600,9 @@ def test_foreign_kv_endpoint_is_no_oracle(cl, pb):
     with pytest.raises(grpc.RpcError) as e:
         prefill(ep, [], 0)
     assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    with pytest.raises(socket.timeout):
-        lis.accept()  # nobody came
 
     stop = threading.Event()
+    came = []
 
     def garbage_server():
         while not stop.is_set():
@@ -593,6 +610,7 @@ def test_foreign_kv_endpoint_is_no_oracle(cl, pb):
                 s, _ = lis.accept()
             except socket.timeout:
                 continue
+            came.append(1)
             s.sendall(b"HTTP/1.1 200 OK\r\n\r\n" + os.urandom(200))
             threading.Timer(5, s.close).start()
 
@@ -602,27 +620,36 @@ def test_foreign_kv_endpoint_is_no_oracle(cl, pb):
     closed.close()  # nothing listens there now
     silent = socket.socket()
     silent.bind(("127.0.0.1", 0))
-    silent.listen(4)  # accepts (in the backlog) and never answers
+    silent.listen(4)  # would accept (in the backlog) and never answer
     silent_ep = f"127.0.0.1:{silent.getsockname()[1]}"
     t = threading.Thread(target=garbage_server, daemon=True)
     t.start()
+    before = cl.prefill[0].metric("chunkserve:kv_endpoint_refused_total")
     answers = []
     try:
         for n, endpoint in enumerate((closed_ep, silent_ep, ep), start=1):
+            t0 = time.monotonic()
             with pytest.raises(grpc.RpcError) as e:
                 prefill(endpoint, rpc_token(SECRET), n)
             answers.append((e.value.code(), e.value.details()))
+            assert time.monotonic() - t0 < 15  # refused after one status staleness, no hang
+        silent.settimeout(0)
+        with pytest.raises(BlockingIOError):
+            silent.accept()  # nothing waits in its backlog
     finally:
         stop.set()
         t.join(timeout=5)
         silent.close()
         lis.close()
+    assert not came, "the prefill worker connected to a foreign endpoint"
     assert len(set(answers)) == 1, answers
     code, details = answers[0]
     assert code == grpc.StatusCode.ABORTED  # the KV pair failed, not the worker
-    for leak in ("refused", "timed out", "127.0.0.1", "reset", "HTTP"):
+    assert "KV transfer" in details
+    for leak in ("refused", "timed out", "127.0.0.1", "reset", "HTTP", "known"):
         assert leak not in details, details
-    assert "KV transfer" in cl.prefill[0].stderr()
+    assert cl.prefill[0].metric("chunkserve:kv_endpoint_refused_total") - before == 3
+    assert "is not the KV endpoint of a decode worker" in cl.prefill[0].stderr()
     pages_free(cl)
     canary(cl, pb)
     pages_free(cl)
