@@ -74,7 +74,8 @@ typedef struct {
     const char *exe;
     char *argv[48];
     int n_args;
-    char argbuf[48][512];
+    char argbuf[8192]; /* argv's strings, back to back (a worker list is long) */
+    size_t argbuf_len;
     pid_t pid;
     int port;
     char http[300];
@@ -100,11 +101,16 @@ static void on_child(int sig) {
 static void add_arg(proc *p, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static void add_arg(proc *p, const char *fmt, ...) {
     CS_ASSERT(p->n_args < 46);
+    if (p->n_args == 0) p->argbuf_len = 0;
+    char *dst = p->argbuf + p->argbuf_len;
+    size_t cap = sizeof p->argbuf - p->argbuf_len;
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(p->argbuf[p->n_args], sizeof p->argbuf[0], fmt, ap);
+    int n = vsnprintf(dst, cap, fmt, ap);
     va_end(ap);
-    p->argv[p->n_args] = p->argbuf[p->n_args];
+    CS_ASSERT(n >= 0 && (size_t)n < cap); /* 64+64 workers' addresses fit */
+    p->argbuf_len += (size_t)n + 1;
+    p->argv[p->n_args] = dst;
     p->argv[++p->n_args] = NULL;
 }
 
@@ -217,8 +223,10 @@ static void stop_procs(int from, int to, int sig, double deadline) {
         }
 }
 
+/* decode_list: for a prefill worker, the decode workers it may send KV pages
+ * to (their gRPC addresses). */
 static void worker_args(proc *p, const cluster_opts *o, const char *role, int64_t budget,
-                        int64_t threads, int port) {
+                        int64_t threads, int port, const char *decode_list) {
     p->role = role;
     p->n_args = 0;
     add_arg(p, "chunkserve-%s", role);
@@ -231,6 +239,7 @@ static void worker_args(proc *p, const cluster_opts *o, const char *role, int64_
     add_arg(p, "--kv-cache-mib=%lld", (long long)o->kv_cache_mib);
     add_arg(p, "--grace-ms=%lld", (long long)o->grace_ms);
     if (!strcmp(role, "decode")) add_arg(p, "--kv-host=%s", o->host);
+    if (decode_list && decode_list[0]) add_arg(p, "--decode-workers=%s", decode_list);
     if (o->verbose) add_arg(p, "--verbose");
 }
 
@@ -291,28 +300,25 @@ int cs_cli_cluster(int argc, char **argv) {
     sa.sa_handler = on_child;
     sigaction(SIGCHLD, &sa, NULL);
 
+    /* Decode workers first: each prefill worker is told their addresses (it
+     * sends KV pages only to the endpoints they advertise). A process is
+     * started once the one before it listens. */
     double deadline = cs_now() + (double)o.start_timeout_ms / 1000;
     n_procs = 0;
-    for (int64_t i = 0; i < o.prefill + o.decode; i++) {
+    char list[2][4096] = {"", ""}; /* prefill, decode gRPC addresses */
+    int rc = 0;
+    for (int64_t i = 0; i < o.decode + o.prefill && !rc; i++) {
         proc *p = &procs[n_procs++];
-        bool pre = i < o.prefill;
+        bool pre = i >= o.decode;
         p->exe = pre ? prefill_exe : decode_exe;
         worker_args(p, &o, pre ? "prefill" : "decode", pre ? o.prefill_budget : o.decode_budget,
-                    pre ? pt : dt, 0);
-    }
-    /* workers load the model in parallel; read their ports in turn */
-    int rc = 0;
-    for (int i = 0; i < n_procs && !rc; i++)
-        rc = spawn(&procs[i], deadline);
-    char list[2][4096] = {"", ""};
-    for (int i = 0; i < n_procs && !rc; i++) {
-        char *l = list[!strcmp(procs[i].role, "decode")];
-        snprintf(l + strlen(l), 4096 - strlen(l), "%s%s:%d", l[0] ? "," : "", o.host,
-                 procs[i].port);
-        /* a restart keeps the port the router knows */
-        worker_args(&procs[i], &o, procs[i].role,
-                    !strcmp(procs[i].role, "prefill") ? o.prefill_budget : o.decode_budget,
-                    !strcmp(procs[i].role, "prefill") ? pt : dt, procs[i].port);
+                    pre ? pt : dt, 0, pre ? list[1] : NULL);
+        if ((rc = spawn(p, deadline))) break;
+        char *l = list[!pre];
+        snprintf(l + strlen(l), 4096 - strlen(l), "%s%s:%d", l[0] ? "," : "", o.host, p->port);
+        /* a restart keeps the port the router (and the prefill workers) know */
+        worker_args(p, &o, p->role, pre ? o.prefill_budget : o.decode_budget, pre ? pt : dt,
+                    p->port, pre ? list[1] : NULL);
     }
     proc *router = &procs[n_procs];
     if (!rc) {

@@ -116,6 +116,25 @@ spec:
             # Prefill workers connect to the pod IP (a headless Service has no virtual IP).
             - name: CHUNKSERVE_KV_ADVERTISE
               value: "$(POD_IP)"
+            {{- else }}
+            # KV pages go only to the KV endpoints these decode workers advertise.
+            {{- if eq $root.Values.router.discovery "static" }}
+            - name: CHUNKSERVE_DECODE_WORKERS
+              value: {{ join "," $root.Values.router.staticWorkers.decode | quote }}
+            {{- else }}
+            - name: CHUNKSERVE_DECODE_DNS
+              value: {{ printf "%s-decode.%s.svc.%s:%d" (include "chunkserve.fullname" $root) $root.Release.Namespace $root.Values.clusterDomain (int64 $root.Values.decode.ports.grpc) | quote }}
+            {{- end }}
+            {{- if $root.Values.tls.enabled }}
+            - name: CHUNKSERVE_WORKER_TLS_CA_FILE
+              value: /etc/chunkserve/tls/ca.crt
+            - name: CHUNKSERVE_WORKER_TLS_CERT_FILE
+              value: /etc/chunkserve/tls/tls.crt
+            - name: CHUNKSERVE_WORKER_TLS_KEY_FILE
+              value: /etc/chunkserve/tls/tls.key
+            - name: CHUNKSERVE_WORKER_TLS_SERVER_NAME
+              value: {{ $root.Values.tls.serverName | quote }}
+            {{- end }}
             {{- end }}
             {{- if $p.gpu.enabled }}
             # A pool scheduled on GPUs must fail loudly when none is usable, not fall back to the CPU.
