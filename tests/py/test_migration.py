@@ -1,0 +1,180 @@
+"""Migration is exact at every cut (issue 18): the router's fault injection
+(--fault-migrate-every=K) drops a stream's worker calls after every K-th message, as if
+its decode worker had died there, and the stream migrates (prompt + the tokens relayed so
+far, the latest RNG state; remote prefill when that context is long).  With K=1 a stream
+of N messages is cut at every message index; K=2 and 3 shift the cuts.  Each stream must
+equal the uninterrupted single-process run (`chunkserve serve`) in tokens, text, finish
+reason, logprobs and usage: sampled with penalties, stop strings of 1 to 256 bytes taken
+from the reference text so that they span cuts, and emoji split across tokens.
+
+The real model (its byte-level BPE splits emoji into several tokens); 1 prefill + 2
+decode workers behind the router."""
+from __future__ import annotations
+
+import pytest
+
+grpc = pytest.importorskip("grpc")
+
+from cluster_harness import Cluster, Reference, metric  # noqa: E402
+
+pytestmark = pytest.mark.cluster
+
+EMOJI = "Emoji list: 🐙 octopus, 🦑 squid, 🐠 fish, 🐟 fish, 🌍 earth, 🔥 fire, 💧"
+PROSE = ("The lighthouse keeper kept a logbook of every ship that passed, the weather, "
+         "and the colour of the sea at dawn. One winter morning she wrote:")
+SAMPLED = dict(temperature=0.9, top_p=0.95, seed=1234, repetition_penalty=1.1,
+               presence_penalty=0.3, frequency_penalty=0.2)
+
+
+@pytest.fixture(scope="module")
+def pb(proto_modules):
+    return type("PB", (), proto_modules)
+
+
+@pytest.fixture(scope="module")
+def ref(bin_dir, model_path, pb):
+    r = Reference(bin_dir / "chunkserve", model_path, pb)
+    yield r
+    r.stop()
+
+
+def router_for(cl, every):
+    """A router of the cluster's workers that migrates after every `every`-th message."""
+    from cluster_harness import Proc
+    rargs = [f"--model={cl.model}", "--port=0", "--status-interval-ms=100", "--grace-ms=3000",
+             "--decode-workers=" + ",".join(p.addr for p in cl.decode),
+             "--prefill-workers=" + ",".join(p.addr for p in cl.prefill),
+             "--local-prefill-threshold=40", f"--fault-migrate-every={every}",
+             "--max-retries=0"]  # no real failure is expected: any would end the stream
+    return Proc(cl.router.exe, rargs, f"router-every-{every}")
+
+
+@pytest.fixture(scope="module")
+def cl(bin_dir, model_path, pb):
+    for b in ("chunkserve-router", "chunkserve-prefill", "chunkserve-decode", "chunkserve"):
+        if not (bin_dir / b).is_file():
+            pytest.skip(f"{b} not built")
+    c = Cluster(bin_dir, model_path, pb, n_prefill=1, n_decode=2, threads=1, kv_cache_mib=128)
+    c.model = model_path
+    c.wait_usable(1, 2)
+    routers = {}
+    for every in (1, 2, 3):
+        r = router_for(c, every)
+        r.channel = grpc.insecure_channel(r.addr)
+        r.stub = pb.generation_pb2_grpc.GenerationStub(r.channel)
+        routers[every] = r
+    c.routers = routers
+    yield c
+    for r in routers.values():
+        r.channel.close()
+        assert r.stop() == 0, r.stderr()[-3000:]
+    c.stop()
+
+
+def stream(stub, g, prompt, n, **sampling):
+    msgs = list(stub.Generate(g.GenerateRequest(
+        prompt=prompt, sampling=g.SamplingParams(max_tokens=n, **sampling)), timeout=300))
+    return msgs
+
+
+def summary(msgs):
+    """What a client sees, independent of how the stream was cut into messages."""
+    ids = [t for m in msgs for t in m.token_ids]
+    text = "".join(m.text for m in msgs)
+    lps = [(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top_logprobs])
+           for m in msgs for lp in m.logprobs]
+    last = msgs[-1]
+    return ids, text, last.finish_reason, (last.usage.prompt_tokens,
+                                           last.usage.completion_tokens), lps
+
+
+def same_logprobs(a, b):
+    """The same ids; values equal to 1e-3 (a migrated position's logits come from a
+    prefill, the reference's from a decode step: equal to ~1e-5, not bitwise)."""
+    if len(a) != len(b):
+        return False
+    for (ia, la, ta), (ib, lb, tb) in zip(a, b):
+        if ia != ib or abs(la - lb) > 1e-3 or [t for t, _ in ta] != [t for t, _ in tb]:
+            return False
+        if any(abs(x - y) > 1e-3 for (_, x), (_, y) in zip(ta, tb)):
+            return False
+    return True
+
+
+def wait_for_usable(r, n_decode):
+    from cluster_harness import wait_for
+    wait_for(lambda: metric(r.metrics(), "chunkserve:workers_usable", 'role="decode"') == n_decode
+             and metric(r.metrics(), "chunkserve:workers_usable", 'role="prefill"') == 1,
+             30, f"{r.name} to see its workers")
+
+
+def check(cl, pb, every, prompt, n, min_cuts, **sampling):
+    g = pb.generation_pb2
+    r = cl.routers[every]
+    wait_for_usable(r, len(cl.decode))
+    want = summary(stream(cl.ref.stub, g, prompt, n, **sampling))
+    before = metric(r.metrics(), "chunkserve:migrations_total")
+    got_msgs = stream(r.stub, g, prompt, n, **sampling)
+    got = summary(got_msgs)
+    cuts = metric(r.metrics(), "chunkserve:migrations_total") - before
+    assert got[0] == want[0], f"tokens differ (every={every}, {cuts:.0f} cuts)"
+    assert got[1] == want[1], f"text differs (every={every}, {cuts:.0f} cuts)"
+    assert got[2:4] == want[2:4], f"finish or usage differ (every={every})"
+    assert same_logprobs(got[4], want[4]), f"logprobs differ (every={every})"
+    # a cut after every K-th message with tokens but the last (messages may carry several)
+    assert cuts == sum(1 for m in got_msgs[:-1] if m.token_ids) // every, cuts
+    assert cuts >= min_cuts, (cuts, min_cuts)
+    return want
+
+
+@pytest.fixture(scope="module", autouse=True)
+def attach_ref(cl, ref):
+    cl.ref = ref
+
+
+@pytest.mark.parametrize("every", [1, 2, 3])
+def test_sampled_with_penalties_and_logprobs(cl, pb, every):
+    n = 48
+    want = check(cl, pb, every, PROSE, n, min_cuts=n // (4 * every), ignore_eos=True,
+                 logprobs=True, top_logprobs=3, **SAMPLED)
+    assert len(want[0]) == n and len(want[4]) == n
+
+
+def test_emoji_split_across_tokens(cl, pb, ref):
+    """The reference output holds 4-byte characters whose bytes are spread over several
+    tokens, so cuts fall inside characters; the migrated stream's text is the same."""
+    g = pb.generation_pb2
+    n = 40
+    want = check(cl, pb, 1, EMOJI, n, min_cuts=n // 4, ignore_eos=True, temperature=0.6,
+                 seed=7, top_k=20, frequency_penalty=0.1)
+    ids, text = want[0], want[1]
+    assert any(ord(ch) > 0xFFFF for ch in text), text
+    # at least one token alone is not whole UTF-8 (a character split across tokens)
+    split = 0
+    for t in ids:
+        piece = ref.stub.Detokenize(g.DetokenizeRequest(ids=[t]), timeout=10).text
+        split += "\ufffd" in piece
+    assert split > 0, "no token of the reference splits a character"
+
+
+def test_stop_strings_spanning_the_cuts(cl, pb):
+    """Stop strings of 1..256 bytes cut from the reference's own text at several offsets:
+    the first occurrence can only be found across the cuts (K=1 cuts at every message)."""
+    g = pb.generation_pb2
+    n = 90
+    base = summary(stream(cl.ref.stub, g, PROSE, n, ignore_eos=True, **SAMPLED))
+    raw = base[1].encode()
+    assert len(raw) > 300, base[1]
+    tried = 0
+    for i, length in enumerate((1, 2, 3, 7, 16, 33, 64, 128, 256)):
+        # near the end (the longest run: most cuts before the match) or earlier
+        for start in ((len(raw) - length - 1) if i % 2 == 0 else (len(raw) - length) // 2,):
+            stop = raw[start:start + length].decode(errors="ignore")
+            if not stop:
+                continue
+            want = check(cl, pb, 1 + tried % 2, PROSE, n, min_cuts=0, ignore_eos=True,
+                         stop=[stop], **SAMPLED)
+            assert want[2] == g.FINISH_REASON_STOP, (length, start)
+            tried += 1
+    assert tried == 9
+    cl.wait_idle()
