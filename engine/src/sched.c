@@ -304,9 +304,10 @@ int cs_sched_kv_ready(cs_sched *s, uint64_t id, int32_t first_token, int32_t n_c
     if (first_token < 0 || first_token >= s->n_vocab)
         return cs_fail(CS_EINVAL, "request %llu: first token %d is outside the vocabulary (0..%d)",
                        (unsigned long long)id, first_token, s->n_vocab - 1);
-    if (n_cached < 0 || n_cached > q->n_prompt)
-        return cs_fail(CS_EINVAL, "request %llu: %d cached tokens of a %d-token prompt",
-                       (unsigned long long)id, n_cached, q->n_prompt);
+    /* of the context: a migrated stream's cached prefix may cover resumed tokens */
+    if (n_cached < 0 || n_cached >= q->n_context)
+        return cs_fail(CS_EINVAL, "request %llu: %d cached tokens of a %d-token context",
+                       (unsigned long long)id, n_cached, q->n_context);
     if (q->logprobs) {
         if (!first_lp || first_lp->n_top < 0 || first_lp->n_top > q->top_logprobs)
             return cs_fail(

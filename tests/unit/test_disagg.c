@@ -268,6 +268,25 @@ static void check_reserve(void) {
     ASSERT_EQ_INT(cs_sched_cancel(s, 1), 0);
     ASSERT_EQ_INT(cs_kv_cache_n_used(kv), 0);
     ASSERT_EQ_INT(cs_sched_kv_ready(s, 1, 1, 0, NULL), CS_ENOENT);
+    /* a migrated stream (50 of the 200 tokens resumed): the prefill worker's
+     * cache may cover resumed tokens too, never the whole context */
+    r.id = 3;
+    r.n_resumed = 50;
+    r.stop.max_tokens = 60;
+    r.logprobs = false;
+    r.kv_mode = CS_KV_REMOTE;
+    r.reserve = false;
+    ASSERT_EQ_INT(cs_sched_add(s, &r), 0);
+    ASSERT_EQ_INT(cs_sched_kv_ready(s, 3, 3, 200, NULL), CS_EINVAL);
+    ASSERT_EQ_INT(cs_sched_kv_ready(s, 3, 3, 176, NULL), 0);
+    ASSERT_EQ_INT(cs_sched_cancel(s, 3), 0);
+    ASSERT_EQ_INT(cs_kv_cache_n_used(kv), 0);
+    r.n_resumed = 0;
+    r.stop.max_tokens = 4;
+    r.logprobs = true;
+    r.kv_mode = CS_KV_LOCAL;
+    r.reserve = true;
+    r.id = 2;
     /* a reserved local request runs normally from its reserved pages */
     r.n_prompt = 100;
     ASSERT_EQ_INT(cs_sched_add(s, &r), 0);
