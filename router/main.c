@@ -56,14 +56,18 @@ static const cs_config_entry options[] = {
      "file holding the cluster secret (a mounted Kubernetes Secret)", 0, 0},
     {"lease-ms", CS_CONFIG_INT, O(lease_ms), "10000",
      "how long a decode worker holds reserved pages for the KV without a renewal from the "
-     "prefill worker (DecodeRequest.lease_ms; the worker's --lease-ms caps it)", 1,
-     2147483647},
+     "prefill worker (DecodeRequest.lease_ms; the worker's --lease-ms caps it)",
+     1, 2147483647},
     {"request-timeout-ms", CS_CONFIG_INT, O(request_timeout_ms), "600000",
      "deadline of a request whose client sets none", 1, I64},
     {"ready-without-workers", CS_CONFIG_BOOL, O(ready_without_workers), "false",
      "/readyz answers 200 even when no decode worker is usable (Kubernetes: keeps the router's "
      "Service up while a pool scales or restarts; requests then wait up to no-worker-wait-ms)",
      0, 0},
+    {"fault-migrate-every", CS_CONFIG_INT, O(fault_migrate_every), "0",
+     "fault injection (tests): after every Nth message relayed, drop the stream's worker calls "
+     "as if its decode worker had failed (blaming nobody) and migrate it; 0 = off",
+     0, 1000000},
     CS_OPENAI_CONFIG(cs_router_opts, openai),
     CS_PROC_RPC_CONFIG(cs_router_opts, rpc, "60000", "20000"),
     CS_PROC_TLS_CONFIG(cs_router_opts, tls),

@@ -415,6 +415,8 @@ static bool relay(req *q, Chunkserve__V1__GenerateResponse *out) {
             if (worker_usage) usage = *worker_usage;
             usage.prompt_tokens = q->n_prompt;
             usage.completion_tokens = q->n_relayed;
+            /* after a migration the worker's cache count is of prompt + relayed tokens */
+            if (usage.cached_prompt_tokens > q->n_prompt) usage.cached_prompt_tokens = q->n_prompt;
             out->usage = &usage;
         } else {
             out->usage = NULL;
@@ -442,6 +444,17 @@ static bool relay(req *q, Chunkserve__V1__GenerateResponse *out) {
         q->pleg = NULL;
         if (truncated) cs__leg_cancel(d);
         cs__req_end(q, CS_RPC_OK, NULL);
+        return true;
+    }
+    if (!failed && n && q->dleg && r->o->fault_migrate_every > 0 &&
+        ++q->n_msgs % r->o->fault_migrate_every == 0) {
+        /* fault injection: the worker "failed" here; nobody is blamed */
+        CS_LOGD("request %s: fault injection: migrating after message %lld", q->id,
+                (long long)q->n_msgs);
+        drop_attempt(q, true);
+        q->migrations++;
+        cs_metric_inc(r->m.migrations);
+        cs__req_attempt(q);
         return true;
     }
     if (failed && q->dleg) {

@@ -127,6 +127,7 @@ struct req {
     int legs;                /* legs alive (current or not) */
 
     int failures, retries, migrations, refusals;
+    int64_t n_msgs; /* messages relayed with tokens (--fault-migrate-every counts them) */
     cs_pool_marks marks;
     char last_error[300];
 

@@ -43,6 +43,7 @@ typedef struct {
     int64_t request_timeout_ms;      /* deadline when the client sets none */
     int64_t grace_ms;                /* on SIGTERM/SIGINT: time streams get to finish */
     bool ready_without_workers;      /* /readyz ignores the decode pool */
+    int64_t fault_migrate_every;     /* fault injection: migrate after every Nth message */
     const char *cluster_secret, *cluster_secret_file; /* worker RPCs carry its token */
     const char *log_level;
     bool verbose;
