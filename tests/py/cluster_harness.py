@@ -10,8 +10,10 @@ import hmac
 import os
 import re
 import signal
+import socket
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -134,7 +136,7 @@ def worker_status(pb, p: Proc, timeout=10, secret: str | None = None):
         ch.close()
 
 
-def wait_idle(pb, procs, timeout=30.0):
+def wait_idle(pb, procs, timeout=30.0, secret: str | None = None):
     """Every live (not killed, not paused) worker of procs idle with every page free: no
     request running or waiting (the failure contract)."""
     t_end = time.monotonic() + timeout
@@ -143,7 +145,7 @@ def wait_idle(pb, procs, timeout=30.0):
         for p in procs:
             if p.proc.poll() is not None or p.paused:
                 continue
-            s = worker_status(pb, p)
+            s = worker_status(pb, p, secret=secret)
             if s.kv_pages_free != s.kv_pages_total or s.num_running or s.num_waiting:
                 bad.append((p.name, s.kv_pages_free, s.kv_pages_total, s.num_running, s.num_waiting))
         if not bad:
@@ -151,6 +153,81 @@ def wait_idle(pb, procs, timeout=30.0):
         if time.monotonic() > t_end:
             pytest.fail(f"workers not idle with all pages free: {bad}")
         time.sleep(0.1)
+
+
+class FaultProxy:
+    """A TCP proxy in front of target (one thread per direction per connection) that can
+    partition silently: after cut() it stops passing bytes but keeps every socket open, so
+    neither end sees an error or a FIN (as behind a failed switch); heal() lets the bytes
+    flow again.  When either end closes, the proxy closes the other; a target that does
+    not answer closes the client's connection."""
+
+    def __init__(self, target: str, listen=("127.0.0.1", 0)):
+        self.host, port = target.rsplit(":", 1)
+        self.target = (self.host, int(port))
+        self.lis = socket.socket()
+        self.lis.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.lis.bind(listen)
+        self.lis.listen(64)
+        self.addr = f"{listen[0]}:{self.lis.getsockname()[1]}"
+        self.cut_ = threading.Event()
+        self.closing = threading.Event()
+        self.socks = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while not self.closing.is_set():
+            try:
+                c, _ = self.lis.accept()
+            except OSError:
+                return
+            try:
+                u = socket.create_connection(self.target, timeout=5)
+            except OSError:
+                c.close()
+                continue
+            self.socks += [c, u]
+            for a, b in ((c, u), (u, c)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    def _pump(self, a, b):
+        a.settimeout(0.2)
+        while not self.closing.is_set():
+            if self.cut_.is_set():
+                time.sleep(0.05)
+                continue
+            try:
+                data = a.recv(65536)
+            except socket.timeout:
+                continue
+            except OSError:
+                break
+            if not data:
+                break
+            try:
+                b.sendall(data)
+            except OSError:
+                break
+        for s in (a, b):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    def cut(self):
+        self.cut_.set()
+
+    def heal(self):
+        self.cut_.clear()
+
+    def close(self):
+        self.closing.set()
+        self.lis.close()
+        for s in self.socks:
+            try:
+                s.close()
+            except OSError:
+                pass
 
 
 def wait_for(cond, timeout: float, what: str, interval=0.05):

@@ -120,6 +120,9 @@ def pytest_configure(config):
         "markers", "emu: the cluster on the emulated CUDA backend with the NCCL payload over a "
                    "loopback NCCL stand-in (tests/py/test_cluster_emu.py; CTest cluster_emu)")
     config.addinivalue_line(
+        "markers", "chaos: random kills, stops and partitions under load (tests/py/test_chaos.py; "
+                   "CTest chaos, about 4 minutes)")
+    config.addinivalue_line(
         "markers", "autoscale: the HPA algorithm scaling real worker pools behind the router "
                    "(tests/py/test_autoscale.py; root, about 1.5 minutes)")
 

@@ -14,7 +14,7 @@ import pytest
 grpc = pytest.importorskip("grpc")
 pytest.importorskip("grpc_tools.protoc")
 
-from cluster_harness import Cluster, Proc, make_tiny, metric, wait_for  # noqa: E402
+from cluster_harness import Cluster, FaultProxy, Proc, make_tiny, metric, wait_for  # noqa: E402
 
 pytestmark = pytest.mark.cluster
 
@@ -143,67 +143,6 @@ def test_two_routers_one_killed_under_load(bin_dir, model, pb):
         cl.stop()
 
 
-class Blackhole:
-    """A TCP proxy (one thread per direction per connection) that can partition silently:
-    after cut() it stops reading and writing but keeps every socket open, so neither end
-    sees an error or a FIN: their bytes just stop arriving, as behind a failed switch."""
-
-    def __init__(self, target: str, listen=("127.0.0.1", 0)):
-        self.host, port = target.rsplit(":", 1)
-        self.target = (self.host, int(port))
-        self.lis = socket.socket()
-        self.lis.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.lis.bind(listen)
-        self.lis.listen(64)
-        self.addr = f"{listen[0]}:{self.lis.getsockname()[1]}"
-        self.cut_ = threading.Event()
-        self.closing = threading.Event()
-        self.socks = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self):
-        while not self.closing.is_set():
-            try:
-                c, _ = self.lis.accept()
-            except OSError:
-                return
-            u = socket.create_connection(self.target)
-            self.socks += [c, u]
-            for a, b in ((c, u), (u, c)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
-
-    def _pump(self, a, b):
-        a.settimeout(0.2)
-        while not self.closing.is_set():
-            if self.cut_.is_set():
-                time.sleep(0.1)
-                continue
-            try:
-                data = a.recv(65536)
-            except socket.timeout:
-                continue
-            except OSError:
-                return
-            if not data:
-                return
-            try:
-                b.sendall(data)
-            except OSError:
-                return
-
-    def cut(self):
-        self.cut_.set()
-
-    def close(self):
-        self.closing.set()
-        self.lis.close()
-        for s in self.socks:
-            try:
-                s.close()
-            except OSError:
-                pass
-
-
 def test_silent_router_decode_partition_frees_the_orphan(bin_dir, pb, tmp_path):
     """Two decode workers, each reached by the router through a proxy; the one holding a
     long stream is partitioned silently (its proxy stops passing bytes, no socket closes).
@@ -220,7 +159,7 @@ def test_silent_router_decode_partition_frees_the_orphan(bin_dir, pb, tmp_path):
     # old behaviour: this test then fails (the pages stay held)
     decs = [Proc(bin_dir / "chunkserve-decode", common + os.environ.get("CS_DECODE_ARGS", "").split(),
                  f"decode-{i}") for i in range(2)]
-    holes = [Blackhole(d.addr) for d in decs]
+    holes = [FaultProxy(d.addr) for d in decs]
     router = None
     try:
         router = Proc(bin_dir / "chunkserve-router", [
@@ -284,7 +223,7 @@ def test_partitioned_kv_pair_is_routed_around(bin_dir, model, pb):
     kv_port = free_port()
     dec_a = Proc(bin_dir / "chunkserve-decode", [*common, f"--kv-port={kv_port}",
                                                    "--kv-advertise=127.0.0.2"], "decode-a")
-    hole = Blackhole(f"127.0.0.1:{kv_port}", listen=("127.0.0.2", kv_port))
+    hole = FaultProxy(f"127.0.0.1:{kv_port}", listen=("127.0.0.2", kv_port))
     dec_b = Proc(bin_dir / "chunkserve-decode", common, "decode-b")
     pre = Proc(bin_dir / "chunkserve-prefill", common, "prefill")
     ref = Proc(bin_dir / "chunkserve", ["serve", f"--model={model}", "--port=0", "--http-port=0"],
