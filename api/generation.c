@@ -2,8 +2,10 @@
  * single-process server and the router (see generation.h). */
 #include "generation.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <uv.h>
 
 #include "chunkserve/v1/generation.pb-c.h"
 #include "chunkserve/error.h"
@@ -20,14 +22,23 @@ static void handle_list_models(cs_rpc_call *c, void *data) {
     cs_rpc_call_reply_msg(c, &r.base);
 }
 
-static void handle_tokenize(cs_rpc_call *c, void *data) {
-    const cs_generation_ctx *g = data;
-    const cs_wire_model *wm = g->wm;
-    if (!cs_api_keys_rpc_check(g->keys, c)) return;
-    const Chunkserve__V1__TokenizeRequest *m = (const void *)cs_rpc_call_request_msg(c);
+typedef struct {
+    uv_work_t work;
+    const cs_wire_model *wm;
+    cs_rpc_call *c;
+    const Chunkserve__V1__TokenizeRequest *m; /* the call's: valid until it is answered */
+    int r;
+    char err[512];
+    int32_t *ids;
+    size_t n;
+} tokenize_job;
+
+/* A pool thread: the model (read-only) and the request message only. */
+static void tokenize_work(uv_work_t *wk) {
+    tokenize_job *j = wk->data;
+    const cs_wire_model *wm = j->wm;
+    const Chunkserve__V1__TokenizeRequest *m = j->m;
     char *chat = NULL;
-    int32_t *ids = NULL;
-    size_t n = 0;
     int r = cs_wire_check_model(wm, m->model);
     if (!r && m->input_case == CHUNKSERVE__V1__TOKENIZE_REQUEST__INPUT_CHAT)
         r = cs_wire_render_chat(wm, m->chat, &chat);
@@ -39,17 +50,43 @@ static void handle_tokenize(cs_rpc_call *c, void *data) {
                     strlen(text));
     if (!r)
         r = cs_tokenizer_encode(cs_model_tokenizer(wm->model), text, strlen(text), true,
-                                m->add_special, &ids, &n);
-    if (r) {
-        cs_rpc_call_finish(c, cs_rpc_code_of_status(r), cs_last_error());
+                                m->add_special, &j->ids, &j->n);
+    if (r) snprintf(j->err, sizeof j->err, "%s", cs_last_error());
+    j->r = r;
+    free(chat);
+}
+
+static void tokenize_after(uv_work_t *wk, int status) {
+    tokenize_job *j = wk->data;
+    (void)status; /* never cancelled */
+    if (j->r) {
+        cs_rpc_call_finish(j->c, cs_rpc_code_of_status(j->r), j->err);
     } else {
         Chunkserve__V1__TokenizeResponse resp = CHUNKSERVE__V1__TOKENIZE_RESPONSE__INIT;
-        resp.n_ids = n;
-        resp.ids = ids;
-        cs_rpc_call_reply_msg(c, &resp.base);
+        resp.n_ids = j->n;
+        resp.ids = j->ids;
+        cs_rpc_call_reply_msg(j->c, &resp.base);
     }
-    free(ids);
-    free(chat);
+    free(j->ids);
+    free(j);
+}
+
+static void handle_tokenize(cs_rpc_call *c, void *data) {
+    const cs_generation_ctx *g = data;
+    if (!cs_api_keys_rpc_check(g->keys, c)) return;
+    tokenize_job *j = calloc(1, sizeof *j);
+    if (!j) {
+        cs_rpc_call_finish(c, CS_RPC_RESOURCE_EXHAUSTED, "out of memory");
+        return;
+    }
+    j->wm = g->wm;
+    j->c = c;
+    j->m = (const void *)cs_rpc_call_request_msg(c);
+    j->work.data = j;
+    if (uv_queue_work(g->uv, &j->work, tokenize_work, tokenize_after) != 0) {
+        free(j);
+        cs_rpc_call_finish(c, CS_RPC_RESOURCE_EXHAUSTED, "cannot queue the tokenization");
+    }
 }
 
 static void handle_detokenize(cs_rpc_call *c, void *data) {

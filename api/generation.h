@@ -2,7 +2,8 @@
  * (ListModels, Tokenize, Detokenize), answered from the model's config and
  * tokenizer alone. The single-process server and the router register the
  * same handlers; Generate itself differs (one engine vs worker legs) and
- * stays with each process. Loop thread only, like the RPC layer. */
+ * stays with each process. Loop thread only, like the RPC layer; Tokenize's
+ * rendering and encoding run on libuv's thread pool (api/prepare.h says why). */
 #ifndef CHUNKSERVE_API_GENERATION_H
 #define CHUNKSERVE_API_GENERATION_H
 
@@ -17,6 +18,7 @@
 typedef struct {
     const cs_wire_model *wm;
     const cs_api_keys *keys;
+    struct uv_loop_s *uv; /* Tokenize runs on its thread pool */
 } cs_generation_ctx;
 
 /* Registers ListModels, Tokenize and Detokenize on s (before start); ctx

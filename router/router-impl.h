@@ -159,6 +159,7 @@ struct router {
     bool stopping, grace_over, handles_ok;
     req *live;
     int n_live;
+    int n_preparing; /* Generate calls being tokenized (api/prepare.h), not yet in live */
     req *qhead, *qtail;
     int n_queued;
     int n_placed;

@@ -5,7 +5,9 @@
  * router-impl.h); the worker calls are legs.c.
  *
  * A request is validated and tokenized on arrival (api/wire.h, exactly as the
- * single-process server), then admitted: placed at once when fewer than
+ * single-process server), on libuv's thread pool (api/prepare.h: never on the
+ * loop thread, whose stall would look like dead workers), then admitted:
+ * placed at once when fewer than
  * max-inflight are placed and nobody waits, else queued (FIFO, at most
  * max-queue), else refused RESOURCE_EXHAUSTED.
  *
@@ -28,6 +30,7 @@
 #include "chunkserve/error.h"
 #include "chunkserve/log.h"
 #include "generation.h"
+#include "prepare.h"
 #include "router-impl.h"
 
 #define SERVICE CS_GENERATION_SERVICE
@@ -57,24 +60,55 @@ static int copy_sampling(const Chunkserve__V1__SamplingParams *p,
     return rc ? CS_ENOMEM : 0;
 }
 
-/* Generate, from either door (gRPC below, or the OpenAI HTTP routes). */
+static void on_prepared(void *arg, cs_gen_call *c, uint64_t seq, double t_recv, int rc,
+                        const char *err, cs_wire_request *wp);
+
+/* Generate, from either door (gRPC below, or the OpenAI HTTP routes): the
+ * request is validated and tokenized on the thread pool (api/prepare.h),
+ * then admitted in on_prepared. Requests being prepared count as waiting. */
 static void generate(void *arg, cs_gen_call *c) {
     router *r = arg;
-    const Chunkserve__V1__GenerateRequest *m = c->req;
     if (r->stopping) {
         cs__router_count_code(r, CS_RPC_UNAVAILABLE);
         cs_gen_call_finish(c, CS_RPC_UNAVAILABLE, "the router is shutting down");
         return;
     }
-    double t_recv = cs_now();
-    uint64_t seq = ++r->next_seq;
-    cs_wire_request w;
-    int rc = cs_wire_generate_request(&r->wm, m, seq, &w);
+    if (r->n_preparing + r->n_queued >= r->o->max_queue + r->o->max_inflight) {
+        char msg[200];
+        snprintf(msg, sizeof msg,
+                 "the router is overloaded: %d requests being tokenized and %d waiting "
+                 "(--max-queue %lld); retry later",
+                 r->n_preparing, r->n_queued, (long long)r->o->max_queue);
+        cs__router_count_code(r, CS_RPC_RESOURCE_EXHAUSTED);
+        cs_gen_call_finish(c, CS_RPC_RESOURCE_EXHAUSTED, msg);
+        return;
+    }
+    if (cs_prepare_generate(cs_proc_uv(r->proc), &r->wm, c, ++r->next_seq, on_prepared, r) != 0) {
+        cs__router_count_code(r, CS_RPC_RESOURCE_EXHAUSTED);
+        cs_gen_call_finish(c, CS_RPC_RESOURCE_EXHAUSTED, "the router ran out of memory");
+        return;
+    }
+    r->n_preparing++;
+}
+
+/* The request is tokenized (or refused): admitted now, queued, or refused. */
+static void on_prepared(void *arg, cs_gen_call *c, uint64_t seq, double t_recv, int rc,
+                        const char *err, cs_wire_request *wp) {
+    router *r = arg;
+    const Chunkserve__V1__GenerateRequest *m = c->req;
+    cs_wire_request w = *wp;
+    r->n_preparing--;
     if (rc) {
         int code = cs_rpc_code_of_status(rc);
-        CS_LOGD("request rejected: %s", cs_last_error()); /* its id may be what is bad */
+        CS_LOGD("request rejected: %s", err); /* its id may be what is bad */
         cs__router_count_code(r, code);
-        cs_gen_call_finish(c, code, cs_last_error());
+        cs_gen_call_finish(c, code, err);
+        return;
+    }
+    if (r->grace_over || !r->pool) { /* prepared after the grace period ended */
+        cs_wire_request_free(&w);
+        cs__router_count_code(r, CS_RPC_UNAVAILABLE);
+        cs_gen_call_finish(c, CS_RPC_UNAVAILABLE, "the router is shutting down");
         return;
     }
     bool queue = r->n_placed >= r->o->max_inflight || r->qhead;
@@ -274,7 +308,7 @@ static int start(cs_proc *p, void *arg) {
     int rc =
         cs_rpc_server_add_method(srv, "/" SERVICE "/Generate", CS_RPC_SERVER_STREAMING,
                                  &chunkserve__v1__generate_request__descriptor, handle_generate, r);
-    r->gctx = (cs_generation_ctx){&r->wm, &r->keys};
+    r->gctx = (cs_generation_ctx){&r->wm, &r->keys, cs_proc_uv(p)};
     if (!rc) rc = cs_generation_add_unary(srv, &r->gctx);
     if (!rc)
         rc = cs_openai_start_config(cs_proc_uv(p), &o->openai, o->host, &r->wm, generate, r,
@@ -320,7 +354,7 @@ static void started(cs_proc *p, void *arg) {
 static int32_t n_open(cs_proc *p, void *arg) {
     (void)p;
     router *r = arg;
-    return r->n_live;
+    return r->n_live + r->n_preparing;
 }
 
 /* New Generate calls are refused (UNAVAILABLE) from now on; the requests

@@ -1,7 +1,9 @@
 /* server.c: the single-process server: the Generation service's handlers
  * on the RPC layer's libuv loop, one cs_serve engine thread behind them.
  *
- * Threads. Handlers run on the loop thread. Generation events arrive on the
+ * Threads. Handlers run on the loop thread; a Generate request is validated
+ * and tokenized on libuv's thread pool first (api/prepare.h). Generation
+ * events arrive on the
  * engine thread (cs_serve callbacks); each appends the event to its call's
  * buffer under the call's mutex and, when no drain is pending, posts one
  * (cs_rpc_loop_post). The drain, on the loop thread, turns everything
@@ -40,6 +42,7 @@
 #include "chunkserve/v1/cluster.pb-c.h"
 #include "gen_call.h"
 #include "generation.h"
+#include "prepare.h"
 #include "outbuf.h"
 #include "wire.h"
 
@@ -81,6 +84,8 @@ struct server {
     gen *live;
     int32_t n_live;
     int32_t n_calls;      /* live gens whose call is still open (the admission count) */
+    int32_t n_preparing;  /* Generate calls being tokenized (api/prepare.h) */
+    bool grace_over;      /* cancel_all ran: a request prepared now is refused */
     uint64_t instance_id; /* random per process start */
     uint64_t next_id;
     cs_api_keys keys;       /* the public API's (both doors) */
@@ -232,10 +237,14 @@ static void on_call_cancel(cs_gen_call *c, void *data) {
     gen_finish_call(g, CS_RPC_CANCELLED, "cancelled");
 }
 
-/* Generate, from either door (gRPC below, or the OpenAI HTTP routes). */
+static void on_prepared(void *arg, cs_gen_call *c, uint64_t id, double t_queued, int r,
+                        const char *err, cs_wire_request *wp);
+
+/* Generate, from either door (gRPC below, or the OpenAI HTTP routes): the
+ * request is validated and tokenized on the thread pool (api/prepare.h),
+ * then submitted in on_prepared. */
 static void generate(void *arg, cs_gen_call *c) {
     server *s = arg;
-    const Chunkserve__V1__GenerateRequest *m = c->req;
     if (s->stopping) {
         cs_gen_call_finish(c, CS_RPC_UNAVAILABLE, "the server is shutting down");
         return;
@@ -244,7 +253,7 @@ static void generate(void *arg, cs_gen_call *c) {
     cs_serve_stats(s->sv, &st);
     /* A request whose call ended (cancelled, deadline) no longer counts,
      * though the engine may not have dropped it yet. */
-    int32_t waiting = s->n_calls - st.n_running;
+    int32_t waiting = s->n_calls - st.n_running + s->n_preparing;
     if (waiting >= s->o->max_queue) {
         char msg[160];
         snprintf(msg, sizeof msg,
@@ -253,12 +262,28 @@ static void generate(void *arg, cs_gen_call *c) {
         cs_gen_call_finish(c, CS_RPC_RESOURCE_EXHAUSTED, msg);
         return;
     }
-    uint64_t id = ++s->next_id;
-    cs_wire_request w;
-    int r = cs_wire_generate_request(&s->wm, m, id, &w);
+    if (cs_prepare_generate(cs_proc_uv(s->proc), &s->wm, c, ++s->next_id, on_prepared, s) != 0) {
+        cs_gen_call_finish(c, CS_RPC_RESOURCE_EXHAUSTED, "out of memory");
+        return;
+    }
+    s->n_preparing++;
+}
+
+static void on_prepared(void *arg, cs_gen_call *c, uint64_t id, double t_queued, int r,
+                        const char *err, cs_wire_request *wp) {
+    server *s = arg;
+    const Chunkserve__V1__GenerateRequest *m = c->req;
+    cs_wire_request w = *wp;
+    (void)t_queued;
+    s->n_preparing--;
     if (r) {
-        CS_LOGD("request rejected: %s", cs_last_error());
-        cs_gen_call_finish(c, cs_rpc_code_of_status(r), cs_last_error());
+        CS_LOGD("request rejected: %s", err);
+        cs_gen_call_finish(c, cs_rpc_code_of_status(r), err);
+        return;
+    }
+    if (s->grace_over || !s->sv) { /* prepared after the grace period ended */
+        cs_wire_request_free(&w);
+        cs_gen_call_finish(c, CS_RPC_UNAVAILABLE, "the server is shutting down");
         return;
     }
     gen *g = calloc(1, sizeof *g);
@@ -342,7 +367,7 @@ static int add_methods(server *s, cs_rpc_server *srv) {
                                          methods[i].fn, s);
         if (r) return r;
     }
-    s->gctx = (cs_generation_ctx){&s->wm, &s->keys};
+    s->gctx = (cs_generation_ctx){&s->wm, &s->keys, cs_proc_uv(s->proc)};
     return cs_generation_add_unary(srv, &s->gctx);
 }
 
@@ -370,7 +395,7 @@ static void started(cs_proc *p, void *arg) {
 static int32_t n_open(cs_proc *p, void *arg) {
     (void)p;
     server *s = arg;
-    return s->n_calls;
+    return s->n_calls + s->n_preparing;
 }
 
 static void drain(cs_proc *p, void *arg) {
@@ -384,6 +409,7 @@ static void cancel_all(cs_proc *p, void *arg) {
     (void)p;
     server *s = arg;
     int n = 0;
+    s->grace_over = true;
     for (gen *g = s->live; g; g = g->next) {
         if (!g->call) continue;
         g->end_code = CS_RPC_UNAVAILABLE;
