@@ -152,10 +152,11 @@ static void on_prepared(void *arg, cs_gen_call *c, uint64_t seq, double t_recv, 
     q->t_recv = t_recv;
     struct timespec wall;
     clock_gettime(CLOCK_REALTIME, &wall);
-    q->t_recv_wall_us = (int64_t)wall.tv_sec * 1000000 + wall.tv_nsec / 1000;
-    int64_t client_ms = cs_gen_call_deadline_ms(c);
-    q->t_deadline =
-        t_recv + (client_ms == INT64_MAX ? r->o->request_timeout_ms : client_ms) / 1000.0;
+    q->t_recv_wall_us = (int64_t)wall.tv_sec * 1000000 + wall.tv_nsec / 1000 -
+                        (int64_t)((cs_now() - t_recv) * 1e6); /* at receipt, before tokenizing */
+    int64_t client_ms = cs_gen_call_deadline_ms(c); /* what is left of it now, after tokenizing */
+    q->t_deadline = client_ms == INT64_MAX ? t_recv + r->o->request_timeout_ms / 1000.0
+                                           : cs_now() + client_ms / 1000.0;
     q->next = r->live;
     if (r->live) r->live->prev = q;
     r->live = q;
