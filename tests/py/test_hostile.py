@@ -470,22 +470,25 @@ def h2_half_sent(addr: str, body: int, t_end: float) -> tuple:
     data = struct.pack(">BI", 0, body) + b"\x01" * (body - 1)
     sent = 0
     sock.settimeout(0.3)
-    while sent < len(data) and time.monotonic() < t_end:
-        n = min(conn.local_flow_control_window(sid), conn.max_outbound_frame_size,
-                len(data) - sent)
-        if n > 0:
-            conn.send_data(sid, data[sent:sent + n])
-            sent += n
-        sock.sendall(conn.data_to_send())
-        if n <= 0:  # wait for a window update
-            try:
-                chunk = sock.recv(65536)
-            except socket.timeout:
-                break  # the server grants no more: it is holding back
-            if not chunk:
-                break
-            conn.receive_data(chunk)
+    try:
+        while sent < len(data) and time.monotonic() < t_end:
+            n = min(conn.local_flow_control_window(sid), conn.max_outbound_frame_size,
+                    len(data) - sent)
+            if n > 0:
+                conn.send_data(sid, data[sent:sent + n])
+                sent += n
             sock.sendall(conn.data_to_send())
+            if n <= 0:  # wait for a window update
+                try:
+                    chunk = sock.recv(65536)
+                except socket.timeout:
+                    break  # the server grants no more: it is holding back
+                if not chunk:
+                    break
+                conn.receive_data(chunk)
+                sock.sendall(conn.data_to_send())
+    except (BrokenPipeError, ConnectionResetError):
+        pass  # the server dropped the connection (GOAWAY "Buffers full", then close)
     return sock, sent
 
 
