@@ -13,9 +13,12 @@
  * (cs_serve_kv_release, applied by the engine thread); the transport's I/O
  * thread reports the end; the loop thread owns the call. A slow decode
  * worker pushes back without blocking anyone: when the channel holds its
- * limit, the request's held ranges wait in its preq and the transport's room
- * callback sends them (the engine keeps computing every prompt; the
- * transfer's deadline bounds the wait).
+ * limit (--kv-queue-mib), the request's held ranges wait in its preq, the
+ * request itself gets no further prompt chunk (cs_request.held: the engine
+ * keeps computing every other prompt, and one request never holds more than
+ * a chunk of pages beyond the channel's limit), and the transport's room
+ * callback sends them and lets it go on; the transfer's deadline bounds the
+ * wait.
  * A preq is a cs_worker_call (worker.h: admission, references, the event
  * drain and the answer are the shell's): the engine's final event and the
  * transfer's end each post the drain, which answers once both are known.
@@ -62,6 +65,7 @@ typedef struct preq {
 
     bool engine_done, tx_done, send_failed;
     held *held_head, *held_tail; /* waiting for room on the channel, in order */
+    _Atomic bool kv_full;        /* pages wait for room: no next chunk (cs_request.held) */
     bool trailer_held;
     int32_t trailer_token;
     cs_logprobs trailer_lp; /* the first token's, when asked */
@@ -93,7 +97,7 @@ struct prefill {
     bool park_timer_ok;
     cs_metric *m_unknown_endpoint;
     cs_metric *m_requests, *m_xfer_started, *m_xfer_completed, *m_xfer_failed, *m_xfer_bytes,
-        *m_xfer_seconds, *m_tail_seconds, *m_prefill_seconds, *m_backpressure;
+        *m_xfer_seconds, *m_tail_seconds, *m_prefill_seconds, *m_backpressure, *m_kv_holds;
 };
 
 /* ---------------------------------------------------------- loop thread -- */
@@ -181,6 +185,7 @@ static int flush_locked(preq *q) {
                                      release_pages, p);
         if (r == CS_EAGAIN) {
             cs_metric_inc(p->m_backpressure);
+            if (!atomic_exchange(&q->kv_full, true)) cs_metric_inc(p->m_kv_holds);
             return 0;
         }
         if (r) return r;
@@ -188,6 +193,7 @@ static int flush_locked(preq *q) {
         if (!q->held_head) q->held_tail = NULL;
         free(h);
     }
+    if (atomic_exchange(&q->kv_full, false)) cs_serve_wake(q->base.w->sv); /* its next chunk */
     if (!q->trailer_held) return 0;
     q->trailer_held = false;
     cs_kvx_trailer t = {.first_token = q->trailer_token,
@@ -356,6 +362,7 @@ static void begin(preq *q) {
         return;
     }
     q->r.kv_mode = CS_KV_PREFILL_ONLY;
+    q->r.held = &q->kv_full;
     if (cs_worker_call_submit(&q->base, &q->r, on_event) != 0)
         cs_kvx_tx_abort(p->tx, q->base.transfer_id);
 }
@@ -485,6 +492,9 @@ static const cs_metric_def prefill_metrics_table[] = {
      "Prefill call received to answered", xfer_secs, N_SECS},
     {M(m_backpressure), "chunkserve:kv_backpressure_waits_total", CS_METRIC_COUNTER, NULL,
      "page ranges held back by a full KV channel until it drained", NULL, 0},
+    {M(m_kv_holds), "chunkserve:kv_backpressure_holds_total", CS_METRIC_COUNTER, NULL,
+     "times a request's prompt stopped (no next chunk) until its full KV channel drained",
+     NULL, 0},
     {M(m_unknown_endpoint), "chunkserve:kv_endpoint_refused_total", CS_METRIC_COUNTER, NULL,
      "Prefill calls refused: their kv_endpoint is no known decode worker's (--decode-workers, "
      "--decode-dns)",
@@ -559,6 +569,7 @@ static int prefill_start(cs_worker *w) {
     tp.checksum = w->o.kv_checksum;
     tp.dead_ms = (int32_t)w->o.kv_dead_ms;
     tp.renew_ms = (int32_t)w->o.kv_renew_ms;
+    tp.max_queued_bytes = (size_t)w->o.kv_queue_mib << 20;
     tp.secret = w->secret.key; /* the KV link proves the cluster secret too */
     tp.secret_len = w->secret.len;
     int r = cs_kvx_tx_init(&tp, &p->tx);
@@ -640,6 +651,10 @@ static const cs_config_entry config[] = {
     CS_WORKER_CONFIG_COMMON("50070", "8192", "1", "512"),
     {"kv-deadline-ms", CS_CONFIG_INT, offsetof(cs_worker_opts, kv_deadline_ms), "120000",
      "longest a KV transfer may take (the call's own deadline applies when shorter)", 100, 3600000},
+    {"kv-queue-mib", CS_CONFIG_INT, offsetof(cs_worker_opts, kv_queue_mib), "256",
+     "KV bytes per decode worker's channel queued and not yet sent; beyond it a request's "
+     "pages wait and its prompt stops until the channel drains",
+     1, 1 << 20},
     {"kv-renew-ms", CS_CONFIG_INT, offsetof(cs_worker_opts, kv_renew_ms), "1000",
      "renew each pending transfer's reservation on its decode worker this often (keep it "
      "well under the decode workers' --lease-ms)",

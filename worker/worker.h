@@ -39,7 +39,7 @@ typedef struct {
     int64_t port, http_port, kv_port;
     int64_t max_batched_tokens, max_num_seqs, max_partial_prefills, max_chunk_tokens, page_size,
         kv_cache_mib, threads;
-    int64_t max_queue, grace_ms, lease_ms, kv_deadline_ms, kv_dead_ms, kv_renew_ms;
+    int64_t max_queue, grace_ms, lease_ms, kv_deadline_ms, kv_dead_ms, kv_renew_ms, kv_queue_mib;
     bool prefix_caching, kv_checksum, verbose, exact, kv_bf16;
     cs_rpc_limits rpc; /* the gRPC port's limits (CS_PROC_RPC_CONFIG) */
     cs_rpc_tls tls;    /* TLS on the gRPC port (CS_PROC_TLS_CONFIG) */

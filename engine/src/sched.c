@@ -7,6 +7,7 @@
  * pages: recomputation needs nothing but the tokens. */
 #include "chunkserve/sched.h"
 
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 #include <xxhash.h>
@@ -29,6 +30,7 @@ typedef struct seq {
     cs_sampler *smp;
     cs_stop *stop;
     bool logprobs, running;
+    const _Atomic bool *held; /* cs_request.held */
     int32_t top_logprobs;
     enum cs_kv_mode kv_mode;
     int32_t n_reported; /* PREFILL_ONLY: leading pages reported as completed */
@@ -122,8 +124,15 @@ void cs_sched_free(cs_sched *s) {
     free(s);
 }
 
+static bool is_held(const seq *q) {
+    return q->held && atomic_load_explicit(q->held, memory_order_acquire);
+}
+
 bool cs_sched_idle(const cs_sched *s) {
-    return !s->waiting && !s->running && !s->retired && !s->n_kv_ready;
+    if (s->waiting || s->retired || s->n_kv_ready) return false;
+    for (const seq *q = s->running; q; q = q->next)
+        if (!is_held(q) || q->n_tokens - q->n_computed <= 1) return false;
+    return true; /* nothing, or only held prompts */
 }
 void cs_sched_last_step(const cs_sched *s, cs_step_info *info) {
     *info = s->last;
@@ -268,6 +277,7 @@ int cs_sched_add(cs_sched *s, const cs_request *r) {
     q->id = r->id;
     q->logprobs = r->logprobs;
     q->top_logprobs = r->logprobs ? r->top_logprobs : 0;
+    q->held = r->held;
     q->kv_mode = r->kv_mode;
     q->arrival = s->next_arrival++;
     cs_sampler_accept_prompt(q->smp, r->prompt, (size_t)n_real);
@@ -584,10 +594,10 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
      * then waiting ones in arrival order, while budget, seats and pages last */
     int32_t partial = 0;
     for (seq *q = s->running; q; q = q->next)
-        if (q->n_tokens - q->n_computed > 1) partial++;
+        if (q->n_tokens - q->n_computed > 1 && !is_held(q)) partial++; /* held: no seat */
     for (seq *q = s->running; q && used < budget; q = q->next) {
         int32_t left = q->n_tokens - q->n_computed;
-        if (left <= 1) continue;
+        if (left <= 1 || is_held(q)) continue;
         int32_t k = chunk_len(s, left, budget - used);
         if (cs_page_table_reserve(&q->pt, s->kv, q->n_computed + k) != 0) continue;
         add_span(s, &n_spans, q, k);

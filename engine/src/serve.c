@@ -257,6 +257,15 @@ void cs_serve_cancel(cs_serve *sv, uint64_t id) {
     if (enqueue(sv, p)) pending_free(p);
 }
 
+/* The loop tests cs_sched_idle (which reads the held flags) under mu, so a
+ * flag cleared before this lock is seen by its next test, and a loop already
+ * waiting gets the signal. */
+void cs_serve_wake(cs_serve *sv) {
+    pthread_mutex_lock(&sv->mu);
+    pthread_cond_signal(&sv->cv);
+    pthread_mutex_unlock(&sv->mu);
+}
+
 int cs_serve_kv_ready(cs_serve *sv, uint64_t id, int32_t first_token, int32_t n_cached,
                       const cs_logprobs *first_lp) {
     pending *p = calloc(1, sizeof *p);

@@ -160,13 +160,19 @@ class FaultProxy:
     partition silently: after cut() it stops passing bytes but keeps every socket open, so
     neither end sees an error or a FIN (as behind a failed switch); heal() lets the bytes
     flow again.  When either end closes, the proxy closes the other; a target that does
-    not answer closes the client's connection."""
+    not answer closes the client's connection.  With rate (bytes/s) each direction of
+    each connection passes at most that many bytes a second, through 64 KiB socket
+    buffers on the proxy's side (a slow link, not a deep queue in front of one)."""
 
-    def __init__(self, target: str, listen=("127.0.0.1", 0)):
+    def __init__(self, target: str, listen=("127.0.0.1", 0), rate: float | None = None):
         self.host, port = target.rsplit(":", 1)
         self.target = (self.host, int(port))
+        self.rate = rate
         self.lis = socket.socket()
         self.lis.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if rate:  # inherited by the accepted sockets: the sender's window stays small
+            self.lis.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+            self.lis.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 << 10)
         self.lis.bind(listen)
         self.lis.listen(64)
         self.addr = f"{listen[0]}:{self.lis.getsockname()[1]}"
@@ -182,7 +188,12 @@ class FaultProxy:
             except OSError:
                 return
             try:
-                u = socket.create_connection(self.target, timeout=5)
+                u = socket.socket()
+                if self.rate:
+                    u.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+                    u.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 64 << 10)
+                u.settimeout(5)
+                u.connect(self.target)
             except OSError:
                 c.close()
                 continue
@@ -192,18 +203,22 @@ class FaultProxy:
 
     def _pump(self, a, b):
         a.settimeout(0.2)
+        t_next = time.monotonic()  # with a rate: when the next byte may pass
         while not self.closing.is_set():
             if self.cut_.is_set():
                 time.sleep(0.05)
                 continue
             try:
-                data = a.recv(65536)
+                data = a.recv(int(self.rate) // 50 or 1 if self.rate else 65536)
             except socket.timeout:
                 continue
             except OSError:
                 break
             if not data:
                 break
+            if self.rate:
+                t_next = max(t_next, time.monotonic()) + len(data) / self.rate
+                time.sleep(max(0.0, t_next - time.monotonic()))
             try:
                 b.sendall(data)
             except OSError:

@@ -307,3 +307,84 @@ def test_short_leases_survive_a_long_prefill_queue(bin_dir, pb, tmp_path):
         cl.wait_idle()
     finally:
         cl.stop()
+
+
+def ttft(stub, g, ids, timeout=60):
+    """Seconds from a Generate call to its first token."""
+    t0 = time.monotonic()
+    for m in stub.Generate(g.GenerateRequest(
+            token_ids=g.TokenIds(ids=ids), sampling=g.SamplingParams(max_tokens=2, ignore_eos=True)),
+            timeout=timeout):
+        if m.token_ids:
+            return time.monotonic() - t0
+    raise AssertionError("no token")
+
+
+def test_slow_decode_link_does_not_slow_the_other_pairs(bin_dir, model, pb):
+    """One prefill worker (--kv-queue-mib=1) and two decode workers: A's KV port is behind
+    a 1 MB/s link (a rate-limited proxy), B's is direct. Two routers share the prefill
+    worker, one placing on A only and one on B only, so each request's pair is known.
+    Eight 1,000-token prompts stream their pages to A (~4 MB: the channel fills, the
+    requests stop before their next chunk) while short prompts go to B: their median
+    TTFT stays within 2x of the same run over an unthrottled proxy, the prefill worker
+    counted the holds, and every long prompt still finishes with the tokens of one
+    process."""
+    g = pb.generation_pb2
+    common = [f"--model={model}", "--port=0", "--threads=1", "--kv-cache-mib=64",
+              "--grace-ms=2000"]
+    dec_b = Proc(bin_dir / "chunkserve-decode", common, "decode-b")
+    pre = Proc(bin_dir / "chunkserve-prefill", [*common, "--kv-queue-mib=1"], "prefill")
+    ref = Proc(bin_dir / "chunkserve", ["serve", f"--model={model}", "--port=0", "--http-port=0"],
+               "reference")
+    ref_stub = pb.generation_pb2_grpc.GenerationStub(grpc.insecure_channel(ref.addr))
+    longs = [[(17 * k + 5 * j) % 300 + 1 for j in range(1000)] for k in range(8)]
+    shorts = [[(7 * k + j) % 300 + 1 for j in range(24)] for k in range(12)]
+    want = [stream(ref_stub, g, p, 2) for p in longs]
+
+    def one_run(rate):
+        kv_port = free_port()
+        dec_a = Proc(bin_dir / "chunkserve-decode", [*common, f"--kv-port={kv_port}",
+                                                       "--kv-advertise=127.0.0.2"], "decode-a")
+        link = FaultProxy(f"127.0.0.1:{kv_port}", listen=("127.0.0.2", kv_port), rate=rate)
+        routers = []
+        try:
+            for d in (dec_a, dec_b):
+                routers.append(Proc(bin_dir / "chunkserve-router", [
+                    f"--model={model}", "--port=0", "--status-interval-ms=100",
+                    "--local-prefill-threshold=1", f"--prefill-workers={pre.addr}",
+                    f"--decode-workers={d.addr}"], "router"))
+            for r in routers:
+                wait_for(lambda r=r: metric(r.metrics(), "chunkserve:workers_usable",
+                                            'role="decode"') == 1, 30, "the decode worker usable")
+            to_a, to_b = (pb.generation_pb2_grpc.GenerationStub(grpc.insecure_channel(r.addr))
+                          for r in routers)
+            holds0 = pre.metric("chunkserve:kv_backpressure_holds_total")
+            got = [None] * len(longs)
+
+            def long_client(k):
+                got[k] = stream(to_a, g, longs[k], 2, timeout=120)
+            threads = [threading.Thread(target=long_client, args=(k,)) for k in range(len(longs))]
+            for t in threads:
+                t.start()
+            time.sleep(0.3)  # the long prompts are on the prefill worker
+            times = [ttft(to_b, g, p) for p in shorts]
+            for t in threads:
+                t.join(timeout=150)
+            assert got == want
+            holds = pre.metric("chunkserve:kv_backpressure_holds_total") - holds0
+            return sorted(times)[len(times) // 2], holds
+        finally:
+            link.close()
+            for p in [*routers, dec_a]:
+                p.stop()
+
+    try:
+        base, _ = one_run(None)
+        slow, holds = one_run(1e6)
+        print(f"short prompts' median TTFT: {base * 1e3:.0f} ms beside a fast link, "
+              f"{slow * 1e3:.0f} ms beside a 1 MB/s one ({holds:.0f} holds)")
+        assert holds > 0  # the slow channel did fill
+        assert slow <= 2 * base + 0.05, (base, slow)
+    finally:
+        for p in [pre, dec_b, ref]:
+            p.stop()

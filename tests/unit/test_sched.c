@@ -8,6 +8,7 @@
  * - cancellation at random points leaks no page;
  * - the serving loop (submit / callbacks / cancel from other threads). */
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <unistd.h>
 
@@ -462,6 +463,68 @@ static void check_reserved_reuse(void) {
     cs_engine_free(e);
 }
 
+/* cs_request.held: a held prompt gets no further chunk while the others run
+ * (and takes no partial-prefill seat); a scheduler with only held prompts is
+ * idle; released, it finishes with the tokens it would have had unheld. */
+static void check_held(void) {
+    cs_engine *e = engine(1024);
+    cs_sched *s = NULL;
+    cs_sched_params p = cs_sched_params_default();
+    p.max_num_batched_tokens = 32;
+    p.max_num_partial_prefills = 1;
+    p.enable_prefix_caching = false; /* the reference run below must not warm the cache */
+    ASSERT_EQ_INT(cs_sched_init(e, &p, &s), 0);
+    static req_spec a, b;
+    a.n_prompt = 200, b.n_prompt = 100;
+    for (int i = 0; i < a.n_prompt; i++)
+        a.prompt[i] = (int32_t)rnd((uint32_t)V);
+    for (int i = 0; i < b.n_prompt; i++)
+        b.prompt[i] = (int32_t)rnd((uint32_t)V);
+    a.max_tokens = b.max_tokens = 3;
+    req_out want[2], got[2];
+    memset(got, 0, sizeof got);
+    req_spec both[2] = {a, b};
+    run(e, &p, both, 2, want, false);
+
+    _Atomic bool held = false;
+    cs_request ra = make_req(&a, 1), rb = make_req(&b, 2);
+    ra.held = &held;
+    ASSERT_EQ_INT(cs_sched_add(s, &ra), 0);
+    const cs_event *ev;
+    int32_t ne;
+    ASSERT_EQ_INT(cs_sched_step(s, &ev, &ne), 0); /* a's first chunk */
+    cs_step_info info;
+    cs_sched_last_step(s, &info);
+    ASSERT_EQ_INT(info.n_tokens, 32);
+    atomic_store(&held, true);
+    ASSERT_TRUE(cs_sched_idle(s));
+    ASSERT_EQ_INT(cs_sched_add(s, &rb), 0); /* b is admitted past the held a, and finishes */
+    while (got[1].n_out < b.max_tokens) {
+        ASSERT_EQ_INT(cs_sched_step(s, &ev, &ne), 0);
+        cs_sched_last_step(s, &info);
+        ASSERT_TRUE(info.n_tokens > 0);
+        for (int32_t i = 0; i < ne; i++) {
+            ASSERT_EQ_INT((int)ev[i].id, 2);
+            if (ev[i].token >= 0) got[1].out[got[1].n_out++] = ev[i].token;
+        }
+    }
+    ASSERT_TRUE(cs_sched_idle(s)); /* only the held a is left */
+    atomic_store(&held, false);
+    ASSERT_TRUE(!cs_sched_idle(s));
+    while (!cs_sched_idle(s)) {
+        ASSERT_EQ_INT(cs_sched_step(s, &ev, &ne), 0);
+        for (int32_t i = 0; i < ne; i++)
+            if (ev[i].token >= 0) got[0].out[got[0].n_out++] = ev[i].token;
+    }
+    for (int k = 0; k < 2; k++) {
+        ASSERT_EQ_INT(got[k].n_out, want[k].n_out);
+        ASSERT_TRUE(memcmp(got[k].out, want[k].out, sizeof(int32_t) * (size_t)got[k].n_out) == 0);
+    }
+    check_pages(e);
+    cs_sched_free(s);
+    cs_engine_free(e);
+}
+
 int main(void) {
     char path[1024];
     snprintf(path, sizeof path, "%s/f32/tiny.gguf", getenv("CS_TINY_DIR"));
@@ -471,6 +534,7 @@ int main(void) {
     check_prefix_cache();
     check_cache_salt();
     check_reserved_reuse();
+    check_held();
     check_cancel();
     check_equivalence();
     check_serve();

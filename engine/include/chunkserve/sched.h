@@ -70,6 +70,13 @@ typedef struct {
                                salt share cached pages (it seeds the page hash chain, so
                                cached-token counts tell nothing across salts); NULL or ""
                                = the shared namespace. Hashed at add, not kept */
+    const _Atomic bool *held; /* optional, the caller's, alive until the request ends:
+                                 while it reads true the request gets no further prompt
+                                 chunk (the others keep running; what it holds stays). A
+                                 prefill worker holds a request whose KV channel is
+                                 full. A scheduler whose running requests are all held
+                                 is idle; whoever clears it wakes the loop
+                                 (cs_serve_wake) */
 } cs_request;
 
 /* What a step produced for one request. */

@@ -44,6 +44,9 @@ int cs_serve_submit(cs_serve *sv, const cs_request *r, cs_serve_cb cb, void *use
 /* Cancels a request at any point; it gets a CANCELLED event unless it had
  * already finished. Thread-safe; unknown ids are ignored. */
 void cs_serve_cancel(cs_serve *sv, uint64_t id);
+/* Wakes the engine thread if it sleeps: after a request's cs_request.held
+ * was cleared. Thread-safe; allocates nothing, so it cannot fail. */
+void cs_serve_wake(cs_serve *sv);
 /* A CS_KV_REMOTE request's KV is in place; first_token (sampled by the
  * prefill side, with its log-probabilities first_lp when asked; copied; and
  * n_cached, the prompt tokens that side took from its prefix cache) is
