@@ -1,7 +1,12 @@
 /* serve.c: the serving loop. Submissions and cancellations are queued under
  * a mutex and applied by the engine thread between steps, so the scheduler
  * and engine stay single-threaded. The thread sleeps on a condition variable
- * when there is nothing to do. */
+ * when there is nothing to do.
+ *
+ * A cancel allocates nothing, so memory pressure cannot lose one (and leak a
+ * request's pages until its end): each request's record (live) is made at
+ * submit and sits in sv->all, under the mutex, until its final event; a
+ * cancel marks it there and the loop applies the marks after the batch. */
 #include "chunkserve/serve.h"
 
 #include <pthread.h>
@@ -16,7 +21,8 @@ typedef struct pending {
     int32_t *stop_ids;
     cs_serve_cb cb;
     void *user;
-    enum { P_SUBMIT, P_CANCEL, P_KV_READY, P_KV_RELEASE } kind;
+    enum { P_SUBMIT, P_KV_READY, P_KV_RELEASE } kind;
+    struct live *lv;     /* P_SUBMIT: the request's record, made at submit */
     int32_t first_token; /* P_KV_READY, with first_lp when has_lp, and n_cached */
     int32_t n_cached;
     bool has_lp;
@@ -30,7 +36,11 @@ typedef struct live {
     uint64_t id;
     cs_serve_cb cb;
     void *user;
-    struct live *next;
+    struct live *next; /* sv->lives: applied, engine thread only */
+    /* under sv->mu */
+    struct live *all_next, **all_prev; /* sv->all: from submit to the final event */
+    bool cancel;                       /* cs_serve_cancel asked for it */
+    struct live *cancel_next;          /* the loop's list of marked ones */
 } live;
 
 struct cs_serve {
@@ -40,6 +50,8 @@ struct cs_serve {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     pending *head, **tail;
+    live *all;       /* every request not yet ended, applied or not (under mu) */
+    bool any_cancel; /* some record in all is marked (under mu) */
     bool stopping;
     live *lives;          /* engine thread only */
     cs_sched_stats stats; /* under mu */
@@ -54,7 +66,23 @@ static void pending_free(pending *p) {
     free(p->pages);
     free((void *)p->r.prompt);
     free((void *)p->r.cache_salt);
+    free(p->lv); /* a submit that never started (its record was unlinked) */
     free(p);
+}
+
+/* Under sv->mu. */
+static void link_all(cs_serve *sv, live *x) {
+    x->all_next = sv->all;
+    x->all_prev = &sv->all;
+    if (sv->all) sv->all->all_prev = &x->all_next;
+    sv->all = x;
+}
+
+static void unlink_all(cs_serve *sv, live *x) {
+    pthread_mutex_lock(&sv->mu);
+    *x->all_prev = x->all_next;
+    if (x->all_next) x->all_next->all_prev = x->all_prev;
+    pthread_mutex_unlock(&sv->mu);
 }
 
 static live **find_live(cs_serve *sv, uint64_t id) {
@@ -68,6 +96,7 @@ static void finish_live(cs_serve *sv, live **l, const cs_event *ev) {
     live *x = *l;
     x->cb(x->user, ev);
     *l = x->next;
+    unlink_all(sv, x);
     free(x);
 }
 
@@ -88,13 +117,6 @@ static void apply(cs_serve *sv, pending *p) {
         return;
     }
     live **l = find_live(sv, p->r.id);
-    if (p->kind == P_CANCEL) {
-        if (*l && cs_sched_cancel(sv->sched, p->r.id) == 0) {
-            cs_event ev = end_event(p->r.id, CS_FINISH_CANCELLED, 0, NULL);
-            finish_live(sv, l, &ev);
-        }
-        return;
-    }
     if (p->kind == P_KV_READY) {
         if (*l && cs_sched_kv_ready(sv->sched, p->r.id, p->first_token, p->n_cached,
                                     p->has_lp ? &p->first_lp : NULL) != 0) {
@@ -109,20 +131,16 @@ static void apply(cs_serve *sv, pending *p) {
     int r = *l ? cs_fail(CS_EINVAL, "request id %llu is already live", (unsigned long long)p->r.id)
                : cs_sched_add(sv->sched, &p->r);
     if (r) {
+        unlink_all(sv, p->lv); /* pending_free frees it */
         cs_event ev =
             end_event(p->r.id, CS_FINISH_ERROR, p->r.n_prompt - p->r.n_resumed, cs_last_error());
         ev.status = r;
         p->cb(p->user, &ev);
         return;
     }
-    live *x = malloc(sizeof *x);
-    if (!x) {
-        cs_sched_cancel(sv->sched, p->r.id);
-        cs_event ev = end_event(p->r.id, CS_FINISH_ERROR, p->r.n_prompt, "out of memory");
-        p->cb(p->user, &ev);
-        return;
-    }
-    *x = (live){p->r.id, p->cb, p->user, sv->lives};
+    live *x = p->lv;
+    p->lv = NULL;
+    x->next = sv->lives;
     sv->lives = x;
     /* admission event: the reserved pages (decode workers start the KV
      * transfer into them) */
@@ -136,22 +154,38 @@ static void *loop(void *arg) {
     cs_log_set_role("engine");
     for (;;) {
         pthread_mutex_lock(&sv->mu);
-        while (!sv->head && !sv->stopping && cs_sched_idle(sv->sched))
+        while (!sv->head && !sv->stopping && !sv->any_cancel && cs_sched_idle(sv->sched))
             pthread_cond_wait(&sv->cv, &sv->mu);
         pending *batch = sv->head;
         sv->head = NULL;
         sv->tail = &sv->head;
         bool stopping = sv->stopping;
+        live *cancels = NULL; /* marked ones, each taken once */
+        for (live *x = sv->any_cancel ? sv->all : NULL; x; x = x->all_next)
+            if (x->cancel) x->cancel = false, x->cancel_next = cancels, cancels = x;
+        sv->any_cancel = false;
         pthread_mutex_unlock(&sv->mu);
         for (pending *p = batch, *n; p; p = n) {
             n = p->next;
             if (!stopping || p->kind != P_SUBMIT)
                 apply(sv, p);
             else { /* submitted as we stop: never started */
+                unlink_all(sv, p->lv);
                 cs_event ev = end_event(p->r.id, CS_FINISH_CANCELLED, p->r.n_prompt, NULL);
                 p->cb(p->user, &ev);
             }
             pending_free(p);
+        }
+        /* after the batch, which holds every submit made before the cancels */
+        for (live *x = cancels, *n; x; x = n) {
+            n = x->cancel_next;
+            live **l = &sv->lives;
+            while (*l && *l != x)
+                l = &(*l)->next;
+            if (*l && cs_sched_cancel(sv->sched, x->id) == 0) {
+                cs_event ev = end_event(x->id, CS_FINISH_CANCELLED, 0, NULL);
+                finish_live(sv, l, &ev);
+            }
         }
         if (stopping) break;
         if (batch) { /* what was just queued shows in the stats before the step runs */
@@ -222,6 +256,7 @@ static int enqueue(cs_serve *sv, pending *p) {
 int cs_serve_submit(cs_serve *sv, const cs_request *r, cs_serve_cb cb, void *user) {
     pending *p = calloc(1, sizeof *p);
     if (!p) return cs_fail(CS_ENOMEM, "serve: out of memory");
+    p->lv = calloc(1, sizeof *p->lv);
     p->r = *r;
     p->cb = cb;
     p->user = user;
@@ -229,7 +264,7 @@ int cs_serve_submit(cs_serve *sv, const cs_request *r, cs_serve_cb cb, void *use
     p->r.prompt = prompt;
     p->stops = calloc(r->stop.n_stop + 1, sizeof(char *));
     p->stop_ids = malloc(sizeof(int32_t) * (r->stop.n_stop_ids + 1));
-    bool ok = prompt && p->stops && p->stop_ids;
+    bool ok = prompt && p->stops && p->stop_ids && p->lv;
     if (ok && r->n_prompt > 0) memcpy(prompt, r->prompt, sizeof(int32_t) * (size_t)r->n_prompt);
     for (size_t i = 0; ok && i < r->stop.n_stop; i++)
         ok = (p->stops[i] = strdup(r->stop.stop[i] ? r->stop.stop[i] : "")) != NULL;
@@ -244,17 +279,29 @@ int cs_serve_submit(cs_serve *sv, const cs_request *r, cs_serve_cb cb, void *use
         pending_free(p);
         return cs_fail(CS_ENOMEM, "serve: out of memory");
     }
-    int rc = enqueue(sv, p);
-    if (rc) pending_free(p);
-    return rc;
+    p->lv->id = r->id, p->lv->cb = cb, p->lv->user = user;
+    pthread_mutex_lock(&sv->mu);
+    if (sv->stopping) {
+        pthread_mutex_unlock(&sv->mu);
+        pending_free(p);
+        return CS_ECANCELED;
+    }
+    link_all(sv, p->lv);
+    *sv->tail = p;
+    sv->tail = &p->next;
+    pthread_cond_signal(&sv->cv);
+    pthread_mutex_unlock(&sv->mu);
+    return 0;
 }
 
+/* Allocates nothing: a cancel is never lost. O(live requests) under the
+ * mutex. */
 void cs_serve_cancel(cs_serve *sv, uint64_t id) {
-    pending *p = calloc(1, sizeof *p);
-    if (!p) return; /* the request runs to its end */
-    p->r.id = id;
-    p->kind = P_CANCEL;
-    if (enqueue(sv, p)) pending_free(p);
+    pthread_mutex_lock(&sv->mu);
+    for (live *x = sv->all; x; x = x->all_next)
+        if (x->id == id) x->cancel = true, sv->any_cancel = true;
+    pthread_cond_signal(&sv->cv);
+    pthread_mutex_unlock(&sv->mu);
 }
 
 /* The loop tests cs_sched_idle (which reads the held flags) under mu, so a
