@@ -47,7 +47,7 @@ test: build model
 	  $(PY) -m pytest -q -m "not cluster and not emu and not chaos" tests/py
 
 asan-build: bootstrap
-	cmake -S . -B $(BUILD)-asan -DCMAKE_BUILD_TYPE=Debug -DCS_SANITIZE=ON -DCS_CUDA=OFF >/dev/null
+	cmake -S . -B $(BUILD)-asan -DCMAKE_BUILD_TYPE=Debug -DCS_SANITIZE=ON -DCS_CUDA=OFF -DCS_FAULT_INJECTION=ON >/dev/null
 	cmake --build $(BUILD)-asan -j$(JOBS)
 
 test-asan: asan-build

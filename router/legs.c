@@ -142,6 +142,8 @@ void cs__leg_start_prefill(req *q, const char *kv_endpoint, int kv_transport) {
     m.cache_salt = q->cache_salt;
     m.decode_worker_id = (char *)cs_pool_worker_id(q->dleg->w);
     cs_rpc_call_opts o = {.timeout_ms = cs__req_ms_left(q)};
+    cs_rpc_metadata fault = {"x-chunkserve-fault-alloc", q->fault_worker};
+    if (q->fault_worker[0]) o.metadata = &fault, o.n_metadata = 1;
     q->pleg = l;
     CS_LOGD("request %s: prefill %zu tokens on %s -> %s (transfer %016" PRIx64 ")", q->id, q->n_ctx,
             cs_pool_worker_addr(pw), kv_endpoint, q->transfer_id);
@@ -236,12 +238,11 @@ void cs__leg_start_decode(req *q, cs_pool_worker *dw, bool first) {
      * the decode worker measures receipt-to-receipt (same host or synced
      * clocks: chunkserve:router_to_worker_seconds). */
     char t0[32];
-    cs_rpc_metadata md = {"x-chunkserve-received-us", t0};
-    if (first) {
-        snprintf(t0, sizeof t0, "%" PRId64, q->t_recv_wall_us);
-        o.metadata = &md;
-        o.n_metadata = 1;
-    }
+    cs_rpc_metadata md[2] = {{"x-chunkserve-received-us", t0},
+                             {"x-chunkserve-fault-alloc", q->fault_worker}};
+    o.metadata = first ? md : md + 1;
+    o.n_metadata = (first ? 1 : 0) + (q->fault_worker[0] ? 1 : 0);
+    if (first) snprintf(t0, sizeof t0, "%" PRId64, q->t_recv_wall_us);
     q->dleg = l;
     CS_LOGD("request %s: decode on %s, %s prefill%s%s, %zu tokens (transfer %016" PRIx64 ")", q->id,
             cs_pool_worker_addr(dw), q->local ? "local" : "remote", q->pw ? " on " : "",

@@ -150,6 +150,7 @@ void cs__req_maybe_free(req *q) {
     free(q->ctx);
     free(q->id);
     free(q->cache_salt);
+    cs__router_fault_end(r, q->seq);
     free(q);
 }
 

@@ -141,7 +141,12 @@ struct req {
     int64_t t_recv_wall_us; /* CLOCK_REALTIME at receipt, for the worker's hop measurement */
     double t_attempt;       /* the current Decode call's start */
     bool overhead_seen;     /* router_overhead_seconds observed (first attempt) */
+    char fault_worker[24];  /* fault builds: x-chunkserve-fault-alloc for its worker calls */
 };
+
+/* Ends the allocation-failure injection armed for request seq (fault.h),
+ * if it is that one, logging whether the failure happened in its life. */
+void cs__router_fault_end(router *r, uint64_t seq);
 
 struct router {
     const cs_router_opts *o;
@@ -165,6 +170,8 @@ struct router {
     int n_placed;
     double t_last_pump;
     uint64_t next_seq;
+    uint64_t fault_seq; /* the request an allocation failure is armed for (fault.h), or 0 */
+    char fault_worker[24]; /* its x-chunkserve-fault-alloc-worker, passed on to its workers */
     uint64_t id_base; /* random per process: transfer ids and request ids */
 
     struct {

@@ -28,6 +28,7 @@
 #include "chunkserve/assert.h"
 #include "chunkserve/clock.h"
 #include "chunkserve/error.h"
+#include "chunkserve/fault.h"
 #include "chunkserve/log.h"
 #include "generation.h"
 #include "prepare.h"
@@ -69,11 +70,13 @@ static void on_prepared(void *arg, cs_gen_call *c, uint64_t seq, double t_recv, 
 static void generate(void *arg, cs_gen_call *c) {
     router *r = arg;
     if (r->stopping) {
+        cs__router_fault_end(r, r->next_seq + 1);
         cs__router_count_code(r, CS_RPC_UNAVAILABLE);
         cs_gen_call_finish(c, CS_RPC_UNAVAILABLE, "the router is shutting down");
         return;
     }
     if (r->n_preparing + r->n_queued >= r->o->max_queue + r->o->max_inflight) {
+        cs__router_fault_end(r, r->next_seq + 1);
         char msg[200];
         snprintf(msg, sizeof msg,
                  "the router is overloaded: %d requests being tokenized and %d waiting "
@@ -84,6 +87,7 @@ static void generate(void *arg, cs_gen_call *c) {
         return;
     }
     if (cs_prepare_generate(cs_proc_uv(r->proc), &r->wm, c, ++r->next_seq, on_prepared, r) != 0) {
+        cs__router_fault_end(r, r->next_seq);
         cs__router_count_code(r, CS_RPC_RESOURCE_EXHAUSTED);
         cs_gen_call_finish(c, CS_RPC_RESOURCE_EXHAUSTED, "the router ran out of memory");
         return;
@@ -99,6 +103,7 @@ static void on_prepared(void *arg, cs_gen_call *c, uint64_t seq, double t_recv, 
     cs_wire_request w = *wp;
     r->n_preparing--;
     if (rc) {
+        cs__router_fault_end(r, seq);
         int code = cs_rpc_code_of_status(rc);
         CS_LOGD("request rejected: %s", err); /* its id may be what is bad */
         cs__router_count_code(r, code);
@@ -106,6 +111,7 @@ static void on_prepared(void *arg, cs_gen_call *c, uint64_t seq, double t_recv, 
         return;
     }
     if (r->grace_over || !r->pool) { /* prepared after the grace period ended */
+        cs__router_fault_end(r, seq);
         cs_wire_request_free(&w);
         cs__router_count_code(r, CS_RPC_UNAVAILABLE);
         cs_gen_call_finish(c, CS_RPC_UNAVAILABLE, "the router is shutting down");
@@ -118,6 +124,7 @@ static void on_prepared(void *arg, cs_gen_call *c, uint64_t seq, double t_recv, 
                  "the router is overloaded: %d requests placed and %d waiting (--max-queue "
                  "%lld); retry later",
                  r->n_placed, r->n_queued, (long long)r->o->max_queue);
+        cs__router_fault_end(r, seq);
         cs_wire_request_free(&w);
         cs__router_count_code(r, CS_RPC_RESOURCE_EXHAUSTED);
         cs_gen_call_finish(c, CS_RPC_RESOURCE_EXHAUSTED, msg);
@@ -131,6 +138,7 @@ static void on_prepared(void *arg, cs_gen_call *c, uint64_t seq, double t_recv, 
     if (!q || !q->id || !q->cache_salt || copy_sampling(m->sampling, &q->sampling) != 0) {
         if (q) free(q->id), free(q->cache_salt);
         free(q);
+        cs__router_fault_end(r, seq);
         cs_wire_request_free(&w);
         cs__router_count_code(r, CS_RPC_RESOURCE_EXHAUSTED);
         cs_gen_call_finish(c, CS_RPC_RESOURCE_EXHAUSTED, "the router ran out of memory");
@@ -140,6 +148,7 @@ static void on_prepared(void *arg, cs_gen_call *c, uint64_t seq, double t_recv, 
     q->r = r;
     q->call = c;
     q->seq = seq;
+    if (seq == r->fault_seq) memcpy(q->fault_worker, r->fault_worker, sizeof q->fault_worker);
     q->ctx = w.prompt; /* taken over */
     q->n_ctx = q->cap_ctx = (size_t)w.r.n_prompt;
     q->n_prompt = w.r.n_prompt;
@@ -176,14 +185,42 @@ static void on_prepared(void *arg, cs_gen_call *c, uint64_t seq, double t_recv, 
     }
 }
 
+void cs__router_fault_end(router *r, uint64_t seq) {
+    if (!seq || seq != r->fault_seq) return;
+    r->fault_seq = 0;
+    CS_LOGW("fault injection: request %llu ended, the armed allocation %s", (unsigned long long)seq,
+            cs_fault_alloc_disarm() ? "failed in its life" : "was not reached");
+}
+
+/* Fault builds only (fault.h): x-chunkserve-fault-alloc: N fails the Nth
+ * allocation from here on, in this request's life (one request at a time). */
+static void arm_fault(router *r, cs_rpc_call *rpc) {
+    if (!cs_fault_enabled()) return;
+    size_t len = 0, wlen = 0;
+    const char *v = cs_rpc_call_metadata(rpc, "x-chunkserve-fault-alloc", &len);
+    const char *wv = cs_rpc_call_metadata(rpc, "x-chunkserve-fault-alloc-worker", &wlen);
+    char buf[24] = "0";
+    if ((!v || !len || len >= sizeof buf) && (!wv || !wlen || wlen >= sizeof buf)) return;
+    if (v && len && len < sizeof buf) memcpy(buf, v, len), buf[len] = 0;
+    r->fault_worker[0] = 0;
+    if (wv && wlen && wlen < sizeof r->fault_worker)
+        memcpy(r->fault_worker, wv, wlen), r->fault_worker[wlen] = 0;
+    r->fault_seq = r->next_seq + 1; /* the seq generate() gives it */
+    cs_fault_alloc_arm(strtol(buf, NULL, 10));
+}
+
 static void handle_generate(cs_rpc_call *rpc, void *data) {
     router *r = data;
     if (!cs_api_keys_rpc_check(&r->keys, rpc)) {
         cs__router_count_code(r, CS_RPC_UNAUTHENTICATED);
         return;
     }
+    arm_fault(r, rpc);
     cs_gen_call *c = cs_gen_call_grpc(rpc);
-    if (c) generate(r, c);
+    if (c)
+        generate(r, c);
+    else
+        cs__router_fault_end(r, r->next_seq + 1);
 }
 
 /* ---------------------------------------------------------- metrics -- */

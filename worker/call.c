@@ -10,6 +10,7 @@
 
 #include "chunkserve/clock.h"
 #include "chunkserve/error.h"
+#include "chunkserve/fault.h"
 #include "chunkserve/log.h"
 #include "worker.h"
 
@@ -51,6 +52,9 @@ static void on_free_post(void *data) {
     if (q->next) q->next->prev = q->prev;
     w->n_calls--;
     if (w->role->call_free) w->role->call_free(q);
+    if (q->fault_armed)
+        CS_LOGW("fault injection: request %s ended, the armed allocation %s", q->request_id,
+                cs_fault_alloc_disarm() ? "failed in its life" : "was not reached");
     pthread_mutex_destroy(&q->mu);
     free(q);
 }
@@ -97,10 +101,24 @@ void cs_worker_call_post_locked(cs_worker_call *q) {
     }
 }
 
-cs_worker_call *cs_worker_admit(cs_worker *w, cs_rpc_call *c, const int32_t *ids, size_t n,
-                                int32_t num_prompt, const Chunkserve__V1__SamplingParams *sampling,
-                                uint64_t transfer_id, const char *request_id,
-                                const char *cache_salt, cs_request *r) {
+/* Fault builds only (fault.h): x-chunkserve-fault-alloc: N on the call fails
+ * the Nth allocation from here on, in its life (one call at a time). */
+static bool arm_fault(cs_rpc_call *c) {
+    size_t len = 0;
+    const char *v =
+        cs_fault_enabled() ? cs_rpc_call_metadata(c, "x-chunkserve-fault-alloc", &len) : NULL;
+    char buf[24];
+    if (!v || !len || len >= sizeof buf) return false;
+    memcpy(buf, v, len);
+    buf[len] = 0;
+    cs_fault_alloc_arm(strtol(buf, NULL, 10));
+    return true;
+}
+
+static cs_worker_call *admit(cs_worker *w, cs_rpc_call *c, const int32_t *ids, size_t n,
+                             int32_t num_prompt, const Chunkserve__V1__SamplingParams *sampling,
+                             uint64_t transfer_id, const char *request_id, const char *cache_salt,
+                             cs_request *r) {
     if (w->stopping) {
         cs_rpc_call_finish(c, CS_RPC_UNAVAILABLE, "the worker is draining (shutting down)");
         return NULL;
@@ -138,6 +156,22 @@ cs_worker_call *cs_worker_admit(cs_worker *w, cs_rpc_call *c, const int32_t *ids
     if (w->calls) w->calls->prev = q;
     w->calls = q;
     w->n_calls++;
+    return q;
+}
+
+cs_worker_call *cs_worker_admit(cs_worker *w, cs_rpc_call *c, const int32_t *ids, size_t n,
+                                int32_t num_prompt, const Chunkserve__V1__SamplingParams *sampling,
+                                uint64_t transfer_id, const char *request_id,
+                                const char *cache_salt, cs_request *r) {
+    bool armed = arm_fault(c);
+    cs_worker_call *q =
+        admit(w, c, ids, n, num_prompt, sampling, transfer_id, request_id, cache_salt, r);
+    if (q)
+        q->fault_armed = armed;
+    else if (armed)
+        CS_LOGW("fault injection: request %s ended, the armed allocation %s",
+                request_id && request_id[0] ? request_id : "-",
+                cs_fault_alloc_disarm() ? "failed in its life" : "was not reached");
     return q;
 }
 
