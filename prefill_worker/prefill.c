@@ -10,7 +10,8 @@
  * reference, so the pool never reuses them) and queues them by id on the
  * transport, which reads them straight from the pool (TCP: writev; NCCL: a
  * gather kernel) and hands them back through its release callback
- * (cs_serve_kv_release, applied by the engine thread); the transport's I/O
+ * (cs_serve_kv_release, applied by the engine thread, with the held
+ * record's own release: no allocation); the transport's I/O
  * thread reports the end; the loop thread owns the call. A slow decode
  * worker pushes back without blocking anyone: when the channel holds its
  * limit (--kv-queue-mib), the request's held ranges wait in its preq, the
@@ -48,8 +49,13 @@
 
 typedef struct prefill prefill;
 
-/* Completed pages held for the transport and not yet queued on it. */
+/* Completed pages held (a reference each) for the transport: waiting for
+ * room on the channel, then queued there until it releases them. The
+ * record itself carries their release to the engine, so handing the
+ * references back needs no memory. */
 typedef struct held {
+    cs_serve_release rel; /* .pages = ids, .block = the record */
+    struct prefill *p;
     struct held *next;
     int32_t first, n;
     int32_t ids[]; /* (n) */
@@ -154,13 +160,18 @@ static void prefill_drain(cs_worker_call *c) {
 
 /* ------------------------------------------------- engine + I/O threads -- */
 
-/* Transport I/O thread (or any, after a failure): held pages go back to
- * the engine, which applies it before its next step. */
+/* Transport I/O thread (or any, after a failure): a held record's pages go
+ * back to the engine, which applies it before its next step and frees the
+ * record. */
 static void release_pages(void *arg, const int32_t *ids, int32_t n) {
-    prefill *p = arg;
+    held *h = arg;
+    prefill *p = h->p;
+    (void)ids, (void)n; /* h's own */
     pthread_mutex_lock(&p->rel_mu);
-    if (!p->engine_gone && cs_serve_kv_release(p->w->sv, ids, n) != 0)
-        CS_LOGE("cannot hand %d KV pages back to the engine: %s", n, cs_last_error());
+    if (p->engine_gone)
+        free(h);
+    else
+        cs_serve_kv_release(p->w->sv, &h->rel);
     pthread_mutex_unlock(&p->rel_mu);
 }
 
@@ -168,8 +179,7 @@ static void drop_held_locked(preq *q) {
     while (q->held_head) {
         held *h = q->held_head;
         q->held_head = h->next;
-        release_pages(q->p, h->ids, h->n);
-        free(h);
+        release_pages(h, h->ids, h->n);
     }
     q->held_tail = NULL;
     q->trailer_held = false;
@@ -182,16 +192,15 @@ static int flush_locked(preq *q) {
     while (q->held_head) {
         held *h = q->held_head;
         int r = cs_kvx_tx_send_pages(p->tx, q->base.transfer_id, h->first, h->n, h->ids,
-                                     release_pages, p);
+                                     release_pages, h);
         if (r == CS_EAGAIN) {
             cs_metric_inc(p->m_backpressure);
             if (!atomic_exchange(&q->kv_full, true)) cs_metric_inc(p->m_kv_holds);
             return 0;
         }
         if (r) return r;
-        q->held_head = h->next;
+        q->held_head = h->next; /* the transport's now: it releases h */
         if (!q->held_head) q->held_tail = NULL;
-        free(h);
     }
     if (atomic_exchange(&q->kv_full, false)) cs_serve_wake(q->base.w->sv); /* its next chunk */
     if (!q->trailer_held) return 0;
@@ -272,9 +281,11 @@ static int hold_pages_locked(preq *q, const cs_event *ev) {
         }
     }
     h->next = NULL;
+    h->p = q->p;
     h->first = ev->kv_first_page;
     h->n = ev->kv_n_pages;
     memcpy(h->ids, ev->kv_pages, (size_t)h->n * sizeof *h->ids);
+    h->rel = (cs_serve_release){.pages = h->ids, .n = h->n, .block = h};
     if (q->held_tail)
         q->held_tail->next = h;
     else
@@ -493,8 +504,7 @@ static const cs_metric_def prefill_metrics_table[] = {
     {M(m_backpressure), "chunkserve:kv_backpressure_waits_total", CS_METRIC_COUNTER, NULL,
      "page ranges held back by a full KV channel until it drained", NULL, 0},
     {M(m_kv_holds), "chunkserve:kv_backpressure_holds_total", CS_METRIC_COUNTER, NULL,
-     "times a request's prompt stopped (no next chunk) until its full KV channel drained",
-     NULL, 0},
+     "times a request's prompt stopped (no next chunk) until its full KV channel drained", NULL, 0},
     {M(m_unknown_endpoint), "chunkserve:kv_endpoint_refused_total", CS_METRIC_COUNTER, NULL,
      "Prefill calls refused: their kv_endpoint is no known decode worker's (--decode-workers, "
      "--decode-dns)",

@@ -67,6 +67,7 @@ typedef struct gen {
     /* Filled on the engine thread, under mu; taken by the drain. */
     pthread_mutex_t mu;
     bool posted, done;
+    cs_rpc_post post; /* the drain's: posting it allocates nothing */
     cs_outbuf out;
     enum cs_finish finish;
     int32_t n_prompt, n_completion, n_cached;
@@ -116,10 +117,8 @@ static void on_event(void *user, const cs_event *ev) {
     bool post = !g->posted;
     g->posted = true;
     pthread_mutex_unlock(&g->mu);
-    if (post && cs_rpc_loop_post(g->s->rl, on_drain_post, g) != 0) {
-        /* let the next event try again; the final event always comes later
-         * than any token, so the request cannot be left without a drain
-         * unless memory stays exhausted */
+    if (post && cs_rpc_loop_post_to(g->s->rl, &g->post, on_drain_post, g) != 0) {
+        /* the loop is closed: the shutdown path answers and frees */
         CS_LOGE("request %s: cannot hand an event to the loop: %s", g->request_id, cs_last_error());
         pthread_mutex_lock(&g->mu);
         g->posted = false;

@@ -64,8 +64,9 @@ void cs_worker_call_ref(cs_worker_call *q) {
 }
 
 void cs_worker_call_unref(cs_worker_call *q) {
-    if (atomic_fetch_sub(&q->refs, 1) == 1 && cs_rpc_loop_post(q->w->rl, on_free_post, q) != 0)
-        CS_LOGE("request %s: cannot post its release (leaked)", q->request_id);
+    if (atomic_fetch_sub(&q->refs, 1) == 1 &&
+        cs_rpc_loop_post_to(q->w->rl, &q->free_post, on_free_post, q) != 0)
+        CS_LOGE("request %s: cannot post its release: the loop is closed", q->request_id);
 }
 
 void cs_worker_call_finish(cs_worker_call *q, int code, const char *msg) {
@@ -95,8 +96,8 @@ void cs_worker_call_post_locked(cs_worker_call *q) {
     if (q->drain_posted) return;
     q->drain_posted = true;
     cs_worker_call_ref(q);
-    if (cs_rpc_loop_post(q->w->rl, on_drain_post, q) != 0) {
-        q->drain_posted = false;       /* the next event retries */
+    if (cs_rpc_loop_post_to(q->w->rl, &q->drain_post, on_drain_post, q) != 0) {
+        q->drain_posted = false;       /* the loop is closed */
         atomic_fetch_sub(&q->refs, 1); /* never the last: the poster holds one */
     }
 }

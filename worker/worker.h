@@ -286,6 +286,7 @@ struct cs_worker_call {
     cs_worker_call *prev, *next; /* w->calls (loop thread) */
     pthread_mutex_t mu;          /* the role's fields several threads touch, and: */
     bool drain_posted;
+    cs_rpc_post drain_post, free_post; /* posting them allocates nothing */
     bool fault_armed; /* an allocation failure is armed for this call's life (fault.h) */
 };
 

@@ -2,8 +2,11 @@
 #include "chunkserve/fault.h"
 
 #include <errno.h>
+#include <execinfo.h>
 #include <stdatomic.h>
 #include <stddef.h>
+#include <stdlib.h>
+#include <unistd.h>
 
 #ifdef CS_FAULT_INJECTION
 static _Atomic long countdown; /* > 0: allocations left before the one that fails */
@@ -30,6 +33,15 @@ static bool fail_now(void) {
         if (atomic_compare_exchange_weak(&countdown, &c, c - 1)) {
             if (c != 1) return false;
             atomic_store(&fired, true);
+            /* where, for whoever reads the walk's logs (CS_FAULT_TRACE=1); raw
+             * addresses: addr2line -e <binary> turns them into lines */
+            if (getenv("CS_FAULT_TRACE")) {
+                void *pcs[24];
+                int n = backtrace(pcs, 24);
+                static const char hdr[] = "fault injection: this allocation fails:\n";
+                if (write(2, hdr, sizeof hdr - 1) < 0) return true;
+                backtrace_symbols_fd(pcs, n, 2);
+            }
             errno = ENOMEM;
             return true;
         }

@@ -459,9 +459,19 @@ static int emit_token(cs_sched *s, seq *q, int32_t id, const cs_logprobs *lp, co
     enum cs_finish fin = CS_FINISH_NONE;
     if (q->kv_mode == CS_KV_PREFILL_ONLY)
         fin = CS_FINISH_LENGTH; /* one token; the decode side applies the stop rules */
-    else {
-        int r = cs_stop_push(q->stop, id, &text, &fin);
-        if (r) return r;
+    else if (cs_stop_push(q->stop, id, &text, &fin) != 0) {
+        /* no memory for its text: this request ends with an error (left
+         * running without its token, it would never be scheduled again) */
+        cs_event *ev = next_event(s, NULL);
+        ev->id = q->id;
+        ev->finish = CS_FINISH_ERROR;
+        ev->n_prompt_tokens = q->n_prompt;
+        ev->n_completion_tokens = q->n_tokens - q->n_prompt;
+        ev->error = "out of memory for the request's text";
+        ev->status = CS_ENOMEM;
+        unlink_running(s, q);
+        seq_free(s, q);
+        return 0;
     }
     cs_sampler_accept(q->smp, id);
     CS_ASSERT(q->n_tokens < q->cap);

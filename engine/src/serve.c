@@ -21,14 +21,12 @@ typedef struct pending {
     int32_t *stop_ids;
     cs_serve_cb cb;
     void *user;
-    enum { P_SUBMIT, P_KV_READY, P_KV_RELEASE } kind;
+    enum { P_SUBMIT, P_KV_READY } kind;
     struct live *lv;     /* P_SUBMIT: the request's record, made at submit */
     int32_t first_token; /* P_KV_READY, with first_lp when has_lp, and n_cached */
     int32_t n_cached;
     bool has_lp;
     cs_logprobs first_lp;
-    int32_t *pages; /* P_KV_RELEASE: n_pages ids to drop one reference from */
-    int32_t n_pages;
     struct pending *next;
 } pending;
 
@@ -50,8 +48,9 @@ struct cs_serve {
     pthread_mutex_t mu;
     pthread_cond_t cv;
     pending *head, **tail;
-    live *all;       /* every request not yet ended, applied or not (under mu) */
-    bool any_cancel; /* some record in all is marked (under mu) */
+    cs_serve_release *releases; /* cs_serve_kv_release's (under mu) */
+    live *all;                  /* every request not yet ended, applied or not (under mu) */
+    bool any_cancel;            /* some record in all is marked (under mu) */
     bool stopping;
     live *lives;          /* engine thread only */
     cs_sched_stats stats; /* under mu */
@@ -63,7 +62,6 @@ static void pending_free(pending *p) {
         free(p->stops[i]);
     free(p->stops);
     free(p->stop_ids);
-    free(p->pages);
     free((void *)p->r.prompt);
     free((void *)p->r.cache_salt);
     free(p->lv); /* a submit that never started (its record was unlinked) */
@@ -111,11 +109,6 @@ static cs_event end_event(uint64_t id, enum cs_finish finish, int32_t n_prompt, 
 }
 
 static void apply(cs_serve *sv, pending *p) {
-    if (p->kind == P_KV_RELEASE) {
-        if (cs_kv_cache_free_pages(cs_engine_kv(sv->e), p->pages, p->n_pages) != 0)
-            CS_LOGE("serve: releasing held KV pages: %s", cs_last_error());
-        return;
-    }
     live **l = find_live(sv, p->r.id);
     if (p->kind == P_KV_READY) {
         if (*l && cs_sched_kv_ready(sv->sched, p->r.id, p->first_token, p->n_cached,
@@ -154,7 +147,8 @@ static void *loop(void *arg) {
     cs_log_set_role("engine");
     for (;;) {
         pthread_mutex_lock(&sv->mu);
-        while (!sv->head && !sv->stopping && !sv->any_cancel && cs_sched_idle(sv->sched))
+        while (!sv->head && !sv->releases && !sv->stopping && !sv->any_cancel &&
+               cs_sched_idle(sv->sched))
             pthread_cond_wait(&sv->cv, &sv->mu);
         pending *batch = sv->head;
         sv->head = NULL;
@@ -164,7 +158,15 @@ static void *loop(void *arg) {
         for (live *x = sv->any_cancel ? sv->all : NULL; x; x = x->all_next)
             if (x->cancel) x->cancel = false, x->cancel_next = cancels, cancels = x;
         sv->any_cancel = false;
+        cs_serve_release *rels = sv->releases;
+        sv->releases = NULL;
         pthread_mutex_unlock(&sv->mu);
+        for (cs_serve_release *x = rels, *n; x; x = n) {
+            n = x->next;
+            if (cs_kv_cache_free_pages(cs_engine_kv(sv->e), x->pages, x->n) != 0)
+                CS_LOGE("serve: releasing held KV pages: %s", cs_last_error());
+            free(x->block);
+        }
         for (pending *p = batch, *n; p; p = n) {
             n = p->next;
             if (!stopping || p->kind != P_SUBMIT)
@@ -327,20 +329,16 @@ int cs_serve_kv_ready(cs_serve *sv, uint64_t id, int32_t first_token, int32_t n_
     return rc;
 }
 
-int cs_serve_kv_release(cs_serve *sv, const int32_t *pages, int32_t n) {
-    pending *p = calloc(1, sizeof *p);
-    int32_t *ids = malloc(sizeof(int32_t) * (size_t)(n > 0 ? n : 1));
-    if (!p || !ids) {
-        free(p), free(ids);
-        return cs_fail(CS_ENOMEM, "serve: out of memory");
+void cs_serve_kv_release(cs_serve *sv, cs_serve_release *rec) {
+    pthread_mutex_lock(&sv->mu);
+    bool stopping = sv->stopping;
+    if (!stopping) {
+        rec->next = sv->releases; /* the order of releases does not matter */
+        sv->releases = rec;
+        pthread_cond_signal(&sv->cv);
     }
-    memcpy(ids, pages, sizeof(int32_t) * (size_t)n);
-    p->kind = P_KV_RELEASE;
-    p->pages = ids;
-    p->n_pages = n;
-    int rc = enqueue(sv, p);
-    if (rc) pending_free(p);
-    return rc;
+    pthread_mutex_unlock(&sv->mu);
+    if (stopping) free(rec->block);
 }
 
 void cs_serve_stats(cs_serve *sv, cs_sched_stats *st) {
@@ -358,6 +356,8 @@ void cs_serve_stop(cs_serve *sv) {
     pthread_join(sv->thread, NULL);
     for (pending *p = sv->head, *n; p; p = n)
         n = p->next, pending_free(p);
+    for (cs_serve_release *x = sv->releases, *n; x; x = n)
+        n = x->next, free(x->block);
     cs_sched_free(sv->sched);
     pthread_mutex_destroy(&sv->mu);
     pthread_cond_destroy(&sv->cv);

@@ -81,6 +81,7 @@ typedef struct rx_conn {
     kvx_transcript tr; /* the handshake's (set by HELLO) */
     uint8_t session[32];
     bool closing; /* closed at the next safe point */
+    bool oom;     /* a control frame could not be allocated: fail it at the next look */
     char name[CS_KVX_NAME_MAX];
     char addr[64];
     uint64_t peer_inc;
@@ -101,6 +102,7 @@ typedef struct rx_conn {
     uint8_t id[CS_KVX_NCCL_ID_BYTES];
     int64_t init_deadline;
     cs__kvx_link *link;
+    struct rx_grave *grave; /* made with link: closing it needs no memory */
     rx_item *ihead, *itail;
     rx_slot *slots;
     int *order; /* busy slots in posting order (ring) */
@@ -126,6 +128,7 @@ typedef struct rx_xfer {
     bool ended;
     int end_status;
     char end_msg[200];
+    struct rx_event *ev; /* its end, allocated with it: a completion is never lost */
 } rx_xfer;
 
 typedef struct rx_event {
@@ -195,7 +198,10 @@ static void queue_ctl(cs_kvx_rx *rx, rx_conn *c, int type, uint64_t xfer, uint32
                       const void *pl, size_t len) {
     if (c->fd < 0 || c->closing) return;
     kvx_out *o = calloc(1, sizeof *o);
-    CS_ASSERT(o);
+    if (!o) { /* never silently lost: the channel fails at the I/O thread's next look */
+        c->oom = true;
+        return;
+    }
     cs__kvx_out_ctl(o, type, rx->inc, xfer, rx->fingerprint, pl, len);
     if (n_pages) {
         o->h.n_pages = n_pages;
@@ -222,8 +228,7 @@ static rx_xfer *find_xfer(cs_kvx_rx *rx, uint64_t id) {
 
 static void report(cs_kvx_rx *rx, rx_xfer *x, int status, const char *msg,
                    const cs_kvx_trailer *t) {
-    rx_event *e = calloc(1, sizeof *e);
-    CS_ASSERT(e); /* a lost completion would hang the caller: fail loudly */
+    rx_event *e = x->ev;
     e->done = x->done;
     e->arg = x->arg;
     e->id = x->id;
@@ -311,9 +316,9 @@ static void conn_free(cs_kvx_rx *rx, rx_conn *c) {
         c->ihead = it->next;
         free(it);
     }
+    if (!c->link) free(c->grave);
     if (c->link) {
-        rx_grave *g = calloc(1, sizeof *g);
-        CS_ASSERT(g);
+        rx_grave *g = c->grave;
         g->link = c->link;
         g->slots = c->slots;
         c->slots = NULL;
@@ -686,7 +691,10 @@ static void on_desc(cs_kvx_rx *rx, rx_conn *c, const cs_kvx_hdr *h) {
         return;
     }
     rx_item *it = calloc(1, sizeof *it);
-    CS_ASSERT(it);
+    if (!it) {
+        conn_fail(rx, c, CS_ENOMEM, "the receiver ran out of memory", false);
+        return;
+    }
     int r = cs_kvx_nccl_desc_decode(c->buf, (size_t)h->payload_len, h, rx->p.layout.page_bytes,
                                     &it->d, err, sizeof err);
     if (!r && rx->p.require_checksum && !(it->d.flags & CS_KVX_DESC_SUM)) {
@@ -737,6 +745,12 @@ static void link_open(cs_kvx_rx *rx, rx_conn *c) {
     cs__kvx_link *link = NULL;
     pthread_mutex_unlock(&rx->mu);
     int r = rx->pl->open(&cfg, id, &link, err, sizeof err);
+    rx_grave *g = r ? NULL : calloc(1, sizeof *g); /* closing it will need no memory */
+    if (!r && !g) {
+        rx->pl->close(link);
+        r = CS_ENOMEM;
+        snprintf(err, sizeof err, "out of memory");
+    }
     pthread_mutex_lock(&rx->mu);
     if (r) {
         char m[300];
@@ -746,6 +760,7 @@ static void link_open(cs_kvx_rx *rx, rx_conn *c) {
         return;
     }
     c->link = link;
+    c->grave = g;
     c->comm = COMM_INIT;
     c->init_deadline = cs__kvx_now_ms() + rx->p.init_timeout_ms;
 }
@@ -879,8 +894,8 @@ static void on_frame(cs_kvx_rx *rx, rx_conn *c) {
     switch (h->type) {
     case CS_KVX_PING: { /* naming a transfer: its sender renews it */
         rx_xfer *x = h->xfer_id ? find_xfer(rx, h->xfer_id) : NULL;
-        if (x && !x->fail && (x->conn == c || (!x->conn && (!x->sender[0] ||
-                                                            !strcmp(x->sender, c->name))))) {
+        if (x && !x->fail &&
+            (x->conn == c || (!x->conn && (!x->sender[0] || !strcmp(x->sender, c->name))))) {
             x->deadline = cs__kvx_now_ms() + x->lease_ms;
             rx->st.renewals++;
         }
@@ -1121,6 +1136,8 @@ static void *rx_thread(void *arg) {
                          rx->p.dead_ms);
                 conn_fail(rx, c, CS_ECONNRESET, m, false);
             }
+            if (!c->closing && c->oom)
+                conn_fail(rx, c, CS_ENOMEM, "the receiver ran out of memory for a frame", false);
             if (!c->closing && c->comm == COMM_OPENING) link_open(rx, c);
             if (!c->closing && c->link) link_poll(rx, c, now);
             if (c->closing) { /* the safe point: nothing refers to c any more */
@@ -1332,7 +1349,9 @@ int cs_kvx_rx_expect(cs_kvx_rx *rx, uint64_t xfer_id, const char *sender, const 
                            (unsigned long long)xfer_id, page_ids[i], rx->p.pool.n_pages);
     rx_xfer *x = calloc(1, sizeof *x);
     int32_t *ids = malloc((size_t)n_pages * sizeof *ids);
-    if (!x || !ids) {
+    if (x) x->ev = calloc(1, sizeof *x->ev);
+    if (!x || !ids || !x->ev) {
+        if (x) free(x->ev);
         free(x), free(ids);
         return cs_fail(CS_ENOMEM, "kvx rx: out of memory");
     }
@@ -1349,7 +1368,7 @@ int cs_kvx_rx_expect(cs_kvx_rx *rx, uint64_t xfer_id, const char *sender, const 
     pthread_mutex_lock(&rx->mu);
     if (find_xfer(rx, xfer_id)) {
         pthread_mutex_unlock(&rx->mu);
-        free(ids), free(x);
+        free(x->ev), free(ids), free(x);
         return cs_fail(CS_EEXIST, "kvx rx: transfer %llu already expected",
                        (unsigned long long)xfer_id);
     }

@@ -41,6 +41,7 @@ enum item_kind { IT_CHUNK, IT_TRAILER };
 /* One successful cs_kvx_tx_send_pages: its ids, referenced by its chunks. */
 typedef struct tx_send {
     int refs;
+    struct tx_event *ev; /* its release, allocated with it: a release is never lost */
     cs_kvx_release_fn release;
     void *arg;
     int32_t n;
@@ -90,6 +91,8 @@ typedef struct tx_chan {
     size_t queued_bytes; /* page bytes accepted and not yet handed on (backpressure) */
     /* payload link: one per TCP connection */
     cs__kvx_link *link;
+    struct tx_grave *grave; /* made with link: closing it needs no memory */
+    bool oom;               /* a frame could not be allocated: close at the next look */
     bool local_ready, peer_ready;
     int64_t init_deadline;
     tx_item *ihead, *itail;
@@ -107,7 +110,8 @@ typedef struct tx_xfer {
     int fail;        /* pending failure set by an API call (abort) */
     cs_kvx_done_fn done;
     void *arg;
-    uint64_t digest; /* fold of the chunk checksums, in order */
+    uint64_t digest;     /* fold of the chunk checksums, in order */
+    struct tx_event *ev; /* its end, allocated with it: a completion is never lost */
 } tx_xfer;
 
 /* A finished transfer, a released send or room, reported after unlocking. */
@@ -172,15 +176,10 @@ static void push_event(cs_kvx_tx *tx, tx_event *e) {
     tx->ev_tail = e;
 }
 
-static tx_event *new_event(void) {
-    tx_event *e = calloc(1, sizeof *e);
-    CS_ASSERT(e); /* a lost completion would hang the caller: fail loudly */
-    return e;
-}
-
 static void send_unref(cs_kvx_tx *tx, tx_send *s) {
     if (!s || --s->refs > 0) return;
-    tx_event *e = new_event();
+    tx_event *e = s->ev;
+    s->ev = NULL;
     e->send = s;
     push_event(tx, e);
 }
@@ -194,10 +193,18 @@ static void enqueue(tx_chan *ch, kvx_out *o) {
     ch->qtail = o;
 }
 
+/* A frame for ch, or NULL with ch marked to close (ENOMEM) at the I/O
+ * thread's next look at it: a frame is never silently lost. */
+static kvx_out *new_out(tx_chan *ch) {
+    kvx_out *o = calloc(1, sizeof *o);
+    if (!o) ch->oom = true;
+    return o;
+}
+
 static void queue_ctl(cs_kvx_tx *tx, tx_chan *ch, int type, uint64_t xfer, const void *pl,
                       size_t len) {
-    kvx_out *o = calloc(1, sizeof *o);
-    CS_ASSERT(o);
+    kvx_out *o = new_out(ch);
+    if (!o) return;
     cs__kvx_out_ctl(o, type, tx->p.incarnation, xfer, tx->fingerprint, pl, len);
     enqueue(ch, o);
 }
@@ -242,7 +249,7 @@ static void xfer_end(cs_kvx_tx *tx, tx_xfer *x, int status, const char *msg) {
         tx->st.transfers_completed++;
     else
         tx->st.transfers_failed++;
-    tx_event *e = new_event();
+    tx_event *e = x->ev;
     e->done = x->done;
     e->arg = x->arg;
     e->id = x->id;
@@ -291,14 +298,10 @@ static void chan_close(cs_kvx_tx *tx, tx_chan *ch, int status, const char *msg) 
         free(o);
     }
     ch->qtail = NULL;
-    tx_grave *g = NULL;
-    if (ch->link) {
-        g = calloc(1, sizeof *g);
-        CS_ASSERT(g);
-        g->link = ch->link;
-        g->sends = calloc((size_t)tx->p.n_slots + 1, sizeof *g->sends);
-        CS_ASSERT(g->sends);
-    }
+    tx_grave *g = ch->link ? ch->grave : NULL; /* made with the link */
+    if (!g && ch->grave) free(ch->grave->sends), free(ch->grave);
+    ch->grave = NULL;
+    if (g) g->link = ch->link;
     /* Pages an asynchronous pack may still read stay held until the link is
      * torn down; the others are released now. */
     for (int i = 0; i < tx->p.n_slots; i++) {
@@ -322,6 +325,7 @@ static void chan_close(cs_kvx_tx *tx, tx_chan *ch, int status, const char *msg) 
     }
     ch->link = NULL;
     ch->local_ready = ch->peer_ready = false;
+    ch->oom = false;
 }
 
 /* Tears closed links down without the mutex: ncclCommAbort and the wait for
@@ -403,6 +407,19 @@ static int chan_connect(cs_kvx_tx *tx, tx_chan *ch) {
         if (err) snprintf(m, sizeof m, "%s link to %s:%s: %s", tx->pl->name, host, port, e);
     }
     pthread_mutex_lock(&tx->mu);
+    if (!err && link) { /* its grave, so closing it never needs memory */
+        tx_grave *g = calloc(1, sizeof *g);
+        if (g) g->sends = calloc((size_t)tx->p.n_slots + 1, sizeof *g->sends);
+        if (g && g->sends) {
+            ch->grave = g;
+        } else {
+            if (g) free(g);
+            tx->pl->close(link);
+            link = NULL;
+            err = CS_ENOMEM;
+            snprintf(m, sizeof m, "%s link to %s:%s: out of memory", tx->pl->name, host, port);
+        }
+    }
     if (err) {
         if (fd >= 0) close(fd);
         chan_close(tx, ch, err, m);
@@ -425,8 +442,8 @@ static int chan_connect(cs_kvx_tx *tx, tx_chan *ch) {
     memcpy(hello.nonce, ch->nonce, sizeof hello.nonce);
     uint8_t pl[CS_KVX_HELLO_BYTES];
     cs_kvx_hello_encode(&hello, pl);
-    kvx_out *o = calloc(1, sizeof *o);
-    CS_ASSERT(o);
+    kvx_out *o = new_out(ch);
+    if (!o) return 0; /* closed at the next look */
     cs__kvx_out_ctl(o, CS_KVX_HELLO, tx->p.incarnation, 0, tx->fingerprint, pl, sizeof pl);
     if (tx->pl->kind == CS_KVX_PAYLOAD_NCCL) { /* the payload is announced in HELLO */
         o->h.flags |= CS_KVX_FLAG_NCCL;
@@ -499,8 +516,8 @@ static void emit_items(cs_kvx_tx *tx, tx_chan *ch) {
                 continue;
             }
             if (!sl || !link_ready(ch)) return;
-            kvx_out *o = calloc(1, sizeof *o);
-            CS_ASSERT(o);
+            kvx_out *o = new_out(ch);
+            if (!o) return;
             if (tx->pl->inline_pages) { /* PAGES: the bytes follow, from the pool */
                 o->type = CS_KVX_PAGES;
                 o->xfer_id = x->id;
@@ -547,8 +564,8 @@ static void emit_items(cs_kvx_tx *tx, tx_chan *ch) {
             uint8_t pl[CS_KVX_TRAILER_BYTES];
             cs_kvx_trailer_encode(&tw, pl);
             cs__kvx_trailer_mac(ch->session, x->id, pl, pl + CS_KVX_TRAILER_MAC_AT);
-            kvx_out *o = calloc(1, sizeof *o);
-            CS_ASSERT(o);
+            kvx_out *o = new_out(ch);
+            if (!o) return;
             cs__kvx_out_ctl(o, CS_KVX_TRAILER, tx->p.incarnation, x->id, tx->fingerprint, pl,
                             sizeof pl);
             o->xfer = x;
@@ -707,9 +724,13 @@ static void room_check(cs_kvx_tx *tx, tx_chan *ch) {
     if (ch->queued_bytes > tx->p.max_queued_bytes / 2) return;
     for (tx_xfer *x = tx->xfers; x; x = x->next)
         if (x->ch == ch && x->want_room && !x->fail) {
+            if (!tx->p.room) {
+                x->want_room = false;
+                continue;
+            }
+            tx_event *e = calloc(1, sizeof *e);
+            if (!e) continue; /* still wanted: the next room check tells it */
             x->want_room = false;
-            if (!tx->p.room) continue;
-            tx_event *e = new_event();
             e->room = tx->p.room;
             e->arg = x->arg;
             e->id = x->id;
@@ -749,8 +770,8 @@ static void on_challenge(cs_kvx_tx *tx, tx_chan *ch, const cs_kvx_hdr *h, const 
     uint8_t proof[CS_KVX_AUTH_BYTES];
     cs__kvx_derive(&tx->key, KVX_PROOF_TX, &t, proof);
     cs__kvx_derive(&tx->key, KVX_SESSION, &t, ch->session);
-    kvx_out *o = calloc(1, sizeof *o);
-    CS_ASSERT(o);
+    kvx_out *o = new_out(ch);
+    if (!o) return;
     cs__kvx_out_ctl(o, CS_KVX_AUTH, tx->p.incarnation, 0, tx->fingerprint, proof, sizeof proof);
     CS_ASSERT(!ch->qhead || ch->qhead->off == 0); /* nothing but HELLO went out, whole */
     o->next = ch->qhead; /* first: the frames queued behind HELLO waited for it */
@@ -966,6 +987,10 @@ static void *tx_thread(void *arg) {
         for (tx_chan *c = tx->chans; c; c = c->next) {
             if (c->state == CH_IDLE && c->n_xfers > 0) chan_connect(tx, c);
             if (c->fd < 0) continue;
+            if (c->oom) {
+                chan_close(tx, c, CS_ENOMEM, "the sender ran out of memory for a frame");
+                continue;
+            }
             if (now - c->last_rx > tx->p.dead_ms) {
                 char m[128];
                 snprintf(m, sizeof m, "receiver %s:%d silent for %d ms", c->host, c->port,
@@ -1163,6 +1188,7 @@ int cs_kvx_tx_begin(cs_kvx_tx *tx, const char *host, int port, uint64_t xfer_id,
         tx->chans = ch;
     }
     tx_xfer *x = calloc(1, sizeof *x);
+    if (x && !(x->ev = calloc(1, sizeof *x->ev))) free(x), x = NULL;
     if (!x) {
         r = cs_fail(CS_ENOMEM, "kvx tx: out of memory");
         goto out;
@@ -1230,6 +1256,7 @@ int cs_kvx_tx_send_pages(cs_kvx_tx *tx, uint64_t xfer_id, int32_t first_page, in
     }
     s = malloc(sizeof *s + (size_t)n_pages * sizeof *s->ids);
     if (!s) goto nomem;
+    if (!(s->ev = calloc(1, sizeof *s->ev))) goto nomem;
     memcpy(s->ids, page_ids, (size_t)n_pages * sizeof *s->ids);
     s->n = n_pages;
     s->refs = 0;
@@ -1268,6 +1295,7 @@ nomem:
     free(items);
 fail:
     pthread_mutex_unlock(&tx->mu);
+    if (s) free(s->ev);
     free(s);
     return r;
 }

@@ -40,7 +40,8 @@ struct cs_rpc_loop {
     pthread_mutex_t mu;
     cs__rpc_event *events; /* (n_events) pending, in arrival order */
     size_t n_events, cap_events;
-    bool closed; /* no more posts */
+    cs_rpc_post *posts_head, *posts_tail; /* cs_rpc_loop_post_to's, in order */
+    bool closed;                          /* no more posts */
 
     /* Loop thread only. */
     cs__rpc_event *spare; /* the other buffer, swapped with events on drain */

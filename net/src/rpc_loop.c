@@ -68,6 +68,8 @@ static size_t drain_once(cs_rpc_loop *l) {
     l->events = l->spare;
     l->cap_events = l->cap_spare;
     l->n_events = 0;
+    cs_rpc_post *posts = l->posts_head;
+    l->posts_head = l->posts_tail = NULL;
     pthread_mutex_unlock(&l->mu);
     l->spare = batch;
     l->cap_spare = cap;
@@ -75,6 +77,10 @@ static size_t drain_once(cs_rpc_loop *l) {
         cs__rpc_tag *t = batch[i].tag;
         if (t->fn != run_post) cs__rpc_loop_end(l);
         t->fn(t, batch[i].ok);
+    }
+    for (cs_rpc_post *p = posts, *next; p; p = next, n++) {
+        next = p->next; /* p may be freed, or posted again, by its fn */
+        p->fn(p->data);
     }
     return n;
 }
@@ -145,6 +151,24 @@ void cs_rpc_loop_close(cs_rpc_loop *l) {
     l->closing = true;
     /* Finish from the async callback, never from inside a caller's stack. */
     uv_async_send(&l->async);
+}
+
+int cs_rpc_loop_post_to(cs_rpc_loop *l, cs_rpc_post *p, void (*fn)(void *data), void *data) {
+    p->next = NULL;
+    p->fn = fn;
+    p->data = data;
+    pthread_mutex_lock(&l->mu);
+    bool closed = l->closed;
+    if (!closed) {
+        if (l->posts_tail)
+            l->posts_tail->next = p;
+        else
+            l->posts_head = p;
+        l->posts_tail = p;
+        uv_async_send(&l->async); /* under the lock, as in push_locked */
+    }
+    pthread_mutex_unlock(&l->mu);
+    return closed ? cs_fail(CS_ECANCELED, "rpc: loop closed") : 0;
 }
 
 int cs_rpc_loop_post(cs_rpc_loop *l, void (*fn)(void *data), void *data) {

@@ -1319,7 +1319,7 @@ def fault_cluster(cl, pb, reference):
     d = cl.decode()
     p = cl.prefill()
     r = cl.router(f"--decode-workers={d.addr}", f"--prefill-workers={p.addr}",
-                  "--local-prefill-threshold=8", *FAST)
+                  "--local-prefill-threshold=8", *FAST, "--queue-timeout-ms", "300")
     wait_usable(r, 1, 1)
     prompt = list(range(30, 50))
     return d, p, r, prompt, reference(prompt, 4)[0]
@@ -1366,16 +1366,14 @@ def test_allocation_failure_walk_router(cl, pb, reference):
     wait_idle(pb, [d, p])
 
 
-@pytest.mark.skipif(not os.environ.get("CS_FAULT_WALK_WORKERS"),
-                    reason="known to fail: the KV transport asserts on allocation failures "
-                           "(kvx_rx.c, kvx_tx.c: CS_ASSERT on a NULL calloc); "
-                           "CS_FAULT_WALK_WORKERS=1 runs it")
 def test_allocation_failure_walk_workers(cl, pb, reference):
     """Fault-injection builds only: the walk of test_allocation_failure_walk_router in both
     workers' calls of a request (admission, the engine, the KV transfer, the answer): the
     router passes x-chunkserve-fault-alloc-worker on as x-chunkserve-fault-alloc to the
     Prefill and Decode calls, each worker failing its own Nth allocation from the call's
-    admission. The same contract. CS_FAULT_WALK_FROM=N starts the walk at N."""
+    admission. The same contract. CS_FAULT_WALK_FROM=N starts the walk at N; with
+    CS_FAULT_TRACE=1 each failing allocation prints its stack
+    (tools/symbolize_fault_traces.py reads them)."""
     d, p, r, prompt, want = fault_cluster(cl, pb, reference)
     list(r.stub.Generate(gen(pb, prompt, 4), timeout=30,
                          metadata=[("x-chunkserve-fault-alloc-worker", str(10**9))]))
@@ -1383,28 +1381,32 @@ def test_allocation_failure_walk_workers(cl, pb, reference):
     if "fault injection" not in d.stderr():
         pytest.skip("not a fault-injection build (-DCS_FAULT_INJECTION=ON)")
     codes, n, misses = {}, int(os.environ.get("CS_FAULT_WALK_FROM", "1")) - 1, 0
-    while misses < 3:
-        n += 1
-        seen = {w.name: len(w.stderr()) for w in (d, p)}
-        try:
-            msgs = list(r.stub.Generate(gen(pb, prompt, 4), timeout=30,
-                                        metadata=[("x-chunkserve-fault-alloc-worker", str(n))]))
-            code = grpc.StatusCode.OK
-            assert [t for m in msgs for t in m.token_ids] == want, n
-        except grpc.RpcError as e:
-            code = e.code()
-            assert code in FAULT_OK, (n, code, e.details(), *(
-                f"{w.name}: {w.stderr()[seen[w.name]:][-3000:]}" for w in (d, p)))
-        codes[code] = codes.get(code, 0) + 1
-        wait_idle(pb, [d, p])
+    try:
+        while misses < 3:
+            n += 1
+            seen = {w.name: len(w.stderr()) for w in (d, p)}
+            try:
+                msgs = list(r.stub.Generate(gen(pb, prompt, 4), timeout=30,
+                                            metadata=[("x-chunkserve-fault-alloc-worker", str(n))]))
+                code = grpc.StatusCode.OK
+                assert [t for m in msgs for t in m.token_ids] == want, n
+            except grpc.RpcError as e:
+                code = e.code()
+                assert code in FAULT_OK, (n, code, e.details())
+            codes[code] = codes.get(code, 0) + 1
+            wait_idle(pb, [d, p])
 
-        def lines():
-            return [ln for w in (d, p) for ln in w.stderr()[seen[w.name]:].splitlines()
-                    if "fault injection: request" in ln]
-        wait_for(lambda: lines(), 10, f"the decode worker's call of request {n} to end")
-        time.sleep(0.2)  # the prefill worker's, when the request got that far
-        misses = 0 if any("failed in its life" in ln for ln in lines()) else misses + 1
-        assert run(r, pb, prompt, 4)[0] == want, f"the request after failing allocation {n}"
+            def lines():
+                return [ln for w in (d, p) for ln in w.stderr()[seen[w.name]:].splitlines()
+                        if "fault injection: request" in ln]
+            wait_for(lambda: lines(), 10, f"the decode worker's call of request {n} to end")
+            time.sleep(0.2)  # the prefill worker's, when the request got that far
+            misses = 0 if any("failed in its life" in ln for ln in lines()) else misses + 1
+            assert run(r, pb, prompt, 4)[0] == want, f"the request after failing allocation {n}"
+    except BaseException:  # the logs say where: CS_FAULT_TRACE=1 adds each failure's stack
+        for w in (d, p, r):
+            print(f"--- {w.name}, walk at {n} ---\n{w.stderr()[-8000:]}")
+        raise
     print(f"allocation-failure walk, workers: {n - misses} allocations in a call's life, "
           f"statuses {dict((c.name, k) for c, k in codes.items())}")
     assert n - misses > 10

@@ -56,11 +56,21 @@ void cs_serve_wake(cs_serve *sv);
 int cs_serve_kv_ready(cs_serve *sv, uint64_t id, int32_t first_token, int32_t n_cached,
                       const cs_logprobs *first_lp);
 
-/* Drops one reference from each of n pages (ids copied), applied by the
- * engine thread before its next step (it wakes for it): the other half of
- * holding pages past a callback (see cs_serve_cb). Thread-safe; CS_ENOMEM or
- * CS_ECANCELED (stopping: the references are then left to the pool's end). */
-int cs_serve_kv_release(cs_serve *sv, const int32_t *pages, int32_t n);
+/* A release of page references, in memory its caller allocated (malloc),
+ * usually inside its own record of the pages it holds. */
+typedef struct cs_serve_release {
+    struct cs_serve_release *next; /* serve's */
+    const int32_t *pages;          /* n ids, alive as long as the record */
+    int32_t n;
+    void *block; /* what to free() once applied: the record, or the block holding it */
+} cs_serve_release;
+/* Drops one reference from each of rec's pages, applied by the engine thread
+ * before its next step (it wakes for it): the other half of holding pages
+ * past a callback (see cs_serve_cb). It allocates nothing, so a release is
+ * never lost for memory; rec->block is freed (free()) once applied, or at
+ * once when the loop is stopping (the references are then left to the
+ * pool's end). Thread-safe. */
+void cs_serve_kv_release(cs_serve *sv, cs_serve_release *rec);
 
 /* Scheduler statistics as of the last step. Thread-safe. */
 void cs_serve_stats(cs_serve *sv, cs_sched_stats *st);

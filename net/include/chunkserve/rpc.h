@@ -102,6 +102,19 @@ void cs_rpc_loop_close(cs_rpc_loop *l);
  * is a bug (the object is freed): stop posting threads before closing. */
 int cs_rpc_loop_post(cs_rpc_loop *l, void (*fn)(void *data), void *data);
 
+/* A post its caller owns (embedded in the object it is about): posting it
+ * allocates nothing, so it cannot fail for memory (a lost post would leave
+ * a call unanswered or an object unfreed). */
+typedef struct cs_rpc_post {
+    struct cs_rpc_post *next;
+    void (*fn)(void *data);
+    void *data;
+} cs_rpc_post;
+/* cs_rpc_loop_post with p: CS_ECANCELED once the queue is shut, else 0. p
+ * must stay alive, and not be posted again, until fn has started. Posts of
+ * both kinds run in their own order; no order holds between the two. */
+int cs_rpc_loop_post_to(cs_rpc_loop *l, cs_rpc_post *p, void (*fn)(void *data), void *data);
+
 /* -------------------------------------------------------------- server -- */
 
 typedef struct cs_rpc_server cs_rpc_server;
