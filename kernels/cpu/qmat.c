@@ -286,13 +286,28 @@ void cs_op_qmatmul_ref(const cs_qout *outs, const cs_qact *a, const cs_qmat *w) 
 
 /* ---- dispatch ---- */
 
-static bool use_vnni(void) {
+static int forced = CS_QMAT_KERNELS_AUTO;
+
+void cs__qmat_force_kernels(int which) {
+    forced = which;
+}
+
+int cs__qmat_kernels(void) {
+    if (forced != CS_QMAT_KERNELS_AUTO) return forced;
     static int state = -1; /* benign race: every thread computes the same answer */
     if (state < 0) {
         const char *k = getenv("CHUNKSERVE_CPU_KERNELS");
-        state = (!k || strcmp(k, "generic") != 0) && cs__qmat_vnni_usable();
+        bool generic = k && strcmp(k, "generic") == 0, no_vnni = k && strcmp(k, "avx2") == 0;
+        state = generic                              ? CS_QMAT_KERNELS_REF
+                : !no_vnni && cs__qmat_vnni_usable() ? CS_QMAT_KERNELS_VNNI
+                : cs__qmat_avx2_usable()             ? CS_QMAT_KERNELS_AVX2
+                                                     : CS_QMAT_KERNELS_REF;
     }
     return state;
+}
+
+static bool use_vnni(void) {
+    return cs__qmat_kernels() == CS_QMAT_KERNELS_VNNI;
 }
 
 typedef struct {
@@ -305,10 +320,11 @@ typedef struct {
 static void panels_fn(void *arg, int64_t begin, int64_t end, int thread) {
     const qjob *j = arg;
     (void)thread;
-    if (use_vnni())
-        cs__qmat_vnni_panels(j->outs, j->a, j->w, begin, end);
-    else
-        cs__qmat_ref_panels(j->outs, j->a, j->w, begin, end);
+    switch (cs__qmat_kernels()) {
+    case CS_QMAT_KERNELS_VNNI: cs__qmat_vnni_panels(j->outs, j->a, j->w, begin, end); break;
+    case CS_QMAT_KERNELS_AVX2: cs__qmat_avx2_panels(j->outs, j->a, j->w, begin, end); break;
+    default: cs__qmat_ref_panels(j->outs, j->a, j->w, begin, end);
+    }
 }
 
 void cs_op_qmatmul(cs_threadpool *pool, const cs_qout *outs, const cs_qact *a, const cs_qmat *w) {

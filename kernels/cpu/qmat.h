@@ -24,9 +24,10 @@
  * Every input of the fp32 steps is exact or rounded once in a fixed order, so
  * a result depends only on its own row of x and its own row of w: not on
  * how many tokens share the GEMM, which thread computes it, or the
- * instruction set (the AVX-512 VNNI kernels of qmat_vnni.c and the plain C of
- * qmat.c give the same bits; tests/unit/test_qmat.c compares them with
- * memcmp). Threads split output rows (16-row panels), never K. */
+ * instruction set (the AVX-512 VNNI kernels of qmat_vnni.c, the AVX2 ones of
+ * qmat_avx2.c and the plain C of qmat.c give the same bits;
+ * tests/unit/test_qmat.c compares them with memcmp). Threads split output
+ * rows (16-row panels), never K. */
 #ifndef CS_KERNELS_CPU_QMAT_H
 #define CS_KERNELS_CPU_QMAT_H
 
@@ -116,6 +117,17 @@ int64_t cs__qmat_vnni_peak_loop(int64_t iters);
 /* int8 multiply-accumulates per second of the whole pool, every thread in
  * that loop for about `seconds`; 0 where the VNNI kernels do not run. */
 double cs_qmat_peak_macs(cs_threadpool *pool, double seconds);
+/* The AVX2 GEMM of qmat_avx2.c, for CPUs without VNNI (AVX2, FMA and F16C,
+ * checked at run time); the activations are quantized by the reference. */
+bool cs__qmat_avx2_usable(void);
+void cs__qmat_avx2_panels(const cs_qout *outs, const cs_qact *a, const cs_qmat *w, int64_t p0,
+                          int64_t p1);
+/* Which kernels cs_op_qmatmul runs: the best this CPU has, unless
+ * CHUNKSERVE_CPU_KERNELS says "generic" (the reference) or "avx2" (no VNNI);
+ * tests force one (CS_QMAT_KERNELS_AUTO restores the choice). */
+enum { CS_QMAT_KERNELS_AUTO = -1, CS_QMAT_KERNELS_REF, CS_QMAT_KERNELS_AVX2, CS_QMAT_KERNELS_VNNI };
+int cs__qmat_kernels(void);
+void cs__qmat_force_kernels(int which);
 /* The plain C versions of the same two. */
 void cs__qmat_ref_panels(const cs_qout *outs, const cs_qact *a, const cs_qmat *w, int64_t p0,
                          int64_t p1);

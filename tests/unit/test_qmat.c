@@ -154,28 +154,36 @@ static void gemm_case(int type, int n_parts, const int64_t *rows, int64_t cols, 
         ofast[p] = (cs_qout){fast[p], rows[p], b[p]};
     }
     cs_op_qmatmul_ref(oref, &a, w);
-    /* every token count, every pool: the same bits as the reference's rows */
-    for (int nt = 1; nt <= T; nt += (nt < 12 ? 1 : 7)) {
-        cs_qact sub = a; /* the first nt tokens of a */
-        sub.n_tokens = nt;
-        for (int k = 0; k < 3; k++) {
-            for (int p = 0; p < n_parts; p++)
-                memset(fast[p], 0xff, (size_t)(nt * rows[p]) * sizeof(float));
-            cs_op_qmatmul(pools[k], ofast, &sub, w);
-            for (int p = 0; p < n_parts; p++) {
-                if (memcmp(fast[p], ref[p], (size_t)(nt * rows[p]) * sizeof(float)) != 0) {
-                    fprintf(stderr, "type %d part %d: %d tokens on %d threads differ\n", type, p,
-                            nt, k + 1);
-                    for (int64_t i = 0; i < nt * rows[p]; i++)
-                        if (memcmp(&fast[p][i], &ref[p][i], sizeof(float)))
-                            fprintf(stderr, "  [%lld] %.9g != %.9g\n", (long long)i, fast[p][i],
-                                    ref[p][i]);
-                    exit(1);
+    /* every kernel set this CPU runs, every token count, every pool: the same
+     * bits as the reference's rows */
+    for (int kind = CS_QMAT_KERNELS_REF; kind <= CS_QMAT_KERNELS_VNNI; kind++) {
+        if (kind == CS_QMAT_KERNELS_AVX2 && !cs__qmat_avx2_usable()) continue;
+        if (kind == CS_QMAT_KERNELS_VNNI && !cs__qmat_vnni_usable()) continue;
+        cs__qmat_force_kernels(kind);
+        for (int nt = 1; nt <= T; nt += (nt < 12 ? 1 : 7)) {
+            cs_qact sub = a; /* the first nt tokens of a */
+            sub.n_tokens = nt;
+            for (int k = 0; k < 3; k++) {
+                for (int p = 0; p < n_parts; p++)
+                    memset(fast[p], 0xff, (size_t)(nt * rows[p]) * sizeof(float));
+                cs_op_qmatmul(pools[k], ofast, &sub, w);
+                for (int p = 0; p < n_parts; p++) {
+                    if (memcmp(fast[p], ref[p], (size_t)(nt * rows[p]) * sizeof(float)) != 0) {
+                        fprintf(stderr,
+                                "type %d part %d: %d tokens on %d threads, kernels %d differ\n",
+                                type, p, nt, k + 1, kind);
+                        for (int64_t i = 0; i < nt * rows[p]; i++)
+                            if (memcmp(&fast[p][i], &ref[p][i], sizeof(float)))
+                                fprintf(stderr, "  [%lld] %.9g != %.9g\n", (long long)i, fast[p][i],
+                                        ref[p][i]);
+                        exit(1);
+                    }
+                    ASSERT_TRUE(fast[p][T * rows[p]] == 12345.0f);
                 }
-                ASSERT_TRUE(fast[p][T * rows[p]] == 12345.0f);
             }
         }
     }
+    cs__qmat_force_kernels(CS_QMAT_KERNELS_AUTO);
     /* values: the formula in double against the dequantized operands */
     double err = 0, norm = 0;
     for (int p = 0; p < n_parts; p++) {
@@ -242,7 +250,8 @@ static void test_perm(void) {
 int main(void) {
     for (int k = 0; k < 3; k++)
         ASSERT_EQ_INT(cs_threadpool_init(k + 1, &pools[k]), 0);
-    printf("vnni kernels: %s\n", cs__qmat_vnni_usable() ? "yes" : "no (reference only)");
+    printf("kernels: reference%s%s\n", cs__qmat_avx2_usable() ? ", avx2" : "",
+           cs__qmat_vnni_usable() ? ", avx-512 vnni" : "");
     test_bad_shapes();
     test_perm();
     const int64_t one[] = {37}, qkv[] = {64, 32, 32}, big[] = {200};

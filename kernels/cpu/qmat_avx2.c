@@ -1,0 +1,178 @@
+/* qmat_avx2.c: the AVX2 kernels of the quantized GEMM, for x86-64 CPUs
+ * without AVX-512 VNNI (most of those in clouds: AMD Zen 2/3, Intel before
+ * Ice Lake). qmat.h states the arithmetic; qmat.c is the reference they
+ * equal bit for bit (tests/unit/test_qmat.c, by memcmp).
+ *
+ * This file alone is compiled for AVX2, FMA and F16C (CMakeLists.txt),
+ * whatever the rest of the build targets; nothing in it runs unless
+ * cs__qmat_avx2_usable() said this CPU has them.
+ *
+ * A panel's 16 rows are two vectors of 8 int32 lanes. Without vpdpbusd the
+ * exact block sums come from vpmaddubsw (unsigned x signed bytes, adjacent
+ * pairs summed into int16) and vpmaddwd against ones (int16 pairs into
+ * int32), which must never saturate:
+ *   Q4 (u 0..15): a pair is at most 2 * 15 * 127 = 3,810, so the 8 groups of
+ *     a block add up in int16 (at most 30,480) before one vpmaddwd: the sum
+ *     of u * q, exact; the zero point comes off in int32 as in the reference.
+ *   Q8 (u 0..255): u * q pairs reach 64,770, so the kernel uses s = u - 128
+ *     (-128..127) and vpmaddubsw(|s|, q signed by s): pairs of at most
+ *     2 * 128 * 127 = 32,512, widened per group; sum of s * q is exactly the
+ *     reference's isum - 128 * xsum.
+ * The epilogue is the reference's (one fmaf per block, d * dx first). */
+#include <string.h>
+
+#include "qmat.h"
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+
+bool cs__qmat_avx2_usable(void) {
+#if defined(__GNUC__) && defined(__x86_64__)
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("f16c");
+#else
+    return false;
+#endif
+}
+
+#define MAX_NT 4
+typedef int32_t a32 __attribute__((may_alias)); /* int8 data read 4 bytes at a time */
+
+/* Lanes h*8 .. h*8+7 of the panel (h = 0, 1) for nt tokens. */
+static inline __attribute__((always_inline)) void
+tile(const int nt, const int type, const uint8_t *pq, const uint16_t *pd, const uint16_t *pm,
+     int64_t nb, const int8_t *xq, int64_t cols, const cs_qblock *meta, int32_t z, __m256 *out) {
+    __m256 acc[2][MAX_NT];
+#pragma GCC unroll 4
+    for (int t = 0; t < nt; t++)
+        acc[0][t] = acc[1][t] = _mm256_setzero_ps();
+    const __m256i m4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    const __m256i k128 = _mm256_set1_epi8((char)0x80);
+    const int qb = type == CS_QMAT_Q8_0 ? 512 : 256;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *p = pq + b * qb;
+        const cs_qblock *mb0 = meta + (size_t)b;
+#pragma GCC unroll 2
+        for (int h = 0; h < 2; h++) { /* rows 8h .. 8h+7: 8 weight vectors live at a time */
+            /* w[i] lane r: the 4 weight bytes u[8h + r][4i .. 4i+3] (Q8: s = u - 128) */
+            __m256i w[8];
+            if (type == CS_QMAT_Q8_0) {
+#pragma GCC unroll 8
+                for (int j = 0; j < 8; j++)
+                    w[j] = _mm256_xor_si256(
+                        _mm256_load_si256((const __m256i *)(const void *)(p + 64 * j + 32 * h)),
+                        k128);
+            } else {
+#pragma GCC unroll 4
+                for (int j = 0; j < 4; j++) {
+                    __m256i v =
+                        _mm256_load_si256((const __m256i *)(const void *)(p + 64 * j + 32 * h));
+                    w[2 * j] = _mm256_and_si256(v, m4);
+                    w[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+                }
+            }
+            const __m256 d = _mm256_cvtph_ps(
+                _mm_load_si128((const __m128i *)(const void *)(pd + b * CS_QROWS + 8 * h)));
+            __m256 m = _mm256_setzero_ps();
+            if (type == CS_QMAT_Q4_1)
+                m = _mm256_cvtph_ps(
+                    _mm_load_si128((const __m128i *)(const void *)(pm + b * CS_QROWS + 8 * h)));
+#pragma GCC unroll 4
+            for (int t = 0; t < nt; t++) {
+                const a32 *x =
+                    (const a32 *)(const void *)(xq + (size_t)t * (size_t)cols + (size_t)b * CS_QK);
+                const cs_qblock *mb = mb0 + (size_t)t * (size_t)nb;
+                __m256i s;
+                if (type == CS_QMAT_Q8_0) {
+                    s = _mm256_setzero_si256();
+#pragma GCC unroll 8
+                    for (int i = 0; i < 8; i++) {
+                        __m256i xv = _mm256_set1_epi32(x[i]);
+                        __m256i p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(w[i], w[i]),
+                                                           _mm256_sign_epi8(xv, w[i]));
+                        s = _mm256_add_epi32(s, _mm256_madd_epi16(p16, ones));
+                    }
+                } else {
+                    __m256i s16 = _mm256_setzero_si256();
+#pragma GCC unroll 8
+                    for (int i = 0; i < 8; i++)
+                        s16 = _mm256_add_epi16(s16,
+                                               _mm256_maddubs_epi16(w[i], _mm256_set1_epi32(x[i])));
+                    s = _mm256_madd_epi16(s16, ones);
+                    if (z) s = _mm256_sub_epi32(s, _mm256_set1_epi32(z * mb->xsum));
+                }
+                acc[h][t] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(mb->dx)),
+                                            _mm256_cvtepi32_ps(s), acc[h][t]);
+                if (type == CS_QMAT_Q4_1)
+                    acc[h][t] = _mm256_fmadd_ps(m, _mm256_set1_ps(mb->fsum), acc[h][t]);
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < nt; t++)
+        out[2 * t] = acc[0][t], out[2 * t + 1] = acc[1][t];
+}
+
+/* One instance per (type, token count) so every loop above unrolls. */
+#define TILE_FN(name, TYPE)                                                                        \
+    static void name(int nt, const uint8_t *pq, const uint16_t *pd, const uint16_t *pm,            \
+                     int64_t nb, const int8_t *xq, int64_t cols, const cs_qblock *meta, int32_t z, \
+                     __m256 *out) {                                                                \
+        switch (nt) {                                                                              \
+        case 1: tile(1, TYPE, pq, pd, pm, nb, xq, cols, meta, z, out); break;                      \
+        case 2: tile(2, TYPE, pq, pd, pm, nb, xq, cols, meta, z, out); break;                      \
+        case 3: tile(3, TYPE, pq, pd, pm, nb, xq, cols, meta, z, out); break;                      \
+        default: tile(4, TYPE, pq, pd, pm, nb, xq, cols, meta, z, out); break;                     \
+        }                                                                                          \
+    }
+TILE_FN(tile_q4_0, CS_QMAT_Q4_0)
+TILE_FN(tile_q4_1, CS_QMAT_Q4_1)
+TILE_FN(tile_q8_0, CS_QMAT_Q8_0)
+
+void cs__qmat_avx2_panels(const cs_qout *outs, const cs_qact *a, const cs_qmat *w, int64_t p0,
+                          int64_t p1) {
+    const int32_t z = cs__qmat_zero(w->type);
+    const int64_t nb = w->n_blocks, qb = cs__qmat_qbytes(w->type);
+    void (*fn)(int, const uint8_t *, const uint16_t *, const uint16_t *, int64_t, const int8_t *,
+               int64_t, const cs_qblock *, int32_t, __m256 *) = w->type == CS_QMAT_Q4_0 ? tile_q4_0
+                                                                : w->type == CS_QMAT_Q4_1
+                                                                    ? tile_q4_1
+                                                                    : tile_q8_0;
+    int part = 0;
+    for (int64_t p = p0; p < p1; p++) {
+        while (part + 1 < w->n_parts && p >= w->part[part + 1].panel0)
+            part++;
+        const int64_t row0 = (p - w->part[part].panel0) * CS_QROWS;
+        const int64_t left = w->part[part].rows - row0;
+        const int n_rows = left >= CS_QROWS ? CS_QROWS : (int)left;
+        const cs_qout *o = &outs[part];
+        const uint8_t *pq = w->q + (size_t)(p * nb * qb);
+        const uint16_t *pd = w->d + (size_t)(p * nb * CS_QROWS);
+        const uint16_t *pm = w->m ? w->m + (size_t)(p * nb * CS_QROWS) : NULL;
+        for (int t0 = 0; t0 < a->n_tokens; t0 += MAX_NT) {
+            int nt = a->n_tokens - t0 < MAX_NT ? a->n_tokens - t0 : MAX_NT;
+            __m256 acc[2 * MAX_NT];
+            fn(nt, pq, pd, pm, nb, a->q + (size_t)t0 * (size_t)a->cols, a->cols,
+               a->meta + (size_t)t0 * (size_t)nb, z, acc);
+            for (int t = 0; t < nt; t++) {
+                _Alignas(32) float v[CS_QROWS];
+                _mm256_store_ps(v, acc[2 * t]);
+                _mm256_store_ps(v + 8, acc[2 * t + 1]);
+                float *dst = o->out + (size_t)(t0 + t) * (size_t)o->ldo + row0;
+                for (int r = 0; r < n_rows; r++) /* + bias, as the reference: one add */
+                    dst[r] = o->bias ? v[r] + o->bias[row0 + r] : v[r];
+            }
+        }
+    }
+}
+
+#else /* not built for x86-64: the reference runs */
+bool cs__qmat_avx2_usable(void) {
+    return false;
+}
+void cs__qmat_avx2_panels(const cs_qout *outs, const cs_qact *a, const cs_qmat *w, int64_t p0,
+                          int64_t p1) {
+    cs__qmat_ref_panels(outs, a, w, p0, p1);
+}
+#endif
