@@ -14,6 +14,7 @@
  * outage would stay unreachable for a while; while a worker fails its polls
  * and has no call of ours on it, its channel is replaced every few seconds. */
 #include "pool.h"
+#include "prefix.h"
 
 #include <arpa/inet.h>
 #include <netdb.h>
@@ -52,14 +53,51 @@ int32_t cs_place_pages(int64_t n_tokens, int32_t page_size) {
     return pages > INT32_MAX ? INT32_MAX : (int32_t)pages;
 }
 
-int cs_place_decode(const cs_place_worker *w, size_t n, int64_t n_tokens, size_t start) {
+static bool decode_fits(const cs_place_worker *w, int64_t n_tokens) {
+    return w->usable && !w->skip &&
+           (int64_t)w->kv_pages_free - w->pages_placed >= cs_place_pages(n_tokens, w->page_size);
+}
+
+static int64_t decode_load(const cs_place_worker *w) {
+    return (int64_t)w->num_running + w->num_waiting + w->reqs_placed;
+}
+
+static bool prefill_fits(const cs_place_worker *w, int64_t n_tokens) {
+    return w->usable && !w->skip && w->kv_pages_total >= cs_place_pages(n_tokens, w->page_size);
+}
+
+static int64_t prefill_load(const cs_place_worker *w) {
+    return w->queued_prefill_tokens + w->tokens_placed;
+}
+
+/* The prefix-aware narrowing (see cs_place_decode): the highest cached_tokens
+ * among the fitting workers within balance of the least load; 0 when no
+ * fitting worker holds any of the prompt (or the policy is off). */
+static int64_t cached_floor(const cs_place_worker *w, size_t n, int64_t n_tokens, int64_t balance,
+                            bool (*fits)(const cs_place_worker *, int64_t),
+                            int64_t (*load)(const cs_place_worker *), int64_t *max_load) {
+    int64_t min_load = INT64_MAX, best = 0;
+    for (size_t i = 0; i < n; i++)
+        if (fits(&w[i], n_tokens) && load(&w[i]) < min_load) min_load = load(&w[i]);
+    if (balance < 0 || min_load == INT64_MAX) return 0;
+    *max_load = min_load > INT64_MAX - balance ? INT64_MAX : min_load + balance;
+    for (size_t i = 0; i < n; i++)
+        if (fits(&w[i], n_tokens) && load(&w[i]) <= *max_load && w[i].cached_tokens > best)
+            best = w[i].cached_tokens;
+    return best;
+}
+
+int cs_place_decode(const cs_place_worker *w, size_t n, int64_t n_tokens, size_t start,
+                    int64_t balance) {
+    int64_t max_load = INT64_MAX;
+    int64_t want = cached_floor(w, n, n_tokens, balance, decode_fits, decode_load, &max_load);
     int best = -1;
     int64_t best_room = 0, best_load = 0;
     for (size_t k = 0; k < n; k++) {
         size_t i = (start + k) % n;
-        if (!w[i].usable || w[i].skip) continue;
+        if (!decode_fits(&w[i], n_tokens)) continue;
+        if (want > 0 && (w[i].cached_tokens < want || decode_load(&w[i]) > max_load)) continue;
         int64_t room = (int64_t)w[i].kv_pages_free - w[i].pages_placed;
-        if (room < cs_place_pages(n_tokens, w[i].page_size)) continue;
         int64_t load = (int64_t)w[i].num_running + w[i].num_waiting;
         if (best < 0 || room > best_room || (room == best_room && load < best_load)) {
             best = (int)i;
@@ -70,14 +108,17 @@ int cs_place_decode(const cs_place_worker *w, size_t n, int64_t n_tokens, size_t
     return best;
 }
 
-int cs_place_prefill(const cs_place_worker *w, size_t n, int64_t n_tokens, size_t start) {
+int cs_place_prefill(const cs_place_worker *w, size_t n, int64_t n_tokens, size_t start,
+                     int64_t balance) {
+    int64_t max_load = INT64_MAX;
+    int64_t want = cached_floor(w, n, n_tokens, balance, prefill_fits, prefill_load, &max_load);
     int best = -1;
     int64_t best_q = 0;
     for (size_t k = 0; k < n; k++) {
         size_t i = (start + k) % n;
-        if (!w[i].usable || w[i].skip) continue;
-        if (w[i].kv_pages_total < cs_place_pages(n_tokens, w[i].page_size)) continue;
-        int64_t q = w[i].queued_prefill_tokens + w[i].tokens_placed;
+        if (!prefill_fits(&w[i], n_tokens)) continue;
+        if (want > 0 && (w[i].cached_tokens < want || prefill_load(&w[i]) > max_load)) continue;
+        int64_t q = prefill_load(&w[i]);
         if (best < 0 || q < best_q) {
             best = (int)i;
             best_q = q;
@@ -119,6 +160,8 @@ struct cs_pool_worker {
     uint64_t kv_layout;    /* the KV layout fingerprint it reported (0: unknown) */
     int32_t pages_placed;  /* since that status */
     int64_t tokens_placed; /* since that status */
+    int32_t reqs_placed;   /* since that status */
+    cs_prefix_set *prefix; /* the pages of the requests placed here (prefix.h); NULL: none yet */
 
     bool logged_usable; /* last state logged, so transitions log once */
     bool down_reported; /* on_down ran since the last good status */
@@ -203,6 +246,7 @@ void cs_pool_worker_unref(cs_pool_worker *w) {
     free(w->worker_id);
     free(w->kv_endpoint);
     free(w->kv_sender);
+    cs_prefix_set_free(w->prefix);
     free(w);
     p->n_worker_objs--;
     pool_maybe_free(p);
@@ -332,7 +376,10 @@ static void apply_status(cs_pool_worker *w, const Chunkserve__V1__WorkerStatus *
                 role_name[w->role], w->addr, cs_pool_worker_id(w),
                 (unsigned long long)w->instance_id, s->worker_id,
                 (unsigned long long)s->instance_id);
-    if (s->instance_id != w->instance_id) w->poll_failures = 0, w->n_pairs = 0; /* a new life */
+    if (s->instance_id != w->instance_id) { /* a new life: its prefix cache is empty */
+        w->poll_failures = 0, w->n_pairs = 0;
+        if (w->prefix) cs_prefix_set_clear(w->prefix);
+    }
     w->instance_id = s->instance_id;
     if (!w->worker_id || strcmp(w->worker_id, s->worker_id)) {
         char *id = strdup(s->worker_id);
@@ -383,6 +430,7 @@ static void apply_status(cs_pool_worker *w, const Chunkserve__V1__WorkerStatus *
     w->kv_layout = s->kv_layout_fingerprint;
     w->pages_placed = 0;
     w->tokens_placed = 0;
+    w->reqs_placed = 0;
     w->status_at = cs_now();
     w->status_seq++;
     w->have_status = true;
@@ -821,15 +869,36 @@ static bool kv_compatible(const cs_pool_worker *w, const cs_pool_worker *peer) {
     return !w->kv_layout || !peer->kv_layout || w->kv_layout == peer->kv_layout;
 }
 
+/* The request's page chain for page size ps, computed once per size (a
+ * pool's workers share one page size in practice). */
+typedef struct {
+    int32_t ps, n;
+    uint64_t *h;
+} chain;
+
+static const chain *chain_for(chain *c, const cs_pool_prefix *pf, int64_t n_tokens, int32_t ps) {
+    if (c->h && c->ps == ps) return c;
+    int32_t k = cs_prefix_pages(n_tokens, ps);
+    uint64_t *h = realloc(c->h, (size_t)(k > 0 ? k : 1) * sizeof *h);
+    if (!h) return NULL; /* no prediction: placed by load */
+    c->h = h;
+    c->ps = ps;
+    c->n = cs_prefix_chain(pf->ids, n_tokens, ps, pf->salt, h, k);
+    return c;
+}
+
 cs_pool_worker *cs_pool_place(cs_pool *p, enum cs_pool_role role, int64_t n_tokens,
                               const cs_pool_marks *marks, int *n_candidates,
-                              const cs_pool_worker *peer) {
+                              const cs_pool_worker *peer, const cs_pool_prefix *pf,
+                              int64_t *cached) {
     if (n_candidates) *n_candidates = 0;
+    if (cached) *cached = 0;
     size_t n = (size_t)p->n_workers[role];
     if (p->closing || n == 0) return NULL;
     cs_place_worker stack[64], *snap = n <= 64 ? stack : malloc(n * sizeof *snap);
     cs_pool_worker *wstack[64], **ws = n <= 64 ? wstack : malloc(n * sizeof *ws);
     cs_pool_worker *chosen = NULL;
+    chain ch = {0};
     if (!snap || !ws) goto out;
     double now = cs_now();
     size_t i = 0;
@@ -847,24 +916,41 @@ cs_pool_worker *cs_pool_place(cs_pool *p, enum cs_pool_role role, int64_t n_toke
             .num_waiting = w->waiting,
             .queued_prefill_tokens = w->queued_prefill,
             .tokens_placed = w->tokens_placed,
+            .reqs_placed = w->reqs_placed,
         };
+        const chain *c = pf && w->prefix ? chain_for(&ch, pf, n_tokens, w->page_size) : NULL;
+        if (c)
+            snap[i].cached_tokens =
+                (int64_t)cs_prefix_set_match(w->prefix, c->h, c->n, now, pf->ttl_s) * c->ps;
         cand += snap[i].usable && !snap[i].skip;
         snap[i].skip = snap[i].skip || refused(w, marks) || !kv_compatible(w, peer) ||
                        (role == CS_POOL_PREFILL && pair_open(w, peer, now));
     }
     if (n_candidates) *n_candidates = cand;
     size_t start = p->rr[role]++ % n;
-    int k = role == CS_POOL_DECODE ? cs_place_decode(snap, n, n_tokens, start)
-                                   : cs_place_prefill(snap, n, n_tokens, start);
+    int64_t balance = pf ? pf->balance[role] : -1;
+    int k = role == CS_POOL_DECODE ? cs_place_decode(snap, n, n_tokens, start, balance)
+                                   : cs_place_prefill(snap, n, n_tokens, start, balance);
     if (k >= 0) {
         chosen = ws[k];
         if (role == CS_POOL_DECODE)
             chosen->pages_placed += cs_place_pages(n_tokens, chosen->page_size);
         else
             chosen->tokens_placed += n_tokens;
+        chosen->reqs_placed++;
         cs_pool_worker_ref(chosen);
+        if (cached) *cached = snap[k].cached_tokens;
+        if (pf && !chosen->prefix) /* it cannot hold more pages than its pool has */
+            chosen->prefix =
+                cs_prefix_set_new(chosen->pages_total > 0 && chosen->pages_total < pf->index_pages
+                                      ? chosen->pages_total
+                                      : pf->index_pages);
+        const chain *c =
+            pf && chosen->prefix ? chain_for(&ch, pf, n_tokens, chosen->page_size) : NULL;
+        if (c) cs_prefix_set_add(chosen->prefix, c->h, c->n, now);
     }
 out:
+    free(ch.h);
     if (snap != stack) free(snap);
     if (ws != wstack) free(ws);
     return chosen;

@@ -35,6 +35,8 @@ typedef struct {
     int32_t num_running, num_waiting;
     int64_t queued_prefill_tokens; /* from the last status (prefill) */
     int64_t tokens_placed;         /* prompt tokens this router sent there since that status */
+    int32_t reqs_placed;           /* requests this router sent there since that status */
+    int64_t cached_tokens;         /* the request's prompt tokens predicted cached there */
 } cs_place_worker;
 
 /* Pages a context of n_tokens needs on a decode worker with that page size. */
@@ -44,14 +46,23 @@ int32_t cs_place_pages(int64_t n_tokens, int32_t page_size);
  * workers with room for the context's pages (kv_pages_free - pages_placed),
  * the one with the most room left; ties go to the fewest running + waiting
  * sequences, then to the first at or after index start (so equal workers
- * share the load). -1 when none qualifies. */
-int cs_place_decode(const cs_place_worker *w, size_t n, int64_t n_tokens, size_t start);
+ * share the load). -1 when none qualifies.
+ * Prefix-aware (balance >= 0): when some of those workers are predicted to
+ * hold part of the prompt (cached_tokens), the choice is among the ones
+ * whose load (num_running + num_waiting + reqs_placed) is within balance of
+ * the least loaded: the most cached tokens, then the rule above. So a hot
+ * prefix fills its worker up to balance sequences more than the others, and
+ * the next request goes to another (which then holds it too). */
+int cs_place_decode(const cs_place_worker *w, size_t n, int64_t n_tokens, size_t start,
+                    int64_t balance);
 
 /* The prefill worker for a prompt of n_tokens: among usable, not skipped
  * workers whose whole pool can hold it, the fewest queued_prefill_tokens +
  * tokens_placed; ties as above. -1 when none (the decode worker then
- * prefills it itself). */
-int cs_place_prefill(const cs_place_worker *w, size_t n, int64_t n_tokens, size_t start);
+ * prefills it itself). Prefix-aware (balance >= 0): as cs_place_decode, with
+ * that queue (tokens) as the load. */
+int cs_place_prefill(const cs_place_worker *w, size_t n, int64_t n_tokens, size_t start,
+                     int64_t balance);
 
 /* ------------------------------------------------------------ pool -- */
 
@@ -140,9 +151,23 @@ typedef struct {
  * counts the pages/tokens placed there until its next status. NULL when none
  * qualifies. *n_candidates (may be NULL) receives how many usable, not
  * excluded workers there were (with or without room, refused or not). */
+/* Prefix-aware placement (prefix.h): the request's context and cache salt,
+ * and the policy. */
+typedef struct {
+    const int32_t *ids;   /* the context (n_tokens of them) */
+    const char *salt;     /* its cache salt ("" or NULL: shared) */
+    double ttl_s;         /* a recorded page counts this long */
+    int64_t balance[2];   /* per role: the load slack (prefill: tokens, decode: sequences) */
+    int32_t index_pages;  /* page hashes remembered per worker */
+} cs_pool_prefix;
+
+/* With pf (may be NULL: by load alone) the choice is prefix-aware, the
+ * chosen worker's predicted cached tokens for the request go to *cached
+ * (may be NULL), and the request's pages are recorded as held there. */
 cs_pool_worker *cs_pool_place(cs_pool *p, enum cs_pool_role role, int64_t n_tokens,
                               const cs_pool_marks *marks, int *n_candidates,
-                              const cs_pool_worker *peer);
+                              const cs_pool_worker *peer, const cs_pool_prefix *pf,
+                              int64_t *cached);
 
 /* Adds a mark for w, or renews it (excluded: the worker's current instance;
  * refused: its current status). A mark holds a reference to the worker.

@@ -209,7 +209,23 @@ void cs__req_end(req *q, int code, const char *msg) {
 
 /* A new attempt on decode worker dw (a reference from the pool, taken over):
  * a new transfer id, a prefill worker for a long context, the Decode call. */
-static void start_attempt(req *q, cs_pool_worker *dw) {
+/* The prefix-aware placement policy for q (NULL: --prefix-routing false). */
+static const cs_pool_prefix *prefix_of(const req *q, cs_pool_prefix *pf) {
+    const cs_router_opts *o = q->r->o;
+    if (!o->prefix_routing) return NULL;
+    *pf = (cs_pool_prefix){.ids = q->ctx,
+                           .salt = q->cache_salt,
+                           .ttl_s = (double)o->prefix_ttl_ms / 1000.0,
+                           .balance = {[CS_POOL_PREFILL] = o->prefix_balance_tokens,
+                                       [CS_POOL_DECODE] = o->prefix_balance_seqs},
+                           .index_pages = (int32_t)o->prefix_index_pages};
+    return pf;
+}
+
+/* A new attempt on decode worker dw (a reference from the pool, taken over;
+ * predicted to hold dcached of the context's tokens): a new transfer id, a
+ * prefill worker when what is left to compute is long, the Decode call. */
+static void start_attempt(req *q, cs_pool_worker *dw, int64_t dcached) {
     router *r = q->r;
     cs_pool_worker_unref(q->dw_last);
     q->dw_last = dw;
@@ -218,9 +234,13 @@ static void start_attempt(req *q, cs_pool_worker *dw) {
     /* remote prefill for long contexts when a prefill worker can take it */
     cs_pool_worker_unref(q->pw);
     q->pw = NULL;
-    if ((int64_t)q->n_ctx >= r->o->local_prefill_threshold)
-        q->pw = cs_pool_place(r->pool, CS_POOL_PREFILL, (int64_t)q->n_ctx, &q->marks, NULL, dw);
+    cs_pool_prefix pf;
+    int64_t pcached = 0;
+    if ((int64_t)q->n_ctx - dcached >= r->o->local_prefill_threshold)
+        q->pw = cs_pool_place(r->pool, CS_POOL_PREFILL, (int64_t)q->n_ctx, &q->marks, NULL, dw,
+                              prefix_of(q, &pf), &pcached);
     q->local = q->pw == NULL;
+    q->predicted_cached = q->local ? dcached : pcached;
     cs__req_set_state(q, RQ_ADMITTING);
     q->t_attempt = cs_now();
     bool first = !q->overhead_seen;
@@ -243,10 +263,12 @@ void cs__req_attempt(req *q) {
         return;
     }
     int cand = 0;
-    cs_pool_worker *dw =
-        cs_pool_place(r->pool, CS_POOL_DECODE, (int64_t)q->n_ctx, &q->marks, &cand, NULL);
+    cs_pool_prefix pf;
+    int64_t dcached = 0;
+    cs_pool_worker *dw = cs_pool_place(r->pool, CS_POOL_DECODE, (int64_t)q->n_ctx, &q->marks, &cand,
+                                       NULL, prefix_of(q, &pf), &dcached);
     if (dw) {
-        start_attempt(q, dw);
+        start_attempt(q, dw, dcached);
         return;
     }
     enum req_wait why = cand ? WAIT_ROOM : WAIT_WORKER;
@@ -418,6 +440,9 @@ static bool relay(req *q, Chunkserve__V1__GenerateResponse *out) {
             usage.completion_tokens = q->n_relayed;
             /* after a migration the worker's cache count is of prompt + relayed tokens */
             if (usage.cached_prompt_tokens > q->n_prompt) usage.cached_prompt_tokens = q->n_prompt;
+            cs_metric_add(r->m.prefix_predicted, (double)q->predicted_cached);
+            cs_metric_add(r->m.prefix_cached,
+                          worker_usage ? (double)worker_usage->cached_prompt_tokens : 0.0);
             out->usage = &usage;
         } else {
             out->usage = NULL;

@@ -141,6 +141,7 @@ struct req {
     int64_t t_recv_wall_us; /* CLOCK_REALTIME at receipt, for the worker's hop measurement */
     double t_attempt;       /* the current Decode call's start */
     bool overhead_seen;     /* router_overhead_seconds observed (first attempt) */
+    int64_t predicted_cached; /* prompt tokens the attempt's prefilling worker should hold */
     char fault_worker[24];  /* fault builds: x-chunkserve-fault-alloc for its worker calls */
 };
 
@@ -176,6 +177,7 @@ struct router {
 
     struct {
         cs_metric *running, *waiting, *retries, *migrations, *prefill_local, *prefill_remote;
+        cs_metric *prefix_predicted, *prefix_cached;
         cs_metric *ttft, *itl, *e2e, *overhead, *prompt_tokens, *gen_tokens;
         cs_metric *usable[2];
         cs_metric *lag_max, *stalls, *pair_trips;

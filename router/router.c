@@ -259,6 +259,14 @@ static const cs_metric_def router_metrics[] = {
      NULL, 0},
     {M(prefill_remote), "chunkserve:prefills_total", CS_METRIC_COUNTER, "path=\"remote\"", PREFILLS,
      NULL, 0},
+    {M(prefix_predicted), "chunkserve:prefix_predicted_tokens_total", CS_METRIC_COUNTER, NULL,
+     "Prompt tokens the router predicted cached on the worker that prefilled them (requests "
+     "ended OK; --prefix-routing).",
+     NULL, 0},
+    {M(prefix_cached), "chunkserve:prefix_cached_tokens_total", CS_METRIC_COUNTER, NULL,
+     "Prompt tokens the workers reported taken from their prefix cache (requests ended OK): "
+     "against prefix_predicted_tokens_total, the prediction's error.",
+     NULL, 0},
     {M(retries), "chunkserve:retries_total", CS_METRIC_COUNTER, NULL,
      "Attempts that failed before any token and were retried.", NULL, 0},
     {M(migrations), "chunkserve:migrations_total", CS_METRIC_COUNTER, NULL,

@@ -33,7 +33,13 @@ typedef struct {
     const char *prefill_dns, *decode_dns;         /* "name:port[,...]" or NULL */
     int64_t dns_refresh_ms;
     int64_t status_interval_ms;
-    int64_t local_prefill_threshold; /* contexts shorter than this prefill on the decode worker */
+    int64_t local_prefill_threshold; /* contexts (less their predicted cached tokens) shorter than
+                                        this prefill on the decode worker */
+    bool prefix_routing;             /* place by predicted cached prefix too (router/prefix.h) */
+    int64_t prefix_balance_seqs;     /* decode: load slack a cached prefix may cost */
+    int64_t prefix_balance_tokens;   /* prefill: queued-token slack a cached prefix may cost */
+    int64_t prefix_ttl_ms;           /* a recorded page counts this long */
+    int64_t prefix_index_pages;      /* page hashes remembered per worker */
     int64_t max_inflight;            /* requests placed on workers at once */
     int64_t max_queue;               /* requests waiting beyond that; more: RESOURCE_EXHAUSTED */
     int64_t queue_timeout_ms;        /* longest wait for a slot or for KV room */

@@ -246,6 +246,11 @@ int32_t cs_kv_cache_refcount(const cs_kv_cache *kv, int32_t id) {
 
 /* ---- prefix caching ---- */
 
+uint64_t cs_kv_cache_hash_root(const char *cache_salt) {
+    if (!cache_salt || !cache_salt[0]) return 0;
+    return XXH64(cache_salt, strlen(cache_salt), 0x63616368652d73ull) | 1;
+}
+
 uint64_t cs_kv_cache_page_hash(uint64_t parent, const int32_t *tokens, int32_t n_tokens) {
     CS_ASSERT(n_tokens >= 0 && (tokens || n_tokens == 0));
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__

@@ -10,7 +10,6 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
-#include <xxhash.h>
 
 #include "util.h"
 
@@ -256,8 +255,7 @@ int cs_sched_add(cs_sched *s, const cs_request *r) {
     if (!rc) { /* the prompt and its hash chain's seed, before any page is taken */
         memcpy(q->tokens, r->prompt, (size_t)r->n_prompt * sizeof(int32_t));
         q->n_tokens = q->n_context = r->n_prompt;
-        if (r->cache_salt && r->cache_salt[0]) /* never 0: that is the shared namespace */
-            q->hash_root = XXH64(r->cache_salt, strlen(r->cache_salt), 0x63616368652d73ull) | 1;
+        q->hash_root = cs_kv_cache_hash_root(r->cache_salt);
         q->last_hash = q->hash_root;
     }
     /* A reserved local prompt takes its cached prefix first and reserves only

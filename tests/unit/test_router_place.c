@@ -2,8 +2,12 @@
  * worker snapshots: decode placement by room (free pages minus pages placed
  * since the status), ties by load then rotation, the prompt's pages as a
  * floor; prefill placement by queued tokens plus tokens placed; unusable and
- * skipped (excluded/refused) workers never chosen. */
+ * skipped (excluded/refused) workers never chosen; prefix-aware choice
+ * (most cached tokens within the load balance, the hot prefix spreading)
+ * and the router's page-hash set (the workers' hashes, eviction, expiry). */
+#include "chunkserve/kv_cache.h"
 #include "pool.h"
+#include "prefix.h"
 #include "test.h"
 
 static cs_place_worker dec(int32_t free_pages, int32_t placed, int32_t running, int32_t waiting) {
@@ -36,63 +40,63 @@ static void test_decode(void) {
     cs_place_worker w[4];
     /* most room wins */
     w[0] = dec(10, 0, 0, 0), w[1] = dec(50, 0, 5, 5), w[2] = dec(30, 0, 0, 0);
-    ASSERT_EQ_INT(cs_place_decode(w, 3, 20, 0), 1);
+    ASSERT_EQ_INT(cs_place_decode(w, 3, 20, 0, -1), 1);
     /* room is free minus what this router placed since the status */
     w[1].pages_placed = 25;
-    ASSERT_EQ_INT(cs_place_decode(w, 3, 20, 0), 2);
+    ASSERT_EQ_INT(cs_place_decode(w, 3, 20, 0, -1), 2);
     /* the prompt's pages are a floor: 300 tokens = 19 pages */
-    ASSERT_EQ_INT(cs_place_decode(w, 3, 300, 0), 2);
-    ASSERT_EQ_INT(cs_place_decode(w, 3, 30 * 16 + 1, 0), -1);
+    ASSERT_EQ_INT(cs_place_decode(w, 3, 300, 0, -1), 2);
+    ASSERT_EQ_INT(cs_place_decode(w, 3, 30 * 16 + 1, 0, -1), -1);
     /* exactly enough room is enough */
-    ASSERT_EQ_INT(cs_place_decode(w, 3, 30 * 16, 0), 2);
+    ASSERT_EQ_INT(cs_place_decode(w, 3, 30 * 16, 0, -1), 2);
     /* ties on room: fewest running + waiting */
     w[0] = dec(40, 0, 3, 1), w[1] = dec(40, 0, 1, 1), w[2] = dec(40, 0, 2, 0);
-    ASSERT_EQ_INT(cs_place_decode(w, 3, 1, 0), 1);
+    ASSERT_EQ_INT(cs_place_decode(w, 3, 1, 0, -1), 1);
     /* full ties: the first at or after start, so equal workers share */
     w[0] = dec(40, 0, 1, 0), w[1] = dec(40, 0, 1, 0), w[2] = dec(40, 0, 1, 0);
-    ASSERT_EQ_INT(cs_place_decode(w, 3, 1, 0), 0);
-    ASSERT_EQ_INT(cs_place_decode(w, 3, 1, 1), 1);
-    ASSERT_EQ_INT(cs_place_decode(w, 3, 1, 2), 2);
-    ASSERT_EQ_INT(cs_place_decode(w, 3, 1, 4), 1);
+    ASSERT_EQ_INT(cs_place_decode(w, 3, 1, 0, -1), 0);
+    ASSERT_EQ_INT(cs_place_decode(w, 3, 1, 1, -1), 1);
+    ASSERT_EQ_INT(cs_place_decode(w, 3, 1, 2, -1), 2);
+    ASSERT_EQ_INT(cs_place_decode(w, 3, 1, 4, -1), 1);
     /* unusable and skipped are never chosen, whatever their room */
     w[0] = dec(1000, 0, 0, 0), w[1] = dec(999, 0, 0, 0), w[2] = dec(5, 0, 9, 9);
     w[0].usable = false;
     w[1].skip = true;
-    ASSERT_EQ_INT(cs_place_decode(w, 3, 1, 0), 2);
+    ASSERT_EQ_INT(cs_place_decode(w, 3, 1, 0, -1), 2);
     w[2].skip = true;
-    ASSERT_EQ_INT(cs_place_decode(w, 3, 1, 0), -1);
-    ASSERT_EQ_INT(cs_place_decode(w, 0, 1, 0), -1);
+    ASSERT_EQ_INT(cs_place_decode(w, 3, 1, 0, -1), -1);
+    ASSERT_EQ_INT(cs_place_decode(w, 0, 1, 0, -1), -1);
     /* over-placed (negative room) is no room */
     w[0] = dec(2, 5, 0, 0);
-    ASSERT_EQ_INT(cs_place_decode(w, 1, 1, 0), -1);
+    ASSERT_EQ_INT(cs_place_decode(w, 1, 1, 0, -1), -1);
     /* page size per worker */
     w[0] = dec(4, 0, 0, 0), w[1] = dec(4, 0, 0, 0);
     w[1].page_size = 64;
-    ASSERT_EQ_INT(cs_place_decode(w, 2, 200, 0), 1);
+    ASSERT_EQ_INT(cs_place_decode(w, 2, 200, 0, -1), 1);
 }
 
 static void test_prefill(void) {
     cs_place_worker w[3];
     w[0] = pre(1000, 0), w[1] = pre(200, 0), w[2] = pre(500, 0);
-    ASSERT_EQ_INT(cs_place_prefill(w, 3, 100, 0), 1);
+    ASSERT_EQ_INT(cs_place_prefill(w, 3, 100, 0, -1), 1);
     w[1].tokens_placed = 400; /* 600 now */
-    ASSERT_EQ_INT(cs_place_prefill(w, 3, 100, 0), 2);
+    ASSERT_EQ_INT(cs_place_prefill(w, 3, 100, 0, -1), 2);
     w[2].usable = false;
-    ASSERT_EQ_INT(cs_place_prefill(w, 3, 100, 0), 1);
+    ASSERT_EQ_INT(cs_place_prefill(w, 3, 100, 0, -1), 1);
     w[1].skip = true;
-    ASSERT_EQ_INT(cs_place_prefill(w, 3, 100, 0), 0);
+    ASSERT_EQ_INT(cs_place_prefill(w, 3, 100, 0, -1), 0);
     w[0].skip = true;
-    ASSERT_EQ_INT(cs_place_prefill(w, 3, 100, 0), -1);
+    ASSERT_EQ_INT(cs_place_prefill(w, 3, 100, 0, -1), -1);
     w[0] = pre(7, 0), w[1] = pre(7, 0), w[2] = pre(7, 0);
-    ASSERT_EQ_INT(cs_place_prefill(w, 3, 100, 2), 2);
-    ASSERT_EQ_INT(cs_place_prefill(w, 3, 100, 3), 0);
+    ASSERT_EQ_INT(cs_place_prefill(w, 3, 100, 2, -1), 2);
+    ASSERT_EQ_INT(cs_place_prefill(w, 3, 100, 3, -1), 0);
     /* a pool that can never hold the prompt is skipped, however idle */
     w[0] = pre(0, 0), w[1] = pre(5000, 0), w[2] = pre(9000, 0);
     w[0].kv_pages_total = 10; /* 160 tokens */
-    ASSERT_EQ_INT(cs_place_prefill(w, 3, 160, 0), 0);
-    ASSERT_EQ_INT(cs_place_prefill(w, 3, 161, 0), 1);
+    ASSERT_EQ_INT(cs_place_prefill(w, 3, 160, 0, -1), 0);
+    ASSERT_EQ_INT(cs_place_prefill(w, 3, 161, 0, -1), 1);
     w[1].kv_pages_total = w[2].kv_pages_total = 10;
-    ASSERT_EQ_INT(cs_place_prefill(w, 3, 161, 0), -1);
+    ASSERT_EQ_INT(cs_place_prefill(w, 3, 161, 0, -1), -1);
 }
 
 /* Placing repeatedly with the router's own accounting spreads a burst over
@@ -101,7 +105,7 @@ static void test_burst_spreads(void) {
     cs_place_worker w[3] = {dec(100, 0, 0, 0), dec(100, 0, 0, 0), dec(100, 0, 0, 0)};
     int count[3] = {0, 0, 0};
     for (int i = 0; i < 30; i++) {
-        int k = cs_place_decode(w, 3, 64, (size_t)i);
+        int k = cs_place_decode(w, 3, 64, (size_t)i, -1);
         ASSERT_TRUE(k >= 0);
         count[k]++;
         w[k].pages_placed += cs_place_pages(64, 16);
@@ -110,9 +114,98 @@ static void test_burst_spreads(void) {
         ASSERT_EQ_INT(count[k], 10);
     /* 300 - 30 * 4 = 180 pages left in all: 45 more contexts of 4 pages */
     int more = 0;
-    for (int k; (k = cs_place_decode(w, 3, 64, 0)) >= 0; more++)
+    for (int k; (k = cs_place_decode(w, 3, 64, 0, -1)) >= 0; more++)
         w[k].pages_placed += 4;
     ASSERT_EQ_INT(more, 45);
+}
+
+/* Prefix-aware: the worker holding most of the prompt wins while its load is
+ * within balance of the least loaded; beyond, the usual rule; balance -1 or
+ * no cached tokens anywhere: the usual rule. */
+static void test_prefix_choice(void) {
+    cs_place_worker w[3] = {dec(100, 0, 0, 0), dec(50, 0, 2, 0), dec(80, 0, 0, 0)};
+    ASSERT_EQ_INT(cs_place_decode(w, 3, 64, 0, 4), 0); /* nothing cached: most room */
+    w[1].cached_tokens = 992;
+    w[2].cached_tokens = 512;
+    ASSERT_EQ_INT(cs_place_decode(w, 3, 64, 0, 4), 1);
+    ASSERT_EQ_INT(cs_place_decode(w, 3, 64, 0, -1), 0); /* the policy off */
+    ASSERT_EQ_INT(cs_place_decode(w, 3, 64, 0, 1), 2);  /* 1 holds more, but 2 above the least */
+    w[1].reqs_placed = 3;                               /* load 5, least 0: beyond 4 */
+    ASSERT_EQ_INT(cs_place_decode(w, 3, 64, 0, 4), 2);
+    ASSERT_EQ_INT(cs_place_decode(w, 3, 64, 0, 5), 1);
+    w[1].skip = true; /* skipped or without room: never chosen for its cache */
+    ASSERT_EQ_INT(cs_place_decode(w, 3, 64, 0, 100), 2);
+    w[1].skip = false, w[1].kv_pages_free = 3;
+    ASSERT_EQ_INT(cs_place_decode(w, 3, 64, 0, 100), 2);
+    /* a hot prefix (all requests share it) fills its worker up to the balance, then
+     * the next request goes to another, which then holds it too */
+    cs_place_worker h[2] = {dec(1000, 0, 0, 0), dec(1000, 0, 0, 0)};
+    h[0].cached_tokens = 992;
+    int count[2] = {0, 0};
+    for (int i = 0; i < 20; i++) {
+        int k = cs_place_decode(h, 2, 1000, (size_t)i, 2);
+        ASSERT_TRUE(k >= 0);
+        count[k]++;
+        h[k].reqs_placed++;
+        h[k].cached_tokens = 992;
+    }
+    ASSERT_TRUE(count[0] >= 8 && count[1] >= 8);
+    /* prefill: the queue in tokens is the load */
+    cs_place_worker p[2] = {pre(100, 0), pre(0, 0)};
+    p[0].cached_tokens = 992;
+    ASSERT_EQ_INT(cs_place_prefill(p, 2, 1000, 0, 8192), 0);
+    ASSERT_EQ_INT(cs_place_prefill(p, 2, 1000, 0, 50), 1);
+    ASSERT_EQ_INT(cs_place_prefill(p, 2, 1000, 0, -1), 1);
+}
+
+/* The chain is the workers' (the scheduler's page hashes, rooted at the
+ * salt); the set matches leading pages, evicts the oldest, expires, clears. */
+static void test_prefix_set(void) {
+    int32_t ids[100];
+    for (int i = 0; i < 100; i++)
+        ids[i] = 7 * i + 3;
+    uint64_t c[8], d[8], e[8];
+    ASSERT_EQ_INT(cs_prefix_pages(1, 16), 0);
+    ASSERT_EQ_INT(cs_prefix_pages(16, 16), 0); /* the last token is always computed */
+    ASSERT_EQ_INT(cs_prefix_pages(17, 16), 1);
+    ASSERT_EQ_INT(cs_prefix_chain(ids, 100, 16, NULL, c, 8), 6);
+    uint64_t h = cs_kv_cache_page_hash(0, ids, 16);
+    ASSERT_TRUE(c[0] == h && c[1] == cs_kv_cache_page_hash(h, ids + 16, 16));
+    ASSERT_EQ_INT(cs_prefix_chain(ids, 100, 16, "", d, 8), 6);
+    ASSERT_TRUE(memcmp(c, d, sizeof(uint64_t) * 6) == 0); /* "" is the shared namespace */
+    ASSERT_EQ_INT(cs_prefix_chain(ids, 100, 16, "tenant-a", d, 8), 6);
+    ASSERT_TRUE(d[0] == cs_kv_cache_page_hash(cs_kv_cache_hash_root("tenant-a"), ids, 16));
+    ASSERT_TRUE(d[0] != c[0]);
+    ASSERT_EQ_INT(cs_prefix_chain(ids, 100, 16, NULL, e, 3), 3);
+
+    cs_prefix_set *s = cs_prefix_set_new(8);
+    ASSERT_TRUE(s != NULL);
+    ASSERT_EQ_INT(cs_prefix_set_match(s, c, 6, 0, 10), 0);
+    cs_prefix_set_add(s, c, 4, 1.0);
+    ASSERT_EQ_INT(cs_prefix_set_match(s, c, 6, 1.5, 10), 4);
+    ASSERT_EQ_INT(cs_prefix_set_match(s, d, 6, 1.5, 10), 0);  /* another tenant */
+    ASSERT_EQ_INT(cs_prefix_set_match(s, c, 6, 11.5, 10), 0); /* expired */
+    cs_prefix_set_add(s, c, 6, 2.0);                          /* 4 refreshed, 2 new */
+    ASSERT_EQ_INT(cs_prefix_set_size(s), 6);
+    ASSERT_EQ_INT(cs_prefix_set_match(s, c, 6, 2.5, 10), 6);
+    cs_prefix_set_add(s, d, 4, 3.0); /* 10 > 8: c[0], c[1] (the oldest) go */
+    ASSERT_EQ_INT(cs_prefix_set_size(s), 8);
+    ASSERT_EQ_INT(cs_prefix_set_match(s, c, 6, 3.5, 10), 0);
+    ASSERT_EQ_INT(cs_prefix_set_match(s, c + 2, 4, 3.5, 10), 4);
+    ASSERT_EQ_INT(cs_prefix_set_match(s, d, 6, 3.5, 10), 4);
+    /* many adds through a small set: what remains is what was added last */
+    uint64_t many[200];
+    for (int i = 0; i < 200; i++)
+        many[i] = 0x9E3779B97F4A7C15ull * (uint64_t)(i + 1);
+    for (int r = 0; r < 5; r++)
+        cs_prefix_set_add(s, many + 40 * r, 40, 4.0 + r);
+    ASSERT_EQ_INT(cs_prefix_set_size(s), 8);
+    ASSERT_EQ_INT(cs_prefix_set_match(s, many + 192, 8, 9.0, 10), 8);
+    ASSERT_EQ_INT(cs_prefix_set_match(s, many + 191, 1, 9.0, 10), 0);
+    cs_prefix_set_clear(s); /* a restarted worker */
+    ASSERT_EQ_INT(cs_prefix_set_size(s), 0);
+    ASSERT_EQ_INT(cs_prefix_set_match(s, many + 192, 8, 9.0, 10), 0);
+    cs_prefix_set_free(s);
 }
 
 int main(void) {
@@ -120,6 +213,8 @@ int main(void) {
     test_decode();
     test_prefill();
     test_burst_spreads();
+    test_prefix_choice();
+    test_prefix_set();
     printf("placement policy ok\n");
     return 0;
 }

@@ -55,6 +55,10 @@ int32_t cs_kv_cache_refcount(const cs_kv_cache *kv, int32_t id);
  * bytes with parent as the seed, so the same on every host and run.
  * n_tokens >= 0 (tokens may be NULL when it is 0). */
 uint64_t cs_kv_cache_page_hash(uint64_t parent, const int32_t *tokens, int32_t n_tokens);
+/* The parent of a prompt's first page under cache_salt: 0 (the shared
+ * namespace) for NULL or "", else a hash of the salt (never 0), so tenants
+ * with different salts never share a page. */
+uint64_t cs_kv_cache_hash_root(const char *cache_salt);
 /* Registers allocated page id as holding the prefix identified by hash. A
  * page already registered under another hash is re-registered; if another
  * page already holds hash, nothing changes (the first copy wins; id keeps
