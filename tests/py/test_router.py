@@ -1265,8 +1265,11 @@ def test_quantized_cluster_equals_one_process(pb, worker_bins, tmp_path, kv):
     model = make_tiny(worker_bins, tmp_path / "q4_1", "--type", "q4_1")
     flags = ["--kv-bf16"] if kv == "bf16" else []
     ref = Reference(worker_bins / "chunkserve", model, pb, *flags)
+    # each prompt is sent twice: load-only placement, so the second does not prefill
+    # locally on the decode worker that already holds its pages (prefix-aware routing)
     c = Cluster(worker_bins, model, pb, n_prefill=1, n_decode=1, kv_cache_mib=16,
-                worker_args=flags, router_args=["--local-prefill-threshold=8"])
+                worker_args=flags,
+                router_args=["--local-prefill-threshold=8", "--prefix-routing=false"])
     try:
         (p,), (d,) = c.prefill, c.decode
         sp, sd = c.status(p), c.status(d)
