@@ -143,15 +143,19 @@ def test_logits_match_reference(cli, fx, R, tmp_path, name):
 
 
 # The engine's quantized kernels (kernels/cpu/qmat.h) on the same prompts. Their error is the
-# rounding of activations to int8 per 32-block, so the bounds are statistical: 2x the figures
-# bench/quant_fidelity.py measured over all 893 positions (docs/perf.md, "Quantized CPU
-# kernels"): rel L2 median 0.0256, p99 0.128, max 0.324; KL(ref || ours) over the reference
-# top-64 mean 0.00275, max 0.0325; full-row KL at the last positions max 0.00745; top-1
-# disagreements where the reference's gap >= 0.1: 6 of 820 (llama.cpp on the same file, from
-# the fixture's metadata: rel L2 median 0.022-0.046, max 0.11-0.18).
+# rounding of activations to int8 per 32-block, so the bounds are statistical: 2x the worse
+# of two builds' figures over all 893 positions (docs/perf.md, "Quantized CPU kernels"). An
+# AVX-512 build (bench/quant_fidelity.py): rel L2 median 0.0256, p99 0.128, max 0.324;
+# KL(ref || ours) over the reference top-64 mean 0.00275, max 0.0325; full-row KL at the
+# last positions max 0.00745; top-1 disagreements where the reference's gap >= 0.1: 6 of 820.
+# An AVX2 build (this test, 2026-12-03): 0.0252, 0.122, 0.296; 0.00274, 0.0433; 0.0189; 9.
+# The builds differ in the fp32 ops around the GEMM (ops_fast.c: 16 or 8 lanes), and the
+# int8 rounding turns such differences into whole quantization steps now and then, so the
+# maxima move between builds more than the medians. (llama.cpp on the same file, from the
+# fixture's metadata: rel L2 median 0.022-0.046, max 0.11-0.18.)
 QUANT_BOUNDS = {"rel_l2_median": 0.052, "rel_l2_p99": 0.26, "rel_l2_max": 0.65,
-                "kl_top64_mean": 0.0055, "kl_top64_max": 0.065, "kl_last_max": 0.015,
-                "top1_disagree": 12}
+                "kl_top64_mean": 0.0055, "kl_top64_max": 0.087, "kl_last_max": 0.038,
+                "top1_disagree": 18}
 
 
 def _log_softmax(x):
