@@ -55,10 +55,12 @@ test-asan: asan-build
 	  ctest --output-on-failure -j$(JOBS) -L unit
 
 # The tiny-model part of the pytest suite against the ASan build's `chunkserve serve`
-# (incl. a burst of 1,000 malformed messages): the server must exit 0 with no report.
+# (incl. a burst of 1,000 malformed messages): the server must exit 0 with no report;
+# `chunkserve bench serve` and `tune` as clients too.
 test-serve-asan: asan-build
 	CHUNKSERVE_BIN_DIR=$(abspath $(BUILD))-asan/bin ASAN_OPTIONS=detect_leaks=1:exitcode=23 \
-	  UBSAN_OPTIONS=print_stacktrace=1 $(PY) -m pytest -q -m tiny tests/py/test_serve.py tests/py/test_openai.py
+	  UBSAN_OPTIONS=print_stacktrace=1 $(PY) -m pytest -q -m tiny tests/py/test_serve.py tests/py/test_openai.py \
+	  tests/py/test_bench_serve.py
 
 # The router in front of real chunkserve-prefill / -decode processes on the tiny model
 # (tests/py/test_router.py: kill -9, SIGSTOP, restarts, cancellation, SIGTERM) against the

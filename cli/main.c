@@ -33,10 +33,10 @@ typedef struct {
     const char *model, *prompt, *system, *ids, *out, *kv_out;
     bool chat, no_special, no_gen_prompt, verbose, ignore_eos, reference, exact, engine, every_pos,
         kv_bf16;
-    int64_t max_tokens, threads, page_size, kv_mib, prompt_tokens;
+    int64_t max_tokens, threads, page_size, kv_mib, prompt_tokens, max_chunk_tokens;
     int64_t port, http_port, max_num_seqs, max_queue, grace_ms;
     const char *budget, *budgets, *host, *http_host;
-    double duration;
+    double duration, step_time_target_ms;
     double temperature, top_p, min_p, rep_pen, presence, frequency;
     int64_t top_k;
     int64_t seed;            /* used as uint64_t: -1 is 2^64 - 1 */
@@ -68,6 +68,11 @@ static const cs_config_entry opt_table[] = {
     O("max-batched-tokens", STR, budget, "512",
       "step token budget: prompts are prefilled in chunks so a step computes at most N tokens; "
       "0 or unlimited = whole prompts in one step"),
+    O("max-chunk-tokens", INT, max_chunk_tokens, "0",
+      "one prompt's chunk per step at most; 0 = the budget"),
+    O("step-time-target-ms", DOUBLE, step_time_target_ms, "0",
+      "size prompt chunks so each step's predicted time (fitted online from measured steps) "
+      "stays within this many ms; decodes first, --max-batched-tokens still caps; 0 = off"),
     O("page-size", INT, page_size, "16", "tokens per KV-cache page"),
     O("kv-cache-mib", INT, kv_mib, "256", "KV-cache pool size in MiB"),
     O("threads", INT, threads, "0", "CPU threads; 0 = one per core"),
@@ -545,11 +550,14 @@ static int cmd_serve(const cs_model *m, const options *o) {
     if (r) return fail_msg("serve", r);
     if (o->port < 0 || o->port > 65535 || o->http_port < 0 || o->http_port > 65535 ||
         o->page_size < 1 || o->page_size > 4096 || o->kv_mib < 1 || o->threads < 0 ||
-        o->max_num_seqs < 1 || o->max_queue < 1 || o->grace_ms < 0 || o->grace_ms > 600000) {
+        o->max_num_seqs < 1 || o->max_queue < 1 || o->grace_ms < 0 || o->grace_ms > 600000 ||
+        o->max_chunk_tokens < 0 || o->max_chunk_tokens > (1 << 30) ||
+        !(o->step_time_target_ms >= 0 && o->step_time_target_ms <= 1e7)) {
         fprintf(stderr,
                 "chunkserve: serve: --port and --http-port must be 0..65535, --page-size 1..4096, "
                 "--kv-cache-mib >= 1, "
-                "--threads >= 0, --max-num-seqs >= 1, --max-queue >= 1, --grace-ms 0..600000\n");
+                "--threads >= 0, --max-num-seqs >= 1, --max-queue >= 1, --grace-ms 0..600000, "
+                "--max-chunk-tokens 0..2^30, --step-time-target-ms 0..1e7\n");
         return 2;
     }
     so.port = (int)o->port;
@@ -560,6 +568,8 @@ static int cmd_serve(const cs_model *m, const options *o) {
     so.engine.n_threads = (int32_t)o->threads;
     so.engine.kv_bf16 = o->kv_bf16;
     so.sched.max_num_seqs = (int32_t)o->max_num_seqs;
+    so.sched.max_chunk_tokens = (int32_t)o->max_chunk_tokens;
+    so.sched.step_time_target_ms = o->step_time_target_ms;
     so.max_queue = (int32_t)o->max_queue;
     so.openai = o->openai;
     so.rpc = o->rpc;
@@ -622,6 +632,16 @@ static int run_info(const cmd_ctx *c) {
 static int run_bench_engine(const cmd_ctx *c) {
     return cs_cli_bench_engine(c->m, (int)c->o->threads, (int)c->o->prompt_tokens, c->o->kv_bf16);
 }
+static int run_bench(const cmd_ctx *c) {
+    if (c->argc >= 3 && !strcmp(c->argv[2], "serve"))
+        return cs_cli_bench_serve(c->argc, c->argv, 3);
+    fprintf(stderr, "usage: chunkserve bench serve --target HOST:PORT [options]\n"
+                    "       chunkserve bench serve --help\n");
+    return 2;
+}
+static int run_tune(const cmd_ctx *c) {
+    return cs_cli_tune(c->argc, c->argv);
+}
 static int run_bench_local(const cmd_ctx *c) {
     const options *o = c->o;
     return cs_cli_bench_local(c->m, (int)o->threads, o->duration, o->budgets, (uint64_t)o->seed,
@@ -653,6 +673,12 @@ static const struct command {
     {"info", CMD_MODEL, run_info, "print the model's configuration"},
     {"bench-engine", CMD_MODEL, run_bench_engine,
      "engine speed vs GEMM rate, memory bandwidth, chunk sizes (--prompt-tokens)"},
+    {"bench", CMD_ARGV, run_bench,
+     "serve --target HOST:PORT: load a running deployment, report latency percentiles,\n"
+     "throughput and goodput under an SLO (chunkserve bench serve --help)"},
+    {"tune", CMD_ARGV, run_tune,
+     "start candidate configurations here, bench each, recommend budgets and the P:D ratio\n"
+     "for an SLO (chunkserve tune --help)"},
     {"bench-local", CMD_MODEL, run_bench_local,
      "chat streams + long prompts per step budget (--duration, --budgets, --seed)"},
 };

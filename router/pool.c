@@ -162,6 +162,7 @@ struct cs_pool_worker {
     int64_t tokens_placed; /* since that status */
     int32_t reqs_placed;   /* since that status */
     cs_prefix_set *prefix; /* the pages of the requests placed here (prefix.h); NULL: none yet */
+    cs_prefix_summary summary; /* what it publishes it holds (prefix.h); empty: nothing */
 
     bool logged_usable; /* last state logged, so transitions log once */
     bool down_reported; /* on_down ran since the last good status */
@@ -247,6 +248,7 @@ void cs_pool_worker_unref(cs_pool_worker *w) {
     free(w->kv_endpoint);
     free(w->kv_sender);
     cs_prefix_set_free(w->prefix);
+    cs_prefix_summary_clear(&w->summary);
     free(w);
     p->n_worker_objs--;
     pool_maybe_free(p);
@@ -379,6 +381,19 @@ static void apply_status(cs_pool_worker *w, const Chunkserve__V1__WorkerStatus *
     if (s->instance_id != w->instance_id) { /* a new life: its prefix cache is empty */
         w->poll_failures = 0, w->n_pairs = 0;
         if (w->prefix) cs_prefix_set_clear(w->prefix);
+        cs_prefix_summary_clear(&w->summary);
+    }
+    double complete = cs_now() - s->prefix_summary_behind_ms / 1e3;
+    if (!s->prefix_summary_version)
+        cs_prefix_summary_clear(&w->summary); /* it publishes none (any more) */
+    else if (s->prefix_summary.len) {
+        if (cs_prefix_summary_set(&w->summary, s->prefix_summary.data, s->prefix_summary.len,
+                                  s->prefix_summary_bits, s->prefix_summary_version,
+                                  complete) == CS_EINVAL)
+            CS_LOGW("%s worker %s: malformed prefix summary (%zu bytes, %u bits): ignored",
+                    role_name[w->role], w->addr, s->prefix_summary.len, s->prefix_summary_bits);
+    } else if (s->prefix_summary_version == w->summary.version) {
+        w->summary.complete = complete; /* the one we hold, still true until then */
     }
     w->instance_id = s->instance_id;
     if (!w->worker_id || strcmp(w->worker_id, s->worker_id)) {
@@ -514,6 +529,7 @@ static void poll_worker(cs_pool_worker *w, double now) {
     }
     if (w->poll || !w->ch) return;
     Chunkserve__V1__WorkerStatusRequest req = CHUNKSERVE__V1__WORKER_STATUS_REQUEST__INIT;
+    req.prefix_summary_version = w->summary.version; /* the bits come only when it changed */
     cs_rpc_call_opts o = {.timeout_ms = STATUS_DEADLINE_MS};
     cs_pool_worker_ref(w);
     if (cs_rpc_channel_call_msg(w->ch, "/chunkserve.v1.Worker/GetStatus", &req.base, &o,
@@ -918,10 +934,13 @@ cs_pool_worker *cs_pool_place(cs_pool *p, enum cs_pool_role role, int64_t n_toke
             .tokens_placed = w->tokens_placed,
             .reqs_placed = w->reqs_placed,
         };
-        const chain *c = pf && w->prefix ? chain_for(&ch, pf, n_tokens, w->page_size) : NULL;
+        const chain *c = pf && (w->prefix || w->summary.bits)
+                             ? chain_for(&ch, pf, n_tokens, w->page_size)
+                             : NULL;
         if (c)
             snap[i].cached_tokens =
-                (int64_t)cs_prefix_set_match(w->prefix, c->h, c->n, now, pf->ttl_s) * c->ps;
+                (int64_t)cs_prefix_match(w->prefix, &w->summary, c->h, c->n, now, pf->ttl_s) *
+                c->ps;
         cand += snap[i].usable && !snap[i].skip;
         snap[i].skip = snap[i].skip || refused(w, marks) || !kv_compatible(w, peer) ||
                        (role == CS_POOL_PREFILL && pair_open(w, peer, now));

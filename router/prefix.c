@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "chunkserve/error.h"
 #include "chunkserve/kv_cache.h"
 
 int32_t cs_prefix_pages(int64_t n_tokens, int32_t page_size) {
@@ -130,6 +131,35 @@ int32_t cs_prefix_set_match(const cs_prefix_set *s, const uint64_t *chain, int32
     for (; k < n; k++) {
         const slot *e = find(s, key(chain[k]));
         if (!e || now - e->t > ttl) break;
+    }
+    return k;
+}
+
+int cs_prefix_summary_set(cs_prefix_summary *sum, const uint8_t *bits, size_t len, size_t n_bits,
+                          uint64_t version, double complete) {
+    if (n_bits < 8 || (n_bits & (n_bits - 1)) || len != n_bits / 8 || version == 0)
+        return CS_EINVAL;
+    uint8_t *b = malloc(len);
+    if (!b) return CS_ENOMEM;
+    memcpy(b, bits, len);
+    free(sum->bits);
+    *sum = (cs_prefix_summary){b, n_bits, version, complete};
+    return 0;
+}
+
+void cs_prefix_summary_clear(cs_prefix_summary *sum) {
+    free(sum->bits);
+    memset(sum, 0, sizeof *sum);
+}
+
+int32_t cs_prefix_match(const cs_prefix_set *s, const cs_prefix_summary *sum, const uint64_t *chain,
+                        int32_t n, double now, double ttl) {
+    if (!sum || !sum->bits) return s ? cs_prefix_set_match(s, chain, n, now, ttl) : 0;
+    int32_t k = 0;
+    for (; k < n; k++) {
+        if (cs_kv_summary_has(sum->bits, sum->n_bits, chain[k])) continue;
+        const slot *e = s ? find(s, key(chain[k])) : NULL;
+        if (!e || e->t < sum->complete - CS_PREFIX_OWN_GRACE_S || now - e->t > ttl) break;
     }
     return k;
 }

@@ -13,10 +13,22 @@
  * LRU has evicted some), and a worker that restarted (new instance id)
  * starts empty. What it gets wrong shows as the difference between the
  * router's chunkserve:prefix_predicted_tokens_total and the cached tokens
- * the workers report. Loop thread only. */
+ * the workers report.
+ *
+ * A worker that publishes a summary of its cache (WorkerStatus
+ * .prefix_summary: a Bloom filter of its registered page hashes, complete up
+ * to a time it reports) corrects the record: a page then counts when the
+ * summary has it, or when the router placed it there less than
+ * CS_PREFIX_OWN_GRACE_S before the time the summary is complete up to (its
+ * pages register as they are computed, after queueing and prefill). So what
+ * the worker evicted (for whatever reason: other routers' traffic too)
+ * shows a summary interval plus the grace later, and the filter's false
+ * positives (~0.24% a page at 16 bits a page) are the error left. Loop
+ * thread only. */
 #ifndef CHUNKSERVE_ROUTER_PREFIX_H
 #define CHUNKSERVE_ROUTER_PREFIX_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -44,5 +56,28 @@ void cs_prefix_set_add(cs_prefix_set *s, const uint64_t *chain, int32_t n, doubl
 /* The leading hashes of chain recorded within ttl seconds of now. */
 int32_t cs_prefix_set_match(const cs_prefix_set *s, const uint64_t *chain, int32_t n, double now,
                             double ttl);
+
+enum { CS_PREFIX_OWN_GRACE_S = 2 };
+
+/* A worker's published summary (bits owned; NULL: none). */
+typedef struct {
+    uint8_t *bits;
+    size_t n_bits;
+    uint64_t version; /* the worker's; 0 = none */
+    double complete;  /* it shows every page registered before this time (router clock) */
+} cs_prefix_summary;
+
+/* Replaces sum with a copy of bits (n_bits a power of two >= 8, len bytes);
+ * CS_EINVAL for a malformed one (sum unchanged), CS_ENOMEM. */
+int cs_prefix_summary_set(cs_prefix_summary *sum, const uint8_t *bits, size_t len, size_t n_bits,
+                          uint64_t version, double complete);
+void cs_prefix_summary_clear(cs_prefix_summary *sum);
+
+/* The leading pages of chain the worker holds: with a summary, those it has
+ * or that s recorded after sum->complete - CS_PREFIX_OWN_GRACE_S (and
+ * within ttl); without one (sum NULL or empty), cs_prefix_set_match. s may
+ * be NULL. */
+int32_t cs_prefix_match(const cs_prefix_set *s, const cs_prefix_summary *sum, const uint64_t *chain,
+                        int32_t n, double now, double ttl);
 
 #endif

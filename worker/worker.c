@@ -102,7 +102,17 @@ static void handle_status(cs_rpc_call *c, void *data) {
     char ep[300] = "";
     r.kv_endpoint = ep;
     if (w->role->status) w->role->status(w, &r);
+    const Chunkserve__V1__WorkerStatusRequest *q = (const void *)cs_rpc_call_request_msg(c);
+    cs_serve_summary sum;
+    if (cs_serve_prefix_summary(w->sv, q->prefix_summary_version, &sum) == 0 && sum.version) {
+        r.prefix_summary_version = sum.version;
+        r.prefix_summary_bits = (uint32_t)sum.n_bits;
+        r.prefix_summary_behind_ms = (uint32_t)(sum.behind_s * 1e3);
+        r.prefix_summary.data = sum.bits;
+        r.prefix_summary.len = sum.bits ? sum.n_bits / 8 : 0;
+    }
     cs_rpc_call_reply_msg(c, &r.base);
+    free(sum.bits);
 }
 
 static void handle_cancel(cs_rpc_call *c, void *data) {
@@ -334,8 +344,12 @@ static int run(cs_worker *w) {
     sp.max_num_seqs = (int32_t)o->max_num_seqs;
     sp.max_num_partial_prefills = (int32_t)o->max_partial_prefills;
     sp.max_chunk_tokens = (int32_t)o->max_chunk_tokens;
+    sp.step_time_target_ms = o->step_time_target_ms;
     sp.enable_prefix_caching = o->prefix_caching;
     if ((r = cs_serve_start(w->engine, &sp, &w->sv))) goto out;
+    if (o->prefix_caching && o->prefix_summary_ms > 0 &&
+        (r = cs_serve_prefix_summary_enable(w->sv, (double)o->prefix_summary_ms / 1e3)))
+        goto out;
     cs_proc_opts po = {.host = o->host,
                        .port = (int)o->port,
                        .http_host = o->http_host,

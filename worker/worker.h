@@ -40,7 +40,9 @@ typedef struct {
     int64_t max_batched_tokens, max_num_seqs, max_partial_prefills, max_chunk_tokens, page_size,
         kv_cache_mib, threads;
     int64_t max_queue, grace_ms, lease_ms, kv_deadline_ms, kv_dead_ms, kv_renew_ms, kv_queue_mib;
+    int64_t prefix_summary_ms;
     bool prefix_caching, kv_checksum, verbose, exact, kv_bf16;
+    double step_time_target_ms;
     cs_rpc_limits rpc; /* the gRPC port's limits (CS_PROC_RPC_CONFIG) */
     cs_rpc_tls tls;    /* TLS on the gRPC port (CS_PROC_TLS_CONFIG) */
     /* prefill: the decode workers it may send KV pages to (polled like the
@@ -139,6 +141,22 @@ typedef struct {
          "chunk computes)",                                                                         \
          0,                                                                                         \
          1 << 30},                                                                                  \
+        {"prefix-summary-ms",                                                                       \
+         CS_CONFIG_INT,                                                                             \
+         offsetof(cs_worker_opts, prefix_summary_ms),                                               \
+         "1000",                                                                                    \
+         "publish what the prefix cache holds (a Bloom filter in GetStatus, for the router's "      \
+         "prefix-aware placement), rebuilt at most this often; 0 = off",                            \
+         0,                                                                                         \
+         3600000},                                                                                  \
+        {"step-time-target-ms",                                                                     \
+         CS_CONFIG_DOUBLE,                                                                          \
+         offsetof(cs_worker_opts, step_time_target_ms),                                             \
+         "0",                                                                                       \
+         "size prompt chunks so each step's predicted time (fitted online from measured steps) "    \
+         "stays within this many ms; decodes first, the token budget still caps; 0 = off",          \
+         0,                                                                                         \
+         1e7},                                                                                      \
         {"page-size", CS_CONFIG_INT,        offsetof(cs_worker_opts, page_size),                    \
          "16",        "tokens per KV page", 1,                                                      \
          4096},                                                                                     \

@@ -30,6 +30,7 @@ struct cs_kv_cache {
     int32_t *slots;   /* (slot_mask + 1) page id or -1 */
     size_t slot_mask; /* slots - 1, a power of two minus one */
     int slot_bits;    /* log2(slots), >= 1 */
+    uint64_t version; /* bumped by every change to the registrations */
 };
 
 int cs_kv_cache_init(int32_t n_pages, int32_t page_size, cs_kv_cache **out) {
@@ -128,6 +129,7 @@ static void table_insert(cs_kv_cache *kv, int32_t id, uint64_t h) {
     kv->hash[id] = h;
     kv->registered[id] = 1;
     kv->slots[i] = id;
+    kv->version++;
 }
 
 static void table_remove(cs_kv_cache *kv, int32_t id) {
@@ -146,6 +148,7 @@ static void table_remove(cs_kv_cache *kv, int32_t id) {
     }
     kv->slots[i] = -1;
     kv->registered[id] = 0;
+    kv->version++;
 }
 
 /* ---- LRU of cached pages ---- */
@@ -300,7 +303,47 @@ bool cs_kv_cache_registered(const cs_kv_cache *kv, int32_t id, uint64_t *hash) {
     return true;
 }
 
+uint64_t cs_kv_cache_version(const cs_kv_cache *kv) {
+    return kv->version;
+}
+
+size_t cs_kv_summary_bits(int32_t n_pages) {
+    size_t n = 1024;
+    while (n < 16 * (size_t)(n_pages > 0 ? n_pages : 1) && n < ((size_t)1 << 24))
+        n *= 2;
+    return n;
+}
+
+/* Probe i of hash: double hashing over the hash's two halves (a page hash
+ * is already uniformly random). */
+static size_t probe(uint64_t h, int i, size_t n_bits) {
+    uint32_t a = (uint32_t)h, b = (uint32_t)(h >> 32) | 1;
+    return (size_t)(a + (uint32_t)i * b) & (n_bits - 1);
+}
+
+void cs_kv_cache_summary(const cs_kv_cache *kv, uint8_t *bits, size_t n_bits) {
+    CS_ASSERT(n_bits >= 8 && (n_bits & (n_bits - 1)) == 0);
+    memset(bits, 0, n_bits / 8);
+    for (int32_t id = 0; id < kv->n_pages; id++) {
+        if (!kv->registered[id]) continue;
+        for (int i = 0; i < CS_KV_SUMMARY_PROBES; i++) {
+            size_t k = probe(kv->hash[id], i, n_bits);
+            bits[k / 8] |= (uint8_t)(1u << (k % 8));
+        }
+    }
+}
+
+bool cs_kv_summary_has(const uint8_t *bits, size_t n_bits, uint64_t hash) {
+    if (n_bits < 8 || (n_bits & (n_bits - 1))) return false;
+    for (int i = 0; i < CS_KV_SUMMARY_PROBES; i++) {
+        size_t k = probe(hash, i, n_bits);
+        if (!(bits[k / 8] & (1u << (k % 8)))) return false;
+    }
+    return true;
+}
+
 void cs_kv_cache_clear_prefixes(cs_kv_cache *kv) {
+    kv->version++;
     while (kv->lru_head >= 0) {
         int32_t id = kv->lru_head;
         lru_unlink(kv, id);

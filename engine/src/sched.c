@@ -7,10 +7,13 @@
  * pages: recomputation needs nothing but the tokens. */
 #include "chunkserve/sched.h"
 
+#include <math.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "chunkserve/clock.h"
+#include "chunkserve/step_model.h"
 #include "util.h"
 
 typedef struct seq {
@@ -53,6 +56,7 @@ struct cs_sched {
     uint64_t next_arrival;
     cs_sched_stats st;
     cs_step_info last;
+    cs_step_model model; /* step time, for step_time_target_ms (fitted in every mode) */
     /* step scratch */
     cs_span *spans;
     seq **owners;
@@ -74,10 +78,11 @@ cs_sched_params cs_sched_params_default(void) {
 int cs_sched_init(cs_engine *e, const cs_sched_params *p, cs_sched **out) {
     *out = NULL;
     if (p->max_num_batched_tokens < 0 || p->max_num_seqs < 1 || p->max_num_partial_prefills < 1 ||
-        p->max_chunk_tokens < 0)
+        p->max_chunk_tokens < 0 || !(p->step_time_target_ms >= 0 && p->step_time_target_ms <= 1e7))
         return cs_fail(CS_EINVAL,
                        "scheduler: max_num_batched_tokens must be >= 0 (0 = unlimited), "
-                       "max_num_seqs and max_num_partial_prefills >= 1, max_chunk_tokens >= 0");
+                       "max_num_seqs and max_num_partial_prefills >= 1, max_chunk_tokens >= 0, "
+                       "step_time_target_ms in [0, 1e7] (0 = off)");
     cs_sched *s = calloc(1, sizeof *s);
     if (!s) return cs_fail(CS_ENOMEM, "scheduler: out of memory");
     s->e = e;
@@ -88,6 +93,7 @@ int cs_sched_init(cs_engine *e, const cs_sched_params *p, cs_sched **out) {
     s->n_vocab = cs_model_get_config(m)->n_vocab;
     s->ctx_len = cs_model_get_config(m)->ctx_len;
     s->page_size = cs_kv_cache_page_size(s->kv);
+    cs_step_model_init(&s->model);
     *out = s;
     return 0;
 }
@@ -546,6 +552,49 @@ static int32_t chunk_len(const cs_sched *s, int32_t left, int32_t room) {
     return s->p.max_chunk_tokens && k > s->p.max_chunk_tokens ? s->p.max_chunk_tokens : k;
 }
 
+/* What the spans scheduled so far cost the step (the step model's features). */
+typedef struct {
+    int32_t tokens, rows;
+    double pairs;
+} step_work;
+
+static void work_add(step_work *w, int32_t start, int32_t k, bool logits) {
+    w->tokens += k;
+    w->pairs += (double)k * ((double)start + (double)(k + 1) / 2);
+    w->rows += logits;
+}
+
+static double predict(const cs_sched *s, const step_work *w, int32_t start, int32_t k,
+                      bool logits) {
+    step_work t = *w;
+    work_add(&t, start, k, logits);
+    return cs_step_model_predict(&s->model, t.tokens, t.pairs, t.rows);
+}
+
+/* With a step-time target: the longest chunk of q, at most k tokens, that
+ * keeps the step's predicted time within it (page-aligned unless it ends
+ * the prompt); 0 when none fits and the step already has a chunk. */
+static int32_t timed_chunk(const cs_sched *s, const seq *q, int32_t k, const step_work *w,
+                           bool has_chunk) {
+    if (s->p.step_time_target_ms <= 0) return k;
+    if (!cs_step_model_ready(&s->model))
+        return k < CS_SCHED_PROBE_TOKENS ? k : CS_SCHED_PROBE_TOKENS;
+    double target = s->p.step_time_target_ms / 1e3;
+    int32_t left = q->n_tokens - q->n_computed;
+    if (predict(s, w, q->n_computed, k, k == left) <= target) return k;
+    int32_t lo = 0, hi = k; /* predict(lo) fits (lo = 0: nothing), predict(hi) does not */
+    while (hi - lo > 1) {
+        int32_t mid = lo + (hi - lo) / 2;
+        if (predict(s, w, q->n_computed, mid, false) <= target)
+            lo = mid;
+        else
+            hi = mid;
+    }
+    if (lo > s->page_size) lo -= lo % s->page_size;
+    if (lo == 0 && !has_chunk) lo = k < s->page_size ? k : s->page_size;
+    return lo;
+}
+
 int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
     free_texts(s);
     free_list(s, &s->retired); /* their pages were reported by the last step */
@@ -562,6 +611,7 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
     int32_t budget = s->p.max_num_batched_tokens ? s->p.max_num_batched_tokens : INT32_MAX,
             used = 0, n_spans = 0;
     s->last.budget = budget;
+    step_work work = {0};
 
     /* 1. one token for every running decode, oldest first; a decode that
      * finds no page preempts the newest running sequence */
@@ -592,6 +642,7 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
             continue;
         }
         if (r) return r;
+        work_add(&work, q->n_computed, 1, true);
         add_span(s, &n_spans, q, 1);
         used++;
         l = &q->next;
@@ -606,8 +657,11 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
     for (seq *q = s->running; q && used < budget; q = q->next) {
         int32_t left = q->n_tokens - q->n_computed;
         if (left <= 1 || is_held(q)) continue;
-        int32_t k = chunk_len(s, left, budget - used);
+        int32_t k =
+            timed_chunk(s, q, chunk_len(s, left, budget - used), &work, n_spans > s->last.n_decode);
+        if (k == 0) break;
         if (cs_page_table_reserve(&q->pt, s->kv, q->n_computed + k) != 0) continue;
+        work_add(&work, q->n_computed, k, k == left);
         add_span(s, &n_spans, q, k);
         used += k;
     }
@@ -616,7 +670,14 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
         seq *q = s->waiting;
         reuse_prefix(s, q);
         int32_t left = q->n_tokens - q->n_computed;
-        int32_t k = chunk_len(s, left, budget - used);
+        int32_t k =
+            timed_chunk(s, q, chunk_len(s, left, budget - used), &work, n_spans > s->last.n_decode);
+        if (k == 0) {
+            cs_page_table_release(&q->pt, s->kv); /* as below: it waits, holding nothing */
+            q->n_computed = q->n_hashed = 0;
+            q->last_hash = q->hash_root;
+            break;
+        }
         if (cs_page_table_reserve(&q->pt, s->kv, q->n_computed + k) != 0) {
             /* not enough pages now: give back the prefix and wait */
             cs_page_table_release(&q->pt, s->kv);
@@ -631,6 +692,7 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
         q->running = true;
         insert_ordered(&s->running, q);
         s->n_running++;
+        work_add(&work, q->n_computed, k, k == left);
         add_span(s, &n_spans, q, k);
         used += k;
         if (q->n_computed + k < q->n_tokens) partial++;
@@ -643,6 +705,11 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
     int32_t n_logits = 0;
     for (int32_t i = 0; i < n_spans; i++)
         n_logits += s->spans[i].want_logits;
+    s->last.predicted_seconds =
+        cs_step_model_ready(&s->model)
+            ? cs_step_model_predict(&s->model, work.tokens, work.pairs, work.rows)
+            : NAN;
+    double t0 = cs_now();
     r = cs_engine_step(s->e, s->spans, n_spans, s->logits);
     if (r) {
         CS_LOGE("scheduler: engine step failed: %s", cs_last_error());
@@ -694,6 +761,8 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
         s->owners[i] = NULL;
     }
     CS_ASSERT(li == n_logits);
+    s->last.seconds = cs_now() - t0;
+    cs_step_model_observe(&s->model, work.tokens, work.pairs, work.rows, s->last.seconds);
     *n_events = s->n_events;
     return 0;
 }

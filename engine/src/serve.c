@@ -6,12 +6,22 @@
  * A cancel allocates nothing, so memory pressure cannot lose one (and leak a
  * request's pages until its end): each request's record (live) is made at
  * submit and sits in sv->all, under the mutex, until its final event; a
- * cancel marks it there and the loop applies the marks after the batch. */
+ * cancel marks it there and the loop applies the marks after the batch.
+ *
+ * CHUNKSERVE_STEP_TRACE=FILE appends one CSV line per step (what it held,
+ * how long it took, the step model's prediction, and the gap since the
+ * previous step ended: time the engine spent outside steps), for finding
+ * where latency goes (docs/perf.md). */
 #include "chunkserve/serve.h"
 
+#include <math.h>
 #include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "chunkserve/clock.h"
 
 #include "util.h"
 
@@ -54,7 +64,63 @@ struct cs_serve {
     bool stopping;
     live *lives;          /* engine thread only */
     cs_sched_stats stats; /* under mu */
+    FILE *trace;          /* CHUNKSERVE_STEP_TRACE (engine thread) */
+    double trace_end;     /* when the last traced step ended */
+    /* the prefix summary (cs_serve_prefix_summary_enable): the fields below are
+     * set before sum_on is (release), read by the engine thread after it */
+    _Atomic bool sum_on;
+    double sum_interval; /* seconds between builds at most; 0 = off (fixed before any submit) */
+    size_t sum_n_bits;
+    uint8_t *sum_next;    /* engine thread: built here, then swapped with sum_pub */
+    uint8_t *sum_pub;     /* under mu: the published summary */
+    uint64_t sum_version; /* under mu: the cache version it shows (0: none yet) */
+    double sum_behind;    /* under mu: when the cache first changed after it was built
+                             (0: it has not; the summary is current) */
+    uint64_t sum_built;   /* engine thread: the cache version last built, + 1 */
+    double sum_last;      /* engine thread: when */
+    bool sum_behind_set;  /* engine thread: sum_behind is set */
 };
+
+/* Rebuilds the prefix summary when the cache changed, at most every
+ * sum_interval unless force (the engine goes idle: what it holds now is
+ * what stays). Engine thread. */
+static void update_summary(cs_serve *sv, bool force) {
+    if (!atomic_load_explicit(&sv->sum_on, memory_order_acquire)) return;
+    cs_kv_cache *kv = cs_engine_kv(sv->e);
+    uint64_t v = cs_kv_cache_version(kv) + 1;
+    double now = cs_now();
+    if (v == sv->sum_built) return;
+    if (!force && now - sv->sum_last < sv->sum_interval) {
+        if (!sv->sum_behind_set) { /* readers learn how far behind the summary may be */
+            pthread_mutex_lock(&sv->mu);
+            sv->sum_behind = now;
+            pthread_mutex_unlock(&sv->mu);
+            sv->sum_behind_set = true;
+        }
+        return;
+    }
+    cs_kv_cache_summary(kv, sv->sum_next, sv->sum_n_bits);
+    pthread_mutex_lock(&sv->mu);
+    uint8_t *t = sv->sum_pub;
+    sv->sum_pub = sv->sum_next;
+    sv->sum_next = t;
+    sv->sum_version = v;
+    sv->sum_behind = 0;
+    pthread_mutex_unlock(&sv->mu);
+    sv->sum_built = v, sv->sum_last = now, sv->sum_behind_set = false;
+}
+
+static void trace_step(cs_serve *sv) {
+    cs_step_info in;
+    cs_sched_last_step(sv->sched, &in);
+    if (in.n_tokens == 0) return;
+    double end = cs_now(), start = end - in.seconds;
+    fprintf(sv->trace, "%.6f,%.6f,%.6f,%.6f,%d,%d,%d,%d,%d\n", start, in.seconds,
+            isnan(in.predicted_seconds) ? -1.0 : in.predicted_seconds,
+            sv->trace_end > 0 ? start - sv->trace_end : 0.0, in.n_tokens, in.n_decode, in.n_prefill,
+            in.n_running_decodes, in.budget == INT32_MAX ? 0 : in.budget);
+    sv->trace_end = end;
+}
 
 static void pending_free(pending *p) {
     if (!p) return;
@@ -146,6 +212,7 @@ static void *loop(void *arg) {
     cs_serve *sv = arg;
     cs_log_set_role("engine");
     for (;;) {
+        if (cs_sched_idle(sv->sched)) update_summary(sv, true);
         pthread_mutex_lock(&sv->mu);
         while (!sv->head && !sv->releases && !sv->stopping && !sv->any_cancel &&
                cs_sched_idle(sv->sched))
@@ -198,6 +265,8 @@ static void *loop(void *arg) {
         const cs_event *evs;
         int32_t n = 0;
         cs_sched_step(sv->sched, &evs, &n);
+        if (sv->trace) trace_step(sv);
+        update_summary(sv, false);
         for (int32_t i = 0; i < n; i++) {
             live **l = find_live(sv, evs[i].id);
             if (!*l) continue;
@@ -230,11 +299,20 @@ int cs_serve_start(cs_engine *e, const cs_sched_params *p, cs_serve **out) {
     }
     sv->e = e;
     sv->tail = &sv->head;
+    const char *trace = getenv("CHUNKSERVE_STEP_TRACE");
+    if (trace && trace[0]) {
+        if (!(sv->trace = fopen(trace, "a")))
+            CS_LOGE("serve: CHUNKSERVE_STEP_TRACE=%s cannot be opened: no step trace", trace);
+        else
+            fprintf(sv->trace, "start_s,seconds,predicted_s,gap_s,tokens,decode_spans,"
+                               "prefill_spans,running_decodes,budget\n");
+    }
     cs_sched_get_stats(sv->sched, &sv->stats); /* before the thread exists: no lock needed */
     pthread_mutex_init(&sv->mu, NULL);
     pthread_cond_init(&sv->cv, NULL);
     if (pthread_create(&sv->thread, NULL, loop, sv) != 0) {
         cs_sched_free(sv->sched);
+        if (sv->trace) fclose(sv->trace);
         free(sv);
         return cs_fail(CS_EAGAIN, "serve: cannot start the engine thread");
     }
@@ -347,6 +425,44 @@ void cs_serve_stats(cs_serve *sv, cs_sched_stats *st) {
     pthread_mutex_unlock(&sv->mu);
 }
 
+int cs_serve_prefix_summary_enable(cs_serve *sv, double interval_s) {
+    if (!(interval_s > 0)) return cs_fail(CS_EINVAL, "prefix summary: interval must be > 0");
+    size_t n_bits = cs_kv_summary_bits(cs_kv_cache_n_pages(cs_engine_kv(sv->e)));
+    uint8_t *a = calloc(n_bits / 8, 1), *b = calloc(n_bits / 8, 1);
+    if (!a || !b) {
+        free(a), free(b);
+        return cs_fail(CS_ENOMEM, "prefix summary: out of memory");
+    }
+    pthread_mutex_lock(&sv->mu);
+    CS_ASSERT(!atomic_load(&sv->sum_on)); /* once */
+    sv->sum_n_bits = n_bits;
+    sv->sum_interval = interval_s;
+    sv->sum_pub = b;
+    sv->sum_next = a;
+    atomic_store_explicit(&sv->sum_on, true, memory_order_release);
+    sv->any_cancel = true;        /* wakes an idle engine (no record is marked: a no-op) */
+    pthread_cond_signal(&sv->cv); /* so that it builds the first summary now */
+    pthread_mutex_unlock(&sv->mu);
+    return 0;
+}
+
+int cs_serve_prefix_summary(cs_serve *sv, uint64_t known, cs_serve_summary *out) {
+    memset(out, 0, sizeof *out);
+    pthread_mutex_lock(&sv->mu);
+    out->n_bits = sv->sum_version ? sv->sum_n_bits : 0;
+    out->version = sv->sum_version;
+    out->behind_s = sv->sum_version && sv->sum_behind > 0 ? cs_now() - sv->sum_behind : 0;
+    int r = 0;
+    if (sv->sum_version && sv->sum_version != known) {
+        if ((out->bits = malloc(sv->sum_n_bits / 8)))
+            memcpy(out->bits, sv->sum_pub, sv->sum_n_bits / 8);
+        else
+            r = cs_fail(CS_ENOMEM, "prefix summary: out of memory");
+    }
+    pthread_mutex_unlock(&sv->mu);
+    return r;
+}
+
 void cs_serve_stop(cs_serve *sv) {
     if (!sv) return;
     pthread_mutex_lock(&sv->mu);
@@ -359,6 +475,9 @@ void cs_serve_stop(cs_serve *sv) {
     for (cs_serve_release *x = sv->releases, *n; x; x = n)
         n = x->next, free(x->block);
     cs_sched_free(sv->sched);
+    if (sv->trace) fclose(sv->trace);
+    free(sv->sum_next);
+    free(sv->sum_pub);
     pthread_mutex_destroy(&sv->mu);
     pthread_cond_destroy(&sv->cv);
     free(sv);

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 
 import pytest
 
@@ -194,3 +195,63 @@ def test_hot_prefix_spreads_and_a_restart_forgets(bin_dir, model, pb):
         wait_idle(pb, cl.dec)
     finally:
         cl.stop()
+
+
+@pytest.mark.parametrize("summary_ms", [100, 0])
+def test_a_workers_evictions_show_in_its_summary(bin_dir, model, pb, summary_ms):
+    """One decode worker with a small pool (128 pages) behind two routers (as behind one
+    Service): prefix A is cached through router 1, then two other long prompts through
+    router 2 evict it. With --prefix-summary-ms the worker's published summary tells
+    router 1, which predicts exactly what the worker then reports cached for A; with the
+    summary off router 1 predicts A from its own record of placements and over-predicts
+    (the check that the test can fail)."""
+    common = [f"--model={model}", "--port=0", "--threads=1", "--kv-cache-mib=1", "--grace-ms=2000",
+              f"--prefix-summary-ms={summary_ms}"]
+    dec = Proc(bin_dir / "chunkserve-decode", common, "decode")
+    routers = [Proc(bin_dir / "chunkserve-router", [
+        f"--model={model}", "--port=0", "--status-interval-ms=100", "--grace-ms=2000",
+        f"--decode-workers={dec.addr}"], f"router-{i}") for i in range(2)]
+    chans = [grpc.insecure_channel(r.addr) for r in routers]
+    stubs = [pb.generation_pb2_grpc.GenerationStub(c) for c in chans]
+    g = pb.generation_pb2
+
+    def ask(k, ids):
+        msgs = list(stubs[k].Generate(g.GenerateRequest(
+            token_ids=g.TokenIds(ids=ids),
+            sampling=g.SamplingParams(max_tokens=2, ignore_eos=True)), timeout=60))
+        return [m.usage for m in msgs if m.HasField("usage")][-1].cached_prompt_tokens
+
+    def prediction():
+        m = routers[0].metrics()
+        return (metric(m, "chunkserve:prefix_predicted_tokens_total"),
+                metric(m, "chunkserve:prefix_cached_tokens_total"))
+
+    try:
+        for r in routers:
+            wait_for(lambda: metric(r.metrics(), "chunkserve:workers_usable",
+                                    'role="decode"') == 1, 30, "the decode worker usable")
+        a, b, c = groups(3, seed=21)
+        ask(0, a + [5] * 8)
+        assert ask(0, a + [6] * 8) == HELD  # A is cached, and router 1 knows it
+        ask(1, b + [5] * 8)
+        ask(1, c + [5] * 8)  # 2 x 63 pages more than the pool's 128 - A's: A is evicted
+        # a summary rebuild (100 ms) and a status poll (100 ms) after the eviction, and the
+        # router's grace for its own placements (CS_PREFIX_OWN_GRACE_S, 2 s) after A's
+        time.sleep(2.6)
+        before = prediction()
+        got = ask(0, a + [7] * 8)
+        after = prediction()
+        predicted = after[0] - before[0]
+        print(f"summary {summary_ms} ms: A predicted {predicted}, cached {got}")
+        assert got < HELD  # it was evicted
+        if summary_ms:
+            assert predicted == got
+        else:
+            assert predicted == HELD > got
+        wait_idle(pb, [dec])
+    finally:
+        for ch in chans:
+            ch.close()
+        for r in routers:
+            r.stop()
+        dec.stop()

@@ -451,7 +451,65 @@ static void random_run(int32_t n_pages, uint64_t seed, int n_ops) {
     cs_kv_cache_free(kv);
 }
 
+/* The prefix summary: every registered hash tests present, an evicted one
+ * (almost always) absent, few false positives in a full pool; the version
+ * moves with every registration change. */
+static void test_summary(void) {
+    enum { N = 4096 };
+    cs_kv_cache *kv;
+    ASSERT_EQ_INT(cs_kv_cache_init(N, 16, &kv), 0);
+    size_t n_bits = cs_kv_summary_bits(N);
+    ASSERT_EQ_INT((int)n_bits, 65536); /* 16 bits a page */
+    ASSERT_EQ_INT((int)cs_kv_summary_bits(1), 1024);
+    uint8_t *bits = malloc(n_bits / 8);
+    static int32_t ids[N];
+    ASSERT_EQ_INT(cs_kv_cache_alloc_pages(kv, N, ids), 0);
+    uint64_t v0 = cs_kv_cache_version(kv), h = 0x1234;
+    for (int i = 0; i < N; i++) {
+        h = cs_kv_cache_page_hash(h, &i, 1);
+        ASSERT_EQ_INT(cs_kv_cache_register(kv, ids[i], h), 0);
+    }
+    ASSERT_TRUE(cs_kv_cache_version(kv) != v0);
+    cs_kv_cache_summary(kv, bits, n_bits);
+    uint64_t hh = 0x1234;
+    for (int i = 0; i < N; i++) {
+        hh = cs_kv_cache_page_hash(hh, &i, 1);
+        ASSERT_TRUE(cs_kv_summary_has(bits, n_bits, hh));
+    }
+    int fp = 0;
+    for (int i = 0; i < 100000; i++) {
+        int32_t t = N + i;
+        fp += cs_kv_summary_has(bits, n_bits, cs_kv_cache_page_hash(0x99, &t, 1));
+    }
+    printf("prefix summary: %d pages in %zu bits, %d false positives in 100000 (%.3f%%)\n", N,
+           n_bits, fp, fp / 1000.0);
+    ASSERT_TRUE(fp < 500);                           /* theory: 0.24% */
+    ASSERT_TRUE(!cs_kv_summary_has(bits, 1000, hh)); /* not a power of two: nothing */
+    /* released pages stay registered (cached): same version; evicting changes it */
+    uint64_t v1 = cs_kv_cache_version(kv);
+    ASSERT_EQ_INT(cs_kv_cache_free_pages(kv, ids, N), 0);
+    ASSERT_TRUE(cs_kv_cache_version(kv) == v1);
+    int32_t got[8];
+    ASSERT_EQ_INT(cs_kv_cache_alloc_pages(kv, 8, got), 0); /* evicts the 8 oldest */
+    ASSERT_TRUE(cs_kv_cache_version(kv) != v1);
+    cs_kv_cache_summary(kv, bits, n_bits);
+    int absent = 0;
+    hh = 0x1234;
+    for (int i = 0; i < N; i++) {
+        hh = cs_kv_cache_page_hash(hh, &i, 1);
+        absent += !cs_kv_summary_has(bits, n_bits, hh);
+    }
+    ASSERT_TRUE(absent >= 7 && absent <= 8); /* a false positive may keep one */
+    cs_kv_cache_clear_prefixes(kv);
+    cs_kv_cache_summary(kv, bits, n_bits);
+    for (size_t i = 0; i < n_bits / 8; i++)
+        ASSERT_EQ_INT(bits[i], 0);
+    free(bits);
+    cs_kv_cache_free(kv);
+}
+
 int main(void) {
+    test_summary();
     test_init_alloc_free();
     test_register_lookup();
     test_eviction_order();

@@ -208,7 +208,52 @@ static void test_prefix_set(void) {
     cs_prefix_set_free(s);
 }
 
+/* A published summary corrects the router's own record: its pages count,
+ * own entries only within the grace, a malformed one is refused. */
+static void test_prefix_summary(void) {
+    uint64_t c[6];
+    int32_t ids[96];
+    for (int i = 0; i < 96; i++)
+        ids[i] = 3 + i;
+    ASSERT_EQ_INT(cs_prefix_chain(ids, 97, 16, NULL, c, 6), 6);
+    cs_kv_cache *kv;
+    ASSERT_EQ_INT(cs_kv_cache_init(64, 16, &kv), 0);
+    int32_t pg[4];
+    ASSERT_EQ_INT(cs_kv_cache_alloc_pages(kv, 4, pg), 0);
+    for (int i = 0; i < 4; i++) /* the worker holds the first 4 pages */
+        ASSERT_EQ_INT(cs_kv_cache_register(kv, pg[i], c[i]), 0);
+    size_t nb = cs_kv_summary_bits(64);
+    uint8_t *bits = calloc(nb / 8, 1);
+    cs_kv_cache_summary(kv, bits, nb);
+    cs_prefix_summary sum = {0};
+    ASSERT_EQ_INT(cs_prefix_summary_set(&sum, bits, nb / 8, nb - 1, 7, 0), CS_EINVAL);
+    ASSERT_EQ_INT(cs_prefix_summary_set(&sum, bits, nb / 8 - 1, nb, 7, 0), CS_EINVAL);
+    ASSERT_EQ_INT(cs_prefix_summary_set(&sum, bits, nb / 8, nb, 0, 0), CS_EINVAL);
+    ASSERT_TRUE(sum.bits == NULL);
+    ASSERT_EQ_INT(cs_prefix_summary_set(&sum, bits, nb / 8, nb, 7, 100.5), 0);
+    ASSERT_EQ_INT(cs_prefix_match(NULL, &sum, c, 6, 100, 600), 4); /* the summary alone */
+    cs_prefix_set *s = cs_prefix_set_new(16);
+    cs_prefix_set_add(s, c, 6, 100.0); /* placed all 6 at t = 100 */
+    /* complete until 100.5: pages placed at 100 may not have registered yet */
+    ASSERT_EQ_INT(cs_prefix_match(s, &sum, c, 6, 105, 600), 6);
+    sum.complete = 100 + CS_PREFIX_OWN_GRACE_S + 0.5; /* a later status: still the same cache */
+    ASSERT_EQ_INT(cs_prefix_match(s, &sum, c, 6, 105, 600), 4);
+    ASSERT_EQ_INT(cs_prefix_match(s, NULL, c, 6, 200, 600), 6); /* no summary: the record */
+    /* the worker evicted page 0: nothing is predicted past the grace */
+    cs_kv_cache_free_pages(kv, pg, 4);
+    cs_kv_cache_clear_prefixes(kv);
+    cs_kv_cache_summary(kv, bits, nb);
+    ASSERT_EQ_INT(cs_prefix_summary_set(&sum, bits, nb / 8, nb, 8, 200), 0);
+    ASSERT_EQ_INT(cs_prefix_match(s, &sum, c, 6, 200, 600), 0);
+    cs_prefix_summary_clear(&sum);
+    ASSERT_TRUE(sum.bits == NULL && sum.version == 0);
+    cs_prefix_set_free(s);
+    free(bits);
+    cs_kv_cache_free(kv);
+}
+
 int main(void) {
+    test_prefix_summary();
     test_pages();
     test_decode();
     test_prefill();

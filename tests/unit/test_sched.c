@@ -7,12 +7,14 @@
  * - a shared 300-token prefix is computed once;
  * - cancellation at random points leaks no page;
  * - the serving loop (submit / callbacks / cancel from other threads). */
+#include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <unistd.h>
 
 #include "chunkserve/serve.h"
+#include "chunkserve/step_model.h"
 #include "test.h"
 
 static cs_model *model;
@@ -525,6 +527,98 @@ static void check_held(void) {
     cs_engine_free(e);
 }
 
+/* The step model recovers a known linear law, and follows a new one once
+ * its window has turned over. */
+static void check_step_model(void) {
+    cs_step_model m;
+    cs_step_model_init(&m);
+    ASSERT_TRUE(isnan(cs_step_model_predict(&m, 10, 10, 1)));
+    ASSERT_TRUE(!cs_step_model_ready(&m));
+    const double w[4] = {2e-3, 1e-5, 2e-9, 3e-5};
+    for (int i = 0; i < 100; i++) {
+        double tok = 1 + (double)rnd(2048), pairs = tok * (double)rnd(4096), rows = 1 + rnd(32);
+        cs_step_model_observe(&m, tok, pairs, rows, w[0] + w[1] * tok + w[2] * pairs + w[3] * rows);
+    }
+    ASSERT_TRUE(cs_step_model_ready(&m));
+    double got[4];
+    cs_step_model_coefficients(&m, got);
+    for (int k = 0; k < 4; k++)
+        ASSERT_TRUE(fabs(got[k] - w[k]) <= 1e-3 * w[k]);
+    double t = cs_step_model_predict(&m, 512, 512.0 * 1000, 8);
+    ASSERT_TRUE(fabs(t - (w[0] + w[1] * 512 + w[2] * 512e3 + w[3] * 8)) < 1e-7);
+    for (int i = 0; i < CS_STEP_MODEL_WINDOW; i++) { /* the machine got twice as slow */
+        double tok = 1 + (double)rnd(2048), pairs = tok * (double)rnd(4096), rows = 1 + rnd(32);
+        cs_step_model_observe(&m, tok, pairs, rows,
+                              2 * (w[0] + w[1] * tok + w[2] * pairs + w[3] * rows));
+    }
+    cs_step_model_coefficients(&m, got);
+    for (int k = 0; k < 4; k++)
+        ASSERT_TRUE(fabs(got[k] - 2 * w[k]) <= 1e-3 * w[k]);
+    /* decode-only steps (one token count) never make it ready */
+    cs_step_model_init(&m);
+    for (int i = 0; i < 100; i++)
+        cs_step_model_observe(&m, 8, 8 * 100.0, 8, 1e-3);
+    ASSERT_TRUE(!cs_step_model_ready(&m));
+    printf("step model: coefficients recovered within 0.1%%, follows a 2x slowdown in %d steps\n",
+           CS_STEP_MODEL_WINDOW);
+}
+
+/* --step-time-target-ms: any target gives the one-pass tokens; once the
+ * model is ready, a step's predicted time stays within the target unless
+ * its only chunk is the one page that keeps prompts moving. */
+static void check_step_time_target(void) {
+    static req_spec specs[MAX_REQ];
+    static req_out base[MAX_REQ], other[MAX_REQ];
+    make_specs(specs, MAX_REQ, false);
+    cs_engine *e = engine(4096);
+    cs_sched_params one_pass = cs_sched_params_default();
+    run(e, &one_pass, specs, MAX_REQ, base, false);
+    const double targets[] = {1e-6, 0.5, 1e6};
+    for (size_t t = 0; t < sizeof targets / sizeof targets[0]; t++) {
+        cs_sched_params p = cs_sched_params_default();
+        p.step_time_target_ms = targets[t];
+        run(e, &p, specs, MAX_REQ, other, true);
+        char what[64];
+        snprintf(what, sizeof what, "step time target %g ms", targets[t]);
+        check_same(base, other, MAX_REQ, what);
+
+        /* the sizing rule, step by step */
+        cs_sched *s = NULL;
+        ASSERT_EQ_INT(cs_sched_init(e, &p, &s), 0);
+        for (int i = 0; i < MAX_REQ; i++) {
+            cs_request r = make_req(&specs[i], (uint64_t)i);
+            ASSERT_EQ_INT(cs_sched_add(s, &r), 0);
+        }
+        int ready = 0, capped = 0, probe_max = 0;
+        while (!cs_sched_idle(s)) {
+            const cs_event *ev;
+            int32_t ne;
+            ASSERT_EQ_INT(cs_sched_step(s, &ev, &ne), 0);
+            cs_step_info info;
+            cs_sched_last_step(s, &info);
+            int32_t chunk = info.n_tokens - info.n_decode;
+            if (isnan(info.predicted_seconds)) {
+                if (chunk > probe_max) probe_max = chunk;
+                continue;
+            }
+            ready++;
+            if (info.predicted_seconds > targets[t] / 1e3) {
+                ASSERT_TRUE(info.n_prefill <= 1 && chunk <= 16);
+                capped++;
+            }
+        }
+        cs_sched_free(s);
+        printf("step time target %g ms: one-pass tokens; %d steps predicted, %d over the target "
+               "with one page of prompt; probe chunks <= %d tokens\n",
+               targets[t], ready, capped, probe_max);
+        ASSERT_TRUE(probe_max <= CS_SCHED_PROBE_TOKENS * 4); /* up to 4 partial prefills */
+        ASSERT_TRUE(ready > 0);
+        if (t == 0) ASSERT_TRUE(capped > 0);  /* nothing fits 1 ns: one page a step */
+        if (t == 2) ASSERT_EQ_INT(capped, 0); /* everything fits 1000 s */
+    }
+    cs_engine_free(e);
+}
+
 int main(void) {
     char path[1024];
     snprintf(path, sizeof path, "%s/f32/tiny.gguf", getenv("CS_TINY_DIR"));
@@ -536,6 +630,8 @@ int main(void) {
     check_reserved_reuse();
     check_held();
     check_cancel();
+    check_step_model();
+    check_step_time_target();
     check_equivalence();
     check_serve();
     cs_model_free(model);

@@ -76,6 +76,22 @@ void cs_kv_cache_clear_prefixes(cs_kv_cache *kv);
 /* Whether page id is registered (in use or cached); its hash into *hash when
  * hash is not NULL. False for an id out of range. */
 bool cs_kv_cache_registered(const cs_kv_cache *kv, int32_t id, uint64_t *hash);
+/* Changes whenever a registration is added or removed (a summary made at
+ * one version stays true until the next). */
+uint64_t cs_kv_cache_version(const cs_kv_cache *kv);
+
+/* Prefix summary: what a worker publishes about its prefix cache (the
+ * router's prefix-aware placement reads it): a Bloom filter of every
+ * registered page hash, cached or in use. n_bits is a power of two; each
+ * hash sets CS_KV_SUMMARY_PROBES bits. At cs_kv_summary_bits(n_pages) bits
+ * (16 per page) a hash that is not there tests present with probability
+ * ~0.24% when the pool is full of registered pages; a hash that is there
+ * always tests present. */
+enum { CS_KV_SUMMARY_PROBES = 4 };
+size_t cs_kv_summary_bits(int32_t n_pages); /* 16 per page, in [1024, 2^24] */
+/* Fills bits[0 .. n_bits / 8) (n_bits a power of two >= 8). */
+void cs_kv_cache_summary(const cs_kv_cache *kv, uint8_t *bits, size_t n_bits);
+bool cs_kv_summary_has(const uint8_t *bits, size_t n_bits, uint64_t hash);
 /* Full consistency check, O(n_pages) (for tests and debugging): counters,
  * free stack, LRU and hash table agree with each page's refcount and
  * registration, with no duplicates. 0, or CS_EBADMSG with a message naming

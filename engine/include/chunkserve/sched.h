@@ -31,7 +31,17 @@ typedef struct {
                                          long_prefill_token_threshold); 0 = the budget. A prefill
                                          worker sets it so pages stream while the next chunk computes */
     bool enable_prefix_caching;       /* default true */
+    double step_time_target_ms;       /* > 0: size each step's prompt chunks so that the step's
+                                         predicted time (chunkserve/step_model.h, fitted from this
+                                         engine's measured steps) stays within it; decodes still
+                                         go first and the token budget still caps the step. Until
+                                         the model is ready a chunk is at most
+                                         CS_SCHED_PROBE_TOKENS; a step with no chunk yet always
+                                         gets one page's worth, so prompts make progress. Any
+                                         split is exact (chunkserve/engine.h). 0 = off */
 } cs_sched_params;
+
+enum { CS_SCHED_PROBE_TOKENS = 256 };
 
 cs_sched_params cs_sched_params_default(void);
 
@@ -107,6 +117,8 @@ typedef struct {
     int32_t n_prefill;         /* prompt chunk spans */
     int32_t n_running_decodes; /* running sequences that wanted a decode token */
     int32_t budget;            /* the step's budget (INT32_MAX when unlimited) */
+    double seconds;            /* the step's engine time and sampling, measured */
+    double predicted_seconds;  /* the step model's prediction for it (NAN: not ready) */
 } cs_step_info;
 
 typedef struct {

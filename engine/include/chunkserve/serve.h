@@ -75,6 +75,26 @@ void cs_serve_kv_release(cs_serve *sv, cs_serve_release *rec);
 /* Scheduler statistics as of the last step. Thread-safe. */
 void cs_serve_stats(cs_serve *sv, cs_sched_stats *st);
 
+/* The prefix summary a worker publishes (a Bloom filter of its registered
+ * page hashes, chunkserve/kv_cache.h): once enabled, the engine thread
+ * rebuilds it after a step that changed the cache, at most every
+ * interval_s, and at once when it goes idle. Call once, before submitting.
+ * CS_EINVAL (interval <= 0), CS_ENOMEM. */
+int cs_serve_prefix_summary_enable(cs_serve *sv, double interval_s);
+
+typedef struct {
+    uint8_t *bits;    /* a copy (free it), or NULL when the version is the caller's */
+    size_t n_bits;    /* 0: no summary yet (or not enabled) */
+    uint64_t version; /* changes with every rebuild that saw a different cache */
+    double behind_s;  /* how far behind the cache it may be: 0 when the cache has not
+                         changed since it was built, else the time since the first change
+                         it does not show (everything registered before then it shows) */
+} cs_serve_summary;
+
+/* The latest summary; its bits only when its version differs from known.
+ * Thread-safe. CS_ENOMEM (then out holds no bits). */
+int cs_serve_prefix_summary(cs_serve *sv, uint64_t known, cs_serve_summary *out);
+
 #ifdef __cplusplus
 }
 #endif

@@ -1,0 +1,728 @@
+/* bench_serve.c: `chunkserve bench serve --target HOST:PORT`: a load
+ * generator for any running deployment that speaks chunkserve.v1.Generation
+ * (one `chunkserve serve`, the router of a local cluster, a cluster on
+ * Kubernetes), like `vllm bench serve`.
+ *
+ * One libuv loop, the RPC layer's client (net/): requests start on their
+ * seeded schedule (loadgen.h), each a server-streaming Generate of token
+ * ids (or a dataset's text), greedy unless --temperature, ignore_eos so
+ * outputs have the lengths asked for. Every token message is timed on
+ * arrival. For each point of the sweep (--rates for open-loop arrivals,
+ * --concurrency for closed-loop) it reports TTFT, TPOT, ITL and end-to-end
+ * latency (mean/p50/p90/p99/max; numpy's percentile definition, stats.h),
+ * request and token throughput, cached prompt tokens, errors by status and
+ * whether the SLO held; over the sweep, the goodput: the highest offered
+ * rate at which the SLO held and the request throughput measured there.
+ * JSON on stdout or --out (bench/plot_bench_serve.py draws it), progress on
+ * stderr. ITL is the gap between two token messages of a stream (a message
+ * carrying k > 1 tokens counts once: what a client sees).
+ *
+ * The client costs little: a loop thread that unpacks one small message
+ * per token (the tool keeps up with thousands of tokens/s on one core; the
+ * report states the client's own CPU time).
+ * Not here: the OpenAI HTTP endpoint (bench/bench_openai.py measures it),
+ * multi-turn sessions. */
+#include <cjson/cJSON.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <uv.h>
+
+#include "bench.h"
+#include "loadgen.h"
+#include "stats.h"
+#include "chunkserve/config.h"
+#include "chunkserve/rpc.h"
+#include "chunkserve/v1/generation.pb-c.h"
+#include "chunkserve/assert.h"
+#include "chunkserve/clock.h"
+#include "chunkserve/error.h"
+
+typedef struct {
+    const char *target, *workload, *arrival, *rates, *concurrency, *out, *model, *cache_salt;
+    const char *api_key, *ca_file, *cert_file, *key_file, *server_name;
+    double burstiness, duration, temperature, slo_ttft_ms, slo_itl_ms;
+    int64_t requests, max_concurrency, seed, prefix_groups, prefix_tokens, timeout_ms;
+    int64_t connect_timeout_ms, warmup;
+    bool save_requests, dry_run, no_ignore_eos, quiet, stop_after_miss;
+} serve_opts;
+
+#define O(f) offsetof(serve_opts, f)
+static const cs_config_entry serve_table[] = {
+    {"target", CS_CONFIG_STR, O(target), NULL,
+     "HOST:PORT of the deployment's gRPC API (or dns:///NAME:PORT)", 0, 0},
+    {"workload", CS_CONFIG_STR, O(workload), "chat",
+     "chat, rag, summarize, mixed, or a .jsonl dataset (see --help text)", 0, 0},
+    {"arrival", CS_CONFIG_STR, O(arrival), "poisson",
+     "poisson, gamma (with --burstiness), fixed, or closed (--concurrency in flight)", 0, 0},
+    {"rates", CS_CONFIG_STR, O(rates), "inf",
+     "request rates to sweep, requests/s, comma-separated (inf = all at once)", 0, 0},
+    {"burstiness", CS_CONFIG_DOUBLE, O(burstiness), "1",
+     "gamma arrivals' shape: < 1 burstier than Poisson, 1 = Poisson", 0.01, 100},
+    {"concurrency", CS_CONFIG_STR, O(concurrency), "1",
+     "closed arrivals: requests in flight to sweep, comma-separated", 0, 0},
+    {"max-concurrency", CS_CONFIG_INT, O(max_concurrency), "0",
+     "open arrivals: at most this many in flight (later arrivals wait); 0 = no cap", 0, 1 << 20},
+    {"requests", CS_CONFIG_INT, O(requests), "100", "requests per sweep point", 1, 10000000},
+    {"duration", CS_CONFIG_DOUBLE, O(duration), "0",
+     "stop starting requests of a point after this many seconds; 0 = no limit", 0, 1e7},
+    {"seed", CS_CONFIG_INT, O(seed), "0", "the workload's and the arrivals' seed", 0, 0},
+    {"prefix-groups", CS_CONFIG_INT, O(prefix_groups), "0",
+     "shared-prefix groups: each request joins one at random; 0 = none", 0, 1 << 20},
+    {"prefix-tokens", CS_CONFIG_INT, O(prefix_tokens), "0",
+     "tokens of each group's shared prompt head (before the request's own)", 0, 1 << 24},
+    {"temperature", CS_CONFIG_DOUBLE, O(temperature), "0", "sampling temperature; 0 = greedy", 0,
+     100},
+    {"no-ignore-eos", CS_CONFIG_BOOL, O(no_ignore_eos), "false",
+     "stop at end-of-generation tokens (outputs may then be shorter than asked)", 0, 0},
+    {"cache-salt", CS_CONFIG_STR, O(cache_salt), NULL, "every request's cache_salt", 0, 0},
+    {"model", CS_CONFIG_STR, O(model), NULL, "the model name to ask for (default: the only one)", 0,
+     0},
+    {"slo-ttft-p99-ms", CS_CONFIG_DOUBLE, O(slo_ttft_ms), "2000",
+     "SLO: p99 time to first token, ms (0 = not part of the SLO)", 0, 1e9},
+    {"slo-itl-p99-ms", CS_CONFIG_DOUBLE, O(slo_itl_ms), "100",
+     "SLO: p99 inter-token latency, ms (0 = not part of the SLO)", 0, 1e9},
+    {"timeout-ms", CS_CONFIG_INT, O(timeout_ms), "600000", "each request's deadline", 1, 86400000},
+    {"connect-timeout-ms", CS_CONFIG_INT, O(connect_timeout_ms), "30000",
+     "how long to wait for the target at start", 1, 3600000},
+    {"warmup", CS_CONFIG_INT, O(warmup), "1",
+     "requests sent one at a time before the sweep, not measured (connections, page faults)", 0,
+     1000},
+    {"stop-after-miss", CS_CONFIG_BOOL, O(stop_after_miss), "false",
+     "end the sweep at the first point that misses the SLO (rates ascending)", 0, 0},
+    {"out", CS_CONFIG_STR, O(out), NULL, "write the JSON report here (default: stdout)", 0, 0},
+    {"save-requests", CS_CONFIG_BOOL, O(save_requests), "false",
+     "the report also lists every request (lengths, TTFT, every ITL sample)", 0, 0},
+    {"dry-run", CS_CONFIG_BOOL, O(dry_run), "false",
+     "print the first point's schedule (arrival offsets, lengths) as JSON; no target", 0, 0},
+    {"quiet", CS_CONFIG_BOOL, O(quiet), "false", "no progress lines on stderr", 0, 0},
+    {"api-key", CS_CONFIG_SECRET, O(api_key), NULL, "sent as authorization: Bearer KEY", 0, 0},
+    {"tls-ca-file", CS_CONFIG_STR, O(ca_file), NULL, "TLS: the roots the target must chain to", 0,
+     0},
+    {"tls-cert-file", CS_CONFIG_STR, O(cert_file), NULL, "TLS: this client's certificate (mTLS)", 0,
+     0},
+    {"tls-key-file", CS_CONFIG_STR, O(key_file), NULL, "TLS: its private key", 0, 0},
+    {"tls-server-name", CS_CONFIG_STR, O(server_name), NULL,
+     "TLS: the name the target's certificate must carry", 0, 0},
+};
+#undef O
+#define N_SERVE_OPTS (sizeof serve_table / sizeof serve_table[0])
+
+#define GENERATE "/chunkserve.v1.Generation/Generate"
+
+/* ------------------------------------------------------------- sweep -- */
+
+enum { MAX_POINTS = 64 };
+
+/* "1,2.5,inf" into vals; integer sweeps (concurrency) also refuse fractions. */
+static int parse_list(const char *flag, const char *s, bool integer, double *vals, int *n) {
+    *n = 0;
+    const char *p = s;
+    while (*p) {
+        if (*n == MAX_POINTS)
+            return cs_fail(CS_EINVAL, "--%s: at most %d values", flag, MAX_POINTS);
+        char *end;
+        double v =
+            !integer && !strncmp(p, "inf", 3) ? (end = (char *)p + 3, INFINITY) : strtod(p, &end);
+        if (end == p || (*end && *end != ',') || !(v > 0) || (integer && v != floor(v)) ||
+            (integer && v > (1 << 20)))
+            return cs_fail(CS_EINVAL, "--%s '%s': a comma-separated list of %s", flag, s,
+                           integer ? "whole numbers in [1, 1048576]"
+                                   : "rates > 0 in requests/s, or inf");
+        vals[(*n)++] = v;
+        p = *end ? end + 1 : end;
+    }
+    if (*n == 0) return cs_fail(CS_EINVAL, "--%s: no values", flag);
+    return 0;
+}
+
+/* ----------------------------------------------------------- requests -- */
+
+typedef struct bench bench;
+
+typedef struct {
+    bench *b;
+    int idx;
+    double t_send, t_first, t_last; /* cs_now() */
+    int32_t n_out, n_msgs, prompt_tokens, cached;
+    int code; /* -1 while running */
+    bool started;
+    char *error; /* the first failed request of each code keeps its message */
+    cs_samples itl_ms;
+} req_state;
+
+struct bench {
+    const serve_opts *o;
+    const cs_lg_workload *w;
+    uv_loop_t uv;
+    cs_rpc_loop *rl;
+    cs_rpc_channel *ch;
+    cs_rpc_metadata md[1];
+    size_t n_md;
+    char auth[600];
+    /* the model */
+    char model_name[256];
+    int32_t ctx_len, vocab;
+    /* this point */
+    const cs_lg_request *sched;
+    req_state *reqs;
+    size_t n, next, n_done, n_failed, in_flight;
+    size_t cap;  /* in flight at most (closed: the concurrency); 0 = none */
+    bool closed; /* start the next request as one ends */
+    double t0, stop_issuing_at;
+    int32_t *ids; /* prompt buffer: ctx_len */
+    uv_timer_t arrive, progress;
+    int point;
+};
+
+static void start_due(bench *b);
+
+static void on_gen_msg(cs_rpc_client_call *c, const uint8_t *buf, size_t len, void *data) {
+    (void)c;
+    req_state *r = data;
+    double now = cs_now();
+    Chunkserve__V1__GenerateResponse *m = chunkserve__v1__generate_response__unpack(NULL, len, buf);
+    if (!m) return; /* the RPC layer's peer sent garbage: the status will say so */
+    if (m->n_token_ids > 0) {
+        if (r->n_out == 0)
+            r->t_first = now;
+        else
+            cs_samples_push(&r->itl_ms, (now - r->t_last) * 1e3);
+        r->t_last = now;
+        r->n_out += (int32_t)m->n_token_ids;
+        r->n_msgs++;
+    }
+    if (m->usage) {
+        r->prompt_tokens = m->usage->prompt_tokens;
+        r->cached = m->usage->cached_prompt_tokens;
+    }
+    chunkserve__v1__generate_response__free_unpacked(m, NULL);
+}
+
+static void on_gen_done(cs_rpc_client_call *c, int code, const char *message, void *data) {
+    (void)c;
+    req_state *r = data;
+    bench *b = r->b;
+    r->code = code;
+    if (code != CS_RPC_OK) {
+        r->error = strdup(message ? message : "");
+        b->n_failed++;
+    }
+    if (r->n_out == 0) r->t_last = cs_now(); /* the end, for its latency */
+    b->n_done++;
+    b->in_flight--;
+    start_due(b);
+}
+
+static int start_one(bench *b, req_state *r) {
+    const cs_lg_request *q = &b->sched[r->idx];
+    const serve_opts *o = b->o;
+    Chunkserve__V1__SamplingParams sp = CHUNKSERVE__V1__SAMPLING_PARAMS__INIT;
+    sp.temperature = (float)o->temperature;
+    sp.seed = (uint64_t)r->idx;
+    sp.max_tokens = q->output_len;
+    sp.ignore_eos = !o->no_ignore_eos;
+    Chunkserve__V1__GenerateRequest req = CHUNKSERVE__V1__GENERATE_REQUEST__INIT;
+    char id[64];
+    snprintf(id, sizeof id, "bench-%d-%d", b->point, r->idx);
+    req.request_id = id;
+    req.model = (char *)(o->model ? o->model : "");
+    req.cache_salt = (char *)(o->cache_salt ? o->cache_salt : "");
+    req.sampling = &sp;
+    Chunkserve__V1__TokenIds tids = CHUNKSERVE__V1__TOKEN_IDS__INIT;
+    const cs_lg_line *line = q->line >= 0 ? &b->w->lines[q->line] : NULL;
+    if (line && line->text) {
+        req.input_case = CHUNKSERVE__V1__GENERATE_REQUEST__INPUT_PROMPT;
+        req.prompt = line->text;
+    } else {
+        if (line && line->ids) {
+            tids.ids = line->ids;
+        } else {
+            cs_lg_prompt_ids(q, (uint64_t)o->seed, b->vocab / 8, b->vocab, b->ids);
+            tids.ids = b->ids;
+        }
+        tids.n_ids = (size_t)q->prompt_len;
+        req.input_case = CHUNKSERVE__V1__GENERATE_REQUEST__INPUT_TOKEN_IDS;
+        req.token_ids = &tids;
+    }
+    cs_rpc_call_opts co = {.timeout_ms = o->timeout_ms, .metadata = b->md, .n_metadata = b->n_md};
+    r->started = true;
+    r->code = -1;
+    r->t_send = cs_now();
+    b->in_flight++;
+    int rc =
+        cs_rpc_channel_call_msg(b->ch, GENERATE, &req.base, &co, on_gen_msg, on_gen_done, r, NULL);
+    if (rc) { /* counted as failed, with the layer's reason */
+        b->in_flight--;
+        r->code = CS_RPC_INTERNAL;
+        r->t_last = cs_now();
+        r->error = strdup(cs_last_error());
+        b->n_failed++;
+        b->n_done++;
+    }
+    return rc;
+}
+
+static void on_arrive(uv_timer_t *t) {
+    start_due(t->data);
+}
+
+/* Starts every request that is due (its offset passed, a slot free), then
+ * arms the timer for the next one. */
+static void start_due(bench *b) {
+    double now = cs_now();
+    if (now >= b->stop_issuing_at && b->next < b->n) b->n = b->next; /* --duration is over */
+    while (b->next < b->n && (b->cap == 0 || b->in_flight < b->cap)) {
+        if (!b->closed && b->t0 + b->sched[b->next].offset_s > now) break;
+        req_state *r = &b->reqs[b->next];
+        r->idx = (int)b->next++;
+        start_one(b, r);
+    }
+    uv_timer_stop(&b->arrive);
+    if (b->next < b->n && !b->closed && (b->cap == 0 || b->in_flight < b->cap)) {
+        double due = b->t0 + b->sched[b->next].offset_s;
+        if (b->stop_issuing_at < due) due = b->stop_issuing_at;
+        uv_timer_start(&b->arrive, on_arrive, (uint64_t)ceil(fmax(0, due - now) * 1e3), 0);
+    }
+}
+
+static void on_progress(uv_timer_t *t) {
+    bench *b = t->data;
+    fprintf(stderr, "bench serve: point %d: %.0f s, %zu/%zu done, %zu in flight, %zu failed\n",
+            b->point, cs_now() - b->t0, b->n_done, b->n, b->in_flight, b->n_failed);
+}
+
+/* ------------------------------------------------------------ report -- */
+
+static cJSON *summary_json(cs_samples *s) {
+    cs_summary m = cs_samples_summary(s);
+    cJSON *j = cJSON_CreateObject();
+    cJSON_AddNumberToObject(j, "n", (double)m.n);
+    cJSON_AddNumberToObject(j, "mean", m.mean);
+    cJSON_AddNumberToObject(j, "p50", m.p50);
+    cJSON_AddNumberToObject(j, "p90", m.p90);
+    cJSON_AddNumberToObject(j, "p99", m.p99);
+    cJSON_AddNumberToObject(j, "max", m.max);
+    return j;
+}
+
+static cJSON *rate_json(double rate) {
+    return isinf(rate) ? cJSON_CreateString("inf") : cJSON_CreateNumber(rate);
+}
+
+typedef struct {
+    double rate; /* offered (open) */
+    int concurrency;
+    bool slo_met;
+    double request_throughput;
+} point_result;
+
+/* The point's report; fills res. */
+static cJSON *point_json(bench *b, double rate, int concurrency, double wall_s, point_result *res) {
+    const serve_opts *o = b->o;
+    cs_samples ttft = {0}, tpot = {0}, itl = {0}, e2e = {0};
+    long long prompt = 0, out = 0, cached = 0, good = 0, ok = 0;
+    cJSON *errors = cJSON_CreateObject(), *messages = cJSON_CreateObject();
+    cJSON *list = o->save_requests ? cJSON_CreateArray() : NULL;
+    for (size_t i = 0; i < b->n; i++) {
+        req_state *r = &b->reqs[i];
+        if (r->code != CS_RPC_OK) {
+            const char *name = cs_rpc_code_name(r->code);
+            cJSON *e = cJSON_GetObjectItemCaseSensitive(errors, name);
+            if (e)
+                cJSON_SetNumberValue(e, e->valuedouble + 1);
+            else {
+                cJSON_AddNumberToObject(errors, name, 1);
+                cJSON_AddStringToObject(messages, name, r->error ? r->error : "");
+            }
+        } else {
+            ok++;
+            double t = (r->t_first - r->t_send) * 1e3;
+            if (r->n_out > 0) cs_samples_push(&ttft, t);
+            double tp = r->n_out > 1 ? (r->t_last - r->t_first) * 1e3 / (r->n_out - 1) : NAN;
+            if (r->n_out > 1) cs_samples_push(&tpot, tp);
+            cs_samples_extend(&itl, &r->itl_ms);
+            cs_samples_push(&e2e, (r->t_last - r->t_send) * 1e3);
+            prompt += r->prompt_tokens, out += r->n_out, cached += r->cached;
+            if ((o->slo_ttft_ms == 0 || (r->n_out > 0 && t <= o->slo_ttft_ms)) &&
+                (o->slo_itl_ms == 0 || !(tp > o->slo_itl_ms)))
+                good++;
+        }
+        if (list) {
+            cJSON *q = cJSON_CreateObject();
+            cJSON_AddNumberToObject(q, "offset_s", b->sched[i].offset_s);
+            cJSON_AddNumberToObject(q, "sent_s", r->t_send - b->t0);
+            cJSON_AddStringToObject(q, "status", cs_rpc_code_name(r->code));
+            cJSON_AddNumberToObject(q, "prompt_tokens", r->prompt_tokens);
+            cJSON_AddNumberToObject(q, "cached_prompt_tokens", r->cached);
+            cJSON_AddNumberToObject(q, "output_tokens", r->n_out);
+            cJSON_AddNumberToObject(q, "messages", r->n_msgs);
+            cJSON_AddNumberToObject(q, "max_tokens", b->sched[i].output_len);
+            cJSON_AddNumberToObject(q, "group", b->sched[i].group);
+            cJSON_AddNumberToObject(q, "ttft_ms",
+                                    r->n_out > 0 ? (r->t_first - r->t_send) * 1e3 : NAN);
+            cJSON_AddNumberToObject(q, "e2e_ms", (r->t_last - r->t_send) * 1e3);
+            cJSON_AddItemToObject(q, "itl_ms",
+                                  cJSON_CreateDoubleArray(r->itl_ms.v, (int)r->itl_ms.n));
+            cJSON_AddItemToArray(list, q);
+        }
+    }
+    cJSON *p = cJSON_CreateObject();
+    if (b->closed)
+        cJSON_AddNumberToObject(p, "concurrency", concurrency);
+    else
+        cJSON_AddItemToObject(p, "rate", rate_json(rate));
+    cJSON_AddNumberToObject(p, "requests", (double)b->n);
+    cJSON_AddNumberToObject(p, "completed", (double)ok);
+    cJSON_AddNumberToObject(p, "failed", (double)(b->n - (size_t)ok));
+    cJSON_AddItemToObject(p, "errors", errors);
+    cJSON_AddItemToObject(p, "error_messages", messages);
+    cJSON_AddNumberToObject(p, "duration_s", wall_s);
+    cJSON_AddNumberToObject(p, "start_monotonic_s",
+                            b->t0); /* CLOCK_MONOTONIC: align server traces */
+    double rt = wall_s > 0 ? (double)ok / wall_s : NAN;
+    cJSON_AddNumberToObject(p, "request_throughput", rt);
+    cJSON_AddNumberToObject(p, "output_tokens", (double)out);
+    cJSON_AddNumberToObject(p, "prompt_tokens", (double)prompt);
+    cJSON_AddNumberToObject(p, "cached_prompt_tokens", (double)cached);
+    cJSON_AddNumberToObject(p, "output_tok_s", wall_s > 0 ? (double)out / wall_s : NAN);
+    cJSON_AddNumberToObject(p, "total_tok_s", wall_s > 0 ? (double)(out + prompt) / wall_s : NAN);
+    double ttft_p99 = cs_samples_percentile(&ttft, 99), itl_p99 = cs_samples_percentile(&itl, 99);
+    cJSON_AddItemToObject(p, "ttft_ms", summary_json(&ttft));
+    cJSON_AddItemToObject(p, "tpot_ms", summary_json(&tpot));
+    cJSON_AddItemToObject(p, "itl_ms", summary_json(&itl));
+    cJSON_AddItemToObject(p, "e2e_ms", summary_json(&e2e));
+    double cdf[101];
+    for (int k = 0; k <= 100; k++)
+        cdf[k] = cs_samples_percentile(&itl, k);
+    cJSON_AddItemToObject(p, "itl_cdf_ms", cJSON_CreateDoubleArray(cdf, itl.n ? 101 : 0));
+    /* every request ended OK and both percentiles within the SLO */
+    bool met = ok == (long long)b->n && ok > 0 &&
+               (o->slo_ttft_ms == 0 || ttft_p99 <= o->slo_ttft_ms) &&
+               (o->slo_itl_ms == 0 || !(itl_p99 > o->slo_itl_ms));
+    cJSON_AddBoolToObject(p, "slo_met", met);
+    cJSON_AddNumberToObject(p, "good_requests", (double)good);
+    cJSON_AddNumberToObject(p, "good_request_rate", wall_s > 0 ? (double)good / wall_s : NAN);
+    if (list) cJSON_AddItemToObject(p, "per_request", list);
+    if (!o->quiet)
+        fprintf(stderr,
+                "bench serve: point %d done: %lld/%zu ok, %.2f req/s, %.1f output tok/s, TTFT "
+                "p50 %.0f p99 %.0f ms, ITL p50 %.1f p99 %.1f ms, SLO %s\n",
+                b->point, ok, b->n, rt, wall_s > 0 ? (double)out / wall_s : NAN,
+                cs_samples_percentile(&ttft, 50), ttft_p99, cs_samples_percentile(&itl, 50),
+                itl_p99, met ? "met" : "missed");
+    res->rate = rate, res->concurrency = concurrency, res->slo_met = met;
+    res->request_throughput = rt;
+    cs_samples_free(&ttft), cs_samples_free(&tpot), cs_samples_free(&itl), cs_samples_free(&e2e);
+    return p;
+}
+
+/* ------------------------------------------------------------ target -- */
+
+typedef struct {
+    int done, code;
+    char msg[256];
+    bench *b;
+} models_call;
+
+static void on_models_msg(cs_rpc_client_call *c, const uint8_t *buf, size_t len, void *data) {
+    (void)c;
+    models_call *mc = data;
+    bench *b = mc->b;
+    Chunkserve__V1__ListModelsResponse *m =
+        chunkserve__v1__list_models_response__unpack(NULL, len, buf);
+    if (!m) return;
+    for (size_t i = 0; i < m->n_models; i++) {
+        const Chunkserve__V1__ModelInfo *mi = m->models[i];
+        if (b->o->model && strcmp(b->o->model, mi->name)) continue;
+        snprintf(b->model_name, sizeof b->model_name, "%s", mi->name);
+        b->ctx_len = mi->context_length;
+        b->vocab = mi->vocab_size;
+        break;
+    }
+    chunkserve__v1__list_models_response__free_unpacked(m, NULL);
+}
+
+static void on_models_done(cs_rpc_client_call *c, int code, const char *message, void *data) {
+    (void)c;
+    models_call *mc = data;
+    mc->done = 1;
+    mc->code = code;
+    snprintf(mc->msg, sizeof mc->msg, "%s", message);
+}
+
+/* ListModels: the model's context length and vocabulary (and a connection). */
+static int probe_target(bench *b) {
+    Chunkserve__V1__ListModelsRequest req = CHUNKSERVE__V1__LIST_MODELS_REQUEST__INIT;
+    models_call mc = {.b = b};
+    cs_rpc_call_opts co = {.timeout_ms = b->o->connect_timeout_ms,
+                           .metadata = b->md,
+                           .n_metadata = b->n_md,
+                           .wait_for_ready = true};
+    int r = cs_rpc_channel_call_msg(b->ch, "/chunkserve.v1.Generation/ListModels", &req.base, &co,
+                                    on_models_msg, on_models_done, &mc, NULL);
+    if (r) return r;
+    while (!mc.done)
+        uv_run(&b->uv, UV_RUN_ONCE);
+    if (mc.code != CS_RPC_OK)
+        return cs_fail(CS_EIO, "target %s: ListModels: %s: %s", b->o->target,
+                       cs_rpc_code_name(mc.code), mc.msg);
+    if (!b->model_name[0])
+        return cs_fail(CS_EINVAL, "target %s serves no model named '%s'", b->o->target,
+                       b->o->model ? b->o->model : "");
+    if (b->vocab < 16 || b->ctx_len < 16)
+        return cs_fail(CS_EINVAL, "target %s: model '%s' reports vocab %d, context %d",
+                       b->o->target, b->model_name, b->vocab, b->ctx_len);
+    return 0;
+}
+
+/* One sweep point: the schedule at rate (open) or concurrency (closed). */
+static cJSON *run_point(bench *b, const cs_lg_params *lp, int concurrency, point_result *res) {
+    const serve_opts *o = b->o;
+    size_t n = (size_t)o->requests;
+    cs_lg_request *sched = malloc(n * sizeof *sched);
+    req_state *reqs = calloc(n, sizeof *reqs);
+    CS_ASSERT(sched && reqs);
+    cs_lg_schedule(b->w, lp, sched, n);
+    for (size_t i = 0; i < n; i++)
+        reqs[i].b = b, reqs[i].code = CS_RPC_CANCELLED; /* never started: --duration */
+    b->sched = sched, b->reqs = reqs, b->n = n;
+    b->next = b->n_done = b->n_failed = b->in_flight = 0;
+    b->closed = lp->arrival == CS_LG_CLOSED;
+    b->cap = b->closed ? (size_t)concurrency : (size_t)o->max_concurrency;
+    b->t0 = cs_now();
+    b->stop_issuing_at = o->duration > 0 ? b->t0 + o->duration : INFINITY;
+    if (!o->quiet) uv_timer_start(&b->progress, on_progress, 2000, 2000);
+    start_due(b);
+    while (b->n_done < b->next || b->next < b->n)
+        uv_run(&b->uv, UV_RUN_ONCE);
+    double wall = cs_now() - b->t0;
+    uv_timer_stop(&b->progress);
+    uv_timer_stop(&b->arrive);
+    cJSON *p = point_json(b, lp->rate, concurrency, wall, res);
+    for (size_t i = 0; i < n; i++) {
+        cs_samples_free(&reqs[i].itl_ms);
+        free(reqs[i].error);
+    }
+    free(reqs);
+    free(sched);
+    b->sched = NULL, b->reqs = NULL;
+    return p;
+}
+
+/* --dry-run: the first point's schedule. */
+static int dry_run(const cs_lg_workload *w, const cs_lg_params *lp, const serve_opts *o, FILE *f) {
+    size_t n = (size_t)o->requests;
+    cs_lg_request *s = malloc(n * sizeof *s);
+    double *off = malloc(n * sizeof *off), *pl = malloc(n * sizeof *pl),
+           *ol = malloc(n * sizeof *ol);
+    double *gr = malloc(n * sizeof *gr), *cl = malloc(n * sizeof *cl);
+    CS_ASSERT(s && off && pl && ol && gr && cl);
+    cs_lg_schedule(w, lp, s, n);
+    for (size_t i = 0; i < n; i++)
+        off[i] = s[i].offset_s, pl[i] = s[i].prompt_len, ol[i] = s[i].output_len,
+        gr[i] = s[i].group, cl[i] = s[i].cls >= 0 ? s[i].cls : s[i].line;
+    cJSON *j = cJSON_CreateObject();
+    cJSON_AddStringToObject(j, "arrival", cs_lg_arrival_name(lp->arrival));
+    if (lp->arrival != CS_LG_CLOSED) cJSON_AddItemToObject(j, "rate", rate_json(lp->rate));
+    cJSON_AddNumberToObject(j, "burstiness", lp->burstiness);
+    cJSON *names = cJSON_AddArrayToObject(j, "classes");
+    for (int i = 0; i < w->n_classes; i++)
+        cJSON_AddItemToArray(names, cJSON_CreateString(w->classes[i].name));
+    cJSON_AddItemToObject(j, "offset_s", cJSON_CreateDoubleArray(off, (int)n));
+    cJSON_AddItemToObject(j, "prompt_tokens", cJSON_CreateDoubleArray(pl, (int)n));
+    cJSON_AddItemToObject(j, "output_tokens", cJSON_CreateDoubleArray(ol, (int)n));
+    cJSON_AddItemToObject(j, "group", cJSON_CreateDoubleArray(gr, (int)n));
+    cJSON_AddItemToObject(j, "class", cJSON_CreateDoubleArray(cl, (int)n));
+    char *text = cJSON_PrintUnformatted(j);
+    CS_ASSERT(text);
+    fprintf(f, "%s\n", text);
+    free(text);
+    cJSON_Delete(j);
+    free(s), free(off), free(pl), free(ol), free(gr), free(cl);
+    return 0;
+}
+
+static int fail(const char *what) {
+    fprintf(stderr, "chunkserve bench serve: %s%s%s\n", what, what[0] ? ": " : "", cs_last_error());
+    return 2;
+}
+
+int cs_cli_bench_serve(int argc, char **argv, int first) {
+    serve_opts o;
+    int r =
+        cs_config_parse(serve_table, N_SERVE_OPTS, &o, argc, argv, first, "chunkserve bench serve",
+                        "measure a running deployment: TTFT, TPOT, ITL, throughput and goodput "
+                        "under an SLO over a sweep of request rates (or concurrencies); "
+                        "built-in workloads chat (prompt 32-512 tokens, output 64-256), rag "
+                        "(3000-8000, 16-64), summarize (1000-4000, 128-384), mixed (70/15/15), "
+                        "or a JSONL dataset: {\"prompt\"|\"token_ids\"|\"prompt_tokens\", "
+                        "\"output_tokens\", \"group\"} per line");
+    if (r == 1) return 0;
+    if (r) return fail("");
+    cs_lg_params lp = {.burstiness = o.burstiness,
+                       .prefix_groups = (int32_t)o.prefix_groups,
+                       .prefix_tokens = (int32_t)o.prefix_tokens,
+                       .seed = (uint64_t)o.seed};
+    double points[MAX_POINTS];
+    int n_points;
+    if (cs_lg_arrival_parse(o.arrival, &lp.arrival)) return fail("");
+    bool closed = lp.arrival == CS_LG_CLOSED;
+    if (parse_list(closed ? "concurrency" : "rates", closed ? o.concurrency : o.rates, closed,
+                   points, &n_points))
+        return fail("");
+    if (o.burstiness != 1 && lp.arrival != CS_LG_GAMMA) {
+        cs_fail(CS_EINVAL, "--burstiness applies to --arrival gamma only");
+        return fail("");
+    }
+    if (!o.dry_run && !o.target) {
+        cs_fail(CS_EINVAL, "--target HOST:PORT is required (or --dry-run)");
+        return fail("");
+    }
+    cs_lg_workload w;
+    if (cs_lg_workload_load(o.workload, &w)) {
+        cs_lg_workload_free(&w);
+        return fail("");
+    }
+    /* a dataset's lines name their groups; a built-in workload draws them */
+    if (w.n_lines ? o.prefix_groups > 0 : (o.prefix_groups > 0) != (o.prefix_tokens > 0)) {
+        cs_fail(CS_EINVAL, w.n_lines
+                               ? "--prefix-groups: a dataset's lines name their groups "
+                                 "(\"group\"); --prefix-tokens sets their shared head"
+                               : "--prefix-groups and --prefix-tokens go together (both > 0)");
+        cs_lg_workload_free(&w);
+        return fail("");
+    }
+    FILE *out = stdout;
+    if (o.out && !(out = fopen(o.out, "w"))) {
+        cs_fail(CS_EIO, "--out %s: cannot be written", o.out);
+        cs_lg_workload_free(&w);
+        return fail("");
+    }
+    if (o.dry_run) {
+        lp.rate = points[0];
+        dry_run(&w, &lp, &o, out);
+        if (out != stdout) fclose(out);
+        cs_lg_workload_free(&w);
+        return 0;
+    }
+
+    bench *b = calloc(1, sizeof *b);
+    CS_ASSERT(b);
+    b->o = &o, b->w = &w;
+    uv_loop_init(&b->uv);
+    uv_timer_init(&b->uv, &b->arrive);
+    uv_timer_init(&b->uv, &b->progress);
+    b->arrive.data = b->progress.data = b;
+    if (o.api_key) {
+        const char *comma = strchr(o.api_key, ',');
+        int len = comma ? (int)(comma - o.api_key) : (int)strlen(o.api_key);
+        snprintf(b->auth, sizeof b->auth, "Bearer %.*s", len, o.api_key);
+        b->md[0] = (cs_rpc_metadata){"authorization", b->auth};
+        b->n_md = 1;
+    }
+    cs_rpc_channel_opts chopt = {
+        .max_recv_bytes = 64 << 20,
+        .tls = {o.cert_file, o.key_file, o.ca_file, o.server_name},
+    };
+    int rc = 0;
+    double cpu0 = 0;
+    cJSON *report = NULL;
+    if ((r = cs_rpc_loop_init(&b->uv, &b->rl)) ||
+        (r = cs_rpc_channel_init(b->rl, o.target, &chopt, &b->ch)) || (r = probe_target(b))) {
+        fail("");
+        rc = 1;
+        goto done;
+    }
+    lp.context_length = b->ctx_len;
+    b->ids = malloc(sizeof(int32_t) * (size_t)b->ctx_len);
+    CS_ASSERT(b->ids);
+    struct rusage ru0, ru1;
+    getrusage(RUSAGE_SELF, &ru0);
+    report = cJSON_CreateObject();
+    cJSON_AddStringToObject(report, "tool", "chunkserve bench serve");
+    cJSON_AddStringToObject(report, "target", o.target);
+    cJSON *model = cJSON_AddObjectToObject(report, "model");
+    cJSON_AddStringToObject(model, "name", b->model_name);
+    cJSON_AddNumberToObject(model, "context_length", b->ctx_len);
+    cJSON_AddNumberToObject(model, "vocab_size", b->vocab);
+    cJSON *cfg = cJSON_AddObjectToObject(report, "config");
+    cJSON_AddStringToObject(cfg, "workload", w.name);
+    cJSON_AddStringToObject(cfg, "arrival", o.arrival);
+    cJSON_AddNumberToObject(cfg, "burstiness", o.burstiness);
+    cJSON_AddNumberToObject(cfg, "requests_per_point", (double)o.requests);
+    cJSON_AddNumberToObject(cfg, "duration_s", o.duration);
+    cJSON_AddNumberToObject(cfg, "max_concurrency", (double)o.max_concurrency);
+    cJSON_AddNumberToObject(cfg, "seed", (double)o.seed);
+    cJSON_AddNumberToObject(cfg, "prefix_groups", (double)o.prefix_groups);
+    cJSON_AddNumberToObject(cfg, "prefix_tokens", (double)o.prefix_tokens);
+    cJSON_AddNumberToObject(cfg, "temperature", o.temperature);
+    cJSON_AddBoolToObject(cfg, "ignore_eos", !o.no_ignore_eos);
+    cJSON_AddNumberToObject(cfg, "slo_ttft_p99_ms", o.slo_ttft_ms);
+    cJSON_AddNumberToObject(cfg, "slo_itl_p99_ms", o.slo_itl_ms);
+    cJSON_AddNumberToObject(cfg, "warmup", (double)o.warmup);
+    if (o.warmup > 0) {
+        serve_opts wo = o;
+        wo.requests = o.warmup, wo.quiet = true, wo.save_requests = false, wo.duration = 0;
+        cs_lg_params wp = lp;
+        wp.arrival = CS_LG_CLOSED, wp.seed = lp.seed ^ 0xa5a5a5a5ull;
+        b->o = &wo, b->point = -1;
+        point_result wr;
+        cJSON_Delete(run_point(b, &wp, 1, &wr));
+        b->o = &o;
+    }
+    cJSON *pts = cJSON_AddArrayToObject(report, "points");
+    point_result best = {.rate = NAN}, res;
+    bool any = false;
+    for (int i = 0; i < n_points; i++) {
+        b->point = i;
+        lp.rate = closed ? INFINITY : points[i];
+        if (!o.quiet)
+            fprintf(stderr, "bench serve: point %d: %s %g, %lld requests of '%s'\n", i,
+                    closed ? "concurrency" : "rate", points[i], (long long)o.requests, w.name);
+        cJSON_AddItemToArray(pts, run_point(b, &lp, closed ? (int)points[i] : 0, &res));
+        double key = closed ? res.concurrency : res.rate;
+        double best_key = closed ? best.concurrency : best.rate;
+        if (res.slo_met && (!any || key > best_key)) best = res, any = true;
+        if (!res.slo_met && o.stop_after_miss) break;
+    }
+    getrusage(RUSAGE_SELF, &ru1);
+    cpu0 = (double)(ru1.ru_utime.tv_sec - ru0.ru_utime.tv_sec + ru1.ru_stime.tv_sec -
+                    ru0.ru_stime.tv_sec) +
+           (double)(ru1.ru_utime.tv_usec - ru0.ru_utime.tv_usec + ru1.ru_stime.tv_usec -
+                    ru0.ru_stime.tv_usec) /
+               1e6;
+    cJSON *g = cJSON_AddObjectToObject(report, "goodput");
+    cJSON_AddNumberToObject(g, "slo_ttft_p99_ms", o.slo_ttft_ms);
+    cJSON_AddNumberToObject(g, "slo_itl_p99_ms", o.slo_itl_ms);
+    if (any) {
+        if (closed)
+            cJSON_AddNumberToObject(g, "concurrency", best.concurrency);
+        else
+            cJSON_AddItemToObject(g, "rate", rate_json(best.rate));
+        cJSON_AddNumberToObject(g, "request_throughput", best.request_throughput);
+    } else {
+        cJSON_AddNullToObject(g, closed ? "concurrency" : "rate");
+        cJSON_AddNullToObject(g, "request_throughput");
+    }
+    cJSON_AddNumberToObject(report, "client_cpu_s", cpu0);
+    char *text = cJSON_Print(report);
+    CS_ASSERT(text);
+    fprintf(out, "%s\n", text);
+    free(text);
+done:
+    cJSON_Delete(report);
+    if (out != stdout) fclose(out);
+    cs_rpc_channel_free(b->ch);
+    cs_rpc_loop_close(b->rl);
+    uv_close((uv_handle_t *)&b->arrive, NULL);
+    uv_close((uv_handle_t *)&b->progress, NULL);
+    uv_run(&b->uv, UV_RUN_DEFAULT);
+    uv_loop_close(&b->uv);
+    free(b->ids);
+    free(b);
+    cs_lg_workload_free(&w);
+    return rc;
+}

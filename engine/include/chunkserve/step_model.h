@@ -1,0 +1,50 @@
+/* chunkserve/step_model.h: an online model of how long an engine step
+ * takes, for the scheduler's step-time target (cs_sched_params
+ * .step_time_target_ms). A step is described by
+ *   tokens  the tokens it computes (every span's),
+ *   pairs   the attention work: for each span, its tokens times the context
+ *           they attend on average (n_tokens * (start + (n_tokens + 1) / 2)),
+ *   rows    the rows that get logits and a sample (decodes, last chunks),
+ * and its time is fitted as w0 + w1 tokens + w2 pairs + w3 rows by least
+ * squares over the last CS_STEP_MODEL_WINDOW measured steps (a little ridge
+ * keeps the fit defined when the steps do not vary enough). Old steps leave
+ * the window, so the model follows the machine (thermal, neighbours) and
+ * the mix. On a CPU tokens dominate (no idle compute for prefill to ride
+ * on); on a GPU w0 does. Single-threaded, plain data, no allocation. */
+#ifndef CHUNKSERVE_STEP_MODEL_H
+#define CHUNKSERVE_STEP_MODEL_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+enum { CS_STEP_MODEL_WINDOW = 64, CS_STEP_MODEL_FEATURES = 4 };
+
+typedef struct {
+    double x[CS_STEP_MODEL_WINDOW][CS_STEP_MODEL_FEATURES]; /* scaled features of each step */
+    double y[CS_STEP_MODEL_WINDOW];                         /* its seconds */
+    int32_t n, head;                                        /* steps in the ring, next slot */
+    double w[CS_STEP_MODEL_FEATURES];                       /* the fit, on scaled features */
+    bool fitted;
+} cs_step_model;
+
+void cs_step_model_init(cs_step_model *m);
+/* Records one measured step and refits. */
+void cs_step_model_observe(cs_step_model *m, double tokens, double pairs, double rows,
+                           double seconds);
+/* Predicted seconds of a step (>= 0); NAN until the model is ready. */
+double cs_step_model_predict(const cs_step_model *m, double tokens, double pairs, double rows);
+/* Whether predictions can be trusted: at least 8 steps whose token counts
+ * span a factor of 2 or more, and a fit whose time grows with tokens. */
+bool cs_step_model_ready(const cs_step_model *m);
+/* The fitted coefficients in seconds per unit (w0 s, w1 s/token, w2 s/pair,
+ * w3 s/row); zeros before the first fit. */
+void cs_step_model_coefficients(const cs_step_model *m, double w[CS_STEP_MODEL_FEATURES]);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
