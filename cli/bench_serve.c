@@ -20,17 +20,23 @@
  * The client costs little: a loop thread that unpacks one small message
  * per token (the tool keeps up with thousands of tokens/s on one core; the
  * report states the client's own CPU time).
- * Not here: the OpenAI HTTP endpoint (bench/bench_openai.py measures it),
- * multi-turn sessions. */
+ * An http://HOST:PORT target is measured through its OpenAI-compatible API
+ * instead (bench_http.h: POST /v1/completions, streamed, one connection a
+ * request): a choice chunk is a token message, the usage chunk gives the
+ * counts, HTTP statuses are counted under the gRPC code of the same
+ * meaning (429 RESOURCE_EXHAUSTED, 503 UNAVAILABLE, ...).
+ * Not here: chat-completions requests, multi-turn sessions, TLS for http. */
 #include <cjson/cJSON.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
+#include <sys/socket.h>
 #include <uv.h>
 
 #include "bench.h"
+#include "bench_http.h"
 #include "loadgen.h"
 #include "stats.h"
 #include "chunkserve/config.h"
@@ -45,14 +51,20 @@ typedef struct {
     const char *api_key, *ca_file, *cert_file, *key_file, *server_name;
     double burstiness, duration, temperature, slo_ttft_ms, slo_itl_ms;
     int64_t requests, max_concurrency, seed, prefix_groups, prefix_tokens, timeout_ms;
-    int64_t connect_timeout_ms, warmup;
+    int64_t connect_timeout_ms, warmup, vocab_size;
     bool save_requests, dry_run, no_ignore_eos, quiet, stop_after_miss;
 } serve_opts;
 
 #define O(f) offsetof(serve_opts, f)
 static const cs_config_entry serve_table[] = {
     {"target", CS_CONFIG_STR, O(target), NULL,
-     "HOST:PORT of the deployment's gRPC API (or dns:///NAME:PORT)", 0, 0},
+     "HOST:PORT of the deployment's gRPC API (or dns:///NAME:PORT), or http://HOST:PORT of its "
+     "OpenAI-compatible API (/v1/completions, streamed)",
+     0, 0},
+    {"vocab-size", CS_CONFIG_INT, O(vocab_size), "0",
+     "http targets that do not report vocab_size in /v1/models: the model's vocabulary (token-id "
+     "prompts draw from it)",
+     0, 1 << 30},
     {"workload", CS_CONFIG_STR, O(workload), "chat",
      "chat, rag, summarize, mixed, or a .jsonl dataset (see --help text)", 0, 0},
     {"arrival", CS_CONFIG_STR, O(arrival), "poisson",
@@ -78,8 +90,9 @@ static const cs_config_entry serve_table[] = {
     {"no-ignore-eos", CS_CONFIG_BOOL, O(no_ignore_eos), "false",
      "stop at end-of-generation tokens (outputs may then be shorter than asked)", 0, 0},
     {"cache-salt", CS_CONFIG_STR, O(cache_salt), NULL, "every request's cache_salt", 0, 0},
-    {"model", CS_CONFIG_STR, O(model), NULL, "the model name to ask for (default: the only one)", 0,
-     0},
+    /* not "model": CHUNKSERVE_MODEL is every server's model path */
+    {"served-model-name", CS_CONFIG_STR, O(model), NULL,
+     "the model name to ask for, as the target lists it (default: the first one)", 0, 0},
     {"slo-ttft-p99-ms", CS_CONFIG_DOUBLE, O(slo_ttft_ms), "2000",
      "SLO: p99 time to first token, ms (0 = not part of the SLO)", 0, 1e9},
     {"slo-itl-p99-ms", CS_CONFIG_DOUBLE, O(slo_itl_ms), "100",
@@ -162,6 +175,9 @@ struct bench {
     cs_rpc_metadata md[1];
     size_t n_md;
     char auth[600];
+    bool http; /* an OpenAI-compatible target */
+    struct sockaddr_storage addr;
+    char host[300], http_headers[700];
     /* the model */
     char model_name[256];
     int32_t ctx_len, vocab;
@@ -201,9 +217,7 @@ static void on_gen_msg(cs_rpc_client_call *c, const uint8_t *buf, size_t len, vo
     chunkserve__v1__generate_response__free_unpacked(m, NULL);
 }
 
-static void on_gen_done(cs_rpc_client_call *c, int code, const char *message, void *data) {
-    (void)c;
-    req_state *r = data;
+static void request_done(req_state *r, int code, const char *message) {
     bench *b = r->b;
     r->code = code;
     if (code != CS_RPC_OK) {
@@ -214,6 +228,118 @@ static void on_gen_done(cs_rpc_client_call *c, int code, const char *message, vo
     b->n_done++;
     b->in_flight--;
     start_due(b);
+}
+
+static void on_gen_done(cs_rpc_client_call *c, int code, const char *message, void *data) {
+    (void)c;
+    request_done(data, code, message);
+}
+
+/* ------------------------------------------------------- OpenAI (HTTP) -- */
+
+/* One SSE event of /v1/completions: a choice chunk is a token message (the
+ * closing chunk with only a finish_reason is not), the usage chunk the
+ * counts, an error event the reason. */
+static void on_sse(void *user, const char *data, size_t len) {
+    req_state *r = user;
+    double now = cs_now();
+    cJSON *j = cJSON_ParseWithLength(data, len);
+    if (!j) return;
+    const cJSON *err = cJSON_GetObjectItemCaseSensitive(j, "error");
+    if (err && !r->error) {
+        const cJSON *m = cJSON_GetObjectItemCaseSensitive(err, "message");
+        r->error = strdup(cJSON_IsString(m) ? m->valuestring : "error event");
+    }
+    const cJSON *ch = cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(j, "choices"), 0);
+    if (ch) {
+        const cJSON *text = cJSON_GetObjectItemCaseSensitive(ch, "text");
+        const cJSON *fin = cJSON_GetObjectItemCaseSensitive(ch, "finish_reason");
+        bool token = (cJSON_IsString(text) && text->valuestring[0]) || !cJSON_IsString(fin);
+        if (token) {
+            if (r->n_msgs == 0)
+                r->t_first = now;
+            else
+                cs_samples_push(&r->itl_ms, (now - r->t_last) * 1e3);
+            r->t_last = now;
+            r->n_msgs++;
+            r->n_out = r->n_msgs; /* until the usage says */
+        }
+    }
+    const cJSON *u = cJSON_GetObjectItemCaseSensitive(j, "usage");
+    if (cJSON_IsObject(u)) {
+        const cJSON *pt = cJSON_GetObjectItemCaseSensitive(u, "prompt_tokens");
+        const cJSON *ct = cJSON_GetObjectItemCaseSensitive(u, "completion_tokens");
+        const cJSON *det = cJSON_GetObjectItemCaseSensitive(u, "prompt_tokens_details");
+        const cJSON *cached = cJSON_GetObjectItemCaseSensitive(det, "cached_tokens");
+        if (cJSON_IsNumber(pt)) r->prompt_tokens = pt->valueint;
+        if (cJSON_IsNumber(ct)) r->n_out = ct->valueint;
+        if (cJSON_IsNumber(cached)) r->cached = cached->valueint;
+    }
+    cJSON_Delete(j);
+}
+
+/* HTTP status -> the gRPC code the report counts it under (one vocabulary
+ * for both doors, as docs/architecture.md maps them). */
+static int code_of_http(int status) {
+    switch (status) {
+    case 200: return CS_RPC_OK;
+    case 400:
+    case 404:
+    case 413:
+    case 422: return CS_RPC_INVALID_ARGUMENT;
+    case 401:
+    case 403: return CS_RPC_UNAUTHENTICATED;
+    case 408:
+    case 504: return CS_RPC_DEADLINE_EXCEEDED;
+    case 429: return CS_RPC_RESOURCE_EXHAUSTED;
+    case 0:
+    case 502:
+    case 503: return CS_RPC_UNAVAILABLE;
+    default: return CS_RPC_INTERNAL;
+    }
+}
+
+static void on_http_done(void *user, int status, const char *msg) {
+    req_state *r = user;
+    int code = code_of_http(status);
+    if (status == 0 && !strcmp(msg, "deadline exceeded")) code = CS_RPC_DEADLINE_EXCEEDED;
+    if (code == CS_RPC_OK && r->error) code = CS_RPC_INTERNAL; /* an error event mid-stream */
+    char *event_error = r->error; /* the reason a failed request keeps (request_done copies) */
+    r->error = NULL;
+    request_done(r, code, event_error ? event_error : msg);
+    free(event_error);
+}
+
+static int start_http(bench *b, req_state *r, const cs_lg_request *q, const cs_lg_line *line) {
+    const serve_opts *o = b->o;
+    cJSON *j = cJSON_CreateObject();
+    cJSON_AddStringToObject(j, "model", b->model_name);
+    if (line && line->text) {
+        cJSON_AddStringToObject(j, "prompt", line->text);
+    } else {
+        const int32_t *ids = line && line->ids ? line->ids : b->ids;
+        if (!(line && line->ids))
+            cs_lg_prompt_ids(q, (uint64_t)o->seed, b->vocab / 8, b->vocab, b->ids);
+        cJSON *arr = cJSON_AddArrayToObject(j, "prompt");
+        for (int32_t i = 0; i < q->prompt_len; i++)
+            cJSON_AddItemToArray(arr, cJSON_CreateNumber(ids[i]));
+    }
+    cJSON_AddNumberToObject(j, "max_tokens", q->output_len);
+    cJSON_AddNumberToObject(j, "temperature", o->temperature);
+    cJSON_AddNumberToObject(j, "seed", r->idx);
+    cJSON_AddBoolToObject(j, "ignore_eos", !o->no_ignore_eos);
+    cJSON_AddBoolToObject(j, "stream", true);
+    cJSON_AddBoolToObject(cJSON_AddObjectToObject(j, "stream_options"), "include_usage", true);
+    if (o->cache_salt) cJSON_AddStringToObject(j, "cache_salt", o->cache_salt);
+    char *body = cJSON_PrintUnformatted(j);
+    cJSON_Delete(j);
+    if (!body) return cs_fail(CS_ENOMEM, "out of memory");
+    cs_http_client_cbs cbs = {on_sse, on_http_done};
+    int rc = cs_http_client_request(&b->uv, (const struct sockaddr *)&b->addr, b->host, "POST",
+                                    "/v1/completions", b->http_headers, body, strlen(body),
+                                    (double)o->timeout_ms / 1e3, &cbs, r);
+    free(body);
+    return rc;
 }
 
 static int start_one(bench *b, req_state *r) {
@@ -233,6 +359,22 @@ static int start_one(bench *b, req_state *r) {
     req.sampling = &sp;
     Chunkserve__V1__TokenIds tids = CHUNKSERVE__V1__TOKEN_IDS__INIT;
     const cs_lg_line *line = q->line >= 0 ? &b->w->lines[q->line] : NULL;
+    if (b->http) {
+        r->started = true;
+        r->code = -1;
+        r->t_send = cs_now();
+        b->in_flight++;
+        int rc = start_http(b, r, q, line);
+        if (rc) {
+            b->in_flight--;
+            r->code = CS_RPC_INTERNAL;
+            r->t_last = cs_now();
+            r->error = strdup(cs_last_error());
+            b->n_failed++;
+            b->n_done++;
+        }
+        return rc;
+    }
     if (line && line->text) {
         req.input_case = CHUNKSERVE__V1__GENERATE_REQUEST__INPUT_PROMPT;
         req.prompt = line->text;
@@ -453,6 +595,77 @@ static void on_models_done(cs_rpc_client_call *c, int code, const char *message,
     snprintf(mc->msg, sizeof mc->msg, "%s", message);
 }
 
+typedef struct {
+    bench *b;
+    int done, status;
+    char msg[256];
+} models_http;
+
+static void on_models_body(void *user, const char *data, size_t len) {
+    models_http *mh = user;
+    bench *b = mh->b;
+    cJSON *j = cJSON_ParseWithLength(data, len);
+    const cJSON *m;
+    cJSON_ArrayForEach(m, cJSON_GetObjectItemCaseSensitive(j, "data")) {
+        const cJSON *id = cJSON_GetObjectItemCaseSensitive(m, "id");
+        if (!cJSON_IsString(id) || (b->o->model && strcmp(b->o->model, id->valuestring))) continue;
+        const cJSON *ctx = cJSON_GetObjectItemCaseSensitive(m, "max_model_len");
+        const cJSON *voc = cJSON_GetObjectItemCaseSensitive(m, "vocab_size");
+        snprintf(b->model_name, sizeof b->model_name, "%s", id->valuestring);
+        b->ctx_len = cJSON_IsNumber(ctx) ? ctx->valueint : 0;
+        b->vocab = cJSON_IsNumber(voc) ? voc->valueint : (int32_t)b->o->vocab_size;
+        break;
+    }
+    cJSON_Delete(j);
+}
+
+static void on_models_http_done(void *user, int status, const char *msg) {
+    models_http *mh = user;
+    mh->done = 1, mh->status = status;
+    snprintf(mh->msg, sizeof mh->msg, "%s", msg);
+}
+
+/* GET /v1/models: the model's name, context (max_model_len) and, from a
+ * chunkserve router or serve, its vocabulary (else --vocab-size). */
+static int probe_http(bench *b) {
+    const serve_opts *o = b->o;
+    if (cs_http_client_resolve(o->target, b->host, sizeof b->host, (struct sockaddr *)&b->addr,
+                               sizeof b->addr))
+        return CS_EINVAL;
+    if (o->api_key) {
+        const char *comma = strchr(o->api_key, ',');
+        int len = comma ? (int)(comma - o->api_key) : (int)strlen(o->api_key);
+        snprintf(b->http_headers, sizeof b->http_headers, "Authorization: Bearer %.*s\r\n", len,
+                 o->api_key);
+    }
+    double deadline = cs_now() + (double)o->connect_timeout_ms / 1e3;
+    for (;;) { /* the server may still be starting: retry until the deadline */
+        models_http mh = {.b = b};
+        cs_http_client_cbs cbs = {on_models_body, on_models_http_done};
+        int r = cs_http_client_request(&b->uv, (const struct sockaddr *)&b->addr, b->host, "GET",
+                                       "/v1/models", b->http_headers, NULL, 0, deadline - cs_now(),
+                                       &cbs, &mh);
+        if (r) return r;
+        while (!mh.done)
+            uv_run(&b->uv, UV_RUN_ONCE);
+        if (mh.status == 200) break;
+        if (mh.status != 0 || cs_now() + 0.2 >= deadline)
+            return cs_fail(CS_EIO, "target %s: GET /v1/models: %s%s%d %s", o->target,
+                           mh.status ? "HTTP " : "", mh.status ? "" : "no answer", mh.status,
+                           mh.msg);
+        uv_sleep(200);
+    }
+    if (!b->model_name[0])
+        return cs_fail(CS_EINVAL, "target %s serves no model named '%s'", o->target,
+                       o->model ? o->model : "");
+    if (b->vocab <= 0)
+        return cs_fail(CS_EINVAL,
+                       "target %s does not report vocab_size in /v1/models: pass --vocab-size",
+                       o->target);
+    if (b->ctx_len <= 0) b->ctx_len = 1 << 20; /* unknown: no cut */
+    return 0;
+}
+
 /* ListModels: the model's context length and vocabulary (and a connection). */
 static int probe_target(bench *b) {
     Chunkserve__V1__ListModelsRequest req = CHUNKSERVE__V1__LIST_MODELS_REQUEST__INIT;
@@ -630,14 +843,17 @@ int cs_cli_bench_serve(int argc, char **argv, int first) {
     int rc = 0;
     double cpu0 = 0;
     cJSON *report = NULL;
-    if ((r = cs_rpc_loop_init(&b->uv, &b->rl)) ||
-        (r = cs_rpc_channel_init(b->rl, o.target, &chopt, &b->ch)) || (r = probe_target(b))) {
+    b->http = !strncmp(o.target, "http://", 7);
+    if (b->http ? (r = probe_http(b))
+                : ((r = cs_rpc_loop_init(&b->uv, &b->rl)) ||
+                   (r = cs_rpc_channel_init(b->rl, o.target, &chopt, &b->ch)) ||
+                   (r = probe_target(b)))) {
         fail("");
         rc = 1;
         goto done;
     }
     lp.context_length = b->ctx_len;
-    b->ids = malloc(sizeof(int32_t) * (size_t)b->ctx_len);
+    b->ids = malloc(sizeof(int32_t) * (size_t)(b->ctx_len < (1 << 20) ? b->ctx_len : 1 << 20));
     CS_ASSERT(b->ids);
     struct rusage ru0, ru1;
     getrusage(RUSAGE_SELF, &ru0);

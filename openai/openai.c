@@ -575,6 +575,8 @@ static cJSON *model_json(const cs_openai *s) {
     cJSON_AddNumberToObject(m, "created", 0);
     cJSON_AddStringToObject(m, "owned_by", "chunkserve");
     cJSON_AddNumberToObject(m, "max_model_len", cs_model_get_config(s->o.wm->model)->ctx_len);
+    /* an extension (vLLM has none): a load generator drawing token-id prompts needs it */
+    cJSON_AddNumberToObject(m, "vocab_size", cs_model_get_config(s->o.wm->model)->n_vocab);
     return m;
 }
 

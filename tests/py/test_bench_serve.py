@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 from pathlib import Path
 
@@ -241,6 +242,52 @@ def test_dataset_file(chunkserve_bin, server, tmp_path):
     assert all(q["status"] == "OK" and q["output_tokens"] == q["max_tokens"] for q in reqs)
 
 
+def test_openai_http_target(chunkserve_bin, tiny_model, tmp_path):  # noqa: F811
+    """The same measurement through the OpenAI-compatible API (http://): streamed
+    /v1/completions, every stream as long as asked (usage), percentiles = numpy's."""
+    err = open(tmp_path / "serve.err", "w")
+    p = subprocess.Popen([str(chunkserve_bin), "serve", "--model", str(tiny_model), "--port", "0",
+                          "--openai-port", "0", "--threads", "1", "--kv-cache-mib", "8"],
+                         stdout=subprocess.PIPE, stderr=err, text=True)
+    try:
+        addr = None
+        for _ in range(3):
+            line = p.stdout.readline()
+            if line.startswith("openai listening on "):
+                addr = line.split()[-1]
+        assert addr, "no openai port"
+        r = bench(chunkserve_bin, "--target", f"http://{addr}", "--requests", 8, "--rates", "30,inf",
+                  "--save-requests", "--quiet", "--prefix-groups", 2, "--prefix-tokens", 64)
+        assert r.returncode == 0, r.stderr
+        rep = json.loads(r.stdout)
+        assert rep["model"] == {"name": "chunkserve tiny test model", "context_length": 4096,
+                                "vocab_size": 349}
+        for pt in rep["points"]:
+            reqs = pt["per_request"]
+            assert pt["completed"] == 8 and pt["errors"] == {}
+            assert all(q["output_tokens"] == q["max_tokens"] and q["prompt_tokens"] > 64
+                       for q in reqs)
+            assert all(len(q["itl_ms"]) == q["messages"] - 1 for q in reqs)
+            check_summary(pt["ttft_ms"], [q["ttft_ms"] for q in reqs])
+            check_summary(pt["itl_ms"], [x for q in reqs for x in q["itl_ms"]])
+            assert pt["cached_prompt_tokens"] > 0  # the groups' shared heads
+        # an HTTP error is counted under its status's gRPC name, with the server's message
+        r = bench(chunkserve_bin, "--target", f"http://{addr}", "--requests", 2, "--quiet",
+                  "--served-model-name", "chunkserve tiny test model", "--temperature", 99)
+        assert r.returncode == 0, r.stderr
+        pt = json.loads(r.stdout)["points"][0]
+        assert pt["errors"] == {"INVALID_ARGUMENT": 2} and "temperature" in \
+            pt["error_messages"]["INVALID_ARGUMENT"]
+        bad = bench(chunkserve_bin, "--target", "http://127.0.0.1:1", "--connect-timeout-ms", 500)
+        assert bad.returncode == 1 and "GET /v1/models" in bad.stderr
+        bad = bench(chunkserve_bin, "--target", "http://nohost", "--dry-run")
+        assert bad.returncode == 0  # a dry run needs no target
+    finally:
+        p.terminate()
+        p.wait(timeout=30)
+        err.close()
+
+
 @pytest.mark.parametrize("args,words", [
     ([], "--target HOST:PORT is required"),
     (["--dry-run", "--rates", "0"], "--rates '0'"),
@@ -282,8 +329,10 @@ def test_unreachable_target(chunkserve_bin):
 # ------------------------------------------------------------------ tune --
 
 def tune(exe: Path, *args, timeout=300):
+    # CHUNKSERVE_MODEL (make test sets it for the servers) would stand in for a missing --model
+    env = {k: v for k, v in os.environ.items() if k != "CHUNKSERVE_MODEL"}
     return clean(subprocess.run([str(exe), "tune", *[str(a) for a in args]],
-                                capture_output=True, text=True, timeout=timeout))
+                                capture_output=True, text=True, timeout=timeout, env=env))
 
 
 def test_tune_recommends_the_best_measured_configuration(chunkserve_bin, tiny_model, tmp_path):  # noqa: F811
