@@ -235,6 +235,14 @@ static void on_gen_done(cs_rpc_client_call *c, int code, const char *message, vo
     request_done(data, code, message);
 }
 
+/* The prompt tokens' seed of this point: each point of a sweep has prompts
+ * of its own (same lengths, other tokens), or an earlier point's would sit
+ * in the target's prefix cache and flatter the later ones; a point's
+ * shared-prefix groups are its own too. */
+static uint64_t point_seed(const bench *b) {
+    return (uint64_t)b->o->seed ^ (0x9e3779b97f4a7c15ull * (uint64_t)(b->point + 2));
+}
+
 /* ------------------------------------------------------- OpenAI (HTTP) -- */
 
 /* One SSE event of /v1/completions: a choice chunk is a token message (the
@@ -319,7 +327,7 @@ static int start_http(bench *b, req_state *r, const cs_lg_request *q, const cs_l
     } else {
         const int32_t *ids = line && line->ids ? line->ids : b->ids;
         if (!(line && line->ids))
-            cs_lg_prompt_ids(q, (uint64_t)o->seed, b->vocab / 8, b->vocab, b->ids);
+            cs_lg_prompt_ids(q, point_seed(b), b->vocab / 8, b->vocab, b->ids);
         cJSON *arr = cJSON_AddArrayToObject(j, "prompt");
         for (int32_t i = 0; i < q->prompt_len; i++)
             cJSON_AddItemToArray(arr, cJSON_CreateNumber(ids[i]));
@@ -382,7 +390,7 @@ static int start_one(bench *b, req_state *r) {
         if (line && line->ids) {
             tids.ids = line->ids;
         } else {
-            cs_lg_prompt_ids(q, (uint64_t)o->seed, b->vocab / 8, b->vocab, b->ids);
+            cs_lg_prompt_ids(q, point_seed(b), b->vocab / 8, b->vocab, b->ids);
             tids.ids = b->ids;
         }
         tids.n_ids = (size_t)q->prompt_len;
@@ -450,6 +458,11 @@ static cJSON *summary_json(cs_samples *s) {
     return j;
 }
 
+/* cJSON_CreateDoubleArray answers NULL (no item at all) for no samples. */
+static cJSON *double_array(const double *v, size_t n) {
+    return n ? cJSON_CreateDoubleArray(v, (int)n) : cJSON_CreateArray();
+}
+
 static cJSON *rate_json(double rate) {
     return isinf(rate) ? cJSON_CreateString("inf") : cJSON_CreateNumber(rate);
 }
@@ -506,8 +519,7 @@ static cJSON *point_json(bench *b, double rate, int concurrency, double wall_s, 
             cJSON_AddNumberToObject(q, "ttft_ms",
                                     r->n_out > 0 ? (r->t_first - r->t_send) * 1e3 : NAN);
             cJSON_AddNumberToObject(q, "e2e_ms", (r->t_last - r->t_send) * 1e3);
-            cJSON_AddItemToObject(q, "itl_ms",
-                                  cJSON_CreateDoubleArray(r->itl_ms.v, (int)r->itl_ms.n));
+            cJSON_AddItemToObject(q, "itl_ms", double_array(r->itl_ms.v, r->itl_ms.n));
             cJSON_AddItemToArray(list, q);
         }
     }
@@ -539,7 +551,7 @@ static cJSON *point_json(bench *b, double rate, int concurrency, double wall_s, 
     double cdf[101];
     for (int k = 0; k <= 100; k++)
         cdf[k] = cs_samples_percentile(&itl, k);
-    cJSON_AddItemToObject(p, "itl_cdf_ms", cJSON_CreateDoubleArray(cdf, itl.n ? 101 : 0));
+    cJSON_AddItemToObject(p, "itl_cdf_ms", double_array(cdf, itl.n ? 101 : 0));
     /* every request ended OK and both percentiles within the SLO */
     bool met = ok == (long long)b->n && ok > 0 &&
                (o->slo_ttft_ms == 0 || ttft_p99 <= o->slo_ttft_ms) &&
@@ -744,11 +756,11 @@ static int dry_run(const cs_lg_workload *w, const cs_lg_params *lp, const serve_
     cJSON *names = cJSON_AddArrayToObject(j, "classes");
     for (int i = 0; i < w->n_classes; i++)
         cJSON_AddItemToArray(names, cJSON_CreateString(w->classes[i].name));
-    cJSON_AddItemToObject(j, "offset_s", cJSON_CreateDoubleArray(off, (int)n));
-    cJSON_AddItemToObject(j, "prompt_tokens", cJSON_CreateDoubleArray(pl, (int)n));
-    cJSON_AddItemToObject(j, "output_tokens", cJSON_CreateDoubleArray(ol, (int)n));
-    cJSON_AddItemToObject(j, "group", cJSON_CreateDoubleArray(gr, (int)n));
-    cJSON_AddItemToObject(j, "class", cJSON_CreateDoubleArray(cl, (int)n));
+    cJSON_AddItemToObject(j, "offset_s", double_array(off, n));
+    cJSON_AddItemToObject(j, "prompt_tokens", double_array(pl, n));
+    cJSON_AddItemToObject(j, "output_tokens", double_array(ol, n));
+    cJSON_AddItemToObject(j, "group", double_array(gr, n));
+    cJSON_AddItemToObject(j, "class", double_array(cl, n));
     char *text = cJSON_PrintUnformatted(j);
     CS_ASSERT(text);
     fprintf(f, "%s\n", text);

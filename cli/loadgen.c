@@ -325,7 +325,7 @@ void cs_lg_prompt_ids(const cs_lg_request *q, uint64_t seed, int32_t id_lo, int3
         for (; i < q->n_prefix; i++)
             ids[i] = (int32_t)cs_lg_range(&r, id_lo, id_hi - 1);
     }
-    cs_lg_rng_seed(&r, q->prompt_seed);
+    cs_lg_rng_seed(&r, q->prompt_seed ^ seed);
     for (; i < q->prompt_len; i++)
         ids[i] = (int32_t)cs_lg_range(&r, id_lo, id_hi - 1);
 }

@@ -116,7 +116,9 @@ typedef struct {
 void cs_lg_schedule(const cs_lg_workload *w, const cs_lg_params *p, cs_lg_request *out, size_t n);
 
 /* The prompt ids of q: the group's prefix, then its own tokens, every id in
- * [id_lo, id_hi). ids has room for q->prompt_len. */
+ * [id_lo, id_hi); both depend on seed too (a sweep passes each point its
+ * own, so no point finds another's prompts in the target's prefix cache).
+ * ids has room for q->prompt_len. */
 void cs_lg_prompt_ids(const cs_lg_request *q, uint64_t seed, int32_t id_lo, int32_t id_hi,
                       int32_t *ids);
 
