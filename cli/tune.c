@@ -5,8 +5,9 @@
  * with prefill budgets and P:D ratios within --cores), measures each with
  * `chunkserve bench serve` over an ascending rate sweep that stops at the
  * first rate missing the SLO, and prints a table and the recommendation: the
- * configuration with the highest rate that met the SLO (ties: the higher
- * measured request throughput there, then the earlier, simpler candidate),
+ * configuration with the highest rate that met the SLO (ties: the one using
+ * least of the SLO there, max of p99 TTFT / bound and p99 ITL / bound; then
+ * the earlier, simpler candidate),
  * with the flags to deploy it and the per-replica prefill rate the Helm
  * chart's autoscaler needs (prefill.autoscaling.prefillTokensPerSecond).
  *
@@ -441,17 +442,28 @@ static void measure(const tune_opts *o, const char *self, const char *dir, int c
     close(out_fd);
 }
 
-/* Whether a beats b: a higher goodput rate, then a higher request rate there. */
-static bool better(const candidate *a, const candidate *b) {
+/* The SLO used at c's goodput point: the larger of p99 TTFT / its bound and
+ * p99 ITL / its bound (< 1: headroom left). */
+static double slo_use(const tune_opts *o, const candidate *c) {
+    double u = 0;
+    if (o->slo_ttft_ms > 0) u = fmax(u, c->ttft_p99 / o->slo_ttft_ms);
+    if (o->slo_itl_ms > 0) u = fmax(u, c->itl_p99 / o->slo_itl_ms);
+    return u;
+}
+
+/* Whether a beats b: a higher goodput rate; at the same rate (the request
+ * rate measured there is then the same offered load, not a distinction)
+ * more headroom under the SLO; then the earlier, simpler candidate. */
+static bool better(const tune_opts *o, const candidate *a, const candidate *b) {
     if (isnan(a->goodput_rate)) return false;
     if (isnan(b->goodput_rate)) return true;
     if (a->goodput_rate != b->goodput_rate) return a->goodput_rate > b->goodput_rate;
-    return a->rps > b->rps;
+    return slo_use(o, a) < slo_use(o, b);
 }
 
-static void print_table(const candidate *c, int n, int best, FILE *f) {
-    fprintf(f, "\n%-38s %10s %9s %10s %10s %11s %14s\n", "configuration", "goodput", "req/s",
-            "TTFT p99", "ITL p99", "output t/s", "prefill t/s/r");
+static void print_table(const tune_opts *o, const candidate *c, int n, int best, FILE *f) {
+    fprintf(f, "\n%-38s %10s %9s %10s %10s %8s %11s %14s\n", "configuration", "goodput", "req/s",
+            "TTFT p99", "ITL p99", "SLO use", "output t/s", "prefill t/s/r");
     for (int i = 0; i < n; i++) {
         const candidate *x = &c[i];
         char g[32];
@@ -463,9 +475,9 @@ static void print_table(const candidate *c, int n, int best, FILE *f) {
             snprintf(g, sizeof g, "inf/s");
         else
             snprintf(g, sizeof g, "%g/s", x->goodput_rate);
-        fprintf(f, "%-38s %10s %9.2f %8.0fms %8.1fms %11.1f %14.0f%s\n", x->name, g, x->rps,
-                x->ttft_p99, x->itl_p99, x->out_tok_s, x->prefill_tok_s_per_replica,
-                i == best ? "  <= best" : "");
+        fprintf(f, "%-38s %10s %9.2f %8.0fms %8.1fms %7.0f%% %11.1f %14.0f%s\n", x->name, g, x->rps,
+                x->ttft_p99, x->itl_p99, 100 * slo_use(o, x), x->out_tok_s,
+                x->prefill_tok_s_per_replica, i == best ? "  <= best" : "");
         if (x->error[0]) fprintf(f, "    %s\n", x->error);
     }
 }
@@ -490,7 +502,9 @@ static void recommend(const tune_opts *o, const candidate *c, FILE *f) {
     }
     fprintf(f,
             "  per-replica prefill rate for the autoscaler "
-            "(prefill.autoscaling.prefillTokensPerSecond): %.0f tokens/s\n",
+            "(prefill.autoscaling.prefillTokensPerSecond): %.0f tokens/s (computed prompt "
+            "tokens/s a replica served at the goodput rate: a lower bound of what it sustains "
+            "within the SLO)\n",
             c->prefill_tok_s_per_replica);
 }
 
@@ -519,6 +533,7 @@ static cJSON *results_json(const tune_opts *o, const candidate *c, int n, int be
         cJSON_AddNumberToObject(e, "request_throughput", x->rps);
         cJSON_AddNumberToObject(e, "ttft_p99_ms", x->ttft_p99);
         cJSON_AddNumberToObject(e, "itl_p99_ms", x->itl_p99);
+        cJSON_AddNumberToObject(e, "slo_use", slo_use(o, x));
         cJSON_AddNumberToObject(e, "output_tok_s", x->out_tok_s);
         cJSON_AddNumberToObject(e, "prefill_tok_s_per_replica", x->prefill_tok_s_per_replica);
         cJSON_AddNumberToObject(e, "points", x->points);
@@ -614,10 +629,10 @@ int cs_cli_tune(int argc, char **argv) {
         fprintf(stderr, "chunkserve tune: [%d/%d] %s (%.0f s so far)\n", i + 1, n, c[i].name,
                 cs_now() - t0);
         measure(&o, self, dir, cores, i, &c[i]);
-        if (!c[i].error[0] && (best < 0 || better(&c[i], &c[best]))) best = i;
+        if (!c[i].error[0] && (best < 0 || better(&o, &c[i], &c[best]))) best = i;
     }
     if (best >= 0 && isnan(c[best].goodput_rate)) best = -1;
-    print_table(c, n, best, stdout);
+    print_table(&o, c, n, best, stdout);
     if (best >= 0)
         recommend(&o, &c[best], stdout);
     else
