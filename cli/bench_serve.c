@@ -350,8 +350,8 @@ static int start_http(bench *b, req_state *r, const cs_lg_request *q, const cs_l
     return rc;
 }
 
-static int start_one(bench *b, req_state *r) {
-    const cs_lg_request *q = &b->sched[r->idx];
+/* The Generate call of request q over gRPC. */
+static int start_grpc(bench *b, req_state *r, const cs_lg_request *q, const cs_lg_line *line) {
     const serve_opts *o = b->o;
     Chunkserve__V1__SamplingParams sp = CHUNKSERVE__V1__SAMPLING_PARAMS__INIT;
     sp.temperature = (float)o->temperature;
@@ -366,23 +366,6 @@ static int start_one(bench *b, req_state *r) {
     req.cache_salt = (char *)(o->cache_salt ? o->cache_salt : "");
     req.sampling = &sp;
     Chunkserve__V1__TokenIds tids = CHUNKSERVE__V1__TOKEN_IDS__INIT;
-    const cs_lg_line *line = q->line >= 0 ? &b->w->lines[q->line] : NULL;
-    if (b->http) {
-        r->started = true;
-        r->code = -1;
-        r->t_send = cs_now();
-        b->in_flight++;
-        int rc = start_http(b, r, q, line);
-        if (rc) {
-            b->in_flight--;
-            r->code = CS_RPC_INTERNAL;
-            r->t_last = cs_now();
-            r->error = strdup(cs_last_error());
-            b->n_failed++;
-            b->n_done++;
-        }
-        return rc;
-    }
     if (line && line->text) {
         req.input_case = CHUNKSERVE__V1__GENERATE_REQUEST__INPUT_PROMPT;
         req.prompt = line->text;
@@ -398,12 +381,18 @@ static int start_one(bench *b, req_state *r) {
         req.token_ids = &tids;
     }
     cs_rpc_call_opts co = {.timeout_ms = o->timeout_ms, .metadata = b->md, .n_metadata = b->n_md};
+    return cs_rpc_channel_call_msg(b->ch, GENERATE, &req.base, &co, on_gen_msg, on_gen_done, r,
+                                   NULL);
+}
+
+static int start_one(bench *b, req_state *r) {
+    const cs_lg_request *q = &b->sched[r->idx];
+    const cs_lg_line *line = q->line >= 0 ? &b->w->lines[q->line] : NULL;
     r->started = true;
     r->code = -1;
     r->t_send = cs_now();
     b->in_flight++;
-    int rc =
-        cs_rpc_channel_call_msg(b->ch, GENERATE, &req.base, &co, on_gen_msg, on_gen_done, r, NULL);
+    int rc = b->http ? start_http(b, r, q, line) : start_grpc(b, r, q, line);
     if (rc) { /* counted as failed, with the layer's reason */
         b->in_flight--;
         r->code = CS_RPC_INTERNAL;
