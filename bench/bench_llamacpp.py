@@ -55,6 +55,9 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--n-batch", type=int, default=512, help="llama.cpp n_batch/n_ubatch for prefill")
+    ap.add_argument("--no-extra-bufts", action="store_true",
+                    help="llama.cpp's use_extra_bufts = false: no AMX / repacked weight buffers "
+                         "(its AMX path segfaults on SmolLM2 Q4_1 in 0.3.36 on a Sapphire Rapids VM)")
     args = ap.parse_args()
 
     try:
@@ -76,6 +79,15 @@ def main() -> int:
     n_ctx = args.prompt_tokens + args.decode_tokens + 8
     n_batch = max(1, min(args.n_batch, args.prompt_tokens))
     t_load = time.perf_counter()
+    if args.no_extra_bufts:  # Llama() does not expose it: patch the defaults it starts from
+        import llama_cpp.llama as llama_mod
+        default_params = llama_mod.llama_cpp.llama_model_default_params
+
+        def no_extra_bufts():
+            params = default_params()
+            params.use_extra_bufts = False
+            return params
+        llama_mod.llama_cpp.llama_model_default_params = no_extra_bufts
     llm = llama_cpp.Llama(model_path=args.model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch,
                           n_threads=args.threads, n_threads_batch=args.threads,
                           logits_all=False, n_gpu_layers=0, verbose=False)

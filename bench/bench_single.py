@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Single-sequence prefill and decode speed: chunkserve's engine (quantized
-kernels, the same with bf16 KV, and --exact fp32) next to llama.cpp
+kernels, the same with bf16 KV, the same without AMX tiles, and --exact fp32) next to llama.cpp
 (llama-cpp-python) on the same GGUF file, same prompt, same thread count, in
 one run. Prints a table and the ratios; numbers are never
 asserted anywhere (machines are shared and noisy: compare the ratio).
@@ -33,10 +33,13 @@ def make_prompt_ids(bin_path, model, n_tokens):
     return json.loads(p.stdout)[:n_tokens]
 
 
-def run_chunkserve(bin_path, model, ids, decode_tokens, extra):
+def run_chunkserve(bin_path, model, ids, decode_tokens, extra, kernels=None):
     cmd = [bin_path, "generate", "--model", model, "--ids", ",".join(map(str, ids)),
            "--max-tokens", str(decode_tokens), "--ignore-eos", *extra]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    env = dict(os.environ)
+    if kernels:
+        env["CHUNKSERVE_CPU_KERNELS"] = kernels
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=env)
     if p.returncode != 0:
         sys.exit(f"chunkserve failed: {p.stderr}")
     m = re.search(r"prompt (\d+) tokens in ([\d.]+) s .*generated (\d+) tokens in ([\d.]+) s", p.stderr)
@@ -47,13 +50,14 @@ def run_chunkserve(bin_path, model, ids, decode_tokens, extra):
             "decode_tok_s": (n_gen - 1) / t_gen if n_gen > 1 else 0.0}
 
 
-def run_llamacpp(model, prompt_tokens, decode_tokens, threads):
+def run_llamacpp(model, prompt_tokens, decode_tokens, threads, extra=()):
     cmd = [sys.executable, os.path.join(HERE, "bench_llamacpp.py"), "--model", model,
            "--prompt-tokens", str(prompt_tokens), "--decode-tokens", str(decode_tokens),
-           "--threads", str(threads)]
+           "--threads", str(threads), *extra]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     if p.returncode != 0:
-        print(f"llama.cpp side skipped: {p.stderr.strip().splitlines()[-1] if p.stderr.strip() else p.returncode}")
+        why = p.stderr.strip().splitlines()[-1] if p.stderr.strip() else f"exit {p.returncode}"
+        print(f"llama.cpp {' '.join(extra) or '(default)'} failed: {why}")
         return None
     return json.loads(p.stdout.strip().splitlines()[-1])
 
@@ -72,14 +76,20 @@ def main():
                                                                      common)),
             (f"chunkserve, {a.threads} thr (quant, bf16 KV)",
              run_chunkserve(a.bin, a.model, ids, a.decode_tokens, common + ["--kv-bf16"])),
+            (f"chunkserve, {a.threads} thr (quant, no AMX)",
+             run_chunkserve(a.bin, a.model, ids, a.decode_tokens, common, kernels="vnni")),
             (f"chunkserve, {a.threads} thr (--exact fp32)",
              run_chunkserve(a.bin, a.model, ids, a.decode_tokens, common + ["--exact"]))]
     ref = run_llamacpp(a.model, a.prompt_tokens, a.decode_tokens, a.threads)
+    ref_name = "same file"
+    if ref is None:  # 0.3.36's AMX buffers segfault on a Sapphire Rapids VM: without them
+        ref = run_llamacpp(a.model, a.prompt_tokens, a.decode_tokens, a.threads, ["--no-extra-bufts"])
+        ref_name = "same file, no extra bufts"
     print(f"{'engine':<40} {'prompt tok':>10} {'prefill tok/s':>14} {'decode tok/s':>13}")
     for name, r in rows:
         print(f"{name:<40} {r['prompt_tokens']:>10} {r['prefill_tok_s']:>14.1f} {r['decode_tok_s']:>13.1f}")
     if ref:
-        print(f"{'llama.cpp, ' + str(a.threads) + ' thr (same file)':<40} {a.prompt_tokens:>10} "
+        print(f"{'llama.cpp, ' + str(a.threads) + ' thr (' + ref_name + ')':<40} {a.prompt_tokens:>10} "
               f"{ref['prefill_tok_s']:>14.1f} {ref['decode_tok_s']:>13.1f}")
         for name, r in rows:
             print(f"ratio {name} / llama.cpp: prefill {r['prefill_tok_s'] / ref['prefill_tok_s']:.3f}, "

@@ -137,8 +137,9 @@ int cs_cli_bench_engine(const cs_model *m, int threads, int prompt_tokens, bool 
     openblas_set_num_threads(1); /* back to what the engine expects */
 
     /* 1b. the int8 multiply-accumulate peak of the quantized kernels' instruction */
-    double peak_macs =
-        cs_model_weight_mode(m) == CS_WEIGHTS_QUANT ? cs_qmat_peak_macs(pool, 0.5) : 0;
+    bool quant = cs_model_weight_mode(m) == CS_WEIGHTS_QUANT;
+    double peak_macs = quant ? cs_qmat_peak_macs(pool, 0.5, false) : 0;
+    double amx_peak_macs = quant ? cs_qmat_peak_macs(pool, 0.5, true) : 0;
 
     /* 2. prefill */
     time_prefill(e, ids, n < 64 ? n : 64, 0, logits); /* warm-up */
@@ -194,9 +195,9 @@ int cs_cli_bench_engine(const cs_model *m, int threads, int prompt_tokens, bool 
         t_chunk[i] = median(t3, 3);
     }
 
-    printf("chunkserve bench-engine: %s, %d threads, backend %s, weights %s, %.0f MiB\n", c->name,
-           cs_threadpool_size(pool), cs_engine_backend_name(e), cs_model_weight_desc(m),
-           weight_bytes / (1 << 20));
+    printf("chunkserve bench-engine: %s, %d threads, backend %s, weights %s, %.0f MiB%s%s\n",
+           c->name, cs_threadpool_size(pool), cs_engine_backend_name(e), cs_model_weight_desc(m),
+           weight_bytes / (1 << 20), quant ? ", kernels " : "", quant ? cs_qmat_kernels_name() : "");
     printf("\n%-44s %10s %10s %8s\n", "measure", "ours", "limit", "ratio");
     printf("%-44s %10.1f %10s %8s\n", "OpenBLAS sgemm, model shapes x512 [GFLOP/s]", gemm_rate, "",
            "");
@@ -208,6 +209,9 @@ int cs_cli_bench_engine(const cs_model *m, int threads, int prompt_tokens, bool 
                       2.0 * c->n_layers * (double)c->n_heads * c->head_dim * n * ((n + 1) / 2.0);
         printf("%-44s %10.1f %10.1f %8.2f\n", "prefill int8 GMAC/s vs vpdpbusd peak",
                macs / t_prefill / 1e9, peak_macs / 1e9, macs / t_prefill / peak_macs);
+        if (amx_peak_macs > 0)
+            printf("%-44s %10.1f %10.1f %8.2f\n", "prefill int8 GMAC/s vs AMX tdpbsud peak",
+                   macs / t_prefill / 1e9, amx_peak_macs / 1e9, macs / t_prefill / amx_peak_macs);
     }
     printf("%-44s %10.1f %10s %8s\n", "memory copy bandwidth [GB/s, read+write]", bw, "", "");
     for (int bi = 0; bi < 3; bi++) {

@@ -297,8 +297,10 @@ int cs__qmat_kernels(void) {
     static int state = -1; /* benign race: every thread computes the same answer */
     if (state < 0) {
         const char *k = getenv("CHUNKSERVE_CPU_KERNELS");
-        bool generic = k && strcmp(k, "generic") == 0, no_vnni = k && strcmp(k, "avx2") == 0;
+        bool generic = k && strcmp(k, "generic") == 0, no_vnni = k && strcmp(k, "avx2") == 0,
+             no_amx = no_vnni || (k && strcmp(k, "vnni") == 0);
         state = generic                              ? CS_QMAT_KERNELS_REF
+                : !no_amx && cs__qmat_amx_usable()   ? CS_QMAT_KERNELS_AMX
                 : !no_vnni && cs__qmat_vnni_usable() ? CS_QMAT_KERNELS_VNNI
                 : cs__qmat_avx2_usable()             ? CS_QMAT_KERNELS_AVX2
                                                      : CS_QMAT_KERNELS_REF;
@@ -306,8 +308,17 @@ int cs__qmat_kernels(void) {
     return state;
 }
 
-static bool use_vnni(void) {
-    return cs__qmat_kernels() == CS_QMAT_KERNELS_VNNI;
+static bool use_vnni(void) { /* the AMX kernels quantize with the VNNI ones */
+    return cs__qmat_kernels() >= CS_QMAT_KERNELS_VNNI;
+}
+
+const char *cs_qmat_kernels_name(void) {
+    switch (cs__qmat_kernels()) {
+    case CS_QMAT_KERNELS_AMX: return "amx";
+    case CS_QMAT_KERNELS_VNNI: return "avx-512 vnni";
+    case CS_QMAT_KERNELS_AVX2: return "avx2";
+    }
+    return "generic";
 }
 
 typedef struct {
@@ -321,6 +332,7 @@ static void panels_fn(void *arg, int64_t begin, int64_t end, int thread) {
     const qjob *j = arg;
     (void)thread;
     switch (cs__qmat_kernels()) {
+    case CS_QMAT_KERNELS_AMX: cs__qmat_amx_panels(j->outs, j->a, j->w, begin, end); break;
     case CS_QMAT_KERNELS_VNNI: cs__qmat_vnni_panels(j->outs, j->a, j->w, begin, end); break;
     case CS_QMAT_KERNELS_AVX2: cs__qmat_avx2_panels(j->outs, j->a, j->w, begin, end); break;
     default: cs__qmat_ref_panels(j->outs, j->a, j->w, begin, end);
@@ -346,27 +358,34 @@ static void quantize_fn(void *arg, int64_t begin, int64_t end, int thread) {
         cs__quantize_ref_rows(j->a, j->x, begin, end);
 }
 
+typedef struct {
+    int64_t iters;
+    bool amx;
+} peak_job;
+
 static void peak_fn(void *arg, int64_t begin, int64_t end, int thread) {
+    const peak_job *j = arg;
     (void)thread;
     volatile int64_t sink = 0;
     for (int64_t i = begin; i < end; i++)
-        sink += cs__qmat_vnni_peak_loop(*(const int64_t *)arg);
+        sink += j->amx ? cs__qmat_amx_peak_loop(j->iters) : cs__qmat_vnni_peak_loop(j->iters);
     (void)sink;
 }
 
-double cs_qmat_peak_macs(cs_threadpool *pool, double seconds) {
-    if (!use_vnni()) return 0;
+double cs_qmat_peak_macs(cs_threadpool *pool, double seconds, bool amx) {
+    if (amx ? !cs__qmat_amx_usable() : !cs__qmat_vnni_usable()) return 0;
+    const double macs_per_iter = amx ? 16.0 * 16 * 16 * 64 : 1024.0;
     int n = cs_threadpool_size(pool);
-    int64_t iters = 1 << 16;
+    peak_job j = {amx ? 1 << 8 : 1 << 16, amx};
     for (;;) { /* grow until a run takes `seconds` */
         struct timespec t0, t1;
         clock_gettime(CLOCK_MONOTONIC, &t0);
-        cs_threadpool_for(pool, n, peak_fn, &iters);
+        cs_threadpool_for(pool, n, peak_fn, &j);
         clock_gettime(CLOCK_MONOTONIC, &t1);
         double t = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
-        if (t >= seconds || iters > ((int64_t)1 << 40))
-            return (double)n * (double)iters * 1024.0 / t;
-        iters *= 2;
+        if (t >= seconds || j.iters > ((int64_t)1 << 40))
+            return (double)n * (double)j.iters * macs_per_iter / t;
+        j.iters *= 2;
     }
 }
 

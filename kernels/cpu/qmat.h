@@ -24,8 +24,9 @@
  * Every input of the fp32 steps is exact or rounded once in a fixed order, so
  * a result depends only on its own row of x and its own row of w: not on
  * how many tokens share the GEMM, which thread computes it, or the
- * instruction set (the AVX-512 VNNI kernels of qmat_vnni.c, the AVX2 ones of
- * qmat_avx2.c and the plain C of qmat.c give the same bits;
+ * instruction set (the AMX tiles of qmat_amx.c, the AVX-512 VNNI kernels of
+ * qmat_vnni.c, the AVX2 ones of qmat_avx2.c and the plain C of qmat.c give
+ * the same bits;
  * tests/unit/test_qmat.c compares them with memcmp). Threads split output
  * rows (16-row panels), never K. */
 #ifndef CS_KERNELS_CPU_QMAT_H
@@ -114,20 +115,39 @@ void cs__quantize_vnni_rows(cs_qact *a, const float *x, int64_t t0, int64_t t1);
 /* Benchmarks: iters x 16 independent vpdpbusd (1024 int8 MACs each
  * iteration) on the calling thread (only where cs__qmat_vnni_usable()). */
 int64_t cs__qmat_vnni_peak_loop(int64_t iters);
+/* The AMX GEMM of qmat_amx.c (AMX-TILE and AMX-INT8, checked at run time,
+ * with the tile state granted to this process; AVX-512 VNNI too): whole
+ * tiles of 16 tokens on AMX, the last tokens on the VNNI kernels. */
+bool cs__qmat_amx_usable(void);
+void cs__qmat_amx_panels(const cs_qout *outs, const cs_qact *a, const cs_qmat *w, int64_t p0,
+                         int64_t p1);
+/* iters x 16 tile products of 16 x 16 x 64 (262,144 int8 MACs each
+ * iteration) on the calling thread (only where cs__qmat_amx_usable()). */
+int64_t cs__qmat_amx_peak_loop(int64_t iters);
 /* int8 multiply-accumulates per second of the whole pool, every thread in
- * that loop for about `seconds`; 0 where the VNNI kernels do not run. */
-double cs_qmat_peak_macs(cs_threadpool *pool, double seconds);
+ * the vpdpbusd loop (amx false) or the tile loop (amx true) for about
+ * `seconds`; 0 where those kernels do not run. */
+double cs_qmat_peak_macs(cs_threadpool *pool, double seconds, bool amx);
 /* The AVX2 GEMM of qmat_avx2.c, for CPUs without VNNI (AVX2, FMA and F16C,
  * checked at run time); the activations are quantized by the reference. */
 bool cs__qmat_avx2_usable(void);
 void cs__qmat_avx2_panels(const cs_qout *outs, const cs_qact *a, const cs_qmat *w, int64_t p0,
                           int64_t p1);
 /* Which kernels cs_op_qmatmul runs: the best this CPU has, unless
- * CHUNKSERVE_CPU_KERNELS says "generic" (the reference) or "avx2" (no VNNI);
- * tests force one (CS_QMAT_KERNELS_AUTO restores the choice). */
-enum { CS_QMAT_KERNELS_AUTO = -1, CS_QMAT_KERNELS_REF, CS_QMAT_KERNELS_AVX2, CS_QMAT_KERNELS_VNNI };
+ * CHUNKSERVE_CPU_KERNELS says "generic" (the reference), "avx2" (no VNNI)
+ * or "vnni" (no AMX); tests force one (CS_QMAT_KERNELS_AUTO restores the
+ * choice). */
+enum {
+    CS_QMAT_KERNELS_AUTO = -1,
+    CS_QMAT_KERNELS_REF,
+    CS_QMAT_KERNELS_AVX2,
+    CS_QMAT_KERNELS_VNNI,
+    CS_QMAT_KERNELS_AMX
+};
 int cs__qmat_kernels(void);
 void cs__qmat_force_kernels(int which);
+/* "generic", "avx2", "avx-512 vnni" or "amx" */
+const char *cs_qmat_kernels_name(void);
 /* The plain C versions of the same two. */
 void cs__qmat_ref_panels(const cs_qout *outs, const cs_qact *a, const cs_qmat *w, int64_t p0,
                          int64_t p1);

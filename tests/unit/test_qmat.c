@@ -1,8 +1,8 @@
 /* test_qmat.c: the quantized GEMM of kernels/cpu/qmat.h.
  *
- * Bitwise (memcmp): the VNNI kernels == the plain C reference (GEMM and
- * activation quantizer), for every type, token counts 1..40 (every tile
- * shape), rows that do not fill a panel, biases and stacked parts; a token's
+ * Bitwise (memcmp): every kernel set this CPU runs (AMX, AVX-512 VNNI,
+ * AVX2) == the plain C reference (GEMM and activation quantizer), for every
+ * type, token counts 1..70 (every tile shape), rows that do not fill a panel, biases and stacked parts; a token's
  * output alone == the same token inside a GEMM of many tokens; 1 == 2 == 3
  * threads. Values: packed rows read back equal the GGUF dequantizer's
  * formula, the GEMM equals sum_k w[k] * xhat[k] of the dequantized weights
@@ -156,9 +156,10 @@ static void gemm_case(int type, int n_parts, const int64_t *rows, int64_t cols, 
     cs_op_qmatmul_ref(oref, &a, w);
     /* every kernel set this CPU runs, every token count, every pool: the same
      * bits as the reference's rows */
-    for (int kind = CS_QMAT_KERNELS_REF; kind <= CS_QMAT_KERNELS_VNNI; kind++) {
+    for (int kind = CS_QMAT_KERNELS_REF; kind <= CS_QMAT_KERNELS_AMX; kind++) {
         if (kind == CS_QMAT_KERNELS_AVX2 && !cs__qmat_avx2_usable()) continue;
         if (kind == CS_QMAT_KERNELS_VNNI && !cs__qmat_vnni_usable()) continue;
+        if (kind == CS_QMAT_KERNELS_AMX && !cs__qmat_amx_usable()) continue;
         cs__qmat_force_kernels(kind);
         for (int nt = 1; nt <= T; nt += (nt < 12 ? 1 : 7)) {
             cs_qact sub = a; /* the first nt tokens of a */
@@ -250,16 +251,21 @@ static void test_perm(void) {
 int main(void) {
     for (int k = 0; k < 3; k++)
         ASSERT_EQ_INT(cs_threadpool_init(k + 1, &pools[k]), 0);
-    printf("kernels: reference%s%s\n", cs__qmat_avx2_usable() ? ", avx2" : "",
-           cs__qmat_vnni_usable() ? ", avx-512 vnni" : "");
+    printf("kernels: reference%s%s%s\n", cs__qmat_avx2_usable() ? ", avx2" : "",
+           cs__qmat_vnni_usable() ? ", avx-512 vnni" : "", cs__qmat_amx_usable() ? ", amx" : "");
     test_bad_shapes();
     test_perm();
-    const int64_t one[] = {37}, qkv[] = {64, 32, 32}, big[] = {200};
+    const int64_t one[] = {37}, qkv[] = {64, 32, 32}, big[] = {200}, tall[] = {100},
+                  ragged[] = {40, 24, 24};
     const int types[] = {CS_QMAT_Q4_0, CS_QMAT_Q4_1, CS_QMAT_Q8_0, CS_QMAT_F32};
     for (int i = 0; i < 4; i++) {
         gemm_case(types[i], 1, one, 64, 40, false);
         gemm_case(types[i], 3, qkv, 96, 19, true);
         gemm_case(types[i], 1, big, 320, 9, false);
+        /* AMX tiles of 16 tokens: 1-4 tiles and a tail, panel pairs that
+         * straddle parts and end in partial panels */
+        gemm_case(types[i], 1, tall, 96, 70, true);
+        gemm_case(types[i], 3, ragged, 64, 54, true);
     }
     for (int k = 0; k < 3; k++)
         cs_threadpool_free(pools[k]);
