@@ -12,6 +12,7 @@
 #include <string.h>
 
 #include "backend.h"
+#include "qmat.h"
 #include "chunkserve/error.h"
 #include "chunkserve/log.h"
 #ifdef CS_HAVE_CUDA
@@ -21,7 +22,10 @@
 static int cpu(const cs_weights *m, int n_threads, bool kv_bf16, const char *why,
                cs_backend **out) {
     int r = cs_backend_cpu_init(m, n_threads, kv_bf16, out);
-    if (r == 0) CS_LOGI("backend: cpu (%s), %s KV pages", why, kv_bf16 ? "bf16" : "fp32");
+    if (r == 0)
+        CS_LOGI("backend: cpu (%s), %s KV pages%s%s", why, kv_bf16 ? "bf16" : "fp32",
+                m->q_tok_embd ? ", integer kernels: " : "",
+                m->q_tok_embd ? cs_qmat_kernels_name() : "");
     return r;
 }
 
