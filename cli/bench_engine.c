@@ -197,7 +197,8 @@ int cs_cli_bench_engine(const cs_model *m, int threads, int prompt_tokens, bool 
 
     printf("chunkserve bench-engine: %s, %d threads, backend %s, weights %s, %.0f MiB%s%s\n",
            c->name, cs_threadpool_size(pool), cs_engine_backend_name(e), cs_model_weight_desc(m),
-           weight_bytes / (1 << 20), quant ? ", kernels " : "", quant ? cs_qmat_kernels_name() : "");
+           weight_bytes / (1 << 20), quant ? ", kernels " : "",
+           quant ? cs_qmat_kernels_name() : "");
     printf("\n%-44s %10s %10s %8s\n", "measure", "ours", "limit", "ratio");
     printf("%-44s %10.1f %10s %8s\n", "OpenBLAS sgemm, model shapes x512 [GFLOP/s]", gemm_rate, "",
            "");

@@ -105,9 +105,10 @@ panel(const int type, const uint8_t *pq, const uint16_t *pd, const uint16_t *pm,
         const uint8_t *bsrc[G];
         for (int k = 0; k < gn; k++) {
             const uint8_t *p = pq + (g0 + k) * qb;
-            _mm512_store_ps(dq[k], _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(pd + (g0 + k) * 16))));
-            _mm512_store_ps(mq[k], type == CS_QMAT_Q4_1 ? _mm512_cvtph_ps(_mm256_load_si256(
-                                                              (const __m256i *)(pm + (g0 + k) * 16)))
+            _mm512_store_ps(
+                dq[k], _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(pd + (g0 + k) * 16))));
+            _mm512_store_ps(mq[k], type == CS_QMAT_Q4_1 ? _mm512_cvtph_ps(_mm256_load_si256((
+                                                              const __m256i *)(pm + (g0 + k) * 16)))
                                                         : _mm512_setzero_ps());
             if (type == CS_QMAT_Q8_0) {
                 bsrc[k] = p;
@@ -134,8 +135,10 @@ panel(const int type, const uint8_t *pq, const uint16_t *pd, const uint16_t *pm,
                 BLOCK_TILES(1, 3, 7, xq + (k + 3) * CS_QK, xs, bsrc[k + 3], cbuf[k + 3]);
             }
             for (; k < gn; k++) {
-                if (k & 1) BLOCK_TILES(1, 3, 5, xq + k * CS_QK, xs, bsrc[k], cbuf[k]);
-                else BLOCK_TILES(0, 2, 4, xq + k * CS_QK, xs, bsrc[k], cbuf[k]);
+                if (k & 1)
+                    BLOCK_TILES(1, 3, 5, xq + k * CS_QK, xs, bsrc[k], cbuf[k]);
+                else
+                    BLOCK_TILES(0, 2, 4, xq + k * CS_QK, xs, bsrc[k], cbuf[k]);
             }
             /* 8 tokens at once: 8 independent accumulator chains hide the
              * FMA latency (each token's blocks still add up in order) */
@@ -145,8 +148,9 @@ panel(const int type, const uint8_t *pq, const uint16_t *pd, const uint16_t *pm,
 #pragma GCC unroll 8
                 for (int r = 0; r < 8; r++) {
                     mb[r] = a->meta + (size_t)(t0 + r0 + r) * (size_t)nb + (size_t)g0;
-                    acc[r] = g0 ? _mm512_maskz_loadu_ps(mask, out + (size_t)(t0 + r0 + r) * (size_t)ldo)
-                                : _mm512_setzero_ps();
+                    acc[r] =
+                        g0 ? _mm512_maskz_loadu_ps(mask, out + (size_t)(t0 + r0 + r) * (size_t)ldo)
+                           : _mm512_setzero_ps();
                 }
                 for (k = 0; k < gn; k++) {
                     const __m512 d = _mm512_load_ps(dq[k]), m = _mm512_load_ps(mq[k]);
@@ -160,8 +164,8 @@ panel(const int type, const uint8_t *pq, const uint16_t *pd, const uint16_t *pm,
                             acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(mb[r][k].fsum), acc[r]);
                     }
                 }
-                const __m512 bv = bias && g0 + gn == nb ? _mm512_maskz_loadu_ps(mask, bias)
-                                                        : _mm512_setzero_ps();
+                const __m512 bv =
+                    bias && g0 + gn == nb ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
 #pragma GCC unroll 8
                 for (int r = 0; r < 8; r++) {
                     if (bias && g0 + gn == nb) acc[r] = _mm512_add_ps(acc[r], bv);
@@ -187,7 +191,7 @@ static void load_config(void) {
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
     for (int i = 0; i < 2; i++) {
-        cfg.rows[i] = 16, cfg.colsb[i] = CS_QK;         /* A: 16 tokens x 32 bytes */
+        cfg.rows[i] = 16, cfg.colsb[i] = CS_QK;             /* A: 16 tokens x 32 bytes */
         cfg.rows[2 + i] = CS_QK / 4, cfg.colsb[2 + i] = 64; /* B: 8 x 64 bytes */
     }
     for (int i = 4; i < 8; i++)
@@ -205,7 +209,9 @@ void cs__qmat_amx_panels(const cs_qout *outs, const cs_qact *a, const cs_qmat *w
         const int64_t nb = w->n_blocks, qb = cs__qmat_qbytes(w->type);
         void (*fn)(const uint8_t *, const uint16_t *, const uint16_t *, float *, int64_t,
                    const float *, __mmask16, const cs_qact *, int64_t, int32_t) =
-            w->type == CS_QMAT_Q4_0 ? panel_q4_0 : w->type == CS_QMAT_Q4_1 ? panel_q4_1 : panel_q8_0;
+            w->type == CS_QMAT_Q4_0   ? panel_q4_0
+            : w->type == CS_QMAT_Q4_1 ? panel_q4_1
+                                      : panel_q8_0;
         load_config();
         int part = 0;
         for (int64_t p = p0; p < p1; p++) {
