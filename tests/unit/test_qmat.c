@@ -4,10 +4,10 @@
  * AVX2) == the plain C reference (GEMM and activation quantizer), for every
  * type, token counts 1..70 (every tile shape), rows that do not fill a
  * panel, biases and stacked parts; a token's output alone == the same token
- * inside a GEMM of many tokens; 1 == 2 == 3 threads. Values: packed rows read back equal the GGUF dequantizer's
- * formula, the GEMM equals sum_k w[k] * xhat[k] of the dequantized weights
- * and activations to fp32 rounding, and is close to the fp32 product (the
- * quantization error of 8-bit activations). Bad shapes: CS_EINVAL. */
+ * inside a GEMM of many tokens; 1 == 2 == 3 threads. Values: packed rows read back equal the GGUF
+ * dequantizer's formula, the GEMM equals sum_k w[k] * xhat[k] of the dequantized weights and
+ * activations to fp32 rounding, and is close to the fp32 product (the quantization error of 8-bit
+ * activations). Bad shapes: CS_EINVAL. */
 #include <stdint.h>
 
 #include "backend.h"
