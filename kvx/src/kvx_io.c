@@ -103,6 +103,12 @@ int cs__kvx_set_socket_opts(int fd) {
     if (fl < 0 || fcntl(fd, F_SETFL, fl | O_NONBLOCK) < 0) return -errno;
     int one = 1;
     setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+    /* At most this many unsent bytes in the kernel: the rest waits in our
+     * queue, where --kv-queue-mib counts it and backpressure sees it.
+     * Without it the send buffer, autotuned up to tcp_wmem's maximum (4 MB
+     * on Debian), swallowed a slow peer's whole backlog unseen. */
+    int lowat = 256 << 10;
+    setsockopt(fd, IPPROTO_TCP, TCP_NOTSENT_LOWAT, &lowat, sizeof lowat);
     /* Kernel keepalive as a second line behind our own pings. */
     setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof one);
     int idle = 5, intvl = 2, cnt = 3;

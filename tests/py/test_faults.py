@@ -337,11 +337,14 @@ def test_slow_decode_link_does_not_slow_the_other_pairs(bin_dir, model, pb):
     ref = Proc(bin_dir / "chunkserve", ["serve", f"--model={model}", "--port=0", "--http-port=0"],
                "reference")
     ref_stub = pb.generation_pb2_grpc.GenerationStub(grpc.insecure_channel(ref.addr))
-    longs = [[(17 * k + 5 * j) % 300 + 1 for j in range(1000)] for k in range(8)]
+    # each run its own long prompts, so the second computes them chunk by chunk instead of
+    # finding them in the prefill worker's prefix cache
+    long_sets = [[[(17 * k + 5 * j + 101 * run) % 300 + 1 for j in range(1000)] for k in range(8)]
+                 for run in range(2)]
     shorts = [[(7 * k + j) % 300 + 1 for j in range(24)] for k in range(12)]
-    want = [stream(ref_stub, g, p, 2) for p in longs]
 
-    def one_run(rate):
+    def one_run(rate, longs):
+        want = [stream(ref_stub, g, p, 2) for p in longs]
         kv_port = free_port()
         dec_a = Proc(bin_dir / "chunkserve-decode", [*common, f"--kv-port={kv_port}",
                                                        "--kv-advertise=127.0.0.2"], "decode-a")
@@ -379,8 +382,8 @@ def test_slow_decode_link_does_not_slow_the_other_pairs(bin_dir, model, pb):
                 p.stop()
 
     try:
-        base, _ = one_run(None)
-        slow, holds = one_run(1e6)
+        base, _ = one_run(None, long_sets[0])
+        slow, holds = one_run(1e6, long_sets[1])
         print(f"short prompts' median TTFT: {base * 1e3:.0f} ms beside a fast link, "
               f"{slow * 1e3:.0f} ms beside a 1 MB/s one ({holds:.0f} holds)")
         assert holds > 0  # the slow channel did fill
