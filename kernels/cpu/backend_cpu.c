@@ -1,7 +1,9 @@
 /* backend_cpu.c: the CPU backend. Weights straight from the model (no copy):
  * fp32 matrices through OpenBLAS (cs_op_matmul), or in quant mode packed
  * quantized ones through the integer kernels (cpu/qmat.h: activations
- * quantized per row once per GEMM input, q|k|v and gate|up one GEMM each).
+ * quantized per row once per GEMM input, q|k|v and gate|up one GEMM each;
+ * the residual add, RMSNorm and quantization of a GEMM's input one pass over
+ * the rows, as are SwiGLU and quantization).
  * KV pool in host memory (fp32, or bf16 with kv_bf16) laid out page-major:
  *   pool[n_pages][n_layers][2 (K, V)][page_size][n_kv_heads * head_dim]
  * so one page (all layers, K and V) is one contiguous block: export/import is
@@ -122,15 +124,39 @@ static int grow(cpu_ctx *c, int32_t n_tokens, int32_t n_spans) {
     return 0;
 }
 
+/* A view of the step's quantized-activation scratch for (n_tokens, cols). */
+static cs_qact qact(cpu_ctx *c, int n_tokens, int cols) {
+    cs_qact a;
+    CS_ASSERT(cs_qact_bytes(n_tokens, cols) <= c->qa_size);
+    cs_qact_init(&a, c->qa, n_tokens, cols);
+    return a;
+}
+
 /* outs = x (n_tokens, cols) * w^T through the integer kernels: x quantized
  * once into the step's scratch, then one GEMM over every part of w. */
 static void qgemm(cpu_ctx *c, const cs_qout *outs, const float *x, int n_tokens, int cols,
                   const cs_qmat *w) {
-    cs_qact a;
-    CS_ASSERT(cs_qact_bytes(n_tokens, cols) <= c->qa_size);
-    cs_qact_init(&a, c->qa, n_tokens, cols);
+    cs_qact a = qact(c, n_tokens, cols);
     cs_op_quantize(c->pool, &a, x);
     cs_op_qmatmul(c->pool, outs, &a, w);
+}
+
+/* xn = rmsnorm(x += proj) for the GEMM w (the residual add, when `pending`,
+ * waits for the next norm). In quant mode (w not NULL) one pass over the
+ * rows also quantizes xn into the scratch, which it returns for w. */
+static cs_qact norm(cpu_ctx *c, bool pending, const float *nw, int T, const cs_qmat *w) {
+    const int dim = c->m->shape.dim;
+    const float eps = c->m->shape.norm_eps;
+    if (w) {
+        cs_qact a = qact(c, T, dim);
+        cs_op_add_rmsnorm_quantize(c->pool, &a, c->xn, c->x, pending ? c->proj : NULL, nw, eps);
+        return a;
+    }
+    if (pending)
+        for (size_t i = 0; i < (size_t)T * dim; i++)
+            c->x[i] += c->proj[i];
+    cs_op_rmsnorm(c->pool, c->xn, c->x, nw, T, dim, eps);
+    return (cs_qact){0};
 }
 
 static int cpu_forward(void *p, const cs_backend_span *spans, int32_t n_spans, int32_t n_tokens,
@@ -155,16 +181,17 @@ static int cpu_forward(void *p, const cs_backend_span *spans, int32_t n_spans, i
         cs_qmat_get_rows(m->q_tok_embd, 0, c->tok, T, c->x);
     else
         cs_op_embed(c->x, m->tok_embd, c->tok, T, dim);
+    bool pending = false; /* x += proj is owed */
     for (int l = 0; l < cf->n_layers; l++) {
         const cs_layer_weights *L = &m->layers[l];
         size_t layer0 = (size_t)l * 2 * (size_t)c->page_size * (size_t)kvd;
         cs_kv_view kv = {c->kv_bf16 ? NULL : (float *)c->kv + layer0, c->page_elems,
                          (size_t)c->page_size * kvd, c->page_size,
                          c->kv_bf16 ? (uint16_t *)c->kv + layer0 : NULL};
-        cs_op_rmsnorm(c->pool, c->xn, c->x, L->attn_norm, T, dim, cf->norm_eps);
+        cs_qact a = norm(c, pending, L->attn_norm, T, L->qkv);
         if (L->qkv) {
             cs_qout o[3] = {{c->q, qd, L->bq}, {c->k, kvd, L->bk}, {c->v, kvd, L->bv}};
-            qgemm(c, o, c->xn, T, dim, L->qkv);
+            cs_op_qmatmul(c->pool, o, &a, L->qkv);
         } else {
             cs_op_matmul(c->pool, c->q, c->xn, L->wq, L->bq, T, qd, dim);
             cs_op_matmul(c->pool, c->k, c->xn, L->wk, L->bk, T, kvd, dim);
@@ -178,37 +205,40 @@ static int cpu_forward(void *p, const cs_backend_span *spans, int32_t n_spans, i
             qgemm(c, &(cs_qout){c->proj, dim, NULL}, c->att, T, qd, L->o);
         else
             cs_op_matmul(c->pool, c->proj, c->att, L->wo, NULL, T, dim, qd);
-        for (size_t i = 0; i < (size_t)T * dim; i++)
-            c->x[i] += c->proj[i];
-        cs_op_rmsnorm(c->pool, c->xn, c->x, L->ffn_norm, T, dim, cf->norm_eps);
+        a = norm(c, true, L->ffn_norm, T, L->gate_up);
         if (L->gate_up) {
             cs_qout o[2] = {{c->gate, hid, NULL}, {c->up, hid, NULL}};
-            qgemm(c, o, c->xn, T, dim, L->gate_up);
+            cs_op_qmatmul(c->pool, o, &a, L->gate_up);
         } else {
             cs_op_matmul(c->pool, c->gate, c->xn, L->w_gate, NULL, T, hid, dim);
             cs_op_matmul(c->pool, c->up, c->xn, L->w_up, NULL, T, hid, dim);
         }
-        cs_op_swiglu(c->pool, c->gate, c->gate, c->up, (size_t)T * hid);
-        if (L->down)
-            qgemm(c, &(cs_qout){c->proj, dim, NULL}, c->gate, T, hid, L->down);
-        else
+        if (L->down) {
+            a = qact(c, T, hid);
+            cs_op_swiglu_quantize(c->pool, &a, c->gate, c->gate, c->up);
+            cs_op_qmatmul(c->pool, &(cs_qout){c->proj, dim, NULL}, &a, L->down);
+        } else {
+            cs_op_swiglu(c->pool, c->gate, c->gate, c->up, (size_t)T * hid);
             cs_op_matmul(c->pool, c->proj, c->gate, L->w_down, NULL, T, dim, hid);
-        for (size_t i = 0; i < (size_t)T * dim; i++)
-            c->x[i] += c->proj[i];
+        }
+        pending = true;
     }
     int n_out = 0;
     for (int32_t s = 0; s < n_spans; s++) {
         if (!spans[s].want_logits) continue;
-        int32_t last = c->aspans[s].q_begin + spans[s].n_tokens - 1;
-        memcpy(c->xl + (size_t)n_out * dim, c->x + (size_t)last * dim, (size_t)dim * sizeof(float));
+        size_t last = (size_t)(c->aspans[s].q_begin + spans[s].n_tokens - 1) * dim;
+        float *xl = c->xl + (size_t)n_out * dim;
+        for (int i = 0; i < dim; i++) /* the last layer's residual add, for these rows */
+            xl[i] = pending ? c->x[last + i] + c->proj[last + i] : c->x[last + i];
         n_out++;
     }
-    if (n_out) {
+    if (n_out && m->q_output) {
+        cs_qact a = qact(c, n_out, dim);
+        cs_op_add_rmsnorm_quantize(c->pool, &a, c->xl, c->xl, NULL, m->out_norm, cf->norm_eps);
+        cs_op_qmatmul(c->pool, &(cs_qout){logits, cf->n_vocab, NULL}, &a, m->q_output);
+    } else if (n_out) {
         cs_op_rmsnorm(c->pool, c->xl, c->xl, m->out_norm, n_out, dim, cf->norm_eps);
-        if (m->q_output)
-            qgemm(c, &(cs_qout){logits, cf->n_vocab, NULL}, c->xl, n_out, dim, m->q_output);
-        else
-            cs_op_matmul(c->pool, logits, c->xl, m->output, NULL, n_out, cf->n_vocab, dim);
+        cs_op_matmul(c->pool, logits, c->xl, m->output, NULL, n_out, cf->n_vocab, dim);
     }
     return 0;
 }

@@ -349,13 +349,12 @@ void cs_op_qmatmul(cs_threadpool *pool, const cs_qout *outs, const cs_qact *a, c
         panels_fn(&j, 0, w->n_panels, 0);
 }
 
+static void quantize_rows(cs_qact *a, const float *x, int64_t t0, int64_t t1);
+
 static void quantize_fn(void *arg, int64_t begin, int64_t end, int thread) {
     const qjob *j = arg;
     (void)thread;
-    if (use_vnni())
-        cs__quantize_vnni_rows(j->a, j->x, begin, end);
-    else
-        cs__quantize_ref_rows(j->a, j->x, begin, end);
+    quantize_rows(j->a, j->x, begin, end);
 }
 
 typedef struct {
@@ -389,10 +388,66 @@ double cs_qmat_peak_macs(cs_threadpool *pool, double seconds, bool amx) {
     }
 }
 
+static void quantize_over(cs_threadpool *pool, int64_t n_tokens, double work, cs_range_fn fn,
+                          void *arg) {
+    if (cs_threadpool_size(pool) > 1 && work >= 32768.0)
+        cs_threadpool_for(pool, n_tokens, fn, arg);
+    else if (n_tokens > 0)
+        fn(arg, 0, n_tokens, 0);
+}
+
 void cs_op_quantize(cs_threadpool *pool, cs_qact *a, const float *x) {
     qjob j = {NULL, a, NULL, x};
-    if (cs_threadpool_size(pool) > 1 && (double)a->n_tokens * (double)a->cols >= 32768.0)
-        cs_threadpool_for(pool, a->n_tokens, quantize_fn, &j);
+    quantize_over(pool, a->n_tokens, (double)a->n_tokens * (double)a->cols, quantize_fn, &j);
+}
+
+/* ---- fused prologues: the ops before a GEMM in one pass over the rows ---- */
+
+typedef struct {
+    cs_qact *a;
+    float *out, *x;
+    const float *add, *w, *up;
+    float eps;
+} fused_job;
+
+static void quantize_rows(cs_qact *a, const float *x, int64_t t0, int64_t t1) {
+    if (use_vnni())
+        cs__quantize_vnni_rows(a, x, t0, t1);
     else
-        quantize_fn(&j, 0, a->n_tokens, 0);
+        cs__quantize_ref_rows(a, x, t0, t1);
+}
+
+/* Each op runs on this thread's rows through the same function as the
+ * unfused op (a NULL pool runs it on the caller), so the bits cannot differ;
+ * the rows stay in cache between the ops. */
+static void add_rmsnorm_quantize_fn(void *arg, int64_t t0, int64_t t1, int thread) {
+    const fused_job *j = arg;
+    (void)thread;
+    size_t dim = (size_t)j->a->cols, o = (size_t)t0 * dim, n = (size_t)(t1 - t0) * dim;
+    if (j->add)
+        for (size_t i = o; i < o + n; i++)
+            j->x[i] += j->add[i];
+    cs_op_rmsnorm(NULL, j->out + o, j->x + o, j->w, (int)(t1 - t0), (int)dim, j->eps);
+    quantize_rows(j->a, j->out, t0, t1);
+}
+
+void cs_op_add_rmsnorm_quantize(cs_threadpool *pool, cs_qact *a, float *xn, float *x,
+                                const float *add, const float *w, float eps) {
+    fused_job j = {a, xn, x, add, w, NULL, eps};
+    quantize_over(pool, a->n_tokens, 4.0 * a->n_tokens * (double)a->cols, add_rmsnorm_quantize_fn,
+                  &j);
+}
+
+static void swiglu_quantize_fn(void *arg, int64_t t0, int64_t t1, int thread) {
+    const fused_job *j = arg;
+    (void)thread;
+    size_t o = (size_t)t0 * (size_t)j->a->cols, n = (size_t)(t1 - t0) * (size_t)j->a->cols;
+    cs_op_swiglu(NULL, j->out + o, j->x + o, j->up + o, n);
+    quantize_rows(j->a, j->out, t0, t1);
+}
+
+void cs_op_swiglu_quantize(cs_threadpool *pool, cs_qact *a, float *out, const float *gate,
+                           const float *up) {
+    fused_job j = {a, out, (float *)gate, NULL, NULL, up, 0.0f};
+    quantize_over(pool, a->n_tokens, 8.0 * a->n_tokens * (double)a->cols, swiglu_quantize_fn, &j);
 }

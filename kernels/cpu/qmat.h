@@ -100,6 +100,15 @@ typedef struct {
 void cs_op_quantize_ref(cs_qact *a, const float *x);
 void cs_op_quantize(cs_threadpool *pool, cs_qact *a, const float *x);
 
+/* Fused prologues, one pass over the rows with the same bits as the ops
+ * they join (ops.h): x += add (when add is not NULL), xn = rmsnorm(x) * w,
+ * then a = quantize(xn); x and xn are (a->n_tokens, a->cols). */
+void cs_op_add_rmsnorm_quantize(cs_threadpool *pool, cs_qact *a, float *xn, float *x,
+                                const float *add, const float *w, float eps);
+/* out = swiglu(gate, up) (may be gate), then a = quantize(out). */
+void cs_op_swiglu_quantize(cs_threadpool *pool, cs_qact *a, float *out, const float *gate,
+                           const float *up);
+
 /* outs[p] = a * part p of w ^T (+ bias): one qout per part of w. */
 void cs_op_qmatmul_ref(const cs_qout *outs, const cs_qact *a, const cs_qmat *w);
 void cs_op_qmatmul(cs_threadpool *pool, const cs_qout *outs, const cs_qact *a, const cs_qmat *w);

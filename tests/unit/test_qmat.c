@@ -7,7 +7,8 @@
  * inside a GEMM of many tokens; 1 == 2 == 3 threads. Values: packed rows read back equal the GGUF
  * dequantizer's formula, the GEMM equals sum_k w[k] * xhat[k] of the dequantized weights and
  * activations to fp32 rounding, and is close to the fp32 product (the quantization error of 8-bit
- * activations). Bad shapes: CS_EINVAL. */
+ * activations). The fused prologues (add + RMSNorm + quantize, SwiGLU +
+ * quantize) == the ops they join, bit for bit. Bad shapes: CS_EINVAL. */
 #include <stdint.h>
 
 #include "backend.h"
@@ -248,6 +249,56 @@ static void test_perm(void) {
     free(s), free(deq);
 }
 
+static bool same_qact(const cs_qact *a, const cs_qact *b) {
+    return memcmp(a->q, b->q, (size_t)a->n_tokens * (size_t)a->cols) == 0 &&
+           memcmp(a->meta, b->meta, (size_t)a->n_tokens * (size_t)a->n_blocks * sizeof *a->meta) ==
+               0;
+}
+
+/* The fused prologues == the ops they join, run one after another. */
+static void test_fused(int T, int cols) {
+    size_t n = (size_t)T * (size_t)cols, ab = (cs_qact_bytes(T, cols) + 63) / 64 * 64;
+    float *x0 = alloc_f(n), *add = alloc_f(n), *w = alloc_f((size_t)cols), *up = alloc_f(n);
+    float *x1 = alloc_f(n), *xn1 = alloc_f(n), *x2 = alloc_f(n), *xn2 = alloc_f(n);
+    void *b1 = aligned_alloc(64, ab), *b2 = aligned_alloc(64, ab);
+    for (size_t i = 0; i < n; i++)
+        x0[i] = 3 * frand(), add[i] = frand(), up[i] = frand();
+    for (int i = 0; i < cols; i++)
+        w[i] = 1 + frand() / 4;
+    for (int kind = CS_QMAT_KERNELS_REF; kind <= CS_QMAT_KERNELS_AMX; kind++) {
+        if (kind == CS_QMAT_KERNELS_AVX2 && !cs__qmat_avx2_usable()) continue;
+        if (kind == CS_QMAT_KERNELS_VNNI && !cs__qmat_vnni_usable()) continue;
+        if (kind == CS_QMAT_KERNELS_AMX && !cs__qmat_amx_usable()) continue;
+        cs__qmat_force_kernels(kind);
+        for (int k = 0; k < 3; k++)
+            for (int with_add = 0; with_add < 2; with_add++) {
+                cs_qact a1, a2;
+                cs_qact_init(&a1, b1, T, cols);
+                cs_qact_init(&a2, b2, T, cols);
+                memcpy(x1, x0, n * sizeof(float));
+                memcpy(x2, x0, n * sizeof(float));
+                if (with_add)
+                    for (size_t i = 0; i < n; i++)
+                        x1[i] += add[i];
+                cs_op_rmsnorm(pools[0], xn1, x1, w, T, cols, 1e-5f);
+                cs_op_quantize(pools[0], &a1, xn1);
+                cs_op_add_rmsnorm_quantize(pools[k], &a2, xn2, x2, with_add ? add : NULL, w, 1e-5f);
+                ASSERT_TRUE(memcmp(x1, x2, n * sizeof(float)) == 0);
+                ASSERT_TRUE(memcmp(xn1, xn2, n * sizeof(float)) == 0);
+                ASSERT_TRUE(same_qact(&a1, &a2));
+                /* swiglu in place, as the backend runs it */
+                cs_op_swiglu(pools[0], x1, x1, up, n);
+                cs_op_quantize(pools[0], &a1, x1);
+                cs_op_swiglu_quantize(pools[k], &a2, x2, x2, up);
+                ASSERT_TRUE(memcmp(x1, x2, n * sizeof(float)) == 0);
+                ASSERT_TRUE(same_qact(&a1, &a2));
+            }
+    }
+    cs__qmat_force_kernels(CS_QMAT_KERNELS_AUTO);
+    free(x0), free(add), free(w), free(up), free(x1), free(xn1), free(x2), free(xn2);
+    free(b1), free(b2);
+}
+
 int main(void) {
     for (int k = 0; k < 3; k++)
         ASSERT_EQ_INT(cs_threadpool_init(k + 1, &pools[k]), 0);
@@ -255,6 +306,9 @@ int main(void) {
            cs__qmat_vnni_usable() ? ", avx-512 vnni" : "", cs__qmat_amx_usable() ? ", amx" : "");
     test_bad_shapes();
     test_perm();
+    test_fused(1, 96);
+    test_fused(5, 160);
+    test_fused(100, 96); /* enough work for the pool to split the rows */
     const int64_t one[] = {37}, qkv[] = {64, 32, 32}, big[] = {200}, tall[] = {100},
                   ragged[] = {40, 24, 24};
     const int types[] = {CS_QMAT_Q4_0, CS_QMAT_Q4_1, CS_QMAT_Q8_0, CS_QMAT_F32};
