@@ -10,6 +10,13 @@
  * matrices by thread count and its edge kernels round differently, so the
  * output bits would change with the number of threads (measured on 0.3.21).
  *
+ * Nor does it depend on the instruction set (OpenBLAS's GEMM aside): each
+ * lane computes the same sequence of correctly rounded operations in both
+ * vector flavours (fused multiply-adds only where v_fma says so: the file is
+ * built with -ffp-contract=off; the one horizontal sum runs over 16 lanes in
+ * a fixed tree; the same e^x), so a build without AVX-512, or without FMA,
+ * gives the same bits (tests/unit/test_ops_isa.c).
+ *
  * Not the specification (ops_ref.c is); tested against it by normalized error
  * in tests/unit/test_cpu_ops.c. */
 #include <cblas.h>
@@ -23,7 +30,7 @@
 #include "chunkserve/assert.h"
 #include "chunkserve/log.h"
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || (defined(__FMA__) && defined(__AVX__))
 #include <immintrin.h>
 #endif
 
@@ -67,9 +74,6 @@ static inline vf v_max(vf a, vf b) {
 static inline vf v_fma(vf a, vf b, vf c) { /* a * b + c */
     return _mm512_fmadd_ps(a, b, c);
 }
-static inline float v_hsum(vf a) {
-    return _mm512_reduce_add_ps(a);
-}
 static inline vi vi_load(const int32_t *p) {
     return _mm512_loadu_si512(p);
 }
@@ -101,9 +105,6 @@ static inline vf v_exp(vf x) {
  * AVX2 register, two SSE or NEON ones). 8 lanes, not 16: the kernels keep
  * ~16 accumulators live, which must fit AVX2's 16 registers. */
 #define VL 8
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic ignored "-Wpsabi" /* static inline helpers only: no ABI is crossed */
-#endif
 typedef float vf __attribute__((vector_size(32)));
 typedef int32_t vi __attribute__((vector_size(32)));
 static inline vf v_set1(float a) {
@@ -143,14 +144,18 @@ static inline vf v_select(vi mask, vf a, vf b) { /* mask ? a : b, lane-wise */
 static inline vf v_max(vf a, vf b) {
     return v_select(a > b, a, b);
 }
-static inline vf v_fma(vf a, vf b, vf c) {
-    return a * b + c;
+static inline vf v_min(vf a, vf b) { /* as _mm512_min_ps: b unless a < b */
+    return v_select(a < b, a, b);
 }
-static inline float v_hsum(vf a) {
-    float s = 0;
+static inline vf v_fma(vf a, vf b, vf c) { /* a * b + c rounded once, as _mm512_fmadd_ps */
+#if defined(__FMA__) && defined(__AVX__)
+    return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+    vf r;
     for (int l = 0; l < VL; l++)
-        s += a[l];
-    return s;
+        r[l] = __builtin_fmaf(a[l], b[l], c[l]);
+    return r;
+#endif
 }
 static inline vi vi_load(const int32_t *p) {
     vi r;
@@ -160,22 +165,24 @@ static inline vi vi_load(const int32_t *p) {
 static inline vf v_mask_causal(vf s, vi pos, int32_t j) {
     return v_select(pos < (vi){0} + j, v_set1(-INFINITY), s);
 }
-/* Cephes expf as above; x is clamped to where 2^n is a normal float, so
- * -inf gives ~1e-38 instead of 0. */
+/* The same e^x as above, step for step: the same clamp, rounding (the
+ * 1.5 * 2^23 trick rounds half to even like roundscale) and fused steps;
+ * 2^n goes in through the exponent bits, in two factors when 2^n is below
+ * the normal range, so that only the last product rounds, as scalef does. */
 static inline vf v_exp(vf x) {
-    x = v_select(x < v_set1(-87.0f), v_set1(-87.0f), x);
-    x = v_select(x > v_set1(88.0f), v_set1(88.0f), x);
-    vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round to nearest */
-    vf r = x - n * 0.693359375f;
-    r = r - n * -2.12194440e-4f;
-    vf p = 1.9875691500e-4f * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * (r * r) + (r + 1.0f);
-    vi e = (__builtin_convertvector(n, vi) + 127) << 23;
-    return p * (vf)e;
+    x = v_min(v_max(x, v_set1(-127.0f)), v_set1(88.0f));
+    vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    vf r = v_fma(-n, v_set1(0.693359375f), x);
+    r = v_fma(-n, v_set1(-2.12194440e-4f), r);
+    vf p = v_fma(v_set1(1.9875691500e-4f), r, v_set1(1.3981999507e-3f));
+    p = v_fma(p, r, v_set1(8.3334519073e-3f));
+    p = v_fma(p, r, v_set1(4.1665795894e-2f));
+    p = v_fma(p, r, v_set1(1.6666665459e-1f));
+    p = v_fma(p, r, v_set1(5.0000001201e-1f));
+    p = v_fma(p, r * r, r + 1.0f);
+    vi e = __builtin_convertvector(n, vi), sub = e < -126; /* -183 <= e <= 127 */
+    vi e1 = e + (sub & 64), e2 = sub & -64;
+    return (p * (vf)((e1 + 127) << 23)) * (vf)((e2 + 127) << 23);
 }
 #endif
 
@@ -301,18 +308,38 @@ typedef struct {
     float eps;
 } rmsnorm_job;
 
+/* Sum of x[i]^2: element i into lane i % 16 (one AVX-512 vector, or two
+ * generic ones), the 16 lanes added in one fixed tree, so the bits do not
+ * depend on VL. */
+static float sum_squares(const float *x, int dim) {
+    enum { NV = 16 / VL };
+    vf acc[NV];
+    for (int k = 0; k < NV; k++)
+        acc[k] = v_set1(0.0f);
+    for (int i = 0; i < dim; i += 16)
+        for (int k = 0; k < NV; k++) {
+            int n = dim - i - k * VL;
+            if (n <= 0) continue;
+            vf v = n >= VL ? v_load(x + i + k * VL) : v_load_n(x + i + k * VL, n);
+            acc[k] = v_fma(v, v, acc[k]);
+        }
+    _Alignas(64) float lane[16];
+    for (int k = 0; k < NV; k++)
+        v_store(lane + k * VL, acc[k]);
+    for (int w = 8; w >= 1; w /= 2)
+        for (int l = 0; l < w; l++)
+            lane[l] += lane[l + w];
+    return lane[0];
+}
+
 static void rmsnorm_rows(void *arg, int64_t begin, int64_t end, int thread) {
     const rmsnorm_job *j = arg;
     const int dim = j->dim;
     for (int64_t t = begin; t < end; t++) {
         const float *x = j->x + (size_t)t * dim;
         float *o = j->out + (size_t)t * dim;
-        vf acc = v_set1(0.0f);
-        int i = 0;
-        for (; i + VL <= dim; i += VL)
-            acc = v_fma(v_load(x + i), v_load(x + i), acc);
-        if (i < dim) acc = v_fma(v_load_n(x + i, dim - i), v_load_n(x + i, dim - i), acc);
-        vf scale = v_set1(1.0f / sqrtf(v_hsum(acc) / (float)dim + j->eps));
+        vf scale = v_set1(1.0f / sqrtf(sum_squares(x, dim) / (float)dim + j->eps));
+        int i;
         for (i = 0; i + VL <= dim; i += VL)
             v_store(o + i, v_mul(v_load(j->w + i), v_mul(v_load(x + i), scale)));
         if (i < dim)
