@@ -147,7 +147,7 @@ static inline vf v_max(vf a, vf b) {
 static inline vf v_min(vf a, vf b) { /* as _mm512_min_ps: b unless a < b */
     return v_select(a < b, a, b);
 }
-static inline vf v_fma(vf a, vf b, vf c) { /* a * b + c rounded once, as _mm512_fmadd_ps */
+static inline __attribute__((always_inline)) vf v_fma(vf a, vf b, vf c) { /* rounded once */
 #if defined(__FMA__) && defined(__AVX__)
     return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
 #else
@@ -169,7 +169,7 @@ static inline vf v_mask_causal(vf s, vi pos, int32_t j) {
  * 1.5 * 2^23 trick rounds half to even like roundscale) and fused steps;
  * 2^n goes in through the exponent bits, in two factors when 2^n is below
  * the normal range, so that only the last product rounds, as scalef does. */
-static inline vf v_exp(vf x) {
+static inline __attribute__((always_inline)) vf v_exp(vf x) {
     x = v_min(v_max(x, v_set1(-127.0f)), v_set1(88.0f));
     vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
     vf r = v_fma(-n, v_set1(0.693359375f), x);
@@ -184,6 +184,19 @@ static inline vf v_exp(vf x) {
     vi e1 = e + (sub & 64), e2 = sub & -64;
     return (p * (vf)((e1 + 127) << 23)) * (vf)((e2 + 127) << 23);
 }
+#endif
+
+/* A portable x86-64 build (no AVX-512, no FMA in its target: the CPU
+ * Docker image) would take v_fma's fmaf per lane: a libm call each. Its hot
+ * loops are therefore cloned for x86-64-v3 (AVX2 + FMA), which GCC picks at
+ * load time where the CPU has it (ifunc); there the same fused operations
+ * are single instructions, so the bits do not change. CS_OPS_NO_CLONES
+ * keeps one plain copy (tests/unit/ops_fast_copy.c). */
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(__AVX512F__) &&    \
+    !defined(__FMA__) && !defined(CS_OPS_NO_CLONES)
+#define CS_OPS_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#else
+#define CS_OPS_CLONES
 #endif
 
 /* Runs fn over [0, n) on the pool when there is enough work (in rough
@@ -311,7 +324,7 @@ typedef struct {
 /* Sum of x[i]^2: element i into lane i % 16 (one AVX-512 vector, or two
  * generic ones), the 16 lanes added in one fixed tree, so the bits do not
  * depend on VL. */
-static float sum_squares(const float *x, int dim) {
+static inline __attribute__((always_inline)) float sum_squares(const float *x, int dim) {
     enum { NV = 16 / VL };
     vf acc[NV];
     for (int k = 0; k < NV; k++)
@@ -332,7 +345,7 @@ static float sum_squares(const float *x, int dim) {
     return lane[0];
 }
 
-static void rmsnorm_rows(void *arg, int64_t begin, int64_t end, int thread) {
+CS_OPS_CLONES static void rmsnorm_rows(void *arg, int64_t begin, int64_t end, int thread) {
     const rmsnorm_job *j = arg;
     const int dim = j->dim;
     for (int64_t t = begin; t < end; t++) {
@@ -366,7 +379,7 @@ typedef struct {
 
 /* Same operations in the same order as cs_op_rope_ref (no fused
  * multiply-add), so the result is bit-identical to the reference. */
-static void rope_tokens(void *arg, int64_t begin, int64_t end, int thread) {
+CS_OPS_CLONES static void rope_tokens(void *arg, int64_t begin, int64_t end, int thread) {
     const rope_job *j = arg;
     const int half = j->head_dim / 2;
     float cs[CS_ROPE_MAX_HALF], sn[CS_ROPE_MAX_HALF];
@@ -405,7 +418,7 @@ typedef struct {
 
 /* Over blocks of VL elements, the last one masked, so every element takes
  * the same path whatever the split. */
-static void swiglu_blocks(void *arg, int64_t begin, int64_t end, int thread) {
+CS_OPS_CLONES static void swiglu_blocks(void *arg, int64_t begin, int64_t end, int thread) {
     const swiglu_job *j = arg;
     const vf one = v_set1(1.0f), zero = v_set1(0.0f);
     for (int64_t b = begin; b < end; b++) {
@@ -691,7 +704,8 @@ static inline __attribute__((always_inline)) void attn_rows(const attn_job *j,
     }
 }
 
-static void attn_pair(const attn_job *j, const cs_attn_span *sp, int g, int64_t pair) {
+CS_OPS_CLONES static void attn_pair(const attn_job *j, const cs_attn_span *sp, int g,
+                                    int64_t pair) {
     int64_t r0 = pair * PAIR, rows = (int64_t)sp->n_q * j->group;
     int n_rows = rows - r0 < PAIR ? (int)(rows - r0) : PAIR;
     const int bf = j->kv->k16 != NULL;

@@ -102,7 +102,7 @@ void cs_op_quantize(cs_threadpool *pool, cs_qact *a, const float *x);
 
 /* Fused prologues, one pass over the rows with the same bits as the ops
  * they join (ops.h): x += add (when add is not NULL), xn = rmsnorm(x) * w,
- * then a = quantize(xn); x and xn are (a->n_tokens, a->cols). */
+ * then a = quantize(xn); x and xn are (a->n_tokens, a->cols); xn may be x. */
 void cs_op_add_rmsnorm_quantize(cs_threadpool *pool, cs_qact *a, float *xn, float *x,
                                 const float *add, const float *w, float eps);
 /* out = swiglu(gate, up) (may be gate), then a = quantize(out). */

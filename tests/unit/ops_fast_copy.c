@@ -1,11 +1,14 @@
 /* ops_fast_copy.c: kernels/cpu/ops_fast.c once more, its functions renamed
  * with the prefix OPS_COPY (a compile definition), for test_ops_isa.c.
- * tests/CMakeLists.txt builds it twice: for x86-64 with AVX2 + FMA (the
- * generic 8-lane vectors with hardware FMA) and for the x86-64 baseline
- * (generic vectors, FMA through fmaf), whatever the rest of the build
- * targets. */
-#if defined(__AVX512F__) || (defined(OPS_COPY_BASELINE) && (defined(__FMA__) || defined(__AVX__)))
-#error "ops_fast_copy.c: the copy targets more than its instruction set (check the -mno- flags)"
+ * tests/CMakeLists.txt builds it twice: with AVX2 + FMA and no AVX-512 (the
+ * generic 8-lane vectors with FMA instructions), and with the x86-64
+ * baseline's vector ISA (SSE2: no AVX, no FMA, so fmaf) and no load-time
+ * clones. The other flags of the build stay, so the copies differ from
+ * this build's ops in their vector ISA, which is what the test is about. */
+#if defined(__AVX512F__) ||                                                                        \
+    (defined(OPS_COPY_AVX2) && !(defined(__AVX2__) && defined(__FMA__))) ||                        \
+    (defined(OPS_COPY_BASELINE) && (defined(__FMA__) || defined(__AVX__)))
+#error "ops_fast_copy.c: the copy's instruction set is not the one intended (check the -m flags)"
 #endif
 #define CS_COPY_CAT_(p, n) p##n
 #define CS_COPY_CAT(p, n) CS_COPY_CAT_(p, n)

@@ -196,6 +196,7 @@ int main(void) {
         test_attention(bf16, 9, 3, 64, 16, 2.0f); /* SmolLM2's heads */
         test_attention(bf16, 4, 4, 32, 5, 2.0f);
         test_attention(bf16, 8, 1, 48, 16, 2.0f);
+        test_attention(bf16, 6, 2, 36, 16, 2.0f);  /* head_dim not a multiple of 8 */
         test_attention(bf16, 9, 3, 64, 16, 40.0f); /* weights underflow */
     }
     printf("ok\n");

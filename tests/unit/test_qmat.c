@@ -286,6 +286,14 @@ static void test_fused(int T, int cols) {
                 ASSERT_TRUE(memcmp(x1, x2, n * sizeof(float)) == 0);
                 ASSERT_TRUE(memcmp(xn1, xn2, n * sizeof(float)) == 0);
                 ASSERT_TRUE(same_qact(&a1, &a2));
+                /* norm in place (xn == x), as the backend's logits rows */
+                memcpy(x1, x0, n * sizeof(float));
+                memcpy(x2, x0, n * sizeof(float));
+                cs_op_rmsnorm(pools[0], x1, x1, w, T, cols, 1e-5f);
+                cs_op_quantize(pools[0], &a1, x1);
+                cs_op_add_rmsnorm_quantize(pools[k], &a2, x2, x2, NULL, w, 1e-5f);
+                ASSERT_TRUE(memcmp(x1, x2, n * sizeof(float)) == 0);
+                ASSERT_TRUE(same_qact(&a1, &a2));
                 /* swiglu in place, as the backend runs it */
                 cs_op_swiglu(pools[0], x1, x1, up, n);
                 cs_op_quantize(pools[0], &a1, x1);
