@@ -349,7 +349,12 @@ void cs_op_qmatmul(cs_threadpool *pool, const cs_qout *outs, const cs_qact *a, c
         panels_fn(&j, 0, w->n_panels, 0);
 }
 
-static void quantize_rows(cs_qact *a, const float *x, int64_t t0, int64_t t1);
+static void quantize_rows(cs_qact *a, const float *x, int64_t t0, int64_t t1) {
+    if (use_vnni())
+        cs__quantize_vnni_rows(a, x, t0, t1);
+    else
+        cs__quantize_ref_rows(a, x, t0, t1);
+}
 
 static void quantize_fn(void *arg, int64_t begin, int64_t end, int thread) {
     const qjob *j = arg;
@@ -405,17 +410,12 @@ void cs_op_quantize(cs_threadpool *pool, cs_qact *a, const float *x) {
 
 typedef struct {
     cs_qact *a;
-    float *out, *x;
-    const float *add, *w, *up;
+    float *out;             /* xn, or SwiGLU's output */
+    float *x;               /* add_rmsnorm_quantize: the residual stream */
+    const float *add, *w;   /* add_rmsnorm_quantize */
+    const float *gate, *up; /* swiglu_quantize */
     float eps;
 } fused_job;
-
-static void quantize_rows(cs_qact *a, const float *x, int64_t t0, int64_t t1) {
-    if (use_vnni())
-        cs__quantize_vnni_rows(a, x, t0, t1);
-    else
-        cs__quantize_ref_rows(a, x, t0, t1);
-}
 
 /* Each op runs on this thread's rows through the same function as the
  * unfused op (a NULL pool runs it on the caller), so the bits cannot differ;
@@ -433,7 +433,7 @@ static void add_rmsnorm_quantize_fn(void *arg, int64_t t0, int64_t t1, int threa
 
 void cs_op_add_rmsnorm_quantize(cs_threadpool *pool, cs_qact *a, float *xn, float *x,
                                 const float *add, const float *w, float eps) {
-    fused_job j = {a, xn, x, add, w, NULL, eps};
+    fused_job j = {.a = a, .out = xn, .x = x, .add = add, .w = w, .eps = eps};
     quantize_over(pool, a->n_tokens, 4.0 * a->n_tokens * (double)a->cols, add_rmsnorm_quantize_fn,
                   &j);
 }
@@ -442,12 +442,12 @@ static void swiglu_quantize_fn(void *arg, int64_t t0, int64_t t1, int thread) {
     const fused_job *j = arg;
     (void)thread;
     size_t o = (size_t)t0 * (size_t)j->a->cols, n = (size_t)(t1 - t0) * (size_t)j->a->cols;
-    cs_op_swiglu(NULL, j->out + o, j->x + o, j->up + o, n);
+    cs_op_swiglu(NULL, j->out + o, j->gate + o, j->up + o, n);
     quantize_rows(j->a, j->out, t0, t1);
 }
 
 void cs_op_swiglu_quantize(cs_threadpool *pool, cs_qact *a, float *out, const float *gate,
                            const float *up) {
-    fused_job j = {a, out, (float *)gate, NULL, NULL, up, 0.0f};
+    fused_job j = {.a = a, .out = out, .gate = gate, .up = up};
     quantize_over(pool, a->n_tokens, 8.0 * a->n_tokens * (double)a->cols, swiglu_quantize_fn, &j);
 }
