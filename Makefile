@@ -5,7 +5,10 @@ BUILD ?= build
 JOBS ?= 2
 CMAKE_FLAGS ?=
 PY ?= python3
-MODEL ?= models/SmolLM2-135M-Instruct.Q4_1.gguf
+# MODEL: a name from `scripts/fetch-model.sh --list` (fetched by `make model`), or
+# the path of a model file or directory: `make demo MODEL=qwen2.5-coder-1.5b`.
+MODEL ?= smollm2-135m
+MODEL_PATH := $(shell python3 scripts/fetch_model.py --path $(MODEL))
 # Debian's OpenBLAS 0.3.21 does not recognise the newest Xeons and falls back
 # to its SSE3 kernels (4-5x slower GEMM). Name the kernel family the CPU can
 # run, unless the environment already chose one.
@@ -26,8 +29,11 @@ build: bootstrap
 	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo $(CMAKE_FLAGS) >/dev/null
 	cmake --build $(BUILD) -j$(JOBS)
 
+# The tests need the default model and Qwen2.5-Coder-0.5B (K-quants); MODEL too.
 model:
-	@scripts/fetch-model.sh
+	@scripts/fetch-model.sh smollm2-135m
+	@scripts/fetch-model.sh qwen2.5-coder-0.5b
+	@scripts/fetch-model.sh $(MODEL)
 
 # The fast lane for the edit-test loop (about a minute on 2 cores): the default
 # build's unit tests (CTest label unit: every module's C tests, the CUDA backend
@@ -43,7 +49,7 @@ test: build model
 	$(MAKE) --no-print-directory test-asan
 	$(MAKE) --no-print-directory test-serve-asan
 	$(MAKE) --no-print-directory test-cluster-asan
-	CHUNKSERVE_BIN_DIR=$(abspath $(BUILD))/bin CHUNKSERVE_MODEL=$(abspath $(MODEL)) \
+	CHUNKSERVE_BIN_DIR=$(abspath $(BUILD))/bin CHUNKSERVE_MODEL=$(abspath $(MODEL_PATH)) \
 	  $(PY) -m pytest -q -m "not cluster and not emu and not chaos" tests/py
 
 asan-build: bootstrap
@@ -92,16 +98,16 @@ fuzz-long: build
 	tests/fuzz/fuzz-long.sh $(BUILD) $(FUZZ_SECONDS) $(FUZZ_TARGETS)
 
 demo: build model
-	@scripts/demo.sh $(BUILD)/bin $(MODEL)
+	@scripts/demo.sh $(BUILD)/bin $(MODEL_PATH)
 
 bench: build model
-	$(PY) bench/bench_single.py --bin $(BUILD)/bin/chunkserve --model $(MODEL)
+	$(PY) bench/bench_single.py --bin $(BUILD)/bin/chunkserve --model $(MODEL_PATH)
 
 # The CPU container image (deploy/docker/Dockerfile.cpu) built without a Docker daemon
 # (buildah, on a Debian 12 base made with debootstrap), then checked from inside: ldd,
 # --help, a 1+1 cluster answering a gRPC request. Needs root; storage in /var/tmp/cs-image.
 image: model
-	CS_IMAGE_MODEL=$(MODEL) deploy/docker/build-image.sh
+	CS_IMAGE_MODEL=$(MODEL_PATH) deploy/docker/build-image.sh
 
 format:
 	clang-format -i $$(git ls-files '*.c' '*.h' '*.cu' '*.cuh' '*.cpp' | grep -v unicode_tables.c)

@@ -30,7 +30,7 @@
 
 /* Every field is written by cs_config_parse from opt_table. */
 typedef struct {
-    const char *model, *prompt, *system, *ids, *out, *kv_out;
+    const char *model, *prompt, *system, *ids, *out, *kv_out, *tensor;
     bool chat, no_special, no_gen_prompt, verbose, ignore_eos, reference, exact, engine, every_pos,
         kv_bf16;
     int64_t max_tokens, threads, page_size, kv_mib, prompt_tokens, max_chunk_tokens;
@@ -81,7 +81,8 @@ static const cs_config_entry opt_table[] = {
       "even when stored); the CUDA backend's are bf16 anyway"),
     O("exact", BOOL, exact, NULL,
       "fp32 weights (quantized files dequantized at load, OpenBLAS GEMMs); default: a "
-      "Q4_0/Q4_1/Q8_0 file keeps its blocks and runs the CPU's integer kernels"),
+      "Q4_0/Q4_1/Q5_0/Q5_1/Q8_0/Q4_K/Q5_K/Q6_K file keeps its blocks and runs the CPU's integer "
+      "kernels"),
     O("host", STR, host, "127.0.0.1", "serve: address to listen on (0.0.0.0 = all interfaces)"),
     O("port", INT, port, "50051",
       "serve: port to listen on; 0 = any free port (printed on stdout)"),
@@ -104,6 +105,7 @@ static const cs_config_entry opt_table[] = {
     O("ids", STR, ids, NULL, "comma-separated token ids: the prompt for generate and logits"),
     O("out", STR, out, NULL,
       "output file (logits: raw float32 [n_tokens, n_vocab]; with --engine [1, n_vocab])"),
+    O("tensor", STR, tensor, NULL, "tensor: the GGUF tensor's name (e.g. blk.0.attn_q.weight)"),
     O("engine", BOOL, engine, NULL,
       "logits: run the engine (backend, weight mode, --threads, prompt chunks of "
       "--max-batched-tokens) instead of the fp32 reference; writes the last position's logits"),
@@ -595,7 +597,7 @@ static int cmd_info(const cs_model *m) {
 
 /* What a command needs before it runs: nothing but its argv (it parses its
  * own table), the tokenizer alone, or the whole model. */
-enum cmd_needs { CMD_ARGV, CMD_TOKENIZER, CMD_MODEL };
+enum cmd_needs { CMD_ARGV, CMD_FILE, CMD_TOKENIZER, CMD_MODEL };
 
 typedef struct {
     const cs_model *m;
@@ -625,6 +627,28 @@ static int run_chat_format(const cmd_ctx *c) {
 }
 static int run_logits(const cmd_ctx *c) {
     return cmd_logits(c->m, c->o);
+}
+/* tensor: one GGUF tensor as raw float32 (--out), as --exact loads it. */
+static int run_tensor(const cmd_ctx *c) {
+    const options *o = c->o;
+    if (!o->tensor || !o->out) {
+        fprintf(stderr, "chunkserve tensor: needs --tensor NAME and --out FILE\n");
+        return 2;
+    }
+    float *f;
+    int64_t n;
+    int r = cs_gguf_tensor_f32(o->model, o->tensor, &f, &n);
+    if (r) return fail_msg("tensor", r);
+    FILE *fp = fopen(o->out, "wb");
+    bool ok = fp && fwrite(f, sizeof(float), (size_t)n, fp) == (size_t)n;
+    if (fp && fclose(fp)) ok = false;
+    free(f);
+    if (!ok) {
+        fprintf(stderr, "chunkserve tensor: cannot write %s: %s\n", o->out, strerror(errno));
+        return 1;
+    }
+    fprintf(stderr, "%s: %lld float32 values -> %s\n", o->tensor, (long long)n, o->out);
+    return 0;
 }
 static int run_info(const cmd_ctx *c) {
     return cmd_info(c->m);
@@ -671,6 +695,8 @@ static const struct command {
      "--ids 1,2,3 --out FILE: float32 logits of every position (fp32 reference), or with\n"
      "--engine the engine's last-position logits (and --kv-out FILE its KV pages)"},
     {"info", CMD_MODEL, run_info, "print the model's configuration"},
+    {"tensor", CMD_FILE, run_tensor,
+     "--tensor NAME --out FILE: one GGUF tensor as raw float32, dequantized as --exact loads it"},
     {"bench-engine", CMD_MODEL, run_bench_engine,
      "engine speed vs GEMM rate, memory bandwidth, chunk sizes (--prompt-tokens)"},
     {"bench", CMD_ARGV, run_bench,
@@ -736,6 +762,7 @@ int main(int argc, char **argv) {
     }
     c.o = &o;
     int r, rc;
+    if (cmd->needs == CMD_FILE) return cmd->run(&c);
     if (cmd->needs == CMD_TOKENIZER) {
         cs_tokenizer *tok = NULL;
         if ((r = cs_tokenizer_load(o.model, &tok))) return fail_msg("loading tokenizer", r);

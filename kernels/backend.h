@@ -68,10 +68,22 @@ typedef struct {
 
 /* ---- quantized weights (the CPU backend's quant mode; kernels/cpu/qmat.h
  * says the arithmetic) ---- */
-enum { CS_QMAT_Q4_0 = 0, CS_QMAT_Q4_1, CS_QMAT_Q8_0, CS_QMAT_F32 };
+enum {
+    CS_QMAT_Q4_0 = 0,
+    CS_QMAT_Q4_1,
+    CS_QMAT_Q8_0,
+    CS_QMAT_F32,
+    CS_QMAT_Q5_0,
+    CS_QMAT_Q5_1,
+    CS_QMAT_Q4_K,
+    CS_QMAT_Q5_K,
+    CS_QMAT_Q6_K,
+    CS_QMAT_TYPES
+};
 typedef struct cs_qmat cs_qmat;
-/* One matrix of a pack: rows x cols, row-major. type CS_QMAT_Q4_0/Q4_1/Q8_0:
- * data is the file's blocks (GGUF layout: 32 weights a block along a row);
+/* One matrix of a pack: rows x cols, row-major. type CS_QMAT_Q4_0 ... Q6_K
+ * (not F32): data is the file's blocks (GGUF layout: 32 weights a block along
+ * a row, 256 for the K-quants);
  * CS_QMAT_F32: data is floats, quantized here to Q8_0 (d = amax / 127 as
  * fp16, q = round-half-even(x / d)). perm NULL, or (rows): packed row r is
  * the source's row perm[r] (GGUF q/k rows back in Hugging Face order). */
@@ -81,18 +93,20 @@ typedef struct {
     int64_t rows;
     const int32_t *perm;
 } cs_qmat_src;
-/* Packs 1..4 matrices of the same type (Q4_0, Q4_1, Q8_0; F32 sources
- * become Q8_0 and may be stacked only with each other) and cols stacked on
- * their rows, each part starting a new 16-row panel, so one GEMM computes
- * them all (q|k|v, gate|up). cols must be a positive multiple of 32.
- * CS_EINVAL (nothing allocated) or CS_ENOMEM. Free with cs_qmat_free. */
+/* Packs 1..4 matrices of cols columns stacked on their rows, each part
+ * starting a new 16-row panel and keeping its own type (F32 sources become
+ * Q8_0), so one GEMM computes them all (q|k|v, gate|up). cols must be a
+ * positive multiple of 32 (of 256 for a K-quant part). CS_EINVAL (nothing
+ * allocated) or CS_ENOMEM. Free with cs_qmat_free. */
 int cs_qmat_pack(const cs_qmat_src *parts, int n_parts, int64_t cols, cs_qmat **out);
 void cs_qmat_free(cs_qmat *w); /* NULL is a no-op */
 size_t cs_qmat_bytes(const cs_qmat *w);
-int cs_qmat_type(const cs_qmat *w);      /* CS_QMAT_Q4_0 / Q4_1 / Q8_0 */
+int cs_qmat_type(const cs_qmat *w, int part); /* CS_QMAT_Q4_0 ... Q6_K (never F32) */
+int cs_qmat_n_parts(const cs_qmat *w);
 const char *cs_qmat_type_name(int type); /* "q4_0", ... */
-/* Rows ids[0..n) of part `part` as fp32 (w = d*(q-z), or d*q + m for Q4_1,
- * in fp32 as the GGUF dequantizer does) into out (n, cols); ids in range. */
+/* Rows ids[0..n) of part `part` as fp32 (w = d*(q-z), d*q + m for Q4_1 in
+ * one fused step, and for the other types exactly as the GGUF dequantizer:
+ * cs__dtype_to_f32) into out (n, cols); ids in range. */
 void cs_qmat_get_rows(const cs_qmat *w, int part, const int32_t *ids, int n, float *out);
 
 /* One sequence's part of a ragged step (the engine's cs_span, validated). */

@@ -249,7 +249,7 @@ int cs__gguf_open(const char *path, cs_gguf *g) {
         if (!cs__dtype_info(type)) {
             r = cs_fail(CS_ENOTSUP,
                         "gguf: %s: tensor '%.*s' has type %s (%u), which chunkserve does not "
-                        "support (f32, f16, bf16, q8_0, q4_0, q4_1)",
+                        "support (f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q4_K, q5_K, q6_K)",
                         path, (int)t->name.len, t->name.ptr, cs__dtype_name(type), type);
             goto fail;
         }

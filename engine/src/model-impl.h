@@ -42,7 +42,7 @@ struct cs_model {
     cs_weight_mode mode;  /* EXACT or QUANT; set before cs__model_build (AUTO resolved there) */
     cs_qmat *q_tok_embd;  /* QUANT: tok_embd (NULL then) */
     cs_qmat *q_output;    /* QUANT: output; == q_tok_embd when tied */
-    char weight_desc[48];
+    char weight_desc[96];
     float *weights;   /* one allocation all the above point into */
     size_t n_weights; /* floats in weights */
     size_t q_bytes;   /* bytes of the packed matrices */

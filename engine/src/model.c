@@ -155,14 +155,21 @@ static int qmat_type_of(enum cs_dtype t) {
     case CS_DTYPE_Q4_0: return CS_QMAT_Q4_0;
     case CS_DTYPE_Q4_1: return CS_QMAT_Q4_1;
     case CS_DTYPE_Q8_0: return CS_QMAT_Q8_0;
+    case CS_DTYPE_Q5_0: return CS_QMAT_Q5_0;
+    case CS_DTYPE_Q5_1: return CS_QMAT_Q5_1;
+    case CS_DTYPE_Q4_K: return CS_QMAT_Q4_K;
+    case CS_DTYPE_Q5_K: return CS_QMAT_Q5_K;
+    case CS_DTYPE_Q6_K: return CS_QMAT_Q6_K;
     default: return -1;
     }
 }
 
-/* QUANT mode: packs each group of matrices (backend.h cs_qmat_pack) from the
- * file's blocks when the group's tensors share a Q4_0/Q4_1/Q8_0 type, else
- * from their fp32 conversion (quantized to Q8_0). GGUF q/k rows go back to
- * Hugging Face order through the packer's row permutation. */
+/* QUANT mode: packs each group of matrices (backend.h cs_qmat_pack), each
+ * part from the file's blocks when its type is one the integer kernels run
+ * (Q4_0 ... Q6_K; the parts of a group may differ, as Q4_K_M files mix
+ * Q4_K and Q6_K), else from its fp32 conversion (quantized to Q8_0). GGUF
+ * q/k rows go back to Hugging Face order through the packer's row
+ * permutation. */
 static int pack_quant(cs_model *m, const cs_tensor_source *src, const cs_src_tensor *found,
                       const bool *present, const char *path) {
     const cs_model_config *c = &m->cfg;
@@ -193,12 +200,10 @@ static int pack_quant(cs_model *m, const cs_tensor_source *src, const cs_src_ten
             for (size_t s = 0; s < N_SPECS; s++)
                 if (weight_table[s].qg == g) spec[weight_table[s].qpart] = s, n++;
             const cs_src_tensor *t[3];
-            bool same = true;
             for (int k = 0; k < n; k++) {
                 size_t idx = spec[k] * (size_t)n_layers + (size_t)l;
                 if (!present[idx]) goto next; /* an absent output: tied */
                 t[k] = &found[idx];
-                if (qmat_type_of(t[k]->type) < 0 || t[k]->type != t[0]->type) same = false;
             }
             cs_qmat_src parts[3];
             int64_t cols = dim_value(c, weight_table[spec[0]].cols);
@@ -206,7 +211,7 @@ static int pack_quant(cs_model *m, const cs_tensor_source *src, const cs_src_ten
                 const weight_spec *w = &weight_table[spec[k]];
                 int64_t rows = dim_value(c, w->rows);
                 int pk = w->perm == PERM_Q ? 0 : w->perm == PERM_K ? 1 : -1;
-                if (same) {
+                if (qmat_type_of(t[k]->type) >= 0) {
                     parts[k] = (cs_qmat_src){qmat_type_of(t[k]->type), t[k]->data, rows,
                                              pk >= 0 ? perm[pk] : NULL};
                     continue;
@@ -246,6 +251,31 @@ out:
     for (int k = 0; k < 3; k++)
         free(f32[k]);
     return r;
+}
+
+/* "q4_1 (quantized kernels)", or for a mix the types in order of first
+ * use: "q4_K+q6_K (quantized kernels)". */
+static void describe_quant(cs_model *m) {
+    bool seen[CS_QMAT_TYPES] = {0};
+    char *d = m->weight_desc;
+    size_t cap = sizeof m->weight_desc, off = 0;
+    d[0] = 0;
+    for (int l = -1; l < m->cfg.n_layers; l++) {
+        const cs_qmat *qs[4] = {m->q_tok_embd, m->q_output, NULL, NULL};
+        if (l >= 0) {
+            const cs_layer *L = &m->layers[l];
+            qs[0] = L->q_qkv, qs[1] = L->q_o, qs[2] = L->q_gate_up, qs[3] = L->q_down;
+        }
+        for (int i = 0; i < 4; i++)
+            for (int p = 0; qs[i] && p < cs_qmat_n_parts(qs[i]); p++) {
+                int t = cs_qmat_type(qs[i], p);
+                if (seen[t] || off + 8 >= cap) continue;
+                seen[t] = true;
+                off += (size_t)snprintf(d + off, cap - off, "%s%s", off ? "+" : "",
+                                        cs_qmat_type_name(t));
+            }
+    }
+    snprintf(d + off, cap - off, " (quantized kernels)");
 }
 
 static void fp_u64(XXH3_state_t *st, uint64_t v) {
@@ -345,6 +375,15 @@ int cs__model_build(cs_model *m, const cs_tensor_source *src, const char *path) 
             if (w->layer_off == offsetof(cs_layer, bq) || w->layer_off == offsetof(cs_layer, bk) ||
                 w->layer_off == offsetof(cs_layer, bv))
                 n_bias++;
+            int64_t bad = src->shapes_only || !t->data
+                              ? -1
+                              : cs__dtype_bad_scale(t->type, t->data, (size_t)(rows * cols));
+            if (bad >= 0) {
+                r = cs_fail(CS_EBADMSG,
+                            "model %s: tensor '%s' (%s): block %lld has an infinite or NaN scale",
+                            path, name, cs__dtype_name(t->type), (long long)bad);
+                goto done;
+            }
             present[idx] = true;
             total += (size_t)(rows * cols);
         }
@@ -356,14 +395,15 @@ int cs__model_build(cs_model *m, const cs_tensor_source *src, const char *path) 
         goto done;
     }
     c->qkv_bias = n_bias != 0;
-    m->fp_tensors = fingerprint_tensors(found, present, n_layers, src->rope_freq_factors, c->head_dim);
+    m->fp_tensors =
+        fingerprint_tensors(found, present, n_layers, src->rope_freq_factors, c->head_dim);
     m->fp_has_tensors = true;
     if (src->shapes_only) {
         r = 0;
         goto done;
     }
     if (m->mode == CS_WEIGHTS_AUTO) {
-        bool all_blocks = true; /* every layer matrix in Q4_0 / Q4_1 / Q8_0 */
+        bool all_blocks = true; /* every layer matrix in blocks the integer kernels run */
         for (size_t s = 0; s < N_SPECS; s++)
             if (weight_table[s].qg != QG_NONE && weight_table[s].layer_off != (size_t)-1)
                 for (int l = 0; l < n_layers; l++)
@@ -430,8 +470,7 @@ int cs__model_build(cs_model *m, const cs_tensor_source *src, const char *path) 
     compute_rope(m, src->rope_freq_factors);
     if (m->mode == CS_WEIGHTS_QUANT && (r = pack_quant(m, src, found, present, path))) goto done;
     if (m->mode == CS_WEIGHTS_QUANT)
-        snprintf(m->weight_desc, sizeof m->weight_desc, "%s (quantized kernels)",
-                 cs_qmat_type_name(cs_qmat_type(m->layers[0].q_qkv)));
+        describe_quant(m);
     else
         snprintf(m->weight_desc, sizeof m->weight_desc, "fp32");
     r = 0;
@@ -465,8 +504,8 @@ static int model_load(const char *path, bool vocab_only, cs_weight_mode mode, cs
         XXH3_64bits_reset(st);
         XXH3_64bits_update(st, "chunkserve model v1", 19);
         XXH3_64bits_update(st, c->arch, strnlen(c->arch, sizeof c->arch));
-        const int32_t ints[] = {c->n_vocab,    c->dim,          c->n_layers,   c->n_heads,
-                                c->n_kv_heads, c->head_dim,     c->hidden_dim, c->ctx_len,
+        const int32_t ints[] = {c->n_vocab,      c->dim,           c->n_layers,        c->n_heads,
+                                c->n_kv_heads,   c->head_dim,      c->hidden_dim,      c->ctx_len,
                                 c->rope_scaling, c->rope_orig_ctx, c->tied_embeddings, c->qkv_bias};
         for (size_t i = 0; i < sizeof ints / sizeof *ints; i++)
             fp_u64(st, (uint64_t)(uint32_t)ints[i]);

@@ -285,3 +285,35 @@ done:
     cs__gguf_close(&g);
     return r;
 }
+
+int cs_gguf_tensor_f32(const char *path, const char *name, float **out, int64_t *n) {
+    *out = NULL;
+    *n = 0;
+    cs_gguf g;
+    int r = cs__gguf_open(path, &g);
+    if (r) return r;
+    const cs_gguf_tensor *t = cs__gguf_find_tensor(&g, name);
+    uint64_t count = 1;
+    if (!t) {
+        r = cs_fail(CS_ENOENT, "gguf: %s: no tensor '%s'", path, name);
+        goto done;
+    }
+    for (uint32_t d = 0; d < t->n_dims; d++)
+        count *= (uint64_t)t->ne[d];
+    if (cs__dtype_bad_scale(t->type, t->data, (size_t)count) >= 0) {
+        r = cs_fail(CS_EBADMSG, "gguf: %s: tensor '%s' (%s) has an infinite or NaN block scale",
+                    path, name, cs__dtype_name(t->type));
+        goto done;
+    }
+    float *f = malloc((size_t)count * sizeof(float));
+    if (!f) {
+        r = cs_fail(CS_ENOMEM, "gguf: out of memory for tensor '%s'", name);
+        goto done;
+    }
+    cs__dtype_to_f32(t->type, t->data, f, (size_t)count);
+    *out = f;
+    *n = (int64_t)count;
+done:
+    cs__gguf_close(&g);
+    return r;
+}

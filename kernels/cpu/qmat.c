@@ -24,46 +24,115 @@ const char *cs_qmat_type_name(int type) {
     case CS_QMAT_Q4_1: return "q4_1";
     case CS_QMAT_Q8_0: return "q8_0";
     case CS_QMAT_F32: return "f32";
+    case CS_QMAT_Q5_0: return "q5_0";
+    case CS_QMAT_Q5_1: return "q5_1";
+    case CS_QMAT_Q4_K: return "q4_K";
+    case CS_QMAT_Q5_K: return "q5_K";
+    case CS_QMAT_Q6_K: return "q6_K";
     }
     return "?";
 }
 
-static size_t src_row_bytes(int type, int64_t cols) {
-    int64_t nb = cols / CS_QK;
+/* Bytes of one source block (GGUF layout) and the weights it holds. */
+static int64_t src_block_bytes(int type) {
     switch (type) {
-    case CS_QMAT_Q4_0: return (size_t)nb * 18;
-    case CS_QMAT_Q4_1: return (size_t)nb * 20;
-    case CS_QMAT_Q8_0: return (size_t)nb * 34;
-    default: return (size_t)cols * sizeof(float);
+    case CS_QMAT_Q4_0: return 18;
+    case CS_QMAT_Q4_1: return 20;
+    case CS_QMAT_Q8_0: return 34;
+    case CS_QMAT_Q5_0: return 22;
+    case CS_QMAT_Q5_1: return 24;
+    case CS_QMAT_Q4_K: return 144;
+    case CS_QMAT_Q5_K: return 176;
+    case CS_QMAT_Q6_K: return 210;
     }
+    return CS_QK * (int64_t)sizeof(float);
+}
+static int64_t src_block_size(int type) {
+    return cs__qmat_is_k(type) ? CS_QK_K : CS_QK;
 }
 
 static uint16_t rd16(const uint8_t *p) {
     return (uint16_t)(p[0] | p[1] << 8);
 }
 
-/* One source block as unsigned bytes u[32] plus its d (and m) in fp16. */
-static void src_block(int type, const uint8_t *row, int64_t b, uint8_t u[CS_QK], uint16_t *d,
-                      uint16_t *m) {
+/* The 6-bit scale and min of sub-block j (0..7) of a Q4_K / Q5_K super-block. */
+static void k4_scale_min(const uint8_t *q, int j, uint8_t *sc, uint8_t *mn) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *mn = q[j + 4] & 63;
+    } else {
+        *sc = (uint8_t)((q[j + 4] & 0xf) | (q[j - 4] >> 6) << 4);
+        *mn = (uint8_t)((q[j + 4] >> 4) | (q[j] >> 6) << 4);
+    }
+}
+
+/* One 32-weight block b of a source row, decoded: u[32], and d (and m) in
+ * fp16 for the legacy types; D, DMIN (of its super-block) and the two scale
+ * bytes s0, s1 (sc, mn or sc_lo, sc_hi) for the K-quants. */
+typedef struct {
+    uint8_t u[CS_QK];
+    uint16_t d, m;
+    uint8_t s0, s1;
+} src_blk;
+
+static void src_block(int type, const uint8_t *row, int64_t b, src_blk *o) {
+    const int64_t sb = b / 8, j = b % 8; /* K-quants: super-block, block in it */
+    o->d = o->m = 0;
+    o->s0 = o->s1 = 0;
     switch (type) {
     case CS_QMAT_Q4_0:
-    case CS_QMAT_Q4_1: {
-        const uint8_t *s = row + b * (type == CS_QMAT_Q4_0 ? 18 : 20);
-        *d = rd16(s);
-        *m = type == CS_QMAT_Q4_1 ? rd16(s + 2) : 0;
-        const uint8_t *qs = s + (type == CS_QMAT_Q4_0 ? 2 : 4);
+    case CS_QMAT_Q4_1:
+    case CS_QMAT_Q5_0:
+    case CS_QMAT_Q5_1: {
+        const uint8_t *s = row + b * src_block_bytes(type);
+        bool min = type == CS_QMAT_Q4_1 || type == CS_QMAT_Q5_1;
+        bool five = type == CS_QMAT_Q5_0 || type == CS_QMAT_Q5_1;
+        o->d = rd16(s);
+        o->m = min ? rd16(s + 2) : 0;
+        const uint8_t *p = s + (min ? 4 : 2);
+        uint32_t qh = five ? (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 |
+                                 (uint32_t)p[3] << 24
+                           : 0;
+        const uint8_t *qs = p + (five ? 4 : 0);
         for (int i = 0; i < 16; i++) {
-            u[i] = qs[i] & 0x0f;
-            u[i + 16] = qs[i] >> 4;
+            o->u[i] = (uint8_t)((qs[i] & 0x0f) | ((qh >> i) & 1) << 4);
+            o->u[i + 16] = (uint8_t)((qs[i] >> 4) | ((qh >> (i + 16)) & 1) << 4);
         }
         break;
     }
     case CS_QMAT_Q8_0: {
         const uint8_t *s = row + b * 34;
-        *d = rd16(s);
-        *m = 0;
+        o->d = rd16(s);
         for (int i = 0; i < CS_QK; i++)
-            u[i] = (uint8_t)((int8_t)s[2 + i] + 128);
+            o->u[i] = (uint8_t)((int8_t)s[2 + i] + 128);
+        break;
+    }
+    case CS_QMAT_Q4_K:
+    case CS_QMAT_Q5_K: {
+        const uint8_t *s = row + sb * src_block_bytes(type);
+        o->d = rd16(s);
+        o->m = rd16(s + 2);
+        k4_scale_min(s + 4, (int)j, &o->s0, &o->s1);
+        const uint8_t *qh = s + 16, *qs = s + (type == CS_QMAT_Q5_K ? 48 : 16) + 32 * (j / 2);
+        for (int l = 0; l < CS_QK; l++) {
+            int lo = (qs[l] >> (4 * (j & 1))) & 0x0f;
+            int hi = type == CS_QMAT_Q5_K ? (qh[l] >> j) & 1 : 0;
+            o->u[l] = (uint8_t)(lo | hi << 4);
+        }
+        break;
+    }
+    case CS_QMAT_Q6_K: {
+        const uint8_t *s = row + sb * 210, *ql = s, *qh = s + 128;
+        const int8_t *sc = (const int8_t *)(s + 192);
+        o->d = rd16(s + 208);
+        o->s0 = (uint8_t)sc[2 * j];
+        o->s1 = (uint8_t)sc[2 * j + 1];
+        for (int l = 0; l < CS_QK; l++) {
+            int e = (int)(32 * j) + l, half = e / 128, f = e % 128;
+            int lo = f < 64 ? ql[64 * half + f] & 0x0f : ql[64 * half + f - 64] >> 4;
+            int hi = (qh[32 * half + f % 32] >> (2 * (f / 32))) & 3;
+            o->u[l] = (uint8_t)(lo | hi << 4);
+        }
         break;
     }
     default: { /* fp32 -> Q8_0 */
@@ -71,21 +140,21 @@ static void src_block(int type, const uint8_t *row, int64_t b, uint8_t u[CS_QK],
         float amax = 0;
         for (int i = 0; i < CS_QK; i++)
             amax = fmaxf(amax, fabsf(x[i]));
-        *d = cs_f32_to_f16(amax / 127.0f);
-        *m = 0;
-        float dd = cs_f16_to_f32(*d);
+        o->d = cs_f32_to_f16(amax / 127.0f);
+        float dd = cs_f16_to_f32(o->d);
         for (int i = 0; i < CS_QK; i++) {
             float q = dd > 0 ? nearbyintf(x[i] / dd) : 0.0f;
             q = fminf(fmaxf(q, -127.0f), 127.0f);
-            u[i] = (uint8_t)((int)q + 128);
+            o->u[i] = (uint8_t)((int)q + 128);
         }
         break;
     }
     }
 }
 
-/* Places u (one row's block) in lane r of its panel block. */
-static void put_block(int type, uint8_t *pq, int r, const uint8_t u[CS_QK]) {
+/* Places block o of one row in lane r of its panel block (q, h, sc). */
+static void put_block(int type, uint8_t *pq, uint8_t *ph, uint8_t *psc, int r, const src_blk *o) {
+    const uint8_t *u = o->u;
     if (type == CS_QMAT_Q8_0) {
         for (int j = 0; j < 8; j++)
             for (int i = 0; i < 4; i++)
@@ -93,16 +162,33 @@ static void put_block(int type, uint8_t *pq, int r, const uint8_t u[CS_QK]) {
     } else {
         for (int j = 0; j < 4; j++)
             for (int i = 0; i < 4; i++)
-                pq[64 * j + 4 * r + i] = (uint8_t)(u[8 * j + i] | u[8 * j + 4 + i] << 4);
+                pq[64 * j + 4 * r + i] =
+                    (uint8_t)((u[8 * j + i] & 0x0f) | (u[8 * j + 4 + i] & 0x0f) << 4);
     }
+    for (int plane = 0; plane < cs__qmat_hbytes(type) / 64; plane++)
+        for (int i = 0; i < 4; i++) {
+            uint8_t v = 0;
+            for (int k = 0; k < 8; k++)
+                v |= (uint8_t)(((u[4 * k + i] >> (4 + plane)) & 1) << k);
+            ph[64 * plane + 4 * r + i] = v;
+        }
+    if (psc) psc[r] = o->s0, psc[16 + r] = o->s1;
 }
 
-/* u of (panel p, block b, lane r, k) back from the panel. */
-static inline int32_t get_u(const cs_qmat *w, int64_t p, int64_t b, int r, int k) {
-    const uint8_t *pq = w->q + (size_t)(p * w->n_blocks + b) * (size_t)cs__qmat_qbytes(w->type);
-    if (w->type == CS_QMAT_Q8_0) return pq[64 * (k / 4) + 4 * r + k % 4];
+/* u of (panel view v, block b, lane r, weight k). */
+static inline int32_t get_u(int type, const cs_qpanel *v, int64_t b, int r, int k) {
+    const uint8_t *pq = v->q + (size_t)b * (size_t)cs__qmat_qbytes(type);
+    if (type == CS_QMAT_Q8_0) return pq[64 * (k / 4) + 4 * r + k % 4];
     int j = k / 8, i = k % 8;
-    return i < 4 ? pq[64 * j + 4 * r + i] & 0x0f : pq[64 * j + 4 * r + i - 4] >> 4;
+    int32_t u = i < 4 ? pq[64 * j + 4 * r + i] & 0x0f : pq[64 * j + 4 * r + i - 4] >> 4;
+    const uint8_t *ph = v->h ? v->h + (size_t)b * (size_t)cs__qmat_hbytes(type) : NULL;
+    for (int plane = 0; plane < cs__qmat_hbytes(type) / 64; plane++)
+        u |= ((ph[64 * plane + 4 * r + k % 4] >> (k / 4)) & 1) << (4 + plane);
+    return u;
+}
+
+static size_t al64(size_t n) {
+    return (n + 63) / 64 * 64;
 }
 
 int cs_qmat_pack(const cs_qmat_src *parts, int n_parts, int64_t cols, cs_qmat **out) {
@@ -112,54 +198,73 @@ int cs_qmat_pack(const cs_qmat_src *parts, int n_parts, int64_t cols, cs_qmat **
                        "qmat: %d parts of %lld columns (1..%d parts, columns a "
                        "positive multiple of %d)",
                        n_parts, (long long)cols, CS_QMAT_PARTS, CS_QK);
-    int in_type = parts[0].type;
     for (int p = 0; p < n_parts; p++) {
-        if (parts[p].type != in_type || in_type < CS_QMAT_Q4_0 || in_type > CS_QMAT_F32)
-            return cs_fail(CS_EINVAL, "qmat: part %d has type %s, part 0 %s", p,
-                           cs_qmat_type_name(parts[p].type), cs_qmat_type_name(in_type));
+        int t = parts[p].type;
+        if (t < 0 || t >= CS_QMAT_TYPES)
+            return cs_fail(CS_EINVAL, "qmat: part %d has unknown type %d", p, t);
+        if (cs__qmat_is_k(t) && cols % CS_QK_K)
+            return cs_fail(CS_EINVAL,
+                           "qmat: part %d is %s, whose rows need a multiple of %d "
+                           "columns, not %lld",
+                           p, cs_qmat_type_name(t), CS_QK_K, (long long)cols);
         if (parts[p].rows <= 0 || !parts[p].data)
             return cs_fail(CS_EINVAL, "qmat: part %d has no rows", p);
     }
     cs_qmat *w = calloc(1, sizeof *w);
     if (!w) return cs_fail(CS_ENOMEM, "qmat: out of memory");
-    w->type = in_type == CS_QMAT_F32 ? CS_QMAT_Q8_0 : in_type;
     w->cols = cols;
     w->n_blocks = cols / CS_QK;
     w->n_parts = n_parts;
+    const size_t nb = (size_t)w->n_blocks;
+    size_t off[CS_QMAT_PARTS][5], total = 0; /* q, h, sc, d, m */
     for (int p = 0; p < n_parts; p++) {
-        w->part[p].rows = parts[p].rows;
-        w->part[p].panel0 = w->n_panels;
-        w->n_panels += (parts[p].rows + CS_QROWS - 1) / CS_QROWS;
+        cs_qpart *P = &w->part[p];
+        P->type = parts[p].type == CS_QMAT_F32 ? CS_QMAT_Q8_0 : parts[p].type;
+        P->rows = parts[p].rows;
+        P->panel0 = w->n_panels;
+        size_t np = (size_t)((P->rows + CS_QROWS - 1) / CS_QROWS);
+        w->n_panels += (int64_t)np;
+        size_t nd = nb / (size_t)cs__qmat_dgroup(P->type);
+        size_t sz[5] = {np * nb * (size_t)cs__qmat_qbytes(P->type),
+                        np * nb * (size_t)cs__qmat_hbytes(P->type),
+                        cs__qmat_is_k(P->type) ? np * nb * 32 : 0, np * nd * CS_QROWS * 2,
+                        cs__qmat_has_min(P->type) ? np * nd * CS_QROWS * 2 : 0};
+        for (int k = 0; k < 5; k++)
+            off[p][k] = total, total += al64(sz[k]);
     }
-    size_t n_pb = (size_t)(w->n_panels * w->n_blocks), qb = (size_t)cs__qmat_qbytes(w->type);
-    size_t qbytes = (n_pb * qb + 63) / 64 * 64, sbytes = (n_pb * CS_QROWS * 2 + 63) / 64 * 64;
-    w->q = aligned_alloc(64, qbytes);
-    w->d = aligned_alloc(64, sbytes);
-    w->m = w->type == CS_QMAT_Q4_1 ? aligned_alloc(64, sbytes) : NULL;
-    if (!w->q || !w->d || (w->type == CS_QMAT_Q4_1 && !w->m)) {
-        cs_qmat_free(w);
-        return cs_fail(CS_ENOMEM, "qmat: out of memory for %zu MiB of weights", qbytes >> 20);
+    w->mem = aligned_alloc(64, total);
+    if (!w->mem) {
+        free(w);
+        return cs_fail(CS_ENOMEM, "qmat: out of memory for %zu MiB of weights", total >> 20);
     }
-    w->bytes = qbytes + sbytes * (w->m ? 2 : 1);
-    /* padding rows: zero weights (u = z, d = m = 0) */
-    memset(w->q, w->type == CS_QMAT_Q8_0 ? 0x80 : w->type == CS_QMAT_Q4_0 ? 0x88 : 0, qbytes);
-    memset(w->d, 0, sbytes);
-    if (w->m) memset(w->m, 0, sbytes);
-    size_t row_bytes = src_row_bytes(in_type, cols);
+    /* padding rows: zero weights (d = m = 0) */
+    memset(w->mem, 0, total);
+    w->bytes = total;
+    uint8_t *base = w->mem;
     for (int p = 0; p < n_parts; p++) {
-        for (int64_t r = 0; r < parts[p].rows; r++) {
+        cs_qpart *P = &w->part[p];
+        P->q = base + off[p][0];
+        P->h = cs__qmat_hbytes(P->type) ? base + off[p][1] : NULL;
+        P->sc = cs__qmat_is_k(P->type) ? base + off[p][2] : NULL;
+        P->d = (uint16_t *)(void *)(base + off[p][3]);
+        P->m = cs__qmat_has_min(P->type) ? (uint16_t *)(void *)(base + off[p][4]) : NULL;
+        const int in = parts[p].type, g = cs__qmat_dgroup(P->type);
+        const size_t row_bytes = (size_t)(cols / src_block_size(in)) * (size_t)src_block_bytes(in);
+        const size_t qb = (size_t)cs__qmat_qbytes(P->type), hb = (size_t)cs__qmat_hbytes(P->type);
+        for (int64_t r = 0; r < P->rows; r++) {
             int64_t sr = parts[p].perm ? parts[p].perm[r] : r;
             const uint8_t *row = (const uint8_t *)parts[p].data + (size_t)sr * row_bytes;
-            int64_t panel = w->part[p].panel0 + r / CS_QROWS;
+            int64_t lp = r / CS_QROWS;
             int lane = (int)(r % CS_QROWS);
             for (int64_t b = 0; b < w->n_blocks; b++) {
-                uint8_t u[CS_QK];
-                uint16_t d, m;
-                src_block(in_type, row, b, u, &d, &m);
-                size_t pb = (size_t)(panel * w->n_blocks + b);
-                put_block(w->type, w->q + pb * qb, lane, u);
-                w->d[pb * CS_QROWS + (size_t)lane] = d;
-                if (w->m) w->m[pb * CS_QROWS + (size_t)lane] = m;
+                src_blk o;
+                src_block(in, row, b, &o);
+                size_t pb = (size_t)lp * nb + (size_t)b;
+                size_t pd = ((size_t)lp * (nb / (size_t)g) + (size_t)b / (size_t)g) * CS_QROWS;
+                put_block(P->type, P->q + pb * qb, P->h ? P->h + pb * hb : NULL,
+                          P->sc ? P->sc + pb * 32 : NULL, lane, &o);
+                P->d[pd + (size_t)lane] = o.d;
+                if (P->m) P->m[pd + (size_t)lane] = o.m;
             }
         }
     }
@@ -169,33 +274,47 @@ int cs_qmat_pack(const cs_qmat_src *parts, int n_parts, int64_t cols, cs_qmat **
 
 void cs_qmat_free(cs_qmat *w) {
     if (!w) return;
-    free(w->q);
-    free(w->d);
-    free(w->m);
+    free(w->mem);
     free(w);
 }
 
 size_t cs_qmat_bytes(const cs_qmat *w) {
     return w->bytes;
 }
-int cs_qmat_type(const cs_qmat *w) {
-    return w->type;
+int cs_qmat_n_parts(const cs_qmat *w) {
+    return w->n_parts;
+}
+int cs_qmat_type(const cs_qmat *w, int part) {
+    CS_ASSERT(part >= 0 && part < w->n_parts);
+    return w->part[part].type;
 }
 
 void cs_qmat_get_rows(const cs_qmat *w, int part, const int32_t *ids, int n, float *out) {
-    int32_t z = cs__qmat_zero(w->type);
     CS_ASSERT(part >= 0 && part < w->n_parts);
+    const cs_qpart *P = &w->part[part];
+    const int type = P->type, g = cs__qmat_dgroup(type);
+    const int32_t z = cs__qmat_zero(type);
     for (int t = 0; t < n; t++) {
-        CS_ASSERT(ids[t] >= 0 && ids[t] < w->part[part].rows);
-        int64_t p = w->part[part].panel0 + ids[t] / CS_QROWS;
+        CS_ASSERT(ids[t] >= 0 && ids[t] < P->rows);
+        const cs_qpanel v = cs__qmat_panel(w, P, ids[t] / CS_QROWS);
         int r = ids[t] % CS_QROWS;
         float *o = out + (size_t)t * (size_t)w->cols;
         for (int64_t b = 0; b < w->n_blocks; b++) {
-            size_t s = (size_t)(p * w->n_blocks + b) * CS_QROWS + (size_t)r;
-            float d = cs_f16_to_f32(w->d[s]), m = w->m ? cs_f16_to_f32(w->m[s]) : 0.0f;
+            size_t s = (size_t)(b / g) * CS_QROWS + (size_t)r;
+            float d = cs_f16_to_f32(v.d[s]), m = v.m ? cs_f16_to_f32(v.m[s]) : 0.0f;
+            const uint8_t *sc = v.sc ? v.sc + b * 32 : NULL;
             for (int k = 0; k < CS_QK; k++) {
-                float q = (float)(get_u(w, p, b, r, k) - z);
-                o[b * CS_QK + k] = w->m ? fmaf(d, q, m) : d * q;
+                float q = (float)(get_u(type, &v, b, r, k) - z);
+                float y;
+                switch (type) { /* each as GGUF dequantizes it (dtype.c) */
+                case CS_QMAT_Q4_1: y = fmaf(d, q, m); break;
+                case CS_QMAT_Q5_1: y = d * q + m; break;
+                case CS_QMAT_Q4_K:
+                case CS_QMAT_Q5_K: y = d * (float)sc[r] * q - m * (float)sc[16 + r]; break;
+                case CS_QMAT_Q6_K: y = d * (float)(int8_t)sc[k < 16 ? r : 16 + r] * q; break;
+                default: y = d * q;
+                }
+                o[b * CS_QK + k] = y;
             }
         }
     }
@@ -226,16 +345,17 @@ void cs__quantize_ref_rows(cs_qact *a, const float *x, int64_t t0, int64_t t1) {
             for (int i = 0; i < CS_QK; i++)
                 amax = fmaxf(amax, fabsf(xb[i]));
             float id = amax > 0 ? 127.0f / amax : 0.0f;
-            int32_t sum = 0;
+            int32_t sum = 0, sum_lo = 0;
             for (int i = 0; i < CS_QK; i++) {
                 q[i] = (int8_t)nearbyintf(xb[i] * id);
                 sum += q[i];
+                if (i == 15) sum_lo = sum;
             }
             cs_qblock *mb = &a->meta[(size_t)t * (size_t)a->n_blocks + (size_t)b];
             mb->dx = amax / 127.0f;
             mb->xsum = sum;
             mb->fsum = mb->dx * (float)sum;
-            mb->pad = 0;
+            mb->xsum_lo = sum_lo;
         }
 }
 
@@ -245,33 +365,49 @@ void cs_op_quantize_ref(cs_qact *a, const float *x) {
 
 /* ---- GEMM ---- */
 
-static int part_of(const cs_qmat *w, int64_t panel) {
-    int p = 0;
-    while (p + 1 < w->n_parts && panel >= w->part[p + 1].panel0)
-        p++;
-    return p;
+/* One block's exact integer sum for (token block q, meta mb) and lane r:
+ * isum of qmat.h. */
+static int32_t block_isum(int type, const cs_qpanel *v, int64_t b, int r, const int8_t *q,
+                          const cs_qblock *mb) {
+    int32_t s_lo = 0, s_hi = 0;
+    for (int k = 0; k < CS_QK; k++)
+        *(k < 16 ? &s_lo : &s_hi) += get_u(type, v, b, r, k) * q[k];
+    const uint8_t *sc = v->sc ? v->sc + b * 32 : NULL;
+    switch (type) {
+    case CS_QMAT_Q4_K:
+    case CS_QMAT_Q5_K: return (int32_t)sc[r] * (s_lo + s_hi);
+    case CS_QMAT_Q6_K:
+        return (int32_t)(int8_t)sc[r] * (s_lo - 32 * mb->xsum_lo) +
+               (int32_t)(int8_t)sc[16 + r] * (s_hi - 32 * (mb->xsum - mb->xsum_lo));
+    }
+    return s_lo + s_hi - cs__qmat_zero(type) * mb->xsum;
 }
 
 void cs__qmat_ref_panels(const cs_qout *outs, const cs_qact *a, const cs_qmat *w, int64_t p0,
                          int64_t p1) {
-    const int32_t z = cs__qmat_zero(w->type);
+    int part = 0;
     for (int64_t p = p0; p < p1; p++) {
-        int part = part_of(w, p);
-        int64_t row0 = (p - w->part[part].panel0) * CS_QROWS;
+        part = cs__qmat_part_of(w, p, part);
+        const cs_qpart *P = &w->part[part];
+        const int type = P->type, g = cs__qmat_dgroup(type);
+        const int64_t row0 = (p - P->panel0) * CS_QROWS;
+        const cs_qpanel v = cs__qmat_panel(w, P, p - P->panel0);
         const cs_qout *o = &outs[part];
-        for (int r = 0; r < CS_QROWS && row0 + r < w->part[part].rows; r++)
+        for (int r = 0; r < CS_QROWS && row0 + r < P->rows; r++)
             for (int t = 0; t < a->n_tokens; t++) {
                 float acc = 0.0f;
                 for (int64_t b = 0; b < w->n_blocks; b++) {
                     const int8_t *q = a->q + (size_t)t * (size_t)a->cols + (size_t)b * CS_QK;
                     const cs_qblock *mb = &a->meta[(size_t)t * (size_t)a->n_blocks + (size_t)b];
-                    int32_t isum = 0;
-                    for (int k = 0; k < CS_QK; k++)
-                        isum += get_u(w, p, b, r, k) * q[k];
-                    size_t s = (size_t)(p * w->n_blocks + b) * CS_QROWS + (size_t)r;
-                    float d = cs_f16_to_f32(w->d[s]);
-                    acc = fmaf(d * mb->dx, (float)(isum - z * mb->xsum), acc);
-                    if (w->m) acc = fmaf(cs_f16_to_f32(w->m[s]), mb->fsum, acc);
+                    int32_t isum = block_isum(type, &v, b, r, q, mb);
+                    size_t s = (size_t)(b / g) * CS_QROWS + (size_t)r;
+                    float d = cs_f16_to_f32(v.d[s]);
+                    acc = fmaf(d * mb->dx, (float)isum, acc);
+                    if (type == CS_QMAT_Q4_1 || type == CS_QMAT_Q5_1)
+                        acc = fmaf(cs_f16_to_f32(v.m[s]), mb->fsum, acc);
+                    else if (v.m) /* Q4_K, Q5_K */
+                        acc = fmaf(-(cs_f16_to_f32(v.m[s]) * (float)v.sc[b * 32 + 16 + r]),
+                                   mb->fsum, acc);
                 }
                 if (o->bias) acc += o->bias[row0 + r];
                 o->out[(size_t)t * (size_t)o->ldo + (size_t)(row0 + r)] = acc;

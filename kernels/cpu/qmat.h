@@ -4,22 +4,37 @@
  *
  * The arithmetic, which every implementation follows to the bit:
  *
- *   Weights stay in the file's blocks of 32 along K (cols): Q4_0 (d, q 0..15,
- *   w = d*(q-8)), Q4_1 (d, m, q 0..15, w = d*q + m) or Q8_0 (d, q -128..127,
- *   stored as q+128 so every weight is an unsigned byte u with a zero point
- *   z = 8, 0 or 128: w = d*(u - z) (+ m)). d and m stay fp16 as in the file.
- *   Packed once into panels of 16 rows (one vector lane per row), rows padded
- *   to a multiple of 16 with zero weights.
+ *   Weights stay at the file's bits per weight, as unsigned integers u with a
+ *   zero point z per type, in blocks of 32 along K (cols):
+ *     Q4_0  u 0..15, z 8      w = d*(u - 8)
+ *     Q4_1  u 0..15, z 0      w = d*u + m
+ *     Q5_0  u 0..31, z 16     w = d*(u - 16)
+ *     Q5_1  u 0..31, z 0      w = d*u + m
+ *     Q8_0  u 0..255, z 128   w = d*(u - 128)   (the file's int8 q + 128)
+ *     Q4_K  u 0..15, z 0      w = (D*sc)*u - DMIN*mn   sc, mn 0..63 per block
+ *     Q5_K  u 0..31, z 0      the same
+ *     Q6_K  u 0..63, z 32     w = (D*sc)*(u - 32)      sc int8 per 16 weights
+ *   d, m (per block), D, DMIN (per 256-weight super-block of the K-quants)
+ *   stay fp16 as in the file, sc and mn integers. Packed once into panels of
+ *   16 rows (one vector lane per row), rows padded to a multiple of 16 with
+ *   zero weights. A stacked qmat's parts may each have their own type.
  *
  *   Activations: each row (token) in blocks of 32: amax = max |x|, dx =
  *   amax / 127, q = nearbyint(x * (127 / amax)) (round half to even; all 0
- *   when amax is 0), xsum = sum of q, fsum = dx * xsum (fp32).
+ *   when amax is 0), xsum = sum of q, xsum_lo = sum of its first 16, fsum =
+ *   dx * xsum (fp32).
  *
  *   Output (token t, row r) = for blocks b = 0, 1, ... in order:
- *     isum = sum over the block of u * q                  (int32: exact)
- *     acc  = fmaf(d * dx, (float)(isum - z * xsum), acc)  (fp32)
- *     acc  = fmaf(m, fsum, acc)                           (Q4_1 only)
- *   starting from acc = 0, then + bias[r] when there is one.
+ *     s_lo, s_hi = sum over the block's first / last 16 of u * q  (int32)
+ *     isum = s_lo + s_hi - z * xsum                   (Q4_0 .. Q8_0)
+ *          = sc * (s_lo + s_hi)                        (Q4_K, Q5_K)
+ *          = sc_lo * (s_lo - 32 * xsum_lo)
+ *          + sc_hi * (s_hi - 32 * (xsum - xsum_lo))    (Q6_K)
+ *     acc  = fmaf(d * dx, (float)isum, acc)            (d = D for K-quants)
+ *     acc  = fmaf(m, fsum, acc)                        (Q4_1, Q5_1)
+ *     acc  = fmaf(-(DMIN * (float)mn), fsum, acc)      (Q4_K, Q5_K)
+ *   starting from acc = 0, then + bias[r] when there is one. Every integer
+ *   is exact (|isum| < 2^24, so even its conversion to float is).
  *
  * Every input of the fp32 steps is exact or rounded once in a fixed order, so
  * a result depends only on its own row of x and its own row of w: not on
@@ -40,41 +55,101 @@
 #include "ops.h"
 
 #define CS_QK 32        /* weights per block along K */
+#define CS_QK_K 256     /* weights per K-quant super-block (8 blocks) */
 #define CS_QROWS 16     /* rows per panel (vector lanes) */
 #define CS_QMAT_PARTS 4 /* matrices one qmat may stack (q|k|v, gate|up) */
 
+/* One stacked matrix, its arrays indexed by its own panels (0 = its first).
+ * Per (panel, block):
+ *   q: Q8_0: 8 vectors of 64 bytes, vector j lane r byte i = u[r][4j+i];
+ *      the others: u's low 4 bits in 4 vectors of 64 bytes, vector j lane r
+ *      byte i = u[r][8j+i] | u[r][8j+4+i] << 4. Either way the k-th group of
+ *      4 weights (k = 0..7) unpacks to a vector whose lane r holds
+ *      u[r][4k .. 4k+3].
+ *   h: the 5th bit (Q5_*; 64 bytes) and the 6th (Q6_K; 64 more): byte
+ *      4r+i bit k = that bit of u[r][4k+i].
+ *   d: fp16 (16 rows), per block; per super-block (D) for K-quants.
+ *   m: fp16 (16 rows), per block (Q4_1, Q5_1); per super-block (DMIN) for
+ *      Q4_K and Q5_K; else NULL.
+ *   sc: K-quants, 32 bytes: Q4_K/Q5_K sc[16 rows] then mn[16 rows] (uint8);
+ *      Q6_K sc_lo[16 rows] then sc_hi[16 rows] (int8). */
+typedef struct {
+    int type;       /* CS_QMAT_* (never F32) */
+    int64_t rows;   /* real rows of this part */
+    int64_t panel0; /* its first panel in the qmat */
+    uint8_t *q, *h, *sc;
+    uint16_t *d, *m;
+} cs_qpart;
+
 struct cs_qmat {
-    int type;         /* CS_QMAT_Q4_0 / Q4_1 / Q8_0 */
     int64_t cols;     /* K, a multiple of CS_QK */
     int64_t n_blocks; /* cols / CS_QK */
     int64_t n_panels; /* panels of CS_QROWS rows, over all parts */
     int n_parts;
-    struct {
-        int64_t rows;   /* real rows of this part */
-        int64_t panel0; /* its first panel */
-    } part[CS_QMAT_PARTS];
-    /* q: (n_panels, n_blocks, qbytes): Q4: 4 vectors of 64 bytes, vector j
-     * lane r byte i = u[r][8j+i] | u[r][8j+4+i] << 4; Q8: 8 vectors, vector j
-     * lane r byte i = u[r][4j+i]. */
-    uint8_t *q;
-    uint16_t *d; /* (n_panels, n_blocks, CS_QROWS) fp16 scales */
-    uint16_t *m; /* (n_panels, n_blocks, CS_QROWS) fp16 mins (Q4_1), else NULL */
+    cs_qpart part[CS_QMAT_PARTS];
+    void *mem; /* every part's arrays */
     size_t bytes;
 };
 
-/* Bytes of packed weights per (panel, block). */
+/* Per-type facts for the kernels. */
+static inline bool cs__qmat_is_k(int type) {
+    return type == CS_QMAT_Q4_K || type == CS_QMAT_Q5_K || type == CS_QMAT_Q6_K;
+}
+/* Bytes of packed weights per (panel, block): q, then h. */
 static inline int cs__qmat_qbytes(int type) {
     return type == CS_QMAT_Q8_0 ? CS_QROWS * CS_QK : CS_QROWS * CS_QK / 2;
 }
+static inline int cs__qmat_hbytes(int type) {
+    return type == CS_QMAT_Q6_K                                                   ? 128
+           : type == CS_QMAT_Q5_0 || type == CS_QMAT_Q5_1 || type == CS_QMAT_Q5_K ? 64
+                                                                                  : 0;
+}
 static inline int32_t cs__qmat_zero(int type) {
-    return type == CS_QMAT_Q4_0 ? 8 : type == CS_QMAT_Q8_0 ? 128 : 0;
+    switch (type) {
+    case CS_QMAT_Q4_0: return 8;
+    case CS_QMAT_Q5_0: return 16;
+    case CS_QMAT_Q6_K: return 32;
+    case CS_QMAT_Q8_0: return 128;
+    }
+    return 0;
+}
+static inline bool cs__qmat_has_min(int type) {
+    return type == CS_QMAT_Q4_1 || type == CS_QMAT_Q5_1 || type == CS_QMAT_Q4_K ||
+           type == CS_QMAT_Q5_K;
+}
+/* Blocks that share one d (and m): 8 for K-quants, else 1. */
+static inline int cs__qmat_dgroup(int type) {
+    return cs__qmat_is_k(type) ? CS_QK_K / CS_QK : 1;
+}
+
+/* The arrays of part P's local panel lp (the kernels index blocks from
+ * these: q + b * qbytes, h + b * hbytes, d/m + (b / dgroup) * 16,
+ * sc + b * 32). */
+typedef struct {
+    const uint8_t *q, *h, *sc;
+    const uint16_t *d, *m;
+} cs_qpanel;
+static inline cs_qpanel cs__qmat_panel(const cs_qmat *w, const cs_qpart *P, int64_t lp) {
+    const int64_t nb = w->n_blocks, nd = nb / cs__qmat_dgroup(P->type);
+    cs_qpanel v = {P->q + (size_t)(lp * nb * cs__qmat_qbytes(P->type)),
+                   P->h ? P->h + (size_t)(lp * nb * cs__qmat_hbytes(P->type)) : NULL,
+                   P->sc ? P->sc + (size_t)(lp * nb * 32) : NULL,
+                   P->d + (size_t)(lp * nd * CS_QROWS),
+                   P->m ? P->m + (size_t)(lp * nd * CS_QROWS) : NULL};
+    return v;
+}
+/* The part that holds panel p (start the search at *part, panels ascend). */
+static inline int cs__qmat_part_of(const cs_qmat *w, int64_t p, int part) {
+    while (part + 1 < w->n_parts && p >= w->part[part + 1].panel0)
+        part++;
+    return part;
 }
 
 /* Quantized activations: n_tokens rows of cols values (the layout of the
  * comment above), carved from one buffer of cs_qact_bytes(). */
 typedef struct {
     float dx, fsum;
-    int32_t xsum, pad;
+    int32_t xsum, xsum_lo; /* sum of q, and of its first 16 */
 } cs_qblock;
 
 typedef struct {

@@ -199,45 +199,61 @@ static void load_config(void) {
     _tile_loadconfig(&cfg);
 }
 
+/* Whether AMX runs this part type's panels; the others (5- and 6-bit and
+ * K-quant parts) go to the VNNI kernels, with the same bits. */
+static bool amx_type(int type) {
+    return type == CS_QMAT_Q4_0 || type == CS_QMAT_Q4_1 || type == CS_QMAT_Q8_0;
+}
+
 void cs__qmat_amx_panels(const cs_qout *outs, const cs_qact *a, const cs_qmat *w, int64_t p0,
                          int64_t p1) {
     /* whole tiles of 16 tokens; none where the tile state was not granted
      * (a test forcing these kernels), so every token goes to VNNI */
     const int64_t full = cs__qmat_amx_usable() ? a->n_tokens / 16 * 16 : 0;
+    int part = 0;
     if (full > 0) {
-        const int32_t z = cs__qmat_zero(w->type);
-        const int64_t nb = w->n_blocks, qb = cs__qmat_qbytes(w->type);
-        void (*fn)(const uint8_t *, const uint16_t *, const uint16_t *, float *, int64_t,
-                   const float *, __mmask16, const cs_qact *, int64_t, int32_t) =
-            w->type == CS_QMAT_Q4_0   ? panel_q4_0
-            : w->type == CS_QMAT_Q4_1 ? panel_q4_1
-                                      : panel_q8_0;
         load_config();
-        int part = 0;
         for (int64_t p = p0; p < p1; p++) {
-            while (part + 1 < w->n_parts && p >= w->part[part + 1].panel0)
-                part++;
-            const int64_t row0 = (p - w->part[part].panel0) * CS_QROWS;
-            const int64_t left = w->part[part].rows - row0;
+            part = cs__qmat_part_of(w, p, part);
+            const cs_qpart *P = &w->part[part];
+            if (!amx_type(P->type)) continue;
+            void (*fn)(const uint8_t *, const uint16_t *, const uint16_t *, float *, int64_t,
+                       const float *, __mmask16, const cs_qact *, int64_t, int32_t) =
+                P->type == CS_QMAT_Q4_0   ? panel_q4_0
+                : P->type == CS_QMAT_Q4_1 ? panel_q4_1
+                                          : panel_q8_0;
+            const int64_t row0 = (p - P->panel0) * CS_QROWS;
+            const int64_t left = P->rows - row0;
             const cs_qout *o = &outs[part];
-            fn(w->q + (size_t)(p * nb * qb), w->d + (size_t)(p * nb * CS_QROWS),
-               w->m ? w->m + (size_t)(p * nb * CS_QROWS) : NULL, o->out + row0, o->ldo,
-               o->bias ? o->bias + row0 : NULL,
-               left >= CS_QROWS ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1), a, full, z);
+            const cs_qpanel v = cs__qmat_panel(w, P, p - P->panel0);
+            fn(v.q, v.d, v.m, o->out + row0, o->ldo, o->bias ? o->bias + row0 : NULL,
+               left >= CS_QROWS ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1), a, full,
+               cs__qmat_zero(P->type));
         }
         _tile_release(); /* back to the init state: cheap context switches */
     }
-    if (full < a->n_tokens) { /* the last tokens, fewer than a tile: VNNI */
-        cs_qact rest = *a;
-        rest.n_tokens = a->n_tokens - (int)full;
-        rest.q += (size_t)full * (size_t)a->cols;
-        rest.meta += (size_t)full * (size_t)a->n_blocks;
-        cs_qout o[CS_QMAT_PARTS];
-        for (int p = 0; p < w->n_parts; p++) {
-            o[p] = outs[p];
-            o[p].out += (size_t)full * (size_t)o[p].ldo;
-        }
-        cs__qmat_vnni_panels(o, &rest, w, p0, p1);
+    /* the rest on VNNI: other types' panels whole, and the last tokens
+     * (fewer than a tile) of AMX's */
+    cs_qact rest = *a;
+    rest.n_tokens = a->n_tokens - (int)full;
+    rest.q += (size_t)full * (size_t)a->cols;
+    rest.meta += (size_t)full * (size_t)a->n_blocks;
+    cs_qout ro[CS_QMAT_PARTS];
+    for (int k = 0; k < w->n_parts; k++) {
+        ro[k] = outs[k];
+        ro[k].out += (size_t)full * (size_t)ro[k].ldo;
+    }
+    part = 0;
+    for (int64_t p = p0; p < p1;) { /* runs of panels of one kind */
+        part = cs__qmat_part_of(w, p, part);
+        bool amx = full > 0 && amx_type(w->part[part].type);
+        int64_t e = part + 1 < w->n_parts ? w->part[part + 1].panel0 : w->n_panels;
+        if (e > p1) e = p1;
+        if (!amx)
+            cs__qmat_vnni_panels(outs, a, w, p, e);
+        else if (rest.n_tokens > 0)
+            cs__qmat_vnni_panels(ro, &rest, w, p, e);
+        p = e;
     }
 }
 

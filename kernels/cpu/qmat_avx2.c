@@ -39,25 +39,35 @@ bool cs__qmat_avx2_usable(void) {
 #define MAX_NT 4
 typedef int32_t a32 __attribute__((may_alias)); /* int8 data read 4 bytes at a time */
 
+/* Plane v's bit (byte 4r+c bit i) moved to bit `bit` of its byte. */
+static inline __attribute__((always_inline)) __m256i hbits(__m256i v, int i, int bit) {
+    return bit > i ? _mm256_slli_epi16(v, bit - i) : bit < i ? _mm256_srli_epi16(v, i - bit) : v;
+}
+
 /* Lanes h*8 .. h*8+7 of the panel (h = 0, 1) for nt tokens. */
-static inline __attribute__((always_inline)) void
-tile(const int nt, const int type, const uint8_t *pq, const uint16_t *pd, const uint16_t *pm,
-     int64_t nb, const int8_t *xq, int64_t cols, const cs_qblock *meta, int32_t z, __m256 *out) {
+static inline __attribute__((always_inline)) void tile(const int nt, const int type,
+                                                       const cs_qpanel *P, int64_t nb,
+                                                       const int8_t *xq, int64_t cols,
+                                                       const cs_qblock *meta, __m256 *out) {
     __m256 acc[2][MAX_NT];
 #pragma GCC unroll 4
     for (int t = 0; t < nt; t++)
         acc[0][t] = acc[1][t] = _mm256_setzero_ps();
     const __m256i m4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
-    const __m256i k128 = _mm256_set1_epi8((char)0x80);
-    const int qb = type == CS_QMAT_Q8_0 ? 512 : 256;
+    const __m256i k128 = _mm256_set1_epi8((char)0x80), k32 = _mm256_set1_epi8(32);
+    const int qb = cs__qmat_qbytes(type), hb = cs__qmat_hbytes(type), g = cs__qmat_dgroup(type);
+    const int32_t z = cs__qmat_zero(type);
+    const bool kq = cs__qmat_is_k(type), q6 = type == CS_QMAT_Q6_K, q8 = type == CS_QMAT_Q8_0;
+    const bool min1 = type == CS_QMAT_Q4_1 || type == CS_QMAT_Q5_1, mink = kq && !q6;
     for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *p = pq + b * qb;
+        const uint8_t *p = P->q + b * qb;
         const cs_qblock *mb0 = meta + (size_t)b;
 #pragma GCC unroll 2
         for (int h = 0; h < 2; h++) { /* rows 8h .. 8h+7: 8 weight vectors live at a time */
-            /* w[i] lane r: the 4 weight bytes u[8h + r][4i .. 4i+3] (Q8: s = u - 128) */
+            /* w[i] lane r: the 4 weight bytes u[8h + r][4i .. 4i+3] (Q8: s = u - 128;
+             * Q6_K: s = u - 32) */
             __m256i w[8];
-            if (type == CS_QMAT_Q8_0) {
+            if (q8) {
 #pragma GCC unroll 8
                 for (int j = 0; j < 8; j++)
                     w[j] = _mm256_xor_si256(
@@ -72,27 +82,74 @@ tile(const int nt, const int type, const uint8_t *pq, const uint16_t *pd, const 
                     w[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
                 }
             }
+            for (int plane = 0; plane < hb / 64; plane++) {
+                const __m256i v = _mm256_load_si256(
+                    (const __m256i *)(const void *)(P->h + b * hb + 64 * plane + 32 * h));
+                const __m256i bit = _mm256_set1_epi8((char)(0x10 << plane));
+#pragma GCC unroll 8
+                for (int i = 0; i < 8; i++)
+                    w[i] = _mm256_or_si256(w[i], _mm256_and_si256(hbits(v, i, 4 + plane), bit));
+            }
+            if (q6)
+#pragma GCC unroll 8
+                for (int i = 0; i < 8; i++)
+                    w[i] = _mm256_sub_epi8(w[i], k32);
             const __m256 d = _mm256_cvtph_ps(
-                _mm_load_si128((const __m128i *)(const void *)(pd + b * CS_QROWS + 8 * h)));
+                _mm_load_si128((const __m128i *)(const void *)(P->d + (b / g) * CS_QROWS + 8 * h)));
             __m256 m = _mm256_setzero_ps();
-            if (type == CS_QMAT_Q4_1)
+            __m256i sc0 = _mm256_setzero_si256(), sc1 = _mm256_setzero_si256();
+            if (min1)
                 m = _mm256_cvtph_ps(
-                    _mm_load_si128((const __m128i *)(const void *)(pm + b * CS_QROWS + 8 * h)));
+                    _mm_load_si128((const __m128i *)(const void *)(P->m + b * CS_QROWS + 8 * h)));
+            if (kq) {
+                const uint8_t *s = P->sc + b * 32 + 8 * h;
+                if (q6) {
+                    sc0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)s));
+                    sc1 = _mm256_cvtepi8_epi32(
+                        _mm_loadl_epi64((const __m128i *)(const void *)(s + 16)));
+                } else {
+                    sc0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)s));
+                    __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
+                        _mm_loadl_epi64((const __m128i *)(const void *)(s + 16))));
+                    __m256 dmin = _mm256_cvtph_ps(_mm_load_si128(
+                        (const __m128i *)(const void *)(P->m + (b / g) * CS_QROWS + 8 * h)));
+                    m = _mm256_xor_ps(_mm256_mul_ps(dmin, mn), _mm256_set1_ps(-0.0f));
+                }
+            }
 #pragma GCC unroll 4
             for (int t = 0; t < nt; t++) {
                 const a32 *x =
                     (const a32 *)(const void *)(xq + (size_t)t * (size_t)cols + (size_t)b * CS_QK);
                 const cs_qblock *mb = mb0 + (size_t)t * (size_t)nb;
                 __m256i s;
-                if (type == CS_QMAT_Q8_0) {
-                    s = _mm256_setzero_si256();
-#pragma GCC unroll 8
-                    for (int i = 0; i < 8; i++) {
-                        __m256i xv = _mm256_set1_epi32(x[i]);
-                        __m256i p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(w[i], w[i]),
-                                                           _mm256_sign_epi8(xv, w[i]));
-                        s = _mm256_add_epi32(s, _mm256_madd_epi16(p16, ones));
+                if (q8 || q6) { /* signed weights: |s| x (q signed by s) */
+                    __m256i half[2];
+#pragma GCC unroll 2
+                    for (int hh = 0; hh < 2; hh++) {
+                        half[hh] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+                        for (int i = 4 * hh; i < 4 * hh + 4; i++) {
+                            __m256i xv = _mm256_set1_epi32(x[i]);
+                            __m256i p16 = _mm256_maddubs_epi16(_mm256_sign_epi8(w[i], w[i]),
+                                                               _mm256_sign_epi8(xv, w[i]));
+                            half[hh] = q8 ? _mm256_add_epi32(half[hh], _mm256_madd_epi16(p16, ones))
+                                          : _mm256_add_epi16(half[hh], p16);
+                        }
+                        if (q6) half[hh] = _mm256_madd_epi16(half[hh], ones);
                     }
+                    s = q8 ? _mm256_add_epi32(half[0], half[1])
+                           : _mm256_add_epi32(_mm256_mullo_epi32(sc0, half[0]),
+                                              _mm256_mullo_epi32(sc1, half[1]));
+                } else if (hb) { /* 5-bit: a pair reaches 7,874, so int16 holds 4 groups */
+                    __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
+#pragma GCC unroll 4
+                    for (int i = 0; i < 4; i++) {
+                        s0 = _mm256_add_epi16(s0,
+                                              _mm256_maddubs_epi16(w[i], _mm256_set1_epi32(x[i])));
+                        s1 = _mm256_add_epi16(
+                            s1, _mm256_maddubs_epi16(w[i + 4], _mm256_set1_epi32(x[i + 4])));
+                    }
+                    s = _mm256_add_epi32(_mm256_madd_epi16(s0, ones), _mm256_madd_epi16(s1, ones));
                 } else {
                     __m256i s16 = _mm256_setzero_si256();
 #pragma GCC unroll 8
@@ -100,11 +157,12 @@ tile(const int nt, const int type, const uint8_t *pq, const uint16_t *pd, const 
                         s16 = _mm256_add_epi16(s16,
                                                _mm256_maddubs_epi16(w[i], _mm256_set1_epi32(x[i])));
                     s = _mm256_madd_epi16(s16, ones);
-                    if (z) s = _mm256_sub_epi32(s, _mm256_set1_epi32(z * mb->xsum));
                 }
+                if (!q8 && !q6 && z) s = _mm256_sub_epi32(s, _mm256_set1_epi32(z * mb->xsum));
+                if (mink) s = _mm256_mullo_epi32(sc0, s);
                 acc[h][t] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(mb->dx)),
                                             _mm256_cvtepi32_ps(s), acc[h][t]);
-                if (type == CS_QMAT_Q4_1)
+                if (min1 || mink)
                     acc[h][t] = _mm256_fmadd_ps(m, _mm256_set1_ps(mb->fsum), acc[h][t]);
             }
         }
@@ -115,53 +173,56 @@ tile(const int nt, const int type, const uint8_t *pq, const uint16_t *pd, const 
 }
 
 /* One instance per (type, token count) so every loop above unrolls. */
+typedef void tile_fn(int nt, const cs_qpanel *P, int64_t nb, const int8_t *xq, int64_t cols,
+                     const cs_qblock *meta, __m256 *out);
 #define TILE_FN(name, TYPE)                                                                        \
-    static void name(int nt, const uint8_t *pq, const uint16_t *pd, const uint16_t *pm,            \
-                     int64_t nb, const int8_t *xq, int64_t cols, const cs_qblock *meta, int32_t z, \
-                     __m256 *out) {                                                                \
+    static void name(int nt, const cs_qpanel *P, int64_t nb, const int8_t *xq, int64_t cols,       \
+                     const cs_qblock *meta, __m256 *out) {                                         \
         switch (nt) {                                                                              \
-        case 1: tile(1, TYPE, pq, pd, pm, nb, xq, cols, meta, z, out); break;                      \
-        case 2: tile(2, TYPE, pq, pd, pm, nb, xq, cols, meta, z, out); break;                      \
-        case 3: tile(3, TYPE, pq, pd, pm, nb, xq, cols, meta, z, out); break;                      \
-        default: tile(4, TYPE, pq, pd, pm, nb, xq, cols, meta, z, out); break;                     \
+        case 1: tile(1, TYPE, P, nb, xq, cols, meta, out); break;                                  \
+        case 2: tile(2, TYPE, P, nb, xq, cols, meta, out); break;                                  \
+        case 3: tile(3, TYPE, P, nb, xq, cols, meta, out); break;                                  \
+        default: tile(4, TYPE, P, nb, xq, cols, meta, out); break;                                 \
         }                                                                                          \
     }
 TILE_FN(tile_q4_0, CS_QMAT_Q4_0)
 TILE_FN(tile_q4_1, CS_QMAT_Q4_1)
 TILE_FN(tile_q8_0, CS_QMAT_Q8_0)
+TILE_FN(tile_q5_0, CS_QMAT_Q5_0)
+TILE_FN(tile_q5_1, CS_QMAT_Q5_1)
+TILE_FN(tile_q4_k, CS_QMAT_Q4_K)
+TILE_FN(tile_q5_k, CS_QMAT_Q5_K)
+TILE_FN(tile_q6_k, CS_QMAT_Q6_K)
+static tile_fn *const tiles[CS_QMAT_TYPES] = {
+    [CS_QMAT_Q4_0] = tile_q4_0, [CS_QMAT_Q4_1] = tile_q4_1, [CS_QMAT_Q8_0] = tile_q8_0,
+    [CS_QMAT_Q5_0] = tile_q5_0, [CS_QMAT_Q5_1] = tile_q5_1, [CS_QMAT_Q4_K] = tile_q4_k,
+    [CS_QMAT_Q5_K] = tile_q5_k, [CS_QMAT_Q6_K] = tile_q6_k};
 
 void cs__qmat_avx2_panels(const cs_qout *outs, const cs_qact *a, const cs_qmat *w, int64_t p0,
                           int64_t p1) {
-    const int32_t z = cs__qmat_zero(w->type);
-    const int64_t nb = w->n_blocks, qb = cs__qmat_qbytes(w->type);
-    void (*fn)(int, const uint8_t *, const uint16_t *, const uint16_t *, int64_t, const int8_t *,
-               int64_t, const cs_qblock *, int32_t, __m256 *) = w->type == CS_QMAT_Q4_0 ? tile_q4_0
-                                                                : w->type == CS_QMAT_Q4_1
-                                                                    ? tile_q4_1
-                                                                    : tile_q8_0;
+    const int64_t nb = w->n_blocks;
     int part = 0;
     for (int64_t p = p0; p < p1; p++) {
-        while (part + 1 < w->n_parts && p >= w->part[part + 1].panel0)
-            part++;
-        const int64_t row0 = (p - w->part[part].panel0) * CS_QROWS;
-        const int64_t left = w->part[part].rows - row0;
+        part = cs__qmat_part_of(w, p, part);
+        const cs_qpart *P = &w->part[part];
+        tile_fn *fn = tiles[P->type];
+        const int64_t row0 = (p - P->panel0) * CS_QROWS;
+        const int64_t left = P->rows - row0;
         const int n_rows = left >= CS_QROWS ? CS_QROWS : (int)left;
         const cs_qout *o = &outs[part];
-        const uint8_t *pq = w->q + (size_t)(p * nb * qb);
-        const uint16_t *pd = w->d + (size_t)(p * nb * CS_QROWS);
-        const uint16_t *pm = w->m ? w->m + (size_t)(p * nb * CS_QROWS) : NULL;
+        const cs_qpanel v = cs__qmat_panel(w, P, p - P->panel0);
         for (int t0 = 0; t0 < a->n_tokens; t0 += MAX_NT) {
             int nt = a->n_tokens - t0 < MAX_NT ? a->n_tokens - t0 : MAX_NT;
             __m256 acc[2 * MAX_NT];
-            fn(nt, pq, pd, pm, nb, a->q + (size_t)t0 * (size_t)a->cols, a->cols,
-               a->meta + (size_t)t0 * (size_t)nb, z, acc);
+            fn(nt, &v, nb, a->q + (size_t)t0 * (size_t)a->cols, a->cols,
+               a->meta + (size_t)t0 * (size_t)nb, acc);
             for (int t = 0; t < nt; t++) {
-                _Alignas(32) float v[CS_QROWS];
-                _mm256_store_ps(v, acc[2 * t]);
-                _mm256_store_ps(v + 8, acc[2 * t + 1]);
+                _Alignas(32) float vv[CS_QROWS];
+                _mm256_store_ps(vv, acc[2 * t]);
+                _mm256_store_ps(vv + 8, acc[2 * t + 1]);
                 float *dst = o->out + (size_t)(t0 + t) * (size_t)o->ldo + row0;
                 for (int r = 0; r < n_rows; r++) /* + bias, as the reference: one add */
-                    dst[r] = o->bias ? v[r] + o->bias[row0 + r] : v[r];
+                    dst[r] = o->bias ? vv[r] + o->bias[row0 + r] : vv[r];
             }
         }
     }

@@ -33,26 +33,37 @@ bool cs__qmat_vnni_usable(void) {
 #define MAX_NT 8
 typedef int32_t a32 __attribute__((may_alias)); /* int8 data read 4 bytes at a time */
 
-static inline __attribute__((always_inline)) void
-tile(const int nt, const int type, const uint8_t *pq, const uint16_t *pd, const uint16_t *pm,
-     int64_t nb, const int8_t *xq, int64_t cols, const cs_qblock *meta, int32_t z, __m512 *out) {
+/* Lane r of the result: u[r][4i .. 4i+3]'s bit `bit` (4 or 5) from plane
+ * h (byte 4r+c bit i), in place: that byte's bit `bit`, the others 0. */
+static inline __attribute__((always_inline)) __m512i hbits(__m512i h, int i, int bit) {
+    return bit > i   ? _mm512_slli_epi16(h, (unsigned)(bit - i))
+           : bit < i ? _mm512_srli_epi16(h, (unsigned)(i - bit))
+                     : h;
+}
+
+static inline __attribute__((always_inline)) void tile(const int nt, const int type,
+                                                       const cs_qpanel *P, int64_t nb,
+                                                       const int8_t *xq, int64_t cols,
+                                                       const cs_qblock *meta, __m512 *out) {
     __m512 acc[MAX_NT];
 #pragma GCC unroll 8
     for (int t = 0; t < nt; t++)
         acc[t] = _mm512_setzero_ps();
     const __m512i m4 = _mm512_set1_epi8(0x0f);
-    const int qb = type == CS_QMAT_Q8_0 ? 512 : 256;
+    const int qb = cs__qmat_qbytes(type), hb = cs__qmat_hbytes(type), g = cs__qmat_dgroup(type);
+    const int32_t z = cs__qmat_zero(type);
+    const bool kq = cs__qmat_is_k(type), q6 = type == CS_QMAT_Q6_K;
+    const bool min1 = type == CS_QMAT_Q4_1 || type == CS_QMAT_Q5_1, mink = kq && !q6;
     for (int64_t b = 0; b < nb; b++) {
         __m512i wv[8];
-        const uint8_t *p = pq + b * qb;
+        const uint8_t *p = P->q + b * qb;
         if (nt <= 2) { /* decode: memory-bound; ask for the weights 8 blocks ahead */
-            _mm_prefetch((const char *)(p + 8 * qb), _MM_HINT_T0);
-            _mm_prefetch((const char *)(p + 8 * qb + 64), _MM_HINT_T0);
-            _mm_prefetch((const char *)(p + 8 * qb + 128), _MM_HINT_T0);
-            _mm_prefetch((const char *)(p + 8 * qb + 192), _MM_HINT_T0);
-            if (type == CS_QMAT_Q8_0)
-                for (int j = 4; j < 8; j++)
-                    _mm_prefetch((const char *)(p + 8 * qb + 64 * j), _MM_HINT_T0);
+#pragma GCC unroll 8
+            for (int j = 0; j < qb / 64; j++)
+                _mm_prefetch((const char *)(p + 8 * qb + 64 * j), _MM_HINT_T0);
+#pragma GCC unroll 2
+            for (int j = 0; j < hb / 64; j++)
+                _mm_prefetch((const char *)(P->h + (b + 8) * hb + 64 * j), _MM_HINT_T0);
         }
         if (type == CS_QMAT_Q8_0) {
 #pragma GCC unroll 8
@@ -66,37 +77,80 @@ tile(const int nt, const int type, const uint8_t *pq, const uint16_t *pd, const 
                 wv[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
             }
         }
-        /* wv[i] lane r holds u[r][4i .. 4i+3] in both layouts */
-        const __m512 d = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(pd + b * CS_QROWS)));
+        if (hb) { /* the 5th (and 6th) bits: wv |= (shifted plane & bit) */
+            const __m512i h4 = _mm512_load_si512((const void *)(P->h + b * hb));
+            const __m512i b4 = _mm512_set1_epi8(0x10);
+#pragma GCC unroll 8
+            for (int i = 0; i < 8; i++)
+                wv[i] = _mm512_ternarylogic_epi32(wv[i], hbits(h4, i, 4), b4, 0xf8);
+            if (hb == 128) {
+                const __m512i h5 = _mm512_load_si512((const void *)(P->h + b * hb + 64));
+                const __m512i b5 = _mm512_set1_epi8(0x20);
+#pragma GCC unroll 8
+                for (int i = 0; i < 8; i++)
+                    wv[i] = _mm512_ternarylogic_epi32(wv[i], hbits(h5, i, 5), b5, 0xf8);
+            }
+        }
+        /* wv[i] lane r holds u[r][4i .. 4i+3] in every layout */
+        const __m512 d =
+            _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(P->d + (b / g) * CS_QROWS)));
         __m512 m = _mm512_setzero_ps();
-        if (type == CS_QMAT_Q4_1)
-            m = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(pm + b * CS_QROWS)));
+        __m512i sc0 = _mm512_setzero_si512(), sc1 = _mm512_setzero_si512();
+        if (min1) m = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(P->m + b * CS_QROWS)));
+        if (kq) {
+            const __m128i *s = (const __m128i *)(const void *)(P->sc + b * 32);
+            if (q6) {
+                sc0 = _mm512_cvtepi8_epi32(_mm_load_si128(s));
+                sc1 = _mm512_cvtepi8_epi32(_mm_load_si128(s + 1));
+            } else {
+                sc0 = _mm512_cvtepu8_epi32(_mm_load_si128(s));
+                __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128(s + 1)));
+                __m512 dmin = _mm512_cvtph_ps(
+                    _mm256_load_si256((const __m256i *)(P->m + (b / g) * CS_QROWS)));
+                /* -(DMIN * mn): the sign flipped exactly */
+                m = _mm512_castsi512_ps(_mm512_xor_si512(
+                    _mm512_castps_si512(_mm512_mul_ps(dmin, mn)), _mm512_set1_epi32(INT32_MIN)));
+            }
+        }
 #pragma GCC unroll 8
         for (int t = 0; t < nt; t++) {
             /* 4 activation bytes broadcast straight from memory (a load, not a
              * shuffle competing with vpdpbusd for its ports) */
             const a32 *x =
                 (const a32 *)(const void *)(xq + (size_t)t * (size_t)cols + (size_t)b * CS_QK);
+            const cs_qblock *mb = meta + (size_t)t * (size_t)nb + (size_t)b;
             __m512i s;
-            if (nt >= 4) { /* enough independent tokens to hide the latency: one chain */
-                s = _mm512_setzero_si512();
-#pragma GCC unroll 8
-                for (int i = 0; i < 8; i++)
-                    s = _mm512_dpbusd_epi32(s, wv[i], _mm512_set1_epi32(x[i]));
-            } else { /* two chains, added at the end */
+            if (q6) { /* the two halves apart: each has its own scale */
                 __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
 #pragma GCC unroll 4
-                for (int i = 0; i < 8; i += 2) {
+                for (int i = 0; i < 4; i++) {
                     s0 = _mm512_dpbusd_epi32(s0, wv[i], _mm512_set1_epi32(x[i]));
-                    s1 = _mm512_dpbusd_epi32(s1, wv[i + 1], _mm512_set1_epi32(x[i + 1]));
+                    s1 = _mm512_dpbusd_epi32(s1, wv[i + 4], _mm512_set1_epi32(x[i + 4]));
                 }
-                s = _mm512_add_epi32(s0, s1);
+                s0 = _mm512_sub_epi32(s0, _mm512_set1_epi32(32 * mb->xsum_lo));
+                s1 = _mm512_sub_epi32(s1, _mm512_set1_epi32(32 * (mb->xsum - mb->xsum_lo)));
+                s = _mm512_add_epi32(_mm512_mullo_epi32(sc0, s0), _mm512_mullo_epi32(sc1, s1));
+            } else {
+                if (nt >= 4) { /* enough independent tokens to hide the latency: one chain */
+                    s = _mm512_setzero_si512();
+#pragma GCC unroll 8
+                    for (int i = 0; i < 8; i++)
+                        s = _mm512_dpbusd_epi32(s, wv[i], _mm512_set1_epi32(x[i]));
+                } else { /* two chains, added at the end */
+                    __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+#pragma GCC unroll 4
+                    for (int i = 0; i < 8; i += 2) {
+                        s0 = _mm512_dpbusd_epi32(s0, wv[i], _mm512_set1_epi32(x[i]));
+                        s1 = _mm512_dpbusd_epi32(s1, wv[i + 1], _mm512_set1_epi32(x[i + 1]));
+                    }
+                    s = _mm512_add_epi32(s0, s1);
+                }
+                if (z) s = _mm512_sub_epi32(s, _mm512_set1_epi32(z * mb->xsum));
+                if (kq) s = _mm512_mullo_epi32(sc0, s);
             }
-            const cs_qblock *mb = meta + (size_t)t * (size_t)nb + (size_t)b;
-            if (z) s = _mm512_sub_epi32(s, _mm512_set1_epi32(z * mb->xsum));
             acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(mb->dx)),
                                      _mm512_cvtepi32_ps(s), acc[t]);
-            if (type == CS_QMAT_Q4_1) acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(mb->fsum), acc[t]);
+            if (min1 || mink) acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(mb->fsum), acc[t]);
         }
     }
 #pragma GCC unroll 8
@@ -105,55 +159,58 @@ tile(const int nt, const int type, const uint8_t *pq, const uint16_t *pd, const 
 }
 
 /* One instance per (type, token count) so every loop above unrolls. */
+typedef void tile_fn(int nt, const cs_qpanel *P, int64_t nb, const int8_t *xq, int64_t cols,
+                     const cs_qblock *meta, __m512 *out);
 #define TILE_FN(name, TYPE)                                                                        \
-    static void name(int nt, const uint8_t *pq, const uint16_t *pd, const uint16_t *pm,            \
-                     int64_t nb, const int8_t *xq, int64_t cols, const cs_qblock *meta, int32_t z, \
-                     __m512 *out) {                                                                \
+    static void name(int nt, const cs_qpanel *P, int64_t nb, const int8_t *xq, int64_t cols,       \
+                     const cs_qblock *meta, __m512 *out) {                                         \
         switch (nt) {                                                                              \
-        case 1: tile(1, TYPE, pq, pd, pm, nb, xq, cols, meta, z, out); break;                      \
-        case 2: tile(2, TYPE, pq, pd, pm, nb, xq, cols, meta, z, out); break;                      \
-        case 3: tile(3, TYPE, pq, pd, pm, nb, xq, cols, meta, z, out); break;                      \
-        case 4: tile(4, TYPE, pq, pd, pm, nb, xq, cols, meta, z, out); break;                      \
-        case 5: tile(5, TYPE, pq, pd, pm, nb, xq, cols, meta, z, out); break;                      \
-        case 6: tile(6, TYPE, pq, pd, pm, nb, xq, cols, meta, z, out); break;                      \
-        case 7: tile(7, TYPE, pq, pd, pm, nb, xq, cols, meta, z, out); break;                      \
-        default: tile(8, TYPE, pq, pd, pm, nb, xq, cols, meta, z, out); break;                     \
+        case 1: tile(1, TYPE, P, nb, xq, cols, meta, out); break;                                  \
+        case 2: tile(2, TYPE, P, nb, xq, cols, meta, out); break;                                  \
+        case 3: tile(3, TYPE, P, nb, xq, cols, meta, out); break;                                  \
+        case 4: tile(4, TYPE, P, nb, xq, cols, meta, out); break;                                  \
+        case 5: tile(5, TYPE, P, nb, xq, cols, meta, out); break;                                  \
+        case 6: tile(6, TYPE, P, nb, xq, cols, meta, out); break;                                  \
+        case 7: tile(7, TYPE, P, nb, xq, cols, meta, out); break;                                  \
+        default: tile(8, TYPE, P, nb, xq, cols, meta, out); break;                                 \
         }                                                                                          \
     }
 TILE_FN(tile_q4_0, CS_QMAT_Q4_0)
 TILE_FN(tile_q4_1, CS_QMAT_Q4_1)
 TILE_FN(tile_q8_0, CS_QMAT_Q8_0)
+TILE_FN(tile_q5_0, CS_QMAT_Q5_0)
+TILE_FN(tile_q5_1, CS_QMAT_Q5_1)
+TILE_FN(tile_q4_k, CS_QMAT_Q4_K)
+TILE_FN(tile_q5_k, CS_QMAT_Q5_K)
+TILE_FN(tile_q6_k, CS_QMAT_Q6_K)
+static tile_fn *const tiles[CS_QMAT_TYPES] = {
+    [CS_QMAT_Q4_0] = tile_q4_0, [CS_QMAT_Q4_1] = tile_q4_1, [CS_QMAT_Q8_0] = tile_q8_0,
+    [CS_QMAT_Q5_0] = tile_q5_0, [CS_QMAT_Q5_1] = tile_q5_1, [CS_QMAT_Q4_K] = tile_q4_k,
+    [CS_QMAT_Q5_K] = tile_q5_k, [CS_QMAT_Q6_K] = tile_q6_k};
 
 void cs__qmat_vnni_panels(const cs_qout *outs, const cs_qact *a, const cs_qmat *w, int64_t p0,
                           int64_t p1) {
-    const int32_t z = cs__qmat_zero(w->type);
-    const int64_t nb = w->n_blocks, qb = cs__qmat_qbytes(w->type);
-    void (*fn)(int, const uint8_t *, const uint16_t *, const uint16_t *, int64_t, const int8_t *,
-               int64_t, const cs_qblock *, int32_t, __m512 *) = w->type == CS_QMAT_Q4_0 ? tile_q4_0
-                                                                : w->type == CS_QMAT_Q4_1
-                                                                    ? tile_q4_1
-                                                                    : tile_q8_0;
+    const int64_t nb = w->n_blocks;
     int part = 0;
     for (int64_t p = p0; p < p1; p++) {
-        while (part + 1 < w->n_parts && p >= w->part[part + 1].panel0)
-            part++;
-        const int64_t row0 = (p - w->part[part].panel0) * CS_QROWS;
-        const int64_t left = w->part[part].rows - row0;
+        part = cs__qmat_part_of(w, p, part);
+        const cs_qpart *P = &w->part[part];
+        tile_fn *fn = tiles[P->type];
+        const int64_t row0 = (p - P->panel0) * CS_QROWS;
+        const int64_t left = P->rows - row0;
         const __mmask16 mask = left >= CS_QROWS ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
         const cs_qout *o = &outs[part];
         const __m512 bias =
             o->bias ? _mm512_maskz_loadu_ps(mask, o->bias + row0) : _mm512_setzero_ps();
-        const uint8_t *pq = w->q + (size_t)(p * nb * qb);
-        const uint16_t *pd = w->d + (size_t)(p * nb * CS_QROWS);
-        const uint16_t *pm = w->m ? w->m + (size_t)(p * nb * CS_QROWS) : NULL;
+        const cs_qpanel v = cs__qmat_panel(w, P, p - P->panel0);
         for (int t0 = 0; t0 < a->n_tokens; t0 += MAX_NT) {
             int nt = a->n_tokens - t0 < MAX_NT ? a->n_tokens - t0 : MAX_NT;
             __m512 acc[MAX_NT];
-            fn(nt, pq, pd, pm, nb, a->q + (size_t)t0 * (size_t)a->cols, a->cols,
-               a->meta + (size_t)t0 * (size_t)nb, z, acc);
+            fn(nt, &v, nb, a->q + (size_t)t0 * (size_t)a->cols, a->cols,
+               a->meta + (size_t)t0 * (size_t)nb, acc);
             for (int t = 0; t < nt; t++) {
-                __m512 v = o->bias ? _mm512_add_ps(acc[t], bias) : acc[t];
-                _mm512_mask_storeu_ps(o->out + (size_t)(t0 + t) * (size_t)o->ldo + row0, mask, v);
+                __m512 vv = o->bias ? _mm512_add_ps(acc[t], bias) : acc[t];
+                _mm512_mask_storeu_ps(o->out + (size_t)(t0 + t) * (size_t)o->ldo + row0, mask, vv);
             }
         }
     }
@@ -172,12 +229,13 @@ void cs__quantize_vnni_rows(cs_qact *a, const float *x, int64_t t0, int64_t t1) 
             __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, vid));
             _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(q0));
             _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtepi32_epi8(q1));
-            int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+            int32_t sum_lo = _mm512_reduce_add_epi32(q0);
+            int32_t sum = sum_lo + _mm512_reduce_add_epi32(q1);
             cs_qblock *mb = &a->meta[(size_t)t * (size_t)a->n_blocks + (size_t)b];
             mb->dx = amax / 127.0f;
             mb->xsum = sum;
             mb->fsum = mb->dx * (float)sum;
-            mb->pad = 0;
+            mb->xsum_lo = sum_lo;
         }
 }
 

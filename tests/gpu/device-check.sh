@@ -125,7 +125,7 @@ if [ "$PHASE" != 1 ]; then
     if [ -f $STASH/model.1 ]; then
       mkdir -p "$(dirname "$MODEL")"
       cat $STASH/model.1 .devkit/model.2 >"$MODEL"
-      want=$(sed -n 's/^SHA256=//p' scripts/fetch-model.sh)
+      want=$(python3 -c 'import sys; sys.path.insert(0, "scripts"); import fetch_model; print(fetch_model.MODELS[fetch_model.DEFAULT]["sha256"])')
       if [ "$(sha256sum "$MODEL" | cut -d' ' -f1)" != "$want" ]; then
         rm -f "$MODEL"
         echo "the model put together from .devkit halves has the wrong sha256" | tee -a "$OUT/device-check.log"

@@ -58,6 +58,32 @@ def model_path() -> Path:
     return p
 
 
+# Models fetched by name (scripts/fetch-model.sh NAME): `make test` fetches the ones in
+# REQUIRED_MODELS, so a missing one fails; the others (benchmark models) skip.
+REQUIRED_MODELS = {"qwen2.5-coder-0.5b"}
+
+
+def named_model_path(name: str) -> Path:
+    sys.path.insert(0, str(REPO_ROOT / "scripts"))
+    import fetch_model
+    models = Path(os.environ.get("CHUNKSERVE_MODELS_DIR", REPO_ROOT / "models"))
+    return models / fetch_model.MODELS[name]["file"]
+
+
+@pytest.fixture(scope="session")
+def named_model():
+    """named_model("qwen2.5-coder-0.5b") -> its path; fails (required) or skips when absent."""
+    def get(name: str) -> Path:
+        p = named_model_path(name)
+        if not p.is_file():
+            msg = f"model {name} not found: {p} (run scripts/fetch-model.sh {name})"
+            if name in REQUIRED_MODELS:
+                pytest.fail(msg)
+            pytest.skip(msg)
+        return p
+    return get
+
+
 def run_cli(exe: Path, args: list, stdin: bytes = b"", timeout: float = 300,
             env: dict | None = None) -> bytes:
     """Run the CLI, fail the test with its stderr on a non-zero exit; return stdout bytes.

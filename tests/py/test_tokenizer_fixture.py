@@ -1,9 +1,11 @@
-"""chunkserve's tokenizer and chat template vs the golden fixture from llama.cpp / HF.
+"""chunkserve's tokenizer and chat template vs the golden fixtures from llama.cpp / HF.
 
-The fixture tests/fixtures/tokenizer_smollm2.json is made by
+The fixtures tests/fixtures/tokenizer_<model>.json are made by
 tools/fixtures/make_tokenizer_fixture.py (llama.cpp ids, cross-checked with HF tokenizers;
-chat text rendered by transformers' chat-template machinery).  These tests only need the Python
-stdlib, pytest and the built `chunkserve` CLI:
+chat text rendered by transformers' chat-template machinery): SmolLM2 (the default model),
+Qwen2.5-Coder-0.5B (fetched by `make test`) and Qwen2.5-Coder-1.5B (a benchmark model: its
+tests skip when models/ does not hold it).  These tests only need the Python stdlib, pytest and
+the built `chunkserve` CLI:
 
   chunkserve tokenize --model PATH [--no-special]   JSON-string lines in, JSON id-array lines out
   chunkserve detokenize --model PATH                JSON id-array lines in, JSON-string lines out
@@ -16,14 +18,31 @@ import json
 
 import pytest
 
-FIXTURE_NAME = "tokenizer_smollm2.json"
+from conftest import CLI
+
 MAX_REPORTED = 8
+# fixture file -> the model it was made from (None: the default model, CHUNKSERVE_MODEL)
+FIXTURES = {"tokenizer_smollm2.json": None,
+            "tokenizer_qwen2.5-coder-0.5b.json": "qwen2.5-coder-0.5b",
+            "tokenizer_qwen2.5-coder-1.5b.json": "qwen2.5-coder-1.5b"}
+
+
+@pytest.fixture(scope="module", params=list(FIXTURES), ids=lambda f: f[len("tokenizer_"):-5])
+def which(request):
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def fx(fixtures_dir) -> dict:
-    with open(fixtures_dir / FIXTURE_NAME, encoding="utf-8") as f:
+def fx(fixtures_dir, which) -> dict:
+    with open(fixtures_dir / which, encoding="utf-8") as f:
         return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def cli(chunkserve_bin, model_path, named_model, which) -> CLI:
+    """The CLI on the fixture's own model."""
+    name = FIXTURES[which]
+    return CLI(chunkserve_bin, named_model(name) if name else model_path)
 
 
 def _report(label: str, bad: list, total: int) -> str:
@@ -36,7 +55,7 @@ def _report(label: str, bad: list, total: int) -> str:
 def test_fixture_is_well_formed(fx):
     """Runs without the binary: the committed fixture has what the tests rely on."""
     assert len(fx["cases"]) >= 320
-    assert len(fx["chat_cases"]) >= 6
+    assert len(fx["chat_cases"]) >= (6 if fx["model"]["tokenizer.ggml.pre"] == "smollm" else 100)
     assert fx["no_special_cases"]
     texts = [c["text"] for c in fx["cases"]]
     assert "" in texts

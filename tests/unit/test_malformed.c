@@ -118,8 +118,12 @@ static void gguf_cases(const char *src) {
     expect("wrong shape", b, orig_size, CS_EBADMSG, "shape");
     memcpy(b, orig, orig_size), put_u32(b, q + 4 + 16, 99);
     expect("unknown type", b, orig_size, CS_ENOTSUP, "type");
-    memcpy(b, orig, orig_size), put_u32(b, q + 4 + 16, 14);
-    expect("unsupported type q6_K", b, orig_size, CS_ENOTSUP, "q6_K");
+    memcpy(b, orig, orig_size), put_u32(b, q + 4 + 16, 11);
+    expect("unsupported type q3_K", b, orig_size, CS_ENOTSUP, "q3_K");
+    memcpy(b, orig, orig_size), put_u32(b, q + 4 + 16, 23);
+    expect("unsupported type iq4_xs", b, orig_size, CS_ENOTSUP, "iq4_xs");
+    memcpy(b, orig, orig_size), put_u32(b, q + 4 + 16, 12); /* rows of 64: not whole q4_K blocks */
+    expect("q4_K rows of 64", b, orig_size, CS_EBADMSG, "q4_K");
     memcpy(b, orig, orig_size), put_u64(b, q + 4 + 20, (uint64_t)1 << 40);
     expect("tensor out of bounds", b, orig_size, CS_EBADMSG, "past end of file");
     memcpy(b, orig, orig_size), put_u64(b, q + 4 + 20, 4);
@@ -275,6 +279,25 @@ static void hf_cases(const char *src, const char *tmp) {
 #undef CASE
 }
 
+/* A quantized file whose block scale is NaN or Inf: refused, naming the tensor. */
+static void bad_scale_cases(const char *src) {
+    cs_gguf g;
+    ASSERT_EQ_INT(cs__gguf_open(src, &g), 0);
+    size_t n_bytes = g.file.size;
+    uint8_t *b = malloc(n_bytes);
+    ASSERT_TRUE(b);
+    memcpy(b, g.file.data, n_bytes);
+    const cs_gguf_tensor *t = cs__gguf_find_tensor(&g, "blk.1.ffn_down.weight");
+    ASSERT_TRUE(t != NULL && t->type == CS_DTYPE_Q8_0);
+    size_t at = (size_t)(t->data - g.file.data) + 34 * 5; /* block 5's d */
+    b[at] = 0x00, b[at + 1] = 0x7e;                       /* NaN */
+    expect("q8_0 scale NaN", b, n_bytes, CS_EBADMSG, "blk.1.ffn_down.weight");
+    b[at + 1] = 0xfc; /* -Inf */
+    expect("q8_0 scale -Inf", b, n_bytes, CS_EBADMSG, "block 5 has an infinite or NaN scale");
+    free(b);
+    cs__gguf_close(&g);
+}
+
 int main(void) {
     const char *tiny = getenv("CS_TINY_DIR"), *tmp = getenv("CS_TEST_TMPDIR");
     ASSERT_TRUE(tiny && tmp);
@@ -283,6 +306,8 @@ int main(void) {
     snprintf(src, sizeof src, "%s/f32/tiny.gguf", tiny);
     duplicate_cases();
     gguf_cases(src);
+    snprintf(src, sizeof src, "%s/q8_0/tiny.gguf", tiny);
+    bad_scale_cases(src);
     unlink(tmp_path);
     snprintf(src, sizeof src, "%s/f32/tiny-hf", tiny);
     hf_cases(src, tmp);

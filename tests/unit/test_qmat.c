@@ -2,8 +2,9 @@
  *
  * Bitwise (memcmp): every kernel set this CPU runs (AMX, AVX-512 VNNI,
  * AVX2) == the plain C reference (GEMM and activation quantizer), for every
- * type, token counts 1..70 (every tile shape), rows that do not fill a
- * panel, biases and stacked parts; a token's output alone == the same token
+ * type (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F32 requantized),
+ * token counts 1..70 (every tile shape), rows that do not fill a panel,
+ * biases and stacked parts, also of mixed types; a token's output alone == the same token
  * inside a GEMM of many tokens; 1 == 2 == 3 threads. Values: packed rows read back equal the GGUF
  * dequantizer's formula, the GEMM equals sum_k w[k] * xhat[k] of the dequantized weights and
  * activations to fp32 rounding, and is close to the fp32 product (the quantization error of 8-bit
@@ -42,19 +43,89 @@ static float f32_of_f16(uint16_t h) {
     return f;
 }
 
-static size_t block_bytes(int type) {
-    return type == CS_QMAT_Q4_0 ? 18 : type == CS_QMAT_Q4_1 ? 20 : type == CS_QMAT_Q8_0 ? 34 : 128;
+/* Bytes of one source row of cols weights. */
+static size_t row_bytes(int type, int64_t cols) {
+    switch (type) {
+    case CS_QMAT_Q4_0: return (size_t)(cols / 32 * 18);
+    case CS_QMAT_Q4_1: return (size_t)(cols / 32 * 20);
+    case CS_QMAT_Q8_0: return (size_t)(cols / 32 * 34);
+    case CS_QMAT_Q5_0: return (size_t)(cols / 32 * 22);
+    case CS_QMAT_Q5_1: return (size_t)(cols / 32 * 24);
+    case CS_QMAT_Q4_K: return (size_t)(cols / 256 * 144);
+    case CS_QMAT_Q5_K: return (size_t)(cols / 256 * 176);
+    case CS_QMAT_Q6_K: return (size_t)(cols / 256 * 210);
+    }
+    return (size_t)cols * 4;
 }
 
-/* A random matrix in the file's layout, and its fp32 dequantization. */
+static void put16(uint8_t *p, uint16_t h) {
+    p[0] = (uint8_t)h, p[1] = (uint8_t)(h >> 8);
+}
+
+/* The K-quant 6-bit scale / min packing (GGUF's 12 bytes for 8 pairs). */
+static void pack_k4_scales(uint8_t *q, const int *sc, const int *mn) {
+    memset(q, 0, 12);
+    for (int j = 0; j < 8; j++) {
+        if (j < 4) {
+            q[j] |= (uint8_t)(sc[j] & 63);
+            q[j + 4] |= (uint8_t)(mn[j] & 63);
+        } else {
+            q[j + 4] |= (uint8_t)((sc[j] & 15) | (mn[j] & 15) << 4);
+            q[j - 4] |= (uint8_t)((sc[j] >> 4) << 6);
+            q[j] |= (uint8_t)((mn[j] >> 4) << 6);
+        }
+    }
+}
+
+/* A random matrix in the file's layout, and its fp32 dequantization by
+ * GGUF's formulas (each product rounded on its own; Q4_1's is one fmaf, as
+ * the packer reads it back). */
 static void *make_src(int type, int64_t rows, int64_t cols, float *deq) {
-    int64_t nb = cols / 32;
-    uint8_t *s = malloc((size_t)(rows * nb) * block_bytes(type));
+    uint8_t *s = malloc((size_t)rows * row_bytes(type, cols));
     ASSERT_TRUE(s);
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t b = 0; b < nb; b++) {
-            uint8_t *p = s + (size_t)(r * nb + b) * block_bytes(type);
-            float *o = deq + r * cols + b * 32;
+    for (int64_t r = 0; r < rows; r++) {
+        uint8_t *row = s + (size_t)r * row_bytes(type, cols);
+        float *orow = deq + r * cols;
+        if (type == CS_QMAT_Q4_K || type == CS_QMAT_Q5_K || type == CS_QMAT_Q6_K) {
+            size_t bb = row_bytes(type, 256);
+            for (int64_t sb = 0; sb < cols / 256; sb++) {
+                uint8_t *p = row + (size_t)sb * bb;
+                float *o = orow + sb * 256;
+                for (size_t i = 0; i < bb; i++)
+                    p[i] = (uint8_t)next();
+                float d = 0.0001f + 0.002f * (float)(next() % 1000) / 1000.0f;
+                uint16_t dh = f16(d), mh = f16(d * 3);
+                float df = f32_of_f16(dh), mf = f32_of_f16(mh);
+                if (type == CS_QMAT_Q6_K) {
+                    put16(p + 208, dh);
+                    const int8_t *sc = (const int8_t *)(p + 192);
+                    for (int e = 0; e < 256; e++) {
+                        int half = e / 128, f = e % 128;
+                        int lo = f < 64 ? p[64 * half + f] & 15 : p[64 * half + f - 64] >> 4;
+                        int hi = (p[128 + 32 * half + f % 32] >> (2 * (f / 32))) & 3;
+                        o[e] = (df * (float)sc[e / 16]) * (float)((lo | hi << 4) - 32);
+                    }
+                    continue;
+                }
+                put16(p, dh), put16(p + 2, mh);
+                int sc[8], mn[8];
+                for (int j = 0; j < 8; j++)
+                    sc[j] = (int)(next() % 64), mn[j] = (int)(next() % 64);
+                pack_k4_scales(p + 4, sc, mn);
+                bool five = type == CS_QMAT_Q5_K;
+                const uint8_t *qh = p + 16, *qs = p + (five ? 48 : 16);
+                for (int j = 0; j < 8; j++)
+                    for (int l = 0; l < 32; l++) {
+                        int q = (qs[32 * (j / 2) + l] >> (4 * (j & 1))) & 15;
+                        if (five) q |= ((qh[l] >> j) & 1) << 4;
+                        o[32 * j + l] = (df * (float)sc[j]) * (float)q - mf * (float)mn[j];
+                    }
+            }
+            continue;
+        }
+        for (int64_t b = 0; b < cols / 32; b++) {
+            uint8_t *p = row + (size_t)b * row_bytes(type, 32);
+            float *o = orow + b * 32;
             float d = 0.001f + 0.02f * (float)(next() % 1000) / 1000.0f;
             float m = -0.001f - 0.1f * (float)(next() % 1000) / 1000.0f;
             uint16_t dh = f16(d), mh = f16(-m);
@@ -66,29 +137,41 @@ static void *make_src(int type, int64_t rows, int64_t cols, float *deq) {
                     o[i] = x[i] = frand() * 0.5f;
                 continue;
             }
-            p[0] = (uint8_t)dh, p[1] = (uint8_t)(dh >> 8);
+            put16(p, dh);
             if (type == CS_QMAT_Q8_0) {
                 for (int i = 0; i < 32; i++) {
                     int8_t q = (int8_t)(next() % 255 - 127);
                     p[2 + i] = (uint8_t)q;
                     o[i] = df * (float)q;
                 }
-            } else {
-                uint8_t *qs = p + (type == CS_QMAT_Q4_1 ? 4 : 2);
-                if (type == CS_QMAT_Q4_1) p[2] = (uint8_t)mh, p[3] = (uint8_t)(mh >> 8);
-                for (int i = 0; i < 16; i++) {
-                    qs[i] = (uint8_t)(next() & 0xff);
-                    int lo = qs[i] & 15, hi = qs[i] >> 4;
-                    if (type == CS_QMAT_Q4_0) {
-                        o[i] = df * (float)(lo - 8);
-                        o[i + 16] = df * (float)(hi - 8);
-                    } else {
-                        o[i] = fmaf(df, (float)lo, mf);
-                        o[i + 16] = fmaf(df, (float)hi, mf);
-                    }
+                continue;
+            }
+            bool min = type == CS_QMAT_Q4_1 || type == CS_QMAT_Q5_1;
+            bool five = type == CS_QMAT_Q5_0 || type == CS_QMAT_Q5_1;
+            if (min) put16(p + 2, mh);
+            uint8_t *qh = p + (min ? 4 : 2), *qs = qh + (five ? 4 : 0);
+            uint32_t hbits = five ? next() : 0;
+            if (five)
+                for (int i = 0; i < 4; i++)
+                    qh[i] = (uint8_t)(hbits >> (8 * i));
+            for (int i = 0; i < 16; i++) {
+                qs[i] = (uint8_t)(next() & 0xff);
+                int lo = (qs[i] & 15) | (int)((hbits >> i) & 1) << 4;
+                int hi = (qs[i] >> 4) | (int)((hbits >> (i + 16)) & 1) << 4;
+                if (type == CS_QMAT_Q4_0 || type == CS_QMAT_Q5_0) {
+                    int z = five ? 16 : 8;
+                    o[i] = df * (float)(lo - z);
+                    o[i + 16] = df * (float)(hi - z);
+                } else if (type == CS_QMAT_Q4_1) {
+                    o[i] = fmaf(df, (float)lo, mf);
+                    o[i + 16] = fmaf(df, (float)hi, mf);
+                } else {
+                    o[i] = df * (float)lo + mf;
+                    o[i + 16] = df * (float)hi + mf;
                 }
             }
         }
+    }
     return s;
 }
 
@@ -99,14 +182,14 @@ static float *alloc_f(size_t n) {
 }
 
 /* GEMM through the dispatcher (VNNI where usable) vs the reference. */
-static void gemm_case(int type, int n_parts, const int64_t *rows, int64_t cols, int max_tokens,
-                      bool bias) {
+static void gemm_parts(const int *types, int n_parts, const int64_t *rows, int64_t cols,
+                       int max_tokens, bool bias) {
     cs_qmat_src src[4];
     float *deq[4], *b[4] = {0};
     int64_t total = 0;
     for (int p = 0; p < n_parts; p++) {
         deq[p] = alloc_f((size_t)(rows[p] * cols));
-        src[p] = (cs_qmat_src){type, make_src(type, rows[p], cols, deq[p]), rows[p], NULL};
+        src[p] = (cs_qmat_src){types[p], make_src(types[p], rows[p], cols, deq[p]), rows[p], NULL};
         if (bias) {
             b[p] = alloc_f((size_t)rows[p]);
             for (int64_t r = 0; r < rows[p]; r++)
@@ -116,14 +199,16 @@ static void gemm_case(int type, int n_parts, const int64_t *rows, int64_t cols, 
     }
     cs_qmat *w;
     ASSERT_EQ_INT(cs_qmat_pack(src, n_parts, cols, &w), 0);
-    ASSERT_EQ_INT(cs_qmat_type(w), type == CS_QMAT_F32 ? CS_QMAT_Q8_0 : type);
+    for (int p = 0; p < n_parts; p++)
+        ASSERT_EQ_INT(cs_qmat_type(w, p), types[p] == CS_QMAT_F32 ? CS_QMAT_Q8_0 : types[p]);
 
     /* rows read back == the dequantizer's formula (F32 sources were requantized) */
-    if (type != CS_QMAT_F32) {
+    for (int p = 0; p < n_parts; p++) {
+        if (types[p] == CS_QMAT_F32) continue;
         float *row = alloc_f((size_t)cols);
-        for (int32_t r = 0; r < rows[0]; r += 7) {
-            cs_qmat_get_rows(w, 0, &r, 1, row);
-            ASSERT_TRUE(memcmp(row, deq[0] + r * cols, (size_t)cols * sizeof(float)) == 0);
+        for (int32_t r = 0; r < rows[p]; r += 7) {
+            cs_qmat_get_rows(w, p, &r, 1, row);
+            ASSERT_TRUE(memcmp(row, deq[p] + r * cols, (size_t)cols * sizeof(float)) == 0);
         }
         free(row);
     }
@@ -173,7 +258,7 @@ static void gemm_case(int type, int n_parts, const int64_t *rows, int64_t cols, 
                     if (memcmp(fast[p], ref[p], (size_t)(nt * rows[p]) * sizeof(float)) != 0) {
                         fprintf(stderr,
                                 "type %d part %d: %d tokens on %d threads, kernels %d differ\n",
-                                type, p, nt, k + 1, kind);
+                                types[p], p, nt, k + 1, kind);
                         for (int64_t i = 0; i < nt * rows[p]; i++)
                             if (memcmp(&fast[p][i], &ref[p][i], sizeof(float)))
                                 fprintf(stderr, "  [%lld] %.9g != %.9g\n", (long long)i, fast[p][i],
@@ -216,6 +301,24 @@ static void gemm_case(int type, int n_parts, const int64_t *rows, int64_t cols, 
     cs_qmat_free(w);
 }
 
+static void gemm_case(int type, int n_parts, const int64_t *rows, int64_t cols, int max_tokens,
+                      bool bias) {
+    int types[4] = {type, type, type, type};
+    gemm_parts(types, n_parts, rows, cols, max_tokens, bias);
+}
+
+/* Stacked parts of different types, as Q4_K_M files mix them (q|k in
+ * Q4_K, v in Q6_K; gate Q5_0, up Q8_0), in every kernel set. */
+static void test_mixed(void) {
+    const int64_t qkv[] = {48, 16, 16}, gu[] = {40, 40};
+    const int t1[] = {CS_QMAT_Q4_K, CS_QMAT_Q4_K, CS_QMAT_Q6_K};
+    const int t2[] = {CS_QMAT_Q5_0, CS_QMAT_Q8_0};
+    const int t3[] = {CS_QMAT_Q5_K, CS_QMAT_Q4_1, CS_QMAT_F32};
+    gemm_parts(t1, 3, qkv, 512, 40, true);
+    gemm_parts(t2, 2, gu, 256, 33, false);
+    gemm_parts(t3, 3, qkv, 256, 20, true);
+}
+
 static void test_bad_shapes(void) {
     float data[64] = {0};
     cs_qmat *w = (cs_qmat *)1;
@@ -223,8 +326,11 @@ static void test_bad_shapes(void) {
     ASSERT_EQ_INT(cs_qmat_pack(&s, 1, 33, &w), CS_EINVAL);
     ASSERT_TRUE(w == NULL);
     ASSERT_EQ_INT(cs_qmat_pack(&s, 0, 32, &w), CS_EINVAL);
-    cs_qmat_src mixed[2] = {s, {CS_QMAT_Q8_0, data, 1, NULL}};
-    ASSERT_EQ_INT(cs_qmat_pack(mixed, 2, 32, &w), CS_EINVAL);
+    cs_qmat_src kq = {CS_QMAT_Q4_K, data, 1, NULL}; /* K-quants: 256 columns a super-block */
+    ASSERT_EQ_INT(cs_qmat_pack(&kq, 1, 128, &w), CS_EINVAL);
+    ASSERT_TRUE(w == NULL);
+    kq.type = CS_QMAT_TYPES;
+    ASSERT_EQ_INT(cs_qmat_pack(&kq, 1, 256, &w), CS_EINVAL);
     s.rows = 0;
     ASSERT_EQ_INT(cs_qmat_pack(&s, 1, 32, &w), CS_EINVAL);
 }
@@ -319,16 +425,20 @@ int main(void) {
     test_fused(100, 96); /* enough work for the pool to split the rows */
     const int64_t one[] = {37}, qkv[] = {64, 32, 32}, big[] = {200}, tall[] = {100},
                   ragged[] = {40, 24, 24};
-    const int types[] = {CS_QMAT_Q4_0, CS_QMAT_Q4_1, CS_QMAT_Q8_0, CS_QMAT_F32};
-    for (int i = 0; i < 4; i++) {
-        gemm_case(types[i], 1, one, 64, 40, false);
-        gemm_case(types[i], 3, qkv, 96, 19, true);
-        gemm_case(types[i], 1, big, 320, 9, false);
+    const int types[] = {CS_QMAT_Q4_0, CS_QMAT_Q4_1, CS_QMAT_Q8_0, CS_QMAT_F32, CS_QMAT_Q5_0,
+                         CS_QMAT_Q5_1, CS_QMAT_Q4_K, CS_QMAT_Q5_K, CS_QMAT_Q6_K};
+    for (int i = 0; i < (int)(sizeof types / sizeof types[0]); i++) {
+        /* K-quants need rows of whole 256-weight super-blocks */
+        int64_t k1 = cs__qmat_is_k(types[i]) ? 256 : 64, k3 = cs__qmat_is_k(types[i]) ? 512 : 96;
+        gemm_case(types[i], 1, one, k1, 40, false);
+        gemm_case(types[i], 3, qkv, k3, 19, true);
+        gemm_case(types[i], 1, big, cs__qmat_is_k(types[i]) ? 768 : 320, 9, false);
         /* AMX tiles of 16 tokens: 1-4 tiles and a tail, panel pairs that
          * straddle parts and end in partial panels */
-        gemm_case(types[i], 1, tall, 96, 70, true);
-        gemm_case(types[i], 3, ragged, 64, 54, true);
+        gemm_case(types[i], 1, tall, k3, 70, true);
+        gemm_case(types[i], 3, ragged, k1, 54, true);
     }
+    test_mixed();
     for (int k = 0; k < 3; k++)
         cs_threadpool_free(pools[k]);
     printf("ok\n");

@@ -57,22 +57,24 @@ int cs_model_load(const char *path, cs_model **out);
 
 /* How weight matrices are held. EXACT: fp32 (quantized GGUF types
  * dequantized at load), what every backend and the reference forward run.
- * QUANT: the matrices stay in the file's Q4_0 / Q4_1 / Q8_0 blocks, repacked
- * once for the CPU backend's integer kernels (kernels/cpu/qmat.h), no fp32
- * copy; F16/BF16/F32 matrices (and groups of matrices with mixed types) are
+ * QUANT: the matrices stay at the file's bits (Q4_0, Q4_1, Q5_0, Q5_1,
+ * Q8_0, Q4_K, Q5_K, Q6_K), repacked once for the CPU backend's integer
+ * kernels (kernels/cpu/qmat.h), no fp32 copy; F16/BF16/F32 matrices are
  * quantized to Q8_0; norms and biases stay fp32. Only the CPU backend runs
- * it. AUTO: QUANT when every layer matrix of the file is Q4_0/Q4_1/Q8_0 and
+ * it. AUTO: QUANT when every layer matrix of the file is in those blocks and
  * the backend registry will pick the CPU (cs_backend_will_use_cuda), else
  * EXACT. */
 typedef enum { CS_WEIGHTS_AUTO = 0, CS_WEIGHTS_EXACT, CS_WEIGHTS_QUANT } cs_weight_mode;
 /* cs_model_load (which is EXACT) with a mode; same errors, and CS_EINVAL for
- * QUANT when a matrix's inner size is not a multiple of 32. */
+ * QUANT when a matrix's inner size is not a multiple of 32. A block whose
+ * fp16 scale is infinite or NaN is CS_EBADMSG naming the tensor (any mode). */
 int cs_model_load_mode(const char *path, cs_weight_mode mode, cs_model **out);
 /* The mode the model was loaded in: EXACT or QUANT (never AUTO). */
 cs_weight_mode cs_model_weight_mode(const cs_model *m);
 /* "exact" / "quant" (and "auto"). */
 const char *cs_weight_mode_name(cs_weight_mode mode);
-/* A short description of the weights: "fp32" or "q4_1 (quantized kernels)". */
+/* A short description of the weights: "fp32", "q4_1 (quantized kernels)" or
+ * for a file that mixes types "q4_K+q6_K+q8_0 (quantized kernels)". */
 const char *cs_model_weight_desc(const cs_model *m);
 /* Loads only what serves requests without running the model: the
  * configuration, the tokenizer and the chat template (the router's needs).
@@ -83,6 +85,12 @@ const char *cs_model_weight_desc(const cs_model *m);
  * cs_model_weight_bytes is 0 and the model cannot be run (cs_engine_init,
  * cs_ref_seq_init need a full load). Free with cs_model_free(). */
 int cs_model_load_vocab(const char *path, cs_model **out);
+/* One tensor of a GGUF file as fp32, dequantized exactly as an EXACT load
+ * does (bit for bit GGUF's reference dequantizers), for tools and tests:
+ * *out (malloc'ed, the caller frees it) gets *n elements in the file's
+ * order. CS_ENOENT when the file has no tensor of that name; the file's
+ * errors as cs_model_load; CS_EBADMSG for a non-finite block scale. */
+int cs_gguf_tensor_f32(const char *path, const char *name, float **out, int64_t *n);
 void cs_model_free(cs_model *m); /* NULL is a no-op */
 
 const cs_model_config *cs_model_get_config(const cs_model *m);
