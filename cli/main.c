@@ -585,11 +585,11 @@ static int cmd_info(const cs_model *m) {
     printf("{\"arch\":\"%s\",\"n_vocab\":%d,\"dim\":%d,\"n_layers\":%d,\"n_heads\":%d,\"n_kv_"
            "heads\":%d,"
            "\"head_dim\":%d,\"hidden_dim\":%d,\"ctx_len\":%d,\"norm_eps\":%g,\"rope_theta\":%g,"
-           "\"tied_embeddings\":%s,\"qkv_bias\":%s,\"weight_bytes\":%zu}\n",
+           "\"tied_embeddings\":%s,\"qkv_bias\":%s,\"weight_bytes\":%zu,\"weights\":\"%s\"}\n",
            c->arch, c->n_vocab, c->dim, c->n_layers, c->n_heads, c->n_kv_heads, c->head_dim,
            c->hidden_dim, c->ctx_len, c->norm_eps, c->rope_theta,
            c->tied_embeddings ? "true" : "false", c->qkv_bias ? "true" : "false",
-           cs_model_weight_bytes(m));
+           cs_model_weight_bytes(m), cs_model_weight_desc(m));
     return 0;
 }
 

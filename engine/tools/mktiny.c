@@ -184,6 +184,7 @@ static int add_tensor(tensor *ts, int n, const char *gguf, const char *hf, int l
 
 /* Rounds weights through the GGUF type so both files hold identical values. */
 static void *quantize(enum cs_dtype type, const float *x, size_t n, size_t *nbytes);
+static enum cs_dtype tensor_type(const tiny_cfg *c, int cols);
 
 static int build_tensors(const tiny_cfg *c, int n_vocab, tensor *ts) {
     int n = 0, q = c->n_heads * c->head_dim, kv = c->n_kv_heads * c->head_dim;
@@ -231,11 +232,101 @@ static int build_tensors(const tiny_cfg *c, int n_vocab, tensor *ts) {
     for (int i = 0; i < n; i++) {
         if (c->type == CS_DTYPE_F32 || (!ts[i].cols && !half)) continue;
         size_t count = (size_t)ts[i].rows * (size_t)(ts[i].cols ? ts[i].cols : 1), nb;
-        void *qd = quantize(c->type, ts[i].data, count, &nb);
-        cs__dtype_to_f32(c->type, qd, ts[i].data, count);
+        enum cs_dtype type = ts[i].cols ? tensor_type(c, ts[i].cols) : c->type;
+        void *qd = quantize(type, ts[i].data, count, &nb);
+        cs__dtype_to_f32(type, qd, ts[i].data, count);
         free(qd);
     }
     return n;
+}
+
+static bool is_k(enum cs_dtype t) {
+    return t == CS_DTYPE_Q4_K || t == CS_DTYPE_Q5_K || t == CS_DTYPE_Q6_K;
+}
+/* A matrix's type: the model's, except that a K-quant falls back to Q5_0
+ * where a row is not whole 256-weight super-blocks (as llama.cpp's
+ * quantizer does for such tensors); vectors stay F32. */
+static enum cs_dtype tensor_type(const tiny_cfg *c, int cols) {
+    if (!cols) return CS_DTYPE_F32;
+    if (is_k(c->type) && cols % 256) return CS_DTYPE_Q5_0;
+    return c->type;
+}
+
+static void put16(uint8_t *o, float v) {
+    uint16_t h = cs_f32_to_f16(v);
+    memcpy(o, &h, 2);
+}
+static int clampi(float v, int lo, int hi) {
+    int q = (int)lrintf(v);
+    return q < lo ? lo : q > hi ? hi : q;
+}
+
+/* Q4_K / Q5_K: 8 sub-blocks of 32 with 6-bit scales and mins under fp16
+ * super-scales; levels = 15 or 31. Not llama.cpp's optimizing search, a
+ * plain min/max fit: the bits are valid, the error a little larger. */
+static void quantize_k45(const float *x, uint8_t *o, int levels) {
+    float scale[8], mins[8], smax = 0, mmax = 0;
+    for (int j = 0; j < 8; j++) {
+        float lo = 0, hi = 0;
+        for (int l = 0; l < 32; l++)
+            lo = fminf(lo, x[32 * j + l]), hi = fmaxf(hi, x[32 * j + l]);
+        scale[j] = (hi - lo) / (float)levels, mins[j] = -lo;
+        smax = fmaxf(smax, scale[j]), mmax = fmaxf(mmax, mins[j]);
+    }
+    put16(o, smax / 63), put16(o + 2, mmax / 63);
+    float d = cs_f16_to_f32(cs_f32_to_f16(smax / 63)), dm = cs_f16_to_f32(cs_f32_to_f16(mmax / 63));
+    int sc[8], mn[8];
+    uint8_t *sp = o + 4;
+    memset(sp, 0, 12);
+    for (int j = 0; j < 8; j++) {
+        sc[j] = d > 0 ? clampi(scale[j] / d, 0, 63) : 0;
+        mn[j] = dm > 0 ? clampi(mins[j] / dm, 0, 63) : 0;
+        if (j < 4) {
+            sp[j] |= (uint8_t)sc[j], sp[j + 4] |= (uint8_t)mn[j];
+        } else {
+            sp[j + 4] |= (uint8_t)((sc[j] & 15) | (mn[j] & 15) << 4);
+            sp[j - 4] |= (uint8_t)((sc[j] >> 4) << 6), sp[j] |= (uint8_t)((mn[j] >> 4) << 6);
+        }
+    }
+    bool five = levels == 31;
+    uint8_t *qh = o + 16, *qs = o + (five ? 48 : 16);
+    for (int j = 0; j < 8; j++) {
+        float dl = d * (float)sc[j], ml = dm * (float)mn[j];
+        for (int l = 0; l < 32; l++) {
+            int q = dl > 0 ? clampi((x[32 * j + l] + ml) / dl, 0, levels) : 0;
+            qs[32 * (j / 2) + l] |= (uint8_t)((q & 15) << (4 * (j & 1)));
+            if (five) qh[l] |= (uint8_t)((q >> 4) << j);
+        }
+    }
+}
+
+/* Q6_K: 16 sub-blocks of 16 with int8 scales under an fp16 super-scale. */
+static void quantize_q6k(const float *x, uint8_t *o) {
+    float scale[16], amax = 0;
+    for (int j = 0; j < 16; j++) {
+        float m = 0;
+        for (int l = 0; l < 16; l++)
+            if (fabsf(x[16 * j + l]) > fabsf(m)) m = x[16 * j + l];
+        scale[j] = m / -32.0f;
+        amax = fmaxf(amax, fabsf(scale[j]));
+    }
+    float d = cs_f16_to_f32(cs_f32_to_f16(amax / 127));
+    put16(o + 208, amax / 127);
+    uint8_t *ql = o, *qh = o + 128;
+    for (int j = 0; j < 16; j++) {
+        int8_t sc = (int8_t)(d > 0 ? clampi(scale[j] / d, -128, 127) : 0);
+        o[192 + j] = (uint8_t)sc;
+        float dl = d * (float)sc;
+        for (int l = 0; l < 16; l++) {
+            int e = 16 * j + l, half = e / 128, f = e % 128;
+            int q = dl != 0 ? clampi(x[e] / dl + 32, 0, 63) : 32;
+            if (f < 64)
+                ql[64 * half + f] |= (uint8_t)(q & 15);
+            else
+                ql[64 * half + f - 64] |= (uint8_t)((q & 15) << 4);
+            qh[32 * half + f % 32] |= (uint8_t)((q >> 4) << (2 * (f / 32)));
+        }
+    }
 }
 
 static void *quantize(enum cs_dtype type, const float *x, size_t n, size_t *nbytes) {
@@ -297,6 +388,40 @@ static void *quantize(enum cs_dtype type, const float *x, size_t n, size_t *nbyt
                 o[4 + j] = (uint8_t)(q0 | (q1 << 4));
             }
         }
+        break;
+    case CS_DTYPE_Q5_0:
+    case CS_DTYPE_Q5_1: {
+        bool min = type == CS_DTYPE_Q5_1;
+        for (size_t b = 0; b < n / 32; b++, o += min ? 24 : 22) {
+            const float *xb = x + b * 32;
+            float lo = INFINITY, hi = -INFINITY, mx = 0;
+            for (int j = 0; j < 32; j++) {
+                lo = fminf(lo, xb[j]), hi = fmaxf(hi, xb[j]);
+                if (fabsf(xb[j]) > fabsf(mx)) mx = xb[j];
+            }
+            float d = cs_f16_to_f32(cs_f32_to_f16(min ? (hi - lo) / 31 : mx / -16.0f));
+            put16(o, min ? (hi - lo) / 31 : mx / -16.0f);
+            if (min) put16(o + 2, lo);
+            float m = min ? cs_f16_to_f32(cs_f32_to_f16(lo)) : 0;
+            uint8_t *qh = o + (min ? 4 : 2), *qs = qh + 4;
+            uint32_t h = 0;
+            for (int j = 0; j < 32; j++) {
+                int q = d != 0 ? clampi(min ? (xb[j] - m) / d : xb[j] / d + 16, 0, 31) : 16 * !min;
+                qs[j % 16] |= (uint8_t)((q & 15) << (j < 16 ? 0 : 4));
+                h |= (uint32_t)(q >> 4) << j;
+            }
+            memcpy(qh, &h, 4);
+        }
+        break;
+    }
+    case CS_DTYPE_Q4_K:
+    case CS_DTYPE_Q5_K:
+        for (size_t b = 0; b < n / 256; b++, o += type == CS_DTYPE_Q4_K ? 144 : 176)
+            quantize_k45(x + b * 256, o, type == CS_DTYPE_Q4_K ? 15 : 31);
+        break;
+    case CS_DTYPE_Q6_K:
+        for (size_t b = 0; b < n / 256; b++, o += 210)
+            quantize_q6k(x + b * 256, o);
         break;
     default: fprintf(stderr, "mktiny: unsupported type\n"); exit(1);
     }
@@ -411,7 +536,7 @@ static int write_gguf(const char *path, const tiny_cfg *c, const vocab *v, tenso
             permute_rows(t->data, perm, t->perm_heads, c->head_dim, t->cols);
             src = perm;
         }
-        enum cs_dtype type = t->cols ? c->type : CS_DTYPE_F32;
+        enum cs_dtype type = tensor_type(c, t->cols);
         blobs[i] = quantize(type, src, count, &sizes[i]);
         free(perm);
         w_str(f, t->gguf);
@@ -594,10 +719,13 @@ static int write_hf(const char *dir, const tiny_cfg *c, const vocab *v, tensor *
 
 static void usage(void) {
     fprintf(stderr,
-            "usage: chunkserve-mktiny --out DIR [--type f32|f16|bf16|q8_0|q4_0|q4_1] [--untied]\n"
-            "                         [--qwen2] [--layers N] [--dim N] [--seed N]\n"
+            "usage: chunkserve-mktiny --out DIR [--type f32|f16|bf16|q8_0|q4_0|q4_1|q5_0|q5_1|\n"
+            "                         q4_k|q5_k|q6_k] [--untied] [--qwen2] [--layers N] [--dim N]\n"
+            "                         [--hidden N] [--seed N]\n"
             "Writes DIR/tiny.gguf and DIR/tiny-hf/ with identical weights.\n"
-            "--qwen2: qwen2 architecture (q/k/v biases, no q/k permutation in GGUF).\n");
+            "--qwen2: qwen2 architecture (q/k/v biases, no q/k permutation in GGUF).\n"
+            "K-quants apply where a row is whole 256-weight super-blocks, Q5_0 elsewhere\n"
+            "(--dim 256 --hidden 512 makes every matrix a K-quant).\n");
 }
 
 int main(int argc, char **argv) {
@@ -615,6 +743,8 @@ int main(int argc, char **argv) {
             c.n_layers = atoi(argv[++i]);
         else if (!strcmp(a, "--dim") && val)
             c.dim = atoi(argv[++i]);
+        else if (!strcmp(a, "--hidden") && val)
+            c.hidden = atoi(argv[++i]);
         else if (!strcmp(a, "--seed") && val)
             c.seed = strtoull(argv[++i], NULL, 10);
         else if (!strcmp(a, "--type") && val) {
@@ -631,6 +761,16 @@ int main(int argc, char **argv) {
                 c.type = CS_DTYPE_Q4_0;
             else if (!strcmp(t, "q4_1"))
                 c.type = CS_DTYPE_Q4_1;
+            else if (!strcmp(t, "q5_0"))
+                c.type = CS_DTYPE_Q5_0;
+            else if (!strcmp(t, "q5_1"))
+                c.type = CS_DTYPE_Q5_1;
+            else if (!strcmp(t, "q4_k"))
+                c.type = CS_DTYPE_Q4_K;
+            else if (!strcmp(t, "q5_k"))
+                c.type = CS_DTYPE_Q5_K;
+            else if (!strcmp(t, "q6_k"))
+                c.type = CS_DTYPE_Q6_K;
             else {
                 usage();
                 return 2;
@@ -640,7 +780,8 @@ int main(int argc, char **argv) {
             return 2;
         }
     }
-    if (!out || c.n_layers < 1 || c.dim < 32 || c.dim % 32 || c.dim % c.n_heads) {
+    if (!out || c.n_layers < 1 || c.dim < 32 || c.dim % 32 || c.dim % c.n_heads || c.hidden < 32 ||
+        c.hidden % 32) {
         usage();
         return 2;
     }

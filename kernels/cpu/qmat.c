@@ -365,22 +365,12 @@ void cs_op_quantize_ref(cs_qact *a, const float *x) {
 
 /* ---- GEMM ---- */
 
-/* One block's exact integer sum for (token block q, meta mb) and lane r:
- * isum of qmat.h. */
-static int32_t block_isum(int type, const cs_qpanel *v, int64_t b, int r, const int8_t *q,
-                          const cs_qblock *mb) {
-    int32_t s_lo = 0, s_hi = 0;
+/* One block's exact integer sums s_lo, s_hi for (token block q) and lane r. */
+static void block_sums(int type, const cs_qpanel *v, int64_t b, int r, const int8_t *q,
+                       int32_t *s_lo, int32_t *s_hi) {
+    *s_lo = *s_hi = 0;
     for (int k = 0; k < CS_QK; k++)
-        *(k < 16 ? &s_lo : &s_hi) += get_u(type, v, b, r, k) * q[k];
-    const uint8_t *sc = v->sc ? v->sc + b * 32 : NULL;
-    switch (type) {
-    case CS_QMAT_Q4_K:
-    case CS_QMAT_Q5_K: return (int32_t)sc[r] * (s_lo + s_hi);
-    case CS_QMAT_Q6_K:
-        return (int32_t)(int8_t)sc[r] * (s_lo - 32 * mb->xsum_lo) +
-               (int32_t)(int8_t)sc[16 + r] * (s_hi - 32 * (mb->xsum - mb->xsum_lo));
-    }
-    return s_lo + s_hi - cs__qmat_zero(type) * mb->xsum;
+        *(k < 16 ? s_lo : s_hi) += get_u(type, v, b, r, k) * q[k];
 }
 
 void cs__qmat_ref_panels(const cs_qout *outs, const cs_qact *a, const cs_qmat *w, int64_t p0,
@@ -399,15 +389,28 @@ void cs__qmat_ref_panels(const cs_qout *outs, const cs_qact *a, const cs_qmat *w
                 for (int64_t b = 0; b < w->n_blocks; b++) {
                     const int8_t *q = a->q + (size_t)t * (size_t)a->cols + (size_t)b * CS_QK;
                     const cs_qblock *mb = &a->meta[(size_t)t * (size_t)a->n_blocks + (size_t)b];
-                    int32_t isum = block_isum(type, &v, b, r, q, mb);
+                    int32_t s_lo, s_hi;
+                    block_sums(type, &v, b, r, q, &s_lo, &s_hi);
                     size_t s = (size_t)(b / g) * CS_QROWS + (size_t)r;
                     float d = cs_f16_to_f32(v.d[s]);
-                    acc = fmaf(d * mb->dx, (float)isum, acc);
-                    if (type == CS_QMAT_Q4_1 || type == CS_QMAT_Q5_1)
-                        acc = fmaf(cs_f16_to_f32(v.m[s]), mb->fsum, acc);
-                    else if (v.m) /* Q4_K, Q5_K */
-                        acc = fmaf(-(cs_f16_to_f32(v.m[s]) * (float)v.sc[b * 32 + 16 + r]),
-                                   mb->fsum, acc);
+                    const uint8_t *sc = v.sc ? v.sc + b * 32 : NULL;
+                    switch (type) {
+                    case CS_QMAT_Q4_K:
+                    case CS_QMAT_Q5_K:
+                        acc = fmaf(d * (float)sc[r] * mb->dx, (float)(s_lo + s_hi), acc);
+                        acc = fmaf(-(cs_f16_to_f32(v.m[s]) * (float)sc[16 + r]), mb->fsum, acc);
+                        break;
+                    case CS_QMAT_Q6_K:
+                        acc = fmaf(d * (float)(int8_t)sc[r] * mb->dx,
+                                   (float)(s_lo - 32 * mb->xsum_lo), acc);
+                        acc = fmaf(d * (float)(int8_t)sc[16 + r] * mb->dx,
+                                   (float)(s_hi - 32 * (mb->xsum - mb->xsum_lo)), acc);
+                        break;
+                    default:
+                        acc = fmaf(d * mb->dx,
+                                   (float)(s_lo + s_hi - cs__qmat_zero(type) * mb->xsum), acc);
+                        if (v.m) acc = fmaf(cs_f16_to_f32(v.m[s]), mb->fsum, acc);
+                    }
                 }
                 if (o->bias) acc += o->bias[row0 + r];
                 o->out[(size_t)t * (size_t)o->ldo + (size_t)(row0 + r)] = acc;

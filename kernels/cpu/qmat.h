@@ -26,15 +26,17 @@
  *
  *   Output (token t, row r) = for blocks b = 0, 1, ... in order:
  *     s_lo, s_hi = sum over the block's first / last 16 of u * q  (int32)
- *     isum = s_lo + s_hi - z * xsum                   (Q4_0 .. Q8_0)
- *          = sc * (s_lo + s_hi)                        (Q4_K, Q5_K)
- *          = sc_lo * (s_lo - 32 * xsum_lo)
- *          + sc_hi * (s_hi - 32 * (xsum - xsum_lo))    (Q6_K)
- *     acc  = fmaf(d * dx, (float)isum, acc)            (d = D for K-quants)
- *     acc  = fmaf(m, fsum, acc)                        (Q4_1, Q5_1)
- *     acc  = fmaf(-(DMIN * (float)mn), fsum, acc)      (Q4_K, Q5_K)
+ *     Q4_0 .. Q8_0: acc = fmaf(d * dx, (float)(s_lo + s_hi - z * xsum), acc)
+ *                   acc = fmaf(m, fsum, acc)               (Q4_1, Q5_1)
+ *     Q4_K, Q5_K:   acc = fmaf((D * sc) * dx, (float)(s_lo + s_hi), acc)
+ *                   acc = fmaf(-(DMIN * mn), fsum, acc)
+ *     Q6_K:         acc = fmaf((D * sc_lo) * dx, (float)(s_lo - 32 * xsum_lo), acc)
+ *                   acc = fmaf((D * sc_hi) * dx, (float)(s_hi - 32 * (xsum - xsum_lo)), acc)
+ *   (D * sc and DMIN * mn are exact in fp32: 11 bits times at most 8.)
  *   starting from acc = 0, then + bias[r] when there is one. Every integer
- *   is exact (|isum| < 2^24, so even its conversion to float is).
+ *   is exact (|sum| < 2^24, so even its conversion to float is). The scales
+ *   multiply as floats, never as integers: a 32-bit integer multiply is the
+ *   slowest vector op these kernels could use (vpmulld: two uops on one port).
  *
  * Every input of the fp32 steps is exact or rounded once in a fixed order, so
  * a result depends only on its own row of x and its own row of w: not on

@@ -96,21 +96,20 @@ static inline __attribute__((always_inline)) void tile(const int nt, const int t
                     w[i] = _mm256_sub_epi8(w[i], k32);
             const __m256 d = _mm256_cvtph_ps(
                 _mm_load_si128((const __m128i *)(const void *)(P->d + (b / g) * CS_QROWS + 8 * h)));
-            __m256 m = _mm256_setzero_ps();
-            __m256i sc0 = _mm256_setzero_si256(), sc1 = _mm256_setzero_si256();
+            __m256 d0 = d, d1 = d, m = _mm256_setzero_ps();
             if (min1)
                 m = _mm256_cvtph_ps(
                     _mm_load_si128((const __m128i *)(const void *)(P->m + b * CS_QROWS + 8 * h)));
-            if (kq) {
+            if (kq) { /* D * sc (and DMIN * mn), exact */
                 const uint8_t *s = P->sc + b * 32 + 8 * h;
+                const __m128i s0 = _mm_loadl_epi64((const __m128i *)(const void *)s);
+                const __m128i s1 = _mm_loadl_epi64((const __m128i *)(const void *)(s + 16));
                 if (q6) {
-                    sc0 = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)s));
-                    sc1 = _mm256_cvtepi8_epi32(
-                        _mm_loadl_epi64((const __m128i *)(const void *)(s + 16)));
+                    d0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s0)));
+                    d1 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s1)));
                 } else {
-                    sc0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(const void *)s));
-                    __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(
-                        _mm_loadl_epi64((const __m128i *)(const void *)(s + 16))));
+                    d0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(s0)));
+                    __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(s1));
                     __m256 dmin = _mm256_cvtph_ps(_mm_load_si128(
                         (const __m128i *)(const void *)(P->m + (b / g) * CS_QROWS + 8 * h)));
                     m = _mm256_xor_ps(_mm256_mul_ps(dmin, mn), _mm256_set1_ps(-0.0f));
@@ -122,6 +121,7 @@ static inline __attribute__((always_inline)) void tile(const int nt, const int t
                     (const a32 *)(const void *)(xq + (size_t)t * (size_t)cols + (size_t)b * CS_QK);
                 const cs_qblock *mb = mb0 + (size_t)t * (size_t)nb;
                 __m256i s;
+                const __m256 vdx = _mm256_set1_ps(mb->dx);
                 if (q8 || q6) { /* signed weights: |s| x (q signed by s) */
                     __m256i half[2];
 #pragma GCC unroll 2
@@ -137,9 +137,14 @@ static inline __attribute__((always_inline)) void tile(const int nt, const int t
                         }
                         if (q6) half[hh] = _mm256_madd_epi16(half[hh], ones);
                     }
-                    s = q8 ? _mm256_add_epi32(half[0], half[1])
-                           : _mm256_add_epi32(_mm256_mullo_epi32(sc0, half[0]),
-                                              _mm256_mullo_epi32(sc1, half[1]));
+                    if (q6) { /* each half with its own scale */
+                        acc[h][t] = _mm256_fmadd_ps(_mm256_mul_ps(d0, vdx),
+                                                    _mm256_cvtepi32_ps(half[0]), acc[h][t]);
+                        acc[h][t] = _mm256_fmadd_ps(_mm256_mul_ps(d1, vdx),
+                                                    _mm256_cvtepi32_ps(half[1]), acc[h][t]);
+                        continue;
+                    }
+                    s = _mm256_add_epi32(half[0], half[1]);
                 } else if (hb) { /* 5-bit: a pair reaches 7,874, so int16 holds 4 groups */
                     __m256i s0 = _mm256_setzero_si256(), s1 = _mm256_setzero_si256();
 #pragma GCC unroll 4
@@ -158,10 +163,9 @@ static inline __attribute__((always_inline)) void tile(const int nt, const int t
                                                _mm256_maddubs_epi16(w[i], _mm256_set1_epi32(x[i])));
                     s = _mm256_madd_epi16(s16, ones);
                 }
-                if (!q8 && !q6 && z) s = _mm256_sub_epi32(s, _mm256_set1_epi32(z * mb->xsum));
-                if (mink) s = _mm256_mullo_epi32(sc0, s);
-                acc[h][t] = _mm256_fmadd_ps(_mm256_mul_ps(d, _mm256_set1_ps(mb->dx)),
-                                            _mm256_cvtepi32_ps(s), acc[h][t]);
+                if (!q8 && z) s = _mm256_sub_epi32(s, _mm256_set1_epi32(z * mb->xsum));
+                acc[h][t] =
+                    _mm256_fmadd_ps(_mm256_mul_ps(d0, vdx), _mm256_cvtepi32_ps(s), acc[h][t]);
                 if (min1 || mink)
                     acc[h][t] = _mm256_fmadd_ps(m, _mm256_set1_ps(mb->fsum), acc[h][t]);
             }

@@ -7,12 +7,22 @@
  * runs unless cs__qmat_vnni_usable() said this CPU has them.
  *
  * GEMM: a tile is one 16-row panel (a vector lane per output row) times up
- * to 8 tokens. Per 32-weight block the panel's 16x32 weights are loaded
- * once (4 vectors of nibbles for Q4, split into 8 of bytes, or 8 of bytes
- * for Q8) and each token's 32 activation bytes are broadcast 4 at a time
- * into vpdpbusd: lane r sums u[r][k] * q[k] in int32, exactly (one chain,
- * or two added at the end when few tokens must hide the latency), so the
- * order does not matter. Then the block's epilogue (cvt, fma) in the reference's order. */
+ * to 8 tokens. Per 32-weight block the panel's 16x32 weights become 8
+ * vectors of bytes, vector i lane r = u[r][4i .. 4i+3] (Q8: loaded as they
+ * are; the others: nibbles split, then the 5th and 6th bits or'ed in from
+ * their bit planes), and each token's 32 activation bytes are broadcast 4
+ * at a time into vpdpbusd: lane r sums u[r][k] * q[k] in int32, exactly
+ * (one chain, or two added at the end when few tokens must hide the
+ * latency; Q6_K keeps its two 16-weight halves apart), so the order does
+ * not matter. Then the block's epilogue (cvt, fma) in the reference's order.
+ *
+ * Decode (few tokens) unpacks each block's weights in registers for the
+ * tile's tokens: memory-bound, so the unpacking is free. Prefill (16 tokens
+ * or more) unpacks a group of blocks once into a buffer on the stack and
+ * runs every token tile over the bytes there, so the unpacking (up to 5
+ * ops per block and token for Q6_K's bit planes) is paid once per panel
+ * and group rather than once per 8 tokens; the accumulators wait in the
+ * output rows between groups (an exact fp32 store and load). */
 #include <string.h>
 
 #include "qmat.h"
@@ -41,70 +51,81 @@ static inline __attribute__((always_inline)) __m512i hbits(__m512i h, int i, int
                      : h;
 }
 
-static inline __attribute__((always_inline)) void tile(const int nt, const int type,
-                                                       const cs_qpanel *P, int64_t nb,
-                                                       const int8_t *xq, int64_t cols,
-                                                       const cs_qblock *meta, __m512 *out) {
-    __m512 acc[MAX_NT];
+/* Block b of panel P as 8 vectors of bytes: wv[i] lane r = u[r][4i .. 4i+3]. */
+static inline __attribute__((always_inline)) void unpack(const int type, const cs_qpanel *P,
+                                                         int64_t b, __m512i *wv) {
+    const int qb = cs__qmat_qbytes(type), hb = cs__qmat_hbytes(type);
+    const uint8_t *p = P->q + b * qb;
+    if (type == CS_QMAT_Q8_0) {
 #pragma GCC unroll 8
-    for (int t = 0; t < nt; t++)
-        acc[t] = _mm512_setzero_ps();
+        for (int j = 0; j < 8; j++)
+            wv[j] = _mm512_load_si512((const void *)(p + 64 * j));
+        return;
+    }
     const __m512i m4 = _mm512_set1_epi8(0x0f);
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; j++) {
+        __m512i v = _mm512_load_si512((const void *)(p + 64 * j));
+        wv[2 * j] = _mm512_and_si512(v, m4);
+        wv[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+    }
+    if (hb) { /* the 5th (and 6th) bits: wv |= (shifted plane & bit) */
+        const __m512i h4 = _mm512_load_si512((const void *)(P->h + b * hb));
+        const __m512i b4 = _mm512_set1_epi8(0x10);
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; i++)
+            wv[i] = _mm512_ternarylogic_epi32(wv[i], hbits(h4, i, 4), b4, 0xf8);
+        if (hb == 128) {
+            const __m512i h5 = _mm512_load_si512((const void *)(P->h + b * hb + 64));
+            const __m512i b5 = _mm512_set1_epi8(0x20);
+#pragma GCC unroll 8
+            for (int i = 0; i < 8; i++)
+                wv[i] = _mm512_ternarylogic_epi32(wv[i], hbits(h5, i, 5), b5, 0xf8);
+        }
+    }
+}
+
+/* Blocks [b0, b1) of one panel for nt tokens into acc[0..nt) (which the
+ * caller set). wb: NULL, or those blocks already unpacked (512 bytes each). */
+static inline __attribute__((always_inline)) void
+tile(const int nt, const int type, const cs_qpanel *P, int64_t b0, int64_t b1, int64_t nb,
+     const uint8_t *wb, const int8_t *xq, int64_t cols, const cs_qblock *meta, __m512 *acc) {
     const int qb = cs__qmat_qbytes(type), hb = cs__qmat_hbytes(type), g = cs__qmat_dgroup(type);
     const int32_t z = cs__qmat_zero(type);
     const bool kq = cs__qmat_is_k(type), q6 = type == CS_QMAT_Q6_K;
     const bool min1 = type == CS_QMAT_Q4_1 || type == CS_QMAT_Q5_1, mink = kq && !q6;
-    for (int64_t b = 0; b < nb; b++) {
+    for (int64_t b = b0; b < b1; b++) {
         __m512i wv[8];
-        const uint8_t *p = P->q + b * qb;
-        if (nt <= 2) { /* decode: memory-bound; ask for the weights 8 blocks ahead */
-#pragma GCC unroll 8
-            for (int j = 0; j < qb / 64; j++)
-                _mm_prefetch((const char *)(p + 8 * qb + 64 * j), _MM_HINT_T0);
-#pragma GCC unroll 2
-            for (int j = 0; j < hb / 64; j++)
-                _mm_prefetch((const char *)(P->h + (b + 8) * hb + 64 * j), _MM_HINT_T0);
-        }
-        if (type == CS_QMAT_Q8_0) {
+        if (wb) {
 #pragma GCC unroll 8
             for (int j = 0; j < 8; j++)
-                wv[j] = _mm512_load_si512((const void *)(p + 64 * j));
+                wv[j] = _mm512_load_si512((const void *)(wb + (b - b0) * 512 + 64 * j));
         } else {
-#pragma GCC unroll 4
-            for (int j = 0; j < 4; j++) {
-                __m512i v = _mm512_load_si512((const void *)(p + 64 * j));
-                wv[2 * j] = _mm512_and_si512(v, m4);
-                wv[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
-            }
-        }
-        if (hb) { /* the 5th (and 6th) bits: wv |= (shifted plane & bit) */
-            const __m512i h4 = _mm512_load_si512((const void *)(P->h + b * hb));
-            const __m512i b4 = _mm512_set1_epi8(0x10);
+            if (nt <= 2) { /* decode: memory-bound; ask for the weights 8 blocks ahead */
+                const uint8_t *p = P->q + b * qb;
 #pragma GCC unroll 8
-            for (int i = 0; i < 8; i++)
-                wv[i] = _mm512_ternarylogic_epi32(wv[i], hbits(h4, i, 4), b4, 0xf8);
-            if (hb == 128) {
-                const __m512i h5 = _mm512_load_si512((const void *)(P->h + b * hb + 64));
-                const __m512i b5 = _mm512_set1_epi8(0x20);
-#pragma GCC unroll 8
-                for (int i = 0; i < 8; i++)
-                    wv[i] = _mm512_ternarylogic_epi32(wv[i], hbits(h5, i, 5), b5, 0xf8);
+                for (int j = 0; j < qb / 64; j++)
+                    _mm_prefetch((const char *)(p + 8 * qb + 64 * j), _MM_HINT_T0);
+#pragma GCC unroll 2
+                for (int j = 0; j < hb / 64; j++)
+                    _mm_prefetch((const char *)(P->h + (b + 8) * hb + 64 * j), _MM_HINT_T0);
             }
+            unpack(type, P, b, wv);
         }
-        /* wv[i] lane r holds u[r][4i .. 4i+3] in every layout */
+        /* the block's scales, for every token: d (D * sc for K-quants), m */
         const __m512 d =
             _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(P->d + (b / g) * CS_QROWS)));
-        __m512 m = _mm512_setzero_ps();
-        __m512i sc0 = _mm512_setzero_si512(), sc1 = _mm512_setzero_si512();
+        __m512 d0 = d, d1 = d, m = _mm512_setzero_ps();
         if (min1) m = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(P->m + b * CS_QROWS)));
         if (kq) {
-            const __m128i *s = (const __m128i *)(const void *)(P->sc + b * 32);
+            const __m128i *sp = (const __m128i *)(const void *)(P->sc + b * 32);
             if (q6) {
-                sc0 = _mm512_cvtepi8_epi32(_mm_load_si128(s));
-                sc1 = _mm512_cvtepi8_epi32(_mm_load_si128(s + 1));
+                d0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(sp))));
+                d1 = _mm512_mul_ps(
+                    d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(sp + 1))));
             } else {
-                sc0 = _mm512_cvtepu8_epi32(_mm_load_si128(s));
-                __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128(s + 1)));
+                d0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128(sp))));
+                __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128(sp + 1)));
                 __m512 dmin = _mm512_cvtph_ps(
                     _mm256_load_si256((const __m256i *)(P->m + (b / g) * CS_QROWS)));
                 /* -(DMIN * mn): the sign flipped exactly */
@@ -119,7 +140,7 @@ static inline __attribute__((always_inline)) void tile(const int nt, const int t
             const a32 *x =
                 (const a32 *)(const void *)(xq + (size_t)t * (size_t)cols + (size_t)b * CS_QK);
             const cs_qblock *mb = meta + (size_t)t * (size_t)nb + (size_t)b;
-            __m512i s;
+            const __m512 vdx = _mm512_set1_ps(mb->dx);
             if (q6) { /* the two halves apart: each has its own scale */
                 __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
 #pragma GCC unroll 4
@@ -129,50 +150,66 @@ static inline __attribute__((always_inline)) void tile(const int nt, const int t
                 }
                 s0 = _mm512_sub_epi32(s0, _mm512_set1_epi32(32 * mb->xsum_lo));
                 s1 = _mm512_sub_epi32(s1, _mm512_set1_epi32(32 * (mb->xsum - mb->xsum_lo)));
-                s = _mm512_add_epi32(_mm512_mullo_epi32(sc0, s0), _mm512_mullo_epi32(sc1, s1));
-            } else {
-                if (nt >= 4) { /* enough independent tokens to hide the latency: one chain */
-                    s = _mm512_setzero_si512();
-#pragma GCC unroll 8
-                    for (int i = 0; i < 8; i++)
-                        s = _mm512_dpbusd_epi32(s, wv[i], _mm512_set1_epi32(x[i]));
-                } else { /* two chains, added at the end */
-                    __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-#pragma GCC unroll 4
-                    for (int i = 0; i < 8; i += 2) {
-                        s0 = _mm512_dpbusd_epi32(s0, wv[i], _mm512_set1_epi32(x[i]));
-                        s1 = _mm512_dpbusd_epi32(s1, wv[i + 1], _mm512_set1_epi32(x[i + 1]));
-                    }
-                    s = _mm512_add_epi32(s0, s1);
-                }
-                if (z) s = _mm512_sub_epi32(s, _mm512_set1_epi32(z * mb->xsum));
-                if (kq) s = _mm512_mullo_epi32(sc0, s);
+                acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d0, vdx), _mm512_cvtepi32_ps(s0), acc[t]);
+                acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d1, vdx), _mm512_cvtepi32_ps(s1), acc[t]);
+                continue;
             }
-            acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(mb->dx)),
-                                     _mm512_cvtepi32_ps(s), acc[t]);
+            __m512i s;
+            if (nt >= 4) { /* enough independent tokens to hide the latency: one chain */
+                s = _mm512_setzero_si512();
+#pragma GCC unroll 8
+                for (int i = 0; i < 8; i++)
+                    s = _mm512_dpbusd_epi32(s, wv[i], _mm512_set1_epi32(x[i]));
+            } else { /* two chains, added at the end */
+                __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+#pragma GCC unroll 4
+                for (int i = 0; i < 8; i += 2) {
+                    s0 = _mm512_dpbusd_epi32(s0, wv[i], _mm512_set1_epi32(x[i]));
+                    s1 = _mm512_dpbusd_epi32(s1, wv[i + 1], _mm512_set1_epi32(x[i + 1]));
+                }
+                s = _mm512_add_epi32(s0, s1);
+            }
+            if (z) s = _mm512_sub_epi32(s, _mm512_set1_epi32(z * mb->xsum));
+            acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d0, vdx), _mm512_cvtepi32_ps(s), acc[t]);
             if (min1 || mink) acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(mb->fsum), acc[t]);
         }
     }
-#pragma GCC unroll 8
-    for (int t = 0; t < nt; t++)
-        out[t] = acc[t];
 }
 
-/* One instance per (type, token count) so every loop above unrolls. */
-typedef void tile_fn(int nt, const cs_qpanel *P, int64_t nb, const int8_t *xq, int64_t cols,
-                     const cs_qblock *meta, __m512 *out);
+/* One instance per (type, token count, unpacked or not) so every loop above
+ * unrolls. */
+typedef void tile_fn(int nt, const cs_qpanel *P, int64_t b0, int64_t b1, int64_t nb,
+                     const uint8_t *wb, const int8_t *xq, int64_t cols, const cs_qblock *meta,
+                     __m512 *acc);
+typedef void unpack_fn(const cs_qpanel *P, int64_t b0, int64_t b1, uint8_t *wb);
+#define TILE_CASES(TYPE, WB)                                                                       \
+    switch (nt) {                                                                                  \
+    case 1: tile(1, TYPE, P, b0, b1, nb, WB, xq, cols, meta, acc); break;                          \
+    case 2: tile(2, TYPE, P, b0, b1, nb, WB, xq, cols, meta, acc); break;                          \
+    case 3: tile(3, TYPE, P, b0, b1, nb, WB, xq, cols, meta, acc); break;                          \
+    case 4: tile(4, TYPE, P, b0, b1, nb, WB, xq, cols, meta, acc); break;                          \
+    case 5: tile(5, TYPE, P, b0, b1, nb, WB, xq, cols, meta, acc); break;                          \
+    case 6: tile(6, TYPE, P, b0, b1, nb, WB, xq, cols, meta, acc); break;                          \
+    case 7: tile(7, TYPE, P, b0, b1, nb, WB, xq, cols, meta, acc); break;                          \
+    default: tile(8, TYPE, P, b0, b1, nb, WB, xq, cols, meta, acc); break;                         \
+    }
 #define TILE_FN(name, TYPE)                                                                        \
-    static void name(int nt, const cs_qpanel *P, int64_t nb, const int8_t *xq, int64_t cols,       \
-                     const cs_qblock *meta, __m512 *out) {                                         \
-        switch (nt) {                                                                              \
-        case 1: tile(1, TYPE, P, nb, xq, cols, meta, out); break;                                  \
-        case 2: tile(2, TYPE, P, nb, xq, cols, meta, out); break;                                  \
-        case 3: tile(3, TYPE, P, nb, xq, cols, meta, out); break;                                  \
-        case 4: tile(4, TYPE, P, nb, xq, cols, meta, out); break;                                  \
-        case 5: tile(5, TYPE, P, nb, xq, cols, meta, out); break;                                  \
-        case 6: tile(6, TYPE, P, nb, xq, cols, meta, out); break;                                  \
-        case 7: tile(7, TYPE, P, nb, xq, cols, meta, out); break;                                  \
-        default: tile(8, TYPE, P, nb, xq, cols, meta, out); break;                                 \
+    static void name(int nt, const cs_qpanel *P, int64_t b0, int64_t b1, int64_t nb,               \
+                     const uint8_t *wb, const int8_t *xq, int64_t cols, const cs_qblock *meta,     \
+                     __m512 *acc) {                                                                \
+        if (wb) {                                                                                  \
+            TILE_CASES(TYPE, wb)                                                                   \
+        } else {                                                                                   \
+            TILE_CASES(TYPE, NULL)                                                                 \
+        }                                                                                          \
+    }                                                                                              \
+    static __attribute__((unused)) void name##_unpack(const cs_qpanel *P, int64_t b0, int64_t b1,  \
+                                                      uint8_t *wb) {                               \
+        for (int64_t b = b0; b < b1; b++) {                                                        \
+            __m512i wv[8];                                                                         \
+            unpack(TYPE, P, b, wv);                                                                \
+            for (int j = 0; j < 8; j++)                                                            \
+                _mm512_store_si512((void *)(wb + (b - b0) * 512 + 64 * j), wv[j]);                 \
         }                                                                                          \
     }
 TILE_FN(tile_q4_0, CS_QMAT_Q4_0)
@@ -187,15 +224,25 @@ static tile_fn *const tiles[CS_QMAT_TYPES] = {
     [CS_QMAT_Q4_0] = tile_q4_0, [CS_QMAT_Q4_1] = tile_q4_1, [CS_QMAT_Q8_0] = tile_q8_0,
     [CS_QMAT_Q5_0] = tile_q5_0, [CS_QMAT_Q5_1] = tile_q5_1, [CS_QMAT_Q4_K] = tile_q4_k,
     [CS_QMAT_Q5_K] = tile_q5_k, [CS_QMAT_Q6_K] = tile_q6_k};
+static unpack_fn *const unpacks[CS_QMAT_TYPES] = {
+    [CS_QMAT_Q4_0] = tile_q4_0_unpack, [CS_QMAT_Q4_1] = tile_q4_1_unpack,
+    [CS_QMAT_Q5_0] = tile_q5_0_unpack, [CS_QMAT_Q5_1] = tile_q5_1_unpack,
+    [CS_QMAT_Q4_K] = tile_q4_k_unpack, [CS_QMAT_Q5_K] = tile_q5_k_unpack,
+    [CS_QMAT_Q6_K] = tile_q6_k_unpack}; /* Q8_0's bytes are used in place */
+
+#define UNPACK_MIN_TOKENS 16 /* prefill: unpack each block once for all tokens */
+#define UNPACK_GROUP 32      /* blocks unpacked at a time: 16 KiB on the stack */
 
 void cs__qmat_vnni_panels(const cs_qout *outs, const cs_qact *a, const cs_qmat *w, int64_t p0,
                           int64_t p1) {
     const int64_t nb = w->n_blocks;
+    uint8_t wbuf[UNPACK_GROUP * 512] __attribute__((aligned(64)));
     int part = 0;
     for (int64_t p = p0; p < p1; p++) {
         part = cs__qmat_part_of(w, p, part);
         const cs_qpart *P = &w->part[part];
         tile_fn *fn = tiles[P->type];
+        unpack_fn *un = a->n_tokens >= UNPACK_MIN_TOKENS ? unpacks[P->type] : NULL;
         const int64_t row0 = (p - P->panel0) * CS_QROWS;
         const int64_t left = P->rows - row0;
         const __mmask16 mask = left >= CS_QROWS ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1);
@@ -203,14 +250,23 @@ void cs__qmat_vnni_panels(const cs_qout *outs, const cs_qact *a, const cs_qmat *
         const __m512 bias =
             o->bias ? _mm512_maskz_loadu_ps(mask, o->bias + row0) : _mm512_setzero_ps();
         const cs_qpanel v = cs__qmat_panel(w, P, p - P->panel0);
-        for (int t0 = 0; t0 < a->n_tokens; t0 += MAX_NT) {
-            int nt = a->n_tokens - t0 < MAX_NT ? a->n_tokens - t0 : MAX_NT;
-            __m512 acc[MAX_NT];
-            fn(nt, &v, nb, a->q + (size_t)t0 * (size_t)a->cols, a->cols,
-               a->meta + (size_t)t0 * (size_t)nb, acc);
-            for (int t = 0; t < nt; t++) {
-                __m512 vv = o->bias ? _mm512_add_ps(acc[t], bias) : acc[t];
-                _mm512_mask_storeu_ps(o->out + (size_t)(t0 + t) * (size_t)o->ldo + row0, mask, vv);
+        const int64_t group = un ? UNPACK_GROUP : nb;
+        for (int64_t b0 = 0; b0 < nb; b0 += group) {
+            const int64_t b1 = b0 + group < nb ? b0 + group : nb;
+            if (un) un(&v, b0, b1, wbuf);
+            for (int t0 = 0; t0 < a->n_tokens; t0 += MAX_NT) {
+                int nt = a->n_tokens - t0 < MAX_NT ? a->n_tokens - t0 : MAX_NT;
+                __m512 acc[MAX_NT];
+                float *out = o->out + (size_t)t0 * (size_t)o->ldo + row0;
+                for (int t = 0; t < nt; t++) /* the previous groups' sums wait in out */
+                    acc[t] = b0 ? _mm512_maskz_loadu_ps(mask, out + (size_t)t * (size_t)o->ldo)
+                                : _mm512_setzero_ps();
+                fn(nt, &v, b0, b1, nb, un ? wbuf : NULL, a->q + (size_t)t0 * (size_t)a->cols,
+                   a->cols, a->meta + (size_t)t0 * (size_t)nb, acc);
+                for (int t = 0; t < nt; t++) {
+                    __m512 vv = o->bias && b1 == nb ? _mm512_add_ps(acc[t], bias) : acc[t];
+                    _mm512_mask_storeu_ps(out + (size_t)t * (size_t)o->ldo, mask, vv);
+                }
             }
         }
     }

@@ -19,7 +19,10 @@
  * Seeds: fuzz_write_corpus writes metadata-only files (every kv type,
  * arrays of strings and ints, a tensor info); the committed corpus
  * (tests/fuzz/corpus-gguf) adds whole tiny models written by
- * `chunkserve-mktiny --layers 1 --dim 32` (see docs/security.md, Fuzzing).
+ * `chunkserve-mktiny --layers 1 --dim 32` (see docs/security.md, Fuzzing):
+ * q4_0 llama, q8_0 qwen2, q5_1, and with `--hidden 256` a Q5_0 model whose
+ * ffn_down is Q4_K, Q5_K or (qwen2) Q6_K, so every block type is parsed,
+ * scale-checked, dequantized and packed.
  * Usage (fallback): fuzz_gguf CORPUS_DIR [ITERATIONS]
  *                   fuzz_gguf --write-corpus DIR */
 #include <stdint.h>

@@ -1,6 +1,8 @@
 /* test_quant_engine: the engine in quant mode (the integer kernels of
  * kernels/cpu/qmat.h) on the tiny Q4_0 / Q4_1 / Q8_0 models, compared with
- * memcmp, never a tolerance:
+ * memcmp, never a tolerance (the legacy types and, written by mktiny with
+ * rows of whole super-blocks, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, and a qwen2
+ * model mixing Q5_0 with a Q4_K ffn_down):
  * - chunked prefill == one pass for chunks 1, 2, 15, 16, 17, 64, 100, 256,
  *   512 of a 600-token prompt: last logits and every KV page;
  * - a sequence alone == the same sequence inside steps with 1..31 random
@@ -205,11 +207,16 @@ static int real_model(const char *path) {
 
 int main(void) {
     if (getenv("CS_QUANT_MODEL")) return real_model(getenv("CS_QUANT_MODEL"));
-    const char *variants[] = {"q4_1", "q4_0", "q8_0"};
-    for (int v = 0; v < 3; v++) {
+    const char *variants[] = {"q4_1", "q4_0", "q8_0", "q5_0",    "q5_1",
+                              "q4_k", "q5_k", "q6_k", "q4_k_mix"};
+    const char *descs[] = {"q4_1", "q4_0", "q8_0", "q5_0",     "q5_1",
+                           "q4_K", "q5_K", "q6_K", "q5_0+q4_K"};
+    for (int v = 0; v < (int)(sizeof variants / sizeof variants[0]); v++) {
         cs_model *m = load(variants[v], CS_WEIGHTS_AUTO);
         ASSERT_EQ_INT(cs_model_weight_mode(m), CS_WEIGHTS_QUANT);
-        ASSERT_TRUE(strstr(cs_model_weight_desc(m), variants[v]) != NULL);
+        if (!strstr(cs_model_weight_desc(m), descs[v]))
+            fprintf(stderr, "%s: weights %s\n", variants[v], cs_model_weight_desc(m));
+        ASSERT_TRUE(strstr(cs_model_weight_desc(m), descs[v]) != NULL);
         cs_ref_seq *ref = NULL;
         ASSERT_EQ_INT(cs_ref_seq_init(m, 8, &ref), CS_ENOTSUP);
         int32_t V = cs_model_get_config(m)->n_vocab;
