@@ -57,7 +57,7 @@ typedef struct {
     enum cs_dtype type;
     int n_dims;
     int64_t shape[4];
-    const void *data;
+    const void *data; /* inside the file's read-only mapping (cs__mapped_release) */
 } cs_src_tensor;
 
 /* Format-neutral access to a file's tensors. find returns 0, or CS_ENOENT

@@ -233,6 +233,11 @@ static int pack_quant(cs_model *m, const cs_tensor_source *src, const cs_src_ten
             }
             cs_qmat *q;
             if ((r = cs_qmat_pack(parts, n, cols, &q))) goto out;
+            for (int k = 0; k < n; k++) { /* packed: the file's pages may go */
+                size_t bytes;
+                if (cs__dtype_nbytes(t[k]->type, (uint64_t)(parts[k].rows * cols), &bytes))
+                    cs__mapped_release(t[k]->data, bytes);
+            }
             m->q_bytes += cs_qmat_bytes(q);
             cs_layer *L = &m->layers[l];
             cs_qmat **slot = g == QG_EMBD      ? &m->q_tok_embd
@@ -454,6 +459,8 @@ int cs__model_build(cs_model *m, const cs_tensor_source *src, const char *path) 
             int64_t rows = dim_value(c, w->rows), cols = dim_value(c, w->cols);
             size_t n = (size_t)(rows * cols);
             cs__dtype_to_f32(t->type, t->data, p, n);
+            size_t bytes;
+            if (cs__dtype_nbytes(t->type, n, &bytes)) cs__mapped_release(t->data, bytes);
             if (src->unpermute_qk && w->perm != PERM_NONE) {
                 int64_t heads = w->perm == PERM_Q ? c->n_heads : c->n_kv_heads;
                 unpermute_rows(p, heads, c->head_dim, w->cols == DIM_ONE ? 1 : cols, tmp);

@@ -45,6 +45,12 @@ void cs__unmap_file(cs_mapped_file *f) {
     f->size = 0;
 }
 
+void cs__mapped_release(const void *p, size_t n) {
+    const uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+    uintptr_t a = ((uintptr_t)p + page - 1) / page * page, b = ((uintptr_t)p + n) / page * page;
+    if (b > a) madvise((void *)a, b - a, MADV_DONTNEED); /* advice: a failure changes nothing */
+}
+
 int cs__read_file(const char *path, char **out, size_t *len) {
     *out = NULL;
     FILE *fp = fopen(path, "rb");

@@ -27,6 +27,12 @@ typedef struct {
 } cs_mapped_file;
 int cs__map_file(const char *path, cs_mapped_file *out);
 void cs__unmap_file(cs_mapped_file *f);
+/* Drops the pages of [p, p + n) inside a read-only file mapping from this
+ * process's resident set (the whole pages within it; they are read again
+ * from the file if touched): a loader calls it on each tensor once it is
+ * converted or packed, so a load's peak memory is the result plus one
+ * tensor, not the result plus the file. */
+void cs__mapped_release(const void *p, size_t n);
 
 /* Duplicate names in a file's table (GGUF keys and tensors, safetensors
  * tensors), in O(n) with a hash set: name(ctx, i, &len) gives entry i.

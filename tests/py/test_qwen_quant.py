@@ -1,8 +1,9 @@
 """Qwen2.5-Coder-0.5B Q4_K_M (Q5_0, Q8_0, Q4_K and Q6_K tensors) in quant mode, from the CLI:
-`chunkserve logits --engine` gives byte-identical last logits and KV pages for every chunk size
-and every CPU kernel set this machine runs (AMX / AVX-512 VNNI / AVX2 / the generic C
+`chunkserve logits --engine` gives byte-identical last logits and KV pages for a chunked prompt
+and under every CPU kernel set this machine runs (AMX / AVX-512 VNNI / AVX2 / the generic C
 reference), so each invariance claimed for the legacy types holds on a real K-quant file too.
-(tests/unit/test_quant_engine.c, CTest test_quant_engine_qwen, checks batching and threads.)"""
+(tests/unit/test_quant_engine.c, CTest test_quant_engine_qwen, checks more chunk sizes,
+batching and threads.)"""
 from __future__ import annotations
 
 import json
@@ -35,7 +36,7 @@ def run(qcli, tmp_path, tag, ids, *flags, env=None):
 def test_chunks_and_kernel_sets_are_bitwise_equal(qcli, prompt_ids, tmp_path):
     assert len(prompt_ids) > 150
     base = run(qcli, tmp_path, "one_pass", prompt_ids, "--max-batched-tokens", "0")
-    for chunk in (1, 16, 33, 128):
+    for chunk in (33,):
         assert run(qcli, tmp_path, f"c{chunk}", prompt_ids, "--max-batched-tokens", str(chunk)) \
             == base, f"chunk {chunk} differs from one pass"
     for kernels in ("vnni", "avx2"):
