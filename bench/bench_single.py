@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 
@@ -69,31 +70,45 @@ def main():
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2, help="threads for llama.cpp and chunkserve's engine")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="rounds; every engine runs once a round, in turn, and medians are reported")
+    ap.add_argument("--no-exact", action="store_true", help="skip the --exact fp32 row (slow on big models)")
     a = ap.parse_args()
     ids = make_prompt_ids(a.bin, a.model, a.prompt_tokens)
     common = ["--threads", str(a.threads), "--max-batched-tokens", "0"]
-    rows = [(f"chunkserve, {a.threads} thr (quant)", run_chunkserve(a.bin, a.model, ids, a.decode_tokens,
-                                                                     common)),
-            (f"chunkserve, {a.threads} thr (quant, bf16 KV)",
-             run_chunkserve(a.bin, a.model, ids, a.decode_tokens, common + ["--kv-bf16"])),
-            (f"chunkserve, {a.threads} thr (quant, no AMX)",
-             run_chunkserve(a.bin, a.model, ids, a.decode_tokens, common, kernels="vnni")),
-            (f"chunkserve, {a.threads} thr (--exact fp32)",
-             run_chunkserve(a.bin, a.model, ids, a.decode_tokens, common + ["--exact"]))]
-    ref = run_llamacpp(a.model, a.prompt_tokens, a.decode_tokens, a.threads)
-    ref_name = "same file"
-    if ref is None:  # 0.3.36's AMX buffers segfault on a Sapphire Rapids VM: without them
-        ref = run_llamacpp(a.model, a.prompt_tokens, a.decode_tokens, a.threads, ["--no-extra-bufts"])
-        ref_name = "same file, no extra bufts"
-    print(f"{'engine':<40} {'prompt tok':>10} {'prefill tok/s':>14} {'decode tok/s':>13}")
-    for name, r in rows:
-        print(f"{name:<40} {r['prompt_tokens']:>10} {r['prefill_tok_s']:>14.1f} {r['decode_tok_s']:>13.1f}")
-    if ref:
-        print(f"{'llama.cpp, ' + str(a.threads) + ' thr (' + ref_name + ')':<40} {a.prompt_tokens:>10} "
-              f"{ref['prefill_tok_s']:>14.1f} {ref['decode_tok_s']:>13.1f}")
-        for name, r in rows:
-            print(f"ratio {name} / llama.cpp: prefill {r['prefill_tok_s'] / ref['prefill_tok_s']:.3f}, "
-                  f"decode {r['decode_tok_s'] / ref['decode_tok_s']:.3f}")
+    variants = [(f"chunkserve, {a.threads} thr (quant)", common, None),
+                (f"chunkserve, {a.threads} thr (quant, bf16 KV)", common + ["--kv-bf16"], None),
+                (f"chunkserve, {a.threads} thr (quant, no AMX)", common, "vnni")]
+    if not a.no_exact:
+        variants.append((f"chunkserve, {a.threads} thr (--exact fp32)", common + ["--exact"], None))
+    runs = {name: [] for name, _, _ in variants}
+    refs, ref_name, ref_extra = [], "same file", []
+    for _ in range(a.repeat):
+        for name, flags, kernels in variants:
+            runs[name].append(run_chunkserve(a.bin, a.model, ids, a.decode_tokens, flags, kernels))
+        ref = run_llamacpp(a.model, a.prompt_tokens, a.decode_tokens, a.threads, ref_extra)
+        if ref is None and not ref_extra:  # 0.3.36's AMX buffers crash on Sapphire Rapids VMs
+            ref_extra, ref_name = ["--no-extra-bufts"], "same file, no extra bufts"
+            ref = run_llamacpp(a.model, a.prompt_tokens, a.decode_tokens, a.threads, ref_extra)
+        if ref:
+            refs.append(ref)
+
+    def med(rs, key):
+        return statistics.median(r[key] for r in rs)
+
+    print(f"{a.model}: {a.prompt_tokens}-token prompt, {a.decode_tokens} decoded, {a.threads} threads, "
+          f"medians of {a.repeat} alternated round{'s' if a.repeat > 1 else ''}")
+    print(f"{'engine':<44} {'prompt tok':>10} {'prefill tok/s':>14} {'decode tok/s':>13}")
+    for name, rs in runs.items():
+        print(f"{name:<44} {rs[0]['prompt_tokens']:>10} {med(rs, 'prefill_tok_s'):>14.1f} "
+              f"{med(rs, 'decode_tok_s'):>13.1f}")
+    if refs:
+        rp, rd = med(refs, "prefill_tok_s"), med(refs, "decode_tok_s")
+        print(f"{'llama.cpp, ' + str(a.threads) + ' thr (' + ref_name + ')':<44} {a.prompt_tokens:>10} "
+              f"{rp:>14.1f} {rd:>13.1f}")
+        for name, rs in runs.items():
+            print(f"ratio {name} / llama.cpp: prefill {med(rs, 'prefill_tok_s') / rp:.3f}, "
+                  f"decode {med(rs, 'decode_tok_s') / rd:.3f}")
 
 
 if __name__ == "__main__":
