@@ -44,52 +44,71 @@ static inline __attribute__((always_inline)) __m256i hbits(__m256i v, int i, int
     return bit > i ? _mm256_slli_epi16(v, bit - i) : bit < i ? _mm256_srli_epi16(v, i - bit) : v;
 }
 
-/* Lanes h*8 .. h*8+7 of the panel (h = 0, 1) for nt tokens. */
-static inline __attribute__((always_inline)) void tile(const int nt, const int type,
-                                                       const cs_qpanel *P, int64_t nb,
-                                                       const int8_t *xq, int64_t cols,
-                                                       const cs_qblock *meta, __m256 *out) {
+/* Block b's weights for rows 8h .. 8h+7: w[i] lane r = u[8h + r][4i .. 4i+3]
+ * (before the Q8 / Q6_K sign shift). */
+static inline __attribute__((always_inline)) void unpack(const int type, const cs_qpanel *P,
+                                                         int64_t b, int h, __m256i *w) {
+    const int qb = cs__qmat_qbytes(type), hb = cs__qmat_hbytes(type);
+    const uint8_t *p = P->q + b * qb;
+    const __m256i m4 = _mm256_set1_epi8(0x0f);
+    if (type == CS_QMAT_Q8_0) {
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++)
+            w[j] = _mm256_load_si256((const __m256i *)(const void *)(p + 64 * j + 32 * h));
+        return;
+    }
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; j++) {
+        __m256i v = _mm256_load_si256((const __m256i *)(const void *)(p + 64 * j + 32 * h));
+        w[2 * j] = _mm256_and_si256(v, m4);
+        w[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
+    }
+    for (int plane = 0; plane < hb / 64; plane++) {
+        const __m256i v =
+            _mm256_load_si256((const __m256i *)(const void *)(P->h + b * hb + 64 * plane + 32 * h));
+        const __m256i bit = _mm256_set1_epi8((char)(0x10 << plane));
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; i++)
+            w[i] = _mm256_or_si256(w[i], _mm256_and_si256(hbits(v, i, 4 + plane), bit));
+    }
+}
+
+/* Blocks [b0, b1) of the panel for nt tokens into acc (lanes h*8 .. h*8+7
+ * of token t in acc[2t + h]; the caller set them). wb: NULL, or those
+ * blocks already unpacked (512 bytes each, the Q8 layout). */
+static inline __attribute__((always_inline)) void
+tile(const int nt, const int type, const cs_qpanel *P, int64_t b0, int64_t b1, int64_t nb,
+     const uint8_t *wb, const int8_t *xq, int64_t cols, const cs_qblock *meta, __m256 *out) {
     __m256 acc[2][MAX_NT];
 #pragma GCC unroll 4
     for (int t = 0; t < nt; t++)
-        acc[0][t] = acc[1][t] = _mm256_setzero_ps();
-    const __m256i m4 = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+        acc[0][t] = out[2 * t], acc[1][t] = out[2 * t + 1];
+    const __m256i ones = _mm256_set1_epi16(1);
     const __m256i k128 = _mm256_set1_epi8((char)0x80), k32 = _mm256_set1_epi8(32);
-    const int qb = cs__qmat_qbytes(type), hb = cs__qmat_hbytes(type), g = cs__qmat_dgroup(type);
+    const int hb = cs__qmat_hbytes(type), g = cs__qmat_dgroup(type);
     const int32_t z = cs__qmat_zero(type);
     const bool kq = cs__qmat_is_k(type), q6 = type == CS_QMAT_Q6_K, q8 = type == CS_QMAT_Q8_0;
     const bool min1 = type == CS_QMAT_Q4_1 || type == CS_QMAT_Q5_1, mink = kq && !q6;
-    for (int64_t b = 0; b < nb; b++) {
-        const uint8_t *p = P->q + b * qb;
+    (void)hb;
+    for (int64_t b = b0; b < b1; b++) {
         const cs_qblock *mb0 = meta + (size_t)b;
 #pragma GCC unroll 2
         for (int h = 0; h < 2; h++) { /* rows 8h .. 8h+7: 8 weight vectors live at a time */
             /* w[i] lane r: the 4 weight bytes u[8h + r][4i .. 4i+3] (Q8: s = u - 128;
              * Q6_K: s = u - 32) */
             __m256i w[8];
-            if (q8) {
+            if (wb) {
 #pragma GCC unroll 8
                 for (int j = 0; j < 8; j++)
-                    w[j] = _mm256_xor_si256(
-                        _mm256_load_si256((const __m256i *)(const void *)(p + 64 * j + 32 * h)),
-                        k128);
+                    w[j] = _mm256_load_si256(
+                        (const __m256i *)(const void *)(wb + (b - b0) * 512 + 64 * j + 32 * h));
             } else {
-#pragma GCC unroll 4
-                for (int j = 0; j < 4; j++) {
-                    __m256i v =
-                        _mm256_load_si256((const __m256i *)(const void *)(p + 64 * j + 32 * h));
-                    w[2 * j] = _mm256_and_si256(v, m4);
-                    w[2 * j + 1] = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-                }
+                unpack(type, P, b, h, w);
             }
-            for (int plane = 0; plane < hb / 64; plane++) {
-                const __m256i v = _mm256_load_si256(
-                    (const __m256i *)(const void *)(P->h + b * hb + 64 * plane + 32 * h));
-                const __m256i bit = _mm256_set1_epi8((char)(0x10 << plane));
+            if (q8)
 #pragma GCC unroll 8
                 for (int i = 0; i < 8; i++)
-                    w[i] = _mm256_or_si256(w[i], _mm256_and_si256(hbits(v, i, 4 + plane), bit));
-            }
+                    w[i] = _mm256_xor_si256(w[i], k128);
             if (q6)
 #pragma GCC unroll 8
                 for (int i = 0; i < 8; i++)
@@ -176,18 +195,39 @@ static inline __attribute__((always_inline)) void tile(const int nt, const int t
         out[2 * t] = acc[0][t], out[2 * t + 1] = acc[1][t];
 }
 
-/* One instance per (type, token count) so every loop above unrolls. */
-typedef void tile_fn(int nt, const cs_qpanel *P, int64_t nb, const int8_t *xq, int64_t cols,
-                     const cs_qblock *meta, __m256 *out);
+/* One instance per (type, token count, unpacked or not) so every loop above
+ * unrolls. */
+typedef void tile_fn(int nt, const cs_qpanel *P, int64_t b0, int64_t b1, int64_t nb,
+                     const uint8_t *wb, const int8_t *xq, int64_t cols, const cs_qblock *meta,
+                     __m256 *acc);
+typedef void unpack_fn(const cs_qpanel *P, int64_t b0, int64_t b1, uint8_t *wb);
+#define TILE_CASES(TYPE, WB)                                                                       \
+    switch (nt) {                                                                                  \
+    case 1: tile(1, TYPE, P, b0, b1, nb, WB, xq, cols, meta, acc); break;                          \
+    case 2: tile(2, TYPE, P, b0, b1, nb, WB, xq, cols, meta, acc); break;                          \
+    case 3: tile(3, TYPE, P, b0, b1, nb, WB, xq, cols, meta, acc); break;                          \
+    default: tile(4, TYPE, P, b0, b1, nb, WB, xq, cols, meta, acc); break;                         \
+    }
 #define TILE_FN(name, TYPE)                                                                        \
-    static void name(int nt, const cs_qpanel *P, int64_t nb, const int8_t *xq, int64_t cols,       \
-                     const cs_qblock *meta, __m256 *out) {                                         \
-        switch (nt) {                                                                              \
-        case 1: tile(1, TYPE, P, nb, xq, cols, meta, out); break;                                  \
-        case 2: tile(2, TYPE, P, nb, xq, cols, meta, out); break;                                  \
-        case 3: tile(3, TYPE, P, nb, xq, cols, meta, out); break;                                  \
-        default: tile(4, TYPE, P, nb, xq, cols, meta, out); break;                                 \
+    static void name(int nt, const cs_qpanel *P, int64_t b0, int64_t b1, int64_t nb,               \
+                     const uint8_t *wb, const int8_t *xq, int64_t cols, const cs_qblock *meta,     \
+                     __m256 *acc) {                                                                \
+        if (wb) {                                                                                  \
+            TILE_CASES(TYPE, wb)                                                                   \
+        } else {                                                                                   \
+            TILE_CASES(TYPE, NULL)                                                                 \
         }                                                                                          \
+    }                                                                                              \
+    static __attribute__((unused)) void name##_unpack(const cs_qpanel *P, int64_t b0, int64_t b1,  \
+                                                      uint8_t *wb) {                               \
+        for (int64_t b = b0; b < b1; b++)                                                          \
+            for (int h = 0; h < 2; h++) {                                                          \
+                __m256i w[8];                                                                      \
+                unpack(TYPE, P, b, h, w);                                                          \
+                for (int j = 0; j < 8; j++)                                                        \
+                    _mm256_store_si256((__m256i *)(void *)(wb + (b - b0) * 512 + 64 * j + 32 * h), \
+                                       w[j]);                                                      \
+            }                                                                                      \
     }
 TILE_FN(tile_q4_0, CS_QMAT_Q4_0)
 TILE_FN(tile_q4_1, CS_QMAT_Q4_1)
@@ -201,32 +241,54 @@ static tile_fn *const tiles[CS_QMAT_TYPES] = {
     [CS_QMAT_Q4_0] = tile_q4_0, [CS_QMAT_Q4_1] = tile_q4_1, [CS_QMAT_Q8_0] = tile_q8_0,
     [CS_QMAT_Q5_0] = tile_q5_0, [CS_QMAT_Q5_1] = tile_q5_1, [CS_QMAT_Q4_K] = tile_q4_k,
     [CS_QMAT_Q5_K] = tile_q5_k, [CS_QMAT_Q6_K] = tile_q6_k};
+/* Types with bit planes to merge: unpacked once per group in prefill. */
+static unpack_fn *const unpacks[CS_QMAT_TYPES] = {[CS_QMAT_Q5_0] = tile_q5_0_unpack,
+                                                  [CS_QMAT_Q5_1] = tile_q5_1_unpack,
+                                                  [CS_QMAT_Q5_K] = tile_q5_k_unpack,
+                                                  [CS_QMAT_Q6_K] = tile_q6_k_unpack};
+
+#define UNPACK_MIN_TOKENS 8 /* prefill: unpack each block once for all tokens */
+#define UNPACK_GROUP 32     /* blocks unpacked at a time: 16 KiB on the stack */
 
 void cs__qmat_avx2_panels(const cs_qout *outs, const cs_qact *a, const cs_qmat *w, int64_t p0,
                           int64_t p1) {
     const int64_t nb = w->n_blocks;
+    uint8_t wbuf[UNPACK_GROUP * 512] __attribute__((aligned(64)));
     int part = 0;
     for (int64_t p = p0; p < p1; p++) {
         part = cs__qmat_part_of(w, p, part);
         const cs_qpart *P = &w->part[part];
         tile_fn *fn = tiles[P->type];
+        unpack_fn *un = a->n_tokens >= UNPACK_MIN_TOKENS ? unpacks[P->type] : NULL;
         const int64_t row0 = (p - P->panel0) * CS_QROWS;
         const int64_t left = P->rows - row0;
         const int n_rows = left >= CS_QROWS ? CS_QROWS : (int)left;
         const cs_qout *o = &outs[part];
         const cs_qpanel v = cs__qmat_panel(w, P, p - P->panel0);
-        for (int t0 = 0; t0 < a->n_tokens; t0 += MAX_NT) {
-            int nt = a->n_tokens - t0 < MAX_NT ? a->n_tokens - t0 : MAX_NT;
-            __m256 acc[2 * MAX_NT];
-            fn(nt, &v, nb, a->q + (size_t)t0 * (size_t)a->cols, a->cols,
-               a->meta + (size_t)t0 * (size_t)nb, acc);
-            for (int t = 0; t < nt; t++) {
-                _Alignas(32) float vv[CS_QROWS];
-                _mm256_store_ps(vv, acc[2 * t]);
-                _mm256_store_ps(vv + 8, acc[2 * t + 1]);
-                float *dst = o->out + (size_t)(t0 + t) * (size_t)o->ldo + row0;
-                for (int r = 0; r < n_rows; r++) /* + bias, as the reference: one add */
-                    dst[r] = o->bias ? vv[r] + o->bias[row0 + r] : vv[r];
+        const int64_t group = un ? UNPACK_GROUP : nb;
+        for (int64_t b0 = 0; b0 < nb; b0 += group) {
+            const int64_t b1 = b0 + group < nb ? b0 + group : nb;
+            if (un) un(&v, b0, b1, wbuf);
+            for (int t0 = 0; t0 < a->n_tokens; t0 += MAX_NT) {
+                int nt = a->n_tokens - t0 < MAX_NT ? a->n_tokens - t0 : MAX_NT;
+                __m256 acc[2 * MAX_NT];
+                for (int t = 0; t < nt; t++) { /* the previous groups' sums wait in out */
+                    _Alignas(32) float vv[CS_QROWS] = {0};
+                    const float *src = o->out + (size_t)(t0 + t) * (size_t)o->ldo + row0;
+                    for (int r = 0; b0 && r < n_rows; r++)
+                        vv[r] = src[r];
+                    acc[2 * t] = _mm256_load_ps(vv), acc[2 * t + 1] = _mm256_load_ps(vv + 8);
+                }
+                fn(nt, &v, b0, b1, nb, un ? wbuf : NULL, a->q + (size_t)t0 * (size_t)a->cols,
+                   a->cols, a->meta + (size_t)t0 * (size_t)nb, acc);
+                for (int t = 0; t < nt; t++) {
+                    _Alignas(32) float vv[CS_QROWS];
+                    _mm256_store_ps(vv, acc[2 * t]);
+                    _mm256_store_ps(vv + 8, acc[2 * t + 1]);
+                    float *dst = o->out + (size_t)(t0 + t) * (size_t)o->ldo + row0;
+                    for (int r = 0; r < n_rows; r++) /* + bias, as the reference: one add */
+                        dst[r] = o->bias && b1 == nb ? vv[r] + o->bias[row0 + r] : vv[r];
+                }
             }
         }
     }

@@ -437,6 +437,9 @@ int main(void) {
          * straddle parts and end in partial panels */
         gemm_case(types[i], 1, tall, k3, 70, true);
         gemm_case(types[i], 3, ragged, k1, 54, true);
+        /* prefill's unpacked groups of 32 blocks: sums carried across groups */
+        const int64_t two[] = {24, 40};
+        gemm_case(types[i], 2, two, cs__qmat_is_k(types[i]) ? 2304 : 1120, 20, true);
     }
     test_mixed();
     for (int k = 0; k < 3; k++)
