@@ -1,5 +1,5 @@
 /* test_cuda_e2e: the CUDA backend through the engine on the tiny models
- * (CS_TINY_DIR; f32, untied, qwen2, and the K-quant ones q4_k_mix, q6_k): CPU vs CUDA logits teacher-forced along the CPU's greedy
+ * (CS_TINY_DIR; f32, untied, qwen2, and q4_k_mix: K-quant and Q5_0 blocks): CPU vs CUDA logits teacher-forced along the CPU's greedy
  * path (normalized error within bf16 tolerance; the same greedy token
  * wherever the CPU's top-2 margin is not a bf16-level tie), the free-running
  * greedy agreement, and chunked prefill = one pass on CUDA (last logits and
@@ -145,8 +145,8 @@ int main(void) {
     cpu_vs_cuda("qwen2");
     /* block types the CPU's integer kernels run; CUDA gets them dequantized
      * exactly (dtype.c) and converted to bf16 on the device */
-    cpu_vs_cuda("q4_k_mix"); /* qwen2, Q5_0 with a Q4_K ffn_down */
-    cpu_vs_cuda("q6_k");
+    cpu_vs_cuda("q4_k_mix"); /* qwen2, Q5_0 with a Q4_K ffn_down (Q6_K's dequantization:
+                                tests/py/test_dequant.py, the same path) */
     setenv("CHUNKSERVE_BACKEND", "bogus", 1);
     cs_model *m = NULL;
     char path[1024];
