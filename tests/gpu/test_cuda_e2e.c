@@ -1,10 +1,10 @@
 /* test_cuda_e2e: the CUDA backend through the engine on the tiny models
- * (CS_TINY_DIR; f32, untied, qwen2, and q4_k_mix: K-quant and Q5_0 blocks): CPU vs CUDA logits teacher-forced along the CPU's greedy
- * path (normalized error within bf16 tolerance; the same greedy token
- * wherever the CPU's top-2 margin is not a bf16-level tie), the free-running
- * greedy agreement, and chunked prefill = one pass on CUDA (last logits and
- * every exported page). Exits 77 without a usable GPU. Also built against
- * the host emulation of the CUDA backend (tests/emu: test_cuda_e2e_emu). */
+ * (CS_TINY_DIR; f32, untied, qwen2, and q4_k_mix: K-quant and Q5_0 blocks): CPU vs CUDA logits
+ * teacher-forced along the CPU's greedy path (normalized error within bf16 tolerance; the same
+ * greedy token wherever the CPU's top-2 margin is not a bf16-level tie), the free-running greedy
+ * agreement, and chunked prefill = one pass on CUDA (last logits and every exported page). Exits 77
+ * without a usable GPU. Also built against the host emulation of the CUDA backend (tests/emu:
+ * test_cuda_e2e_emu). */
 #include <stdlib.h>
 
 #include "chunkserve/engine.h"
