@@ -93,6 +93,18 @@ struct cs_qmat {
     size_t bytes;
 };
 
+/* Every type the kernels run, for the per-ISA files' tables:
+ * X(lower-case name, CS_QMAT_ type). */
+#define CS_QMAT_BLOCK_TYPES(X)                                                                     \
+    X(q4_0, CS_QMAT_Q4_0)                                                                          \
+    X(q4_1, CS_QMAT_Q4_1)                                                                          \
+    X(q8_0, CS_QMAT_Q8_0)                                                                          \
+    X(q5_0, CS_QMAT_Q5_0)                                                                          \
+    X(q5_1, CS_QMAT_Q5_1)                                                                          \
+    X(q4_k, CS_QMAT_Q4_K)                                                                          \
+    X(q5_k, CS_QMAT_Q5_K)                                                                          \
+    X(q6_k, CS_QMAT_Q6_K)
+
 /* Per-type facts for the kernels. */
 static inline bool cs__qmat_is_k(int type) {
     return type == CS_QMAT_Q4_K || type == CS_QMAT_Q5_K || type == CS_QMAT_Q6_K;

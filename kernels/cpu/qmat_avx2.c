@@ -209,17 +209,17 @@ typedef void unpack_fn(const cs_qpanel *P, int64_t b0, int64_t b1, uint8_t *wb);
     default: tile(4, TYPE, P, b0, b1, nb, WB, xq, cols, meta, acc); break;                         \
     }
 #define TILE_FN(name, TYPE)                                                                        \
-    static void name(int nt, const cs_qpanel *P, int64_t b0, int64_t b1, int64_t nb,               \
-                     const uint8_t *wb, const int8_t *xq, int64_t cols, const cs_qblock *meta,     \
-                     __m256 *acc) {                                                                \
+    static void tile_##name(int nt, const cs_qpanel *P, int64_t b0, int64_t b1, int64_t nb,        \
+                            const uint8_t *wb, const int8_t *xq, int64_t cols,                     \
+                            const cs_qblock *meta, __m256 *acc) {                                  \
         if (wb) {                                                                                  \
             TILE_CASES(TYPE, wb)                                                                   \
         } else {                                                                                   \
             TILE_CASES(TYPE, NULL)                                                                 \
         }                                                                                          \
     }                                                                                              \
-    static __attribute__((unused)) void name##_unpack(const cs_qpanel *P, int64_t b0, int64_t b1,  \
-                                                      uint8_t *wb) {                               \
+    static __attribute__((unused)) void tile_##name##_unpack(const cs_qpanel *P, int64_t b0,       \
+                                                             int64_t b1, uint8_t *wb) {            \
         for (int64_t b = b0; b < b1; b++)                                                          \
             for (int h = 0; h < 2; h++) {                                                          \
                 __m256i w[8];                                                                      \
@@ -229,18 +229,9 @@ typedef void unpack_fn(const cs_qpanel *P, int64_t b0, int64_t b1, uint8_t *wb);
                                        w[j]);                                                      \
             }                                                                                      \
     }
-TILE_FN(tile_q4_0, CS_QMAT_Q4_0)
-TILE_FN(tile_q4_1, CS_QMAT_Q4_1)
-TILE_FN(tile_q8_0, CS_QMAT_Q8_0)
-TILE_FN(tile_q5_0, CS_QMAT_Q5_0)
-TILE_FN(tile_q5_1, CS_QMAT_Q5_1)
-TILE_FN(tile_q4_k, CS_QMAT_Q4_K)
-TILE_FN(tile_q5_k, CS_QMAT_Q5_K)
-TILE_FN(tile_q6_k, CS_QMAT_Q6_K)
-static tile_fn *const tiles[CS_QMAT_TYPES] = {
-    [CS_QMAT_Q4_0] = tile_q4_0, [CS_QMAT_Q4_1] = tile_q4_1, [CS_QMAT_Q8_0] = tile_q8_0,
-    [CS_QMAT_Q5_0] = tile_q5_0, [CS_QMAT_Q5_1] = tile_q5_1, [CS_QMAT_Q4_K] = tile_q4_k,
-    [CS_QMAT_Q5_K] = tile_q5_k, [CS_QMAT_Q6_K] = tile_q6_k};
+CS_QMAT_BLOCK_TYPES(TILE_FN)
+#define TILE_ENTRY(name, TYPE) [TYPE] = tile_##name,
+static tile_fn *const tiles[CS_QMAT_TYPES] = {CS_QMAT_BLOCK_TYPES(TILE_ENTRY)};
 /* Types with bit planes to merge: unpacked once per group in prefill. */
 static unpack_fn *const unpacks[CS_QMAT_TYPES] = {[CS_QMAT_Q5_0] = tile_q5_0_unpack,
                                                   [CS_QMAT_Q5_1] = tile_q5_1_unpack,
