@@ -46,6 +46,20 @@ PROMPT_TEXT = (
 )
 
 
+def disable_extra_bufts() -> None:
+    """Later Llama() objects load without llama.cpp's extra weight buffers (AMX / repacked):
+    llama-cpp-python 0.3.36's AMX path dies on SIGILL on a Sapphire Rapids VM. Llama() does
+    not expose the flag, so this patches the defaults it starts from."""
+    import llama_cpp.llama as llama_mod
+    default_params = llama_mod.llama_cpp.llama_model_default_params
+
+    def no_extra_bufts():
+        params = default_params()
+        params.use_extra_bufts = False
+        return params
+    llama_mod.llama_cpp.llama_model_default_params = no_extra_bufts
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=DEFAULT_MODEL)
@@ -79,15 +93,8 @@ def main() -> int:
     n_ctx = args.prompt_tokens + args.decode_tokens + 8
     n_batch = max(1, min(args.n_batch, args.prompt_tokens))
     t_load = time.perf_counter()
-    if args.no_extra_bufts:  # Llama() does not expose it: patch the defaults it starts from
-        import llama_cpp.llama as llama_mod
-        default_params = llama_mod.llama_cpp.llama_model_default_params
-
-        def no_extra_bufts():
-            params = default_params()
-            params.use_extra_bufts = False
-            return params
-        llama_mod.llama_cpp.llama_model_default_params = no_extra_bufts
+    if args.no_extra_bufts:
+        disable_extra_bufts()
     llm = llama_cpp.Llama(model_path=args.model, n_ctx=n_ctx, n_batch=n_batch, n_ubatch=n_batch,
                           n_threads=args.threads, n_threads_batch=args.threads,
                           logits_all=False, n_gpu_layers=0, verbose=False)

@@ -77,19 +77,10 @@ def run_chunkserve(a, fx, flags, tmp):
 
 def run_llama(a, fx):
     import llama_cpp
-    import llama_cpp.llama as llama_mod
-
-    # llama-cpp-python 0.3.36's AMX path dies on SIGILL (tilezero in an OpenMP worker, on a
-    # Sapphire Rapids VM; bench/bench_llamacpp.py --no-extra-bufts has the same note): turn
-    # off the extra (AMX / repacked) weight buffers, so llama.cpp runs its ordinary CPU
-    # kernels. Llama() does not expose the flag: patch the defaults it starts from.
-    default_params = llama_mod.llama_cpp.llama_model_default_params
-
-    def no_extra_bufts():
-        params = default_params()
-        params.use_extra_bufts = False
-        return params
-    llama_mod.llama_cpp.llama_model_default_params = no_extra_bufts
+    # llama-cpp-python 0.3.36's AMX path dies on SIGILL on this VM: its ordinary CPU kernels
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_llamacpp import disable_extra_bufts
+    disable_extra_bufts()
     V = fx["n_vocab"]
     n_max = max(len(p["ids"]) + fx["n_gen"] for p in fx["prompts"])
     llm = llama_cpp.Llama(model_path=a.model, n_ctx=max(512, n_max + 16), n_batch=1024,

@@ -11,6 +11,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include "bench.h"
 #include "chunkserve/config.h"
@@ -645,6 +647,8 @@ static int run_tensor(const cmd_ctx *c) {
     free(f);
     if (!ok) {
         fprintf(stderr, "chunkserve tensor: cannot write %s: %s\n", o->out, strerror(errno));
+        struct stat st; /* no half-written file left behind (never unlink a device) */
+        if (stat(o->out, &st) == 0 && S_ISREG(st.st_mode)) unlink(o->out);
         return 1;
     }
     fprintf(stderr, "%s: %lld float32 values -> %s\n", o->tensor, (long long)n, o->out);
