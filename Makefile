@@ -18,7 +18,7 @@ ifneq ($(OPENBLAS_CORETYPE),)
 export OPENBLAS_CORETYPE
 endif
 
-.PHONY: all build bootstrap model check test test-unit test-py asan-build test-asan test-serve-asan test-cluster-asan tsan-build test-cluster-tsan fuzz-long demo bench image clean format
+.PHONY: all build bootstrap model test-models check test test-unit test-py asan-build test-asan test-serve-asan test-cluster-asan tsan-build test-cluster-tsan fuzz-long demo bench image clean format
 
 all: build
 
@@ -29,11 +29,13 @@ build: bootstrap
 	cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=RelWithDebInfo $(CMAKE_FLAGS) >/dev/null
 	cmake --build $(BUILD) -j$(JOBS)
 
-# The tests need the default model and Qwen2.5-Coder-0.5B (K-quants); MODEL too.
 model:
+	@scripts/fetch-model.sh $(MODEL)
+
+# The tests need the default model and Qwen2.5-Coder-0.5B (K-quants) whatever MODEL is.
+test-models:
 	@scripts/fetch-model.sh smollm2-135m
 	@scripts/fetch-model.sh qwen2.5-coder-0.5b
-	@scripts/fetch-model.sh $(MODEL)
 
 # The fast lane for the edit-test loop (about a minute on 2 cores): the default
 # build's unit tests (CTest label unit: every module's C tests, the CUDA backend
@@ -44,7 +46,7 @@ check: build
 # CTest (unit tests, and the cluster: real router + worker processes, label cluster),
 # the unit tests and the tiny-model server and router tests again in an ASan+UBSan
 # build, then the other process-level tests (pytest).
-test: build model
+test: build model test-models
 	cd $(BUILD) && ctest --output-on-failure -j$(JOBS)
 	$(MAKE) --no-print-directory test-asan
 	$(MAKE) --no-print-directory test-serve-asan
