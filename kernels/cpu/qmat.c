@@ -8,6 +8,7 @@
  * here is an explicit fmaf, so no compiler can round differently. */
 #include <math.h>
 #include <stdlib.h>
+#include <unistd.h>
 #include <string.h>
 #include <time.h>
 
@@ -467,14 +468,48 @@ typedef struct {
     const float *x;
 } qjob;
 
+static void kernel_panels(const cs_qout *outs, const cs_qact *a, const cs_qmat *w, int64_t p0,
+                          int64_t p1) {
+    switch (cs__qmat_kernels()) {
+    case CS_QMAT_KERNELS_AMX: cs__qmat_amx_panels(outs, a, w, p0, p1); break;
+    case CS_QMAT_KERNELS_VNNI: cs__qmat_vnni_panels(outs, a, w, p0, p1); break;
+    case CS_QMAT_KERNELS_AVX2: cs__qmat_avx2_panels(outs, a, w, p0, p1); break;
+    default: cs__qmat_ref_panels(outs, a, w, p0, p1);
+    }
+}
+
+/* Tokens per pass over the weights: each thread runs its panels over one
+ * slice of tokens at a time, so the slice's activations (the bytes every
+ * panel reads again) stay in the core's L2 rather than stream from L3 for
+ * each panel: about a third of L2, in tiles of 16 tokens, at least 64
+ * (Sapphire Rapids, Q4_K 1536 x 8960 at 512 tokens: 64-token slices run the
+ * AMX GEMM 1.6x faster than one pass; chunkserve-bench-qmat). The slices
+ * change no result: each token's outputs depend on its own row alone. */
+static int64_t slice_tokens(int64_t cols) {
+    static int64_t l2 = -1; /* benign race: every thread computes the same */
+    if (l2 < 0) {
+        long v = sysconf(_SC_LEVEL2_CACHE_SIZE);
+        l2 = v > 0 ? v : 1 << 20;
+    }
+    int64_t n = l2 / 3 / cols / 16 * 16;
+    return n < 64 ? 64 : n;
+}
+
 static void panels_fn(void *arg, int64_t begin, int64_t end, int thread) {
     const qjob *j = arg;
     (void)thread;
-    switch (cs__qmat_kernels()) {
-    case CS_QMAT_KERNELS_AMX: cs__qmat_amx_panels(j->outs, j->a, j->w, begin, end); break;
-    case CS_QMAT_KERNELS_VNNI: cs__qmat_vnni_panels(j->outs, j->a, j->w, begin, end); break;
-    case CS_QMAT_KERNELS_AVX2: cs__qmat_avx2_panels(j->outs, j->a, j->w, begin, end); break;
-    default: cs__qmat_ref_panels(j->outs, j->a, j->w, begin, end);
+    const cs_qact *a = j->a;
+    const int64_t n = slice_tokens(a->cols);
+    if (a->n_tokens <= n) {
+        kernel_panels(j->outs, a, j->w, begin, end);
+        return;
+    }
+    for (int64_t t0 = 0; t0 < a->n_tokens; t0 += n) {
+        cs_qact sa;
+        cs_qout so[CS_QMAT_PARTS];
+        cs__qmat_token_slice(j->outs, a, j->w->n_parts, t0,
+                             a->n_tokens - t0 < n ? a->n_tokens - t0 : n, so, &sa);
+        kernel_panels(so, &sa, j->w, begin, end);
     }
 }
 

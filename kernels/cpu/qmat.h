@@ -185,6 +185,20 @@ typedef struct {
     const float *bias;
 } cs_qout;
 
+/* Tokens [t0, t0 + n) of a and of outs (n_parts of them) as their own
+ * GEMM: sa views a's rows, so[p] outs[p]'s. */
+static inline void cs__qmat_token_slice(const cs_qout *outs, const cs_qact *a, int n_parts,
+                                        int64_t t0, int64_t n, cs_qout *so, cs_qact *sa) {
+    *sa = *a;
+    sa->n_tokens = (int)n;
+    sa->q += (size_t)t0 * (size_t)a->cols;
+    sa->meta += (size_t)t0 * (size_t)a->n_blocks;
+    for (int k = 0; k < n_parts; k++) {
+        so[k] = outs[k];
+        so[k].out += (size_t)t0 * (size_t)so[k].ldo;
+    }
+}
+
 /* Quantizes x (n_tokens, a->cols) into a. */
 void cs_op_quantize_ref(cs_qact *a, const float *x);
 void cs_op_quantize(cs_threadpool *pool, cs_qact *a, const float *x);

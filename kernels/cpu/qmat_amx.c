@@ -14,16 +14,16 @@
  * int32 exactly, like vpdpbusd. A tile product covers one 32-weight block
  * (K = 32), never two, so every C tile holds exact per-block sums
  *   C[token][row] = sum over the block of q[token][k] * u[row][k]
- * and the fp32 epilogue is the reference's, block by block, in order:
- *   acc = fma(d * dx, (float)(isum - z * xsum), acc)   (+ fma(m, fsum, acc))
+ * and the fp32 epilogue is the reference's, block by block, in order.
  *
  * Tiles: A = 16 tokens x 32 activation bytes (read in place, stride cols);
  * B = the panel's block as 8 rows of 64 bytes, row i lane r = u[r][4i..4i+3]:
- * exactly the packed Q8 layout (read in place), and Q4's nibbles split into
- * it (4 ands and shifts a block, once per group of blocks for every
- * token). Per panel, group of blocks and tile of 16 tokens, the tile
- * products of the whole group are issued back to back into a buffer, then
- * the AVX-512 epilogue walks them, 8 tokens' accumulator chains at a time.
+ * exactly the packed Q8 layout (read in place), and for every other type
+ * the VNNI kernels' unpacked bytes (qmat_avx512.h: nibbles split, 5th and
+ * 6th bits or'ed in), made once per group of blocks for every token. Per
+ * panel, group of blocks and tile of 16 tokens, the tile products of the
+ * whole group are issued back to back into a buffer, then the AVX-512
+ * epilogue walks them, 8 tokens' accumulator chains at a time.
  *
  * What bounds it: the epilogue, not the tiles. Each (token, 16 rows, block)
  * needs cvt + mul + fma (+ fma for Q4_1) on the vector units for 512 MACs
@@ -34,12 +34,10 @@
  * and the next token tile's products issued between the epilogue's steps
  * (1.25x). Tokens past the last full tile of 16 go to the VNNI kernels
  * (same bits). Threads split panels, as everywhere. */
-#include <string.h>
-
 #include "qmat.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__)
-#include <immintrin.h>
+#include "qmat_avx512.h"
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -88,47 +86,43 @@ typedef struct {
 
 /* One panel, every whole tile of 16 tokens: out[t][row0 + r] for t < full.
  * The output rows are the fp32 accumulators (each thread owns its panels'
- * columns); blocks in groups of G: per group, Q4's nibbles are split once
- * for every token tile, the tile products of the group go to cbuf, then the
- * epilogue walks each token's blocks in order with its accumulator in a
- * register. */
-static inline __attribute__((always_inline)) void
-panel(const int type, const uint8_t *pq, const uint16_t *pd, const uint16_t *pm, float *out,
-      int64_t ldo, const float *bias, __mmask16 mask, const cs_qact *a, int64_t full, int32_t z) {
+ * columns); blocks in groups of G: per group, the blocks are unpacked into
+ * B tiles and their scales read once for every token tile, the tile
+ * products of the group go to cbuf, then the epilogue walks each token's
+ * blocks in order with its accumulator in a register. */
+static inline __attribute__((always_inline)) void panel(const int type, const cs_qpanel *v,
+                                                        float *out, int64_t ldo, const float *bias,
+                                                        __mmask16 mask, const cs_qact *a,
+                                                        int64_t full) {
     const int64_t nb = a->n_blocks, qb = cs__qmat_qbytes(type);
+    const int32_t z = cs__qmat_zero(type);
+    const bool min = cs__qmat_has_min(type);
     int32_t cbuf[G][16][16] __attribute__((aligned(64)));
     uint8_t wbuf[G][CS_QK / 4][64] __attribute__((aligned(64)));
-    float dq[G][16] __attribute__((aligned(64))), mq[G][16] __attribute__((aligned(64)));
-    const __m512i m4 = _mm512_set1_epi8(0x0f);
+    float d0q[G][16] __attribute__((aligned(64))), mq[G][16] __attribute__((aligned(64)));
     for (int64_t g0 = 0; g0 < nb; g0 += G) {
         const int gn = nb - g0 < G ? (int)(nb - g0) : G;
         const uint8_t *bsrc[G];
         for (int k = 0; k < gn; k++) {
-            const uint8_t *p = pq + (g0 + k) * qb;
-            _mm512_store_ps(
-                dq[k], _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(pd + (g0 + k) * 16))));
-            _mm512_store_ps(mq[k], type == CS_QMAT_Q4_1 ? _mm512_cvtph_ps(_mm256_load_si256((
-                                                              const __m256i *)(pm + (g0 + k) * 16)))
-                                                        : _mm512_setzero_ps());
-            if (type == CS_QMAT_Q8_0) {
-                bsrc[k] = p;
+            const cs_qscales sc = cs__qmat_scales(type, v, g0 + k);
+            _mm512_store_ps(d0q[k], sc.d0);
+            _mm512_store_ps(mq[k], sc.m);
+            if (type == CS_QMAT_Q8_0) { /* already the B tile */
+                bsrc[k] = v->q + (g0 + k) * qb;
                 continue;
             }
-            /* nibbles -> bytes: row 2i = the low halves of vector i, 2i+1 the high */
-#pragma GCC unroll 4
-            for (int i = 0; i < 4; i++) {
-                __m512i v = _mm512_load_si512((const void *)(p + 64 * i));
-                _mm512_store_si512((void *)wbuf[k][2 * i], _mm512_and_si512(v, m4));
-                _mm512_store_si512((void *)wbuf[k][2 * i + 1],
-                                   _mm512_and_si512(_mm512_srli_epi16(v, 4), m4));
-            }
+            __m512i wv[8];
+            cs__qmat_unpack(type, v, g0 + k, wv);
+#pragma GCC unroll 8
+            for (int i = 0; i < 8; i++)
+                _mm512_store_si512((void *)wbuf[k][i], wv[i]);
             bsrc[k] = wbuf[k][0];
         }
         for (int64_t t0 = 0; t0 < full; t0 += 16) {
             const int8_t *xq = a->q + (size_t)t0 * (size_t)a->cols + (size_t)g0 * CS_QK;
             const size_t xs = (size_t)a->cols;
-            int k;
-            for (k = 0; k + 4 <= gn; k += 4) {
+            int k = 0;
+            for (; k + 4 <= gn; k += 4) {
                 BLOCK_TILES(0, 2, 4, xq + k * CS_QK, xs, bsrc[k], cbuf[k]);
                 BLOCK_TILES(1, 3, 5, xq + (k + 1) * CS_QK, xs, bsrc[k + 1], cbuf[k + 1]);
                 BLOCK_TILES(0, 2, 6, xq + (k + 2) * CS_QK, xs, bsrc[k + 2], cbuf[k + 2]);
@@ -153,15 +147,15 @@ panel(const int type, const uint8_t *pq, const uint16_t *pd, const uint16_t *pm,
                            : _mm512_setzero_ps();
                 }
                 for (k = 0; k < gn; k++) {
-                    const __m512 d = _mm512_load_ps(dq[k]), m = _mm512_load_ps(mq[k]);
+                    const __m512 d0 = _mm512_load_ps(d0q[k]), m = _mm512_load_ps(mq[k]);
 #pragma GCC unroll 8
                     for (int r = 0; r < 8; r++) {
+                        const __m512 vdx = _mm512_set1_ps(mb[r][k].dx);
                         __m512i s = _mm512_load_si512((const void *)cbuf[k][r0 + r]);
                         if (z) s = _mm512_sub_epi32(s, _mm512_set1_epi32(z * mb[r][k].xsum));
-                        acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(d, _mm512_set1_ps(mb[r][k].dx)),
-                                                 _mm512_cvtepi32_ps(s), acc[r]);
-                        if (type == CS_QMAT_Q4_1)
-                            acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(mb[r][k].fsum), acc[r]);
+                        acc[r] =
+                            _mm512_fmadd_ps(_mm512_mul_ps(d0, vdx), _mm512_cvtepi32_ps(s), acc[r]);
+                        if (min) acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(mb[r][k].fsum), acc[r]);
                     }
                 }
                 const __m512 bv =
@@ -176,33 +170,40 @@ panel(const int type, const uint8_t *pq, const uint16_t *pd, const uint16_t *pm,
     }
 }
 
+/* One instance per type AMX runs, so every branch on the type folds away. */
+typedef void panel_fn(const cs_qpanel *v, float *out, int64_t ldo, const float *bias,
+                      __mmask16 mask, const cs_qact *a, int64_t full);
 #define PANEL_FN(name, TYPE)                                                                       \
-    static void name(const uint8_t *pq, const uint16_t *pd, const uint16_t *pm, float *out,        \
-                     int64_t ldo, const float *bias, __mmask16 mask, const cs_qact *a,             \
-                     int64_t full, int32_t z) {                                                    \
-        panel(TYPE, pq, pd, pm, out, ldo, bias, mask, a, full, z);                                 \
+    static void panel_##name(const cs_qpanel *v, float *out, int64_t ldo, const float *bias,       \
+                             __mmask16 mask, const cs_qact *a, int64_t full) {                     \
+        panel(TYPE, v, out, ldo, bias, mask, a, full);                                             \
     }
-PANEL_FN(panel_q4_0, CS_QMAT_Q4_0)
-PANEL_FN(panel_q4_1, CS_QMAT_Q4_1)
-PANEL_FN(panel_q8_0, CS_QMAT_Q8_0)
+#define AMX_TYPES(X)                                                                               \
+    X(q4_0, CS_QMAT_Q4_0)                                                                          \
+    X(q4_1, CS_QMAT_Q4_1)                                                                          \
+    X(q8_0, CS_QMAT_Q8_0)                                                                          \
+    X(q5_0, CS_QMAT_Q5_0)                                                                          \
+    X(q5_1, CS_QMAT_Q5_1)                                                                          \
+    X(q4_k, CS_QMAT_Q4_K)                                                                          \
+    X(q5_k, CS_QMAT_Q5_K)
+AMX_TYPES(PANEL_FN)
+#define PANEL_ENTRY(name, TYPE) [TYPE] = panel_##name,
+static panel_fn *const panels[CS_QMAT_TYPES] = {AMX_TYPES(PANEL_ENTRY)};
 
-static void load_config(void) {
-    tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int i = 0; i < 2; i++) {
-        cfg.rows[i] = 16, cfg.colsb[i] = CS_QK;             /* A: 16 tokens x 32 bytes */
-        cfg.rows[2 + i] = CS_QK / 4, cfg.colsb[2 + i] = 64; /* B: 8 x 64 bytes */
-    }
-    for (int i = 4; i < 8; i++)
-        cfg.rows[i] = 16, cfg.colsb[i] = 64; /* C: 16 tokens x 16 int32 */
-    _tile_loadconfig(&cfg);
-}
+/* The tile shapes, as data (GCC 12 dropped the stores into a config built
+ * on the stack before ldtilecfg): A = 16 tokens x 32 activation bytes, B =
+ * 8 rows of 64 weight bytes (one block), C = 16 tokens x 16 int32. */
+static const tile_config block_config = {.palette = 1,
+                                         .colsb = {CS_QK, CS_QK, 64, 64, 64, 64, 64, 64},
+                                         .rows = {16, 16, CS_QK / 4, CS_QK / 4, 16, 16, 16, 16}};
 
-/* Whether AMX runs this part type's panels; the others (5- and 6-bit and
- * K-quant parts) go to the VNNI kernels, with the same bits. */
+/* Whether AMX runs this type's panels. Not Q6_K: its two 16-weight halves
+ * per block have their own scales, and as two K = 16 tile products with two
+ * epilogue steps they ran at 0.68x the VNNI kernel (1536 x 8960, 512
+ * tokens, chunkserve-bench-qmat, Sapphire Rapids), so its panels go to
+ * VNNI, with the same bits. */
 static bool amx_type(int type) {
-    return type == CS_QMAT_Q4_0 || type == CS_QMAT_Q4_1 || type == CS_QMAT_Q8_0;
+    return panels[type] != NULL;
 }
 
 void cs__qmat_amx_panels(const cs_qout *outs, const cs_qact *a, const cs_qmat *w, int64_t p0,
@@ -210,43 +211,32 @@ void cs__qmat_amx_panels(const cs_qout *outs, const cs_qact *a, const cs_qmat *w
     /* whole tiles of 16 tokens; none where the tile state was not granted
      * (a test forcing these kernels), so every token goes to VNNI */
     const int64_t full = cs__qmat_amx_usable() ? a->n_tokens / 16 * 16 : 0;
-    int part = 0;
     if (full > 0) {
-        load_config();
+        _tile_loadconfig(&block_config);
+        int part = 0;
         for (int64_t p = p0; p < p1; p++) {
             part = cs__qmat_part_of(w, p, part);
             const cs_qpart *P = &w->part[part];
             if (!amx_type(P->type)) continue;
-            void (*fn)(const uint8_t *, const uint16_t *, const uint16_t *, float *, int64_t,
-                       const float *, __mmask16, const cs_qact *, int64_t, int32_t) =
-                P->type == CS_QMAT_Q4_0   ? panel_q4_0
-                : P->type == CS_QMAT_Q4_1 ? panel_q4_1
-                                          : panel_q8_0;
             const int64_t row0 = (p - P->panel0) * CS_QROWS;
             const int64_t left = P->rows - row0;
             const cs_qout *o = &outs[part];
             const cs_qpanel v = cs__qmat_panel(w, P, p - P->panel0);
-            fn(v.q, v.d, v.m, o->out + row0, o->ldo, o->bias ? o->bias + row0 : NULL,
-               left >= CS_QROWS ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1), a, full,
-               cs__qmat_zero(P->type));
+            panels[P->type](&v, o->out + row0, o->ldo, o->bias ? o->bias + row0 : NULL,
+                            left >= CS_QROWS ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1), a,
+                            full);
         }
         _tile_release(); /* back to the init state: cheap context switches */
     }
-    /* the rest on VNNI: other types' panels whole, and the last tokens
-     * (fewer than a tile) of AMX's */
-    cs_qact rest = *a;
-    rest.n_tokens = a->n_tokens - (int)full;
-    rest.q += (size_t)full * (size_t)a->cols;
-    rest.meta += (size_t)full * (size_t)a->n_blocks;
+    /* the rest on VNNI: Q6_K panels whole, and the last tokens (fewer than a
+     * tile) of the others */
+    cs_qact rest;
     cs_qout ro[CS_QMAT_PARTS];
-    for (int k = 0; k < w->n_parts; k++) {
-        ro[k] = outs[k];
-        ro[k].out += (size_t)full * (size_t)ro[k].ldo;
-    }
-    part = 0;
-    for (int64_t p = p0; p < p1;) { /* runs of panels of one kind */
+    cs__qmat_token_slice(outs, a, w->n_parts, full, a->n_tokens - full, ro, &rest);
+    int part = 0;
+    for (int64_t p = p0; p < p1;) { /* runs of panels of one part */
         part = cs__qmat_part_of(w, p, part);
-        bool amx = full > 0 && amx_type(w->part[part].type);
+        const bool amx = full > 0 && amx_type(w->part[part].type);
         int64_t e = part + 1 < w->n_parts ? w->part[part + 1].panel0 : w->n_panels;
         if (e > p1) e = p1;
         if (!amx)
@@ -262,11 +252,9 @@ void cs__qmat_amx_panels(const cs_qout *outs, const cs_qact *a, const cs_qmat *w
 int64_t cs__qmat_amx_peak_loop(int64_t iters) {
     static const int8_t x[16 * 64] __attribute__((aligned(64))) = {1};
     int32_t c[16 * 16] __attribute__((aligned(64)));
-    tile_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int i = 0; i < 8; i++)
-        cfg.rows[i] = 16, cfg.colsb[i] = 64;
+    static const tile_config cfg = {.palette = 1,
+                                    .colsb = {64, 64, 64, 64, 64, 64, 64, 64},
+                                    .rows = {16, 16, 16, 16, 16, 16, 16, 16}};
     _tile_loadconfig(&cfg);
     _tile_loadd(0, x, 64);
     _tile_loadd(1, x, 64);

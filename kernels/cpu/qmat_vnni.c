@@ -28,7 +28,7 @@
 #include "qmat.h"
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-#include <immintrin.h>
+#include "qmat_avx512.h"
 
 bool cs__qmat_vnni_usable(void) {
 #if defined(__GNUC__) && defined(__x86_64__)
@@ -43,57 +43,14 @@ bool cs__qmat_vnni_usable(void) {
 #define MAX_NT 8
 typedef int32_t a32 __attribute__((may_alias)); /* int8 data read 4 bytes at a time */
 
-/* Lane r of the result: u[r][4i .. 4i+3]'s bit `bit` (4 or 5) from plane
- * h (byte 4r+c bit i), in place: that byte's bit `bit`, the others 0. */
-static inline __attribute__((always_inline)) __m512i hbits(__m512i h, int i, int bit) {
-    return bit > i   ? _mm512_slli_epi16(h, (unsigned)(bit - i))
-           : bit < i ? _mm512_srli_epi16(h, (unsigned)(i - bit))
-                     : h;
-}
-
-/* Block b of panel P as 8 vectors of bytes: wv[i] lane r = u[r][4i .. 4i+3]. */
-static inline __attribute__((always_inline)) void unpack(const int type, const cs_qpanel *P,
-                                                         int64_t b, __m512i *wv) {
-    const int qb = cs__qmat_qbytes(type), hb = cs__qmat_hbytes(type);
-    const uint8_t *p = P->q + b * qb;
-    if (type == CS_QMAT_Q8_0) {
-#pragma GCC unroll 8
-        for (int j = 0; j < 8; j++)
-            wv[j] = _mm512_load_si512((const void *)(p + 64 * j));
-        return;
-    }
-    const __m512i m4 = _mm512_set1_epi8(0x0f);
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; j++) {
-        __m512i v = _mm512_load_si512((const void *)(p + 64 * j));
-        wv[2 * j] = _mm512_and_si512(v, m4);
-        wv[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
-    }
-    if (hb) { /* the 5th (and 6th) bits: wv |= (shifted plane & bit) */
-        const __m512i h4 = _mm512_load_si512((const void *)(P->h + b * hb));
-        const __m512i b4 = _mm512_set1_epi8(0x10);
-#pragma GCC unroll 8
-        for (int i = 0; i < 8; i++)
-            wv[i] = _mm512_ternarylogic_epi32(wv[i], hbits(h4, i, 4), b4, 0xf8);
-        if (hb == 128) {
-            const __m512i h5 = _mm512_load_si512((const void *)(P->h + b * hb + 64));
-            const __m512i b5 = _mm512_set1_epi8(0x20);
-#pragma GCC unroll 8
-            for (int i = 0; i < 8; i++)
-                wv[i] = _mm512_ternarylogic_epi32(wv[i], hbits(h5, i, 5), b5, 0xf8);
-        }
-    }
-}
-
 /* Blocks [b0, b1) of one panel for nt tokens into acc[0..nt) (which the
  * caller set). wb: NULL, or those blocks already unpacked (512 bytes each). */
 static inline __attribute__((always_inline)) void
 tile(const int nt, const int type, const cs_qpanel *P, int64_t b0, int64_t b1, int64_t nb,
      const uint8_t *wb, const int8_t *xq, int64_t cols, const cs_qblock *meta, __m512 *acc) {
-    const int qb = cs__qmat_qbytes(type), hb = cs__qmat_hbytes(type), g = cs__qmat_dgroup(type);
+    const int qb = cs__qmat_qbytes(type), hb = cs__qmat_hbytes(type);
     const int32_t z = cs__qmat_zero(type);
-    const bool kq = cs__qmat_is_k(type), q6 = type == CS_QMAT_Q6_K;
-    const bool min1 = type == CS_QMAT_Q4_1 || type == CS_QMAT_Q5_1, mink = kq && !q6;
+    const bool q6 = type == CS_QMAT_Q6_K, min = cs__qmat_has_min(type);
     for (int64_t b = b0; b < b1; b++) {
         __m512i wv[8];
         if (wb) {
@@ -110,29 +67,11 @@ tile(const int nt, const int type, const cs_qpanel *P, int64_t b0, int64_t b1, i
                 for (int j = 0; j < hb / 64; j++)
                     _mm_prefetch((const char *)(P->h + (b + 8) * hb + 64 * j), _MM_HINT_T0);
             }
-            unpack(type, P, b, wv);
+            cs__qmat_unpack(type, P, b, wv);
         }
-        /* the block's scales, for every token: d (D * sc for K-quants), m */
-        const __m512 d =
-            _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(P->d + (b / g) * CS_QROWS)));
-        __m512 d0 = d, d1 = d, m = _mm512_setzero_ps();
-        if (min1) m = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(P->m + b * CS_QROWS)));
-        if (kq) {
-            const __m128i *sp = (const __m128i *)(const void *)(P->sc + b * 32);
-            if (q6) {
-                d0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(sp))));
-                d1 = _mm512_mul_ps(
-                    d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(sp + 1))));
-            } else {
-                d0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128(sp))));
-                __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128(sp + 1)));
-                __m512 dmin = _mm512_cvtph_ps(
-                    _mm256_load_si256((const __m256i *)(P->m + (b / g) * CS_QROWS)));
-                /* -(DMIN * mn): the sign flipped exactly */
-                m = _mm512_castsi512_ps(_mm512_xor_si512(
-                    _mm512_castps_si512(_mm512_mul_ps(dmin, mn)), _mm512_set1_epi32(INT32_MIN)));
-            }
-        }
+        /* the block's scales, for every token */
+        const cs_qscales sc = cs__qmat_scales(type, P, b);
+        const __m512 d0 = sc.d0, d1 = sc.d1, m = sc.m;
 #pragma GCC unroll 8
         for (int t = 0; t < nt; t++) {
             /* 4 activation bytes broadcast straight from memory (a load, not a
@@ -171,7 +110,7 @@ tile(const int nt, const int type, const cs_qpanel *P, int64_t b0, int64_t b1, i
             }
             if (z) s = _mm512_sub_epi32(s, _mm512_set1_epi32(z * mb->xsum));
             acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d0, vdx), _mm512_cvtepi32_ps(s), acc[t]);
-            if (min1 || mink) acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(mb->fsum), acc[t]);
+            if (min) acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(mb->fsum), acc[t]);
         }
     }
 }
@@ -207,7 +146,7 @@ typedef void unpack_fn(const cs_qpanel *P, int64_t b0, int64_t b1, uint8_t *wb);
                                                              int64_t b1, uint8_t *wb) {            \
         for (int64_t b = b0; b < b1; b++) {                                                        \
             __m512i wv[8];                                                                         \
-            unpack(TYPE, P, b, wv);                                                                \
+            cs__qmat_unpack(TYPE, P, b, wv);                                                       \
             for (int j = 0; j < 8; j++)                                                            \
                 _mm512_store_si512((void *)(wb + (b - b0) * 512 + 64 * j), wv[j]);                 \
         }                                                                                          \

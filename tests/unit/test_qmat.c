@@ -442,6 +442,11 @@ int main(void) {
         gemm_case(types[i], 2, two, cs__qmat_is_k(types[i]) ? 2304 : 1120, 20, true);
     }
     test_mixed();
+    /* rows so long that the GEMM runs its tokens in slices (of 64 where L2
+     * is at most 2.6 MiB; qmat.c slice_tokens): each slice's outputs in place */
+    const int64_t sliced[] = {20, 17};
+    const int st[] = {CS_QMAT_Q4_K, CS_QMAT_Q6_K};
+    gemm_parts(st, 2, sliced, 11264, 80, true);
     for (int k = 0; k < 3; k++)
         cs_threadpool_free(pools[k]);
     printf("ok\n");

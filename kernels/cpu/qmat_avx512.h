@@ -1,0 +1,89 @@
+/* kernels/cpu/qmat_avx512.h: the two steps the AVX-512 VNNI kernels
+ * (qmat_vnni.c) and the AMX ones (qmat_amx.c) share, so both read a block
+ * the same way: its weights as bytes and its scales as fp32 vectors (one lane
+ * per panel row). Included only by files compiled for AVX-512 F/BW and F16C;
+ * qmat.h states the arithmetic. */
+#ifndef CS_KERNELS_CPU_QMAT_AVX512_H
+#define CS_KERNELS_CPU_QMAT_AVX512_H
+
+#include <immintrin.h>
+
+#include "qmat.h"
+
+/* Lane r of the result: u[r][4i .. 4i+3]'s bit `bit` (4 or 5) from plane
+ * h (byte 4r+c bit i), in place: that byte's bit `bit`, the others 0. */
+static inline __attribute__((always_inline)) __m512i cs__qmat_hbits(__m512i h, int i, int bit) {
+    return bit > i   ? _mm512_slli_epi16(h, (unsigned)(bit - i))
+           : bit < i ? _mm512_srli_epi16(h, (unsigned)(i - bit))
+                     : h;
+}
+
+/* Block b of panel P as 8 vectors of bytes: wv[i] lane r = u[r][4i .. 4i+3]
+ * (stored one after the other, also the AMX B tile of the block: 8 rows of
+ * 64 bytes). */
+static inline __attribute__((always_inline)) void
+cs__qmat_unpack(const int type, const cs_qpanel *P, int64_t b, __m512i *wv) {
+    const int qb = cs__qmat_qbytes(type), hb = cs__qmat_hbytes(type);
+    const uint8_t *p = P->q + b * qb;
+    if (type == CS_QMAT_Q8_0) {
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++)
+            wv[j] = _mm512_load_si512((const void *)(p + 64 * j));
+        return;
+    }
+    const __m512i m4 = _mm512_set1_epi8(0x0f);
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; j++) {
+        __m512i v = _mm512_load_si512((const void *)(p + 64 * j));
+        wv[2 * j] = _mm512_and_si512(v, m4);
+        wv[2 * j + 1] = _mm512_and_si512(_mm512_srli_epi16(v, 4), m4);
+    }
+    if (hb) { /* the 5th (and 6th) bits: wv |= (shifted plane & bit) */
+        const __m512i h4 = _mm512_load_si512((const void *)(P->h + b * hb));
+        const __m512i b4 = _mm512_set1_epi8(0x10);
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; i++)
+            wv[i] = _mm512_ternarylogic_epi32(wv[i], cs__qmat_hbits(h4, i, 4), b4, 0xf8);
+        if (hb == 128) {
+            const __m512i h5 = _mm512_load_si512((const void *)(P->h + b * hb + 64));
+            const __m512i b5 = _mm512_set1_epi8(0x20);
+#pragma GCC unroll 8
+            for (int i = 0; i < 8; i++)
+                wv[i] = _mm512_ternarylogic_epi32(wv[i], cs__qmat_hbits(h5, i, 5), b5, 0xf8);
+        }
+    }
+}
+
+/* Block b's weight scales, per row: d0 multiplies the block's sum (Q6_K:
+ * its first half's), d1 Q6_K's second half's; m multiplies fsum (Q4_1,
+ * Q5_1: m; Q4_K, Q5_K: -(DMIN * mn)), else 0. */
+typedef struct {
+    __m512 d0, d1, m;
+} cs_qscales;
+
+static inline __attribute__((always_inline)) cs_qscales
+cs__qmat_scales(const int type, const cs_qpanel *P, int64_t b) {
+    const int g = cs__qmat_dgroup(type);
+    const __m512 d =
+        _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(P->d + (b / g) * CS_QROWS)));
+    cs_qscales s = {d, d, _mm512_setzero_ps()};
+    if (type == CS_QMAT_Q4_1 || type == CS_QMAT_Q5_1)
+        s.m = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(P->m + b * CS_QROWS)));
+    if (!cs__qmat_is_k(type)) return s;
+    const __m128i *sp = (const __m128i *)(const void *)(P->sc + b * 32);
+    if (type == CS_QMAT_Q6_K) {
+        s.d0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(sp))));
+        s.d1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(sp + 1))));
+        return s;
+    }
+    s.d0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128(sp))));
+    const __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128(sp + 1)));
+    const __m512 dmin =
+        _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(P->m + (b / g) * CS_QROWS)));
+    /* -(DMIN * mn): the sign flipped exactly */
+    s.m = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(_mm512_mul_ps(dmin, mn)),
+                                               _mm512_set1_epi32(INT32_MIN)));
+    return s;
+}
+
+#endif
