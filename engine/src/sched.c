@@ -57,6 +57,7 @@ struct cs_sched {
     cs_sched_stats st;
     cs_step_info last;
     cs_step_model model; /* step time, for step_time_target_ms (fitted in every mode) */
+    int32_t probe;       /* chunk cap until the model is ready (timed_chunk) */
     /* step scratch */
     cs_span *spans;
     seq **owners;
@@ -94,6 +95,7 @@ int cs_sched_init(cs_engine *e, const cs_sched_params *p, cs_sched **out) {
     s->ctx_len = cs_model_get_config(m)->ctx_len;
     s->page_size = cs_kv_cache_page_size(s->kv);
     cs_step_model_init(&s->model);
+    s->probe = s->page_size < CS_SCHED_PROBE_TOKENS ? s->page_size : CS_SCHED_PROBE_TOKENS;
     *out = s;
     return 0;
 }
@@ -577,8 +579,7 @@ static double predict(const cs_sched *s, const step_work *w, int32_t start, int3
 static int32_t timed_chunk(const cs_sched *s, const seq *q, int32_t k, const step_work *w,
                            bool has_chunk) {
     if (s->p.step_time_target_ms <= 0) return k;
-    if (!cs_step_model_ready(&s->model))
-        return k < CS_SCHED_PROBE_TOKENS ? k : CS_SCHED_PROBE_TOKENS;
+    if (!cs_step_model_ready(&s->model)) return k < s->probe ? k : s->probe;
     double target = s->p.step_time_target_ms / 1e3;
     int32_t left = q->n_tokens - q->n_computed;
     if (predict(s, w, q->n_computed, k, k == left) <= target) return k;
@@ -763,6 +764,17 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
     CS_ASSERT(li == n_logits);
     s->last.seconds = cs_now() - t0;
     cs_step_model_observe(&s->model, work.tokens, work.pairs, work.rows, s->last.seconds);
+    /* Until the model is ready, probe chunks start at one page and double
+     * while a step takes under half the target, halve when one overshoots:
+     * a model of any size reaches its fit within about one step of the
+     * target, the token counts spread for the fit (cs_step_model_ready) */
+    if (s->p.step_time_target_ms > 0 && s->last.n_prefill > 0 && !cs_step_model_ready(&s->model)) {
+        const double target = s->p.step_time_target_ms / 1e3;
+        if (s->last.seconds < target / 2)
+            s->probe = 2 * s->probe < CS_SCHED_PROBE_TOKENS ? 2 * s->probe : CS_SCHED_PROBE_TOKENS;
+        else if (s->last.seconds > target && s->probe > s->page_size)
+            s->probe /= 2;
+    }
     *n_events = s->n_events;
     return 0;
 }

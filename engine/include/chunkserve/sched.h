@@ -35,8 +35,10 @@ typedef struct {
                                          predicted time (chunkserve/step_model.h, fitted from this
                                          engine's measured steps) stays within it; decodes still
                                          go first and the token budget still caps the step. Until
-                                         the model is ready a chunk is at most
-                                         CS_SCHED_PROBE_TOKENS; a step with no chunk yet always
+                                         the model is ready a chunk is capped by a probe size that
+                                         starts at one page, doubles after a step under half the
+                                         target and halves after one over it (at most
+                                         CS_SCHED_PROBE_TOKENS); a step with no chunk yet always
                                          gets one page's worth, so prompts make progress. Any
                                          split is exact (chunkserve/engine.h). 0 = off */
 } cs_sched_params;
@@ -73,13 +75,13 @@ typedef struct {
     int32_t top_logprobs; /* with logprobs: the most likely alternatives per token to
                              report, 0..CS_MAX_TOP_LOGPROBS */
     enum cs_kv_mode kv_mode;
-    bool reserve; /* reserve the prompt's pages at add, all or nothing:
-                     CS_ENOSPC when they are not free now (admission by
-                     free pages); implied by CS_KV_REMOTE */
-    const char *cache_salt; /* the prefix cache's namespace: only requests with the same
-                               salt share cached pages (it seeds the page hash chain, so
-                               cached-token counts tell nothing across salts); NULL or ""
-                               = the shared namespace. Hashed at add, not kept */
+    bool reserve;             /* reserve the prompt's pages at add, all or nothing:
+                                 CS_ENOSPC when they are not free now (admission by
+                                 free pages); implied by CS_KV_REMOTE */
+    const char *cache_salt;   /* the prefix cache's namespace: only requests with the same
+                                 salt share cached pages (it seeds the page hash chain, so
+                                 cached-token counts tell nothing across salts); NULL or ""
+                                 = the shared namespace. Hashed at add, not kept */
     const _Atomic bool *held; /* optional, the caller's, alive until the request ends:
                                  while it reads true the request gets no further prompt
                                  chunk (the others keep running; what it holds stays). A
