@@ -29,8 +29,19 @@ int cs_wire_render_chat(const cs_wire_model *wm, const Chunkserve__V1__Chat *cha
     if (!msgs) return cs_fail(CS_ENOMEM, "out of memory");
     for (size_t i = 0; i < chat->n_messages; i++)
         msgs[i] = (cs_chat_message){chat->messages[i]->role, chat->messages[i]->content};
+    cs_chat_end end;
+    switch (chat->end) {
+    case CHUNKSERVE__V1__CHAT_END__CHAT_END_GENERATION_PROMPT:
+        end = CS_CHAT_GENERATION_PROMPT;
+        break;
+    case CHUNKSERVE__V1__CHAT_END__CHAT_END_CLOSED: end = CS_CHAT_CLOSED; break;
+    case CHUNKSERVE__V1__CHAT_END__CHAT_END_CONTINUE: end = CS_CHAT_CONTINUE; break;
+    default:
+        free(msgs);
+        return cs_fail(CS_EINVAL, "chat.end = %d is not a ChatEnd", (int)chat->end);
+    }
     int r =
-        cs_tokenizer_apply_chat(cs_model_tokenizer(wm->model), msgs, chat->n_messages, true, text);
+        cs_tokenizer_apply_chat(cs_model_tokenizer(wm->model), msgs, chat->n_messages, end, text);
     free(msgs);
     return r;
 }
@@ -99,7 +110,8 @@ void cs_wire_model_init(cs_wire_model *wm, const cs_model *m, const char *path) 
     base = base ? base + 1 : path ? path : "";
     cs_chat_message msg = {"user", "hi"};
     char *text = NULL;
-    bool chat = cs_tokenizer_apply_chat(cs_model_tokenizer(m), &msg, 1, true, &text) == 0;
+    bool chat = cs_tokenizer_apply_chat(cs_model_tokenizer(m), &msg, 1, CS_CHAT_GENERATION_PROMPT,
+                                        &text) == 0;
     free(text);
     *wm = (cs_wire_model){m,
                           cfg->name[0] ? cfg->name : base,
@@ -275,6 +287,15 @@ int cs_wire_generate_request(const cs_wire_model *wm, const Chunkserve__V1__Gene
             CS_EINVAL,
             "the prompt has %zu tokens; the model's context is %d tokens, so at most %d fit", n,
             cfg->ctx_len, cfg->ctx_len - 1);
+    /* vLLM's rule: a max_tokens the context cannot hold after the prompt is
+     * refused, not quietly cut (0 = until the context is full) */
+    const int32_t max_new = m->sampling ? m->sampling->max_tokens : 0;
+    if (!r && max_new > 0 && (int64_t)n + max_new > cfg->ctx_len)
+        r = cs_fail(CS_EINVAL,
+                    "the prompt has %zu tokens and max_tokens is %d: %lld tokens, more than the "
+                    "model's context of %d tokens (at most %lld can be generated)",
+                    n, max_new, (long long)n + max_new, cfg->ctx_len,
+                    (long long)cfg->ctx_len - (long long)n);
     if (!r && (int64_t)(n + 1 + (size_t)wm->page_size - 1) / wm->page_size > wm->n_kv_pages)
         r = cs_fail(
             CS_EINVAL,

@@ -62,7 +62,7 @@ typedef struct {
 /* Converts and checks a GenerateRequest: model name, input (prompt text with
  * special tokens parsed and BOS as the model wants, token ids, or a chat
  * rendered with the model's template and the assistant prompt), prompt
- * length against the context and the KV pool, sampling and stop parameters
+ * length against the context (with max_tokens, when set) and the KV pool, sampling and stop parameters
  * (proto 0 = "not set": top_p -> 1, repetition_penalty -> 1, max_tokens ->
  * until the context is full), cache_salt (borrowed from m: out->r.cache_salt
  * points into it). 0, or CS_EINVAL with cs_last_error() naming the field, the

@@ -32,7 +32,7 @@
 #include "chunkserve/secret.h"
 
 typedef struct {
-    const char *model, *host;
+    const char *model, *host, *api_key, *cors_allow_origins;
     int64_t prefill, decode, port, prefill_budget, decode_budget, prefill_threads, decode_threads;
     int64_t local_prefill_threshold, kv_cache_mib, start_timeout_ms, grace_ms, openai_port;
     bool verbose;
@@ -65,6 +65,12 @@ static const cs_config_entry cluster_table[] = {
      "on SIGINT/SIGTERM: time streams get to finish", 0, 3600000},
     {"openai-port", CS_CONFIG_INT, O(openai_port), "-1",
      "the router's OpenAI-compatible HTTP API port (0 = any free port, -1 = off)", -1, 65535},
+    {"api-key", CS_CONFIG_SECRET, O(api_key), NULL,
+     "API key the router's public API requires (repeat the flag, or comma-separate, for more); "
+     "handed to the router in its environment, never on a command line; none = open",
+     0, 0},
+    {"cors-allow-origins", CS_CONFIG_STR, O(cors_allow_origins), NULL,
+     "origins (comma-separated, * = any) browsers may call the router's HTTP API from", 0, 0},
     {"verbose", CS_CONFIG_BOOL, O(verbose), "false", "debug logging in every process", 0, 0},
 };
 #undef O
@@ -338,8 +344,13 @@ int cs_cli_cluster(int argc, char **argv) {
             add_arg(router, "--openai-port=%lld", (long long)o.openai_port);
             router->want_lines = 3;
         }
+        if (o.cors_allow_origins && o.cors_allow_origins[0])
+            add_arg(router, "--cors-allow-origins=%s", o.cors_allow_origins);
         if (o.verbose) add_arg(router, "--verbose");
+        /* the keys reach the router alone, through its environment */
+        if (o.api_key && o.api_key[0]) setenv("CHUNKSERVE_API_KEY", o.api_key, 1);
         rc = spawn(router, deadline);
+        unsetenv("CHUNKSERVE_API_KEY");
     }
     if (rc) {
         fprintf(stderr, "chunkserve cluster: %s\n", cs_last_error());

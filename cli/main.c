@@ -274,7 +274,9 @@ static int cmd_chat_format(const cs_tokenizer *tok, const options *o) {
         rc = 1;
     } else {
         char *text = NULL;
-        int r = cs_tokenizer_apply_chat(tok, msgs, (size_t)n, !o->no_gen_prompt, &text);
+        int r = cs_tokenizer_apply_chat(
+            tok, msgs, (size_t)n, o->no_gen_prompt ? CS_CHAT_CLOSED : CS_CHAT_GENERATION_PROMPT,
+            &text);
         if (r)
             rc = fail_msg("chat-format", r);
         else
@@ -471,7 +473,7 @@ static int cmd_generate(const cs_model *m, const options *o) {
         size_t n = 0;
         if (o->system) msgs[n++] = (cs_chat_message){"system", o->system};
         msgs[n++] = (cs_chat_message){"user", o->prompt};
-        r = cs_tokenizer_apply_chat(tok, msgs, n, true, &text);
+        r = cs_tokenizer_apply_chat(tok, msgs, n, CS_CHAT_GENERATION_PROMPT, &text);
     }
     const char *prompt = text ? text : o->prompt;
     if (!r && o->ids) {

@@ -28,8 +28,11 @@ typedef struct {
 typedef struct {
     cJSON *json;
     bool chat, stream, include_usage, logprobs;
-    int32_t top_logprobs; /* completions: logprobs=N asks N alternatives */
-    int32_t n;            /* choices per prompt */
+    bool echo;              /* the prompt (chat: a final assistant message) before the text */
+    bool tokens_as_ids;     /* return_tokens_as_token_ids: logprob tokens as "token_id:N" */
+    const char *request_id; /* the client's (vLLM's request_id), or NULL */
+    int32_t top_logprobs;   /* completions: logprobs=N asks N alternatives */
+    int32_t n;              /* choices per prompt */
     int32_t n_prompts;
     int32_t n_choices; /* n * n_prompts; choice i is prompt i / n */
     const char *model;
@@ -49,6 +52,15 @@ typedef struct {
 int oa_request_parse(const char *body, size_t len, bool chat, const cs_wire_model *wm,
                      oa_request *out, oa_error *e);
 void oa_request_free(oa_request *r);
+/* The "messages" of object o (and add_generation_prompt,
+ * continue_final_message) into r->chat_msg; r->json must hold o. 0 or -1
+ * with *e filled. */
+int oa_parse_messages(const cJSON *o, oa_request *r, oa_error *e);
+
+/* POST /tokenize and /detokenize (vLLM's): the answer's JSON (malloc'd) for
+ * body, or NULL with *e filled. */
+char *oa_tokenize(const char *body, size_t len, const cs_wire_model *wm, oa_error *e);
+char *oa_detokenize(const char *body, size_t len, const cs_wire_model *wm, oa_error *e);
 
 /* The HTTP status, OpenAI type/code and param of a gRPC status and message
  * from Generate (the message's leading field name becomes the param). */

@@ -33,7 +33,8 @@ struct cs_openai {
     cs_http_server *http;
     int32_t n_open;
     uint64_t next_id;
-    bool closed; /* freed when the last open request ends */
+    long long started; /* the Unix time the API started: /v1/models' created */
+    bool closed;       /* freed when the last open request ends */
     /* Calls whose later choices are due to start (see start_later), started
      * from the loop's check phase, outside any Generate callback. */
     uv_check_t kick;
@@ -46,7 +47,7 @@ typedef struct {
     int32_t index;
     cs_gen_cancel_fn cancel_fn;
     void *cancel_arg;
-    bool started, finished, role_sent;
+    bool started, finished, role_sent, echoed;
     bool due; /* not started; its prompt's first choice has answered: start it */
     /* gathered (not stream), and the end */
     char *text;
@@ -68,8 +69,9 @@ struct oa_call {
     bool kicked; /* on s->kicks (holds busy) */
     oa_call *kick_next;
     oa_error err;
-    char id[48];
+    char id[160];
     long long created;
+    char **echo;    /* echo: per prompt, the text the answer starts with */
     char cors[512]; /* Access-Control-* lines for this origin, or "" */
 };
 
@@ -139,10 +141,15 @@ static cJSON *frame(oa_call *oc, const char *object, cJSON **choices) {
     return j;
 }
 
-/* The token's text (U+FFFD for bytes that are not UTF-8 by themselves). */
+/* The token's text (U+FFFD for bytes that are not UTF-8 by themselves), or
+ * "token_id:N" when the request asked for return_tokens_as_token_ids. */
 static char *token_text(oa_call *oc, int32_t id) {
     char *t = NULL;
     size_t n;
+    if (oc->rq.tokens_as_ids) {
+        if ((t = malloc(24))) snprintf(t, 24, "token_id:%d", id);
+        return t;
+    }
     if (cs_tokenizer_decode(cs_model_tokenizer(oc->s->o.wm->model), &id, 1, false, &t, &n) != 0)
         return NULL;
     return t;
@@ -290,6 +297,9 @@ static void oa_call_free(oa_call *oc) {
         free(oc->choices[i].lp);
     }
     free(oc->choices);
+    for (int32_t p = 0; oc->echo && p < oc->rq.n_prompts; p++)
+        free(oc->echo[p]);
+    free(oc->echo);
     oa_request_free(&oc->rq);
     cs_openai *s = oc->s;
     free(oc);
@@ -429,6 +439,9 @@ static void on_kick(uv_check_t *h) {
     uv_check_stop(&s->kick);
 }
 
+static int send_text(oa_call *oc, oa_choice *c, const Chunkserve__V1__GenerateResponse *m,
+                     const char *text);
+
 static int c_send(cs_gen_call *g, const Chunkserve__V1__GenerateResponse *m) {
     oa_choice *c = (oa_choice *)g;
     oa_call *oc = c->oc;
@@ -440,7 +453,26 @@ static int c_send(cs_gen_call *g, const Chunkserve__V1__GenerateResponse *m) {
         c->cached_tokens = m->usage->cached_prompt_tokens;
     }
     if (m->finish_reason) c->finish = m->finish_reason;
-    size_t tl = m->text ? strlen(m->text) : 0;
+    /* echo: the prompt's text goes first, with the first message */
+    const char *text = m->text ? m->text : "";
+    char *joined = NULL;
+    if (oc->echo && !c->echoed) {
+        c->echoed = true;
+        const char *e = oc->echo[c->index / oc->rq.n];
+        if (e && *e) {
+            if (!(joined = malloc(strlen(e) + strlen(text) + 1))) return CS_ENOMEM;
+            text = strcat(strcpy(joined, e), text);
+        }
+    }
+    int r = send_text(oc, c, m, text);
+    free(joined);
+    return r;
+}
+
+/* c_send's work on one message whose text (echo included) is text. */
+static int send_text(oa_call *oc, oa_choice *c, const Chunkserve__V1__GenerateResponse *m,
+                     const char *text) {
+    size_t tl = strlen(text);
     if (!oc->rq.stream) { /* gather */
         if (c->len + tl + 1 > c->cap) {
             size_t cap = (c->len + tl + 1) * 2;
@@ -448,7 +480,7 @@ static int c_send(cs_gen_call *g, const Chunkserve__V1__GenerateResponse *m) {
             if (!t) return CS_ENOMEM;
             c->text = t, c->cap = cap;
         }
-        memcpy(c->text + c->len, m->text ? m->text : "", tl);
+        memcpy(c->text + c->len, text, tl);
         c->len += tl;
         c->text[c->len] = 0;
         if (oc->rq.logprobs && m->n_logprobs) {
@@ -483,10 +515,10 @@ static int c_send(cs_gen_call *g, const Chunkserve__V1__GenerateResponse *m) {
     if (!r && oc->rq.chat) {
         /* the role first, then text, then exactly one finish_reason */
         if (!c->role_sent && !tl) r = stream_chunk(oc, c, "", NULL, NULL);
-        if (!r && (tl || lp)) r = stream_chunk(oc, c, m->text ? m->text : "", lp, NULL), lp = NULL;
+        if (!r && (tl || lp)) r = stream_chunk(oc, c, text, lp, NULL), lp = NULL;
         if (!r && fin) r = stream_chunk(oc, c, NULL, NULL, fin);
     } else if (!r && (tl || lp || fin)) {
-        r = stream_chunk(oc, c, m->text ? m->text : "", lp, fin), lp = NULL;
+        r = stream_chunk(oc, c, text, lp, fin), lp = NULL;
     }
     cJSON_Delete(lp);
     return r ? CS_ECANCELED : 0;
@@ -572,8 +604,10 @@ static cJSON *model_json(const cs_openai *s) {
     cJSON *m = cJSON_CreateObject();
     cJSON_AddStringToObject(m, "id", s->o.wm->name);
     cJSON_AddStringToObject(m, "object", "model");
-    cJSON_AddNumberToObject(m, "created", 0);
+    cJSON_AddNumberToObject(m, "created", (double)s->started);
     cJSON_AddStringToObject(m, "owned_by", "chunkserve");
+    cJSON_AddStringToObject(m, "root", s->o.wm->name);
+    cJSON_AddNullToObject(m, "parent");
     cJSON_AddNumberToObject(m, "max_model_len", cs_model_get_config(s->o.wm->model)->ctx_len);
     /* an extension (vLLM has none): a load generator drawing token-id prompts needs it */
     cJSON_AddNumberToObject(m, "vocab_size", cs_model_get_config(s->o.wm->model)->n_vocab);
@@ -615,6 +649,82 @@ static void route_models(cs_openai *s, const char *path, cs_http_res *res, const
     send_error(res, cors, &e);
 }
 
+/* A preflight's allowed headers: the ones it asks for (the official JS
+ * SDK sends x-stainless-* headers) when they are plain header names, and
+ * always Authorization and Content-Type. */
+static const char *allow_headers(const cs_http_req *req) {
+    static const char base[] = "Authorization, Content-Type";
+    static _Thread_local char buf[1024];
+    const char *want = cs_http_req_header(req, "Access-Control-Request-Headers");
+    if (!want || !*want || strlen(want) + sizeof base + 2 > sizeof buf) return base;
+    for (const char *p = want; *p; p++)
+        if (!((*p >= 'a' && *p <= 'z') || (*p >= 'A' && *p <= 'Z') || (*p >= '0' && *p <= '9') ||
+              *p == '-' || *p == '_' || *p == ',' || *p == ' '))
+            return base;
+    snprintf(buf, sizeof buf, "%s, %s", base, want);
+    return buf;
+}
+
+#ifndef CS_VERSION
+#define CS_VERSION "dev"
+#endif
+
+/* GET /health (200, empty: the process serves), GET /version, POST
+ * /tokenize and /detokenize (vLLM's bodies and answers). */
+static void route_util(cs_openai *s, cs_http_req *req, cs_http_res *res, const char *cors,
+                       bool health, bool version, bool tokenize) {
+    if (health) {
+        cs_http_res_send(res, 200, NULL, cors, "", 0);
+        return;
+    }
+    if (version) {
+        send_json(res, 200, cors, NULL, "{\"version\":\"" CS_VERSION "\"}");
+        return;
+    }
+    size_t len;
+    const char *body = cs_http_req_body(req, &len);
+    oa_error e = {0};
+    char *out =
+        tokenize ? oa_tokenize(body, len, s->o.wm, &e) : oa_detokenize(body, len, s->o.wm, &e);
+    if (out)
+        send_json(res, 200, cors, NULL, out);
+    else
+        send_error(res, cors, &e);
+    free(out);
+}
+
+/* echo: the text each prompt's answer starts with: completions: the prompt
+ * (token ids decoded); chat: the last message when it is the assistant's
+ * (vLLM's rule), else nothing. 0, or -1 with *e set (nothing set: out of
+ * memory). */
+static int echo_texts(oa_call *oc, oa_error *e) {
+    const oa_request *rq = &oc->rq;
+    if (!(oc->echo = calloc((size_t)rq->n_prompts, sizeof *oc->echo))) return -1;
+    const cs_tokenizer *tok = cs_model_tokenizer(oc->s->o.wm->model);
+    for (int32_t p = 0; p < rq->n_prompts; p++) {
+        const Chunkserve__V1__GenerateRequest *q = &rq->req[p * rq->n];
+        const char *t = "";
+        if (rq->chat) {
+            const Chunkserve__V1__ChatMessage *last = q->chat->messages[q->chat->n_messages - 1];
+            if (!strcmp(last->role, "assistant")) t = last->content;
+        } else if (q->input_case == CHUNKSERVE__V1__GENERATE_REQUEST__INPUT_PROMPT) {
+            t = q->prompt;
+        } else {
+            size_t n;
+            if (cs_tokenizer_decode(tok, q->token_ids->ids, q->token_ids->n_ids, false,
+                                    &oc->echo[p], &n)) {
+                *e = (oa_error){.status = 400, .type = "invalid_request_error"};
+                snprintf(e->param, sizeof e->param, "prompt");
+                snprintf(e->message, sizeof e->message, "prompt: %s", cs_last_error());
+                return -1;
+            }
+            continue;
+        }
+        if (!(oc->echo[p] = strdup(t))) return -1;
+    }
+    return 0;
+}
+
 static void route_generate(cs_openai *s, cs_http_req *req, cs_http_res *res, bool chat,
                            const char *cors) {
     size_t len;
@@ -627,22 +737,30 @@ static void route_generate(cs_openai *s, cs_http_req *req, cs_http_res *res, boo
         return;
     }
     oa_error e = {0};
+    oc->s = s;
     if (oa_request_parse(body, len, chat, s->o.wm, &oc->rq, &e) != 0 ||
-        !(oc->choices = calloc((size_t)oc->rq.n_choices, sizeof *oc->choices))) {
+        !(oc->choices = calloc((size_t)oc->rq.n_choices, sizeof *oc->choices)) ||
+        (oc->rq.echo && echo_texts(oc, &e))) {
         if (!e.status)
             e = (oa_error){.status = 503, .type = "server_error", .message = "out of memory"};
         send_error(res, cors, &e);
         cs_http_res_end(res);
+        for (int32_t p = 0; oc->echo && p < oc->rq.n_prompts; p++)
+            free(oc->echo[p]);
+        free(oc->echo);
+        free(oc->choices);
         oa_request_free(&oc->rq);
         free(oc);
         return;
     }
     s->n_open++;
-    oc->s = s;
     oc->res = res;
     oc->created = (long long)time(NULL);
-    snprintf(oc->id, sizeof oc->id, "%s-%016llx", chat ? "chatcmpl" : "cmpl",
-             (unsigned long long)++s->next_id ^ ((unsigned long long)oc->created << 24));
+    if (oc->rq.request_id) /* vLLM: the client's request_id names the answer */
+        snprintf(oc->id, sizeof oc->id, "%s-%.140s", chat ? "chatcmpl" : "cmpl", oc->rq.request_id);
+    else
+        snprintf(oc->id, sizeof oc->id, "%s-%016llx", chat ? "chatcmpl" : "cmpl",
+                 (unsigned long long)++s->next_id ^ ((unsigned long long)oc->created << 24));
     snprintf(oc->cors, sizeof oc->cors, "%s", cors);
     cs_http_res_on_close(res, on_conn_close, oc);
     oc->busy++;
@@ -666,27 +784,34 @@ static void handle(void *arg, cs_http_req *req, cs_http_res *res) {
     cors_headers(s, req, cors, sizeof cors);
     bool chat = !strcmp(path, "/v1/chat/completions"), compl = !strcmp(path, "/v1/completions");
     bool models = !strcmp(path, "/v1/models") || !strncmp(path, "/v1/models/", 11);
-    if (!strcmp(method, "OPTIONS") && s->o.cors_allow_origins && (chat || compl || models)) {
-        char h[1024];
+    /* vLLM's utility routes: GET /health, /version; POST /tokenize, /detokenize */
+    bool health = !strcmp(path, "/health"), version = !strcmp(path, "/version");
+    bool tokenize = !strcmp(path, "/tokenize"), detokenize = !strcmp(path, "/detokenize");
+    bool util = health || version || tokenize || detokenize;
+    bool get = models || health || version; /* the GET routes; the others take POST */
+    if (!strcmp(method, "OPTIONS") && s->o.cors_allow_origins &&
+        (chat || compl || models || util)) {
+        char h[2048];
         snprintf(h, sizeof h,
                  "%sAccess-Control-Allow-Methods: GET, POST, OPTIONS\r\n"
-                 "Access-Control-Allow-Headers: Authorization, Content-Type\r\n"
+                 "Access-Control-Allow-Headers: %s\r\n"
                  "Access-Control-Max-Age: 600\r\n",
-                 cors);
+                 cors, allow_headers(req));
         cs_http_res_send(res, 204, NULL, h, "", 0);
         cs_http_res_end(res);
         return;
     }
     oa_error e = {.type = "invalid_request_error"};
-    if (!chat && !compl &&!models) {
+    if (!chat && !compl &&!models && !util) {
         e.status = 404;
         snprintf(e.message, sizeof e.message, "no route %.200s %.300s", method, path);
-    } else if ((models && strcmp(method, "GET") && strcmp(method, "HEAD")) ||
-               (!models && strcmp(method, "POST"))) {
+    } else if ((get && strcmp(method, "GET") && strcmp(method, "HEAD")) ||
+               (!get && strcmp(method, "POST"))) {
         e.status = 405;
-        snprintf(e.message, sizeof e.message, "%s takes %s, not %.20s", path,
-                 models ? "GET" : "POST", method);
-    } else if (!cs_api_keys_check(s->o.api_keys, cs_http_req_header(req, "Authorization"),
+        snprintf(e.message, sizeof e.message, "%s takes %s, not %.20s", path, get ? "GET" : "POST",
+                 method);
+    } else if (!health && !version &&
+               !cs_api_keys_check(s->o.api_keys, cs_http_req_header(req, "Authorization"),
                                   cs_http_req_header(req, "Authorization")
                                       ? strlen(cs_http_req_header(req, "Authorization"))
                                       : 0)) {
@@ -699,7 +824,7 @@ static void handle(void *arg, cs_http_req *req, cs_http_res *res) {
     if (e.status) {
         if (e.status == 405) {
             char h[600];
-            snprintf(h, sizeof h, "%sAllow: %s\r\n", cors, models ? "GET, HEAD" : "POST");
+            snprintf(h, sizeof h, "%sAllow: %s\r\n", cors, get ? "GET, HEAD" : "POST");
             char *b = oa_error_json(&e);
             send_json(res, 405, NULL, h, b ? b : "{}");
             free(b);
@@ -711,6 +836,11 @@ static void handle(void *arg, cs_http_req *req, cs_http_res *res) {
     }
     if (models) {
         route_models(s, path, res, cors);
+        cs_http_res_end(res);
+        return;
+    }
+    if (util) {
+        route_util(s, req, res, cors, health, version, tokenize);
         cs_http_res_end(res);
         return;
     }
@@ -734,6 +864,7 @@ int cs_openai_start(struct uv_loop_s *loop, const cs_openai_opts *o, cs_openai *
     cs_openai *s = calloc(1, sizeof *s);
     if (!s) return cs_fail(CS_ENOMEM, "out of memory");
     s->o = *o;
+    s->started = (long long)time(NULL);
     if (!s->o.max_request_bytes) s->o.max_request_bytes = DEFAULT_MAX_REQUEST;
     cs_http_opts ho = {.handler = handle,
                        .arg = s,

@@ -12,6 +12,7 @@
 #include <sys/random.h>
 
 #include "chunkserve/error.h"
+#include "chunkserve/tokenizer.h"
 #include "openai-impl.h"
 
 #define MAX_SAFE_INT 9007199254740992.0 /* 2^53 */
@@ -90,30 +91,119 @@ static int get_str(const cJSON *o, const char *key, const char **out, oa_error *
     return 0;
 }
 
-/* Fields this server does not serve: refused by name unless they ask for
- * nothing (absent, null, false, empty, or the default). */
-static int refuse_unsupported(const cJSON *o, oa_error *e) {
-    static const char *const names[] = {"logit_bias", "echo",          "suffix",
-                                        "best_of",    "tools",         "tool_choice",
-                                        "functions",  "function_call", "response_format",
-                                        "audio",      "prediction",    "parallel_tool_calls"};
-    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
-        cJSON *it = field(o, names[i]);
-        if (!it || cJSON_IsFalse(it)) continue;
-        if ((cJSON_IsObject(it) || cJSON_IsArray(it)) && !it->child) continue;
-        if (!strcmp(names[i], "best_of") && is_int(it) && it->valuedouble == 1) continue;
-        if (!strcmp(names[i], "response_format") && cJSON_IsObject(it)) {
-            cJSON *t = cJSON_GetObjectItemCaseSensitive(it, "type");
-            if (cJSON_IsString(t) && !strcmp(t->valuestring, "text") && !t->next && !t->prev)
-                continue;
-        }
-        return fail(e, names[i], "%s is not supported by this server", names[i]);
+/* Every request field this server knows (docs/openai.md has the same table
+ * for users): SERVED fields are read by the parsers below; REFUSED ones
+ * are refused by name unless they ask for nothing (null, false, empty, or
+ * their default); any other key is refused as unrecognized, as OpenAI's
+ * own API does, so nothing a client asks for is ignored silently. */
+enum { SERVED, REFUSED };
+enum { BOTH, CHAT, COMPL };
+static const struct {
+    const char *name;
+    char served, door;
+} known_fields[] = {
+    {"model", SERVED, BOTH},
+    {"messages", SERVED, CHAT},
+    {"prompt", SERVED, COMPL},
+    {"stream", SERVED, BOTH},
+    {"stream_options", SERVED, BOTH},
+    {"n", SERVED, BOTH},
+    {"max_tokens", SERVED, BOTH},
+    {"max_completion_tokens", SERVED, CHAT},
+    {"temperature", SERVED, BOTH},
+    {"top_p", SERVED, BOTH},
+    {"top_k", SERVED, BOTH},
+    {"min_p", SERVED, BOTH},
+    {"presence_penalty", SERVED, BOTH},
+    {"frequency_penalty", SERVED, BOTH},
+    {"repetition_penalty", SERVED, BOTH},
+    {"seed", SERVED, BOTH},
+    {"stop", SERVED, BOTH},
+    {"stop_token_ids", SERVED, BOTH},
+    {"ignore_eos", SERVED, BOTH},
+    {"min_tokens", SERVED, BOTH},
+    {"skip_special_tokens", SERVED, BOTH},
+    {"logprobs", SERVED, BOTH},
+    {"top_logprobs", SERVED, CHAT},
+    {"return_tokens_as_token_ids", SERVED, BOTH},
+    {"echo", SERVED, BOTH},
+    {"add_generation_prompt", SERVED, CHAT},
+    {"continue_final_message", SERVED, CHAT},
+    {"cache_salt", SERVED, BOTH},
+    {"request_id", SERVED, BOTH},
+    {"user", SERVED, BOTH},
+    {"response_format", REFUSED, CHAT}, /* {"type": "text"} is the default */
+    {"best_of", REFUSED, COMPL},        /* 1 is the default */
+    {"store", REFUSED, CHAT},
+    {"metadata", REFUSED, CHAT},
+    {"service_tier", REFUSED, BOTH},
+    {"logit_bias", REFUSED, BOTH},
+    {"suffix", REFUSED, COMPL},
+    {"prompt_logprobs", REFUSED, BOTH},
+    {"tools", REFUSED, CHAT},
+    {"tool_choice", REFUSED, CHAT},
+    {"parallel_tool_calls", REFUSED, CHAT},
+    {"functions", REFUSED, CHAT},
+    {"function_call", REFUSED, CHAT},
+    {"audio", REFUSED, CHAT},
+    {"modalities", REFUSED, CHAT},
+    {"prediction", REFUSED, CHAT},
+    {"reasoning_effort", REFUSED, CHAT},
+    {"web_search_options", REFUSED, CHAT},
+    {"include_stop_str_in_output", REFUSED, BOTH},
+    {"bad_words", REFUSED, BOTH},
+    {"allowed_token_ids", REFUSED, BOTH},
+    {"truncate_prompt_tokens", REFUSED, BOTH},
+    {"use_beam_search", REFUSED, BOTH},
+    {"length_penalty", REFUSED, BOTH},
+    {"spaces_between_special_tokens", REFUSED, BOTH}, /* true is the default */
+    {"guided_json", REFUSED, BOTH},
+    {"guided_regex", REFUSED, BOTH},
+    {"guided_choice", REFUSED, BOTH},
+    {"guided_grammar", REFUSED, BOTH},
+    {"structured_outputs", REFUSED, BOTH},
+    {"chat_template", REFUSED, CHAT},
+    {"chat_template_kwargs", REFUSED, CHAT},
+    {"documents", REFUSED, CHAT},
+    {"mm_processor_kwargs", REFUSED, BOTH},
+    {"priority", REFUSED, BOTH},
+    {"logits_processors", REFUSED, BOTH},
+    {"kv_transfer_params", REFUSED, BOTH},
+};
+
+/* Whether a refused field's value asks for nothing: null, false, an empty
+ * object or list, or the field's default. */
+static bool asks_nothing(const char *name, const cJSON *it) {
+    if (!strcmp(name, "spaces_between_special_tokens")) return cJSON_IsNull(it) || cJSON_IsTrue(it);
+    if (!it || cJSON_IsNull(it) || cJSON_IsFalse(it)) return true;
+    if ((cJSON_IsObject(it) || cJSON_IsArray(it)) && !it->child) return true;
+    if (!strcmp(name, "best_of")) return is_int(it) && it->valuedouble == 1;
+    if (!strcmp(name, "response_format") && cJSON_IsObject(it)) {
+        const cJSON *t = cJSON_GetObjectItemCaseSensitive(it, "type");
+        return it->child == t && !t->next && cJSON_IsString(t) && !strcmp(t->valuestring, "text");
+    }
+    return false;
+}
+
+static int check_fields(const cJSON *o, bool chat, oa_error *e) {
+    for (const cJSON *it = o->child; it; it = it->next) {
+        int k = -1;
+        for (int i = 0; i < (int)(sizeof known_fields / sizeof known_fields[0]); i++)
+            if (!strcmp(known_fields[i].name, it->string) &&
+                known_fields[i].door != (chat ? COMPL : CHAT))
+                k = i;
+        if (k < 0)
+            return fail(e, it->string,
+                        "Unrecognized request argument supplied: %s (docs/openai.md lists the "
+                        "fields of %s)",
+                        it->string, chat ? "/v1/chat/completions" : "/v1/completions");
+        if (known_fields[k].served == REFUSED && !asks_nothing(it->string, it))
+            return fail(e, it->string, "%s is not supported by this server", it->string);
     }
     return 0;
 }
 
-/* messages -> r->chat_msg (contents of text parts joined in r->text_store). */
-static int parse_messages(const cJSON *o, oa_request *r, oa_error *e) {
+int oa_parse_messages(const cJSON *o, oa_request *r, oa_error *e) {
     cJSON *ms = field(o, "messages");
     if (!ms) return fail(e, "messages", "messages is required");
     if (!cJSON_IsArray(ms) || !ms->child)
@@ -185,6 +275,17 @@ static int parse_messages(const cJSON *o, oa_request *r, oa_error *e) {
     r->chat_msg.n_messages = (size_t)n;
     r->chat_msg.messages = r->msg_ptrs;
     r->n_prompts = 1;
+    /* how the rendered chat ends (vLLM's two fields) */
+    bool gen = true, cont = false;
+    if (get_bool(o, "add_generation_prompt", &gen, e) ||
+        get_bool(o, "continue_final_message", &cont, e))
+        return -1;
+    if (gen && cont && field(o, "add_generation_prompt"))
+        return fail(e, "continue_final_message",
+                    "continue_final_message and add_generation_prompt cannot both be true");
+    r->chat_msg.end = cont  ? CHUNKSERVE__V1__CHAT_END__CHAT_END_CONTINUE
+                      : gen ? CHUNKSERVE__V1__CHAT_END__CHAT_END_GENERATION_PROMPT
+                            : CHUNKSERVE__V1__CHAT_END__CHAT_END_CLOSED;
     return 0;
 }
 
@@ -356,6 +457,15 @@ static int parse_sampling(const cJSON *o, oa_request *r, const cs_wire_model *wm
     return 0;
 }
 
+/* 404 model_not_found unless name is "" or names the model. */
+static int check_model(const cs_wire_model *wm, const char *name, oa_error *e) {
+    if (cs_wire_check_model(wm, name) == 0) return 0;
+    fail(e, "model", "The model '%s' does not exist (this server serves '%s')", name, wm->name);
+    e->status = 404;
+    e->code = "model_not_found";
+    return -1;
+}
+
 int oa_request_parse(const char *body, size_t len, bool chat, const cs_wire_model *wm,
                      oa_request *r, oa_error *e) {
     memset(r, 0, sizeof *r);
@@ -374,16 +484,10 @@ int oa_request_parse(const char *body, size_t len, bool chat, const cs_wire_mode
     if (!cJSON_IsObject(o)) return fail(e, NULL, "the body must be a JSON object");
     const char *dup = duplicate_key(o);
     if (dup) return fail(e, dup, "the key '%s' appears twice in one object", dup);
-    if (refuse_unsupported(o, e)) return -1;
+    if (check_fields(o, chat, e)) return -1;
     r->model = "";
     if (get_str(o, "model", &r->model, e)) return -1;
-    if (cs_wire_check_model(wm, r->model) != 0) {
-        fail(e, "model", "The model '%s' does not exist (this server serves '%s')", r->model,
-             wm->name);
-        e->status = 404;
-        e->code = "model_not_found";
-        return -1;
-    }
+    if (check_model(wm, r->model, e)) return -1;
     if (get_bool(o, "stream", &r->stream, e)) return -1;
     cJSON *so = field(o, "stream_options");
     if (so) {
@@ -391,8 +495,19 @@ int oa_request_parse(const char *body, size_t len, bool chat, const cs_wire_mode
             return fail(e, "stream_options", "stream_options is only allowed when stream is true");
         if (!cJSON_IsObject(so))
             return fail(e, "stream_options", "stream_options must be an object");
+        for (const cJSON *it = so->child; it; it = it->next)
+            if (strcmp(it->string, "include_usage") != 0 &&
+                (strcmp(it->string, "continuous_usage_stats") != 0 || !cJSON_IsFalse(it)) &&
+                !cJSON_IsNull(it))
+                return fail(e, "stream_options",
+                            "stream_options.%s is not supported by this server", it->string);
         if (get_bool(so, "include_usage", &r->include_usage, e)) return -1;
     }
+    if (get_bool(o, "echo", &r->echo, e)) return -1;
+    if (get_bool(o, "return_tokens_as_token_ids", &r->tokens_as_ids, e)) return -1;
+    if (get_str(o, "request_id", &r->request_id, e)) return -1;
+    if (r->request_id && cs_wire_check_request_id(r->request_id))
+        return fail(e, "request_id", "%s", cs_last_error());
     int64_t n = 1;
     if (get_int(o, "n", 1, OA_MAX_N, &n, e)) return -1;
     r->n = (int32_t)n;
@@ -400,12 +515,16 @@ int oa_request_parse(const char *body, size_t len, bool chat, const cs_wire_mode
     if (get_str(o, "user", &user, e)) return -1;
     const char *salt = NULL; /* vLLM's field: the prefix cache's namespace (a tenant) */
     if (get_str(o, "cache_salt", &salt, e)) return -1;
-    if (chat ? parse_messages(o, r, e) : parse_prompt(o, r, e)) return -1;
+    if (chat ? oa_parse_messages(o, r, e) : parse_prompt(o, r, e)) return -1;
 
     Chunkserve__V1__SamplingParams base;
     uint64_t seed = 0;
     bool has_seed = false;
     if (parse_sampling(o, r, wm, &base, &seed, &has_seed, e)) return -1;
+    if (r->echo && r->logprobs)
+        return fail(e, "echo",
+                    "echo with logprobs needs the prompt's logprobs (prompt_logprobs), which this "
+                    "server does not compute");
     if (!has_seed && getrandom(&seed, sizeof seed, 0) != (ssize_t)sizeof seed)
         return fail(e, NULL, "no randomness for the seed");
     r->n_choices = r->n * r->n_prompts;
@@ -418,6 +537,7 @@ int oa_request_parse(const char *body, size_t len, bool chat, const cs_wire_mode
         Chunkserve__V1__GenerateRequest *q = &r->req[i];
         chunkserve__v1__generate_request__init(q);
         q->model = (char *)r->model;
+        if (r->request_id) q->request_id = (char *)r->request_id; /* checked by cs_wire */
         if (salt) q->cache_salt = (char *)salt; /* checked with the rest (cs_wire) */
         r->sampling[i] = base;
         r->sampling[i].seed = seed + (uint64_t)(i % r->n); /* each choice its own stream */
@@ -452,4 +572,126 @@ void oa_request_free(oa_request *r) {
     free(r->sampling);
     cJSON_Delete(r->json);
     memset(r, 0, sizeof *r);
+}
+
+/* The body as a JSON object, or NULL with *e filled. */
+static cJSON *parse_object(const char *body, size_t len, oa_error *e) {
+    cJSON *j = cJSON_ParseWithLength(body, len);
+    if (!j || !cJSON_IsObject(j)) {
+        cJSON_Delete(j);
+        fail(e, NULL, "the body must be a JSON object");
+        return NULL;
+    }
+    const char *dup = duplicate_key(j);
+    if (dup) {
+        cJSON_Delete(j);
+        fail(e, dup, "the key '%s' appears twice in one object", dup);
+        return NULL;
+    }
+    return j;
+}
+
+static int check_only(const cJSON *o, const char *const *names, size_t n, oa_error *e) {
+    for (const cJSON *it = o->child; it; it = it->next) {
+        size_t i = 0;
+        while (i < n && strcmp(names[i], it->string) != 0)
+            i++;
+        if (i == n)
+            return fail(e, it->string, "Unrecognized request argument supplied: %s", it->string);
+    }
+    return 0;
+}
+
+char *oa_tokenize(const char *body, size_t len, const cs_wire_model *wm, oa_error *e) {
+    static const char *const names[] = {"model",
+                                        "prompt",
+                                        "messages",
+                                        "add_special_tokens",
+                                        "add_generation_prompt",
+                                        "continue_final_message"};
+    oa_request r = {0};
+    char *out = NULL, *text = NULL;
+    int32_t *ids = NULL;
+    size_t n = 0;
+    const char *model = "", *prompt = NULL;
+    bool add_special = true;
+    if (!(r.json = parse_object(body, len, e)) ||
+        check_only(r.json, names, sizeof names / sizeof names[0], e) ||
+        get_str(r.json, "model", &model, e) ||
+        get_bool(r.json, "add_special_tokens", &add_special, e) ||
+        get_str(r.json, "prompt", &prompt, e))
+        goto done;
+    if (check_model(wm, model, e)) goto done;
+    if (!prompt == !field(r.json, "messages")) {
+        fail(e, "prompt", "give either prompt (a string) or messages");
+        goto done;
+    }
+    if (!prompt) {
+        if (oa_parse_messages(r.json, &r, e)) goto done;
+        if (cs_wire_render_chat(wm, &r.chat_msg, &text)) {
+            fail(e, "messages", "%s", cs_last_error());
+            goto done;
+        }
+        prompt = text;
+    }
+    if (cs_tokenizer_encode(cs_model_tokenizer(wm->model), prompt, strlen(prompt), true,
+                            add_special, &ids, &n)) {
+        fail(e, text ? "messages" : "prompt", "%s", cs_last_error());
+        goto done;
+    }
+    cJSON *j = cJSON_CreateObject(), *a = cJSON_AddArrayToObject(j, "tokens");
+    cJSON_AddNumberToObject(j, "count", (double)n);
+    cJSON_AddNumberToObject(j, "max_model_len", cs_model_get_config(wm->model)->ctx_len);
+    for (size_t i = 0; i < n; i++)
+        cJSON_AddItemToArray(a, cJSON_CreateNumber(ids[i]));
+    cJSON_AddNullToObject(j, "token_strs");
+    out = cJSON_PrintUnformatted(j);
+    cJSON_Delete(j);
+    if (!out) fail(e, NULL, "out of memory");
+done:
+    free(ids);
+    free(text);
+    oa_request_free(&r);
+    return out;
+}
+
+char *oa_detokenize(const char *body, size_t len, const cs_wire_model *wm, oa_error *e) {
+    static const char *const names[] = {"model", "tokens"};
+    cJSON *o = parse_object(body, len, e);
+    char *out = NULL, *text = NULL;
+    Chunkserve__V1__TokenIds ids = CHUNKSERVE__V1__TOKEN_IDS__INIT;
+    int32_t *store = NULL;
+    const char *model = "";
+    const cs_tokenizer *tok = cs_model_tokenizer(wm->model);
+    if (!o || check_only(o, names, sizeof names / sizeof names[0], e) ||
+        get_str(o, "model", &model, e))
+        goto done;
+    if (check_model(wm, model, e)) goto done;
+    cJSON *t = field(o, "tokens");
+    if (!cJSON_IsArray(t)) {
+        fail(e, "tokens", "tokens must be a list of token ids");
+        goto done;
+    }
+    if (parse_ids(t, &ids, &store, "tokens", e)) goto done;
+    for (size_t i = 0; i < ids.n_ids; i++)
+        if (ids.ids[i] >= cs_tokenizer_n_vocab(tok)) {
+            fail(e, "tokens", "tokens[%zu] = %d is outside the vocabulary (0..%d)", i, ids.ids[i],
+                 cs_tokenizer_n_vocab(tok) - 1);
+            goto done;
+        }
+    size_t n;
+    if (cs_tokenizer_decode(tok, ids.ids, ids.n_ids, false, &text, &n)) {
+        fail(e, "tokens", "%s", cs_last_error());
+        goto done;
+    }
+    cJSON *j = cJSON_CreateObject();
+    cJSON_AddStringToObject(j, "prompt", text);
+    out = cJSON_PrintUnformatted(j);
+    cJSON_Delete(j);
+    if (!out) fail(e, NULL, "out of memory");
+done:
+    free(store);
+    free(text);
+    cJSON_Delete(o);
+    return out;
 }

@@ -16,8 +16,8 @@ static void param_of(const char *msg, bool chat, char *param, size_t cap) {
         snprintf(param, cap, "%s", chat ? "messages" : "prompt");
         return;
     }
-    size_t n = strcspn(msg, " :[=");
-    if (!strncmp(msg, "sampling.", 9)) msg += 9, n -= 9;
+    if (!strncmp(msg, "sampling.", 9)) msg += 9;
+    size_t n = strcspn(msg, " :[=."); /* "token_ids.ids[3] = ..." names token_ids */
     static const char *const known[] = {"temperature",
                                         "top_p",
                                         "top_k",
@@ -33,7 +33,9 @@ static void param_of(const char *msg, bool chat, char *param, size_t cap) {
                                         "seed",
                                         "model",
                                         "token_ids",
-                                        "prompt"};
+                                        "prompt",
+                                        "request_id",
+                                        "cache_salt"};
     for (size_t i = 0; i < sizeof known / sizeof known[0]; i++)
         if (strlen(known[i]) == n && !strncmp(msg, known[i], n)) {
             if (!strcmp(known[i], "token_ids") || !strcmp(known[i], "prompt"))

@@ -132,7 +132,7 @@ static int check_messages(const cs_chat_message *msgs, size_t n_msgs) {
 }
 
 static int render_chatml(const cs_tokenizer *tok, const cs_chat_message *msgs, size_t n_msgs,
-                         bool add_generation_prompt, sbuf *b) {
+                         cs_chat_end end, sbuf *b) {
     sbuf def = {0};
     bool has_def;
     int rc = chatml_default_system(tok->chat_template, &def, &has_def);
@@ -142,12 +142,13 @@ static int render_chatml(const cs_tokenizer *tok, const cs_chat_message *msgs, s
                 (rc = sb_adds(b, "<|im_end|>\n")))
                 break;
         }
+        bool open = end == CS_CHAT_CONTINUE && i + 1 == n_msgs;
         if ((rc = sb_adds(b, "<|im_start|>")) || (rc = sb_adds(b, msgs[i].role)) ||
             (rc = sb_adds(b, "\n")) || (rc = sb_adds(b, msgs[i].content)) ||
-            (rc = sb_adds(b, "<|im_end|>\n")))
+            (!open && (rc = sb_adds(b, "<|im_end|>\n"))))
             break;
     }
-    if (rc == 0 && add_generation_prompt) rc = sb_adds(b, "<|im_start|>assistant\n");
+    if (rc == 0 && end == CS_CHAT_GENERATION_PROMPT) rc = sb_adds(b, "<|im_start|>assistant\n");
     free(def.p);
     return rc;
 }
@@ -155,7 +156,7 @@ static int render_chatml(const cs_tokenizer *tok, const cs_chat_message *msgs, s
 /* Llama-3 Instruct: bos_token, then per message
  * '<|start_header_id|>' + role + '<|end_header_id|>\n\n' + content | trim + '<|eot_id|>'. */
 static int render_llama3(const cs_tokenizer *tok, const cs_chat_message *msgs, size_t n_msgs,
-                         bool add_generation_prompt, sbuf *b) {
+                         cs_chat_end end, sbuf *b) {
     const char *t = tok->chat_template;
     bool trim = strstr(t, "| trim") || strstr(t, "|trim");
     int rc = 0;
@@ -168,21 +169,26 @@ static int render_llama3(const cs_tokenizer *tok, const cs_chat_message *msgs, s
         const char *c = msgs[i].content;
         size_t a = 0, e = strlen(c);
         if (trim) py_strip(c, e, &a, &e);
+        bool open = end == CS_CHAT_CONTINUE && i + 1 == n_msgs;
         if ((rc = sb_adds(b, "<|start_header_id|>")) || (rc = sb_adds(b, msgs[i].role)) ||
             (rc = sb_adds(b, "<|end_header_id|>\n\n")) || (rc = sb_add(b, c + a, e - a)) ||
-            (rc = sb_adds(b, "<|eot_id|>")))
+            (!open && (rc = sb_adds(b, "<|eot_id|>"))))
             break;
     }
-    if (rc == 0 && add_generation_prompt)
+    if (rc == 0 && end == CS_CHAT_GENERATION_PROMPT)
         rc = sb_adds(b, "<|start_header_id|>assistant<|end_header_id|>\n\n");
     return rc;
 }
 
 int cs_tokenizer_apply_chat(const cs_tokenizer *tok, const cs_chat_message *msgs, size_t n_msgs,
-                            bool add_generation_prompt, char **text) {
+                            cs_chat_end end, char **text) {
     *text = NULL;
     const char *t = tok->chat_template;
     if (!t || !*t) return cs_fail(CS_ENOTSUP, "chat: the model has no chat template");
+    if (end != CS_CHAT_CLOSED && end != CS_CHAT_GENERATION_PROMPT && end != CS_CHAT_CONTINUE)
+        return cs_fail(CS_EINVAL, "chat: unknown ending %d", (int)end);
+    if (end == CS_CHAT_CONTINUE && n_msgs == 0)
+        return cs_fail(CS_EINVAL, "chat: continuing the final message needs a message");
     int rc = check_messages(msgs, n_msgs);
     if (rc) return rc;
     sbuf b = {0};
@@ -191,13 +197,13 @@ int cs_tokenizer_apply_chat(const cs_tokenizer *tok, const cs_chat_message *msgs
         if (strstr(t, "<think>"))
             return cs_fail(CS_ENOTSUP,
                            "chat: ChatML template with <think> blocks is not supported");
-        rc = render_chatml(tok, msgs, n_msgs, add_generation_prompt, &b);
+        rc = render_chatml(tok, msgs, n_msgs, end, &b);
     } else if (strstr(t, "<|start_header_id|>")) {
         /* 3.1+ templates add a dated system preamble and tool sections. */
         if (strstr(t, "Cutting Knowledge Date"))
             return cs_fail(CS_ENOTSUP,
                            "chat: Llama-3.1+ template (knowledge-date preamble) is not supported");
-        rc = render_llama3(tok, msgs, n_msgs, add_generation_prompt, &b);
+        rc = render_llama3(tok, msgs, n_msgs, end, &b);
     } else {
         return cs_fail(
             CS_ENOTSUP,

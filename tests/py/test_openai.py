@@ -9,6 +9,7 @@ cases check what the client library hides: status lines, headers, SSE framing.
 from __future__ import annotations
 
 import json
+import re
 import signal
 import socket
 import subprocess
@@ -517,6 +518,19 @@ def test_cors(chunkserve_bin, tiny_model, pb, tiny):
                   b"Origin: https://a.example\r\nAccess-Control-Request-Method: POST\r\n"
                   b"Connection: close\r\n\r\n")
         assert out.startswith(b"HTTP/1.1 204") and b"Access-Control-Allow-Origin: https://a.example" in out
+        # the official JS SDK's preflight: its x-stainless-* headers are allowed
+        out = raw(s.http, b"OPTIONS /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                  b"Origin: https://a.example\r\nAccess-Control-Request-Method: POST\r\n"
+                  b"Access-Control-Request-Headers: authorization, content-type, "
+                  b"x-stainless-os, x-stainless-lang, x-stainless-retry-count\r\n"
+                  b"Connection: close\r\n\r\n")
+        allowed = [ln for ln in out.split(b"\r\n") if ln.startswith(b"Access-Control-Allow-Headers:")]
+        assert allowed and all(h in allowed[0] for h in
+                               (b"x-stainless-os", b"x-stainless-lang", b"Authorization")), out
+        out = raw(s.http, b"OPTIONS /tokenize HTTP/1.1\r\nHost: x\r\n"
+                  b"Origin: https://a.example\r\nAccess-Control-Request-Method: POST\r\n"
+                  b"Connection: close\r\n\r\n")
+        assert out.startswith(b"HTTP/1.1 204"), out
         out = raw(s.http, b"GET /v1/models HTTP/1.1\r\nHost: x\r\nOrigin: https://b.example\r\n"
                   b"Connection: close\r\n\r\n")
         assert out.startswith(b"HTTP/1.1 200") and b"Access-Control-Allow-Origin" not in out
@@ -525,6 +539,225 @@ def test_cors(chunkserve_bin, tiny_model, pb, tiny):
     # without --cors-allow-origins there is no CORS: a preflight is an unknown method
     out = raw(tiny.http, b"OPTIONS /v1/models HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
     assert out.startswith(b"HTTP/1.1 405")
+
+
+# -------------------------------------------- every field: served or refused --
+
+DOCS = Path(__file__).resolve().parents[2] / "docs" / "openai.md"
+
+
+def refused_fields():
+    """(field, door) of every row of docs/openai.md's "Refused by name" table."""
+    text = DOCS.read_text().split("### Refused by name", 1)[1].split("\n## ", 1)[0]
+    out = []
+    for line in text.splitlines():
+        if not line.startswith("| `"):
+            continue
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        for name in re.findall(r"`([a-z_]+)`", cells[0]):
+            out.append((name, cells[1]))
+    return out
+
+
+@pytest.mark.parametrize("name, door", refused_fields())
+def test_refused_fields_are_400_naming_them(tiny, name, door):
+    """Every field the docs list as refused is refused by name when it asks for something,
+    on its door (the docs and openai/request.c keep one list)."""
+    value = {"anything": 1}
+    if door == "completions":
+        with pytest.raises(openai.BadRequestError) as e:
+            tiny.client.completions.create(model=tiny.model, prompt="hi", max_tokens=2,
+                                           extra_body={name: value})
+    else:
+        with pytest.raises(openai.BadRequestError) as e:
+            tiny.client.chat.completions.create(model=tiny.model, max_tokens=2,
+                                                messages=[{"role": "user", "content": "hi"}],
+                                                extra_body={name: value})
+    assert e.value.body["param"] == name, e.value.body
+
+
+def test_default_values_of_refused_fields_are_accepted(tiny):
+    """response_format {"type": "text"} (the default; cJSON's prev of a lone key is itself,
+    never NULL, which once made this a 400), best_of 1, empty tools, null logit_bias."""
+    r = tiny.client.chat.completions.create(
+        model=tiny.model, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+        response_format={"type": "text"}, tools=[],
+        extra_body={"logit_bias": None, "prompt_logprobs": None,
+                    "spaces_between_special_tokens": True})
+    assert r.choices[0].finish_reason
+    tiny.client.completions.create(model=tiny.model, prompt="hi", max_tokens=2, best_of=1)
+    with pytest.raises(openai.BadRequestError) as e:
+        tiny.client.chat.completions.create(model=tiny.model, max_tokens=2,
+                                            messages=[{"role": "user", "content": "hi"}],
+                                            response_format={"type": "json_object"})
+    assert e.value.body["param"] == "response_format"
+
+
+def test_unknown_fields_are_400(tiny):
+    for create, kw in [(tiny.client.chat.completions.create,
+                        dict(messages=[{"role": "user", "content": "hi"}])),
+                       (tiny.client.completions.create, dict(prompt="hi"))]:
+        with pytest.raises(openai.BadRequestError) as e:
+            create(model=tiny.model, max_tokens=2, extra_body={"frobnicate": 1}, **kw)
+        assert e.value.body["param"] == "frobnicate"
+        assert "Unrecognized request argument" in e.value.body["message"]
+    # a chat-only field on completions is unknown there
+    with pytest.raises(openai.BadRequestError) as e:
+        tiny.client.completions.create(model=tiny.model, prompt="hi", max_tokens=2,
+                                       extra_body={"messages": []})
+    assert e.value.body["param"] == "messages"
+    with pytest.raises(openai.BadRequestError) as e:
+        tiny.client.chat.completions.create(
+            model=tiny.model, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+            stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
+    assert e.value.body["param"] == "stream_options"
+
+
+def test_out_of_vocabulary_prompt_names_prompt(tiny):
+    with pytest.raises(openai.BadRequestError) as e:
+        tiny.client.completions.create(model=tiny.model, prompt=[1, 10 ** 6], max_tokens=2)
+    assert e.value.body["param"] == "prompt", e.value.body
+
+
+def test_max_tokens_beyond_the_context_is_context_length_exceeded(tiny):
+    """vLLM's rule, on both doors: prompt + max_tokens must fit the context."""
+    ctx = tiny.client.models.list().data[0].model_extra["max_model_len"]
+    with pytest.raises(openai.BadRequestError) as e:
+        tiny.client.completions.create(model=tiny.model, prompt=[5] * 10, max_tokens=ctx - 9)
+    assert e.value.body["code"] == "context_length_exceeded", e.value.body
+    assert e.value.body["param"] == "prompt"
+    r = tiny.client.completions.create(model=tiny.model, prompt=[5] * 10, max_tokens=ctx - 10,
+                                       temperature=0, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == ctx - 10
+    g = tiny.pb.generation_pb2
+    with pytest.raises(grpc.RpcError) as e:
+        grpc_generate(tiny, token_ids=g.TokenIds(ids=[5] * 10), sampling=dict(max_tokens=ctx))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "context" in e.value.details()
+
+
+def test_models_created_and_root(tiny):
+    m = tiny.client.models.list().data[0]
+    assert abs(m.created - time.time()) < 3600 and m.model_extra["root"] == m.id
+    assert m.model_extra["parent"] is None
+
+
+def test_health_version_tokenize_detokenize(real):
+    base = f"http://{real.http}"
+    import urllib.request
+
+    def call(path, body=None):
+        req = urllib.request.Request(base + path, data=json.dumps(body).encode() if body else None,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as f:
+            return f.status, f.read()
+
+    assert call("/health") == (200, b"")
+    assert "version" in json.loads(call("/version")[1])
+    t = json.loads(call("/tokenize", {"prompt": PROMPT})[1])
+    r = real.client.completions.create(model=real.model, prompt=PROMPT, max_tokens=1)
+    assert t["count"] == len(t["tokens"]) == r.usage.prompt_tokens
+    assert t["max_model_len"] > 0
+    assert json.loads(call("/detokenize", {"tokens": t["tokens"]})[1])["prompt"].endswith(PROMPT)
+    msgs = [{"role": "user", "content": QUESTION}]
+    c = json.loads(call("/tokenize", {"messages": msgs})[1])
+    r = real.client.chat.completions.create(model=real.model, messages=msgs, max_tokens=1)
+    assert c["count"] == r.usage.prompt_tokens
+    closed = json.loads(call("/tokenize", {"messages": msgs, "add_generation_prompt": False})[1])
+    assert closed["tokens"] == c["tokens"][:closed["count"]] and closed["count"] < c["count"]
+    with pytest.raises(urllib.error.HTTPError) as e:
+        call("/detokenize", {"tokens": [10 ** 7]})
+    assert e.value.code == 400 and json.loads(e.value.read())["error"]["param"] == "tokens"
+
+
+def test_chat_endings_continue_final_message(real):
+    """add_generation_prompt false / continue_final_message: the same rendering through
+    /tokenize, the OpenAI door and gRPC's Chat.end; the model continues the open message."""
+    g = real.pb.generation_pb2
+    msgs = [{"role": "user", "content": "Name a color."},
+            {"role": "assistant", "content": "The color I like best is"}]
+    a = real.client.chat.completions.create(
+        model=real.model, messages=msgs, temperature=0, max_tokens=8,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    chat = g.Chat(messages=[g.ChatMessage(**m) for m in msgs], end=g.CHAT_END_CONTINUE)
+    ids, text, _, usage, _ = grpc_generate(real, chat=chat, sampling=dict(max_tokens=8))
+    assert a.choices[0].message.content == text and a.usage.prompt_tokens == usage.prompt_tokens
+    closed = real.client.chat.completions.create(
+        model=real.model, messages=msgs, temperature=0, max_tokens=8,
+        extra_body={"add_generation_prompt": False})
+    assert closed.usage.prompt_tokens > a.usage.prompt_tokens  # the closing marker
+    with pytest.raises(openai.BadRequestError) as e:
+        real.client.chat.completions.create(
+            model=real.model, messages=msgs, max_tokens=2,
+            extra_body={"continue_final_message": True, "add_generation_prompt": True})
+    assert e.value.body["param"] == "continue_final_message"
+
+
+def test_echo(real):
+    plain = real.client.completions.create(model=real.model, prompt=PROMPT, temperature=0,
+                                           max_tokens=10)
+    echo = real.client.completions.create(model=real.model, prompt=PROMPT, temperature=0,
+                                          max_tokens=10, echo=True)
+    assert echo.choices[0].text == PROMPT + plain.choices[0].text
+    s = "".join(c.choices[0].text for c in real.client.completions.create(
+        model=real.model, prompt=PROMPT, temperature=0, max_tokens=10, echo=True, stream=True)
+        if c.choices)
+    assert s == echo.choices[0].text
+    ids = json.loads(urllib_post(real, "/tokenize", {"prompt": PROMPT}))["tokens"]
+    t = real.client.completions.create(model=real.model, prompt=ids, temperature=0,
+                                       max_tokens=10, echo=True)
+    assert t.choices[0].text.endswith(plain.choices[0].text)
+    assert PROMPT in t.choices[0].text
+    msgs = [{"role": "user", "content": "Name a color."},
+            {"role": "assistant", "content": "My favourite is"}]
+    c = real.client.chat.completions.create(
+        model=real.model, messages=msgs, temperature=0, max_tokens=6,
+        extra_body={"echo": True, "continue_final_message": True, "add_generation_prompt": False})
+    assert c.choices[0].message.content.startswith("My favourite is")
+    with pytest.raises(openai.BadRequestError) as e:
+        real.client.completions.create(model=real.model, prompt=PROMPT, max_tokens=2, echo=True,
+                                       logprobs=1)
+    assert e.value.body["param"] == "echo"
+
+
+def urllib_post(s, path, body):
+    import urllib.request
+    req = urllib.request.Request(f"http://{s.http}{path}", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as f:
+        return f.read()
+
+
+def test_return_tokens_as_token_ids_and_logprobs_zero(real):
+    kw = dict(model=real.model, messages=[{"role": "user", "content": QUESTION}], temperature=0,
+              max_tokens=8, logprobs=True, top_logprobs=2)
+    a = real.client.chat.completions.create(**kw)
+    b = real.client.chat.completions.create(**kw, extra_body={"return_tokens_as_token_ids": True})
+    ids = []
+    for x, y in zip(a.choices[0].logprobs.content, b.choices[0].logprobs.content):
+        assert re.fullmatch(r"token_id:\d+", y.token) and x.logprob == y.logprob
+        assert x.bytes == y.bytes
+        ids.append(int(y.token.split(":")[1]))
+        assert all(re.fullmatch(r"token_id:\d+", t.token) for t in y.top_logprobs)
+    text = json.loads(urllib_post(real, "/detokenize", {"tokens": ids}))["prompt"]
+    assert text.replace("<|im_end|>", "") == a.choices[0].message.content  # vLLM's: specials kept
+    # completions logprobs=0: the sampled token's logprob alone, no alternatives
+    r = real.client.completions.create(model=real.model, prompt=PROMPT, temperature=0,
+                                       max_tokens=5, logprobs=0)
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == r.usage.completion_tokens == 5
+    assert lp.top_logprobs is None and all(v <= 0 for v in lp.token_logprobs)
+
+
+def test_request_id_names_the_answer(tiny):
+    r = tiny.client.chat.completions.create(model=tiny.model, max_tokens=2,
+                                            messages=[{"role": "user", "content": "hi"}],
+                                            extra_body={"request_id": "my-req-42"})
+    assert r.id == "chatcmpl-my-req-42"
+    with pytest.raises(openai.BadRequestError) as e:
+        tiny.client.chat.completions.create(model=tiny.model, max_tokens=2,
+                                            messages=[{"role": "user", "content": "hi"}],
+                                            extra_body={"request_id": "has space"})
+    assert e.value.body["param"] == "request_id", e.value.body
 
 
 # ----------------------------------------------------------- streams --
@@ -711,6 +944,30 @@ def test_router_answers_like_serve(cluster, tiny):
         model=tiny.model, messages=msgs, temperature=0, max_tokens=30, stream=True) if ch.choices)
     assert s == b.choices[0].message.content
     assert metric(router.metrics(), "chunkserve:prefills_total", 'path="remote"') >= 1
+
+
+def test_router_fields_like_serve(cluster, tiny):
+    """The new fields and routes answer the same through the router (remote prefill)."""
+    router, _, _ = cluster
+    c = openai.OpenAI(base_url=f"http://{router.openai}/v1", api_key="none", max_retries=0)
+    msgs = [{"role": "user", "content": "tell me a story " * 4},
+            {"role": "assistant", "content": "Once upon a time"}]
+    kw = dict(model=tiny.model, messages=msgs, temperature=0, max_tokens=10,
+              extra_body={"echo": True, "continue_final_message": True,
+                          "add_generation_prompt": False, "request_id": "parity-1"})
+    a, b = c.chat.completions.create(**kw), tiny.client.chat.completions.create(**kw)
+    assert a.choices[0].message.content == b.choices[0].message.content
+    assert a.choices[0].message.content.startswith("Once upon a time")
+    assert a.id == b.id == "chatcmpl-parity-1"
+    for body in ({"prompt": "hello world"}, {"messages": msgs, "continue_final_message": True,
+                                             "add_generation_prompt": False}):
+        ra = json.loads(urllib_post(type("S", (), {"http": router.openai}), "/tokenize", body))
+        rb = json.loads(urllib_post(tiny, "/tokenize", body))
+        assert ra == rb
+    with pytest.raises(openai.BadRequestError) as e:
+        c.chat.completions.create(model=tiny.model, messages=msgs, max_tokens=2,
+                                  extra_body={"frobnicate": True})
+    assert e.value.body["param"] == "frobnicate"
 
 
 def test_router_logprobs_equal_serve(cluster, tiny):

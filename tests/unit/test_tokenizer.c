@@ -792,6 +792,14 @@ static void test_chat(void) {
     ASSERT_EQ_STR(text, "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n"
                         "<|im_start|>assistant\nA<|im_end|>\n");
     free(text);
+    /* continue_final_message: the last message left open */
+    ASSERT_EQ_INT(cs_tokenizer_apply_chat(tok, three, 3, CS_CHAT_CONTINUE, &text), 0);
+    ASSERT_EQ_STR(text, "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n"
+                        "<|im_start|>assistant\nA");
+    free(text);
+    ASSERT_EQ_INT(cs_tokenizer_apply_chat(tok, NULL, 0, CS_CHAT_CONTINUE, &text), CS_EINVAL);
+    ASSERT_EQ_INT(cs_tokenizer_apply_chat(tok, three, 3, (cs_chat_end)7, &text), CS_EINVAL);
+    ASSERT_TRUE(text == NULL);
     ASSERT_EQ_INT(cs_tokenizer_apply_chat(tok, NULL, 0, true, &text), 0);
     ASSERT_EQ_STR(text, "<|im_start|>assistant\n");
     free(text);
@@ -811,6 +819,10 @@ static void test_chat(void) {
     ASSERT_EQ_STR(text, "<|im_start|><|start_header_id|>system<|end_header_id|>\n\nS<|eot_id|>"
                         "<|start_header_id|>user<|end_header_id|>\n\nU<|eot_id|>"
                         "<|start_header_id|>assistant<|end_header_id|>\n\n");
+    free(text);
+    ASSERT_EQ_INT(cs_tokenizer_apply_chat(tok, l3, 2, CS_CHAT_CONTINUE, &text), 0);
+    ASSERT_EQ_STR(text, "<|im_start|><|start_header_id|>system<|end_header_id|>\n\nS<|eot_id|>"
+                        "<|start_header_id|>user<|end_header_id|>\n\nU");
     free(text);
     cs_tokenizer_free(tok);
 

@@ -82,16 +82,23 @@ int cs_detok_flush(cs_detok *d, char *out, size_t out_cap, size_t *out_len);
 
 /* Chat template. Messages are (role, content) pairs. The tokenizer knows the
  * model's template from its metadata; supported families: ChatML (SmolLM2,
- * Qwen), Llama-3. add_generation_prompt appends the assistant header.
- * On success *text is malloc'd. CS_ENOTSUP (with cs_last_error() naming the
- * template) when the model's template is not one we support; CS_EINVAL for a
- * bad role. */
+ * Qwen), Llama-3. end: how the text ends (CS_CHAT_CLOSED: after the last
+ * message's end marker, as add_generation_prompt false; CS_CHAT_GENERATION_PROMPT:
+ * then the assistant's header; CS_CHAT_CONTINUE: the last message without its
+ * end marker, so the model continues it). On success *text is malloc'd.
+ * CS_ENOTSUP (with cs_last_error() naming the template) when the model's
+ * template is not one we support; CS_EINVAL for a bad role or end. */
 typedef struct {
     const char *role;
     const char *content;
 } cs_chat_message;
+typedef enum {
+    CS_CHAT_CLOSED = 0,
+    CS_CHAT_GENERATION_PROMPT = 1,
+    CS_CHAT_CONTINUE = 2
+} cs_chat_end;
 int cs_tokenizer_apply_chat(const cs_tokenizer *tok, const cs_chat_message *msgs, size_t n_msgs,
-                            bool add_generation_prompt, char **text);
+                            cs_chat_end end, char **text);
 
 #ifdef __cplusplus
 }
