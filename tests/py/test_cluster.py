@@ -5,6 +5,7 @@ restarted. Greedy output must equal `chunkserve generate` exactly: across
 local and remote prefill, KV transfers, retries and migrations."""
 from __future__ import annotations
 
+import collections
 import concurrent.futures as cf
 import signal
 import subprocess
@@ -247,21 +248,59 @@ def test_overload_resource_exhausted(bins, model_path, pb, corpus):
         c.stop()
 
 
+class _Details(collections.namedtuple("_Details", ("method", "timeout", "metadata", "credentials",
+                                                  "wait_for_ready", "compression")),
+               grpc.ClientCallDetails):
+    pass
+
+
+class _Auth(grpc.UnaryStreamClientInterceptor):
+    """Adds the API key to every streaming call's metadata."""
+
+    def __init__(self, key):
+        self.key = key
+
+    def intercept_unary_stream(self, continuation, d, request):
+        md = list(d.metadata or []) + [("authorization", f"Bearer {self.key}")]
+        return continuation(_Details(d.method, d.timeout, md, d.credentials, d.wait_for_ready,
+                                     d.compression), request)
+
+
 def test_cluster_up_and_clean_shutdown_with_streams(bins, model_path, pb, bin_dir):
     """`chunkserve cluster up` in the foreground; SIGINT with streams in flight stops everything."""
     g = pb.generation_pb2
+    key = "cluster-up-key-0123456789"
     proc = subprocess.Popen([str(bin_dir / "chunkserve"), "cluster", "up", "--model", str(model_path),
-                             "--prefill", "1", "--decode", "1", "--port", "0", "--grace-ms", "1000"],
+                             "--prefill", "1", "--decode", "1", "--port", "0", "--grace-ms", "1000",
+                             "--openai-port", "0", "--api-key", key,
+                             "--cors-allow-origins", "https://a.example"],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
-        addr = None
+        addr = http = None
         t_end = time.monotonic() + 120
-        while addr is None and time.monotonic() < t_end:
+        while (addr is None or http is None) and time.monotonic() < t_end:
             line = proc.stdout.readline()
             assert line, "cluster up exited while starting"
             if line.startswith("listening on "):
                 addr = line.split()[-1]
+            if line.startswith("openai listening on "):
+                http = line.split()[-1]
+        # --api-key and --cors-allow-origins reach the router (the key through its environment)
+        import urllib.request
+        req = urllib.request.Request(f"http://{http}/v1/models", headers={"Origin": "https://a.example"})
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(req, timeout=10)
+        assert e.value.code == 401
+        req.add_header("Authorization", f"Bearer {key}")
+        with urllib.request.urlopen(req, timeout=10) as f:
+            assert f.status == 200 and f.headers["Access-Control-Allow-Origin"] == "https://a.example"
         ch = grpc.insecure_channel(addr)
+        stub = pb.generation_pb2_grpc.GenerationStub(ch)
+        with pytest.raises(grpc.RpcError) as e:
+            generate(stub, g, prompt="hi", max_tokens=1)
+        assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        ch.close()
+        ch = grpc.intercept_channel(grpc.insecure_channel(addr), _Auth(key))
         stub = pb.generation_pb2_grpc.GenerationStub(ch)
         ids, text, finish, _ = generate(stub, g, prompt="The capital of France is", max_tokens=8)
         assert len(ids) >= 1 and text
