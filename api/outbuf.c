@@ -7,6 +7,11 @@
 #include "chunkserve/error.h"
 
 void cs_outbuf_append(cs_outbuf *b, const cs_event *ev) {
+    if (ev->finish == CS_FINISH_STOP) {
+        if (ev->stop_string && !(b->stop_string = strdup(ev->stop_string))) b->oom = true;
+        b->has_stop_token = ev->stop_token >= 0;
+        b->stop_token = ev->stop_token;
+    }
     if (ev->token >= 0) {
         if (b->n == b->cap) {
             size_t nc = b->cap ? 2 * b->cap : 16;
@@ -47,6 +52,7 @@ void cs_outbuf_free(cs_outbuf *b) {
     free(b->toks);
     free(b->lps);
     free(b->text);
+    free(b->stop_string);
     memset(b, 0, sizeof *b);
 }
 
@@ -61,6 +67,13 @@ int cs_outbuf_response(const cs_outbuf *b, bool logprobs, Chunkserve__V1__Genera
     r->n_token_ids = b->n;
     r->token_ids = b->toks;
     r->text = b->text ? b->text : "";
+    if (b->stop_string) {
+        r->stop_reason_case = CHUNKSERVE__V1__GENERATE_RESPONSE__STOP_REASON_STOP_STRING;
+        r->stop_string = b->stop_string;
+    } else if (b->has_stop_token) {
+        r->stop_reason_case = CHUNKSERVE__V1__GENERATE_RESPONSE__STOP_REASON_STOP_TOKEN_ID;
+        r->stop_token_id = b->stop_token;
+    }
     if (!logprobs || !b->n) return 0;
     /* one block: the messages (each token's, then the alternatives'), then
      * the pointers to them */

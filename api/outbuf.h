@@ -21,10 +21,13 @@ typedef struct {
     size_t n, cap;
     char *text; /* NUL-terminated, text_len bytes; NULL when none */
     size_t text_len, text_cap;
-    bool oom; /* a token or text could not be kept: end the stream */
+    bool oom;           /* a token or text could not be kept: end the stream */
+    char *stop_string;  /* the final event's (cs_event), or NULL */
+    int32_t stop_token; /* the final event's, with has_stop_token */
+    bool has_stop_token;
 } cs_outbuf;
 
-/* Appends ev's token (if any) and text; sets oom instead of failing. */
+/* Appends ev's token (if any), text and stop reason; sets oom instead of failing. */
 void cs_outbuf_append(cs_outbuf *b, const cs_event *ev);
 /* Moves everything buffered to *out (which the caller frees) and empties b. */
 void cs_outbuf_take(cs_outbuf *b, cs_outbuf *out);
@@ -32,7 +35,7 @@ void cs_outbuf_free(cs_outbuf *b);
 bool cs_outbuf_empty(const cs_outbuf *b);
 
 /* Builds the GenerateResponse of what b holds into *r (borrowing b's
- * arrays): tokens, text, logprobs with their alternatives when asked
+ * arrays): tokens, text, the stop reason, logprobs with their alternatives when asked
  * (allocated into *scratch: cs_outbuf_response_free after packing).
  * CS_ENOMEM. */
 int cs_outbuf_response(const cs_outbuf *b, bool logprobs, Chunkserve__V1__GenerateResponse *r,

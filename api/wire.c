@@ -227,6 +227,20 @@ int cs_wire_sampling(const cs_wire_model *wm, const Chunkserve__V1__SamplingPara
     q->sampling.presence_penalty = p->presence_penalty;
     q->sampling.frequency_penalty = p->frequency_penalty;
     q->sampling.seed = p->seed;
+    if (p->n_logit_bias_ids != p->n_logit_bias_values)
+        return cs_fail(
+            CS_EINVAL,
+            "sampling.logit_bias_ids has %zu entries and sampling.logit_bias_values %zu; "
+            "they must pair up",
+            p->n_logit_bias_ids, p->n_logit_bias_values);
+    if (p->n_logit_bias_ids > CS_MAX_LOGIT_BIAS)
+        return cs_fail(CS_EINVAL, "sampling.logit_bias_ids has %zu entries; at most %d are allowed",
+                       p->n_logit_bias_ids, CS_MAX_LOGIT_BIAS);
+    r = check_ids(p->logit_bias_ids, p->n_logit_bias_ids, cfg->n_vocab, "sampling.logit_bias_ids");
+    if (r) return r;
+    q->sampling.bias_ids = p->logit_bias_ids; /* borrowed from m, like the stop lists */
+    q->sampling.bias = p->logit_bias_values;
+    q->sampling.n_bias = (int32_t)p->n_logit_bias_ids;
     q->stop = (cs_stop_params){
         .stop = (const char *const *)p->stop,
         .n_stop = p->n_stop,

@@ -23,7 +23,7 @@ typedef struct {
     const char *alias; /* the path's basename; also accepted as a model name */
     int32_t n_kv_pages, page_size;
     bool has_chat_template;
-    size_t max_prompt_bytes; /* cs_wire_max_prompt_bytes(model) */
+    size_t max_prompt_bytes;        /* cs_wire_max_prompt_bytes(model) */
     uint64_t tokenizer_fingerprint; /* cs_tokenizer_fingerprint, computed once */
 } cs_wire_model;
 
@@ -62,12 +62,11 @@ typedef struct {
 /* Converts and checks a GenerateRequest: model name, input (prompt text with
  * special tokens parsed and BOS as the model wants, token ids, or a chat
  * rendered with the model's template and the assistant prompt), prompt
- * length against the context (with max_tokens, when set) and the KV pool, sampling and stop parameters
- * (proto 0 = "not set": top_p -> 1, repetition_penalty -> 1, max_tokens ->
- * until the context is full), cache_salt (borrowed from m: out->r.cache_salt
- * points into it). 0, or CS_EINVAL with cs_last_error() naming the field, the
- * value and what is allowed; CS_ENOMEM. On failure nothing is left to free.
- * id: the engine request id. */
+ * length against the context (with max_tokens, when set) and the KV pool, sampling and stop
+ * parameters (proto 0 = "not set": top_p -> 1, repetition_penalty -> 1, max_tokens -> until the
+ * context is full), cache_salt (borrowed from m: out->r.cache_salt points into it). 0, or CS_EINVAL
+ * with cs_last_error() naming the field, the value and what is allowed; CS_ENOMEM. On failure
+ * nothing is left to free. id: the engine request id. */
 int cs_wire_generate_request(const cs_wire_model *wm, const Chunkserve__V1__GenerateRequest *m,
                              uint64_t id, cs_wire_request *out);
 void cs_wire_request_free(cs_wire_request *w);

@@ -44,6 +44,8 @@ typedef struct {
     int32_t **id_store;
     char **stops;
     int32_t *stop_ids;
+    int32_t *bias_ids; /* logit_bias, in the request's order */
+    float *bias;
     char *text_store; /* chat contents joined from parts */
 } oa_request;
 

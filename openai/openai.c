@@ -57,6 +57,8 @@ typedef struct {
     size_t n_lp, cap_lp;
     Chunkserve__V1__FinishReason finish;
     int32_t prompt_tokens, completion_tokens, cached_tokens;
+    char *stop_string;  /* vLLM's stop_reason: the stop string, or */
+    int32_t stop_token; /* the stop token id (-1: none) */
 } oa_choice;
 
 struct oa_call {
@@ -247,8 +249,19 @@ static cJSON *usage_json(oa_call *oc) {
     return u;
 }
 
+/* vLLM's stop_reason: the stop string or stop token id that ended the choice,
+ * null when the end-of-generation token or the length did. */
+static void add_stop_reason(cJSON *ch, const oa_choice *c) {
+    if (c->stop_string)
+        cJSON_AddStringToObject(ch, "stop_reason", c->stop_string);
+    else if (c->stop_token >= 0)
+        cJSON_AddNumberToObject(ch, "stop_reason", c->stop_token);
+    else
+        cJSON_AddNullToObject(ch, "stop_reason");
+}
+
 /* One streamed chunk for choice c: delta text (chat) or text, its logprobs,
- * and the finish reason when final. */
+ * and the finish reason (with the stop reason) when final. */
 static int stream_chunk(oa_call *oc, oa_choice *c, const char *text, cJSON *lp,
                         const char *finish) {
     cJSON *choices,
@@ -267,10 +280,12 @@ static int stream_chunk(oa_call *oc, oa_choice *c, const char *text, cJSON *lp,
         cJSON_AddItemToObject(ch, "logprobs", lp);
     else
         cJSON_AddNullToObject(ch, "logprobs");
-    if (finish)
+    if (finish) {
         cJSON_AddStringToObject(ch, "finish_reason", finish);
-    else
+        add_stop_reason(ch, c);
+    } else {
         cJSON_AddNullToObject(ch, "finish_reason");
+    }
     cJSON_AddItemToArray(choices, ch);
     if (oc->rq.include_usage) cJSON_AddNullToObject(j, "usage");
     int r = sse_event(oc, j);
@@ -295,6 +310,7 @@ static void oa_call_free(oa_call *oc) {
         free(oc->choices[i].text);
         free(oc->choices[i].lp_ids);
         free(oc->choices[i].lp);
+        free(oc->choices[i].stop_string);
     }
     free(oc->choices);
     for (int32_t p = 0; oc->echo && p < oc->rq.n_prompts; p++)
@@ -356,6 +372,7 @@ static void complete(oa_call *oc) {
                 cJSON_AddNullToObject(ch, "logprobs");
             const char *f = finish_name(c->finish);
             cJSON_AddStringToObject(ch, "finish_reason", f ? f : "stop");
+            add_stop_reason(ch, c);
             cJSON_AddItemToArray(choices, ch);
         }
         cJSON_AddItemToObject(j, "usage", usage_json(oc));
@@ -453,6 +470,11 @@ static int c_send(cs_gen_call *g, const Chunkserve__V1__GenerateResponse *m) {
         c->cached_tokens = m->usage->cached_prompt_tokens;
     }
     if (m->finish_reason) c->finish = m->finish_reason;
+    if (m->stop_reason_case == CHUNKSERVE__V1__GENERATE_RESPONSE__STOP_REASON_STOP_STRING &&
+        !c->stop_string && !(c->stop_string = strdup(m->stop_string)))
+        return CS_ENOMEM;
+    if (m->stop_reason_case == CHUNKSERVE__V1__GENERATE_RESPONSE__STOP_REASON_STOP_TOKEN_ID)
+        c->stop_token = m->stop_token_id;
     /* echo: the prompt's text goes first, with the first message */
     const char *text = m->text ? m->text : "";
     char *joined = NULL;
@@ -770,6 +792,7 @@ static void route_generate(cs_openai *s, cs_http_req *req, cs_http_res *res, boo
         c->base.req = &oc->rq.req[i];
         c->oc = oc;
         c->index = i;
+        c->stop_token = -1;
     }
     for (int32_t i = 0; i < oc->rq.n_choices; i += oc->rq.n) /* each prompt's first */
         start_choice(oc, &oc->choices[i]);

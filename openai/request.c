@@ -122,6 +122,7 @@ static const struct {
     {"stop_token_ids", SERVED, BOTH},
     {"ignore_eos", SERVED, BOTH},
     {"min_tokens", SERVED, BOTH},
+    {"logit_bias", SERVED, BOTH},
     {"skip_special_tokens", SERVED, BOTH},
     {"logprobs", SERVED, BOTH},
     {"top_logprobs", SERVED, CHAT},
@@ -137,7 +138,6 @@ static const struct {
     {"store", REFUSED, CHAT},
     {"metadata", REFUSED, CHAT},
     {"service_tier", REFUSED, BOTH},
-    {"logit_bias", REFUSED, BOTH},
     {"suffix", REFUSED, COMPL},
     {"prompt_logprobs", REFUSED, BOTH},
     {"tools", REFUSED, CHAT},
@@ -395,6 +395,34 @@ static int parse_stop_ids(const cJSON *o, Chunkserve__V1__SamplingParams *s, oa_
     return 0;
 }
 
+/* logit_bias: {"token id": bias, ...} into the two lists of the proto (ids
+ * and ranges are checked with the rest of the sampling, in cs_wire). */
+static int parse_logit_bias(const cJSON *o, Chunkserve__V1__SamplingParams *s, oa_request *r,
+                            oa_error *e) {
+    cJSON *lb = field(o, "logit_bias");
+    if (!lb) return 0;
+    if (!cJSON_IsObject(lb))
+        return fail(e, "logit_bias", "logit_bias must be an object of token id: bias");
+    int n = cJSON_GetArraySize(lb), i = 0;
+    r->bias_ids = malloc((size_t)(n ? n : 1) * sizeof *r->bias_ids);
+    r->bias = malloc((size_t)(n ? n : 1) * sizeof *r->bias);
+    if (!r->bias_ids || !r->bias) return fail(e, NULL, "out of memory");
+    for (cJSON *it = lb->child; it; it = it->next, i++) {
+        char *end;
+        long id = strtol(it->string, &end, 10);
+        if (!it->string[0] || *end || id < 0 || id > INT32_MAX)
+            return fail(e, "logit_bias", "logit_bias key '%.40s' is not a token id", it->string);
+        if (!cJSON_IsNumber(it) || !isfinite(it->valuedouble))
+            return fail(e, "logit_bias", "logit_bias of token %ld must be a number", id);
+        r->bias_ids[i] = (int32_t)id;
+        r->bias[i] = (float)it->valuedouble;
+    }
+    s->n_logit_bias_ids = s->n_logit_bias_values = (size_t)n;
+    s->logit_bias_ids = r->bias_ids;
+    s->logit_bias_values = r->bias;
+    return 0;
+}
+
 /* Sampling shared by every choice (the seed is set per choice). */
 static int parse_sampling(const cJSON *o, oa_request *r, const cs_wire_model *wm,
                           Chunkserve__V1__SamplingParams *s, uint64_t *seed, bool *has_seed,
@@ -453,7 +481,8 @@ static int parse_sampling(const cJSON *o, oa_request *r, const cs_wire_model *wm
     r->top_logprobs = (int32_t)top;
     s->logprobs = r->logprobs;
     s->top_logprobs = r->top_logprobs;
-    if (parse_stop(o, s, r, e) || parse_stop_ids(o, s, r, e)) return -1;
+    if (parse_stop(o, s, r, e) || parse_stop_ids(o, s, r, e) || parse_logit_bias(o, s, r, e))
+        return -1;
     return 0;
 }
 
@@ -521,7 +550,7 @@ int oa_request_parse(const char *body, size_t len, bool chat, const cs_wire_mode
     uint64_t seed = 0;
     bool has_seed = false;
     if (parse_sampling(o, r, wm, &base, &seed, &has_seed, e)) return -1;
-    if (r->echo && r->logprobs)
+    if (r->echo && r->logprobs && !chat) /* completions' echo logprobs cover the prompt */
         return fail(e, "echo",
                     "echo with logprobs needs the prompt's logprobs (prompt_logprobs), which this "
                     "server does not compute");
@@ -568,6 +597,8 @@ void oa_request_free(oa_request *r) {
     free(r->text_store);
     free(r->stops);
     free(r->stop_ids);
+    free(r->bias_ids);
+    free(r->bias);
     free(r->req);
     free(r->sampling);
     cJSON_Delete(r->json);

@@ -36,6 +36,10 @@ static void param_of(const char *msg, bool chat, char *param, size_t cap) {
                                         "prompt",
                                         "request_id",
                                         "cache_salt"};
+    if ((n == 10 && !strncmp(msg, "logit_bias", 10)) || !strncmp(msg, "logit_bias_", 11)) {
+        snprintf(param, cap, "logit_bias"); /* the proto's two lists are OpenAI's one map */
+        return;
+    }
     for (size_t i = 0; i < sizeof known / sizeof known[0]; i++)
         if (strlen(known[i]) == n && !strncmp(msg, known[i], n)) {
             if (!strcmp(known[i], "token_ids") || !strcmp(known[i], "prompt"))

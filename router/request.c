@@ -406,6 +406,7 @@ static bool relay(req *q, Chunkserve__V1__GenerateResponse *out) {
         final_ok = true;
         failed = false;
         out->finish_reason = CHUNKSERVE__V1__FINISH_REASON__FINISH_REASON_LENGTH;
+        out->stop_reason_case = CHUNKSERVE__V1__GENERATE_RESPONSE__STOP_REASON__NOT_SET;
     }
     /* a failed stream's finish is not the client's: its tokens are, then we fail over */
     if (failed) out->finish_reason = CHUNKSERVE__V1__FINISH_REASON__FINISH_REASON_UNSPECIFIED;

@@ -1,5 +1,5 @@
 /* sampler.c: token selection. Order of operations follows vLLM: penalties on
- * raw logits, temperature, then top-k / min-p / top-p on probabilities, then
+ * raw logits, then logit_bias, temperature, then top-k / min-p / top-p on probabilities, then
  * one draw from the sequence's own xoshiro256** stream. */
 #include "chunkserve/sampler.h"
 
@@ -18,6 +18,8 @@ struct cs_sampler {
     int32_t *idx;        /* (n_vocab) scratch for sorting */
     float *raw;          /* (n_vocab) raw logits kept for logprobs; allocated on first use */
     int32_t *suppress;   /* (n_suppress) ids masked while n_generated < min_tokens */
+    int32_t *bias_ids;   /* (p.n_bias) logit_bias, copied (p's pointers point here) */
+    float *bias;
     size_t n_suppress;
     int32_t min_tokens;
 };
@@ -44,6 +46,16 @@ int cs_sampling_params_check(const cs_sampling_params *p) {
         return cs_fail(CS_EINVAL, "presence_penalty %g must be in [-2, 2]", p->presence_penalty);
     if (!(p->frequency_penalty >= -2 && p->frequency_penalty <= 2))
         return cs_fail(CS_EINVAL, "frequency_penalty %g must be in [-2, 2]", p->frequency_penalty);
+    if (p->n_bias < 0 || p->n_bias > CS_MAX_LOGIT_BIAS || (p->n_bias && (!p->bias_ids || !p->bias)))
+        return cs_fail(CS_EINVAL, "logit_bias has %d entries; at most %d are allowed", p->n_bias,
+                       CS_MAX_LOGIT_BIAS);
+    for (int32_t i = 0; i < p->n_bias; i++) {
+        if (p->bias_ids[i] < 0)
+            return cs_fail(CS_EINVAL, "logit_bias token %d is not a token id", p->bias_ids[i]);
+        if (!(p->bias[i] >= -100 && p->bias[i] <= 100))
+            return cs_fail(CS_EINVAL, "logit_bias of token %d is %g; it must be in [-100, 100]",
+                           p->bias_ids[i], p->bias[i]);
+    }
     return 0;
 }
 
@@ -63,7 +75,22 @@ int cs_sampler_init(const cs_sampling_params *p, int32_t n_vocab, cs_sampler **o
     if (!s) return cs_fail(CS_ENOMEM, "sampler: out of memory");
     s->p = *p;
     s->n_vocab = n_vocab;
+    for (int32_t i = 0; i < p->n_bias; i++)
+        if (p->bias_ids[i] >= n_vocab) {
+            free(s);
+            return cs_fail(CS_EINVAL, "logit_bias token %d is outside the vocabulary (0..%d)",
+                           p->bias_ids[i], n_vocab - 1);
+        }
     bool ok = true;
+    if (p->n_bias) {
+        ok &= (s->bias_ids = malloc((size_t)p->n_bias * sizeof *s->bias_ids)) != NULL;
+        ok &= (s->bias = malloc((size_t)p->n_bias * sizeof *s->bias)) != NULL;
+        if (ok) {
+            memcpy(s->bias_ids, p->bias_ids, (size_t)p->n_bias * sizeof *s->bias_ids);
+            memcpy(s->bias, p->bias, (size_t)p->n_bias * sizeof *s->bias);
+        }
+    }
+    s->p.bias_ids = s->bias_ids, s->p.bias = s->bias;
     if (p->repetition_penalty != 1.0f) ok &= (s->seen = calloc((size_t)n_vocab, 1)) != NULL;
     if (p->presence_penalty != 0 || p->frequency_penalty != 0)
         ok &= (s->counts = calloc((size_t)n_vocab, sizeof *s->counts)) != NULL;
@@ -83,6 +110,8 @@ void cs_sampler_free(cs_sampler *s) {
     free(s->idx);
     free(s->raw);
     free(s->suppress);
+    free(s->bias_ids);
+    free(s->bias);
     free(s);
 }
 
@@ -180,6 +209,8 @@ int32_t cs_sampler_sample(cs_sampler *s, float *logits, int32_t n_top, cs_logpro
         for (int32_t i = 0; i < n; i++)
             if (s->counts[i])
                 logits[i] -= p->frequency_penalty * (float)s->counts[i] + p->presence_penalty;
+    for (int32_t i = 0; i < p->n_bias; i++) /* in the given order: a repeated id adds twice */
+        logits[p->bias_ids[i]] += p->bias[i];
     if (s->n_generated < s->min_tokens)
         for (size_t i = 0; i < s->n_suppress; i++)
             logits[s->suppress[i]] = -INFINITY;

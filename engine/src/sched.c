@@ -443,7 +443,7 @@ static cs_event *next_event(cs_sched *s, char *text) {
     CS_ASSERT(s->n_events < s->cap_events);
     s->texts[s->n_events] = text;
     cs_event *ev = &s->events[s->n_events++];
-    *ev = (cs_event){.token = -1, .text = text ? text : ""};
+    *ev = (cs_event){.token = -1, .text = text ? text : "", .stop_token = -1};
     return ev;
 }
 
@@ -479,11 +479,28 @@ static int emit_token(cs_sched *s, seq *q, int32_t id, const cs_logprobs *lp, co
         seq_free(s, q);
         return 0;
     }
+    /* the stop string that ended it travels after the text, in its allocation (the
+     * stop checker goes with the sequence); without memory for it, no name */
+    const char *matched = fin == CS_FINISH_STOP ? cs_stop_matched_string(q->stop) : NULL;
+    size_t tl = 0;
+    if (matched) {
+        tl = text ? strlen(text) : 0;
+        char *t = realloc(text, tl + strlen(matched) + 2);
+        if (t) {
+            t[tl] = 0;
+            strcpy(t + tl + 1, matched);
+            text = t;
+        } else {
+            matched = NULL;
+        }
+    }
     cs_sampler_accept(q->smp, id);
     CS_ASSERT(q->n_tokens < q->cap);
     q->tokens[q->n_tokens++] = id;
     s->st.generated_tokens++;
     cs_event *ev = next_event(s, text);
+    if (matched) ev->stop_string = text + tl + 1;
+    if (fin == CS_FINISH_STOP) ev->stop_token = cs_stop_matched_token(q->stop);
     ev->id = q->id;
     ev->token = id;
     if (q->logprobs) ev->lp = *lp;

@@ -26,9 +26,10 @@
 #include "util.h"
 
 typedef struct pending {
-    cs_request r; /* with owned copies of prompt, stop strings and cache_salt */
+    cs_request r; /* with owned copies of prompt, stop strings, logit_bias and cache_salt */
     char **stops;
-    int32_t *stop_ids;
+    int32_t *stop_ids, *bias_ids;
+    float *bias;
     cs_serve_cb cb;
     void *user;
     enum { P_SUBMIT, P_KV_READY } kind;
@@ -128,6 +129,8 @@ static void pending_free(pending *p) {
         free(p->stops[i]);
     free(p->stops);
     free(p->stop_ids);
+    free(p->bias_ids);
+    free(p->bias);
     free((void *)p->r.prompt);
     free((void *)p->r.cache_salt);
     free(p->lv); /* a submit that never started (its record was unlinked) */
@@ -344,7 +347,16 @@ int cs_serve_submit(cs_serve *sv, const cs_request *r, cs_serve_cb cb, void *use
     p->r.prompt = prompt;
     p->stops = calloc(r->stop.n_stop + 1, sizeof(char *));
     p->stop_ids = malloc(sizeof(int32_t) * (r->stop.n_stop_ids + 1));
-    bool ok = prompt && p->stops && p->stop_ids && p->lv;
+    const int32_t nb = r->sampling.n_bias > 0 ? r->sampling.n_bias : 0;
+    p->bias_ids = malloc(sizeof(int32_t) * ((size_t)nb + 1));
+    p->bias = malloc(sizeof(float) * ((size_t)nb + 1));
+    bool ok = prompt && p->stops && p->stop_ids && p->bias_ids && p->bias && p->lv;
+    if (ok && nb) {
+        memcpy(p->bias_ids, r->sampling.bias_ids, sizeof(int32_t) * (size_t)nb);
+        memcpy(p->bias, r->sampling.bias, sizeof(float) * (size_t)nb);
+    }
+    p->r.sampling.bias_ids = p->bias_ids;
+    p->r.sampling.bias = p->bias;
     if (ok && r->n_prompt > 0) memcpy(prompt, r->prompt, sizeof(int32_t) * (size_t)r->n_prompt);
     for (size_t i = 0; ok && i < r->stop.n_stop; i++)
         ok = (p->stops[i] = strdup(r->stop.stop[i] ? r->stop.stop[i] : "")) != NULL;

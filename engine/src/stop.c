@@ -23,7 +23,8 @@ struct cs_stop {
     size_t n_stop_ids;
     int32_t max_tokens, min_tokens, n_tokens;
     bool ignore_eos;
-    char *buf; /* text decoded and not yet emitted */
+    int32_t matched_stop, matched_token; /* what ended it: cs_stop_matched_*; -1 none */
+    char *buf;                           /* text decoded and not yet emitted */
     size_t len, cap;
 };
 
@@ -50,6 +51,7 @@ int cs_stop_init(const cs_tokenizer *tok, const cs_stop_params *p, cs_stop **out
     cs_stop *s = calloc(1, sizeof *s);
     if (!s) return cs_fail(CS_ENOMEM, "out of memory");
     s->tok = tok;
+    s->matched_stop = s->matched_token = -1;
     s->max_tokens = p->max_tokens;
     s->ignore_eos = p->ignore_eos;
     s->min_tokens = p->min_tokens;
@@ -85,6 +87,14 @@ void cs_stop_free(cs_stop *s) {
     free(s);
 }
 
+const char *cs_stop_matched_string(const cs_stop *s) {
+    return s->matched_stop >= 0 ? s->stop[s->matched_stop] : NULL;
+}
+
+int32_t cs_stop_matched_token(const cs_stop *s) {
+    return s->matched_token;
+}
+
 int32_t cs_stop_n_tokens(const cs_stop *s) {
     return s->n_tokens;
 }
@@ -109,9 +119,9 @@ static int append(cs_stop *s, const char *p, size_t n) {
 static int take(cs_stop *s, size_t n, char **text) {
     char *t = malloc(n + 1);
     if (!t) return cs_fail(CS_ENOMEM, "out of memory");
-    memcpy(t, s->buf, n);
+    if (n) memcpy(t, s->buf, n); /* buf is NULL until text arrives (a first token that stops) */
     t[n] = 0;
-    memmove(s->buf, s->buf + n, s->len - n);
+    if (s->len > n) memmove(s->buf, s->buf + n, s->len - n);
     s->len -= n;
     if (s->buf) s->buf[s->len] = 0;
     *text = t;
@@ -124,7 +134,8 @@ int cs_stop_push(cs_stop *s, int32_t id, char **text, enum cs_finish *finish) {
     if (id < 0 || id >= cs_tokenizer_n_vocab(s->tok))
         return cs_fail(CS_EINVAL, "token id %d is outside the vocabulary", id);
     s->n_tokens++;
-    bool stop_token = !s->ignore_eos && cs_tokenizer_is_eog(s->tok, id);
+    const bool eog = !s->ignore_eos && cs_tokenizer_is_eog(s->tok, id);
+    bool stop_token = eog;
     for (size_t i = 0; i < s->n_stop_ids; i++)
         stop_token |= s->stop_ids[i] == id;
     /* min_tokens: the sampler masks stop tokens up to here; one forced in (a
@@ -134,6 +145,7 @@ int cs_stop_push(cs_stop *s, int32_t id, char **text, enum cs_finish *finish) {
     int r;
     if (stop_token) { /* the stop token's own text is not shown */
         *finish = CS_FINISH_STOP;
+        s->matched_token = eog ? -1 : id; /* vLLM: end-of-generation reports none */
     } else {
         char piece[512];
         size_t n = 0;
@@ -151,7 +163,8 @@ int cs_stop_push(cs_stop *s, int32_t id, char **text, enum cs_finish *finish) {
         size_t cut = s->len + 1;
         for (size_t i = 0; i < n_stop; i++) {
             const char *hit = strstr(s->buf ? s->buf : "", s->stop[i]);
-            if (hit && (size_t)(hit - s->buf) < cut) cut = (size_t)(hit - s->buf);
+            if (hit && (size_t)(hit - s->buf) < cut)
+                cut = (size_t)(hit - s->buf), s->matched_stop = (int32_t)i;
         }
         if (cut <= s->len) {
             s->len = cut;

@@ -330,7 +330,9 @@ def test_min_tokens(real):
     (dict(max_tokens=0), "max_tokens"),
     (dict(presence_penalty=5), "presence_penalty"),
     (dict(extra_body={"tools": [{"type": "function", "function": {"name": "f"}}]}), "tools"),
-    (dict(extra_body={"logit_bias": {"5": 1}}), "logit_bias"),
+    (dict(extra_body={"logit_bias": {"5": 101}}), "logit_bias"),
+    (dict(extra_body={"logit_bias": {"five": 1}}), "logit_bias"),
+    (dict(extra_body={"logit_bias": {str(10 ** 8): 1}}), "logit_bias"),
     (dict(extra_body={"top_k": 1.5}), "top_k"),
     (dict(extra_body={"stop_token_ids": [10 ** 9]}), "stop_token_ids"),
     (dict(logprobs=True, top_logprobs=21), "top_logprobs"),
@@ -748,6 +750,99 @@ def test_return_tokens_as_token_ids_and_logprobs_zero(real):
     assert lp.top_logprobs is None and all(v <= 0 for v in lp.token_logprobs)
 
 
+def test_logit_bias(real):
+    """-100 bans the greedy first token, +100 forces another; the same through gRPC's two
+    lists; logprobs stay the raw distribution's."""
+    kw = dict(model=real.model, prompt=PROMPT, temperature=0, max_tokens=4, logprobs=0,
+              extra_body={"return_tokens_as_token_ids": True})
+    first = lambda r: int(r.choices[0].logprobs.tokens[0].split(":")[1])  # noqa: E731
+    a = real.client.completions.create(**kw)
+    t0 = first(a)
+    b = real.client.completions.create(**{**kw, "extra_body": {
+        "return_tokens_as_token_ids": True, "logit_bias": {str(t0): -100}}})
+    assert first(b) != t0
+    forced = 1234
+    c = real.client.completions.create(**{**kw, "extra_body": {
+        "return_tokens_as_token_ids": True, "logit_bias": {str(forced): 100}}})
+    assert all(int(t.split(":")[1]) == forced for t in c.choices[0].logprobs.tokens)
+    assert c.choices[0].logprobs.token_logprobs[0] < -1  # raw: unlikely without the bias
+    ids, text, _, _, _ = grpc_generate(real, prompt=PROMPT, sampling=dict(
+        max_tokens=4, logit_bias_ids=[t0], logit_bias_values=[-100]))
+    assert text == b.choices[0].text and ids[0] == first(b)
+    g = real.pb.generation_pb2
+    with pytest.raises(grpc.RpcError) as e:
+        grpc_generate(real, prompt=PROMPT, sampling=dict(max_tokens=2, logit_bias_ids=[1, 2],
+                                                         logit_bias_values=[1.0]))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "pair" in e.value.details()
+    del g
+
+
+def test_new_routes_and_fields_on_the_tiny_model(tiny):
+    """The same paths on the tiny model, so the ASan run of this file covers them: /tokenize
+    and /detokenize (good and bad bodies), echo of text and token-id prompts, logit_bias,
+    token ids as names, chat endings."""
+    t = json.loads(urllib_post(tiny, "/tokenize", {"prompt": "hello there"}))
+    assert t["count"] == len(t["tokens"]) > 0
+    d = json.loads(urllib_post(tiny, "/detokenize", {"tokens": t["tokens"]}))
+    assert "hello there" in d["prompt"]
+    for path, body, param in [("/tokenize", {"prompt": 5}, "prompt"),
+                              ("/tokenize", {"prompt": "a", "messages": []}, "prompt"),
+                              ("/tokenize", {"prompt": "a", "bogus": 1}, "bogus"),
+                              ("/tokenize", {"messages": [{"role": "wizard", "content": "x"}]},
+                               "messages[0].role"),
+                              ("/detokenize", {"tokens": "x"}, "tokens"),
+                              ("/detokenize", {"tokens": [-1]}, "tokens")]:
+        import urllib.error
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib_post(tiny, path, body)
+        assert e.value.code == 400 and json.loads(e.value.read())["error"]["param"] == param
+    kw = dict(model=tiny.model, temperature=0, max_tokens=5, echo=True,
+              extra_body={"logit_bias": {"7": 2.5}, "ignore_eos": True})
+    a = tiny.client.completions.create(prompt="hello there", **kw)
+    b = tiny.client.completions.create(prompt=t["tokens"], **kw)
+    assert a.choices[0].text.startswith("hello there") and b.choices[0].text.endswith(
+        a.choices[0].text[len("hello there"):])
+    c = tiny.client.chat.completions.create(
+        model=tiny.model, max_tokens=4, logprobs=True, top_logprobs=1,
+        messages=[{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}],
+        extra_body={"continue_final_message": True, "add_generation_prompt": False,
+                    "echo": True, "return_tokens_as_token_ids": True})
+    assert c.choices[0].message.content.startswith("y")
+    assert all(x.token.startswith("token_id:") for x in c.choices[0].logprobs.content)
+
+
+def test_stop_reason(real):
+    """vLLM's stop_reason: the stop string or stop token id that ended a choice, null for the
+    end-of-generation token and for the length; the same streamed, through gRPC's oneof."""
+    free = real.client.completions.create(model=real.model, prompt=PROMPT, temperature=0,
+                                          max_tokens=16)
+    words = free.choices[0].text.split()
+    word = words[1] if len(words) > 1 else words[0]
+    r = real.client.completions.create(model=real.model, prompt=PROMPT, temperature=0,
+                                       max_tokens=16, stop=["zzz-never", word])
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].model_extra["stop_reason"] == word
+    last = [c for c in real.client.completions.create(
+        model=real.model, prompt=PROMPT, temperature=0, max_tokens=16, stop=[word], stream=True)
+        if c.choices][-1]
+    assert last.choices[0].finish_reason == "stop"
+    assert last.choices[0].model_extra["stop_reason"] == word
+    g = real.pb.generation_pb2
+    msgs = list(real.stub.Generate(g.GenerateRequest(prompt=PROMPT, sampling=g.SamplingParams(
+        max_tokens=16, stop=[word])), timeout=60))
+    assert msgs[-1].WhichOneof("stop_reason") == "stop_string" and msgs[-1].stop_string == word
+    kw = dict(model=real.model, prompt=PROMPT, temperature=0, max_tokens=16, logprobs=0,
+              extra_body={"return_tokens_as_token_ids": True})
+    ids = [int(x.split(":")[1]) for x in real.client.completions.create(**kw).choices[0]
+           .logprobs.tokens]
+    kw["extra_body"]["stop_token_ids"] = [ids[2]]
+    t = real.client.completions.create(**kw)
+    assert t.choices[0].model_extra["stop_reason"] == ids[2]
+    assert free.choices[0].model_extra["stop_reason"] is None  # length
+    c = real.client.chat.completions.create(model=real.model, temperature=0, max_tokens=200,
+                                            messages=[{"role": "user", "content": "Say hi."}])
+    assert c.choices[0].finish_reason == "stop" and c.choices[0].model_extra["stop_reason"] is None
+
+
 def test_request_id_names_the_answer(tiny):
     r = tiny.client.chat.completions.create(model=tiny.model, max_tokens=2,
                                             messages=[{"role": "user", "content": "hi"}],
@@ -954,7 +1049,8 @@ def test_router_fields_like_serve(cluster, tiny):
             {"role": "assistant", "content": "Once upon a time"}]
     kw = dict(model=tiny.model, messages=msgs, temperature=0, max_tokens=10,
               extra_body={"echo": True, "continue_final_message": True,
-                          "add_generation_prompt": False, "request_id": "parity-1"})
+                          "add_generation_prompt": False, "request_id": "parity-1",
+                          "logit_bias": {"5": 3.5, "17": -2}})
     a, b = c.chat.completions.create(**kw), tiny.client.chat.completions.create(**kw)
     assert a.choices[0].message.content == b.choices[0].message.content
     assert a.choices[0].message.content.startswith("Once upon a time")
@@ -968,6 +1064,15 @@ def test_router_fields_like_serve(cluster, tiny):
         c.chat.completions.create(model=tiny.model, messages=msgs, max_tokens=2,
                                   extra_body={"frobnicate": True})
     assert e.value.body["param"] == "frobnicate"
+    # the stop reason crosses the decode worker and the router
+    kw = dict(model=tiny.model, prompt="once upon a time " * 4, temperature=0, max_tokens=12,
+              logprobs=0, extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True})
+    ref = tiny.client.completions.create(**kw)
+    sid = int(ref.choices[0].logprobs.tokens[3].split(":")[1])
+    kw["extra_body"]["stop_token_ids"] = [sid]
+    a, b = c.completions.create(**kw), tiny.client.completions.create(**kw)
+    assert a.choices[0].model_extra["stop_reason"] == b.choices[0].model_extra["stop_reason"] == sid
+    assert a.choices[0].text == b.choices[0].text
 
 
 def test_router_logprobs_equal_serve(cluster, tiny):

@@ -1,5 +1,5 @@
 /* test_sampler: parameter checks, greedy ties, the filters (top-k, top-p,
- * min-p), penalties, reproducibility from the seed and RNG state transfer. */
+ * min-p), penalties, logit_bias, reproducibility from the seed and RNG state transfer. */
 #include "chunkserve/sampler.h"
 #include "test.h"
 
@@ -65,6 +65,35 @@ int main(void) {
         ASSERT_TRUE(lp.top_logprobs[i] <= lp.top_logprobs[i - 1]);
     ASSERT_EQ_INT(lp.top_ids[V - 1], 7);
     cs_sampler_free(s);
+
+    /* logit_bias: added after the penalties (greedy too), copied at init,
+     * logprobs raw; checked: range, ids, count */
+    {
+        int32_t ids[3] = {1, 2, 4};
+        float bias[3] = {-100, -0.5f, 4.5f};
+        cs_sampling_params b = p;
+        b.bias_ids = ids, b.bias = bias, b.n_bias = 3;
+        ASSERT_EQ_INT(cs_sampler_init(&b, V, &s), 0);
+        ids[2] = 0, bias[2] = 0; /* the sampler kept its own copy */
+        memcpy(l2, logits, sizeof l2);
+        ASSERT_EQ_INT(cs_sampler_sample(s, l2, 1, &lp), 4); /* -1 + 4.5 beats 2.5 and 2 */
+        ASSERT_NEAR(lp.logprob, -1 - log(z), 1e-5);         /* raw */
+        ASSERT_EQ_INT(lp.top_ids[0], 1);
+        cs_sampler_free(s);
+        ids[2] = 4, bias[2] = 100.5f;
+        ASSERT_EQ_INT(cs_sampling_params_check(&b), CS_EINVAL);
+        ASSERT_MSG_HAS(cs_last_error(), "[-100, 100]");
+        bias[2] = NAN;
+        ASSERT_EQ_INT(cs_sampling_params_check(&b), CS_EINVAL);
+        bias[2] = 1, ids[2] = V;
+        ASSERT_EQ_INT(cs_sampler_init(&b, V, &s), CS_EINVAL);
+        ASSERT_MSG_HAS(cs_last_error(), "vocabulary");
+        ASSERT_TRUE(s == NULL);
+        ids[2] = -1;
+        ASSERT_EQ_INT(cs_sampling_params_check(&b), CS_EINVAL);
+        b.n_bias = CS_MAX_LOGIT_BIAS + 1;
+        ASSERT_EQ_INT(cs_sampling_params_check(&b), CS_EINVAL);
+    }
 
     /* min_tokens: suppressed ids are never picked until that many accepted;
      * logprobs stay raw */

@@ -7,6 +7,8 @@
 #include "test.h"
 
 static cs_tokenizer *tok;
+static char matched[64]; /* the last feed's cs_stop_matched_string ("" none) */
+static int32_t matched_token;
 
 /* Feeds text's tokens; returns all emitted text and sets the finish reason
  * and the number of tokens consumed. */
@@ -26,6 +28,9 @@ static char *feed(const cs_stop_params *p, const char *text, enum cs_finish *fin
         free(t);
     }
     *used = (int32_t)i;
+    const char *m = cs_stop_matched_string(s);
+    snprintf(matched, sizeof matched, "%s", m ? m : "");
+    matched_token = cs_stop_matched_token(s);
     cs_stop_free(s);
     free(ids);
     return all;
@@ -51,10 +56,16 @@ int main(void) {
     t = feed(&p, "one two STOP three", &fin, &used);
     ASSERT_EQ_STR(t, "one two ");
     ASSERT_EQ_INT(fin, CS_FINISH_STOP);
+    ASSERT_EQ_STR(matched, "STOP"); /* what ended it (vLLM's stop_reason) */
+    ASSERT_EQ_INT(matched_token, -1);
     free(t);
     t = feed(&p, "para one\n\npara two", &fin, &used);
     ASSERT_EQ_STR(t, "para one");
     ASSERT_EQ_INT(fin, CS_FINISH_STOP);
+    ASSERT_EQ_STR(matched, "\n\n");
+    free(t);
+    t = feed(&p, "x \n\n STOP", &fin, &used); /* the earliest in the text */
+    ASSERT_EQ_STR(matched, "\n\n");
     free(t);
     t = feed(&p, "STO but not a stop; ST", &fin, &used); /* partial matches are released */
     ASSERT_EQ_INT(fin, CS_FINISH_NONE);
@@ -91,6 +102,8 @@ int main(void) {
     t = feed(&p, "hi<|im_end|>more", &fin, &used);
     ASSERT_EQ_INT(fin, CS_FINISH_STOP);
     ASSERT_EQ_STR(t, "hi");
+    ASSERT_EQ_STR(matched, ""); /* end-of-generation: no stop reason */
+    ASSERT_EQ_INT(matched_token, -1);
     free(t);
     /* min_tokens: a stop token or string before it is text like any other */
     p.min_tokens = 50;
@@ -125,6 +138,13 @@ int main(void) {
     p.stop_ids = sid, p.n_stop_ids = 1;
     t = feed(&p, "abxcd", &fin, &used);
     ASSERT_EQ_INT(fin, CS_FINISH_STOP);
+    ASSERT_EQ_INT(matched_token, sid[0]); /* the stop_ids entry that ended it */
+    ASSERT_EQ_STR(matched, "");
+    free(t);
+    t = feed(&p, "xab", &fin, &used); /* the very first token stops: nothing buffered yet */
+    ASSERT_EQ_INT(fin, CS_FINISH_STOP);
+    ASSERT_EQ_INT(used, 1);
+    ASSERT_EQ_STR(t, "");
     free(t);
     free(sid);
 

@@ -23,7 +23,14 @@ typedef struct {
     float presence_penalty;   /* 0 = off; in [-2, 2]; output tokens (OpenAI style) */
     float frequency_penalty;  /* 0 = off; in [-2, 2]; output tokens, times their count */
     uint64_t seed;
+    /* logit_bias: bias[i] (finite, in [-100, 100]) added to token bias_ids[i]'s logit after
+     * the penalties, before temperature and the filters; n_bias 0 = none (at most
+     * CS_MAX_LOGIT_BIAS). Borrowed: cs_sampler_init copies them */
+    const int32_t *bias_ids;
+    const float *bias;
+    int32_t n_bias;
 } cs_sampling_params;
+#define CS_MAX_LOGIT_BIAS 1024
 
 /* Greedy, no penalties, seed 0. */
 cs_sampling_params cs_sampling_params_default(void);

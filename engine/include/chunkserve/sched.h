@@ -98,6 +98,10 @@ typedef struct {
     cs_logprobs lp;        /* when requested: the token's log-probability, alternatives */
     const char *text;      /* text that became final with this token; "" if none */
     enum cs_finish finish; /* CS_FINISH_NONE while the request goes on */
+    /* with CS_FINISH_STOP, what ended it (cs_stop_matched_*): the stop string (valid as
+     * long as text), or the stop_token_ids entry; else NULL and -1 */
+    const char *stop_string;
+    int32_t stop_token;
     int32_t n_prompt_tokens, n_completion_tokens;
     const char *error; /* with CS_FINISH_ERROR: what went wrong */
     int32_t status;    /* with CS_FINISH_ERROR: the CS_E* code (CS_ENOSPC: no room now) */

@@ -53,6 +53,13 @@ void cs_stop_free(cs_stop *s); /* NULL is a no-op */
  * stop string. CS_EINVAL for a bad token id, CS_ENOMEM. */
 int cs_stop_push(cs_stop *s, int32_t id, char **text, enum cs_finish *finish);
 
+/* After CS_FINISH_STOP, what ended it (vLLM's stop_reason): the stop string
+ * that matched (the earliest in the text, the first listed on a tie; NULL when
+ * a token ended it), valid until cs_stop_free; and the stop_ids entry that
+ * did (-1 when a stop string or the model's end-of-generation token did). */
+const char *cs_stop_matched_string(const cs_stop *s);
+int32_t cs_stop_matched_token(const cs_stop *s);
+
 /* Tokens pushed so far. */
 int32_t cs_stop_n_tokens(const cs_stop *s);
 
