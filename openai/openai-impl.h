@@ -28,6 +28,7 @@ typedef struct {
 typedef struct {
     cJSON *json;
     bool chat, stream, include_usage, logprobs;
+    bool continuous_usage;  /* stream_options.continuous_usage_stats (with include_usage) */
     bool echo;              /* the prompt (chat: a final assistant message) before the text */
     bool tokens_as_ids;     /* return_tokens_as_token_ids: logprob tokens as "token_id:N" */
     const char *request_id; /* the client's (vLLM's request_id), or NULL */

@@ -59,6 +59,7 @@ typedef struct {
     int32_t prompt_tokens, completion_tokens, cached_tokens;
     char *stop_string;  /* vLLM's stop_reason: the stop string, or */
     int32_t stop_token; /* the stop token id (-1: none) */
+    int32_t n_streamed; /* tokens streamed so far (continuous usage) */
 } oa_choice;
 
 struct oa_call {
@@ -73,8 +74,9 @@ struct oa_call {
     oa_error err;
     char id[160];
     long long created;
-    char **echo;    /* echo: per prompt, the text the answer starts with */
-    char cors[512]; /* Access-Control-* lines for this origin, or "" */
+    char **echo;       /* echo: per prompt, the text the answer starts with */
+    int32_t *n_prompt; /* continuous usage: per prompt, its tokens (as Generate counts them) */
+    char cors[512];    /* Access-Control-* lines for this origin, or "" */
 };
 
 /* ------------------------------------------------------------ writing -- */
@@ -287,7 +289,15 @@ static int stream_chunk(oa_call *oc, oa_choice *c, const char *text, cJSON *lp,
         cJSON_AddNullToObject(ch, "finish_reason");
     }
     cJSON_AddItemToArray(choices, ch);
-    if (oc->rq.include_usage) cJSON_AddNullToObject(j, "usage");
+    if (oc->rq.continuous_usage) { /* vLLM's: this choice's counts so far */
+        int32_t p = oc->n_prompt[c->index / oc->rq.n];
+        cJSON *u = cJSON_AddObjectToObject(j, "usage");
+        cJSON_AddNumberToObject(u, "prompt_tokens", p);
+        cJSON_AddNumberToObject(u, "completion_tokens", c->n_streamed);
+        cJSON_AddNumberToObject(u, "total_tokens", p + c->n_streamed);
+    } else if (oc->rq.include_usage) {
+        cJSON_AddNullToObject(j, "usage");
+    }
     int r = sse_event(oc, j);
     cJSON_Delete(j);
     return r;
@@ -316,6 +326,7 @@ static void oa_call_free(oa_call *oc) {
     for (int32_t p = 0; oc->echo && p < oc->rq.n_prompts; p++)
         free(oc->echo[p]);
     free(oc->echo);
+    free(oc->n_prompt);
     oa_request_free(&oc->rq);
     cs_openai *s = oc->s;
     free(oc);
@@ -521,6 +532,7 @@ static int send_text(oa_call *oc, oa_choice *c, const Chunkserve__V1__GenerateRe
         return 0;
     }
     int r = sse_start(oc);
+    c->n_streamed += (int32_t)m->n_token_ids;
     cJSON *lp = NULL;
     if (!r && oc->rq.logprobs && m->n_logprobs) {
         int32_t *ids = malloc(m->n_logprobs * sizeof *ids);
@@ -747,6 +759,22 @@ static int echo_texts(oa_call *oc, oa_error *e) {
     return 0;
 }
 
+/* continuous usage: each prompt's tokens, counted as Generate will (a
+ * request Generate refuses gets 0 here and its error there). 0 or -1 (out of
+ * memory). */
+static int prompt_counts(oa_call *oc) {
+    const oa_request *rq = &oc->rq;
+    if (!(oc->n_prompt = calloc((size_t)rq->n_prompts, sizeof *oc->n_prompt))) return -1;
+    for (int32_t p = 0; p < rq->n_prompts; p++) {
+        cs_wire_request w;
+        if (cs_wire_generate_request(oc->s->o.wm, &rq->req[p * rq->n], 0, &w) == 0) {
+            oc->n_prompt[p] = w.r.n_prompt;
+            cs_wire_request_free(&w);
+        }
+    }
+    return 0;
+}
+
 static void route_generate(cs_openai *s, cs_http_req *req, cs_http_res *res, bool chat,
                            const char *cors) {
     size_t len;
@@ -762,7 +790,7 @@ static void route_generate(cs_openai *s, cs_http_req *req, cs_http_res *res, boo
     oc->s = s;
     if (oa_request_parse(body, len, chat, s->o.wm, &oc->rq, &e) != 0 ||
         !(oc->choices = calloc((size_t)oc->rq.n_choices, sizeof *oc->choices)) ||
-        (oc->rq.echo && echo_texts(oc, &e))) {
+        (oc->rq.echo && echo_texts(oc, &e)) || (oc->rq.continuous_usage && prompt_counts(oc))) {
         if (!e.status)
             e = (oa_error){.status = 503, .type = "server_error", .message = "out of memory"};
         send_error(res, cors, &e);
@@ -770,6 +798,7 @@ static void route_generate(cs_openai *s, cs_http_req *req, cs_http_res *res, boo
         for (int32_t p = 0; oc->echo && p < oc->rq.n_prompts; p++)
             free(oc->echo[p]);
         free(oc->echo);
+        free(oc->n_prompt);
         free(oc->choices);
         oa_request_free(&oc->rq);
         free(oc);

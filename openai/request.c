@@ -526,11 +526,13 @@ int oa_request_parse(const char *body, size_t len, bool chat, const cs_wire_mode
             return fail(e, "stream_options", "stream_options must be an object");
         for (const cJSON *it = so->child; it; it = it->next)
             if (strcmp(it->string, "include_usage") != 0 &&
-                (strcmp(it->string, "continuous_usage_stats") != 0 || !cJSON_IsFalse(it)) &&
-                !cJSON_IsNull(it))
+                strcmp(it->string, "continuous_usage_stats") != 0)
                 return fail(e, "stream_options",
                             "stream_options.%s is not supported by this server", it->string);
-        if (get_bool(so, "include_usage", &r->include_usage, e)) return -1;
+        if (get_bool(so, "include_usage", &r->include_usage, e) ||
+            get_bool(so, "continuous_usage_stats", &r->continuous_usage, e))
+            return -1;
+        r->continuous_usage &= r->include_usage; /* vLLM: usage in every chunk needs both */
     }
     if (get_bool(o, "echo", &r->echo, e)) return -1;
     if (get_bool(o, "return_tokens_as_token_ids", &r->tokens_as_ids, e)) return -1;

@@ -611,7 +611,7 @@ def test_unknown_fields_are_400(tiny):
     with pytest.raises(openai.BadRequestError) as e:
         tiny.client.chat.completions.create(
             model=tiny.model, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
-            stream=True, stream_options={"include_usage": True, "continuous_usage_stats": True})
+            stream=True, stream_options={"include_usage": True, "bogus": True})
     assert e.value.body["param"] == "stream_options"
 
 
@@ -841,6 +841,29 @@ def test_stop_reason(real):
     c = real.client.chat.completions.create(model=real.model, temperature=0, max_tokens=200,
                                             messages=[{"role": "user", "content": "Say hi."}])
     assert c.choices[0].finish_reason == "stop" and c.choices[0].model_extra["stop_reason"] is None
+
+
+def test_continuous_usage_stats(tiny):
+    """vLLM's stream_options.continuous_usage_stats (with include_usage): every chunk carries
+    its choice's counts so far; the prompt count is Generate's, the last equals the usage."""
+    for create, kw in [(tiny.client.chat.completions.create,
+                        dict(messages=[{"role": "user", "content": "hello there"}])),
+                       (tiny.client.completions.create, dict(prompt="hello there", n=2))]:
+        chunks = list(create(model=tiny.model, max_tokens=6, temperature=0, stream=True,
+                             stream_options={"include_usage": True,
+                                             "continuous_usage_stats": True},
+                             extra_body={"ignore_eos": True}, **kw))
+        final = chunks[-1].usage
+        assert not chunks[-1].choices and final.completion_tokens == 6 * kw.get("n", 1)
+        seen = {}
+        for ch in chunks[:-1]:
+            assert ch.usage is not None and ch.usage.prompt_tokens == final.prompt_tokens
+            i = ch.choices[0].index
+            assert ch.usage.completion_tokens >= seen.get(i, 0)
+            seen[i] = ch.usage.completion_tokens
+            assert ch.usage.total_tokens == ch.usage.prompt_tokens + ch.usage.completion_tokens
+        assert all(v == 6 for v in seen.values()) and len(seen) == kw.get("n", 1)
+        assert chunks[0].usage.prompt_tokens == final.prompt_tokens
 
 
 def test_request_id_names_the_answer(tiny):
