@@ -495,24 +495,43 @@ static int check_model(const cs_wire_model *wm, const char *name, oa_error *e) {
     return -1;
 }
 
+/* The body (len bytes) as one JSON object with no key twice and nothing
+ * after it, or NULL with *e filled. */
+static cJSON *parse_object(const char *body, size_t len, oa_error *e) {
+    const char *end = NULL;
+    cJSON *j = cJSON_ParseWithLengthOpts(body, len, &end, false);
+    if (!j) {
+        size_t at = end && end >= body ? (size_t)(end - body) : 0;
+        fail(e, NULL, "the body is not valid JSON (at byte %zu)", at);
+        return NULL;
+    }
+    const char *dup = NULL;
+    for (const char *p = end; p < body + len; p++)
+        if (*p != ' ' && *p != '\t' && *p != '\r' && *p != '\n') {
+            fail(e, NULL, "the body has data after its JSON value (at byte %zu)",
+                 (size_t)(p - body));
+            goto bad;
+        }
+    if (!cJSON_IsObject(j)) {
+        fail(e, NULL, "the body must be a JSON object");
+        goto bad;
+    }
+    if ((dup = duplicate_key(j))) {
+        fail(e, dup, "the key '%s' appears twice in one object", dup);
+        goto bad;
+    }
+    return j;
+bad:
+    cJSON_Delete(j);
+    return NULL;
+}
+
 int oa_request_parse(const char *body, size_t len, bool chat, const cs_wire_model *wm,
                      oa_request *r, oa_error *e) {
     memset(r, 0, sizeof *r);
     r->chat = chat;
-    const char *end = NULL;
-    r->json = cJSON_ParseWithLengthOpts(body, len, &end, false);
-    if (!r->json) {
-        size_t at = end && end >= body ? (size_t)(end - body) : 0;
-        return fail(e, NULL, "the body is not valid JSON (at byte %zu)", at);
-    }
-    for (const char *p = end; p < body + len; p++)
-        if (*p != ' ' && *p != '\t' && *p != '\r' && *p != '\n')
-            return fail(e, NULL, "the body has data after its JSON value (at byte %zu)",
-                        (size_t)(p - body));
+    if (!(r->json = parse_object(body, len, e))) return -1;
     const cJSON *o = r->json;
-    if (!cJSON_IsObject(o)) return fail(e, NULL, "the body must be a JSON object");
-    const char *dup = duplicate_key(o);
-    if (dup) return fail(e, dup, "the key '%s' appears twice in one object", dup);
     if (check_fields(o, chat, e)) return -1;
     r->model = "";
     if (get_str(o, "model", &r->model, e)) return -1;
@@ -607,23 +626,6 @@ void oa_request_free(oa_request *r) {
     memset(r, 0, sizeof *r);
 }
 
-/* The body as a JSON object, or NULL with *e filled. */
-static cJSON *parse_object(const char *body, size_t len, oa_error *e) {
-    cJSON *j = cJSON_ParseWithLength(body, len);
-    if (!j || !cJSON_IsObject(j)) {
-        cJSON_Delete(j);
-        fail(e, NULL, "the body must be a JSON object");
-        return NULL;
-    }
-    const char *dup = duplicate_key(j);
-    if (dup) {
-        cJSON_Delete(j);
-        fail(e, dup, "the key '%s' appears twice in one object", dup);
-        return NULL;
-    }
-    return j;
-}
-
 static int check_only(const cJSON *o, const char *const *names, size_t n, oa_error *e) {
     for (const cJSON *it = o->child; it; it = it->next) {
         size_t i = 0;
@@ -706,13 +708,7 @@ char *oa_detokenize(const char *body, size_t len, const cs_wire_model *wm, oa_er
         goto done;
     }
     if (parse_ids(t, &ids, &store, "tokens", e)) goto done;
-    for (size_t i = 0; i < ids.n_ids; i++)
-        if (ids.ids[i] >= cs_tokenizer_n_vocab(tok)) {
-            fail(e, "tokens", "tokens[%zu] = %d is outside the vocabulary (0..%d)", i, ids.ids[i],
-                 cs_tokenizer_n_vocab(tok) - 1);
-            goto done;
-        }
-    size_t n;
+    size_t n; /* the decoder refuses ids outside the vocabulary, naming them */
     if (cs_tokenizer_decode(tok, ids.ids, ids.n_ids, false, &text, &n)) {
         fail(e, "tokens", "%s", cs_last_error());
         goto done;

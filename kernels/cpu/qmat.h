@@ -94,16 +94,18 @@ struct cs_qmat {
 };
 
 /* Every type the kernels run, for the per-ISA files' tables:
- * X(lower-case name, CS_QMAT_ type). */
-#define CS_QMAT_BLOCK_TYPES(X)                                                                     \
+ * X(lower-case name, CS_QMAT_ type). The whole-block types' sum over a
+ * 32-weight block takes one scale; Q6_K's two 16-weight halves take one each
+ * (the AMX kernels run only the whole-block types). */
+#define CS_QMAT_WHOLE_BLOCK_TYPES(X)                                                               \
     X(q4_0, CS_QMAT_Q4_0)                                                                          \
     X(q4_1, CS_QMAT_Q4_1)                                                                          \
     X(q8_0, CS_QMAT_Q8_0)                                                                          \
     X(q5_0, CS_QMAT_Q5_0)                                                                          \
     X(q5_1, CS_QMAT_Q5_1)                                                                          \
     X(q4_k, CS_QMAT_Q4_K)                                                                          \
-    X(q5_k, CS_QMAT_Q5_K)                                                                          \
-    X(q6_k, CS_QMAT_Q6_K)
+    X(q5_k, CS_QMAT_Q5_K)
+#define CS_QMAT_BLOCK_TYPES(X) CS_QMAT_WHOLE_BLOCK_TYPES(X) X(q6_k, CS_QMAT_Q6_K)
 
 /* Per-type facts for the kernels. */
 static inline bool cs__qmat_is_k(int type) {

@@ -178,17 +178,9 @@ typedef void panel_fn(const cs_qpanel *v, float *out, int64_t ldo, const float *
                              __mmask16 mask, const cs_qact *a, int64_t full) {                     \
         panel(TYPE, v, out, ldo, bias, mask, a, full);                                             \
     }
-#define AMX_TYPES(X)                                                                               \
-    X(q4_0, CS_QMAT_Q4_0)                                                                          \
-    X(q4_1, CS_QMAT_Q4_1)                                                                          \
-    X(q8_0, CS_QMAT_Q8_0)                                                                          \
-    X(q5_0, CS_QMAT_Q5_0)                                                                          \
-    X(q5_1, CS_QMAT_Q5_1)                                                                          \
-    X(q4_k, CS_QMAT_Q4_K)                                                                          \
-    X(q5_k, CS_QMAT_Q5_K)
-AMX_TYPES(PANEL_FN)
+CS_QMAT_WHOLE_BLOCK_TYPES(PANEL_FN)
 #define PANEL_ENTRY(name, TYPE) [TYPE] = panel_##name,
-static panel_fn *const panels[CS_QMAT_TYPES] = {AMX_TYPES(PANEL_ENTRY)};
+static panel_fn *const panels[CS_QMAT_TYPES] = {CS_QMAT_WHOLE_BLOCK_TYPES(PANEL_ENTRY)};
 
 /* The tile shapes, as data (GCC 12 dropped the stores into a config built
  * on the stack before ldtilecfg): A = 16 tokens x 32 activation bytes, B =
