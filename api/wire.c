@@ -206,6 +206,39 @@ static int prompt_ids(const cs_wire_model *wm, const Chunkserve__V1__GenerateReq
     }
 }
 
+/* sampling.structured into the engine's spec (strings borrowed from m),
+ * compiled once here so a bad schema or regex is INVALID_ARGUMENT at the door. */
+static int structured(const Chunkserve__V1__StructuredOutput *m, cs_structured *out) {
+    *out = (cs_structured){0};
+    if (!m) return 0;
+    switch (m->kind_case) {
+    case CHUNKSERVE__V1__STRUCTURED_OUTPUT__KIND_JSON_SCHEMA:
+        *out = (cs_structured){.kind = CS_STRUCTURED_JSON_SCHEMA, .text = m->json_schema};
+        break;
+    case CHUNKSERVE__V1__STRUCTURED_OUTPUT__KIND_JSON_OBJECT:
+        if (m->json_object) out->kind = CS_STRUCTURED_JSON_OBJECT;
+        break;
+    case CHUNKSERVE__V1__STRUCTURED_OUTPUT__KIND_REGEX:
+        *out = (cs_structured){.kind = CS_STRUCTURED_REGEX, .text = m->regex};
+        break;
+    case CHUNKSERVE__V1__STRUCTURED_OUTPUT__KIND_CHOICE:
+        if (!m->choice || m->choice->n_choices > CS_GRAMMAR_MAX_CHOICES)
+            return cs_fail(CS_EINVAL, "sampling.structured.choice has %zu choices; 1 to %d are "
+                                      "allowed", m->choice ? m->choice->n_choices : 0,
+                           CS_GRAMMAR_MAX_CHOICES);
+        *out = (cs_structured){.kind = CS_STRUCTURED_CHOICE,
+                               .choices = (const char *const *)m->choice->choices,
+                               .n_choices = (int32_t)m->choice->n_choices};
+        break;
+    default: return 0;
+    }
+    if (out->kind == CS_STRUCTURED_NONE) return 0;
+    cs_grammar *g;
+    int r = cs_grammar_compile(out, &g);
+    cs_grammar_free(g);
+    return r;
+}
+
 int cs_wire_sampling(const cs_wire_model *wm, const Chunkserve__V1__SamplingParams *m,
                      cs_request *q) {
     const cs_model_config *cfg = cs_model_get_config(wm->model);
@@ -241,6 +274,8 @@ int cs_wire_sampling(const cs_wire_model *wm, const Chunkserve__V1__SamplingPara
     q->sampling.bias_ids = p->logit_bias_ids; /* borrowed from m, like the stop lists */
     q->sampling.bias = p->logit_bias_values;
     q->sampling.n_bias = (int32_t)p->n_logit_bias_ids;
+    r = structured(p->structured, &q->structured);
+    if (r) return r;
     q->stop = (cs_stop_params){
         .stop = (const char *const *)p->stop,
         .n_stop = p->n_stop,

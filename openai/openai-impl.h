@@ -48,6 +48,12 @@ typedef struct {
     int32_t *bias_ids; /* logit_bias, in the request's order */
     float *bias;
     char *text_store; /* chat contents joined from parts */
+    /* structured output (sampling.structured points here): the schema printed
+     * from the request's object, the choices borrowed from r->json */
+    Chunkserve__V1__StructuredOutput structured;
+    Chunkserve__V1__Choices choices;
+    char *schema_text;
+    char **choice_ptrs;
 } oa_request;
 
 /* Parses body (len bytes) for /v1/chat/completions (chat) or

@@ -12,6 +12,7 @@
 #include <sys/random.h>
 
 #include "chunkserve/error.h"
+#include "chunkserve/grammar.h"
 #include "chunkserve/tokenizer.h"
 #include "openai-impl.h"
 
@@ -133,7 +134,11 @@ static const struct {
     {"cache_salt", SERVED, BOTH},
     {"request_id", SERVED, BOTH},
     {"user", SERVED, BOTH},
-    {"response_format", REFUSED, CHAT}, /* {"type": "text"} is the default */
+    {"response_format", SERVED, BOTH},
+    {"structured_outputs", SERVED, BOTH},
+    {"guided_json", SERVED, BOTH},
+    {"guided_regex", SERVED, BOTH},
+    {"guided_choice", SERVED, BOTH},
     {"best_of", REFUSED, COMPL},        /* 1 is the default */
     {"store", REFUSED, CHAT},
     {"metadata", REFUSED, CHAT},
@@ -157,11 +162,7 @@ static const struct {
     {"use_beam_search", REFUSED, BOTH},
     {"length_penalty", REFUSED, BOTH},
     {"spaces_between_special_tokens", REFUSED, BOTH}, /* true is the default */
-    {"guided_json", REFUSED, BOTH},
-    {"guided_regex", REFUSED, BOTH},
-    {"guided_choice", REFUSED, BOTH},
     {"guided_grammar", REFUSED, BOTH},
-    {"structured_outputs", REFUSED, BOTH},
     {"chat_template", REFUSED, CHAT},
     {"chat_template_kwargs", REFUSED, CHAT},
     {"documents", REFUSED, CHAT},
@@ -178,10 +179,6 @@ static bool asks_nothing(const char *name, const cJSON *it) {
     if (!it || cJSON_IsNull(it) || cJSON_IsFalse(it)) return true;
     if ((cJSON_IsObject(it) || cJSON_IsArray(it)) && !it->child) return true;
     if (!strcmp(name, "best_of")) return is_int(it) && it->valuedouble == 1;
-    if (!strcmp(name, "response_format") && cJSON_IsObject(it)) {
-        const cJSON *t = cJSON_GetObjectItemCaseSensitive(it, "type");
-        return it->child == t && !t->next && cJSON_IsString(t) && !strcmp(t->valuestring, "text");
-    }
     return false;
 }
 
@@ -395,6 +392,172 @@ static int parse_stop_ids(const cJSON *o, Chunkserve__V1__SamplingParams *s, oa_
     return 0;
 }
 
+/* A schema given as an object (or, as vLLM also takes, as JSON text) into
+ * r->schema_text. */
+static int schema_text(const cJSON *v, const char *param, oa_request *r, oa_error *e) {
+    if (cJSON_IsString(v)) {
+        r->structured.json_schema = v->valuestring;
+    } else if (cJSON_IsObject(v) || cJSON_IsBool(v)) {
+        if (!(r->schema_text = cJSON_PrintUnformatted(v))) {
+            fail(e, param, "out of memory");
+            e->status = 500;
+            return -1;
+        }
+        r->structured.json_schema = r->schema_text;
+    } else {
+        return fail(e, param, "%s must be a JSON Schema (an object)", param);
+    }
+    r->structured.kind_case = CHUNKSERVE__V1__STRUCTURED_OUTPUT__KIND_JSON_SCHEMA;
+    return 0;
+}
+
+/* Choices: a non-empty array of strings, borrowed from r->json. */
+static int choice_list(const cJSON *v, const char *param, oa_request *r, oa_error *e) {
+    int n = cJSON_IsArray(v) ? cJSON_GetArraySize(v) : 0;
+    if (n < 1 || n > CS_GRAMMAR_MAX_CHOICES)
+        return fail(e, param, "%s must be an array of 1 to %d strings", param,
+                    CS_GRAMMAR_MAX_CHOICES);
+    if (!(r->choice_ptrs = calloc((size_t)n, sizeof *r->choice_ptrs))) {
+        fail(e, param, "out of memory");
+        e->status = 500;
+        return -1;
+    }
+    int i = 0;
+    for (const cJSON *c = v->child; c; c = c->next) {
+        if (!cJSON_IsString(c) || !c->valuestring[0])
+            return fail(e, param, "%s must list non-empty strings", param);
+        r->choice_ptrs[i++] = c->valuestring;
+    }
+    r->choices.choices = r->choice_ptrs;
+    r->choices.n_choices = (size_t)n;
+    r->structured.choice = &r->choices;
+    r->structured.kind_case = CHUNKSERVE__V1__STRUCTURED_OUTPUT__KIND_CHOICE;
+    return 0;
+}
+
+/* Structured outputs, from one of: OpenAI's response_format (json_object,
+ * json_schema), vLLM's structured_outputs {json, regex, choice, json_object}
+ * or its older guided_json / guided_regex / guided_choice. Compiled here so a
+ * schema this server cannot follow is refused naming the field. */
+static int parse_structured(const cJSON *o, Chunkserve__V1__SamplingParams *s, oa_request *r,
+                            oa_error *e) {
+    static const char *const sources[] = {"response_format", "structured_outputs", "guided_json",
+                                          "guided_regex", "guided_choice"};
+    const char *param = NULL;
+    for (size_t i = 0; i < sizeof sources / sizeof *sources; i++) {
+        const cJSON *v = field(o, sources[i]);
+        if (!v) continue;
+        if (!strcmp(sources[i], "response_format") && cJSON_IsObject(v)) {
+            const cJSON *t = cJSON_GetObjectItemCaseSensitive(v, "type");
+            if (cJSON_IsString(t) && !strcmp(t->valuestring, "text") && !t->next && v->child == t)
+                continue; /* the default */
+        }
+        if (param)
+            return fail(e, sources[i], "%s and %s both ask for a structured output; give one",
+                        param, sources[i]);
+        param = sources[i];
+    }
+    if (!param) return 0;
+    r->structured = (Chunkserve__V1__StructuredOutput)CHUNKSERVE__V1__STRUCTURED_OUTPUT__INIT;
+    r->choices = (Chunkserve__V1__Choices)CHUNKSERVE__V1__CHOICES__INIT;
+    const cJSON *v = field(o, param);
+    int rc = 0;
+    if (!strcmp(param, "response_format")) {
+        const cJSON *t = cJSON_IsObject(v) ? cJSON_GetObjectItemCaseSensitive(v, "type") : NULL;
+        if (!cJSON_IsString(t))
+            return fail(e, param, "response_format must be an object with a type: text, "
+                                  "json_object or json_schema");
+        for (const cJSON *it = v->child; it; it = it->next)
+            if (strcmp(it->string, "type") && strcmp(it->string, "json_schema"))
+                return fail(e, param, "response_format.%s is not a field of response_format",
+                            it->string);
+        if (!strcmp(t->valuestring, "json_object")) {
+            r->structured.kind_case = CHUNKSERVE__V1__STRUCTURED_OUTPUT__KIND_JSON_OBJECT;
+            r->structured.json_object = true;
+        } else if (!strcmp(t->valuestring, "json_schema")) {
+            const cJSON *js = cJSON_GetObjectItemCaseSensitive(v, "json_schema");
+            if (!cJSON_IsObject(js))
+                return fail(e, param, "response_format json_schema needs a json_schema object "
+                                      "with the schema");
+            for (const cJSON *it = js->child; it; it = it->next)
+                if (strcmp(it->string, "name") && strcmp(it->string, "schema") &&
+                    strcmp(it->string, "strict") && strcmp(it->string, "description"))
+                    return fail(e, param, "response_format.json_schema.%s is not a field of it "
+                                          "(name, description, schema, strict)", it->string);
+            const cJSON *strict = cJSON_GetObjectItemCaseSensitive(js, "strict");
+            if (strict && !cJSON_IsBool(strict) && !cJSON_IsNull(strict))
+                return fail(e, param, "response_format.json_schema.strict must be a boolean");
+            const cJSON *sc = field(js, "schema");
+            if (!sc) return fail(e, param, "response_format.json_schema has no schema");
+            rc = schema_text(sc, param, r, e);
+        } else if (!strcmp(t->valuestring, "text")) {
+            return 0; /* with other keys, refused above */
+        } else {
+            return fail(e, param, "response_format type '%s' is not supported (text, "
+                                  "json_object, json_schema)", t->valuestring);
+        }
+    } else if (!strcmp(param, "structured_outputs")) {
+        if (!cJSON_IsObject(v)) return fail(e, param, "structured_outputs must be an object");
+        const char *set = NULL;
+        for (const cJSON *it = v->child; it; it = it->next) {
+            if (cJSON_IsNull(it) || (cJSON_IsFalse(it) && !strcmp(it->string, "json_object")))
+                continue;
+            if (strcmp(it->string, "json") && strcmp(it->string, "regex") &&
+                strcmp(it->string, "choice") && strcmp(it->string, "json_object"))
+                return fail(e, param, "structured_outputs.%s is not supported (json, regex, "
+                                      "choice, json_object)", it->string);
+            if (set)
+                return fail(e, param, "structured_outputs sets both %s and %s; give one", set,
+                            it->string);
+            set = it->string;
+            if (!strcmp(set, "json")) rc = schema_text(it, param, r, e);
+            else if (!strcmp(set, "choice")) rc = choice_list(it, param, r, e);
+            else if (!strcmp(set, "regex")) {
+                if (!cJSON_IsString(it))
+                    return fail(e, param, "structured_outputs.regex must be a string");
+                r->structured.kind_case = CHUNKSERVE__V1__STRUCTURED_OUTPUT__KIND_REGEX;
+                r->structured.regex = it->valuestring;
+            } else if (cJSON_IsTrue(it)) {
+                r->structured.kind_case = CHUNKSERVE__V1__STRUCTURED_OUTPUT__KIND_JSON_OBJECT;
+                r->structured.json_object = true;
+            } else {
+                return fail(e, param, "structured_outputs.json_object must be a boolean");
+            }
+            if (rc) return rc;
+        }
+        if (!set) return 0;
+    } else if (!strcmp(param, "guided_json")) {
+        rc = schema_text(v, param, r, e);
+    } else if (!strcmp(param, "guided_regex")) {
+        if (!cJSON_IsString(v)) return fail(e, param, "guided_regex must be a string");
+        r->structured.kind_case = CHUNKSERVE__V1__STRUCTURED_OUTPUT__KIND_REGEX;
+        r->structured.regex = v->valuestring;
+    } else {
+        rc = choice_list(v, param, r, e);
+    }
+    if (rc) return rc;
+    /* compiled once here for the error's field; the engine compiles its own */
+    cs_structured sp = {0};
+    switch (r->structured.kind_case) {
+    case CHUNKSERVE__V1__STRUCTURED_OUTPUT__KIND_JSON_OBJECT: sp.kind = CS_STRUCTURED_JSON_OBJECT; break;
+    case CHUNKSERVE__V1__STRUCTURED_OUTPUT__KIND_JSON_SCHEMA:
+        sp = (cs_structured){.kind = CS_STRUCTURED_JSON_SCHEMA, .text = r->structured.json_schema};
+        break;
+    case CHUNKSERVE__V1__STRUCTURED_OUTPUT__KIND_REGEX:
+        sp = (cs_structured){.kind = CS_STRUCTURED_REGEX, .text = r->structured.regex};
+        break;
+    default:
+        sp = (cs_structured){.kind = CS_STRUCTURED_CHOICE,
+                             .choices = (const char *const *)r->choice_ptrs,
+                             .n_choices = (int32_t)r->choices.n_choices};
+    }
+    cs_grammar *g;
+    if (cs_grammar_compile(&sp, &g)) return fail(e, param, "%s", cs_last_error());
+    cs_grammar_free(g);
+    s->structured = &r->structured;
+    return 0;
+}
+
 /* logit_bias: {"token id": bias, ...} into the two lists of the proto (ids
  * and ranges are checked with the rest of the sampling, in cs_wire). */
 static int parse_logit_bias(const cJSON *o, Chunkserve__V1__SamplingParams *s, oa_request *r,
@@ -481,7 +644,8 @@ static int parse_sampling(const cJSON *o, oa_request *r, const cs_wire_model *wm
     r->top_logprobs = (int32_t)top;
     s->logprobs = r->logprobs;
     s->top_logprobs = r->top_logprobs;
-    if (parse_stop(o, s, r, e) || parse_stop_ids(o, s, r, e) || parse_logit_bias(o, s, r, e))
+    if (parse_stop(o, s, r, e) || parse_stop_ids(o, s, r, e) || parse_logit_bias(o, s, r, e) ||
+        parse_structured(o, s, r, e))
         return -1;
     return 0;
 }
@@ -620,6 +784,8 @@ void oa_request_free(oa_request *r) {
     free(r->stop_ids);
     free(r->bias_ids);
     free(r->bias);
+    free(r->schema_text);
+    free(r->choice_ptrs);
     free(r->req);
     free(r->sampling);
     cJSON_Delete(r->json);

@@ -1003,6 +1003,10 @@ int32_t cs_matcher_mask(cs_matcher *m, const uint32_t **allow) {
         for (size_t i = 0; i < m->words; i++)
             m->allow[i] |= t->eog_bits[i];
     int32_t count = popcount(m->allow, m->words);
+    if (count == 0) { /* a reading dropped at a limit (nesting, fuel): the text cannot go on */
+        memcpy(m->allow, t->eog_bits, m->words * sizeof *m->allow);
+        count = popcount(m->allow, m->words);
+    }
     uint32_t *keep = malloc(m->words * sizeof *keep);
     if (keep) { /* without memory the mask is only not kept */
         memcpy(keep, m->allow, m->words * sizeof *keep);

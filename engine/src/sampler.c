@@ -1,5 +1,6 @@
 /* sampler.c: token selection. Order of operations follows vLLM: penalties on
- * raw logits, then logit_bias, temperature, then top-k / min-p / top-p on probabilities, then
+ * raw logits, then logit_bias, the min_tokens suppression and a structured output's mask
+ * (tokens it does not allow at -inf), temperature, then top-k / min-p / top-p on probabilities, then
  * one draw from the sequence's own xoshiro256** stream. */
 #include "chunkserve/sampler.h"
 
@@ -191,7 +192,25 @@ static void raw_logprobs(const float *raw, int32_t n, int32_t chosen, int32_t n_
         lp->top_logprobs[j] = raw[lp->top_ids[j]] - mx - ls;
 }
 
+/* Whether some allowed token is outside the suppressed ones. */
+static bool allowed_outside(const uint32_t *allow, int32_t n, const int32_t *sup, size_t n_sup) {
+    for (int32_t w = 0; w < (n + 31) / 32; w++)
+        for (uint32_t bits = allow[w]; bits; bits &= bits - 1) {
+            int32_t id = w * 32 + __builtin_ctz(bits);
+            size_t k = 0;
+            while (k < n_sup && sup[k] != id)
+                k++;
+            if (k == n_sup) return true;
+        }
+    return false;
+}
+
 int32_t cs_sampler_sample(cs_sampler *s, float *logits, int32_t n_top, cs_logprobs *lp) {
+    return cs_sampler_sample_allowed(s, logits, NULL, n_top, lp);
+}
+
+int32_t cs_sampler_sample_allowed(cs_sampler *s, float *logits, const uint32_t *allow,
+                                  int32_t n_top, cs_logprobs *lp) {
     const int32_t n = s->n_vocab;
     const cs_sampling_params *p = &s->p;
     if (lp && !s->raw && !(s->raw = malloc((size_t)n * sizeof *s->raw))) {
@@ -211,9 +230,14 @@ int32_t cs_sampler_sample(cs_sampler *s, float *logits, int32_t n_top, cs_logpro
                 logits[i] -= p->frequency_penalty * (float)s->counts[i] + p->presence_penalty;
     for (int32_t i = 0; i < p->n_bias; i++) /* in the given order: a repeated id adds twice */
         logits[p->bias_ids[i]] += p->bias[i];
-    if (s->n_generated < s->min_tokens)
+    /* min_tokens yields to a grammar that allows nothing else (its output is complete) */
+    if (s->n_generated < s->min_tokens &&
+        (!allow || allowed_outside(allow, n, s->suppress, s->n_suppress)))
         for (size_t i = 0; i < s->n_suppress; i++)
             logits[s->suppress[i]] = -INFINITY;
+    if (allow)
+        for (int32_t i = 0; i < n; i++)
+            if (!((allow[i / 32] >> (i % 32)) & 1)) logits[i] = -INFINITY;
 
     if (p->temperature == 0) {
         chosen = argmax(logits, n);

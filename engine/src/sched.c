@@ -31,6 +31,7 @@ typedef struct seq {
     uint64_t hash_root; /* the chain's seed: 0, or the request's cache_salt hashed */
     cs_sampler *smp;
     cs_stop *stop;
+    cs_matcher *gm; /* structured output; NULL without */
     bool logprobs, running;
     const _Atomic bool *held; /* cs_request.held */
     int32_t top_logprobs;
@@ -58,6 +59,16 @@ struct cs_sched {
     cs_step_info last;
     cs_step_model model; /* step time, for step_time_target_ms (fitted in every mode) */
     int32_t probe;       /* chunk cap until the model is ready (timed_chunk) */
+    /* structured outputs: the vocabulary trie (built at the first such request)
+     * and the compiled grammars, shared by equal specs with their mask caches */
+    cs_vocab_trie *trie;
+    struct grammar_slot {
+        char *key; /* the spec serialized (spec_key) */
+        size_t key_len;
+        cs_grammar *g;
+        uint64_t used;
+    } grammars[CS_SCHED_GRAMMARS];
+    uint64_t grammar_clock;
     /* step scratch */
     cs_span *spans;
     seq **owners;
@@ -104,6 +115,7 @@ static void seq_free(cs_sched *s, seq *q) {
     cs_page_table_release(&q->pt, s->kv);
     cs_sampler_free(q->smp);
     cs_stop_free(q->stop);
+    cs_matcher_free(q->gm);
     free(q->tokens);
     free(q);
 }
@@ -128,6 +140,11 @@ void cs_sched_free(cs_sched *s) {
     free_list(s, &s->retired);
     free_texts(s);
     free(s->spans), free(s->owners), free(s->logits), free(s->events), free(s->texts);
+    for (int i = 0; i < CS_SCHED_GRAMMARS; i++) {
+        free(s->grammars[i].key);
+        cs_grammar_free(s->grammars[i].g);
+    }
+    cs_vocab_trie_free(s->trie);
     free(s);
 }
 
@@ -198,6 +215,70 @@ static int suppress_stops(cs_sched *s, seq *q, const cs_stop_params *sp) {
 
 static void reuse_prefix(cs_sched *s, seq *q);
 
+/* The spec as bytes: kind, then each string with its terminating NUL. */
+static char *spec_key(const cs_structured *sp, size_t *len) {
+    size_t n = 1 + (sp->text ? strlen(sp->text) + 1 : 0);
+    for (int32_t i = 0; i < sp->n_choices; i++)
+        n += strlen(sp->choices[i]) + 1;
+    char *k = malloc(n), *p = k;
+    if (!k) return NULL;
+    *p++ = (char)sp->kind;
+    if (sp->text) p = stpcpy(p, sp->text) + 1;
+    for (int32_t i = 0; i < sp->n_choices; i++)
+        p = stpcpy(p, sp->choices[i]) + 1;
+    *len = n;
+    return k;
+}
+
+/* The grammar of a spec: one compiled before, else compiled now into the
+ * least recently used slot. Borrowed (the matcher takes its own reference). */
+static int grammar_for(cs_sched *s, const cs_structured *sp, cs_grammar **out) {
+    size_t kl;
+    char *key = spec_key(sp, &kl);
+    if (!key) return cs_fail(CS_ENOMEM, "out of memory");
+    int lru = 0;
+    for (int i = 0; i < CS_SCHED_GRAMMARS; i++) {
+        struct grammar_slot *g = &s->grammars[i];
+        if (g->g && g->key_len == kl && !memcmp(g->key, key, kl)) {
+            free(key);
+            g->used = ++s->grammar_clock;
+            *out = g->g;
+            return 0;
+        }
+        if (g->used < s->grammars[lru].used) lru = i;
+    }
+    cs_grammar *g;
+    int r = cs_grammar_compile(sp, &g);
+    if (r) {
+        free(key);
+        return r;
+    }
+    struct grammar_slot *slot = &s->grammars[lru];
+    free(slot->key);
+    cs_grammar_free(slot->g);
+    *slot = (struct grammar_slot){key, kl, g, ++s->grammar_clock};
+    *out = g;
+    return 0;
+}
+
+/* The request's matcher, with its resumed tokens fed. */
+static int start_matcher(cs_sched *s, seq *q, const cs_request *r, int32_t n_real) {
+    if (!s->trie) {
+        int rc = cs_vocab_trie_init(s->tok, &s->trie);
+        if (rc) return rc;
+    }
+    cs_grammar *g = NULL;
+    int rc = grammar_for(s, &r->structured, &g);
+    if (!rc) rc = cs_matcher_init(g, s->trie, &q->gm);
+    for (int32_t i = n_real; !rc && i < r->n_prompt; i++)
+        if ((rc = cs_matcher_accept(q->gm, r->prompt[i])) == CS_EINVAL)
+            rc = cs_fail(CS_EINVAL,
+                         "request %llu: resumed token %d (index %d) does not follow the "
+                         "structured output",
+                         (unsigned long long)r->id, r->prompt[i], i);
+    return rc;
+}
+
 int cs_sched_add(cs_sched *s, const cs_request *r) {
     seq **link;
     if (find(s, r->id, &link))
@@ -249,6 +330,7 @@ int cs_sched_add(cs_sched *s, const cs_request *r) {
     if (sp.min_tokens > sp.max_tokens) sp.min_tokens = sp.max_tokens;
     if (!rc) rc = cs_stop_init(s->tok, &sp, &q->stop);
     if (!rc && sp.min_tokens > 0) rc = suppress_stops(s, q, &sp);
+    if (!rc && r->structured.kind != CS_STRUCTURED_NONE) rc = start_matcher(s, q, r, n_real);
     /* Resumed tokens: the stop checker sees them as generated (max_tokens,
      * stop strings spanning the resume point); their text was shown before. */
     for (int32_t i = n_real; !rc && i < r->n_prompt; i++) {
@@ -475,6 +557,21 @@ static int emit_token(cs_sched *s, seq *q, int32_t id, const cs_logprobs *lp, co
         ev->n_completion_tokens = q->n_tokens - q->n_prompt;
         ev->error = "out of memory for the request's text";
         ev->status = CS_ENOMEM;
+        unlink_running(s, q);
+        seq_free(s, q);
+        return 0;
+    }
+    /* the structured output follows the token (a first token from a bad peer
+     * that breaks it ends the request) */
+    if (q->gm && cs_matcher_accept(q->gm, id) != 0) {
+        free(text);
+        cs_event *ev = next_event(s, NULL);
+        ev->id = q->id;
+        ev->finish = CS_FINISH_ERROR;
+        ev->n_prompt_tokens = q->n_prompt;
+        ev->n_completion_tokens = q->n_tokens - q->n_prompt;
+        ev->error = "the token does not follow the request's structured output";
+        ev->status = CS_EINVAL;
         unlink_running(s, q);
         seq_free(s, q);
         return 0;
@@ -772,8 +869,10 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
             continue;
         }
         cs_logprobs lp;
-        int32_t id = cs_sampler_sample(q->smp, s->logits + (size_t)li++ * s->n_vocab,
-                                       q->top_logprobs, q->logprobs ? &lp : NULL);
+        const uint32_t *allow = NULL;
+        if (q->gm && cs_matcher_mask(q->gm, &allow) < 0) allow = NULL; /* out of memory */
+        int32_t id = cs_sampler_sample_allowed(q->smp, s->logits + (size_t)li++ * s->n_vocab,
+                                               allow, q->top_logprobs, q->logprobs ? &lp : NULL);
         if ((r = emit_token(s, q, id, &lp, n_new ? q->pt.pages + first : NULL, first, n_new)))
             return r;
         s->owners[i] = NULL;

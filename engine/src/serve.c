@@ -26,8 +26,10 @@
 #include "util.h"
 
 typedef struct pending {
-    cs_request r; /* with owned copies of prompt, stop strings, logit_bias and cache_salt */
+    cs_request r; /* with owned copies of prompt, stop strings, logit_bias, cache_salt and the
+                     structured output's text or choices */
     char **stops;
+    char *st_text, **st_choices;
     int32_t *stop_ids, *bias_ids;
     float *bias;
     cs_serve_cb cb;
@@ -131,6 +133,10 @@ static void pending_free(pending *p) {
     free(p->stop_ids);
     free(p->bias_ids);
     free(p->bias);
+    free(p->st_text);
+    for (int32_t i = 0; p->st_choices && i < p->r.structured.n_choices; i++)
+        free(p->st_choices[i]);
+    free(p->st_choices);
     free((void *)p->r.prompt);
     free((void *)p->r.cache_salt);
     free(p->lv); /* a submit that never started (its record was unlinked) */
@@ -367,6 +373,15 @@ int cs_serve_submit(cs_serve *sv, const cs_request *r, cs_serve_cb cb, void *use
     p->r.cache_salt = NULL;
     if (ok && r->cache_salt && r->cache_salt[0])
         ok = (p->r.cache_salt = strdup(r->cache_salt)) != NULL;
+    const cs_structured *st = &r->structured;
+    p->r.structured.text = NULL, p->r.structured.choices = NULL;
+    if (ok && st->text) ok = (p->r.structured.text = p->st_text = strdup(st->text)) != NULL;
+    if (ok && st->n_choices > 0) {
+        ok = (p->st_choices = calloc((size_t)st->n_choices, sizeof *p->st_choices)) != NULL;
+        for (int32_t i = 0; ok && i < st->n_choices; i++)
+            ok = (p->st_choices[i] = strdup(st->choices[i])) != NULL;
+        p->r.structured.choices = (const char *const *)p->st_choices;
+    }
     if (!ok) {
         pending_free(p);
         return cs_fail(CS_ENOMEM, "serve: out of memory");

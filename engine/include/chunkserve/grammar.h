@@ -75,9 +75,10 @@ bool cs_matcher_complete(const cs_matcher *m);
 bool cs_matcher_finished(const cs_matcher *m);
 /* The tokens allowed next, as n_vocab bits (bit i of allow[i / 32]):
  * tokens whose bytes continue a sentence; the end-of-generation tokens when
- * the text is one. Returns how many are allowed (0 only if the grammar has
- * no way on, which compile-time checks make unreachable), or a negative
- * CS_ENOMEM. The pointer stays valid until the next call on m. */
+ * the text is one. Returns how many are allowed, or a negative CS_ENOMEM.
+ * Should no token continue the text (a reading dropped at the matcher's
+ * nesting or work limits, out of reach of sane constraints), the
+ * end-of-generation tokens are allowed. The pointer stays valid until the next call on m. */
 int32_t cs_matcher_mask(cs_matcher *m, const uint32_t **allow);
 
 /* Counters for benchmarks: masks computed by walking the trie, masks found in

@@ -69,6 +69,13 @@ typedef struct {
  * If lp is not NULL it receives the chosen token's log-probability and the
  * n_top (0..CS_MAX_TOP_LOGPROBS, clamped) most likely alternatives. */
 int32_t cs_sampler_sample(cs_sampler *s, float *logits, int32_t n_top, cs_logprobs *lp);
+/* The same, with only the tokens set in allow (n_vocab bits, bit i of
+ * allow[i / 32]; at least one set) eligible: a structured output's mask
+ * (chunkserve/grammar.h), applied after the penalties, logit_bias and the
+ * min_tokens suppression; the latter is skipped when it would leave nothing
+ * allowed. Logprobs stay raw. */
+int32_t cs_sampler_sample_allowed(cs_sampler *s, float *logits, const uint32_t *allow,
+                                  int32_t n_top, cs_logprobs *lp);
 
 /* Randomness is counter-based: the draw for the k-th generated token (k =
  * tokens accepted so far) depends only on (seed, k). So a sequence continued

@@ -16,6 +16,7 @@
 #include <stdint.h>
 
 #include "chunkserve/engine.h"
+#include "chunkserve/grammar.h"
 #include "chunkserve/sampler.h"
 #include "chunkserve/stop.h"
 
@@ -44,6 +45,8 @@ typedef struct {
 } cs_sched_params;
 
 enum { CS_SCHED_PROBE_TOKENS = 256 };
+/* Compiled structured-output grammars kept per scheduler (least recently used out). */
+enum { CS_SCHED_GRAMMARS = 32 };
 
 cs_sched_params cs_sched_params_default(void);
 
@@ -82,6 +85,9 @@ typedef struct {
                                  salt share cached pages (it seeds the page hash chain, so
                                  cached-token counts tell nothing across salts); NULL or ""
                                  = the shared namespace. Hashed at add, not kept */
+    cs_structured structured; /* structured output (chunkserve/grammar.h): kind NONE = none.
+                                 Borrowed; compiled at add (grammars are shared by equal
+                                 specs, with their mask caches); resumed tokens must follow it */
     const _Atomic bool *held; /* optional, the caller's, alive until the request ends:
                                  while it reads true the request gets no further prompt
                                  chunk (the others keep running; what it holds stays). A
