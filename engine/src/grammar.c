@@ -359,6 +359,8 @@ int cs_grammar_compile(const cs_structured *spec, cs_grammar **out) {
         r = cs__g_fail(g, CS_EINVAL, "structured output: unknown kind %d", (int)spec->kind);
     }
     if (!r) r = g->err;
+    if (!r && g->root >= g->n_nodes) /* a compiler returned no node without saying why */
+        r = cs__g_fail(g, CS_EINVAL, "structured output: the constraint could not be compiled");
     if (!r) {
         bool *pr = calloc(g->n_nodes ? g->n_nodes : 1, sizeof *pr);
         r = pr ? finish(g, pr) : cs__g_fail(g, CS_ENOMEM, "structured output: out of memory");

@@ -13,8 +13,8 @@
  * Choices: properties are written in the schema's order, the required ones
  * always, the optional ones at the model's choice; an object with
  * properties never gets other keys (additionalProperties allows them, it
- * does not ask for them). Whitespace: up to 32 of space, tab, newline, CR
- * between tokens. Numbers: at most 16 digits before and after the point, a
+ * does not ask for them). Whitespace between tokens: nothing, one space, or
+ * one line break and up to 32 spaces of indent. Numbers: at most 16 digits before and after the point, a
  * 3-digit exponent. */
 #include <math.h>
 #include <stdio.h>
@@ -26,10 +26,9 @@
 #include "grammar-impl.h"
 #include "util.h"
 
-#define WS_MAX 32
+#define WS_INDENT 32 /* spaces after a line break */
 #define INT_DIGITS 16
 #define FRAC_DIGITS 16
-#define MAX_ENUM_RANGE 0 /* (ranges are built digit by digit) */
 
 typedef struct {
     const char *ref;
@@ -261,10 +260,10 @@ static uint32_t map_of(jc *c, uint32_t value) {
 
 static void build_any(jc *c) {
     cs_grammar *g = c->g;
-    cs_gset ws = {{0}};
-    for (const char *s = " \t\n\r"; *s; s++)
-        cs__gset_add(&ws, (uint8_t)*s);
-    c->ws = cs__g_rep(g, cs__g_set(g, &ws), 0, WS_MAX);
+    /* one space, or one line break and an indent: enough for compact and
+     * pretty-printed JSON, never a run of blank lines */
+    c->ws = opt(c, cs__g_alt2(g, L(c, " "), cs__g_seq2(g, L(c, "\n"), cs__g_rep(g, L(c, " "), 0,
+                                                                               WS_INDENT))));
     c->string_any = string_of(c, 0, CS_G_INF);
     c->value_any = cs__g_forward(g);
     uint32_t v[] = {map_of(c, c->value_any), array_of(c, c->value_any, 0, CS_G_INF), c->string_any,

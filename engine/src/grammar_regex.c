@@ -420,7 +420,8 @@ static uint32_t parse_repeat(rx *r) {
             if (r->i < r->n && r->s[r->i] == ',') {
                 r->i++;
                 max = CS_G_INF;
-                if (r->i < r->n && r->s[r->i] != '}' && !number(r, &max)) return CS_G_BAD;
+                if (r->i < r->n && r->s[r->i] != '}' && !number(r, &max))
+                    return r->g->err ? CS_G_BAD : bad(r, "%s", "a bad {m,n}");
             }
             if (r->i >= r->n || r->s[r->i] != '}') return bad(r, "%s", "an unclosed {m,n}");
             r->i++;

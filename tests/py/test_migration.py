@@ -11,6 +11,8 @@ The real model (its byte-level BPE splits emoji into several tokens); 1 prefill 
 decode workers behind the router."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 grpc = pytest.importorskip("grpc")
@@ -178,3 +180,37 @@ def test_stop_strings_spanning_the_cuts(cl, pb):
             tried += 1
     assert tried == 9
     cl.wait_idle()
+
+
+STRUCTURED_SCHEMA = json.dumps({
+    "type": "object", "additionalProperties": False, "required": ["title", "year", "tags"],
+    "properties": {"title": {"type": "string", "maxLength": 40},
+                   "year": {"type": "integer", "minimum": 1800, "maximum": 2030},
+                   "tags": {"type": "array", "items": {"type": "string", "maxLength": 12},
+                            "maxItems": 3},
+                   "rating": {"type": ["number", "null"], "minimum": 0, "maximum": 5}}})
+
+
+@pytest.mark.parametrize("every", [1, 3])
+@pytest.mark.parametrize("kind", ["json_schema", "json_object", "regex", "choice"])
+@pytest.mark.parametrize("prompt", ["short", "long"])
+def test_structured_output_across_cuts(cl, pb, every, kind, prompt):
+    """Structured outputs give the reference's bytes through the cluster with local
+    (short prompt) and remote prefill (long: the prefill worker samples the first token
+    under the grammar), with migrations after every `every`-th message: each new worker
+    rebuilds the grammar state from the resumed tokens. Greedy and seeded sampling."""
+    g = pb.generation_pb2
+    text = ("Describe a book as JSON: " if prompt == "short"
+            else PROSE + " Now describe the logbook as a JSON object: ")
+    spec = {"json_schema": g.StructuredOutput(json_schema=STRUCTURED_SCHEMA),
+            "json_object": g.StructuredOutput(json_object=True),
+            "regex": g.StructuredOutput(regex=r"[A-Z][a-z]+( [a-z]+){3,12}\."),
+            "choice": g.StructuredOutput(choice=g.Choices(
+                choices=["a lighthouse keeper's logbook", "a ship's manifest", "a weather report"]))}[kind]
+    sampling = dict(temperature=0.8, seed=11, top_p=0.95) if kind in ("json_object", "regex") else {}
+    want = check(cl, pb, every, text, 96, min_cuts=1, structured=spec, **sampling)
+    if want[2] == g.FINISH_REASON_STOP and kind == "json_schema":
+        value = json.loads(want[1])
+        assert set(value) >= {"title", "year", "tags"}, want[1]
+    if kind == "choice":
+        assert want[1] in ("a lighthouse keeper's logbook", "a ship's manifest", "a weather report")

@@ -156,6 +156,8 @@ static void test_json_object(void) {
     REJECTS(g, "{\"a\": 1,}");
     REJECTS(g, "{\"a\": \"\x01\"}");
     REJECTS(g, "{} ");
+    REJECTS(g, "{\n\n\"k\": 1}"); /* one line break per gap */
+    REJECTS(g, "{\t\"k\": 1}");
     REJECTS(g, "{\"a\": 12345678901234567}"); /* 17 digits: past the bound */
     cs_grammar_free(g);
 }
