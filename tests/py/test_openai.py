@@ -588,10 +588,10 @@ def test_default_values_of_refused_fields_are_accepted(tiny):
                     "spaces_between_special_tokens": True})
     assert r.choices[0].finish_reason
     tiny.client.completions.create(model=tiny.model, prompt="hi", max_tokens=2, best_of=1)
-    with pytest.raises(openai.BadRequestError) as e:
+    with pytest.raises(openai.BadRequestError) as e:  # a refused type names the field
         tiny.client.chat.completions.create(model=tiny.model, max_tokens=2,
                                             messages=[{"role": "user", "content": "hi"}],
-                                            response_format={"type": "json_object"})
+                                            response_format={"type": "xml"})
     assert e.value.body["param"] == "response_format"
 
 
