@@ -26,9 +26,22 @@ int cs_wire_render_chat(const cs_wire_model *wm, const Chunkserve__V1__Chat *cha
     *text = NULL;
     if (!chat || chat->n_messages == 0) return cs_fail(CS_EINVAL, "chat has no messages");
     cs_chat_message *msgs = calloc(chat->n_messages, sizeof *msgs);
-    if (!msgs) return cs_fail(CS_ENOMEM, "out of memory");
+    size_t n_calls = 0;
     for (size_t i = 0; i < chat->n_messages; i++)
-        msgs[i] = (cs_chat_message){chat->messages[i]->role, chat->messages[i]->content};
+        n_calls += chat->messages[i]->n_tool_calls;
+    cs_chat_tool_call *calls = calloc(n_calls + 1, sizeof *calls);
+    if (!msgs || !calls) {
+        free(msgs), free(calls);
+        return cs_fail(CS_ENOMEM, "out of memory");
+    }
+    for (size_t i = 0, k = 0; i < chat->n_messages; i++) {
+        const Chunkserve__V1__ChatMessage *m = chat->messages[i];
+        msgs[i] = (cs_chat_message){.role = m->role, .content = m->content,
+                                    .tool_calls = calls + k, .n_tool_calls = m->n_tool_calls};
+        for (size_t j = 0; j < m->n_tool_calls; j++, k++)
+            calls[k] = (cs_chat_tool_call){.name = m->tool_calls[j]->name,
+                                           .arguments = m->tool_calls[j]->arguments};
+    }
     cs_chat_end end;
     switch (chat->end) {
     case CHUNKSERVE__V1__CHAT_END__CHAT_END_GENERATION_PROMPT:
@@ -37,12 +50,13 @@ int cs_wire_render_chat(const cs_wire_model *wm, const Chunkserve__V1__Chat *cha
     case CHUNKSERVE__V1__CHAT_END__CHAT_END_CLOSED: end = CS_CHAT_CLOSED; break;
     case CHUNKSERVE__V1__CHAT_END__CHAT_END_CONTINUE: end = CS_CHAT_CONTINUE; break;
     default:
-        free(msgs);
+        free(msgs), free(calls);
         return cs_fail(CS_EINVAL, "chat.end = %d is not a ChatEnd", (int)chat->end);
     }
-    int r =
-        cs_tokenizer_apply_chat(cs_model_tokenizer(wm->model), msgs, chat->n_messages, end, text);
-    free(msgs);
+    int r = cs_tokenizer_apply_chat_tools(cs_model_tokenizer(wm->model), msgs, chat->n_messages,
+                                          (const char *const *)chat->tools, chat->n_tools, end,
+                                          text);
+    free(msgs), free(calls);
     return r;
 }
 
@@ -108,7 +122,7 @@ void cs_wire_model_init(cs_wire_model *wm, const cs_model *m, const char *path) 
     const cs_model_config *cfg = cs_model_get_config(m);
     const char *base = path ? strrchr(path, '/') : NULL;
     base = base ? base + 1 : path ? path : "";
-    cs_chat_message msg = {"user", "hi"};
+    cs_chat_message msg = {.role = "user", .content = "hi"};
     char *text = NULL;
     bool chat = cs_tokenizer_apply_chat(cs_model_tokenizer(m), &msg, 1, CS_CHAT_GENERATION_PROMPT,
                                         &text) == 0;

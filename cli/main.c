@@ -265,7 +265,7 @@ static int cmd_chat_format(const cs_tokenizer *tok, const options *o) {
         if (!cJSON_IsString(role) || !cJSON_IsString(content))
             n = -1;
         else
-            msgs[i] = (cs_chat_message){role->valuestring, content->valuestring};
+            msgs[i] = (cs_chat_message){.role = role->valuestring, .content = content->valuestring};
     }
     int rc = 0;
     if (n < 0 || !msgs) {
@@ -471,8 +471,8 @@ static int cmd_generate(const cs_model *m, const options *o) {
     if (!r && o->chat) {
         cs_chat_message msgs[2];
         size_t n = 0;
-        if (o->system) msgs[n++] = (cs_chat_message){"system", o->system};
-        msgs[n++] = (cs_chat_message){"user", o->prompt};
+        if (o->system) msgs[n++] = (cs_chat_message){.role = "system", .content = o->system};
+        msgs[n++] = (cs_chat_message){.role = "user", .content = o->prompt};
         r = cs_tokenizer_apply_chat(tok, msgs, n, CS_CHAT_GENERATION_PROMPT, &text);
     }
     const char *prompt = text ? text : o->prompt;

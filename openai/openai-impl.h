@@ -23,6 +23,14 @@ typedef struct {
     char message[512];
 } oa_error;
 
+/* How a chat answer is read for tool calls (docs/tools.md). */
+enum oa_tool_mode {
+    OA_TOOLS_OFF = 0,  /* no tools, or tool_choice "none": text only */
+    OA_TOOLS_AUTO,     /* the model's <tool_call> blocks, if it writes any */
+    OA_TOOLS_REQUIRED, /* constrained: a JSON array of {"name", "parameters"} */
+    OA_TOOLS_NAMED,    /* constrained: the named function's arguments */
+};
+
 /* One parsed request. The GenerateRequest of choice i is req[i]; their
  * strings point into json (kept until oa_request_free). */
 typedef struct {
@@ -54,6 +62,16 @@ typedef struct {
     Chunkserve__V1__Choices choices;
     char *schema_text;
     char **choice_ptrs;
+    /* tools (chat; openai/tools.c): how the answer is read, the tools as JSON
+     * text for Chat.tools, the tool calls of the history's messages */
+    enum oa_tool_mode tool_mode;
+    const char *tool_name; /* OA_TOOLS_NAMED: the function */
+    bool parallel_tools;
+    char **tool_texts;
+    const char **tool_names; /* (n_tools) borrowed from json */
+    size_t n_tools;
+    Chunkserve__V1__ToolCall *calls, **call_ptrs;
+    size_t n_calls;
 } oa_request;
 
 /* Parses body (len bytes) for /v1/chat/completions (chat) or
@@ -65,6 +83,29 @@ void oa_request_free(oa_request *r);
  * continue_final_message) into r->chat_msg; r->json must hold o. 0 or -1
  * with *e filled. */
 int oa_parse_messages(const cJSON *o, oa_request *r, oa_error *e);
+
+/* A 400 invalid_request_error naming param; returns -1. */
+int oa_fail(oa_error *e, const char *param, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+/* tools.c. The tool fields of a chat request (tools, tool_choice,
+ * parallel_tool_calls) into r (Chat.tools, the mode, and for required or a
+ * named function the constraint in s->structured); after the messages and
+ * the other sampling fields. 0 or -1 with *e filled. */
+int oa_parse_tools(const cJSON *o, Chunkserve__V1__SamplingParams *s, oa_request *r,
+                   oa_error *e);
+/* An assistant message's tool_calls, or a tool message's tool_call_id, of
+ * message m (index i) into cm, the calls stored in r->calls from *next. */
+int oa_parse_message_tools(const cJSON *m, int i, Chunkserve__V1__ChatMessage *cm, oa_request *r,
+                           size_t *next, oa_error *e);
+/* The tool calls in a choice's text, as OpenAI's tool_calls array (ids made
+ * here), or NULL when it holds none (then all of it is content); *content_len:
+ * the bytes before the calls that are the message's content (0: null). */
+cJSON *oa_tool_calls(const oa_request *r, const char *text, size_t *content_len);
+/* Streaming in auto mode: the bytes of text (len) that may be shown as
+ * content now: all of it but a tail that could begin "<tool_call>", or up to
+ * the first "<tool_call>" (*in_call true: the rest is held for the end). */
+size_t oa_tool_visible(const char *text, size_t len, bool *in_call);
 
 /* POST /tokenize and /detokenize (vLLM's): the answer's JSON (malloc'd) for
  * body, or NULL with *e filled. */

@@ -60,6 +60,7 @@ typedef struct {
     char *stop_string;  /* vLLM's stop_reason: the stop string, or */
     int32_t stop_token; /* the stop token id (-1: none) */
     int32_t n_streamed; /* tokens streamed so far (continuous usage) */
+    size_t shown;       /* read for tool calls, streamed: the bytes of text shown as content */
 } oa_choice;
 
 struct oa_call {
@@ -369,10 +370,23 @@ static void complete(oa_call *oc) {
             oa_choice *c = &oc->choices[i];
             cJSON *ch = cJSON_CreateObject();
             cJSON_AddNumberToObject(ch, "index", i);
+            const char *f = finish_name(c->finish);
             if (oc->rq.chat) {
                 cJSON *m = cJSON_AddObjectToObject(ch, "message");
                 cJSON_AddStringToObject(m, "role", "assistant");
-                cJSON_AddStringToObject(m, "content", c->text ? c->text : "");
+                size_t cl = 0;
+                cJSON *calls = oc->rq.tool_mode != OA_TOOLS_OFF
+                                   ? oa_tool_calls(&oc->rq, c->text ? c->text : "", &cl)
+                                   : NULL;
+                if (!calls) {
+                    cJSON_AddStringToObject(m, "content", c->text ? c->text : "");
+                } else {
+                    if (cl) c->text[cl] = 0;
+                    if (cl) cJSON_AddStringToObject(m, "content", c->text);
+                    else cJSON_AddNullToObject(m, "content");
+                    cJSON_AddItemToObject(m, "tool_calls", calls);
+                    if (oc->rq.tool_mode != OA_TOOLS_NAMED) f = "tool_calls";
+                }
             } else {
                 cJSON_AddStringToObject(ch, "text", c->text ? c->text : "");
             }
@@ -381,7 +395,6 @@ static void complete(oa_call *oc) {
                                       logprobs_json(oc, c->lp_ids, c->lp, c->n_lp, 0));
             else
                 cJSON_AddNullToObject(ch, "logprobs");
-            const char *f = finish_name(c->finish);
             cJSON_AddStringToObject(ch, "finish_reason", f ? f : "stop");
             add_stop_reason(ch, c);
             cJSON_AddItemToArray(choices, ch);
@@ -502,11 +515,70 @@ static int c_send(cs_gen_call *g, const Chunkserve__V1__GenerateResponse *m) {
     return r;
 }
 
+/* A streamed chunk with the tool calls (each given its index). */
+static int stream_tool_calls(oa_call *oc, oa_choice *c, cJSON *calls) {
+    cJSON *choices, *j = frame(oc, "chat.completion.chunk", &choices);
+    cJSON *ch = cJSON_CreateObject();
+    cJSON_AddNumberToObject(ch, "index", c->index);
+    cJSON *delta = cJSON_AddObjectToObject(ch, "delta");
+    if (!c->role_sent) cJSON_AddStringToObject(delta, "role", "assistant");
+    c->role_sent = true;
+    int k = 0;
+    for (cJSON *t = calls->child; t; t = t->next)
+        cJSON_AddItemToObject(t, "index", cJSON_CreateNumber(k++));
+    cJSON_AddItemToObject(delta, "tool_calls", calls);
+    cJSON_AddNullToObject(ch, "logprobs");
+    cJSON_AddNullToObject(ch, "finish_reason");
+    cJSON_AddItemToArray(choices, ch);
+    if (oc->rq.include_usage) cJSON_AddNullToObject(j, "usage");
+    int r = sse_event(oc, j);
+    cJSON_Delete(j);
+    return r;
+}
+
+/* Streams the content of c->text from c->shown up to `upto`. */
+static int stream_content(oa_call *oc, oa_choice *c, size_t upto) {
+    if (upto <= c->shown) return 0;
+    char save = c->text[upto];
+    c->text[upto] = 0;
+    int r = stream_chunk(oc, c, c->text + c->shown, NULL, NULL);
+    c->text[upto] = save;
+    c->shown = upto;
+    return r;
+}
+
+/* Streaming an answer read for tool calls: the text is gathered; content
+ * is shown up to where a call may begin (auto) and the calls go in one
+ * chunk at the end, before the finish reason. */
+static int send_tool_text(oa_call *oc, oa_choice *c, const Chunkserve__V1__GenerateResponse *m) {
+    int r = sse_start(oc);
+    c->n_streamed += (int32_t)m->n_token_ids;
+    const char *fin = finish_name(m->finish_reason);
+    bool in_call = false;
+    size_t show = oc->rq.tool_mode == OA_TOOLS_AUTO ? oa_tool_visible(c->text, c->len, &in_call) : 0;
+    if (!r && fin) {
+        size_t cl;
+        cJSON *calls = oa_tool_calls(&oc->rq, c->text ? c->text : "", &cl);
+        if (calls && oc->rq.tool_mode != OA_TOOLS_NAMED) fin = "tool_calls";
+        r = stream_content(oc, c, calls ? cl : c->len);
+        if (!r && calls) r = stream_tool_calls(oc, c, calls), calls = NULL;
+        cJSON_Delete(calls);
+        if (!r && !c->role_sent) r = stream_chunk(oc, c, "", NULL, NULL);
+        if (!r) r = stream_chunk(oc, c, NULL, NULL, fin);
+    } else if (!r) {
+        r = show > c->shown ? stream_content(oc, c, show)
+            : !c->role_sent ? stream_chunk(oc, c, "", NULL, NULL)
+                            : 0;
+    }
+    return r ? CS_ECANCELED : 0;
+}
+
 /* c_send's work on one message whose text (echo included) is text. */
 static int send_text(oa_call *oc, oa_choice *c, const Chunkserve__V1__GenerateResponse *m,
                      const char *text) {
     size_t tl = strlen(text);
-    if (!oc->rq.stream) { /* gather */
+    bool tools = oc->rq.chat && oc->rq.tool_mode != OA_TOOLS_OFF;
+    if (!oc->rq.stream || tools) { /* gather */
         if (c->len + tl + 1 > c->cap) {
             size_t cap = (c->len + tl + 1) * 2;
             char *t = realloc(c->text, cap);
@@ -529,7 +601,7 @@ static int send_text(oa_call *oc, oa_choice *c, const Chunkserve__V1__GenerateRe
             take_logprobs(m, c->lp_ids + c->n_lp, c->lp + c->n_lp);
             c->n_lp += m->n_logprobs;
         }
-        return 0;
+        return oc->rq.stream ? send_tool_text(oc, c, m) : 0;
     }
     int r = sse_start(oc);
     c->n_streamed += (int32_t)m->n_token_ids;

@@ -18,7 +18,7 @@
 
 #define MAX_SAFE_INT 9007199254740992.0 /* 2^53 */
 
-static int fail(oa_error *e, const char *param, const char *fmt, ...) {
+int oa_fail(oa_error *e, const char *param, const char *fmt, ...) {
     e->status = 400;
     e->type = "invalid_request_error";
     e->code = NULL;
@@ -58,9 +58,9 @@ static int get_int(const cJSON *o, const char *key, double lo, double hi, int64_
                    oa_error *e) {
     cJSON *it = field(o, key);
     if (!it) return 0;
-    if (!is_int(it)) return fail(e, key, "%s must be an integer", key);
+    if (!is_int(it)) return oa_fail(e, key, "%s must be an integer", key);
     if (it->valuedouble < lo || it->valuedouble > hi)
-        return fail(e, key, "%s must be in [%.0f, %.0f]; got %.0f", key, lo, hi, it->valuedouble);
+        return oa_fail(e, key, "%s must be in [%.0f, %.0f]; got %.0f", key, lo, hi, it->valuedouble);
     *out = (int64_t)it->valuedouble;
     return 0;
 }
@@ -69,9 +69,9 @@ static int get_num(const cJSON *o, const char *key, double lo, double hi, float 
     cJSON *it = field(o, key);
     if (!it) return 0;
     if (!cJSON_IsNumber(it) || !isfinite(it->valuedouble))
-        return fail(e, key, "%s must be a number", key);
+        return oa_fail(e, key, "%s must be a number", key);
     if (it->valuedouble < lo || it->valuedouble > hi)
-        return fail(e, key, "%s must be in [%g, %g]; got %g", key, lo, hi, it->valuedouble);
+        return oa_fail(e, key, "%s must be in [%g, %g]; got %g", key, lo, hi, it->valuedouble);
     *out = (float)it->valuedouble;
     return 0;
 }
@@ -79,7 +79,7 @@ static int get_num(const cJSON *o, const char *key, double lo, double hi, float 
 static int get_bool(const cJSON *o, const char *key, bool *out, oa_error *e) {
     cJSON *it = field(o, key);
     if (!it) return 0;
-    if (!cJSON_IsBool(it)) return fail(e, key, "%s must be true or false", key);
+    if (!cJSON_IsBool(it)) return oa_fail(e, key, "%s must be true or false", key);
     *out = cJSON_IsTrue(it);
     return 0;
 }
@@ -87,7 +87,7 @@ static int get_bool(const cJSON *o, const char *key, bool *out, oa_error *e) {
 static int get_str(const cJSON *o, const char *key, const char **out, oa_error *e) {
     cJSON *it = field(o, key);
     if (!it) return 0;
-    if (!cJSON_IsString(it)) return fail(e, key, "%s must be a string", key);
+    if (!cJSON_IsString(it)) return oa_fail(e, key, "%s must be a string", key);
     *out = it->valuestring;
     return 0;
 }
@@ -145,9 +145,9 @@ static const struct {
     {"service_tier", REFUSED, BOTH},
     {"suffix", REFUSED, COMPL},
     {"prompt_logprobs", REFUSED, BOTH},
-    {"tools", REFUSED, CHAT},
-    {"tool_choice", REFUSED, CHAT},
-    {"parallel_tool_calls", REFUSED, CHAT},
+    {"tools", SERVED, CHAT},
+    {"tool_choice", SERVED, CHAT},
+    {"parallel_tool_calls", SERVED, CHAT},
     {"functions", REFUSED, CHAT},
     {"function_call", REFUSED, CHAT},
     {"audio", REFUSED, CHAT},
@@ -190,24 +190,26 @@ static int check_fields(const cJSON *o, bool chat, oa_error *e) {
                 known_fields[i].door != (chat ? COMPL : CHAT))
                 k = i;
         if (k < 0)
-            return fail(e, it->string,
+            return oa_fail(e, it->string,
                         "Unrecognized request argument supplied: %s (docs/openai.md lists the "
                         "fields of %s)",
                         it->string, chat ? "/v1/chat/completions" : "/v1/completions");
         if (known_fields[k].served == REFUSED && !asks_nothing(it->string, it))
-            return fail(e, it->string, "%s is not supported by this server", it->string);
+            return oa_fail(e, it->string, "%s is not supported by this server", it->string);
     }
     return 0;
 }
 
 int oa_parse_messages(const cJSON *o, oa_request *r, oa_error *e) {
     cJSON *ms = field(o, "messages");
-    if (!ms) return fail(e, "messages", "messages is required");
+    if (!ms) return oa_fail(e, "messages", "messages is required");
     if (!cJSON_IsArray(ms) || !ms->child)
-        return fail(e, "messages", "messages must be a non-empty array");
+        return oa_fail(e, "messages", "messages must be a non-empty array");
     int n = cJSON_GetArraySize(ms);
-    size_t text_bytes = 0;
+    size_t text_bytes = 0, n_calls = 0, next_call = 0;
     for (cJSON *m = ms->child; m; m = m->next) {
+        cJSON *tc = cJSON_IsObject(m) ? field(m, "tool_calls") : NULL;
+        if (cJSON_IsArray(tc)) n_calls += (size_t)cJSON_GetArraySize(tc);
         cJSON *c = cJSON_IsObject(m) ? field(m, "content") : NULL;
         if (cJSON_IsArray(c))
             for (cJSON *p = c->child; p; p = p->next) {
@@ -218,7 +220,10 @@ int oa_parse_messages(const cJSON *o, oa_request *r, oa_error *e) {
     r->msgs = calloc((size_t)n, sizeof *r->msgs);
     r->msg_ptrs = calloc((size_t)n, sizeof *r->msg_ptrs);
     r->text_store = malloc(text_bytes + (size_t)n);
-    if (!r->msgs || !r->msg_ptrs || !r->text_store) return fail(e, NULL, "out of memory");
+    r->calls = calloc(n_calls + 1, sizeof *r->calls);
+    r->call_ptrs = calloc(n_calls + 1, sizeof *r->call_ptrs);
+    if (!r->msgs || !r->msg_ptrs || !r->text_store || !r->calls || !r->call_ptrs)
+        return oa_fail(e, NULL, "out of memory");
     char *store = r->text_store, param[64];
     int i = 0;
     for (cJSON *m = ms->child; m; m = m->next, i++) {
@@ -226,23 +231,25 @@ int oa_parse_messages(const cJSON *o, oa_request *r, oa_error *e) {
         chunkserve__v1__chat_message__init(cm);
         r->msg_ptrs[i] = cm;
         snprintf(param, sizeof param, "messages[%d]", i);
-        if (!cJSON_IsObject(m)) return fail(e, param, "%s must be an object", param);
+        if (!cJSON_IsObject(m)) return oa_fail(e, param, "%s must be an object", param);
         cJSON *role = field(m, "role");
         snprintf(param, sizeof param, "messages[%d].role", i);
-        if (!cJSON_IsString(role)) return fail(e, param, "%s must be a string", param);
+        if (!cJSON_IsString(role)) return oa_fail(e, param, "%s must be a string", param);
         const char *rs = role->valuestring;
         if (!strcmp(rs, "developer"))
             cm->role = "system"; /* OpenAI's newer name for the system role */
-        else if (!strcmp(rs, "system") || !strcmp(rs, "user") || !strcmp(rs, "assistant"))
+        else if (!strcmp(rs, "system") || !strcmp(rs, "user") || !strcmp(rs, "assistant") ||
+                 !strcmp(rs, "tool"))
             cm->role = role->valuestring;
         else
-            return fail(e, param,
-                        "%s '%s' is not supported: use system, developer, user or assistant", param,
-                        rs);
+            return oa_fail(e, param,
+                           "%s '%s' is not supported: use system, developer, user, assistant or "
+                           "tool", param, rs);
+        if (oa_parse_message_tools(m, i, cm, r, &next_call, e)) return -1;
         cJSON *c = field(m, "content");
         snprintf(param, sizeof param, "messages[%d].content", i);
         if (!c) {
-            if (strcmp(cm->role, "assistant") != 0) return fail(e, param, "%s is required", param);
+            if (strcmp(cm->role, "assistant") != 0) return oa_fail(e, param, "%s is required", param);
             cm->content = "";
         } else if (cJSON_IsString(c)) {
             cm->content = c->valuestring;
@@ -254,18 +261,18 @@ int oa_parse_messages(const cJSON *o, oa_request *r, oa_error *e) {
                 cJSON *tx = cJSON_IsObject(p) ? field(p, "text") : NULL;
                 snprintf(param, sizeof param, "messages[%d].content[%d]", i, j);
                 if (!cJSON_IsString(t) || strcmp(t->valuestring, "text") != 0)
-                    return fail(e, param,
+                    return oa_fail(e, param,
                                 "%s: only text parts are supported ({\"type\": \"text\", "
                                 "\"text\": ...})",
                                 param);
-                if (!cJSON_IsString(tx)) return fail(e, param, "%s.text must be a string", param);
+                if (!cJSON_IsString(tx)) return oa_fail(e, param, "%s.text must be a string", param);
                 size_t l = strlen(tx->valuestring);
                 memcpy(store, tx->valuestring, l);
                 store += l;
             }
             *store++ = 0;
         } else {
-            return fail(e, param, "%s must be a string or an array of text parts", param);
+            return oa_fail(e, param, "%s must be a string or an array of text parts", param);
         }
     }
     chunkserve__v1__chat__init(&r->chat_msg);
@@ -278,7 +285,7 @@ int oa_parse_messages(const cJSON *o, oa_request *r, oa_error *e) {
         get_bool(o, "continue_final_message", &cont, e))
         return -1;
     if (gen && cont && field(o, "add_generation_prompt"))
-        return fail(e, "continue_final_message",
+        return oa_fail(e, "continue_final_message",
                     "continue_final_message and add_generation_prompt cannot both be true");
     r->chat_msg.end = cont  ? CHUNKSERVE__V1__CHAT_END__CHAT_END_CONTINUE
                       : gen ? CHUNKSERVE__V1__CHAT_END__CHAT_END_GENERATION_PROMPT
@@ -292,11 +299,11 @@ static int parse_ids(const cJSON *a, Chunkserve__V1__TokenIds *ids, int32_t **st
     int n = cJSON_GetArraySize(a);
     chunkserve__v1__token_ids__init(ids);
     *store = malloc((size_t)(n ? n : 1) * sizeof **store);
-    if (!*store) return fail(e, NULL, "out of memory");
+    if (!*store) return oa_fail(e, NULL, "out of memory");
     int i = 0;
     for (cJSON *t = a->child; t; t = t->next, i++) {
         if (!is_int(t) || t->valuedouble < 0 || t->valuedouble > INT32_MAX)
-            return fail(e, param, "%s[%d] must be a token id (a non-negative integer)", param, i);
+            return oa_fail(e, param, "%s[%d] must be a token id (a non-negative integer)", param, i);
         (*store)[i] = (int32_t)t->valuedouble;
     }
     ids->n_ids = (size_t)n;
@@ -308,31 +315,31 @@ static int parse_ids(const cJSON *a, Chunkserve__V1__TokenIds *ids, int32_t **st
  * token id lists. Sets n_prompts; texts are left in json. */
 static int parse_prompt(const cJSON *o, oa_request *r, oa_error *e) {
     cJSON *p = field(o, "prompt");
-    if (!p) return fail(e, "prompt", "prompt is required");
+    if (!p) return oa_fail(e, "prompt", "prompt is required");
     if (cJSON_IsString(p)) {
         r->n_prompts = 1;
         return 0;
     }
     if (!cJSON_IsArray(p) || !p->child)
-        return fail(e, "prompt",
+        return oa_fail(e, "prompt",
                     "prompt must be a string, a list of strings, a list of token ids or a list "
                     "of token id lists");
     int n = cJSON_GetArraySize(p);
     if (cJSON_IsNumber(p->child)) { /* one prompt of token ids */
         r->ids = calloc(1, sizeof *r->ids);
         r->id_store = calloc(1, sizeof *r->id_store);
-        if (!r->ids || !r->id_store) return fail(e, NULL, "out of memory");
+        if (!r->ids || !r->id_store) return oa_fail(e, NULL, "out of memory");
         r->n_prompts = 1;
         return parse_ids(p, &r->ids[0], &r->id_store[0], "prompt", e);
     }
     if (n > OA_MAX_PROMPTS)
-        return fail(e, "prompt", "prompt has %d entries; at most %d are allowed", n,
+        return oa_fail(e, "prompt", "prompt has %d entries; at most %d are allowed", n,
                     OA_MAX_PROMPTS);
     bool lists = cJSON_IsArray(p->child);
     if (lists) {
         r->ids = calloc((size_t)n, sizeof *r->ids);
         r->id_store = calloc((size_t)n, sizeof *r->id_store);
-        if (!r->ids || !r->id_store) return fail(e, NULL, "out of memory");
+        if (!r->ids || !r->id_store) return oa_fail(e, NULL, "out of memory");
         r->n_prompts = n; /* oa_request_free frees the lists parsed before an error */
     }
     int i = 0;
@@ -340,7 +347,7 @@ static int parse_prompt(const cJSON *o, oa_request *r, oa_error *e) {
     for (cJSON *it = p->child; it; it = it->next, i++) {
         snprintf(param, sizeof param, "prompt[%d]", i);
         if (lists ? !cJSON_IsArray(it) : !cJSON_IsString(it))
-            return fail(e, param, "%s must be a %s like the first entry", param,
+            return oa_fail(e, param, "%s must be a %s like the first entry", param,
                         lists ? "token id list" : "string");
         if (lists && parse_ids(it, &r->ids[i], &r->id_store[i], param, e)) return -1;
     }
@@ -355,20 +362,20 @@ static int parse_stop(const cJSON *o, Chunkserve__V1__SamplingParams *s, oa_requ
     if (!st) return 0;
     if (cJSON_IsString(st)) {
         r->stops = malloc(sizeof *r->stops);
-        if (!r->stops) return fail(e, NULL, "out of memory");
+        if (!r->stops) return oa_fail(e, NULL, "out of memory");
         r->stops[0] = st->valuestring;
         s->n_stop = 1;
     } else if (cJSON_IsArray(st)) {
         int n = cJSON_GetArraySize(st), i = 0;
         r->stops = malloc((size_t)(n ? n : 1) * sizeof *r->stops);
-        if (!r->stops) return fail(e, NULL, "out of memory");
+        if (!r->stops) return oa_fail(e, NULL, "out of memory");
         for (cJSON *it = st->child; it; it = it->next, i++) {
-            if (!cJSON_IsString(it)) return fail(e, "stop", "stop[%d] must be a string", i);
+            if (!cJSON_IsString(it)) return oa_fail(e, "stop", "stop[%d] must be a string", i);
             r->stops[i] = it->valuestring;
         }
         s->n_stop = (size_t)n;
     } else {
-        return fail(e, "stop", "stop must be a string or a list of strings");
+        return oa_fail(e, "stop", "stop must be a string or a list of strings");
     }
     s->stop = r->stops;
     return 0;
@@ -378,13 +385,13 @@ static int parse_stop_ids(const cJSON *o, Chunkserve__V1__SamplingParams *s, oa_
                           oa_error *e) {
     cJSON *st = field(o, "stop_token_ids");
     if (!st) return 0;
-    if (!cJSON_IsArray(st)) return fail(e, "stop_token_ids", "stop_token_ids must be a list");
+    if (!cJSON_IsArray(st)) return oa_fail(e, "stop_token_ids", "stop_token_ids must be a list");
     int n = cJSON_GetArraySize(st), i = 0;
     r->stop_ids = malloc((size_t)(n ? n : 1) * sizeof *r->stop_ids);
-    if (!r->stop_ids) return fail(e, NULL, "out of memory");
+    if (!r->stop_ids) return oa_fail(e, NULL, "out of memory");
     for (cJSON *it = st->child; it; it = it->next, i++) {
         if (!is_int(it) || it->valuedouble < 0 || it->valuedouble > INT32_MAX)
-            return fail(e, "stop_token_ids", "stop_token_ids[%d] must be a token id", i);
+            return oa_fail(e, "stop_token_ids", "stop_token_ids[%d] must be a token id", i);
         r->stop_ids[i] = (int32_t)it->valuedouble;
     }
     s->n_stop_token_ids = (size_t)n;
@@ -399,13 +406,13 @@ static int schema_text(const cJSON *v, const char *param, oa_request *r, oa_erro
         r->structured.json_schema = v->valuestring;
     } else if (cJSON_IsObject(v) || cJSON_IsBool(v)) {
         if (!(r->schema_text = cJSON_PrintUnformatted(v))) {
-            fail(e, param, "out of memory");
+            oa_fail(e, param, "out of memory");
             e->status = 500;
             return -1;
         }
         r->structured.json_schema = r->schema_text;
     } else {
-        return fail(e, param, "%s must be a JSON Schema (an object)", param);
+        return oa_fail(e, param, "%s must be a JSON Schema (an object)", param);
     }
     r->structured.kind_case = CHUNKSERVE__V1__STRUCTURED_OUTPUT__KIND_JSON_SCHEMA;
     return 0;
@@ -415,17 +422,17 @@ static int schema_text(const cJSON *v, const char *param, oa_request *r, oa_erro
 static int choice_list(const cJSON *v, const char *param, oa_request *r, oa_error *e) {
     int n = cJSON_IsArray(v) ? cJSON_GetArraySize(v) : 0;
     if (n < 1 || n > CS_GRAMMAR_MAX_CHOICES)
-        return fail(e, param, "%s must be an array of 1 to %d strings", param,
+        return oa_fail(e, param, "%s must be an array of 1 to %d strings", param,
                     CS_GRAMMAR_MAX_CHOICES);
     if (!(r->choice_ptrs = calloc((size_t)n, sizeof *r->choice_ptrs))) {
-        fail(e, param, "out of memory");
+        oa_fail(e, param, "out of memory");
         e->status = 500;
         return -1;
     }
     int i = 0;
     for (const cJSON *c = v->child; c; c = c->next) {
         if (!cJSON_IsString(c) || !c->valuestring[0])
-            return fail(e, param, "%s must list non-empty strings", param);
+            return oa_fail(e, param, "%s must list non-empty strings", param);
         r->choice_ptrs[i++] = c->valuestring;
     }
     r->choices.choices = r->choice_ptrs;
@@ -453,7 +460,7 @@ static int parse_structured(const cJSON *o, Chunkserve__V1__SamplingParams *s, o
                 continue; /* the default */
         }
         if (param)
-            return fail(e, sources[i], "%s and %s both ask for a structured output; give one",
+            return oa_fail(e, sources[i], "%s and %s both ask for a structured output; give one",
                         param, sources[i]);
         param = sources[i];
     }
@@ -465,11 +472,11 @@ static int parse_structured(const cJSON *o, Chunkserve__V1__SamplingParams *s, o
     if (!strcmp(param, "response_format")) {
         const cJSON *t = cJSON_IsObject(v) ? cJSON_GetObjectItemCaseSensitive(v, "type") : NULL;
         if (!cJSON_IsString(t))
-            return fail(e, param, "response_format must be an object with a type: text, "
+            return oa_fail(e, param, "response_format must be an object with a type: text, "
                                   "json_object or json_schema");
         for (const cJSON *it = v->child; it; it = it->next)
             if (strcmp(it->string, "type") && strcmp(it->string, "json_schema"))
-                return fail(e, param, "response_format.%s is not a field of response_format",
+                return oa_fail(e, param, "response_format.%s is not a field of response_format",
                             it->string);
         if (!strcmp(t->valuestring, "json_object")) {
             r->structured.kind_case = CHUNKSERVE__V1__STRUCTURED_OUTPUT__KIND_JSON_OBJECT;
@@ -477,51 +484,51 @@ static int parse_structured(const cJSON *o, Chunkserve__V1__SamplingParams *s, o
         } else if (!strcmp(t->valuestring, "json_schema")) {
             const cJSON *js = cJSON_GetObjectItemCaseSensitive(v, "json_schema");
             if (!cJSON_IsObject(js))
-                return fail(e, param, "response_format json_schema needs a json_schema object "
+                return oa_fail(e, param, "response_format json_schema needs a json_schema object "
                                       "with the schema");
             for (const cJSON *it = js->child; it; it = it->next)
                 if (strcmp(it->string, "name") && strcmp(it->string, "schema") &&
                     strcmp(it->string, "strict") && strcmp(it->string, "description"))
-                    return fail(e, param, "response_format.json_schema.%s is not a field of it "
+                    return oa_fail(e, param, "response_format.json_schema.%s is not a field of it "
                                           "(name, description, schema, strict)", it->string);
             const cJSON *strict = cJSON_GetObjectItemCaseSensitive(js, "strict");
             if (strict && !cJSON_IsBool(strict) && !cJSON_IsNull(strict))
-                return fail(e, param, "response_format.json_schema.strict must be a boolean");
+                return oa_fail(e, param, "response_format.json_schema.strict must be a boolean");
             const cJSON *sc = field(js, "schema");
-            if (!sc) return fail(e, param, "response_format.json_schema has no schema");
+            if (!sc) return oa_fail(e, param, "response_format.json_schema has no schema");
             rc = schema_text(sc, param, r, e);
         } else if (!strcmp(t->valuestring, "text")) {
             return 0; /* with other keys, refused above */
         } else {
-            return fail(e, param, "response_format type '%s' is not supported (text, "
+            return oa_fail(e, param, "response_format type '%s' is not supported (text, "
                                   "json_object, json_schema)", t->valuestring);
         }
     } else if (!strcmp(param, "structured_outputs")) {
-        if (!cJSON_IsObject(v)) return fail(e, param, "structured_outputs must be an object");
+        if (!cJSON_IsObject(v)) return oa_fail(e, param, "structured_outputs must be an object");
         const char *set = NULL;
         for (const cJSON *it = v->child; it; it = it->next) {
             if (cJSON_IsNull(it) || (cJSON_IsFalse(it) && !strcmp(it->string, "json_object")))
                 continue;
             if (strcmp(it->string, "json") && strcmp(it->string, "regex") &&
                 strcmp(it->string, "choice") && strcmp(it->string, "json_object"))
-                return fail(e, param, "structured_outputs.%s is not supported (json, regex, "
+                return oa_fail(e, param, "structured_outputs.%s is not supported (json, regex, "
                                       "choice, json_object)", it->string);
             if (set)
-                return fail(e, param, "structured_outputs sets both %s and %s; give one", set,
+                return oa_fail(e, param, "structured_outputs sets both %s and %s; give one", set,
                             it->string);
             set = it->string;
             if (!strcmp(set, "json")) rc = schema_text(it, param, r, e);
             else if (!strcmp(set, "choice")) rc = choice_list(it, param, r, e);
             else if (!strcmp(set, "regex")) {
                 if (!cJSON_IsString(it))
-                    return fail(e, param, "structured_outputs.regex must be a string");
+                    return oa_fail(e, param, "structured_outputs.regex must be a string");
                 r->structured.kind_case = CHUNKSERVE__V1__STRUCTURED_OUTPUT__KIND_REGEX;
                 r->structured.regex = it->valuestring;
             } else if (cJSON_IsTrue(it)) {
                 r->structured.kind_case = CHUNKSERVE__V1__STRUCTURED_OUTPUT__KIND_JSON_OBJECT;
                 r->structured.json_object = true;
             } else {
-                return fail(e, param, "structured_outputs.json_object must be a boolean");
+                return oa_fail(e, param, "structured_outputs.json_object must be a boolean");
             }
             if (rc) return rc;
         }
@@ -529,7 +536,7 @@ static int parse_structured(const cJSON *o, Chunkserve__V1__SamplingParams *s, o
     } else if (!strcmp(param, "guided_json")) {
         rc = schema_text(v, param, r, e);
     } else if (!strcmp(param, "guided_regex")) {
-        if (!cJSON_IsString(v)) return fail(e, param, "guided_regex must be a string");
+        if (!cJSON_IsString(v)) return oa_fail(e, param, "guided_regex must be a string");
         r->structured.kind_case = CHUNKSERVE__V1__STRUCTURED_OUTPUT__KIND_REGEX;
         r->structured.regex = v->valuestring;
     } else {
@@ -552,7 +559,7 @@ static int parse_structured(const cJSON *o, Chunkserve__V1__SamplingParams *s, o
                              .n_choices = (int32_t)r->choices.n_choices};
     }
     cs_grammar *g;
-    if (cs_grammar_compile(&sp, &g)) return fail(e, param, "%s", cs_last_error());
+    if (cs_grammar_compile(&sp, &g)) return oa_fail(e, param, "%s", cs_last_error());
     cs_grammar_free(g);
     s->structured = &r->structured;
     return 0;
@@ -565,18 +572,18 @@ static int parse_logit_bias(const cJSON *o, Chunkserve__V1__SamplingParams *s, o
     cJSON *lb = field(o, "logit_bias");
     if (!lb) return 0;
     if (!cJSON_IsObject(lb))
-        return fail(e, "logit_bias", "logit_bias must be an object of token id: bias");
+        return oa_fail(e, "logit_bias", "logit_bias must be an object of token id: bias");
     int n = cJSON_GetArraySize(lb), i = 0;
     r->bias_ids = malloc((size_t)(n ? n : 1) * sizeof *r->bias_ids);
     r->bias = malloc((size_t)(n ? n : 1) * sizeof *r->bias);
-    if (!r->bias_ids || !r->bias) return fail(e, NULL, "out of memory");
+    if (!r->bias_ids || !r->bias) return oa_fail(e, NULL, "out of memory");
     for (cJSON *it = lb->child; it; it = it->next, i++) {
         char *end;
         long id = strtol(it->string, &end, 10);
         if (!it->string[0] || *end || id < 0 || id > INT32_MAX)
-            return fail(e, "logit_bias", "logit_bias key '%.40s' is not a token id", it->string);
+            return oa_fail(e, "logit_bias", "logit_bias key '%.40s' is not a token id", it->string);
         if (!cJSON_IsNumber(it) || !isfinite(it->valuedouble))
-            return fail(e, "logit_bias", "logit_bias of token %ld must be a number", id);
+            return oa_fail(e, "logit_bias", "logit_bias of token %ld must be a number", id);
         r->bias_ids[i] = (int32_t)id;
         r->bias[i] = (float)it->valuedouble;
     }
@@ -596,7 +603,7 @@ static int parse_sampling(const cJSON *o, oa_request *r, const cs_wire_model *wm
     if (get_num(o, "temperature", 0, 2, &s->temperature, e)) return -1;
     float top_p = 1.0f;
     if (get_num(o, "top_p", 0, 1, &top_p, e)) return -1;
-    if (top_p <= 0) return fail(e, "top_p", "top_p must be in (0, 1]; got 0");
+    if (top_p <= 0) return oa_fail(e, "top_p", "top_p must be in (0, 1]; got 0");
     s->top_p = top_p;
     int64_t v = r->chat ? 0 : 16; /* completions: OpenAI's default of 16 tokens */
     if (get_int(o, "max_tokens", 1, cfg->ctx_len, &v, e)) return -1;
@@ -611,7 +618,7 @@ static int parse_sampling(const cJSON *o, oa_request *r, const cs_wire_model *wm
     float rep = 0;
     if (get_num(o, "repetition_penalty", 0, 1e6, &rep, e)) return -1;
     if (field(o, "repetition_penalty") && rep <= 0)
-        return fail(e, "repetition_penalty", "repetition_penalty must be > 0");
+        return oa_fail(e, "repetition_penalty", "repetition_penalty must be > 0");
     s->repetition_penalty = rep;
     bool ignore_eos = false;
     if (get_bool(o, "ignore_eos", &ignore_eos, e)) return -1;
@@ -632,10 +639,10 @@ static int parse_sampling(const cJSON *o, oa_request *r, const cs_wire_model *wm
         if (get_bool(o, "logprobs", &r->logprobs, e)) return -1;
         if (get_int(o, "top_logprobs", 0, CS_MAX_TOP_LOGPROBS, &top, e)) return -1;
         if (field(o, "top_logprobs") && !r->logprobs)
-            return fail(e, "top_logprobs", "top_logprobs needs logprobs set to true");
+            return oa_fail(e, "top_logprobs", "top_logprobs needs logprobs set to true");
     } else {
         cJSON *lp = field(o, "logprobs");
-        if (lp && cJSON_IsBool(lp)) return fail(e, "logprobs", "logprobs must be an integer");
+        if (lp && cJSON_IsBool(lp)) return oa_fail(e, "logprobs", "logprobs must be an integer");
         top = -1;
         if (get_int(o, "logprobs", 0, 5, &top, e)) return -1;
         r->logprobs = top >= 0;
@@ -653,7 +660,7 @@ static int parse_sampling(const cJSON *o, oa_request *r, const cs_wire_model *wm
 /* 404 model_not_found unless name is "" or names the model. */
 static int check_model(const cs_wire_model *wm, const char *name, oa_error *e) {
     if (cs_wire_check_model(wm, name) == 0) return 0;
-    fail(e, "model", "The model '%s' does not exist (this server serves '%s')", name, wm->name);
+    oa_fail(e, "model", "The model '%s' does not exist (this server serves '%s')", name, wm->name);
     e->status = 404;
     e->code = "model_not_found";
     return -1;
@@ -666,22 +673,22 @@ static cJSON *parse_object(const char *body, size_t len, oa_error *e) {
     cJSON *j = cJSON_ParseWithLengthOpts(body, len, &end, false);
     if (!j) {
         size_t at = end && end >= body ? (size_t)(end - body) : 0;
-        fail(e, NULL, "the body is not valid JSON (at byte %zu)", at);
+        oa_fail(e, NULL, "the body is not valid JSON (at byte %zu)", at);
         return NULL;
     }
     const char *dup = NULL;
     for (const char *p = end; p < body + len; p++)
         if (*p != ' ' && *p != '\t' && *p != '\r' && *p != '\n') {
-            fail(e, NULL, "the body has data after its JSON value (at byte %zu)",
+            oa_fail(e, NULL, "the body has data after its JSON value (at byte %zu)",
                  (size_t)(p - body));
             goto bad;
         }
     if (!cJSON_IsObject(j)) {
-        fail(e, NULL, "the body must be a JSON object");
+        oa_fail(e, NULL, "the body must be a JSON object");
         goto bad;
     }
     if ((dup = duplicate_key(j))) {
-        fail(e, dup, "the key '%s' appears twice in one object", dup);
+        oa_fail(e, dup, "the key '%s' appears twice in one object", dup);
         goto bad;
     }
     return j;
@@ -704,13 +711,13 @@ int oa_request_parse(const char *body, size_t len, bool chat, const cs_wire_mode
     cJSON *so = field(o, "stream_options");
     if (so) {
         if (!r->stream)
-            return fail(e, "stream_options", "stream_options is only allowed when stream is true");
+            return oa_fail(e, "stream_options", "stream_options is only allowed when stream is true");
         if (!cJSON_IsObject(so))
-            return fail(e, "stream_options", "stream_options must be an object");
+            return oa_fail(e, "stream_options", "stream_options must be an object");
         for (const cJSON *it = so->child; it; it = it->next)
             if (strcmp(it->string, "include_usage") != 0 &&
                 strcmp(it->string, "continuous_usage_stats") != 0)
-                return fail(e, "stream_options",
+                return oa_fail(e, "stream_options",
                             "stream_options.%s is not supported by this server", it->string);
         if (get_bool(so, "include_usage", &r->include_usage, e) ||
             get_bool(so, "continuous_usage_stats", &r->continuous_usage, e))
@@ -721,7 +728,7 @@ int oa_request_parse(const char *body, size_t len, bool chat, const cs_wire_mode
     if (get_bool(o, "return_tokens_as_token_ids", &r->tokens_as_ids, e)) return -1;
     if (get_str(o, "request_id", &r->request_id, e)) return -1;
     if (r->request_id && cs_wire_check_request_id(r->request_id))
-        return fail(e, "request_id", "%s", cs_last_error());
+        return oa_fail(e, "request_id", "%s", cs_last_error());
     int64_t n = 1;
     if (get_int(o, "n", 1, OA_MAX_N, &n, e)) return -1;
     r->n = (int32_t)n;
@@ -735,16 +742,21 @@ int oa_request_parse(const char *body, size_t len, bool chat, const cs_wire_mode
     uint64_t seed = 0;
     bool has_seed = false;
     if (parse_sampling(o, r, wm, &base, &seed, &has_seed, e)) return -1;
+    if (chat && oa_parse_tools(o, &base, r, e)) return -1;
+    if (r->tool_mode != OA_TOOLS_OFF && r->logprobs && r->stream)
+        return oa_fail(e, "logprobs",
+                       "logprobs in a streamed answer that is read for tool calls are not "
+                       "supported (ask without stream, or with tool_choice none)");
     if (r->echo && r->logprobs && !chat) /* completions' echo logprobs cover the prompt */
-        return fail(e, "echo",
+        return oa_fail(e, "echo",
                     "echo with logprobs needs the prompt's logprobs (prompt_logprobs), which this "
                     "server does not compute");
     if (!has_seed && getrandom(&seed, sizeof seed, 0) != (ssize_t)sizeof seed)
-        return fail(e, NULL, "no randomness for the seed");
+        return oa_fail(e, NULL, "no randomness for the seed");
     r->n_choices = r->n * r->n_prompts;
     r->req = calloc((size_t)r->n_choices, sizeof *r->req);
     r->sampling = calloc((size_t)r->n_choices, sizeof *r->sampling);
-    if (!r->req || !r->sampling) return fail(e, NULL, "out of memory");
+    if (!r->req || !r->sampling) return oa_fail(e, NULL, "out of memory");
     cJSON *prompt = chat ? NULL : field(o, "prompt");
     for (int32_t i = 0; i < r->n_choices; i++) {
         int32_t p = i / r->n;
@@ -786,6 +798,12 @@ void oa_request_free(oa_request *r) {
     free(r->bias);
     free(r->schema_text);
     free(r->choice_ptrs);
+    for (size_t i = 0; r->tool_texts && i < r->n_tools; i++)
+        free(r->tool_texts[i]);
+    free(r->tool_texts);
+    free(r->tool_names);
+    free(r->calls);
+    free(r->call_ptrs);
     free(r->req);
     free(r->sampling);
     cJSON_Delete(r->json);
@@ -798,7 +816,7 @@ static int check_only(const cJSON *o, const char *const *names, size_t n, oa_err
         while (i < n && strcmp(names[i], it->string) != 0)
             i++;
         if (i == n)
-            return fail(e, it->string, "Unrecognized request argument supplied: %s", it->string);
+            return oa_fail(e, it->string, "Unrecognized request argument supplied: %s", it->string);
     }
     return 0;
 }
@@ -809,7 +827,8 @@ char *oa_tokenize(const char *body, size_t len, const cs_wire_model *wm, oa_erro
                                         "messages",
                                         "add_special_tokens",
                                         "add_generation_prompt",
-                                        "continue_final_message"};
+                                        "continue_final_message",
+                                        "tools"};
     oa_request r = {0};
     char *out = NULL, *text = NULL;
     int32_t *ids = NULL;
@@ -824,20 +843,21 @@ char *oa_tokenize(const char *body, size_t len, const cs_wire_model *wm, oa_erro
         goto done;
     if (check_model(wm, model, e)) goto done;
     if (!prompt == !field(r.json, "messages")) {
-        fail(e, "prompt", "give either prompt (a string) or messages");
+        oa_fail(e, "prompt", "give either prompt (a string) or messages");
         goto done;
     }
     if (!prompt) {
-        if (oa_parse_messages(r.json, &r, e)) goto done;
+        Chunkserve__V1__SamplingParams none = CHUNKSERVE__V1__SAMPLING_PARAMS__INIT;
+        if (oa_parse_messages(r.json, &r, e) || oa_parse_tools(r.json, &none, &r, e)) goto done;
         if (cs_wire_render_chat(wm, &r.chat_msg, &text)) {
-            fail(e, "messages", "%s", cs_last_error());
+            oa_fail(e, "messages", "%s", cs_last_error());
             goto done;
         }
         prompt = text;
     }
     if (cs_tokenizer_encode(cs_model_tokenizer(wm->model), prompt, strlen(prompt), true,
                             add_special, &ids, &n)) {
-        fail(e, text ? "messages" : "prompt", "%s", cs_last_error());
+        oa_fail(e, text ? "messages" : "prompt", "%s", cs_last_error());
         goto done;
     }
     cJSON *j = cJSON_CreateObject(), *a = cJSON_AddArrayToObject(j, "tokens");
@@ -848,7 +868,7 @@ char *oa_tokenize(const char *body, size_t len, const cs_wire_model *wm, oa_erro
     cJSON_AddNullToObject(j, "token_strs");
     out = cJSON_PrintUnformatted(j);
     cJSON_Delete(j);
-    if (!out) fail(e, NULL, "out of memory");
+    if (!out) oa_fail(e, NULL, "out of memory");
 done:
     free(ids);
     free(text);
@@ -870,20 +890,20 @@ char *oa_detokenize(const char *body, size_t len, const cs_wire_model *wm, oa_er
     if (check_model(wm, model, e)) goto done;
     cJSON *t = field(o, "tokens");
     if (!cJSON_IsArray(t)) {
-        fail(e, "tokens", "tokens must be a list of token ids");
+        oa_fail(e, "tokens", "tokens must be a list of token ids");
         goto done;
     }
     if (parse_ids(t, &ids, &store, "tokens", e)) goto done;
     size_t n; /* the decoder refuses ids outside the vocabulary, naming them */
     if (cs_tokenizer_decode(tok, ids.ids, ids.n_ids, false, &text, &n)) {
-        fail(e, "tokens", "%s", cs_last_error());
+        oa_fail(e, "tokens", "%s", cs_last_error());
         goto done;
     }
     cJSON *j = cJSON_CreateObject();
     cJSON_AddStringToObject(j, "prompt", text);
     out = cJSON_PrintUnformatted(j);
     cJSON_Delete(j);
-    if (!out) fail(e, NULL, "out of memory");
+    if (!out) oa_fail(e, NULL, "out of memory");
 done:
     free(store);
     free(text);

@@ -3,8 +3,12 @@
  * default system message such templates insert) and Llama-3. The output is
  * byte-for-byte what jinja2 renders from those templates. This is not a
  * Jinja interpreter: any other template is CS_ENOTSUP. */
+#include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include <cjson/cJSON.h>
 
 #include "tokenizer-impl.h"
 #include "unicode.h"
@@ -115,36 +119,166 @@ static void py_strip(const char *s, size_t n, size_t *start, size_t *end) {
     *end = b;
 }
 
+/* JSON as Python's json.dumps(x, ensure_ascii=False) writes it (what the
+ * templates' tojson filter prints): ", " and ": " separators, only '"', '\\'
+ * and control characters escaped. Numbers: integral values as integers
+ * (cJSON does not keep whether the text said 1 or 1.0), others in the
+ * shortest form that reads back. */
+static int py_str(sbuf *b, const char *s) {
+    int rc = sb_add(b, "\"", 1);
+    for (; !rc && *s; s++) {
+        unsigned char c = (unsigned char)*s;
+        char esc[8];
+        const char *e = NULL;
+        switch (c) {
+        case '"': e = "\\\""; break;
+        case '\\': e = "\\\\"; break;
+        case '\n': e = "\\n"; break;
+        case '\r': e = "\\r"; break;
+        case '\t': e = "\\t"; break;
+        case '\b': e = "\\b"; break;
+        case '\f': e = "\\f"; break;
+        default:
+            if (c < 0x20) snprintf(esc, sizeof esc, "\\u%04x", c), e = esc;
+        }
+        rc = e ? sb_adds(b, e) : sb_add(b, (const char *)&c, 1);
+    }
+    return rc ? rc : sb_add(b, "\"", 1);
+}
+
+static int py_json(sbuf *b, const cJSON *v, int depth) {
+    if (depth > 64) return cs_fail(CS_EINVAL, "chat: JSON nested more than 64 deep");
+    int rc = 0;
+    if (cJSON_IsObject(v) || cJSON_IsArray(v)) {
+        bool obj = cJSON_IsObject(v);
+        rc = sb_add(b, obj ? "{" : "[", 1);
+        for (const cJSON *it = v->child; !rc && it; it = it->next) {
+            if (it != v->child) rc = sb_adds(b, ", ");
+            if (!rc && obj) rc = py_str(b, it->string);
+            if (!rc && obj) rc = sb_adds(b, ": ");
+            if (!rc) rc = py_json(b, it, depth + 1);
+        }
+        return rc ? rc : sb_add(b, obj ? "}" : "]", 1);
+    }
+    if (cJSON_IsString(v)) return py_str(b, v->valuestring);
+    if (cJSON_IsTrue(v)) return sb_adds(b, "true");
+    if (cJSON_IsFalse(v)) return sb_adds(b, "false");
+    if (cJSON_IsNull(v)) return sb_adds(b, "null");
+    double x = v->valuedouble;
+    char num[40];
+    if (!isfinite(x)) return cs_fail(CS_EINVAL, "chat: a number that is not finite");
+    if (x == floor(x) && fabs(x) < 1e16) {
+        snprintf(num, sizeof num, "%.0f", x);
+    } else {
+        for (int p = 1; p <= 17; p++) {
+            snprintf(num, sizeof num, "%.*g", p, x);
+            if (strtod(num, NULL) == x) break;
+        }
+    }
+    return sb_adds(b, num);
+}
+
+/* text, a JSON object, as py_json writes it. */
+static int py_json_text(sbuf *b, const char *text, const char *what, size_t index) {
+    cJSON *j = cJSON_Parse(text ? text : "");
+    if (!cJSON_IsObject(j)) {
+        cJSON_Delete(j);
+        return cs_fail(CS_EINVAL, "chat: %s %zu is not a JSON object", what, index);
+    }
+    int rc = py_json(b, j, 0);
+    cJSON_Delete(j);
+    return rc;
+}
+
 static int check_messages(const cs_chat_message *msgs, size_t n_msgs) {
     if (n_msgs && !msgs) return cs_fail(CS_EINVAL, "chat: NULL messages");
     for (size_t i = 0; i < n_msgs; i++) {
         const char *r = msgs[i].role;
         if (!r || !msgs[i].content)
             return cs_fail(CS_EINVAL, "chat: message %zu has no role or content", i);
-        if (strcmp(r, "system") != 0 && strcmp(r, "user") != 0 && strcmp(r, "assistant") != 0)
+        if (strcmp(r, "system") != 0 && strcmp(r, "user") != 0 && strcmp(r, "assistant") != 0 &&
+            strcmp(r, "tool") != 0)
             return cs_fail(CS_EINVAL,
-                           "chat: message %zu has role '%.32s' (system, user, assistant supported)",
+                           "chat: message %zu has role '%.32s' (system, user, assistant, tool "
+                           "supported)",
                            i, r);
+        if (msgs[i].n_tool_calls && strcmp(r, "assistant") != 0)
+            return cs_fail(CS_EINVAL, "chat: message %zu has tool calls but is not the assistant's",
+                           i);
+        for (size_t k = 0; k < msgs[i].n_tool_calls; k++) {
+            const cs_chat_tool_call *tc = &msgs[i].tool_calls[k];
+            if (!tc->name || !tc->name[0] || !tc->arguments ||
+                !cs__utf8_valid((const uint8_t *)tc->name, strlen(tc->name)) ||
+                !cs__utf8_valid((const uint8_t *)tc->arguments, strlen(tc->arguments)))
+                return cs_fail(CS_EINVAL, "chat: message %zu: tool call %zu needs a name and "
+                                          "arguments in UTF-8", i, k);
+        }
         if (!cs__utf8_valid((const uint8_t *)msgs[i].content, strlen(msgs[i].content)))
             return cs_fail(CS_EINVAL, "chat: message %zu is not valid UTF-8", i);
     }
     return 0;
 }
 
+/* The tools section of Qwen2.5's template (other ChatML templates get the same). */
+static const char TOOLS_HEAD[] =
+    "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>";
+static const char TOOLS_TAIL[] =
+    "\n</tools>\n\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": "
+    "<function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n";
+
+/* ChatML (SmolLM2, Qwen2.5): Qwen2.5's template, whose tool branches other
+ * ChatML templates lack; without tools and tool messages the two agree. */
 static int render_chatml(const cs_tokenizer *tok, const cs_chat_message *msgs, size_t n_msgs,
-                         cs_chat_end end, sbuf *b) {
+                         const char *const *tools, size_t n_tools, cs_chat_end end, sbuf *b) {
     sbuf def = {0};
     bool has_def;
     int rc = chatml_default_system(tok->chat_template, &def, &has_def);
+    bool first_system = n_msgs && !strcmp(msgs[0].role, "system");
+    if (!rc && n_tools) { /* the system turn carries the tools */
+        rc = sb_adds(b, "<|im_start|>system\n");
+        if (!rc) rc = first_system ? sb_adds(b, msgs[0].content) : sb_add(b, def.p, def.n);
+        if (!rc) rc = sb_adds(b, TOOLS_HEAD);
+        for (size_t t = 0; !rc && t < n_tools; t++)
+            if (!(rc = sb_adds(b, "\n"))) rc = py_json_text(b, tools[t], "tool", t);
+        if (!rc) rc = sb_adds(b, TOOLS_TAIL);
+    }
     for (size_t i = 0; rc == 0 && i < n_msgs; i++) {
-        if (i == 0 && has_def && strcmp(msgs[0].role, "system") != 0) {
+        const cs_chat_message *m = &msgs[i];
+        if (i == 0 && n_tools && first_system) continue;
+        if (i == 0 && !n_tools && has_def && !first_system) {
             if ((rc = sb_adds(b, "<|im_start|>system\n")) || (rc = sb_add(b, def.p, def.n)) ||
                 (rc = sb_adds(b, "<|im_end|>\n")))
                 break;
         }
         bool open = end == CS_CHAT_CONTINUE && i + 1 == n_msgs;
-        if ((rc = sb_adds(b, "<|im_start|>")) || (rc = sb_adds(b, msgs[i].role)) ||
-            (rc = sb_adds(b, "\n")) || (rc = sb_adds(b, msgs[i].content)) ||
+        if (!strcmp(m->role, "tool")) { /* consecutive tool messages share one user turn */
+            if ((i == 0 || strcmp(msgs[i - 1].role, "tool")) && (rc = sb_adds(b, "<|im_start|>user")))
+                break;
+            if ((rc = sb_adds(b, "\n<tool_response>\n")) || (rc = sb_adds(b, m->content)) ||
+                (rc = sb_adds(b, "\n</tool_response>")))
+                break;
+            if ((i + 1 == n_msgs || strcmp(msgs[i + 1].role, "tool")) && !open)
+                rc = sb_adds(b, "<|im_end|>\n");
+            continue;
+        }
+        if (m->n_tool_calls) {
+            if ((rc = sb_adds(b, "<|im_start|>assistant"))) break;
+            if (m->content[0] && ((rc = sb_adds(b, "\n")) || (rc = sb_adds(b, m->content)))) break;
+            for (size_t k = 0; !rc && k < m->n_tool_calls; k++) {
+                if ((rc = sb_adds(b, "\n<tool_call>\n{\"name\": \"")) ||
+                    (rc = sb_adds(b, m->tool_calls[k].name)) ||
+                    (rc = sb_adds(b, "\", \"arguments\": ")) ||
+                    (rc = py_json_text(b, m->tool_calls[k].arguments, "tool call", k)))
+                    break;
+                rc = sb_adds(b, "}\n</tool_call>");
+            }
+            if (!rc && !open) rc = sb_adds(b, "<|im_end|>\n");
+            continue;
+        }
+        if ((rc = sb_adds(b, "<|im_start|>")) || (rc = sb_adds(b, m->role)) ||
+            (rc = sb_adds(b, "\n")) || (rc = sb_adds(b, m->content)) ||
             (!open && (rc = sb_adds(b, "<|im_end|>\n"))))
             break;
     }
@@ -182,6 +316,12 @@ static int render_llama3(const cs_tokenizer *tok, const cs_chat_message *msgs, s
 
 int cs_tokenizer_apply_chat(const cs_tokenizer *tok, const cs_chat_message *msgs, size_t n_msgs,
                             cs_chat_end end, char **text) {
+    return cs_tokenizer_apply_chat_tools(tok, msgs, n_msgs, NULL, 0, end, text);
+}
+
+int cs_tokenizer_apply_chat_tools(const cs_tokenizer *tok, const cs_chat_message *msgs,
+                                  size_t n_msgs, const char *const *tools, size_t n_tools,
+                                  cs_chat_end end, char **text) {
     *text = NULL;
     const char *t = tok->chat_template;
     if (!t || !*t) return cs_fail(CS_ENOTSUP, "chat: the model has no chat template");
@@ -197,12 +337,17 @@ int cs_tokenizer_apply_chat(const cs_tokenizer *tok, const cs_chat_message *msgs
         if (strstr(t, "<think>"))
             return cs_fail(CS_ENOTSUP,
                            "chat: ChatML template with <think> blocks is not supported");
-        rc = render_chatml(tok, msgs, n_msgs, end, &b);
+        rc = render_chatml(tok, msgs, n_msgs, tools, n_tools, end, &b);
     } else if (strstr(t, "<|start_header_id|>")) {
         /* 3.1+ templates add a dated system preamble and tool sections. */
         if (strstr(t, "Cutting Knowledge Date"))
             return cs_fail(CS_ENOTSUP,
                            "chat: Llama-3.1+ template (knowledge-date preamble) is not supported");
+        bool tooled = n_tools > 0;
+        for (size_t i = 0; i < n_msgs; i++)
+            tooled |= msgs[i].n_tool_calls > 0 || !strcmp(msgs[i].role, "tool");
+        if (tooled)
+            return cs_fail(CS_ENOTSUP, "chat: tools with a Llama-3 template are not supported");
         rc = render_llama3(tok, msgs, n_msgs, end, &b);
     } else {
         return cs_fail(

@@ -65,8 +65,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
     memcpy(buf, data + 1, size - 1);
     buf[size - 1] = 0;
     char *end = buf + size - 1, *tmpl = buf, *p = buf + strlen(buf) + 1;
-    static const char *roles[4] = {"system", "user", "assistant", "tool"};
-    cs_chat_message msgs[MAX_MSGS];
+    static const char *roles[4] = {"system", "user", "assistant", "wizard"}; /* the last: refused */
+    cs_chat_message msgs[MAX_MSGS] = {{0}};
     size_t n = 0;
     bool bad = false;
     while (p < end && n < MAX_MSGS) {

@@ -48,7 +48,8 @@ static void use(const cs_tokenizer *tok) {
         free(out);
     }
     free(ids);
-    cs_chat_message msgs[2] = {{"system", "s"}, {"user", "hi"}};
+    cs_chat_message msgs[2] = {{.role = "system", .content = "s"},
+                               {.role = "user", .content = "hi"}};
     char *chat = NULL;
     check_refusal(cs_tokenizer_apply_chat(tok, msgs, 2, true, &chat));
     free(chat);

@@ -214,3 +214,44 @@ def test_structured_output_across_cuts(cl, pb, every, kind, prompt):
         assert set(value) >= {"title", "year", "tags"}, want[1]
     if kind == "choice":
         assert want[1] in ("a lighthouse keeper's logbook", "a ship's manifest", "a weather report")
+
+
+def test_tools_chat_across_cuts(cl, pb):
+    """A chat with tools in the prompt (Chat.tools, rendered by the template where the
+    request enters: router or serve) and a tool-call history, constrained as tool_choice
+    "required" constrains it: the same bytes as the single process with a cut after every
+    message, remote prefill (the tools make the prompt long)."""
+    g = pb.generation_pb2
+    tool = json.dumps({"type": "function", "function": {
+        "name": "log_ship", "description": "Record a ship in the logbook.",
+        "parameters": {"type": "object", "properties": {
+            "name": {"type": "string", "maxLength": 30},
+            "flag": {"type": "string", "enum": ["NO", "UK", "FR"]}},
+            "required": ["name", "flag"]}}})
+    schema = json.dumps({"type": "array", "minItems": 1, "maxItems": 2, "items": {
+        "type": "object", "required": ["name", "parameters"], "properties": {
+            "name": {"type": "string", "enum": ["log_ship"]},
+            "parameters": json.loads(tool)["function"]["parameters"]}}})
+    chat = g.Chat(tools=[tool], messages=[
+        g.ChatMessage(role="user", content="Log the Viking ship Draken."),
+        g.ChatMessage(role="assistant", tool_calls=[g.ToolCall(
+            id="c1", name="log_ship", arguments='{"name": "Draken", "flag": "NO"}')]),
+        g.ChatMessage(role="tool", tool_call_id="c1", content="logged"),
+        g.ChatMessage(role="user", content="Now log two British ships.")])
+
+    def run(stub):
+        return summary(list(stub.Generate(g.GenerateRequest(chat=chat, sampling=g.SamplingParams(
+            max_tokens=80, temperature=0.7, seed=5,
+            structured=g.StructuredOutput(json_schema=schema))), timeout=300)))
+
+    r = cl.routers[1]
+    wait_for_usable(r, len(cl.decode))
+    want = run(cl.ref.stub)
+    before = metric(r.metrics(), "chunkserve:migrations_total")
+    got = run(r.stub)
+    assert got[:4] == want[:4]
+    assert metric(r.metrics(), "chunkserve:migrations_total") - before >= 1
+    if want[2] == g.FINISH_REASON_STOP:
+        calls = json.loads(want[1])
+        assert all(c["name"] == "log_ship" and c["parameters"]["flag"] in ("NO", "UK", "FR")
+                   for c in calls)

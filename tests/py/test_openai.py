@@ -329,7 +329,7 @@ def test_min_tokens(real):
     (dict(n=17), "n"),
     (dict(max_tokens=0), "max_tokens"),
     (dict(presence_penalty=5), "presence_penalty"),
-    (dict(extra_body={"tools": [{"type": "function", "function": {"name": "f"}}]}), "tools"),
+    (dict(extra_body={"tools": [{"type": "function", "function": {"name": "f g"}}]}), "tools"),
     (dict(extra_body={"logit_bias": {"5": 101}}), "logit_bias"),
     (dict(extra_body={"logit_bias": {"five": 1}}), "logit_bias"),
     (dict(extra_body={"logit_bias": {str(10 ** 8): 1}}), "logit_bias"),
@@ -349,7 +349,7 @@ def test_bad_params_are_400_naming_the_field(tiny, kw, param):
 
 
 def test_bad_messages(tiny):
-    for msgs, param in [([], "messages"), ([{"role": "tool", "content": "x"}], "messages[0].role"),
+    for msgs, param in [([], "messages"), ([{"role": "wizard", "content": "x"}], "messages[0].role"),
                         ([{"role": "user", "content": [{"type": "image_url"}]}],
                          "messages[0].content[0]"),
                         ([{"role": "user"}], "messages[0].content")]:

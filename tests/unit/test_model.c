@@ -153,7 +153,7 @@ static void check_same_vocab(const cs_model *full, const cs_model *voc) {
     ASSERT_TRUE(memcmp(ia, ib, na * sizeof *ia) == 0);
     free(ia);
     free(ib);
-    cs_chat_message msg = {"user", "hi"};
+    cs_chat_message msg = {.role = "user", .content = "hi"};
     char *ca = NULL, *cb = NULL;
     int ra = cs_tokenizer_apply_chat(a, &msg, 1, true, &ca),
         rb = cs_tokenizer_apply_chat(b, &msg, 1, true, &cb);

@@ -728,7 +728,7 @@ static void test_json(void) {
     ASSERT_EQ_INT(cs_tokenizer_bos(tok), T_IM_START);
     ASSERT_EQ_INT(cs_tokenizer_eos(tok), T_IM_END);
     ASSERT_IDS(tok, "hello", false, true, T_IM_START, T_HELLO);
-    cs_chat_message m = {"user", "hi"};
+    cs_chat_message m = {.role = "user", .content = "hi"};
     char *text = NULL;
     ASSERT_EQ_INT(cs_tokenizer_apply_chat(tok, &m, 1, false, &text), 0);
     ASSERT_MSG_HAS(text, "<|im_start|>user\nhi<|im_end|>\n");
@@ -780,14 +780,16 @@ static void test_json(void) {
 static void test_chat(void) {
     cs_tokenizer *tok = make_tok();
     char *text = NULL;
-    cs_chat_message one[] = {{"user", "Hi"}};
+    cs_chat_message one[] = {{.role = "user", .content = "Hi"}};
     ASSERT_EQ_INT(cs_tokenizer_apply_chat(tok, one, 1, true, &text), 0);
     ASSERT_EQ_STR(text,
                   "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by "
                   "Hugging Face<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
                   "<|im_start|>assistant\n");
     free(text);
-    cs_chat_message three[] = {{"system", "S"}, {"user", "U"}, {"assistant", "A"}};
+    cs_chat_message three[] = {{.role = "system", .content = "S"},
+                               {.role = "user", .content = "U"},
+                               {.role = "assistant", .content = "A"}};
     ASSERT_EQ_INT(cs_tokenizer_apply_chat(tok, three, 3, false, &text), 0);
     ASSERT_EQ_STR(text, "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\nU<|im_end|>\n"
                         "<|im_start|>assistant\nA<|im_end|>\n");
@@ -803,18 +805,20 @@ static void test_chat(void) {
     ASSERT_EQ_INT(cs_tokenizer_apply_chat(tok, NULL, 0, true, &text), 0);
     ASSERT_EQ_STR(text, "<|im_start|>assistant\n");
     free(text);
-    cs_chat_message bad_role[] = {{"user", "x"}, {"wizard", "y"}};
+    cs_chat_message bad_role[] = {{.role = "user", .content = "x"},
+                                  {.role = "wizard", .content = "y"}};
     ASSERT_EQ_INT(cs_tokenizer_apply_chat(tok, bad_role, 2, true, &text), CS_EINVAL);
     ASSERT_MSG_HAS(cs_last_error(), "wizard");
     ASSERT_TRUE(text == NULL);
-    cs_chat_message no_content[] = {{"user", NULL}};
+    cs_chat_message no_content[] = {{.role = "user", .content = NULL}};
     ASSERT_EQ_INT(cs_tokenizer_apply_chat(tok, no_content, 1, true, &text), CS_EINVAL);
     cs_tokenizer_free(tok);
 
     cs_vocab_spec s = base_spec();
     s.chat_template = llama3_template;
     ASSERT_EQ_INT(cs__tokenizer_create(&s, &tok), 0);
-    cs_chat_message l3[] = {{"system", "  S\n"}, {"user", "\tU"}};
+    cs_chat_message l3[] = {{.role = "system", .content = "  S\n"},
+                            {.role = "user", .content = "\tU"}};
     ASSERT_EQ_INT(cs_tokenizer_apply_chat(tok, l3, 2, true, &text), 0);
     ASSERT_EQ_STR(text, "<|im_start|><|start_header_id|>system<|end_header_id|>\n\nS<|eot_id|>"
                         "<|start_header_id|>user<|end_header_id|>\n\nU<|eot_id|>"
@@ -833,7 +837,7 @@ static void test_chat(void) {
         "'<|im_start|>system\n<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + "
         "'\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}";
     ASSERT_EQ_INT(cs__tokenizer_create(&s, &tok), 0);
-    cs_chat_message hi[] = {{"user", "hi"}};
+    cs_chat_message hi[] = {{.role = "user", .content = "hi"}};
     ASSERT_EQ_INT(cs_tokenizer_apply_chat(tok, hi, 1, false, &text), 0);
     ASSERT_EQ_STR(text, "<|im_start|>system\n<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n");
     free(text);

@@ -89,8 +89,14 @@ int cs_detok_flush(cs_detok *d, char *out, size_t out_cap, size_t *out_len);
  * CS_ENOTSUP (with cs_last_error() naming the template) when the model's
  * template is not one we support; CS_EINVAL for a bad role or end. */
 typedef struct {
-    const char *role;
-    const char *content;
+    const char *name;
+    const char *arguments; /* a JSON object as text */
+} cs_chat_tool_call;
+typedef struct {
+    const char *role;    /* system, user, assistant, tool */
+    const char *content; /* "" for an assistant message with only tool calls */
+    const cs_chat_tool_call *tool_calls; /* assistant messages: n_tool_calls calls */
+    size_t n_tool_calls;
 } cs_chat_message;
 typedef enum {
     CS_CHAT_CLOSED = 0,
@@ -99,6 +105,17 @@ typedef enum {
 } cs_chat_end;
 int cs_tokenizer_apply_chat(const cs_tokenizer *tok, const cs_chat_message *msgs, size_t n_msgs,
                             cs_chat_end end, char **text);
+/* The same with tools (n_tools tool objects as JSON text) offered to the
+ * model. ChatML templates only: Qwen2.5's tools section byte for byte as its
+ * template renders it (tools and arguments printed as Python's json.dumps
+ * does); other ChatML templates (SmolLM2) get the same section after their
+ * system message (docs/tools.md). Tool calls and tool messages render as
+ * Qwen2.5's <tool_call> and <tool_response> blocks, with or without tools.
+ * CS_EINVAL for a tool or arguments that are not JSON objects; CS_ENOTSUP
+ * for tools with a Llama-3 template. */
+int cs_tokenizer_apply_chat_tools(const cs_tokenizer *tok, const cs_chat_message *msgs,
+                                  size_t n_msgs, const char *const *tools, size_t n_tools,
+                                  cs_chat_end end, char **text);
 
 #ifdef __cplusplus
 }
