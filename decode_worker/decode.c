@@ -60,7 +60,7 @@ struct decode {
     char kv_endpoint[300];
     cs_kvx_stats last; /* exported so far */
     cs_metric *m_local, *m_remote, *m_xfer_started, *m_xfer_completed, *m_xfer_failed,
-        *m_xfer_bytes, *m_xfer_seconds, *m_leases_expired, *m_ttft, *m_itl, *m_proto_errors,
+        *m_xfer_bytes, *m_xfer_seconds, *m_leases_expired, *m_proto_errors,
         *m_stale_frames, *m_renewals, *m_router_hop;
 };
 
@@ -147,9 +147,9 @@ static void on_event(void *user, const cs_event *ev) {
         double now = cs_now();
         if (ev->token >= 0) {
             if (q->t_last_token > 0)
-                cs_metric_observe(d->m_itl, now - q->t_last_token);
+                cs_metric_observe(q->base.w->tok.itl, now - q->t_last_token);
             else
-                cs_metric_observe(d->m_ttft, now - q->base.t_start);
+                cs_metric_observe(q->base.w->tok.ttft, now - q->base.t_start);
             q->t_last_token = now;
         }
         append_locked(q, ev);
@@ -367,10 +367,6 @@ static const cs_metric_def decode_metrics_table[] = {
      hop_secs, sizeof hop_secs / sizeof hop_secs[0]},
     {M(m_leases_expired), "chunkserve:kv_leases_expired_total", CS_METRIC_COUNTER, NULL,
      "reservations freed at their deadline", NULL, 0},
-    {M(m_ttft), "chunkserve:time_to_first_token_seconds", CS_METRIC_HISTOGRAM, NULL,
-     "Decode call received to first token, at this worker", cs_metrics_ttft_buckets, 0},
-    {M(m_itl), "chunkserve:inter_token_latency_seconds", CS_METRIC_HISTOGRAM, NULL,
-     "time between a sequence's consecutive tokens", cs_metrics_itl_buckets, 0},
 };
 #undef M
 #undef PREFILLS
@@ -473,6 +469,7 @@ const cs_worker_role cs_decode_role = {
     .call_size = sizeof(dreq),
     .start = decode_start,
     .metrics_table = decode_metrics_table,
+    .token_metrics = true,
     .n_metrics_table = sizeof decode_metrics_table / sizeof decode_metrics_table[0],
     .status = decode_status,
     .metrics = decode_metrics,

@@ -618,7 +618,7 @@ static void prefill_status(cs_worker *w, Chunkserve__V1__WorkerStatus *st) {
 
 static void prefill_metrics(cs_worker *w) {
     prefill *p = w->role_data;
-    cs_metric_set(w->m_queued_prefill, (double)queued_prefill_tokens(w, NULL));
+    cs_metric_set(w->em.queued_prefill, (double)queued_prefill_tokens(w, NULL));
     if (!p->tx) return;
     cs_kvx_stats s;
     cs_kvx_tx_get_stats(p->tx, &s);

@@ -40,6 +40,7 @@
 #include "chunkserve/error.h"
 #include "chunkserve/log.h"
 #include "chunkserve/v1/cluster.pb-c.h"
+#include "engine_metrics.h"
 #include "gen_call.h"
 #include "generation.h"
 #include "prepare.h"
@@ -62,6 +63,7 @@ typedef struct gen {
     int end_code; /* status when we cancelled it ourselves (shutdown) */
     const char *end_msg;
     double t_start;
+    double t_last_token; /* engine thread: the token metrics' */
     struct gen *prev, *next; /* the server's live list */
 
     /* Filled on the engine thread, under mu; taken by the drain. */
@@ -92,6 +94,8 @@ struct server {
     cs_api_keys keys;       /* the public API's (both doors) */
     cs_generation_ctx gctx; /* the unary Generation calls' */
     cs_openai *openai;      /* the OpenAI-compatible HTTP door, or NULL */
+    cs_engine_metrics em;   /* the same engine and token metrics as the workers' */
+    cs_token_metrics tok;
 };
 
 /* ------------------------------------------------------- engine thread -- */
@@ -112,6 +116,12 @@ static void gen_append(gen *g, const cs_event *ev) {
 /* cs_serve callback: engine thread. */
 static void on_event(void *user, const cs_event *ev) {
     gen *g = user;
+    if (ev->token >= 0) {
+        double now = cs_now();
+        cs_metric_observe(g->t_last_token > 0 ? g->s->tok.itl : g->s->tok.ttft,
+                          now - (g->t_last_token > 0 ? g->t_last_token : g->t_start));
+        g->t_last_token = now;
+    }
     pthread_mutex_lock(&g->mu);
     gen_append(g, ev);
     bool post = !g->posted;
@@ -374,6 +384,10 @@ static int start(cs_proc *p, void *arg) {
     server *s = arg;
     s->proc = p;
     s->rl = cs_proc_rpc_loop(p);
+    cs_metrics_register_table(cs_proc_metrics(p), cs_engine_metrics_table, cs_engine_metrics_n,
+                              &s->em);
+    cs_metrics_register_table(cs_proc_metrics(p), cs_token_metrics_table, cs_token_metrics_n,
+                              &s->tok);
     int r = add_methods(s, cs_proc_server(p));
     if (!r)
         r = cs_openai_start_config(cs_proc_uv(p), &s->o->openai, s->o->host, &s->wm, generate, s,
@@ -430,6 +444,12 @@ static void stop(cs_proc *p, void *arg) {
     s->sv = NULL;
 }
 
+static void update_metrics(cs_proc *p, void *arg) {
+    (void)p;
+    server *s = arg;
+    cs_engine_metrics_update(&s->em, s->sv, s->wm.model);
+}
+
 static const cs_proc_role server_proc = {
     .name = "serve",
     .health_service = SERVICE,
@@ -439,6 +459,7 @@ static const cs_proc_role server_proc = {
     .drain = drain,
     .cancel_all = cancel_all,
     .stop = stop,
+    .metrics = update_metrics,
 };
 
 /* --------------------------------------------------------------- run -- */

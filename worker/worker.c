@@ -134,40 +134,12 @@ static void handle_cancel(cs_rpc_call *c, void *data) {
 /* ------------------------------------------------------------- metrics -- */
 
 #define M(f) offsetof(cs_worker, f)
-/* The metrics every worker exports (a role adds its own): one table, the
- * twin of the config table (--metrics-json prints it). */
-static const cs_metric_def common_metrics[] = {
-    {M(m_running), "chunkserve:num_requests_running", CS_METRIC_GAUGE, NULL,
-     "sequences in the running batch", NULL, 0},
-    {M(m_waiting), "chunkserve:num_requests_waiting", CS_METRIC_GAUGE, NULL,
-     "requests admitted and not running (waiting for a seat, pages or their KV)", NULL, 0},
-    {M(m_kv_usage), "chunkserve:kv_cache_usage_perc", CS_METRIC_GAUGE, NULL,
-     "fraction of KV pages in use (0..1)", NULL, 0},
-    {M(m_kv_free), "chunkserve:kv_pages_free", CS_METRIC_GAUGE, NULL,
-     "KV pages free or holding reusable prefixes (not reserved)", NULL, 0},
-    {M(m_kv_total), "chunkserve:kv_pages_total", CS_METRIC_GAUGE, NULL, "KV pages in the pool",
-     NULL, 0},
-    {M(m_queued_prefill), "chunkserve:queued_prefill_tokens", CS_METRIC_GAUGE, NULL,
-     "prompt tokens admitted and not computed yet", NULL, 0},
-    {M(m_preemptions), "chunkserve:num_preemptions_total", CS_METRIC_COUNTER, NULL,
-     "sequences preempted (pages freed, recomputed)", NULL, 0},
-    {M(m_prompt_tokens), "chunkserve:prompt_tokens_total", CS_METRIC_COUNTER, NULL,
-     "prompt tokens computed", NULL, 0},
-    {M(m_gen_tokens), "chunkserve:generation_tokens_total", CS_METRIC_COUNTER, NULL,
-     "tokens sampled", NULL, 0},
-    {M(m_prefix_hits), "chunkserve:prefix_cache_hit_tokens_total", CS_METRIC_COUNTER, NULL,
-     "prompt tokens taken from the prefix cache", NULL, 0},
-    {M(m_steps), "chunkserve:engine_steps_total", CS_METRIC_COUNTER, NULL, "engine steps run", NULL,
-     0},
+/* The worker's own metrics, besides the engine's table (api/engine_metrics.h)
+ * and its role's; --metrics-json prints all three. */
+static const cs_metric_def worker_metrics[] = {
     {M(m_refused), "chunkserve:requests_refused_total", CS_METRIC_COUNTER, NULL,
      "requests refused (RESOURCE_EXHAUSTED): the queue limit, or no free KV pages (decode)", NULL,
      0},
-    {M(m_weights_quant), "chunkserve:weight_mode", CS_METRIC_GAUGE, "mode=\"quant\"",
-     "1 for the engine's weight mode: quant (quantized blocks, integer kernels) or exact (fp32)",
-     NULL, 0},
-    {M(m_weights_exact), "chunkserve:weight_mode", CS_METRIC_GAUGE, "mode=\"exact\"",
-     "1 for the engine's weight mode: quant (quantized blocks, integer kernels) or exact (fp32)",
-     NULL, 0},
     {M(m_unauthenticated), "chunkserve:rpc_unauthenticated_total", CS_METRIC_COUNTER, NULL,
      "Worker calls refused for a missing or wrong cluster token", NULL, 0},
 };
@@ -176,26 +148,7 @@ static const cs_metric_def common_metrics[] = {
 static void update_metrics(cs_proc *p, void *arg) {
     (void)p;
     cs_worker *w = arg;
-    cs_sched_stats st;
-    cs_serve_stats(w->sv, &st);
-    cs_metric_set(w->m_running, st.n_running);
-    cs_metric_set(w->m_waiting, st.n_waiting);
-    cs_metric_set(w->m_kv_usage,
-                  st.kv_pages_total ? (double)st.kv_pages_used / st.kv_pages_total : 0);
-    cs_metric_set(w->m_kv_free, st.kv_pages_total - st.kv_pages_used);
-    cs_metric_set(w->m_kv_total, st.kv_pages_total);
-    cs_metric_set(w->m_queued_prefill, (double)st.queued_prompt_tokens);
-    bool quant = cs_model_weight_mode(w->model) == CS_WEIGHTS_QUANT;
-    cs_metric_set(w->m_weights_quant, quant);
-    cs_metric_set(w->m_weights_exact, !quant);
-    cs_sched_stats *l = &w->last_stats;
-    cs_metric_add(w->m_preemptions, (double)(st.preemptions - l->preemptions));
-    cs_metric_add(w->m_prompt_tokens,
-                  (double)(st.prompt_tokens_computed - l->prompt_tokens_computed));
-    cs_metric_add(w->m_gen_tokens, (double)(st.generated_tokens - l->generated_tokens));
-    cs_metric_add(w->m_prefix_hits, (double)(st.prefix_hit_tokens - l->prefix_hit_tokens));
-    cs_metric_add(w->m_steps, (double)(st.steps - l->steps));
-    *l = st;
+    cs_engine_metrics_update(&w->em, w->sv, w->model);
     if (w->role->metrics) w->role->metrics(w);
 }
 
@@ -206,8 +159,9 @@ static int start(cs_proc *p, void *arg) {
     w->proc = p;
     w->rl = cs_proc_rpc_loop(p);
     w->metrics = cs_proc_metrics(p);
-    cs_metrics_register_table(w->metrics, common_metrics,
-                              sizeof common_metrics / sizeof common_metrics[0], w);
+    cs_metrics_register_table(w->metrics, cs_engine_metrics_table, cs_engine_metrics_n, &w->em);
+    cs_metrics_register_table(w->metrics, worker_metrics,
+                              sizeof worker_metrics / sizeof worker_metrics[0], w);
     int r;
     if ((r = cs_worker_add_method(w, "/chunkserve.v1.Worker/GetStatus", CS_RPC_UNARY,
                                   &chunkserve__v1__worker_status_request__descriptor,
@@ -222,6 +176,8 @@ static int start(cs_proc *p, void *arg) {
     if (w->role->n_metrics_table)
         cs_metrics_register_table(w->metrics, w->role->metrics_table, w->role->n_metrics_table,
                                   w->role_data);
+    if (w->role->token_metrics)
+        cs_metrics_register_table(w->metrics, cs_token_metrics_table, cs_token_metrics_n, &w->tok);
     return 0;
 }
 
@@ -374,10 +330,13 @@ int cs_worker_main(int argc, char **argv, const cs_worker_role *role) {
     snprintf(prog, sizeof prog, "chunkserve-%s", role->name);
     for (int i = 1; i < argc; i++)
         if (!strcmp(argv[i], "--metrics-json")) { /* the table for tools and dashboards */
-            size_t n = sizeof common_metrics / sizeof common_metrics[0];
+            size_t ne = cs_engine_metrics_n, nw = sizeof worker_metrics / sizeof *worker_metrics;
+            size_t nt = role->token_metrics ? cs_token_metrics_n : 0, n = ne + nw + nt;
             cs_metric_def *all = malloc((n + role->n_metrics_table) * sizeof *all);
             if (!all) return 1;
-            memcpy(all, common_metrics, n * sizeof *all);
+            memcpy(all, cs_engine_metrics_table, ne * sizeof *all);
+            memcpy(all + ne, worker_metrics, nw * sizeof *all);
+            if (nt) memcpy(all + ne + nw, cs_token_metrics_table, nt * sizeof *all);
             if (role->n_metrics_table)
                 memcpy(all + n, role->metrics_table, role->n_metrics_table * sizeof *all);
             cs_metrics_print_json(all, n + role->n_metrics_table, stdout);

@@ -24,6 +24,7 @@
 #include "chunkserve/engine.h"
 #include "chunkserve/http.h"
 #include "chunkserve/metrics.h"
+#include "engine_metrics.h"
 #include "chunkserve/proc.h"
 #include "chunkserve/rpc.h"
 #include "chunkserve/rpc_health.h"
@@ -259,6 +260,7 @@ typedef struct {
      * w->role_data as the owner struct. */
     const cs_metric_def *metrics_table;
     size_t n_metrics_table;
+    bool token_metrics; /* exports time to first token and between tokens (w->tok) */
     /* Fills the role's status fields (kv_endpoint, ...). */
     void (*status)(cs_worker *w, Chunkserve__V1__WorkerStatus *st);
     /* Before each /metrics render. */
@@ -329,11 +331,10 @@ struct cs_worker {
     cs_worker_call *calls; /* live requests, newest first (loop thread) */
     int32_t n_calls;       /* their number (the --max-queue limit) */
     uint64_t next_id;
-    /* the common metrics table (worker.c) */
-    cs_metric *m_running, *m_waiting, *m_kv_usage, *m_kv_free, *m_kv_total, *m_preemptions,
-        *m_prompt_tokens, *m_gen_tokens, *m_prefix_hits, *m_steps, *m_queued_prefill, *m_refused,
-        *m_weights_quant, *m_weights_exact, *m_unauthenticated;
-    cs_sched_stats last_stats; /* counters already exported */
+    /* the engine's metrics (api/engine_metrics.h) and the worker's own (worker.c) */
+    cs_engine_metrics em;
+    cs_token_metrics tok; /* roles with token_metrics observe them */
+    cs_metric *m_refused, *m_unauthenticated;
 };
 
 /* Parses the role's table, loads the model, runs until SIGTERM/SIGINT, shuts

@@ -103,6 +103,18 @@ class Proc:
         return out
 
 
+def exported_series(metrics: dict) -> set:
+    """The series of a /metrics snapshot, histograms by their family name."""
+    out = set()
+    for key in metrics:
+        name, _, labels = key.partition("{")
+        for suffix in ("_bucket", "_sum", "_count"):
+            if name.endswith(suffix):
+                name, labels = name[:-len(suffix)], ""  # a histogram (ours have no labels)
+        out.add(name + ("{" + labels if labels else ""))
+    return out
+
+
 def metric(m: dict, name: str, labels: str = "") -> float:
     return m.get(f"{name}{{{labels}}}" if labels else name, 0.0)
 

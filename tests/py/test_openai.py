@@ -51,6 +51,7 @@ class Serve:
             self.proc.kill()
             pytest.fail(f"unexpected start lines {lines!r}; stderr: {self.stderr()[-3000:]}")
         self.addr = lines[0].split()[-1]
+        self.ops = lines[1].split()[-1]
         self.http = lines[2].split()[-1]
         self.channel = grpc.insecure_channel(self.addr)
         self.stub = pb.generation_pb2_grpc.GenerationStub(self.channel)
@@ -1152,3 +1153,35 @@ def test_decode_killed_mid_stream_completes_without_duplicates(cluster, tiny, pb
     got += [ch.choices[0].text for ch in it]
     assert "".join(got) == want
     assert metric(router.metrics(), "chunkserve:migrations_total") >= 1
+
+
+def test_serve_exports_the_engine_metrics(tiny, bin_dir):
+    """serve's ops port exports the engine's and the token metrics under the names the
+    workers export (one table, api/engine_metrics.c: what the chart's autoscalers and
+    dashboards read), with values that move with the requests."""
+    import urllib.request
+    from cluster_harness import exported_series, metric as metric_of
+    for _ in range(3):
+        tiny.client.completions.create(model=tiny.model, prompt="hello there", max_tokens=5,
+                                       extra_body={"ignore_eos": True})
+    with urllib.request.urlopen(f"http://{tiny.ops}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    m = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            k, v = line.rsplit(" ", 1)
+            m[k] = float(v)
+    table = json.loads(subprocess.run([str(bin_dir / "chunkserve-decode"), "--metrics-json"],
+                                      check=True, capture_output=True, text=True).stdout)
+    declared = {t["name"] + ("{" + t["labels"] + "}" if t["labels"] else "") for t in table}
+    live = exported_series(m) - {"chunkserve:draining"}
+    assert live <= declared, live - declared
+    for name in ("chunkserve:num_requests_running", "chunkserve:num_requests_waiting",
+                 "chunkserve:kv_cache_usage_perc", "chunkserve:queued_prefill_tokens",
+                 "chunkserve:time_to_first_token_seconds", "chunkserve:inter_token_latency_seconds"):
+        assert name in live, name
+    assert metric_of(m, "chunkserve:generation_tokens_total") >= 15
+    assert metric_of(m, "chunkserve:prompt_tokens_total") > 0
+    assert metric_of(m, "chunkserve:time_to_first_token_seconds_count") >= 3
+    assert metric_of(m, "chunkserve:inter_token_latency_seconds_count") >= 12
+    assert metric_of(m, "chunkserve:kv_pages_total") > 0

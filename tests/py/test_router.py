@@ -33,8 +33,8 @@ import pytest
 grpc = pytest.importorskip("grpc")
 pytest.importorskip("grpc_tools.protoc")  # stubs: conftest.proto_modules
 
-from cluster_harness import (Cluster, Proc, Reference, generate, make_tiny, metric,  # noqa: E402
-                             wait_for, wait_idle, worker_status)
+from cluster_harness import (Cluster, Proc, Reference, exported_series,  # noqa: E402
+                             generate, make_tiny, metric, wait_for, wait_idle, worker_status)
 
 pytestmark = pytest.mark.cluster
 
@@ -1227,18 +1227,6 @@ def test_prefill_worker_of_another_kv_layout_is_not_paired(cl, pb, reference):
     assert p.metric("chunkserve:prefill_requests_total") == 0
     assert local_prefills(d) == 1 and remote_prefills(d) == 0
     assert d.metric("chunkserve:kv_transfers_failed_total") == 0
-
-
-def exported_series(metrics: dict) -> set:
-    """The series of a /metrics snapshot, histograms by their family name."""
-    out = set()
-    for key in metrics:
-        name, _, labels = key.partition("{")
-        for suffix in ("_bucket", "_sum", "_count"):
-            if name.endswith(suffix):
-                name, labels = name[:-len(suffix)], ""  # a histogram (ours have no labels)
-        out.add(name + ("{" + labels if labels else ""))
-    return out
 
 
 def test_metrics_tables_match_what_is_exported(cl, worker_bins):
