@@ -38,6 +38,56 @@ static const cJSON *fn_of(const cJSON *tool) {
     return cJSON_GetObjectItemCaseSensitive(tool, "function");
 }
 
+/* Local references of tool i's parameters, rewritten to where they live in
+ * the required-mode schema: "#" and "#/$defs/X" (or definitions) become
+ * "#/$defs/tI_" and "#/$defs/tI_X". Returns whether there were any. */
+static bool rewrite_refs(cJSON *v, int i) {
+    bool any = false;
+    for (cJSON *it = v ? v->child : NULL; it; it = it->next) {
+        if (it->string && !strcmp(it->string, "$ref") && cJSON_IsString(it)) {
+            const char *r = it->valuestring, *name = NULL;
+            if (!strncmp(r, "#/$defs/", 8)) name = r + 8;
+            else if (!strncmp(r, "#/definitions/", 14)) name = r + 14;
+            else if (strcmp(r, "#")) continue; /* not local: the compiler refuses it */
+            char buf[300];
+            snprintf(buf, sizeof buf, "#/$defs/t%d_%.256s", i, name ? name : "");
+            cJSON_SetValuestring(it, buf);
+            any = true;
+        } else {
+            any |= rewrite_refs(it, i);
+        }
+    }
+    return any;
+}
+
+/* Tool i's parameters for the required-mode schema (a copy); its definitions
+ * move to defs under "tI_" names, and the parameters too when they refer to
+ * anything (then the copy is a reference to them). */
+static cJSON *required_params(const cJSON *p, int i, cJSON *defs) {
+    if (!p || cJSON_IsNull(p)) return cJSON_Parse("{\"type\":\"object\",\"properties\":{}}");
+    cJSON *copy = cJSON_Duplicate(p, true);
+    char name[300];
+    for (const char *key = "$defs"; key; key = strcmp(key, "$defs") ? NULL : "definitions") {
+        cJSON *d = cJSON_DetachItemFromObjectCaseSensitive(copy, key);
+        for (cJSON *it = d ? d->child : NULL; it;) {
+            cJSON *next = it->next;
+            snprintf(name, sizeof name, "t%d_%.256s", i, it->string);
+            cJSON *moved = cJSON_DetachItemViaPointer(d, it);
+            rewrite_refs(moved, i);
+            cJSON_AddItemToObject(defs, name, moved);
+            it = next;
+        }
+        cJSON_Delete(d);
+    }
+    if (!rewrite_refs(copy, i)) return copy;
+    snprintf(name, sizeof name, "t%d_", i);
+    cJSON_AddItemToObject(defs, name, copy);
+    cJSON *ref = cJSON_CreateObject();
+    snprintf(name, sizeof name, "#/$defs/t%d_", i);
+    cJSON_AddStringToObject(ref, "$ref", name);
+    return ref;
+}
+
 /* The schema the answer must follow for required / named. */
 static char *constraint(const cJSON *tools, oa_request *r) {
     cJSON *root = NULL;
@@ -56,7 +106,9 @@ static char *constraint(const cJSON *tools, oa_request *r) {
         cJSON_AddNumberToObject(root, "minItems", 1);
         if (!r->parallel_tools) cJSON_AddNumberToObject(root, "maxItems", 1);
         cJSON *any = cJSON_AddArrayToObject(cJSON_AddObjectToObject(root, "items"), "anyOf");
-        for (const cJSON *t = tools->child; t; t = t->next) {
+        cJSON *defs = cJSON_AddObjectToObject(root, "$defs");
+        int i = 0;
+        for (const cJSON *t = tools->child; t; t = t->next, i++) {
             const cJSON *f = fn_of(t);
             const cJSON *p = cJSON_GetObjectItemCaseSensitive(f, "parameters");
             cJSON *o = cJSON_CreateObject(), *props;
@@ -67,10 +119,7 @@ static char *constraint(const cJSON *tools, oa_request *r) {
             cJSON *en = cJSON_AddArrayToObject(nm, "enum");
             cJSON_AddItemToArray(en, cJSON_CreateString(
                                          cJSON_GetObjectItemCaseSensitive(f, "name")->valuestring));
-            cJSON_AddItemToObject(props, "parameters",
-                                  p && !cJSON_IsNull(p)
-                                      ? cJSON_Duplicate(p, true)
-                                      : cJSON_Parse("{\"type\":\"object\",\"properties\":{}}"));
+            cJSON_AddItemToObject(props, "parameters", required_params(p, i, defs));
             cJSON *req = cJSON_AddArrayToObject(o, "required");
             cJSON_AddItemToArray(req, cJSON_CreateString("name"));
             cJSON_AddItemToArray(req, cJSON_CreateString("parameters"));
@@ -287,6 +336,7 @@ static cJSON *bare_calls(const oa_request *r, const char *text) {
         while (p < end && *p != '\n') /* the fence's language tag */
             p++;
         end -= 3;
+        if (p > end) p = end; /* a one-line fence ("```{}```"): nothing inside */
     }
     cJSON *j = cJSON_ParseWithLength(p, (size_t)(end - p));
     if (cJSON_IsObject(j)) {

@@ -168,7 +168,7 @@ static int py_json(sbuf *b, const cJSON *v, int depth) {
     char num[40];
     if (!isfinite(x)) return cs_fail(CS_EINVAL, "chat: a number that is not finite");
     if (x == floor(x) && fabs(x) < 1e16) {
-        snprintf(num, sizeof num, "%.0f", x);
+        snprintf(num, sizeof num, "%.0f", x == 0 ? 0.0 : x); /* -0 read as an integer is 0 */
     } else {
         for (int p = 1; p <= 17; p++) {
             snprintf(num, sizeof num, "%.*g", p, x);

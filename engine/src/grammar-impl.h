@@ -16,6 +16,7 @@ enum { CS_G_SET, CS_G_SEQ, CS_G_ALT, CS_G_REP };
 #define CS_G_INF UINT32_MAX /* a repetition's max: unbounded */
 #define CS_G_BAD UINT32_MAX /* a builder's result after an error */
 #define CS_G_MAX_NODES (1u << 20)
+#define CS_G_MAX_SETS 4096 /* distinct byte sets (character classes) */
 
 typedef struct {
     uint8_t kind;
@@ -49,6 +50,9 @@ struct cs_grammar {
 uint32_t cs__g_set(cs_grammar *g, const cs_gset *set);
 uint32_t cs__g_range(cs_grammar *g, uint8_t lo, uint8_t hi);
 uint32_t cs__g_lit(cs_grammar *g, const char *s, size_t n);
+/* One of n literals (NUL-terminated), as a trie: alternatives only where the
+ * literals part, so a matcher follows one reading per distinct next byte. */
+uint32_t cs__g_lit_alt(cs_grammar *g, const char *const *s, uint32_t n);
 uint32_t cs__g_seq(cs_grammar *g, const uint32_t *kids, uint32_t n);
 uint32_t cs__g_alt(cs_grammar *g, const uint32_t *kids, uint32_t n);
 uint32_t cs__g_rep(cs_grammar *g, uint32_t kid, uint32_t min, uint32_t max);

@@ -72,6 +72,11 @@ uint32_t cs__g_set(cs_grammar *g, const cs_gset *set) {
     while (i < g->n_sets && memcmp(&g->sets[i], set, sizeof *set))
         i++;
     if (i == g->n_sets) {
+        if (g->n_sets >= CS_G_MAX_SETS) {
+            cs__g_fail(g, CS_EINVAL, "structured output: over %d distinct character classes",
+                       CS_G_MAX_SETS);
+            return CS_G_BAD;
+        }
         if (!grow(g, (void **)&g->sets, &g->cap_sets, g->n_sets + 1, sizeof *g->sets))
             return CS_G_BAD;
         g->sets[g->n_sets++] = *set;
@@ -85,10 +90,16 @@ uint32_t cs__g_range(cs_grammar *g, uint8_t lo, uint8_t hi) {
     return cs__g_set(g, &s);
 }
 
+/* A compiler passed on a failed node without recording why: fail anyway. */
+static uint32_t unexplained(cs_grammar *g) {
+    cs__g_fail(g, CS_EINVAL, "structured output: the constraint could not be compiled");
+    return CS_G_BAD;
+}
+
 static uint32_t add_list(cs_grammar *g, int kind, const uint32_t *kids, uint32_t n) {
     if (g->err) return CS_G_BAD;
     for (uint32_t i = 0; i < n; i++)
-        if (kids[i] == CS_G_BAD) return CS_G_BAD;
+        if (kids[i] == CS_G_BAD) return unexplained(g);
     if (!grow(g, (void **)&g->kids, &g->cap_kids, g->n_kids + n, sizeof *g->kids))
         return CS_G_BAD;
     uint32_t a = g->n_kids;
@@ -112,7 +123,8 @@ uint32_t cs__g_alt(cs_grammar *g, const uint32_t *kids, uint32_t n) {
 }
 
 uint32_t cs__g_rep(cs_grammar *g, uint32_t kid, uint32_t min, uint32_t max) {
-    if (g->err || kid == CS_G_BAD) return CS_G_BAD;
+    if (g->err) return CS_G_BAD;
+    if (kid == CS_G_BAD) return unexplained(g);
     if (max != CS_G_INF && min > max) {
         cs__g_fail(g, CS_EINVAL, "structured output: a repetition of at least %u and at most %u",
                    min, max);
@@ -150,12 +162,73 @@ uint32_t cs__g_lit(cs_grammar *g, const char *s, size_t n) {
     return r;
 }
 
+static int by_str(const void *a, const void *b) {
+    return strcmp(*(const char *const *)a, *(const char *const *)b);
+}
+
+/* The trie of the sorted strings s[lo..hi), all sharing their first d bytes. */
+static uint32_t lit_trie(cs_grammar *g, const char *const *s, uint32_t lo, uint32_t hi, size_t d) {
+    size_t run = d; /* one chain while every string goes on with the same byte */
+    for (;;) {
+        char b = s[lo][run];
+        if (!b) break;
+        uint32_t k = lo;
+        while (k < hi && s[k][run] == b)
+            k++;
+        if (k < hi) break;
+        run++;
+    }
+    uint32_t chain = cs__g_lit(g, s[lo] + d, run - d);
+    uint32_t *alts = malloc((size_t)(hi - lo + 1) * sizeof *alts), n = 0;
+    if (!alts) {
+        cs__g_fail(g, CS_ENOMEM, "structured output: out of memory");
+        return CS_G_BAD;
+    }
+    uint32_t k = lo;
+    if (!s[k][run]) alts[n++] = cs__g_seq(g, NULL, 0), k++; /* one ends here (sorted first) */
+    while (k < hi && !g->err) {
+        uint32_t e = k;
+        while (e < hi && s[e][run] == s[k][run])
+            e++;
+        alts[n++] = lit_trie(g, s, k, e, run); /* s[k..e) share run + 1 bytes */
+        k = e;
+    }
+    uint32_t r = g->err ? CS_G_BAD : n == 1 && run == d ? alts[0] : cs__g_seq2(g, chain, cs__g_alt(g, alts, n));
+    free(alts);
+    return r;
+}
+
+uint32_t cs__g_lit_alt(cs_grammar *g, const char *const *s, uint32_t n) {
+    if (g->err) return CS_G_BAD;
+    if (n == 0) {
+        cs__g_fail(g, CS_EINVAL, "structured output: an empty alternation admits nothing");
+        return CS_G_BAD;
+    }
+    const char **sorted = malloc(n * sizeof *sorted);
+    if (!sorted) {
+        cs__g_fail(g, CS_ENOMEM, "structured output: out of memory");
+        return CS_G_BAD;
+    }
+    memcpy(sorted, s, n * sizeof *sorted);
+    qsort(sorted, n, sizeof *sorted, by_str);
+    uint32_t k = 0; /* duplicates once */
+    for (uint32_t i = 0; i < n; i++)
+        if (!k || strcmp(sorted[k - 1], sorted[i])) sorted[k++] = sorted[i];
+    uint32_t r = lit_trie(g, sorted, 0, k, 0);
+    free(sorted);
+    return r;
+}
+
 uint32_t cs__g_forward(cs_grammar *g) {
     return add_node(g, (cs_gnode){.kind = CS_G_SEQ, .a = 0, .b = 0});
 }
 
 void cs__g_define(cs_grammar *g, uint32_t fwd, uint32_t node) {
-    if (g->err || fwd == CS_G_BAD || node == CS_G_BAD) return;
+    if (g->err) return;
+    if (fwd == CS_G_BAD || node == CS_G_BAD) {
+        unexplained(g);
+        return;
+    }
     if (!grow(g, (void **)&g->kids, &g->cap_kids, g->n_kids + 1, sizeof *g->kids)) return;
     g->kids[g->n_kids] = node;
     g->nodes[fwd].a = g->n_kids++;
@@ -278,6 +351,11 @@ static int finish(cs_grammar *g, bool *productive) {
             return cs__g_fail(g, CS_EINVAL,
                               "structured output: an unbounded repetition of something that can "
                               "be empty (as in (a*)*) is not supported");
+        if (n->kind == CS_G_REP && n->max != CS_G_INF && n->max > 32 && g->nodes[n->a].nullable)
+            return cs__g_fail(g, CS_EINVAL,
+                              "structured output: a repetition of up to %u of something that can "
+                              "be empty (as in (a?){100}) is not supported; at most 32",
+                              n->max);
     }
     int r = left_recursion(g);
     if (r) return r;
@@ -333,25 +411,16 @@ int cs_grammar_compile(const cs_structured *spec, cs_grammar **out) {
                            spec->n_choices, CS_GRAMMAR_MAX_CHOICES);
             break;
         }
-        uint32_t *k = malloc((size_t)spec->n_choices * sizeof *k);
-        if (!k) {
-            r = cs__g_fail(g, CS_ENOMEM, "structured output: out of memory");
-            break;
-        }
         size_t total = 0;
-        for (int32_t i = 0; i < spec->n_choices; i++) {
+        for (int32_t i = 0; i < spec->n_choices && !g->err; i++) {
             size_t n = strlen(spec->choices[i]);
             total += n;
-            if (!n || total > CS_GRAMMAR_MAX_TEXT) {
+            if (!n || total > CS_GRAMMAR_MAX_TEXT)
                 cs__g_fail(g, CS_EINVAL, n ? "choice: over %d bytes in all"
                                            : "choice: choice %d is empty",
                            n ? CS_GRAMMAR_MAX_TEXT : i);
-                break;
-            }
-            k[i] = cs__g_lit(g, spec->choices[i], n);
         }
-        if (!g->err) g->root = cs__g_alt(g, k, (uint32_t)spec->n_choices);
-        free(k);
+        if (!g->err) g->root = cs__g_lit_alt(g, spec->choices, (uint32_t)spec->n_choices);
         r = g->err;
         break;
     }
@@ -393,7 +462,7 @@ cs_grammar_stats cs_grammar_get_stats(const cs_grammar *g) { return g->stats; }
 /* ---- states ---- */
 
 #define MAX_DEPTH 512   /* frames in one thread */
-#define MAX_THREADS 128 /* ways to read the text at once */
+#define MAX_THREADS 1024 /* ways to read the text at once */
 #define MAX_FORKS 64    /* nested forks in one expansion */
 #define EXPAND_FUEL 20000 /* expansion steps for one byte */
 
@@ -413,6 +482,7 @@ typedef struct {
 static void state_clear(gstate *s) {
     s->nf = s->nth = 0;
     s->accept = false;
+    s->oom = false;
 }
 
 static void state_free(gstate *s) {
@@ -492,9 +562,8 @@ static void expand(const cs_grammar *g, gframe *w, uint32_t d, gstate *out, int 
             break;
         case CS_G_ALT: {
             if (n->b == 0) return;
-            if (forks >= MAX_FORKS) return;
             gframe w2[MAX_DEPTH];
-            for (uint32_t k = 0; k + 1 < n->b; k++) {
+            for (uint32_t k = 0; k + 1 < n->b && forks < MAX_FORKS; k++) {
                 memcpy(w2, w, (d - 1) * sizeof *w);
                 w2[d - 1] = (gframe){g->kids[n->a + k], 0};
                 expand(g, w2, d, out, forks + 1, fuel);
@@ -514,10 +583,11 @@ static void expand(const cs_grammar *g, gframe *w, uint32_t d, gstate *out, int 
                 d--;
                 break;
             }
-            if (forks >= MAX_FORKS) return;
-            gframe w2[MAX_DEPTH];
-            memcpy(w2, w, (d - 1) * sizeof *w); /* done repeating */
-            expand(g, w2, d - 1, out, forks + 1, fuel);
+            if (forks < MAX_FORKS) { /* done repeating (past the limit: that reading is lost) */
+                gframe w2[MAX_DEPTH];
+                memcpy(w2, w, (d - 1) * sizeof *w);
+                expand(g, w2, d - 1, out, forks + 1, fuel);
+            }
             if (n->max == CS_G_INF) t->idx = n->min; /* past min the count no longer matters */
             else t->idx++;
             if (n->max != CS_G_INF && t->idx == n->max) { /* the last one replaces the frame */
@@ -600,9 +670,9 @@ void cs_vocab_trie_free(cs_vocab_trie *t) {
 
 #define TRIE_MAX_TOKEN 65535 /* bytes of one token */
 
-int cs_vocab_trie_init(const cs_tokenizer *tok, cs_vocab_trie **out) {
+int cs_vocab_trie_init(const cs_tokenizer *tok, int32_t n_vocab, cs_vocab_trie **out) {
     *out = NULL;
-    int32_t n = cs_tokenizer_n_vocab(tok);
+    int32_t nt = cs_tokenizer_n_vocab(tok), n = n_vocab > nt ? n_vocab : nt;
     cs_vocab_trie *t = calloc(1, sizeof *t);
     int32_t *order = NULL, *node_of = NULL, *path = NULL;
     if (!t) return cs_fail(CS_ENOMEM, "vocabulary trie: out of memory");
@@ -616,7 +686,8 @@ int cs_vocab_trie_init(const cs_tokenizer *tok, cs_vocab_trie **out) {
         const char *b;
         size_t len = 0;
         t->kind[i] = TOK_NONE;
-        if (cs_tokenizer_is_eog(tok, i)) {
+        if (i >= nt) { /* the model's rows past the tokenizer: never allowed */
+        } else if (cs_tokenizer_is_eog(tok, i)) {
             t->kind[i] = TOK_EOG;
             t->eog_bits[i / 32] |= 1u << (i % 32);
         } else if (!cs_tokenizer_is_special(tok, i) &&
@@ -814,6 +885,7 @@ static int32_t table_intern(struct cs_mask_cache *c, const uint32_t *key, uint32
         if (e->hash == h && e->key_len == kl && !memcmp(e->key, key, kl * sizeof *key))
             return c->slot[i];
     }
+    if (c->n + 1 >= c->n_slot) return -1; /* earlier rehashes failed for want of memory */
     if (c->n == c->cap) {
         uint32_t cap = c->cap ? 2 * c->cap : 256;
         table_entry *e = realloc(c->e, cap * sizeof *e);

@@ -115,6 +115,7 @@ static uint32_t digit_range(jc *c, const char *lo, const char *hi, size_t len) {
     bool lo_zero = strspn(lo + 1, "0") >= len - 1, hi_nine = strspn(hi + 1, "9") >= len - 1;
     char nines[INT_DIGITS + 2], zeros[INT_DIGITS + 2];
     memset(nines, '9', len), memset(zeros, '0', len);
+    nines[len] = zeros[len] = 0;
     uint32_t k[3], n = 0;
     char a = lo[0], b = hi[0];
     if (!lo_zero) k[n++] = cs__g_seq2(g, cs__g_range(g, (uint8_t)a, (uint8_t)a),
@@ -363,6 +364,10 @@ static uint32_t string_schema(jc *c, const cJSON *s) {
 
 static uint32_t numeric_schema(jc *c, const cJSON *s, bool integer) {
     double lo = 0, hi = 0, x;
+    if (cJSON_IsBool(cJSON_GetObjectItemCaseSensitive(s, "exclusiveMinimum")) ||
+        cJSON_IsBool(cJSON_GetObjectItemCaseSensitive(s, "exclusiveMaximum")))
+        return fail(c, "%s", "boolean exclusiveMinimum / exclusiveMaximum (draft 4) are not "
+                             "supported: give the bound as a number");
     bool has_lo = get_num(s, "minimum", &lo), has_hi = get_num(s, "maximum", &hi);
     if (get_num(s, "exclusiveMinimum", &x)) {
         if (!integer) return fail(c, "%s", "exclusiveMinimum is supported on integers only");
@@ -391,6 +396,7 @@ static uint32_t object_schema(jc *c, const cJSON *s) {
     if (props && !cJSON_IsObject(props)) return fail(c, "%s", "'properties' must be an object");
     if (req && !cJSON_IsArray(req)) return fail(c, "%s", "'required' must be an array");
     int n = props ? cJSON_GetArraySize(props) : 0;
+    if (n > 1024) return fail(c, "%s", "over 1024 properties in one object");
     cJSON *r;
     cJSON_ArrayForEach(r, req) {
         if (!cJSON_IsString(r)) return fail(c, "%s", "'required' must list strings");
@@ -417,16 +423,19 @@ static uint32_t object_schema(jc *c, const cJSON *s) {
             g, (uint32_t[]){key_literal(c, p->string), c->ws, tok(c, ":"), c->ws, schema(c, p)}, 5);
         i++;
     }
-    /* tail(i): properties i.. after at least one was written (each with a
-     * comma); head(i): before any was (the first without one) */
-    uint32_t tail = cs__g_seq(g, NULL, 0), head = tail;
+    /* pick(i): the next property written is one of i.. up to the first
+     * required one, then tail; tail(i): after at least one was written, the
+     * rest of i.. behind one comma (optional while none of them is required) */
+    uint32_t tail = cs__g_seq(g, NULL, 0), pick = CS_G_BAD, none = tail;
+    bool req_after = false;
     for (i = n - 1; i >= 0; i--) {
-        uint32_t with = cs__g_seq3(g, comma(c), member[i], tail);
         uint32_t first = cs__g_seq2(g, member[i], tail);
-        uint32_t ntail = required[i] ? with : cs__g_alt2(g, with, tail);
-        head = required[i] ? first : cs__g_alt2(g, first, head);
-        tail = ntail;
+        pick = required[i] || pick == CS_G_BAD ? first : cs__g_alt2(g, first, pick);
+        req_after |= required[i];
+        uint32_t more = cs__g_seq2(g, comma(c), pick);
+        tail = req_after ? more : cs__g_alt2(g, none, more);
     }
+    uint32_t head = req_after ? pick : cs__g_alt2(g, none, pick);
     free(member), free(required);
     return cs__g_seq(g, (uint32_t[]){tok(c, "{"), c->ws, head, c->ws, tok(c, "}")}, 5);
 }
@@ -443,6 +452,10 @@ static uint32_t array_schema(jc *c, const cJSON *s) {
                     : cJSON_IsFalse(items)         ? CS_G_BAD
                                                    : schema(c, items);
     if (g->err) return CS_G_BAD;
+    if (!prefix && item == CS_G_BAD) { /* items false: the empty array only */
+        if (min > 0) return fail(c, "%s", "'items': false with minItems above 0 admits nothing");
+        return array_of(c, c->value_any, 0, 0);
+    }
     if (!prefix) return array_of(c, item, min, max);
     if (!cJSON_IsArray(prefix)) return fail(c, "%s", "'prefixItems' must be an array");
     int np = cJSON_GetArraySize(prefix);
@@ -516,16 +529,15 @@ static uint32_t schema(jc *c, const cJSON *s) {
             node = fail(c, "%s", "'enum' must be a non-empty array");
             goto out;
         }
-        uint32_t *k = malloc((size_t)n * sizeof *k);
-        if (!k) {
-            cs__g_fail(g, CS_ENOMEM, "json_schema: out of memory");
-            goto out;
-        }
+        char **lits = calloc((size_t)n, sizeof *lits);
         int i = 0;
         cJSON *v;
-        cJSON_ArrayForEach(v, en) k[i++] = value_literal(c, v);
-        node = cs__g_alt(g, k, (uint32_t)n);
-        free(k);
+        if (lits) cJSON_ArrayForEach(v, en) if (!(lits[i++] = cJSON_PrintUnformatted(v))) break;
+        if (!lits || !lits[n - 1]) cs__g_fail(g, CS_ENOMEM, "json_schema: out of memory");
+        else node = cs__g_lit_alt(g, (const char *const *)lits, (uint32_t)n);
+        for (i = 0; lits && i < n; i++)
+            free(lits[i]);
+        free(lits);
     } else if (any) {
         int n = cJSON_IsArray(any) ? cJSON_GetArraySize(any) : 0;
         if (n < 1) {

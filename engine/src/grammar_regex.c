@@ -191,6 +191,7 @@ static bool escape(rx *r, cclass *c, bool in_class) {
     default:
         if (e >= '1' && e <= '9')
             return bad(r, "%s", "backreferences are not supported"), false;
+        if (e == '0') return bad(r, "%s", "\\0 and octal escapes are not supported"), false;
         if ((unsigned char)e >= 0x80 || (e >= 'a' && e <= 'z') || (e >= 'A' && e <= 'Z'))
             return bad(r, "unknown escape \\%s", (char[]){e, 0}), false;
         cs__gset_add(&c->ascii, (uint8_t)e); /* \. \\ \[ \- ... */

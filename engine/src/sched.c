@@ -264,7 +264,7 @@ static int grammar_for(cs_sched *s, const cs_structured *sp, cs_grammar **out) {
 /* The request's matcher, with its resumed tokens fed. */
 static int start_matcher(cs_sched *s, seq *q, const cs_request *r, int32_t n_real) {
     if (!s->trie) {
-        int rc = cs_vocab_trie_init(s->tok, &s->trie);
+        int rc = cs_vocab_trie_init(s->tok, s->n_vocab, &s->trie);
         if (rc) return rc;
     }
     cs_grammar *g = NULL;
@@ -541,39 +541,35 @@ static void unlink_running(cs_sched *s, seq *q) {
 /* Records token id for q (sampled here, or by the prefill side) and emits
  * its event. A finished sequence leaves the running list: freed now, or kept
  * until the next step when its pages are reported (PREFILL_ONLY). */
+/* A running sequence ends with an error event (left running without a
+ * token, it would never be scheduled again). */
+static void end_in_error(cs_sched *s, seq *q, int status, const char *error) {
+    cs_event *ev = next_event(s, NULL);
+    ev->id = q->id;
+    ev->finish = CS_FINISH_ERROR;
+    ev->n_prompt_tokens = q->n_prompt;
+    ev->n_completion_tokens = q->n_tokens - q->n_prompt;
+    ev->error = error;
+    ev->status = status;
+    unlink_running(s, q);
+    seq_free(s, q);
+}
+
 static int emit_token(cs_sched *s, seq *q, int32_t id, const cs_logprobs *lp, const int32_t *pages,
                       int32_t first_page, int32_t n_pages) {
     char *text = NULL;
     enum cs_finish fin = CS_FINISH_NONE;
-    if (q->kv_mode == CS_KV_PREFILL_ONLY)
+    if (q->kv_mode == CS_KV_PREFILL_ONLY) {
         fin = CS_FINISH_LENGTH; /* one token; the decode side applies the stop rules */
-    else if (cs_stop_push(q->stop, id, &text, &fin) != 0) {
-        /* no memory for its text: this request ends with an error (left
-         * running without its token, it would never be scheduled again) */
-        cs_event *ev = next_event(s, NULL);
-        ev->id = q->id;
-        ev->finish = CS_FINISH_ERROR;
-        ev->n_prompt_tokens = q->n_prompt;
-        ev->n_completion_tokens = q->n_tokens - q->n_prompt;
-        ev->error = "out of memory for the request's text";
-        ev->status = CS_ENOMEM;
-        unlink_running(s, q);
-        seq_free(s, q);
+    } else if (cs_stop_push(q->stop, id, &text, &fin) != 0) {
+        end_in_error(s, q, CS_ENOMEM, "out of memory for the request's text");
         return 0;
     }
     /* the structured output follows the token (a first token from a bad peer
      * that breaks it ends the request) */
     if (q->gm && cs_matcher_accept(q->gm, id) != 0) {
         free(text);
-        cs_event *ev = next_event(s, NULL);
-        ev->id = q->id;
-        ev->finish = CS_FINISH_ERROR;
-        ev->n_prompt_tokens = q->n_prompt;
-        ev->n_completion_tokens = q->n_tokens - q->n_prompt;
-        ev->error = "the token does not follow the request's structured output";
-        ev->status = CS_EINVAL;
-        unlink_running(s, q);
-        seq_free(s, q);
+        end_in_error(s, q, CS_EINVAL, "the token does not follow the request's structured output");
         return 0;
     }
     /* the stop string that ended it travels after the text, in its allocation (the
@@ -870,7 +866,12 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
         }
         cs_logprobs lp;
         const uint32_t *allow = NULL;
-        if (q->gm && cs_matcher_mask(q->gm, &allow) < 0) allow = NULL; /* out of memory */
+        if (q->gm && cs_matcher_mask(q->gm, &allow) < 0) {
+            li++;
+            end_in_error(s, q, CS_ENOMEM, "out of memory for the structured output's mask");
+            s->owners[i] = NULL;
+            continue;
+        }
         int32_t id = cs_sampler_sample_allowed(q->smp, s->logits + (size_t)li++ * s->n_vocab,
                                                allow, q->top_logprobs, q->logprobs ? &lp : NULL);
         if ((r = emit_token(s, q, id, &lp, n_new ? q->pt.pages + first : NULL, first, n_new)))

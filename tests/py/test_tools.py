@@ -226,3 +226,31 @@ def test_auto_reads_tool_call_blocks(smol):
     assert name == "get_weather" and args["city"] in ("Paris", "Rome")
     assert streamed(ask(smol, "Weather in Paris?", stream=True, **kw)) == \
         ("Let me check the weather.", [(name, args)], "tool_calls")
+
+
+def test_required_with_refs_and_odd_answers(smol):
+    """tool_choice required with a pydantic-style tool ($defs and $ref in its parameters: the
+    definitions move with the tool), and answers auto mode must read as content: a one-line
+    ``` fence, an object naming no tool."""
+    book = {"type": "function", "function": {"name": "add_book", "parameters": {
+        "type": "object", "$defs": {"Author": {"type": "object", "properties": {
+            "name": {"type": "string", "maxLength": 20}}, "required": ["name"]}},
+        "properties": {"title": {"type": "string", "maxLength": 30},
+                       "author": {"$ref": "#/$defs/Author"}},
+        "required": ["title", "author"]}}}
+    r = smol.client.chat.completions.create(
+        model=smol.model, messages=[{"role": "user", "content": "Add Dune by Frank Herbert."}],
+        tools=[book, ADD], tool_choice="required", temperature=0, max_tokens=120)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls"
+    for name, args in calls_of(c.message):
+        schema = dict(book["function"]["parameters"]) if name == "add_book" else SCHEMAS[name]
+        jsonschema.validate(args, schema)
+    for regex, content in ((r"```\{\}```", "```{}```"),
+                           (r'\{"name": "nope", "arguments": \{\}\}',
+                            '{"name": "nope", "arguments": {}}')):
+        r = ask(smol, "hi", max_tokens=30, extra_body={"guided_regex": regex})
+        assert r.choices[0].message.content == content and not r.choices[0].message.tool_calls
+        assert r.choices[0].finish_reason == "stop"
+        assert streamed(ask(smol, "hi", stream=True, max_tokens=30,
+                            extra_body={"guided_regex": regex})) == (content, [], "stop")

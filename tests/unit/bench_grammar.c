@@ -50,7 +50,7 @@ int main(int argc, char **argv) {
     cs_tokenizer *tok;
     cs_vocab_trie *trie;
     cs_grammar *g;
-    if (cs_tokenizer_load(argv[1], &tok) || cs_vocab_trie_init(tok, &trie)) {
+    if (cs_tokenizer_load(argv[1], &tok) || cs_vocab_trie_init(tok, 0, &trie)) {
         fprintf(stderr, "%s\n", cs_last_error());
         return 1;
     }

@@ -237,6 +237,59 @@ static void test_schema(void) {
     REJECTS(g, "{\"root\":{\"kids\":[]},\"code\":\"ZZ-0\",\"note\":null}");
     cs_grammar_free(g);
 
+    /* wide alternations: every reading kept (choices and enums are tries, the
+     * optional properties one comma) */
+    {
+        char buf[16384];
+        int n = snprintf(buf, sizeof buf, "{\"enum\":[");
+        for (int i = 0; i < 300; i++)
+            n += snprintf(buf + n, sizeof buf - (size_t)n, "%s\"v%d\"", i ? "," : "", i);
+        snprintf(buf + n, sizeof buf - (size_t)n, "]}");
+        g = compile(CS_STRUCTURED_JSON_SCHEMA, buf);
+        ACCEPTS(g, "\"v299\"");
+        ACCEPTS(g, "\"v3\"");
+        PREFIX(g, "\"v29");
+        REJECTS(g, "\"v300\"");
+        cs_grammar_free(g);
+        n = snprintf(buf, sizeof buf, "{\"type\":\"object\",\"properties\":{");
+        for (int i = 0; i < 80; i++)
+            n += snprintf(buf + n, sizeof buf - (size_t)n, "%s\"p%d\":{\"type\":\"integer\"}",
+                          i ? "," : "", i);
+        snprintf(buf + n, sizeof buf - (size_t)n, "}}");
+        g = compile(CS_STRUCTURED_JSON_SCHEMA, buf);
+        ACCEPTS(g, "{\"p0\":1}");
+        ACCEPTS(g, "{\"p79\": 2}");
+        ACCEPTS(g, "{\"p3\":1, \"p50\":2,\n  \"p79\":3}");
+        ACCEPTS(g, "{}");
+        REJECTS(g, "{\"p50\":1,\"p3\":2}");
+        cs_grammar_free(g);
+        const char *many[400];
+        char names[400][8];
+        for (int i = 0; i < 400; i++) {
+            snprintf(names[i], sizeof names[i], "c%d", i);
+            many[i] = names[i];
+        }
+        cs_structured s = {.kind = CS_STRUCTURED_CHOICE, .choices = many, .n_choices = 400};
+        ASSERT_EQ_INT(cs_grammar_compile(&s, &g), 0);
+        ACCEPTS(g, "c399");
+        ACCEPTS(g, "c1");
+        ACCEPTS(g, "c10");
+        PREFIX(g, "c39");
+        REJECTS(g, "c400");
+        cs_grammar_free(g);
+    }
+    /* items: false through a reference: the empty array only */
+    g = compile(CS_STRUCTURED_JSON_SCHEMA,
+                "{\"type\":\"object\",\"properties\":{\"a\":{\"$ref\":\"#/$defs/x\"}},"
+                "\"required\":[\"a\"],\"$defs\":{\"x\":{\"type\":\"array\",\"items\":false}}}");
+    ACCEPTS(g, "{\"a\":[]}");
+    REJECTS(g, "{\"a\":}");
+    REJECTS(g, "{\"a\":[1]}");
+    cs_grammar_free(g);
+    refused(CS_STRUCTURED_REGEX, "a\\0b", "octal");
+    refused(CS_STRUCTURED_REGEX, "(a?){100}b", "at most 32");
+    refused(CS_STRUCTURED_JSON_SCHEMA, "{\"type\":\"integer\",\"minimum\":0,\"exclusiveMinimum\":true}",
+            "draft 4");
     refused(CS_STRUCTURED_JSON_SCHEMA, "{\"oneOf\":[{\"type\":\"string\"}]}", "'oneOf'");
     refused(CS_STRUCTURED_JSON_SCHEMA, "{\"type\":\"array\",\"uniqueItems\":true}", "'uniqueItems'");
     refused(CS_STRUCTURED_JSON_SCHEMA, "{\"type\":\"object\"", "not valid JSON");
@@ -333,7 +386,7 @@ static char *random_walk(cs_grammar *g, int max_tokens) {
 }
 
 static void test_masks(void) {
-    ASSERT_EQ_INT(cs_vocab_trie_init(tok, &trie), 0);
+    ASSERT_EQ_INT(cs_vocab_trie_init(tok, 0, &trie), 0);
     cs_grammar *g = compile(CS_STRUCTURED_JSON_SCHEMA,
                             "{\"type\":\"object\",\"properties\":{\"name\":{\"type\":\"string\",\"maxLength\":8},"
                             "\"n\":{\"type\":\"integer\",\"minimum\":0,\"maximum\":300},"
@@ -377,7 +430,7 @@ int main(void) {
     char path[1024];
     snprintf(path, sizeof path, "%s/f32/tiny.gguf", getenv("CS_TINY_DIR"));
     ASSERT_EQ_INT(cs_tokenizer_load(path, &tok), 0);
-    ASSERT_EQ_INT(cs_vocab_trie_init(tok, &trie), 0); /* byte-level matching needs one too */
+    ASSERT_EQ_INT(cs_vocab_trie_init(tok, 0, &trie), 0); /* byte-level matching needs one too */
     test_regex();
     test_choice();
     test_json_object();

@@ -55,9 +55,12 @@ cs_grammar *cs_grammar_ref(cs_grammar *g);
 void cs_grammar_free(cs_grammar *g); /* drops one reference; NULL is a no-op */
 
 /* A tokenizer's vocabulary as a byte trie, for computing masks. Built once
- * per tokenizer (tens of milliseconds for 150k tokens); read-only after. */
+ * per tokenizer (tens of milliseconds for 150k tokens); read-only after.
+ * n_vocab: the model's vocabulary, when it has more rows than the tokenizer
+ * has tokens (Qwen2.5: 151,936 and 151,665): masks cover it, its extra ids
+ * never allowed (0 = the tokenizer's size). */
 typedef struct cs_vocab_trie cs_vocab_trie;
-int cs_vocab_trie_init(const struct cs_tokenizer *tok, cs_vocab_trie **out);
+int cs_vocab_trie_init(const struct cs_tokenizer *tok, int32_t n_vocab, cs_vocab_trie **out);
 void cs_vocab_trie_free(cs_vocab_trie *t);
 
 /* One sequence's position in a grammar. */
