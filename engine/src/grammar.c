@@ -799,7 +799,7 @@ struct cs_mask_cache {
     gstate tmp, out; /* scratch for transitions */
 };
 
-#define TABLE_BYTES (256u << 20) /* per grammar */
+#define TABLE_BYTES (32u << 20) /* per grammar: the scheduler keeps 32, so at most 1 GiB */
 #define TABLE_MAX_STATES (1u << 20)
 
 static void mask_cache_clear(struct cs_mask_cache *c) {
