@@ -212,11 +212,9 @@ static uint32_t number_any(jc *c, bool integer) {
     return cs__g_seq(g, (uint32_t[]){sign, intpart, opt(c, fraction(c)), opt(c, exp)}, 4);
 }
 
-/* A JSON string literal for s, as cJSON writes it. */
-static uint32_t key_literal(jc *c, const char *s) {
-    cJSON *str = cJSON_CreateString(s);
-    char *p = str ? cJSON_PrintUnformatted(str) : NULL;
-    cJSON_Delete(str);
+/* The JSON text of v, as cJSON writes it. */
+static uint32_t value_literal(jc *c, const cJSON *v) {
+    char *p = v ? cJSON_PrintUnformatted(v) : NULL;
     if (!p) {
         cs__g_fail(c->g, CS_ENOMEM, "json_schema: out of memory");
         return CS_G_BAD;
@@ -226,14 +224,11 @@ static uint32_t key_literal(jc *c, const char *s) {
     return n;
 }
 
-static uint32_t value_literal(jc *c, const cJSON *v) {
-    char *p = cJSON_PrintUnformatted(v);
-    if (!p) {
-        cs__g_fail(c->g, CS_ENOMEM, "json_schema: out of memory");
-        return CS_G_BAD;
-    }
-    uint32_t n = L(c, p);
-    free(p);
+/* A JSON string literal for s. */
+static uint32_t key_literal(jc *c, const char *s) {
+    cJSON *str = cJSON_CreateString(s);
+    uint32_t n = value_literal(c, str);
+    cJSON_Delete(str);
     return n;
 }
 

@@ -437,6 +437,27 @@ static uint32_t parse_repeat(rx *r) {
     return atom;
 }
 
+/* Appends node x to the list k (n of cap); on a failed x or no memory frees
+ * the list and returns false. */
+static bool push(rx *r, uint32_t **k, uint32_t *n, uint32_t *cap, uint32_t x) {
+    if (x != CS_G_BAD && *n == *cap) {
+        uint32_t c = *cap ? 2 * *cap : 8, *q = realloc(*k, c * sizeof *q);
+        if (!q) {
+            cs__g_fail(r->g, CS_ENOMEM, "%s: out of memory", r->what);
+            x = CS_G_BAD;
+        } else {
+            *k = q, *cap = c;
+        }
+    }
+    if (x == CS_G_BAD) {
+        free(*k);
+        *k = NULL;
+        return false;
+    }
+    (*k)[(*n)++] = x;
+    return true;
+}
+
 static uint32_t parse_concat(rx *r) {
     uint32_t *k = NULL, n = 0, cap = 0, node;
     while (r->i < r->n && r->s[r->i] != '|' && r->s[r->i] != ')') {
@@ -444,22 +465,7 @@ static uint32_t parse_concat(rx *r) {
             r->i++;
             break;
         }
-        uint32_t x = parse_repeat(r);
-        if (x == CS_G_BAD) {
-            free(k);
-            return x;
-        }
-        if (n == cap) {
-            cap = cap ? 2 * cap : 8;
-            uint32_t *q = realloc(k, cap * sizeof *q);
-            if (!q) {
-                free(k);
-                cs__g_fail(r->g, CS_ENOMEM, "%s: out of memory", r->what);
-                return CS_G_BAD;
-            }
-            k = q;
-        }
-        k[n++] = x;
+        if (!push(r, &k, &n, &cap, parse_repeat(r))) return CS_G_BAD;
     }
     node = cs__g_seq(r->g, k, n); /* n == 0: the empty string */
     free(k);
@@ -469,22 +475,7 @@ static uint32_t parse_concat(rx *r) {
 static uint32_t parse_alt(rx *r) {
     uint32_t *k = NULL, n = 0, cap = 0, node;
     for (;;) {
-        uint32_t x = parse_concat(r);
-        if (x == CS_G_BAD) {
-            free(k);
-            return x;
-        }
-        if (n == cap) {
-            cap = cap ? 2 * cap : 4;
-            uint32_t *q = realloc(k, cap * sizeof *q);
-            if (!q) {
-                free(k);
-                cs__g_fail(r->g, CS_ENOMEM, "%s: out of memory", r->what);
-                return CS_G_BAD;
-            }
-            k = q;
-        }
-        k[n++] = x;
+        if (!push(r, &k, &n, &cap, parse_concat(r))) return CS_G_BAD;
         if (r->i < r->n && r->s[r->i] == '|') {
             r->i++;
             continue;

@@ -538,12 +538,8 @@ static void unlink_running(cs_sched *s, seq *q) {
     s->st.requests_finished++;
 }
 
-/* Records token id for q (sampled here, or by the prefill side) and emits
- * its event. A finished sequence leaves the running list: freed now, or kept
- * until the next step when its pages are reported (PREFILL_ONLY). */
-/* A running sequence ends with an error event (left running without a
- * token, it would never be scheduled again). */
-static void end_in_error(cs_sched *s, seq *q, int status, const char *error) {
+/* An error event ending q (its caller frees it). */
+static void error_event(cs_sched *s, const seq *q, int status, const char *error) {
     cs_event *ev = next_event(s, NULL);
     ev->id = q->id;
     ev->finish = CS_FINISH_ERROR;
@@ -551,9 +547,19 @@ static void end_in_error(cs_sched *s, seq *q, int status, const char *error) {
     ev->n_completion_tokens = q->n_tokens - q->n_prompt;
     ev->error = error;
     ev->status = status;
+}
+
+/* A running sequence ends with an error event (left running without a
+ * token, it would never be scheduled again). */
+static void end_in_error(cs_sched *s, seq *q, int status, const char *error) {
+    error_event(s, q, status, error);
     unlink_running(s, q);
     seq_free(s, q);
 }
+
+/* Records token id for q (sampled here, or by the prefill side) and emits
+ * its event. A finished sequence leaves the running list: freed now, or kept
+ * until the next step when its pages are reported (PREFILL_ONLY). */
 
 static int emit_token(cs_sched *s, seq *q, int32_t id, const cs_logprobs *lp, const int32_t *pages,
                       int32_t first_page, int32_t n_pages) {
@@ -644,15 +650,8 @@ static int join_ready(cs_sched *s) {
 static void fail_all(cs_sched *s, const char *why) {
     seq **lists[] = {&s->running, &s->waiting, &s->remote};
     for (int i = 0; i < 3; i++)
-        for (seq *q = *lists[i]; q; q = q->next) {
-            cs_event *ev = next_event(s, NULL);
-            ev->id = q->id;
-            ev->finish = CS_FINISH_ERROR;
-            ev->n_prompt_tokens = q->n_prompt;
-            ev->n_completion_tokens = q->n_tokens - q->n_prompt;
-            ev->error = why;
-            ev->status = CS_EIO;
-        }
+        for (seq *q = *lists[i]; q; q = q->next)
+            error_event(s, q, CS_EIO, why);
     for (int i = 0; i < 3; i++)
         free_list(s, lists[i]);
     s->n_waiting = s->n_running = s->n_remote = s->n_kv_ready = 0;
