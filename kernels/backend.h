@@ -116,7 +116,7 @@ typedef struct {
     int32_t pos;           /* position of tokens[0] = tokens already cached */
     const int32_t *pages;  /* page table covering positions [0, pos + n_tokens) */
     int32_t n_pages;
-    bool want_logits; /* logits of the span's last token */
+    int32_t n_logits; /* logits of the span's last n_logits tokens */
 } cs_backend_span;
 
 typedef struct cs_backend cs_backend;

@@ -109,6 +109,9 @@ int cs_engine_step(cs_engine *e, const cs_span *spans, int32_t n_spans, float *l
         const cs_span *sp = &spans[s];
         if (sp->n_tokens < 1 || !sp->tokens)
             return cs_fail(CS_EINVAL, "step: span %d has no tokens", s);
+        if (sp->n_logits < 0 || sp->n_logits > sp->n_tokens)
+            return cs_fail(CS_EINVAL, "step: span %d asks the logits of %d of its %d tokens", s,
+                           sp->n_logits, sp->n_tokens);
         if (sp->pos < 0 || (int64_t)sp->pos + sp->n_tokens > c->ctx_len)
             return cs_fail(
                 CS_EINVAL,
@@ -141,7 +144,7 @@ int cs_engine_step(cs_engine *e, const cs_span *spans, int32_t n_spans, float *l
     }
     for (int32_t s = 0; s < n_spans; s++)
         e->bspans[s] = (cs_backend_span){spans[s].tokens, spans[s].n_tokens, spans[s].pos,
-                                         spans[s].pages,  spans[s].n_pages,  spans[s].want_logits};
+                                         spans[s].pages,  spans[s].n_pages,  spans[s].n_logits};
     return e->be->iface->forward(e->be->ctx, e->bspans, n_spans, (int32_t)n_tokens, logits);
 }
 

@@ -192,6 +192,16 @@ static void raw_logprobs(const float *raw, int32_t n, int32_t chosen, int32_t n_
         lp->top_logprobs[j] = raw[lp->top_ids[j]] - mx - ls;
 }
 
+void cs_prompt_logprob_of(const float *logits, int32_t n_vocab, int32_t token, int32_t n_top,
+                          cs_prompt_logprob *out) {
+    out->token = token;
+    raw_logprobs(logits, n_vocab, token, n_top, &out->lp);
+    int32_t above = 0;
+    for (int32_t i = 0; i < n_vocab; i++)
+        above += logits[i] > logits[token];
+    out->rank = above + 1;
+}
+
 /* Whether some allowed token is outside the suppressed ones. */
 static bool allowed_outside(const uint32_t *allow, int32_t n, const int32_t *sup, size_t n_sup) {
     for (int32_t w = 0; w < (n + 31) / 32; w++)

@@ -40,6 +40,10 @@ typedef struct seq {
     bool kv_ready;      /* REMOTE: the KV is in place; join at the next step */
     int32_t first_token;
     cs_logprobs first_lp; /* REMOTE with logprobs: the first token's, from the prefill side */
+    /* prompt_logprobs: entry i for prompt token i + 1 (from the logits at
+     * position i), n_plp of them computed; handed to the first token's event */
+    cs_prompt_logprob *plp;
+    int32_t n_plp, plp_top;
     struct seq *next;     /* in its list (waiting, running: ordered by arrival) */
 } seq;
 
@@ -73,9 +77,10 @@ struct cs_sched {
     cs_span *spans;
     seq **owners;
     float *logits;
-    int32_t cap_spans;
+    int32_t cap_spans, cap_rows;
     cs_event *events;
-    char **texts; /* texts of the last step's events, freed at the next step */
+    char **texts;              /* texts of the last step's events, freed at the next step */
+    cs_prompt_logprob **plps; /* their prompt logprobs, likewise */
     int32_t n_events, cap_events;
 };
 
@@ -116,13 +121,14 @@ static void seq_free(cs_sched *s, seq *q) {
     cs_sampler_free(q->smp);
     cs_stop_free(q->stop);
     cs_matcher_free(q->gm);
+    free(q->plp);
     free(q->tokens);
     free(q);
 }
 
 static void free_texts(cs_sched *s) {
     for (int32_t i = 0; i < s->n_events; i++)
-        free(s->texts[i]);
+        free(s->texts[i]), free(s->plps[i]);
     s->n_events = 0;
 }
 
@@ -140,6 +146,7 @@ void cs_sched_free(cs_sched *s) {
     free_list(s, &s->retired);
     free_texts(s);
     free(s->spans), free(s->owners), free(s->logits), free(s->events), free(s->texts);
+    free(s->plps);
     for (int i = 0; i < CS_SCHED_GRAMMARS; i++) {
         free(s->grammars[i].key);
         cs_grammar_free(s->grammars[i].g);
@@ -293,6 +300,15 @@ int cs_sched_add(cs_sched *s, const cs_request *r) {
     if (r->top_logprobs < 0 || r->top_logprobs > CS_MAX_TOP_LOGPROBS)
         return cs_fail(CS_EINVAL, "request %llu: top_logprobs %d must be in [0, %d]",
                        (unsigned long long)r->id, r->top_logprobs, CS_MAX_TOP_LOGPROBS);
+    bool plp = r->prompt_logprobs && r->kv_mode != CS_KV_REMOTE;
+    if (plp && (r->prompt_top_logprobs < 0 || r->prompt_top_logprobs > CS_MAX_TOP_LOGPROBS))
+        return cs_fail(CS_EINVAL, "request %llu: prompt_top_logprobs %d must be in [0, %d]",
+                       (unsigned long long)r->id, r->prompt_top_logprobs, CS_MAX_TOP_LOGPROBS);
+    if (plp && r->n_resumed)
+        return cs_fail(CS_EINVAL,
+                       "request %llu: prompt logprobs of a resumed request (they come with its "
+                       "first token, which was sent before)",
+                       (unsigned long long)r->id);
     if ((unsigned)r->kv_mode > CS_KV_REMOTE)
         return cs_fail(CS_EINVAL, "request %llu: unknown kv mode %d", (unsigned long long)r->id,
                        (int)r->kv_mode);
@@ -341,6 +357,11 @@ int cs_sched_add(cs_sched *s, const cs_request *r) {
         if (!rc && fin != CS_FINISH_NONE)
             rc = cs_fail(CS_EINVAL, "request %llu: its resumed tokens already end the sequence",
                          (unsigned long long)r->id);
+    }
+    if (!rc && plp) {
+        q->plp = malloc((size_t)(r->n_prompt > 1 ? r->n_prompt - 1 : 1) * sizeof *q->plp);
+        if (!q->plp) rc = cs_fail(CS_ENOMEM, "out of memory");
+        q->plp_top = r->prompt_top_logprobs;
     }
     if (!rc) { /* the prompt and its hash chain's seed, before any page is taken */
         memcpy(q->tokens, r->prompt, (size_t)r->n_prompt * sizeof(int32_t));
@@ -444,8 +465,8 @@ int cs_sched_cancel(cs_sched *s, uint64_t id) {
 /* Takes back the longest cached prefix of a sequence that has nothing
  * computed, leaving at least one token to compute (it yields the logits). */
 static void reuse_prefix(cs_sched *s, seq *q) {
-    if (!s->p.enable_prefix_caching || q->n_computed || q->pt.n_pages)
-        return; /* pages reserved at add */
+    if (!s->p.enable_prefix_caching || q->n_computed || q->pt.n_pages || q->plp)
+        return; /* pages reserved at add; prompt logprobs need every position's logits */
     int32_t full = (q->n_tokens - 1) / s->page_size;
     if (full > q->pt.cap) {
         int32_t *np = realloc(q->pt.pages, (size_t)full * sizeof *np);
@@ -500,22 +521,51 @@ static int grow_scratch(cs_sched *s, int32_t n) {
     if (sp) s->spans = sp;
     seq **ow = realloc(s->owners, (size_t)cap * sizeof *ow);
     if (ow) s->owners = ow;
-    float *lg = realloc(s->logits, (size_t)cap * (size_t)s->n_vocab * sizeof *lg);
-    if (lg) s->logits = lg;
     cs_event *ev = realloc(s->events, 2 * (size_t)cap * sizeof *ev);
     if (ev) s->events = ev;
     char **tx = realloc(s->texts, 2 * (size_t)cap * sizeof *tx);
     if (tx) s->texts = tx;
-    if (!sp || !ow || !lg || !ev || !tx) return cs_fail(CS_ENOMEM, "scheduler: out of memory");
+    cs_prompt_logprob **pl = realloc(s->plps, 2 * (size_t)cap * sizeof *pl);
+    if (pl) s->plps = pl;
+    if (!sp || !ow || !ev || !tx || !pl) return cs_fail(CS_ENOMEM, "scheduler: out of memory");
     s->cap_spans = cap;
     s->cap_events = 2 * cap;
     return 0;
 }
 
+static int grow_logits(cs_sched *s, int32_t rows) {
+    if (rows <= s->cap_rows) return 0;
+    float *lg = realloc(s->logits, (size_t)rows * (size_t)s->n_vocab * sizeof *lg);
+    if (!lg) return cs_fail(CS_ENOMEM, "scheduler: out of memory for %d rows of logits", rows);
+    s->logits = lg;
+    s->cap_rows = rows;
+    return 0;
+}
+
+/* Prompt-logprob rows a chunk of k tokens of q yields: one per prompt
+ * position it covers (i, whose logits give token i + 1's) not done yet. */
+static int32_t plp_rows(const seq *q, int32_t k) {
+    if (!q->plp) return 0;
+    int32_t lo = q->n_computed > q->n_plp ? q->n_computed : q->n_plp;
+    int32_t hi = q->n_computed + k < q->n_prompt - 1 ? q->n_computed + k : q->n_prompt - 1;
+    return hi > lo ? hi - lo : 0;
+}
+
+/* k capped so that the chunk yields at most room prompt-logprob rows. */
+static int32_t plp_cap(const seq *q, int32_t k, int32_t room) {
+    if (plp_rows(q, k) <= room) return k;
+    int32_t lo = q->n_computed > q->n_plp ? q->n_computed : q->n_plp;
+    return lo - q->n_computed + room;
+}
+
+/* A span of k tokens of q. Its logits rows: its prompt-logprob rows, then
+ * (when it reaches the last known token) the row to sample from; they are
+ * the span's last rows, as cs_span asks. */
 static void add_span(cs_sched *s, int32_t *n_spans, seq *q, int32_t k) {
-    s->spans[*n_spans] =
-        (cs_span){q->tokens + q->n_computed,       k, q->n_computed, q->pt.pages, q->pt.n_pages,
-                  q->n_computed + k == q->n_tokens};
+    bool last = q->n_computed + k == q->n_tokens;
+    int32_t rows = plp_rows(q, k);
+    s->spans[*n_spans] = (cs_span){q->tokens + q->n_computed, k, q->n_computed, q->pt.pages,
+                                   q->pt.n_pages, rows ? rows + last : last};
     s->owners[(*n_spans)++] = q;
 }
 
@@ -524,6 +574,7 @@ static void add_span(cs_sched *s, int32_t *n_spans, seq *q, int32_t k) {
 static cs_event *next_event(cs_sched *s, char *text) {
     CS_ASSERT(s->n_events < s->cap_events);
     s->texts[s->n_events] = text;
+    s->plps[s->n_events] = NULL;
     cs_event *ev = &s->events[s->n_events++];
     *ev = (cs_event){.token = -1, .text = text ? text : "", .stop_token = -1};
     return ev;
@@ -598,6 +649,12 @@ static int emit_token(cs_sched *s, seq *q, int32_t id, const cs_logprobs *lp, co
     q->tokens[q->n_tokens++] = id;
     s->st.generated_tokens++;
     cs_event *ev = next_event(s, text);
+    if (q->plp) { /* the first token: the prompt's logprobs go with it */
+        CS_ASSERT(q->n_plp == (q->n_prompt > 1 ? q->n_prompt - 1 : 0));
+        ev->prompt_lp = s->plps[s->n_events - 1] = q->plp;
+        ev->n_prompt_lp = q->n_plp;
+        q->plp = NULL;
+    }
     if (matched) ev->stop_string = text + tl + 1;
     if (fin == CS_FINISH_STOP) ev->stop_token = cs_stop_matched_token(q->stop);
     ev->id = q->id;
@@ -764,13 +821,16 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
     int32_t partial = 0;
     for (seq *q = s->running; q; q = q->next)
         if (q->n_tokens - q->n_computed > 1 && !is_held(q)) partial++; /* held: no seat */
+    int32_t plp_room = CS_SCHED_PROMPT_LOGPROB_ROWS;
     for (seq *q = s->running; q && used < budget; q = q->next) {
         int32_t left = q->n_tokens - q->n_computed;
         if (left <= 1 || is_held(q)) continue;
         int32_t k =
             timed_chunk(s, q, chunk_len(s, left, budget - used), &work, n_spans > s->last.n_decode);
         if (k == 0) break;
+        if ((k = plp_cap(q, k, plp_room)) == 0) continue;
         if (cs_page_table_reserve(&q->pt, s->kv, q->n_computed + k) != 0) continue;
+        plp_room -= plp_rows(q, k);
         work_add(&work, q->n_computed, k, k == left);
         add_span(s, &n_spans, q, k);
         used += k;
@@ -782,6 +842,7 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
         int32_t left = q->n_tokens - q->n_computed;
         int32_t k =
             timed_chunk(s, q, chunk_len(s, left, budget - used), &work, n_spans > s->last.n_decode);
+        k = plp_cap(q, k, plp_room);
         if (k == 0) {
             cs_page_table_release(&q->pt, s->kv); /* as below: it waits, holding nothing */
             q->n_computed = q->n_hashed = 0;
@@ -795,6 +856,7 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
             q->last_hash = q->hash_root;
             break;
         }
+        plp_room -= plp_rows(q, k);
         s->waiting = q->next;
         s->n_waiting--;
         s->st.prefix_hit_tokens += (uint64_t)q->n_computed;
@@ -814,7 +876,8 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
     /* 3. run it, then sample where a span reached the last known token */
     int32_t n_logits = 0;
     for (int32_t i = 0; i < n_spans; i++)
-        n_logits += s->spans[i].want_logits;
+        n_logits += s->spans[i].n_logits;
+    if ((r = grow_logits(s, n_logits))) return r;
     s->last.predicted_seconds =
         cs_step_model_ready(&s->model)
             ? cs_step_model_predict(&s->model, work.tokens, work.pairs, work.rows)
@@ -832,6 +895,17 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
     for (int32_t i = 0; i < n_spans; i++) {
         seq *q = s->owners[i];
         const cs_span *sp = &s->spans[i];
+        bool last = q->n_computed + sp->n_tokens == q->n_tokens;
+        /* prompt logprobs: the rows before the sampling row, positions
+         * [end - n_logits, ...) of the span */
+        int32_t n_plp = sp->n_logits - last, p0 = q->n_computed + sp->n_tokens - sp->n_logits;
+        for (int32_t j = 0; j < n_plp; j++, li++) {
+            int32_t pos = p0 + j;
+            CS_ASSERT(q->plp && pos == q->n_plp);
+            cs_prompt_logprob_of(s->logits + (size_t)li * s->n_vocab, s->n_vocab,
+                                 q->tokens[pos + 1], q->plp_top, &q->plp[pos]);
+            q->n_plp = pos + 1;
+        }
         if (q->n_computed < q->n_context)
             s->st.prompt_tokens_computed += (uint64_t)((sp->n_tokens < q->n_context - q->n_computed)
                                                            ? sp->n_tokens
@@ -851,7 +925,7 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
                 q->n_reported = done;
             }
         }
-        if (!sp->want_logits) {
+        if (!last) {
             if (n_new) {
                 cs_event *ev = next_event(s, NULL);
                 ev->id = q->id;

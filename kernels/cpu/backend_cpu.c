@@ -27,11 +27,11 @@ typedef struct {
     int32_t n_pages, page_size;
     size_t page_elems; /* elements per page */
     /* step scratch, grown to the largest step seen */
-    int32_t cap_tokens, cap_spans;
+    int32_t cap_tokens, cap_spans, cap_rows;
     float *x, *xn, *q, *k, *v, *att, *proj, *gate, *up; /* (tokens, ...) */
     int32_t *tok, *pos;                                 /* (tokens) */
     cs_attn_span *aspans;                               /* (spans) */
-    float *xl;                                          /* (spans, dim) rows wanting logits */
+    float *xl;                                          /* (rows, dim) rows wanting logits */
     void *qa;       /* quant mode: quantized activations, cs_qact_bytes(cap_tokens, widest) */
     size_t qa_size; /* bytes of qa */
 } cpu_ctx;
@@ -77,7 +77,7 @@ static int cpu_kv_init(void *p, int32_t n_pages, int32_t page_size, size_t *page
     return 0;
 }
 
-static int grow(cpu_ctx *c, int32_t n_tokens, int32_t n_spans) {
+static int grow(cpu_ctx *c, int32_t n_tokens, int32_t n_spans, int32_t n_rows) {
     const cs_weights_shape *cf = &c->m->shape;
     if (n_tokens > c->cap_tokens) {
         size_t T = (size_t)n_tokens;
@@ -117,8 +117,11 @@ static int grow(cpu_ctx *c, int32_t n_tokens, int32_t n_spans) {
     }
     if (n_spans > c->cap_spans) {
         RE(c->aspans, (size_t)n_spans);
-        RE(c->xl, (size_t)n_spans * (size_t)cf->dim);
         c->cap_spans = n_spans;
+    }
+    if (n_rows > c->cap_rows) {
+        RE(c->xl, (size_t)n_rows * (size_t)cf->dim);
+        c->cap_rows = n_rows;
     }
 #undef RE
     return 0;
@@ -164,7 +167,10 @@ static int cpu_forward(void *p, const cs_backend_span *spans, int32_t n_spans, i
     cpu_ctx *c = p;
     const cs_weights *m = c->m;
     const cs_weights_shape *cf = &m->shape;
-    int r = grow(c, n_tokens, n_spans);
+    int32_t n_rows = 0;
+    for (int32_t s = 0; s < n_spans; s++)
+        n_rows += spans[s].n_logits;
+    int r = grow(c, n_tokens, n_spans, n_rows);
     if (r) return r;
     const int dim = cf->dim, nh = cf->n_heads, nkv = cf->n_kv_heads, hd = cf->head_dim;
     const int qd = nh * hd, kvd = nkv * hd, hid = cf->hidden_dim, T = n_tokens;
@@ -224,14 +230,14 @@ static int cpu_forward(void *p, const cs_backend_span *spans, int32_t n_spans, i
         pending = true;
     }
     int n_out = 0;
-    for (int32_t s = 0; s < n_spans; s++) {
-        if (!spans[s].want_logits) continue;
-        size_t last = (size_t)(c->aspans[s].q_begin + spans[s].n_tokens - 1) * dim;
-        float *xl = c->xl + (size_t)n_out * dim;
-        for (int i = 0; i < dim; i++) /* the last layer's residual add, for these rows */
-            xl[i] = pending ? c->x[last + i] + c->proj[last + i] : c->x[last + i];
-        n_out++;
-    }
+    for (int32_t s = 0; s < n_spans; s++)
+        for (int32_t j = spans[s].n_tokens - spans[s].n_logits; j < spans[s].n_tokens; j++) {
+            size_t row = (size_t)(c->aspans[s].q_begin + j) * dim;
+            float *xl = c->xl + (size_t)n_out * dim;
+            for (int i = 0; i < dim; i++) /* the last layer's residual add, for these rows */
+                xl[i] = pending ? c->x[row + i] + c->proj[row + i] : c->x[row + i];
+            n_out++;
+        }
     if (n_out && m->q_output) {
         cs_qact a = qact(c, n_out, dim);
         cs_op_add_rmsnorm_quantize(c->pool, &a, c->xl, c->xl, NULL, m->out_norm, cf->norm_eps);

@@ -65,7 +65,7 @@ typedef struct {
     int32_t n_pages;
     size_t page_bytes;
     /* step scratch, grown to the largest step seen */
-    int32_t cap_tokens, cap_spans, cap_meta;
+    int32_t cap_tokens, cap_rows, cap_meta;
     float *x;                 /* (tokens, dim) residual stream */
     float *big;               /* (tokens, max(q_dim + 2 kv_dim, 2 hidden)) GEMM outputs */
     float *q;                 /* (tokens, q_dim) roped queries */
@@ -189,8 +189,8 @@ static int cuda_kv_init(void *p, int32_t n_pages, int32_t page_size, size_t *pag
 }
 
 /* Packed step metadata (int32): ids, pos, page, slot (tokens each), logit
- * rows (spans), tiles (4 per tile, at most tokens), page tables. */
-static int grow(cuda_ctx *c, int32_t n_tokens, int32_t n_spans, int64_t n_meta) {
+ * rows (n_rows), tiles (4 per tile, at most tokens), page tables. */
+static int grow(cuda_ctx *c, int32_t n_tokens, int32_t n_rows, int64_t n_meta) {
     const cs_weights_shape *cf = &c->cf;
     int r = 0;
     if (n_tokens > c->cap_tokens) {
@@ -209,11 +209,11 @@ static int grow(cuda_ctx *c, int32_t n_tokens, int32_t n_spans, int64_t n_meta) 
             return r;
         c->cap_tokens = n_tokens;
     }
-    if (n_spans > c->cap_spans) {
+    if (n_rows > c->cap_rows) {
         dfree(c->logits);
-        c->logits = NULL, c->cap_spans = 0;
-        if ((r = dalloc(&c->logits, (size_t)n_spans * cf->n_vocab * 4, "step logits"))) return r;
-        c->cap_spans = n_spans;
+        c->logits = NULL, c->cap_rows = 0;
+        if ((r = dalloc(&c->logits, (size_t)n_rows * cf->n_vocab * 4, "step logits"))) return r;
+        c->cap_rows = n_rows;
     }
     if (n_meta > c->cap_meta) {
         if (n_meta > INT32_MAX) return cs_fail(CS_ENOMEM, "cuda backend: step metadata too large");
@@ -241,12 +241,15 @@ static int cuda_forward(void *p, const cs_backend_span *spans, int32_t n_spans, 
     int64_t n_page_ents = 0;
     for (int32_t s = 0; s < n_spans; s++)
         n_page_ents += spans[s].n_pages;
-    int64_t n_meta = 4 * (int64_t)T + n_spans + 4 * (int64_t)T + n_page_ents;
-    int r = grow(c, n_tokens, n_spans, n_meta);
+    int32_t n_rows = 0;
+    for (int32_t s = 0; s < n_spans; s++)
+        n_rows += spans[s].n_logits;
+    int64_t n_meta = 4 * (int64_t)T + n_rows + 4 * (int64_t)T + n_page_ents;
+    int r = grow(c, n_tokens, n_rows, n_meta);
     if (r) return r;
 
     int32_t *ids = c->meta_h, *pos = ids + T, *page = pos + T, *slot = page + T, *rows = slot + T;
-    cs_cuda_att_tile *tiles = (cs_cuda_att_tile *)(rows + n_spans);
+    cs_cuda_att_tile *tiles = (cs_cuda_att_tile *)(rows + n_rows);
     int32_t *ptab = (int32_t *)(tiles + T);
     int32_t t = 0, n_out = 0, n_tiles = 0, poff = 0, max_ctx = 0;
     for (int32_t s = 0; s < n_spans; s++) {
@@ -263,7 +266,8 @@ static int cuda_forward(void *p, const cs_backend_span *spans, int32_t n_spans, 
             page[t] = sp->pages[ps / c->kv.page_size];
             slot[t] = ps % c->kv.page_size;
         }
-        if (sp->want_logits) rows[n_out++] = t - 1;
+        for (int32_t j = sp->n_tokens - sp->n_logits; j < sp->n_tokens; j++)
+            rows[n_out++] = t - sp->n_tokens + j;
         memcpy(ptab + poff, sp->pages, (size_t)sp->n_pages * sizeof(int32_t));
         poff += sp->n_pages;
     }
@@ -272,7 +276,7 @@ static int cuda_forward(void *p, const cs_backend_span *spans, int32_t n_spans, 
         cudaMemcpyAsync(c->meta_d, c->meta_h, (size_t)n_meta * 4, cudaMemcpyHostToDevice, c->st));
     const int32_t *d_ids = c->meta_d, *d_pos = d_ids + T, *d_page = d_pos + T, *d_slot = d_page + T,
                   *d_rows = d_slot + T;
-    const cs_cuda_att_tile *d_tiles = (const cs_cuda_att_tile *)(d_rows + n_spans);
+    const cs_cuda_att_tile *d_tiles = (const cs_cuda_att_tile *)(d_rows + n_rows);
     const int32_t *d_ptab = (const int32_t *)(d_tiles + T);
 
     cs__cuda_embed(c->x, c->tok_embd, d_ids, T, dim, c->st);

@@ -208,7 +208,7 @@ static void run_seqs(cs_engine *e, seq *s, int n_seq, bool sampled, bool mixed) 
             seq *q = &s[owner[k]];
             bool was_prompt = q->done < q->n_prompt;
             if (was_prompt) q->done += spans[k].n_tokens;
-            if (!spans[k].want_logits) continue;
+            if (!spans[k].n_logits) continue;
             int32_t id = cs_sampler_sample(q->smp, logits + (size_t)li++ * V, 0, NULL);
             cs_sampler_accept(q->smp, id);
             q->out[q->n_out++] = id;

@@ -145,7 +145,7 @@ static void run_target(cs_engine *e, int32_t V, bool crowd, float *log) {
         ASSERT_EQ_INT(cs_engine_step(e, spans, ns, logits), 0);
         int row = 0;
         for (int i = 0; i < at; i++)
-            row += spans[i].want_logits;
+            row += spans[i].n_logits;
         memcpy(log + (size_t)s * V, logits + (size_t)row * V, sizeof(float) * (size_t)V);
         pos += n;
         if (s >= 5) { /* greedy next token */

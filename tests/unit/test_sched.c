@@ -6,7 +6,9 @@
  *   off, and under forced preemption (greedy and seeded sampling);
  * - a shared 300-token prefix is computed once;
  * - cancellation at random points leaks no page;
- * - the serving loop (submit / callbacks / cancel from other threads). */
+ * - the serving loop (submit / callbacks / cancel from other threads);
+ * - prompt logprobs equal those of one pass over the prompt, bit for bit,
+ *   whatever the chunking, the prefix cache and the company. */
 #include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -622,12 +624,130 @@ static void check_step_time_target(void) {
     cs_engine_free(e);
 }
 
+/* The reference: every position's logits in one engine step. */
+static void plp_reference(cs_engine *e, const int32_t *toks, int32_t n, int32_t top,
+                          cs_prompt_logprob *out) {
+    cs_page_table pt = {0};
+    ASSERT_EQ_INT(cs_page_table_reserve(&pt, cs_engine_kv(e), n), 0);
+    float *lg = malloc((size_t)n * (size_t)V * sizeof *lg);
+    cs_span sp = {toks, n, 0, pt.pages, pt.n_pages, n};
+    ASSERT_EQ_INT(cs_engine_step(e, &sp, 1, lg), 0);
+    for (int32_t i = 0; i + 1 < n; i++)
+        cs_prompt_logprob_of(lg + (size_t)i * V, V, toks[i + 1], top, &out[i]);
+    free(lg);
+    cs_page_table_release(&pt, cs_engine_kv(e));
+}
+
+/* Runs requests r[0..n) to their ends; copies request 0's prompt logprobs. */
+static int32_t plp_run(cs_sched *s, const cs_request *r, int n, cs_prompt_logprob *out) {
+    for (int i = 0; i < n; i++)
+        ASSERT_EQ_INT(cs_sched_add(s, &r[i]), 0);
+    int32_t got = -1, steps = 0;
+    while (!cs_sched_idle(s)) {
+        const cs_event *ev;
+        int32_t ne;
+        ASSERT_EQ_INT(cs_sched_step(s, &ev, &ne), 0);
+        cs_step_info info;
+        cs_sched_last_step(s, &info);
+        ASSERT_TRUE(++steps < 10000);
+        for (int32_t i = 0; i < ne; i++) {
+            if (ev[i].id != r[0].id || !ev[i].prompt_lp) {
+                ASSERT_TRUE(!ev[i].prompt_lp || ev[i].id == r[0].id);
+                continue;
+            }
+            ASSERT_EQ_INT(got, -1); /* once, with the first token */
+            ASSERT_EQ_INT(ev[i].n_completion_tokens, 1);
+            got = ev[i].n_prompt_lp;
+            memcpy(out, ev[i].prompt_lp, (size_t)got * sizeof *out);
+        }
+    }
+    return got;
+}
+
+/* On a quantized model: its integer kernels give every row the same bits
+ * whatever else the step holds (the f32 one goes through BLAS). */
+static void check_prompt_logprobs(void) {
+    enum { N = 300, TOP = 5 };
+    char path[1024];
+    snprintf(path, sizeof path, "%s/q4_k/tiny.gguf", getenv("CS_TINY_DIR"));
+    cs_model *f32 = model;
+    ASSERT_EQ_INT(cs_model_load_mode(path, CS_WEIGHTS_QUANT, &model), 0);
+    cs_engine *e = engine(512);
+    static int32_t toks[N], other[200];
+    for (int i = 0; i < N; i++)
+        toks[i] = (int32_t)rnd((uint32_t)V);
+    for (int i = 0; i < 200; i++)
+        other[i] = i < 100 ? toks[i] : (int32_t)rnd((uint32_t)V);
+    static cs_prompt_logprob want[N], got[N];
+    plp_reference(e, toks, N, TOP, want);
+    for (int i = 0; i + 1 < N; i++) { /* the rank agrees with the alternatives */
+        ASSERT_EQ_INT(want[i].token, toks[i + 1]);
+        for (int j = 0; j < want[i].lp.n_top; j++)
+            if (want[i].lp.top_ids[j] == toks[i + 1]) ASSERT_EQ_INT(want[i].rank, j + 1);
+        if (want[i].rank <= TOP) ASSERT_EQ_INT(want[i].lp.top_ids[want[i].rank - 1], toks[i + 1]);
+    }
+    const int32_t budgets[] = {0, 64, 7};
+    for (int b = 0; b < 3; b++) {
+        cs_sched_params p = cs_sched_params_default();
+        p.max_num_batched_tokens = budgets[b];
+        cs_sched *s = NULL;
+        ASSERT_EQ_INT(cs_sched_init(e, &p, &s), 0);
+        req_spec spec = {.n_prompt = 200, .max_tokens = 3};
+        memcpy(spec.prompt, other, sizeof other);
+        cs_request r[2] = {{0}, make_req(&spec, 2)};
+        /* first the other prompt alone: its pages are cached, request 1 must not use them */
+        ASSERT_EQ_INT(plp_run(s, &r[1], 1, got), -1);
+        r[0] = r[1];
+        r[0].id = 1, r[0].prompt = toks, r[0].n_prompt = N;
+        r[0].prompt_logprobs = true, r[0].prompt_top_logprobs = TOP;
+        r[1].id = 3;
+        memset(got, 0, sizeof got);
+        ASSERT_EQ_INT(plp_run(s, r, 2, got), N - 1);
+        for (int i = 0; i + 1 < N; i++) {
+            ASSERT_EQ_INT(got[i].token, want[i].token);
+            ASSERT_EQ_INT(got[i].rank, want[i].rank);
+            ASSERT_EQ_INT(got[i].lp.n_top, TOP);
+            if (got[i].lp.logprob != want[i].lp.logprob)
+                fprintf(stderr, "budget %d: position %d: %.9g vs %.9g\n", budgets[b], i,
+                        got[i].lp.logprob, want[i].lp.logprob);
+            ASSERT_TRUE(got[i].lp.logprob == want[i].lp.logprob);
+            for (int j = 0; j < TOP; j++) {
+                ASSERT_EQ_INT(got[i].lp.top_ids[j], want[i].lp.top_ids[j]);
+                if (got[i].lp.top_logprobs[j] != want[i].lp.top_logprobs[j])
+                    fprintf(stderr, "b %d pos %d alt %d: %.9g vs %.9g\n", budgets[b], i, j,
+                            got[i].lp.top_logprobs[j], want[i].lp.top_logprobs[j]);
+                ASSERT_TRUE(got[i].lp.top_logprobs[j] == want[i].lp.top_logprobs[j]);
+            }
+        }
+        cs_sched_free(s);
+    }
+    /* one token: no entry, but the (empty) list comes; resumed: refused */
+    cs_sched *s = NULL;
+    cs_sched_params p = cs_sched_params_default();
+    ASSERT_EQ_INT(cs_sched_init(e, &p, &s), 0);
+    req_spec spec = {.n_prompt = 1, .max_tokens = 2};
+    spec.prompt[0] = toks[0];
+    cs_request r = make_req(&spec, 9);
+    r.prompt_logprobs = true;
+    ASSERT_EQ_INT(plp_run(s, &r, 1, got), 0);
+    r.prompt = toks, r.n_prompt = 10, r.n_resumed = 2;
+    ASSERT_EQ_INT(cs_sched_add(s, &r), CS_EINVAL);
+    r.n_resumed = 0, r.prompt_top_logprobs = CS_MAX_TOP_LOGPROBS + 1;
+    ASSERT_EQ_INT(cs_sched_add(s, &r), CS_EINVAL);
+    cs_sched_free(s);
+    check_pages(e);
+    cs_engine_free(e);
+    cs_model_free(model);
+    model = f32;
+}
+
 int main(void) {
     char path[1024];
     snprintf(path, sizeof path, "%s/f32/tiny.gguf", getenv("CS_TINY_DIR"));
     ASSERT_EQ_INT(cs_model_load(path, &model), 0);
     V = cs_model_get_config(model)->n_vocab;
     check_bad_requests();
+    check_prompt_logprobs();
     check_prefix_cache();
     check_cache_salt();
     check_reserved_reuse();

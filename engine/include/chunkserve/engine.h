@@ -57,12 +57,14 @@ typedef struct {
     int32_t pos;           /* position of tokens[0] = tokens already cached */
     const int32_t *pages;  /* page table covering positions [0, pos + n_tokens) */
     int32_t n_pages;
-    bool want_logits; /* logits of the span's last token */
+    int32_t n_logits; /* logits of the span's last n_logits tokens (0..n_tokens): 1 to
+                         sample the next token, more for the prompt's log-probabilities */
 } cs_span;
 
 /* One ragged forward step over n_spans spans (at most one span per sequence).
- * Writes the new tokens' K and V into their pages and, for each span with
- * want_logits, n_vocab floats into logits, in span order.
+ * Writes the new tokens' K and V into their pages and, for each span, the
+ * n_vocab logits of its last n_logits tokens into logits: row after row, in
+ * token order, spans in order.
  * Checks everything first (token ids, positions within the model's context,
  * page ids allocated and covering each span); on CS_EINVAL nothing is written. */
 int cs_engine_step(cs_engine *e, const cs_span *spans, int32_t n_spans, float *logits);

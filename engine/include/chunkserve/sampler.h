@@ -65,6 +65,16 @@ typedef struct {
     float top_logprobs[CS_MAX_TOP_LOGPROBS];
 } cs_logprobs;
 
+/* A prompt token's log-probability given the tokens before it (vLLM's
+ * prompt_logprobs): the raw distribution as above, and its rank (1 + the
+ * tokens strictly more likely). */
+typedef struct {
+    int32_t token, rank;
+    cs_logprobs lp; /* the token's logprob and n_top alternatives */
+} cs_prompt_logprob;
+void cs_prompt_logprob_of(const float *logits, int32_t n_vocab, int32_t token, int32_t n_top,
+                          cs_prompt_logprob *out);
+
 /* Picks the next token from logits (n_vocab floats; overwritten as scratch).
  * If lp is not NULL it receives the chosen token's log-probability and the
  * n_top (0..CS_MAX_TOP_LOGPROBS, clamped) most likely alternatives. */

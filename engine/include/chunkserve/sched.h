@@ -45,6 +45,9 @@ typedef struct {
 } cs_sched_params;
 
 enum { CS_SCHED_PROBE_TOKENS = 256 };
+/* Prompt positions whose logits one step computes for prompt_logprobs, at
+ * most (bounds the step's logits buffer: rows * n_vocab floats). */
+enum { CS_SCHED_PROMPT_LOGPROB_ROWS = 128 };
 /* Compiled structured-output grammars kept per scheduler (least recently used out). */
 enum { CS_SCHED_GRAMMARS = 32 };
 
@@ -77,6 +80,13 @@ typedef struct {
     bool logprobs;        /* report the chosen tokens' log-probabilities */
     int32_t top_logprobs; /* with logprobs: the most likely alternatives per token to
                              report, 0..CS_MAX_TOP_LOGPROBS */
+    bool prompt_logprobs;         /* report each prompt token's log-probability given the
+                                     tokens before it (vLLM's prompt_logprobs; not for
+                                     resumed requests): the prompt is computed whole, never
+                                     from the prefix cache, in chunks of at most
+                                     CS_SCHED_PROMPT_LOGPROB_ROWS tokens a step. CS_KV_REMOTE
+                                     ignores it (the prefill side computes them) */
+    int32_t prompt_top_logprobs;  /* with prompt_logprobs: alternatives per token, 0..20 */
     enum cs_kv_mode kv_mode;
     bool reserve;             /* reserve the prompt's pages at add, all or nothing:
                                  CS_ENOSPC when they are not free now (admission by
@@ -120,6 +130,11 @@ typedef struct {
      * (cs_serve also uses these fields for its admission event: see serve.h.) */
     const int32_t *kv_pages;
     int32_t kv_first_page, kv_n_pages;
+    /* prompt_logprobs, on the event of the first token sampled after the prompt:
+     * prompt tokens 1..n_prompt-1 (the first has no context), in order; valid
+     * until the next step. NULL otherwise */
+    const cs_prompt_logprob *prompt_lp;
+    int32_t n_prompt_lp;
 } cs_event;
 
 /* What the last step did (for tests, metrics and benchmarks). */
