@@ -25,6 +25,8 @@ typedef struct {
     char *stop_string;  /* the final event's (cs_event), or NULL */
     int32_t stop_token; /* the final event's, with has_stop_token */
     bool has_stop_token;
+    cs_prompt_logprob *plp; /* (n_plp) the first token's event's prompt logprobs, copied */
+    int32_t n_plp;
 } cs_outbuf;
 
 /* Appends ev's token (if any), text and stop reason; sets oom instead of failing. */
@@ -41,5 +43,10 @@ bool cs_outbuf_empty(const cs_outbuf *b);
 int cs_outbuf_response(const cs_outbuf *b, bool logprobs, Chunkserve__V1__GenerateResponse *r,
                        void **scratch);
 void cs_outbuf_response_free(void *scratch);
+
+/* The messages of n prompt logprobs into *msgs (one allocation, *scratch:
+ * free() it after packing). CS_ENOMEM. n = 0: *msgs NULL, nothing allocated. */
+int cs_prompt_logprobs_msgs(const cs_prompt_logprob *p, int32_t n,
+                            Chunkserve__V1__PromptLogprob ***msgs, void **scratch);
 
 #endif

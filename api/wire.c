@@ -36,8 +36,10 @@ int cs_wire_render_chat(const cs_wire_model *wm, const Chunkserve__V1__Chat *cha
     }
     for (size_t i = 0, k = 0; i < chat->n_messages; i++) {
         const Chunkserve__V1__ChatMessage *m = chat->messages[i];
-        msgs[i] = (cs_chat_message){.role = m->role, .content = m->content,
-                                    .tool_calls = calls + k, .n_tool_calls = m->n_tool_calls};
+        msgs[i] = (cs_chat_message){.role = m->role,
+                                    .content = m->content,
+                                    .tool_calls = calls + k,
+                                    .n_tool_calls = m->n_tool_calls};
         for (size_t j = 0; j < m->n_tool_calls; j++, k++)
             calls[k] = (cs_chat_tool_call){.name = m->tool_calls[j]->name,
                                            .arguments = m->tool_calls[j]->arguments};
@@ -53,9 +55,9 @@ int cs_wire_render_chat(const cs_wire_model *wm, const Chunkserve__V1__Chat *cha
         free(msgs), free(calls);
         return cs_fail(CS_EINVAL, "chat.end = %d is not a ChatEnd", (int)chat->end);
     }
-    int r = cs_tokenizer_apply_chat_tools(cs_model_tokenizer(wm->model), msgs, chat->n_messages,
-                                          (const char *const *)chat->tools, chat->n_tools, end,
-                                          text);
+    int r =
+        cs_tokenizer_apply_chat_tools(cs_model_tokenizer(wm->model), msgs, chat->n_messages,
+                                      (const char *const *)chat->tools, chat->n_tools, end, text);
     free(msgs), free(calls);
     return r;
 }
@@ -99,6 +101,12 @@ static int check_sampling(const Chunkserve__V1__SamplingParams *p) {
                        CS_MAX_TOP_LOGPROBS, p->top_logprobs);
     if (p->top_logprobs > 0 && !p->logprobs)
         return cs_fail(CS_EINVAL, "sampling.top_logprobs needs sampling.logprobs set");
+    if (p->prompt_top_logprobs < 0 || p->prompt_top_logprobs > CS_MAX_TOP_LOGPROBS)
+        return cs_fail(CS_EINVAL, "sampling.prompt_top_logprobs must be in [0, %d]; got %d",
+                       CS_MAX_TOP_LOGPROBS, p->prompt_top_logprobs);
+    if (p->prompt_top_logprobs > 0 && !p->prompt_logprobs)
+        return cs_fail(CS_EINVAL,
+                       "sampling.prompt_top_logprobs needs sampling.prompt_logprobs set");
     if (p->min_tokens < 0)
         return cs_fail(CS_EINVAL, "sampling.min_tokens must be >= 0; got %d", p->min_tokens);
     if (p->max_tokens > 0 && p->min_tokens > p->max_tokens)
@@ -237,9 +245,10 @@ static int structured(const Chunkserve__V1__StructuredOutput *m, cs_structured *
         break;
     case CHUNKSERVE__V1__STRUCTURED_OUTPUT__KIND_CHOICE:
         if (!m->choice || m->choice->n_choices > CS_GRAMMAR_MAX_CHOICES)
-            return cs_fail(CS_EINVAL, "sampling.structured.choice has %zu choices; 1 to %d are "
-                                      "allowed", m->choice ? m->choice->n_choices : 0,
-                           CS_GRAMMAR_MAX_CHOICES);
+            return cs_fail(CS_EINVAL,
+                           "sampling.structured.choice has %zu choices; 1 to %d are "
+                           "allowed",
+                           m->choice ? m->choice->n_choices : 0, CS_GRAMMAR_MAX_CHOICES);
         *out = (cs_structured){.kind = CS_STRUCTURED_CHOICE,
                                .choices = (const char *const *)m->choice->choices,
                                .n_choices = (int32_t)m->choice->n_choices};
@@ -265,6 +274,8 @@ int cs_wire_sampling(const cs_wire_model *wm, const Chunkserve__V1__SamplingPara
     if (r) return r;
     q->logprobs = p->logprobs;
     q->top_logprobs = p->top_logprobs;
+    q->prompt_logprobs = p->prompt_logprobs;
+    q->prompt_top_logprobs = p->prompt_top_logprobs;
     q->sampling = cs_sampling_params_default();
     q->sampling.temperature = p->temperature;
     q->sampling.top_k = p->top_k;

@@ -36,12 +36,14 @@ enum oa_tool_mode {
 typedef struct {
     cJSON *json;
     bool chat, stream, include_usage, logprobs;
-    bool continuous_usage;  /* stream_options.continuous_usage_stats (with include_usage) */
-    bool echo;              /* the prompt (chat: a final assistant message) before the text */
-    bool tokens_as_ids;     /* return_tokens_as_token_ids: logprob tokens as "token_id:N" */
-    const char *request_id; /* the client's (vLLM's request_id), or NULL */
-    int32_t top_logprobs;   /* completions: logprobs=N asks N alternatives */
-    int32_t n;              /* choices per prompt */
+    bool continuous_usage;   /* stream_options.continuous_usage_stats (with include_usage) */
+    bool echo;               /* the prompt (chat: a final assistant message) before the text */
+    bool tokens_as_ids;      /* return_tokens_as_token_ids: logprob tokens as "token_id:N" */
+    const char *request_id;  /* the client's (vLLM's request_id), or NULL */
+    int32_t top_logprobs;    /* completions: logprobs=N asks N alternatives */
+    int32_t prompt_logprobs; /* vLLM's: alternatives per prompt token; -1 = not asked */
+    bool echo_logprobs;      /* completions' echo with logprobs: the prompt's come first */
+    int32_t n;               /* choices per prompt */
     int32_t n_prompts;
     int32_t n_choices; /* n * n_prompts; choice i is prompt i / n */
     const char *model;
@@ -92,8 +94,7 @@ int oa_fail(oa_error *e, const char *param, const char *fmt, ...)
  * parallel_tool_calls) into r (Chat.tools, the mode, and for required or a
  * named function the constraint in s->structured); after the messages and
  * the other sampling fields. 0 or -1 with *e filled. */
-int oa_parse_tools(const cJSON *o, Chunkserve__V1__SamplingParams *s, oa_request *r,
-                   oa_error *e);
+int oa_parse_tools(const cJSON *o, Chunkserve__V1__SamplingParams *s, oa_request *r, oa_error *e);
 /* An assistant message's tool_calls, or a tool message's tool_call_id, of
  * message m (index i) into cm, the calls stored in r->calls from *next. */
 int oa_parse_message_tools(const cJSON *m, int i, Chunkserve__V1__ChatMessage *cm, oa_request *r,

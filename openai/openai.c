@@ -47,7 +47,7 @@ typedef struct {
     int32_t index;
     cs_gen_cancel_fn cancel_fn;
     void *cancel_arg;
-    bool started, finished, role_sent, echoed;
+    bool started, finished, role_sent, echoed, lp_echoed;
     bool due; /* not started; its prompt's first choice has answered: start it */
     /* gathered (not stream), and the end */
     char *text;
@@ -63,6 +63,14 @@ typedef struct {
     size_t shown;       /* read for tool calls, streamed: the bytes of text shown as content */
 } oa_choice;
 
+/* A prompt's logprobs (prompt_logprobs, completions' echo with logprobs),
+ * from its first choice's first message. */
+typedef struct {
+    int32_t first;        /* the prompt's first token (it has no logprob); echo only */
+    cs_prompt_logprob *e; /* (n) tokens 1.. of the prompt */
+    int32_t n;
+} oa_prompt_lp;
+
 struct oa_call {
     cs_openai *s;
     cs_http_res *res;
@@ -77,6 +85,7 @@ struct oa_call {
     long long created;
     char **echo;       /* echo: per prompt, the text the answer starts with */
     int32_t *n_prompt; /* continuous usage: per prompt, its tokens (as Generate counts them) */
+    oa_prompt_lp *plp; /* per prompt, when its logprobs were asked */
     char cors[512];    /* Access-Control-* lines for this origin, or "" */
 };
 
@@ -177,11 +186,42 @@ static cJSON *token_entry(oa_call *oc, int32_t id, float logprob) {
     return e;
 }
 
+/* {text: logprob} of the first k alternatives of lp (tokens with the same
+ * text: the likelier stays). */
+static cJSON *top_dict(oa_call *oc, const cs_logprobs *lp, int32_t k) {
+    cJSON *d = cJSON_CreateObject();
+    for (int32_t i = 0; i < lp->n_top && i < k; i++) {
+        char *a = token_text(oc, lp->top_ids[i]);
+        if (a && !cJSON_GetObjectItemCaseSensitive(d, a))
+            cJSON_AddNumberToObject(d, a, lp->top_logprobs[i]);
+        free(a);
+    }
+    return d;
+}
+
+/* One row of completions' logprobs: the token's text and offset, its
+ * logprob (null: the prompt's first token) and its alternatives' dict. */
+static void completion_row(oa_call *oc, cJSON *j, int32_t id, const cs_logprobs *lp,
+                           size_t *text_offset) {
+    char *t = token_text(oc, id);
+    cJSON_AddItemToArray(cJSON_GetObjectItem(j, "tokens"), cJSON_CreateString(t ? t : ""));
+    cJSON_AddItemToArray(cJSON_GetObjectItem(j, "token_logprobs"),
+                         lp ? cJSON_CreateNumber(lp->logprob) : cJSON_CreateNull());
+    cJSON_AddItemToArray(cJSON_GetObjectItem(j, "text_offset"),
+                         cJSON_CreateNumber((double)*text_offset));
+    *text_offset += t ? strlen(t) : 0;
+    free(t);
+    cJSON *tops = cJSON_GetObjectItem(j, "top_logprobs");
+    if (cJSON_IsArray(tops))
+        cJSON_AddItemToArray(tops, lp ? top_dict(oc, lp, oc->rq.top_logprobs) : cJSON_CreateNull());
+}
+
 /* logprobs for ids[0..n): chat {"content":[{token,logprob,bytes,top_logprobs}]},
  * completions {tokens, token_logprobs, top_logprobs ([{text: logprob}] when
- * alternatives were asked, else null), text_offset}. */
+ * alternatives were asked, else null), text_offset}, after the prompt's rows
+ * when echo is not NULL (completions' echo with logprobs). */
 static cJSON *logprobs_json(oa_call *oc, const int32_t *ids, const cs_logprobs *lp, size_t n,
-                            size_t text_offset) {
+                            size_t text_offset, const oa_prompt_lp *echo) {
     cJSON *j = cJSON_CreateObject();
     if (oc->rq.chat) {
         cJSON *content = cJSON_AddArrayToObject(j, "content");
@@ -193,30 +233,68 @@ static cJSON *logprobs_json(oa_call *oc, const int32_t *ids, const cs_logprobs *
             cJSON_AddItemToArray(content, e);
         }
     } else {
-        cJSON *tokens = cJSON_AddArrayToObject(j, "tokens");
-        cJSON *tlp = cJSON_AddArrayToObject(j, "token_logprobs");
-        cJSON *tops = oc->rq.top_logprobs > 0 ? cJSON_AddArrayToObject(j, "top_logprobs")
-                                              : cJSON_AddNullToObject(j, "top_logprobs");
-        cJSON *off = cJSON_AddArrayToObject(j, "text_offset");
-        for (size_t i = 0; i < n; i++) {
-            char *t = token_text(oc, ids[i]);
-            cJSON_AddItemToArray(tokens, cJSON_CreateString(t ? t : ""));
-            cJSON_AddItemToArray(tlp, cJSON_CreateNumber(lp[i].logprob));
-            cJSON_AddItemToArray(off, cJSON_CreateNumber((double)text_offset));
-            text_offset += t ? strlen(t) : 0;
-            free(t);
-            if (oc->rq.top_logprobs <= 0) continue;
-            cJSON *d = cJSON_CreateObject(); /* tokens with the same text: the likelier stays */
-            for (int32_t k = 0; k < lp[i].n_top; k++) {
-                char *a = token_text(oc, lp[i].top_ids[k]);
-                if (a && !cJSON_GetObjectItemCaseSensitive(d, a))
-                    cJSON_AddNumberToObject(d, a, lp[i].top_logprobs[k]);
-                free(a);
-            }
-            cJSON_AddItemToArray(tops, d);
+        cJSON_AddArrayToObject(j, "tokens");
+        cJSON_AddArrayToObject(j, "token_logprobs");
+        if (oc->rq.top_logprobs > 0)
+            cJSON_AddArrayToObject(j, "top_logprobs");
+        else
+            cJSON_AddNullToObject(j, "top_logprobs");
+        cJSON_AddArrayToObject(j, "text_offset");
+        if (echo) {
+            completion_row(oc, j, echo->first, NULL, &text_offset);
+            for (int32_t i = 0; i < echo->n; i++)
+                completion_row(oc, j, echo->e[i].token, &echo->e[i].lp, &text_offset);
         }
+        for (size_t i = 0; i < n; i++)
+            completion_row(oc, j, ids[i], &lp[i], &text_offset);
     }
     return j;
+}
+
+/* vLLM's prompt_logprobs: [null, {"<id>": {logprob, rank, decoded_token}}, ...]:
+ * each prompt token after the first, then its first k alternatives (ranked
+ * 1..k, as vLLM ranks them). */
+static cJSON *prompt_logprobs_json(oa_call *oc, const oa_prompt_lp *pl, int32_t k) {
+    cJSON *a = cJSON_CreateArray();
+    cJSON_AddItemToArray(a, cJSON_CreateNull());
+    for (int32_t i = 0; pl && i < pl->n; i++) {
+        const cs_prompt_logprob *p = &pl->e[i];
+        cJSON *d = cJSON_CreateObject();
+        for (int32_t j = -1; j < p->lp.n_top && j < k; j++) {
+            int32_t id = j < 0 ? p->token : p->lp.top_ids[j];
+            char key[16];
+            snprintf(key, sizeof key, "%d", id);
+            if (j >= 0 && cJSON_GetObjectItemCaseSensitive(d, key)) continue;
+            cJSON *v = cJSON_AddObjectToObject(d, key);
+            cJSON_AddNumberToObject(v, "logprob", j < 0 ? p->lp.logprob : p->lp.top_logprobs[j]);
+            cJSON_AddNumberToObject(v, "rank", j < 0 ? p->rank : j + 1);
+            char *t = token_text(oc, id);
+            cJSON_AddStringToObject(v, "decoded_token", t ? t : "");
+            free(t);
+        }
+        cJSON_AddItemToArray(a, d);
+    }
+    return a;
+}
+
+/* A prompt's logprobs from the message that brought them (copied). */
+static int take_prompt_logprobs(oa_prompt_lp *pl, const Chunkserve__V1__GenerateResponse *m) {
+    if (pl->e || !m->n_prompt_logprobs) return 0;
+    if (!(pl->e = calloc(m->n_prompt_logprobs, sizeof *pl->e))) return CS_ENOMEM;
+    for (size_t i = 0; i < m->n_prompt_logprobs; i++) {
+        const Chunkserve__V1__PromptLogprob *t = m->prompt_logprobs[i];
+        cs_prompt_logprob *p = &pl->e[i];
+        p->token = t->token_id;
+        p->rank = t->rank;
+        p->lp.logprob = t->logprob;
+        for (size_t k = 0; k < t->n_top_logprobs && k < CS_MAX_TOP_LOGPROBS; k++) {
+            p->lp.top_ids[k] = t->top_logprobs[k]->token_id;
+            p->lp.top_logprobs[k] = t->top_logprobs[k]->logprob;
+            p->lp.n_top++;
+        }
+    }
+    pl->n = (int32_t)m->n_prompt_logprobs;
+    return 0;
 }
 
 /* The logprobs of m's tokens, alternatives included (at most
@@ -328,6 +406,9 @@ static void oa_call_free(oa_call *oc) {
         free(oc->echo[p]);
     free(oc->echo);
     free(oc->n_prompt);
+    for (int32_t p = 0; oc->plp && p < oc->rq.n_prompts; p++)
+        free(oc->plp[p].e);
+    free(oc->plp);
     oa_request_free(&oc->rq);
     cs_openai *s = oc->s;
     free(oc);
@@ -382,23 +463,33 @@ static void complete(oa_call *oc) {
                     cJSON_AddStringToObject(m, "content", c->text ? c->text : "");
                 } else {
                     if (cl) c->text[cl] = 0;
-                    if (cl) cJSON_AddStringToObject(m, "content", c->text);
-                    else cJSON_AddNullToObject(m, "content");
+                    if (cl)
+                        cJSON_AddStringToObject(m, "content", c->text);
+                    else
+                        cJSON_AddNullToObject(m, "content");
                     cJSON_AddItemToObject(m, "tool_calls", calls);
                     if (oc->rq.tool_mode != OA_TOOLS_NAMED) f = "tool_calls";
                 }
             } else {
                 cJSON_AddStringToObject(ch, "text", c->text ? c->text : "");
             }
+            const oa_prompt_lp *pl = oc->plp ? &oc->plp[i / oc->rq.n] : NULL;
             if (oc->rq.logprobs)
                 cJSON_AddItemToObject(ch, "logprobs",
-                                      logprobs_json(oc, c->lp_ids, c->lp, c->n_lp, 0));
+                                      logprobs_json(oc, c->lp_ids, c->lp, c->n_lp, 0,
+                                                    oc->rq.echo_logprobs ? pl : NULL));
             else
                 cJSON_AddNullToObject(ch, "logprobs");
+            if (!oc->rq.chat && oc->rq.prompt_logprobs >= 0)
+                cJSON_AddItemToObject(ch, "prompt_logprobs",
+                                      prompt_logprobs_json(oc, pl, oc->rq.prompt_logprobs));
             cJSON_AddStringToObject(ch, "finish_reason", f ? f : "stop");
             add_stop_reason(ch, c);
             cJSON_AddItemToArray(choices, ch);
         }
+        if (oc->rq.chat && oc->rq.prompt_logprobs >= 0) /* vLLM: beside the choices */
+            cJSON_AddItemToObject(j, "prompt_logprobs",
+                                  prompt_logprobs_json(oc, oc->plp, oc->rq.prompt_logprobs));
         cJSON_AddItemToObject(j, "usage", usage_json(oc));
         char *s = cJSON_PrintUnformatted(j);
         cJSON_Delete(j);
@@ -499,6 +590,9 @@ static int c_send(cs_gen_call *g, const Chunkserve__V1__GenerateResponse *m) {
         return CS_ENOMEM;
     if (m->stop_reason_case == CHUNKSERVE__V1__GENERATE_RESPONSE__STOP_REASON_STOP_TOKEN_ID)
         c->stop_token = m->stop_token_id;
+    if (oc->plp && c->index % oc->rq.n == 0 &&
+        take_prompt_logprobs(&oc->plp[c->index / oc->rq.n], m))
+        return CS_ENOMEM;
     /* echo: the prompt's text goes first, with the first message */
     const char *text = m->text ? m->text : "";
     char *joined = NULL;
@@ -555,7 +649,8 @@ static int send_tool_text(oa_call *oc, oa_choice *c, const Chunkserve__V1__Gener
     c->n_streamed += (int32_t)m->n_token_ids;
     const char *fin = finish_name(m->finish_reason);
     bool in_call = false;
-    size_t show = oc->rq.tool_mode == OA_TOOLS_AUTO ? oa_tool_visible(c->text, c->len, &in_call) : 0;
+    size_t show =
+        oc->rq.tool_mode == OA_TOOLS_AUTO ? oa_tool_visible(c->text, c->len, &in_call) : 0;
     if (!r && fin) {
         size_t cl;
         cJSON *calls = oa_tool_calls(&oc->rq, c->text ? c->text : "", &cl);
@@ -611,7 +706,10 @@ static int send_text(oa_call *oc, oa_choice *c, const Chunkserve__V1__GenerateRe
         cs_logprobs *v = malloc(m->n_logprobs * sizeof *v);
         if (ids && v) {
             take_logprobs(m, ids, v);
-            lp = logprobs_json(oc, ids, v, m->n_logprobs, c->len);
+            bool echo = oc->rq.echo_logprobs && !c->lp_echoed; /* the prompt's rows go first */
+            c->lp_echoed = true;
+            lp = logprobs_json(oc, ids, v, m->n_logprobs, c->len,
+                               echo ? &oc->plp[c->index / oc->rq.n] : NULL);
         }
         free(ids);
         free(v);
@@ -831,16 +929,20 @@ static int echo_texts(oa_call *oc, oa_error *e) {
     return 0;
 }
 
-/* continuous usage: each prompt's tokens, counted as Generate will (a
- * request Generate refuses gets 0 here and its error there). 0 or -1 (out of
- * memory). */
-static int prompt_counts(oa_call *oc) {
+/* What the answer needs to know of each prompt's tokens, taken as Generate
+ * will take them (a request Generate refuses gets 0 here and its error
+ * there): continuous usage: their count; echo with logprobs: the first
+ * (the engine's prompt logprobs start after it). 0 or -1 (out of memory). */
+static int prompt_facts(oa_call *oc) {
     const oa_request *rq = &oc->rq;
-    if (!(oc->n_prompt = calloc((size_t)rq->n_prompts, sizeof *oc->n_prompt))) return -1;
-    for (int32_t p = 0; p < rq->n_prompts; p++) {
+    bool count = rq->continuous_usage, plp = rq->prompt_logprobs >= 0 || rq->echo_logprobs;
+    if (count && !(oc->n_prompt = calloc((size_t)rq->n_prompts, sizeof *oc->n_prompt))) return -1;
+    if (plp && !(oc->plp = calloc((size_t)rq->n_prompts, sizeof *oc->plp))) return -1;
+    for (int32_t p = 0; (count || rq->echo_logprobs) && p < rq->n_prompts; p++) {
         cs_wire_request w;
         if (cs_wire_generate_request(oc->s->o.wm, &rq->req[p * rq->n], 0, &w) == 0) {
-            oc->n_prompt[p] = w.r.n_prompt;
+            if (count) oc->n_prompt[p] = w.r.n_prompt;
+            if (plp) oc->plp[p].first = w.r.prompt[0];
             cs_wire_request_free(&w);
         }
     }
@@ -862,7 +964,7 @@ static void route_generate(cs_openai *s, cs_http_req *req, cs_http_res *res, boo
     oc->s = s;
     if (oa_request_parse(body, len, chat, s->o.wm, &oc->rq, &e) != 0 ||
         !(oc->choices = calloc((size_t)oc->rq.n_choices, sizeof *oc->choices)) ||
-        (oc->rq.echo && echo_texts(oc, &e)) || (oc->rq.continuous_usage && prompt_counts(oc))) {
+        (oc->rq.echo && echo_texts(oc, &e)) || prompt_facts(oc)) {
         if (!e.status)
             e = (oa_error){.status = 503, .type = "server_error", .message = "out of memory"};
         send_error(res, cors, &e);
@@ -871,6 +973,7 @@ static void route_generate(cs_openai *s, cs_http_req *req, cs_http_res *res, boo
             free(oc->echo[p]);
         free(oc->echo);
         free(oc->n_prompt);
+        free(oc->plp);
         free(oc->choices);
         oa_request_free(&oc->rq);
         free(oc);

@@ -60,7 +60,8 @@ static int get_int(const cJSON *o, const char *key, double lo, double hi, int64_
     if (!it) return 0;
     if (!is_int(it)) return oa_fail(e, key, "%s must be an integer", key);
     if (it->valuedouble < lo || it->valuedouble > hi)
-        return oa_fail(e, key, "%s must be in [%.0f, %.0f]; got %.0f", key, lo, hi, it->valuedouble);
+        return oa_fail(e, key, "%s must be in [%.0f, %.0f]; got %.0f", key, lo, hi,
+                       it->valuedouble);
     *out = (int64_t)it->valuedouble;
     return 0;
 }
@@ -139,12 +140,12 @@ static const struct {
     {"guided_json", SERVED, BOTH},
     {"guided_regex", SERVED, BOTH},
     {"guided_choice", SERVED, BOTH},
-    {"best_of", REFUSED, COMPL},        /* 1 is the default */
+    {"best_of", REFUSED, COMPL}, /* 1 is the default */
     {"store", REFUSED, CHAT},
     {"metadata", REFUSED, CHAT},
     {"service_tier", REFUSED, BOTH},
     {"suffix", REFUSED, COMPL},
-    {"prompt_logprobs", REFUSED, BOTH},
+    {"prompt_logprobs", SERVED, BOTH},
     {"tools", SERVED, CHAT},
     {"tool_choice", SERVED, CHAT},
     {"parallel_tool_calls", SERVED, CHAT},
@@ -191,9 +192,9 @@ static int check_fields(const cJSON *o, bool chat, oa_error *e) {
                 k = i;
         if (k < 0)
             return oa_fail(e, it->string,
-                        "Unrecognized request argument supplied: %s (docs/openai.md lists the "
-                        "fields of %s)",
-                        it->string, chat ? "/v1/chat/completions" : "/v1/completions");
+                           "Unrecognized request argument supplied: %s (docs/openai.md lists the "
+                           "fields of %s)",
+                           it->string, chat ? "/v1/chat/completions" : "/v1/completions");
         if (known_fields[k].served == REFUSED && !asks_nothing(it->string, it))
             return oa_fail(e, it->string, "%s is not supported by this server", it->string);
     }
@@ -244,12 +245,14 @@ int oa_parse_messages(const cJSON *o, oa_request *r, oa_error *e) {
         else
             return oa_fail(e, param,
                            "%s '%s' is not supported: use system, developer, user, assistant or "
-                           "tool", param, rs);
+                           "tool",
+                           param, rs);
         if (oa_parse_message_tools(m, i, cm, r, &next_call, e)) return -1;
         cJSON *c = field(m, "content");
         snprintf(param, sizeof param, "messages[%d].content", i);
         if (!c) {
-            if (strcmp(cm->role, "assistant") != 0) return oa_fail(e, param, "%s is required", param);
+            if (strcmp(cm->role, "assistant") != 0)
+                return oa_fail(e, param, "%s is required", param);
             cm->content = "";
         } else if (cJSON_IsString(c)) {
             cm->content = c->valuestring;
@@ -262,10 +265,11 @@ int oa_parse_messages(const cJSON *o, oa_request *r, oa_error *e) {
                 snprintf(param, sizeof param, "messages[%d].content[%d]", i, j);
                 if (!cJSON_IsString(t) || strcmp(t->valuestring, "text") != 0)
                     return oa_fail(e, param,
-                                "%s: only text parts are supported ({\"type\": \"text\", "
-                                "\"text\": ...})",
-                                param);
-                if (!cJSON_IsString(tx)) return oa_fail(e, param, "%s.text must be a string", param);
+                                   "%s: only text parts are supported ({\"type\": \"text\", "
+                                   "\"text\": ...})",
+                                   param);
+                if (!cJSON_IsString(tx))
+                    return oa_fail(e, param, "%s.text must be a string", param);
                 size_t l = strlen(tx->valuestring);
                 memcpy(store, tx->valuestring, l);
                 store += l;
@@ -286,7 +290,7 @@ int oa_parse_messages(const cJSON *o, oa_request *r, oa_error *e) {
         return -1;
     if (gen && cont && field(o, "add_generation_prompt"))
         return oa_fail(e, "continue_final_message",
-                    "continue_final_message and add_generation_prompt cannot both be true");
+                       "continue_final_message and add_generation_prompt cannot both be true");
     r->chat_msg.end = cont  ? CHUNKSERVE__V1__CHAT_END__CHAT_END_CONTINUE
                       : gen ? CHUNKSERVE__V1__CHAT_END__CHAT_END_GENERATION_PROMPT
                             : CHUNKSERVE__V1__CHAT_END__CHAT_END_CLOSED;
@@ -303,7 +307,8 @@ static int parse_ids(const cJSON *a, Chunkserve__V1__TokenIds *ids, int32_t **st
     int i = 0;
     for (cJSON *t = a->child; t; t = t->next, i++) {
         if (!is_int(t) || t->valuedouble < 0 || t->valuedouble > INT32_MAX)
-            return oa_fail(e, param, "%s[%d] must be a token id (a non-negative integer)", param, i);
+            return oa_fail(e, param, "%s[%d] must be a token id (a non-negative integer)", param,
+                           i);
         (*store)[i] = (int32_t)t->valuedouble;
     }
     ids->n_ids = (size_t)n;
@@ -322,8 +327,8 @@ static int parse_prompt(const cJSON *o, oa_request *r, oa_error *e) {
     }
     if (!cJSON_IsArray(p) || !p->child)
         return oa_fail(e, "prompt",
-                    "prompt must be a string, a list of strings, a list of token ids or a list "
-                    "of token id lists");
+                       "prompt must be a string, a list of strings, a list of token ids or a list "
+                       "of token id lists");
     int n = cJSON_GetArraySize(p);
     if (cJSON_IsNumber(p->child)) { /* one prompt of token ids */
         r->ids = calloc(1, sizeof *r->ids);
@@ -334,7 +339,7 @@ static int parse_prompt(const cJSON *o, oa_request *r, oa_error *e) {
     }
     if (n > OA_MAX_PROMPTS)
         return oa_fail(e, "prompt", "prompt has %d entries; at most %d are allowed", n,
-                    OA_MAX_PROMPTS);
+                       OA_MAX_PROMPTS);
     bool lists = cJSON_IsArray(p->child);
     if (lists) {
         r->ids = calloc((size_t)n, sizeof *r->ids);
@@ -348,7 +353,7 @@ static int parse_prompt(const cJSON *o, oa_request *r, oa_error *e) {
         snprintf(param, sizeof param, "prompt[%d]", i);
         if (lists ? !cJSON_IsArray(it) : !cJSON_IsString(it))
             return oa_fail(e, param, "%s must be a %s like the first entry", param,
-                        lists ? "token id list" : "string");
+                           lists ? "token id list" : "string");
         if (lists && parse_ids(it, &r->ids[i], &r->id_store[i], param, e)) return -1;
     }
     r->n_prompts = n;
@@ -423,7 +428,7 @@ static int choice_list(const cJSON *v, const char *param, oa_request *r, oa_erro
     int n = cJSON_IsArray(v) ? cJSON_GetArraySize(v) : 0;
     if (n < 1 || n > CS_GRAMMAR_MAX_CHOICES)
         return oa_fail(e, param, "%s must be an array of 1 to %d strings", param,
-                    CS_GRAMMAR_MAX_CHOICES);
+                       CS_GRAMMAR_MAX_CHOICES);
     if (!(r->choice_ptrs = calloc((size_t)n, sizeof *r->choice_ptrs))) {
         oa_fail(e, param, "out of memory");
         e->status = 500;
@@ -461,7 +466,7 @@ static int parse_structured(const cJSON *o, Chunkserve__V1__SamplingParams *s, o
         }
         if (param)
             return oa_fail(e, sources[i], "%s and %s both ask for a structured output; give one",
-                        param, sources[i]);
+                           param, sources[i]);
         param = sources[i];
     }
     if (!param) return 0;
@@ -472,25 +477,29 @@ static int parse_structured(const cJSON *o, Chunkserve__V1__SamplingParams *s, o
     if (!strcmp(param, "response_format")) {
         const cJSON *t = cJSON_IsObject(v) ? cJSON_GetObjectItemCaseSensitive(v, "type") : NULL;
         if (!cJSON_IsString(t))
-            return oa_fail(e, param, "response_format must be an object with a type: text, "
-                                  "json_object or json_schema");
+            return oa_fail(e, param,
+                           "response_format must be an object with a type: text, "
+                           "json_object or json_schema");
         for (const cJSON *it = v->child; it; it = it->next)
             if (strcmp(it->string, "type") && strcmp(it->string, "json_schema"))
                 return oa_fail(e, param, "response_format.%s is not a field of response_format",
-                            it->string);
+                               it->string);
         if (!strcmp(t->valuestring, "json_object")) {
             r->structured.kind_case = CHUNKSERVE__V1__STRUCTURED_OUTPUT__KIND_JSON_OBJECT;
             r->structured.json_object = true;
         } else if (!strcmp(t->valuestring, "json_schema")) {
             const cJSON *js = cJSON_GetObjectItemCaseSensitive(v, "json_schema");
             if (!cJSON_IsObject(js))
-                return oa_fail(e, param, "response_format json_schema needs a json_schema object "
-                                      "with the schema");
+                return oa_fail(e, param,
+                               "response_format json_schema needs a json_schema object "
+                               "with the schema");
             for (const cJSON *it = js->child; it; it = it->next)
                 if (strcmp(it->string, "name") && strcmp(it->string, "schema") &&
                     strcmp(it->string, "strict") && strcmp(it->string, "description"))
-                    return oa_fail(e, param, "response_format.json_schema.%s is not a field of it "
-                                          "(name, description, schema, strict)", it->string);
+                    return oa_fail(e, param,
+                                   "response_format.json_schema.%s is not a field of it "
+                                   "(name, description, schema, strict)",
+                                   it->string);
             const cJSON *strict = cJSON_GetObjectItemCaseSensitive(js, "strict");
             if (strict && !cJSON_IsBool(strict) && !cJSON_IsNull(strict))
                 return oa_fail(e, param, "response_format.json_schema.strict must be a boolean");
@@ -500,8 +509,10 @@ static int parse_structured(const cJSON *o, Chunkserve__V1__SamplingParams *s, o
         } else if (!strcmp(t->valuestring, "text")) {
             return 0; /* with other keys, refused above */
         } else {
-            return oa_fail(e, param, "response_format type '%s' is not supported (text, "
-                                  "json_object, json_schema)", t->valuestring);
+            return oa_fail(e, param,
+                           "response_format type '%s' is not supported (text, "
+                           "json_object, json_schema)",
+                           t->valuestring);
         }
     } else if (!strcmp(param, "structured_outputs")) {
         if (!cJSON_IsObject(v)) return oa_fail(e, param, "structured_outputs must be an object");
@@ -511,14 +522,18 @@ static int parse_structured(const cJSON *o, Chunkserve__V1__SamplingParams *s, o
                 continue;
             if (strcmp(it->string, "json") && strcmp(it->string, "regex") &&
                 strcmp(it->string, "choice") && strcmp(it->string, "json_object"))
-                return oa_fail(e, param, "structured_outputs.%s is not supported (json, regex, "
-                                      "choice, json_object)", it->string);
+                return oa_fail(e, param,
+                               "structured_outputs.%s is not supported (json, regex, "
+                               "choice, json_object)",
+                               it->string);
             if (set)
                 return oa_fail(e, param, "structured_outputs sets both %s and %s; give one", set,
-                            it->string);
+                               it->string);
             set = it->string;
-            if (!strcmp(set, "json")) rc = schema_text(it, param, r, e);
-            else if (!strcmp(set, "choice")) rc = choice_list(it, param, r, e);
+            if (!strcmp(set, "json"))
+                rc = schema_text(it, param, r, e);
+            else if (!strcmp(set, "choice"))
+                rc = choice_list(it, param, r, e);
             else if (!strcmp(set, "regex")) {
                 if (!cJSON_IsString(it))
                     return oa_fail(e, param, "structured_outputs.regex must be a string");
@@ -546,7 +561,9 @@ static int parse_structured(const cJSON *o, Chunkserve__V1__SamplingParams *s, o
     /* compiled once here for the error's field; the engine compiles its own */
     cs_structured sp = {0};
     switch (r->structured.kind_case) {
-    case CHUNKSERVE__V1__STRUCTURED_OUTPUT__KIND_JSON_OBJECT: sp.kind = CS_STRUCTURED_JSON_OBJECT; break;
+    case CHUNKSERVE__V1__STRUCTURED_OUTPUT__KIND_JSON_OBJECT:
+        sp.kind = CS_STRUCTURED_JSON_OBJECT;
+        break;
     case CHUNKSERVE__V1__STRUCTURED_OUTPUT__KIND_JSON_SCHEMA:
         sp = (cs_structured){.kind = CS_STRUCTURED_JSON_SCHEMA, .text = r->structured.json_schema};
         break;
@@ -680,7 +697,7 @@ static cJSON *parse_object(const char *body, size_t len, oa_error *e) {
     for (const char *p = end; p < body + len; p++)
         if (*p != ' ' && *p != '\t' && *p != '\r' && *p != '\n') {
             oa_fail(e, NULL, "the body has data after its JSON value (at byte %zu)",
-                 (size_t)(p - body));
+                    (size_t)(p - body));
             goto bad;
         }
     if (!cJSON_IsObject(j)) {
@@ -711,14 +728,15 @@ int oa_request_parse(const char *body, size_t len, bool chat, const cs_wire_mode
     cJSON *so = field(o, "stream_options");
     if (so) {
         if (!r->stream)
-            return oa_fail(e, "stream_options", "stream_options is only allowed when stream is true");
+            return oa_fail(e, "stream_options",
+                           "stream_options is only allowed when stream is true");
         if (!cJSON_IsObject(so))
             return oa_fail(e, "stream_options", "stream_options must be an object");
         for (const cJSON *it = so->child; it; it = it->next)
             if (strcmp(it->string, "include_usage") != 0 &&
                 strcmp(it->string, "continuous_usage_stats") != 0)
                 return oa_fail(e, "stream_options",
-                            "stream_options.%s is not supported by this server", it->string);
+                               "stream_options.%s is not supported by this server", it->string);
         if (get_bool(so, "include_usage", &r->include_usage, e) ||
             get_bool(so, "continuous_usage_stats", &r->continuous_usage, e))
             return -1;
@@ -747,10 +765,23 @@ int oa_request_parse(const char *body, size_t len, bool chat, const cs_wire_mode
         return oa_fail(e, "logprobs",
                        "logprobs in a streamed answer that is read for tool calls are not "
                        "supported (ask without stream, or with tool_choice none)");
-    if (r->echo && r->logprobs && !chat) /* completions' echo logprobs cover the prompt */
-        return oa_fail(e, "echo",
-                    "echo with logprobs needs the prompt's logprobs (prompt_logprobs), which this "
-                    "server does not compute");
+    /* prompt_logprobs: vLLM's (an integer: alternatives per prompt token) */
+    r->prompt_logprobs = -1;
+    cJSON *pl = field(o, "prompt_logprobs");
+    if (pl && is_int(pl) && pl->valuedouble == -1)
+        return oa_fail(e, "prompt_logprobs",
+                       "prompt_logprobs -1 (the whole vocabulary) is not served; ask 0 to %d "
+                       "alternatives",
+                       CS_MAX_TOP_LOGPROBS);
+    int64_t pk = -1;
+    if (get_int(o, "prompt_logprobs", 0, CS_MAX_TOP_LOGPROBS, &pk, e)) return -1;
+    r->prompt_logprobs = (int32_t)pk;
+    if (r->prompt_logprobs >= 0 && r->stream) /* as vLLM */
+        return oa_fail(e, "prompt_logprobs", "prompt_logprobs are not available when stream=true");
+    /* completions' echo with logprobs: the prompt's tokens come first, with theirs */
+    r->echo_logprobs = r->echo && r->logprobs && !chat;
+    int32_t plp_top = r->prompt_logprobs;
+    if (r->echo_logprobs && r->top_logprobs > plp_top) plp_top = r->top_logprobs;
     if (!has_seed && getrandom(&seed, sizeof seed, 0) != (ssize_t)sizeof seed)
         return oa_fail(e, NULL, "no randomness for the seed");
     r->n_choices = r->n * r->n_prompts;
@@ -767,6 +798,10 @@ int oa_request_parse(const char *body, size_t len, bool chat, const cs_wire_mode
         if (salt) q->cache_salt = (char *)salt; /* checked with the rest (cs_wire) */
         r->sampling[i] = base;
         r->sampling[i].seed = seed + (uint64_t)(i % r->n); /* each choice its own stream */
+        if (plp_top >= 0 && i % r->n == 0) {               /* a prompt's first choice brings them */
+            r->sampling[i].prompt_logprobs = true;
+            r->sampling[i].prompt_top_logprobs = plp_top;
+        }
         q->sampling = &r->sampling[i];
         if (chat) {
             q->input_case = CHUNKSERVE__V1__GENERATE_REQUEST__INPUT_CHAT;

@@ -44,6 +44,7 @@
 #include "chunkserve/clock.h"
 #include "chunkserve/error.h"
 #include "chunkserve/log.h"
+#include "outbuf.h"
 #include "pool.h"
 #include "worker.h"
 
@@ -78,6 +79,8 @@ typedef struct preq {
     double t_last_chunk;    /* when the final step's pages and trailer were queued */
     double tail;            /* from then to the trailer's acknowledgement */
     int32_t first_token, n_cached;
+    cs_prompt_logprob *plp; /* prompt logprobs, when asked: answered to the router */
+    int32_t n_plp;
     int eng_status, tx_status;
     char eng_error[256], tx_error[256];
 
@@ -146,6 +149,13 @@ static void prefill_drain(cs_worker_call *c) {
             r.num_cached_tokens = n_cached;
             r.num_pages = q->total_pages;
             r.kv_bytes = (uint64_t)q->total_pages * q->p->page_bytes;
+            void *scratch = NULL; /* the engine is done: plp no longer changes */
+            if (cs_prompt_logprobs_msgs(q->plp, q->n_plp, &r.prompt_logprobs, &scratch)) {
+                cs_worker_call_finish(c, CS_RPC_RESOURCE_EXHAUSTED,
+                                      "out of memory for the prompt logprobs");
+                return;
+            }
+            r.n_prompt_logprobs = (size_t)q->n_plp;
             cs_metric_observe(q->p->m_prefill_seconds, cs_now() - q->base.t_start);
             cs_metric_observe(q->p->m_tail_seconds, tail);
             CS_LOGI("request %s (transfer %016llx): %d tokens (%d cached), %d pages to %s in %.3f "
@@ -154,6 +164,7 @@ static void prefill_drain(cs_worker_call *c) {
                     q->base.request_id, (unsigned long long)q->base.transfer_id, q->n_context,
                     n_cached, q->total_pages, q->decode_id, cs_now() - q->base.t_start, tail);
             cs_worker_call_reply(c, &r.base);
+            free(scratch);
         }
     }
 }
@@ -300,6 +311,11 @@ static void on_event(void *user, const cs_event *ev) {
     pthread_mutex_lock(&q->base.mu);
     if (!q->send_failed) {
         if (ev->kv_n_pages) r = hold_pages_locked(q, ev);
+        if (!r && ev->n_prompt_lp > 0) {
+            size_t bytes = (size_t)ev->n_prompt_lp * sizeof *q->plp;
+            if (!(q->plp = malloc(bytes))) r = CS_ENOMEM;
+            if (!r) memcpy(q->plp, ev->prompt_lp, bytes), q->n_plp = ev->n_prompt_lp;
+        }
         if (!r && ev->token >= 0 && ev->finish == CS_FINISH_LENGTH) {
             q->trailer_held = true;
             q->trailer_token = ev->token;
@@ -689,6 +705,10 @@ static const cs_config_entry config[] = {
      NULL, "name the decode workers' certificates must carry (default: each one's host)", 0, 0},
 };
 
+static void prefill_call_free(cs_worker_call *c) {
+    free(((preq *)c)->plp);
+}
+
 const cs_worker_role cs_prefill_role = {
     .name = "prefill",
     .role = CHUNKSERVE__V1__WORKER_ROLE__WORKER_ROLE_PREFILL,
@@ -707,4 +727,5 @@ const cs_worker_role cs_prefill_role = {
     .drain = prefill_drain,
     .cancel = prefill_cancel,
     .stop = prefill_stop,
+    .call_free = prefill_call_free,
 };

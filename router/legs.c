@@ -30,6 +30,7 @@ static leg *leg_new(req *q, cs_pool_worker *w, enum leg_kind kind) {
  * request's count; the request may be freed here. */
 static void leg_free(leg *l) {
     req *q = l->q;
+    if (l->reply) protobuf_c_message_free_unpacked(&l->reply->base, NULL);
     cs_pool_worker_active(l->w, -1);
     cs_pool_worker_unref(l->w);
     free(l);
@@ -96,6 +97,15 @@ void cs__leg_send_cancel(req *q, cs_pool_worker *w) {
 
 /* ---------------------------------------------------------- prefill -- */
 
+static void on_prefill_message(cs_rpc_client_call *c, const uint8_t *buf, size_t len, void *data) {
+    (void)c;
+    leg *l = data;
+    if (l->reply) return; /* unary: one answer */
+    if (cs_rpc_unpack(&chunkserve__v1__prefill_response__descriptor, buf, len,
+                      (ProtobufCMessage **)&l->reply) != 0)
+        l->reply = NULL; /* read as no prompt logprobs; the stream goes on */
+}
+
 static void on_prefill_done(cs_rpc_client_call *c, int code, const char *msg, void *data) {
     (void)c;
     leg *l = data;
@@ -110,7 +120,9 @@ static void on_prefill_done(cs_rpc_client_call *c, int code, const char *msg, vo
     q->pleg = NULL;
     if (code == CS_RPC_OK) {
         if (q->dleg) cs_pool_pair_ok(l->w, q->dleg->w); /* the pair works */
-        cs__req_on_prefilled(q, l);
+        Chunkserve__V1__PrefillResponse *reply = l->reply;
+        l->reply = NULL;
+        cs__req_on_prefilled(q, l, reply);
     } else
         cs__req_on_leg_failed(q, l, code, msg);
     leg_free(l);
@@ -135,7 +147,8 @@ void cs__leg_start_prefill(req *q, const char *kv_endpoint, int kv_transport) {
     m.n_token_ids = q->n_ctx;
     m.token_ids = q->ctx;
     m.num_prompt_tokens = q->n_prompt;
-    m.sampling = q->sampling;
+    Chunkserve__V1__SamplingParams sampling;
+    m.sampling = (Chunkserve__V1__SamplingParams *)cs__req_leg_sampling(q, &sampling);
     m.rng_state = rng_of(q, &rng);
     m.kv_endpoint = (char *)kv_endpoint;
     m.kv_transport = kv_transport;
@@ -147,7 +160,8 @@ void cs__leg_start_prefill(req *q, const char *kv_endpoint, int kv_transport) {
     q->pleg = l;
     CS_LOGD("request %s: prefill %zu tokens on %s -> %s (transfer %016" PRIx64 ")", q->id, q->n_ctx,
             cs_pool_worker_addr(pw), kv_endpoint, q->transfer_id);
-    open_call(l, &q->pleg, WORKER_SERVICE "Prefill", &m.base, &o, NULL, on_prefill_done);
+    open_call(l, &q->pleg, WORKER_SERVICE "Prefill", &m.base, &o, on_prefill_message,
+              on_prefill_done);
 }
 
 /* ----------------------------------------------------------- decode -- */
@@ -187,6 +201,7 @@ static void on_decode_message(cs_rpc_client_call *c, const uint8_t *buf, size_t 
             cs__req_fail_attempt(q, l->w, "decode", CS_RPC_INTERNAL, "output before admitted");
             break;
         }
+        if (cs__req_hold(q, m)) return; /* kept, unfreed, until the prompt logprobs come */
         cs__req_on_output(q, l, m->output);
         break;
     default: break; /* an event of a newer worker: ignore */
@@ -203,6 +218,10 @@ static void on_decode_done(cs_rpc_client_call *c, int code, const char *msg, voi
         return;
     }
     q->dleg = NULL;
+    if (code == CS_RPC_OK && cs__req_hold_end(q)) { /* its outputs wait for the Prefill reply */
+        leg_free(l);
+        return;
+    }
     if (code == CS_RPC_RESOURCE_EXHAUSTED && q->state == RQ_ADMITTING)
         cs__req_on_refused(q, l, msg);
     else
@@ -225,7 +244,8 @@ void cs__leg_start_decode(req *q, cs_pool_worker *dw, bool first) {
     m.n_token_ids = q->n_ctx;
     m.token_ids = q->ctx;
     m.num_prompt_tokens = q->n_prompt;
-    m.sampling = q->sampling;
+    Chunkserve__V1__SamplingParams sampling;
+    m.sampling = (Chunkserve__V1__SamplingParams *)cs__req_leg_sampling(q, &sampling);
     m.rng_state = rng_of(q, &rng);
     m.local_prefill = q->local;
     m.lease_ms = (int32_t)r->o->lease_ms;

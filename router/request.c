@@ -132,6 +132,55 @@ void cs__req_park(req *q, enum req_wait why) {
 
 /* ---------------------------------------------------------- the end -- */
 
+/* An output of the Decode stream held for the prompt logprobs. */
+struct held_output {
+    struct held_output *next;
+    Chunkserve__V1__DecodeResponse *m;
+};
+
+static void drop_held(req *q) {
+    for (struct held_output *h = q->held, *n; h; h = n) {
+        n = h->next;
+        protobuf_c_message_free_unpacked(&h->m->base, NULL);
+        free(h);
+    }
+    q->held = NULL;
+    q->held_tail = &q->held;
+    q->held_ended = false;
+    if (q->prefilled) protobuf_c_message_free_unpacked(&q->prefilled->base, NULL);
+    q->prefilled = NULL;
+}
+
+bool cs__req_wants_prompt_logprobs(const req *q) {
+    return q->sampling && q->sampling->prompt_logprobs && !q->local && q->n_relayed == 0;
+}
+
+bool cs__req_hold(req *q, Chunkserve__V1__DecodeResponse *m) {
+    if (q->state != RQ_PREFILL || !cs__req_wants_prompt_logprobs(q)) return false;
+    struct held_output *h = malloc(sizeof *h);
+    if (!h) return false; /* relayed without them: the client sees none rather than a hang */
+    *h = (struct held_output){NULL, m};
+    if (!q->held) q->held_tail = &q->held;
+    *q->held_tail = h;
+    q->held_tail = &h->next;
+    return true;
+}
+
+bool cs__req_hold_end(req *q) {
+    if (!q->held) return false;
+    q->held_ended = true;
+    return true;
+}
+
+const Chunkserve__V1__SamplingParams *cs__req_leg_sampling(const req *q,
+                                                           Chunkserve__V1__SamplingParams *copy) {
+    if (!q->sampling || !q->sampling->prompt_logprobs || q->n_relayed == 0) return q->sampling;
+    *copy = *q->sampling; /* shallow: packed before q->sampling changes */
+    copy->prompt_logprobs = false;
+    copy->prompt_top_logprobs = 0;
+    return copy;
+}
+
 void cs__req_maybe_free(req *q) {
     if (q->call || q->legs) return;
     router *r = q->r;
@@ -146,6 +195,7 @@ void cs__req_maybe_free(req *q) {
     cs_pool_worker_unref(q->dw_last);
     cs_pool_worker_unref(q->pw_last);
     cs_pool_marks_free(&q->marks);
+    drop_held(q);
     if (q->sampling) protobuf_c_message_free_unpacked(&q->sampling->base, NULL);
     free(q->ctx);
     free(q->id);
@@ -159,6 +209,7 @@ void cs__req_maybe_free(req *q) {
  * STREAMING), the transfer may live on in the workers without a call:
  * Worker/Cancel tells both. */
 static void drop_attempt(req *q, bool tell_workers) {
+    drop_held(q);
     cs__leg_cancel(q->dleg);
     cs__leg_cancel(q->pleg);
     q->dleg = q->pleg = NULL;
@@ -329,9 +380,30 @@ void cs__req_on_admitted(req *q, leg *l, const char *kv_endpoint, int kv_transpo
     }
 }
 
-void cs__req_on_prefilled(req *q, leg *l) {
+void cs__req_on_prefilled(req *q, leg *l, Chunkserve__V1__PrefillResponse *reply) {
     CS_LOGD("request %s: prefill on %s done", q->id, cs_pool_worker_addr(l->w));
+    bool wants = cs__req_wants_prompt_logprobs(q);
     cs__req_set_state(q, RQ_STREAMING);
+    if (!wants) {
+        if (reply) protobuf_c_message_free_unpacked(&reply->base, NULL);
+        return;
+    }
+    q->prefilled = reply; /* the next output relayed carries its prompt logprobs */
+    /* the outputs that waited, in order, as they would have come */
+    struct held_output *h = q->held;
+    bool ended = q->held_ended;
+    q->held = NULL;
+    q->held_ended = false;
+    while (h) {
+        struct held_output *n = h->next;
+        if (q->state == RQ_STREAMING) cs__req_on_output(q, q->dleg, h->m->output);
+        protobuf_c_message_free_unpacked(&h->m->base, NULL);
+        free(h);
+        h = n;
+    }
+    if (ended && q->state == RQ_STREAMING) /* the stream closed behind them, unfinished */
+        cs__req_fail_attempt(q, q->dw_last, "decode", CS_RPC_INTERNAL,
+                             "the stream ended without a finish reason");
 }
 
 void cs__req_on_refused(req *q, leg *l, const char *msg) {
@@ -497,7 +569,18 @@ static bool relay(req *q, Chunkserve__V1__GenerateResponse *out) {
 
 void cs__req_on_output(req *q, leg *l, Chunkserve__V1__GenerateResponse *out) {
     (void)l;
+    Chunkserve__V1__PrefillResponse *p = q->prefilled;
+    if (!p || out->n_prompt_logprobs) { /* a local prefill's come in the stream itself */
+        relay(q, out);
+        return;
+    }
+    q->prefilled = NULL;
+    out->n_prompt_logprobs = p->n_prompt_logprobs; /* borrowed for the relay */
+    out->prompt_logprobs = p->prompt_logprobs;
     relay(q, out);
+    out->n_prompt_logprobs = 0;
+    out->prompt_logprobs = NULL;
+    protobuf_c_message_free_unpacked(&p->base, NULL);
 }
 
 /* ------------------------------------------------- queue processing -- */

@@ -95,6 +95,7 @@ struct leg {
     cs_pool_worker *w; /* referenced; active on it while the call lives */
     cs_rpc_client_call *c;
     enum leg_kind kind;
+    Chunkserve__V1__PrefillResponse *reply; /* LEG_PREFILL: its answer, once read */
 };
 
 struct req {
@@ -125,6 +126,12 @@ struct req {
     cs_pool_worker *dw_last; /* decode worker of the attempt (referenced), for Cancel */
     cs_pool_worker *pw_last; /* prefill worker of the attempt (referenced), for Cancel */
     int legs;                /* legs alive (current or not) */
+    /* Prompt logprobs with a remote prefill come in the Prefill reply: the
+     * Decode stream's outputs wait for it (held, in order), and the first
+     * relayed output carries them (cs__req_wants_prompt_logprobs). */
+    Chunkserve__V1__PrefillResponse *prefilled;
+    struct held_output *held, **held_tail;
+    bool held_ended; /* the Decode stream ended (OK) behind held outputs */
 
     int failures, retries, migrations, refusals;
     int64_t n_msgs; /* messages relayed with tokens (--fault-migrate-every counts them) */
@@ -138,11 +145,11 @@ struct req {
     double t_wait[3];
 
     double t_recv, t_deadline, t_first, t_last;
-    int64_t t_recv_wall_us; /* CLOCK_REALTIME at receipt, for the worker's hop measurement */
-    double t_attempt;       /* the current Decode call's start */
-    bool overhead_seen;     /* router_overhead_seconds observed (first attempt) */
+    int64_t t_recv_wall_us;   /* CLOCK_REALTIME at receipt, for the worker's hop measurement */
+    double t_attempt;         /* the current Decode call's start */
+    bool overhead_seen;       /* router_overhead_seconds observed (first attempt) */
     int64_t predicted_cached; /* prompt tokens the attempt's prefilling worker should hold */
-    char fault_worker[24];  /* fault builds: x-chunkserve-fault-alloc for its worker calls */
+    char fault_worker[24];    /* fault builds: x-chunkserve-fault-alloc for its worker calls */
 };
 
 /* Ends the allocation-failure injection armed for request seq (fault.h),
@@ -171,9 +178,9 @@ struct router {
     int n_placed;
     double t_last_pump;
     uint64_t next_seq;
-    uint64_t fault_seq; /* the request an allocation failure is armed for (fault.h), or 0 */
+    uint64_t fault_seq;    /* the request an allocation failure is armed for (fault.h), or 0 */
     char fault_worker[24]; /* its x-chunkserve-fault-alloc-worker, passed on to its workers */
-    uint64_t id_base; /* random per process: transfer ids and request ids */
+    uint64_t id_base;      /* random per process: transfer ids and request ids */
 
     struct {
         cs_metric *running, *waiting, *retries, *migrations, *prefill_local, *prefill_remote;
@@ -216,7 +223,20 @@ uint64_t cs__splitmix64(uint64_t x);
 /* Events from the legs (legs.c calls them for the current leg only). */
 void cs__req_on_admitted(req *q, leg *l, const char *kv_endpoint, int kv_transport);
 void cs__req_on_output(req *q, leg *l, Chunkserve__V1__GenerateResponse *out);
-void cs__req_on_prefilled(req *q, leg *l);
+/* The Prefill reply (owned from here; NULL when it could not be read). */
+void cs__req_on_prefilled(req *q, leg *l, Chunkserve__V1__PrefillResponse *reply);
+/* Whether q's first output must wait for the Prefill reply's prompt logprobs. */
+bool cs__req_wants_prompt_logprobs(const req *q);
+/* Takes an output m of the Decode stream to hold (true) while the prompt
+ * logprobs are on their way; false: relay it now. */
+bool cs__req_hold(req *q, Chunkserve__V1__DecodeResponse *m);
+/* The Decode stream ended OK: true when outputs are held (the end is
+ * taken up after them). */
+bool cs__req_hold_end(req *q);
+/* The sampling parameters for the attempt's calls (prompt logprobs only
+ * while nothing was relayed: a migrated stream had them already). */
+const Chunkserve__V1__SamplingParams *cs__req_leg_sampling(const req *q,
+                                                           Chunkserve__V1__SamplingParams *copy);
 /* The decode worker refused (RESOURCE_EXHAUSTED before admitting). */
 void cs__req_on_refused(req *q, leg *l, const char *msg);
 /* The leg's call ended with code (not OK, or OK without a finish) or could

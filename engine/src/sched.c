@@ -44,7 +44,7 @@ typedef struct seq {
      * position i), n_plp of them computed; handed to the first token's event */
     cs_prompt_logprob *plp;
     int32_t n_plp, plp_top;
-    struct seq *next;     /* in its list (waiting, running: ordered by arrival) */
+    struct seq *next; /* in its list (waiting, running: ordered by arrival) */
 } seq;
 
 struct cs_sched {
@@ -79,7 +79,7 @@ struct cs_sched {
     float *logits;
     int32_t cap_spans, cap_rows;
     cs_event *events;
-    char **texts;              /* texts of the last step's events, freed at the next step */
+    char **texts;             /* texts of the last step's events, freed at the next step */
     cs_prompt_logprob **plps; /* their prompt logprobs, likewise */
     int32_t n_events, cap_events;
 };
@@ -564,8 +564,9 @@ static int32_t plp_cap(const seq *q, int32_t k, int32_t room) {
 static void add_span(cs_sched *s, int32_t *n_spans, seq *q, int32_t k) {
     bool last = q->n_computed + k == q->n_tokens;
     int32_t rows = plp_rows(q, k);
-    s->spans[*n_spans] = (cs_span){q->tokens + q->n_computed, k, q->n_computed, q->pt.pages,
-                                   q->pt.n_pages, rows ? rows + last : last};
+    s->spans[*n_spans] =
+        (cs_span){q->tokens + q->n_computed, k, q->n_computed, q->pt.pages, q->pt.n_pages,
+                  rows ? rows + last : last};
     s->owners[(*n_spans)++] = q;
 }
 
@@ -945,8 +946,8 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
             s->owners[i] = NULL;
             continue;
         }
-        int32_t id = cs_sampler_sample_allowed(q->smp, s->logits + (size_t)li++ * s->n_vocab,
-                                               allow, q->top_logprobs, q->logprobs ? &lp : NULL);
+        int32_t id = cs_sampler_sample_allowed(q->smp, s->logits + (size_t)li++ * s->n_vocab, allow,
+                                               q->top_logprobs, q->logprobs ? &lp : NULL);
         if ((r = emit_token(s, q, id, &lp, n_new ? q->pt.pages + first : NULL, first, n_new)))
             return r;
         s->owners[i] = NULL;

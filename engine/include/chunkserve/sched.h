@@ -76,17 +76,17 @@ typedef struct {
                           stop checker see them as generated; the next event is
                           the token after them. 0 normally */
     cs_sampling_params sampling;
-    cs_stop_params stop;  /* max_tokens, stop strings and ids, ignore_eos; copied */
-    bool logprobs;        /* report the chosen tokens' log-probabilities */
-    int32_t top_logprobs; /* with logprobs: the most likely alternatives per token to
-                             report, 0..CS_MAX_TOP_LOGPROBS */
-    bool prompt_logprobs;         /* report each prompt token's log-probability given the
-                                     tokens before it (vLLM's prompt_logprobs; not for
-                                     resumed requests): the prompt is computed whole, never
-                                     from the prefix cache, in chunks of at most
-                                     CS_SCHED_PROMPT_LOGPROB_ROWS tokens a step. CS_KV_REMOTE
-                                     ignores it (the prefill side computes them) */
-    int32_t prompt_top_logprobs;  /* with prompt_logprobs: alternatives per token, 0..20 */
+    cs_stop_params stop;         /* max_tokens, stop strings and ids, ignore_eos; copied */
+    bool logprobs;               /* report the chosen tokens' log-probabilities */
+    int32_t top_logprobs;        /* with logprobs: the most likely alternatives per token to
+                                    report, 0..CS_MAX_TOP_LOGPROBS */
+    bool prompt_logprobs;        /* report each prompt token's log-probability given the
+                                    tokens before it (vLLM's prompt_logprobs; not for
+                                    resumed requests): the prompt is computed whole, never
+                                    from the prefix cache, in chunks of at most
+                                    CS_SCHED_PROMPT_LOGPROB_ROWS tokens a step. CS_KV_REMOTE
+                                    ignores it (the prefill side computes them) */
+    int32_t prompt_top_logprobs; /* with prompt_logprobs: alternatives per token, 0..20 */
     enum cs_kv_mode kv_mode;
     bool reserve;             /* reserve the prompt's pages at add, all or nothing:
                                  CS_ENOSPC when they are not free now (admission by
