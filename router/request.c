@@ -160,6 +160,7 @@ bool cs__req_hold(req *q, Chunkserve__V1__DecodeResponse *m) {
     struct held_output *h = malloc(sizeof *h);
     if (!h) return false; /* relayed without them: the client sees none rather than a hang */
     *h = (struct held_output){NULL, m};
+    CS_LOGD("request %s: an output waits for the prompt logprobs of the Prefill reply", q->id);
     if (!q->held) q->held_tail = &q->held;
     *q->held_tail = h;
     q->held_tail = &h->next;

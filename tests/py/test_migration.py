@@ -255,3 +255,35 @@ def test_tools_chat_across_cuts(cl, pb):
         calls = json.loads(want[1])
         assert all(c["name"] == "log_ship" and c["parameters"]["flag"] in ("NO", "UK", "FR")
                    for c in calls)
+
+
+def prompt_logprobs(msgs):
+    """The prompt logprobs of a stream, as (token, logprob, rank, alternatives): on one
+    message, the first with tokens."""
+    carrying = [i for i, m in enumerate(msgs) if m.prompt_logprobs]
+    assert carrying == [next(i for i, m in enumerate(msgs) if m.token_ids)], carrying
+    return [(e.token_id, e.logprob, e.rank, [(a.token_id, a.logprob) for a in e.top_logprobs])
+            for e in msgs[carrying[0]].prompt_logprobs]
+
+
+@pytest.mark.parametrize("prompt", ["short", "long"])
+def test_prompt_logprobs_across_cuts(cl, pb, prompt):
+    """Prompt logprobs through local (short) and remote prefill (long: computed by the
+    prefill worker, sent in its reply, put by the router on the first message), with a cut
+    after every message: once, bit for bit the single process's (the integer kernels give
+    a row the same bits whatever the chunking), and the migrated legs do not ask again."""
+    g = pb.generation_pb2
+    text = "Three colours:" if prompt == "short" else PROSE
+    sp = dict(ignore_eos=True, logprobs=True, prompt_logprobs=True, prompt_top_logprobs=3,
+              **SAMPLED)
+    r = cl.routers[1]
+    wait_for_usable(r, len(cl.decode))
+    want_msgs = stream(cl.ref.stub, g, text, 24, **sp)
+    before = metric(r.metrics(), "chunkserve:migrations_total")
+    got_msgs = stream(r.stub, g, text, 24, **sp)
+    assert metric(r.metrics(), "chunkserve:migrations_total") - before >= 1
+    want, got = summary(want_msgs), summary(got_msgs)
+    assert got[:4] == want[:4] and same_logprobs(got[4], want[4])
+    plp = prompt_logprobs(want_msgs)
+    assert prompt_logprobs(got_msgs) == plp
+    assert len(plp) == want[3][0] - 1 and all(len(e[3]) == 3 for e in plp)

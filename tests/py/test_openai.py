@@ -716,10 +716,117 @@ def test_echo(real):
         model=real.model, messages=msgs, temperature=0, max_tokens=6,
         extra_body={"echo": True, "continue_final_message": True, "add_generation_prompt": False})
     assert c.choices[0].message.content.startswith("My favourite is")
-    with pytest.raises(openai.BadRequestError) as e:
-        real.client.completions.create(model=real.model, prompt=PROMPT, max_tokens=2, echo=True,
-                                       logprobs=1)
-    assert e.value.body["param"] == "echo"
+
+
+def plp_first(entry):
+    """The prompt token's (id, logprob, rank) of a vLLM prompt_logprobs entry: its first key."""
+    k, v = next(iter(entry.items()))
+    return int(k), v["logprob"], v["rank"]
+
+
+def test_prompt_logprobs(real):
+    """vLLM's prompt_logprobs: each prompt token's logprob given the tokens before it, from
+    the same computation as a generated token's: feeding a greedy answer back as the prompt
+    gives its tokens the very logprobs they were generated with (the integer kernels give a
+    row the same bits in a prefill chunk and in a decode step). The prompt is computed whole
+    (no prefix cache), the alternatives are the most likely tokens ranked 1..k."""
+    ids = json.loads(urllib_post(real, "/tokenize", {"prompt": PROMPT}))["tokens"]
+    gen = real.client.completions.create(model=real.model, prompt=ids, temperature=0,
+                                         max_tokens=8, logprobs=0,
+                                         extra_body={"return_tokens_as_token_ids": True})
+    gen_ids = [int(t.split(":")[1]) for t in gen.choices[0].logprobs.tokens]
+    gen_lps = gen.choices[0].logprobs.token_logprobs
+    for _ in range(2):  # the second time the prompt's pages are cached: not used for this
+        r = real.client.completions.create(model=real.model, prompt=ids + gen_ids, max_tokens=1,
+                                           temperature=0, extra_body={"prompt_logprobs": 3})
+        plp = r.choices[0].model_extra["prompt_logprobs"]
+        assert r.usage.prompt_tokens_details.cached_tokens == 0
+        assert len(plp) == len(ids) + len(gen_ids) and plp[0] is None
+        assert [plp_first(e)[0] for e in plp[1:]] == (ids + gen_ids)[1:]
+        assert [plp_first(e)[1] for e in plp[len(ids):]] == gen_lps  # bit for bit
+        assert all(plp_first(e)[2] == 1 for e in plp[len(ids):])  # greedy: the likeliest
+        for e in plp[1:]:
+            # the token first, then the top 3 (the token among them when its rank is <= 3)
+            tok, lp, rank = plp_first(e)
+            assert rank >= 1 and len(e) == 3 + (rank > 3)
+            top = sorted((v["rank"], v["logprob"]) for v in e.values() if v["rank"] <= 3)
+            assert [r for r, _ in top] == [1, 2, 3]
+            assert [v for _, v in top] == sorted((v for _, v in top), reverse=True)
+            assert all(v["logprob"] <= 0 and isinstance(v["decoded_token"], str)
+                       for v in e.values())
+    # chat: beside the choices, one entry per prompt token
+    c = real.client.chat.completions.create(model=real.model, temperature=0, max_tokens=2,
+                                            messages=[{"role": "user", "content": PROMPT}],
+                                            extra_body={"prompt_logprobs": 0})
+    cp = c.model_extra["prompt_logprobs"]
+    assert len(cp) == c.usage.prompt_tokens and cp[0] is None and all(len(e) == 1 for e in cp[1:])
+    # gRPC: on the first message only, as PromptLogprob entries
+    g = real.pb.generation_pb2
+    msgs = list(real.stub.Generate(g.GenerateRequest(
+        token_ids=g.TokenIds(ids=ids + gen_ids), sampling=g.SamplingParams(
+            max_tokens=3, prompt_logprobs=True, prompt_top_logprobs=2)), timeout=120))
+    assert [len(m.prompt_logprobs) for m in msgs] == [len(ids) + len(gen_ids) - 1] + [0] * (
+        len(msgs) - 1)
+    first = msgs[0].prompt_logprobs
+    assert [e.token_id for e in first] == (ids + gen_ids)[1:]
+    assert [e.logprob for e in first][len(ids) - 1:] == pytest.approx(gen_lps, abs=0)
+    assert all(len(e.top_logprobs) == 2 and e.rank >= 1 for e in first)
+
+
+def test_echo_with_logprobs(real):
+    """Completions' echo with logprobs: the prompt's tokens first (the first with a null
+    logprob), then the answer's, streamed or not; the prompt's values are its prompt_logprobs."""
+    kw = dict(model=real.model, prompt=PROMPT, temperature=0, max_tokens=6, echo=True, logprobs=2)
+    r = real.client.completions.create(**kw)
+    lp = r.choices[0].logprobs
+    n_prompt = r.usage.prompt_tokens
+    assert len(lp.tokens) == n_prompt + 6 and r.choices[0].text.startswith(PROMPT)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(isinstance(x, float) for x in lp.token_logprobs[1:])
+    assert all(1 <= len(d) <= 2 for d in lp.top_logprobs[1:])
+    assert lp.text_offset == sorted(lp.text_offset) and lp.text_offset[0] == 0
+    assert "".join(lp.tokens) == r.choices[0].text
+    p = real.client.completions.create(model=real.model, prompt=PROMPT, temperature=0,
+                                       max_tokens=6, extra_body={"prompt_logprobs": 2})
+    assert lp.token_logprobs[1:n_prompt] == [plp_first(e)[1] for e in
+                                             p.choices[0].model_extra["prompt_logprobs"][1:]]
+    streamed = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for c in real.client.completions.create(**kw, stream=True):
+        if c.choices and c.choices[0].logprobs:
+            for k in streamed:
+                streamed[k] += getattr(c.choices[0].logprobs, k)
+    assert streamed == {k: getattr(lp, k) for k in streamed}
+
+
+def test_prompt_logprobs_refused(tiny):
+    """What is not served is refused by name: the whole vocabulary (-1), more than 20
+    alternatives, a streamed answer (as vLLM); gRPC checks its two fields."""
+    for body, msg in (({"prompt_logprobs": -1}, "whole vocabulary"),
+                      ({"prompt_logprobs": 21}, "[0, 20]"),
+                      ({"prompt_logprobs": True}, "integer"),
+                      ({"prompt_logprobs": 1, "stream": True}, "stream")):
+        with pytest.raises(openai.BadRequestError) as e:
+            tiny.client.completions.create(model=tiny.model, prompt="hi", max_tokens=2,
+                                           extra_body=body, stream=body.get("stream", False))
+        assert e.value.body["param"] == "prompt_logprobs" and msg in e.value.body["message"]
+    g = tiny.pb.generation_pb2
+    for sp in (dict(prompt_top_logprobs=2), dict(prompt_logprobs=True, prompt_top_logprobs=21)):
+        with pytest.raises(grpc.RpcError) as e:
+            list(tiny.stub.Generate(g.GenerateRequest(prompt="hi", sampling=g.SamplingParams(
+                max_tokens=2, **sp)), timeout=60))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+        assert "prompt_top_logprobs" in e.value.details()
+    # served on the tiny model too (the ASan run): shapes, n > 1, a one-token prompt
+    r = tiny.client.completions.create(model=tiny.model, prompt=[5, 6, 7, 8], max_tokens=3, n=2,
+                                       echo=True, logprobs=1, extra_body={"prompt_logprobs": 1})
+    for ch in r.choices:
+        plp = ch.model_extra["prompt_logprobs"]
+        assert plp[0] is None and [plp_first(e)[0] for e in plp[1:]] == [6, 7, 8]
+        assert ch.logprobs.token_logprobs[1:4] == [plp_first(e)[1] for e in plp[1:]]
+        assert len(ch.logprobs.tokens) == 7
+    one = tiny.client.completions.create(model=tiny.model, prompt=[5], max_tokens=2,
+                                         extra_body={"prompt_logprobs": 0})
+    assert one.choices[0].model_extra["prompt_logprobs"] == [None]
 
 
 def urllib_post(s, path, body):

@@ -639,6 +639,50 @@ def test_remote_prefill(pb, reference, worker_bins, tiny_model):
         c.stop()
 
 
+def prompt_logprobs(msgs):
+    """[(token, logprob, rank, [alternative ids])] of the one message that carries them,
+    which must be the first with tokens."""
+    carrying = [i for i, m in enumerate(msgs) if m.prompt_logprobs]
+    first = next(i for i, m in enumerate(msgs) if m.token_ids)
+    assert carrying == [first], (carrying, first)
+    return [(e.token_id, e.logprob, e.rank, [a.token_id for a in e.top_logprobs])
+            for e in msgs[first].prompt_logprobs]
+
+
+def test_prompt_logprobs_through_the_cluster(cl, pb, reference):
+    """prompt_logprobs are computed where the prompt is prefilled: by the prefill worker
+    (they come in its reply; the router holds the Decode stream's first output until then,
+    even when the whole answer is one token) or by the decode worker (local prefill), and
+    reach the client once, on the first message, as the single process gives them
+    (test_migration.py: across cuts)."""
+    g = pb.generation_pb2
+    d, p = cl.decode(), cl.prefill()
+    r = cl.router("--decode-workers", d.addr, "--prefill-workers", p.addr,
+                  "--local-prefill-threshold", "8", "--log-level", "debug", *FAST)
+    wait_usable(r, 1, 1)
+    sp = dict(prompt_logprobs=True, prompt_top_logprobs=2)
+    for prompt in ([1, 40, 258, 7], list(range(20, 60))):  # local, remote
+        _, _, _, want = generate(reference.stub, g, ids=prompt, max_tokens=6, ignore_eos=True,
+                                 **sp)
+        want = prompt_logprobs(want)
+        assert [t for t, _, _, _ in want] == prompt[1:]
+        for n in (6, 1):
+            got_ids, _, _, msgs = generate(r.stub, g, ids=prompt, max_tokens=n,
+                                           ignore_eos=True, **sp)
+            assert got_ids == reference(prompt, 6)[0][:n]
+            got = prompt_logprobs(msgs)
+            # the tiny model's fp32 kernels: equal to rounding, not bit for bit
+            assert [(t, rk) for t, _, rk, _ in got] == [(t, rk) for t, _, rk, _ in want]
+            assert all(abs(a[1] - b[1]) < 1e-4 for a, b in zip(got, want))
+            assert all(len(a[3]) == 2 for a in got)
+    for _ in range(10):  # one-token answers: the Decode stream may end before the reply
+        _, _, _, msgs = generate(r.stub, g, ids=list(range(30, 70)), max_tokens=1,
+                                 ignore_eos=True, **sp)
+        assert len(prompt_logprobs(msgs)) == 39
+    assert remote_prefills(d) == 12 and local_prefills(d) == 2
+    wait_idle(pb, [d, p])
+
+
 def test_router_counts_remote_prefills(cl, pb):
     d, p = cl.decode(), cl.prefill()
     r = cl.router("--decode-workers", d.addr, "--prefill-workers", p.addr,
