@@ -61,6 +61,7 @@ typedef struct {
     int32_t stop_token; /* the stop token id (-1: none) */
     int32_t n_streamed; /* tokens streamed so far (continuous usage) */
     size_t shown;       /* read for tool calls, streamed: the bytes of text shown as content */
+    size_t lp_offset;   /* streamed logprobs: the tokens' text so far (the next text_offset) */
 } oa_choice;
 
 /* A prompt's logprobs (prompt_logprobs, completions' echo with logprobs),
@@ -218,10 +219,11 @@ static void completion_row(oa_call *oc, cJSON *j, int32_t id, const cs_logprobs 
 
 /* logprobs for ids[0..n): chat {"content":[{token,logprob,bytes,top_logprobs}]},
  * completions {tokens, token_logprobs, top_logprobs ([{text: logprob}] when
- * alternatives were asked, else null), text_offset}, after the prompt's rows
- * when echo is not NULL (completions' echo with logprobs). */
+ * alternatives were asked, else null), text_offset (from *text_offset, the
+ * tokens' texts before these; advanced)}, after the prompt's rows when echo
+ * is not NULL (completions' echo with logprobs). */
 static cJSON *logprobs_json(oa_call *oc, const int32_t *ids, const cs_logprobs *lp, size_t n,
-                            size_t text_offset, const oa_prompt_lp *echo) {
+                            size_t *text_offset, const oa_prompt_lp *echo) {
     cJSON *j = cJSON_CreateObject();
     if (oc->rq.chat) {
         cJSON *content = cJSON_AddArrayToObject(j, "content");
@@ -241,12 +243,12 @@ static cJSON *logprobs_json(oa_call *oc, const int32_t *ids, const cs_logprobs *
             cJSON_AddNullToObject(j, "top_logprobs");
         cJSON_AddArrayToObject(j, "text_offset");
         if (echo) {
-            completion_row(oc, j, echo->first, NULL, &text_offset);
+            completion_row(oc, j, echo->first, NULL, text_offset);
             for (int32_t i = 0; i < echo->n; i++)
-                completion_row(oc, j, echo->e[i].token, &echo->e[i].lp, &text_offset);
+                completion_row(oc, j, echo->e[i].token, &echo->e[i].lp, text_offset);
         }
         for (size_t i = 0; i < n; i++)
-            completion_row(oc, j, ids[i], &lp[i], &text_offset);
+            completion_row(oc, j, ids[i], &lp[i], text_offset);
     }
     return j;
 }
@@ -476,7 +478,7 @@ static void complete(oa_call *oc) {
             const oa_prompt_lp *pl = oc->plp ? &oc->plp[i / oc->rq.n] : NULL;
             if (oc->rq.logprobs)
                 cJSON_AddItemToObject(ch, "logprobs",
-                                      logprobs_json(oc, c->lp_ids, c->lp, c->n_lp, 0,
+                                      logprobs_json(oc, c->lp_ids, c->lp, c->n_lp, &(size_t){0},
                                                     oc->rq.echo_logprobs ? pl : NULL));
             else
                 cJSON_AddNullToObject(ch, "logprobs");
@@ -708,7 +710,7 @@ static int send_text(oa_call *oc, oa_choice *c, const Chunkserve__V1__GenerateRe
             take_logprobs(m, ids, v);
             bool echo = oc->rq.echo_logprobs && !c->lp_echoed; /* the prompt's rows go first */
             c->lp_echoed = true;
-            lp = logprobs_json(oc, ids, v, m->n_logprobs, c->len,
+            lp = logprobs_json(oc, ids, v, m->n_logprobs, &c->lp_offset,
                                echo ? &oc->plp[c->index / oc->rq.n] : NULL);
         }
         free(ids);
