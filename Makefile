@@ -18,7 +18,7 @@ ifneq ($(OPENBLAS_CORETYPE),)
 export OPENBLAS_CORETYPE
 endif
 
-.PHONY: all build bootstrap model test-models check test test-unit test-py asan-build test-asan test-serve-asan test-cluster-asan tsan-build test-cluster-tsan fuzz-long demo bench image clean format
+.PHONY: all build bootstrap model test-models check test test-stress test-unit test-py asan-build test-asan test-serve-asan test-cluster-asan tsan-build test-cluster-tsan fuzz-long demo bench image clean format
 
 all: build
 
@@ -88,6 +88,20 @@ tsan-build: bootstrap
 test-cluster-tsan: tsan-build
 	CHUNKSERVE_BIN_DIR=$(abspath $(BUILD))-tsan/bin TSAN_OPTIONS="halt_on_error=0 suppressions=$(abspath tests/tsan.supp)" \
 	  $(PY) -m pytest -q tests/py/test_router.py
+
+# `make test` under load, as on a shared machine: STRESS_HOGS busy loops (default 2,
+# one per core of a CI machine) run beside it, STRESS_RUNS times (default 2). Tests
+# assert correctness, never timing: every one must pass here too. Not part of
+# `make test` (each run takes about twice as long).
+STRESS_HOGS ?= 2
+STRESS_RUNS ?= 2
+test-stress:
+	@hogs=""; for i in $$(seq $(STRESS_HOGS)); do (while :; do :; done) & hogs="$$hogs $$!"; done; \
+	trap 'kill $$hogs 2>/dev/null' EXIT INT TERM; \
+	for run in $$(seq $(STRESS_RUNS)); do \
+	  echo "== test-stress: run $$run of $(STRESS_RUNS), $(STRESS_HOGS) busy loops beside it"; \
+	  $(MAKE) --no-print-directory test || exit 1; \
+	done
 
 # Not part of `make test`: every libFuzzer driver (tests/fuzz, tests/kvx; built by
 # `make build` where clang's libFuzzer works) for FUZZ_SECONDS each, one at a time,

@@ -1226,25 +1226,27 @@ int cs_kvx_tx_send_pages(cs_kvx_tx *tx, uint64_t xfer_id, int32_t first_page, in
     tx_send *s = NULL;
     tx_item **items = NULL;
     int32_t nit = 0;
+    /* the arguments first: what they are does not depend on the transfer's state */
+    if (n_pages < 1 || !page_ids)
+        return cs_fail(CS_EINVAL, "kvx tx: transfer %llu: %d pages", (unsigned long long)xfer_id,
+                       n_pages);
+    for (int32_t i = 0; i < n_pages; i++)
+        if (page_ids[i] < 0 || page_ids[i] >= tx->p.pool.n_pages)
+            return cs_fail(CS_EINVAL,
+                           "kvx tx: transfer %llu: page id %d outside the pool (%d pages)",
+                           (unsigned long long)xfer_id, page_ids[i], tx->p.pool.n_pages);
     pthread_mutex_lock(&tx->mu);
     tx_xfer *x = find_xfer(tx, xfer_id);
     if (!x || x->fail || x->trailer_queued) {
         r = cs_fail(CS_ENOENT, "kvx tx: transfer %llu is not open", (unsigned long long)xfer_id);
         goto fail;
     }
-    if (n_pages < 1 || first_page != x->queued_pages ||
-        n_pages > x->total_pages - x->queued_pages || !page_ids) {
+    if (first_page != x->queued_pages || n_pages > x->total_pages - x->queued_pages) {
         r = cs_fail(CS_EINVAL, "kvx tx: transfer %llu: pages %d+%d out of order (queued %d of %d)",
                     (unsigned long long)xfer_id, first_page, n_pages, x->queued_pages,
                     x->total_pages);
         goto fail;
     }
-    for (int32_t i = 0; i < n_pages; i++)
-        if (page_ids[i] < 0 || page_ids[i] >= tx->p.pool.n_pages) {
-            r = cs_fail(CS_EINVAL, "kvx tx: transfer %llu: page id %d outside the pool (%d pages)",
-                        (unsigned long long)xfer_id, page_ids[i], tx->p.pool.n_pages);
-            goto fail;
-        }
     size_t pb = (size_t)tx->p.layout.page_bytes;
     tx_chan *ch = x->ch;
     if (ch->queued_bytes + (size_t)n_pages * pb > tx->p.max_queued_bytes && ch->queued_bytes > 0) {
