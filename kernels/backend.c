@@ -6,8 +6,9 @@
  * "auto" picks CUDA when cudaGetDeviceCount succeeds with >= 1 device of
  * compute capability 8.0+, the CPU backend otherwise, with the reason. A
  * model the CUDA kernels cannot run (CS_ENOTSUP) also falls back in auto
- * mode. The CUDA runtime is linked, never libcuda (DESIGN §2): on a machine
- * without a driver cudaGetDeviceCount fails (error 35) and we use the CPU. */
+ * mode. The CUDA runtime is linked, never libcuda (architecture.md,
+ * dependencies): on a machine without a driver cudaGetDeviceCount fails
+ * (error 35) and we use the CPU. */
 #include <stdlib.h>
 #include <string.h>
 

@@ -1,5 +1,5 @@
 /* router.c: chunkserve-router's Generation handler and its process hooks
- * (DESIGN §4 request flow, §6 failure contract). The router is three parts
+ * (architecture.md: request flow, failure contract). The router is three parts
  * (router-impl.h): this file admits requests and runs the process; a
  * request's life is request.c (a state machine with its table in
  * router-impl.h); the worker calls are legs.c.

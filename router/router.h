@@ -1,6 +1,7 @@
 /* router.h: `chunkserve-router`, the process clients talk to: the public
  * chunkserve.v1.Generation service and grpc.health.v1 on the RPC layer, and
- * the client of the workers' chunkserve.v1.Worker service (DESIGN §4, §6).
+ * the client of the workers' chunkserve.v1.Worker service (architecture.md:
+ * request flow, failure contract).
  * It validates and tokenizes requests itself (it holds the model's
  * vocabulary, not its weights), admits or queues them, places them on decode
  * and prefill workers, relays their tokens, retries and migrates on worker

@@ -18,7 +18,7 @@ extern "C" {
  * none. Never fails: a cudaGetDeviceCount error (35 = no driver, 100 = no
  * device, ...) counts as 0 and is described in why. name gets device 0's
  * name when the result is >= 1. Safe to call without a driver: the runtime
- * is linked, never libcuda (DESIGN §2). */
+ * is linked, never libcuda (architecture.md, dependencies). */
 int cs_backend_cuda_probe(char *name, size_t name_len, char *why, size_t why_len);
 
 /* Bytes of one KV page in the CUDA backend's format: bf16,

@@ -1,5 +1,5 @@
 /* chunkserve/secret.h: the cluster secret and the few primitives the trust
- * boundaries need (DESIGN §6b): random bytes from the kernel, HMAC-SHA256
+ * boundaries need (architecture.md, trust): random bytes from the kernel, HMAC-SHA256
  * (OpenSSL's libcrypto) and constant-time comparison.
  *
  * The cluster secret is shared by the router and every worker of one

@@ -1,8 +1,8 @@
 /* chunkserve/sched.h: the stall-free step scheduler both pools run
- * (Sarathi-Serve style; DESIGN §5). Each step spends a token budget: first
- * one token for every running decode, then chunks of waiting prompts in
- * arrival order fill what is left; a prompt that does not fit continues next
- * step. Sequences join and leave every step (continuous batching). Pages are
+ * (Sarathi-Serve style; architecture.md, scheduling). Each step spends a
+ * token budget: first one token for every running decode, then chunks of
+ * waiting prompts in arrival order fill what is left; a prompt that does not
+ * fit continues next step. Sequences join and leave every step (continuous batching). Pages are
  * reserved as tokens need them; when a decode finds none, the newest running
  * sequence is preempted (its pages freed, recomputed later from its tokens).
  * Full pages are shared between prompts with the same prefix (prefix cache).
@@ -53,7 +53,7 @@ enum { CS_SCHED_GRAMMARS = 32 };
 
 cs_sched_params cs_sched_params_default(void);
 
-/* Where a request's prompt KV comes from (disaggregation, DESIGN §4). */
+/* Where a request's prompt KV comes from (architecture.md, request flow). */
 enum cs_kv_mode {
     CS_KV_LOCAL = 0,    /* computed here in chunks, then decoded here (default) */
     CS_KV_PREFILL_ONLY, /* prefill worker: compute the prompt, report each step's

@@ -1,6 +1,7 @@
 /* chunkserve/config.h: one declarative option table per process drives its
  * command-line flags, its CHUNKSERVE_* environment variables, its --help and
- * (by the same names) the Helm values (DESIGN §7; redis config.c style).
+ * (by the same names) the Helm values (architecture.md, operations;
+ * redis config.c style).
  *
  * An entry named "max-batched-tokens" is the flag --max-batched-tokens (also
  * --max-batched-tokens=V) and the variable CHUNKSERVE_MAX_BATCHED_TOKENS.

@@ -3,7 +3,7 @@
  * series (a family name plus a fixed label set), updated from any thread
  * with atomics (no locks on the hot path) and rendered on demand.
  *
- * Names follow vLLM's where the meaning is the same (DESIGN §7):
+ * Names follow vLLM's where the meaning is the same (architecture.md, operations):
  * "chunkserve:num_requests_waiting", "chunkserve:kv_cache_usage_perc",
  * "chunkserve:time_to_first_token_seconds", ... Series of one family (same
  * name, different labels) share one HELP/TYPE header; the family's type and
