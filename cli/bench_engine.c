@@ -15,8 +15,7 @@
 
 #include "bench.h"
 #include "chunkserve/engine.h"
-#include "ops.h"
-#include "qmat.h"
+#include "chunkserve/ops.h"
 #include "chunkserve/clock.h"
 #include "chunkserve/error.h"
 

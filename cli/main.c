@@ -24,7 +24,7 @@
 #include "chunkserve/tokenizer.h"
 #include "cluster.h"
 #include "server.h"
-#include "ops.h"
+#include "chunkserve/ops.h"
 #include "chunkserve/assert.h"
 #include "chunkserve/clock.h"
 #include "chunkserve/error.h"

@@ -1,6 +1,6 @@
 /* chunkserve-decode: the decode worker (see decode.c). Thin: the shared
  * worker skeleton runs it. */
-#include "ops.h"
+#include "chunkserve/ops.h"
 #include "worker.h"
 
 extern const cs_worker_role cs_decode_role;

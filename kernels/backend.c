@@ -12,7 +12,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "backend.h"
+#include "chunkserve/backend.h"
 #include "qmat.h"
 #include "chunkserve/error.h"
 #include "chunkserve/log.h"

@@ -1,6 +1,7 @@
 /* openai-impl.h: the parts of openai/ (see openai.h): the request parser
- * (request.c: JSON -> GenerateRequests), the response writer (response.c:
- * GenerateResponses -> JSON and SSE events) and the routes (openai.c). */
+ * (request.c: JSON -> GenerateRequests), the routes, which also write the
+ * answers (openai.c: GenerateResponses -> JSON and SSE events), the error
+ * bodies (errors.c) and tool calls (tools.c). */
 #ifndef CS_OPENAI_IMPL_H
 #define CS_OPENAI_IMPL_H
 

@@ -1,6 +1,6 @@
 /* chunkserve-prefill: the prefill worker (see prefill.c). Thin: the shared
  * worker skeleton runs it. */
-#include "ops.h"
+#include "chunkserve/ops.h"
 #include "worker.h"
 
 extern const cs_worker_role cs_prefill_role;

@@ -6,8 +6,8 @@
  * The placement policy is a pair of pure functions over snapshots
  * (cs_place_decode, cs_place_prefill) so that it is tested without sockets.
  * Everything else runs on the router's libuv loop thread and must be called
- * there. Not here: requests, retries, the client side of Decode/Prefill
- * (router.c); the pool only lends a worker's channel and counts what the
+ * there. Not here: requests, retries (request.c), the client side of
+ * Decode/Prefill (legs.c); the pool only lends a worker's channel and counts what the
  * router placed there since its last status. */
 #ifndef CS_ROUTER_POOL_H
 #define CS_ROUTER_POOL_H
@@ -142,15 +142,6 @@ typedef struct {
     size_t n_refused;
 } cs_pool_marks;
 
-/* Picks a worker of the role for a context of n_tokens, skipping the marked
- * ones (decode: needs room for the pages). peer (prefill only; may be NULL):
- * the decode worker the pages go to; a prefill worker whose KV payload (TCP,
- * NCCL) or page layout (dtype, page size, shapes: the layout fingerprint)
- * differs from it is never chosen, since its KV channel would be refused.
- * On success it takes a reference (drop it with cs_pool_worker_unref) and
- * counts the pages/tokens placed there until its next status. NULL when none
- * qualifies. *n_candidates (may be NULL) receives how many usable, not
- * excluded workers there were (with or without room, refused or not). */
 /* Prefix-aware placement (prefix.h): the request's context and cache salt,
  * and the policy. */
 typedef struct {
@@ -161,7 +152,16 @@ typedef struct {
     int32_t index_pages;  /* page hashes remembered per worker */
 } cs_pool_prefix;
 
-/* With pf (may be NULL: by load alone) the choice is prefix-aware, the
+/* Picks a worker of the role for a context of n_tokens, skipping the marked
+ * ones (decode: needs room for the pages). peer (prefill only; may be NULL):
+ * the decode worker the pages go to; a prefill worker whose KV payload (TCP,
+ * NCCL) or page layout (dtype, page size, shapes: the layout fingerprint)
+ * differs from it is never chosen, since its KV channel would be refused.
+ * On success it takes a reference (drop it with cs_pool_worker_unref) and
+ * counts the pages/tokens placed there until its next status. NULL when none
+ * qualifies. *n_candidates (may be NULL) receives how many usable, not
+ * excluded workers there were (with or without room, refused or not).
+ * With pf (may be NULL: by load alone) the choice is prefix-aware, the
  * chosen worker's predicted cached tokens for the request go to *cached
  * (may be NULL), and the request's pages are recorded as held there. */
 cs_pool_worker *cs_pool_place(cs_pool *p, enum cs_pool_role role, int64_t n_tokens,

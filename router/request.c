@@ -259,8 +259,6 @@ void cs__req_end(req *q, int code, const char *msg) {
 
 /* ---------------------------------------------------------- attempts -- */
 
-/* A new attempt on decode worker dw (a reference from the pool, taken over):
- * a new transfer id, a prefill worker for a long context, the Decode call. */
 /* The prefix-aware placement policy for q (NULL: --prefix-routing false). */
 static const cs_pool_prefix *prefix_of(const req *q, cs_pool_prefix *pf) {
     const cs_router_opts *o = q->r->o;

@@ -5,9 +5,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "backend.h"
+#include "chunkserve/backend.h"
 #include "model-impl.h"
-#include "ops.h"
+#include "chunkserve/ops.h"
 #include "util.h"
 
 struct cs_engine {

@@ -11,7 +11,7 @@
 
 #include "chunkserve/refeval.h"
 #include "model-impl.h"
-#include "ops.h"
+#include "chunkserve/ops.h"
 #include "util.h"
 
 struct cs_ref_seq {

@@ -8,7 +8,7 @@
 #ifndef CS_MODEL_IMPL_H
 #define CS_MODEL_IMPL_H
 
-#include "backend.h"
+#include "chunkserve/backend.h"
 #include "chunkserve/model.h"
 #include "dtype.h"
 

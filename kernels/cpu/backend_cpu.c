@@ -13,8 +13,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "backend.h"
-#include "ops.h"
+#include "chunkserve/backend.h"
+#include "chunkserve/ops.h"
 #include "qmat.h"
 #include "chunkserve/assert.h"
 #include "chunkserve/error.h"

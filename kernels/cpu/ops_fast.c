@@ -26,7 +26,7 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "ops.h"
+#include "chunkserve/ops.h"
 #include "chunkserve/assert.h"
 #include "chunkserve/log.h"
 

@@ -7,7 +7,7 @@
 #include <math.h>
 #include <string.h>
 
-#include "ops.h"
+#include "chunkserve/ops.h"
 
 /* 16 partial sums, then the tail: a fixed order the compiler vectorizes. */
 static float dot(const float *a, const float *b, int n) {

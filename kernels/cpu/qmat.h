@@ -53,8 +53,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "backend.h"
-#include "ops.h"
+#include "chunkserve/backend.h"
+#include "chunkserve/ops.h"
 
 #define CS_QK 32        /* weights per block along K */
 #define CS_QK_K 256     /* weights per K-quant super-block (8 blocks) */
@@ -238,10 +238,6 @@ void cs__qmat_amx_panels(const cs_qout *outs, const cs_qact *a, const cs_qmat *w
 /* iters x 16 tile products of 16 x 16 x 64 (262,144 int8 MACs each
  * iteration) on the calling thread (only where cs__qmat_amx_usable()). */
 int64_t cs__qmat_amx_peak_loop(int64_t iters);
-/* int8 multiply-accumulates per second of the whole pool, every thread in
- * the vpdpbusd loop (amx false) or the tile loop (amx true) for about
- * `seconds`; 0 where those kernels do not run. */
-double cs_qmat_peak_macs(cs_threadpool *pool, double seconds, bool amx);
 /* The AVX2 GEMM of qmat_avx2.c, for CPUs without VNNI (AVX2, FMA and F16C,
  * checked at run time); the activations are quantized by the reference. */
 bool cs__qmat_avx2_usable(void);
@@ -260,8 +256,6 @@ enum {
 };
 int cs__qmat_kernels(void);
 void cs__qmat_force_kernels(int which);
-/* "generic", "avx2", "avx-512 vnni" or "amx" */
-const char *cs_qmat_kernels_name(void);
 /* The plain C versions of the same two. */
 void cs__qmat_ref_panels(const cs_qout *outs, const cs_qact *a, const cs_qmat *w, int64_t p0,
                          int64_t p1);

@@ -28,7 +28,7 @@
 #include <time.h>
 #include <unistd.h>
 
-#include "ops.h"
+#include "chunkserve/ops.h"
 #include "chunkserve/error.h"
 
 #if defined(__x86_64__) || defined(__i386__)

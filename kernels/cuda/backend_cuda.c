@@ -29,7 +29,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "backend.h"
+#include "chunkserve/backend.h"
 #include "backend_cuda.h"
 #include "cuda_impl.h"
 #include "chunkserve/assert.h"
@@ -333,10 +333,10 @@ static int kv_move(cuda_ctx *c, const int32_t *pages, int32_t n, void *host, int
         if (to_pages)
             CS_CUDA_CHECK(cudaMemcpyAsync(c->stage, h, bytes, cudaMemcpyHostToDevice, c->st));
         if (to_pages)
-            cs__cuda_kv_scatter(c->kv.pool, c->page_bytes, c->stage_pages, k, c->stage, NULL,
+            cs_cuda_kv_scatter(c->kv.pool, c->page_bytes, c->stage_pages, k, c->stage, NULL,
                                 c->st);
         else
-            cs__cuda_kv_gather(c->kv.pool, c->page_bytes, c->stage_pages, k, c->stage, NULL, c->st);
+            cs_cuda_kv_gather(c->kv.pool, c->page_bytes, c->stage_pages, k, c->stage, NULL, c->st);
         if (!to_pages)
             CS_CUDA_CHECK(cudaMemcpyAsync(h, c->stage, bytes, cudaMemcpyDeviceToHost, c->st));
         CS_CUDA_CHECK(cudaStreamSynchronize(c->st)); /* pageable host memory and reused staging */

@@ -8,7 +8,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#include "backend.h"
+#include "chunkserve/backend.h"
 
 #ifdef __cplusplus
 extern "C" {

@@ -14,6 +14,7 @@
 #include <cuda_runtime_api.h>
 
 #include "attention.h"
+#include "chunkserve/kv_pack_cuda.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -100,16 +101,7 @@ void cs__cuda_attention(uint16_t *out, const float *q, const cs_cuda_att_tile *t
  * fp32 holds [gate | up] per row (the fused gate/up GEMM). */
 void cs__cuda_swiglu(uint16_t *out, const float *gu, int n_tokens, int hidden, cudaStream_t s);
 
-/* kv_pack.cu: KV pages <-> a contiguous device buffer, for the backend's
- * kv_export/kv_import and the NCCL KV transport's staging
- * (kvx/src/kvx_payload_nccl.c). gather: staging page i = pool page ids[i], i < n, contiguous;
- * scatter: the reverse. pool page p starts at pool + p * page_bytes; ids are n device int32 page
- * ids; page_bytes a multiple of 8. sum (device, may be NULL) is set to the KV sum of the staging
- * bytes, computed in the same pass: the formula of cs__kvx_sum_ref (kvx/src/kvx-impl.h). */
-void cs__cuda_kv_gather(const void *pool, size_t page_bytes, const int32_t *ids, int32_t n,
-                        void *staging, unsigned long long *sum, cudaStream_t s);
-void cs__cuda_kv_scatter(void *pool, size_t page_bytes, const int32_t *ids, int32_t n,
-                         const void *staging, unsigned long long *sum, cudaStream_t s);
+/* kv_pack.cu: chunkserve/kv_pack_cuda.h (included above). */
 
 /* fp32 -> bf16 (round to nearest even) and back, n elements. */
 void cs__cuda_f32_to_bf16(uint16_t *dst, const float *src, size_t n, cudaStream_t s);

@@ -94,13 +94,13 @@ static void launch(void *pool, void *stage, const int32_t *ids, int32_t n, size_
         launch_v<uint2, TO_PAGES>(pool, stage, ids, n, page_bytes, sum, s);
 }
 
-extern "C" void cs__cuda_kv_gather(const void *pool, size_t page_bytes, const int32_t *ids,
+extern "C" void cs_cuda_kv_gather(const void *pool, size_t page_bytes, const int32_t *ids,
                                    int32_t n, void *staging, unsigned long long *sum,
                                    cudaStream_t s) {
     launch<false>((void *)pool, staging, ids, n, page_bytes, sum, s);
 }
 
-extern "C" void cs__cuda_kv_scatter(void *pool, size_t page_bytes, const int32_t *ids, int32_t n,
+extern "C" void cs_cuda_kv_scatter(void *pool, size_t page_bytes, const int32_t *ids, int32_t n,
                                     const void *staging, unsigned long long *sum, cudaStream_t s) {
     launch<true>(pool, (void *)staging, ids, n, page_bytes, sum, s);
 }

@@ -21,7 +21,7 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
-#include "cuda_impl.h"
+#include "chunkserve/kv_pack_cuda.h"
 #include "kvx-impl.h"
 #include "chunkserve/assert.h"
 #include "chunkserve/error.h"
@@ -217,7 +217,7 @@ static int l_pack(cs__kvx_link *l, int slot, const int32_t *ids, int32_t n, bool
     memcpy(s->ids_host, ids, (size_t)n * sizeof *ids);
     LINK_CUDA(cudaMemcpyAsync(s->ids_dev, s->ids_host, (size_t)n * sizeof *ids,
                               cudaMemcpyHostToDevice, l->pack));
-    cs__cuda_kv_gather(l->cfg.pool.base, l->cfg.page_bytes, s->ids_dev, n, s->stage,
+    cs_cuda_kv_gather(l->cfg.pool.base, l->cfg.page_bytes, s->ids_dev, n, s->stage,
                        sum ? s->sum_dev : NULL, l->pack);
     if (sum)
         LINK_CUDA(cudaMemcpyAsync(s->sum_host, s->sum_dev, sizeof *s->sum_dev,
@@ -263,7 +263,7 @@ static int l_recv(cs__kvx_link *l, int slot, size_t bytes, const int32_t *ids, i
     LINK_CUDA(cudaMemcpyAsync(s->ids_dev, s->ids_host, (size_t)n * sizeof *ids,
                               cudaMemcpyHostToDevice, l->pack));
     LINK_CUDA(cudaStreamWaitEvent(l->pack, s->ev_net, 0));
-    cs__cuda_kv_scatter(l->cfg.pool.base, l->cfg.page_bytes, s->ids_dev, n, s->stage,
+    cs_cuda_kv_scatter(l->cfg.pool.base, l->cfg.page_bytes, s->ids_dev, n, s->stage,
                         sum ? s->sum_dev : NULL, l->pack);
     if (sum)
         LINK_CUDA(cudaMemcpyAsync(s->sum_host, s->sum_dev, sizeof *s->sum_dev,

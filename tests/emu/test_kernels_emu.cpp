@@ -10,7 +10,7 @@
 #include "simt_emu.h"
 
 #include "kernels.cuh"
-#include "ops.h"
+#include "chunkserve/ops.h"
 
 #define TOL_F32 2e-5  /* fp32 outputs from bf16-exact inputs */
 #define TOL_BF16 6e-3 /* bf16 outputs */

@@ -21,7 +21,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "backend.h"
+#include "chunkserve/backend.h"
 #include "backend_cuda.h"
 #include "chunkserve/engine.h"
 #include "chunkserve/tokenizer.h"

@@ -10,7 +10,7 @@
 
 #include "cuda_impl.h"
 #include "gpu_test.h"
-#include "ops.h"
+#include "chunkserve/ops.h"
 
 #define TOL_F32 2e-5  /* fp32 outputs from bf16-exact inputs */
 #define TOL_BF16 6e-3 /* bf16 outputs */
@@ -300,7 +300,7 @@ static void test_attention_case(int nh, int nkv, int hd, int page_size, int n_sp
     size_t pb = page_elems * 2;
     int32_t *dmv = dup_to_dev(mv, 4 * (size_t)n_move);
     uint16_t *dflat = dev_zero(pb * n_move);
-    cs__cuda_kv_gather(dkv.pool, pb, dmv, n_move, dflat, NULL, 0);
+    cs_cuda_kv_gather(dkv.pool, pb, dmv, n_move, dflat, NULL, 0);
     uint16_t *flat = malloc(pb * n_move);
     CS_CUDA_CHECK(cudaDeviceSynchronize());
     CS_CUDA_CHECK(cudaMemcpy(flat, dflat, pb * n_move, cudaMemcpyDeviceToHost));
@@ -313,7 +313,7 @@ static void test_attention_case(int nh, int nkv, int hd, int page_size, int n_sp
     for (int i = 0; i < n_move; i++)
         mv[i] = perm[(n_pages - 1 - i + n_pages) % n_pages];
     CS_CUDA_CHECK(cudaMemcpy(dmv, mv, 4 * (size_t)n_move, cudaMemcpyHostToDevice));
-    cs__cuda_kv_scatter(dkv.pool, pb, dmv, n_move, dflat, NULL, 0);
+    cs_cuda_kv_scatter(dkv.pool, pb, dmv, n_move, dflat, NULL, 0);
     uint16_t *back = malloc(pool_n * 2);
     CS_CUDA_CHECK(cudaDeviceSynchronize());
     CS_CUDA_CHECK(cudaMemcpy(back, dkv.pool, pool_n * 2, cudaMemcpyDeviceToHost));

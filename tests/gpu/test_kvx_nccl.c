@@ -518,7 +518,7 @@ static void kernel_checks(void) {
         int32_t ns[] = {1, 7, np};
         for (int k = 0; k < 3; k++) {
             int32_t n = ns[k];
-            cs__cuda_kv_gather(dpool, pb, dids, n, dst, dsum, 0);
+            cs_cuda_kv_gather(dpool, pb, dids, n, dst, dsum, 0);
             CS_CUDA_CHECK(cudaMemcpy(back, dst, (size_t)n * pb, cudaMemcpyDeviceToHost));
             CS_CUDA_CHECK(cudaMemcpy(&sum, dsum, sizeof sum, cudaMemcpyDeviceToHost));
             for (int32_t i = 0; i < n; i++)
@@ -532,7 +532,7 @@ static void kernel_checks(void) {
         for (size_t i = 0; i < (size_t)np * pb; i++)
             hst[i] = (uint8_t)rnd();
         CS_CUDA_CHECK(cudaMemcpy(dst, hst, (size_t)np * pb, cudaMemcpyHostToDevice));
-        cs__cuda_kv_scatter(dpool, pb, dids, np, dst, dsum, 0);
+        cs_cuda_kv_scatter(dpool, pb, dids, np, dst, dsum, 0);
         CS_CUDA_CHECK(cudaMemcpy(back, dpool, (size_t)np * pb, cudaMemcpyDeviceToHost));
         CS_CUDA_CHECK(cudaMemcpy(&sum, dsum, sizeof sum, cudaMemcpyDeviceToHost));
         for (int32_t i = 0; i < np; i++)
@@ -540,7 +540,7 @@ static void kernel_checks(void) {
                 FAILX("scatter: page_bytes %zu: page %d differs", pb, i);
         if (sum != cs__kvx_sum_ref(hst, (size_t)np * pb))
             FAILX("scatter: page_bytes %zu: sum differs", pb);
-        cs__cuda_kv_gather(dpool, pb, dids, 0, dst, dsum, 0); /* no pages: sum 0 */
+        cs_cuda_kv_gather(dpool, pb, dids, 0, dst, dsum, 0); /* no pages: sum 0 */
         CS_CUDA_CHECK(cudaMemcpy(&sum, dsum, sizeof sum, cudaMemcpyDeviceToHost));
         if (sum != 0) FAILX("gather of 0 pages: sum %llx", sum);
         cudaFree(dpool), cudaFree(dst), cudaFree(dids), cudaFree(dsum);

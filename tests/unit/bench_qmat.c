@@ -15,7 +15,7 @@
 #include <string.h>
 #include <time.h>
 
-#include "backend.h"
+#include "chunkserve/backend.h"
 #include "qmat.h"
 
 static uint64_t rng = 0x9e3779b97f4a7c15u;

@@ -7,7 +7,7 @@
 #include <stdatomic.h>
 #include <stdint.h>
 
-#include "ops.h"
+#include "chunkserve/ops.h"
 #include "test.h"
 
 #define TOL 1e-5

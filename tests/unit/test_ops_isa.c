@@ -12,7 +12,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 
-#include "ops.h"
+#include "chunkserve/ops.h"
 #include "test.h"
 
 #if !defined(__x86_64__)

@@ -12,7 +12,7 @@
  * quantize) == the ops they join, bit for bit. Bad shapes: CS_EINVAL. */
 #include <stdint.h>
 
-#include "backend.h"
+#include "chunkserve/backend.h"
 #include "qmat.h"
 #include "test.h"
 

@@ -10,6 +10,7 @@
 #ifndef CS_KERNELS_CPU_OPS_H
 #define CS_KERNELS_CPU_OPS_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -52,6 +53,14 @@ void cs_threadpool_for(cs_threadpool *pool, int64_t n, cs_range_fn fn, void *arg
  * Call first thing in main, before any thread exists. Returns when nothing
  * needs doing or the exec failed. */
 void cs_op_blas_fix_coretype(char **argv);
+
+/* The integer kernels (cpu/qmat.h) as a benchmark reports them: "generic",
+ * "avx2", "avx-512 vnni" or "amx"; and the int8 multiply-accumulates per
+ * second of the whole pool, every thread in the vpdpbusd loop (amx false) or
+ * the tile loop (amx true) for about `seconds` (0 where those kernels do not
+ * run). */
+const char *cs_qmat_kernels_name(void);
+double cs_qmat_peak_macs(cs_threadpool *pool, double seconds, bool amx);
 
 /* ---- dense ops ---- */
 /* out (n_tokens, rows) = x (n_tokens, cols) * w (rows, cols)^T (+ bias (rows) if not NULL).

@@ -1,4 +1,4 @@
-/* response.c: OpenAI error bodies, and gRPC statuses from Generate turned
+/* errors.c: OpenAI error bodies, and gRPC statuses from Generate turned
  * into them (openai-impl.h). */
 #include <stdio.h>
 #include <stdlib.h>
