@@ -4,7 +4,7 @@
  * fills GenerateResponse directly from its event buffers). */
 #include "wire.h"
 
-#include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -62,27 +62,10 @@ int cs_wire_render_chat(const cs_wire_model *wm, const Chunkserve__V1__Chat *cha
     return r;
 }
 
+/* The proto's own checks (its lists, counts and lengths). The sampling
+ * numbers' bounds have one definition, the engine's
+ * (cs_sampling_params_check), applied in cs_wire_sampling. */
 static int check_sampling(const Chunkserve__V1__SamplingParams *p) {
-    if (!(p->temperature >= 0) || isinf(p->temperature))
-        return cs_fail(CS_EINVAL, "sampling.temperature must be >= 0 (0 = greedy); got %g",
-                       p->temperature);
-    if (!(p->top_p >= 0 && p->top_p <= 1))
-        return cs_fail(CS_EINVAL, "sampling.top_p must be in (0, 1] (0 = not set); got %g",
-                       p->top_p);
-    if (p->top_k < 0)
-        return cs_fail(CS_EINVAL, "sampling.top_k must be >= 0 (0 = off); got %d", p->top_k);
-    if (!(p->min_p >= 0 && p->min_p <= 1))
-        return cs_fail(CS_EINVAL, "sampling.min_p must be in [0, 1] (0 = off); got %g", p->min_p);
-    if (!(p->repetition_penalty >= 0) || isinf(p->repetition_penalty))
-        return cs_fail(CS_EINVAL,
-                       "sampling.repetition_penalty must be > 0 (0 = not set, 1 = off); got %g",
-                       p->repetition_penalty);
-    if (!(p->presence_penalty >= -2 && p->presence_penalty <= 2))
-        return cs_fail(CS_EINVAL, "sampling.presence_penalty must be in [-2, 2]; got %g",
-                       p->presence_penalty);
-    if (!(p->frequency_penalty >= -2 && p->frequency_penalty <= 2))
-        return cs_fail(CS_EINVAL, "sampling.frequency_penalty must be in [-2, 2]; got %g",
-                       p->frequency_penalty);
     if (p->max_tokens < 0)
         return cs_fail(CS_EINVAL,
                        "sampling.max_tokens must be >= 0 (0 = until the context is full); got %d",
@@ -279,9 +262,9 @@ int cs_wire_sampling(const cs_wire_model *wm, const Chunkserve__V1__SamplingPara
     q->sampling = cs_sampling_params_default();
     q->sampling.temperature = p->temperature;
     q->sampling.top_k = p->top_k;
-    q->sampling.top_p = p->top_p > 0 ? p->top_p : 1.0f;
+    q->sampling.top_p = p->top_p == 0 ? 1.0f : p->top_p; /* 0 = not set; checked below */
     q->sampling.min_p = p->min_p;
-    q->sampling.repetition_penalty = p->repetition_penalty > 0 ? p->repetition_penalty : 1.0f;
+    q->sampling.repetition_penalty = p->repetition_penalty == 0 ? 1.0f : p->repetition_penalty;
     q->sampling.presence_penalty = p->presence_penalty;
     q->sampling.frequency_penalty = p->frequency_penalty;
     q->sampling.seed = p->seed;
@@ -312,9 +295,13 @@ int cs_wire_sampling(const cs_wire_model *wm, const Chunkserve__V1__SamplingPara
         .min_tokens = p->min_tokens,
         .skip_special = !p->include_special,
     };
-    /* The engine checks these again on its thread; checking here too turns
-     * its messages into INVALID_ARGUMENT before anything is queued. */
-    r = cs_sampling_params_check(&q->sampling);
+    /* The bounds are the engine's (one definition): checked here, before
+     * anything is queued, as INVALID_ARGUMENT naming the proto's field */
+    if ((r = cs_sampling_params_check(&q->sampling))) {
+        char why[256];
+        snprintf(why, sizeof why, "%s", cs_last_error());
+        return cs_fail(r, "sampling.%s", why);
+    }
     cs_stop *st = NULL;
     if (!r) r = cs_stop_init(cs_model_tokenizer(wm->model), &q->stop, &st);
     cs_stop_free(st);
