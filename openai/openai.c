@@ -87,6 +87,9 @@ struct oa_call {
     char **echo;       /* echo: per prompt, the text the answer starts with */
     int32_t *n_prompt; /* continuous usage: per prompt, its tokens (as Generate counts them) */
     oa_prompt_lp *plp; /* per prompt, when its logprobs were asked */
+    size_t last_event; /* bytes of the last SSE event written */
+    size_t burst;      /* bytes of streamed echo-logprob chunks: written at once by the
+                          server, not a slow reader's backlog (c_pending_bytes) */
     char cors[512];    /* Access-Control-* lines for this origin, or "" */
 };
 
@@ -122,6 +125,7 @@ static int sse_event(oa_call *oc, cJSON *j) {
         memcpy(ev + 6, s, n);
         memcpy(ev + 6 + n, "\n\n", 2);
         r = cs_http_res_write(oc->res, ev, n + 8);
+        oc->last_event = n + 8;
         free(ev);
     }
     free(s);
@@ -158,16 +162,21 @@ static cJSON *frame(oa_call *oc, const char *object, cJSON **choices) {
 
 /* The token's text (U+FFFD for bytes that are not UTF-8 by themselves), or
  * "token_id:N" when the request asked for return_tokens_as_token_ids. */
-static char *token_text(oa_call *oc, int32_t id) {
+static char *decoded(oa_call *oc, int32_t id) {
     char *t = NULL;
     size_t n;
+    if (cs_tokenizer_decode(cs_model_tokenizer(oc->s->o.wm->model), &id, 1, false, &t, &n) != 0)
+        return NULL;
+    return t;
+}
+
+static char *token_text(oa_call *oc, int32_t id) {
+    char *t = NULL;
     if (oc->rq.tokens_as_ids) {
         if ((t = malloc(24))) snprintf(t, 24, "token_id:%d", id);
         return t;
     }
-    if (cs_tokenizer_decode(cs_model_tokenizer(oc->s->o.wm->model), &id, 1, false, &t, &n) != 0)
-        return NULL;
-    return t;
+    return decoded(oc, id);
 }
 
 /* A chat logprob entry: {token, logprob, bytes}. */
@@ -270,7 +279,7 @@ static cJSON *prompt_logprobs_json(oa_call *oc, const oa_prompt_lp *pl, int32_t 
             cJSON *v = cJSON_AddObjectToObject(d, key);
             cJSON_AddNumberToObject(v, "logprob", j < 0 ? p->lp.logprob : p->lp.top_logprobs[j]);
             cJSON_AddNumberToObject(v, "rank", j < 0 ? p->rank : j + 1);
-            char *t = token_text(oc, id);
+            char *t = decoded(oc, id); /* vLLM: the text, whatever return_tokens_as_token_ids */
             cJSON_AddStringToObject(v, "decoded_token", t ? t : "");
             free(t);
         }
@@ -703,12 +712,13 @@ static int send_text(oa_call *oc, oa_choice *c, const Chunkserve__V1__GenerateRe
     int r = sse_start(oc);
     c->n_streamed += (int32_t)m->n_token_ids;
     cJSON *lp = NULL;
+    bool echo = false;
     if (!r && oc->rq.logprobs && m->n_logprobs) {
         int32_t *ids = malloc(m->n_logprobs * sizeof *ids);
         cs_logprobs *v = malloc(m->n_logprobs * sizeof *v);
         if (ids && v) {
             take_logprobs(m, ids, v);
-            bool echo = oc->rq.echo_logprobs && !c->lp_echoed; /* the prompt's rows go first */
+            echo = oc->rq.echo_logprobs && !c->lp_echoed; /* the prompt's rows go first */
             c->lp_echoed = true;
             lp = logprobs_json(oc, ids, v, m->n_logprobs, &c->lp_offset,
                                echo ? &oc->plp[c->index / oc->rq.n] : NULL);
@@ -725,6 +735,7 @@ static int send_text(oa_call *oc, oa_choice *c, const Chunkserve__V1__GenerateRe
         if (!r && fin) r = stream_chunk(oc, c, NULL, NULL, fin);
     } else if (!r && (tl || lp || fin)) {
         r = stream_chunk(oc, c, text, lp, fin), lp = NULL;
+        if (echo) oc->burst += oc->last_event; /* a long prompt's rows: one big chunk */
     }
     cJSON_Delete(lp);
     return r ? CS_ECANCELED : 0;
@@ -750,7 +761,8 @@ static void c_finish(cs_gen_call *g, int code, const char *msg) {
 
 static size_t c_pending_bytes(cs_gen_call *g) {
     oa_call *oc = ((oa_choice *)g)->oc;
-    return oc->res && !oc->closed ? cs_http_res_pending_bytes(oc->res) : 0;
+    size_t n = oc->res && !oc->closed ? cs_http_res_pending_bytes(oc->res) : 0;
+    return n > oc->burst ? n - oc->burst : 0; /* the server's own burst is not a backlog */
 }
 
 static int c_on_cancel(cs_gen_call *g, cs_gen_cancel_fn fn, void *arg) {

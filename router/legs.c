@@ -119,7 +119,7 @@ static void on_prefill_done(cs_rpc_client_call *c, int code, const char *msg, vo
     }
     q->pleg = NULL;
     if (code == CS_RPC_OK) {
-        if (q->dleg) cs_pool_pair_ok(l->w, q->dleg->w); /* the pair works */
+        if (q->dw_last) cs_pool_pair_ok(l->w, q->dw_last); /* the pair works */
         Chunkserve__V1__PrefillResponse *reply = l->reply;
         l->reply = NULL;
         cs__req_on_prefilled(q, l, reply);
@@ -201,8 +201,13 @@ static void on_decode_message(cs_rpc_client_call *c, const uint8_t *buf, size_t 
             cs__req_fail_attempt(q, l->w, "decode", CS_RPC_INTERNAL, "output before admitted");
             break;
         }
-        if (cs__req_hold(q, m)) return; /* kept, unfreed, until the prompt logprobs come */
-        cs__req_on_output(q, l, m->output);
+        int held = cs__req_hold(q, m);
+        if (held == 1) return; /* kept, unfreed, until the prompt logprobs come */
+        if (held < 0)
+            cs__req_fail_attempt(q, l->w, "decode", CS_RPC_RESOURCE_EXHAUSTED,
+                                 "the router ran out of memory");
+        else
+            cs__req_on_output(q, l, m->output);
         break;
     default: break; /* an event of a newer worker: ignore */
     }

@@ -155,16 +155,16 @@ bool cs__req_wants_prompt_logprobs(const req *q) {
     return q->sampling && q->sampling->prompt_logprobs && !q->local && q->n_relayed == 0;
 }
 
-bool cs__req_hold(req *q, Chunkserve__V1__DecodeResponse *m) {
-    if (q->state != RQ_PREFILL || !cs__req_wants_prompt_logprobs(q)) return false;
+int cs__req_hold(req *q, Chunkserve__V1__DecodeResponse *m) {
+    if (q->state != RQ_PREFILL || !cs__req_wants_prompt_logprobs(q)) return 0;
     struct held_output *h = malloc(sizeof *h);
-    if (!h) return false; /* relayed without them: the client sees none rather than a hang */
+    if (!h) return CS_ENOMEM;
     *h = (struct held_output){NULL, m};
     CS_LOGD("request %s: an output waits for the prompt logprobs of the Prefill reply", q->id);
     if (!q->held) q->held_tail = &q->held;
     *q->held_tail = h;
     q->held_tail = &h->next;
-    return true;
+    return 1;
 }
 
 bool cs__req_hold_end(req *q) {
@@ -286,6 +286,8 @@ static void start_attempt(req *q, cs_pool_worker *dw, int64_t dcached) {
     q->pw = NULL;
     cs_pool_prefix pf;
     int64_t pcached = 0;
+    if (q->sampling && q->sampling->prompt_logprobs && q->n_relayed == 0)
+        dcached = 0; /* prompt logprobs: the prompt is computed whole, cache or not */
     if ((int64_t)q->n_ctx - dcached >= r->o->local_prefill_threshold)
         q->pw = cs_pool_place(r->pool, CS_POOL_PREFILL, (int64_t)q->n_ctx, &q->marks, NULL, dw,
                               prefix_of(q, &pf), &pcached);
@@ -382,12 +384,14 @@ void cs__req_on_admitted(req *q, leg *l, const char *kv_endpoint, int kv_transpo
 void cs__req_on_prefilled(req *q, leg *l, Chunkserve__V1__PrefillResponse *reply) {
     CS_LOGD("request %s: prefill on %s done", q->id, cs_pool_worker_addr(l->w));
     bool wants = cs__req_wants_prompt_logprobs(q);
-    cs__req_set_state(q, RQ_STREAMING);
-    if (!wants) {
-        if (reply) protobuf_c_message_free_unpacked(&reply->base, NULL);
+    if (wants && !reply) { /* asked, and the reply that brings them could not be read */
+        cs__req_fail_attempt(q, l->w, "prefill", CS_RPC_INTERNAL,
+                             "the Prefill reply could not be read (prompt logprobs)");
         return;
     }
-    q->prefilled = reply; /* the next output relayed carries its prompt logprobs */
+    cs__req_set_state(q, RQ_STREAMING);
+    if (!wants && reply) protobuf_c_message_free_unpacked(&reply->base, NULL);
+    q->prefilled = wants ? reply : NULL; /* the next output relayed carries its prompt logprobs */
     /* the outputs that waited, in order, as they would have come */
     struct held_output *h = q->held;
     bool ended = q->held_ended;

@@ -227,9 +227,9 @@ void cs__req_on_output(req *q, leg *l, Chunkserve__V1__GenerateResponse *out);
 void cs__req_on_prefilled(req *q, leg *l, Chunkserve__V1__PrefillResponse *reply);
 /* Whether q's first output must wait for the Prefill reply's prompt logprobs. */
 bool cs__req_wants_prompt_logprobs(const req *q);
-/* Takes an output m of the Decode stream to hold (true) while the prompt
- * logprobs are on their way; false: relay it now. */
-bool cs__req_hold(req *q, Chunkserve__V1__DecodeResponse *m);
+/* Takes an output m of the Decode stream to hold (1) while the prompt
+ * logprobs are on their way; 0: relay it now; CS_ENOMEM: m not taken. */
+int cs__req_hold(req *q, Chunkserve__V1__DecodeResponse *m);
 /* The Decode stream ended OK: true when outputs are held (the end is
  * taken up after them). */
 bool cs__req_hold_end(req *q);

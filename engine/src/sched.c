@@ -727,16 +727,21 @@ typedef struct {
     double pairs;
 } step_work;
 
-static void work_add(step_work *w, int32_t start, int32_t k, bool logits) {
+static void work_add(step_work *w, int32_t start, int32_t k, int32_t rows) {
     w->tokens += k;
     w->pairs += (double)k * ((double)start + (double)(k + 1) / 2);
-    w->rows += logits;
+    w->rows += rows;
 }
 
-static double predict(const cs_sched *s, const step_work *w, int32_t start, int32_t k,
-                      bool logits) {
+/* The logits rows of a chunk of k tokens of q (add_span's n_logits): its
+ * prompt-logprob rows, and the sampling row when it ends the context. */
+static int32_t chunk_rows(const seq *q, int32_t k) {
+    return plp_rows(q, k) + (q->n_computed + k == q->n_tokens);
+}
+
+static double predict(const cs_sched *s, const step_work *w, const seq *q, int32_t k) {
     step_work t = *w;
-    work_add(&t, start, k, logits);
+    work_add(&t, q->n_computed, k, chunk_rows(q, k));
     return cs_step_model_predict(&s->model, t.tokens, t.pairs, t.rows);
 }
 
@@ -748,12 +753,11 @@ static int32_t timed_chunk(const cs_sched *s, const seq *q, int32_t k, const ste
     if (s->p.step_time_target_ms <= 0) return k;
     if (!cs_step_model_ready(&s->model)) return k < s->probe ? k : s->probe;
     double target = s->p.step_time_target_ms / 1e3;
-    int32_t left = q->n_tokens - q->n_computed;
-    if (predict(s, w, q->n_computed, k, k == left) <= target) return k;
+    if (predict(s, w, q, k) <= target) return k;
     int32_t lo = 0, hi = k; /* predict(lo) fits (lo = 0: nothing), predict(hi) does not */
     while (hi - lo > 1) {
         int32_t mid = lo + (hi - lo) / 2;
-        if (predict(s, w, q->n_computed, mid, false) <= target)
+        if (predict(s, w, q, mid) <= target)
             lo = mid;
         else
             hi = mid;
@@ -810,7 +814,7 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
             continue;
         }
         if (r) return r;
-        work_add(&work, q->n_computed, 1, true);
+        work_add(&work, q->n_computed, 1, 1);
         add_span(s, &n_spans, q, 1);
         used++;
         l = &q->next;
@@ -832,7 +836,7 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
         if ((k = plp_cap(q, k, plp_room)) == 0) continue;
         if (cs_page_table_reserve(&q->pt, s->kv, q->n_computed + k) != 0) continue;
         plp_room -= plp_rows(q, k);
-        work_add(&work, q->n_computed, k, k == left);
+        work_add(&work, q->n_computed, k, chunk_rows(q, k));
         add_span(s, &n_spans, q, k);
         used += k;
     }
@@ -865,7 +869,7 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
         q->running = true;
         insert_ordered(&s->running, q);
         s->n_running++;
-        work_add(&work, q->n_computed, k, k == left);
+        work_add(&work, q->n_computed, k, chunk_rows(q, k));
         add_span(s, &n_spans, q, k);
         used += k;
         if (q->n_computed + k < q->n_tokens) partial++;
