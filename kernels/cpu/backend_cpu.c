@@ -127,11 +127,12 @@ static int grow(cpu_ctx *c, int32_t n_tokens, int32_t n_spans, int32_t n_rows) {
     return 0;
 }
 
-/* A view of the step's quantized-activation scratch for (n_tokens, cols). */
-static cs_qact qact(cpu_ctx *c, int n_tokens, int cols) {
+/* A view of the step's quantized-activation scratch for (n_tokens, cols),
+ * for the GEMM w (whose parts set the activations' scale groups). */
+static cs_qact qact(cpu_ctx *c, int n_tokens, int cols, const cs_qmat *w) {
     cs_qact a;
     CS_ASSERT(cs_qact_bytes(n_tokens, cols) <= c->qa_size);
-    cs_qact_init(&a, c->qa, n_tokens, cols);
+    cs_qact_init(&a, c->qa, n_tokens, cols, w->act_group);
     return a;
 }
 
@@ -139,7 +140,7 @@ static cs_qact qact(cpu_ctx *c, int n_tokens, int cols) {
  * once into the step's scratch, then one GEMM over every part of w. */
 static void qgemm(cpu_ctx *c, const cs_qout *outs, const float *x, int n_tokens, int cols,
                   const cs_qmat *w) {
-    cs_qact a = qact(c, n_tokens, cols);
+    cs_qact a = qact(c, n_tokens, cols, w);
     cs_op_quantize(c->pool, &a, x);
     cs_op_qmatmul(c->pool, outs, &a, w);
 }
@@ -151,7 +152,7 @@ static cs_qact norm(cpu_ctx *c, bool pending, const float *nw, int T, const cs_q
     const int dim = c->m->shape.dim;
     const float eps = c->m->shape.norm_eps;
     if (w) {
-        cs_qact a = qact(c, T, dim);
+        cs_qact a = qact(c, T, dim, w);
         cs_op_add_rmsnorm_quantize(c->pool, &a, c->xn, c->x, pending ? c->proj : NULL, nw, eps);
         return a;
     }
@@ -220,7 +221,7 @@ static int cpu_forward(void *p, const cs_backend_span *spans, int32_t n_spans, i
             cs_op_matmul(c->pool, c->up, c->xn, L->w_up, NULL, T, hid, dim);
         }
         if (L->down) {
-            a = qact(c, T, hid);
+            a = qact(c, T, hid, L->down);
             cs_op_swiglu_quantize(c->pool, &a, c->gate, c->gate, c->up);
             cs_op_qmatmul(c->pool, &(cs_qout){c->proj, dim, NULL}, &a, L->down);
         } else {
@@ -239,7 +240,7 @@ static int cpu_forward(void *p, const cs_backend_span *spans, int32_t n_spans, i
             n_out++;
         }
     if (n_out && m->q_output) {
-        cs_qact a = qact(c, n_out, dim);
+        cs_qact a = qact(c, n_out, dim, m->q_output);
         cs_op_add_rmsnorm_quantize(c->pool, &a, c->xl, c->xl, NULL, m->out_norm, cf->norm_eps);
         cs_op_qmatmul(c->pool, &(cs_qout){logits, cf->n_vocab, NULL}, &a, m->q_output);
     } else if (n_out) {

@@ -216,6 +216,9 @@ int cs_qmat_pack(const cs_qmat_src *parts, int n_parts, int64_t cols, cs_qmat **
     w->cols = cols;
     w->n_blocks = cols / CS_QK;
     w->n_parts = n_parts;
+    w->act_group = CS_QK;
+    for (int p = 0; p < n_parts; p++)
+        if (cs__qmat_is_k(parts[p].type)) w->act_group = CS_QK_K;
     const size_t nb = (size_t)w->n_blocks;
     size_t off[CS_QMAT_PARTS][5], total = 0; /* q, h, sc, d, m */
     for (int p = 0; p < n_parts; p++) {
@@ -328,9 +331,11 @@ size_t cs_qact_bytes(int n_tokens, int64_t cols) {
     return q + (size_t)n_tokens * (size_t)(cols / CS_QK) * sizeof(cs_qblock);
 }
 
-void cs_qact_init(cs_qact *a, void *buf, int n_tokens, int64_t cols) {
-    CS_ASSERT(cols % CS_QK == 0 && ((uintptr_t)buf & 63) == 0);
+void cs_qact_init(cs_qact *a, void *buf, int n_tokens, int64_t cols, int group) {
+    CS_ASSERT((group == CS_QK || group == CS_QK_K) && cols % group == 0 &&
+              ((uintptr_t)buf & 63) == 0);
     a->n_tokens = n_tokens;
+    a->group = group;
     a->cols = cols;
     a->n_blocks = cols / CS_QK;
     a->q = buf;
@@ -338,25 +343,29 @@ void cs_qact_init(cs_qact *a, void *buf, int n_tokens, int64_t cols) {
 }
 
 void cs__quantize_ref_rows(cs_qact *a, const float *x, int64_t t0, int64_t t1) {
+    const int64_t G = a->group;
     for (int64_t t = t0; t < t1; t++)
-        for (int64_t b = 0; b < a->n_blocks; b++) {
-            const float *xb = x + (size_t)t * (size_t)a->cols + (size_t)b * CS_QK;
-            int8_t *q = a->q + (size_t)t * (size_t)a->cols + (size_t)b * CS_QK;
+        for (int64_t g = 0; g < a->cols; g += G) {
+            const float *xg = x + (size_t)t * (size_t)a->cols + (size_t)g;
             float amax = 0;
-            for (int i = 0; i < CS_QK; i++)
-                amax = fmaxf(amax, fabsf(xb[i]));
-            float id = amax > 0 ? 127.0f / amax : 0.0f;
-            int32_t sum = 0, sum_lo = 0;
-            for (int i = 0; i < CS_QK; i++) {
-                q[i] = (int8_t)nearbyintf(xb[i] * id);
-                sum += q[i];
-                if (i == 15) sum_lo = sum;
+            for (int64_t i = 0; i < G; i++)
+                amax = fmaxf(amax, fabsf(xg[i]));
+            const float id = amax > 0 ? 127.0f / amax : 0.0f;
+            for (int64_t b = g / CS_QK; b < (g + G) / CS_QK; b++) {
+                const float *xb = x + (size_t)t * (size_t)a->cols + (size_t)b * CS_QK;
+                int8_t *q = a->q + (size_t)t * (size_t)a->cols + (size_t)b * CS_QK;
+                int32_t sum = 0, sum_lo = 0;
+                for (int i = 0; i < CS_QK; i++) {
+                    q[i] = (int8_t)nearbyintf(xb[i] * id);
+                    sum += q[i];
+                    if (i == 15) sum_lo = sum;
+                }
+                cs_qblock *mb = &a->meta[(size_t)t * (size_t)a->n_blocks + (size_t)b];
+                mb->dx = amax / 127.0f;
+                mb->xsum = sum;
+                mb->fsum = mb->dx * (float)sum;
+                mb->xsum_lo = sum_lo;
             }
-            cs_qblock *mb = &a->meta[(size_t)t * (size_t)a->n_blocks + (size_t)b];
-            mb->dx = amax / 127.0f;
-            mb->xsum = sum;
-            mb->fsum = mb->dx * (float)sum;
-            mb->xsum_lo = sum_lo;
         }
 }
 
@@ -376,6 +385,7 @@ static void block_sums(int type, const cs_qpanel *v, int64_t b, int r, const int
 
 void cs__qmat_ref_panels(const cs_qout *outs, const cs_qact *a, const cs_qmat *w, int64_t p0,
                          int64_t p1) {
+    CS_ASSERT(a->group == w->act_group);
     int part = 0;
     for (int64_t p = p0; p < p1; p++) {
         part = cs__qmat_part_of(w, p, part);
@@ -387,6 +397,7 @@ void cs__qmat_ref_panels(const cs_qout *outs, const cs_qact *a, const cs_qmat *w
         for (int r = 0; r < CS_QROWS && row0 + r < P->rows; r++)
             for (int t = 0; t < a->n_tokens; t++) {
                 float acc = 0.0f;
+                int32_t S = 0, M = 0; /* K-quants: the super-block's integer sums */
                 for (int64_t b = 0; b < w->n_blocks; b++) {
                     const int8_t *q = a->q + (size_t)t * (size_t)a->cols + (size_t)b * CS_QK;
                     const cs_qblock *mb = &a->meta[(size_t)t * (size_t)a->n_blocks + (size_t)b];
@@ -398,19 +409,22 @@ void cs__qmat_ref_panels(const cs_qout *outs, const cs_qact *a, const cs_qmat *w
                     switch (type) {
                     case CS_QMAT_Q4_K:
                     case CS_QMAT_Q5_K:
-                        acc = fmaf(d * (float)sc[r] * mb->dx, (float)(s_lo + s_hi), acc);
-                        acc = fmaf(-(cs_f16_to_f32(v.m[s]) * (float)sc[16 + r]), mb->fsum, acc);
+                        S += (int32_t)sc[r] * (s_lo + s_hi);
+                        M += (int32_t)sc[16 + r] * mb->xsum;
                         break;
                     case CS_QMAT_Q6_K:
-                        acc = fmaf(d * (float)(int8_t)sc[r] * mb->dx,
-                                   (float)(s_lo - 32 * mb->xsum_lo), acc);
-                        acc = fmaf(d * (float)(int8_t)sc[16 + r] * mb->dx,
-                                   (float)(s_hi - 32 * (mb->xsum - mb->xsum_lo)), acc);
+                        S += (int32_t)(int8_t)sc[r] * (s_lo - 32 * mb->xsum_lo) +
+                             (int32_t)(int8_t)sc[16 + r] * (s_hi - 32 * (mb->xsum - mb->xsum_lo));
                         break;
                     default:
                         acc = fmaf(d * mb->dx,
                                    (float)(s_lo + s_hi - cs__qmat_zero(type) * mb->xsum), acc);
                         if (v.m) acc = fmaf(cs_f16_to_f32(v.m[s]), mb->fsum, acc);
+                    }
+                    if (cs__qmat_is_k(type) && b % g == g - 1) { /* the super-block's end */
+                        acc = fmaf(d * mb->dx, (float)S, acc);
+                        if (v.m) acc = fmaf(-(cs_f16_to_f32(v.m[s]) * mb->dx), (float)M, acc);
+                        S = M = 0;
                     }
                 }
                 if (o->bias) acc += o->bias[row0 + r];

@@ -19,24 +19,32 @@
  *   16 rows (one vector lane per row), rows padded to a multiple of 16 with
  *   zero weights. A stacked qmat's parts may each have their own type.
  *
- *   Activations: each row (token) in blocks of 32: amax = max |x|, dx =
- *   amax / 127, q = nearbyint(x * (127 / amax)) (round half to even; all 0
- *   when amax is 0), xsum = sum of q, xsum_lo = sum of its first 16, fsum =
- *   dx * xsum (fp32).
+ *   Activations: each row (token) in scale groups of G values: amax =
+ *   max |x| over the group, dx = amax / 127, q = nearbyint(x * (127 / amax))
+ *   (round half to even; all 0 when amax is 0). G is the matrix's: 256 (a
+ *   super-block) when one of its parts is a K-quant, else 32 (a block). Per
+ *   32-weight block: its group's dx, xsum = sum of q, xsum_lo = sum of its
+ *   first 16, fsum = dx * xsum (fp32).
  *
- *   Output (token t, row r) = for blocks b = 0, 1, ... in order:
- *     s_lo, s_hi = sum over the block's first / last 16 of u * q  (int32)
- *     Q4_0 .. Q8_0: acc = fmaf(d * dx, (float)(s_lo + s_hi - z * xsum), acc)
- *                   acc = fmaf(m, fsum, acc)               (Q4_1, Q5_1)
- *     Q4_K, Q5_K:   acc = fmaf((D * sc) * dx, (float)(s_lo + s_hi), acc)
- *                   acc = fmaf(-(DMIN * mn), fsum, acc)
- *     Q6_K:         acc = fmaf((D * sc_lo) * dx, (float)(s_lo - 32 * xsum_lo), acc)
- *                   acc = fmaf((D * sc_hi) * dx, (float)(s_hi - 32 * (xsum - xsum_lo)), acc)
- *   (D * sc and DMIN * mn are exact in fp32: 11 bits times at most 8.)
- *   starting from acc = 0, then + bias[r] when there is one. Every integer
- *   is exact (|sum| < 2^24, so even its conversion to float is). The scales
- *   multiply as floats, never as integers: a 32-bit integer multiply is the
- *   slowest vector op these kernels could use (vpmulld: two uops on one port).
+ *   Output (token t, row r), starting from acc = 0, in order:
+ *     Q4_0 .. Q8_0, per block b (s = sum over the block of u * q, int32):
+ *       acc = fmaf(d * dx, (float)(s - z * xsum), acc)
+ *       acc = fmaf(m, fsum, acc)                          (Q4_1, Q5_1)
+ *     the K-quants, per super-block (8 blocks j, all of one dx), with
+ *     s_j / s_lo,j / s_hi,j = sum of u * q over block j / its halves:
+ *       Q4_K, Q5_K: S = sum_j sc_j * s_j,   M = sum_j mn_j * xsum_j
+ *                   acc = fmaf(D * dx, (float)S, acc)
+ *                   acc = fmaf(-(DMIN * dx), (float)M, acc)
+ *       Q6_K:       S = sum_j sc_lo,j * (s_lo,j - 32 * xsum_lo,j)
+ *                         + sc_hi,j * (s_hi,j - 32 * (xsum_j - xsum_lo,j))
+ *                   acc = fmaf(D * dx, (float)S, acc)
+ *   then + bias[r] when there is one. Every integer is exact: a block's sums
+ *   are below 2^24 and S, M below 2^31 (|S| <= 256 * 127 * 32 * 128), so
+ *   any kernel may add them in any order or split the weights sc * (u - z)
+ *   into bytes (the AMX kernels do); a K-quant's S may exceed 2^24, so its
+ *   one conversion to float rounds, the same way everywhere. One fp32
+ *   epilogue per super-block, not per block, is what the per-256 activation
+ *   scale buys (llama.cpp's Q8_K makes the same trade).
  *
  * Every input of the fp32 steps is exact or rounded once in a fixed order, so
  * a result depends only on its own row of x and its own row of w: not on
@@ -85,6 +93,7 @@ typedef struct {
 
 struct cs_qmat {
     int64_t cols;     /* K, a multiple of CS_QK */
+    int act_group;    /* its activations' scale group G: CS_QK_K or CS_QK */
     int64_t n_blocks; /* cols / CS_QK */
     int64_t n_panels; /* panels of CS_QROWS rows, over all parts */
     int n_parts;
@@ -94,18 +103,19 @@ struct cs_qmat {
 };
 
 /* Every type the kernels run, for the per-ISA files' tables:
- * X(lower-case name, CS_QMAT_ type). The whole-block types' sum over a
- * 32-weight block takes one scale; Q6_K's two 16-weight halves take one each
- * (the AMX kernels run only the whole-block types). */
-#define CS_QMAT_WHOLE_BLOCK_TYPES(X)                                                               \
+ * X(lower-case name, CS_QMAT_ type): those with a scale per 32-weight block,
+ * then the K-quants (integer sums over a 256-weight super-block). */
+#define CS_QMAT_BLOCK_SCALED_TYPES(X)                                                              \
     X(q4_0, CS_QMAT_Q4_0)                                                                          \
     X(q4_1, CS_QMAT_Q4_1)                                                                          \
     X(q8_0, CS_QMAT_Q8_0)                                                                          \
     X(q5_0, CS_QMAT_Q5_0)                                                                          \
-    X(q5_1, CS_QMAT_Q5_1)                                                                          \
+    X(q5_1, CS_QMAT_Q5_1)
+#define CS_QMAT_K_TYPES(X)                                                                         \
     X(q4_k, CS_QMAT_Q4_K)                                                                          \
-    X(q5_k, CS_QMAT_Q5_K)
-#define CS_QMAT_BLOCK_TYPES(X) CS_QMAT_WHOLE_BLOCK_TYPES(X) X(q6_k, CS_QMAT_Q6_K)
+    X(q5_k, CS_QMAT_Q5_K)                                                                          \
+    X(q6_k, CS_QMAT_Q6_K)
+#define CS_QMAT_BLOCK_TYPES(X) CS_QMAT_BLOCK_SCALED_TYPES(X) CS_QMAT_K_TYPES(X)
 
 /* Per-type facts for the kernels. */
 static inline bool cs__qmat_is_k(int type) {
@@ -169,15 +179,16 @@ typedef struct {
 } cs_qblock;
 
 typedef struct {
-    int n_tokens;
+    int n_tokens, group; /* group: G of the comment above */
     int64_t cols, n_blocks;
     int8_t *q;       /* (n_tokens, cols) */
     cs_qblock *meta; /* (n_tokens, n_blocks) */
 } cs_qact;
 
 size_t cs_qact_bytes(int n_tokens, int64_t cols);
-/* a views buf (cs_qact_bytes(n_tokens, cols) bytes, 64-byte aligned). */
-void cs_qact_init(cs_qact *a, void *buf, int n_tokens, int64_t cols);
+/* a views buf (cs_qact_bytes(n_tokens, cols) bytes, 64-byte aligned) for
+ * a GEMM whose matrix has act_group `group` (cols a multiple of it). */
+void cs_qact_init(cs_qact *a, void *buf, int n_tokens, int64_t cols, int group);
 
 /* One output of a stacked qmat: part p's rows go to out (n_tokens, ldo)
  * columns [0, rows), plus bias (rows) when not NULL. */

@@ -105,7 +105,7 @@ static inline __attribute__((always_inline)) void panel(const int type, const cs
         const uint8_t *bsrc[G];
         for (int k = 0; k < gn; k++) {
             const cs_qscales sc = cs__qmat_scales(type, v, g0 + k);
-            _mm512_store_ps(d0q[k], sc.d0);
+            _mm512_store_ps(d0q[k], sc.d);
             _mm512_store_ps(mq[k], sc.m);
             if (type == CS_QMAT_Q8_0) { /* already the B tile */
                 bsrc[k] = v->q + (g0 + k) * qb;
@@ -170,6 +170,160 @@ static inline __attribute__((always_inline)) void panel(const int type, const cs
     }
 }
 
+/* ---- K-quants: whole super-blocks in the tiles ----
+ *
+ * The weight of row r, column k is w' = sc_j * (u - z) (j its block, or its
+ * half-block for Q6_K), an integer of 11 (Q4_K) to 13 (Q6_K) bits, so a
+ * super-block's S = sum of q * w' (qmat.h) can be summed by the tiles across
+ * all 256 columns if w' is split into bytes: w' = 256 * hi + lo, lo 0..255,
+ * hi 0..7 (Q4_K, Q5_K) or -16..15 (Q6_K, signed). Two B planes, lo and hi,
+ * each 4 tiles of 64 columns; S = C_lo + 256 * C_hi, exact in int32. Q4_K
+ * and Q5_K also need M = sum_j mn_j * xsum_j: a third plane holding mn_j for
+ * each of block j's columns gives it as one more tile sum. Then one epilogue
+ * per super-block and token (cvt, fma; twice with M) instead of one per
+ * block. Planes are made per panel and group of super-blocks, once for every
+ * token tile of the slice. */
+
+#define KSB 2 /* super-blocks per group */
+
+/* 16-bit lanes of x's even / odd bytes times sc (sc in both halves of each
+ * 32-bit lane), recombined into the bytes lo and hi of each product. */
+static inline __attribute__((always_inline)) void split_products(const int type, __m512i x,
+                                                                 __m512i sc, __m512i *lo,
+                                                                 __m512i *hi) {
+    const __m512i m8 = _mm512_set1_epi16(0x00ff);
+    __m512i e = _mm512_and_si512(x, m8), o = _mm512_srli_epi16(x, 8);
+    if (type == CS_QMAT_Q6_K) { /* u - 32, signed */
+        e = _mm512_sub_epi16(e, _mm512_set1_epi16(32));
+        o = _mm512_sub_epi16(o, _mm512_set1_epi16(32));
+    }
+    const __m512i pe = _mm512_mullo_epi16(e, sc), po = _mm512_mullo_epi16(o, sc);
+    *lo = _mm512_or_si512(_mm512_and_si512(pe, m8), _mm512_slli_epi16(po, 8));
+    const __m512i he = type == CS_QMAT_Q6_K ? _mm512_srai_epi16(pe, 8) : _mm512_srli_epi16(pe, 8);
+    *hi = _mm512_or_si512(_mm512_and_si512(he, m8),
+                          _mm512_and_si512(po, _mm512_set1_epi16((short)0xff00)));
+}
+
+/* A lane's byte scale in both 16-bit halves (sign-extended for Q6_K). */
+static inline __attribute__((always_inline)) __m512i scale16(const int type, const uint8_t *p) {
+    const __m128i b = _mm_load_si128((const __m128i *)(const void *)p);
+    const __m512i v = type == CS_QMAT_Q6_K ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
+    return _mm512_or_si512(_mm512_and_si512(v, _mm512_set1_epi32(0xffff)),
+                           _mm512_slli_epi32(v, 16));
+}
+
+/* Super-block sb of the panel as planes: pl[0] lo, pl[1] hi, pl[2] mn (Q4_K,
+ * Q5_K), each 4 B tiles of 16 rows x 64 bytes (tile c = columns 64c ..
+ * 64c+63: block 2c in rows 0..7, block 2c+1 in rows 8..15). */
+static inline __attribute__((always_inline)) void kplanes(const int type, const cs_qpanel *v,
+                                                          int64_t sb, uint8_t (*pl)[4][16][64]) {
+    for (int j = 0; j < 8; j++) {
+        const int64_t b = sb * 8 + j;
+        const uint8_t *sp = v->sc + b * 32;
+        __m512i wv[8];
+        cs__qmat_unpack(type, v, b, wv);
+        const __m512i s0 = scale16(type, sp);
+        const __m512i s1 = type == CS_QMAT_Q6_K ? scale16(type, sp + 16) : s0;
+        uint8_t(*lo)[64] = pl[0][j / 2] + 8 * (j % 2), (*hi)[64] = pl[1][j / 2] + 8 * (j % 2);
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; i++) { /* Q6_K: rows 0..3 the first half, 4..7 the second */
+            __m512i l, h;
+            split_products(type, wv[i], i < 4 ? s0 : s1, &l, &h);
+            _mm512_store_si512((void *)lo[i], l);
+            _mm512_store_si512((void *)hi[i], h);
+        }
+        if (type != CS_QMAT_Q6_K) { /* mn_j in each of the block's 4 bytes per lane */
+            __m512i m = _mm512_cvtepu8_epi32(_mm_load_si128((const __m128i *)(const void *)(sp + 16)));
+            m = _mm512_or_si512(m, _mm512_slli_epi32(m, 8));
+            m = _mm512_or_si512(m, _mm512_slli_epi32(m, 16));
+            uint8_t(*mn)[64] = pl[2][j / 2] + 8 * (j % 2);
+#pragma GCC unroll 8
+            for (int i = 0; i < 8; i++)
+                _mm512_store_si512((void *)mn[i], m);
+        }
+    }
+}
+
+/* One chunk of 64 columns: A (tile TA) = 16 tokens' activations, then the
+ * planes' products into C 4 (lo), 5 (hi) and 6 (mn). B tiles rotate over 2,
+ * 3 and 7, so a load waits only on the product two steps back. */
+#define K_CHUNK(TA, a_ptr, a_stride, pl, c, q6, min)                                               \
+    do {                                                                                           \
+        _tile_loadd(TA, a_ptr, a_stride);                                                          \
+        _tile_loadd(2, (pl)[0][c], 64);                                                            \
+        _tile_dpbsud(4, TA, 2);                                                                    \
+        _tile_loadd(3, (pl)[1][c], 64);                                                            \
+        if (q6)                                                                                    \
+            _tile_dpbssd(5, TA, 3);                                                                \
+        else                                                                                       \
+            _tile_dpbsud(5, TA, 3);                                                                \
+        if (min) {                                                                                 \
+            _tile_loadd(7, (pl)[2][c], 64);                                                        \
+            _tile_dpbsud(6, TA, 7);                                                                \
+        }                                                                                          \
+    } while (0)
+
+static inline __attribute__((always_inline)) void panel_k(const int type, const cs_qpanel *v,
+                                                          float *out, int64_t ldo,
+                                                          const float *bias, __mmask16 mask,
+                                                          const cs_qact *a, int64_t full) {
+    const int64_t nb = a->n_blocks, nsb = nb / 8;
+    const bool q6 = type == CS_QMAT_Q6_K, min = !q6;
+    uint8_t pl[KSB][3][4][16][64] __attribute__((aligned(64)));
+    int32_t cbuf[KSB][3][16][16] __attribute__((aligned(64)));
+    for (int64_t s0 = 0; s0 < nsb; s0 += KSB) {
+        const int sn = nsb - s0 < KSB ? (int)(nsb - s0) : KSB;
+        for (int k = 0; k < sn; k++)
+            kplanes(type, v, s0 + k, pl[k]);
+        for (int64_t t0 = 0; t0 < full; t0 += 16) {
+            const size_t xs = (size_t)a->cols;
+            for (int k = 0; k < sn; k++) {
+                const int8_t *xq = a->q + (size_t)t0 * xs + (size_t)(s0 + k) * CS_QK_K;
+                _tile_zero(4);
+                _tile_zero(5);
+                if (min) _tile_zero(6);
+                K_CHUNK(0, xq, xs, pl[k], 0, q6, min);
+                K_CHUNK(1, xq + 64, xs, pl[k], 1, q6, min);
+                K_CHUNK(0, xq + 128, xs, pl[k], 2, q6, min);
+                K_CHUNK(1, xq + 192, xs, pl[k], 3, q6, min);
+                _tile_stored(4, cbuf[k][0], 64);
+                _tile_stored(5, cbuf[k][1], 64);
+                if (min) _tile_stored(6, cbuf[k][2], 64);
+            }
+            /* 8 tokens at once: 8 independent accumulator chains */
+            for (int r0 = 0; r0 < 16; r0 += 8) {
+                __m512 acc[8];
+#pragma GCC unroll 8
+                for (int r = 0; r < 8; r++)
+                    acc[r] = s0 ? _mm512_maskz_loadu_ps(mask, out + (size_t)(t0 + r0 + r) * (size_t)ldo)
+                                : _mm512_setzero_ps();
+                for (int k = 0; k < sn; k++) {
+                    const int64_t b = (s0 + k) * 8; /* the super-block's first block */
+                    const cs_qkscales ks = cs__qmat_kscales(type, v, b);
+#pragma GCC unroll 8
+                    for (int r = 0; r < 8; r++) {
+                        const int t = (int)t0 + r0 + r;
+                        const __m512i S = _mm512_add_epi32(
+                            _mm512_load_si512((const void *)cbuf[k][0][r0 + r]),
+                            _mm512_slli_epi32(_mm512_load_si512((const void *)cbuf[k][1][r0 + r]), 8));
+                        const __m512i M = min ? _mm512_load_si512((const void *)cbuf[k][2][r0 + r])
+                                              : _mm512_setzero_si512();
+                        acc[r] = cs__qmat_kflush(type, acc[r], &ks,
+                                                 a->meta[(size_t)t * (size_t)nb + (size_t)b].dx, S, M);
+                    }
+                }
+                const bool end = s0 + sn == nsb;
+                const __m512 bv = bias && end ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
+#pragma GCC unroll 8
+                for (int r = 0; r < 8; r++) {
+                    if (bias && end) acc[r] = _mm512_add_ps(acc[r], bv);
+                    _mm512_mask_storeu_ps(out + (size_t)(t0 + r0 + r) * (size_t)ldo, mask, acc[r]);
+                }
+            }
+        }
+    }
+}
+
 /* One instance per type AMX runs, so every branch on the type folds away. */
 typedef void panel_fn(const cs_qpanel *v, float *out, int64_t ldo, const float *bias,
                       __mmask16 mask, const cs_qact *a, int64_t full);
@@ -178,9 +332,15 @@ typedef void panel_fn(const cs_qpanel *v, float *out, int64_t ldo, const float *
                              __mmask16 mask, const cs_qact *a, int64_t full) {                     \
         panel(TYPE, v, out, ldo, bias, mask, a, full);                                             \
     }
-CS_QMAT_WHOLE_BLOCK_TYPES(PANEL_FN)
+CS_QMAT_BLOCK_SCALED_TYPES(PANEL_FN)
+#define PANEL_K_FN(name, TYPE)                                                                     \
+    static void panel_##name(const cs_qpanel *v, float *out, int64_t ldo, const float *bias,       \
+                             __mmask16 mask, const cs_qact *a, int64_t full) {                     \
+        panel_k(TYPE, v, out, ldo, bias, mask, a, full);                                           \
+    }
+CS_QMAT_K_TYPES(PANEL_K_FN)
 #define PANEL_ENTRY(name, TYPE) [TYPE] = panel_##name,
-static panel_fn *const panels[CS_QMAT_TYPES] = {CS_QMAT_WHOLE_BLOCK_TYPES(PANEL_ENTRY)};
+static panel_fn *const panels[CS_QMAT_TYPES] = {CS_QMAT_BLOCK_TYPES(PANEL_ENTRY)};
 
 /* The tile shapes, as data (GCC 12 dropped the stores into a config built
  * on the stack before ldtilecfg): A = 16 tokens x 32 activation bytes, B =
@@ -189,11 +349,13 @@ static const tile_config block_config = {.palette = 1,
                                          .colsb = {CS_QK, CS_QK, 64, 64, 64, 64, 64, 64},
                                          .rows = {16, 16, CS_QK / 4, CS_QK / 4, 16, 16, 16, 16}};
 
-/* Whether AMX runs this type's panels. Not Q6_K: its two 16-weight halves
- * per block have their own scales, and as two K = 16 tile products with two
- * epilogue steps they ran at 0.68x the VNNI kernel (1536 x 8960, 512
- * tokens, chunkserve-bench-qmat, Sapphire Rapids), so its panels go to
- * VNNI, with the same bits. */
+/* The K-quants': A = 16 tokens x 64 activation bytes, B = 16 rows of 64
+ * plane bytes (64 columns), C = 16 tokens x 16 int32. */
+static const tile_config k_config = {.palette = 1,
+                                     .colsb = {64, 64, 64, 64, 64, 64, 64, 64},
+                                     .rows = {16, 16, 16, 16, 16, 16, 16, 16}};
+
+/* Whether AMX runs this type's panels (every type the kernels know). */
 static bool amx_type(int type) {
     return panels[type] != NULL;
 }
@@ -204,12 +366,14 @@ void cs__qmat_amx_panels(const cs_qout *outs, const cs_qact *a, const cs_qmat *w
      * (a test forcing these kernels), so every token goes to VNNI */
     const int64_t full = cs__qmat_amx_usable() ? a->n_tokens / 16 * 16 : 0;
     if (full > 0) {
-        _tile_loadconfig(&block_config);
+        const tile_config *loaded = NULL;
         int part = 0;
         for (int64_t p = p0; p < p1; p++) {
             part = cs__qmat_part_of(w, p, part);
             const cs_qpart *P = &w->part[part];
             if (!amx_type(P->type)) continue;
+            const tile_config *cfg = cs__qmat_is_k(P->type) ? &k_config : &block_config;
+            if (cfg != loaded) _tile_loadconfig(cfg), loaded = cfg;
             const int64_t row0 = (p - P->panel0) * CS_QROWS;
             const int64_t left = P->rows - row0;
             const cs_qout *o = &outs[part];
@@ -220,8 +384,7 @@ void cs__qmat_amx_panels(const cs_qout *outs, const cs_qact *a, const cs_qmat *w
         }
         _tile_release(); /* back to the init state: cheap context switches */
     }
-    /* the rest on VNNI: Q6_K panels whole, and the last tokens (fewer than a
-     * tile) of the others */
+    /* the rest on VNNI: the last tokens (fewer than a tile) */
     cs_qact rest;
     cs_qout ro[CS_QMAT_PARTS];
     cs__qmat_token_slice(outs, a, w->n_parts, full, a->n_tokens - full, ro, &rest);

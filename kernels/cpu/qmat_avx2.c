@@ -80,6 +80,9 @@ static inline __attribute__((always_inline)) void
 tile(const int nt, const int type, const cs_qpanel *P, int64_t b0, int64_t b1, int64_t nb,
      const uint8_t *wb, const int8_t *xq, int64_t cols, const cs_qblock *meta, __m256 *out) {
     __m256 acc[2][MAX_NT];
+    __m256i S[2][MAX_NT], M[2][MAX_NT]; /* K-quants: each token's super-block sums */
+    for (int t = 0; t < MAX_NT; t++)
+        S[0][t] = S[1][t] = M[0][t] = M[1][t] = _mm256_setzero_si256();
 #pragma GCC unroll 4
     for (int t = 0; t < nt; t++)
         acc[0][t] = out[2 * t], acc[1][t] = out[2 * t + 1];
@@ -115,24 +118,20 @@ tile(const int nt, const int type, const cs_qpanel *P, int64_t b0, int64_t b1, i
                     w[i] = _mm256_sub_epi8(w[i], k32);
             const __m256 d = _mm256_cvtph_ps(
                 _mm_load_si128((const __m128i *)(const void *)(P->d + (b / g) * CS_QROWS + 8 * h)));
-            __m256 d0 = d, d1 = d, m = _mm256_setzero_ps();
+            __m256 m = _mm256_setzero_ps(), dmin = _mm256_setzero_ps();
+            __m256i sc0 = _mm256_setzero_si256(), sc1 = sc0; /* K-quants: integer scales */
             if (min1)
                 m = _mm256_cvtph_ps(
                     _mm_load_si128((const __m128i *)(const void *)(P->m + b * CS_QROWS + 8 * h)));
-            if (kq) { /* D * sc (and DMIN * mn), exact */
+            if (kq) {
                 const uint8_t *s = P->sc + b * 32 + 8 * h;
                 const __m128i s0 = _mm_loadl_epi64((const __m128i *)(const void *)s);
                 const __m128i s1 = _mm_loadl_epi64((const __m128i *)(const void *)(s + 16));
-                if (q6) {
-                    d0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s0)));
-                    d1 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s1)));
-                } else {
-                    d0 = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(s0)));
-                    __m256 mn = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(s1));
-                    __m256 dmin = _mm256_cvtph_ps(_mm_load_si128(
+                sc0 = q6 ? _mm256_cvtepi8_epi32(s0) : _mm256_cvtepu8_epi32(s0);
+                sc1 = q6 ? _mm256_cvtepi8_epi32(s1) : _mm256_cvtepu8_epi32(s1);
+                if (mink)
+                    dmin = _mm256_cvtph_ps(_mm_load_si128(
                         (const __m128i *)(const void *)(P->m + (b / g) * CS_QROWS + 8 * h)));
-                    m = _mm256_xor_ps(_mm256_mul_ps(dmin, mn), _mm256_set1_ps(-0.0f));
-                }
             }
 #pragma GCC unroll 4
             for (int t = 0; t < nt; t++) {
@@ -157,10 +156,12 @@ tile(const int nt, const int type, const cs_qpanel *P, int64_t b0, int64_t b1, i
                         if (q6) half[hh] = _mm256_madd_epi16(half[hh], ones);
                     }
                     if (q6) { /* each half with its own scale */
-                        acc[h][t] = _mm256_fmadd_ps(_mm256_mul_ps(d0, vdx),
-                                                    _mm256_cvtepi32_ps(half[0]), acc[h][t]);
-                        acc[h][t] = _mm256_fmadd_ps(_mm256_mul_ps(d1, vdx),
-                                                    _mm256_cvtepi32_ps(half[1]), acc[h][t]);
+                        __m256i ds = _mm256_add_epi32(_mm256_mullo_epi32(half[0], sc0),
+                                                      _mm256_mullo_epi32(half[1], sc1));
+                        S[h][t] = b % 8 == 0 ? ds : _mm256_add_epi32(S[h][t], ds);
+                        if (b % 8 == 7)
+                            acc[h][t] = _mm256_fmadd_ps(_mm256_mul_ps(d, vdx),
+                                                        _mm256_cvtepi32_ps(S[h][t]), acc[h][t]);
                         continue;
                     }
                     s = _mm256_add_epi32(half[0], half[1]);
@@ -182,11 +183,23 @@ tile(const int nt, const int type, const cs_qpanel *P, int64_t b0, int64_t b1, i
                                                _mm256_maddubs_epi16(w[i], _mm256_set1_epi32(x[i])));
                     s = _mm256_madd_epi16(s16, ones);
                 }
+                if (mink) { /* Q4_K, Q5_K: integer sums, one epilogue a super-block */
+                    __m256i ds = _mm256_mullo_epi32(s, sc0);
+                    __m256i dm = _mm256_mullo_epi32(sc1, _mm256_set1_epi32(mb->xsum));
+                    S[h][t] = b % 8 == 0 ? ds : _mm256_add_epi32(S[h][t], ds);
+                    M[h][t] = b % 8 == 0 ? dm : _mm256_add_epi32(M[h][t], dm);
+                    if (b % 8 == 7) {
+                        acc[h][t] = _mm256_fmadd_ps(_mm256_mul_ps(d, vdx),
+                                                    _mm256_cvtepi32_ps(S[h][t]), acc[h][t]);
+                        __m256 nm = _mm256_xor_ps(_mm256_mul_ps(dmin, vdx), _mm256_set1_ps(-0.0f));
+                        acc[h][t] = _mm256_fmadd_ps(nm, _mm256_cvtepi32_ps(M[h][t]), acc[h][t]);
+                    }
+                    continue;
+                }
                 if (!q8 && z) s = _mm256_sub_epi32(s, _mm256_set1_epi32(z * mb->xsum));
                 acc[h][t] =
-                    _mm256_fmadd_ps(_mm256_mul_ps(d0, vdx), _mm256_cvtepi32_ps(s), acc[h][t]);
-                if (min1 || mink)
-                    acc[h][t] = _mm256_fmadd_ps(m, _mm256_set1_ps(mb->fsum), acc[h][t]);
+                    _mm256_fmadd_ps(_mm256_mul_ps(d, vdx), _mm256_cvtepi32_ps(s), acc[h][t]);
+                if (min1) acc[h][t] = _mm256_fmadd_ps(m, _mm256_set1_ps(mb->fsum), acc[h][t]);
             }
         }
     }

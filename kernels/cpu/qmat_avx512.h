@@ -1,7 +1,7 @@
 /* kernels/cpu/qmat_avx512.h: the two steps the AVX-512 VNNI kernels
  * (qmat_vnni.c) and the AMX ones (qmat_amx.c) share, so both read a block
- * the same way: its weights as bytes and its scales as fp32 vectors (one lane
- * per panel row). Included only by files compiled for AVX-512 F/BW and F16C;
+ * the same way: its weights as bytes and its scales as vectors (one lane per
+ * panel row). Included only by files compiled for AVX-512 F/BW and F16C;
  * qmat.h states the arithmetic. */
 #ifndef CS_KERNELS_CPU_QMAT_AVX512_H
 #define CS_KERNELS_CPU_QMAT_AVX512_H
@@ -54,36 +54,60 @@ cs__qmat_unpack(const int type, const cs_qpanel *P, int64_t b, __m512i *wv) {
     }
 }
 
-/* Block b's weight scales, per row: d0 multiplies the block's sum (Q6_K:
- * its first half's), d1 Q6_K's second half's; m multiplies fsum (Q4_1,
- * Q5_1: m; Q4_K, Q5_K: -(DMIN * mn)), else 0. */
+/* Block b's weight scales for the per-block types, per row: d multiplies
+ * the block's sum, m fsum (Q4_1, Q5_1: m; else 0). */
 typedef struct {
-    __m512 d0, d1, m;
+    __m512 d, m;
 } cs_qscales;
 
 static inline __attribute__((always_inline)) cs_qscales
 cs__qmat_scales(const int type, const cs_qpanel *P, int64_t b) {
-    const int g = cs__qmat_dgroup(type);
-    const __m512 d =
-        _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(P->d + (b / g) * CS_QROWS)));
-    cs_qscales s = {d, d, _mm512_setzero_ps()};
+    cs_qscales s = {_mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(P->d + b * CS_QROWS))),
+                    _mm512_setzero_ps()};
     if (type == CS_QMAT_Q4_1 || type == CS_QMAT_Q5_1)
         s.m = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(P->m + b * CS_QROWS)));
-    if (!cs__qmat_is_k(type)) return s;
-    const __m128i *sp = (const __m128i *)(const void *)(P->sc + b * 32);
-    if (type == CS_QMAT_Q6_K) {
-        s.d0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(sp))));
-        s.d1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128(sp + 1))));
-        return s;
-    }
-    s.d0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128(sp))));
-    const __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_load_si128(sp + 1)));
-    const __m512 dmin =
-        _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(P->m + (b / g) * CS_QROWS)));
-    /* -(DMIN * mn): the sign flipped exactly */
-    s.m = _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(_mm512_mul_ps(dmin, mn)),
-                                               _mm512_set1_epi32(INT32_MIN)));
     return s;
+}
+
+/* A K-quant's block b, per row: its integer scales (Q4_K, Q5_K: sc and mn;
+ * Q6_K: sc_lo and sc_hi) and its super-block's D and DMIN (0 for Q6_K). */
+typedef struct {
+    __m512i s0, s1;
+    __m512 d, dmin;
+} cs_qkscales;
+
+static inline __attribute__((always_inline)) cs_qkscales
+cs__qmat_kscales(const int type, const cs_qpanel *P, int64_t b) {
+    const __m128i *sp = (const __m128i *)(const void *)(P->sc + b * 32);
+    const int64_t sb = b / (CS_QK_K / CS_QK);
+    cs_qkscales s;
+    s.d = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(P->d + sb * CS_QROWS)));
+    if (type == CS_QMAT_Q6_K) {
+        s.s0 = _mm512_cvtepi8_epi32(_mm_load_si128(sp));
+        s.s1 = _mm512_cvtepi8_epi32(_mm_load_si128(sp + 1));
+        s.dmin = _mm512_setzero_ps();
+    } else {
+        s.s0 = _mm512_cvtepu8_epi32(_mm_load_si128(sp));
+        s.s1 = _mm512_cvtepu8_epi32(_mm_load_si128(sp + 1));
+        s.dmin = _mm512_cvtph_ps(_mm256_load_si256((const __m256i *)(P->m + sb * CS_QROWS)));
+    }
+    return s;
+}
+
+/* A K-quant super-block's epilogue for one token (qmat.h): acc +=
+ * (D * dx) * S, then += -(DMIN * dx) * M for Q4_K / Q5_K. */
+static inline __attribute__((always_inline)) __m512 cs__qmat_kflush(const int type, __m512 acc,
+                                                                    const cs_qkscales *k,
+                                                                    float dx, __m512i S,
+                                                                    __m512i M) {
+    const __m512 vdx = _mm512_set1_ps(dx);
+    acc = _mm512_fmadd_ps(_mm512_mul_ps(k->d, vdx), _mm512_cvtepi32_ps(S), acc);
+    if (type != CS_QMAT_Q6_K) { /* -(DMIN * dx): the sign flipped exactly */
+        const __m512 nm = _mm512_castsi512_ps(_mm512_xor_si512(
+            _mm512_castps_si512(_mm512_mul_ps(k->dmin, vdx)), _mm512_set1_epi32(INT32_MIN)));
+        acc = _mm512_fmadd_ps(nm, _mm512_cvtepi32_ps(M), acc);
+    }
+    return acc;
 }
 
 #endif

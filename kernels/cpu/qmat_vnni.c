@@ -50,7 +50,10 @@ tile(const int nt, const int type, const cs_qpanel *P, int64_t b0, int64_t b1, i
      const uint8_t *wb, const int8_t *xq, int64_t cols, const cs_qblock *meta, __m512 *acc) {
     const int qb = cs__qmat_qbytes(type), hb = cs__qmat_hbytes(type);
     const int32_t z = cs__qmat_zero(type);
-    const bool q6 = type == CS_QMAT_Q6_K, min = cs__qmat_has_min(type);
+    const bool q6 = type == CS_QMAT_Q6_K, kq = cs__qmat_is_k(type), min = cs__qmat_has_min(type);
+    __m512i S[MAX_NT], M[MAX_NT]; /* K-quants: each token's super-block sums */
+    for (int t = 0; t < MAX_NT; t++)
+        S[t] = M[t] = _mm512_setzero_si512();
     for (int64_t b = b0; b < b1; b++) {
         __m512i wv[8];
         if (wb) {
@@ -69,9 +72,39 @@ tile(const int nt, const int type, const cs_qpanel *P, int64_t b0, int64_t b1, i
             }
             cs__qmat_unpack(type, P, b, wv);
         }
+        if (kq) { /* integer sums over the super-block, one epilogue at its end */
+            const cs_qkscales k = cs__qmat_kscales(type, P, b);
+            const bool first = b % 8 == 0, last = b % 8 == 7;
+#pragma GCC unroll 8
+            for (int t = 0; t < nt; t++) {
+                const a32 *x =
+                    (const a32 *)(const void *)(xq + (size_t)t * (size_t)cols + (size_t)b * CS_QK);
+                const cs_qblock *mb = meta + (size_t)t * (size_t)nb + (size_t)b;
+                __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
+#pragma GCC unroll 4
+                for (int i = 0; i < 4; i++) {
+                    s0 = _mm512_dpbusd_epi32(s0, wv[i], _mm512_set1_epi32(x[i]));
+                    s1 = _mm512_dpbusd_epi32(s1, wv[i + 4], _mm512_set1_epi32(x[i + 4]));
+                }
+                __m512i ds, dm = _mm512_setzero_si512();
+                if (q6) { /* the two halves apart: each has its own scale */
+                    s0 = _mm512_sub_epi32(s0, _mm512_set1_epi32(32 * mb->xsum_lo));
+                    s1 = _mm512_sub_epi32(s1, _mm512_set1_epi32(32 * (mb->xsum - mb->xsum_lo)));
+                    ds = _mm512_add_epi32(_mm512_mullo_epi32(s0, k.s0),
+                                          _mm512_mullo_epi32(s1, k.s1));
+                } else {
+                    ds = _mm512_mullo_epi32(_mm512_add_epi32(s0, s1), k.s0);
+                    dm = _mm512_mullo_epi32(k.s1, _mm512_set1_epi32(mb->xsum));
+                }
+                S[t] = first ? ds : _mm512_add_epi32(S[t], ds);
+                M[t] = first ? dm : _mm512_add_epi32(M[t], dm);
+                if (last) acc[t] = cs__qmat_kflush(type, acc[t], &k, mb->dx, S[t], M[t]);
+            }
+            continue;
+        }
         /* the block's scales, for every token */
         const cs_qscales sc = cs__qmat_scales(type, P, b);
-        const __m512 d0 = sc.d0, d1 = sc.d1, m = sc.m;
+        const __m512 d0 = sc.d, m = sc.m;
 #pragma GCC unroll 8
         for (int t = 0; t < nt; t++) {
             /* 4 activation bytes broadcast straight from memory (a load, not a
@@ -80,19 +113,6 @@ tile(const int nt, const int type, const cs_qpanel *P, int64_t b0, int64_t b1, i
                 (const a32 *)(const void *)(xq + (size_t)t * (size_t)cols + (size_t)b * CS_QK);
             const cs_qblock *mb = meta + (size_t)t * (size_t)nb + (size_t)b;
             const __m512 vdx = _mm512_set1_ps(mb->dx);
-            if (q6) { /* the two halves apart: each has its own scale */
-                __m512i s0 = _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-#pragma GCC unroll 4
-                for (int i = 0; i < 4; i++) {
-                    s0 = _mm512_dpbusd_epi32(s0, wv[i], _mm512_set1_epi32(x[i]));
-                    s1 = _mm512_dpbusd_epi32(s1, wv[i + 4], _mm512_set1_epi32(x[i + 4]));
-                }
-                s0 = _mm512_sub_epi32(s0, _mm512_set1_epi32(32 * mb->xsum_lo));
-                s1 = _mm512_sub_epi32(s1, _mm512_set1_epi32(32 * (mb->xsum - mb->xsum_lo)));
-                acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d0, vdx), _mm512_cvtepi32_ps(s0), acc[t]);
-                acc[t] = _mm512_fmadd_ps(_mm512_mul_ps(d1, vdx), _mm512_cvtepi32_ps(s1), acc[t]);
-                continue;
-            }
             __m512i s;
             if (nt >= 4) { /* enough independent tokens to hide the latency: one chain */
                 s = _mm512_setzero_si512();
@@ -203,25 +223,30 @@ void cs__qmat_vnni_panels(const cs_qout *outs, const cs_qact *a, const cs_qmat *
 }
 
 void cs__quantize_vnni_rows(cs_qact *a, const float *x, int64_t t0, int64_t t1) {
+    const int64_t G = a->group;
     for (int64_t t = t0; t < t1; t++)
-        for (int64_t b = 0; b < a->n_blocks; b++) {
-            const float *xb = x + (size_t)t * (size_t)a->cols + (size_t)b * CS_QK;
-            int8_t *q = a->q + (size_t)t * (size_t)a->cols + (size_t)b * CS_QK;
-            __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
-            float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
-            float id = amax > 0 ? 127.0f / amax : 0.0f;
-            __m512 vid = _mm512_set1_ps(id);
-            __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, vid));
-            __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, vid));
-            _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(q0));
-            _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtepi32_epi8(q1));
-            int32_t sum_lo = _mm512_reduce_add_epi32(q0);
-            int32_t sum = sum_lo + _mm512_reduce_add_epi32(q1);
-            cs_qblock *mb = &a->meta[(size_t)t * (size_t)a->n_blocks + (size_t)b];
-            mb->dx = amax / 127.0f;
-            mb->xsum = sum;
-            mb->fsum = mb->dx * (float)sum;
-            mb->xsum_lo = sum_lo;
+        for (int64_t g = 0; g < a->cols; g += G) {
+            const float *xg = x + (size_t)t * (size_t)a->cols + (size_t)g;
+            __m512 vmax = _mm512_setzero_ps();
+            for (int64_t i = 0; i < G; i += 16)
+                vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(xg + i)));
+            const float amax = _mm512_reduce_max_ps(vmax);
+            const __m512 vid = _mm512_set1_ps(amax > 0 ? 127.0f / amax : 0.0f);
+            for (int64_t b = g / CS_QK; b < (g + G) / CS_QK; b++) {
+                const float *xb = x + (size_t)t * (size_t)a->cols + (size_t)b * CS_QK;
+                int8_t *q = a->q + (size_t)t * (size_t)a->cols + (size_t)b * CS_QK;
+                __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb), vid));
+                __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xb + 16), vid));
+                _mm_storeu_si128((__m128i *)q, _mm512_cvtepi32_epi8(q0));
+                _mm_storeu_si128((__m128i *)(q + 16), _mm512_cvtepi32_epi8(q1));
+                int32_t sum_lo = _mm512_reduce_add_epi32(q0);
+                int32_t sum = sum_lo + _mm512_reduce_add_epi32(q1);
+                cs_qblock *mb = &a->meta[(size_t)t * (size_t)a->n_blocks + (size_t)b];
+                mb->dx = amax / 127.0f;
+                mb->xsum = sum;
+                mb->fsum = mb->dx * (float)sum;
+                mb->xsum_lo = sum_lo;
+            }
         }
 }
 

@@ -84,7 +84,7 @@ int main(int argc, char **argv) {
     cs_qact a;
     void *abuf = aligned_alloc(64, (cs_qact_bytes(tokens, cols) + 63) / 64 * 64);
     if (!abuf) return 1;
-    cs_qact_init(&a, abuf, tokens, cols);
+    cs_qact_init(&a, abuf, tokens, cols, w->act_group);
     cs_op_quantize(pool, &a, x);
 
     int sets[4], n_sets = 0;
