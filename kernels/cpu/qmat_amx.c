@@ -10,30 +10,32 @@
  * process the tile state (arch_prctl ARCH_REQ_XCOMP_PERM; some hypervisors
  * mask AMX, and then the VNNI kernels run).
  *
- * Why AMX keeps the bits: TDPBSUD sums signed x unsigned byte products into
- * int32 exactly, like vpdpbusd. A tile product covers one 32-weight block
- * (K = 32), never two, so every C tile holds exact per-block sums
+ * Why AMX keeps the bits: TDPBSUD / TDPBSSD sum signed x unsigned (signed)
+ * byte products into int32 exactly, like vpdpbusd, so a tile holds exact
+ * integer sums and the fp32 epilogue is the reference's, in its order.
+ *
+ * Types with a scale per 32-weight block (Q4_0 .. Q8_0): a tile product
+ * covers one block (K = 32), never two, so every C tile holds the block's
  *   C[token][row] = sum over the block of q[token][k] * u[row][k]
- * and the fp32 epilogue is the reference's, block by block, in order.
+ * A = 16 tokens x 32 activation bytes (read in place, stride cols); B = the
+ * panel's block as 8 rows of 64 bytes, row i lane r = u[r][4i..4i+3]: the
+ * packed Q8 layout (read in place), and for every other type the VNNI
+ * kernels' unpacked bytes (qmat_avx512.h), made once per group of blocks for
+ * every token. Per panel, group of blocks and tile of 16 tokens, the tile
+ * products of the group go back to back into a buffer, then the AVX-512
+ * epilogue walks them, 8 tokens' accumulator chains at a time. What bounds
+ * these: the epilogue, not the tiles (cvt + mul + fma per token and block
+ * for 512 MACs), ~1.3-1.5x the VNNI kernels (docs/perf.md). Tried and
+ * slower: products and epilogue of one block interleaved (tile registers
+ * are not renamed, so each block waited on the last), and the next token
+ * tile's products issued between the epilogue's steps.
  *
- * Tiles: A = 16 tokens x 32 activation bytes (read in place, stride cols);
- * B = the panel's block as 8 rows of 64 bytes, row i lane r = u[r][4i..4i+3]:
- * exactly the packed Q8 layout (read in place), and for every other type
- * the VNNI kernels' unpacked bytes (qmat_avx512.h: nibbles split, 5th and
- * 6th bits or'ed in), made once per group of blocks for every token. Per
- * panel, group of blocks and tile of 16 tokens, the tile products of the
- * whole group are issued back to back into a buffer, then the AVX-512
- * epilogue walks them, 8 tokens' accumulator chains at a time.
+ * The K-quants sum whole 256-weight super-blocks in the tiles (panel_k
+ * below: their scales become part of byte planes of the weights), with one
+ * epilogue per super-block: ~2x the VNNI kernels.
  *
- * What bounds it: the epilogue, not the tiles. Each (token, 16 rows, block)
- * needs cvt + mul + fma (+ fma for Q4_1) on the vector units for 512 MACs
- * that the tile unit does in a fraction of the time, so the kernel runs at
- * ~1.5x the VNNI one (docs/perf.md), a few % of the tile peak. Tried and
- * slower: the products and the epilogue of one block interleaved (1.1x
- * VNNI; tile registers are not renamed, so each block waited on the last),
- * and the next token tile's products issued between the epilogue's steps
- * (1.25x). Tokens past the last full tile of 16 go to the VNNI kernels
- * (same bits). Threads split panels, as everywhere. */
+ * Tokens past the last full tile of 16 go to the VNNI kernels (same bits).
+ * Threads split panels, as everywhere. */
 #include "qmat.h"
 
 #if defined(__AMX_TILE__) && defined(__AMX_INT8__) && defined(__AVX512F__)
@@ -179,7 +181,9 @@ static inline __attribute__((always_inline)) void panel(const int type, const cs
  * hi 0..7 (Q4_K, Q5_K) or -16..15 (Q6_K, signed). Two B planes, lo and hi,
  * each 4 tiles of 64 columns; S = C_lo + 256 * C_hi, exact in int32. Q4_K
  * and Q5_K also need M = sum_j mn_j * xsum_j: a third plane holding mn_j for
- * each of block j's columns gives it as one more tile sum. Then one epilogue
+ * each of block j's columns gives it as one more tile sum (tried instead: M
+ * by 4 vpdpwssd per token on xsum pairs the quantizer kept, and two token
+ * tiles sharing each B load: within noise, so not kept). Then one epilogue
  * per super-block and token (cvt, fma; twice with M) instead of one per
  * block. Planes are made per panel and group of super-blocks, once for every
  * token tile of the slice. */

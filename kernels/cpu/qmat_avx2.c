@@ -18,7 +18,9 @@
  *     (-128..127) and vpmaddubsw(|s|, q signed by s): pairs of at most
  *     2 * 128 * 127 = 32,512, widened per group; sum of s * q is exactly the
  *     reference's isum - 128 * xsum.
- * The epilogue is the reference's (one fmaf per block, d * dx first). */
+ * The epilogue is the reference's: one fmaf per block, d * dx first; for
+ * the K-quants, integer sums over the super-block (vpmulld by the block's
+ * scales) and one fmaf (two with the mins) at its end. */
 #include <string.h>
 
 #include "qmat.h"

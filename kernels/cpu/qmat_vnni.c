@@ -14,7 +14,10 @@
  * at a time into vpdpbusd: lane r sums u[r][k] * q[k] in int32, exactly
  * (one chain, or two added at the end when few tokens must hide the
  * latency; Q6_K keeps its two 16-weight halves apart), so the order does
- * not matter. Then the block's epilogue (cvt, fma) in the reference's order.
+ * not matter. Then the block's epilogue (cvt, fma) in the reference's order;
+ * a K-quant's block instead adds sc * s (and mn * xsum) to the token's
+ * integer sums (vpmulld), and its super-block's last block runs the one
+ * fp32 epilogue.
  *
  * Decode (few tokens) unpacks each block's weights in registers for the
  * tile's tokens: memory-bound, so the unpacking is free. Prefill (16 tokens

@@ -44,22 +44,24 @@ pytest.importorskip("grpc_tools.protoc")  # stubs: conftest.proto_modules
 MODELS = ["qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"]
 
 # Quant mode vs transformers fp32: 2x what bench/quant_fidelity_qwen.py measured on
-# 2026-12-05 (this VM's AMX kernels; quant mode gives the same bits on every kernel set):
-# rel L2 of the last-position logits median 0.0125, max 0.0194; KL top-64 mean 3.46e-4, max
-# 1.31e-3; teacher-forced top-1 disagreements 3 of 384 steps (all at margins >= 0.01; free-
+# 2026-12-06 (quant mode gives the same bits on every kernel set; K-quant activations are
+# scaled per 256-weight super-block since that day, as llama.cpp's Q8_K, which roughly
+# doubled the 1.5B's error and brought both models level with llama.cpp):
+# rel L2 of the last-position logits median 0.0169, max 0.0329; KL top-64 mean 6.31e-4, max
+# 1.55e-3; teacher-forced top-1 disagreements 3 of 384 steps (all at margins >= 0.01; free-
 # running greedy leaves the reference at step 26 of multiturn_system, margin 0.018, and
 # step 33 of chat_chinese, margin 0.064). llama.cpp on the same file (ordinary CPU kernels):
 # 0.0176, 0.0303; 5.40e-4, 1.77e-3; 4 of 384. --exact: rel L2 <= 9.5e-7, 0 of 384.
-# The 1.5B (runs only where it was fetched): 0.0106, 0.0158; 2.17e-4, 7.51e-4; 1 of 384
-# (chat_chinese step 25, margin 0.034); llama.cpp 0.0198, 0.0337; 1.41e-3, 4.32e-3; 2 of 384;
-# --exact rel L2 <= 2.9e-6, 0 of 384.
+# The 1.5B (runs only where it was fetched): 0.0212, 0.0345; 9.64e-4, 4.09e-3; 2 of 384
+# (chat_chinese step 25, margin 0.034; plain_text step 42, margin 0.112); llama.cpp 0.0198,
+# 0.0337; 1.41e-3, 4.32e-3; 2 of 384; --exact rel L2 <= 2.9e-6, 0 of 384.
 QUANT_BOUNDS = {
-    "qwen2.5-coder-0.5b": {"rel_l2_median": 0.025, "rel_l2_max": 0.039,
-                           "kl_top64_mean": 6.9e-4, "kl_top64_max": 2.6e-3,
+    "qwen2.5-coder-0.5b": {"rel_l2_median": 0.034, "rel_l2_max": 0.066,
+                           "kl_top64_mean": 1.3e-3, "kl_top64_max": 3.1e-3,
                            "top1_disagree": 6},
-    "qwen2.5-coder-1.5b": {"rel_l2_median": 0.021, "rel_l2_max": 0.032,
-                           "kl_top64_mean": 4.3e-4, "kl_top64_max": 1.5e-3,
-                           "top1_disagree": 2},
+    "qwen2.5-coder-1.5b": {"rel_l2_median": 0.043, "rel_l2_max": 0.069,
+                           "kl_top64_mean": 1.9e-3, "kl_top64_max": 8.2e-3,
+                           "top1_disagree": 4},
 }
 
 
