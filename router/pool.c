@@ -1,6 +1,7 @@
-/* pool.c: worker discovery (static lists, DNS names re-resolved with
- * uv_getaddrinfo), status polling (Worker/GetStatus on every worker each
- * status interval, deadline 1 s), usability, and placement.
+/* pool.c: the workers discovery.c finds, their status polling
+ * (Worker/GetStatus on every worker each status interval, deadline 1 s),
+ * usability, the per-pair KV breakers, and placement (the snapshots the
+ * pure policy of place.c chooses from).
  *
  * Lifetime. A worker is referenced by its pool list, by its status call in
  * flight and by every request that placed work there (cs_pool_worker_ref); it is
@@ -13,11 +14,8 @@
  * exponentially (up to minutes), so a worker that restarts after a long
  * outage would stay unreachable for a while; while a worker fails its polls
  * and has no call of ours on it, its channel is replaced every few seconds. */
-#include "pool.h"
-#include "prefix.h"
+#include "pool-impl.h"
 
-#include <arpa/inet.h>
-#include <netdb.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -38,180 +36,14 @@
  * deadlines. At least this many status intervals, too. */
 #define DOWN_AFTER_S 3.0
 #define DOWN_AFTER_POLLS 5
-/* Per-pair KV breakers: how many decode peers a prefill worker remembers,
- * the first cooldown and the longest. */
-#define PAIR_BREAKERS 16
+/* Per-pair KV breakers (PAIR_BREAKERS of them, pool-impl.h): the first
+ * cooldown and the longest. */
 #define PAIR_COOLDOWN_S 10.0
 #define PAIR_COOLDOWN_MAX_S 60.0
 
-/* ------------------------------------------------ placement (pure) -- */
-
-int32_t cs_place_pages(int64_t n_tokens, int32_t page_size) {
-    if (page_size <= 0) page_size = 16;
-    if (n_tokens < 1) n_tokens = 1;
-    int64_t pages = (n_tokens + page_size - 1) / page_size;
-    return pages > INT32_MAX ? INT32_MAX : (int32_t)pages;
-}
-
-static bool decode_fits(const cs_place_worker *w, int64_t n_tokens) {
-    return w->usable && !w->skip &&
-           (int64_t)w->kv_pages_free - w->pages_placed >= cs_place_pages(n_tokens, w->page_size);
-}
-
-static int64_t decode_load(const cs_place_worker *w) {
-    return (int64_t)w->num_running + w->num_waiting + w->reqs_placed;
-}
-
-static bool prefill_fits(const cs_place_worker *w, int64_t n_tokens) {
-    return w->usable && !w->skip && w->kv_pages_total >= cs_place_pages(n_tokens, w->page_size);
-}
-
-static int64_t prefill_load(const cs_place_worker *w) {
-    return w->queued_prefill_tokens + w->tokens_placed;
-}
-
-/* The prefix-aware narrowing (see cs_place_decode): the highest cached_tokens
- * among the fitting workers within balance of the least load; 0 when no
- * fitting worker holds any of the prompt (or the policy is off). */
-static int64_t cached_floor(const cs_place_worker *w, size_t n, int64_t n_tokens, int64_t balance,
-                            bool (*fits)(const cs_place_worker *, int64_t),
-                            int64_t (*load)(const cs_place_worker *), int64_t *max_load) {
-    int64_t min_load = INT64_MAX, best = 0;
-    for (size_t i = 0; i < n; i++)
-        if (fits(&w[i], n_tokens) && load(&w[i]) < min_load) min_load = load(&w[i]);
-    if (balance < 0 || min_load == INT64_MAX) return 0;
-    *max_load = min_load > INT64_MAX - balance ? INT64_MAX : min_load + balance;
-    for (size_t i = 0; i < n; i++)
-        if (fits(&w[i], n_tokens) && load(&w[i]) <= *max_load && w[i].cached_tokens > best)
-            best = w[i].cached_tokens;
-    return best;
-}
-
-int cs_place_decode(const cs_place_worker *w, size_t n, int64_t n_tokens, size_t start,
-                    int64_t balance) {
-    int64_t max_load = INT64_MAX;
-    int64_t want = cached_floor(w, n, n_tokens, balance, decode_fits, decode_load, &max_load);
-    int best = -1;
-    int64_t best_room = 0, best_load = 0;
-    for (size_t k = 0; k < n; k++) {
-        size_t i = (start + k) % n;
-        if (!decode_fits(&w[i], n_tokens)) continue;
-        if (want > 0 && (w[i].cached_tokens < want || decode_load(&w[i]) > max_load)) continue;
-        int64_t room = (int64_t)w[i].kv_pages_free - w[i].pages_placed;
-        int64_t load = (int64_t)w[i].num_running + w[i].num_waiting;
-        if (best < 0 || room > best_room || (room == best_room && load < best_load)) {
-            best = (int)i;
-            best_room = room;
-            best_load = load;
-        }
-    }
-    return best;
-}
-
-int cs_place_prefill(const cs_place_worker *w, size_t n, int64_t n_tokens, size_t start,
-                     int64_t balance) {
-    int64_t max_load = INT64_MAX;
-    int64_t want = cached_floor(w, n, n_tokens, balance, prefill_fits, prefill_load, &max_load);
-    int best = -1;
-    int64_t best_q = 0;
-    for (size_t k = 0; k < n; k++) {
-        size_t i = (start + k) % n;
-        if (!prefill_fits(&w[i], n_tokens)) continue;
-        if (want > 0 && (w[i].cached_tokens < want || prefill_load(&w[i]) > max_load)) continue;
-        int64_t q = prefill_load(&w[i]);
-        if (best < 0 || q < best_q) {
-            best = (int)i;
-            best_q = q;
-        }
-    }
-    return best;
-}
-
 /* ------------------------------------------------------------ pool -- */
 
-static const char *role_name[2] = {"prefill", "decode"};
-
-struct cs_pool_worker {
-    cs_pool *pool;
-    enum cs_pool_role role;
-    char *addr; /* "host:port", the channel's target */
-    int source; /* -1: static list; else the index of its DNS entry */
-    int refs;
-    bool listed;   /* in the pool's list */
-    bool vanished; /* no longer in its DNS answer: leaves once idle */
-    int active;    /* calls of the router on it */
-    cs_rpc_channel *ch;
-    cs_rpc_client_call *poll;
-    Chunkserve__V1__WorkerStatus *poll_msg; /* the answer of the poll in flight */
-    cs_pool_worker *next;
-
-    /* Last status. */
-    bool have_status; /* valid: arrived, not stale, not suspected since */
-    double status_at;
-    uint64_t status_seq; /* counts statuses received */
-    bool ready, draining, role_ok, model_ok;
-    char *worker_id;
-    uint64_t instance_id;
-    int32_t page_size, pages_free, pages_total, running, waiting;
-    int64_t queued_prefill;
-    char *kv_endpoint;
-    char *kv_sender; /* prefill: the name its KV channels authenticate as */
-    int kv_transport;
-    uint64_t kv_layout;    /* the KV layout fingerprint it reported (0: unknown) */
-    int32_t pages_placed;  /* since that status */
-    int64_t tokens_placed; /* since that status */
-    int32_t reqs_placed;   /* since that status */
-    cs_prefix_set *prefix; /* the pages of the requests placed here (prefix.h); NULL: none yet */
-    cs_prefix_summary summary; /* what it publishes it holds (prefix.h); empty: nothing */
-
-    bool logged_usable; /* last state logged, so transitions log once */
-    bool down_reported; /* on_down ran since the last good status */
-    int poll_failures;
-    double last_reconnect;
-
-    /* Prefill: the breaker of each (this, decode worker) KV pair that failed
-     * (cs_pool_pair_failed): open until open_until, then half-open (one
-     * success closes it, a failure opens it again for twice as long). Keyed
-     * by the decode worker's address and instance (a restart closes it). */
-    struct pair_breaker {
-        char dw_addr[96];
-        uint64_t dw_instance;
-        double open_until, cooldown;
-    } pairs[PAIR_BREAKERS];
-    int n_pairs;
-};
-
-typedef struct {
-    cs_pool *pool;
-    enum cs_pool_role role;
-    int index;
-    char *name, *port;
-    uv_getaddrinfo_t req;
-    bool in_flight;
-    bool resolved_once;
-} dns_entry;
-
-struct cs_pool {
-    uv_loop_t *uv;
-    cs_rpc_loop *rl;
-    cs_pool_opts o;
-    cs_pool_worker *workers[2];
-    int n_workers[2];
-    dns_entry *dns;
-    int n_dns;
-    uv_timer_t poll_timer, dns_timer;
-    double last_tick;  /* when on_poll_tick last ran */
-    double resumed_at; /* the end of this process's last stall (loop lag): no worker is
-                          declared down on the silence of a time we were not listening */
-    double lag_max;    /* the longest tick lag seen (cs_pool_loop_lag) */
-    uint64_t stalls;
-    uint64_t pair_trips; /* cs_pool_pair_failed calls */
-    int open_handles;
-    int dns_in_flight;
-    int n_worker_objs; /* allocated workers, listed or not */
-    bool closing;
-    size_t rr[2];
-};
+const char *const cs__pool_role_name[2] = {"prefill", "decode"};
 
 static double stale_after_s(const cs_pool *p) {
     return (2.0 * p->o.status_interval_ms + STATUS_DEADLINE_MS) / 1000.0;
@@ -223,7 +55,7 @@ static bool worker_usable(const cs_pool_worker *w, double now) {
            w->model_ok;
 }
 
-static void pool_maybe_free(cs_pool *p) {
+void cs__pool_maybe_free(cs_pool *p) {
     if (!p->closing || p->open_handles || p->dns_in_flight || p->n_worker_objs) return;
     for (int i = 0; i < p->n_dns; i++) {
         free(p->dns[i].name);
@@ -251,7 +83,7 @@ void cs_pool_worker_unref(cs_pool_worker *w) {
     cs_prefix_summary_clear(&w->summary);
     free(w);
     p->n_worker_objs--;
-    pool_maybe_free(p);
+    cs__pool_maybe_free(p);
 }
 
 cs_rpc_channel *cs_pool_worker_channel(const cs_pool_worker *w) {
@@ -290,10 +122,10 @@ static void log_usability(cs_pool_worker *w, double now, const char *why) {
     if (u == w->logged_usable) return;
     w->logged_usable = u;
     if (u)
-        CS_LOGI("%s worker %s (%s) is usable: %d KV pages of %d tokens free", role_name[w->role],
+        CS_LOGI("%s worker %s (%s) is usable: %d KV pages of %d tokens free", cs__pool_role_name[w->role],
                 w->addr, cs_pool_worker_id(w), w->pages_free, w->page_size);
     else
-        CS_LOGW("%s worker %s (%s) is not usable: %s", role_name[w->role], w->addr,
+        CS_LOGW("%s worker %s (%s) is not usable: %s", cs__pool_role_name[w->role], w->addr,
                 cs_pool_worker_id(w), why);
 }
 
@@ -318,12 +150,12 @@ static cs_pool_worker *worker_find(cs_pool *p, enum cs_pool_role role, const cha
     return NULL;
 }
 
-static int worker_add(cs_pool *p, enum cs_pool_role role, const char *addr, int source) {
+int cs__pool_worker_add(cs_pool *p, enum cs_pool_role role, const char *addr, int source) {
     cs_pool_worker *w = worker_find(p, role, addr);
     if (w) {
         if (w->vanished && w->source == source) {
             w->vanished = false;
-            CS_LOGI("%s worker %s is back in DNS", role_name[role], addr);
+            CS_LOGI("%s worker %s is back in DNS", cs__pool_role_name[role], addr);
         }
         return 0;
     }
@@ -347,7 +179,7 @@ static int worker_add(cs_pool *p, enum cs_pool_role role, const char *addr, int 
     w->next = p->workers[role];
     p->workers[role] = w;
     p->n_workers[role]++;
-    CS_LOGI("%s worker %s added (%s)", role_name[role], addr,
+    CS_LOGI("%s worker %s added (%s)", cs__pool_role_name[role], addr,
             source < 0 ? "static list" : p->dns[source].name);
     return 0;
 }
@@ -375,7 +207,7 @@ static void apply_status(cs_pool_worker *w, const Chunkserve__V1__WorkerStatus *
     cs_pool *p = w->pool;
     if (w->instance_id && s->instance_id != w->instance_id)
         CS_LOGW("%s worker %s restarted (%s instance %016llx -> %s instance %016llx)",
-                role_name[w->role], w->addr, cs_pool_worker_id(w),
+                cs__pool_role_name[w->role], w->addr, cs_pool_worker_id(w),
                 (unsigned long long)w->instance_id, s->worker_id,
                 (unsigned long long)s->instance_id);
     if (s->instance_id != w->instance_id) { /* a new life: its prefix cache is empty */
@@ -391,7 +223,7 @@ static void apply_status(cs_pool_worker *w, const Chunkserve__V1__WorkerStatus *
                                   s->prefix_summary_bits, s->prefix_summary_version,
                                   complete) == CS_EINVAL)
             CS_LOGW("%s worker %s: malformed prefix summary (%zu bytes, %u bits): ignored",
-                    role_name[w->role], w->addr, s->prefix_summary.len, s->prefix_summary_bits);
+                    cs__pool_role_name[w->role], w->addr, s->prefix_summary.len, s->prefix_summary_bits);
     } else if (s->prefix_summary_version == w->summary.version) {
         w->summary.complete = complete; /* the one we hold, still true until then */
     }
@@ -419,13 +251,13 @@ static void apply_status(cs_pool_worker *w, const Chunkserve__V1__WorkerStatus *
         (!p->o.expect_model_fp || mi->fingerprint == p->o.expect_model_fp) &&
         (!p->o.expect_tokenizer_fp || mi->tokenizer_fingerprint == p->o.expect_tokenizer_fp);
     if (!role_ok && (first || w->role_ok))
-        CS_LOGE("%s worker %s reports role %d: not a %s worker", role_name[w->role], w->addr,
-                (int)s->role, role_name[w->role]);
+        CS_LOGE("%s worker %s reports role %d: not a %s worker", cs__pool_role_name[w->role], w->addr,
+                (int)s->role, cs__pool_role_name[w->role]);
     if (!model_ok && (first || w->model_ok))
         CS_LOGE("%s worker %s serves another model (%s, vocabulary %d, context %d, fingerprint "
                 "%016llx, tokenizer %016llx); this router's is %s, %d, %d, %016llx, %016llx: it "
                 "gets no requests",
-                role_name[w->role], w->addr, mi ? mi->architecture : "?", mi ? mi->vocab_size : 0,
+                cs__pool_role_name[w->role], w->addr, mi ? mi->architecture : "?", mi ? mi->vocab_size : 0,
                 mi ? mi->context_length : 0, mi ? (unsigned long long)mi->fingerprint : 0ull,
                 mi ? (unsigned long long)mi->tokenizer_fingerprint : 0ull,
                 p->o.expect_arch ? p->o.expect_arch : "?", p->o.expect_n_vocab, p->o.expect_ctx_len,
@@ -497,7 +329,7 @@ static void on_poll_done(cs_rpc_client_call *c, int code, const char *msg, void 
                 char why[300];
                 snprintf(why, sizeof why, "status poll failed: %s %s", cs_rpc_code_name(code), msg);
                 if (w->poll_failures == 1 && !w->logged_usable && !w->status_seq)
-                    CS_LOGW("%s worker %s: %s", role_name[w->role], w->addr, why);
+                    CS_LOGW("%s worker %s: %s", cs__pool_role_name[w->role], w->addr, why);
                 w->have_status = false;
                 log_usability(w, cs_now(), why);
             }
@@ -524,7 +356,7 @@ static void poll_worker(cs_pool_worker *w, double now) {
         w->down_reported = true;
         CS_LOGW("%s worker %s (%s) has not answered a status poll for %.1f s: failing over its "
                 "requests",
-                role_name[w->role], w->addr, cs_pool_worker_id(w), now - w->status_at);
+                cs__pool_role_name[w->role], w->addr, cs_pool_worker_id(w), now - w->status_at);
         p->o.on_down(p->o.arg, w);
     }
     if (w->poll || !w->ch) return;
@@ -565,7 +397,7 @@ static void on_poll_tick(uv_timer_t *t) {
         for (cs_pool_worker *w = p->workers[role]; w; w = next) {
             next = w->next;
             if (w->vanished && !w->active) {
-                CS_LOGI("%s worker %s (%s) left DNS and is idle: dropped", role_name[role], w->addr,
+                CS_LOGI("%s worker %s (%s) left DNS and is idle: dropped", cs__pool_role_name[role], w->addr,
                         cs_pool_worker_id(w));
                 worker_remove(w);
                 continue;
@@ -575,186 +407,12 @@ static void on_poll_tick(uv_timer_t *t) {
     }
 }
 
-/* ------------------------------------------------------------- DNS -- */
-
-static void dns_resolve(dns_entry *d);
-
-static void on_resolved(uv_getaddrinfo_t *req, int status, struct addrinfo *res) {
-    dns_entry *d = req->data;
-    cs_pool *p = d->pool;
-    d->in_flight = false;
-    p->dns_in_flight--;
-    if (p->closing || status == UV_ECANCELED) {
-        uv_freeaddrinfo(res);
-        pool_maybe_free(p);
-        return;
-    }
-    if (status != 0 && status != UV_EAI_NONAME && status != UV_EAI_NODATA) {
-        /* a transient failure: keep what we know */
-        CS_LOGW("dns %s:%s: %s; keeping the %s workers known", d->name, d->port,
-                uv_strerror(status), role_name[d->role]);
-        uv_freeaddrinfo(res);
-        return;
-    }
-    /* the answer's addresses, deduplicated */
-    char(*addrs)[80] = NULL;
-    size_t n = 0, cap = 0;
-    for (struct addrinfo *a = status ? NULL : res; a; a = a->ai_next) {
-        char host[64] = "", one[80];
-        if (a->ai_family == AF_INET)
-            uv_ip4_name((const struct sockaddr_in *)a->ai_addr, host, sizeof host);
-        else if (a->ai_family == AF_INET6)
-            uv_ip6_name((const struct sockaddr_in6 *)a->ai_addr, host, sizeof host);
-        else
-            continue;
-        if (a->ai_family == AF_INET6)
-            snprintf(one, sizeof one, "[%s]:%s", host, d->port);
-        else
-            snprintf(one, sizeof one, "%s:%s", host, d->port);
-        bool dup = false;
-        for (size_t i = 0; i < n && !dup; i++)
-            dup = !strcmp(addrs[i], one);
-        if (dup) continue;
-        if (n == cap) {
-            size_t nc = cap ? 2 * cap : 8;
-            void *na = realloc(addrs, nc * sizeof *addrs);
-            if (!na) break;
-            addrs = na;
-            cap = nc;
-        }
-        snprintf(addrs[n++], sizeof addrs[0], "%s", one);
-    }
-    uv_freeaddrinfo(res);
-    if (!d->resolved_once || status)
-        CS_LOGI("dns %s:%s: %zu %s worker address%s%s", d->name, d->port, n, role_name[d->role],
-                n == 1 ? "" : "es", status ? " (no such name)" : "");
-    d->resolved_once = true;
-    for (cs_pool_worker *w = p->workers[d->role]; w; w = w->next) {
-        if (w->source != d->index || w->vanished) continue;
-        bool found = false;
-        for (size_t i = 0; i < n && !found; i++)
-            found = !strcmp(addrs[i], w->addr);
-        if (!found) {
-            w->vanished = true;
-            CS_LOGI("%s worker %s left DNS %s; dropped once idle", role_name[d->role], w->addr,
-                    d->name);
-        }
-    }
-    for (size_t i = 0; i < n; i++)
-        if (worker_add(p, d->role, addrs[i], d->index) != 0)
-            CS_LOGE("dns %s: cannot add worker %s: %s", d->name, addrs[i], cs_last_error());
-    free(addrs);
-}
-
-static void dns_resolve(dns_entry *d) {
-    if (d->in_flight || d->pool->closing) return;
-    struct addrinfo hints;
-    memset(&hints, 0, sizeof hints);
-    hints.ai_family = AF_UNSPEC;
-    hints.ai_socktype = SOCK_STREAM;
-    d->req.data = d;
-    int r = uv_getaddrinfo(d->pool->uv, &d->req, on_resolved, d->name, d->port, &hints);
-    if (r) {
-        CS_LOGW("dns %s:%s: cannot start a lookup: %s", d->name, d->port, uv_strerror(r));
-        return;
-    }
-    d->in_flight = true;
-    d->pool->dns_in_flight++;
-}
-
-static void on_dns_tick(uv_timer_t *t) {
-    cs_pool *p = t->data;
-    for (int i = 0; i < p->n_dns; i++)
-        dns_resolve(&p->dns[i]);
-}
-
 /* ------------------------------------------------------------ init -- */
-
-/* "host:port" with a port in 1..65535 and a non-empty host ("[v6]:port" too).
- * Splits into host and port when the out-parameters are given. */
-static int split_addr(const char *s, const char *what, char *host, size_t host_cap, char *port,
-                      size_t port_cap) {
-    const char *colon = strrchr(s, ':');
-    if (!colon || colon == s || !colon[1])
-        return cs_fail(CS_EINVAL, "%s: '%s' is not host:port", what, s);
-    char *end;
-    long v = strtol(colon + 1, &end, 10);
-    if (*end || v < 1 || v > 65535)
-        return cs_fail(CS_EINVAL, "%s: '%s' has a bad port (1..65535)", what, s);
-    size_t hl = (size_t)(colon - s);
-    if (host) {
-        if (hl >= host_cap) return cs_fail(CS_EINVAL, "%s: host name too long in '%s'", what, s);
-        memcpy(host, s, hl);
-        host[hl] = 0;
-        if (host[0] == '[' && hl >= 2 && host[hl - 1] == ']') {
-            memmove(host, host + 1, hl - 2);
-            host[hl - 2] = 0;
-        }
-    }
-    if (port) snprintf(port, port_cap, "%s", colon + 1);
-    return 0;
-}
-
-/* Calls fn for each comma-separated, trimmed, non-empty item of list. */
-static int for_each_item(const char *list, int (*fn)(cs_pool *, int, const char *), cs_pool *p,
-                         int role) {
-    if (!list) return 0;
-    const char *s = list;
-    while (*s) {
-        const char *e = strchr(s, ',');
-        size_t len = e ? (size_t)(e - s) : strlen(s);
-        char item[512];
-        while (len && (*s == ' ' || *s == '\t'))
-            s++, len--;
-        while (len && (s[len - 1] == ' ' || s[len - 1] == '\t'))
-            len--;
-        if (len >= sizeof item)
-            return cs_fail(CS_EINVAL, "worker address too long: '%.*s'", (int)len, s);
-        if (len) {
-            memcpy(item, s, len);
-            item[len] = 0;
-            int r = fn(p, role, item);
-            if (r) return r;
-        }
-        if (!e) break;
-        s = e + 1;
-    }
-    return 0;
-}
-
-static int add_static(cs_pool *p, int role, const char *item) {
-    int r = split_addr(item, role ? "--decode-workers" : "--prefill-workers", NULL, 0, NULL, 0);
-    return r ? r : worker_add(p, (enum cs_pool_role)role, item, -1);
-}
-
-static int add_dns(cs_pool *p, int role, const char *item) {
-    char host[256], port[16];
-    int r = split_addr(item, role ? "--decode-dns" : "--prefill-dns", host, sizeof host, port,
-                       sizeof port);
-    if (r) return r;
-    dns_entry *nd = realloc(p->dns, (size_t)(p->n_dns + 1) * sizeof *nd);
-    if (!nd) return cs_fail(CS_ENOMEM, "out of memory");
-    p->dns = nd;
-    dns_entry *d = &p->dns[p->n_dns];
-    memset(d, 0, sizeof *d);
-    d->pool = p;
-    d->role = (enum cs_pool_role)role;
-    d->index = p->n_dns;
-    d->name = strdup(host);
-    d->port = strdup(port);
-    if (!d->name || !d->port) {
-        free(d->name);
-        free(d->port);
-        return cs_fail(CS_ENOMEM, "out of memory");
-    }
-    p->n_dns++;
-    return 0;
-}
 
 static void on_timer_closed(uv_handle_t *h) {
     cs_pool *p = h->data;
     p->open_handles--;
-    pool_maybe_free(p);
+    cs__pool_maybe_free(p);
 }
 
 int cs_pool_init(uv_loop_t *uv, cs_rpc_loop *rl, const cs_pool_opts *o, cs_pool **out) {
@@ -766,11 +424,7 @@ int cs_pool_init(uv_loop_t *uv, cs_rpc_loop *rl, const cs_pool_opts *o, cs_pool 
     p->o = *o;
     if (p->o.status_interval_ms <= 0) p->o.status_interval_ms = 200;
     if (p->o.dns_refresh_ms <= 0) p->o.dns_refresh_ms = 5000;
-    int r = 0;
-    for (int role = 0; role < 2 && !r; role++) {
-        if (!r) r = for_each_item(o->static_workers[role], add_static, p, role);
-        if (!r) r = for_each_item(o->dns[role], add_dns, p, role);
-    }
+    int r = cs__pool_discovery_init(p, o);
     uv_timer_init(uv, &p->poll_timer);
     uv_timer_init(uv, &p->dns_timer);
     p->poll_timer.data = p->dns_timer.data = p;
@@ -781,13 +435,9 @@ int cs_pool_init(uv_loop_t *uv, cs_rpc_loop *rl, const cs_pool_opts *o, cs_pool 
         cs_pool_close(p);
         return cs_fail(r, "%s", msg);
     }
-    for (int i = 0; i < p->n_dns; i++)
-        dns_resolve(&p->dns[i]);
+    cs__pool_discovery_start(p);
     /* first poll at once, so a router started beside its workers is ready soon */
     uv_timer_start(&p->poll_timer, on_poll_tick, 0, (uint64_t)p->o.status_interval_ms);
-    if (p->n_dns)
-        uv_timer_start(&p->dns_timer, on_dns_tick, (uint64_t)p->o.dns_refresh_ms,
-                       (uint64_t)p->o.dns_refresh_ms);
     CS_LOGI("pools: %d prefill, %d decode workers listed, %d DNS names; status every %d ms",
             p->n_workers[0], p->n_workers[1], p->n_dns, p->o.status_interval_ms);
     *out = p;
@@ -804,7 +454,7 @@ void cs_pool_close(cs_pool *p) {
     for (int role = 0; role < 2; role++)
         while (p->workers[role])
             worker_remove(p->workers[role]);
-    pool_maybe_free(p);
+    cs__pool_maybe_free(p);
 }
 
 int cs_pool_n_usable(const cs_pool *p, enum cs_pool_role role) {

@@ -1206,6 +1206,20 @@ def test_router_fields_like_serve(cluster, tiny):
     assert a.choices[0].text == b.choices[0].text
 
 
+def assert_same_alternatives(xs, ys, tol):
+    """Two top-k lists of one position, from fp32 runs chunked differently: the logprobs
+    equal to tol rank by rank, and a token only where the other list has it too (to tol),
+    or at a near-tie with its neighbour (two alternatives within tol may swap ranks, and
+    the last may swap with the k+1-th, which the other list does not show)."""
+    assert [t.logprob for t in xs] == pytest.approx([t.logprob for t in ys], abs=tol)
+    other = {t.token: t.logprob for t in ys}
+    for i, t in enumerate(xs):
+        if t.token in other:
+            assert t.logprob == pytest.approx(other[t.token], abs=tol), (xs, ys)
+        else:
+            assert i == len(xs) - 1 or abs(t.logprob - xs[i + 1].logprob) <= tol, (xs, ys)
+
+
 def test_router_logprobs_equal_serve(cluster, tiny):
     """Through a remote prefill the first token's logprobs and alternatives come with the
     KV pages (the trailer): every token's equal serve's, as do min_tokens answers."""
@@ -1221,10 +1235,8 @@ def test_router_logprobs_equal_serve(cluster, tiny):
     assert len(la) == len(lb) == 12 and a.usage.completion_tokens == 12
     for x, y in zip(la, lb):  # values to the CPU's chunking tolerance
         assert x.token == y.token and x.logprob == pytest.approx(y.logprob, abs=1e-3)
-        assert [t.token for t in x.top_logprobs] == [t.token for t in y.top_logprobs]
-        assert [t.logprob for t in x.top_logprobs] == \
-            pytest.approx([t.logprob for t in y.top_logprobs], abs=1e-3)
         assert len(x.top_logprobs) == 4
+        assert_same_alternatives(x.top_logprobs, y.top_logprobs, 1e-3)
     assert la[0].logprob < 0  # the first token's came from the prefill worker, not a 0
 
 

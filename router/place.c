@@ -1,0 +1,84 @@
+/* place.c: the placement policy (place.h states it): pure functions over
+ * snapshots of the workers. */
+#include "place.h"
+
+int32_t cs_place_pages(int64_t n_tokens, int32_t page_size) {
+    if (page_size <= 0) page_size = 16;
+    if (n_tokens < 1) n_tokens = 1;
+    int64_t pages = (n_tokens + page_size - 1) / page_size;
+    return pages > INT32_MAX ? INT32_MAX : (int32_t)pages;
+}
+
+static bool decode_fits(const cs_place_worker *w, int64_t n_tokens) {
+    return w->usable && !w->skip &&
+           (int64_t)w->kv_pages_free - w->pages_placed >= cs_place_pages(n_tokens, w->page_size);
+}
+
+static int64_t decode_load(const cs_place_worker *w) {
+    return (int64_t)w->num_running + w->num_waiting + w->reqs_placed;
+}
+
+static bool prefill_fits(const cs_place_worker *w, int64_t n_tokens) {
+    return w->usable && !w->skip && w->kv_pages_total >= cs_place_pages(n_tokens, w->page_size);
+}
+
+static int64_t prefill_load(const cs_place_worker *w) {
+    return w->queued_prefill_tokens + w->tokens_placed;
+}
+
+/* The prefix-aware narrowing (see cs_place_decode): the highest cached_tokens
+ * among the fitting workers within balance of the least load; 0 when no
+ * fitting worker holds any of the prompt (or the policy is off). */
+static int64_t cached_floor(const cs_place_worker *w, size_t n, int64_t n_tokens, int64_t balance,
+                            bool (*fits)(const cs_place_worker *, int64_t),
+                            int64_t (*load)(const cs_place_worker *), int64_t *max_load) {
+    int64_t min_load = INT64_MAX, best = 0;
+    for (size_t i = 0; i < n; i++)
+        if (fits(&w[i], n_tokens) && load(&w[i]) < min_load) min_load = load(&w[i]);
+    if (balance < 0 || min_load == INT64_MAX) return 0;
+    *max_load = min_load > INT64_MAX - balance ? INT64_MAX : min_load + balance;
+    for (size_t i = 0; i < n; i++)
+        if (fits(&w[i], n_tokens) && load(&w[i]) <= *max_load && w[i].cached_tokens > best)
+            best = w[i].cached_tokens;
+    return best;
+}
+
+int cs_place_decode(const cs_place_worker *w, size_t n, int64_t n_tokens, size_t start,
+                    int64_t balance) {
+    int64_t max_load = INT64_MAX;
+    int64_t want = cached_floor(w, n, n_tokens, balance, decode_fits, decode_load, &max_load);
+    int best = -1;
+    int64_t best_room = 0, best_load = 0;
+    for (size_t k = 0; k < n; k++) {
+        size_t i = (start + k) % n;
+        if (!decode_fits(&w[i], n_tokens)) continue;
+        if (want > 0 && (w[i].cached_tokens < want || decode_load(&w[i]) > max_load)) continue;
+        int64_t room = (int64_t)w[i].kv_pages_free - w[i].pages_placed;
+        int64_t load = (int64_t)w[i].num_running + w[i].num_waiting;
+        if (best < 0 || room > best_room || (room == best_room && load < best_load)) {
+            best = (int)i;
+            best_room = room;
+            best_load = load;
+        }
+    }
+    return best;
+}
+
+int cs_place_prefill(const cs_place_worker *w, size_t n, int64_t n_tokens, size_t start,
+                     int64_t balance) {
+    int64_t max_load = INT64_MAX;
+    int64_t want = cached_floor(w, n, n_tokens, balance, prefill_fits, prefill_load, &max_load);
+    int best = -1;
+    int64_t best_q = 0;
+    for (size_t k = 0; k < n; k++) {
+        size_t i = (start + k) % n;
+        if (!prefill_fits(&w[i], n_tokens)) continue;
+        if (want > 0 && (w[i].cached_tokens < want || prefill_load(&w[i]) > max_load)) continue;
+        int64_t q = prefill_load(&w[i]);
+        if (best < 0 || q < best_q) {
+            best = (int)i;
+            best_q = q;
+        }
+    }
+    return best;
+}

@@ -1,0 +1,60 @@
+/* place.h: the placement policy, a pair of pure functions over snapshots of
+ * the workers (cs_place_decode, cs_place_prefill), so that it is tested
+ * without sockets (tests/unit/test_router_place.c). The pool (pool.h) builds
+ * the snapshots and applies the answer. */
+#ifndef CS_ROUTER_PLACE_H
+#define CS_ROUTER_PLACE_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* One worker as placement sees it. */
+typedef struct {
+    bool usable;            /* fresh status, ready, not draining, right role */
+    bool skip;              /* excluded or refused for this request */
+    int32_t page_size;      /* tokens per KV page */
+    int32_t kv_pages_total; /* the worker's whole pool (a prompt beyond it can never run there) */
+    int32_t kv_pages_free;  /* from the last status */
+    int32_t pages_placed;   /* pages this router placed there since that status */
+    int32_t num_running, num_waiting;
+    int64_t queued_prefill_tokens; /* from the last status (prefill) */
+    int64_t tokens_placed;         /* prompt tokens this router sent there since that status */
+    int32_t reqs_placed;           /* requests this router sent there since that status */
+    int64_t cached_tokens;         /* the request's prompt tokens predicted cached there */
+} cs_place_worker;
+
+/* Pages a context of n_tokens needs on a decode worker with that page size. */
+int32_t cs_place_pages(int64_t n_tokens, int32_t page_size);
+
+/* The decode worker for a context of n_tokens: among usable, not skipped
+ * workers with room for the context's pages (kv_pages_free - pages_placed),
+ * the one with the most room left; ties go to the fewest running + waiting
+ * sequences, then to the first at or after index start (so equal workers
+ * share the load). -1 when none qualifies.
+ * Prefix-aware (balance >= 0): when some of those workers are predicted to
+ * hold part of the prompt (cached_tokens), the choice is among the ones
+ * whose load (num_running + num_waiting + reqs_placed) is within balance of
+ * the least loaded: the most cached tokens, then the rule above. So a hot
+ * prefix fills its worker up to balance sequences more than the others, and
+ * the next request goes to another (which then holds it too). */
+int cs_place_decode(const cs_place_worker *w, size_t n, int64_t n_tokens, size_t start,
+                    int64_t balance);
+
+/* The prefill worker for a prompt of n_tokens: among usable, not skipped
+ * workers whose whole pool can hold it, the fewest queued_prefill_tokens +
+ * tokens_placed; ties as above. -1 when none (the decode worker then
+ * prefills it itself). Prefix-aware (balance >= 0): as cs_place_decode, with
+ * that queue (tokens) as the load. */
+int cs_place_prefill(const cs_place_worker *w, size_t n, int64_t n_tokens, size_t start,
+                     int64_t balance);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif
