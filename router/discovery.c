@@ -66,8 +66,8 @@ static void on_resolved(uv_getaddrinfo_t *req, int status, struct addrinfo *res)
     }
     uv_freeaddrinfo(res);
     if (!d->resolved_once || status)
-        CS_LOGI("dns %s:%s: %zu %s worker address%s%s", d->name, d->port, n, cs__pool_role_name[d->role],
-                n == 1 ? "" : "es", status ? " (no such name)" : "");
+        CS_LOGI("dns %s:%s: %zu %s worker address%s%s", d->name, d->port, n,
+                cs__pool_role_name[d->role], n == 1 ? "" : "es", status ? " (no such name)" : "");
     d->resolved_once = true;
     for (cs_pool_worker *w = p->workers[d->role]; w; w = w->next) {
         if (w->source != d->index || w->vanished) continue;
@@ -76,8 +76,8 @@ static void on_resolved(uv_getaddrinfo_t *req, int status, struct addrinfo *res)
             found = !strcmp(addrs[i], w->addr);
         if (!found) {
             w->vanished = true;
-            CS_LOGI("%s worker %s left DNS %s; dropped once idle", cs__pool_role_name[d->role], w->addr,
-                    d->name);
+            CS_LOGI("%s worker %s left DNS %s; dropped once idle", cs__pool_role_name[d->role],
+                    w->addr, d->name);
         }
     }
     for (size_t i = 0; i < n; i++)

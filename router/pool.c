@@ -122,8 +122,9 @@ static void log_usability(cs_pool_worker *w, double now, const char *why) {
     if (u == w->logged_usable) return;
     w->logged_usable = u;
     if (u)
-        CS_LOGI("%s worker %s (%s) is usable: %d KV pages of %d tokens free", cs__pool_role_name[w->role],
-                w->addr, cs_pool_worker_id(w), w->pages_free, w->page_size);
+        CS_LOGI("%s worker %s (%s) is usable: %d KV pages of %d tokens free",
+                cs__pool_role_name[w->role], w->addr, cs_pool_worker_id(w), w->pages_free,
+                w->page_size);
     else
         CS_LOGW("%s worker %s (%s) is not usable: %s", cs__pool_role_name[w->role], w->addr,
                 cs_pool_worker_id(w), why);
@@ -223,7 +224,8 @@ static void apply_status(cs_pool_worker *w, const Chunkserve__V1__WorkerStatus *
                                   s->prefix_summary_bits, s->prefix_summary_version,
                                   complete) == CS_EINVAL)
             CS_LOGW("%s worker %s: malformed prefix summary (%zu bytes, %u bits): ignored",
-                    cs__pool_role_name[w->role], w->addr, s->prefix_summary.len, s->prefix_summary_bits);
+                    cs__pool_role_name[w->role], w->addr, s->prefix_summary.len,
+                    s->prefix_summary_bits);
     } else if (s->prefix_summary_version == w->summary.version) {
         w->summary.complete = complete; /* the one we hold, still true until then */
     }
@@ -251,14 +253,15 @@ static void apply_status(cs_pool_worker *w, const Chunkserve__V1__WorkerStatus *
         (!p->o.expect_model_fp || mi->fingerprint == p->o.expect_model_fp) &&
         (!p->o.expect_tokenizer_fp || mi->tokenizer_fingerprint == p->o.expect_tokenizer_fp);
     if (!role_ok && (first || w->role_ok))
-        CS_LOGE("%s worker %s reports role %d: not a %s worker", cs__pool_role_name[w->role], w->addr,
-                (int)s->role, cs__pool_role_name[w->role]);
+        CS_LOGE("%s worker %s reports role %d: not a %s worker", cs__pool_role_name[w->role],
+                w->addr, (int)s->role, cs__pool_role_name[w->role]);
     if (!model_ok && (first || w->model_ok))
         CS_LOGE("%s worker %s serves another model (%s, vocabulary %d, context %d, fingerprint "
                 "%016llx, tokenizer %016llx); this router's is %s, %d, %d, %016llx, %016llx: it "
                 "gets no requests",
-                cs__pool_role_name[w->role], w->addr, mi ? mi->architecture : "?", mi ? mi->vocab_size : 0,
-                mi ? mi->context_length : 0, mi ? (unsigned long long)mi->fingerprint : 0ull,
+                cs__pool_role_name[w->role], w->addr, mi ? mi->architecture : "?",
+                mi ? mi->vocab_size : 0, mi ? mi->context_length : 0,
+                mi ? (unsigned long long)mi->fingerprint : 0ull,
                 mi ? (unsigned long long)mi->tokenizer_fingerprint : 0ull,
                 p->o.expect_arch ? p->o.expect_arch : "?", p->o.expect_n_vocab, p->o.expect_ctx_len,
                 (unsigned long long)p->o.expect_model_fp,
@@ -397,8 +400,8 @@ static void on_poll_tick(uv_timer_t *t) {
         for (cs_pool_worker *w = p->workers[role]; w; w = next) {
             next = w->next;
             if (w->vanished && !w->active) {
-                CS_LOGI("%s worker %s (%s) left DNS and is idle: dropped", cs__pool_role_name[role], w->addr,
-                        cs_pool_worker_id(w));
+                CS_LOGI("%s worker %s (%s) left DNS and is idle: dropped", cs__pool_role_name[role],
+                        w->addr, cs_pool_worker_id(w));
                 worker_remove(w);
                 continue;
             }

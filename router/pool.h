@@ -103,11 +103,11 @@ typedef struct {
 /* Prefix-aware placement (prefix.h): the request's context and cache salt,
  * and the policy. */
 typedef struct {
-    const int32_t *ids;   /* the context (n_tokens of them) */
-    const char *salt;     /* its cache salt ("" or NULL: shared) */
-    double ttl_s;         /* a recorded page counts this long */
-    int64_t balance[2];   /* per role: the load slack (prefill: tokens, decode: sequences) */
-    int32_t index_pages;  /* page hashes remembered per worker */
+    const int32_t *ids;  /* the context (n_tokens of them) */
+    const char *salt;    /* its cache salt ("" or NULL: shared) */
+    double ttl_s;        /* a recorded page counts this long */
+    int64_t balance[2];  /* per role: the load slack (prefill: tokens, decode: sequences) */
+    int32_t index_pages; /* page hashes remembered per worker */
 } cs_pool_prefix;
 
 /* Picks a worker of the role for a context of n_tokens, skipping the marked

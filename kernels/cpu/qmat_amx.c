@@ -192,9 +192,8 @@ static inline __attribute__((always_inline)) void panel(const int type, const cs
 
 /* 16-bit lanes of x's even / odd bytes times sc (sc in both halves of each
  * 32-bit lane), recombined into the bytes lo and hi of each product. */
-static inline __attribute__((always_inline)) void split_products(const int type, __m512i x,
-                                                                 __m512i sc, __m512i *lo,
-                                                                 __m512i *hi) {
+static inline __attribute__((always_inline)) void
+split_products(const int type, __m512i x, __m512i sc, __m512i *lo, __m512i *hi) {
     const __m512i m8 = _mm512_set1_epi16(0x00ff);
     __m512i e = _mm512_and_si512(x, m8), o = _mm512_srli_epi16(x, 8);
     if (type == CS_QMAT_Q6_K) { /* u - 32, signed */
@@ -237,7 +236,8 @@ static inline __attribute__((always_inline)) void kplanes(const int type, const 
             _mm512_store_si512((void *)hi[i], h);
         }
         if (type != CS_QMAT_Q6_K) { /* mn_j in each of the block's 4 bytes per lane */
-            __m512i m = _mm512_cvtepu8_epi32(_mm_load_si128((const __m128i *)(const void *)(sp + 16)));
+            __m512i m =
+                _mm512_cvtepu8_epi32(_mm_load_si128((const __m128i *)(const void *)(sp + 16)));
             m = _mm512_or_si512(m, _mm512_slli_epi32(m, 8));
             m = _mm512_or_si512(m, _mm512_slli_epi32(m, 16));
             uint8_t(*mn)[64] = pl[2][j / 2] + 8 * (j % 2);
@@ -299,8 +299,9 @@ static inline __attribute__((always_inline)) void panel_k(const int type, const 
                 __m512 acc[8];
 #pragma GCC unroll 8
                 for (int r = 0; r < 8; r++)
-                    acc[r] = s0 ? _mm512_maskz_loadu_ps(mask, out + (size_t)(t0 + r0 + r) * (size_t)ldo)
-                                : _mm512_setzero_ps();
+                    acc[r] =
+                        s0 ? _mm512_maskz_loadu_ps(mask, out + (size_t)(t0 + r0 + r) * (size_t)ldo)
+                           : _mm512_setzero_ps();
                 for (int k = 0; k < sn; k++) {
                     const int64_t b = (s0 + k) * 8; /* the super-block's first block */
                     const cs_qkscales ks = cs__qmat_kscales(type, v, b);
@@ -309,15 +310,18 @@ static inline __attribute__((always_inline)) void panel_k(const int type, const 
                         const int t = (int)t0 + r0 + r;
                         const __m512i S = _mm512_add_epi32(
                             _mm512_load_si512((const void *)cbuf[k][0][r0 + r]),
-                            _mm512_slli_epi32(_mm512_load_si512((const void *)cbuf[k][1][r0 + r]), 8));
+                            _mm512_slli_epi32(_mm512_load_si512((const void *)cbuf[k][1][r0 + r]),
+                                              8));
                         const __m512i M = min ? _mm512_load_si512((const void *)cbuf[k][2][r0 + r])
                                               : _mm512_setzero_si512();
-                        acc[r] = cs__qmat_kflush(type, acc[r], &ks,
-                                                 a->meta[(size_t)t * (size_t)nb + (size_t)b].dx, S, M);
+                        acc[r] =
+                            cs__qmat_kflush(type, acc[r], &ks,
+                                            a->meta[(size_t)t * (size_t)nb + (size_t)b].dx, S, M);
                     }
                 }
                 const bool end = s0 + sn == nsb;
-                const __m512 bv = bias && end ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
+                const __m512 bv =
+                    bias && end ? _mm512_maskz_loadu_ps(mask, bias) : _mm512_setzero_ps();
 #pragma GCC unroll 8
                 for (int r = 0; r < 8; r++) {
                     if (bias && end) acc[r] = _mm512_add_ps(acc[r], bv);

@@ -96,10 +96,8 @@ cs__qmat_kscales(const int type, const cs_qpanel *P, int64_t b) {
 
 /* A K-quant super-block's epilogue for one token (qmat.h): acc +=
  * (D * dx) * S, then += -(DMIN * dx) * M for Q4_K / Q5_K. */
-static inline __attribute__((always_inline)) __m512 cs__qmat_kflush(const int type, __m512 acc,
-                                                                    const cs_qkscales *k,
-                                                                    float dx, __m512i S,
-                                                                    __m512i M) {
+static inline __attribute__((always_inline)) __m512
+cs__qmat_kflush(const int type, __m512 acc, const cs_qkscales *k, float dx, __m512i S, __m512i M) {
     const __m512 vdx = _mm512_set1_ps(dx);
     acc = _mm512_fmadd_ps(_mm512_mul_ps(k->d, vdx), _mm512_cvtepi32_ps(S), acc);
     if (type != CS_QMAT_Q6_K) { /* -(DMIN * dx): the sign flipped exactly */
