@@ -166,9 +166,7 @@ static void on_event(void *user, const cs_event *ev) {
 /* The payload the KV listener takes: the engine's pool decides (host: TCP,
  * device: NCCL). */
 static Chunkserve__V1__KvTransport kv_transport(decode *d) {
-    return cs_kvx_rx_payload(d->rx) == CS_KVX_PAYLOAD_NCCL
-               ? CHUNKSERVE__V1__KV_TRANSPORT__KV_TRANSPORT_NCCL
-               : CHUNKSERVE__V1__KV_TRANSPORT__KV_TRANSPORT_TCP;
+    return cs_worker_kv_transport(cs_kvx_rx_payload(d->rx));
 }
 
 static int send_admitted(dreq *q, int32_t pages) {

@@ -452,15 +452,11 @@ static void handle_prefill(cs_rpc_call *c, void *data) {
     if (!q) return;
     char host[256];
     int port = 0;
-    int mine = cs_kvx_tx_payload(p->tx) == CS_KVX_PAYLOAD_NCCL
-                   ? CHUNKSERVE__V1__KV_TRANSPORT__KV_TRANSPORT_NCCL
-                   : CHUNKSERVE__V1__KV_TRANSPORT__KV_TRANSPORT_TCP;
+    const int payload = cs_kvx_tx_payload(p->tx);
     int rc = 0;
-    if (m->kv_transport && (int)m->kv_transport != mine)
+    if (m->kv_transport && m->kv_transport != cs_worker_kv_transport(payload))
         rc = cs_fail(CS_ENOTSUP, "kv_transport %s: this worker sends KV over %s",
-                     m->kv_transport == CHUNKSERVE__V1__KV_TRANSPORT__KV_TRANSPORT_NCCL ? "NCCL"
-                                                                                        : "TCP",
-                     cs_kvx_payload_name(cs_kvx_tx_payload(p->tx)));
+                     cs_worker_kv_transport_name(m->kv_transport), cs_kvx_payload_name(payload));
     if (!rc) rc = cs_worker_split_endpoint(m->kv_endpoint, host, sizeof host, &port);
     if (rc) {
         cs_worker_call_finish(&q->base, cs_rpc_code_of_status(rc), cs_last_error());

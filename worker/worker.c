@@ -56,11 +56,31 @@ int cs_worker_add_method(cs_worker *w, const char *method, enum cs_rpc_method_ki
     return cs_rpc_server_add_method(cs_proc_server(w->proc), method, kind, desc, gated, m);
 }
 
+/* The KV link's payloads (chunkserve/kvx.h) and the proto's KvTransport:
+ * one row each. */
+static const struct {
+    int payload;
+    Chunkserve__V1__KvTransport wire;
+} kv_transports[] = {
+    {CS_KVX_PAYLOAD_TCP, CHUNKSERVE__V1__KV_TRANSPORT__KV_TRANSPORT_TCP},
+    {CS_KVX_PAYLOAD_NCCL, CHUNKSERVE__V1__KV_TRANSPORT__KV_TRANSPORT_NCCL},
+};
+
+Chunkserve__V1__KvTransport cs_worker_kv_transport(int payload) {
+    for (size_t i = 0; i < sizeof kv_transports / sizeof kv_transports[0]; i++)
+        if (kv_transports[i].payload == payload) return kv_transports[i].wire;
+    return CHUNKSERVE__V1__KV_TRANSPORT__KV_TRANSPORT_UNSPECIFIED;
+}
+
+const char *cs_worker_kv_transport_name(Chunkserve__V1__KvTransport t) {
+    for (size_t i = 0; i < sizeof kv_transports / sizeof kv_transports[0]; i++)
+        if (kv_transports[i].wire == t) return cs_kvx_payload_name(kv_transports[i].payload);
+    return "unknown";
+}
+
 void cs_worker_kv_status(cs_worker *w, int payload, Chunkserve__V1__WorkerStatus *st) {
     cs_kvx_layout l = cs_kvx_layout_of_engine(w->engine);
-    st->kv_transport = payload == CS_KVX_PAYLOAD_NCCL
-                           ? CHUNKSERVE__V1__KV_TRANSPORT__KV_TRANSPORT_NCCL
-                           : CHUNKSERVE__V1__KV_TRANSPORT__KV_TRANSPORT_TCP;
+    st->kv_transport = cs_worker_kv_transport(payload);
     st->kv_dtype = l.dtype == CS_KVX_DTYPE_BF16  ? CHUNKSERVE__V1__KV_DTYPE__KV_DTYPE_BF16
                    : l.dtype == CS_KVX_DTYPE_F16 ? CHUNKSERVE__V1__KV_DTYPE__KV_DTYPE_F16
                                                  : CHUNKSERVE__V1__KV_DTYPE__KV_DTYPE_F32;

@@ -377,6 +377,10 @@ void cs_worker_call_post_locked(cs_worker_call *q);
  * (enum cs_kvx_payload), the pool's dtype and layout fingerprint (the router
  * pairs a prefill and a decode worker only when both match). */
 void cs_worker_kv_status(cs_worker *w, int payload, Chunkserve__V1__WorkerStatus *st);
+/* A KV payload (CS_KVX_PAYLOAD_*) as the proto's KvTransport (UNSPECIFIED
+ * when it has none), and a KvTransport's name ("tcp", "nccl"; "unknown"). */
+Chunkserve__V1__KvTransport cs_worker_kv_transport(int payload);
+const char *cs_worker_kv_transport_name(Chunkserve__V1__KvTransport t);
 /* Splits "host:port" (IPv6 as [addr]:port) into host (NUL-terminated) and port. */
 int cs_worker_split_endpoint(const char *ep, char *host, size_t host_len, int *port);
 
