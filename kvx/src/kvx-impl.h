@@ -92,6 +92,40 @@ void cs__kvx_trailer_mac(const uint8_t session[32], uint64_t xfer_id,
                          const uint8_t trailer[CS_KVX_TRAILER_BYTES],
                          uint8_t mac[CS_KVX_MAC_BYTES]);
 
+/* The handshake's steps (kvx_handshake.c, which draws the exchange). */
+typedef struct {                       /* what the sender's side of a channel knows */
+    uint8_t nonce[CS_KVX_NONCE_BYTES]; /* its HELLO's */
+    uint64_t incarnation, fingerprint;
+    const char *name; /* the sender's */
+    const char *peer; /* "host:port", for messages */
+} cs__kvx_hs_sender;
+typedef struct { /* what the receiver checks a HELLO against */
+    int payload; /* the payload it takes (CS_KVX_PAYLOAD_*) */
+    const cs_kvx_layout *layout;
+    uint64_t incarnation, fingerprint;
+} cs__kvx_hs_receiver;
+/* Sender: HELLO's payload, with a fresh nonce (kept for the transcript). */
+void cs__kvx_hs_hello(const cs_kvx_layout *layout, const char *name,
+                      uint8_t nonce[CS_KVX_NONCE_BYTES], uint8_t pl[CS_KVX_HELLO_BYTES]);
+/* Sender, on CHALLENGE: checks the receiver's proof, then gives AUTH's
+ * proof and the session key. CS_EPROTO (a bad frame) or CS_ECONNREFUSED
+ * (the receiver does not hold the secret) with err set. */
+int cs__kvx_hs_answer(const kvx_key *key, const cs__kvx_hs_sender *me, const cs_kvx_hdr *h,
+                      const uint8_t *pl, uint8_t proof[CS_KVX_AUTH_BYTES], uint8_t session[32],
+                      char *err, size_t cap);
+/* Receiver, on HELLO: whether the sender's payload, model and layout are
+ * this receiver's. CS_ECONNREFUSED with err naming the mismatch. */
+int cs__kvx_hs_admit(const cs__kvx_hs_receiver *me, const cs_kvx_hdr *h, const cs_kvx_hello *m,
+                     char *err, size_t cap);
+/* Receiver, on an admitted HELLO: the transcript and CHALLENGE's payload. */
+void cs__kvx_hs_challenge(const kvx_key *key, const cs__kvx_hs_receiver *me, const cs_kvx_hdr *h,
+                          const cs_kvx_hello *m, kvx_transcript *t,
+                          uint8_t pl[CS_KVX_CHALLENGE_BYTES]);
+/* Receiver, on AUTH: whether it proves the secret over t (and comes from
+ * the HELLO's incarnation); then the session key. */
+bool cs__kvx_hs_verify(const kvx_key *key, const kvx_transcript *t, const cs_kvx_hdr *h,
+                       const uint8_t *pl, uint8_t session[32]);
+
 /* Folds a chunk checksum into a transfer's running digest (the trailer's). */
 void cs__kvx_fold(uint64_t *digest, uint64_t chunk_sum);
 

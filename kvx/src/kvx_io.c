@@ -1,6 +1,7 @@
 /* kvx_io.c: clock, socket options, wake-up pipes and writev of queued frames
  * for the KV transport's I/O threads; the payload registry (which payload a
- * pool kind uses in this build). */
+ * pool kind uses in this build). The handshake and its keys:
+ * kvx_handshake.c. */
 #include "kvx-impl.h"
 
 #include <errno.h>
@@ -43,46 +44,6 @@ bool cs_kvx_payload_available(int payload) {
 
 uint64_t cs__kvx_incarnation(void) {
     return cs_random_u64(); /* never from the clock: nothing outside predicts it */
-}
-
-int cs__kvx_key_set(kvx_key *k, const void *secret, size_t len) {
-    memset(k, 0, sizeof *k);
-    if (len > sizeof k->key)
-        return cs_fail(CS_EINVAL, "kvx: a secret of %zu bytes is too long", len);
-    if (len) memcpy(k->key, secret, len);
-    k->len = len;
-    return 0;
-}
-
-static void le64(uint8_t *p, uint64_t v) {
-    for (int i = 0; i < 8; i++)
-        p[i] = (uint8_t)(v >> (8 * i));
-}
-
-void cs__kvx_derive(const kvx_key *k, enum kvx_derive what, const kvx_transcript *t,
-                    uint8_t out[32]) {
-    static const char *const labels[] = {"chunkserve kv v4 receiver proof",
-                                         "chunkserve kv v4 sender proof",
-                                         "chunkserve kv v4 session"};
-    uint8_t num[24], name[CS_KVX_NAME_MAX];
-    le64(num, t->tx_inc), le64(num + 8, t->rx_inc), le64(num + 16, t->fingerprint);
-    memset(name, 0, sizeof name);
-    memcpy(name, t->name, strnlen(t->name, sizeof name - 1));
-    const void *p[] = {labels[what], t->tx_nonce, t->rx_nonce, num, name};
-    size_t l[] = {strlen(labels[what]) + 1, CS_KVX_NONCE_BYTES, CS_KVX_NONCE_BYTES, sizeof num,
-                  sizeof name};
-    cs_hmac_sha256(k->key, k->len, 5, p, l, out);
-}
-
-void cs__kvx_trailer_mac(const uint8_t session[32], uint64_t xfer_id,
-                         const uint8_t trailer[CS_KVX_TRAILER_BYTES],
-                         uint8_t mac[CS_KVX_MAC_BYTES]) {
-    uint8_t id[8], full[32];
-    le64(id, xfer_id);
-    const void *p[] = {id, trailer};
-    size_t l[] = {sizeof id, CS_KVX_TRAILER_MAC_AT};
-    cs_hmac_sha256(session, 32, 2, p, l, full);
-    memcpy(mac, full, CS_KVX_MAC_BYTES);
 }
 
 void cs__kvx_fold(uint64_t *digest, uint64_t chunk_sum) {

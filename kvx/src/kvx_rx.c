@@ -395,56 +395,15 @@ static void on_hello(cs_kvx_rx *rx, rx_conn *c, const cs_kvx_hdr *h, const uint8
         conn_fail(rx, c, r, err, true);
         return;
     }
-    int payload = h->flags & CS_KVX_FLAG_NCCL ? CS_KVX_PAYLOAD_NCCL : CS_KVX_PAYLOAD_TCP;
-    if (payload != rx->pl->kind) {
-        snprintf(err, sizeof err,
-                 "payload mismatch: sender %s sends its pages over %s; this receiver takes them "
-                 "over %s only",
-                 m.name, cs_kvx_payload_name(payload), rx->pl->name);
-        refuse(rx, c, err);
-        return;
-    }
-    const cs_kvx_layout *a = &m.layout, *b = &rx->p.layout;
-    bool fields_agree = a->n_layers == b->n_layers && a->n_kv_heads == b->n_kv_heads &&
-                        a->head_dim == b->head_dim && a->dtype == b->dtype &&
-                        a->page_size == b->page_size && a->page_bytes == b->page_bytes &&
-                        a->weights == b->weights;
-    if (fields_agree && h->fingerprint != rx->fingerprint) {
-        snprintf(err, sizeof err,
-                 "model mismatch: layout fingerprint %016llx, receiver's %016llx, every field "
-                 "equal (sender %s)",
-                 (unsigned long long)h->fingerprint, (unsigned long long)rx->fingerprint, m.name);
-        refuse(rx, c, err);
-        return;
-    }
-    if (h->fingerprint != rx->fingerprint || a->n_layers != b->n_layers ||
-        a->n_kv_heads != b->n_kv_heads || a->head_dim != b->head_dim || a->dtype != b->dtype ||
-        a->page_size != b->page_size || a->page_bytes != b->page_bytes ||
-        a->weights != b->weights) {
-        snprintf(err, sizeof err,
-                 "layout mismatch: sender %d layers, %d kv heads, head_dim %d, dtype %d, page %d "
-                 "(%llu bytes), %s weights; receiver %d, %d, %d, %d, %d (%llu bytes), %s weights",
-                 a->n_layers, a->n_kv_heads, a->head_dim, a->dtype, a->page_size,
-                 (unsigned long long)a->page_bytes, a->weights ? "quant" : "fp32", b->n_layers,
-                 b->n_kv_heads, b->head_dim, b->dtype, b->page_size,
-                 (unsigned long long)b->page_bytes, b->weights ? "quant" : "fp32");
+    const cs__kvx_hs_receiver me = {rx->pl->kind, &rx->p.layout, rx->inc, rx->fingerprint};
+    if (cs__kvx_hs_admit(&me, h, &m, err, sizeof err)) {
         refuse(rx, c, err);
         return;
     }
     /* Challenge: the sender must prove the secret over both nonces before
-     * anything about the channel changes (fencing below comes after). */
-    memset(&c->tr, 0, sizeof c->tr);
-    memcpy(c->tr.tx_nonce, m.nonce, sizeof c->tr.tx_nonce);
-    CS_ASSERT(cs_random_bytes(c->tr.rx_nonce, sizeof c->tr.rx_nonce) == 0);
-    c->tr.tx_inc = h->epoch;
-    c->tr.rx_inc = rx->inc;
-    c->tr.fingerprint = rx->fingerprint;
-    snprintf(c->tr.name, sizeof c->tr.name, "%s", m.name);
-    cs_kvx_challenge ch;
-    memcpy(ch.nonce, c->tr.rx_nonce, sizeof ch.nonce);
-    cs__kvx_derive(&rx->key, KVX_PROOF_RX, &c->tr, ch.proof);
+     * anything about the channel changes (fencing comes after its AUTH). */
     uint8_t pl2[CS_KVX_CHALLENGE_BYTES];
-    cs_kvx_challenge_encode(&ch, pl2);
+    cs__kvx_hs_challenge(&rx->key, &me, h, &m, &c->tr, pl2);
     c->challenged = true;
     queue_ctl(rx, c, CS_KVX_CHALLENGE, 0, 0, pl2, sizeof pl2);
 }
@@ -453,10 +412,7 @@ static void on_hello(cs_kvx_rx *rx, rx_conn *c, const cs_kvx_hdr *h, const uint8
  * does its HELLO count: fencing, the channel's name, the ACK. */
 static void on_auth(cs_kvx_rx *rx, rx_conn *c, const cs_kvx_hdr *h, const uint8_t *pl) {
     char err[256];
-    uint8_t want[32];
-    cs__kvx_derive(&rx->key, KVX_PROOF_TX, &c->tr, want);
-    if (h->payload_len != CS_KVX_AUTH_BYTES || h->epoch != c->tr.tx_inc ||
-        !cs_ct_equal(want, pl, sizeof want)) {
+    if (!cs__kvx_hs_verify(&rx->key, &c->tr, h, pl, c->session)) {
         snprintf(err, sizeof err,
                  "authentication failed: the sender at %s (named %s) does not hold this "
                  "cluster's secret",
@@ -466,7 +422,6 @@ static void on_auth(cs_kvx_rx *rx, rx_conn *c, const cs_kvx_hdr *h, const uint8_
         conn_fail(rx, c, CS_ECONNREFUSED, err, true);
         return;
     }
-    cs__kvx_derive(&rx->key, KVX_SESSION, &c->tr, c->session);
     const char *name = c->tr.name;
     /* Fencing: a new incarnation of a sender replaces its current channel
      * (its half-open connection may not have seen EOF yet); an incarnation

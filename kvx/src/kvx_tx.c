@@ -434,14 +434,8 @@ static int chan_connect(cs_kvx_tx *tx, tx_chan *ch) {
     ch->peer_ready = !tx->pl->unique_id; /* no handshake: nothing to wait for */
     ch->init_deadline = cs__kvx_now_ms() + tx->p.init_timeout_ms;
     tx->st.conns_opened++;
-    cs_kvx_hello hello;
-    memset(&hello, 0, sizeof hello);
-    hello.layout = tx->p.layout;
-    snprintf(hello.name, sizeof hello.name, "%s", tx->name);
-    CS_ASSERT(cs_random_bytes(ch->nonce, sizeof ch->nonce) == 0);
-    memcpy(hello.nonce, ch->nonce, sizeof hello.nonce);
     uint8_t pl[CS_KVX_HELLO_BYTES];
-    cs_kvx_hello_encode(&hello, pl);
+    cs__kvx_hs_hello(&tx->p.layout, tx->name, ch->nonce, pl);
     kvx_out *o = new_out(ch);
     if (!o) return 0; /* closed at the next look */
     cs__kvx_out_ctl(o, CS_KVX_HELLO, tx->p.incarnation, 0, tx->fingerprint, pl, sizeof pl);
@@ -740,36 +734,22 @@ static void room_check(cs_kvx_tx *tx, tx_chan *ch) {
 
 /* The receiver's CHALLENGE: checks its proof of the secret, then answers
  * with this side's proof (AUTH, ahead of every frame queued since HELLO)
- * and derives the session key. */
+ * and keeps the session key (kvx_handshake.c). */
 static void on_challenge(cs_kvx_tx *tx, tx_chan *ch, const cs_kvx_hdr *h, const uint8_t *pl) {
-    char err[300];
-    cs_kvx_challenge m;
-    if (cs_kvx_challenge_decode(pl, (size_t)h->payload_len, &m, err, sizeof err)) {
-        tx->st.protocol_errors++;
-        chan_close(tx, ch, CS_EPROTO, err);
-        return;
-    }
-    kvx_transcript t;
-    memset(&t, 0, sizeof t);
-    memcpy(t.tx_nonce, ch->nonce, sizeof t.tx_nonce);
-    memcpy(t.rx_nonce, m.nonce, sizeof t.rx_nonce);
-    t.tx_inc = tx->p.incarnation;
-    t.rx_inc = h->epoch;
-    t.fingerprint = tx->fingerprint;
-    snprintf(t.name, sizeof t.name, "%s", tx->name);
-    uint8_t want[32];
-    cs__kvx_derive(&tx->key, KVX_PROOF_RX, &t, want);
-    if (!cs_ct_equal(want, m.proof, sizeof want)) {
-        snprintf(err, sizeof err,
-                 "receiver %s:%d failed authentication: it does not hold this cluster's secret",
-                 ch->host, ch->port);
-        tx->st.protocol_errors++;
-        chan_close(tx, ch, CS_ECONNREFUSED, err);
-        return;
-    }
+    char err[300], peer[300];
+    snprintf(peer, sizeof peer, "%s:%d", ch->host, ch->port);
+    cs__kvx_hs_sender me = {.incarnation = tx->p.incarnation,
+                            .fingerprint = tx->fingerprint,
+                            .name = tx->name,
+                            .peer = peer};
+    memcpy(me.nonce, ch->nonce, sizeof me.nonce);
     uint8_t proof[CS_KVX_AUTH_BYTES];
-    cs__kvx_derive(&tx->key, KVX_PROOF_TX, &t, proof);
-    cs__kvx_derive(&tx->key, KVX_SESSION, &t, ch->session);
+    int r = cs__kvx_hs_answer(&tx->key, &me, h, pl, proof, ch->session, err, sizeof err);
+    if (r) {
+        tx->st.protocol_errors++;
+        chan_close(tx, ch, r, err);
+        return;
+    }
     kvx_out *o = new_out(ch);
     if (!o) return;
     cs__kvx_out_ctl(o, CS_KVX_AUTH, tx->p.incarnation, 0, tx->fingerprint, proof, sizeof proof);
