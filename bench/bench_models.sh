@@ -10,7 +10,8 @@
 #      each with a 300 ms step-time target, loaded by `chunkserve bench serve` with a chat
 #      workload (closed loop) and a RAG-like one (1,500-token prompts, JSONL).
 # Nothing is asserted; everything lands in OUT (default bench-out/models-<date>).
-#   bench/bench_models.sh [BIN_DIR] [OUT]     (ROUNDS=3 THREADS=2 SKIP_SERVE=1 to trim)
+#   bench/bench_models.sh [BIN_DIR] [OUT]     (ROUNDS=3 THREADS=2 SKIP_SERVE=1 to trim;
+#                                              SERVE_ONLY=1 runs step 3 alone)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${1:-build/bin}
@@ -21,6 +22,7 @@ mkdir -p "$OUT"
 MODELS=(smollm2-135m qwen2.5-coder-0.5b qwen2.5-coder-1.5b)
 lscpu | grep -E 'Model name|Flags' | sed 's/Flags:.*\(avx512_vnni\|amx_int8\).*/&/' | cut -c1-200 >"$OUT/cpu.txt"
 
+[ -n "${SERVE_ONLY:-}" ] && MODELS=()
 for name in "${MODELS[@]}"; do
   scripts/fetch-model.sh "$name"
   m=$(python3 scripts/fetch_model.py --path "$name")
