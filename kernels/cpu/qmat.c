@@ -528,7 +528,7 @@ static void panels_fn(void *arg, int64_t begin, int64_t end, int thread) {
 }
 
 void cs_op_qmatmul(cs_threadpool *pool, const cs_qout *outs, const cs_qact *a, const cs_qmat *w) {
-    CS_ASSERT(a->cols == w->cols);
+    CS_ASSERT(a->cols == w->cols && a->group == w->act_group); /* a was quantized for w */
     qjob j = {outs, (cs_qact *)a, w, NULL};
     double work = (double)w->n_panels * CS_QROWS * (double)w->cols * a->n_tokens;
     if (cs_threadpool_size(pool) > 1 && work >= 65536.0 && w->n_panels > 1)

@@ -178,7 +178,7 @@ static inline __attribute__((always_inline)) void panel(const int type, const cs
  * half-block for Q6_K), an integer of 11 (Q4_K) to 13 (Q6_K) bits, so a
  * super-block's S = sum of q * w' (qmat.h) can be summed by the tiles across
  * all 256 columns if w' is split into bytes: w' = 256 * hi + lo, lo 0..255,
- * hi 0..7 (Q4_K, Q5_K) or -16..15 (Q6_K, signed). Two B planes, lo and hi,
+ * hi 0..7 (Q4_K, Q5_K) or -16..16 (Q6_K, signed). Two B planes, lo and hi,
  * each 4 tiles of 64 columns; S = C_lo + 256 * C_hi, exact in int32. Q4_K
  * and Q5_K also need M = sum_j mn_j * xsum_j: a third plane holding mn_j for
  * each of block j's columns gives it as one more tile sum (tried instead: M

@@ -118,10 +118,18 @@ SAMPLE_REFERENCES = 6   # phase A requests checked besides those that overlapped
 PREFILL_DNS, DECODE_DNS = "prefill.cs.test", "decode.cs.test"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(n: int) -> list[int]:
+    """n distinct ports free now: the sockets stay bound until all are picked, so the same
+    port cannot come back twice (one pod's gRPC and HTTP ports once did: "Address already in
+    use" at its own second listener)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def http_get(url, timeout=2.0):
@@ -256,12 +264,13 @@ class Autoscale:
         self.hosts.write_text("127.0.0.1 localhost\n")
         (tmp / "nsswitch.conf").write_text("hosts: files\n")
         common = [f"--model={model}", "--threads=1", f"--grace-ms={WORKER_GRACE_MS}"]
+        ports = free_ports(5)
         self.prefill = Pool(self, "prefill", bin_dir / "chunkserve-prefill",
                             [*common, f"--kv-cache-mib={PREFILL_KV_MIB}"], 1,
-                            (free_port(), free_port(), None))
+                            (ports[0], ports[1], None))
         self.decode = Pool(self, "decode", bin_dir / "chunkserve-decode",
                            [*common, f"--kv-cache-mib={DECODE_KV_MIB}"], 2,
-                           (free_port(), free_port(), free_port()))
+                           (ports[2], ports[3], ports[4]))
         self.hpa = {
             "prefill": hpa.HPA(MIN_REPLICAS, MAX_REPLICAS, SCALE_UP, SCALE_DOWN, time_scale=CLOCK),
             "decode": hpa.HPA(MIN_REPLICAS, MAX_REPLICAS, SCALE_UP, SCALE_DOWN, time_scale=CLOCK),
