@@ -5,6 +5,7 @@
 #include <stdlib.h>
 
 #include "chunkserve/error.h"
+#include "wire.h"
 
 typedef struct {
     cs_gen_call base;
@@ -17,7 +18,8 @@ static int g_send(cs_gen_call *c, const Chunkserve__V1__GenerateResponse *m) {
     return cs_rpc_call_send_msg(((grpc_call *)c)->rpc, &m->base);
 }
 
-static void g_finish(cs_gen_call *c, int code, const char *msg) {
+static void g_finish(cs_gen_call *c, int code, const char *msg, const char *field) {
+    if (field) cs_rpc_call_add_trailer(((grpc_call *)c)->rpc, CS_FIELD_TRAILER, field);
     cs_rpc_call_finish(((grpc_call *)c)->rpc, code, msg);
     free(c);
 }

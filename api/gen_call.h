@@ -22,8 +22,10 @@ typedef struct {
      * callback has run or will), or CS_ENOMEM. */
     int (*send)(cs_gen_call *c, const Chunkserve__V1__GenerateResponse *m);
     /* The end: code is a gRPC status (CS_RPC_*), msg its message (NULL for
-     * OK). Frees the call. */
-    void (*finish)(cs_gen_call *c, int code, const char *msg);
+     * OK), field the request field it is about or NULL (cs_fail_field: the
+     * gRPC door sends it as the chunkserve-field trailer, the OpenAI door
+     * as the error's param). Frees the call. */
+    void (*finish)(cs_gen_call *c, int code, const char *msg, const char *field);
     /* Bytes sent and not yet taken by the client (slow readers are capped). */
     size_t (*pending_bytes)(cs_gen_call *c);
     /* fn(c, arg) once if the client cancels, goes away or its deadline
@@ -43,7 +45,12 @@ static inline int cs_gen_call_send(cs_gen_call *c, const Chunkserve__V1__Generat
     return c->ops->send(c, m);
 }
 static inline void cs_gen_call_finish(cs_gen_call *c, int code, const char *msg) {
-    c->ops->finish(c, code, msg);
+    c->ops->finish(c, code, msg, NULL);
+}
+/* A refusal about one request field (field "" or NULL: none). */
+static inline void cs_gen_call_refuse(cs_gen_call *c, int code, const char *msg,
+                                      const char *field) {
+    c->ops->finish(c, code, msg, field && field[0] ? field : NULL);
 }
 static inline size_t cs_gen_call_pending_bytes(cs_gen_call *c) {
     return c->ops->pending_bytes(c);

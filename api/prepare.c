@@ -18,20 +18,23 @@ typedef struct {
     void *arg;
     int rc;
     cs_wire_request w;
-    char err[512];
+    char err[512], field[64];
 } job;
 
 /* A pool thread: only the model (read-only) and the request message. */
 static void prepare_work(uv_work_t *wk) {
     job *j = wk->data;
     j->rc = cs_wire_generate_request(j->wm, j->c->req, j->id, &j->w);
-    if (j->rc) snprintf(j->err, sizeof j->err, "%s", cs_last_error());
+    if (j->rc) {
+        snprintf(j->err, sizeof j->err, "%s", cs_last_error());
+        snprintf(j->field, sizeof j->field, "%s", cs_last_error_field());
+    }
 }
 
 static void prepare_after(uv_work_t *wk, int status) {
     job *j = wk->data;
     (void)status; /* never cancelled: uv_cancel is not used */
-    j->done(j->arg, j->c, j->id, j->t_queued, j->rc, j->rc ? j->err : NULL, &j->w);
+    j->done(j->arg, j->c, j->id, j->t_queued, j->rc, j->rc ? j->err : NULL, j->field, &j->w);
     free(j);
 }
 

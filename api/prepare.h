@@ -22,9 +22,10 @@
 /* Loop thread, once per cs_prepare_generate (t_queued: its cs_now()): rc is
  * cs_wire_generate_request's
  * (0: *w is the request, owned by the callee from here: cs_wire_request_free;
- * else err says why and *w is empty). */
+ * else err says why, field what it is about ("" when nothing: see
+ * cs_fail_field) and *w is empty). */
 typedef void (*cs_prepare_done_fn)(void *arg, cs_gen_call *c, uint64_t id, double t_queued, int rc,
-                                   const char *err, cs_wire_request *w);
+                                   const char *err, const char *field, cs_wire_request *w);
 
 /* Queues c's request (engine request id `id`) for preparation on uv's
  * thread pool; done(arg, ...) follows on the loop thread. 0, or CS_ENOMEM

@@ -1,6 +1,8 @@
 /* wire.c: GenerateRequest -> cs_request and the checks behind
- * INVALID_ARGUMENT. Messages name the proto field ("sampling.top_p") because
- * that is what the client wrote. Not here: building responses (server.c
+ * INVALID_ARGUMENT. Refusals name the proto field ("sampling.top_p") in the
+ * message and as the error's field (cs_fail_field), because that is what the
+ * client wrote; the scalar sampling fields are copied and checked by their
+ * table (chunkserve/sampling_fields.h). Not here: building responses (server.c
  * fills GenerateResponse directly from its event buffers). */
 #include "wire.h"
 
@@ -8,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "chunkserve/sampling_fields.h"
 #include "chunkserve/stop.h"
 #include "chunkserve/tokenizer.h"
 #include "chunkserve/error.h"
@@ -16,15 +19,16 @@ enum { MAX_STOP = 64, MAX_STOP_BYTES = 256 };
 
 int cs_wire_check_model(const cs_wire_model *wm, const char *name) {
     if (!name || !name[0] || !strcmp(name, wm->name) || !strcmp(name, wm->alias)) return 0;
-    return cs_fail(
-        CS_EINVAL,
+    return cs_fail_field(
+        CS_EINVAL, "model",
         "unknown model '%s'; this server serves '%s' (see ListModels, or leave model empty)", name,
         wm->name);
 }
 
 int cs_wire_render_chat(const cs_wire_model *wm, const Chunkserve__V1__Chat *chat, char **text) {
     *text = NULL;
-    if (!chat || chat->n_messages == 0) return cs_fail(CS_EINVAL, "chat has no messages");
+    if (!chat || chat->n_messages == 0)
+        return cs_fail_field(CS_EINVAL, "chat", "chat has no messages");
     cs_chat_message *msgs = calloc(chat->n_messages, sizeof *msgs);
     size_t n_calls = 0;
     for (size_t i = 0; i < chat->n_messages; i++)
@@ -53,7 +57,8 @@ int cs_wire_render_chat(const cs_wire_model *wm, const Chunkserve__V1__Chat *cha
     case CHUNKSERVE__V1__CHAT_END__CHAT_END_CONTINUE: end = CS_CHAT_CONTINUE; break;
     default:
         free(msgs), free(calls);
-        return cs_fail(CS_EINVAL, "chat.end = %d is not a ChatEnd", (int)chat->end);
+        return cs_fail_field(CS_EINVAL, "chat.end", "chat.end = %d is not a ChatEnd",
+                             (int)chat->end);
     }
     int r =
         cs_tokenizer_apply_chat_tools(cs_model_tokenizer(wm->model), msgs, chat->n_messages,
@@ -62,50 +67,69 @@ int cs_wire_render_chat(const cs_wire_model *wm, const Chunkserve__V1__Chat *cha
     return r;
 }
 
-/* The proto's own checks (its lists, counts and lengths). The sampling
- * numbers' bounds have one definition, the engine's
- * (cs_sampling_params_check), applied in cs_wire_sampling. */
-static int check_sampling(const Chunkserve__V1__SamplingParams *p) {
-    if (p->max_tokens < 0)
-        return cs_fail(CS_EINVAL,
-                       "sampling.max_tokens must be >= 0 (0 = until the context is full); got %d",
-                       p->max_tokens);
+/* The proto's lists (stop strings and ids): counts and lengths. The scalar
+ * fields are checked by their table (chunkserve/sampling_fields.h) in
+ * cs_wire_sampling. */
+static int check_lists(const Chunkserve__V1__SamplingParams *p) {
     if (p->n_stop > MAX_STOP)
-        return cs_fail(CS_EINVAL, "sampling.stop has %zu strings; at most %d are allowed",
-                       p->n_stop, MAX_STOP);
+        return cs_fail_field(CS_EINVAL, "sampling.stop",
+                             "sampling.stop has %zu strings; at most %d are allowed", p->n_stop,
+                             MAX_STOP);
     for (size_t i = 0; i < p->n_stop; i++) {
         size_t len = strlen(p->stop[i]);
         if (len == 0 || len > MAX_STOP_BYTES)
-            return cs_fail(CS_EINVAL, "sampling.stop[%zu] must be 1 to %d bytes; it has %zu", i,
-                           MAX_STOP_BYTES, len);
+            return cs_fail_field(CS_EINVAL, "sampling.stop",
+                                 "sampling.stop[%zu] must be 1 to %d bytes; it has %zu", i,
+                                 MAX_STOP_BYTES, len);
     }
-    if (p->top_logprobs < 0 || p->top_logprobs > CS_MAX_TOP_LOGPROBS)
-        return cs_fail(CS_EINVAL, "sampling.top_logprobs must be in [0, %d]; got %d",
-                       CS_MAX_TOP_LOGPROBS, p->top_logprobs);
-    if (p->top_logprobs > 0 && !p->logprobs)
-        return cs_fail(CS_EINVAL, "sampling.top_logprobs needs sampling.logprobs set");
-    if (p->prompt_top_logprobs < 0 || p->prompt_top_logprobs > CS_MAX_TOP_LOGPROBS)
-        return cs_fail(CS_EINVAL, "sampling.prompt_top_logprobs must be in [0, %d]; got %d",
-                       CS_MAX_TOP_LOGPROBS, p->prompt_top_logprobs);
-    if (p->prompt_top_logprobs > 0 && !p->prompt_logprobs)
-        return cs_fail(CS_EINVAL,
-                       "sampling.prompt_top_logprobs needs sampling.prompt_logprobs set");
-    if (p->min_tokens < 0)
-        return cs_fail(CS_EINVAL, "sampling.min_tokens must be >= 0; got %d", p->min_tokens);
-    if (p->max_tokens > 0 && p->min_tokens > p->max_tokens)
-        return cs_fail(CS_EINVAL, "sampling.min_tokens %d is more than sampling.max_tokens %d",
-                       p->min_tokens, p->max_tokens);
     if (p->n_stop_token_ids > MAX_STOP)
-        return cs_fail(CS_EINVAL, "sampling.stop_token_ids has %zu ids; at most %d are allowed",
-                       p->n_stop_token_ids, MAX_STOP);
+        return cs_fail_field(CS_EINVAL, "sampling.stop_token_ids",
+                             "sampling.stop_token_ids has %zu ids; at most %d are allowed",
+                             p->n_stop_token_ids, MAX_STOP);
+    return 0;
+}
+
+/* Each scalar field of m into q by its row: the proto field of the row's
+ * name (read through the descriptor), its "not set" zero, its bounds, the
+ * field it needs. */
+static int copy_fields(const Chunkserve__V1__SamplingParams *m, cs_request *q) {
+    const ProtobufCMessageDescriptor *d = &chunkserve__v1__sampling_params__descriptor;
+    for (size_t i = 0; i < cs_n_sampling_fields; i++) {
+        const cs_sampling_field *f = &cs_sampling_fields[i];
+        const ProtobufCFieldDescriptor *fd =
+            protobuf_c_message_descriptor_get_field_by_name(d, f->name);
+        if (!fd) /* test_wire checks every row against the proto */
+            return cs_fail(CS_EINVAL, "sampling field %s is not in the proto", f->name);
+        const char *p = (const char *)m + fd->offset;
+        if (f->type == CS_FIELD_U64) {
+            cs_sampling_field_set_u64(f, q, *(const uint64_t *)p);
+            continue;
+        }
+        double v = f->type == CS_FIELD_FLOAT ? *(const float *)p
+                   : f->type == CS_FIELD_INT ? *(const int32_t *)p
+                                             : (double)(*(const protobuf_c_boolean *)p != 0);
+        if (v == 0 && (f->flags & CS_FIELD_ZERO_UNSET)) v = f->def;
+        int r = cs_sampling_field_check(f, v, "sampling.");
+        if (r) return r;
+        cs_sampling_field_set(f, q, v);
+    }
+    for (size_t i = 0; i < cs_n_sampling_fields; i++) { /* after the copy: needs reads q */
+        const cs_sampling_field *f = &cs_sampling_fields[i];
+        if (f->needs && cs_sampling_field_get(f, q) != 0 &&
+            cs_sampling_field_get(cs_sampling_field_find(f->needs), q) == 0) {
+            char field[64];
+            snprintf(field, sizeof field, "sampling.%s", f->name);
+            return cs_fail_field(CS_EINVAL, field, "%s needs sampling.%s set", field, f->needs);
+        }
+    }
     return 0;
 }
 
 static int check_ids(const int32_t *ids, size_t n, int32_t n_vocab, const char *field) {
     for (size_t i = 0; i < n; i++)
         if (ids[i] < 0 || ids[i] >= n_vocab)
-            return cs_fail(CS_EINVAL, "%s[%zu] = %d is outside the vocabulary (0..%d)", field, i,
-                           ids[i], n_vocab - 1);
+            return cs_fail_field(CS_EINVAL, field, "%s[%zu] = %d is outside the vocabulary (0..%d)",
+                                 field, i, ids[i], n_vocab - 1);
     return 0;
 }
 
@@ -170,9 +194,10 @@ size_t cs_wire_max_prompt_bytes(const cs_model *m) {
  * it is tokenized (tokenizing runs on the server's loop thread). */
 static int check_prompt_bytes(const cs_wire_model *wm, size_t len, const char *what) {
     if (len > wm->max_prompt_bytes)
-        return cs_fail(CS_EINVAL,
-                       "the %s has %zu bytes: more than the model's context of %d tokens can hold",
-                       what, len, cs_model_get_config(wm->model)->ctx_len);
+        return cs_fail_field(
+            CS_EINVAL, "context",
+            "the %s has %zu bytes: more than the model's context of %d tokens can hold", what, len,
+            cs_model_get_config(wm->model)->ctx_len);
     return 0;
 }
 
@@ -184,13 +209,13 @@ static int prompt_ids(const cs_wire_model *wm, const Chunkserve__V1__GenerateReq
     *n = 0;
     switch (m->input_case) {
     case CHUNKSERVE__V1__GENERATE_REQUEST__INPUT_PROMPT: {
-        if (!m->prompt[0]) return cs_fail(CS_EINVAL, "the prompt is empty");
+        if (!m->prompt[0]) return cs_fail_field(CS_EINVAL, "prompt", "the prompt is empty");
         int r = check_prompt_bytes(wm, strlen(m->prompt), "prompt");
         return r ? r : cs_tokenizer_encode(tok, m->prompt, strlen(m->prompt), true, true, ids, n);
     }
     case CHUNKSERVE__V1__GENERATE_REQUEST__INPUT_TOKEN_IDS: {
         const Chunkserve__V1__TokenIds *t = m->token_ids;
-        if (!t || t->n_ids == 0) return cs_fail(CS_EINVAL, "token_ids is empty");
+        if (!t || t->n_ids == 0) return cs_fail_field(CS_EINVAL, "token_ids", "token_ids is empty");
         int r = check_ids(t->ids, t->n_ids, cs_tokenizer_n_vocab(tok), "token_ids.ids");
         if (r) return r;
         if (!(*ids = malloc(t->n_ids * sizeof(int32_t))))
@@ -202,12 +227,15 @@ static int prompt_ids(const cs_wire_model *wm, const Chunkserve__V1__GenerateReq
     case CHUNKSERVE__V1__GENERATE_REQUEST__INPUT_CHAT: {
         char *text = NULL;
         int r = cs_wire_render_chat(wm, m->chat, &text);
+        if (r && r != CS_ENOMEM) r = cs_fail_in(r, "chat"); /* the template's refusals */
         if (!r) r = check_prompt_bytes(wm, strlen(text), "rendered chat");
         if (!r) r = cs_tokenizer_encode(tok, text, strlen(text), true, true, ids, n);
         free(text);
         return r;
     }
-    default: return cs_fail(CS_EINVAL, "the request sets no input: set prompt, token_ids or chat");
+    default:
+        return cs_fail_field(CS_EINVAL, "prompt",
+                             "the request sets no input: set prompt, token_ids or chat");
     }
 }
 
@@ -228,10 +256,10 @@ static int structured(const Chunkserve__V1__StructuredOutput *m, cs_structured *
         break;
     case CHUNKSERVE__V1__STRUCTURED_OUTPUT__KIND_CHOICE:
         if (!m->choice || m->choice->n_choices > CS_GRAMMAR_MAX_CHOICES)
-            return cs_fail(CS_EINVAL,
-                           "sampling.structured.choice has %zu choices; 1 to %d are "
-                           "allowed",
-                           m->choice ? m->choice->n_choices : 0, CS_GRAMMAR_MAX_CHOICES);
+            return cs_fail_field(CS_EINVAL, "sampling.structured",
+                                 "sampling.structured.choice has %zu choices; 1 to %d are "
+                                 "allowed",
+                                 m->choice ? m->choice->n_choices : 0, CS_GRAMMAR_MAX_CHOICES);
         *out = (cs_structured){.kind = CS_STRUCTURED_CHOICE,
                                .choices = (const char *const *)m->choice->choices,
                                .n_choices = (int32_t)m->choice->n_choices};
@@ -242,7 +270,7 @@ static int structured(const Chunkserve__V1__StructuredOutput *m, cs_structured *
     cs_grammar *g;
     int r = cs_grammar_compile(out, &g);
     cs_grammar_free(g);
-    return r;
+    return r && r != CS_ENOMEM ? cs_fail_in(r, "sampling.structured") : r;
 }
 
 int cs_wire_sampling(const cs_wire_model *wm, const Chunkserve__V1__SamplingParams *m,
@@ -250,60 +278,46 @@ int cs_wire_sampling(const cs_wire_model *wm, const Chunkserve__V1__SamplingPara
     const cs_model_config *cfg = cs_model_get_config(wm->model);
     static const Chunkserve__V1__SamplingParams no_params = CHUNKSERVE__V1__SAMPLING_PARAMS__INIT;
     const Chunkserve__V1__SamplingParams *p = m ? m : &no_params;
-    int r = check_sampling(p);
+    int r = check_lists(p);
+    if (!r) r = copy_fields(p, q);
+    if (!r && q->stop.max_tokens > 0 && q->stop.min_tokens > q->stop.max_tokens)
+        r = cs_fail_field(CS_EINVAL, "sampling.min_tokens",
+                          "sampling.min_tokens %d is more than sampling.max_tokens %d",
+                          q->stop.min_tokens, q->stop.max_tokens);
     if (!r)
         r = check_ids(p->stop_token_ids, p->n_stop_token_ids, cfg->n_vocab,
                       "sampling.stop_token_ids");
     if (r) return r;
-    q->logprobs = p->logprobs;
-    q->top_logprobs = p->top_logprobs;
-    q->prompt_logprobs = p->prompt_logprobs;
-    q->prompt_top_logprobs = p->prompt_top_logprobs;
-    q->sampling = cs_sampling_params_default();
-    q->sampling.temperature = p->temperature;
-    q->sampling.top_k = p->top_k;
-    q->sampling.top_p = p->top_p == 0 ? 1.0f : p->top_p; /* 0 = not set; checked below */
-    q->sampling.min_p = p->min_p;
-    q->sampling.repetition_penalty = p->repetition_penalty == 0 ? 1.0f : p->repetition_penalty;
-    q->sampling.presence_penalty = p->presence_penalty;
-    q->sampling.frequency_penalty = p->frequency_penalty;
-    q->sampling.seed = p->seed;
     if (p->n_logit_bias_ids != p->n_logit_bias_values)
-        return cs_fail(
-            CS_EINVAL,
+        return cs_fail_field(
+            CS_EINVAL, "sampling.logit_bias_values",
             "sampling.logit_bias_ids has %zu entries and sampling.logit_bias_values %zu; "
             "they must pair up",
             p->n_logit_bias_ids, p->n_logit_bias_values);
     if (p->n_logit_bias_ids > CS_MAX_LOGIT_BIAS)
-        return cs_fail(CS_EINVAL, "sampling.logit_bias_ids has %zu entries; at most %d are allowed",
-                       p->n_logit_bias_ids, CS_MAX_LOGIT_BIAS);
+        return cs_fail_field(CS_EINVAL, "sampling.logit_bias_ids",
+                             "sampling.logit_bias_ids has %zu entries; at most %d are allowed",
+                             p->n_logit_bias_ids, CS_MAX_LOGIT_BIAS);
     r = check_ids(p->logit_bias_ids, p->n_logit_bias_ids, cfg->n_vocab, "sampling.logit_bias_ids");
     if (r) return r;
     q->sampling.bias_ids = p->logit_bias_ids; /* borrowed from m, like the stop lists */
     q->sampling.bias = p->logit_bias_values;
     q->sampling.n_bias = (int32_t)p->n_logit_bias_ids;
+    if ((r = cs_sampling_params_check(&q->sampling))) { /* the bias values' range */
+        char field[64], why[512];
+        snprintf(field, sizeof field, "sampling.%s", cs_last_error_field());
+        snprintf(why, sizeof why, "%s", cs_last_error());
+        return cs_fail_field(r, field, "sampling.%s", why);
+    }
     r = structured(p->structured, &q->structured);
     if (r) return r;
-    q->stop = (cs_stop_params){
-        .stop = (const char *const *)p->stop,
-        .n_stop = p->n_stop,
-        .stop_ids = p->stop_token_ids,
-        .n_stop_ids = p->n_stop_token_ids,
-        /* the scheduler caps this at what the context leaves */
-        .max_tokens = p->max_tokens > 0 ? p->max_tokens : cfg->ctx_len,
-        .ignore_eos = p->ignore_eos,
-        .min_tokens = p->min_tokens,
-        .skip_special = !p->include_special,
-    };
-    /* The bounds are the engine's (one definition): checked here, before
-     * anything is queued, as INVALID_ARGUMENT naming the proto's field */
-    if ((r = cs_sampling_params_check(&q->sampling))) {
-        char why[256];
-        snprintf(why, sizeof why, "%s", cs_last_error());
-        return cs_fail(r, "sampling.%s", why);
-    }
+    q->stop.stop = (const char *const *)p->stop;
+    q->stop.n_stop = p->n_stop;
+    q->stop.stop_ids = p->stop_token_ids;
+    q->stop.n_stop_ids = p->n_stop_token_ids;
+    if (q->stop.max_tokens == 0) q->stop.max_tokens = cfg->ctx_len; /* the scheduler caps it */
     cs_stop *st = NULL;
-    if (!r) r = cs_stop_init(cs_model_tokenizer(wm->model), &q->stop, &st);
+    r = cs_stop_init(cs_model_tokenizer(wm->model), &q->stop, &st);
     cs_stop_free(st);
     return r;
 }
@@ -311,22 +325,25 @@ int cs_wire_sampling(const cs_wire_model *wm, const Chunkserve__V1__SamplingPara
 int cs_wire_check_request_id(const char *id) {
     size_t n = id ? strlen(id) : 0;
     if (n > CS_WIRE_MAX_REQUEST_ID)
-        return cs_fail(CS_EINVAL, "request_id has %zu bytes; at most %d are allowed", n,
-                       CS_WIRE_MAX_REQUEST_ID);
+        return cs_fail_field(CS_EINVAL, "request_id",
+                             "request_id has %zu bytes; at most %d are allowed", n,
+                             CS_WIRE_MAX_REQUEST_ID);
     for (size_t i = 0; i < n; i++)
         if (id[i] < 0x21 || id[i] > 0x7e)
-            return cs_fail(CS_EINVAL,
-                           "request_id byte %zu is 0x%02x; only printable ASCII without spaces "
-                           "(0x21..0x7e) is allowed",
-                           i, (unsigned char)id[i]);
+            return cs_fail_field(
+                CS_EINVAL, "request_id",
+                "request_id byte %zu is 0x%02x; only printable ASCII without spaces "
+                "(0x21..0x7e) is allowed",
+                i, (unsigned char)id[i]);
     return 0;
 }
 
 int cs_wire_check_cache_salt(const char *salt) {
     size_t n = salt ? strlen(salt) : 0;
     if (n > CS_WIRE_MAX_CACHE_SALT)
-        return cs_fail(CS_EINVAL, "cache_salt has %zu bytes; at most %d are allowed", n,
-                       CS_WIRE_MAX_CACHE_SALT);
+        return cs_fail_field(CS_EINVAL, "cache_salt",
+                             "cache_salt has %zu bytes; at most %d are allowed", n,
+                             CS_WIRE_MAX_CACHE_SALT);
     return 0;
 }
 
@@ -342,24 +359,26 @@ int cs_wire_generate_request(const cs_wire_model *wm, const Chunkserve__V1__Gene
     int32_t *ids = NULL;
     size_t n = 0;
     if (!r) r = prompt_ids(wm, m, &ids, &n);
-    if (!r && n == 0) r = cs_fail(CS_EINVAL, "the prompt is empty after tokenization");
+    if (!r && n == 0)
+        r = cs_fail_field(CS_EINVAL, "prompt", "the prompt is empty after tokenization");
     if (!r && n >= (size_t)cfg->ctx_len)
-        r = cs_fail(
-            CS_EINVAL,
+        r = cs_fail_field(
+            CS_EINVAL, "context",
             "the prompt has %zu tokens; the model's context is %d tokens, so at most %d fit", n,
             cfg->ctx_len, cfg->ctx_len - 1);
     /* vLLM's rule: a max_tokens the context cannot hold after the prompt is
      * refused, not quietly cut (0 = until the context is full) */
     const int32_t max_new = m->sampling ? m->sampling->max_tokens : 0;
     if (!r && max_new > 0 && (int64_t)n + max_new > cfg->ctx_len)
-        r = cs_fail(CS_EINVAL,
-                    "the prompt has %zu tokens and max_tokens is %d: %lld tokens, more than the "
-                    "model's context of %d tokens (at most %lld can be generated)",
-                    n, max_new, (long long)n + max_new, cfg->ctx_len,
-                    (long long)cfg->ctx_len - (long long)n);
+        r = cs_fail_field(
+            CS_EINVAL, "context",
+            "the prompt has %zu tokens and max_tokens is %d: %lld tokens, more than the "
+            "model's context of %d tokens (at most %lld can be generated)",
+            n, max_new, (long long)n + max_new, cfg->ctx_len,
+            (long long)cfg->ctx_len - (long long)n);
     if (!r && (int64_t)(n + 1 + (size_t)wm->page_size - 1) / wm->page_size > wm->n_kv_pages)
-        r = cs_fail(
-            CS_EINVAL,
+        r = cs_fail_field(
+            CS_EINVAL, "prompt",
             "the prompt has %zu tokens, more than this server's KV cache holds (%d pages of %d "
             "tokens; start it with a larger --kv-cache-mib)",
             n, wm->n_kv_pages, wm->page_size);

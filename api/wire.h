@@ -16,6 +16,11 @@
 #include "chunkserve/v1/cluster.pb-c.h"
 #include "chunkserve/v1/generation.pb-c.h"
 
+/* The gRPC trailer that names the request field a refusal is about, as the
+ * request message spells it ("sampling.top_p", "token_ids", "context":
+ * cs_fail_field), so clients never parse a message to learn it. */
+#define CS_FIELD_TRAILER "chunkserve-field"
+
 /* What the server knows about its one model (read-only after start). */
 typedef struct {
     const cs_model *model;

@@ -7,50 +7,45 @@
 #include "chunkserve/rpc.h"
 #include "openai-impl.h"
 
-/* The request field a Generate message names: its first word (api/wire.c
- * starts its messages with the proto field), in the request's terms. */
-static void param_of(const char *msg, bool chat, char *param, size_t cap) {
+/* The OpenAI param of a Generate refusal's field (cs_fail_field: the
+ * GenerateRequest's own path, "sampling.top_p"): the same name where the
+ * two APIs agree, else OpenAI's. */
+static void param_of(const char *field, bool chat, char *param, size_t cap) {
+    static const struct {
+        const char *field, *param; /* a field, or a prefix ending in '.' */
+    } renames[] = {
+        {"context", NULL}, /* NULL: the prompt's own param */
+        {"prompt", NULL},
+        {"token_ids", NULL},
+        {"token_ids.", NULL},
+        {"chat", NULL},
+        {"chat.", NULL},
+        {"sampling.logit_bias", "logit_bias"}, /* the proto's two lists are OpenAI's one map */
+        {"sampling.logit_bias_ids", "logit_bias"},
+        {"sampling.logit_bias_values", "logit_bias"},
+        {"sampling.include_special", "skip_special_tokens"},
+        {"sampling.prompt_top_logprobs", "prompt_logprobs"},
+        {"sampling.structured", "response_format"},
+    };
     param[0] = 0;
-    if (!msg) return;
-    if (strstr(msg, "context") || !strncmp(msg, "the prompt", 10) || !strncmp(msg, "chat ", 5)) {
-        snprintf(param, cap, "%s", chat ? "messages" : "prompt");
+    if (!field || !field[0]) return;
+    for (size_t i = 0; i < sizeof renames / sizeof renames[0]; i++) {
+        size_t n = strlen(renames[i].field);
+        bool prefix = renames[i].field[n - 1] == '.';
+        if (prefix ? strncmp(field, renames[i].field, n) : strcmp(field, renames[i].field))
+            continue;
+        snprintf(param, cap, "%s",
+                 renames[i].param ? renames[i].param
+                 : chat           ? "messages"
+                                  : "prompt");
         return;
     }
-    if (!strncmp(msg, "sampling.", 9)) msg += 9;
-    size_t n = strcspn(msg, " :[=."); /* "token_ids.ids[3] = ..." names token_ids */
-    static const char *const known[] = {"temperature",
-                                        "top_p",
-                                        "top_k",
-                                        "min_p",
-                                        "repetition_penalty",
-                                        "presence_penalty",
-                                        "frequency_penalty",
-                                        "max_tokens",
-                                        "min_tokens",
-                                        "top_logprobs",
-                                        "stop",
-                                        "stop_token_ids",
-                                        "seed",
-                                        "model",
-                                        "token_ids",
-                                        "prompt",
-                                        "request_id",
-                                        "cache_salt"};
-    if ((n == 10 && !strncmp(msg, "logit_bias", 10)) || !strncmp(msg, "logit_bias_", 11)) {
-        snprintf(param, cap, "logit_bias"); /* the proto's two lists are OpenAI's one map */
-        return;
-    }
-    for (size_t i = 0; i < sizeof known / sizeof known[0]; i++)
-        if (strlen(known[i]) == n && !strncmp(msg, known[i], n)) {
-            if (!strcmp(known[i], "token_ids") || !strcmp(known[i], "prompt"))
-                snprintf(param, cap, "%s", chat ? "messages" : "prompt");
-            else
-                snprintf(param, cap, "%s", known[i]);
-            return;
-        }
+    if (!strncmp(field, "sampling.", 9)) field += 9;
+    if (!strcmp(field, "top_logprobs") && !chat) field = "logprobs"; /* completions' one field */
+    snprintf(param, cap, "%s", field);
 }
 
-void oa_error_from_status(int code, const char *msg, bool chat, oa_error *e) {
+void oa_error_from_status(int code, const char *msg, const char *field, bool chat, oa_error *e) {
     memset(e, 0, sizeof *e);
     snprintf(e->message, sizeof e->message, "%s", msg && msg[0] ? msg : cs_rpc_code_name(code));
     switch (code) {
@@ -59,8 +54,8 @@ void oa_error_from_status(int code, const char *msg, bool chat, oa_error *e) {
     case CS_RPC_OUT_OF_RANGE:
         e->status = 400;
         e->type = "invalid_request_error";
-        param_of(msg, chat, e->param, sizeof e->param);
-        if (msg && strstr(msg, "context")) e->code = "context_length_exceeded";
+        param_of(field, chat, e->param, sizeof e->param);
+        if (field && !strcmp(field, "context")) e->code = "context_length_exceeded";
         break;
     case CS_RPC_NOT_FOUND:
         e->status = 404;

@@ -114,9 +114,9 @@ size_t oa_tool_visible(const char *text, size_t len, bool *in_call);
 char *oa_tokenize(const char *body, size_t len, const cs_wire_model *wm, oa_error *e);
 char *oa_detokenize(const char *body, size_t len, const cs_wire_model *wm, oa_error *e);
 
-/* The HTTP status, OpenAI type/code and param of a gRPC status and message
- * from Generate (the message's leading field name becomes the param). */
-void oa_error_from_status(int code, const char *msg, bool chat, oa_error *e);
+/* The HTTP status, OpenAI type/code and param of a gRPC status, message and
+ * field (cs_fail_field's, or NULL) from Generate. */
+void oa_error_from_status(int code, const char *msg, const char *field, bool chat, oa_error *e);
 /* {"error":{...}} as a malloc'd string. */
 char *oa_error_json(const oa_error *e);
 

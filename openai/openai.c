@@ -741,7 +741,7 @@ static int send_text(oa_call *oc, oa_choice *c, const Chunkserve__V1__GenerateRe
     return r ? CS_ECANCELED : 0;
 }
 
-static void c_finish(cs_gen_call *g, int code, const char *msg) {
+static void c_finish(cs_gen_call *g, int code, const char *msg, const char *field) {
     oa_choice *c = (oa_choice *)g;
     oa_call *oc = c->oc;
     c->finished = true;
@@ -750,7 +750,7 @@ static void c_finish(cs_gen_call *g, int code, const char *msg) {
     start_later(oc, c);
     if (code != CS_RPC_OK && !oc->failed) {
         oc->failed = true;
-        oa_error_from_status(code, msg, oc->rq.chat, &oc->err);
+        oa_error_from_status(code, msg, field, oc->rq.chat, &oc->err);
         if (oc->rq.n_choices > 1) /* n > 1: one choice failed, the answer is that failure */
             CS_LOGD("%s: choice %d failed (%s); cancelling the others", oc->id, c->index,
                     oc->err.message);

@@ -1,9 +1,11 @@
 /* request.c: an OpenAI request body -> one chunkserve.v1 GenerateRequest per
  * choice (openai-impl.h). Only the JSON's shape is checked here (types,
  * integral numbers within +-2^53, no NaN or Infinity, no duplicate keys,
- * the fields we do not serve); the values go through the same checks as the
- * gRPC door (api/wire.c), whose messages name the proto field, which
- * oa_error_from_status turns back into the request's field. */
+ * the fields we do not serve; the scalar sampling fields by their table,
+ * chunkserve/sampling_fields.h); the values go through the same checks as
+ * the gRPC door (api/wire.c), whose refusals carry the proto field
+ * (cs_fail_field), which oa_error_from_status maps to the request's. */
+#include <float.h>
 #include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -13,6 +15,7 @@
 
 #include "chunkserve/error.h"
 #include "chunkserve/grammar.h"
+#include "chunkserve/sampling_fields.h"
 #include "chunkserve/tokenizer.h"
 #include "openai-impl.h"
 
@@ -66,17 +69,6 @@ static int get_int(const cJSON *o, const char *key, double lo, double hi, int64_
     return 0;
 }
 
-static int get_num(const cJSON *o, const char *key, double lo, double hi, float *out, oa_error *e) {
-    cJSON *it = field(o, key);
-    if (!it) return 0;
-    if (!cJSON_IsNumber(it) || !isfinite(it->valuedouble))
-        return oa_fail(e, key, "%s must be a number", key);
-    if (it->valuedouble < lo || it->valuedouble > hi)
-        return oa_fail(e, key, "%s must be in [%g, %g]; got %g", key, lo, hi, it->valuedouble);
-    *out = (float)it->valuedouble;
-    return 0;
-}
-
 static int get_bool(const cJSON *o, const char *key, bool *out, oa_error *e) {
     cJSON *it = field(o, key);
     if (!it) return 0;
@@ -93,8 +85,9 @@ static int get_str(const cJSON *o, const char *key, const char **out, oa_error *
     return 0;
 }
 
-/* Every request field this server knows (docs/openai.md has the same table
- * for users): SERVED fields are read by the parsers below; REFUSED ones
+/* Every request field this server knows besides the sampling fields of
+ * chunkserve/sampling_fields.h that OpenAI spells as we do (docs/openai.md
+ * has the whole list for users): SERVED fields are read by the parsers below; REFUSED ones
  * are refused by name unless they ask for nothing (null, false, empty, or
  * their default); any other key is refused as unrecognized, as OpenAI's
  * own API does, so nothing a client asks for is ignored silently. */
@@ -112,18 +105,9 @@ static const struct {
     {"n", SERVED, BOTH},
     {"max_tokens", SERVED, BOTH},
     {"max_completion_tokens", SERVED, CHAT},
-    {"temperature", SERVED, BOTH},
-    {"top_p", SERVED, BOTH},
-    {"top_k", SERVED, BOTH},
-    {"min_p", SERVED, BOTH},
-    {"presence_penalty", SERVED, BOTH},
-    {"frequency_penalty", SERVED, BOTH},
-    {"repetition_penalty", SERVED, BOTH},
     {"seed", SERVED, BOTH},
     {"stop", SERVED, BOTH},
     {"stop_token_ids", SERVED, BOTH},
-    {"ignore_eos", SERVED, BOTH},
-    {"min_tokens", SERVED, BOTH},
     {"logit_bias", SERVED, BOTH},
     {"skip_special_tokens", SERVED, BOTH},
     {"logprobs", SERVED, BOTH},
@@ -185,6 +169,11 @@ static bool asks_nothing(const char *name, const cJSON *it) {
 
 static int check_fields(const cJSON *o, bool chat, oa_error *e) {
     for (const cJSON *it = o->child; it; it = it->next) {
+        bool sampling = false;
+        for (size_t i = 0; i < cs_n_sampling_fields; i++)
+            sampling |=
+                cs_sampling_fields[i].openai && !strcmp(cs_sampling_fields[i].openai, it->string);
+        if (sampling) continue;
         int k = -1;
         for (int i = 0; i < (int)(sizeof known_fields / sizeof known_fields[0]); i++)
             if (!strcmp(known_fields[i].name, it->string) &&
@@ -610,42 +599,60 @@ static int parse_logit_bias(const cJSON *o, Chunkserve__V1__SamplingParams *s, o
     return 0;
 }
 
-/* Sampling shared by every choice (the seed is set per choice). */
+/* The scalar sampling fields OpenAI spells as the proto does, by their one
+ * definition (chunkserve/sampling_fields.h): the JSON type, the field's
+ * bounds, written into the proto field of the same name. */
+static int parse_fields(const cJSON *o, Chunkserve__V1__SamplingParams *s, oa_error *e) {
+    const ProtobufCMessageDescriptor *d = &chunkserve__v1__sampling_params__descriptor;
+    for (size_t i = 0; i < cs_n_sampling_fields; i++) {
+        const cs_sampling_field *f = &cs_sampling_fields[i];
+        cJSON *it = f->openai ? field(o, f->openai) : NULL;
+        if (!it) continue;
+        const char *key = f->openai;
+        double v;
+        if (f->type == CS_FIELD_BOOL) {
+            if (!cJSON_IsBool(it)) return oa_fail(e, key, "%s must be true or false", key);
+            v = cJSON_IsTrue(it);
+        } else if (f->type == CS_FIELD_INT) {
+            if (!is_int(it) || fabs(it->valuedouble) > INT32_MAX)
+                return oa_fail(e, key, "%s must be an integer", key);
+            v = it->valuedouble;
+            if ((f->flags & CS_FIELD_OFF_MINUS1) && v == -1) v = 0; /* vLLM's -1 = off */
+        } else {
+            if (!cJSON_IsNumber(it) || !(fabs(it->valuedouble) <= FLT_MAX))
+                return oa_fail(e, key, "%s must be a number", key);
+            v = it->valuedouble;
+        }
+        if (cs_sampling_field_check(f, v, "")) return oa_fail(e, key, "%s", cs_last_error());
+        char *p = (char *)s + protobuf_c_message_descriptor_get_field_by_name(d, f->name)->offset;
+        if (f->type == CS_FIELD_BOOL)
+            *(protobuf_c_boolean *)p = v != 0;
+        else if (f->type == CS_FIELD_INT)
+            *(int32_t *)p = (int32_t)v;
+        else
+            *(float *)p = (float)v;
+    }
+    return 0;
+}
+
+/* Sampling shared by every choice (the seed is set per choice). The
+ * table's fields, then what OpenAI's API says in its own shape. */
 static int parse_sampling(const cJSON *o, oa_request *r, const cs_wire_model *wm,
                           Chunkserve__V1__SamplingParams *s, uint64_t *seed, bool *has_seed,
                           oa_error *e) {
     chunkserve__v1__sampling_params__init(s);
     const cs_model_config *cfg = cs_model_get_config(wm->model);
-    s->temperature = 1.0f; /* OpenAI's default */
-    if (get_num(o, "temperature", 0, 2, &s->temperature, e)) return -1;
-    float top_p = 1.0f;
-    if (get_num(o, "top_p", 0, 1, &top_p, e)) return -1;
-    if (top_p <= 0) return oa_fail(e, "top_p", "top_p must be in (0, 1]; got 0");
-    s->top_p = top_p;
+    if (parse_fields(o, s, e)) return -1;
+    if (!field(o, "temperature")) s->temperature = 1.0f; /* OpenAI's default, */
+    if (s->temperature > 2)                              /* and its bound */
+        return oa_fail(e, "temperature", "temperature must be in [0, 2]; got %g", s->temperature);
     int64_t v = r->chat ? 0 : 16; /* completions: OpenAI's default of 16 tokens */
     if (get_int(o, "max_tokens", 1, cfg->ctx_len, &v, e)) return -1;
     if (r->chat && get_int(o, "max_completion_tokens", 1, cfg->ctx_len, &v, e)) return -1;
     s->max_tokens = (int32_t)v;
-    if (get_num(o, "presence_penalty", -2, 2, &s->presence_penalty, e)) return -1;
-    if (get_num(o, "frequency_penalty", -2, 2, &s->frequency_penalty, e)) return -1;
-    v = 0;
-    if (get_int(o, "top_k", -1, cfg->n_vocab, &v, e)) return -1;
-    s->top_k = v < 0 ? 0 : (int32_t)v; /* vLLM's -1 = off */
-    if (get_num(o, "min_p", 0, 1, &s->min_p, e)) return -1;
-    float rep = 0;
-    if (get_num(o, "repetition_penalty", 0, 1e6, &rep, e)) return -1;
-    if (field(o, "repetition_penalty") && rep <= 0)
-        return oa_fail(e, "repetition_penalty", "repetition_penalty must be > 0");
-    s->repetition_penalty = rep;
-    bool ignore_eos = false;
-    if (get_bool(o, "ignore_eos", &ignore_eos, e)) return -1;
-    s->ignore_eos = ignore_eos;
     bool skip = true;
     if (get_bool(o, "skip_special_tokens", &skip, e)) return -1;
     s->include_special = !skip;
-    v = 0;
-    if (get_int(o, "min_tokens", 0, cfg->ctx_len, &v, e)) return -1;
-    s->min_tokens = (int32_t)v;
     int64_t sd = 0;
     *has_seed = field(o, "seed") != NULL;
     if (get_int(o, "seed", -MAX_SAFE_INT, MAX_SAFE_INT, &sd, e)) return -1;

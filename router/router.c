@@ -62,7 +62,7 @@ static int copy_sampling(const Chunkserve__V1__SamplingParams *p,
 }
 
 static void on_prepared(void *arg, cs_gen_call *c, uint64_t seq, double t_recv, int rc,
-                        const char *err, cs_wire_request *wp);
+                        const char *err, const char *field, cs_wire_request *wp);
 
 /* Generate, from either door (gRPC below, or the OpenAI HTTP routes): the
  * request is validated and tokenized on the thread pool (api/prepare.h),
@@ -97,7 +97,7 @@ static void generate(void *arg, cs_gen_call *c) {
 
 /* The request is tokenized (or refused): admitted now, queued, or refused. */
 static void on_prepared(void *arg, cs_gen_call *c, uint64_t seq, double t_recv, int rc,
-                        const char *err, cs_wire_request *wp) {
+                        const char *err, const char *field, cs_wire_request *wp) {
     router *r = arg;
     const Chunkserve__V1__GenerateRequest *m = c->req;
     cs_wire_request w = *wp;
@@ -107,7 +107,7 @@ static void on_prepared(void *arg, cs_gen_call *c, uint64_t seq, double t_recv, 
         int code = cs_rpc_code_of_status(rc);
         CS_LOGD("request rejected: %s", err); /* its id may be what is bad */
         cs__router_count_code(r, code);
-        cs_gen_call_finish(c, code, err);
+        cs_gen_call_refuse(c, code, err, field);
         return;
     }
     if (r->grace_over || !r->pool) { /* prepared after the grace period ended */

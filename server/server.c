@@ -63,7 +63,7 @@ typedef struct gen {
     int end_code; /* status when we cancelled it ourselves (shutdown) */
     const char *end_msg;
     double t_start;
-    double t_last_token; /* engine thread: the token metrics' */
+    double t_last_token;     /* engine thread: the token metrics' */
     struct gen *prev, *next; /* the server's live list */
 
     /* Filled on the engine thread, under mu; taken by the drain. */
@@ -247,7 +247,7 @@ static void on_call_cancel(cs_gen_call *c, void *data) {
 }
 
 static void on_prepared(void *arg, cs_gen_call *c, uint64_t id, double t_queued, int r,
-                        const char *err, cs_wire_request *wp);
+                        const char *err, const char *field, cs_wire_request *wp);
 
 /* Generate, from either door (gRPC below, or the OpenAI HTTP routes): the
  * request is validated and tokenized on the thread pool (api/prepare.h),
@@ -279,7 +279,7 @@ static void generate(void *arg, cs_gen_call *c) {
 }
 
 static void on_prepared(void *arg, cs_gen_call *c, uint64_t id, double t_queued, int r,
-                        const char *err, cs_wire_request *wp) {
+                        const char *err, const char *field, cs_wire_request *wp) {
     server *s = arg;
     const Chunkserve__V1__GenerateRequest *m = c->req;
     cs_wire_request w = *wp;
@@ -287,7 +287,7 @@ static void on_prepared(void *arg, cs_gen_call *c, uint64_t id, double t_queued,
     s->n_preparing--;
     if (r) {
         CS_LOGD("request rejected: %s", err);
-        cs_gen_call_finish(c, cs_rpc_code_of_status(r), err);
+        cs_gen_call_refuse(c, cs_rpc_code_of_status(r), err, field);
         return;
     }
     if (s->grace_over || !s->sv) { /* prepared after the grace period ended */

@@ -21,19 +21,22 @@ static int check_request(cs_worker *w, const int32_t *ids, size_t n, int32_t num
     memset(r, 0, sizeof *r);
     if (n == 0) return cs_fail(CS_EINVAL, "token_ids is empty");
     if (num_prompt < 1 || (size_t)num_prompt > n)
-        return cs_fail(CS_EINVAL, "num_prompt_tokens = %d must be in 1..%zu (the token ids sent)",
-                       num_prompt, n);
+        return cs_fail_field(CS_EINVAL, "num_prompt_tokens",
+                             "num_prompt_tokens = %d must be in 1..%zu (the token ids sent)",
+                             num_prompt, n);
     if (n >= (size_t)cfg->ctx_len)
-        return cs_fail(CS_EINVAL, "%zu tokens leave no room in the model's context of %d", n,
-                       cfg->ctx_len);
+        return cs_fail_field(CS_EINVAL, "context",
+                             "%zu tokens leave no room in the model's context of %d", n,
+                             cfg->ctx_len);
     for (size_t i = 0; i < n; i++)
         if (ids[i] < 0 || ids[i] >= cfg->n_vocab)
-            return cs_fail(CS_EINVAL, "token_ids[%zu] = %d is outside the vocabulary (0..%d)", i,
-                           ids[i], cfg->n_vocab - 1);
+            return cs_fail_field(CS_EINVAL, "token_ids",
+                                 "token_ids[%zu] = %d is outside the vocabulary (0..%d)", i, ids[i],
+                                 cfg->n_vocab - 1);
     if ((int64_t)(n + 1 + (size_t)w->wm.page_size - 1) / w->wm.page_size > w->wm.n_kv_pages)
-        return cs_fail(CS_EINVAL,
-                       "%zu tokens need more KV pages than this worker has (%d of %d tokens)", n,
-                       w->wm.n_kv_pages, w->wm.page_size);
+        return cs_fail_field(CS_EINVAL, "token_ids",
+                             "%zu tokens need more KV pages than this worker has (%d of %d tokens)",
+                             n, w->wm.n_kv_pages, w->wm.page_size);
     int rc = cs_wire_sampling(&w->wm, sampling, r);
     if (rc) return rc;
     r->prompt = ids;
@@ -135,6 +138,8 @@ static cs_worker_call *admit(cs_worker *w, cs_rpc_call *c, const int32_t *ids, s
     if (!rc) rc = cs_wire_check_cache_salt(cache_salt);
     if (!rc) rc = check_request(w, ids, n, num_prompt, sampling, r);
     if (rc) {
+        if (cs_last_error_field()[0]) /* as the doors' gRPC answer (api/gen_call.h) */
+            cs_rpc_call_add_trailer(c, CS_FIELD_TRAILER, cs_last_error_field());
         cs_rpc_call_finish(c, cs_rpc_code_of_status(rc), cs_last_error());
         return NULL;
     }

@@ -12,6 +12,7 @@
 #include <time.h>
 
 static _Thread_local char last_error[512];
+static _Thread_local char last_field[64];
 
 const char *cs_strerror(int code) {
     switch (code) {
@@ -28,11 +29,32 @@ const char *cs_last_error(void) {
     return last_error;
 }
 
+const char *cs_last_error_field(void) {
+    return last_field;
+}
+
+int cs_fail_in(int code, const char *field) {
+    if (!last_field[0]) snprintf(last_field, sizeof last_field, "%s", field);
+    return code;
+}
+
 int cs_fail(int code, const char *fmt, ...) {
     va_list ap;
     va_start(ap, fmt);
     vsnprintf(last_error, sizeof last_error, fmt, ap);
     va_end(ap);
+    last_field[0] = 0;
+    return code;
+}
+
+int cs_fail_field(int code, const char *field, const char *fmt, ...) {
+    char f[sizeof last_field];
+    snprintf(f, sizeof f, "%s", field ? field : ""); /* field may be cs_last_error_field() */
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(last_error, sizeof last_error, fmt, ap);
+    va_end(ap);
+    memcpy(last_field, f, sizeof f);
     return code;
 }
 

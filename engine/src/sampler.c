@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "chunkserve/sampling_fields.h"
 #include "util.h"
 
 struct cs_sampler {
@@ -26,36 +27,36 @@ struct cs_sampler {
 };
 
 cs_sampling_params cs_sampling_params_default(void) {
-    cs_sampling_params p = {0};
-    p.top_p = 1.0f;
-    p.repetition_penalty = 1.0f;
-    return p;
+    cs_request q = {0}; /* the table's defaults (sampling_fields.c) */
+    const size_t lo = offsetof(cs_request, sampling), hi = lo + sizeof q.sampling;
+    for (size_t i = 0; i < cs_n_sampling_fields; i++)
+        if (cs_sampling_fields[i].off >= lo && cs_sampling_fields[i].off < hi)
+            cs_sampling_field_set(&cs_sampling_fields[i], &q, cs_sampling_fields[i].def);
+    return q.sampling;
 }
 
 int cs_sampling_params_check(const cs_sampling_params *p) {
-    if (!(p->temperature >= 0) || !isfinite(p->temperature))
-        return cs_fail(CS_EINVAL, "temperature %g must be >= 0", p->temperature);
-    if (p->top_k < 0) return cs_fail(CS_EINVAL, "top_k %d must be >= 0 (0 = off)", p->top_k);
-    if (!(p->top_p > 0 && p->top_p <= 1))
-        return cs_fail(CS_EINVAL, "top_p %g must be in (0, 1]", p->top_p);
-    if (!(p->min_p >= 0 && p->min_p <= 1))
-        return cs_fail(CS_EINVAL, "min_p %g must be in [0, 1]", p->min_p);
-    if (!(p->repetition_penalty > 0) || !isfinite(p->repetition_penalty))
-        return cs_fail(CS_EINVAL, "repetition_penalty %g must be > 0 (1 = off)",
-                       p->repetition_penalty);
-    if (!(p->presence_penalty >= -2 && p->presence_penalty <= 2))
-        return cs_fail(CS_EINVAL, "presence_penalty %g must be in [-2, 2]", p->presence_penalty);
-    if (!(p->frequency_penalty >= -2 && p->frequency_penalty <= 2))
-        return cs_fail(CS_EINVAL, "frequency_penalty %g must be in [-2, 2]", p->frequency_penalty);
+    /* the scalar fields by their one definition (sampling_fields.c) */
+    const cs_request q = {.sampling = *p};
+    const size_t lo = offsetof(cs_request, sampling), hi = lo + sizeof q.sampling;
+    for (size_t i = 0; i < cs_n_sampling_fields; i++) {
+        const cs_sampling_field *f = &cs_sampling_fields[i];
+        if (f->off < lo || f->off >= hi) continue;
+        int r = cs_sampling_field_check(f, cs_sampling_field_get(f, &q), "");
+        if (r) return r;
+    }
     if (p->n_bias < 0 || p->n_bias > CS_MAX_LOGIT_BIAS || (p->n_bias && (!p->bias_ids || !p->bias)))
-        return cs_fail(CS_EINVAL, "logit_bias has %d entries; at most %d are allowed", p->n_bias,
-                       CS_MAX_LOGIT_BIAS);
+        return cs_fail_field(CS_EINVAL, "logit_bias",
+                             "logit_bias has %d entries; at most %d are allowed", p->n_bias,
+                             CS_MAX_LOGIT_BIAS);
     for (int32_t i = 0; i < p->n_bias; i++) {
         if (p->bias_ids[i] < 0)
-            return cs_fail(CS_EINVAL, "logit_bias token %d is not a token id", p->bias_ids[i]);
+            return cs_fail_field(CS_EINVAL, "logit_bias", "logit_bias token %d is not a token id",
+                                 p->bias_ids[i]);
         if (!(p->bias[i] >= -100 && p->bias[i] <= 100))
-            return cs_fail(CS_EINVAL, "logit_bias of token %d is %g; it must be in [-100, 100]",
-                           p->bias_ids[i], p->bias[i]);
+            return cs_fail_field(CS_EINVAL, "logit_bias",
+                                 "logit_bias of token %d is %g; it must be in [-100, 100]",
+                                 p->bias_ids[i], p->bias[i]);
     }
     return 0;
 }

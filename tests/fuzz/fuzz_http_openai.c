@@ -69,7 +69,8 @@ static void answer(cs_gen_call *c) {
         static const int codes[] = {CS_RPC_INVALID_ARGUMENT, CS_RPC_RESOURCE_EXHAUSTED,
                                     CS_RPC_UNAVAILABLE,      CS_RPC_DEADLINE_EXCEEDED,
                                     CS_RPC_NOT_FOUND,        CS_RPC_INTERNAL};
-        cs_gen_call_finish(c, codes[(max / 7) % 6], "sampling.top_p must be in (0, 1]");
+        cs_gen_call_refuse(c, codes[(max / 7) % 6], "sampling.top_p must be in (0, 1]",
+                           "sampling.top_p");
         return;
     }
     int32_t n = max < 3 ? max : 3, vocab = cs_model_get_config(model)->n_vocab;

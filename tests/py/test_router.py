@@ -35,6 +35,7 @@ pytest.importorskip("grpc_tools.protoc")  # stubs: conftest.proto_modules
 
 from cluster_harness import (Cluster, Proc, Reference, exported_series,  # noqa: E402
                              generate, make_tiny, metric, wait_for, wait_idle, worker_status)
+from refusals import FIELD_CASES, refusal_field  # noqa: E402
 
 pytestmark = pytest.mark.cluster
 
@@ -236,6 +237,13 @@ def test_bad_input_without_workers(alone, pb, fields, words):
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
     assert words in e.value.details()
     assert time.monotonic() - t0 < 5
+
+
+@pytest.mark.parametrize("fields,field", FIELD_CASES[:4] + FIELD_CASES[-4:],
+                         ids=[f for _, f in FIELD_CASES[:4] + FIELD_CASES[-4:]])
+def test_refusal_names_the_field(alone, pb, fields, field):
+    """The router's own refusals carry the field in the same trailer as serve's."""
+    assert refusal_field(alone.stub, pb, fields) == field
 
 
 def test_no_worker_is_unavailable_promptly(alone, pb):

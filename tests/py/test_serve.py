@@ -24,6 +24,8 @@ import pytest
 grpc = pytest.importorskip("grpc")
 pytest.importorskip("grpc_tools.protoc")  # stubs: conftest.proto_modules
 
+from refusals import FIELD_CASES, refusal_field  # noqa: E402
+
 SERVICE = "chunkserve.v1.Generation"
 TINY_NAME = "chunkserve tiny test model"
 TINY_CTX = 4096
@@ -254,6 +256,13 @@ def test_bad_input(tiny, pb, fields, words):
     ids, _, _ = collect(tiny.stub.Generate(g.GenerateRequest(prompt="ok", sampling=params(
         pb, max_tokens=3, ignore_eos=True)), timeout=10))
     assert len(ids) == 3
+
+
+@pytest.mark.parametrize("fields,field", FIELD_CASES, ids=[f for _, f in FIELD_CASES])
+def test_refusal_names_the_field(tiny, pb, fields, field):
+    """A refusal carries the request field it is about in a trailer (as the message spells it),
+    so a client or the OpenAI door never parses the message to learn it."""
+    assert refusal_field(tiny.stub, pb, fields) == field
 
 
 def test_malformed_bytes(tiny, pb):

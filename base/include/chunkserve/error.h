@@ -63,6 +63,23 @@ __attribute__((format(printf, 2, 3)))
 #endif
 int cs_fail(int code, const char *fmt, ...);
 
+/* As cs_fail, and names the request field the failure is about, as the
+ * request's own message spells it ("sampling.top_p", "token_ids.ids",
+ * "context" for a prompt that does not fit the model's context):
+ * cs_last_error_field() returns it until the next failing call on this
+ * thread (cs_fail clears it). The doors answer with it (gRPC: the
+ * chunkserve-field trailer; OpenAI: the error's param), so nobody parses a
+ * message to learn what was wrong. */
+#if defined(__GNUC__)
+__attribute__((format(printf, 3, 4)))
+#endif
+int cs_fail_field(int code, const char *field, const char *fmt, ...);
+/* "" when the last failure named no field. */
+const char *cs_last_error_field(void);
+/* Names field as what the failure just recorded (by a callee that knew no
+ * request fields) was about, unless it named one; returns code. */
+int cs_fail_in(int code, const char *field);
+
 #ifdef __cplusplus
 }
 #endif

@@ -32,7 +32,7 @@ typedef struct {
 } cs_sampling_params;
 #define CS_MAX_LOGIT_BIAS 1024
 
-/* Greedy, no penalties, seed 0. */
+/* The defaults of chunkserve/sampling_fields.h: greedy, no penalties, seed 0. */
 cs_sampling_params cs_sampling_params_default(void);
 /* 0, or CS_EINVAL with cs_last_error() naming the bad field and its range. */
 int cs_sampling_params_check(const cs_sampling_params *p);
