@@ -5,6 +5,7 @@
 #include <string.h>
 
 #include "chunkserve/error.h"
+#include "wire.h"
 
 void cs_outbuf_append(cs_outbuf *b, const cs_event *ev) {
     if (ev->n_prompt_lp > 0) {
@@ -113,14 +114,23 @@ int cs_prompt_logprobs_msgs(const cs_prompt_logprob *p, int32_t n,
 /* What a response borrows besides b: its logprobs and prompt logprobs. */
 typedef struct {
     void *lp, *plp;
+    Chunkserve__V1__Usage usage;
 } response_scratch;
 
-int cs_outbuf_response(const cs_outbuf *b, bool logprobs, Chunkserve__V1__GenerateResponse *r,
-                       void **scratch) {
+int cs_outbuf_response(const cs_outbuf *b, bool logprobs, const cs_outbuf_end *end,
+                       Chunkserve__V1__GenerateResponse *r, void **scratch) {
     *r = (Chunkserve__V1__GenerateResponse)CHUNKSERVE__V1__GENERATE_RESPONSE__INIT;
     response_scratch *sc = calloc(1, sizeof *sc);
     *scratch = sc;
     if (!sc) return CS_ENOMEM;
+    if (end) {
+        r->finish_reason = cs_wire_finish_reason(end->finish);
+        sc->usage = (Chunkserve__V1__Usage)CHUNKSERVE__V1__USAGE__INIT;
+        sc->usage.prompt_tokens = end->n_prompt;
+        sc->usage.completion_tokens = end->n_completion;
+        sc->usage.cached_prompt_tokens = end->n_cached;
+        r->usage = &sc->usage;
+    }
     if (cs_prompt_logprobs_msgs(b->plp, b->n_plp, &r->prompt_logprobs, &sc->plp)) goto oom;
     r->n_prompt_logprobs = (size_t)b->n_plp;
     r->n_token_ids = b->n;

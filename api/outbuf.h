@@ -36,12 +36,24 @@ void cs_outbuf_take(cs_outbuf *b, cs_outbuf *out);
 void cs_outbuf_free(cs_outbuf *b);
 bool cs_outbuf_empty(const cs_outbuf *b);
 
+/* Unsent bytes a stream may hold for a client that does not read before the
+ * request is stopped (a few thousand messages of one token each): serve, the
+ * decode worker and the router apply it. */
+#define CS_MAX_UNSENT_BYTES ((size_t)4 << 20)
+
+/* How a stream ended, for its last message: finish_reason and usage. */
+typedef struct {
+    enum cs_finish finish;
+    int32_t n_prompt, n_completion, n_cached;
+} cs_outbuf_end;
+
 /* Builds the GenerateResponse of what b holds into *r (borrowing b's
- * arrays): tokens, text, the stop reason, logprobs with their alternatives when asked
+ * arrays): tokens, text, the stop reason, logprobs with their alternatives when asked,
+ * and with end (NULL: not the last message) the finish reason and usage
  * (allocated into *scratch: cs_outbuf_response_free after packing).
  * CS_ENOMEM. */
-int cs_outbuf_response(const cs_outbuf *b, bool logprobs, Chunkserve__V1__GenerateResponse *r,
-                       void **scratch);
+int cs_outbuf_response(const cs_outbuf *b, bool logprobs, const cs_outbuf_end *end,
+                       Chunkserve__V1__GenerateResponse *r, void **scratch);
 void cs_outbuf_response_free(void *scratch);
 
 /* The messages of n prompt logprobs into *msgs (one allocation, *scratch:

@@ -32,8 +32,6 @@
 #include "outbuf.h"
 #include "worker.h"
 
-#define MAX_UNSENT_BYTES ((size_t)4 << 20)
-
 typedef struct decode decode;
 
 typedef struct dreq {
@@ -60,8 +58,8 @@ struct decode {
     char kv_endpoint[300];
     cs_kvx_stats last; /* exported so far */
     cs_metric *m_local, *m_remote, *m_xfer_started, *m_xfer_completed, *m_xfer_failed,
-        *m_xfer_bytes, *m_xfer_seconds, *m_leases_expired, *m_proto_errors,
-        *m_stale_frames, *m_renewals, *m_router_hop;
+        *m_xfer_bytes, *m_xfer_seconds, *m_leases_expired, *m_proto_errors, *m_stale_frames,
+        *m_renewals, *m_router_hop;
 };
 
 static void decode_call_free(cs_worker_call *c) {
@@ -184,16 +182,9 @@ static int send_admitted(dreq *q, int32_t pages) {
 static int send_output(dreq *q, const cs_outbuf *b, bool final, enum cs_finish finish,
                        int32_t n_prompt, int32_t n_completion, int32_t n_cached) {
     Chunkserve__V1__GenerateResponse g;
-    Chunkserve__V1__Usage usage = CHUNKSERVE__V1__USAGE__INIT;
     void *scratch;
-    if (cs_outbuf_response(b, q->logprobs, &g, &scratch)) return CS_ENOMEM;
-    if (final) {
-        g.finish_reason = cs_wire_finish_reason(finish);
-        usage.prompt_tokens = n_prompt;
-        usage.completion_tokens = n_completion;
-        usage.cached_prompt_tokens = n_cached;
-        g.usage = &usage;
-    }
+    const cs_outbuf_end end = {finish, n_prompt, n_completion, n_cached};
+    if (cs_outbuf_response(b, q->logprobs, final ? &end : NULL, &g, &scratch)) return CS_ENOMEM;
     Chunkserve__V1__DecodeResponse r = CHUNKSERVE__V1__DECODE_RESPONSE__INIT;
     r.event_case = CHUNKSERVE__V1__DECODE_RESPONSE__EVENT_OUTPUT;
     r.output = &g;
@@ -246,7 +237,7 @@ static void decode_drain(cs_worker_call *c) {
             cs_worker_call_finish(c, CS_RPC_RESOURCE_EXHAUSTED,
                                   "the worker ran out of memory for this stream");
             if (!done) decode_cancel(c);
-        } else if (!done && cs_rpc_call_pending_bytes(c->call) > MAX_UNSENT_BYTES) {
+        } else if (!done && cs_rpc_call_pending_bytes(c->call) > CS_MAX_UNSENT_BYTES) {
             cs_worker_call_finish(c, CS_RPC_RESOURCE_EXHAUSTED,
                                   "the router is not reading the stream; decoding stopped");
             decode_cancel(c);
@@ -273,10 +264,9 @@ static void decode_drain(cs_worker_call *c) {
     }
     cs_outbuf_free(&out);
     if (log_end) {
-        static const char *names[] = {"none", "stop", "length", "cancelled", "error"};
         CS_LOGI("request %s (transfer %016llx, %s prefill): %s, %d + %d tokens in %.3f s%s%s",
                 q->base.request_id, (unsigned long long)q->base.transfer_id,
-                q->local ? "local" : "remote", names[finish], n_prompt, n_completion,
+                q->local ? "local" : "remote", cs_finish_name(finish), n_prompt, n_completion,
                 cs_now() - q->base.t_start, error[0] || kv_error[0] ? ": " : "",
                 error[0] ? error : kv_error);
     }

@@ -533,7 +533,7 @@ static bool relay(req *q, Chunkserve__V1__GenerateResponse *out) {
         cs__req_end(q, CS_RPC_RESOURCE_EXHAUSTED, "the router ran out of memory for this stream");
         return true;
     }
-    if (q->call && rc == 0 && cs_gen_call_pending_bytes(q->call) > MAX_UNSENT_BYTES) {
+    if (q->call && rc == 0 && cs_gen_call_pending_bytes(q->call) > CS_MAX_UNSENT_BYTES) {
         cs__req_end(q, CS_RPC_RESOURCE_EXHAUSTED,
                     "the client is not reading its stream; generation stopped");
         return true;

@@ -56,13 +56,12 @@
 #include "pool.h"
 #include "router.h"
 #include "gen_call.h"
+#include "outbuf.h"
 #include "generation.h"
 #include "openai.h"
 #include "wire.h"
 
 #define WORKER_SERVICE "/chunkserve.v1.Worker/"
-/* Unsent bytes a stream may hold for a client that does not read. */
-#define MAX_UNSENT_BYTES ((size_t)4 << 20)
 #define TICK_MS 20
 #define PUMP_MIN_MS 10
 #define CANCEL_DEADLINE_MS 1000

@@ -48,9 +48,6 @@
 #include "wire.h"
 
 #define SERVICE CS_GENERATION_SERVICE
-/* Unsent bytes a stream may hold for a client that does not read before the
- * request is stopped (a few thousand messages of one token each). */
-#define MAX_UNSENT_BYTES ((size_t)4 << 20)
 
 typedef struct server server;
 
@@ -164,17 +161,10 @@ static void gen_finish_call(gen *g, int code, const char *msg) {
 /* Sends what one drain took; final: with finish_reason and usage. */
 static int gen_send(gen *g, const cs_outbuf *b, bool final) {
     Chunkserve__V1__GenerateResponse r;
-    Chunkserve__V1__Usage usage = CHUNKSERVE__V1__USAGE__INIT;
     void *scratch;
-    if (cs_outbuf_response(b, g->logprobs, &r, &scratch)) return CS_ENOMEM;
+    const cs_outbuf_end end = {g->finish, g->n_prompt, g->n_completion, g->n_cached};
+    if (cs_outbuf_response(b, g->logprobs, final ? &end : NULL, &r, &scratch)) return CS_ENOMEM;
     if (!g->sent_first) r.request_id = g->request_id;
-    if (final) {
-        r.finish_reason = cs_wire_finish_reason(g->finish);
-        usage.prompt_tokens = g->n_prompt;
-        usage.completion_tokens = g->n_completion;
-        usage.cached_prompt_tokens = g->n_cached;
-        r.usage = &usage;
-    }
     int rc = cs_gen_call_send(g->call, &r);
     cs_outbuf_response_free(scratch);
     g->sent_first = true;
@@ -182,9 +172,8 @@ static int gen_send(gen *g, const cs_outbuf *b, bool final) {
 }
 
 static void gen_log_end(const gen *g) {
-    static const char *names[] = {"none", "stop", "length", "cancelled", "error"};
     CS_LOGI("request %s: %s, %d prompt + %d completion tokens in %.3f s%s%s", g->request_id,
-            names[g->finish], g->n_prompt, g->n_completion, cs_now() - g->t_start,
+            cs_finish_name(g->finish), g->n_prompt, g->n_completion, cs_now() - g->t_start,
             g->error ? ": " : "", g->error ? g->error : "");
 }
 
@@ -209,7 +198,7 @@ static void on_drain_post(void *data) {
             gen_finish_call(g, CS_RPC_RESOURCE_EXHAUSTED,
                             "the server ran out of memory for this stream");
             if (!done) cs_serve_cancel(g->s->sv, g->id);
-        } else if (!done && cs_gen_call_pending_bytes(g->call) > MAX_UNSENT_BYTES) {
+        } else if (!done && cs_gen_call_pending_bytes(g->call) > CS_MAX_UNSENT_BYTES) {
             /* the client stopped reading: bound what waits for it */
             gen_finish_call(g, CS_RPC_RESOURCE_EXHAUSTED,
                             "the client is not reading its stream; generation stopped");

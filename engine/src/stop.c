@@ -28,6 +28,11 @@ struct cs_stop {
     size_t len, cap;
 };
 
+const char *cs_finish_name(enum cs_finish f) {
+    static const char *const names[] = {"none", "stop", "length", "cancelled", "error"};
+    return (unsigned)f < sizeof names / sizeof names[0] ? names[f] : "unknown";
+}
+
 int cs_stop_init(const cs_tokenizer *tok, const cs_stop_params *p, cs_stop **out) {
     *out = NULL;
     if (p->max_tokens < 1)

@@ -25,6 +25,9 @@ enum cs_finish {
     CS_FINISH_CANCELLED,
     CS_FINISH_ERROR
 };
+/* "none", "stop", "length", "cancelled", "error" (logs; the doors use their
+ * API's own names). */
+const char *cs_finish_name(enum cs_finish f);
 
 typedef struct {
     const char *const *stop; /* stop strings (UTF-8, non-empty) */
