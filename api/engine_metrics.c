@@ -31,6 +31,8 @@ const cs_metric_def cs_engine_metrics_table[] = {
     {M(weights_exact), "chunkserve:weight_mode", CS_METRIC_GAUGE, "mode=\"exact\"",
      "1 for the engine's weight mode: quant (quantized blocks, integer kernels) or exact (fp32)",
      NULL, 0},
+    {M(refused), "chunkserve:requests_refused_total", CS_METRIC_COUNTER, NULL,
+     "requests refused (RESOURCE_EXHAUSTED): the queue limit, or no free KV pages", NULL, 0},
 };
 const size_t cs_engine_metrics_n = sizeof cs_engine_metrics_table / sizeof *cs_engine_metrics_table;
 #undef M

@@ -14,6 +14,7 @@
 typedef struct {
     cs_metric *running, *waiting, *kv_usage, *kv_free, *kv_total, *queued_prefill, *preemptions,
         *prompt_tokens, *gen_tokens, *prefix_hits, *steps, *weights_quant, *weights_exact;
+    cs_metric *refused; /* the process counts: its --max-queue, no free KV pages (CS_ENOSPC) */
     cs_sched_stats last; /* counters already exported */
 } cs_engine_metrics;
 

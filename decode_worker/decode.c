@@ -30,6 +30,7 @@
 #include "chunkserve/error.h"
 #include "chunkserve/log.h"
 #include "outbuf.h"
+#include "stream.h"
 #include "worker.h"
 
 typedef struct decode decode;
@@ -40,17 +41,13 @@ typedef struct dreq {
     bool local, logprobs;
     int32_t lease_ms;
     char kv_sender[64]; /* the only sender whose pages are taken ("" = any authenticated) */
-    double t_last_token;
+    int32_t n_prompt;
 
-    bool admitted, sent_admitted, done, logged, expected, kv_done, cancel_requested;
+    bool admitted, sent_admitted, logged, expected, kv_done, cancel_requested;
     int32_t pages_reserved, n_context;
     int kv_status;
     char kv_error[256];
-    cs_outbuf out;
-    enum cs_finish finish;
-    int err_status;
-    char error[256];
-    int32_t n_prompt, n_completion, n_cached;
+    cs_stream st; /* the output and the outcome (api/stream.h) */
 } dreq;
 
 struct decode {
@@ -63,24 +60,10 @@ struct decode {
 };
 
 static void decode_call_free(cs_worker_call *c) {
-    cs_outbuf_free(&((dreq *)c)->out);
+    cs_stream_free(&((dreq *)c)->st);
 }
 
 /* ------------------------------------------------- engine + I/O threads -- */
-
-static void append_locked(dreq *q, const cs_event *ev) {
-    cs_outbuf_append(&q->out, ev);
-    if (ev->finish != CS_FINISH_NONE) {
-        q->done = true;
-        q->finish = ev->finish;
-        q->err_status = ev->status;
-        if (ev->error) snprintf(q->error, sizeof q->error, "%s", ev->error);
-        q->n_completion = ev->n_completion_tokens;
-    } else if (ev->token >= 0) {
-        q->n_completion = ev->n_completion_tokens;
-    }
-    if (ev->token >= 0) q->n_cached = ev->n_cached_prompt_tokens; /* also on the last one */
-}
 
 /* KV I/O thread: the transfer into the reserved pages ended. */
 static void on_kv_done(void *arg, uint64_t xfer, int status, const char *msg,
@@ -142,17 +125,9 @@ static void on_event(void *user, const cs_event *ev) {
             }
         }
     } else {
-        double now = cs_now();
-        if (ev->token >= 0) {
-            if (q->t_last_token > 0)
-                cs_metric_observe(q->base.w->tok.itl, now - q->t_last_token);
-            else
-                cs_metric_observe(q->base.w->tok.ttft, now - q->base.t_start);
-            q->t_last_token = now;
-        }
-        append_locked(q, ev);
+        cs_stream_event(&q->st, ev);
         if (ev->finish == CS_FINISH_ERROR && ev->status == CS_ENOSPC)
-            cs_metric_inc(q->base.w->m_refused);
+            cs_metric_inc(q->base.w->em.refused);
     }
     cs_worker_call_post_locked(&q->base);
     pthread_mutex_unlock(&q->base.mu);
@@ -179,12 +154,10 @@ static int send_admitted(dreq *q, int32_t pages) {
     return cs_rpc_call_send_msg(q->base.call, &r.base);
 }
 
-static int send_output(dreq *q, const cs_outbuf *b, bool final, enum cs_finish finish,
-                       int32_t n_prompt, int32_t n_completion, int32_t n_cached) {
+static int send_output(dreq *q, const cs_stream *snap) {
     Chunkserve__V1__GenerateResponse g;
     void *scratch;
-    const cs_outbuf_end end = {finish, n_prompt, n_completion, n_cached};
-    if (cs_outbuf_response(b, q->logprobs, final ? &end : NULL, &g, &scratch)) return CS_ENOMEM;
+    if (cs_stream_response(snap, q->logprobs, q->n_prompt, &g, &scratch)) return CS_ENOMEM;
     Chunkserve__V1__DecodeResponse r = CHUNKSERVE__V1__DECODE_RESPONSE__INIT;
     r.event_case = CHUNKSERVE__V1__DECODE_RESPONSE__EVENT_OUTPUT;
     r.output = &g;
@@ -210,66 +183,44 @@ static void decode_cancel(cs_worker_call *c) {
 static void decode_drain(cs_worker_call *c) {
     dreq *q = (dreq *)c;
     pthread_mutex_lock(&q->base.mu);
-    cs_outbuf out;
-    cs_outbuf_take(&q->out, &out);
-    bool done = q->done, oom = out.oom, admit = q->admitted && !q->sent_admitted;
-    bool log_end = done && !q->logged;
+    cs_stream snap;
+    cs_stream_take(&q->st, &snap);
+    bool admit = q->admitted && !q->sent_admitted, log_end = snap.done && !q->logged;
     q->sent_admitted |= admit;
-    q->logged |= done;
-    int32_t pages = q->pages_reserved, n_prompt = q->n_prompt, n_completion = q->n_completion,
-            n_cached = q->n_cached;
-    enum cs_finish finish = q->finish;
-    int kv_status = q->kv_status, err_status = q->err_status;
-    char kv_error[256], error[256];
+    q->logged |= snap.done;
+    int32_t pages = q->pages_reserved;
+    int kv_status = q->kv_status;
+    char kv_error[256];
     memcpy(kv_error, q->kv_error, sizeof kv_error);
-    memcpy(error, q->error, sizeof error);
     pthread_mutex_unlock(&q->base.mu);
 
     if (c->call) {
-        bool ok_end = done && (finish == CS_FINISH_STOP || finish == CS_FINISH_LENGTH);
-        int rc = 0;
-        if (admit) rc = send_admitted(q, pages);
-        if (!rc && oom) rc = CS_ENOMEM;
-        if (!rc && (ok_end || !cs_outbuf_empty(&out)))
-            rc = send_output(q, &out, ok_end, finish, n_prompt, n_completion, n_cached);
-        char msg[400];
-        if (rc == CS_ENOMEM) {
-            cs_worker_call_finish(c, CS_RPC_RESOURCE_EXHAUSTED,
-                                  "the worker ran out of memory for this stream");
-            if (!done) decode_cancel(c);
-        } else if (!done && cs_rpc_call_pending_bytes(c->call) > CS_MAX_UNSENT_BYTES) {
-            cs_worker_call_finish(c, CS_RPC_RESOURCE_EXHAUSTED,
-                                  "the router is not reading the stream; decoding stopped");
-            decode_cancel(c);
-        } else if (ok_end) {
-            cs_worker_call_finish(c, CS_RPC_OK, NULL);
-        } else if (done && finish == CS_FINISH_CANCELLED && kv_status) {
-            snprintf(msg, sizeof msg, "%s: %s",
-                     kv_status == CS_ETIMEDOUT ? "KV lease expired before the transfer completed"
-                                               : "KV transfer failed",
-                     kv_error);
+        int rc = admit ? send_admitted(q, pages) : 0;
+        if (!rc && snap.out.oom) rc = CS_ENOMEM;
+        if (!rc && cs_stream_has_message(&snap)) rc = send_output(q, &snap);
+        cs_stream_end end;
+        cs_stream_outcome(&snap, rc, cs_rpc_call_pending_bytes(c->call), "the router",
+                          c->end_code, c->end_msg, &end);
+        if (rc != CS_ENOMEM && snap.done && snap.finish == CS_FINISH_CANCELLED && kv_status) {
             /* ABORTED: the transfer into this worker failed (the link or the
              * sender), this worker is fine; a lease that ran out is this
              * worker giving up on a slow prefill: UNAVAILABLE */
-            cs_worker_call_finish(
-                c, kv_status == CS_ETIMEDOUT ? CS_RPC_UNAVAILABLE : CS_RPC_ABORTED, msg);
-        } else if (done && finish == CS_FINISH_CANCELLED) {
-            cs_worker_call_finish(c, c->end_code ? c->end_code : CS_RPC_CANCELLED,
-                                  c->end_msg ? c->end_msg : "the request was cancelled");
-        } else if (done) {
-            snprintf(msg, sizeof msg, "%s", error[0] ? error : "engine error");
-            cs_worker_call_finish(
-                c, err_status ? cs_rpc_code_of_status(err_status) : CS_RPC_INTERNAL, msg);
+            end.code = kv_status == CS_ETIMEDOUT ? CS_RPC_UNAVAILABLE : CS_RPC_ABORTED;
+            snprintf(end.msg, sizeof end.msg, "%s: %s",
+                     kv_status == CS_ETIMEDOUT ? "KV lease expired before the transfer completed"
+                                               : "KV transfer failed",
+                     kv_error);
         }
+        if (end.code >= 0) cs_worker_call_finish(c, end.code, end.code ? end.msg : NULL);
+        if (end.cancel) decode_cancel(c);
     }
-    cs_outbuf_free(&out);
-    if (log_end) {
+    if (log_end)
         CS_LOGI("request %s (transfer %016llx, %s prefill): %s, %d + %d tokens in %.3f s%s%s",
                 q->base.request_id, (unsigned long long)q->base.transfer_id,
-                q->local ? "local" : "remote", cs_finish_name(finish), n_prompt, n_completion,
-                cs_now() - q->base.t_start, error[0] || kv_error[0] ? ": " : "",
-                error[0] ? error : kv_error);
-    }
+                q->local ? "local" : "remote", cs_finish_name(snap.finish), q->n_prompt,
+                snap.n_completion, cs_now() - q->base.t_start,
+                snap.error[0] || kv_error[0] ? ": " : "", snap.error[0] ? snap.error : kv_error);
+    cs_stream_free(&snap);
 }
 
 /* The router's receipt of the client call (wall clock, its metadata) to
@@ -309,6 +260,8 @@ static void handle_decode(cs_rpc_call *c, void *data) {
     q->lease_ms =
         m->lease_ms > 0 && m->lease_ms < w->o.lease_ms ? m->lease_ms : (int32_t)w->o.lease_ms;
     q->logprobs = r.logprobs;
+    q->st.tok = &w->tok;
+    q->st.t_start = q->base.t_start;
     q->n_prompt = m->num_prompt_tokens;
     q->n_context = (int32_t)m->n_token_ids;
     r.kv_mode = q->local ? CS_KV_LOCAL : CS_KV_REMOTE;

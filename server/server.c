@@ -45,6 +45,7 @@
 #include "generation.h"
 #include "prepare.h"
 #include "outbuf.h"
+#include "stream.h"
 #include "wire.h"
 
 #define SERVICE CS_GENERATION_SERVICE
@@ -59,18 +60,14 @@ typedef struct gen {
     bool logprobs, sent_first;
     int end_code; /* status when we cancelled it ourselves (shutdown) */
     const char *end_msg;
-    double t_start;
-    double t_last_token;     /* engine thread: the token metrics' */
+    int32_t n_prompt;
     struct gen *prev, *next; /* the server's live list */
 
     /* Filled on the engine thread, under mu; taken by the drain. */
     pthread_mutex_t mu;
-    bool posted, done;
+    bool posted;
     cs_rpc_post post; /* the drain's: posting it allocates nothing */
-    cs_outbuf out;
-    enum cs_finish finish;
-    int32_t n_prompt, n_completion, n_cached;
-    char *error;
+    cs_stream st;     /* the output and the outcome (api/stream.h) */
 } gen;
 
 struct server {
@@ -99,28 +96,12 @@ struct server {
 
 static void on_drain_post(void *data);
 
-static void gen_append(gen *g, const cs_event *ev) {
-    cs_outbuf_append(&g->out, ev);
-    if (ev->token >= 0)
-        g->n_completion = ev->n_completion_tokens, g->n_cached = ev->n_cached_prompt_tokens;
-    if (ev->finish != CS_FINISH_NONE) {
-        g->done = true;
-        g->finish = ev->finish; /* n_prompt was set at submit: cancel events carry 0 */
-        if (ev->error) g->error = strdup(ev->error);
-    }
-}
-
 /* cs_serve callback: engine thread. */
 static void on_event(void *user, const cs_event *ev) {
     gen *g = user;
-    if (ev->token >= 0) {
-        double now = cs_now();
-        cs_metric_observe(g->t_last_token > 0 ? g->s->tok.itl : g->s->tok.ttft,
-                          now - (g->t_last_token > 0 ? g->t_last_token : g->t_start));
-        g->t_last_token = now;
-    }
+    if (ev->finish == CS_FINISH_ERROR && ev->status == CS_ENOSPC) cs_metric_inc(g->s->em.refused);
     pthread_mutex_lock(&g->mu);
-    gen_append(g, ev);
+    cs_stream_event(&g->st, ev);
     bool post = !g->posted;
     g->posted = true;
     pthread_mutex_unlock(&g->mu);
@@ -144,8 +125,7 @@ static void gen_free(gen *g) {
     if (g->next) g->next->prev = g->prev;
     s->n_live--;
     if (g->call) s->n_calls--; /* freed with its call open: the engine refused it */
-    cs_outbuf_free(&g->out);
-    free(g->error);
+    cs_stream_free(&g->st);
     free(g->request_id);
     pthread_mutex_destroy(&g->mu);
     free(g);
@@ -158,12 +138,11 @@ static void gen_finish_call(gen *g, int code, const char *msg) {
     g->s->n_calls--;
 }
 
-/* Sends what one drain took; final: with finish_reason and usage. */
-static int gen_send(gen *g, const cs_outbuf *b, bool final) {
+/* Sends what one drain took (the first message names the request). */
+static int gen_send(gen *g, const cs_stream *snap) {
     Chunkserve__V1__GenerateResponse r;
     void *scratch;
-    const cs_outbuf_end end = {g->finish, g->n_prompt, g->n_completion, g->n_cached};
-    if (cs_outbuf_response(b, g->logprobs, final ? &end : NULL, &r, &scratch)) return CS_ENOMEM;
+    if (cs_stream_response(snap, g->logprobs, g->n_prompt, &r, &scratch)) return CS_ENOMEM;
     if (!g->sent_first) r.request_id = g->request_id;
     int rc = cs_gen_call_send(g->call, &r);
     cs_outbuf_response_free(scratch);
@@ -171,57 +150,39 @@ static int gen_send(gen *g, const cs_outbuf *b, bool final) {
     return rc;
 }
 
-static void gen_log_end(const gen *g) {
+static void gen_log_end(const gen *g, const cs_stream *snap) {
     CS_LOGI("request %s: %s, %d prompt + %d completion tokens in %.3f s%s%s", g->request_id,
-            cs_finish_name(g->finish), g->n_prompt, g->n_completion, cs_now() - g->t_start,
-            g->error ? ": " : "", g->error ? g->error : "");
+            cs_finish_name(snap->finish), g->n_prompt, snap->n_completion,
+            cs_now() - snap->t_start, snap->error[0] ? ": " : "", snap->error);
 }
 
 /* Posted by on_event: takes everything buffered and streams it. */
 static void on_drain_post(void *data) {
     gen *g = data;
     pthread_mutex_lock(&g->mu);
-    cs_outbuf out;
-    cs_outbuf_take(&g->out, &out);
-    bool done = g->done, oom = out.oom;
+    cs_stream snap;
+    cs_stream_take(&g->st, &snap);
     g->posted = false;
     pthread_mutex_unlock(&g->mu);
 
     if (g->call) {
-        bool ok_end = done && (g->finish == CS_FINISH_STOP || g->finish == CS_FINISH_LENGTH);
-        int rc = 0;
-        if (oom)
-            rc = CS_ENOMEM;
-        else if (ok_end || !cs_outbuf_empty(&out))
-            rc = gen_send(g, &out, ok_end);
-        if (rc == CS_ENOMEM) {
-            gen_finish_call(g, CS_RPC_RESOURCE_EXHAUSTED,
-                            "the server ran out of memory for this stream");
-            if (!done) cs_serve_cancel(g->s->sv, g->id);
-        } else if (!done && cs_gen_call_pending_bytes(g->call) > CS_MAX_UNSENT_BYTES) {
-            /* the client stopped reading: bound what waits for it */
-            gen_finish_call(g, CS_RPC_RESOURCE_EXHAUSTED,
-                            "the client is not reading its stream; generation stopped");
-            cs_serve_cancel(g->s->sv, g->id);
-        } else if (ok_end) {
-            gen_finish_call(g, CS_RPC_OK, NULL);
-        } else if (done && g->finish == CS_FINISH_CANCELLED) {
-            gen_finish_call(g, g->end_code ? g->end_code : CS_RPC_CANCELLED,
-                            g->end_msg ? g->end_msg : "the request was cancelled");
-        } else if (done) {
-            char msg[512];
-            snprintf(msg, sizeof msg, "generation failed: %s",
-                     g->error ? g->error : "engine error");
-            gen_finish_call(g, CS_RPC_INTERNAL, msg);
-        }
+        int rc = snap.out.oom ? CS_ENOMEM : 0;
+        if (!rc && cs_stream_has_message(&snap)) rc = gen_send(g, &snap);
+        cs_stream_end end;
+        cs_stream_outcome(&snap, rc, g->call ? cs_gen_call_pending_bytes(g->call) : 0,
+                          "the client", g->end_code, g->end_msg, &end);
         /* rc == CS_ECANCELED: the call is dead and on_call_cancel has run or
          * will run; it cancels the request. */
+        if (end.code >= 0) gen_finish_call(g, end.code, end.code ? end.msg : NULL);
+        if (end.cancel) cs_serve_cancel(g->s->sv, g->id);
     }
-    cs_outbuf_free(&out);
-    if (done) {
-        gen_log_end(g);
+    if (snap.done) {
+        gen_log_end(g, &snap);
+        cs_stream_free(&snap);
         gen_free(g);
+        return;
     }
+    cs_stream_free(&snap);
 }
 
 /* The client cancelled or went away, its deadline passed, or the RPC
@@ -257,6 +218,7 @@ static void generate(void *arg, cs_gen_call *c) {
         snprintf(msg, sizeof msg,
                  "the server is overloaded: %d requests are waiting (--max-queue %d); retry later",
                  waiting, s->o->max_queue);
+        cs_metric_inc(s->em.refused);
         cs_gen_call_finish(c, CS_RPC_RESOURCE_EXHAUSTED, msg);
         return;
     }
@@ -298,7 +260,8 @@ static void on_prepared(void *arg, cs_gen_call *c, uint64_t id, double t_queued,
     g->call = c;
     g->id = id;
     g->logprobs = w.r.logprobs;
-    g->t_start = cs_now();
+    g->st.t_start = cs_now();
+    g->st.tok = &s->tok;
     g->n_prompt = w.r.n_prompt;
     pthread_mutex_init(&g->mu, NULL);
     g->next = s->live;

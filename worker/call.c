@@ -130,7 +130,7 @@ static cs_worker_call *admit(cs_worker *w, cs_rpc_call *c, const int32_t *ids, s
     if (w->n_calls >= w->o.max_queue) {
         char msg[80];
         snprintf(msg, sizeof msg, "the %s worker holds --max-queue requests", w->role->name);
-        cs_metric_inc(w->m_refused);
+        cs_metric_inc(w->em.refused);
         cs_rpc_call_finish(c, CS_RPC_RESOURCE_EXHAUSTED, msg);
         return NULL;
     }

@@ -157,9 +157,6 @@ static void handle_cancel(cs_rpc_call *c, void *data) {
 /* The worker's own metrics, besides the engine's table (api/engine_metrics.h)
  * and its role's; --metrics-json prints all three. */
 static const cs_metric_def worker_metrics[] = {
-    {M(m_refused), "chunkserve:requests_refused_total", CS_METRIC_COUNTER, NULL,
-     "requests refused (RESOURCE_EXHAUSTED): the queue limit, or no free KV pages (decode)", NULL,
-     0},
     {M(m_unauthenticated), "chunkserve:rpc_unauthenticated_total", CS_METRIC_COUNTER, NULL,
      "Worker calls refused for a missing or wrong cluster token", NULL, 0},
 };

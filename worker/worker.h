@@ -334,7 +334,7 @@ struct cs_worker {
     /* the engine's metrics (api/engine_metrics.h) and the worker's own (worker.c) */
     cs_engine_metrics em;
     cs_token_metrics tok; /* roles with token_metrics observe them */
-    cs_metric *m_refused, *m_unauthenticated;
+    cs_metric *m_unauthenticated;
 };
 
 /* Parses the role's table, loads the model, runs until SIGTERM/SIGINT, shuts

@@ -16,6 +16,7 @@ import subprocess
 import tempfile
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -1098,6 +1099,11 @@ def test_queue_full_is_429_with_retry_after(chunkserve_bin, tiny_model, pb):
         out = raw(s.http, post("/v1/completions", body))
         assert out.startswith(b"HTTP/1.1 429"), out[:300]
         assert b"Retry-After:" in out and b"rate_limit" in out
+        # counted as the workers count theirs
+        with urllib.request.urlopen(f"http://{s.ops}/metrics", timeout=10) as r:
+            lines = r.read().decode().splitlines()
+        assert "chunkserve:requests_refused_total 1" in lines, [
+            x for x in lines if "refused" in x]
         waiting.close()
         for st in streams:
             st.close()
@@ -1297,6 +1303,7 @@ def test_serve_exports_the_engine_metrics(tiny, bin_dir):
     assert live <= declared, live - declared
     for name in ("chunkserve:num_requests_running", "chunkserve:num_requests_waiting",
                  "chunkserve:kv_cache_usage_perc", "chunkserve:queued_prefill_tokens",
+                 "chunkserve:requests_refused_total",
                  "chunkserve:time_to_first_token_seconds", "chunkserve:inter_token_latency_seconds"):
         assert name in live, name
     assert metric_of(m, "chunkserve:generation_tokens_total") >= 15
