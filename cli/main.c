@@ -97,9 +97,6 @@ static const cs_config_entry opt_table[] = {
       "serve: waiting requests at most; more are refused (RESOURCE_EXHAUSTED)"),
     O("grace-ms", INT, grace_ms, "2000",
       "serve: on SIGTERM, time streams get to finish before they are cancelled"),
-    CS_OPENAI_CONFIG(options, openai),
-    CS_PROC_RPC_CONFIG(options, rpc, "60000", "20000"),
-    CS_PROC_TLS_CONFIG(options, tls),
     O("duration", DOUBLE, duration, "60", "bench-local: seconds per budget"),
     O("budgets", STR, budgets, "unlimited,256,512,2048", "bench-local: step budgets to compare"),
     O("prompt-tokens", INT, prompt_tokens, "2000", "bench-engine: prompt length"),
@@ -122,6 +119,23 @@ static const cs_config_entry opt_table[] = {
 #undef O
 #define N_OPTS (sizeof opt_table / sizeof opt_table[0])
 
+/* The whole table: the commands' options, then serve's OpenAI door, gRPC
+ * port and TLS (their modules' tables), joined once for the process. */
+static const cs_config_entry *all_options(size_t *n) {
+    static cs_config_entry *table;
+    static size_t n_table;
+    const cs_config_part parts[] = {
+        {opt_table, N_OPTS, 0},
+        {cs_openai_config_table, cs_openai_config_n, offsetof(options, openai)},
+        {cs_proc_rpc_config, cs_proc_rpc_config_n, offsetof(options, rpc)},
+        {cs_proc_tls_config, cs_proc_tls_config_n, offsetof(options, tls)},
+    };
+    if (!table && cs_config_join(parts, sizeof parts / sizeof parts[0], NULL, 0, &table, &n_table))
+        CS_ASSERT(!"the option tables join"); /* two entries of one name: a programming error */
+    *n = n_table;
+    return table;
+}
+
 /* The commands' part of the usage text, made from their table (at the end
  * of this file, where their functions are) before any option is parsed. */
 static char commands_help[2048];
@@ -130,8 +144,9 @@ static char commands_help[2048];
  * (exit 0) or -1 after printing the error (exit 2). */
 static int parse_options(int argc, char **argv, options *o) {
     memset(o, 0, sizeof *o);
-    int r =
-        cs_config_parse(opt_table, N_OPTS, o, argc, argv, 2, "chunkserve COMMAND", commands_help);
+    size_t n;
+    const cs_config_entry *table = all_options(&n);
+    int r = cs_config_parse(table, n, o, argc, argv, 2, "chunkserve COMMAND", commands_help);
     if (r < 0) fprintf(stderr, "chunkserve: %s\n", cs_last_error());
     return r < 0 ? -1 : r;
 }
@@ -734,7 +749,9 @@ static void make_commands_help(void) {
 }
 
 static void print_usage(FILE *f) {
-    cs_config_print_help(opt_table, N_OPTS, "chunkserve COMMAND", commands_help, f);
+    size_t n;
+    const cs_config_entry *table = all_options(&n);
+    cs_config_print_help(table, n, "chunkserve COMMAND", commands_help, f);
 }
 
 static const struct command *find_command(const char *name) {

@@ -199,8 +199,8 @@ static void decode_drain(cs_worker_call *c) {
         if (!rc && snap.out.oom) rc = CS_ENOMEM;
         if (!rc && cs_stream_has_message(&snap)) rc = send_output(q, &snap);
         cs_stream_end end;
-        cs_stream_outcome(&snap, rc, cs_rpc_call_pending_bytes(c->call), "the router",
-                          c->end_code, c->end_msg, &end);
+        cs_stream_outcome(&snap, rc, cs_rpc_call_pending_bytes(c->call), "the router", c->end_code,
+                          c->end_msg, &end);
         if (rc != CS_ENOMEM && snap.done && snap.finish == CS_FINISH_CANCELLED && kv_status) {
             /* ABORTED: the transfer into this worker failed (the link or the
              * sender), this worker is fine; a lease that ran out is this
@@ -382,8 +382,18 @@ static void decode_stop(cs_worker *w) {
     d->rx = NULL;
 }
 
+/* The shared options' defaults for decode: a step budget that keeps the
+ * inter-token latency low, up to four local prompts part-way at once. */
+static const cs_config_default config_defaults[] = {
+    {"port", "50060"},
+    {"max-batched-tokens", "512"},
+    {"max-partial-prefills", "4"},
+    {"max-chunk-tokens", "0"},
+    {"grpc-keepalive-ms", "5000"}, /* its callers are routers: a dead one is found fast */
+    {"grpc-keepalive-timeout-ms", "5000"},
+};
+
 static const cs_config_entry config[] = {
-    CS_WORKER_CONFIG_COMMON("50060", "512", "4", "0"),
     {"kv-host", CS_CONFIG_STR, offsetof(cs_worker_opts, kv_host), "127.0.0.1",
      "address of the KV listener prefill workers send pages to", 0, 0},
     {"kv-port", CS_CONFIG_INT, offsetof(cs_worker_opts, kv_port), "0",
@@ -403,6 +413,8 @@ const cs_worker_role cs_decode_role = {
     .role = CHUNKSERVE__V1__WORKER_ROLE__WORKER_ROLE_DECODE,
     .config = config,
     .n_config = sizeof config / sizeof config[0],
+    .config_defaults = config_defaults,
+    .n_config_defaults = sizeof config_defaults / sizeof config_defaults[0],
     .summary = "the decode worker: admits requests by free KV pages, receives prompt KV from "
                "prefill workers, "
                "runs mixed decode/prefill steps under its budget and streams tokens",

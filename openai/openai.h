@@ -22,77 +22,22 @@
 #include <stdint.h>
 
 #include "auth.h"
+#include "chunkserve/config.h"
 #include "gen_call.h"
 #include "wire.h"
 
 struct uv_loop_s;
 typedef struct cs_openai cs_openai;
 
-/* The public HTTP API's options in a process's config table (the router's,
- * `chunkserve serve`'s): CS_OPENAI_CONFIG(type of the options struct, the
- * member of this type) expands to their entries. */
+/* The public HTTP API's options (the router's, `chunkserve serve`'s): the
+ * table cs_openai_config_table (offsets in cs_openai_config), which a
+ * process joins at its member of this type (chunkserve/config.h). */
 typedef struct {
     const char *host, *api_key, *api_key_file, *cors_allow_origins;
     int64_t port, max_request_bytes, request_timeout_ms, idle_timeout_ms;
 } cs_openai_config;
-#define CS_OPENAI_CONFIG(T, m)                                                                     \
-    {"openai-host",                                                                                \
-     CS_CONFIG_STR,                                                                                \
-     offsetof(T, m.host),                                                                          \
-     NULL,                                                                                         \
-     "address of the OpenAI-compatible HTTP API (default: host)",                                  \
-     0,                                                                                            \
-     0},                                                                                           \
-        {"openai-port",                                                                            \
-         CS_CONFIG_INT,                                                                            \
-         offsetof(T, m.port),                                                                      \
-         "-1",                                                                                     \
-         "OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models); "        \
-         "0 = any free port, -1 = off",                                                            \
-         -1,                                                                                       \
-         65535},                                                                                   \
-        {"api-key",                                                                                \
-         CS_CONFIG_SECRET,                                                                         \
-         offsetof(T, m.api_key),                                                                   \
-         NULL,                                                                                     \
-         "API key the public API requires (repeat the flag, or comma-separate, for more): HTTP "   \
-         "'Authorization: Bearer KEY', "                                                           \
-         "gRPC 'authorization' metadata; none = open",                                             \
-         0,                                                                                        \
-         0},                                                                                       \
-        {"api-key-file",                                                                           \
-         CS_CONFIG_STR,                                                                            \
-         offsetof(T, m.api_key_file),                                                              \
-         NULL,                                                                                     \
-         "file with more API keys, one per line",                                                  \
-         0,                                                                                        \
-         0},                                                                                       \
-        {"cors-allow-origins",                                                                     \
-         CS_CONFIG_STR,                                                                            \
-         offsetof(T, m.cors_allow_origins),                                                        \
-         NULL,                                                                                     \
-         "origins (comma-separated, * = any) browsers may call the HTTP API from; none = no CORS", \
-         0,                                                                                        \
-         0},                                                                                       \
-        {"max-request-bytes",                                                                      \
-         CS_CONFIG_INT,                                                                            \
-         offsetof(T, m.max_request_bytes),                                                         \
-         "4194304",                                                                                \
-         "largest HTTP request body (413 beyond)",                                                 \
-         1024,                                                                                     \
-         1 << 30},                                                                                 \
-        {"openai-request-timeout-ms",                                                              \
-         CS_CONFIG_INT,                                                                            \
-         offsetof(T, m.request_timeout_ms),                                                        \
-         "30000",                                                                                  \
-         "deadline for an HTTP request's headers and body from its first byte (408 after; "        \
-         "slow clients cannot hold a connection)",                                                 \
-         100,                                                                                      \
-         3600000},                                                                                 \
-    {                                                                                              \
-        "openai-idle-timeout-ms", CS_CONFIG_INT, offsetof(T, m.idle_timeout_ms), "30000",          \
-            "an idle keep-alive HTTP connection is closed after this", 100, 3600000                \
-    }
+extern const cs_config_entry cs_openai_config_table[];
+extern const size_t cs_openai_config_n;
 
 typedef struct {
     const char *host;
@@ -111,7 +56,7 @@ typedef struct {
     const char *cors_allow_origins;
 } cs_openai_opts;
 
-/* For a process with a CS_OPENAI_CONFIG table: loads the API keys (into
+/* For a process with the cs_openai_config_table options: loads the API keys (into
  * *keys, shared with the process's gRPC door; free with cs_api_keys_free)
  * and, unless c->port is -1, starts the HTTP API on c->host (default_host
  * when unset); *out stays NULL when off. 0 or the error (printed by the

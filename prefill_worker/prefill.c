@@ -669,8 +669,19 @@ static void prefill_stop(cs_worker *w) {
     p->tx = NULL;
 }
 
+/* The shared options' defaults for prefill: a large step budget, one
+ * prompt at a time in 512-token chunks (pages stream while the next chunk
+ * computes). */
+static const cs_config_default config_defaults[] = {
+    {"port", "50070"},
+    {"max-batched-tokens", "8192"},
+    {"max-partial-prefills", "1"},
+    {"max-chunk-tokens", "512"},
+    {"grpc-keepalive-ms", "5000"}, /* its callers are routers: a dead one is found fast */
+    {"grpc-keepalive-timeout-ms", "5000"},
+};
+
 static const cs_config_entry config[] = {
-    CS_WORKER_CONFIG_COMMON("50070", "8192", "1", "512"),
     {"kv-deadline-ms", CS_CONFIG_INT, offsetof(cs_worker_opts, kv_deadline_ms), "120000",
      "longest a KV transfer may take (the call's own deadline applies when shorter)", 100, 3600000},
     {"kv-queue-mib", CS_CONFIG_INT, offsetof(cs_worker_opts, kv_queue_mib), "256",
@@ -710,6 +721,8 @@ const cs_worker_role cs_prefill_role = {
     .role = CHUNKSERVE__V1__WORKER_ROLE__WORKER_ROLE_PREFILL,
     .config = config,
     .n_config = sizeof config / sizeof config[0],
+    .config_defaults = config_defaults,
+    .n_config_defaults = sizeof config_defaults / sizeof config_defaults[0],
     .summary = "the prefill worker: computes prompts in chunks under its budget and streams each "
                "chunk's KV "
                "pages to the decode worker that reserved them",

@@ -3,6 +3,7 @@
  * reverse order. Everything else is in router.c and pool.c. */
 #include <stddef.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <strings.h>
 
@@ -84,9 +85,6 @@ static const cs_config_entry options[] = {
      "fault injection (tests): after every Nth message relayed, drop the stream's worker calls "
      "as if its decode worker had failed (blaming nobody) and migrate it; 0 = off",
      0, 1000000},
-    CS_OPENAI_CONFIG(cs_router_opts, openai),
-    CS_PROC_RPC_CONFIG(cs_router_opts, rpc, "60000", "20000"),
-    CS_PROC_TLS_CONFIG(cs_router_opts, tls),
     {"worker-tls-ca-file", CS_CONFIG_STR, O(worker_tls.ca_file), NULL,
      "PEM roots: talk TLS to the workers and check their certificates against these", 0, 0},
     {"worker-tls-cert-file", CS_CONFIG_STR, O(worker_tls.cert_file), NULL,
@@ -124,24 +122,36 @@ int main(int argc, char **argv) {
         }
     cs_router_opts o;
     memset(&o, 0, sizeof o);
-    int rc = cs_config_parse(options, N_OPTIONS, &o, argc, argv, 1, "chunkserve-router", summary);
+    /* the router's own options, then the OpenAI door's, the gRPC port's, TLS's */
+    const cs_config_part parts[] = {
+        {options, N_OPTIONS, 0},
+        {cs_openai_config_table, cs_openai_config_n, offsetof(cs_router_opts, openai)},
+        {cs_proc_rpc_config, cs_proc_rpc_config_n, offsetof(cs_router_opts, rpc)},
+        {cs_proc_tls_config, cs_proc_tls_config_n, offsetof(cs_router_opts, tls)},
+    };
+    cs_config_entry *table;
+    size_t n_table;
+    int rc = cs_config_join(parts, sizeof parts / sizeof parts[0], NULL, 0, &table, &n_table);
+    if (!rc) rc = cs_config_parse(table, n_table, &o, argc, argv, 1, "chunkserve-router", summary);
+    if (rc) free(table);
     if (rc == 1) return 0; /* --help */
     if (rc) {
         fprintf(stderr, "chunkserve-router: %s (see --help)\n", cs_last_error());
         return 2;
     }
     int level = log_level(o.log_level);
+    if (level >= 0) cs_log_set_level(o.verbose ? CS_LOG_DEBUG : level);
+    if (level >= 0 && cs_log_level() >= CS_LOG_DEBUG) cs_config_dump(table, n_table, &o, stderr);
+    free(table);
     if (level < 0) {
         fprintf(stderr, "chunkserve-router: --log-level: '%s' is not error, warn, info or debug\n",
                 o.log_level);
         return 2;
     }
-    cs_log_set_level(o.verbose ? CS_LOG_DEBUG : level);
     if (!o.model || !o.model[0]) {
         fprintf(stderr, "chunkserve-router: --model (or CHUNKSERVE_MODEL) is required\n");
         return 2;
     }
-    if (cs_log_level() >= CS_LOG_DEBUG) cs_config_dump(options, N_OPTIONS, &o, stderr);
 
     cs_model *model = NULL;
     if ((rc = cs_model_load_vocab(o.model, &model))) {

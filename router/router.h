@@ -55,8 +55,8 @@ typedef struct {
     const char *log_level;
     bool verbose;
     cs_openai_config openai; /* the public HTTP API and the API keys */
-    cs_rpc_limits rpc;       /* the gRPC port's limits (CS_PROC_RPC_CONFIG) */
-    cs_rpc_tls tls;          /* TLS on the gRPC port (CS_PROC_TLS_CONFIG) */
+    cs_rpc_limits rpc;       /* the gRPC port's limits (cs_proc_rpc_config) */
+    cs_rpc_tls tls;          /* TLS on the gRPC port (cs_proc_tls_config) */
     cs_rpc_tls worker_tls;   /* TLS to the workers: CA, client identity, server name */
 } cs_router_opts;
 

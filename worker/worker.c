@@ -360,7 +360,18 @@ int cs_worker_main(int argc, char **argv, const cs_worker_role *role) {
             free(all);
             return 0;
         }
-    int r = cs_config_parse(role->config, role->n_config, &w.o, argc, argv, 1, prog, role->summary);
+    const cs_config_part parts[] = {
+        {cs_worker_config, cs_worker_config_n, 0},
+        {cs_proc_rpc_config, cs_proc_rpc_config_n, offsetof(cs_worker_opts, rpc)},
+        {cs_proc_tls_config, cs_proc_tls_config_n, offsetof(cs_worker_opts, tls)},
+        {role->config, role->n_config, 0},
+    };
+    cs_config_entry *table;
+    size_t n_table;
+    int r = cs_config_join(parts, sizeof parts / sizeof parts[0], role->config_defaults,
+                           role->n_config_defaults, &table, &n_table);
+    if (!r) r = cs_config_parse(table, n_table, &w.o, argc, argv, 1, prog, role->summary);
+    free(table); /* the options point into argv, environ or the entries' defaults, not here */
     if (r == 1) return 0;
     if (r) {
         fprintf(stderr, "%s: %s\n", prog, cs_last_error());

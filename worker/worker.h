@@ -44,8 +44,8 @@ typedef struct {
     int64_t prefix_summary_ms;
     bool prefix_caching, kv_checksum, verbose, exact, kv_bf16;
     double step_time_target_ms;
-    cs_rpc_limits rpc; /* the gRPC port's limits (CS_PROC_RPC_CONFIG) */
-    cs_rpc_tls tls;    /* TLS on the gRPC port (CS_PROC_TLS_CONFIG) */
+    cs_rpc_limits rpc; /* the gRPC port's limits (cs_proc_rpc_config) */
+    cs_rpc_tls tls;    /* TLS on the gRPC port (cs_proc_tls_config) */
     /* prefill: the decode workers it may send KV pages to (polled like the
      * router's pool), and TLS for those polls */
     const char *decode_workers, *decode_dns;
@@ -53,184 +53,11 @@ typedef struct {
     cs_rpc_tls worker_tls;
 } cs_worker_opts;
 
-/* The entries both workers have (spliced into each process's table). */
-#define CS_WORKER_CONFIG_COMMON(default_port, default_budget, default_partial, default_chunk)       \
-    {"model",                                                                                       \
-     CS_CONFIG_STR,                                                                                 \
-     offsetof(cs_worker_opts, model),                                                               \
-     NULL,                                                                                          \
-     "model: a .gguf file or a Hugging Face directory (required)",                                  \
-     0,                                                                                             \
-     0},                                                                                            \
-        {"host",                                                                                    \
-         CS_CONFIG_STR,                                                                             \
-         offsetof(cs_worker_opts, host),                                                            \
-         "127.0.0.1",                                                                               \
-         "address of the gRPC port (0.0.0.0 = all interfaces)",                                     \
-         0,                                                                                         \
-         0},                                                                                        \
-        {"port",                                                                                    \
-         CS_CONFIG_INT,                                                                             \
-         offsetof(cs_worker_opts, port),                                                            \
-         default_port,                                                                              \
-         "gRPC port (chunkserve.v1.Worker + health); 0 = any free port",                            \
-         0,                                                                                         \
-         65535},                                                                                    \
-        {"http-host",                                                                               \
-         CS_CONFIG_STR,                                                                             \
-         offsetof(cs_worker_opts, http_host),                                                       \
-         "127.0.0.1",                                                                               \
-         "address of the HTTP port (/metrics, /healthz, /readyz)",                                  \
-         0,                                                                                         \
-         0},                                                                                        \
-        {"http-port",                                                                               \
-         CS_CONFIG_INT,                                                                             \
-         offsetof(cs_worker_opts, http_port),                                                       \
-         "0",                                                                                       \
-         "HTTP port; 0 = any free port",                                                            \
-         0,                                                                                         \
-         65535},                                                                                    \
-        {"worker-id",                                                                               \
-         CS_CONFIG_STR,                                                                             \
-         offsetof(cs_worker_opts, worker_id),                                                       \
-         NULL,                                                                                      \
-         "stable name in logs and status (default ROLE-HOST:PORT)",                                 \
-         0,                                                                                         \
-         0},                                                                                        \
-        {"cluster-secret",                                                                          \
-         CS_CONFIG_SECRET,                                                                          \
-         offsetof(cs_worker_opts, cluster_secret),                                                  \
-         NULL,                                                                                      \
-         "the cluster's shared secret (>= 16 bytes): worker RPCs must carry its token; unset = "    \
-         "trust the network",                                                                       \
-         0,                                                                                         \
-         0},                                                                                        \
-        {"cluster-secret-file",                                                                     \
-         CS_CONFIG_STR,                                                                             \
-         offsetof(cs_worker_opts, cluster_secret_file),                                             \
-         NULL,                                                                                      \
-         "file holding the cluster secret (a mounted Kubernetes Secret)",                           \
-         0,                                                                                         \
-         0},                                                                                        \
-        {"max-batched-tokens",                                                                      \
-         CS_CONFIG_INT,                                                                             \
-         offsetof(cs_worker_opts, max_batched_tokens),                                              \
-         default_budget,                                                                            \
-         "step token budget (decodes first, prompt chunks fill the rest); 0 = unlimited",           \
-         0,                                                                                         \
-         1 << 30},                                                                                  \
-        {"max-num-seqs",                                                                            \
-         CS_CONFIG_INT,                                                                             \
-         offsetof(cs_worker_opts, max_num_seqs),                                                    \
-         "256",                                                                                     \
-         "running sequences at most",                                                               \
-         1,                                                                                         \
-         1 << 20},                                                                                  \
-        {"max-partial-prefills",                                                                    \
-         CS_CONFIG_INT,                                                                             \
-         offsetof(cs_worker_opts, max_partial_prefills),                                            \
-         default_partial,                                                                           \
-         "prompts part-way through prefill at once (1 = one at a time, in arrival order)",          \
-         1,                                                                                         \
-         1 << 20},                                                                                  \
-        {"max-chunk-tokens",                                                                        \
-         CS_CONFIG_INT,                                                                             \
-         offsetof(cs_worker_opts, max_chunk_tokens),                                                \
-         default_chunk,                                                                             \
-         "one prompt's chunk per step at most; 0 = the budget (smaller: pages stream while the "    \
-         "next "                                                                                    \
-         "chunk computes)",                                                                         \
-         0,                                                                                         \
-         1 << 30},                                                                                  \
-        {"prefix-summary-ms",                                                                       \
-         CS_CONFIG_INT,                                                                             \
-         offsetof(cs_worker_opts, prefix_summary_ms),                                               \
-         "1000",                                                                                    \
-         "publish what the prefix cache holds (a Bloom filter in GetStatus, for the router's "      \
-         "prefix-aware placement), rebuilt at most this often; 0 = off",                            \
-         0,                                                                                         \
-         3600000},                                                                                  \
-        {"step-time-target-ms",                                                                     \
-         CS_CONFIG_DOUBLE,                                                                          \
-         offsetof(cs_worker_opts, step_time_target_ms),                                             \
-         "0",                                                                                       \
-         "size prompt chunks so each step's predicted time (fitted online from measured steps) "    \
-         "stays within this many ms; decodes first, the token budget still caps; 0 = off",          \
-         0,                                                                                         \
-         1e7},                                                                                      \
-        {"page-size", CS_CONFIG_INT,        offsetof(cs_worker_opts, page_size),                    \
-         "16",        "tokens per KV page", 1,                                                      \
-         4096},                                                                                     \
-        {"kv-cache-mib",                                                                            \
-         CS_CONFIG_INT,                                                                             \
-         offsetof(cs_worker_opts, kv_cache_mib),                                                    \
-         "1024",                                                                                    \
-         "KV-cache pool size in MiB",                                                               \
-         1,                                                                                         \
-         1 << 24},                                                                                  \
-        {"threads",                                                                                 \
-         CS_CONFIG_INT,                                                                             \
-         offsetof(cs_worker_opts, threads),                                                         \
-         "0",                                                                                       \
-         "CPU threads for the engine; 0 = one per core",                                            \
-         0,                                                                                         \
-         4096},                                                                                     \
-        {"kv-bf16",                                                                                 \
-         CS_CONFIG_BOOL,                                                                            \
-         offsetof(cs_worker_opts, kv_bf16),                                                         \
-         "false",                                                                                   \
-         "CPU backend: KV pages in bf16 (half the memory and transfer bytes); a prefill and a "     \
-         "decode worker pair only when their KV dtypes match",                                      \
-         0,                                                                                         \
-         0},                                                                                        \
-        {"exact",                                                                                   \
-         CS_CONFIG_BOOL,                                                                            \
-         offsetof(cs_worker_opts, exact),                                                           \
-         "false",                                                                                   \
-         "fp32 weights (quantized files dequantized at load); default: a Q4_0/Q4_1/Q8_0 file "      \
-         "keeps its blocks and runs the CPU's integer kernels (every worker of a cluster must "     \
-         "use the same mode)",                                                                      \
-         0,                                                                                         \
-         0},                                                                                        \
-        {"prefix-caching",                                                                          \
-         CS_CONFIG_BOOL,                                                                            \
-         offsetof(cs_worker_opts, prefix_caching),                                                  \
-         "true",                                                                                    \
-         "reuse KV pages of prompts with the same prefix",                                          \
-         0,                                                                                         \
-         0},                                                                                        \
-        {"max-queue",                                                                               \
-         CS_CONFIG_INT,                                                                             \
-         offsetof(cs_worker_opts, max_queue),                                                       \
-         "1024",                                                                                    \
-         "requests held at most; more are refused with RESOURCE_EXHAUSTED",                         \
-         1,                                                                                         \
-         1 << 24},                                                                                  \
-        {"grace-ms",                                                                                \
-         CS_CONFIG_INT,                                                                             \
-         offsetof(cs_worker_opts, grace_ms),                                                        \
-         "5000",                                                                                    \
-         "on SIGTERM/SIGINT: time calls get to finish before they are cancelled",                   \
-         0,                                                                                         \
-         3600000},                                                                                  \
-        {"kv-dead-ms",                                                                              \
-         CS_CONFIG_INT,                                                                             \
-         offsetof(cs_worker_opts, kv_dead_ms),                                                      \
-         "5000",                                                                                    \
-         "KV channel: a peer silent this long (despite keepalives) is dead",                        \
-         100,                                                                                       \
-         3600000},                                                                                  \
-        {"kv-checksum",                                                                             \
-         CS_CONFIG_BOOL,                                                                            \
-         offsetof(cs_worker_opts, kv_checksum),                                                     \
-         "true",                                                                                    \
-         "checksum (XXH3-64) of every KV chunk's payload",                                          \
-         0,                                                                                         \
-         0},                                                                                        \
-        {"verbose", CS_CONFIG_BOOL, offsetof(cs_worker_opts, verbose), "false", "debug logging", 0, \
-         0},                                                                                        \
-        CS_PROC_RPC_CONFIG(cs_worker_opts, rpc, "5000", "5000"),                                    \
-        CS_PROC_TLS_CONFIG(cs_worker_opts, tls)
+/* The options both workers have (worker_config.c; offsets in
+ * cs_worker_opts). A worker's table is these, the gRPC port's limits and
+ * TLS (chunkserve/proc.h), then its role's (cs_worker_main joins them). */
+extern const cs_config_entry cs_worker_config[];
+extern const size_t cs_worker_config_n;
 
 typedef struct cs_worker cs_worker;
 typedef struct cs_worker_call cs_worker_call;
@@ -247,8 +74,12 @@ typedef struct {
 typedef struct {
     const char *name; /* "prefill", "decode": logs, default worker id */
     Chunkserve__V1__WorkerRole role;
-    const cs_config_entry *config;
+    const cs_config_entry *config; /* the role's own options (offsets in cs_worker_opts) */
     size_t n_config;
+    /* the defaults the role gives the shared options (the port, the step
+     * budget, the chunking) */
+    const cs_config_default *config_defaults;
+    size_t n_config_defaults;
     const char *summary; /* first line of --help */
     size_t state_size;   /* the role's state: w->role_data, zeroed, owned by the shell */
     size_t call_size;    /* the role's request struct, which begins with a cs_worker_call */

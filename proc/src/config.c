@@ -179,6 +179,42 @@ static const char *join_repeats(const assignment *as, int n_as, int k) {
     return s;
 }
 
+int cs_config_join(const cs_config_part *parts, size_t n_parts, const cs_config_default *defs,
+                   size_t n_defs, cs_config_entry **out, size_t *n_out) {
+    *out = NULL;
+    *n_out = 0;
+    size_t n = 0;
+    for (size_t i = 0; i < n_parts; i++)
+        n += parts[i].n;
+    cs_config_entry *t = malloc((n ? n : 1) * sizeof *t);
+    if (!t) return cs_fail(CS_ENOMEM, "out of memory");
+    size_t k = 0;
+    for (size_t i = 0; i < n_parts; i++)
+        for (size_t j = 0; j < parts[i].n; j++) {
+            t[k] = parts[i].entries[j];
+            t[k].offset += parts[i].base;
+            if (find_entry(t, k, t[k].name, strlen(t[k].name))) {
+                cs_fail(CS_EINVAL, "config: entry '%s' is in two tables", t[k].name);
+                free(t);
+                return CS_EINVAL;
+            }
+            k++;
+        }
+    for (size_t i = 0; i < n_defs; i++) {
+        cs_config_entry *e =
+            (cs_config_entry *)find_entry(t, n, defs[i].name, strlen(defs[i].name));
+        if (!e) {
+            free(t);
+            return cs_fail(CS_EINVAL, "config: a default for '%s', which no table has",
+                           defs[i].name);
+        }
+        e->def = defs[i].def;
+    }
+    *out = t;
+    *n_out = n;
+    return 0;
+}
+
 int cs_config_parse(const cs_config_entry *table, size_t n, void *opts, int argc, char **argv,
                     int first, const char *prog, const char *summary) {
     CS_ASSERT(table && opts && first >= 0);

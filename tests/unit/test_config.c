@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include "chunkserve/config.h"
+#include "chunkserve/error.h"
 #include "test.h"
 
 typedef struct {
@@ -258,6 +259,54 @@ static void test_help_json(void) {
              "\"a\\\\b\", \"help\": \"say \\\"hi\\\"\\u000a\\u0009now\"}\n]\n");
 }
 
+/* A process's table joined from its modules' tables: each at its struct's
+ * offset, in order, the process's defaults replacing the module's; two
+ * entries of one name, or a default naming none, are refused. */
+typedef struct {
+    int64_t a;
+    const char *b;
+} part_opts;
+typedef struct {
+    bool verbose;
+    part_opts inner;
+} whole_opts;
+
+static void test_join(void) {
+    static const cs_config_entry inner[] = {
+        {"a", CS_CONFIG_INT, offsetof(part_opts, a), "1", "a number", 0, 100},
+        {"b", CS_CONFIG_STR, offsetof(part_opts, b), "x", "a string", 0, 0},
+    };
+    static const cs_config_entry outer[] = {
+        {"verbose", CS_CONFIG_BOOL, offsetof(whole_opts, verbose), NULL, "debug logging", 0, 0},
+    };
+    const cs_config_part parts[] = {{outer, 1, 0}, {inner, 2, offsetof(whole_opts, inner)}};
+    const cs_config_default defs[] = {{"a", "7"}};
+    cs_config_entry *t;
+    size_t n;
+    ASSERT_EQ_INT(cs_config_join(parts, 2, defs, 1, &t, &n), 0);
+    ASSERT_EQ_INT((int)n, 3);
+    ASSERT_EQ_STR(t[0].name, "verbose");
+    ASSERT_EQ_STR(t[1].name, "a");
+    ASSERT_EQ_STR(t[1].def, "7");
+    ASSERT_EQ_STR(inner[0].def, "1"); /* the module's own table is untouched */
+    clear_env();
+    whole_opts o;
+    memset(&o, 0, sizeof o);
+    char *argv[] = {"prog", "--b", "y", "--verbose", NULL};
+    ASSERT_EQ_INT(cs_config_parse(t, n, &o, 4, argv, 1, "prog", "summary"), 0);
+    ASSERT_TRUE(o.verbose);
+    ASSERT_EQ_INT((int)o.inner.a, 7);
+    ASSERT_EQ_STR(o.inner.b, "y");
+    free(t);
+    const cs_config_part twice[] = {{inner, 2, 0}, {inner, 1, 0}};
+    ASSERT_EQ_INT(cs_config_join(twice, 2, NULL, 0, &t, &n), CS_EINVAL);
+    ASSERT_MSG_HAS(cs_last_error(), "'a' is in two tables");
+    ASSERT_TRUE(t == NULL);
+    const cs_config_default stray[] = {{"c", "1"}};
+    ASSERT_EQ_INT(cs_config_join(parts, 2, stray, 1, &t, &n), CS_EINVAL);
+    ASSERT_MSG_HAS(cs_last_error(), "'c'");
+}
+
 static void test_dump(void) {
     clear_env();
     opts o;
@@ -309,6 +358,7 @@ int main(void) {
     test_help();
     test_help_json();
     test_dump();
+    test_join();
     test_secret_list();
     printf("test_config: ok\n");
     return 0;

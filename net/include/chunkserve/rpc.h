@@ -122,7 +122,7 @@ typedef struct cs_rpc_call cs_rpc_call;
 
 /* What one server gives its clients (every field: 0 = the default named).
  * int64_t so that a process's option table (chunkserve/config.h) fills them
- * directly (CS_PROC_RPC_CONFIG in chunkserve/proc.h). */
+ * directly (cs_proc_rpc_config in chunkserve/proc.h). */
 typedef struct {
     int64_t max_streams;  /* concurrent streams per connection (HTTP/2 SETTINGS; a client
                              queues the rest); 0 = 4096 */

@@ -42,6 +42,29 @@ typedef struct {
     double min, max;  /* INT / DOUBLE bounds, inclusive; both 0 = unbounded */
 } cs_config_entry;
 
+/* A process's table is joined from its modules' own tables (the RPC
+ * server's, TLS's, the OpenAI door's, the worker shell's, the role's):
+ * each module defines its entries once, relative to its own struct, and the
+ * process says where that struct sits in its options and which defaults it
+ * changes. */
+typedef struct {
+    const cs_config_entry *entries;
+    size_t n;
+    size_t base; /* offsetof the module's struct in the process's options */
+} cs_config_part;
+
+/* A default the process changes: the entry's name and its new default. */
+typedef struct {
+    const char *name, *def;
+} cs_config_default;
+
+/* The parts' entries in order, offsets moved by their part's base, the
+ * defaults replaced as defs say: one array for the functions below (free()
+ * it). CS_EINVAL when two entries share a name or a default names none
+ * (a programming error: the message says which), CS_ENOMEM. */
+int cs_config_join(const cs_config_part *parts, size_t n_parts, const cs_config_default *defs,
+                   size_t n_defs, cs_config_entry **out, size_t *n_out);
+
 /* Fills opts from the table: defaults, then CHUNKSERVE_* variables, then
  * argv[first..argc); writes every entry's field. -h/--help anywhere in argv
  * prints the help on stdout and returns 1 (the caller exits 0); so does

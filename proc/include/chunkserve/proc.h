@@ -35,6 +35,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "chunkserve/config.h"
 #include "chunkserve/rpc.h"
 
 #ifdef __cplusplus
@@ -77,89 +78,17 @@ typedef struct {
     void (*free)(cs_proc *p, void *role);
 } cs_proc_role;
 
-/* The RPC server's limits as options of a process (cs_rpc_limits, field m
- * of options struct T): one set of flags, env variables and Helm values for
- * every process. Bounds: 0 keeps the RPC layer's default. */
-#define CS_PROC_RPC_CONFIG(T, m, ka_default, ka_timeout_default)                                   \
-    {"grpc-max-streams",                                                                           \
-     CS_CONFIG_INT,                                                                                \
-     offsetof(T, m.max_streams),                                                                   \
-     "4096",                                                                                       \
-     "gRPC: concurrent streams per connection (a client queues the rest)",                         \
-     1,                                                                                            \
-     1 << 20},                                                                                     \
-        {"grpc-memory-mib",                                                                        \
-         CS_CONFIG_INT,                                                                            \
-         offsetof(T, m.memory_mib),                                                                \
-         "512",                                                                                    \
-         "gRPC: memory quota of the transport's buffers (full: smaller reads, new streams "        \
-         "refused)",                                                                               \
-         16,                                                                                       \
-         1 << 20},                                                                                 \
-        {"grpc-max-connection-idle-ms",                                                            \
-         CS_CONFIG_INT,                                                                            \
-         offsetof(T, m.idle_ms),                                                                   \
-         "300000",                                                                                 \
-         "gRPC: close a connection without calls after this long; -1 = never",                     \
-         -1,                                                                                       \
-         86400000},                                                                                \
-        {"grpc-max-connection-age-ms",                                                             \
-         CS_CONFIG_INT,                                                                            \
-         offsetof(T, m.age_ms),                                                                    \
-         "0",                                                                                      \
-         "gRPC: send GOAWAY to a connection this old (clients reconnect, e.g. to rebalance); "     \
-         "0 = never",                                                                              \
-         0,                                                                                        \
-         86400000},                                                                                \
-        {"grpc-max-connection-age-grace-ms",                                                       \
-         CS_CONFIG_INT,                                                                            \
-         offsetof(T, m.age_grace_ms),                                                              \
-         "60000",                                                                                  \
-         "gRPC: after that GOAWAY, time the connection's calls get to finish",                     \
-         1,                                                                                        \
-         86400000},                                                                                \
-        {"grpc-max-health-watches",                                                                \
-         CS_CONFIG_INT,                                                                            \
-         offsetof(T, m.max_watches),                                                               \
-         "256",                                                                                    \
-         "gRPC: grpc.health.v1 Health/Watch streams at once (more: RESOURCE_EXHAUSTED)",           \
-         1,                                                                                        \
-         1 << 20},                                                                                 \
-        {"grpc-keepalive-ms",                                                                      \
-         CS_CONFIG_INT,                                                                            \
-         offsetof(T, m.keepalive_ms),                                                              \
-         ka_default,                                                                               \
-         "gRPC: ping a client with calls open after this long without a frame from it",            \
-         1000,                                                                                     \
-         86400000},                                                                                \
-    {                                                                                              \
-        "grpc-keepalive-timeout-ms", CS_CONFIG_INT, offsetof(T, m.keepalive_timeout_ms),           \
-            ka_timeout_default,                                                                    \
-            "gRPC: a ping unanswered this long closes the connection and cancels its calls (a "    \
-            "partitioned or dead client's streams end and free their KV pages)",                   \
-            1000, 86400000                                                                         \
-    }
+/* The RPC server's limits as options of a process: one set of flags, env
+ * variables and Helm values for every process (offsets in cs_rpc_limits:
+ * a process joins it at its field, chunkserve/config.h). The keepalive
+ * defaults are a client-facing port's (60 s, 20 s); workers, whose clients
+ * are routers, change them. */
+extern const cs_config_entry cs_proc_rpc_config[];
+extern const size_t cs_proc_rpc_config_n;
 
-/* TLS on the process's gRPC port (cs_rpc_tls, field m of options struct T). */
-#define CS_PROC_TLS_CONFIG(T, m)                                                                   \
-    {"tls-cert-file",                                                                              \
-     CS_CONFIG_STR,                                                                                \
-     offsetof(T, m.cert_file),                                                                     \
-     NULL,                                                                                         \
-     "PEM certificate chain: the gRPC port speaks TLS (needs --tls-key-file)",                     \
-     0,                                                                                            \
-     0},                                                                                           \
-        {"tls-key-file",                                                                           \
-         CS_CONFIG_STR,                                                                            \
-         offsetof(T, m.key_file),                                                                  \
-         NULL,                                                                                     \
-         "PEM private key of --tls-cert-file",                                                     \
-         0,                                                                                        \
-         0},                                                                                       \
-    {                                                                                              \
-        "tls-client-ca-file", CS_CONFIG_STR, offsetof(T, m.ca_file), NULL,                         \
-            "PEM roots: gRPC clients must present a certificate they signed (mutual TLS)", 0, 0    \
-    }
+/* TLS on the process's gRPC port (offsets in cs_rpc_tls). */
+extern const cs_config_entry cs_proc_tls_config[];
+extern const size_t cs_proc_tls_config_n;
 
 typedef struct {
     const char *host;       /* gRPC bind address */
@@ -168,8 +97,8 @@ typedef struct {
     int http_port;          /* 0 = any free port */
     int64_t grace_ms;       /* the drain's longest wait for open calls */
     int32_t max_recv_bytes; /* largest RPC request; 0 = the RPC layer's default (4 MiB) */
-    cs_rpc_limits rpc;      /* CS_PROC_RPC_CONFIG */
-    cs_rpc_tls tls;         /* CS_PROC_TLS_CONFIG */
+    cs_rpc_limits rpc;      /* cs_proc_rpc_config */
+    cs_rpc_tls tls;         /* cs_proc_tls_config */
 } cs_proc_opts;
 
 /* Runs the process with role until SIGTERM/SIGINT and the drain end, then
