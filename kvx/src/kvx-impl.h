@@ -15,7 +15,7 @@
  *
  * A chunk moves through one staging slot of its channel's link:
  *   sender:   pack(slot, ids) -> query() == 0 -> its frame is written on TCP
- *             (PAGES with the bytes when inline, else an NCCL_PAGES
+ *             (PAGES with the bytes when inline, else an LINK_PAGES
  *             descriptor) -> send(slot) -> query() == 0 -> slot free;
  *   receiver: inline: the PAGES payload is read straight into the pages;
  *             otherwise recv(slot, ids) per descriptor, in arrival order ->
@@ -75,10 +75,11 @@ typedef struct {
 /* Copies a params secret; CS_EINVAL when longer than kvx_key holds. */
 int cs__kvx_key_set(kvx_key *k, const void *secret, size_t len);
 
-/* What both ends of a channel's handshake hash (kvx_wire.h version 4). */
+/* What both ends of a channel's handshake hash (kvx_wire.h version 5). */
 typedef struct {
     uint8_t tx_nonce[CS_KVX_NONCE_BYTES], rx_nonce[CS_KVX_NONCE_BYTES];
     uint64_t tx_inc, rx_inc, fingerprint;
+    uint8_t payload; /* enum cs_kvx_payload, as HELLO named it */
     char name[CS_KVX_NAME_MAX];
 } kvx_transcript;
 enum kvx_derive { KVX_PROOF_RX, KVX_PROOF_TX, KVX_SESSION };
@@ -96,6 +97,7 @@ void cs__kvx_trailer_mac(const uint8_t session[32], uint64_t xfer_id,
 typedef struct {                       /* what the sender's side of a channel knows */
     uint8_t nonce[CS_KVX_NONCE_BYTES]; /* its HELLO's */
     uint64_t incarnation, fingerprint;
+    int payload;      /* its payload (CS_KVX_PAYLOAD_*), as its HELLO named it */
     const char *name; /* the sender's */
     const char *peer; /* "host:port", for messages */
 } cs__kvx_hs_sender;
@@ -104,8 +106,9 @@ typedef struct { /* what the receiver checks a HELLO against */
     const cs_kvx_layout *layout;
     uint64_t incarnation, fingerprint;
 } cs__kvx_hs_receiver;
-/* Sender: HELLO's payload, with a fresh nonce (kept for the transcript). */
-void cs__kvx_hs_hello(const cs_kvx_layout *layout, const char *name,
+/* Sender: HELLO's payload (naming its payload kind), with a fresh nonce
+ * (kept for the transcript). */
+void cs__kvx_hs_hello(const cs_kvx_layout *layout, int payload, const char *name,
                       uint8_t nonce[CS_KVX_NONCE_BYTES], uint8_t pl[CS_KVX_HELLO_BYTES]);
 /* Sender, on CHALLENGE: checks the receiver's proof, then gives AUTH's
  * proof and the session key. CS_EPROTO (a bad frame) or CS_ECONNREFUSED
@@ -152,10 +155,10 @@ typedef struct cs__kvx_payload {
      * pages are needed until that frame is written. Otherwise the link moves
      * them and the pages are released once pack finished. */
     bool inline_pages;
-    /* A fresh link id (sender), sent in NCCL_ID; the receiver opens its link
-     * with it and answers NCCL_READY. NULL: no handshake, the sender's link
+    /* A fresh link id (sender), sent in LINK_ID; the receiver opens its link
+     * with it and answers LINK_READY. NULL: no handshake, the sender's link
      * opens at connect and is ready at once. 0 or negative with err. */
-    int (*unique_id)(const cs__kvx_link_cfg *cfg, uint8_t id[CS_KVX_NCCL_ID_BYTES], char *err,
+    int (*unique_id)(const cs__kvx_link_cfg *cfg, uint8_t id[CS_KVX_LINK_ID_BYTES], char *err,
                      size_t errlen);
     /* Allocates the slots (and streams) and starts a non-blocking init of
      * rank cfg->rank (id NULL without a handshake). CS_ENOMEM, or another
@@ -190,8 +193,10 @@ extern const cs__kvx_payload cs__kvx_payload_tcp;
  * cs_kvx_nccl, CUDA + NCCL builds) and referenced weakly by the selection
  * below, so that builds without it link (CUDA pools are then refused). */
 
-/* The payload for a pool of this kind in this build, or NULL. */
+/* The payload registry (kvx_io.c): the payload for a pool of this kind,
+ * and the one of a kind (enum cs_kvx_payload), in this build, or NULL. */
 const cs__kvx_payload *cs__kvx_payload_for_pool(int pool_kind);
+const cs__kvx_payload *cs__kvx_payload_of_kind(int payload);
 
 /* Objects over an explicit payload (the public init functions pass the one
  * of the pool's kind; the CPU tests pass the loopback NCCL stand-in). */

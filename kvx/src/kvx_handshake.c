@@ -1,10 +1,10 @@
 /* kvx_handshake.c: the KV link's authenticated handshake, both ends, and
- * the keys it derives (kvx_wire.h version 4; docs/security.md says what it
+ * the keys it derives (kvx_wire.h version 5; docs/security.md says what it
  * protects against). The channel code (kvx_tx.c, kvx_rx.c) sends and
  * receives the frames; every decision about who is admitted is here.
  *
- *   sender   -> HELLO      nonce_tx, name, layout; header: incarnation,
- *                          layout fingerprint, payload flag
+ *   sender   -> HELLO      nonce_tx, name, layout, payload; header:
+ *                          incarnation, layout fingerprint
  *   receiver    admits the HELLO (payload, model, layout), then
  *            -> CHALLENGE  nonce_rx, proof_rx = derive(PROOF_RX, transcript)
  *   sender      checks proof_rx (the receiver holds the secret), then
@@ -14,7 +14,7 @@
  *   both        session = derive(SESSION, transcript): the TRAILER's MAC key
  *
  * The transcript binds both nonces, both incarnations, the layout
- * fingerprint and the sender's name, so no proof can be replayed on another
+ * fingerprint, the payload and the sender's name, so no proof can be replayed on another
  * channel. With no secret configured the handshake still runs (empty key)
  * and proves nothing. */
 #include "kvx-impl.h"
@@ -42,11 +42,12 @@ static void le64(uint8_t *p, uint64_t v) {
 
 void cs__kvx_derive(const kvx_key *k, enum kvx_derive what, const kvx_transcript *t,
                     uint8_t out[32]) {
-    static const char *const labels[] = {"chunkserve kv v4 receiver proof",
-                                         "chunkserve kv v4 sender proof",
-                                         "chunkserve kv v4 session"};
-    uint8_t num[24], name[CS_KVX_NAME_MAX];
+    static const char *const labels[] = {"chunkserve kv v5 receiver proof",
+                                         "chunkserve kv v5 sender proof",
+                                         "chunkserve kv v5 session"};
+    uint8_t num[25], name[CS_KVX_NAME_MAX];
     le64(num, t->tx_inc), le64(num + 8, t->rx_inc), le64(num + 16, t->fingerprint);
+    num[24] = t->payload;
     memset(name, 0, sizeof name);
     memcpy(name, t->name, strnlen(t->name, sizeof name - 1));
     const void *p[] = {labels[what], t->tx_nonce, t->rx_nonce, num, name};
@@ -68,11 +69,12 @@ void cs__kvx_trailer_mac(const uint8_t session[32], uint64_t xfer_id,
 
 /* ---------------------------------------------------------- sender -- */
 
-void cs__kvx_hs_hello(const cs_kvx_layout *layout, const char *name,
+void cs__kvx_hs_hello(const cs_kvx_layout *layout, int payload, const char *name,
                       uint8_t nonce[CS_KVX_NONCE_BYTES], uint8_t pl[CS_KVX_HELLO_BYTES]) {
     cs_kvx_hello hello;
     memset(&hello, 0, sizeof hello);
     hello.layout = *layout;
+    hello.payload = (uint8_t)payload;
     snprintf(hello.name, sizeof hello.name, "%s", name);
     CS_ASSERT(cs_random_bytes(nonce, CS_KVX_NONCE_BYTES) == 0);
     memcpy(hello.nonce, nonce, sizeof hello.nonce);
@@ -91,6 +93,7 @@ int cs__kvx_hs_answer(const kvx_key *key, const cs__kvx_hs_sender *me, const cs_
     t.tx_inc = me->incarnation;
     t.rx_inc = h->epoch;
     t.fingerprint = me->fingerprint;
+    t.payload = (uint8_t)me->payload;
     snprintf(t.name, sizeof t.name, "%s", me->name);
     uint8_t want[32];
     cs__kvx_derive(key, KVX_PROOF_RX, &t, want);
@@ -109,7 +112,7 @@ int cs__kvx_hs_answer(const kvx_key *key, const cs__kvx_hs_sender *me, const cs_
 
 int cs__kvx_hs_admit(const cs__kvx_hs_receiver *me, const cs_kvx_hdr *h, const cs_kvx_hello *m,
                      char *err, size_t cap) {
-    int payload = h->flags & CS_KVX_FLAG_NCCL ? CS_KVX_PAYLOAD_NCCL : CS_KVX_PAYLOAD_TCP;
+    int payload = m->payload;
     if (payload != me->payload) {
         snprintf(err, cap,
                  "payload mismatch: sender %s sends its pages over %s; this receiver takes them "
@@ -151,6 +154,7 @@ void cs__kvx_hs_challenge(const kvx_key *key, const cs__kvx_hs_receiver *me, con
     t->tx_inc = h->epoch;
     t->rx_inc = me->incarnation;
     t->fingerprint = me->fingerprint;
+    t->payload = m->payload; /* admitted: the receiver's own */
     snprintf(t->name, sizeof t->name, "%s", m->name);
     cs_kvx_challenge ch;
     memcpy(ch.nonce, t->rx_nonce, sizeof ch.nonce);

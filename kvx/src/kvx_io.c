@@ -23,23 +23,48 @@
 /* Weak: defined only when the program links cs_kvx_nccl (CUDA + NCCL). */
 extern const cs__kvx_payload cs__kvx_payload_nccl __attribute__((weak));
 
+/* The payloads, one row each. A new payload is its file (a cs__kvx_payload
+ * whose name, kind and pool kind are its row's), its value in enum
+ * cs_kvx_payload (kvx.h: the HELLO's payload byte) and its row here; the
+ * control plane, the HELLO and the frame checks follow from the iface
+ * (inline_pages, unique_id). iface is NULL where this build lacks it. */
+static const struct {
+    int kind; /* enum cs_kvx_payload */
+    const char *name;
+    int pool_kind; /* enum cs_kvx_pool_kind: the pool whose pages it moves */
+    const cs__kvx_payload *iface;
+} payloads[] = {
+    {CS_KVX_PAYLOAD_TCP, "tcp", CS_KVX_POOL_HOST, &cs__kvx_payload_tcp},
+    {CS_KVX_PAYLOAD_NCCL, "nccl", CS_KVX_POOL_CUDA, &cs__kvx_payload_nccl},
+};
+#define N_PAYLOADS (sizeof payloads / sizeof payloads[0])
+
 const cs__kvx_payload *cs__kvx_payload_for_pool(int pool_kind) {
-    if (pool_kind == CS_KVX_POOL_HOST) return &cs__kvx_payload_tcp;
-    if (pool_kind == CS_KVX_POOL_CUDA) return &cs__kvx_payload_nccl; /* NULL without NCCL */
+    for (size_t i = 0; i < N_PAYLOADS; i++)
+        if (payloads[i].pool_kind == pool_kind) return payloads[i].iface;
+    return NULL;
+}
+
+const cs__kvx_payload *cs__kvx_payload_of_kind(int payload) {
+    for (size_t i = 0; i < N_PAYLOADS; i++)
+        if (payloads[i].kind == payload) return payloads[i].iface;
     return NULL;
 }
 
 const char *cs_kvx_payload_name(int payload) {
-    return payload == CS_KVX_PAYLOAD_TCP ? "tcp" : payload == CS_KVX_PAYLOAD_NCCL ? "nccl" : "?";
+    for (size_t i = 0; i < N_PAYLOADS; i++)
+        if (payloads[i].kind == payload) return payloads[i].name;
+    return "?";
 }
 
 int cs_kvx_payload_of_pool(int kind) {
-    return kind == CS_KVX_POOL_CUDA ? CS_KVX_PAYLOAD_NCCL : CS_KVX_PAYLOAD_TCP;
+    for (size_t i = 0; i < N_PAYLOADS; i++)
+        if (payloads[i].pool_kind == kind) return payloads[i].kind;
+    return -1;
 }
 
 bool cs_kvx_payload_available(int payload) {
-    return payload == CS_KVX_PAYLOAD_TCP ||
-           (payload == CS_KVX_PAYLOAD_NCCL && &cs__kvx_payload_nccl != NULL);
+    return cs__kvx_payload_of_kind(payload) != NULL;
 }
 
 uint64_t cs__kvx_incarnation(void) {

@@ -122,14 +122,14 @@ static void link_free(cs__kvx_link *l) {
     free(l);
 }
 
-static int l_unique_id(const cs__kvx_link_cfg *cfg, uint8_t id[CS_KVX_NCCL_ID_BYTES], char *err,
+static int l_unique_id(const cs__kvx_link_cfg *cfg, uint8_t id[CS_KVX_LINK_ID_BYTES], char *err,
                        size_t errlen) {
     int r = 0;
     bool in_progress = false;
     ncclUniqueId u;
     memset(&u, 0, sizeof u);
     LINK_NCCL((ncclComm_t)NULL, ncclGetUniqueId(&u));
-    memcpy(id, u.internal, CS_KVX_NCCL_ID_BYTES);
+    memcpy(id, u.internal, CS_KVX_LINK_ID_BYTES);
     (void)cfg;
     (void)in_progress;
     return 0;
@@ -139,7 +139,7 @@ fail:
 
 static int l_open(const cs__kvx_link_cfg *cfg, const uint8_t *id, cs__kvx_link **out, char *err,
                   size_t errlen) {
-    _Static_assert(sizeof(ncclUniqueId) == CS_KVX_NCCL_ID_BYTES, "NCCL_ID frame size");
+    _Static_assert(sizeof(ncclUniqueId) == CS_KVX_LINK_ID_BYTES, "LINK_ID frame size");
     int r = 0;
     bool in_progress = false;
     *out = NULL;
@@ -176,7 +176,7 @@ static int l_open(const cs__kvx_link_cfg *cfg, const uint8_t *id, cs__kvx_link *
     config.blocking = 0; /* init and operations return ncclInProgress instead of blocking */
     config.commName = l->cfg.name;
     ncclUniqueId u;
-    memcpy(u.internal, id, CS_KVX_NCCL_ID_BYTES);
+    memcpy(u.internal, id, CS_KVX_LINK_ID_BYTES);
     LINK_NCCL(l->comm, ncclCommInitRankConfig(&l->comm, 2, u, cfg->rank, &config));
     (void)in_progress;
     *out = l;
@@ -218,7 +218,7 @@ static int l_pack(cs__kvx_link *l, int slot, const int32_t *ids, int32_t n, bool
     LINK_CUDA(cudaMemcpyAsync(s->ids_dev, s->ids_host, (size_t)n * sizeof *ids,
                               cudaMemcpyHostToDevice, l->pack));
     cs_cuda_kv_gather(l->cfg.pool.base, l->cfg.page_bytes, s->ids_dev, n, s->stage,
-                       sum ? s->sum_dev : NULL, l->pack);
+                      sum ? s->sum_dev : NULL, l->pack);
     if (sum)
         LINK_CUDA(cudaMemcpyAsync(s->sum_host, s->sum_dev, sizeof *s->sum_dev,
                                   cudaMemcpyDeviceToHost, l->pack));
@@ -264,7 +264,7 @@ static int l_recv(cs__kvx_link *l, int slot, size_t bytes, const int32_t *ids, i
                               cudaMemcpyHostToDevice, l->pack));
     LINK_CUDA(cudaStreamWaitEvent(l->pack, s->ev_net, 0));
     cs_cuda_kv_scatter(l->cfg.pool.base, l->cfg.page_bytes, s->ids_dev, n, s->stage,
-                        sum ? s->sum_dev : NULL, l->pack);
+                       sum ? s->sum_dev : NULL, l->pack);
     if (sum)
         LINK_CUDA(cudaMemcpyAsync(s->sum_host, s->sum_dev, sizeof *s->sum_dev,
                                   cudaMemcpyDeviceToHost, l->pack));

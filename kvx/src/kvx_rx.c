@@ -14,9 +14,9 @@
  *    hashed as it arrives (XXH3, while the bytes are still in the cache);
  *    the checksum is compared at the frame's end. Bytes of a transfer that
  *    ended here are read into scratch and dropped.
- *  - NCCL: the link is created when NCCL_ID arrives (rank 1, non-blocking
- *    init polled by this thread, bounded by init_timeout_ms) and NCCL_READY
- *    tells the sender the outcome. Every NCCL_PAGES descriptor, in arrival
+ *  - NCCL: the link is created when LINK_ID arrives (rank 1, non-blocking
+ *    init polled by this thread, bounded by init_timeout_ms) and LINK_READY
+ *    tells the sender the outcome. Every LINK_PAGES descriptor, in arrival
  *    order, gets exactly one receive posted into a free staging slot, also
  *    for a transfer that already ended here (the bytes are then dropped), so
  *    the two ranks' operations stay matched; a received chunk is scattered
@@ -62,14 +62,14 @@ typedef struct rx_item {
     struct rx_item *next;
     uint64_t xfer_id; /* 0: the transfer already ended here: receive and drop */
     uint32_t first_page, n_pages;
-    cs_kvx_nccl_desc d;
+    cs_kvx_link_desc d;
 } rx_item;
 
 typedef struct {
     bool busy;
     struct rx_xfer *x; /* the transfer whose pages the scatter writes, or NULL */
     uint32_t first_page, n_pages;
-    cs_kvx_nccl_desc d;
+    cs_kvx_link_desc d;
     int64_t since;
 } rx_slot;
 
@@ -99,7 +99,7 @@ typedef struct rx_conn {
     int64_t opened; /* accepted at (ms): HELLO must come by opened + hello_timeout_ms */
     /* payload link (NCCL) */
     int comm;
-    uint8_t id[CS_KVX_NCCL_ID_BYTES];
+    uint8_t id[CS_KVX_LINK_ID_BYTES];
     int64_t init_deadline;
     cs__kvx_link *link;
     struct rx_grave *grave; /* made with link: closing it needs no memory */
@@ -642,7 +642,7 @@ static void on_pages_end(cs_kvx_rx *rx, rx_conn *c) {
 static void on_desc(cs_kvx_rx *rx, rx_conn *c, const cs_kvx_hdr *h) {
     char err[256];
     if (c->comm == COMM_NONE) {
-        conn_fail(rx, c, CS_EPROTO, "NCCL_PAGES before NCCL_ID", true);
+        conn_fail(rx, c, CS_EPROTO, "LINK_PAGES before LINK_ID", true);
         return;
     }
     rx_item *it = calloc(1, sizeof *it);
@@ -650,11 +650,11 @@ static void on_desc(cs_kvx_rx *rx, rx_conn *c, const cs_kvx_hdr *h) {
         conn_fail(rx, c, CS_ENOMEM, "the receiver ran out of memory", false);
         return;
     }
-    int r = cs_kvx_nccl_desc_decode(c->buf, (size_t)h->payload_len, h, rx->p.layout.page_bytes,
+    int r = cs_kvx_link_desc_decode(c->buf, (size_t)h->payload_len, h, rx->p.layout.page_bytes,
                                     &it->d, err, sizeof err);
     if (!r && rx->p.require_checksum && !(it->d.flags & CS_KVX_DESC_SUM)) {
         r = CS_EBADMSG;
-        snprintf(err, sizeof err, "kvx: NCCL_PAGES without the required checksum");
+        snprintf(err, sizeof err, "kvx: LINK_PAGES without the required checksum");
     }
     if (r) {
         free(it);
@@ -682,7 +682,7 @@ static void on_desc(cs_kvx_rx *rx, rx_conn *c, const cs_kvx_hdr *h) {
     c->itail = it;
 }
 
-/* Opens the link of a channel whose NCCL_ID arrived (without the mutex:
+/* Opens the link of a channel whose LINK_ID arrived (without the mutex:
  * staging allocation). */
 static void link_open(cs_kvx_rx *rx, rx_conn *c) {
     cs__kvx_link_cfg cfg;
@@ -694,7 +694,7 @@ static void link_open(cs_kvx_rx *rx, rx_conn *c) {
     cfg.slot_pages = rx->slot_pages;
     cfg.op_timeout_ms = rx->p.op_timeout_ms;
     snprintf(cfg.name, sizeof cfg.name, "kvx %s->%s:%d", c->name, rx->host, rx->port);
-    uint8_t id[CS_KVX_NCCL_ID_BYTES];
+    uint8_t id[CS_KVX_LINK_ID_BYTES];
     memcpy(id, c->id, sizeof id);
     char err[200] = "";
     cs__kvx_link *link = NULL;
@@ -710,7 +710,7 @@ static void link_open(cs_kvx_rx *rx, rx_conn *c) {
     if (r) {
         char m[300];
         snprintf(m, sizeof m, "cannot open the %s link: %s", rx->pl->name, err);
-        send_now(rx, c, CS_KVX_NCCL_READY, r, m);
+        send_now(rx, c, CS_KVX_LINK_READY, r, m);
         conn_fail(rx, c, r, m, false);
         return;
     }
@@ -751,7 +751,7 @@ static void link_poll(cs_kvx_rx *rx, rx_conn *c, int64_t now) {
     int r = rx->pl->state(c->link, err, sizeof err);
     if (r < 0) {
         snprintf(m, sizeof m, "%s link with %s failed: %s", rx->pl->name, c->name, err);
-        if (c->comm != COMM_READY) send_now(rx, c, CS_KVX_NCCL_READY, CS_ECONNRESET, m);
+        if (c->comm != COMM_READY) send_now(rx, c, CS_KVX_LINK_READY, CS_ECONNRESET, m);
         conn_fail(rx, c, CS_ECONNRESET, m, false);
         return;
     }
@@ -759,12 +759,12 @@ static void link_poll(cs_kvx_rx *rx, rx_conn *c, int64_t now) {
         if (r == 0) {
             uint8_t ack[CS_KVX_ACK_BYTES];
             cs_kvx_ack_encode(0, "ok", ack);
-            queue_ctl(rx, c, CS_KVX_NCCL_READY, 0, (uint32_t)rx->slot_pages, ack, sizeof ack);
+            queue_ctl(rx, c, CS_KVX_LINK_READY, 0, (uint32_t)rx->slot_pages, ack, sizeof ack);
             c->comm = COMM_READY;
         } else if (now > c->init_deadline) {
             snprintf(m, sizeof m, "%s link with %s not ready after %d ms", rx->pl->name, c->name,
                      rx->p.init_timeout_ms);
-            send_now(rx, c, CS_KVX_NCCL_READY, CS_ETIMEDOUT, m);
+            send_now(rx, c, CS_KVX_LINK_READY, CS_ETIMEDOUT, m);
             conn_fail(rx, c, CS_ETIMEDOUT, m, false);
             return;
         }
@@ -856,15 +856,15 @@ static void on_frame(cs_kvx_rx *rx, rx_conn *c) {
         }
         return;
     }
-    case CS_KVX_NCCL_ID:
+    case CS_KVX_LINK_ID:
         if (c->comm != COMM_NONE || !rx->pl->unique_id) {
-            conn_fail(rx, c, CS_EPROTO, "unexpected NCCL_ID on a channel", true);
+            conn_fail(rx, c, CS_EPROTO, "unexpected LINK_ID on a channel", true);
             return;
         }
         memcpy(c->id, c->buf, sizeof c->id);
         c->comm = COMM_OPENING; /* opened by the loop, without the mutex */
         return;
-    case CS_KVX_NCCL_PAGES: on_desc(rx, c, h); return;
+    case CS_KVX_LINK_PAGES: on_desc(rx, c, h); return;
     case CS_KVX_ABORT:
     case CS_KVX_TRAILER: break;
     default:
@@ -912,7 +912,7 @@ static void on_frame(cs_kvx_rx *rx, rx_conn *c) {
 }
 
 static void conn_read(cs_kvx_rx *rx, rx_conn *c) {
-    cs_kvx_limits lim = {rx->p.layout.page_bytes, rx->p.max_frame_bytes, rx->pl->kind};
+    cs_kvx_limits lim = {rx->p.layout.page_bytes, rx->p.max_frame_bytes, rx->pl->inline_pages};
     size_t budget = 16u << 20; /* per poll round, for fairness between channels */
     while (!c->closing && budget > 0) {
         ssize_t n;

@@ -7,7 +7,7 @@
  * channel's payload link as soon as slots are free (TCP: the chunk's XXH3;
  * NCCL: the gather kernel, overlapping the previous chunk's ncclSend). A
  * packed chunk at the head of the FIFO becomes its data frame on TCP (PAGES
- * with the page bytes written straight from the pool, or an NCCL_PAGES
+ * with the page bytes written straight from the pool, or an LINK_PAGES
  * descriptor), and once that frame is fully written the link sends the chunk
  * (NCCL: ncclSend, so the receiver posts the matching ncclRecv in the same
  * order). A data frame that reached the socket is always followed by its
@@ -359,7 +359,7 @@ static tx_xfer *find_xfer(cs_kvx_tx *tx, uint64_t id) {
 }
 
 /* Connects (non-blocking) and opens the channel's link (NCCL: a fresh
- * communicator id, rank 0's init started); HELLO (and NCCL_ID) go first on
+ * communicator id, rank 0's init started); HELLO (and LINK_ID) go first on
  * the connection. Called with the mutex, which it drops around the name
  * lookup and the link's allocation. */
 static int chan_connect(cs_kvx_tx *tx, tx_chan *ch) {
@@ -383,7 +383,7 @@ static int chan_connect(cs_kvx_tx *tx, tx_chan *ch) {
     int gr = getaddrinfo(host, port, &hints, &res);
     int fd = -1, err = 0;
     char m[300] = "";
-    uint8_t id[CS_KVX_NCCL_ID_BYTES];
+    uint8_t id[CS_KVX_LINK_ID_BYTES];
     cs__kvx_link *link = NULL;
     if (gr != 0) {
         err = CS_ENOENT;
@@ -435,16 +435,12 @@ static int chan_connect(cs_kvx_tx *tx, tx_chan *ch) {
     ch->init_deadline = cs__kvx_now_ms() + tx->p.init_timeout_ms;
     tx->st.conns_opened++;
     uint8_t pl[CS_KVX_HELLO_BYTES];
-    cs__kvx_hs_hello(&tx->p.layout, tx->name, ch->nonce, pl);
+    cs__kvx_hs_hello(&tx->p.layout, tx->pl->kind, tx->name, ch->nonce, pl);
     kvx_out *o = new_out(ch);
     if (!o) return 0; /* closed at the next look */
     cs__kvx_out_ctl(o, CS_KVX_HELLO, tx->p.incarnation, 0, tx->fingerprint, pl, sizeof pl);
-    if (tx->pl->kind == CS_KVX_PAYLOAD_NCCL) { /* the payload is announced in HELLO */
-        o->h.flags |= CS_KVX_FLAG_NCCL;
-        cs_kvx_hdr_encode(&o->h, o->hdr);
-    }
     enqueue(ch, o);
-    if (tx->pl->unique_id) queue_ctl(tx, ch, CS_KVX_NCCL_ID, 0, id, sizeof id);
+    if (tx->pl->unique_id) queue_ctl(tx, ch, CS_KVX_LINK_ID, 0, id, sizeof id);
     return 0;
 }
 
@@ -526,11 +522,11 @@ static void emit_items(cs_kvx_tx *tx, tx_chan *ch) {
                 o->n_pages = sl->n_pages;
                 o->page_bytes = (size_t)tx->p.layout.page_bytes;
                 o->total = CS_KVX_HDR_BYTES + sl->bytes;
-            } else { /* NCCL_PAGES: a descriptor; the bytes follow over the link */
-                cs_kvx_nccl_desc d = {sl->bytes, sl->sum, tx->p.checksum ? CS_KVX_DESC_SUM : 0};
-                uint8_t pl[CS_KVX_NCCL_DESC_BYTES];
-                cs_kvx_nccl_desc_encode(&d, pl);
-                cs__kvx_out_ctl(o, CS_KVX_NCCL_PAGES, tx->p.incarnation, x->id, tx->fingerprint, pl,
+            } else { /* LINK_PAGES: a descriptor; the bytes follow over the link */
+                cs_kvx_link_desc d = {sl->bytes, sl->sum, tx->p.checksum ? CS_KVX_DESC_SUM : 0};
+                uint8_t pl[CS_KVX_LINK_DESC_BYTES];
+                cs_kvx_link_desc_encode(&d, pl);
+                cs__kvx_out_ctl(o, CS_KVX_LINK_PAGES, tx->p.incarnation, x->id, tx->fingerprint, pl,
                                 sizeof pl);
             }
             o->h.first_page = (uint32_t)sl->first_page;
@@ -621,7 +617,7 @@ static bool link_poll(cs_kvx_tx *tx, tx_chan *ch, int64_t now) {
     if (!link_ready(ch) && now > ch->init_deadline) {
         snprintf(m, sizeof m, "%s link with %s:%d not ready after %d ms (%s)", tx->pl->name,
                  ch->host, ch->port, tx->p.init_timeout_ms,
-                 ch->local_ready ? "no NCCL_READY from the receiver" : "init in progress");
+                 ch->local_ready ? "no LINK_READY from the receiver" : "init in progress");
         chan_close(tx, ch, CS_ETIMEDOUT, m);
         return false;
     }
@@ -740,6 +736,7 @@ static void on_challenge(cs_kvx_tx *tx, tx_chan *ch, const cs_kvx_hdr *h, const 
     snprintf(peer, sizeof peer, "%s:%d", ch->host, ch->port);
     cs__kvx_hs_sender me = {.incarnation = tx->p.incarnation,
                             .fingerprint = tx->fingerprint,
+                            .payload = tx->pl->kind,
                             .name = tx->name,
                             .peer = peer};
     memcpy(me.nonce, ch->nonce, sizeof me.nonce);
@@ -795,20 +792,20 @@ static void chan_frame(cs_kvx_tx *tx, tx_chan *ch, const cs_kvx_hdr *h, const ui
         return;
     }
     if (h->type == CS_KVX_PING) return;
-    if (h->type == CS_KVX_NCCL_READY) {
+    if (h->type == CS_KVX_LINK_READY) {
         int32_t status;
         char msg[128];
         int r = cs_kvx_ack_decode(pl, (size_t)h->payload_len, &status, msg, sizeof msg);
         if (r || status) {
             snprintf(err, sizeof err, "receiver %s:%d could not open its %s link: %s", ch->host,
-                     ch->port, tx->pl->name, r ? "bad NCCL_READY" : msg);
+                     ch->port, tx->pl->name, r ? "bad LINK_READY" : msg);
             if (r) tx->st.protocol_errors++;
             chan_close(tx, ch, r ? CS_EPROTO : CS_ECONNREFUSED, err);
             return;
         }
         if (ch->peer_ready) {
             tx->st.protocol_errors++;
-            chan_close(tx, ch, CS_EPROTO, "unexpected NCCL_READY from the receiver");
+            chan_close(tx, ch, CS_EPROTO, "unexpected LINK_READY from the receiver");
             return;
         }
         if ((int64_t)h->n_pages < tx->slot_pages) {
@@ -844,15 +841,15 @@ static void chan_frame(cs_kvx_tx *tx, tx_chan *ch, const cs_kvx_hdr *h, const ui
 }
 
 static void chan_read(cs_kvx_tx *tx, tx_chan *ch) {
-    cs_kvx_limits lim = {tx->p.layout.page_bytes, CS_KVX_ACK_BYTES, tx->pl->kind};
+    cs_kvx_limits lim = {tx->p.layout.page_bytes, CS_KVX_ACK_BYTES, tx->pl->inline_pages};
     for (;;) {
         size_t want = CS_KVX_HDR_BYTES;
         cs_kvx_hdr h;
         char err[200];
         if (ch->in_len >= CS_KVX_HDR_BYTES) {
             int r = cs_kvx_hdr_decode(ch->in, &lim, &h, err, sizeof err);
-            if (!r && (h.type == CS_KVX_PAGES || h.type == CS_KVX_NCCL_PAGES ||
-                       h.type == CS_KVX_NCCL_ID)) {
+            if (!r && (h.type == CS_KVX_PAGES || h.type == CS_KVX_LINK_PAGES ||
+                       h.type == CS_KVX_LINK_ID)) {
                 r = CS_EPROTO;
                 snprintf(err, sizeof err, "%s frame from a receiver",
                          cs_kvx_frame_type_name(h.type));

@@ -36,7 +36,7 @@ static uint64_t get64(const uint8_t *p) {
     return v;
 }
 _Static_assert(CS_KVX_CTRL_MAX_BYTES >= CS_KVX_ACK_BYTES &&
-                   CS_KVX_CTRL_MAX_BYTES >= CS_KVX_NCCL_ID_BYTES &&
+                   CS_KVX_CTRL_MAX_BYTES >= CS_KVX_LINK_ID_BYTES &&
                    CS_KVX_CTRL_MAX_BYTES >= CS_KVX_HELLO_BYTES,
                "every control payload fits CS_KVX_CTRL_MAX_BYTES");
 
@@ -60,7 +60,7 @@ static float bits_f32(uint32_t v) {
 const char *cs_kvx_frame_type_name(int type) {
     static const char *const names[] = {
         "?",    "HELLO",   "HELLO_ACK",  "PAGES",      "TRAILER",   "ABORT", "DONE",
-        "PING", "NCCL_ID", "NCCL_READY", "NCCL_PAGES", "CHALLENGE", "AUTH"};
+        "PING", "LINK_ID", "LINK_READY", "LINK_PAGES", "CHALLENGE", "AUTH"};
     return type >= 1 && type <= CS_KVX_LAST_TYPE ? names[type] : "unknown";
 }
 
@@ -114,7 +114,7 @@ uint64_t cs_kvx_payload_sum(const void *payload, size_t len) {
 
 int cs_kvx_hdr_decode(const uint8_t in[CS_KVX_HDR_BYTES], const cs_kvx_limits *lim, cs_kvx_hdr *h,
                       char *err, size_t errlen) {
-    bool nccl = lim->payload == CS_KVX_PAYLOAD_NCCL;
+    bool linked = !lim->inline_pages;
     uint32_t magic = get32(in);
     if (magic != CS_KVX_MAGIC) FAIL(CS_EBADMSG, "kvx: bad frame magic %08x", magic);
     uint8_t tmp[CS_KVX_HDR_BYTES];
@@ -134,12 +134,11 @@ int cs_kvx_hdr_decode(const uint8_t in[CS_KVX_HDR_BYTES], const cs_kvx_limits *l
     h->payload_xxh64 = get64(in + 56);
     if (h->version != CS_KVX_VERSION)
         FAIL(CS_EPROTO, "kvx: unsupported frame version %u", h->version);
-    uint32_t allowed = CS_KVX_FLAG_CHECKSUM;
-    if (h->type == CS_KVX_HELLO) allowed |= CS_KVX_FLAG_NCCL; /* the receiver checks the payload */
-    if (h->flags & ~allowed) FAIL(CS_EBADMSG, "kvx: unknown frame flags %#x", h->flags);
+    if (h->flags & ~CS_KVX_FLAG_CHECKSUM)
+        FAIL(CS_EBADMSG, "kvx: unknown frame flags %#x", h->flags);
     uint64_t want;
-    if (h->type > CS_KVX_TYPE_MAX && h->type <= CS_KVX_NCCL_TYPE_MAX && !nccl)
-        FAIL(CS_EPROTO, "kvx: %s frame on a tcp channel (the page bytes travel inline)",
+    if (h->type > CS_KVX_TYPE_MAX && h->type <= CS_KVX_LINK_TYPE_MAX && !linked)
+        FAIL(CS_EPROTO, "kvx: %s frame on an inline channel (the page bytes follow PAGES frames)",
              cs_kvx_frame_type_name(h->type));
     int type = h->type;
     switch (type) {
@@ -151,19 +150,19 @@ int cs_kvx_hdr_decode(const uint8_t in[CS_KVX_HDR_BYTES], const cs_kvx_limits *l
     case CS_KVX_ABORT:
     case CS_KVX_DONE: want = CS_KVX_STATUS_BYTES; break;
     case CS_KVX_PING: want = 0; break;
-    case CS_KVX_NCCL_ID: want = CS_KVX_NCCL_ID_BYTES; break;
-    case CS_KVX_NCCL_READY: want = CS_KVX_ACK_BYTES; break;
-    case CS_KVX_NCCL_PAGES:
-        if (h->n_pages == 0) FAIL(CS_EBADMSG, "kvx: NCCL_PAGES frame with 0 pages");
+    case CS_KVX_LINK_ID: want = CS_KVX_LINK_ID_BYTES; break;
+    case CS_KVX_LINK_READY: want = CS_KVX_ACK_BYTES; break;
+    case CS_KVX_LINK_PAGES:
+        if (h->n_pages == 0) FAIL(CS_EBADMSG, "kvx: LINK_PAGES frame with 0 pages");
         if (lim->page_bytes == 0 || h->n_pages > lim->max_payload / lim->page_bytes)
-            FAIL(CS_EBADMSG, "kvx: NCCL_PAGES chunk of %u pages exceeds the %llu-byte chunk limit",
+            FAIL(CS_EBADMSG, "kvx: LINK_PAGES chunk of %u pages exceeds the %llu-byte chunk limit",
                  h->n_pages, (unsigned long long)lim->max_payload);
-        want = CS_KVX_NCCL_DESC_BYTES;
+        want = CS_KVX_LINK_DESC_BYTES;
         break;
     case CS_KVX_PAGES:
-        if (nccl)
+        if (linked)
             FAIL(CS_EPROTO,
-                 "kvx: PAGES frame on an nccl channel (the page bytes travel over NCCL)");
+                 "kvx: PAGES frame on a link channel (the page bytes travel over its link)");
         if (h->n_pages == 0) FAIL(CS_EBADMSG, "kvx: PAGES frame with 0 pages");
         if (lim->page_bytes == 0 || h->n_pages > lim->max_payload / lim->page_bytes)
             FAIL(CS_EBADMSG, "kvx: PAGES frame of %u pages exceeds the %llu-byte frame limit",
@@ -201,6 +200,7 @@ void cs_kvx_hello_encode(const cs_kvx_hello *m, uint8_t out[CS_KVX_HELLO_BYTES])
     size_t n = strnlen(m->name, CS_KVX_NAME_MAX - 1);
     memcpy(out + 32, m->name, n);
     memcpy(out + 32 + CS_KVX_NAME_MAX, m->nonce, CS_KVX_NONCE_BYTES);
+    out[32 + CS_KVX_NAME_MAX + CS_KVX_NONCE_BYTES] = m->payload;
 }
 
 void cs_kvx_challenge_encode(const cs_kvx_challenge *m, uint8_t out[CS_KVX_CHALLENGE_BYTES]) {
@@ -225,6 +225,10 @@ int cs_kvx_hello_decode(const uint8_t *in, size_t len, cs_kvx_hello *m, char *er
     for (const char *c = m->name; *c; c++)
         if (*c < 0x21 || *c > 0x7e) FAIL(CS_EBADMSG, "kvx: HELLO name with a non-printable byte");
     memcpy(m->nonce, in + 32 + CS_KVX_NAME_MAX, CS_KVX_NONCE_BYTES);
+    const uint8_t *p = in + 32 + CS_KVX_NAME_MAX + CS_KVX_NONCE_BYTES;
+    m->payload = p[0];
+    for (int i = 1; i < 8; i++)
+        if (p[i]) FAIL(CS_EBADMSG, "kvx: HELLO with nonzero reserved bytes");
     return 0;
 }
 
@@ -303,25 +307,25 @@ int cs_kvx_status_decode(const uint8_t *in, size_t len, int32_t *status, char *e
     return 0;
 }
 
-void cs_kvx_nccl_desc_encode(const cs_kvx_nccl_desc *d, uint8_t out[CS_KVX_NCCL_DESC_BYTES]) {
-    memset(out, 0, CS_KVX_NCCL_DESC_BYTES);
+void cs_kvx_link_desc_encode(const cs_kvx_link_desc *d, uint8_t out[CS_KVX_LINK_DESC_BYTES]) {
+    memset(out, 0, CS_KVX_LINK_DESC_BYTES);
     put64(out + 0, d->bytes);
     put64(out + 8, d->sum);
     put32(out + 16, d->flags);
 }
 
-int cs_kvx_nccl_desc_decode(const uint8_t *in, size_t len, const cs_kvx_hdr *h, uint64_t page_bytes,
-                            cs_kvx_nccl_desc *d, char *err, size_t errlen) {
-    if (len != CS_KVX_NCCL_DESC_BYTES)
-        FAIL(CS_EBADMSG, "kvx: NCCL_PAGES payload of %zu bytes", len);
+int cs_kvx_link_desc_decode(const uint8_t *in, size_t len, const cs_kvx_hdr *h, uint64_t page_bytes,
+                            cs_kvx_link_desc *d, char *err, size_t errlen) {
+    if (len != CS_KVX_LINK_DESC_BYTES)
+        FAIL(CS_EBADMSG, "kvx: LINK_PAGES payload of %zu bytes", len);
     d->bytes = get64(in + 0);
     d->sum = get64(in + 8);
     d->flags = get32(in + 16);
     if (d->flags & ~CS_KVX_DESC_SUM)
-        FAIL(CS_EBADMSG, "kvx: NCCL_PAGES with unknown flags %#x", d->flags);
-    if (get32(in + 20) != 0) FAIL(CS_EBADMSG, "kvx: NCCL_PAGES with non-zero padding");
+        FAIL(CS_EBADMSG, "kvx: LINK_PAGES with unknown flags %#x", d->flags);
+    if (get32(in + 20) != 0) FAIL(CS_EBADMSG, "kvx: LINK_PAGES with non-zero padding");
     if (d->bytes != (uint64_t)h->n_pages * page_bytes)
-        FAIL(CS_EBADMSG, "kvx: NCCL_PAGES of %u pages announces %llu bytes, expected %llu",
+        FAIL(CS_EBADMSG, "kvx: LINK_PAGES of %u pages announces %llu bytes, expected %llu",
              h->n_pages, (unsigned long long)d->bytes,
              (unsigned long long)((uint64_t)h->n_pages * page_bytes));
     return 0;
@@ -349,18 +353,18 @@ int cs_kvx_decode_stream(const uint8_t *buf, size_t len, const cs_kvx_limits *li
         char msg[128];
         cs_kvx_hello hello;
         cs_kvx_trailer_wire tw;
-        cs_kvx_nccl_desc desc;
+        cs_kvx_link_desc desc;
         cs_kvx_challenge ch;
         switch (h.type) {
         case CS_KVX_HELLO: r = cs_kvx_hello_decode(p, pl, &hello, err, errlen); break;
         case CS_KVX_CHALLENGE: r = cs_kvx_challenge_decode(p, pl, &ch, err, errlen); break;
         case CS_KVX_HELLO_ACK:
-        case CS_KVX_NCCL_READY:
+        case CS_KVX_LINK_READY:
             r = cs_kvx_ack_decode(p, pl, &st, msg, sizeof msg);
             if (r) FAIL(r, "kvx: %s with a positive status %d", cs_kvx_frame_type_name(h.type), st);
             break;
-        case CS_KVX_NCCL_PAGES:
-            r = cs_kvx_nccl_desc_decode(p, pl, &h, lim->page_bytes, &desc, err, errlen);
+        case CS_KVX_LINK_PAGES:
+            r = cs_kvx_link_desc_decode(p, pl, &h, lim->page_bytes, &desc, err, errlen);
             break;
         case CS_KVX_TRAILER: r = cs_kvx_trailer_decode(p, pl, &tw, err, errlen); break;
         case CS_KVX_ABORT:

@@ -12,12 +12,14 @@
  *  flags & CHECKSUM)
  * then payload_len bytes. Control payloads have fixed sizes (below).
  *
- * The channel's payload (kvx.h) decides which data frames it carries: TCP
- * channels PAGES (the page bytes follow the header), NCCL channels
- * NCCL_ID / NCCL_READY / NCCL_PAGES (descriptors; the bytes go over NCCL).
- * A reader decodes with its own payload (cs_kvx_limits.payload) and refuses
- * the other's data frames. HELLO announces the sender's payload (flag NCCL);
- * the receiver refuses one it does not speak, naming both.
+ * The channel's payload (kvx.h, kvx-impl.h) decides which data frames it
+ * carries: an inline payload (TCP) PAGES (the page bytes follow the
+ * header); a payload with a link of its own (NCCL) LINK_ID / LINK_READY /
+ * LINK_PAGES (descriptors; the bytes go over the link). A reader decodes
+ * with its own payload's kind (cs_kvx_limits.inline_pages) and refuses the
+ * other kind's data frames. HELLO names the sender's payload (its payload
+ * byte, enum cs_kvx_payload); the receiver refuses one it does not speak,
+ * naming both.
  * Version 2: XXH3 payload checksums, trailer = fold of the chunk checksums.
  * Version 3: the trailer carries the first token's log-probabilities.
  * Version 4: the HELLO is authenticated by challenge-response over the
@@ -26,7 +28,10 @@
  * the trailer carries a MAC under the session key over the transfer id and
  * the trailer (which holds the fold of every chunk's checksum). Before AUTH
  * is accepted a receiver reads nothing but HELLO and AUTH; before CHALLENGE
- * a sender writes nothing but HELLO. */
+ * a sender writes nothing but HELLO.
+ * Version 5: HELLO names the sender's payload in a byte of its own (was a
+ * header flag for NCCL), the transcript binds it, and the frames of a
+ * payload's own link are LINK_* (were NCCL_*; same numbers). */
 #ifndef CS_KVX_WIRE_H
 #define CS_KVX_WIRE_H
 
@@ -37,10 +42,9 @@
 #include "chunkserve/kvx.h"
 
 #define CS_KVX_MAGIC 0x564b5343u /* "CSKV" */
-#define CS_KVX_VERSION 4
+#define CS_KVX_VERSION 5
 #define CS_KVX_HDR_BYTES 64
 #define CS_KVX_FLAG_CHECKSUM 1u
-#define CS_KVX_FLAG_NCCL 2u /* HELLO only: the sender's payload is NCCL (else TCP) */
 #define CS_KVX_NAME_MAX 64
 
 enum cs_kvx_frame_type {
@@ -52,13 +56,13 @@ enum cs_kvx_frame_type {
     CS_KVX_DONE = 6,      /* rx -> tx: the transfer's final status */
     CS_KVX_PING = 7,      /* either way, empty */
     CS_KVX_TYPE_MAX = 7,  /* the last type of a TCP channel */
-    /* NCCL channels only: */
-    CS_KVX_NCCL_ID = 8,    /* tx -> rx: the ncclUniqueId of the channel's communicator */
-    CS_KVX_NCCL_READY = 9, /* rx -> tx: ACK payload: communicator ready (0) or why not; n_pages =
+    /* channels whose payload has a link of its own (NCCL) only: */
+    CS_KVX_LINK_ID = 8,    /* tx -> rx: the link's id (NCCL: the communicator's ncclUniqueId) */
+    CS_KVX_LINK_READY = 9, /* rx -> tx: ACK payload: link ready (0) or why not; n_pages =
                               receiver's chunk limit in pages */
-    CS_KVX_NCCL_PAGES =
-        10, /* tx -> rx: chunk descriptor: pages first_page + n_pages follow over NCCL */
-    CS_KVX_NCCL_TYPE_MAX = 10,
+    CS_KVX_LINK_PAGES =
+        10, /* tx -> rx: chunk descriptor: pages first_page + n_pages follow over the link */
+    CS_KVX_LINK_TYPE_MAX = 10,
     /* both payloads: the handshake */
     CS_KVX_CHALLENGE = 11, /* rx -> tx: rx nonce, rx proof; epoch = rx incarnation */
     CS_KVX_AUTH = 12,      /* tx -> rx: tx proof */
@@ -68,7 +72,8 @@ enum cs_kvx_frame_type {
 #define CS_KVX_NONCE_BYTES 16
 #define CS_KVX_PROOF_BYTES 32
 #define CS_KVX_MAC_BYTES 16
-#define CS_KVX_HELLO_BYTES 112 /* layout (32) + name (64) + sender nonce (16) */
+/* layout (32) + name (64) + sender nonce (16) + payload (1) + zero (7) */
+#define CS_KVX_HELLO_BYTES 120
 #define CS_KVX_CHALLENGE_BYTES (CS_KVX_NONCE_BYTES + CS_KVX_PROOF_BYTES)
 #define CS_KVX_AUTH_BYTES CS_KVX_PROOF_BYTES
 #define CS_KVX_ACK_BYTES 128 /* status i32, pad, message (120) */
@@ -80,8 +85,8 @@ enum cs_kvx_frame_type {
 #define CS_KVX_TRAILER_BYTES (CS_KVX_TRAILER_MAC_AT + CS_KVX_MAC_BYTES)
 #define CS_KVX_CTRL_MAX_BYTES CS_KVX_TRAILER_BYTES /* the largest control payload */
 #define CS_KVX_STATUS_BYTES 8                      /* status i32, pad (ABORT, DONE) */
-#define CS_KVX_NCCL_ID_BYTES 128                   /* ncclUniqueId, opaque */
-#define CS_KVX_NCCL_DESC_BYTES 24                  /* bytes u64, sum u64, flags u32, pad */
+#define CS_KVX_LINK_ID_BYTES 128                   /* ncclUniqueId, opaque */
+#define CS_KVX_LINK_DESC_BYTES 24                  /* bytes u64, sum u64, flags u32, pad */
 #define CS_KVX_DESC_SUM 1u /* descriptor flag: sum holds the device sum of the chunk */
 
 typedef struct {
@@ -96,6 +101,7 @@ typedef struct {
     cs_kvx_layout layout;
     char name[CS_KVX_NAME_MAX]; /* NUL-terminated on decode */
     uint8_t nonce[CS_KVX_NONCE_BYTES];
+    uint8_t payload; /* enum cs_kvx_payload: how the sender moves page bytes */
 } cs_kvx_hello;
 
 typedef struct {
@@ -109,27 +115,28 @@ typedef struct {
     uint8_t mac[CS_KVX_MAC_BYTES];
 } cs_kvx_trailer_wire;
 
-/* An NCCL_PAGES payload: what the ncclSend that follows carries. */
+/* A LINK_PAGES payload: what the link's send that follows carries. */
 typedef struct {
     uint64_t bytes; /* n_pages * page_bytes */
     uint64_t sum;   /* KV sum of those bytes (kvx-impl.h), when flags & CS_KVX_DESC_SUM */
     uint32_t flags;
-} cs_kvx_nccl_desc;
+} cs_kvx_link_desc;
 
 /* What the reader accepts: page_bytes of its layout, its largest payload
- * (NCCL channels: the largest chunk of pages, in bytes), its payload. */
+ * (link channels: the largest chunk of pages, in bytes), its payload's
+ * kind. */
 typedef struct {
     uint64_t page_bytes;
     uint64_t max_payload;
-    int payload; /* enum cs_kvx_payload */
+    bool inline_pages; /* PAGES frames carry the bytes (TCP); else LINK_* frames */
 } cs_kvx_limits;
 
 void cs_kvx_hdr_encode(const cs_kvx_hdr *h, uint8_t out[CS_KVX_HDR_BYTES]);
 /* 0, or CS_EBADMSG / CS_EPROTO with a message in err: bad magic, version,
  * header checksum, flags, a type the channel's payload does not carry
- * (PAGES on NCCL channels, NCCL_* on TCP ones), or a payload length that does
+ * (PAGES on link channels, LINK_* on inline ones), or a payload length that does
  * not fit the type (PAGES: n_pages >= 1 and payload_len == n_pages *
- * page_bytes <= max_payload; NCCL_PAGES: n_pages >= 1 and n_pages *
+ * page_bytes <= max_payload; LINK_PAGES: n_pages >= 1 and n_pages *
  * page_bytes <= max_payload). */
 int cs_kvx_hdr_decode(const uint8_t in[CS_KVX_HDR_BYTES], const cs_kvx_limits *lim, cs_kvx_hdr *h,
                       char *err, size_t errlen);
@@ -149,10 +156,10 @@ int cs_kvx_trailer_decode(const uint8_t *in, size_t len, cs_kvx_trailer_wire *t,
                           size_t errlen);
 void cs_kvx_status_encode(int32_t status, uint8_t out[CS_KVX_STATUS_BYTES]);
 int cs_kvx_status_decode(const uint8_t *in, size_t len, int32_t *status, char *err, size_t errlen);
-void cs_kvx_nccl_desc_encode(const cs_kvx_nccl_desc *d, uint8_t out[CS_KVX_NCCL_DESC_BYTES]);
+void cs_kvx_link_desc_encode(const cs_kvx_link_desc *d, uint8_t out[CS_KVX_LINK_DESC_BYTES]);
 /* Checks bytes == h->n_pages * page_bytes and the flags. CS_EBADMSG. */
-int cs_kvx_nccl_desc_decode(const uint8_t *in, size_t len, const cs_kvx_hdr *h, uint64_t page_bytes,
-                            cs_kvx_nccl_desc *d, char *err, size_t errlen);
+int cs_kvx_link_desc_decode(const uint8_t *in, size_t len, const cs_kvx_hdr *h, uint64_t page_bytes,
+                            cs_kvx_link_desc *d, char *err, size_t errlen);
 
 /* XXH3-64 of a payload (the header's payload_xxh64). */
 uint64_t cs_kvx_payload_sum(const void *payload, size_t len);

@@ -3,8 +3,9 @@
  * ways: with clang -fsanitize=fuzzer as a libFuzzer target (CS_LIBFUZZER),
  * and with the project's compiler as a deterministic random-mutation driver
  * that replays the corpus and its mutations (runs in every `make test`).
- * Each input is decoded twice: as a TCP channel's reader and as an NCCL
- * channel's (cs_kvx_limits.payload: NCCL_ID, NCCL_READY, NCCL_PAGES).
+ * Each input is decoded twice: as an inline (TCP) channel's reader and as a
+ * link (NCCL) channel's (cs_kvx_limits.inline_pages false: LINK_ID,
+ * LINK_READY, LINK_PAGES).
  * Usage (fallback): fuzz_kvx_frame CORPUS_DIR [ITERATIONS]
  *                   fuzz_kvx_frame --write-corpus DIR (writes the seeds). */
 #include <stdint.h>
@@ -19,13 +20,13 @@ static const cs_kvx_layout L = {2, 2, 16, CS_KVX_DTYPE_F32, 16, 64, CS_KVX_WEIGH
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
-    cs_kvx_limits lim = {L.page_bytes, 4096, CS_KVX_PAYLOAD_TCP};
+    cs_kvx_limits lim = {L.page_bytes, 4096, true};
     char err[256] = "";
     int r = cs_kvx_decode_stream(data, size, &lim, err, sizeof err);
     if (r < 0 && !err[0]) __builtin_trap(); /* every rejection names its cause */
-    /* the same bytes as an NCCL channel reads them */
+    /* the same bytes as a link (NCCL) channel reads them */
     err[0] = 0;
-    lim.payload = CS_KVX_PAYLOAD_NCCL;
+    lim.inline_pages = false;
     r = cs_kvx_decode_stream(data, size, &lim, err, sizeof err);
     if (r < 0 && !err[0]) __builtin_trap();
     return 0;
@@ -49,8 +50,8 @@ static size_t frame(uint8_t *out, int type, uint64_t xfer, uint32_t first, uint3
     return frame_f(out, type, 0, xfer, first, n, pl, len);
 }
 
-/* An NCCL channel's frames, both directions: HELLO with the NCCL flag,
- * NCCL_ID, HELLO_ACK, NCCL_READY, two NCCL_PAGES descriptors, TRAILER, DONE. */
+/* An NCCL channel's frames, both directions: HELLO naming NCCL,
+ * LINK_ID, HELLO_ACK, LINK_READY, two LINK_PAGES descriptors, TRAILER, DONE. */
 static size_t nccl_seed(uint8_t *buf) {
     uint8_t pl[256];
     size_t n = 0;
@@ -58,18 +59,19 @@ static size_t nccl_seed(uint8_t *buf) {
     memset(&hello, 0, sizeof hello);
     hello.layout = L;
     strcpy(hello.name, "prefill-0");
+    hello.payload = CS_KVX_PAYLOAD_NCCL;
     cs_kvx_hello_encode(&hello, pl);
-    n += frame_f(buf + n, CS_KVX_HELLO, CS_KVX_FLAG_NCCL, 0, 0, 0, pl, CS_KVX_HELLO_BYTES);
-    for (int i = 0; i < CS_KVX_NCCL_ID_BYTES; i++)
+    n += frame_f(buf + n, CS_KVX_HELLO, 0, 0, 0, 0, pl, CS_KVX_HELLO_BYTES);
+    for (int i = 0; i < CS_KVX_LINK_ID_BYTES; i++)
         pl[i] = (uint8_t)(i * 13 + 1);
-    n += frame(buf + n, CS_KVX_NCCL_ID, 0, 0, 0, pl, CS_KVX_NCCL_ID_BYTES);
+    n += frame(buf + n, CS_KVX_LINK_ID, 0, 0, 0, pl, CS_KVX_LINK_ID_BYTES);
     cs_kvx_ack_encode(0, "ok", pl);
     n += frame(buf + n, CS_KVX_HELLO_ACK, 0, 0, 0, pl, CS_KVX_ACK_BYTES);
-    n += frame(buf + n, CS_KVX_NCCL_READY, 0, 0, 64, pl, CS_KVX_ACK_BYTES);
+    n += frame(buf + n, CS_KVX_LINK_READY, 0, 0, 64, pl, CS_KVX_ACK_BYTES);
     for (uint32_t k = 0; k < 2; k++) {
-        cs_kvx_nccl_desc d = {2 * L.page_bytes, 0x0123456789abcdefull + k, CS_KVX_DESC_SUM};
-        cs_kvx_nccl_desc_encode(&d, pl);
-        n += frame(buf + n, CS_KVX_NCCL_PAGES, 1, 2 * k, 2, pl, CS_KVX_NCCL_DESC_BYTES);
+        cs_kvx_link_desc d = {2 * L.page_bytes, 0x0123456789abcdefull + k, CS_KVX_DESC_SUM};
+        cs_kvx_link_desc_encode(&d, pl);
+        n += frame(buf + n, CS_KVX_LINK_PAGES, 1, 2 * k, 2, pl, CS_KVX_LINK_DESC_BYTES);
     }
     cs_kvx_trailer_wire tw = {.t = {.first_token = 5, .prompt_len = 60, .total_pages = 4},
                               .xxh64 = 42};
@@ -111,7 +113,7 @@ static int fuzz_write_corpus(const char *dir) {
     uint8_t ab[CS_KVX_ACK_BYTES];
     cs_kvx_ack_encode(0, "ok", ab);
     n += frame(buf + n, CS_KVX_HELLO_ACK, 0, 0, 0, ab, sizeof ab);
-    cs_kvx_challenge chal; /* the version 4 handshake frames */
+    cs_kvx_challenge chal; /* the handshake's frames (version 4 on) */
     for (int i = 0; i < CS_KVX_NONCE_BYTES; i++)
         chal.nonce[i] = (uint8_t)(i * 13);
     for (int i = 0; i < CS_KVX_PROOF_BYTES; i++)

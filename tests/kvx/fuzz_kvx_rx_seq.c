@@ -154,7 +154,7 @@ static void seal(cs_kvx_hdr *h, uint8_t *pl, size_t len, const uint8_t session[3
  * one write (frames never wait on each other's segments). */
 static void send_sealed(int fd, const uint8_t *data, size_t n, const uint8_t session[32],
                         shadow *sh) {
-    cs_kvx_limits lim = {PB, 1u << 20, CS_KVX_PAYLOAD_TCP};
+    cs_kvx_limits lim = {PB, 1u << 20, true}; /* inline (TCP) */
     static uint8_t pl[1u << 16], out[FUZZ_OUT];
     size_t o = 0;
     while (n >= CS_KVX_HDR_BYTES) {
@@ -218,8 +218,7 @@ static int connect_rx(void) {
         if (fd >= 0) close(fd);
         fd = -1;
         if (err != EINTR) {
-            fprintf(stderr, "fuzz_kvx_rx_seq: cannot connect to the receiver: %s\n",
-                    strerror(err));
+            fprintf(stderr, "fuzz_kvx_rx_seq: cannot connect to the receiver: %s\n", strerror(err));
             abort();
         }
     }

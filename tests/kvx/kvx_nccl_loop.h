@@ -39,7 +39,7 @@ typedef struct loop_msg {
 
 typedef struct loop_pair {
     struct loop_pair *next;
-    uint8_t id[CS_KVX_NCCL_ID_BYTES];
+    uint8_t id[CS_KVX_LINK_ID_BYTES];
     int joined, refs;
     bool peer_gone;
     loop_msg *head, *tail;
@@ -66,7 +66,7 @@ struct cs__kvx_link {
     int p_head, p_n;
 };
 
-static int loop_unique_id(const cs__kvx_link_cfg *cfg, uint8_t id[CS_KVX_NCCL_ID_BYTES], char *err,
+static int loop_unique_id(const cs__kvx_link_cfg *cfg, uint8_t id[CS_KVX_LINK_ID_BYTES], char *err,
                           size_t errlen) {
     static uint64_t ctr;
     pthread_mutex_lock(&loop_mu);
@@ -78,7 +78,7 @@ static int loop_unique_id(const cs__kvx_link_cfg *cfg, uint8_t id[CS_KVX_NCCL_ID
         return CS_EIO;
     }
     (void)cfg;
-    memset(id, 0, CS_KVX_NCCL_ID_BYTES);
+    memset(id, 0, CS_KVX_LINK_ID_BYTES);
     memcpy(id, &c, sizeof c);
     return 0;
 }
@@ -97,11 +97,11 @@ static int loop_open(const cs__kvx_link_cfg *cfg, const uint8_t *id, cs__kvx_lin
     }
     pthread_mutex_lock(&loop_mu);
     loop_pair *p = loop_pairs;
-    while (p && memcmp(p->id, id, CS_KVX_NCCL_ID_BYTES))
+    while (p && memcmp(p->id, id, CS_KVX_LINK_ID_BYTES))
         p = p->next;
     if (!p) {
         p = calloc(1, sizeof *p);
-        memcpy(p->id, id, CS_KVX_NCCL_ID_BYTES);
+        memcpy(p->id, id, CS_KVX_LINK_ID_BYTES);
         p->next = loop_pairs;
         loop_pairs = p;
     }

@@ -149,7 +149,7 @@ static inline bool raw_read_frame(int fd, cs_kvx_hdr *h, uint8_t *pl, size_t cap
         if (n <= 0) return false;
         got += (size_t)n;
     }
-    cs_kvx_limits lim = {1, 1 << 20, CS_KVX_PAYLOAD_TCP};
+    cs_kvx_limits lim = {1, 1 << 20, true}; /* inline (TCP) */
     if (cs_kvx_hdr_decode(hb, &lim, h, NULL, 0) != 0 || h->payload_len > cap) return false;
     for (got = 0; got < h->payload_len;) {
         ssize_t n = recv(fd, pl + got, (size_t)h->payload_len - got, 0);

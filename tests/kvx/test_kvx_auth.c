@@ -1,4 +1,4 @@
-/* test_kvx_auth: the KV link's trust boundary (kvx_wire.h version 4). A
+/* test_kvx_auth: the KV link's trust boundary (kvx_wire.h version 5). A
  * receiver with a cluster secret takes pages only from senders that prove
  * it: a sender with another secret is refused, a forged HELLO (a real
  * sender's name, epoch UINT64_MAX, an empty key) neither opens a channel nor
@@ -172,6 +172,23 @@ int main(void) {
     ASSERT_EQ_INT(ts.conns_opened, 1);
     cs_kvx_tx_free(good);
     cs_kvx_rx_free(rx);
+
+    /* 7. The transcript binds the payload HELLO names: a HELLO whose payload
+     * byte was changed on the way gives other proofs and another session. */
+    kvx_key key;
+    ASSERT_EQ_INT(cs__kvx_key_set(&key, SECRET, strlen(SECRET)), 0);
+    kvx_transcript t0;
+    memset(&t0, 0, sizeof t0);
+    t0.tx_inc = 1, t0.rx_inc = 2, t0.fingerprint = fp;
+    strcpy(t0.name, "prefill-0");
+    kvx_transcript t1 = t0;
+    t1.payload = CS_KVX_PAYLOAD_NCCL;
+    for (int what = KVX_PROOF_RX; what <= KVX_SESSION; what++) {
+        uint8_t a[32], b[32];
+        cs__kvx_derive(&key, what, &t0, a);
+        cs__kvx_derive(&key, what, &t1, b);
+        ASSERT_TRUE(memcmp(a, b, sizeof a) != 0);
+    }
     free(tx_pool);
     free(rx_pool);
     fprintf(stderr, "test_kvx_auth: ok\n");

@@ -394,9 +394,9 @@ int main(void) {
     ASSERT_MSG_HAS(bw.msg[0], "model mismatch: layout fingerprint");
     cs_kvx_tx_free(bad);
     /* a name is never resolved on the I/O thread: the transfer fails at once */
-    ASSERT_EQ_INT(cs_kvx_tx_begin(tx, "localhost", cs_kvx_rx_port(r[0].rx), ++id, 1, 5000,
-                                  waiter_done, &tw),
-                  0);
+    ASSERT_EQ_INT(
+        cs_kvx_tx_begin(tx, "localhost", cs_kvx_rx_port(r[0].rx), ++id, 1, 5000, waiter_done, &tw),
+        0);
     ASSERT_TRUE(waiter_wait(&tw, ++done_tx, 5000));
     ASSERT_EQ_INT(waiter_status(&tw, id), CS_ENOENT);
     /* connection refused (nobody listening) fails the transfer, not the caller */

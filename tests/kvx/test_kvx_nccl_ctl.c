@@ -53,10 +53,10 @@ static size_t put_frame(uint8_t *out, int type, uint32_t flags, uint64_t xfer, u
 
 static size_t put_desc(uint8_t *out, uint64_t xfer, uint32_t first, uint32_t n, uint64_t bytes,
                        uint32_t dflags) {
-    cs_kvx_nccl_desc d = {bytes, 0x1234, dflags};
-    uint8_t pl[CS_KVX_NCCL_DESC_BYTES];
-    cs_kvx_nccl_desc_encode(&d, pl);
-    return put_frame(out, CS_KVX_NCCL_PAGES, 0, xfer, first, n, pl, sizeof pl);
+    cs_kvx_link_desc d = {bytes, 0x1234, dflags};
+    uint8_t pl[CS_KVX_LINK_DESC_BYTES];
+    cs_kvx_link_desc_encode(&d, pl);
+    return put_frame(out, CS_KVX_LINK_PAGES, 0, xfer, first, n, pl, sizeof pl);
 }
 
 #define EXPECT_REFUSED(call, code, needle)                                                         \
@@ -69,23 +69,24 @@ static size_t put_desc(uint8_t *out, uint64_t xfer, uint32_t first, uint32_t n, 
     } while (0)
 
 static void test_wire(void) {
-    cs_kvx_limits lim = {PB, 16 * PB, CS_KVX_PAYLOAD_TCP},
-                  nlim = {PB, 16 * PB, CS_KVX_PAYLOAD_NCCL};
+    cs_kvx_limits lim = {PB, 16 * PB, true}, /* an inline channel's reader (TCP) */
+        nlim = {PB, 16 * PB, false};         /* a link channel's (NCCL) */
     uint8_t buf[4096], pl[256];
     size_t n = 0;
     cs_kvx_hello hello;
     memset(&hello, 0, sizeof hello);
     hello.layout = L;
     strcpy(hello.name, "prefill-0");
+    hello.payload = CS_KVX_PAYLOAD_NCCL;
     cs_kvx_hello_encode(&hello, pl);
-    n += put_frame(buf + n, CS_KVX_HELLO, CS_KVX_FLAG_NCCL, 0, 0, 0, pl, CS_KVX_HELLO_BYTES);
+    n += put_frame(buf + n, CS_KVX_HELLO, 0, 0, 0, 0, pl, CS_KVX_HELLO_BYTES);
     size_t hello_end = n;
-    for (int i = 0; i < CS_KVX_NCCL_ID_BYTES; i++)
+    for (int i = 0; i < CS_KVX_LINK_ID_BYTES; i++)
         pl[i] = (uint8_t)(i * 7);
-    n += put_frame(buf + n, CS_KVX_NCCL_ID, 0, 0, 0, 0, pl, CS_KVX_NCCL_ID_BYTES);
+    n += put_frame(buf + n, CS_KVX_LINK_ID, 0, 0, 0, 0, pl, CS_KVX_LINK_ID_BYTES);
     uint8_t ack[CS_KVX_ACK_BYTES];
     cs_kvx_ack_encode(0, "ok", ack);
-    n += put_frame(buf + n, CS_KVX_NCCL_READY, 0, 0, 0, 16, ack, sizeof ack);
+    n += put_frame(buf + n, CS_KVX_LINK_READY, 0, 0, 0, 16, ack, sizeof ack);
     n += put_desc(buf + n, 1, 0, 2, 2 * PB, CS_KVX_DESC_SUM);
     cs_kvx_trailer_wire tw = {.t = {.first_token = 5, .prompt_len = 4, .total_pages = 2},
                               .xxh64 = 77};
@@ -98,18 +99,18 @@ static void test_wire(void) {
     /* a TCP reader takes the HELLO (the receiver refuses its payload, naming
      * both) but refuses the NCCL frames after it, also after a plain HELLO */
     EXPECT_REFUSED(cs_kvx_decode_stream(buf, n, &lim, e_, sizeof e_), CS_EPROTO,
-                   "NCCL_ID frame on a tcp channel");
+                   "LINK_ID frame on an inline channel");
     uint8_t b2[1024];
     size_t n2 = put_frame(b2, CS_KVX_HELLO, 0, 0, 0, 0, buf + CS_KVX_HDR_BYTES, CS_KVX_HELLO_BYTES);
-    memcpy(b2 + n2, buf + hello_end, CS_KVX_HDR_BYTES + CS_KVX_NCCL_ID_BYTES);
-    n2 += CS_KVX_HDR_BYTES + CS_KVX_NCCL_ID_BYTES;
-    EXPECT_REFUSED(cs_kvx_decode_stream(b2, n2, &lim, e_, sizeof e_), CS_EPROTO, "tcp channel");
+    memcpy(b2 + n2, buf + hello_end, CS_KVX_HDR_BYTES + CS_KVX_LINK_ID_BYTES);
+    n2 += CS_KVX_HDR_BYTES + CS_KVX_LINK_ID_BYTES;
+    EXPECT_REFUSED(cs_kvx_decode_stream(b2, n2, &lim, e_, sizeof e_), CS_EPROTO, "inline channel");
     ASSERT_EQ_INT(cs_kvx_decode_stream(b2, n2, &nlim, err, sizeof err), 2);
     /* an NCCL reader refuses page bytes on TCP */
     uint8_t pg[2 * PB] = {1};
     n2 = put_frame(b2, CS_KVX_PAGES, 0, 1, 0, 2, pg, sizeof pg);
     ASSERT_EQ_INT(cs_kvx_decode_stream(b2, n2, &lim, err, sizeof err), 1);
-    EXPECT_REFUSED(cs_kvx_decode_stream(b2, n2, &nlim, e_, sizeof e_), CS_EPROTO, "nccl channel");
+    EXPECT_REFUSED(cs_kvx_decode_stream(b2, n2, &nlim, e_, sizeof e_), CS_EPROTO, "link channel");
     /* malformed NCCL frames */
     n2 = put_desc(b2, 1, 0, 0, 0, CS_KVX_DESC_SUM);
     EXPECT_REFUSED(cs_kvx_decode_stream(b2, n2, &nlim, e_, sizeof e_), CS_EBADMSG, "0 pages");
@@ -119,20 +120,28 @@ static void test_wire(void) {
     EXPECT_REFUSED(cs_kvx_decode_stream(b2, n2, &nlim, e_, sizeof e_), CS_EBADMSG, "announces");
     n2 = put_desc(b2, 1, 0, 2, 2 * PB, 2);
     EXPECT_REFUSED(cs_kvx_decode_stream(b2, n2, &nlim, e_, sizeof e_), CS_EBADMSG, "unknown flags");
-    n2 = put_frame(b2, CS_KVX_NCCL_ID, 0, 0, 0, 0, pl, 100);
+    n2 = put_frame(b2, CS_KVX_LINK_ID, 0, 0, 0, 0, pl, 100);
     EXPECT_REFUSED(cs_kvx_decode_stream(b2, n2, &nlim, e_, sizeof e_), CS_EBADMSG,
                    "payload length");
-    n2 = put_frame(b2, CS_KVX_PING, CS_KVX_FLAG_NCCL, 0, 0, 0, NULL, 0);
+    n2 = put_frame(b2, CS_KVX_PING, 2, 0, 0, 0, NULL, 0); /* version 4's NCCL flag: gone */
     EXPECT_REFUSED(cs_kvx_decode_stream(b2, n2, &nlim, e_, sizeof e_), CS_EBADMSG,
                    "unknown frame flags");
     cs_kvx_ack_encode(5, "??", ack);
-    n2 = put_frame(b2, CS_KVX_NCCL_READY, 0, 0, 0, 0, ack, sizeof ack);
+    n2 = put_frame(b2, CS_KVX_LINK_READY, 0, 0, 0, 0, ack, sizeof ack);
     EXPECT_REFUSED(cs_kvx_decode_stream(b2, n2, &nlim, e_, sizeof e_), CS_EBADMSG,
                    "positive status");
     n2 = put_frame(b2, CS_KVX_LAST_TYPE + 1, 0, 0, 0, 0, NULL, 0);
     EXPECT_REFUSED(cs_kvx_decode_stream(b2, n2, &nlim, e_, sizeof e_), CS_EPROTO,
                    "unknown frame type");
-    ASSERT_EQ_STR(cs_kvx_frame_type_name(CS_KVX_NCCL_PAGES), "NCCL_PAGES");
+    ASSERT_EQ_STR(cs_kvx_frame_type_name(CS_KVX_LINK_PAGES), "LINK_PAGES");
+    /* the payload registry (kvx_io.c) agrees with the ifaces it holds */
+    const cs__kvx_payload *tcp = cs__kvx_payload_of_kind(CS_KVX_PAYLOAD_TCP);
+    ASSERT_TRUE(tcp == &cs__kvx_payload_tcp && tcp == cs__kvx_payload_for_pool(CS_KVX_POOL_HOST));
+    ASSERT_EQ_STR(cs_kvx_payload_name(tcp->kind), tcp->name);
+    ASSERT_EQ_INT(cs_kvx_payload_of_pool(tcp->pool_kind), tcp->kind);
+    ASSERT_EQ_STR(cs_kvx_payload_name(CS_KVX_PAYLOAD_NCCL), "nccl"); /* named in any build */
+    ASSERT_EQ_INT(cs_kvx_payload_of_pool(CS_KVX_POOL_CUDA), CS_KVX_PAYLOAD_NCCL);
+    ASSERT_EQ_STR(cs_kvx_payload_name(7), "?");
     ASSERT_EQ_STR(cs_kvx_frame_type_name(CS_KVX_AUTH), "AUTH");
     ASSERT_EQ_STR(cs_kvx_frame_type_name(CS_KVX_LAST_TYPE + 1), "unknown");
 

@@ -75,8 +75,10 @@ enum cs_kvx_weights { CS_KVX_WEIGHTS_FP32 = 0, CS_KVX_WEIGHTS_QUANT = 1 };
  * are refused at HELLO and after. */
 uint64_t cs_kvx_layout_fingerprint(const cs_kvx_layout *l);
 
-/* Where the pages are. kind picks the payload: HOST -> TCP, CUDA -> NCCL. */
+/* Where the pages are. kind picks the payload (the registry in kvx_io.c):
+ * HOST -> TCP, CUDA -> NCCL. */
 enum cs_kvx_pool_kind { CS_KVX_POOL_HOST = 0, CS_KVX_POOL_CUDA = 1 };
+/* How page bytes move; the value is the HELLO's payload byte. */
 enum cs_kvx_payload { CS_KVX_PAYLOAD_TCP = 0, CS_KVX_PAYLOAD_NCCL = 1 };
 
 typedef struct {
@@ -88,7 +90,7 @@ typedef struct {
 
 /* "tcp", "nccl" ("?" otherwise). */
 const char *cs_kvx_payload_name(int payload);
-/* The payload a pool of kind uses (enum cs_kvx_payload). */
+/* The payload a pool of kind uses (enum cs_kvx_payload), -1 for none. */
 int cs_kvx_payload_of_pool(int kind);
 /* Whether this build can move pages of that payload (NCCL: CUDA + NCCL). */
 bool cs_kvx_payload_available(int payload);
