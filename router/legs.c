@@ -119,7 +119,8 @@ static void on_prefill_done(cs_rpc_client_call *c, int code, const char *msg, vo
     }
     q->pleg = NULL;
     if (code == CS_RPC_OK) {
-        if (q->dw_last) cs_pool_pair_ok(l->w, q->dw_last); /* the pair works */
+        cs_pool_worker *dw = cs__req_worker(q, q->dw_last);
+        if (dw) cs_pool_pair_ok(l->w, dw); /* the pair works */
         Chunkserve__V1__PrefillResponse *reply = l->reply;
         l->reply = NULL;
         cs__req_on_prefilled(q, l, reply);
@@ -129,17 +130,19 @@ static void on_prefill_done(cs_rpc_client_call *c, int code, const char *msg, vo
 }
 
 void cs__leg_start_prefill(req *q, const char *kv_endpoint, int kv_transport) {
-    cs_pool_worker *pw = q->pw;
-    q->pw = NULL;
+    cs_pool_worker *pw = cs__req_worker(q, q->pw);
+    q->pw = (cs_pool_handle){0, 0};
+    if (!pw) { /* it left the pool since it was chosen: as if its call had failed */
+        cs__req_fail_attempt(q, NULL, "prefill", CS_RPC_UNAVAILABLE,
+                             "the prefill worker chosen for it left the pool");
+        return;
+    }
     leg *l = leg_new(q, pw, LEG_PREFILL);
-    cs_pool_worker_unref(pw); /* the leg holds its own reference */
     if (!l) {
         cs__req_end(q, CS_RPC_RESOURCE_EXHAUSTED, "the router ran out of memory");
         return;
     }
-    cs_pool_worker_unref(q->pw_last);
-    q->pw_last = pw;
-    cs_pool_worker_ref(pw);
+    q->pw_last = cs_pool_worker_handle(pw);
     Chunkserve__V1__PrefillRequest m = CHUNKSERVE__V1__PREFILL_REQUEST__INIT;
     Chunkserve__V1__RngState rng = CHUNKSERVE__V1__RNG_STATE__INIT;
     m.request_id = q->id;
@@ -256,7 +259,8 @@ void cs__leg_start_decode(req *q, cs_pool_worker *dw, bool first) {
     m.lease_ms = (int32_t)r->o->lease_ms;
     /* the decode worker takes this transfer's pages only from the prefill
      * worker chosen for it (by the name its KV channel authenticates as) */
-    m.kv_sender = (char *)(q->pw && !q->local ? cs_pool_worker_kv_sender(q->pw) : "");
+    cs_pool_worker *pw = q->local ? NULL : cs__req_worker(q, q->pw);
+    m.kv_sender = (char *)(pw ? cs_pool_worker_kv_sender(pw) : "");
     m.cache_salt = q->cache_salt;
     cs_rpc_call_opts o = {.timeout_ms = cs__req_ms_left(q)};
     /* The wall-clock time of the client call's receipt, on the first attempt:
@@ -270,7 +274,7 @@ void cs__leg_start_decode(req *q, cs_pool_worker *dw, bool first) {
     if (first) snprintf(t0, sizeof t0, "%" PRId64, q->t_recv_wall_us);
     q->dleg = l;
     CS_LOGD("request %s: decode on %s, %s prefill%s%s, %zu tokens (transfer %016" PRIx64 ")", q->id,
-            cs_pool_worker_addr(dw), q->local ? "local" : "remote", q->pw ? " on " : "",
-            q->pw ? cs_pool_worker_addr(q->pw) : "", q->n_ctx, q->transfer_id);
+            cs_pool_worker_addr(dw), q->local ? "local" : "remote", pw ? " on " : "",
+            pw ? cs_pool_worker_addr(pw) : "", q->n_ctx, q->transfer_id);
     open_call(l, &q->dleg, WORKER_SERVICE "Decode", &m.base, &o, on_decode_message, on_decode_done);
 }

@@ -21,9 +21,10 @@ struct cs_pool_worker {
     char *addr; /* "host:port", the channel's target */
     int source; /* -1: static list; else the index of its DNS entry */
     int refs;
-    bool listed;   /* in the pool's list */
-    bool vanished; /* no longer in its DNS answer: leaves once idle */
-    int active;    /* calls of the router on it */
+    cs_pool_handle handle; /* its slot and generation (cs_pool_worker_get) */
+    bool listed;           /* in the pool's list */
+    bool vanished;         /* no longer in its DNS answer: leaves once idle */
+    int active;            /* calls of the router on it */
     cs_rpc_channel *ch;
     cs_rpc_client_call *poll;
     Chunkserve__V1__WorkerStatus *poll_msg; /* the answer of the poll in flight */
@@ -93,6 +94,11 @@ struct cs_pool {
     int open_handles;
     int dns_in_flight;
     int n_worker_objs; /* allocated workers, listed or not */
+    /* every allocated worker by slot (NULL: a free slot) and each slot's
+     * last generation: what handles name */
+    cs_pool_worker **slots;
+    uint32_t *slot_gen;
+    uint32_t n_slots;
     bool closing;
     size_t rr[2];
 };

@@ -62,7 +62,40 @@ void cs__pool_maybe_free(cs_pool *p) {
         free(p->dns[i].port);
     }
     free(p->dns);
+    free(p->slots);
+    free(p->slot_gen);
     free(p);
+}
+
+/* A slot for w (a free one, else one more) and the slot's next generation. */
+static int slot_take(cs_pool *p, cs_pool_worker *w) {
+    uint32_t i = 0;
+    while (i < p->n_slots && p->slots[i])
+        i++;
+    if (i == p->n_slots) {
+        uint32_t n = p->n_slots ? 2 * p->n_slots : 16;
+        cs_pool_worker **s = realloc(p->slots, n * sizeof *s);
+        if (s) p->slots = s;
+        uint32_t *g = s ? realloc(p->slot_gen, n * sizeof *g) : NULL;
+        if (!s || !g) return cs_fail(CS_ENOMEM, "out of memory");
+        p->slot_gen = g;
+        for (uint32_t k = p->n_slots; k < n; k++)
+            p->slots[k] = NULL, p->slot_gen[k] = 0;
+        p->n_slots = n;
+    }
+    p->slots[i] = w;
+    w->handle = (cs_pool_handle){i, ++p->slot_gen[i]};
+    if (!w->handle.gen) w->handle.gen = ++p->slot_gen[i]; /* 0 names none */
+    return 0;
+}
+
+cs_pool_handle cs_pool_worker_handle(const cs_pool_worker *w) {
+    return w ? w->handle : (cs_pool_handle){0, 0};
+}
+
+cs_pool_worker *cs_pool_worker_get(const cs_pool *p, cs_pool_handle h) {
+    if (!p || !h.gen || h.slot >= p->n_slots || p->slot_gen[h.slot] != h.gen) return NULL;
+    return p->slots[h.slot];
 }
 
 void cs_pool_worker_ref(cs_pool_worker *w) {
@@ -81,6 +114,7 @@ void cs_pool_worker_unref(cs_pool_worker *w) {
     free(w->kv_sender);
     cs_prefix_set_free(w->prefix);
     cs_prefix_summary_clear(&w->summary);
+    p->slots[w->handle.slot] = NULL; /* its handles read NULL from here */
     free(w);
     p->n_worker_objs--;
     cs__pool_maybe_free(p);
@@ -161,7 +195,8 @@ int cs__pool_worker_add(cs_pool *p, enum cs_pool_role role, const char *addr, in
         return 0;
     }
     w = calloc(1, sizeof *w);
-    if (!w || !(w->addr = strdup(addr))) {
+    if (!w || !(w->addr = strdup(addr)) || slot_take(p, w)) {
+        if (w) free(w->addr);
         free(w);
         return cs_fail(CS_ENOMEM, "out of memory");
     }
@@ -472,15 +507,21 @@ int cs_pool_n_workers(const cs_pool *p, enum cs_pool_role role) {
     return p->n_workers[role];
 }
 
+static bool same(cs_pool_handle a, cs_pool_handle b) {
+    return a.slot == b.slot && a.gen == b.gen;
+}
+
 static bool excluded(const cs_pool_worker *w, const cs_pool_marks *m) {
     for (size_t i = 0; m && i < m->n_excluded; i++)
-        if (m->excluded[i].w == w && m->excluded[i].instance_id == w->instance_id) return true;
+        if (same(m->excluded[i].w, w->handle) && m->excluded[i].instance_id == w->instance_id)
+            return true;
     return false;
 }
 
 static bool refused(const cs_pool_worker *w, const cs_pool_marks *m) {
     for (size_t i = 0; m && i < m->n_refused; i++)
-        if (m->refused[i].w == w && m->refused[i].status_seq == w->status_seq) return true;
+        if (same(m->refused[i].w, w->handle) && m->refused[i].status_seq == w->status_seq)
+            return true;
     return false;
 }
 
@@ -628,9 +669,9 @@ out:
     return chosen;
 }
 
-int cs_pool_mark_add(cs_pool_mark **arr, size_t *n, cs_pool_worker *w) {
+int cs_pool_mark_add(cs_pool_mark **arr, size_t *n, const cs_pool_worker *w) {
     for (size_t i = 0; i < *n; i++)
-        if ((*arr)[i].w == w) {
+        if (same((*arr)[i].w, w->handle)) {
             (*arr)[i].instance_id = w->instance_id;
             (*arr)[i].status_seq = w->status_seq;
             return 0;
@@ -638,16 +679,11 @@ int cs_pool_mark_add(cs_pool_mark **arr, size_t *n, cs_pool_worker *w) {
     cs_pool_mark *na = realloc(*arr, (*n + 1) * sizeof *na);
     if (!na) return cs_fail(CS_ENOMEM, "out of memory");
     *arr = na;
-    na[(*n)++] = (cs_pool_mark){w, w->instance_id, w->status_seq};
-    cs_pool_worker_ref(w);
+    na[(*n)++] = (cs_pool_mark){w->handle, w->instance_id, w->status_seq};
     return 0;
 }
 
 void cs_pool_marks_free(cs_pool_marks *m) {
-    for (size_t i = 0; i < m->n_excluded; i++)
-        cs_pool_worker_unref(m->excluded[i].w);
-    for (size_t i = 0; i < m->n_refused; i++)
-        cs_pool_worker_unref(m->refused[i].w);
     free(m->excluded);
     free(m->refused);
     memset(m, 0, sizeof *m);

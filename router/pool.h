@@ -84,11 +84,24 @@ uint64_t cs_pool_pair_trips(const cs_pool *p);
 /* Workers of a role known (usable or not). */
 int cs_pool_n_workers(const cs_pool *p, enum cs_pool_role role);
 
+/* A worker named without being held, as nginx names its upstream peers: its
+ * slot in the pool and that slot's generation. A handle reads NULL once its
+ * worker object is gone (a slot's next worker has the next generation);
+ * {0, 0} names none. Requests keep handles (the workers of their attempt,
+ * their marks); only a leg (a call on the worker) holds a reference. */
+typedef struct {
+    uint32_t slot, gen;
+} cs_pool_handle;
+/* w's handle ({0, 0} for NULL), and the worker a handle names, or NULL
+ * (gone, or p NULL: the pool closed). */
+cs_pool_handle cs_pool_worker_handle(const cs_pool_worker *w);
+cs_pool_worker *cs_pool_worker_get(const cs_pool *p, cs_pool_handle h);
+
 /* Exclusion and refusal lists are per request: a small array of entries. An
  * exclusion names a worker instance (a restarted worker is a new instance
  * and usable again); a refusal lasts until that worker's next status. */
 typedef struct {
-    cs_pool_worker *w; /* referenced */
+    cs_pool_handle w;
     uint64_t instance_id;
     uint64_t status_seq;
 } cs_pool_mark;
@@ -128,10 +141,9 @@ cs_pool_worker *cs_pool_place(cs_pool *p, enum cs_pool_role role, int64_t n_toke
                               int64_t *cached);
 
 /* Adds a mark for w, or renews it (excluded: the worker's current instance;
- * refused: its current status). A mark holds a reference to the worker.
- * CS_ENOMEM. */
-int cs_pool_mark_add(cs_pool_mark **arr, size_t *n, cs_pool_worker *w);
-/* Drops every mark and its reference; the struct is zeroed. */
+ * refused: its current status). CS_ENOMEM. */
+int cs_pool_mark_add(cs_pool_mark **arr, size_t *n, const cs_pool_worker *w);
+/* Drops every mark; the struct is zeroed. */
 void cs_pool_marks_free(cs_pool_marks *m);
 
 void cs_pool_worker_ref(cs_pool_worker *w);

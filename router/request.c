@@ -192,9 +192,6 @@ void cs__req_maybe_free(req *q) {
         r->live = q->next;
     if (q->next) q->next->prev = q->prev;
     r->n_live--;
-    cs_pool_worker_unref(q->pw);
-    cs_pool_worker_unref(q->dw_last);
-    cs_pool_worker_unref(q->pw_last);
     cs_pool_marks_free(&q->marks);
     drop_held(q);
     if (q->sampling) protobuf_c_message_free_unpacked(&q->sampling->base, NULL);
@@ -215,11 +212,10 @@ static void drop_attempt(req *q, bool tell_workers) {
     cs__leg_cancel(q->pleg);
     q->dleg = q->pleg = NULL;
     if (tell_workers && !q->local && q->state == RQ_STREAMING) {
-        cs__leg_send_cancel(q, q->dw_last);
-        cs__leg_send_cancel(q, q->pw_last);
+        cs__leg_send_cancel(q, cs__req_worker(q, q->dw_last));
+        cs__leg_send_cancel(q, cs__req_worker(q, q->pw_last));
     }
-    cs_pool_worker_unref(q->pw);
-    q->pw = NULL;
+    q->pw = (cs_pool_handle){0, 0};
 }
 
 static const char *code_msg(int code) {
@@ -277,21 +273,20 @@ static const cs_pool_prefix *prefix_of(const req *q, cs_pool_prefix *pf) {
  * prefill worker when what is left to compute is long, the Decode call. */
 static void start_attempt(req *q, cs_pool_worker *dw, int64_t dcached) {
     router *r = q->r;
-    cs_pool_worker_unref(q->dw_last);
-    q->dw_last = dw;
-    cs_pool_worker_ref(dw);
+    q->dw_last = cs_pool_worker_handle(dw);
     q->transfer_id = new_transfer_id(r);
     /* remote prefill for long contexts when a prefill worker can take it */
-    cs_pool_worker_unref(q->pw);
-    q->pw = NULL;
+    cs_pool_worker *pw = NULL;
     cs_pool_prefix pf;
     int64_t pcached = 0;
     if (q->sampling && q->sampling->prompt_logprobs && q->n_relayed == 0)
         dcached = 0; /* prompt logprobs: the prompt is computed whole, cache or not */
     if ((int64_t)q->n_ctx - dcached >= r->o->local_prefill_threshold)
-        q->pw = cs_pool_place(r->pool, CS_POOL_PREFILL, (int64_t)q->n_ctx, &q->marks, NULL, dw,
-                              prefix_of(q, &pf), &pcached);
-    q->local = q->pw == NULL;
+        pw = cs_pool_place(r->pool, CS_POOL_PREFILL, (int64_t)q->n_ctx, &q->marks, NULL, dw,
+                           prefix_of(q, &pf), &pcached);
+    q->pw = cs_pool_worker_handle(pw); /* the leg takes a reference when its call starts */
+    cs_pool_worker_unref(pw);
+    q->local = pw == NULL;
     q->predicted_cached = q->local ? dcached : pcached;
     cs__req_set_state(q, RQ_ADMITTING);
     q->t_attempt = cs_now();
@@ -405,7 +400,7 @@ void cs__req_on_prefilled(req *q, leg *l, Chunkserve__V1__PrefillResponse *reply
         h = n;
     }
     if (ended && q->state == RQ_STREAMING) /* the stream closed behind them, unfinished */
-        cs__req_fail_attempt(q, q->dw_last, "decode", CS_RPC_INTERNAL,
+        cs__req_fail_attempt(q, cs__req_worker(q, q->dw_last), "decode", CS_RPC_INTERNAL,
                              "the stream ended without a finish reason");
 }
 
@@ -422,12 +417,13 @@ void cs__req_on_refused(req *q, leg *l, const char *msg) {
 
 void cs__req_on_leg_failed(req *q, leg *l, int code, const char *msg) {
     const char *what = l->kind == LEG_DECODE ? "decode" : "prefill";
-    if (code == CS_RPC_ABORTED && !q->local && q->pw_last && q->dw_last && cs__req_ms_left(q) > 0) {
+    cs_pool_worker *pw = cs__req_worker(q, q->pw_last), *dw = cs__req_worker(q, q->dw_last);
+    if (code == CS_RPC_ABORTED && !q->local && pw && dw && cs__req_ms_left(q) > 0) {
         /* Either side says the KV transfer between them failed: blame the
          * pair (its breaker), not a worker; retry without this prefill
          * worker. */
-        cs_pool_pair_failed(q->pw_last, q->dw_last);
-        cs__req_fail_attempt(q, q->pw_last, "KV transfer", code, msg);
+        cs_pool_pair_failed(pw, dw);
+        cs__req_fail_attempt(q, pw, "KV transfer", code, msg);
         return;
     }
     if (code == CS_RPC_INVALID_ARGUMENT)

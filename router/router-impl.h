@@ -120,11 +120,11 @@ struct req {
     /* The current attempt. */
     uint64_t transfer_id;
     leg *dleg, *pleg;
-    bool local;              /* prefilled by the decode worker itself */
-    cs_pool_worker *pw;      /* chosen prefill worker, before its call starts */
-    cs_pool_worker *dw_last; /* decode worker of the attempt (referenced), for Cancel */
-    cs_pool_worker *pw_last; /* prefill worker of the attempt (referenced), for Cancel */
-    int legs;                /* legs alive (current or not) */
+    bool local;             /* prefilled by the decode worker itself */
+    cs_pool_handle pw;      /* chosen prefill worker, until its leg starts */
+    cs_pool_handle dw_last; /* decode worker of the attempt, for Cancel and blame */
+    cs_pool_handle pw_last; /* prefill worker of the attempt, for Cancel and blame */
+    int legs;               /* legs alive (current or not) */
     /* Prompt logprobs with a remote prefill come in the Prefill reply: the
      * Decode stream's outputs wait for it (held, in order), and the first
      * relayed output carries them (cs__req_wants_prompt_logprobs). */
@@ -257,5 +257,9 @@ void cs__leg_start_prefill(req *q, const char *kv_endpoint, int kv_transport);
 void cs__leg_cancel(leg *l);
 /* Worker/Cancel by the attempt's transfer id, best effort. */
 void cs__leg_send_cancel(req *q, cs_pool_worker *w);
+/* The worker a request's handle names (NULL: gone, or the pool closed). */
+static inline cs_pool_worker *cs__req_worker(const req *q, cs_pool_handle h) {
+    return cs_pool_worker_get(q->r->pool, h);
+}
 
 #endif
