@@ -98,7 +98,7 @@ static int copy_fields(const Chunkserve__V1__SamplingParams *m, cs_request *q) {
         const cs_sampling_field *f = &cs_sampling_fields[i];
         const ProtobufCFieldDescriptor *fd =
             protobuf_c_message_descriptor_get_field_by_name(d, f->name);
-        if (!fd) /* test_wire checks every row against the proto */
+        if (!fd) /* test_sampling_fields checks every row against the proto */
             return cs_fail(CS_EINVAL, "sampling field %s is not in the proto", f->name);
         const char *p = (const char *)m + fd->offset;
         if (f->type == CS_FIELD_U64) {
@@ -284,6 +284,10 @@ int cs_wire_sampling(const cs_wire_model *wm, const Chunkserve__V1__SamplingPara
         r = cs_fail_field(CS_EINVAL, "sampling.min_tokens",
                           "sampling.min_tokens %d is more than sampling.max_tokens %d",
                           q->stop.min_tokens, q->stop.max_tokens);
+    if (!r && q->stop.min_tokens > cfg->ctx_len)
+        r = cs_fail_field(CS_EINVAL, "sampling.min_tokens",
+                          "sampling.min_tokens %d is more than the model's context of %d tokens",
+                          q->stop.min_tokens, cfg->ctx_len);
     if (!r)
         r = check_ids(p->stop_token_ids, p->n_stop_token_ids, cfg->n_vocab,
                       "sampling.stop_token_ids");
@@ -303,11 +307,10 @@ int cs_wire_sampling(const cs_wire_model *wm, const Chunkserve__V1__SamplingPara
     q->sampling.bias_ids = p->logit_bias_ids; /* borrowed from m, like the stop lists */
     q->sampling.bias = p->logit_bias_values;
     q->sampling.n_bias = (int32_t)p->n_logit_bias_ids;
-    if ((r = cs_sampling_params_check(&q->sampling))) { /* the bias values' range */
-        char field[64], why[512];
-        snprintf(field, sizeof field, "sampling.%s", cs_last_error_field());
+    if ((r = cs_sampling_params_check(&q->sampling))) { /* what is left: the bias values */
+        char why[512];
         snprintf(why, sizeof why, "%s", cs_last_error());
-        return cs_fail_field(r, field, "sampling.%s", why);
+        return cs_fail_field(r, "sampling.logit_bias_values", "sampling.%s", why);
     }
     r = structured(p->structured, &q->structured);
     if (r) return r;
@@ -350,6 +353,7 @@ int cs_wire_check_cache_salt(const char *salt) {
 int cs_wire_generate_request(const cs_wire_model *wm, const Chunkserve__V1__GenerateRequest *m,
                              uint64_t id, cs_wire_request *out) {
     memset(out, 0, sizeof *out);
+    cs_error_clear(); /* a field named below is this request's (cs_fail_in) */
     const cs_model_config *cfg = cs_model_get_config(wm->model);
     int r = cs_wire_check_request_id(m->request_id);
     if (!r) r = cs_wire_check_cache_salt(m->cache_salt);

@@ -30,7 +30,7 @@
 #include "chunkserve/error.h"
 #include "chunkserve/log.h"
 
-/* Every field is written by cs_config_parse from opt_table. */
+/* Every field is written by cs_config_parse from the joined table (all_options). */
 typedef struct {
     const char *model, *prompt, *system, *ids, *out, *kv_out, *tensor;
     bool chat, no_special, no_gen_prompt, verbose, ignore_eos, reference, exact, engine, every_pos,

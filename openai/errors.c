@@ -20,8 +20,7 @@ static void param_of(const char *field, bool chat, char *param, size_t cap) {
         {"token_ids.", NULL},
         {"chat", NULL},
         {"chat.", NULL},
-        {"sampling.logit_bias", "logit_bias"}, /* the proto's two lists are OpenAI's one map */
-        {"sampling.logit_bias_ids", "logit_bias"},
+        {"sampling.logit_bias_ids", "logit_bias"}, /* the proto's two lists: OpenAI's one map */
         {"sampling.logit_bias_values", "logit_bias"},
         {"sampling.include_special", "skip_special_tokens"},
         {"sampling.prompt_top_logprobs", "prompt_logprobs"},

@@ -13,6 +13,7 @@
 #include "chunkserve/error.h"
 #include "chunkserve/log.h"
 #include "router-impl.h"
+#include "wire.h"
 
 static leg *leg_new(req *q, cs_pool_worker *w, enum leg_kind kind) {
     leg *l = calloc(1, sizeof *l);
@@ -70,6 +71,15 @@ static Chunkserve__V1__RngState *rng_of(req *q, Chunkserve__V1__RngState *m) {
     return m;
 }
 
+/* The worker's refusal of the client's input names the field (api/wire.h). */
+static void keep_field(leg *l, cs_rpc_client_call *c, int code) {
+    size_t len = 0;
+    const char *v = code == CS_RPC_INVALID_ARGUMENT
+                        ? cs_rpc_client_call_metadata(c, CS_FIELD_TRAILER, &len)
+                        : NULL;
+    if (v && len < sizeof l->field) memcpy(l->field, v, len), l->field[len] = 0;
+}
+
 /* ----------------------------------------------------------- cancel -- */
 
 static void on_cancel_sent(cs_rpc_client_call *c, int code, const char *msg, void *data) {
@@ -107,8 +117,8 @@ static void on_prefill_message(cs_rpc_client_call *c, const uint8_t *buf, size_t
 }
 
 static void on_prefill_done(cs_rpc_client_call *c, int code, const char *msg, void *data) {
-    (void)c;
     leg *l = data;
+    keep_field(l, c, code);
     req *q = l->q;
     /* counted even when the stream already ended (a one-token answer can
      * finish on the Decode stream before the Prefill reply arrives) */
@@ -218,8 +228,8 @@ static void on_decode_message(cs_rpc_client_call *c, const uint8_t *buf, size_t 
 }
 
 static void on_decode_done(cs_rpc_client_call *c, int code, const char *msg, void *data) {
-    (void)c;
     leg *l = data;
+    keep_field(l, c, code);
     req *q = l->q;
     if (q->dleg != l || q->state == RQ_ENDED) {
         leg_free(l);

@@ -4,11 +4,12 @@
  * pure policy of place.c chooses from).
  *
  * Lifetime. A worker is referenced by its pool list, by its status call in
- * flight and by every request that placed work there (cs_pool_worker_ref); it is
- * freed at the last reference. A worker that vanished from DNS leaves the
- * list once no call of the router is active on it. The pool itself is freed
- * by cs_pool_close once its timers are closed, its DNS lookups have called
- * back and its last worker is gone.
+ * flight and by every call of the router on it (a leg, a Cancel;
+ * cs_pool_worker_ref); it is freed at the last reference. Requests name
+ * workers by handle (cs_pool_handle), which reads NULL from then on. A worker that vanished from
+ * DNS leaves the list once no call of the router is active on it. The pool itself is freed by
+ * cs_pool_close once its timers are closed, its DNS lookups have called back and its last worker is
+ * gone.
  *
  * Why a worker's channel is sometimes recreated: gRPC backs off reconnects
  * exponentially (up to minutes), so a worker that restarts after a long

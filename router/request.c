@@ -227,13 +227,17 @@ static const char *code_msg(int code) {
 }
 
 void cs__req_end(req *q, int code, const char *msg) {
+    cs__req_refuse(q, code, msg, NULL);
+}
+
+void cs__req_refuse(req *q, int code, const char *msg, const char *field) {
     router *r = q->r;
     if (q->state == RQ_ENDED) return;
     drop_attempt(q, code != CS_RPC_OK);
     cs__req_set_state(q, RQ_ENDED);
     double now = cs_now();
     if (q->call) {
-        cs_gen_call_finish(q->call, code, msg ? msg : code_msg(code));
+        cs_gen_call_refuse(q->call, code, msg ? msg : code_msg(code), field);
         q->call = NULL;
     }
     cs__router_count_code(r, code);
@@ -417,17 +421,17 @@ void cs__req_on_refused(req *q, leg *l, const char *msg) {
 
 void cs__req_on_leg_failed(req *q, leg *l, int code, const char *msg) {
     const char *what = l->kind == LEG_DECODE ? "decode" : "prefill";
-    cs_pool_worker *pw = cs__req_worker(q, q->pw_last), *dw = cs__req_worker(q, q->dw_last);
-    if (code == CS_RPC_ABORTED && !q->local && pw && dw && cs__req_ms_left(q) > 0) {
+    if (code == CS_RPC_ABORTED && !q->local && cs__req_ms_left(q) > 0) {
         /* Either side says the KV transfer between them failed: blame the
          * pair (its breaker), not a worker; retry without this prefill
-         * worker. */
-        cs_pool_pair_failed(pw, dw);
-        cs__req_fail_attempt(q, pw, "KV transfer", code, msg);
+         * worker. A worker that already left the pool is blamed for nothing. */
+        cs_pool_worker *pw = cs__req_worker(q, q->pw_last), *dw = cs__req_worker(q, q->dw_last);
+        if (pw && dw) cs_pool_pair_failed(pw, dw);
+        cs__req_fail_attempt(q, pw && dw ? pw : NULL, "KV transfer", code, msg);
         return;
     }
     if (code == CS_RPC_INVALID_ARGUMENT)
-        cs__req_end(q, code, msg); /* the client's input, as the worker judged it */
+        cs__req_refuse(q, code, msg, l->field); /* the client's input, as the worker judged it */
     else if (cs__req_ms_left(q) <= 0)
         cs__req_end(q, CS_RPC_DEADLINE_EXCEEDED, NULL);
     else if (code == CS_RPC_OK)

@@ -95,6 +95,7 @@ struct leg {
     cs_rpc_client_call *c;
     enum leg_kind kind;
     Chunkserve__V1__PrefillResponse *reply; /* LEG_PREFILL: its answer, once read */
+    char field[64]; /* INVALID_ARGUMENT: the field the worker named (its trailer), "" */
 };
 
 struct req {
@@ -205,6 +206,8 @@ void cs__req_attempt(req *q);
 void cs__req_park(req *q, enum req_wait why);
 /* Ends the request for the client (once) and cancels what runs for it. */
 void cs__req_end(req *q, int code, const char *msg);
+/* The same, naming the request field the refusal is about (NULL: none). */
+void cs__req_refuse(req *q, int code, const char *msg, const char *field);
 /* Frees q once its client call is finished and its last leg ended. */
 void cs__req_maybe_free(req *q);
 /* Counts a finished Generate call by gRPC code. */

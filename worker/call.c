@@ -19,7 +19,7 @@ static int check_request(cs_worker *w, const int32_t *ids, size_t n, int32_t num
                          const Chunkserve__V1__SamplingParams *sampling, cs_request *r) {
     const cs_model_config *cfg = cs_model_get_config(w->model);
     memset(r, 0, sizeof *r);
-    if (n == 0) return cs_fail(CS_EINVAL, "token_ids is empty");
+    if (n == 0) return cs_fail_field(CS_EINVAL, "token_ids", "token_ids is empty");
     if (num_prompt < 1 || (size_t)num_prompt > n)
         return cs_fail_field(CS_EINVAL, "num_prompt_tokens",
                              "num_prompt_tokens = %d must be in 1..%zu (the token ids sent)",
@@ -134,13 +134,16 @@ static cs_worker_call *admit(cs_worker *w, cs_rpc_call *c, const int32_t *ids, s
         cs_rpc_call_finish(c, CS_RPC_RESOURCE_EXHAUSTED, msg);
         return NULL;
     }
+    cs_error_clear(); /* a field named below is this request's */
     int rc = cs_wire_check_request_id(request_id);
     if (!rc) rc = cs_wire_check_cache_salt(cache_salt);
     if (!rc) rc = check_request(w, ids, n, num_prompt, sampling, r);
     if (rc) {
-        if (cs_last_error_field()[0]) /* as the doors' gRPC answer (api/gen_call.h) */
-            cs_rpc_call_add_trailer(c, CS_FIELD_TRAILER, cs_last_error_field());
-        cs_rpc_call_finish(c, cs_rpc_code_of_status(rc), cs_last_error());
+        char msg[512], field[64];
+        snprintf(msg, sizeof msg, "%s", cs_last_error());
+        snprintf(field, sizeof field, "%s", cs_last_error_field());
+        if (field[0]) cs_rpc_call_add_trailer(c, CS_FIELD_TRAILER, field); /* as the doors' */
+        cs_rpc_call_finish(c, cs_rpc_code_of_status(rc), msg);
         return NULL;
     }
     cs_worker_call *q = calloc(1, w->role->call_size);

@@ -33,6 +33,11 @@ const char *cs_last_error_field(void) {
     return last_field;
 }
 
+void cs_error_clear(void) {
+    last_error[0] = 0;
+    last_field[0] = 0;
+}
+
 int cs_fail_in(int code, const char *field) {
     if (!last_field[0]) snprintf(last_field, sizeof last_field, "%s", field);
     return code;

@@ -15,7 +15,7 @@
  *
  * A chunk moves through one staging slot of its channel's link:
  *   sender:   pack(slot, ids) -> query() == 0 -> its frame is written on TCP
- *             (PAGES with the bytes when inline, else an LINK_PAGES
+ *             (PAGES with the bytes when inline, else a LINK_PAGES
  *             descriptor) -> send(slot) -> query() == 0 -> slot free;
  *   receiver: inline: the PAGES payload is read straight into the pages;
  *             otherwise recv(slot, ids) per descriptor, in arrival order ->

@@ -7,7 +7,7 @@
  * channel's payload link as soon as slots are free (TCP: the chunk's XXH3;
  * NCCL: the gather kernel, overlapping the previous chunk's ncclSend). A
  * packed chunk at the head of the FIFO becomes its data frame on TCP (PAGES
- * with the page bytes written straight from the pool, or an LINK_PAGES
+ * with the page bytes written straight from the pool, or a LINK_PAGES
  * descriptor), and once that frame is fully written the link sends the chunk
  * (NCCL: ncclSend, so the receiver posts the matching ncclRecv in the same
  * order). A data frame that reached the socket is always followed by its

@@ -15,7 +15,7 @@ FIELD_CASES = [
     (dict(prompt="x", sampling=dict(max_tokens=2, min_tokens=3)), "sampling.min_tokens"),
     (dict(prompt="x", sampling=dict(stop_token_ids=[400])), "sampling.stop_token_ids"),
     (dict(prompt="x", sampling=dict(logit_bias_ids=[1], logit_bias_values=[101])),
-     "sampling.logit_bias"),
+     "sampling.logit_bias_values"),
     (dict(token_ids=dict(ids=[5, 349])), "token_ids.ids"),
     (dict(token_ids=dict(ids=[5] * TINY_CTX)), "context"),
     (dict(prompt=""), "prompt"),

@@ -719,6 +719,26 @@ def hold_pages(pb, p, n_tokens, transfer_id):
     return call
 
 
+def test_worker_refusal_names_the_field(cl, pb):
+    """A worker refuses a bad Worker/Decode call (INVALID_ARGUMENT) with the field in the
+    chunkserve-field trailer, as the public doors do; the router relays it (legs.c)."""
+    a = cl.decode()
+    c, g = pb.cluster_pb2, pb.generation_pb2
+    ch = grpc.insecure_channel(a.addr)
+    stub = pb.cluster_pb2_grpc.WorkerStub(ch)
+    for fields, field in [(dict(sampling=g.SamplingParams(top_p=1.5)), "sampling.top_p"),
+                          (dict(token_ids=[5, 349]), "token_ids"),
+                          (dict(token_ids=[5] * TINY_CTX), "context")]:
+        kw = dict(request_id="bad", transfer_id=1, token_ids=[5, 6], num_prompt_tokens=1,
+                  local_prefill=True)
+        kw.update(fields)
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Decode(c.DecodeRequest(**kw), timeout=10))
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
+        assert dict(e.value.trailing_metadata() or ()).get("chunkserve-field") == field
+    ch.close()
+
+
 def test_refusal_goes_to_the_next_worker_then_resource_exhausted(cl, pb, reference):
     """Decode workers with tiny pools.  Another replica's reservation (hold_pages) fills a
     worker the router still believes empty (its status interval is a minute): the worker

@@ -121,6 +121,7 @@ static void check_wire(const cs_wire_model *wm) {
     ASSERT_MSG_HAS(cs_last_error(), "needs sampling.logprobs");
     REFUSED(b.prompt_top_logprobs = 2, "sampling.prompt_top_logprobs");
     REFUSED((b.max_tokens = 2, b.min_tokens = 3), "sampling.min_tokens");
+    REFUSED(b.min_tokens = ctx + 1, "sampling.min_tokens"); /* beyond any context */
     int32_t ids[1] = {1 << 30};
     float vals[1] = {1};
     REFUSED((b.n_stop_token_ids = 1, b.stop_token_ids = ids), "sampling.stop_token_ids");
@@ -131,7 +132,7 @@ static void check_wire(const cs_wire_model *wm) {
     ids[0] = 1, vals[0] = 101;
     REFUSED((b.n_logit_bias_ids = b.n_logit_bias_values = 1, b.logit_bias_ids = ids,
              b.logit_bias_values = vals),
-            "sampling.logit_bias");
+            "sampling.logit_bias_values");
     char *stops[1] = {""};
     REFUSED((b.n_stop = 1, b.stop = stops), "sampling.stop");
 #undef REFUSED

@@ -76,6 +76,9 @@ __attribute__((format(printf, 3, 4)))
 int cs_fail_field(int code, const char *field, const char *fmt, ...);
 /* "" when the last failure named no field. */
 const char *cs_last_error_field(void);
+/* Forgets this thread's last error and field (before work whose refusals
+ * cs_fail_in names: a callee that fails without cs_fail leaves none). */
+void cs_error_clear(void);
 /* Names field as what the failure just recorded (by a callee that knew no
  * request fields) was about, unless it named one; returns code. */
 int cs_fail_in(int code, const char *field);
