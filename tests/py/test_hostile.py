@@ -273,7 +273,7 @@ def test_slowloris_on_an_ops_port_leaves_healthz_answering(cl, pb):
 
 
 # ------------------------------------------------------------------ raw KV frames
-KV_MAGIC, KV_VERSION = 0x564B5343, 4
+KV_MAGIC, KV_VERSION = 0x564B5343, 5  # kvx/src/kvx_wire.h
 HELLO, HELLO_ACK, PAGES, CHALLENGE, AUTH = 1, 2, 3, 11, 12
 
 
@@ -343,7 +343,8 @@ def test_forged_hello_and_pages_into_a_live_reservation(cl, pb):
     assert cl.status(cl.prefill[0]).kv_sender  # the name the router tells the decode side
     for name in (b"prefill-0", cl.status(cl.prefill[0]).worker_id.encode()):
         s = socket.create_connection((host, int(port)), timeout=5)
-        hello = layout + name[:63].ljust(64, b"\0") + os.urandom(16)
+        # layout, name, nonce, the payload byte (0: TCP) and 7 zero bytes
+        hello = layout + name[:63].ljust(64, b"\0") + os.urandom(16) + bytes(8)
         s.sendall(kv_frame(HELLO, 2**64 - 1, 0, fp, hello))
         reply = kv_read(s)
         assert reply is not None and reply[0] == CHALLENGE, reply
