@@ -24,8 +24,8 @@ FIELD_CASES = [
 ]
 
 
-def refusal_field(stub, pb, fields):
-    """The INVALID_ARGUMENT refusal of GenerateRequest(**fields): its chunkserve-field trailer."""
+def generate_request(pb, fields):
+    """GenerateRequest(**fields), its nested messages given as dicts."""
     g = pb.generation_pb2
     f = dict(fields)
     if "sampling" in f:
@@ -34,7 +34,12 @@ def refusal_field(stub, pb, fields):
         f["token_ids"] = g.TokenIds(**f["token_ids"])
     if "chat" in f:
         f["chat"] = g.Chat(messages=[g.ChatMessage(**m) for m in f["chat"]["messages"]])
+    return g.GenerateRequest(**f)
+
+
+def refusal_field(stub, pb, fields):
+    """The INVALID_ARGUMENT refusal of GenerateRequest(**fields): its chunkserve-field trailer."""
     with pytest.raises(grpc.RpcError) as e:
-        list(stub.Generate(g.GenerateRequest(**f), timeout=10))
+        list(stub.Generate(generate_request(pb, fields), timeout=10))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
     return dict(e.value.trailing_metadata() or ()).get("chunkserve-field")

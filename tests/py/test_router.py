@@ -35,7 +35,7 @@ pytest.importorskip("grpc_tools.protoc")  # stubs: conftest.proto_modules
 
 from cluster_harness import (Cluster, Proc, Reference, exported_series,  # noqa: E402
                              generate, make_tiny, metric, wait_for, wait_idle, worker_status)
-from refusals import FIELD_CASES, refusal_field  # noqa: E402
+from refusals import FIELD_CASES, generate_request, refusal_field  # noqa: E402
 
 pytestmark = pytest.mark.cluster
 
@@ -223,17 +223,9 @@ BAD_INPUTS = [
 @pytest.mark.parametrize("fields,words", BAD_INPUTS, ids=[w for _, w in BAD_INPUTS])
 def test_bad_input_without_workers(alone, pb, fields, words):
     """Refused INVALID_ARGUMENT with the message, at once, although no worker exists."""
-    g = pb.generation_pb2
-    f = dict(fields)
-    if "sampling" in f:
-        f["sampling"] = g.SamplingParams(**f["sampling"])
-    if "token_ids" in f:
-        f["token_ids"] = g.TokenIds(**f["token_ids"])
-    if "chat" in f:
-        f["chat"] = g.Chat(messages=[g.ChatMessage(**m) for m in f["chat"]["messages"]])
     t0 = time.monotonic()
     with pytest.raises(grpc.RpcError) as e:
-        list(alone.stub.Generate(g.GenerateRequest(**f), timeout=20))
+        list(alone.stub.Generate(generate_request(pb, fields), timeout=20))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
     assert words in e.value.details()
     assert time.monotonic() - t0 < 5

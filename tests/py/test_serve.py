@@ -24,7 +24,7 @@ import pytest
 grpc = pytest.importorskip("grpc")
 pytest.importorskip("grpc_tools.protoc")  # stubs: conftest.proto_modules
 
-from refusals import FIELD_CASES, refusal_field  # noqa: E402
+from refusals import FIELD_CASES, generate_request, refusal_field  # noqa: E402
 
 SERVICE = "chunkserve.v1.Generation"
 TINY_NAME = "chunkserve tiny test model"
@@ -240,16 +240,9 @@ BAD_INPUTS = [
 @pytest.mark.parametrize("fields,words", BAD_INPUTS, ids=[w for _, w in BAD_INPUTS])
 def test_bad_input(tiny, pb, fields, words):
     g = pb.generation_pb2
-    f = dict(fields)
-    if "sampling" in f:
-        f["sampling"] = g.SamplingParams(**f["sampling"])
-    if "token_ids" in f:
-        f["token_ids"] = g.TokenIds(**f["token_ids"])
-    if "chat" in f:
-        f["chat"] = g.Chat(messages=[g.ChatMessage(**m) for m in f["chat"]["messages"]])
     t0 = time.monotonic()
     with pytest.raises(grpc.RpcError) as e:
-        list(tiny.stub.Generate(g.GenerateRequest(**f), timeout=10))
+        list(tiny.stub.Generate(generate_request(pb, fields), timeout=10))
     assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, e.value.details()
     assert words in e.value.details()
     assert time.monotonic() - t0 < 5
