@@ -938,6 +938,7 @@ done:
     uv_close((uv_handle_t *)&b->progress, NULL);
     uv_run(&b->uv, UV_RUN_DEFAULT);
     uv_loop_close(&b->uv);
+    if (b->rl) cs_rpc_wait_grpc_ended(2000);
     free(b->ids);
     free(b);
     cs_lg_workload_free(&w);

@@ -8,6 +8,7 @@
  * anything about servers, calls or channels. */
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "rpc-impl.h"
 
@@ -144,6 +145,15 @@ fail_cq:
     pthread_mutex_destroy(&l->mu);
     free(l);
     return cs_fail(CS_EIO, "rpc: cannot create the completion queue or its uv handle");
+}
+
+bool cs_rpc_wait_grpc_ended(int timeout_ms) {
+    /* grpc_is_initialized takes the lock the ending holds: 0 means it is done. */
+    for (int waited = 0; grpc_is_initialized(); waited++) {
+        if (waited >= timeout_ms) return false;
+        nanosleep(&(struct timespec){.tv_nsec = 1000000}, NULL);
+    }
+    return true;
 }
 
 void cs_rpc_loop_close(cs_rpc_loop *l) {

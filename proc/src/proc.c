@@ -208,6 +208,7 @@ fail:
 out:
     cs_rpc_health_free(p->health);
     if (uv_ok && uv_loop_close(&p->uv) != 0) CS_LOGW("the event loop still had handles at exit");
+    if (uv_ok && !cs_rpc_wait_grpc_ended(2000)) CS_LOGW("gRPC was still in use 2 s after the last close");
     if (role->free) role->free(p, role_data);
     cs_metrics_free(p->metrics);
     free(p);

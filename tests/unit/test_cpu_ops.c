@@ -64,13 +64,13 @@ typedef struct {
     int size;
 } visit_arg;
 
-static void visit(void *a, int64_t begin, int64_t end, int thread) {
+static void visit(void *a, int64_t begin, int64_t end, int range) {
     visit_arg *v = a;
-    ASSERT_TRUE(thread >= 0 && thread < v->size);
+    ASSERT_TRUE(range >= 0 && range < v->size);
     ASSERT_TRUE(begin < end);
     for (int64_t i = begin; i < end; i++) {
         atomic_fetch_add(&v->visits[i], 1);
-        v->owner[i] = thread;
+        v->owner[i] = range;
     }
 }
 
@@ -97,7 +97,7 @@ static void test_threadpool(void) {
             cs_threadpool_for(pools[k], n, visit, &v);
             for (int64_t i = 0; i < n; i++)
                 ASSERT_EQ_INT(atomic_load(&visits[i]), 1);
-            /* contiguous ranges in thread order, the same every time */
+            /* contiguous ranges in range order, the same every time */
             for (int64_t i = 1; i < n; i++)
                 ASSERT_TRUE(owner[i] >= owner[i - 1]);
             memcpy(owner2, owner, sizeof owner);

@@ -38,11 +38,15 @@ int cs_threadpool_init(int n_threads, cs_threadpool **out);
 int cs_threadpool_default_size(void);
 void cs_threadpool_free(cs_threadpool *pool);      /* NULL is a no-op */
 int cs_threadpool_size(const cs_threadpool *pool); /* 1 for NULL */
-/* Splits [0, n) into contiguous ranges, calls fn(arg, begin, end, thread)
- * on the workers and the caller, returns when all ranges are done. The
- * split depends only on n and the pool size. Not reentrant: one job at a
+/* Splits [0, n) into one contiguous range per thread, calls
+ * fn(arg, begin, end, range) for each non-empty one and returns when all are
+ * done. The split depends only on n and the pool size; range is the index
+ * of [begin, end) in it (0 .. size-1), so per-range scratch is indexed by
+ * it. Each range runs on whichever thread claims it first (the caller or a
+ * worker; one thread may run several, one after the other), so a worker the
+ * scheduler has not run yet holds nothing up. Not reentrant: one job at a
  * time per pool. */
-typedef void (*cs_range_fn)(void *arg, int64_t begin, int64_t end, int thread);
+typedef void (*cs_range_fn)(void *arg, int64_t begin, int64_t end, int range);
 void cs_threadpool_for(cs_threadpool *pool, int64_t n, cs_range_fn fn, void *arg);
 
 /* Debian 12's OpenBLAS 0.3.21 does not know the newest Xeons and falls back

@@ -95,6 +95,14 @@ int cs_rpc_loop_init(struct uv_loop_s *uv, cs_rpc_loop **out);
  * until uv_run returns. Posts not yet run still run first. NULL is a no-op. */
 void cs_rpc_loop_close(cs_rpc_loop *l);
 
+/* Waits, at most timeout_ms, for gRPC's own shutdown to end once the last
+ * cs_rpc_loop has closed. gRPC ends itself on a thread of its own when the
+ * last user let go on one of gRPC's threads (a channel torn down late); a
+ * process that exits before that thread is done leaves gRPC's threads
+ * unjoined. Call it after uv_run has returned from the last close, before
+ * exiting. false when gRPC is still in use at the deadline. */
+bool cs_rpc_wait_grpc_ended(int timeout_ms);
+
 /* Runs fn(data) on the loop thread, soon, in posting order. Thread-safe: the
  * way for engine threads to hand tokens to a call. CS_ENOMEM, or CS_ECANCELED
  * once the close has shut the queue (fn is then never called). Posts made
