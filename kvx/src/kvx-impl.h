@@ -3,7 +3,7 @@
  * writev) and the payload interface.
  *
  * The transport is cut in two:
- *  - the control plane (kvx_tx.c, kvx_rx.c): TCP channel, HELLO, fencing,
+ *  - the control plane (kvx_tx*.c, kvx_rx*.c): TCP channel, HELLO, fencing,
  *    keepalive, frames, ordering, deadlines, failure fan-out, stats. One copy,
  *    plain C, whatever moves the bytes;
  *  - the payload (cs__kvx_payload, an iface with a per-channel context

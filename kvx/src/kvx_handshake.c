@@ -1,6 +1,6 @@
 /* kvx_handshake.c: the KV link's authenticated handshake, both ends, and
  * the keys it derives (kvx_wire.h version 5; docs/security.md says what it
- * protects against). The channel code (kvx_tx.c, kvx_rx.c) sends and
+ * protects against). The channel code (kvx_tx_chan.c, kvx_rx_chan.c) sends and
  * receives the frames; every decision about who is admitted is here.
  *
  *   sender   -> HELLO      nonce_tx, name, layout, payload; header:
@@ -10,7 +10,7 @@
  *   sender      checks proof_rx (the receiver holds the secret), then
  *            -> AUTH       proof_tx = derive(PROOF_TX, transcript)
  *   receiver    checks proof_tx; only now does the HELLO count (fencing,
- *               the channel's name: kvx_rx.c), then HELLO_ACK
+ *               the channel's name: kvx_rx_chan.c), then HELLO_ACK
  *   both        session = derive(SESSION, transcript): the TRAILER's MAC key
  *
  * The transcript binds both nonces, both incarnations, the layout

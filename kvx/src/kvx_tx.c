@@ -1,6 +1,8 @@
-/* kvx_tx.c: the KV transport's sender: the control plane for every payload.
- * One I/O thread polls every channel; API calls only queue work under the
- * mutex and wake it, so the engine's step never waits on the network.
+/* kvx_tx.c: the KV transport's sender: the control plane for every payload
+ * (the channels it rides on are kvx_tx_chan.c's; kvx_tx-impl.h draws the
+ * split). One I/O thread polls every channel; API calls only queue work
+ * under the mutex and wake it, so the engine's step never waits on the
+ * network.
  *
  * Per channel, in order: a FIFO of items (chunks of at most one staging
  * slot, trailers). The head chunks are packed into free slots of the
@@ -16,142 +18,19 @@
  * and slots; slow link calls (open, close, a send waiting for NCCL) run
  * without the mutex. */
 #include <errno.h>
-#include <netdb.h>
 #include <poll.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
-#include <time.h>
 #include <unistd.h>
 
-#include "chunkserve/kvx.h"
-#include "kvx-impl.h"
+#include "kvx_tx-impl.h"
 #include "chunkserve/assert.h"
 #include "chunkserve/error.h"
 #include "chunkserve/secret.h"
 #include "chunkserve/log.h"
-
-enum chan_state { CH_IDLE, CH_CONNECTING, CH_OPEN };
-/* PACKING -> PACKED -> QUEUED (its frame in the out queue) -> SENDING -> FREE */
-enum slot_state { SL_FREE, SL_PACKING, SL_PACKED, SL_QUEUED, SL_SENDING };
-enum item_kind { IT_CHUNK, IT_TRAILER };
-
-/* One successful cs_kvx_tx_send_pages: its ids, referenced by its chunks. */
-typedef struct tx_send {
-    int refs;
-    struct tx_event *ev; /* its release, allocated with it: a release is never lost */
-    cs_kvx_release_fn release;
-    void *arg;
-    int32_t n;
-    int32_t ids[]; /* (n) owned copy of the page ids */
-} tx_send;
-
-struct tx_xfer;
-
-typedef struct tx_item {
-    struct tx_item *next;
-    int kind;
-    struct tx_xfer *x; /* NULL once the transfer ended */
-    int32_t first_page, n_pages;
-    const int32_t *ids; /* into send->ids */
-    tx_send *send;      /* reference, handed to the slot when packed */
-    cs_kvx_trailer t;
-    int slot; /* -1 until packed into a slot */
-} tx_item;
-
-typedef struct {
-    int state;
-    tx_item *item; /* PACKING, PACKED: the chunk (still in the FIFO) */
-    tx_send *send; /* reference while the pages may still be read */
-    const int32_t *ids;
-    int32_t first_page, n_pages;
-    size_t bytes;
-    uint64_t sum;
-    int64_t since; /* start of the running operation (op timeout) */
-} tx_slot;
-
-typedef struct tx_chan {
-    struct tx_chan *next;
-    char host[256];
-    int port;
-    int fd;
-    enum chan_state state;
-    bool acked;                        /* HELLO_ACK received */
-    bool authed;                       /* CHALLENGE checked, AUTH queued: the session key is set */
-    uint64_t peer_inc;                 /* receiver incarnation from the CHALLENGE */
-    uint8_t nonce[CS_KVX_NONCE_BYTES]; /* this channel's HELLO nonce */
-    uint8_t session[32];
-    kvx_out *qhead, *qtail;
-    int64_t last_rx, last_tx;
-    uint8_t in[CS_KVX_HDR_BYTES + CS_KVX_ACK_BYTES]; /* incoming control frame */
-    size_t in_len;
-    int n_xfers;
-    size_t queued_bytes; /* page bytes accepted and not yet handed on (backpressure) */
-    /* payload link: one per TCP connection */
-    cs__kvx_link *link;
-    struct tx_grave *grave; /* made with link: closing it needs no memory */
-    bool oom;               /* a frame could not be allocated: close at the next look */
-    bool local_ready, peer_ready;
-    int64_t init_deadline;
-    tx_item *ihead, *itail;
-    tx_slot *slots;
-} tx_chan;
-
-typedef struct tx_xfer {
-    struct tx_xfer *next;
-    uint64_t id;
-    tx_chan *ch;
-    int32_t total_pages, queued_pages;
-    bool trailer_queued, want_room;
-    int64_t deadline;
-    int64_t renewed; /* when its last renewal (PING naming it) was queued */
-    int fail;        /* pending failure set by an API call (abort) */
-    cs_kvx_done_fn done;
-    void *arg;
-    uint64_t digest;     /* fold of the chunk checksums, in order */
-    struct tx_event *ev; /* its end, allocated with it: a completion is never lost */
-} tx_xfer;
-
-/* A finished transfer, a released send or room, reported after unlocking. */
-typedef struct tx_event {
-    struct tx_event *next;
-    cs_kvx_done_fn done;
-    cs_kvx_room_fn room;
-    void *arg;
-    uint64_t id;
-    int status;
-    char msg[200];
-    tx_send *send; /* release, then free */
-} tx_event;
-
-/* A closed link waiting to be torn down without the mutex, with the sends
- * whose pages its operations may still read. */
-typedef struct tx_grave {
-    struct tx_grave *next;
-    cs__kvx_link *link;
-    tx_send **sends;
-    int n_sends;
-} tx_grave;
-
-struct cs_kvx_tx {
-    cs_kvx_tx_params p;
-    kvx_key key; /* the cluster secret */
-    const cs__kvx_payload *pl;
-    char name[CS_KVX_NAME_MAX];
-    uint64_t fingerprint;
-    int32_t slot_pages;
-    pthread_mutex_t mu;
-    pthread_t thread;
-    int wake[2];
-    bool stop;
-    tx_chan *chans;
-    tx_xfer *xfers;
-    tx_event *ev_head, *ev_tail;
-    tx_grave *grave;
-    cs_kvx_stats st;
-};
 
 cs_kvx_tx_params cs_kvx_tx_params_default(void) {
     cs_kvx_tx_params p;
@@ -176,37 +55,12 @@ static void push_event(cs_kvx_tx *tx, tx_event *e) {
     tx->ev_tail = e;
 }
 
-static void send_unref(cs_kvx_tx *tx, tx_send *s) {
+void cs__tx_send_unref(cs_kvx_tx *tx, tx_send *s) {
     if (!s || --s->refs > 0) return;
     tx_event *e = s->ev;
     s->ev = NULL;
     e->send = s;
     push_event(tx, e);
-}
-
-static void enqueue(tx_chan *ch, kvx_out *o) {
-    o->next = NULL;
-    if (ch->qtail)
-        ch->qtail->next = o;
-    else
-        ch->qhead = o;
-    ch->qtail = o;
-}
-
-/* A frame for ch, or NULL with ch marked to close (ENOMEM) at the I/O
- * thread's next look at it: a frame is never silently lost. */
-static kvx_out *new_out(tx_chan *ch) {
-    kvx_out *o = calloc(1, sizeof *o);
-    if (!o) ch->oom = true;
-    return o;
-}
-
-static void queue_ctl(cs_kvx_tx *tx, tx_chan *ch, int type, uint64_t xfer, const void *pl,
-                      size_t len) {
-    kvx_out *o = new_out(ch);
-    if (!o) return;
-    cs__kvx_out_ctl(o, type, tx->p.incarnation, xfer, tx->fingerprint, pl, len);
-    enqueue(ch, o);
 }
 
 /* A data frame dropped before any byte was written frees its slot and its
@@ -215,13 +69,13 @@ static void drop_out(cs_kvx_tx *tx, tx_chan *ch, kvx_out *o) {
     tx_slot *sl = o->owner;
     if (sl) {
         ch->queued_bytes -= sl->bytes;
-        send_unref(tx, sl->send);
+        cs__tx_send_unref(tx, sl->send);
         *sl = (tx_slot){0};
     }
     free(o);
 }
 
-static void xfer_end(cs_kvx_tx *tx, tx_xfer *x, int status, const char *msg) {
+void cs__tx_xfer_end(cs_kvx_tx *tx, tx_xfer *x, int status, const char *msg) {
     for (tx_xfer **pp = &tx->xfers; *pp; pp = &(*pp)->next)
         if (*pp == x) {
             *pp = x->next;
@@ -262,197 +116,24 @@ static void xfer_end(cs_kvx_tx *tx, tx_xfer *x, int status, const char *msg) {
     free(x);
 }
 
-static void item_pop(tx_chan *ch) {
+void cs__tx_item_pop(tx_chan *ch) {
     tx_item *it = ch->ihead;
     ch->ihead = it->next;
     if (!ch->ihead) ch->itail = NULL;
 }
 
 /* Frees an item that never became a frame: its pages leave the queue. */
-static void item_drop(cs_kvx_tx *tx, tx_chan *ch, tx_item *it) {
+void cs__tx_item_drop(cs_kvx_tx *tx, tx_chan *ch, tx_item *it) {
     if (it->kind == IT_CHUNK)
         ch->queued_bytes -= (size_t)it->n_pages * (size_t)tx->p.layout.page_bytes;
-    send_unref(tx, it->send);
+    cs__tx_send_unref(tx, it->send);
     free(it);
 }
 
-/* Closes the TCP connection and the link (torn down later, without the
- * mutex), fails every transfer of the channel. */
-static void chan_close(cs_kvx_tx *tx, tx_chan *ch, int status, const char *msg) {
-    if (ch->fd >= 0) {
-        close(ch->fd);
-        tx->st.conns_closed++;
-    }
-    ch->fd = -1;
-    ch->state = CH_IDLE;
-    ch->acked = ch->authed = false;
-    memset(ch->session, 0, sizeof ch->session);
-    ch->in_len = 0;
-    for (tx_xfer *x = tx->xfers, *nx; x; x = nx) {
-        nx = x->next;
-        if (x->ch == ch) xfer_end(tx, x, status, msg);
-    }
-    while (ch->qhead) {
-        kvx_out *o = ch->qhead;
-        ch->qhead = o->next;
-        free(o);
-    }
-    ch->qtail = NULL;
-    tx_grave *g = ch->link ? ch->grave : NULL; /* made with the link */
-    if (!g && ch->grave) free(ch->grave->sends), free(ch->grave);
-    ch->grave = NULL;
-    if (g) g->link = ch->link;
-    /* Pages an asynchronous pack may still read stay held until the link is
-     * torn down; the others are released now. */
-    for (int i = 0; i < tx->p.n_slots; i++) {
-        tx_slot *sl = &ch->slots[i];
-        if (sl->send && g && sl->state == SL_PACKING && !tx->pl->inline_pages)
-            g->sends[g->n_sends++] = sl->send;
-        else
-            send_unref(tx, sl->send);
-        if (sl->item) sl->item->send = NULL; /* the slot held the item's reference */
-        *sl = (tx_slot){0};
-    }
-    while (ch->ihead) {
-        tx_item *it = ch->ihead;
-        item_pop(ch);
-        item_drop(tx, ch, it);
-    }
-    ch->queued_bytes = 0;
-    if (g) {
-        g->next = tx->grave;
-        tx->grave = g;
-    }
-    ch->link = NULL;
-    ch->local_ready = ch->peer_ready = false;
-    ch->oom = false;
-}
-
-/* Tears closed links down without the mutex: ncclCommAbort and the wait for
- * their streams may take a while. */
-static void bury(cs_kvx_tx *tx) {
-    while (tx->grave) {
-        tx_grave *g = tx->grave;
-        tx->grave = g->next;
-        pthread_mutex_unlock(&tx->mu);
-        bool drained = tx->pl->close(g->link);
-        pthread_mutex_lock(&tx->mu);
-        if (!drained)
-            CS_LOGE("kvx tx: a closed %s link did not drain: its staging is leaked", tx->pl->name);
-        for (int i = 0; i < g->n_sends; i++)
-            send_unref(tx, g->sends[i]);
-        free(g->sends);
-        free(g);
-    }
-}
-
-static tx_chan *find_chan(cs_kvx_tx *tx, const char *host, int port) {
-    for (tx_chan *c = tx->chans; c; c = c->next)
-        if (c->port == port && strcmp(c->host, host) == 0) return c;
-    return NULL;
-}
-
-static tx_xfer *find_xfer(cs_kvx_tx *tx, uint64_t id) {
+tx_xfer *cs__tx_find_xfer(cs_kvx_tx *tx, uint64_t id) {
     for (tx_xfer *x = tx->xfers; x; x = x->next)
         if (x->id == id) return x;
     return NULL;
-}
-
-/* Connects (non-blocking) and opens the channel's link (NCCL: a fresh
- * communicator id, rank 0's init started); HELLO (and LINK_ID) go first on
- * the connection. Called with the mutex, which it drops around the name
- * lookup and the link's allocation. */
-static int chan_connect(cs_kvx_tx *tx, tx_chan *ch) {
-    char host[256], port[16];
-    snprintf(host, sizeof host, "%s", ch->host);
-    snprintf(port, sizeof port, "%d", ch->port);
-    cs__kvx_link_cfg cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.rank = 0;
-    cfg.pool = tx->p.pool;
-    cfg.page_bytes = (size_t)tx->p.layout.page_bytes;
-    cfg.n_slots = tx->p.n_slots;
-    cfg.slot_pages = tx->slot_pages;
-    cfg.op_timeout_ms = tx->p.op_timeout_ms;
-    snprintf(cfg.name, sizeof cfg.name, "kvx %s->%s:%d", tx->name, ch->host, ch->port);
-    pthread_mutex_unlock(&tx->mu);
-    struct addrinfo hints, *res = NULL;
-    memset(&hints, 0, sizeof hints);
-    hints.ai_socktype = SOCK_STREAM;
-    hints.ai_flags = AI_NUMERICHOST | AI_NUMERICSERV; /* never DNS on the I/O thread */
-    int gr = getaddrinfo(host, port, &hints, &res);
-    int fd = -1, err = 0;
-    char m[300] = "";
-    uint8_t id[CS_KVX_LINK_ID_BYTES];
-    cs__kvx_link *link = NULL;
-    if (gr != 0) {
-        err = CS_ENOENT;
-        snprintf(m, sizeof m,
-                 "%s:%s is not a numeric address (decode workers advertise one; names are not "
-                 "resolved here): %s",
-                 host, port, gai_strerror(gr));
-    } else {
-        fd = socket(res->ai_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
-        if (fd < 0 || cs__kvx_set_socket_opts(fd) != 0)
-            err = -errno;
-        else if (connect(fd, res->ai_addr, res->ai_addrlen) != 0 && errno != EINPROGRESS)
-            err = -errno;
-        freeaddrinfo(res);
-        if (err) snprintf(m, sizeof m, "cannot connect to %s:%s: %s", host, port, cs_strerror(err));
-    }
-    if (!err) {
-        char e[200] = "";
-        if (tx->pl->unique_id) err = tx->pl->unique_id(&cfg, id, e, sizeof e);
-        if (!err) err = tx->pl->open(&cfg, tx->pl->unique_id ? id : NULL, &link, e, sizeof e);
-        if (err) snprintf(m, sizeof m, "%s link to %s:%s: %s", tx->pl->name, host, port, e);
-    }
-    pthread_mutex_lock(&tx->mu);
-    if (!err && link) { /* its grave, so closing it never needs memory */
-        tx_grave *g = calloc(1, sizeof *g);
-        if (g) g->sends = calloc((size_t)tx->p.n_slots + 1, sizeof *g->sends);
-        if (g && g->sends) {
-            ch->grave = g;
-        } else {
-            if (g) free(g);
-            tx->pl->close(link);
-            link = NULL;
-            err = CS_ENOMEM;
-            snprintf(m, sizeof m, "%s link to %s:%s: out of memory", tx->pl->name, host, port);
-        }
-    }
-    if (err) {
-        if (fd >= 0) close(fd);
-        chan_close(tx, ch, err, m);
-        return err;
-    }
-    CS_ASSERT(!ch->qhead);
-    ch->fd = fd;
-    ch->state = CH_CONNECTING;
-    ch->last_rx = ch->last_tx = cs__kvx_now_ms();
-    ch->link = link;
-    ch->local_ready = false;
-    ch->peer_ready = !tx->pl->unique_id; /* no handshake: nothing to wait for */
-    ch->init_deadline = cs__kvx_now_ms() + tx->p.init_timeout_ms;
-    tx->st.conns_opened++;
-    uint8_t pl[CS_KVX_HELLO_BYTES];
-    cs__kvx_hs_hello(&tx->p.layout, tx->pl->kind, tx->name, ch->nonce, pl);
-    kvx_out *o = new_out(ch);
-    if (!o) return 0; /* closed at the next look */
-    cs__kvx_out_ctl(o, CS_KVX_HELLO, tx->p.incarnation, 0, tx->fingerprint, pl, sizeof pl);
-    enqueue(ch, o);
-    if (tx->pl->unique_id) queue_ctl(tx, ch, CS_KVX_LINK_ID, 0, id, sizeof id);
-    return 0;
-}
-
-static bool link_ready(const tx_chan *ch) {
-    return ch->link && ch->local_ready && ch->peer_ready && ch->authed;
-}
-
-/* Whether the head frame may go out: before the CHALLENGE is checked only
- * HELLO (and the AUTH that answers it) leave this side. */
-static bool head_writable(const tx_chan *ch) {
-    const kvx_out *o = ch->qhead;
-    return o && (ch->authed || o->off > 0 || o->type == CS_KVX_HELLO || o->type == CS_KVX_AUTH);
 }
 
 static bool slot_progress(cs_kvx_tx *tx, tx_chan *ch, int i, int64_t now);
@@ -475,7 +156,7 @@ static void pack_chunks(cs_kvx_tx *tx, tx_chan *ch) {
             char m[260];
             snprintf(m, sizeof m, "%s pack of pages %d+%d failed: %s", tx->pl->name, it->first_page,
                      it->n_pages, err);
-            chan_close(tx, ch, r == CS_ENOMEM ? r : CS_EIO, m);
+            cs__tx_chan_close(tx, ch, r == CS_ENOMEM ? r : CS_EIO, m);
             return;
         }
         size_t bytes = (size_t)it->n_pages * (size_t)tx->p.layout.page_bytes;
@@ -498,15 +179,15 @@ static void emit_items(cs_kvx_tx *tx, tx_chan *ch) {
             if (sl && sl->state == SL_PACKING) return; /* its pack still reads the pages */
             if (!x) {
                 if (sl) {
-                    send_unref(tx, sl->send);
+                    cs__tx_send_unref(tx, sl->send);
                     *sl = (tx_slot){0};
                 }
-                item_pop(ch);
-                item_drop(tx, ch, it);
+                cs__tx_item_pop(ch);
+                cs__tx_item_drop(tx, ch, it);
                 continue;
             }
-            if (!sl || !link_ready(ch)) return;
-            kvx_out *o = new_out(ch);
+            if (!sl || !cs__tx_link_ready(ch)) return;
+            kvx_out *o = cs__tx_new_out(ch);
             if (!o) return;
             if (tx->pl->inline_pages) { /* PAGES: the bytes follow, from the pool */
                 o->type = CS_KVX_PAGES;
@@ -534,12 +215,12 @@ static void emit_items(cs_kvx_tx *tx, tx_chan *ch) {
             cs_kvx_hdr_encode(&o->h, o->hdr);
             o->owner = sl;
             o->xfer = x;
-            enqueue(ch, o);
+            cs__tx_enqueue(ch, o);
             if (tx->p.checksum) cs__kvx_fold(&x->digest, sl->sum);
             sl->state = SL_QUEUED;
             sl->item = NULL;
             it->slot = -1; /* the slot now belongs to the frame */
-            item_pop(ch);
+            cs__tx_item_pop(ch);
             free(it);
             continue;
         }
@@ -554,15 +235,15 @@ static void emit_items(cs_kvx_tx *tx, tx_chan *ch) {
             uint8_t pl[CS_KVX_TRAILER_BYTES];
             cs_kvx_trailer_encode(&tw, pl);
             cs__kvx_trailer_mac(ch->session, x->id, pl, pl + CS_KVX_TRAILER_MAC_AT);
-            kvx_out *o = new_out(ch);
+            kvx_out *o = cs__tx_new_out(ch);
             if (!o) return;
             cs__kvx_out_ctl(o, CS_KVX_TRAILER, tx->p.incarnation, x->id, tx->fingerprint, pl,
                             sizeof pl);
             o->xfer = x;
-            enqueue(ch, o);
+            cs__tx_enqueue(ch, o);
         }
-        item_pop(ch);
-        item_drop(tx, ch, it);
+        cs__tx_item_pop(ch);
+        cs__tx_item_drop(tx, ch, it);
     }
 }
 
@@ -578,7 +259,7 @@ static bool slot_progress(cs_kvx_tx *tx, tx_chan *ch, int i, int64_t now) {
     if (r < 0) {
         snprintf(m, sizeof m, "%s %s to %s:%d failed: %s", tx->pl->name,
                  sl->state == SL_PACKING ? "pack" : "send", ch->host, ch->port, err);
-        chan_close(tx, ch, CS_EIO, m);
+        cs__tx_chan_close(tx, ch, CS_EIO, m);
         return false;
     }
     if (r == 1) {
@@ -586,14 +267,14 @@ static bool slot_progress(cs_kvx_tx *tx, tx_chan *ch, int i, int64_t now) {
         snprintf(m, sizeof m, "%s %s of a %zu-byte chunk to %s:%d not complete after %d ms",
                  tx->pl->name, sl->state == SL_PACKING ? "pack" : "send", sl->bytes, ch->host,
                  ch->port, tx->p.op_timeout_ms);
-        chan_close(tx, ch, CS_ETIMEDOUT, m);
+        cs__tx_chan_close(tx, ch, CS_ETIMEDOUT, m);
         return false;
     }
     if (sl->state == SL_PACKING) {
         sl->state = SL_PACKED;
         sl->sum = sum;
         if (!tx->pl->inline_pages) { /* copied to staging: the pages may be reused now */
-            send_unref(tx, sl->send);
+            cs__tx_send_unref(tx, sl->send);
             sl->send = NULL;
         }
     } else {
@@ -610,15 +291,15 @@ static bool link_poll(cs_kvx_tx *tx, tx_chan *ch, int64_t now) {
     if (r < 0) {
         snprintf(m, sizeof m, "%s link with %s:%d failed: %s", tx->pl->name, ch->host, ch->port,
                  err);
-        chan_close(tx, ch, CS_ECONNRESET, m);
+        cs__tx_chan_close(tx, ch, CS_ECONNRESET, m);
         return false;
     }
     if (r == 0) ch->local_ready = true;
-    if (!link_ready(ch) && now > ch->init_deadline) {
+    if (!cs__tx_link_ready(ch) && now > ch->init_deadline) {
         snprintf(m, sizeof m, "%s link with %s:%d not ready after %d ms (%s)", tx->pl->name,
                  ch->host, ch->port, tx->p.init_timeout_ms,
                  ch->local_ready ? "no LINK_READY from the receiver" : "init in progress");
-        chan_close(tx, ch, CS_ETIMEDOUT, m);
+        cs__tx_chan_close(tx, ch, CS_ETIMEDOUT, m);
         return false;
     }
     for (int i = 0; i < tx->p.n_slots; i++)
@@ -628,7 +309,7 @@ static bool link_poll(cs_kvx_tx *tx, tx_chan *ch, int64_t now) {
 
 static bool link_busy(const cs_kvx_tx *tx, const tx_chan *ch) {
     if (!ch->link || tx->pl->inline_pages) return false; /* inline: progress is the socket's */
-    if (!link_ready(ch) || ch->ihead) return true;
+    if (!cs__tx_link_ready(ch) || ch->ihead) return true;
     for (int i = 0; i < tx->p.n_slots; i++)
         if (ch->slots[i].state != SL_FREE) return true;
     return false;
@@ -638,7 +319,7 @@ static bool link_busy(const cs_kvx_tx *tx, const tx_chan *ch) {
  * mutex: a first ncclSend may wait for the connection to the peer
  * (ncclInProgress, bounded by op_timeout_ms). Only this thread touches the
  * link, the slots and the out queue, so nothing moves meanwhile. */
-static void post_send(cs_kvx_tx *tx, tx_chan *ch, tx_slot *sl) {
+void cs__tx_post_send(cs_kvx_tx *tx, tx_chan *ch, tx_slot *sl) {
     char err[200] = "";
     int i = (int)(sl - ch->slots);
     cs__kvx_link *link = ch->link;
@@ -651,43 +332,18 @@ static void post_send(cs_kvx_tx *tx, tx_chan *ch, tx_slot *sl) {
      * every chunk of it is counted */
     tx->st.bytes += bytes;
     if (tx->pl->inline_pages) { /* written: the pages may be reused now, the slot too */
-        send_unref(tx, sl->send);
+        cs__tx_send_unref(tx, sl->send);
         *sl = (tx_slot){0};
     }
     if (r) {
         char m[300];
         snprintf(m, sizeof m, "%s send to %s:%d failed: %s", tx->pl->name, ch->host, ch->port, err);
-        chan_close(tx, ch, r == CS_ETIMEDOUT ? r : CS_ECONNRESET, m);
+        cs__tx_chan_close(tx, ch, r == CS_ETIMEDOUT ? r : CS_ECONNRESET, m);
         return;
     }
     if (tx->pl->inline_pages) return;
     sl->state = SL_SENDING;
     sl->since = cs__kvx_now_ms();
-}
-
-static void chan_write(cs_kvx_tx *tx, tx_chan *ch) {
-    while (head_writable(ch)) {
-        kvx_out *o = ch->qhead;
-        size_t before = o->off;
-        int r = cs__kvx_out_write(ch->fd, o);
-        if (o->off != before) ch->last_tx = cs__kvx_now_ms();
-        if (r < 0) {
-            char m[128];
-            snprintf(m, sizeof m, "write to %s:%d: %s", ch->host, ch->port, cs_strerror(r));
-            chan_close(tx, ch, CS_ECONNRESET, m);
-            return;
-        }
-        if (r == 0) return;
-        tx->st.frames++;
-        ch->qhead = o->next;
-        if (!ch->qhead) ch->qtail = NULL;
-        tx_slot *sl = o->owner;
-        free(o);
-        if (sl) {
-            post_send(tx, ch, sl); /* NCCL: the receiver posts the matching ncclRecv */
-            if (ch->fd < 0) return;
-        }
-    }
 }
 
 /* Packs, emits and writes as far as the socket and the slots allow. With
@@ -698,9 +354,9 @@ static void pump(cs_kvx_tx *tx, tx_chan *ch) {
         pack_chunks(tx, ch);
         if (ch->fd >= 0) emit_items(tx, ch);
         if (ch->fd >= 0 && ch->state == CH_OPEN && ch->qhead)
-            chan_write(tx, ch); /* frames go out at once */
+            cs__tx_chan_write(tx, ch); /* frames go out at once */
         if (ch->fd < 0 || ch->state != CH_OPEN || ch->qhead || !ch->ihead ||
-            !tx->pl->inline_pages || !link_ready(ch))
+            !tx->pl->inline_pages || !cs__tx_link_ready(ch))
             return;
         bool free_slot = false;
         for (int i = 0; i < tx->p.n_slots; i++)
@@ -728,166 +384,6 @@ static void room_check(cs_kvx_tx *tx, tx_chan *ch) {
         }
 }
 
-/* The receiver's CHALLENGE: checks its proof of the secret, then answers
- * with this side's proof (AUTH, ahead of every frame queued since HELLO)
- * and keeps the session key (kvx_handshake.c). */
-static void on_challenge(cs_kvx_tx *tx, tx_chan *ch, const cs_kvx_hdr *h, const uint8_t *pl) {
-    char err[300], peer[300];
-    snprintf(peer, sizeof peer, "%s:%d", ch->host, ch->port);
-    cs__kvx_hs_sender me = {.incarnation = tx->p.incarnation,
-                            .fingerprint = tx->fingerprint,
-                            .payload = tx->pl->kind,
-                            .name = tx->name,
-                            .peer = peer};
-    memcpy(me.nonce, ch->nonce, sizeof me.nonce);
-    uint8_t proof[CS_KVX_AUTH_BYTES];
-    int r = cs__kvx_hs_answer(&tx->key, &me, h, pl, proof, ch->session, err, sizeof err);
-    if (r) {
-        tx->st.protocol_errors++;
-        chan_close(tx, ch, r, err);
-        return;
-    }
-    kvx_out *o = new_out(ch);
-    if (!o) return;
-    cs__kvx_out_ctl(o, CS_KVX_AUTH, tx->p.incarnation, 0, tx->fingerprint, proof, sizeof proof);
-    CS_ASSERT(!ch->qhead || ch->qhead->off == 0); /* nothing but HELLO went out, whole */
-    o->next = ch->qhead; /* first: the frames queued behind HELLO waited for it */
-    ch->qhead = o;
-    if (!ch->qtail) ch->qtail = o;
-    ch->peer_inc = h->epoch;
-    ch->authed = true;
-}
-
-static void chan_frame(cs_kvx_tx *tx, tx_chan *ch, const cs_kvx_hdr *h, const uint8_t *pl) {
-    char err[300];
-    if (h->type == CS_KVX_CHALLENGE && !ch->authed) {
-        on_challenge(tx, ch, h, pl);
-        return;
-    }
-    if (h->type == CS_KVX_HELLO_ACK && !ch->acked) {
-        int32_t status;
-        char msg[128];
-        int r = cs_kvx_ack_decode(pl, (size_t)h->payload_len, &status, msg, sizeof msg);
-        if (r || status) {
-            snprintf(err, sizeof err, "receiver %s:%d refused the channel: %s", ch->host, ch->port,
-                     r ? "bad HELLO_ACK" : msg);
-            chan_close(tx, ch, r ? CS_EPROTO : CS_ECONNREFUSED, err);
-            return;
-        }
-        if (!ch->authed || h->epoch != ch->peer_inc) {
-            tx->st.protocol_errors++;
-            chan_close(tx, ch, CS_EPROTO, "HELLO_ACK before the receiver's CHALLENGE");
-            return;
-        }
-        ch->acked = true;
-        CS_LOGI("kvx tx: channel to %s:%d open, %s payload", ch->host, ch->port, tx->pl->name);
-        return;
-    }
-    if (!ch->acked || h->epoch != ch->peer_inc) {
-        snprintf(err, sizeof err, "%s frame from receiver incarnation %llx on a channel of %llx",
-                 cs_kvx_frame_type_name(h->type), (unsigned long long)h->epoch,
-                 (unsigned long long)ch->peer_inc);
-        tx->st.protocol_errors++;
-        chan_close(tx, ch, CS_EPROTO, err);
-        return;
-    }
-    if (h->type == CS_KVX_PING) return;
-    if (h->type == CS_KVX_LINK_READY) {
-        int32_t status;
-        char msg[128];
-        int r = cs_kvx_ack_decode(pl, (size_t)h->payload_len, &status, msg, sizeof msg);
-        if (r || status) {
-            snprintf(err, sizeof err, "receiver %s:%d could not open its %s link: %s", ch->host,
-                     ch->port, tx->pl->name, r ? "bad LINK_READY" : msg);
-            if (r) tx->st.protocol_errors++;
-            chan_close(tx, ch, r ? CS_EPROTO : CS_ECONNREFUSED, err);
-            return;
-        }
-        if (ch->peer_ready) {
-            tx->st.protocol_errors++;
-            chan_close(tx, ch, CS_EPROTO, "unexpected LINK_READY from the receiver");
-            return;
-        }
-        if ((int64_t)h->n_pages < tx->slot_pages) {
-            snprintf(err, sizeof err,
-                     "receiver %s:%d takes chunks of at most %u pages, not %d (max_frame_bytes)",
-                     ch->host, ch->port, h->n_pages, tx->slot_pages);
-            chan_close(tx, ch, CS_ECONNREFUSED, err);
-            return;
-        }
-        ch->peer_ready = true;
-        return;
-    }
-    if (h->type == CS_KVX_DONE || h->type == CS_KVX_ABORT) {
-        int32_t status;
-        if (cs_kvx_status_decode(pl, (size_t)h->payload_len, &status, err, sizeof err)) {
-            tx->st.protocol_errors++;
-            chan_close(tx, ch, CS_EPROTO, err);
-            return;
-        }
-        tx_xfer *x = find_xfer(tx, h->xfer_id);
-        if (!x || x->ch != ch) return; /* already ended here */
-        if (h->type == CS_KVX_DONE && status == 0 && !x->trailer_queued) status = CS_EPROTO;
-        snprintf(err, sizeof err, "receiver %s the transfer",
-                 h->type == CS_KVX_DONE ? "ended" : "aborted");
-        xfer_end(tx, x, h->type == CS_KVX_ABORT && status == 0 ? CS_ECANCELED : status,
-                 status ? err : NULL);
-        return;
-    }
-    snprintf(err, sizeof err, "unexpected %s frame from the receiver",
-             cs_kvx_frame_type_name(h->type));
-    tx->st.protocol_errors++;
-    chan_close(tx, ch, CS_EPROTO, err);
-}
-
-static void chan_read(cs_kvx_tx *tx, tx_chan *ch) {
-    cs_kvx_limits lim = {tx->p.layout.page_bytes, CS_KVX_ACK_BYTES, tx->pl->inline_pages};
-    for (;;) {
-        size_t want = CS_KVX_HDR_BYTES;
-        cs_kvx_hdr h;
-        char err[200];
-        if (ch->in_len >= CS_KVX_HDR_BYTES) {
-            int r = cs_kvx_hdr_decode(ch->in, &lim, &h, err, sizeof err);
-            if (!r && (h.type == CS_KVX_PAGES || h.type == CS_KVX_LINK_PAGES ||
-                       h.type == CS_KVX_LINK_ID)) {
-                r = CS_EPROTO;
-                snprintf(err, sizeof err, "%s frame from a receiver",
-                         cs_kvx_frame_type_name(h.type));
-            }
-            if (r) {
-                tx->st.protocol_errors++;
-                chan_close(tx, ch, r, err);
-                return;
-            }
-            want += (size_t)h.payload_len;
-            if (ch->in_len == want) {
-                if (cs_kvx_payload_check(&h, ch->in + CS_KVX_HDR_BYTES, false, err, sizeof err)) {
-                    tx->st.protocol_errors++;
-                    chan_close(tx, ch, CS_EBADMSG, err);
-                    return;
-                }
-                ch->in_len = 0;
-                chan_frame(tx, ch, &h, ch->in + CS_KVX_HDR_BYTES);
-                if (ch->fd < 0) return;
-                continue;
-            }
-        }
-        ssize_t n = read(ch->fd, ch->in + ch->in_len, want - ch->in_len);
-        if (n > 0) {
-            ch->in_len += (size_t)n;
-            ch->last_rx = cs__kvx_now_ms();
-            continue;
-        }
-        if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;
-        if (n < 0 && errno == EINTR) continue;
-        char m[160];
-        snprintf(m, sizeof m, "receiver %s:%d closed the channel%s%s", ch->host, ch->port,
-                 n < 0 ? ": " : "", n < 0 ? strerror(errno) : "");
-        chan_close(tx, ch, CS_ECONNRESET, m);
-        return;
-    }
-}
-
 static void run_events(cs_kvx_tx *tx) {
     tx_event *e = tx->ev_head;
     tx->ev_head = tx->ev_tail = NULL;
@@ -910,7 +406,7 @@ static void queue_abort(cs_kvx_tx *tx, tx_xfer *x, int status) {
     if (x->ch->fd < 0) return;
     uint8_t pl[CS_KVX_STATUS_BYTES];
     cs_kvx_status_encode(status, pl);
-    queue_ctl(tx, x->ch, CS_KVX_ABORT, x->id, pl, sizeof pl);
+    cs__tx_queue_ctl(tx, x->ch, CS_KVX_ABORT, x->id, pl, sizeof pl);
 }
 
 /* Renewals: every unfinished transfer of c names itself in a PING every
@@ -920,7 +416,7 @@ static void renew(cs_kvx_tx *tx, tx_chan *c, int64_t now) {
     if (c->n_xfers == 0) return;
     for (tx_xfer *x = tx->xfers; x; x = x->next)
         if (x->ch == c && !x->trailer_queued && !x->fail && now - x->renewed >= tx->p.renew_ms) {
-            queue_ctl(tx, c, CS_KVX_PING, x->id, NULL, 0);
+            cs__tx_queue_ctl(tx, c, CS_KVX_PING, x->id, NULL, 0);
             x->renewed = now;
         }
 }
@@ -942,10 +438,11 @@ static void *tx_thread(void *arg) {
             nx = x->next;
             if (x->fail) {
                 if (x->fail == CS_ECANCELED) queue_abort(tx, x, CS_ECANCELED);
-                xfer_end(tx, x, x->fail, x->fail == CS_ECANCELED ? "aborted by the sender" : NULL);
+                cs__tx_xfer_end(tx, x, x->fail,
+                                x->fail == CS_ECANCELED ? "aborted by the sender" : NULL);
             } else if (now >= x->deadline) {
                 queue_abort(tx, x, CS_ETIMEDOUT);
-                xfer_end(tx, x, CS_ETIMEDOUT, "sender deadline expired");
+                cs__tx_xfer_end(tx, x, CS_ETIMEDOUT, "sender deadline expired");
             } else if (x->deadline - now < wait) {
                 wait = x->deadline - now;
             }
@@ -962,17 +459,17 @@ static void *tx_thread(void *arg) {
         pfds[0].fd = tx->wake[0];
         pfds[0].events = POLLIN;
         for (tx_chan *c = tx->chans; c; c = c->next) {
-            if (c->state == CH_IDLE && c->n_xfers > 0) chan_connect(tx, c);
+            if (c->state == CH_IDLE && c->n_xfers > 0) cs__tx_chan_connect(tx, c);
             if (c->fd < 0) continue;
             if (c->oom) {
-                chan_close(tx, c, CS_ENOMEM, "the sender ran out of memory for a frame");
+                cs__tx_chan_close(tx, c, CS_ENOMEM, "the sender ran out of memory for a frame");
                 continue;
             }
             if (now - c->last_rx > tx->p.dead_ms) {
                 char m[128];
                 snprintf(m, sizeof m, "receiver %s:%d silent for %d ms", c->host, c->port,
                          tx->p.dead_ms);
-                chan_close(tx, c, CS_ECONNRESET, m);
+                cs__tx_chan_close(tx, c, CS_ECONNRESET, m);
                 continue;
             }
             if (c->link && !link_poll(tx, c, now)) continue;
@@ -980,14 +477,15 @@ static void *tx_thread(void *arg) {
             if (c->fd < 0) continue;
             if (c->state == CH_OPEN && !c->qhead && now - c->last_tx >= tx->p.keepalive_ms &&
                 c->acked)
-                queue_ctl(tx, c, CS_KVX_PING, 0, NULL, 0);
+                cs__tx_queue_ctl(tx, c, CS_KVX_PING, 0, NULL, 0);
             if (c->state == CH_OPEN && c->acked && tx->p.renew_ms > 0) renew(tx, c, now);
-            if (c->state == CH_OPEN && head_writable(c)) chan_write(tx, c);
+            if (c->state == CH_OPEN && cs__tx_head_writable(c)) cs__tx_chan_write(tx, c);
             if (c->fd < 0) continue;
             room_check(tx, c);
             busy |= link_busy(tx, c);
             pfds[n].fd = c->fd;
-            pfds[n].events = POLLIN | (c->state == CH_CONNECTING || head_writable(c) ? POLLOUT : 0);
+            pfds[n].events =
+                POLLIN | (c->state == CH_CONNECTING || cs__tx_head_writable(c) ? POLLOUT : 0);
             pch[n++] = c;
         }
         /* report first: tearing a link down (ncclCommAbort, stream drain)
@@ -997,7 +495,7 @@ static void *tx_thread(void *arg) {
             continue;
         }
         if (tx->grave) {
-            bury(tx);
+            cs__tx_bury(tx);
             continue;
         }
         pthread_mutex_unlock(&tx->mu);
@@ -1025,13 +523,13 @@ static void *tx_thread(void *arg) {
                     char m[160];
                     snprintf(m, sizeof m, "cannot connect to %s:%d: %s", c->host, c->port,
                              strerror(soerr));
-                    chan_close(tx, c, CS_ECONNREFUSED, m);
+                    cs__tx_chan_close(tx, c, CS_ECONNREFUSED, m);
                     continue;
                 }
                 c->state = CH_OPEN;
             }
-            if (rev & (POLLIN | POLLERR | POLLHUP)) chan_read(tx, c);
-            if (c->fd >= 0 && (rev & POLLOUT)) chan_write(tx, c);
+            if (rev & (POLLIN | POLLERR | POLLHUP)) cs__tx_chan_read(tx, c);
+            if (c->fd >= 0 && (rev & POLLOUT)) cs__tx_chan_write(tx, c);
             if (c->fd >= 0) pump(tx, c);
             if (c->fd >= 0) room_check(tx, c);
         }
@@ -1114,12 +612,12 @@ void cs_kvx_tx_free(cs_kvx_tx *tx) {
     pthread_mutex_lock(&tx->mu);
     while (tx->chans) {
         tx_chan *c = tx->chans;
-        chan_close(tx, c, CS_ECANCELED, "sender shut down");
+        cs__tx_chan_close(tx, c, CS_ECANCELED, "sender shut down");
         tx->chans = c->next;
         free(c->slots);
         free(c);
     }
-    bury(tx);
+    cs__tx_bury(tx);
     run_events(tx);
     pthread_mutex_unlock(&tx->mu);
     pthread_mutex_destroy(&tx->mu);
@@ -1131,6 +629,7 @@ void cs_kvx_tx_free(cs_kvx_tx *tx) {
 uint64_t cs_kvx_tx_incarnation(const cs_kvx_tx *tx) {
     return tx->p.incarnation;
 }
+
 int cs_kvx_tx_payload(const cs_kvx_tx *tx) {
     return tx->pl->kind;
 }
@@ -1144,11 +643,11 @@ int cs_kvx_tx_begin(cs_kvx_tx *tx, const char *host, int port, uint64_t xfer_id,
             "kvx tx: bad transfer (host, port, total_pages >= 1, deadline_ms > 0, done)");
     pthread_mutex_lock(&tx->mu);
     int r = 0;
-    if (find_xfer(tx, xfer_id)) {
+    if (cs__tx_find_xfer(tx, xfer_id)) {
         r = cs_fail(CS_EEXIST, "kvx tx: transfer %llu already open", (unsigned long long)xfer_id);
         goto out;
     }
-    tx_chan *ch = find_chan(tx, host, port);
+    tx_chan *ch = cs__tx_find_chan(tx, host, port);
     if (!ch) {
         ch = calloc(1, sizeof *ch);
         tx_slot *slots = calloc((size_t)tx->p.n_slots, sizeof *slots);
@@ -1213,7 +712,7 @@ int cs_kvx_tx_send_pages(cs_kvx_tx *tx, uint64_t xfer_id, int32_t first_page, in
                            "kvx tx: transfer %llu: page id %d outside the pool (%d pages)",
                            (unsigned long long)xfer_id, page_ids[i], tx->p.pool.n_pages);
     pthread_mutex_lock(&tx->mu);
-    tx_xfer *x = find_xfer(tx, xfer_id);
+    tx_xfer *x = cs__tx_find_xfer(tx, xfer_id);
     if (!x || x->fail || x->trailer_queued) {
         r = cs_fail(CS_ENOENT, "kvx tx: transfer %llu is not open", (unsigned long long)xfer_id);
         goto fail;
@@ -1282,7 +781,7 @@ fail:
 int cs_kvx_tx_finish(cs_kvx_tx *tx, uint64_t xfer_id, const cs_kvx_trailer *t) {
     pthread_mutex_lock(&tx->mu);
     int r = 0;
-    tx_xfer *x = find_xfer(tx, xfer_id);
+    tx_xfer *x = cs__tx_find_xfer(tx, xfer_id);
     if (!x || x->fail || x->trailer_queued) {
         r = cs_fail(CS_ENOENT, "kvx tx: transfer %llu is not open", (unsigned long long)xfer_id);
     } else if (!t || t->total_pages != x->total_pages || x->queued_pages != x->total_pages ||
@@ -1312,7 +811,7 @@ int cs_kvx_tx_finish(cs_kvx_tx *tx, uint64_t xfer_id, const cs_kvx_trailer *t) {
 int cs_kvx_tx_abort(cs_kvx_tx *tx, uint64_t xfer_id) {
     pthread_mutex_lock(&tx->mu);
     int r = 0;
-    tx_xfer *x = find_xfer(tx, xfer_id);
+    tx_xfer *x = cs__tx_find_xfer(tx, xfer_id);
     if (!x || x->fail)
         r = cs_fail(CS_ENOENT, "kvx tx: transfer %llu is not open", (unsigned long long)xfer_id);
     else
@@ -1324,7 +823,7 @@ int cs_kvx_tx_abort(cs_kvx_tx *tx, uint64_t xfer_id) {
 
 size_t cs_kvx_tx_queued_bytes(cs_kvx_tx *tx, const char *host, int port) {
     pthread_mutex_lock(&tx->mu);
-    tx_chan *c = find_chan(tx, host, port);
+    tx_chan *c = cs__tx_find_chan(tx, host, port);
     size_t n = c ? c->queued_bytes : 0;
     pthread_mutex_unlock(&tx->mu);
     return n;

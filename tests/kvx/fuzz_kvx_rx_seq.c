@@ -1,5 +1,5 @@
 /* fuzz_kvx_rx_seq: fuzz driver for the KV receiver's whole state machine
- * (kvx/src/kvx_rx.c with kvx_io.c, kvx_wire.c, the TCP payload): a SEQUENCE
+ * (kvx/src/kvx_rx*.c with kvx_io.c, kvx_wire.c, the TCP payload): a SEQUENCE
  * of frames from one sender on one channel, not one frame. One receiver
  * (TCP payload, a host pool of 16 pages of 64 bytes, a cluster secret)
  * lives for the whole process; each input is one loopback connection to it,

@@ -1,6 +1,6 @@
 /* kvx_nccl_loop.h: a loopback stand-in for the KV transport's NCCL payload
  * (cs__kvx_payload in kvx-impl.h), so that the CPU tests run the real
- * control plane (kvx_tx.c, kvx_rx.c: TCP, descriptors, ordering, failures)
+ * control plane (kvx_tx*.c, kvx_rx*.c: TCP, descriptors, ordering, failures)
  * over a linked payload without a GPU. It claims CUDA pools but the
  * "pool" is host memory; a communicator is a process-wide pair found by its
  * id; ncclSend copies into the pair's FIFO, ncclRecv takes from it in posting

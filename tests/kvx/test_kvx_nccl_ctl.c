@@ -2,7 +2,7 @@
  * the wire: the NCCL frame types decode on an NCCL channel and are refused by
  * a TCP reader (and PAGES by an NCCL reader), malformed NCCL frames are
  * refused with a message, the KV sum's properties. Then the one control
- * plane (kvx_tx.c, kvx_rx.c: the same code the TCP tests drive) over the
+ * plane (kvx_tx*.c, kvx_rx*.c: the same code the TCP tests drive) over the
  * loopback stand-in of kvx_nccl_loop.h: pages bit-identical from 1 to 3,000 pages, 24 interleaved
  * transfers, abort and cancel mid-transfer (the receiver still drains the
  * cancelled transfer's chunks, so later transfers stay matched), deadlines,
