@@ -565,6 +565,42 @@ static void check_step_model(void) {
            CS_STEP_MODEL_WINDOW);
 }
 
+/* One run of every request under a step-time target, checking the sizing
+ * rule on each step: probe chunks before the model is ready, one page a
+ * prompt on a predicted step over the target. */
+static void size_steps(cs_engine *e, const cs_sched_params *p, const req_spec *specs, bool tight,
+                       int *ready, int *capped, int *probe_max) {
+    cs_sched *s = NULL;
+    ASSERT_EQ_INT(cs_sched_init(e, p, &s), 0);
+    for (int i = 0; i < MAX_REQ; i++) {
+        cs_request r = make_req(&specs[i], (uint64_t)i);
+        ASSERT_EQ_INT(cs_sched_add(s, &r), 0);
+    }
+    int steps = 0;
+    *ready = *capped = *probe_max = 0;
+    while (!cs_sched_idle(s)) {
+        const cs_event *ev;
+        int32_t ne;
+        ASSERT_EQ_INT(cs_sched_step(s, &ev, &ne), 0);
+        cs_step_info info;
+        cs_sched_last_step(s, &info);
+        int32_t chunk = info.n_tokens - info.n_decode;
+        if (isnan(info.predicted_seconds)) {
+            if (chunk > *probe_max) *probe_max = chunk;
+            /* probes start at one page a prompt, and stay there while
+             * every step overshoots the target */
+            if (steps++ == 0 || tight) ASSERT_TRUE(chunk <= info.n_prefill * 16);
+            continue;
+        }
+        (*ready)++;
+        if (info.predicted_seconds > p->step_time_target_ms / 1e3) {
+            ASSERT_TRUE(info.n_prefill <= 1 && chunk <= 16);
+            (*capped)++;
+        }
+    }
+    cs_sched_free(s);
+}
+
 /* --step-time-target-ms: any target gives the one-pass tokens; once the
  * model is ready, a step's predicted time stays within the target unless
  * its only chunk is the one page that keeps prompts moving. */
@@ -584,35 +620,18 @@ static void check_step_time_target(void) {
         snprintf(what, sizeof what, "step time target %g ms", targets[t]);
         check_same(base, other, MAX_REQ, what);
 
-        /* the sizing rule, step by step */
-        cs_sched *s = NULL;
-        ASSERT_EQ_INT(cs_sched_init(e, &p, &s), 0);
-        for (int i = 0; i < MAX_REQ; i++) {
-            cs_request r = make_req(&specs[i], (uint64_t)i);
-            ASSERT_EQ_INT(cs_sched_add(s, &r), 0);
+        /* the sizing rule, step by step. The model is fitted from measured
+         * steps, and the tiny model's steps are microseconds: on a loaded
+         * machine preemptions can swamp them, so that no fit has time
+         * growing with tokens. The loose target must reach a fit; it gets
+         * up to 5 runs (a scheduler that never feeds its model fails all). */
+        int ready = 0, capped = 0, probe_max = 0;
+        for (int attempt = 0; attempt < (t == 2 ? 5 : 1); attempt++) {
+            size_steps(e, &p, specs, t == 0, &ready, &capped, &probe_max);
+            if (t != 2 || ready > 0) break;
+            printf("step time target %g ms: no fit in run %d (a noisy machine); again\n",
+                   targets[t], attempt + 1);
         }
-        int ready = 0, capped = 0, probe_max = 0, steps = 0;
-        while (!cs_sched_idle(s)) {
-            const cs_event *ev;
-            int32_t ne;
-            ASSERT_EQ_INT(cs_sched_step(s, &ev, &ne), 0);
-            cs_step_info info;
-            cs_sched_last_step(s, &info);
-            int32_t chunk = info.n_tokens - info.n_decode;
-            if (isnan(info.predicted_seconds)) {
-                if (chunk > probe_max) probe_max = chunk;
-                /* probes start at one page a prompt, and stay there while
-                 * every step overshoots the target */
-                if (steps++ == 0 || t == 0) ASSERT_TRUE(chunk <= info.n_prefill * 16);
-                continue;
-            }
-            ready++;
-            if (info.predicted_seconds > targets[t] / 1e3) {
-                ASSERT_TRUE(info.n_prefill <= 1 && chunk <= 16);
-                capped++;
-            }
-        }
-        cs_sched_free(s);
         printf("step time target %g ms: one-pass tokens; %d steps predicted, %d over the target "
                "with one page of prompt; probe chunks <= %d tokens\n",
                targets[t], ready, capped, probe_max);
