@@ -23,6 +23,7 @@
 #include "chunkserve/sampler.h"
 #include "chunkserve/tokenizer.h"
 #include "cluster.h"
+#include "sampling_flags.h"
 #include "server.h"
 #include "chunkserve/ops.h"
 #include "chunkserve/assert.h"
@@ -39,9 +40,7 @@ typedef struct {
     int64_t port, http_port, max_num_seqs, max_queue, grace_ms;
     const char *budget, *budgets, *host, *http_host;
     double duration, step_time_target_ms;
-    double temperature, top_p, min_p, rep_pen, presence, frequency;
-    int64_t top_k;
-    int64_t seed;            /* used as uint64_t: -1 is 2^64 - 1 */
+    cs_cli_sampling sampling; /* generate: the sampling table's flags (sampling_flags.h) */
     cs_openai_config openai; /* serve: the OpenAI-compatible HTTP API, API keys */
     cs_rpc_limits rpc;       /* serve: the gRPC port's limits */
     cs_rpc_tls tls;          /* serve: TLS on the gRPC port */
@@ -57,14 +56,6 @@ static const cs_config_entry opt_table[] = {
     O("chat", BOOL, chat, NULL, "wrap the prompt as a user message in the model's chat template"),
     O("system", STR, system, NULL, "system message for --chat"),
     O("max-tokens", INT, max_tokens, "256", "maximum tokens to generate"),
-    O("temperature", DOUBLE, temperature, "0", "sampling temperature; 0 = greedy"),
-    O("top-k", INT, top_k, "0", "keep the k most likely tokens; 0 = off"),
-    O("top-p", DOUBLE, top_p, "1", "nucleus sampling mass in (0,1]; 1 = off"),
-    O("min-p", DOUBLE, min_p, "0", "drop tokens below min-p times the top probability"),
-    O("repetition-penalty", DOUBLE, rep_pen, "1", "penalty for tokens already seen; 1 = off"),
-    O("presence-penalty", DOUBLE, presence, "0", "OpenAI presence penalty in [-2,2]"),
-    O("frequency-penalty", DOUBLE, frequency, "0", "OpenAI frequency penalty in [-2,2]"),
-    O("seed", INT, seed, "0", "random seed for sampling"),
     O("ignore-eos", BOOL, ignore_eos, NULL,
       "keep generating past end-of-generation tokens (benchmarks)"),
     O("max-batched-tokens", STR, budget, "512",
@@ -119,13 +110,17 @@ static const cs_config_entry opt_table[] = {
 #undef O
 #define N_OPTS (sizeof opt_table / sizeof opt_table[0])
 
-/* The whole table: the commands' options, then serve's OpenAI door, gRPC
- * port and TLS (their modules' tables), joined once for the process. */
+/* The whole table: the commands' options, the sampling flags (from the
+ * sampling table), then serve's OpenAI door, gRPC port and TLS (their
+ * modules' tables), joined once for the process. */
 static const cs_config_entry *all_options(size_t *n) {
     static cs_config_entry *table;
     static size_t n_table;
+    size_t n_sampling;
+    const cs_config_entry *sampling = cs_cli_sampling_table(&n_sampling);
     const cs_config_part parts[] = {
         {opt_table, N_OPTS, 0},
+        {sampling, n_sampling, offsetof(options, sampling)},
         {cs_openai_config_table, cs_openai_config_n, offsetof(options, openai)},
         {cs_proc_rpc_config, cs_proc_rpc_config_n, offsetof(options, rpc)},
         {cs_proc_tls_config, cs_proc_tls_config_n, offsetof(options, tls)},
@@ -465,15 +460,7 @@ static int cmd_generate(const cs_model *m, const options *o) {
     }
     const cs_tokenizer *tok = cs_model_tokenizer(m);
     const cs_model_config *c = cs_model_get_config(m);
-    cs_sampling_params sp = cs_sampling_params_default();
-    sp.temperature = (float)o->temperature;
-    sp.top_k = (int32_t)o->top_k;
-    sp.top_p = (float)o->top_p;
-    sp.min_p = (float)o->min_p;
-    sp.repetition_penalty = (float)o->rep_pen;
-    sp.presence_penalty = (float)o->presence;
-    sp.frequency_penalty = (float)o->frequency;
-    sp.seed = (uint64_t)o->seed;
+    cs_sampling_params sp = cs_cli_sampling_params(&o->sampling);
     char *text = NULL;
     int32_t *ids = NULL;
     size_t n_ids = 0;
@@ -689,8 +676,8 @@ static int run_tune(const cmd_ctx *c) {
 }
 static int run_bench_local(const cmd_ctx *c) {
     const options *o = c->o;
-    return cs_cli_bench_local(c->m, (int)o->threads, o->duration, o->budgets, (uint64_t)o->seed,
-                              o->out);
+    return cs_cli_bench_local(c->m, (int)o->threads, o->duration, o->budgets,
+                              cs_cli_sampling_params(&o->sampling).seed, o->out);
 }
 
 static const struct command {

@@ -458,3 +458,33 @@ def test_sigterm_with_streams_in_flight(chunkserve_bin, model_path, pb):
     for t in threads:
         t.join(30)
     assert outcomes == ["UNAVAILABLE"] * 16, outcomes
+
+
+def test_cli_sampling_flags_come_from_the_sampling_table(chunkserve_bin, cli, pb):
+    """`chunkserve generate`'s sampling flags are made from the sampling table: one per
+    SamplingParams field the sampler takes, named as the proto field with dashes, with the
+    table's default; a bad value is refused naming the field; a seed reproduces."""
+    import json
+    out = subprocess.run([str(chunkserve_bin), "generate", "--help-json"], capture_output=True, text=True,
+                         timeout=30, check=True).stdout
+    flags = {e["name"]: e for e in json.loads(out)}
+    sampler_fields = ["temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                      "presence_penalty", "frequency_penalty", "seed"]
+    proto_fields = {f.name for f in pb.generation_pb2.SamplingParams.DESCRIPTOR.fields}
+    for f in sampler_fields:
+        assert f in proto_fields, f
+        name = f.replace("_", "-")
+        assert name in flags, f"no --{name} flag"
+        want = "1" if f in ("top_p", "repetition_penalty") else "0"
+        assert flags[name]["default"] == want, (name, flags[name])
+    bad = subprocess.run([str(chunkserve_bin), "generate", "--model", str(cli.model), "--prompt",
+                          "Hi", "--max-tokens", "2", "--top-p", "0"], capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode != 0 and "top_p" in bad.stderr, bad.stderr[-500:]
+    args = ["--prompt", "Once upon a time", "--max-tokens", "12", "--ignore-eos", "--temperature",
+            "0.9", "--top-k", "40", "--min-p", "0.02", "--presence-penalty", "0.5"]
+    a = cli.run("generate", *args, "--seed", "7")
+    b = cli.run("generate", *args, "--seed", "7")
+    c = cli.run("generate", *args, "--seed", "-1")  # 2^64 - 1
+    assert a == b
+    assert a != c or cli.run("generate", *args, "--seed", "8") != a

@@ -46,6 +46,7 @@ typedef struct {
     double lo, hi;       /* bounds (INT, FLOAT); hi = INFINITY: none */
     double def;          /* the value when not set */
     unsigned flags;      /* CS_FIELD_* */
+    const char *help;    /* what the field does, one line (the CLI's --help) */
     const char *meaning; /* what the default or 0 means, for messages ("1 = off"); NULL */
     const char *needs;   /* another (BOOL) field this one needs set when nonzero */
     size_t off;          /* where in cs_request (offsetof) */
