@@ -33,6 +33,14 @@ const cs_metric_def cs_engine_metrics_table[] = {
      NULL, 0},
     {M(refused), "chunkserve:requests_refused_total", CS_METRIC_COUNTER, NULL,
      "requests refused (RESOURCE_EXHAUSTED): the queue limit, or no free KV pages", NULL, 0},
+    {M(spec_drafts), "chunkserve:spec_decode_num_drafts_total", CS_METRIC_COUNTER, NULL,
+     "speculative decoding: decodes that carried drafted tokens (verifications)", NULL, 0},
+    {M(spec_draft_tokens), "chunkserve:spec_decode_num_draft_tokens_total", CS_METRIC_COUNTER,
+     NULL, "speculative decoding: drafted tokens verified", NULL, 0},
+    {M(spec_accepted), "chunkserve:spec_decode_num_accepted_tokens_total", CS_METRIC_COUNTER, NULL,
+     "speculative decoding: drafted tokens kept (acceptance rate = this / draft tokens; mean "
+     "accepted length = 1 + this / drafts)",
+     NULL, 0},
 };
 const size_t cs_engine_metrics_n = sizeof cs_engine_metrics_table / sizeof *cs_engine_metrics_table;
 #undef M
@@ -68,5 +76,9 @@ void cs_engine_metrics_update(cs_engine_metrics *em, cs_serve *sv, const cs_mode
     cs_metric_add(em->gen_tokens, (double)(st.generated_tokens - l->generated_tokens));
     cs_metric_add(em->prefix_hits, (double)(st.prefix_hit_tokens - l->prefix_hit_tokens));
     cs_metric_add(em->steps, (double)(st.steps - l->steps));
+    cs_metric_add(em->spec_drafts, (double)(st.spec_drafts - l->spec_drafts));
+    cs_metric_add(em->spec_draft_tokens, (double)(st.spec_draft_tokens - l->spec_draft_tokens));
+    cs_metric_add(em->spec_accepted,
+                  (double)(st.spec_accepted_tokens - l->spec_accepted_tokens));
     *l = st;
 }

@@ -413,6 +413,7 @@ const cs_worker_role cs_decode_role = {
     .role = CHUNKSERVE__V1__WORKER_ROLE__WORKER_ROLE_DECODE,
     .config = config,
     .n_config = sizeof config / sizeof config[0],
+    .speculates = true,
     .config_defaults = config_defaults,
     .n_config_defaults = sizeof config_defaults / sizeof config_defaults[0],
     .summary = "the decode worker: admits requests by free KV pages, receives prompt KV from "

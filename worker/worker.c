@@ -319,6 +319,7 @@ static int run(cs_worker *w) {
     sp.max_chunk_tokens = (int32_t)o->max_chunk_tokens;
     sp.step_time_target_ms = o->step_time_target_ms;
     sp.enable_prefix_caching = o->prefix_caching;
+    if (w->role->speculates && (r = cs_spec_opts_apply(&o->spec, &sp))) goto out;
     if ((r = cs_serve_start(w->engine, &sp, &w->sv))) goto out;
     if (o->prefix_caching && o->prefix_summary_ms > 0 &&
         (r = cs_serve_prefix_summary_enable(w->sv, (double)o->prefix_summary_ms / 1e3)))
@@ -365,11 +366,12 @@ int cs_worker_main(int argc, char **argv, const cs_worker_role *role) {
         {cs_proc_rpc_config, cs_proc_rpc_config_n, offsetof(cs_worker_opts, rpc)},
         {cs_proc_tls_config, cs_proc_tls_config_n, offsetof(cs_worker_opts, tls)},
         {role->config, role->n_config, 0},
+        {cs_spec_config, cs_spec_config_n, offsetof(cs_worker_opts, spec)}, /* last: optional */
     };
     cs_config_entry *table;
     size_t n_table;
-    int r = cs_config_join(parts, sizeof parts / sizeof parts[0], role->config_defaults,
-                           role->n_config_defaults, &table, &n_table);
+    int r = cs_config_join(parts, sizeof parts / sizeof parts[0] - !role->speculates,
+                           role->config_defaults, role->n_config_defaults, &table, &n_table);
     if (!r) r = cs_config_parse(table, n_table, &w.o, argc, argv, 1, prog, role->summary);
     free(table); /* the options point into argv, environ or the entries' defaults, not here */
     if (r == 1) return 0;

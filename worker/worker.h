@@ -25,6 +25,7 @@
 #include "chunkserve/http.h"
 #include "chunkserve/metrics.h"
 #include "engine_metrics.h"
+#include "spec_config.h"
 #include "chunkserve/proc.h"
 #include "chunkserve/rpc.h"
 #include "chunkserve/rpc_health.h"
@@ -51,6 +52,7 @@ typedef struct {
     const char *decode_workers, *decode_dns;
     int64_t dns_refresh_ms, status_interval_ms;
     cs_rpc_tls worker_tls;
+    cs_spec_opts spec; /* decode: speculative decoding (api/spec_config.h) */
 } cs_worker_opts;
 
 /* The options both workers have (worker_config.c; offsets in
@@ -80,6 +82,7 @@ typedef struct {
      * budget, the chunking) */
     const cs_config_default *config_defaults;
     size_t n_config_defaults;
+    bool speculates; /* takes the speculative-decoding options (api/spec_config.h) */
     const char *summary; /* first line of --help */
     size_t state_size;   /* the role's state: w->role_data, zeroed, owned by the shell */
     size_t call_size;    /* the role's request struct, which begins with a cs_worker_call */

@@ -44,6 +44,7 @@ typedef struct seq {
      * position i), n_plp of them computed; handed to the first token's event */
     cs_prompt_logprob *plp;
     int32_t n_plp, plp_top;
+    float spec_rate; /* speculation: recent share of drafted tokens kept (moving average) */
     struct seq *next; /* in its list (waiting, running: ordered by arrival) */
 } seq;
 
@@ -76,6 +77,7 @@ struct cs_sched {
     /* step scratch */
     cs_span *spans;
     seq **owners;
+    int32_t *drafts; /* per span: drafted tokens after its decode token (speculation) */
     float *logits;
     int32_t cap_spans, cap_rows;
     cs_event *events;
@@ -95,11 +97,14 @@ cs_sched_params cs_sched_params_default(void) {
 int cs_sched_init(cs_engine *e, const cs_sched_params *p, cs_sched **out) {
     *out = NULL;
     if (p->max_num_batched_tokens < 0 || p->max_num_seqs < 1 || p->max_num_partial_prefills < 1 ||
-        p->max_chunk_tokens < 0 || !(p->step_time_target_ms >= 0 && p->step_time_target_ms <= 1e7))
+        p->max_chunk_tokens < 0 || !(p->step_time_target_ms >= 0 && p->step_time_target_ms <= 1e7) ||
+        p->num_speculative_tokens < 0 || p->num_speculative_tokens > CS_SCHED_SPEC_MAX)
         return cs_fail(CS_EINVAL,
                        "scheduler: max_num_batched_tokens must be >= 0 (0 = unlimited), "
                        "max_num_seqs and max_num_partial_prefills >= 1, max_chunk_tokens >= 0, "
-                       "step_time_target_ms in [0, 1e7] (0 = off)");
+                       "step_time_target_ms in [0, 1e7] (0 = off), num_speculative_tokens in "
+                       "[0, %d] (0 = off)",
+                       CS_SCHED_SPEC_MAX);
     cs_sched *s = calloc(1, sizeof *s);
     if (!s) return cs_fail(CS_ENOMEM, "scheduler: out of memory");
     s->e = e;
@@ -145,7 +150,8 @@ void cs_sched_free(cs_sched *s) {
     free_list(s, &s->remote);
     free_list(s, &s->retired);
     free_texts(s);
-    free(s->spans), free(s->owners), free(s->logits), free(s->events), free(s->texts);
+    free(s->spans), free(s->owners), free(s->drafts), free(s->logits), free(s->events);
+    free(s->texts);
     free(s->plps);
     for (int i = 0; i < CS_SCHED_GRAMMARS; i++) {
         free(s->grammars[i].key);
@@ -389,6 +395,7 @@ int cs_sched_add(cs_sched *s, const cs_request *r) {
     q->held = r->held;
     q->kv_mode = r->kv_mode;
     q->arrival = s->next_arrival++;
+    q->spec_rate = 0.5f; /* no history yet: a draft token is as likely kept as not */
     cs_sampler_accept_prompt(q->smp, r->prompt, (size_t)n_real);
     for (int32_t i = n_real; i < r->n_prompt; i++)
         cs_sampler_accept(q->smp, r->prompt[i]);
@@ -512,6 +519,21 @@ static void preempt(cs_sched *s, seq **link) {
     s->st.preemptions++;
 }
 
+/* Room for n events in the step (the events already made keep their place
+ * in the new array). */
+static int grow_events(cs_sched *s, int32_t n) {
+    if (n <= s->cap_events) return 0;
+    cs_event *ev = realloc(s->events, (size_t)n * sizeof *ev);
+    if (ev) s->events = ev;
+    char **tx = realloc(s->texts, (size_t)n * sizeof *tx);
+    if (tx) s->texts = tx;
+    cs_prompt_logprob **pl = realloc(s->plps, (size_t)n * sizeof *pl);
+    if (pl) s->plps = pl;
+    if (!ev || !tx || !pl) return cs_fail(CS_ENOMEM, "scheduler: out of memory");
+    s->cap_events = n;
+    return 0;
+}
+
 static int grow_scratch(cs_sched *s, int32_t n) {
     if (n <= s->cap_spans) return 0;
     int32_t cap = s->cap_spans ? s->cap_spans : 16;
@@ -521,16 +543,11 @@ static int grow_scratch(cs_sched *s, int32_t n) {
     if (sp) s->spans = sp;
     seq **ow = realloc(s->owners, (size_t)cap * sizeof *ow);
     if (ow) s->owners = ow;
-    cs_event *ev = realloc(s->events, 2 * (size_t)cap * sizeof *ev);
-    if (ev) s->events = ev;
-    char **tx = realloc(s->texts, 2 * (size_t)cap * sizeof *tx);
-    if (tx) s->texts = tx;
-    cs_prompt_logprob **pl = realloc(s->plps, 2 * (size_t)cap * sizeof *pl);
-    if (pl) s->plps = pl;
-    if (!sp || !ow || !ev || !tx || !pl) return cs_fail(CS_ENOMEM, "scheduler: out of memory");
+    int32_t *dr = realloc(s->drafts, (size_t)cap * sizeof *dr);
+    if (dr) s->drafts = dr;
+    if (!sp || !ow || !dr) return cs_fail(CS_ENOMEM, "scheduler: out of memory");
     s->cap_spans = cap;
-    s->cap_events = 2 * cap;
-    return 0;
+    return grow_events(s, 2 * cap);
 }
 
 static int grow_logits(cs_sched *s, int32_t rows) {
@@ -567,6 +584,7 @@ static void add_span(cs_sched *s, int32_t *n_spans, seq *q, int32_t k) {
     s->spans[*n_spans] =
         (cs_span){q->tokens + q->n_computed, k, q->n_computed, q->pt.pages, q->pt.n_pages,
                   rows ? rows + last : last};
+    s->drafts[*n_spans] = 0;
     s->owners[(*n_spans)++] = q;
 }
 
@@ -611,12 +629,13 @@ static void end_in_error(cs_sched *s, seq *q, int status, const char *error) {
 
 /* Records token id for q (sampled here, or by the prefill side) and emits
  * its event. A finished sequence leaves the running list: freed now, or kept
- * until the next step when its pages are reported (PREFILL_ONLY). */
-
+ * until the next step when its pages are reported (PREFILL_ONLY); *ended
+ * (when not NULL) says so, q is not to be touched then. */
 static int emit_token(cs_sched *s, seq *q, int32_t id, const cs_logprobs *lp, const int32_t *pages,
-                      int32_t first_page, int32_t n_pages) {
+                      int32_t first_page, int32_t n_pages, bool *ended) {
     char *text = NULL;
     enum cs_finish fin = CS_FINISH_NONE;
+    if (ended) *ended = true; /* until it is known to go on */
     if (q->kv_mode == CS_KV_PREFILL_ONLY) {
         fin = CS_FINISH_LENGTH; /* one token; the decode side applies the stop rules */
     } else if (cs_stop_push(q->stop, id, &text, &fin) != 0) {
@@ -676,6 +695,8 @@ static int emit_token(cs_sched *s, seq *q, int32_t id, const cs_logprobs *lp, co
         } else {
             seq_free(s, q);
         }
+    } else if (ended) {
+        *ended = false;
     }
     return 0;
 }
@@ -698,7 +719,7 @@ static int join_ready(cs_sched *s) {
         register_pages(s, q);
         insert_ordered(&s->running, q);
         s->n_running++;
-        int r = emit_token(s, q, q->first_token, &q->first_lp, NULL, 0, 0);
+        int r = emit_token(s, q, q->first_token, &q->first_lp, NULL, 0, 0, NULL);
         if (r) return r;
     }
     return 0;
@@ -765,6 +786,139 @@ static int32_t timed_chunk(const cs_sched *s, const seq *q, int32_t k, const ste
     if (lo > s->page_size) lo -= lo % s->page_size;
     if (lo == 0 && !has_chunk) lo = k < s->page_size ? k : s->page_size;
     return lo;
+}
+
+/* ------------------------------------------------------ speculation -- */
+
+/* Prompt lookup: the tokens that followed the latest earlier occurrence of
+ * q's last n tokens, for the longest n (CS_SCHED_NGRAM_MAX down to
+ * CS_SCHED_NGRAM_MIN) that occurs; at most max of them, written after q's
+ * tokens (q->tokens has room: the caller checked). How many. */
+static int32_t ngram_draft(seq *q, int32_t max) {
+    const int32_t *t = q->tokens, n_tok = q->n_tokens;
+    for (int32_t n = CS_SCHED_NGRAM_MAX; n >= CS_SCHED_NGRAM_MIN; n--) {
+        if (n_tok <= n) continue;
+        const int32_t *tail = t + n_tok - n;
+        for (int32_t i = n_tok - n - 1; i >= 0; i--) { /* followed by a token: i + n < n_tok */
+            if (memcmp(t + i, tail, (size_t)n * sizeof *t) != 0) continue;
+            int32_t k = n_tok - (i + n) < max ? n_tok - (i + n) : max;
+            memmove(q->tokens + n_tok, t + i + n, (size_t)k * sizeof *t);
+            return k;
+        }
+    }
+    return 0;
+}
+
+/* Drafted tokens expected to be kept out of d, each kept with probability a
+ * once the ones before it were: a + a^2 + ... + a^d. */
+static double kept_of(double a, int32_t d) {
+    double e = 0, p = 1;
+    for (int32_t i = 0; i < d; i++)
+        e += (p *= a);
+    return e;
+}
+
+/* How many of d drafts q gets. Without a fitted step model, or with
+ * speculative_always, all (nothing to weigh them with). With one, the
+ * count that maximizes the step's expected decode tokens per predicted
+ * second, 0 when no count beats none; within the step-time target. *expect
+ * (the step's expected decode tokens) grows by the count's kept tokens. */
+static int32_t draft_count(const cs_sched *s, const step_work *w, const seq *q, int32_t d,
+                           double *expect) {
+    const double a = q->spec_rate;
+    if (s->p.speculative_always || !cs_step_model_ready(&s->model)) {
+        *expect += kept_of(a, d);
+        return d;
+    }
+    const double target = s->p.step_time_target_ms / 1e3;
+    double t0 = cs_step_model_predict(&s->model, w->tokens, w->pairs, w->rows);
+    double best = t0 > 0 ? *expect / t0 : 0;
+    int32_t best_d = 0;
+    for (int32_t k = 1; k <= d; k++) {
+        step_work t = *w;
+        work_add(&t, q->n_computed + 1, k, k);
+        double tk = cs_step_model_predict(&s->model, t.tokens, t.pairs, t.rows);
+        if (target > 0 && tk > target) break;
+        double v = tk > 0 ? (*expect + kept_of(a, k)) / tk : 0;
+        if (v > best) best = v, best_d = k;
+    }
+    *expect += kept_of(a, best_d);
+    return best_d;
+}
+
+/* Step pass 3: drafts for the step's decodes (spans [0, n_decode)), within
+ * room tokens, on pages free now (never by preempting). A span with d drafts
+ * computes its decode token and the d drafted after it, one logits row each.
+ * Returns the drafted tokens added. */
+static int32_t add_drafts(cs_sched *s, step_work *work, int32_t room) {
+    int32_t added = 0;
+    double expect = s->last.n_decode;
+    for (int32_t i = 0; i < s->last.n_decode && added < room; i++) {
+        seq *q = s->owners[i];
+        int32_t max = s->p.num_speculative_tokens;
+        if (max > room - added) max = room - added;
+        /* room in its tokens for the drafts and the token sampled after them */
+        if (max > q->cap - q->n_tokens - 1) max = q->cap - q->n_tokens - 1;
+        if (max <= 0) continue;
+        int32_t d = ngram_draft(q, max);
+        if (d > 0 && cs_page_table_reserve(&q->pt, s->kv, q->n_tokens + d) != 0) {
+            int32_t fit = q->pt.n_pages * s->page_size - q->n_tokens;
+            d = fit < d ? fit : d;
+        }
+        cs_span *sp = &s->spans[i];
+        sp->pages = q->pt.pages; /* a reservation may have moved them, drafts or not */
+        sp->n_pages = q->pt.n_pages;
+        if (d > 0) d = draft_count(s, work, q, d, &expect);
+        if (d <= 0) continue;
+        work_add(work, q->n_computed + 1, d, d);
+        sp->n_tokens = 1 + d;
+        sp->n_logits = 1 + d;
+        s->drafts[i] = d;
+        added += d;
+    }
+    return added;
+}
+
+/* Checks span i's drafts (speculation in sched.h): samples its rows in order
+ * with the sequence's own sampler (and structured output), keeps drafted
+ * tokens while they equal the sample, and emits every sampled token up to
+ * and including the first that differs. Advances *li past its rows. */
+static int verify(cs_sched *s, int32_t i, int32_t *li) {
+    seq *q = s->owners[i];
+    const int32_t d = s->drafts[i], row0 = *li;
+    int32_t kept = 0;
+    bool ended = false, rejected = false;
+    int r = 0;
+    *li += d + 1;
+    s->owners[i] = NULL;
+    for (int32_t j = 0; j <= d && !ended && !rejected; j++) {
+        /* every token so far has KV now: the decode token and the drafts kept */
+        q->n_computed = q->n_tokens;
+        register_pages(s, q);
+        const uint32_t *allow = NULL;
+        if (q->gm && cs_matcher_mask(q->gm, &allow) < 0) {
+            end_in_error(s, q, CS_ENOMEM, "out of memory for the structured output's mask");
+            ended = true;
+            break;
+        }
+        const int32_t draft = j < d ? q->tokens[q->n_tokens] : -1;
+        cs_logprobs lp;
+        int32_t id =
+            cs_sampler_sample_allowed(q->smp, s->logits + (size_t)(row0 + j) * s->n_vocab, allow,
+                                      q->top_logprobs, q->logprobs ? &lp : NULL);
+        if (id == draft) kept++;
+        rejected = j < d && id != draft;
+        if ((r = emit_token(s, q, id, &lp, NULL, 0, 0, &ended))) return r;
+    }
+    s->st.spec_drafts++;
+    s->st.spec_draft_tokens += (uint64_t)d;
+    s->st.spec_accepted_tokens += (uint64_t)kept;
+    if (!ended) { /* each kept draft a success, a rejection one failure */
+        for (int32_t j = 0; j < kept; j++)
+            q->spec_rate += 0.1f * (1 - q->spec_rate);
+        if (rejected) q->spec_rate -= 0.1f * q->spec_rate;
+    }
+    return 0;
 }
 
 int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
@@ -875,10 +1029,19 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
         if (q->n_computed + k < q->n_tokens) partial++;
     }
     s->last.n_prefill = n_spans - s->last.n_decode;
+
+    /* 3. speculation: drafts for the decodes, in the budget that is left */
+    if (s->p.num_speculative_tokens > 0 && s->last.n_decode > 0 && used < budget) {
+        int32_t added = add_drafts(s, &work, budget - used);
+        s->last.n_draft_tokens = added;
+        used += added;
+        /* an event per emitted token: up to one more per draft */
+        if (added && (r = grow_events(s, s->cap_events + added))) return r;
+    }
     s->last.n_tokens = used;
     if (n_spans == 0) return 0; /* everything waits for pages or seats */
 
-    /* 3. run it, then sample where a span reached the last known token */
+    /* 4. run it, then sample where a span reached the last known token */
     int32_t n_logits = 0;
     for (int32_t i = 0; i < n_spans; i++)
         n_logits += s->spans[i].n_logits;
@@ -892,12 +1055,17 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
     if (r) {
         CS_LOGE("scheduler: engine step failed: %s", cs_last_error());
         fail_all(s, "engine step failed");
+        *events = s->events;
         *n_events = s->n_events;
         return r;
     }
     s->st.steps++;
     int32_t li = 0;
     for (int32_t i = 0; i < n_spans; i++) {
+        if (s->drafts[i] > 0) { /* a decode with drafts: its own rows */
+            if ((r = verify(s, i, &li))) return r;
+            continue;
+        }
         seq *q = s->owners[i];
         const cs_span *sp = &s->spans[i];
         bool last = q->n_computed + sp->n_tokens == q->n_tokens;
@@ -952,7 +1120,7 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
         }
         int32_t id = cs_sampler_sample_allowed(q->smp, s->logits + (size_t)li++ * s->n_vocab, allow,
                                                q->top_logprobs, q->logprobs ? &lp : NULL);
-        if ((r = emit_token(s, q, id, &lp, n_new ? q->pt.pages + first : NULL, first, n_new)))
+        if ((r = emit_token(s, q, id, &lp, n_new ? q->pt.pages + first : NULL, first, n_new, NULL)))
             return r;
         s->owners[i] = NULL;
     }
@@ -970,6 +1138,7 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
         else if (s->last.seconds > target && s->probe > s->page_size)
             s->probe /= 2;
     }
+    *events = s->events; /* drafts may have grown them */
     *n_events = s->n_events;
     return 0;
 }

@@ -488,3 +488,76 @@ def test_cli_sampling_flags_come_from_the_sampling_table(chunkserve_bin, cli, pb
     c = cli.run("generate", *args, "--seed", "-1")  # 2^64 - 1
     assert a == b
     assert a != c or cli.run("generate", *args, "--seed", "8") != a
+
+
+SPEC_PROMPTS = [
+    # code editing: the answer repeats most of the prompt
+    "Rename the variable total to sum in this function and print the result:\n"
+    "def add_all(values):\n    total = 0\n    for v in values:\n        total = total + v\n"
+    "    return total\n\nAnswer:\ndef add_all(values):\n",
+    # summarization of a text with repeated phrases
+    "The cat sat on the mat. The cat was happy on the mat. The dog saw the cat on the mat. "
+    "Summarize: The cat",
+    "Once upon a time",
+]
+
+
+def test_speculation_is_byte_identical(chunkserve_bin, model_path, pb):
+    """`--speculative ngram`: every token, text and logprob (bits) of greedy and seeded
+    requests, sent together so decodes and drafts share steps, equals serve without it;
+    the spec_decode counters show drafts verified and some kept."""
+    g = pb.generation_pb2
+    plain = Server(chunkserve_bin, model_path, pb, "--threads", "2")
+    spec = Server(chunkserve_bin, model_path, pb, "--threads", "2", "--speculative", "ngram",
+                  "--num-speculative-tokens", "6")
+    http = spec.proc.stdout.readline().decode().split()[-1]
+    try:
+        reqs = []
+        for i, p in enumerate(SPEC_PROMPTS):
+            reqs.append(g.GenerateRequest(prompt=p, sampling=params(
+                pb, max_tokens=48, logprobs=True, top_logprobs=3)))
+            reqs.append(g.GenerateRequest(prompt=p, sampling=params(
+                pb, max_tokens=48, temperature=0.7, top_p=0.9, seed=11 + i, logprobs=True,
+                top_logprobs=2, repetition_penalty=1.1)))
+            reqs.append(g.GenerateRequest(prompt=p, sampling=params(
+                pb, max_tokens=48, stop=["\n\n"], include_special=False)))
+
+        def run_all(s):
+            with ThreadPoolExecutor(len(reqs)) as ex:
+                return list(ex.map(lambda r: collect(s.stub.Generate(r, timeout=120)), reqs))
+
+        want, got = run_all(plain), run_all(spec)
+        for r, (wi, wt, wm), (gi, gt, gm) in zip(reqs, want, got):
+            assert gi == wi and gt == wt, (r.prompt[:30], wi, gi)
+            wl = [(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top_logprobs])
+                  for m in wm for lp in m.logprobs]
+            gl = [(lp.token_id, lp.logprob, [(t.token_id, t.logprob) for t in lp.top_logprobs])
+                  for m in gm for lp in m.logprobs]
+            assert gl == wl
+            assert gm[-1].finish_reason == wm[-1].finish_reason
+        import urllib.request
+        text = urllib.request.urlopen(f"http://{http}/metrics", timeout=10).read().decode()
+        vals = {}
+        for line in text.splitlines():
+            if line.startswith("chunkserve:spec_decode_"):
+                k, v = line.split()
+                vals[k] = float(v)
+        drafts = vals["chunkserve:spec_decode_num_drafts_total"]
+        drafted = vals["chunkserve:spec_decode_num_draft_tokens_total"]
+        kept = vals["chunkserve:spec_decode_num_accepted_tokens_total"]
+        assert drafts > 0 and 0 < kept <= drafted, vals
+    finally:
+        plain.stop()
+        spec.stop()
+
+
+def test_speculation_bad_arguments(chunkserve_bin, model_path):
+    for args, says in ((["--speculative", "ngram", "--num-speculative-tokens", "0"],
+                        "num-speculative-tokens"),
+                       (["--speculative", "ngram", "--num-speculative-tokens", "100"],
+                        "num-speculative-tokens"),
+                       (["--speculative", "draft:other.gguf"], "not supported yet"),
+                       (["--speculative", "medusa"], "off or ngram")):
+        p = subprocess.run([str(chunkserve_bin), "serve", "--model", str(model_path), "--port", "0",
+                            *args], capture_output=True, text=True, timeout=60)
+        assert p.returncode != 0 and says in p.stderr, (args, p.stderr[-500:])

@@ -8,7 +8,10 @@
  * - cancellation at random points leaks no page;
  * - the serving loop (submit / callbacks / cancel from other threads);
  * - prompt logprobs equal those of one pass over the prompt, bit for bit,
- *   whatever the chunking, the prefix cache and the company. */
+ *   whatever the chunking, the prefix cache and the company;
+ * - speculation (prompt-lookup drafts) gives the tokens of decoding one
+ *   token a step, greedy and seeded, whatever the budget, the draft length
+ *   and preemption, and keeps some drafts. */
 #include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -70,6 +73,8 @@ static void check_pages(cs_engine *e) {
                   cs_kv_cache_n_pages(kv));
 }
 
+static cs_sched_stats last_stats; /* the last run's scheduler's, before it is freed */
+
 /* Runs all requests through a scheduler (arriving in rounds), checking the
  * invariants at every step; returns the total steps. */
 static int run(cs_engine *e, const cs_sched_params *sp, const req_spec *specs, int n, req_out *outs,
@@ -109,6 +114,7 @@ static int run(cs_engine *e, const cs_sched_params *sp, const req_spec *specs, i
         ASSERT_TRUE(steps - last_progress < 2000); /* no starvation, no livelock */
     }
     ASSERT_TRUE(cs_sched_idle(s));
+    cs_sched_get_stats(s, &last_stats);
     cs_sched_free(s);
     ASSERT_EQ_INT(cs_kv_cache_n_used(cs_engine_kv(e)), 0);
     return steps;
@@ -196,6 +202,59 @@ static void check_equivalence(void) {
         cs_engine_free(big);
         cs_engine_free(small);
     }
+}
+
+/* Speculation: the same tokens as one token a step, for greedy and seeded
+ * sampling, under budgets down to 3 tokens, draft lengths 1..16, and a pool
+ * small enough to preempt, with drafts always taken or weighed by the step
+ * model; drafts verified and some kept. The prompts are
+ * random ids of a 349-token vocabulary and the tiny model repeats itself:
+ * prompt lookup finds drafts. */
+static void check_speculation(void) {
+    static req_spec specs[MAX_REQ];
+    static req_out base[MAX_REQ], other[MAX_REQ];
+    for (int sampled = 0; sampled < 2; sampled++) {
+        make_specs(specs, MAX_REQ, sampled);
+        cs_engine *big = engine(4096), *small = engine(60);
+        cs_sched_params plain = cs_sched_params_default();
+        run(big, &plain, specs, MAX_REQ, base, false);
+        const int32_t budgets[] = {0, 512, 17, 3}, drafts[] = {1, 4, 16};
+        uint64_t verified = 0, drafted = 0, kept = 0;
+        for (size_t bi = 0; bi < sizeof budgets / sizeof budgets[0]; bi++)
+            for (size_t di = 0; di < sizeof drafts / sizeof drafts[0]; di++)
+                for (int tight = 0; tight < 2; tight++) {
+                    cs_sched_params p = cs_sched_params_default();
+                    p.max_num_batched_tokens = budgets[bi];
+                    p.num_speculative_tokens = drafts[di];
+                    /* mostly always; the cost rule too (timing decides how many
+                     * drafts it keeps, never which tokens come out) */
+                    p.speculative_always = !(tight && di == 1);
+                    run(tight ? small : big, &p, specs, MAX_REQ, other, true);
+                    char what[96];
+                    snprintf(what, sizeof what, "%s, budget %d, %d drafts%s",
+                             sampled ? "seeded" : "greedy", budgets[bi], drafts[di],
+                             tight ? ", preempting" : "");
+                    check_same(base, other, MAX_REQ, what);
+                    verified += last_stats.spec_drafts;
+                    drafted += last_stats.spec_draft_tokens;
+                    kept += last_stats.spec_accepted_tokens;
+                }
+        printf("speculation (%s): %llu verifications, %llu drafted tokens, %llu kept\n",
+               sampled ? "seeded" : "greedy", (unsigned long long)verified,
+               (unsigned long long)drafted, (unsigned long long)kept);
+        ASSERT_TRUE(verified > 0 && kept > 0 && kept < drafted);
+        cs_engine_free(big);
+        cs_engine_free(small);
+    }
+    /* out of range */
+    cs_engine *e = engine(64);
+    cs_sched *s = NULL;
+    cs_sched_params p = cs_sched_params_default();
+    p.num_speculative_tokens = CS_SCHED_SPEC_MAX + 1;
+    ASSERT_EQ_INT(cs_sched_init(e, &p, &s), CS_EINVAL);
+    p.num_speculative_tokens = -1;
+    ASSERT_EQ_INT(cs_sched_init(e, &p, &s), CS_EINVAL);
+    cs_engine_free(e);
 }
 
 static void check_prefix_cache(void) {
@@ -779,6 +838,7 @@ int main(void) {
     check_step_model();
     check_step_time_target();
     check_equivalence();
+    check_speculation();
     check_serve();
     cs_model_free(model);
     return 0;

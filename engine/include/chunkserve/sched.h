@@ -42,7 +42,33 @@ typedef struct {
                                          CS_SCHED_PROBE_TOKENS); a step with no chunk yet always
                                          gets one page's worth, so prompts make progress. Any
                                          split is exact (chunkserve/engine.h). 0 = off */
+    int32_t num_speculative_tokens;   /* > 0: speculative decoding with prompt-lookup (n-gram)
+                                         drafts: a decode whose last tokens occurred before in
+                                         its context proposes up to this many of the tokens
+                                         that followed them, and one step verifies them all
+                                         (speculation, below); at most CS_SCHED_SPEC_MAX.
+                                         0 = off */
+    bool speculative_always;          /* draft whenever a draft is found, whatever the step
+                                         model predicts it costs (tests, benchmarks) */
 } cs_sched_params;
+
+/* Speculation. A draft is checked by sampling each of its positions' logits
+ * with the request's own sampler, in order, and keeping the drafted tokens
+ * while they equal what was sampled; the first that differs is replaced by
+ * the sampled token, and the step ends the sequence's tokens there. The
+ * sampler's randomness depends only on (seed, tokens generated) and the
+ * kernels' bits do not depend on a step's shape, so every emitted token,
+ * its logprobs and the sampler's state are exactly those of decoding one
+ * token a step: greedy and seeded output are byte-identical with and
+ * without speculation, and the output distribution is the model's. (For a
+ * draft that is one token, this is the standard rejection rule: the draft
+ * d is kept with probability p(d), else a token is drawn from p without
+ * d.) Drafts ride after the step's decodes and prompt chunks, within the
+ * token budget and the step-time target; with a fitted step model a
+ * sequence gets the number of drafts (up to num_speculative_tokens) that
+ * maximizes the step's expected decode tokens per predicted second, from
+ * its recent acceptance rate, and none when they would not pay. */
+enum { CS_SCHED_NGRAM_MAX = 4, CS_SCHED_NGRAM_MIN = 1, CS_SCHED_SPEC_MAX = 16 };
 
 enum { CS_SCHED_PROBE_TOKENS = 256 };
 /* Prompt positions whose logits one step computes for prompt_logprobs, at
@@ -144,6 +170,7 @@ typedef struct {
     int32_t n_prefill;         /* prompt chunk spans */
     int32_t n_running_decodes; /* running sequences that wanted a decode token */
     int32_t budget;            /* the step's budget (INT32_MAX when unlimited) */
+    int32_t n_draft_tokens;    /* speculative drafts verified (counted in n_tokens) */
     double seconds;            /* the step's engine time and sampling, measured */
     double predicted_seconds;  /* the step model's prediction for it (NAN: not ready) */
 } cs_step_info;
@@ -151,6 +178,9 @@ typedef struct {
 typedef struct {
     uint64_t steps, preemptions, prefix_hit_tokens, prompt_tokens_computed, generated_tokens;
     uint64_t requests_finished, requests_cancelled;
+    /* speculation: verifications (decodes that carried drafts), drafted
+     * tokens, and the drafted tokens that were kept */
+    uint64_t spec_drafts, spec_draft_tokens, spec_accepted_tokens;
     int32_t n_running, n_waiting; /* waiting includes remote requests waiting for KV */
     int32_t n_waiting_kv;         /* remote requests whose KV has not arrived */
     int64_t queued_prompt_tokens; /* prompt tokens of live requests not computed yet */
