@@ -257,6 +257,154 @@ static void check_speculation(void) {
     cs_engine_free(e);
 }
 
+/* The last position's logits of toks, in one engine step. */
+static void last_logits(cs_engine *e, const int32_t *toks, int32_t n, float *out) {
+    cs_page_table pt = {0};
+    ASSERT_EQ_INT(cs_page_table_reserve(&pt, cs_engine_kv(e), n), 0);
+    cs_span sp = {toks, n, 0, pt.pages, pt.n_pages, 1};
+    ASSERT_EQ_INT(cs_engine_step(e, &sp, 1, out), 0);
+    cs_page_table_release(&pt, cs_engine_kv(e));
+}
+
+/* Pearson's statistic of counts against probabilities q over k bins (n draws). */
+static double chi_square(const int *counts, const double *q, int k, int n) {
+    double x = 0;
+    for (int i = 0; i < k; i++) {
+        double want = q[i] * n;
+        x += (counts[i] - want) * (counts[i] - want) / want;
+    }
+    return x;
+}
+
+/* The first token prompt lookup drafts after toks (sched.c's rule: the
+ * longest tail n-gram that occurred before, its latest occurrence), or -1. */
+static int32_t lookup_draft(const int32_t *t, int32_t n_tok) {
+    for (int32_t n = CS_SCHED_NGRAM_MAX; n >= CS_SCHED_NGRAM_MIN; n--)
+        for (int32_t i = n_tok - n - 1; n_tok > n && i >= 0; i--)
+            if (!memcmp(t + i, t + n_tok - n, (size_t)n * sizeof *t)) return t[i + n];
+    return -1;
+}
+
+static int32_t argmax(const float *x, int32_t n) {
+    int32_t b = 0;
+    for (int32_t i = 1; i < n; i++)
+        if (x[i] > x[b]) b = i;
+    return b;
+}
+
+/* The distribution under speculation: 6,000 seeded requests (temperature 1,
+ * top-k 8) on a prompt built so that its most likely first token a occurred
+ * before, followed by the most likely token after a: when the first token is
+ * a, the first decode verifies that draft. The second token, given a, is
+ * compared with the model's distribution by a chi-square test (7 degrees of
+ * freedom, p = 0.001: 24.32); the same samples bent by two wrong acceptance
+ * rules (keep the draft always; keep it half the time, else the sample) must
+ * fail it. */
+static void check_spec_distribution(void) {
+    enum { N = 6000, K = 8, P = 24 };
+    int32_t ctx[P + 1];
+    for (int i = 0; i < P; i++)
+        ctx[i] = (int32_t)rnd((uint32_t)V);
+    cs_engine *e = engine(8192);
+    float *lg = malloc((size_t)V * sizeof *lg);
+    int32_t a = -1, d = -1;
+    for (int iter = 0; iter < 64; iter++) { /* a prompt where the draft after a is a's likeliest */
+        last_logits(e, ctx, P, lg);
+        a = argmax(lg, V);
+        int32_t at = -1;
+        for (int32_t i = P - 2; i >= 0 && at < 0; i--)
+            if (ctx[i] == a) at = i;
+        if (at < 0) {
+            ctx[8] = a;
+            continue;
+        }
+        ctx[P] = a;
+        last_logits(e, ctx, P + 1, lg);
+        int32_t c = argmax(lg, V);
+        d = lookup_draft(ctx, P + 1);
+        if (d == c) break;
+        ctx[at + 1] = c;
+        d = -1;
+    }
+    ASSERT_TRUE(d >= 0); /* the construction converged */
+    cs_sched_params p = cs_sched_params_default();
+    p.num_speculative_tokens = 4;
+    p.speculative_always = true;
+    cs_sched *s = NULL;
+    ASSERT_EQ_INT(cs_sched_init(e, &p, &s), 0);
+    static int32_t t1[N], t2[N];
+    for (int i = 0; i < N; i++) {
+        cs_request r = {0};
+        r.id = (uint64_t)i;
+        r.prompt = ctx;
+        r.n_prompt = P;
+        r.sampling = cs_sampling_params_default();
+        r.sampling.temperature = 1.0f;
+        r.sampling.top_k = K;
+        r.sampling.seed = 1000 + (uint64_t)i;
+        r.stop.max_tokens = 2;
+        r.stop.ignore_eos = true;
+        t1[i] = t2[i] = -1;
+        ASSERT_EQ_INT(cs_sched_add(s, &r), 0);
+        if (i % 500 == 499 || i == N - 1) /* in batches, as a server meets them */
+            while (!cs_sched_idle(s)) {
+                const cs_event *ev;
+                int32_t ne;
+                ASSERT_EQ_INT(cs_sched_step(s, &ev, &ne), 0);
+                for (int32_t j = 0; j < ne; j++) {
+                    int32_t *slot = t1[ev[j].id] < 0 ? &t1[ev[j].id] : &t2[ev[j].id];
+                    *slot = ev[j].token;
+                }
+            }
+    }
+    cs_sched_stats st;
+    cs_sched_get_stats(s, &st);
+    cs_sched_free(s);
+    /* the sampler's distribution after a: the top K logits (lower id first on ties), softmax */
+    last_logits(e, ctx, P + 1, lg);
+    int32_t top[K];
+    for (int k = 0; k < K; k++) {
+        int32_t best = -1;
+        for (int32_t v = 0; v < V; v++) {
+            bool taken = false;
+            for (int j = 0; j < k; j++)
+                taken |= top[j] == v;
+            if (!taken && (best < 0 || lg[v] > lg[best])) best = v;
+        }
+        top[k] = best;
+    }
+    double q[K], z = 0;
+    for (int k = 0; k < K; k++)
+        z += (q[k] = exp((double)lg[top[k]] - (double)lg[top[0]]));
+    for (int k = 0; k < K; k++)
+        q[k] /= z;
+    ASSERT_EQ_INT(top[0], d);
+    int counts[K] = {0}, always[K] = {0}, half[K] = {0}, n = 0;
+    for (int i = 0; i < N; i++) {
+        if (t1[i] != a) continue;
+        int k = 0;
+        while (k < K && top[k] != t2[i])
+            k++;
+        ASSERT_TRUE(k < K); /* top-k: nothing else is sampled */
+        counts[k]++;
+        always[0]++;            /* wrong: the draft (top[0]) kept every time */
+        half[(i & 1) ? 0 : k]++; /* wrong: kept half the time, else the sample */
+        n++;
+    }
+    double x = chi_square(counts, q, K, n), xa = chi_square(always, q, K, n),
+           xh = chi_square(half, q, K, n);
+    printf("speculation, distribution: %d of %d first tokens are %d, draft %d (p %.2f); "
+           "chi-square %.1f (7 dof, bound 24.32), wrong rules %.1f and %.1f; %llu drafted, "
+           "%llu kept\n",
+           n, N, a, d, q[0], x, xa, xh, (unsigned long long)st.spec_draft_tokens,
+           (unsigned long long)st.spec_accepted_tokens);
+    ASSERT_TRUE(n >= 500 && st.spec_draft_tokens > 0 && st.spec_accepted_tokens > 0);
+    ASSERT_TRUE(x < 24.32);
+    ASSERT_TRUE(xa > 24.32 && xh > 24.32);
+    free(lg);
+    cs_engine_free(e);
+}
+
 static void check_prefix_cache(void) {
     cs_engine *e = engine(1024);
     cs_sched *s = NULL;
@@ -839,6 +987,7 @@ int main(void) {
     check_step_time_target();
     check_equivalence();
     check_speculation();
+    check_spec_distribution();
     check_serve();
     cs_model_free(model);
     return 0;
