@@ -58,6 +58,8 @@ const cs_sampling_field cs_sampling_fields[] = {
     {.name = "prompt_top_logprobs", .help = "alternatives per prompt token", .type = CS_FIELD_INT,
      .lo = 0, .hi = CS_MAX_TOP_LOGPROBS, .needs = "prompt_logprobs",
      .off = AT(prompt_top_logprobs)},
+    {.name = "disable_speculation", .help = "no speculative drafts for this request",
+     .openai = "disable_speculation", .type = CS_FIELD_BOOL, .off = AT(disable_speculation)},
 };
 /* clang-format on */
 const size_t cs_n_sampling_fields = sizeof cs_sampling_fields / sizeof cs_sampling_fields[0];

@@ -44,7 +44,8 @@ typedef struct seq {
      * position i), n_plp of them computed; handed to the first token's event */
     cs_prompt_logprob *plp;
     int32_t n_plp, plp_top;
-    float spec_rate; /* speculation: recent share of drafted tokens kept (moving average) */
+    float spec_rate;  /* speculation: recent share of drafted tokens kept (moving average) */
+    bool no_drafts;   /* cs_request.disable_speculation */
     struct seq *next; /* in its list (waiting, running: ordered by arrival) */
 } seq;
 
@@ -396,6 +397,7 @@ int cs_sched_add(cs_sched *s, const cs_request *r) {
     q->kv_mode = r->kv_mode;
     q->arrival = s->next_arrival++;
     q->spec_rate = 0.5f; /* no history yet: a draft token is as likely kept as not */
+    q->no_drafts = r->disable_speculation;
     cs_sampler_accept_prompt(q->smp, r->prompt, (size_t)n_real);
     for (int32_t i = n_real; i < r->n_prompt; i++)
         cs_sampler_accept(q->smp, r->prompt[i]);
@@ -855,7 +857,7 @@ static int32_t add_drafts(cs_sched *s, step_work *work, int32_t room) {
     double expect = s->last.n_decode;
     for (int32_t i = 0; i < s->last.n_decode && added < room; i++) {
         seq *q = s->owners[i];
-        int32_t max = s->p.num_speculative_tokens;
+        int32_t max = q->no_drafts ? 0 : s->p.num_speculative_tokens;
         if (max > room - added) max = room - added;
         /* room in its tokens for the drafts and the token sampled after them */
         if (max > q->cap - q->n_tokens - 1) max = q->cap - q->n_tokens - 1;

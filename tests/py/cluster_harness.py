@@ -275,14 +275,16 @@ class Cluster:
 
     def __init__(self, bin_dir: Path, model: Path, pb, n_prefill=2, n_decode=2, threads=1,
                  router_args=(), worker_args=(), decode_args=(), prefill_args=(), kv_cache_mib=512,
-                 secret: str | None = None, prefill_knows_decode="list"):
+                 secret: str | None = None, prefill_knows_decode="list", decode_each=()):
+        """decode_each: more arguments for decode worker i (entry i; a shorter list: none)."""
         self.pb = pb
         self.secret = secret
         sec = [f"--cluster-secret={secret}"] if secret else []
         common = [f"--model={model}", "--port=0", f"--threads={threads}", f"--kv-cache-mib={kv_cache_mib}",
                   "--grace-ms=3000", *sec, *worker_args]
-        self.decode = [Proc(bin_dir / "chunkserve-decode", [*common, *decode_args], f"decode-{i}")
-                       for i in range(n_decode)]
+        each = lambda i: list(decode_each[i]) if i < len(decode_each) else []
+        self.decode = [Proc(bin_dir / "chunkserve-decode", [*common, *decode_args, *each(i)],
+                            f"decode-{i}") for i in range(n_decode)]
         # as deployed: a prefill worker sends KV pages only to the decode
         # workers it polls itself (their advertised KV endpoints), listed
         # ("list") or found by DNS ("dns": localhost:port, one decode worker)

@@ -536,16 +536,21 @@ def test_speculation_is_byte_identical(chunkserve_bin, model_path, pb):
             assert gl == wl
             assert gm[-1].finish_reason == wm[-1].finish_reason
         import urllib.request
-        text = urllib.request.urlopen(f"http://{http}/metrics", timeout=10).read().decode()
-        vals = {}
-        for line in text.splitlines():
-            if line.startswith("chunkserve:spec_decode_"):
-                k, v = line.split()
-                vals[k] = float(v)
+
+        def counters():
+            text = urllib.request.urlopen(f"http://{http}/metrics", timeout=10).read().decode()
+            return {k: float(v) for k, v in (line.split() for line in text.splitlines()
+                                             if line.startswith("chunkserve:spec_decode_"))}
+        vals = counters()
         drafts = vals["chunkserve:spec_decode_num_drafts_total"]
         drafted = vals["chunkserve:spec_decode_num_draft_tokens_total"]
         kept = vals["chunkserve:spec_decode_num_accepted_tokens_total"]
         assert drafts > 0 and 0 < kept <= drafted, vals
+        # a request that opts out drafts nothing and gets the same tokens
+        r = g.GenerateRequest(prompt=SPEC_PROMPTS[0], sampling=params(
+            pb, max_tokens=48, disable_speculation=True))
+        assert collect(spec.stub.Generate(r, timeout=120))[0] == want[0][0]
+        assert counters() == vals
     finally:
         plain.stop()
         spec.stop()

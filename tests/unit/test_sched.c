@@ -45,7 +45,7 @@ typedef struct {
     int32_t prompt[MAX_PROMPT];
     int32_t n_prompt, max_tokens;
     uint64_t seed;
-    bool sampled;
+    bool sampled, no_spec;
 } req_spec;
 
 typedef struct {
@@ -63,6 +63,7 @@ static cs_request make_req(const req_spec *s, uint64_t id) {
     if (s->sampled) r.sampling.temperature = 0.8f, r.sampling.top_k = 50, r.sampling.seed = s->seed;
     r.stop.max_tokens = s->max_tokens;
     r.stop.ignore_eos = true;
+    r.disable_speculation = s->no_spec;
     return r;
 }
 
@@ -133,6 +134,7 @@ static void make_specs(req_spec *specs, int n, bool sampled) {
         specs[i].max_tokens = 1 + (int32_t)rnd(MAX_GEN);
         specs[i].seed = 77 + (uint64_t)i;
         specs[i].sampled = sampled;
+        specs[i].no_spec = false;
     }
 }
 
@@ -243,6 +245,15 @@ static void check_speculation(void) {
                sampled ? "seeded" : "greedy", (unsigned long long)verified,
                (unsigned long long)drafted, (unsigned long long)kept);
         ASSERT_TRUE(verified > 0 && kept > 0 && kept < drafted);
+        /* every request opting out: no drafts, the same tokens */
+        for (int i = 0; i < MAX_REQ; i++)
+            specs[i].no_spec = true;
+        cs_sched_params p = cs_sched_params_default();
+        p.num_speculative_tokens = 8;
+        p.speculative_always = true;
+        run(big, &p, specs, MAX_REQ, other, false);
+        check_same(base, other, MAX_REQ, "speculation disabled per request");
+        ASSERT_TRUE(last_stats.spec_drafts == 0);
         cs_engine_free(big);
         cs_engine_free(small);
     }

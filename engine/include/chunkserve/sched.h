@@ -113,6 +113,7 @@ typedef struct {
                                     CS_SCHED_PROMPT_LOGPROB_ROWS tokens a step. CS_KV_REMOTE
                                     ignores it (the prefill side computes them) */
     int32_t prompt_top_logprobs; /* with prompt_logprobs: alternatives per token, 0..20 */
+    bool disable_speculation;    /* no drafts for this request (the output is the same) */
     enum cs_kv_mode kv_mode;
     bool reserve;             /* reserve the prompt's pages at add, all or nothing:
                                  CS_ENOSPC when they are not free now (admission by
