@@ -177,6 +177,8 @@ void cs_wire_worker_status(const cs_wire_model *wm, const cs_sched_stats *st,
     r->num_waiting = st->n_waiting;
     r->queued_prefill_tokens = st->queued_prompt_tokens;
     r->max_num_batched_tokens = st->max_num_batched_tokens;
+    r->speculative = st->num_speculative_tokens > 0 ? "ngram" : "off";
+    r->num_speculative_tokens = st->num_speculative_tokens;
 }
 
 size_t cs_wire_max_prompt_bytes(const cs_model *m) {

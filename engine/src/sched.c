@@ -191,6 +191,7 @@ void cs_sched_get_stats(const cs_sched *s, cs_sched_stats *st) {
     st->kv_pages_cached = cs_kv_cache_n_cached(s->kv);
     st->page_size = s->page_size;
     st->max_num_batched_tokens = s->p.max_num_batched_tokens;
+    st->num_speculative_tokens = s->p.num_speculative_tokens;
 }
 
 /* The live sequence id (waiting, running or waiting for its KV). */

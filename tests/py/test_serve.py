@@ -505,7 +505,8 @@ SPEC_PROMPTS = [
 def test_speculation_is_byte_identical(chunkserve_bin, model_path, pb):
     """`--speculative ngram`: every token, text and logprob (bits) of greedy and seeded
     requests, sent together so decodes and drafts share steps, equals serve without it;
-    the spec_decode counters show drafts verified and some kept."""
+    the spec_decode counters show drafts verified and some kept; GetStatus names the mode;
+    a request that opts out drafts nothing."""
     g = pb.generation_pb2
     plain = Server(chunkserve_bin, model_path, pb, "--threads", "2")
     spec = Server(chunkserve_bin, model_path, pb, "--threads", "2", "--speculative", "ngram",
@@ -526,6 +527,9 @@ def test_speculation_is_byte_identical(chunkserve_bin, model_path, pb):
             with ThreadPoolExecutor(len(reqs)) as ex:
                 return list(ex.map(lambda r: collect(s.stub.Generate(r, timeout=120)), reqs))
 
+        st, pst = spec.status(), plain.status()
+        assert (st.speculative, st.num_speculative_tokens) == ("ngram", 6)
+        assert (pst.speculative, pst.num_speculative_tokens) == ("off", 0)
         want, got = run_all(plain), run_all(spec)
         for r, (wi, wt, wm), (gi, gt, gm) in zip(reqs, want, got):
             assert gi == wi and gt == wt, (r.prompt[:30], wi, gi)

@@ -188,6 +188,7 @@ typedef struct {
     int32_t kv_pages_total, kv_pages_used,
         kv_pages_cached; /* cached = reusable prefix pages, no reference */
     int32_t page_size, max_num_batched_tokens;
+    int32_t num_speculative_tokens; /* the params': 0 = no speculation */
 } cs_sched_stats;
 
 typedef struct cs_sched cs_sched;
