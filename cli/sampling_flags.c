@@ -55,6 +55,10 @@ const cs_config_entry *cs_cli_sampling_table(size_t *n) {
                 .def = defs[k],
                 .help = helps[k],
             };
+            if (f->type == CS_FIELD_INT) { /* an int32_t: the parser bounds it */
+                entries[k].min = f->lo;
+                entries[k].max = isfinite(f->hi) && f->hi < INT32_MAX ? f->hi : INT32_MAX;
+            }
         }
     *n = n_rows;
     return entries;

@@ -592,7 +592,8 @@ static void add_span(cs_sched *s, int32_t *n_spans, seq *q, int32_t k) {
 }
 
 /* The next event slot (scratch holds two per live sequence: a join's first
- * token and a decode in the same step). */
+ * token and a decode in the same step; and one per draft in a step with
+ * drafts). */
 static cs_event *next_event(cs_sched *s, char *text) {
     CS_ASSERT(s->n_events < s->cap_events);
     s->texts[s->n_events] = text;
@@ -858,20 +859,26 @@ static int32_t add_drafts(cs_sched *s, step_work *work, int32_t room) {
     double expect = s->last.n_decode;
     for (int32_t i = 0; i < s->last.n_decode && added < room; i++) {
         seq *q = s->owners[i];
-        int32_t max = q->no_drafts ? 0 : s->p.num_speculative_tokens;
+        /* a real decode: a token was sampled already (not a prompt's last
+         * token, whose span may carry prompt logprobs or report pages) */
+        if (q->no_drafts || q->kv_mode == CS_KV_PREFILL_ONLY || q->n_tokens <= q->n_context)
+            continue;
+        int32_t max = s->p.num_speculative_tokens;
         if (max > room - added) max = room - added;
         /* room in its tokens for the drafts and the token sampled after them */
         if (max > q->cap - q->n_tokens - 1) max = q->cap - q->n_tokens - 1;
         if (max <= 0) continue;
         int32_t d = ngram_draft(q, max);
-        if (d > 0 && cs_page_table_reserve(&q->pt, s->kv, q->n_tokens + d) != 0) {
+        if (d > 0) d = draft_count(s, work, q, d, &expect);
+        if (d <= 0) continue;
+        /* pages for the count chosen: what is free now, never by preempting */
+        if (cs_page_table_reserve(&q->pt, s->kv, q->n_tokens + d) != 0) {
             int32_t fit = q->pt.n_pages * s->page_size - q->n_tokens;
             d = fit < d ? fit : d;
         }
         cs_span *sp = &s->spans[i];
         sp->pages = q->pt.pages; /* a reservation may have moved them, drafts or not */
         sp->n_pages = q->pt.n_pages;
-        if (d > 0) d = draft_count(s, work, q, d, &expect);
         if (d <= 0) continue;
         work_add(work, q->n_computed + 1, d, d);
         sp->n_tokens = 1 + d;
@@ -1033,13 +1040,18 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
     }
     s->last.n_prefill = n_spans - s->last.n_decode;
 
-    /* 3. speculation: drafts for the decodes, in the budget that is left */
+    /* 3. speculation: drafts for the decodes, in the budget that is left
+     * (at most CS_SCHED_DRAFT_ROWS: they are logits rows too) */
     if (s->p.num_speculative_tokens > 0 && s->last.n_decode > 0 && used < budget) {
-        int32_t added = add_drafts(s, &work, budget - used);
+        int32_t room = budget - used < CS_SCHED_DRAFT_ROWS ? budget - used : CS_SCHED_DRAFT_ROWS;
+        int32_t added = add_drafts(s, &work, room);
         s->last.n_draft_tokens = added;
         used += added;
-        /* an event per emitted token: up to one more per draft */
-        if (added && (r = grow_events(s, s->cap_events + added))) return r;
+        /* an event per emitted token: up to one more per draft than the two
+         * per live sequence that grow_scratch keeps room for */
+        r = added ? grow_events(s, 2 * s->cap_spans + added) : 0;
+        *events = s->events; /* it may have moved them */
+        if (r) return r;
     }
     s->last.n_tokens = used;
     if (n_spans == 0) return 0; /* everything waits for pages or seats */

@@ -69,6 +69,9 @@ typedef struct {
  * maximizes the step's expected decode tokens per predicted second, from
  * its recent acceptance rate, and none when they would not pay. */
 enum { CS_SCHED_NGRAM_MAX = 4, CS_SCHED_NGRAM_MIN = 1, CS_SCHED_SPEC_MAX = 16 };
+/* Drafted tokens a step verifies at most (each is a logits row: with no
+ * token budget, this bounds the step's logits buffer). */
+enum { CS_SCHED_DRAFT_ROWS = 1024 };
 
 enum { CS_SCHED_PROBE_TOKENS = 256 };
 /* Prompt positions whose logits one step computes for prompt_logprobs, at
