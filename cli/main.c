@@ -461,6 +461,11 @@ static int cmd_generate(const cs_model *m, const options *o) {
         fprintf(stderr, "chunkserve: --max-tokens must be at least 1\n");
         return 2;
     }
+    if (o->spec.mode && strcmp(o->spec.mode, "off") != 0) {
+        fprintf(stderr, "chunkserve: generate decodes one token a step: --speculative is for "
+                        "serve and the decode worker\n");
+        return 2;
+    }
     const cs_tokenizer *tok = cs_model_tokenizer(m);
     const cs_model_config *c = cs_model_get_config(m);
     cs_sampling_params sp = cs_cli_sampling_params(&o->sampling);

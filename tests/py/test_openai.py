@@ -1311,3 +1311,58 @@ def test_serve_exports_the_engine_metrics(tiny, bin_dir):
     assert metric_of(m, "chunkserve:time_to_first_token_seconds_count") >= 3
     assert metric_of(m, "chunkserve:inter_token_latency_seconds_count") >= 12
     assert metric_of(m, "chunkserve:kv_pages_total") > 0
+
+
+def test_speculation_through_the_openai_door(chunkserve_bin, model_path, pb, real):
+    """`--speculative ngram` behind the OpenAI door: completions and chat answers equal serve
+    without it (greedy and seeded, logprobs included), and `disable_speculation` in the
+    request body drafts nothing (the spec_decode counters do not move)."""
+    import urllib.request
+
+    spec = Serve(chunkserve_bin, model_path, pb, "--speculative", "ngram")
+
+    def counters():  # settled: the last step's counters are published after its events
+        def read():
+            with urllib.request.urlopen(f"http://{spec.ops}/metrics", timeout=10) as r:
+                return {k: float(v) for k, v in (line.split() for line in r.read().decode()
+                                                 .splitlines()
+                                                 if line.startswith("chunkserve:spec_decode_"))}
+        prev = read()
+        for _ in range(50):
+            time.sleep(0.1)
+            cur = read()
+            if cur == prev:
+                return cur
+            prev = cur
+        return prev
+
+    prompt = ("Repeat this list exactly: apples, pears, plums, cherries, apples, pears, plums, "
+              "cherries.\nList: apples, pears,")
+    try:
+        for extra in ({"temperature": 0}, {"seed": 7, "temperature": 0.8}):
+            kw = dict(prompt=prompt, max_tokens=32, logprobs=2, **extra)
+            want = real.client.completions.create(model=real.model, **kw).choices[0]
+            got = spec.client.completions.create(model=spec.model, **kw).choices[0]
+            assert got.text == want.text
+            assert got.logprobs.token_logprobs == want.logprobs.token_logprobs
+            assert got.logprobs.top_logprobs == want.logprobs.top_logprobs
+        msgs = [{"role": "user", "content": prompt}]
+        want = real.client.chat.completions.create(model=real.model, messages=msgs, max_tokens=32,
+                                                   temperature=0)
+        got = spec.client.chat.completions.create(model=spec.model, messages=msgs, max_tokens=32,
+                                                  temperature=0)
+        assert got.choices[0].message.content == want.choices[0].message.content
+        before = counters()
+        assert before["chunkserve:spec_decode_num_drafts_total"] > 0, before
+        out = spec.client.completions.create(model=spec.model, prompt=prompt, max_tokens=32,
+                                             temperature=0,
+                                             extra_body={"disable_speculation": True})
+        assert out.choices[0].text == real.client.completions.create(
+            model=real.model, prompt=prompt, max_tokens=32, temperature=0).choices[0].text
+        assert counters() == before
+        with pytest.raises(openai.BadRequestError) as bad:
+            spec.client.completions.create(model=spec.model, prompt=prompt, max_tokens=4,
+                                           extra_body={"disable_speculation": "yes"})
+        assert "disable_speculation" in str(bad.value)
+    finally:
+        spec.stop()

@@ -580,3 +580,8 @@ def test_speculation_bad_arguments(chunkserve_bin, model_path):
         p = subprocess.run([str(chunkserve_bin), "serve", "--model", str(model_path), "--port", "0",
                             *args], capture_output=True, text=True, timeout=60)
         assert p.returncode != 0 and says in p.stderr, (args, p.stderr[-500:])
+    # generate decodes one token a step: the flag is refused there, not ignored
+    p = subprocess.run([str(chunkserve_bin), "generate", "--model", str(model_path), "--prompt",
+                        "hi", "--max-tokens", "2", "--speculative", "ngram"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "--speculative is for serve" in p.stderr, p.stderr[-500:]

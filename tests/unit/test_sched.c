@@ -320,7 +320,7 @@ static int32_t argmax(const float *x, int32_t n) {
     return b;
 }
 
-/* The distribution under speculation: 6,000 seeded requests (temperature 1,
+/* The distribution under speculation: 12,000 seeded requests (temperature 1,
  * top-k 8) on a prompt built so that its most likely first token a occurred
  * before, followed by the most likely token after a: when the first token is
  * a, the first decode verifies that draft. The second token, given a, is
@@ -329,7 +329,7 @@ static int32_t argmax(const float *x, int32_t n) {
  * acceptance rules (keep the draft always; keep it half the time, else the
  * sample) must fail it. The seeds are fixed: the result is deterministic. */
 static void check_spec_distribution(void) {
-    enum { N = 6000, K = 8, P = 24 };
+    enum { N = 12000, K = 8, P = 24 };
     int32_t ctx[P + 1];
     for (int i = 0; i < P; i++)
         ctx[i] = (int32_t)rnd((uint32_t)V);
