@@ -16,13 +16,14 @@
 
 #include "chunkserve/assert.h"
 #include "chunkserve/error.h"
+#include "config-impl.h"
 
 /* Where a value came from, for error messages: "--port" or "CHUNKSERVE_PORT". */
 typedef struct {
     char text[96];
 } origin;
 
-static void env_name(const char *name, char *out, size_t cap) {
+void cs__config_env_name(const char *name, char *out, size_t cap) {
     size_t k = (size_t)snprintf(out, cap, "CHUNKSERVE_");
     for (const char *p = name; *p && k + 1 < cap; p++)
         out[k++] = *p == '-' ? '_' : (char)toupper((unsigned char)*p);
@@ -252,11 +253,12 @@ int cs_config_parse(const cs_config_entry *table, size_t n, void *opts, int argc
         r = set_value(&table[k], opts, table[k].def, "default");
         CS_ASSERT(r == 0); /* a default that does not parse is a bug in the table */
         char var[96];
-        env_name(table[k].name, var, sizeof var);
+        cs__config_env_name(table[k].name, var, sizeof var);
         const char *v = getenv(var);
         /* An empty variable counts as unset (a Helm value left blank). */
         if (v && *v) r = set_value(&table[k], opts, v, var);
     }
+    if (!r) r = cs__config_check_env(table, n); /* a variable nobody reads: a typo */
     for (int k = 0; k < n_as && !r; k++) {
         const char *v = as[k].val;
         if (as[k].e->type == CS_CONFIG_SECRET) { /* a list: the first flag takes them all */
@@ -289,7 +291,7 @@ void cs_config_print_help(const cs_config_entry *table, size_t n, const char *pr
         const cs_config_entry *e = &table[i];
         char flag[128], var[96];
         snprintf(flag, sizeof flag, "--%s%s", e->name, e->type == CS_CONFIG_BOOL ? "" : " VALUE");
-        env_name(e->name, var, sizeof var);
+        cs__config_env_name(e->name, var, sizeof var);
         fprintf(fp, "  %-*s   %s (", width, flag, e->help ? e->help : "");
         /* A boolean that defaults to off says nothing, like an unset string. */
         bool on = false;
@@ -320,7 +322,7 @@ void cs_config_print_json(const cs_config_entry *table, size_t n, void *f) {
     for (size_t i = 0; i < n; i++) {
         const cs_config_entry *e = &table[i];
         char var[96];
-        env_name(e->name, var, sizeof var);
+        cs__config_env_name(e->name, var, sizeof var);
         fprintf(fp, "%s\n {\"name\": ", i ? "," : "");
         json_string(fp, e->name);
         fprintf(fp, ", \"env\": ");

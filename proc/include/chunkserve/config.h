@@ -9,6 +9,9 @@
  * (numbers fully parsed and within [min, max]); a bad one is an error naming
  * the flag or variable, the value and what is allowed. An empty variable
  * counts as unset; a bad variable is an error even when a flag overrides it.
+ * A set CHUNKSERVE_* variable that no chunkserve process reads is an error
+ * naming the nearest valid one (a typo must not start with the default);
+ * one that is another chunkserve process's flag is left alone.
  * A boolean flag never takes the next argument (--chat=false, not --chat
  * false); "--no-x" negates a boolean x unless "no-x" is itself an entry.
  * Not here: config files, reloading at run time. */
@@ -69,7 +72,8 @@ int cs_config_join(const cs_config_part *parts, size_t n_parts, const cs_config_
  * argv[first..argc); writes every entry's field. -h/--help anywhere in argv
  * prints the help on stdout and returns 1 (the caller exits 0); so does
  * --help-json, with the table as JSON (cs_config_print_json). Returns 0 on success, CS_EINVAL
- * with cs_last_error() set (unknown flag, missing value, bad number, out of range, stray argument).
+ * with cs_last_error() set (unknown flag or CHUNKSERVE_* variable, missing value, bad number, out
+ * of range, stray argument).
  * prog and summary head the help text. */
 int cs_config_parse(const cs_config_entry *table, size_t n, void *opts, int argc, char **argv,
                     int first, const char *prog, const char *summary);
