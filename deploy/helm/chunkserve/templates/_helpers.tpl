@@ -35,6 +35,16 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 app.kubernetes.io/part-of: chunkserve
 {{- end }}
 
+{{/* Labels of pod templates: no chart version and no app version (a
+chart-only bump must not restart every pod: on GPUs, a model reload each);
+the image reference already changes the template when the software does.
+Argument: dict "root" $ "component" NAME. */}}
+{{- define "chunkserve.podLabels" -}}
+{{ include "chunkserve.selectorLabels" . }}
+app.kubernetes.io/managed-by: {{ .root.Release.Service }}
+app.kubernetes.io/part-of: chunkserve
+{{- end }}
+
 {{/* Selector labels: name, release, component. The PodMonitor turns the
 component label into the `component` series label. */}}
 {{- define "chunkserve.selectorLabels" -}}
@@ -49,9 +59,14 @@ app.kubernetes.io/name: {{ include "chunkserve.name" . }}
 app.kubernetes.io/instance: {{ .Release.Name }}
 {{- end }}
 
-{{/* The image of a component. Argument: dict "root" $ "gpu" BOOL. */}}
+{{/* The image of a component. Argument: dict "root" $ "gpu" BOOL. A
+mutable tag (latest) is refused: a rollout could not tell versions apart
+and pods of one Deployment could run different software. */}}
 {{- define "chunkserve.image" -}}
 {{- $img := .root.Values.image }}
+{{- if or (eq $img.tag "latest") (eq $img.cuda.tag "latest") }}
+{{- fail "image.tag / image.cuda.tag \"latest\" is refused: pin a version (or a digest) so that a rollout changes the pods and every pod of a pool runs the same build" }}
+{{- end }}
 {{- if .gpu }}
 {{- printf "%s:%s" $img.cuda.repository (default .root.Chart.AppVersion $img.cuda.tag) }}
 {{- else }}
@@ -196,9 +211,14 @@ volumeMounts:
 {{- end }}
 {{- end }}
 
-{{/* The Secret holding the cluster secret (key cluster-secret). */}}
+{{/* The Secret holding the cluster secret (key cluster-secret): always the user's. */}}
 {{- define "chunkserve.clusterSecretName" -}}
-{{- .Values.clusterSecret.existingSecret | default (printf "%s-cluster-secret" (include "chunkserve.fullname" .)) }}
+{{- .Values.clusterSecret.existingSecret }}
+{{- end }}
+
+{{/* The Secret holding the public API key: the user's, or the one secret.yaml makes. */}}
+{{- define "chunkserve.apiKeySecretName" -}}
+{{- .Values.apiKey.existingSecret | default (printf "%s-api-key" (include "chunkserve.fullname" .)) }}
 {{- end }}
 
 
@@ -242,4 +262,57 @@ volumes:
 release: the labels the chart's PodMonitor/ServiceMonitor relabeling adds. */}}
 {{- define "chunkserve.promSelector" -}}
 {{- printf "namespace=%q,release=%q,component=%q" .root.Release.Namespace .root.Release.Name .component }}
+{{- end }}
+
+{{/* The Deployment's rolling update. Argument: dict "c" COMPONENT_VALUES
+"gpu" BOOL "name" NAME. Unset values default by hardware: a CPU pool surges
+one pod first (maxSurge 1 / maxUnavailable 0); a GPU pool replaces in place
+(maxSurge 0 / maxUnavailable 1), because a full GPU fleet has no spare GPU
+for a surge pod, which would stay Pending and stall the rollout forever. */}}
+{{- define "chunkserve.strategy" -}}
+{{- $ru := .c.rollingUpdate | default dict }}
+{{- $surge := ternary 0 1 .gpu }}
+{{- $unavail := ternary 1 0 .gpu }}
+{{- if hasKey $ru "maxSurge" }}{{ $surge = $ru.maxSurge }}{{ end }}
+{{- if hasKey $ru "maxUnavailable" }}{{ $unavail = $ru.maxUnavailable }}{{ end }}
+{{- if and (eq (toString $surge) "0") (or (eq (toString $unavail) "0") (eq (toString $unavail) "0%")) }}
+{{- fail (printf "%s.rollingUpdate: maxSurge and maxUnavailable are both 0: the rollout could never make progress" .name) }}
+{{- end }}
+type: RollingUpdate
+rollingUpdate:
+  maxSurge: {{ $surge }}
+  maxUnavailable: {{ $unavail }}
+{{- end }}
+
+{{/* Render-time checks of one component's container. Argument: dict "c"
+COMPONENT_VALUES "name" NAME "ports" LIST "set" LIST (the variables the
+chart sets besides config:'s): distinct container ports, no extraEnv entry that replaces a
+variable the chart sets (the first would silently win or lose by order),
+and GPU requests that agree with gpu.enabled. */}}
+{{- define "chunkserve.checkContainer" -}}
+{{- $seen := dict }}
+{{- range .ports }}
+{{- if hasKey $seen (toString .) }}
+{{- fail (printf "%s.ports: port %d is used twice: each of gRPC, ops and KV needs its own" $.name (int64 .)) }}
+{{- end }}
+{{- $_ := set $seen (toString .) true }}
+{{- end }}
+{{- $set := .set }}
+{{- range $flag, $_ := .c.config }}
+{{- $set = append $set (include "chunkserve.envName" $flag) }}
+{{- end }}
+{{- range .c.extraEnv }}
+{{- if has .name $set }}
+{{- fail (printf "%s.extraEnv sets %s, which the chart sets itself: use the value that drives it (config:, ports, tls, clusterSecret, model)" $.name .name) }}
+{{- end }}
+{{- end }}
+{{- $limits := (.c.resources | default dict).limits | default dict }}
+{{- $gpuLimit := hasKey $limits "nvidia.com/gpu" }}
+{{- $gpu := and (hasKey .c "gpu") .c.gpu.enabled }}
+{{- if and $gpuLimit (not $gpu) }}
+{{- fail (printf "%s.resources.limits asks for nvidia.com/gpu but %s.gpu.enabled is false: the pod would hold a GPU and run the CPU image" .name .name) }}
+{{- end }}
+{{- if and $gpu $gpuLimit (lt (int64 (index $limits "nvidia.com/gpu")) 1) }}
+{{- fail (printf "%s.resources.limits.nvidia.com/gpu is %v: gpu.enabled needs at least 1" .name (index $limits "nvidia.com/gpu")) }}
+{{- end }}
 {{- end }}

@@ -20,6 +20,10 @@ decode on KV page usage and on the routers' waiting requests.
 {{- if and $as.enabled (not $root.Values.monitoring.enabled) }}
 {{- fail (printf "%s.autoscaling.enabled needs monitoring.enabled: the autoscaling queries select series by the namespace/release/component labels the chart's PodMonitor or ServiceMonitor adds" $role) }}
 {{- end }}
+{{- $ports := list $p.ports.grpc $p.ports.ops }}
+{{- if eq $role "decode" }}{{ $ports = append $ports $p.ports.kv }}{{ end }}
+{{- $set := list "POD_IP" "POD_NAME" "CHUNKSERVE_MODEL" "CHUNKSERVE_HOST" "CHUNKSERVE_PORT" "CHUNKSERVE_HTTP_HOST" "CHUNKSERVE_HTTP_PORT" "CHUNKSERVE_WORKER_ID" "CHUNKSERVE_CLUSTER_SECRET_FILE" "CHUNKSERVE_TLS_CERT_FILE" "CHUNKSERVE_TLS_KEY_FILE" "CHUNKSERVE_TLS_CLIENT_CA_FILE" "CHUNKSERVE_KV_HOST" "CHUNKSERVE_KV_PORT" "CHUNKSERVE_KV_ADVERTISE" "CHUNKSERVE_DECODE_WORKERS" "CHUNKSERVE_DECODE_DNS" "CHUNKSERVE_WORKER_TLS_CA_FILE" "CHUNKSERVE_WORKER_TLS_CERT_FILE" "CHUNKSERVE_WORKER_TLS_KEY_FILE" "CHUNKSERVE_WORKER_TLS_SERVER_NAME" "CHUNKSERVE_BACKEND" "CUDA_CACHE_PATH" "NCCL_SOCKET_IFNAME" "NCCL_DEBUG" }}
+{{- include "chunkserve.checkContainer" (dict "c" $p "name" $role "ports" $ports "set" $set) }}
 {{- if and $p.gpu.enabled (not (hasKey ($p.resources.limits | default dict) "nvidia.com/gpu")) }}
 {{- fail (printf "%s.gpu.enabled needs resources.limits.nvidia.com/gpu" $role) }}
 {{- end }}
@@ -36,17 +40,14 @@ spec:
   {{- end }}
   revisionHistoryLimit: 3
   strategy:
-    type: RollingUpdate
-    rollingUpdate:
-      maxSurge: 1
-      maxUnavailable: 0
+    {{- include "chunkserve.strategy" (dict "c" $p "gpu" $p.gpu.enabled "name" $role) | trim | nindent 4 }}
   selector:
     matchLabels:
       {{- include "chunkserve.selectorLabels" $ctx | nindent 6 }}
   template:
     metadata:
       labels:
-        {{- include "chunkserve.labels" $ctx | nindent 8 }}
+        {{- include "chunkserve.podLabels" $ctx | nindent 8 }}
         {{- with $p.podLabels }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
@@ -209,6 +210,9 @@ metadata:
     {{- include "chunkserve.labels" $ctx | nindent 4 }}
 spec:
   maxUnavailable: {{ $p.pdb.maxUnavailable }}
+  # a pod that is not Ready (crash-looping, stuck loading) may always be evicted:
+  # it serves nothing, and keeping it must not block a node drain
+  unhealthyPodEvictionPolicy: {{ $p.pdb.unhealthyPodEvictionPolicy }}
   selector:
     matchLabels:
       {{- include "chunkserve.selectorLabels" $ctx | nindent 6 }}
@@ -239,6 +243,14 @@ spec:
   pollingInterval: {{ int64 $as.pollingIntervalSeconds }}
   minReplicaCount: {{ int64 $as.minReplicas }}
   maxReplicaCount: {{ int64 $as.maxReplicas }}
+  {{- if $as.fallback.enabled }}
+  # Prometheus unreachable (or a query failing) failureThreshold times in a row:
+  # {{ $as.fallback.replicas | default $as.minReplicas | int64 }} replica(s), {{ $as.fallback.behavior }}; not a guess from no data
+  fallback:
+    failureThreshold: {{ int64 $as.fallback.failureThreshold }}
+    replicas: {{ $as.fallback.replicas | default $as.minReplicas | int64 }}
+    behavior: {{ $as.fallback.behavior }}
+  {{- end }}
   advanced:
     horizontalPodAutoscalerConfig:
       behavior:
@@ -249,8 +261,19 @@ spec:
     - type: prometheus
       name: queued-prefill-tokens
       metricType: AverageValue
+      {{- with $root.Values.prometheus.authenticationRef.name }}
+      authenticationRef:
+        name: {{ . }}
+        kind: {{ $root.Values.prometheus.authenticationRef.kind }}
+      {{- end }}
       metadata:
         serverAddress: {{ $root.Values.prometheus.serverAddress | quote }}
+        {{- with $root.Values.prometheus.authModes }}
+        authModes: {{ . | quote }}
+        {{- end }}
+        {{- if $root.Values.prometheus.unsafeSsl }}
+        unsafeSsl: "true"
+        {{- end }}
         query: {{ printf "sum(chunkserve:queued_prefill_tokens{%s})" $sel | quote }}
         threshold: {{ $prefillTarget | toString | quote }}
     {{- else }}
@@ -258,16 +281,38 @@ spec:
     - type: prometheus
       name: kv-cache-usage
       metricType: AverageValue
+      {{- with $root.Values.prometheus.authenticationRef.name }}
+      authenticationRef:
+        name: {{ . }}
+        kind: {{ $root.Values.prometheus.authenticationRef.kind }}
+      {{- end }}
       metadata:
         serverAddress: {{ $root.Values.prometheus.serverAddress | quote }}
+        {{- with $root.Values.prometheus.authModes }}
+        authModes: {{ . | quote }}
+        {{- end }}
+        {{- if $root.Values.prometheus.unsafeSsl }}
+        unsafeSsl: "true"
+        {{- end }}
         query: {{ printf "sum(chunkserve:kv_cache_usage_perc{%s})" $sel | quote }}
         threshold: {{ include "chunkserve.scalar" $as.kvCacheUsageTarget | quote }}
     # desired = ceil(requests waiting in the routers / {{ include "chunkserve.scalar" $as.waitingRequestsPerReplica }})
     - type: prometheus
       name: router-requests-waiting
       metricType: AverageValue
+      {{- with $root.Values.prometheus.authenticationRef.name }}
+      authenticationRef:
+        name: {{ . }}
+        kind: {{ $root.Values.prometheus.authenticationRef.kind }}
+      {{- end }}
       metadata:
         serverAddress: {{ $root.Values.prometheus.serverAddress | quote }}
+        {{- with $root.Values.prometheus.authModes }}
+        authModes: {{ . | quote }}
+        {{- end }}
+        {{- if $root.Values.prometheus.unsafeSsl }}
+        unsafeSsl: "true"
+        {{- end }}
         query: {{ printf "sum(chunkserve:num_requests_waiting{%s})" $routerSel | quote }}
         threshold: {{ include "chunkserve.scalar" $as.waitingRequestsPerReplica | quote }}
     {{- end }}
