@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Speculative decoding (prompt-lookup drafts) against plain decoding: the same requests
-against `chunkserve serve` without and with `--speculative ngram`, one server at a time,
-modes alternating round by round so machine noise falls on both alike.
+against `chunkserve serve` without and with `--speculative ngram`: both servers up, each
+batch sent to one then the other (the order alternating round by round), so slow machine
+noise falls on both sides of a ratio alike.
 
 Workloads (completions, greedy unless said):
   code   code editing: the prompt holds a function and the start of its edited copy, so the
@@ -11,7 +12,10 @@ Workloads (completions, greedy unless said):
 At each concurrency (1, 4, 16 by default) all streams start together; per round and mode:
 decode throughput (completion tokens after each stream's first, over the time from the
 first first token to the last token) and the gaps between
-streamed chunks (p50 / p99 / max). The speculating server's spec_decode counters give the
+streamed chunks (p50 / p99 / max). `ratio` is the ratio of the medians; `rounds` the lowest
+and highest ratio within one round (both modes back to back): on a shared machine that
+spread, not the median, says whether a difference is real. The speculating server's
+spec_decode counters give the
 acceptance. Outputs are compared too (greedy and seeded output is byte-identical by
 design). Nothing here asserts a speed.
 
@@ -127,12 +131,16 @@ def main():
     res = {}  # (workload, conc, spec) -> [tok/s per round], gaps
     outs = {}
     acc = {}
-    for r in range(a.rounds):
-        for spec in ((False, True) if r % 2 == 0 else (True, False)):
-            p, http, base = start(a.bin, a.model, a.threads, spec, a.drafts)
-            try:
-                for w in works:
-                    for c in concs:
+    # Both servers stay up (an idle one waits on a futex); each (workload, concurrency)
+    # runs its rounds back to back, the two modes alternating which goes first, so the
+    # two sides of a per-round ratio are measured seconds apart.
+    servers = {spec: start(a.bin, a.model, a.threads, spec, a.drafts) for spec in (False, True)}
+    try:
+        for w in works:
+            for c in concs:
+                for r in range(a.rounds):
+                    for spec in ((False, True) if r % 2 == 0 else (True, False)):
+                        _, http, base = servers[spec]
                         before = spec_counters(http) if spec else None
                         tps, gaps, texts = batch(base, w, c, a.tokens)
                         k = (w, c, spec)
@@ -147,21 +155,27 @@ def main():
                             s[0] += d["num_drafts"]
                             s[1] += d["num_draft_tokens"]
                             s[2] += d["num_accepted_tokens"]
-            finally:
-                p.terminate()
-                p.wait(30)
-        for (w, c), o in outs.items():
-            if len(o) == 2 and WORKLOADS[w][1] == 0.0 and o[False] != o[True]:
-                print(f"MISMATCH {w} x{c}")
+                    o = outs[(w, c)]
+                    if WORKLOADS[w][1] == 0.0 and o[False] != o[True]:
+                        print(f"MISMATCH {w} x{c}")
+    finally:
+        for p, _, _ in servers.values():
+            p.terminate()
+            p.wait(30)
     print(f"{'workload':8} {'conc':>4} {'plain tok/s':>12} {'spec tok/s':>11} {'ratio':>6} "
-          f"{'accept':>7} {'len':>5} {'ITL p50/p99/max plain (ms)':>28} {'spec (ms)':>20}")
+          f"{'rounds':>11} {'accept':>7} {'len':>5} {'ITL p50/p99/max plain (ms)':>28} "
+          f"{'spec (ms)':>20}")
     for w in works:
         for c in concs:
             pl, sp = res[(w, c, False)], res[(w, c, True)]
             mp, ms = statistics.median(pl[0]), statistics.median(sp[0])
+            # each round measures both modes back to back: the spread of the per-round
+            # ratios is the machine's noise on this comparison
+            rr = [b / a for a, b in zip(pl[0], sp[0])]
+            spread = f"{min(rr):.2f}-{max(rr):.2f}"
             d, dt, ak = acc[(w, c)]
             g = lambda xs: "/".join(f"{1e3 * pct(xs, q):.0f}" for q in (0.5, 0.99, 1.0))
-            print(f"{w:8} {c:>4} {mp:>12.1f} {ms:>11.1f} {ms / mp:>6.2f} "
+            print(f"{w:8} {c:>4} {mp:>12.1f} {ms:>11.1f} {ms / mp:>6.2f} {spread:>11} "
                   f"{(ak / dt if dt else 0):>7.2f} {(1 + ak / d if d else 1):>5.2f} "
                   f"{g(pl[1]):>28} {g(sp[1]):>20}")
 

@@ -822,15 +822,19 @@ static double kept_of(double a, int32_t d) {
     return e;
 }
 
-/* How many of d drafts q gets. Without a fitted step model, or with
- * speculative_always, all (nothing to weigh them with). With one, the
- * count that maximizes the step's expected decode tokens per predicted
- * second, 0 when no count beats none; within the step-time target. *expect
- * (the step's expected decode tokens) grows by the count's kept tokens. */
+/* How many of d drafts q gets. With speculative_always, all. Until the
+ * step model is ready, one: a probe that costs at most one row per decode
+ * and spreads the steps' token counts so the model can be fitted (on a busy
+ * CPU, all of them could multiply a step's time for drafts that are not
+ * kept). Then the count that maximizes the step's expected decode tokens
+ * per predicted second, 0 when no count beats none; within the step-time
+ * target. *expect (the step's expected decode tokens) grows by the count's
+ * kept tokens. */
 static int32_t draft_count(const cs_sched *s, const step_work *w, const seq *q, int32_t d,
                            double *expect) {
     const double a = q->spec_rate;
     if (s->p.speculative_always || !cs_step_model_ready(&s->model)) {
+        if (!s->p.speculative_always) d = 1;
         *expect += kept_of(a, d);
         return d;
     }

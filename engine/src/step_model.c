@@ -56,6 +56,17 @@ static bool solve(double a[K][K], double b[K], double x[K]) {
     return true;
 }
 
+/* Whether the window's token counts span a factor of 2 or more: only then
+ * can the fit tell the per-token cost from the fixed one. */
+static bool spans(const cs_step_model *m) {
+    double lo = INFINITY, hi = 0;
+    for (int32_t i = 0; i < m->n; i++) {
+        double t = m->x[i][1] / scale[1];
+        lo = t < lo ? t : lo, hi = t > hi ? t : hi;
+    }
+    return hi >= 2 * lo;
+}
+
 void cs_step_model_observe(cs_step_model *m, double tokens, double pairs, double rows,
                            double seconds) {
     features(tokens, pairs, rows, m->x[m->head]);
@@ -72,7 +83,10 @@ void cs_step_model_observe(cs_step_model *m, double tokens, double pairs, double
     /* ridge: small against a window of steps of a few ms and features ~1 */
     for (int r = 1; r < K; r++)
         a[r][r] += 1e-6 * (double)m->n;
-    if (solve(a, b, w)) {
+    /* trusted: enough steps, a spread of token counts, time growing with
+     * tokens; otherwise the last trusted fit stays (steady decode-only
+     * steps all have one token count and say nothing about its cost) */
+    if (solve(a, b, w) && m->n >= 8 && w[1] > 0 && spans(m)) {
         memcpy(m->w, w, sizeof w);
         m->fitted = true;
     }
@@ -88,13 +102,7 @@ double cs_step_model_predict(const cs_step_model *m, double tokens, double pairs
 }
 
 bool cs_step_model_ready(const cs_step_model *m) {
-    if (!m->fitted || m->n < 8 || m->w[1] <= 0) return false;
-    double lo = INFINITY, hi = 0;
-    for (int32_t i = 0; i < m->n; i++) {
-        double t = m->x[i][1] / scale[1];
-        lo = t < lo ? t : lo, hi = t > hi ? t : hi;
-    }
-    return hi >= 2 * lo;
+    return m->fitted;
 }
 
 void cs_step_model_coefficients(const cs_step_model *m, double w[K]) {

@@ -792,7 +792,20 @@ static void check_step_model(void) {
     cs_step_model_coefficients(&m, got);
     for (int k = 0; k < 4; k++)
         ASSERT_TRUE(fabs(got[k] - 2 * w[k]) <= 1e-3 * w[k]);
-    /* decode-only steps (one token count) never make it ready */
+    /* steady decode-only steps (one token count): once the window holds
+     * nothing else, the trusted fit stops changing and still predicts them */
+    const double law8 = 2 * (w[0] + w[1] * 8 + w[2] * 800 + w[3] * 8);
+    for (int i = 0; i < CS_STEP_MODEL_WINDOW; i++)
+        cs_step_model_observe(&m, 8, 800, 8, law8);
+    double held[4], later[4];
+    cs_step_model_coefficients(&m, held);
+    for (int i = 0; i < CS_STEP_MODEL_WINDOW; i++)
+        cs_step_model_observe(&m, 8, 800, 8, law8);
+    cs_step_model_coefficients(&m, later);
+    ASSERT_TRUE(cs_step_model_ready(&m));
+    ASSERT_TRUE(memcmp(held, later, sizeof held) == 0);
+    ASSERT_TRUE(fabs(cs_step_model_predict(&m, 8, 800, 8) - law8) < 1e-3 * law8);
+    /* and they never make a new model ready */
     cs_step_model_init(&m);
     for (int i = 0; i < 100; i++)
         cs_step_model_observe(&m, 8, 8 * 100.0, 8, 1e-3);

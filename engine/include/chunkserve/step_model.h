@@ -9,7 +9,9 @@
  * squares over the last CS_STEP_MODEL_WINDOW measured steps (a little ridge
  * keeps the fit defined when the steps do not vary enough). Old steps leave
  * the window, so the model follows the machine (thermal, neighbours) and
- * the mix. On a CPU tokens dominate (no idle compute for prefill to ride
+ * the mix. A fit is trusted only from a window whose token counts span a
+ * factor of 2; while they do not (a steady run of decode-only steps), the
+ * last trusted fit is kept. On a CPU tokens dominate (no idle compute for prefill to ride
  * on); on a GPU w0 does. Single-threaded, plain data, no allocation. */
 #ifndef CHUNKSERVE_STEP_MODEL_H
 #define CHUNKSERVE_STEP_MODEL_H
@@ -27,21 +29,23 @@ typedef struct {
     double x[CS_STEP_MODEL_WINDOW][CS_STEP_MODEL_FEATURES]; /* scaled features of each step */
     double y[CS_STEP_MODEL_WINDOW];                         /* its seconds */
     int32_t n, head;                                        /* steps in the ring, next slot */
-    double w[CS_STEP_MODEL_FEATURES];                       /* the fit, on scaled features */
-    bool fitted;
+    double w[CS_STEP_MODEL_FEATURES];                       /* the trusted fit, scaled */
+    bool fitted;                                            /* a trusted fit exists */
 } cs_step_model;
 
 void cs_step_model_init(cs_step_model *m);
 /* Records one measured step and refits. */
 void cs_step_model_observe(cs_step_model *m, double tokens, double pairs, double rows,
                            double seconds);
-/* Predicted seconds of a step (>= 0); NAN until the model is ready. */
+/* Predicted seconds of a step (>= 0) by the trusted fit; NAN until the
+ * model is ready. */
 double cs_step_model_predict(const cs_step_model *m, double tokens, double pairs, double rows);
-/* Whether predictions can be trusted: at least 8 steps whose token counts
- * span a factor of 2 or more, and a fit whose time grows with tokens. */
+/* Whether a trusted fit exists: one made from at least 8 steps whose token
+ * counts span a factor of 2 or more, with time growing with tokens. Once
+ * ready, a model stays ready (it keeps its last trusted fit). */
 bool cs_step_model_ready(const cs_step_model *m);
-/* The fitted coefficients in seconds per unit (w0 s, w1 s/token, w2 s/pair,
- * w3 s/row); zeros before the first fit. */
+/* The trusted fit's coefficients in seconds per unit (w0 s, w1 s/token,
+ * w2 s/pair, w3 s/row); zeros before the first. */
 void cs_step_model_coefficients(const cs_step_model *m, double w[CS_STEP_MODEL_FEATURES]);
 
 #ifdef __cplusplus
