@@ -822,19 +822,15 @@ static double kept_of(double a, int32_t d) {
     return e;
 }
 
-/* How many of d drafts q gets. With speculative_always, all. Until the
- * step model is ready, one: a probe that costs at most one row per decode
- * and spreads the steps' token counts so the model can be fitted (on a busy
- * CPU, all of them could multiply a step's time for drafts that are not
- * kept). Then the count that maximizes the step's expected decode tokens
- * per predicted second, 0 when no count beats none; within the step-time
- * target. *expect (the step's expected decode tokens) grows by the count's
- * kept tokens. */
+/* How many of d drafts q gets. With speculative_always, or until the step
+ * model is ready, all (add_drafts bounds the unready case). Then the count
+ * that maximizes the step's expected decode tokens per predicted second, 0
+ * when no count beats none; within the step-time target. *expect (the
+ * step's expected decode tokens) grows by the count's kept tokens. */
 static int32_t draft_count(const cs_sched *s, const step_work *w, const seq *q, int32_t d,
                            double *expect) {
     const double a = q->spec_rate;
     if (s->p.speculative_always || !cs_step_model_ready(&s->model)) {
-        if (!s->p.speculative_always) d = 1;
         *expect += kept_of(a, d);
         return d;
     }
@@ -861,6 +857,13 @@ static int32_t draft_count(const cs_sched *s, const step_work *w, const seq *q, 
 static int32_t add_drafts(cs_sched *s, step_work *work, int32_t room) {
     int32_t added = 0;
     double expect = s->last.n_decode;
+    /* Until the step model is ready nothing weighs a draft's cost: a step
+     * carries one sequence's worth of drafts at most (num_speculative_tokens
+     * in all). On a busy CPU, every sequence's drafts could multiply the
+     * step's time for tokens that are not kept. */
+    if (!s->p.speculative_always && !cs_step_model_ready(&s->model) &&
+        room > s->p.num_speculative_tokens)
+        room = s->p.num_speculative_tokens;
     for (int32_t i = 0; i < s->last.n_decode && added < room; i++) {
         seq *q = s->owners[i];
         /* a real decode: a token was sampled already (not a prompt's last

@@ -46,7 +46,8 @@ from yamllint import linter as yamllint_linter
 import helm_python as helm
 
 REPO = Path(__file__).resolve().parents[2]
-CHART = REPO / "deploy" / "helm" / "chunkserve"
+# CS_CHART_DIR: a copy of the chart to check instead (test_chart_mutations.py)
+CHART = Path(os.environ.get("CS_CHART_DIR") or REPO / "deploy" / "helm" / "chunkserve")
 HERE = Path(__file__).resolve().parent
 GOLDEN = HERE / "golden"
 CRD_DIR = HERE / "crd"
