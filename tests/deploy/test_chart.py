@@ -634,6 +634,159 @@ def test_router_discovery(renders, name):
         assert int(port) == cport == grpc["port"]
 
 
+# ---------------------------------------- what the processes will do
+# Each rendered port, probe, monitor, Service, discovery name and policy is checked
+# against what the process in that pod will actually listen on or dial, from its own
+# environment and its binary's defaults (--help-json), not against names in the chart.
+
+def listens(dep: dict, flag_tables: dict) -> dict:
+    """purpose -> the port number the pod's process listens on for it."""
+    c = containers(dep)[0]
+    env, role = env_of(c), component(dep)
+    dflt = {e["env"]: e["default"] for e in flag_tables[role]}
+
+    def val(var):
+        return int(env[var]["value"]) if var in env else int(dflt[var])
+    out = {"grpc": val("CHUNKSERVE_PORT"), "ops": val("CHUNKSERVE_HTTP_PORT")}
+    if role == "decode":
+        out["kv"] = val("CHUNKSERVE_KV_PORT")
+    if role == "router" and "CHUNKSERVE_OPENAI_PORT" in env:
+        out["openai"] = val("CHUNKSERVE_OPENAI_PORT")
+    return out
+
+
+def container_port(dep: dict, port) -> int:
+    """A port reference (a container port's name or a number) as a number; -1 when a
+    name does not exist."""
+    if isinstance(port, int):
+        return port
+    named = {p["name"]: p["containerPort"] for p in containers(dep)[0].get("ports", [])}
+    return named.get(port, -1)
+
+
+def service_targets(r, svc: dict, port_name: str) -> list:
+    """(Deployment, container port number) the Service's port named port_name reaches."""
+    (sp,) = [p for p in svc["spec"]["ports"] if p["name"] == port_name]
+    deps = [d for d in r.kind("Deployment") if selector_matches(svc["spec"]["selector"], pod_labels(d))]
+    return [(d, container_port(d, sp.get("targetPort", sp["port"]))) for d in deps]
+
+
+def allowed(r, src: dict, dst: dict, port: int) -> bool:
+    """Whether the NetworkPolicies let a pod of Deployment src (same namespace) reach
+    port on a pod of dst. No policy selecting dst: allowed."""
+    pols = [p for p in r.kind("NetworkPolicy")
+            if "Ingress" in p["spec"].get("policyTypes", ["Ingress"])
+            and selector_matches(p["spec"]["podSelector"], pod_labels(dst))]
+    if not pols:
+        return True
+    for pol in pols:
+        for rule in pol["spec"].get("ingress", []):
+            ports = rule.get("ports")
+            if ports and not any(container_port(dst, p["port"]) == port for p in ports):
+                continue
+            peers = rule.get("from")
+            if not peers or any("podSelector" in q and "namespaceSelector" not in q
+                                and selector_matches(q["podSelector"], pod_labels(src))
+                                for q in peers):
+                return True
+    return False
+
+
+@pytest.mark.parametrize("name", CI_IDS)
+def test_objects_do_what_the_processes_need(renders, name, flag_tables):
+    r = renders[name]
+    deps = {component(d): d for d in r.kind("Deployment")}
+    listen = {role: listens(d, flag_tables) for role, d in deps.items()}
+    problems = []
+    for role, d in deps.items():
+        c = containers(d)[0]
+        # probes hit the ops port, where /healthz and /readyz are served
+        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+            got = container_port(d, c[probe]["httpGet"]["port"])
+            if got != listen[role]["ops"]:
+                problems.append(f"{role} {probe}: port {got}, the process serves ops on {listen[role]['ops']}")
+        # every declared container port is one the process listens on, for that purpose
+        for p in c.get("ports", []):
+            if listen[role].get(p["name"]) != p["containerPort"]:
+                problems.append(f"{role}: container port {p['name']}={p['containerPort']}, "
+                                f"the process: {listen[role]}")
+    # Services reach the process's port of their port's purpose
+    for svc in r.kind("Service"):
+        for sp in svc["spec"]["ports"]:
+            for d, port in service_targets(r, svc, sp["name"]):
+                want = listen[component(d)].get(sp["name"])
+                if port != want:
+                    problems.append(f"Service {svc['metadata']['name']} port {sp['name']} reaches "
+                                    f"{component(d)}:{port}, the process serves it on {want}")
+    # monitors scrape the ops port of every component
+    for mon in r.kind("PodMonitor"):
+        for ep in mon["spec"]["podMetricsEndpoints"]:
+            for role, d in deps.items():
+                if container_port(d, ep["port"]) != listen[role]["ops"]:
+                    problems.append(f"PodMonitor scrapes {role} on {ep['port']}, not its ops port")
+    for mon in r.kind("ServiceMonitor"):
+        for ep in mon["spec"]["endpoints"]:
+            reached = set()
+            for svc in r.kind("Service"):
+                if not selector_matches(mon["spec"]["selector"], svc["metadata"]["labels"]):
+                    continue
+                if ep["port"] in {p["name"] for p in svc["spec"]["ports"]}:
+                    for d, port in service_targets(r, svc, ep["port"]):
+                        reached.add(component(d))
+                        if port != listen[component(d)]["ops"]:
+                            problems.append(f"ServiceMonitor scrapes {component(d)} on {port}")
+            if reached != set(deps):
+                problems.append(f"ServiceMonitor reaches {sorted(reached)}, not every component")
+    # discovery: each DNS name is the other pool's headless Service, on the port its
+    # process serves gRPC on
+    routes = [("router", "CHUNKSERVE_DECODE_DNS", "decode"), ("router", "CHUNKSERVE_PREFILL_DNS", "prefill"),
+              ("prefill", "CHUNKSERVE_DECODE_DNS", "decode")]
+    for src, var, dst in routes:
+        env = env_of(containers(deps[src])[0]) if src in deps else {}
+        if var not in env:
+            continue
+        host, port = env[var]["value"].rsplit(":", 1)
+        svcs = [s for s in r.kind("Service") if s["metadata"]["name"] == host.split(".")[0]]
+        ok = len(svcs) == 1 and svcs[0]["spec"].get("clusterIP") == "None" and \
+            [component(d) for d, _ in service_targets(r, svcs[0], "grpc")] == [dst] and \
+            int(port) == listen[dst]["grpc"]
+        if not ok:
+            problems.append(f"{src} {var}={env[var]['value']} is not the {dst} pool's headless Service "
+                            f"on its gRPC port {listen[dst]['grpc']}")
+    # NetworkPolicies let the cluster's own flows through: router -> pools (gRPC),
+    # prefill -> decode (gRPC, KV), and the OpenAI/gRPC doors from the allowed clients
+    flows = [("router", "prefill", "grpc"), ("router", "decode", "grpc"),
+             ("prefill", "decode", "grpc"), ("prefill", "decode", "kv")]
+    for src, dst, what in flows:
+        if src in deps and dst in deps and not allowed(r, deps[src], deps[dst], listen[dst][what]):
+            problems.append(f"NetworkPolicy blocks {src} -> {dst} {what} ({listen[dst][what]})")
+    # scale-in: a worker must outlive the routers' DNS view of it
+    if "router" in deps and r.merged["router"]["discovery"] == "dns":
+        renv = env_of(containers(deps["router"])[0])
+        dflt = {e["env"]: e["default"] for e in flag_tables["router"]}
+        refresh_ms = int(renv.get("CHUNKSERVE_DNS_REFRESH_MS", {}).get("value")
+                         or dflt["CHUNKSERVE_DNS_REFRESH_MS"])
+        for role in ("prefill", "decode"):
+            if role in deps:
+                cmd = containers(deps[role])[0]["lifecycle"]["preStop"]["exec"]["command"]
+                if int(cmd[-1]) != r.merged[role]["preStopSleepSeconds"]:
+                    problems.append(f"{role} preStop sleeps {cmd[-1]} s, not preStopSleepSeconds")
+                if int(cmd[-1]) * 1000 < refresh_ms:
+                    problems.append(f"{role} preStop sleeps {cmd[-1]} s, under the routers' "
+                                    f"DNS refresh of {refresh_ms} ms")
+    # autoscaling reads the Prometheus the values name; PDBs are the values' and allow drains
+    for so in r.kind("ScaledObject"):
+        for t in so["spec"]["triggers"]:
+            if t["metadata"]["serverAddress"] != r.merged["prometheus"]["serverAddress"]:
+                problems.append(f"ScaledObject {so['metadata']['name']} queries {t['metadata']['serverAddress']}")
+    for pdb in r.kind("PodDisruptionBudget"):
+        role = component(pdb)
+        if pdb["spec"]["maxUnavailable"] != r.merged[role]["pdb"]["maxUnavailable"] or \
+                str(pdb["spec"]["maxUnavailable"]) in ("0", "0%"):
+            problems.append(f"PDB {pdb['metadata']['name']}: maxUnavailable {pdb['spec']['maxUnavailable']}")
+    assert not problems, "\n".join(problems)
+
+
 def test_monitor_tells_components_apart(renders):
     for r in renders.values():
         for mon in r.kind("PodMonitor") + r.kind("ServiceMonitor"):
