@@ -858,12 +858,15 @@ static int32_t add_drafts(cs_sched *s, step_work *work, int32_t room) {
     int32_t added = 0;
     double expect = s->last.n_decode;
     /* Until the step model is ready nothing weighs a draft's cost: a step
-     * carries one sequence's worth of drafts at most (num_speculative_tokens
-     * in all). On a busy CPU, every sequence's drafts could multiply the
-     * step's time for tokens that are not kept. */
-    if (!s->p.speculative_always && !cs_step_model_ready(&s->model) &&
-        room > s->p.num_speculative_tokens)
-        room = s->p.num_speculative_tokens;
+     * carries at most one sequence's worth of drafts (num_speculative_tokens)
+     * or as many drafts as decodes, whichever is more. On a busy CPU, every
+     * sequence's drafts could multiply the step's time for tokens that are
+     * not kept; this much doubles a decode step's tokens at most, enough
+     * spread for the model to be fitted (cs_step_model_ready). */
+    const int32_t probe = s->p.num_speculative_tokens > s->last.n_decode
+                              ? s->p.num_speculative_tokens
+                              : s->last.n_decode;
+    if (!s->p.speculative_always && !cs_step_model_ready(&s->model) && room > probe) room = probe;
     for (int32_t i = 0; i < s->last.n_decode && added < room; i++) {
         seq *q = s->owners[i];
         /* a real decode: a token was sampled already (not a prompt's last

@@ -55,6 +55,29 @@ static const char *const other_vars[] = {
     "BACKEND", "CPU_KERNELS", "STEP_TRACE", "BIN_DIR", "EMU_BIN_DIR", "MODELS_DIR", "DEMO_PORT",
 };
 
+/* Kubernetes' service links: a pod that does not turn them off
+ * (enableServiceLinks) gets, for each Service named e.g. chunkserve-router,
+ * CHUNKSERVE_ROUTER_SERVICE_HOST, ..._SERVICE_PORT[_NAME] and
+ * ..._PORT[_N_TCP[_PROTO|_PORT|_ADDR]]: not ours, and not typos. */
+static bool service_link(const char *name, size_t len) {
+    char buf[128];
+    if (len >= sizeof buf) return false;
+    memcpy(buf, name, len);
+    buf[len] = 0;
+    if (strstr(buf, "_SERVICE_HOST") || strstr(buf, "_SERVICE_PORT")) return true;
+    for (const char *p = strstr(buf, "_PORT_"); p; p = strstr(p + 1, "_PORT_")) {
+        const char *q = p + 6;
+        if (*q < '0' || *q > '9') continue;
+        while (*q >= '0' && *q <= '9')
+            q++;
+        if (!strncmp(q, "_TCP", 4) || !strncmp(q, "_UDP", 4) || !strncmp(q, "_SCTP", 5))
+            return true;
+    }
+    /* the Service's own URL variable: SERVICE_PORT=tcp://10.0.0.1:50050 */
+    const char *eq = name + len;
+    return len > 5 && !strcmp(buf + len - 5, "_PORT") && !strncmp(eq + 1, "tcp://", 6);
+}
+
 static bool listed(const char *const *list, size_t n, const char *name, size_t len) {
     for (size_t i = 0; i < n; i++)
         if (strlen(list[i]) == len && !memcmp(list[i], name, len)) return true;
@@ -97,23 +120,27 @@ int cs__config_check_env(const cs_config_entry *table, size_t n) {
             mine = strlen(var) == lp + len && !memcmp(var + lp, name, len);
         }
         if (mine || listed(family_flags, sizeof family_flags / sizeof *family_flags, name, len) ||
-            listed(other_vars, sizeof other_vars / sizeof *other_vars, name, len))
+            listed(other_vars, sizeof other_vars / sizeof *other_vars, name, len) ||
+            service_link(name, len))
             continue;
-        /* the nearest of this process's own variables */
-        const char *near = NULL;
+        /* the nearest name: this process's own first (a tie goes to it), then
+         * the other processes' */
+        char near[96] = "";
         size_t best = (size_t)-1;
         for (size_t k = 0; k < n && len <= 64; k++) {
             cs__config_env_name(table[k].name, var, sizeof var);
             size_t nv = strlen(var) - lp;
             if (nv > 64) continue;
             size_t d = distance(name, len, var + lp, nv);
-            if (d < best) best = d, near = table[k].name;
+            if (d < best) best = d, snprintf(near, sizeof near, "%s", var + lp);
+        }
+        for (size_t k = 0; k < sizeof family_flags / sizeof *family_flags && len <= 64; k++) {
+            size_t d = distance(name, len, family_flags[k], strlen(family_flags[k]));
+            if (d < best) best = d, snprintf(near, sizeof near, "%s", family_flags[k]);
         }
         char hint[128] = "";
-        if (near && best <= (len + 2) / 3) {
-            cs__config_env_name(near, var, sizeof var);
-            snprintf(hint, sizeof hint, " (did you mean %s?)", var);
-        }
+        if (near[0] && best <= (len + 2) / 3)
+            snprintf(hint, sizeof hint, " (did you mean %s%s?)", prefix, near);
         return cs_fail(CS_EINVAL,
                        "unknown environment variable %s%.*s%s: no chunkserve process reads it; "
                        "fix its name or unset it",

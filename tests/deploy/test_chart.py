@@ -63,6 +63,7 @@ CRD_SCHEMAS = {
     ("keda.sh/v1alpha1", "ScaledObject"): "keda-scaledobject.json",
     ("monitoring.coreos.com/v1", "PodMonitor"): "podmonitor.json",
     ("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitor.json",
+    ("gateway.networking.k8s.io/v1", "HTTPRoute"): "httproute.json",
 }
 RBAC_KINDS = {"ServiceAccount", "Role", "ClusterRole", "RoleBinding", "ClusterRoleBinding"}
 IMAGE_UID = 10001
@@ -259,8 +260,10 @@ def test_schema_refuses(values):
     with helm.Chart.load(str(CHART)) as chart:
         with pytest.raises(helm.HelmValuesError):
             chart.validate_schema(values)
-    report = helm.lint(str(CHART), values, strict=True, namespace=NAMESPACE)
+        chart.validate_schema(with_required({}))  # the required values alone pass
+    report = helm.lint(str(CHART), with_required(values), strict=True, namespace=NAMESPACE)
     assert report["errors"], f"lint accepted {values}"
+    assert any("schema" in str(e).lower() for e in report["errors"]), report["errors"]
 
 
 BAD_RENDER_VALUES = {
@@ -290,6 +293,8 @@ BAD_RENDER_VALUES = {
          "decode": {"autoscaling": {"enabled": True, "engine": "hpa"}}}, "use one engine per release"),
     "a rollout that cannot progress": (
         {"decode": {"rollingUpdate": {"maxSurge": 0, "maxUnavailable": 0}}}, "both 0"),
+    "a rollout that cannot progress (0%)": (
+        {"prefill": {"rollingUpdate": {"maxSurge": "0%", "maxUnavailable": 0}}}, "both 0"),
     "two container ports alike": ({"decode": {"ports": {"ops": 50060}}}, "port 50060 is used twice"),
     "extraEnv replacing a variable the chart sets": (
         {"prefill": {"extraEnv": [{"name": "CHUNKSERVE_PORT", "value": "1"}]}}, "which the chart sets itself"),
@@ -297,6 +302,11 @@ BAD_RENDER_VALUES = {
         {"decode": {"extraEnv": [{"name": "CHUNKSERVE_THREADS", "value": "8"}]}}, "which the chart sets itself"),
     "a GPU limit without gpu.enabled": (
         {"prefill": {"resources": {"limits": {"nvidia.com/gpu": 1}}}}, "gpu.enabled is false"),
+    "ingress without hosts": ({"ingress": {"enabled": True}}, "ingress.enabled needs ingress.hosts"),
+    "httpRoute without a Gateway": ({"httpRoute": {"enabled": True}}, "needs httpRoute.parentRefs"),
+    "public door without the OpenAI port": (
+        {"router": {"ports": {"openai": 0}}, "ingress": {"enabled": True, "hosts": ["a.example.com"]}},
+        "need router.ports.openai"),
     "gpu.enabled with nvidia.com/gpu 0": (
         {"prefill": {"gpu": {"enabled": True}, "resources": {"limits": {"nvidia.com/gpu": 0}}}},
         "needs at least 1"),
@@ -385,7 +395,7 @@ def test_every_kind_is_checked(renders):
     kinds = {(o["apiVersion"], o["kind"]) for r in renders.values() for o in r.objs}
     expected = {("apps/v1", "Deployment"), ("v1", "Service"), ("policy/v1", "PodDisruptionBudget"),
                 ("autoscaling/v2", "HorizontalPodAutoscaler"), ("networking.k8s.io/v1", "NetworkPolicy"),
-                ("v1", "Secret"), *CRD_SCHEMAS}
+                ("networking.k8s.io/v1", "Ingress"), ("v1", "Secret"), *CRD_SCHEMAS}
     assert kinds == expected, f"rendered kinds {sorted(kinds)} != the matrix's expected {sorted(expected)}"
 
 
@@ -420,7 +430,7 @@ def test_no_stale_goldens():
 
 def test_matrix_is_complete():
     assert set(CI_IDS) >= {"default", "keda", "hpa", "monitoring", "gpu", "netpol", "static-workers",
-                           "single-replica"}
+                           "single-replica", "public", "tls"}
 
 
 # ------------------------------------------------------------- structure
@@ -718,6 +728,19 @@ def test_objects_do_what_the_processes_need(renders, name, flag_tables):
                 if port != want:
                     problems.append(f"Service {svc['metadata']['name']} port {sp['name']} reaches "
                                     f"{component(d)}:{port}, the process serves it on {want}")
+    # the public door reaches the router's OpenAI listener, through its public Service
+    svcs = {x["metadata"]["name"]: x for x in r.kind("Service")}
+    backends = [(i["metadata"]["name"], p["backend"]["service"]["name"], p["backend"]["service"]["port"])
+                for i in r.kind("Ingress") for rule in i["spec"]["rules"] for p in rule["http"]["paths"]]
+    backends += [(h["metadata"]["name"], b["name"], {"number": b["port"]})
+                 for h in r.kind("HTTPRoute") for rule in h["spec"]["rules"] for b in rule["backendRefs"]]
+    for obj, svc_name, port in backends:
+        svc = svcs.get(svc_name)
+        sp = [p for p in (svc or {"spec": {"ports": []}})["spec"]["ports"]
+              if p["name"] == port.get("name") or p["port"] == port.get("number")]
+        targets = service_targets(r, svc, sp[0]["name"]) if len(sp) == 1 else []
+        if [(component(d), t) for d, t in targets] != [("router", listen["router"].get("openai"))]:
+            problems.append(f"{obj} routes to {svc_name} {port}, not the router's OpenAI port")
     # monitors scrape the ops port of every component
     for mon in r.kind("PodMonitor"):
         for ep in mon["spec"]["podMetricsEndpoints"]:

@@ -74,7 +74,20 @@ def test_a_siblings_flag_and_an_empty_variable_are_left_alone(bin_dir, model_pat
     # variables read outside the tables: the worker starts past its configuration (and
     # stops at the missing model, which is the point where the environment was accepted)
     env = {"CHUNKSERVE_DNS_REFRESH_MS": "4000", "CHUNKSERVE_NO_SUCH_THING": "",
-           "CHUNKSERVE_BACKEND": "cpu", "CHUNKSERVE_BIN_DIR": str(bin_dir)}
+           "CHUNKSERVE_BACKEND": "cpu", "CHUNKSERVE_BIN_DIR": str(bin_dir),
+           # Kubernetes service links of a Service named chunkserve-router (a pod that does
+           # not set enableServiceLinks: false gets them)
+           "CHUNKSERVE_ROUTER_SERVICE_HOST": "10.0.0.1", "CHUNKSERVE_ROUTER_SERVICE_PORT": "50050",
+           "CHUNKSERVE_ROUTER_SERVICE_PORT_GRPC": "50050",
+           "CHUNKSERVE_ROUTER_PORT": "tcp://10.0.0.1:50050",
+           "CHUNKSERVE_ROUTER_PORT_50050_TCP": "tcp://10.0.0.1:50050",
+           "CHUNKSERVE_ROUTER_PORT_50050_TCP_ADDR": "10.0.0.1",
+           "CHUNKSERVE_ROUTER_PORT_50050_TCP_PROTO": "tcp"}
     p = run(bin_dir, ["chunkserve-decode"], env, "--model", "/nonexistent/model.gguf")
     assert p.returncode != 0 and "unknown environment variable" not in p.stderr, p.stderr
     assert "/nonexistent/model.gguf" in p.stderr, p.stderr[-800:]
+
+
+def test_a_typo_of_a_siblings_flag_names_it(bin_dir):
+    p = run(bin_dir, ["chunkserve-decode"], {"CHUNKSERVE_DNS_REFRESH_M": "4000"}, "--model", "x")
+    assert p.returncode == 2 and "did you mean CHUNKSERVE_DNS_REFRESH_MS?" in p.stderr, p.stderr

@@ -1341,11 +1341,16 @@ def test_speculation_through_the_openai_door(chunkserve_bin, model_path, pb, rea
     try:
         for extra in ({"temperature": 0}, {"seed": 7, "temperature": 0.8}):
             kw = dict(prompt=prompt, max_tokens=32, logprobs=2, **extra)
+            before = counters()
             want = real.client.completions.create(model=real.model, **kw).choices[0]
             got = spec.client.completions.create(model=spec.model, **kw).choices[0]
             assert got.text == want.text
             assert got.logprobs.token_logprobs == want.logprobs.token_logprobs
             assert got.logprobs.top_logprobs == want.logprobs.top_logprobs
+            if extra["temperature"] == 0:  # this very request drafted, and kept some
+                after = counters()
+                k = "chunkserve:spec_decode_num_accepted_tokens_total"
+                assert after[k] > before.get(k, 0), (before, after)
         msgs = [{"role": "user", "content": prompt}]
         want = real.client.chat.completions.create(model=real.model, messages=msgs, max_tokens=32,
                                                    temperature=0)

@@ -75,6 +75,7 @@ static void check_pages(cs_engine *e) {
 }
 
 static cs_sched_stats last_stats; /* the last run's scheduler's, before it is freed */
+static int64_t unready_drafts;     /* drafts verified before a step model was ready (run) */
 
 /* Runs all requests through a scheduler (arriving in rounds), checking the
  * invariants at every step; returns the total steps. */
@@ -99,6 +100,13 @@ static int run(cs_engine *e, const cs_sched_params *sp, const req_spec *specs, i
         cs_sched_last_step(s, &info);
         steps++;
         ASSERT_TRUE(info.n_tokens <= info.budget);
+        if (sp->num_speculative_tokens > 0 && !sp->speculative_always &&
+            isnan(info.predicted_seconds)) { /* no fitted model yet: drafts bounded */
+            int32_t probe = sp->num_speculative_tokens > info.n_decode ? sp->num_speculative_tokens
+                                                                       : info.n_decode;
+            ASSERT_TRUE(info.n_draft_tokens <= probe);
+            unready_drafts += info.n_draft_tokens;
+        }
         int32_t can = info.n_running_decodes < info.budget ? info.n_running_decodes : info.budget;
         ASSERT_EQ_INT(info.n_decode, can);
         check_pages(e);
@@ -241,6 +249,7 @@ static void check_speculation(void) {
                     drafted += last_stats.spec_draft_tokens;
                     kept += last_stats.spec_accepted_tokens;
                 }
+        ASSERT_TRUE(unready_drafts > 0); /* the cost rule's run probed before its model was ready */
         printf("speculation (%s): %llu verifications, %llu drafted tokens, %llu kept\n",
                sampled ? "seeded" : "greedy", (unsigned long long)verified,
                (unsigned long long)drafted, (unsigned long long)kept);

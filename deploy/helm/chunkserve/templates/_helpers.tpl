@@ -187,7 +187,9 @@ lifecycle:
 {{- end }}
 
 {{/* Volume mounts every container has: the model (read-only, when a volume
-is given), /dev/shm and a writable /tmp (the root filesystem is read-only). */}}
+is given), /dev/shm and a writable /tmp (the root filesystem is read-only),
+the secrets, then the component's extraVolumeMounts (e.g. a Secret for
+--api-key-file). Argument: dict "root" $ "c" COMPONENT_VALUES. */}}
 {{- define "chunkserve.volumeMounts" -}}
 volumeMounts:
   - name: tmp
@@ -208,6 +210,9 @@ volumeMounts:
   - name: tls
     mountPath: /etc/chunkserve/tls
     readOnly: true
+{{- end }}
+{{- with .c.extraVolumeMounts }}
+{{ toYaml . | indent 2 }}
 {{- end }}
 {{- end }}
 
@@ -248,6 +253,9 @@ volumes:
       secretName: {{ .root.Values.tls.secretName }}
       defaultMode: 0400
 {{- end }}
+{{- with .c.extraVolumes }}
+{{ toYaml . | indent 2 }}
+{{- end }}
 {{- end }}
 
 {{/* Model path checks: a mounted volume must hold the file the processes read. */}}
@@ -275,7 +283,7 @@ for a surge pod, which would stay Pending and stall the rollout forever. */}}
 {{- $unavail := ternary 1 0 .gpu }}
 {{- if hasKey $ru "maxSurge" }}{{ $surge = $ru.maxSurge }}{{ end }}
 {{- if hasKey $ru "maxUnavailable" }}{{ $unavail = $ru.maxUnavailable }}{{ end }}
-{{- if and (eq (toString $surge) "0") (or (eq (toString $unavail) "0") (eq (toString $unavail) "0%")) }}
+{{- if and (has (toString $surge) (list "0" "0%")) (has (toString $unavail) (list "0" "0%")) }}
 {{- fail (printf "%s.rollingUpdate: maxSurge and maxUnavailable are both 0: the rollout could never make progress" .name) }}
 {{- end }}
 type: RollingUpdate

@@ -167,7 +167,7 @@ spec:
           {{- include "chunkserve.lifecycle" $p | nindent 10 }}
           resources:
             {{- toYaml $p.resources | nindent 12 }}
-          {{- include "chunkserve.volumeMounts" (dict "root" $root) | nindent 10 }}
+          {{- include "chunkserve.volumeMounts" (dict "root" $root "c" $p) | nindent 10 }}
       {{- include "chunkserve.volumes" (dict "root" $root "c" $p) | nindent 6 }}
 ---
 # Headless: one DNS A record per ready pod; the routers resolve it every
