@@ -11,7 +11,7 @@ enum { K = CS_STEP_MODEL_FEATURES };
 
 /* Features are scaled to be of order 1 for the models we serve, so one ridge
  * weight suits every coefficient. */
-static const double scale[K] = {1.0, 1e-3, 1e-6, 1e-2};
+static const double scale[K] = {1.0, 1e-3, 1e-6, 1e-2, 1e-2};
 
 void cs_step_model_init(cs_step_model *m) {
     memset(m, 0, sizeof *m);
@@ -22,6 +22,7 @@ static void features(double tokens, double pairs, double rows, double x[K]) {
     x[1] = tokens * scale[1];
     x[2] = pairs * scale[2];
     x[3] = rows * scale[3];
+    x[4] = (tokens < CS_STEP_MODEL_SMALL ? tokens : CS_STEP_MODEL_SMALL) * scale[4];
 }
 
 /* Solves a x = b (K x K, symmetric positive definite after the ridge) by

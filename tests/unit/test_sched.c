@@ -781,32 +781,40 @@ static void check_step_model(void) {
     cs_step_model_init(&m);
     ASSERT_TRUE(isnan(cs_step_model_predict(&m, 10, 10, 1)));
     ASSERT_TRUE(!cs_step_model_ready(&m));
-    const double w[4] = {2e-3, 1e-5, 2e-9, 3e-5};
+    /* a law with a steeper slope under CS_STEP_MODEL_SMALL tokens (w[4]) */
+    const double w[5] = {2e-3, 1e-5, 2e-9, 3e-5, 2e-4};
+#define LAW(tok, pairs, rows)                                                                      \
+    (w[0] + w[1] * (tok) + w[2] * (pairs) + w[3] * (rows) +                                        \
+     w[4] * ((tok) < CS_STEP_MODEL_SMALL ? (tok) : CS_STEP_MODEL_SMALL))
     for (int i = 0; i < 100; i++) {
-        double tok = 1 + (double)rnd(2048), pairs = tok * (double)rnd(4096), rows = 1 + rnd(32);
-        cs_step_model_observe(&m, tok, pairs, rows, w[0] + w[1] * tok + w[2] * pairs + w[3] * rows);
+        double tok = 1 + (double)rnd(i % 2 ? 2048 : 48), pairs = tok * (double)rnd(4096),
+               rows = 1 + rnd(32);
+        cs_step_model_observe(&m, tok, pairs, rows, LAW(tok, pairs, rows));
     }
     ASSERT_TRUE(cs_step_model_ready(&m));
-    double got[4];
+    double got[5];
     cs_step_model_coefficients(&m, got);
-    for (int k = 0; k < 4; k++)
-        ASSERT_TRUE(fabs(got[k] - w[k]) <= 1e-3 * w[k]);
+    for (int k = 0; k < 5; k++)
+        ASSERT_TRUE(fabs(got[k] - w[k]) <= 1e-2 * w[k]);
     double t = cs_step_model_predict(&m, 512, 512.0 * 1000, 8);
-    ASSERT_TRUE(fabs(t - (w[0] + w[1] * 512 + w[2] * 512e3 + w[3] * 8)) < 1e-7);
+    ASSERT_TRUE(fabs(t - LAW(512, 512e3, 8)) < 1e-2 * LAW(512, 512e3, 8));
+    t = cs_step_model_predict(&m, 5, 5.0 * 1000, 5);
+    ASSERT_TRUE(fabs(t - LAW(5, 5e3, 5)) < 1e-2 * LAW(5, 5e3, 5));
     for (int i = 0; i < CS_STEP_MODEL_WINDOW; i++) { /* the machine got twice as slow */
-        double tok = 1 + (double)rnd(2048), pairs = tok * (double)rnd(4096), rows = 1 + rnd(32);
-        cs_step_model_observe(&m, tok, pairs, rows,
-                              2 * (w[0] + w[1] * tok + w[2] * pairs + w[3] * rows));
+        double tok = 1 + (double)rnd(i % 2 ? 2048 : 48), pairs = tok * (double)rnd(4096),
+               rows = 1 + rnd(32);
+        cs_step_model_observe(&m, tok, pairs, rows, 2 * LAW(tok, pairs, rows));
     }
     cs_step_model_coefficients(&m, got);
-    for (int k = 0; k < 4; k++)
-        ASSERT_TRUE(fabs(got[k] - 2 * w[k]) <= 1e-3 * w[k]);
+    for (int k = 0; k < 5; k++)
+        ASSERT_TRUE(fabs(got[k] - 2 * w[k]) <= 1e-2 * w[k]);
     /* steady decode-only steps (one token count): once the window holds
      * nothing else, the trusted fit stops changing and still predicts them */
-    const double law8 = 2 * (w[0] + w[1] * 8 + w[2] * 800 + w[3] * 8);
+    const double law8 = 2 * LAW(8, 800, 8);
+#undef LAW
     for (int i = 0; i < CS_STEP_MODEL_WINDOW; i++)
         cs_step_model_observe(&m, 8, 800, 8, law8);
-    double held[4], later[4];
+    double held[5], later[5];
     cs_step_model_coefficients(&m, held);
     for (int i = 0; i < CS_STEP_MODEL_WINDOW; i++)
         cs_step_model_observe(&m, 8, 800, 8, law8);
@@ -819,7 +827,7 @@ static void check_step_model(void) {
     for (int i = 0; i < 100; i++)
         cs_step_model_observe(&m, 8, 8 * 100.0, 8, 1e-3);
     ASSERT_TRUE(!cs_step_model_ready(&m));
-    printf("step model: coefficients recovered within 0.1%%, follows a 2x slowdown in %d steps\n",
+    printf("step model: coefficients recovered within 1%%, follows a 2x slowdown in %d steps\n",
            CS_STEP_MODEL_WINDOW);
 }
 

@@ -5,7 +5,12 @@
  *   pairs   the attention work: for each span, its tokens times the context
  *           they attend on average (n_tokens * (start + (n_tokens + 1) / 2)),
  *   rows    the rows that get logits and a sample (decodes, last chunks),
- * and its time is fitted as w0 + w1 tokens + w2 pairs + w3 rows by least
+ *   small   min(tokens, CS_STEP_MODEL_SMALL): the CPU's integer GEMMs cost
+ *           more per token at a few tokens (each weight block unpacked per
+ *           token group, no tile reuse) than at a prompt chunk's hundreds,
+ *           so a decode step's extra token (a speculative draft) costs more
+ *           than the prompt chunks' slope says,
+ * and its time is fitted as w0 + w1 tokens + w2 pairs + w3 rows + w4 small by least
  * squares over the last CS_STEP_MODEL_WINDOW measured steps (a little ridge
  * keeps the fit defined when the steps do not vary enough). Old steps leave
  * the window, so the model follows the machine (thermal, neighbours) and
@@ -23,7 +28,7 @@
 extern "C" {
 #endif
 
-enum { CS_STEP_MODEL_WINDOW = 64, CS_STEP_MODEL_FEATURES = 4 };
+enum { CS_STEP_MODEL_WINDOW = 64, CS_STEP_MODEL_FEATURES = 5, CS_STEP_MODEL_SMALL = 32 };
 
 typedef struct {
     double x[CS_STEP_MODEL_WINDOW][CS_STEP_MODEL_FEATURES]; /* scaled features of each step */
@@ -45,7 +50,7 @@ double cs_step_model_predict(const cs_step_model *m, double tokens, double pairs
  * ready, a model stays ready (it keeps its last trusted fit). */
 bool cs_step_model_ready(const cs_step_model *m);
 /* The trusted fit's coefficients in seconds per unit (w0 s, w1 s/token,
- * w2 s/pair, w3 s/row); zeros before the first. */
+ * w2 s/pair, w3 s/row, w4 s/small token); zeros before the first. */
 void cs_step_model_coefficients(const cs_step_model *m, double w[CS_STEP_MODEL_FEATURES]);
 
 #ifdef __cplusplus
