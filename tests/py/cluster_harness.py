@@ -115,6 +115,24 @@ def exported_series(metrics: dict) -> set:
     return out
 
 
+def spec_counters(http: str) -> dict:
+    """The chunkserve:spec_decode_* counters of the process whose ops port is `http`
+    (host:port), settled: a step's counters are published after its events, so read
+    until two reads 100 ms apart agree (at most 5 s)."""
+    def read():
+        with urllib.request.urlopen(f"http://{http}/metrics", timeout=10) as r:
+            return {k: float(v) for k, v in (line.split() for line in r.read().decode().splitlines()
+                                             if line.startswith("chunkserve:spec_decode_"))}
+    prev = read()
+    for _ in range(50):
+        time.sleep(0.1)
+        cur = read()
+        if cur == prev:
+            return cur
+        prev = cur
+    return prev
+
+
 def metric(m: dict, name: str, labels: str = "") -> float:
     return m.get(f"{name}{{{labels}}}" if labels else name, 0.0)
 

@@ -1317,24 +1317,12 @@ def test_speculation_through_the_openai_door(chunkserve_bin, model_path, pb, rea
     """`--speculative ngram` behind the OpenAI door: completions and chat answers equal serve
     without it (greedy and seeded, logprobs included), and `disable_speculation` in the
     request body drafts nothing (the spec_decode counters do not move)."""
-    import urllib.request
+    from cluster_harness import spec_counters
 
     spec = Serve(chunkserve_bin, model_path, pb, "--speculative", "ngram")
 
-    def counters():  # settled: the last step's counters are published after its events
-        def read():
-            with urllib.request.urlopen(f"http://{spec.ops}/metrics", timeout=10) as r:
-                return {k: float(v) for k, v in (line.split() for line in r.read().decode()
-                                                 .splitlines()
-                                                 if line.startswith("chunkserve:spec_decode_"))}
-        prev = read()
-        for _ in range(50):
-            time.sleep(0.1)
-            cur = read()
-            if cur == prev:
-                return cur
-            prev = cur
-        return prev
+    def counters():
+        return spec_counters(spec.ops)
 
     prompt = ("Repeat this list exactly: apples, pears, plums, cherries, apples, pears, plums, "
               "cherries.\nList: apples, pears,")

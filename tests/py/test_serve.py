@@ -539,22 +539,10 @@ def test_speculation_is_byte_identical(chunkserve_bin, model_path, pb):
                   for m in gm for lp in m.logprobs]
             assert gl == wl
             assert gm[-1].finish_reason == wm[-1].finish_reason
-        import urllib.request
+        from cluster_harness import spec_counters
 
-        def read():
-            text = urllib.request.urlopen(f"http://{http}/metrics", timeout=10).read().decode()
-            return {k: float(v) for k, v in (line.split() for line in text.splitlines()
-                                             if line.startswith("chunkserve:spec_decode_"))}
-
-        def counters():  # the last step's counters are published after its events
-            prev = read()
-            for _ in range(50):
-                time.sleep(0.1)
-                cur = read()
-                if cur == prev:
-                    return cur
-                prev = cur
-            return prev
+        def counters():
+            return spec_counters(http)
         vals = counters()
         drafts = vals["chunkserve:spec_decode_num_drafts_total"]
         drafted = vals["chunkserve:spec_decode_num_draft_tokens_total"]
