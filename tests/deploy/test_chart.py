@@ -303,6 +303,7 @@ BAD_RENDER_VALUES = {
     "a GPU limit without gpu.enabled": (
         {"prefill": {"resources": {"limits": {"nvidia.com/gpu": 1}}}}, "gpu.enabled is false"),
     "ingress without hosts": ({"ingress": {"enabled": True}}, "ingress.enabled needs ingress.hosts"),
+    "public TLS without a Secret": ({"router": {"publicTls": {"enabled": True}}}, "needs router.publicTls.secretName"),
     "httpRoute without a Gateway": ({"httpRoute": {"enabled": True}}, "needs httpRoute.parentRefs"),
     "public door without the OpenAI port": (
         {"router": {"ports": {"openai": 0}}, "ingress": {"enabled": True, "hosts": ["a.example.com"]}},
@@ -1081,6 +1082,25 @@ def test_every_process_gets_the_cluster_secret(renders):
                 r.merged["clusterSecret"]["existingSecret"]
 
 
+def test_public_tls_mounts_the_named_secret(renders):
+    """router.publicTls (ci/public-values.yaml): the router's gRPC port speaks TLS from the
+    named Secret: both files the process reads lie in a read-only mount of that Secret."""
+    seen = 0
+    for r in renders.values():
+        if not r.merged["router"]["publicTls"]["enabled"]:
+            continue
+        seen += 1
+        c = containers(r.deployment("router"))[0]
+        env = env_of(c)
+        vols = {v["name"]: v for v in r.deployment("router")["spec"]["template"]["spec"]["volumes"]}
+        for var in ("CHUNKSERVE_TLS_CERT_FILE", "CHUNKSERVE_TLS_KEY_FILE"):
+            path = env[var]["value"]
+            (m,) = [m for m in c["volumeMounts"] if path.startswith(m["mountPath"] + "/")]
+            assert m["readOnly"] is True
+            assert vols[m["name"]]["secret"]["secretName"] == r.merged["router"]["publicTls"]["secretName"]
+    assert seen, "no ci values file turns router.publicTls on"
+
+
 def test_tls_mounts_the_users_secret_in_every_pod(renders, flag_tables):
     """tls.enabled (ci/tls-values.yaml): every pod mounts the named Secret at
     /etc/chunkserve/tls; workers serve TLS and want client certificates of its ca.crt;
@@ -1117,4 +1137,7 @@ def test_tls_mounts_the_users_secret_in_every_pod(renders, flag_tables):
             continue
         for d in other.kind("Deployment"):
             names = {e["name"] for e in containers(d)[0]["env"]}
-            assert not [n for n in names if "_TLS_" in n], name
+            # the router's own public TLS (router.publicTls) is the only other TLS
+            public = {"CHUNKSERVE_TLS_CERT_FILE", "CHUNKSERVE_TLS_KEY_FILE"} \
+                if component(d) == "router" and other.merged["router"]["publicTls"]["enabled"] else set()
+            assert not [n for n in names - public if "_TLS_" in n], name
