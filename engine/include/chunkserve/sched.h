@@ -64,10 +64,13 @@ typedef struct {
  * draft that is one token, this is the standard rejection rule: the draft
  * d is kept with probability p(d), else a token is drawn from p without
  * d.) Drafts ride after the step's decodes and prompt chunks, within the
- * token budget and the step-time target; with a fitted step model a
- * sequence gets the number of drafts (up to num_speculative_tokens) that
- * maximizes the step's expected decode tokens per predicted second, from
- * its recent acceptance rate, and none when they would not pay. */
+ * token budget. Until the step model is first fitted a step carries at
+ * most max(num_speculative_tokens, decodes) drafts (a probe, not weighed
+ * against the step-time target: nothing predicts its time yet); once it
+ * is, a sequence gets the number of drafts (up to num_speculative_tokens)
+ * that maximizes the step's expected decode tokens per predicted second,
+ * from its recent acceptance rate, within the step-time target, and none
+ * when they would not pay. */
 enum { CS_SCHED_NGRAM_MAX = 4, CS_SCHED_NGRAM_MIN = 1, CS_SCHED_SPEC_MAX = 16 };
 /* Drafted tokens a step verifies at most (each is a logits row: with no
  * token budget, this bounds the step's logits buffer). */
