@@ -52,7 +52,7 @@ test: build model test-models
 	$(MAKE) --no-print-directory test-serve-asan
 	$(MAKE) --no-print-directory test-cluster-asan
 	CHUNKSERVE_BIN_DIR=$(abspath $(BUILD))/bin CHUNKSERVE_MODEL=$(abspath $(MODEL_PATH)) \
-	  $(PY) -m pytest -q -m "not cluster and not emu and not chaos" tests/py
+	  $(PY) -m pytest -q -m "not cluster and not emu and not chaos and not deploy" tests/py
 
 asan-build: bootstrap
 	cmake -S . -B $(BUILD)-asan -DCMAKE_BUILD_TYPE=Debug -DCS_SANITIZE=ON -DCS_CUDA=OFF -DCS_FAULT_INJECTION=ON >/dev/null

@@ -343,8 +343,7 @@ static int decode_start(cs_worker *w) {
     p.port = (int)w->o.kv_port;
     p.require_checksum = w->o.kv_checksum;
     p.dead_ms = (int32_t)w->o.kv_dead_ms;
-    p.secret = w->secret.key; /* senders must prove the cluster secret */
-    p.secret_len = w->secret.len;
+    p.secret = &w->secret; /* senders must prove the cluster secret */
     int r = cs_kvx_rx_init(&p, &d->rx);
     if (r) return r;
     r = advertised_endpoint(w->o.kv_advertise ? w->o.kv_advertise : w->o.kv_host,
@@ -352,6 +351,11 @@ static int decode_start(cs_worker *w) {
     if (r) return r;
     return cs_worker_add_method(w, "/chunkserve.v1.Worker/Decode", CS_RPC_SERVER_STREAMING,
                                 &chunkserve__v1__decode_request__descriptor, handle_decode);
+}
+
+static void decode_secret_changed(cs_worker *w) {
+    decode *d = w->role_data;
+    if (d->rx) cs_kvx_rx_set_secret(d->rx, &w->secret);
 }
 
 static void decode_status(cs_worker *w, Chunkserve__V1__WorkerStatus *st) {
@@ -426,6 +430,7 @@ const cs_worker_role cs_decode_role = {
     .token_metrics = true,
     .n_metrics_table = sizeof decode_metrics_table / sizeof decode_metrics_table[0],
     .status = decode_status,
+    .secret_changed = decode_secret_changed,
     .metrics = decode_metrics,
     .drain = decode_drain,
     .cancel = decode_cancel,

@@ -551,7 +551,7 @@ static int start_decode_pool(cs_worker *w) {
         .expect_ctx_len = cfg->ctx_len,
         .expect_model_fp = cs_model_fingerprint(w->model),
         .expect_tokenizer_fp = w->wm.tokenizer_fingerprint,
-        .rpc_token = w->secret.set ? w->secret.token : NULL,
+        .rpc_token = cs_secret_token(&w->secret),
         .worker_tls = &w->o.worker_tls,
         .on_change = on_decode_pool_change,
         .arg = p,
@@ -592,8 +592,7 @@ static int prefill_start(cs_worker *w) {
     tp.dead_ms = (int32_t)w->o.kv_dead_ms;
     tp.renew_ms = (int32_t)w->o.kv_renew_ms;
     tp.max_queued_bytes = (size_t)w->o.kv_queue_mib << 20;
-    tp.secret = w->secret.key; /* the KV link proves the cluster secret too */
-    tp.secret_len = w->secret.len;
+    tp.secret = &w->secret; /* the KV link proves the cluster secret too */
     int r = cs_kvx_tx_init(&tp, &p->tx);
     if (r) return r;
     if ((r = start_decode_pool(w))) return r;
@@ -617,6 +616,12 @@ static int64_t queued_prefill_tokens(cs_worker *w, int32_t *n_requests) {
     }
     if (n_requests) *n_requests = n;
     return queued;
+}
+
+static void prefill_secret_changed(cs_worker *w) {
+    prefill *p = w->role_data;
+    if (p->tx) cs_kvx_tx_set_secret(p->tx, &w->secret);
+    cs_pool_rpc_token_changed(p->decode_pool); /* its status polls carry the token */
 }
 
 static void prefill_status(cs_worker *w, Chunkserve__V1__WorkerStatus *st) {
@@ -732,6 +737,7 @@ const cs_worker_role cs_prefill_role = {
     .metrics_table = prefill_metrics_table,
     .n_metrics_table = sizeof prefill_metrics_table / sizeof prefill_metrics_table[0],
     .status = prefill_status,
+    .secret_changed = prefill_secret_changed,
     .metrics = prefill_metrics,
     .drain = prefill_drain,
     .cancel = prefill_cancel,

@@ -139,6 +139,7 @@ int main(int argc, char **argv) {
         fprintf(stderr, "chunkserve-router: %s (see --help)\n", cs_last_error());
         return 2;
     }
+    o.worker_tls.reload_s = o.tls.reload_s; /* one interval for every credential */
     int level = log_level(o.log_level);
     if (level >= 0) cs_log_set_level(o.verbose ? CS_LOG_DEBUG : level);
     if (level >= 0 && cs_log_level() >= CS_LOG_DEBUG) cs_config_dump(table, n_table, &o, stderr);

@@ -180,6 +180,15 @@ static int channel_open(cs_pool_worker *w) {
     return cs_rpc_channel_init(w->pool->rl, w->addr, &co, &w->ch);
 }
 
+void cs_pool_rpc_token_changed(cs_pool *p) {
+    if (!p || !p->o.rpc_token) return;
+    for (int role = 0; role < 2; role++)
+        for (cs_pool_worker *w = p->workers[role]; w; w = w->next)
+            if (w->ch && cs_rpc_channel_set_metadata(w->ch, CS_RPC_TOKEN_KEY, p->o.rpc_token))
+                CS_LOGE("%s worker %s: the rotated token is not used: %s", cs__pool_role_name[role],
+                        w->addr, cs_last_error());
+}
+
 static cs_pool_worker *worker_find(cs_pool *p, enum cs_pool_role role, const char *addr) {
     for (cs_pool_worker *w = p->workers[role]; w; w = w->next)
         if (!strcmp(w->addr, addr)) return w;

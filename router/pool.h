@@ -42,7 +42,8 @@ typedef struct {
     uint64_t expect_model_fp;      /* or another cs_model_fingerprint (0: not checked), */
     uint64_t expect_tokenizer_fp;  /* or another tokenizer (0: not checked) */
     const char *rpc_token;         /* sent with every call (CS_RPC_TOKEN_KEY); NULL = none;
-                                      must outlive the pool */
+                                      must outlive the pool; rotated in place, then
+                                      cs_pool_rpc_token_changed */
     const cs_rpc_tls *worker_tls;  /* TLS to the workers (NULL = plaintext); outlives the pool */
     /* Called after a status poll round in which some worker's status arrived
      * (room may have appeared): the router retries what waits. May be NULL. */
@@ -64,6 +65,9 @@ int cs_pool_init(struct uv_loop_s *uv, cs_rpc_loop *rl, const cs_pool_opts *o, c
  * libuv has closed the handles and the last worker reference is dropped.
  * NULL is a no-op. */
 void cs_pool_close(cs_pool *p);
+/* The string opts.rpc_token points to holds a new token (a rotated cluster
+ * secret): every worker's calls send it from now on. */
+void cs_pool_rpc_token_changed(cs_pool *p);
 
 /* Workers of a role currently usable. */
 int cs_pool_n_usable(const cs_pool *p, enum cs_pool_role role);

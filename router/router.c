@@ -308,6 +308,14 @@ static void metrics_register(router *r) {
     cs_metrics_register_table(r->metrics, router_metrics, N_ROUTER_METRICS, r);
 }
 
+/* The shell reloaded r->secret (in place): the calls to workers carry the
+ * new token. */
+static void secret_changed(cs_proc *p, void *arg) {
+    (void)p;
+    router *r = arg;
+    cs_pool_rpc_token_changed(r->pool);
+}
+
 static void update_metrics(cs_proc *p, void *arg) {
     (void)p;
     router *r = arg;
@@ -371,7 +379,7 @@ static int start(cs_proc *p, void *arg) {
         .expect_ctx_len = cfg->ctx_len,
         .expect_model_fp = cs_model_fingerprint(r->model),
         .expect_tokenizer_fp = r->wm.tokenizer_fingerprint,
-        .rpc_token = r->secret.set ? r->secret.token : NULL,
+        .rpc_token = cs_secret_token(&r->secret),
         .worker_tls = &o->worker_tls,
         .on_change = cs__router_on_pool_change,
         .on_down = cs__router_on_worker_down,
@@ -448,6 +456,7 @@ static const cs_proc_role router_proc = {
     .health_service = SERVICE,
     .start = start,
     .started = started,
+    .secret_changed = secret_changed,
     .metrics = update_metrics,
     .ready = ready,
     .n_open = n_open,
@@ -479,7 +488,9 @@ int cs_router_run(const cs_model *model, const cs_router_opts *o) {
                        .http_port = (int)o->http_port,
                        .grace_ms = o->grace_ms,
                        .rpc = o->rpc,
-                       .tls = o->tls};
+                       .tls = o->tls,
+                       .secret = &r->secret,
+                       .secret_file = o->cluster_secret_file};
     rc = cs_proc_run(&po, &router_proc, r);
     CS_ASSERT(rc || r->n_live == 0);
     cs_openai_close(r->openai); /* when start failed after opening it */

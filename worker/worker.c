@@ -281,11 +281,18 @@ static void free_role(cs_proc *p, void *arg) {
     w->role_data = NULL;
 }
 
+static void secret_changed(cs_proc *p, void *arg) {
+    (void)p;
+    cs_worker *w = arg;
+    if (w->role->secret_changed) w->role->secret_changed(w);
+}
+
 static const cs_proc_role worker_proc = {
     .name = "worker",
     .health_service = "chunkserve.v1.Worker",
     .start = start,
     .started = started,
+    .secret_changed = secret_changed,
     .metrics = update_metrics,
     .n_open = n_open,
     .drain = drain,
@@ -331,7 +338,9 @@ static int run(cs_worker *w) {
                        .grace_ms = o->grace_ms,
                        .max_recv_bytes = 64 << 20,
                        .rpc = o->rpc,
-                       .tls = o->tls};
+                       .tls = o->tls,
+                       .secret = &w->secret,
+                       .secret_file = o->cluster_secret_file};
     r = cs_proc_run(&po, &worker_proc, w);
 out:
     if (r) CS_LOGE("cannot start: %s", cs_last_error()[0] ? cs_last_error() : cs_strerror(r));
@@ -383,6 +392,7 @@ int cs_worker_main(int argc, char **argv, const cs_worker_role *role) {
         fprintf(stderr, "%s: --model is required (or CHUNKSERVE_MODEL)\n", prog);
         return 2;
     }
+    w.o.worker_tls.reload_s = w.o.tls.reload_s; /* one interval for every credential */
     if (cs_secret_load(w.o.cluster_secret, w.o.cluster_secret_file, &w.secret)) {
         fprintf(stderr, "%s: %s\n", prog, cs_last_error());
         return 2;

@@ -82,7 +82,7 @@ typedef struct {
      * budget, the chunking) */
     const cs_config_default *config_defaults;
     size_t n_config_defaults;
-    bool speculates; /* takes the speculative-decoding options (api/spec_config.h) */
+    bool speculates;     /* takes the speculative-decoding options (api/spec_config.h) */
     const char *summary; /* first line of --help */
     size_t state_size;   /* the role's state: w->role_data, zeroed, owned by the shell */
     size_t call_size;    /* the role's request struct, which begins with a cs_worker_call */
@@ -95,6 +95,9 @@ typedef struct {
     const cs_metric_def *metrics_table;
     size_t n_metrics_table;
     bool token_metrics; /* exports time to first token and between tokens (w->tok) */
+    /* The cluster secret was reloaded (w->secret): hand it to the KV
+     * transport end. */
+    void (*secret_changed)(cs_worker *w);
     /* Fills the role's status fields (kv_endpoint, ...). */
     void (*status)(cs_worker *w, Chunkserve__V1__WorkerStatus *st);
     /* Before each /metrics render. */
@@ -150,7 +153,8 @@ struct cs_worker {
     cs_worker_opts o;
     char worker_id[128];
     uint64_t instance_id; /* random per process start */
-    cs_secret secret;     /* --cluster-secret: worker RPCs and the KV link prove it */
+    cs_secret secret;     /* --cluster-secret: worker RPCs and the KV link prove it (the
+                             shell reloads it from its file: loop thread) */
     cs_worker_method methods[CS_WORKER_MAX_METHODS];
     int n_methods;
     cs_model *model;

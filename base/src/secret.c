@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/random.h>
+#include <sys/stat.h>
 
 #include "chunkserve/assert.h"
 #include "chunkserve/error.h"
@@ -59,21 +60,99 @@ void cs_hmac_sha256(const void *key, size_t key_len, int n, const void *const *p
     if (buf != stack) free(buf);
 }
 
-static int set_key(cs_secret *out, const uint8_t *s, size_t n, const char *where) {
-    if (n < CS_SECRET_MIN || n > CS_SECRET_MAX)
-        return cs_fail(CS_EINVAL, "%s: a cluster secret has %zu bytes; %d to %d are needed", where,
-                       n, CS_SECRET_MIN, CS_SECRET_MAX);
-    out->set = true;
-    out->len = n;
-    memcpy(out->key, s, n);
+static void set_key(cs_secret_key *k, const uint8_t *s, size_t n) {
+    k->len = n;
+    memcpy(k->key, s, n);
     static const char label[] = "chunkserve worker rpc v1";
     const void *p[] = {label};
     size_t l[] = {sizeof label - 1};
     uint8_t mac[32];
-    cs_hmac_sha256(out->key, out->len, 1, p, l, mac);
+    cs_hmac_sha256(k->key, k->len, 1, p, l, mac);
     for (int i = 0; i < 32; i++)
-        snprintf(out->token + 2 * i, 3, "%02x", mac[i]);
+        snprintf(k->token + 2 * i, 3, "%02x", mac[i]);
+}
+
+static uint64_t key_id(const cs_secret_key *k) {
+    static const char label[] = "chunkserve key id";
+    const void *p[] = {label};
+    size_t l[] = {sizeof label - 1};
+    uint8_t mac[32];
+    cs_hmac_sha256(k->key, k->len, 1, p, l, mac);
+    uint64_t id = 0;
+    for (int i = 0; i < 6; i++) /* 48 bits: exact in a metric's double */
+        id = id << 8 | mac[i];
+    return id ? id : 1;
+}
+
+static int check_len(size_t n, const char *where, int line) {
+    if (n >= CS_SECRET_MIN && n <= CS_SECRET_MAX) return 0;
+    if (line)
+        return cs_fail(CS_EINVAL,
+                       "%s: the cluster secret on line %d has %zu bytes; %d to %d are needed",
+                       where, line, n, CS_SECRET_MIN, CS_SECRET_MAX);
+    return cs_fail(CS_EINVAL, "%s: a cluster secret has %zu bytes; %d to %d are needed", where, n,
+                   CS_SECRET_MIN, CS_SECRET_MAX);
+}
+
+/* A file's bytes into out's keys: one a line (see secret.h). */
+static int parse_lines(const uint8_t *buf, size_t n, cs_secret *out, const char *where) {
+    if (n && buf[n - 1] == '\n') n--; /* the file's last newline ends a line, starts none */
+    size_t at = 0;
+    for (int line = 1; at <= n; line++) {
+        const uint8_t *nl = memchr(buf + at, '\n', n - at);
+        size_t end = nl ? (size_t)(nl - buf) : n, len = end - at;
+        if (len && buf[at + len - 1] == '\r') len--;
+        if (out->n == CS_SECRET_KEYS)
+            return cs_fail(CS_EINVAL,
+                           "%s: more than %d lines; it holds the cluster secret this process "
+                           "proves and, during a rotation, one more that it accepts",
+                           where, CS_SECRET_KEYS);
+        int r = check_len(len, where, line);
+        if (r) return r;
+        if (out->n == 1 && len == out->k[0].len && !memcmp(out->k[0].key, buf + at, len)) {
+            /* the same secret twice: one key */
+        } else {
+            set_key(&out->k[out->n++], buf + at, len);
+        }
+        at = end + 1;
+    }
     return 0;
+}
+
+static void finish(cs_secret *s) {
+    s->set = s->n > 0;
+    s->id = s->set ? key_id(&s->k[0]) : 0;
+}
+
+/* The file's identity as stat(2) sees it through symlinks. */
+static int file_id(const char *file, cs_secret *s) {
+    struct stat st;
+    if (stat(file, &st)) return -errno;
+    s->f_dev = (uint64_t)st.st_dev, s->f_ino = (uint64_t)st.st_ino;
+    s->f_size = (uint64_t)st.st_size;
+    s->f_mtime_ns = (uint64_t)st.st_mtim.tv_sec * 1000000000u + (uint64_t)st.st_mtim.tv_nsec;
+    s->f_ctime_ns = (uint64_t)st.st_ctim.tv_sec * 1000000000u + (uint64_t)st.st_ctim.tv_nsec;
+    return 0;
+}
+
+/* Reads file (identity first, so a change while reading is seen next time). */
+static int read_file(const char *file, cs_secret *out) {
+    if (file_id(file, out))
+        return cs_fail(CS_EINVAL, "--cluster-secret-file %s cannot be read: %s", file,
+                       strerror(errno));
+    FILE *f = fopen(file, "rb");
+    if (!f)
+        return cs_fail(CS_EINVAL, "--cluster-secret-file %s cannot be read: %s", file,
+                       strerror(errno));
+    enum { CAP = CS_SECRET_KEYS * (CS_SECRET_MAX + 2) + 1 };
+    uint8_t buf[CAP];
+    size_t n = fread(buf, 1, sizeof buf, f);
+    fclose(f);
+    int r = n == CAP ? cs_fail(CS_EINVAL, "--cluster-secret-file %s: over %d bytes", file, CAP - 1)
+                     : parse_lines(buf, n, out, "--cluster-secret-file");
+    memset(buf, 0, sizeof buf);
+    if (!r) finish(out);
+    return r;
 }
 
 int cs_secret_load(const char *value, const char *file, cs_secret *out) {
@@ -82,28 +161,66 @@ int cs_secret_load(const char *value, const char *file, cs_secret *out) {
     if (hv && hf)
         return cs_fail(CS_EINVAL,
                        "--cluster-secret and --cluster-secret-file are both set; give one");
-    if (hv) return set_key(out, (const uint8_t *)value, strlen(value), "--cluster-secret");
+    if (hv) {
+        size_t n = strlen(value);
+        int r = check_len(n, "--cluster-secret", 0);
+        if (r) return r;
+        set_key(&out->k[out->n++], (const uint8_t *)value, n);
+        finish(out);
+        return 0;
+    }
     if (!hf) return 0;
-    FILE *f = fopen(file, "rb");
-    if (!f) return cs_fail(CS_EINVAL, "--cluster-secret-file %s cannot be read", file);
-    uint8_t buf[CS_SECRET_MAX + 2];
-    size_t n = fread(buf, 1, sizeof buf, f);
-    fclose(f);
-    if (n && buf[n - 1] == '\n') n--;
-    if (n && buf[n - 1] == '\r') n--;
-    int r = set_key(out, buf, n, "--cluster-secret-file");
-    memset(buf, 0, sizeof buf);
+    int r = read_file(file, out);
+    if (r) cs_secret_clear(out);
     return r;
 }
 
+int cs_secret_reload(cs_secret *s, const char *file) {
+    cs_secret now;
+    memset(&now, 0, sizeof now);
+    (void)file_id(file, &now); /* all 0 when the file is gone: reported once, too */
+    if (now.f_dev == s->f_dev && now.f_ino == s->f_ino && now.f_size == s->f_size &&
+        now.f_mtime_ns == s->f_mtime_ns && now.f_ctime_ns == s->f_ctime_ns)
+        return 0;
+    int r = read_file(file, &now);
+    if (r) { /* keep the keys; remember what was refused, so it is reported once */
+        s->f_dev = now.f_dev, s->f_ino = now.f_ino, s->f_size = now.f_size;
+        s->f_mtime_ns = now.f_mtime_ns, s->f_ctime_ns = now.f_ctime_ns;
+        cs_secret_clear(&now);
+        return r;
+    }
+    bool same = now.n == s->n;
+    for (int i = 0; same && i < now.n; i++)
+        same = now.k[i].len == s->k[i].len && cs_ct_equal(now.k[i].key, s->k[i].key, now.k[i].len);
+    if (same) {
+        s->f_dev = now.f_dev, s->f_ino = now.f_ino, s->f_size = now.f_size;
+        s->f_mtime_ns = now.f_mtime_ns, s->f_ctime_ns = now.f_ctime_ns;
+    } else {
+        *s = now;
+    }
+    cs_secret_clear(&now);
+    return !same;
+}
+
+const char *cs_secret_token(const cs_secret *s) {
+    return s && s->set ? s->k[0].token : NULL;
+}
+
+void cs_secure_zero(void *p, size_t n) {
+    volatile uint8_t *v = p;
+    for (size_t i = 0; i < n; i++)
+        v[i] = 0;
+}
+
 void cs_secret_clear(cs_secret *s) {
-    volatile uint8_t *p = (volatile uint8_t *)s;
-    for (size_t i = 0; i < sizeof *s; i++)
-        p[i] = 0;
+    cs_secure_zero(s, sizeof *s);
 }
 
 bool cs_secret_check_token(const cs_secret *s, const char *v, size_t len) {
     if (!s || !s->set) return true;
     if (!v || len != 64) return false;
-    return cs_ct_equal(s->token, v, 64);
+    bool ok = false;
+    for (int i = 0; i < s->n; i++) /* every key compared: no early exit on a match */
+        ok |= cs_ct_equal(s->k[i].token, v, 64);
+    return ok;
 }

@@ -30,6 +30,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "chunkserve/secret.h"
 #include "kvx_wire.h"
 
 int64_t cs__kvx_now_ms(void);
@@ -66,14 +67,21 @@ void cs__kvx_out_ctl(kvx_out *o, int type, uint64_t epoch, uint64_t xfer_id, uin
 
 /* ---------------------------------------------------------- handshake */
 
-/* The cluster secret as the transport holds it (len 0: none configured;
- * the handshake then runs with an empty key and proves nothing). */
+/* One key of the cluster secret (len 0: the empty key of a transport
+ * without a secret; the handshake then runs and proves nothing). */
 typedef struct {
-    uint8_t key[512];
+    uint8_t key[CS_SECRET_MAX];
     size_t len;
 } kvx_key;
-/* Copies a params secret; CS_EINVAL when longer than kvx_key holds. */
-int cs__kvx_key_set(kvx_key *k, const void *secret, size_t len);
+/* The cluster secret as the transport holds it (chunkserve/secret.h): k[0]
+ * is the one a receiver proves; a sender accepts a receiver's proof by any
+ * of them. n is at least 1 (the empty key when no secret is set). */
+typedef struct {
+    int n;
+    kvx_key k[CS_SECRET_KEYS];
+} kvx_keys;
+/* Copies s (NULL or unset: the empty key). */
+void cs__kvx_keys_set(kvx_keys *ks, const cs_secret *s);
 
 /* What both ends of a channel's handshake hash (kvx_wire.h version 5). */
 typedef struct {
@@ -110,10 +118,10 @@ typedef struct { /* what the receiver checks a HELLO against */
  * (kept for the transcript). */
 void cs__kvx_hs_hello(const cs_kvx_layout *layout, int payload, const char *name,
                       uint8_t nonce[CS_KVX_NONCE_BYTES], uint8_t pl[CS_KVX_HELLO_BYTES]);
-/* Sender, on CHALLENGE: checks the receiver's proof, then gives AUTH's
- * proof and the session key. CS_EPROTO (a bad frame) or CS_ECONNREFUSED
- * (the receiver does not hold the secret) with err set. */
-int cs__kvx_hs_answer(const kvx_key *key, const cs__kvx_hs_sender *me, const cs_kvx_hdr *h,
+/* Sender, on CHALLENGE: checks the receiver's proof (by any of keys), then
+ * gives AUTH's proof and the session key under the key that matched. CS_EPROTO (a bad frame) or
+ * CS_ECONNREFUSED (the receiver does not hold the secret) with err set. */
+int cs__kvx_hs_answer(const kvx_keys *keys, const cs__kvx_hs_sender *me, const cs_kvx_hdr *h,
                       const uint8_t *pl, uint8_t proof[CS_KVX_AUTH_BYTES], uint8_t session[32],
                       char *err, size_t cap);
 /* Receiver, on HELLO: whether the sender's payload, model and layout are

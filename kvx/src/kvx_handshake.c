@@ -26,13 +26,15 @@
 #include "chunkserve/error.h"
 #include "chunkserve/secret.h"
 
-int cs__kvx_key_set(kvx_key *k, const void *secret, size_t len) {
-    memset(k, 0, sizeof *k);
-    if (len > sizeof k->key)
-        return cs_fail(CS_EINVAL, "kvx: a secret of %zu bytes is too long", len);
-    if (len) memcpy(k->key, secret, len);
-    k->len = len;
-    return 0;
+void cs__kvx_keys_set(kvx_keys *ks, const cs_secret *s) {
+    memset(ks, 0, sizeof *ks);
+    ks->n = 1; /* the empty key when no secret is set */
+    if (!s || !s->set) return;
+    ks->n = s->n;
+    for (int i = 0; i < s->n; i++) {
+        memcpy(ks->k[i].key, s->k[i].key, s->k[i].len);
+        ks->k[i].len = s->k[i].len;
+    }
 }
 
 static void le64(uint8_t *p, uint64_t v) {
@@ -81,7 +83,7 @@ void cs__kvx_hs_hello(const cs_kvx_layout *layout, int payload, const char *name
     cs_kvx_hello_encode(&hello, pl);
 }
 
-int cs__kvx_hs_answer(const kvx_key *key, const cs__kvx_hs_sender *me, const cs_kvx_hdr *h,
+int cs__kvx_hs_answer(const kvx_keys *keys, const cs__kvx_hs_sender *me, const cs_kvx_hdr *h,
                       const uint8_t *pl, uint8_t proof[CS_KVX_AUTH_BYTES], uint8_t session[32],
                       char *err, size_t cap) {
     cs_kvx_challenge m;
@@ -95,9 +97,13 @@ int cs__kvx_hs_answer(const kvx_key *key, const cs__kvx_hs_sender *me, const cs_
     t.fingerprint = me->fingerprint;
     t.payload = (uint8_t)me->payload;
     snprintf(t.name, sizeof t.name, "%s", me->name);
-    uint8_t want[32];
-    cs__kvx_derive(key, KVX_PROOF_RX, &t, want);
-    if (!cs_ct_equal(want, m.proof, sizeof want)) {
+    const kvx_key *key = NULL; /* the one the receiver proved (during a rotation: either) */
+    for (int i = 0; i < keys->n; i++) {
+        uint8_t want[32];
+        cs__kvx_derive(&keys->k[i], KVX_PROOF_RX, &t, want);
+        if (cs_ct_equal(want, m.proof, sizeof want) && !key) key = &keys->k[i];
+    }
+    if (!key) {
         snprintf(err, cap,
                  "receiver %s failed authentication: it does not hold this cluster's secret",
                  me->peer);

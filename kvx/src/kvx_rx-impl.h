@@ -54,6 +54,8 @@ typedef struct rx_conn {
     bool hello;        /* authenticated (AUTH checked): the channel is open */
     bool challenged;   /* HELLO checked, CHALLENGE sent: only AUTH may follow */
     kvx_transcript tr; /* the handshake's (set by HELLO) */
+    kvx_key key;       /* the key CHALLENGE proved: AUTH must prove the same (a
+                          rotation between the two changes nothing) */
     uint8_t session[32];
     bool closing; /* closed at the next safe point */
     bool oom;     /* a control frame could not be allocated: fail it at the next look */
@@ -125,7 +127,7 @@ typedef struct rx_grave {
 
 struct cs_kvx_rx {
     cs_kvx_rx_params p;
-    kvx_key key; /* the cluster secret */
+    kvx_keys keys; /* the cluster secret (under mu: cs_kvx_rx_set_secret) */
     const cs__kvx_payload *pl;
     char host[64];
     uint64_t fingerprint, inc;

@@ -750,10 +750,10 @@ int cs__kvx_rx_init_payload(const cs_kvx_rx_params *p, const cs__kvx_payload *pl
     rx->p.max_frame_bytes = (size_t)rx->slot_pages * p->layout.page_bytes;
     rx->fingerprint = cs_kvx_layout_fingerprint(&p->layout);
     rx->inc = cs__kvx_incarnation();
-    int r = cs__kvx_key_set(&rx->key, p->secret, p->secret ? p->secret_len : 0);
+    cs__kvx_keys_set(&rx->keys, p->secret);
     rx->p.secret = NULL;
-    rx->scratch = r ? NULL : malloc(SCRATCH);
-    if (r) goto fail_addr;
+    rx->scratch = malloc(SCRATCH);
+    int r;
     if (!rx->scratch) {
         r = cs_fail(CS_ENOMEM, "kvx rx: out of memory");
         goto fail_addr;
@@ -803,7 +803,7 @@ fail_listen:
     if (rx->lfd >= 0) close(rx->lfd);
 fail_addr:
     free(rx->scratch);
-    memset(&rx->key, 0, sizeof rx->key);
+    cs_secure_zero(&rx->keys, sizeof rx->keys);
     free(rx);
     return r;
 }
@@ -843,6 +843,12 @@ void cs_kvx_rx_free(cs_kvx_rx *rx) {
     close(rx->wake[0]);
     free(rx->scratch);
     free(rx);
+}
+
+void cs_kvx_rx_set_secret(cs_kvx_rx *rx, const cs_secret *s) {
+    pthread_mutex_lock(&rx->mu);
+    cs__kvx_keys_set(&rx->keys, s);
+    pthread_mutex_unlock(&rx->mu);
 }
 
 int cs_kvx_rx_port(const cs_kvx_rx *rx) {

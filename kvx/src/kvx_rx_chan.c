@@ -87,6 +87,7 @@ void cs__rx_conn_free(cs_kvx_rx *rx, rx_conn *c) {
     }
     free(c->slots);
     free(c->order);
+    cs_secure_zero(&c->key, sizeof c->key);
     free(c);
     rx->n_conns--;
 }
@@ -163,7 +164,8 @@ void cs__rx_on_hello(cs_kvx_rx *rx, rx_conn *c, const cs_kvx_hdr *h, const uint8
     /* Challenge: the sender must prove the secret over both nonces before
      * anything about the channel changes (fencing comes after its AUTH). */
     uint8_t pl2[CS_KVX_CHALLENGE_BYTES];
-    cs__kvx_hs_challenge(&rx->key, &me, h, &m, &c->tr, pl2);
+    c->key = rx->keys.k[0]; /* a receiver proves its first key */
+    cs__kvx_hs_challenge(&c->key, &me, h, &m, &c->tr, pl2);
     c->challenged = true;
     cs__rx_queue_ctl(rx, c, CS_KVX_CHALLENGE, 0, 0, pl2, sizeof pl2);
 }
@@ -172,7 +174,7 @@ void cs__rx_on_hello(cs_kvx_rx *rx, rx_conn *c, const cs_kvx_hdr *h, const uint8
  * does its HELLO count: fencing, the channel's name, the ACK. */
 void cs__rx_on_auth(cs_kvx_rx *rx, rx_conn *c, const cs_kvx_hdr *h, const uint8_t *pl) {
     char err[256];
-    if (!cs__kvx_hs_verify(&rx->key, &c->tr, h, pl, c->session)) {
+    if (!cs__kvx_hs_verify(&c->key, &c->tr, h, pl, c->session)) {
         snprintf(err, sizeof err,
                  "authentication failed: the sender at %s (named %s) does not hold this "
                  "cluster's secret",

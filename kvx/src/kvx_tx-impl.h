@@ -126,7 +126,7 @@ typedef struct tx_grave {
 
 struct cs_kvx_tx {
     cs_kvx_tx_params p;
-    kvx_key key; /* the cluster secret */
+    kvx_keys keys; /* the cluster secret (under mu: cs_kvx_tx_set_secret) */
     const cs__kvx_payload *pl;
     char name[CS_KVX_NAME_MAX];
     uint64_t fingerprint;

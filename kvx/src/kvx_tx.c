@@ -568,10 +568,7 @@ int cs__kvx_tx_init_payload(const cs_kvx_tx_params *p, const cs__kvx_payload *pl
     uint64_t per = tx->p.max_frame_bytes / p->layout.page_bytes;
     tx->slot_pages = per > (uint64_t)INT32_MAX ? INT32_MAX : (int32_t)per;
     if (!tx->p.incarnation) tx->p.incarnation = cs__kvx_incarnation();
-    if (cs__kvx_key_set(&tx->key, p->secret, p->secret ? p->secret_len : 0)) {
-        free(tx);
-        return CS_EINVAL;
-    }
+    cs__kvx_keys_set(&tx->keys, p->secret);
     tx->p.secret = NULL;
     tx->fingerprint = cs_kvx_layout_fingerprint(&p->layout);
     int r = cs__kvx_wake_init(tx->wake);
@@ -622,8 +619,14 @@ void cs_kvx_tx_free(cs_kvx_tx *tx) {
     pthread_mutex_unlock(&tx->mu);
     pthread_mutex_destroy(&tx->mu);
     close(tx->wake[0]);
-    memset(&tx->key, 0, sizeof tx->key);
+    cs_secure_zero(&tx->keys, sizeof tx->keys);
     free(tx);
+}
+
+void cs_kvx_tx_set_secret(cs_kvx_tx *tx, const cs_secret *s) {
+    pthread_mutex_lock(&tx->mu);
+    cs__kvx_keys_set(&tx->keys, s);
+    pthread_mutex_unlock(&tx->mu);
 }
 
 uint64_t cs_kvx_tx_incarnation(const cs_kvx_tx *tx) {

@@ -256,7 +256,7 @@ static void on_challenge(cs_kvx_tx *tx, tx_chan *ch, const cs_kvx_hdr *h, const 
                             .peer = peer};
     memcpy(me.nonce, ch->nonce, sizeof me.nonce);
     uint8_t proof[CS_KVX_AUTH_BYTES];
-    int r = cs__kvx_hs_answer(&tx->key, &me, h, pl, proof, ch->session, err, sizeof err);
+    int r = cs__kvx_hs_answer(&tx->keys, &me, h, pl, proof, ch->session, err, sizeof err);
     if (r) {
         tx->st.protocol_errors++;
         cs__tx_chan_close(tx, ch, r, err);

@@ -264,6 +264,18 @@ const char *cs_rpc_client_call_metadata(const cs_rpc_client_call *c, const char 
     return v ? v : cs__rpc_md_find(&c->trailers_in, key, len);
 }
 
+int cs_rpc_channel_set_metadata(cs_rpc_channel *ch, const char *key, const char *value) {
+    for (size_t i = 0; i < ch->n_md; i++) {
+        if (strcmp(ch->md[2 * i], key)) continue;
+        char *v = strdup(value);
+        if (!v) return cs_fail(CS_ENOMEM, "rpc: out of memory");
+        free(ch->md[2 * i + 1]);
+        ch->md[2 * i + 1] = v;
+        return 0;
+    }
+    return cs_fail(CS_ENOENT, "rpc: the channel sends no metadata '%s'", key);
+}
+
 int cs_rpc_channel_init(cs_rpc_loop *l, const char *target, const cs_rpc_channel_opts *o,
                         cs_rpc_channel **out) {
     *out = NULL;

@@ -174,29 +174,45 @@ static int read_pem(const char *path, const char *what, char **out) {
     return 0;
 }
 
+/* Each file must be a readable PEM now (a clear error at start, naming it);
+ * gRPC's file watcher then re-reads them every reload_s seconds (a file
+ * that turns bad later keeps the last good contents, and gRPC logs it). */
+static int check_pem(const char *path, const char *what) {
+    char *buf;
+    int r = read_pem(path, what, &buf);
+    if (!r) memset(buf, 0, strlen(buf)), free(buf);
+    return r;
+}
+
+static unsigned reload_s(const cs_rpc_tls *t) {
+    return t->reload_s > 0 ? (unsigned)t->reload_s : 10;
+}
+
 int cs__rpc_server_creds(const cs_rpc_tls *t, grpc_server_credentials **out) {
     *out = NULL;
     if (!t->cert_file || !t->cert_file[0]) return 0;
     if (!t->key_file || !t->key_file[0])
         return cs_fail(CS_EINVAL, "rpc: a TLS certificate (%s) needs its key file", t->cert_file);
-    char *cert = NULL, *key = NULL, *ca = NULL;
-    int r = read_pem(t->cert_file, "certificate", &cert);
-    if (!r) r = read_pem(t->key_file, "key", &key);
-    if (!r && t->ca_file && t->ca_file[0]) r = read_pem(t->ca_file, "client CA", &ca);
-    if (!r) {
-        grpc_ssl_pem_key_cert_pair pair = {key, cert};
-        *out = grpc_ssl_server_credentials_create_ex(
-            ca, &pair, 1,
-            ca ? GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY
-               : GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE,
-            NULL);
-        if (!*out)
-            r = cs_fail(CS_EINVAL, "rpc: gRPC refused the TLS certificate %s or its key",
-                        t->cert_file);
-    }
-    if (key) memset(key, 0, strlen(key));
-    free(cert), free(key), free(ca);
-    return r;
+    bool ca = t->ca_file && t->ca_file[0];
+    int r = check_pem(t->cert_file, "certificate");
+    if (!r) r = check_pem(t->key_file, "key");
+    if (!r && ca) r = check_pem(t->ca_file, "client CA");
+    if (r) return r;
+    grpc_tls_certificate_provider *files = grpc_tls_certificate_provider_file_watcher_create(
+        t->key_file, t->cert_file, ca ? t->ca_file : NULL, reload_s(t));
+    grpc_tls_credentials_options *opts = grpc_tls_credentials_options_create();
+    grpc_tls_credentials_options_set_certificate_provider(opts, files);
+    grpc_tls_certificate_provider_release(files); /* opts holds it */
+    grpc_tls_credentials_options_watch_identity_key_cert_pairs(opts);
+    if (ca) grpc_tls_credentials_options_watch_root_certs(opts);
+    grpc_tls_credentials_options_set_cert_request_type(
+        opts, ca ? GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY
+                 : GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE);
+    *out = grpc_tls_server_credentials_create(opts); /* takes opts */
+    if (!*out)
+        return cs_fail(CS_EINVAL, "rpc: gRPC refused the TLS certificate %s or its key",
+                       t->cert_file);
+    return 0;
 }
 
 int cs__rpc_channel_creds(const cs_rpc_tls *t, grpc_channel_credentials **out) {
@@ -209,16 +225,19 @@ int cs__rpc_channel_creds(const cs_rpc_tls *t, grpc_channel_credentials **out) {
     if (mutual && (!t->key_file || !t->key_file[0]))
         return cs_fail(CS_EINVAL, "rpc: a TLS client certificate (%s) needs its key file",
                        t->cert_file);
-    char *cert = NULL, *key = NULL, *ca = NULL;
-    int r = read_pem(t->ca_file, "CA", &ca);
-    if (!r && mutual) r = read_pem(t->cert_file, "client certificate", &cert);
-    if (!r && mutual) r = read_pem(t->key_file, "client key", &key);
-    if (!r) {
-        grpc_ssl_pem_key_cert_pair pair = {key, cert};
-        *out = grpc_ssl_credentials_create(ca, mutual ? &pair : NULL, NULL, NULL);
-        if (!*out) r = cs_fail(CS_EINVAL, "rpc: gRPC refused the TLS files (CA %s)", t->ca_file);
-    }
-    if (key) memset(key, 0, strlen(key));
-    free(cert), free(key), free(ca);
-    return r;
+    int r = check_pem(t->ca_file, "CA");
+    if (!r && mutual) r = check_pem(t->cert_file, "client certificate");
+    if (!r && mutual) r = check_pem(t->key_file, "client key");
+    if (r) return r;
+    grpc_tls_certificate_provider *files = grpc_tls_certificate_provider_file_watcher_create(
+        mutual ? t->key_file : NULL, mutual ? t->cert_file : NULL, t->ca_file, reload_s(t));
+    grpc_tls_credentials_options *opts = grpc_tls_credentials_options_create();
+    grpc_tls_credentials_options_set_certificate_provider(opts, files);
+    grpc_tls_certificate_provider_release(files);
+    grpc_tls_credentials_options_watch_root_certs(opts);
+    if (mutual) grpc_tls_credentials_options_watch_identity_key_cert_pairs(opts);
+    grpc_tls_credentials_options_set_verify_server_cert(opts, 1);
+    *out = grpc_tls_credentials_create(opts); /* takes opts */
+    if (!*out) return cs_fail(CS_EINVAL, "rpc: gRPC refused the TLS files (CA %s)", t->ca_file);
+    return 0;
 }

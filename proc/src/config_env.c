@@ -32,6 +32,7 @@ static const char *const family_flags[] = {
     "CONNECT_TIMEOUT_MS",
     "CORES",
     "CORS_ALLOW_ORIGINS",
+    "CREDENTIALS_RELOAD_S",
     "DECODE",
     "DECODE_BUDGET",
     "DECODE_DNS",

@@ -31,6 +31,8 @@ struct cs_proc {
     cs_rpc_health *health;
     cs_metrics *metrics;
     cs_metric *m_draining;
+    cs_metric *m_key_id, *m_keys, *m_reloads, *m_reload_errors; /* with a cluster secret */
+    uv_timer_t reload;
     cs_http_server *http;
     uv_signal_t sigterm, sigint;
     uv_timer_t grace, drain_poll;
@@ -66,6 +68,10 @@ int cs_proc_port(const cs_proc *p) {
 static void before_metrics(void *arg) {
     cs_proc *p = arg;
     cs_metric_set(p->m_draining, p->draining);
+    if (p->o->secret) {
+        cs_metric_set(p->m_key_id, (double)p->o->secret->id);
+        cs_metric_set(p->m_keys, p->o->secret->n);
+    }
     if (p->role->metrics) p->role->metrics(p, p->rd);
 }
 
@@ -76,6 +82,40 @@ static bool ready(void *arg, char *why, size_t why_len) {
         return false;
     }
     return p->role->ready ? p->role->ready(p, p->rd, why, why_len) : true;
+}
+
+/* ------------------------------------------------------- credentials -- */
+
+static void log_secret(const char *what, const cs_secret *s) {
+    CS_LOGI("%s: proving key %012llx%s", what, (unsigned long long)s->id,
+            s->n > 1 ? ", accepting one more (a rotation)" : "");
+}
+
+static void on_reload(uv_timer_t *t) {
+    cs_proc *p = t->data;
+    int r = cs_secret_reload(p->o->secret, p->o->secret_file);
+    if (r < 0) {
+        cs_metric_inc(p->m_reload_errors);
+        CS_LOGE("cluster secret not reloaded (the previous one stays): %s", cs_last_error());
+    } else if (r == 1) {
+        cs_metric_inc(p->m_reloads);
+        log_secret("cluster secret reloaded", p->o->secret);
+        if (p->role->secret_changed) p->role->secret_changed(p, p->rd);
+    }
+}
+
+static void register_secret(cs_proc *p) {
+    p->m_key_id = cs_metrics_gauge(
+        p->metrics, "chunkserve:cluster_secret_key_id", NULL,
+        "id of the cluster secret this process proves (48 bits of an HMAC of it, not the "
+        "secret; 0: none): a rotation step has reached every process when they all show one id");
+    p->m_keys = cs_metrics_gauge(p->metrics, "chunkserve:cluster_secret_keys", NULL,
+                                 "cluster secrets this process accepts (2 during a rotation)");
+    p->m_reloads = cs_metrics_counter(p->metrics, "chunkserve:cluster_secret_reloads_total", NULL,
+                                      "new cluster secrets read from --cluster-secret-file");
+    p->m_reload_errors =
+        cs_metrics_counter(p->metrics, "chunkserve:cluster_secret_reload_errors_total", NULL,
+                           "changes of --cluster-secret-file refused (the previous secret stays)");
 }
 
 /* -------------------------------------------------------------- stop -- */
@@ -96,6 +136,7 @@ static void close_server(cs_proc *p, int32_t cancelled) {
     p->server_closing = true;
     uv_close((uv_handle_t *)&p->grace, NULL);
     uv_close((uv_handle_t *)&p->drain_poll, NULL);
+    uv_close((uv_handle_t *)&p->reload, NULL);
     CS_LOGI("drained in %.3f s (%d calls ended by the grace period): shutting down",
             cs_now() - p->drain_start, cancelled);
     cs_rpc_server_shutdown(p->srv, SERVER_BACKSTOP_MS, on_server_done, p);
@@ -146,13 +187,15 @@ int cs_proc_run(const cs_proc_opts *o, const cs_proc_role *role, void *role_data
     const char *http_host = o->http_host && o->http_host[0] ? o->http_host : o->host;
     char addr[300];
     snprintf(addr, sizeof addr, "%s:%d", o->host, o->port);
-    cs_rpc_server_opts so = {.addr = addr, .max_recv_bytes = o->max_recv_bytes, .lim = o->rpc, .tls = o->tls};
+    cs_rpc_server_opts so = {
+        .addr = addr, .max_recv_bytes = o->max_recv_bytes, .lim = o->rpc, .tls = o->tls};
     bool uv_ok = false, started = false;
     int r;
     if ((r = cs_metrics_init(&p->metrics))) goto fail;
     p->m_draining =
         cs_metrics_gauge(p->metrics, "chunkserve:draining", NULL,
                          "1 from SIGTERM on: taking no new requests, finishing the open ones");
+    if (o->secret) register_secret(p);
     if ((r = uv_loop_init(&p->uv))) {
         r = cs_fail(CS_EIO, "uv_loop_init: %s", uv_strerror(r));
         goto fail;
@@ -178,7 +221,12 @@ int cs_proc_run(const cs_proc_opts *o, const cs_proc_role *role, void *role_data
     uv_signal_init(&p->uv, &p->sigint);
     uv_timer_init(&p->uv, &p->grace);
     uv_timer_init(&p->uv, &p->drain_poll);
-    p->sigterm.data = p->sigint.data = p->grace.data = p->drain_poll.data = p;
+    uv_timer_init(&p->uv, &p->reload);
+    p->sigterm.data = p->sigint.data = p->grace.data = p->drain_poll.data = p->reload.data = p;
+    if (o->secret && o->secret->set) log_secret("cluster secret", o->secret);
+    if (o->secret && o->secret_file && o->secret_file[0] && o->tls.reload_s > 0)
+        uv_timer_start(&p->reload, on_reload, (uint64_t)o->tls.reload_s * 1000,
+                       (uint64_t)o->tls.reload_s * 1000);
     uv_signal_start(&p->sigterm, on_signal, SIGTERM);
     uv_signal_start(&p->sigint, on_signal, SIGINT);
     printf("listening on %s:%d\nhttp listening on %s:%d\n", o->host, p->port, http_host,
@@ -208,7 +256,8 @@ fail:
 out:
     cs_rpc_health_free(p->health);
     if (uv_ok && uv_loop_close(&p->uv) != 0) CS_LOGW("the event loop still had handles at exit");
-    if (uv_ok && !cs_rpc_wait_grpc_ended(2000)) CS_LOGW("gRPC was still in use 2 s after the last close");
+    if (uv_ok && !cs_rpc_wait_grpc_ended(2000))
+        CS_LOGW("gRPC was still in use 2 s after the last close");
     if (role->free) role->free(p, role_data);
     cs_metrics_free(p->metrics);
     free(p);

@@ -39,6 +39,10 @@ const cs_config_entry cs_proc_tls_config[] = {
     {"tls-key-file", CS_CONFIG_STR, T(key_file), NULL, "PEM private key of --tls-cert-file", 0, 0},
     {"tls-client-ca-file", CS_CONFIG_STR, T(ca_file), NULL,
      "PEM roots: gRPC clients must present a certificate they signed (mutual TLS)", 0, 0},
+    {"credentials-reload-s", CS_CONFIG_INT, T(reload_s), "10",
+     "seconds between checks of the TLS files and --cluster-secret-file for a change (a "
+     "rotation): new handshakes use the new files, open connections keep theirs",
+     1, 86400},
 };
 const size_t cs_proc_tls_config_n = sizeof cs_proc_tls_config / sizeof cs_proc_tls_config[0];
 #undef T

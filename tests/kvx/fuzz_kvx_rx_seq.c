@@ -98,8 +98,9 @@ static void setup(void) {
     cs_kvx_rx_params p = cs_kvx_rx_params_default();
     p.layout = L;
     p.pool = host_pool(pool, NP);
-    p.secret = SECRET;
-    p.secret_len = strlen(SECRET);
+    static cs_secret s;
+    if (cs_secret_load(SECRET, NULL, &s)) abort();
+    p.secret = &s;
     p.hello_timeout_ms = 2000;
     if (cs_kvx_rx_init(&p, &rx)) {
         fprintf(stderr, "fuzz_kvx_rx_seq: cannot start the receiver: %s\n", cs_last_error());

@@ -184,8 +184,8 @@ static inline bool raw_hello_key(int fd, const cs_kvx_layout *l, const char *nam
     memcpy(t.rx_nonce, in, sizeof t.rx_nonce);
     t.tx_inc = inc, t.rx_inc = h.epoch, t.fingerprint = fp;
     snprintf(t.name, sizeof t.name, "%s", name);
-    kvx_key k;
-    cs__kvx_key_set(&k, key, key_len);
+    kvx_key k = {.len = key_len};
+    if (key_len) memcpy(k.key, key, key_len);
     uint8_t proof[CS_KVX_AUTH_BYTES];
     cs__kvx_derive(&k, KVX_PROOF_TX, &t, proof);
     if (session) cs__kvx_derive(&k, KVX_SESSION, &t, session);

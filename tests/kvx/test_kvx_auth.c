@@ -6,7 +6,9 @@
  * connection before any page is written, and a trailer whose MAC is not the
  * session's fails its transfer; a transfer expected from one sender takes no
  * page from another. Throughout, a legitimate transfer completes
- * with the right bytes. */
+ * with the right bytes. A rotation (8): a sender accepts a receiver that
+ * proves either of its keys; a receiver's rotated secret applies to the
+ * next handshake and leaves open channels alone. */
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -23,15 +25,37 @@ static const char OTHER[] = "another-secret-0123456789abcdef";
 static uint8_t *tx_pool, *rx_pool;
 static int32_t ids[NP];
 
-static cs_kvx_tx *sender(const char *name, const char *secret) {
+/* The keys of a --cluster-secret-file holding a, then b (NULL: a alone). */
+static cs_secret keys(const char *a, const char *b) {
+    char path[] = "/tmp/test_kvx_auth_XXXXXX";
+    int fd = mkstemp(path);
+    ASSERT_TRUE(fd >= 0);
+    FILE *f = fdopen(fd, "w");
+    fprintf(f, "%s\n", a);
+    if (b) fprintf(f, "%s\n", b);
+    fclose(f);
+    cs_secret s;
+    ASSERT_EQ_INT(cs_secret_load(NULL, path, &s), 0);
+    unlink(path);
+    ASSERT_EQ_INT(s.n, b ? 2 : 1);
+    return s;
+}
+
+static cs_kvx_tx *sender_keys(const char *name, const cs_secret *s) {
     cs_kvx_tx_params p = cs_kvx_tx_params_default();
     p.layout = L;
     p.pool = host_pool(tx_pool, NP);
     p.name = name;
-    p.secret = secret;
-    p.secret_len = strlen(secret);
+    p.secret = s;
     cs_kvx_tx *tx;
     ASSERT_EQ_INT(cs_kvx_tx_init(&p, &tx), 0);
+    return tx;
+}
+
+static cs_kvx_tx *sender(const char *name, const char *secret) {
+    cs_secret s = keys(secret, NULL);
+    cs_kvx_tx *tx = sender_keys(name, &s);
+    cs_secret_clear(&s);
     return tx;
 }
 
@@ -59,6 +83,64 @@ static bool pages_are(const uint8_t *pool, int n, uint8_t v) {
     return true;
 }
 
+/* 8. A rotation from SECRET to OTHER in three steps (secret.h). */
+static void rotation(void) {
+    cs_secret old_new = keys(SECRET, OTHER), new_old = keys(OTHER, SECRET),
+              old = keys(SECRET, NULL), new = keys(OTHER, NULL);
+    cs_kvx_rx_params rp = cs_kvx_rx_params_default();
+    rp.layout = L;
+    rp.pool = host_pool(rx_pool, NP);
+    rp.secret = &old;
+    cs_kvx_rx *rx;
+    ASSERT_EQ_INT(cs_kvx_rx_init(&rp, &rx), 0);
+    int port = cs_kvx_rx_port(rx);
+    waiter w;
+    waiter_init(&w);
+    int nd = 0;
+    uint64_t id = 100;
+#define DELIVERS(tx, want)                                                                         \
+    do {                                                                                           \
+        memset(rx_pool, 0, (size_t)NP *PB);                                                        \
+        ASSERT_EQ_INT(cs_kvx_rx_expect(rx, ++id, NULL, ids, 2, 20000, waiter_done, &w), 0);        \
+        ASSERT_EQ_INT(transfer(tx, port, id, 2), (want));                                          \
+        if ((want) == 0) {                                                                         \
+            ASSERT_TRUE(waiter_wait(&w, ++nd, 5000));                                              \
+            ASSERT_EQ_INT(waiter_status(&w, id), 0);                                               \
+            ASSERT_TRUE(pages_are(rx_pool, 2, 0x5a));                                              \
+        } else {                                                                                   \
+            ASSERT_EQ_INT(cs_kvx_rx_cancel(rx, id), 0);                                            \
+            ASSERT_TRUE(waiter_wait(&w, ++nd, 5000));                                              \
+        }                                                                                          \
+    } while (0)
+    /* a sender still on the old secret alone, one in step 1 ("old\nnew") */
+    cs_kvx_tx *a = sender_keys("prefill-a", &old), *b = sender_keys("prefill-b", &old_new);
+    DELIVERS(a, 0);
+    DELIVERS(b, 0);
+    /* the receiver reaches step 2 (proves new, accepts both): b takes its
+     * proof by the second key; a's open channel keeps its session */
+    cs_kvx_rx_set_secret(rx, &new_old);
+    DELIVERS(a, 0);
+    cs_kvx_tx *b2 = sender_keys("prefill-b2", &old_new);
+    DELIVERS(b2, 0);
+    /* a new channel of a sender that skipped step 1 is refused: it does not
+     * accept the receiver's proof (that is why step 1 must reach everyone) */
+    cs_kvx_tx *a2 = sender_keys("prefill-a2", &old);
+    DELIVERS(a2, CS_ECONNREFUSED);
+    /* step 3 on both sides: only the new secret */
+    cs_kvx_rx_set_secret(rx, &new);
+    cs_kvx_tx_set_secret(a2, &new);
+    DELIVERS(a2, 0);
+    cs_kvx_tx *c = sender_keys("prefill-c", &old);
+    DELIVERS(c, CS_ECONNREFUSED);
+#undef DELIVERS
+    cs_kvx_tx_free(a), cs_kvx_tx_free(b), cs_kvx_tx_free(b2), cs_kvx_tx_free(a2), cs_kvx_tx_free(c);
+    cs_kvx_rx_free(rx);
+    cs_secret_clear(&old_new), cs_secret_clear(&new_old), cs_secret_clear(&old),
+        cs_secret_clear(&new);
+    fprintf(stderr,
+            "rotation: either key accepted, the rotated one used from the next handshake\n");
+}
+
 int main(void) {
     signal(SIGPIPE, SIG_IGN);
     tx_pool = malloc((size_t)NP * PB);
@@ -70,8 +152,8 @@ int main(void) {
     cs_kvx_rx_params rp = cs_kvx_rx_params_default();
     rp.layout = L;
     rp.pool = host_pool(rx_pool, NP);
-    rp.secret = SECRET;
-    rp.secret_len = strlen(SECRET);
+    cs_secret rs = keys(SECRET, NULL);
+    rp.secret = &rs;
     cs_kvx_rx *rx;
     ASSERT_EQ_INT(cs_kvx_rx_init(&rp, &rx), 0);
     int port = cs_kvx_rx_port(rx);
@@ -175,8 +257,8 @@ int main(void) {
 
     /* 7. The transcript binds the payload HELLO names: a HELLO whose payload
      * byte was changed on the way gives other proofs and another session. */
-    kvx_key key;
-    ASSERT_EQ_INT(cs__kvx_key_set(&key, SECRET, strlen(SECRET)), 0);
+    kvx_key key = {.len = strlen(SECRET)};
+    memcpy(key.key, SECRET, key.len);
     kvx_transcript t0;
     memset(&t0, 0, sizeof t0);
     t0.tx_inc = 1, t0.rx_inc = 2, t0.fingerprint = fp;
@@ -189,6 +271,7 @@ int main(void) {
         cs__kvx_derive(&key, what, &t1, b);
         ASSERT_TRUE(memcmp(a, b, sizeof a) != 0);
     }
+    rotation();
     free(tx_pool);
     free(rx_pool);
     fprintf(stderr, "test_kvx_auth: ok\n");

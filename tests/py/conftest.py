@@ -149,6 +149,9 @@ def pytest_configure(config):
         "markers", "chaos: random kills, stops and partitions under load (tests/py/test_chaos.py; "
                    "CTest chaos, about 4 minutes)")
     config.addinivalue_line(
+        "markers", "deploy: credential rotation with real processes (tests/py/test_rotation.py; "
+                   "CTest rotation, label deploy)")
+    config.addinivalue_line(
         "markers", "autoscale: the HPA algorithm scaling real worker pools behind the router "
                    "(tests/py/test_autoscale.py; root, about 1.5 minutes)")
 

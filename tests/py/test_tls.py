@@ -7,8 +7,8 @@ certificate, and a second CA nobody trusts).
 - the cluster with mutual TLS everywhere: workers require a client certificate of the CA
   (--tls-client-ca-file); the router presents one (--worker-tls-*) and serves TLS itself;
   tokens equal the plaintext cluster's; a client without a certificate, or with one of
-  the other CA, gets nothing from a worker; a router that trusts the wrong CA uses no
-  worker; an unreadable file stops a process at start with its name.
+  the other CA, gets nothing from a worker; a router that trusts the wrong CA, or expects
+  another server name, uses no worker; an unreadable file stops a process at start with its name.
 """
 from __future__ import annotations
 
@@ -104,14 +104,14 @@ def test_cluster_with_mutual_tls(bin_dir, model, pb, certs):
     dec = Proc(bin_dir / "chunkserve-decode", common, "decode-tls")
     procs = [pre, dec]
 
-    def router(ca, name):
+    def router(ca, name, *more):
         return Proc(bin_dir / "chunkserve-router", [
             f"--model={model}", "--port=0", "--status-interval-ms=100", "--grace-ms=2000",
             f"--cluster-secret={SECRET}", "--local-prefill-threshold=1",
             f"--prefill-workers={pre.addr}", f"--decode-workers={dec.addr}",
             *tls_args(certs, client_ca=False), f"--worker-tls-ca-file={certs / ca}.pem",
             f"--worker-tls-cert-file={certs / 'client.pem'}",
-            f"--worker-tls-key-file={certs / 'client.key'}"], name)
+            f"--worker-tls-key-file={certs / 'client.key'}", *more], name)
     try:
         r = router("ca", "router-tls")
         procs.append(r)
@@ -141,12 +141,15 @@ def test_cluster_with_mutual_tls(bin_dir, model, pb, certs):
         assert st.ready
         wch.close()
 
-        # a router that trusts another CA uses no worker
-        wrong = router("other-ca", "router-wrong-ca")
-        procs.append(wrong)
+        # a router that trusts another CA, or expects another name on the
+        # workers' certificates, uses no worker
+        wrong = [router("other-ca", "router-wrong-ca"),
+                 router("ca", "router-wrong-name", "--worker-tls-server-name=nobody.example")]
+        procs += wrong
         t_end = time.monotonic() + 3
         while time.monotonic() < t_end:
-            assert metric(wrong.metrics(), "chunkserve:workers_usable", 'role="decode"') == 0
+            for w in wrong:
+                assert metric(w.metrics(), "chunkserve:workers_usable", 'role="decode"') == 0
             time.sleep(0.2)
     finally:
         for p in procs:

@@ -49,6 +49,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "chunkserve/secret.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -150,12 +152,13 @@ typedef void (*cs_kvx_room_fn)(void *arg, uint64_t xfer_id);
 
 typedef struct {
     cs_kvx_layout layout;
-    cs_kvx_pool pool;   /* pages are read from here; must outlive the sender */
-    const char *name;   /* this sender's name, e.g. "prefill-0" (<= 63 printable bytes) */
-    const void *secret; /* the cluster secret (copied; <= 512 bytes): HELLO is proved by
-                           challenge-response and each trailer MAC'd with it; NULL /
-                           secret_len 0 = an empty key (authenticates nothing) */
-    size_t secret_len;
+    cs_kvx_pool pool;        /* pages are read from here; must outlive the sender */
+    const char *name;        /* this sender's name, e.g. "prefill-0" (<= 63 printable bytes) */
+    const cs_secret *secret; /* the cluster secret (copied): the receiver's proof is
+                                checked against each of its keys, HELLO proved by the
+                                key it matched and each trailer MAC'd with the
+                                session's; NULL or unset = an empty key (authenticates
+                                nothing) */
     uint64_t incarnation;    /* 0 = 64 random bits drawn at init */
     bool checksum;           /* a checksum per chunk and in the trailer; default true */
     size_t max_frame_bytes;  /* one chunk (TCP frame / NCCL staging slot); default 4 MiB
@@ -222,6 +225,9 @@ int cs_kvx_tx_abort(cs_kvx_tx *tx, uint64_t xfer_id);
 size_t cs_kvx_tx_queued_bytes(cs_kvx_tx *tx, const char *host, int port);
 uint64_t cs_kvx_tx_incarnation(const cs_kvx_tx *tx);
 int cs_kvx_tx_payload(const cs_kvx_tx *tx); /* enum cs_kvx_payload */
+/* A rotated cluster secret (copied; any thread): handshakes from now on use
+ * it; open channels keep their session. */
+void cs_kvx_tx_set_secret(cs_kvx_tx *tx, const cs_secret *s);
 void cs_kvx_tx_get_stats(cs_kvx_tx *tx, cs_kvx_stats *s);
 
 /* ----------------------------------------------------------- receiver */
@@ -230,16 +236,16 @@ typedef struct cs_kvx_rx cs_kvx_rx;
 
 typedef struct {
     cs_kvx_layout layout;
-    cs_kvx_pool pool;   /* pages land here; must outlive the receiver */
-    const char *host;   /* bind address; default "127.0.0.1" */
-    const void *secret; /* the cluster secret (copied); senders must prove it */
-    size_t secret_len;
-    int port;               /* 0 = any free port (see cs_kvx_rx_port) */
-    bool require_checksum;  /* refuse chunks without one; default true */
-    size_t max_frame_bytes; /* largest chunk accepted; default 64 MiB (TCP), 32 MiB (NCCL) */
-    int32_t keepalive_ms;   /* default 1000 */
-    int32_t dead_ms;        /* default 5000 */
-    int32_t max_conns;      /* default 256 */
+    cs_kvx_pool pool;        /* pages land here; must outlive the receiver */
+    const char *host;        /* bind address; default "127.0.0.1" */
+    const cs_secret *secret; /* the cluster secret (copied): this receiver proves its
+                                first key; senders must prove the same */
+    int port;                /* 0 = any free port (see cs_kvx_rx_port) */
+    bool require_checksum;   /* refuse chunks without one; default true */
+    size_t max_frame_bytes;  /* largest chunk accepted; default 64 MiB (TCP), 32 MiB (NCCL) */
+    int32_t keepalive_ms;    /* default 1000 */
+    int32_t dead_ms;         /* default 5000 */
+    int32_t max_conns;       /* default 256 */
     /* Before HELLO a connection may send only a HELLO header (checked before
      * its payload is read) and must finish it within hello_timeout_ms; such
      * connections are capped in all and per peer address, the oldest closed
@@ -265,6 +271,8 @@ void cs_kvx_rx_free(cs_kvx_rx *rx);
 int cs_kvx_rx_port(const cs_kvx_rx *rx);
 uint64_t cs_kvx_rx_incarnation(const cs_kvx_rx *rx);
 int cs_kvx_rx_payload(const cs_kvx_rx *rx); /* enum cs_kvx_payload */
+/* As cs_kvx_tx_set_secret: handshakes from now on prove and check s. */
+void cs_kvx_rx_set_secret(cs_kvx_rx *rx, const cs_secret *s);
 
 /* Expects transfer xfer_id into the n_pages reserved page ids of the pool
  * (copied), from the authenticated sender named sender (NULL or "": any

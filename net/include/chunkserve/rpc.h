@@ -15,8 +15,7 @@
  * (enum cs_rpc_code). As in libuv, when a function that takes a callback
  * fails, the callback is never called.
  *
- * Not here: TLS (insecure credentials only: the cluster runs inside a
- * trusted network), client streaming, bidirectional streaming, and the
+ * Not here: client streaming, bidirectional streaming, and the
  * services themselves (generation and cluster calls live with the processes
  * that serve them; the standard health service is in rpc_health.h). */
 #ifndef CHUNKSERVE_RPC_H
@@ -132,24 +131,26 @@ typedef struct cs_rpc_call cs_rpc_call;
  * int64_t so that a process's option table (chunkserve/config.h) fills them
  * directly (cs_proc_rpc_config in chunkserve/proc.h). */
 typedef struct {
-    int64_t max_streams;  /* concurrent streams per connection (HTTP/2 SETTINGS; a client
-                             queues the rest); 0 = 4096 */
-    int64_t memory_mib;   /* gRPC resource quota over the transport's buffers: under
-                             pressure it shrinks read windows and refuses new streams
-                             rather than grow; 0 = 512 */
-    int64_t idle_ms;      /* close a connection with no call for this long; 0 = 300000,
-                             < 0 = never */
-    int64_t age_ms;       /* GOAWAY a connection this old (clients reconnect); 0 = never */
-    int64_t age_grace_ms; /* then let its calls finish for this long; 0 = 60000 */
-    int64_t max_watches;  /* grpc.health.v1 Health/Watch streams at once (more:
-                             RESOURCE_EXHAUSTED); 0 = 256 */
-    int64_t keepalive_ms; /* ping a client (with calls open) silent this long; 0 = 60000 */
+    int64_t max_streams;          /* concurrent streams per connection (HTTP/2 SETTINGS; a client
+                                     queues the rest); 0 = 4096 */
+    int64_t memory_mib;           /* gRPC resource quota over the transport's buffers: under
+                                     pressure it shrinks read windows and refuses new streams
+                                     rather than grow; 0 = 512 */
+    int64_t idle_ms;              /* close a connection with no call for this long; 0 = 300000,
+                                     < 0 = never */
+    int64_t age_ms;               /* GOAWAY a connection this old (clients reconnect); 0 = never */
+    int64_t age_grace_ms;         /* then let its calls finish for this long; 0 = 60000 */
+    int64_t max_watches;          /* grpc.health.v1 Health/Watch streams at once (more:
+                                     RESOURCE_EXHAUSTED); 0 = 256 */
+    int64_t keepalive_ms;         /* ping a client (with calls open) silent this long; 0 = 60000 */
     int64_t keepalive_timeout_ms; /* an unanswered ping closes the connection and cancels its
                                      calls after this long; 0 = 20000 */
 } cs_rpc_limits;
 
-/* TLS for a gRPC port or channel: PEM files, read at init (rotating them
- * takes a restart). All NULL = plaintext. */
+/* TLS for a gRPC port or channel: PEM files, checked at init and then
+ * watched: gRPC re-reads them every reload_s seconds, so a renewed
+ * certificate (cert-manager) or a new CA bundle applies to the next
+ * handshakes while open connections keep theirs. All NULL = plaintext. */
 typedef struct {
     const char *cert_file;   /* this side's certificate chain. Server: TLS on when set.
                                 Client: its identity for mutual TLS (optional) */
@@ -159,6 +160,7 @@ typedef struct {
                                 when set: the roots the server's certificate must chain to */
     const char *server_name; /* client: the name the server's certificate must carry
                                 (default: the target's host) */
+    int64_t reload_s;        /* seconds between checks of the files; 0 = 10 */
 } cs_rpc_tls;
 
 typedef struct {
@@ -269,8 +271,8 @@ typedef struct cs_rpc_channel cs_rpc_channel;
 typedef struct cs_rpc_client_call cs_rpc_client_call;
 
 typedef struct {
-    int32_t max_recv_bytes; /* largest response accepted; 0 = 4 MiB */
-    int32_t max_send_bytes; /* largest request sent; 0 = no limit */
+    int32_t max_recv_bytes;          /* largest response accepted; 0 = 4 MiB */
+    int32_t max_send_bytes;          /* largest request sent; 0 = no limit */
     const cs_rpc_metadata *metadata; /* sent with every call on the channel (before
                                         the call's own), copied; e.g. the cluster token */
     size_t n_metadata;
@@ -285,6 +287,10 @@ int cs_rpc_channel_init(cs_rpc_loop *l, const char *target, const cs_rpc_channel
 /* Cancels the calls in flight (each still gets its on_done, later, on the
  * loop) and frees the channel once they have ended. NULL is a no-op. */
 void cs_rpc_channel_free(cs_rpc_channel *ch);
+/* Sets the value the channel's calls send for key (one of its
+ * cs_rpc_channel_opts.metadata keys: CS_ENOENT otherwise), from the next
+ * call on: a rotated token. CS_ENOMEM leaves the old value. */
+int cs_rpc_channel_set_metadata(cs_rpc_channel *ch, const char *key, const char *value);
 
 typedef struct {
     int64_t timeout_ms;              /* deadline from now; 0 = none */

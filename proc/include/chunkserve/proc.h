@@ -6,7 +6,10 @@
  * The shell owns: the libuv loop, the RPC loop and server (with
  * grpc.health.v1), the metrics registry with chunkserve:draining, the ops
  * HTTP port (/metrics, /healthz, /readyz), SIGTERM/SIGINT, the drain and the
- * ordered teardown. The role owns its RPC methods, its metrics and its work.
+ * ordered teardown, and keeping credentials current: the RPC server's TLS
+ * files (re-read by gRPC) and the cluster secret's file (re-read here, both
+ * every tls.reload_s seconds). The role owns its RPC methods, its metrics
+ * and its work.
  *
  * Life (cs_proc_run):
  *   start    loop, RPC loop, RPC server, health, metrics; role->start
@@ -37,6 +40,7 @@
 
 #include "chunkserve/config.h"
 #include "chunkserve/rpc.h"
+#include "chunkserve/secret.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -60,6 +64,10 @@ typedef struct {
      * after "listening on" / "http listening on" are printed: the role's
      * start-up log line and any listening line of its own. May be NULL. */
     void (*started)(cs_proc *p, void *role);
+    /* The cluster secret was re-read from its file and changed (the new keys
+     * are in the role's cs_secret, cs_proc_opts.secret): hand them to what
+     * copied the old ones (a KV transport). May be NULL. */
+    void (*secret_changed)(cs_proc *p, void *role);
     /* Before each /metrics render: update gauges. May be NULL. */
     void (*metrics)(cs_proc *p, void *role);
     /* /readyz beyond "not draining": false with why. NULL: ready. */
@@ -99,6 +107,12 @@ typedef struct {
     int32_t max_recv_bytes; /* largest RPC request; 0 = the RPC layer's default (4 MiB) */
     cs_rpc_limits rpc;      /* cs_proc_rpc_config */
     cs_rpc_tls tls;         /* cs_proc_tls_config */
+    /* The cluster secret the role loaded (NULL: the process has none) and
+     * the file it came from (NULL/"": a value, never re-read). The shell
+     * re-reads the file on the loop thread every tls.reload_s seconds and
+     * exports chunkserve:cluster_secret_key_id and _keys. */
+    cs_secret *secret;
+    const char *secret_file;
 } cs_proc_opts;
 
 /* Runs the process with role until SIGTERM/SIGINT and the drain end, then

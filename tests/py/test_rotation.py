@@ -1,0 +1,241 @@
+"""Credential rotation with real processes under traffic (issue 39; docs/security.md,
+"Rotating credentials"): a router, a prefill and a decode worker with mutual TLS on every
+internal gRPC port and a cluster secret, all reading their files from one directory laid
+out as a Kubernetes Secret volume (`..data` a symlink swapped atomically). While a
+client streams requests through remote prefill without pause, the directory moves in
+three steps from CA 1 + secret "old" to CA 2 + secret "new":
+
+  1. CA bundle 1+2, certificates of CA 1;  secret file "old\\nnew" (prove old, accept both)
+  2. CA bundle 1+2, certificates of CA 2;  secret file "new\\nold" (prove new, accept both)
+  3. CA bundle 2,   certificates of CA 2;  secret file "new"
+
+Workers close connections every 1.5 s (--grpc-max-connection-age-ms), so the router
+keeps making new TLS handshakes with whatever the files hold. Checked: no request fails
+and each gives the tokens of the first; every process proves the same key id after each
+step; a bad secret file in the middle is refused (counted, the old secret kept); at the
+end a router with only the old credentials uses no worker, one with only the new ones
+serves, and a new prefill worker holding only the new secret hands KV pages to the
+decode worker (whose KV link now checks the new secret).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+grpc = pytest.importorskip("grpc")
+pytest.importorskip("grpc_tools.protoc")
+
+from cluster_harness import Proc, make_tiny, metric, wait_for  # noqa: E402
+
+pytestmark = pytest.mark.deploy
+
+OLD, NEW = "old-cluster-secret-0123456789", "new-cluster-secret-9876543210"
+FILES = ("cluster-secret", "tls.crt", "tls.key", "ca.crt")
+
+
+def openssl(*args, cwd: Path):
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory) -> Path:
+    """Two CAs, each with a node certificate for 127.0.0.1 usable by servers and clients."""
+    d = tmp_path_factory.mktemp("pki")
+    (d / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n"
+                               "extendedKeyUsage=serverAuth,clientAuth\n")
+    for i in (1, 2):
+        openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", f"ca{i}.key",
+                "-out", f"ca{i}.pem", "-days", "2", "-subj", f"/CN=chunkserve rotation CA {i}",
+                cwd=d)
+        openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"node{i}.key", "-out",
+                f"node{i}.csr", "-subj", f"/CN=node{i}", cwd=d)
+        openssl("x509", "-req", "-in", f"node{i}.csr", "-CA", f"ca{i}.pem", "-CAkey", f"ca{i}.key",
+                "-CAcreateserial", "-out", f"node{i}.pem", "-days", "2", "-extfile", "ext.cnf",
+                cwd=d)
+    return d
+
+
+class SecretVolume:
+    """A directory as the kubelet writes a Secret volume: FILE -> ..data/FILE, ..data ->
+    ..vN, a new version written beside it and ..data swapped by one rename."""
+
+    def __init__(self, root: Path):
+        self.root, self.version = root, 0
+        root.mkdir(parents=True, exist_ok=True)
+
+    def write(self, files: dict):
+        self.version += 1
+        v = self.root / f"..v{self.version}"
+        v.mkdir()
+        for name, data in files.items():
+            (v / name).write_bytes(data)
+        tmp = self.root / "..data_tmp"
+        tmp.symlink_to(v.name)
+        os.replace(tmp, self.root / "..data")
+        for name in files:
+            link = self.root / name
+            if not link.is_symlink():
+                link.symlink_to(f"..data/{name}")
+
+    def path(self, name: str) -> Path:
+        return self.root / name
+
+
+def contents(pki: Path, cas, node: int, secret: str) -> dict:
+    return {"cluster-secret": secret.encode() + b"\n",
+            "tls.crt": (pki / f"node{node}.pem").read_bytes(),
+            "tls.key": (pki / f"node{node}.key").read_bytes(),
+            "ca.crt": b"".join((pki / f"ca{i}.pem").read_bytes() for i in cas)}
+
+
+def creds_args(vol: SecretVolume, server=True, client=True) -> list:
+    """The cluster secret, TLS on the gRPC port (server) and to workers (client)."""
+    a = [f"--cluster-secret-file={vol.path('cluster-secret')}", "--credentials-reload-s=1"]
+    if client:
+        a += [f"--worker-tls-ca-file={vol.path('ca.crt')}",
+              f"--worker-tls-cert-file={vol.path('tls.crt')}",
+              f"--worker-tls-key-file={vol.path('tls.key')}"]
+    if server:
+        a += [f"--tls-cert-file={vol.path('tls.crt')}", f"--tls-key-file={vol.path('tls.key')}",
+              f"--tls-client-ca-file={vol.path('ca.crt')}"]
+    return a
+
+
+def test_credentials_rotate_under_traffic(bin_dir, proto_modules, pki, tmp_path):
+    pb = type("PB", (), proto_modules)
+    g = pb.generation_pb2
+    model = make_tiny(bin_dir, tmp_path / "tiny")
+    vol = SecretVolume(tmp_path / "creds")
+    vol.write(contents(pki, (1,), 1, OLD))
+    worker = [f"--model={model}", "--port=0", "--http-port=0", "--threads=1",
+              "--kv-cache-mib=32", "--grace-ms=3000", "--grpc-max-connection-age-ms=1500",
+              "--grpc-max-connection-age-grace-ms=30000"]
+    dec = Proc(bin_dir / "chunkserve-decode", [*worker, *creds_args(vol, client=False)], "decode")
+    pre = Proc(bin_dir / "chunkserve-prefill", [*worker, *creds_args(vol),
+                                                f"--decode-workers={dec.addr}"], "prefill")
+    procs = [dec, pre]
+
+    def router(name, *args, prefill=None):
+        return Proc(bin_dir / "chunkserve-router", [
+            f"--model={model}", "--port=0", "--http-port=0", "--status-interval-ms=100",
+            "--grace-ms=3000", "--local-prefill-threshold=1",
+            f"--prefill-workers={(prefill or pre).addr}", f"--decode-workers={dec.addr}", *args],
+            name)
+
+    def usable(r, role):
+        return metric(r.metrics(), "chunkserve:workers_usable", f'role="{role}"')
+
+    try:
+        r = router("router", *creds_args(vol, server=False))
+        procs.append(r)
+        wait_for(lambda: usable(r, "prefill") == 1 and usable(r, "decode") == 1, 30,
+                 "the router to reach both workers over mutual TLS")
+        ids = [(11 * j) % 300 + 1 for j in range(40)]  # remote prefill: over the threshold
+
+        def generate(router_proc, timeout=30):
+            ch = grpc.insecure_channel(router_proc.addr)
+            try:
+                stub = pb.generation_pb2_grpc.GenerationStub(ch)
+                msgs = stub.Generate(g.GenerateRequest(
+                    token_ids=g.TokenIds(ids=ids),
+                    sampling=g.SamplingParams(max_tokens=6, ignore_eos=True)), timeout=timeout)
+                return [t for m in msgs for t in m.token_ids]
+            finally:
+                ch.close()
+
+        want = generate(r)
+        assert len(want) == 6
+
+        # the traffic: one stream after another, the whole time
+        stop, done, failures = threading.Event(), [0], []
+
+        def traffic():
+            while not stop.is_set():
+                try:
+                    out = generate(r)
+                    if out != want:
+                        failures.append(f"tokens {out} != {want}")
+                    done[0] += 1
+                except grpc.RpcError as e:
+                    failures.append(f"{e.code()}: {e.details()}")
+
+        t = threading.Thread(target=traffic)
+        t.start()
+
+        everyone = [dec, pre, r]
+
+        def keys_everywhere(key_id, n):
+            return all(p.metric("chunkserve:cluster_secret_key_id") == key_id and
+                       p.metric("chunkserve:cluster_secret_keys") == n for p in everyone)
+
+        old_id = r.metric("chunkserve:cluster_secret_key_id")
+        assert old_id > 0 and keys_everywhere(old_id, 1)
+
+        def step(cas, node, secret, key_id_of, n):
+            served = done[0]
+            vol.write(contents(pki, cas, node, secret))
+            wait_for(lambda: keys_everywhere(key_id_of(), n), 20,
+                     f"every process to prove the same key, {n} accepted")
+            wait_for(lambda: done[0] >= served + 5, 60, "requests to complete after the step")
+            # connections age out every 1.5 s: new handshakes under the new files
+            settled = done[0]
+            time.sleep(3)
+            assert done[0] > settled
+
+        step((1, 2), 1, f"{OLD}\n{NEW}", lambda: old_id, 2)
+        # a bad change is refused; the previous secret stays
+        errors = {p.name: p.metric("chunkserve:cluster_secret_reload_errors_total")
+                  for p in everyone}
+        vol.write(contents(pki, (1, 2), 1, f"{OLD}\nshort"))
+        wait_for(lambda: all(p.metric("chunkserve:cluster_secret_reload_errors_total") ==
+                             errors[p.name] + 1 for p in everyone), 20,
+                 "every process to refuse the bad secret file")
+        assert keys_everywhere(old_id, 2)
+        vol.write(contents(pki, (1, 2), 1, f"{OLD}\n{NEW}"))  # back to step 1
+
+        step((1, 2), 2, f"{NEW}\n{OLD}", lambda: r.metric("chunkserve:cluster_secret_key_id"), 2)
+        new_id = r.metric("chunkserve:cluster_secret_key_id")
+        assert new_id not in (0, old_id)
+        step((2,), 2, NEW, lambda: new_id, 1)
+        stop.set()
+        t.join(60)
+        assert not failures, failures[:5]
+        assert done[0] >= 20, done[0]
+        for p in everyone:
+            assert p.metric("chunkserve:cluster_secret_reloads_total") == 3, p.name
+            assert "cluster secret reloaded: proving key" in p.stderr()
+
+        # the old credentials open nothing any more; the new ones do
+        old_vol = SecretVolume(tmp_path / "old-creds")
+        old_vol.write(contents(pki, (1,), 1, OLD))
+        new_vol = SecretVolume(tmp_path / "new-creds")
+        new_vol.write(contents(pki, (2,), 2, NEW))
+        stale = router("router-old-creds", *creds_args(old_vol, server=False))
+        fresh = router("router-new-creds", *creds_args(new_vol, server=False))
+        procs += [stale, fresh]
+        wait_for(lambda: usable(fresh, "prefill") == 1 and usable(fresh, "decode") == 1, 30,
+                 "a router with only the new credentials to reach both workers")
+        assert generate(fresh) == want
+        t_end = time.monotonic() + 3
+        while time.monotonic() < t_end:
+            assert usable(stale, "decode") == 0 and usable(stale, "prefill") == 0
+            time.sleep(0.2)
+
+        # a prefill worker with only the new secret: the decode worker's KV link takes it
+        pre2 = Proc(bin_dir / "chunkserve-prefill", [*worker, *creds_args(new_vol),
+                                                     f"--decode-workers={dec.addr}"], "prefill-new")
+        procs.append(pre2)
+        r2 = router("router-new-prefill", *creds_args(new_vol, server=False), prefill=pre2)
+        procs.append(r2)
+        wait_for(lambda: usable(r2, "prefill") == 1 and usable(r2, "decode") == 1, 30,
+                 "the router to reach the new prefill worker")
+        assert generate(r2) == want
+        assert pre2.metric("chunkserve:kv_transfers_completed_total") >= 1
+    finally:
+        for p in reversed(procs):
+            assert p.stop() == 0, p.stderr()[-3000:]
