@@ -1141,3 +1141,43 @@ def test_tls_mounts_the_users_secret_in_every_pod(renders, flag_tables):
             public = {"CHUNKSERVE_TLS_CERT_FILE", "CHUNKSERVE_TLS_KEY_FILE"} \
                 if component(d) == "router" and other.merged["router"]["publicTls"]["enabled"] else set()
             assert not [n for n in names - public if "_TLS_" in n], name
+
+
+def pod_templates(text: str) -> dict:
+    """component -> pod template of each Deployment in a render's text."""
+    return {component(o): o["spec"]["template"] for o in objects(text) if o["kind"] == "Deployment"}
+
+
+def test_api_key_change_rolls_the_routers_only():
+    """The router reads CHUNKSERVE_API_KEY at start: a new apiKey.value (a Secret the chart
+    makes) changes the router's pod template (a checksum annotation), and nothing else's;
+    with apiKey.existingSecret there is nothing of the key in the release to checksum."""
+    def templates(api_key: dict) -> dict:
+        return pod_templates(manifest_text(render({"apiKey": {"enabled": True, **api_key}})))
+    a, b = templates({"value": "key-one"}), templates({"value": "key-two"})
+    ann = a["router"]["metadata"]["annotations"]["checksum/api-key"]
+    assert ann != b["router"]["metadata"]["annotations"]["checksum/api-key"]
+    assert "key-one" not in ann
+    for pool in ("prefill", "decode"):
+        assert a[pool] == b[pool]
+    ext = templates({"existingSecret": "mine"})
+    assert "checksum/api-key" not in ext["router"]["metadata"].get("annotations", {})
+
+
+def test_credential_mounts_follow_secret_updates(renders):
+    """Processes re-read the cluster secret and TLS files (docs/security.md, "Rotating
+    credentials"): every Secret volume is mounted whole, never with subPath (a subPath
+    mount is never updated by the kubelet), and read-only."""
+    seen = 0
+    for r in renders.values():
+        for o in objects(r.text):
+            if o["kind"] != "Deployment":
+                continue
+            spec = o["spec"]["template"]["spec"]
+            secrets = {v["name"] for v in spec.get("volumes", []) if "secret" in v}
+            for c in spec["containers"]:
+                for m in c.get("volumeMounts", []):
+                    if m["name"] in secrets:
+                        seen += 1
+                        assert "subPath" not in m and m.get("readOnly") is True, (r, m)
+    assert seen
