@@ -1112,7 +1112,8 @@ int cs_openai_start(struct uv_loop_s *loop, const cs_openai_opts *o, cs_openai *
                        .max_body_bytes = s->o.max_request_bytes,
                        .request_ms = s->o.request_ms,
                        .idle_ms = s->o.idle_ms,
-                       .error = http_error};
+                       .error = http_error,
+                       .tls = s->o.tls};
     int r = cs_http_server_start(loop, o->host, o->port, &ho, &s->http);
     if (r) {
         free(s);
@@ -1124,7 +1125,7 @@ int cs_openai_start(struct uv_loop_s *loop, const cs_openai_opts *o, cs_openai *
     return 0;
 }
 
-int cs_openai_start_config(struct uv_loop_s *loop, const cs_openai_config *c,
+int cs_openai_start_config(struct uv_loop_s *loop, const cs_openai_config *c, const cs_rpc_tls *tls,
                            const char *default_host, const cs_wire_model *wm,
                            void (*generate)(void *arg, cs_gen_call *call), void *arg,
                            cs_api_keys *keys, cs_openai **out) {
@@ -1140,9 +1141,11 @@ int cs_openai_start_config(struct uv_loop_s *loop, const cs_openai_config *c,
                         .request_ms = (uint64_t)c->request_timeout_ms,
                         .idle_ms = (uint64_t)c->idle_timeout_ms,
                         .api_keys = keys,
-                        .cors_allow_origins = c->cors_allow_origins};
+                        .cors_allow_origins = c->cors_allow_origins,
+                        .tls = tls};
     if ((r = cs_openai_start(loop, &o, out))) return r;
-    CS_LOGI("OpenAI-compatible API on %s:%d (%s)", o.host, cs_openai_port(*out),
+    CS_LOGI("OpenAI-compatible API on %s:%d (%s, %s)", o.host, cs_openai_port(*out),
+            tls && tls->cert_file && tls->cert_file[0] ? "HTTPS" : "plain HTTP",
             keys->n ? "API key required" : "no API key");
     return 0;
 }

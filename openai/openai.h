@@ -54,14 +54,18 @@ typedef struct {
     const cs_api_keys *api_keys;
     /* Origins allowed by CORS (comma-separated, "*" = any); NULL: no CORS. */
     const char *cors_allow_origins;
+    /* TLS on the port (the process's --tls-* files, as its gRPC port):
+     * NULL or no cert_file: plain HTTP. */
+    const cs_rpc_tls *tls;
 } cs_openai_opts;
 
 /* For a process with the cs_openai_config_table options: loads the API keys (into
  * *keys, shared with the process's gRPC door; free with cs_api_keys_free)
  * and, unless c->port is -1, starts the HTTP API on c->host (default_host
- * when unset); *out stays NULL when off. 0 or the error (printed by the
+ * when unset), over TLS with tls's files when set (the process's public
+ * gRPC port's); *out stays NULL when off. 0 or the error (printed by the
  * caller). */
-int cs_openai_start_config(struct uv_loop_s *loop, const cs_openai_config *c,
+int cs_openai_start_config(struct uv_loop_s *loop, const cs_openai_config *c, const cs_rpc_tls *tls,
                            const char *default_host, const cs_wire_model *wm,
                            void (*generate)(void *arg, cs_gen_call *call), void *arg,
                            cs_api_keys *keys, cs_openai **out);

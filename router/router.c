@@ -365,8 +365,8 @@ static int start(cs_proc *p, void *arg) {
     r->gctx = (cs_generation_ctx){&r->wm, &r->keys, cs_proc_uv(p)};
     if (!rc) rc = cs_generation_add_unary(srv, &r->gctx);
     if (!rc)
-        rc = cs_openai_start_config(cs_proc_uv(p), &o->openai, o->host, &r->wm, generate, r,
-                                    &r->keys, &r->openai);
+        rc = cs_openai_start_config(cs_proc_uv(p), &o->openai, &o->tls, o->host, &r->wm, generate,
+                                    r, &r->keys, &r->openai);
     if (rc) return rc;
     const cs_model_config *cfg = cs_model_get_config(r->model);
     cs_pool_opts po = {

@@ -152,8 +152,8 @@ static int gen_send(gen *g, const cs_stream *snap) {
 
 static void gen_log_end(const gen *g, const cs_stream *snap) {
     CS_LOGI("request %s: %s, %d prompt + %d completion tokens in %.3f s%s%s", g->request_id,
-            cs_finish_name(snap->finish), g->n_prompt, snap->n_completion,
-            cs_now() - snap->t_start, snap->error[0] ? ": " : "", snap->error);
+            cs_finish_name(snap->finish), g->n_prompt, snap->n_completion, cs_now() - snap->t_start,
+            snap->error[0] ? ": " : "", snap->error);
 }
 
 /* Posted by on_event: takes everything buffered and streams it. */
@@ -169,8 +169,8 @@ static void on_drain_post(void *data) {
         int rc = snap.out.oom ? CS_ENOMEM : 0;
         if (!rc && cs_stream_has_message(&snap)) rc = gen_send(g, &snap);
         cs_stream_end end;
-        cs_stream_outcome(&snap, rc, g->call ? cs_gen_call_pending_bytes(g->call) : 0,
-                          "the client", g->end_code, g->end_msg, &end);
+        cs_stream_outcome(&snap, rc, g->call ? cs_gen_call_pending_bytes(g->call) : 0, "the client",
+                          g->end_code, g->end_msg, &end);
         /* rc == CS_ECANCELED: the call is dead and on_call_cancel has run or
          * will run; it cancels the request. */
         if (end.code >= 0) gen_finish_call(g, end.code, end.code ? end.msg : NULL);
@@ -342,8 +342,8 @@ static int start(cs_proc *p, void *arg) {
                               &s->tok);
     int r = add_methods(s, cs_proc_server(p));
     if (!r)
-        r = cs_openai_start_config(cs_proc_uv(p), &s->o->openai, s->o->host, &s->wm, generate, s,
-                                   &s->keys, &s->openai);
+        r = cs_openai_start_config(cs_proc_uv(p), &s->o->openai, &s->o->tls, s->o->host, &s->wm,
+                                   generate, s, &s->keys, &s->openai);
     return r;
 }
 

@@ -347,6 +347,7 @@ out:
     cs_serve_stop(w->sv); /* NULL after a normal shutdown */
     cs_engine_free(w->engine);
     cs_model_free(w->model);
+    cs_secret_clear(&w->secret);
     return r;
 }
 

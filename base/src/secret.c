@@ -2,12 +2,15 @@
 #include "chunkserve/secret.h"
 
 #include <errno.h>
+#include <fcntl.h>
+#include <openssl/evp.h>
 #include <openssl/hmac.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/random.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include "chunkserve/assert.h"
 #include "chunkserve/error.h"
@@ -72,15 +75,17 @@ static void set_key(cs_secret_key *k, const uint8_t *s, size_t n) {
         snprintf(k->token + 2 * i, 3, "%02x", mac[i]);
 }
 
+/* A slow derivation (PBKDF2-HMAC-SHA256, 100,000 rounds) of 48 bits: the id
+ * is shown on the unauthenticated ops port, so a guess at a weak secret
+ * costs that much to check against it. */
 static uint64_t key_id(const cs_secret_key *k) {
-    static const char label[] = "chunkserve key id";
-    const void *p[] = {label};
-    size_t l[] = {sizeof label - 1};
-    uint8_t mac[32];
-    cs_hmac_sha256(k->key, k->len, 1, p, l, mac);
+    static const char salt[] = "chunkserve key id";
+    uint8_t out[6];
+    CS_ASSERT(PKCS5_PBKDF2_HMAC((const char *)k->key, (int)k->len, (const unsigned char *)salt,
+                                (int)sizeof salt - 1, 100000, EVP_sha256(), sizeof out, out));
     uint64_t id = 0;
     for (int i = 0; i < 6; i++) /* 48 bits: exact in a metric's double */
-        id = id << 8 | mac[i];
+        id = id << 8 | out[i];
     return id ? id : 1;
 }
 
@@ -124,33 +129,48 @@ static void finish(cs_secret *s) {
     s->id = s->set ? key_id(&s->k[0]) : 0;
 }
 
-/* The file's identity as stat(2) sees it through symlinks. */
-static int file_id(const char *file, cs_secret *s) {
+/* The identity of an open file (what a later reload compares). */
+static void file_id(int fd, cs_secret *s) {
     struct stat st;
-    if (stat(file, &st)) return -errno;
+    if (fstat(fd, &st)) return;
     s->f_dev = (uint64_t)st.st_dev, s->f_ino = (uint64_t)st.st_ino;
     s->f_size = (uint64_t)st.st_size;
     s->f_mtime_ns = (uint64_t)st.st_mtim.tv_sec * 1000000000u + (uint64_t)st.st_mtim.tv_nsec;
     s->f_ctime_ns = (uint64_t)st.st_ctim.tv_sec * 1000000000u + (uint64_t)st.st_ctim.tv_nsec;
-    return 0;
 }
 
-/* Reads file (identity first, so a change while reading is seen next time). */
+static bool same_file(const cs_secret *a, const cs_secret *b) {
+    return a->f_dev == b->f_dev && a->f_ino == b->f_ino && a->f_size == b->f_size &&
+           a->f_mtime_ns == b->f_mtime_ns && a->f_ctime_ns == b->f_ctime_ns;
+}
+
+/* Reads file into out (keys and the identity of what was read): 0,
+ * CS_EIO when it cannot be read (worth retrying), CS_EINVAL when its
+ * contents are refused. */
 static int read_file(const char *file, cs_secret *out) {
-    if (file_id(file, out))
-        return cs_fail(CS_EINVAL, "--cluster-secret-file %s cannot be read: %s", file,
+    int fd = open(file, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return cs_fail(CS_EIO, "--cluster-secret-file %s cannot be read: %s", file,
                        strerror(errno));
-    FILE *f = fopen(file, "rb");
-    if (!f)
-        return cs_fail(CS_EINVAL, "--cluster-secret-file %s cannot be read: %s", file,
-                       strerror(errno));
+    file_id(fd, out);
     enum { CAP = CS_SECRET_KEYS * (CS_SECRET_MAX + 2) + 1 };
     uint8_t buf[CAP];
-    size_t n = fread(buf, 1, sizeof buf, f);
-    fclose(f);
-    int r = n == CAP ? cs_fail(CS_EINVAL, "--cluster-secret-file %s: over %d bytes", file, CAP - 1)
+    size_t n = 0;
+    int r = 0;
+    while (n < CAP) { /* read(2), not stdio: no copy of the secret in a FILE buffer */
+        ssize_t got = read(fd, buf + n, CAP - n);
+        if (got < 0 && errno == EINTR) continue;
+        if (got < 0)
+            r = cs_fail(CS_EIO, "--cluster-secret-file %s cannot be read: %s", file,
+                        strerror(errno));
+        if (got <= 0) break;
+        n += (size_t)got;
+    }
+    close(fd);
+    if (!r)
+        r = n == CAP ? cs_fail(CS_EINVAL, "--cluster-secret-file %s: over %d bytes", file, CAP - 1)
                      : parse_lines(buf, n, out, "--cluster-secret-file");
-    memset(buf, 0, sizeof buf);
+    cs_secure_zero(buf, sizeof buf);
     if (!r) finish(out);
     return r;
 }
@@ -163,6 +183,10 @@ int cs_secret_load(const char *value, const char *file, cs_secret *out) {
                        "--cluster-secret and --cluster-secret-file are both set; give one");
     if (hv) {
         size_t n = strlen(value);
+        if (strpbrk(value, "\r\n"))
+            return cs_fail(CS_EINVAL,
+                           "--cluster-secret: the value holds a line break; a value is one "
+                           "secret (two, during a rotation, go in --cluster-secret-file)");
         int r = check_len(n, "--cluster-secret", 0);
         if (r) return r;
         set_key(&out->k[out->n++], (const uint8_t *)value, n);
@@ -172,20 +196,29 @@ int cs_secret_load(const char *value, const char *file, cs_secret *out) {
     if (!hf) return 0;
     int r = read_file(file, out);
     if (r) cs_secret_clear(out);
-    return r;
+    return r ? CS_EINVAL : 0;
 }
 
 int cs_secret_reload(cs_secret *s, const char *file) {
     cs_secret now;
     memset(&now, 0, sizeof now);
-    (void)file_id(file, &now); /* all 0 when the file is gone: reported once, too */
-    if (now.f_dev == s->f_dev && now.f_ino == s->f_ino && now.f_size == s->f_size &&
-        now.f_mtime_ns == s->f_mtime_ns && now.f_ctime_ns == s->f_ctime_ns)
-        return 0;
+    struct stat st;
+    if (stat(file, &st) == 0) { /* unchanged: nothing read */
+        now.f_dev = (uint64_t)st.st_dev, now.f_ino = (uint64_t)st.st_ino;
+        now.f_size = (uint64_t)st.st_size;
+        now.f_mtime_ns = (uint64_t)st.st_mtim.tv_sec * 1000000000u + (uint64_t)st.st_mtim.tv_nsec;
+        now.f_ctime_ns = (uint64_t)st.st_ctim.tv_sec * 1000000000u + (uint64_t)st.st_ctim.tv_nsec;
+        if (same_file(&now, s)) return 0;
+    }
+    memset(&now, 0, sizeof now);
     int r = read_file(file, &now);
-    if (r) { /* keep the keys; remember what was refused, so it is reported once */
-        s->f_dev = now.f_dev, s->f_ino = now.f_ino, s->f_size = now.f_size;
-        s->f_mtime_ns = now.f_mtime_ns, s->f_ctime_ns = now.f_ctime_ns;
+    if (r) {
+        /* refused contents are reported once (until the file changes again);
+         * a read that failed is tried again next time */
+        if (r == CS_EINVAL) {
+            s->f_dev = now.f_dev, s->f_ino = now.f_ino, s->f_size = now.f_size;
+            s->f_mtime_ns = now.f_mtime_ns, s->f_ctime_ns = now.f_ctime_ns;
+        }
         cs_secret_clear(&now);
         return r;
     }

@@ -82,6 +82,9 @@ typedef struct {
 } kvx_keys;
 /* Copies s (NULL or unset: the empty key). */
 void cs__kvx_keys_set(kvx_keys *ks, const cs_secret *s);
+/* Whether k is one of ks (a channel's session key still accepted after a
+ * rotation: a retired one is closed once its transfers are over). */
+bool cs__kvx_keys_have(const kvx_keys *ks, const kvx_key *k);
 
 /* What both ends of a channel's handshake hash (kvx_wire.h version 5). */
 typedef struct {
@@ -119,11 +122,12 @@ typedef struct { /* what the receiver checks a HELLO against */
 void cs__kvx_hs_hello(const cs_kvx_layout *layout, int payload, const char *name,
                       uint8_t nonce[CS_KVX_NONCE_BYTES], uint8_t pl[CS_KVX_HELLO_BYTES]);
 /* Sender, on CHALLENGE: checks the receiver's proof (by any of keys), then
- * gives AUTH's proof and the session key under the key that matched. CS_EPROTO (a bad frame) or
+ * gives AUTH's proof and the session key under the key that matched (a
+ * copy in *matched). CS_EPROTO (a bad frame) or
  * CS_ECONNREFUSED (the receiver does not hold the secret) with err set. */
 int cs__kvx_hs_answer(const kvx_keys *keys, const cs__kvx_hs_sender *me, const cs_kvx_hdr *h,
                       const uint8_t *pl, uint8_t proof[CS_KVX_AUTH_BYTES], uint8_t session[32],
-                      char *err, size_t cap);
+                      kvx_key *matched, char *err, size_t cap);
 /* Receiver, on HELLO: whether the sender's payload, model and layout are
  * this receiver's. CS_ECONNREFUSED with err naming the mismatch. */
 int cs__kvx_hs_admit(const cs__kvx_hs_receiver *me, const cs_kvx_hdr *h, const cs_kvx_hello *m,

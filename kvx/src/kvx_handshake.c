@@ -69,6 +69,12 @@ void cs__kvx_trailer_mac(const uint8_t session[32], uint64_t xfer_id,
     memcpy(mac, full, CS_KVX_MAC_BYTES);
 }
 
+bool cs__kvx_keys_have(const kvx_keys *ks, const kvx_key *k) {
+    for (int i = 0; i < ks->n; i++)
+        if (ks->k[i].len == k->len && cs_ct_equal(ks->k[i].key, k->key, k->len)) return true;
+    return false;
+}
+
 /* ---------------------------------------------------------- sender -- */
 
 void cs__kvx_hs_hello(const cs_kvx_layout *layout, int payload, const char *name,
@@ -85,7 +91,7 @@ void cs__kvx_hs_hello(const cs_kvx_layout *layout, int payload, const char *name
 
 int cs__kvx_hs_answer(const kvx_keys *keys, const cs__kvx_hs_sender *me, const cs_kvx_hdr *h,
                       const uint8_t *pl, uint8_t proof[CS_KVX_AUTH_BYTES], uint8_t session[32],
-                      char *err, size_t cap) {
+                      kvx_key *matched, char *err, size_t cap) {
     cs_kvx_challenge m;
     if (cs_kvx_challenge_decode(pl, (size_t)h->payload_len, &m, err, cap)) return CS_EPROTO;
     kvx_transcript t;
@@ -111,6 +117,7 @@ int cs__kvx_hs_answer(const kvx_keys *keys, const cs__kvx_hs_sender *me, const c
     }
     cs__kvx_derive(key, KVX_PROOF_TX, &t, proof);
     cs__kvx_derive(key, KVX_SESSION, &t, session);
+    *matched = *key;
     return 0;
 }
 

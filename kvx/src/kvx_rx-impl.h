@@ -56,6 +56,8 @@ typedef struct rx_conn {
     kvx_transcript tr; /* the handshake's (set by HELLO) */
     kvx_key key;       /* the key CHALLENGE proved: AUTH must prove the same (a
                           rotation between the two changes nothing) */
+    bool retired;      /* that key was rotated out: closed once no transfer is bound
+                          to it (cs_kvx_rx_set_secret) */
     uint8_t session[32];
     bool closing; /* closed at the next safe point */
     bool oom;     /* a control frame could not be allocated: fail it at the next look */

@@ -619,6 +619,13 @@ static void run_events(cs_kvx_rx *rx) {
     pthread_mutex_lock(&rx->mu);
 }
 
+/* A transfer is bound to c (its pages come over it). */
+static bool conn_busy(const cs_kvx_rx *rx, const rx_conn *c) {
+    for (const rx_xfer *x = rx->xfers; x; x = x->next)
+        if (x->conn == c) return true;
+    return false;
+}
+
 static void *rx_thread(void *arg) {
     cs_kvx_rx *rx = arg;
     cs_log_set_role("kvx-rx");
@@ -656,6 +663,12 @@ static void *rx_thread(void *arg) {
             if (!c->closing && c->oom)
                 cs__rx_conn_fail(rx, c, CS_ENOMEM, "the receiver ran out of memory for a frame",
                                  false);
+            if (!c->closing && c->retired && !conn_busy(rx, c)) {
+                CS_LOGI("kvx rx: closing the channel from %s (%s): its cluster secret was "
+                        "rotated out",
+                        c->name[0] ? c->name : "?", c->addr);
+                cs__rx_conn_fail(rx, c, CS_ECONNRESET, "cluster secret rotated", false);
+            }
             if (!c->closing && c->comm == COMM_OPENING) cs__rx_link_open(rx, c);
             if (!c->closing && c->link) link_poll(rx, c, now);
             if (c->closing) { /* the safe point: nothing refers to c any more */
@@ -842,12 +855,16 @@ void cs_kvx_rx_free(cs_kvx_rx *rx) {
     close(rx->lfd);
     close(rx->wake[0]);
     free(rx->scratch);
+    cs_secure_zero(&rx->keys, sizeof rx->keys);
     free(rx);
 }
 
 void cs_kvx_rx_set_secret(cs_kvx_rx *rx, const cs_secret *s) {
     pthread_mutex_lock(&rx->mu);
     cs__kvx_keys_set(&rx->keys, s);
+    for (rx_conn *c = rx->conns; c; c = c->next)
+        if (c->challenged && !cs__kvx_keys_have(&rx->keys, &c->key)) c->retired = true;
+    cs__kvx_wake(rx->wake[1]);
     pthread_mutex_unlock(&rx->mu);
 }
 

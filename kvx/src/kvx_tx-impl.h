@@ -72,6 +72,9 @@ typedef struct tx_chan {
     uint64_t peer_inc;                 /* receiver incarnation from the CHALLENGE */
     uint8_t nonce[CS_KVX_NONCE_BYTES]; /* this channel's HELLO nonce */
     uint8_t session[32];
+    kvx_key key;  /* the one the session came from (authed) */
+    bool retired; /* that key was rotated out: no new transfer; closed and freed
+                     once its last one ended (cs_kvx_tx_set_secret) */
     kvx_out *qhead, *qtail;
     int64_t last_rx, last_tx;
     uint8_t in[CS_KVX_HDR_BYTES + CS_KVX_ACK_BYTES]; /* incoming control frame */

@@ -421,6 +421,25 @@ static void renew(cs_kvx_tx *tx, tx_chan *c, int64_t now) {
         }
 }
 
+/* Channels whose session key was rotated out, once their last transfer
+ * ended: closed and freed (a new transfer to that receiver opened a new
+ * channel, under the new key). */
+static void bury_retired(cs_kvx_tx *tx) {
+    for (tx_chan **pp = &tx->chans; *pp;) {
+        tx_chan *c = *pp;
+        if (!c->retired || c->n_xfers > 0) {
+            pp = &c->next;
+            continue;
+        }
+        CS_LOGI("kvx tx: closing the channel to %s:%d: its cluster secret was rotated out", c->host,
+                c->port);
+        cs__tx_chan_close(tx, c, CS_ECONNRESET, "cluster secret rotated");
+        *pp = c->next;
+        free(c->slots);
+        free(c);
+    }
+}
+
 static void *tx_thread(void *arg) {
     cs_kvx_tx *tx = arg;
     cs_log_set_role("kvx-tx");
@@ -447,6 +466,7 @@ static void *tx_thread(void *arg) {
                 wait = x->deadline - now;
             }
         }
+        bury_retired(tx);
         int n = 1, nch = 0;
         for (tx_chan *c = tx->chans; c; c = c->next)
             nch++;
@@ -626,6 +646,9 @@ void cs_kvx_tx_free(cs_kvx_tx *tx) {
 void cs_kvx_tx_set_secret(cs_kvx_tx *tx, const cs_secret *s) {
     pthread_mutex_lock(&tx->mu);
     cs__kvx_keys_set(&tx->keys, s);
+    for (tx_chan *c = tx->chans; c; c = c->next)
+        if (c->authed && !cs__kvx_keys_have(&tx->keys, &c->key)) c->retired = true;
+    cs__kvx_wake(tx->wake[1]);
     pthread_mutex_unlock(&tx->mu);
 }
 

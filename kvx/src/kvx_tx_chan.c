@@ -56,6 +56,7 @@ void cs__tx_chan_close(cs_kvx_tx *tx, tx_chan *ch, int status, const char *msg) 
     ch->state = CH_IDLE;
     ch->acked = ch->authed = false;
     memset(ch->session, 0, sizeof ch->session);
+    cs_secure_zero(&ch->key, sizeof ch->key);
     ch->in_len = 0;
     for (tx_xfer *x = tx->xfers, *nx; x; x = nx) {
         nx = x->next;
@@ -117,7 +118,7 @@ void cs__tx_bury(cs_kvx_tx *tx) {
 
 tx_chan *cs__tx_find_chan(cs_kvx_tx *tx, const char *host, int port) {
     for (tx_chan *c = tx->chans; c; c = c->next)
-        if (c->port == port && strcmp(c->host, host) == 0) return c;
+        if (!c->retired && c->port == port && strcmp(c->host, host) == 0) return c;
     return NULL;
 }
 
@@ -256,7 +257,7 @@ static void on_challenge(cs_kvx_tx *tx, tx_chan *ch, const cs_kvx_hdr *h, const 
                             .peer = peer};
     memcpy(me.nonce, ch->nonce, sizeof me.nonce);
     uint8_t proof[CS_KVX_AUTH_BYTES];
-    int r = cs__kvx_hs_answer(&tx->keys, &me, h, pl, proof, ch->session, err, sizeof err);
+    int r = cs__kvx_hs_answer(&tx->keys, &me, h, pl, proof, ch->session, &ch->key, err, sizeof err);
     if (r) {
         tx->st.protocol_errors++;
         cs__tx_chan_close(tx, ch, r, err);

@@ -49,6 +49,11 @@ struct cs_rpc_loop {
     int64_t outstanding; /* tags handed to gRPC and not yet delivered */
     int32_t n_objects;   /* servers and channels alive */
     bool closing;
+    /* The TLS credentials of the last channel made with TLS (and what they
+     * were made from): channels to many workers with one set of files share
+     * them, and so one file watcher (gRPC runs a thread per watcher). */
+    grpc_channel_credentials *tls_creds;
+    char *tls_key;
 };
 
 /* Counts an operation about to be started with a tag on l->cq; call
@@ -89,5 +94,9 @@ int64_t cs__rpc_server_max_watches(const cs_rpc_server *s);
  * CS_EINVAL naming the file; the key's copy is wiped. */
 int cs__rpc_server_creds(const cs_rpc_tls *t, grpc_server_credentials **out);
 int cs__rpc_channel_creds(const cs_rpc_tls *t, grpc_channel_credentials **out);
+/* The credentials of a channel of l with t: shared (cached in l) when TLS;
+ * release them with cs__rpc_loop_creds_release. */
+int cs__rpc_loop_channel_creds(cs_rpc_loop *l, const cs_rpc_tls *t, grpc_channel_credentials **out);
+void cs__rpc_loop_creds_release(cs_rpc_loop *l, grpc_channel_credentials *c);
 
 #endif

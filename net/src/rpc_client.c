@@ -312,14 +312,14 @@ int cs_rpc_channel_init(cs_rpc_loop *l, const char *target, const cs_rpc_channel
     grpc_channel_args ca = {named ? 3 : 2, all};
     grpc_channel_credentials *creds = NULL;
     static const cs_rpc_tls plain = {0};
-    int rc = cs__rpc_channel_creds(o ? &o->tls : &plain, &creds);
+    int rc = cs__rpc_loop_channel_creds(l, o ? &o->tls : &plain, &creds);
     if (rc) {
         md_free(ch);
         free(ch);
         return rc;
     }
     ch->ch = grpc_channel_create(target, creds, &ca);
-    grpc_channel_credentials_release(creds);
+    cs__rpc_loop_creds_release(l, creds);
     if (!ch->ch) {
         md_free(ch);
         free(ch);

@@ -7,6 +7,7 @@
  * order. Posts from other threads travel through the same list. Not here:
  * anything about servers, calls or channels. */
 #include <stdlib.h>
+#include <stdio.h>
 #include <string.h>
 #include <time.h>
 
@@ -86,8 +87,38 @@ static size_t drain_once(cs_rpc_loop *l) {
     return n;
 }
 
+int cs__rpc_loop_channel_creds(cs_rpc_loop *l, const cs_rpc_tls *t,
+                               grpc_channel_credentials **out) {
+    if (!t->ca_file || !t->ca_file[0]) return cs__rpc_channel_creds(t, out);
+    char key[4200];
+    snprintf(key, sizeof key, "%s\n%s\n%s\n%lld", t->ca_file, t->cert_file ? t->cert_file : "",
+             t->key_file ? t->key_file : "", (long long)t->reload_s);
+    if (l->tls_creds && !strcmp(l->tls_key, key)) {
+        *out = l->tls_creds;
+        return 0;
+    }
+    char *k = strdup(key);
+    if (!k) return cs_fail(CS_ENOMEM, "rpc: out of memory");
+    int r = cs__rpc_channel_creds(t, out);
+    if (r) {
+        free(k);
+        return r;
+    }
+    if (l->tls_creds) grpc_channel_credentials_release(l->tls_creds);
+    free(l->tls_key);
+    l->tls_creds = *out;
+    l->tls_key = k;
+    return 0;
+}
+
+void cs__rpc_loop_creds_release(cs_rpc_loop *l, grpc_channel_credentials *c) {
+    if (c != l->tls_creds) grpc_channel_credentials_release(c);
+}
+
 static void on_async_closed(uv_handle_t *h) {
     cs_rpc_loop *l = h->data;
+    if (l->tls_creds) grpc_channel_credentials_release(l->tls_creds);
+    free(l->tls_key);
     pthread_mutex_destroy(&l->mu);
     free(l->events);
     free(l->spare);

@@ -3,6 +3,9 @@
 #include <grpc/byte_buffer_reader.h>
 #include <errno.h>
 #include <grpc/grpc_security.h>
+#include <openssl/err.h>
+#include <openssl/pem.h>
+#include <openssl/x509.h>
 #include <grpc/slice.h>
 #include <protobuf-c/protobuf-c.h>
 #include <stdio.h>
@@ -10,6 +13,7 @@
 #include <string.h>
 
 #include "chunkserve/error.h"
+#include "chunkserve/secret.h"
 #include "rpc-impl.h"
 
 const char *cs_rpc_code_name(int code) {
@@ -180,7 +184,33 @@ static int read_pem(const char *path, const char *what, char **out) {
 static int check_pem(const char *path, const char *what) {
     char *buf;
     int r = read_pem(path, what, &buf);
-    if (!r) memset(buf, 0, strlen(buf)), free(buf);
+    if (!r) cs_secure_zero(buf, strlen(buf)), free(buf);
+    return r;
+}
+
+/* What gRPC would refuse only at the first handshake, refused now: a file
+ * with no certificate, a key that is not the certificate's. */
+static int check_identity(const char *cert_file, const char *key_file) {
+    BIO *b = BIO_new_file(cert_file, "r");
+    X509 *x = b ? PEM_read_bio_X509(b, NULL, NULL, NULL) : NULL;
+    BIO_free(b);
+    EVP_PKEY *k = NULL;
+    int r = 0;
+    if (!x) {
+        r = cs_fail(CS_EINVAL, "rpc: the TLS certificate %s holds no PEM certificate", cert_file);
+    } else if (key_file) {
+        b = BIO_new_file(key_file, "r");
+        k = b ? PEM_read_bio_PrivateKey(b, NULL, NULL, NULL) : NULL;
+        BIO_free(b);
+        if (!k)
+            r = cs_fail(CS_EINVAL, "rpc: the TLS key %s holds no PEM private key", key_file);
+        else if (X509_check_private_key(x, k) != 1)
+            r = cs_fail(CS_EINVAL, "rpc: the TLS key %s is not the certificate %s's", key_file,
+                        cert_file);
+    }
+    X509_free(x);
+    EVP_PKEY_free(k);
+    ERR_clear_error();
     return r;
 }
 
@@ -197,6 +227,8 @@ int cs__rpc_server_creds(const cs_rpc_tls *t, grpc_server_credentials **out) {
     int r = check_pem(t->cert_file, "certificate");
     if (!r) r = check_pem(t->key_file, "key");
     if (!r && ca) r = check_pem(t->ca_file, "client CA");
+    if (!r) r = check_identity(t->cert_file, t->key_file);
+    if (!r && ca) r = check_identity(t->ca_file, NULL);
     if (r) return r;
     grpc_tls_certificate_provider *files = grpc_tls_certificate_provider_file_watcher_create(
         t->key_file, t->cert_file, ca ? t->ca_file : NULL, reload_s(t));
@@ -228,6 +260,8 @@ int cs__rpc_channel_creds(const cs_rpc_tls *t, grpc_channel_credentials **out) {
     int r = check_pem(t->ca_file, "CA");
     if (!r && mutual) r = check_pem(t->cert_file, "client certificate");
     if (!r && mutual) r = check_pem(t->key_file, "client key");
+    if (!r) r = check_identity(t->ca_file, NULL);
+    if (!r && mutual) r = check_identity(t->cert_file, t->key_file);
     if (r) return r;
     grpc_tls_certificate_provider *files = grpc_tls_certificate_provider_file_watcher_create(
         mutual ? t->key_file : NULL, mutual ? t->cert_file : NULL, t->ca_file, reload_s(t));

@@ -1,8 +1,10 @@
 /* http.c: the HTTP/1.1 server (chunkserve/http.h) on a libuv loop, requests
  * parsed by http-parser and handed whole (headers and decoded body) to the
  * server's handler, responses written as the handler produces them: whole
- * (Content-Length) or streamed (chunked). Not here: what any path means (the
- * handlers: ops_http.c, the OpenAI layer), TLS, HTTP/2.
+ * (Content-Length) or streamed (chunked), over TLS when the server has a
+ * certificate (http_tls.c: ciphertext in and out of the socket here,
+ * plaintext parsed and written as without it). Not here: what any path
+ * means (the handlers: ops_http.c, the OpenAI layer), HTTP/2.
  *
  * A connection owns two handles (its socket and its timer) and is freed when
  * both close callbacks have run, which libuv calls from its closing phase:
@@ -135,7 +137,8 @@ struct conn {
     size_t n_hdrs, cap_hdrs;
     char peer[PEER_MAX];
     char ip[PEER_MAX]; /* the peer's address without its port (the per-address cap) */
-    /* Input not parsed yet, rbuf[roff..rlen). */
+    SSL *ssl;          /* TLS (http_tls.c); NULL: plaintext */
+    /* Input not parsed yet, rbuf[roff..rlen) (plaintext). */
     size_t roff, rlen;
     char rbuf[READ_BUF];
 };
@@ -151,6 +154,8 @@ struct cs_http_server {
     uint64_t n_evicted; /* connections closed to make room (make_room) */
     void (*on_free)(void *);
     void *on_free_arg;
+    cs__http_tls *tls;  /* NULL: plaintext */
+    char tls_in[65536]; /* ciphertext as read, fed to the connection's SSL at once */
 };
 
 typedef struct {
@@ -161,6 +166,8 @@ typedef struct {
 
 static void conn_process(conn *c);
 static void conn_error(conn *c, int status, const char *msg);
+static void conn_eof(conn *c);
+static int conn_tls_flush(conn *c);
 static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf);
 static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf);
 
@@ -169,6 +176,7 @@ static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf);
 static void maybe_free_server(cs_http_server *s) {
     if (!(s->closing && s->listener_closed && s->n_conns == 0)) return;
     if (s->on_free) s->on_free(s->on_free_arg);
+    cs__http_tls_free(s->tls);
     free(s);
 }
 
@@ -189,6 +197,7 @@ static void on_conn_close(uv_handle_t *h) {
     if (c->next) c->next->prev = c->prev;
     s->n_conns--;
     cs_http_res *res = c->res;
+    cs__http_tls_conn_free(c->ssl);
     free(c->buf);
     free(c->hdrs);
     free(c);
@@ -259,7 +268,8 @@ static void conn_update_reading(conn *c) {
     else if (c->state == CONN_DRAINING)
         want = true;
     else
-        want = c->rlen - c->roff < READ_BUF;
+        want = c->rlen - c->roff < READ_BUF &&
+               (!c->ssl || cs__http_tls_buffered_in(c->ssl) < READ_BUF);
     if (want && !c->reading) {
         if (uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read) != 0) {
             conn_close(c);
@@ -276,6 +286,10 @@ static void on_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf) {
     conn *c = h->data;
     (void)suggested;
     if (c->state != CONN_OPEN) c->roff = c->rlen = 0; /* draining: input is dropped */
+    if (c->ssl) { /* ciphertext, into the SSL at once (on_read) */
+        *buf = uv_buf_init(c->server->tls_in, sizeof c->server->tls_in);
+        return;
+    }
     if (c->roff > 0) {
         memmove(c->rbuf, c->rbuf + c->roff, c->rlen - c->roff);
         c->rlen -= c->roff;
@@ -301,6 +315,10 @@ static void conn_drain(conn *c) {
     c->roff = c->rlen = 0;
     conn_update_reading(c);
     if (c->state == CONN_CLOSING) return;
+    if (c->ssl) {
+        cs__http_tls_close_notify(c->ssl);
+        if (conn_tls_flush(c)) return;
+    }
     c->shutdown.data = c;
     if (uv_shutdown(&c->shutdown, (uv_stream_t *)&c->tcp, on_shutdown) != 0) {
         conn_close(c);
@@ -311,12 +329,18 @@ static void conn_drain(conn *c) {
 
 static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf) {
     conn *c = st->data;
-    (void)buf;
     if (c->state == CONN_CLOSING || nread == 0) return;
     if (nread > 0) {
         if (c->state != CONN_OPEN) return; /* draining: dropped */
-        c->rlen += (size_t)nread;
-        conn_process(c);
+        if (c->ssl) {
+            if (cs__http_tls_feed(c->ssl, buf->base, (size_t)nread)) {
+                conn_close(c);
+                return;
+            }
+        } else {
+            c->rlen += (size_t)nread;
+        }
+        conn_process(c); /* with TLS: decrypts what fits first */
         return;
     }
     if (nread != UV_EOF) {
@@ -324,8 +348,14 @@ static void on_read(uv_stream_t *st, ssize_t nread, const uv_buf_t *buf) {
         conn_close(c);
         return;
     }
+    conn_eof(c);
+}
+
+/* The peer's end of stream: TCP's, or TLS's close_notify (then the socket
+ * may stay open; nothing more is read from it either way). */
+static void conn_eof(conn *c) {
     c->peer_eof = true;
-    uv_read_stop(st);
+    if (c->reading) uv_read_stop((uv_stream_t *)&c->tcp);
     c->reading = false;
     if (c->state == CONN_OPEN && c->res) {
         /* A client that stops sending while its answer is being made has
@@ -364,7 +394,7 @@ static void on_write(uv_write_t *req, int status) {
 }
 
 /* Hands w->data[0..len) to the socket; w is ours to free either way. */
-static int conn_write(conn *c, wreq *w, size_t len) {
+static int conn_write_raw(conn *c, wreq *w, size_t len) {
     w->c = c;
     uv_buf_t b = uv_buf_init(w->data, (unsigned)len);
     int r = uv_write(&w->req, (uv_stream_t *)&c->tcp, &b, 1, on_write);
@@ -376,6 +406,60 @@ static int conn_write(conn *c, wreq *w, size_t len) {
     }
     c->n_writes++;
     return 0;
+}
+
+/* The ciphertext the SSL has made (records, handshake messages) to the
+ * socket. 0, or the connection is closed. */
+static int conn_tls_flush(conn *c) {
+    size_t n;
+    while ((n = cs__http_tls_take(c->ssl, NULL, 0)) > 0) {
+        if (n > UINT_MAX / 2) n = UINT_MAX / 2;
+        wreq *w = malloc(sizeof *w + n);
+        if (!w) {
+            CS_LOGW("http: out of memory for a write; closing the connection");
+            conn_close(c);
+            return CS_ENOMEM;
+        }
+        size_t got = cs__http_tls_take(c->ssl, w->data, n);
+        int r = conn_write_raw(c, w, got);
+        if (r) return r;
+    }
+    return 0;
+}
+
+/* Plaintext w->data[0..len) out (through TLS when on); w is ours to free. */
+static int conn_write(conn *c, wreq *w, size_t len) {
+    if (!c->ssl) return conn_write_raw(c, w, len);
+    int r = cs__http_tls_write(c->ssl, w->data, len);
+    free(w);
+    if (r) {
+        CS_LOGD("http: TLS write to %s failed", c->peer);
+        conn_close(c);
+        return CS_ECONNRESET;
+    }
+    return conn_tls_flush(c);
+}
+
+/* Decrypts what the SSL holds into rbuf while it has room, and sends the
+ * handshake's answers. The peer's close_notify is its end of stream; a
+ * failed handshake or a bad record closes the connection. */
+static void conn_tls_pull(conn *c) {
+    if (c->state != CONN_OPEN || c->peer_eof) return;
+    if (c->roff > 0) {
+        memmove(c->rbuf, c->rbuf + c->roff, c->rlen - c->roff);
+        c->rlen -= c->roff;
+        c->roff = 0;
+    }
+    int n = 0;
+    while (c->rlen < sizeof c->rbuf &&
+           (n = cs__http_tls_read(c->ssl, c->rbuf + c->rlen, sizeof c->rbuf - c->rlen, c->peer)) >
+               0)
+        c->rlen += (size_t)n;
+    if (conn_tls_flush(c)) return;
+    if (n == CS_EPROTO)
+        conn_close(c);
+    else if (n == CS_ECONNRESET)
+        conn_eof(c);
 }
 
 static int conn_write_copy(conn *c, const char *data, size_t len) {
@@ -815,7 +899,9 @@ static void conn_process(conn *c) {
     if (c->processing) return;
     c->processing = true;
     const cs_http_opts *o = &c->server->o;
-    while (c->state == CONN_OPEN && !c->res && !c->write_blocked && c->roff < c->rlen) {
+    for (;;) {
+        if (c->ssl) conn_tls_pull(c);
+        if (!(c->state == CONN_OPEN && !c->res && !c->write_blocked && c->roff < c->rlen)) break;
         if (c->n_writes >= MAX_INFLIGHT) {
             c->write_blocked = true;
             break;
@@ -923,6 +1009,7 @@ static void on_connection(uv_stream_t *listener, int status) {
     http_parser_init(&c->parser, HTTP_REQUEST);
     c->parser.data = c;
     int r = uv_accept(listener, (uv_stream_t *)&c->tcp);
+    if (r == 0 && s->tls && !(c->ssl = cs__http_tls_accept(s->tls))) r = UV_ENOMEM;
     if (r == 0) {
         conn_peer_name(c);
         make_room(s, c);
@@ -994,6 +1081,13 @@ int cs_http_server_start(struct uv_loop_s *loop, const char *host, int port,
     }
     s->loop = loop;
     s->o = *opts;
+    s->o.tls = NULL; /* the files are read here, not kept */
+    int tr = cs__http_tls_init(opts->tls, &s->tls);
+    if (tr) {
+        close(fd);
+        free(s);
+        return tr;
+    }
     if (!s->o.max_header_bytes) s->o.max_header_bytes = CS_HTTP_MAX_REQUEST;
     if (!s->o.idle_ms) s->o.idle_ms = CS_HTTP_IDLE_MS;
     if (!s->o.request_ms) s->o.request_ms = CS_HTTP_REQUEST_MS;

@@ -224,9 +224,10 @@ int cs_proc_run(const cs_proc_opts *o, const cs_proc_role *role, void *role_data
     uv_timer_init(&p->uv, &p->reload);
     p->sigterm.data = p->sigint.data = p->grace.data = p->drain_poll.data = p->reload.data = p;
     if (o->secret && o->secret->set) log_secret("cluster secret", o->secret);
-    if (o->secret && o->secret_file && o->secret_file[0] && o->tls.reload_s > 0)
-        uv_timer_start(&p->reload, on_reload, (uint64_t)o->tls.reload_s * 1000,
-                       (uint64_t)o->tls.reload_s * 1000);
+    if (o->secret && o->secret_file && o->secret_file[0]) {
+        uint64_t ms = (uint64_t)(o->tls.reload_s > 0 ? o->tls.reload_s : 10) * 1000;
+        uv_timer_start(&p->reload, on_reload, ms, ms);
+    }
     uv_signal_start(&p->sigterm, on_signal, SIGTERM);
     uv_signal_start(&p->sigint, on_signal, SIGINT);
     printf("listening on %s:%d\nhttp listening on %s:%d\n", o->host, p->port, http_host,

@@ -163,6 +163,10 @@ static inline bool raw_read_frame(int fd, cs_kvx_hdr *h, uint8_t *pl, size_t cap
  * with key (len 0: the empty key of a receiver without a secret). session
  * (may be NULL) receives the session key. Returns true once AUTH is sent;
  * false when the receiver answered HELLO with something else (a refusal). */
+/* Called (when set) between the receiver's CHALLENGE and our AUTH. */
+static void (*raw_before_auth)(void *arg);
+static void *raw_before_auth_arg;
+
 static inline bool raw_hello_key(int fd, const cs_kvx_layout *l, const char *name, uint64_t inc,
                                  const void *key, size_t key_len, uint8_t session[32]) {
     cs_kvx_hello m;
@@ -189,6 +193,7 @@ static inline bool raw_hello_key(int fd, const cs_kvx_layout *l, const char *nam
     uint8_t proof[CS_KVX_AUTH_BYTES];
     cs__kvx_derive(&k, KVX_PROOF_TX, &t, proof);
     if (session) cs__kvx_derive(&k, KVX_SESSION, &t, session);
+    if (raw_before_auth) raw_before_auth(raw_before_auth_arg);
     raw_frame(fd, CS_KVX_AUTH, inc, 0, 0, 0, fp, proof, sizeof proof, true);
     return true;
 }

@@ -83,6 +83,34 @@ static bool pages_are(const uint8_t *pool, int n, uint8_t v) {
     return true;
 }
 
+static uint64_t closed_conns(cs_kvx_rx *rx) {
+    cs_kvx_stats st;
+    cs_kvx_rx_get_stats(rx, &st);
+    return st.conns_closed;
+}
+
+static uint64_t tx_stat(cs_kvx_tx *tx, bool opened) {
+    cs_kvx_stats st;
+    cs_kvx_tx_get_stats(tx, &st);
+    return opened ? st.conns_opened : st.conns_closed;
+}
+
+/* Polls cond for up to 5 s. */
+#define EVENTUALLY(cond)                                                                           \
+    do {                                                                                           \
+        int64_t t_end_ = test_now_ms() + 5000;                                                     \
+        while (!(cond) && test_now_ms() < t_end_)                                                  \
+            usleep(10000);                                                                         \
+        ASSERT_TRUE(cond);                                                                         \
+    } while (0)
+
+static cs_kvx_rx *rotating_rx;
+static const cs_secret *rotate_to;
+static void rotate_now(void *arg) {
+    (void)arg;
+    cs_kvx_rx_set_secret(rotating_rx, rotate_to);
+}
+
 /* 8. A rotation from SECRET to OTHER in three steps (secret.h). */
 static void rotation(void) {
     cs_secret old_new = keys(SECRET, OTHER), new_old = keys(OTHER, SECRET),
@@ -116,9 +144,35 @@ static void rotation(void) {
     cs_kvx_tx *a = sender_keys("prefill-a", &old), *b = sender_keys("prefill-b", &old_new);
     DELIVERS(a, 0);
     DELIVERS(b, 0);
-    /* the receiver reaches step 2 (proves new, accepts both): b takes its
-     * proof by the second key; a's open channel keeps its session */
-    cs_kvx_rx_set_secret(rx, &new_old);
+    /* the receiver at step 1, rotated to step 2 between its CHALLENGE
+     * (proved with old) and the sender's AUTH (proved with old too): the
+     * channel opens under the key CHALLENGE used, and delivers */
+    cs_kvx_rx_set_secret(rx, &old_new);
+    rotating_rx = rx, rotate_to = &new_old;
+    raw_before_auth = rotate_now;
+    memset(rx_pool, 0, (size_t)NP * PB);
+    ASSERT_EQ_INT(cs_kvx_rx_expect(rx, ++id, NULL, ids, 1, 20000, waiter_done, &w), 0);
+    int fd = raw_connect(port);
+    uint8_t session[32], tb[CS_KVX_TRAILER_BYTES];
+    uint64_t fp = cs_kvx_layout_fingerprint(&L);
+    ASSERT_TRUE(raw_hello_key(fd, &L, "raw-rotating", 90, SECRET, strlen(SECRET), session));
+    raw_before_auth = NULL;
+    raw_frame(fd, CS_KVX_PAGES, 90, id, 0, 1, fp, tx_pool, PB, true);
+    cs_kvx_trailer_wire tw;
+    memset(&tw, 0, sizeof tw);
+    tw.t.total_pages = 1;
+    tw.t.prompt_len = 16;
+    cs__kvx_fold(&tw.xxh64, cs_kvx_payload_sum(tx_pool, PB));
+    cs_kvx_trailer_encode(&tw, tb);
+    cs__kvx_trailer_mac(session, id, tb, tb + CS_KVX_TRAILER_MAC_AT);
+    raw_frame(fd, CS_KVX_TRAILER, 90, id, 0, 0, fp, tb, sizeof tb, true);
+    ASSERT_TRUE(waiter_wait(&w, ++nd, 5000));
+    ASSERT_EQ_INT(waiter_status(&w, id), 0);
+    ASSERT_TRUE(pages_are(rx_pool, 1, 0x5a));
+    close(fd);
+    /* the receiver at step 2 (proves new, accepts both): a's open channel
+     * keeps its session (old is still accepted); b2 takes the receiver's
+     * proof by its second key */
     DELIVERS(a, 0);
     cs_kvx_tx *b2 = sender_keys("prefill-b2", &old_new);
     DELIVERS(b2, 0);
@@ -126,8 +180,22 @@ static void rotation(void) {
      * accept the receiver's proof (that is why step 1 must reach everyone) */
     cs_kvx_tx *a2 = sender_keys("prefill-a2", &old);
     DELIVERS(a2, CS_ECONNREFUSED);
-    /* step 3 on both sides: only the new secret */
+    /* b reaches step 3 first: its channel's session (old) is rotated out,
+     * so the channel closes once idle and the next transfer opens another
+     * one, under new */
+    cs_kvx_tx_set_secret(b, &new);
+    EVENTUALLY(tx_stat(b, false) == 1);
+    DELIVERS(b, 0);
+    ASSERT_EQ_INT(tx_stat(b, true), 2);
+    /* the receiver reaches step 3: a's channel (session under old) is closed
+     * once idle; b's and b2's (under new) stay */
+    uint64_t closed = closed_conns(rx);
     cs_kvx_rx_set_secret(rx, &new);
+    EVENTUALLY(closed_conns(rx) == closed + 1);
+    EVENTUALLY(tx_stat(a, false) == 1);
+    DELIVERS(a, CS_ECONNREFUSED); /* reconnects, still on old alone */
+    DELIVERS(b2, 0);
+    ASSERT_EQ_INT(tx_stat(b2, true), 1);
     cs_kvx_tx_set_secret(a2, &new);
     DELIVERS(a2, 0);
     cs_kvx_tx *c = sender_keys("prefill-c", &old);
@@ -137,8 +205,8 @@ static void rotation(void) {
     cs_kvx_rx_free(rx);
     cs_secret_clear(&old_new), cs_secret_clear(&new_old), cs_secret_clear(&old),
         cs_secret_clear(&new);
-    fprintf(stderr,
-            "rotation: either key accepted, the rotated one used from the next handshake\n");
+    fprintf(stderr, "rotation: either key accepted, the rotated one used from the next "
+                    "handshake, channels under a retired key closed once idle\n");
 }
 
 int main(void) {

@@ -12,13 +12,15 @@ three steps from CA 1 + secret "old" to CA 2 + secret "new":
 Workers close connections every 1.5 s (--grpc-max-connection-age-ms), so the router
 keeps making new TLS handshakes with whatever the files hold. Checked: no request fails
 and each gives the tokens of the first; every process proves the same key id after each
-step; a bad secret file in the middle is refused (counted, the old secret kept); at the
-end a router with only the old credentials uses no worker, one with only the new ones
-serves, and a new prefill worker holding only the new secret hands KV pages to the
-decode worker (whose KV link now checks the new secret).
+step; a bad secret file in the middle is refused (counted, the old secret kept); the KV
+channel authenticated under the old secret is replaced once the old secret is rotated out,
+no transfer failing. At the end a router with only the old credentials (or the new TLS
+files and the old secret) uses no worker, one with only the new ones serves, and a new
+prefill worker holding only the new secret hands KV pages to the decode worker.
 """
 from __future__ import annotations
 
+import hashlib
 import os
 import subprocess
 import threading
@@ -36,6 +38,13 @@ pytestmark = pytest.mark.deploy
 
 OLD, NEW = "old-cluster-secret-0123456789", "new-cluster-secret-9876543210"
 FILES = ("cluster-secret", "tls.crt", "tls.key", "ca.crt")
+
+
+def key_id(secret: str) -> float:
+    """chunkserve:cluster_secret_key_id of a process proving secret (base/src/secret.c)."""
+    v = int.from_bytes(hashlib.pbkdf2_hmac("sha256", secret.encode(), b"chunkserve key id",
+                                           100000, 6), "big")
+    return float(v or 1)
 
 
 def openssl(*args, cwd: Path):
@@ -119,6 +128,7 @@ def test_credentials_rotate_under_traffic(bin_dir, proto_modules, pki, tmp_path)
     pre = Proc(bin_dir / "chunkserve-prefill", [*worker, *creds_args(vol),
                                                 f"--decode-workers={dec.addr}"], "prefill")
     procs = [dec, pre]
+    stop = threading.Event()
 
     def router(name, *args, prefill=None):
         return Proc(bin_dir / "chunkserve-router", [
@@ -152,7 +162,7 @@ def test_credentials_rotate_under_traffic(bin_dir, proto_modules, pki, tmp_path)
         assert len(want) == 6
 
         # the traffic: one stream after another, the whole time
-        stop, done, failures = threading.Event(), [0], []
+        done, failures = [0], []
 
         def traffic():
             while not stop.is_set():
@@ -164,7 +174,7 @@ def test_credentials_rotate_under_traffic(bin_dir, proto_modules, pki, tmp_path)
                 except grpc.RpcError as e:
                     failures.append(f"{e.code()}: {e.details()}")
 
-        t = threading.Thread(target=traffic)
+        t = threading.Thread(target=traffic, daemon=True)
         t.start()
 
         everyone = [dec, pre, r]
@@ -173,21 +183,20 @@ def test_credentials_rotate_under_traffic(bin_dir, proto_modules, pki, tmp_path)
             return all(p.metric("chunkserve:cluster_secret_key_id") == key_id and
                        p.metric("chunkserve:cluster_secret_keys") == n for p in everyone)
 
-        old_id = r.metric("chunkserve:cluster_secret_key_id")
-        assert old_id > 0 and keys_everywhere(old_id, 1)
+        old_id, new_id = key_id(OLD), key_id(NEW)
+        assert keys_everywhere(old_id, 1)
 
-        def step(cas, node, secret, key_id_of, n):
-            served = done[0]
+        def step(cas, node, secret, proved_id, n):
             vol.write(contents(pki, cas, node, secret))
-            wait_for(lambda: keys_everywhere(key_id_of(), n), 20,
-                     f"every process to prove the same key, {n} accepted")
-            wait_for(lambda: done[0] >= served + 5, 60, "requests to complete after the step")
-            # connections age out every 1.5 s: new handshakes under the new files
-            settled = done[0]
-            time.sleep(3)
-            assert done[0] > settled
+            wait_for(lambda: keys_everywhere(proved_id, n), 20,
+                     f"every process to prove key {proved_id:.0f}, {n} accepted")
+            # workers close connections every 1.5 s: wait for requests over new ones
+            t_new = time.monotonic() + 3
+            served = done[0]
+            wait_for(lambda: time.monotonic() > t_new and done[0] >= served + 5, 60,
+                     "requests to complete over connections made after the step")
 
-        step((1, 2), 1, f"{OLD}\n{NEW}", lambda: old_id, 2)
+        step((1, 2), 1, f"{OLD}\n{NEW}", old_id, 2)
         # a bad change is refused; the previous secret stays
         errors = {p.name: p.metric("chunkserve:cluster_secret_reload_errors_total")
                   for p in everyone}
@@ -198,10 +207,8 @@ def test_credentials_rotate_under_traffic(bin_dir, proto_modules, pki, tmp_path)
         assert keys_everywhere(old_id, 2)
         vol.write(contents(pki, (1, 2), 1, f"{OLD}\n{NEW}"))  # back to step 1
 
-        step((1, 2), 2, f"{NEW}\n{OLD}", lambda: r.metric("chunkserve:cluster_secret_key_id"), 2)
-        new_id = r.metric("chunkserve:cluster_secret_key_id")
-        assert new_id not in (0, old_id)
-        step((2,), 2, NEW, lambda: new_id, 1)
+        step((1, 2), 2, f"{NEW}\n{OLD}", new_id, 2)
+        step((2,), 2, NEW, new_id, 1)
         stop.set()
         t.join(60)
         assert not failures, failures[:5]
@@ -209,21 +216,33 @@ def test_credentials_rotate_under_traffic(bin_dir, proto_modules, pki, tmp_path)
         for p in everyone:
             assert p.metric("chunkserve:cluster_secret_reloads_total") == 3, p.name
             assert "cluster secret reloaded: proving key" in p.stderr()
+        # the KV channel opened under the old secret was closed once idle and
+        # replaced by one under the new secret, with no transfer lost
+        assert "rotated out" in pre.stderr() + dec.stderr()
+        assert pre.metric("chunkserve:kv_transfers_failed_total") == 0
 
         # the old credentials open nothing any more; the new ones do
         old_vol = SecretVolume(tmp_path / "old-creds")
         old_vol.write(contents(pki, (1,), 1, OLD))
         new_vol = SecretVolume(tmp_path / "new-creds")
         new_vol.write(contents(pki, (2,), 2, NEW))
+        # (the new TLS files with the old secret: the token is refused)
+        old_token_vol = SecretVolume(tmp_path / "old-token")
+        old_token_vol.write(contents(pki, (2,), 2, OLD))
+        unauth = dec.metric("chunkserve:rpc_unauthenticated_total")
         stale = router("router-old-creds", *creds_args(old_vol, server=False))
+        stale_token = router("router-old-token", *creds_args(old_token_vol, server=False))
         fresh = router("router-new-creds", *creds_args(new_vol, server=False))
-        procs += [stale, fresh]
+        procs += [stale, stale_token, fresh]
         wait_for(lambda: usable(fresh, "prefill") == 1 and usable(fresh, "decode") == 1, 30,
                  "a router with only the new credentials to reach both workers")
         assert generate(fresh) == want
+        wait_for(lambda: dec.metric("chunkserve:rpc_unauthenticated_total") > unauth, 30,
+                 "the decode worker to refuse the old secret's token")
         t_end = time.monotonic() + 3
         while time.monotonic() < t_end:
-            assert usable(stale, "decode") == 0 and usable(stale, "prefill") == 0
+            for s in (stale, stale_token):
+                assert usable(s, "decode") == 0 and usable(s, "prefill") == 0, s.name
             time.sleep(0.2)
 
         # a prefill worker with only the new secret: the decode worker's KV link takes it
@@ -237,5 +256,7 @@ def test_credentials_rotate_under_traffic(bin_dir, proto_modules, pki, tmp_path)
         assert generate(r2) == want
         assert pre2.metric("chunkserve:kv_transfers_completed_total") >= 1
     finally:
-        for p in reversed(procs):
-            assert p.stop() == 0, p.stderr()[-3000:]
+        stop.set()
+        codes = {p.name: p.stop() for p in reversed(procs)}
+        for p in procs:
+            assert codes[p.name] == 0, p.stderr()[-3000:]

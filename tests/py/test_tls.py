@@ -4,6 +4,11 @@ certificate, and a second CA nobody trusts).
 
 - `chunkserve serve --tls-cert-file/--tls-key-file`: a TLS client that trusts the CA
   generates; a plaintext client and a client that trusts another CA cannot.
+- the OpenAI HTTP port with the same files: the official `openai` client over HTTPS
+  (whole and streamed answers); plain HTTP and a client trusting another CA get
+  nothing; with --tls-client-ca-file only a client certificate of that CA is served;
+  a certificate file replaced while running serves the next connections
+  (--credentials-reload-s).
 - the cluster with mutual TLS everywhere: workers require a client certificate of the CA
   (--tls-client-ca-file); the router presents one (--worker-tls-*) and serves TLS itself;
   tokens equal the plaintext cluster's; a client without a certificate, or with one of
@@ -12,6 +17,10 @@ certificate, and a second CA nobody trusts).
 """
 from __future__ import annotations
 
+import http.client
+import shutil
+import ssl
+import urllib.request
 import subprocess
 import time
 from pathlib import Path
@@ -161,7 +170,88 @@ def test_unreadable_tls_files_stop_a_process_at_start(bin_dir, model, certs):
                         "nope.pem"),
                        ([f"--tls-cert-file={certs / 'server.pem'}"], "needs its key file"),
                        ([f"--tls-cert-file={certs / 'server.pem'}", f"--tls-key-file={certs / 'ext.cnf'}"],
-                        "not PEM")):
+                        "not PEM"),
+                       ([f"--tls-cert-file={certs / 'server.pem'}", f"--tls-key-file={certs / 'client.key'}"],
+                        "is not the certificate"),
+                       ([f"--tls-cert-file={certs / 'server.key'}", f"--tls-key-file={certs / 'server.key'}"],
+                        "holds no PEM certificate")):
         p = subprocess.run([str(bin_dir / "chunkserve-decode"), f"--model={model}", "--port=0",
                             "--http-port=0", *args], capture_output=True, text=True, timeout=60)
         assert p.returncode != 0 and what in p.stderr, p.stderr[-2000:]
+
+
+def start_https_serve(bin_dir, model, *args):
+    """`chunkserve serve` with TLS and its OpenAI port: (process, "host:port" of that port)."""
+    p = subprocess.Popen([str(bin_dir / "chunkserve"), "serve", f"--model={model}", "--port=0",
+                          "--http-port=0", "--openai-port=0", "--threads=1", *args],
+                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    lines = [p.stdout.readline().decode().strip() for _ in range(3)]
+    if not lines[2].startswith("openai listening on "):
+        p.kill()
+        pytest.fail(f"unexpected start lines {lines!r}")
+    return p, lines[2].split()[-1]
+
+
+def openai_client(addr, certs: Path, ca="ca", client=None):
+    """The official client over HTTPS, trusting ca's certificate (and presenting client's)."""
+    openai = pytest.importorskip("openai")
+    ctx = ssl.create_default_context(cafile=str(certs / f"{ca}.pem"))
+    if client:
+        ctx.load_cert_chain(certs / f"{client}.pem", certs / f"{client}.key")
+    return openai.OpenAI(base_url=f"https://{addr}/v1", api_key="none", max_retries=0,
+                         timeout=30, http_client=openai.DefaultHttpxClient(verify=ctx))
+
+
+def test_openai_door_over_tls(bin_dir, model, certs, tmp_path):
+    openai = pytest.importorskip("openai")
+    # the server's files are copies, so that the test can replace them
+    for f in ("server.pem", "server.key", "stranger.pem", "stranger.key"):
+        shutil.copy(certs / f, tmp_path / f)
+    p, addr = start_https_serve(bin_dir, model, f"--tls-cert-file={tmp_path / 'server.pem'}",
+                                f"--tls-key-file={tmp_path / 'server.key'}",
+                                "--credentials-reload-s=1")
+    try:
+        c = openai_client(addr, certs)
+        model_id = c.models.list().data[0].id
+        r = c.completions.create(model=model_id, prompt="hello", max_tokens=5, temperature=0)
+        assert r.usage.completion_tokens == 5
+        chunks = list(c.chat.completions.create(
+            model=model_id, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+            temperature=0, stream=True))
+        assert chunks and chunks[-1].choices[0].finish_reason == "length"
+        # plain HTTP on the TLS port, and a client that trusts another CA: nothing served
+        with pytest.raises((OSError, http.client.HTTPException)):
+            urllib.request.urlopen(f"http://{addr}/v1/models", timeout=10)
+        with pytest.raises(openai.APIConnectionError):
+            openai_client(addr, certs, ca="other-ca").models.list()
+        # the certificate replaced by one of the other CA (a rename, as a Secret volume
+        # swaps): new connections get it
+        for f in ("pem", "key"):
+            (tmp_path / f"new.{f}").write_bytes((certs / f"stranger.{f}").read_bytes())
+        (tmp_path / "new.key").replace(tmp_path / "server.key")
+        (tmp_path / "new.pem").replace(tmp_path / "server.pem")
+
+        def other_ca_served():
+            try:
+                return bool(openai_client(addr, certs, ca="other-ca").models.list().data)
+            except openai.APIConnectionError:
+                return False
+        wait_for(other_ca_served, 20, "the replaced certificate to be served")
+        with pytest.raises(openai.APIConnectionError):
+            openai_client(addr, certs).models.list()
+    finally:
+        p.terminate()
+        assert p.wait(30) == 0
+
+
+def test_openai_door_with_client_certificates(bin_dir, model, certs):
+    openai = pytest.importorskip("openai")
+    p, addr = start_https_serve(bin_dir, model, *tls_args(certs))
+    try:
+        assert openai_client(addr, certs, client="client").models.list().data
+        for who in (None, "stranger"):
+            with pytest.raises(openai.APIConnectionError):
+                openai_client(addr, certs, client=who).models.list()
+    finally:
+        p.terminate()
+        assert p.wait(30) == 0

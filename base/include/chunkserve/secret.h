@@ -5,7 +5,7 @@
  * The cluster secret is shared by the router and every worker of one
  * cluster (a flag, CHUNKSERVE_CLUSTER_SECRET or a file, in Kubernetes a
  * mounted Secret). It never goes on the wire: worker RPCs carry a token
- * derived from it (cs_secret_rpc_token), the KV link proves it by
+ * derived from it (cs_secret_token), the KV link proves it by
  * challenge-response. An unset secret means "trust the network" (the
  * pre-secret behaviour, for loopback and isolated networks). */
 #ifndef CHUNKSERVE_SECRET_H
@@ -31,9 +31,12 @@ typedef struct {
 } cs_secret_key;
 
 /* The cluster secret as a process holds it: one key, or two during a
- * rotation. k[0] is the one this process proves (the token its calls carry,
- * the KV link's challenge it answers or sets); every key is accepted (a
- * worker RPC's token, a KV peer's proof). A rotation is three edits of the
+ * rotation. k[0] is the one this process proves: the token its calls
+ * carry, and as a KV receiver its CHALLENGE (whose key the sender's AUTH
+ * must then use). Every key is accepted in a worker RPC's token and, by a
+ * KV sender, in a receiver's CHALLENGE (the sender answers with the key it
+ * matched); a KV channel authenticated under a key later rotated out is
+ * closed once its transfers are over. A rotation is three edits of the
  * file, each reaching every process before the next (docs/security.md):
  * "old\nnew" (prove old, accept both), "new\nold" (prove new, accept both),
  * "new". */
@@ -41,14 +44,15 @@ typedef struct {
     bool set; /* n > 0; false: no authentication (trust the network) */
     int n;    /* keys held: 0, 1, or 2 during a rotation */
     cs_secret_key k[CS_SECRET_KEYS];
-    uint64_t id; /* of k[0]: 48 bits of HMAC(k[0], "chunkserve key id"), never the key
-                    itself; what logs and the key-id metric show (0: none) */
+    uint64_t id; /* of k[0]: 48 bits of PBKDF2-HMAC-SHA256(k[0], "chunkserve key id",
+                    100000 rounds), never the key itself; what logs and the key-id
+                    metric show (0: none) */
     /* the file as last read (cs_secret_reload): a change to any of these reloads it */
     uint64_t f_dev, f_ino, f_size, f_mtime_ns, f_ctime_ns;
 } cs_secret;
 
-/* From a value (flag or environment; NULL/"" = none; the whole string is one
- * secret) or a file (one secret a line: the first is proved, a second is
+/* From a value (flag or environment; NULL/"" = none; one secret, a line
+ * break refused) or a file (one secret a line: the first is proved, a second is
  * also accepted; a trailing newline and a CR before each newline are
  * dropped; NULL/"" = none); both set is an error, as is a secret shorter
  * than CS_SECRET_MIN or longer than CS_SECRET_MAX bytes, an empty line or
@@ -60,7 +64,8 @@ int cs_secret_load(const char *value, const char *file, cs_secret *out);
  * an editor renames a new file into place). 1: new keys are in s; 0: the
  * file did not change, or holds the keys s has; CS_EINVAL (message in
  * cs_last_error()): the new contents are refused and s keeps its keys (the
- * same contents are not reported again: the next change is). */
+ * same file is not reported again: the next change is); CS_EIO: it cannot
+ * be read now (s keeps its keys; tried again at the next call). */
 int cs_secret_reload(cs_secret *s, const char *file);
 /* The token k[0] gives (what a caller sends); NULL without a secret. */
 const char *cs_secret_token(const cs_secret *s);

@@ -44,6 +44,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "chunkserve/rpc.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -104,6 +106,12 @@ typedef struct {
      * cs_http_res_end (the server does). NULL, or no answer: text/plain
      * "<message>\n". */
     void (*error)(void *arg, int status, const char *message, cs_http_res *res);
+    /* TLS (NULL, or no cert_file: plaintext): cert_file and key_file, and
+     * ca_file to require client certificates it signed; read at start (an
+     * error names the bad file), re-read when they change (at most every
+     * reload_s seconds, at an accept): new connections get the new
+     * certificate. HTTP/1.1 over TLS 1.2 or 1.3, ALPN "http/1.1". */
+    const cs_rpc_tls *tls;
 } cs_http_opts;
 
 /* Binds host (a numeric IPv4 or IPv6 address) and port (0 = any free port,

@@ -109,7 +109,8 @@ typedef struct {
     cs_rpc_tls tls;         /* cs_proc_tls_config */
     /* The cluster secret the role loaded (NULL: the process has none) and
      * the file it came from (NULL/"": a value, never re-read). The shell
-     * re-reads the file on the loop thread every tls.reload_s seconds and
+     * re-reads the file on the loop thread every tls.reload_s seconds (0:
+     * 10, as gRPC's TLS watcher) and
      * exports chunkserve:cluster_secret_key_id and _keys. */
     cs_secret *secret;
     const char *secret_file;
