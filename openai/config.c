@@ -12,6 +12,11 @@ const cs_config_entry cs_openai_config_table[] = {
      "OpenAI-compatible HTTP API (/v1/chat/completions, /v1/completions, /v1/models); "
      "0 = any free port, -1 = off",
      -1, 65535},
+    {"openai-tls", CS_CONFIG_BOOL, C(tls), "true",
+     "the OpenAI HTTP API speaks TLS (HTTPS) with --tls-cert-file/--tls-key-file when they are "
+     "set, as the gRPC port does; --no-openai-tls: plain HTTP (TLS ends in front of it, at an "
+     "Ingress or Gateway)",
+     0, 0},
     {"api-key", CS_CONFIG_SECRET, C(api_key), NULL,
      "API key the public API requires (repeat the flag, or comma-separate, for more): HTTP "
      "'Authorization: Bearer KEY', gRPC 'authorization' metadata; none = open",

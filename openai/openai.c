@@ -1142,10 +1142,10 @@ int cs_openai_start_config(struct uv_loop_s *loop, const cs_openai_config *c, co
                         .idle_ms = (uint64_t)c->idle_timeout_ms,
                         .api_keys = keys,
                         .cors_allow_origins = c->cors_allow_origins,
-                        .tls = tls};
+                        .tls = c->tls ? tls : NULL};
     if ((r = cs_openai_start(loop, &o, out))) return r;
     CS_LOGI("OpenAI-compatible API on %s:%d (%s, %s)", o.host, cs_openai_port(*out),
-            tls && tls->cert_file && tls->cert_file[0] ? "HTTPS" : "plain HTTP",
+            o.tls && o.tls->cert_file && o.tls->cert_file[0] ? "HTTPS" : "plain HTTP",
             keys->n ? "API key required" : "no API key");
     return 0;
 }

@@ -35,6 +35,7 @@ typedef struct cs_openai cs_openai;
 typedef struct {
     const char *host, *api_key, *api_key_file, *cors_allow_origins;
     int64_t port, max_request_bytes, request_timeout_ms, idle_timeout_ms;
+    bool tls; /* over the process's TLS files (when set) */
 } cs_openai_config;
 extern const cs_config_entry cs_openai_config_table[];
 extern const size_t cs_openai_config_n;
@@ -63,7 +64,7 @@ typedef struct {
  * *keys, shared with the process's gRPC door; free with cs_api_keys_free)
  * and, unless c->port is -1, starts the HTTP API on c->host (default_host
  * when unset), over TLS with tls's files when set (the process's public
- * gRPC port's); *out stays NULL when off. 0 or the error (printed by the
+ * gRPC port's) unless c->tls is false; *out stays NULL when off. 0 or the error (printed by the
  * caller). */
 int cs_openai_start_config(struct uv_loop_s *loop, const cs_openai_config *c, const cs_rpc_tls *tls,
                            const char *default_host, const cs_wire_model *wm,

@@ -29,7 +29,7 @@ CHART_SETS = {"host", "port", "http-host", "http-port", "model", "worker-id", "k
               "decode-workers", "ready-without-workers", "openai-host", "openai-port",
               "tls-cert-file", "tls-key-file", "tls-client-ca-file", "worker-tls-ca-file",
               "worker-tls-cert-file", "worker-tls-key-file", "worker-tls-server-name",
-              "cluster-secret-file"}
+              "cluster-secret-file", "openai-tls"}
 # Secrets: from clusterSecret / apiKey (Secrets), never as plain values.
 SECRETS = {"cluster-secret", "api-key"}
 

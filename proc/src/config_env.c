@@ -95,6 +95,7 @@ static const char *const family_flags[] = {
     "OPENAI_HOST",
     "OPENAI_IDLE_TIMEOUT_MS",
     "OPENAI_PORT",
+    "OPENAI_TLS",
     "OPENAI_REQUEST_TIMEOUT_MS",
     "OUT",
     "PAGE_SIZE",

@@ -255,3 +255,23 @@ def test_openai_door_with_client_certificates(bin_dir, model, certs):
     finally:
         p.terminate()
         assert p.wait(30) == 0
+
+
+def test_no_openai_tls_keeps_the_http_port_plain(bin_dir, model, certs, pb):
+    """--no-openai-tls (the chart sets it behind an Ingress or HTTPRoute): the OpenAI port
+    speaks plain HTTP while the gRPC port keeps TLS."""
+    p = subprocess.Popen([str(bin_dir / "chunkserve"), "serve", f"--model={model}", "--port=0",
+                          "--http-port=0", "--openai-port=0", "--threads=1", "--no-openai-tls",
+                          *tls_args(certs, client_ca=False)],
+                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        lines = [p.stdout.readline().decode().strip() for _ in range(3)]
+        grpc_addr, http_addr = lines[0].split()[-1], lines[2].split()[-1]
+        with urllib.request.urlopen(f"http://{http_addr}/v1/models", timeout=10) as r:
+            assert r.status == 200
+        ch = grpc.secure_channel(grpc_addr, creds(certs))
+        assert len(run(pb.generation_pb2_grpc.GenerationStub(ch), pb.generation_pb2, [5, 6, 7])) == 8
+        ch.close()
+    finally:
+        p.terminate()
+        assert p.wait(30) == 0
