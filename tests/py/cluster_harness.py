@@ -146,6 +146,26 @@ def make_tiny(bin_dir: Path, out: Path, *flags) -> Path:
     return out / "tiny.gguf"
 
 
+def make_pki(d: Path, cas: dict) -> Path:
+    """Certificates made with the `openssl` CLI in d: for each CA name in cas (d/CA.pem,
+    d/CA.key), its leaves (d/LEAF.pem, d/LEAF.key) for 127.0.0.1 and localhost, usable by
+    servers and clients alike. Returns d."""
+    def openssl(*args):
+        subprocess.run(["openssl", *args], cwd=d, check=True, capture_output=True)
+    (d / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n"
+                               "extendedKeyUsage=serverAuth,clientAuth\n")
+    for ca, leaves in cas.items():
+        openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{ca}.key",
+                "-out", f"{ca}.pem", "-days", "2", "-subj", f"/CN=chunkserve test {ca}")
+        for name in leaves:
+            openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out",
+                    f"{name}.csr", "-subj", f"/CN={name}")
+            openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey",
+                    f"{ca}.key", "-CAcreateserial", "-out", f"{name}.pem", "-days", "2",
+                    "-extfile", "ext.cnf")
+    return d
+
+
 def rpc_token(secret: str | None) -> list:
     """The metadata worker RPCs carry under a cluster secret (base/src/secret.c): the hex
     HMAC-SHA256 of a fixed label keyed by the secret; [] without one."""

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -32,7 +31,7 @@ import pytest
 grpc = pytest.importorskip("grpc")
 pytest.importorskip("grpc_tools.protoc")
 
-from cluster_harness import Proc, make_tiny, metric, wait_for  # noqa: E402
+from cluster_harness import Proc, make_pki, make_tiny, metric, wait_for  # noqa: E402
 
 pytestmark = pytest.mark.deploy
 
@@ -47,26 +46,10 @@ def key_id(secret: str) -> float:
     return float(v or 1)
 
 
-def openssl(*args, cwd: Path):
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory) -> Path:
     """Two CAs, each with a node certificate for 127.0.0.1 usable by servers and clients."""
-    d = tmp_path_factory.mktemp("pki")
-    (d / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n"
-                               "extendedKeyUsage=serverAuth,clientAuth\n")
-    for i in (1, 2):
-        openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", f"ca{i}.key",
-                "-out", f"ca{i}.pem", "-days", "2", "-subj", f"/CN=chunkserve rotation CA {i}",
-                cwd=d)
-        openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"node{i}.key", "-out",
-                f"node{i}.csr", "-subj", f"/CN=node{i}", cwd=d)
-        openssl("x509", "-req", "-in", f"node{i}.csr", "-CA", f"ca{i}.pem", "-CAkey", f"ca{i}.key",
-                "-CAcreateserial", "-out", f"node{i}.pem", "-days", "2", "-extfile", "ext.cnf",
-                cwd=d)
-    return d
+    return make_pki(tmp_path_factory.mktemp("pki"), {"ca1": ["node1"], "ca2": ["node2"]})
 
 
 class SecretVolume:

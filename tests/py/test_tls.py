@@ -30,31 +30,17 @@ import pytest
 grpc = pytest.importorskip("grpc")
 pytest.importorskip("grpc_tools.protoc")
 
-from cluster_harness import Proc, make_tiny, metric, rpc_token, wait_for  # noqa: E402
+from cluster_harness import Proc, make_pki, make_tiny, metric, rpc_token, wait_for  # noqa: E402
 
 pytestmark = pytest.mark.cluster
 
 SECRET = "tls-test-secret-0123456789ab"
 
 
-def openssl(*args, cwd: Path):
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
 @pytest.fixture(scope="module")
 def certs(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("certs")
-    (d / "ext.cnf").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n"
-                               "extendedKeyUsage=serverAuth,clientAuth\n")
-    for ca in ("ca", "other-ca"):
-        openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{ca}.key",
-                "-out", f"{ca}.pem", "-days", "2", "-subj", f"/CN=chunkserve test {ca}", cwd=d)
-    for name, ca in (("server", "ca"), ("client", "ca"), ("stranger", "other-ca")):
-        openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out",
-                f"{name}.csr", "-subj", f"/CN={name}", cwd=d)
-        openssl("x509", "-req", "-in", f"{name}.csr", "-CA", f"{ca}.pem", "-CAkey", f"{ca}.key",
-                "-CAcreateserial", "-out", f"{name}.pem", "-days", "2", "-extfile", "ext.cnf", cwd=d)
-    return d
+    return make_pki(tmp_path_factory.mktemp("certs"),
+                    {"ca": ["server", "client"], "other-ca": ["stranger"]})
 
 
 @pytest.fixture(scope="module")
