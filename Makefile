@@ -32,10 +32,12 @@ build: bootstrap
 model:
 	@scripts/fetch-model.sh $(MODEL)
 
-# The tests need the default model and Qwen2.5-Coder-0.5B (K-quants) whatever MODEL is.
+# The tests need the default model, Qwen2.5-Coder-0.5B (K-quants) and Gemma-3-270M
+# (SentencePiece; its architecture is refused at load for now) whatever MODEL is.
 test-models:
 	@scripts/fetch-model.sh smollm2-135m
 	@scripts/fetch-model.sh qwen2.5-coder-0.5b
+	@scripts/fetch-model.sh gemma3-270m
 
 # The fast lane for the edit-test loop (about a minute on 2 cores): the default
 # build's unit tests (CTest label unit: every module's C tests, the CUDA backend

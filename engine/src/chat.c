@@ -1,6 +1,7 @@
 /* chat.c: cs_tokenizer_apply_chat for the chat template families recognised
  * from the model's template text: ChatML (SmolLM2, Qwen2; including the
- * default system message such templates insert) and Llama-3. The output is
+ * default system message such templates insert), Llama-3 and Gemma
+ * (<start_of_turn>; cs__gemma_chat_template for GGUF files without one). The output is
  * byte-for-byte what jinja2 renders from those templates. This is not a
  * Jinja interpreter: any other template is CS_ENOTSUP. */
 #include <math.h>
@@ -210,8 +211,10 @@ static int check_messages(const cs_chat_message *msgs, size_t n_msgs) {
             if (!tc->name || !tc->name[0] || !tc->arguments ||
                 !cs__utf8_valid((const uint8_t *)tc->name, strlen(tc->name)) ||
                 !cs__utf8_valid((const uint8_t *)tc->arguments, strlen(tc->arguments)))
-                return cs_fail(CS_EINVAL, "chat: message %zu: tool call %zu needs a name and "
-                                          "arguments in UTF-8", i, k);
+                return cs_fail(CS_EINVAL,
+                               "chat: message %zu: tool call %zu needs a name and "
+                               "arguments in UTF-8",
+                               i, k);
         }
         if (!cs__utf8_valid((const uint8_t *)msgs[i].content, strlen(msgs[i].content)))
             return cs_fail(CS_EINVAL, "chat: message %zu is not valid UTF-8", i);
@@ -254,7 +257,8 @@ static int render_chatml(const cs_tokenizer *tok, const cs_chat_message *msgs, s
         }
         bool open = end == CS_CHAT_CONTINUE && i + 1 == n_msgs;
         if (!strcmp(m->role, "tool")) { /* consecutive tool messages share one user turn */
-            if ((i == 0 || strcmp(msgs[i - 1].role, "tool")) && (rc = sb_adds(b, "<|im_start|>user")))
+            if ((i == 0 || strcmp(msgs[i - 1].role, "tool")) &&
+                (rc = sb_adds(b, "<|im_start|>user")))
                 break;
             if ((rc = sb_adds(b, "\n<tool_response>\n")) || (rc = sb_adds(b, m->content)) ||
                 (rc = sb_adds(b, "\n</tool_response>")))
@@ -314,6 +318,93 @@ static int render_llama3(const cs_tokenizer *tok, const cs_chat_message *msgs, s
     return rc;
 }
 
+/* Gemma 2/3 instruction tuned models' template (Gemma 3's tokenizer_config.json):
+ * the model's own text, rendered by render_gemma and, in the fixture script,
+ * by jinja2. */
+const char cs__gemma_chat_template[] =
+    "{{ bos_token }}\n"
+    "{%- if messages[0]['role'] == 'system' -%}\n"
+    "    {%- if messages[0]['content'] is string -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'] + '\\n\\n' -%}\n"
+    "    {%- else -%}\n"
+    "        {%- set first_user_prefix = messages[0]['content'][0]['text'] + '\\n\\n' -%}\n"
+    "    {%- endif -%}\n"
+    "    {%- set loop_messages = messages[1:] -%}\n"
+    "{%- else -%}\n"
+    "    {%- set first_user_prefix = \"\" -%}\n"
+    "    {%- set loop_messages = messages -%}\n"
+    "{%- endif -%}\n"
+    "{%- for message in loop_messages -%}\n"
+    "    {%- if (message['role'] == 'user') != (loop.index0 % 2 == 0) -%}\n"
+    "        {{ raise_exception(\"Conversation roles must alternate "
+    "user/assistant/user/assistant/...\") }}\n"
+    "    {%- endif -%}\n"
+    "    {%- if (message['role'] == 'assistant') -%}\n"
+    "        {%- set role = \"model\" -%}\n"
+    "    {%- else -%}\n"
+    "        {%- set role = message['role'] -%}\n"
+    "    {%- endif -%}\n"
+    "    {{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else \"\") }}\n"
+    "    {%- if message['content'] is string -%}\n"
+    "        {{ message['content'] | trim }}\n"
+    "    {%- elif message['content'] is iterable -%}\n"
+    "        {%- for item in message['content'] -%}\n"
+    "            {%- if item['type'] == 'image' -%}\n"
+    "                {{ '<start_of_image>' }}\n"
+    "            {%- elif item['type'] == 'text' -%}\n"
+    "                {{ item['text'] | trim }}\n"
+    "            {%- endif -%}\n"
+    "        {%- endfor -%}\n"
+    "    {%- else -%}\n"
+    "        {{ raise_exception(\"Invalid content type\") }}\n"
+    "    {%- endif -%}\n"
+    "    {{ '<end_of_turn>\\n' }}\n"
+    "{%- endfor -%}\n"
+    "{%- if add_generation_prompt -%}\n"
+    "    {{'<start_of_turn>model\\n'}}\n"
+    "{%- endif -%}\n";
+
+/* Gemma: bos_token; a first system message becomes a prefix of the first
+ * user turn (its text + "\n\n", not trimmed); then the user's turns are
+ * every other one, starting with the first (else the template's own error;
+ * a turn between them may have any other role, "assistant" becoming "model"):
+ * '<start_of_turn>' + (user | model) + '\n' + content | trim +
+ * '<end_of_turn>\n'. */
+static int render_gemma(const cs_tokenizer *tok, const cs_chat_message *msgs, size_t n_msgs,
+                        cs_chat_end end, sbuf *b) {
+    size_t first = n_msgs && !strcmp(msgs[0].role, "system");
+    for (size_t i = first; i < n_msgs; i++) /* the template's own check, to the letter */
+        if (!strcmp(msgs[i].role, "user") != ((i - first) % 2 == 0))
+            return cs_fail(CS_EINVAL,
+                           "chat: Conversation roles must alternate "
+                           "user/assistant/user/assistant/... (Gemma's template; message %zu "
+                           "is '%s')",
+                           i, msgs[i].role);
+    int rc = 0;
+    if (tok->bos_id >= 0) {
+        size_t len;
+        const char *bos = cs__tok_text(tok, tok->bos_id, &len);
+        rc = sb_add(b, bos, len);
+    }
+    for (size_t i = first; rc == 0 && i < n_msgs; i++) {
+        const char *c = msgs[i].content;
+        size_t a = 0, e = strlen(c);
+        py_strip(c, e, &a, &e);
+        bool open = end == CS_CHAT_CONTINUE && i + 1 == n_msgs;
+        if ((rc = sb_adds(b, "<start_of_turn>")) ||
+            (rc = sb_adds(b, strcmp(msgs[i].role, "assistant") ? msgs[i].role : "model")) ||
+            (rc = sb_adds(b, "\n")))
+            break;
+        if (i == first && first &&
+            ((rc = sb_adds(b, msgs[0].content)) || (rc = sb_adds(b, "\n\n"))))
+            break;
+        if ((rc = sb_add(b, c + a, e - a)) || (!open && (rc = sb_adds(b, "<end_of_turn>\n"))))
+            break;
+    }
+    if (rc == 0 && end == CS_CHAT_GENERATION_PROMPT) rc = sb_adds(b, "<start_of_turn>model\n");
+    return rc;
+}
+
 int cs_tokenizer_apply_chat(const cs_tokenizer *tok, const cs_chat_message *msgs, size_t n_msgs,
                             cs_chat_end end, char **text) {
     return cs_tokenizer_apply_chat_tools(tok, msgs, n_msgs, NULL, 0, end, text);
@@ -349,10 +440,18 @@ int cs_tokenizer_apply_chat_tools(const cs_tokenizer *tok, const cs_chat_message
         if (tooled)
             return cs_fail(CS_ENOTSUP, "chat: tools with a Llama-3 template are not supported");
         rc = render_llama3(tok, msgs, n_msgs, end, &b);
+    } else if (strstr(t, "<start_of_turn>")) {
+        bool tooled = n_tools > 0;
+        for (size_t i = 0; i < n_msgs; i++)
+            tooled |= msgs[i].n_tool_calls > 0;
+        if (tooled)
+            return cs_fail(CS_ENOTSUP, "chat: tools with a Gemma template are not supported");
+        rc = render_gemma(tok, msgs, n_msgs, end, &b);
     } else {
-        return cs_fail(
-            CS_ENOTSUP,
-            "chat: unrecognised chat template (ChatML and Llama-3 are supported): '%.60s'", t);
+        return cs_fail(CS_ENOTSUP,
+                       "chat: unrecognised chat template (ChatML, Llama-3 and Gemma are "
+                       "supported): '%.60s'",
+                       t);
     }
     if (rc == 0 && !b.p) rc = sb_add(&b, "", 0);
     if (rc) {

@@ -446,6 +446,19 @@ int cs__gguf_get_str_array(const cs_gguf *g, const char *key, cs_gguf_str **out,
     return 0;
 }
 
+int cs__gguf_get_f32_array(const cs_gguf *g, const char *key, float **out, uint64_t *count) {
+    const cs_gguf_kv *kv = cs__gguf_find(g, key);
+    if (!kv) return CS_ENOENT;
+    if (kv->type != CS_GGUF_ARRAY || kv->arr_type != CS_GGUF_FLOAT32)
+        return cs_fail(CS_EBADMSG, "gguf: key '%s' must be an array of 32-bit floats", key);
+    float *a = malloc((kv->arr_count ? kv->arr_count : 1) * sizeof *a);
+    if (!a) return cs_fail(CS_ENOMEM, "gguf: out of memory reading '%s'", key);
+    if (kv->arr_count) memcpy(a, kv->data, kv->arr_count * 4);
+    *out = a;
+    *count = kv->arr_count;
+    return 0;
+}
+
 int cs__gguf_get_i32_array(const cs_gguf *g, const char *key, int32_t **out, uint64_t *count) {
     const cs_gguf_kv *kv = cs__gguf_find(g, key);
     if (!kv) return CS_ENOENT;

@@ -84,5 +84,7 @@ int cs__gguf_get_str(const cs_gguf *g, const char *key, cs_gguf_str *out);
 int cs__gguf_get_str_array(const cs_gguf *g, const char *key, cs_gguf_str **out, uint64_t *count);
 /* Array of 32-bit integers (INT32 or UINT32) copied into a malloc'd array. */
 int cs__gguf_get_i32_array(const cs_gguf *g, const char *key, int32_t **out, uint64_t *count);
+/* Array of FLOAT32 copied into a malloc'd array. */
+int cs__gguf_get_f32_array(const cs_gguf *g, const char *key, float **out, uint64_t *count);
 
 #endif

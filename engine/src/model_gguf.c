@@ -181,8 +181,9 @@ int cs__tokenizer_load_gguf(const char *path, cs_tokenizer **out) {
     const char **tok_ptrs = NULL, **merge_ptrs = NULL;
     size_t *tok_lens = NULL, *merge_lens = NULL;
     int32_t *types = NULL;
+    float *scores = NULL;
     char *tmpl = NULL;
-    uint64_t n_tokens = 0, n_merges = 0, n_types = 0;
+    uint64_t n_tokens = 0, n_merges = 0, n_types = 0, n_scores = 0;
     cs_gguf_str s;
     char model[32] = "", pre[64] = "gpt2";
     if ((r = cs__gguf_get_str(&g, "tokenizer.ggml.model", &s))) {
@@ -191,13 +192,17 @@ int cs__tokenizer_load_gguf(const char *path, cs_tokenizer **out) {
         goto done;
     }
     str_copy(&s, model, sizeof model);
-    if (strcmp(model, "gpt2") != 0) {
+    bool spm = !strcmp(model, "llama");
+    if (!spm && strcmp(model, "gpt2") != 0) {
         r = cs_fail(CS_ENOTSUP,
-                    "gguf: %s: tokenizer model '%s' is not supported (byte-level BPE 'gpt2' is)",
+                    "gguf: %s: tokenizer model '%s' is not supported (byte-level BPE 'gpt2' and "
+                    "SentencePiece 'llama' are)",
                     path, model);
         goto done;
     }
-    if (cs__gguf_get_str(&g, "tokenizer.ggml.pre", &s) == 0)
+    if (spm)
+        ; /* no pre-tokenizer: SentencePiece merges the whole text between special tokens */
+    else if (cs__gguf_get_str(&g, "tokenizer.ggml.pre", &s) == 0)
         str_copy(&s, pre, sizeof pre);
     else
         CS_LOGW(
@@ -213,7 +218,21 @@ int cs__tokenizer_load_gguf(const char *path, cs_tokenizer **out) {
                     (unsigned long long)n_tokens);
         goto done;
     }
-    if ((r = cs__gguf_get_str_array(&g, "tokenizer.ggml.merges", &merges, &n_merges))) {
+    if (spm) {
+        if ((r = cs__gguf_get_f32_array(&g, "tokenizer.ggml.scores", &scores, &n_scores))) {
+            if (r == CS_ENOENT)
+                r = cs_fail(CS_EBADMSG, "gguf: %s: missing metadata key 'tokenizer.ggml.scores'",
+                            path);
+            goto done;
+        }
+        if (n_scores != n_tokens) {
+            r = cs_fail(CS_EBADMSG,
+                        "gguf: %s: tokenizer.ggml.scores has %llu entries for %llu "
+                        "tokens",
+                        path, (unsigned long long)n_scores, (unsigned long long)n_tokens);
+            goto done;
+        }
+    } else if ((r = cs__gguf_get_str_array(&g, "tokenizer.ggml.merges", &merges, &n_merges))) {
         if (r == CS_ENOENT)
             r = cs_fail(CS_EBADMSG, "gguf: %s: missing metadata key 'tokenizer.ggml.merges'", path);
         goto done;
@@ -239,6 +258,13 @@ int cs__tokenizer_load_gguf(const char *path, cs_tokenizer **out) {
     for (uint64_t i = 0; i < n_merges; i++)
         merge_ptrs[i] = merges[i].ptr, merge_lens[i] = merges[i].len;
     cs_vocab_spec spec = {0};
+    spec.model = spm ? CS_TOK_SPM : CS_TOK_BPE;
+    spec.scores = scores;
+    spec.add_space_prefix = true; /* SentencePiece's default (add_dummy_prefix) */
+    if ((r = cs__gguf_get_bool(&g, "tokenizer.ggml.add_space_prefix", &spec.add_space_prefix)) &&
+        r != CS_ENOENT)
+        goto done;
+    r = 0;
     spec.n_vocab = (int32_t)n_tokens;
     spec.tokens = tok_ptrs;
     spec.token_lens = tok_lens;
@@ -246,7 +272,7 @@ int cs__tokenizer_load_gguf(const char *path, cs_tokenizer **out) {
     spec.n_merges = (int32_t)n_merges;
     spec.merges = merge_ptrs;
     spec.merge_lens = merge_lens;
-    if ((r = cs__pretok_from_name(pre, &spec.pretok))) goto done;
+    if (!spm && (r = cs__pretok_from_name(pre, &spec.pretok))) goto done;
     spec.bos_id = opt_id(&g, "tokenizer.ggml.bos_token_id", spec.n_vocab, &r);
     spec.eos_id = opt_id(&g, "tokenizer.ggml.eos_token_id", spec.n_vocab, &r);
     spec.unk_id = opt_id(&g, "tokenizer.ggml.unknown_token_id", spec.n_vocab, &r);
@@ -262,7 +288,14 @@ int cs__tokenizer_load_gguf(const char *path, cs_tokenizer **out) {
         goto done;
     r = 0;
     spec.add_bos = add_bos;
-    if (cs__gguf_get_str(&g, "tokenizer.chat_template", &s) == 0) {
+    cs_gguf_str arch = {0};
+    (void)cs__gguf_get_str(&g, "general.architecture", &arch);
+    bool gemma = arch.len >= 5 && !memcmp(arch.ptr, "gemma", 5);
+    bool has_template = cs__gguf_get_str(&g, "tokenizer.chat_template", &s) == 0;
+    if (!has_template && gemma)
+        spec.chat_template = cs__gemma_chat_template; /* dropped by
+                                                         the converter */
+    if (has_template) {
         tmpl = malloc(s.len + 1);
         if (!tmpl) {
             r = cs_fail(CS_ENOMEM, "gguf: out of memory");
@@ -281,6 +314,7 @@ done:
     free(merge_ptrs);
     free(merge_lens);
     free(types);
+    free(scores);
     free(tmpl);
     cs__gguf_close(&g);
     return r;

@@ -25,15 +25,27 @@ enum cs_pretok {
     CS_PRETOK_QWEN2,    /* Llama-3 regex with single \p{N} */
 };
 
+/* The two tokenizer models a GGUF names (tokenizer.ggml.model). */
+enum cs_tok_model {
+    CS_TOK_BPE = 0, /* "gpt2": byte-level BPE, merges by rank after a pre-tokenizer split */
+    CS_TOK_SPM,     /* "llama": SentencePiece BPE, merges by score, U+2581 for spaces, byte
+                       fallback <0xNN> (Gemma, Llama 2, Mistral v0.1, TinyLlama) */
+};
+
 typedef struct {
+    enum cs_tok_model model;
     int32_t n_vocab;
-    const char *const *tokens;  /* (n_vocab) token strings in byte-level (GPT-2 unicode) form */
+    const char *const *tokens;  /* (n_vocab) token strings: BPE in byte-level (GPT-2 unicode)
+                                   form; SPM as SentencePiece pieces (U+2581 for a space) */
     const size_t *token_lens;   /* (n_vocab) byte lengths; NULL = NUL-terminated */
     const int32_t *token_types; /* (n_vocab) enum cs_token_type; NULL = all normal */
     int32_t n_merges;
     const char *const *merges; /* (n_merges) "left right", rank = index */
     const size_t *merge_lens;  /* (n_merges); NULL = NUL-terminated */
-    enum cs_pretok pretok;
+    enum cs_pretok pretok;     /* BPE only */
+    const float *scores;       /* SPM: (n_vocab) merge priorities, higher first */
+    bool add_space_prefix;     /* SPM: a space before the text and after each special token
+                                  (SentencePiece's add_dummy_prefix) */
     int32_t bos_id, eos_id, unk_id, pad_id; /* -1 = none */
     const int32_t *eog_ids;                 /* extra end-of-generation ids */
     int32_t n_eog_ids;
@@ -90,12 +102,16 @@ struct cs__merge_slot {
 
 /* Internal layout; only tokenizer.c, tokenizer_json.c and chat.c look inside. */
 struct cs_tokenizer {
+    enum cs_tok_model model;
+    bool add_space_prefix; /* SPM */
+    float *scores;         /* SPM: (n_vocab) */
     int32_t n_vocab;
     uint8_t *types;    /* (n_vocab) enum cs_token_type */
     uint8_t *attrs;    /* (n_vocab) CS__TOK_* bits */
     char *text;        /* all token strings as given, each NUL-terminated */
     size_t *text_off;  /* (n_vocab + 1) offsets into text; length = next - this - 1 */
-    char *bytes;       /* all token byte strings (byte-level mapping undone), NUL-terminated */
+    char *bytes;       /* all token byte strings (byte-level mapping undone, or U+2581 back
+                          to a space), NUL-terminated */
     size_t *bytes_off; /* (n_vocab + 1) offsets into bytes, same convention */
     int32_t *text_map; /* (text_map_mask + 1) open-addressing table of ids by text, -1 empty */
     size_t text_map_mask;
@@ -119,6 +135,9 @@ enum {
     CS__TOK_SPECIAL = 0x02, /* CONTROL or UNKNOWN: matched only with parse_special, skippable */
     CS__TOK_ADDED = 0x04,   /* USER_DEFINED: always matched as a whole in input text */
 };
+
+/* Gemma's chat template (chat.c), for Gemma GGUF files that carry none. */
+extern const char cs__gemma_chat_template[];
 
 /* Text of a token as stored (for special tokens, their literal text). */
 static inline const char *cs__tok_text(const cs_tokenizer *tok, int32_t id, size_t *len) {

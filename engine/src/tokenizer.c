@@ -90,6 +90,23 @@ static size_t unmap_byte_level(const char *text, size_t len, char *out) {
     return o;
 }
 
+/* SentencePiece's space, U+2581 LOWER ONE EIGHTH BLOCK, in UTF-8. */
+#define SPM_SPACE "\xE2\x96\x81"
+
+/* A SentencePiece piece's bytes: each U+2581 back to a space. */
+static size_t unescape_spaces(const char *t, size_t len, char *out) {
+    size_t o = 0;
+    for (size_t i = 0; i < len;) {
+        if (len - i >= 3 && !memcmp(t + i, SPM_SPACE, 3)) {
+            out[o++] = ' ';
+            i += 3;
+        } else {
+            out[o++] = t[i++];
+        }
+    }
+    return o;
+}
+
 static int parse_byte_token(const char *t, size_t len) {
     if (len != 6 || memcmp(t, "<0x", 3) != 0 || t[5] != '>') return -1;
     int v = 0;
@@ -165,6 +182,8 @@ static int build_tokens(cs_tokenizer *tok, const cs_vocab_spec *spec) {
             if (byte >= 0) {
                 tok->bytes[boff] = (char)byte;
                 blen = 1;
+            } else if (spec->model == CS_TOK_SPM) {
+                blen = unescape_spaces(t, len, tok->bytes + boff);
             } else {
                 blen = unmap_byte_level(t, len, tok->bytes + boff);
             }
@@ -336,6 +355,10 @@ int cs__tokenizer_create(const cs_vocab_spec *spec, cs_tokenizer **out) {
         return cs_fail(CS_EBADMSG, "tokenizer: bad end-of-generation list");
     if ((unsigned)spec->pretok > CS_PRETOK_QWEN2)
         return cs_fail(CS_EBADMSG, "tokenizer: bad pre-tokenizer %d", (int)spec->pretok);
+    if ((unsigned)spec->model > CS_TOK_SPM)
+        return cs_fail(CS_EBADMSG, "tokenizer: bad model %d", (int)spec->model);
+    if (spec->model == CS_TOK_SPM && spec->n_merges)
+        return cs_fail(CS_EBADMSG, "tokenizer: a SentencePiece vocabulary has no merge list");
     int rc;
     if ((rc = check_id(spec->bos_id, spec->n_vocab, "bos")) ||
         (rc = check_id(spec->eos_id, spec->n_vocab, "eos")) ||
@@ -356,6 +379,23 @@ int cs__tokenizer_create(const cs_vocab_spec *spec, cs_tokenizer **out) {
     if (!tok->types || !tok->attrs || !tok->text_off || !tok->bytes_off) {
         rc = cs_fail(CS_ENOMEM, "tokenizer: out of memory");
         goto fail;
+    }
+    tok->model = spec->model;
+    tok->add_space_prefix = spec->model == CS_TOK_SPM && spec->add_space_prefix;
+    if (spec->model == CS_TOK_SPM) {
+        tok->scores = malloc(n * sizeof *tok->scores);
+        if (!tok->scores) {
+            rc = cs_fail(CS_ENOMEM, "tokenizer: out of memory");
+            goto fail;
+        }
+        for (size_t i = 0; i < n; i++) {
+            float s = spec->scores ? spec->scores[i] : 0.0f;
+            if (s != s) {
+                rc = cs_fail(CS_EBADMSG, "tokenizer: token %zu has a NaN score", i);
+                goto fail;
+            }
+            tok->scores[i] = s;
+        }
     }
     if ((rc = build_tokens(tok, spec))) goto fail;
     if ((rc = build_merges(tok, spec))) goto fail;
@@ -389,6 +429,7 @@ void cs__tokenizer_set_ignore_merges(cs_tokenizer *tok, bool on) {
 
 void cs_tokenizer_free(cs_tokenizer *tok) {
     if (!tok) return;
+    free(tok->scores);
     free(tok->chat_template);
     free(tok->specials);
     free(tok->merge_map);
@@ -418,6 +459,10 @@ uint64_t cs_tokenizer_fingerprint(const cs_tokenizer *tok) {
     XXH3_64bits_reset(st);
     XXH3_64bits_update(st, "chunkserve tokenizer v1", 23);
     fp_i32(st, tok->n_vocab);
+    if (tok->model == CS_TOK_SPM) { /* (a BPE vocabulary's fingerprint is as it always was) */
+        fp_i32(st, 1000 + tok->add_space_prefix);
+        XXH3_64bits_update(st, tok->scores, (size_t)tok->n_vocab * sizeof *tok->scores);
+    }
     XXH3_64bits_update(st, tok->types, (size_t)tok->n_vocab);
     XXH3_64bits_update(st, tok->attrs, (size_t)tok->n_vocab);
     /* texts with their NULs: the boundaries count */
@@ -511,6 +556,17 @@ typedef struct {
     int32_t left_id, right_id; /* to detect stale entries */
 } bpe_pair;
 
+/* SentencePiece: a symbol is a run of the escaped text (one character at
+ * first); a candidate merge is scored by the token it makes. */
+typedef struct {
+    int32_t start, len, prev, next;
+} spm_sym;
+
+typedef struct {
+    float score;
+    int32_t left, right, len; /* len: both symbols' length when queued (stale if changed) */
+} spm_pair;
+
 typedef struct {
     bpe_sym *syms;
     size_t syms_cap;
@@ -519,6 +575,10 @@ typedef struct {
     uint8_t *word;
     size_t word_cap;
     cs__pieces pieces;
+    spm_sym *ssyms;
+    size_t ssyms_cap;
+    spm_pair *sheap;
+    size_t n_sheap, sheap_cap;
 } bpe_scratch;
 
 static int pair_less(const bpe_pair *a, const bpe_pair *b) {
@@ -629,6 +689,122 @@ static int bpe_piece(const cs_tokenizer *tok, const uint8_t *p, size_t n, bpe_sc
     return 0;
 }
 
+/* SentencePiece's order (llama.cpp's llm_tokenizer_spm): the highest score
+ * first, the leftmost of equal scores. */
+static int spm_before(const spm_pair *a, const spm_pair *b) {
+    return a->score > b->score || (a->score == b->score && a->left < b->left);
+}
+
+static void spm_push(bpe_scratch *sc, spm_pair p) {
+    size_t i = sc->n_sheap++;
+    while (i > 0) {
+        size_t parent = (i - 1) / 2;
+        if (!spm_before(&p, &sc->sheap[parent])) break;
+        sc->sheap[i] = sc->sheap[parent];
+        i = parent;
+    }
+    sc->sheap[i] = p;
+}
+
+static spm_pair spm_pop(bpe_scratch *sc) {
+    spm_pair top = sc->sheap[0], last = sc->sheap[--sc->n_sheap];
+    size_t i = 0, n = sc->n_sheap;
+    for (;;) {
+        size_t c = 2 * i + 1;
+        if (c >= n) break;
+        if (c + 1 < n && spm_before(&sc->sheap[c + 1], &sc->sheap[c])) c++;
+        if (!spm_before(&sc->sheap[c], &last)) break;
+        sc->sheap[i] = sc->sheap[c];
+        i = c;
+    }
+    if (n) sc->sheap[i] = last;
+    return top;
+}
+
+/* Queues the merge of symbols left and right when their text is a token
+ * (any token, as llama.cpp: its score decides). */
+static void spm_try(const cs_tokenizer *tok, bpe_scratch *sc, const uint8_t *text, int32_t left,
+                    int32_t right) {
+    if (left < 0 || right < 0) return;
+    const spm_sym *l = &sc->ssyms[left], *r = &sc->ssyms[right];
+    int32_t id = text_lookup(tok, text + l->start, (size_t)(l->len + r->len));
+    if (id < 0) return;
+    spm_push(sc, (spm_pair){tok->scores[id], left, right, l->len + r->len});
+}
+
+/* One SentencePiece fragment (spaces already U+2581): merge the adjacent
+ * pair whose concatenation is the best-scored token until none is; a
+ * symbol left that is no token goes out as its bytes' <0xNN> tokens. */
+static int spm_fragment(const cs_tokenizer *tok, const uint8_t *p, size_t n, bpe_scratch *sc,
+                        idvec *out) {
+    int rc;
+    if (n == 0) return 0;
+    if (n > INT32_MAX / 4) return cs_fail(CS_EINVAL, "tokenizer: text too long");
+    if ((rc = grow((void **)&sc->ssyms, &sc->ssyms_cap, n, sizeof *sc->ssyms))) return rc;
+    if ((rc = grow((void **)&sc->sheap, &sc->sheap_cap, 3 * n, sizeof *sc->sheap))) return rc;
+    int32_t ns = 0;
+    for (size_t i = 0; i < n;) {
+        uint8_t b = p[i];
+        size_t cl = b < 0xC0 ? 1 : b < 0xE0 ? 2 : b < 0xF0 ? 3 : 4; /* a character */
+        if (cl > n - i) cl = n - i; /* (valid UTF-8 here; defensive) */
+        sc->ssyms[ns] = (spm_sym){(int32_t)i, (int32_t)cl, ns - 1, -1};
+        if (ns > 0) sc->ssyms[ns - 1].next = ns;
+        ns++;
+        i += cl;
+    }
+    sc->n_sheap = 0;
+    for (int32_t i = 1; i < ns; i++)
+        spm_try(tok, sc, p, i - 1, i);
+    while (sc->n_sheap) {
+        spm_pair top = spm_pop(sc);
+        spm_sym *l = &sc->ssyms[top.left], *r = &sc->ssyms[top.right];
+        if (l->len == 0 || r->len == 0 || l->len + r->len != top.len || l->next != top.right)
+            continue; /* stale: one side changed since it was queued */
+        l->len += r->len;
+        r->len = 0;
+        l->next = r->next;
+        if (r->next >= 0) sc->ssyms[r->next].prev = top.left;
+        spm_try(tok, sc, p, l->prev, top.left);
+        spm_try(tok, sc, p, top.left, l->next);
+    }
+    for (int32_t i = 0; i >= 0; i = sc->ssyms[i].next) {
+        const spm_sym *s = &sc->ssyms[i];
+        int32_t id = text_lookup(tok, p + s->start, (size_t)s->len);
+        if (id >= 0) {
+            rc = idvec_push(out, id);
+        } else {
+            rc = 0;
+            for (int32_t k = 0; k < s->len && !rc; k++)
+                rc = emit_unknown_byte(tok, p[s->start + k], out);
+        }
+        if (rc) return rc;
+    }
+    return 0;
+}
+
+/* A SentencePiece segment: a space first when add_space_prefix and the
+ * segment opens the text or follows a special token (llama.cpp's rule), every
+ * space as U+2581. */
+static int spm_segment(const cs_tokenizer *tok, const char *text, size_t len, bool after_special,
+                       bpe_scratch *sc, idvec *out) {
+    bool prefix = tok->add_space_prefix && after_special;
+    size_t spaces = prefix;
+    for (size_t i = 0; i < len; i++)
+        spaces += text[i] == ' ';
+    size_t n = len + 2 * spaces; /* each space becomes three bytes */
+    int rc = grow((void **)&sc->word, &sc->word_cap, n ? n : 1, 1);
+    if (rc) return rc;
+    size_t o = 0;
+    if (prefix) memcpy(sc->word, SPM_SPACE, 3), o = 3;
+    for (size_t i = 0; i < len; i++) {
+        if (text[i] == ' ')
+            memcpy(sc->word + o, SPM_SPACE, 3), o += 3;
+        else
+            sc->word[o++] = (uint8_t)text[i];
+    }
+    return spm_fragment(tok, sc->word, o, sc, out);
+}
+
 static int encode_segment(const cs_tokenizer *tok, const char *text, size_t len, bpe_scratch *sc,
                           idvec *out) {
     if (len == 0) return 0;
@@ -675,21 +851,29 @@ int cs_tokenizer_encode(const cs_tokenizer *tok, const char *text, size_t len, b
         goto done;
     const uint8_t *s = (const uint8_t *)text;
     size_t seg = 0, i = 0;
-    while (i < len) {
-        size_t mlen;
-        int32_t id = tok->special_start[s[i]] < tok->special_start[s[i] + 1]
+    bool after_special = true; /* the text's start counts as one (SentencePiece's prefix) */
+    while (i <= len) {
+        size_t mlen = 0;
+        int32_t id = i < len && tok->special_start[s[i]] < tok->special_start[s[i] + 1]
                          ? match_special(tok, s + i, len - i, parse_special, &mlen)
                          : -1;
-        if (id < 0) {
+        if (id < 0 && i < len) {
             i++;
             continue;
         }
-        if ((rc = encode_segment(tok, text + seg, i - seg, &sc, &out))) goto done;
+        if (i > seg) { /* the text before the special token (or the end) */
+            rc = tok->model == CS_TOK_SPM
+                     ? spm_segment(tok, text + seg, i - seg, after_special, &sc, &out)
+                     : encode_segment(tok, text + seg, i - seg, &sc, &out);
+            if (rc) goto done;
+            after_special = false;
+        }
+        if (id < 0) break; /* the end */
         if ((rc = idvec_push(&out, id))) goto done;
+        after_special = true;
         i += mlen;
         seg = i;
     }
-    if ((rc = encode_segment(tok, text + seg, len - seg, &sc, &out))) goto done;
     if (!out.v && (rc = grow((void **)&out.v, &out.cap, 1, sizeof *out.v))) goto done;
     *ids = out.v;
     *n_ids = out.n;
@@ -700,6 +884,8 @@ done:
     free(sc.heap);
     free(sc.word);
     free(sc.pieces.ends);
+    free(sc.ssyms);
+    free(sc.sheap);
     return rc;
 }
 

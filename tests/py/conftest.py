@@ -60,7 +60,7 @@ def model_path() -> Path:
 
 # Models fetched by name (scripts/fetch-model.sh NAME): `make test` fetches the ones in
 # REQUIRED_MODELS, so a missing one fails; the others (benchmark models) skip.
-REQUIRED_MODELS = {"qwen2.5-coder-0.5b"}
+REQUIRED_MODELS = {"qwen2.5-coder-0.5b", "gemma3-270m"}
 
 
 def named_model_path(name: str) -> Path:

@@ -15,6 +15,7 @@ the built `chunkserve` CLI:
 from __future__ import annotations
 
 import json
+import subprocess
 
 import pytest
 
@@ -24,7 +25,8 @@ MAX_REPORTED = 8
 # fixture file -> the model it was made from (None: the default model, CHUNKSERVE_MODEL)
 FIXTURES = {"tokenizer_smollm2.json": None,
             "tokenizer_qwen2.5-coder-0.5b.json": "qwen2.5-coder-0.5b",
-            "tokenizer_qwen2.5-coder-1.5b.json": "qwen2.5-coder-1.5b"}
+            "tokenizer_qwen2.5-coder-1.5b.json": "qwen2.5-coder-1.5b",
+            "tokenizer_gemma3-270m.json": "gemma3-270m"}
 
 
 @pytest.fixture(scope="module", params=list(FIXTURES), ids=lambda f: f[len("tokenizer_"):-5])
@@ -59,7 +61,9 @@ def test_fixture_is_well_formed(fx):
     assert fx["no_special_cases"]
     texts = [c["text"] for c in fx["cases"]]
     assert "" in texts
-    assert any("<|im_start|>" in t for t in texts)
+    assert any("<|im_start|>" in t or "<start_of_turn>" in t for t in texts)
+    if fx["model"].get("tokenizer.ggml.model") == "llama":  # SentencePiece (Gemma)
+        assert len(fx["cases"]) >= 2000 and fx["detok_cases"] and fx["chat_errors"]
     n_vocab = fx["model"]["n_vocab"]
     for c in fx["cases"] + fx["no_special_cases"]:
         assert all(0 <= i < n_vocab for i in c["ids"]), c
@@ -123,3 +127,29 @@ def test_chat_text_tokenizes_like_reference(cli, fx):
     got = cli.json_lines_out(out, len(cases))
     bad = [(c["text"], c["ids"], g) for c, g in zip(cases, got) if g != c["ids"]]
     assert not bad, _report("tokenize(chat text)", bad, len(cases))
+
+
+def test_detokenize_byte_fallback_pieces(cli, fx):
+    """<0xNN> pieces that do not make whole characters (SentencePiece's byte fallback): each
+    ill-formed part becomes U+FFFD, as Python's errors="replace" does with llama.cpp's bytes."""
+    cases = fx.get("detok_cases") or []
+    if not cases:
+        pytest.skip("a byte-level BPE fixture: no byte-fallback pieces")
+    out = cli.run("detokenize", stdin=cli.json_lines_in([c["ids"] for c in cases]))
+    got = cli.json_lines_out(out, len(cases))
+    bad = [(c["ids"], c["text"], g) for c, g in zip(cases, got) if g != c["text"]]
+    assert not bad, _report("detokenize(byte pieces)", bad, len(cases))
+
+
+def test_chat_format_refuses_what_the_template_refuses(cli, fx):
+    """Conversations the model's own template rejects (Gemma: roles that do not alternate
+    user/assistant) are refused with the template's reason, not rendered some other way."""
+    cases = fx.get("chat_errors") or []
+    if not cases:
+        pytest.skip("the template renders every conversation of the fixture")
+    for c in cases:
+        args = [] if c["add_generation_prompt"] else ["--no-generation-prompt"]
+        p = subprocess.run([str(cli.exe), "chat-format", "--model", str(cli.model), *args],
+                           input=json.dumps(c["messages"], ensure_ascii=False).encode("utf-8"),
+                           capture_output=True, timeout=60)
+        assert p.returncode != 0 and b"alternate" in p.stderr, (c["messages"], p.stderr)
