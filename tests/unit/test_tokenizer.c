@@ -856,6 +856,123 @@ static void test_chat(void) {
     cs_tokenizer_free(tok);
 }
 
+/* SentencePiece (CS_TOK_SPM): a small vocabulary whose scores make the
+ * order of merges visible. */
+static void test_spm(void) {
+    enum {
+        S_UNK,
+        S_BOS,
+        S_SOT,
+        S_NL,
+        S_SP,
+        S_A,
+        S_B,
+        S_C,
+        S_AB,
+        S_BC,
+        S_ABC,
+        S_SPA,
+        S_SPAB,
+        S_BYTE0
+    };
+    const char *tokens[S_BYTE0 + 256];
+    int32_t types[S_BYTE0 + 256];
+    float scores[S_BYTE0 + 256];
+    const char *base[] = {"<unk>",
+                          "<bos>",
+                          "<start_of_turn>",
+                          "\n",
+                          "\xE2\x96\x81",
+                          "a",
+                          "b",
+                          "c",
+                          "ab",
+                          "bc",
+                          "abc",
+                          "\xE2\x96\x81"
+                          "a",
+                          "\xE2\x96\x81"
+                          "ab"};
+    const int32_t base_types[] = {CS_TOKEN_UNKNOWN,
+                                  CS_TOKEN_CONTROL,
+                                  CS_TOKEN_CONTROL,
+                                  CS_TOKEN_USER_DEFINED,
+                                  1,
+                                  1,
+                                  1,
+                                  1,
+                                  1,
+                                  1,
+                                  1,
+                                  1,
+                                  1};
+    /* "bc" outscores "ab": "abc" is a + bc, then abc */
+    const float base_scores[] = {0, 0, 0, 0, -1, -2, -2, -2, -5, -4, -3, -6, -7};
+    char names[256][8];
+    for (int i = 0; i < S_BYTE0; i++)
+        tokens[i] = base[i], types[i] = base_types[i], scores[i] = base_scores[i];
+    for (int b = 0; b < 256; b++) {
+        snprintf(names[b], sizeof names[b], "<0x%02X>", b);
+        tokens[S_BYTE0 + b] = names[b], types[S_BYTE0 + b] = CS_TOKEN_BYTE;
+        scores[S_BYTE0 + b] = 0;
+    }
+    cs_vocab_spec sp = {0};
+    sp.model = CS_TOK_SPM;
+    sp.n_vocab = S_BYTE0 + 256;
+    sp.tokens = tokens;
+    sp.token_types = types;
+    sp.scores = scores;
+    sp.bos_id = S_BOS, sp.eos_id = -1, sp.unk_id = S_UNK, sp.pad_id = -1;
+    sp.add_bos = true;
+    cs_tokenizer *tok;
+    ASSERT_EQ_INT(cs__tokenizer_create(&sp, &tok), 0);
+    /* merges by the score of the piece they make */
+    ASSERT_IDS(tok, "abc", false, false, S_ABC);
+    ASSERT_IDS(tok, "ab", false, false, S_AB);
+    ASSERT_IDS(tok, "cab", false, false, S_C, S_AB);
+    /* spaces are U+2581 pieces; no prefix without add_space_prefix */
+    ASSERT_IDS(tok, " ab", false, false, S_SPAB);
+    ASSERT_IDS(tok, "a a", false, true, S_BOS, S_A, S_SPA);
+    /* byte fallback: a character without a piece goes out as its bytes */
+    ASSERT_IDS(tok,
+               "\xC3\xA9"
+               "a",
+               false, false, S_BYTE0 + 0xC3, S_BYTE0 + 0xA9, S_A);
+    /* user-defined pieces always, control ones with parse_special */
+    ASSERT_IDS(tok, "a\nb", false, false, S_A, S_NL, S_B);
+    ASSERT_IDS(tok, "<start_of_turn>a", true, false, S_SOT, S_A);
+    char *t = dec(tok, (const int32_t[]){S_SPAB, S_SP, S_BYTE0 + 0xC3, S_BYTE0 + 0xA9}, 4, false);
+    ASSERT_EQ_STR(t, " ab \xC3\xA9");
+    free(t);
+    /* streaming: byte pieces make a character only once it is whole */
+    cs_detok d;
+    char out[16];
+    size_t n;
+    cs_detok_init(&d, tok, true);
+    ASSERT_EQ_INT(cs_detok_push(&d, S_BYTE0 + 0xC3, out, sizeof out, &n), 0);
+    ASSERT_EQ_INT(n, 0);
+    ASSERT_EQ_INT(cs_detok_push(&d, S_BYTE0 + 0xA9, out, sizeof out, &n), 0);
+    ASSERT_EQ_INT(n, 2);
+    ASSERT_TRUE(memcmp(out, "\xC3\xA9", 2) == 0);
+    cs_tokenizer_free(tok);
+
+    /* add_space_prefix: a space before the text and after each special token */
+    sp.add_space_prefix = true;
+    ASSERT_EQ_INT(cs__tokenizer_create(&sp, &tok), 0);
+    ASSERT_IDS(tok, "ab", false, false, S_SPAB);
+    ASSERT_IDS(tok, "<start_of_turn>ab", true, false, S_SOT, S_SPAB);
+    ASSERT_IDS(tok, "a\nab", false, false, S_SPA, S_NL, S_SPAB);
+    cs_tokenizer_free(tok);
+
+    /* refused: a merge list, a NaN score */
+    const char *merge = "a b";
+    sp.n_merges = 1, sp.merges = &merge;
+    expect_spec_error(&sp, CS_EBADMSG, "no merge list");
+    sp.n_merges = 0, sp.merges = NULL;
+    scores[S_AB] = NAN;
+    expect_spec_error(&sp, CS_EBADMSG, "NaN score");
+}
+
 int main(void) {
     build_vocab();
     test_pretok_cases();
@@ -866,6 +983,7 @@ int main(void) {
     test_spec_validation();
     test_json();
     test_chat();
+    test_spm();
     for (int32_t i = 0; i < g_n; i++)
         free(g_tok[i]);
     for (int32_t i = 0; i < g_nm; i++)
