@@ -17,6 +17,8 @@ const cs_metric_def cs_engine_metrics_table[] = {
      "prompt tokens admitted and not computed yet", NULL, 0},
     {M(preemptions), "chunkserve:num_preemptions_total", CS_METRIC_COUNTER, NULL,
      "sequences preempted (pages freed, recomputed)", NULL, 0},
+    {M(priority_preemptions), "chunkserve:num_priority_preemptions_total", CS_METRIC_COUNTER, NULL,
+     "of the preemptions, those that seated a request of a higher priority", NULL, 0},
     {M(prompt_tokens), "chunkserve:prompt_tokens_total", CS_METRIC_COUNTER, NULL,
      "prompt tokens computed", NULL, 0},
     {M(gen_tokens), "chunkserve:generation_tokens_total", CS_METRIC_COUNTER, NULL, "tokens sampled",
@@ -35,8 +37,8 @@ const cs_metric_def cs_engine_metrics_table[] = {
      "requests refused (RESOURCE_EXHAUSTED): the queue limit, or no free KV pages", NULL, 0},
     {M(spec_drafts), "chunkserve:spec_decode_num_drafts_total", CS_METRIC_COUNTER, NULL,
      "speculative decoding: decodes that carried drafted tokens (verifications)", NULL, 0},
-    {M(spec_draft_tokens), "chunkserve:spec_decode_num_draft_tokens_total", CS_METRIC_COUNTER,
-     NULL, "speculative decoding: drafted tokens verified", NULL, 0},
+    {M(spec_draft_tokens), "chunkserve:spec_decode_num_draft_tokens_total", CS_METRIC_COUNTER, NULL,
+     "speculative decoding: drafted tokens verified", NULL, 0},
     {M(spec_accepted), "chunkserve:spec_decode_num_accepted_tokens_total", CS_METRIC_COUNTER, NULL,
      "speculative decoding: drafted tokens kept (acceptance rate = this / draft tokens; mean "
      "accepted length = 1 + this / drafts)",
@@ -71,6 +73,8 @@ void cs_engine_metrics_update(cs_engine_metrics *em, cs_serve *sv, const cs_mode
     cs_metric_set(em->weights_exact, !quant);
     cs_sched_stats *l = &em->last;
     cs_metric_add(em->preemptions, (double)(st.preemptions - l->preemptions));
+    cs_metric_add(em->priority_preemptions,
+                  (double)(st.priority_preemptions - l->priority_preemptions));
     cs_metric_add(em->prompt_tokens,
                   (double)(st.prompt_tokens_computed - l->prompt_tokens_computed));
     cs_metric_add(em->gen_tokens, (double)(st.generated_tokens - l->generated_tokens));
@@ -78,7 +82,6 @@ void cs_engine_metrics_update(cs_engine_metrics *em, cs_serve *sv, const cs_mode
     cs_metric_add(em->steps, (double)(st.steps - l->steps));
     cs_metric_add(em->spec_drafts, (double)(st.spec_drafts - l->spec_drafts));
     cs_metric_add(em->spec_draft_tokens, (double)(st.spec_draft_tokens - l->spec_draft_tokens));
-    cs_metric_add(em->spec_accepted,
-                  (double)(st.spec_accepted_tokens - l->spec_accepted_tokens));
+    cs_metric_add(em->spec_accepted, (double)(st.spec_accepted_tokens - l->spec_accepted_tokens));
     *l = st;
 }

@@ -13,10 +13,11 @@
 
 typedef struct {
     cs_metric *running, *waiting, *kv_usage, *kv_free, *kv_total, *queued_prefill, *preemptions,
-        *prompt_tokens, *gen_tokens, *prefix_hits, *steps, *weights_quant, *weights_exact;
+        *priority_preemptions, *prompt_tokens, *gen_tokens, *prefix_hits, *steps, *weights_quant,
+        *weights_exact;
     cs_metric *refused; /* the process counts: its --max-queue, no free KV pages (CS_ENOSPC) */
     cs_metric *spec_drafts, *spec_draft_tokens, *spec_accepted; /* speculative decoding */
-    cs_sched_stats last; /* counters already exported */
+    cs_sched_stats last;                                        /* counters already exported */
 } cs_engine_metrics;
 
 /* The scheduler's rows (owner: a cs_engine_metrics). */

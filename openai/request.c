@@ -152,7 +152,6 @@ static const struct {
     {"chat_template_kwargs", REFUSED, CHAT},
     {"documents", REFUSED, CHAT},
     {"mm_processor_kwargs", REFUSED, BOTH},
-    {"priority", REFUSED, BOTH},
     {"logits_processors", REFUSED, BOTH},
     {"kv_transfer_params", REFUSED, BOTH},
 };

@@ -60,6 +60,9 @@ const cs_sampling_field cs_sampling_fields[] = {
      .off = AT(prompt_top_logprobs)},
     {.name = "disable_speculation", .help = "no speculative drafts for this request",
      .openai = "disable_speculation", .type = CS_FIELD_BOOL, .off = AT(disable_speculation)},
+    {.name = "priority", .help = "scheduling priority: lower values are served first",
+     .openai = "priority", .type = CS_FIELD_INT, .lo = 0, .hi = CS_MAX_PRIORITY,
+     .meaning = "0 = the highest", .off = AT(priority)},
 };
 /* clang-format on */
 const size_t cs_n_sampling_fields = sizeof cs_sampling_fields / sizeof cs_sampling_fields[0];

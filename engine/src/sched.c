@@ -13,6 +13,7 @@
 #include <string.h>
 
 #include "chunkserve/clock.h"
+#include "chunkserve/sampling_fields.h"
 #include "chunkserve/step_model.h"
 #include "util.h"
 
@@ -46,7 +47,8 @@ typedef struct seq {
     int32_t n_plp, plp_top;
     float spec_rate;  /* speculation: recent share of drafted tokens kept (moving average) */
     bool no_drafts;   /* cs_request.disable_speculation */
-    struct seq *next; /* in its list (waiting, running: ordered by arrival) */
+    int32_t priority; /* cs_request.priority: lower first */
+    struct seq *next; /* in its list (waiting, running: in the order of before()) */
 } seq;
 
 struct cs_sched {
@@ -55,7 +57,7 @@ struct cs_sched {
     const cs_tokenizer *tok;
     cs_sched_params p;
     int32_t n_vocab, page_size, ctx_len;
-    seq *waiting, *running; /* both ordered by arrival */
+    seq *waiting, *running; /* both in the order of before(): priority, then arrival */
     seq *remote;            /* CS_KV_REMOTE requests waiting for their KV */
     seq *retired;           /* finished PREFILL_ONLY sequences: their pages are
                                reported in the last events, freed next step */
@@ -98,7 +100,8 @@ cs_sched_params cs_sched_params_default(void) {
 int cs_sched_init(cs_engine *e, const cs_sched_params *p, cs_sched **out) {
     *out = NULL;
     if (p->max_num_batched_tokens < 0 || p->max_num_seqs < 1 || p->max_num_partial_prefills < 1 ||
-        p->max_chunk_tokens < 0 || !(p->step_time_target_ms >= 0 && p->step_time_target_ms <= 1e7) ||
+        p->max_chunk_tokens < 0 ||
+        !(p->step_time_target_ms >= 0 && p->step_time_target_ms <= 1e7) ||
         p->num_speculative_tokens < 0 || p->num_speculative_tokens > CS_SCHED_SPEC_MAX)
         return cs_fail(CS_EINVAL,
                        "scheduler: max_num_batched_tokens must be >= 0 (0 = unlimited), "
@@ -203,9 +206,14 @@ static seq *find(cs_sched *s, uint64_t id, seq ***link) {
     return NULL;
 }
 
-/* Inserts q into list by arrival (preempted sequences go back in order). */
+/* The scheduler's order: the lower priority value first, then arrival. */
+static bool before(const seq *a, const seq *b) {
+    return a->priority < b->priority || (a->priority == b->priority && a->arrival < b->arrival);
+}
+
+/* Inserts q into list in that order (preempted sequences go back in place). */
 static void insert_ordered(seq **list, seq *q) {
-    while (*list && (*list)->arrival < q->arrival)
+    while (*list && before(*list, q))
         list = &(*list)->next;
     q->next = *list;
     *list = q;
@@ -308,6 +316,8 @@ int cs_sched_add(cs_sched *s, const cs_request *r) {
     if (r->top_logprobs < 0 || r->top_logprobs > CS_MAX_TOP_LOGPROBS)
         return cs_fail(CS_EINVAL, "request %llu: top_logprobs %d must be in [0, %d]",
                        (unsigned long long)r->id, r->top_logprobs, CS_MAX_TOP_LOGPROBS);
+    if (cs_sampling_field_check(cs_sampling_field_find("priority"), r->priority, ""))
+        return CS_EINVAL; /* the table's bounds, named */
     bool plp = r->prompt_logprobs && r->kv_mode != CS_KV_REMOTE;
     if (plp && (r->prompt_top_logprobs < 0 || r->prompt_top_logprobs > CS_MAX_TOP_LOGPROBS))
         return cs_fail(CS_EINVAL, "request %llu: prompt_top_logprobs %d must be in [0, %d]",
@@ -399,6 +409,7 @@ int cs_sched_add(cs_sched *s, const cs_request *r) {
     q->arrival = s->next_arrival++;
     q->spec_rate = 0.5f; /* no history yet: a draft token is as likely kept as not */
     q->no_drafts = r->disable_speculation;
+    q->priority = r->priority;
     cs_sampler_accept_prompt(q->smp, r->prompt, (size_t)n_real);
     for (int32_t i = n_real; i < r->n_prompt; i++)
         cs_sampler_accept(q->smp, r->prompt[i]);
@@ -923,9 +934,8 @@ static int verify(cs_sched *s, int32_t i, int32_t *li) {
         }
         const int32_t draft = j < d ? q->tokens[q->n_tokens] : -1;
         cs_logprobs lp;
-        int32_t id =
-            cs_sampler_sample_allowed(q->smp, s->logits + (size_t)(row0 + j) * s->n_vocab, allow,
-                                      q->top_logprobs, q->logprobs ? &lp : NULL);
+        int32_t id = cs_sampler_sample_allowed(q->smp, s->logits + (size_t)(row0 + j) * s->n_vocab,
+                                               allow, q->top_logprobs, q->logprobs ? &lp : NULL);
         if (id == draft) kept++;
         rejected = j < d && id != draft;
         if ((r = emit_token(s, q, id, &lp, NULL, 0, 0, &ended))) return r;
@@ -939,6 +949,35 @@ static int verify(cs_sched *s, int32_t i, int32_t *li) {
         if (rejected) q->spec_rate -= 0.1f * q->spec_rate;
     }
     return 0;
+}
+
+/* Priority: while the best waiting request outranks the worst running one
+ * (not held) and finds no seat (max_num_seqs) or no pages for its first
+ * chunk, that running one is preempted (it resumes later, exactly, from its
+ * tokens). Equal priorities never preempt each other: arrival order holds. */
+static void make_room_by_priority(cs_sched *s, int32_t budget) {
+    for (seq *w = s->waiting; w;) {
+        seq **worst = NULL;
+        for (seq **l = &s->running; *l; l = &(*l)->next)
+            if (!is_held(*l)) worst = l;
+        if (!worst || (*worst)->priority <= w->priority) return;
+        int32_t k = chunk_len(s, w->n_tokens - w->n_computed, budget);
+        int32_t need = (k + s->page_size - 1) / s->page_size;
+        bool seat = s->n_running < s->p.max_num_seqs;
+        bool pages = cs_kv_cache_n_free(s->kv) + cs_kv_cache_n_cached(s->kv) >= need;
+        if (seat && pages) return;
+        preempt(s, worst);
+        s->st.priority_preemptions++;
+    }
+}
+
+/* Whether q outranks every running sequence part-way through its prompt:
+ * then it takes a prompt seat beyond max_num_partial_prefills. */
+static bool outranks_partials(const cs_sched *s, const seq *q) {
+    for (const seq *r = s->running; r; r = r->next)
+        if (r->n_tokens - r->n_computed > 1 && !is_held(r) && r->priority <= q->priority)
+            return false;
+    return true;
 }
 
 int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
@@ -958,6 +997,7 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
             used = 0, n_spans = 0;
     s->last.budget = budget;
     step_work work = {0};
+    make_room_by_priority(s, budget);
 
     /* 1. one token for every running decode, oldest first; a decode that
      * finds no page preempts the newest running sequence */
@@ -995,45 +1035,52 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
     }
     s->last.n_decode = n_spans;
 
-    /* 2. prompt chunks: running sequences part-way through their prompt,
-     * then waiting ones in arrival order, while budget, seats and pages last */
+    /* 2. prompt chunks, in the scheduler's order (priority, then arrival)
+     * over running sequences part-way through their prompt and waiting ones,
+     * while budget, seats and pages last; a waiting one that cannot start
+     * now stops the waiting queue (no overtaking within the order) */
     int32_t partial = 0;
     for (seq *q = s->running; q; q = q->next)
         if (q->n_tokens - q->n_computed > 1 && !is_held(q)) partial++; /* held: no seat */
     int32_t plp_room = CS_SCHED_PROMPT_LOGPROB_ROWS;
-    for (seq *q = s->running; q && used < budget; q = q->next) {
-        int32_t left = q->n_tokens - q->n_computed;
-        if (left <= 1 || is_held(q)) continue;
-        int32_t k =
-            timed_chunk(s, q, chunk_len(s, left, budget - used), &work, n_spans > s->last.n_decode);
-        if (k == 0) break;
-        if ((k = plp_cap(q, k, plp_room)) == 0) continue;
-        if (cs_page_table_reserve(&q->pt, s->kv, q->n_computed + k) != 0) continue;
-        plp_room -= plp_rows(q, k);
-        work_add(&work, q->n_computed, k, chunk_rows(q, k));
-        add_span(s, &n_spans, q, k);
-        used += k;
-    }
-    while (s->waiting && used < budget && s->n_running < s->p.max_num_seqs &&
-           partial < s->p.max_num_partial_prefills) {
-        seq *q = s->waiting;
+    seq *rq = s->running;
+    bool waiting_open = true;
+    while (used < budget) {
+        while (rq && (rq->n_tokens - rq->n_computed <= 1 || is_held(rq)))
+            rq = rq->next;
+        seq *q = waiting_open ? s->waiting : NULL;
+        if (q && s->n_running >= s->p.max_num_seqs) q = NULL;
+        if (q && partial >= s->p.max_num_partial_prefills && !outranks_partials(s, q)) q = NULL;
+        if (q && rq && q->priority >= rq->priority) q = NULL; /* a running one first */
+        if (!q && !rq) break;
+        if (!q) { /* the running one's next chunk */
+            q = rq;
+            rq = rq->next;
+            int32_t left = q->n_tokens - q->n_computed;
+            int32_t k = timed_chunk(s, q, chunk_len(s, left, budget - used), &work,
+                                    n_spans > s->last.n_decode);
+            if (k == 0) break;
+            if ((k = plp_cap(q, k, plp_room)) == 0) continue;
+            if (cs_page_table_reserve(&q->pt, s->kv, q->n_computed + k) != 0) continue;
+            plp_room -= plp_rows(q, k);
+            work_add(&work, q->n_computed, k, chunk_rows(q, k));
+            add_span(s, &n_spans, q, k);
+            used += k;
+            continue;
+        }
         reuse_prefix(s, q);
         int32_t left = q->n_tokens - q->n_computed;
         int32_t k =
             timed_chunk(s, q, chunk_len(s, left, budget - used), &work, n_spans > s->last.n_decode);
         k = plp_cap(q, k, plp_room);
-        if (k == 0) {
-            cs_page_table_release(&q->pt, s->kv); /* as below: it waits, holding nothing */
-            q->n_computed = q->n_hashed = 0;
-            q->last_hash = q->hash_root;
-            break;
-        }
-        if (cs_page_table_reserve(&q->pt, s->kv, q->n_computed + k) != 0) {
-            /* not enough pages now: give back the prefix and wait */
+        if (k == 0 || cs_page_table_reserve(&q->pt, s->kv, q->n_computed + k) != 0) {
+            /* no time, or not enough pages now: give back the prefix and wait */
             cs_page_table_release(&q->pt, s->kv);
             q->n_computed = q->n_hashed = 0;
             q->last_hash = q->hash_root;
-            break;
+            waiting_open = false;
+            if (k == 0) break;
+            continue;
         }
         plp_room -= plp_rows(q, k);
         s->waiting = q->next;

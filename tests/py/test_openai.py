@@ -1359,3 +1359,23 @@ def test_speculation_through_the_openai_door(chunkserve_bin, model_path, pb, rea
         assert "disable_speculation" in str(bad.value)
     finally:
         spec.stop()
+
+
+def test_priority_is_served_and_bounded(tiny):
+    """vLLM's `priority` (lower first): accepted on both doors with the same answer as
+    without it (it changes only the order), refused by name outside [0, 1000000]."""
+    base = tiny.client.completions.create(model=tiny.model, prompt="hello there", max_tokens=6,
+                                          temperature=0)
+    for p in (0, 7, 1000000):
+        r = tiny.client.completions.create(model=tiny.model, prompt="hello there", max_tokens=6,
+                                           temperature=0, extra_body={"priority": p})
+        assert r.choices[0].text == base.choices[0].text
+    r = tiny.client.chat.completions.create(model=tiny.model, max_tokens=2,
+                                            messages=[{"role": "user", "content": "hi"}],
+                                            extra_body={"priority": 3})
+    assert r.choices[0].finish_reason
+    for bad in (-1, 1000001, 1.5, "high"):
+        with pytest.raises(openai.BadRequestError) as e:
+            tiny.client.completions.create(model=tiny.model, prompt="hi", max_tokens=2,
+                                           extra_body={"priority": bad})
+        assert e.value.body["param"] == "priority", e.value.body

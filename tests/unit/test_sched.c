@@ -11,7 +11,11 @@
  *   whatever the chunking, the prefix cache and the company;
  * - speculation (prompt-lookup drafts) gives the tokens of decoding one
  *   token a step, greedy and seeded, whatever the budget, the draft length
- *   and preemption, and keeps some drafts. */
+ *   and preemption, and keeps some drafts;
+ * - priority: the same tokens whatever the priorities (they change only the
+ *   order), a high-priority request behind a queue of long low-priority
+ *   prompts gets its first token at the next step (taking a seat by
+ *   preemption when none is free), and out-of-range priorities are refused. */
 #include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -46,6 +50,7 @@ typedef struct {
     int32_t n_prompt, max_tokens;
     uint64_t seed;
     bool sampled, no_spec;
+    int32_t priority;
 } req_spec;
 
 typedef struct {
@@ -64,6 +69,7 @@ static cs_request make_req(const req_spec *s, uint64_t id) {
     r.stop.max_tokens = s->max_tokens;
     r.stop.ignore_eos = true;
     r.disable_speculation = s->no_spec;
+    r.priority = s->priority;
     return r;
 }
 
@@ -75,7 +81,7 @@ static void check_pages(cs_engine *e) {
 }
 
 static cs_sched_stats last_stats; /* the last run's scheduler's, before it is freed */
-static int64_t unready_drafts;     /* drafts verified before a step model was ready (run) */
+static int64_t unready_drafts;    /* drafts verified before a step model was ready (run) */
 
 /* Runs all requests through a scheduler (arriving in rounds), checking the
  * invariants at every step; returns the total steps. */
@@ -143,6 +149,7 @@ static void make_specs(req_spec *specs, int n, bool sampled) {
         specs[i].seed = 77 + (uint64_t)i;
         specs[i].sampled = sampled;
         specs[i].no_spec = false;
+        specs[i].priority = 0;
     }
 }
 
@@ -424,7 +431,7 @@ static void check_spec_distribution(void) {
             k++;
         ASSERT_TRUE(k < K); /* top-k: nothing else is sampled */
         counts[k]++;
-        always[0]++;            /* wrong: the draft (top[0]) kept every time */
+        always[0]++;             /* wrong: the draft (top[0]) kept every time */
         half[(i & 1) ? 0 : k]++; /* wrong: kept half the time, else the sample */
         n++;
     }
@@ -565,6 +572,13 @@ static void check_bad_requests(void) {
     ASSERT_EQ_INT(cs_sched_add(s, &r), CS_EINVAL); /* no room left in the context */
     r.n_prompt = 2000;
     ASSERT_EQ_INT(cs_sched_add(s, &r), CS_ENOSPC); /* 64 pages of 16 hold 1024 tokens */
+    r.n_prompt = 10, r.priority = -1;
+    ASSERT_EQ_INT(cs_sched_add(s, &r), CS_EINVAL);
+    ASSERT_MSG_HAS(cs_last_error(), "priority");
+    r.priority = CS_MAX_PRIORITY + 1;
+    ASSERT_EQ_INT(cs_sched_add(s, &r), CS_EINVAL);
+    ASSERT_MSG_HAS(cs_last_error(), "priority");
+    r.priority = 0;
     cs_sched_stats st;
     cs_sched_get_stats(s, &st);
     ASSERT_EQ_INT(st.n_waiting, 1);
@@ -1030,6 +1044,71 @@ static void check_prompt_logprobs(void) {
     model = f32;
 }
 
+/* Priority: the tokens do not depend on it; a high-priority request behind
+ * long low-priority prompts starts at the next step, taking a seat. */
+static void check_priority(void) {
+    static req_spec specs[MAX_REQ];
+    static req_out base[MAX_REQ], other[MAX_REQ];
+    make_specs(specs, MAX_REQ, false);
+    cs_engine *big = engine(4096), *small = engine(60);
+    cs_sched_params p = cs_sched_params_default();
+    run(big, &p, specs, MAX_REQ, base, false);
+    for (int i = 0; i < MAX_REQ; i++)
+        specs[i].priority = (int32_t)rnd(4);
+    const int32_t budgets[] = {0, 64, 17};
+    uint64_t by_priority = 0;
+    for (size_t bi = 0; bi < sizeof budgets / sizeof budgets[0]; bi++)
+        for (int tight = 0; tight < 2; tight++) {
+            p.max_num_batched_tokens = budgets[bi];
+            p.max_num_seqs = tight ? 4 : 256;
+            run(tight ? small : big, &p, specs, MAX_REQ, other, true);
+            by_priority += last_stats.priority_preemptions;
+            check_same(base, other, MAX_REQ, "priorities");
+        }
+    ASSERT_TRUE(by_priority > 0); /* the seats were taken by preemption at least once */
+
+    /* ten 400-token prompts of priority 5, then one of priority 0 */
+    for (int seats = 0; seats < 2; seats++) {
+        cs_sched *s = NULL;
+        p = cs_sched_params_default();
+        p.max_num_batched_tokens = 64;
+        p.max_num_seqs = seats ? 2 : 256;
+        p.max_num_partial_prefills = 1;
+        ASSERT_EQ_INT(cs_sched_init(big, &p, &s), 0);
+        static req_spec low, high;
+        low.n_prompt = 400, low.max_tokens = 4, low.priority = 5;
+        high.n_prompt = 20, high.max_tokens = 4, high.priority = 0;
+        for (int j = 0; j < 400; j++)
+            low.prompt[j] = (int32_t)rnd((uint32_t)V);
+        for (int j = 0; j < 20; j++)
+            high.prompt[j] = (int32_t)rnd((uint32_t)V);
+        for (int i = 0; i < 10; i++) {
+            cs_request r = make_req(&low, (uint64_t)i);
+            ASSERT_EQ_INT(cs_sched_add(s, &r), 0);
+        }
+        const cs_event *ev;
+        int32_t ne;
+        for (int i = 0; i < 12; i++) /* the low ones are part-way through their prompts */
+            ASSERT_EQ_INT(cs_sched_step(s, &ev, &ne), 0);
+        cs_request r = make_req(&high, 100);
+        ASSERT_EQ_INT(cs_sched_add(s, &r), 0);
+        ASSERT_EQ_INT(cs_sched_step(s, &ev, &ne), 0);
+        bool first = false;
+        for (int32_t i = 0; i < ne; i++)
+            first |= ev[i].id == 100;
+        ASSERT_TRUE(first);
+        cs_sched_stats st;
+        cs_sched_get_stats(s, &st);
+        if (seats) ASSERT_TRUE(st.priority_preemptions >= 1);
+        while (!cs_sched_idle(s))
+            ASSERT_EQ_INT(cs_sched_step(s, &ev, &ne), 0);
+        cs_sched_free(s);
+        check_pages(big);
+    }
+    cs_engine_free(big);
+    cs_engine_free(small);
+}
+
 int main(void) {
     char path[1024];
     snprintf(path, sizeof path, "%s/f32/tiny.gguf", getenv("CS_TINY_DIR"));
@@ -1048,6 +1127,7 @@ int main(void) {
     check_speculation();
     check_spec_distribution();
     check_serve();
+    check_priority(); /* last: check_spec_distribution's case comes from the random stream */
     cs_model_free(model);
     return 0;
 }

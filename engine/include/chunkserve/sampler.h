@@ -58,6 +58,8 @@ void cs_sampler_accept(cs_sampler *s, int32_t id);
  * likely first, the lower id first on ties), as OpenAI's logprobs and
  * top_logprobs report them. */
 #define CS_MAX_TOP_LOGPROBS 20
+/* The largest (lowest) request priority (cs_request.priority; 0 is the highest). */
+#define CS_MAX_PRIORITY 1000000
 typedef struct {
     float logprob; /* the chosen token's */
     int32_t n_top; /* 0..CS_MAX_TOP_LOGPROBS */

@@ -120,6 +120,9 @@ typedef struct {
                                     ignores it (the prefill side computes them) */
     int32_t prompt_top_logprobs; /* with prompt_logprobs: alternatives per token, 0..20 */
     bool disable_speculation;    /* no drafts for this request (the output is the same) */
+    int32_t priority;            /* lower first (vLLM's), 0..CS_MAX_PRIORITY; ties by arrival:
+                                    the order of admission, prompt chunks, decodes and
+                                    preemption (the lowest priority, newest, goes first) */
     enum cs_kv_mode kv_mode;
     bool reserve;             /* reserve the prompt's pages at add, all or nothing:
                                  CS_ENOSPC when they are not free now (admission by
@@ -184,6 +187,7 @@ typedef struct {
 
 typedef struct {
     uint64_t steps, preemptions, prefix_hit_tokens, prompt_tokens_computed, generated_tokens;
+    uint64_t priority_preemptions; /* of those, to seat a request of a higher priority */
     uint64_t requests_finished, requests_cancelled;
     /* speculation: verifications (decodes that carried drafts), drafted
      * tokens, and the drafted tokens that were kept */
