@@ -371,7 +371,7 @@ const char cs__gemma_chat_template[] =
  * '<start_of_turn>' + (user | model) + '\n' + content | trim +
  * '<end_of_turn>\n'. */
 static int render_gemma(const cs_tokenizer *tok, const cs_chat_message *msgs, size_t n_msgs,
-                        cs_chat_end end, sbuf *b) {
+                        cs_chat_end end, const char *sep, sbuf *b) {
     size_t first = n_msgs && !strcmp(msgs[0].role, "system");
     for (size_t i = first; i < n_msgs; i++) /* the template's own check, to the letter */
         if (!strcmp(msgs[i].role, "user") != ((i - first) % 2 == 0))
@@ -395,8 +395,7 @@ static int render_gemma(const cs_tokenizer *tok, const cs_chat_message *msgs, si
             (rc = sb_adds(b, strcmp(msgs[i].role, "assistant") ? msgs[i].role : "model")) ||
             (rc = sb_adds(b, "\n")))
             break;
-        if (i == first && first &&
-            ((rc = sb_adds(b, msgs[0].content)) || (rc = sb_adds(b, "\n\n"))))
+        if (i == first && first && ((rc = sb_adds(b, msgs[0].content)) || (rc = sb_adds(b, sep))))
             break;
         if ((rc = sb_add(b, c + a, e - a)) || (!open && (rc = sb_adds(b, "<end_of_turn>\n"))))
             break;
@@ -441,12 +440,25 @@ int cs_tokenizer_apply_chat_tools(const cs_tokenizer *tok, const cs_chat_message
             return cs_fail(CS_ENOTSUP, "chat: tools with a Llama-3 template are not supported");
         rc = render_llama3(tok, msgs, n_msgs, end, &b);
     } else if (strstr(t, "<start_of_turn>")) {
+        /* Gemma 3's template (first_user_prefix: a system message folded into the
+         * first user turn); Gemma 2's refuses a system role; any other is not ours */
+        bool g3 = strstr(t, "first_user_prefix") && strstr(t, "loop_messages");
+        bool g2 = strstr(t, "System role not supported") != NULL;
+        if (!g3 && !g2)
+            return cs_fail(CS_ENOTSUP,
+                           "chat: unrecognised <start_of_turn> template (Gemma 2 and "
+                           "3's are supported): '%.60s'",
+                           t);
+        if (g2 && n_msgs && !strcmp(msgs[0].role, "system"))
+            return cs_fail(CS_EINVAL, "chat: System role not supported (the model's template)");
         bool tooled = n_tools > 0;
         for (size_t i = 0; i < n_msgs; i++)
             tooled |= msgs[i].n_tool_calls > 0;
         if (tooled)
             return cs_fail(CS_ENOTSUP, "chat: tools with a Gemma template are not supported");
-        rc = render_gemma(tok, msgs, n_msgs, end, &b);
+        /* the system prefix's separator, as the template writes it */
+        const char *sep = strstr(t, "['content'] + '\\n'") ? "\n" : "\n\n";
+        rc = render_gemma(tok, msgs, n_msgs, end, sep, &b);
     } else {
         return cs_fail(CS_ENOTSUP,
                        "chat: unrecognised chat template (ChatML, Llama-3 and Gemma are "

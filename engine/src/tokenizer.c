@@ -293,7 +293,7 @@ static int build_merges(cs_tokenizer *tok, const cs_vocab_spec *spec) {
 }
 
 static const char *const eog_texts[] = {"<|im_end|>", "<|eot_id|>", "<|endoftext|>",
-                                        "<|end_of_text|>"};
+                                        "<|end_of_text|>", "<end_of_turn>"};
 
 static int build_attrs(cs_tokenizer *tok, const cs_vocab_spec *spec) {
     int32_t n = tok->n_vocab;
@@ -847,8 +847,14 @@ int cs_tokenizer_encode(const cs_tokenizer *tok, const char *text, size_t len, b
     idvec out = {0};
     bpe_scratch sc = {0};
     int rc = 0;
-    if (add_bos && tok->add_bos && tok->bos_id >= 0 && (rc = idvec_push(&out, tok->bos_id)))
-        goto done;
+    /* the model's BOS, unless the text brings its own (a chat template that
+     * renders bos_token: Gemma, Llama 3): never two */
+    if (add_bos && tok->add_bos && tok->bos_id >= 0) {
+        size_t bl;
+        const char *bt = cs__tok_text(tok, tok->bos_id, &bl);
+        bool has = parse_special && bl && len >= bl && !memcmp(text, bt, bl);
+        if (!has && (rc = idvec_push(&out, tok->bos_id))) goto done;
+    }
     const uint8_t *s = (const uint8_t *)text;
     size_t seg = 0, i = 0;
     bool after_special = true; /* the text's start counts as one (SentencePiece's prefix) */

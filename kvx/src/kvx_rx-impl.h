@@ -55,9 +55,11 @@ typedef struct rx_conn {
     bool challenged;   /* HELLO checked, CHALLENGE sent: only AUTH may follow */
     kvx_transcript tr; /* the handshake's (set by HELLO) */
     kvx_key key;       /* the key CHALLENGE proved: AUTH must prove the same (a
-                          rotation between the two changes nothing) */
-    bool retired;      /* that key was rotated out: closed once no transfer is bound
-                          to it (cs_kvx_rx_set_secret) */
+                          rotation between the two keeps that key while the set
+                          still holds it; else the channel is retired) */
+    bool retired;      /* that key was rotated out (cs_kvx_rx_set_secret): closed once
+                          no transfer may still come over it (kvx_rx.c retired_busy) */
+    int64_t retired_at;
     uint8_t session[32];
     bool closing; /* closed at the next safe point */
     bool oom;     /* a control frame could not be allocated: fail it at the next look */

@@ -619,10 +619,17 @@ static void run_events(cs_kvx_rx *rx) {
     pthread_mutex_lock(&rx->mu);
 }
 
-/* A transfer is bound to c (its pages come over it). */
-static bool conn_busy(const cs_kvx_rx *rx, const rx_conn *c) {
+/* A channel whose session key was rotated out is closed once no transfer
+ * may still come over it: none bound to it, and none waiting unbound for its
+ * sender (the sender may have begun it on this channel before it rotated
+ * too); at the latest RETIRED_MAX_MS after the rotation (whoever holds the
+ * dropped key cannot keep it open). */
+#define RETIRED_MAX_MS 60000
+static bool retired_busy(const cs_kvx_rx *rx, const rx_conn *c, int64_t now) {
+    if (now - c->retired_at >= RETIRED_MAX_MS) return false;
     for (const rx_xfer *x = rx->xfers; x; x = x->next)
-        if (x->conn == c) return true;
+        if (x->conn == c || (!x->conn && (!x->sender[0] || !strcmp(x->sender, c->name))))
+            return true;
     return false;
 }
 
@@ -663,7 +670,7 @@ static void *rx_thread(void *arg) {
             if (!c->closing && c->oom)
                 cs__rx_conn_fail(rx, c, CS_ENOMEM, "the receiver ran out of memory for a frame",
                                  false);
-            if (!c->closing && c->retired && !conn_busy(rx, c)) {
+            if (!c->closing && c->retired && !retired_busy(rx, c, now)) {
                 CS_LOGI("kvx rx: closing the channel from %s (%s): its cluster secret was "
                         "rotated out",
                         c->name[0] ? c->name : "?", c->addr);
@@ -863,7 +870,10 @@ void cs_kvx_rx_set_secret(cs_kvx_rx *rx, const cs_secret *s) {
     pthread_mutex_lock(&rx->mu);
     cs__kvx_keys_set(&rx->keys, s);
     for (rx_conn *c = rx->conns; c; c = c->next)
-        if (c->challenged && !cs__kvx_keys_have(&rx->keys, &c->key)) c->retired = true;
+        if (c->challenged && !c->retired && !cs__kvx_keys_have(&rx->keys, &c->key)) {
+            c->retired = true;
+            c->retired_at = cs__kvx_now_ms();
+        }
     cs__kvx_wake(rx->wake[1]);
     pthread_mutex_unlock(&rx->mu);
 }

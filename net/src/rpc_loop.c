@@ -91,8 +91,10 @@ int cs__rpc_loop_channel_creds(cs_rpc_loop *l, const cs_rpc_tls *t,
                                grpc_channel_credentials **out) {
     if (!t->ca_file || !t->ca_file[0]) return cs__rpc_channel_creds(t, out);
     char key[4200];
-    snprintf(key, sizeof key, "%s\n%s\n%s\n%lld", t->ca_file, t->cert_file ? t->cert_file : "",
-             t->key_file ? t->key_file : "", (long long)t->reload_s);
+    int kn =
+        snprintf(key, sizeof key, "%s\n%s\n%s\n%lld", t->ca_file, t->cert_file ? t->cert_file : "",
+                 t->key_file ? t->key_file : "", (long long)t->reload_s);
+    if (kn < 0 || (size_t)kn >= sizeof key) return cs__rpc_channel_creds(t, out); /* not cached */
     if (l->tls_creds && !strcmp(l->tls_key, key)) {
         *out = l->tls_creds;
         return 0;

@@ -166,6 +166,7 @@ static int read_pem(const char *path, const char *what, char **out) {
     bool err = ferror(f);
     fclose(f);
     if (!buf) return cs_fail(CS_ENOMEM, "rpc: out of memory");
+    buf[n <= MAX ? n : MAX] = 0;
     if (err || n == 0 || n > MAX || !strstr(buf, "-----BEGIN")) {
         free(buf);
         return cs_fail(CS_EINVAL, "rpc: the TLS %s %s is %s", what, path,
@@ -188,11 +189,17 @@ static int check_pem(const char *path, const char *what) {
     return r;
 }
 
+/* Encrypted keys are refused (no prompt on a terminal). */
+static int no_password(char *buf, int size, int rwflag, void *u) {
+    (void)buf, (void)size, (void)rwflag, (void)u;
+    return -1;
+}
+
 /* What gRPC would refuse only at the first handshake, refused now: a file
  * with no certificate, a key that is not the certificate's. */
 static int check_identity(const char *cert_file, const char *key_file) {
     BIO *b = BIO_new_file(cert_file, "r");
-    X509 *x = b ? PEM_read_bio_X509(b, NULL, NULL, NULL) : NULL;
+    X509 *x = b ? PEM_read_bio_X509(b, NULL, no_password, NULL) : NULL;
     BIO_free(b);
     EVP_PKEY *k = NULL;
     int r = 0;
@@ -200,7 +207,7 @@ static int check_identity(const char *cert_file, const char *key_file) {
         r = cs_fail(CS_EINVAL, "rpc: the TLS certificate %s holds no PEM certificate", cert_file);
     } else if (key_file) {
         b = BIO_new_file(key_file, "r");
-        k = b ? PEM_read_bio_PrivateKey(b, NULL, NULL, NULL) : NULL;
+        k = b ? PEM_read_bio_PrivateKey(b, NULL, no_password, NULL) : NULL;
         BIO_free(b);
         if (!k)
             r = cs_fail(CS_EINVAL, "rpc: the TLS key %s holds no PEM private key", key_file);

@@ -63,6 +63,12 @@
 #define LINGER_MS 5000   /* after our last response, how long we wait for the peer's close */
 #define READ_BUF 16384   /* unparsed input buffered per connection */
 #define PEER_MAX 64      /* "[ipv6]:port" */
+#define TLS_OUT_CAP                                                                                \
+    (256 * 1024)              /* TLS: bytes queued on the socket beyond which nothing more         \
+                                 is read or decrypted (the TLS layer answers some records          \
+                                 itself: a client that does not read must not make it              \
+                                 queue without bound) */
+#define TLS_PIECE (16 * 1024) /* plaintext per SSL_write: one record, a small write BIO */
 
 enum conn_state { CONN_OPEN, CONN_DRAINING, CONN_CLOSING };
 /* What the connection's one timer is doing (the phases are exclusive). */
@@ -269,7 +275,8 @@ static void conn_update_reading(conn *c) {
         want = true;
     else
         want = c->rlen - c->roff < READ_BUF &&
-               (!c->ssl || cs__http_tls_buffered_in(c->ssl) < READ_BUF);
+               (!c->ssl || (cs__http_tls_buffered_in(c->ssl) < READ_BUF &&
+                            c->tcp.write_queue_size < TLS_OUT_CAP));
     if (want && !c->reading) {
         if (uv_read_start((uv_stream_t *)&c->tcp, on_alloc, on_read) != 0) {
             conn_close(c);
@@ -390,6 +397,8 @@ static void on_write(uv_write_t *req, int status) {
     if (c->write_blocked && c->n_writes <= MAX_INFLIGHT / 2) {
         c->write_blocked = false;
         conn_process(c);
+    } else if (c->ssl && !c->reading) {
+        conn_process(c); /* below TLS_OUT_CAP again: decrypt and read on */
     }
 }
 
@@ -427,24 +436,31 @@ static int conn_tls_flush(conn *c) {
     return 0;
 }
 
-/* Plaintext w->data[0..len) out (through TLS when on); w is ours to free. */
+/* Plaintext w->data[0..len) out (through TLS when on, a record at a time);
+ * w is ours to free. */
 static int conn_write(conn *c, wreq *w, size_t len) {
     if (!c->ssl) return conn_write_raw(c, w, len);
-    int r = cs__http_tls_write(c->ssl, w->data, len);
-    free(w);
-    if (r) {
-        CS_LOGD("http: TLS write to %s failed", c->peer);
-        conn_close(c);
-        return CS_ECONNRESET;
+    int r = 0;
+    for (size_t off = 0; !r && (off < len || len == 0); off += TLS_PIECE) {
+        size_t n = len - off < TLS_PIECE ? len - off : TLS_PIECE;
+        if (cs__http_tls_write(c->ssl, w->data + off, n)) {
+            CS_LOGD("http: TLS write to %s failed", c->peer);
+            conn_close(c);
+            r = CS_ECONNRESET;
+        } else {
+            r = conn_tls_flush(c);
+        }
+        if (len == 0) break;
     }
-    return conn_tls_flush(c);
+    free(w);
+    return r;
 }
 
 /* Decrypts what the SSL holds into rbuf while it has room, and sends the
  * handshake's answers. The peer's close_notify is its end of stream; a
  * failed handshake or a bad record closes the connection. */
 static void conn_tls_pull(conn *c) {
-    if (c->state != CONN_OPEN || c->peer_eof) return;
+    if (c->state != CONN_OPEN || c->peer_eof || c->tcp.write_queue_size >= TLS_OUT_CAP) return;
     if (c->roff > 0) {
         memmove(c->rbuf, c->rbuf + c->roff, c->rlen - c->roff);
         c->rlen -= c->roff;

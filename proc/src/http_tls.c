@@ -48,6 +48,25 @@ static void file_ids(const cs__http_tls *t, uint64_t out[N_FILES][5]) {
     }
 }
 
+/* A handshake started after the first one finished: TLS 1.2 renegotiation
+ * (refused by SSL_OP_NO_RENEGOTIATION, but each attempt costs an alert the
+ * client need not read). The connection is closed at the next read, as
+ * nginx does. TLS 1.3's post-handshake messages (KeyUpdate) are served; the
+ * write queue's cap (http.c) bounds what a client that does not read can
+ * make us hold. */
+static void on_info(const SSL *ssl, int where, int ret) {
+    (void)ret;
+    if ((where & SSL_CB_HANDSHAKE_START) && SSL_is_init_finished(ssl) &&
+        SSL_version(ssl) < TLS1_3_VERSION)
+        SSL_set_app_data((SSL *)ssl, (void *)1);
+}
+
+/* Encrypted keys are refused (no prompt on a terminal). */
+static int no_password(char *buf, int size, int rwflag, void *u) {
+    (void)buf, (void)size, (void)rwflag, (void)u;
+    return -1;
+}
+
 /* HTTP/1.1 is all this server speaks: ALPN picks it or nothing. */
 static int select_alpn(SSL *ssl, const unsigned char **out, unsigned char *outlen,
                        const unsigned char *in, unsigned int inlen, void *arg) {
@@ -69,6 +88,12 @@ static int build(const cs__http_tls *t, SSL_CTX **out) {
     SSL_CTX_set_min_proto_version(ctx, TLS1_2_VERSION);
     SSL_CTX_set_options(ctx, SSL_OP_NO_RENEGOTIATION | SSL_OP_CIPHER_SERVER_PREFERENCE);
     SSL_CTX_set_alpn_select_cb(ctx, select_alpn, NULL);
+    SSL_CTX_set_info_callback(ctx, on_info);
+    SSL_CTX_set_default_passwd_cb(ctx, no_password);
+    /* sessions resume only in this context (a TLS 1.2 client offering one
+     * under mutual TLS is otherwise refused); a rebuilt context has its own */
+    static const unsigned char sid[] = "chunkserve http";
+    SSL_CTX_set_session_id_context(ctx, sid, sizeof sid - 1);
     int r = 0;
     if (SSL_CTX_use_certificate_chain_file(ctx, t->path[F_CERT]) != 1)
         r = cs_fail(CS_EINVAL, "http: TLS: the certificate %s: %s", t->path[F_CERT],
@@ -76,11 +101,16 @@ static int build(const cs__http_tls *t, SSL_CTX **out) {
     else if (SSL_CTX_use_PrivateKey_file(ctx, t->path[F_KEY], SSL_FILETYPE_PEM) != 1)
         r = cs_fail(CS_EINVAL, "http: TLS: the key %s: %s", t->path[F_KEY], ssl_err(e, sizeof e));
     else if (SSL_CTX_check_private_key(ctx) != 1)
-        r = cs_fail(CS_EINVAL, "http: TLS: the key %s is not the certificate %s's", t->path[F_KEY],
-                    t->path[F_CERT]);
+        r = cs_fail(CS_EINVAL, "http: TLS: the key %s is not the certificate %s's (%s)",
+                    t->path[F_KEY], t->path[F_CERT], ssl_err(e, sizeof e));
     else if (t->path[F_CA] && SSL_CTX_load_verify_locations(ctx, t->path[F_CA], NULL) != 1)
         r = cs_fail(CS_EINVAL, "http: TLS: the client CA %s: %s", t->path[F_CA],
                     ssl_err(e, sizeof e));
+    if (!r && t->path[F_CA]) { /* the CA names sent to clients, to choose their certificate */
+        STACK_OF(X509_NAME) *names = SSL_load_client_CA_file(t->path[F_CA]);
+        if (names) SSL_CTX_set_client_CA_list(ctx, names); /* takes them */
+    }
+    ERR_clear_error();
     if (r) {
         SSL_CTX_free(ctx);
         return r;
@@ -179,10 +209,16 @@ size_t cs__http_tls_buffered_in(SSL *ssl) {
 }
 
 int cs__http_tls_read(SSL *ssl, char *buf, size_t cap, const char *peer) {
-    int n = SSL_read(ssl, buf, (int)cap);
-    if (n > 0) return n;
+    if (SSL_get_app_data(ssl)) {
+        CS_LOGD("http: TLS from %s: a renegotiation attempt; closing", peer);
+        return CS_EPROTO;
+    }
+    ERR_clear_error(); /* SSL_get_error reads the queue: nothing stale in it */
+    int n = SSL_read(ssl, buf, (int)(cap < INT32_MAX ? cap : INT32_MAX));
+    if (n > 0) return SSL_get_app_data(ssl) ? CS_EPROTO : n;
     int e = SSL_get_error(ssl, n);
-    if (e == SSL_ERROR_WANT_READ || e == SSL_ERROR_WANT_WRITE) return 0;
+    if (e == SSL_ERROR_WANT_READ || e == SSL_ERROR_WANT_WRITE)
+        return SSL_get_app_data(ssl) ? CS_EPROTO : 0;
     if (e == SSL_ERROR_ZERO_RETURN) { /* the peer's close_notify: its end of stream */
         ERR_clear_error();
         return CS_ECONNRESET;
@@ -193,14 +229,17 @@ int cs__http_tls_read(SSL *ssl, char *buf, size_t cap, const char *peer) {
 }
 
 int cs__http_tls_write(SSL *ssl, const void *data, size_t len) {
-    if (len == 0) return 0;
-    int n = SSL_write(ssl, data, (int)len); /* into the memory BIO: all or an error */
-    if (n == (int)len) return 0;
+    /* into the memory BIO: all of it or an error (a client in the middle of a
+     * post-handshake message makes it WANT_READ: the connection closes) */
     ERR_clear_error();
-    return CS_EPROTO;
+    size_t done = 0;
+    int ok = len == 0 || SSL_write_ex(ssl, data, len, &done);
+    ERR_clear_error();
+    return ok && done == len ? 0 : CS_EPROTO;
 }
 
 void cs__http_tls_close_notify(SSL *ssl) {
+    ERR_clear_error();
     (void)SSL_shutdown(ssl);
     ERR_clear_error();
 }

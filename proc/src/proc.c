@@ -33,6 +33,7 @@ struct cs_proc {
     cs_metric *m_draining;
     cs_metric *m_key_id, *m_keys, *m_reloads, *m_reload_errors; /* with a cluster secret */
     uv_timer_t reload;
+    bool reload_failing; /* the secret's file cannot be read (already reported) */
     cs_http_server *http;
     uv_signal_t sigterm, sigint;
     uv_timer_t grace, drain_poll;
@@ -94,10 +95,16 @@ static void log_secret(const char *what, const cs_secret *s) {
 static void on_reload(uv_timer_t *t) {
     cs_proc *p = t->data;
     int r = cs_secret_reload(p->o->secret, p->o->secret_file);
-    if (r < 0) {
-        cs_metric_inc(p->m_reload_errors);
-        CS_LOGE("cluster secret not reloaded (the previous one stays): %s", cs_last_error());
-    } else if (r == 1) {
+    if (r < 0) { /* counted and logged once while it lasts (a missing file is tried again) */
+        if (!p->reload_failing) {
+            cs_metric_inc(p->m_reload_errors);
+            CS_LOGE("cluster secret not reloaded (the previous one stays): %s", cs_last_error());
+        }
+        p->reload_failing = r == CS_EIO;
+        return;
+    }
+    p->reload_failing = false;
+    if (r == 1) {
         cs_metric_inc(p->m_reloads);
         log_secret("cluster secret reloaded", p->o->secret);
         if (p->role->secret_changed) p->role->secret_changed(p, p->rd);
@@ -107,15 +114,16 @@ static void on_reload(uv_timer_t *t) {
 static void register_secret(cs_proc *p) {
     p->m_key_id = cs_metrics_gauge(
         p->metrics, "chunkserve:cluster_secret_key_id", NULL,
-        "id of the cluster secret this process proves (48 bits of an HMAC of it, not the "
-        "secret; 0: none): a rotation step has reached every process when they all show one id");
+        "id of the cluster secret this process proves (48 bits of PBKDF2 of it, not the secret; "
+        "0: none): a rotation step has reached every process when they all show one id");
     p->m_keys = cs_metrics_gauge(p->metrics, "chunkserve:cluster_secret_keys", NULL,
                                  "cluster secrets this process accepts (2 during a rotation)");
     p->m_reloads = cs_metrics_counter(p->metrics, "chunkserve:cluster_secret_reloads_total", NULL,
                                       "new cluster secrets read from --cluster-secret-file");
     p->m_reload_errors =
         cs_metrics_counter(p->metrics, "chunkserve:cluster_secret_reload_errors_total", NULL,
-                           "changes of --cluster-secret-file refused (the previous secret stays)");
+                           "changes of --cluster-secret-file refused, or the file unreadable "
+                           "(once while it lasts): the previous secret stays");
 }
 
 /* -------------------------------------------------------------- stop -- */

@@ -206,10 +206,12 @@ def test_openai_door_over_tls(bin_dir, model, certs, tmp_path):
             temperature=0, stream=True))
         assert chunks and chunks[-1].choices[0].finish_reason == "length"
         # plain HTTP on the TLS port, and a client that trusts another CA: nothing served
-        with pytest.raises((OSError, http.client.HTTPException)):
+        with pytest.raises((OSError, http.client.HTTPException)) as e:
             urllib.request.urlopen(f"http://{addr}/v1/models", timeout=10)
-        with pytest.raises(openai.APIConnectionError):
+        assert not isinstance(e.value, TimeoutError)  # refused, not left hanging
+        with pytest.raises(openai.APIConnectionError) as e:
             openai_client(addr, certs, ca="other-ca").models.list()
+        assert not isinstance(e.value, openai.APITimeoutError)
         # the certificate replaced by one of the other CA (a rename, as a Secret volume
         # swaps): new connections get it
         for f in ("pem", "key"):
@@ -223,8 +225,9 @@ def test_openai_door_over_tls(bin_dir, model, certs, tmp_path):
             except openai.APIConnectionError:
                 return False
         wait_for(other_ca_served, 20, "the replaced certificate to be served")
-        with pytest.raises(openai.APIConnectionError):
+        with pytest.raises(openai.APIConnectionError) as e:
             openai_client(addr, certs).models.list()
+        assert not isinstance(e.value, openai.APITimeoutError)
     finally:
         p.terminate()
         assert p.wait(30) == 0
@@ -236,8 +239,9 @@ def test_openai_door_with_client_certificates(bin_dir, model, certs):
     try:
         assert openai_client(addr, certs, client="client").models.list().data
         for who in (None, "stranger"):
-            with pytest.raises(openai.APIConnectionError):
+            with pytest.raises(openai.APIConnectionError) as e:
                 openai_client(addr, certs, client=who).models.list()
+            assert not isinstance(e.value, openai.APITimeoutError)
     finally:
         p.terminate()
         assert p.wait(30) == 0

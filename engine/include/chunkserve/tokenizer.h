@@ -45,7 +45,9 @@ bool cs_tokenizer_is_special(const cs_tokenizer *tok, int32_t id);
  * else CS_EINVAL). With parse_special, the text of control tokens (e.g.
  * "<|im_start|>") maps to their ids; without it that text is ordinary text.
  * User-defined added tokens always match (as in HF tokenizers and llama.cpp).
- * add_bos prepends BOS when the model asks for it (tokenizer.ggml.add_bos_token).
+ * add_bos prepends BOS when the model asks for it (tokenizer.ggml.add_bos_token),
+ * unless, with parse_special, the text starts with the BOS token's text (a chat
+ * template that renders it): never two.
  * On success *ids is malloc'd (caller frees with free()) and *n_ids is set.
  * Failure: CS_EINVAL (invalid UTF-8), CS_ENOMEM. */
 int cs_tokenizer_encode(const cs_tokenizer *tok, const char *text, size_t len, bool parse_special,
