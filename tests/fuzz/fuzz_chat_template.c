@@ -1,7 +1,7 @@
 /* fuzz_chat_template: fuzz driver for chat template rendering
  * (engine/src/chat.c, cs_tokenizer_apply_chat): the template text (a model
  * file's tokenizer.chat_template or tokenizer_config.json's, so outside
- * bytes) is recognised as ChatML or Llama-3 or refused; a ChatML default
+ * bytes) is recognised as ChatML, Llama-3 or Gemma or refused; a ChatML default
  * system message is dug out of its string literal (quotes, escapes); the
  * messages (roles, contents: client bytes) are checked and rendered, with
  * Llama-3's | trim over UTF-8 whitespace.
@@ -21,6 +21,9 @@
  *    and only when the first message is not a system message;
  *  - Llama-3: BOS text first (when the vocabulary has one and there are
  *    messages), one header per message, the assistant header last when asked;
+ *  - Gemma: BOS text first (when the vocabulary has one), a turn per message
+ *    (a first system message folds into the next), the model turn last when
+ *    asked;
  *  - the output is valid UTF-8 when the template is.
  * Usage (fallback): fuzz_chat_template CORPUS_DIR [ITERATIONS]
  *                   fuzz_chat_template --write-corpus DIR */
@@ -119,11 +122,17 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
                     fail("the default system block is not one block", out);
             }
             free(want);
-        } else {
+        } else if (strstr(tmpl, "<|start_header_id|>")) {
             if (n && has_bos && strncmp(out, "<|begin_of_text|>", 17)) fail("no BOS first", out);
             if (count(out, "<|start_header_id|>") < n + agp) fail("a header is missing", out);
             static const char gen[] = "<|start_header_id|>assistant<|end_header_id|>\n\n";
             if (agp && !ends_with(out, len, gen, sizeof gen - 1)) fail("no assistant header", out);
+        } else { /* Gemma: bos_token always; a first system message folds into a turn */
+            if (has_bos && strncmp(out, "<|begin_of_text|>", 17)) fail("no BOS first", out);
+            size_t turns = n - (n && !strcmp(msgs[0].role, "system"));
+            if (count(out, "<start_of_turn>") < turns + agp) fail("a turn is missing", out);
+            static const char gen[] = "<start_of_turn>model\n";
+            if (agp && !ends_with(out, len, gen, sizeof gen - 1)) fail("no model turn", out);
         }
     }
     free(out);
