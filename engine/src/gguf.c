@@ -446,12 +446,14 @@ int cs__gguf_get_str_array(const cs_gguf *g, const char *key, cs_gguf_str **out,
     return 0;
 }
 
-int cs__gguf_get_f32_array(const cs_gguf *g, const char *key, float **out, uint64_t *count) {
+/* A 4-byte-element array of one of two element types, copied. */
+static int get_array4(const cs_gguf *g, const char *key, enum cs_gguf_type t1, enum cs_gguf_type t2,
+                      const char *what, void **out, uint64_t *count) {
     const cs_gguf_kv *kv = cs__gguf_find(g, key);
     if (!kv) return CS_ENOENT;
-    if (kv->type != CS_GGUF_ARRAY || kv->arr_type != CS_GGUF_FLOAT32)
-        return cs_fail(CS_EBADMSG, "gguf: key '%s' must be an array of 32-bit floats", key);
-    float *a = malloc((kv->arr_count ? kv->arr_count : 1) * sizeof *a);
+    if (kv->type != CS_GGUF_ARRAY || (kv->arr_type != t1 && kv->arr_type != t2))
+        return cs_fail(CS_EBADMSG, "gguf: key '%s' must be an array of %s", key, what);
+    void *a = malloc((kv->arr_count ? kv->arr_count : 1) * 4);
     if (!a) return cs_fail(CS_ENOMEM, "gguf: out of memory reading '%s'", key);
     if (kv->arr_count) memcpy(a, kv->data, kv->arr_count * 4);
     *out = a;
@@ -459,16 +461,12 @@ int cs__gguf_get_f32_array(const cs_gguf *g, const char *key, float **out, uint6
     return 0;
 }
 
+int cs__gguf_get_f32_array(const cs_gguf *g, const char *key, float **out, uint64_t *count) {
+    return get_array4(g, key, CS_GGUF_FLOAT32, CS_GGUF_FLOAT32, "32-bit floats", (void **)out,
+                      count);
+}
+
 int cs__gguf_get_i32_array(const cs_gguf *g, const char *key, int32_t **out, uint64_t *count) {
-    const cs_gguf_kv *kv = cs__gguf_find(g, key);
-    if (!kv) return CS_ENOENT;
-    if (kv->type != CS_GGUF_ARRAY ||
-        (kv->arr_type != CS_GGUF_INT32 && kv->arr_type != CS_GGUF_UINT32))
-        return cs_fail(CS_EBADMSG, "gguf: key '%s' must be an array of 32-bit integers", key);
-    int32_t *a = malloc((kv->arr_count ? kv->arr_count : 1) * sizeof *a);
-    if (!a) return cs_fail(CS_ENOMEM, "gguf: out of memory reading '%s'", key);
-    if (kv->arr_count) memcpy(a, kv->data, kv->arr_count * 4);
-    *out = a;
-    *count = kv->arr_count;
-    return 0;
+    return get_array4(g, key, CS_GGUF_INT32, CS_GGUF_UINT32, "32-bit integers", (void **)out,
+                      count);
 }
