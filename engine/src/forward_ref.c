@@ -1,8 +1,10 @@
-/* forward_ref.c: the reference Llama forward pass. Plain single-threaded fp32
+/* forward_ref.c: the reference forward pass. Plain single-threaded fp32
  * loops, one sequence, contiguous KV cache: the specification, not the fast
- * path (that is the CPU backend's job). Mirrors
- * Hugging Face's LlamaForCausalLM arithmetic: RMSNorm in fp32, RoPE with
- * rotate_half and fp32 angles, softmax attention with GQA, SwiGLU. The
+ * path (that is the CPU backend's job). Mirrors Hugging Face's
+ * LlamaForCausalLM arithmetic (RMSNorm in fp32, RoPE with rotate_half and
+ * fp32 angles, softmax attention with GQA, SwiGLU) with the optional parts
+ * of the block (backend.h's cs_layer_weights: QK-norm, post norms, GeGLU,
+ * scaled embeddings, sliding windows) as Gemma3ForCausalLM has them. The
  * arithmetic itself lives in the *_ref ops (kernels/cpu/ops_ref.c), which the
  * fast paths are tested against; this file only strings them together. */
 #include <math.h>
@@ -97,6 +99,9 @@ int cs_ref_seq_eval(cs_ref_seq *s, const int32_t *tokens, int32_t n, bool all_lo
     const int32_t page0 = 0;
     const cs_attn_span span = {0, n, pos0, &page0};
     cs_op_embed(x, m->tok_embd, tokens, n, dim);
+    if (c->embed_scale != 1.0f)
+        for (size_t i = 0; i < N * dim; i++)
+            x[i] *= c->embed_scale;
 
     for (int l = 0; l < c->n_layers; l++) {
         const cs_layer *L = &m->layers[l];
@@ -106,19 +111,24 @@ int cs_ref_seq_eval(cs_ref_seq *s, const int32_t *tokens, int32_t n, bool all_lo
         cs_op_matmul_ref(q, xn, L->wq, L->bq, n, q_dim, dim);
         cs_op_matmul_ref(k, xn, L->wk, L->bk, n, kv_dim, dim);
         cs_op_matmul_ref(v, xn, L->wv, L->bv, n, kv_dim, dim);
-        cs_op_rope_ref(q, n, nh, hd, pos, m->rope_inv_freq);
-        cs_op_rope_ref(k, n, nkv, hd, pos, m->rope_inv_freq);
+        if (L->q_norm) cs_op_rmsnorm_ref(q, q, L->q_norm, n * nh, hd, c->norm_eps);
+        if (L->k_norm) cs_op_rmsnorm_ref(k, k, L->k_norm, n * nkv, hd, c->norm_eps);
+        cs_op_rope_ref(q, n, nh, hd, pos, L->rope_inv_freq);
+        cs_op_rope_ref(k, n, nkv, hd, pos, L->rope_inv_freq);
         cs_op_kv_store(&kv, &span, 1, k, v, kv_dim);
-        cs_op_attention_ref(att, q, &span, 1, &kv, nh, nkv, hd);
+        cs_op_attention_ref(att, q, &span, 1, &kv, nh, nkv, hd, c->attn_scale, L->window);
         cs_op_matmul_ref(proj, att, L->wo, NULL, n, dim, q_dim);
+        if (L->post_attn_norm)
+            cs_op_rmsnorm_ref(proj, proj, L->post_attn_norm, n, dim, c->norm_eps);
         for (size_t i = 0; i < N * dim; i++)
             x[i] += proj[i];
 
         cs_op_rmsnorm_ref(xn, x, L->ffn_norm, n, dim, c->norm_eps);
         cs_op_matmul_ref(gate, xn, L->w_gate, NULL, n, hidden, dim);
         cs_op_matmul_ref(up, xn, L->w_up, NULL, n, hidden, dim);
-        cs_op_swiglu_ref(gate, gate, up, N * hidden);
+        cs_op_glu_ref(gate, gate, up, N * hidden, c->gelu ? CS_ACT_GELU_TANH : CS_ACT_SILU);
         cs_op_matmul_ref(proj, gate, L->w_down, NULL, n, dim, hidden);
+        if (L->post_ffn_norm) cs_op_rmsnorm_ref(proj, proj, L->post_ffn_norm, n, dim, c->norm_eps);
         for (size_t i = 0; i < N * dim; i++)
             x[i] += proj[i];
     }

@@ -13,18 +13,24 @@
 #include "dtype.h"
 
 typedef struct {
-    float *attn_norm; /* (dim) */
-    float *wq;        /* (n_heads * head_dim, dim) */
-    float *wk;        /* (n_kv_heads * head_dim, dim) */
-    float *wv;        /* (n_kv_heads * head_dim, dim) */
-    float *bq;        /* (n_heads * head_dim) or NULL */
-    float *bk;        /* (n_kv_heads * head_dim) or NULL */
-    float *bv;        /* (n_kv_heads * head_dim) or NULL */
-    float *wo;        /* (dim, n_heads * head_dim) */
-    float *ffn_norm;  /* (dim) */
-    float *w_gate;    /* (hidden_dim, dim) */
-    float *w_up;      /* (hidden_dim, dim) */
-    float *w_down;    /* (dim, hidden_dim) */
+    int32_t window;             /* cs_model_layer_window */
+    const float *rope_inv_freq; /* (head_dim / 2): the model's, or its windowed layers' */
+    float *q_norm;              /* (head_dim) or NULL */
+    float *k_norm;              /* (head_dim) or NULL */
+    float *post_attn_norm;      /* (dim) or NULL */
+    float *post_ffn_norm;       /* (dim) or NULL */
+    float *attn_norm;           /* (dim) */
+    float *wq;                  /* (n_heads * head_dim, dim) */
+    float *wk;                  /* (n_kv_heads * head_dim, dim) */
+    float *wv;                  /* (n_kv_heads * head_dim, dim) */
+    float *bq;                  /* (n_heads * head_dim) or NULL */
+    float *bk;                  /* (n_kv_heads * head_dim) or NULL */
+    float *bv;                  /* (n_kv_heads * head_dim) or NULL */
+    float *wo;                  /* (dim, n_heads * head_dim) */
+    float *ffn_norm;            /* (dim) */
+    float *w_gate;              /* (hidden_dim, dim) */
+    float *w_up;                /* (hidden_dim, dim) */
+    float *w_down;              /* (dim, hidden_dim) */
     /* QUANT mode: the matrices above are NULL and live here (backend.h) */
     cs_qmat *q_qkv;     /* parts wq, wk, wv */
     cs_qmat *q_o;       /* wo */
@@ -34,21 +40,22 @@ typedef struct {
 
 struct cs_model {
     cs_model_config cfg;
-    float *tok_embd;      /* (n_vocab, dim) */
-    float *out_norm;      /* (dim) */
-    float *output;        /* (n_vocab, dim); == tok_embd when tied */
-    float *rope_inv_freq; /* (head_dim / 2) angle per position, scaling applied */
-    cs_layer *layers;     /* (n_layers) */
-    cs_weight_mode mode;  /* EXACT or QUANT; set before cs__model_build (AUTO resolved there) */
-    cs_qmat *q_tok_embd;  /* QUANT: tok_embd (NULL then) */
-    cs_qmat *q_output;    /* QUANT: output; == q_tok_embd when tied */
+    float *tok_embd;          /* (n_vocab, dim) */
+    float *out_norm;          /* (dim) */
+    float *output;            /* (n_vocab, dim); == tok_embd when tied */
+    float *rope_inv_freq;     /* (head_dim / 2) angle per position, scaling applied */
+    float *rope_inv_freq_swa; /* (head_dim / 2) the windowed layers' (rope_theta_swa), or NULL */
+    cs_layer *layers;         /* (n_layers) */
+    cs_weight_mode mode;      /* EXACT or QUANT; set before cs__model_build (AUTO resolved there) */
+    cs_qmat *q_tok_embd;      /* QUANT: tok_embd (NULL then) */
+    cs_qmat *q_output;        /* QUANT: output; == q_tok_embd when tied */
     char weight_desc[96];
     float *weights;   /* one allocation all the above point into */
     size_t n_weights; /* floats in weights */
     size_t q_bytes;   /* bytes of the packed matrices */
     cs_tokenizer *tok;
-    uint64_t fp_tensors; /* the tensor table and samples of the bytes (cs__model_build) */
-    bool fp_has_tensors; /* whether the load saw the tensors (not a directory without weights) */
+    uint64_t fp_tensors;  /* the tensor table and samples of the bytes (cs__model_build) */
+    bool fp_has_tensors;  /* whether the load saw the tensors (not a directory without weights) */
     uint64_t fingerprint; /* cs_model_fingerprint, 0 = unknown */
 };
 

@@ -14,7 +14,11 @@
 #include "util.h"
 
 enum { PERM_NONE, PERM_Q, PERM_K };
-enum { DIM_ONE, DIM_VOCAB, DIM_MODEL, DIM_Q, DIM_KV, DIM_HIDDEN };
+enum { DIM_ONE, DIM_VOCAB, DIM_MODEL, DIM_Q, DIM_KV, DIM_HIDDEN, DIM_HEAD };
+/* Which rows a model has: every one, or those of an optional block part
+ * (cs_model_config's flags); a part's rows are required when it is on and
+ * not looked up when it is off. */
+enum { WHEN_ALWAYS, WHEN_QK_NORM, WHEN_POST_NORMS };
 /* In QUANT mode the matrices are packed in groups that one GEMM computes
  * (q|k|v, gate|up); QG_NONE tensors (norms, biases) stay fp32. */
 enum { QG_NONE, QG_EMBD, QG_OUT, QG_QKV, QG_O, QG_GATE_UP, QG_DOWN, QG_COUNT };
@@ -27,41 +31,51 @@ typedef struct {
     size_t layer_off; /* offsetof in cs_layer, or (size_t)-1 for model-level */
     size_t model_off;
     int qg, qpart; /* QUANT mode: group QG_* and part within it */
+    int when;      /* WHEN_* */
 } weight_spec;
 
 #define L(f) offsetof(cs_layer, f), 0
 #define M(f) (size_t) - 1, offsetof(cs_model, f)
 static const weight_spec weight_table[] = {
     {"token_embd.weight", "model.embed_tokens.weight", DIM_VOCAB, DIM_MODEL, false, PERM_NONE,
-     M(tok_embd), QG_EMBD, 0},
+     M(tok_embd), QG_EMBD, 0, WHEN_ALWAYS},
     {"output_norm.weight", "model.norm.weight", DIM_MODEL, DIM_ONE, false, PERM_NONE, M(out_norm),
-     QG_NONE, 0},
-    {"output.weight", "lm_head.weight", DIM_VOCAB, DIM_MODEL, true, PERM_NONE, M(output), QG_OUT,
-     0},
+     QG_NONE, 0, WHEN_ALWAYS},
+    {"output.weight", "lm_head.weight", DIM_VOCAB, DIM_MODEL, true, PERM_NONE, M(output), QG_OUT, 0,
+     WHEN_ALWAYS},
     {"blk.%d.attn_norm.weight", "model.layers.%d.input_layernorm.weight", DIM_MODEL, DIM_ONE, false,
-     PERM_NONE, L(attn_norm), QG_NONE, 0},
+     PERM_NONE, L(attn_norm), QG_NONE, 0, WHEN_ALWAYS},
     {"blk.%d.attn_q.weight", "model.layers.%d.self_attn.q_proj.weight", DIM_Q, DIM_MODEL, false,
-     PERM_Q, L(wq), QG_QKV, 0},
+     PERM_Q, L(wq), QG_QKV, 0, WHEN_ALWAYS},
     {"blk.%d.attn_k.weight", "model.layers.%d.self_attn.k_proj.weight", DIM_KV, DIM_MODEL, false,
-     PERM_K, L(wk), QG_QKV, 1},
+     PERM_K, L(wk), QG_QKV, 1, WHEN_ALWAYS},
     {"blk.%d.attn_v.weight", "model.layers.%d.self_attn.v_proj.weight", DIM_KV, DIM_MODEL, false,
-     PERM_NONE, L(wv), QG_QKV, 2},
+     PERM_NONE, L(wv), QG_QKV, 2, WHEN_ALWAYS},
     {"blk.%d.attn_q.bias", "model.layers.%d.self_attn.q_proj.bias", DIM_Q, DIM_ONE, true, PERM_Q,
-     L(bq), QG_NONE, 0},
+     L(bq), QG_NONE, 0, WHEN_ALWAYS},
     {"blk.%d.attn_k.bias", "model.layers.%d.self_attn.k_proj.bias", DIM_KV, DIM_ONE, true, PERM_K,
-     L(bk), QG_NONE, 0},
+     L(bk), QG_NONE, 0, WHEN_ALWAYS},
     {"blk.%d.attn_v.bias", "model.layers.%d.self_attn.v_proj.bias", DIM_KV, DIM_ONE, true,
-     PERM_NONE, L(bv), QG_NONE, 0},
+     PERM_NONE, L(bv), QG_NONE, 0, WHEN_ALWAYS},
     {"blk.%d.attn_output.weight", "model.layers.%d.self_attn.o_proj.weight", DIM_MODEL, DIM_Q,
-     false, PERM_NONE, L(wo), QG_O, 0},
+     false, PERM_NONE, L(wo), QG_O, 0, WHEN_ALWAYS},
     {"blk.%d.ffn_norm.weight", "model.layers.%d.post_attention_layernorm.weight", DIM_MODEL,
-     DIM_ONE, false, PERM_NONE, L(ffn_norm), QG_NONE, 0},
+     DIM_ONE, false, PERM_NONE, L(ffn_norm), QG_NONE, 0, WHEN_ALWAYS},
     {"blk.%d.ffn_gate.weight", "model.layers.%d.mlp.gate_proj.weight", DIM_HIDDEN, DIM_MODEL, false,
-     PERM_NONE, L(w_gate), QG_GATE_UP, 0},
+     PERM_NONE, L(w_gate), QG_GATE_UP, 0, WHEN_ALWAYS},
     {"blk.%d.ffn_up.weight", "model.layers.%d.mlp.up_proj.weight", DIM_HIDDEN, DIM_MODEL, false,
-     PERM_NONE, L(w_up), QG_GATE_UP, 1},
+     PERM_NONE, L(w_up), QG_GATE_UP, 1, WHEN_ALWAYS},
     {"blk.%d.ffn_down.weight", "model.layers.%d.mlp.down_proj.weight", DIM_MODEL, DIM_HIDDEN, false,
-     PERM_NONE, L(w_down), QG_DOWN, 0},
+     PERM_NONE, L(w_down), QG_DOWN, 0, WHEN_ALWAYS},
+    /* optional parts (appended: the rows above keep their fingerprint indices) */
+    {"blk.%d.attn_q_norm.weight", "model.layers.%d.self_attn.q_norm.weight", DIM_HEAD, DIM_ONE,
+     false, PERM_NONE, L(q_norm), QG_NONE, 0, WHEN_QK_NORM},
+    {"blk.%d.attn_k_norm.weight", "model.layers.%d.self_attn.k_norm.weight", DIM_HEAD, DIM_ONE,
+     false, PERM_NONE, L(k_norm), QG_NONE, 0, WHEN_QK_NORM},
+    {"blk.%d.post_attention_norm.weight", NULL, DIM_MODEL, DIM_ONE, false, PERM_NONE,
+     L(post_attn_norm), QG_NONE, 0, WHEN_POST_NORMS},
+    {"blk.%d.post_ffw_norm.weight", NULL, DIM_MODEL, DIM_ONE, false, PERM_NONE, L(post_ffn_norm),
+     QG_NONE, 0, WHEN_POST_NORMS},
 };
 #undef L
 #undef M
@@ -75,6 +89,7 @@ static int64_t dim_value(const cs_model_config *c, int d) {
     case DIM_Q: return (int64_t)c->n_heads * c->head_dim;
     case DIM_KV: return (int64_t)c->n_kv_heads * c->head_dim;
     case DIM_HIDDEN: return c->hidden_dim;
+    case DIM_HEAD: return c->head_dim;
     }
     return 0;
 }
@@ -107,17 +122,27 @@ static int check_config(const cs_model_config *c, const char *path) {
         "model %s: llama3 RoPE scaling needs original_max_position_embeddings and high_freq_factor "
         "> low_freq_factor",
         path);
+    REQ(c->embed_scale > 0 && isfinite(c->embed_scale), "model %s: embedding scale %g out of range",
+        path, c->embed_scale);
+    REQ(c->attn_scale > 0 && isfinite(c->attn_scale), "model %s: attention scale %g out of range",
+        path, c->attn_scale);
+    REQ(c->sliding_window >= 0 && c->swa_period >= 0, "model %s: sliding window %d / pattern %d",
+        path, c->sliding_window, c->swa_period);
+    REQ(!c->sliding_window || (c->rope_theta_swa > 0 && isfinite(c->rope_theta_swa)),
+        "model %s: windowed layers' RoPE theta %g must be positive", path, c->rope_theta_swa);
 #undef REQ
     return 0;
 }
 
-/* inv_freq as Hugging Face computes it (fp32), then the configured scaling. */
-static void compute_rope(cs_model *m, const float *freq_factors) {
-    const cs_model_config *c = &m->cfg;
+/* inv_freq as Hugging Face computes it (fp32) for base theta, then, when
+ * scaled, the configured scaling (the windowed layers' table is unscaled). */
+static void compute_rope(const cs_model_config *c, float theta, bool scaled,
+                         const float *freq_factors, float *inv_freq) {
     int half = c->head_dim / 2;
     for (int i = 0; i < half; i++) {
-        float f = 1.0f / powf(c->rope_theta, (float)(2 * i) / (float)c->head_dim);
-        if (freq_factors) {
+        float f = 1.0f / powf(theta, (float)(2 * i) / (float)c->head_dim);
+        if (!scaled) {
+        } else if (freq_factors) {
             f /= freq_factors[i];
         } else if (c->rope_scaling == CS_ROPE_SCALING_LINEAR) {
             f /= c->rope_factor;
@@ -133,7 +158,7 @@ static void compute_rope(cs_model *m, const float *freq_factors) {
                 f = (1.0f - s) * f / c->rope_factor + s * f;
             }
         }
-        m->rope_inv_freq[i] = f;
+        inv_freq[i] = f;
     }
 }
 
@@ -321,8 +346,24 @@ static uint64_t fingerprint_tensors(const cs_src_tensor *found, const bool *pres
     return XXH3_64bits_digest(st);
 }
 
+int32_t cs_model_layer_window(const cs_model_config *c, int32_t layer) {
+    if (!c->sliding_window) return 0;
+    return c->swa_period && (layer + 1) % c->swa_period == 0 ? 0 : c->sliding_window;
+}
+
+/* Whether rows of weight_table[s] exist in a model of configuration c. */
+static bool row_used(const cs_model_config *c, size_t s) {
+    switch (weight_table[s].when) {
+    case WHEN_QK_NORM: return c->qk_norm;
+    case WHEN_POST_NORMS: return c->post_norms;
+    }
+    return true;
+}
+
 int cs__model_build(cs_model *m, const cs_tensor_source *src, const char *path) {
     cs_model_config *c = &m->cfg;
+    if (c->embed_scale == 0) c->embed_scale = 1; /* a family that says nothing */
+    if (c->attn_scale == 0 && c->head_dim > 0) c->attn_scale = 1.0f / sqrtf((float)c->head_dim);
     int r = check_config(c, path);
     if (r || !src) return r;
     int n_layers = c->n_layers;
@@ -335,11 +376,17 @@ int cs__model_build(cs_model *m, const cs_tensor_source *src, const char *path) 
         r = cs_fail(CS_ENOMEM, "model %s: out of memory", path);
         goto done;
     }
-    size_t total = (size_t)(c->head_dim / 2);
+    size_t total = (size_t)(c->head_dim / 2) * (c->sliding_window ? 2 : 1); /* RoPE tables */
     int n_bias = 0; /* q/k/v biases found: all layers have all three, or none */
     for (size_t s = 0; s < N_SPECS; s++) {
         const weight_spec *w = &weight_table[s];
         int reps = w->layer_off == (size_t)-1 ? 1 : n_layers;
+        if (!row_used(c, s)) continue;
+        if (!src->gguf_names && !w->hf) {
+            r = cs_fail(CS_ENOTSUP, "model %s: this block's '%s' has no Hugging Face name here",
+                        path, w->gguf);
+            goto done;
+        }
         for (int l = 0; l < reps; l++) {
             char name[160];
             snprintf(name, sizeof name, src->gguf_names ? w->gguf : w->hf, l);
@@ -449,6 +496,10 @@ int cs__model_build(cs_model *m, const cs_tensor_source *src, const char *path) 
     float *p = m->weights;
     m->rope_inv_freq = p;
     p += c->head_dim / 2;
+    if (c->sliding_window) {
+        m->rope_inv_freq_swa = p;
+        p += c->head_dim / 2;
+    }
     for (size_t s = 0; s < N_SPECS; s++) {
         const weight_spec *w = &weight_table[s];
         int reps = w->layer_off == (size_t)-1 ? 1 : n_layers;
@@ -474,7 +525,12 @@ int cs__model_build(cs_model *m, const cs_tensor_source *src, const char *path) 
     }
     CS_ASSERT((size_t)(p - m->weights) == total);
     if (c->tied_embeddings) m->output = m->tok_embd;
-    compute_rope(m, src->rope_freq_factors);
+    compute_rope(c, c->rope_theta, true, src->rope_freq_factors, m->rope_inv_freq);
+    if (c->sliding_window) compute_rope(c, c->rope_theta_swa, false, NULL, m->rope_inv_freq_swa);
+    for (int l = 0; l < n_layers; l++) {
+        m->layers[l].window = cs_model_layer_window(c, l);
+        m->layers[l].rope_inv_freq = m->layers[l].window ? m->rope_inv_freq_swa : m->rope_inv_freq;
+    }
     if (m->mode == CS_WEIGHTS_QUANT && (r = pack_quant(m, src, found, present, path))) goto done;
     if (m->mode == CS_WEIGHTS_QUANT)
         describe_quant(m);
@@ -511,13 +567,21 @@ static int model_load(const char *path, bool vocab_only, cs_weight_mode mode, cs
         XXH3_64bits_reset(st);
         XXH3_64bits_update(st, "chunkserve model v1", 19);
         XXH3_64bits_update(st, c->arch, strnlen(c->arch, sizeof c->arch));
-        const int32_t ints[] = {c->n_vocab,      c->dim,           c->n_layers,        c->n_heads,
-                                c->n_kv_heads,   c->head_dim,      c->hidden_dim,      c->ctx_len,
-                                c->rope_scaling, c->rope_orig_ctx, c->tied_embeddings, c->qkv_bias};
+        const int32_t ints[] = {
+            c->n_vocab,         c->dim,        c->n_layers, c->n_heads,      c->n_kv_heads,
+            c->head_dim,        c->hidden_dim, c->ctx_len,  c->rope_scaling, c->rope_orig_ctx,
+            c->tied_embeddings, c->qkv_bias,   c->qk_norm,  c->post_norms,   c->gelu,
+            c->sliding_window,  c->swa_period};
         for (size_t i = 0; i < sizeof ints / sizeof *ints; i++)
             fp_u64(st, (uint64_t)(uint32_t)ints[i]);
-        const float floats[] = {c->norm_eps, c->rope_theta, c->rope_factor, c->rope_low_freq_factor,
-                                c->rope_high_freq_factor};
+        const float floats[] = {c->norm_eps,
+                                c->rope_theta,
+                                c->rope_factor,
+                                c->rope_low_freq_factor,
+                                c->rope_high_freq_factor,
+                                c->embed_scale,
+                                c->attn_scale,
+                                c->rope_theta_swa};
         for (size_t i = 0; i < sizeof floats / sizeof *floats; i++) {
             uint32_t u;
             memcpy(&u, &floats[i], 4);
@@ -533,10 +597,18 @@ static int model_load(const char *path, bool vocab_only, cs_weight_mode mode, cs
     else
         snprintf(what, sizeof what, "%.0f MiB %s", (double)cs_model_weight_bytes(m) / (1 << 20),
                  m->weight_desc);
-    CS_LOGI("loaded %s (%s): %d layers, dim %d, %d/%d heads x %d, ffn %d, vocab %d, %s embeddings, "
-            "%s, fingerprint %016llx in %.2f s",
+    char windows[64] = "";
+    if (c->sliding_window) {
+        int n_local = 0;
+        for (int l = 0; l < c->n_layers; l++)
+            n_local += cs_model_layer_window(c, l) != 0;
+        snprintf(windows, sizeof windows, ", %d-position windows on %d of the layers",
+                 c->sliding_window, n_local);
+    }
+    CS_LOGI("loaded %s (%s): %d layers, dim %d, %d/%d heads x %d, ffn %d, vocab %d, %s embeddings"
+            "%s, %s, fingerprint %016llx in %.2f s",
             path, c->arch, c->n_layers, c->dim, c->n_heads, c->n_kv_heads, c->head_dim,
-            c->hidden_dim, c->n_vocab, c->tied_embeddings ? "tied" : "untied", what,
+            c->hidden_dim, c->n_vocab, c->tied_embeddings ? "tied" : "untied", windows, what,
             (unsigned long long)m->fingerprint, cs_now() - t0);
     *out = m;
     return 0;
@@ -601,7 +673,13 @@ void cs__model_weights(const cs_model *m, cs_weights *w, cs_layer_weights *layer
     const cs_model_config *c = &m->cfg;
     for (int32_t l = 0; l < c->n_layers; l++) {
         const cs_layer *S = &m->layers[l];
-        layers[l] = (cs_layer_weights){.attn_norm = S->attn_norm,
+        layers[l] = (cs_layer_weights){.window = S->window,
+                                       .rope_inv_freq = S->rope_inv_freq,
+                                       .q_norm = S->q_norm,
+                                       .k_norm = S->k_norm,
+                                       .post_attn_norm = S->post_attn_norm,
+                                       .post_ffn_norm = S->post_ffn_norm,
+                                       .attn_norm = S->attn_norm,
                                        .wq = S->wq,
                                        .wk = S->wk,
                                        .wv = S->wv,
@@ -627,11 +705,13 @@ void cs__model_weights(const cs_model *m, cs_weights *w, cs_layer_weights *layer
                                   c->hidden_dim,
                                   c->norm_eps,
                                   m->mode == CS_WEIGHTS_QUANT ? m->q_output == m->q_tok_embd
-                                                              : m->output == m->tok_embd};
+                                                              : m->output == m->tok_embd,
+                                  c->gelu ? CS_ACT_GELU_TANH : CS_ACT_SILU,
+                                  c->embed_scale,
+                                  c->attn_scale};
     w->tok_embd = m->tok_embd;
     w->out_norm = m->out_norm;
     w->output = m->output;
-    w->rope_inv_freq = m->rope_inv_freq;
     w->layers = layers;
     w->q_tok_embd = m->q_tok_embd;
     w->q_output = m->q_output;

@@ -1,10 +1,12 @@
-/* model_gguf.c: GGUF → cs_model. Reads the architecture's hyper-parameters
- * ({arch}.block_count, ...), offers the file's tensors to cs__model_build and
- * builds the tokenizer from tokenizer.ggml.* metadata. */
+/* model_gguf.c: GGUF → cs_model. Reads the hyper-parameters every family has
+ * ({arch}.block_count, ...), lets the family (arch.h) read its own, offers
+ * the file's tensors to cs__model_build and builds the tokenizer from
+ * tokenizer.ggml.* metadata. */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
+#include "arch.h"
 #include "gguf.h"
 #include "model-impl.h"
 #include "tokenizer-impl.h"
@@ -27,30 +29,6 @@ static int str_copy(const cs_gguf_str *s, char *dst, size_t cap) {
     return 0;
 }
 
-/* Reads {arch}.<suffix> as u32 into *out; required keys fail when missing. */
-static int arch_u32(const cs_gguf *g, const char *arch, const char *suffix, bool required,
-                    int32_t *out, const char *path) {
-    char key[128];
-    snprintf(key, sizeof key, "%s.%s", arch, suffix);
-    uint32_t v;
-    int r = cs__gguf_get_u32(g, key, &v);
-    if (r == CS_ENOENT) {
-        if (required) return cs_fail(CS_EBADMSG, "gguf: %s: missing metadata key '%s'", path, key);
-        return 0;
-    }
-    if (r) return r;
-    if (v > INT32_MAX) return cs_fail(CS_EBADMSG, "gguf: %s: '%s' = %u is too large", path, key, v);
-    *out = (int32_t)v;
-    return 0;
-}
-
-static int arch_f32(const cs_gguf *g, const char *arch, const char *suffix, float *out) {
-    char key[128];
-    snprintf(key, sizeof key, "%s.%s", arch, suffix);
-    int r = cs__gguf_get_f32(g, key, out);
-    return r == CS_ENOENT ? 0 : r;
-}
-
 int cs__model_load_gguf(const char *path, cs_model *m, bool vocab_only) {
     cs_gguf g;
     int r = cs__gguf_open(path, &g);
@@ -64,29 +42,37 @@ int cs__model_load_gguf(const char *path, cs_model *m, bool vocab_only) {
         goto done;
     }
     str_copy(&s, c->arch, sizeof c->arch);
-    bool is_llama = !strcmp(c->arch, "llama") || !strcmp(c->arch, "mistral");
-    if (!is_llama && strcmp(c->arch, "qwen2") != 0) {
-        r = cs_fail(CS_ENOTSUP,
-                    "gguf: %s: architecture '%s' is not supported (llama, mistral, qwen2 are)",
-                    path, c->arch);
+    const char *supported;
+    const cs_arch *family = cs__arch_find_gguf(c->arch, &supported);
+    if (!family) {
+        r = cs_fail(CS_ENOTSUP, "gguf: %s: architecture '%s' is not supported (%s are)", path,
+                    c->arch, supported);
         goto done;
     }
     if (cs__gguf_get_str(&g, "general.name", &s) == 0) str_copy(&s, c->name, sizeof c->name);
     const char *a = c->arch;
     c->n_kv_heads = -1;
     c->head_dim = -1;
-    int32_t rope_dims = -1;
-    if ((r = arch_u32(&g, a, "block_count", true, &c->n_layers, path)) ||
-        (r = arch_u32(&g, a, "embedding_length", true, &c->dim, path)) ||
-        (r = arch_u32(&g, a, "feed_forward_length", true, &c->hidden_dim, path)) ||
-        (r = arch_u32(&g, a, "attention.head_count", true, &c->n_heads, path)) ||
-        (r = arch_u32(&g, a, "context_length", true, &c->ctx_len, path)) ||
-        (r = arch_u32(&g, a, "attention.head_count_kv", false, &c->n_kv_heads, path)) ||
-        (r = arch_u32(&g, a, "attention.key_length", false, &c->head_dim, path)) ||
-        (r = arch_u32(&g, a, "rope.dimension_count", false, &rope_dims, path)))
+    int32_t rope_dims = -1, v_dim = -1;
+    if ((r = cs__gguf_arch_u32(&g, a, "block_count", true, &c->n_layers, path)) ||
+        (r = cs__gguf_arch_u32(&g, a, "embedding_length", true, &c->dim, path)) ||
+        (r = cs__gguf_arch_u32(&g, a, "feed_forward_length", true, &c->hidden_dim, path)) ||
+        (r = cs__gguf_arch_u32(&g, a, "attention.head_count", true, &c->n_heads, path)) ||
+        (r = cs__gguf_arch_u32(&g, a, "context_length", true, &c->ctx_len, path)) ||
+        (r = cs__gguf_arch_u32(&g, a, "attention.head_count_kv", false, &c->n_kv_heads, path)) ||
+        (r = cs__gguf_arch_u32(&g, a, "attention.key_length", false, &c->head_dim, path)) ||
+        (r = cs__gguf_arch_u32(&g, a, "attention.value_length", false, &v_dim, path)) ||
+        (r = cs__gguf_arch_u32(&g, a, "rope.dimension_count", false, &rope_dims, path)))
         goto done;
     if (c->n_kv_heads < 0) c->n_kv_heads = c->n_heads;
     if (c->head_dim < 0 && c->n_heads > 0) c->head_dim = c->dim / c->n_heads;
+    if (v_dim >= 0 && v_dim != c->head_dim) {
+        r = cs_fail(CS_ENOTSUP,
+                    "gguf: %s: value heads of %d dims with key heads of %d are not "
+                    "supported",
+                    path, v_dim, c->head_dim);
+        goto done;
+    }
     if (rope_dims >= 0 && rope_dims != c->head_dim) {
         r = cs_fail(CS_ENOTSUP,
                     "gguf: %s: partial rotary embeddings (%d of %d dims) are not supported", path,
@@ -95,8 +81,8 @@ int cs__model_load_gguf(const char *path, cs_model *m, bool vocab_only) {
     }
     c->norm_eps = 1e-5f;
     c->rope_theta = 10000.0f;
-    if ((r = arch_f32(&g, a, "attention.layer_norm_rms_epsilon", &c->norm_eps)) ||
-        (r = arch_f32(&g, a, "rope.freq_base", &c->rope_theta)))
+    if ((r = cs__gguf_arch_f32(&g, a, "attention.layer_norm_rms_epsilon", &c->norm_eps)) ||
+        (r = cs__gguf_arch_f32(&g, a, "rope.freq_base", &c->rope_theta)))
         goto done;
     char key[128];
     snprintf(key, sizeof key, "%s.rope.scaling.type", a);
@@ -105,7 +91,7 @@ int cs__model_load_gguf(const char *path, cs_model *m, bool vocab_only) {
         str_copy(&s, type, sizeof type);
         if (!strcmp(type, "linear")) {
             c->rope_scaling = CS_ROPE_SCALING_LINEAR;
-            if ((r = arch_f32(&g, a, "rope.scaling.factor", &c->rope_factor))) goto done;
+            if ((r = cs__gguf_arch_f32(&g, a, "rope.scaling.factor", &c->rope_factor))) goto done;
         } else if (strcmp(type, "none") != 0) {
             r = cs_fail(CS_ENOTSUP,
                         "gguf: %s: RoPE scaling '%s' is not supported (linear and llama3 are)",
@@ -146,7 +132,9 @@ int cs__model_load_gguf(const char *path, cs_model *m, bool vocab_only) {
         c->rope_high_freq_factor = 1;
     }
     c->tied_embeddings = cs__gguf_find_tensor(&g, "output.weight") == NULL;
-    cs_tensor_source src = {gguf_find, &g, true, is_llama, freq_factors, vocab_only};
+    if (family->gguf_config && (r = family->gguf_config(&g, c, path))) goto done;
+    cs_tensor_source src = {gguf_find,    &g,        true, family->gguf_qk_permuted,
+                            freq_factors, vocab_only};
     if ((r = cs__model_build(m, &src, path))) goto done;
     if ((r = cs__tokenizer_load_gguf(path, &m->tok))) goto done;
     if (cs_tokenizer_n_vocab(m->tok) != c->n_vocab) {
@@ -288,13 +276,12 @@ int cs__tokenizer_load_gguf(const char *path, cs_tokenizer **out) {
         goto done;
     r = 0;
     spec.add_bos = add_bos;
-    cs_gguf_str arch = {0};
-    (void)cs__gguf_get_str(&g, "general.architecture", &arch);
-    bool gemma = arch.len >= 5 && !memcmp(arch.ptr, "gemma", 5);
+    char arch[32] = "";
+    if (cs__gguf_get_str(&g, "general.architecture", &s) == 0) str_copy(&s, arch, sizeof arch);
+    const cs_arch *family = cs__arch_find_gguf(arch, NULL);
     bool has_template = cs__gguf_get_str(&g, "tokenizer.chat_template", &s) == 0;
-    if (!has_template && gemma)
-        spec.chat_template = cs__gemma_chat_template; /* dropped by
-                                                         the converter */
+    if (!has_template && family) /* some converters drop it */
+        spec.chat_template = family->chat_template;
     if (has_template) {
         tmpl = malloc(s.len + 1);
         if (!tmpl) {

@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "arch.h"
 #include "model-impl.h"
 #include "safetensors.h"
 #include "tokenizer-impl.h"
@@ -70,10 +71,10 @@ static int parse_config(const char *dir, cs_model_config *c) {
         r = cs_fail(CS_EBADMSG, "%s: missing key 'model_type'", path);
         goto done;
     }
-    if (strcmp(mt->valuestring, "llama") && strcmp(mt->valuestring, "mistral") &&
-        strcmp(mt->valuestring, "qwen2")) {
-        r = cs_fail(CS_ENOTSUP, "%s: model_type '%s' is not supported (llama, mistral, qwen2 are)",
-                    path, mt->valuestring);
+    const char *supported;
+    if (!cs__arch_find_hf(mt->valuestring, &supported)) {
+        r = cs_fail(CS_ENOTSUP, "%s: model_type '%s' is not supported (%s are)", path,
+                    mt->valuestring, supported);
         goto done;
     }
     snprintf(c->arch, sizeof c->arch, "%s", mt->valuestring);

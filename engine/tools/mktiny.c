@@ -1,5 +1,7 @@
 /* chunkserve-mktiny: writes a tiny, deterministic, random-weight Llama in both
- * formats chunkserve loads, for fast tests:
+ * formats chunkserve loads, for fast tests (with --gemma3 W, a Gemma 3 block
+ * instead: QK-norm, sandwich norms, GeGLU, windowed layers of W positions
+ * with every third layer global; GGUF only, as chunkserve loads Gemma 3):
  *   OUT/tiny.gguf             GGUF v3, weights in --type, llama q/k rows permuted
  *                             the way llama.cpp's converter does
  *   OUT/tiny-hf/              config.json, model.safetensors, tokenizer.json,
@@ -26,6 +28,7 @@ typedef struct {
     enum cs_dtype type;
     uint64_t seed;
     const char *arch;
+    int window; /* gemma3: sliding window (0: a llama-family model) */
 } tiny_cfg;
 
 /* ---- deterministic random numbers ---- */
@@ -224,6 +227,15 @@ static int build_tensors(const tiny_cfg *c, int n_vocab, tensor *ts) {
                        c->hidden, c->dim, sd, 0, 0);
         n = add_tensor(ts, n, "blk.%d.ffn_down.weight", "model.layers.%d.mlp.down_proj.weight", l,
                        c->dim, c->hidden, sh, 0, 0);
+        if (c->window) { /* Gemma 3's parts (norms stored as 1 + w, as its converter does) */
+            n = add_tensor(ts, n, "blk.%d.attn_q_norm.weight", "-", l, c->head_dim, 0, 0.1f, 1.0f,
+                           0);
+            n = add_tensor(ts, n, "blk.%d.attn_k_norm.weight", "-", l, c->head_dim, 0, 0.1f, 1.0f,
+                           0);
+            n = add_tensor(ts, n, "blk.%d.post_attention_norm.weight", "-", l, c->dim, 0, 0.1f,
+                           1.0f, 0);
+            n = add_tensor(ts, n, "blk.%d.post_ffw_norm.weight", "-", l, c->dim, 0, 0.1f, 1.0f, 0);
+        }
     }
     /* Vectors stay f32 in GGUF (as llama.cpp writes norms); matrices take the
      * type. The safetensors file stores everything as F16/BF16 when that is
@@ -494,8 +506,14 @@ static int write_gguf(const char *path, const tiny_cfg *c, const vocab *v, tenso
     kv_u32(f, AK("attention.head_count"), (uint32_t)c->n_heads);
     kv_u32(f, AK("attention.head_count_kv"), (uint32_t)c->n_kv_heads);
     kv_u32(f, AK("rope.dimension_count"), (uint32_t)c->head_dim);
-    kv_f32(f, AK("rope.freq_base"), 10000.0f);
+    kv_f32(f, AK("rope.freq_base"), c->window ? 1000000.0f : 10000.0f);
     kv_f32(f, AK("attention.layer_norm_rms_epsilon"), 1e-5f);
+    if (c->window) {
+        kv_u32(f, AK("attention.key_length"), (uint32_t)c->head_dim);
+        kv_u32(f, AK("attention.value_length"), (uint32_t)c->head_dim);
+        kv_u32(f, AK("attention.sliding_window"), (uint32_t)c->window);
+        kv_u32(f, AK("attention.sliding_window_pattern"), 3);
+    }
 #undef AK
     kv_str(f, "tokenizer.ggml.model", "gpt2");
     kv_str(f, "tokenizer.ggml.pre", "smollm");
@@ -721,15 +739,18 @@ static void usage(void) {
     fprintf(stderr,
             "usage: chunkserve-mktiny --out DIR [--type f32|f16|bf16|q8_0|q4_0|q4_1|q5_0|q5_1|\n"
             "                         q4_k|q5_k|q6_k] [--untied] [--qwen2] [--layers N] [--dim N]\n"
-            "                         [--hidden N] [--seed N]\n"
+            "                         [--hidden N] [--seed N] [--gemma3 WINDOW]\n"
             "Writes DIR/tiny.gguf and DIR/tiny-hf/ with identical weights.\n"
             "--qwen2: qwen2 architecture (q/k/v biases, no q/k permutation in GGUF).\n"
+            "--gemma3 W: gemma3 architecture, windows of W positions, every 3rd layer global\n"
+            "(3 layers unless --layers; GGUF only).\n"
             "K-quants apply where a row is whole 256-weight super-blocks, Q5_0 elsewhere\n"
             "(--dim 256 --hidden 512 makes every matrix a K-quant).\n");
 }
 
 int main(int argc, char **argv) {
-    tiny_cfg c = {64, 2, 4, 2, 16, 192, 4096, false, false, CS_DTYPE_F32, 1, "llama"};
+    tiny_cfg c = {64, 2, 4, 2, 16, 192, 4096, false, false, CS_DTYPE_F32, 1, "llama", 0};
+    bool layers_set = false;
     const char *out = NULL;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *val = i + 1 < argc ? argv[i + 1] : NULL;
@@ -740,7 +761,9 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--qwen2"))
             c.bias = true, c.arch = "qwen2";
         else if (!strcmp(a, "--layers") && val)
-            c.n_layers = atoi(argv[++i]);
+            c.n_layers = atoi(argv[++i]), layers_set = true;
+        else if (!strcmp(a, "--gemma3") && val)
+            c.window = atoi(argv[++i]), c.arch = "gemma3";
         else if (!strcmp(a, "--dim") && val)
             c.dim = atoi(argv[++i]);
         else if (!strcmp(a, "--hidden") && val)
@@ -780,8 +803,9 @@ int main(int argc, char **argv) {
             return 2;
         }
     }
+    if (c.window && !layers_set) c.n_layers = 3; /* two windowed, one global */
     if (!out || c.n_layers < 1 || c.dim < 32 || c.dim % 32 || c.dim % c.n_heads || c.hidden < 32 ||
-        c.hidden % 32) {
+        c.hidden % 32 || (!strcmp(c.arch, "gemma3") && (c.window < 1 || c.untied || c.bias))) {
         usage();
         return 2;
     }
@@ -790,7 +814,7 @@ int main(int argc, char **argv) {
     vocab v = {0};
     train_bpe(&v, 512 - N_SPECIAL - 256);
     /* round the vocabulary to a multiple of 32 rows is not needed: rows are dim-long */
-    tensor *ts = calloc(16 * (size_t)c.n_layers + 8, sizeof *ts);
+    tensor *ts = calloc(20 * (size_t)c.n_layers + 8, sizeof *ts);
     int n = build_tensors(&c, v.n_tokens, ts);
     char path[4096];
     if (mkdir(out, 0755) && errno != EEXIST) {
@@ -803,13 +827,13 @@ int main(int argc, char **argv) {
         return 1;
     }
     snprintf(path, sizeof path, "%s/tiny-hf", out);
-    if (write_hf(path, &c, &v, ts, n)) {
+    if (!c.window && write_hf(path, &c, &v, ts, n)) {
         fprintf(stderr, "mktiny: cannot write %s\n", path);
         return 1;
     }
-    fprintf(stderr,
-            "mktiny: wrote %s/tiny.gguf and %s/tiny-hf (%s, %d layers, dim %d, vocab %d, %s)\n",
-            out, out, c.arch, c.n_layers, c.dim, v.n_tokens, cs__dtype_name(c.type));
+    fprintf(stderr, "mktiny: wrote %s/tiny.gguf%s%s%s (%s, %d layers, dim %d, vocab %d, %s)\n", out,
+            c.window ? "" : " and ", c.window ? "" : out, c.window ? "" : "/tiny-hf", c.arch,
+            c.n_layers, c.dim, v.n_tokens, cs__dtype_name(c.type));
     for (int i = 0; i < n; i++)
         free(ts[i].data);
     free(ts);

@@ -3,7 +3,8 @@
  * quantized ones through the integer kernels (cpu/qmat.h: activations
  * quantized per row once per GEMM input, q|k|v and gate|up one GEMM each;
  * the residual add, RMSNorm and quantization of a GEMM's input one pass over
- * the rows, as are SwiGLU and quantization).
+ * the rows, as are the gate activation and quantization). The block's
+ * optional parts (QK-norm, post norms, windows) are backend.h's.
  * KV pool in host memory (fp32, or bf16 with kv_bf16) laid out page-major:
  *   pool[n_pages][n_layers][2 (K, V)][page_size][n_kv_heads * head_dim]
  * so one page (all layers, K and V) is one contiguous block: export/import is
@@ -188,6 +189,9 @@ static int cpu_forward(void *p, const cs_backend_span *spans, int32_t n_spans, i
         cs_qmat_get_rows(m->q_tok_embd, 0, c->tok, T, c->x);
     else
         cs_op_embed(c->x, m->tok_embd, c->tok, T, dim);
+    if (cf->embed_scale != 1.0f)
+        for (size_t i = 0; i < (size_t)T * dim; i++)
+            c->x[i] *= cf->embed_scale;
     bool pending = false; /* x += proj is owed */
     for (int l = 0; l < cf->n_layers; l++) {
         const cs_layer_weights *L = &m->layers[l];
@@ -204,14 +208,19 @@ static int cpu_forward(void *p, const cs_backend_span *spans, int32_t n_spans, i
             cs_op_matmul(c->pool, c->k, c->xn, L->wk, L->bk, T, kvd, dim);
             cs_op_matmul(c->pool, c->v, c->xn, L->wv, L->bv, T, kvd, dim);
         }
-        cs_op_rope(c->pool, c->q, T, nh, hd, c->pos, m->rope_inv_freq);
-        cs_op_rope(c->pool, c->k, T, nkv, hd, c->pos, m->rope_inv_freq);
+        if (L->q_norm) cs_op_rmsnorm(c->pool, c->q, c->q, L->q_norm, T * nh, hd, cf->norm_eps);
+        if (L->k_norm) cs_op_rmsnorm(c->pool, c->k, c->k, L->k_norm, T * nkv, hd, cf->norm_eps);
+        cs_op_rope(c->pool, c->q, T, nh, hd, c->pos, L->rope_inv_freq);
+        cs_op_rope(c->pool, c->k, T, nkv, hd, c->pos, L->rope_inv_freq);
         cs_op_kv_store(&kv, c->aspans, n_spans, c->k, c->v, kvd);
-        cs_op_attention(c->pool, c->att, c->q, c->aspans, n_spans, &kv, nh, nkv, hd);
+        cs_op_attention(c->pool, c->att, c->q, c->aspans, n_spans, &kv, nh, nkv, hd, cf->attn_scale,
+                        L->window);
         if (L->o)
             qgemm(c, &(cs_qout){c->proj, dim, NULL}, c->att, T, qd, L->o);
         else
             cs_op_matmul(c->pool, c->proj, c->att, L->wo, NULL, T, dim, qd);
+        if (L->post_attn_norm)
+            cs_op_rmsnorm(c->pool, c->proj, c->proj, L->post_attn_norm, T, dim, cf->norm_eps);
         a = norm(c, true, L->ffn_norm, T, L->gate_up);
         if (L->gate_up) {
             cs_qout o[2] = {{c->gate, hid, NULL}, {c->up, hid, NULL}};
@@ -222,12 +231,14 @@ static int cpu_forward(void *p, const cs_backend_span *spans, int32_t n_spans, i
         }
         if (L->down) {
             a = qact(c, T, hid, L->down);
-            cs_op_swiglu_quantize(c->pool, &a, c->gate, c->gate, c->up);
+            cs_op_glu_quantize(c->pool, &a, c->gate, c->gate, c->up, cf->act);
             cs_op_qmatmul(c->pool, &(cs_qout){c->proj, dim, NULL}, &a, L->down);
         } else {
-            cs_op_swiglu(c->pool, c->gate, c->gate, c->up, (size_t)T * hid);
+            cs_op_glu(c->pool, c->gate, c->gate, c->up, (size_t)T * hid, cf->act);
             cs_op_matmul(c->pool, c->proj, c->gate, L->w_down, NULL, T, dim, hid);
         }
+        if (L->post_ffn_norm)
+            cs_op_rmsnorm(c->pool, c->proj, c->proj, L->post_ffn_norm, T, dim, cf->norm_eps);
         pending = true;
     }
     int n_out = 0;

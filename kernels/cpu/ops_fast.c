@@ -20,6 +20,7 @@
  * Not the specification (ops_ref.c is); tested against it by normalized error
  * in tests/unit/test_cpu_ops.c. */
 #include <cblas.h>
+#include <float.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdlib.h>
@@ -80,6 +81,12 @@ static inline vi vi_load(const int32_t *p) {
 /* -inf in the lanes whose position is before key j (causal mask). */
 static inline vf v_mask_causal(vf s, vi pos, int32_t j) {
     __mmask16 m = _mm512_cmplt_epi32_mask(pos, _mm512_set1_epi32(j));
+    return _mm512_mask_mov_ps(s, m, _mm512_set1_ps(-INFINITY));
+}
+/* -inf in the lanes whose position is at least end: key end - window has
+ * left their window (sliding-window mask). */
+static inline vf v_mask_window(vf s, vi pos, int32_t end) {
+    __mmask16 m = _mm512_cmpge_epi32_mask(pos, _mm512_set1_epi32(end));
     return _mm512_mask_mov_ps(s, m, _mm512_set1_ps(-INFINITY));
 }
 /* e^x, Cephes expf: 2^n * e^r with n = round(x / ln 2) and a degree-5
@@ -164,6 +171,9 @@ static inline vi vi_load(const int32_t *p) {
 }
 static inline vf v_mask_causal(vf s, vi pos, int32_t j) {
     return v_select(pos < (vi){0} + j, v_set1(-INFINITY), s);
+}
+static inline vf v_mask_window(vf s, vi pos, int32_t end) {
+    return v_select(pos >= (vi){0} + end, v_set1(-INFINITY), s);
 }
 /* The same e^x as above, step for step: the same clamp, rounding (the
  * 1.5 * 2^23 trick rounds half to even like roundscale) and fused steps;
@@ -414,25 +424,32 @@ typedef struct {
     float *out;
     const float *gate, *up;
     size_t n;
-} swiglu_job;
+    cs_act act;
+} glu_job;
 
 /* Over blocks of VL elements, the last one masked, so every element takes
- * the same path whatever the split. */
-CS_OPS_CLONES static void swiglu_blocks(void *arg, int64_t begin, int64_t end, int thread) {
-    const swiglu_job *j = arg;
+ * the same path whatever the split. GELU's tanh form as x / (1 + e^-2u),
+ * the reference's arithmetic step for step. */
+CS_OPS_CLONES static void glu_blocks(void *arg, int64_t begin, int64_t end, int thread) {
+    const glu_job *j = arg;
     const vf one = v_set1(1.0f), zero = v_set1(0.0f);
+    const vf k = v_set1(-1.5957691216057308f), c = v_set1(0.044715f);
     for (int64_t b = begin; b < end; b++) {
         size_t i = (size_t)b * VL;
         int n = j->n - i < VL ? (int)(j->n - i) : VL;
         vf g = v_load_n(j->gate + i, n), u = v_load_n(j->up + i, n);
-        vf silu = v_div(g, v_add(one, v_exp(v_sub(zero, g))));
-        v_store_n(j->out + i, v_mul(silu, u), n);
+        vf e = j->act == CS_ACT_SILU ? v_sub(zero, g)
+                                     : v_mul(k, v_add(g, v_mul(v_mul(v_mul(c, g), g), g)));
+        vf a = v_div(g, v_add(one, v_exp(e)));
+        v_store_n(j->out + i, v_mul(a, u), n);
     }
 }
 
-void cs_op_swiglu(cs_threadpool *pool, float *out, const float *gate, const float *up, size_t n) {
-    swiglu_job j = {out, gate, up, n};
-    run(pool, (int64_t)((n + VL - 1) / VL), 20.0 * (double)n, swiglu_blocks, &j);
+void cs_op_glu(cs_threadpool *pool, float *out, const float *gate, const float *up, size_t n,
+               cs_act act) {
+    glu_job j = {out, gate, up, n, act};
+    run(pool, (int64_t)((n + VL - 1) / VL), (act == CS_ACT_SILU ? 20.0 : 26.0) * (double)n,
+        glu_blocks, &j);
 }
 
 /* ---- attention ---- */
@@ -458,6 +475,8 @@ typedef struct {
     int n_spans;
     const cs_kv_view *kv;
     int n_heads, n_kv_heads, head_dim, group;
+    float scale;
+    int32_t window; /* 0: none */
     int n_parts;
     int64_t total_cost;
 } attn_job;
@@ -468,11 +487,13 @@ static int64_t span_pairs(const cs_attn_span *sp, int group) {
 }
 
 /* Work estimate of a tile pair, for the split: the keys it reads (up to its
- * last row's position; rows are sorted by position) plus a fixed cost. */
-static int64_t pair_cost(const cs_attn_span *sp, int group, int64_t pair) {
-    int64_t last = (pair + 1) * PAIR - 1, rows = (int64_t)sp->n_q * group;
+ * last row's position, from its first row's window; rows are sorted by
+ * position) plus a fixed cost. */
+static int64_t pair_cost(const cs_attn_span *sp, int group, int32_t window, int64_t pair) {
+    int64_t first = pair * PAIR, last = (pair + 1) * PAIR - 1, rows = (int64_t)sp->n_q * group;
     if (last >= rows) last = rows - 1;
-    return sp->pos + last / group + 1 + 64;
+    int64_t keys = sp->pos + last / group + 1, lo = sp->pos + first / group + 1 - window;
+    return (window > 0 && lo > 0 ? keys - lo : keys) + 64;
 }
 
 /* Rows r0 .. r0+n_rows-1 (n_rows <= 32) of span sp and kv head g, in nt
@@ -505,7 +526,8 @@ static inline __attribute__((always_inline)) void attn_rows(const attn_job *j,
     const int hd = j->head_dim, group = j->group, q_dim = j->n_heads * hd,
               kv_dim = j->n_kv_heads * hd;
     const cs_kv_view *kv = j->kv;
-    const float scale = 1.0f / sqrtf((float)hd);
+    const float scale = j->scale;
+    const int32_t window = j->window;
 
     _Alignas(64) float qt[CS_ATTN_MAX_HEAD_DIM * PAIR]; /* (head_dim, 32): scaled q, transposed */
     _Alignas(64) float ot[CS_ATTN_MAX_HEAD_DIM * PAIR]; /* (head_dim, 32): output accumulator */
@@ -534,26 +556,42 @@ static inline __attribute__((always_inline)) void attn_rows(const attn_job *j,
         if (nt > 1) v_store(ot + d * PAIR + CS_ATTN_ROWS, v_set1(0.0f));
     }
     const vi pos_a = vi_load(pos), pos_b = vi_load(nt > 1 ? pos + CS_ATTN_ROWS : pos);
-    vf m_a = v_set1(-INFINITY), m_b = m_a, l_a = v_set1(0.0f), l_b = l_a;
+    /* The running max starts at -FLT_MAX, not -inf: a row whose window
+     * starts after a block sees only masked keys there, and stays at m =
+     * -FLT_MAX, l = 0, o = 0 exactly, as if it had started at its own first
+     * block; so a row's bits depend only on its keys and the block grid
+     * (multiples of CS_ATTN_KB), never on the rows it shares a tile with. */
+    vf m_a = v_set1(-FLT_MAX), m_b = m_a, l_a = v_set1(0.0f), l_b = l_a;
 
     const int32_t n_keys = pos[n_rows - 1] + 1;
-    int32_t page = 0, off = 0; /* page table cursor of key j0 */
-    for (int32_t j0 = 0; j0 < n_keys; j0 += CS_ATTN_KB) {
+    /* With a window, the tile's first key is its first row's; keys before
+     * it in the first block are masked for every row and read nothing (they
+     * point at key lo: their pages may have been released). */
+    const int32_t lo = window > 0 && pos[0] + 1 > window ? pos[0] + 1 - window : 0;
+    const int32_t lo_max = window > 0 && n_keys > window ? n_keys - window : 0;
+    int32_t page = lo / kv->page_size, off = lo % kv->page_size; /* cursor of key lo */
+    for (int32_t j0 = lo / CS_ATTN_KB * CS_ATTN_KB; j0 < n_keys; j0 += CS_ATTN_KB) {
         const int kb = n_keys - j0 < CS_ATTN_KB ? n_keys - j0 : CS_ATTN_KB;
-        for (int jj = 0; jj < kb; jj++) {
+        const int skip = lo > j0 ? lo - j0 : 0; /* keys of the block before lo */
+        for (int jj = skip; jj < kb; jj++) {
             kp[jj] = base + ((size_t)sp->pages[page] * kv->page_stride + (size_t)off * kv_dim +
                              (size_t)g * hd) *
                                 es;
             if (++off == kv->page_size) off = 0, page++;
         }
+        for (int jj = 0; jj < skip; jj++)
+            kp[jj] = kp[skip];
         if (bf)
-            for (int jj = 0; jj < kb; jj++) {
+            for (int jj = skip; jj < kb; jj++) {
                 const uint16_t *k16 = (const uint16_t *)(const void *)kp[jj];
                 float *w = kvw + (size_t)jj * 2 * hd;
                 widen_bf16(w, k16, hd);
                 widen_bf16(w + hd, k16 + kv->v_offset, hd);
                 kp[jj] = (const char *)w;
             }
+        if (bf)
+            for (int jj = 0; jj < skip; jj++)
+                kp[jj] = kp[skip];
         /* Scores, 8 keys at a time (8 independent FMA chains per tile); the
          * padding keys of the last group repeat a real key and are ignored. */
         for (int jj = kb; jj < (kb + 7) / 8 * 8; jj++)
@@ -594,7 +632,16 @@ static inline __attribute__((always_inline)) void attn_rows(const attn_job *j,
                 v_store(s + 7 * PAIR, b7);
             }
         }
-        /* Causal mask, only where some row ends inside the block. */
+        /* Window mask, only where some row's window starts after a key of
+         * the block; causal mask, only where some row ends inside it. */
+        if (j0 < lo_max)
+            for (int jj = 0; jj < kb; jj++) {
+                float *s = st + jj * PAIR;
+                v_store(s, v_mask_window(v_load(s), pos_a, j0 + jj + window));
+                if (nt > 1)
+                    v_store(s + CS_ATTN_ROWS,
+                            v_mask_window(v_load(s + CS_ATTN_ROWS), pos_b, j0 + jj + window));
+            }
         if (j0 + kb - 1 > pos[0])
             for (int jj = 0; jj < kb; jj++) {
                 float *s = st + jj * PAIR;
@@ -604,8 +651,8 @@ static inline __attribute__((always_inline)) void attn_rows(const attn_job *j,
                             v_mask_causal(v_load(s + CS_ATTN_ROWS), pos_b, j0 + jj));
             }
         /* Online softmax: what was accumulated is rescaled by
-         * e^(m_old - m_new). Block 0 holds key 0, which every row sees, so m
-         * is finite after it and m_old - m_new is never -inf - -inf. */
+         * e^(m_old - m_new); m is never -inf, so m_old - m_new is never
+         * -inf - -inf. */
         vf mn_a = m_a, mn_b = m_b, s_a = v_set1(0.0f), s_b = s_a;
         for (int jj = 0; jj < kb; jj++) {
             mn_a = v_max(mn_a, v_load(st + jj * PAIR));
@@ -730,7 +777,7 @@ static void attn_parts(void *arg, int64_t begin, int64_t end, int thread) {
         const int64_t n_pairs = span_pairs(sp, j->group);
         for (int g = 0; g < j->n_kv_heads; g++)
             for (int64_t t = 0; t < n_pairs; t++) {
-                int64_t c = pair_cost(sp, j->group, t);
+                int64_t c = pair_cost(sp, j->group, j->window, t);
                 int64_t part = (2 * cum + c) * j->n_parts / (2 * j->total_cost);
                 cum += c;
                 if (part >= end) return;
@@ -740,15 +787,17 @@ static void attn_parts(void *arg, int64_t begin, int64_t end, int thread) {
 }
 
 void cs_op_attention(cs_threadpool *pool, float *out, const float *q, const cs_attn_span *spans,
-                     int n_spans, const cs_kv_view *kv, int n_heads, int n_kv_heads, int head_dim) {
+                     int n_spans, const cs_kv_view *kv, int n_heads, int n_kv_heads, int head_dim,
+                     float scale, int32_t window) {
     CS_ASSERT(head_dim >= 1 && head_dim <= CS_ATTN_MAX_HEAD_DIM);
-    CS_ASSERT(n_kv_heads >= 1 && n_heads % n_kv_heads == 0);
-    attn_job j = {out, q, spans, n_spans, kv, n_heads, n_kv_heads, head_dim, n_heads / n_kv_heads,
-                  1,   0};
+    CS_ASSERT(n_kv_heads >= 1 && n_heads % n_kv_heads == 0 && window >= 0);
+    attn_job j = {
+        out,   q,      spans, n_spans, kv, n_heads, n_kv_heads, head_dim, n_heads / n_kv_heads,
+        scale, window, 1,     0};
     for (int s = 0; s < n_spans; s++) {
         const int64_t n_pairs = span_pairs(&spans[s], j.group);
         for (int64_t t = 0; t < n_pairs; t++)
-            j.total_cost += pair_cost(&spans[s], j.group, t);
+            j.total_cost += pair_cost(&spans[s], j.group, window, t);
     }
     if (j.total_cost == 0) return;
     j.total_cost *= n_kv_heads;

@@ -66,10 +66,11 @@ void cs_op_rope_ref(float *x, int n_tokens, int n_heads, int head_dim, const int
     }
 }
 
-void cs_op_swiglu_ref(float *out, const float *gate, const float *up, size_t n) {
+void cs_op_glu_ref(float *out, const float *gate, const float *up, size_t n, cs_act act) {
     for (size_t i = 0; i < n; i++) {
         float g = gate[i];
-        out[i] = g / (1.0f + expf(-g)) * up[i];
+        float e = act == CS_ACT_SILU ? -g : -1.5957691216057308f * (g + 0.044715f * g * g * g);
+        out[i] = g / (1.0f + expf(e)) * up[i];
     }
 }
 
@@ -120,26 +121,27 @@ void cs_op_kv_store(const cs_kv_view *kv, const cs_attn_span *spans, int n_spans
 #define CS_REF_MAX_HEAD_DIM 1024 /* the models' limit (model.c) */
 
 void cs_op_attention_ref(float *out, const float *q, const cs_attn_span *spans, int n_spans,
-                         const cs_kv_view *kv, int n_heads, int n_kv_heads, int head_dim) {
+                         const cs_kv_view *kv, int n_heads, int n_kv_heads, int head_dim,
+                         float scale, int32_t window) {
     const int q_dim = n_heads * head_dim, kv_dim = n_kv_heads * head_dim,
               group = n_heads / n_kv_heads;
-    const float scale = 1.0f / sqrtf((float)head_dim);
     for (int s = 0; s < n_spans; s++) {
         const cs_attn_span *sp = &spans[s];
         for (int32_t i = 0; i < sp->n_q; i++) {
             const int32_t t = sp->q_begin + i,
-                          n_ctx = sp->pos + i + 1; /* causal: positions 0..pos+i */
+                          n_ctx = sp->pos + i + 1, /* causal: positions lo..pos+i */
+                lo = window > 0 && n_ctx > window ? n_ctx - window : 0;
             for (int h = 0; h < n_heads; h++) {
                 const float *qh = q + (size_t)t * q_dim + h * head_dim;
                 const int kvh = h / group;
                 float mx = -INFINITY, tk[CS_REF_MAX_HEAD_DIM], tv[CS_REF_MAX_HEAD_DIM];
-                for (int32_t j = 0; j < n_ctx; j++) {
+                for (int32_t j = lo; j < n_ctx; j++) {
                     size_t off = kv_off(kv, sp->pages, j, kv_dim) + (size_t)kvh * head_dim;
                     float sc = dot(qh, kv_vals(kv, off, head_dim, tk), head_dim) * scale;
                     if (sc > mx) mx = sc;
                 }
                 float sum = 0;
-                for (int32_t j = 0; j < n_ctx; j++) {
+                for (int32_t j = lo; j < n_ctx; j++) {
                     size_t off = kv_off(kv, sp->pages, j, kv_dim) + (size_t)kvh * head_dim;
                     float sc = dot(qh, kv_vals(kv, off, head_dim, tk), head_dim) * scale;
                     sum += expf(sc - mx);
@@ -147,7 +149,7 @@ void cs_op_attention_ref(float *out, const float *q, const cs_attn_span *spans, 
                 float *o = out + (size_t)t * q_dim + h * head_dim;
                 for (int d = 0; d < head_dim; d++)
                     o[d] = 0;
-                for (int32_t j = 0; j < n_ctx; j++) {
+                for (int32_t j = lo; j < n_ctx; j++) {
                     size_t off = kv_off(kv, sp->pages, j, kv_dim) + (size_t)kvh * head_dim;
                     const float *kj = kv_vals(kv, off, head_dim, tk);
                     const float *vj = kv_vals(kv, off + kv->v_offset, head_dim, tv);

@@ -601,7 +601,8 @@ typedef struct {
     float *out;             /* xn, or SwiGLU's output */
     float *x;               /* add_rmsnorm_quantize: the residual stream */
     const float *add, *w;   /* add_rmsnorm_quantize */
-    const float *gate, *up; /* swiglu_quantize */
+    const float *gate, *up; /* glu_quantize */
+    cs_act act;             /* glu_quantize */
     float eps;
 } fused_job;
 
@@ -626,16 +627,16 @@ void cs_op_add_rmsnorm_quantize(cs_threadpool *pool, cs_qact *a, float *xn, floa
                   &j);
 }
 
-static void swiglu_quantize_fn(void *arg, int64_t t0, int64_t t1, int thread) {
+static void glu_quantize_fn(void *arg, int64_t t0, int64_t t1, int thread) {
     const fused_job *j = arg;
     (void)thread;
     size_t o = (size_t)t0 * (size_t)j->a->cols, n = (size_t)(t1 - t0) * (size_t)j->a->cols;
-    cs_op_swiglu(NULL, j->out + o, j->gate + o, j->up + o, n);
+    cs_op_glu(NULL, j->out + o, j->gate + o, j->up + o, n, j->act);
     quantize_rows(j->a, j->out, t0, t1);
 }
 
-void cs_op_swiglu_quantize(cs_threadpool *pool, cs_qact *a, float *out, const float *gate,
-                           const float *up) {
-    fused_job j = {.a = a, .out = out, .gate = gate, .up = up};
-    quantize_over(pool, a->n_tokens, 8.0 * a->n_tokens * (double)a->cols, swiglu_quantize_fn, &j);
+void cs_op_glu_quantize(cs_threadpool *pool, cs_qact *a, float *out, const float *gate,
+                        const float *up, cs_act act) {
+    fused_job j = {.a = a, .out = out, .gate = gate, .up = up, .act = act};
+    quantize_over(pool, a->n_tokens, 8.0 * a->n_tokens * (double)a->cols, glu_quantize_fn, &j);
 }

@@ -221,9 +221,9 @@ void cs_op_quantize(cs_threadpool *pool, cs_qact *a, const float *x);
  * then a = quantize(xn); x and xn are (a->n_tokens, a->cols); xn may be x. */
 void cs_op_add_rmsnorm_quantize(cs_threadpool *pool, cs_qact *a, float *xn, float *x,
                                 const float *add, const float *w, float eps);
-/* out = swiglu(gate, up) (may be gate), then a = quantize(out). */
-void cs_op_swiglu_quantize(cs_threadpool *pool, cs_qact *a, float *out, const float *gate,
-                           const float *up);
+/* out = glu(gate, up, act) (may be gate), then a = quantize(out). */
+void cs_op_glu_quantize(cs_threadpool *pool, cs_qact *a, float *out, const float *gate,
+                        const float *up, cs_act act);
 
 /* outs[p] = a * part p of w ^T (+ bias): one qout per part of w. */
 void cs_op_qmatmul_ref(const cs_qout *outs, const cs_qact *a, const cs_qmat *w);

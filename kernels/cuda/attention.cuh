@@ -73,7 +73,7 @@ template <int HDP, int KC>
 __global__ void __launch_bounds__(32 * ATT_WARPS)
     k_attention(uint16_t *out, const float *q, const cs_cuda_att_tile *tiles, const int32_t *pages,
                 cs_cuda_kv kv, int layer, int n_heads, int n_kv_heads, int hd, int vec16,
-                cs_cuda_att_parts sp) {
+                float scale, int window, cs_cuda_att_parts sp) {
     constexpr int STRIDE = HDP + 8; /* bf16 per staged row */
     constexpr int NT = KC / 8;      /* 8-key n-tiles of S per chunk */
     constexpr int KS = HDP / 16;    /* k-steps of QK^T */
@@ -87,10 +87,13 @@ __global__ void __launch_bounds__(32 * ATT_WARPS)
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     const int q_dim = n_heads * hd, kv_dim = n_kv_heads * hd;
     const int tile_ctx = tile.pos + tile.n_q; /* keys 0 .. pos + n_q - 1 */
-    const int k_begin = sp.keys ? (int)blockIdx.z * sp.keys : 0;
-    const int k_end = sp.keys ? min(tile_ctx, k_begin + sp.keys) : tile_ctx;
-    if (k_begin >= tile_ctx) return; /* a split past this tile's context: the whole block */
-    const float scale_log2 = 1.4426950408889634f / sqrtf((float)hd);
+    const int split_begin = sp.keys ? (int)blockIdx.z * sp.keys : 0;
+    const int k_end = sp.keys ? min(tile_ctx, split_begin + sp.keys) : tile_ctx;
+    if (split_begin >= tile_ctx) return; /* a split past this tile's context: the whole block */
+    /* with a sliding window, no key before the first row's window is read
+     * (its page may be gone); a split wholly before it writes an empty part */
+    const int k_begin = window > 0 ? max(split_begin, tile.pos + 1 - window) : split_begin;
+    const float scale_log2 = 1.4426950408889634f * scale;
 
     /* this thread's two rows (g and g + 8 of its warp): last key each may
      * see (-1: not a row of this tile) and where its q / out row starts */
@@ -184,14 +187,15 @@ __global__ void __launch_bounds__(32 * ATT_WARPS)
                 mma_bf16(s[nt], qa[ks], *reinterpret_cast<const uint32_t *>(kr + ks * 16),
                          *reinterpret_cast<const uint32_t *>(kr + ks * 16 + 8));
         }
-        /* causal mask, log2-domain scores, running max per row */
+        /* causal and window masks, log2-domain scores, running max per row */
         float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
         for (int nt = 0; nt < NT; nt++)
 #pragma unroll
             for (int i = 0; i < 4; i++) {
                 int key = c0 + nt * 8 + 2 * c + (i & 1), r = i >> 1;
-                float v = key <= lim[r] && key < k_end ? s[nt][i] * scale_log2 : -INFINITY;
+                bool seen = key <= lim[r] && key < k_end && (window == 0 || key > lim[r] - window);
+                float v = seen ? s[nt][i] * scale_log2 : -INFINITY;
                 s[nt][i] = v;
                 mx[r] = fmaxf(mx[r], v);
             }

@@ -83,7 +83,8 @@ void cs__cuda_qkv_rope_store(float *q, const float *qkv, const float *bias, cons
                              int head_dim, cudaStream_t s);
 
 /* Causal GQA attention over paged bf16 KV (same semantics as
- * cs_op_attention_ref) for the query tiles of one layer, on tensor cores
+ * cs_op_attention_ref: q . k times scale, a sliding window of `window`
+ * positions when > 0) for the query tiles of one layer, on tensor cores
  * (attention.cuh): out (n_tokens, n_heads * head_dim) bf16 from q (fp32,
  * rounded to bf16 by the kernel). head_dim even and <= 256, at most 64 query
  * heads per KV head. max_ctx: the largest pos + n_q of the tiles. scratch
@@ -94,8 +95,8 @@ void cs__cuda_attention_scratch_size(int max_parts, int head_dim, size_t *o_floa
                                      size_t *ml_floats);
 void cs__cuda_attention(uint16_t *out, const float *q, const cs_cuda_att_tile *tiles, int n_tiles,
                         int max_ctx, const int32_t *pages, cs_cuda_kv kv, int layer, int n_heads,
-                        int n_kv_heads, int head_dim, const cs_cuda_att_scratch *scratch,
-                        cudaStream_t s);
+                        int n_kv_heads, int head_dim, float scale, int window,
+                        const cs_cuda_att_scratch *scratch, cudaStream_t s);
 
 /* out (n_tokens, hidden) bf16 = silu(gate) * up, where gu (n_tokens, 2 hidden)
  * fp32 holds [gate | up] per row (the fused gate/up GEMM). */

@@ -91,7 +91,8 @@ static cs_cuda_att_parts att_parts(const cs_cuda_att_scratch *sc, int n_tiles, i
 extern "C" void cs__cuda_attention(uint16_t *out, const float *q, const cs_cuda_att_tile *tiles,
                                    int n_tiles, int max_ctx, const int32_t *pages, cs_cuda_kv kv,
                                    int layer, int n_heads, int n_kv_heads, int head_dim,
-                                   const cs_cuda_att_scratch *scratch, cudaStream_t s) {
+                                   float scale, int window, const cs_cuda_att_scratch *scratch,
+                                   cudaStream_t s) {
     if (n_tiles <= 0) return;
     if (head_dim % 2 || head_dim > 256 || n_heads % n_kv_heads || n_heads / n_kv_heads > ATT_ROWS)
         cs__cuda_fatal(
@@ -106,7 +107,7 @@ extern "C" void cs__cuda_attention(uint16_t *out, const float *q, const cs_cuda_
         auto *kern =                                                                               \
             k_attention<HDP, KC>; /* one name: CS_LAUNCH's argument list splits at commas */       \
         CS_LAUNCH(kern, grid, 32 * ATT_WARPS, s, out, q, tiles, pages, kv, layer, n_heads,         \
-                  n_kv_heads, head_dim, vec16, sp);                                                \
+                  n_kv_heads, head_dim, vec16, scale, window, sp);                                 \
     } while (0)
     if (head_dim <= 32)
         ATT_LAUNCH(32, 64);

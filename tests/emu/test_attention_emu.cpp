@@ -30,7 +30,7 @@ static int irand(int n) {
  * the caller: keys per split (0: none; a multiple of the kernel's chunk). */
 static void attention(uint16_t *out, const float *q, const cs_cuda_att_tile *tiles, int n_tiles,
                       int max_ctx, const int32_t *pages, cs_cuda_kv kv, int layer, int nh, int nkv,
-                      int hd, int keys) {
+                      int hd, float scale, int window, int keys) {
     int vec16 = hd % 8 == 0;
     cs_cuda_att_parts sp = {nullptr, nullptr, 0, 1};
     std::vector<float> po, pml;
@@ -43,7 +43,8 @@ static void attention(uint16_t *out, const float *q, const cs_cuda_att_tile *til
     dim3 grid((unsigned)n_tiles, (unsigned)nkv, (unsigned)sp.n);
 #define RUN(HDP, KC)                                                                               \
     simt::launch(grid, 32 * ATT_WARPS, [&] {                                                       \
-        k_attention<HDP, KC>(out, q, tiles, pages, kv, layer, nh, nkv, hd, vec16, sp);             \
+        k_attention<HDP, KC>(out, q, tiles, pages, kv, layer, nh, nkv, hd, vec16, scale, window,   \
+                             sp);                                                                  \
     })
     if (hd <= 32)
         RUN(32, 64);
@@ -63,6 +64,9 @@ static void attention(uint16_t *out, const float *q, const cs_cuda_att_tile *til
 
 struct Case {
     int nh, nkv, hd, ps, layer = 1, n_layers = 2;
+    int window = 0;           /* sliding window, 0: none */
+    float scale = 0;          /* 0: 1 / sqrt(hd) */
+    int32_t nan_page = -1;    /* a page nobody owns (all NaN) */
     std::vector<int> pos, nq; /* per span */
     std::vector<int32_t> ptab;
     std::vector<int> poff;
@@ -100,6 +104,7 @@ static Case make_case(int nh, int nkv, int hd, int ps, int n_spans, int max_pos,
     for (int i = n_pages - 1; i > 0; i--)
         std::swap(perm[i], perm[irand(i + 1)]);
     c.ptab.assign(perm.begin(), perm.begin() + P);
+    c.nan_page = perm[P];
     c.pool.assign(c.page_elems() * n_pages, 0x7fc0);
     for (int s = 0; s < n_spans; s++)
         for (int p = 0; p < c.pos[s] + c.nq[s]; p++)
@@ -124,16 +129,26 @@ static std::vector<uint16_t> run(const Case &c, int keys) {
     }
     std::vector<uint16_t> out((size_t)c.T * c.nh * c.hd, 0xffff); /* NaN until written */
     cs_cuda_kv kv = {(uint16_t *)c.pool.data(), c.page_elems(), c.ps, c.nkv * c.hd};
-    attention(out.data(), c.q.data(), tiles.data(), (int)tiles.size(), max_ctx, c.ptab.data(), kv,
-              c.layer, c.nh, c.nkv, c.hd, keys);
+    /* with a window, the pages wholly before a span's first row's window are
+     * named as a NaN page (as if released): the kernel must not read them */
+    std::vector<int32_t> ptab = c.ptab;
+    for (size_t s = 0; c.window > 0 && s < c.pos.size(); s++)
+        for (int p = 0; p < (c.pos[s] + 1 - c.window) / c.ps; p++)
+            ptab[c.poff[s] + p] = c.nan_page;
+    float scale = c.scale ? c.scale : 1.0f / std::sqrt((float)c.hd);
+    attention(out.data(), c.q.data(), tiles.data(), (int)tiles.size(), max_ctx, ptab.data(), kv,
+              c.layer, c.nh, c.nkv, c.hd, scale, c.window, keys);
     return out;
 }
 
 static int failures;
 
 static void check_reference(int nh, int nkv, int hd, int ps, int n_spans, int max_pos, int max_q,
-                            int keys = 0) {
+                            int keys = 0, int window = 0) {
     Case c = make_case(nh, nkv, hd, ps, n_spans, max_pos, max_q);
+    c.window = window;
+    if (window) c.scale = 0.07f; /* not 1/sqrt(hd): the scale is an argument */
+    const double scale = c.scale ? c.scale : 1.0 / std::sqrt((double)hd);
     std::vector<uint16_t> out = run(c, keys);
     const int group = nh / nkv, qd = nh * hd;
     double num = 0, den = 0;
@@ -142,23 +157,24 @@ static void check_reference(int nh, int nkv, int hd, int ps, int n_spans, int ma
         for (int i = 0; i < c.nq[s]; i++, t++)
             for (int h = 0; h < nh; h++) {
                 const int kvh = h / group, n_ctx = c.pos[s] + i + 1;
-                std::vector<double> w(n_ctx);
+                const int lo = window && n_ctx > window ? n_ctx - window : 0;
+                std::vector<double> w(n_ctx, -INFINITY);
                 double mx = -INFINITY, sum = 0;
-                for (int j = 0; j < n_ctx; j++) {
+                for (int j = lo; j < n_ctx; j++) {
                     const uint16_t *k = c.row(s, j, 0) + kvh * hd;
                     double d = 0;
                     for (int e = 0; e < hd; e++)
                         d += (double)simt::bf16_f32(
                                  simt::bf16_rn(c.q[(size_t)t * qd + h * hd + e])) *
                              simt::bf16_f32(k[e]);
-                    w[j] = d / std::sqrt((double)hd);
+                    w[j] = d * scale;
                     mx = std::max(mx, w[j]);
                 }
                 for (double &x : w)
                     sum += x = std::exp(x - mx);
                 for (int e = 0; e < hd; e++) {
                     double o = 0;
-                    for (int j = 0; j < n_ctx; j++)
+                    for (int j = lo; j < n_ctx; j++)
                         o += w[j] / sum * simt::bf16_f32(c.row(s, j, 1)[kvh * hd + e]);
                     float got = simt::bf16_f32(out[(size_t)t * qd + h * hd + e]);
                     nan += std::isnan(got);
@@ -167,8 +183,9 @@ static void check_reference(int nh, int nkv, int hd, int ps, int n_spans, int ma
             }
     double err = std::sqrt(num / den);
     bool ok = err <= 6e-3 && !nan; /* bf16 output and P: ~2^-9 relative */
-    printf("  attention heads %2d/%-2d hd %3d ps %2d spans %d T %3d split %3d  err %.2e%s  %s\n",
-           nh, nkv, hd, ps, n_spans, c.T, keys, err, nan ? " NaN" : "", ok ? "ok" : "FAIL");
+    printf("  attention heads %2d/%-2d hd %3d ps %2d spans %d T %3d split %3d window %3d  err "
+           "%.2e%s  %s\n",
+           nh, nkv, hd, ps, n_spans, c.T, keys, window, err, nan ? " NaN" : "", ok ? "ok" : "FAIL");
     failures += !ok;
 }
 
@@ -220,6 +237,11 @@ int main() {
     check_reference(9, 3, 64, 3, 2, 200, 40, 128);
     check_reference(8, 1, 256, 16, 2, 150, 3, 64);
     check_reference(4, 2, 18, 1, 3, 200, 20, 64);
+    /* sliding windows (Gemma 3: 4/1 heads x 256), with and without split-K */
+    check_reference(4, 1, 256, 16, 3, 300, 70, 0, 64);
+    check_reference(4, 1, 256, 16, 3, 300, 4, 64, 100);
+    check_reference(9, 3, 64, 3, 4, 200, 40, 0, 7);
+    check_reference(9, 3, 64, 16, 2, 200, 40, 128, 33);
     check_chunked(9, 3, 64, 16, 150, 37);
     check_chunked(32, 8, 128, 3, 100, 16);
     if (failures) {

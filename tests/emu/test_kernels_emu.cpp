@@ -102,7 +102,7 @@ static void test_embed_rmsnorm_swiglu() {
             memcpy(&gate[(size_t)t * hid], &gu[(size_t)t * 2 * hid], sizeof(float) * hid);
             memcpy(&up[(size_t)t * hid], &gu[(size_t)t * 2 * hid + hid], sizeof(float) * hid);
         }
-        cs_op_swiglu_ref(sref.data(), gate.data(), up.data(), (size_t)T * hid);
+        cs_op_glu_ref(sref.data(), gate.data(), up.data(), (size_t)T * hid, CS_ACT_SILU);
         std::vector<uint16_t> so((size_t)T * hid, 0xffff);
         simt::launch(dim3(3), 64, [&] { k_swiglu(so.data(), gu.data(), hid, (size_t)T * hid); });
         snprintf(what, sizeof what, "swiglu T=%d hidden=%d", T, hid);

@@ -398,7 +398,8 @@ int main(int argc, char **argv) {
             inv[i] = powf(cf.rope_theta, -2.0f * (float)i / 128.0f);
         cs_weights_shape shape = {cf.n_vocab,    cf.dim,        cf.n_layers,
                                   cf.n_heads,    cf.n_kv_heads, cf.head_dim,
-                                  cf.hidden_dim, cf.norm_eps,   cf.tied_embeddings};
+                                  cf.hidden_dim, cf.norm_eps,   cf.tied_embeddings,
+                                  CS_ACT_SILU,   1.0f,          1.0f / sqrtf(128.0f)};
         CS_ASSERT(cs_backend_cuda_init_random(&shape, inv, 42, &B.b) == 0);
         B.cf = cf;
     } else {

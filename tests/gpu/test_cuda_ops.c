@@ -147,7 +147,7 @@ static void test_embed_rmsnorm_swiglu(void) {
             memcpy(gate + (size_t)t * hid, gu + (size_t)t * 2 * hid, sizeof(float) * hid);
             memcpy(up + (size_t)t * hid, gu + (size_t)t * 2 * hid + hid, sizeof(float) * hid);
         }
-        cs_op_swiglu_ref(sref, gate, up, (size_t)T * hid);
+        cs_op_glu_ref(sref, gate, up, (size_t)T * hid, CS_ACT_SILU);
         float *dgu = dup_to_dev(gu, sizeof(float) * T * 2 * hid);
         uint16_t *dso = dev_zero(2 * (size_t)T * hid);
         cs__cuda_swiglu(dso, dgu, T, hid, 0);
@@ -263,7 +263,7 @@ static void test_attention_case(int nh, int nkv, int hd, int page_size, int n_sp
 
     /* attention: the reference's q and pool on both sides (isolates the kernel) */
     float *ref = malloc(sizeof(float) * T * qd);
-    cs_op_attention_ref(ref, q, sp, n_spans, &kv, nh, nkv, hd);
+    cs_op_attention_ref(ref, q, sp, n_spans, &kv, nh, nkv, hd, 1.0f / sqrtf((float)hd), 0);
     uint16_t *ref_pool16 = to_bf16(pool, pool_n);
     CS_CUDA_CHECK(cudaMemcpy(dkv.pool, ref_pool16, pool_n * 2, cudaMemcpyHostToDevice));
     CS_CUDA_CHECK(cudaMemcpy(dq, q, sizeof(float) * T * qd, cudaMemcpyHostToDevice));
@@ -282,7 +282,7 @@ static void test_attention_case(int nh, int nkv, int hd, int page_size, int n_sp
     for (int pass = 0; pass < 2; pass++) {
         CS_CUDA_CHECK(cudaMemset(dout, 0xff, 2 * (size_t)T * qd));
         cs__cuda_attention(dout, dq, dtiles, n_tiles, max_ctx, dptab, dkv, layer, nh, nkv, hd,
-                           pass ? &split : NULL, 0);
+                           1.0f / sqrtf((float)hd), 0, pass ? &split : NULL, 0);
         float *gout = down_bf16(dout, (size_t)T * qd);
         snprintf(what, sizeof what, "attention%s heads %d/%d hd %d ps %d spans %d T %d ctx %d",
                  pass ? " (split-K)" : "", nh, nkv, hd, page_size, n_spans, T, max_ctx);

@@ -109,11 +109,19 @@ def test_unsupported_types_are_refused_by_name(chunkserve_bin, tmp_path, qt):
     assert "blk.0.attn_v.weight" in p.stderr and name in p.stderr, p.stderr
 
 
-def test_gemma3_file_is_refused_naming_the_architecture(chunkserve_bin, named_model):
-    """The real Gemma-3-270M Q4_K_M (scripts/fetch-model.sh gemma3-270m; skipped when absent):
-    an architecture we do not run yet is refused at load, by name, with a non-zero exit."""
+def test_gemma3_file_loads_with_its_window_pattern(chunkserve_bin, named_model):
+    """The real Gemma-3-270M Q4_K_M (scripts/fetch-model.sh gemma3-270m): its hyperparameters
+    come from the file's metadata, and those the GGUF does not carry take Gemma 3's values
+    (a global layer after every 5 windowed ones, RoPE base 10000 on the windowed layers).
+    tests/unit/test_model.c refuses files with an impossible window or pattern."""
+    import json
     import subprocess
     p = subprocess.run([str(chunkserve_bin), "info", "--model", str(named_model("gemma3-270m"))],
                        capture_output=True, text=True, timeout=120)
-    assert p.returncode != 0
-    assert "architecture 'gemma3' is not supported" in p.stderr, p.stderr
+    assert p.returncode == 0, p.stderr
+    info = json.loads(p.stdout)
+    assert info["arch"] == "gemma3" and info["sliding_window"] == 512
+    assert info["layer_windows"] == ([512] * 5 + [0]) * 3
+    assert info["rope_theta"] == 1e6 and info["rope_theta_swa"] == 1e4
+    assert info["qk_norm"] and info["post_norms"] and info["activation"] == "gelu_tanh"
+    assert abs(info["embed_scale"] - 640 ** 0.5) < 1e-4 and info["attn_scale"] == 0.0625

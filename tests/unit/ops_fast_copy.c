@@ -16,6 +16,6 @@
 #define cs_op_matmul CS_COPY_CAT(OPS_COPY, matmul)
 #define cs_op_rmsnorm CS_COPY_CAT(OPS_COPY, rmsnorm)
 #define cs_op_rope CS_COPY_CAT(OPS_COPY, rope)
-#define cs_op_swiglu CS_COPY_CAT(OPS_COPY, swiglu)
+#define cs_op_glu CS_COPY_CAT(OPS_COPY, glu)
 #define cs_op_attention CS_COPY_CAT(OPS_COPY, attention)
 #include "ops_fast.c"

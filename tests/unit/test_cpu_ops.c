@@ -201,22 +201,22 @@ static void test_rope(void) {
     }
 }
 
-static void test_swiglu(void) {
-    printf("swiglu\n");
+static void test_glu(cs_act act) {
+    printf("glu (%s)\n", act == CS_ACT_SILU ? "silu" : "gelu tanh");
     const size_t ns[] = {1, 15, 16, 17, 1000, 100003};
     for (size_t c = 0; c < sizeof ns / sizeof ns[0]; c++) {
         size_t n = ns[c];
         float *g = frandn(n), *u = frandn(n), *ref = falloc(n), *out[3];
         for (size_t i = 0; i < n; i++)
             g[i] *= 12.0f; /* reach both tails of silu */
-        cs_op_swiglu_ref(ref, g, u, n);
+        cs_op_glu_ref(ref, g, u, n, act);
         for (int k = 0; k < 3; k++) {
             out[k] = falloc(n);
             if (k == 1) { /* in place */
                 memcpy(out[k], g, n * sizeof(float));
-                cs_op_swiglu(pools[k], out[k], out[k], u, n);
+                cs_op_glu(pools[k], out[k], out[k], u, n, act);
             } else {
-                cs_op_swiglu(pools[k], out[k], g, u, n);
+                cs_op_glu(pools[k], out[k], g, u, n, act);
             }
         }
         char what[96];
@@ -248,8 +248,11 @@ typedef struct {
  * cs_op_kv_store. */
 static int g_bf16; /* attention cases on a bf16 pool */
 
+/* window > 0: a sliding window; the page-table entries of pages wholly
+ * before a span's first row's window then name a page of NaNs (as if
+ * released), which the ops must not read. */
 static void attention_case(const char *name, const span_shape *shape, int n_spans, int n_heads,
-                           int n_kv_heads, int head_dim, int page_size) {
+                           int n_kv_heads, int head_dim, int page_size, int window) {
     const int q_dim = n_heads * head_dim, kv_dim = n_kv_heads * head_dim;
     int n_tokens = 0, n_pages = 0;
     for (int s = 0; s < n_spans; s++) {
@@ -323,16 +326,24 @@ static void attention_case(const char *name, const span_shape *shape, int n_span
             ASSERT_TRUE(memcmp(slot + kv.v_offset, v + src, kv_dim * sizeof(float)) == 0);
         }
 
+    for (int s = 0; window > 0 && s < n_spans; s++) {
+        int lo = spans[s].pos + 1 - window;
+        for (int p = 0; p < lo / page_size; p++)
+            ((int32_t *)spans[s].pages)[p] = perm[n_pages - 1]; /* nobody's: NaN */
+    }
+    /* a scale that is not 1/sqrt(head_dim) (Gemma's query_pre_attn_scalar) */
+    const float scale = window % 2 ? 0.37f : 1.0f / sqrtf((float)head_dim);
     size_t sz = (size_t)n_tokens * q_dim;
     float *ref = falloc(sz), *out[3];
-    cs_op_attention_ref(ref, q, spans, n_spans, &kv, n_heads, n_kv_heads, head_dim);
+    cs_op_attention_ref(ref, q, spans, n_spans, &kv, n_heads, n_kv_heads, head_dim, scale, window);
     for (int kk = 0; kk < 3; kk++) {
         out[kk] = falloc(sz);
-        cs_op_attention(pools[kk], out[kk], q, spans, n_spans, &kv, n_heads, n_kv_heads, head_dim);
+        cs_op_attention(pools[kk], out[kk], q, spans, n_spans, &kv, n_heads, n_kv_heads, head_dim,
+                        scale, window);
     }
     char what[128];
-    snprintf(what, sizeof what, "%s (%d/%d heads x %d, page %d%s)", name, n_heads, n_kv_heads,
-             head_dim, page_size, g_bf16 ? ", bf16 KV" : "");
+    snprintf(what, sizeof what, "%s (%d/%d heads x %d, page %d, window %d%s)", name, n_heads,
+             n_kv_heads, head_dim, page_size, window, g_bf16 ? ", bf16 KV" : "");
     check(what, out, ref, sz);
     free(pool), free(pool16), free(perm), free(spans), free(k), free(v), free(q), free(ref);
     free(out[0]), free(out[1]), free(out[2]);
@@ -350,16 +361,25 @@ static void test_attention(void) {
         const span_shape mixed[] = {{1, 100}, {13, 0}, {1, 0}, {40, 17}, {1, 15}, {2, 31}};
         const span_shape long_prompt[] = {{150, 0}};
         const span_shape long_decode[] = {{1, 250}, {1, 3}, {3, 70}};
-        attention_case("1 token, empty cache", empty, 1, nh, nkv, hd, 16);
-        attention_case("decode at pos 37", decode, 1, nh, nkv, hd, 16);
-        attention_case("5-token prompt", prompt, 1, nh, nkv, hd, 16);
-        attention_case("20 tokens at pos 10, crossing pages", crossing, 1, nh, nkv, hd, 16);
-        attention_case("20 tokens at pos 10, page 7", crossing, 1, nh, nkv, hd, 7);
-        attention_case("6 spans, mixed", mixed, 6, nh, nkv, hd, 16);
-        attention_case("6 spans, mixed, page 5", mixed, 6, nh, nkv, hd, 5);
-        attention_case("6 spans, mixed, page 1", mixed, 6, nh, nkv, hd, 1);
-        attention_case("150-token prompt, page 64", long_prompt, 1, nh, nkv, hd, 64);
-        attention_case("long decode spans, page 256", long_decode, 3, nh, nkv, hd, 256);
+        attention_case("1 token, empty cache", empty, 1, nh, nkv, hd, 16, 0);
+        attention_case("decode at pos 37", decode, 1, nh, nkv, hd, 16, 0);
+        attention_case("5-token prompt", prompt, 1, nh, nkv, hd, 16, 0);
+        attention_case("20 tokens at pos 10, crossing pages", crossing, 1, nh, nkv, hd, 16, 0);
+        attention_case("20 tokens at pos 10, page 7", crossing, 1, nh, nkv, hd, 7, 0);
+        attention_case("6 spans, mixed", mixed, 6, nh, nkv, hd, 16, 0);
+        attention_case("6 spans, mixed, page 5", mixed, 6, nh, nkv, hd, 5, 0);
+        attention_case("6 spans, mixed, page 1", mixed, 6, nh, nkv, hd, 1, 0);
+        attention_case("150-token prompt, page 64", long_prompt, 1, nh, nkv, hd, 64, 0);
+        attention_case("long decode spans, page 256", long_decode, 3, nh, nkv, hd, 256, 0);
+        /* sliding windows: narrower and wider than a tile or a key block,
+         * spans starting inside and past the window */
+        const int windows[] = {1, 5, 16, 33, 64, 97};
+        for (size_t w = 0; w < sizeof windows / sizeof *windows; w++) {
+            attention_case("window: 6 spans, mixed", mixed, 6, nh, nkv, hd, 5, windows[w]);
+            attention_case("window: 150-token prompt", long_prompt, 1, nh, nkv, hd, 16, windows[w]);
+            attention_case("window: long decode spans", long_decode, 3, nh, nkv, hd, 8, windows[w]);
+            attention_case("window: crossing pages", crossing, 1, nh, nkv, hd, 7, windows[w]);
+        }
     }
 }
 
@@ -370,7 +390,8 @@ int main(void) {
     test_matmul();
     test_rmsnorm();
     test_rope();
-    test_swiglu();
+    test_glu(CS_ACT_SILU);
+    test_glu(CS_ACT_GELU_TANH);
     test_embed();
     test_attention();
     g_bf16 = 1;

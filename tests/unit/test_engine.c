@@ -2,6 +2,8 @@
  * - chunked prefill = one-pass prefill (last-token logits, every KV page,
  *   32 greedy tokens) for many prompt lengths, chunk sizes and page sizes;
  * - one-pass engine = reference forward pass (cs_ref_seq);
+ *   (the Llama block, Qwen2's biases, and Gemma 3's: QK-norm, sandwich norms,
+ *   GeGLU, 8-position windows on 2 of 3 layers);
  * - batch invariance: 8 sequences in mixed steps under random budgets give
  *   the tokens each gives alone (greedy and seeded sampling);
  * - page accounting, pool exhaustion and bad steps. */
@@ -315,7 +317,10 @@ int main(void) {
     check_chunked_equals_one_pass("f32", 16);
     check_chunked_equals_one_pass("f32", 7);
     check_chunked_equals_one_pass("qwen2", 16);
+    check_chunked_equals_one_pass("gemma3", 16); /* windows of 8 positions */
+    check_chunked_equals_one_pass("gemma3", 5);
     check_batch_invariance("f32");
     check_batch_invariance("qwen2");
+    check_batch_invariance("gemma3");
     return 0;
 }

@@ -3,7 +3,10 @@
  * reference forward pass gives the same logits whether a prompt is evaluated
  * at once or token by token; bad evaluation input is refused harmlessly; a
  * vocabulary-only load (the router's) gives a full load's configuration and
- * tokenizer without weights, also from a Hugging Face directory that has none. */
+ * tokenizer without weights, also from a Hugging Face directory that has none;
+ * a Gemma 3 file's hyperparameters are read from its metadata (window,
+ * layer pattern, per-type RoPE bases, the block's parts), and a file with an
+ * impossible window or pattern is refused naming the key. */
 #include <stdlib.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -185,7 +188,7 @@ static void copy_file(const char *from, const char *to) {
 static void check_vocab_only(const char *variant) {
     char path[1024];
     const char *files[] = {"tiny.gguf", "tiny-hf"};
-    for (int f = 0; f < 2; f++) {
+    for (int f = 0; f < (strcmp(variant, "gemma3") ? 2 : 1); f++) { /* gemma3: GGUF only */
         snprintf(path, sizeof path, "%s/%s/%s", tiny_dir(), variant, files[f]);
         cs_model *full = load(variant, files[f]), *voc = load_vocab(path);
         check_same_vocab(full, voc);
@@ -267,6 +270,63 @@ static void check_fingerprints(void) {
         cs_model_free(hs2);
 }
 
+/* A copy of the tiny Gemma 3 with the u32 value of metadata key `key` set
+ * to v (the key must be there as a u32: GGUF type 4). */
+static void write_gemma3_with(const char *key, uint32_t v, const char *to) {
+    char from[1024];
+    snprintf(from, sizeof from, "%s/gemma3/tiny.gguf", tiny_dir());
+    FILE *f = fopen(from, "rb");
+    ASSERT_TRUE(f != NULL);
+    static char buf[4 << 20];
+    size_t n = fread(buf, 1, sizeof buf, f);
+    fclose(f);
+    ASSERT_TRUE(n > 0 && n < sizeof buf);
+    size_t klen = strlen(key);
+    char *at = NULL;
+    for (size_t i = 8; i + klen + 8 <= n && !at; i++) /* the key after its u64 length */
+        if (!memcmp(buf + i, key, klen) && !memcmp(buf + i - 8, &(uint64_t){klen}, 8)) at = buf + i;
+    ASSERT_TRUE(at != NULL);
+    ASSERT_TRUE(!memcmp(at + klen, &(uint32_t){4}, 4));
+    memcpy(at + klen + 4, &v, 4);
+    FILE *o = fopen(to, "wb");
+    ASSERT_TRUE(o && fwrite(buf, 1, n, o) == n);
+    ASSERT_EQ_INT(fclose(o), 0);
+}
+
+static void check_gemma3(void) {
+    cs_model *g = load("gemma3", "tiny.gguf");
+    const cs_model_config *c = cs_model_get_config(g);
+    ASSERT_EQ_STR(c->arch, "gemma3");
+    ASSERT_TRUE(c->qk_norm && c->post_norms && c->gelu && c->tied_embeddings);
+    ASSERT_EQ_INT(c->sliding_window, 8);
+    ASSERT_EQ_INT(c->swa_period, 3); /* the file's key, not the default 6 */
+    ASSERT_TRUE(c->rope_theta == 1e6f && c->rope_theta_swa == 1e4f);
+    ASSERT_TRUE(c->embed_scale == sqrtf(64.0f) && c->attn_scale == 0.25f);
+    ASSERT_EQ_INT(cs_model_layer_window(c, 0), 8);
+    ASSERT_EQ_INT(cs_model_layer_window(c, 1), 8);
+    ASSERT_EQ_INT(cs_model_layer_window(c, 2), 0);
+    cs_model_free(g);
+    const struct {
+        const char *key;
+        uint32_t v;
+    } bad[] = {{"gemma3.attention.sliding_window", 0},
+               {"gemma3.attention.sliding_window", 5000}, /* past the 4096 context */
+               {"gemma3.attention.sliding_window_pattern", 0},
+               {"gemma3.attention.sliding_window_pattern", 1},  /* no windowed layer */
+               {"gemma3.attention.sliding_window_pattern", 4}}; /* past the 3 layers */
+    char path[1100];
+    snprintf(path, sizeof path, "%s/gemma3/bad.gguf", tiny_dir());
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+        write_gemma3_with(bad[i].key, bad[i].v, path);
+        cs_model *m = (cs_model *)1;
+        ASSERT_EQ_INT(cs_model_load(path, &m), CS_EBADMSG);
+        ASSERT_TRUE(m == NULL);
+        ASSERT_TRUE(strstr(cs_last_error(), bad[i].key) != NULL);
+        printf("gemma3 %s = %u refused: %s\n", bad[i].key, bad[i].v, cs_last_error());
+    }
+    unlink(path);
+}
+
 int main(void) {
     const char *variants[] = {"f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "untied", "qwen2"};
     for (size_t i = 0; i < sizeof variants / sizeof variants[0]; i++)
@@ -284,6 +344,8 @@ int main(void) {
     check_vocab_only("q4_1");
     check_vocab_only("untied");
     check_vocab_only("qwen2");
+    check_vocab_only("gemma3");
+    check_gemma3();
     cs_model_free(NULL);
     return 0;
 }

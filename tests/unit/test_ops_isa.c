@@ -24,20 +24,20 @@ int main(void) {
 
 __typeof__(cs_op_rmsnorm) avx2_rmsnorm, base_rmsnorm;
 __typeof__(cs_op_rope) avx2_rope, base_rope;
-__typeof__(cs_op_swiglu) avx2_swiglu, base_swiglu;
+__typeof__(cs_op_glu) avx2_glu, base_glu;
 __typeof__(cs_op_attention) avx2_attention, base_attention;
 
 typedef struct {
     const char *name;
     __typeof__(cs_op_rmsnorm) *rmsnorm;
     __typeof__(cs_op_rope) *rope;
-    __typeof__(cs_op_swiglu) *swiglu;
+    __typeof__(cs_op_glu) *glu;
     __typeof__(cs_op_attention) *attention;
 } ops_copy;
 
 static const ops_copy copies[] = {
-    {"x86-64 baseline", base_rmsnorm, base_rope, base_swiglu, base_attention},
-    {"x86-64 + AVX2 + FMA", avx2_rmsnorm, avx2_rope, avx2_swiglu, avx2_attention},
+    {"x86-64 baseline", base_rmsnorm, base_rope, base_glu, base_attention},
+    {"x86-64 + AVX2 + FMA", avx2_rmsnorm, avx2_rope, avx2_glu, avx2_attention},
 };
 static int n_copies; /* the AVX2 copy runs only where the CPU has AVX2 and FMA */
 
@@ -77,17 +77,17 @@ static void test_rmsnorm(int n_tokens, int dim) {
     free(x), free(w), free(want), free(got);
 }
 
-static void test_swiglu(void) {
+static void test_glu(cs_act act) {
     const size_t n = 4099;
     float *g = frandn(n, 140.0f), *u = frandn(n, 1.0f), *want = malloc(n * sizeof(float)),
           *got = malloc(n * sizeof(float));
     for (size_t i = 0; i < 64; i++) /* e^-g around the edges of exp's range */
         g[i] = 86.0f + 0.7f * (float)i;
     g[64] = INFINITY, g[65] = -INFINITY, g[66] = 0.0f, g[67] = -0.0f;
-    cs_op_swiglu(NULL, want, g, u, n);
+    cs_op_glu(NULL, want, g, u, n, act);
     for (int c = 0; c < n_copies; c++) {
-        copies[c].swiglu(NULL, got, g, u, n);
-        same("swiglu", copies[c].name, want, got, n);
+        copies[c].glu(NULL, got, g, u, n, act);
+        same(act == CS_ACT_SILU ? "swiglu" : "geglu", copies[c].name, want, got, n);
     }
     free(g), free(u), free(want), free(got);
 }
@@ -124,7 +124,7 @@ static void zero_dims(float *v, int n_rows, int n_kv_heads, int hd, int row0, fl
 /* Spans (n_q, pos): a prompt chunk after history, two decode tokens, a
  * prompt from position 0; pages of page_size in scrambled order. */
 static void test_attention(bool bf16, int n_heads, int n_kv_heads, int hd, int page_size,
-                           float q_scale) {
+                           float q_scale, int window) {
     const int n_spans = 4, shape[4][2] = {{37, 50}, {1, 200}, {1, 7}, {70, 0}};
     const int q_dim = n_heads * hd, kv_dim = n_kv_heads * hd;
     int n_tokens = 0, n_pages = 0;
@@ -164,13 +164,15 @@ static void test_attention(bool bf16, int n_heads, int n_kv_heads, int hd, int p
     cs_op_kv_store(&kv, spans, n_spans, k, v, kv_dim);
     size_t n = (size_t)n_tokens * q_dim;
     float *want = malloc(n * sizeof(float)), *got = malloc(n * sizeof(float));
-    cs_op_attention(NULL, want, q, spans, n_spans, &kv, n_heads, n_kv_heads, hd);
-    char what[96];
-    snprintf(what, sizeof what, "attention (%s KV, %d/%d heads x %d, page %d, q x %g)",
-             bf16 ? "bf16" : "fp32", n_heads, n_kv_heads, hd, page_size, q_scale);
+    const float scale = 1.0f / sqrtf((float)hd);
+    cs_op_attention(NULL, want, q, spans, n_spans, &kv, n_heads, n_kv_heads, hd, scale, window);
+    char what[128];
+    snprintf(what, sizeof what, "attention (%s KV, %d/%d heads x %d, page %d, q x %g, window %d)",
+             bf16 ? "bf16" : "fp32", n_heads, n_kv_heads, hd, page_size, q_scale, window);
     for (int c = 0; c < n_copies; c++) {
         memset(got, 0xff, n * sizeof(float));
-        copies[c].attention(NULL, got, q, spans, n_spans, &kv, n_heads, n_kv_heads, hd);
+        copies[c].attention(NULL, got, q, spans, n_spans, &kv, n_heads, n_kv_heads, hd, scale,
+                            window);
         same(what, copies[c].name, want, got, n);
     }
     free(pool), free(pool16), free(pages), free(k), free(v), free(q), free(want), free(got);
@@ -190,14 +192,17 @@ int main(void) {
     const int dims[] = {576, 64, 16, 8, 100, 7, 1};
     for (int i = 0; i < 7; i++)
         test_rmsnorm(3, dims[i]);
-    test_swiglu();
+    test_glu(CS_ACT_SILU);
+    test_glu(CS_ACT_GELU_TANH);
     test_rope();
     for (int bf16 = 0; bf16 < 2; bf16++) {
-        test_attention(bf16, 9, 3, 64, 16, 2.0f); /* SmolLM2's heads */
-        test_attention(bf16, 4, 4, 32, 5, 2.0f);
-        test_attention(bf16, 8, 1, 48, 16, 2.0f);
-        test_attention(bf16, 6, 2, 36, 16, 2.0f);  /* head_dim not a multiple of 8 */
-        test_attention(bf16, 9, 3, 64, 16, 40.0f); /* weights underflow */
+        test_attention(bf16, 9, 3, 64, 16, 2.0f, 0); /* SmolLM2's heads */
+        test_attention(bf16, 4, 4, 32, 5, 2.0f, 0);
+        test_attention(bf16, 8, 1, 48, 16, 2.0f, 0);
+        test_attention(bf16, 6, 2, 36, 16, 2.0f, 0);  /* head_dim not a multiple of 8 */
+        test_attention(bf16, 9, 3, 64, 16, 40.0f, 0); /* weights underflow */
+        test_attention(bf16, 4, 1, 64, 16, 2.0f, 24); /* sliding windows */
+        test_attention(bf16, 9, 3, 64, 5, 2.0f, 100);
     }
     printf("ok\n");
     return 0;

@@ -403,12 +403,14 @@ static void test_fused(int T, int cols, int group) {
                 cs_op_add_rmsnorm_quantize(pools[k], &a2, x2, x2, NULL, w, 1e-5f);
                 ASSERT_TRUE(memcmp(x1, x2, n * sizeof(float)) == 0);
                 ASSERT_TRUE(same_qact(&a1, &a2));
-                /* swiglu in place, as the backend runs it */
-                cs_op_swiglu(pools[0], x1, x1, up, n);
-                cs_op_quantize(pools[0], &a1, x1);
-                cs_op_swiglu_quantize(pools[k], &a2, x2, x2, up);
-                ASSERT_TRUE(memcmp(x1, x2, n * sizeof(float)) == 0);
-                ASSERT_TRUE(same_qact(&a1, &a2));
+                /* the gate activations in place, as the backend runs them */
+                for (int act = CS_ACT_SILU; act <= CS_ACT_GELU_TANH; act++) {
+                    cs_op_glu(pools[0], x1, x1, up, n, (cs_act)act);
+                    cs_op_quantize(pools[0], &a1, x1);
+                    cs_op_glu_quantize(pools[k], &a2, x2, x2, up, (cs_act)act);
+                    ASSERT_TRUE(memcmp(x1, x2, n * sizeof(float)) == 0);
+                    ASSERT_TRUE(same_qact(&a1, &a2));
+                }
             }
     }
     cs__qmat_force_kernels(CS_QMAT_KERNELS_AUTO);

@@ -4,7 +4,8 @@
  * rows of whole super-blocks, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, and a qwen2
  * model mixing Q5_0 with a Q4_K ffn_down):
  * - chunked prefill == one pass for chunks 1, 2, 15, 16, 17, 64, 100, 256,
- *   512 of a 600-token prompt: last logits and every KV page;
+ *   512 of a 600-token prompt: last logits and every KV page (a tiny Gemma 3
+ *   too: windows of 8 positions, so every chunk straddles a window edge);
  * - a sequence alone == the same sequence inside steps with 1..31 random
  *   co-tenants (prompt chunks and decode tokens), its logits at every step;
  * - 1 thread == 2 threads;
@@ -47,7 +48,7 @@ static uint32_t rnd(uint32_t n) {
     return (uint32_t)(rng % n);
 }
 
-#define PROMPT 600
+static int32_t PROMPT = 600; /* CS_QUANT_PROMPT for a real model */
 
 /* Exported pages, [page][layer][K, V][16 slots][kv_dim] floats, compared over
  * positions [0, PROMPT) (the last page's tail holds whatever its previous
@@ -66,7 +67,7 @@ static bool kv_equal(const char *a, const char *b, const cs_model_config *c, int
 }
 
 static void check_chunks(cs_model *m, int32_t V) {
-    int32_t prompt[PROMPT];
+    int32_t *prompt = malloc(sizeof(int32_t) * (size_t)PROMPT);
     for (int i = 0; i < PROMPT; i++)
         prompt[i] = (int32_t)rnd((uint32_t)V);
     cs_engine *e = engine(m, 2);
@@ -75,8 +76,14 @@ static void check_chunks(cs_model *m, int32_t V) {
     float *l0 = malloc(sizeof(float) * (size_t)V), *l1 = malloc(sizeof(float) * (size_t)V);
     char *kv0 = calloc((size_t)n_pages, page_bytes), *kv1 = calloc((size_t)n_pages, page_bytes);
     ASSERT_TRUE(l0 && l1 && kv0 && kv1);
-    const int32_t chunks[] = {0, 16, 17, 100, 15, 512, 1, 2, 64, 256};
-    size_t n_chunks = g_real ? 4 : sizeof chunks / sizeof chunks[0];
+    int32_t chunks[16] = {0, 16, 17, 100, 15, 512, 1, 2, 64, 256};
+    size_t n_chunks = g_real ? 4 : 10;
+    const char *list = getenv("CS_QUANT_CHUNKS"); /* "1,7,256": chunk sizes after one pass */
+    for (n_chunks = list ? 1 : n_chunks; list && *list && n_chunks < 16; n_chunks++) {
+        chunks[n_chunks] = (int32_t)strtol(list, (char **)&list, 10);
+        ASSERT_TRUE(chunks[n_chunks] > 0 && chunks[n_chunks] < PROMPT);
+        list += *list == ',';
+    }
     for (size_t c = 0; c < n_chunks; c++) {
         cs_page_table pt = {0};
         ASSERT_EQ_INT(cs_engine_eval_seq(e, &pt, 0, prompt, PROMPT, chunks[c], c ? l1 : l0), 0);
@@ -94,7 +101,7 @@ static void check_chunks(cs_model *m, int32_t V) {
         }
     }
     cs_engine_free(e);
-    free(l0), free(l1), free(kv0), free(kv1);
+    free(l0), free(l1), free(kv0), free(kv1), free(prompt);
 }
 
 /* The target: a 37-token prompt in chunks of 7, then 20 greedy tokens; its
@@ -192,11 +199,14 @@ static int real_model(const char *path) {
     ASSERT_EQ_INT(cs_model_weight_mode(m), CS_WEIGHTS_QUANT);
     int32_t V = cs_model_get_config(m)->n_vocab;
     g_real = true; /* fp32 KV only: bf16 pages are covered on the tiny models */
+    if (getenv("CS_QUANT_PROMPT")) PROMPT = atoi(getenv("CS_QUANT_PROMPT"));
+    ASSERT_TRUE(PROMPT >= 1 && PROMPT <= 30000);
     check_chunks(m, V);
     check_batch_and_threads(m, V);
-    printf("%s (%s): chunked (16, 17, 100) == one pass, alone == among co-tenants, 1 == 2 "
-           "threads\n",
-           path, cs_model_weight_desc(m));
+    printf("%s (%s): a %d-token prompt chunked (%s) == one pass, alone == among co-tenants, "
+           "1 == 2 threads\n",
+           path, cs_model_weight_desc(m), PROMPT,
+           getenv("CS_QUANT_CHUNKS") ? getenv("CS_QUANT_CHUNKS") : "16, 17, 100");
     cs_model_free(m);
     printf("ok\n");
     return 0;
@@ -204,10 +214,10 @@ static int real_model(const char *path) {
 
 int main(void) {
     if (getenv("CS_QUANT_MODEL")) return real_model(getenv("CS_QUANT_MODEL"));
-    const char *variants[] = {"q4_1", "q4_0", "q8_0", "q5_0",    "q5_1",
-                              "q4_k", "q5_k", "q6_k", "q4_k_mix"};
-    const char *descs[] = {"q4_1", "q4_0", "q8_0", "q5_0",     "q5_1",
-                           "q4_K", "q5_K", "q6_K", "q5_0+q4_K"};
+    const char *variants[] = {"q4_1", "q4_0", "q8_0", "q5_0",     "q5_1",
+                              "q4_k", "q5_k", "q6_k", "q4_k_mix", "gemma3_q8"};
+    const char *descs[] = {"q4_1", "q4_0", "q8_0", "q5_0",      "q5_1",
+                           "q4_K", "q5_K", "q6_K", "q5_0+q4_K", "q8_0"};
     for (int v = 0; v < (int)(sizeof variants / sizeof variants[0]); v++) {
         cs_model *m = load(variants[v], CS_WEIGHTS_AUTO);
         ASSERT_EQ_INT(cs_model_weight_mode(m), CS_WEIGHTS_QUANT);

@@ -1,8 +1,10 @@
-/* chunkserve/model.h: a Llama-family decoder loaded from GGUF or a Hugging Face
- * safetensors directory into one in-memory representation.
+/* chunkserve/model.h: a decoder-only transformer loaded from GGUF or a Hugging
+ * Face safetensors directory into one in-memory representation.
  *
- * Covers RMSNorm, RoPE (theta, linear and Llama-3 scaling), GQA, SwiGLU, tied
- * or untied embeddings and optional q/k/v biases (Qwen2). Weights are held in
+ * Covers the Llama family (RMSNorm, RoPE with theta, linear and Llama-3
+ * scaling, GQA, SwiGLU, tied or untied embeddings, optional q/k/v biases as
+ * Qwen2's) and Gemma 3 (QK-norm, sandwich norms, GeGLU, scaled embeddings,
+ * sliding-window layers with their own RoPE base; GGUF only). Weights are held in
  * one of two modes (cs_weight_mode): fp32 ("exact"), or the file's quantized
  * blocks repacked for the CPU's integer kernels ("quant"). Every length, offset,
  * count, shape and type read from a file is validated before use: a bad file
@@ -44,7 +46,21 @@ typedef struct {
     int32_t rope_orig_ctx;       /* llama3 original_max_position_embeddings */
     bool tied_embeddings;
     bool qkv_bias;
+    /* The block's optional parts (one family's file sets them: engine/src/arch_*.c) */
+    bool qk_norm;           /* each q and k head RMSNormed before RoPE */
+    bool post_norms;        /* attention and FFN outputs RMSNormed before their residual adds */
+    bool gelu;              /* GeGLU (GELU's tanh form) instead of SwiGLU */
+    float embed_scale;      /* embedding rows times this (1: none) */
+    float attn_scale;       /* q . k multiplier (1 / sqrt(head_dim) unless the family says) */
+    int32_t sliding_window; /* positions a windowed layer attends to (itself included); 0: none */
+    int32_t swa_period;     /* with a window: layer l attends to everything when
+                               (l + 1) % swa_period == 0; 0: every layer is windowed */
+    float rope_theta_swa;   /* RoPE base of the windowed layers (no scaling) */
 } cs_model_config;
+
+/* The window layer `layer` attends within: c->sliding_window for a windowed
+ * layer, 0 (every position) for the others. */
+int32_t cs_model_layer_window(const cs_model_config *c, int32_t layer);
 
 /* Loads a model. path is a .gguf file or a directory holding config.json,
  * *.safetensors (one file or shards with model.safetensors.index.json) and

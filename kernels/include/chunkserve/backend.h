@@ -15,7 +15,13 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* The model's shape, as the kernels need it. */
+/* The gated FFN's activation (ops.h cs_op_glu): SwiGLU or GeGLU (GELU's
+ * tanh form). */
+typedef enum { CS_ACT_SILU = 0, CS_ACT_GELU_TANH } cs_act;
+
+/* The model's shape, as the kernels need it. The kernels run one decoder
+ * block shape whose optional parts an architecture switches on (engine:
+ * engine/src/arch_*.c); nothing here names an architecture. */
 typedef struct {
     int32_t n_vocab;
     int32_t dim; /* hidden size */
@@ -26,23 +32,36 @@ typedef struct {
     int32_t hidden_dim; /* FFN inner size */
     float norm_eps;
     bool tied_embeddings; /* output == tok_embd */
+    cs_act act;           /* gate activation */
+    float embed_scale;    /* the embedding rows are multiplied by it (1: none) */
+    float attn_scale;     /* q . k multiplier, usually 1 / sqrt(head_dim) */
 } cs_weights_shape;
 
 /* One layer's fp32 weights, row-major, PyTorch [out, in] order; q and k rows
- * in Hugging Face ("rotate_half") order. */
+ * in Hugging Face ("rotate_half") order. The block:
+ *   h = x + post_attn_norm?(attn(attn_norm(x)))
+ *   out = h + post_ffn_norm?(ffn(ffn_norm(h)))
+ * with q, k each RMSNormed per head by q_norm, k_norm (when set) before
+ * RoPE, and attention over the last `window` positions when window > 0. */
 typedef struct {
-    const float *attn_norm; /* (dim) */
-    const float *wq;        /* (n_heads * head_dim, dim) */
-    const float *wk;        /* (n_kv_heads * head_dim, dim) */
-    const float *wv;        /* (n_kv_heads * head_dim, dim) */
-    const float *bq;        /* (n_heads * head_dim) or NULL */
-    const float *bk;        /* (n_kv_heads * head_dim) or NULL */
-    const float *bv;        /* (n_kv_heads * head_dim) or NULL */
-    const float *wo;        /* (dim, n_heads * head_dim) */
-    const float *ffn_norm;  /* (dim) */
-    const float *w_gate;    /* (hidden_dim, dim) */
-    const float *w_up;      /* (hidden_dim, dim) */
-    const float *w_down;    /* (dim, hidden_dim) */
+    int32_t window;              /* sliding window in positions, 0 = every position */
+    const float *rope_inv_freq;  /* (head_dim / 2) angle per position, scaling applied */
+    const float *q_norm;         /* (head_dim) or NULL */
+    const float *k_norm;         /* (head_dim) or NULL */
+    const float *post_attn_norm; /* (dim) or NULL */
+    const float *post_ffn_norm;  /* (dim) or NULL */
+    const float *attn_norm;      /* (dim) */
+    const float *wq;             /* (n_heads * head_dim, dim) */
+    const float *wk;             /* (n_kv_heads * head_dim, dim) */
+    const float *wv;             /* (n_kv_heads * head_dim, dim) */
+    const float *bq;             /* (n_heads * head_dim) or NULL */
+    const float *bk;             /* (n_kv_heads * head_dim) or NULL */
+    const float *bv;             /* (n_kv_heads * head_dim) or NULL */
+    const float *wo;             /* (dim, n_heads * head_dim) */
+    const float *ffn_norm;       /* (dim) */
+    const float *w_gate;         /* (hidden_dim, dim) */
+    const float *w_up;           /* (hidden_dim, dim) */
+    const float *w_down;         /* (dim, hidden_dim) */
     /* Quant mode (the matrices above are NULL): packed for the CPU backend's
      * integer kernels, declared below */
     const struct cs_qmat *qkv;     /* parts wq, wk, wv */
@@ -58,7 +77,6 @@ typedef struct {
     const float *tok_embd;          /* (n_vocab, dim) */
     const float *out_norm;          /* (dim) */
     const float *output;            /* (n_vocab, dim); == tok_embd when tied */
-    const float *rope_inv_freq;     /* (head_dim / 2) angle per position, scaling applied */
     const cs_layer_weights *layers; /* (n_layers) */
     /* Quant mode: tok_embd and output are NULL and these are set; only the
      * CPU backend runs such weights (the registry refuses the others). */

@@ -14,6 +14,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "chunkserve/backend.h"
 #include "chunkserve/half.h"
 
 #ifdef __cplusplus
@@ -90,9 +91,14 @@ void cs_op_rope_ref(float *x, int n_tokens, int n_heads, int head_dim, const int
 void cs_op_rope(cs_threadpool *pool, float *x, int n_tokens, int n_heads, int head_dim,
                 const int32_t *pos, const float *inv_freq);
 
-/* out[i] = silu(gate[i]) * up[i] for n elements; out may equal gate */
-void cs_op_swiglu_ref(float *out, const float *gate, const float *up, size_t n);
-void cs_op_swiglu(cs_threadpool *pool, float *out, const float *gate, const float *up, size_t n);
+/* The gated FFN's activation: out[i] = act(gate[i]) * up[i] for n elements,
+ * act = silu (SwiGLU: x / (1 + e^-x)) or GELU's tanh form (GeGLU:
+ * 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), PyTorch's
+ * gelu(approximate="tanh"), computed as x / (1 + e^-2u), the same function);
+ * out may equal gate. */
+void cs_op_glu_ref(float *out, const float *gate, const float *up, size_t n, cs_act act);
+void cs_op_glu(cs_threadpool *pool, float *out, const float *gate, const float *up, size_t n,
+               cs_act act);
 
 /* out (n_tokens, dim) = table rows ids[t] */
 void cs_op_embed(float *out, const float *table, const int32_t *ids, int n_tokens, int dim);
@@ -128,17 +134,22 @@ void cs_op_kv_store(const cs_kv_view *kv, const cs_attn_span *spans, int n_spans
                     const float *v, int kv_dim);
 
 /* Causal attention with GQA over paged KV: for every query row of every span,
- * softmax(q . K[0..p] / sqrt(head_dim)) V[0..p] where p is the row's position;
- * query head h reads kv head h / (n_heads / n_kv_heads). out and q are
+ * softmax(q . K[lo..p] * scale) V[lo..p] where p is the row's position and
+ * lo = 0, or with a sliding window (window > 0) lo = max(0, p - window + 1):
+ * a row sees itself and the window - 1 keys before it. query head h reads kv
+ * head h / (n_heads / n_kv_heads). scale is usually 1 / sqrt(head_dim). out and q are
  * (n_tokens, n_heads * head_dim) and must not overlap. The keys of the step's
  * own tokens must already be stored (cs_op_kv_store). Only the slots of
- * positions < pos + n_q are read. n_heads is a multiple of n_kv_heads. The
+ * positions < pos + n_q are read, and with a window none below the span's
+ * first row's lo (their pages may be gone). n_heads is a multiple of n_kv_heads. The
  * fast path needs head_dim <= 256 and uses no heap memory (~70 KB of stack
  * per thread, ~135 KB on a bf16 pool, whose blocks of keys it widens). */
 void cs_op_attention_ref(float *out, const float *q, const cs_attn_span *spans, int n_spans,
-                         const cs_kv_view *kv, int n_heads, int n_kv_heads, int head_dim);
+                         const cs_kv_view *kv, int n_heads, int n_kv_heads, int head_dim,
+                         float scale, int32_t window);
 void cs_op_attention(cs_threadpool *pool, float *out, const float *q, const cs_attn_span *spans,
-                     int n_spans, const cs_kv_view *kv, int n_heads, int n_kv_heads, int head_dim);
+                     int n_spans, const cs_kv_view *kv, int n_heads, int n_kv_heads, int head_dim,
+                     float scale, int32_t window);
 
 #ifdef __cplusplus
 }
