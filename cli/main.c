@@ -611,7 +611,7 @@ static int cmd_info(const cs_model *m) {
     for (int l = 0; l < c->n_layers; l++)
         printf("%s%d", l ? "," : "", cs_model_layer_window(c, l));
     printf("],\"rope_theta_swa\":%g,\"weight_bytes\":%zu,\"weights\":\"%s\"}\n",
-           c->sliding_window ? c->rope_theta_swa : c->rope_theta, cs_model_weight_bytes(m),
+           c->sliding_window ? c->rope_theta_swa : 0.0, cs_model_weight_bytes(m),
            cs_model_weight_desc(m));
     return 0;
 }

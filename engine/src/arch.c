@@ -3,25 +3,14 @@
 #include <string.h>
 
 #include "arch.h"
+#include "tokenizer-impl.h"
 
 extern const cs_arch cs__arch_llama, cs__arch_qwen2, cs__arch_gemma3;
 
 static const cs_arch *const families[] = {&cs__arch_llama, &cs__arch_qwen2, &cs__arch_gemma3};
 #define N_FAMILIES (sizeof families / sizeof families[0])
 
-static const cs_arch *find(const char *name, bool hf, const char **supported) {
-    static char list[2][256];
-    char *l = list[hf];
-    if (!l[0]) { /* the names in registry order, built once: "llama, mistral, ..." */
-        size_t off = 0;
-        for (size_t f = 0; f < N_FAMILIES; f++) {
-            const char *const *names = hf ? families[f]->hf : families[f]->gguf;
-            for (int i = 0; i < 4 && names[i] && off < sizeof list[0]; i++)
-                off += (size_t)snprintf(l + off, sizeof list[0] - off, "%s%s", off ? ", " : "",
-                                        names[i]);
-        }
-    }
-    if (supported) *supported = l;
+static const cs_arch *find(const char *name, bool hf) {
     for (size_t f = 0; f < N_FAMILIES; f++) {
         const char *const *names = hf ? families[f]->hf : families[f]->gguf;
         for (int i = 0; i < 4 && names[i]; i++)
@@ -30,11 +19,27 @@ static const cs_arch *find(const char *name, bool hf, const char **supported) {
     return NULL;
 }
 
-const cs_arch *cs__arch_find_gguf(const char *name, const char **supported) {
-    return find(name, false, supported);
+const cs_arch *cs__arch_find_gguf(const char *name) {
+    return find(name, false);
 }
-const cs_arch *cs__arch_find_hf(const char *model_type, const char **supported) {
-    return find(model_type, true, supported);
+const cs_arch *cs__arch_find_hf(const char *model_type) {
+    return find(model_type, true);
+}
+
+void cs__arch_names(bool hf, char *buf, size_t cap) {
+    size_t off = 0;
+    buf[0] = 0;
+    for (size_t f = 0; f < N_FAMILIES; f++) {
+        const char *const *names = hf ? families[f]->hf : families[f]->gguf;
+        for (int i = 0; i < 4 && names[i] && off < cap; i++)
+            off += (size_t)snprintf(buf + off, cap - off, "%s%s", off ? ", " : "", names[i]);
+    }
+}
+
+const char *cs__arch_default_chat_template(const char *name) {
+    const cs_arch *family = find(name, false);
+    if (family) return family->chat_template;
+    return !strncmp(name, "gemma", 5) ? cs__gemma_chat_template : NULL;
 }
 
 int cs__gguf_arch_u32(const cs_gguf *g, const char *arch, const char *suffix, bool required,

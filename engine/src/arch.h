@@ -34,9 +34,15 @@ typedef struct {
 } cs_arch;
 
 /* The family that loads general.architecture (or model_type) `name`, or
- * NULL; *supported (may be NULL) gets the list for a refusal message. */
-const cs_arch *cs__arch_find_gguf(const char *name, const char **supported);
-const cs_arch *cs__arch_find_hf(const char *model_type, const char **supported);
+ * NULL. */
+const cs_arch *cs__arch_find_gguf(const char *name);
+const cs_arch *cs__arch_find_hf(const char *model_type);
+/* The names those load, "llama, mistral, ...", into buf (for a refusal). */
+void cs__arch_names(bool hf, char *buf, size_t cap);
+/* The chat template for a GGUF of architecture `name` that carries none:
+ * its family's, or Gemma's for the Gemma architectures not served (gemma,
+ * gemma2: their vocabulary-only loads still render chats); NULL if none. */
+const char *cs__arch_default_chat_template(const char *name);
 
 /* {arch}.<suffix> as u32 / f32 into *out: an absent optional key leaves
  * *out; an absent required one fails naming it. */

@@ -7,45 +7,62 @@
  *   - GeGLU with GELU's tanh form;
  *   - interleaved layers: windowed ("local") layers attend to the last
  *     {arch}.attention.sliding_window positions and use RoPE base
- *     rope.freq_base_swa (10000 when absent); every
- *     attention.sliding_window_pattern-th layer (6 when absent: 5 local,
- *     then 1 global) attends to everything with rope.freq_base and the
- *     file's RoPE scaling;
+ *     rope.freq_base_swa (10000 when absent); layer l attends to everything,
+ *     with rope.freq_base and the file's RoPE scaling, when (l + 1) is a
+ *     multiple of attention.sliding_window_pattern (6 when absent: 5 local,
+ *     then 1 global; as llama.cpp reads it, a pattern of 1 makes every layer
+ *     global and one longer than the model every layer local). A file
+ *     without a window has no windowed layers;
  *   - query_pre_attn_scalar: q . k scaled by 1/sqrt(head_dim), except the
  *     27B (62 layers), which uses 1/sqrt(dim / n_heads); GGUF files do not
  *     carry it, so this follows llama.cpp;
- *   - tied output; Gemma's chat template when the file has none.
+ *   - Gemma's chat template when the file has none.
  * The GGUF converter stores RMSNorm weights as 1 + w (Gemma's norm
- * multiplies by 1 + w), so every norm is the plain RMSNorm here. No logit
- * soft-capping (Gemma 2's; Gemma 3 has none). */
+ * multiplies by 1 + w), so every norm is the plain RMSNorm here. Logit
+ * soft-capping (Gemma 2's; Gemma 3 has none) is refused when a file asks
+ * for it, as is a layer pattern given as a per-layer list. */
 #include <math.h>
+#include <stdio.h>
 
 #include "arch.h"
 #include "tokenizer-impl.h"
 
 static int gemma3_gguf_config(const cs_gguf *g, cs_model_config *c, const char *path) {
     const char *a = c->arch;
-    int32_t window = -1, period = 6;
+    int32_t window = 0, period = 6;
     float theta_swa = 10000.0f;
+    char key[128];
+    static const char *const unsupported[] = {"final_logit_softcapping", "attn_logit_softcapping"};
+    for (size_t i = 0; i < sizeof unsupported / sizeof *unsupported; i++) {
+        snprintf(key, sizeof key, "%s.%s", a, unsupported[i]);
+        if (cs__gguf_find(g, key))
+            return cs_fail(CS_ENOTSUP, "gguf: %s: '%s': logit soft-capping is not supported", path,
+                           key);
+    }
+    snprintf(key, sizeof key, "%s.attention.sliding_window_pattern", a);
+    const cs_gguf_kv *pat = cs__gguf_find(g, key);
+    if (pat && pat->type == CS_GGUF_ARRAY)
+        return cs_fail(CS_ENOTSUP, "gguf: %s: '%s' as a per-layer list is not supported", path,
+                       key);
     int r;
-    if ((r = cs__gguf_arch_u32(g, a, "attention.sliding_window", true, &window, path)) ||
+    if ((r = cs__gguf_arch_u32(g, a, "attention.sliding_window", false, &window, path)) ||
         (r = cs__gguf_arch_u32(g, a, "attention.sliding_window_pattern", false, &period, path)) ||
         (r = cs__gguf_arch_f32(g, a, "rope.freq_base_swa", &theta_swa)))
         return r;
-    if (window < 1 || window > c->ctx_len)
+    snprintf(key, sizeof key, "%s.attention.sliding_window", a);
+    if (cs__gguf_find(g, key) && window < 1)
+        return cs_fail(CS_EBADMSG, "gguf: %s: %s = %d: a window must hold at least one position",
+                       path, key, window);
+    if (period < 1)
         return cs_fail(CS_EBADMSG,
-                       "gguf: %s: %s.attention.sliding_window = %d must be in 1..%d (the "
-                       "context length)",
-                       path, a, window, c->ctx_len);
-    if (period < 2 || period > c->n_layers)
-        return cs_fail(CS_EBADMSG,
-                       "gguf: %s: %s.attention.sliding_window_pattern = %d must be in 2..%d (a "
-                       "global layer after every pattern - 1 windowed ones, within the %d layers)",
-                       path, a, period, c->n_layers, c->n_layers);
+                       "gguf: %s: %s.attention.sliding_window_pattern = %d must be at least 1",
+                       path, a, period);
     if (!(theta_swa > 0) || !isfinite(theta_swa))
         return cs_fail(CS_EBADMSG, "gguf: %s: %s.rope.freq_base_swa = %g must be positive", path, a,
                        theta_swa);
-    c->sliding_window = window;
+    if (c->n_heads < 1 || c->head_dim < 1)
+        return cs_fail(CS_EBADMSG, "gguf: %s: %d heads of %d dims", path, c->n_heads, c->head_dim);
+    c->sliding_window = period == 1 ? 0 : window; /* pattern 1: every layer global */
     c->swa_period = period;
     c->rope_theta_swa = theta_swa;
     c->qk_norm = true;
@@ -54,7 +71,6 @@ static int gemma3_gguf_config(const cs_gguf *g, cs_model_config *c, const char *
     c->embed_scale = sqrtf((float)c->dim);
     c->attn_scale = c->n_layers == 62 ? 1.0f / sqrtf((float)(c->dim / c->n_heads))
                                       : 1.0f / sqrtf((float)c->head_dim);
-    c->tied_embeddings = true;
     return 0;
 }
 

@@ -565,7 +565,7 @@ static int model_load(const char *path, bool vocab_only, cs_weight_mode mode, cs
     if (m->fp_has_tensors) { /* the configuration as loaded, the tensors, the tokenizer */
         XXH3_state_t state, *st = &state;
         XXH3_64bits_reset(st);
-        XXH3_64bits_update(st, "chunkserve model v1", 19);
+        XXH3_64bits_update(st, "chunkserve model v2", 19); /* v2: the block's optional parts */
         XXH3_64bits_update(st, c->arch, strnlen(c->arch, sizeof c->arch));
         const int32_t ints[] = {
             c->n_vocab,         c->dim,        c->n_layers, c->n_heads,      c->n_kv_heads,

@@ -42,9 +42,10 @@ int cs__model_load_gguf(const char *path, cs_model *m, bool vocab_only) {
         goto done;
     }
     str_copy(&s, c->arch, sizeof c->arch);
-    const char *supported;
-    const cs_arch *family = cs__arch_find_gguf(c->arch, &supported);
+    const cs_arch *family = cs__arch_find_gguf(c->arch);
     if (!family) {
+        char supported[256];
+        cs__arch_names(false, supported, sizeof supported);
         r = cs_fail(CS_ENOTSUP, "gguf: %s: architecture '%s' is not supported (%s are)", path,
                     c->arch, supported);
         goto done;
@@ -278,10 +279,9 @@ int cs__tokenizer_load_gguf(const char *path, cs_tokenizer **out) {
     spec.add_bos = add_bos;
     char arch[32] = "";
     if (cs__gguf_get_str(&g, "general.architecture", &s) == 0) str_copy(&s, arch, sizeof arch);
-    const cs_arch *family = cs__arch_find_gguf(arch, NULL);
     bool has_template = cs__gguf_get_str(&g, "tokenizer.chat_template", &s) == 0;
-    if (!has_template && family) /* some converters drop it */
-        spec.chat_template = family->chat_template;
+    if (!has_template) /* some converters drop it */
+        spec.chat_template = cs__arch_default_chat_template(arch);
     if (has_template) {
         tmpl = malloc(s.len + 1);
         if (!tmpl) {

@@ -71,8 +71,9 @@ static int parse_config(const char *dir, cs_model_config *c) {
         r = cs_fail(CS_EBADMSG, "%s: missing key 'model_type'", path);
         goto done;
     }
-    const char *supported;
-    if (!cs__arch_find_hf(mt->valuestring, &supported)) {
+    if (!cs__arch_find_hf(mt->valuestring)) {
+        char supported[256];
+        cs__arch_names(true, supported, sizeof supported);
         r = cs_fail(CS_ENOTSUP, "%s: model_type '%s' is not supported (%s are)", path,
                     mt->valuestring, supported);
         goto done;

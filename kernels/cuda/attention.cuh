@@ -10,7 +10,7 @@
  * and row m is query row m / group of the tile with query head m % group of that KV head's group
  * (GQA packing: the group's heads share every K/V load and fill the mma's 16 rows even with one
  * query row, so decode runs the same kernel). The block walks the tile's context ATT_KC keys at a
- * time from key 0: K and V rows of the chunk are staged in shared memory (row-major, rows padded by
+ * time from key 0 (with a sliding window, from the chunk holding its first row's first key): K and V rows of the chunk are staged in shared memory (row-major, rows padded by
  * 8 bf16: 16-byte aligned and conflict-free fragment loads; zeros past the context and past
  * head_dim), S = Q K^T by mma with Q held in registers as bf16, the causal mask, an online softmax
  * on the S fragments in registers (exp2 with the scale folded in), then P rounded to bf16 is the A
@@ -18,7 +18,10 @@
  * k-step), V's B operands come from ldmatrix.trans. The row sum adds the
  * rounded P, so the normalization matches what was multiplied.
  * Every query row walks the same key chunks in the same order whatever tile
- * it is in, so chunked and one-pass prefill give bit-identical attention.
+ * it is in (with a window, chunks wholly before a row's window leave its
+ * running state exactly zero), so chunked and one-pass prefill give
+ * bit-identical attention (split-K aside: the launcher's split depends on
+ * the step's shape).
  * Fragment layouts (PTX ISA, mma.m16n8k16, g = lane / 4, c = lane % 4):
  * A regs {(g, 2c..), (g+8, 2c..), (g, 2c+8..), (g+8, 2c+8..)} (row, col);
  * B regs {(2c.., g), (2c+8.., g)} (k, n); C {(g, 2c), (g, 2c+1), (g+8, 2c),
@@ -90,9 +93,13 @@ __global__ void __launch_bounds__(32 * ATT_WARPS)
     const int split_begin = sp.keys ? (int)blockIdx.z * sp.keys : 0;
     const int k_end = sp.keys ? min(tile_ctx, split_begin + sp.keys) : tile_ctx;
     if (split_begin >= tile_ctx) return; /* a split past this tile's context: the whole block */
-    /* with a sliding window, no key before the first row's window is read
-     * (its page may be gone); a split wholly before it writes an empty part */
-    const int k_begin = window > 0 ? max(split_begin, tile.pos + 1 - window) : split_begin;
+    /* With a sliding window, no key before the first row's window (lo) is
+     * read: its page may be gone. Chunks stay on the KC grid (so a row's
+     * chunks, and its bits, do not depend on the tile it is in): keys before
+     * lo in the first chunk are staged as zeros, and masked. A split wholly
+     * before lo writes an empty part. */
+    const int lo = window > 0 ? max(0, tile.pos + 1 - window) : 0;
+    const int k_begin = max(split_begin, lo / KC * KC);
     const float scale_log2 = 1.4426950408889634f * scale;
 
     /* this thread's two rows (g and g + 8 of its warp): last key each may
@@ -144,7 +151,7 @@ __global__ void __launch_bounds__(32 * ATT_WARPS)
                 if (e >= KC * VPR) break;
                 int j = e / VPR, d = (e % VPR) * 8;
                 uint4 kw = make_uint4(0, 0, 0, 0), vw = kw;
-                if (j < nk && d < hd) {
+                if (j < nk && d < hd && c0 + j >= lo) {
                     int p = c0 + j;
                     const uint16_t *src = kv.pool + (size_t)pt[p / kv.page_size] * kv.page_elems +
                                           layer_off + (size_t)(p % kv.page_size) * kv_dim + d;
@@ -162,7 +169,7 @@ __global__ void __launch_bounds__(32 * ATT_WARPS)
                 if (e >= KC * WPR) break;
                 int j = e / WPR, d = (e % WPR) * 2;
                 uint32_t kw = 0, vw = 0;
-                if (j < nk && d < hd) {
+                if (j < nk && d < hd && c0 + j >= lo) {
                     int p = c0 + j;
                     const uint16_t *src = kv.pool + (size_t)pt[p / kv.page_size] * kv.page_elems +
                                           layer_off + (size_t)(p % kv.page_size) * kv_dim + d;

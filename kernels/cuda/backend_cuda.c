@@ -37,15 +37,17 @@
 #include "chunkserve/log.h"
 
 typedef struct {
-    uint16_t *wqkv;   /* (q_dim + 2 kv_dim, dim) bf16 */
-    uint16_t *wo;     /* (dim, q_dim) */
-    uint16_t *wgu;    /* (2 hidden, dim): gate rows then up rows */
-    uint16_t *wdown;  /* (dim, hidden) */
-    float *attn_norm; /* (dim) */
-    float *ffn_norm;  /* (dim) */
-    float *bqkv;      /* (q_dim + 2 kv_dim) or NULL */
-    float *inv_freq;  /* (head_dim / 2) this layer's RoPE */
-    int32_t window;   /* sliding window, 0: none */
+    uint16_t *wqkv;                        /* (q_dim + 2 kv_dim, dim) bf16 */
+    uint16_t *wo;                          /* (dim, q_dim) */
+    uint16_t *wgu;                         /* (2 hidden, dim): gate rows then up rows */
+    uint16_t *wdown;                       /* (dim, hidden) */
+    float *attn_norm;                      /* (dim) */
+    float *ffn_norm;                       /* (dim) */
+    float *bqkv;                           /* (q_dim + 2 kv_dim) or NULL */
+    float *inv_freq;                       /* (head_dim / 2) this layer's RoPE */
+    int32_t window;                        /* sliding window, 0: none */
+    float *q_norm, *k_norm;                /* (head_dim) each, or NULL */
+    float *post_attn_norm, *post_ffn_norm; /* (dim) each, or NULL */
 } dev_layer;
 
 typedef struct {
@@ -199,6 +201,7 @@ static int grow(cuda_ctx *c, int32_t n_tokens, int32_t n_rows, int64_t n_meta) {
                kvd = (size_t)cf->n_kv_heads * cf->head_dim, hid = (size_t)cf->hidden_dim,
                dim = (size_t)cf->dim;
         size_t wbig = qd + 2 * kvd > 2 * hid ? qd + 2 * kvd : 2 * hid;
+        if (dim > wbig) wbig = dim; /* a post norm's input */
         size_t wact = dim > qd ? dim : qd;
         if (hid > wact) wact = hid;
         dfree(c->x), dfree(c->big), dfree(c->q), dfree(c->act);
@@ -280,20 +283,31 @@ static int cuda_forward(void *p, const cs_backend_span *spans, int32_t n_spans, 
     const cs_cuda_att_tile *d_tiles = (const cs_cuda_att_tile *)(d_rows + n_rows);
     const int32_t *d_ptab = (const int32_t *)(d_tiles + T);
 
-    cs__cuda_embed(c->x, c->tok_embd, d_ids, T, dim, c->st);
+    cs__cuda_embed(c->x, c->tok_embd, d_ids, T, dim, cf->embed_scale, c->st);
     for (int l = 0; l < cf->n_layers; l++) {
         const dev_layer *L = &c->layers[l];
         cs__cuda_rmsnorm(c->act, NULL, c->x, NULL, L->attn_norm, T, dim, cf->norm_eps, c->st);
         cs__cuda_gemm(c->blas, c->big, c->act, L->wqkv, T, qd + 2 * kvd, dim, 0.0f);
-        cs__cuda_qkv_rope_store(c->q, c->big, L->bqkv, d_pos, L->inv_freq, d_page, d_slot, c->kv, l,
-                                T, nh, nkv, hd, c->st);
+        cs__cuda_qkv_rope_store(c->q, c->big, L->bqkv, L->q_norm, L->k_norm, cf->norm_eps, d_pos,
+                                L->inv_freq, d_page, d_slot, c->kv, l, T, nh, nkv, hd, c->st);
         cs__cuda_attention(c->act, c->q, d_tiles, n_tiles, max_ctx, d_ptab, c->kv, l, nh, nkv, hd,
                            cf->attn_scale, L->window, &c->att_split, c->st);
-        cs__cuda_gemm(c->blas, c->x, c->act, L->wo, T, dim, qd, 1.0f);
+        /* the residual add: in the GEMM's epilogue, or after the post norm */
+        if (L->post_attn_norm) {
+            cs__cuda_gemm(c->blas, c->big, c->act, L->wo, T, dim, qd, 0.0f);
+            cs__cuda_add_rmsnorm(c->x, c->big, L->post_attn_norm, T, dim, cf->norm_eps, c->st);
+        } else {
+            cs__cuda_gemm(c->blas, c->x, c->act, L->wo, T, dim, qd, 1.0f);
+        }
         cs__cuda_rmsnorm(c->act, NULL, c->x, NULL, L->ffn_norm, T, dim, cf->norm_eps, c->st);
         cs__cuda_gemm(c->blas, c->big, c->act, L->wgu, T, 2 * hid, dim, 0.0f);
-        cs__cuda_swiglu(c->act, c->big, T, hid, c->st);
-        cs__cuda_gemm(c->blas, c->x, c->act, L->wdown, T, dim, hid, 1.0f);
+        cs__cuda_glu(c->act, c->big, T, hid, (int)cf->act, c->st);
+        if (L->post_ffn_norm) {
+            cs__cuda_gemm(c->blas, c->big, c->act, L->wdown, T, dim, hid, 0.0f);
+            cs__cuda_add_rmsnorm(c->x, c->big, L->post_ffn_norm, T, dim, cf->norm_eps, c->st);
+        } else {
+            cs__cuda_gemm(c->blas, c->x, c->act, L->wdown, T, dim, hid, 1.0f);
+        }
     }
     if (n_out) {
         cs__cuda_rmsnorm(c->act, NULL, c->x, d_rows, c->out_norm, n_out, dim, cf->norm_eps, c->st);
@@ -373,9 +387,11 @@ static int build(cuda_ctx *c, const cs_weights *m, const float *inv_freq, uint64
     const size_t per_layer = (qd + 2 * kvd) * dim + dim * qd + 2 * hid * dim + dim * hid;
     const bool tied = m ? m->output == m->tok_embd : cf->tied_embeddings;
     const bool bias = m && (m->layers[0].bq || m->layers[0].bk || m->layers[0].bv);
+    const bool qk_norm = m && m->layers[0].q_norm, post = m && m->layers[0].post_attn_norm;
     c->w16_elems = V * dim * (tied ? 1 : 2) + per_layer * (size_t)cf->n_layers;
     size_t w32 = dim + (size_t)cf->n_layers *
-                           (2 * dim + (size_t)cf->head_dim / 2 + (bias ? qd + 2 * kvd : 0));
+                           (2 * dim + (size_t)cf->head_dim / 2 + (bias ? qd + 2 * kvd : 0) +
+                            (qk_norm ? 2 * (size_t)cf->head_dim : 0) + (post ? 2 * dim : 0));
     int r;
     if ((r = dalloc(&c->w16, c->w16_elems * 2, "bf16 weights")) ||
         (r = dalloc(&c->w32, w32 * 4, "fp32 weights")))
@@ -399,6 +415,8 @@ static int build(cuda_ctx *c, const cs_weights *m, const float *inv_freq, uint64
         L->attn_norm = f, f += dim;
         L->ffn_norm = f, f += dim;
         if (bias) L->bqkv = f, f += qd + 2 * kvd;
+        if (qk_norm) L->q_norm = f, f += cf->head_dim, L->k_norm = f, f += cf->head_dim;
+        if (post) L->post_attn_norm = f, f += dim, L->post_ffn_norm = f, f += dim;
     }
     CS_ASSERT(w == c->w16 + c->w16_elems && f == c->w32 + w32);
 
@@ -452,6 +470,14 @@ static int build(cuda_ctx *c, const cs_weights *m, const float *inv_freq, uint64
         UP32(L->attn_norm, S->attn_norm, dim);
         UP32(L->ffn_norm, S->ffn_norm, dim);
         UP32(L->inv_freq, S->rope_inv_freq, cf->head_dim / 2);
+        if (qk_norm) {
+            UP32(L->q_norm, S->q_norm, cf->head_dim);
+            UP32(L->k_norm, S->k_norm, cf->head_dim);
+        }
+        if (post) {
+            UP32(L->post_attn_norm, S->post_attn_norm, dim);
+            UP32(L->post_ffn_norm, S->post_ffn_norm, dim);
+        }
         if (bias) {
             CS_CUDA_CHECK(cudaMemset(L->bqkv, 0, (qd + 2 * kvd) * 4));
             if (S->bq) UP32(L->bqkv, S->bq, qd);
@@ -474,17 +500,20 @@ static int init(const cs_weights_shape *cf, const cs_weights *m, const float *in
                        "cuda backend: head_dim %d with %d/%d heads is not supported (head_dim "
                        "even and <= 256, at most 64 query heads per KV head)",
                        cf->head_dim, cf->n_heads, cf->n_kv_heads);
-    /* The block parts the CUDA kernels do not have yet (Gemma 3's): the
-     * registry falls back to the CPU on CS_ENOTSUP. Windows, per-layer RoPE
-     * and the attention scale they do have. */
-    bool parts = cf->act != CS_ACT_SILU || cf->embed_scale != 1.0f;
+    /* Optional block parts come in pairs, on every layer or none (model.c's
+     * weight table); QK-norm's kernel holds at most 256 q + k heads. */
     for (int l = 0; m && l < cf->n_layers; l++) {
-        const cs_layer_weights *L = &m->layers[l];
-        parts |= L->q_norm || L->k_norm || L->post_attn_norm || L->post_ffn_norm;
+        const cs_layer_weights *L = &m->layers[l], *L0 = &m->layers[0];
+        if (!L->q_norm != !L0->q_norm || !L->k_norm != !L0->q_norm ||
+            !L->post_attn_norm != !L0->post_attn_norm || !L->post_ffn_norm != !L0->post_attn_norm)
+            return cs_fail(CS_ENOTSUP,
+                           "cuda backend: layer %d's optional norms differ from "
+                           "layer 0's",
+                           l);
     }
-    if (parts)
-        return cs_fail(CS_ENOTSUP, "cuda backend: QK-norm, post norms, GeGLU and scaled "
-                                   "embeddings (this model's block) are not implemented on CUDA");
+    if (m && m->layers[0].q_norm && cf->n_heads + cf->n_kv_heads > 256)
+        return cs_fail(CS_ENOTSUP, "cuda backend: QK-norm with %d + %d heads (at most 256)",
+                       cf->n_heads, cf->n_kv_heads);
     cs_backend *b = calloc(1, sizeof *b);
     cuda_ctx *c = calloc(1, sizeof *c);
     if (!b || !c) {

@@ -62,22 +62,30 @@ void cs__cuda_fatal(const char *file, int line, const char *call, const char *na
 void cs__cuda_gemm(cublasHandle_t h, float *out, const uint16_t *x, const uint16_t *w, int n_tokens,
                    int rows, int cols, float beta);
 
-/* x (n_tokens, dim) fp32 = bf16 table rows ids[t]. */
+/* x (n_tokens, dim) fp32 = bf16 table rows ids[t] times scale. */
 void cs__cuda_embed(float *x, const uint16_t *table, const int32_t *ids, int n_tokens, int dim,
-                    cudaStream_t s);
+                    float scale, cudaStream_t s);
 
 /* RMSNorm: out row r (n_rows, dim) = x row (rows ? rows[r] : r) / rms * w,
  * written as bf16 (out16) and/or fp32 (out32, may be NULL). fp32 math. */
 void cs__cuda_rmsnorm(uint16_t *out16, float *out32, const float *x, const int32_t *rows,
                       const float *w, int n_rows, int dim, float eps, cudaStream_t s);
 
+/* x (n_rows, dim) += rmsnorm(y (n_rows, dim)) * w: a post norm and its
+ * residual add in one pass. */
+void cs__cuda_add_rmsnorm(float *x, const float *y, const float *w, int n_rows, int dim, float eps,
+                          cudaStream_t s);
+
 /* qkv (n_tokens, q_dim + 2 kv_dim) fp32 from the fused QKV GEMM:
- * adds bias (q_dim + 2 kv_dim or NULL), applies rotate-half RoPE at pos[t]
+ * adds bias (q_dim + 2 kv_dim or NULL), RMSNorms each q and k head by
+ * q_norm / k_norm (head_dim each; both NULL: none; at most 256 q + k heads),
+ * applies rotate-half RoPE at pos[t]
  * (angle pos * inv_freq[i] in fp32, like cs_op_rope_ref) to q and k, writes
  * q (n_tokens, q_dim) fp32 and K, V as bf16 into the pool slot of token t:
  * page page[t], slot slot[t], layer `layer`. One fused kernel: the QKV
  * output is read once. */
-void cs__cuda_qkv_rope_store(float *q, const float *qkv, const float *bias, const int32_t *pos,
+void cs__cuda_qkv_rope_store(float *q, const float *qkv, const float *bias, const float *q_norm,
+                             const float *k_norm, float eps, const int32_t *pos,
                              const float *inv_freq, const int32_t *page, const int32_t *slot,
                              cs_cuda_kv kv, int layer, int n_tokens, int n_heads, int n_kv_heads,
                              int head_dim, cudaStream_t s);
@@ -98,9 +106,11 @@ void cs__cuda_attention(uint16_t *out, const float *q, const cs_cuda_att_tile *t
                         int n_kv_heads, int head_dim, float scale, int window,
                         const cs_cuda_att_scratch *scratch, cudaStream_t s);
 
-/* out (n_tokens, hidden) bf16 = silu(gate) * up, where gu (n_tokens, 2 hidden)
- * fp32 holds [gate | up] per row (the fused gate/up GEMM). */
-void cs__cuda_swiglu(uint16_t *out, const float *gu, int n_tokens, int hidden, cudaStream_t s);
+/* out (n_tokens, hidden) bf16 = act(gate) * up (act: cs_act, backend.h:
+ * silu or GELU's tanh form), where gu (n_tokens, 2 hidden) fp32 holds
+ * [gate | up] per row (the fused gate/up GEMM). */
+void cs__cuda_glu(uint16_t *out, const float *gu, int n_tokens, int hidden, int act,
+                  cudaStream_t s);
 
 /* kv_pack.cu: chunkserve/kv_pack_cuda.h (included above). */
 

@@ -8,11 +8,11 @@
  * Fusions, and why: the QKV GEMM output is read once by one kernel that adds
  * the bias, applies RoPE and stores K/V into their pages (three passes over
  * (T, q+2kv) fp32 become one); the residual add rides in the cuBLAS epilogue
- * (beta = 1) of the o-proj and down-proj GEMMs, so RMSNorm reads x once;
- * SwiGLU reads the fused gate/up GEMM output and writes the bf16 input of the
- * down GEMM. Attention runs on tensor cores (mma.sync) for prompt chunks
- * and decode alike, split-K when few blocks meet long contexts; see
- * docs/architecture.md. */
+ * (beta = 1) of the o-proj and down-proj GEMMs, so RMSNorm reads x once
+ * (with post norms, Gemma's, the GEMM writes a scratch row that one kernel
+ * norms and adds); the gate activation reads the fused gate/up GEMM output
+ * and writes the bf16 input of the down GEMM. Attention runs on tensor cores (mma.sync) for prompt
+ * chunks and decode alike, split-K when few blocks meet long contexts; see docs/architecture.md. */
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <math.h>
@@ -30,9 +30,9 @@ static unsigned blocks_for(size_t n, unsigned threads) {
 
 /* ---- embedding ---- */
 extern "C" void cs__cuda_embed(float *x, const uint16_t *table, const int32_t *ids, int n_tokens,
-                               int dim, cudaStream_t s) {
+                               int dim, float scale, cudaStream_t s) {
     if (n_tokens <= 0) return;
-    CS_LAUNCH(k_embed, n_tokens, 256, s, x, table, ids, dim);
+    CS_LAUNCH(k_embed, n_tokens, 256, s, x, table, ids, dim, scale);
     LAUNCH_CHECK();
 }
 
@@ -44,15 +44,27 @@ extern "C" void cs__cuda_rmsnorm(uint16_t *out16, float *out32, const float *x, 
     LAUNCH_CHECK();
 }
 
-/* ---- bias + RoPE + KV store: one block per token ---- */
+/* ---- post norm + residual add: one block per row ---- */
+extern "C" void cs__cuda_add_rmsnorm(float *x, const float *y, const float *w, int n_rows, int dim,
+                                     float eps, cudaStream_t s) {
+    if (n_rows <= 0) return;
+    CS_LAUNCH(k_add_rmsnorm, n_rows, 256, s, x, y, w, dim, eps);
+    LAUNCH_CHECK();
+}
+
+/* ---- bias + QK-norm + RoPE + KV store: one block per token ---- */
 extern "C" void cs__cuda_qkv_rope_store(float *q, const float *qkv, const float *bias,
+                                        const float *q_norm, const float *k_norm, float eps,
                                         const int32_t *pos, const float *inv_freq,
                                         const int32_t *page, const int32_t *slot, cs_cuda_kv kv,
                                         int layer, int n_tokens, int n_heads, int n_kv_heads,
                                         int head_dim, cudaStream_t s) {
     if (n_tokens <= 0) return;
-    CS_LAUNCH(k_qkv_rope_store, n_tokens, 256, s, q, qkv, bias, pos, inv_freq, page, slot, kv,
-              layer, n_heads, n_kv_heads, head_dim);
+    if (q_norm && n_heads + n_kv_heads > CS_CUDA_QK_NORM_HEADS)
+        cs__cuda_fatal(__FILE__, __LINE__, "cs__cuda_qkv_rope_store", "shape",
+                       "QK-norm needs at most 256 q + k heads");
+    CS_LAUNCH(k_qkv_rope_store, n_tokens, 256, s, q, qkv, bias, q_norm, k_norm, eps, pos, inv_freq,
+              page, slot, kv, layer, n_heads, n_kv_heads, head_dim);
     LAUNCH_CHECK();
 }
 
@@ -128,12 +140,12 @@ extern "C" void cs__cuda_attention(uint16_t *out, const float *q, const cs_cuda_
     }
 }
 
-/* ---- SwiGLU ---- */
-extern "C" void cs__cuda_swiglu(uint16_t *out, const float *gu, int n_tokens, int hidden,
-                                cudaStream_t s) {
+/* ---- the gate activation ---- */
+extern "C" void cs__cuda_glu(uint16_t *out, const float *gu, int n_tokens, int hidden, int act,
+                             cudaStream_t s) {
     size_t n = (size_t)n_tokens * hidden;
     if (!n) return;
-    CS_LAUNCH(k_swiglu, blocks_for(n, 256), 256, s, out, gu, hidden, n);
+    CS_LAUNCH(k_glu, blocks_for(n, 256), 256, s, out, gu, hidden, n, act);
     LAUNCH_CHECK();
 }
 

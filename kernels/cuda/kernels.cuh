@@ -23,12 +23,12 @@ static __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
-/* ---- embedding: one block per token ---- */
-__global__ void k_embed(float *x, const uint16_t *table, const int32_t *ids, int dim) {
+/* ---- embedding: one block per token, rows times scale ---- */
+__global__ void k_embed(float *x, const uint16_t *table, const int32_t *ids, int dim, float scale) {
     int t = blockIdx.x;
     const uint16_t *row = table + (size_t)ids[t] * dim;
     for (int i = threadIdx.x; i < dim; i += blockDim.x)
-        x[(size_t)t * dim + i] = bf(row[i]);
+        x[(size_t)t * dim + i] = scale == 1.0f ? bf(row[i]) : bf(row[i]) * scale;
 }
 
 /* ---- RMSNorm: one block per row ---- */
@@ -57,11 +57,39 @@ __global__ void k_rmsnorm(uint16_t *out16, float *out32, const float *x, const i
     }
 }
 
-/* ---- bias + RoPE + KV store: one block per token ---- */
-__global__ void k_qkv_rope_store(float *q, const float *qkv, const float *bias, const int32_t *pos,
+/* ---- post norm + residual add: x row r += rmsnorm(y row r) * w; one block per row ---- */
+__global__ void k_add_rmsnorm(float *x, const float *y, const float *w, int dim, float eps) {
+    __shared__ float red[32];
+    int r = blockIdx.x;
+    const float *yr = y + (size_t)r * dim;
+    float ss = 0;
+    for (int i = threadIdx.x; i < dim; i += blockDim.x)
+        ss += yr[i] * yr[i];
+    ss = warp_sum(ss);
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
+    __syncthreads();
+    if (threadIdx.x < 32) {
+        float v = threadIdx.x < (blockDim.x >> 5) ? red[threadIdx.x] : 0.0f;
+        v = warp_sum(v);
+        if (threadIdx.x == 0) red[0] = v;
+    }
+    __syncthreads();
+    float scale = 1.0f / sqrtf(red[0] / (float)dim + eps);
+    for (int i = threadIdx.x; i < dim; i += blockDim.x)
+        x[(size_t)r * dim + i] += w[i] * (yr[i] * scale);
+}
+
+/* ---- bias + QK-norm + RoPE + KV store: one block per token ----
+ * With q_norm / k_norm (head_dim each, both or neither), each q and k head is
+ * RMSNormed (after the bias, before RoPE): one warp per head sums its squares
+ * into rms[] first; at most CS_CUDA_QK_NORM_HEADS q + k heads. */
+#define CS_CUDA_QK_NORM_HEADS 256
+__global__ void k_qkv_rope_store(float *q, const float *qkv, const float *bias, const float *q_norm,
+                                 const float *k_norm, float eps, const int32_t *pos,
                                  const float *inv_freq, const int32_t *page, const int32_t *slot,
                                  cs_cuda_kv kv, int layer, int n_heads, int n_kv_heads,
                                  int head_dim) {
+    __shared__ float rms[CS_CUDA_QK_NORM_HEADS]; /* 1 / rms of each q then k head */
     int t = blockIdx.x, half = head_dim / 2;
     int q_dim = n_heads * head_dim, kv_dim = n_kv_heads * head_dim, width = q_dim + 2 * kv_dim;
     const float *row = qkv + (size_t)t * width;
@@ -69,6 +97,20 @@ __global__ void k_qkv_rope_store(float *q, const float *qkv, const float *bias, 
                    (size_t)layer * 2 * kv.page_size * kv_dim + (size_t)slot[t] * kv_dim;
     uint16_t *vd = kd + (size_t)kv.page_size * kv_dim;
     float p = (float)pos[t];
+    if (q_norm) {
+        int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+        for (int h = warp; h < n_heads + n_kv_heads; h += blockDim.x >> 5) {
+            float ss = 0;
+            for (int i = lane; i < head_dim; i += 32) {
+                int c = h * head_dim + i;
+                float x = row[c] + (bias ? bias[c] : 0.0f);
+                ss += x * x;
+            }
+            ss = warp_sum(ss);
+            if (lane == 0) rms[h] = 1.0f / sqrtf(ss / (float)head_dim + eps);
+        }
+        __syncthreads();
+    }
     /* rotated pairs of q heads then k heads */
     int n_pairs = (n_heads + n_kv_heads) * half;
     for (int j = threadIdx.x; j < n_pairs; j += blockDim.x) {
@@ -76,6 +118,10 @@ __global__ void k_qkv_rope_store(float *q, const float *qkv, const float *bias, 
         int c0 = h * head_dim + i, c1 = c0 + half; /* k heads follow q heads in the row */
         float x0 = row[c0], x1 = row[c1];
         if (bias) x0 += bias[c0], x1 += bias[c1];
+        if (q_norm) {
+            const float *w = h < n_heads ? q_norm : k_norm;
+            x0 = w[i] * (x0 * rms[h]), x1 = w[i + half] * (x1 * rms[h]);
+        }
         float angle = p * inv_freq[i];
         float cs = cosf(angle), sn = sinf(angle);
         float y0 = x0 * cs - x1 * sn, y1 = x1 * cs + x0 * sn;
@@ -93,13 +139,15 @@ __global__ void k_qkv_rope_store(float *q, const float *qkv, const float *bias, 
     }
 }
 
-/* ---- SwiGLU ---- */
-__global__ void k_swiglu(uint16_t *out, const float *gu, int hidden, size_t n) {
+/* ---- the gate activation: SwiGLU (act 0) or GeGLU, GELU's tanh form as
+ * x / (1 + e^-2u) (ops.h cs_op_glu) ---- */
+__global__ void k_glu(uint16_t *out, const float *gu, int hidden, size_t n, int act) {
     for (size_t e = blockIdx.x * (size_t)blockDim.x + threadIdx.x; e < n;
          e += (size_t)gridDim.x * blockDim.x) {
         size_t t = e / hidden, i = e % hidden;
         float g = gu[t * 2 * hidden + i], u = gu[t * 2 * hidden + hidden + i];
-        out[e] = to_bf(g / (1.0f + expf(-g)) * u);
+        float x = act == 0 ? -g : -1.5957691216057308f * (g + 0.044715f * g * g * g);
+        out[e] = to_bf(g / (1.0f + expf(x)) * u);
     }
 }
 

@@ -132,9 +132,13 @@ static std::vector<uint16_t> run(const Case &c, int keys) {
     /* with a window, the pages wholly before a span's first row's window are
      * named as a NaN page (as if released): the kernel must not read them */
     std::vector<int32_t> ptab = c.ptab;
-    for (size_t s = 0; c.window > 0 && s < c.pos.size(); s++)
-        for (int p = 0; p < (c.pos[s] + 1 - c.window) / c.ps; p++)
+    for (size_t s = 0; c.window > 0 && s < c.pos.size(); s++) {
+        int lo = c.pos[s] + 1 - c.window; /* the lowest first-row window of the table's spans */
+        for (size_t o = 0; o < c.pos.size(); o++)
+            if (c.poff[o] == c.poff[s]) lo = std::min(lo, c.pos[o] + 1 - c.window);
+        for (int p = 0; p < lo / c.ps; p++)
             ptab[c.poff[s] + p] = c.nan_page;
+    }
     float scale = c.scale ? c.scale : 1.0f / std::sqrt((float)c.hd);
     attention(out.data(), c.q.data(), tiles.data(), (int)tiles.size(), max_ctx, ptab.data(), kv,
               c.layer, c.nh, c.nkv, c.hd, scale, c.window, keys);
@@ -192,7 +196,7 @@ static void check_reference(int nh, int nkv, int hd, int ps, int n_spans, int ma
 /* One prompt of n tokens in one pass, then the same rows as chunks: chunk k
  * is a span at pos k * chunk over the same pages (the earlier chunks'
  * positions are its cached context). Every output row must be identical. */
-static void check_chunked(int nh, int nkv, int hd, int ps, int n, int chunk) {
+static void check_chunked(int nh, int nkv, int hd, int ps, int n, int chunk, int window = 0) {
     Case one = make_case(nh, nkv, hd, ps, 1, 1, 1); /* shapes and a pool; replaced below */
     int pages = (n + ps - 1) / ps;
     one.pos = {0}, one.nq = {n}, one.poff = {0}, one.T = n;
@@ -211,13 +215,14 @@ static void check_chunked(int nh, int nkv, int hd, int ps, int n, int chunk) {
     one.q.resize((size_t)n * nh * hd);
     for (float &x : one.q)
         x = (float)(2.0 * frand());
+    one.window = window;
     Case ch = one;
     ch.pos.clear(), ch.nq.clear(), ch.poff.clear();
     for (int p = 0; p < n; p += chunk) /* every chunk's page table is the prompt's */
         ch.pos.push_back(p), ch.nq.push_back(std::min(chunk, n - p)), ch.poff.push_back(0);
     bool same = run(one, 0) == run(ch, 0);
-    printf("  chunks of %d = one pass, heads %d/%d hd %d ps %d n %d: %s\n", chunk, nh, nkv, hd, ps,
-           n, same ? "bit-identical" : "DIFFERENT");
+    printf("  chunks of %d = one pass, heads %d/%d hd %d ps %d n %d window %d: %s\n", chunk, nh,
+           nkv, hd, ps, n, window, same ? "bit-identical" : "DIFFERENT");
     failures += !same;
 }
 
@@ -244,6 +249,8 @@ int main() {
     check_reference(9, 3, 64, 16, 2, 200, 40, 128, 33);
     check_chunked(9, 3, 64, 16, 150, 37);
     check_chunked(32, 8, 128, 3, 100, 16);
+    check_chunked(9, 3, 64, 16, 150, 37, 40); /* windows not on the 64-key chunk grid */
+    check_chunked(4, 1, 256, 16, 200, 13, 70);
     if (failures) {
         printf("test_attention_emu: %d FAILED\n", failures);
         return 1;

@@ -1,6 +1,7 @@
 /* test_kernels_emu: the CUDA backend's other kernels (kernels/cuda/
- * kernels.cuh: embedding gather, RMSNorm, the fused bias + RoPE + K/V page
- * store, SwiGLU, bf16 conversions), their own source compiled for the host
+ * kernels.cuh: embedding gather (scaled), RMSNorm, the post norm + residual
+ * add, the fused bias + QK-norm + RoPE + K/V page store, SwiGLU and GeGLU,
+ * bf16 conversions), their own source compiled for the host
  * and run under the SIMT emulator (simt_emu.h) with the launchers' shapes
  * (and grid-stride loops cut short on purpose), against the CPU reference
  * ops (kernels/cpu/ops_ref.c) by normalized error on bf16-exact inputs, as
@@ -70,8 +71,14 @@ static void test_embed_rmsnorm_swiglu() {
             id = irand(V);
         cs_op_embed(ref.data(), table.data(), ids.data(), T, dim);
         std::vector<uint16_t> tb = to_bf16(table);
-        simt::launch(dim3(T), 256, [&] { k_embed(got.data(), tb.data(), ids.data(), dim); });
+        simt::launch(dim3(T), 256, [&] { k_embed(got.data(), tb.data(), ids.data(), dim, 1.0f); });
         snprintf(what, sizeof what, "embed T=%d dim=%d", T, dim);
+        check(what, norm_err(got, ref), 0.0);
+        const float es = sqrtf((float)dim); /* Gemma's scale */
+        for (float &r : ref)
+            r *= es;
+        simt::launch(dim3(T), 256, [&] { k_embed(got.data(), tb.data(), ids.data(), dim, es); });
+        snprintf(what, sizeof what, "embed x sqrt(dim) T=%d dim=%d", T, dim);
         check(what, norm_err(got, ref), 0.0);
 
         /* RMSNorm over a row subset (the logits path), fp32 and bf16 out */
@@ -94,6 +101,17 @@ static void test_embed_rmsnorm_swiglu() {
         snprintf(what, sizeof what, "rmsnorm bf16 rows=%d/%d dim=%d", n_rows, T, dim);
         check(what, norm_err(from_bf16(g16), rref), TOL_BF16);
 
+        /* post norm + residual add: x += rmsnorm(y) * w */
+        std::vector<float> y = rand_vec((size_t)T * dim, false), xa = x, aref = x,
+                           ny((size_t)T * dim);
+        cs_op_rmsnorm_ref(ny.data(), y.data(), w.data(), T, dim, 1e-6f);
+        for (size_t i = 0; i < aref.size(); i++)
+            aref[i] += ny[i];
+        simt::launch(dim3(T), 256,
+                     [&] { k_add_rmsnorm(xa.data(), y.data(), w.data(), dim, 1e-6f); });
+        snprintf(what, sizeof what, "post norm + residual T=%d dim=%d", T, dim);
+        check(what, norm_err(xa, aref), TOL_F32);
+
         /* SwiGLU over [gate | up] rows; 3 blocks of 64: the grid-stride loop wraps */
         int hid = 8 + irand(300);
         std::vector<float> gu = rand_vec((size_t)T * 2 * hid, false), gate((size_t)T * hid),
@@ -102,16 +120,19 @@ static void test_embed_rmsnorm_swiglu() {
             memcpy(&gate[(size_t)t * hid], &gu[(size_t)t * 2 * hid], sizeof(float) * hid);
             memcpy(&up[(size_t)t * hid], &gu[(size_t)t * 2 * hid + hid], sizeof(float) * hid);
         }
-        cs_op_glu_ref(sref.data(), gate.data(), up.data(), (size_t)T * hid, CS_ACT_SILU);
-        std::vector<uint16_t> so((size_t)T * hid, 0xffff);
-        simt::launch(dim3(3), 64, [&] { k_swiglu(so.data(), gu.data(), hid, (size_t)T * hid); });
-        snprintf(what, sizeof what, "swiglu T=%d hidden=%d", T, hid);
-        check(what, norm_err(from_bf16(so), sref), TOL_BF16);
+        for (int act = CS_ACT_SILU; act <= CS_ACT_GELU_TANH; act++) {
+            cs_op_glu_ref(sref.data(), gate.data(), up.data(), (size_t)T * hid, (cs_act)act);
+            std::vector<uint16_t> so((size_t)T * hid, 0xffff);
+            simt::launch(dim3(3), 64,
+                         [&] { k_glu(so.data(), gu.data(), hid, (size_t)T * hid, act); });
+            snprintf(what, sizeof what, "%s T=%d hidden=%d", act ? "geglu" : "swiglu", T, hid);
+            check(what, norm_err(from_bf16(so), sref), TOL_BF16);
+        }
     }
 }
 
-/* bias + RoPE on q and k, K/V stored as bf16 into their pages and slots */
-static void test_qkv_rope_store(int nh, int nkv, int hd, int ps, bool bias) {
+/* bias (+ QK-norm) + RoPE on q and k, K/V stored as bf16 into their pages and slots */
+static void test_qkv_rope_store(int nh, int nkv, int hd, int ps, bool bias, bool qk_norm = false) {
     const int n_layers = 2, layer = 1, qd = nh * hd, kvd = nkv * hd, width = qd + 2 * kvd;
     const int T = 1 + irand(9), n_pages = (T + 40) / ps + 2;
     std::vector<int32_t> pos(T), page(T), slot(T);
@@ -134,6 +155,11 @@ static void test_qkv_rope_store(int nh, int nkv, int hd, int ps, bool bias) {
             v[(size_t)t * kvd + i] = r[qd + kvd + i] + (bias ? b[qd + kvd + i] : 0.0f);
         }
     }
+    std::vector<float> qn = rand_vec(hd, false), kn = rand_vec(hd, false);
+    if (qk_norm) {
+        cs_op_rmsnorm_ref(q.data(), q.data(), qn.data(), T * nh, hd, 1e-6f);
+        cs_op_rmsnorm_ref(k.data(), k.data(), kn.data(), T * nkv, hd, 1e-6f);
+    }
     cs_op_rope_ref(q.data(), T, nh, hd, pos.data(), inv.data());
     cs_op_rope_ref(k.data(), T, nkv, hd, pos.data(), inv.data());
     const size_t page_elems = (size_t)n_layers * 2 * ps * kvd;
@@ -149,12 +175,13 @@ static void test_qkv_rope_store(int nh, int nkv, int hd, int ps, bool bias) {
     std::vector<float> gq((size_t)T * qd, NAN);
     cs_cuda_kv kv = {pool.data(), page_elems, ps, kvd};
     simt::launch(dim3(T), 64, [&] {
-        k_qkv_rope_store(gq.data(), qkv.data(), bias ? b.data() : nullptr, pos.data(), inv.data(),
-                         page.data(), slot.data(), kv, layer, nh, nkv, hd);
+        k_qkv_rope_store(gq.data(), qkv.data(), bias ? b.data() : nullptr,
+                         qk_norm ? qn.data() : nullptr, qk_norm ? kn.data() : nullptr, 1e-6f,
+                         pos.data(), inv.data(), page.data(), slot.data(), kv, layer, nh, nkv, hd);
     });
     char what[96];
-    snprintf(what, sizeof what, "bias+rope q  heads %d/%d hd %d T %d%s", nh, nkv, hd, T,
-             bias ? " bias" : "");
+    snprintf(what, sizeof what, "bias+rope q  heads %d/%d hd %d T %d%s%s", nh, nkv, hd, T,
+             bias ? " bias" : "", qk_norm ? " qk-norm" : "");
     check(what, norm_err(gq, q), TOL_F32);
     size_t diff = 0; /* every stored element within bf16 rounding, NaN elsewhere untouched */
     for (size_t i = 0; i < pool.size(); i++)
@@ -193,7 +220,9 @@ int main() {
     for (const auto &sh : shapes) {
         test_qkv_rope_store(sh[0], sh[1], sh[2], 16, false);
         test_qkv_rope_store(sh[0], sh[1], sh[2], 3, true);
+        test_qkv_rope_store(sh[0], sh[1], sh[2], 16, false, true);
     }
+    test_qkv_rope_store(4, 1, 256, 16, false, true); /* Gemma-3-270M's heads */
     test_conversions();
     if (failures) {
         printf("test_kernels_emu: %d FAILED\n", failures);

@@ -1,5 +1,6 @@
 /* test_cuda_e2e: the CUDA backend through the engine on the tiny models
- * (CS_TINY_DIR; f32, untied, qwen2, and q4_k_mix: K-quant and Q5_0 blocks): CPU vs CUDA logits
+ * (CS_TINY_DIR; f32, untied, qwen2, q4_k_mix: K-quant and Q5_0 blocks, and gemma3: QK-norm,
+ * sandwich norms, GeGLU, scaled embeddings, 8-position windows): CPU vs CUDA logits
  * teacher-forced along the CPU's greedy path (normalized error within bf16 tolerance; the same
  * greedy token wherever the CPU's top-2 margin is not a bf16-level tie), the free-running greedy
  * agreement, and chunked prefill = one pass on CUDA (last logits and every exported page). Exits 77
@@ -147,6 +148,7 @@ int main(void) {
      * exactly (dtype.c) and converted to bf16 on the device */
     cpu_vs_cuda("q4_k_mix"); /* qwen2, Q5_0 with a Q4_K ffn_down (Q6_K's dequantization:
                                 tests/py/test_dequant.py, the same path) */
+    cpu_vs_cuda("gemma3");
     setenv("CHUNKSERVE_BACKEND", "bogus", 1);
     cs_model *m = NULL;
     char path[1024];

@@ -108,7 +108,7 @@ static void test_embed_rmsnorm_swiglu(void) {
         uint16_t *dtable = dup_to_dev(tb, (size_t)V * dim * 2);
         int32_t *dids = dup_to_dev(ids, sizeof(int32_t) * T);
         float *dx = dev_zero((size_t)T * dim * 4);
-        cs__cuda_embed(dx, dtable, dids, T, dim, 0);
+        cs__cuda_embed(dx, dtable, dids, T, dim, 1.0f, 0);
         float *got = down_f32(dx, (size_t)T * dim);
         char what[96];
         snprintf(what, sizeof what, "embed T=%d dim=%d", T, dim);
@@ -150,7 +150,7 @@ static void test_embed_rmsnorm_swiglu(void) {
         cs_op_glu_ref(sref, gate, up, (size_t)T * hid, CS_ACT_SILU);
         float *dgu = dup_to_dev(gu, sizeof(float) * T * 2 * hid);
         uint16_t *dso = dev_zero(2 * (size_t)T * hid);
-        cs__cuda_swiglu(dso, dgu, T, hid, 0);
+        cs__cuda_glu(dso, dgu, T, hid, CS_ACT_SILU, 0);
         float *gs = down_bf16(dso, (size_t)T * hid);
         snprintf(what, sizeof what, "swiglu T=%d hidden=%d", T, hid);
         GT_CHECK_ERR(what, gt_norm_err(gs, sref, (size_t)T * hid), TOL_BF16);
@@ -251,8 +251,8 @@ static void test_attention_case(int nh, int nkv, int hd, int page_size, int n_sp
     float *dinv = dup_to_dev(inv, sizeof(float) * hd / 2), *dq = dev_zero(sizeof(float) * T * qd);
     int32_t *dpos = dup_to_dev(tpos, 4 * (size_t)T), *dpage = dup_to_dev(tpage, 4 * (size_t)T),
             *dslot = dup_to_dev(tslot, 4 * (size_t)T);
-    cs__cuda_qkv_rope_store(dq, dqkv, dbias, dpos, dinv, dpage, dslot, dkv, layer, T, nh, nkv, hd,
-                            0);
+    cs__cuda_qkv_rope_store(dq, dqkv, dbias, NULL, NULL, 1e-6f, dpos, dinv, dpage, dslot, dkv,
+                            layer, T, nh, nkv, hd, 0);
     float *gq = down_f32(dq, (size_t)T * qd), *gpool = down_bf16(dkv.pool, pool_n);
     char what[128];
     snprintf(what, sizeof what, "bias+rope q  heads %d/%d hd %d T %d", nh, nkv, hd, T);

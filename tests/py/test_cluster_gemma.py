@@ -63,7 +63,7 @@ def cluster(bins, gemma, pb, ref):
 def test_long_prompt_survives_killing_its_decode_worker(cluster, ref, pb, long_prompt):
     g = pb.generation_pb2
     items = [raw(long_prompt), raw("The three most useful kitchen tools are")]
-    ns = [32, 24]
+    ns = [64, 24]  # the long stream decodes long enough to be killed mid-stream
     sampling = [dict(ignore_eos=True), dict(ignore_eos=True, temperature=0.8, top_p=0.9, seed=3)]
     wants = [run(ref.stub, g, inp, n, **s) for inp, n, s in zip(items, ns, sampling)]
     assert wants[0][3][0] >= 8000, f"the long prompt is {wants[0][3][0]} tokens"

@@ -306,16 +306,28 @@ static void check_gemma3(void) {
     ASSERT_EQ_INT(cs_model_layer_window(c, 1), 8);
     ASSERT_EQ_INT(cs_model_layer_window(c, 2), 0);
     cs_model_free(g);
+    char path[1100];
+    snprintf(path, sizeof path, "%s/gemma3/bad.gguf", tiny_dir());
+    /* the pattern as llama.cpp reads it: 1 = every layer global, longer than
+     * the model = every layer windowed */
+    write_gemma3_with("gemma3.attention.sliding_window_pattern", 1, path);
+    g = NULL;
+    ASSERT_EQ_INT(cs_model_load(path, &g), 0);
+    ASSERT_EQ_INT(cs_model_get_config(g)->sliding_window, 0);
+    for (int l = 0; l < 3; l++)
+        ASSERT_EQ_INT(cs_model_layer_window(cs_model_get_config(g), l), 0);
+    cs_model_free(g);
+    write_gemma3_with("gemma3.attention.sliding_window_pattern", 99, path);
+    ASSERT_EQ_INT(cs_model_load(path, &g), 0);
+    for (int l = 0; l < 3; l++)
+        ASSERT_EQ_INT(cs_model_layer_window(cs_model_get_config(g), l), 8);
+    cs_model_free(g);
     const struct {
         const char *key;
         uint32_t v;
     } bad[] = {{"gemma3.attention.sliding_window", 0},
-               {"gemma3.attention.sliding_window", 5000}, /* past the 4096 context */
-               {"gemma3.attention.sliding_window_pattern", 0},
-               {"gemma3.attention.sliding_window_pattern", 1},  /* no windowed layer */
-               {"gemma3.attention.sliding_window_pattern", 4}}; /* past the 3 layers */
-    char path[1100];
-    snprintf(path, sizeof path, "%s/gemma3/bad.gguf", tiny_dir());
+               {"gemma3.attention.sliding_window", 0xffffffffu}, /* past int32 */
+               {"gemma3.attention.sliding_window_pattern", 0}};
     for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
         write_gemma3_with(bad[i].key, bad[i].v, path);
         cs_model *m = (cs_model *)1;
