@@ -10,9 +10,10 @@
  *     rope.freq_base_swa (10000 when absent); layer l attends to everything,
  *     with rope.freq_base and the file's RoPE scaling, when (l + 1) is a
  *     multiple of attention.sliding_window_pattern (6 when absent: 5 local,
- *     then 1 global; as llama.cpp reads it, a pattern of 1 makes every layer
- *     global and one longer than the model every layer local). A file
- *     without a window has no windowed layers;
+ *     then 1 global, llama.cpp's fixed gemma3 pattern; with llama.cpp's rule
+ *     for other patterns, 1 makes every layer global and one longer than the
+ *     model every layer local). A file without a window has no windowed
+ *     layers; a window of 0 is refused (llama.cpp reads it as none);
  *   - query_pre_attn_scalar: q . k scaled by 1/sqrt(head_dim), except the
  *     27B (62 layers), which uses 1/sqrt(dim / n_heads); GGUF files do not
  *     carry it, so this follows llama.cpp;
@@ -34,10 +35,13 @@ static int gemma3_gguf_config(const cs_gguf *g, cs_model_config *c, const char *
     char key[128];
     static const char *const unsupported[] = {"final_logit_softcapping", "attn_logit_softcapping"};
     for (size_t i = 0; i < sizeof unsupported / sizeof *unsupported; i++) {
-        snprintf(key, sizeof key, "%s.%s", a, unsupported[i]);
-        if (cs__gguf_find(g, key))
-            return cs_fail(CS_ENOTSUP, "gguf: %s: '%s': logit soft-capping is not supported", path,
-                           key);
+        float cap = 0; /* 0 (or absent): no soft-capping */
+        int r = cs__gguf_arch_f32(g, a, unsupported[i], &cap);
+        if (r) return r;
+        if (cap != 0)
+            return cs_fail(CS_ENOTSUP,
+                           "gguf: %s: '%s.%s' = %g: logit soft-capping is not supported", path, a,
+                           unsupported[i], cap);
     }
     snprintf(key, sizeof key, "%s.attention.sliding_window_pattern", a);
     const cs_gguf_kv *pat = cs__gguf_find(g, key);

@@ -500,15 +500,17 @@ static int init(const cs_weights_shape *cf, const cs_weights *m, const float *in
                        "cuda backend: head_dim %d with %d/%d heads is not supported (head_dim "
                        "even and <= 256, at most 64 query heads per KV head)",
                        cf->head_dim, cf->n_heads, cf->n_kv_heads);
-    /* Optional block parts come in pairs, on every layer or none (model.c's
-     * weight table); QK-norm's kernel holds at most 256 q + k heads. */
+    /* Optional block parts come in pairs (q_norm with k_norm, post_attn_norm
+     * with post_ffn_norm: build() looks at the first of each), on every layer
+     * or none, as model.c's weight table makes them; QK-norm's kernel holds
+     * at most 256 q + k heads. */
     for (int l = 0; m && l < cf->n_layers; l++) {
         const cs_layer_weights *L = &m->layers[l], *L0 = &m->layers[0];
         if (!L->q_norm != !L0->q_norm || !L->k_norm != !L0->q_norm ||
             !L->post_attn_norm != !L0->post_attn_norm || !L->post_ffn_norm != !L0->post_attn_norm)
             return cs_fail(CS_ENOTSUP,
-                           "cuda backend: layer %d's optional norms differ from "
-                           "layer 0's",
+                           "cuda backend: layer %d's optional norms are not pairs present "
+                           "on every layer",
                            l);
     }
     if (m && m->layers[0].q_norm && cf->n_heads + cf->n_kv_heads > 256)

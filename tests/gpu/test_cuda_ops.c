@@ -154,6 +154,26 @@ static void test_embed_rmsnorm_swiglu(void) {
         float *gs = down_bf16(dso, (size_t)T * hid);
         snprintf(what, sizeof what, "swiglu T=%d hidden=%d", T, hid);
         GT_CHECK_ERR(what, gt_norm_err(gs, sref, (size_t)T * hid), TOL_BF16);
+        free(gs);
+        cs_op_glu_ref(sref, gate, up, (size_t)T * hid, CS_ACT_GELU_TANH); /* Gemma's GeGLU */
+        cs__cuda_glu(dso, dgu, T, hid, CS_ACT_GELU_TANH, 0);
+        gs = down_bf16(dso, (size_t)T * hid);
+        snprintf(what, sizeof what, "geglu T=%d hidden=%d", T, hid);
+        GT_CHECK_ERR(what, gt_norm_err(gs, sref, (size_t)T * hid), TOL_BF16);
+
+        /* a post norm and its residual add (Gemma): x += rmsnorm(y) * w */
+        float *y = rand_f32((size_t)T * dim, 0), *aref = malloc(sizeof(float) * T * dim);
+        cs_op_rmsnorm_ref(aref, y, w, T, dim, 1e-6f);
+        for (size_t i = 0; i < (size_t)T * dim; i++)
+            aref[i] += x[i];
+        float *dxa = dup_to_dev(x, sizeof(float) * T * dim),
+              *dy = dup_to_dev(y, sizeof(float) * T * dim),
+              *dw2 = dup_to_dev(w, sizeof(float) * dim);
+        cs__cuda_add_rmsnorm(dxa, dy, dw2, T, dim, 1e-6f, 0);
+        float *ga = down_f32(dxa, (size_t)T * dim);
+        snprintf(what, sizeof what, "post norm + residual T=%d dim=%d", T, dim);
+        GT_CHECK_ERR(what, gt_norm_err(ga, aref, (size_t)T * dim), TOL_F32);
+        free(y), free(aref), free(ga);
 
         free(table), free(ids), free(ref), free(tb), free(got), free(w), free(x), free(rows),
             free(xs), free(rref);
