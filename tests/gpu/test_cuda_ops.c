@@ -178,7 +178,7 @@ static void test_embed_rmsnorm_swiglu(void) {
         free(table), free(ids), free(ref), free(tb), free(got), free(w), free(x), free(rows),
             free(xs), free(rref);
         free(g32), free(g16), free(gu), free(gate), free(up), free(sref), free(gs);
-        void *dev[] = {dtable, dids, dx, dw, dxx, drows, d32, d16, dgu, dso};
+        void *dev[] = {dtable, dids, dx, dw, dxx, drows, d32, d16, dgu, dso, dxa, dy, dw2};
         for (size_t i = 0; i < sizeof dev / sizeof dev[0]; i++)
             CS_CUDA_CHECK(cudaFree(dev[i]));
     }
