@@ -31,12 +31,9 @@ __global__ void k_embed(float *x, const uint16_t *table, const int32_t *ids, int
         x[(size_t)t * dim + i] = scale == 1.0f ? bf(row[i]) : bf(row[i]) * scale;
 }
 
-/* ---- RMSNorm: one block per row ---- */
-__global__ void k_rmsnorm(uint16_t *out16, float *out32, const float *x, const int32_t *rows,
-                          const float *w, int dim, float eps) {
+/* 1 / rms of row xr (dim), summed by the whole block (every thread gets it). */
+static __device__ float block_inv_rms(const float *xr, int dim, float eps) {
     __shared__ float red[32];
-    int r = blockIdx.x;
-    const float *xr = x + (size_t)(rows ? rows[r] : r) * dim;
     float ss = 0;
     for (int i = threadIdx.x; i < dim; i += blockDim.x)
         ss += xr[i] * xr[i];
@@ -49,7 +46,15 @@ __global__ void k_rmsnorm(uint16_t *out16, float *out32, const float *x, const i
         if (threadIdx.x == 0) red[0] = v;
     }
     __syncthreads();
-    float scale = 1.0f / sqrtf(red[0] / (float)dim + eps);
+    return 1.0f / sqrtf(red[0] / (float)dim + eps);
+}
+
+/* ---- RMSNorm: one block per row ---- */
+__global__ void k_rmsnorm(uint16_t *out16, float *out32, const float *x, const int32_t *rows,
+                          const float *w, int dim, float eps) {
+    int r = blockIdx.x;
+    const float *xr = x + (size_t)(rows ? rows[r] : r) * dim;
+    float scale = block_inv_rms(xr, dim, eps);
     for (int i = threadIdx.x; i < dim; i += blockDim.x) {
         float v = w[i] * (xr[i] * scale);
         if (out16) out16[(size_t)r * dim + i] = to_bf(v);
@@ -59,22 +64,9 @@ __global__ void k_rmsnorm(uint16_t *out16, float *out32, const float *x, const i
 
 /* ---- post norm + residual add: x row r += rmsnorm(y row r) * w; one block per row ---- */
 __global__ void k_add_rmsnorm(float *x, const float *y, const float *w, int dim, float eps) {
-    __shared__ float red[32];
     int r = blockIdx.x;
     const float *yr = y + (size_t)r * dim;
-    float ss = 0;
-    for (int i = threadIdx.x; i < dim; i += blockDim.x)
-        ss += yr[i] * yr[i];
-    ss = warp_sum(ss);
-    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = ss;
-    __syncthreads();
-    if (threadIdx.x < 32) {
-        float v = threadIdx.x < (blockDim.x >> 5) ? red[threadIdx.x] : 0.0f;
-        v = warp_sum(v);
-        if (threadIdx.x == 0) red[0] = v;
-    }
-    __syncthreads();
-    float scale = 1.0f / sqrtf(red[0] / (float)dim + eps);
+    float scale = block_inv_rms(yr, dim, eps);
     for (int i = threadIdx.x; i < dim; i += blockDim.x)
         x[(size_t)r * dim + i] += w[i] * (yr[i] * scale);
 }

@@ -16,15 +16,13 @@ Today every page of every layer is sent (the windowed layers' pages included); s
 the last window's pages for those layers is the next step of the sliding-window work."""
 from __future__ import annotations
 
-import threading
-
 import pytest
 
 grpc = pytest.importorskip("grpc")
 
 from cluster_harness import Cluster, Reference, metric, wait_for  # noqa: E402
 # the proto and binaries fixtures and the request helpers of the Qwen cluster test
-from test_cluster_qwen import bins, pb, raw, request, run, summary  # noqa: E402,F401
+from test_cluster_qwen import bins, check_migrated, pb, raw, run, stream_threads  # noqa: E402,F401
 
 pytestmark = pytest.mark.cluster
 
@@ -70,19 +68,7 @@ def test_long_prompt_survives_killing_its_decode_worker(cluster, ref, pb, long_p
     assert [len(w[0]) for w in wants] == ns
     mig0 = metric(cluster.router.metrics(), "chunkserve:migrations_total")
     kv0 = [p.metric("chunkserve:kv_transfers_completed_total") for p in cluster.decode]
-    got, progress, errors = [None, None], [0, 0], []
-
-    def stream(i):
-        msgs = []
-        try:
-            for m in cluster.stub.Generate(request(g, items[i], ns[i], **sampling[i]), timeout=600):
-                msgs.append(m)
-                progress[i] += len(m.token_ids)
-            got[i] = summary(msgs)
-        except Exception as e:  # noqa: BLE001 (reported below)
-            errors.append((i, repr(e)))
-
-    threads = [threading.Thread(target=stream, args=(i,)) for i in range(2)]
+    got, progress, errors, threads = stream_threads(cluster, g, items, ns, sampling, timeout=600)
     for t in threads:
         t.start()
     wait_for(lambda: min(progress) >= 4 or errors, 400, "both streams' first tokens")
@@ -96,15 +82,7 @@ def test_long_prompt_survives_killing_its_decode_worker(cluster, ref, pb, long_p
     assert progress[0] < ns[0], f"the long stream finished before the kill: {at_kill}"
     for t in threads:
         t.join(600)
-    assert not errors, errors
-    for i, (want, g_, n) in enumerate(zip(wants, got, ns)):
-        assert g_ is not None, f"stream {i} did not finish"
-        assert len(g_[0]) == n, f"stream {i}: {len(g_[0])} tokens, want {n} (duplicated or missing)"
-        if g_[0] != want[0]:
-            k = next(j for j, (a, b) in enumerate(zip(g_[0], want[0])) if a != b)
-            pytest.fail(f"stream {i} diverged from one process at output token {k} (killed at "
-                        f"{at_kill}): cluster {g_[0][k:k + 8]} vs serve {want[0][k:k + 8]}")
-        assert g_ == want, f"stream {i}: {g_} != {want}"
+    check_migrated(wants, got, errors, ns, f"killed at {at_kill}")
     assert metric(cluster.router.metrics(), "chunkserve:migrations_total") - mig0 >= 1
     victim.start(port=victim.port)
     cluster.wait_usable(1, 2)

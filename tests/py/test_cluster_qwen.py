@@ -166,6 +166,41 @@ def cli_text(cli_exe, model, inp, n, **sampling):
     return out[:-1]
 
 
+def stream_threads(cluster, g, items, ns, sampling, timeout=300):
+    """One (unstarted) thread per request streaming it from the cluster. Returns (got,
+    progress, errors, threads): got[i] the finished stream's summary, progress[i] the tokens
+    received so far, errors the (i, exception) of streams that failed."""
+    got, progress, errors = [None] * len(items), [0] * len(items), []
+
+    def stream(i):
+        msgs = []
+        try:
+            for m in cluster.stub.Generate(request(g, items[i], ns[i], **sampling[i]),
+                                           timeout=timeout):
+                msgs.append(m)
+                progress[i] += len(m.token_ids)
+            got[i] = summary(msgs)
+        except Exception as e:  # noqa: BLE001 (the caller reports it)
+            errors.append((i, repr(e)))
+
+    return got, progress, errors, [threading.Thread(target=stream, args=(i,))
+                                   for i in range(len(items))]
+
+
+def check_migrated(wants, got, errors, ns, when):
+    """Every stream finished with exactly the one-process summary (none duplicated or
+    missing) though its worker was killed; `when` says how, for the failure message."""
+    assert not errors, errors
+    for i, (want, g_, n) in enumerate(zip(wants, got, ns)):
+        assert g_ is not None, f"stream {i} did not finish"
+        assert len(g_[0]) == n, f"stream {i}: {len(g_[0])} tokens, want {n} (duplicated or missing)"
+        if g_[0] != want[0]:
+            k = next(j for j, (a, b) in enumerate(zip(g_[0], want[0])) if a != b)
+            pytest.fail(f"stream {i} diverged from one process at output token {k} ({when}): "
+                        f"cluster {g_[0][k:k + 8]} vs serve {want[0][k:k + 8]}")
+        assert g_ == want, f"stream {i}: {g_} != {want}"
+
+
 def excerpt(corpus, i, chars):
     start = (i * 4099) % (len(corpus) - chars)
     return corpus[start:start + chars]
@@ -262,21 +297,7 @@ def test_kill_decode_worker_mid_stream_migrates(cluster, ref, pb, corpus):
     mig0 = metric(cluster.router.metrics(), "chunkserve:migrations_total")
     local0, remote0 = prefills(cluster)
     kv0 = [p.metric("chunkserve:kv_transfers_completed_total") for p in cluster.decode]
-    got = [None] * len(items)
-    progress = [0] * len(items)  # tokens each stream has received
-    errors = []
-
-    def stream(i):
-        msgs = []
-        try:
-            for m in cluster.stub.Generate(request(g, items[i], ns[i], **sampling[i]), timeout=300):
-                msgs.append(m)
-                progress[i] += len(m.token_ids)
-            got[i] = summary(msgs)
-        except Exception as e:  # noqa: BLE001 (reported below)
-            errors.append((i, repr(e)))
-
-    threads = [threading.Thread(target=stream, args=(i,)) for i in range(len(items))]
+    got, progress, errors, threads = stream_threads(cluster, g, items, ns, sampling)
     for i in (0, 1):  # the first one's pages are taken (its KV arrived) before the second
         threads[i].start()
         wait_for(lambda: progress[i] >= 1 or errors, 120, f"long prompt {i}'s first token")
@@ -297,16 +318,7 @@ def test_kill_decode_worker_mid_stream_migrates(cluster, ref, pb, corpus):
     assert running[victim.name] >= 3, running
     for t in threads:
         t.join(300)
-    assert not errors, errors
-    for i, (want, g_, n) in enumerate(zip(wants, got, ns)):
-        assert g_ is not None, f"stream {i} did not finish"
-        assert len(g_[0]) == n, f"stream {i}: {len(g_[0])} tokens, want {n} (duplicated or missing)"
-        if g_[0] != want[0]:
-            k = next(j for j, (a, b) in enumerate(zip(g_[0], want[0])) if a != b)
-            pytest.fail(f"stream {i} diverged from one process at output token {k} (killed at "
-                        f"{at_kill}, running {running}): cluster {g_[0][k:k + 8]} vs serve "
-                        f"{want[0][k:k + 8]}")
-        assert g_ == want, f"stream {i}: {g_} != {want}"
+    check_migrated(wants, got, errors, ns, f"killed at {at_kill}, running {running}")
     migrations = metric(cluster.router.metrics(), "chunkserve:migrations_total") - mig0
     assert migrations >= running[victim.name], (migrations, running)
     # the long prompts' first prefills and the migrated long context's went to the prefill
