@@ -168,8 +168,9 @@ int cs_cli_bench_engine(const cs_model *m, int threads, int prompt_tokens, bool 
         double ts[8];
         for (int step = 0; step < 9; step++) {
             for (int b = 0; b < B; b++) {
-                cs_page_table_reserve(&pts[b], cs_engine_kv(e), 128 + step + 1);
-                sp[b] = (cs_span){&next[b], 1, 128 + step, pts[b].pages, pts[b].n_pages, true};
+                cs_page_table_reserve(&pts[b], cs_engine_kv(e), 128 + step, 128 + step + 1);
+                sp[b] = (cs_span){&next[b],      1,    128 + step, pts[b].pages,
+                                  pts[b].n_pages, true, pts[b].cap};
             }
             float *lg = malloc(sizeof(float) * (size_t)c->n_vocab * B);
             double t0 = cs_now();

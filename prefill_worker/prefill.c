@@ -465,7 +465,7 @@ static void handle_prefill(cs_rpc_call *c, void *data) {
     q->p = p;
     q->r = r;
     q->n_context = (int32_t)m->n_token_ids;
-    q->total_pages = (q->n_context + w->wm.page_size - 1) / w->wm.page_size;
+    q->total_pages = cs_kv_cache_seq_pages(cs_engine_kv(w->engine), q->n_context);
     snprintf(q->decode_id, sizeof q->decode_id, "%s",
              m->decode_worker_id[0] ? m->decode_worker_id : "decode");
     snprintf(q->host, sizeof q->host, "%s", host);

@@ -33,7 +33,11 @@ static int check_request(cs_worker *w, const int32_t *ids, size_t n, int32_t num
             return cs_fail_field(CS_EINVAL, "token_ids",
                                  "token_ids[%zu] = %d is outside the vocabulary (0..%d)", i, ids[i],
                                  cfg->n_vocab - 1);
-    if ((int64_t)(n + 1 + (size_t)w->wm.page_size - 1) / w->wm.page_size > w->wm.n_kv_pages)
+    /* the least a sequence holds: the prompt and a first token computed (the
+     * pool's shape is fixed at start, so reading it here is safe) */
+    const cs_page_table none = {0};
+    if (cs_page_table_need(&none, cs_engine_kv(w->engine), (int32_t)n, (int32_t)n + 1) >
+        w->wm.n_kv_pages)
         return cs_fail_field(CS_EINVAL, "token_ids",
                              "%zu tokens need more KV pages than this worker has (%d of %d tokens)",
                              n, w->wm.n_kv_pages, w->wm.page_size);

@@ -60,13 +60,25 @@ int cs_engine_init(const cs_model *m, const cs_engine_params *p, cs_engine **out
     }
     if (!r) r = e->be->iface->kv_init(e->be->ctx, n_pages, p->page_size, &e->page_bytes);
     if (!r) r = cs_kv_cache_init(n_pages, p->page_size, &e->kv);
+    if (!r) { /* the layers' kinds of page (model.c's layout) */
+        int32_t per_block = 0, n_global = 0, window = 0;
+        for (int32_t l = 0; l < m->cfg.n_layers; l++) {
+            const cs_layer_weights *L = &e->layers[l];
+            if (L->kv_kind + 1 > per_block) per_block = L->kv_kind + 1;
+            if (!L->window && L->kv_kind + 1 > n_global) n_global = L->kv_kind + 1;
+            if (L->window > window) window = L->window;
+        }
+        r = cs_kv_cache_set_blocks(e->kv, per_block, n_global, window);
+    }
     if (r) {
         cs_engine_free(e);
         return r;
     }
-    CS_LOGI("engine: %s backend, %d KV pages of %d tokens (%zu KiB each, %zu MiB pool)",
+    CS_LOGI("engine: %s backend, %d KV pages of %d tokens (%zu KiB each, %zu MiB pool); a block "
+            "takes %d pages (%d for windowed layers, kept for the last %d positions)",
             e->be->iface->name, n_pages, p->page_size, e->page_bytes >> 10,
-            (e->page_bytes * (size_t)n_pages) >> 20);
+            (e->page_bytes * (size_t)n_pages) >> 20, cs_kv_cache_per_block(e->kv),
+            cs_kv_cache_per_block(e->kv) - cs_kv_cache_n_global(e->kv), cs_kv_cache_window(e->kv));
     *out = e;
     return 0;
 }
@@ -89,6 +101,9 @@ cs_kv_cache *cs_engine_kv(cs_engine *e) {
 size_t cs_engine_page_bytes(const cs_engine *e) {
     return e->page_bytes;
 }
+int32_t cs_engine_kv_layers(const cs_engine *e) {
+    return e->w.shape.kv_layers;
+}
 const char *cs_engine_backend_name(const cs_engine *e) {
     return e->be->iface->name;
 }
@@ -98,6 +113,24 @@ static int check_pages(const cs_engine *e, const int32_t *pages, int32_t n, cons
         if (cs_kv_cache_refcount(e->kv, pages[i]) <= 0)
             return cs_fail(CS_EINVAL, "%s: page %d (entry %d) is not an allocated page", what,
                            pages[i], i);
+    return 0;
+}
+
+/* A span's pages: every kind of the blocks it reads or writes (the windowed
+ * kinds from its first query's window on). */
+static int check_span_pages(const cs_engine *e, const cs_span *sp, int32_t s) {
+    const int32_t per_block = cs_kv_cache_per_block(e->kv);
+    const int32_t n_global = cs_kv_cache_n_global(e->kv);
+    int32_t used = (int32_t)(((int64_t)sp->pos + sp->n_tokens + e->page_size - 1) / e->page_size);
+    if (per_block > 1 && sp->stride < sp->n_pages)
+        return cs_fail(CS_EINVAL, "step: span %d's page rows are %d apart, under its %d blocks", s,
+                       sp->stride, sp->n_pages);
+    int32_t wb = cs_kv_cache_window_block(e->kv, sp->pos);
+    for (int32_t j = 0; j < per_block; j++) {
+        int32_t lo = j < n_global ? 0 : wb;
+        int r = check_pages(e, sp->pages + (size_t)j * (size_t)sp->stride + lo, used - lo, "step");
+        if (r) return r;
+    }
     return 0;
 }
 
@@ -128,9 +161,7 @@ int cs_engine_step(cs_engine *e, const cs_span *spans, int32_t n_spans, float *l
                                "step: span %d token %d is id %d, outside the vocabulary (0..%d)", s,
                                i, sp->tokens[i], c->n_vocab - 1);
         /* only the pages the span reads or writes must be live */
-        int32_t used =
-            (int32_t)(((int64_t)sp->pos + sp->n_tokens + e->page_size - 1) / e->page_size);
-        int r = check_pages(e, sp->pages, used, "step");
+        int r = check_span_pages(e, sp, s);
         if (r) return r;
         n_tokens += sp->n_tokens;
     }
@@ -144,7 +175,8 @@ int cs_engine_step(cs_engine *e, const cs_span *spans, int32_t n_spans, float *l
     }
     for (int32_t s = 0; s < n_spans; s++)
         e->bspans[s] = (cs_backend_span){spans[s].tokens, spans[s].n_tokens, spans[s].pos,
-                                         spans[s].pages,  spans[s].n_pages,  spans[s].n_logits};
+                                         spans[s].pages,  spans[s].n_pages,  spans[s].n_logits,
+                                         spans[s].stride};
     return e->be->iface->forward(e->be->ctx, e->bspans, n_spans, (int32_t)n_tokens, logits);
 }
 
@@ -174,13 +206,15 @@ int cs_engine_eval_seq(cs_engine *e, cs_page_table *pt, int32_t pos, const int32
     if ((int64_t)pos + n > e->m->cfg.ctx_len)
         return cs_fail(CS_EINVAL, "eval: %lld positions exceed the model's context of %d",
                        (long long)pos + n, e->m->cfg.ctx_len);
-    int r = cs_page_table_reserve(pt, e->kv, pos + n);
-    if (r) return r;
     int32_t chunk = max_chunk ? max_chunk : n;
     for (int32_t done = 0; done < n; done += chunk) {
         int32_t k = n - done < chunk ? n - done : chunk;
-        cs_span sp = {tokens + done, k, pos + done, pt->pages, pt->n_pages, done + k == n};
+        int r = cs_page_table_reserve(pt, e->kv, pos + done, pos + done + k);
+        if (r) return r;
+        cs_span sp = {tokens + done, k,         pos + done, pt->pages, pt->n_pages,
+                      done + k == n, pt->cap};
         if ((r = cs_engine_step(e, &sp, 1, logits))) return r;
+        cs_page_table_trim(pt, e->kv, pos + done + k);
     }
     return 0;
 }

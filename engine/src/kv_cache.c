@@ -15,6 +15,9 @@
 struct cs_kv_cache {
     int32_t n_pages;
     int32_t page_size;
+    int32_t per_block; /* pages per block of page_size positions (kinds), >= 1 */
+    int32_t n_global;  /* of them, the kinds every later position reads */
+    int32_t window;    /* the windowed kinds' window in positions; 0 when there are none */
     int32_t n_free;
     int32_t n_cached;
     int32_t *free_stack; /* (n_pages) ids of free pages, top at n_free - 1 */
@@ -64,6 +67,7 @@ int cs_kv_cache_init(int32_t n_pages, int32_t page_size, cs_kv_cache **out) {
     }
     kv->n_pages = n_pages;
     kv->page_size = page_size;
+    kv->per_block = kv->n_global = 1;
     kv->n_free = n_pages;
     /* lowest ids on top, so a fresh cache hands out 0, 1, 2, ... */
     for (int32_t i = 0; i < n_pages; i++)
@@ -105,6 +109,53 @@ int32_t cs_kv_cache_n_cached(const cs_kv_cache *kv) {
 }
 int32_t cs_kv_cache_n_used(const cs_kv_cache *kv) {
     return kv->n_pages - kv->n_free - kv->n_cached;
+}
+
+/* ---- blocks ---- */
+
+int cs_kv_cache_set_blocks(cs_kv_cache *kv, int32_t per_block, int32_t n_global, int32_t window) {
+    if (per_block < 1 || n_global < 0 || n_global > per_block || window < 0 ||
+        (n_global < per_block) != (window > 0))
+        return cs_fail(CS_EINVAL,
+                       "kv cache: %d pages per block, %d of them global, window %d: need "
+                       "0 <= global <= per block, and a window > 0 exactly when some kind is "
+                       "windowed",
+                       per_block, n_global, window);
+    kv->per_block = per_block;
+    kv->n_global = n_global;
+    kv->window = window;
+    return 0;
+}
+int32_t cs_kv_cache_per_block(const cs_kv_cache *kv) {
+    return kv->per_block;
+}
+int32_t cs_kv_cache_n_global(const cs_kv_cache *kv) {
+    return kv->n_global;
+}
+int32_t cs_kv_cache_window(const cs_kv_cache *kv) {
+    return kv->window;
+}
+
+int32_t cs_kv_cache_window_block(const cs_kv_cache *kv, int32_t pos) {
+    if (!kv->window || pos < kv->window) return 0;
+    return (pos - kv->window + 1) / kv->page_size;
+}
+
+int32_t cs_kv_cache_xfer_index(const cs_kv_cache *kv, int32_t n_tokens, int32_t block) {
+    int32_t wb = cs_kv_cache_window_block(kv, n_tokens);
+    int64_t n = (int64_t)kv->n_global * block +
+                (int64_t)(kv->per_block - kv->n_global) * (block > wb ? block - wb : 0);
+    return n > INT32_MAX ? INT32_MAX : (int32_t)n;
+}
+
+int32_t cs_kv_cache_seq_pages(const cs_kv_cache *kv, int32_t n_tokens) {
+    int32_t blocks = (int32_t)(((int64_t)n_tokens + kv->page_size - 1) / kv->page_size);
+    return cs_kv_cache_xfer_index(kv, n_tokens, blocks);
+}
+
+uint64_t cs_kv_cache_kind_hash(uint64_t block_hash, int32_t kind) {
+    if (kind == 0) return block_hash;
+    return cs_kv_cache_page_hash(block_hash, &kind, 1);
 }
 
 /* ---- hash table ---- */
@@ -297,6 +348,10 @@ int32_t cs_kv_cache_lookup(cs_kv_cache *kv, uint64_t hash) {
     return id;
 }
 
+bool cs_kv_cache_has(const cs_kv_cache *kv, uint64_t hash) {
+    return kv->slots[slot_find(kv, hash)] >= 0;
+}
+
 bool cs_kv_cache_registered(const cs_kv_cache *kv, int32_t id, uint64_t *hash) {
     if (id < 0 || id >= kv->n_pages || !kv->registered[id]) return false;
     if (hash) *hash = kv->hash[id];
@@ -424,34 +479,4 @@ int cs_kv_cache_check(const cs_kv_cache *kv) {
                     n_slots_used, n_reg);
     free(seen);
     return r;
-}
-
-/* ---- page tables ---- */
-
-int cs_page_table_reserve(cs_page_table *pt, cs_kv_cache *kv, int32_t n_tokens) {
-    if (n_tokens < 0) return cs_fail(CS_EINVAL, "page table: %d tokens", n_tokens);
-    int32_t need = (int32_t)(((int64_t)n_tokens + kv->page_size - 1) / kv->page_size);
-    if (need <= pt->n_pages) return 0;
-    if (need > pt->cap) {
-        int32_t cap = pt->cap ? pt->cap : 8;
-        while (cap < need)
-            cap *= 2;
-        int32_t *p = realloc(pt->pages, (size_t)cap * sizeof *p);
-        if (!p) return cs_fail(CS_ENOMEM, "page table: out of memory");
-        pt->pages = p;
-        pt->cap = cap;
-    }
-    int r = cs_kv_cache_alloc_pages(kv, need - pt->n_pages, pt->pages + pt->n_pages);
-    if (r) return r;
-    pt->n_pages = need;
-    return 0;
-}
-
-void cs_page_table_release(cs_page_table *pt, cs_kv_cache *kv) {
-    if (pt->n_pages) {
-        int r = cs_kv_cache_free_pages(kv, pt->pages, pt->n_pages);
-        CS_ASSERT(r == 0);
-    }
-    free(pt->pages);
-    memset(pt, 0, sizeof *pt);
 }

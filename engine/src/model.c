@@ -669,6 +669,34 @@ int cs_tokenizer_load(const char *path, cs_tokenizer **out) {
     return is_dir(path) ? cs__tokenizer_load_hf(path, out) : cs__tokenizer_load_gguf(path, out);
 }
 
+static int32_t gcd32(int32_t a, int32_t b) {
+    while (b) {
+        int32_t t = a % b;
+        a = b;
+        b = t;
+    }
+    return a;
+}
+
+/* The KV pages' layout (chunkserve/kv_cache.h's blocks): without windowed
+ * layers one page holds every layer; with them a page holds gcd(n_global,
+ * n_windowed) layers of one kind, so a block's pages are all one size: the
+ * global layers' pages first, in layer order, then the windowed ones'. */
+static int32_t kv_layout(const cs_model_config *c, cs_layer_weights *layers) {
+    int32_t n_win = 0;
+    for (int32_t l = 0; l < c->n_layers; l++)
+        n_win += cs_model_layer_window(c, l) != 0;
+    const int32_t n_glob = c->n_layers - n_win;
+    const int32_t per_page = n_win ? gcd32(n_glob, n_win) : c->n_layers;
+    int32_t gi = 0, wi = 0;
+    for (int32_t l = 0; l < c->n_layers; l++) {
+        int32_t i = cs_model_layer_window(c, l) ? n_glob + wi++ : gi++;
+        layers[l].kv_kind = i / per_page;
+        layers[l].kv_slot = i % per_page;
+    }
+    return per_page;
+}
+
 void cs__model_weights(const cs_model *m, cs_weights *w, cs_layer_weights *layers) {
     const cs_model_config *c = &m->cfg;
     for (int32_t l = 0; l < c->n_layers; l++) {
@@ -708,7 +736,8 @@ void cs__model_weights(const cs_model *m, cs_weights *w, cs_layer_weights *layer
                                                               : m->output == m->tok_embd,
                                   c->gelu ? CS_ACT_GELU_TANH : CS_ACT_SILU,
                                   c->embed_scale,
-                                  c->attn_scale};
+                                  c->attn_scale,
+                                  kv_layout(c, layers)};
     w->tok_embd = m->tok_embd;
     w->out_norm = m->out_norm;
     w->output = m->output;

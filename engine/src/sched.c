@@ -25,6 +25,8 @@ typedef struct seq {
                           plus any resumed (migrated) tokens */
     int32_t n_computed;
     cs_page_table pt;
+    int32_t *xfer;      /* PREFILL_ONLY and REMOTE: the context's pages in a KV transfer's
+                           order (cs_page_table_xfer), filled as they are reported */
     int32_t n_hashed;   /* leading pages whose prefix hash is registered or looked up */
     int32_t n_cached;   /* prompt tokens reused from the prefix cache at first admission */
     bool admitted;      /* has run at least once (n_cached is then final) */
@@ -37,7 +39,7 @@ typedef struct seq {
     const _Atomic bool *held; /* cs_request.held */
     int32_t top_logprobs;
     enum cs_kv_mode kv_mode;
-    int32_t n_reported; /* PREFILL_ONLY: leading pages reported as completed */
+    int32_t n_reported; /* PREFILL_ONLY: leading blocks whose pages were reported */
     bool kv_ready;      /* REMOTE: the KV is in place; join at the next step */
     int32_t first_token;
     cs_logprobs first_lp; /* REMOTE with logprobs: the first token's, from the prefill side */
@@ -127,6 +129,7 @@ int cs_sched_init(cs_engine *e, const cs_sched_params *p, cs_sched **out) {
 
 static void seq_free(cs_sched *s, seq *q) {
     cs_page_table_release(&q->pt, s->kv);
+    free(q->xfer);
     cs_sampler_free(q->smp);
     cs_stop_free(q->stop);
     cs_matcher_free(q->gm);
@@ -341,7 +344,9 @@ int cs_sched_add(cs_sched *s, const cs_request *r) {
                 CS_EINVAL,
                 "request %llu: token id %d at index %d is outside the vocabulary (0..%d)",
                 (unsigned long long)r->id, r->prompt[i], i, s->n_vocab - 1);
-    int64_t need = ((int64_t)r->n_prompt + 1 + s->page_size - 1) / s->page_size;
+    /* the least it must hold: its whole prompt, and a first token computed */
+    const cs_page_table none = {0};
+    int32_t need = cs_page_table_need(&none, s->kv, r->n_prompt, r->n_prompt + 1);
     if (need > cs_kv_cache_n_pages(s->kv))
         return cs_fail(
             CS_ENOSPC, "request %llu: a prompt of %d tokens needs %lld KV pages; the pool has %d",
@@ -356,7 +361,11 @@ int cs_sched_add(cs_sched *s, const cs_request *r) {
     if (max_total > s->ctx_len || r->stop.max_tokens <= 0) max_total = s->ctx_len;
     q->cap = (int32_t)max_total + 1;
     q->tokens = malloc((size_t)q->cap * sizeof(int32_t));
-    int rc = q->tokens ? 0 : cs_fail(CS_ENOMEM, "out of memory");
+    if (r->kv_mode != CS_KV_LOCAL || r->reserve)
+        q->xfer = malloc(((size_t)cs_kv_cache_seq_pages(s->kv, r->n_prompt) + 1) * sizeof *q->xfer);
+    int rc = q->tokens && (q->xfer || (r->kv_mode == CS_KV_LOCAL && !r->reserve))
+                 ? 0
+                 : cs_fail(CS_ENOMEM, "out of memory");
     if (!rc) rc = cs_sampler_init(&r->sampling, s->n_vocab, &q->smp);
     cs_stop_params sp = r->stop;
     if (sp.max_tokens > s->ctx_len - n_real)
@@ -390,11 +399,14 @@ int cs_sched_add(cs_sched *s, const cs_request *r) {
     /* A reserved local prompt takes its cached prefix first and reserves only
      * the rest (at admission reuse_prefix skips a sequence that holds pages) */
     if (!rc && r->reserve && r->kv_mode != CS_KV_REMOTE) reuse_prefix(s, q);
+    /* REMOTE: the pages a transfer lands in (for a next query at n_prompt) */
+    int32_t from = r->kv_mode == CS_KV_REMOTE ? r->n_prompt : q->n_computed;
     if (!rc && (r->reserve || r->kv_mode == CS_KV_REMOTE) &&
-        (rc = cs_page_table_reserve(&q->pt, s->kv, r->n_prompt)) == CS_ENOSPC)
+        (rc = cs_page_table_reserve(&q->pt, s->kv, from, r->n_prompt)) == CS_ENOSPC)
         rc = cs_fail(
             CS_ENOSPC, "request %llu: no room now: its %d tokens need %d KV pages, %d are free",
-            (unsigned long long)r->id, r->n_prompt, (r->n_prompt + s->page_size - 1) / s->page_size,
+            (unsigned long long)r->id, r->n_prompt,
+            cs_page_table_need(&q->pt, s->kv, from, r->n_prompt),
             cs_kv_cache_n_free(s->kv) + cs_kv_cache_n_cached(s->kv));
     if (rc) {
         seq_free(s, q);
@@ -427,11 +439,14 @@ int cs_sched_add(cs_sched *s, const cs_request *r) {
 int cs_sched_kv_pages(cs_sched *s, uint64_t id, const int32_t **pages, int32_t *n_pages) {
     seq **link;
     seq *q = find(s, id, &link);
-    if (!q || q->admitted || !q->pt.n_pages) /* n_computed may count a reused prefix */
+    if (!q || q->admitted || !q->pt.n_pages || !q->xfer) /* n_computed may count a reused prefix */
         return cs_fail(CS_ENOENT, "request %llu has no reserved pages waiting",
                        (unsigned long long)id);
-    *pages = q->pt.pages;
-    *n_pages = (q->n_context + s->page_size - 1) / s->page_size;
+    int32_t blocks = (q->n_context + s->page_size - 1) / s->page_size;
+    int32_t n = cs_page_table_xfer(&q->pt, s->kv, q->n_context, 0, blocks, q->xfer);
+    if (n < 0) return n;
+    *pages = q->xfer;
+    *n_pages = n;
     return 0;
 }
 
@@ -483,39 +498,90 @@ int cs_sched_cancel(cs_sched *s, uint64_t id) {
     return 0;
 }
 
+/* The highest of blocks [b0, b1) missing a page that a prefix hit of `hit`
+ * blocks needs (the global kinds, and the windowed kinds from that hit's
+ * window block on) in the prefix cache, or -1 when none is missing. */
+static int32_t missing_block(const cs_sched *s, const uint64_t *h, int32_t b0, int32_t b1,
+                             int32_t hit) {
+    const int32_t per_block = cs_kv_cache_per_block(s->kv), n_global = cs_kv_cache_n_global(s->kv);
+    const int32_t wb = cs_kv_cache_window_block(s->kv, hit * s->page_size);
+    for (int32_t b = b1 - 1; b >= b0; b--)
+        for (int32_t j = 0; j < per_block; j++)
+            if ((j < n_global || b >= wb) && !cs_kv_cache_has(s->kv, cs_kv_cache_kind_hash(h[b], j)))
+                return b;
+    return -1;
+}
+
 /* Takes back the longest cached prefix of a sequence that has nothing
- * computed, leaving at least one token to compute (it yields the logits). */
+ * computed, leaving at least one token to compute (it yields the logits).
+ * The rule with windowed layers: a prefix of k blocks is a hit when every
+ * block's global pages are cached and so are the windowed pages of the
+ * blocks the query at k * page_size still sees (the window before it); the
+ * windowed pages of earlier blocks are never needed again. When some of
+ * those are gone (given back and evicted), the hit is cut back to the
+ * longest shorter prefix whose window is whole (or to none). */
 static void reuse_prefix(cs_sched *s, seq *q) {
     if (!s->p.enable_prefix_caching || q->n_computed || q->pt.n_pages || q->plp)
         return; /* pages reserved at add; prompt logprobs need every position's logits */
     int32_t full = (q->n_tokens - 1) / s->page_size;
-    if (full > q->pt.cap) {
-        int32_t *np = realloc(q->pt.pages, (size_t)full * sizeof *np);
-        if (!np) return; /* no reuse; the pages are computed instead */
-        q->pt.pages = np;
-        q->pt.cap = full;
+    if (full < 1) return;
+    uint64_t *h = malloc((size_t)full * sizeof *h);
+    if (!h) return; /* no reuse; the pages are computed instead */
+    uint64_t prev = q->hash_root;
+    for (int32_t i = 0; i < full; i++)
+        h[i] = prev = cs_kv_cache_page_hash(prev, q->tokens + (size_t)i * s->page_size, s->page_size);
+    /* the longest run of blocks whose global pages are all cached */
+    const int32_t per_block = cs_kv_cache_per_block(s->kv), n_global = cs_kv_cache_n_global(s->kv);
+    int32_t k = 0;
+    while (k < full && missing_block(s, h, k, k + 1, INT32_MAX / s->page_size) < 0)
+        k++;
+    /* cut back until the window before the hit is whole */
+    for (int32_t m; k > 0;) {
+        m = missing_block(s, h, cs_kv_cache_window_block(s->kv, k * s->page_size), k, k);
+        if (m < 0) break;
+        k = m;
     }
-    uint64_t h = q->hash_root;
-    for (int32_t i = 0; i < full; i++) {
-        h = cs_kv_cache_page_hash(h, q->tokens + (size_t)i * s->page_size, s->page_size);
-        int32_t id = cs_kv_cache_lookup(s->kv, h);
-        if (id < 0) break;
-        q->pt.pages[q->pt.n_pages++] = id;
-        q->n_hashed = i + 1;
-        q->last_hash = h;
-        q->n_computed = (i + 1) * s->page_size;
+    if (k > 0) { /* take them: every lookup finds its page (nothing was evicted since) */
+        cs_page_table *pt = &q->pt;
+        int32_t cap = pt->cap ? pt->cap : 8;
+        while (cap < k)
+            cap *= 2;
+        int32_t *pages = malloc((size_t)cap * (size_t)per_block * sizeof *pages);
+        if (pages) {
+            const int32_t wb = cs_kv_cache_window_block(s->kv, k * s->page_size);
+            for (int32_t j = 0; j < per_block; j++)
+                for (int32_t b = 0; b < cap; b++)
+                    pages[(size_t)j * cap + b] =
+                        b < k && (j < n_global || b >= wb)
+                            ? cs_kv_cache_lookup(s->kv, cs_kv_cache_kind_hash(h[b], j))
+                            : -1;
+            free(pt->pages);
+            *pt = (cs_page_table){pages, k, cap, wb};
+            q->n_hashed = k;
+            q->last_hash = h[k - 1];
+            q->n_computed = k * s->page_size;
+        }
     }
+    free(h);
 }
 
-/* Registers the hashes of pages that became full with computed tokens. */
-static void register_pages(cs_sched *s, seq *q) {
-    if (!s->p.enable_prefix_caching) return;
-    int32_t full = q->n_computed / s->page_size;
-    for (; q->n_hashed < full; q->n_hashed++) {
-        q->last_hash = cs_kv_cache_page_hash(
-            q->last_hash, q->tokens + (size_t)q->n_hashed * s->page_size, s->page_size);
-        cs_kv_cache_register(s->kv, q->pt.pages[q->n_hashed], q->last_hash);
+/* Registers the hashes of pages that became full with computed tokens (each
+ * kind of a block under cs_kv_cache_kind_hash of its chained hash), then
+ * gives back the windowed pages the next query no longer sees. */
+static void settle_pages(cs_sched *s, seq *q) {
+    if (s->p.enable_prefix_caching) {
+        const int32_t per_block = cs_kv_cache_per_block(s->kv);
+        int32_t full = q->n_computed / s->page_size;
+        for (; q->n_hashed < full; q->n_hashed++) {
+            q->last_hash = cs_kv_cache_page_hash(
+                q->last_hash, q->tokens + (size_t)q->n_hashed * s->page_size, s->page_size);
+            for (int32_t j = 0; j < per_block; j++) {
+                int32_t id = q->pt.pages[(size_t)j * q->pt.cap + q->n_hashed];
+                if (id >= 0) cs_kv_cache_register(s->kv, id, cs_kv_cache_kind_hash(q->last_hash, j));
+            }
+        }
     }
+    cs_page_table_trim(&q->pt, s->kv, q->n_computed);
 }
 
 /* Frees a running sequence's pages and puts it back in the waiting queue. */
@@ -597,7 +663,7 @@ static void add_span(cs_sched *s, int32_t *n_spans, seq *q, int32_t k) {
     int32_t rows = plp_rows(q, k);
     s->spans[*n_spans] =
         (cs_span){q->tokens + q->n_computed, k, q->n_computed, q->pt.pages, q->pt.n_pages,
-                  rows ? rows + last : last};
+                  rows ? rows + last : last, q->pt.cap};
     s->drafts[*n_spans] = 0;
     s->owners[(*n_spans)++] = q;
 }
@@ -731,7 +797,7 @@ static int join_ready(cs_sched *s) {
         q->kv_ready = false;
         q->n_computed = q->n_context;
         q->admitted = q->running = true;
-        register_pages(s, q);
+        settle_pages(s, q);
         insert_ordered(&s->running, q);
         s->n_running++;
         int r = emit_token(s, q, q->first_token, &q->first_lp, NULL, 0, 0, NULL);
@@ -755,6 +821,25 @@ static void fail_all(cs_sched *s, const char *why) {
 static int32_t chunk_len(const cs_sched *s, int32_t left, int32_t room) {
     int32_t k = left < room ? left : room;
     return s->p.max_chunk_tokens && k > s->p.max_chunk_tokens ? s->p.max_chunk_tokens : k;
+}
+
+/* At most k tokens of q's next chunk, as many as its pages could ever hold:
+ * with windowed layers a chunk's windowed pages grow with its length (every
+ * position is written, then given back), so a long prompt in one chunk may
+ * not fit a pool that holds it in smaller ones. Without windows a chunk
+ * always fits (cs_sched_add checked the whole prompt). */
+static int32_t pool_chunk(const cs_sched *s, const seq *q, int32_t k) {
+    const int32_t room = cs_kv_cache_n_pages(s->kv) - cs_page_table_held(&q->pt, s->kv);
+    if (cs_page_table_need(&q->pt, s->kv, q->n_computed, q->n_computed + k) <= room) return k;
+    int32_t lo = 0, hi = k; /* lo fits, hi does not */
+    while (hi - lo > 1) {
+        int32_t mid = lo + (hi - lo) / 2;
+        if (cs_page_table_need(&q->pt, s->kv, q->n_computed, q->n_computed + mid) <= room)
+            lo = mid;
+        else
+            hi = mid;
+    }
+    return lo;
 }
 
 /* What the spans scheduled so far cost the step (the step model's features). */
@@ -893,13 +978,14 @@ static int32_t add_drafts(cs_sched *s, step_work *work, int32_t room) {
         if (d > 0) d = draft_count(s, work, q, d, &expect);
         if (d <= 0) continue;
         /* pages for the count chosen: what is free now, never by preempting */
-        if (cs_page_table_reserve(&q->pt, s->kv, q->n_tokens + d) != 0) {
+        if (cs_page_table_reserve(&q->pt, s->kv, q->n_computed, q->n_tokens + d) != 0) {
             int32_t fit = q->pt.n_pages * s->page_size - q->n_tokens;
             d = fit < d ? fit : d;
         }
         cs_span *sp = &s->spans[i];
         sp->pages = q->pt.pages; /* a reservation may have moved them, drafts or not */
         sp->n_pages = q->pt.n_pages;
+        sp->stride = q->pt.cap;
         if (d <= 0) continue;
         work_add(work, q->n_computed + 1, d, d);
         sp->n_tokens = 1 + d;
@@ -925,7 +1011,7 @@ static int verify(cs_sched *s, int32_t i, int32_t *li) {
     for (int32_t j = 0; j <= d && !ended && !rejected; j++) {
         /* every token so far has KV now: the decode token and the drafts kept */
         q->n_computed = q->n_tokens;
-        register_pages(s, q);
+        settle_pages(s, q);
         const uint32_t *allow = NULL;
         if (q->gm && cs_matcher_mask(q->gm, &allow) < 0) {
             end_in_error(s, q, CS_ENOMEM, "out of memory for the structured output's mask");
@@ -962,7 +1048,7 @@ static void make_room_by_priority(cs_sched *s, int32_t budget) {
             if (!is_held(*l)) worst = l;
         if (!worst || (*worst)->priority <= w->priority) return;
         int32_t k = chunk_len(s, w->n_tokens - w->n_computed, budget);
-        int32_t need = (k + s->page_size - 1) / s->page_size;
+        int32_t need = cs_page_table_need(&w->pt, s->kv, w->n_computed, w->n_computed + k);
         bool seat = s->n_running < s->p.max_num_seqs;
         bool pages = cs_kv_cache_n_free(s->kv) + cs_kv_cache_n_cached(s->kv) >= need;
         if (seat && pages) return;
@@ -1014,7 +1100,8 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
         }
         /* Sequences after q in the list are newer and not scheduled yet, so
          * the newest running one never holds pages this step already uses. */
-        while ((r = cs_page_table_reserve(&q->pt, s->kv, q->n_tokens)) == CS_ENOSPC) {
+        while ((r = cs_page_table_reserve(&q->pt, s->kv, q->n_computed, q->n_tokens)) ==
+               CS_ENOSPC) {
             seq **newest = &s->running;
             while ((*newest)->next)
                 newest = &(*newest)->next;
@@ -1057,11 +1144,12 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
             q = rq;
             rq = rq->next;
             int32_t left = q->n_tokens - q->n_computed;
-            int32_t k = timed_chunk(s, q, chunk_len(s, left, budget - used), &work,
-                                    n_spans > s->last.n_decode);
+            int32_t k = timed_chunk(s, q, pool_chunk(s, q, chunk_len(s, left, budget - used)),
+                                    &work, n_spans > s->last.n_decode);
             if (k == 0) break;
             if ((k = plp_cap(q, k, plp_room)) == 0) continue;
-            if (cs_page_table_reserve(&q->pt, s->kv, q->n_computed + k) != 0) continue;
+            if (cs_page_table_reserve(&q->pt, s->kv, q->n_computed, q->n_computed + k) != 0)
+                continue;
             plp_room -= plp_rows(q, k);
             work_add(&work, q->n_computed, k, chunk_rows(q, k));
             add_span(s, &n_spans, q, k);
@@ -1070,10 +1158,11 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
         }
         reuse_prefix(s, q);
         int32_t left = q->n_tokens - q->n_computed;
-        int32_t k =
-            timed_chunk(s, q, chunk_len(s, left, budget - used), &work, n_spans > s->last.n_decode);
+        int32_t k = timed_chunk(s, q, pool_chunk(s, q, chunk_len(s, left, budget - used)), &work,
+                                n_spans > s->last.n_decode);
         k = plp_cap(q, k, plp_room);
-        if (k == 0 || cs_page_table_reserve(&q->pt, s->kv, q->n_computed + k) != 0) {
+        if (k == 0 ||
+            cs_page_table_reserve(&q->pt, s->kv, q->n_computed, q->n_computed + k) != 0) {
             /* no time, or not enough pages now: give back the prefix and wait */
             cs_page_table_release(&q->pt, s->kv);
             q->n_computed = q->n_hashed = 0;
@@ -1156,17 +1245,20 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
                                                            ? sp->n_tokens
                                                            : q->n_context - q->n_computed);
         q->n_computed += sp->n_tokens;
-        register_pages(s, q);
-        /* PREFILL_ONLY: the pages this step completed (the partial last one
-         * once the whole context is computed) */
+        settle_pages(s, q);
+        /* PREFILL_ONLY: the pages of the blocks this step completed (the
+         * partial last one once the whole context is computed), in the
+         * transfer's order: first and n_new count pages of that order */
         int32_t first = 0, n_new = 0;
         if (q->kv_mode == CS_KV_PREFILL_ONLY) {
             int32_t done = q->n_computed >= q->n_context
                                ? (q->n_context + s->page_size - 1) / s->page_size
                                : q->n_computed / s->page_size;
             if (done > q->n_reported) {
-                first = q->n_reported;
-                n_new = done - q->n_reported;
+                first = cs_kv_cache_xfer_index(s->kv, q->n_context, q->n_reported);
+                n_new = cs_page_table_xfer(&q->pt, s->kv, q->n_context, q->n_reported, done,
+                                           q->xfer + first);
+                CS_ASSERT(n_new >= 0); /* the transfer's pages are never trimmed before */
                 q->n_reported = done;
             }
         }
@@ -1176,7 +1268,7 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
                 ev->id = q->id;
                 ev->n_prompt_tokens = q->n_prompt;
                 ev->n_cached_prompt_tokens = q->n_cached;
-                ev->kv_pages = q->pt.pages + first;
+                ev->kv_pages = q->xfer + first;
                 ev->kv_first_page = first;
                 ev->kv_n_pages = n_new;
             }
@@ -1192,7 +1284,7 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
         }
         int32_t id = cs_sampler_sample_allowed(q->smp, s->logits + (size_t)li++ * s->n_vocab, allow,
                                                q->top_logprobs, q->logprobs ? &lp : NULL);
-        if ((r = emit_token(s, q, id, &lp, n_new ? q->pt.pages + first : NULL, first, n_new, NULL)))
+        if ((r = emit_token(s, q, id, &lp, n_new ? q->xfer + first : NULL, first, n_new, NULL)))
             return r;
         s->owners[i] = NULL;
     }

@@ -6,8 +6,10 @@
  * the rows, as are the gate activation and quantization). The block's
  * optional parts (QK-norm, post norms, windows) are backend.h's.
  * KV pool in host memory (fp32, or bf16 with kv_bf16) laid out page-major:
- *   pool[n_pages][n_layers][2 (K, V)][page_size][n_kv_heads * head_dim]
- * so one page (all layers, K and V) is one contiguous block: export/import is
+ *   pool[n_pages][kv_layers][2 (K, V)][page_size][n_kv_heads * head_dim]
+ * (kv_layers: every layer, or with windowed layers the few of one kind a
+ * page holds; layer l at slot kv_slot of its kv_kind's page), so one page
+ * is one contiguous block: export/import is
  * a memcpy per page and the KV transport can send pages without gathering.
  * A step runs every GEMM over all the step's tokens at once (prompt chunks
  * and decode tokens alike), attention per span over its pages. */
@@ -49,7 +51,7 @@ static void cpu_free(void *p) {
 }
 
 size_t cs_backend_cpu_page_bytes(const cs_weights_shape *cf, int32_t page_size, bool kv_bf16) {
-    return (size_t)cf->n_layers * 2 * (size_t)page_size * (size_t)cf->n_kv_heads *
+    return (size_t)cf->kv_layers * 2 * (size_t)page_size * (size_t)cf->n_kv_heads *
            (size_t)cf->head_dim * (kv_bf16 ? sizeof(uint16_t) : sizeof(float));
 }
 
@@ -195,7 +197,9 @@ static int cpu_forward(void *p, const cs_backend_span *spans, int32_t n_spans, i
     bool pending = false; /* x += proj is owed */
     for (int l = 0; l < cf->n_layers; l++) {
         const cs_layer_weights *L = &m->layers[l];
-        size_t layer0 = (size_t)l * 2 * (size_t)c->page_size * (size_t)kvd;
+        size_t layer0 = (size_t)L->kv_slot * 2 * (size_t)c->page_size * (size_t)kvd;
+        for (int32_t s = 0; s < n_spans; s++) /* this layer's kind of page */
+            c->aspans[s].pages = spans[s].pages + (size_t)L->kv_kind * (size_t)spans[s].stride;
         cs_kv_view kv = {c->kv_bf16 ? NULL : (float *)c->kv + layer0, c->page_elems,
                          (size_t)c->page_size * kvd, c->page_size,
                          c->kv_bf16 ? (uint16_t *)c->kv + layer0 : NULL};

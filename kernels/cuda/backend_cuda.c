@@ -9,9 +9,10 @@
  * residual stream x stays fp32 and the o-proj/down-proj GEMMs add into it
  * (beta = 1).
  * KV pool: bf16, page-major like the CPU backend's,
- *   pool[n_pages][n_layers][2 (K, V)][page_size][n_kv_heads * head_dim],
- * so one page is one contiguous block of
- *   page_bytes = n_layers * 2 * page_size * n_kv_heads * head_dim * 2 bytes,
+ *   pool[n_pages][kv_layers][2 (K, V)][page_size][n_kv_heads * head_dim],
+ * (layer l at slot kv_slot of its kv_kind's page), so one page is one
+ * contiguous block of
+ *   page_bytes = kv_layers * 2 * page_size * n_kv_heads * head_dim * 2 bytes,
  * and kv_export/kv_import move pages in exactly that layout (bf16, not the
  * CPU backend's fp32: a transfer between a CUDA and a CPU worker must
  * convert; the engine reports page_bytes per backend).
@@ -46,6 +47,7 @@ typedef struct {
     float *bqkv;                           /* (q_dim + 2 kv_dim) or NULL */
     float *inv_freq;                       /* (head_dim / 2) this layer's RoPE */
     int32_t window;                        /* sliding window, 0: none */
+    int32_t kv_kind, kv_slot;              /* where its K and V sit (backend.h) */
     float *q_norm, *k_norm;                /* (head_dim) each, or NULL */
     float *post_attn_norm, *post_ffn_norm; /* (dim) each, or NULL */
 } dev_layer;
@@ -61,6 +63,7 @@ typedef struct {
     uint16_t *output;              /* (n_vocab, dim); == tok_embd when tied */
     float *out_norm;               /* (dim) */
     dev_layer *layers;             /* (n_layers) */
+    int32_t n_kinds;               /* pages per block (the page table's rows) */
     int att_rows;                  /* query rows per attention tile */
     cs_cuda_att_scratch att_split; /* split-K parts of the attention (flash-decoding) */
     /* KV pool */
@@ -135,7 +138,7 @@ int cs_backend_cuda_probe(char *name, size_t name_len, char *why, size_t why_len
 }
 
 size_t cs_backend_cuda_page_bytes(const cs_weights_shape *cf, int32_t page_size) {
-    return (size_t)cf->n_layers * 2 * (size_t)page_size * (size_t)cf->n_kv_heads *
+    return (size_t)cf->kv_layers * 2 * (size_t)page_size * (size_t)cf->n_kv_heads *
            (size_t)cf->head_dim * sizeof(uint16_t);
 }
 
@@ -248,11 +251,13 @@ static int cuda_forward(void *p, const cs_backend_span *spans, int32_t n_spans, 
     int32_t n_rows = 0;
     for (int32_t s = 0; s < n_spans; s++)
         n_rows += spans[s].n_logits;
-    int64_t n_meta = 4 * (int64_t)T + n_rows + 4 * (int64_t)T + n_page_ents;
+    const int32_t K = c->n_kinds; /* a page id per token and a page table per kind */
+    int64_t n_meta = (3 + (int64_t)K) * T + n_rows + 4 * (int64_t)T + K * n_page_ents;
     int r = grow(c, n_tokens, n_rows, n_meta);
     if (r) return r;
 
-    int32_t *ids = c->meta_h, *pos = ids + T, *page = pos + T, *slot = page + T, *rows = slot + T;
+    int32_t *ids = c->meta_h, *pos = ids + T, *slot = pos + T, *page = slot + T,
+            *rows = page + (size_t)K * T;
     cs_cuda_att_tile *tiles = (cs_cuda_att_tile *)(rows + n_rows);
     int32_t *ptab = (int32_t *)(tiles + T);
     int32_t t = 0, n_out = 0, n_tiles = 0, poff = 0, max_ctx = 0;
@@ -267,30 +272,37 @@ static int cuda_forward(void *p, const cs_backend_span *spans, int32_t n_spans, 
             int32_t ps = sp->pos + i;
             ids[t] = sp->tokens[i];
             pos[t] = ps;
-            page[t] = sp->pages[ps / c->kv.page_size];
+            for (int32_t k = 0; k < K; k++)
+                page[(size_t)k * T + t] = sp->pages[(size_t)k * sp->stride + ps / c->kv.page_size];
             slot[t] = ps % c->kv.page_size;
         }
         for (int32_t j = sp->n_tokens - sp->n_logits; j < sp->n_tokens; j++)
             rows[n_out++] = t - sp->n_tokens + j;
-        memcpy(ptab + poff, sp->pages, (size_t)sp->n_pages * sizeof(int32_t));
+        for (int32_t k = 0; k < K; k++)
+            memcpy(ptab + (size_t)k * n_page_ents + poff, sp->pages + (size_t)k * sp->stride,
+                   (size_t)sp->n_pages * sizeof(int32_t));
         poff += sp->n_pages;
     }
     CS_ASSERT(t == n_tokens);
     CS_CUDA_CHECK(
         cudaMemcpyAsync(c->meta_d, c->meta_h, (size_t)n_meta * 4, cudaMemcpyHostToDevice, c->st));
-    const int32_t *d_ids = c->meta_d, *d_pos = d_ids + T, *d_page = d_pos + T, *d_slot = d_page + T,
-                  *d_rows = d_slot + T;
+    const int32_t *d_ids = c->meta_d, *d_pos = d_ids + T, *d_slot = d_pos + T,
+                  *d_page = d_slot + T, *d_rows = d_page + (size_t)K * T;
     const cs_cuda_att_tile *d_tiles = (const cs_cuda_att_tile *)(d_rows + n_rows);
     const int32_t *d_ptab = (const int32_t *)(d_tiles + T);
 
     cs__cuda_embed(c->x, c->tok_embd, d_ids, T, dim, cf->embed_scale, c->st);
     for (int l = 0; l < cf->n_layers; l++) {
         const dev_layer *L = &c->layers[l];
+        const int32_t *l_page = d_page + (size_t)L->kv_kind * T,
+                      *l_ptab = d_ptab + (size_t)L->kv_kind * n_page_ents;
         cs__cuda_rmsnorm(c->act, NULL, c->x, NULL, L->attn_norm, T, dim, cf->norm_eps, c->st);
         cs__cuda_gemm(c->blas, c->big, c->act, L->wqkv, T, qd + 2 * kvd, dim, 0.0f);
         cs__cuda_qkv_rope_store(c->q, c->big, L->bqkv, L->q_norm, L->k_norm, cf->norm_eps, d_pos,
-                                L->inv_freq, d_page, d_slot, c->kv, l, T, nh, nkv, hd, c->st);
-        cs__cuda_attention(c->act, c->q, d_tiles, n_tiles, max_ctx, d_ptab, c->kv, l, nh, nkv, hd,
+                                L->inv_freq, l_page, d_slot, c->kv, L->kv_slot, T, nh, nkv, hd,
+                                c->st);
+        cs__cuda_attention(c->act, c->q, d_tiles, n_tiles, max_ctx, l_ptab, c->kv, L->kv_slot, nh,
+                           nkv, hd,
                            cf->attn_scale, L->window, &c->att_split, c->st);
         /* the residual add: in the GEMM's epilogue, or after the post norm */
         if (L->post_attn_norm) {
@@ -408,6 +420,9 @@ static int build(cuda_ctx *c, const cs_weights *m, const float *inv_freq, uint64
         dev_layer *L = &c->layers[l];
         L->inv_freq = f, f += cf->head_dim / 2;
         L->window = m ? m->layers[l].window : 0;
+        L->kv_kind = m ? m->layers[l].kv_kind : 0;
+        L->kv_slot = m ? m->layers[l].kv_slot : l;
+        if (L->kv_kind + 1 > c->n_kinds) c->n_kinds = L->kv_kind + 1;
         L->wqkv = w, w += (qd + 2 * kvd) * dim;
         L->wo = w, w += dim * qd;
         L->wgu = w, w += 2 * hid * dim;

@@ -5,7 +5,7 @@
 cs_kvx_layout cs_kvx_layout_of_engine(cs_engine *e) {
     const cs_model_config *cf = cs_model_get_config(cs_engine_model(e));
     cs_kvx_layout l = {0};
-    l.n_layers = cf->n_layers;
+    l.n_layers = cs_engine_kv_layers(e); /* per page: every layer, or one kind's share */
     l.n_kv_heads = cf->n_kv_heads;
     l.head_dim = cf->head_dim;
     l.page_size = cs_kv_cache_page_size(cs_engine_kv(e));

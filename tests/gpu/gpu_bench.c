@@ -108,8 +108,8 @@ static double prefill(bench *B, const int32_t *toks, int32_t n, int32_t chunk, c
     double t0 = now();
     for (int32_t p = 0; p < n; p += chunk) {
         int32_t k = n - p < chunk ? n - p : chunk;
-        cs_backend_span s = {toks + p,  k, p, pages, (p + k + B->page_size - 1) / B->page_size,
-                             p + k == n};
+        int32_t nb = (p + k + B->page_size - 1) / B->page_size;
+        cs_backend_span s = {toks + p, k, p, pages, nb, p + k == n, nb}; /* one kind of page */
         CS_ASSERT(B->b->iface->forward(B->b->ctx, &s, 1, k, B->logits) == 0);
     }
     return now() - t0;
@@ -149,7 +149,7 @@ static double decode_ms(bench *B, const int32_t *toks, int nb, int32_t ctx, int3
         for (int s = 0; s < nb; s++) {
             tk[s] = toks[s + st];
             int32_t pos = ctx + st;
-            sp[s] = (cs_backend_span){&tk[s], 1, pos, pt[s], pos / B->page_size + 1, true};
+            sp[s] = (cs_backend_span){&tk[s], 1, pos, pt[s], pos / B->page_size + 1, true, 0};
         }
         double t0 = now();
         CS_ASSERT(B->b->iface->forward(B->b->ctx, sp, nb, nb, B->logits) == 0);
@@ -399,7 +399,8 @@ int main(int argc, char **argv) {
         cs_weights_shape shape = {cf.n_vocab,    cf.dim,        cf.n_layers,
                                   cf.n_heads,    cf.n_kv_heads, cf.head_dim,
                                   cf.hidden_dim, cf.norm_eps,   cf.tied_embeddings,
-                                  CS_ACT_SILU,   1.0f,          1.0f / sqrtf(128.0f)};
+                                  CS_ACT_SILU,   1.0f,          1.0f / sqrtf(128.0f),
+                                  cf.n_layers};
         CS_ASSERT(cs_backend_cuda_init_random(&shape, inv, 42, &B.b) == 0);
         B.cf = cf;
     } else {

@@ -97,7 +97,13 @@ static void cpu_vs_cuda(const char *variant) {
     for (int i = 0; i < np; i++)
         long_prompt[i] = gt_irand(V);
     size_t pb = cs_engine_page_bytes(eg);
-    int32_t n_pages = (np + 15) / 16;
+    /* the pages a sequence keeps, in a KV transfer's order, and each one's block */
+    cs_kv_cache *kvc = cs_engine_kv(eg);
+    int32_t n_pages = cs_kv_cache_seq_pages(kvc, np), *ids = malloc(sizeof(int32_t) * n_pages),
+            *blk = malloc(sizeof(int32_t) * n_pages), wb = cs_kv_cache_window_block(kvc, np);
+    for (int32_t b = 0, x = 0; b < (np + 15) / 16; b++)
+        for (int32_t j = 0; j < cs_kv_cache_per_block(kvc); j++)
+            if (j < cs_kv_cache_n_global(kvc) || b >= wb) blk[x++] = b;
     uint16_t *kv0 = malloc(pb * n_pages), *kv1 = malloc(pb * n_pages);
     float *l0 = malloc(sizeof(float) * V);
     static const int32_t chunks[] = {0, 7, 16, 33, 99, 1};
@@ -106,7 +112,8 @@ static void cpu_vs_cuda(const char *variant) {
     for (size_t c = 0; c < n_chunks; c++) {
         cs_page_table pt = {0};
         ASSERT_EQ_INT(cs_engine_eval_seq(eg, &pt, 0, long_prompt, np, chunks[c], lg), 0);
-        ASSERT_EQ_INT(cs_engine_kv_export(eg, pt.pages, pt.n_pages, c ? kv1 : kv0), 0);
+        ASSERT_EQ_INT(cs_page_table_xfer(&pt, kvc, np, 0, pt.n_pages, ids), n_pages);
+        ASSERT_EQ_INT(cs_engine_kv_export(eg, ids, n_pages, c ? kv1 : kv0), 0);
         cs_page_table_release(&pt, cs_engine_kv(eg));
         if (!c) {
             memcpy(l0, lg, sizeof(float) * V);
@@ -120,7 +127,7 @@ static void cpu_vs_cuda(const char *variant) {
         for (size_t i = 0; i < ne; i++) {
             size_t pg_i = i / (pb / 2), in_page = i % (pb / 2),
                    slot = (in_page % per_layer_half) / kvd;
-            int written = pg_i * 16 + slot < (size_t)np;
+            int written = (size_t)blk[pg_i] * 16 + slot < (size_t)np;
             a[i] = written ? cs_bf16_to_f32(kv1[i]) : 0,
             b[i] = written ? cs_bf16_to_f32(kv0[i]) : 0;
         }
@@ -132,7 +139,7 @@ static void cpu_vs_cuda(const char *variant) {
         GT_CHECK_ERR(what, gt_norm_err(a, b, ne), TOL_CHUNKED);
         free(a), free(b);
     }
-    free(kv0), free(kv1), free(l0), free(lc), free(lg);
+    free(kv0), free(kv1), free(l0), free(lc), free(lg), free(ids), free(blk);
     cs_engine_free(ec);
     cs_engine_free(eg);
     cs_model_free(m);

@@ -12,8 +12,10 @@ the same request (token ids, text, finish reason, usage):
    tokens, none duplicated or missing;
 and afterwards every live worker is idle with every KV page free.
 
-Today every page of every layer is sent (the windowed layers' pages included); sending only
-the last window's pages for those layers is the next step of the sliding-window work."""
+The prefill worker sends, for the windowed layers, only the pages of the last window (the
+decode worker's next query sees nothing before it), and for the global layers every page: the
+bytes that arrive are counted and must be exactly that.
+"""
 from __future__ import annotations
 
 import pytest
@@ -28,6 +30,18 @@ pytestmark = pytest.mark.cluster
 
 THRESHOLD = 128  # tokens: shorter contexts prefill on the decode worker, longer remotely
 KV_MIB = 640     # 8k positions of fp32 pages: 18 layers x 2 x 256 x 4 bytes = 36 KiB a position
+# The model's KV blocks (chunkserve/kv_cache.h): pages of 3 layers (gcd of 3 global, 15 windowed),
+# 6 a block of 16 positions, one of them global; windows of 512 positions.
+PAGE_SIZE, PER_BLOCK, N_GLOBAL, WINDOW = 16, 6, 1, 512
+PAGE_BYTES = 3 * 2 * PAGE_SIZE * 256 * 4
+
+
+def window_aware_bytes(n: int) -> tuple[int, int]:
+    """(bytes a transfer of n positions moves, bytes of every page of every block)."""
+    blocks = -(-n // PAGE_SIZE)
+    wb = max(0, n - WINDOW + 1) // PAGE_SIZE
+    return ((N_GLOBAL * blocks + (PER_BLOCK - N_GLOBAL) * (blocks - wb)) * PAGE_BYTES,
+            PER_BLOCK * blocks * PAGE_BYTES)
 
 
 @pytest.fixture(scope="module")
@@ -68,6 +82,7 @@ def test_long_prompt_survives_killing_its_decode_worker(cluster, ref, pb, long_p
     assert [len(w[0]) for w in wants] == ns
     mig0 = metric(cluster.router.metrics(), "chunkserve:migrations_total")
     kv0 = [p.metric("chunkserve:kv_transfers_completed_total") for p in cluster.decode]
+    bytes0 = [p.metric("chunkserve:kv_transfer_bytes_total") for p in cluster.decode]
     got, progress, errors, threads = stream_threads(cluster, g, items, ns, sampling, timeout=600)
     for t in threads:
         t.start()
@@ -77,6 +92,11 @@ def test_long_prompt_survives_killing_its_decode_worker(cluster, ref, pb, long_p
           for p, k in zip(cluster.decode, kv0)]
     assert sorted(kv) == [0, 1], kv  # the long prompt's pages went to one decode worker
     victim = cluster.decode[kv.index(1)]
+    got_bytes = victim.metric("chunkserve:kv_transfer_bytes_total") - bytes0[kv.index(1)]
+    want_bytes, every_page = window_aware_bytes(wants[0][3][0])
+    print(f"{wants[0][3][0]}-token prompt: {got_bytes / 2**20:.1f} MiB of KV sent, "
+          f"{every_page / 2**20:.1f} MiB with every page")
+    assert got_bytes == want_bytes, (got_bytes, want_bytes, every_page)
     at_kill = list(progress)
     victim.kill9()
     assert progress[0] < ns[0], f"the long stream finished before the kill: {at_kill}"

@@ -65,7 +65,14 @@ static void run_one(cs_engine *e, const int32_t *prompt, int32_t n, int32_t chun
     cs_page_table pt = {0};
     ASSERT_EQ_INT(cs_engine_eval_seq(e, &pt, 0, prompt, n, chunk, logits), 0);
     memcpy(last, logits, sizeof(float) * (size_t)V);
-    if (kv_out) ASSERT_EQ_INT(cs_engine_kv_export(e, pt.pages, pt.n_pages, kv_out), 0);
+    if (kv_out) { /* the pages it keeps, in a KV transfer's order */
+        cs_kv_cache *kv = cs_engine_kv(e);
+        int32_t *ids = malloc(sizeof(int32_t) * (size_t)cs_kv_cache_seq_pages(kv, n));
+        int32_t n_ids = cs_page_table_xfer(&pt, kv, n, 0, pt.n_pages, ids);
+        ASSERT_EQ_INT(n_ids, cs_kv_cache_seq_pages(kv, n));
+        ASSERT_EQ_INT(cs_engine_kv_export(e, ids, n_ids, kv_out), 0);
+        free(ids);
+    }
     for (int i = 0; i < n_gen; i++) {
         gen[i] = argmax(logits, V);
         ASSERT_EQ_INT(cs_engine_eval_seq(e, &pt, n + i, &gen[i], 1, 0, logits), 0);
@@ -74,25 +81,31 @@ static void run_one(cs_engine *e, const int32_t *prompt, int32_t n, int32_t chun
     free(logits);
 }
 
-/* Compares exported pages over the positions [0, n) only (the tail of the
- * last page is unwritten). Layout: [page][layer][K,V][page_size][kv_dim]. */
-static double kv_rel_err(const float *a, const float *b, const cs_model_config *c, int page_size,
-                         int32_t n) {
-    size_t kvd = (size_t)c->n_kv_heads * c->head_dim, num = 0;
+/* Compares pages exported in a transfer's order over the positions [0, n)
+ * only (the tail of the last block is unwritten). Layout: page after page
+ * (block by block, its kinds in order, the windowed ones only in the window
+ * the next query sees), each [kv_layers][K,V][page_size][kv_dim]. */
+static double kv_rel_err(const float *a, const float *b, cs_engine *e, int page_size, int32_t n) {
+    const cs_model_config *c = cs_model_get_config(cs_engine_model(e));
+    const cs_kv_cache *kvc = cs_engine_kv(e);
+    const size_t kvd = (size_t)c->n_kv_heads * c->head_dim, L = (size_t)cs_engine_kv_layers(e);
+    const int32_t wb = cs_kv_cache_window_block(kvc, n);
     double s_num = 0, s_den = 0;
-    for (int32_t p = 0; p < n; p++) {
-        size_t page = (size_t)(p / page_size), slot = (size_t)(p % page_size);
-        for (int l = 0; l < c->n_layers; l++)
-            for (int kv = 0; kv < 2; kv++) {
-                size_t off = (((page * c->n_layers + l) * 2 + kv) * page_size + slot) * kvd;
-                for (size_t i = 0; i < kvd; i++) {
-                    double d = (double)a[off + i] - b[off + i];
-                    s_num += d * d, s_den += (double)b[off + i] * b[off + i];
-                    num++;
-                }
-            }
-    }
-    (void)num;
+    size_t page = 0;
+    for (int32_t blk = 0; blk * page_size < n; blk++)
+        for (int32_t j = 0; j < cs_kv_cache_per_block(kvc); j++) {
+            if (j >= cs_kv_cache_n_global(kvc) && blk < wb) continue;
+            for (int32_t slot = 0; slot < page_size && blk * page_size + slot < n; slot++)
+                for (size_t l = 0; l < L; l++)
+                    for (int kv = 0; kv < 2; kv++) {
+                        size_t off = (((page * L + l) * 2 + kv) * page_size + slot) * kvd;
+                        for (size_t i = 0; i < kvd; i++) {
+                            double d = (double)a[off + i] - b[off + i];
+                            s_num += d * d, s_den += (double)b[off + i] * b[off + i];
+                        }
+                    }
+            page++;
+        }
     return sqrt(s_num / (s_den > 0 ? s_den : 1));
 }
 
@@ -107,8 +120,8 @@ static void check_chunked_equals_one_pass(const char *variant, int page_size) {
     int32_t *prompt = malloc(sizeof(int32_t) * 700);
     for (int i = 0; i < 700; i++)
         prompt[i] = (int32_t)rnd((uint32_t)V);
-    size_t kv_floats =
-        cs_engine_page_bytes(e) / sizeof(float) * (size_t)((700 + GEN) / page_size + 2);
+    size_t kv_floats = cs_engine_page_bytes(e) / sizeof(float) *
+                       (size_t)cs_kv_cache_seq_pages(cs_engine_kv(e), 700 + GEN + page_size);
     float *ref_last = malloc(sizeof(float) * V), *last = malloc(sizeof(float) * V);
     float *ref_kv = malloc(sizeof(float) * kv_floats), *kv = malloc(sizeof(float) * kv_floats);
     int32_t ref_gen[GEN], gen[GEN];
@@ -129,7 +142,7 @@ static void check_chunked_equals_one_pass(const char *variant, int page_size) {
             if (chunks[ci] >= n) continue; /* same as one pass */
             run_one(e, prompt, n, chunks[ci], last, kv, gen, GEN);
             double el = rel_err(last, ref_last, (size_t)V),
-                   ek = kv_rel_err(kv, ref_kv, c, page_size, n);
+                   ek = kv_rel_err(kv, ref_kv, e, page_size, n);
             if (el > worst_logit) worst_logit = el;
             if (ek > worst_kv) worst_kv = ek;
             if (el > 1e-5 || ek > 1e-5)
@@ -186,9 +199,9 @@ static void run_seqs(cs_engine *e, seq *s, int n_seq, bool sampled, bool mixed) 
         for (int i = 0; i < n_seq && used < budget; i++)
             if (s[i].done == s[i].n_prompt && s[i].n_out < N_GEN) {
                 int32_t pos = s[i].n_prompt + s[i].n_out - 1;
-                ASSERT_EQ_INT(cs_page_table_reserve(&s[i].pt, kv, pos + 1), 0);
-                spans[n_spans] =
-                    (cs_span){&s[i].next, 1, pos, s[i].pt.pages, s[i].pt.n_pages, true};
+                ASSERT_EQ_INT(cs_page_table_reserve(&s[i].pt, kv, pos, pos + 1), 0);
+                spans[n_spans] = (cs_span){&s[i].next,      1,    pos,         s[i].pt.pages,
+                                           s[i].pt.n_pages, true, s[i].pt.cap};
                 owner[n_spans++] = i;
                 used++;
             }
@@ -196,10 +209,14 @@ static void run_seqs(cs_engine *e, seq *s, int n_seq, bool sampled, bool mixed) 
             if (s[i].done < s[i].n_prompt) {
                 int32_t k = s[i].n_prompt - s[i].done;
                 if (k > budget - used) k = budget - used;
-                ASSERT_EQ_INT(cs_page_table_reserve(&s[i].pt, kv, s[i].done + k), 0);
-                spans[n_spans] = (cs_span){
-                    s[i].prompt + s[i].done,       k, s[i].done, s[i].pt.pages, s[i].pt.n_pages,
-                    s[i].done + k == s[i].n_prompt};
+                ASSERT_EQ_INT(cs_page_table_reserve(&s[i].pt, kv, s[i].done, s[i].done + k), 0);
+                spans[n_spans] = (cs_span){s[i].prompt + s[i].done,
+                                           k,
+                                           s[i].done,
+                                           s[i].pt.pages,
+                                           s[i].pt.n_pages,
+                                           s[i].done + k == s[i].n_prompt,
+                                           s[i].pt.cap};
                 owner[n_spans++] = i;
                 used += k;
             }
@@ -272,7 +289,7 @@ static void check_pages(void) {
     ASSERT_EQ_INT(cs_kv_cache_n_free(kv), 1);
     cs_page_table_release(&b, kv); /* the table's array may have grown */
     /* bad steps change nothing */
-    cs_span bad = {toks, 5, 0, a.pages, a.n_pages, true};
+    cs_span bad = {toks, 5, 0, a.pages, a.n_pages, true, a.cap};
     int32_t badtok[2] = {0, V};
     bad.tokens = badtok, bad.n_tokens = 2;
     ASSERT_EQ_INT(cs_engine_step(e, &bad, 1, logits), CS_EINVAL);

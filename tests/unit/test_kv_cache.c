@@ -249,19 +249,19 @@ static void test_page_table(void) {
     cs_kv_cache *kv;
     ASSERT_EQ_INT(cs_kv_cache_init(4, 16, &kv), 0);
     cs_page_table pt = {0}, other = {0};
-    ASSERT_EQ_INT(cs_page_table_reserve(&pt, kv, 17), 0);
+    ASSERT_EQ_INT(cs_page_table_reserve(&pt, kv, 0, 17), 0);
     ASSERT_EQ_INT(pt.n_pages, 2);
-    ASSERT_EQ_INT(cs_page_table_reserve(&pt, kv, 32), 0);
+    ASSERT_EQ_INT(cs_page_table_reserve(&pt, kv, 0, 32), 0);
     ASSERT_EQ_INT(pt.n_pages, 2);
-    ASSERT_EQ_INT(cs_page_table_reserve(&pt, kv, -1), CS_EINVAL);
+    ASSERT_EQ_INT(cs_page_table_reserve(&pt, kv, 0, -1), CS_EINVAL);
     ASSERT_EQ_INT(cs_kv_cache_register(kv, pt.pages[0], 9), 0);
-    ASSERT_EQ_INT(cs_page_table_reserve(&other, kv, 16 * 3), CS_ENOSPC);
+    ASSERT_EQ_INT(cs_page_table_reserve(&other, kv, 0, 16 * 3), CS_ENOSPC);
     ASSERT_EQ_INT(other.n_pages, 0);
     cs_page_table_release(&pt, kv);
     ASSERT_TRUE(pt.pages == NULL && pt.n_pages == 0);
     counts_are(kv, 3, 0, 1);
     /* the cached page is evicted once the table needs it */
-    ASSERT_EQ_INT(cs_page_table_reserve(&other, kv, 16 * 4), 0);
+    ASSERT_EQ_INT(cs_page_table_reserve(&other, kv, 0, 16 * 4), 0);
     counts_are(kv, 0, 4, 0);
     ASSERT_EQ_INT(cs_kv_cache_lookup(kv, 9), -1);
     cs_page_table_release(&other, kv);
@@ -508,7 +508,72 @@ static void test_summary(void) {
     cs_kv_cache_free(kv);
 }
 
+/* Blocks of three kinds (one global, two windowed) with a 20-position
+ * window over pages of 8: reserve, trim, the transfer order, release. */
+static void test_blocks(void) {
+    cs_kv_cache *kv;
+    ASSERT_EQ_INT(cs_kv_cache_init(64, 8, &kv), 0);
+    ASSERT_EQ_INT(cs_kv_cache_set_blocks(kv, 0, 0, 0), CS_EINVAL);
+    ASSERT_EQ_INT(cs_kv_cache_set_blocks(kv, 2, 3, 0), CS_EINVAL);
+    ASSERT_EQ_INT(cs_kv_cache_set_blocks(kv, 3, 1, 0), CS_EINVAL); /* windowed kinds, no window */
+    ASSERT_EQ_INT(cs_kv_cache_set_blocks(kv, 3, 3, 20), CS_EINVAL); /* a window, no windowed kind */
+    ASSERT_EQ_INT(cs_kv_cache_set_blocks(kv, 3, 1, 20), 0);
+    /* a query at p reads [p - 19, p]: block (p - 19) / 8 on */
+    ASSERT_EQ_INT(cs_kv_cache_window_block(kv, 19), 0);
+    ASSERT_EQ_INT(cs_kv_cache_window_block(kv, 27), 1);
+    ASSERT_EQ_INT(cs_kv_cache_window_block(kv, 100), 10);
+    /* 100 positions: 13 blocks; windowed kinds kept for blocks 10..12 */
+    ASSERT_EQ_INT(cs_kv_cache_seq_pages(kv, 100), 13 + 2 * 3);
+    ASSERT_EQ_INT(cs_kv_cache_xfer_index(kv, 100, 11), 11 + 2 * 1);
+    cs_page_table pt = {0};
+    /* a 40-position chunk from 0 writes every kind of blocks 0..4 */
+    ASSERT_EQ_INT(cs_page_table_need(&pt, kv, 0, 40), 15);
+    ASSERT_EQ_INT(cs_page_table_reserve(&pt, kv, 0, 40), 0);
+    ASSERT_EQ_INT(cs_page_table_held(&pt, kv), 15);
+    counts_are(kv, 64 - 15, 15, 0);
+    /* after it, the next query (40) reads from block 2: blocks 0, 1 go */
+    for (int32_t b = 0; b < 5; b++) /* registered: they become cached, not free */
+        ASSERT_EQ_INT(cs_kv_cache_register(kv, pt.pages[pt.cap + b], 100 + (uint64_t)b), 0);
+    cs_page_table_trim(&pt, kv, 40);
+    ASSERT_EQ_INT(pt.win_lo, 2);
+    ASSERT_TRUE(pt.pages[pt.cap + 0] == -1 && pt.pages[2 * pt.cap + 1] == -1);
+    ASSERT_EQ_INT(cs_page_table_held(&pt, kv), 5 + 2 * 3);
+    counts_are(kv, 64 - 15 + 2, 11, 2);
+    /* a one-token step at 40: block 5's three kinds */
+    ASSERT_EQ_INT(cs_page_table_need(&pt, kv, 40, 41), 3);
+    /* the transfer of 41 positions: every global page, windowed from block 2 */
+    int32_t ids[64];
+    ASSERT_EQ_INT(cs_page_table_reserve(&pt, kv, 40, 41), 0);
+    ASSERT_EQ_INT(cs_page_table_xfer(&pt, kv, 41, 0, 6, ids), cs_kv_cache_seq_pages(kv, 41));
+    ASSERT_EQ_INT(ids[0], pt.pages[0]);
+    ASSERT_EQ_INT(ids[2], pt.pages[2]); /* blocks 0, 1: the global page only */
+    ASSERT_EQ_INT(ids[3], pt.pages[pt.cap + 2]);
+    ASSERT_EQ_INT(ids[4], pt.pages[2 * pt.cap + 2]);
+    /* a table trimmed past the window names pages it no longer holds: refused */
+    ASSERT_EQ_INT(cs_page_table_xfer(&pt, kv, 16, 0, 2, ids), CS_EINVAL);
+    /* grows far: the rows move, the held windows stay */
+    ASSERT_EQ_INT(cs_page_table_reserve(&pt, kv, 41, 120), 0);
+    ASSERT_EQ_INT(cs_page_table_held(&pt, kv), 15 + 2 * (15 - 2));
+    cs_page_table_trim(&pt, kv, 120);
+    ASSERT_EQ_INT(cs_page_table_held(&pt, kv), cs_kv_cache_seq_pages(kv, 120));
+    /* all or nothing */
+    cs_page_table other = {0};
+    int32_t room = cs_kv_cache_n_free(kv) + cs_kv_cache_n_cached(kv);
+    ASSERT_EQ_INT(cs_page_table_reserve(&other, kv, 0, 8 * (room / 3 + 1)), CS_ENOSPC);
+    ASSERT_EQ_INT(other.n_pages, 0);
+    /* a landing (from == n_tokens) takes windowed pages of the last window only */
+    ASSERT_EQ_INT(cs_page_table_reserve(&other, kv, 50, 50), 0);
+    ASSERT_EQ_INT(other.win_lo, cs_kv_cache_window_block(kv, 50));
+    ASSERT_EQ_INT(cs_page_table_held(&other, kv), cs_kv_cache_seq_pages(kv, 50));
+    cs_page_table_release(&other, kv);
+    cs_page_table_release(&pt, kv);
+    ASSERT_EQ_INT(cs_kv_cache_n_used(kv), 0);
+    ASSERT_EQ_INT(cs_kv_cache_check(kv), 0);
+    cs_kv_cache_free(kv);
+}
+
 int main(void) {
+    test_blocks();
     test_summary();
     test_init_alloc_free();
     test_register_lookup();

@@ -50,19 +50,26 @@ static uint32_t rnd(uint32_t n) {
 
 static int32_t PROMPT = 600; /* CS_QUANT_PROMPT for a real model */
 
-/* Exported pages, [page][layer][K, V][16 slots][kv_dim] floats, compared over
- * positions [0, PROMPT) (the last page's tail holds whatever its previous
- * user left). */
-static bool kv_equal(const char *a, const char *b, const cs_model_config *c, int32_t n_pages,
-                     size_t page_bytes) {
+/* Pages exported in a KV transfer's order (block by block, each block's
+ * kinds, the windowed ones only in the last window), each [kv_layers][K, V]
+ * [16 slots][kv_dim], compared over positions [0, PROMPT) (the last block's
+ * tail holds whatever its previous user left). */
+static bool kv_equal(const char *a, const char *b, cs_engine *e, size_t page_bytes) {
+    const cs_model_config *c = cs_model_get_config(cs_engine_model(e));
+    const cs_kv_cache *kv = cs_engine_kv(e);
     size_t slot = (size_t)c->n_kv_heads * c->head_dim * (g_kv_bf16 ? 2 : sizeof(float));
-    for (int32_t p = 0; p < n_pages; p++) {
-        int used = p == n_pages - 1 && PROMPT % 16 ? PROMPT % 16 : 16;
-        for (int l = 0; l < c->n_layers * 2; l++) {
-            size_t off = (size_t)p * page_bytes + (size_t)l * 16 * slot;
-            if (memcmp(a + off, b + off, (size_t)used * slot)) return false;
+    const int32_t n_blocks = (PROMPT + 15) / 16, wb = cs_kv_cache_window_block(kv, PROMPT);
+    size_t p = 0;
+    for (int32_t blk = 0; blk < n_blocks; blk++)
+        for (int32_t j = 0; j < cs_kv_cache_per_block(kv); j++) {
+            if (j >= cs_kv_cache_n_global(kv) && blk < wb) continue;
+            int used = blk == n_blocks - 1 && PROMPT % 16 ? PROMPT % 16 : 16;
+            for (int l = 0; l < cs_engine_kv_layers(e) * 2; l++) {
+                size_t off = p * page_bytes + (size_t)l * 16 * slot;
+                if (memcmp(a + off, b + off, (size_t)used * slot)) return false;
+            }
+            p++;
         }
-    }
     return true;
 }
 
@@ -72,10 +79,11 @@ static void check_chunks(cs_model *m, int32_t V) {
         prompt[i] = (int32_t)rnd((uint32_t)V);
     cs_engine *e = engine(m, 2);
     size_t page_bytes = cs_engine_page_bytes(e);
-    int32_t n_pages = (PROMPT + 15) / 16;
+    int32_t n_pages = cs_kv_cache_seq_pages(cs_engine_kv(e), PROMPT); /* what it keeps */
+    int32_t *ids = malloc(sizeof(int32_t) * (size_t)n_pages);
     float *l0 = malloc(sizeof(float) * (size_t)V), *l1 = malloc(sizeof(float) * (size_t)V);
     char *kv0 = calloc((size_t)n_pages, page_bytes), *kv1 = calloc((size_t)n_pages, page_bytes);
-    ASSERT_TRUE(l0 && l1 && kv0 && kv1);
+    ASSERT_TRUE(l0 && l1 && kv0 && kv1 && ids);
     int32_t chunks[16] = {0, 16, 17, 100, 15, 512, 1, 2, 64, 256};
     size_t n_chunks = g_real ? 4 : 10;
     const char *list = getenv("CS_QUANT_CHUNKS"); /* "1,7,256": chunk sizes after one pass */
@@ -87,21 +95,23 @@ static void check_chunks(cs_model *m, int32_t V) {
     for (size_t c = 0; c < n_chunks; c++) {
         cs_page_table pt = {0};
         ASSERT_EQ_INT(cs_engine_eval_seq(e, &pt, 0, prompt, PROMPT, chunks[c], c ? l1 : l0), 0);
-        ASSERT_EQ_INT(pt.n_pages, n_pages);
-        ASSERT_EQ_INT(cs_engine_kv_export(e, pt.pages, pt.n_pages, c ? kv1 : kv0), 0);
+        ASSERT_EQ_INT(pt.n_pages, (PROMPT + 15) / 16);
+        ASSERT_EQ_INT(cs_page_table_xfer(&pt, cs_engine_kv(e), PROMPT, 0, pt.n_pages, ids),
+                      n_pages);
+        ASSERT_EQ_INT(cs_engine_kv_export(e, ids, n_pages, c ? kv1 : kv0), 0);
         cs_page_table_release(&pt, cs_engine_kv(e));
         if (!c) continue;
         if (memcmp(l0, l1, sizeof(float) * (size_t)V) != 0) {
             fprintf(stderr, "chunk %d: logits differ from one pass\n", chunks[c]);
             exit(1);
         }
-        if (!kv_equal(kv0, kv1, cs_model_get_config(m), n_pages, page_bytes)) {
+        if (!kv_equal(kv0, kv1, e, page_bytes)) {
             fprintf(stderr, "chunk %d: KV pages differ from one pass\n", chunks[c]);
             exit(1);
         }
     }
     cs_engine_free(e);
-    free(l0), free(l1), free(kv0), free(kv1), free(prompt);
+    free(l0), free(l1), free(kv0), free(kv1), free(prompt), free(ids);
 }
 
 /* The target: a 37-token prompt in chunks of 7, then 20 greedy tokens; its
@@ -127,8 +137,8 @@ static void run_target(cs_engine *e, int32_t V, bool crowd, float *log) {
     for (int s = 0; s < STEPS; s++) {
         int32_t n = s < 5 ? 7 : s == 5 ? 2 : 1; /* 5 x 7 + 2 = 37, then decodes */
         const int32_t *t = s <= 5 ? prompt + pos : tok;
-        ASSERT_EQ_INT(cs_page_table_reserve(&pt, kv, pos + n), 0);
-        spans[0] = (cs_span){t, n, pos, pt.pages, pt.n_pages, true};
+        ASSERT_EQ_INT(cs_page_table_reserve(&pt, kv, pos, pos + n), 0);
+        spans[0] = (cs_span){t, n, pos, pt.pages, pt.n_pages, true, pt.cap};
         int ns = 1;
         int n_co = crowd ? 1 + (int)rnd(MAXC) : 0;
         for (int c = 0; c < n_co; c++) {
@@ -139,9 +149,9 @@ static void run_target(cs_engine *e, int32_t V, bool crowd, float *log) {
             }
             for (int i = 0; i < cn; i++)
                 ctok[c][i] = (int32_t)rnd((uint32_t)V);
-            ASSERT_EQ_INT(cs_page_table_reserve(&cpt[c], kv, cpos[c] + cn), 0);
-            spans[ns++] =
-                (cs_span){ctok[c], cn, cpos[c], cpt[c].pages, cpt[c].n_pages, rnd(2) == 0};
+            ASSERT_EQ_INT(cs_page_table_reserve(&cpt[c], kv, cpos[c], cpos[c] + cn), 0);
+            spans[ns++] = (cs_span){ctok[c],        cn,          cpos[c], cpt[c].pages,
+                                    cpt[c].n_pages, rnd(2) == 0, cpt[c].cap};
             cpos[c] += cn;
         }
         /* the target somewhere in the step, not always first */

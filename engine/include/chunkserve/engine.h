@@ -47,18 +47,24 @@ void cs_engine_free(cs_engine *e); /* NULL is a no-op */
 const cs_model *cs_engine_model(const cs_engine *e);
 /* The page allocator for this engine's pool (owned by the engine). */
 cs_kv_cache *cs_engine_kv(cs_engine *e);
-/* Bytes of one page: all layers' K and V for page_size tokens. */
+/* Bytes of one page: K and V for page_size tokens of the layers one page
+ * holds (every layer, or with windowed layers one kind's: kv_cache.h). */
 size_t cs_engine_page_bytes(const cs_engine *e);
+/* Layers whose K and V one page holds: n_layers, or with windowed layers
+ * fewer (kv_cache.h's blocks). */
+int32_t cs_engine_kv_layers(const cs_engine *e);
 const char *cs_engine_backend_name(const cs_engine *e);
 
 typedef struct {
     const int32_t *tokens; /* (n_tokens) the span's new tokens */
     int32_t n_tokens;      /* >= 1 */
     int32_t pos;           /* position of tokens[0] = tokens already cached */
-    const int32_t *pages;  /* page table covering positions [0, pos + n_tokens) */
-    int32_t n_pages;
+    const int32_t *pages;  /* page table covering positions [0, pos + n_tokens): a
+                              cs_page_table's pages (kind j's row at pages + j * stride) */
+    int32_t n_pages;       /* blocks */
     int32_t n_logits; /* logits of the span's last n_logits tokens (0..n_tokens): 1 to
                          sample the next token, more for the prompt's log-probabilities */
+    int32_t stride;   /* the table's cap: read only when a block takes several pages */
 } cs_span;
 
 /* One ragged forward step over n_spans spans (at most one span per sequence).
@@ -71,13 +77,14 @@ int cs_engine_step(cs_engine *e, const cs_span *spans, int32_t n_spans, float *l
 
 /* Convenience for driving one sequence (tools, tests; the scheduler does this
  * for many): evaluates n tokens at positions pos.. in chunks of at most
- * max_chunk tokens (0 = all at once), growing pt to cover them, and writes the
+ * max_chunk tokens (0 = all at once), growing pt to cover each chunk and
+ * trimming its windowed pages after it (cs_page_table_trim), and writes the
  * last token's n_vocab logits. On failure pt keeps any pages it gained. */
 int cs_engine_eval_seq(cs_engine *e, cs_page_table *pt, int32_t pos, const int32_t *tokens,
                        int32_t n, int32_t max_chunk, float *logits);
 
-/* Copies n pages (all layers, K and V; page-major, cs_engine_page_bytes()
- * each) to a flat host buffer, or back. For the KV transport and for tests. */
+/* Copies n pages (page-major, cs_engine_page_bytes() each) to a flat host
+ * buffer, or back. For the KV transport and for tests. */
 int cs_engine_kv_export(cs_engine *e, const int32_t *pages, int32_t n, void *dst);
 int cs_engine_kv_import(cs_engine *e, const int32_t *pages, int32_t n, const void *src);
 

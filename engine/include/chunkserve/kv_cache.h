@@ -98,16 +98,71 @@ bool cs_kv_summary_has(const uint8_t *bits, size_t n_bits, uint64_t hash);
  * the first broken invariant (CS_ENOMEM if its scratch space fails). */
 int cs_kv_cache_check(const cs_kv_cache *kv);
 
-/* A sequence's page table: pages[i] holds positions [i*page_size, (i+1)*page_size). */
+/* ---- blocks: pages of several kinds ----
+ * A sequence's positions go in blocks of page_size. Without sliding-window
+ * layers a block is one page holding every layer's K and V. A model with
+ * windowed layers (cs_kv_cache_set_blocks) holds a block in per_block pages
+ * of the same size, each for a few layers: the first n_global kinds for the
+ * layers that attend to every position before them, the others for the
+ * windowed layers, which a query at position p reads only for keys in
+ * (p - window, p]. A sequence keeps its windowed pages only for the blocks
+ * its next query can still see (cs_page_table_trim gives back the rest), so
+ * their memory is bounded by the window whatever the context, and a KV
+ * transfer moves only those. Default: one global page per block, no window. */
+int cs_kv_cache_set_blocks(cs_kv_cache *kv, int32_t per_block, int32_t n_global, int32_t window);
+int32_t cs_kv_cache_per_block(const cs_kv_cache *kv);
+int32_t cs_kv_cache_n_global(const cs_kv_cache *kv);
+int32_t cs_kv_cache_window(const cs_kv_cache *kv); /* 0: no windowed kind */
+/* The first block whose windowed pages a query at position pos reads: the
+ * block of pos - window + 1 (0 without a window). */
+int32_t cs_kv_cache_window_block(const cs_kv_cache *kv, int32_t pos);
+/* Pages that hold positions [0, n_tokens) for a next query at n_tokens:
+ * every global kind of every block, the windowed kinds from
+ * cs_kv_cache_window_block(n_tokens) on. What a sequence keeps between
+ * steps, and what a KV transfer of n_tokens positions moves. */
+int32_t cs_kv_cache_seq_pages(const cs_kv_cache *kv, int32_t n_tokens);
+/* Where block's first page sits in that transfer's order (block by block,
+ * kinds in order, windowed kinds only from the window block on). */
+int32_t cs_kv_cache_xfer_index(const cs_kv_cache *kv, int32_t n_tokens, int32_t block);
+/* The hash a block's page of kind `kind` is registered under in the prefix
+ * cache: the block's chained hash itself for kind 0 (what the router's
+ * prefix summaries test), a hash of it and the kind for the others. */
+uint64_t cs_kv_cache_kind_hash(uint64_t block_hash, int32_t kind);
+/* Whether some page (in use or cached) is registered under hash; takes
+ * nothing. */
+bool cs_kv_cache_has(const cs_kv_cache *kv, uint64_t hash);
+
+/* A sequence's page table: pages[j * cap + i] is the page of kind j holding
+ * block i, positions [i * page_size, (i + 1) * page_size), for i < n_pages
+ * (blocks; with one kind per block, the page of block i at pages[i]).
+ * Windowed kinds are held for blocks [win_lo, n_pages) only; entries before
+ * are -1. Zero-initialized = empty. */
 typedef struct {
     int32_t *pages;
-    int32_t n_pages;
-    int32_t cap;
+    int32_t n_pages; /* blocks */
+    int32_t cap;     /* blocks each kind's row has room for (the rows' stride) */
+    int32_t win_lo;  /* first block whose windowed pages are held */
 } cs_page_table;
 
-/* Grows pt so it covers n_tokens positions, allocating the missing pages:
- * all or nothing (CS_ENOSPC leaves pt as it was). */
-int cs_page_table_reserve(cs_page_table *pt, cs_kv_cache *kv, int32_t n_tokens);
+/* Grows pt so it covers n_tokens positions for a computation whose first
+ * query is at `from` (from == n_tokens: pages a KV transfer lands in, for a
+ * next query at n_tokens): every global kind of every block, the windowed
+ * kinds from cs_kv_cache_window_block(from) on. All or nothing: CS_ENOSPC
+ * leaves pt as it was; CS_EINVAL for from outside [0, n_tokens]. */
+int cs_page_table_reserve(cs_page_table *pt, cs_kv_cache *kv, int32_t from, int32_t n_tokens);
+/* The pages that reserve(pt, kv, from, n_tokens) would allocate. */
+int32_t cs_page_table_need(const cs_page_table *pt, const cs_kv_cache *kv, int32_t from,
+                           int32_t n_tokens);
+/* Gives back the windowed pages of blocks no query at position >= next
+ * reads (before cs_kv_cache_window_block(next)). */
+void cs_page_table_trim(cs_page_table *pt, cs_kv_cache *kv, int32_t next);
+/* Writes the pages of blocks [b0, b1) in a transfer of n_tokens positions'
+ * order (cs_kv_cache_xfer_index) into out; returns how many, or CS_EINVAL
+ * when a page that order names is not held. */
+int32_t cs_page_table_xfer(const cs_page_table *pt, const cs_kv_cache *kv, int32_t n_tokens,
+                           int32_t b0, int32_t b1, int32_t *out);
+/* The pages pt holds. */
+int32_t cs_page_table_held(const cs_page_table *pt, const cs_kv_cache *kv);
 /* Drops the table's references and empties it (keeps nothing allocated). */
 void cs_page_table_release(cs_page_table *pt, cs_kv_cache *kv);
 

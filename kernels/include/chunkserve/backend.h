@@ -35,6 +35,8 @@ typedef struct {
     cs_act act;           /* gate activation */
     float embed_scale;    /* the embedding rows are multiplied by it (1: none) */
     float attn_scale;     /* q . k multiplier, usually 1 / sqrt(head_dim) */
+    int32_t kv_layers;    /* layers whose K and V one KV page holds: n_layers, or with
+                             windowed layers fewer (chunkserve/kv_cache.h's blocks) */
 } cs_weights_shape;
 
 /* One layer's fp32 weights, row-major, PyTorch [out, in] order; q and k rows
@@ -45,6 +47,9 @@ typedef struct {
  * RoPE, and attention over the last `window` positions when window > 0. */
 typedef struct {
     int32_t window;              /* sliding window in positions, 0 = every position */
+    int32_t kv_kind;             /* which of a block's pages holds its K and V (the page
+                                    table's row: span pages + kv_kind * stride) */
+    int32_t kv_slot;             /* its place in that page: 0 .. kv_layers - 1 */
     const float *rope_inv_freq;  /* (head_dim / 2) angle per position, scaling applied */
     const float *q_norm;         /* (head_dim) or NULL */
     const float *k_norm;         /* (head_dim) or NULL */
@@ -132,9 +137,11 @@ typedef struct {
     const int32_t *tokens; /* (n_tokens) the span's new tokens */
     int32_t n_tokens;      /* >= 1 */
     int32_t pos;           /* position of tokens[0] = tokens already cached */
-    const int32_t *pages;  /* page table covering positions [0, pos + n_tokens) */
-    int32_t n_pages;
+    const int32_t *pages;  /* page table covering positions [0, pos + n_tokens): kind j's
+                              page of block i at pages[j * stride + i] */
+    int32_t n_pages;       /* blocks */
     int32_t n_logits; /* logits of the span's last n_logits tokens */
+    int32_t stride;   /* entries between one kind's row and the next */
 } cs_backend_span;
 
 typedef struct cs_backend cs_backend;
@@ -143,7 +150,7 @@ struct cs_backend_iface {
     const char *name;
     void (*free)(void *ctx);
     /* Allocates the KV pool: n_pages pages of page_size tokens; sets the
-     * bytes one page takes (all layers, K and V) in the backend's format. */
+     * bytes one page takes (kv_layers layers' K and V) in the backend's format. */
     int (*kv_init)(void *ctx, int32_t n_pages, int32_t page_size, size_t *page_bytes);
     /* A validated ragged step (see cs_engine_step); n_tokens = sum of spans. */
     int (*forward)(void *ctx, const cs_backend_span *spans, int32_t n_spans, int32_t n_tokens,
@@ -176,7 +183,7 @@ bool cs_backend_will_use_cuda(void);
  * (cuda without a GPU: CS_ENOSYS). Logs the choice and why. kv_bf16: the CPU
  * backend's KV pages in bf16 (CUDA's are bf16 whatever it says). */
 int cs_backend_init(const cs_weights *w, int n_threads, bool kv_bf16, cs_backend **out);
-/* Bytes of one KV page (all layers, K and V) in b's format: fp32 on the CPU
+/* Bytes of one KV page (kv_layers layers, K and V) in b's format: fp32 on the CPU
  * (bf16 with kv_bf16), bf16 on CUDA. What kv_init will report, known before
  * the pool exists. */
 size_t cs_backend_page_bytes(const cs_backend *b, const cs_weights_shape *shape, int32_t page_size);

@@ -59,12 +59,13 @@ enum cs_kvx_dtype { CS_KVX_DTYPE_F32 = 0, CS_KVX_DTYPE_F16 = 1, CS_KVX_DTYPE_BF1
 
 /* What a page is: both peers must agree on every field (checked at connect). */
 typedef struct {
-    int32_t n_layers;
+    int32_t n_layers;    /* layers whose K and V one page holds (all, or one kind's share
+                            with windowed layers: chunkserve/kv_cache.h) */
     int32_t n_kv_heads;
     int32_t head_dim;
     int32_t dtype;       /* enum cs_kvx_dtype of the KV pool */
     int32_t page_size;   /* tokens per page */
-    uint64_t page_bytes; /* bytes of one page: all layers' K and V */
+    uint64_t page_bytes; /* bytes of one page: K and V of its n_layers layers */
     int32_t weights;     /* enum cs_kvx_weights: what computed the pages (the two modes'
                             pages differ, so a pair must match) */
     uint64_t model;      /* cs_model_fingerprint of the weights that computed them (0 where
