@@ -96,6 +96,9 @@ static void check_chunks(cs_model *m, int32_t V) {
         cs_page_table pt = {0};
         ASSERT_EQ_INT(cs_engine_eval_seq(e, &pt, 0, prompt, PROMPT, chunks[c], c ? l1 : l0), 0);
         ASSERT_EQ_INT(pt.n_pages, (PROMPT + 15) / 16);
+        /* it holds what its length keeps, whatever the chunks (with windows:
+         * the windowed layers' pages of the last window only) */
+        ASSERT_EQ_INT(cs_kv_cache_n_used(cs_engine_kv(e)), n_pages);
         ASSERT_EQ_INT(cs_page_table_xfer(&pt, cs_engine_kv(e), PROMPT, 0, pt.n_pages, ids),
                       n_pages);
         ASSERT_EQ_INT(cs_engine_kv_export(e, ids, n_pages, c ? kv1 : kv0), 0);
@@ -110,6 +113,8 @@ static void check_chunks(cs_model *m, int32_t V) {
             exit(1);
         }
     }
+    printf("a %d-token prompt keeps %d KV pages; every kind of page of every block: %d\n", PROMPT,
+           n_pages, cs_kv_cache_per_block(cs_engine_kv(e)) * ((PROMPT + 15) / 16));
     cs_engine_free(e);
     free(l0), free(l1), free(kv0), free(kv1), free(prompt), free(ids);
 }
