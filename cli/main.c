@@ -427,11 +427,28 @@ static int cmd_logits(const cs_model *m, const options *o) {
                 r = eval_tokens(&ev, ids + i, 1, i, logits + (size_t)i * (size_t)c->n_vocab);
         else if (!r)
             r = eval_tokens(&ev, ids, n, 0, logits);
-        if (!r && o->kv_out) {
-            kv_bytes = (size_t)ev.pt.n_pages * cs_engine_page_bytes(ev.engine);
+        if (!r && o->kv_out) { /* the pages it keeps, in a KV transfer's order */
+            cs_kv_cache *kvc = cs_engine_kv(ev.engine);
+            int32_t n_ids = cs_kv_cache_seq_pages(kvc, n);
+            int32_t *ids_kv = malloc(((size_t)n_ids + 1) * sizeof *ids_kv);
+            kv_bytes = (size_t)n_ids * cs_engine_page_bytes(ev.engine);
             kv = malloc(kv_bytes ? kv_bytes : 1);
-            r = kv ? cs_engine_kv_export(ev.engine, ev.pt.pages, ev.pt.n_pages, kv)
-                   : cs_fail(CS_ENOMEM, "out of memory for the KV pages");
+            r = kv && ids_kv ? 0 : cs_fail(CS_ENOMEM, "out of memory for the KV pages");
+            if (!r) {
+                int32_t got = cs_page_table_xfer(&ev.pt, kvc, n, 0, ev.pt.n_pages, ids_kv);
+                r = got < 0 ? got : cs_engine_kv_export(ev.engine, ids_kv, got, kv);
+            }
+            /* positions past the prompt in its last block's pages hold whatever
+             * a reused page held: zeroed, so the file is the prompt's alone */
+            int32_t ps = cs_kv_cache_page_size(kvc), used = n % ps;
+            size_t pb = cs_engine_page_bytes(ev.engine);
+            size_t slot = pb / ((size_t)cs_engine_kv_layers(ev.engine) * 2 * (size_t)ps);
+            for (int32_t j = 0; !r && used && j < cs_kv_cache_per_block(kvc); j++)
+                for (size_t half = 0; half < (size_t)cs_engine_kv_layers(ev.engine) * 2; half++)
+                    memset((char *)kv + (size_t)(n_ids - 1 - j) * pb + half * slot * (size_t)ps +
+                               (size_t)used * slot,
+                           0, (size_t)(ps - used) * slot);
+            free(ids_kv);
         }
     } else if (!r) {
         r = cs_ref_seq_init(m, n, &ev.ref);

@@ -2,16 +2,16 @@
  * snapshots of the workers. */
 #include "place.h"
 
-int32_t cs_place_pages(int64_t n_tokens, int32_t page_size) {
-    if (page_size <= 0) page_size = 16;
+int32_t cs_place_pages(int64_t n_tokens, const cs_kv_blocks *kv) {
+    cs_kv_blocks b = *kv;
+    if (b.page_size <= 0) b.page_size = 16;
     if (n_tokens < 1) n_tokens = 1;
-    int64_t pages = (n_tokens + page_size - 1) / page_size;
-    return pages > INT32_MAX ? INT32_MAX : (int32_t)pages;
+    return cs_kv_blocks_seq_pages(&b, n_tokens);
 }
 
 static bool decode_fits(const cs_place_worker *w, int64_t n_tokens) {
     return w->usable && !w->skip &&
-           (int64_t)w->kv_pages_free - w->pages_placed >= cs_place_pages(n_tokens, w->page_size);
+           (int64_t)w->kv_pages_free - w->pages_placed >= cs_place_pages(n_tokens, &w->kv);
 }
 
 static int64_t decode_load(const cs_place_worker *w) {
@@ -19,7 +19,9 @@ static int64_t decode_load(const cs_place_worker *w) {
 }
 
 static bool prefill_fits(const cs_place_worker *w, int64_t n_tokens) {
-    return w->usable && !w->skip && w->kv_pages_total >= cs_place_pages(n_tokens, w->page_size);
+    cs_kv_blocks b = w->kv; /* the least its chunked prefill holds (cs_kv_cache_min_pages) */
+    if (b.page_size <= 0) b.page_size = 16;
+    return w->usable && !w->skip && w->kv_pages_total >= cs_kv_blocks_min_pages(&b, n_tokens);
 }
 
 static int64_t prefill_load(const cs_place_worker *w) {

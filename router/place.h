@@ -9,6 +9,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "chunkserve/kv_cache.h"
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -17,7 +19,7 @@ extern "C" {
 typedef struct {
     bool usable;            /* fresh status, ready, not draining, right role */
     bool skip;              /* excluded or refused for this request */
-    int32_t page_size;      /* tokens per KV page */
+    cs_kv_blocks kv;        /* how its pages hold a block (page_size positions) */
     int32_t kv_pages_total; /* the worker's whole pool (a prompt beyond it can never run there) */
     int32_t kv_pages_free;  /* from the last status */
     int32_t pages_placed;   /* pages this router placed there since that status */
@@ -28,8 +30,10 @@ typedef struct {
     int64_t cached_tokens;         /* the request's prompt tokens predicted cached there */
 } cs_place_worker;
 
-/* Pages a context of n_tokens needs on a decode worker with that page size. */
-int32_t cs_place_pages(int64_t n_tokens, int32_t page_size);
+/* Pages a context of n_tokens takes on a worker whose pages hold blocks as
+ * kv says (the pages a KV transfer of it lands in: cs_kv_blocks_seq_pages;
+ * at least one block's). A page size <= 0 (unknown) counts as 16. */
+int32_t cs_place_pages(int64_t n_tokens, const cs_kv_blocks *kv);
 
 /* The decode worker for a context of n_tokens: among usable, not skipped
  * workers with room for the context's pages (kv_pages_free - pages_placed),

@@ -6,6 +6,7 @@
 
 #include <uv.h>
 
+#include "chunkserve/kv_cache.h"
 #include "chunkserve/v1/cluster.pb-c.h"
 #include "pool.h"
 #include "prefix.h"
@@ -38,6 +39,7 @@ struct cs_pool_worker {
     char *worker_id;
     uint64_t instance_id;
     int32_t page_size, pages_free, pages_total, running, waiting;
+    cs_kv_blocks kv; /* how its pages hold a block (its status; an older worker: one a block) */
     int64_t queued_prefill;
     char *kv_endpoint;
     char *kv_sender; /* prefill: the name its KV channels authenticate as */

@@ -316,6 +316,11 @@ static void apply_status(cs_pool_worker *w, const Chunkserve__V1__WorkerStatus *
     w->ready = s->ready;
     w->draining = s->draining;
     w->page_size = s->page_size > 0 ? s->page_size : 16;
+    w->kv = (cs_kv_blocks){w->page_size, 1, 1, 0};
+    if (s->kv_pages_per_block >= 1 && s->kv_global_pages_per_block >= 0 &&
+        s->kv_global_pages_per_block <= s->kv_pages_per_block && s->kv_window >= 0)
+        w->kv = (cs_kv_blocks){w->page_size, s->kv_pages_per_block,
+                               s->kv_global_pages_per_block, s->kv_window};
     w->pages_free = s->kv_pages_free;
     w->pages_total = s->kv_pages_total;
     w->running = s->num_running;
@@ -628,7 +633,7 @@ cs_pool_worker *cs_pool_place(cs_pool *p, enum cs_pool_role role, int64_t n_toke
         snap[i] = (cs_place_worker){
             .usable = worker_usable(w, now),
             .skip = excluded(w, marks),
-            .page_size = w->page_size,
+            .kv = w->kv,
             .kv_pages_free = w->pages_free,
             .kv_pages_total = w->pages_total,
             .pages_placed = w->pages_placed,
@@ -657,7 +662,7 @@ cs_pool_worker *cs_pool_place(cs_pool *p, enum cs_pool_role role, int64_t n_toke
     if (k >= 0) {
         chosen = ws[k];
         if (role == CS_POOL_DECODE)
-            chosen->pages_placed += cs_place_pages(n_tokens, chosen->page_size);
+            chosen->pages_placed += cs_place_pages(n_tokens, &chosen->kv);
         else
             chosen->tokens_placed += n_tokens;
         chosen->reqs_placed++;

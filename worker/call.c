@@ -35,9 +35,7 @@ static int check_request(cs_worker *w, const int32_t *ids, size_t n, int32_t num
                                  cfg->n_vocab - 1);
     /* the least a sequence holds: the prompt and a first token computed (the
      * pool's shape is fixed at start, so reading it here is safe) */
-    const cs_page_table none = {0};
-    if (cs_page_table_need(&none, cs_engine_kv(w->engine), (int32_t)n, (int32_t)n + 1) >
-        w->wm.n_kv_pages)
+    if (cs_kv_cache_min_pages(cs_engine_kv(w->engine), (int32_t)n + 1) > w->wm.n_kv_pages)
         return cs_fail_field(CS_EINVAL, "token_ids",
                              "%zu tokens need more KV pages than this worker has (%d of %d tokens)",
                              n, w->wm.n_kv_pages, w->wm.page_size);

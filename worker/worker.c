@@ -85,6 +85,10 @@ void cs_worker_kv_status(cs_worker *w, int payload, Chunkserve__V1__WorkerStatus
                    : l.dtype == CS_KVX_DTYPE_F16 ? CHUNKSERVE__V1__KV_DTYPE__KV_DTYPE_F16
                                                  : CHUNKSERVE__V1__KV_DTYPE__KV_DTYPE_F32;
     st->kv_layout_fingerprint = cs_kvx_layout_fingerprint(&l);
+    const cs_kv_blocks *b = cs_kv_cache_blocks(cs_engine_kv(w->engine));
+    st->kv_pages_per_block = b->per_block;
+    st->kv_global_pages_per_block = b->n_global;
+    st->kv_window = b->window;
     st->weight_mode = (char *)cs_weight_mode_name(cs_model_weight_mode(w->model));
 }
 

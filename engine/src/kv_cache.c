@@ -15,9 +15,7 @@
 struct cs_kv_cache {
     int32_t n_pages;
     int32_t page_size;
-    int32_t per_block; /* pages per block of page_size positions (kinds), >= 1 */
-    int32_t n_global;  /* of them, the kinds every later position reads */
-    int32_t window;    /* the windowed kinds' window in positions; 0 when there are none */
+    cs_kv_blocks blocks; /* how a block of page_size positions is held */
     int32_t n_free;
     int32_t n_cached;
     int32_t *free_stack; /* (n_pages) ids of free pages, top at n_free - 1 */
@@ -67,7 +65,7 @@ int cs_kv_cache_init(int32_t n_pages, int32_t page_size, cs_kv_cache **out) {
     }
     kv->n_pages = n_pages;
     kv->page_size = page_size;
-    kv->per_block = kv->n_global = 1;
+    kv->blocks = (cs_kv_blocks){page_size, 1, 1, 0};
     kv->n_free = n_pages;
     /* lowest ids on top, so a fresh cache hands out 0, 1, 2, ... */
     for (int32_t i = 0; i < n_pages; i++)
@@ -113,6 +111,35 @@ int32_t cs_kv_cache_n_used(const cs_kv_cache *kv) {
 
 /* ---- blocks ---- */
 
+int32_t cs_kv_blocks_window_block(const cs_kv_blocks *b, int64_t pos) {
+    if (!b->window || pos < b->window) return 0;
+    int64_t wb = (pos - b->window + 1) / b->page_size;
+    return wb > INT32_MAX ? INT32_MAX : (int32_t)wb;
+}
+
+static int32_t clamp32(int64_t n) {
+    return n > INT32_MAX ? INT32_MAX : (int32_t)n;
+}
+
+int32_t cs_kv_blocks_xfer_index(const cs_kv_blocks *b, int64_t n_tokens, int64_t block) {
+    int64_t wb = cs_kv_blocks_window_block(b, n_tokens);
+    return clamp32((int64_t)b->n_global * block +
+                   (int64_t)(b->per_block - b->n_global) * (block > wb ? block - wb : 0));
+}
+
+int32_t cs_kv_blocks_seq_pages(const cs_kv_blocks *b, int64_t n_tokens) {
+    if (n_tokens < 0) n_tokens = 0;
+    return cs_kv_blocks_xfer_index(b, n_tokens, (n_tokens + b->page_size - 1) / b->page_size);
+}
+
+int32_t cs_kv_blocks_min_pages(const cs_kv_blocks *b, int64_t n_tokens) {
+    if (n_tokens < 0) n_tokens = 0;
+    int64_t blocks = (n_tokens + b->page_size - 1) / b->page_size;
+    int64_t win = b->window ? (b->window - 1) / b->page_size + 2 : 0; /* any alignment */
+    return clamp32((int64_t)b->n_global * blocks +
+                   (int64_t)(b->per_block - b->n_global) * (win < blocks ? win : blocks));
+}
+
 int cs_kv_cache_set_blocks(cs_kv_cache *kv, int32_t per_block, int32_t n_global, int32_t window) {
     if (per_block < 1 || n_global < 0 || n_global > per_block || window < 0 ||
         (n_global < per_block) != (window > 0))
@@ -121,41 +148,39 @@ int cs_kv_cache_set_blocks(cs_kv_cache *kv, int32_t per_block, int32_t n_global,
                        "0 <= global <= per block, and a window > 0 exactly when some kind is "
                        "windowed",
                        per_block, n_global, window);
-    kv->per_block = per_block;
-    kv->n_global = n_global;
-    kv->window = window;
+    kv->blocks = (cs_kv_blocks){kv->page_size, per_block, n_global, window};
     return 0;
 }
+const cs_kv_blocks *cs_kv_cache_blocks(const cs_kv_cache *kv) {
+    return &kv->blocks;
+}
 int32_t cs_kv_cache_per_block(const cs_kv_cache *kv) {
-    return kv->per_block;
+    return kv->blocks.per_block;
 }
 int32_t cs_kv_cache_n_global(const cs_kv_cache *kv) {
-    return kv->n_global;
+    return kv->blocks.n_global;
 }
 int32_t cs_kv_cache_window(const cs_kv_cache *kv) {
-    return kv->window;
+    return kv->blocks.window;
 }
-
 int32_t cs_kv_cache_window_block(const cs_kv_cache *kv, int32_t pos) {
-    if (!kv->window || pos < kv->window) return 0;
-    return (pos - kv->window + 1) / kv->page_size;
+    return cs_kv_blocks_window_block(&kv->blocks, pos);
 }
-
 int32_t cs_kv_cache_xfer_index(const cs_kv_cache *kv, int32_t n_tokens, int32_t block) {
-    int32_t wb = cs_kv_cache_window_block(kv, n_tokens);
-    int64_t n = (int64_t)kv->n_global * block +
-                (int64_t)(kv->per_block - kv->n_global) * (block > wb ? block - wb : 0);
-    return n > INT32_MAX ? INT32_MAX : (int32_t)n;
+    return cs_kv_blocks_xfer_index(&kv->blocks, n_tokens, block);
 }
-
 int32_t cs_kv_cache_seq_pages(const cs_kv_cache *kv, int32_t n_tokens) {
-    int32_t blocks = (int32_t)(((int64_t)n_tokens + kv->page_size - 1) / kv->page_size);
-    return cs_kv_cache_xfer_index(kv, n_tokens, blocks);
+    return cs_kv_blocks_seq_pages(&kv->blocks, n_tokens);
+}
+int32_t cs_kv_cache_min_pages(const cs_kv_cache *kv, int32_t n_tokens) {
+    return cs_kv_blocks_min_pages(&kv->blocks, n_tokens);
 }
 
 uint64_t cs_kv_cache_kind_hash(uint64_t block_hash, int32_t kind) {
     if (kind == 0) return block_hash;
-    return cs_kv_cache_page_hash(block_hash, &kind, 1);
+    /* a negative "token": never a block's own hash, even of one-token blocks */
+    int32_t t = -kind;
+    return cs_kv_cache_page_hash(block_hash, &t, 1);
 }
 
 /* ---- hash table ---- */

@@ -98,6 +98,11 @@ static void alloc_range(cs_page_table *pt, cs_kv_cache *kv, int32_t kind, int32_
 int cs_page_table_reserve(cs_page_table *pt, cs_kv_cache *kv, int32_t from, int32_t n_tokens) {
     if (n_tokens < 0 || from < 0 || from > n_tokens)
         return cs_fail(CS_EINVAL, "page table: positions %d..%d", from, n_tokens);
+    if (pt->win_lo > 0 && cs_kv_cache_window_block(kv, from) < pt->win_lo)
+        return cs_fail(CS_EINVAL,
+                       "page table: a query at %d reads windowed pages of block %d, given back "
+                       "(the table holds them from block %d)",
+                       from, cs_kv_cache_window_block(kv, from), pt->win_lo);
     plan p = make_plan(pt, kv, from, n_tokens);
     int32_t need = plan_pages(&p, pt, kv);
     if (need == 0) return 0;

@@ -27,10 +27,10 @@ typedef struct seq {
     cs_page_table pt;
     int32_t *xfer;      /* PREFILL_ONLY and REMOTE: the context's pages in a KV transfer's
                            order (cs_page_table_xfer), filled as they are reported */
-    int32_t n_hashed;   /* leading pages whose prefix hash is registered or looked up */
+    int32_t n_hashed;   /* leading blocks whose prefix hash is registered or looked up */
     int32_t n_cached;   /* prompt tokens reused from the prefix cache at first admission */
     bool admitted;      /* has run at least once (n_cached is then final) */
-    uint64_t last_hash; /* hash of page n_hashed - 1 (hash_root when n_hashed is 0) */
+    uint64_t last_hash; /* hash of block n_hashed - 1 (hash_root when n_hashed is 0) */
     uint64_t hash_root; /* the chain's seed: 0, or the request's cache_salt hashed */
     cs_sampler *smp;
     cs_stop *stop;
@@ -344,9 +344,14 @@ int cs_sched_add(cs_sched *s, const cs_request *r) {
                 CS_EINVAL,
                 "request %llu: token id %d at index %d is outside the vocabulary (0..%d)",
                 (unsigned long long)r->id, r->prompt[i], i, s->n_vocab - 1);
-    /* the least it must hold: its whole prompt, and a first token computed */
+    /* the least it must hold: its whole prompt, and a first token computed;
+     * a reserved local prompt takes every page of its prompt at admission */
     const cs_page_table none = {0};
-    int32_t need = cs_page_table_need(&none, s->kv, r->n_prompt, r->n_prompt + 1);
+    int32_t need = cs_kv_cache_min_pages(s->kv, r->n_prompt + 1);
+    if (r->reserve && r->kv_mode != CS_KV_REMOTE) {
+        int32_t all = cs_page_table_need(&none, s->kv, 0, r->n_prompt);
+        if (all > need) need = all;
+    }
     if (need > cs_kv_cache_n_pages(s->kv))
         return cs_fail(
             CS_ENOSPC, "request %llu: a prompt of %d tokens needs %lld KV pages; the pool has %d",
@@ -1047,7 +1052,7 @@ static void make_room_by_priority(cs_sched *s, int32_t budget) {
         for (seq **l = &s->running; *l; l = &(*l)->next)
             if (!is_held(*l)) worst = l;
         if (!worst || (*worst)->priority <= w->priority) return;
-        int32_t k = chunk_len(s, w->n_tokens - w->n_computed, budget);
+        int32_t k = pool_chunk(s, w, chunk_len(s, w->n_tokens - w->n_computed, budget));
         int32_t need = cs_page_table_need(&w->pt, s->kv, w->n_computed, w->n_computed + k);
         bool seat = s->n_running < s->p.max_num_seqs;
         bool pages = cs_kv_cache_n_free(s->kv) + cs_kv_cache_n_cached(s->kv) >= need;

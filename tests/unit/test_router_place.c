@@ -10,9 +10,11 @@
 #include "prefix.h"
 #include "test.h"
 
+#define ONE_PAGE_BLOCKS ((cs_kv_blocks){16, 1, 1, 0}) /* a model without windows */
+
 static cs_place_worker dec(int32_t free_pages, int32_t placed, int32_t running, int32_t waiting) {
     return (cs_place_worker){.usable = true,
-                             .page_size = 16,
+                             .kv = ONE_PAGE_BLOCKS,
                              .kv_pages_free = free_pages,
                              .pages_placed = placed,
                              .num_running = running,
@@ -21,19 +23,33 @@ static cs_place_worker dec(int32_t free_pages, int32_t placed, int32_t running, 
 
 static cs_place_worker pre(int64_t queued, int64_t placed) {
     return (cs_place_worker){.usable = true,
-                             .page_size = 16,
+                             .kv = ONE_PAGE_BLOCKS,
                              .kv_pages_total = 1000,
                              .queued_prefill_tokens = queued,
                              .tokens_placed = placed};
 }
 
 static void test_pages(void) {
-    ASSERT_EQ_INT(cs_place_pages(1, 16), 1);
-    ASSERT_EQ_INT(cs_place_pages(16, 16), 1);
-    ASSERT_EQ_INT(cs_place_pages(17, 16), 2);
-    ASSERT_EQ_INT(cs_place_pages(0, 16), 1);
-    ASSERT_EQ_INT(cs_place_pages(100, 0), 7); /* unknown page size: 16 */
-    ASSERT_EQ_INT(cs_place_pages((int64_t)1 << 40, 1), INT32_MAX);
+    const cs_kv_blocks b16 = ONE_PAGE_BLOCKS, unknown = {0, 1, 1, 0}, b1 = {1, 1, 1, 0};
+    ASSERT_EQ_INT(cs_place_pages(1, &b16), 1);
+    ASSERT_EQ_INT(cs_place_pages(16, &b16), 1);
+    ASSERT_EQ_INT(cs_place_pages(17, &b16), 2);
+    ASSERT_EQ_INT(cs_place_pages(0, &b16), 1);
+    ASSERT_EQ_INT(cs_place_pages(100, &unknown), 7); /* unknown page size: 16 */
+    ASSERT_EQ_INT(cs_place_pages((int64_t)1 << 40, &b1), INT32_MAX);
+    /* Gemma-3-270M's blocks: 6 pages of 16 positions, 1 global, 512-position
+     * windows: 8,000 tokens land in 500 global pages + 5 x 32 windowed (blocks 468..499) */
+    const cs_kv_blocks gemma = {16, 6, 1, 512};
+    ASSERT_EQ_INT(cs_place_pages(8000, &gemma), 500 + 5 * 32);
+    ASSERT_EQ_INT(cs_place_pages(100, &gemma), 6 * 7); /* all within the window */
+    /* each worker counted by its own blocks: 700 free pages of Gemma's hold
+     * an 8k-token context, 499 one-page blocks of 16 do not (500 needed) */
+    cs_place_worker w[2];
+    w[0] = (cs_place_worker){.usable = true, .kv = gemma, .kv_pages_free = 700};
+    w[1] = (cs_place_worker){.usable = true, .kv = b16, .kv_pages_free = 499};
+    ASSERT_EQ_INT(cs_place_decode(w, 2, 8000, 1, -1), 0);
+    w[0].kv_pages_free = 600; /* 660 needed */
+    ASSERT_EQ_INT(cs_place_decode(w, 2, 8000, 0, -1), -1);
 }
 
 static void test_decode(void) {
@@ -71,7 +87,7 @@ static void test_decode(void) {
     ASSERT_EQ_INT(cs_place_decode(w, 1, 1, 0, -1), -1);
     /* page size per worker */
     w[0] = dec(4, 0, 0, 0), w[1] = dec(4, 0, 0, 0);
-    w[1].page_size = 64;
+    w[1].kv.page_size = 64;
     ASSERT_EQ_INT(cs_place_decode(w, 2, 200, 0, -1), 1);
 }
 
@@ -108,7 +124,7 @@ static void test_burst_spreads(void) {
         int k = cs_place_decode(w, 3, 64, (size_t)i, -1);
         ASSERT_TRUE(k >= 0);
         count[k]++;
-        w[k].pages_placed += cs_place_pages(64, 16);
+        w[k].pages_placed += cs_place_pages(64, &w[k].kv);
     }
     for (int k = 0; k < 3; k++)
         ASSERT_EQ_INT(count[k], 10);

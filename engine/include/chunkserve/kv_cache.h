@@ -110,6 +110,17 @@ int cs_kv_cache_check(const cs_kv_cache *kv);
  * their memory is bounded by the window whatever the context, and a KV
  * transfer moves only those. Default: one global page per block, no window. */
 int cs_kv_cache_set_blocks(cs_kv_cache *kv, int32_t per_block, int32_t n_global, int32_t window);
+/* The blocks' shape, also what a worker publishes (WorkerStatus) so a
+ * router counts pages as the worker does: the cs_kv_blocks_* functions are
+ * the cs_kv_cache_* ones below on a shape alone. */
+typedef struct {
+    int32_t page_size, per_block, n_global, window;
+} cs_kv_blocks;
+const cs_kv_blocks *cs_kv_cache_blocks(const cs_kv_cache *kv);
+int32_t cs_kv_blocks_window_block(const cs_kv_blocks *b, int64_t pos);
+int32_t cs_kv_blocks_xfer_index(const cs_kv_blocks *b, int64_t n_tokens, int64_t block);
+int32_t cs_kv_blocks_seq_pages(const cs_kv_blocks *b, int64_t n_tokens);
+int32_t cs_kv_blocks_min_pages(const cs_kv_blocks *b, int64_t n_tokens);
 int32_t cs_kv_cache_per_block(const cs_kv_cache *kv);
 int32_t cs_kv_cache_n_global(const cs_kv_cache *kv);
 int32_t cs_kv_cache_window(const cs_kv_cache *kv); /* 0: no windowed kind */
@@ -121,6 +132,12 @@ int32_t cs_kv_cache_window_block(const cs_kv_cache *kv, int32_t pos);
  * cs_kv_cache_window_block(n_tokens) on. What a sequence keeps between
  * steps, and what a KV transfer of n_tokens positions moves. */
 int32_t cs_kv_cache_seq_pages(const cs_kv_cache *kv, int32_t n_tokens);
+/* The least a pool must hold for a sequence of n_tokens positions to be
+ * computed one token a step: every global page, and the windowed pages the
+ * widest window a query sees spans (window - 1) / page_size + 2 blocks,
+ * whatever its alignment. The admission bound (a larger sequence never
+ * fits). */
+int32_t cs_kv_cache_min_pages(const cs_kv_cache *kv, int32_t n_tokens);
 /* Where block's first page sits in that transfer's order (block by block,
  * kinds in order, windowed kinds only from the window block on). */
 int32_t cs_kv_cache_xfer_index(const cs_kv_cache *kv, int32_t n_tokens, int32_t block);

@@ -159,10 +159,13 @@ typedef struct {
     int32_t status;    /* with CS_FINISH_ERROR: the CS_E* code (CS_ENOSPC: no room now) */
     int32_t
         n_cached_prompt_tokens; /* prompt tokens taken from the prefix cache at first admission */
-    /* CS_KV_PREFILL_ONLY: pages [kv_first_page, kv_first_page + kv_n_pages) of
-     * the prompt were completed by this step (the last partial page comes with
-     * the final event); their ids in kv_pages. The pages stay allocated and
-     * unchanged until the next cs_sched_step. Such an event may carry no token.
+    /* CS_KV_PREFILL_ONLY: the pages of the blocks this step completed (the
+     * last partial block's come with the final event): entries [kv_first_page,
+     * kv_first_page + kv_n_pages) of the prompt's KV transfer order
+     * (kv_cache.h's cs_page_table_xfer: every global page, the windowed pages
+     * of the last window only, so some blocks report fewer); their ids in
+     * kv_pages. The pages stay allocated and unchanged until the next
+     * cs_sched_step. Such an event may carry no token.
      * (cs_serve also uses these fields for its admission event: see serve.h.) */
     const int32_t *kv_pages;
     int32_t kv_first_page, kv_n_pages;
@@ -220,8 +223,10 @@ int cs_sched_cancel(cs_sched *s, uint64_t id);
 
 /* The pages reserved at add for request id (reserve or CS_KV_REMOTE), while
  * nothing has run for it yet: for a remote request, the ids its KV goes
- * into, in position order. The array stays valid until the request runs or
- * ends. CS_ENOENT when the id is not live or has started. */
+ * into, in a KV transfer's order (cs_page_table_xfer of its context:
+ * cs_kv_cache_seq_pages of them, what the sender sends). The array stays
+ * valid until the request runs or ends. CS_ENOENT when the id is not live or
+ * has started. */
 int cs_sched_kv_pages(cs_sched *s, uint64_t id, const int32_t **pages, int32_t *n_pages);
 /* CS_KV_REMOTE: the prompt's KV is in the reserved pages and first_token
  * was sampled by the prefill side (first_lp: its log-probabilities, when the

@@ -19,7 +19,8 @@ extern "C" {
  *
  * A request with reserve or CS_KV_REMOTE first gets an admission event once
  * its pages are reserved: token -1, finish NONE, kv_pages/kv_n_pages = the
- * page ids its prompt's KV fills. A remote request's KV may then be written
+ * page ids its prompt's KV fills, in a KV transfer's order
+ * (cs_sched_kv_pages). A remote request's KV may then be written
  * into exactly those pages from any thread (cs_engine_kv_import: steps never
  * touch them while the request waits) until cs_serve_kv_ready; the writer
  * must have stopped before the request is cancelled (the pages are freed at
