@@ -29,6 +29,9 @@ typedef struct {
     uint64_t seed;
     const char *arch;
     int window; /* gemma3: sliding window (0: a llama-family model) */
+    /* gemma3 metadata chunkserve refuses (for the refusal tests): a logit
+     * soft-cap, or the window pattern as a per-layer list */
+    const char *unsupported; /* NULL, "softcap" or "pattern-list" */
 } tiny_cfg;
 
 /* ---- deterministic random numbers ---- */
@@ -512,7 +515,19 @@ static int write_gguf(const char *path, const tiny_cfg *c, const vocab *v, tenso
         kv_u32(f, AK("attention.key_length"), (uint32_t)c->head_dim);
         kv_u32(f, AK("attention.value_length"), (uint32_t)c->head_dim);
         kv_u32(f, AK("attention.sliding_window"), (uint32_t)c->window);
-        kv_u32(f, AK("attention.sliding_window_pattern"), 3);
+        if (c->unsupported && !strcmp(c->unsupported, "pattern-list")) {
+            kv_key(f, AK("attention.sliding_window_pattern"), 9); /* array of bool, per layer */
+            w_u32(f, 7);
+            w_u64(f, (uint64_t)c->n_layers);
+            for (int l = 0; l < c->n_layers; l++) {
+                uint8_t windowed = (l + 1) % 3 != 0;
+                fwrite(&windowed, 1, 1, f);
+            }
+        } else {
+            kv_u32(f, AK("attention.sliding_window_pattern"), 3);
+        }
+        if (c->unsupported && !strcmp(c->unsupported, "softcap"))
+            kv_f32(f, AK("final_logit_softcapping"), 30.0f);
     }
 #undef AK
     kv_str(f, "tokenizer.ggml.model", "gpt2");
@@ -740,16 +755,18 @@ static void usage(void) {
             "usage: chunkserve-mktiny --out DIR [--type f32|f16|bf16|q8_0|q4_0|q4_1|q5_0|q5_1|\n"
             "                         q4_k|q5_k|q6_k] [--untied] [--qwen2] [--layers N] [--dim N]\n"
             "                         [--hidden N] [--seed N] [--gemma3 WINDOW]\n"
+            "                         [--gemma3-unsupported softcap|pattern-list]\n"
             "Writes DIR/tiny.gguf and DIR/tiny-hf/ with identical weights.\n"
             "--qwen2: qwen2 architecture (q/k/v biases, no q/k permutation in GGUF).\n"
             "--gemma3 W: gemma3 architecture, windows of W positions, every 3rd layer global\n"
+            "--gemma3-unsupported softcap|pattern-list: with it, metadata chunkserve refuses\n"
             "(3 layers unless --layers; GGUF only).\n"
             "K-quants apply where a row is whole 256-weight super-blocks, Q5_0 elsewhere\n"
             "(--dim 256 --hidden 512 makes every matrix a K-quant).\n");
 }
 
 int main(int argc, char **argv) {
-    tiny_cfg c = {64, 2, 4, 2, 16, 192, 4096, false, false, CS_DTYPE_F32, 1, "llama", 0};
+    tiny_cfg c = {64, 2, 4, 2, 16, 192, 4096, false, false, CS_DTYPE_F32, 1, "llama", 0, NULL};
     bool layers_set = false;
     const char *out = NULL;
     for (int i = 1; i < argc; i++) {
@@ -764,6 +781,8 @@ int main(int argc, char **argv) {
             c.n_layers = atoi(argv[++i]), layers_set = true;
         else if (!strcmp(a, "--gemma3") && val)
             c.window = atoi(argv[++i]), c.arch = "gemma3";
+        else if (!strcmp(a, "--gemma3-unsupported") && val)
+            c.unsupported = argv[++i];
         else if (!strcmp(a, "--dim") && val)
             c.dim = atoi(argv[++i]);
         else if (!strcmp(a, "--hidden") && val)
@@ -805,7 +824,9 @@ int main(int argc, char **argv) {
     }
     if (c.window && !layers_set) c.n_layers = 3; /* two windowed, one global */
     if (!out || c.n_layers < 1 || c.dim < 32 || c.dim % 32 || c.dim % c.n_heads || c.hidden < 32 ||
-        c.hidden % 32 || (!strcmp(c.arch, "gemma3") && (c.window < 1 || c.untied || c.bias))) {
+        c.hidden % 32 || (!strcmp(c.arch, "gemma3") && (c.window < 1 || c.untied || c.bias)) ||
+        (c.unsupported && (!c.window || (strcmp(c.unsupported, "softcap") &&
+                                         strcmp(c.unsupported, "pattern-list"))))) {
         usage();
         return 2;
     }

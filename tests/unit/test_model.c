@@ -337,6 +337,19 @@ static void check_gemma3(void) {
         printf("gemma3 %s = %u refused: %s\n", bad[i].key, bad[i].v, cs_last_error());
     }
     unlink(path);
+    /* what the format allows and chunkserve does not run: refused by name */
+    const struct {
+        const char *dir, *key;
+    } unsupported[] = {{"gemma3_softcap", "gemma3.final_logit_softcapping"},
+                       {"gemma3_pattern-list", "gemma3.attention.sliding_window_pattern"}};
+    for (size_t i = 0; i < sizeof unsupported / sizeof *unsupported; i++) {
+        snprintf(path, sizeof path, "%s/%s/tiny.gguf", tiny_dir(), unsupported[i].dir);
+        cs_model *m = (cs_model *)1;
+        ASSERT_EQ_INT(cs_model_load(path, &m), CS_ENOTSUP);
+        ASSERT_TRUE(m == NULL);
+        ASSERT_TRUE(strstr(cs_last_error(), unsupported[i].key) != NULL);
+        printf("gemma3 %s refused: %s\n", unsupported[i].dir, cs_last_error());
+    }
 }
 
 int main(void) {
