@@ -9,6 +9,7 @@
 
 #include <math.h>
 #include <stdatomic.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -17,8 +18,21 @@
 #include "chunkserve/step_model.h"
 #include "util.h"
 
+/* A tenant (sched.h, tenants): what the scheduler computed for it. */
+typedef struct tenant {
+    char name[CS_TENANT_NAME_MAX + 1];
+    double weight;   /* its share (1 unless the params name it) */
+    double vtokens;  /* tokens computed for it / weight */
+    uint64_t tokens; /* tokens computed for it */
+    int32_t n_live;  /* its live requests */
+    bool named;      /* in the params' shares: kept while idle (the others go when idle) */
+    struct tenant *next;
+} tenant;
+
 typedef struct seq {
     uint64_t id, arrival;
+    tenant *tn;           /* whose request */
+    uint64_t chunk_stamp; /* the step that last gave (or tried) it a prompt chunk */
     int32_t *tokens; /* (cap) prompt then generated */
     int32_t n_tokens, cap, n_prompt;
     int32_t n_context; /* tokens to compute before the first sample: the prompt
@@ -63,6 +77,8 @@ struct cs_sched {
     seq *remote;            /* CS_KV_REMOTE requests waiting for their KV */
     seq *retired;           /* finished PREFILL_ONLY sequences: their pages are
                                reported in the last events, freed next step */
+    tenant *tenants;        /* named ones, and the others while they have live requests */
+    uint64_t stamp;         /* counts steps (seq.chunk_stamp) */
     int32_t n_waiting, n_running, n_remote, n_kv_ready;
     uint64_t next_arrival;
     cs_sched_stats st;
@@ -111,8 +127,35 @@ int cs_sched_init(cs_engine *e, const cs_sched_params *p, cs_sched **out) {
                        "step_time_target_ms in [0, 1e7] (0 = off), num_speculative_tokens in "
                        "[0, %d] (0 = off)",
                        CS_SCHED_SPEC_MAX);
+    if (p->n_tenant_shares < 0 || (p->n_tenant_shares && !p->tenant_shares))
+        return cs_fail(CS_EINVAL, "scheduler: %d tenant shares", p->n_tenant_shares);
+    for (int32_t i = 0; i < p->n_tenant_shares; i++) {
+        const cs_tenant_share *t = &p->tenant_shares[i];
+        size_t len = t->name ? strlen(t->name) : 0;
+        if (len < 1 || len > CS_TENANT_NAME_MAX)
+            return cs_fail(CS_EINVAL, "scheduler: tenant share %d: a name of 1..%d bytes, not '%s'",
+                           i, CS_TENANT_NAME_MAX, t->name ? t->name : "");
+        if (!(t->weight > 0 && t->weight <= 1e6))
+            return cs_fail(CS_EINVAL, "scheduler: tenant '%s': share %g is not in (0, 1e6]",
+                           t->name, t->weight);
+        for (int32_t j = 0; j < i; j++)
+            if (!strcmp(p->tenant_shares[j].name, t->name))
+                return cs_fail(CS_EINVAL, "scheduler: tenant '%s' has two shares", t->name);
+    }
     cs_sched *s = calloc(1, sizeof *s);
     if (!s) return cs_fail(CS_ENOMEM, "scheduler: out of memory");
+    for (int32_t i = p->n_tenant_shares - 1; i >= 0; i--) {
+        tenant *t = calloc(1, sizeof *t);
+        if (!t) {
+            cs_sched_free(s);
+            return cs_fail(CS_ENOMEM, "scheduler: out of memory");
+        }
+        snprintf(t->name, sizeof t->name, "%s", p->tenant_shares[i].name);
+        t->weight = p->tenant_shares[i].weight;
+        t->named = true;
+        t->next = s->tenants;
+        s->tenants = t;
+    }
     s->e = e;
     s->kv = cs_engine_kv(e);
     const cs_model *m = cs_engine_model(e);
@@ -127,7 +170,54 @@ int cs_sched_init(cs_engine *e, const cs_sched_params *p, cs_sched **out) {
     return 0;
 }
 
+/* The tenant named name, made (weight 1) when new; NULL when out of memory. */
+static tenant *tenant_of(cs_sched *s, const char *name) {
+    for (tenant *t = s->tenants; t; t = t->next)
+        if (!strcmp(t->name, name)) return t;
+    tenant *t = calloc(1, sizeof *t);
+    if (!t) return NULL;
+    snprintf(t->name, sizeof t->name, "%s", name);
+    t->weight = 1;
+    t->next = s->tenants;
+    s->tenants = t;
+    return t;
+}
+
+/* A tenant becomes active: no fewer virtual tokens than the least of the
+ * active ones (idle time saves no credit). */
+static void tenant_join(cs_sched *s, tenant *t) {
+    if (t->n_live++ > 0) return;
+    bool any = false;
+    double least = 0;
+    for (const tenant *o = s->tenants; o; o = o->next)
+        if (o != t && o->n_live > 0 && (!any || o->vtokens < least)) least = o->vtokens, any = true;
+    if (any && least > t->vtokens) t->vtokens = least;
+}
+
+static void tenant_leave(cs_sched *s, tenant *t) {
+    if (--t->n_live > 0 || t->named) return;
+    for (tenant **l = &s->tenants; *l; l = &(*l)->next)
+        if (*l == t) {
+            *l = t->next;
+            free(t);
+            return;
+        }
+}
+
+/* k tokens computed for q's tenant. */
+static void charge(seq *q, int32_t k) {
+    q->tn->tokens += (uint64_t)k;
+    q->tn->vtokens += k / q->tn->weight;
+}
+
+uint64_t cs_sched_tenant_tokens(const cs_sched *s, const char *name) {
+    for (const tenant *t = s->tenants; t; t = t->next)
+        if (!strcmp(t->name, name ? name : "")) return t->tokens;
+    return 0;
+}
+
 static void seq_free(cs_sched *s, seq *q) {
+    if (q->tn) tenant_leave(s, q->tn);
     cs_page_table_release(&q->pt, s->kv);
     free(q->xfer);
     cs_sampler_free(q->smp);
@@ -157,6 +247,8 @@ void cs_sched_free(cs_sched *s) {
     free_list(s, &s->remote);
     free_list(s, &s->retired);
     free_texts(s);
+    for (tenant *t = s->tenants, *n; t; t = n)
+        n = t->next, free(t);
     free(s->spans), free(s->owners), free(s->drafts), free(s->logits), free(s->events);
     free(s->texts);
     free(s->plps);
@@ -333,6 +425,9 @@ int cs_sched_add(cs_sched *s, const cs_request *r) {
     if ((unsigned)r->kv_mode > CS_KV_REMOTE)
         return cs_fail(CS_EINVAL, "request %llu: unknown kv mode %d", (unsigned long long)r->id,
                        (int)r->kv_mode);
+    if (r->tenant && strlen(r->tenant) > CS_TENANT_NAME_MAX)
+        return cs_fail(CS_EINVAL, "request %llu: tenant '%.16s...' is longer than %d bytes",
+                       (unsigned long long)r->id, r->tenant, CS_TENANT_NAME_MAX);
     if (r->n_prompt >= s->ctx_len)
         return cs_fail(
             CS_EINVAL,
@@ -413,6 +508,9 @@ int cs_sched_add(cs_sched *s, const cs_request *r) {
             (unsigned long long)r->id, r->n_prompt,
             cs_page_table_need(&q->pt, s->kv, from, r->n_prompt),
             cs_kv_cache_n_free(s->kv) + cs_kv_cache_n_cached(s->kv));
+    if (!rc && !(q->tn = tenant_of(s, r->tenant ? r->tenant : "")))
+        rc = cs_fail(CS_ENOMEM, "out of memory");
+    if (!rc) tenant_join(s, q->tn);
     if (rc) {
         seq_free(s, q);
         return rc;
@@ -993,6 +1091,7 @@ static int32_t add_drafts(cs_sched *s, step_work *work, int32_t room) {
         sp->stride = q->pt.cap;
         if (d <= 0) continue;
         work_add(work, q->n_computed + 1, d, d);
+        charge(q, d);
         sp->n_tokens = 1 + d;
         sp->n_logits = 1 + d;
         s->drafts[i] = d;
@@ -1062,6 +1161,42 @@ static void make_room_by_priority(cs_sched *s, int32_t budget) {
     }
 }
 
+/* Whether a goes before b for a prompt chunk: its priority, then its
+ * tenant's virtual tokens (sched.h, tenants); false on a tie. */
+static bool fair_before(const seq *a, const seq *b) {
+    if (a->priority != b->priority) return a->priority < b->priority;
+    return a->tn->vtokens < b->tn->vtokens;
+}
+
+/* The running prompt next due a chunk this step: part-way through, not held,
+ * not yet tried this step; the first in fair order (list order on ties). */
+static seq *next_partial(const cs_sched *s) {
+    seq *best = NULL;
+    for (seq *q = s->running; q; q = q->next)
+        if (q->n_tokens - q->n_computed > 1 && !is_held(q) && q->chunk_stamp != s->stamp &&
+            (!best || fair_before(q, best)))
+            best = q;
+    return best;
+}
+
+/* The waiting request next in line: of the best priority waiting, the oldest
+ * of the tenant with the fewest virtual tokens (the list is in arrival order
+ * within a priority). */
+static seq *next_waiting(const cs_sched *s) {
+    seq *best = s->waiting;
+    for (seq *q = best ? best->next : NULL; q && q->priority == best->priority; q = q->next)
+        if (q->tn->vtokens < best->tn->vtokens) best = q;
+    return best;
+}
+
+static void unlink_waiting(cs_sched *s, seq *q) {
+    seq **l = &s->waiting;
+    while (*l != q)
+        l = &(*l)->next;
+    *l = q->next;
+    s->n_waiting--;
+}
+
 /* Whether q outranks every running sequence part-way through its prompt:
  * then it takes a prompt seat beyond max_num_partial_prefills. */
 static bool outranks_partials(const cs_sched *s, const seq *q) {
@@ -1077,6 +1212,7 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
     *events = s->events;
     *n_events = 0;
     memset(&s->last, 0, sizeof s->last);
+    s->stamp++;
     if (cs_sched_idle(s)) return 0;
     int r = grow_scratch(s, s->n_running + s->n_waiting + s->n_remote);
     if (r) return r;
@@ -1122,12 +1258,14 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
         if (r) return r;
         work_add(&work, q->n_computed, 1, 1);
         add_span(s, &n_spans, q, 1);
+        charge(q, 1);
         used++;
         l = &q->next;
     }
     s->last.n_decode = n_spans;
 
-    /* 2. prompt chunks, in the scheduler's order (priority, then arrival)
+    /* 2. prompt chunks, in the scheduler's order (priority, then the
+     * tenant's virtual tokens, then arrival: next_partial, next_waiting)
      * over running sequences part-way through their prompt and waiting ones,
      * while budget, seats and pages last; a waiting one that cannot start
      * now stops the waiting queue (no overtaking within the order) */
@@ -1135,29 +1273,30 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
     for (seq *q = s->running; q; q = q->next)
         if (q->n_tokens - q->n_computed > 1 && !is_held(q)) partial++; /* held: no seat */
     int32_t plp_room = CS_SCHED_PROMPT_LOGPROB_ROWS;
-    seq *rq = s->running;
-    bool waiting_open = true;
+    bool waiting_open = true, starved = false; /* starved: a running prompt found no pages */
     while (used < budget) {
-        while (rq && (rq->n_tokens - rq->n_computed <= 1 || is_held(rq)))
-            rq = rq->next;
-        seq *q = waiting_open ? s->waiting : NULL;
+        seq *rq = next_partial(s);
+        seq *q = waiting_open ? next_waiting(s) : NULL;
         if (q && s->n_running >= s->p.max_num_seqs) q = NULL;
         if (q && partial >= s->p.max_num_partial_prefills && !outranks_partials(s, q)) q = NULL;
-        if (q && rq && q->priority >= rq->priority) q = NULL; /* a running one first */
+        if (q && rq && !fair_before(q, rq)) q = NULL; /* a running one first */
         if (!q && !rq) break;
         if (!q) { /* the running one's next chunk */
             q = rq;
-            rq = rq->next;
+            q->chunk_stamp = s->stamp;
             int32_t left = q->n_tokens - q->n_computed;
             int32_t k = timed_chunk(s, q, pool_chunk(s, q, chunk_len(s, left, budget - used)),
                                     &work, n_spans > s->last.n_decode);
             if (k == 0) break;
             if ((k = plp_cap(q, k, plp_room)) == 0) continue;
-            if (cs_page_table_reserve(&q->pt, s->kv, q->n_computed, q->n_computed + k) != 0)
+            if (cs_page_table_reserve(&q->pt, s->kv, q->n_computed, q->n_computed + k) != 0) {
+                starved = true;
                 continue;
+            }
             plp_room -= plp_rows(q, k);
             work_add(&work, q->n_computed, k, chunk_rows(q, k));
             add_span(s, &n_spans, q, k);
+            charge(q, k);
             used += k;
             continue;
         }
@@ -1177,8 +1316,8 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
             continue;
         }
         plp_room -= plp_rows(q, k);
-        s->waiting = q->next;
-        s->n_waiting--;
+        unlink_waiting(s, q);
+        q->chunk_stamp = s->stamp;
         s->st.prefix_hit_tokens += (uint64_t)q->n_computed;
         if (!q->admitted) q->n_cached = q->n_computed, q->admitted = true;
         q->running = true;
@@ -1186,10 +1325,20 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
         s->n_running++;
         work_add(&work, q->n_computed, k, chunk_rows(q, k));
         add_span(s, &n_spans, q, k);
+        charge(q, k);
         used += k;
         if (q->n_computed + k < q->n_tokens) partial++;
     }
     s->last.n_prefill = n_spans - s->last.n_decode;
+    /* Nothing could run because running prompts hold every page each needs
+     * more of (several admitted part-way, no decode to preempt for): the
+     * newest not held gives its pages back, so the others finish. */
+    if (n_spans == 0 && starved) {
+        seq **newest = NULL;
+        for (seq **l = &s->running; *l; l = &(*l)->next)
+            if (!is_held(*l)) newest = l;
+        if (newest) preempt(s, newest);
+    }
 
     /* 3. speculation: drafts for the decodes, in the budget that is left
      * (at most CS_SCHED_DRAFT_ROWS: they are logits rows too) */

@@ -54,6 +54,7 @@ typedef struct {
     uint64_t seed;
     bool sampled, no_spec;
     int32_t priority;
+    const char *tenant;
 } req_spec;
 
 typedef struct {
@@ -74,6 +75,7 @@ static cs_request make_req(const req_spec *s, uint64_t id) {
     r.stop.ignore_eos = true;
     r.disable_speculation = s->no_spec;
     r.priority = s->priority;
+    r.tenant = s->tenant;
     return r;
 }
 
@@ -154,6 +156,7 @@ static void make_specs(req_spec *specs, int n, bool sampled) {
         specs[i].sampled = sampled;
         specs[i].no_spec = false;
         specs[i].priority = 0;
+        specs[i].tenant = (const char *[]){"", "x", "y"}[i % 3]; /* no draw: the stream stays */
     }
 }
 
@@ -186,6 +189,10 @@ static void check_equivalence(void) {
                     p.max_num_batched_tokens = budgets[bi];
                     p.enable_prefix_caching = pc;
                     p.max_num_seqs = tight ? 8 : 256;
+                    /* the requests' three tenants, equal or weighted: another order */
+                    static const cs_tenant_share shares[] = {{"x", 3}, {"y", 0.5}};
+                    p.tenant_shares = shares;
+                    p.n_tenant_shares = pc ? 2 : 0;
                     cs_engine *e = tight ? small : big;
                     cs_sched *probe = NULL;
                     (void)probe;
@@ -1070,6 +1077,105 @@ static void check_prompt_logprobs(void) {
 
 /* Priority: the tokens do not depend on it; a high-priority request behind
  * long low-priority prompts starts at the next step, taking a seat. */
+/* Adds n prompts of len random tokens for tenant, ids from *id on. */
+static void add_flood(cs_sched *s, const char *tenant, int n, int32_t len, uint64_t *id) {
+    static req_spec sp;
+    sp.n_prompt = len;
+    sp.max_tokens = 2;
+    sp.tenant = tenant;
+    for (int k = 0; k < n; k++) {
+        for (int i = 0; i < len; i++)
+            sp.prompt[i] = (int32_t)rnd((uint32_t)V);
+        cs_request r = make_req(&sp, (*id)++);
+        ASSERT_EQ_INT(cs_sched_add(s, &r), 0);
+    }
+}
+
+/* Steps n times; the tokens each of three tenants got in them. */
+static void steps_for(cs_sched *s, int n, const char *const names[3], uint64_t got[3]) {
+    uint64_t t0[3];
+    for (int k = 0; k < 3; k++)
+        t0[k] = cs_sched_tenant_tokens(s, names[k]);
+    for (int i = 0; i < n; i++) {
+        const cs_event *ev;
+        int32_t ne;
+        ASSERT_EQ_INT(cs_sched_step(s, &ev, &ne), 0);
+    }
+    for (int k = 0; k < 3; k++)
+        got[k] = cs_sched_tenant_tokens(s, names[k]) - t0[k];
+}
+
+/* Token-fair steps (sched.h, tenants): tenant a floods first, b after it;
+ * with equal shares each gets half the prompt tokens while both have work
+ * (arrival order would give b nothing until a's flood is done), with 3:1
+ * shares three quarters and one; a tenant arriving later gets its share,
+ * not the machine (it starts at the least virtual tokens); the budget is
+ * always spent (work-conserving). Bad shares and tenants are refused. */
+static void check_tenants(void) {
+    const char *const names[3] = {"a", "b", "c"};
+    for (int weighted = 0; weighted < 2; weighted++) {
+        cs_engine *e = engine(4096);
+        cs_sched_params p = cs_sched_params_default();
+        p.max_num_batched_tokens = 64;
+        const cs_tenant_share shares[] = {{"a", weighted ? 3 : 1}, {"b", 1}};
+        p.tenant_shares = shares;
+        p.n_tenant_shares = 2;
+        cs_sched *s = NULL;
+        ASSERT_EQ_INT(cs_sched_init(e, &p, &s), 0);
+        uint64_t id = 1, got[3];
+        add_flood(s, "a", 12, 400, &id); /* 4,800 prompt tokens each: 75 full steps */
+        add_flood(s, "b", 12, 400, &id);
+        steps_for(s, 40, names, got);
+        double share_a = (double)got[0] / (double)(got[0] + got[1]);
+        printf("tenants %s: a %llu and b %llu tokens in 40 steps of 64 (a's share %.3f)\n",
+               weighted ? "3:1" : "1:1", (unsigned long long)got[0], (unsigned long long)got[1],
+               share_a);
+        ASSERT_EQ_INT(got[0] + got[1], 40 * 64); /* every step full */
+        double want = weighted ? 0.75 : 0.5;
+        ASSERT_TRUE(fabs(share_a - want) <= 0.05);
+        /* c arrives: it shares from now on, with no credit for the past */
+        add_flood(s, "c", 4, 400, &id);
+        steps_for(s, 20, names, got);
+        double share_c = (double)got[2] / (double)(got[0] + got[1] + got[2]);
+        printf("tenants %s: then c %llu of %llu tokens in 20 steps (share %.3f)\n",
+               weighted ? "3:1" : "1:1", (unsigned long long)got[2],
+               (unsigned long long)(got[0] + got[1] + got[2]), share_c);
+        double want_c = weighted ? 1.0 / 5 : 1.0 / 3;
+        ASSERT_TRUE(fabs(share_c - want_c) <= 0.06);
+        cs_sched_free(s);
+        cs_engine_free(e);
+    }
+    /* bad shares, named */
+    cs_engine *e = engine(64);
+    cs_sched *s = NULL;
+    cs_sched_params p = cs_sched_params_default();
+    const struct {
+        cs_tenant_share sh[2];
+        int n;
+        const char *msg;
+    } bad[] = {{{{"a", 0}}, 1, "tenant 'a': share 0"},
+               {{{"a", -1}}, 1, "tenant 'a': share -1"},
+               {{{"a", 1e7}}, 1, "tenant 'a': share 1e+07"},
+               {{{"", 1}}, 1, "tenant share 0: a name"},
+               {{{"a", 1}, {"a", 2}}, 2, "tenant 'a' has two shares"}};
+    for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
+        p.tenant_shares = bad[i].sh;
+        p.n_tenant_shares = bad[i].n;
+        ASSERT_EQ_INT(cs_sched_init(e, &p, &s), CS_EINVAL);
+        ASSERT_MSG_HAS(cs_last_error(), bad[i].msg);
+    }
+    p.n_tenant_shares = 0;
+    ASSERT_EQ_INT(cs_sched_init(e, &p, &s), 0);
+    static req_spec sp;
+    sp.n_prompt = 4;
+    sp.tenant = "a-tenant-name-that-goes-on-and-on-past-the-sixty-four-bytes-allowed";
+    cs_request r = make_req(&sp, 1);
+    ASSERT_EQ_INT(cs_sched_add(s, &r), CS_EINVAL);
+    ASSERT_MSG_HAS(cs_last_error(), "is longer than 64 bytes");
+    cs_sched_free(s);
+    cs_engine_free(e);
+}
+
 static void check_priority(void) {
     static req_spec specs[MAX_REQ];
     static req_out base[MAX_REQ], other[MAX_REQ];
@@ -1280,6 +1386,7 @@ int main(void) {
     check_step_time_target();
     check_equivalence();
     check_priority();
+    check_tenants();
     check_speculation();
     check_spec_distribution();
     check_serve();

@@ -50,7 +50,28 @@ typedef struct {
                                          0 = off */
     bool speculative_always;          /* draft whenever a draft is found, whatever the step
                                          model predicts it costs (tests, benchmarks) */
+    const struct cs_tenant_share *tenant_shares; /* tenants' weights (copied at init); a
+                                         tenant not named weighs 1 (tenants, below) */
+    int32_t n_tenant_shares;
 } cs_sched_params;
+
+/* Tenants: token-fair steps. Each request belongs to a tenant (cs_request.
+ * tenant; "" is the default tenant). The scheduler counts, per tenant, the
+ * tokens it computed for it (prompt chunks, decodes, drafts) divided by the
+ * tenant's weight: its virtual tokens. Among the candidates for a prompt
+ * chunk of the best priority, the tenant with the fewest virtual tokens goes
+ * first (its running prompt, else its oldest waiting one); ties keep the
+ * order without tenants (running first, then arrival). Decodes keep their
+ * precedence, and a tenant with nothing to run takes nothing: the budget goes
+ * to the others (work-conserving). A tenant that had no live request when
+ * one arrives starts at the fewest virtual tokens among the active tenants
+ * (if it had fewer), so being idle saves no credit (VTC, Sheng et al.,
+ * OSDI '24). With one tenant this is the order without tenants. */
+typedef struct cs_tenant_share {
+    const char *name;   /* 1..CS_TENANT_NAME_MAX bytes */
+    double weight;      /* share: (0, 1e6] */
+} cs_tenant_share;
+enum { CS_TENANT_NAME_MAX = 64 };
 
 /* Speculation. A draft is checked by sampling each of its positions' logits
  * with the request's own sampler, in order, and keeping the drafted tokens
@@ -134,6 +155,8 @@ typedef struct {
     cs_structured structured; /* structured output (chunkserve/grammar.h): kind NONE = none.
                                  Borrowed; compiled at add (grammars are shared by equal
                                  specs, with their mask caches); resumed tokens must follow it */
+    const char *tenant;       /* whose request (tenants, above): NULL or "" = the default
+                                 tenant; at most CS_TENANT_NAME_MAX bytes; copied */
     const _Atomic bool *held; /* optional, the caller's, alive until the request ends:
                                  while it reads true the request gets no further prompt
                                  chunk (the others keep running; what it holds stays). A
@@ -246,6 +269,10 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events);
 bool cs_sched_idle(const cs_sched *s);
 void cs_sched_last_step(const cs_sched *s, cs_step_info *info);
 void cs_sched_get_stats(const cs_sched *s, cs_sched_stats *st);
+/* Tokens computed for a tenant ("" the default) since init: prompt chunks,
+ * decodes and drafts. 0 for one it does not know (never seen, or not named
+ * in the shares and idle since: such tenants are forgotten). */
+uint64_t cs_sched_tenant_tokens(const cs_sched *s, const char *tenant);
 
 #ifdef __cplusplus
 }
