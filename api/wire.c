@@ -147,6 +147,7 @@ void cs_wire_model_init(cs_wire_model *wm, const cs_model *m, const char *path) 
                           base,
                           0,
                           0,
+                          {0, 0, 0, 0},
                           chat,
                           cs_wire_max_prompt_bytes(m),
                           cs_tokenizer_fingerprint(cs_model_tokenizer(m))};
@@ -352,6 +353,21 @@ int cs_wire_check_cache_salt(const char *salt) {
     return 0;
 }
 
+int cs_wire_check_tenant(const char *tenant) {
+    size_t n = tenant ? strlen(tenant) : 0;
+    if (n > CS_TENANT_NAME_MAX)
+        return cs_fail_field(CS_EINVAL, "tenant", "tenant has %zu bytes; at most %d are allowed", n,
+                             CS_TENANT_NAME_MAX);
+    return 0;
+}
+
+int32_t cs_wire_min_pages(const cs_wire_model *wm, int64_t n) {
+    cs_kv_blocks b = wm->kv_blocks;
+    if (b.per_block < 1) b = (cs_kv_blocks){wm->page_size, 1, 1, 0};
+    if (b.page_size < 1) b.page_size = 16;
+    return cs_kv_blocks_min_pages(&b, n);
+}
+
 int cs_wire_generate_request(const cs_wire_model *wm, const Chunkserve__V1__GenerateRequest *m,
                              uint64_t id, cs_wire_request *out) {
     memset(out, 0, sizeof *out);
@@ -359,6 +375,7 @@ int cs_wire_generate_request(const cs_wire_model *wm, const Chunkserve__V1__Gene
     const cs_model_config *cfg = cs_model_get_config(wm->model);
     int r = cs_wire_check_request_id(m->request_id);
     if (!r) r = cs_wire_check_cache_salt(m->cache_salt);
+    if (!r) r = cs_wire_check_tenant(m->tenant);
     if (!r) r = cs_wire_check_model(wm, m->model);
     cs_request *q = &out->r;
     if (!r) r = cs_wire_sampling(wm, m->sampling, q);
@@ -382,7 +399,7 @@ int cs_wire_generate_request(const cs_wire_model *wm, const Chunkserve__V1__Gene
             "model's context of %d tokens (at most %lld can be generated)",
             n, max_new, (long long)n + max_new, cfg->ctx_len,
             (long long)cfg->ctx_len - (long long)n);
-    if (!r && (int64_t)(n + 1 + (size_t)wm->page_size - 1) / wm->page_size > wm->n_kv_pages)
+    if (!r && cs_wire_min_pages(wm, (int64_t)n + 1) > wm->n_kv_pages)
         r = cs_fail_field(
             CS_EINVAL, "prompt",
             "the prompt has %zu tokens, more than this server's KV cache holds (%d pages of %d "
@@ -397,6 +414,7 @@ int cs_wire_generate_request(const cs_wire_model *wm, const Chunkserve__V1__Gene
     q->prompt = ids;
     q->n_prompt = (int32_t)n;
     q->cache_salt = m->cache_salt; /* borrowed from m (cs_serve_submit copies it) */
+    q->tenant = m->tenant;         /* likewise */
     out->prompt = ids;
     return 0;
 }

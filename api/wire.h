@@ -11,6 +11,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "chunkserve/kv_cache.h"
 #include "chunkserve/model.h"
 #include "chunkserve/sched.h"
 #include "chunkserve/v1/cluster.pb-c.h"
@@ -27,6 +28,7 @@ typedef struct {
     const char *name;  /* general.name, else the path's basename */
     const char *alias; /* the path's basename; also accepted as a model name */
     int32_t n_kv_pages, page_size;
+    cs_kv_blocks kv_blocks; /* how the pool holds a block (0s: one page a block of page_size) */
     bool has_chat_template;
     size_t max_prompt_bytes;        /* cs_wire_max_prompt_bytes(model) */
     uint64_t tokenizer_fingerprint; /* cs_tokenizer_fingerprint, computed once */
@@ -69,7 +71,7 @@ typedef struct {
  * rendered with the model's template and the assistant prompt), prompt
  * length against the context (with max_tokens, when set) and the KV pool, sampling and stop
  * parameters (proto 0 = "not set": top_p -> 1, repetition_penalty -> 1, max_tokens -> until the
- * context is full), cache_salt (borrowed from m: out->r.cache_salt points into it). 0, or CS_EINVAL
+ * context is full), cache_salt and tenant (borrowed from m: out->r's point into it). 0, or CS_EINVAL
  * with cs_last_error() naming the field, the value and what is allowed; CS_ENOMEM. On failure
  * nothing is left to free. id: the engine request id. */
 int cs_wire_generate_request(const cs_wire_model *wm, const Chunkserve__V1__GenerateRequest *m,
@@ -84,6 +86,11 @@ void cs_wire_request_free(cs_wire_request *w);
 #define CS_WIRE_MAX_CACHE_SALT 256
 /* 0, or CS_EINVAL naming the length. */
 int cs_wire_check_cache_salt(const char *salt);
+/* tenant (GenerateRequest, worker calls, the OpenAI header): at most
+ * CS_TENANT_NAME_MAX bytes. 0, or CS_EINVAL naming tenant. */
+int cs_wire_check_tenant(const char *tenant);
+/* The least KV pages a context of n tokens needs here (wm's blocks). */
+int32_t cs_wire_min_pages(const cs_wire_model *wm, int64_t n);
 int cs_wire_check_request_id(const char *id);
 
 /* Checks SamplingParams m (NULL = all defaults) and fills q's sampling,

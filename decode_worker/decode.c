@@ -249,7 +249,7 @@ static void handle_decode(cs_rpc_call *c, void *data) {
     cs_request r;
     dreq *q =
         (dreq *)cs_worker_admit(w, c, m->token_ids, m->n_token_ids, m->num_prompt_tokens,
-                                m->sampling, m->transfer_id, m->request_id, m->cache_salt, &r);
+                                m->sampling, m->transfer_id, m->request_id, m->cache_salt, m->tenant, &r);
     if (!q) return;
     observe_router_hop(d, c);
     q->d = d;

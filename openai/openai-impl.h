@@ -41,6 +41,7 @@ typedef struct {
     bool echo;               /* the prompt (chat: a final assistant message) before the text */
     bool tokens_as_ids;      /* return_tokens_as_token_ids: logprob tokens as "token_id:N" */
     const char *request_id;  /* the client's (vLLM's request_id), or NULL */
+    char *tenant;            /* the X-Chunkserve-Tenant header's value (owned), or NULL */
     int32_t top_logprobs;    /* completions: logprobs=N asks N alternatives */
     int32_t prompt_logprobs; /* vLLM's: alternatives per prompt token; -1 = not asked */
     bool echo_logprobs;      /* completions' echo with logprobs: the prompt's come first */

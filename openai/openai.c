@@ -23,6 +23,7 @@
 #include "chunkserve/log.h"
 #include "chunkserve/tokenizer.h"
 #include "openai-impl.h"
+#include "tenant_config.h"
 
 #define DEFAULT_MAX_REQUEST ((size_t)4 << 20)
 
@@ -871,7 +872,7 @@ static void route_models(cs_openai *s, const char *path, cs_http_res *res, const
  * SDK sends x-stainless-* headers) when they are plain header names, and
  * always Authorization and Content-Type. */
 static const char *allow_headers(const cs_http_req *req) {
-    static const char base[] = "Authorization, Content-Type";
+    static const char base[] = "Authorization, Content-Type, " CS_TENANT_HEADER;
     static _Thread_local char buf[1024];
     const char *want = cs_http_req_header(req, "Access-Control-Request-Headers");
     if (!want || !*want || strlen(want) + sizeof base + 2 > sizeof buf) return base;
@@ -963,6 +964,24 @@ static int prompt_facts(oa_call *oc) {
     return 0;
 }
 
+/* The tenant the X-Chunkserve-Tenant header names (api/tenant_config.h):
+ * into every choice's GenerateRequest (checked with the rest by cs_wire).
+ * 0, or -1 with *e set (nothing set: out of memory). */
+static int request_tenant(cs_http_req *req, oa_request *rq, oa_error *e) {
+    const char *t = cs_http_req_header(req, CS_TENANT_HEADER);
+    if (!t || !t[0]) return 0;
+    if (cs_wire_check_tenant(t) != 0) {
+        *e = (oa_error){.status = 400, .type = "invalid_request_error"};
+        snprintf(e->param, sizeof e->param, "tenant");
+        snprintf(e->message, sizeof e->message, "%s: %s", CS_TENANT_HEADER, cs_last_error());
+        return -1;
+    }
+    if (!(rq->tenant = strdup(t))) return -1;
+    for (int32_t i = 0; i < rq->n_choices; i++)
+        rq->req[i].tenant = rq->tenant;
+    return 0;
+}
+
 static void route_generate(cs_openai *s, cs_http_req *req, cs_http_res *res, bool chat,
                            const char *cors) {
     size_t len;
@@ -977,6 +996,7 @@ static void route_generate(cs_openai *s, cs_http_req *req, cs_http_res *res, boo
     oa_error e = {0};
     oc->s = s;
     if (oa_request_parse(body, len, chat, s->o.wm, &oc->rq, &e) != 0 ||
+        request_tenant(req, &oc->rq, &e) != 0 ||
         !(oc->choices = calloc((size_t)oc->rq.n_choices, sizeof *oc->choices)) ||
         (oc->rq.echo && echo_texts(oc, &e)) || prompt_facts(oc)) {
         if (!e.status)

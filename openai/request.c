@@ -837,6 +837,7 @@ void oa_request_free(oa_request *r) {
     free(r->stop_ids);
     free(r->bias_ids);
     free(r->bias);
+    free(r->tenant);
     free(r->schema_text);
     free(r->choice_ptrs);
     for (size_t i = 0; r->tool_texts && i < r->n_tools; i++)

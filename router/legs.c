@@ -166,6 +166,7 @@ void cs__leg_start_prefill(req *q, const char *kv_endpoint, int kv_transport) {
     m.kv_endpoint = (char *)kv_endpoint;
     m.kv_transport = kv_transport;
     m.cache_salt = q->cache_salt;
+    m.tenant = q->tenant;
     m.decode_worker_id = (char *)cs_pool_worker_id(q->dleg->w);
     cs_rpc_call_opts o = {.timeout_ms = cs__req_ms_left(q)};
     cs_rpc_metadata fault = {"x-chunkserve-fault-alloc", q->fault_worker};
@@ -272,6 +273,7 @@ void cs__leg_start_decode(req *q, cs_pool_worker *dw, bool first) {
     cs_pool_worker *pw = q->local ? NULL : cs__req_worker(q, q->pw);
     m.kv_sender = (char *)(pw ? cs_pool_worker_kv_sender(pw) : "");
     m.cache_salt = q->cache_salt;
+    m.tenant = q->tenant;
     cs_rpc_call_opts o = {.timeout_ms = cs__req_ms_left(q)};
     /* The wall-clock time of the client call's receipt, on the first attempt:
      * the decode worker measures receipt-to-receipt (same host or synced

@@ -198,6 +198,7 @@ void cs__req_maybe_free(req *q) {
     free(q->ctx);
     free(q->id);
     free(q->cache_salt);
+    free(q->tenant);
     cs__router_fault_end(r, q->seq);
     free(q);
 }

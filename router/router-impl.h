@@ -114,6 +114,7 @@ struct req {
     int32_t n_relayed;
     Chunkserve__V1__SamplingParams *sampling; /* the client's, copied (NULL: none sent) */
     char *cache_salt;                         /* the client's, copied ("" when none) */
+    char *tenant;                             /* the client's, copied ("" when none) */
     uint64_t rng[4];
     bool have_rng;
     bool sent_first; /* the client has its first message (it carries the request id) */

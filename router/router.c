@@ -135,8 +135,10 @@ static void on_prepared(void *arg, cs_gen_call *c, uint64_t seq, double t_recv, 
     snprintf(idbuf, sizeof idbuf, "rt-%016" PRIx64, cs__splitmix64(r->id_base ^ (seq << 1)));
     if (q) q->id = strdup(m->request_id[0] ? m->request_id : idbuf);
     if (q) q->cache_salt = strdup(m->cache_salt);
-    if (!q || !q->id || !q->cache_salt || copy_sampling(m->sampling, &q->sampling) != 0) {
-        if (q) free(q->id), free(q->cache_salt);
+    if (q) q->tenant = strdup(m->tenant);
+    if (!q || !q->id || !q->cache_salt || !q->tenant ||
+        copy_sampling(m->sampling, &q->sampling) != 0) {
+        if (q) free(q->id), free(q->cache_salt), free(q->tenant);
         free(q);
         cs__router_fault_end(r, seq);
         cs_wire_request_free(&w);

@@ -427,6 +427,7 @@ int cs_server_run(const cs_model *m, const cs_server_opts *o) {
     if ((r = cs_engine_init(m, &o->engine, &s->engine))) goto out;
     s->wm.n_kv_pages = cs_kv_cache_n_pages(cs_engine_kv(s->engine));
     s->wm.page_size = cs_kv_cache_page_size(cs_engine_kv(s->engine));
+    s->wm.kv_blocks = *cs_kv_cache_blocks(cs_engine_kv(s->engine));
     if ((r = cs_serve_start(s->engine, &o->sched, &s->sv))) goto out;
     cs_proc_opts po = {.host = o->host,
                        .port = o->port,

@@ -35,7 +35,7 @@ static int check_request(cs_worker *w, const int32_t *ids, size_t n, int32_t num
                                  cfg->n_vocab - 1);
     /* the least a sequence holds: the prompt and a first token computed (the
      * pool's shape is fixed at start, so reading it here is safe) */
-    if (cs_kv_cache_min_pages(cs_engine_kv(w->engine), (int32_t)n + 1) > w->wm.n_kv_pages)
+    if (cs_wire_min_pages(&w->wm, (int64_t)n + 1) > w->wm.n_kv_pages)
         return cs_fail_field(CS_EINVAL, "token_ids",
                              "%zu tokens need more KV pages than this worker has (%d of %d tokens)",
                              n, w->wm.n_kv_pages, w->wm.page_size);
@@ -124,7 +124,7 @@ static bool arm_fault(cs_rpc_call *c) {
 static cs_worker_call *admit(cs_worker *w, cs_rpc_call *c, const int32_t *ids, size_t n,
                              int32_t num_prompt, const Chunkserve__V1__SamplingParams *sampling,
                              uint64_t transfer_id, const char *request_id, const char *cache_salt,
-                             cs_request *r) {
+                             const char *tenant, cs_request *r) {
     if (w->stopping) {
         cs_rpc_call_finish(c, CS_RPC_UNAVAILABLE, "the worker is draining (shutting down)");
         return NULL;
@@ -139,6 +139,7 @@ static cs_worker_call *admit(cs_worker *w, cs_rpc_call *c, const int32_t *ids, s
     cs_error_clear(); /* a field named below is this request's */
     int rc = cs_wire_check_request_id(request_id);
     if (!rc) rc = cs_wire_check_cache_salt(cache_salt);
+    if (!rc) rc = cs_wire_check_tenant(tenant);
     if (!rc) rc = check_request(w, ids, n, num_prompt, sampling, r);
     if (rc) {
         char msg[512], field[64];
@@ -157,6 +158,7 @@ static cs_worker_call *admit(cs_worker *w, cs_rpc_call *c, const int32_t *ids, s
     q->call = c;
     q->id = r->id = ++w->next_id;
     r->cache_salt = cache_salt; /* borrowed from the call's message; the engine copies it */
+    r->tenant = tenant;         /* likewise */
     q->transfer_id = transfer_id;
     snprintf(q->request_id, sizeof q->request_id, "%s",
              request_id && request_id[0] ? request_id : "-");
@@ -173,10 +175,10 @@ static cs_worker_call *admit(cs_worker *w, cs_rpc_call *c, const int32_t *ids, s
 cs_worker_call *cs_worker_admit(cs_worker *w, cs_rpc_call *c, const int32_t *ids, size_t n,
                                 int32_t num_prompt, const Chunkserve__V1__SamplingParams *sampling,
                                 uint64_t transfer_id, const char *request_id,
-                                const char *cache_salt, cs_request *r) {
+                                const char *cache_salt, const char *tenant, cs_request *r) {
     bool armed = arm_fault(c);
-    cs_worker_call *q =
-        admit(w, c, ids, n, num_prompt, sampling, transfer_id, request_id, cache_salt, r);
+    cs_worker_call *q = admit(w, c, ids, n, num_prompt, sampling, transfer_id, request_id,
+                              cache_salt, tenant, r);
     if (q)
         q->fault_armed = armed;
     else if (armed)

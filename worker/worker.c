@@ -323,6 +323,7 @@ static int run(cs_worker *w) {
     if ((r = cs_engine_init(w->model, &ep, &w->engine))) goto out;
     w->wm.n_kv_pages = cs_kv_cache_n_pages(cs_engine_kv(w->engine));
     w->wm.page_size = cs_kv_cache_page_size(cs_engine_kv(w->engine));
+    w->wm.kv_blocks = *cs_kv_cache_blocks(cs_engine_kv(w->engine));
     cs_sched_params sp = cs_sched_params_default();
     sp.max_num_batched_tokens = (int32_t)o->max_batched_tokens;
     sp.max_num_seqs = (int32_t)o->max_num_seqs;
@@ -331,6 +332,7 @@ static int run(cs_worker *w) {
     sp.step_time_target_ms = o->step_time_target_ms;
     sp.enable_prefix_caching = o->prefix_caching;
     if (w->role->speculates && (r = cs_spec_opts_apply(&o->spec, &sp))) goto out;
+    if ((r = cs_tenant_opts_apply(&w->o.tenants, &sp))) goto out;
     if ((r = cs_serve_start(w->engine, &sp, &w->sv))) goto out;
     if (o->prefix_caching && o->prefix_summary_ms > 0 &&
         (r = cs_serve_prefix_summary_enable(w->sv, (double)o->prefix_summary_ms / 1e3)))
@@ -380,6 +382,7 @@ int cs_worker_main(int argc, char **argv, const cs_worker_role *role) {
         {cs_proc_rpc_config, cs_proc_rpc_config_n, offsetof(cs_worker_opts, rpc)},
         {cs_proc_tls_config, cs_proc_tls_config_n, offsetof(cs_worker_opts, tls)},
         {role->config, role->n_config, 0},
+        {cs_tenant_config, cs_tenant_config_n, offsetof(cs_worker_opts, tenants)},
         {cs_spec_config, cs_spec_config_n, offsetof(cs_worker_opts, spec)}, /* last: optional */
     };
     cs_config_entry *table;

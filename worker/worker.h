@@ -26,6 +26,7 @@
 #include "chunkserve/metrics.h"
 #include "engine_metrics.h"
 #include "spec_config.h"
+#include "tenant_config.h"
 #include "chunkserve/proc.h"
 #include "chunkserve/rpc.h"
 #include "chunkserve/rpc_health.h"
@@ -53,6 +54,7 @@ typedef struct {
     int64_t dns_refresh_ms, status_interval_ms;
     cs_rpc_tls worker_tls;
     cs_spec_opts spec; /* decode: speculative decoding (api/spec_config.h) */
+    cs_tenant_opts tenants; /* the tenants' shares (api/tenant_config.h) */
 } cs_worker_opts;
 
 /* The options both workers have (worker_config.c; offsets in
@@ -191,13 +193,13 @@ int cs_worker_add_method(cs_worker *w, const char *method, enum cs_rpc_method_ki
  * (INVALID_ARGUMENT: token ids against the vocabulary, the context and the
  * pool, num_prompt_tokens in [1, n], the sampling params); otherwise
  * returns a zeroed request of role->call_size bytes on w->calls holding the
- * RPC's reference, with r filled (prompt borrowed from ids, cache_salt
- * borrowed, r->id set).
+ * RPC's reference, with r filled (prompt borrowed from ids, cache_salt and
+ * tenant borrowed, r->id set).
  * NULL when the call was answered. */
 cs_worker_call *cs_worker_admit(cs_worker *w, cs_rpc_call *c, const int32_t *ids, size_t n,
                                 int32_t num_prompt, const Chunkserve__V1__SamplingParams *sampling,
                                 uint64_t transfer_id, const char *request_id,
-                                const char *cache_salt, cs_request *r);
+                                const char *cache_salt, const char *tenant, cs_request *r);
 /* Hands r to the engine (on_event gets q) with the engine's reference and
  * watches for the client's cancel. Otherwise the call is answered
  * UNAVAILABLE; returns the error. */

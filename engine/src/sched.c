@@ -1197,12 +1197,13 @@ static void unlink_waiting(cs_sched *s, seq *q) {
     s->n_waiting--;
 }
 
-/* Whether q outranks every running sequence part-way through its prompt:
- * then it takes a prompt seat beyond max_num_partial_prefills. */
+/* Whether q goes before every running sequence part-way through its prompt
+ * (a better priority, or a tenant served less: fair_before): then it takes
+ * a prompt seat beyond max_num_partial_prefills, so a tenant's flood of
+ * prompts holding every seat does not keep the others out. */
 static bool outranks_partials(const cs_sched *s, const seq *q) {
     for (const seq *r = s->running; r; r = r->next)
-        if (r->n_tokens - r->n_computed > 1 && !is_held(r) && r->priority <= q->priority)
-            return false;
+        if (r->n_tokens - r->n_computed > 1 && !is_held(r) && !fair_before(q, r)) return false;
     return true;
 }
 

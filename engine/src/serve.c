@@ -26,7 +26,7 @@
 #include "util.h"
 
 typedef struct pending {
-    cs_request r; /* with owned copies of prompt, stop strings, logit_bias, cache_salt and the
+    cs_request r; /* with owned copies of prompt, stop strings, logit_bias, cache_salt, tenant and the
                      structured output's text or choices */
     char **stops;
     char *st_text, **st_choices;
@@ -139,6 +139,7 @@ static void pending_free(pending *p) {
     free(p->st_choices);
     free((void *)p->r.prompt);
     free((void *)p->r.cache_salt);
+    free((void *)p->r.tenant);
     free(p->lv); /* a submit that never started (its record was unlinked) */
     free(p);
 }
@@ -373,6 +374,8 @@ int cs_serve_submit(cs_serve *sv, const cs_request *r, cs_serve_cb cb, void *use
     p->r.cache_salt = NULL;
     if (ok && r->cache_salt && r->cache_salt[0])
         ok = (p->r.cache_salt = strdup(r->cache_salt)) != NULL;
+    p->r.tenant = NULL;
+    if (ok && r->tenant && r->tenant[0]) ok = (p->r.tenant = strdup(r->tenant)) != NULL;
     const cs_structured *st = &r->structured;
     p->r.structured.text = NULL, p->r.structured.choices = NULL;
     if (ok && st->text) ok = (p->r.structured.text = p->st_text = strdup(st->text)) != NULL;
