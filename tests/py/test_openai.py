@@ -1178,6 +1178,22 @@ def test_router_answers_like_serve(cluster, tiny):
     assert metric(router.metrics(), "chunkserve:prefills_total", 'path="remote"') >= 1
 
 
+def test_router_carries_the_tenant(cluster, tiny):
+    """The X-Chunkserve-Tenant header through the router: the workers schedule by it (remote
+    and local prefill alike), the answer is serve's; a bad one is refused by name."""
+    router, _, _ = cluster
+    c = openai.OpenAI(base_url=f"http://{router.openai}/v1", api_key="none", max_retries=0)
+    for prompt in ("hello there, how are you today? " * 8, "hi"):  # remote, then local prefill
+        kw = dict(model=tiny.model, prompt=prompt, temperature=0, max_tokens=12)
+        a = c.completions.create(**kw, extra_headers={"X-Chunkserve-Tenant": "team-a"})
+        b = tiny.client.completions.create(**kw)
+        assert a.choices[0].text == b.choices[0].text
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model=tiny.model, prompt="hi", max_tokens=2,
+                             extra_headers={"X-Chunkserve-Tenant": "t" * 65})
+    assert e.value.body["param"] == "tenant", e.value.body
+
+
 def test_router_fields_like_serve(cluster, tiny):
     """The new fields and routes answer the same through the router (remote prefill)."""
     router, _, _ = cluster
