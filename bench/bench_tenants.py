@@ -1,0 +1,158 @@
+#!/usr/bin/env python3
+"""Two tenants on one `chunkserve serve` (issue 41's measure): tenant A keeps --streams chat
+streams going (short prompts, --answer-tokens each, closed loop) while tenant B floods the
+server with --flood prompts of --flood-tokens tokens at once (far beyond what it can prefill in
+the window). Three runs side by side on one machine, the step-time target T the same:
+  alone   A only: its TTFT and ITL without B;
+  fair    A and B, each naming its tenant (X-Chunkserve-Tenant): token-fair steps;
+  fcfs    A and B with no tenant (one tenant: arrival order, as before tenants).
+Reported per run: A's TTFT and ITL p50/p99/max, A's answers completed, and B's prompt tokens
+computed per second in the window (the engine's prompt_tokens_total less A's prompts).
+Goals (issue 41): fair A p99 TTFT <= alone p99 + 2T; fair A p99 ITL <= 1.2T; fair B rate >= 90%
+of what A leaves (read against fcfs, where B takes all A waits for).
+
+    python3 bench/bench_tenants.py [--model models/SmolLM2-135M-Instruct.Q4_1.gguf]
+        [--streams 4] [--flood 40] [--flood-tokens 3000] [--window 30] [--target-ms 200]
+"""
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def start(bin_dir, model, target_ms, threads):
+    p = subprocess.Popen([str(bin_dir / "chunkserve"), "serve", "--model", str(model),
+                          "--port", "0", "--http-port", "0", "--openai-port", "0",
+                          "--step-time-target-ms", str(target_ms), "--max-queue", "4096",
+                          "--kv-cache-mib", "2048", "--threads", str(threads)],
+                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    lines = [p.stdout.readline().split()[-1] for _ in range(3)]
+    return p, lines[1], lines[2]
+
+
+def post(http, body, tenant):
+    headers = {"Content-Type": "application/json"}
+    if tenant:
+        headers["X-Chunkserve-Tenant"] = tenant
+    req = urllib.request.Request(f"http://{http}/v1/completions", data=json.dumps(body).encode(),
+                                 headers=headers)
+    return urllib.request.urlopen(req, timeout=3600)
+
+
+def metric(ops, name):
+    with urllib.request.urlopen(f"http://{ops}/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    return 0.0
+
+
+def pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
+
+
+def run(bin_dir, model, args, mode):
+    p, ops, http = start(bin_dir, model, args.target_ms, args.threads)
+    ta, tb = ("A", "B") if mode == "fair" else ("", "")
+    stop = time.monotonic() + 10**9
+    ttfts, itls, a_prompt = [], [], [0]
+    lock = threading.Lock()
+    try:
+        with urllib.request.urlopen(f"http://{http}/v1/models", timeout=10) as r:
+            name = json.loads(r.read())["data"][0]["id"]
+        words = "the quick brown fox jumps over the lazy dog and keeps running".split()
+        long_prompt = " ".join(words[i % len(words)] for i in range(args.flood_tokens))
+
+        def flood(i):
+            try:
+                post(http, {"model": name, "prompt": f"{i} {long_prompt}", "max_tokens": 4,
+                            "temperature": 0}, tb).read()
+            except OSError:
+                pass  # stopped at the end of the window
+
+        def stream(k):
+            n = 0
+            while time.monotonic() < stop:
+                body = {"model": name, "prompt": f"chat {k}.{n}: tell me about the weather",
+                        "max_tokens": args.answer_tokens, "temperature": 0, "ignore_eos": True,
+                        "stream": True, "stream_options": {"include_usage": True}}
+                t0 = last = time.monotonic()
+                first, gaps = None, []
+                try:
+                    with post(http, body, ta) as r:
+                        for line in r:
+                            if not line.startswith(b"data: {"):
+                                continue
+                            ev = json.loads(line[6:])
+                            if ev.get("usage"):
+                                with lock:
+                                    a_prompt[0] += ev["usage"]["prompt_tokens"]
+                            if ev.get("choices") and ev["choices"][0].get("text"):
+                                now = time.monotonic()
+                                if first is None:
+                                    first = now - t0
+                                else:
+                                    gaps.append(now - last)
+                                last = now
+                except OSError:
+                    return
+                if first is not None and time.monotonic() < stop:
+                    with lock:
+                        ttfts.append(first)
+                        itls.extend(gaps)
+                n += 1
+
+        if mode != "alone":
+            for i in range(args.flood):
+                threading.Thread(target=flood, args=(i,), daemon=True).start()
+            time.sleep(2)  # the flood queued
+        p0, t0 = metric(ops, "chunkserve:prompt_tokens_total"), time.monotonic()
+        stop = t0 + args.window
+        streams = [threading.Thread(target=stream, args=(k,), daemon=True)
+                   for k in range(args.streams)]
+        for t in streams:
+            t.start()
+        time.sleep(args.window)
+        rate_all = (metric(ops, "chunkserve:prompt_tokens_total") - p0) / (time.monotonic() - t0)
+        rate_b = rate_all - a_prompt[0] / args.window
+        return ttfts, itls, rate_b
+    finally:
+        p.kill()
+        p.wait()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=str(ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"))
+    ap.add_argument("--bin-dir", default=str(ROOT / "build" / "bin"))
+    ap.add_argument("--streams", type=int, default=4)
+    ap.add_argument("--answer-tokens", type=int, default=48)
+    ap.add_argument("--flood", type=int, default=40)
+    ap.add_argument("--flood-tokens", type=int, default=3000)
+    ap.add_argument("--window", type=int, default=30)
+    ap.add_argument("--target-ms", type=int, default=200)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    bin_dir = Path(args.bin_dir)
+    for mode in ("alone", "fair", "fcfs"):
+        t, i, rate_b = run(bin_dir, args.model, args, mode)
+        ms = lambda x: f"{x * 1e3:.0f}"  # noqa: E731
+        print(f"{mode:5}: A answers {len(t)}, TTFT p50/p99/max {ms(pct(t, .5))}/{ms(pct(t, .99))}/"
+              f"{ms(max(t) if t else float('nan'))} ms, ITL p50/p99/max {ms(pct(i, .5))}/"
+              f"{ms(pct(i, .99))}/{ms(max(i) if i else float('nan'))} ms; "
+              f"B prompt tokens/s {rate_b:.0f}", flush=True)
+    print(f"goals: fair A p99 TTFT <= alone p99 + 2T ({2 * args.target_ms} ms); "
+          f"fair A p99 ITL <= 1.2T ({1.2 * args.target_ms:.0f} ms); fair B rate >= 90% of fcfs's")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
