@@ -43,8 +43,9 @@ int cs_tenant_opts_apply(cs_tenant_opts *o, cs_sched_params *sp) {
         num[nl] = 0;
         char *stop;
         double w = strtod(num, &stop);
-        if (*stop || !isfinite(w) || !(w > 0 && w <= 1e6))
-            return cs_fail(CS_EINVAL, "--tenant-shares: '%.*s': the weight must be in (0, 1e6]",
+        if (*stop || !isfinite(w) || !(w >= 1e-3 && w <= 1e6))
+            return cs_fail(CS_EINVAL,
+                           "--tenant-shares: '%.*s': the weight must be in [0.001, 1e6]",
                            (int)len, p);
         memcpy(o->names[n], p, (size_t)(eq - p));
         o->names[n][eq - p] = 0;

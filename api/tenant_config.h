@@ -26,7 +26,7 @@ extern const size_t cs_tenant_config_n;
 /* Parses o->spec into o's arrays and points sp's tenant shares at them (o
  * must outlive cs_sched_init, which copies them). CS_EINVAL naming the flag
  * and the entry: not NAME=WEIGHT, a name of 0 or more than
- * CS_TENANT_NAME_MAX bytes, a weight outside (0, 1e6], more than
+ * CS_TENANT_NAME_MAX bytes, a weight outside [0.001, 1e6], more than
  * CS_TENANT_SHARES_MAX entries, a name twice. */
 int cs_tenant_opts_apply(cs_tenant_opts *o, cs_sched_params *sp);
 

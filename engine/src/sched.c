@@ -78,6 +78,7 @@ struct cs_sched {
     seq *retired;           /* finished PREFILL_ONLY sequences: their pages are
                                reported in the last events, freed next step */
     tenant *tenants;        /* named ones, and the others while they have live requests */
+    double vfloor;          /* the virtual tokens of the last tenant to go idle (tenant_join) */
     uint64_t stamp;         /* counts steps (seq.chunk_stamp) */
     int32_t n_waiting, n_running, n_remote, n_kv_ready;
     uint64_t next_arrival;
@@ -135,8 +136,8 @@ int cs_sched_init(cs_engine *e, const cs_sched_params *p, cs_sched **out) {
         if (len < 1 || len > CS_TENANT_NAME_MAX)
             return cs_fail(CS_EINVAL, "scheduler: tenant share %d: a name of 1..%d bytes, not '%s'",
                            i, CS_TENANT_NAME_MAX, t->name ? t->name : "");
-        if (!(t->weight > 0 && t->weight <= 1e6))
-            return cs_fail(CS_EINVAL, "scheduler: tenant '%s': share %g is not in (0, 1e6]",
+        if (!(t->weight >= 1e-3 && t->weight <= 1e6))
+            return cs_fail(CS_EINVAL, "scheduler: tenant '%s': share %g is not in [0.001, 1e6]",
                            t->name, t->weight);
         for (int32_t j = 0; j < i; j++)
             if (!strcmp(p->tenant_shares[j].name, t->name))
@@ -161,6 +162,7 @@ int cs_sched_init(cs_engine *e, const cs_sched_params *p, cs_sched **out) {
     const cs_model *m = cs_engine_model(e);
     s->tok = cs_model_tokenizer(m);
     s->p = *p;
+    s->p.tenant_shares = NULL; /* copied above; the caller's may go */
     s->n_vocab = cs_model_get_config(m)->n_vocab;
     s->ctx_len = cs_model_get_config(m)->ctx_len;
     s->page_size = cs_kv_cache_page_size(s->kv);
@@ -183,19 +185,28 @@ static tenant *tenant_of(cs_sched *s, const char *name) {
     return t;
 }
 
+static bool any_active(const cs_sched *s) {
+    for (const tenant *o = s->tenants; o; o = o->next)
+        if (o->n_live > 0) return true;
+    return false;
+}
+
 /* A tenant becomes active: no fewer virtual tokens than the least of the
- * active ones (idle time saves no credit). */
+ * active ones, or with none active the last one's to go idle (idle time
+ * saves no credit). */
 static void tenant_join(cs_sched *s, tenant *t) {
     if (t->n_live++ > 0) return;
+    double least = s->vfloor;
     bool any = false;
-    double least = 0;
     for (const tenant *o = s->tenants; o; o = o->next)
         if (o != t && o->n_live > 0 && (!any || o->vtokens < least)) least = o->vtokens, any = true;
-    if (any && least > t->vtokens) t->vtokens = least;
+    if (least > t->vtokens) t->vtokens = least;
 }
 
 static void tenant_leave(cs_sched *s, tenant *t) {
-    if (--t->n_live > 0 || t->named) return;
+    if (--t->n_live > 0) return;
+    if (!any_active(s)) s->vfloor = t->vtokens;
+    if (t->named) return;
     for (tenant **l = &s->tenants; *l; l = &(*l)->next)
         if (*l == t) {
             *l = t->next;
@@ -931,8 +942,7 @@ static int32_t chunk_len(const cs_sched *s, int32_t left, int32_t room) {
  * position is written, then given back), so a long prompt in one chunk may
  * not fit a pool that holds it in smaller ones. Without windows a chunk
  * always fits (cs_sched_add checked the whole prompt). */
-static int32_t pool_chunk(const cs_sched *s, const seq *q, int32_t k) {
-    const int32_t room = cs_kv_cache_n_pages(s->kv) - cs_page_table_held(&q->pt, s->kv);
+static int32_t fit_chunk(const cs_sched *s, const seq *q, int32_t k, int32_t room) {
     if (cs_page_table_need(&q->pt, s->kv, q->n_computed, q->n_computed + k) <= room) return k;
     int32_t lo = 0, hi = k; /* lo fits, hi does not */
     while (hi - lo > 1) {
@@ -943,6 +953,10 @@ static int32_t pool_chunk(const cs_sched *s, const seq *q, int32_t k) {
             hi = mid;
     }
     return lo;
+}
+
+static int32_t pool_chunk(const cs_sched *s, const seq *q, int32_t k) {
+    return fit_chunk(s, q, k, cs_kv_cache_n_pages(s->kv) - cs_page_table_held(&q->pt, s->kv));
 }
 
 /* What the spans scheduled so far cost the step (the step model's features). */
@@ -1197,14 +1211,22 @@ static void unlink_waiting(cs_sched *s, seq *q) {
     s->n_waiting--;
 }
 
-/* Whether q goes before every running sequence part-way through its prompt
- * (a better priority, or a tenant served less: fair_before): then it takes
- * a prompt seat beyond max_num_partial_prefills, so a tenant's flood of
- * prompts holding every seat does not keep the others out. */
-static bool outranks_partials(const cs_sched *s, const seq *q) {
+/* Whether waiting q may take a prompt seat, partial seats being taken:
+ * below max_num_partial_prefills, yes; beyond it, when it goes before every
+ * running sequence part-way through its prompt, by a better priority (any
+ * number of seats: priority preempts anyway), or by a tenant served less
+ * (fair_before; one seat beyond the cap in all, so a tenant's flood of
+ * prompts holding every seat does not keep the others out, and requests
+ * naming ever new tenants cannot open seats without end). */
+static bool may_take_seat(const cs_sched *s, const seq *q, int32_t partial) {
+    if (partial < s->p.max_num_partial_prefills) return true;
+    bool by_priority = true, fairly = partial == s->p.max_num_partial_prefills;
     for (const seq *r = s->running; r; r = r->next)
-        if (r->n_tokens - r->n_computed > 1 && !is_held(r) && !fair_before(q, r)) return false;
-    return true;
+        if (r->n_tokens - r->n_computed > 1 && !is_held(r)) {
+            by_priority = by_priority && q->priority < r->priority;
+            fairly = fairly && fair_before(q, r);
+        }
+    return by_priority || fairly;
 }
 
 int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
@@ -1279,7 +1301,7 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
         seq *rq = next_partial(s);
         seq *q = waiting_open ? next_waiting(s) : NULL;
         if (q && s->n_running >= s->p.max_num_seqs) q = NULL;
-        if (q && partial >= s->p.max_num_partial_prefills && !outranks_partials(s, q)) q = NULL;
+        if (q && !may_take_seat(s, q, partial)) q = NULL;
         if (q && rq && !fair_before(q, rq)) q = NULL; /* a running one first */
         if (!q && !rq) break;
         if (!q) { /* the running one's next chunk */
@@ -1291,8 +1313,13 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
             if (k == 0) break;
             if ((k = plp_cap(q, k, plp_room)) == 0) continue;
             if (cs_page_table_reserve(&q->pt, s->kv, q->n_computed, q->n_computed + k) != 0) {
-                starved = true;
-                continue;
+                /* as much as the free (and cached) pages hold now */
+                k = fit_chunk(s, q, k, cs_kv_cache_n_free(s->kv) + cs_kv_cache_n_cached(s->kv));
+                if (k == 0 ||
+                    cs_page_table_reserve(&q->pt, s->kv, q->n_computed, q->n_computed + k) != 0) {
+                    starved = true;
+                    continue;
+                }
             }
             plp_room -= plp_rows(q, k);
             work_add(&work, q->n_computed, k, chunk_rows(q, k));
@@ -1331,14 +1358,16 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
         if (q->n_computed + k < q->n_tokens) partial++;
     }
     s->last.n_prefill = n_spans - s->last.n_decode;
-    /* Nothing could run because running prompts hold every page each needs
-     * more of (several admitted part-way, no decode to preempt for): the
-     * newest not held gives its pages back, so the others finish. */
+    /* Nothing could run because running prompts (two or more, not held) each
+     * found no page for even a token of their next chunk (admitted part-way
+     * side by side, no decode to preempt for): the newest of them gives its
+     * pages back, so the others finish. */
     if (n_spans == 0 && starved) {
         seq **newest = NULL;
+        int32_t n_prompts = 0;
         for (seq **l = &s->running; *l; l = &(*l)->next)
-            if (!is_held(*l)) newest = l;
-        if (newest) preempt(s, newest);
+            if ((*l)->n_tokens - (*l)->n_computed > 1 && !is_held(*l)) newest = l, n_prompts++;
+        if (n_prompts >= 2) preempt(s, newest);
     }
 
     /* 3. speculation: drafts for the decodes, in the budget that is left

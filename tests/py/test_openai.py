@@ -1179,8 +1179,9 @@ def test_router_answers_like_serve(cluster, tiny):
 
 
 def test_router_carries_the_tenant(cluster, tiny):
-    """The X-Chunkserve-Tenant header through the router: the workers schedule by it (remote
-    and local prefill alike), the answer is serve's; a bad one is refused by name."""
+    """The X-Chunkserve-Tenant header through the router to the workers (remote and local
+    prefill alike): the answer is serve's; a bad one is refused by name. That the workers
+    order by it is test_sched's and test_tenants.py's to show."""
     router, _, _ = cluster
     c = openai.OpenAI(base_url=f"http://{router.openai}/v1", api_key="none", max_retries=0)
     for prompt in ("hello there, how are you today? " * 8, "hi"):  # remote, then local prefill

@@ -92,7 +92,7 @@ def test_a_bad_tenant_is_refused_by_name(served):
 
 
 @pytest.mark.parametrize("shares, says", [("a", "is not NAME=WEIGHT"),
-                                          ("a=0", "the weight must be in (0, 1e6]"),
+                                          ("a=0", "the weight must be in [0.001, 1e6]"),
                                           ("a=1,a=2", "tenant 'a' is named twice"),
                                           ("=3", "is not NAME=WEIGHT")])
 def test_bad_shares_stop_the_server_at_start(chunkserve_bin, tiny_model, shares, says):

@@ -1075,8 +1075,6 @@ static void check_prompt_logprobs(void) {
     model = f32;
 }
 
-/* Priority: the tokens do not depend on it; a high-priority request behind
- * long low-priority prompts starts at the next step, taking a seat. */
 /* Adds n prompts of len random tokens for tenant, ids from *id on. */
 static void add_flood(cs_sched *s, const char *tenant, int n, int32_t len, uint64_t *id) {
     static req_spec sp;
@@ -1145,6 +1143,66 @@ static void check_tenants(void) {
         cs_sched_free(s);
         cs_engine_free(e);
     }
+    /* idle time banks no credit: a named tenant that ran alone, then went
+     * idle, is not starved by one that arrived while the server was empty */
+    {
+        cs_engine *e = engine(4096);
+        cs_sched_params p = cs_sched_params_default();
+        p.max_num_batched_tokens = 64;
+        const cs_tenant_share shares[] = {{"a", 1}, {"b", 1}};
+        p.tenant_shares = shares;
+        p.n_tenant_shares = 2;
+        cs_sched *s = NULL;
+        ASSERT_EQ_INT(cs_sched_init(e, &p, &s), 0);
+        uint64_t id = 100, got[3];
+        add_flood(s, "a", 4, 400, &id);
+        while (!cs_sched_idle(s))
+            steps_for(s, 1, names, got);
+        add_flood(s, "b", 6, 400, &id);
+        steps_for(s, 1, names, got); /* b alone: it starts where a left off */
+        add_flood(s, "a", 6, 400, &id);
+        steps_for(s, 20, names, got);
+        double share_a = (double)got[0] / (double)(got[0] + got[1]);
+        printf("tenants: a back from idle gets %.3f of 20 steps beside b\n", share_a);
+        ASSERT_TRUE(fabs(share_a - 0.5) <= 0.1);
+        cs_sched_free(s);
+        cs_engine_free(e);
+    }
+    /* a tenant served less takes a seat beyond max_num_partial_prefills,
+     * one in all: new tenants cannot open seats without end */
+    {
+        cs_engine *e = engine(4096);
+        cs_sched_params p = cs_sched_params_default();
+        p.max_num_batched_tokens = 64;
+        p.max_chunk_tokens = 16; /* room for four prompts' chunks a step */
+        p.max_num_partial_prefills = 1;
+        cs_sched *s = NULL;
+        ASSERT_EQ_INT(cs_sched_init(e, &p, &s), 0);
+        uint64_t id = 200, got[3];
+        static req_spec chat;
+        chat.n_prompt = 4, chat.max_tokens = 200, chat.tenant = "chat";
+        cs_request r = make_req(&chat, id++); /* low virtual tokens: it only decodes */
+        ASSERT_EQ_INT(cs_sched_add(s, &r), 0);
+        add_flood(s, "a", 2, 400, &id);
+        steps_for(s, 3, names, got);
+        for (int k = 0; k < 5; k++) {
+            char t[8];
+            snprintf(t, sizeof t, "t%d", k);
+            add_flood(s, t, 1, 400, &id);
+        }
+        int32_t most = 0;
+        for (int i = 0; i < 10; i++) {
+            steps_for(s, 1, names, got);
+            cs_step_info info;
+            cs_sched_last_step(s, &info);
+            if (info.n_prefill > most) most = info.n_prefill;
+        }
+        printf("tenants: five new tenants behind a flood: at most %d prompts a step (cap 1)\n",
+               most);
+        ASSERT_EQ_INT(most, 2);
+        cs_sched_free(s);
+        cs_engine_free(e);
+    }
     /* bad shares, named */
     cs_engine *e = engine(64);
     cs_sched *s = NULL;
@@ -1156,6 +1214,7 @@ static void check_tenants(void) {
     } bad[] = {{{{"a", 0}}, 1, "tenant 'a': share 0"},
                {{{"a", -1}}, 1, "tenant 'a': share -1"},
                {{{"a", 1e7}}, 1, "tenant 'a': share 1e+07"},
+               {{{"a", 1e-4}}, 1, "tenant 'a': share 0.0001"},
                {{{"", 1}}, 1, "tenant share 0: a name"},
                {{{"a", 1}, {"a", 2}}, 2, "tenant 'a' has two shares"}};
     for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
@@ -1176,6 +1235,8 @@ static void check_tenants(void) {
     cs_engine_free(e);
 }
 
+/* Priority: the tokens do not depend on it; a high-priority request behind
+ * long low-priority prompts starts at the next step, taking a seat. */
 static void check_priority(void) {
     static req_spec specs[MAX_REQ];
     static req_out base[MAX_REQ], other[MAX_REQ];

@@ -64,12 +64,16 @@ typedef struct {
  * order without tenants (running first, then arrival). Decodes keep their
  * precedence, and a tenant with nothing to run takes nothing: the budget goes
  * to the others (work-conserving). A tenant that had no live request when
- * one arrives starts at the fewest virtual tokens among the active tenants
- * (if it had fewer), so being idle saves no credit (VTC, Sheng et al.,
- * OSDI '24). With one tenant this is the order without tenants. */
+ * one arrives starts at the fewest virtual tokens among the active tenants,
+ * or when none is active at the count of the last one to leave (if it had
+ * fewer), so being idle saves no credit (VTC, Sheng et al., OSDI '24). A
+ * tenant served less than every running prompt's tenant may take one prompt
+ * seat beyond max_num_partial_prefills (one in all). Tenants are what
+ * requests say they are: trusted, not authenticated. With one tenant this
+ * is the order without tenants. */
 typedef struct cs_tenant_share {
     const char *name;   /* 1..CS_TENANT_NAME_MAX bytes */
-    double weight;      /* share: (0, 1e6] */
+    double weight;      /* share: [0.001, 1e6] */
 } cs_tenant_share;
 enum { CS_TENANT_NAME_MAX = 64 };
 
