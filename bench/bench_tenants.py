@@ -17,24 +17,15 @@ of what A leaves (read against fcfs, where B takes all A waits for).
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import threading
 import time
 import urllib.request
 from pathlib import Path
 
+from bench_priority import metric, start  # the same server and /metrics reader
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def start(bin_dir, model, target_ms, threads):
-    p = subprocess.Popen([str(bin_dir / "chunkserve"), "serve", "--model", str(model),
-                          "--port", "0", "--http-port", "0", "--openai-port", "0",
-                          "--step-time-target-ms", str(target_ms), "--max-queue", "4096",
-                          "--kv-cache-mib", "2048", "--threads", str(threads)],
-                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    lines = [p.stdout.readline().split()[-1] for _ in range(3)]
-    return p, lines[1], lines[2]
 
 
 def post(http, body, tenant):
@@ -44,14 +35,6 @@ def post(http, body, tenant):
     req = urllib.request.Request(f"http://{http}/v1/completions", data=json.dumps(body).encode(),
                                  headers=headers)
     return urllib.request.urlopen(req, timeout=3600)
-
-
-def metric(ops, name):
-    with urllib.request.urlopen(f"http://{ops}/metrics", timeout=10) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith(name + " "):
-                return float(line.split()[1])
-    return 0.0
 
 
 def pct(xs, q):
