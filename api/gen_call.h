@@ -39,6 +39,10 @@ typedef struct {
 struct cs_gen_call {
     const cs_gen_call_ops *ops;
     const Chunkserve__V1__GenerateRequest *req; /* valid until finish */
+    /* The tenant the caller's API key belongs to (api/auth.h), set by its
+     * door; NULL without keys (the request's own tenant field is then
+     * trusted). Alive as long as the process's keys. */
+    const char *key_tenant;
 };
 
 static inline int cs_gen_call_send(cs_gen_call *c, const Chunkserve__V1__GenerateResponse *m) {

@@ -13,7 +13,7 @@
 static void handle_list_models(cs_rpc_call *c, void *data) {
     const cs_generation_ctx *g = data;
     const cs_wire_model *wm = g->wm;
-    if (!cs_api_keys_rpc_check(g->keys, c)) return;
+    if (!cs_api_keys_rpc_check(g->keys, c, NULL)) return;
     Chunkserve__V1__ModelInfo mi, *mis[1] = {&mi};
     cs_wire_model_info(wm, &mi);
     Chunkserve__V1__ListModelsResponse r = CHUNKSERVE__V1__LIST_MODELS_RESPONSE__INIT;
@@ -73,7 +73,7 @@ static void tokenize_after(uv_work_t *wk, int status) {
 
 static void handle_tokenize(cs_rpc_call *c, void *data) {
     const cs_generation_ctx *g = data;
-    if (!cs_api_keys_rpc_check(g->keys, c)) return;
+    if (!cs_api_keys_rpc_check(g->keys, c, NULL)) return;
     tokenize_job *j = calloc(1, sizeof *j);
     if (!j) {
         cs_rpc_call_finish(c, CS_RPC_RESOURCE_EXHAUSTED, "out of memory");
@@ -92,7 +92,7 @@ static void handle_tokenize(cs_rpc_call *c, void *data) {
 static void handle_detokenize(cs_rpc_call *c, void *data) {
     const cs_generation_ctx *g = data;
     const cs_wire_model *wm = g->wm;
-    if (!cs_api_keys_rpc_check(g->keys, c)) return;
+    if (!cs_api_keys_rpc_check(g->keys, c, NULL)) return;
     const Chunkserve__V1__DetokenizeRequest *m = (const void *)cs_rpc_call_request_msg(c);
     const cs_tokenizer *tok = cs_model_tokenizer(wm->model);
     int32_t n_vocab = cs_tokenizer_n_vocab(tok);

@@ -4,6 +4,7 @@
 
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "chunkserve/clock.h"
 #include "chunkserve/error.h"
@@ -25,6 +26,16 @@ typedef struct {
 static void prepare_work(uv_work_t *wk) {
     job *j = wk->data;
     j->rc = cs_wire_generate_request(j->wm, j->c->req, j->id, &j->w);
+    const char *kt = j->c->key_tenant, *t = j->c->req->tenant;
+    if (!j->rc && kt && t && t[0] && strcmp(t, kt) != 0) {
+        cs_wire_request_free(&j->w);
+        j->rc = cs_fail_field(CS_EACCES, "tenant",
+                              "tenant '%s' is not the API key's (%s): with API keys a "
+                              "request's tenant is its key's",
+                              t, kt);
+    } else if (!j->rc && kt) {
+        j->w.r.tenant = kt;
+    }
     if (j->rc) {
         snprintf(j->err, sizeof j->err, "%s", cs_last_error());
         snprintf(j->field, sizeof j->field, "%s", cs_last_error_field());

@@ -28,7 +28,9 @@ typedef void (*cs_prepare_done_fn)(void *arg, cs_gen_call *c, uint64_t id, doubl
                                    const char *err, const char *field, cs_wire_request *w);
 
 /* Queues c's request (engine request id `id`) for preparation on uv's
- * thread pool; done(arg, ...) follows on the loop thread. 0, or CS_ENOMEM
+ * thread pool; done(arg, ...) follows on the loop thread. The request's
+ * tenant is c->key_tenant when set (a request naming another is refused
+ * CS_EACCES, field "tenant"), else its own field. 0, or CS_ENOMEM
  * (nothing queued: the caller answers the call). */
 int cs_prepare_generate(uv_loop_t *uv, const cs_wire_model *wm, cs_gen_call *c, uint64_t id,
                         cs_prepare_done_fn done, void *arg);

@@ -10,10 +10,10 @@
 #define T(f) offsetof(cs_tenant_opts, f)
 const cs_config_entry cs_tenant_config[] = {
     {"tenant-shares", CS_CONFIG_STR, T(spec), NULL,
-     "tenants' shares of the prompt tokens within a priority, NAME=WEIGHT,... (a request names "
-     "its tenant in GenerateRequest.tenant or the " CS_TENANT_HEADER
-     " header; others, and requests without one, weigh 1): each step's prompt chunks go to the "
-     "tenant with the fewest tokens served per share",
+     "tenants' shares of the prompt tokens within a priority, NAME=WEIGHT,... (a request's "
+     "tenant is its API key's; without keys, GenerateRequest.tenant or the " CS_TENANT_HEADER
+     " header names it; others, and requests without one, weigh 1): each step's prompt chunks "
+     "go to the tenant with the fewest tokens served per share",
      0, 0},
 };
 const size_t cs_tenant_config_n = sizeof cs_tenant_config / sizeof cs_tenant_config[0];

@@ -21,7 +21,9 @@ const cs_config_entry cs_openai_config_table[] = {
      "API key the public API requires (repeat the flag, or comma-separate, for more): HTTP "
      "'Authorization: Bearer KEY', gRPC 'authorization' metadata; none = open",
      0, 0},
-    {"api-key-file", CS_CONFIG_STR, C(api_key_file), NULL, "file with more API keys, one per line",
+    {"api-key-file", CS_CONFIG_STR, C(api_key_file), NULL,
+     "file with more API keys, one per line: KEY, or KEY TENANT (a request's tenant for "
+     "--tenant-shares is its key's; a key naming none is a tenant of its own)",
      0, 0},
     {"cors-allow-origins", CS_CONFIG_STR, C(cors_allow_origins), NULL,
      "origins (comma-separated, * = any) browsers may call the HTTP API from; none = no CORS", 0,

@@ -70,6 +70,7 @@ void oa_error_from_status(int code, const char *msg, const char *field, bool cha
     case CS_RPC_PERMISSION_DENIED:
         e->status = 403;
         e->type = "permission_error";
+        param_of(field, chat, e->param, sizeof e->param);
         break;
     case CS_RPC_RESOURCE_EXHAUSTED:
         e->status = 429;

@@ -982,8 +982,9 @@ static int request_tenant(cs_http_req *req, oa_request *rq, oa_error *e) {
     return 0;
 }
 
+/* key_tenant: the tenant of the caller's API key (NULL: no keys). */
 static void route_generate(cs_openai *s, cs_http_req *req, cs_http_res *res, bool chat,
-                           const char *cors) {
+                           const char *cors, const char *key_tenant) {
     size_t len;
     const char *body = cs_http_req_body(req, &len);
     oa_call *oc = calloc(1, sizeof *oc);
@@ -1028,6 +1029,7 @@ static void route_generate(cs_openai *s, cs_http_req *req, cs_http_res *res, boo
         oa_choice *c = &oc->choices[i];
         c->base.ops = &choice_ops;
         c->base.req = &oc->rq.req[i];
+        c->base.key_tenant = key_tenant;
         c->oc = oc;
         c->index = i;
         c->stop_token = -1;
@@ -1063,6 +1065,7 @@ static void handle(void *arg, cs_http_req *req, cs_http_res *res) {
         return;
     }
     oa_error e = {.type = "invalid_request_error"};
+    const char *auth = cs_http_req_header(req, "Authorization");
     if (!chat && !compl &&!models && !util) {
         e.status = 404;
         snprintf(e.message, sizeof e.message, "no route %.200s %.300s", method, path);
@@ -1072,10 +1075,7 @@ static void handle(void *arg, cs_http_req *req, cs_http_res *res) {
         snprintf(e.message, sizeof e.message, "%s takes %s, not %.20s", path, get ? "GET" : "POST",
                  method);
     } else if (!health && !version &&
-               !cs_api_keys_check(s->o.api_keys, cs_http_req_header(req, "Authorization"),
-                                  cs_http_req_header(req, "Authorization")
-                                      ? strlen(cs_http_req_header(req, "Authorization"))
-                                      : 0)) {
+               !cs_api_keys_check(s->o.api_keys, auth, auth ? strlen(auth) : 0)) {
         e.status = 401;
         e.type = "authentication_error";
         e.code = "invalid_api_key";
@@ -1105,7 +1105,8 @@ static void handle(void *arg, cs_http_req *req, cs_http_res *res) {
         cs_http_res_end(res);
         return;
     }
-    route_generate(s, req, res, chat, cors);
+    route_generate(s, req, res, chat, cors,
+                   cs_api_keys_tenant(s->o.api_keys, auth, auth ? strlen(auth) : 0));
 }
 
 /* The HTTP server's own refusals (malformed, too large, too slow), as

@@ -135,7 +135,7 @@ static void on_prepared(void *arg, cs_gen_call *c, uint64_t seq, double t_recv, 
     snprintf(idbuf, sizeof idbuf, "rt-%016" PRIx64, cs__splitmix64(r->id_base ^ (seq << 1)));
     if (q) q->id = strdup(m->request_id[0] ? m->request_id : idbuf);
     if (q) q->cache_salt = strdup(m->cache_salt);
-    if (q) q->tenant = strdup(m->tenant);
+    if (q) q->tenant = strdup(w.r.tenant ? w.r.tenant : ""); /* the key's, or m's */
     if (!q || !q->id || !q->cache_salt || !q->tenant ||
         copy_sampling(m->sampling, &q->sampling) != 0) {
         if (q) free(q->id), free(q->cache_salt), free(q->tenant);
@@ -213,16 +213,19 @@ static void arm_fault(router *r, cs_rpc_call *rpc) {
 
 static void handle_generate(cs_rpc_call *rpc, void *data) {
     router *r = data;
-    if (!cs_api_keys_rpc_check(&r->keys, rpc)) {
+    const char *tenant;
+    if (!cs_api_keys_rpc_check(&r->keys, rpc, &tenant)) {
         cs__router_count_code(r, CS_RPC_UNAUTHENTICATED);
         return;
     }
     arm_fault(r, rpc);
     cs_gen_call *c = cs_gen_call_grpc(rpc);
-    if (c)
+    if (c) {
+        c->key_tenant = tenant;
         generate(r, c);
-    else
+    } else {
         cs__router_fault_end(r, r->next_seq + 1);
+    }
 }
 
 /* ---------------------------------------------------------- metrics -- */

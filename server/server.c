@@ -284,9 +284,12 @@ static void on_prepared(void *arg, cs_gen_call *c, uint64_t id, double t_queued,
 
 static void handle_generate(cs_rpc_call *rpc, void *data) {
     server *s = data;
-    if (!cs_api_keys_rpc_check(&s->keys, rpc)) return;
+    const char *tenant;
+    if (!cs_api_keys_rpc_check(&s->keys, rpc, &tenant)) return;
     cs_gen_call *c = cs_gen_call_grpc(rpc);
-    if (c) generate(s, c);
+    if (!c) return;
+    c->key_tenant = tenant;
+    generate(s, c);
 }
 
 /* chunkserve.v1.Worker/GetStatus: the same snapshot the cluster's workers

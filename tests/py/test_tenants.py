@@ -1,6 +1,6 @@
 """Tenants (issue 41): `chunkserve serve` on the default model, requests naming their tenant in
-GenerateRequest.tenant (gRPC) or the X-Chunkserve-Tenant header (OpenAI door), shares from
---tenant-shares. The scheduler's token-fair steps are asserted in test_sched (the shares over
+GenerateRequest.tenant (gRPC) or the X-Chunkserve-Tenant header (OpenAI door), or by their API
+key (--api-key-file lines "KEY TENANT"), shares from --tenant-shares. The scheduler's token-fair steps are asserted in test_sched (the shares over
 many steps); here, through real processes: a tenant flooding the queue with long prompts does
 not keep another tenant's request waiting behind the flood (an order, not a speed), and bad
 tenants and shares are refused by name."""
@@ -30,7 +30,9 @@ def served(chunkserve_bin, model_path, pb):
     s.stop()
 
 
-def test_a_flooding_tenant_does_not_hold_back_another(served):
+def flood_then_chat(served, flood_tenant: dict, flood_metadata, chat):
+    """FLOOD long prompts of one tenant queue up; then chat() asks as another. Returns how many
+    of the flood had finished when the chat's answer came."""
     g = served.pb.generation_pb2
     done: list[str] = []
     errors: list[BaseException] = []
@@ -41,8 +43,8 @@ def test_a_flooding_tenant_does_not_hold_back_another(served):
             req = g.GenerateRequest(token_ids=g.TokenIds(ids=[(7 * i + k) % 300 + 3
                                                              for k in range(FLOOD_TOKENS)]),
                                     sampling=g.SamplingParams(max_tokens=2, ignore_eos=True),
-                                    tenant="flood")
-            list(served.stub.Generate(req, timeout=300))
+                                    **flood_tenant)
+            list(served.stub.Generate(req, timeout=300, metadata=flood_metadata))
             with lock:
                 done.append(f"flood-{i}")
         except BaseException as e:  # noqa: BLE001 - reported below
@@ -54,18 +56,74 @@ def test_a_flooding_tenant_does_not_hold_back_another(served):
     # every flood request queued or running before the other tenant asks
     wait_for(lambda: served.status().num_running + served.status().num_waiting >= FLOOD or errors,
              60, "the flood queued")
-    r = served.client.completions.create(model=served.model, prompt="hello there", max_tokens=4,
-                                         temperature=0,
-                                         extra_headers={"X-Chunkserve-Tenant": "chat"})
+    r = chat()
     with lock:
         flood_done_before = len(done)
     for t in threads:
         t.join(300)
     assert not errors, errors
     assert r.choices[0].finish_reason == "length"
-    # arrival order would put it behind all six (each 1,000 tokens in 64-token steps)
-    assert flood_done_before <= FLOOD // 2, f"{flood_done_before} of the flood finished first"
     assert len(done) == FLOOD
+    return flood_done_before
+
+
+def test_a_flooding_tenant_does_not_hold_back_another(served):
+    before = flood_then_chat(
+        served, {"tenant": "flood"}, None,
+        lambda: served.client.completions.create(model=served.model, prompt="hello there",
+                                                 max_tokens=4, temperature=0,
+                                                 extra_headers={"X-Chunkserve-Tenant": "chat"}))
+    # arrival order would put it behind all six (each 1,000 tokens in 64-token steps)
+    assert before <= FLOOD // 2, f"{before} of the flood finished first"
+
+
+def key_tenant(key: str) -> str:
+    """The tenant of a key its file line names none for: key- and 8 hex digits of its FNV-1a."""
+    h = 0xcbf29ce484222325
+    for b in key.encode():
+        h = ((h ^ b) * 0x100000001b3) & (2**64 - 1)
+    return f"key-{h >> 32:08x}"
+
+
+def test_the_api_key_names_the_tenant(chunkserve_bin, model_path, pb, tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("# key tenant\nflood-key-0123 flood\nflood-key-4567\tflood\n"
+                    "chat-key-0123 chat\nsolo-key-0123\n")
+    s = Serve(chunkserve_bin, model_path, pb, "--max-queue", "64", "--max-batched-tokens", "64",
+              "--api-key-file", str(keys), "--tenant-shares", "flood=1,chat=1",
+              api_key="chat-key-0123")
+    try:
+        g = pb.generation_pb2
+        s.model = s.client.models.list().data[0].id
+
+        def ask(key, tenant=None, client=None):
+            c = openai.OpenAI(base_url=f"http://{s.http}/v1", api_key=key, max_retries=0)
+            return c.completions.create(model=s.model, prompt="hi", max_tokens=2,
+                                        extra_headers={"X-Chunkserve-Tenant": tenant} if tenant else None)
+
+        # a request may name its key's tenant, no other
+        assert ask("chat-key-0123", "chat").usage.completion_tokens >= 1
+        assert ask("flood-key-4567", "flood").usage.completion_tokens >= 1
+        assert ask("solo-key-0123", key_tenant("solo-key-0123")).usage.completion_tokens >= 1
+        for key, other in (("chat-key-0123", "flood"), ("solo-key-0123", "chat"),
+                           ("flood-key-0123", key_tenant("solo-key-0123"))):
+            with pytest.raises(openai.PermissionDeniedError) as e:
+                ask(key, other)
+            assert e.value.status_code == 403 and e.value.body["param"] == "tenant", e.value.body
+            assert f"tenant '{other}' is not the API key's" in e.value.body["message"]
+        with pytest.raises(grpc.RpcError) as e:
+            list(s.stub.Generate(g.GenerateRequest(prompt="hi", tenant="chat"), timeout=30,
+                                 metadata=[("authorization", "Bearer flood-key-0123")]))
+        assert e.value.code() == grpc.StatusCode.PERMISSION_DENIED, e.value
+        # the keys alone, naming no tenant, put the flood and the chat in their tenants: the
+        # chat's answer does not wait for the flood
+        before = flood_then_chat(
+            s, {}, [("authorization", "Bearer flood-key-0123")],
+            lambda: s.client.completions.create(model=s.model, prompt="hello there",
+                                                max_tokens=4, temperature=0))
+        assert before <= FLOOD // 2, f"{before} of the flood finished first"
+    finally:
+        s.stop()
 
 
 def test_the_answer_does_not_depend_on_the_tenant(served):
