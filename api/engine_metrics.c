@@ -1,6 +1,11 @@
 /* engine_metrics.c: the table of engine_metrics.h and its refresh. */
 #include "engine_metrics.h"
 
+#include <math.h>
+
+#include "chunkserve/sampler.h"
+#include "chunkserve/ttft.h"
+
 #define M(f) offsetof(cs_engine_metrics, f)
 const cs_metric_def cs_engine_metrics_table[] = {
     {M(running), "chunkserve:num_requests_running", CS_METRIC_GAUGE, NULL,
@@ -35,6 +40,19 @@ const cs_metric_def cs_engine_metrics_table[] = {
      NULL, 0},
     {M(refused), "chunkserve:requests_refused_total", CS_METRIC_COUNTER, NULL,
      "requests refused (RESOURCE_EXHAUSTED): the queue limit, or no free KV pages", NULL, 0},
+    {M(ttft_refused), "chunkserve:requests_refused_ttft_total", CS_METRIC_COUNTER, NULL,
+     "requests refused early (RESOURCE_EXHAUSTED / 429 + Retry-After) because the work queued "
+     "ahead put their predicted time to first token over --ttft-slo-ms",
+     NULL, 0},
+    {M(prefill_rate), "chunkserve:prefill_capacity_tokens_per_second", CS_METRIC_GAUGE, NULL,
+     "prompt tokens a second this engine computes beside its current decodes, from the fitted "
+     "step model (under the step-time target, if set) and recent steps' overrun; 0 until the "
+     "model is fitted",
+     NULL, 0},
+    {M(ttft_predicted), "chunkserve:predicted_queue_seconds", CS_METRIC_GAUGE, NULL,
+     "predicted time to first token of a one-token prompt arriving now (the queued prompt work "
+     "over the prefill capacity); 0 until the model is fitted",
+     NULL, 0},
     {M(spec_drafts), "chunkserve:spec_decode_num_drafts_total", CS_METRIC_COUNTER, NULL,
      "speculative decoding: decodes that carried drafted tokens (verifications)", NULL, 0},
     {M(spec_draft_tokens), "chunkserve:spec_decode_num_draft_tokens_total", CS_METRIC_COUNTER, NULL,
@@ -47,6 +65,8 @@ const cs_metric_def cs_engine_metrics_table[] = {
 const size_t cs_engine_metrics_n = sizeof cs_engine_metrics_table / sizeof *cs_engine_metrics_table;
 #undef M
 
+static const double ttft_error_buckets[] = {0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2, 5};
+
 #define M(f) offsetof(cs_token_metrics, f)
 const cs_metric_def cs_token_metrics_table[] = {
     {M(ttft), "chunkserve:time_to_first_token_seconds", CS_METRIC_HISTOGRAM, NULL,
@@ -54,6 +74,10 @@ const cs_metric_def cs_token_metrics_table[] = {
      cs_metrics_ttft_buckets, 0},
     {M(itl), "chunkserve:inter_token_latency_seconds", CS_METRIC_HISTOGRAM, NULL,
      "time between a sequence's consecutive tokens", cs_metrics_itl_buckets, 0},
+    {M(ttft_error), "chunkserve:ttft_prediction_error_ratio", CS_METRIC_HISTOGRAM, NULL,
+     "|predicted - measured| / measured time to first token of the requests whose TTFT was "
+     "predicted at admission (the median is the predictor's accuracy)",
+     ttft_error_buckets, sizeof ttft_error_buckets / sizeof ttft_error_buckets[0]},
 };
 const size_t cs_token_metrics_n = sizeof cs_token_metrics_table / sizeof *cs_token_metrics_table;
 #undef M
@@ -68,6 +92,11 @@ void cs_engine_metrics_update(cs_engine_metrics *em, cs_serve *sv, const cs_mode
     cs_metric_set(em->kv_free, st.kv_pages_total - st.kv_pages_used);
     cs_metric_set(em->kv_total, st.kv_pages_total);
     cs_metric_set(em->queued_prefill, (double)st.queued_prompt_tokens);
+    cs_ttft_load L;
+    cs_serve_ttft_load(sv, &L);
+    cs_metric_set(em->prefill_rate, L.prompt_tokens_per_s);
+    double q = cs_ttft_predict(&L, CS_MAX_PRIORITY, NULL, 1, 1);
+    cs_metric_set(em->ttft_predicted, isfinite(q) ? q : 0);
     bool quant = cs_model_weight_mode(model) == CS_WEIGHTS_QUANT;
     cs_metric_set(em->weights_quant, quant);
     cs_metric_set(em->weights_exact, !quant);

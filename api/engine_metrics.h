@@ -16,6 +16,9 @@ typedef struct {
         *priority_preemptions, *prompt_tokens, *gen_tokens, *prefix_hits, *steps, *weights_quant,
         *weights_exact;
     cs_metric *refused; /* the process counts: its --max-queue, no free KV pages (CS_ENOSPC) */
+    cs_metric *ttft_refused;   /* the process counts: a predicted TTFT over --ttft-slo-ms */
+    cs_metric *prefill_rate;   /* prompt tokens a second beside the decodes (ttft.h) */
+    cs_metric *ttft_predicted; /* what a request of one token would wait now */
     cs_metric *spec_drafts, *spec_draft_tokens, *spec_accepted; /* speculative decoding */
     cs_sched_stats last;                                        /* counters already exported */
 } cs_engine_metrics;
@@ -29,6 +32,7 @@ extern const size_t cs_engine_metrics_n;
  * its Decode call's; serve's is the client call's. */
 typedef struct {
     cs_metric *ttft, *itl;
+    cs_metric *ttft_error; /* |predicted - measured| / measured TTFT (chunkserve/ttft.h) */
 } cs_token_metrics;
 extern const cs_metric_def cs_token_metrics_table[];
 extern const size_t cs_token_metrics_n;

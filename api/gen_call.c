@@ -2,7 +2,9 @@
  * the RPC layer's call operation of the same name. */
 #include "gen_call.h"
 
+#include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "chunkserve/error.h"
 #include "wire.h"
@@ -18,8 +20,57 @@ static int g_send(cs_gen_call *c, const Chunkserve__V1__GenerateResponse *m) {
     return cs_rpc_call_send_msg(((grpc_call *)c)->rpc, &m->base);
 }
 
+/* Protobuf's wire format, the little the status details need. */
+static size_t put_varint(uint8_t *b, uint64_t v) {
+    size_t n = 0;
+    do {
+        b[n++] = (uint8_t)((v & 0x7f) | (v > 0x7f ? 0x80 : 0));
+        v >>= 7;
+    } while (v);
+    return n;
+}
+
+static size_t put_bytes(uint8_t *b, uint8_t tag, const void *p, size_t len) {
+    size_t n = 0;
+    b[n++] = tag;
+    n += put_varint(b + n, len);
+    memcpy(b + n, p, len);
+    return n + len;
+}
+
+/* google.rpc.Status{code, message, details: [Any(google.rpc.RetryInfo{
+ * retry_delay: Duration(ms)})]}: gRPC's richer error model, which clients
+ * read from the grpc-status-details-bin trailer (grpcio-status'
+ * rpc_status.from_call, grpc-java's StatusProto). Bytes written to b
+ * (at least 700 long; msg is cut to 512 bytes). */
+static size_t retry_status(uint8_t *b, int code, const char *msg, int64_t ms) {
+    uint8_t dur[24], info[32], any[96];
+    size_t nd = 0;
+    dur[nd++] = 0x08;
+    nd += put_varint(dur + nd, (uint64_t)(ms / 1000));
+    if (ms % 1000) {
+        dur[nd++] = 0x10;
+        nd += put_varint(dur + nd, (uint64_t)(ms % 1000) * 1000000);
+    }
+    size_t ni = put_bytes(info, 0x0a, dur, nd);
+    static const char url[] = "type.googleapis.com/google.rpc.RetryInfo";
+    size_t na = put_bytes(any, 0x0a, url, sizeof url - 1);
+    na += put_bytes(any + na, 0x12, info, ni);
+    size_t n = 0;
+    b[n++] = 0x08;
+    n += put_varint(b + n, (uint64_t)code);
+    size_t ml = msg ? strlen(msg) : 0;
+    if (ml) n += put_bytes(b + n, 0x12, msg, ml < 512 ? ml : 512);
+    return n + put_bytes(b + n, 0x1a, any, na);
+}
+
 static void g_finish(cs_gen_call *c, int code, const char *msg, const char *field) {
     if (field) cs_rpc_call_add_trailer(((grpc_call *)c)->rpc, CS_FIELD_TRAILER, field);
+    if (c->retry_after_ms > 0) {
+        uint8_t b[700];
+        size_t n = retry_status(b, code, msg, c->retry_after_ms);
+        cs_rpc_call_add_trailer_bytes(((grpc_call *)c)->rpc, "grpc-status-details-bin", b, n);
+    }
     cs_rpc_call_finish(((grpc_call *)c)->rpc, code, msg);
     free(c);
 }

@@ -43,6 +43,10 @@ struct cs_gen_call {
      * door; NULL without keys (the request's own tenant field is then
      * trusted). Alive as long as the process's keys. */
     const char *key_tenant;
+    /* Set before finish by a refusal that should be retried later: the
+     * gRPC door sends it as google.rpc.RetryInfo in grpc-status-details-bin,
+     * the OpenAI door as Retry-After (seconds, rounded up). 0: none. */
+    int64_t retry_after_ms;
 };
 
 static inline int cs_gen_call_send(cs_gen_call *c, const Chunkserve__V1__GenerateResponse *m) {
@@ -55,6 +59,11 @@ static inline void cs_gen_call_finish(cs_gen_call *c, int code, const char *msg)
 static inline void cs_gen_call_refuse(cs_gen_call *c, int code, const char *msg,
                                       const char *field) {
     c->ops->finish(c, code, msg, field && field[0] ? field : NULL);
+}
+/* RESOURCE_EXHAUSTED, to be retried after retry_ms (> 0). */
+static inline void cs_gen_call_refuse_retry(cs_gen_call *c, const char *msg, int64_t retry_ms) {
+    c->retry_after_ms = retry_ms;
+    c->ops->finish(c, CS_RPC_RESOURCE_EXHAUSTED, msg, NULL);
 }
 static inline size_t cs_gen_call_pending_bytes(cs_gen_call *c) {
     return c->ops->pending_bytes(c);

@@ -129,6 +129,7 @@ int cs_outbuf_response(const cs_outbuf *b, bool logprobs, const cs_outbuf_end *e
         sc->usage.prompt_tokens = end->n_prompt;
         sc->usage.completion_tokens = end->n_completion;
         sc->usage.cached_prompt_tokens = end->n_cached;
+        sc->usage.predicted_ttft_seconds = end->predicted_ttft;
         r->usage = &sc->usage;
     }
     if (cs_prompt_logprobs_msgs(b->plp, b->n_plp, &r->prompt_logprobs, &sc->plp)) goto oom;

@@ -45,6 +45,7 @@ bool cs_outbuf_empty(const cs_outbuf *b);
 typedef struct {
     enum cs_finish finish;
     int32_t n_prompt, n_completion, n_cached;
+    double predicted_ttft; /* seconds, the door's prediction at admission (0: none) */
 } cs_outbuf_end;
 
 /* Builds the GenerateResponse of what b holds into *r (borrowing b's

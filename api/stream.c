@@ -2,6 +2,7 @@
  * and how its call ends (stream.h). */
 #include "stream.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -15,8 +16,12 @@ void cs_stream_event(cs_stream *s, const cs_event *ev) {
             double now = cs_now();
             if (s->t_last_token > 0)
                 cs_metric_observe(s->tok->itl, now - s->t_last_token);
-            else
-                cs_metric_observe(s->tok->ttft, now - s->t_start);
+            else {
+                double ttft = now - s->t_start;
+                cs_metric_observe(s->tok->ttft, ttft);
+                if (s->predicted_ttft > 0 && ttft > 0)
+                    cs_metric_observe(s->tok->ttft_error, fabs(s->predicted_ttft - ttft) / ttft);
+            }
             s->t_last_token = now;
         }
         /* a final event without a token (cancel, error) carries no counts */
@@ -51,7 +56,8 @@ bool cs_stream_has_message(const cs_stream *snap) {
 
 int cs_stream_response(const cs_stream *snap, bool logprobs, int32_t n_prompt,
                        Chunkserve__V1__GenerateResponse *r, void **scratch) {
-    const cs_outbuf_end end = {snap->finish, n_prompt, snap->n_completion, snap->n_cached};
+    const cs_outbuf_end end = {snap->finish, n_prompt, snap->n_completion, snap->n_cached,
+                               snap->predicted_ttft};
     return cs_outbuf_response(&snap->out, logprobs, ended_well(snap) ? &end : NULL, r, scratch);
 }
 

@@ -32,6 +32,8 @@ typedef struct {
     /* the token latencies (engine thread): observed into tok when set */
     const cs_token_metrics *tok;
     double t_start, t_last_token;
+    double predicted_ttft; /* seconds, predicted at admission (0: none): in the usage, and
+                              its error observed into tok at the first token */
 } cs_stream;
 
 /* Engine thread, the owner's lock held: ev's token, text, logprobs and

@@ -1,13 +1,15 @@
 #!/usr/bin/env python3
 """Two tenants on one `chunkserve serve` (issue 41's measure): tenant A keeps --streams chat
 streams going (short prompts, --answer-tokens each, closed loop) while tenant B floods the
-server with --flood prompts of --flood-tokens tokens at once (far beyond what it can prefill in
-the window). Three runs side by side on one machine, the step-time target T the same:
+server with --flood prompts of --flood-tokens tokens, at once or one every --flood-every seconds
+(far beyond what it can prefill in the window). Three runs side by side on one machine, the step-time target T the same:
   alone   A only: its TTFT and ITL without B;
   fair    A and B, each naming its tenant (X-Chunkserve-Tenant): token-fair steps;
   fcfs    A and B with no tenant (one tenant: arrival order, as before tenants).
-Reported per run: A's TTFT and ITL p50/p99/max, A's answers completed, and B's prompt tokens
-computed per second in the window (the engine's prompt_tokens_total less A's prompts).
+Reported per run: A's TTFT and ITL p50/p99/max, A's answers completed, B's prompt tokens
+computed per second in the window (the engine's prompt_tokens_total less A's prompts), and the
+TTFT predictor's error over the window's first tokens (chunkserve:ttft_prediction_error_ratio:
+the median and the shares within 10/20/50%; goal: median <= 20%).
 Goals (issue 41): fair A p99 TTFT <= alone p99 + 2T; fair A p99 ITL <= 1.2T; fair B rate >= 90%
 of what A leaves (read against fcfs, where B takes all A waits for).
 
@@ -35,6 +37,35 @@ def post(http, body, tenant):
     req = urllib.request.Request(f"http://{http}/v1/completions", data=json.dumps(body).encode(),
                                  headers=headers)
     return urllib.request.urlopen(req, timeout=3600)
+
+
+def buckets(ops, name):
+    """A histogram's cumulative bucket counts {le: count} from /metrics."""
+    out = {}
+    with urllib.request.urlopen(f"http://{ops}/metrics", timeout=10) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name + '_bucket{le="'):
+                le = line.split('"')[1]
+                out[float("inf") if le == "+Inf" else float(le)] = float(line.split()[1])
+    return out
+
+
+def error_summary(b0, b1):
+    """The TTFT predictor's |predicted - measured| / measured over the window: the share of
+    requests within 10/20/50% and the median (linear within its bucket)."""
+    d = {le: b1.get(le, 0) - b0.get(le, 0) for le in sorted(b1)}
+    n = d.get(float("inf"), 0)
+    if not n:
+        return "no predictions"
+    median, prev_le, prev_c = float("nan"), 0.0, 0.0
+    for le, c in d.items():
+        if c >= n / 2:
+            median = prev_le + (le - prev_le) * (n / 2 - prev_c) / max(c - prev_c, 1e-9)
+            break
+        prev_le, prev_c = le, c
+    share = lambda x: f"{100 * d.get(x, 0) / n:.0f}%"  # noqa: E731
+    return (f"predictor error over {n:.0f} requests: median {100 * median:.0f}%, within "
+            f"10% {share(0.1)}, 20% {share(0.2)}, 50% {share(0.5)}")
 
 
 def pct(xs, q):
@@ -94,10 +125,15 @@ def run(bin_dir, model, args, mode):
                 n += 1
 
         if mode != "alone":
-            for i in range(args.flood):
-                threading.Thread(target=flood, args=(i,), daemon=True).start()
-            time.sleep(2)  # the flood queued
+            def arrivals():
+                for i in range(args.flood):
+                    threading.Thread(target=flood, args=(i,), daemon=True).start()
+                    if args.flood_every > 0:
+                        time.sleep(args.flood_every)
+            threading.Thread(target=arrivals, daemon=True).start()
+            time.sleep(2)  # the flood queued (at once), or began
         p0, t0 = metric(ops, "chunkserve:prompt_tokens_total"), time.monotonic()
+        e0 = buckets(ops, "chunkserve:ttft_prediction_error_ratio")
         stop = t0 + args.window
         streams = [threading.Thread(target=stream, args=(k,), daemon=True)
                    for k in range(args.streams)]
@@ -106,7 +142,8 @@ def run(bin_dir, model, args, mode):
         time.sleep(args.window)
         rate_all = (metric(ops, "chunkserve:prompt_tokens_total") - p0) / (time.monotonic() - t0)
         rate_b = rate_all - a_prompt[0] / args.window
-        return ttfts, itls, rate_b
+        err = error_summary(e0, buckets(ops, "chunkserve:ttft_prediction_error_ratio"))
+        return ttfts, itls, rate_b, err
     finally:
         p.kill()
         p.wait()
@@ -120,18 +157,20 @@ def main():
     ap.add_argument("--answer-tokens", type=int, default=48)
     ap.add_argument("--flood", type=int, default=40)
     ap.add_argument("--flood-tokens", type=int, default=3000)
+    ap.add_argument("--flood-every", type=float, default=0,
+                    help="seconds between B's prompts (0: all at once)")
     ap.add_argument("--window", type=int, default=30)
     ap.add_argument("--target-ms", type=int, default=200)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     bin_dir = Path(args.bin_dir)
     for mode in ("alone", "fair", "fcfs"):
-        t, i, rate_b = run(bin_dir, args.model, args, mode)
+        t, i, rate_b, err = run(bin_dir, args.model, args, mode)
         ms = lambda x: f"{x * 1e3:.0f}"  # noqa: E731
         print(f"{mode:5}: A answers {len(t)}, TTFT p50/p99/max {ms(pct(t, .5))}/{ms(pct(t, .99))}/"
               f"{ms(max(t) if t else float('nan'))} ms, ITL p50/p99/max {ms(pct(i, .5))}/"
               f"{ms(pct(i, .99))}/{ms(max(i) if i else float('nan'))} ms; "
-              f"B prompt tokens/s {rate_b:.0f}", flush=True)
+              f"B prompt tokens/s {rate_b:.0f}; {err}", flush=True)
     print(f"goals: fair A p99 TTFT <= alone p99 + 2T ({2 * args.target_ms} ms); "
           f"fair A p99 ITL <= 1.2T ({1.2 * args.target_ms:.0f} ms); fair B rate >= 90% of fcfs's")
     return 0

@@ -25,6 +25,7 @@
 #include "cluster.h"
 #include "sampling_flags.h"
 #include "spec_config.h"
+#include "slo_config.h"
 #include "tenant_config.h"
 #include "server.h"
 #include "chunkserve/ops.h"
@@ -45,6 +46,7 @@ typedef struct {
     cs_cli_sampling sampling; /* generate: the sampling table's flags (sampling_flags.h) */
     cs_spec_opts spec;        /* serve: speculative decoding (api/spec_config.h) */
     cs_tenant_opts tenants;   /* serve: the tenants' shares (api/tenant_config.h) */
+    cs_slo_opts slo;          /* serve: the TTFT bound (api/slo_config.h) */
     cs_openai_config openai;  /* serve: the OpenAI-compatible HTTP API, API keys */
     cs_rpc_limits rpc;        /* serve: the gRPC port's limits */
     cs_rpc_tls tls;           /* serve: TLS on the gRPC port */
@@ -127,6 +129,7 @@ static const cs_config_entry *all_options(size_t *n) {
         {sampling, n_sampling, offsetof(options, sampling)},
         {cs_spec_config, cs_spec_config_n, offsetof(options, spec)},
         {cs_tenant_config, cs_tenant_config_n, offsetof(options, tenants)},
+        {cs_slo_config, cs_slo_config_n, offsetof(options, slo)},
         {cs_openai_config_table, cs_openai_config_n, offsetof(options, openai)},
         {cs_proc_rpc_config, cs_proc_rpc_config_n, offsetof(options, rpc)},
         {cs_proc_tls_config, cs_proc_tls_config_n, offsetof(options, tls)},
@@ -610,6 +613,8 @@ static int cmd_serve(const cs_model *m, const options *o) {
     static cs_tenant_opts tenants; /* parsed here; outlives the scheduler's init */
     tenants = o->tenants;
     if ((r = cs_tenant_opts_apply(&tenants, &so.sched))) return fail_msg("serve", r);
+    so.slo = o->slo;
+    if ((r = cs_slo_opts_apply(&so.slo))) return fail_msg("serve", r);
     so.max_queue = (int32_t)o->max_queue;
     so.openai = o->openai;
     so.rpc = o->rpc;

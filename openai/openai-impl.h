@@ -22,6 +22,7 @@ typedef struct {
     const char *code; /* NULL, "model_not_found", "context_length_exceeded", ... */
     char param[64];
     char message[512];
+    int64_t retry_after_s; /* 429, 503: Retry-After (0: 1 s) */
 } oa_error;
 
 /* How a chat answer is read for tool calls (docs/tools.md). */

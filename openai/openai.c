@@ -105,7 +105,10 @@ static void send_json(cs_http_res *res, int status, const char *cors, const char
 
 static void send_error(cs_http_res *res, const char *cors, const oa_error *e) {
     char *body = oa_error_json(e);
-    const char *extra = e->status == 429 || e->status == 503 ? "Retry-After: 1\r\n"
+    char retry[40];
+    snprintf(retry, sizeof retry, "Retry-After: %lld\r\n",
+             (long long)(e->retry_after_s > 0 ? e->retry_after_s : 1));
+    const char *extra = e->status == 429 || e->status == 503 ? retry
                         : e->status == 401                   ? "WWW-Authenticate: Bearer\r\n"
                                                              : NULL;
     send_json(res, e->status, cors, extra,
@@ -752,6 +755,7 @@ static void c_finish(cs_gen_call *g, int code, const char *msg, const char *fiel
     if (code != CS_RPC_OK && !oc->failed) {
         oc->failed = true;
         oa_error_from_status(code, msg, field, oc->rq.chat, &oc->err);
+        oc->err.retry_after_s = (g->retry_after_ms + 999) / 1000;
         if (oc->rq.n_choices > 1) /* n > 1: one choice failed, the answer is that failure */
             CS_LOGD("%s: choice %d failed (%s); cancelling the others", oc->id, c->index,
                     oc->err.message);

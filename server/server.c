@@ -37,6 +37,7 @@
 #include "chunkserve/rpc.h"
 #include "chunkserve/serve.h"
 #include "chunkserve/clock.h"
+#include "chunkserve/ttft.h"
 #include "chunkserve/error.h"
 #include "chunkserve/log.h"
 #include "chunkserve/v1/cluster.pb-c.h"
@@ -229,6 +230,33 @@ static void generate(void *arg, cs_gen_call *c) {
     s->n_preparing++;
 }
 
+/* The request's predicted TTFT (chunkserve/ttft.h) into *predicted (NAN:
+ * the step model is not fitted yet); when the work queued ahead puts it
+ * over its priority's --ttft-slo-ms, the call is refused with the time to
+ * retry after, and true returned. */
+static bool refuse_early(server *s, cs_gen_call *c, const cs_request *r, double *predicted) {
+    cs_ttft_load L;
+    cs_serve_ttft_load(s->sv, &L);
+    double w = cs_ttft_weight(&s->o->sched, r->tenant);
+    *predicted = cs_ttft_predict(&L, r->priority, r->tenant, w, r->n_prompt);
+    cs_ttft_load alone = L; /* the same engine with nothing queued */
+    alone.n_groups = 0;
+    alone.overflow_tokens = 0;
+    double bound = cs_slo_ttft_bound(&s->o->slo, r->priority);
+    int64_t retry = cs_slo_refuse_ms(*predicted, cs_ttft_predict(&alone, 0, NULL, 1, r->n_prompt),
+                                     bound);
+    if (!retry) return false;
+    char msg[300];
+    snprintf(msg, sizeof msg,
+             "the predicted time to first token is %.2f s, over the bound of %.2f s for "
+             "priority %d (--ttft-slo-ms): the server is busy; retry in %.1f s",
+             *predicted, bound, r->priority, retry / 1e3);
+    cs_metric_inc(s->em.ttft_refused);
+    cs_metric_inc(s->em.refused);
+    cs_gen_call_refuse_retry(c, msg, retry);
+    return true;
+}
+
 static void on_prepared(void *arg, cs_gen_call *c, uint64_t id, double t_queued, int r,
                         const char *err, const char *field, cs_wire_request *wp) {
     server *s = arg;
@@ -244,6 +272,11 @@ static void on_prepared(void *arg, cs_gen_call *c, uint64_t id, double t_queued,
     if (s->grace_over || !s->sv) { /* prepared after the grace period ended */
         cs_wire_request_free(&w);
         cs_gen_call_finish(c, CS_RPC_UNAVAILABLE, "the server is shutting down");
+        return;
+    }
+    double predicted;
+    if (refuse_early(s, c, &w.r, &predicted)) {
+        cs_wire_request_free(&w);
         return;
     }
     gen *g = calloc(1, sizeof *g);
@@ -262,6 +295,7 @@ static void on_prepared(void *arg, cs_gen_call *c, uint64_t id, double t_queued,
     g->logprobs = w.r.logprobs;
     g->st.t_start = cs_now();
     g->st.tok = &s->tok;
+    g->st.predicted_ttft = predicted > 0 ? predicted : 0;
     g->n_prompt = w.r.n_prompt;
     pthread_mutex_init(&g->mu, NULL);
     g->next = s->live;

@@ -13,6 +13,7 @@
 #include "chunkserve/rpc.h"
 #include "chunkserve/sched.h"
 #include "openai.h"
+#include "slo_config.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -31,6 +32,7 @@ typedef struct {
     cs_openai_config openai; /* the public HTTP API and the API keys */
     cs_rpc_limits rpc;       /* the gRPC port's limits */
     cs_rpc_tls tls;          /* TLS on the gRPC port */
+    cs_slo_opts slo;         /* the TTFT bound by priority (parsed) */
 } cs_server_opts;
 
 /* Builds the engine on m (which must outlive the call), serves until SIGTERM

@@ -16,6 +16,7 @@
 #include "chunkserve/clock.h"
 #include "chunkserve/sampling_fields.h"
 #include "chunkserve/step_model.h"
+#include "chunkserve/ttft.h"
 #include "util.h"
 
 /* A tenant (sched.h, tenants): what the scheduler computed for it. */
@@ -23,6 +24,7 @@ typedef struct tenant {
     char name[CS_TENANT_NAME_MAX + 1];
     double weight;   /* its share (1 unless the params name it) */
     double vtokens;  /* tokens computed for it / weight */
+    uint64_t joined; /* when it last became active (cs_sched.joins): ties go to the later */
     uint64_t tokens; /* tokens computed for it */
     int32_t n_live;  /* its live requests */
     bool named;      /* in the params' shares: kept while idle (the others go when idle) */
@@ -79,12 +81,15 @@ struct cs_sched {
                                reported in the last events, freed next step */
     tenant *tenants;        /* named ones, and the others while they have live requests */
     double vfloor;          /* the virtual tokens of the last tenant to go idle (tenant_join) */
+    uint64_t joins;         /* counts tenants becoming active (tenant.joined) */
     uint64_t stamp;         /* counts steps (seq.chunk_stamp) */
     int32_t n_waiting, n_running, n_remote, n_kv_ready;
     uint64_t next_arrival;
     cs_sched_stats st;
     cs_step_info last;
     cs_step_model model; /* step time, for step_time_target_ms (fitted in every mode) */
+    double overrun;      /* measured / predicted seconds of recent steps with prompt chunks
+                            (moving average; 1 until measured): the TTFT prediction's rate */
     int32_t probe;       /* chunk cap until the model is ready (timed_chunk) */
     /* structured outputs: the vocabulary trie (built at the first such request)
      * and the compiled grammars, shared by equal specs with their mask caches */
@@ -167,6 +172,7 @@ int cs_sched_init(cs_engine *e, const cs_sched_params *p, cs_sched **out) {
     s->ctx_len = cs_model_get_config(m)->ctx_len;
     s->page_size = cs_kv_cache_page_size(s->kv);
     cs_step_model_init(&s->model);
+    s->overrun = 1;
     s->probe = s->page_size < CS_SCHED_PROBE_TOKENS ? s->page_size : CS_SCHED_PROBE_TOKENS;
     *out = s;
     return 0;
@@ -201,6 +207,7 @@ static void tenant_join(cs_sched *s, tenant *t) {
     for (const tenant *o = s->tenants; o; o = o->next)
         if (o != t && o->n_live > 0 && (!any || o->vtokens < least)) least = o->vtokens, any = true;
     if (least > t->vtokens) t->vtokens = least;
+    t->joined = ++s->joins;
 }
 
 static void tenant_leave(cs_sched *s, tenant *t) {
@@ -1005,6 +1012,58 @@ static int32_t timed_chunk(const cs_sched *s, const seq *q, int32_t k, const ste
     return lo;
 }
 
+/* The queue and the step costs for cs_ttft_predict: prompt work by
+ * (priority, tenant), the running decodes' work, the step model's fit
+ * scaled by recent overrun, and how many prompt tokens a step takes beside
+ * the decodes: under the step-time target the longest chunk the model fits
+ * in it (at least a page: a step always gets one), else the token budget's
+ * rest (the chunk limits applied). */
+void cs_sched_ttft_load(const cs_sched *s, cs_ttft_load *L) {
+    memset(L, 0, sizeof *L);
+    double todo = 0, at = 0; /* queued prompt tokens, and their positions summed */
+    const seq *lists[2] = {s->running, s->waiting};
+    for (int i = 0; i < 2; i++)
+        for (const seq *q = lists[i]; q; q = q->next) {
+            int32_t rem = q->n_tokens - q->n_computed;
+            if (rem == 1 && i == 0) {
+                L->dec_tokens += 1;
+                L->dec_pairs += q->n_computed + 1;
+                L->dec_rows += 1;
+            } else if (rem > 1) {
+                cs_ttft_load_add(L, q->priority, q->tn->name, q->tn->weight, rem);
+                todo += rem;
+                at += (double)rem * (q->n_computed + rem / 2.0);
+            }
+        }
+    if (!cs_step_model_ready(&s->model)) return;
+    L->ready = true;
+    cs_step_model_coefficients(&s->model, L->w);
+    for (int k = 0; k < CS_STEP_MODEL_FEATURES; k++)
+        L->w[k] *= s->overrun;
+    L->position = todo > 0 ? at / todo : 0;
+    int32_t c = (s->p.max_num_batched_tokens ? s->p.max_num_batched_tokens : 8192) -
+                (int32_t)L->dec_tokens;
+    if (s->p.max_chunk_tokens > 0 && s->p.max_num_partial_prefills > 0 &&
+        c > s->p.max_chunk_tokens * s->p.max_num_partial_prefills)
+        c = s->p.max_chunk_tokens * s->p.max_num_partial_prefills;
+    if (c < s->page_size) c = s->page_size;
+    const double target = s->p.step_time_target_ms / 1e3 * s->overrun;
+    if (target > 0 && cs_ttft_step_s(L, c, 0) > target) {
+        int32_t lo = 0, hi = c; /* lo fits (or is 0), hi does not */
+        while (hi - lo > 1) {
+            int32_t m = lo + (hi - lo) / 2;
+            if (cs_ttft_step_s(L, m, 0) <= target)
+                lo = m;
+            else
+                hi = m;
+        }
+        c = lo > s->page_size ? lo : s->page_size;
+    }
+    L->chunk_tokens = c;
+    double step = cs_ttft_step_s(L, c, 0);
+    L->prompt_tokens_per_s = step > 0 ? c / step : 0;
+}
+
 /* ------------------------------------------------------ speculation -- */
 
 /* Prompt lookup: the tokens that followed the latest earlier occurrence of
@@ -1177,9 +1236,16 @@ static void make_room_by_priority(cs_sched *s, int32_t budget) {
 
 /* Whether a goes before b for a prompt chunk: its priority, then its
  * tenant's virtual tokens (sched.h, tenants); false on a tie. */
+/* Tenant a is due before b: fewer virtual tokens; at equal counts the one
+ * that became active later (it joined at the least of the active ones:
+ * none of their busy period was served to it, so it goes first once). */
+static bool tenant_before(const tenant *a, const tenant *b) {
+    return a->vtokens < b->vtokens || (a->vtokens == b->vtokens && a->joined > b->joined);
+}
+
 static bool fair_before(const seq *a, const seq *b) {
     if (a->priority != b->priority) return a->priority < b->priority;
-    return a->tn->vtokens < b->tn->vtokens;
+    return tenant_before(a->tn, b->tn);
 }
 
 /* The running prompt next due a chunk this step: part-way through, not held,
@@ -1199,7 +1265,7 @@ static seq *next_partial(const cs_sched *s) {
 static seq *next_waiting(const cs_sched *s) {
     seq *best = s->waiting;
     for (seq *q = best ? best->next : NULL; q && q->priority == best->priority; q = q->next)
-        if (q->tn->vtokens < best->tn->vtokens) best = q;
+        if (tenant_before(q->tn, best->tn)) best = q;
     return best;
 }
 
@@ -1475,6 +1541,10 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
     CS_ASSERT(li == n_logits);
     s->last.seconds = cs_now() - t0;
     cs_step_model_observe(&s->model, work.tokens, work.pairs, work.rows, s->last.seconds);
+    if (s->last.n_prefill > 0 && s->last.predicted_seconds > 0) {
+        double x = s->last.seconds / s->last.predicted_seconds;
+        s->overrun = 0.9 * s->overrun + 0.1 * (x < 0.25 ? 0.25 : x > 4 ? 4 : x);
+    }
     /* Until the model is ready, probe chunks start at one page and double
      * while a step takes under half the target, halve when one overshoots:
      * a model of any size reaches its fit within about one step of the

@@ -22,6 +22,7 @@
 #include <string.h>
 
 #include "chunkserve/clock.h"
+#include "chunkserve/ttft.h"
 
 #include "util.h"
 
@@ -67,6 +68,9 @@ struct cs_serve {
     bool stopping;
     live *lives;          /* engine thread only */
     cs_sched_stats stats; /* under mu */
+    cs_ttft_load load;    /* under mu: as of the last step (cs_serve_ttft_load) */
+    double step_began;    /* under mu: when the running step began (0: none runs) */
+    double step_expect;   /* under mu: its predicted seconds */
     FILE *trace;          /* CHUNKSERVE_STEP_TRACE (engine thread) */
     double trace_end;     /* when the last traced step ended */
     /* the prefix summary (cs_serve_prefix_summary_enable): the fields below are
@@ -218,6 +222,29 @@ static void apply(cs_serve *sv, pending *p) {
         x->cb(x->user, &ev);
 }
 
+/* The stats and the TTFT load as of now, for other threads. Engine thread. */
+static void publish(cs_serve *sv) {
+    cs_ttft_load L;
+    cs_sched_ttft_load(sv->sched, &L);
+    pthread_mutex_lock(&sv->mu);
+    cs_sched_get_stats(sv->sched, &sv->stats);
+    sv->load = L;
+    sv->step_began = 0;
+    pthread_mutex_unlock(&sv->mu);
+}
+
+/* A step begins: what it is expected to take (its decodes and a chunk of the
+ * queued prompt work, by the published load), for the residual of a TTFT
+ * predicted while it runs. Engine thread. */
+static void step_begins(cs_serve *sv) {
+    pthread_mutex_lock(&sv->mu);
+    const cs_ttft_load *L = &sv->load;
+    double todo = cs_ttft_load_tokens(L);
+    sv->step_began = cs_now();
+    sv->step_expect = cs_ttft_step_s(L, todo < L->chunk_tokens ? todo : L->chunk_tokens, todo > 0);
+    pthread_mutex_unlock(&sv->mu);
+}
+
 static void *loop(void *arg) {
     cs_serve *sv = arg;
     cs_log_set_role("engine");
@@ -267,13 +294,11 @@ static void *loop(void *arg) {
             }
         }
         if (stopping) break;
-        if (batch) { /* what was just queued shows in the stats before the step runs */
-            pthread_mutex_lock(&sv->mu);
-            cs_sched_get_stats(sv->sched, &sv->stats);
-            pthread_mutex_unlock(&sv->mu);
-        }
+        if (batch) /* what was just queued shows in the stats before the step runs */
+            publish(sv);
         const cs_event *evs;
         int32_t n = 0;
+        step_begins(sv);
         cs_sched_step(sv->sched, &evs, &n);
         if (sv->trace) trace_step(sv);
         update_summary(sv, false);
@@ -285,9 +310,7 @@ static void *loop(void *arg) {
             else
                 (*l)->cb((*l)->user, &evs[i]);
         }
-        pthread_mutex_lock(&sv->mu);
-        cs_sched_get_stats(sv->sched, &sv->stats);
-        pthread_mutex_unlock(&sv->mu);
+        publish(sv);
     }
     /* cancel whatever is still live */
     while (sv->lives) {
@@ -452,6 +475,22 @@ void cs_serve_kv_release(cs_serve *sv, cs_serve_release *rec) {
 void cs_serve_stats(cs_serve *sv, cs_sched_stats *st) {
     pthread_mutex_lock(&sv->mu);
     *st = sv->stats;
+    pthread_mutex_unlock(&sv->mu);
+}
+
+void cs_serve_ttft_load(cs_serve *sv, cs_ttft_load *L) {
+    pthread_mutex_lock(&sv->mu);
+    *L = sv->load;
+    double left = sv->step_began > 0 ? sv->step_began + sv->step_expect - cs_now() : 0;
+    L->residual_s = left > 0 ? left : 0;
+    for (const pending *p = sv->head; p; p = p->next) {
+        if (p->kind != P_SUBMIT) continue;
+        const char *t = p->r.tenant ? p->r.tenant : "";
+        double w = 1;
+        for (int32_t i = 0; i < L->n_groups; i++)
+            if (!strcmp(L->groups[i].tenant, t)) w = L->groups[i].weight;
+        cs_ttft_load_add(L, p->r.priority, t, w, p->r.n_prompt);
+    }
     pthread_mutex_unlock(&sv->mu);
 }
 

@@ -102,6 +102,14 @@ double cs_step_model_predict(const cs_step_model *m, double tokens, double pairs
     return t > 0 ? t : 0;
 }
 
+double cs_step_model_eval(const double w[K], double tokens, double pairs, double rows) {
+    double x[K], t = 0;
+    features(tokens, pairs, rows, x);
+    for (int k = 0; k < K; k++)
+        t += w[k] / scale[k] * x[k];
+    return t > 0 ? t : 0;
+}
+
 bool cs_step_model_ready(const cs_step_model *m) {
     return m->fitted;
 }

@@ -82,6 +82,8 @@ typedef struct {
 } cs__rpc_md_list;
 /* Validates and appends copies of key/value. CS_EINVAL, CS_ENOMEM. */
 int cs__rpc_md_add(cs__rpc_md_list *l, const char *key, const char *value);
+/* The same with a value of len bytes (binary when the key ends in -bin). */
+int cs__rpc_md_add_bytes(cs__rpc_md_list *l, const char *key, const void *value, size_t len);
 void cs__rpc_md_free(cs__rpc_md_list *l);
 /* Finds key in a received array; value not NUL-terminated. */
 const char *cs__rpc_md_find(const grpc_metadata_array *a, const char *key, size_t *len);

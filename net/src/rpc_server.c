@@ -406,6 +406,12 @@ int cs_rpc_call_add_trailer(cs_rpc_call *c, const char *key, const char *value) 
     return cs__rpc_md_add(&c->trailers, key, value);
 }
 
+int cs_rpc_call_add_trailer_bytes(cs_rpc_call *c, const char *key, const void *value, size_t len) {
+    if (c->status_queued || !c->app_owned)
+        return cs_fail(CS_EINVAL, "rpc: trailer '%s' after finish", key);
+    return cs__rpc_md_add_bytes(&c->trailers, key, value, len);
+}
+
 void cs_rpc_call_set_data(cs_rpc_call *c, void *data) {
     c->user = data;
 }

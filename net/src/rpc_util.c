@@ -94,8 +94,13 @@ bool cs__rpc_bb_flatten(grpc_byte_buffer *bb, grpc_slice *out) {
 
 int cs__rpc_md_add(cs__rpc_md_list *l, const char *key, const char *value) {
     if (!key || !value) return cs_fail(CS_EINVAL, "rpc: metadata key and value are required");
+    return cs__rpc_md_add_bytes(l, key, value, strlen(value));
+}
+
+int cs__rpc_md_add_bytes(cs__rpc_md_list *l, const char *key, const void *value, size_t len) {
+    if (!key || (!value && len)) return cs_fail(CS_EINVAL, "rpc: metadata key and value are required");
     grpc_slice k = grpc_slice_from_copied_string(key);
-    grpc_slice v = grpc_slice_from_copied_string(value);
+    grpc_slice v = grpc_slice_from_copied_buffer(value, len);
     bool ok = grpc_header_key_is_legal(k) && key[0] != ':' &&
               (grpc_is_binary_header(k) || grpc_header_nonbin_value_is_legal(v));
     if (!ok) {

@@ -24,6 +24,7 @@
 
 #include "chunkserve/serve.h"
 #include "chunkserve/step_model.h"
+#include "chunkserve/ttft.h"
 #include "test.h"
 
 static cs_model *model;
@@ -876,6 +877,113 @@ static void check_step_model(void) {
            CS_STEP_MODEL_WINDOW);
 }
 
+/* The TTFT predictor (chunkserve/ttft.h). Its arithmetic on a hand-made
+ * load; then its queue model against the real scheduler without clocks:
+ * with every step costing 1 s and nothing running, a prediction is the
+ * number of steps until the request's first token, and the scheduler must
+ * take exactly that many (arrival order, another tenant's flood, a better
+ * priority). The model is fluid: near a step boundary the scheduler may
+ * finish a step sooner than it says (the cases are away from one). */
+static void queue_prompts(cs_sched *s, const char *tenant, int32_t priority, int n, int32_t len,
+                          uint64_t *id) {
+    static req_spec sp;
+    sp.n_prompt = len;
+    sp.max_tokens = 1; /* no decodes: every step's budget goes to prompts */
+    sp.tenant = tenant;
+    sp.priority = priority;
+    for (int k = 0; k < n; k++) {
+        for (int i = 0; i < len; i++)
+            sp.prompt[i] = (int32_t)rnd((uint32_t)V);
+        cs_request r = make_req(&sp, (*id)++);
+        ASSERT_EQ_INT(cs_sched_add(s, &r), 0);
+    }
+}
+
+/* Steps until request id's first token. */
+static int steps_to_first(cs_sched *s, uint64_t id) {
+    for (int n = 1; n < 1000; n++) {
+        const cs_event *ev;
+        int32_t ne;
+        ASSERT_EQ_INT(cs_sched_step(s, &ev, &ne), 0);
+        for (int32_t i = 0; i < ne; i++)
+            if (ev[i].id == id && ev[i].token >= 0) return n;
+    }
+    ASSERT_TRUE(!"the request never got its first token");
+    return -1;
+}
+
+static void check_ttft(void) {
+    cs_ttft_load L = {0};
+    ASSERT_TRUE(isnan(cs_ttft_predict(&L, 0, NULL, 1, 10)));
+    /* 10 ms a step, 1 ms a token, 2 ms a sampling row; 64 tokens a step */
+    L.ready = true;
+    L.w[0] = 0.01, L.w[1] = 0.001, L.w[3] = 0.002;
+    L.chunk_tokens = 64;
+    L.residual_s = 0.005;
+    const double full = 0.01 + 0.064, eps = 1e-9;
+    ASSERT_TRUE(fabs(cs_ttft_predict(&L, 0, NULL, 1, 10) - (0.005 + 0.01 + 0.010 + 0.002)) < eps);
+    cs_ttft_load_add(&L, 0, "", 1, 150);
+    cs_ttft_load_add(&L, 0, NULL, 1, 50); /* the same group */
+    ASSERT_EQ_INT(L.n_groups, 1);
+    /* behind 200 tokens: 210 in 4 steps, the last with 18 and its row */
+    ASSERT_TRUE(fabs(cs_ttft_predict(&L, 0, NULL, 1, 10) - (0.005 + 3 * full + 0.01 + 0.018 +
+                                                            0.002)) < eps);
+    /* a better priority: one step, full of the others' tokens */
+    ASSERT_TRUE(fabs(cs_ttft_predict(&L, -1, NULL, 1, 10) - (0.005 + full + 0.002)) < eps);
+    /* another tenant of equal weight: its share of 10 more, one full step */
+    memset(L.groups, 0, sizeof L.groups), L.n_groups = 0;
+    cs_ttft_load_add(&L, 0, "b", 1, 1000);
+    ASSERT_TRUE(fabs(cs_ttft_predict(&L, 0, "a", 1, 10) - (0.005 + full + 0.002)) < eps);
+    /* a tenant weighing a tenth: b goes ten times as fast, 110 tokens, 2 steps */
+    ASSERT_TRUE(fabs(cs_ttft_predict(&L, 0, "a", 0.1, 10) - (0.005 + 2 * full + 0.002)) < eps);
+    for (int i = 0; i < CS_TTFT_GROUPS + 3; i++) {
+        char t[16];
+        snprintf(t, sizeof t, "t%d", i);
+        cs_ttft_load_add(&L, 0, t, 1, 1);
+    }
+    ASSERT_EQ_INT(L.n_groups, CS_TTFT_GROUPS);
+    ASSERT_EQ_INT(L.overflow_tokens, 4); /* the table was full: ahead of everyone */
+
+    const struct {
+        const char *flood;
+        int32_t flood_priority, n_flood, flood_len, warm_steps;
+        const char *tenant;
+        int32_t priority, n;
+    } cases[] = {
+        {"b", 0, 3, 100, 0, "b", 0, 30},  /* arrival order: 330 tokens, 6 steps */
+        {"b", 0, 6, 400, 2, "a", 0, 30},  /* a flood of b: a's 30 and b's share, 1 step */
+        {"b", 0, 6, 400, 2, "a", 0, 90},  /* 180 tokens: 3 steps */
+        {"b", 5, 4, 200, 1, "b", 0, 70},  /* a better priority: 2 steps */
+    };
+    for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
+        cs_engine *e = engine(4096);
+        cs_sched_params p = cs_sched_params_default();
+        p.max_num_batched_tokens = 64;
+        cs_sched *s = NULL;
+        ASSERT_EQ_INT(cs_sched_init(e, &p, &s), 0);
+        uint64_t id = 1;
+        queue_prompts(s, cases[k].flood, cases[k].flood_priority, cases[k].n_flood,
+                      cases[k].flood_len, &id);
+        for (int i = 0; i < cases[k].warm_steps; i++) {
+            const cs_event *ev;
+            int32_t ne;
+            ASSERT_EQ_INT(cs_sched_step(s, &ev, &ne), 0);
+        }
+        queue_prompts(s, cases[k].tenant, cases[k].priority, 1, cases[k].n, &id);
+        cs_ttft_load Q;
+        cs_sched_ttft_load(s, &Q);
+        Q.ready = true, memset(Q.w, 0, sizeof Q.w), Q.w[0] = 1; /* a step: 1 s */
+        Q.chunk_tokens = 64, Q.residual_s = 0;
+        /* it is queued already: predicted as the last of its tenant's work */
+        double want = cs_ttft_predict(&Q, cases[k].priority, cases[k].tenant, 1, 0);
+        int got = steps_to_first(s, id - 1);
+        printf("ttft: case %zu: predicted %.0f steps, took %d\n", k, want, got);
+        ASSERT_EQ_INT((int)want, got);
+        cs_sched_free(s);
+        cs_engine_free(e);
+    }
+}
+
 /* One run of every request under a step-time target, checking the sizing
  * rule on each step: probe chunks before the model is ready, one page a
  * prompt on a predicted step over the target. */
@@ -1448,6 +1556,7 @@ int main(void) {
     check_equivalence();
     check_priority();
     check_tenants();
+    check_ttft();
     check_speculation();
     check_spec_distribution();
     check_serve();

@@ -66,8 +66,10 @@ typedef struct {
  * to the others (work-conserving). A tenant that had no live request when
  * one arrives starts at the fewest virtual tokens among the active tenants,
  * or when none is active at the count of the last one to leave (if it had
- * fewer), so being idle saves no credit (VTC, Sheng et al., OSDI '24). A
- * tenant served less than every running prompt's tenant may take one prompt
+ * fewer), so being idle saves no credit (VTC, Sheng et al., OSDI '24); at
+ * equal counts the tenant that became active last goes first (a chat
+ * turn arriving beside a flood gets the next step's chunk, not the one
+ * after). A tenant served less than every running prompt's tenant may take one prompt
  * seat beyond max_num_partial_prefills (one in all). Tenants are what
  * requests say they are: trusted, not authenticated. With one tenant this
  * is the order without tenants. */
@@ -277,6 +279,10 @@ void cs_sched_get_stats(const cs_sched *s, cs_sched_stats *st);
  * decodes and drafts. 0 for one it does not know (never seen, or not named
  * in the shares and idle since: such tenants are forgotten). */
 uint64_t cs_sched_tenant_tokens(const cs_sched *s, const char *tenant);
+/* What a request's time to first token is predicted from (chunkserve/
+ * ttft.h): the queued prompt work and the prompt rate as of now. */
+struct cs_ttft_load;
+void cs_sched_ttft_load(const cs_sched *s, struct cs_ttft_load *L);
 
 #ifdef __cplusplus
 }

@@ -75,6 +75,10 @@ void cs_serve_kv_release(cs_serve *sv, cs_serve_release *rec);
 
 /* Scheduler statistics as of the last step. Thread-safe. */
 void cs_serve_stats(cs_serve *sv, cs_sched_stats *st);
+/* The load a TTFT is predicted from (chunkserve/ttft.h): the scheduler's as
+ * of the last step, and the requests submitted since. Thread-safe. */
+struct cs_ttft_load;
+void cs_serve_ttft_load(cs_serve *sv, struct cs_ttft_load *L);
 
 /* The prefix summary a worker publishes (a Bloom filter of its registered
  * page hashes, chunkserve/kv_cache.h): once enabled, the engine thread

@@ -52,6 +52,11 @@ bool cs_step_model_ready(const cs_step_model *m);
 /* The trusted fit's coefficients in seconds per unit (w0 s, w1 s/token,
  * w2 s/pair, w3 s/row, w4 s/small token); zeros before the first. */
 void cs_step_model_coefficients(const cs_step_model *m, double w[CS_STEP_MODEL_FEATURES]);
+/* A step's predicted seconds (>= 0) by coefficients w as
+ * cs_step_model_coefficients gives them (possibly scaled): what
+ * cs_step_model_predict computes, for a copy of the fit kept elsewhere. */
+double cs_step_model_eval(const double w[CS_STEP_MODEL_FEATURES], double tokens, double pairs,
+                          double rows);
 
 #ifdef __cplusplus
 }

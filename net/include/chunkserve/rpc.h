@@ -228,6 +228,9 @@ const char *cs_rpc_call_metadata(const cs_rpc_call *c, const char *key, size_t *
  * when too late. */
 int cs_rpc_call_add_header(cs_rpc_call *c, const char *key, const char *value);
 int cs_rpc_call_add_trailer(cs_rpc_call *c, const char *key, const char *value);
+/* A trailer of len bytes: binary when key ends in "-bin" (e.g.
+ * grpc-status-details-bin, a google.rpc.Status). */
+int cs_rpc_call_add_trailer_bytes(cs_rpc_call *c, const char *key, const void *value, size_t len);
 
 void cs_rpc_call_set_data(cs_rpc_call *c, void *data);
 void *cs_rpc_call_get_data(const cs_rpc_call *c);

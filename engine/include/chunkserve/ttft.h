@@ -1,0 +1,88 @@
+/* chunkserve/ttft.h: a request's time to first token, predicted at
+ * admission from the prompt work queued ahead of it and the step model
+ * (chunkserve/step_model.h).
+ *
+ * A pool's load is its queued prompt tokens grouped by (priority, tenant),
+ * the work of its running decodes, how many prompt tokens a step takes
+ * beside them (under the step-time target, the longest chunk the model fits
+ * in it) and a copy of the step model's fit. The scheduler serves
+ * priorities in order and, within one, shares the prompt chunks between
+ * tenants by tokens served per weight (sched.h), so the work done before a
+ * new request's last prompt token is, as in generalized processor sharing:
+ *   every better priority's tokens
+ *   + Q = its own tenant's queued tokens at its priority + its prompt
+ *   + for each other tenant t of that priority, min(tokens of t, Q w_t / w)
+ * and the prediction is the rest of the running step, then the
+ * ceil(work / chunk_tokens) steps that compute that work, each costed by
+ * the step model with the running decodes in it. Steps are full while
+ * anything is queued (the scheduler is work-conserving: what the request's
+ * share leaves goes to the others, lower priorities too), so those steps
+ * compute min(every queued token, steps x chunk_tokens), the last one with
+ * the request's sampling row. Cached prefix tokens are not known before
+ * admission: a prompt that hits the prefix cache is predicted slower than
+ * it will be.
+ *
+ * Plain data, no allocation; the scheduler fills one after each step
+ * (cs_sched_ttft_load), the serving loop adds what was submitted since and
+ * what is left of the running step (cs_serve_ttft_load). */
+#ifndef CHUNKSERVE_TTFT_H
+#define CHUNKSERVE_TTFT_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+#include "chunkserve/sched.h"
+#include "chunkserve/step_model.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+enum { CS_TTFT_GROUPS = 32 };
+
+typedef struct {
+    int32_t priority;
+    char tenant[CS_TENANT_NAME_MAX + 1]; /* "" the default tenant */
+    double weight;                       /* its share (1 unless --tenant-shares names it) */
+    int64_t tokens;                      /* prompt tokens queued, not computed yet */
+} cs_ttft_group;
+
+typedef struct cs_ttft_load {
+    bool ready;                       /* the step model is fitted (else nothing is predicted) */
+    double w[CS_STEP_MODEL_FEATURES]; /* its coefficients, scaled by how much recent steps
+                                         with prompt chunks overran their prediction */
+    double dec_tokens, dec_pairs, dec_rows; /* the running decodes' share of a step */
+    double chunk_tokens;        /* prompt tokens a step takes beside them */
+    double position;            /* the queued prompt tokens' mean position */
+    double prompt_tokens_per_s; /* chunk_tokens over such a step's seconds */
+    double residual_s;          /* what is left of the step running now (cs_serve_ttft_load
+                                   fills it in: when it began, what it was predicted to take) */
+    int32_t n_groups;
+    cs_ttft_group groups[CS_TTFT_GROUPS];
+    int64_t overflow_tokens; /* tokens of groups past the table: counted ahead of everyone */
+} cs_ttft_load;
+
+/* Adds tokens queued by (priority, tenant of weight w) to L. */
+void cs_ttft_load_add(cs_ttft_load *L, int32_t priority, const char *tenant, double weight,
+                      int64_t tokens);
+
+/* Every queued token of L. */
+double cs_ttft_load_tokens(const cs_ttft_load *L);
+
+/* Seconds of a step of L's decodes and a prompt chunk of `chunk` tokens at
+ * L's position, with `rows` sampling rows of prompts; 0 when not ready. */
+double cs_ttft_step_s(const cs_ttft_load *L, double chunk, double rows);
+
+/* The predicted seconds to the first token of a request of n_tokens prompt
+ * tokens (priority, tenant of weight w) joining the queue L; NAN when L is
+ * not ready. */
+double cs_ttft_predict(const cs_ttft_load *L, int32_t priority, const char *tenant, double weight,
+                       int64_t n_tokens);
+
+/* The weight p's shares give a tenant (1 when not named). */
+double cs_ttft_weight(const cs_sched_params *p, const char *tenant);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
