@@ -153,6 +153,7 @@ static const char *const family_flags[] = {
     "TLS_SERVER_NAME",
     "TOP_K",
     "TOP_P",
+    "TTFT_SLO_MS",
     "VERBOSE",
     "VOCAB_SIZE",
     "WARMUP",
