@@ -13,6 +13,7 @@
 #include "chunkserve/sampling_fields.h"
 #include "chunkserve/stop.h"
 #include "chunkserve/tokenizer.h"
+#include "chunkserve/ttft.h"
 #include "chunkserve/error.h"
 
 enum { MAX_STOP = 64, MAX_STOP_BYTES = 256 };
@@ -166,7 +167,8 @@ void cs_wire_model_info(const cs_wire_model *wm, Chunkserve__V1__ModelInfo *mi) 
 }
 
 void cs_wire_worker_status(const cs_wire_model *wm, const cs_sched_stats *st,
-                           Chunkserve__V1__ModelInfo *mi, Chunkserve__V1__WorkerStatus *r) {
+                           const cs_ttft_load *load, Chunkserve__V1__ModelInfo *mi,
+                           Chunkserve__V1__WorkerStatus *r) {
     cs_wire_model_info(wm, mi);
     *r = (Chunkserve__V1__WorkerStatus)CHUNKSERVE__V1__WORKER_STATUS__INIT;
     r->model = mi;
@@ -180,6 +182,7 @@ void cs_wire_worker_status(const cs_wire_model *wm, const cs_sched_stats *st,
     r->max_num_batched_tokens = st->max_num_batched_tokens;
     r->speculative = st->num_speculative_tokens > 0 ? "ngram" : "off";
     r->num_speculative_tokens = st->num_speculative_tokens;
+    r->prefill_tokens_per_second = load ? load->prompt_tokens_per_s : 0;
 }
 
 size_t cs_wire_max_prompt_bytes(const cs_model *m) {

@@ -44,12 +44,15 @@ void cs_wire_model_init(cs_wire_model *wm, const cs_model *m, const char *path);
 /* The ModelInfo message of the model (strings borrowed from wm). */
 void cs_wire_model_info(const cs_wire_model *wm, Chunkserve__V1__ModelInfo *mi);
 
-/* A WorkerStatus snapshot from scheduler stats: *r gets the model (mi, which
- * must outlive r), the KV pages (free counts reusable prefix pages), the
- * running / waiting sequences, queued prompt tokens and the budget; the
- * caller sets the identity, role, readiness and endpoint fields. */
+/* A WorkerStatus snapshot from scheduler stats and the TTFT load (NULL:
+ * none): *r gets the model (mi, which must outlive r), the KV pages (free
+ * counts reusable prefix pages), the running / waiting sequences, queued
+ * prompt tokens, the prefill rate and the budget; the caller sets the
+ * identity, role, readiness and endpoint fields. */
+struct cs_ttft_load;
 void cs_wire_worker_status(const cs_wire_model *wm, const cs_sched_stats *st,
-                           Chunkserve__V1__ModelInfo *mi, Chunkserve__V1__WorkerStatus *r);
+                           const struct cs_ttft_load *load, Chunkserve__V1__ModelInfo *mi,
+                           Chunkserve__V1__WorkerStatus *r);
 
 /* Bytes beyond which a text prompt cannot fit in the context whatever it
  * says: the longest token's bytes times the context length. */

@@ -128,6 +128,7 @@ int main(int argc, char **argv) {
         {cs_openai_config_table, cs_openai_config_n, offsetof(cs_router_opts, openai)},
         {cs_proc_rpc_config, cs_proc_rpc_config_n, offsetof(cs_router_opts, rpc)},
         {cs_proc_tls_config, cs_proc_tls_config_n, offsetof(cs_router_opts, tls)},
+        {cs_slo_config, cs_slo_config_n, offsetof(cs_router_opts, slo)},
     };
     cs_config_entry *table;
     size_t n_table;
@@ -151,6 +152,10 @@ int main(int argc, char **argv) {
     }
     if (!o.model || !o.model[0]) {
         fprintf(stderr, "chunkserve-router: --model (or CHUNKSERVE_MODEL) is required\n");
+        return 2;
+    }
+    if (cs_slo_opts_apply(&o.slo)) {
+        fprintf(stderr, "chunkserve-router: %s\n", cs_last_error());
         return 2;
     }
 

@@ -2,6 +2,8 @@
  * snapshots of the workers. */
 #include "place.h"
 
+#include <math.h>
+
 int32_t cs_place_pages(int64_t n_tokens, const cs_kv_blocks *kv) {
     cs_kv_blocks b = *kv;
     if (b.page_size <= 0) b.page_size = 16;
@@ -66,17 +68,26 @@ int cs_place_decode(const cs_place_worker *w, size_t n, int64_t n_tokens, size_t
     return best;
 }
 
+double cs_place_ttft(const cs_place_worker *w, int64_t n_tokens) {
+    if (!(w->prefill_rate > 0)) return NAN;
+    int64_t own = n_tokens - w->cached_tokens;
+    return (double)(prefill_load(w) + (own > 1 ? own : 1)) / w->prefill_rate;
+}
+
 int cs_place_prefill(const cs_place_worker *w, size_t n, int64_t n_tokens, size_t start,
                      int64_t balance) {
     int64_t max_load = INT64_MAX;
     int64_t want = cached_floor(w, n, n_tokens, balance, prefill_fits, prefill_load, &max_load);
+    bool timed = true; /* every candidate reports its rate: compare predicted TTFTs */
+    for (size_t i = 0; i < n; i++)
+        if (prefill_fits(&w[i], n_tokens) && !(w[i].prefill_rate > 0)) timed = false;
     int best = -1;
-    int64_t best_q = 0;
+    double best_q = 0;
     for (size_t k = 0; k < n; k++) {
         size_t i = (start + k) % n;
         if (!prefill_fits(&w[i], n_tokens)) continue;
         if (want > 0 && (w[i].cached_tokens < want || prefill_load(&w[i]) > max_load)) continue;
-        int64_t q = prefill_load(&w[i]);
+        double q = timed ? cs_place_ttft(&w[i], n_tokens) : (double)prefill_load(&w[i]);
         if (best < 0 || q < best_q) {
             best = (int)i;
             best_q = q;

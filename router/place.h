@@ -28,7 +28,15 @@ typedef struct {
     int64_t tokens_placed;         /* prompt tokens this router sent there since that status */
     int32_t reqs_placed;           /* requests this router sent there since that status */
     int64_t cached_tokens;         /* the request's prompt tokens predicted cached there */
+    double prefill_rate;           /* prompt tokens a second beside its decodes (0: unknown) */
 } cs_place_worker;
+
+/* The predicted seconds to the first token of a prompt of n_tokens on w:
+ * the prompt tokens ahead of it there (queued, and placed since the
+ * status) and its own less what w is predicted to hold, over w's prefill
+ * rate (chunkserve/ttft.h, in arrival order: the router knows the queue's
+ * size, not its tenants). NAN when the rate is unknown. */
+double cs_place_ttft(const cs_place_worker *w, int64_t n_tokens);
 
 /* Pages a context of n_tokens takes on a worker whose pages hold blocks as
  * kv says (the pages a KV transfer of it lands in: cs_kv_blocks_seq_pages;
@@ -50,8 +58,9 @@ int cs_place_decode(const cs_place_worker *w, size_t n, int64_t n_tokens, size_t
                     int64_t balance);
 
 /* The prefill worker for a prompt of n_tokens: among usable, not skipped
- * workers whose whole pool can hold it, the fewest queued_prefill_tokens +
- * tokens_placed; ties as above. -1 when none (the decode worker then
+ * workers whose whole pool can hold it, the least predicted TTFT
+ * (cs_place_ttft) when every such worker reports its rate, else the fewest
+ * queued_prefill_tokens + tokens_placed; ties as above. -1 when none (the decode worker then
  * prefills it itself). Prefix-aware (balance >= 0): as cs_place_decode, with
  * that queue (tokens) as the load. */
 int cs_place_prefill(const cs_place_worker *w, size_t n, int64_t n_tokens, size_t start,

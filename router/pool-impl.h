@@ -41,6 +41,7 @@ struct cs_pool_worker {
     int32_t page_size, pages_free, pages_total, running, waiting;
     cs_kv_blocks kv; /* how its pages hold a block (its status; an older worker: one a block) */
     int64_t queued_prefill;
+    double prefill_rate; /* prompt tokens a second beside its decodes (0: unknown) */
     char *kv_endpoint;
     char *kv_sender; /* prefill: the name its KV channels authenticate as */
     int kv_transport;

@@ -17,6 +17,7 @@
  * and has no call of ours on it, its channel is replaced every few seconds. */
 #include "pool-impl.h"
 
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -326,6 +327,9 @@ static void apply_status(cs_pool_worker *w, const Chunkserve__V1__WorkerStatus *
     w->running = s->num_running;
     w->waiting = s->num_waiting;
     w->queued_prefill = s->queued_prefill_tokens;
+    w->prefill_rate = s->prefill_tokens_per_second > 0 && isfinite(s->prefill_tokens_per_second)
+                          ? s->prefill_tokens_per_second
+                          : 0;
     w->kv_transport = s->kv_transport;
     w->kv_layout = s->kv_layout_fingerprint;
     w->pages_placed = 0;
@@ -518,6 +522,20 @@ int cs_pool_n_usable(const cs_pool *p, enum cs_pool_role role) {
     return n;
 }
 
+double cs_pool_ttft(const cs_pool *p, enum cs_pool_role role, int64_t n_tokens, double *alone) {
+    double now = cs_now(), best = NAN;
+    *alone = NAN;
+    for (const cs_pool_worker *w = p->workers[role]; w; w = w->next) {
+        if (!worker_usable(w, now) || !(w->prefill_rate > 0)) continue;
+        cs_place_worker s = {.queued_prefill_tokens = w->queued_prefill,
+                             .tokens_placed = w->tokens_placed,
+                             .prefill_rate = w->prefill_rate};
+        double t = cs_place_ttft(&s, n_tokens);
+        if (isnan(best) || t < best) best = t, *alone = (double)n_tokens / w->prefill_rate;
+    }
+    return best;
+}
+
 int cs_pool_n_workers(const cs_pool *p, enum cs_pool_role role) {
     return p->n_workers[role];
 }
@@ -640,6 +658,7 @@ cs_pool_worker *cs_pool_place(cs_pool *p, enum cs_pool_role role, int64_t n_toke
             .num_running = w->running,
             .num_waiting = w->waiting,
             .queued_prefill_tokens = w->queued_prefill,
+            .prefill_rate = w->prefill_rate,
             .tokens_placed = w->tokens_placed,
             .reqs_placed = w->reqs_placed,
         };

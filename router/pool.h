@@ -71,6 +71,11 @@ void cs_pool_rpc_token_changed(cs_pool *p);
 
 /* Workers of a role currently usable. */
 int cs_pool_n_usable(const cs_pool *p, enum cs_pool_role role);
+/* The least predicted time to first token of a prompt of n_tokens over the
+ * usable workers of role (cs_place_ttft, the prefix cache not counted), and
+ * into *alone what it would be on that worker with nothing queued; NAN (and
+ * *alone NAN) when no usable worker reports its prefill rate. */
+double cs_pool_ttft(const cs_pool *p, enum cs_pool_role role, int64_t n_tokens, double *alone);
 /* This process's own loop stalls as the status timer saw them: the longest
  * lag of a tick behind its schedule (seconds) and how many ticks came over a
  * second late. After such a stall no worker is declared down before a fresh

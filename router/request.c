@@ -4,6 +4,7 @@
  * state change goes through cs__req_set_state. Not here: the worker calls
  * themselves (legs.c), admission of new requests (router.c). */
 #include <inttypes.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -496,6 +497,9 @@ static bool relay(req *q, Chunkserve__V1__GenerateResponse *out) {
         if (q->n_relayed == 0) {
             q->t_first = now;
             cs_metric_observe(r->m.ttft, now - q->t_recv);
+            if (q->predicted_ttft > 0 && now > q->t_recv)
+                cs_metric_observe(r->m.ttft_error, fabs(q->predicted_ttft - (now - q->t_recv)) /
+                                                       (now - q->t_recv));
             cs_metric_add(r->m.prompt_tokens, q->n_prompt);
         } else {
             cs_metric_observe(r->m.itl, now - q->t_last);
@@ -513,6 +517,7 @@ static bool relay(req *q, Chunkserve__V1__GenerateResponse *out) {
         Chunkserve__V1__Usage *worker_usage = out->usage;
         if (final_ok) {
             if (worker_usage) usage = *worker_usage;
+            usage.predicted_ttft_seconds = q->predicted_ttft;
             usage.prompt_tokens = q->n_prompt;
             usage.completion_tokens = q->n_relayed;
             /* after a migration the worker's cache count is of prompt + relayed tokens */

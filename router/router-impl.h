@@ -115,6 +115,7 @@ struct req {
     Chunkserve__V1__SamplingParams *sampling; /* the client's, copied (NULL: none sent) */
     char *cache_salt;                         /* the client's, copied ("" when none) */
     char *tenant;                             /* the client's, copied ("" when none) */
+    double predicted_ttft; /* seconds, predicted at admission (0: none) */
     uint64_t rng[4];
     bool have_rng;
     bool sent_first; /* the client has its first message (it carries the request id) */
@@ -187,6 +188,7 @@ struct router {
         cs_metric *running, *waiting, *retries, *migrations, *prefill_local, *prefill_remote;
         cs_metric *prefix_predicted, *prefix_cached;
         cs_metric *ttft, *itl, *e2e, *overhead, *prompt_tokens, *gen_tokens;
+        cs_metric *ttft_error, *ttft_refused;
         cs_metric *usable[2];
         cs_metric *lag_max, *stalls, *pair_trips;
         cs_metric *codes[17];

@@ -18,6 +18,7 @@
 #include "router.h"
 
 #include <inttypes.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -130,6 +131,27 @@ static void on_prepared(void *arg, cs_gen_call *c, uint64_t seq, double t_recv, 
         cs_gen_call_finish(c, CS_RPC_RESOURCE_EXHAUSTED, msg);
         return;
     }
+    /* the TTFT the workers' queues predict (prefill pool for a long prompt,
+     * else the decode workers' own prefill) and the refusal it may bring */
+    double alone, predicted = NAN;
+    if (w.r.n_prompt >= r->o->local_prefill_threshold)
+        predicted = cs_pool_ttft(r->pool, CS_POOL_PREFILL, w.r.n_prompt, &alone);
+    if (isnan(predicted)) predicted = cs_pool_ttft(r->pool, CS_POOL_DECODE, w.r.n_prompt, &alone);
+    double bound = cs_slo_ttft_bound(&r->o->slo, w.r.priority);
+    int64_t retry = cs_slo_refuse_ms(predicted, alone, bound);
+    if (retry) {
+        char msg[300];
+        snprintf(msg, sizeof msg,
+                 "the predicted time to first token is %.2f s, over the bound of %.2f s for "
+                 "priority %d (--ttft-slo-ms): the workers are busy; retry in %.1f s",
+                 predicted, bound, w.r.priority, retry / 1e3);
+        cs__router_fault_end(r, seq);
+        cs_wire_request_free(&w);
+        cs_metric_inc(r->m.ttft_refused);
+        cs__router_count_code(r, CS_RPC_RESOURCE_EXHAUSTED);
+        cs_gen_call_refuse_retry(c, msg, retry);
+        return;
+    }
     req *q = calloc(1, sizeof *q);
     char idbuf[40];
     snprintf(idbuf, sizeof idbuf, "rt-%016" PRIx64, cs__splitmix64(r->id_base ^ (seq << 1)));
@@ -150,6 +172,7 @@ static void on_prepared(void *arg, cs_gen_call *c, uint64_t seq, double t_recv, 
     q->r = r;
     q->call = c;
     q->seq = seq;
+    q->predicted_ttft = isfinite(predicted) ? predicted : 0;
     if (seq == r->fault_seq) memcpy(q->fault_worker, r->fault_worker, sizeof q->fault_worker);
     q->ctx = w.prompt; /* taken over */
     q->n_ctx = q->cap_ctx = (size_t)w.r.n_prompt;
@@ -230,6 +253,7 @@ static void handle_generate(cs_rpc_call *rpc, void *data) {
 
 /* ---------------------------------------------------------- metrics -- */
 
+static const double ttft_error_buckets[] = {0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2, 5};
 static const double e2e_buckets[] = {0.05, 0.1, 0.25, 0.5, 1,   2.5, 5,
                                      10,   20,  40,   60,  120, 300, 600};
 static const double overhead_buckets[] = {1e-5, 5e-5, 1e-4,  2.5e-4, 5e-4, 1e-3, 2.5e-3,
@@ -278,6 +302,14 @@ static const cs_metric_def router_metrics[] = {
      "Attempts that failed after tokens streamed and were migrated to another worker.", NULL, 0},
     {M(ttft), "chunkserve:time_to_first_token_seconds", CS_METRIC_HISTOGRAM, NULL,
      "Receipt of the request to its first token relayed.", cs_metrics_ttft_buckets, 0},
+    {M(ttft_error), "chunkserve:ttft_prediction_error_ratio", CS_METRIC_HISTOGRAM, NULL,
+     "|predicted - measured| / measured time to first token of the requests whose TTFT was "
+     "predicted at admission (from the workers' queued prompt tokens and prefill rates)",
+     ttft_error_buckets, sizeof ttft_error_buckets / sizeof ttft_error_buckets[0]},
+    {M(ttft_refused), "chunkserve:requests_refused_ttft_total", CS_METRIC_COUNTER, NULL,
+     "Requests refused early (RESOURCE_EXHAUSTED / 429 + Retry-After) because the workers' "
+     "queues put their predicted time to first token over --ttft-slo-ms.",
+     NULL, 0},
     {M(itl), "chunkserve:inter_token_latency_seconds", CS_METRIC_HISTOGRAM, NULL,
      "Time between token messages relayed to a client.", cs_metrics_itl_buckets, 0},
     {M(e2e), "chunkserve:e2e_request_latency_seconds", CS_METRIC_HISTOGRAM, NULL,

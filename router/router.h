@@ -18,6 +18,7 @@
 #include "chunkserve/model.h"
 #include "chunkserve/rpc.h"
 #include "openai.h"
+#include "slo_config.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -58,6 +59,7 @@ typedef struct {
     cs_rpc_limits rpc;       /* the gRPC port's limits (cs_proc_rpc_config) */
     cs_rpc_tls tls;          /* TLS on the gRPC port (cs_proc_tls_config) */
     cs_rpc_tls worker_tls;   /* TLS to the workers: CA, client identity, server name */
+    cs_slo_opts slo;         /* the TTFT bound by priority (api/slo_config.h; parsed by main) */
 } cs_router_opts;
 
 /* Serves until SIGTERM or SIGINT with m (a vocabulary-only load is enough;

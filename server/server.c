@@ -335,7 +335,9 @@ static void handle_status(cs_rpc_call *c, void *data) {
     cs_serve_stats(s->sv, &st);
     Chunkserve__V1__ModelInfo mi;
     Chunkserve__V1__WorkerStatus r;
-    cs_wire_worker_status(&s->wm, &st, &mi, &r);
+    cs_ttft_load load;
+    cs_serve_ttft_load(s->sv, &load);
+    cs_wire_worker_status(&s->wm, &st, &load, &mi, &r);
     char worker_id[32];
     snprintf(worker_id, sizeof worker_id, "serve-%016llx", (unsigned long long)s->instance_id);
     r.worker_id = worker_id;

@@ -23,6 +23,7 @@
 #include <unistd.h>
 
 #include "chunkserve/clock.h"
+#include "chunkserve/ttft.h"
 #include "chunkserve/kvx_engine.h"
 #include "chunkserve/error.h"
 #include "chunkserve/log.h"
@@ -115,9 +116,11 @@ static void handle_status(cs_rpc_call *c, void *data) {
     cs_worker *w = data;
     cs_sched_stats st;
     cs_serve_stats(w->sv, &st);
+    cs_ttft_load load;
+    cs_serve_ttft_load(w->sv, &load);
     Chunkserve__V1__ModelInfo mi;
     Chunkserve__V1__WorkerStatus r;
-    cs_wire_worker_status(&w->wm, &st, &mi, &r);
+    cs_wire_worker_status(&w->wm, &st, &load, &mi, &r);
     r.worker_id = w->worker_id;
     r.instance_id = w->instance_id;
     r.role = w->role->role;

@@ -258,7 +258,7 @@ static int fuzz_write_corpus(const char *dir) {
     Chunkserve__V1__WorkerStatus ws;
     cs_sched_stats st;
     memset(&st, 0, sizeof st);
-    cs_wire_worker_status(&wm, &st, &mi, &ws);
+    cs_wire_worker_status(&wm, &st, NULL, &mi, &ws);
     ws.worker_id = "decode-0", ws.kv_endpoint = "127.0.0.1:7001", ws.ready = true;
     rc |= write_msg(dir, "status", M_STATUS, &ws.base);
 

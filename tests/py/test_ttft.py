@@ -3,12 +3,14 @@ with --ttft-slo-ms. A request whose predicted time to first token (the work queu
 step model's prefill rate) is over its priority's bound is refused at once with RESOURCE_EXHAUSTED
 and google.rpc.RetryInfo (gRPC) or 429 + Retry-After (OpenAI door); one of a priority with a
 looser bound is admitted behind the same queue and gets its prediction in its usage; once the
-queue drains the refused one is admitted. What is asserted is the rule, not a speed: the queue
+queue drains the refused one is admitted. The router does the same from its workers' queues.
+What is asserted is the rule, not a speed: the queue
 ahead (6,000 prompt tokens in 64-token steps) is far over the 100 ms bound on any CPU."""
 from __future__ import annotations
 
 import subprocess
 import threading
+import time
 import urllib.request
 
 import pytest
@@ -18,7 +20,7 @@ openai = pytest.importorskip("openai")
 status_pb2 = pytest.importorskip("google.rpc.status_pb2")
 error_details_pb2 = pytest.importorskip("google.rpc.error_details_pb2")
 
-from cluster_harness import wait_for  # noqa: E402
+from cluster_harness import Cluster, metric, wait_for  # noqa: E402
 from test_openai import Serve, pb, tiny_model  # noqa: E402,F401  (fixtures)
 
 FLOOD, FLOOD_TOKENS = 6, 1000
@@ -114,3 +116,70 @@ def test_bad_bounds_stop_the_server_at_start(chunkserve_bin, tiny_model, spec, s
     assert p.returncode != 0
     err = p.stderr.decode()
     assert "--ttft-slo-ms" in err and says in err, err
+
+
+def test_the_router_refuses_early_from_the_workers_queues(bin_dir, model_path, pb):
+    """The router predicts from the prefill workers' queued prompt tokens and reported prefill
+    rates (WorkerStatus.prefill_tokens_per_second), places by it, and refuses the same way."""
+    c = Cluster(bin_dir, model_path, pb, n_prefill=1, n_decode=1,
+                router_args=["--ttft-slo-ms=0=600000,100"], prefill_args=["--max-batched-tokens=64"])
+    try:
+        g = pb.generation_pb2
+
+        def ids(n, seed):
+            return g.TokenIds(ids=[(seed * 7 + k) % 300 + 3 for k in range(n)])
+
+        for i, n in enumerate((520, 700, 900)):  # remote prefills: the prefill worker's model fits
+            list(c.stub.Generate(g.GenerateRequest(token_ids=ids(n, i), sampling=g.SamplingParams(
+                max_tokens=2, ignore_eos=True)), timeout=120))
+        wait_for(lambda: c.status(c.prefill[0]).prefill_tokens_per_second > 0, 30,
+                 "the prefill worker reports its rate")
+        errors: list[BaseException] = []
+
+        def flood(i):
+            try:
+                list(c.stub.Generate(g.GenerateRequest(token_ids=ids(FLOOD_TOKENS, 10 + i),
+                                                       sampling=g.SamplingParams(
+                                                           max_tokens=2, ignore_eos=True)),
+                                     timeout=300))
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=flood, args=(i,)) for i in range(FLOOD)]
+        for t in threads:
+            t.start()
+        wait_for(lambda: c.status(c.prefill[0]).queued_prefill_tokens >= 3 * FLOOD_TOKENS
+                 or errors, 60, "the flood queued on the prefill worker")
+        late = g.GenerateRequest(token_ids=ids(600, 99),
+                                 sampling=g.SamplingParams(max_tokens=2, priority=5))
+        with pytest.raises(grpc.RpcError) as e:
+            list(c.stub.Generate(late, timeout=60))
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value
+        assert "the workers are busy" in e.value.details()
+        delay = retry_info(e.value).retry_delay
+        assert delay.seconds * 1000 + delay.nanos // 1000000 > 0
+        last = list(c.stub.Generate(g.GenerateRequest(token_ids=ids(600, 98), sampling=g.SamplingParams(
+            max_tokens=2)), timeout=300))[-1]
+        assert last.finish_reason and last.usage.predicted_ttft_seconds > 0.1
+        for t in threads:
+            t.join(300)
+        assert not errors, errors
+        c.wait_idle()
+        # the router's view of the queue is as old as its last status poll: follow RetryInfo
+        refused = 1
+        for _ in range(20):
+            try:
+                assert list(c.stub.Generate(late, timeout=120))[-1].finish_reason
+                break
+            except grpc.RpcError as e:
+                assert e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e
+                d = retry_info(e).retry_delay
+                refused += 1
+                time.sleep(d.seconds + d.nanos / 1e9)
+        else:
+            pytest.fail("still refused with the workers idle")
+        m = c.router.metrics()
+        assert metric(m, "chunkserve:requests_refused_ttft_total") == refused
+        assert metric(m, "chunkserve:ttft_prediction_error_ratio_count") >= FLOOD + 2
+    finally:
+        c.stop()

@@ -1,10 +1,13 @@
 /* test_router_place: the router's placement policy (router/pool.h) over
  * worker snapshots: decode placement by room (free pages minus pages placed
  * since the status), ties by load then rotation, the prompt's pages as a
- * floor; prefill placement by queued tokens plus tokens placed; unusable and
+ * floor; prefill placement by the predicted TTFT when every worker reports
+ * its prefill rate, else by queued tokens plus tokens placed; unusable and
  * skipped (excluded/refused) workers never chosen; prefix-aware choice
  * (most cached tokens within the load balance, the hot prefix spreading)
  * and the router's page-hash set (the workers' hashes, eviction, expiry). */
+#include <math.h>
+
 #include "chunkserve/kv_cache.h"
 #include "pool.h"
 #include "prefix.h"
@@ -113,6 +116,17 @@ static void test_prefill(void) {
     ASSERT_EQ_INT(cs_place_prefill(w, 3, 161, 0, -1), 1);
     w[1].kv_pages_total = w[2].kv_pages_total = 10;
     ASSERT_EQ_INT(cs_place_prefill(w, 3, 161, 0, -1), -1);
+    /* with every worker's prefill rate known: the least predicted TTFT, so a
+     * worker twice as fast takes a queue up to twice as long */
+    w[0] = pre(1000, 0), w[1] = pre(700, 0), w[2] = pre(1500, 300);
+    w[0].prefill_rate = 2000, w[1].prefill_rate = 1000, w[2].prefill_rate = 4000;
+    ASSERT_TRUE(fabs(cs_place_ttft(&w[0], 100) - 1100.0 / 2000) < 1e-12);
+    ASSERT_EQ_INT(cs_place_prefill(w, 3, 100, 0, -1), 2); /* 0.475 s, against 0.55 and 0.8 */
+    w[2].cached_tokens = 100; /* its prompt held there: only a token to compute */
+    ASSERT_TRUE(fabs(cs_place_ttft(&w[2], 100) - 1801.0 / 4000) < 1e-12);
+    w[2].prefill_rate = 0; /* one unknown: the queues in tokens decide, as before */
+    ASSERT_TRUE(isnan(cs_place_ttft(&w[2], 100)));
+    ASSERT_EQ_INT(cs_place_prefill(w, 3, 100, 0, -1), 1);
 }
 
 /* Placing repeatedly with the router's own accounting spreads a burst over
