@@ -48,6 +48,7 @@
 
 typedef struct {
     const char *target, *workload, *arrival, *rates, *concurrency, *out, *model, *cache_salt;
+    const char *tenants;
     const char *api_key, *ca_file, *cert_file, *key_file, *server_name;
     double burstiness, duration, temperature, slo_ttft_ms, slo_itl_ms;
     int64_t requests, max_concurrency, seed, prefix_groups, prefix_tokens, timeout_ms;
@@ -90,6 +91,12 @@ static const cs_config_entry serve_table[] = {
     {"no-ignore-eos", CS_CONFIG_BOOL, O(no_ignore_eos), "false",
      "stop at end-of-generation tokens (outputs may then be shorter than asked)", 0, 0},
     {"cache-salt", CS_CONFIG_STR, O(cache_salt), NULL, "every request's cache_salt", 0, 0},
+    {"tenants", CS_CONFIG_STR, O(tenants), NULL,
+     "a mix of tenants: NAME=WEIGHT[:WORKLOAD[:PRIORITY]],... (each request draws one by "
+     "weight; a tenant may draw its lengths from the built-in chat, rag or summarize and send "
+     "its priority); sent as GenerateRequest.tenant / X-Chunkserve-Tenant; the report gives "
+     "each tenant's and priority's latencies and Jain's index over the tenants' tokens",
+     0, 0},
     /* not "model": CHUNKSERVE_MODEL is every server's model path */
     {"served-model-name", CS_CONFIG_STR, O(model), NULL,
      "the model name to ask for, as the target lists it (default: the first one)", 0, 0},
@@ -160,6 +167,7 @@ typedef struct {
     int idx;
     double t_send, t_first, t_last; /* cs_now() */
     int32_t n_out, n_msgs, prompt_tokens, cached;
+    double predicted_ttft; /* the target's prediction (Usage.predicted_ttft_seconds), s; 0: none */
     int code; /* -1 while running */
     bool started;
     char *error; /* the first failed request of each code keeps its message */
@@ -213,6 +221,7 @@ static void on_gen_msg(cs_rpc_client_call *c, const uint8_t *buf, size_t len, vo
     if (m->usage) {
         r->prompt_tokens = m->usage->prompt_tokens;
         r->cached = m->usage->cached_prompt_tokens;
+        r->predicted_ttft = m->usage->predicted_ttft_seconds;
     }
     chunkserve__v1__generate_response__free_unpacked(m, NULL);
 }
@@ -318,6 +327,12 @@ static void on_http_done(void *user, int status, const char *msg) {
     free(event_error);
 }
 
+/* q's tenant (--tenants, or its dataset line's), NULL when none. */
+static const char *tenant_of(const bench *b, const cs_lg_request *q) {
+    if (q->tenant >= 0) return b->w->tenants[q->tenant].name;
+    return q->line >= 0 ? b->w->lines[q->line].tenant : NULL;
+}
+
 static int start_http(bench *b, req_state *r, const cs_lg_request *q, const cs_lg_line *line) {
     const serve_opts *o = b->o;
     cJSON *j = cJSON_CreateObject();
@@ -339,12 +354,17 @@ static int start_http(bench *b, req_state *r, const cs_lg_request *q, const cs_l
     cJSON_AddBoolToObject(j, "stream", true);
     cJSON_AddBoolToObject(cJSON_AddObjectToObject(j, "stream_options"), "include_usage", true);
     if (o->cache_salt) cJSON_AddStringToObject(j, "cache_salt", o->cache_salt);
+    if (q->priority) cJSON_AddNumberToObject(j, "priority", q->priority);
     char *body = cJSON_PrintUnformatted(j);
     cJSON_Delete(j);
     if (!body) return cs_fail(CS_ENOMEM, "out of memory");
+    char headers[sizeof b->http_headers + 100];
+    const char *tenant = tenant_of(b, q);
+    snprintf(headers, sizeof headers, "%s%s%s%s", b->http_headers,
+             tenant ? "X-Chunkserve-Tenant: " : "", tenant ? tenant : "", tenant ? "\r\n" : "");
     cs_http_client_cbs cbs = {on_sse, on_http_done};
     int rc = cs_http_client_request(&b->uv, (const struct sockaddr *)&b->addr, b->host, "POST",
-                                    "/v1/completions", b->http_headers, body, strlen(body),
+                                    "/v1/completions", headers, body, strlen(body),
                                     (double)o->timeout_ms / 1e3, &cbs, r);
     free(body);
     return rc;
@@ -358,7 +378,10 @@ static int start_grpc(bench *b, req_state *r, const cs_lg_request *q, const cs_l
     sp.seed = (uint64_t)r->idx;
     sp.max_tokens = q->output_len;
     sp.ignore_eos = !o->no_ignore_eos;
+    sp.priority = q->priority;
     Chunkserve__V1__GenerateRequest req = CHUNKSERVE__V1__GENERATE_REQUEST__INIT;
+    const char *tenant = tenant_of(b, q);
+    req.tenant = (char *)(tenant ? tenant : "");
     char id[64];
     snprintf(id, sizeof id, "bench-%d-%d", b->point, r->idx);
     req.request_id = id;
@@ -463,6 +486,104 @@ typedef struct {
     double request_throughput;
 } point_result;
 
+/* One tenant's (tenant set) or one priority's requests of the point: their
+ * count, latencies and the tokens served to the completed ones (into
+ * *served: prompt + output). */
+static cJSON *group_json(const bench *b, const char *tenant, int32_t priority, double wall_s,
+                         double *served) {
+    cs_samples ttft = {0}, itl = {0}, e2e = {0};
+    long long n = 0, ok = 0, prompt = 0, out = 0;
+    for (size_t i = 0; i < b->n; i++) {
+        const cs_lg_request *q = &b->sched[i];
+        const char *t = tenant_of(b, q);
+        if (tenant ? !t || strcmp(t, tenant) : q->priority != priority) continue;
+        const req_state *r = &b->reqs[i];
+        n++;
+        if (r->code != CS_RPC_OK) continue;
+        ok++;
+        if (r->n_out > 0) cs_samples_push(&ttft, (r->t_first - r->t_send) * 1e3);
+        cs_samples_extend(&itl, &r->itl_ms);
+        cs_samples_push(&e2e, (r->t_last - r->t_send) * 1e3);
+        prompt += r->prompt_tokens, out += r->n_out;
+    }
+    cJSON *j = cJSON_CreateObject();
+    cJSON_AddNumberToObject(j, "requests", (double)n);
+    cJSON_AddNumberToObject(j, "completed", (double)ok);
+    cJSON_AddNumberToObject(j, "prompt_tokens", (double)prompt);
+    cJSON_AddNumberToObject(j, "output_tokens", (double)out);
+    cJSON_AddNumberToObject(j, "tok_s", wall_s > 0 ? (double)(prompt + out) / wall_s : NAN);
+    cJSON_AddItemToObject(j, "ttft_ms", summary_json(&ttft));
+    cJSON_AddItemToObject(j, "itl_ms", summary_json(&itl));
+    cJSON_AddItemToObject(j, "e2e_ms", summary_json(&e2e));
+    cs_samples_free(&ttft), cs_samples_free(&itl), cs_samples_free(&e2e);
+    if (served) *served = (double)(prompt + out);
+    return j;
+}
+
+/* Per tenant (with Jain's index over the tokens they were served:
+ * (sum x)^2 / (n sum x^2), 1 = equal) and per priority, when the workload
+ * has more than one of either. */
+static void classes_json(const bench *b, double wall_s, cJSON *p) {
+    const char *names[CS_LG_MAX_TENANTS * 4];
+    int n_names = 0;
+    int32_t prios[64];
+    int n_prios = 0;
+    for (size_t i = 0; i < b->n; i++) {
+        const char *t = tenant_of(b, &b->sched[i]);
+        int k = 0;
+        while (t && k < n_names && strcmp(names[k], t))
+            k++;
+        if (t && k == n_names && n_names < (int)(sizeof names / sizeof names[0]))
+            names[n_names++] = t;
+        int32_t pr = b->sched[i].priority;
+        for (k = 0; k < n_prios && prios[k] != pr; k++)
+            ;
+        if (k == n_prios && n_prios < 64) prios[n_prios++] = pr;
+    }
+    if (n_names > 0) {
+        cJSON *tj = cJSON_AddObjectToObject(p, "tenants");
+        double sum = 0, sum2 = 0;
+        for (int k = 0; k < n_names; k++) {
+            double x;
+            cJSON_AddItemToObject(tj, names[k], group_json(b, names[k], 0, wall_s, &x));
+            sum += x, sum2 += x * x;
+        }
+        cJSON_AddNumberToObject(p, "jain_index", sum2 > 0 ? sum * sum / (n_names * sum2) : NAN);
+    }
+    if (n_prios > 1) {
+        cJSON *pj = cJSON_AddObjectToObject(p, "priorities");
+        for (int k = 0; k < n_prios; k++) {
+            char key[16];
+            snprintf(key, sizeof key, "%d", prios[k]);
+            cJSON_AddItemToObject(pj, key, group_json(b, NULL, prios[k], wall_s, NULL));
+        }
+    }
+}
+
+/* The target's TTFT predictions (Usage.predicted_ttft_seconds: gRPC
+ * targets that predict) against the TTFT measured here:
+ * |predicted - measured| / measured over the completed requests. */
+static void prediction_json(const bench *b, cJSON *p) {
+    cs_samples err = {0};
+    long long within = 0;
+    for (size_t i = 0; i < b->n; i++) {
+        const req_state *r = &b->reqs[i];
+        if (r->code != CS_RPC_OK || !(r->predicted_ttft > 0) || r->n_out == 0) continue;
+        double measured = r->t_first - r->t_send;
+        if (!(measured > 0)) continue;
+        double e = fabs(r->predicted_ttft - measured) / measured;
+        cs_samples_push(&err, e);
+        within += e <= 0.2;
+    }
+    if (err.n == 0) return;
+    cJSON *j = cJSON_AddObjectToObject(p, "ttft_prediction_error");
+    cJSON_AddNumberToObject(j, "n", (double)err.n);
+    cJSON_AddNumberToObject(j, "p50", cs_samples_percentile(&err, 50));
+    cJSON_AddNumberToObject(j, "p90", cs_samples_percentile(&err, 90));
+    cJSON_AddNumberToObject(j, "within_20pct", (double)within / (double)err.n);
+    cs_samples_free(&err);
+}
+
 /* The point's report; fills res. */
 static cJSON *point_json(bench *b, double rate, int concurrency, double wall_s, point_result *res) {
     const serve_opts *o = b->o;
@@ -505,6 +626,11 @@ static cJSON *point_json(bench *b, double rate, int concurrency, double wall_s, 
             cJSON_AddNumberToObject(q, "messages", r->n_msgs);
             cJSON_AddNumberToObject(q, "max_tokens", b->sched[i].output_len);
             cJSON_AddNumberToObject(q, "group", b->sched[i].group);
+            const char *tenant = tenant_of(b, &b->sched[i]);
+            if (tenant) cJSON_AddStringToObject(q, "tenant", tenant);
+            cJSON_AddNumberToObject(q, "priority", b->sched[i].priority);
+            if (r->predicted_ttft > 0)
+                cJSON_AddNumberToObject(q, "predicted_ttft_ms", r->predicted_ttft * 1e3);
             cJSON_AddNumberToObject(q, "ttft_ms",
                                     r->n_out > 0 ? (r->t_first - r->t_send) * 1e3 : NAN);
             cJSON_AddNumberToObject(q, "e2e_ms", (r->t_last - r->t_send) * 1e3);
@@ -548,6 +674,8 @@ static cJSON *point_json(bench *b, double rate, int concurrency, double wall_s, 
     cJSON_AddBoolToObject(p, "slo_met", met);
     cJSON_AddNumberToObject(p, "good_requests", (double)good);
     cJSON_AddNumberToObject(p, "good_request_rate", wall_s > 0 ? (double)good / wall_s : NAN);
+    classes_json(b, wall_s, p);
+    prediction_json(b, p);
     if (list) cJSON_AddItemToObject(p, "per_request", list);
     if (!o->quiet)
         fprintf(stderr,
@@ -733,11 +861,13 @@ static int dry_run(const cs_lg_workload *w, const cs_lg_params *lp, const serve_
     double *off = malloc(n * sizeof *off), *pl = malloc(n * sizeof *pl),
            *ol = malloc(n * sizeof *ol);
     double *gr = malloc(n * sizeof *gr), *cl = malloc(n * sizeof *cl);
-    CS_ASSERT(s && off && pl && ol && gr && cl);
+    double *tn = malloc(n * sizeof *tn), *pr = malloc(n * sizeof *pr);
+    CS_ASSERT(s && off && pl && ol && gr && cl && tn && pr);
     cs_lg_schedule(w, lp, s, n);
     for (size_t i = 0; i < n; i++)
         off[i] = s[i].offset_s, pl[i] = s[i].prompt_len, ol[i] = s[i].output_len,
-        gr[i] = s[i].group, cl[i] = s[i].cls >= 0 ? s[i].cls : s[i].line;
+        gr[i] = s[i].group, cl[i] = s[i].cls >= 0 ? s[i].cls : s[i].line, tn[i] = s[i].tenant,
+        pr[i] = s[i].priority;
     cJSON *j = cJSON_CreateObject();
     cJSON_AddStringToObject(j, "arrival", cs_lg_arrival_name(lp->arrival));
     if (lp->arrival != CS_LG_CLOSED) cJSON_AddItemToObject(j, "rate", rate_json(lp->rate));
@@ -750,12 +880,17 @@ static int dry_run(const cs_lg_workload *w, const cs_lg_params *lp, const serve_
     cJSON_AddItemToObject(j, "output_tokens", double_array(ol, n));
     cJSON_AddItemToObject(j, "group", double_array(gr, n));
     cJSON_AddItemToObject(j, "class", double_array(cl, n));
+    cJSON *tnames = cJSON_AddArrayToObject(j, "tenants");
+    for (int i = 0; i < w->n_tenants; i++)
+        cJSON_AddItemToArray(tnames, cJSON_CreateString(w->tenants[i].name));
+    cJSON_AddItemToObject(j, "tenant", double_array(tn, n));
+    cJSON_AddItemToObject(j, "priority", double_array(pr, n));
     char *text = cJSON_PrintUnformatted(j);
     CS_ASSERT(text);
     fprintf(f, "%s\n", text);
     free(text);
     cJSON_Delete(j);
-    free(s), free(off), free(pl), free(ol), free(gr), free(cl);
+    free(s), free(off), free(pl), free(ol), free(gr), free(cl), free(tn), free(pr);
     return 0;
 }
 
@@ -773,7 +908,7 @@ int cs_cli_bench_serve(int argc, char **argv, int first) {
                         "built-in workloads chat (prompt 32-512 tokens, output 64-256), rag "
                         "(3000-8000, 16-64), summarize (1000-4000, 128-384), mixed (70/15/15), "
                         "or a JSONL dataset: {\"prompt\"|\"token_ids\"|\"prompt_tokens\", "
-                        "\"output_tokens\", \"group\"} per line");
+                        "\"output_tokens\", \"group\", \"tenant\", \"priority\"} per line");
     if (r == 1) return 0;
     if (r) return fail("");
     cs_lg_params lp = {.burstiness = o.burstiness,
@@ -796,10 +931,17 @@ int cs_cli_bench_serve(int argc, char **argv, int first) {
         return fail("");
     }
     cs_lg_workload w;
-    if (cs_lg_workload_load(o.workload, &w)) {
+    if (cs_lg_workload_load(o.workload, &w) || cs_lg_tenants_parse(o.tenants, &w)) {
         cs_lg_workload_free(&w);
         return fail("");
     }
+    for (int i = 0; i < w.n_tenants && w.n_lines; i++)
+        if (w.tenants[i].has_class) {
+            cs_fail(CS_EINVAL, "--tenants: '%s' names a workload, but a dataset's lines give "
+                               "the lengths", w.tenants[i].name);
+            cs_lg_workload_free(&w);
+            return fail("");
+        }
     /* a dataset's lines name their groups; a built-in workload draws them */
     if (w.n_lines ? o.prefix_groups > 0 : (o.prefix_groups > 0) != (o.prefix_tokens > 0)) {
         cs_fail(CS_EINVAL, w.n_lines
@@ -875,6 +1017,7 @@ int cs_cli_bench_serve(int argc, char **argv, int first) {
     cJSON_AddNumberToObject(cfg, "seed", (double)o.seed);
     cJSON_AddNumberToObject(cfg, "prefix_groups", (double)o.prefix_groups);
     cJSON_AddNumberToObject(cfg, "prefix_tokens", (double)o.prefix_tokens);
+    if (o.tenants) cJSON_AddStringToObject(cfg, "tenants", o.tenants);
     cJSON_AddNumberToObject(cfg, "temperature", o.temperature);
     cJSON_AddBoolToObject(cfg, "ignore_eos", !o.no_ignore_eos);
     cJSON_AddNumberToObject(cfg, "slo_ttft_p99_ms", o.slo_ttft_ms);

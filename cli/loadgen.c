@@ -124,6 +124,7 @@ void cs_lg_workload_free(cs_lg_workload *w) {
     for (size_t i = 0; i < w->n_lines; i++) {
         free(w->lines[i].text);
         free(w->lines[i].ids);
+        free(w->lines[i].tenant);
     }
     free(w->lines);
     w->lines = NULL;
@@ -202,6 +203,18 @@ static int parse_line(const char *text, const char *path, size_t line, cs_lg_lin
     out->out_tokens = (int32_t)v;
     if ((r = json_int(o, "group", 0, 1 << 30, -1, &v, path, line))) goto done;
     out->group = (int32_t)v;
+    if ((r = json_int(o, "priority", 0, 1000000, 0, &v, path, line))) goto done;
+    out->priority = (int32_t)v;
+    const cJSON *t = cJSON_GetObjectItemCaseSensitive(o, "tenant");
+    if (t) {
+        if (!cJSON_IsString(t) || !t->valuestring[0] ||
+            strlen(t->valuestring) > CS_LG_TENANT_NAME) {
+            r = cs_fail(CS_EINVAL, "%s:%zu: \"tenant\" must be a string of 1..%d bytes", path,
+                        line, CS_LG_TENANT_NAME);
+            goto done;
+        }
+        if (!(out->tenant = strdup(t->valuestring))) goto nomem;
+    }
     goto done;
 nomem:
     r = cs_fail(CS_ENOMEM, "%s:%zu: out of memory", path, line);
@@ -210,6 +223,7 @@ done:
     if (r) {
         free(out->text);
         free(out->ids);
+        free(out->tenant);
         memset(out, 0, sizeof *out);
     }
     return r;
@@ -264,6 +278,67 @@ int cs_lg_workload_load(const char *spec, cs_lg_workload *w) {
     return load_jsonl(spec, w);
 }
 
+static int bad_tenant(const char *p, size_t len, const char *why) {
+    return cs_fail(CS_EINVAL, "--tenants: '%.*s': %s", (int)len, p, why);
+}
+
+int cs_lg_tenants_parse(const char *spec, cs_lg_workload *w) {
+    w->n_tenants = 0;
+    for (const char *p = spec ? spec : ""; *p;) {
+        const char *end = strchr(p, ',');
+        size_t len = end ? (size_t)(end - p) : strlen(p);
+        char buf[160];
+        if (len == 0 || len >= sizeof buf) return bad_tenant(p, len, "not NAME=WEIGHT[:WORKLOAD[:PRIORITY]]");
+        memcpy(buf, p, len);
+        buf[len] = 0;
+        char *eq = strchr(buf, '=');
+        if (!eq || eq == buf || (size_t)(eq - buf) > CS_LG_TENANT_NAME)
+            return bad_tenant(p, len, "not NAME=WEIGHT[:WORKLOAD[:PRIORITY]] (a name of 1..64 bytes)");
+        if (w->n_tenants == CS_LG_MAX_TENANTS) return bad_tenant(p, len, "more than 16 tenants");
+        cs_lg_tenant *t = &w->tenants[w->n_tenants];
+        memset(t, 0, sizeof *t);
+        *eq = 0;
+        snprintf(t->name, sizeof t->name, "%s", buf);
+        for (int i = 0; i < w->n_tenants; i++)
+            if (!strcmp(w->tenants[i].name, t->name)) return bad_tenant(p, len, "named twice");
+        char *f = eq + 1, *wl = strchr(f, ':'), *prio = NULL, *stop;
+        if (wl) *wl++ = 0, prio = strchr(wl, ':');
+        if (prio) *prio++ = 0;
+        t->weight = strtod(f, &stop);
+        if (stop == f || *stop || !(t->weight > 0 && t->weight <= 1e6))
+            return bad_tenant(p, len, "the weight must be in (0, 1e6]");
+        if (wl && wl[0]) {
+            size_t k = 0;
+            while (k < sizeof builtins / sizeof builtins[0] &&
+                   (strcmp(builtins[k].name, wl) || builtins[k].n != 1))
+                k++;
+            if (k == sizeof builtins / sizeof builtins[0])
+                return bad_tenant(p, len, "the workload must be chat, rag or summarize");
+            t->has_class = true;
+            t->cls = builtins[k].classes[0];
+        }
+        if (prio) {
+            long v = strtol(prio, &stop, 10);
+            if (stop == prio || *stop || v < 0 || v > 1000000)
+                return bad_tenant(p, len, "the priority must be an integer in 0..1000000");
+            t->priority = (int32_t)v;
+        }
+        w->n_tenants++;
+        p += len + (end != NULL);
+    }
+    return 0;
+}
+
+static int pick_tenant(const cs_lg_workload *w, cs_lg_rng *r) {
+    double total = 0;
+    for (int i = 0; i < w->n_tenants; i++)
+        total += w->tenants[i].weight;
+    double u = cs_lg_uniform(r) * total;
+    for (int i = 0; i < w->n_tenants - 1; i++)
+        if ((u -= w->tenants[i].weight) < 0) return i;
+    return w->n_tenants - 1;
+}
+
 static int pick_class(const cs_lg_workload *w, cs_lg_rng *r) {
     double total = 0;
     for (int i = 0; i < w->n_classes; i++)
@@ -275,24 +350,33 @@ static int pick_class(const cs_lg_workload *w, cs_lg_rng *r) {
 }
 
 void cs_lg_schedule(const cs_lg_workload *w, const cs_lg_params *p, cs_lg_request *out, size_t n) {
-    /* two streams: lengths do not depend on the rate, offsets do */
-    cs_lg_rng len_rng, gap_rng;
+    /* three streams: lengths do not depend on the rate, offsets do; tenants
+     * are drawn apart, so adding them leaves the lengths alone */
+    cs_lg_rng len_rng, gap_rng, tenant_rng;
     cs_lg_rng_seed(&len_rng, p->seed);
     cs_lg_rng_seed(&gap_rng, p->seed ^ 0x5bd1e9955bd1e995ull);
+    cs_lg_rng_seed(&tenant_rng, p->seed ^ 0x2545f4914f6cdd1dull);
     double t = 0;
     for (size_t i = 0; i < n; i++) {
         cs_lg_request *q = &out[i];
         memset(q, 0, sizeof *q);
-        q->cls = -1, q->line = -1, q->group = -1;
+        q->cls = -1, q->line = -1, q->group = -1, q->tenant = -1;
+        const cs_lg_tenant *tn = NULL;
+        if (w->n_tenants) {
+            q->tenant = pick_tenant(w, &tenant_rng);
+            tn = &w->tenants[q->tenant];
+            q->priority = tn->priority;
+        }
         if (w->n_lines) {
             q->line = (int32_t)cs_lg_range(&len_rng, 0, (int64_t)w->n_lines - 1);
             const cs_lg_line *l = &w->lines[q->line];
             q->prompt_len = l->text ? 0 : l->n_ids;
             q->output_len = l->out_tokens;
             if (l->group >= 0 && !l->text && !l->ids) q->group = l->group;
+            if (!tn) q->priority = l->priority;
         } else {
-            q->cls = pick_class(w, &len_rng);
-            const cs_lg_class *c = &w->classes[q->cls];
+            q->cls = tn && tn->has_class ? -1 : pick_class(w, &len_rng);
+            const cs_lg_class *c = q->cls >= 0 ? &w->classes[q->cls] : &tn->cls;
             q->prompt_len = (int32_t)cs_lg_range(&len_rng, c->prompt_min, c->prompt_max);
             q->output_len = (int32_t)cs_lg_range(&len_rng, c->output_min, c->output_max);
             if (p->prefix_groups > 0)

@@ -21,7 +21,15 @@
  * or from a JSONL file, one request per line, drawn uniformly with
  * replacement: {"prompt": "text"} | {"token_ids": [..]} | {"prompt_tokens": N}
  * with "output_tokens": M (or "max_tokens"), optional "group": G (requests of
- * one group share the first --prefix-tokens tokens of a token-length line).
+ * one group share the first --prefix-tokens tokens of a token-length line),
+ * optional "tenant": "NAME" and "priority": P (the request's class).
+ *
+ * Tenants (--tenants NAME=WEIGHT[:WORKLOAD[:PRIORITY]],...): each request
+ * draws a tenant by weight (a stream of its own: the lengths of a run are
+ * the same with or without tenants when no tenant names a workload); a
+ * tenant naming a built-in single-class workload (chat, rag, summarize)
+ * draws its lengths from it, and its requests carry its priority (0 when
+ * not named).
  * Not here: think times, multi-turn sessions. */
 #ifndef CS_CLI_LOADGEN_H
 #define CS_CLI_LOADGEN_H
@@ -66,6 +74,8 @@ typedef struct {
 
 /* One line of a JSONL dataset. */
 typedef struct {
+    char *tenant;       /* "tenant" (owned), or NULL */
+    int32_t priority;   /* "priority", 0 when absent */
     char *text;         /* "prompt" (owned), or NULL */
     int32_t *ids;       /* "token_ids" (owned), or NULL */
     int32_t n_ids;      /* their count, or "prompt_tokens" */
@@ -73,12 +83,24 @@ typedef struct {
     int32_t group;      /* "group", -1 = none */
 } cs_lg_line;
 
+enum { CS_LG_MAX_TENANTS = 16, CS_LG_TENANT_NAME = 64 };
+
+typedef struct {
+    char name[CS_LG_TENANT_NAME + 1];
+    double weight;     /* its share of the requests */
+    bool has_class;    /* it draws its lengths from cls, not from the workload */
+    cs_lg_class cls;
+    int32_t priority;
+} cs_lg_tenant;
+
 typedef struct {
     char name[64]; /* "chat", ..., or the file's base name */
     cs_lg_class classes[CS_LG_MAX_CLASSES];
     int n_classes;
     cs_lg_line *lines; /* a dataset (then no classes) */
     size_t n_lines;
+    cs_lg_tenant tenants[CS_LG_MAX_TENANTS]; /* --tenants (cs_lg_tenants_parse) */
+    int n_tenants;
 } cs_lg_workload;
 
 /* A built-in name or a path ending in .jsonl. CS_EINVAL with a message that
@@ -86,6 +108,12 @@ typedef struct {
  * CS_ENOMEM. Free with cs_lg_workload_free (also after a failure). */
 int cs_lg_workload_load(const char *spec, cs_lg_workload *w);
 void cs_lg_workload_free(cs_lg_workload *w);
+/* --tenants into w's tenants (NULL or "": none). CS_EINVAL naming the
+ * entry: not NAME=WEIGHT[:WORKLOAD[:PRIORITY]], a name of 0 or more than
+ * CS_LG_TENANT_NAME bytes or twice, a weight not in (0, 1e6], a workload not
+ * chat, rag or summarize, a priority not in 0..1000000, more than
+ * CS_LG_MAX_TENANTS. */
+int cs_lg_tenants_parse(const char *spec, cs_lg_workload *w);
 
 /* One request to send. Its prompt: the text, or token ids: the first
  * n_prefix of them shared by its group, the rest its own. */
@@ -98,6 +126,8 @@ typedef struct {
     int32_t prompt_len;   /* tokens (for a text prompt: 0, the server counts) */
     int32_t output_len;   /* max_tokens */
     uint64_t prompt_seed; /* the seed of its own tokens */
+    int32_t tenant;       /* index in the workload's tenants, or -1 (a line's own) */
+    int32_t priority;     /* its tenant's or line's (0: none) */
 } cs_lg_request;
 
 typedef struct {

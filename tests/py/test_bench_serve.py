@@ -289,6 +289,72 @@ def test_openai_http_target(chunkserve_bin, tiny_model, tmp_path):  # noqa: F811
         err.close()
 
 
+def test_tenants_draw_by_weight_and_their_workloads(chunkserve_bin):
+    s = dry(chunkserve_bin, "--tenants", "a=1:rag:3,b=3", "--requests", 2000, "--seed", 5)
+    assert s["tenants"] == ["a", "b"]
+    t = np.asarray(s["tenant"])
+    assert abs((t == 0).mean() - 0.25) < 0.03  # drawn by weight
+    pl, pr = np.asarray(s["prompt_tokens"]), np.asarray(s["priority"])
+    assert pl[t == 0].min() >= 3000 and pl[t == 0].max() <= 8000  # a's lengths: rag's
+    assert pl[t == 1].max() <= 512  # b's: the run's workload (chat)
+    assert set(pr[t == 0]) == {3} and set(pr[t == 1]) == {0}
+    # tenants that name no workload leave the run's lengths alone
+    plain = dry(chunkserve_bin, "--requests", 50, "--seed", 5)
+    mixed = dry(chunkserve_bin, "--requests", 50, "--seed", 5, "--tenants", "x=1,y=1")
+    assert plain["prompt_tokens"] == mixed["prompt_tokens"]
+
+
+def test_tenants_and_priorities_in_the_report(chunkserve_bin, server):
+    r = bench(chunkserve_bin, "--target", server.addr, "--workload", "chat", "--requests", 16,
+              "--tenants", "a=1::0,b=3::5", "--arrival", "closed", "--concurrency", 4,
+              "--save-requests", "--quiet", "--seed", 2)
+    assert r.returncode == 0, r.stderr
+    p = json.loads(r.stdout)["points"][0]
+    reqs = p["per_request"]
+    assert p["completed"] == 16
+    assert set(p["tenants"]) == {q["tenant"] for q in reqs} == {"a", "b"}
+    served = []
+    for name, t in p["tenants"].items():
+        mine = [q for q in reqs if q["tenant"] == name]
+        assert t["requests"] == t["completed"] == len(mine)
+        assert t["prompt_tokens"] == sum(q["prompt_tokens"] for q in mine)
+        assert t["output_tokens"] == sum(q["output_tokens"] for q in mine)
+        check_summary(t["ttft_ms"], [q["ttft_ms"] for q in mine])
+        served.append(t["prompt_tokens"] + t["output_tokens"])
+    x = np.asarray(served, dtype=float)
+    assert math.isclose(p["jain_index"], x.sum() ** 2 / (len(x) * (x ** 2).sum()), rel_tol=1e-9)
+    assert set(p["priorities"]) == {"0", "5"}
+    assert all(q["priority"] == (0 if q["tenant"] == "a" else 5) for q in reqs)
+    assert p["priorities"]["5"]["requests"] == p["tenants"]["b"]["requests"]
+    # the server predicts each request's TTFT once its step model is fitted (earlier tests
+    # ran on it): the report compares the predictions with the TTFTs measured here
+    e = p["ttft_prediction_error"]
+    assert 1 <= e["n"] <= 16 and e["p50"] >= 0 and 0 <= e["within_20pct"] <= 1
+    assert e["n"] == sum(1 for q in reqs if "predicted_ttft_ms" in q)
+
+
+def test_the_tenant_is_sent(chunkserve_bin, tiny_model, pb, tmp_path):  # noqa: F811
+    """A server whose API key belongs to tenant a: the bench's tenant a is served, tenant b is
+    refused by name (so the field reaches it)."""
+    keys = tmp_path / "keys"
+    keys.write_text("bench-key-0123 a\n")
+    s = Server(chunkserve_bin, tiny_model, pb, "--kv-cache-mib", "8", "--threads", "1",
+               "--api-key-file", str(keys))
+    try:
+        ok = bench(chunkserve_bin, "--target", s.addr, "--requests", 3, "--quiet", "--api-key",
+                   "bench-key-0123", "--tenants", "a=1", "--warmup", 0)
+        assert ok.returncode == 0, ok.stderr
+        assert json.loads(ok.stdout)["points"][0]["completed"] == 3
+        bad = bench(chunkserve_bin, "--target", s.addr, "--requests", 3, "--quiet", "--api-key",
+                    "bench-key-0123", "--tenants", "b=1", "--warmup", 0)
+        assert bad.returncode == 0, bad.stderr
+        pt = json.loads(bad.stdout)["points"][0]
+        assert pt["errors"] == {"PERMISSION_DENIED": 3}
+        assert "tenant 'b' is not the API key's (a)" in pt["error_messages"]["PERMISSION_DENIED"]
+    finally:
+        s.stop()
+
+
 @pytest.mark.parametrize("args,words", [
     ([], "--target HOST:PORT is required"),
     (["--dry-run", "--rates", "0"], "--rates '0'"),
@@ -301,6 +367,11 @@ def test_openai_http_target(chunkserve_bin, tiny_model, tmp_path):  # noqa: F811
     (["--dry-run", "--prefix-groups", "3"], "go together"),
     (["--dry-run", "--requests", "0"], "requests"),
     (["--dry-run", "--frobnicate"], "frobnicate"),
+    (["--dry-run", "--tenants", "a"], "not NAME=WEIGHT"),
+    (["--dry-run", "--tenants", "a=0"], "the weight must be in (0, 1e6]"),
+    (["--dry-run", "--tenants", "a=1,a=2"], "named twice"),
+    (["--dry-run", "--tenants", "a=1:chats"], "chat, rag or summarize"),
+    (["--dry-run", "--tenants", "a=1:chat:-1"], "the priority must be an integer"),
 ])
 def test_bad_arguments(chunkserve_bin, args, words):
     r = bench(chunkserve_bin, *args)
