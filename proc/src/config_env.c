@@ -142,6 +142,7 @@ static const char *const family_flags[] = {
     "SYSTEM",
     "TARGET",
     "TEMPERATURE",
+    "TENANTS",
     "TENANT_SHARES",
     "TENSOR",
     "THREADS",
