@@ -44,6 +44,12 @@ static int add_key(cs_api_keys *k, const char *s, size_t len, bool named, const 
         tl = len - kl;
         while (tl && blank(t[0]))
             t++, tl--;
+        for (size_t i = 0; i < tl; i++)
+            if (blank(t[i]))
+                return cs_fail(CS_EINVAL,
+                               "%s: a line is KEY or KEY TENANT: this one has more fields (a key "
+                               "may not contain blanks)",
+                               where);
         if (tl > CS_TENANT_NAME_MAX)
             return cs_fail(CS_EINVAL, "%s: a tenant name has %zu bytes; at most %d are allowed",
                            where, tl, CS_TENANT_NAME_MAX);
@@ -63,6 +69,10 @@ static int add_key(cs_api_keys *k, const char *s, size_t len, bool named, const 
     char **tenants = realloc(k->tenants, (k->n + 1) * sizeof *tenants);
     if (!tenants) return cs_fail(CS_ENOMEM, "out of memory");
     k->tenants = tenants;
+    for (size_t j = 0; j < k->n; j++)
+        if (strlen(k->keys[j]) == kl && !memcmp(k->keys[j], s, kl))
+            return cs_fail(CS_EINVAL, "%s: an API key is given twice (key %zu of %zu)", where,
+                           k->n + 1, j + 1);
     char *key = strndup(s, kl);
     char *tenant = !key ? NULL : tl ? strndup(t, tl) : key_tenant(key);
     if (!key || !tenant) {

@@ -39,15 +39,17 @@ const cs_metric_def cs_engine_metrics_table[] = {
      "1 for the engine's weight mode: quant (quantized blocks, integer kernels) or exact (fp32)",
      NULL, 0},
     {M(refused), "chunkserve:requests_refused_total", CS_METRIC_COUNTER, NULL,
-     "requests refused (RESOURCE_EXHAUSTED): the queue limit, or no free KV pages", NULL, 0},
+     "requests refused (RESOURCE_EXHAUSTED): the queue limit, no free KV pages, or a predicted "
+     "TTFT over --ttft-slo-ms (those also in requests_refused_ttft_total)",
+     NULL, 0},
     {M(ttft_refused), "chunkserve:requests_refused_ttft_total", CS_METRIC_COUNTER, NULL,
      "requests refused early (RESOURCE_EXHAUSTED / 429 + Retry-After) because the work queued "
      "ahead put their predicted time to first token over --ttft-slo-ms",
      NULL, 0},
     {M(prefill_rate), "chunkserve:prefill_capacity_tokens_per_second", CS_METRIC_GAUGE, NULL,
      "prompt tokens a second this engine computes beside its current decodes, from the fitted "
-     "step model (under the step-time target, if set) and recent steps' overrun; 0 until the "
-     "model is fitted",
+     "step model (under the step-time target, if set) and recent steps' overrun; until the "
+     "model is fitted, the measured rate of recent steps with prompt chunks (0 before any)",
      NULL, 0},
     {M(ttft_predicted), "chunkserve:predicted_queue_seconds", CS_METRIC_GAUGE, NULL,
      "predicted time to first token of a one-token prompt arriving now (the queued prompt work "

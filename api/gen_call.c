@@ -59,14 +59,26 @@ static size_t retry_status(uint8_t *b, int code, const char *msg, int64_t ms) {
     size_t n = 0;
     b[n++] = 0x08;
     n += put_varint(b + n, (uint64_t)code);
-    size_t ml = msg ? strlen(msg) : 0;
+    size_t ml = msg ? strlen(msg) : 0; /* at most 512 (g_finish) */
     if (ml) n += put_bytes(b + n, 0x12, msg, ml < 512 ? ml : 512);
     return n + put_bytes(b + n, 0x1a, any, na);
 }
 
 static void g_finish(cs_gen_call *c, int code, const char *msg, const char *field) {
     if (field) cs_rpc_call_add_trailer(((grpc_call *)c)->rpc, CS_FIELD_TRAILER, field);
+    char cut[513];
     if (c->retry_after_ms > 0) {
+        /* the status's message is the call's (clients compare them), cut alike at a
+         * character's start */
+        size_t ml = msg ? strlen(msg) : 0;
+        if (ml > 512) {
+            ml = 512;
+            while (ml > 0 && ((unsigned char)msg[ml] & 0xc0) == 0x80)
+                ml--;
+            memcpy(cut, msg, ml);
+            cut[ml] = 0;
+            msg = cut;
+        }
         uint8_t b[700];
         size_t n = retry_status(b, code, msg, c->retry_after_ms);
         cs_rpc_call_add_trailer_bytes(((grpc_call *)c)->rpc, "grpc-status-details-bin", b, n);

@@ -8,6 +8,7 @@
 #ifndef CHUNKSERVE_API_GEN_CALL_H
 #define CHUNKSERVE_API_GEN_CALL_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -47,6 +48,10 @@ struct cs_gen_call {
      * gRPC door sends it as google.rpc.RetryInfo in grpc-status-details-bin,
      * the OpenAI door as Retry-After (seconds, rounded up). 0: none. */
     int64_t retry_after_ms;
+    /* A later choice or prompt of one OpenAI request: it was admitted with
+     * the first (no early refusal of its own; its siblings are not work
+     * queued ahead of it in any sense the client can act on). */
+    bool sibling;
 };
 
 static inline int cs_gen_call_send(cs_gen_call *c, const Chunkserve__V1__GenerateResponse *m) {

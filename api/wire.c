@@ -183,6 +183,7 @@ void cs_wire_worker_status(const cs_wire_model *wm, const cs_sched_stats *st,
     r->speculative = st->num_speculative_tokens > 0 ? "ngram" : "off";
     r->num_speculative_tokens = st->num_speculative_tokens;
     r->prefill_tokens_per_second = load ? load->prompt_tokens_per_s : 0;
+    r->decode_tokens_per_second = load ? load->decode_tokens_per_s : 0;
 }
 
 size_t cs_wire_max_prompt_bytes(const cs_model *m) {

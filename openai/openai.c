@@ -1034,6 +1034,7 @@ static void route_generate(cs_openai *s, cs_http_req *req, cs_http_res *res, boo
         c->base.ops = &choice_ops;
         c->base.req = &oc->rq.req[i];
         c->base.key_tenant = key_tenant;
+        c->base.sibling = i > 0;
         c->oc = oc;
         c->index = i;
         c->stop_token = -1;

@@ -37,6 +37,18 @@ static const cs_config_entry options[] = {
      "re-resolve the DNS names this often", 100, 3600000},
     {"status-interval-ms", CS_CONFIG_INT, O(status_interval_ms), "200",
      "poll every worker's status this often", 10, 60000},
+    {"autoscale-window-s", CS_CONFIG_DOUBLE, O(autoscale_window_s), "10",
+     "the leading autoscaling signal (chunkserve:pool_replicas_wanted): the window of its token "
+     "rates, seconds",
+     0.5, 3600},
+    {"autoscale-utilization", CS_CONFIG_DOUBLE, O(autoscale_utilization), "0.8",
+     "the leading autoscaling signal: the share of a replica's measured capacity (its prefill "
+     "or decode tokens/s at its step-time target) one replica may run at",
+     0.05, 1},
+    {"autoscale-drain-s", CS_CONFIG_DOUBLE, O(autoscale_drain_s), "10",
+     "the leading autoscaling signal: the prompt tokens of requests waiting for their first "
+     "token count as replicas that would serve them within this many seconds",
+     0.05, 3600},
     {"local-prefill-threshold", CS_CONFIG_INT, O(local_prefill_threshold), "512",
      "contexts shorter than this (tokens, less the ones predicted cached on the decode worker) "
      "prefill on the decode worker",

@@ -42,6 +42,7 @@ struct cs_pool_worker {
     cs_kv_blocks kv; /* how its pages hold a block (its status; an older worker: one a block) */
     int64_t queued_prefill;
     double prefill_rate; /* prompt tokens a second beside its decodes (0: unknown) */
+    double decode_rate;  /* tokens a second its decodes alone could make (0: unknown) */
     char *kv_endpoint;
     char *kv_sender; /* prefill: the name its KV channels authenticate as */
     int kv_transport;

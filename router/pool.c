@@ -330,6 +330,9 @@ static void apply_status(cs_pool_worker *w, const Chunkserve__V1__WorkerStatus *
     w->prefill_rate = s->prefill_tokens_per_second > 0 && isfinite(s->prefill_tokens_per_second)
                           ? s->prefill_tokens_per_second
                           : 0;
+    w->decode_rate = s->decode_tokens_per_second > 0 && isfinite(s->decode_tokens_per_second)
+                         ? s->decode_tokens_per_second
+                         : 0;
     w->kv_transport = s->kv_transport;
     w->kv_layout = s->kv_layout_fingerprint;
     w->pages_placed = 0;
@@ -534,6 +537,18 @@ double cs_pool_ttft(const cs_pool *p, enum cs_pool_role role, int64_t n_tokens, 
         if (isnan(best) || t < best) best = t, *alone = (double)n_tokens / w->prefill_rate;
     }
     return best;
+}
+
+void cs_pool_capacity(const cs_pool *p, enum cs_pool_role role, double *prefill, double *decode) {
+    double now = cs_now(), sp = 0, sd = 0;
+    int np = 0, nd = 0;
+    for (const cs_pool_worker *w = p->workers[role]; w; w = w->next) {
+        if (!worker_usable(w, now)) continue;
+        if (w->prefill_rate > 0) sp += w->prefill_rate, np++;
+        if (w->decode_rate > 0) sd += w->decode_rate, nd++;
+    }
+    *prefill = np ? sp / np : 0;
+    *decode = nd ? sd / nd : 0;
 }
 
 int cs_pool_n_workers(const cs_pool *p, enum cs_pool_role role) {

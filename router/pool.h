@@ -76,6 +76,9 @@ int cs_pool_n_usable(const cs_pool *p, enum cs_pool_role role);
  * into *alone what it would be on that worker with nothing queued; NAN (and
  * *alone NAN) when no usable worker reports its prefill rate. */
 double cs_pool_ttft(const cs_pool *p, enum cs_pool_role role, int64_t n_tokens, double *alone);
+/* One replica's capacity in role's pool (demand.h): the mean prefill and
+ * decode rates over its usable workers that report them (0 when none). */
+void cs_pool_capacity(const cs_pool *p, enum cs_pool_role role, double *prefill, double *decode);
 /* This process's own loop stalls as the status timer saw them: the longest
  * lag of a tick behind its schedule (seconds) and how many ticks came over a
  * second late. After such a stall no worker is declared down before a fresh

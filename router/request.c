@@ -507,6 +507,7 @@ static bool relay(req *q, Chunkserve__V1__GenerateResponse *out) {
         q->t_last = now;
         q->n_relayed += (int32_t)n;
         cs_metric_add(r->m.gen_tokens, (double)n);
+        cs_rate_add(&r->output_demand, (double)n, now, r->o->autoscale_window_s);
     }
     int rc = 0;
     if (q->call && (n || final_ok || (out->text && out->text[0]) || out->n_logprobs)) {

@@ -53,6 +53,7 @@
 #include "chunkserve/rpc.h"
 #include "chunkserve/secret.h"
 #include "chunkserve/v1/cluster.pb-c.h"
+#include "demand.h"
 #include "pool.h"
 #include "router.h"
 #include "gen_call.h"
@@ -189,10 +190,13 @@ struct router {
         cs_metric *prefix_predicted, *prefix_cached;
         cs_metric *ttft, *itl, *e2e, *overhead, *prompt_tokens, *gen_tokens;
         cs_metric *ttft_error, *ttft_refused;
+        cs_metric *wanted[2], *demand[2], *capacity[2]; /* by role (demand.h) */
         cs_metric *usable[2];
         cs_metric *lag_max, *stalls, *pair_trips;
         cs_metric *codes[17];
     } m;
+    /* the leading autoscaling signal's rates (demand.h) */
+    cs_rate prompt_demand, local_demand, output_demand;
     uint64_t stalls_counted; /* cs_pool_loop_lag stalls already added to m.stalls */
     uint64_t trips_counted;  /* cs_pool_pair_trips already added to m.pair_trips */
 };

@@ -139,7 +139,7 @@ static void on_prepared(void *arg, cs_gen_call *c, uint64_t seq, double t_recv, 
     if (isnan(predicted)) predicted = cs_pool_ttft(r->pool, CS_POOL_DECODE, w.r.n_prompt, &alone);
     double bound = cs_slo_ttft_bound(&r->o->slo, w.r.priority);
     int64_t retry = cs_slo_refuse_ms(predicted, alone, bound);
-    if (retry) {
+    if (retry && !c->sibling) { /* a sibling goes with the first (gen_call.h) */
         char msg[300];
         snprintf(msg, sizeof msg,
                  "the predicted time to first token is %.2f s, over the bound of %.2f s for "
@@ -173,6 +173,9 @@ static void on_prepared(void *arg, cs_gen_call *c, uint64_t seq, double t_recv, 
     q->call = c;
     q->seq = seq;
     q->predicted_ttft = isfinite(predicted) ? predicted : 0;
+    cs_rate_add(w.r.n_prompt >= r->o->local_prefill_threshold ? &r->prompt_demand
+                                                              : &r->local_demand,
+                w.r.n_prompt, cs_now(), r->o->autoscale_window_s);
     if (seq == r->fault_seq) memcpy(q->fault_worker, r->fault_worker, sizeof q->fault_worker);
     q->ctx = w.prompt; /* taken over */
     q->n_ctx = q->cap_ctx = (size_t)w.r.n_prompt;
@@ -325,6 +328,31 @@ static const cs_metric_def router_metrics[] = {
      "Workers usable now.", NULL, 0},
     {M(usable[CS_POOL_DECODE]), "chunkserve:workers_usable", CS_METRIC_GAUGE, "role=\"decode\"",
      "Workers usable now.", NULL, 0},
+#define WANTED                                                                                     \
+    "The leading autoscaling signal: replicas the pool needs for this router's traffic (prompt "   \
+    "tokens/s as requests arrive, output tokens/s relayed; over one replica's measured "            \
+    "capacity x --autoscale-utilization). Sum over routers; target AverageValue 1."
+    {M(wanted[CS_POOL_PREFILL]), "chunkserve:pool_replicas_wanted", CS_METRIC_GAUGE,
+     "role=\"prefill\"", WANTED, NULL, 0},
+    {M(wanted[CS_POOL_DECODE]), "chunkserve:pool_replicas_wanted", CS_METRIC_GAUGE,
+     "role=\"decode\"", WANTED, NULL, 0},
+#define DEMAND                                                                                     \
+    "Tokens/s this router sends the pool (prefill: prompt tokens of arriving requests bound "      \
+    "for it; decode: output tokens relayed), over --autoscale-window-s."
+    {M(demand[CS_POOL_PREFILL]), "chunkserve:pool_demand_tokens_per_second", CS_METRIC_GAUGE,
+     "role=\"prefill\"", DEMAND, NULL, 0},
+    {M(demand[CS_POOL_DECODE]), "chunkserve:pool_demand_tokens_per_second", CS_METRIC_GAUGE,
+     "role=\"decode\"", DEMAND, NULL, 0},
+#define CAPACITY                                                                                   \
+    "One replica's measured capacity, the mean over the pool's usable workers that report it "     \
+    "(prefill: prompt tokens/s; decode: output tokens/s at the step-time target)."
+    {M(capacity[CS_POOL_PREFILL]), "chunkserve:pool_replica_capacity_tokens_per_second",
+     CS_METRIC_GAUGE, "role=\"prefill\"", CAPACITY, NULL, 0},
+    {M(capacity[CS_POOL_DECODE]), "chunkserve:pool_replica_capacity_tokens_per_second",
+     CS_METRIC_GAUGE, "role=\"decode\"", CAPACITY, NULL, 0},
+#undef WANTED
+#undef DEMAND
+#undef CAPACITY
     {M(lag_max), "chunkserve:router_loop_lag_max_seconds", CS_METRIC_GAUGE, NULL,
      "The longest the router's event loop ran behind its status timer.", NULL, 0},
     {M(stalls), "chunkserve:router_loop_stalls_total", CS_METRIC_COUNTER, NULL,
@@ -361,6 +389,29 @@ static void update_metrics(cs_proc *p, void *arg) {
     for (int role = 0; role < 2; role++)
         cs_metric_set(r->m.usable[role],
                       r->pool ? cs_pool_n_usable(r->pool, (enum cs_pool_role)role) : 0);
+    if (r->pool) { /* the leading autoscaling signal (demand.h) */
+        double now = cs_now(), tau = r->o->autoscale_window_s, pp, pd, dp, dd;
+        cs_pool_capacity(r->pool, CS_POOL_PREFILL, &pp, &pd);
+        cs_pool_capacity(r->pool, CS_POOL_DECODE, &dp, &dd);
+        cs_demand d = {.prompt_rate = cs_rate_get(&r->prompt_demand, now, tau),
+                       .output_rate = cs_rate_get(&r->output_demand, now, tau),
+                       .local_rate = cs_rate_get(&r->local_demand, now, tau),
+                       .prefill_cap = pp,
+                       .decode_cap = dd,
+                       .decode_prefill_cap = dp,
+                       .utilization = r->o->autoscale_utilization,
+                       .drain_s = r->o->autoscale_drain_s};
+        for (const req *q = r->live; q; q = q->next) /* its requests before their first token */
+            if (q->n_relayed == 0 && q->state != RQ_ENDED && q->state != RQ_STREAMING)
+                *(q->n_prompt >= r->o->local_prefill_threshold ? &d.prompt_backlog
+                                                               : &d.local_backlog) += q->n_prompt;
+        cs_metric_set(r->m.wanted[CS_POOL_PREFILL], cs_demand_prefill_replicas(&d));
+        cs_metric_set(r->m.wanted[CS_POOL_DECODE], cs_demand_decode_replicas(&d));
+        cs_metric_set(r->m.demand[CS_POOL_PREFILL], d.prompt_rate);
+        cs_metric_set(r->m.demand[CS_POOL_DECODE], d.output_rate);
+        cs_metric_set(r->m.capacity[CS_POOL_PREFILL], pp);
+        cs_metric_set(r->m.capacity[CS_POOL_DECODE], dd);
+    }
     if (r->pool) {
         double lag;
         uint64_t stalls;

@@ -60,6 +60,9 @@ typedef struct {
     cs_rpc_tls tls;          /* TLS on the gRPC port (cs_proc_tls_config) */
     cs_rpc_tls worker_tls;   /* TLS to the workers: CA, client identity, server name */
     cs_slo_opts slo;         /* the TTFT bound by priority (api/slo_config.h; parsed by main) */
+    double autoscale_window_s;   /* the demand rates' window (demand.h) */
+    double autoscale_utilization; /* the share of a replica's capacity the signal allows */
+    double autoscale_drain_s;     /* a backlog is to be served within this */
 } cs_router_opts;
 
 /* Serves until SIGTERM or SIGINT with m (a vocabulary-only load is enough;

@@ -239,13 +239,10 @@ static bool refuse_early(server *s, cs_gen_call *c, const cs_request *r, double 
     cs_serve_ttft_load(s->sv, &L);
     double w = cs_ttft_weight(&s->o->sched, r->tenant);
     *predicted = cs_ttft_predict(&L, r->priority, r->tenant, w, r->n_prompt);
-    cs_ttft_load alone = L; /* the same engine with nothing queued */
-    alone.n_groups = 0;
-    alone.overflow_tokens = 0;
     double bound = cs_slo_ttft_bound(&s->o->slo, r->priority);
-    int64_t retry = cs_slo_refuse_ms(*predicted, cs_ttft_predict(&alone, 0, NULL, 1, r->n_prompt),
+    int64_t retry = cs_slo_refuse_ms(*predicted, cs_ttft_predict_alone(&L, r->priority, r->n_prompt),
                                      bound);
-    if (!retry) return false;
+    if (!retry || c->sibling) return false; /* a sibling goes with the first (gen_call.h) */
     char msg[300];
     snprintf(msg, sizeof msg,
              "the predicted time to first token is %.2f s, over the bound of %.2f s for "

@@ -90,6 +90,8 @@ struct cs_sched {
     cs_step_model model; /* step time, for step_time_target_ms (fitted in every mode) */
     double overrun;      /* measured / predicted seconds of recent steps with prompt chunks
                             (moving average; 1 until measured): the TTFT prediction's rate */
+    double prompt_rate;  /* prompt tokens / seconds of recent steps with prompt chunks (moving
+                            average; 0 until one): the rate while the model is not fitted */
     int32_t probe;       /* chunk cap until the model is ready (timed_chunk) */
     /* structured outputs: the vocabulary trie (built at the first such request)
      * and the compiled grammars, shared by equal specs with their mask caches */
@@ -1032,10 +1034,15 @@ void cs_sched_ttft_load(const cs_sched *s, cs_ttft_load *L) {
             } else if (rem > 1) {
                 cs_ttft_load_add(L, q->priority, q->tn->name, q->tn->weight, rem);
                 todo += rem;
-                at += (double)rem * (q->n_computed + rem / 2.0);
+                at += (double)rem * q->n_computed; /* where its next chunk starts */
             }
         }
-    if (!cs_step_model_ready(&s->model)) return;
+    if (!cs_step_model_ready(&s->model)) {
+        /* steps of one size (a prefill pool of like prompts) never fit the model: the
+         * measured rate stands for the capacity, and nothing is predicted */
+        L->prompt_tokens_per_s = s->prompt_rate;
+        return;
+    }
     L->ready = true;
     cs_step_model_coefficients(&s->model, L->w);
     for (int k = 0; k < CS_STEP_MODEL_FEATURES; k++)
@@ -1062,6 +1069,28 @@ void cs_sched_ttft_load(const cs_sched *s, cs_ttft_load *L) {
     L->chunk_tokens = c;
     double step = cs_ttft_step_s(L, c, 0);
     L->prompt_tokens_per_s = step > 0 ? c / step : 0;
+    /* decode capacity: n sequences of the mean context in one step under the
+     * step-time target (the ITL target); without one it is not defined */
+    if (!(target > 0)) return;
+    const double ctx = L->dec_tokens > 0 ? L->dec_pairs / L->dec_tokens : 1024;
+    double n = s->p.max_num_seqs > 0 ? s->p.max_num_seqs : 256;
+    double fit = (double)cs_kv_cache_n_pages(s->kv) * s->page_size / (ctx + 1);
+    if (fit < n) n = fit > 1 ? floor(fit) : 1;
+#define DECODES(k) cs_step_model_eval(L->w, (k), (k) * ctx, (k))
+    if (DECODES(n) > target) {
+        double lo = 1, hi = n; /* lo fits (or is the least), hi does not */
+        while (hi - lo > 1) {
+            double m = floor((lo + hi) / 2);
+            if (DECODES(m) <= target)
+                lo = m;
+            else
+                hi = m;
+        }
+        n = lo;
+    }
+    double dstep = DECODES(n);
+#undef DECODES
+    L->decode_tokens_per_s = dstep > 0 ? n / dstep : 0;
 }
 
 /* ------------------------------------------------------ speculation -- */
@@ -1234,8 +1263,6 @@ static void make_room_by_priority(cs_sched *s, int32_t budget) {
     }
 }
 
-/* Whether a goes before b for a prompt chunk: its priority, then its
- * tenant's virtual tokens (sched.h, tenants); false on a tie. */
 /* Tenant a is due before b: fewer virtual tokens; at equal counts the one
  * that became active later (it joined at the least of the active ones:
  * none of their busy period was served to it, so it goes first once). */
@@ -1243,6 +1270,8 @@ static bool tenant_before(const tenant *a, const tenant *b) {
     return a->vtokens < b->vtokens || (a->vtokens == b->vtokens && a->joined > b->joined);
 }
 
+/* Whether a goes before b for a prompt chunk: its priority, then its
+ * tenant (tenant_before); false for one tenant's (list order then). */
 static bool fair_before(const seq *a, const seq *b) {
     if (a->priority != b->priority) return a->priority < b->priority;
     return tenant_before(a->tn, b->tn);
@@ -1541,6 +1570,10 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
     CS_ASSERT(li == n_logits);
     s->last.seconds = cs_now() - t0;
     cs_step_model_observe(&s->model, work.tokens, work.pairs, work.rows, s->last.seconds);
+    if (s->last.n_prefill > 0 && s->last.seconds > 0) {
+        double x = (s->last.n_tokens - s->last.n_decode - s->last.n_draft_tokens) / s->last.seconds;
+        s->prompt_rate = s->prompt_rate > 0 ? 0.9 * s->prompt_rate + 0.1 * x : x;
+    }
     if (s->last.n_prefill > 0 && s->last.predicted_seconds > 0) {
         double x = s->last.seconds / s->last.predicted_seconds;
         s->overrun = 0.9 * s->overrun + 0.1 * (x < 0.25 ? 0.25 : x > 4 ? 4 : x);

@@ -71,6 +71,10 @@ struct cs_serve {
     cs_ttft_load load;    /* under mu: as of the last step (cs_serve_ttft_load) */
     double step_began;    /* under mu: when the running step began (0: none runs) */
     double step_expect;   /* under mu: its predicted seconds */
+    double step_chunk;    /* under mu: the queued prompt tokens it computes */
+    cs_ttft_load applying; /* under mu: the submissions of the batch being applied (taken
+                              off the queue, not yet published) */
+    cs_sched_params shares; /* the tenants' weights, copied (tenant_shares, n_tenant_shares) */
     FILE *trace;          /* CHUNKSERVE_STEP_TRACE (engine thread) */
     double trace_end;     /* when the last traced step ended */
     /* the prefix summary (cs_serve_prefix_summary_enable): the fields below are
@@ -222,6 +226,13 @@ static void apply(cs_serve *sv, pending *p) {
         x->cb(x->user, &ev);
 }
 
+/* A submission's prompt work into L (a remote request's KV comes computed). */
+static void add_submit(const cs_serve *sv, cs_ttft_load *L, const pending *p) {
+    if (p->kind != P_SUBMIT || p->r.kv_mode == CS_KV_REMOTE) return;
+    cs_ttft_load_add(L, p->r.priority, p->r.tenant, cs_ttft_weight(&sv->shares, p->r.tenant),
+                     p->r.n_prompt);
+}
+
 /* The stats and the TTFT load as of now, for other threads. Engine thread. */
 static void publish(cs_serve *sv) {
     cs_ttft_load L;
@@ -230,6 +241,8 @@ static void publish(cs_serve *sv) {
     cs_sched_get_stats(sv->sched, &sv->stats);
     sv->load = L;
     sv->step_began = 0;
+    sv->applying.n_groups = 0;
+    sv->applying.overflow_tokens = 0;
     pthread_mutex_unlock(&sv->mu);
 }
 
@@ -241,7 +254,8 @@ static void step_begins(cs_serve *sv) {
     const cs_ttft_load *L = &sv->load;
     double todo = cs_ttft_load_tokens(L);
     sv->step_began = cs_now();
-    sv->step_expect = cs_ttft_step_s(L, todo < L->chunk_tokens ? todo : L->chunk_tokens, todo > 0);
+    sv->step_chunk = todo < L->chunk_tokens ? todo : L->chunk_tokens;
+    sv->step_expect = cs_ttft_step_s(L, sv->step_chunk, todo > 0);
     pthread_mutex_unlock(&sv->mu);
 }
 
@@ -255,6 +269,8 @@ static void *loop(void *arg) {
                cs_sched_idle(sv->sched))
             pthread_cond_wait(&sv->cv, &sv->mu);
         pending *batch = sv->head;
+        for (const pending *p = batch; p; p = p->next) /* visible until published */
+            add_submit(sv, &sv->applying, p);
         sv->head = NULL;
         sv->tail = &sv->head;
         bool stopping = sv->stopping;
@@ -332,6 +348,23 @@ int cs_serve_start(cs_engine *e, const cs_sched_params *p, cs_serve **out) {
     }
     sv->e = e;
     sv->tail = &sv->head;
+    if (p->n_tenant_shares > 0) {
+        cs_tenant_share *t = calloc((size_t)p->n_tenant_shares, sizeof *t);
+        char *names = calloc((size_t)p->n_tenant_shares, CS_TENANT_NAME_MAX + 1);
+        if (!t || !names) {
+            free(t), free(names);
+            cs_sched_free(sv->sched);
+            free(sv);
+            return cs_fail(CS_ENOMEM, "serve: out of memory");
+        }
+        for (int32_t i = 0; i < p->n_tenant_shares; i++) {
+            char *n = names + (size_t)i * (CS_TENANT_NAME_MAX + 1);
+            snprintf(n, CS_TENANT_NAME_MAX + 1, "%s", p->tenant_shares[i].name);
+            t[i] = (cs_tenant_share){n, p->tenant_shares[i].weight};
+        }
+        sv->shares.tenant_shares = t;
+        sv->shares.n_tenant_shares = p->n_tenant_shares;
+    }
     const char *trace = getenv("CHUNKSERVE_STEP_TRACE");
     if (trace && trace[0]) {
         if (!(sv->trace = fopen(trace, "a")))
@@ -346,6 +379,10 @@ int cs_serve_start(cs_engine *e, const cs_sched_params *p, cs_serve **out) {
     if (pthread_create(&sv->thread, NULL, loop, sv) != 0) {
         cs_sched_free(sv->sched);
         if (sv->trace) fclose(sv->trace);
+        if (sv->shares.n_tenant_shares) {
+            free((void *)sv->shares.tenant_shares[0].name);
+            free((void *)sv->shares.tenant_shares);
+        }
         free(sv);
         return cs_fail(CS_EAGAIN, "serve: cannot start the engine thread");
     }
@@ -483,14 +520,14 @@ void cs_serve_ttft_load(cs_serve *sv, cs_ttft_load *L) {
     *L = sv->load;
     double left = sv->step_began > 0 ? sv->step_began + sv->step_expect - cs_now() : 0;
     L->residual_s = left > 0 ? left : 0;
-    for (const pending *p = sv->head; p; p = p->next) {
-        if (p->kind != P_SUBMIT) continue;
-        const char *t = p->r.tenant ? p->r.tenant : "";
-        double w = 1;
-        for (int32_t i = 0; i < L->n_groups; i++)
-            if (!strcmp(L->groups[i].tenant, t)) w = L->groups[i].weight;
-        cs_ttft_load_add(L, p->r.priority, t, w, p->r.n_prompt);
+    L->in_step_tokens = sv->step_began > 0 ? sv->step_chunk : 0;
+    for (int32_t i = 0; i < sv->applying.n_groups; i++) {
+        const cs_ttft_group *g = &sv->applying.groups[i];
+        cs_ttft_load_add(L, g->priority, g->tenant, g->weight, g->tokens);
     }
+    L->overflow_tokens += sv->applying.overflow_tokens;
+    for (const pending *p = sv->head; p; p = p->next)
+        add_submit(sv, L, p);
     pthread_mutex_unlock(&sv->mu);
 }
 
@@ -547,6 +584,10 @@ void cs_serve_stop(cs_serve *sv) {
     if (sv->trace) fclose(sv->trace);
     free(sv->sum_next);
     free(sv->sum_pub);
+    if (sv->shares.n_tenant_shares) {
+        free((void *)sv->shares.tenant_shares[0].name); /* the names' block */
+        free((void *)sv->shares.tenant_shares);
+    }
     pthread_mutex_destroy(&sv->mu);
     pthread_cond_destroy(&sv->cv);
     free(sv);

@@ -31,6 +31,21 @@ void cs_ttft_load_add(cs_ttft_load *L, int32_t priority, const char *tenant, dou
     g->tokens = tokens;
 }
 
+double cs_ttft_predict_alone(const cs_ttft_load *L, int32_t priority, int64_t n_tokens) {
+    cs_ttft_load A = *L;
+    A.n_groups = 0;
+    A.overflow_tokens = 0;
+    double dropped = (double)L->overflow_tokens;
+    for (int32_t i = 0; i < L->n_groups; i++)
+        if (L->groups[i].priority > priority)
+            A.groups[A.n_groups++] = L->groups[i];
+        else
+            dropped += (double)L->groups[i].tokens;
+    /* the running step's tokens come first out of what was dropped */
+    A.in_step_tokens = L->in_step_tokens > dropped ? L->in_step_tokens - dropped : 0;
+    return cs_ttft_predict(&A, priority, NULL, 1, n_tokens);
+}
+
 double cs_ttft_weight(const cs_sched_params *p, const char *tenant) {
     tenant = name_of(tenant);
     for (int32_t i = 0; i < p->n_tenant_shares; i++)
@@ -71,7 +86,12 @@ double cs_ttft_predict(const cs_ttft_load *L, int32_t priority, const char *tena
             work += (double)g->tokens < fair ? (double)g->tokens : fair;
         }
     }
-    const double c = L->chunk_tokens, all = cs_ttft_load_tokens(L) + (double)n_tokens;
+    /* the running step computes in_step_tokens of the queue: ahead of everyone */
+    double ahead = work - (double)n_tokens - L->in_step_tokens;
+    work = (double)n_tokens + (ahead > 0 ? ahead : 0);
+    double all = cs_ttft_load_tokens(L) - L->in_step_tokens;
+    all = (double)n_tokens + (all > 0 ? all : 0);
+    const double c = L->chunk_tokens;
     double steps = ceil(work / c);
     /* full steps while anything is queued, whoever's; the last one ends the prompt */
     double last = (all < steps * c ? all : steps * c) - (steps - 1) * c;

@@ -14,12 +14,19 @@ The set-up, as on Kubernetes:
 - a ReplicaSet: a new pod joins DNS only once its /readyz answers 200; scale-in picks the
   newest pods, takes them out of DNS (endpoint removal), waits the preStop sleep, sends
   SIGTERM, and SIGKILL after terminationGracePeriodSeconds (which the test then fails on);
-- an HPA per pool (hpa.HPA, autoscaling/v2 semantics), every sync period:
+- an HPA per pool (hpa.HPA, autoscaling/v2 semantics), every sync period, on one of two
+  signals (the test runs once with each, on the same load):
+  queue (the chart's default):
     prefill: External AverageValue on sum(chunkserve:queued_prefill_tokens) over the pool,
              target = PREFILL_RATE tokens/s per replica x BACKLOG_S seconds of backlog;
     decode:  max over External AverageValue on sum(chunkserve:kv_cache_usage_perc), target
              0.8, and External AverageValue on the router's chunkserve:num_requests_waiting,
-             target WAITING_PER_REPLICA.
+             target WAITING_PER_REPLICA;
+  predictive (the router's leading signal, router/demand.h):
+    prefill: External AverageValue on the router's chunkserve:pool_replicas_wanted{role=
+             "prefill"} (the prompt token rate over the workers' measured prefill rate, and
+             the router's own backlog to serve within DRAIN_S), target 1;
+    decode:  max over the same for role="decode" and the KV page usage above.
 
 Compressed clock: 1 test second = CLOCK (10) HPA seconds.  Every HPA duration (sync period 15 s,
 windows, policy periods) is divided by CLOCK; pod lifecycle times (preStop, grace) are stated in
@@ -40,12 +47,15 @@ At idle every live decode worker has all its KV pages free, and every process ex
 SIGTERM.
 
 The timeline (t, replicas per pool, each signal, load in flight) goes to
-$CS_AUTOSCALE_OUT_DIR/autoscale.csv (default: the test's tmp dir); bench/plot_autoscale.py
-draws it.  Needs root (mount namespaces).  About 1.5 minutes on 2 cores.
+$CS_AUTOSCALE_OUT_DIR/autoscale-SIGNAL.csv (default: the test's tmp dir) with a summary,
+autoscale-SIGNAL.json: per pool, the time from its load's start to 2 replicas, replica-seconds,
+and TTFTs over TTFT_SLO_S (reported, not asserted: a comparison of speeds is a benchmark's,
+bench/bench_autoscale.sh); bench/plot_autoscale.py draws a timeline.  Needs root (mount namespaces).  About 1.5 minutes on 2 cores.
 """
 from __future__ import annotations
 
 import csv
+import json
 import os
 import random
 import shutil
@@ -106,7 +116,7 @@ DNS_REFRESH_MS = 200
 # loads: (clients, prompt tokens, max tokens, distinct prompts (0: every request its own))
 LOAD_A = dict(clients=3, prompt=800, tokens=4, distinct=0)          # long prompts
 LOAD_B = dict(clients=14, prompt=16, tokens=600, distinct=5)        # long generations
-TRICKLE_P = dict(clients=1, prompt=800, tokens=8, distinct=0)       # through prefill, always
+TRICKLE_P = dict(clients=1, prompt=800, tokens=8, distinct=0, think=0.5)  # through prefill, always
 TRICKLE_D = dict(clients=4, prompt=12, tokens=600, distinct=4)      # on decode, always
 PHASE_A_S = 12.0
 PHASE_B_S = 20.0
@@ -116,6 +126,9 @@ MAX_REQUESTS_PER_CLIENT = 200
 SAMPLE_REFERENCES = 6   # phase A requests checked besides those that overlapped a scale-in
 
 PREFILL_DNS, DECODE_DNS = "prefill.cs.test", "decode.cs.test"
+WINDOW_S = 1.5          # the router's demand rates' window (--autoscale-window-s): 15 HPA s
+DRAIN_S = 1.0           # its backlog is to be served within (--autoscale-drain-s): 10 HPA s
+TTFT_SLO_S = 1.0        # the summary's TTFT bound (reported, not asserted)
 
 
 def free_ports(n: int) -> list[int]:
@@ -255,8 +268,9 @@ class Pool:
 # -------------------------------------------------------------------- the test --
 
 class Autoscale:
-    def __init__(self, tmp: Path, bin_dir: Path, model: Path, out_dir: Path):
+    def __init__(self, tmp: Path, bin_dir: Path, model: Path, out_dir: Path, signal: str):
         self.tmp, self.bin, self.model, self.out_dir = tmp, bin_dir, model, out_dir
+        self.signal = signal
         self.t0 = time.monotonic()
         self.lines = []
         self.lock = threading.Lock()
@@ -322,7 +336,8 @@ class Autoscale:
                 f"--decode-dns={DECODE_DNS}:{self.decode.ports[0]}",
                 f"--dns-refresh-ms={DNS_REFRESH_MS}", "--status-interval-ms=100",
                 f"--local-prefill-threshold={THRESHOLD}", "--grace-ms=3000",
-                "--queue-timeout-ms=60000", "--no-worker-wait-ms=10000"]
+                "--queue-timeout-ms=60000", "--no-worker-wait-ms=10000",
+                f"--autoscale-window-s={WINDOW_S}", f"--autoscale-drain-s={DRAIN_S}"]
         self.router = Proc(Path(shutil.which("unshare")), args, "router")
         self.channel = grpc.insecure_channel(self.router.addr)
 
@@ -341,7 +356,9 @@ class Autoscale:
         code, body = http_get(self.router.http + "/metrics")
         rm = parse_metrics(body) if code == 200 else None
         waiting = metric(rm, "chunkserve:num_requests_waiting") if rm else None
-        return dict(queued=queued, kv=kv, n_kv=n_kv, waiting=waiting, rm=rm)
+        wanted = {role: metric(rm, "chunkserve:pool_replicas_wanted", f'role="{role}"') if rm
+                  else None for role in ("prefill", "decode")}
+        return dict(queued=queued, kv=kv, n_kv=n_kv, waiting=waiting, wanted=wanted, rm=rm)
 
     def scaler(self):
         try:
@@ -353,7 +370,13 @@ class Autoscale:
                     next_sync = t + SYNC_S
                     for role, pool in (("prefill", self.prefill), ("decode", self.decode)):
                         status = len(pool.live())  # scale.status.replicas
-                        if role == "prefill":
+                        wanted = s["wanted"][role]
+                        lead = None if wanted is None else hpa.average_value_replicas(status, wanted, 1.0)
+                        if self.signal == "predictive" and role == "prefill":
+                            props = [lead]
+                        elif self.signal == "predictive":
+                            props = [lead, hpa.average_value_replicas(status, s["kv"], KV_TARGET)]
+                        elif role == "prefill":
                             props = [hpa.average_value_replicas(status, s["queued"], PREFILL_TARGET)]
                         else:
                             props = [hpa.average_value_replicas(status, s["kv"], KV_TARGET),
@@ -383,6 +406,15 @@ class Autoscale:
                     usable_prefill=metric(rm, "chunkserve:workers_usable", 'role="prefill"'),
                     usable_decode=metric(rm, "chunkserve:workers_usable", 'role="decode"'),
                     prefill_proposal=self.desired["prefill"], decode_proposal=self.desired["decode"],
+                    prefill_wanted=s["wanted"]["prefill"], decode_wanted=s["wanted"]["decode"],
+                    prefill_demand=metric(rm, "chunkserve:pool_demand_tokens_per_second",
+                                          'role="prefill"'),
+                    prefill_capacity=metric(rm, "chunkserve:pool_replica_capacity_tokens_per_second",
+                                            'role="prefill"'),
+                    decode_demand=metric(rm, "chunkserve:pool_demand_tokens_per_second",
+                                         'role="decode"'),
+                    decode_capacity=metric(rm, "chunkserve:pool_replica_capacity_tokens_per_second",
+                                           'role="decode"'),
                     load_long_prompts=inflight["A"], load_long_generations=inflight["B"],
                     load_trickle=inflight["trickle"]))
                 time.sleep(max(0.0, SAMPLE_S - (self.now() - t)))
@@ -396,6 +428,8 @@ class Autoscale:
         stub = pb.generation_pb2_grpc.GenerationStub(self.channel)
         rng = random.Random(rng_seed)
         for i in range(MAX_REQUESTS_PER_CLIENT):
+            if i and spec.get("think"):  # a user's pause between requests
+                stop.wait(spec["think"])
             if time.monotonic() >= until() or stop.is_set():
                 return
             if spec["distinct"]:
@@ -405,13 +439,15 @@ class Autoscale:
                 prng = random.Random(f"{kind}-{rng_seed}-{i}")
             ids = [prng.randrange(3, 340) for _ in range(spec["prompt"])]
             rec = dict(kind=kind, ids=ids, n=spec["tokens"], t0=self.now(), t1=None, code=None,
-                       got=[], text="", finish=None, rid="")
+                       got=[], text="", finish=None, rid="", t_first=None)
             with self.lock:
                 self.inflight[kind] += 1
             try:
                 req = g.GenerateRequest(token_ids=g.TokenIds(ids=ids),
                                         sampling=g.SamplingParams(max_tokens=spec["tokens"], ignore_eos=True))
                 for m in stub.Generate(req, timeout=REQUEST_TIMEOUT_S):
+                    if m.token_ids and rec["t_first"] is None:
+                        rec["t_first"] = self.now()
                     rec["rid"] = rec["rid"] or m.request_id
                     rec["got"] += list(m.token_ids)
                     rec["text"] += m.text
@@ -428,13 +464,35 @@ class Autoscale:
 
     def write_csv(self):
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        path = self.out_dir / "autoscale.csv"
+        path = self.out_dir / f"autoscale-{self.signal}.csv"
         with open(path, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(self.rows[0].keys()))
             w.writeheader()
             w.writerows(self.rows)
-        (self.out_dir / "autoscale.log").write_text("\n".join(self.lines) + "\n")
+        (self.out_dir / f"autoscale-{self.signal}.log").write_text("\n".join(self.lines) + "\n")
         return path
+
+    def summary(self, phases: dict) -> dict:
+        """What the comparison of signals reads: per pool, the time from its load's start to
+        2 replicas asked for, the replica-seconds asked for over the run (the HPA's spec,
+        integrated), and the TTFTs over TTFT_SLO_S of its load."""
+        rows, out = self.rows, {"signal": self.signal, "ttft_slo_s": TTFT_SLO_S}
+        for role, kind in (("prefill", "A"), ("decode", "B")):
+            t0, t1 = phases[kind]
+            up = [r["t"] for r in rows if t0 <= r["t"] <= t1 and r[f"{role}_replicas"] >= 2]
+            secs = sum(a[f"{role}_replicas"] * (b["t"] - a["t"]) for a, b in zip(rows, rows[1:]))
+            ttft = sorted(r["t_first"] - r["t0"] for r in self.requests
+                          if r["kind"] == kind and r["t_first"] is not None)
+            out[role] = dict(
+                react_s=round(up[0] - t0, 2) if up else None,
+                replica_seconds=round(secs, 1),
+                peak=max(r[f"{role}_replicas"] for r in rows),
+                requests=len(ttft),
+                ttft_misses=sum(t > TTFT_SLO_S for t in ttft),
+                ttft_p50_s=round(ttft[len(ttft) // 2], 3) if ttft else None,
+                ttft_p99_s=round(ttft[min(len(ttft) - 1, int(0.99 * len(ttft)))], 3) if ttft else None)
+        (self.out_dir / f"autoscale-{self.signal}.json").write_text(json.dumps(out, indent=1) + "\n")
+        return out
 
     def save_logs(self):
         """Every process's stderr next to the timeline (router.log, prefill-N.log, ...)."""
@@ -515,10 +573,11 @@ class ServeReference:
         assert self.proc.wait(timeout=30) == 0
 
 
-def test_autoscale_pools_on_their_own_signals(bins, pb, tmp_path):
+@pytest.mark.parametrize("sig", ["queue", "predictive"])
+def test_autoscale_pools_on_their_own_signals(bins, pb, tmp_path, sig):
     model = make_tiny(bins, tmp_path / "model", *MODEL_FLAGS)
     out_dir = Path(os.environ.get("CS_AUTOSCALE_OUT_DIR", tmp_path / "out"))
-    a = Autoscale(tmp_path, bins, model, out_dir)
+    a = Autoscale(tmp_path, bins, model, out_dir, sig)
     stop_load = threading.Event()
     ex = ThreadPoolExecutor(32)
     scaler = None
@@ -667,6 +726,7 @@ def test_autoscale_pools_on_their_own_signals(bins, pb, tmp_path):
         a.log(summary)
         a.write_csv()
         print(summary)
+        print(json.dumps(a.summary({"A": (t_a, t_a_end), "B": (t_b, t_b_end)})))
     finally:
         stop_load.set()
         a.stop_scaler.set()

@@ -9,6 +9,7 @@
 #include <math.h>
 
 #include "chunkserve/kv_cache.h"
+#include "demand.h"
 #include "pool.h"
 #include "prefix.h"
 #include "test.h"
@@ -282,7 +283,46 @@ static void test_prefix_summary(void) {
     cs_kv_cache_free(kv);
 }
 
+/* The leading autoscaling signal (demand.h): a decayed rate reads a steady
+ * rate from the first seconds on (not a lull, not one request as a flood),
+ * follows a step within its window, and the replicas follow from the rates
+ * and the capacities. */
+static void test_demand(void) {
+    const double tau = 10;
+    cs_rate r = {0};
+    ASSERT_TRUE(cs_rate_get(&r, 100, tau) == 0);
+    cs_rate_add(&r, 500, 100, tau); /* one request of 500 tokens: 100 tokens/s over 5 s */
+    ASSERT_TRUE(fabs(cs_rate_get(&r, 100, tau) - 500 / (tau * (1 - exp(-0.5)))) < 1e-9);
+    /* 1,000 tokens/s, in 100-token requests every 0.1 s */
+    double t = 100;
+    for (int i = 0; i < 50; i++)
+        cs_rate_add(&r, 100, t += 0.1, tau);
+    double at3 = cs_rate_get(&r, t, tau);
+    ASSERT_TRUE(at3 > 900 && at3 < 1200); /* after 5 s: about the rate already */
+    for (int i = 0; i < 600; i++)
+        cs_rate_add(&r, 100, t += 0.1, tau);
+    ASSERT_TRUE(fabs(cs_rate_get(&r, t, tau) - 1000) < 20); /* steady: the rate */
+    for (int i = 0; i < 100; i++) /* four times as much for 10 s: most of the way */
+        cs_rate_add(&r, 400, t += 0.1, tau);
+    double step = cs_rate_get(&r, t, tau);
+    ASSERT_TRUE(step > 2800 && step < 4000);
+    ASSERT_TRUE(cs_rate_get(&r, t + 60, tau) < 0.01 * step); /* then silence: it decays */
+
+    cs_demand d = {.prompt_rate = 6000, .output_rate = 900, .local_rate = 200,
+                   .prefill_cap = 2000, .decode_cap = 600, .decode_prefill_cap = 1000,
+                   .utilization = 0.75};
+    ASSERT_TRUE(fabs(cs_demand_prefill_replicas(&d) - 4.0) < 1e-9);         /* 3 / 0.75 */
+    ASSERT_TRUE(fabs(cs_demand_decode_replicas(&d) - (1.5 + 0.2) / 0.75) < 1e-9);
+    d.prompt_backlog = 10000, d.drain_s = 2.5; /* 4,000 tokens/s more: two replicas */
+    ASSERT_TRUE(fabs(cs_demand_prefill_replicas(&d) - 6.0) < 1e-9);
+    d.prefill_cap = 0; /* no worker has measured yet: nothing is asked */
+    ASSERT_TRUE(cs_demand_prefill_replicas(&d) == 0);
+    printf("demand: a steady 1,000 tokens/s read %.0f after 5 s; four times it %.0f after 10 s\n",
+           at3, step);
+}
+
 int main(void) {
+    test_demand();
     test_prefix_summary();
     test_pages();
     test_decode();

@@ -69,10 +69,11 @@ typedef struct {
  * fewer), so being idle saves no credit (VTC, Sheng et al., OSDI '24); at
  * equal counts the tenant that became active last goes first (a chat
  * turn arriving beside a flood gets the next step's chunk, not the one
- * after). A tenant served less than every running prompt's tenant may take one prompt
- * seat beyond max_num_partial_prefills (one in all). Tenants are what
- * requests say they are: trusted, not authenticated. With one tenant this
- * is the order without tenants. */
+ * after). A tenant due before every running prompt's tenant (fewer virtual
+ * tokens, or as many and active since later) may take one prompt seat
+ * beyond max_num_partial_prefills (one in all). Tenants are what the doors
+ * say: the API key's when keys are configured (api/auth.h), else the
+ * request's own field. With one tenant this is the order without tenants. */
 typedef struct cs_tenant_share {
     const char *name;   /* 1..CS_TENANT_NAME_MAX bytes */
     double weight;      /* share: [0.001, 1e6] */

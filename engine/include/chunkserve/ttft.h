@@ -53,10 +53,18 @@ typedef struct cs_ttft_load {
                                          with prompt chunks overran their prediction */
     double dec_tokens, dec_pairs, dec_rows; /* the running decodes' share of a step */
     double chunk_tokens;        /* prompt tokens a step takes beside them */
-    double position;            /* the queued prompt tokens' mean position */
-    double prompt_tokens_per_s; /* chunk_tokens over such a step's seconds */
+    double position;            /* where the queued prompts' next chunks start (the mean,
+                                   weighted by their tokens left) */
+    double prompt_tokens_per_s; /* chunk_tokens over such a step's seconds; before the model
+                                   is fitted, the measured rate of recent prompt steps */
+    double decode_tokens_per_s; /* what decodes alone could make a second: the most
+                                   sequences a step fits under the step-time target (the ITL
+                                   target; 0 without one), at most max_num_seqs and what the
+                                   KV pool holds at the running decodes' mean context (else
+                                   1,024 tokens) */
     double residual_s;          /* what is left of the step running now (cs_serve_ttft_load
                                    fills it in: when it began, what it was predicted to take) */
+    double in_step_tokens;      /* queued tokens that step computes (done when it ends) */
     int32_t n_groups;
     cs_ttft_group groups[CS_TTFT_GROUPS];
     int64_t overflow_tokens; /* tokens of groups past the table: counted ahead of everyone */
@@ -78,6 +86,11 @@ double cs_ttft_step_s(const cs_ttft_load *L, double chunk, double rows);
  * not ready. */
 double cs_ttft_predict(const cs_ttft_load *L, int32_t priority, const char *tenant, double weight,
                        int64_t n_tokens);
+
+/* The prediction for the same request with nothing ahead of it: the
+ * groups of its priority and better removed, the worse ones kept (they
+ * fill its steps). What the work ahead adds is the difference. */
+double cs_ttft_predict_alone(const cs_ttft_load *L, int32_t priority, int64_t n_tokens);
 
 /* The weight p's shares give a tenant (1 when not named). */
 double cs_ttft_weight(const cs_sched_params *p, const char *tenant);
