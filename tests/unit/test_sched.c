@@ -930,6 +930,16 @@ static void check_ttft(void) {
                                                             0.002)) < eps);
     /* a better priority: one step, full of the others' tokens */
     ASSERT_TRUE(fabs(cs_ttft_predict(&L, -1, NULL, 1, 10) - (0.005 + full + 0.002)) < eps);
+    /* alone: the worse priority's tokens still fill its step (nothing is ahead of it:
+     * the refusal rule compares with this, so such work never refuses it) */
+    ASSERT_TRUE(cs_ttft_predict_alone(&L, -1, 10) == cs_ttft_predict(&L, -1, NULL, 1, 10));
+    ASSERT_TRUE(fabs(cs_ttft_predict_alone(&L, 0, 10) - (0.005 + 0.01 + 0.010 + 0.002)) < eps);
+    /* the running step computes 64 of the 200: when it ends 146 are left, 3 steps */
+    L.in_step_tokens = 64;
+    ASSERT_TRUE(fabs(cs_ttft_predict(&L, 0, NULL, 1, 10) - (0.005 + 2 * full + 0.01 + 0.018 +
+                                                            0.002)) < eps);
+    ASSERT_TRUE(fabs(cs_ttft_predict_alone(&L, 0, 10) - (0.005 + 0.01 + 0.010 + 0.002)) < eps);
+    L.in_step_tokens = 0;
     /* another tenant of equal weight: its share of 10 more, one full step */
     memset(L.groups, 0, sizeof L.groups), L.n_groups = 0;
     cs_ttft_load_add(&L, 0, "b", 1, 1000);
