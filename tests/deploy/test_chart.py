@@ -546,11 +546,13 @@ def test_autoscaling_targets(renders, name):
                 spec = m[m["type"].lower()]
                 q = str(spec["target"]["averageValue"])
                 targets[spec["metric"]["name"]] = float(q[:-1]) / 1000 if q.endswith("m") else float(q)
-        if role == "prefill":
-            want = math.ceil(a["prefillTokensPerSecond"] * a["backlogSeconds"])
-            assert list(targets.values()) == [want], f"prefill target {targets}, want {want}"
-        else:
-            assert sorted(targets.values()) == sorted([a["kvCacheUsageTarget"], a["waitingRequestsPerReplica"]])
+        # predictive: the routers' replicas wanted, target 1, instead of the queue's target
+        queue = [math.ceil(a["prefillTokensPerSecond"] * a["backlogSeconds"])] if role == "prefill" \
+            else [a["waitingRequestsPerReplica"]]
+        want = [1.0] if a["signal"] == "predictive" else queue
+        if role == "decode":
+            want.append(a["kvCacheUsageTarget"])
+        assert sorted(targets.values()) == sorted(want), f"{role} targets {targets}, want {want}"
 
 
 @pytest.mark.parametrize("name", CI_IDS)
@@ -1031,13 +1033,16 @@ def test_autoscaling_queries_use_live_metrics(renders, name, live_metrics):
     eps = mon["spec"].get("podMetricsEndpoints") or mon["spec"]["endpoints"]
     series_labels = {"namespace", "pod", "container", "endpoint", "job", "instance", "service"} | \
         {x["targetLabel"] for x in eps[0]["relabelings"]}
+    # labels a series carries itself
+    own = {"chunkserve:pool_replicas_wanted": {"role"}, "chunkserve_pool_replicas_wanted": {"role"}}
     rules = yaml.safe_load((CHART / "adapter-rules.yaml").read_text())["rules"]
     checked = 0
     for so in r.kind("ScaledObject"):
         for t in so["spec"]["triggers"]:
             assert t["type"] == "prometheus"
             metric, labels = parse_query(t["metadata"]["query"])
-            assert set(labels) <= series_labels, f"{labels} uses labels no scrape adds"
+            assert set(labels) <= series_labels | own.get(metric, set()), \
+                f"{labels} uses labels no scrape adds"
             assert labels["namespace"] == NAMESPACE and labels["release"] == RELEASE
             comp = labels["component"]
             assert comp in comp_of, f"query selects component={comp}, which this release does not run"
@@ -1053,7 +1058,8 @@ def test_autoscaling_queries_use_live_metrics(renders, name, live_metrics):
             else:
                 assert m["type"] == "External"
                 sel = m["external"]["metric"]["selector"]["matchLabels"]
-                assert set(sel) <= series_labels and sel["release"] == RELEASE
+                name = m["external"]["metric"]["name"]
+                assert set(sel) <= series_labels | own.get(name, set()) and sel["release"] == RELEASE
                 comp = sel["component"]
                 assert comp in comp_of
                 served = adapter_names(rules["external"], live_metrics[comp])

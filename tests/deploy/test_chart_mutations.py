@@ -38,7 +38,7 @@ MUTATIONS = [
     ("prefill discovers itself as the decode pool", "_pool.tpl",
      r'printf "%s-decode\.%s\.svc', 'printf "%s-prefill.%s.svc'),
     ("hard-coded KEDA address", "_pool.tpl",
-     r"serverAddress: \{\{ \$root\.Values\.prometheus\.serverAddress \| quote \}\}",
+     r"serverAddress: \{\{ \.root\.Values\.prometheus\.serverAddress \| quote \}\}",
      'serverAddress: "http://prometheus:9090"'),
     ("decode KV port from the prefill values", "_pool.tpl",
      r"(CHUNKSERVE_KV_PORT\n              value: \{\{ int64 )\$p\.ports\.kv", r"\1$root.Values.prefill.ports.kv"),

@@ -3,8 +3,11 @@ _pool.tpl: one worker pool (prefill or decode) from the shared pool values
 shape: Deployment, headless Service (the routers' DNS discovery), PDB, and the
 pool's autoscaler (KEDA ScaledObject or HPA, never both). Called from
 pools.yaml with dict "root" $ "role" "prefill"|"decode".
-What a pool scales on (docs/deploy.md): prefill on its queued prefill tokens,
-decode on KV page usage and on the routers' waiting requests.
+What a pool scales on (docs/deploy.md), autoscaling.signal:
+- queue (default): prefill on its queued prefill tokens, decode on KV page usage
+  and on the routers' waiting requests;
+- predictive: the routers' leading signal, chunkserve:pool_replicas_wanted
+  {role} (token rates over measured capacity), and for decode KV page usage too.
 */}}
 {{- define "chunkserve.pool" -}}
 {{- $root := .root }}
@@ -256,65 +259,21 @@ spec:
       behavior:
         {{- $behavior | nindent 8 }}
   triggers:
-    {{- if eq $role "prefill" }}
+    {{- if eq $as.signal "predictive" }}
+    # desired = ceil(the routers' sum of the replicas this pool needs for their traffic: token
+    # rates over one replica's measured capacity, and their backlog; router/demand.h)
+    {{- include "chunkserve.promTrigger" (dict "root" $root "name" "replicas-wanted" "query" (printf "sum(chunkserve:pool_replicas_wanted{%s,role=\"%s\"})" $routerSel $role) "threshold" "1") }}
+    {{- else if eq $role "prefill" }}
     # desired = ceil(sum of queued prefill tokens / {{ $prefillTarget }}), {{ $prefillTarget }} = prefillTokensPerSecond x backlogSeconds
-    - type: prometheus
-      name: queued-prefill-tokens
-      metricType: AverageValue
-      {{- with $root.Values.prometheus.authenticationRef.name }}
-      authenticationRef:
-        name: {{ . }}
-        kind: {{ $root.Values.prometheus.authenticationRef.kind }}
-      {{- end }}
-      metadata:
-        serverAddress: {{ $root.Values.prometheus.serverAddress | quote }}
-        {{- with $root.Values.prometheus.authModes }}
-        authModes: {{ . | quote }}
-        {{- end }}
-        {{- if $root.Values.prometheus.unsafeSsl }}
-        unsafeSsl: "true"
-        {{- end }}
-        query: {{ printf "sum(chunkserve:queued_prefill_tokens{%s})" $sel | quote }}
-        threshold: {{ $prefillTarget | toString | quote }}
-    {{- else }}
+    {{- include "chunkserve.promTrigger" (dict "root" $root "name" "queued-prefill-tokens" "query" (printf "sum(chunkserve:queued_prefill_tokens{%s})" $sel) "threshold" ($prefillTarget | toString)) }}
+    {{- end }}
+    {{- if eq $role "decode" }}
     # desired = ceil(sum of KV page usage fractions / {{ include "chunkserve.scalar" $as.kvCacheUsageTarget }})
-    - type: prometheus
-      name: kv-cache-usage
-      metricType: AverageValue
-      {{- with $root.Values.prometheus.authenticationRef.name }}
-      authenticationRef:
-        name: {{ . }}
-        kind: {{ $root.Values.prometheus.authenticationRef.kind }}
-      {{- end }}
-      metadata:
-        serverAddress: {{ $root.Values.prometheus.serverAddress | quote }}
-        {{- with $root.Values.prometheus.authModes }}
-        authModes: {{ . | quote }}
-        {{- end }}
-        {{- if $root.Values.prometheus.unsafeSsl }}
-        unsafeSsl: "true"
-        {{- end }}
-        query: {{ printf "sum(chunkserve:kv_cache_usage_perc{%s})" $sel | quote }}
-        threshold: {{ include "chunkserve.scalar" $as.kvCacheUsageTarget | quote }}
+    {{- include "chunkserve.promTrigger" (dict "root" $root "name" "kv-cache-usage" "query" (printf "sum(chunkserve:kv_cache_usage_perc{%s})" $sel) "threshold" (include "chunkserve.scalar" $as.kvCacheUsageTarget)) }}
+    {{- end }}
+    {{- if and (eq $role "decode") (ne $as.signal "predictive") }}
     # desired = ceil(requests waiting in the routers / {{ include "chunkserve.scalar" $as.waitingRequestsPerReplica }})
-    - type: prometheus
-      name: router-requests-waiting
-      metricType: AverageValue
-      {{- with $root.Values.prometheus.authenticationRef.name }}
-      authenticationRef:
-        name: {{ . }}
-        kind: {{ $root.Values.prometheus.authenticationRef.kind }}
-      {{- end }}
-      metadata:
-        serverAddress: {{ $root.Values.prometheus.serverAddress | quote }}
-        {{- with $root.Values.prometheus.authModes }}
-        authModes: {{ . | quote }}
-        {{- end }}
-        {{- if $root.Values.prometheus.unsafeSsl }}
-        unsafeSsl: "true"
-        {{- end }}
-        query: {{ printf "sum(chunkserve:num_requests_waiting{%s})" $routerSel | quote }}
-        threshold: {{ include "chunkserve.scalar" $as.waitingRequestsPerReplica | quote }}
+    {{- include "chunkserve.promTrigger" (dict "root" $root "name" "router-requests-waiting" "query" (printf "sum(chunkserve:num_requests_waiting{%s})" $routerSel) "threshold" (include "chunkserve.scalar" $as.waitingRequestsPerReplica)) }}
     {{- end }}
 {{- else }}
 apiVersion: autoscaling/v2
@@ -334,7 +293,22 @@ spec:
   behavior:
     {{- $behavior | nindent 4 }}
   metrics:
-    {{- if eq $role "prefill" }}
+    {{- if eq $as.signal "predictive" }}
+    # the routers' chunkserve:pool_replicas_wanted{role="{{ $role }}"} (an External metric: the
+    # series belong to the router pods), summed: the replicas this pool needs (router/demand.h)
+    - type: External
+      external:
+        metric:
+          name: chunkserve_pool_replicas_wanted
+          selector:
+            matchLabels:
+              release: {{ $root.Release.Name }}
+              component: router
+              role: {{ $role }}
+        target:
+          type: AverageValue
+          averageValue: "1"
+    {{- else if eq $role "prefill" }}
     # chunkserve:queued_prefill_tokens per pod, via prometheus-adapter (adapter-rules.yaml renames ':' to '_')
     - type: Pods
       pods:
@@ -343,7 +317,8 @@ spec:
         target:
           type: AverageValue
           averageValue: {{ $prefillTarget | toString | quote }}
-    {{- else }}
+    {{- end }}
+    {{- if eq $role "decode" }}
     - type: Pods
       pods:
         metric:
@@ -351,6 +326,8 @@ spec:
         target:
           type: AverageValue
           averageValue: {{ round (mulf $as.kvCacheUsageTarget 1000) 0 | int64 | printf "%dm" | quote }}
+    {{- end }}
+    {{- if and (eq $role "decode") (ne $as.signal "predictive") }}
     # the routers' queue (an External metric: the series belong to the router pods, not this pool)
     - type: External
       external:
@@ -366,6 +343,28 @@ spec:
     {{- end }}
 {{- end }}
 {{- end }}
+{{- end }}
+
+{{/* One KEDA prometheus trigger: dict "root" $ "name" NAME "query" PROMQL "threshold" TEXT. */}}
+{{- define "chunkserve.promTrigger" }}
+    - type: prometheus
+      name: {{ .name }}
+      metricType: AverageValue
+      {{- with .root.Values.prometheus.authenticationRef.name }}
+      authenticationRef:
+        name: {{ . }}
+        kind: {{ $.root.Values.prometheus.authenticationRef.kind }}
+      {{- end }}
+      metadata:
+        serverAddress: {{ .root.Values.prometheus.serverAddress | quote }}
+        {{- with .root.Values.prometheus.authModes }}
+        authModes: {{ . | quote }}
+        {{- end }}
+        {{- if .root.Values.prometheus.unsafeSsl }}
+        unsafeSsl: "true"
+        {{- end }}
+        query: {{ .query | quote }}
+        threshold: {{ .threshold | quote }}
 {{- end }}
 
 {{/* HPA behavior (also KEDA's advanced.horizontalPodAutoscalerConfig.behavior):
