@@ -48,9 +48,10 @@ struct cs_gen_call {
      * gRPC door sends it as google.rpc.RetryInfo in grpc-status-details-bin,
      * the OpenAI door as Retry-After (seconds, rounded up). 0: none. */
     int64_t retry_after_ms;
-    /* A later choice or prompt of one OpenAI request: it was admitted with
-     * the first (no early refusal of its own; its siblings are not work
-     * queued ahead of it in any sense the client can act on). */
+    /* A later choice of one prompt of an OpenAI request (n > 1): it was
+     * admitted with the first (no early refusal of its own; its siblings are
+     * not work queued ahead of it in any sense the client can act on). The
+     * prompts of a list are each refused on their own. */
     bool sibling;
 };
 

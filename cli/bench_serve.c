@@ -524,22 +524,33 @@ static cJSON *group_json(const bench *b, const char *tenant, int32_t priority, d
  * (sum x)^2 / (n sum x^2), 1 = equal) and per priority, when the workload
  * has more than one of either. */
 static void classes_json(const bench *b, double wall_s, cJSON *p) {
-    const char *names[CS_LG_MAX_TENANTS * 4];
+    const char *names[256];
     int n_names = 0;
     int32_t prios[64];
     int n_prios = 0;
+    bool cut = false; /* more tenants or priorities than reported */
     for (size_t i = 0; i < b->n; i++) {
         const char *t = tenant_of(b, &b->sched[i]);
         int k = 0;
         while (t && k < n_names && strcmp(names[k], t))
             k++;
-        if (t && k == n_names && n_names < (int)(sizeof names / sizeof names[0]))
-            names[n_names++] = t;
+        if (t && k == n_names) {
+            if (n_names < (int)(sizeof names / sizeof names[0]))
+                names[n_names++] = t;
+            else
+                cut = true;
+        }
         int32_t pr = b->sched[i].priority;
         for (k = 0; k < n_prios && prios[k] != pr; k++)
             ;
-        if (k == n_prios && n_prios < 64) prios[n_prios++] = pr;
+        if (k == n_prios) {
+            if (n_prios < 64)
+                prios[n_prios++] = pr;
+            else
+                cut = true;
+        }
     }
+    if (cut) cJSON_AddBoolToObject(p, "classes_truncated", true); /* 256 tenants, 64 priorities */
     if (n_names > 0) {
         cJSON *tj = cJSON_AddObjectToObject(p, "tenants");
         double sum = 0, sum2 = 0;

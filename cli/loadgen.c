@@ -207,10 +207,15 @@ static int parse_line(const char *text, const char *path, size_t line, cs_lg_lin
     out->priority = (int32_t)v;
     const cJSON *t = cJSON_GetObjectItemCaseSensitive(o, "tenant");
     if (t) {
-        if (!cJSON_IsString(t) || !t->valuestring[0] ||
-            strlen(t->valuestring) > CS_LG_TENANT_NAME) {
-            r = cs_fail(CS_EINVAL, "%s:%zu: \"tenant\" must be a string of 1..%d bytes", path,
-                        line, CS_LG_TENANT_NAME);
+        bool ok = cJSON_IsString(t) && t->valuestring[0] &&
+                  strlen(t->valuestring) <= CS_LG_TENANT_NAME;
+        for (const char *c = ok ? t->valuestring : ""; *c; c++)
+            ok = ok && (unsigned char)*c > ' ' && *c != 0x7f; /* it goes into an HTTP header */
+        if (!ok) {
+            r = cs_fail(CS_EINVAL,
+                        "%s:%zu: \"tenant\" must be 1..%d bytes, no blanks or control "
+                        "characters",
+                        path, line, CS_LG_TENANT_NAME);
             goto done;
         }
         if (!(out->tenant = strdup(t->valuestring))) goto nomem;
@@ -292,6 +297,8 @@ int cs_lg_tenants_parse(const char *spec, cs_lg_workload *w) {
         memcpy(buf, p, len);
         buf[len] = 0;
         char *eq = strchr(buf, '=');
+        for (const char *c = buf; eq && c < eq; c++)
+            if ((unsigned char)*c <= ' ' || *c == 0x7f) eq = NULL; /* an HTTP header's value */
         if (!eq || eq == buf || (size_t)(eq - buf) > CS_LG_TENANT_NAME)
             return bad_tenant(p, len, "not NAME=WEIGHT[:WORKLOAD[:PRIORITY]] (a name of 1..64 bytes)");
         if (w->n_tenants == CS_LG_MAX_TENANTS) return bad_tenant(p, len, "more than 16 tenants");

@@ -772,7 +772,7 @@ static size_t c_pending_bytes(cs_gen_call *g) {
 
 static int c_on_cancel(cs_gen_call *g, cs_gen_cancel_fn fn, void *arg) {
     oa_choice *c = (oa_choice *)g;
-    if (c->oc->closed) return CS_ECANCELED;
+    if (c->oc->closed || c->oc->failed) return CS_ECANCELED; /* the answer is a failure now */
     c->cancel_fn = fn;
     c->cancel_arg = arg;
     return 0;
@@ -1034,7 +1034,7 @@ static void route_generate(cs_openai *s, cs_http_req *req, cs_http_res *res, boo
         c->base.ops = &choice_ops;
         c->base.req = &oc->rq.req[i];
         c->base.key_tenant = key_tenant;
-        c->base.sibling = i > 0;
+        c->base.sibling = i % oc->rq.n != 0; /* n > 1: a later choice of its prompt */
         c->oc = oc;
         c->index = i;
         c->stop_token = -1;

@@ -13,7 +13,7 @@ double cs_rate_get(const cs_rate *r, double now, double tau) {
     if (r->t0 == 0) return 0;
     double v = now > r->t ? r->v * exp(-(now - r->t) / tau) : r->v;
     /* the decayed sum of a steady rate x over an age a is x tau (1 - e^(-a/tau)) */
-    double age = now - r->t0, least = tau < 5 ? tau : 5; /* the first 5 s count as 5 s */
+    double age = now - r->t0, least = tau < 5 ? tau : 5; /* read as at least min(tau, 5 s) old */
     return v / (tau * (1 - exp(-(age > least ? age : least) / tau)));
 }
 

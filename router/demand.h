@@ -13,14 +13,14 @@
  * requests still waiting for their first token over what a replica
  * computes in --autoscale-drain-s (the router's own: a sum over routers
  * counts each once). Rates are
- * exponentially decayed counters (a window of tau seconds; the first window
- * is scaled by what of it has passed, at least 5 s, so a fresh router reads
+ * exponentially decayed counters (a window of tau seconds; until min(tau,
+ * 5 s) have passed the sum is read as if they had, so a fresh router reads
  * neither a lull nor one request as a flood); prompt tokens count when a
  * request arrives (before any queue: the leading part), output tokens as
  * they are relayed;
  * capacities are the mean over usable workers that report one (a worker
- * still fitting its step model reports 0 and is left out: warm-up samples
- * do not count). The value is a count from the pool's total load: at
+ * that has computed no prompt yet reports 0 and is left out; one whose step
+ * model is not fitted yet reports its measured rate). The value is a count from the pool's total load: at
  * scale-down the survivors take load / (N - 1) each, which the count
  * already is, so an autoscaler targeting it (AverageValue 1, summed over
  * routers) never removes a replica the others cannot absorb. Pure: tested

@@ -118,6 +118,12 @@ static void on_prepared(void *arg, cs_gen_call *c, uint64_t seq, double t_recv, 
         cs_gen_call_finish(c, CS_RPC_UNAVAILABLE, "the router is shutting down");
         return;
     }
+    /* demand counts as it arrives, refused or not (a refusal is demand unmet), by where
+     * its prompt will be prefilled (request.c start_attempt) */
+    bool remote = w.r.n_prompt >= r->o->local_prefill_threshold &&
+                  cs_pool_n_usable(r->pool, CS_POOL_PREFILL) > 0;
+    cs_rate_add(remote ? &r->prompt_demand : &r->local_demand, w.r.n_prompt, cs_now(),
+                r->o->autoscale_window_s);
     bool queue = r->n_placed >= r->o->max_inflight || r->qhead;
     if (queue && r->n_queued >= r->o->max_queue) {
         char msg[200];
@@ -173,9 +179,6 @@ static void on_prepared(void *arg, cs_gen_call *c, uint64_t seq, double t_recv, 
     q->call = c;
     q->seq = seq;
     q->predicted_ttft = isfinite(predicted) ? predicted : 0;
-    cs_rate_add(w.r.n_prompt >= r->o->local_prefill_threshold ? &r->prompt_demand
-                                                              : &r->local_demand,
-                w.r.n_prompt, cs_now(), r->o->autoscale_window_s);
     if (seq == r->fault_seq) memcpy(q->fault_worker, r->fault_worker, sizeof q->fault_worker);
     q->ctx = w.prompt; /* taken over */
     q->n_ctx = q->cap_ctx = (size_t)w.r.n_prompt;
@@ -401,10 +404,18 @@ static void update_metrics(cs_proc *p, void *arg) {
                        .decode_prefill_cap = dp,
                        .utilization = r->o->autoscale_utilization,
                        .drain_s = r->o->autoscale_drain_s};
-        for (const req *q = r->live; q; q = q->next) /* its requests before their first token */
-            if (q->n_relayed == 0 && q->state != RQ_ENDED && q->state != RQ_STREAMING)
-                *(q->n_prompt >= r->o->local_prefill_threshold ? &d.prompt_backlog
-                                                               : &d.local_backlog) += q->n_prompt;
+        /* its requests before their first token: where they are prefilled once placed
+         * (q->local: a local prefill streams from admission, its prompt not computed yet) */
+        bool any_prefill = cs_pool_n_usable(r->pool, CS_POOL_PREFILL) > 0;
+        for (const req *q = r->live; q; q = q->next) {
+            bool placed = q->state == RQ_ADMITTING || q->state == RQ_PREFILL ||
+                          q->state == RQ_STREAMING;
+            if (q->n_relayed > 0 || q->state == RQ_ENDED || (q->state == RQ_STREAMING && !q->local))
+                continue;
+            bool remote = placed ? !q->local
+                                 : q->n_prompt >= r->o->local_prefill_threshold && any_prefill;
+            *(remote ? &d.prompt_backlog : &d.local_backlog) += q->n_prompt;
+        }
         cs_metric_set(r->m.wanted[CS_POOL_PREFILL], cs_demand_prefill_replicas(&d));
         cs_metric_set(r->m.wanted[CS_POOL_DECODE], cs_demand_decode_replicas(&d));
         cs_metric_set(r->m.demand[CS_POOL_PREFILL], d.prompt_rate);

@@ -1074,7 +1074,8 @@ void cs_sched_ttft_load(const cs_sched *s, cs_ttft_load *L) {
     if (!(target > 0)) return;
     const double ctx = L->dec_tokens > 0 ? L->dec_pairs / L->dec_tokens : 1024;
     double n = s->p.max_num_seqs > 0 ? s->p.max_num_seqs : 256;
-    double fit = (double)cs_kv_cache_n_pages(s->kv) * s->page_size / (ctx + 1);
+    int32_t per_seq = cs_kv_cache_seq_pages(s->kv, (int32_t)(ctx < 1e9 ? ctx : 1e9) + 1);
+    double fit = (double)cs_kv_cache_n_pages(s->kv) / (per_seq > 0 ? per_seq : 1);
     if (fit < n) n = fit > 1 ? floor(fit) : 1;
 #define DECODES(k) cs_step_model_eval(L->w, (k), (k) * ctx, (k))
     if (DECODES(n) > target) {

@@ -53,7 +53,6 @@ int cs_rpc_code_of_status(int status) {
     case CS_ENOTSUP:
     case CS_ENOSYS: return CS_RPC_FAILED_PRECONDITION;
     case CS_EEXIST: return CS_RPC_ALREADY_EXISTS;
-    case CS_EPERM:
     case CS_EACCES: return CS_RPC_PERMISSION_DENIED;
     case CS_ETIMEDOUT: return CS_RPC_DEADLINE_EXCEEDED;
     case CS_ECANCELED: return CS_RPC_CANCELLED;

@@ -546,12 +546,14 @@ def test_autoscaling_targets(renders, name):
                 spec = m[m["type"].lower()]
                 q = str(spec["target"]["averageValue"])
                 targets[spec["metric"]["name"]] = float(q[:-1]) / 1000 if q.endswith("m") else float(q)
-        # predictive: the routers' replicas wanted, target 1, instead of the queue's target
-        queue = [math.ceil(a["prefillTokensPerSecond"] * a["backlogSeconds"])] if role == "prefill" \
-            else [a["waitingRequestsPerReplica"]]
-        want = [1.0] if a["signal"] == "predictive" else queue
-        if role == "decode":
-            want.append(a["kvCacheUsageTarget"])
+        # predictive: the routers' replicas wanted, target 1: instead of the prefill queue's
+        # target, beside the decode pool's two
+        if role == "prefill":
+            want = [1.0] if a["signal"] == "predictive" else \
+                [math.ceil(a["prefillTokensPerSecond"] * a["backlogSeconds"])]
+        else:
+            want = [a["kvCacheUsageTarget"], a["waitingRequestsPerReplica"]] + \
+                ([1.0] if a["signal"] == "predictive" else [])
         assert sorted(targets.values()) == sorted(want), f"{role} targets {targets}, want {want}"
 
 

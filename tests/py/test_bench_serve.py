@@ -305,6 +305,11 @@ def test_tenants_draw_by_weight_and_their_workloads(chunkserve_bin):
 
 
 def test_tenants_and_priorities_in_the_report(chunkserve_bin, server):
+    # steps of several sizes first, so that the server's step model is fitted (it predicts
+    # TTFTs from then on), whatever ran before on it
+    warm = bench(chunkserve_bin, "--target", server.addr, "--workload", "chat", "--requests", 8,
+                 "--arrival", "closed", "--concurrency", 2, "--quiet", "--seed", 9)
+    assert warm.returncode == 0, warm.stderr
     r = bench(chunkserve_bin, "--target", server.addr, "--workload", "chat", "--requests", 16,
               "--tenants", "a=1::0,b=3::5", "--arrival", "closed", "--concurrency", 4,
               "--save-requests", "--quiet", "--seed", 2)
@@ -326,8 +331,8 @@ def test_tenants_and_priorities_in_the_report(chunkserve_bin, server):
     assert set(p["priorities"]) == {"0", "5"}
     assert all(q["priority"] == (0 if q["tenant"] == "a" else 5) for q in reqs)
     assert p["priorities"]["5"]["requests"] == p["tenants"]["b"]["requests"]
-    # the server predicts each request's TTFT once its step model is fitted (earlier tests
-    # ran on it): the report compares the predictions with the TTFTs measured here
+    # the server predicts each request's TTFT once its step model is fitted (the warm-up):
+    # the report compares the predictions with the TTFTs measured here
     e = p["ttft_prediction_error"]
     assert 1 <= e["n"] <= 16 and e["p50"] >= 0 and 0 <= e["within_20pct"] <= 1
     assert e["n"] == sum(1 for q in reqs if "predicted_ttft_ms" in q)
@@ -372,6 +377,7 @@ def test_the_tenant_is_sent(chunkserve_bin, tiny_model, pb, tmp_path):  # noqa: 
     (["--dry-run", "--tenants", "a=1,a=2"], "named twice"),
     (["--dry-run", "--tenants", "a=1:chats"], "chat, rag or summarize"),
     (["--dry-run", "--tenants", "a=1:chat:-1"], "the priority must be an integer"),
+    (["--dry-run", "--tenants", "a b=1"], "not NAME=WEIGHT"),
 ])
 def test_bad_arguments(chunkserve_bin, args, words):
     r = bench(chunkserve_bin, *args)

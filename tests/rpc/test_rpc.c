@@ -468,6 +468,7 @@ static void test_code_of_status(void) {
     CHECK_EQ(cs_rpc_code_of_status(CS_ECANCELED), CS_RPC_CANCELLED);
     CHECK_EQ(cs_rpc_code_of_status(CS_EBADMSG), CS_RPC_DATA_LOSS);
     CHECK_EQ(cs_rpc_code_of_status(CS_ECONNRESET), CS_RPC_UNAVAILABLE);
+    CHECK_EQ(cs_rpc_code_of_status(CS_EACCES), CS_RPC_PERMISSION_DENIED); /* a tenant not the key's */
     CHECK_EQ(cs_rpc_code_of_status(CS_EPERM), CS_RPC_INTERNAL);
 }
 

@@ -291,7 +291,7 @@ static void test_demand(void) {
     const double tau = 10;
     cs_rate r = {0};
     ASSERT_TRUE(cs_rate_get(&r, 100, tau) == 0);
-    cs_rate_add(&r, 500, 100, tau); /* one request of 500 tokens: 100 tokens/s over 5 s */
+    cs_rate_add(&r, 500, 100, tau); /* one request of 500 tokens, read as 5 s old: 127/s */
     ASSERT_TRUE(fabs(cs_rate_get(&r, 100, tau) - 500 / (tau * (1 - exp(-0.5)))) < 1e-9);
     /* 1,000 tokens/s, in 100-token requests every 0.1 s */
     double t = 100;

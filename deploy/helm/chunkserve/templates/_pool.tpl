@@ -7,7 +7,9 @@ What a pool scales on (docs/deploy.md), autoscaling.signal:
 - queue (default): prefill on its queued prefill tokens, decode on KV page usage
   and on the routers' waiting requests;
 - predictive: the routers' leading signal, chunkserve:pool_replicas_wanted
-  {role} (token rates over measured capacity), and for decode KV page usage too.
+  {role} (token rates over measured capacity); decode keeps KV page usage and
+  the routers' waiting requests beside it (pages, not rates, refuse work, and a
+  decode pool without a step-time target reports no decode capacity).
 */}}
 {{- define "chunkserve.pool" -}}
 {{- $root := .root }}
@@ -271,7 +273,7 @@ spec:
     # desired = ceil(sum of KV page usage fractions / {{ include "chunkserve.scalar" $as.kvCacheUsageTarget }})
     {{- include "chunkserve.promTrigger" (dict "root" $root "name" "kv-cache-usage" "query" (printf "sum(chunkserve:kv_cache_usage_perc{%s})" $sel) "threshold" (include "chunkserve.scalar" $as.kvCacheUsageTarget)) }}
     {{- end }}
-    {{- if and (eq $role "decode") (ne $as.signal "predictive") }}
+    {{- if eq $role "decode" }}
     # desired = ceil(requests waiting in the routers / {{ include "chunkserve.scalar" $as.waitingRequestsPerReplica }})
     {{- include "chunkserve.promTrigger" (dict "root" $root "name" "router-requests-waiting" "query" (printf "sum(chunkserve:num_requests_waiting{%s})" $routerSel) "threshold" (include "chunkserve.scalar" $as.waitingRequestsPerReplica)) }}
     {{- end }}
@@ -327,7 +329,7 @@ spec:
           type: AverageValue
           averageValue: {{ round (mulf $as.kvCacheUsageTarget 1000) 0 | int64 | printf "%dm" | quote }}
     {{- end }}
-    {{- if and (eq $role "decode") (ne $as.signal "predictive") }}
+    {{- if eq $role "decode" }}
     # the routers' queue (an External metric: the series belong to the router pods, not this pool)
     - type: External
       external:
