@@ -26,7 +26,9 @@ The set-up, as on Kubernetes:
     prefill: External AverageValue on the router's chunkserve:pool_replicas_wanted{role=
              "prefill"} (the prompt token rate over the workers' measured prefill rate, and
              the router's own backlog to serve within DRAIN_S), target 1;
-    decode:  max over the same for role="decode" and the KV page usage above.
+    decode:  max over the same for role="decode" and the KV page usage above (the chart
+             keeps the routers' waiting requests too; left out here, so that the
+             comparison is of the signals).
 
 Compressed clock: 1 test second = CLOCK (10) HPA seconds.  Every HPA duration (sync period 15 s,
 windows, policy periods) is divided by CLOCK; pod lifecycle times (preStop, grace) are stated in
