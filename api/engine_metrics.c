@@ -67,8 +67,6 @@ const cs_metric_def cs_engine_metrics_table[] = {
 const size_t cs_engine_metrics_n = sizeof cs_engine_metrics_table / sizeof *cs_engine_metrics_table;
 #undef M
 
-static const double ttft_error_buckets[] = {0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2, 5};
-
 #define M(f) offsetof(cs_token_metrics, f)
 const cs_metric_def cs_token_metrics_table[] = {
     {M(ttft), "chunkserve:time_to_first_token_seconds", CS_METRIC_HISTOGRAM, NULL,
@@ -79,7 +77,7 @@ const cs_metric_def cs_token_metrics_table[] = {
     {M(ttft_error), "chunkserve:ttft_prediction_error_ratio", CS_METRIC_HISTOGRAM, NULL,
      "|predicted - measured| / measured time to first token of the requests whose TTFT was "
      "predicted at admission (the median is the predictor's accuracy)",
-     ttft_error_buckets, sizeof ttft_error_buckets / sizeof ttft_error_buckets[0]},
+     cs_metrics_error_buckets, 0},
 };
 const size_t cs_token_metrics_n = sizeof cs_token_metrics_table / sizeof *cs_token_metrics_table;
 #undef M

@@ -259,7 +259,6 @@ static void handle_generate(cs_rpc_call *rpc, void *data) {
 
 /* ---------------------------------------------------------- metrics -- */
 
-static const double ttft_error_buckets[] = {0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2, 5};
 static const double e2e_buckets[] = {0.05, 0.1, 0.25, 0.5, 1,   2.5, 5,
                                      10,   20,  40,   60,  120, 300, 600};
 static const double overhead_buckets[] = {1e-5, 5e-5, 1e-4,  2.5e-4, 5e-4, 1e-3, 2.5e-3,
@@ -311,7 +310,7 @@ static const cs_metric_def router_metrics[] = {
     {M(ttft_error), "chunkserve:ttft_prediction_error_ratio", CS_METRIC_HISTOGRAM, NULL,
      "|predicted - measured| / measured time to first token of the requests whose TTFT was "
      "predicted at admission (from the workers' queued prompt tokens and prefill rates)",
-     ttft_error_buckets, sizeof ttft_error_buckets / sizeof ttft_error_buckets[0]},
+     cs_metrics_error_buckets, 0},
     {M(ttft_refused), "chunkserve:requests_refused_ttft_total", CS_METRIC_COUNTER, NULL,
      "Requests refused early (RESOURCE_EXHAUSTED / 429 + Retry-After) because the workers' "
      "queues put their predicted time to first token over --ttft-slo-ms.",

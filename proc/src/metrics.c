@@ -236,6 +236,9 @@ const double cs_metrics_itl_buckets[] = {0.001, 0.005, 0.01, 0.025, 0.05, 0.075,
                                          0.3,   0.4,   0.5,  0.75,  1.0,  2.5,   5.0, 7.5,  10.0};
 const size_t cs_metrics_n_itl_buckets =
     sizeof cs_metrics_itl_buckets / sizeof cs_metrics_itl_buckets[0];
+const double cs_metrics_error_buckets[] = {0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1, 2, 5};
+const size_t cs_metrics_n_error_buckets =
+    sizeof cs_metrics_error_buckets / sizeof cs_metrics_error_buckets[0];
 
 /* Growable text buffer; a failed allocation sticks and is reported once. */
 typedef struct {
@@ -377,6 +380,7 @@ void cs_metrics_register_table(cs_metrics *m, const cs_metric_def *t, size_t n, 
             size_t nb = t[i].n_buckets;
             if (!nb && t[i].buckets == cs_metrics_ttft_buckets) nb = cs_metrics_n_ttft_buckets;
             if (!nb && t[i].buckets == cs_metrics_itl_buckets) nb = cs_metrics_n_itl_buckets;
+            if (!nb && t[i].buckets == cs_metrics_error_buckets) nb = cs_metrics_n_error_buckets;
             CS_ASSERT(t[i].buckets && nb > 0);
             *slot = cs_metrics_histogram(m, t[i].name, t[i].labels, t[i].help, t[i].buckets, nb);
             break;

@@ -79,6 +79,9 @@ extern const double cs_metrics_ttft_buckets[]; /* 1 ms .. 60 s */
 extern const size_t cs_metrics_n_ttft_buckets;
 extern const double cs_metrics_itl_buckets[]; /* 1 ms .. 10 s */
 extern const size_t cs_metrics_n_itl_buckets;
+/* For relative errors (|predicted - measured| / measured): 5% .. 500%. */
+extern const double cs_metrics_error_buckets[];
+extern const size_t cs_metrics_n_error_buckets;
 
 /* Renders every series as Prometheus text into a malloc'd, NUL-terminated
  * buffer (*len bytes without the NUL). CS_ENOMEM. Thread-safe. */
