@@ -295,6 +295,41 @@ class FaultProxy:
                 pass
 
 
+class Flood:
+    """n long token-id prompts (n_tokens each, 2 output tokens) sent at once, one thread each,
+    through stub (a GenerationStub) with metadata and GenerateRequest fields; the ones that
+    ended well in `done`, in order, the failures in `errors`. seed varies the prompts."""
+
+    def __init__(self, stub, g, n: int, n_tokens: int, seed=0, metadata=None, **fields):
+        self.done: list[int] = []
+        self.errors: list[BaseException] = []
+        self._lock = threading.Lock()
+
+        def one(i):
+            try:
+                ids = [(7 * (seed + i) + k) % 300 + 3 for k in range(n_tokens)]
+                req = g.GenerateRequest(token_ids=g.TokenIds(ids=ids), sampling=g.SamplingParams(
+                    max_tokens=2, ignore_eos=True), **fields)
+                list(stub.Generate(req, timeout=300, metadata=metadata))
+                with self._lock:
+                    self.done.append(i)
+            except BaseException as e:  # noqa: BLE001 - the caller asserts on errors
+                self.errors.append(e)
+
+        self._threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+        for t in self._threads:
+            t.start()
+
+    def n_done(self) -> int:
+        with self._lock:
+            return len(self.done)
+
+    def join(self, timeout=300.0):
+        for t in self._threads:
+            t.join(timeout)
+        assert not self.errors, self.errors
+
+
 def wait_for(cond, timeout: float, what: str, interval=0.05):
     """Polls cond() until it returns something true (returned); fails the test, naming
     `what`, after timeout seconds."""

@@ -7,14 +7,13 @@ tenants and shares are refused by name."""
 from __future__ import annotations
 
 import subprocess
-import threading
 
 import pytest
 
 grpc = pytest.importorskip("grpc")
 openai = pytest.importorskip("openai")
 
-from cluster_harness import wait_for  # noqa: E402
+from cluster_harness import Flood, wait_for  # noqa: E402
 from test_openai import Serve, pb, tiny_model  # noqa: E402,F401  (fixtures)
 
 FLOOD, FLOOD_TOKENS = 6, 1000
@@ -33,37 +32,16 @@ def served(chunkserve_bin, model_path, pb):
 def flood_then_chat(served, flood_tenant: dict, flood_metadata, chat):
     """FLOOD long prompts of one tenant queue up; then chat() asks as another. Returns how many
     of the flood had finished when the chat's answer came."""
-    g = served.pb.generation_pb2
-    done: list[str] = []
-    errors: list[BaseException] = []
-    lock = threading.Lock()
-
-    def flood(i):
-        try:
-            req = g.GenerateRequest(token_ids=g.TokenIds(ids=[(7 * i + k) % 300 + 3
-                                                             for k in range(FLOOD_TOKENS)]),
-                                    sampling=g.SamplingParams(max_tokens=2, ignore_eos=True),
-                                    **flood_tenant)
-            list(served.stub.Generate(req, timeout=300, metadata=flood_metadata))
-            with lock:
-                done.append(f"flood-{i}")
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append(e)
-
-    threads = [threading.Thread(target=flood, args=(i,)) for i in range(FLOOD)]
-    for t in threads:
-        t.start()
+    f = Flood(served.stub, served.pb.generation_pb2, FLOOD, FLOOD_TOKENS,
+              metadata=flood_metadata, **flood_tenant)
     # every flood request queued or running before the other tenant asks
-    wait_for(lambda: served.status().num_running + served.status().num_waiting >= FLOOD or errors,
+    wait_for(lambda: served.status().num_running + served.status().num_waiting >= FLOOD or f.errors,
              60, "the flood queued")
     r = chat()
-    with lock:
-        flood_done_before = len(done)
-    for t in threads:
-        t.join(300)
-    assert not errors, errors
+    flood_done_before = f.n_done()
+    f.join()
     assert r.choices[0].finish_reason == "length"
-    assert len(done) == FLOOD
+    assert len(f.done) == FLOOD
     return flood_done_before
 
 
@@ -159,3 +137,20 @@ def test_bad_shares_stop_the_server_at_start(chunkserve_bin, tiny_model, shares,
     assert p.returncode != 0
     err = p.stderr.decode()
     assert "--tenant-shares" in err and says in err, err
+
+
+@pytest.mark.parametrize("lines, says", [
+    ("long-key-0123 team a\n", "a line is KEY or KEY TENANT: this one has more fields"),
+    ("long-key-0123 a\nlong-key-0123 b\n", "an API key is given twice"),
+    ("long-key-0123 " + "t" * 65 + "\n", "a tenant name has 65 bytes"),
+    ("short a\n", "an API key has 5 bytes"),
+])
+def test_bad_key_files_stop_the_server_at_start(chunkserve_bin, tiny_model, tmp_path, lines, says):
+    keys = tmp_path / "keys"
+    keys.write_text(lines)
+    p = subprocess.run([str(chunkserve_bin), "serve", "--model", str(tiny_model), "--port", "0",
+                        "--api-key-file", str(keys)], capture_output=True, timeout=60)
+    assert p.returncode != 0
+    err = p.stderr.decode()
+    assert "--api-key-file" in err and says in err, err
+    assert "long-key-0123" not in err and "short" not in err  # never a key in a message

@@ -9,7 +9,6 @@ ahead (6,000 prompt tokens in 64-token steps) is far over the 100 ms bound on an
 from __future__ import annotations
 
 import subprocess
-import threading
 import time
 import urllib.request
 
@@ -20,7 +19,7 @@ openai = pytest.importorskip("openai")
 status_pb2 = pytest.importorskip("google.rpc.status_pb2")
 error_details_pb2 = pytest.importorskip("google.rpc.error_details_pb2")
 
-from cluster_harness import Cluster, metric, wait_for  # noqa: E402
+from cluster_harness import Cluster, Flood, metric, wait_for  # noqa: E402
 from test_openai import Serve, pb, tiny_model  # noqa: E402,F401  (fixtures)
 
 FLOOD, FLOOD_TOKENS = 6, 1000
@@ -60,21 +59,8 @@ def test_a_request_over_its_bound_is_refused_early(chunkserve_bin, model_path, p
                                   sampling=g.SamplingParams(max_tokens=2, priority=5))
         assert list(s.stub.Generate(quick, timeout=60))[-1].finish_reason
 
-        errors: list[BaseException] = []
-
-        def flood(i):
-            try:
-                req = g.GenerateRequest(token_ids=g.TokenIds(ids=[(7 * i + k) % 300 + 3
-                                                                 for k in range(FLOOD_TOKENS)]),
-                                        sampling=g.SamplingParams(max_tokens=2, ignore_eos=True))
-                list(s.stub.Generate(req, timeout=300))
-            except BaseException as e:  # noqa: BLE001 - reported below
-                errors.append(e)
-
-        threads = [threading.Thread(target=flood, args=(i,)) for i in range(FLOOD)]
-        for t in threads:
-            t.start()
-        wait_for(lambda: s.status().num_running + s.status().num_waiting >= FLOOD or errors, 60,
+        f = Flood(s.stub, g, FLOOD, FLOOD_TOKENS)
+        wait_for(lambda: s.status().num_running + s.status().num_waiting >= FLOOD or f.errors, 60,
                  "the flood queued")
         # priority 5 behind 6,000 prompt tokens: refused at once, with when to retry
         with pytest.raises(grpc.RpcError) as e:
@@ -93,9 +79,7 @@ def test_a_request_over_its_bound_is_refused_early(chunkserve_bin, model_path, p
         last = list(s.stub.Generate(g.GenerateRequest(
             prompt="hello there", sampling=g.SamplingParams(max_tokens=2)), timeout=300))[-1]
         assert last.finish_reason and last.usage.predicted_ttft_seconds > 0.1
-        for t in threads:
-            t.join(300)
-        assert not errors, errors
+        f.join()
         # the queue drained: the refused request is admitted now
         assert list(s.stub.Generate(quick, timeout=60))[-1].finish_reason
         m = metrics(s)
@@ -134,22 +118,9 @@ def test_the_router_refuses_early_from_the_workers_queues(bin_dir, model_path, p
                 max_tokens=2, ignore_eos=True)), timeout=120))
         wait_for(lambda: c.status(c.prefill[0]).prefill_tokens_per_second > 0, 30,
                  "the prefill worker reports its rate")
-        errors: list[BaseException] = []
-
-        def flood(i):
-            try:
-                list(c.stub.Generate(g.GenerateRequest(token_ids=ids(FLOOD_TOKENS, 10 + i),
-                                                       sampling=g.SamplingParams(
-                                                           max_tokens=2, ignore_eos=True)),
-                                     timeout=300))
-            except BaseException as e:  # noqa: BLE001 - reported below
-                errors.append(e)
-
-        threads = [threading.Thread(target=flood, args=(i,)) for i in range(FLOOD)]
-        for t in threads:
-            t.start()
+        f = Flood(c.stub, g, FLOOD, FLOOD_TOKENS, seed=10)
         wait_for(lambda: c.status(c.prefill[0]).queued_prefill_tokens >= 3 * FLOOD_TOKENS
-                 or errors, 60, "the flood queued on the prefill worker")
+                 or f.errors, 60, "the flood queued on the prefill worker")
         late = g.GenerateRequest(token_ids=ids(600, 99),
                                  sampling=g.SamplingParams(max_tokens=2, priority=5))
         with pytest.raises(grpc.RpcError) as e:
@@ -161,9 +132,7 @@ def test_the_router_refuses_early_from_the_workers_queues(bin_dir, model_path, p
         last = list(c.stub.Generate(g.GenerateRequest(token_ids=ids(600, 98), sampling=g.SamplingParams(
             max_tokens=2)), timeout=300))[-1]
         assert last.finish_reason and last.usage.predicted_ttft_seconds > 0.1
-        for t in threads:
-            t.join(300)
-        assert not errors, errors
+        f.join()
         c.wait_idle()
         # the router's view of the queue is as old as its last status poll: follow RetryInfo
         refused = 1
