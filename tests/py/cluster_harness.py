@@ -343,6 +343,15 @@ def wait_for(cond, timeout: float, what: str, interval=0.05):
         time.sleep(interval)
 
 
+def wait_metric(p, name: str, labels: str, value: float, at_least=False, timeout=30.0):
+    """Waits for p's series to reach value (or at least value): a sender's transfer
+    counters move when the receiver's acknowledgement reaches it, which can come after
+    the client's last token."""
+    ok = (lambda v: v >= value) if at_least else (lambda v: v == value)
+    wait_for(lambda: ok(p.metric(name, labels)), timeout,
+             f"{p.name}'s {name}{{{labels}}} {'>=' if at_least else '=='} {value}")
+
+
 class Cluster:
     """n_prefill + n_decode workers behind a router, on loopback."""
 

@@ -15,7 +15,7 @@ import time
 import grpc
 import pytest
 
-from cluster_harness import Cluster, Proc, generate, metric
+from cluster_harness import Cluster, Proc, generate, metric, wait_for
 
 pytestmark = pytest.mark.cluster
 
@@ -93,10 +93,13 @@ def test_32_mixed_requests_exact(cluster, workload, pb, cli):
     rm = cluster.router.metrics()
     assert metric(rm, "chunkserve:prefills_total", 'path="local"') >= 8
     assert metric(rm, "chunkserve:prefills_total", 'path="remote"') >= 8
+    def sent_since():  # the senders count a transfer when its acknowledgement comes back
+        return sum(p.metric("chunkserve:kv_transfers_completed_total") -
+                   metric(b, "chunkserve:kv_transfers_completed_total")
+                   for p, b in zip(cluster.prefill, before[:2]))
+    wait_for(lambda: sent_since() >= 8, 30, "the prefill workers to count 8 transfers completed")
+    sent = sent_since()
     after = [p.metrics() for p in cluster.prefill + cluster.decode]
-    sent = sum(metric(a, "chunkserve:kv_transfers_completed_total") -
-               metric(b, "chunkserve:kv_transfers_completed_total")
-               for a, b in zip(after[:2], before[:2]))
     received = sum(metric(a, "chunkserve:kv_transfers_completed_total") -
                    metric(b, "chunkserve:kv_transfers_completed_total")
                    for a, b in zip(after[2:], before[2:]))

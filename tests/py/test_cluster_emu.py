@@ -22,7 +22,8 @@ import pytest
 grpc = pytest.importorskip("grpc")
 pytest.importorskip("grpc_tools.protoc")  # stubs: conftest.proto_modules
 
-from cluster_harness import Proc, Reference, generate, make_tiny, metric, wait_for  # noqa: E402
+from cluster_harness import (Proc, Reference, generate, make_tiny, metric, wait_for,  # noqa: E402
+                             wait_metric)
 
 pytestmark = pytest.mark.emu
 
@@ -167,6 +168,7 @@ def test_gpu_cluster_path_gives_single_process_tokens(bin_dir, emu_bins, model, 
 
     # Every prompt went through the prefill worker and its pages over the NCCL payload:
     # several chunks per long prompt, every transfer acknowledged, none failed.
+    wait_metric(prefill, "chunkserve:kv_transfers_completed_total", "", len(PROMPTS))
     rm, pm = r.metrics(), prefill.metrics()
     assert metric(rm, "chunkserve:prefills_total", 'path="remote"') == len(PROMPTS), rm
     assert metric(pm, "chunkserve:kv_transfers_completed_total") == len(PROMPTS), pm

@@ -31,7 +31,7 @@ import pytest
 grpc = pytest.importorskip("grpc")
 pytest.importorskip("grpc_tools.protoc")
 
-from cluster_harness import Proc, make_pki, make_tiny, metric, wait_for  # noqa: E402
+from cluster_harness import Proc, make_pki, make_tiny, metric, wait_for, wait_metric  # noqa: E402
 
 pytestmark = pytest.mark.deploy
 
@@ -237,7 +237,7 @@ def test_credentials_rotate_under_traffic(bin_dir, proto_modules, pki, tmp_path)
         wait_for(lambda: usable(r2, "prefill") == 1 and usable(r2, "decode") == 1, 30,
                  "the router to reach the new prefill worker")
         assert generate(r2) == want
-        assert pre2.metric("chunkserve:kv_transfers_completed_total") >= 1
+        wait_metric(pre2, "chunkserve:kv_transfers_completed_total", "", 1, at_least=True)
     finally:
         stop.set()
         codes = {p.name: p.stop() for p in reversed(procs)}

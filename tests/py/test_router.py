@@ -34,7 +34,8 @@ grpc = pytest.importorskip("grpc")
 pytest.importorskip("grpc_tools.protoc")  # stubs: conftest.proto_modules
 
 from cluster_harness import (Cluster, Proc, Reference, exported_series,  # noqa: E402
-                             generate, make_tiny, metric, wait_for, wait_idle, worker_status)
+                             generate, make_tiny, metric, wait_for, wait_idle, wait_metric,
+                             worker_status)
 from refusals import FIELD_CASES, generate_request, refusal_field  # noqa: E402
 
 pytestmark = pytest.mark.cluster
@@ -556,12 +557,6 @@ def log_line(p, request_id, contains=""):
                 return line
         return ""
     return wait_for(find, 30, f"{p.name} to log the end of {request_id} with {contains!r}")
-
-
-def wait_metric(p, name, labels, value):
-    """Waits for p's series to reach value (counters a worker updates as a transfer's end
-    reaches it, which can come after the client's last token)."""
-    wait_for(lambda: p.metric(name, labels) == value, 30, f"{p.name}'s {name}{{{labels}}} == {value}")
 
 
 def test_local_prefill_stream(cl, pb, reference):

@@ -30,7 +30,8 @@ import pytest
 grpc = pytest.importorskip("grpc")
 pytest.importorskip("grpc_tools.protoc")
 
-from cluster_harness import Proc, make_pki, make_tiny, metric, rpc_token, wait_for  # noqa: E402
+from cluster_harness import (Proc, make_pki, make_tiny, metric, rpc_token, wait_for,  # noqa: E402
+                             wait_metric)
 
 pytestmark = pytest.mark.cluster
 
@@ -119,7 +120,7 @@ def test_cluster_with_mutual_tls(bin_dir, model, pb, certs):
         ids = [(7 * j) % 300 + 1 for j in range(40)]
         out = run(stub, g, ids)
         assert len(out) == 8 and run(stub, g, ids) == out
-        assert pre.metric("chunkserve:kv_transfers_completed_total") >= 2
+        wait_metric(pre, "chunkserve:kv_transfers_completed_total", "", 2, at_least=True)
         ch.close()
 
         # the workers want a client certificate of their CA (the token alone is not enough)
