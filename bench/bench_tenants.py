@@ -12,13 +12,20 @@ TTFT predictor's error over the window's first tokens (chunkserve:ttft_predictio
 the median and the shares within 10/20/50%; goal: median <= 20%).
 Goals (issue 41): fair A p99 TTFT <= alone p99 + 2T; fair A p99 ITL <= 1.2T; fair B rate >= 90%
 of what A leaves (read against fcfs, where B takes all A waits for).
+A's answers are streamed with special tokens as text (skip_special_tokens false), so every token
+is an event and a gap between events is one token's: with them skipped, a template token gives an
+empty event and the next gap spans two tokens (two steps under the target).
+--cluster: the same on a 1+1 cluster (a router, one prefill and one decode worker, one engine
+thread each, both with the step-time target): A's short prompts prefill on the decode worker,
+B's long ones on the prefill worker; B's rate is the prefill worker's, the predictor error the
+router's.
 
-    python3 bench/bench_tenants.py [--model models/SmolLM2-135M-Instruct.Q4_1.gguf]
+    python3 bench/bench_tenants.py [--model models/SmolLM2-135M-Instruct.Q4_1.gguf] [--cluster]
         [--streams 4] [--flood 40] [--flood-tokens 3000] [--window 30] [--target-ms 200]
 """
 import argparse
 import json
-import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -73,8 +80,61 @@ def pct(xs, q):
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else float("nan")
 
 
-def run(bin_dir, model, args, mode):
-    p, ops, http = start(bin_dir, model, args.target_ms, args.threads)
+class Serve:
+    """One `chunkserve serve`: the OpenAI door, B's prompt tokens (the engine's less A's), the
+    predictor's error histogram."""
+
+    def __init__(self, args):
+        self.p, self.ops, self.http = start(Path(args.bin_dir), args.model, args.target_ms,
+                                            args.threads)
+        self.procs = [self.p]
+
+    def prompt_tokens(self, a_prompt):
+        return metric(self.ops, "chunkserve:prompt_tokens_total") - a_prompt
+
+    def error_buckets(self):
+        return buckets(self.ops, "chunkserve:ttft_prediction_error_ratio")
+
+
+class Cluster:
+    """A router, one decode and one prefill worker (one engine thread each): B's prompt tokens
+    are the prefill worker's (A's prompts prefill on the decode worker), the error the router's."""
+
+    def __init__(self, args):
+        b = Path(args.bin_dir)
+        engine = ["--model", args.model, "--port", "0", "--http-port", "0", "--threads", "1",
+                  "--step-time-target-ms", str(args.target_ms), "--max-queue", "4096",
+                  "--kv-cache-mib", "2048"]
+        self.procs = []
+        dec, _ = self._start([b / "chunkserve-decode", *engine], 2)
+        pre, self.ops = self._start([b / "chunkserve-prefill", *engine, "--decode-workers", dec], 2)
+        _, self.router_ops, self.http = self._start([
+            b / "chunkserve-router", "--model", args.model, "--port", "0", "--http-port", "0",
+            "--openai-port", "0", "--max-queue", "4096", "--decode-workers", dec,
+            "--prefill-workers", pre], 3)
+        t_end = time.monotonic() + 60
+        while not all(metric(self.router_ops, f'chunkserve:workers_usable{{role="{r}"}}') == 1
+                      for r in ("prefill", "decode")):
+            if time.monotonic() > t_end:
+                raise SystemExit("the router did not reach both workers in 60 s")
+            time.sleep(0.2)
+
+    def _start(self, cmd, n_lines):
+        p = subprocess.Popen([str(c) for c in cmd], stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, text=True)
+        self.procs.append(p)
+        return [p.stdout.readline().split()[-1] for _ in range(n_lines)]
+
+    def prompt_tokens(self, a_prompt):
+        return metric(self.ops, "chunkserve:prompt_tokens_total")
+
+    def error_buckets(self):
+        return buckets(self.router_ops, "chunkserve:ttft_prediction_error_ratio")
+
+
+def run(args, mode):
+    target = (Cluster if args.cluster else Serve)(args)
+    http = target.http
     ta, tb = ("A", "B") if mode == "fair" else ("", "")
     stop = time.monotonic() + 10**9
     ttfts, itls, a_prompt = [], [], [0]
@@ -97,6 +157,7 @@ def run(bin_dir, model, args, mode):
             while time.monotonic() < stop:
                 body = {"model": name, "prompt": f"chat {k}.{n}: tell me about the weather",
                         "max_tokens": args.answer_tokens, "temperature": 0, "ignore_eos": True,
+                        "skip_special_tokens": False,  # one event a token (the docstring)
                         "stream": True, "stream_options": {"include_usage": True}}
                 t0 = last = time.monotonic()
                 first, gaps = None, []
@@ -132,21 +193,23 @@ def run(bin_dir, model, args, mode):
                         time.sleep(args.flood_every)
             threading.Thread(target=arrivals, daemon=True).start()
             time.sleep(2)  # the flood queued (at once), or began
-        p0, t0 = metric(ops, "chunkserve:prompt_tokens_total"), time.monotonic()
-        e0 = buckets(ops, "chunkserve:ttft_prediction_error_ratio")
+        p0, t0 = target.prompt_tokens(0), time.monotonic()
+        e0 = target.error_buckets()
         stop = t0 + args.window
         streams = [threading.Thread(target=stream, args=(k,), daemon=True)
                    for k in range(args.streams)]
         for t in streams:
             t.start()
         time.sleep(args.window)
-        rate_all = (metric(ops, "chunkserve:prompt_tokens_total") - p0) / (time.monotonic() - t0)
-        rate_b = rate_all - a_prompt[0] / args.window
-        err = error_summary(e0, buckets(ops, "chunkserve:ttft_prediction_error_ratio"))
+        with lock:
+            a_tokens = a_prompt[0]
+        rate_b = (target.prompt_tokens(a_tokens) - p0) / (time.monotonic() - t0)
+        err = error_summary(e0, target.error_buckets())
         return ttfts, itls, rate_b, err
     finally:
-        p.kill()
-        p.wait()
+        for p in target.procs:
+            p.kill()
+            p.wait()
 
 
 def main():
@@ -161,11 +224,11 @@ def main():
                     help="seconds between B's prompts (0: all at once)")
     ap.add_argument("--window", type=int, default=30)
     ap.add_argument("--target-ms", type=int, default=200)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2, help="serve's engine threads")
+    ap.add_argument("--cluster", action="store_true", help="a 1+1 cluster instead of serve")
     args = ap.parse_args()
-    bin_dir = Path(args.bin_dir)
     for mode in ("alone", "fair", "fcfs"):
-        t, i, rate_b, err = run(bin_dir, args.model, args, mode)
+        t, i, rate_b, err = run(args, mode)
         ms = lambda x: f"{x * 1e3:.0f}"  # noqa: E731
         print(f"{mode:5}: A answers {len(t)}, TTFT p50/p99/max {ms(pct(t, .5))}/{ms(pct(t, .99))}/"
               f"{ms(max(t) if t else float('nan'))} ms, ITL p50/p99/max {ms(pct(i, .5))}/"

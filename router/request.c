@@ -462,6 +462,23 @@ static int ctx_append(req *q, const int32_t *t, size_t n) {
  * id (the router's, on the first message only) and the final usage (the
  * router's counts, which stay right across migrations). Returns true when
  * the attempt ended here (the request finished or failed over). */
+/* A first token after measured seconds: what the queue part of its
+ * prediction left out, learnt for its pool (router.ttft_rest). Only a
+ * first attempt's: a retry's time is the failure's, not the queue's. */
+static void learn_ttft_rest(req *q, double measured) {
+    router *r = q->r;
+    int pool = q->predicted_pool;
+    if (pool < 0 || !isfinite(q->predicted_queue) || q->failures || q->retries || q->refusals)
+        return;
+    double rest = measured - q->predicted_queue;
+    if (!r->ttft_rest_set[pool]) {
+        r->ttft_rest[pool] = rest;
+        r->ttft_rest_set[pool] = true;
+    } else {
+        r->ttft_rest[pool] += (rest - r->ttft_rest[pool]) / 8;
+    }
+}
+
 static bool relay(req *q, Chunkserve__V1__GenerateResponse *out) {
     router *r = q->r;
     int fin = out->finish_reason;
@@ -500,6 +517,7 @@ static bool relay(req *q, Chunkserve__V1__GenerateResponse *out) {
             if (q->predicted_ttft > 0 && now > q->t_recv)
                 cs_metric_observe(r->m.ttft_error, fabs(q->predicted_ttft - (now - q->t_recv)) /
                                                        (now - q->t_recv));
+            learn_ttft_rest(q, now - q->t_recv);
             cs_metric_add(r->m.prompt_tokens, q->n_prompt);
         } else {
             cs_metric_observe(r->m.itl, now - q->t_last);

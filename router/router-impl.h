@@ -117,6 +117,8 @@ struct req {
     char *cache_salt;                         /* the client's, copied ("" when none) */
     char *tenant;                             /* the client's, copied ("" when none) */
     double predicted_ttft; /* seconds, predicted at admission (0: none) */
+    double predicted_queue; /* its queue part (cs_pool_ttft), by pool predicted_pool */
+    int predicted_pool;     /* enum cs_pool_role, or -1: none */
     uint64_t rng[4];
     bool have_rng;
     bool sent_first; /* the client has its first message (it carries the request id) */
@@ -197,6 +199,13 @@ struct router {
     } m;
     /* the leading autoscaling signal's rates (demand.h) */
     cs_rate prompt_demand, local_demand, output_demand;
+    /* What the queue model (cs_pool_ttft) leaves out of a time to first
+     * token, by the pool that predicted it: the hops, the step under way, a
+     * step's fixed cost. The mean of measured - predicted over recent first
+     * tokens (weight 1/8 to the newest; the first sets it), added to each
+     * prediction. */
+    double ttft_rest[2];
+    bool ttft_rest_set[2];
     uint64_t stalls_counted; /* cs_pool_loop_lag stalls already added to m.stalls */
     uint64_t trips_counted;  /* cs_pool_pair_trips already added to m.pair_trips */
 };

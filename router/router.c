@@ -138,11 +138,21 @@ static void on_prepared(void *arg, cs_gen_call *c, uint64_t seq, double t_recv, 
         return;
     }
     /* the TTFT the workers' queues predict (prefill pool for a long prompt,
-     * else the decode workers' own prefill) and the refusal it may bring */
-    double alone, predicted = NAN;
+     * else the decode workers' own prefill), what they leave out added, and
+     * the refusal it may bring */
+    double alone, queued = NAN;
+    int pool = CS_POOL_PREFILL;
     if (w.r.n_prompt >= r->o->local_prefill_threshold)
-        predicted = cs_pool_ttft(r->pool, CS_POOL_PREFILL, w.r.n_prompt, &alone);
-    if (isnan(predicted)) predicted = cs_pool_ttft(r->pool, CS_POOL_DECODE, w.r.n_prompt, &alone);
+        queued = cs_pool_ttft(r->pool, CS_POOL_PREFILL, w.r.n_prompt, &alone);
+    if (isnan(queued)) {
+        pool = CS_POOL_DECODE;
+        queued = cs_pool_ttft(r->pool, CS_POOL_DECODE, w.r.n_prompt, &alone);
+    }
+    double predicted = queued;
+    if (!isnan(queued) && r->ttft_rest_set[pool]) {
+        predicted = fmax(queued + r->ttft_rest[pool], 0);
+        alone = fmax(alone + r->ttft_rest[pool], 0);
+    }
     double bound = cs_slo_ttft_bound(&r->o->slo, w.r.priority);
     int64_t retry = cs_slo_refuse_ms(predicted, alone, bound);
     if (retry && !c->sibling) { /* a sibling goes with the first (gen_call.h) */
@@ -179,6 +189,8 @@ static void on_prepared(void *arg, cs_gen_call *c, uint64_t seq, double t_recv, 
     q->call = c;
     q->seq = seq;
     q->predicted_ttft = isfinite(predicted) ? predicted : 0;
+    q->predicted_queue = queued;
+    q->predicted_pool = isfinite(queued) ? pool : -1;
     if (seq == r->fault_seq) memcpy(q->fault_worker, r->fault_worker, sizeof q->fault_worker);
     q->ctx = w.prompt; /* taken over */
     q->n_ctx = q->cap_ctx = (size_t)w.r.n_prompt;

@@ -1278,24 +1278,64 @@ static bool fair_before(const seq *a, const seq *b) {
     return tenant_before(a->tn, b->tn);
 }
 
+/* Where a chunk of prompt work is due: its tenant's virtual tokens once
+ * the chunk the work would get now (room tokens of the budget left, the
+ * step's work so far w) is charged. Chunks go by this virtual finish
+ * (weighted fair queueing), not by the tenant's count before the chunk: by
+ * that, a tenant's short prompts arriving together would each wait for
+ * another tenant's whole chunk once the first of them put their tenant a
+ * few tokens ahead (one prompt a step). By finish they go first until
+ * their tenant is a chunk ahead, as a fluid share of the step serves them
+ * (and as cs_ttft_predict counts). Over many steps the shares are the
+ * same. */
+typedef struct {
+    int32_t room;
+    const step_work *w;
+    bool has_chunk;
+} chunk_room;
+
+static double finish_of(const cs_sched *s, const seq *q, const chunk_room *c) {
+    int32_t k = chunk_len(s, q->n_tokens - q->n_computed, c->room);
+    k = timed_chunk(s, q, pool_chunk(s, q, k), c->w, c->has_chunk);
+    return q->tn->vtokens + k / q->tn->weight;
+}
+
+/* Whether prompt work a (virtual finish fa) is due before b (fb): by
+ * priority, then finish, then tenant_before; false for one tenant's two
+ * (list order then: running before waiting, older before newer). */
+static bool due_before(const seq *a, double fa, const seq *b, double fb) {
+    if (a->priority != b->priority) return a->priority < b->priority;
+    if (a->tn == b->tn) return false;
+    if (fa != fb) return fa < fb;
+    return tenant_before(a->tn, b->tn);
+}
+
 /* The running prompt next due a chunk this step: part-way through, not held,
- * not yet tried this step; the first in fair order (list order on ties). */
-static seq *next_partial(const cs_sched *s) {
+ * not yet tried this step; the first by due_before (its finish in *f). */
+static seq *next_partial(const cs_sched *s, const chunk_room *c, double *f) {
     seq *best = NULL;
-    for (seq *q = s->running; q; q = q->next)
-        if (q->n_tokens - q->n_computed > 1 && !is_held(q) && q->chunk_stamp != s->stamp &&
-            (!best || fair_before(q, best)))
-            best = q;
+    for (seq *q = s->running; q; q = q->next) {
+        if (q->n_tokens - q->n_computed <= 1 || is_held(q) || q->chunk_stamp == s->stamp) continue;
+        if (best && q->priority > best->priority) continue;
+        double fq = finish_of(s, q, c);
+        if (!best || due_before(q, fq, best, *f)) best = q, *f = fq;
+    }
     return best;
 }
 
-/* The waiting request next in line: of the best priority waiting, the oldest
- * of the tenant with the fewest virtual tokens (the list is in arrival order
- * within a priority). */
-static seq *next_waiting(const cs_sched *s) {
+/* The waiting request next in line: of the best priority waiting (the list
+ * is in arrival order within a priority), the oldest of the tenant whose
+ * chunk is due first (due_before; its finish in *f). A tenant whose count
+ * is already past the best finish cannot be due first: not costed. */
+static seq *next_waiting(const cs_sched *s, const chunk_room *c, double *f) {
     seq *best = s->waiting;
-    for (seq *q = best ? best->next : NULL; q && q->priority == best->priority; q = q->next)
-        if (tenant_before(q->tn, best->tn)) best = q;
+    if (!best) return NULL;
+    *f = finish_of(s, best, c);
+    for (seq *q = best->next; q && q->priority == best->priority; q = q->next) {
+        if (q->tn == best->tn || q->tn->vtokens > *f) continue;
+        double fq = finish_of(s, q, c);
+        if (due_before(q, fq, best, *f)) best = q, *f = fq;
+    }
     return best;
 }
 
@@ -1384,8 +1424,9 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
     s->last.n_decode = n_spans;
 
     /* 2. prompt chunks, in the scheduler's order (priority, then the
-     * tenant's virtual tokens, then arrival: next_partial, next_waiting)
-     * over running sequences part-way through their prompt and waiting ones,
+     * tenant's virtual finish, then arrival: next_partial, next_waiting,
+     * due_before) over running sequences
+     * part-way through their prompt and waiting ones,
      * while budget, seats and pages last; a waiting one that cannot start
      * now stops the waiting queue (no overtaking within the order) */
     int32_t partial = 0;
@@ -1394,11 +1435,13 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
     int32_t plp_room = CS_SCHED_PROMPT_LOGPROB_ROWS;
     bool waiting_open = true, starved = false; /* starved: a running prompt found no pages */
     while (used < budget) {
-        seq *rq = next_partial(s);
-        seq *q = waiting_open ? next_waiting(s) : NULL;
+        const chunk_room room = {budget - used, &work, n_spans > s->last.n_decode};
+        double frq = 0, fq = 0;
+        seq *rq = next_partial(s, &room, &frq);
+        seq *q = waiting_open ? next_waiting(s, &room, &fq) : NULL;
         if (q && s->n_running >= s->p.max_num_seqs) q = NULL;
         if (q && !may_take_seat(s, q, partial)) q = NULL;
-        if (q && rq && !fair_before(q, rq)) q = NULL; /* a running one first */
+        if (q && rq && !due_before(q, fq, rq, frq)) q = NULL; /* the running one's chunk first */
         if (!q && !rq) break;
         if (!q) { /* the running one's next chunk */
             q = rq;

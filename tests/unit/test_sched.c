@@ -958,12 +958,16 @@ static void check_ttft(void) {
         const char *flood;
         int32_t flood_priority, n_flood, flood_len, warm_steps;
         const char *tenant;
-        int32_t priority, n;
+        int32_t priority, n, count;
     } cases[] = {
-        {"b", 0, 3, 100, 0, "b", 0, 30},  /* arrival order: 330 tokens, 6 steps */
-        {"b", 0, 6, 400, 2, "a", 0, 30},  /* a flood of b: a's 30 and b's share, 1 step */
-        {"b", 0, 6, 400, 2, "a", 0, 90},  /* 180 tokens: 3 steps */
-        {"b", 5, 4, 200, 1, "b", 0, 70},  /* a better priority: 2 steps */
+        {"b", 0, 3, 100, 0, "b", 0, 30, 1}, /* arrival order: 330 tokens, 6 steps */
+        {"b", 0, 6, 400, 2, "a", 0, 30, 1}, /* a flood of b: a's 30 and b's share, 1 step */
+        {"b", 0, 6, 400, 2, "a", 0, 90, 1}, /* 180 tokens: 3 steps */
+        {"b", 5, 4, 200, 1, "b", 0, 70, 1}, /* a better priority: 2 steps */
+        /* four short prompts of a at once beside b's running chunk: a's 24 tokens and
+         * b's 24, all in the next step (by virtual finish; by virtual start a would get
+         * one prompt a step: a few tokens ahead, it would wait for b's whole chunk) */
+        {"b", 0, 6, 400, 2, "a", 0, 6, 4},
     };
     for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
         cs_engine *e = engine(4096);
@@ -979,12 +983,13 @@ static void check_ttft(void) {
             int32_t ne;
             ASSERT_EQ_INT(cs_sched_step(s, &ev, &ne), 0);
         }
-        queue_prompts(s, cases[k].tenant, cases[k].priority, 1, cases[k].n, &id);
+        queue_prompts(s, cases[k].tenant, cases[k].priority, cases[k].count, cases[k].n, &id);
         cs_ttft_load Q;
         cs_sched_ttft_load(s, &Q);
         Q.ready = true, memset(Q.w, 0, sizeof Q.w), Q.w[0] = 1; /* a step: 1 s */
         Q.chunk_tokens = 64, Q.residual_s = 0;
-        /* it is queued already: predicted as the last of its tenant's work */
+        /* it is queued already (the last of them): predicted as the last of its
+         * tenant's work */
         double want = cs_ttft_predict(&Q, cases[k].priority, cases[k].tenant, 1, 0);
         int got = steps_to_first(s, id - 1);
         printf("ttft: case %zu: predicted %.0f steps, took %d\n", k, want, got);
