@@ -159,7 +159,7 @@ def test_the_router_refuses_early_from_the_workers_queues(bin_dir, model_path, p
             m = c.router.metrics()
             return (metric(m, "chunkserve:ttft_prediction_error_ratio_bucket", 'le="0.5"'),
                     metric(m, "chunkserve:ttft_prediction_error_ratio_count"))
-        
+
         def short(k):  # a local prefill on the decode worker
             list(c.stub.Generate(g.GenerateRequest(token_ids=ids(16, 200 + k), sampling=g.SamplingParams(
                 max_tokens=2, ignore_eos=True)), timeout=60))
