@@ -167,11 +167,11 @@ void cs_wire_model_info(const cs_wire_model *wm, Chunkserve__V1__ModelInfo *mi) 
 }
 
 void cs_wire_worker_status(const cs_wire_model *wm, const cs_sched_stats *st,
-                           const cs_ttft_load *load, Chunkserve__V1__ModelInfo *mi,
+                           const cs_ttft_load *load, cs_wire_status_buf *buf,
                            Chunkserve__V1__WorkerStatus *r) {
-    cs_wire_model_info(wm, mi);
+    cs_wire_model_info(wm, &buf->mi);
     *r = (Chunkserve__V1__WorkerStatus)CHUNKSERVE__V1__WORKER_STATUS__INIT;
-    r->model = mi;
+    r->model = &buf->mi;
     r->page_size = st->page_size;
     r->kv_pages_total = st->kv_pages_total;
     r->kv_pages_free =
@@ -184,6 +184,19 @@ void cs_wire_worker_status(const cs_wire_model *wm, const cs_sched_stats *st,
     r->num_speculative_tokens = st->num_speculative_tokens;
     r->prefill_tokens_per_second = load ? load->prompt_tokens_per_s : 0;
     r->decode_tokens_per_second = load ? load->decode_tokens_per_s : 0;
+    for (int32_t i = 0; load && i < load->n_groups; i++) {
+        const cs_ttft_group *g = &load->groups[i];
+        Chunkserve__V1__QueuedPrompts *q = &buf->queued[i];
+        *q = (Chunkserve__V1__QueuedPrompts)CHUNKSERVE__V1__QUEUED_PROMPTS__INIT;
+        q->priority = g->priority;
+        q->tenant = (char *)g->tenant;
+        q->weight = g->weight;
+        q->tokens = g->tokens;
+        buf->queued_ptrs[i] = q;
+    }
+    r->n_queued_prompts = load ? (size_t)load->n_groups : 0;
+    r->queued_prompts = buf->queued_ptrs;
+    r->queued_unsorted_tokens = load ? load->overflow_tokens : 0;
 }
 
 size_t cs_wire_max_prompt_bytes(const cs_model *m) {

@@ -14,6 +14,7 @@
 #include "chunkserve/kv_cache.h"
 #include "chunkserve/model.h"
 #include "chunkserve/sched.h"
+#include "chunkserve/ttft.h"
 #include "chunkserve/v1/cluster.pb-c.h"
 #include "chunkserve/v1/generation.pb-c.h"
 
@@ -44,14 +45,21 @@ void cs_wire_model_init(cs_wire_model *wm, const cs_model *m, const char *path);
 /* The ModelInfo message of the model (strings borrowed from wm). */
 void cs_wire_model_info(const cs_wire_model *wm, Chunkserve__V1__ModelInfo *mi);
 
+/* What a WorkerStatus message points into: the caller's, outliving it. */
+typedef struct {
+    Chunkserve__V1__ModelInfo mi;
+    Chunkserve__V1__QueuedPrompts queued[CS_TTFT_GROUPS];
+    Chunkserve__V1__QueuedPrompts *queued_ptrs[CS_TTFT_GROUPS];
+} cs_wire_status_buf;
+
 /* A WorkerStatus snapshot from scheduler stats and the TTFT load (NULL:
- * none): *r gets the model (mi, which must outlive r), the KV pages (free
- * counts reusable prefix pages), the running / waiting sequences, queued
- * prompt tokens, the prefill rate and the budget; the caller sets the
- * identity, role, readiness and endpoint fields. */
-struct cs_ttft_load;
+ * none): *r gets the model, the KV pages (free counts reusable prefix
+ * pages), the running / waiting sequences, queued prompt tokens (and by
+ * priority and tenant: the load's groups, whose names it borrows), the
+ * rates and the budget, in buf; the caller sets the identity, role,
+ * readiness and endpoint fields. */
 void cs_wire_worker_status(const cs_wire_model *wm, const cs_sched_stats *st,
-                           const struct cs_ttft_load *load, Chunkserve__V1__ModelInfo *mi,
+                           const cs_ttft_load *load, cs_wire_status_buf *buf,
                            Chunkserve__V1__WorkerStatus *r);
 
 /* Bytes beyond which a text prompt cannot fit in the context whatever it

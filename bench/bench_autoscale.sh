@@ -6,11 +6,14 @@
 # prints, per pool and signal, the time from its load's start to 2 replicas, the
 # replica-seconds asked for, and the TTFTs of its load (p50, p99, over 1 s): median and range
 # over the rounds. Each round's timelines (autoscale-SIGNAL.csv: bench/plot_autoscale.py draws
-# one) and summaries stay in OUT_DIR/rN.
-# Usage: bench/bench_autoscale.sh [ROUNDS] [OUT_DIR]
+# one) and summaries stay in OUT_DIR/rN. LOAD: phase A as closed loops of 3 clients (closed,
+# a step), or as open-loop arrivals whose rate grows linearly to twice a replica's nominal rate
+# (ramp: the load a leading signal is for).
+# Usage: bench/bench_autoscale.sh [ROUNDS] [OUT_DIR] [closed|ramp]
 set -eu
 rounds=${1:-3}
 out=${2:-bench-out/autoscale}
+export CS_AUTOSCALE_PHASE_A=${3:-closed}
 mkdir -p "$out"
 r=1
 while [ "$r" -le "$rounds" ]; do
@@ -30,7 +33,9 @@ for f in sorted(glob.glob(f"{sys.argv[1]}/r*/autoscale-*.json")):
     runs.setdefault(j["signal"], []).append(j)
 keys = ("react_s", "replica_seconds", "ttft_p50_s", "ttft_p99_s", "ttft_misses")
 for pool in ("prefill", "decode"):
-    print(f"{pool} pool (its load: {'long prompts' if pool == 'prefill' else 'long generations'})")
+    first = next(iter(runs.values()))[0]
+    load = f"long prompts, {first.get('phase_a', 'closed')}" if pool == "prefill" else "long generations"
+    print(f"{pool} pool (its load: {load})")
     for sig, js in runs.items():
         cells = []
         for k in keys:

@@ -68,14 +68,19 @@ int cs_place_decode(const cs_place_worker *w, size_t n, int64_t n_tokens, size_t
     return best;
 }
 
-double cs_place_ttft(const cs_place_worker *w, int64_t n_tokens) {
+double cs_place_ttft(const cs_place_worker *w, int64_t n_tokens, const cs_place_class *c) {
     if (!(w->prefill_rate > 0)) return NAN;
     int64_t own = n_tokens - w->cached_tokens;
-    return (double)(prefill_load(w) + (own > 1 ? own : 1)) / w->prefill_rate;
+    if (own < 1) own = 1;
+    const cs_ttft_load *L = w->queue;
+    if (!c || !L || (L->n_groups == 0 && L->overflow_tokens == 0))
+        return (double)(prefill_load(w) + own) / w->prefill_rate;
+    double work = cs_ttft_work(L, c->priority, c->tenant, cs_ttft_load_weight(L, c->tenant), own);
+    return (work + (double)w->tokens_placed) / w->prefill_rate;
 }
 
 int cs_place_prefill(const cs_place_worker *w, size_t n, int64_t n_tokens, size_t start,
-                     int64_t balance) {
+                     int64_t balance, const cs_place_class *c) {
     int64_t max_load = INT64_MAX;
     int64_t want = cached_floor(w, n, n_tokens, balance, prefill_fits, prefill_load, &max_load);
     bool timed = true; /* every candidate reports its rate: compare predicted TTFTs */
@@ -87,7 +92,7 @@ int cs_place_prefill(const cs_place_worker *w, size_t n, int64_t n_tokens, size_
         size_t i = (start + k) % n;
         if (!prefill_fits(&w[i], n_tokens)) continue;
         if (want > 0 && (w[i].cached_tokens < want || prefill_load(&w[i]) > max_load)) continue;
-        double q = timed ? cs_place_ttft(&w[i], n_tokens) : (double)prefill_load(&w[i]);
+        double q = timed ? cs_place_ttft(&w[i], n_tokens, c) : (double)prefill_load(&w[i]);
         if (best < 0 || q < best_q) {
             best = (int)i;
             best_q = q;

@@ -10,6 +10,7 @@
 #include <stdint.h>
 
 #include "chunkserve/kv_cache.h"
+#include "chunkserve/ttft.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -29,14 +30,26 @@ typedef struct {
     int32_t reqs_placed;           /* requests this router sent there since that status */
     int64_t cached_tokens;         /* the request's prompt tokens predicted cached there */
     double prefill_rate;           /* prompt tokens a second beside its decodes (0: unknown) */
+    const cs_ttft_load *queue;     /* queued_prefill_tokens by (priority, tenant), from the
+                                      last status (groups and overflow; NULL or empty: only
+                                      their sum is known) */
 } cs_place_worker;
 
-/* The predicted seconds to the first token of a prompt of n_tokens on w:
- * the prompt tokens ahead of it there (queued, and placed since the
- * status) and its own less what w is predicted to hold, over w's prefill
- * rate (chunkserve/ttft.h, in arrival order: the router knows the queue's
- * size, not its tenants). NAN when the rate is unknown. */
-double cs_place_ttft(const cs_place_worker *w, int64_t n_tokens);
+/* A request's class: its priority and tenant ("" or NULL: the default). */
+typedef struct {
+    int32_t priority;
+    const char *tenant;
+} cs_place_class;
+
+/* The predicted seconds to the first token of a prompt of n_tokens of
+ * class c on w: over w's prefill rate, the prompt tokens computed there
+ * before its first token. They are its own less what w is predicted to
+ * hold; of w's queue, its share as w's scheduler serves it (cs_ttft_work:
+ * better priorities, its tenant's, the other tenants' up to their weighted
+ * share) when w reports the queue's groups and c is given, else all of it;
+ * and every token placed there since the status (their classes are not
+ * counted: ahead). NAN when the rate is unknown. */
+double cs_place_ttft(const cs_place_worker *w, int64_t n_tokens, const cs_place_class *c);
 
 /* Pages a context of n_tokens takes on a worker whose pages hold blocks as
  * kv says (the pages a KV transfer of it lands in: cs_kv_blocks_seq_pages;
@@ -58,13 +71,13 @@ int cs_place_decode(const cs_place_worker *w, size_t n, int64_t n_tokens, size_t
                     int64_t balance);
 
 /* The prefill worker for a prompt of n_tokens: among usable, not skipped
- * workers whose whole pool can hold it, the least predicted TTFT
- * (cs_place_ttft) when every such worker reports its rate, else the fewest
+ * workers whose whole pool can hold it, the least predicted TTFT for
+ * class c (cs_place_ttft) when every such worker reports its rate, else the fewest
  * queued_prefill_tokens + tokens_placed; ties as above. -1 when none (the decode worker then
  * prefills it itself). Prefix-aware (balance >= 0): as cs_place_decode, with
  * that queue (tokens) as the load. */
 int cs_place_prefill(const cs_place_worker *w, size_t n, int64_t n_tokens, size_t start,
-                     int64_t balance);
+                     int64_t balance, const cs_place_class *c);
 
 #ifdef __cplusplus
 }

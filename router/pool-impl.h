@@ -41,6 +41,8 @@ struct cs_pool_worker {
     int32_t page_size, pages_free, pages_total, running, waiting;
     cs_kv_blocks kv; /* how its pages hold a block (its status; an older worker: one a block) */
     int64_t queued_prefill;
+    cs_ttft_load *queue; /* queued_prefill by (priority, tenant), from its status (groups and
+                            overflow only; NULL until a status brings some) */
     double prefill_rate; /* prompt tokens a second beside its decodes (0: unknown) */
     double decode_rate;  /* tokens a second its decodes alone could make (0: unknown) */
     char *kv_endpoint;

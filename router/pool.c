@@ -114,6 +114,7 @@ void cs_pool_worker_unref(cs_pool_worker *w) {
     free(w->worker_id);
     free(w->kv_endpoint);
     free(w->kv_sender);
+    free(w->queue);
     cs_prefix_set_free(w->prefix);
     cs_prefix_summary_clear(&w->summary);
     p->slots[w->handle.slot] = NULL; /* its handles read NULL from here */
@@ -131,6 +132,27 @@ const char *cs_pool_worker_addr(const cs_pool_worker *w) {
 const char *cs_pool_worker_id(const cs_pool_worker *w) {
     return w->worker_id ? w->worker_id : "";
 }
+/* The status's queued prompt groups into w->queue (cleared when it has
+ * none: an older worker, or nothing queued). A group that cannot be right
+ * (tokens < 0, a weight out of the share bounds) counts ahead of everyone. */
+static void take_queue(cs_pool_worker *w, const Chunkserve__V1__WorkerStatus *s) {
+    if (!w->queue && (s->n_queued_prompts || s->queued_unsorted_tokens > 0))
+        w->queue = calloc(1, sizeof *w->queue); /* none: the queue's sum alone */
+    if (!w->queue) return;
+    cs_ttft_load *L = w->queue;
+    L->n_groups = 0;
+    L->overflow_tokens = s->queued_unsorted_tokens > 0 ? s->queued_unsorted_tokens : 0;
+    for (size_t i = 0; i < s->n_queued_prompts; i++) {
+        const Chunkserve__V1__QueuedPrompts *g = s->queued_prompts[i];
+        if (g->tokens <= 0) continue;
+        if (g->weight >= CS_TENANT_SHARE_MIN && g->weight <= CS_TENANT_SHARE_MAX && g->tenant &&
+            strlen(g->tenant) <= CS_TENANT_NAME_MAX)
+            cs_ttft_load_add(L, g->priority, g->tenant, g->weight, g->tokens);
+        else
+            L->overflow_tokens += g->tokens;
+    }
+}
+
 const char *cs_pool_worker_kv_sender(const cs_pool_worker *w) {
     return w->kv_sender ? w->kv_sender : "";
 }
@@ -327,6 +349,7 @@ static void apply_status(cs_pool_worker *w, const Chunkserve__V1__WorkerStatus *
     w->running = s->num_running;
     w->waiting = s->num_waiting;
     w->queued_prefill = s->queued_prefill_tokens;
+    take_queue(w, s);
     w->prefill_rate = s->prefill_tokens_per_second > 0 && isfinite(s->prefill_tokens_per_second)
                           ? s->prefill_tokens_per_second
                           : 0;
@@ -525,15 +548,17 @@ int cs_pool_n_usable(const cs_pool *p, enum cs_pool_role role) {
     return n;
 }
 
-double cs_pool_ttft(const cs_pool *p, enum cs_pool_role role, int64_t n_tokens, double *alone) {
+double cs_pool_ttft(const cs_pool *p, enum cs_pool_role role, int64_t n_tokens,
+                    const cs_place_class *c, double *alone) {
     double now = cs_now(), best = NAN;
     *alone = NAN;
     for (const cs_pool_worker *w = p->workers[role]; w; w = w->next) {
         if (!worker_usable(w, now) || !(w->prefill_rate > 0)) continue;
         cs_place_worker s = {.queued_prefill_tokens = w->queued_prefill,
                              .tokens_placed = w->tokens_placed,
-                             .prefill_rate = w->prefill_rate};
-        double t = cs_place_ttft(&s, n_tokens);
+                             .prefill_rate = w->prefill_rate,
+                             .queue = w->queue};
+        double t = cs_place_ttft(&s, n_tokens, c);
         if (isnan(best) || t < best) best = t, *alone = (double)n_tokens / w->prefill_rate;
     }
     return best;
@@ -648,7 +673,7 @@ static const chain *chain_for(chain *c, const cs_pool_prefix *pf, int64_t n_toke
 cs_pool_worker *cs_pool_place(cs_pool *p, enum cs_pool_role role, int64_t n_tokens,
                               const cs_pool_marks *marks, int *n_candidates,
                               const cs_pool_worker *peer, const cs_pool_prefix *pf,
-                              int64_t *cached) {
+                              const cs_place_class *cls, int64_t *cached) {
     if (n_candidates) *n_candidates = 0;
     if (cached) *cached = 0;
     size_t n = (size_t)p->n_workers[role];
@@ -674,6 +699,7 @@ cs_pool_worker *cs_pool_place(cs_pool *p, enum cs_pool_role role, int64_t n_toke
             .num_waiting = w->waiting,
             .queued_prefill_tokens = w->queued_prefill,
             .prefill_rate = w->prefill_rate,
+            .queue = w->queue,
             .tokens_placed = w->tokens_placed,
             .reqs_placed = w->reqs_placed,
         };
@@ -692,7 +718,7 @@ cs_pool_worker *cs_pool_place(cs_pool *p, enum cs_pool_role role, int64_t n_toke
     size_t start = p->rr[role]++ % n;
     int64_t balance = pf ? pf->balance[role] : -1;
     int k = role == CS_POOL_DECODE ? cs_place_decode(snap, n, n_tokens, start, balance)
-                                   : cs_place_prefill(snap, n, n_tokens, start, balance);
+                                   : cs_place_prefill(snap, n, n_tokens, start, balance, cls);
     if (k >= 0) {
         chosen = ws[k];
         if (role == CS_POOL_DECODE)

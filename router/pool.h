@@ -71,11 +71,13 @@ void cs_pool_rpc_token_changed(cs_pool *p);
 
 /* Workers of a role currently usable. */
 int cs_pool_n_usable(const cs_pool *p, enum cs_pool_role role);
-/* The least predicted time to first token of a prompt of n_tokens over the
- * usable workers of role (cs_place_ttft, the prefix cache not counted), and
- * into *alone what it would be on that worker with nothing queued; NAN (and
- * *alone NAN) when no usable worker reports its prefill rate. */
-double cs_pool_ttft(const cs_pool *p, enum cs_pool_role role, int64_t n_tokens, double *alone);
+/* The least predicted time to first token of a prompt of n_tokens of class
+ * c (may be NULL: behind the whole queue) over the usable workers of role
+ * (cs_place_ttft, the prefix cache not counted), and into *alone what it
+ * would be on that worker with nothing queued; NAN (and *alone NAN) when no
+ * usable worker reports its prefill rate. */
+double cs_pool_ttft(const cs_pool *p, enum cs_pool_role role, int64_t n_tokens,
+                    const cs_place_class *c, double *alone);
 /* One replica's capacity in role's pool (demand.h): the mean prefill and
  * decode rates over its usable workers that report them (0 when none). */
 void cs_pool_capacity(const cs_pool *p, enum cs_pool_role role, double *prefill, double *decode);
@@ -146,11 +148,13 @@ typedef struct {
  * excluded workers there were (with or without room, refused or not).
  * With pf (may be NULL: by load alone) the choice is prefix-aware, the
  * chosen worker's predicted cached tokens for the request go to *cached
- * (may be NULL), and the request's pages are recorded as held there. */
+ * (may be NULL), and the request's pages are recorded as held there.
+ * cls (may be NULL): the request's class, for a prefill worker's predicted
+ * TTFT (cs_place_prefill). */
 cs_pool_worker *cs_pool_place(cs_pool *p, enum cs_pool_role role, int64_t n_tokens,
                               const cs_pool_marks *marks, int *n_candidates,
                               const cs_pool_worker *peer, const cs_pool_prefix *pf,
-                              int64_t *cached);
+                              const cs_place_class *cls, int64_t *cached);
 
 /* Adds a mark for w, or renews it (excluded: the worker's current instance;
  * refused: its current status). CS_ENOMEM. */

@@ -289,7 +289,8 @@ static void start_attempt(req *q, cs_pool_worker *dw, int64_t dcached) {
         dcached = 0; /* prompt logprobs: the prompt is computed whole, cache or not */
     if ((int64_t)q->n_ctx - dcached >= r->o->local_prefill_threshold)
         pw = cs_pool_place(r->pool, CS_POOL_PREFILL, (int64_t)q->n_ctx, &q->marks, NULL, dw,
-                           prefix_of(q, &pf), &pcached);
+                           prefix_of(q, &pf), &(cs_place_class){q->priority, q->tenant},
+                           &pcached);
     q->pw = cs_pool_worker_handle(pw); /* the leg takes a reference when its call starts */
     cs_pool_worker_unref(pw);
     q->local = pw == NULL;
@@ -319,7 +320,7 @@ void cs__req_attempt(req *q) {
     cs_pool_prefix pf;
     int64_t dcached = 0;
     cs_pool_worker *dw = cs_pool_place(r->pool, CS_POOL_DECODE, (int64_t)q->n_ctx, &q->marks, &cand,
-                                       NULL, prefix_of(q, &pf), &dcached);
+                                       NULL, prefix_of(q, &pf), NULL, &dcached);
     if (dw) {
         start_attempt(q, dw, dcached);
         return;

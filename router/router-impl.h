@@ -116,6 +116,7 @@ struct req {
     Chunkserve__V1__SamplingParams *sampling; /* the client's, copied (NULL: none sent) */
     char *cache_salt;                         /* the client's, copied ("" when none) */
     char *tenant;                             /* the client's, copied ("" when none) */
+    int32_t priority;                         /* the client's (0 when none) */
     double predicted_ttft; /* seconds, predicted at admission (0: none) */
     double predicted_queue; /* its queue part (cs_pool_ttft), by pool predicted_pool */
     int predicted_pool;     /* enum cs_pool_role, or -1: none */

@@ -142,11 +142,12 @@ static void on_prepared(void *arg, cs_gen_call *c, uint64_t seq, double t_recv, 
      * the refusal it may bring */
     double alone, queued = NAN;
     int pool = CS_POOL_PREFILL;
+    const cs_place_class cls = {w.r.priority, w.r.tenant};
     if (w.r.n_prompt >= r->o->local_prefill_threshold)
-        queued = cs_pool_ttft(r->pool, CS_POOL_PREFILL, w.r.n_prompt, &alone);
+        queued = cs_pool_ttft(r->pool, CS_POOL_PREFILL, w.r.n_prompt, &cls, &alone);
     if (isnan(queued)) {
         pool = CS_POOL_DECODE;
-        queued = cs_pool_ttft(r->pool, CS_POOL_DECODE, w.r.n_prompt, &alone);
+        queued = cs_pool_ttft(r->pool, CS_POOL_DECODE, w.r.n_prompt, &cls, &alone);
     }
     double predicted = queued;
     if (!isnan(queued) && r->ttft_rest_set[pool]) {
@@ -188,6 +189,7 @@ static void on_prepared(void *arg, cs_gen_call *c, uint64_t seq, double t_recv, 
     q->r = r;
     q->call = c;
     q->seq = seq;
+    q->priority = w.r.priority;
     q->predicted_ttft = isfinite(predicted) ? predicted : 0;
     q->predicted_queue = queued;
     q->predicted_pool = isfinite(queued) ? pool : -1;

@@ -330,11 +330,11 @@ static void handle_status(cs_rpc_call *c, void *data) {
     server *s = data;
     cs_sched_stats st;
     cs_serve_stats(s->sv, &st);
-    Chunkserve__V1__ModelInfo mi;
+    cs_wire_status_buf buf;
     Chunkserve__V1__WorkerStatus r;
     cs_ttft_load load;
     cs_serve_ttft_load(s->sv, &load);
-    cs_wire_worker_status(&s->wm, &st, &load, &mi, &r);
+    cs_wire_worker_status(&s->wm, &st, &load, &buf, &r);
     char worker_id[32];
     snprintf(worker_id, sizeof worker_id, "serve-%016llx", (unsigned long long)s->instance_id);
     r.worker_id = worker_id;

@@ -118,9 +118,9 @@ static void handle_status(cs_rpc_call *c, void *data) {
     cs_serve_stats(w->sv, &st);
     cs_ttft_load load;
     cs_serve_ttft_load(w->sv, &load);
-    Chunkserve__V1__ModelInfo mi;
+    cs_wire_status_buf buf;
     Chunkserve__V1__WorkerStatus r;
-    cs_wire_worker_status(&w->wm, &st, &load, &mi, &r);
+    cs_wire_worker_status(&w->wm, &st, &load, &buf, &r);
     r.worker_id = w->worker_id;
     r.instance_id = w->instance_id;
     r.role = w->role->role;

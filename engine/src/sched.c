@@ -143,7 +143,7 @@ int cs_sched_init(cs_engine *e, const cs_sched_params *p, cs_sched **out) {
         if (len < 1 || len > CS_TENANT_NAME_MAX)
             return cs_fail(CS_EINVAL, "scheduler: tenant share %d: a name of 1..%d bytes, not '%s'",
                            i, CS_TENANT_NAME_MAX, t->name ? t->name : "");
-        if (!(t->weight >= 1e-3 && t->weight <= 1e6))
+        if (!(t->weight >= CS_TENANT_SHARE_MIN && t->weight <= CS_TENANT_SHARE_MAX))
             return cs_fail(CS_EINVAL, "scheduler: tenant '%s': share %g is not in [0.001, 1e6]",
                            t->name, t->weight);
         for (int32_t j = 0; j < i; j++)

@@ -66,9 +66,15 @@ double cs_ttft_step_s(const cs_ttft_load *L, double chunk, double rows) {
     return cs_step_model_eval(L->w, L->dec_tokens + chunk, pairs, L->dec_rows + rows);
 }
 
-double cs_ttft_predict(const cs_ttft_load *L, int32_t priority, const char *tenant, double weight,
-                       int64_t n_tokens) {
-    if (!L->ready || !(L->chunk_tokens >= 1)) return NAN;
+double cs_ttft_load_weight(const cs_ttft_load *L, const char *tenant) {
+    tenant = name_of(tenant);
+    for (int32_t i = 0; i < L->n_groups; i++)
+        if (!strcmp(L->groups[i].tenant, tenant)) return L->groups[i].weight;
+    return 1;
+}
+
+double cs_ttft_work(const cs_ttft_load *L, int32_t priority, const char *tenant, double weight,
+                    int64_t n_tokens) {
     tenant = name_of(tenant);
     if (!(weight > 0)) weight = 1;
     double q = (double)n_tokens; /* its tenant's work at its priority, its prompt last */
@@ -88,7 +94,13 @@ double cs_ttft_predict(const cs_ttft_load *L, int32_t priority, const char *tena
     }
     /* the running step computes in_step_tokens of the queue: ahead of everyone */
     double ahead = work - (double)n_tokens - L->in_step_tokens;
-    work = (double)n_tokens + (ahead > 0 ? ahead : 0);
+    return (double)n_tokens + (ahead > 0 ? ahead : 0);
+}
+
+double cs_ttft_predict(const cs_ttft_load *L, int32_t priority, const char *tenant, double weight,
+                       int64_t n_tokens) {
+    if (!L->ready || !(L->chunk_tokens >= 1)) return NAN;
+    double work = cs_ttft_work(L, priority, tenant, weight, n_tokens);
     double all = cs_ttft_load_tokens(L) - L->in_step_tokens;
     all = (double)n_tokens + (all > 0 ? all : 0);
     const double c = L->chunk_tokens;

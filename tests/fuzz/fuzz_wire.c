@@ -254,11 +254,14 @@ static int fuzz_write_corpus(const char *dir) {
     dr.num_prompt_tokens = 5, dr.sampling = &sp, dr.lease_ms = 500, dr.kv_sender = "prefill-0";
     rc |= write_msg(dir, "decode", M_DECODE, &dr.base);
 
-    Chunkserve__V1__ModelInfo mi;
+    cs_wire_status_buf sb;
     Chunkserve__V1__WorkerStatus ws;
     cs_sched_stats st;
     memset(&st, 0, sizeof st);
-    cs_wire_worker_status(&wm, &st, NULL, &mi, &ws);
+    cs_ttft_load load = {0};
+    cs_ttft_load_add(&load, 0, "chat", 2, 40);
+    cs_ttft_load_add(&load, 5, "", 1, 900);
+    cs_wire_worker_status(&wm, &st, &load, &sb, &ws);
     ws.worker_id = "decode-0", ws.kv_endpoint = "127.0.0.1:7001", ws.ready = true;
     rc |= write_msg(dir, "status", M_STATUS, &ws.base);
 

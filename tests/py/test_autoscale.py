@@ -117,6 +117,12 @@ DNS_REFRESH_MS = 200
 
 # loads: (clients, prompt tokens, max tokens, distinct prompts (0: every request its own))
 LOAD_A = dict(clients=3, prompt=800, tokens=4, distinct=0)          # long prompts
+# CS_AUTOSCALE_PHASE_A=ramp (bench/bench_autoscale.sh): phase A's long prompts arrive open-loop
+# instead, at a rate growing linearly from 0 to RAMP_PEAK requests/s (twice PREFILL_RATE) over
+# the phase: a load the queue sees only once it is past what the pool serves.
+PHASE_A_LOAD = os.environ.get("CS_AUTOSCALE_PHASE_A", "closed")
+RAMP_PEAK = 2 * PREFILL_RATE / LOAD_A["prompt"]
+LOAD_A_RAMP = dict(LOAD_A, clients=0, once=True)
 LOAD_B = dict(clients=14, prompt=16, tokens=600, distinct=5)        # long generations
 TRICKLE_P = dict(clients=1, prompt=800, tokens=8, distinct=0, think=0.5)  # through prefill, always
 TRICKLE_D = dict(clients=4, prompt=12, tokens=600, distinct=4)      # on decode, always
@@ -430,6 +436,8 @@ class Autoscale:
         stub = pb.generation_pb2_grpc.GenerationStub(self.channel)
         rng = random.Random(rng_seed)
         for i in range(MAX_REQUESTS_PER_CLIENT):
+            if i and spec.get("once"):  # an open-loop arrival: one request
+                return
             if i and spec.get("think"):  # a user's pause between requests
                 stop.wait(spec["think"])
             if time.monotonic() >= until() or stop.is_set():
@@ -478,7 +486,8 @@ class Autoscale:
         """What the comparison of signals reads: per pool, the time from its load's start to
         2 replicas asked for, the replica-seconds asked for over the run (the HPA's spec,
         integrated), and the TTFTs over TTFT_SLO_S of its load."""
-        rows, out = self.rows, {"signal": self.signal, "ttft_slo_s": TTFT_SLO_S}
+        rows, out = self.rows, {"signal": self.signal, "phase_a": PHASE_A_LOAD,
+                                "ttft_slo_s": TTFT_SLO_S}
         for role, kind in (("prefill", "A"), ("decode", "B")):
             t0, t1 = phases[kind]
             up = [r["t"] for r in rows if t0 <= r["t"] <= t1 and r[f"{role}_replicas"] >= 2]
@@ -581,7 +590,8 @@ def test_autoscale_pools_on_their_own_signals(bins, pb, tmp_path, sig):
     out_dir = Path(os.environ.get("CS_AUTOSCALE_OUT_DIR", tmp_path / "out"))
     a = Autoscale(tmp_path, bins, model, out_dir, sig)
     stop_load = threading.Event()
-    ex = ThreadPoolExecutor(32)
+    assert PHASE_A_LOAD in ("closed", "ramp"), f"CS_AUTOSCALE_PHASE_A={PHASE_A_LOAD}: closed or ramp"
+    ex = ThreadPoolExecutor(128)  # open-loop arrivals pile up while the pool is short
     scaler = None
     try:
         a.start()
@@ -603,10 +613,21 @@ def test_autoscale_pools_on_their_own_signals(bins, pb, tmp_path, sig):
 
         # ---- phase A: long prompts -> the prefill pool scales, decode does not
         a.phase, t_a = "A", a.now()
-        a.log("phase A: long prompts")
-        end_a = time.monotonic() + PHASE_A_S
-        fa = [ex.submit(a.client, pb, "A", LOAD_A, next(seed), lambda: end_a, stop_load)
-              for _ in range(LOAD_A["clients"])]
+        a.log(f"phase A: long prompts ({PHASE_A_LOAD})")
+        start_a = time.monotonic()
+        end_a = start_a + PHASE_A_S
+        if PHASE_A_LOAD == "closed":
+            fa = [ex.submit(a.client, pb, "A", LOAD_A, next(seed), lambda: end_a, stop_load)
+                  for _ in range(LOAD_A["clients"])]
+        else:  # arrival k at sqrt(2 k T / peak): the rate peak t / T integrated
+            fa = []
+            for k in range(1, 10 ** 6):
+                t_k = (2 * k * PHASE_A_S / RAMP_PEAK) ** 0.5
+                if t_k >= PHASE_A_S:
+                    break
+                time.sleep(max(0.0, start_a + t_k - time.monotonic()))
+                fa.append(ex.submit(a.client, pb, "A", LOAD_A_RAMP, next(seed), lambda: end_a,
+                                    stop_load))
         for f in fa:
             f.result(timeout=PHASE_A_S + REQUEST_TIMEOUT_S + 10)
         a.phase, t_a_end = "A-drain", a.now()

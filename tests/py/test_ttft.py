@@ -19,7 +19,7 @@ openai = pytest.importorskip("openai")
 status_pb2 = pytest.importorskip("google.rpc.status_pb2")
 error_details_pb2 = pytest.importorskip("google.rpc.error_details_pb2")
 
-from cluster_harness import Cluster, Flood, metric, wait_for  # noqa: E402
+from cluster_harness import Cluster, Flood, Proc, metric, wait_for  # noqa: E402
 from test_openai import Serve, pb, tiny_model  # noqa: E402,F401  (fixtures)
 
 FLOOD, FLOOD_TOKENS = 6, 1000
@@ -173,4 +173,61 @@ def test_the_router_refuses_early_from_the_workers_queues(bin_dir, model_path, p
         b1, n1 = within_half()
         assert n1 - n0 == 12 and b1 - b0 >= 9, (b1 - b0, n1 - n0)
     finally:
+        c.stop()
+
+
+def test_the_router_refuses_by_tenant(bin_dir, model_path, pb):
+    """The workers report their queues by (priority, tenant) (WorkerStatus.queued_prompts); the
+    router predicts a request's share as the worker's token-fair steps serve it: behind another
+    tenant's flood a request waits for its own tokens and as many of the flood's, not for the
+    whole flood. With a bound between the two, the flood's tenant is refused and the other is
+    served. (With the queue's sum alone, both would be refused.)"""
+    c = Cluster(bin_dir, model_path, pb, n_prefill=1, n_decode=1,
+                prefill_args=["--max-batched-tokens=64"])
+    slo = None
+    try:
+        g = pb.generation_pb2
+
+        def request(n, seed, tenant):
+            return g.GenerateRequest(token_ids=g.TokenIds(ids=[(seed * 7 + k) % 300 + 3 for k in range(n)]),
+                                     sampling=g.SamplingParams(max_tokens=2, ignore_eos=True),
+                                     tenant=tenant)
+
+        for i, n in enumerate((520, 700, 900)):  # remote prefills: the prefill worker's model fits
+            list(c.stub.Generate(request(n, i, ""), timeout=120))
+        rate = wait_for(lambda: c.status(c.prefill[0]).prefill_tokens_per_second, 30,
+                        "the prefill worker reports its rate")
+        own = 600
+        # chat: its 600 and the flood's 600 (1,200); the flood's tenant: all of the flood
+        # ahead (at least 3,000) and its 600; the bound between them
+        bound_ms = int(1000 * 2400 / rate)
+        slo = Proc(bin_dir / "chunkserve-router", [
+            f"--model={model_path}", "--port=0", "--status-interval-ms=100", "--grace-ms=3000",
+            f"--decode-workers={c.decode[0].addr}", f"--prefill-workers={c.prefill[0].addr}",
+            f"--ttft-slo-ms={bound_ms}"], "router-slo")
+        wait_for(lambda: metric(slo.metrics(), "chunkserve:workers_usable", 'role="prefill"') == 1 and
+                 metric(slo.metrics(), "chunkserve:workers_usable", 'role="decode"') == 1, 30,
+                 "the second router to reach both workers")
+        stub = pb.generation_pb2_grpc.GenerationStub(grpc.insecure_channel(slo.addr))
+        f = Flood(c.stub, g, FLOOD, FLOOD_TOKENS, seed=20, tenant="flood")
+
+        def flood_queued():
+            s = c.status(c.prefill[0])
+            groups = {q.tenant: q.tokens for q in s.queued_prompts}
+            return groups.get("flood", 0) >= 3 * FLOOD_TOKENS or f.errors
+        wait_for(flood_queued, 60, "the flood queued on the prefill worker, by tenant")
+        time.sleep(0.3)  # the second router's next polls
+        with pytest.raises(grpc.RpcError) as e:
+            list(stub.Generate(request(own, 50, "flood"), timeout=60))
+        assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value
+        assert "the workers are busy" in e.value.details()
+        last = list(stub.Generate(request(own, 51, "chat"), timeout=120))[-1]
+        assert last.finish_reason, last
+        assert 0 < last.usage.predicted_ttft_seconds < bound_ms / 1000, (last.usage, bound_ms)
+        assert metric(slo.metrics(), "chunkserve:requests_refused_ttft_total") == 1
+        f.join()
+        assert not f.errors, f.errors
+    finally:
+        if slo is not None:
+            assert slo.stop() == 0
         c.stop()

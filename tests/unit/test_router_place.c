@@ -98,36 +98,60 @@ static void test_decode(void) {
 static void test_prefill(void) {
     cs_place_worker w[3];
     w[0] = pre(1000, 0), w[1] = pre(200, 0), w[2] = pre(500, 0);
-    ASSERT_EQ_INT(cs_place_prefill(w, 3, 100, 0, -1), 1);
+    ASSERT_EQ_INT(cs_place_prefill(w, 3, 100, 0, -1, NULL), 1);
     w[1].tokens_placed = 400; /* 600 now */
-    ASSERT_EQ_INT(cs_place_prefill(w, 3, 100, 0, -1), 2);
+    ASSERT_EQ_INT(cs_place_prefill(w, 3, 100, 0, -1, NULL), 2);
     w[2].usable = false;
-    ASSERT_EQ_INT(cs_place_prefill(w, 3, 100, 0, -1), 1);
+    ASSERT_EQ_INT(cs_place_prefill(w, 3, 100, 0, -1, NULL), 1);
     w[1].skip = true;
-    ASSERT_EQ_INT(cs_place_prefill(w, 3, 100, 0, -1), 0);
+    ASSERT_EQ_INT(cs_place_prefill(w, 3, 100, 0, -1, NULL), 0);
     w[0].skip = true;
-    ASSERT_EQ_INT(cs_place_prefill(w, 3, 100, 0, -1), -1);
+    ASSERT_EQ_INT(cs_place_prefill(w, 3, 100, 0, -1, NULL), -1);
     w[0] = pre(7, 0), w[1] = pre(7, 0), w[2] = pre(7, 0);
-    ASSERT_EQ_INT(cs_place_prefill(w, 3, 100, 2, -1), 2);
-    ASSERT_EQ_INT(cs_place_prefill(w, 3, 100, 3, -1), 0);
+    ASSERT_EQ_INT(cs_place_prefill(w, 3, 100, 2, -1, NULL), 2);
+    ASSERT_EQ_INT(cs_place_prefill(w, 3, 100, 3, -1, NULL), 0);
     /* a pool that can never hold the prompt is skipped, however idle */
     w[0] = pre(0, 0), w[1] = pre(5000, 0), w[2] = pre(9000, 0);
     w[0].kv_pages_total = 10; /* 160 tokens */
-    ASSERT_EQ_INT(cs_place_prefill(w, 3, 160, 0, -1), 0);
-    ASSERT_EQ_INT(cs_place_prefill(w, 3, 161, 0, -1), 1);
+    ASSERT_EQ_INT(cs_place_prefill(w, 3, 160, 0, -1, NULL), 0);
+    ASSERT_EQ_INT(cs_place_prefill(w, 3, 161, 0, -1, NULL), 1);
     w[1].kv_pages_total = w[2].kv_pages_total = 10;
-    ASSERT_EQ_INT(cs_place_prefill(w, 3, 161, 0, -1), -1);
+    ASSERT_EQ_INT(cs_place_prefill(w, 3, 161, 0, -1, NULL), -1);
     /* with every worker's prefill rate known: the least predicted TTFT, so a
      * worker twice as fast takes a queue up to twice as long */
     w[0] = pre(1000, 0), w[1] = pre(700, 0), w[2] = pre(1500, 300);
     w[0].prefill_rate = 2000, w[1].prefill_rate = 1000, w[2].prefill_rate = 4000;
-    ASSERT_TRUE(fabs(cs_place_ttft(&w[0], 100) - 1100.0 / 2000) < 1e-12);
-    ASSERT_EQ_INT(cs_place_prefill(w, 3, 100, 0, -1), 2); /* 0.475 s, against 0.55 and 0.8 */
+    ASSERT_TRUE(fabs(cs_place_ttft(&w[0], 100, NULL) - 1100.0 / 2000) < 1e-12);
+    ASSERT_EQ_INT(cs_place_prefill(w, 3, 100, 0, -1, NULL), 2); /* 0.475 s, against 0.55 and 0.8 */
     w[2].cached_tokens = 100; /* its prompt held there: only a token to compute */
-    ASSERT_TRUE(fabs(cs_place_ttft(&w[2], 100) - 1801.0 / 4000) < 1e-12);
+    ASSERT_TRUE(fabs(cs_place_ttft(&w[2], 100, NULL) - 1801.0 / 4000) < 1e-12);
     w[2].prefill_rate = 0; /* one unknown: the queues in tokens decide, as before */
-    ASSERT_TRUE(isnan(cs_place_ttft(&w[2], 100)));
-    ASSERT_EQ_INT(cs_place_prefill(w, 3, 100, 0, -1), 1);
+    ASSERT_TRUE(isnan(cs_place_ttft(&w[2], 100, NULL)));
+    ASSERT_EQ_INT(cs_place_prefill(w, 3, 100, 0, -1, NULL), 1);
+
+    /* with the queues' groups: a request's share as each worker serves it. w0's
+     * 1,000 queued tokens are tenant b's flood, w1's 700 are the chat tenant's own */
+    w[0] = pre(1000, 0), w[1] = pre(700, 0);
+    w[0].prefill_rate = w[1].prefill_rate = 1000;
+    cs_ttft_load q0 = {0}, q1 = {0};
+    cs_ttft_load_add(&q0, 0, "b", 1, 1000);
+    cs_ttft_load_add(&q1, 0, "chat", 1, 700);
+    w[0].queue = &q0, w[1].queue = &q1;
+    const cs_place_class chat = {0, "chat"}, b = {0, "b"}, urgent = {-1, "b"};
+    /* chat on w0: its 100 and b's as many (token-fair), not all 1,000 */
+    ASSERT_TRUE(fabs(cs_place_ttft(&w[0], 100, &chat) - 200.0 / 1000) < 1e-12);
+    ASSERT_TRUE(fabs(cs_place_ttft(&w[0], 100, &b) - 1100.0 / 1000) < 1e-12);
+    ASSERT_TRUE(fabs(cs_place_ttft(&w[0], 100, &urgent) - 100.0 / 1000) < 1e-12);
+    ASSERT_TRUE(fabs(cs_place_ttft(&w[0], 100, NULL) - 1100.0 / 1000) < 1e-12); /* no class */
+    ASSERT_EQ_INT(cs_place_prefill(w, 2, 100, 0, -1, &chat), 0); /* 0.2 s against 0.8 */
+    ASSERT_EQ_INT(cs_place_prefill(w, 2, 100, 0, -1, &b), 1);    /* 0.8 s against 1.1 */
+    ASSERT_EQ_INT(cs_place_prefill(w, 2, 100, 0, -1, NULL), 1);  /* the queues' sums */
+    /* placed since the status: ahead of everyone */
+    w[0].tokens_placed = 300;
+    ASSERT_TRUE(fabs(cs_place_ttft(&w[0], 100, &chat) - 500.0 / 1000) < 1e-12);
+    /* a worker that reports no groups: all of its queue is ahead */
+    w[0].tokens_placed = 0, w[0].queue = NULL;
+    ASSERT_TRUE(fabs(cs_place_ttft(&w[0], 100, &chat) - 1100.0 / 1000) < 1e-12);
 }
 
 /* Placing repeatedly with the router's own accounting spreads a burst over
@@ -184,9 +208,9 @@ static void test_prefix_choice(void) {
     /* prefill: the queue in tokens is the load */
     cs_place_worker p[2] = {pre(100, 0), pre(0, 0)};
     p[0].cached_tokens = 992;
-    ASSERT_EQ_INT(cs_place_prefill(p, 2, 1000, 0, 8192), 0);
-    ASSERT_EQ_INT(cs_place_prefill(p, 2, 1000, 0, 50), 1);
-    ASSERT_EQ_INT(cs_place_prefill(p, 2, 1000, 0, -1), 1);
+    ASSERT_EQ_INT(cs_place_prefill(p, 2, 1000, 0, 8192, NULL), 0);
+    ASSERT_EQ_INT(cs_place_prefill(p, 2, 1000, 0, 50, NULL), 1);
+    ASSERT_EQ_INT(cs_place_prefill(p, 2, 1000, 0, -1, NULL), 1);
 }
 
 /* The chain is the workers' (the scheduler's page hashes, rooted at the

@@ -59,8 +59,12 @@ typedef struct {
  * tenant; "" is the default tenant). The scheduler counts, per tenant, the
  * tokens it computed for it (prompt chunks, decodes, drafts) divided by the
  * tenant's weight: its virtual tokens. Among the candidates for a prompt
- * chunk of the best priority, the tenant with the fewest virtual tokens goes
- * first (its running prompt, else its oldest waiting one); ties keep the
+ * chunk of the best priority (each tenant's running prompt, else its oldest
+ * waiting one), the one whose tenant would have the fewest virtual tokens
+ * once the chunk it would get now is charged goes first (virtual finish:
+ * weighted fair queueing; a tenant's short prompts arriving together all
+ * start beside another tenant's long chunk, until their tenant is a chunk
+ * ahead); ties go to the tenant with fewer virtual tokens, then keep the
  * order without tenants (running first, then arrival). Decodes keep their
  * precedence, and a tenant with nothing to run takes nothing: the budget goes
  * to the others (work-conserving). A tenant that had no live request when
@@ -76,9 +80,11 @@ typedef struct {
  * request's own field. With one tenant this is the order without tenants. */
 typedef struct cs_tenant_share {
     const char *name;   /* 1..CS_TENANT_NAME_MAX bytes */
-    double weight;      /* share: [0.001, 1e6] */
+    double weight;      /* share: [CS_TENANT_SHARE_MIN, CS_TENANT_SHARE_MAX] */
 } cs_tenant_share;
 enum { CS_TENANT_NAME_MAX = 64 };
+#define CS_TENANT_SHARE_MIN 1e-3
+#define CS_TENANT_SHARE_MAX 1e6
 
 /* Speculation. A draft is checked by sampling each of its positions' logits
  * with the request's own sampler, in order, and keeping the drafted tokens

@@ -81,9 +81,21 @@ double cs_ttft_load_tokens(const cs_ttft_load *L);
  * L's position, with `rows` sampling rows of prompts; 0 when not ready. */
 double cs_ttft_step_s(const cs_ttft_load *L, double chunk, double rows);
 
+/* The prompt tokens computed before the first token of a request of
+ * n_tokens prompt tokens (priority, tenant of weight w) joining the queue
+ * L, its own last: the better priorities' queued tokens, its tenant's at
+ * its priority, and each other tenant's there up to its weighted share of
+ * those (generalized processor sharing: the scheduler's token-fair steps),
+ * less what the running step computes (in_step_tokens). Only L's groups,
+ * overflow and in_step_tokens are read: a router fills them from a
+ * worker's status and divides by the worker's rate. */
+double cs_ttft_work(const cs_ttft_load *L, int32_t priority, const char *tenant, double weight,
+                    int64_t n_tokens);
+
 /* The predicted seconds to the first token of a request of n_tokens prompt
- * tokens (priority, tenant of weight w) joining the queue L; NAN when L is
- * not ready. */
+ * tokens (priority, tenant of weight w) joining the queue L: the steps that
+ * compute cs_ttft_work, full while anything is queued; NAN when L is not
+ * ready. */
 double cs_ttft_predict(const cs_ttft_load *L, int32_t priority, const char *tenant, double weight,
                        int64_t n_tokens);
 
@@ -91,6 +103,9 @@ double cs_ttft_predict(const cs_ttft_load *L, int32_t priority, const char *tena
  * groups of its priority and better removed, the worse ones kept (they
  * fill its steps). What the work ahead adds is the difference. */
 double cs_ttft_predict_alone(const cs_ttft_load *L, int32_t priority, int64_t n_tokens);
+
+/* The weight L's groups give a tenant (1 when it has none there). */
+double cs_ttft_load_weight(const cs_ttft_load *L, const char *tenant);
 
 /* The weight p's shares give a tenant (1 when not named). */
 double cs_ttft_weight(const cs_sched_params *p, const char *tenant);
