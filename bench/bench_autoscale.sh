@@ -31,6 +31,8 @@ runs = {}
 for f in sorted(glob.glob(f"{sys.argv[1]}/r*/autoscale-*.json")):
     j = json.load(open(f))
     runs.setdefault(j["signal"], []).append(j)
+if not runs:
+    sys.exit(f"no autoscale-*.json under {sys.argv[1]}: every round failed")
 keys = ("react_s", "replica_seconds", "ttft_p50_s", "ttft_p99_s", "ttft_misses")
 for pool in ("prefill", "decode"):
     first = next(iter(runs.values()))[0]

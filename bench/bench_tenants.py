@@ -106,6 +106,14 @@ class Cluster:
                   "--step-time-target-ms", str(args.target_ms), "--max-queue", "4096",
                   "--kv-cache-mib", "2048"]
         self.procs = []
+        try:
+            self._start_all(args, b, engine)
+        except BaseException:
+            for p in self.procs:
+                p.kill()
+            raise
+
+    def _start_all(self, args, b, engine):
         dec, _ = self._start([b / "chunkserve-decode", *engine], 2)
         pre, self.ops = self._start([b / "chunkserve-prefill", *engine, "--decode-workers", dec], 2)
         _, self.router_ops, self.http = self._start([

@@ -134,22 +134,26 @@ const char *cs_pool_worker_id(const cs_pool_worker *w) {
 }
 /* The status's queued prompt groups into w->queue (cleared when it has
  * none: an older worker, or nothing queued). A group that cannot be right
- * (tokens < 0, a weight out of the share bounds) counts ahead of everyone. */
+ * (a weight out of the share bounds, a long name) counts ahead of
+ * everyone; token counts are capped (2^50: far beyond any queue) so that
+ * their sums cannot overflow. A group of 0 tokens names a tenant's share. */
 static void take_queue(cs_pool_worker *w, const Chunkserve__V1__WorkerStatus *s) {
     if (!w->queue && (s->n_queued_prompts || s->queued_unsorted_tokens > 0))
         w->queue = calloc(1, sizeof *w->queue); /* none: the queue's sum alone */
     if (!w->queue) return;
+    const int64_t most = (int64_t)1 << 50;
     cs_ttft_load *L = w->queue;
     L->n_groups = 0;
     L->overflow_tokens = s->queued_unsorted_tokens > 0 ? s->queued_unsorted_tokens : 0;
-    for (size_t i = 0; i < s->n_queued_prompts; i++) {
+    if (L->overflow_tokens > most) L->overflow_tokens = most;
+    for (size_t i = 0; i < s->n_queued_prompts && i < 2 * CS_TTFT_GROUPS; i++) {
         const Chunkserve__V1__QueuedPrompts *g = s->queued_prompts[i];
-        if (g->tokens <= 0) continue;
+        int64_t tokens = g->tokens < 0 ? 0 : g->tokens > most ? most : g->tokens;
         if (g->weight >= CS_TENANT_SHARE_MIN && g->weight <= CS_TENANT_SHARE_MAX && g->tenant &&
             strlen(g->tenant) <= CS_TENANT_NAME_MAX)
-            cs_ttft_load_add(L, g->priority, g->tenant, g->weight, g->tokens);
+            cs_ttft_load_add(L, g->priority, g->tenant, g->weight, tokens);
         else
-            L->overflow_tokens += g->tokens;
+            L->overflow_tokens += tokens;
     }
 }
 

@@ -120,6 +120,7 @@ void cs__req_park(req *q, enum req_wait why) {
         cs__req_end(q, CS_RPC_RESOURCE_EXHAUSTED, msg);
         return;
     }
+    q->parked = true;
     if (!q->t_wait[why]) {
         q->t_wait[why] = cs_now();
         CS_LOGD("request %s: waits %s", q->id,
@@ -459,17 +460,17 @@ static int ctx_append(req *q, const int32_t *t, size_t n) {
     return 0;
 }
 
-/* One output of the Decode stream to the client, as is but for the request
- * id (the router's, on the first message only) and the final usage (the
- * router's counts, which stay right across migrations). Returns true when
- * the attempt ended here (the request finished or failed over). */
 /* A first token after measured seconds: what the queue part of its
- * prediction left out, learnt for its pool (router.ttft_rest). Only a
- * first attempt's: a retry's time is the failure's, not the queue's. */
+ * prediction left out, learnt for its pool (router.ttft_rest). Only from a
+ * request the prediction describes: prefilled where it was predicted (a
+ * local prefill for the decode pool's), with nothing predicted cached, in
+ * its first attempt (a retry's time is the failure's) and never parked in
+ * the router's own queue (that wait is the router's, not the workers'). */
 static void learn_ttft_rest(req *q, double measured) {
     router *r = q->r;
     int pool = q->predicted_pool;
-    if (pool < 0 || !isfinite(q->predicted_queue) || q->failures || q->retries || q->refusals)
+    if (pool < 0 || !isfinite(q->predicted_queue) || q->failures || q->refusals || q->parked ||
+        q->local != (pool == CS_POOL_DECODE) || q->predicted_cached > 0)
         return;
     double rest = measured - q->predicted_queue;
     if (!r->ttft_rest_set[pool]) {
@@ -480,6 +481,10 @@ static void learn_ttft_rest(req *q, double measured) {
     }
 }
 
+/* One output of the Decode stream to the client, as is but for the request
+ * id (the router's, on the first message only) and the final usage (the
+ * router's counts, which stay right across migrations). Returns true when
+ * the attempt ended here (the request finished or failed over). */
 static bool relay(req *q, Chunkserve__V1__GenerateResponse *out) {
     router *r = q->r;
     int fin = out->finish_reason;

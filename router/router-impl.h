@@ -154,6 +154,7 @@ struct req {
     int64_t t_recv_wall_us;   /* CLOCK_REALTIME at receipt, for the worker's hop measurement */
     double t_attempt;         /* the current Decode call's start */
     bool overhead_seen;       /* router_overhead_seconds observed (first attempt) */
+    bool parked;              /* it waited in the router's queue at some point */
     int64_t predicted_cached; /* prompt tokens the attempt's prefilling worker should hold */
     char fault_worker[24];    /* fault builds: x-chunkserve-fault-alloc for its worker calls */
 };

@@ -28,6 +28,8 @@ typedef struct tenant {
     uint64_t tokens; /* tokens computed for it */
     int32_t n_live;  /* its live requests */
     bool named;      /* in the params' shares: kept while idle (the others go when idle) */
+    uint64_t pass;        /* the last candidate pass (cs_sched.pass) that saw a prompt of it, */
+    int32_t pass_priority; /* at this priority: its newer ones there are not candidates */
     struct tenant *next;
 } tenant;
 
@@ -35,6 +37,7 @@ typedef struct seq {
     uint64_t id, arrival;
     tenant *tn;           /* whose request */
     uint64_t chunk_stamp; /* the step that last gave (or tried) it a prompt chunk */
+    int32_t step_k;       /* tokens the step of chunk_stamp computes for it */
     int32_t *tokens; /* (cap) prompt then generated */
     int32_t n_tokens, cap, n_prompt;
     int32_t n_context; /* tokens to compute before the first sample: the prompt
@@ -83,6 +86,7 @@ struct cs_sched {
     double vfloor;          /* the virtual tokens of the last tenant to go idle (tenant_join) */
     uint64_t joins;         /* counts tenants becoming active (tenant.joined) */
     uint64_t stamp;         /* counts steps (seq.chunk_stamp) */
+    uint64_t pass;          /* counts the candidate passes of a step's prompt chunks (tenant.pass) */
     int32_t n_waiting, n_running, n_remote, n_kv_ready;
     uint64_t next_arrival;
     cs_sched_stats st;
@@ -789,6 +793,7 @@ static void add_span(cs_sched *s, int32_t *n_spans, seq *q, int32_t k) {
                   rows ? rows + last : last, q->pt.cap};
     s->drafts[*n_spans] = 0;
     s->owners[(*n_spans)++] = q;
+    q->step_k = k;
 }
 
 /* The next event slot (scratch holds two per live sequence: a join's first
@@ -1271,13 +1276,6 @@ static bool tenant_before(const tenant *a, const tenant *b) {
     return a->vtokens < b->vtokens || (a->vtokens == b->vtokens && a->joined > b->joined);
 }
 
-/* Whether a goes before b for a prompt chunk: its priority, then its
- * tenant (tenant_before); false for one tenant's (list order then). */
-static bool fair_before(const seq *a, const seq *b) {
-    if (a->priority != b->priority) return a->priority < b->priority;
-    return tenant_before(a->tn, b->tn);
-}
-
 /* Where a chunk of prompt work is due: its tenant's virtual tokens once
  * the chunk the work would get now (room tokens of the budget left, the
  * step's work so far w) is charged. Chunks go by this virtual finish
@@ -1294,10 +1292,24 @@ typedef struct {
     bool has_chunk;
 } chunk_room;
 
+/* (A waiting prompt is costed before its cached prefix is taken: as a
+ * whole chunk. A chunk that gets no tokens now is due last.) */
 static double finish_of(const cs_sched *s, const seq *q, const chunk_room *c) {
     int32_t k = chunk_len(s, q->n_tokens - q->n_computed, c->room);
     k = timed_chunk(s, q, pool_chunk(s, q, k), c->w, c->has_chunk);
-    return q->tn->vtokens + k / q->tn->weight;
+    return k > 0 ? q->tn->vtokens + k / q->tn->weight : INFINITY;
+}
+
+/* Whether q is its tenant's candidate in this pass (s->pass): the first of
+ * its prompts seen at its priority (the lists are in priority, then
+ * arrival order; running ones are seen before waiting ones), so a tenant's
+ * prompts go in list order. Marks it. */
+static bool tenant_candidate(const cs_sched *s, const seq *q) {
+    tenant *t = q->tn;
+    if (t->pass == s->pass && t->pass_priority <= q->priority) return false;
+    t->pass = s->pass;
+    t->pass_priority = q->priority;
+    return true;
 }
 
 /* Whether prompt work a (virtual finish fa) is due before b (fb): by
@@ -1311,30 +1323,34 @@ static bool due_before(const seq *a, double fa, const seq *b, double fb) {
 }
 
 /* The running prompt next due a chunk this step: part-way through, not held,
- * not yet tried this step; the first by due_before (its finish in *f). */
+ * not yet tried this step; of each tenant's first such (tenant_candidate),
+ * the first by due_before (its finish in *f). Call before next_waiting, in
+ * the same pass. */
 static seq *next_partial(const cs_sched *s, const chunk_room *c, double *f) {
     seq *best = NULL;
     for (seq *q = s->running; q; q = q->next) {
         if (q->n_tokens - q->n_computed <= 1 || is_held(q) || q->chunk_stamp == s->stamp) continue;
         if (best && q->priority > best->priority) continue;
+        if (!tenant_candidate(s, q)) continue;
         double fq = finish_of(s, q, c);
         if (!best || due_before(q, fq, best, *f)) best = q, *f = fq;
     }
     return best;
 }
 
-/* The waiting request next in line: of the best priority waiting (the list
- * is in arrival order within a priority), the oldest of the tenant whose
- * chunk is due first (due_before; its finish in *f). A tenant whose count
- * is already past the best finish cannot be due first: not costed. */
+/* The waiting request next in line: of the best priority waiting, each
+ * tenant's oldest, unless the tenant has a running prompt due a chunk at
+ * that priority (tenant_candidate: running first); of those, the first by
+ * due_before (its finish in *f). A tenant whose count is already past the
+ * best finish cannot be due first: not costed. */
 static seq *next_waiting(const cs_sched *s, const chunk_room *c, double *f) {
-    seq *best = s->waiting;
-    if (!best) return NULL;
-    *f = finish_of(s, best, c);
-    for (seq *q = best->next; q && q->priority == best->priority; q = q->next) {
-        if (q->tn == best->tn || q->tn->vtokens > *f) continue;
+    seq *best = NULL;
+    for (seq *q = s->waiting; q; q = q->next) {
+        if (best && q->priority != best->priority) break;
+        if (best && q->tn->vtokens > *f) continue;
+        if (!tenant_candidate(s, q)) continue;
         double fq = finish_of(s, q, c);
-        if (due_before(q, fq, best, *f)) best = q, *f = fq;
+        if (!best || due_before(q, fq, best, *f)) best = q, *f = fq;
     }
     return best;
 }
@@ -1347,21 +1363,26 @@ static void unlink_waiting(cs_sched *s, seq *q) {
     s->n_waiting--;
 }
 
-/* Whether waiting q may take a prompt seat, partial seats being taken:
- * below max_num_partial_prefills, yes; beyond it, when it goes before every
- * running sequence part-way through its prompt, by a better priority (any
- * number of seats: priority preempts anyway), or by a tenant served less
- * (fair_before; one seat beyond the cap in all, so a tenant's flood of
- * prompts holding every seat does not keep the others out, and requests
- * naming ever new tenants cannot open seats without end). */
-static bool may_take_seat(const cs_sched *s, const seq *q, int32_t partial) {
+/* Whether waiting q (its chunk due at virtual finish fq) may take a prompt
+ * seat, partial seats being taken: below max_num_partial_prefills, yes;
+ * beyond it, when it goes before every running sequence part-way through
+ * its prompt, by a better priority (any number of seats: priority preempts
+ * anyway), or by due_before (one seat beyond the cap in all, so a tenant's
+ * flood of prompts holding every seat does not keep the others out, and
+ * requests naming ever new tenants cannot open seats without end). A
+ * prompt whose last chunk this step computes holds no seat; one that had
+ * its chunk this step is due at its count now. */
+static bool may_take_seat(const cs_sched *s, const seq *q, double fq, int32_t partial,
+                          const chunk_room *c) {
     if (partial < s->p.max_num_partial_prefills) return true;
     bool by_priority = true, fairly = partial == s->p.max_num_partial_prefills;
-    for (const seq *r = s->running; r; r = r->next)
-        if (r->n_tokens - r->n_computed > 1 && !is_held(r)) {
-            by_priority = by_priority && q->priority < r->priority;
-            fairly = fairly && fair_before(q, r);
-        }
+    for (const seq *r = s->running; r; r = r->next) {
+        if (r->n_tokens - r->n_computed <= 1 || is_held(r)) continue;
+        bool chunked = r->chunk_stamp == s->stamp;
+        if (chunked && r->n_computed + r->step_k >= r->n_tokens) continue;
+        by_priority = by_priority && q->priority < r->priority;
+        fairly = fairly && due_before(q, fq, r, chunked ? r->tn->vtokens : finish_of(s, r, c));
+    }
     return by_priority || fairly;
 }
 
@@ -1437,10 +1458,11 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
     while (used < budget) {
         const chunk_room room = {budget - used, &work, n_spans > s->last.n_decode};
         double frq = 0, fq = 0;
+        s->pass++;
         seq *rq = next_partial(s, &room, &frq);
         seq *q = waiting_open ? next_waiting(s, &room, &fq) : NULL;
         if (q && s->n_running >= s->p.max_num_seqs) q = NULL;
-        if (q && !may_take_seat(s, q, partial)) q = NULL;
+        if (q && !may_take_seat(s, q, fq, partial, &room)) q = NULL;
         if (q && rq && !due_before(q, fq, rq, frq)) q = NULL; /* the running one's chunk first */
         if (!q && !rq) break;
         if (!q) { /* the running one's next chunk */

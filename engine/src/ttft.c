@@ -11,7 +11,7 @@ static const char *name_of(const char *tenant) {
 
 void cs_ttft_load_add(cs_ttft_load *L, int32_t priority, const char *tenant, double weight,
                       int64_t tokens) {
-    if (tokens <= 0) return;
+    if (tokens < 0) return;
     tenant = name_of(tenant);
     for (int32_t i = 0; i < L->n_groups; i++) {
         cs_ttft_group *g = &L->groups[i];

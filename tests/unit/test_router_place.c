@@ -144,14 +144,29 @@ static void test_prefill(void) {
     ASSERT_TRUE(fabs(cs_place_ttft(&w[0], 100, &urgent) - 100.0 / 1000) < 1e-12);
     ASSERT_TRUE(fabs(cs_place_ttft(&w[0], 100, NULL) - 1100.0 / 1000) < 1e-12); /* no class */
     ASSERT_EQ_INT(cs_place_prefill(w, 2, 100, 0, -1, &chat), 0); /* 0.2 s against 0.8 */
-    ASSERT_EQ_INT(cs_place_prefill(w, 2, 100, 0, -1, &b), 1);    /* 0.8 s against 1.1 */
+    ASSERT_EQ_INT(cs_place_prefill(w, 2, 100, 0, -1, &b), 1);    /* 0.2 s against 1.1 */
     ASSERT_EQ_INT(cs_place_prefill(w, 2, 100, 0, -1, NULL), 1);  /* the queues' sums */
     /* placed since the status: ahead of everyone */
     w[0].tokens_placed = 300;
     ASSERT_TRUE(fabs(cs_place_ttft(&w[0], 100, &chat) - 500.0 / 1000) < 1e-12);
-    /* a worker that reports no groups: all of its queue is ahead */
+    /* a worker that reports no groups (none, or an empty table): all of its queue is ahead */
     w[0].tokens_placed = 0, w[0].queue = NULL;
     ASSERT_TRUE(fabs(cs_place_ttft(&w[0], 100, &chat) - 1100.0 / 1000) < 1e-12);
+    cs_ttft_load none = {0};
+    w[0].queue = &none;
+    ASSERT_TRUE(fabs(cs_place_ttft(&w[0], 100, &chat) - 1100.0 / 1000) < 1e-12);
+    /* shares: a tenant of weight 4 waits for a quarter as many of b's tokens, one of
+     * weight 0.25 for four times as many; the weight comes from the worker's groups,
+     * also from a group of 0 tokens (a named share with nothing queued) */
+    cs_ttft_load_add(&q0, 0, "big", 4, 0);
+    cs_ttft_load_add(&q0, 0, "small", 0.25, 0);
+    w[0].queue = &q0;
+    const cs_place_class big = {0, "big"}, small = {0, "small"};
+    ASSERT_TRUE(fabs(cs_place_ttft(&w[0], 100, &big) - 125.0 / 1000) < 1e-12);
+    ASSERT_TRUE(fabs(cs_place_ttft(&w[0], 100, &small) - 500.0 / 1000) < 1e-12);
+    /* tokens past the worker's table: ahead of everyone */
+    q0.overflow_tokens = 50;
+    ASSERT_TRUE(fabs(cs_place_ttft(&w[0], 100, &chat) - 250.0 / 1000) < 1e-12);
 }
 
 /* Placing repeatedly with the router's own accounting spreads a burst over

@@ -958,21 +958,25 @@ static void check_ttft(void) {
         const char *flood;
         int32_t flood_priority, n_flood, flood_len, warm_steps;
         const char *tenant;
-        int32_t priority, n, count;
+        int32_t priority, n, count, seats;
     } cases[] = {
-        {"b", 0, 3, 100, 0, "b", 0, 30, 1}, /* arrival order: 330 tokens, 6 steps */
-        {"b", 0, 6, 400, 2, "a", 0, 30, 1}, /* a flood of b: a's 30 and b's share, 1 step */
-        {"b", 0, 6, 400, 2, "a", 0, 90, 1}, /* 180 tokens: 3 steps */
-        {"b", 5, 4, 200, 1, "b", 0, 70, 1}, /* a better priority: 2 steps */
+        {"b", 0, 3, 100, 0, "b", 0, 30, 1, 0}, /* arrival order: 330 tokens, 6 steps */
+        {"b", 0, 6, 400, 2, "a", 0, 30, 1, 0}, /* a flood of b: a's 30 and b's share, 1 step */
+        {"b", 0, 6, 400, 2, "a", 0, 90, 1, 0}, /* 180 tokens: 3 steps */
+        {"b", 5, 4, 200, 1, "b", 0, 70, 1, 0}, /* a better priority: 2 steps */
         /* four short prompts of a at once beside b's running chunk: a's 24 tokens and
          * b's 24, all in the next step (by virtual finish; by virtual start a would get
          * one prompt a step: a few tokens ahead, it would wait for b's whole chunk) */
-        {"b", 0, 6, 400, 2, "a", 0, 6, 4},
+        {"b", 0, 6, 400, 2, "a", 0, 6, 4, 0},
+        /* the same with b's running prompt holding the only partial seat: each of a's
+         * takes the seat beyond it in turn (the one before ends its prompt in the step) */
+        {"b", 0, 6, 400, 2, "a", 0, 6, 4, 1},
     };
     for (size_t k = 0; k < sizeof cases / sizeof cases[0]; k++) {
         cs_engine *e = engine(4096);
         cs_sched_params p = cs_sched_params_default();
         p.max_num_batched_tokens = 64;
+        if (cases[k].seats) p.max_num_partial_prefills = cases[k].seats;
         cs_sched *s = NULL;
         ASSERT_EQ_INT(cs_sched_init(e, &p, &s), 0);
         uint64_t id = 1;
@@ -1323,6 +1327,28 @@ static void check_tenants(void) {
         printf("tenants: five new tenants behind a flood: at most %d prompts a step (cap 1)\n",
                most);
         ASSERT_EQ_INT(most, 2);
+        cs_sched_free(s);
+        cs_engine_free(e);
+    }
+    /* a tenant's prompts start in its order: its short second prompt does not go
+     * before its long first one (though its chunk would be due before another
+     * tenant's), the tenant's candidate is its oldest */
+    {
+        cs_engine *e = engine(4096);
+        cs_sched_params p = cs_sched_params_default();
+        p.max_num_batched_tokens = 256;
+        cs_sched *s = NULL;
+        ASSERT_EQ_INT(cs_sched_init(e, &p, &s), 0);
+        uint64_t id = 300;
+        queue_prompts(s, "a", 0, 1, 400, &id);
+        queue_prompts(s, "b", 0, 1, 400, &id);
+        queue_prompts(s, "a", 0, 1, 10, &id); /* id 302 */
+        const cs_event *ev;
+        int32_t ne;
+        ASSERT_EQ_INT(cs_sched_step(s, &ev, &ne), 0); /* b's chunk (joined last), full */
+        for (int32_t i = 0; i < ne; i++)
+            ASSERT_TRUE(ev[i].id != 302);
+        ASSERT_EQ_INT((int)cs_sched_tenant_tokens(s, "a"), 0); /* not the short one's 10 */
         cs_sched_free(s);
         cs_engine_free(e);
     }

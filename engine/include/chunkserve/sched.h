@@ -64,7 +64,8 @@ typedef struct {
  * once the chunk it would get now is charged goes first (virtual finish:
  * weighted fair queueing; a tenant's short prompts arriving together all
  * start beside another tenant's long chunk, until their tenant is a chunk
- * ahead); ties go to the tenant with fewer virtual tokens, then keep the
+ * ahead); at equal finish the tenant with fewer virtual tokens goes first,
+ * then the one active since later (below). A tenant's own prompts keep the
  * order without tenants (running first, then arrival). Decodes keep their
  * precedence, and a tenant with nothing to run takes nothing: the budget goes
  * to the others (work-conserving). A tenant that had no live request when
@@ -73,9 +74,10 @@ typedef struct {
  * fewer), so being idle saves no credit (VTC, Sheng et al., OSDI '24); at
  * equal counts the tenant that became active last goes first (a chat
  * turn arriving beside a flood gets the next step's chunk, not the one
- * after). A tenant due before every running prompt's tenant (fewer virtual
- * tokens, or as many and active since later) may take one prompt seat
- * beyond max_num_partial_prefills (one in all). Tenants are what the doors
+ * after). A prompt due before every running prompt of another tenant (by
+ * the rule above; a running one already chunked this step at its count
+ * now, one this step finishes not counted) may take one prompt seat beyond
+ * max_num_partial_prefills (one in all). Tenants are what the doors
  * say: the API key's when keys are configured (api/auth.h), else the
  * request's own field. With one tenant this is the order without tenants. */
 typedef struct cs_tenant_share {

@@ -70,7 +70,8 @@ typedef struct cs_ttft_load {
     int64_t overflow_tokens; /* tokens of groups past the table: counted ahead of everyone */
 } cs_ttft_load;
 
-/* Adds tokens queued by (priority, tenant of weight w) to L. */
+/* Adds tokens queued by (priority, tenant of weight w) to L; 0 tokens:
+ * the group only says the tenant's weight (cs_ttft_load_weight). */
 void cs_ttft_load_add(cs_ttft_load *L, int32_t priority, const char *tenant, double weight,
                       int64_t tokens);
 
