@@ -601,20 +601,23 @@ static int prefill_start(cs_worker *w) {
 }
 
 /* Prompt tokens this worker holds and has not finished computing (n: their
- * requests): counted here at once, not at the engine's next step (one step
- * can be long). GetStatus (the router's placement) and the
- * chunkserve:queued_prefill_tokens metric (the prefill pool's autoscaling
- * signal) both read it. */
-static int64_t queued_prefill_tokens(cs_worker *w, int32_t *n_requests) {
-    int64_t queued = 0;
+ * requests; parked: the tokens of those parked before the engine, waiting
+ * for their decode worker's endpoint): counted here at once, not at the
+ * engine's next step (one step can be long). GetStatus (the router's
+ * placement) and the chunkserve:queued_prefill_tokens metric (the prefill
+ * pool's autoscaling signal) both read it. */
+static int64_t queued_prefill_tokens(cs_worker *w, int32_t *n_requests, int64_t *parked) {
+    int64_t queued = 0, held = 0;
     int32_t n = 0;
     for (cs_worker_call *c = w->calls; c; c = c->next) {
         preq *q = (preq *)c;
         pthread_mutex_lock(&c->mu);
         if (!q->engine_done && q->p) queued += q->n_context, n++;
+        if (!q->engine_done && q->parked) held += q->n_context;
         pthread_mutex_unlock(&c->mu);
     }
     if (n_requests) *n_requests = n;
+    if (parked) *parked = held;
     return queued;
 }
 
@@ -629,13 +632,15 @@ static void prefill_status(cs_worker *w, Chunkserve__V1__WorkerStatus *st) {
     cs_worker_kv_status(w, p->tx ? cs_kvx_tx_payload(p->tx) : CS_KVX_PAYLOAD_TCP, st);
     st->kv_sender = p->kv_sender;
     int32_t n;
-    st->queued_prefill_tokens = queued_prefill_tokens(w, &n);
+    int64_t parked;
+    st->queued_prefill_tokens = queued_prefill_tokens(w, &n, &parked);
+    st->queued_unsorted_tokens += parked; /* not in the engine's groups yet: ahead */
     if (st->num_running + st->num_waiting < n) st->num_waiting = n - st->num_running;
 }
 
 static void prefill_metrics(cs_worker *w) {
     prefill *p = w->role_data;
-    cs_metric_set(w->em.queued_prefill, (double)queued_prefill_tokens(w, NULL));
+    cs_metric_set(w->em.queued_prefill, (double)queued_prefill_tokens(w, NULL, NULL));
     if (!p->tx) return;
     cs_kvx_stats s;
     cs_kvx_tx_get_stats(p->tx, &s);
