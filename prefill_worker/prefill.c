@@ -607,17 +607,17 @@ static int prefill_start(cs_worker *w) {
  * placement) and the chunkserve:queued_prefill_tokens metric (the prefill
  * pool's autoscaling signal) both read it. */
 static int64_t queued_prefill_tokens(cs_worker *w, int32_t *n_requests, int64_t *parked) {
-    int64_t queued = 0, held = 0;
+    int64_t queued = 0, waiting_tokens = 0;
     int32_t n = 0;
     for (cs_worker_call *c = w->calls; c; c = c->next) {
         preq *q = (preq *)c;
         pthread_mutex_lock(&c->mu);
         if (!q->engine_done && q->p) queued += q->n_context, n++;
-        if (!q->engine_done && q->parked) held += q->n_context;
+        if (!q->engine_done && q->parked) waiting_tokens += q->n_context;
         pthread_mutex_unlock(&c->mu);
     }
     if (n_requests) *n_requests = n;
-    if (parked) *parked = held;
+    if (parked) *parked = waiting_tokens;
     return queued;
 }
 
