@@ -246,10 +246,11 @@ void cs__req_refuse(req *q, int code, const char *msg, const char *field) {
     cs__router_count_code(r, code);
     if (code == CS_RPC_OK) cs_metric_observe(r->m.e2e, now - q->t_recv);
     if (code == CS_RPC_OK || code == CS_RPC_CANCELLED)
-        CS_LOGI("request %s: %s, %d prompt + %d completion tokens in %.3f s (ttft %.3f s, %d "
-                "retries, %d migrations)",
+        CS_LOGI("request %s: %s, %d prompt + %d completion tokens in %.3f s (ttft %.3f s, "
+                "predicted %.3f s, %s prefill, %d retries, %d migrations)",
                 q->id, cs_rpc_code_name(code), q->n_prompt, q->n_relayed, now - q->t_recv,
-                q->t_first ? q->t_first - q->t_recv : 0.0, q->retries, q->migrations);
+                q->t_first ? q->t_first - q->t_recv : 0.0, q->predicted_ttft,
+                q->local ? "local" : "remote", q->retries, q->migrations);
     else
         CS_LOGW("request %s: %s: %s (%d completion tokens, %d retries, %d migrations, %.3f s)",
                 q->id, cs_rpc_code_name(code),
