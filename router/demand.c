@@ -17,6 +17,13 @@ double cs_rate_get(const cs_rate *r, double now, double tau) {
     return v / (tau * (1 - exp(-(age > least ? age : least) / tau)));
 }
 
+double cs_smooth_add(cs_smooth *s, double x, double now, double tau) {
+    if (!(x > 0)) return s->t = 0, s->v = 0;
+    if (s->t == 0) return s->t = now, s->v = x;
+    if (now > s->t) s->v += (x - s->v) * (1 - exp(-(now - s->t) / tau)), s->t = now;
+    return s->v;
+}
+
 static double share(double rate, double cap) {
     return cap > 0 ? rate / cap : 0;
 }

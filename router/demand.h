@@ -20,7 +20,9 @@
  * they are relayed;
  * capacities are the mean over usable workers that report one (a worker
  * that has computed no prompt yet reports 0 and is left out; one whose step
- * model is not fitted yet reports its measured rate). The value is a count from the pool's total load: at
+ * model is not fitted yet reports its measured rate), smoothed over tau
+ * (cs_smooth: one poll's dip, a worker refitting its step model while its
+ * cores are busy, is not a lack of replicas). The value is a count from the pool's total load: at
  * scale-down the survivors take load / (N - 1) each, which the count
  * already is, so an autoscaler targeting it (AverageValue 1, summed over
  * routers) never removes a replica the others cannot absorb. Pure: tested
@@ -40,6 +42,16 @@ typedef struct {
 void cs_rate_add(cs_rate *r, double x, double now, double tau);
 /* The rate (per second) at time now: 0 before any event. */
 double cs_rate_get(const cs_rate *r, double now, double tau);
+
+/* An exponentially weighted mean of a value sampled at irregular times (a
+ * time constant of tau seconds; each sample held until the next). */
+typedef struct {
+    double v; /* the mean */
+    double t; /* its last sample (0: none; a sample of 0, unknown, restarts it) */
+} cs_smooth;
+
+/* Takes sample x at time now; returns the mean (x itself first). */
+double cs_smooth_add(cs_smooth *s, double x, double now, double tau);
 
 typedef struct {
     double prompt_rate;        /* prompt tokens/s bound for the prefill pool */

@@ -361,7 +361,8 @@ static const cs_metric_def router_metrics[] = {
      "role=\"decode\"", DEMAND, NULL, 0},
 #define CAPACITY                                                                                   \
     "One replica's measured capacity, the mean over the pool's usable workers that report it "     \
-    "(prefill: prompt tokens/s; decode: output tokens/s at the step-time target)."
+    "(prefill: prompt tokens/s; decode: output tokens/s at the step-time target), smoothed over "  \
+    "--autoscale-window-s."
     {M(capacity[CS_POOL_PREFILL]), "chunkserve:pool_replica_capacity_tokens_per_second",
      CS_METRIC_GAUGE, "role=\"prefill\"", CAPACITY, NULL, 0},
     {M(capacity[CS_POOL_DECODE]), "chunkserve:pool_replica_capacity_tokens_per_second",
@@ -409,6 +410,10 @@ static void update_metrics(cs_proc *p, void *arg) {
         double now = cs_now(), tau = r->o->autoscale_window_s, pp, pd, dp, dd;
         cs_pool_capacity(r->pool, CS_POOL_PREFILL, &pp, &pd);
         cs_pool_capacity(r->pool, CS_POOL_DECODE, &dp, &dd);
+        pp = cs_smooth_add(&r->capacity[CS_POOL_PREFILL][0], pp, now, tau);
+        pd = cs_smooth_add(&r->capacity[CS_POOL_PREFILL][1], pd, now, tau);
+        dp = cs_smooth_add(&r->capacity[CS_POOL_DECODE][0], dp, now, tau);
+        dd = cs_smooth_add(&r->capacity[CS_POOL_DECODE][1], dd, now, tau);
         cs_demand d = {.prompt_rate = cs_rate_get(&r->prompt_demand, now, tau),
                        .output_rate = cs_rate_get(&r->output_demand, now, tau),
                        .local_rate = cs_rate_get(&r->local_demand, now, tau),

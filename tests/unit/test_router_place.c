@@ -347,6 +347,18 @@ static void test_demand(void) {
     ASSERT_TRUE(step > 2800 && step < 4000);
     ASSERT_TRUE(cs_rate_get(&r, t + 60, tau) < 0.01 * step); /* then silence: it decays */
 
+    /* capacities, smoothed: one poll's dip to 40% moves the mean by a few percent
+     * (0.25 s of 10 s), a lasting change gets through, an unknown one restarts it */
+    cs_smooth c = {0};
+    ASSERT_TRUE(cs_smooth_add(&c, 4000, 100, tau) == 4000);
+    double dip = cs_smooth_add(&c, 1600, 100.25, tau);
+    dip = cs_smooth_add(&c, 4000, 100.5, tau); /* the dip held 0.25 s */
+    ASSERT_TRUE(dip > 3900 && dip < 4000);
+    for (double u = 100.5; u < 130; u += 0.25)
+        dip = cs_smooth_add(&c, 2000, u, tau);
+    ASSERT_TRUE(fabs(dip - 2000) < 200);
+    ASSERT_TRUE(cs_smooth_add(&c, 0, 131, tau) == 0 && cs_smooth_add(&c, 3000, 132, tau) == 3000);
+
     cs_demand d = {.prompt_rate = 6000, .output_rate = 900, .local_rate = 200,
                    .prefill_cap = 2000, .decode_cap = 600, .decode_prefill_cap = 1000,
                    .utilization = 0.75};
