@@ -36,7 +36,9 @@ test seconds as they are.
 
 The load (closed loops of real grpcio clients, bounded in count and time):
 - phase A, long prompts (above --local-prefill-threshold, so prefilled on the prefill pool),
-  4 tokens each: the prefill pool must scale up, the decode pool must not;
+  4 tokens each, from 3 closed loops (or, with CS_AUTOSCALE_PHASE_A=ramp, as open-loop arrivals
+  at a rate growing linearly to RAMP_PEAK: bench/bench_autoscale.sh's ramp): the prefill pool
+  must scale up, the decode pool must not;
 - phase B, short prompts (prefilled on the decode worker) with long generations on decode
   workers with a small KV pool: the decode pool must scale up, the prefill pool must not;
 - a trickle of both kinds through the whole run, so that every scale-in happens with requests
