@@ -8,12 +8,14 @@
 # over the rounds. Each round's timelines (autoscale-SIGNAL.csv: bench/plot_autoscale.py draws
 # one) and summaries stay in OUT_DIR/rN. LOAD: phase A as closed loops of 3 clients (closed,
 # a step), or as open-loop arrivals whose rate grows linearly to twice a replica's nominal rate
-# (ramp: the load a leading signal is for).
-# Usage: bench/bench_autoscale.sh [ROUNDS] [OUT_DIR] [closed|ramp]
+# (ramp: the load a leading signal is for). BACKLOG_S: the queue signal's prefill target in
+# seconds of a replica's work (the test's 0.25 by default; the chart's default is 2).
+# Usage: bench/bench_autoscale.sh [ROUNDS] [OUT_DIR] [closed|ramp] [BACKLOG_S]
 set -eu
 rounds=${1:-3}
 out=${2:-bench-out/autoscale}
 export CS_AUTOSCALE_PHASE_A=${3:-closed}
+export CS_AUTOSCALE_BACKLOG_S=${4:-0.25}
 mkdir -p "$out"
 r=1
 while [ "$r" -le "$rounds" ]; do
@@ -36,7 +38,8 @@ if not runs:
 keys = ("react_s", "replica_seconds", "ttft_p50_s", "ttft_p99_s", "ttft_misses")
 for pool in ("prefill", "decode"):
     first = next(iter(runs.values()))[0]
-    load = f"long prompts, {first.get('phase_a', 'closed')}" if pool == "prefill" else "long generations"
+    load = (f"long prompts, {first.get('phase_a', 'closed')}, queue target {first.get('backlog_s', 0.25)} s"
+            if pool == "prefill" else "long generations")
     print(f"{pool} pool (its load: {load})")
     for sig, js in runs.items():
         cells = []

@@ -101,7 +101,9 @@ MODEL_FLAGS = ("--dim", "512", "--layers", "4")
 # `chunkserve generate --threads 1` on a 2,000-token prompt: ~4,800 tokens/s; rounded down for
 # the CPU the other processes take) x the backlog allowed
 PREFILL_RATE = 4000.0   # tokens/s per replica
-BACKLOG_S = 0.25        # seconds of queued prefill work per replica
+# seconds of queued prefill work per replica: tight, so that the queue signal reacts within the
+# test's short phases (the chart's default is 2: CS_AUTOSCALE_BACKLOG_S for the bench)
+BACKLOG_S = float(os.environ.get("CS_AUTOSCALE_BACKLOG_S", "0.25"))
 PREFILL_TARGET = PREFILL_RATE * BACKLOG_S  # 1,000 queued tokens per replica
 KV_TARGET = 0.8         # KV page usage per replica
 WAITING_PER_REPLICA = 4.0
@@ -489,7 +491,7 @@ class Autoscale:
         2 replicas asked for, the replica-seconds asked for over the run (the HPA's spec,
         integrated), and the TTFTs over TTFT_SLO_S of its load."""
         rows, out = self.rows, {"signal": self.signal, "phase_a": PHASE_A_LOAD,
-                                "ttft_slo_s": TTFT_SLO_S}
+                                "backlog_s": BACKLOG_S, "ttft_slo_s": TTFT_SLO_S}
         for role, kind in (("prefill", "A"), ("decode", "B")):
             t0, t1 = phases[kind]
             up = [r["t"] for r in rows if t0 <= r["t"] <= t1 and r[f"{role}_replicas"] >= 2]
