@@ -146,7 +146,7 @@ static void take_queue(cs_pool_worker *w, const Chunkserve__V1__WorkerStatus *s)
     L->n_groups = 0;
     L->overflow_tokens = s->queued_unsorted_tokens > 0 ? s->queued_unsorted_tokens : 0;
     if (L->overflow_tokens > most) L->overflow_tokens = most;
-    for (size_t i = 0; i < s->n_queued_prompts && i < 2 * CS_TTFT_GROUPS; i++) {
+    for (size_t i = 0; i < s->n_queued_prompts; i++) {
         const Chunkserve__V1__QueuedPrompts *g = s->queued_prompts[i];
         int64_t tokens = g->tokens < 0 ? 0 : g->tokens > most ? most : g->tokens;
         if (g->weight >= CS_TENANT_SHARE_MIN && g->weight <= CS_TENANT_SHARE_MAX && g->tenant &&

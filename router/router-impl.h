@@ -201,7 +201,11 @@ struct router {
     } m;
     /* the leading autoscaling signal's rates (demand.h) */
     cs_rate prompt_demand, local_demand, output_demand;
-    cs_smooth capacity[2][2]; /* [pool][prefill, decode rate]: one replica's, smoothed */
+    struct { /* one replica's capacity, smoothed (demand.h) */
+        cs_smooth prefill;        /* a prefill replica's prompt tokens/s */
+        cs_smooth decode;         /* a decode replica's output tokens/s */
+        cs_smooth decode_prefill; /* a decode replica's prompt tokens/s */
+    } capacity;
     /* What the queue model (cs_pool_ttft) leaves out of a time to first
      * token, by the pool that predicted it: the hops, the step under way, a
      * step's fixed cost. The mean of measured - predicted over recent first

@@ -408,12 +408,11 @@ static void update_metrics(cs_proc *p, void *arg) {
                       r->pool ? cs_pool_n_usable(r->pool, (enum cs_pool_role)role) : 0);
     if (r->pool) { /* the leading autoscaling signal (demand.h) */
         double now = cs_now(), tau = r->o->autoscale_window_s, pp, pd, dp, dd;
-        cs_pool_capacity(r->pool, CS_POOL_PREFILL, &pp, &pd);
+        cs_pool_capacity(r->pool, CS_POOL_PREFILL, &pp, &pd); /* pd: unused */
         cs_pool_capacity(r->pool, CS_POOL_DECODE, &dp, &dd);
-        pp = cs_smooth_add(&r->capacity[CS_POOL_PREFILL][0], pp, now, tau);
-        pd = cs_smooth_add(&r->capacity[CS_POOL_PREFILL][1], pd, now, tau);
-        dp = cs_smooth_add(&r->capacity[CS_POOL_DECODE][0], dp, now, tau);
-        dd = cs_smooth_add(&r->capacity[CS_POOL_DECODE][1], dd, now, tau);
+        pp = cs_smooth_add(&r->capacity.prefill, pp, now, tau);
+        dp = cs_smooth_add(&r->capacity.decode_prefill, dp, now, tau);
+        dd = cs_smooth_add(&r->capacity.decode, dd, now, tau);
         cs_demand d = {.prompt_rate = cs_rate_get(&r->prompt_demand, now, tau),
                        .output_rate = cs_rate_get(&r->output_demand, now, tau),
                        .local_rate = cs_rate_get(&r->local_demand, now, tau),

@@ -532,12 +532,12 @@ void cs_serve_ttft_load(cs_serve *sv, cs_ttft_load *L) {
     /* the named shares, so that a reader of the load (a router) knows a
      * tenant's weight before it has anything queued: groups of 0 tokens,
      * after the queued ones, while the table has room */
-    for (int32_t i = 0; i < sv->shares.n_tenant_shares; i++) {
+    for (int32_t i = 0; i < sv->shares.n_tenant_shares && L->n_groups < CS_TTFT_GROUPS; i++) {
         const cs_tenant_share *t = &sv->shares.tenant_shares[i];
         bool listed = false;
         for (int32_t k = 0; k < L->n_groups && !listed; k++)
             listed = !strcmp(L->groups[k].tenant, t->name);
-        if (!listed && L->n_groups < CS_TTFT_GROUPS) cs_ttft_load_add(L, 0, t->name, t->weight, 0);
+        if (!listed) cs_ttft_load_add(L, 0, t->name, t->weight, 0);
     }
 }
 

@@ -55,6 +55,28 @@ def test_a_flooding_tenant_does_not_hold_back_another(served):
     assert before <= FLOOD // 2, f"{before} of the flood finished first"
 
 
+def test_the_status_says_the_queue_by_tenant(served, chunkserve_bin, tiny_model, pb):
+    """GetStatus.queued_prompts: what a router predicts a request's share from. The named
+    shares come as groups of 0 tokens (their weights), a flood as its tenant's tokens."""
+    s = Serve(chunkserve_bin, tiny_model, pb, "--tenant-shares", "a=3,b=0.5")
+    try:
+        groups = {(q.tenant, q.priority): (q.tokens, q.weight) for q in s.status().queued_prompts}
+        assert groups == {("a", 0): (0, 3.0), ("b", 0): (0, 0.5)}, groups
+        assert s.status().queued_unsorted_tokens == 0
+    finally:
+        s.stop()  # asserts a clean exit
+    f = Flood(served.stub, served.pb.generation_pb2, FLOOD, FLOOD_TOKENS, tenant="flood")
+    try:
+        seen = wait_for(lambda: {q.tenant: q.tokens for q in served.status().queued_prompts}
+                        .get("flood", 0) >= FLOOD_TOKENS or f.errors, 60, "the flood in the status")
+        assert seen is True, f.errors
+        tokens = {q.tenant: q.tokens for q in served.status().queued_prompts}
+        assert tokens.get("chat") == 0 and tokens["flood"] <= FLOOD * FLOOD_TOKENS, tokens
+    finally:
+        f.join()
+    assert not f.errors, f.errors
+
+
 def key_tenant(key: str) -> str:
     """The tenant of a key its file line names none for: key- and 8 hex digits of its FNV-1a."""
     h = 0xcbf29ce484222325
