@@ -12,15 +12,31 @@
 #include "chunkserve/sched.h"
 
 typedef struct {
-    const char *mode;   /* --speculative: "off", "ngram" */
+    const char *mode;   /* --speculative: "off", "ngram", "draft:PATH" */
     int64_t num_tokens; /* --num-speculative-tokens */
 } cs_spec_opts;
 
 extern const cs_config_entry cs_spec_config[]; /* offsets in cs_spec_opts */
 extern const size_t cs_spec_config_n;
 
-/* Checks o and sets sp's speculation. CS_EINVAL naming the flag (a draft
- * model is not supported yet: refused, saying so). */
+/* Checks o and sets sp's speculation (a draft model's engine comes from
+ * cs_spec_draft_open). CS_EINVAL naming the flag. */
 int cs_spec_opts_apply(const cs_spec_opts *o, cs_sched_params *sp);
+
+/* A draft model and its engine (--speculative draft:PATH). */
+typedef struct {
+    cs_model *model;
+    cs_engine *engine;
+} cs_spec_draft;
+
+/* With draft:PATH, loads PATH (its weights held as the target's are: quantized
+ * kernels or fp32), makes its engine like target's (page size, KV format,
+ * threads, and as many pages: a sequence's draft pages never run short
+ * before its own) and sets sp->draft_engine; for the other modes, nothing.
+ * The scheduler checks the vocabulary (chunkserve/sched.h). The model's
+ * errors (cs_model_load) on failure, *d left empty. */
+int cs_spec_draft_open(const cs_spec_opts *o, cs_engine *target, const cs_engine_params *ep,
+                       cs_sched_params *sp, cs_spec_draft *d);
+void cs_spec_draft_close(cs_spec_draft *d); /* an empty one is a no-op */
 
 #endif

@@ -180,7 +180,7 @@ void cs_wire_worker_status(const cs_wire_model *wm, const cs_sched_stats *st,
     r->num_waiting = st->n_waiting;
     r->queued_prefill_tokens = st->queued_prompt_tokens;
     r->max_num_batched_tokens = st->max_num_batched_tokens;
-    r->speculative = st->num_speculative_tokens > 0 ? "ngram" : "off";
+    r->speculative = st->num_speculative_tokens == 0 ? "off" : st->draft_model ? "draft" : "ngram";
     r->num_speculative_tokens = st->num_speculative_tokens;
     r->prefill_tokens_per_second = load ? load->prompt_tokens_per_s : 0;
     r->decode_tokens_per_second = load ? load->decode_tokens_per_s : 0;

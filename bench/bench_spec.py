@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""Speculative decoding (prompt-lookup drafts) against plain decoding: the same requests
-against `chunkserve serve` without and with `--speculative ngram`: both servers up, each
+"""Speculative decoding against plain decoding: the same requests against `chunkserve
+serve` without and with `--speculative ngram` (or `--spec draft:PATH`, a draft model's
+drafts, e.g. Qwen2.5-Coder-0.5B for the 1.5B): both servers up, each
 batch sent to one then the other (the order alternating round by round), so slow machine
 noise falls on both sides of a ratio alike.
 
@@ -21,6 +22,7 @@ design). Nothing here asserts a speed.
 
   python3 bench/bench_spec.py [--bin build/bin/chunkserve] [--model M] [--rounds 3]
                               [--concurrency 1,4,16] [--tokens 128] [--drafts 4]
+                              [--spec ngram|draft:PATH] [--workloads code,rag,chat]
 """
 from __future__ import annotations
 
@@ -51,11 +53,11 @@ WORKLOADS = {"code": (CODE, 0.0), "rag": (RAG, 0.0), "chat": (CHAT, 0.7)}
 IGNORE_EOS = {"chat"}  # a full-length answer: what speculation costs where it finds little
 
 
-def start(binary, model, threads, spec, drafts):
+def start(binary, model, threads, spec, drafts, mode):
     args = [binary, "serve", "--model", model, "--port", "0", "--openai-port", "0",
             "--threads", str(threads), "--kv-cache-mib", "512"]
     if spec:
-        args += ["--speculative", "ngram", "--num-speculative-tokens", str(drafts)]
+        args += ["--speculative", mode, "--num-speculative-tokens", str(drafts)]
     p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     lines = [p.stdout.readline().decode().strip() for _ in range(3)]
     return p, lines[1].split()[-1], lines[2].split()[-1]
@@ -125,6 +127,7 @@ def main():
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--drafts", type=int, default=4)
     ap.add_argument("--workloads", default="code,rag,chat")
+    ap.add_argument("--spec", default="ngram", help="the speculating server's --speculative")
     a = ap.parse_args()
     concs = [int(c) for c in a.concurrency.split(",")]
     works = a.workloads.split(",")
@@ -134,7 +137,8 @@ def main():
     # Both servers stay up (an idle one waits on a futex); each (workload, concurrency)
     # runs its rounds back to back, the two modes alternating which goes first, so the
     # two sides of a per-round ratio are measured seconds apart.
-    servers = {spec: start(a.bin, a.model, a.threads, spec, a.drafts) for spec in (False, True)}
+    servers = {spec: start(a.bin, a.model, a.threads, spec, a.drafts, a.spec)
+               for spec in (False, True)}
     try:
         for w in works:
             for c in concs:

@@ -610,6 +610,7 @@ static int cmd_serve(const cs_model *m, const options *o) {
     so.sched.max_chunk_tokens = (int32_t)o->max_chunk_tokens;
     so.sched.step_time_target_ms = o->step_time_target_ms;
     if ((r = cs_spec_opts_apply(&o->spec, &so.sched))) return fail_msg("serve", r);
+    so.spec = o->spec;
     static cs_tenant_opts tenants; /* parsed here; outlives the scheduler's init */
     tenants = o->tenants;
     if ((r = cs_tenant_opts_apply(&tenants, &so.sched))) return fail_msg("serve", r);

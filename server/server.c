@@ -77,6 +77,7 @@ struct server {
     cs_proc *proc; /* the process shell: loop, RPC server, ops HTTP, drain */
     cs_rpc_loop *rl;
     cs_engine *engine;
+    cs_spec_draft draft; /* --speculative draft:PATH: its model and engine */
     cs_serve *sv;
     bool stopping; /* draining: new calls are refused */
     gen *live;
@@ -464,7 +465,9 @@ int cs_server_run(const cs_model *m, const cs_server_opts *o) {
     s->wm.n_kv_pages = cs_kv_cache_n_pages(cs_engine_kv(s->engine));
     s->wm.page_size = cs_kv_cache_page_size(cs_engine_kv(s->engine));
     s->wm.kv_blocks = *cs_kv_cache_blocks(cs_engine_kv(s->engine));
-    if ((r = cs_serve_start(s->engine, &o->sched, &s->sv))) goto out;
+    cs_sched_params sp = o->sched;
+    if ((r = cs_spec_draft_open(&o->spec, s->engine, &o->engine, &sp, &s->draft))) goto out;
+    if ((r = cs_serve_start(s->engine, &sp, &s->sv))) goto out;
     cs_proc_opts po = {.host = o->host,
                        .port = o->port,
                        .http_host = o->http_host,
@@ -477,6 +480,7 @@ out:
     if (r) CS_LOGE("cannot start: %s", cs_last_error()[0] ? cs_last_error() : cs_strerror(r));
     cs_openai_close(s->openai); /* when the start failed after opening it */
     cs_serve_stop(s->sv);       /* NULL after a normal shutdown */
+    cs_spec_draft_close(&s->draft);
     cs_engine_free(s->engine);
     cs_api_keys_free(&s->keys);
     free(s);

@@ -14,6 +14,7 @@
 #include "chunkserve/sched.h"
 #include "openai.h"
 #include "slo_config.h"
+#include "spec_config.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -27,6 +28,7 @@ typedef struct {
     const char *model_path; /* its basename is accepted as a model name too */
     cs_engine_params engine;
     cs_sched_params sched;
+    cs_spec_opts spec;       /* speculation (applied to sched already): a draft model's path */
     int32_t max_queue; /* waiting requests beyond this are refused (RESOURCE_EXHAUSTED) */
     int32_t grace_ms;  /* on SIGTERM/SIGINT: time streams get before they are cancelled */
     cs_openai_config openai; /* the public HTTP API and the API keys */

@@ -334,7 +334,9 @@ static int run(cs_worker *w) {
     sp.max_chunk_tokens = (int32_t)o->max_chunk_tokens;
     sp.step_time_target_ms = o->step_time_target_ms;
     sp.enable_prefix_caching = o->prefix_caching;
-    if (w->role->speculates && (r = cs_spec_opts_apply(&o->spec, &sp))) goto out;
+    if (w->role->speculates && ((r = cs_spec_opts_apply(&o->spec, &sp)) ||
+                                (r = cs_spec_draft_open(&o->spec, w->engine, &ep, &sp, &w->draft))))
+        goto out;
     if ((r = cs_tenant_opts_apply(&w->o.tenants, &sp))) goto out;
     if ((r = cs_serve_start(w->engine, &sp, &w->sv))) goto out;
     if (o->prefix_caching && o->prefix_summary_ms > 0 &&
@@ -354,6 +356,7 @@ static int run(cs_worker *w) {
 out:
     if (r) CS_LOGE("cannot start: %s", cs_last_error()[0] ? cs_last_error() : cs_strerror(r));
     cs_serve_stop(w->sv); /* NULL after a normal shutdown */
+    cs_spec_draft_close(&w->draft);
     cs_engine_free(w->engine);
     cs_model_free(w->model);
     cs_secret_clear(&w->secret);

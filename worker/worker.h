@@ -162,6 +162,7 @@ struct cs_worker {
     cs_model *model;
     cs_wire_model wm;
     cs_engine *engine;
+    cs_spec_draft draft; /* --speculative draft:PATH: its model and engine */
     cs_serve *sv;
     cs_proc *proc;         /* the process shell (loop, RPC server, metrics, drain) */
     cs_rpc_loop *rl;       /* cs_proc_rpc_loop(proc): roles post to the loop with it */

@@ -17,6 +17,7 @@
 #include "chunkserve/sampling_fields.h"
 #include "chunkserve/step_model.h"
 #include "chunkserve/ttft.h"
+#include "draft.h"
 #include "util.h"
 
 /* A tenant (sched.h, tenants): what the scheduler computed for it. */
@@ -68,6 +69,7 @@ typedef struct seq {
     int32_t n_plp, plp_top;
     float spec_rate;  /* speculation: recent share of drafted tokens kept (moving average) */
     bool no_drafts;   /* cs_request.disable_speculation */
+    cs__draft_seq ds; /* with a draft model: its KV of this sequence */
     int32_t priority; /* cs_request.priority: lower first */
     struct seq *next; /* in its list (waiting, running: in the order of before()) */
 } seq;
@@ -91,7 +93,9 @@ struct cs_sched {
     uint64_t next_arrival;
     cs_sched_stats st;
     cs_step_info last;
-    cs_step_model model; /* step time, for step_time_target_ms (fitted in every mode) */
+    cs_step_model model; /* step time, for step_time_target_ms (fitted in every mode; the
+                            target's part of a step: a draft model's is its own) */
+    cs__drafter *drafter; /* with draft_engine */
     double overrun;      /* measured / predicted seconds of recent steps with prompt chunks
                             (moving average; 1 until measured): the TTFT prediction's rate */
     double prompt_rate;  /* prompt tokens / seconds of recent steps with prompt chunks (moving
@@ -111,6 +115,8 @@ struct cs_sched {
     cs_span *spans;
     seq **owners;
     int32_t *drafts; /* per span: drafted tokens after its decode token (speculation) */
+    cs__draft_job *jobs; /* a draft model's: per drafting decode, and its span */
+    int32_t *job_span;
     float *logits;
     int32_t cap_spans, cap_rows;
     cs_event *events;
@@ -171,6 +177,13 @@ int cs_sched_init(cs_engine *e, const cs_sched_params *p, cs_sched **out) {
     s->e = e;
     s->kv = cs_engine_kv(e);
     const cs_model *m = cs_engine_model(e);
+    if (p->draft_engine && p->num_speculative_tokens > 0) {
+        int r = cs__drafter_init(p->draft_engine, m, &s->drafter);
+        if (r) {
+            cs_sched_free(s);
+            return r;
+        }
+    }
     s->tok = cs_model_tokenizer(m);
     s->p = *p;
     s->p.tenant_shares = NULL; /* copied above; the caller's may go */
@@ -243,6 +256,7 @@ uint64_t cs_sched_tenant_tokens(const cs_sched *s, const char *name) {
 static void seq_free(cs_sched *s, seq *q) {
     if (q->tn) tenant_leave(s, q->tn);
     cs_page_table_release(&q->pt, s->kv);
+    if (s->drafter) cs__draft_seq_release(s->drafter, &q->ds);
     free(q->xfer);
     cs_sampler_free(q->smp);
     cs_stop_free(q->stop);
@@ -274,6 +288,7 @@ void cs_sched_free(cs_sched *s) {
     for (tenant *t = s->tenants, *n; t; t = n)
         n = t->next, free(t);
     free(s->spans), free(s->owners), free(s->drafts), free(s->logits), free(s->events);
+    free(s->jobs), free(s->job_span);
     free(s->texts);
     free(s->plps);
     for (int i = 0; i < CS_SCHED_GRAMMARS; i++) {
@@ -281,6 +296,7 @@ void cs_sched_free(cs_sched *s) {
         cs_grammar_free(s->grammars[i].g);
     }
     cs_vocab_trie_free(s->trie);
+    cs__drafter_free(s->drafter);
     free(s);
 }
 
@@ -314,6 +330,7 @@ void cs_sched_get_stats(const cs_sched *s, cs_sched_stats *st) {
     st->page_size = s->page_size;
     st->max_num_batched_tokens = s->p.max_num_batched_tokens;
     st->num_speculative_tokens = s->p.num_speculative_tokens;
+    st->draft_model = s->drafter != NULL;
 }
 
 /* The live sequence id (waiting, running or waiting for its KV). */
@@ -717,6 +734,7 @@ static void preempt(cs_sched *s, seq **link) {
     *link = q->next;
     s->n_running--;
     cs_page_table_release(&q->pt, s->kv);
+    if (s->drafter) cs__draft_seq_release(s->drafter, &q->ds);
     q->n_computed = 0;
     q->n_hashed = 0;
     q->last_hash = q->hash_root;
@@ -752,7 +770,11 @@ static int grow_scratch(cs_sched *s, int32_t n) {
     if (ow) s->owners = ow;
     int32_t *dr = realloc(s->drafts, (size_t)cap * sizeof *dr);
     if (dr) s->drafts = dr;
-    if (!sp || !ow || !dr) return cs_fail(CS_ENOMEM, "scheduler: out of memory");
+    cs__draft_job *jb = realloc(s->jobs, (size_t)cap * sizeof *jb);
+    if (jb) s->jobs = jb;
+    int32_t *js = realloc(s->job_span, (size_t)cap * sizeof *js);
+    if (js) s->job_span = js;
+    if (!sp || !ow || !dr || !jb || !js) return cs_fail(CS_ENOMEM, "scheduler: out of memory");
     s->cap_spans = cap;
     return grow_events(s, 2 * cap);
 }
@@ -1129,38 +1151,79 @@ static double kept_of(double a, int32_t d) {
     return e;
 }
 
+/* What the drafts chosen so far this step cost beyond the target's rows: a
+ * draft model's passes (pass_s each, one a step for the most drafts a
+ * sequence gets). Prompt lookup costs nothing. A sequence's catch-up is not
+ * weighed: it is paid once, like a prompt chunk, not for these drafts. */
+typedef struct {
+    double pass_s, token_s;
+    int32_t passes;
+} draft_cost;
+
 /* How many of d drafts q gets. With speculative_always, or until the step
  * model is ready, all (add_drafts bounds the unready case). Then the count
- * that maximizes the step's expected decode tokens per predicted second, 0
- * when no count beats none; within the step-time target. *expect (the
- * step's expected decode tokens) grows by the count's kept tokens. */
+ * that maximizes the step's expected decode tokens per predicted second
+ * (a draft model's passes counted), 0 when no count beats none; within the
+ * step-time target. *expect (the step's expected decode tokens) grows by
+ * the count's kept tokens, *c by its passes. */
 static int32_t draft_count(const cs_sched *s, const step_work *w, const seq *q, int32_t d,
-                           double *expect) {
+                           double *expect, draft_cost *c) {
     const double a = q->spec_rate;
-    if (s->p.speculative_always || !cs_step_model_ready(&s->model)) {
-        *expect += kept_of(a, d);
-        return d;
+    int32_t best_d = d;
+    if (!s->p.speculative_always && cs_step_model_ready(&s->model)) {
+        const double target = s->p.step_time_target_ms / 1e3;
+        double t0 = cs_step_model_predict(&s->model, w->tokens, w->pairs, w->rows);
+        t0 += c->passes * c->pass_s;
+        double best = t0 > 0 ? *expect / t0 : 0;
+        best_d = 0;
+        for (int32_t k = 1; k <= d; k++) {
+            step_work t = *w;
+            work_add(&t, q->n_computed + 1, k, k);
+            double tk = cs_step_model_predict(&s->model, t.tokens, t.pairs, t.rows);
+            tk += (k > c->passes ? k : c->passes) * c->pass_s;
+            if (target > 0 && tk > target) break;
+            double v = tk > 0 ? (*expect + kept_of(a, k)) / tk : 0;
+            if (v > best) best = v, best_d = k;
+        }
     }
-    const double target = s->p.step_time_target_ms / 1e3;
-    double t0 = cs_step_model_predict(&s->model, w->tokens, w->pairs, w->rows);
-    double best = t0 > 0 ? *expect / t0 : 0;
-    int32_t best_d = 0;
-    for (int32_t k = 1; k <= d; k++) {
-        step_work t = *w;
-        work_add(&t, q->n_computed + 1, k, k);
-        double tk = cs_step_model_predict(&s->model, t.tokens, t.pairs, t.rows);
-        if (target > 0 && tk > target) break;
-        double v = tk > 0 ? (*expect + kept_of(a, k)) / tk : 0;
-        if (v > best) best = v, best_d = k;
-    }
+    if (best_d > c->passes) c->passes = best_d;
     *expect += kept_of(a, best_d);
     return best_d;
 }
 
+/* q's drafts do not pay at its acceptance rate: the rate drifts back toward
+ * the prior, slowly (about 70 decodes from break-even at 0.4 to 0.36's
+ * recovery), so a sequence whose answer turns predictable drafts again. */
+static void reprobe(seq *q) {
+    if (q->spec_rate < 0.5f) q->spec_rate += 0.005f * (0.5f - q->spec_rate);
+}
+
+/* Span i (a decode of q) verifies the d drafts after its decode token:
+ * pages for them (what is free now, never by preempting: fewer when short),
+ * its rows, the work and the tenant's count. How many it got. */
+static int32_t take_drafts(cs_sched *s, step_work *work, int32_t i, int32_t d) {
+    seq *q = s->owners[i];
+    if (d > 0 && cs_page_table_reserve(&q->pt, s->kv, q->n_computed, q->n_tokens + d) != 0) {
+        int32_t fit = q->pt.n_pages * s->page_size - q->n_tokens;
+        d = fit < d ? fit : d;
+    }
+    cs_span *sp = &s->spans[i];
+    sp->pages = q->pt.pages; /* a reservation may have moved them, drafts or not */
+    sp->n_pages = q->pt.n_pages;
+    sp->stride = q->pt.cap;
+    if (d <= 0) return 0;
+    work_add(work, q->n_computed + 1, d, d);
+    charge(q, d);
+    sp->n_tokens = 1 + d;
+    sp->n_logits = 1 + d;
+    s->drafts[i] = d;
+    return d;
+}
+
 /* Step pass 3: drafts for the step's decodes (spans [0, n_decode)), within
- * room tokens, on pages free now (never by preempting). A span with d drafts
- * computes its decode token and the d drafted after it, one logits row each.
- * Returns the drafted tokens added. */
+ * room tokens (a draft model's catch-up too). A span with d drafts computes
+ * its decode token and the d drafted after it, one logits row each. Returns
+ * the drafted tokens added; CS_E* (negative) on a draft engine's error. */
 static int32_t add_drafts(cs_sched *s, step_work *work, int32_t room) {
     int32_t added = 0;
     double expect = s->last.n_decode;
@@ -1173,7 +1236,17 @@ static int32_t add_drafts(cs_sched *s, step_work *work, int32_t room) {
     const int32_t probe = s->p.num_speculative_tokens > s->last.n_decode
                               ? s->p.num_speculative_tokens
                               : s->last.n_decode;
+    const int32_t tokens_room = room; /* a draft model's catch-up is not a draft: not probed */
     if (!s->p.speculative_always && !cs_step_model_ready(&s->model) && room > probe) room = probe;
+    draft_cost cost = {0};
+    if (s->drafter) {
+        cost.pass_s = cs__drafter_pass_seconds(s->drafter);
+        cost.token_s = cs__drafter_token_seconds(s->drafter);
+    }
+    /* a draft model's plan: its choices weighed on a copy of the work (the
+     * work gets what the drafts turn out to be) */
+    step_work plan = *work;
+    int32_t n_jobs = 0;
     for (int32_t i = 0; i < s->last.n_decode && added < room; i++) {
         seq *q = s->owners[i];
         /* a real decode: a token was sampled already (not a prompt's last
@@ -1185,24 +1258,43 @@ static int32_t add_drafts(cs_sched *s, step_work *work, int32_t room) {
         /* room in its tokens for the drafts and the token sampled after them */
         if (max > q->cap - q->n_tokens - 1) max = q->cap - q->n_tokens - 1;
         if (max <= 0) continue;
-        int32_t d = ngram_draft(q, max);
-        if (d > 0) d = draft_count(s, work, q, d, &expect);
-        if (d <= 0) continue;
-        /* pages for the count chosen: what is free now, never by preempting */
-        if (cs_page_table_reserve(&q->pt, s->kv, q->n_computed, q->n_tokens + d) != 0) {
-            int32_t fit = q->pt.n_pages * s->page_size - q->n_tokens;
-            d = fit < d ? fit : d;
+        if (!s->drafter) {
+            int32_t d = ngram_draft(q, max);
+            if (d > 0 && (d = draft_count(s, work, q, d, &expect, &cost)) == 0) reprobe(q);
+            added += take_drafts(s, work, i, d);
+            continue;
         }
-        cs_span *sp = &s->spans[i];
-        sp->pages = q->pt.pages; /* a reservation may have moved them, drafts or not */
-        sp->n_pages = q->pt.n_pages;
-        sp->stride = q->pt.cap;
-        if (d <= 0) continue;
-        work_add(work, q->n_computed + 1, d, d);
-        charge(q, d);
-        sp->n_tokens = 1 + d;
-        sp->n_logits = 1 + d;
-        s->drafts[i] = d;
+        int32_t d = draft_count(s, &plan, q, max, &expect, &cost);
+        if (d <= 0) {
+            reprobe(q);
+            continue;
+        }
+        work_add(&plan, q->n_computed + 1, d, d);
+        s->jobs[n_jobs++] = (cs__draft_job){&q->ds, q->tokens, q->n_tokens, d, 0};
+        s->job_span[n_jobs - 1] = i;
+        added += d;
+    }
+    if (n_jobs == 0) return added;
+    /* the catch-up: the room left, and within the step-time target what
+     * its predicted time leaves (a page at least, so it progresses) */
+    int32_t catchup = tokens_room - added;
+    const double target = s->p.step_time_target_ms / 1e3;
+    if (target > 0 && cost.token_s > 0 && cs_step_model_ready(&s->model)) {
+        double left = target - cs_step_model_predict(&s->model, plan.tokens, plan.pairs, plan.rows) -
+                      cost.passes * cost.pass_s;
+        double fit = left > 0 ? left / cost.token_s : 0;
+        if (fit < catchup) catchup = fit > s->page_size ? (int32_t)fit : s->page_size;
+    }
+    if (catchup < 0) catchup = 0;
+    int r = cs__drafter_run(s->drafter, s->jobs, n_jobs, catchup, &s->last.draft_seconds);
+    if (r) return r;
+    added = 0;
+    for (int32_t j = 0; j < n_jobs; j++) {
+        const cs__draft_job *jb = &s->jobs[j];
+        int32_t i = s->job_span[j], d = take_drafts(s, work, i, jb->got);
+        /* the draft KV holds the real tokens up to the decode token's; past
+         * it, drafts the target will not check */
+        if (d < jb->got) cs__draft_seq_settle(s->drafter, jb->ds, s->owners[i]->n_tokens + d);
         added += d;
     }
     return added;
@@ -1241,6 +1333,8 @@ static int verify(cs_sched *s, int32_t i, int32_t *li) {
     s->st.spec_drafts++;
     s->st.spec_draft_tokens += (uint64_t)d;
     s->st.spec_accepted_tokens += (uint64_t)kept;
+    /* the draft KV past the tokens kept was computed from rejected drafts */
+    if (!ended && s->drafter) cs__draft_seq_settle(s->drafter, &q->ds, q->n_computed);
     if (!ended) { /* each kept draft a success, a rejection one failure */
         for (int32_t j = 0; j < kept; j++)
             q->spec_rate += 0.1f * (1 - q->spec_rate);
@@ -1536,6 +1630,12 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
     if (s->p.num_speculative_tokens > 0 && s->last.n_decode > 0 && used < budget) {
         int32_t room = budget - used < CS_SCHED_DRAFT_ROWS ? budget - used : CS_SCHED_DRAFT_ROWS;
         int32_t added = add_drafts(s, &work, room);
+        if (added < 0) {
+            fail_all(s, "the draft model's step failed");
+            *events = s->events;
+            *n_events = s->n_events;
+            return added;
+        }
         s->last.n_draft_tokens = added;
         used += added;
         /* an event per emitted token: up to one more per draft than the two
@@ -1634,14 +1734,15 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
         s->owners[i] = NULL;
     }
     CS_ASSERT(li == n_logits);
-    s->last.seconds = cs_now() - t0;
-    cs_step_model_observe(&s->model, work.tokens, work.pairs, work.rows, s->last.seconds);
+    const double target_s = cs_now() - t0;
+    cs_step_model_observe(&s->model, work.tokens, work.pairs, work.rows, target_s);
+    s->last.seconds = target_s + s->last.draft_seconds;
     if (s->last.n_prefill > 0 && s->last.seconds > 0) {
         double x = (s->last.n_tokens - s->last.n_decode - s->last.n_draft_tokens) / s->last.seconds;
         s->prompt_rate = s->prompt_rate > 0 ? 0.9 * s->prompt_rate + 0.1 * x : x;
     }
     if (s->last.n_prefill > 0 && s->last.predicted_seconds > 0) {
-        double x = s->last.seconds / s->last.predicted_seconds;
+        double x = target_s / s->last.predicted_seconds;
         s->overrun = 0.9 * s->overrun + 0.1 * (x < 0.25 ? 0.25 : x > 4 ? 4 : x);
     }
     /* Until the model is ready, probe chunks start at one page and double

@@ -8,9 +8,12 @@ reason, logprobs and usage: sampled with penalties, stop strings of 1 to 256 byt
 from the reference text so that they span cuts, and emoji split across tokens.
 
 The real model (its byte-level BPE splits emoji into several tokens); 1 prefill + 2
-decode workers behind the router, the first speculating (`--speculative ngram`), the second
-not: streams move between the two, so every check also holds with speculation on either
-side of a cut (its drafts are looked up again from the tokens: no state moves)."""
+decode workers behind the router, the first speculating with prompt lookup (`--speculative
+ngram`), the second with a draft model (`--speculative draft:PATH`, the model itself: the
+only one with its vocabulary here): streams move between the two, so every check also holds
+with either kind of speculation on either side of a cut. No speculation state moves: prompt
+lookup looks its drafts up again from the tokens, and the draft model's KV is rebuilt on
+the new worker (computed in the steps' room before it drafts again)."""
 from __future__ import annotations
 
 import json
@@ -59,7 +62,8 @@ def cl(bin_dir, model_path, pb):
         if not (bin_dir / b).is_file():
             pytest.skip(f"{b} not built")
     c = Cluster(bin_dir, model_path, pb, n_prefill=1, n_decode=2, threads=1, kv_cache_mib=128,
-                decode_each=[["--speculative=ngram", "--num-speculative-tokens=6"]])
+                decode_each=[["--speculative=ngram", "--num-speculative-tokens=6"],
+                             [f"--speculative=draft:{model_path}", "--num-speculative-tokens=4"]])
     c.model = model_path
     c.wait_usable(1, 2)
     routers = {}
@@ -292,15 +296,15 @@ def test_prompt_logprobs_across_cuts(cl, pb, prompt):
     assert len(plp) == want[3][0] - 1 and all(len(e[3]) == 3 for e in plp)
 
 
-def test_speculation_ran_on_one_side(cl, pb):
+def test_speculation_ran_on_both_sides(cl, pb):
     """Last in the module: a greedy stream whose answer repeats its prompt, cut after every
-    second message, equals the single process; the speculating decode worker verified
-    drafts and kept some (its counters), the other drafted nothing."""
+    second message, equals the single process; both decode workers verified drafts and
+    kept some (their counters), and GetStatus names each one's kind."""
     code = ("Copy this list exactly: alpha beta gamma delta epsilon zeta eta theta iota kappa "
             "lambda mu nu xi omicron pi rho sigma tau.\nCopy: alpha beta gamma")
     check(cl, pb, 2, code, 40, min_cuts=1, ignore_eos=True, logprobs=True, top_logprobs=2)
-    spec, plain = cl.decode
-    drafts = metric(spec.metrics(), "chunkserve:spec_decode_num_draft_tokens_total")
-    kept = metric(spec.metrics(), "chunkserve:spec_decode_num_accepted_tokens_total")
-    assert drafts > 0 and 0 < kept <= drafts, (drafts, kept)
-    assert metric(plain.metrics(), "chunkserve:spec_decode_num_draft_tokens_total") == 0
+    for w, kind in zip(cl.decode, ("ngram", "draft")):
+        drafts = metric(w.metrics(), "chunkserve:spec_decode_num_draft_tokens_total")
+        kept = metric(w.metrics(), "chunkserve:spec_decode_num_accepted_tokens_total")
+        assert drafts > 0 and 0 < kept <= drafts, (kind, drafts, kept)
+        assert cl.status(w).speculative == kind

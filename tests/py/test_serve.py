@@ -502,14 +502,18 @@ SPEC_PROMPTS = [
 ]
 
 
-def test_speculation_is_byte_identical(chunkserve_bin, model_path, pb):
-    """`--speculative ngram`: every token, text and logprob (bits) of greedy and seeded
-    requests, sent together so decodes and drafts share steps, equals serve without it;
-    the spec_decode counters show drafts verified and some kept; GetStatus names the mode;
-    a request that opts out drafts nothing."""
+@pytest.mark.parametrize("mode", ["ngram", "draft"])
+def test_speculation_is_byte_identical(chunkserve_bin, model_path, pb, mode):
+    """`--speculative ngram`, and `draft:PATH` (a draft model: the model itself here, the
+    only one with its vocabulary that CI has; seeded requests reject some of its drafts):
+    every token, text and logprob (bits) of greedy and seeded requests, sent together so
+    decodes and drafts share steps, equals serve without it; the spec_decode counters show
+    drafts verified and some kept; GetStatus names the mode; a request that opts out drafts
+    nothing."""
     g = pb.generation_pb2
     plain = Server(chunkserve_bin, model_path, pb, "--threads", "2")
-    spec = Server(chunkserve_bin, model_path, pb, "--threads", "2", "--speculative", "ngram",
+    spec = Server(chunkserve_bin, model_path, pb, "--threads", "2", "--speculative",
+                  "ngram" if mode == "ngram" else f"draft:{model_path}",
                   "--num-speculative-tokens", "6")
     http = spec.proc.stdout.readline().decode().split()[-1]
     try:
@@ -528,7 +532,7 @@ def test_speculation_is_byte_identical(chunkserve_bin, model_path, pb):
                 return list(ex.map(lambda r: collect(s.stub.Generate(r, timeout=120)), reqs))
 
         st, pst = spec.status(), plain.status()
-        assert (st.speculative, st.num_speculative_tokens) == ("ngram", 6)
+        assert (st.speculative, st.num_speculative_tokens) == (mode, 6)
         assert (pst.speculative, pst.num_speculative_tokens) == ("off", 0)
         want, got = run_all(plain), run_all(spec)
         for r, (wi, wt, wm), (gi, gt, gm) in zip(reqs, want, got):
@@ -558,13 +562,21 @@ def test_speculation_is_byte_identical(chunkserve_bin, model_path, pb):
         spec.stop()
 
 
-def test_speculation_bad_arguments(chunkserve_bin, model_path):
+def test_speculation_bad_arguments(chunkserve_bin, model_path, named_model):
+    qwen = named_model("qwen2.5-coder-0.5b")
     for args, says in ((["--speculative", "ngram", "--num-speculative-tokens", "0"],
                         "num-speculative-tokens"),
                        (["--speculative", "ngram", "--num-speculative-tokens", "100"],
                         "num-speculative-tokens"),
-                       (["--speculative", "draft:other.gguf"], "not supported yet"),
-                       (["--speculative", "medusa"], "off or ngram")):
+                       (["--speculative", "draft:/nonexistent/d.gguf"],
+                        "--speculative draft:/nonexistent/d.gguf: "),
+                       (["--speculative", "draft:"], "needs the draft model's path"),
+                       # another vocabulary: refused at start, naming both models
+                       (["--speculative", f"draft:{qwen}"],
+                        "the draft model 'Qwen2.5 Coder 0.5B Instruct AWQ' (qwen2, a vocabulary "
+                        "of 151936 tokens) and the target 'Smollm2 135M 8k Lc100K Mix1 Ep2' "
+                        "(llama, 49152 tokens) do not share a vocabulary"),
+                       (["--speculative", "medusa"], "off, ngram or draft:PATH")):
         p = subprocess.run([str(chunkserve_bin), "serve", "--model", str(model_path), "--port", "0",
                             *args], capture_output=True, text=True, timeout=60)
         assert p.returncode != 0 and says in p.stderr, (args, p.stderr[-500:])

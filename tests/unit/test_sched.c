@@ -303,6 +303,67 @@ static void check_speculation(void) {
     cs_engine_free(e0);
 }
 
+/* A draft model: the same tokens as one token a step, for greedy and seeded
+ * sampling, under budgets down to 3 tokens, draft lengths 1..16, a target
+ * pool small enough to preempt and a draft pool too small for every
+ * sequence (those draft nothing), drafts always taken or weighed by the
+ * step model. Drafts from the target itself (every greedy draft kept), from
+ * the same model in f16 and from one with other weights (the seed2 tiny:
+ * mostly rejected). The tiny gemma3 drafts for itself (windowed layers: the
+ * draft's windowed pages are trimmed and rebuilt). (Every tiny model has
+ * one vocabulary: test_serve.py checks that another is refused.) */
+static void check_draft_model(const char *const *drafts, int n_drafts) {
+    static req_spec specs[MAX_REQ];
+    static req_out base[MAX_REQ], other[MAX_REQ];
+    for (int di = 0; di < n_drafts; di++) {
+        char path[1024];
+        snprintf(path, sizeof path, "%s/%s/tiny.gguf", getenv("CS_TINY_DIR"), drafts[di]);
+        cs_model *dm = NULL;
+        ASSERT_EQ_INT(cs_model_load(path, &dm), 0);
+        uint64_t verified = 0, drafted = 0, kept = 0;
+        for (int sampled = 0; sampled < 2; sampled++) {
+            make_specs(specs, MAX_REQ, sampled);
+            cs_engine *big = engine(4096), *small = engine(small_pool);
+            cs_sched_params plain = cs_sched_params_default();
+            run(big, &plain, specs, MAX_REQ, base, false);
+            const int32_t budgets[] = {0, 17, 3}, lens[] = {1, 4, 16};
+            for (size_t bi = 0; bi < 3; bi++)
+                for (size_t li = 0; li < 3; li++)
+                    for (int tight = 0; tight < 2; tight++) {
+                        cs_engine_params ep = cs_engine_params_default();
+                        ep.n_pages = tight ? 24 : 4096;
+                        ep.n_threads = 2;
+                        cs_engine *de = NULL;
+                        ASSERT_EQ_INT(cs_engine_init(dm, &ep, &de), 0);
+                        cs_sched_params p = cs_sched_params_default();
+                        p.max_num_batched_tokens = budgets[bi];
+                        p.num_speculative_tokens = lens[li];
+                        p.draft_engine = de;
+                        p.speculative_always = !(tight && li == 1);
+                        run(tight ? small : big, &p, specs, MAX_REQ, other, true);
+                        ASSERT_EQ_INT(cs_kv_cache_n_used(cs_engine_kv(de)), 0);
+                        cs_engine_free(de);
+                        char what[128];
+                        snprintf(what, sizeof what, "draft %s, %s, budget %d, %d drafts%s",
+                                 drafts[di], sampled ? "seeded" : "greedy", budgets[bi], lens[li],
+                                 tight ? ", preempting" : "");
+                        check_same(base, other, MAX_REQ, what);
+                        verified += last_stats.spec_drafts;
+                        drafted += last_stats.spec_draft_tokens;
+                        kept += last_stats.spec_accepted_tokens;
+                    }
+            cs_engine_free(big);
+            cs_engine_free(small);
+        }
+        printf("draft model %s: %llu verifications, %llu drafted tokens, %llu kept\n", drafts[di],
+               (unsigned long long)verified, (unsigned long long)drafted,
+               (unsigned long long)kept);
+        ASSERT_TRUE(verified > 0 && kept > 0 && kept <= drafted);
+        if (!strcmp(drafts[di], "seed2")) ASSERT_TRUE(kept < drafted);
+        cs_model_free(dm);
+    }
+}
+
 /* The last position's logits of toks, in one engine step. */
 static void last_logits(cs_engine *e, const int32_t *toks, int32_t n, float *out) {
     cs_page_table pt = {0};
@@ -1599,6 +1660,7 @@ int main(void) {
     check_tenants();
     check_ttft();
     check_speculation();
+    check_draft_model((const char *const[]){"f32", "f16", "seed2"}, 3);
     check_spec_distribution();
     check_serve();
     cs_model_free(model);
@@ -1612,6 +1674,7 @@ int main(void) {
     check_prefix_cache();
     check_equivalence();
     check_speculation();
+    check_draft_model((const char *const[]){"gemma3"}, 1);
     cs_model_free(model);
     return 0;
 }

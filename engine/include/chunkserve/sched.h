@@ -50,6 +50,11 @@ typedef struct {
                                          0 = off */
     bool speculative_always;          /* draft whenever a draft is found, whatever the step
                                          model predicts it costs (tests, benchmarks) */
+    cs_engine *draft_engine;          /* with num_speculative_tokens: drafts come from this
+                                         engine's model (a draft model with the target's
+                                         vocabulary; speculation, below) instead of prompt
+                                         lookup. Must outlive the scheduler; NULL: prompt
+                                         lookup */
     const struct cs_tenant_share *tenant_shares; /* tenants' weights (copied at init); a
                                          tenant not named weighs 1 (tenants, below) */
     int32_t n_tenant_shares;
@@ -106,7 +111,18 @@ enum { CS_TENANT_NAME_MAX = 64 };
  * is, a sequence gets the number of drafts (up to num_speculative_tokens)
  * that maximizes the step's expected decode tokens per predicted second,
  * from its recent acceptance rate, within the step-time target, and none
- * when they would not pay. */
+ * when they would not pay.
+ *
+ * A draft model (draft_engine) runs in the same step, on this thread, before
+ * the target: one pass computes the draft KV a sequence lacks (its context
+ * after a prefill, a migration or a preemption: in chunks of at most the
+ * step's room, proposing nothing until it is caught up) with its decode
+ * token and proposes its first draft, each further pass feeds the last
+ * draft and proposes the next (the draft model's argmax: the check above
+ * keeps the output the target's). Its pages are its own pool's, given back
+ * with the sequence's. The cost rule counts the draft's measured time: a
+ * pass a step for the most drafts any sequence gets, and each sequence's
+ * catch-up tokens. */
 enum { CS_SCHED_NGRAM_MAX = 4, CS_SCHED_NGRAM_MIN = 1, CS_SCHED_SPEC_MAX = 16 };
 /* Drafted tokens a step verifies at most (each is a logits row: with no
  * token budget, this bounds the step's logits buffer). */
@@ -222,7 +238,9 @@ typedef struct {
     int32_t n_running_decodes; /* running sequences that wanted a decode token */
     int32_t budget;            /* the step's budget (INT32_MAX when unlimited) */
     int32_t n_draft_tokens;    /* speculative drafts verified (counted in n_tokens) */
-    double seconds;            /* the step's engine time and sampling, measured */
+    double seconds;            /* the step's engine time and sampling, measured (with a
+                                  draft model's time) */
+    double draft_seconds;      /* of those, the draft model's */
     double predicted_seconds;  /* the step model's prediction for it (NAN: not ready) */
 } cs_step_info;
 
@@ -240,6 +258,7 @@ typedef struct {
         kv_pages_cached; /* cached = reusable prefix pages, no reference */
     int32_t page_size, max_num_batched_tokens;
     int32_t num_speculative_tokens; /* the params': 0 = no speculation */
+    bool draft_model;               /* drafts come from a draft model (else prompt lookup) */
 } cs_sched_stats;
 
 typedef struct cs_sched cs_sched;
