@@ -31,8 +31,9 @@ typedef struct {
 
 /* With draft:PATH, loads PATH (its weights held as the target's are: quantized
  * kernels or fp32), makes its engine like target's (page size, KV format,
- * threads, and as many pages: a sequence's draft pages never run short
- * before its own) and sets sp->draft_engine; for the other modes, nothing.
+ * threads, as many pages; draft KV is each sequence's own, not shared by
+ * prefix: a sequence that finds no draft pages drafts nothing until some
+ * are free) and sets sp->draft_engine; for the other modes, nothing.
  * The scheduler checks the vocabulary (chunkserve/sched.h). The model's
  * errors (cs_model_load) on failure, *d left empty. */
 int cs_spec_draft_open(const cs_spec_opts *o, cs_engine *target, const cs_engine_params *ep,

@@ -4,6 +4,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "chunkserve/sched.h"
 #include "util.h"
 
 struct cs__drafter {
@@ -72,6 +73,9 @@ double cs__drafter_pass_seconds(const cs__drafter *d) {
 double cs__drafter_token_seconds(const cs__drafter *d) {
     return d->token_s;
 }
+int32_t cs__drafter_ctx_len(const cs__drafter *d) {
+    return d->ctx_len;
+}
 
 static int grow(cs__drafter *d, int32_t n) {
     if (n <= d->cap) return 0;
@@ -99,6 +103,19 @@ static void observe(double *avg, double x) {
     *avg = *avg > 0 ? 0.8 * *avg + 0.2 * x : x;
 }
 
+/* A lag this short rides in the pass without counting as catch-up: a
+ * sequence whose drafts were all kept lags by one (its last draft was
+ * never fed), one whose drafts the target cut short by a few. */
+#define SHORT_LAG (CS_SCHED_SPEC_MAX + 1)
+
+/* The job proposes nothing this step; with no pages (or a table the
+ * reservation refused) its draft KV goes, to be rebuilt (no page it holds
+ * is ever needed to go on). */
+static void skip(cs__drafter *d, cs__draft_job *j, int why) {
+    j->want = 0;
+    if (why) cs__draft_seq_release(d, j->ds);
+}
+
 int cs__drafter_run(cs__drafter *d, cs__draft_job *jobs, int32_t n, int32_t catchup,
                     double *seconds) {
     const double t0 = cs_now();
@@ -116,21 +133,22 @@ int cs__drafter_run(cs__drafter *d, cs__draft_job *jobs, int32_t n, int32_t catc
         CS_ASSERT(ds->n_computed <= j->n_tokens - 1); /* settled after each check */
         int32_t lag = j->n_tokens - 1 - ds->n_computed; /* before the decode token */
         int32_t k = lag + 1;
-        if (lag > catchup - caught) /* only a part of it this step, no draft */
-            k = lag = catchup - caught, j->want = 0;
+        if (lag > SHORT_LAG && lag > catchup - caught) /* a part of it this step, no draft */
+            k = lag = catchup - caught > 0 ? catchup - caught : 0, j->want = 0;
+        if (j->want > 0 && j->n_tokens + j->want - 1 > d->ctx_len) /* the draft's context */
+            j->want = d->ctx_len - j->n_tokens + 1;
+        if (j->want <= 0) k = lag, j->want = 0;
         int32_t end = ds->n_computed + k + (j->want > 0 ? j->want - 1 : 0);
-        if (end > d->ctx_len && j->want > 0) { /* the draft's context ends first */
-            j->want -= end - d->ctx_len;
-            if (j->want <= 0) k = lag, j->want = 0;
-            end = ds->n_computed + k + (j->want > 0 ? j->want - 1 : 0);
+        if (k <= 0 || end > d->ctx_len) {
+            skip(d, j, 0);
+            continue;
         }
-        if (k <= 0 || end > d->ctx_len ||
-            cs_page_table_reserve(&ds->pt, d->kv, ds->n_computed, end) != 0) {
-            j->want = 0; /* nothing for it this step */
+        if ((r = cs_page_table_reserve(&ds->pt, d->kv, ds->n_computed, end))) {
+            skip(d, j, r);
             continue;
         }
         d->first[i] = k;
-        caught += lag;
+        if (lag > SHORT_LAG) caught += lag;
         if (j->want > passes) passes = j->want;
     }
     /* pass 0: the first spans, proposing each job's first draft; pass p: the
@@ -150,8 +168,19 @@ int cs__drafter_run(cs__drafter *d, cs__draft_job *jobs, int32_t n, int32_t catc
         if (ns == 0) break;
         double tp = cs_now();
         if ((r = cs_engine_step(d->e, d->spans, ns, d->logits))) {
-            CS_LOGE("speculation: the draft model's step failed: %s", cs_last_error());
-            return r;
+            /* drafts are optional: the ones proposed by earlier passes stand,
+             * this pass's sequences lose their draft KV (rebuilt later) */
+            CS_LOGE("speculation: the draft model's step failed (its drafts stop here): %s",
+                    cs_last_error());
+            for (int32_t s = 0; s < ns; s++) {
+                cs__draft_job *j = &jobs[d->slot[s]];
+                if (j->got > 0) {
+                    cs__draft_seq_settle(d, j->ds, j->n_tokens);
+                } else {
+                    cs__draft_seq_release(d, j->ds);
+                }
+            }
+            break;
         }
         int32_t row = 0;
         for (int32_t s = 0; s < ns; s++) {
@@ -164,8 +193,15 @@ int cs__drafter_run(cs__drafter *d, cs__draft_job *jobs, int32_t n, int32_t catc
         tp = cs_now() - tp;
         if (p > 0 || caught == 0)
             observe(&d->pass_s, tp);
-        else if (d->pass_s > 0 && tp > d->pass_s)
+        else if (d->pass_s > 0 && tp > d->pass_s && caught >= cs_kv_cache_page_size(d->kv))
             observe(&d->token_s, (tp - d->pass_s) / caught);
+    }
+    /* windowed pages no later query reads go back now: a drafting job's
+     * check never rolls back before its decode token's position */
+    for (int32_t i = 0; i < n; i++) {
+        cs__draft_seq *ds = jobs[i].ds;
+        int32_t floor = jobs[i].got > 0 ? jobs[i].n_tokens : ds->n_computed;
+        cs_page_table_trim(&ds->pt, d->kv, floor < ds->n_computed ? floor : ds->n_computed);
     }
     *seconds = cs_now() - t0;
     return 0;

@@ -45,11 +45,16 @@ void cs__drafter_free(cs__drafter *d); /* NULL is a no-op */
  * for each sequence (no catch-up), and of a catch-up token. */
 double cs__drafter_pass_seconds(const cs__drafter *d);
 double cs__drafter_token_seconds(const cs__drafter *d);
+/* The draft model's context: a sequence this long gets no drafts. */
+int32_t cs__drafter_ctx_len(const cs__drafter *d);
 
-/* Runs jobs[0..n): catch-up tokens (beyond each sequence's decode token)
+/* Runs jobs[0..n): catch-up tokens (beyond each sequence's decode token; a
+ * lag of up to CS_SCHED_SPEC_MAX + 1, what a check leaves, is not counted)
  * come to at most catchup in all, in job order; a job whose catch-up does
- * not finish proposes nothing. Writes each job's got; *seconds: the time it
- * took. Fails only on an engine error. */
+ * not finish proposes nothing, nor one that finds no draft pages (its draft
+ * KV goes: rebuilt later). Writes each job's got; *seconds: the time it
+ * took. A draft engine's error is logged and ends the drafts there (those
+ * proposed stand); fails only when out of memory. */
 int cs__drafter_run(cs__drafter *d, cs__draft_job *jobs, int32_t n, int32_t catchup,
                     double *seconds);
 

@@ -96,6 +96,8 @@ struct cs_sched {
     cs_step_model model; /* step time, for step_time_target_ms (fitted in every mode; the
                             target's part of a step: a draft model's is its own) */
     cs__drafter *drafter; /* with draft_engine */
+    float spec_prior;     /* every check's acceptance rate, a slow moving average (0.5
+                             before any): a new sequence's when above 0.5 */
     double overrun;      /* measured / predicted seconds of recent steps with prompt chunks
                             (moving average; 1 until measured): the TTFT prediction's rate */
     double prompt_rate;  /* prompt tokens / seconds of recent steps with prompt chunks (moving
@@ -192,6 +194,7 @@ int cs_sched_init(cs_engine *e, const cs_sched_params *p, cs_sched **out) {
     s->page_size = cs_kv_cache_page_size(s->kv);
     cs_step_model_init(&s->model);
     s->overrun = 1;
+    s->spec_prior = 0.5f;
     s->probe = s->page_size < CS_SCHED_PROBE_TOKENS ? s->page_size : CS_SCHED_PROBE_TOKENS;
     *out = s;
     return 0;
@@ -563,7 +566,9 @@ int cs_sched_add(cs_sched *s, const cs_request *r) {
     q->held = r->held;
     q->kv_mode = r->kv_mode;
     q->arrival = s->next_arrival++;
-    q->spec_rate = 0.5f; /* no history yet: a draft token is as likely kept as not */
+    /* no history of its own: the scheduler's, or even odds when that is
+     * lower (each request gets its chance to show it drafts well) */
+    q->spec_rate = s->spec_prior > 0.5f ? s->spec_prior : 0.5f;
     q->no_drafts = r->disable_speculation;
     q->priority = r->priority;
     cs_sampler_accept_prompt(q->smp, r->prompt, (size_t)n_real);
@@ -1223,7 +1228,7 @@ static int32_t take_drafts(cs_sched *s, step_work *work, int32_t i, int32_t d) {
 /* Step pass 3: drafts for the step's decodes (spans [0, n_decode)), within
  * room tokens (a draft model's catch-up too). A span with d drafts computes
  * its decode token and the d drafted after it, one logits row each. Returns
- * the drafted tokens added; CS_E* (negative) on a draft engine's error. */
+ * the drafted tokens added. */
 static int32_t add_drafts(cs_sched *s, step_work *work, int32_t room) {
     int32_t added = 0;
     double expect = s->last.n_decode;
@@ -1264,6 +1269,7 @@ static int32_t add_drafts(cs_sched *s, step_work *work, int32_t room) {
             added += take_drafts(s, work, i, d);
             continue;
         }
+        if (q->n_tokens >= cs__drafter_ctx_len(s->drafter)) continue; /* past its context */
         int32_t d = draft_count(s, &plan, q, max, &expect, &cost);
         if (d <= 0) {
             reprobe(q);
@@ -1275,26 +1281,31 @@ static int32_t add_drafts(cs_sched *s, step_work *work, int32_t room) {
         added += d;
     }
     if (n_jobs == 0) return added;
-    /* the catch-up: the room left, and within the step-time target what
-     * its predicted time leaves (a page at least, so it progresses) */
+    /* the catch-up (draft model tokens, not the target's budget): the room
+     * left, and within the step-time target what its predicted time leaves;
+     * a page at least, so it progresses */
     int32_t catchup = tokens_room - added;
     const double target = s->p.step_time_target_ms / 1e3;
     if (target > 0 && cost.token_s > 0 && cs_step_model_ready(&s->model)) {
         double left = target - cs_step_model_predict(&s->model, plan.tokens, plan.pairs, plan.rows) -
                       cost.passes * cost.pass_s;
         double fit = left > 0 ? left / cost.token_s : 0;
-        if (fit < catchup) catchup = fit > s->page_size ? (int32_t)fit : s->page_size;
+        if (fit < catchup) catchup = (int32_t)fit;
     }
-    if (catchup < 0) catchup = 0;
-    int r = cs__drafter_run(s->drafter, s->jobs, n_jobs, catchup, &s->last.draft_seconds);
-    if (r) return r;
+    if (catchup < s->page_size) catchup = s->page_size;
+    if (cs__drafter_run(s->drafter, s->jobs, n_jobs, catchup, &s->last.draft_seconds) != 0) {
+        CS_LOGE("speculation: no drafts this step: %s", cs_last_error());
+        for (int32_t j = 0; j < n_jobs; j++)
+            s->jobs[j].got = 0;
+    }
     added = 0;
     for (int32_t j = 0; j < n_jobs; j++) {
         const cs__draft_job *jb = &s->jobs[j];
         int32_t i = s->job_span[j], d = take_drafts(s, work, i, jb->got);
-        /* the draft KV holds the real tokens up to the decode token's; past
-         * it, drafts the target will not check */
-        if (d < jb->got) cs__draft_seq_settle(s->drafter, jb->ds, s->owners[i]->n_tokens + d);
+        /* fewer checked than drafted: the draft KV past the decode token's
+         * is of drafts the target will not check (and a check never rolls
+         * back before it) */
+        if (d < jb->got) cs__draft_seq_settle(s->drafter, jb->ds, s->owners[i]->n_tokens);
         added += d;
     }
     return added;
@@ -1335,7 +1346,11 @@ static int verify(cs_sched *s, int32_t i, int32_t *li) {
     s->st.spec_accepted_tokens += (uint64_t)kept;
     /* the draft KV past the tokens kept was computed from rejected drafts */
     if (!ended && s->drafter) cs__draft_seq_settle(s->drafter, &q->ds, q->n_computed);
-    if (!ended) { /* each kept draft a success, a rejection one failure */
+    /* each kept draft a success, a rejection one failure */
+    for (int32_t j = 0; j < kept; j++)
+        s->spec_prior += 0.01f * (1 - s->spec_prior);
+    if (rejected) s->spec_prior -= 0.01f * s->spec_prior;
+    if (!ended) {
         for (int32_t j = 0; j < kept; j++)
             q->spec_rate += 0.1f * (1 - q->spec_rate);
         if (rejected) q->spec_rate -= 0.1f * q->spec_rate;
@@ -1630,12 +1645,6 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
     if (s->p.num_speculative_tokens > 0 && s->last.n_decode > 0 && used < budget) {
         int32_t room = budget - used < CS_SCHED_DRAFT_ROWS ? budget - used : CS_SCHED_DRAFT_ROWS;
         int32_t added = add_drafts(s, &work, room);
-        if (added < 0) {
-            fail_all(s, "the draft model's step failed");
-            *events = s->events;
-            *n_events = s->n_events;
-            return added;
-        }
         s->last.n_draft_tokens = added;
         used += added;
         /* an event per emitted token: up to one more per draft than the two
@@ -1751,9 +1760,9 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
      * target, the token counts spread for the fit (cs_step_model_ready) */
     if (s->p.step_time_target_ms > 0 && s->last.n_prefill > 0 && !cs_step_model_ready(&s->model)) {
         const double target = s->p.step_time_target_ms / 1e3;
-        if (s->last.seconds < target / 2)
+        if (target_s < target / 2)
             s->probe = 2 * s->probe < CS_SCHED_PROBE_TOKENS ? 2 * s->probe : CS_SCHED_PROBE_TOKENS;
-        else if (s->last.seconds > target && s->probe > s->page_size)
+        else if (target_s > target && s->probe > s->page_size)
             s->probe /= 2;
     }
     *events = s->events; /* drafts may have grown them */

@@ -126,10 +126,11 @@ static void trace_step(cs_serve *sv) {
     cs_sched_last_step(sv->sched, &in);
     if (in.n_tokens == 0) return;
     double end = cs_now(), start = end - in.seconds;
-    fprintf(sv->trace, "%.6f,%.6f,%.6f,%.6f,%d,%d,%d,%d,%d\n", start, in.seconds,
+    fprintf(sv->trace, "%.6f,%.6f,%.6f,%.6f,%d,%d,%d,%d,%d,%d,%.6f\n", start, in.seconds,
             isnan(in.predicted_seconds) ? -1.0 : in.predicted_seconds,
             sv->trace_end > 0 ? start - sv->trace_end : 0.0, in.n_tokens, in.n_decode, in.n_prefill,
-            in.n_running_decodes, in.budget == INT32_MAX ? 0 : in.budget);
+            in.n_running_decodes, in.budget == INT32_MAX ? 0 : in.budget, in.n_draft_tokens,
+            in.draft_seconds);
     sv->trace_end = end;
 }
 
@@ -371,7 +372,7 @@ int cs_serve_start(cs_engine *e, const cs_sched_params *p, cs_serve **out) {
             CS_LOGE("serve: CHUNKSERVE_STEP_TRACE=%s cannot be opened: no step trace", trace);
         else
             fprintf(sv->trace, "start_s,seconds,predicted_s,gap_s,tokens,decode_spans,"
-                               "prefill_spans,running_decodes,budget\n");
+                               "prefill_spans,running_decodes,budget,draft_tokens,draft_s\n");
     }
     cs_sched_get_stats(sv->sched, &sv->stats); /* before the thread exists: no lock needed */
     pthread_mutex_init(&sv->mu, NULL);
