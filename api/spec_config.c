@@ -18,6 +18,11 @@ const cs_config_entry cs_spec_config[] = {
      "with --speculative: drafted tokens per decode at most (each sequence gets what pays, by the "
      "step model and its acceptance rate)",
      1, CS_SCHED_SPEC_MAX},
+    {"speculative-always", CS_CONFIG_BOOL, S(always), "false",
+     "with --speculative: draft whenever drafts are found, as many as --num-speculative-tokens "
+     "allows, whatever the step model says they cost (vLLM's behaviour; for benchmarks, tests, "
+     "and GPUs where a draft costs next to nothing). Off: each sequence gets the drafts that pay",
+     0, 0},
 };
 const size_t cs_spec_config_n = sizeof cs_spec_config / sizeof cs_spec_config[0];
 #undef S
@@ -27,8 +32,10 @@ int cs_spec_opts_apply(const cs_spec_opts *o, cs_sched_params *sp) {
     if (o->num_tokens < 1 || o->num_tokens > CS_SCHED_SPEC_MAX)
         return cs_fail(CS_EINVAL, "--num-speculative-tokens %lld: must be in 1..%d",
                        (long long)o->num_tokens, CS_SCHED_SPEC_MAX);
+    sp->speculative_always = o->always;
     if (!strcmp(m, "off")) {
         sp->num_speculative_tokens = 0;
+        sp->speculative_always = false;
         return 0;
     }
     if (!strcmp(m, "ngram")) {

@@ -5,6 +5,7 @@
 #ifndef CHUNKSERVE_API_SPEC_CONFIG_H
 #define CHUNKSERVE_API_SPEC_CONFIG_H
 
+#include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -14,6 +15,7 @@
 typedef struct {
     const char *mode;   /* --speculative: "off", "ngram", "draft:PATH" */
     int64_t num_tokens; /* --num-speculative-tokens */
+    bool always;        /* --speculative-always */
 } cs_spec_opts;
 
 extern const cs_config_entry cs_spec_config[]; /* offsets in cs_spec_opts */

@@ -137,6 +137,7 @@ static const char *const family_flags[] = {
     "SLO_ITL_P99_MS",
     "SLO_TTFT_P99_MS",
     "SPECULATIVE",
+    "SPECULATIVE_ALWAYS",
     "START_TIMEOUT_MS",
     "STATUS_INTERVAL_MS",
     "STEP_TARGETS",

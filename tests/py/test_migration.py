@@ -10,7 +10,8 @@ from the reference text so that they span cuts, and emoji split across tokens.
 The real model (its byte-level BPE splits emoji into several tokens); 1 prefill + 2
 decode workers behind the router, the first speculating with prompt lookup (`--speculative
 ngram`), the second with a draft model (`--speculative draft:PATH`, the model itself: the
-only one with its vocabulary here): streams move between the two, so every check also holds
+only one with its vocabulary here; `--speculative-always`, since a draft as costly as its
+target never pays by the cost rule): streams move between the two, so every check also holds
 with either kind of speculation on either side of a cut. No speculation state moves: prompt
 lookup looks its drafts up again from the tokens, and the draft model's KV is rebuilt on
 the new worker (computed in the steps' room before it drafts again)."""
@@ -63,7 +64,8 @@ def cl(bin_dir, model_path, pb):
             pytest.skip(f"{b} not built")
     c = Cluster(bin_dir, model_path, pb, n_prefill=1, n_decode=2, threads=1, kv_cache_mib=128,
                 decode_each=[["--speculative=ngram", "--num-speculative-tokens=6"],
-                             [f"--speculative=draft:{model_path}", "--num-speculative-tokens=4"]])
+                             [f"--speculative=draft:{model_path}", "--num-speculative-tokens=4",
+                              "--speculative-always"]])
     c.model = model_path
     c.wait_usable(1, 2)
     routers = {}
