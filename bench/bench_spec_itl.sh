@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Speculation and the step-time target: `chunkserve serve` with a step-time target, without
-# and with `--speculative ngram`, loaded by `chunkserve bench serve` (the mixed workload:
+# and with `--speculative $SPEC` (ngram, or draft:PATH), loaded by `chunkserve bench serve` (the mixed workload:
 # chat beside long RAG and summarize prompts, so prompt chunks share steps with decodes and
 # drafts); modes alternate, ROUNDS rounds. Prints TTFT and ITL p50/p99/max and output
 # tokens/s per run; the reports land in OUT. Nothing is asserted.
-#   bench/bench_spec_itl.sh [MODEL] [OUT]    (TARGET_MS=50 RATE=2 REQUESTS=40 ROUNDS=2 THREADS=2)
+#   bench/bench_spec_itl.sh [MODEL] [OUT]    (TARGET_MS=50 RATE=2 REQUESTS=40 ROUNDS=2 THREADS=2
+#                                             SPEC=ngram)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${BIN:-build/bin}
@@ -15,6 +16,7 @@ RATE=${RATE:-2}
 REQUESTS=${REQUESTS:-40}
 ROUNDS=${ROUNDS:-2}
 THREADS=${THREADS:-2}
+SPEC=${SPEC:-ngram}
 mkdir -p "$OUT"
 lscpu | grep -E 'Model name' >"$OUT/cpu.txt"
 run() { # $1 tag, then serve's extra flags
@@ -37,9 +39,9 @@ run() { # $1 tag, then serve's extra flags
 }
 for r in $(seq "$ROUNDS"); do
   if [ $((r % 2)) = 1 ]; then
-    run "plain-$r"; run "ngram-$r" --speculative ngram
+    run "plain-$r"; run "spec-$r" --speculative "$SPEC"
   else
-    run "ngram-$r" --speculative ngram; run "plain-$r"
+    run "spec-$r" --speculative "$SPEC"; run "plain-$r"
   fi
 done
 python3 - "$OUT" <<'PY'

@@ -1282,11 +1282,15 @@ static int32_t add_drafts(cs_sched *s, step_work *work, int32_t room) {
     }
     if (n_jobs == 0) return added;
     /* the catch-up (draft model tokens, not the target's budget): the room
-     * left, and within the step-time target what its predicted time leaves;
-     * a page at least, so it progresses */
+     * left, and within the step-time target what its predicted time leaves
+     * (until the draft's per-token time is measured, a page: the first
+     * catch-up of a long context would otherwise take the whole room, far
+     * past the target); a page at least, so it progresses */
     int32_t catchup = tokens_room - added;
     const double target = s->p.step_time_target_ms / 1e3;
-    if (target > 0 && cost.token_s > 0 && cs_step_model_ready(&s->model)) {
+    if (target > 0 && cost.token_s <= 0) {
+        catchup = s->page_size;
+    } else if (target > 0 && cs_step_model_ready(&s->model)) {
         double left = target - cs_step_model_predict(&s->model, plan.tokens, plan.pairs, plan.rows) -
                       cost.passes * cost.pass_s;
         double fit = left > 0 ? left / cost.token_s : 0;

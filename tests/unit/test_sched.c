@@ -304,7 +304,8 @@ static void check_speculation(void) {
 }
 
 /* A draft model: the same tokens as one token a step, for greedy and seeded
- * sampling, under budgets down to 3 tokens, draft lengths 1..16, a target
+ * sampling, under budgets down to 3 tokens (the unlimited one with a
+ * step-time target), draft lengths 1..16, a target
  * pool small enough to preempt and a draft pool too small for every
  * sequence (those draft nothing), drafts always taken or weighed by the
  * step model. Drafts from the target itself (every greedy draft kept), from
@@ -339,6 +340,11 @@ static void check_draft_model(const char *const *drafts, int n_drafts) {
                         p.max_num_batched_tokens = budgets[bi];
                         p.num_speculative_tokens = lens[li];
                         p.draft_engine = de;
+                        /* the unlimited budget with a step-time target: the
+                         * catch-up goes a page a step until the draft's
+                         * token time is measured, then by what the target
+                         * leaves */
+                        if (bi == 0) p.step_time_target_ms = 5;
                         p.speculative_always = !(tight && li == 1);
                         run(tight ? small : big, &p, specs, MAX_REQ, other, true);
                         ASSERT_EQ_INT(cs_kv_cache_n_used(cs_engine_kv(de)), 0);
