@@ -34,8 +34,10 @@ int cs_spec_opts_apply(const cs_spec_opts *o, cs_sched_params *sp) {
                        (long long)o->num_tokens, CS_SCHED_SPEC_MAX);
     sp->speculative_always = o->always;
     if (!strcmp(m, "off")) {
+        if (o->always)
+            return cs_fail(CS_EINVAL, "--speculative-always: needs --speculative ngram or "
+                                      "draft:PATH (speculation is off)");
         sp->num_speculative_tokens = 0;
-        sp->speculative_always = false;
         return 0;
     }
     if (!strcmp(m, "ngram")) {

@@ -576,7 +576,8 @@ def test_speculation_bad_arguments(chunkserve_bin, model_path, named_model):
                         "the draft model 'Qwen2.5 Coder 0.5B Instruct AWQ' (qwen2, a vocabulary "
                         "of 151936 tokens) and the target 'Smollm2 135M 8k Lc100K Mix1 Ep2' "
                         "(llama, 49152 tokens) do not share a vocabulary"),
-                       (["--speculative", "medusa"], "off, ngram or draft:PATH")):
+                       (["--speculative", "medusa"], "off, ngram or draft:PATH"),
+                       (["--speculative-always"], "--speculative-always: needs --speculative")):
         p = subprocess.run([str(chunkserve_bin), "serve", "--model", str(model_path), "--port", "0",
                             *args], capture_output=True, text=True, timeout=60)
         assert p.returncode != 0 and says in p.stderr, (args, p.stderr[-500:])
