@@ -94,8 +94,10 @@ int main(int argc, char **argv) {
     if (cs__qmat_avx2_usable()) sets[n_sets++] = CS_QMAT_KERNELS_AVX2;
     if (work <= 1e9 || n_sets == 0) sets[n_sets++] = CS_QMAT_KERNELS_REF;
     double t[4][101];
+    /* 64-byte aligned, as the engine's step buffers are (backend_cpu.c) */
+    const size_t out_bytes = ((size_t)tokens * (size_t)rows * sizeof(float) + 63) / 64 * 64;
     for (int k = 0; k < n_sets; k++)
-        if (!(out[k] = malloc((size_t)tokens * (size_t)rows * sizeof(float)))) return 1;
+        if (!(out[k] = aligned_alloc(64, out_bytes))) return 1;
     int bad = 0;
     for (int r = -1; r < rounds; r++) /* round -1 warms up (and faults the pages in) */
         for (int k = 0; k < n_sets; k++) {
