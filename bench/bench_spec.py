@@ -8,6 +8,9 @@ noise falls on both sides of a ratio alike.
 Workloads (completions, greedy unless said):
   code   code editing: the prompt holds a function and the start of its edited copy, so the
          answer repeats most of the prompt (prompt lookup's best case)
+  edit   a whole-file edit: a 40-line module, a rename, the answer the whole file again in a
+         code block (stops at its closing fence): the answer is nearly all copy, as a code
+         editor's "apply" request is
   rag    a passage and a question whose answer quotes it
   chat   free text at temperature 0.7 (little to look up: speculation must not lose)
 At each concurrency (1, 4, 16 by default) all streams start together; per round and mode:
@@ -22,7 +25,7 @@ design). Nothing here asserts a speed.
 
   python3 bench/bench_spec.py [--bin build/bin/chunkserve] [--model M] [--rounds 3]
                               [--concurrency 1,4,16] [--tokens 128] [--drafts 4]
-                              [--spec ngram|draft:PATH] [--workloads code,rag,chat]
+                              [--spec ngram|draft:PATH] [--workloads code,edit,rag,chat]
 """
 from __future__ import annotations
 
@@ -48,8 +51,55 @@ RAG = ("Passage: The Amazon rainforest covers much of the Amazon basin of South 
        "60% of the rainforest, followed by Peru with 13%, and Colombia with 10%.\n\n"
        "Question: How much of the rainforest is in Brazil, Peru and Colombia?\nAnswer: "
        "The majority of the forest is contained within Brazil,")
+EDIT_FILE = """import time
+
+
+class LruCache:
+    \"\"\"A least-recently-used cache with a time limit per entry.\"\"\"
+
+    def __init__(self, capacity, ttl_seconds):
+        self.capacity = capacity
+        self.ttl_seconds = ttl_seconds
+        self.entries = {}
+        self.order = []
+
+    def get_item(self, key):
+        entry = self.entries.get(key)
+        if entry is None:
+            return None
+        value, stored_at = entry
+        if time.monotonic() - stored_at > self.ttl_seconds:
+            self.remove(key)
+            return None
+        self.order.remove(key)
+        self.order.append(key)
+        return value
+
+    def put(self, key, value):
+        if key in self.entries:
+            self.order.remove(key)
+        elif len(self.entries) >= self.capacity:
+            oldest = self.order.pop(0)
+            del self.entries[oldest]
+        self.entries[key] = (value, time.monotonic())
+        self.order.append(key)
+
+    def remove(self, key):
+        if key in self.entries:
+            del self.entries[key]
+            self.order.remove(key)
+
+    def warm(self, pairs):
+        for key, value in pairs:
+            self.put(key, value)
+        return [self.get_item(key) for key, _ in pairs]
+"""
+EDIT = ("Rename the method get_item to lookup everywhere in this file. Reply with the whole "
+        "updated file and nothing else.\n\n```python\n" + EDIT_FILE + "```\n\nUpdated file:\n"
+        "```python\n")
 CHAT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
-WORKLOADS = {"code": (CODE, 0.0), "rag": (RAG, 0.0), "chat": (CHAT, 0.7)}
+WORKLOADS = {"code": (CODE, 0.0), "edit": (EDIT, 0.0), "rag": (RAG, 0.0), "chat": (CHAT, 0.7)}
+STOP = {"edit": ["```"]}  # the end of the code block ends the answer
 IGNORE_EOS = {"chat"}  # a full-length answer: what speculation costs where it finds little
 
 
@@ -73,10 +123,11 @@ def spec_counters(http):
     return out
 
 
-def one(client, model, prompt, temp, seed, tokens, ignore_eos, gaps, usage, spans, texts, i):
+def one(client, model, prompt, temp, seed, tokens, ignore_eos, stop, gaps, usage, spans, texts,
+        i):
     first, last, text = None, None, ""
     for c in client.completions.create(model=model, prompt=prompt, temperature=temp, seed=seed,
-                                       max_tokens=tokens, stream=True,
+                                       max_tokens=tokens, stop=stop, stream=True,
                                        stream_options={"include_usage": True},
                                        extra_body={"ignore_eos": ignore_eos}):
         now = time.monotonic()
@@ -99,8 +150,9 @@ def batch(base, workload, conc, tokens):
     model = client.models.list().data[0].id
     gaps, usage, spans, texts = [], [], [], [None] * conc
     threads = [threading.Thread(target=one, args=(client, model, prompt, temp, 100 + i, tokens,
-                                                   workload in IGNORE_EOS, gaps, usage, spans,
-                                                   texts, i)) for i in range(conc)]
+                                                   workload in IGNORE_EOS, STOP.get(workload),
+                                                   gaps, usage, spans, texts, i))
+               for i in range(conc)]
     for t in threads:
         t.start()
     for t in threads:
@@ -126,7 +178,7 @@ def main():
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--drafts", type=int, default=4)
-    ap.add_argument("--workloads", default="code,rag,chat")
+    ap.add_argument("--workloads", default="code,edit,rag,chat")
     ap.add_argument("--spec", default="ngram", help="the speculating server's --speculative")
     a = ap.parse_args()
     concs = [int(c) for c in a.concurrency.split(",")]
