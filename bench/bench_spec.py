@@ -8,9 +8,9 @@ noise falls on both sides of a ratio alike.
 Workloads (completions, greedy unless said):
   code   code editing: the prompt holds a function and the start of its edited copy, so the
          answer repeats most of the prompt (prompt lookup's best case)
-  edit   a whole-file edit: a 40-line module, a rename, the answer the whole file again in a
-         code block (stops at its closing fence): the answer is nearly all copy, as a code
-         editor's "apply" request is
+  edit   a whole-file edit: a 42-line module, a rename, the answer the whole file again in a
+         code block (stops at its closing fence; about 270 tokens, so run it with
+         --tokens 400): the answer is nearly all copy, as a code editor's "apply" request is
   rag    a passage and a question whose answer quotes it
   chat   free text at temperature 0.7 (little to look up: speculation must not lose)
 At each concurrency (1, 4, 16 by default) all streams start together; per round and mode:

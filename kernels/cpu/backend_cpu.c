@@ -86,10 +86,11 @@ static int grow(cpu_ctx *c, int32_t n_tokens, int32_t n_spans, int32_t n_rows) {
         size_t T = (size_t)n_tokens;
         size_t dim = (size_t)cf->dim, qd = (size_t)cf->n_heads * cf->head_dim;
         size_t kvd = (size_t)cf->n_kv_heads * cf->head_dim, hid = (size_t)cf->hidden_dim;
-/* Step scratch, refilled every step (nothing kept): 64-byte aligned, so a
- * GEMM panel's 16 floats of a token's output are one cache line, not parts
- * of two (aligned, the AMX kernels ran a 512-token GEMM 1.14-1.20x faster on
- * 2 threads: docs/perf.md). */
+/* Step scratch, refilled every step (nothing kept): 64-byte aligned, so
+ * where a row's width is a multiple of 16 floats (every model's dim, q, kv
+ * and hidden widths so far) a GEMM panel's 16 floats of a token's output
+ * are one cache line, not parts of two (aligned, the AMX kernels ran a
+ * 512-token GEMM 1.14-1.20x faster on 2 threads: docs/perf.md). */
 #define RE(ptr, count)                                                                             \
     do {                                                                                           \
         void *np_ = aligned_alloc(64, ((count) * sizeof *(ptr) + 63) / 64 * 64);                   \
@@ -109,7 +110,6 @@ static int grow(cpu_ctx *c, int32_t n_tokens, int32_t n_spans, int32_t n_rows) {
         RE(c->up, T * hid);
         RE(c->tok, T);
         RE(c->pos, T);
-        c->cap_tokens = n_tokens;
         if (c->m->q_tok_embd) {
             size_t widest = dim > qd ? dim : qd;
             widest = widest > hid ? widest : hid;
@@ -122,6 +122,7 @@ static int grow(cpu_ctx *c, int32_t n_tokens, int32_t n_spans, int32_t n_rows) {
             c->qa = np;
             c->qa_size = bytes;
         }
+        c->cap_tokens = n_tokens; /* only once every buffer has its room */
     }
     if (n_spans > c->cap_spans) {
         RE(c->aspans, (size_t)n_spans);
