@@ -562,6 +562,31 @@ def test_speculation_is_byte_identical(chunkserve_bin, model_path, pb, mode):
         spec.stop()
 
 
+def test_self_draft_keeps_every_greedy_draft(chunkserve_bin, model_path, pb):
+    """The model drafting for itself (`--speculative-always`, so the cost rule cannot turn
+    it off), four greedy streams sharing steps: every draft proposed is the token the target
+    then picks, so every one is kept. Byte-identical output cannot show a drafter that
+    proposes from the wrong KV (verification corrects it); this can."""
+    g = pb.generation_pb2
+    spec = Server(chunkserve_bin, model_path, pb, "--threads", "2", "--speculative",
+                  f"draft:{model_path}", "--num-speculative-tokens", "4",
+                  "--speculative-always")
+    http = spec.proc.stdout.readline().decode().split()[-1]
+    try:
+        reqs = [g.GenerateRequest(prompt=p, sampling=params(pb, max_tokens=40, ignore_eos=True))
+                for p in SPEC_PROMPTS]
+        with ThreadPoolExecutor(len(reqs)) as ex:
+            outs = list(ex.map(lambda r: collect(spec.stub.Generate(r, timeout=120)), reqs))
+        assert all(len(ids) == 40 for ids, _, _ in outs)
+        from cluster_harness import spec_counters
+        vals = spec_counters(http)
+        drafted = vals["chunkserve:spec_decode_num_draft_tokens_total"]
+        kept = vals["chunkserve:spec_decode_num_accepted_tokens_total"]
+        assert drafted > 0 and kept == drafted, vals
+    finally:
+        spec.stop()
+
+
 def test_speculation_bad_arguments(chunkserve_bin, model_path, named_model):
     qwen = named_model("qwen2.5-coder-0.5b")
     for args, says in ((["--speculative", "ngram", "--num-speculative-tokens", "0"],
