@@ -100,11 +100,8 @@ static inline __attribute__((always_inline)) __m512
 cs__qmat_kflush(const int type, __m512 acc, const cs_qkscales *k, float dx, __m512i S, __m512i M) {
     const __m512 vdx = _mm512_set1_ps(dx);
     acc = _mm512_fmadd_ps(_mm512_mul_ps(k->d, vdx), _mm512_cvtepi32_ps(S), acc);
-    if (type != CS_QMAT_Q6_K) { /* -(DMIN * dx): the sign flipped exactly */
-        const __m512 nm = _mm512_castsi512_ps(_mm512_xor_si512(
-            _mm512_castps_si512(_mm512_mul_ps(k->dmin, vdx)), _mm512_set1_epi32(INT32_MIN)));
-        acc = _mm512_fmadd_ps(nm, _mm512_cvtepi32_ps(M), acc);
-    }
+    if (type != CS_QMAT_Q6_K) /* acc - (DMIN * dx) * M, one rounding: fma(-(DMIN * dx), M, acc) */
+        acc = _mm512_fnmadd_ps(_mm512_mul_ps(k->dmin, vdx), _mm512_cvtepi32_ps(M), acc);
     return acc;
 }
 
