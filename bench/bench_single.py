@@ -73,6 +73,8 @@ def main():
     ap.add_argument("--repeat", type=int, default=1,
                     help="rounds; every engine runs once a round, in turn, and medians are reported")
     ap.add_argument("--no-exact", action="store_true", help="skip the --exact fp32 row (slow on big models)")
+    ap.add_argument("--baseline-bin", help="another chunkserve (e.g. the last commit's build): its "
+                    "quantized row runs in the same rounds, for a before/after ratio")
     a = ap.parse_args()
     ids = make_prompt_ids(a.bin, a.model, a.prompt_tokens)
     common = ["--threads", str(a.threads), "--max-batched-tokens", "0"]
@@ -81,11 +83,15 @@ def main():
                 (f"chunkserve, {a.threads} thr (quant, no AMX)", common, "vnni")]
     if not a.no_exact:
         variants.append((f"chunkserve, {a.threads} thr (--exact fp32)", common + ["--exact"], None))
-    runs = {name: [] for name, _, _ in variants}
+    if a.baseline_bin:
+        variants.insert(1, (f"baseline {a.baseline_bin}, {a.threads} thr (quant)", common, None,
+                            a.baseline_bin))
+    runs = {v[0]: [] for v in variants}
     refs, ref_name, ref_extra = [], "same file", []
     for _ in range(a.repeat):
-        for name, flags, kernels in variants:
-            runs[name].append(run_chunkserve(a.bin, a.model, ids, a.decode_tokens, flags, kernels))
+        for name, flags, kernels, *other in variants:
+            runs[name].append(run_chunkserve(other[0] if other else a.bin, a.model, ids,
+                                             a.decode_tokens, flags, kernels))
         ref = run_llamacpp(a.model, a.prompt_tokens, a.decode_tokens, a.threads, ref_extra)
         if ref is None and not ref_extra:  # 0.3.36's AMX buffers crash on Sapphire Rapids VMs
             ref_extra, ref_name = ["--no-extra-bufts"], "same file, no extra bufts"
