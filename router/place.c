@@ -27,7 +27,8 @@ static bool prefill_fits(const cs_place_worker *w, int64_t n_tokens) {
 }
 
 static int64_t prefill_load(const cs_place_worker *w) {
-    return w->queued_prefill_tokens + w->tokens_placed;
+    int64_t load = w->queued_prefill_tokens + w->tokens_placed;
+    return load > 0 ? load : 0;
 }
 
 /* The prefix-aware narrowing (see cs_place_decode): the highest cached_tokens
@@ -76,7 +77,30 @@ double cs_place_ttft(const cs_place_worker *w, int64_t n_tokens, const cs_place_
     if (!c || !L || (L->n_groups == 0 && L->overflow_tokens == 0))
         return (double)(prefill_load(w) + own) / w->prefill_rate;
     double work = cs_ttft_work(L, c->priority, c->tenant, cs_ttft_load_weight(L, c->tenant), own);
-    return (work + (double)w->tokens_placed) / w->prefill_rate;
+    work += (double)w->tokens_placed; /* its share of the queue may be what is done */
+    return (work > (double)own ? work : (double)own) / w->prefill_rate;
+}
+
+void cs_ttft_rest_add(cs_ttft_rest *r, double seconds, double tokens) {
+    if (!(isfinite(seconds) && isfinite(tokens) && seconds >= 0 && tokens >= 0)) return;
+    r->seconds[r->next] = seconds;
+    r->tokens[r->next] = tokens;
+    r->next = (r->next + 1) % CS_TTFT_REST_WINDOW;
+    if (r->n < CS_TTFT_REST_WINDOW) r->n++;
+}
+
+double cs_ttft_rest_get(const cs_ttft_rest *r, double rate) {
+    if (r->n < 1 || !(rate > 0)) return NAN;
+    double s[CS_TTFT_REST_WINDOW];
+    int32_t n = r->n;
+    for (int32_t i = 0; i < n; i++) { /* insertion sort: at most 16 */
+        double x = r->seconds[i] - r->tokens[i] / rate;
+        int32_t j = i;
+        for (; j > 0 && s[j - 1] > x; j--)
+            s[j] = s[j - 1];
+        s[j] = x;
+    }
+    return n % 2 ? s[n / 2] : (s[n / 2 - 1] + s[n / 2]) / 2;
 }
 
 int cs_place_prefill(const cs_place_worker *w, size_t n, int64_t n_tokens, size_t start,

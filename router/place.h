@@ -26,7 +26,9 @@ typedef struct {
     int32_t pages_placed;   /* pages this router placed there since that status */
     int32_t num_running, num_waiting;
     int64_t queued_prefill_tokens; /* from the last status (prefill) */
-    int64_t tokens_placed;         /* prompt tokens this router sent there since that status */
+    int64_t tokens_placed;         /* prompt tokens this router sent there since that status,
+                                      less those of its requests prefilled there since (< 0:
+                                      done ones the status still counts) */
     int32_t reqs_placed;           /* requests this router sent there since that status */
     int64_t cached_tokens;         /* the request's prompt tokens predicted cached there */
     double prefill_rate;           /* prompt tokens a second beside its decodes (0: unknown) */
@@ -50,6 +52,33 @@ typedef struct {
  * and every token placed there since the status (their classes are not
  * counted: ahead). NAN when the rate is unknown. */
 double cs_place_ttft(const cs_place_worker *w, int64_t n_tokens, const cs_place_class *c);
+
+/* What a pool's queue model (cs_place_ttft) leaves out of a time to first
+ * token: the hops, the step under way, a step's fixed cost. Learnt from the
+ * last CS_TTFT_REST_WINDOW first tokens, each kept as its measured seconds
+ * and the tokens its queue part counted; read at the rate of the worker
+ * now predicted as the median of measured - tokens / rate. The rate is
+ * applied when it is read because a worker's reported rate moves (its
+ * measured rate, then its step model's once that fits): a rest kept in
+ * seconds would carry the old rate's error until the window turned over.
+ * A median, not a mean: one slow first token (a worker's first step of a
+ * shape, a descheduled thread) would lift every prediction after it for
+ * many requests, and a short prompt's first token is mostly this rest. */
+#define CS_TTFT_REST_WINDOW 16
+typedef struct {
+    double seconds[CS_TTFT_REST_WINDOW]; /* the newest first tokens' measured times, a ring */
+    double tokens[CS_TTFT_REST_WINDOW];  /* and their queue parts' tokens */
+    int32_t n;                           /* samples held (<= the window) */
+    int32_t next;                        /* the slot the next sample takes */
+} cs_ttft_rest;
+
+/* One more first token (one with a number that is not finite or negative
+ * is ignored). */
+void cs_ttft_rest_add(cs_ttft_rest *r, double seconds, double tokens);
+/* The rest at a worker's rate (tokens/s): the median over the samples
+ * (the mean of the middle two for an even count); NAN before any, or when
+ * the rate is not positive. */
+double cs_ttft_rest_get(const cs_ttft_rest *r, double rate);
 
 /* Pages a context of n_tokens takes on a worker whose pages hold blocks as
  * kv says (the pages a KV transfer of it lands in: cs_kv_blocks_seq_pages;

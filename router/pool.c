@@ -553,9 +553,9 @@ int cs_pool_n_usable(const cs_pool *p, enum cs_pool_role role) {
 }
 
 double cs_pool_ttft(const cs_pool *p, enum cs_pool_role role, int64_t n_tokens,
-                    const cs_place_class *c, double *alone) {
+                    const cs_place_class *c, double *alone, double *rate) {
     double now = cs_now(), best = NAN;
-    *alone = NAN;
+    *alone = *rate = NAN;
     for (const cs_pool_worker *w = p->workers[role]; w; w = w->next) {
         if (!worker_usable(w, now) || !(w->prefill_rate > 0)) continue;
         cs_place_worker s = {.queued_prefill_tokens = w->queued_prefill,
@@ -563,7 +563,8 @@ double cs_pool_ttft(const cs_pool *p, enum cs_pool_role role, int64_t n_tokens,
                              .prefill_rate = w->prefill_rate,
                              .queue = w->queue};
         double t = cs_place_ttft(&s, n_tokens, c);
-        if (isnan(best) || t < best) best = t, *alone = (double)n_tokens / w->prefill_rate;
+        if (isnan(best) || t < best)
+            best = t, *alone = (double)n_tokens / w->prefill_rate, *rate = w->prefill_rate;
     }
     return best;
 }
@@ -746,6 +747,14 @@ out:
     if (snap != stack) free(snap);
     if (ws != wstack) free(ws);
     return chosen;
+}
+
+void cs_pool_prompt_placed(cs_pool_worker *w, int64_t n_tokens) {
+    if (w) w->tokens_placed += n_tokens;
+}
+
+void cs_pool_prompt_done(cs_pool_worker *w, int64_t n_tokens) {
+    if (w) w->tokens_placed -= n_tokens;
 }
 
 int cs_pool_mark_add(cs_pool_mark **arr, size_t *n, const cs_pool_worker *w) {

@@ -73,11 +73,11 @@ void cs_pool_rpc_token_changed(cs_pool *p);
 int cs_pool_n_usable(const cs_pool *p, enum cs_pool_role role);
 /* The least predicted time to first token of a prompt of n_tokens of class
  * c (may be NULL: behind the whole queue) over the usable workers of role
- * (cs_place_ttft, the prefix cache not counted), and into *alone what it
- * would be on that worker with nothing queued; NAN (and *alone NAN) when no
- * usable worker reports its prefill rate. */
+ * (cs_place_ttft, the prefix cache not counted), into *rate that worker's
+ * prefill rate and into *alone what it would be there with nothing queued;
+ * NAN (and *alone, *rate NAN) when no usable worker reports its rate. */
 double cs_pool_ttft(const cs_pool *p, enum cs_pool_role role, int64_t n_tokens,
-                    const cs_place_class *c, double *alone);
+                    const cs_place_class *c, double *alone, double *rate);
 /* One replica's capacity in role's pool (demand.h): the mean prefill and
  * decode rates over its usable workers that report them (0 when none). */
 void cs_pool_capacity(const cs_pool *p, enum cs_pool_role role, double *prefill, double *decode);
@@ -161,6 +161,13 @@ cs_pool_worker *cs_pool_place(cs_pool *p, enum cs_pool_role role, int64_t n_toke
 int cs_pool_mark_add(cs_pool_mark **arr, size_t *n, const cs_pool_worker *w);
 /* Drops every mark; the struct is zeroed. */
 void cs_pool_marks_free(cs_pool_marks *m);
+
+/* Prompt tokens sent to w to prefill (a local prefill on a decode worker:
+ * cs_pool_place counts the prefill pool's), and prompt tokens w prefilled
+ * (the request's first token came): until w's next status its prompt load
+ * is that status's queue plus the first less the second. w may be NULL. */
+void cs_pool_prompt_placed(cs_pool_worker *w, int64_t n_tokens);
+void cs_pool_prompt_done(cs_pool_worker *w, int64_t n_tokens);
 
 void cs_pool_worker_ref(cs_pool_worker *w);
 void cs_pool_worker_unref(cs_pool_worker *w);

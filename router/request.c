@@ -297,6 +297,8 @@ static void start_attempt(req *q, cs_pool_worker *dw, int64_t dcached) {
     cs_pool_worker_unref(pw);
     q->local = pw == NULL;
     q->predicted_cached = q->local ? dcached : pcached;
+    q->prompt_placed = (int64_t)q->n_ctx; /* what cs_pool_place counted on pw */
+    if (q->local) cs_pool_prompt_placed(dw, q->prompt_placed);
     cs__req_set_state(q, RQ_ADMITTING);
     q->t_attempt = cs_now();
     bool first = !q->overhead_seen;
@@ -470,16 +472,10 @@ static int ctx_append(req *q, const int32_t *t, size_t n) {
 static void learn_ttft_rest(req *q, double measured) {
     router *r = q->r;
     int pool = q->predicted_pool;
-    if (pool < 0 || !isfinite(q->predicted_queue) || q->failures || q->refusals || q->parked ||
+    if (pool < 0 || !isfinite(q->predicted_tokens) || q->failures || q->refusals || q->parked ||
         q->local != (pool == CS_POOL_DECODE) || q->predicted_cached > 0)
         return;
-    double rest = measured - q->predicted_queue;
-    if (!r->ttft_rest_set[pool]) {
-        r->ttft_rest[pool] = rest;
-        r->ttft_rest_set[pool] = true;
-    } else {
-        r->ttft_rest[pool] += (rest - r->ttft_rest[pool]) / 8;
-    }
+    cs_ttft_rest_add(&r->ttft_rest[pool], measured, q->predicted_tokens);
 }
 
 /* One output of the Decode stream to the client, as is but for the request
@@ -517,6 +513,10 @@ static bool relay(req *q, Chunkserve__V1__GenerateResponse *out) {
         return true;
     }
     double now = cs_now();
+    if (n && q->prompt_placed) { /* the attempt's prompt is computed: no longer its worker's load */
+        cs_pool_prompt_done(cs__req_worker(q, q->local ? q->dw_last : q->pw_last), q->prompt_placed);
+        q->prompt_placed = 0;
+    }
     if (n) {
         if (q->n_relayed == 0) {
             q->t_first = now;

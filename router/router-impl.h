@@ -118,7 +118,7 @@ struct req {
     char *tenant;                             /* the client's, copied ("" when none) */
     int32_t priority;                         /* the client's (0 when none) */
     double predicted_ttft; /* seconds, predicted at admission (0: none) */
-    double predicted_queue; /* its queue part (cs_pool_ttft), by pool predicted_pool */
+    double predicted_tokens; /* its queue part's tokens (cs_pool_ttft), by pool predicted_pool */
     int predicted_pool;     /* enum cs_pool_role, or -1: none */
     uint64_t rng[4];
     bool have_rng;
@@ -128,6 +128,8 @@ struct req {
     uint64_t transfer_id;
     leg *dleg, *pleg;
     bool local;             /* prefilled by the decode worker itself */
+    int64_t prompt_placed;  /* the prompt tokens its prefilling worker counts for it until
+                               its first token (cs_pool_prompt_placed / _done); 0: none */
     cs_pool_handle pw;      /* chosen prefill worker, until its leg starts */
     cs_pool_handle dw_last; /* decode worker of the attempt, for Cancel and blame */
     cs_pool_handle pw_last; /* prefill worker of the attempt, for Cancel and blame */
@@ -207,12 +209,9 @@ struct router {
         cs_smooth decode_prefill; /* a decode replica's prompt tokens/s */
     } capacity;
     /* What the queue model (cs_pool_ttft) leaves out of a time to first
-     * token, by the pool that predicted it: the hops, the step under way, a
-     * step's fixed cost. The mean of measured - predicted over recent first
-     * tokens (weight 1/8 to the newest; the first sets it), added to each
-     * prediction. */
-    double ttft_rest[2];
-    bool ttft_rest_set[2];
+     * token, by the pool that predicted it (place.h: cs_ttft_rest), added to
+     * each prediction. */
+    cs_ttft_rest ttft_rest[2];
     uint64_t stalls_counted; /* cs_pool_loop_lag stalls already added to m.stalls */
     uint64_t trips_counted;  /* cs_pool_pair_trips already added to m.pair_trips */
 };

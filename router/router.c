@@ -140,19 +140,20 @@ static void on_prepared(void *arg, cs_gen_call *c, uint64_t seq, double t_recv, 
     /* the TTFT the workers' queues predict (prefill pool for a long prompt,
      * else the decode workers' own prefill), what they leave out added, and
      * the refusal it may bring */
-    double alone, queued = NAN;
+    double alone, rate = NAN, queued = NAN;
     int pool = CS_POOL_PREFILL;
     const cs_place_class cls = {w.r.priority, w.r.tenant};
     if (w.r.n_prompt >= r->o->local_prefill_threshold)
-        queued = cs_pool_ttft(r->pool, CS_POOL_PREFILL, w.r.n_prompt, &cls, &alone);
+        queued = cs_pool_ttft(r->pool, CS_POOL_PREFILL, w.r.n_prompt, &cls, &alone, &rate);
     if (isnan(queued)) {
         pool = CS_POOL_DECODE;
-        queued = cs_pool_ttft(r->pool, CS_POOL_DECODE, w.r.n_prompt, &cls, &alone);
+        queued = cs_pool_ttft(r->pool, CS_POOL_DECODE, w.r.n_prompt, &cls, &alone, &rate);
     }
     double predicted = queued;
-    if (!isnan(queued) && r->ttft_rest_set[pool]) {
-        predicted = fmax(queued + r->ttft_rest[pool], 0);
-        alone = fmax(alone + r->ttft_rest[pool], 0);
+    double rest = cs_ttft_rest_get(&r->ttft_rest[pool], rate);
+    if (!isnan(queued) && !isnan(rest)) {
+        predicted = fmax(queued + rest, 0);
+        alone = fmax(alone + rest, 0);
     }
     double bound = cs_slo_ttft_bound(&r->o->slo, w.r.priority);
     int64_t retry = cs_slo_refuse_ms(predicted, alone, bound);
@@ -191,7 +192,7 @@ static void on_prepared(void *arg, cs_gen_call *c, uint64_t seq, double t_recv, 
     q->seq = seq;
     q->priority = w.r.priority;
     q->predicted_ttft = isfinite(predicted) ? predicted : 0;
-    q->predicted_queue = queued;
+    q->predicted_tokens = queued * rate; /* NAN without a prediction */
     q->predicted_pool = isfinite(queued) ? pool : -1;
     if (seq == r->fault_seq) memcpy(q->fault_worker, r->fault_worker, sizeof q->fault_worker);
     q->ctx = w.prompt; /* taken over */

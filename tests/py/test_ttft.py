@@ -8,6 +8,7 @@ What is asserted is the rule, not a speed: the queue
 ahead (6,000 prompt tokens in 64-token steps) is far over the 100 ms bound on any CPU."""
 from __future__ import annotations
 
+import statistics
 import subprocess
 import time
 import urllib.request
@@ -153,27 +154,30 @@ def test_the_router_refuses_early_from_the_workers_queues(bin_dir, model_path, p
 
         # What the queue model leaves out (the hops, the step under way, a step's fixed cost)
         # is learnt from measured first tokens. A short prompt's queue part (its few tokens over
-        # the rate) is a small part of its time; with the rest learnt (after 3 requests),
-        # 12 of 12 were predicted within 50% in 5 runs here (6 without it).
-        def within_half():
-            m = c.router.metrics()
-            return (metric(m, "chunkserve:ttft_prediction_error_ratio_bucket", 'le="0.5"'),
-                    metric(m, "chunkserve:ttft_prediction_error_ratio_count"))
-
-        def short(k):  # a local prefill on the decode worker
-            list(c.stub.Generate(g.GenerateRequest(token_ids=ids(16, 200 + k), sampling=g.SamplingParams(
-                max_tokens=2, ignore_eos=True)), timeout=60))
+        # the rate) leaves much of its time out: without the rest learnt, the predictions' median
+        # was 41% under the measured one here. Compared as medians: on a 2-core machine one
+        # descheduled process makes a first token several times its usual, and how many such
+        # spikes come is the machine's, not the predictor's (the medians within 5% here when it
+        # is quiet, within 11% with a busy loop beside it, in 5 runs each).
+        def short(k):  # a local prefill on the decode worker: (predicted, measured) TTFT
+            t0, first = time.monotonic(), None
+            for out in c.stub.Generate(g.GenerateRequest(token_ids=ids(16, 200 + k), sampling=g.SamplingParams(
+                    max_tokens=2, ignore_eos=True)), timeout=60):
+                first = first or time.monotonic() - t0
+                last = out
+            return last.usage.predicted_ttft_seconds, first
         short(0)  # its rate comes with its first prompt steps
         wait_for(lambda: c.status(c.decode[0]).prefill_tokens_per_second > 0, 30,
                  "the decode worker reports its rate")
         time.sleep(0.5)  # the router's next poll
         for k in range(3):  # the first predicted ones teach the router the rest
             short(1 + k)
-        b0, n0 = within_half()
-        for k in range(12):
-            short(4 + k)
-        b1, n1 = within_half()
-        assert n1 - n0 == 12 and b1 - b0 >= 9, (b1 - b0, n1 - n0)
+        n0 = metric(c.router.metrics(), "chunkserve:ttft_prediction_error_ratio_count")
+        seen = [short(4 + k) for k in range(12)]
+        assert metric(c.router.metrics(), "chunkserve:ttft_prediction_error_ratio_count") - n0 == 12
+        predicted = statistics.median(p for p, _ in seen)
+        measured = statistics.median(m for _, m in seen)
+        assert abs(predicted - measured) < 0.25 * measured, seen
     finally:
         c.stop()
 

@@ -5,7 +5,8 @@
  * its prefill rate, else by queued tokens plus tokens placed; unusable and
  * skipped (excluded/refused) workers never chosen; prefix-aware choice
  * (most cached tokens within the load balance, the hot prefix spreading)
- * and the router's page-hash set (the workers' hashes, eviction, expiry). */
+ * and the router's page-hash set (the workers' hashes, eviction, expiry);
+ * the learnt rest of a TTFT prediction (a windowed median). */
 #include <math.h>
 
 #include "chunkserve/kv_cache.h"
@@ -149,9 +150,17 @@ static void test_prefill(void) {
     /* placed since the status: ahead of everyone */
     w[0].tokens_placed = 300;
     ASSERT_TRUE(fabs(cs_place_ttft(&w[0], 100, &chat) - 500.0 / 1000) < 1e-12);
+    /* prefilled since the status (the net is negative): what the status counts less them,
+     * never less than its own prompt */
+    w[0].tokens_placed = -150;
+    ASSERT_TRUE(fabs(cs_place_ttft(&w[0], 100, &b) - 950.0 / 1000) < 1e-12);
+    ASSERT_TRUE(fabs(cs_place_ttft(&w[0], 100, &chat) - 100.0 / 1000) < 1e-12);
     /* a worker that reports no groups (none, or an empty table): all of its queue is ahead */
     w[0].tokens_placed = 0, w[0].queue = NULL;
     ASSERT_TRUE(fabs(cs_place_ttft(&w[0], 100, &chat) - 1100.0 / 1000) < 1e-12);
+    w[0].tokens_placed = -2000; /* likewise without groups */
+    ASSERT_TRUE(fabs(cs_place_ttft(&w[0], 100, &chat) - 100.0 / 1000) < 1e-12);
+    w[0].tokens_placed = 0;
     cs_ttft_load none = {0};
     w[0].queue = &none;
     ASSERT_TRUE(fabs(cs_place_ttft(&w[0], 100, &chat) - 1100.0 / 1000) < 1e-12);
@@ -372,7 +381,44 @@ static void test_demand(void) {
            at3, step);
 }
 
+/* The TTFT rest is the median of the window, read at the rate given: a
+ * cold first token (20 ms over a 9 ms rest) moves it not at all, a lasting
+ * shift gets through once it is half the window, the oldest samples leave,
+ * and a new rate moves every sample's queue part at once. */
+static void test_ttft_rest(void) {
+    const double rate = 4000; /* tokens/s: 16 tokens are 4 ms */
+    cs_ttft_rest r = {0};
+    ASSERT_TRUE(isnan(cs_ttft_rest_get(&r, rate)));
+    cs_ttft_rest_add(&r, NAN, 16);
+    cs_ttft_rest_add(&r, 0.01, -1);
+    ASSERT_TRUE(r.n == 0);
+    cs_ttft_rest_add(&r, 0.024, 16);
+    ASSERT_TRUE(fabs(cs_ttft_rest_get(&r, rate) - 0.020) < 1e-12);
+    ASSERT_TRUE(isnan(cs_ttft_rest_get(&r, 0)));
+    cs_ttft_rest_add(&r, 0.013, 16);
+    ASSERT_TRUE(fabs(cs_ttft_rest_get(&r, rate) - 0.0145) < 1e-12); /* two: their mean */
+    cs_ttft_rest_add(&r, 0.012, 16);
+    ASSERT_TRUE(fabs(cs_ttft_rest_get(&r, rate) - 0.009) < 1e-12);
+    for (int i = 0; i < 13; i++)
+        cs_ttft_rest_add(&r, 0.013, 16);
+    ASSERT_TRUE(r.n == CS_TTFT_REST_WINDOW);
+    ASSERT_TRUE(fabs(cs_ttft_rest_get(&r, rate) - 0.009) < 1e-12);
+    /* the worker reports 16,000 tokens/s now: 16 tokens are 1 ms, the rest 12 ms, and the
+     * prediction (1 + 12 ms) what was measured (13 ms) */
+    ASSERT_TRUE(fabs(cs_ttft_rest_get(&r, 16000) - 0.012) < 1e-12);
+    for (int i = 0; i < 7; i++) /* a shift to 34 ms: not yet half the window */
+        cs_ttft_rest_add(&r, 0.034, 16);
+    ASSERT_TRUE(cs_ttft_rest_get(&r, rate) < 0.010);
+    for (int i = 0; i < 2; i++)
+        cs_ttft_rest_add(&r, 0.034, 16);
+    ASSERT_TRUE(fabs(cs_ttft_rest_get(&r, rate) - 0.030) < 1e-12);
+    for (int i = 0; i < CS_TTFT_REST_WINDOW; i++) /* the window holds only the newest */
+        cs_ttft_rest_add(&r, 0.0001 * i, 0);
+    ASSERT_TRUE(fabs(cs_ttft_rest_get(&r, rate) - 0.00075) < 1e-12);
+}
+
 int main(void) {
+    test_ttft_rest();
     test_demand();
     test_prefix_summary();
     test_pages();
