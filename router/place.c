@@ -81,20 +81,23 @@ double cs_place_ttft(const cs_place_worker *w, int64_t n_tokens, const cs_place_
     return (work > (double)own ? work : (double)own) / w->prefill_rate;
 }
 
-void cs_ttft_rest_add(cs_ttft_rest *r, double seconds, double tokens) {
+void cs_ttft_rest_add(cs_ttft_rest *r, bool busy, double seconds, double tokens) {
     if (!(isfinite(seconds) && isfinite(tokens) && seconds >= 0 && tokens >= 0)) return;
-    r->seconds[r->next] = seconds;
-    r->tokens[r->next] = tokens;
-    r->next = (r->next + 1) % CS_TTFT_REST_WINDOW;
-    if (r->n < CS_TTFT_REST_WINDOW) r->n++;
+    cs_ttft_ring *g = busy ? &r->busy : &r->idle;
+    g->seconds[g->next] = seconds;
+    g->tokens[g->next] = tokens;
+    g->next = (g->next + 1) % CS_TTFT_REST_WINDOW;
+    if (g->n < CS_TTFT_REST_WINDOW) g->n++;
 }
 
-double cs_ttft_rest_get(const cs_ttft_rest *r, double rate) {
-    if (r->n < 1 || !(rate > 0)) return NAN;
+double cs_ttft_rest_get(const cs_ttft_rest *r, bool busy, double rate) {
+    const cs_ttft_ring *g = busy ? &r->busy : &r->idle;
+    if (g->n < 1) g = busy ? &r->idle : &r->busy;
+    if (g->n < 1 || !(rate > 0)) return NAN;
     double s[CS_TTFT_REST_WINDOW];
-    int32_t n = r->n;
+    int32_t n = g->n;
     for (int32_t i = 0; i < n; i++) { /* insertion sort: at most 16 */
-        double x = r->seconds[i] - r->tokens[i] / rate;
+        double x = g->seconds[i] - g->tokens[i] / rate;
         int32_t j = i;
         for (; j > 0 && s[j - 1] > x; j--)
             s[j] = s[j - 1];

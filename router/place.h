@@ -63,22 +63,32 @@ double cs_place_ttft(const cs_place_worker *w, int64_t n_tokens, const cs_place_
  * seconds would carry the old rate's error until the window turned over.
  * A median, not a mean: one slow first token (a worker's first step of a
  * shape, a descheduled thread) would lift every prediction after it for
- * many requests, and a short prompt's first token is mostly this rest. */
+ * many requests, and a short prompt's first token is mostly this rest.
+ * Kept apart by whether the worker had prompt tokens ahead of the request
+ * (busy): then a step runs and the request waits for its end, where an
+ * idle worker starts the request's step at once. The router does not see
+ * where in a step a worker is; the two differ by up to a step (13 against
+ * 28 ms for four short prompts arriving together on the default model). */
 #define CS_TTFT_REST_WINDOW 16
 typedef struct {
     double seconds[CS_TTFT_REST_WINDOW]; /* the newest first tokens' measured times, a ring */
     double tokens[CS_TTFT_REST_WINDOW];  /* and their queue parts' tokens */
     int32_t n;                           /* samples held (<= the window) */
     int32_t next;                        /* the slot the next sample takes */
+} cs_ttft_ring;
+
+typedef struct {
+    cs_ttft_ring idle, busy;
 } cs_ttft_rest;
 
-/* One more first token (one with a number that is not finite or negative
- * is ignored). */
-void cs_ttft_rest_add(cs_ttft_rest *r, double seconds, double tokens);
-/* The rest at a worker's rate (tokens/s): the median over the samples
- * (the mean of the middle two for an even count); NAN before any, or when
- * the rate is not positive. */
-double cs_ttft_rest_get(const cs_ttft_rest *r, double rate);
+/* One more first token, of a request predicted with prompt tokens ahead
+ * (busy) or not (one with a number that is not finite or negative is
+ * ignored). */
+void cs_ttft_rest_add(cs_ttft_rest *r, bool busy, double seconds, double tokens);
+/* The rest at a worker's rate (tokens/s): the median over busy's samples,
+ * or the other's while it has none (the mean of the middle two for an even
+ * count); NAN before any, or when the rate is not positive. */
+double cs_ttft_rest_get(const cs_ttft_rest *r, bool busy, double rate);
 
 /* Pages a context of n_tokens takes on a worker whose pages hold blocks as
  * kv says (the pages a KV transfer of it lands in: cs_kv_blocks_seq_pages;

@@ -475,7 +475,7 @@ static void learn_ttft_rest(req *q, double measured) {
     if (pool < 0 || !isfinite(q->predicted_tokens) || q->failures || q->refusals || q->parked ||
         q->local != (pool == CS_POOL_DECODE) || q->predicted_cached > 0)
         return;
-    cs_ttft_rest_add(&r->ttft_rest[pool], measured, q->predicted_tokens);
+    cs_ttft_rest_add(&r->ttft_rest[pool], q->predicted_busy, measured, q->predicted_tokens);
 }
 
 /* One output of the Decode stream to the client, as is but for the request
@@ -623,6 +623,7 @@ void cs__req_on_output(req *q, leg *l, Chunkserve__V1__GenerateResponse *out) {
 static void on_pump(uv_timer_t *t) {
     router *r = t->data;
     r->t_last_pump = cs_now();
+    r->pump_wanted = false;
     req *next;
     for (req *q = r->qhead; q; q = next) {
         next = q->qnext;
@@ -633,20 +634,26 @@ static void on_pump(uv_timer_t *t) {
 
 /* Runs the queue soon: at once when a slot freed, at most every PUMP_MIN_MS
  * when it is only that some worker's status arrived (with many workers that
- * is often, and each run tries every waiting request). */
-static void schedule_pump_after(router *r, double min_gap_s) {
-    if (!r->handles_ok || !r->qhead || r->grace_over || uv_is_active((uv_handle_t *)&r->pump))
-        return;
+ * is often, and each run tries every waiting request), and min_gap_s after
+ * the last run for the safety net. An earlier run replaces a later one: the
+ * safety net's must not hold back the run a status asks for. A run for a
+ * change (a slot, a status: change) is wanted (router.pump_wanted) until it
+ * runs. */
+static void schedule_pump_after(router *r, double min_gap_s, bool change) {
+    if (!r->handles_ok || !r->qhead || r->grace_over) return;
+    if (change) r->pump_wanted = true;
     double wait = r->t_last_pump + min_gap_s - cs_now();
-    uv_timer_start(&r->pump, on_pump, wait > 0 ? (uint64_t)(wait * 1000) + 1 : 0, 0);
+    uint64_t ms = wait > 0 ? (uint64_t)(wait * 1000) + 1 : 0;
+    if (uv_is_active((uv_handle_t *)&r->pump) && uv_timer_get_due_in(&r->pump) <= ms) return;
+    uv_timer_start(&r->pump, on_pump, ms, 0);
 }
 
 void cs__router_schedule_pump(router *r) {
-    schedule_pump_after(r, 0);
+    schedule_pump_after(r, 0, true);
 }
 
 void cs__router_on_pool_change(void *arg) {
-    schedule_pump_after(arg, PUMP_MIN_MS / 1000.0);
+    schedule_pump_after(arg, PUMP_MIN_MS / 1000.0, true);
 }
 
 /* A worker stopped answering: every attempt with a call there fails over. */
@@ -713,5 +720,5 @@ void cs__router_on_tick(uv_timer_t *t) {
         }
     }
     /* a safety net: slots and statuses schedule runs themselves */
-    if (r->qhead && r->n_placed < r->o->max_inflight) schedule_pump_after(r, 0.25);
+    if (r->qhead && r->n_placed < r->o->max_inflight) schedule_pump_after(r, 0.25, false);
 }

@@ -119,6 +119,7 @@ struct req {
     int32_t priority;                         /* the client's (0 when none) */
     double predicted_ttft; /* seconds, predicted at admission (0: none) */
     double predicted_tokens; /* its queue part's tokens (cs_pool_ttft), by pool predicted_pool */
+    bool predicted_busy;     /* with prompt tokens ahead of its own (cs_ttft_rest) */
     int predicted_pool;     /* enum cs_pool_role, or -1: none */
     uint64_t rng[4];
     bool have_rng;
@@ -186,6 +187,7 @@ struct router {
     int n_queued;
     int n_placed;
     double t_last_pump;
+    bool pump_wanted; /* a change (a slot, a status) asked for a run of the queue not yet run */
     uint64_t next_seq;
     uint64_t fault_seq;    /* the request an allocation failure is armed for (fault.h), or 0 */
     char fault_worker[24]; /* its x-chunkserve-fault-alloc-worker, passed on to its workers */

@@ -8,8 +8,9 @@
  * single-process server), on libuv's thread pool (api/prepare.h: never on the
  * loop thread, whose stall would look like dead workers), then admitted:
  * placed at once when fewer than
- * max-inflight are placed and nobody waits, else queued (FIFO, at most
- * max-queue), else refused RESOURCE_EXHAUSTED.
+ * max-inflight are placed and the waiting ones are not due to be tried
+ * again, else queued (FIFO, at most max-queue), else refused
+ * RESOURCE_EXHAUSTED.
  *
  * Shutdown is the process shell's drain (chunkserve/proc.h): new calls are
  * refused UNAVAILABLE, the requests here get grace-ms, then every one left
@@ -124,7 +125,13 @@ static void on_prepared(void *arg, cs_gen_call *c, uint64_t seq, double t_recv, 
                   cs_pool_n_usable(r->pool, CS_POOL_PREFILL) > 0;
     cs_rate_add(remote ? &r->prompt_demand : &r->local_demand, w.r.n_prompt, cs_now(),
                 r->o->autoscale_window_s);
-    bool queue = r->n_placed >= r->o->max_inflight || r->qhead;
+    /* Behind those waiting only while a run of the queue is wanted: every change
+     * that may let a waiting request in (a slot freed, a status) asks for one, so
+     * with none wanted each was tried against the pools as they are, and this one,
+     * which may fit where they do not (a short prompt beside long contexts waiting
+     * for KV room), is tried now rather than at the next status. */
+    bool queue = r->n_placed >= r->o->max_inflight ||
+                 (r->qhead && (!r->handles_ok || r->pump_wanted));
     if (queue && r->n_queued >= r->o->max_queue) {
         char msg[200];
         snprintf(msg, sizeof msg,
@@ -150,7 +157,9 @@ static void on_prepared(void *arg, cs_gen_call *c, uint64_t seq, double t_recv, 
         queued = cs_pool_ttft(r->pool, CS_POOL_DECODE, w.r.n_prompt, &cls, &alone, &rate);
     }
     double predicted = queued;
-    double rest = cs_ttft_rest_get(&r->ttft_rest[pool], rate);
+    /* prompt tokens ahead of its own: the worker is in a step (cs_ttft_rest) */
+    bool busy = queued * rate > (double)w.r.n_prompt + 0.5;
+    double rest = cs_ttft_rest_get(&r->ttft_rest[pool], busy, rate);
     if (!isnan(queued) && !isnan(rest)) {
         predicted = fmax(queued + rest, 0);
         alone = fmax(alone + rest, 0);
@@ -193,6 +202,7 @@ static void on_prepared(void *arg, cs_gen_call *c, uint64_t seq, double t_recv, 
     q->priority = w.r.priority;
     q->predicted_ttft = isfinite(predicted) ? predicted : 0;
     q->predicted_tokens = queued * rate; /* NAN without a prediction */
+    q->predicted_busy = busy;
     q->predicted_pool = isfinite(queued) ? pool : -1;
     if (seq == r->fault_seq) memcpy(q->fault_worker, r->fault_worker, sizeof q->fault_worker);
     q->ctx = w.prompt; /* taken over */

@@ -766,6 +766,38 @@ def test_refusal_goes_to_the_next_worker_then_resource_exhausted(cl, pb, referen
     hold_b.channel.close()
 
 
+def test_a_short_prompt_is_not_held_behind_one_waiting_for_room(cl, pb, reference):
+    """A long prompt waits in the router's queue for KV room (its worker refused it); a short
+    one that fits arrives: it is placed at once, not parked behind the long one until the
+    queue's next run (a status, or the 250 ms safety net). Nothing else runs, and the status
+    interval is a minute, so no run of the queue is due when it arrives."""
+    a = cl.decode(mib=2)
+    sa = worker_status(pb, a)
+    r = cl.router("--decode-workers", a.addr, "--status-interval-ms", "60000",
+                  "--queue-timeout-ms", "20000", "--log-level", "debug")
+    wait_usable(r, 1)
+    ps = sa.page_size
+    hold = hold_pages(pb, a, (sa.kv_pages_total - 2) * ps, 21)
+    long_prompt = [i % 300 + 1 for i in range(5 * ps)]  # 5 pages: more than a has left
+    waiting = r.stub.Generate(gen(pb, long_prompt, 4), timeout=60)
+    wait_for(lambda: f"decode worker {a.addr} refused" in r.stderr(), 30,
+             "the worker to refuse the long prompt")
+    wait_for(lambda: metric(r.metrics(), "chunkserve:num_requests_waiting") == 1, 30,
+             "the long prompt to wait in the router's queue")
+    short = [i % 300 + 1 for i in range(ps - 4)]  # one page
+    msgs = list(r.stub.Generate(gen(pb, short, 3), timeout=60))
+    assert [t for m in msgs for t in m.token_ids] == reference(short, 3)[0]
+    rid = msgs[0].request_id
+    assert rid and f"request {rid}: decode on {a.addr}" in r.stderr()
+    assert f"request {rid}: waits" not in r.stderr(), "parked behind the long prompt"
+    assert metric(r.metrics(), "chunkserve:num_requests_waiting") == 1  # still there
+    waiting.cancel()
+    hold.cancel()
+    hold.channel.close()
+    wait_for(lambda: metric(r.metrics(), "chunkserve:num_requests_waiting") == 0, 30,
+             "the cancelled one to leave the queue")
+
+
 def test_worker_too_small_is_skipped(cl, pb, reference):
     small, big = cl.decode(mib=1), cl.decode(mib=16)
     ss, sb = worker_status(pb, small), worker_status(pb, big)

@@ -384,37 +384,46 @@ static void test_demand(void) {
 /* The TTFT rest is the median of the window, read at the rate given: a
  * cold first token (20 ms over a 9 ms rest) moves it not at all, a lasting
  * shift gets through once it is half the window, the oldest samples leave,
- * and a new rate moves every sample's queue part at once. */
+ * and a new rate moves every sample's queue part at once; a busy worker's
+ * samples are their own, the other kind standing in while there are none. */
 static void test_ttft_rest(void) {
     const double rate = 4000; /* tokens/s: 16 tokens are 4 ms */
     cs_ttft_rest r = {0};
-    ASSERT_TRUE(isnan(cs_ttft_rest_get(&r, rate)));
-    cs_ttft_rest_add(&r, NAN, 16);
-    cs_ttft_rest_add(&r, 0.01, -1);
-    ASSERT_TRUE(r.n == 0);
-    cs_ttft_rest_add(&r, 0.024, 16);
-    ASSERT_TRUE(fabs(cs_ttft_rest_get(&r, rate) - 0.020) < 1e-12);
-    ASSERT_TRUE(isnan(cs_ttft_rest_get(&r, 0)));
-    cs_ttft_rest_add(&r, 0.013, 16);
-    ASSERT_TRUE(fabs(cs_ttft_rest_get(&r, rate) - 0.0145) < 1e-12); /* two: their mean */
-    cs_ttft_rest_add(&r, 0.012, 16);
-    ASSERT_TRUE(fabs(cs_ttft_rest_get(&r, rate) - 0.009) < 1e-12);
+    ASSERT_TRUE(isnan(cs_ttft_rest_get(&r, false, rate)));
+    cs_ttft_rest_add(&r, false, NAN, 16);
+    cs_ttft_rest_add(&r, false, 0.01, -1);
+    ASSERT_TRUE(r.idle.n == 0);
+    cs_ttft_rest_add(&r, false, 0.024, 16);
+    ASSERT_TRUE(fabs(cs_ttft_rest_get(&r, false, rate) - 0.020) < 1e-12);
+    ASSERT_TRUE(isnan(cs_ttft_rest_get(&r, false, 0)));
+    cs_ttft_rest_add(&r, false, 0.013, 16);
+    ASSERT_TRUE(fabs(cs_ttft_rest_get(&r, false, rate) - 0.0145) < 1e-12); /* two: their mean */
+    cs_ttft_rest_add(&r, false, 0.012, 16);
+    ASSERT_TRUE(fabs(cs_ttft_rest_get(&r, false, rate) - 0.009) < 1e-12);
     for (int i = 0; i < 13; i++)
-        cs_ttft_rest_add(&r, 0.013, 16);
-    ASSERT_TRUE(r.n == CS_TTFT_REST_WINDOW);
-    ASSERT_TRUE(fabs(cs_ttft_rest_get(&r, rate) - 0.009) < 1e-12);
+        cs_ttft_rest_add(&r, false, 0.013, 16);
+    ASSERT_TRUE(r.idle.n == CS_TTFT_REST_WINDOW);
+    ASSERT_TRUE(fabs(cs_ttft_rest_get(&r, false, rate) - 0.009) < 1e-12);
     /* the worker reports 16,000 tokens/s now: 16 tokens are 1 ms, the rest 12 ms, and the
      * prediction (1 + 12 ms) what was measured (13 ms) */
-    ASSERT_TRUE(fabs(cs_ttft_rest_get(&r, 16000) - 0.012) < 1e-12);
+    ASSERT_TRUE(fabs(cs_ttft_rest_get(&r, false, 16000) - 0.012) < 1e-12);
     for (int i = 0; i < 7; i++) /* a shift to 34 ms: not yet half the window */
-        cs_ttft_rest_add(&r, 0.034, 16);
-    ASSERT_TRUE(cs_ttft_rest_get(&r, rate) < 0.010);
+        cs_ttft_rest_add(&r, false, 0.034, 16);
+    ASSERT_TRUE(cs_ttft_rest_get(&r, false, rate) < 0.010);
     for (int i = 0; i < 2; i++)
-        cs_ttft_rest_add(&r, 0.034, 16);
-    ASSERT_TRUE(fabs(cs_ttft_rest_get(&r, rate) - 0.030) < 1e-12);
+        cs_ttft_rest_add(&r, false, 0.034, 16);
+    ASSERT_TRUE(fabs(cs_ttft_rest_get(&r, false, rate) - 0.030) < 1e-12);
     for (int i = 0; i < CS_TTFT_REST_WINDOW; i++) /* the window holds only the newest */
-        cs_ttft_rest_add(&r, 0.0001 * i, 0);
-    ASSERT_TRUE(fabs(cs_ttft_rest_get(&r, rate) - 0.00075) < 1e-12);
+        cs_ttft_rest_add(&r, false, 0.0001 * i, 0);
+    ASSERT_TRUE(fabs(cs_ttft_rest_get(&r, false, rate) - 0.00075) < 1e-12);
+    /* busy: the idle samples until busy ones come, then those alone */
+    ASSERT_TRUE(fabs(cs_ttft_rest_get(&r, true, rate) - 0.00075) < 1e-12);
+    cs_ttft_rest_add(&r, true, 0.028, 44);
+    ASSERT_TRUE(fabs(cs_ttft_rest_get(&r, true, rate) - (0.028 - 0.011)) < 1e-12);
+    ASSERT_TRUE(fabs(cs_ttft_rest_get(&r, false, rate) - 0.00075) < 1e-12);
+    cs_ttft_rest empty = {0};
+    cs_ttft_rest_add(&empty, true, 0.028, 44);
+    ASSERT_TRUE(fabs(cs_ttft_rest_get(&empty, false, rate) - (0.028 - 0.011)) < 1e-12);
 }
 
 int main(void) {
