@@ -53,7 +53,7 @@ typedef struct cs_ttft_load {
                                          with prompt chunks overran their prediction */
     double dec_tokens, dec_pairs, dec_rows; /* the running decodes' share of a step */
     double chunk_tokens;        /* prompt tokens a step takes beside them */
-    double position;            /* where the queued prompts' next chunks start (the mean,
+    double position;            /* where the chunks computing the queued prompts start (the mean,
                                    weighted by their tokens left) */
     double prompt_tokens_per_s; /* chunk_tokens over such a step's seconds; before the model
                                    is fitted, the measured rate of recent prompt steps */
