@@ -3,6 +3,7 @@
 #include "place.h"
 
 #include <math.h>
+#include <string.h>
 
 int32_t cs_place_pages(int64_t n_tokens, const cs_kv_blocks *kv) {
     cs_kv_blocks b = *kv;
@@ -27,8 +28,7 @@ static bool prefill_fits(const cs_place_worker *w, int64_t n_tokens) {
 }
 
 static int64_t prefill_load(const cs_place_worker *w) {
-    int64_t load = w->queued_prefill_tokens + w->tokens_placed;
-    return load > 0 ? load : 0;
+    return w->queued_prefill_tokens + w->tokens_placed;
 }
 
 /* The prefix-aware narrowing (see cs_place_decode): the highest cached_tokens
@@ -77,8 +77,23 @@ double cs_place_ttft(const cs_place_worker *w, int64_t n_tokens, const cs_place_
     if (!c || !L || (L->n_groups == 0 && L->overflow_tokens == 0))
         return (double)(prefill_load(w) + own) / w->prefill_rate;
     double work = cs_ttft_work(L, c->priority, c->tenant, cs_ttft_load_weight(L, c->tenant), own);
-    work += (double)w->tokens_placed; /* its share of the queue may be what is done */
-    return (work > (double)own ? work : (double)own) / w->prefill_rate;
+    return (work + (double)w->tokens_placed) / w->prefill_rate;
+}
+
+void cs_place_queue_take(cs_ttft_load *L, int64_t *queued, const cs_place_class *c, int64_t n) {
+    if (n <= 0) return;
+    *queued = *queued > n ? *queued - n : 0;
+    if (!L) return;
+    const char *tenant = c && c->tenant ? c->tenant : "";
+    int32_t priority = c ? c->priority : 0;
+    for (int32_t i = 0; i < L->n_groups; i++) {
+        cs_ttft_group *g = &L->groups[i];
+        if (g->priority == priority && !strcmp(g->tenant, tenant)) {
+            g->tokens = g->tokens > n ? g->tokens - n : 0;
+            return;
+        }
+    }
+    L->overflow_tokens = L->overflow_tokens > n ? L->overflow_tokens - n : 0;
 }
 
 void cs_ttft_rest_add(cs_ttft_rest *r, bool busy, double seconds, double tokens) {

@@ -26,9 +26,7 @@ typedef struct {
     int32_t pages_placed;   /* pages this router placed there since that status */
     int32_t num_running, num_waiting;
     int64_t queued_prefill_tokens; /* from the last status (prefill) */
-    int64_t tokens_placed;         /* prompt tokens this router sent there since that status,
-                                      less those of its requests prefilled there since (< 0:
-                                      done ones the status still counts) */
+    int64_t tokens_placed;         /* prompt tokens this router sent there since that status */
     int32_t reqs_placed;           /* requests this router sent there since that status */
     int64_t cached_tokens;         /* the request's prompt tokens predicted cached there */
     double prefill_rate;           /* prompt tokens a second beside its decodes (0: unknown) */
@@ -89,6 +87,12 @@ void cs_ttft_rest_add(cs_ttft_rest *r, bool busy, double seconds, double tokens)
  * or the other's while it has none (the mean of the middle two for an even
  * count); NAN before any, or when the rate is not positive. */
 double cs_ttft_rest_get(const cs_ttft_rest *r, bool busy, double rate);
+
+/* Takes n prompt tokens of class c (NULL: the default) that left a
+ * worker's queue off the queue it reported: its sum (*queued) and, when L
+ * (may be NULL) has groups, c's group (or, when it has none, the tokens
+ * past the table); none below 0. */
+void cs_place_queue_take(cs_ttft_load *L, int64_t *queued, const cs_place_class *c, int64_t n);
 
 /* Pages a context of n_tokens takes on a worker whose pages hold blocks as
  * kv says (the pages a KV transfer of it lands in: cs_kv_blocks_seq_pages;

@@ -364,6 +364,7 @@ static void apply_status(cs_pool_worker *w, const Chunkserve__V1__WorkerStatus *
     w->kv_layout = s->kv_layout_fingerprint;
     w->pages_placed = 0;
     w->tokens_placed = 0;
+    w->tokens_done = 0;
     w->reqs_placed = 0;
     w->status_at = cs_now();
     w->status_seq++;
@@ -753,8 +754,22 @@ void cs_pool_prompt_placed(cs_pool_worker *w, int64_t n_tokens) {
     if (w) w->tokens_placed += n_tokens;
 }
 
-void cs_pool_prompt_done(cs_pool_worker *w, int64_t n_tokens) {
-    if (w) w->tokens_placed -= n_tokens;
+uint64_t cs_pool_status_seq(const cs_pool_worker *w) {
+    return w ? w->status_seq : 0;
+}
+
+void cs_pool_prompt_left(cs_pool_worker *w, int64_t n_tokens, uint64_t placed_seq,
+                         const cs_place_class *c, bool computed) {
+    if (!w || n_tokens <= 0) return;
+    if (w->status_seq == placed_seq) {
+        w->tokens_placed = w->tokens_placed > n_tokens ? w->tokens_placed - n_tokens : 0;
+        return;
+    }
+    if (!computed || !(w->prefill_rate > 0)) return;
+    double most = w->prefill_rate * (cs_now() - w->status_at) - (double)w->tokens_done;
+    int64_t n = most <= 0 ? 0 : most < (double)n_tokens ? (int64_t)most : n_tokens;
+    w->tokens_done += n;
+    cs_place_queue_take(w->queue, &w->queued_prefill, c, n);
 }
 
 int cs_pool_mark_add(cs_pool_mark **arr, size_t *n, const cs_pool_worker *w) {

@@ -163,11 +163,21 @@ int cs_pool_mark_add(cs_pool_mark **arr, size_t *n, const cs_pool_worker *w);
 void cs_pool_marks_free(cs_pool_marks *m);
 
 /* Prompt tokens sent to w to prefill (a local prefill on a decode worker:
- * cs_pool_place counts the prefill pool's), and prompt tokens w prefilled
- * (the request's first token came): until w's next status its prompt load
- * is that status's queue plus the first less the second. w may be NULL. */
+ * cs_pool_place counts the prefill pool's): until w's next status they are
+ * its load beside that status's queue. w may be NULL. */
 void cs_pool_prompt_placed(cs_pool_worker *w, int64_t n_tokens);
-void cs_pool_prompt_done(cs_pool_worker *w, int64_t n_tokens);
+/* The status w had when a prompt was placed there (0: none yet). */
+uint64_t cs_pool_status_seq(const cs_pool_worker *w);
+/* A prompt of n_tokens of class c placed on w when w's status was
+ * placed_seq left w's queue: computed (its first token came) or dropped
+ * (its attempt ended first). Placed since w's last status, its placed
+ * tokens are taken back. Counted by that status, a computed one comes off
+ * its class's group of the status's queue, all of them together at most
+ * what w computes at its prefill rate in the time since the status (the
+ * status counted only what each had left then); a dropped one stays
+ * counted until the next status. w may be NULL. */
+void cs_pool_prompt_left(cs_pool_worker *w, int64_t n_tokens, uint64_t placed_seq,
+                         const cs_place_class *c, bool computed);
 
 void cs_pool_worker_ref(cs_pool_worker *w);
 void cs_pool_worker_unref(cs_pool_worker *w);

@@ -205,11 +205,22 @@ void cs__req_maybe_free(req *q) {
     free(q);
 }
 
+/* The attempt's prompt left its prefilling worker's queue: computed (its
+ * first token came) or dropped (the attempt ended before). */
+static void prompt_left(req *q, bool computed) {
+    if (!q->prompt_placed) return;
+    const cs_place_class c = {q->priority, q->tenant};
+    cs_pool_prompt_left(cs__req_worker(q, q->prompt_w), q->prompt_placed, q->prompt_seq, &c,
+                        computed);
+    q->prompt_placed = 0;
+}
+
 /* Cancels the current attempt's calls; their on_done still comes (and only
  * cleans up). When the Prefill call already returned (a remote prefill in
  * STREAMING), the transfer may live on in the workers without a call:
  * Worker/Cancel tells both. */
 static void drop_attempt(req *q, bool tell_workers) {
+    prompt_left(q, false);
     drop_held(q);
     cs__leg_cancel(q->dleg);
     cs__leg_cancel(q->pleg);
@@ -294,11 +305,14 @@ static void start_attempt(req *q, cs_pool_worker *dw, int64_t dcached) {
                            prefix_of(q, &pf), &(cs_place_class){q->priority, q->tenant},
                            &pcached);
     q->pw = cs_pool_worker_handle(pw); /* the leg takes a reference when its call starts */
+    /* its prompt is its prefilling worker's load until it leaves there (prompt_left) */
+    q->prompt_w = cs_pool_worker_handle(pw ? pw : dw);
+    q->prompt_seq = cs_pool_status_seq(pw ? pw : dw);
+    q->prompt_placed = (int64_t)q->n_ctx; /* what cs_pool_place counted on pw */
+    if (!pw) cs_pool_prompt_placed(dw, q->prompt_placed);
     cs_pool_worker_unref(pw);
     q->local = pw == NULL;
     q->predicted_cached = q->local ? dcached : pcached;
-    q->prompt_placed = (int64_t)q->n_ctx; /* what cs_pool_place counted on pw */
-    if (q->local) cs_pool_prompt_placed(dw, q->prompt_placed);
     cs__req_set_state(q, RQ_ADMITTING);
     q->t_attempt = cs_now();
     bool first = !q->overhead_seen;
@@ -513,10 +527,7 @@ static bool relay(req *q, Chunkserve__V1__GenerateResponse *out) {
         return true;
     }
     double now = cs_now();
-    if (n && q->prompt_placed) { /* the attempt's prompt is computed: no longer its worker's load */
-        cs_pool_prompt_done(cs__req_worker(q, q->local ? q->dw_last : q->pw_last), q->prompt_placed);
-        q->prompt_placed = 0;
-    }
+    if (n) prompt_left(q, true);
     if (n) {
         if (q->n_relayed == 0) {
             q->t_first = now;

@@ -19,8 +19,9 @@
  *   STREAMING   parked (c)   migration (d)    -              -                any end (e)
  *   ENDED       -            -                -              -                -
  *
- *   (a) the router is full (max-inflight placed) or others wait: it joins the
- *       FIFO queue (at most max-queue, else RESOURCE_EXHAUSTED); WAITING is
+ *   (a) the router is full (max-inflight placed), or others wait and a run of
+ *       the queue is wanted (router.pump_wanted): it joins the FIFO queue (at
+ *       most max-queue, else RESOURCE_EXHAUSTED); WAITING is
  *       exactly "in the queue", with a reason (enum req_wait) and a bound;
  *   (b) a decode worker was chosen: a Decode call opens with a new transfer
  *       id; ADMITTING, PREFILL and STREAMING are exactly "placed" (they count
@@ -130,7 +131,9 @@ struct req {
     leg *dleg, *pleg;
     bool local;             /* prefilled by the decode worker itself */
     int64_t prompt_placed;  /* the prompt tokens its prefilling worker counts for it until
-                               its first token (cs_pool_prompt_placed / _done); 0: none */
+                               they leave there (prompt_left); 0: none */
+    cs_pool_handle prompt_w; /* that worker */
+    uint64_t prompt_seq;     /* its status then (cs_pool_prompt_left) */
     cs_pool_handle pw;      /* chosen prefill worker, until its leg starts */
     cs_pool_handle dw_last; /* decode worker of the attempt, for Cancel and blame */
     cs_pool_handle pw_last; /* prefill worker of the attempt, for Cancel and blame */

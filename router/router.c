@@ -160,9 +160,10 @@ static void on_prepared(void *arg, cs_gen_call *c, uint64_t seq, double t_recv, 
     /* prompt tokens ahead of its own: the worker is in a step (cs_ttft_rest) */
     bool busy = queued * rate > (double)w.r.n_prompt + 0.5;
     double rest = cs_ttft_rest_get(&r->ttft_rest[pool], busy, rate);
+    double rest_idle = cs_ttft_rest_get(&r->ttft_rest[pool], false, rate); /* alone: none ahead */
     if (!isnan(queued) && !isnan(rest)) {
         predicted = fmax(queued + rest, 0);
-        alone = fmax(alone + rest, 0);
+        alone = fmax(alone + rest_idle, 0);
     }
     double bound = cs_slo_ttft_bound(&r->o->slo, w.r.priority);
     int64_t retry = cs_slo_refuse_ms(predicted, alone, bound);
@@ -234,8 +235,8 @@ static void on_prepared(void *arg, cs_gen_call *c, uint64_t seq, double t_recv, 
     }
     if (queue) {
         cs__req_park(q, WAIT_SLOT);
-        if (r->n_placed < r->o->max_inflight)
-            cs__router_schedule_pump(r); /* others wait for room */
+        if (r->n_placed < r->o->max_inflight) /* others wait for room: a run is due already */
+            cs__router_on_pool_change(r);     /* (at most every PUMP_MIN_MS, as for a status) */
     } else {
         cs__req_attempt(q);
     }

@@ -1046,6 +1046,17 @@ static int32_t timed_chunk(const cs_sched *s, const seq *q, int32_t k, const ste
     return lo;
 }
 
+/* A step of m of the queue's tokens beside the decodes, by L's model. Its
+ * chunks start, on average, half a chunk before the queued tokens' mean
+ * position (L->position is set so): a queue of prompts not yet begun costs
+ * the attention of their whole length, not of their first chunks (a flood
+ * of 3,000-token prompts read at where their next chunks start was
+ * predicted at half its time). */
+static double queue_step_s(cs_ttft_load *L, double mean, double m) {
+    L->position = mean > m / 2 ? mean - m / 2 : 0;
+    return cs_ttft_step_s(L, m, 0);
+}
+
 /* The queue and the step costs for cs_ttft_predict: prompt work by
  * (priority, tenant), the running decodes' work, the step model's fit
  * scaled by recent overrun, and how many prompt tokens a step takes beside
@@ -1079,7 +1090,7 @@ void cs_sched_ttft_load(const cs_sched *s, cs_ttft_load *L) {
     cs_step_model_coefficients(&s->model, L->w);
     for (int k = 0; k < CS_STEP_MODEL_FEATURES; k++)
         L->w[k] *= s->overrun;
-    L->position = todo > 0 ? at / todo : 0;
+    const double mean = todo > 0 ? at / todo : 0; /* the queued tokens' mean position */
     int32_t c = (s->p.max_num_batched_tokens ? s->p.max_num_batched_tokens : 8192) -
                 (int32_t)L->dec_tokens;
     if (s->p.max_chunk_tokens > 0 && s->p.max_num_partial_prefills > 0 &&
@@ -1087,11 +1098,11 @@ void cs_sched_ttft_load(const cs_sched *s, cs_ttft_load *L) {
         c = s->p.max_chunk_tokens * s->p.max_num_partial_prefills;
     if (c < s->page_size) c = s->page_size;
     const double target = s->p.step_time_target_ms / 1e3 * s->overrun;
-    if (target > 0 && cs_ttft_step_s(L, c, 0) > target) {
+    if (target > 0 && queue_step_s(L, mean, c) > target) {
         int32_t lo = 0, hi = c; /* lo fits (or is 0), hi does not */
         while (hi - lo > 1) {
             int32_t m = lo + (hi - lo) / 2;
-            if (cs_ttft_step_s(L, m, 0) <= target)
+            if (queue_step_s(L, mean, m) <= target)
                 lo = m;
             else
                 hi = m;
@@ -1099,12 +1110,7 @@ void cs_sched_ttft_load(const cs_sched *s, cs_ttft_load *L) {
         c = lo > s->page_size ? lo : s->page_size;
     }
     L->chunk_tokens = c;
-    /* the chunks that compute the queue start, on average, half a chunk
-     * before its tokens' mean position: a queue of prompts not yet begun
-     * costs the attention of their whole length, not of their first chunks
-     * (a flood of 3,000-token prompts was predicted at half its time) */
-    L->position = L->position > c / 2.0 ? L->position - c / 2.0 : 0;
-    double step = cs_ttft_step_s(L, c, 0);
+    double step = queue_step_s(L, mean, c); /* and L->position for chunks of c */
     L->prompt_tokens_per_s = step > 0 ? c / step : 0;
     /* decode capacity: n sequences of the mean context in one step under the
      * step-time target (the ITL target); without one it is not defined */

@@ -127,7 +127,11 @@ LOAD_A = dict(clients=3, prompt=800, tokens=4, distinct=0)          # long promp
 PHASE_A_LOAD = os.environ.get("CS_AUTOSCALE_PHASE_A", "closed")
 RAMP_PEAK = 2 * PREFILL_RATE / LOAD_A["prompt"]
 LOAD_A_RAMP = dict(LOAD_A, clients=0, once=True)
-LOAD_B = dict(clients=14, prompt=16, tokens=600, distinct=5)        # long generations
+# phase B: 20 loops of 616-token contexts and the decode trickle's 4 hold 14,800 tokens at full
+# length against one decode worker's 10,240 (with 14 the KV usage hovered around its target and
+# the router's waiting requests tipped the queue signal: those were arrivals parked behind one
+# waiting for KV room, which the router no longer does)
+LOAD_B = dict(clients=20, prompt=16, tokens=600, distinct=5)        # long generations
 TRICKLE_P = dict(clients=1, prompt=800, tokens=8, distinct=0, think=0.5)  # through prefill, always
 TRICKLE_D = dict(clients=4, prompt=12, tokens=600, distinct=4)      # on decode, always
 PHASE_A_S = 12.0

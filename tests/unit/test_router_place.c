@@ -150,17 +150,9 @@ static void test_prefill(void) {
     /* placed since the status: ahead of everyone */
     w[0].tokens_placed = 300;
     ASSERT_TRUE(fabs(cs_place_ttft(&w[0], 100, &chat) - 500.0 / 1000) < 1e-12);
-    /* prefilled since the status (the net is negative): what the status counts less them,
-     * never less than its own prompt */
-    w[0].tokens_placed = -150;
-    ASSERT_TRUE(fabs(cs_place_ttft(&w[0], 100, &b) - 950.0 / 1000) < 1e-12);
-    ASSERT_TRUE(fabs(cs_place_ttft(&w[0], 100, &chat) - 100.0 / 1000) < 1e-12);
     /* a worker that reports no groups (none, or an empty table): all of its queue is ahead */
     w[0].tokens_placed = 0, w[0].queue = NULL;
     ASSERT_TRUE(fabs(cs_place_ttft(&w[0], 100, &chat) - 1100.0 / 1000) < 1e-12);
-    w[0].tokens_placed = -2000; /* likewise without groups */
-    ASSERT_TRUE(fabs(cs_place_ttft(&w[0], 100, &chat) - 100.0 / 1000) < 1e-12);
-    w[0].tokens_placed = 0;
     cs_ttft_load none = {0};
     w[0].queue = &none;
     ASSERT_TRUE(fabs(cs_place_ttft(&w[0], 100, &chat) - 1100.0 / 1000) < 1e-12);
@@ -176,6 +168,21 @@ static void test_prefill(void) {
     /* tokens past the worker's table: ahead of everyone */
     q0.overflow_tokens = 50;
     ASSERT_TRUE(fabs(cs_place_ttft(&w[0], 100, &chat) - 250.0 / 1000) < 1e-12);
+    /* tokens that left the worker's queue since its status come off their own group and
+     * the sum: 150 of b's flood done, chat's share is as before (its 100 and as many of
+     * b's), b's own wait shorter; none below 0; a class the table lacks: the overflow */
+    const cs_place_class chat_urgent = {-1, "chat"};
+    cs_place_queue_take(&q0, &w[0].queued_prefill_tokens, &b, 150);
+    ASSERT_EQ_INT((int)w[0].queued_prefill_tokens, 850);
+    ASSERT_TRUE(fabs(cs_place_ttft(&w[0], 100, &chat) - 250.0 / 1000) < 1e-12);
+    ASSERT_TRUE(fabs(cs_place_ttft(&w[0], 100, &b) - 1000.0 / 1000) < 1e-12);
+    cs_place_queue_take(&q0, &w[0].queued_prefill_tokens, &b, 5000);
+    ASSERT_EQ_INT((int)w[0].queued_prefill_tokens, 0);
+    ASSERT_TRUE(fabs(cs_place_ttft(&w[0], 100, &b) - 150.0 / 1000) < 1e-12); /* the overflow */
+    cs_place_queue_take(&q0, &w[0].queued_prefill_tokens, &chat_urgent, 30);
+    ASSERT_TRUE(q0.overflow_tokens == 20);
+    cs_place_queue_take(NULL, &w[0].queued_prefill_tokens, NULL, 10); /* no groups: the sum */
+    ASSERT_EQ_INT((int)w[0].queued_prefill_tokens, 0);
 }
 
 /* Placing repeatedly with the router's own accounting spreads a burst over
