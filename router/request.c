@@ -527,8 +527,8 @@ static bool relay(req *q, Chunkserve__V1__GenerateResponse *out) {
         return true;
     }
     double now = cs_now();
-    if (n) prompt_left(q, true);
     if (n) {
+        prompt_left(q, true); /* the attempt's prompt is computed */
         if (q->n_relayed == 0) {
             q->t_first = now;
             cs_metric_observe(r->m.ttft, now - q->t_recv);

@@ -160,7 +160,7 @@ static void on_prepared(void *arg, cs_gen_call *c, uint64_t seq, double t_recv, 
     /* prompt tokens ahead of its own: the worker is in a step (cs_ttft_rest) */
     bool busy = queued * rate > (double)w.r.n_prompt + 0.5;
     double rest = cs_ttft_rest_get(&r->ttft_rest[pool], busy, rate);
-    double rest_idle = cs_ttft_rest_get(&r->ttft_rest[pool], false, rate); /* alone: none ahead */
+    double rest_idle = busy ? cs_ttft_rest_get(&r->ttft_rest[pool], false, rate) : rest; /* alone */
     if (!isnan(queued) && !isnan(rest)) {
         predicted = fmax(queued + rest, 0);
         alone = fmax(alone + rest_idle, 0);
