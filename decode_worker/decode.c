@@ -36,7 +36,7 @@
 typedef struct decode decode;
 
 typedef struct dreq {
-    cs_worker_call base; /* first: the shell's part (base.mu guards the fields below it) */
+    cs_worker_call base; /* first: the shell's part (base.life.mu guards the fields below it) */
     decode *d;
     bool local, logprobs;
     int32_t lease_ms;
@@ -71,7 +71,7 @@ static void on_kv_done(void *arg, uint64_t xfer, int status, const char *msg,
     dreq *q = arg;
     decode *d = q->d;
     double secs = cs_now() - q->base.t_start;
-    pthread_mutex_lock(&q->base.mu);
+    pthread_mutex_lock(&q->base.life.mu);
     q->kv_done = true;
     if (!status && (t->prompt_len != q->n_context || t->total_pages != q->pages_reserved)) {
         status = CS_EPROTO;
@@ -81,7 +81,7 @@ static void on_kv_done(void *arg, uint64_t xfer, int status, const char *msg,
         q->kv_status = status;
         snprintf(q->kv_error, sizeof q->kv_error, "%s", msg && msg[0] ? msg : cs_strerror(status));
     }
-    pthread_mutex_unlock(&q->base.mu);
+    pthread_mutex_unlock(&q->base.life.mu);
     if (!status) {
         cs_metric_observe(d->m_xfer_seconds, secs);
         cs_logprobs lp = {.logprob = t->first_logprob, .n_top = t->n_top};
@@ -97,27 +97,28 @@ static void on_kv_done(void *arg, uint64_t xfer, int status, const char *msg,
         cs_serve_cancel(q->base.w->sv,
                         q->base.id); /* frees the pages: the transport is done with them */
     }
-    cs_worker_call_unref(&q->base);
+    cs_live_req_unref(&q->base.life);
 }
 
 /* Engine thread: every event of the request. */
 static void on_event(void *user, const cs_event *ev) {
     dreq *q = user;
     decode *d = q->d;
-    pthread_mutex_lock(&q->base.mu);
+    pthread_mutex_lock(&q->base.life.mu);
     if (ev->token < 0 && ev->finish == CS_FINISH_NONE &&
         ev->kv_pages) { /* admission: pages reserved */
         q->admitted = true;
         q->pages_reserved = ev->kv_n_pages;
         cs_metric_inc(q->local ? d->m_local : d->m_remote);
         if (!q->local && !q->cancel_requested) {
-            cs_worker_call_ref(&q->base);
+            cs_live_req_ref(&q->base.life);
             int r = cs_kvx_rx_expect(d->rx, q->base.transfer_id, q->kv_sender, ev->kv_pages,
                                      ev->kv_n_pages, q->lease_ms, on_kv_done, q);
             if (r == 0) {
                 q->expected = true;
             } else {
-                atomic_fetch_sub(&q->base.refs, 1); /* never the last: the engine holds one */
+                /* never the last: the engine holds one */
+                cs_live_req_unref_not_last(&q->base.life);
                 q->kv_status = r;
                 snprintf(q->kv_error, sizeof q->kv_error, "cannot expect the KV transfer: %s",
                          cs_last_error());
@@ -129,9 +130,9 @@ static void on_event(void *user, const cs_event *ev) {
         if (ev->finish == CS_FINISH_ERROR && ev->status == CS_ENOSPC)
             cs_metric_inc(q->base.w->em.refused);
     }
-    cs_worker_call_post_locked(&q->base);
-    pthread_mutex_unlock(&q->base.mu);
-    if (ev->finish != CS_FINISH_NONE) cs_worker_call_unref(&q->base); /* the engine's */
+    cs_live_req_post_locked(&q->base.life);
+    pthread_mutex_unlock(&q->base.life.mu);
+    if (ev->finish != CS_FINISH_NONE) cs_live_req_unref(&q->base.life); /* the engine's */
 }
 
 /* ---------------------------------------------------------- loop thread -- */
@@ -171,10 +172,10 @@ static int send_output(dreq *q, const cs_stream *snap) {
  * (freeing pages the transport might otherwise still write). */
 static void decode_cancel(cs_worker_call *c) {
     dreq *q = (dreq *)c;
-    pthread_mutex_lock(&q->base.mu);
+    pthread_mutex_lock(&q->base.life.mu);
     q->cancel_requested = true;
     bool via_rx = q->expected && !q->kv_done;
-    pthread_mutex_unlock(&q->base.mu);
+    pthread_mutex_unlock(&q->base.life.mu);
     if (!via_rx || cs_kvx_rx_cancel(q->d->rx, q->base.transfer_id) != 0)
         cs_serve_cancel(q->base.w->sv, q->base.id);
 }
@@ -182,7 +183,7 @@ static void decode_cancel(cs_worker_call *c) {
 /* The drain: sends `admitted`, then the outputs, then the status. */
 static void decode_drain(cs_worker_call *c) {
     dreq *q = (dreq *)c;
-    pthread_mutex_lock(&q->base.mu);
+    pthread_mutex_lock(&q->base.life.mu);
     cs_stream snap;
     cs_stream_take(&q->st, &snap);
     bool admit = q->admitted && !q->sent_admitted, log_end = snap.done && !q->logged;
@@ -192,7 +193,7 @@ static void decode_drain(cs_worker_call *c) {
     int kv_status = q->kv_status;
     char kv_error[256];
     memcpy(kv_error, q->kv_error, sizeof kv_error);
-    pthread_mutex_unlock(&q->base.mu);
+    pthread_mutex_unlock(&q->base.life.mu);
 
     if (c->call) {
         int rc = admit ? send_admitted(q, pages) : 0;
@@ -247,9 +248,9 @@ static void handle_decode(cs_rpc_call *c, void *data) {
     decode *d = w->role_data;
     const Chunkserve__V1__DecodeRequest *m = (const void *)cs_rpc_call_request_msg(c);
     cs_request r;
-    dreq *q =
-        (dreq *)cs_worker_admit(w, c, m->token_ids, m->n_token_ids, m->num_prompt_tokens,
-                                m->sampling, m->transfer_id, m->request_id, m->cache_salt, m->tenant, &r);
+    dreq *q = (dreq *)cs_worker_admit(w, c, m->token_ids, m->n_token_ids, m->num_prompt_tokens,
+                                      m->sampling, m->transfer_id, m->request_id, m->cache_salt,
+                                      m->tenant, &r);
     if (!q) return;
     observe_router_hop(d, c);
     q->d = d;

@@ -63,7 +63,7 @@ typedef struct held {
 } held;
 
 typedef struct preq {
-    cs_worker_call base; /* first: the shell's part (base.mu guards the fields below it) */
+    cs_worker_call base; /* first: the shell's part (base.life.mu guards the fields below it) */
     prefill *p;
     char decode_id[80];
     char host[256];
@@ -116,7 +116,7 @@ struct prefill {
  * known. */
 static void prefill_drain(cs_worker_call *c) {
     preq *q = (preq *)c;
-    pthread_mutex_lock(&q->base.mu);
+    pthread_mutex_lock(&q->base.life.mu);
     bool eng_done = q->engine_done, tx_done = q->tx_done;
     int eng_status = q->eng_status, tx_status = q->tx_status;
     char eng_error[256], tx_error[256];
@@ -124,7 +124,7 @@ static void prefill_drain(cs_worker_call *c) {
     memcpy(tx_error, q->tx_error, sizeof tx_error);
     int32_t first = q->first_token, n_cached = q->n_cached;
     double tail = q->tail;
-    pthread_mutex_unlock(&q->base.mu);
+    pthread_mutex_unlock(&q->base.life.mu);
     char msg[400];
     if (q->base.call) {
         if (q->base.end_code && (eng_done || tx_done)) {
@@ -246,7 +246,7 @@ static void on_tx_done(void *arg, uint64_t xfer, int status, const char *msg,
                        const cs_kvx_trailer *t) {
     preq *q = arg;
     (void)xfer, (void)t;
-    pthread_mutex_lock(&q->base.mu);
+    pthread_mutex_lock(&q->base.life.mu);
     q->tx_done = true;
     q->tx_status = status;
     drop_held_locked(q);
@@ -254,24 +254,24 @@ static void on_tx_done(void *arg, uint64_t xfer, int status, const char *msg,
     if (status)
         snprintf(q->tx_error, sizeof q->tx_error, "%s", msg && msg[0] ? msg : cs_strerror(status));
     bool engine_running = !q->engine_done;
-    cs_worker_call_post_locked(&q->base);
-    pthread_mutex_unlock(&q->base.mu);
+    cs_live_req_post_locked(&q->base.life);
+    pthread_mutex_unlock(&q->base.life.mu);
     if (!status)
         cs_metric_observe(q->p->m_xfer_seconds, cs_now() - q->base.t_start);
     else if (engine_running)
         cs_serve_cancel(q->base.w->sv, q->base.id); /* nobody will take these pages: stop */
-    cs_worker_call_unref(&q->base);                 /* the transfer's */
+    cs_live_req_unref(&q->base.life);               /* the transfer's */
 }
 
 /* Transport I/O thread: the channel has room again for what q holds. */
 static void on_tx_room(void *arg, uint64_t xfer) {
     preq *q = arg;
     (void)xfer;
-    pthread_mutex_lock(&q->base.mu);
+    pthread_mutex_lock(&q->base.life.mu);
     int r = q->send_failed ? 0 : flush_locked(q);
     if (r) send_failed_locked(q, r);
     bool engine_running = !q->engine_done;
-    pthread_mutex_unlock(&q->base.mu);
+    pthread_mutex_unlock(&q->base.life.mu);
     if (r && r != CS_ENOENT) cs_kvx_tx_abort(q->p->tx, q->base.transfer_id);
     if (r && engine_running) cs_serve_cancel(q->base.w->sv, q->base.id);
 }
@@ -308,7 +308,7 @@ static int hold_pages_locked(preq *q, const cs_event *ev) {
 static void on_event(void *user, const cs_event *ev) {
     preq *q = user;
     int r = 0;
-    pthread_mutex_lock(&q->base.mu);
+    pthread_mutex_lock(&q->base.life.mu);
     if (!q->send_failed) {
         if (ev->kv_n_pages) r = hold_pages_locked(q, ev);
         if (!r && ev->n_prompt_lp > 0) {
@@ -339,11 +339,11 @@ static void on_event(void *user, const cs_event *ev) {
     bool abort_tx =
         (r && r != CS_ENOENT) || ev->finish == CS_FINISH_ERROR || ev->finish == CS_FINISH_CANCELLED;
     bool cancel = r && ev->finish == CS_FINISH_NONE;
-    if (ev->finish != CS_FINISH_NONE) cs_worker_call_post_locked(&q->base);
-    pthread_mutex_unlock(&q->base.mu);
+    if (ev->finish != CS_FINISH_NONE) cs_live_req_post_locked(&q->base.life);
+    pthread_mutex_unlock(&q->base.life.mu);
     if (abort_tx) cs_kvx_tx_abort(q->p->tx, q->base.transfer_id); /* CS_ENOENT when already over */
     if (cancel) cs_serve_cancel(q->base.w->sv, q->base.id);
-    if (ev->finish != CS_FINISH_NONE) cs_worker_call_unref(&q->base); /* the engine's */
+    if (ev->finish != CS_FINISH_NONE) cs_live_req_unref(&q->base.life); /* the engine's */
 }
 
 /* ---------------------------------------------------------- loop thread -- */
@@ -378,11 +378,11 @@ static void begin(preq *q) {
     if (left > w->o.kv_deadline_ms) left = w->o.kv_deadline_ms;
     if (left < 1) left = 1;
     cs_metric_inc(p->m_requests);
-    cs_worker_call_ref(&q->base); /* the transfer's */
+    cs_live_req_ref(&q->base.life); /* the transfer's */
     int rc = cs_kvx_tx_begin(p->tx, q->host, q->port, q->base.transfer_id, q->total_pages,
                              (int32_t)left, on_tx_done, q);
     if (rc) {
-        atomic_fetch_sub(&q->base.refs, 1); /* never the last: the RPC holds one */
+        cs_live_req_unref_not_last(&q->base.life); /* never the last: the RPC holds one */
         cs_worker_call_finish(&q->base,
                               rc == CS_EEXIST ? CS_RPC_ALREADY_EXISTS : CS_RPC_UNAVAILABLE,
                               cs_last_error());
@@ -446,9 +446,9 @@ static void handle_prefill(cs_rpc_call *c, void *data) {
     prefill *p = w->role_data;
     const Chunkserve__V1__PrefillRequest *m = (const void *)cs_rpc_call_request_msg(c);
     cs_request r;
-    preq *q =
-        (preq *)cs_worker_admit(w, c, m->token_ids, m->n_token_ids, m->num_prompt_tokens,
-                                m->sampling, m->transfer_id, m->request_id, m->cache_salt, m->tenant, &r);
+    preq *q = (preq *)cs_worker_admit(w, c, m->token_ids, m->n_token_ids, m->num_prompt_tokens,
+                                      m->sampling, m->transfer_id, m->request_id, m->cache_salt,
+                                      m->tenant, &r);
     if (!q) return;
     char host[256];
     int port = 0;
@@ -609,12 +609,12 @@ static int prefill_start(cs_worker *w) {
 static int64_t queued_prefill_tokens(cs_worker *w, int32_t *n_requests, int64_t *parked) {
     int64_t queued = 0, waiting_tokens = 0;
     int32_t n = 0;
-    for (cs_worker_call *c = w->calls; c; c = c->next) {
-        preq *q = (preq *)c;
-        pthread_mutex_lock(&c->mu);
+    for (cs_live_req *l = w->live.head; l; l = l->next) {
+        preq *q = (preq *)l; /* its first member's first member */
+        pthread_mutex_lock(&l->mu);
         if (!q->engine_done && q->p) queued += q->n_context, n++;
         if (!q->engine_done && q->parked) waiting_tokens += q->n_context;
-        pthread_mutex_unlock(&c->mu);
+        pthread_mutex_unlock(&l->mu);
     }
     if (n_requests) *n_requests = n;
     if (parked) *parked = waiting_tokens;

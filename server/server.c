@@ -3,18 +3,18 @@
  *
  * Threads. Handlers run on the loop thread; a Generate request is validated
  * and tokenized on libuv's thread pool first (api/prepare.h). Generation
- * events arrive on the
- * engine thread (cs_serve callbacks); each appends the event to its call's
- * buffer under the call's mutex and, when no drain is pending, posts one
- * (cs_rpc_loop_post). The drain, on the loop thread, turns everything
+ * events arrive on the engine thread (cs_serve callbacks); each appends the
+ * event to its call's buffer under the call's mutex and, when no drain is
+ * pending, posts one (cs_live_req_post_locked). The drain, on the loop thread, turns everything
  * buffered into one GenerateResponse, so a slow loop merges steps rather than
  * queueing a post per token. The engine thread never calls the RPC layer.
  *
- * Lifetime of a Generate call (struct gen): created by the handler, freed
- * by the drain that sees the engine's final event (after which the engine
- * never touches it). The RPC call can end earlier (client cancel, deadline):
- * then the request is cancelled in the engine and the gen waits for the
- * final CANCELLED event.
+ * Lifetime of a Generate call (struct gen, on the life the workers' requests
+ * have too: api/live_req.h): created by the handler holding the engine's
+ * reference, which the drain that sees the engine's final event drops (the
+ * engine never touches it after that); the release frees it. The RPC call
+ * can end earlier (client cancel, deadline): then the request is cancelled
+ * in the engine and the gen waits for the final CANCELLED event.
  *
  * Shutdown (SIGTERM/SIGINT) is the process shell's drain (chunkserve/proc.h):
  * health NOT_SERVING, new calls refused, streams get grace_ms to finish,
@@ -43,6 +43,7 @@
 #include "chunkserve/v1/cluster.pb-c.h"
 #include "engine_metrics.h"
 #include "gen_call.h"
+#include "live_req.h"
 #include "generation.h"
 #include "prepare.h"
 #include "outbuf.h"
@@ -54,6 +55,7 @@
 typedef struct server server;
 
 typedef struct gen {
+    cs_live_req life; /* first: s->live's entries; life.mu guards st */
     server *s;
     cs_gen_call *call; /* NULL once answered (either door: api/gen_call.h) */
     uint64_t id;       /* the engine's request id */
@@ -62,13 +64,8 @@ typedef struct gen {
     int end_code; /* status when we cancelled it ourselves (shutdown) */
     const char *end_msg;
     int32_t n_prompt;
-    struct gen *prev, *next; /* the server's live list */
-
-    /* Filled on the engine thread, under mu; taken by the drain. */
-    pthread_mutex_t mu;
-    bool posted;
-    cs_rpc_post post; /* the drain's: posting it allocates nothing */
-    cs_stream st;     /* the output and the outcome (api/stream.h) */
+    cs_stream st; /* filled on the engine thread, taken by the drain: the
+                     output and the outcome (api/stream.h) */
 } gen;
 
 struct server {
@@ -79,9 +76,8 @@ struct server {
     cs_engine *engine;
     cs_spec_draft draft; /* --speculative draft:PATH: its model and engine */
     cs_serve *sv;
-    bool stopping; /* draining: new calls are refused */
-    gen *live;
-    int32_t n_live;
+    bool stopping;        /* draining: new calls are refused */
+    cs_live_list live;    /* the gens */
     int32_t n_calls;      /* live gens whose call is still open (the admission count) */
     int32_t n_preparing;  /* Generate calls being tokenized (api/prepare.h) */
     bool grace_over;      /* cancel_all ran: a request prepared now is refused */
@@ -96,40 +92,25 @@ struct server {
 
 /* ------------------------------------------------------- engine thread -- */
 
-static void on_drain_post(void *data);
-
 /* cs_serve callback: engine thread. */
 static void on_event(void *user, const cs_event *ev) {
     gen *g = user;
     if (ev->finish == CS_FINISH_ERROR && ev->status == CS_ENOSPC) cs_metric_inc(g->s->em.refused);
-    pthread_mutex_lock(&g->mu);
+    pthread_mutex_lock(&g->life.mu);
     cs_stream_event(&g->st, ev);
-    bool post = !g->posted;
-    g->posted = true;
-    pthread_mutex_unlock(&g->mu);
-    if (post && cs_rpc_loop_post_to(g->s->rl, &g->post, on_drain_post, g) != 0) {
-        /* the loop is closed: the shutdown path answers and frees */
+    bool posted = cs_live_req_post_locked(&g->life);
+    pthread_mutex_unlock(&g->life.mu);
+    if (!posted) /* the loop is closed */
         CS_LOGE("request %s: cannot hand an event to the loop: %s", g->request_id, cs_last_error());
-        pthread_mutex_lock(&g->mu);
-        g->posted = false;
-        pthread_mutex_unlock(&g->mu);
-    }
 }
 
 /* ---------------------------------------------------------- loop thread -- */
 
-static void gen_free(gen *g) {
-    server *s = g->s;
-    if (g->prev)
-        g->prev->next = g->next;
-    else
-        s->live = g->next;
-    if (g->next) g->next->prev = g->prev;
-    s->n_live--;
-    if (g->call) s->n_calls--; /* freed with its call open: the engine refused it */
+/* The last reference went (api/live_req.h): g is off s->live. */
+static void gen_release(cs_live_req *l) {
+    gen *g = (gen *)l;
     cs_stream_free(&g->st);
     free(g->request_id);
-    pthread_mutex_destroy(&g->mu);
     free(g);
 }
 
@@ -159,13 +140,12 @@ static void gen_log_end(const gen *g, const cs_stream *snap) {
 }
 
 /* Posted by on_event: takes everything buffered and streams it. */
-static void on_drain_post(void *data) {
-    gen *g = data;
-    pthread_mutex_lock(&g->mu);
+static void gen_drain(cs_live_req *l) {
+    gen *g = (gen *)l;
+    pthread_mutex_lock(&g->life.mu);
     cs_stream snap;
     cs_stream_take(&g->st, &snap);
-    g->posted = false;
-    pthread_mutex_unlock(&g->mu);
+    pthread_mutex_unlock(&g->life.mu);
 
     if (g->call) {
         int rc = snap.out.oom ? CS_ENOMEM : 0;
@@ -180,9 +160,7 @@ static void on_drain_post(void *data) {
     }
     if (snap.done) {
         gen_log_end(g, &snap);
-        cs_stream_free(&snap);
-        gen_free(g);
-        return;
+        cs_live_req_unref(&g->life); /* the engine's */
     }
     cs_stream_free(&snap);
 }
@@ -241,8 +219,8 @@ static bool refuse_early(server *s, cs_gen_call *c, const cs_request *r, double 
     double w = cs_ttft_weight(&s->o->sched, r->tenant);
     *predicted = cs_ttft_predict(&L, r->priority, r->tenant, w, r->n_prompt);
     double bound = cs_slo_ttft_bound(&s->o->slo, r->priority);
-    int64_t retry = cs_slo_refuse_ms(*predicted, cs_ttft_predict_alone(&L, r->priority, r->n_prompt),
-                                     bound);
+    int64_t retry =
+        cs_slo_refuse_ms(*predicted, cs_ttft_predict_alone(&L, r->priority, r->n_prompt), bound);
     if (!retry || c->sibling) return false; /* a sibling goes with the first (gen_call.h) */
     char msg[300];
     snprintf(msg, sizeof msg,
@@ -295,20 +273,16 @@ static void on_prepared(void *arg, cs_gen_call *c, uint64_t id, double t_queued,
     g->st.tok = &s->tok;
     g->st.predicted_ttft = predicted > 0 ? predicted : 0;
     g->n_prompt = w.r.n_prompt;
-    pthread_mutex_init(&g->mu, NULL);
-    g->next = s->live;
-    if (s->live) s->live->prev = g;
-    s->live = g;
-    s->n_live++;
+    cs_live_req_init(&s->live, &g->life); /* holding the engine's reference */
     s->n_calls++;
     CS_LOGD("request %s: %d prompt tokens, max_tokens %d", g->request_id, w.r.n_prompt,
             w.r.stop.max_tokens);
     r = cs_serve_submit(s->sv, &w.r, on_event, g);
     cs_wire_request_free(&w);
     if (r) {
-        gen_free(g);
-        cs_gen_call_finish(c, r == CS_ENOMEM ? CS_RPC_RESOURCE_EXHAUSTED : CS_RPC_UNAVAILABLE,
-                           "the engine refused the request");
+        gen_finish_call(g, r == CS_ENOMEM ? CS_RPC_RESOURCE_EXHAUSTED : CS_RPC_UNAVAILABLE,
+                        "the engine refused the request");
+        cs_live_req_unref(&g->life); /* the engine's: it never took it */
         return;
     }
     if (cs_gen_call_on_cancel(c, on_call_cancel, g) != 0) on_call_cancel(c, g); /* already dead */
@@ -373,6 +347,7 @@ static int start(cs_proc *p, void *arg) {
     server *s = arg;
     s->proc = p;
     s->rl = cs_proc_rpc_loop(p);
+    s->live = (cs_live_list){.rl = s->rl, .drain = gen_drain, .release = gen_release};
     cs_metrics_register_table(cs_proc_metrics(p), cs_engine_metrics_table, cs_engine_metrics_n,
                               &s->em);
     cs_metrics_register_table(cs_proc_metrics(p), cs_token_metrics_table, cs_token_metrics_n,
@@ -412,7 +387,8 @@ static void cancel_all(cs_proc *p, void *arg) {
     server *s = arg;
     int n = 0;
     s->grace_over = true;
-    for (gen *g = s->live; g; g = g->next) {
+    for (cs_live_req *l = s->live.head; l; l = l->next) {
+        gen *g = (gen *)l;
         if (!g->call) continue;
         g->end_code = CS_RPC_UNAVAILABLE;
         g->end_msg = "the server is shutting down";

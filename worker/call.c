@@ -1,6 +1,7 @@
 /* call.c: the requests of both worker roles (see cs_worker_call in
- * worker.h): admission, the engine's submission, the event drain posted to
- * the loop thread, references, answers and the release, in one place; the
+ * worker.h): admission, the engine's submission, answers, the drain and
+ * release hooks of their life (api/live_req.h: the list, references, the
+ * posts), in one place; the
  * roles add their data path (prefill_worker/prefill.c: pages out over the KV
  * transport; decode_worker/decode.c: pages in, tokens out). The shell's
  * side (Worker/Cancel, open calls, the grace period's end) is in worker.c. */
@@ -47,64 +48,37 @@ static int check_request(cs_worker *w, const int32_t *ids, size_t n, int32_t num
     return 0;
 }
 
-static void on_free_post(void *data) {
-    cs_worker_call *q = data;
-    cs_worker *w = q->w;
-    if (q->prev)
-        q->prev->next = q->next;
-    else
-        w->calls = q->next;
-    if (q->next) q->next->prev = q->prev;
-    w->n_calls--;
-    if (w->role->call_free) w->role->call_free(q);
+/* The last reference went (api/live_req.h): q is off w->live. */
+static void call_release(cs_live_req *l) {
+    cs_worker_call *q = cs_worker_call_of(l);
+    if (q->w->role->call_free) q->w->role->call_free(q);
     if (q->fault_armed)
         CS_LOGW("fault injection: request %s ended, the armed allocation %s", q->request_id,
                 cs_fault_alloc_disarm() ? "failed in its life" : "was not reached");
-    pthread_mutex_destroy(&q->mu);
     free(q);
 }
 
-void cs_worker_call_ref(cs_worker_call *q) {
-    atomic_fetch_add(&q->refs, 1);
+static void call_drain(cs_live_req *l) {
+    cs_worker_call *q = cs_worker_call_of(l);
+    q->w->role->drain(q);
 }
 
-void cs_worker_call_unref(cs_worker_call *q) {
-    if (atomic_fetch_sub(&q->refs, 1) == 1 &&
-        cs_rpc_loop_post_to(q->w->rl, &q->free_post, on_free_post, q) != 0)
-        CS_LOGE("request %s: cannot post its release: the loop is closed", q->request_id);
+void cs_worker_calls_init(cs_worker *w) {
+    w->live = (cs_live_list){.rl = w->rl, .drain = call_drain, .release = call_release};
 }
 
 void cs_worker_call_finish(cs_worker_call *q, int code, const char *msg) {
     if (!q->call) return;
     cs_rpc_call_finish(q->call, code, msg);
     q->call = NULL;
-    cs_worker_call_unref(q);
+    cs_live_req_unref(&q->life);
 }
 
 void cs_worker_call_reply(cs_worker_call *q, const ProtobufCMessage *msg) {
     if (!q->call) return;
     cs_rpc_call_reply_msg(q->call, msg);
     q->call = NULL;
-    cs_worker_call_unref(q);
-}
-
-static void on_drain_post(void *data) {
-    cs_worker_call *q = data;
-    pthread_mutex_lock(&q->mu);
-    q->drain_posted = false; /* events from here on post again */
-    pthread_mutex_unlock(&q->mu);
-    q->w->role->drain(q);
-    cs_worker_call_unref(q); /* the post's */
-}
-
-void cs_worker_call_post_locked(cs_worker_call *q) {
-    if (q->drain_posted) return;
-    q->drain_posted = true;
-    cs_worker_call_ref(q);
-    if (cs_rpc_loop_post_to(q->w->rl, &q->drain_post, on_drain_post, q) != 0) {
-        q->drain_posted = false;       /* the loop is closed */
-        atomic_fetch_sub(&q->refs, 1); /* never the last: the poster holds one */
-    }
+    cs_live_req_unref(&q->life);
 }
 
 /* Fault builds only (fault.h): x-chunkserve-fault-alloc: N on the call fails
@@ -129,7 +103,7 @@ static cs_worker_call *admit(cs_worker *w, cs_rpc_call *c, const int32_t *ids, s
         cs_rpc_call_finish(c, CS_RPC_UNAVAILABLE, "the worker is draining (shutting down)");
         return NULL;
     }
-    if (w->n_calls >= w->o.max_queue) {
+    if (w->live.n >= w->o.max_queue) {
         char msg[80];
         snprintf(msg, sizeof msg, "the %s worker holds --max-queue requests", w->role->name);
         cs_metric_inc(w->em.refused);
@@ -163,12 +137,7 @@ static cs_worker_call *admit(cs_worker *w, cs_rpc_call *c, const int32_t *ids, s
     snprintf(q->request_id, sizeof q->request_id, "%s",
              request_id && request_id[0] ? request_id : "-");
     q->t_start = cs_now();
-    atomic_init(&q->refs, 1); /* the RPC's */
-    pthread_mutex_init(&q->mu, NULL);
-    q->next = w->calls;
-    if (w->calls) w->calls->prev = q;
-    w->calls = q;
-    w->n_calls++;
+    cs_live_req_init(&w->live, &q->life); /* holding the RPC's reference */
     return q;
 }
 
@@ -177,8 +146,8 @@ cs_worker_call *cs_worker_admit(cs_worker *w, cs_rpc_call *c, const int32_t *ids
                                 uint64_t transfer_id, const char *request_id,
                                 const char *cache_salt, const char *tenant, cs_request *r) {
     bool armed = arm_fault(c);
-    cs_worker_call *q = admit(w, c, ids, n, num_prompt, sampling, transfer_id, request_id,
-                              cache_salt, tenant, r);
+    cs_worker_call *q =
+        admit(w, c, ids, n, num_prompt, sampling, transfer_id, request_id, cache_salt, tenant, r);
     if (q)
         q->fault_armed = armed;
     else if (armed)
@@ -199,10 +168,10 @@ static void on_call_cancel(cs_rpc_call *c, void *data) {
 }
 
 int cs_worker_call_submit(cs_worker_call *q, cs_request *r, cs_serve_cb on_event) {
-    cs_worker_call_ref(q); /* the engine's */
+    cs_live_req_ref(&q->life); /* the engine's */
     int rc = cs_serve_submit(q->w->sv, r, on_event, q);
     if (rc) {
-        atomic_fetch_sub(&q->refs, 1); /* never the last: the RPC holds one */
+        cs_live_req_unref_not_last(&q->life); /* the RPC holds one */
         cs_worker_call_finish(q, CS_RPC_UNAVAILABLE, "the engine refused the request");
         return rc;
     }

@@ -146,13 +146,15 @@ static void handle_cancel(cs_rpc_call *c, void *data) {
     cs_worker *w = data;
     const Chunkserve__V1__CancelRequest *m = (const void *)cs_rpc_call_request_msg(c);
     Chunkserve__V1__CancelResponse r = CHUNKSERVE__V1__CANCEL_RESPONSE__INIT;
-    for (cs_worker_call *q = w->calls; q && !r.found; q = q->next)
+    for (cs_live_req *l = w->live.head; l && !r.found; l = l->next) {
+        cs_worker_call *q = cs_worker_call_of(l);
         if (q->transfer_id == m->transfer_id) {
             q->end_code = CS_RPC_CANCELLED;
             q->end_msg = "cancelled by Worker/Cancel";
             w->role->cancel(q); /* the role's drain answers the call */
             r.found = true;
         }
+    }
     CS_LOGD("cancel transfer %016llx (%s): %s", (unsigned long long)m->transfer_id, m->request_id,
             r.found ? "found" : "not found");
     cs_rpc_call_reply_msg(c, &r.base);
@@ -182,6 +184,7 @@ static int start(cs_proc *p, void *arg) {
     cs_worker *w = arg;
     w->proc = p;
     w->rl = cs_proc_rpc_loop(p);
+    cs_worker_calls_init(w);
     w->metrics = cs_proc_metrics(p);
     cs_metrics_register_table(w->metrics, cs_engine_metrics_table, cs_engine_metrics_n, &w->em);
     cs_metrics_register_table(w->metrics, worker_metrics,
@@ -239,8 +242,8 @@ static int32_t n_open(cs_proc *p, void *arg) {
     (void)p;
     cs_worker *w = arg;
     int32_t n = 0;
-    for (cs_worker_call *q = w->calls; q; q = q->next)
-        n += q->call != NULL;
+    for (cs_live_req *l = w->live.head; l; l = l->next)
+        n += cs_worker_call_of(l)->call != NULL;
     return n;
 }
 
@@ -258,7 +261,8 @@ static void cancel_all(cs_proc *p, void *arg) {
     char msg[80];
     snprintf(msg, sizeof msg, "the %s worker is shutting down", w->role->name);
     int n = 0;
-    for (cs_worker_call *q = w->calls; q; q = q->next)
+    for (cs_live_req *l = w->live.head; l; l = l->next) {
+        cs_worker_call *q = cs_worker_call_of(l);
         if (q->call) {
             q->end_code = CS_RPC_UNAVAILABLE;
             q->end_msg = "the worker is shutting down";
@@ -266,6 +270,7 @@ static void cancel_all(cs_proc *p, void *arg) {
             cs_worker_call_finish(q, CS_RPC_UNAVAILABLE, msg);
             n++;
         }
+    }
     if (n) CS_LOGI("grace period over: cancelling %d %s calls", n, w->role->name);
 }
 

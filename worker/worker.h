@@ -25,6 +25,7 @@
 #include "chunkserve/http.h"
 #include "chunkserve/metrics.h"
 #include "engine_metrics.h"
+#include "live_req.h"
 #include "spec_config.h"
 #include "tenant_config.h"
 #include "chunkserve/proc.h"
@@ -53,7 +54,7 @@ typedef struct {
     const char *decode_workers, *decode_dns;
     int64_t dns_refresh_ms, status_interval_ms;
     cs_rpc_tls worker_tls;
-    cs_spec_opts spec; /* decode: speculative decoding (api/spec_config.h) */
+    cs_spec_opts spec;      /* decode: speculative decoding (api/spec_config.h) */
     cs_tenant_opts tenants; /* the tenants' shares (api/tenant_config.h) */
 } cs_worker_opts;
 
@@ -104,7 +105,7 @@ typedef struct {
     void (*status)(cs_worker *w, Chunkserve__V1__WorkerStatus *st);
     /* Before each /metrics render. */
     void (*metrics)(cs_worker *w);
-    /* The event drain, after cs_worker_call_post: forwards what the engine
+    /* The event drain, after cs_live_req_post_locked: forwards what the engine
      * and the transport produced to the call, and answers it once the
      * outcome is known (with q->end_code / q->end_msg when the shell
      * cancelled it). Posts coalesce, and a drain may find nothing new: it
@@ -125,15 +126,18 @@ typedef struct {
 } cs_worker_role;
 
 /* A request as the shell sees it: the first member of the role's request
- * struct. The shell admits it (cs_worker_admit), lists it (w->calls),
- * drains its events on the loop thread (role->drain after
- * cs_worker_call_post), counts, cancels and ends the open ones
- * (Worker/Cancel, the client's cancel, the end of the grace period) and
- * frees it on the loop thread when its last reference goes. References:
- * the RPC's (until answered: cs_worker_call_finish/reply), the engine's
- * (cs_worker_call_submit; the role drops it after posting the final
- * event), the transport's (the role takes and drops it), a posted drain's. */
+ * struct, itself beginning with its life (api/live_req.h: on w->live,
+ * references, the event drain posted to the loop, the release). The shell
+ * admits it (cs_worker_admit), drains its events on the loop thread
+ * (role->drain after cs_live_req_post_locked), counts, cancels and ends the
+ * open ones (Worker/Cancel, the client's cancel, the end of the grace
+ * period) and frees it on the loop thread when its last reference goes.
+ * References: the RPC's (until answered: cs_worker_call_finish/reply), the
+ * engine's (cs_worker_call_submit; the role drops it after posting the
+ * final event), the transport's (the role takes and drops it), a posted
+ * drain's. */
 struct cs_worker_call {
+    cs_live_req life; /* first: w->live's entries are these */
     cs_worker *w;
     cs_rpc_call *call;        /* NULL once answered */
     uint64_t id, transfer_id; /* the engine's request id; the router's transfer id */
@@ -141,13 +145,12 @@ struct cs_worker_call {
     double t_start;
     int end_code;        /* set by the shell before role->cancel: how the call is to end */
     const char *end_msg; /* (0, NULL: the request's own outcome) */
-    atomic_int refs;
-    cs_worker_call *prev, *next; /* w->calls (loop thread) */
-    pthread_mutex_t mu;          /* the role's fields several threads touch, and: */
-    bool drain_posted;
-    cs_rpc_post drain_post, free_post; /* posting them allocates nothing */
-    bool fault_armed; /* an allocation failure is armed for this call's life (fault.h) */
+    bool fault_armed;    /* an allocation failure is armed for this call's life (fault.h) */
 };
+
+static inline cs_worker_call *cs_worker_call_of(cs_live_req *l) {
+    return (cs_worker_call *)l;
+}
 
 /* The skeleton's state, shared with the role. */
 struct cs_worker {
@@ -164,13 +167,13 @@ struct cs_worker {
     cs_engine *engine;
     cs_spec_draft draft; /* --speculative draft:PATH: its model and engine */
     cs_serve *sv;
-    cs_proc *proc;         /* the process shell (loop, RPC server, metrics, drain) */
-    cs_rpc_loop *rl;       /* cs_proc_rpc_loop(proc): roles post to the loop with it */
-    cs_metrics *metrics;   /* cs_proc_metrics(proc) */
-    bool stopping;         /* draining or shutting down: no new call is admitted */
-    void *role_data;       /* role->state_size bytes */
-    cs_worker_call *calls; /* live requests, newest first (loop thread) */
-    int32_t n_calls;       /* their number (the --max-queue limit) */
+    cs_proc *proc;       /* the process shell (loop, RPC server, metrics, drain) */
+    cs_rpc_loop *rl;     /* cs_proc_rpc_loop(proc): roles post to the loop with it */
+    cs_metrics *metrics; /* cs_proc_metrics(proc) */
+    bool stopping;       /* draining or shutting down: no new call is admitted */
+    void *role_data;     /* role->state_size bytes */
+    cs_live_list live;   /* live requests (cs_worker_call), newest first; live.n is the
+                            --max-queue count */
     uint64_t next_id;
     /* the engine's metrics (api/engine_metrics.h) and the worker's own (worker.c) */
     cs_engine_metrics em;
@@ -189,11 +192,15 @@ int cs_worker_add_method(cs_worker *w, const char *method, enum cs_rpc_method_ki
 
 /* --- requests (worker/call.c; loop thread unless said otherwise) --- */
 
+/* Sets up w->live (after w->rl): its drains run role->drain, its releases
+ * role->call_free. */
+void cs_worker_calls_init(cs_worker *w);
+
 /* Admits a Decode/Prefill call: refuses it while draining (UNAVAILABLE),
  * beyond --max-queue (RESOURCE_EXHAUSTED) or when its prompt is bad
  * (INVALID_ARGUMENT: token ids against the vocabulary, the context and the
  * pool, num_prompt_tokens in [1, n], the sampling params); otherwise
- * returns a zeroed request of role->call_size bytes on w->calls holding the
+ * returns a zeroed request of role->call_size bytes on w->live holding the
  * RPC's reference, with r filled (prompt borrowed from ids, cache_salt and
  * tenant borrowed, r->id set).
  * NULL when the call was answered. */
@@ -208,12 +215,6 @@ int cs_worker_call_submit(cs_worker_call *q, cs_request *r, cs_serve_cb on_event
 /* Answers the RPC (once; later calls do nothing) and drops its reference. */
 void cs_worker_call_finish(cs_worker_call *q, int code, const char *msg);
 void cs_worker_call_reply(cs_worker_call *q, const ProtobufCMessage *msg);
-/* Any thread. */
-void cs_worker_call_ref(cs_worker_call *q);
-void cs_worker_call_unref(cs_worker_call *q);
-/* Any thread, q->mu held: runs role->drain(q) on the loop thread soon
- * (once for any number of posts before it runs). */
-void cs_worker_call_post_locked(cs_worker_call *q);
 /* The KV fields of a status: the payload the role's transport end speaks
  * (enum cs_kvx_payload), the pool's dtype and layout fingerprint (the router
  * pairs a prefill and a decode worker only when both match). */
