@@ -4,18 +4,19 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "chunkserve/sampler.h"
 #include "chunkserve/sched.h"
 #include "util.h"
 
 struct cs__drafter {
     cs_engine *e;
     cs_kv_cache *kv;
-    int32_t n_vocab;  /* ids a proposal may take: the vocabulary both models share */
-    int32_t n_rows;   /* the draft's logits row length */
-    int32_t ctx_len;  /* the draft's context */
+    int32_t n_vocab; /* ids a proposal may take: the vocabulary both models share */
+    int32_t n_rows;  /* the draft's logits row length */
+    int32_t ctx_len; /* the draft's context */
     cs_span *spans;
-    int32_t *slot;    /* per span: its job */
-    int32_t *first;   /* per job: the tokens of its first span (0: none) */
+    int32_t *slot;  /* per span: its job */
+    int32_t *first; /* per job: the tokens of its first span (0: none) */
     float *logits;
     int32_t cap;
     double pass_s, token_s; /* moving averages (0: not measured) */
@@ -87,16 +88,10 @@ static int grow(cs__drafter *d, int32_t n) {
     if (fi) d->first = fi;
     float *lg = realloc(d->logits, (size_t)n * (size_t)d->n_rows * sizeof *lg);
     if (lg) d->logits = lg;
-    if (!sp || !sl || !fi || !lg) return cs_fail(CS_ENOMEM, "speculation: out of memory for the draft");
+    if (!sp || !sl || !fi || !lg)
+        return cs_fail(CS_ENOMEM, "speculation: out of memory for the draft");
     d->cap = n;
     return 0;
-}
-
-static int32_t argmax(const float *row, int32_t n) {
-    int32_t best = 0;
-    for (int32_t i = 1; i < n; i++)
-        if (row[i] > row[best]) best = i;
-    return best;
 }
 
 static void observe(double *avg, double x) {
@@ -130,7 +125,7 @@ int cs__drafter_run(cs__drafter *d, cs__draft_job *jobs, int32_t n, int32_t catc
         cs__draft_seq *ds = j->ds;
         j->got = 0;
         d->first[i] = 0;
-        CS_ASSERT(ds->n_computed <= j->n_tokens - 1); /* settled after each check */
+        CS_ASSERT(ds->n_computed <= j->n_tokens - 1);   /* settled after each check */
         int32_t lag = j->n_tokens - 1 - ds->n_computed; /* before the decode token */
         int32_t k = lag + 1;
         if (lag > SHORT_LAG && lag > catchup - caught) /* a part of it this step, no draft */
@@ -160,8 +155,12 @@ int cs__drafter_run(cs__drafter *d, cs__draft_job *jobs, int32_t n, int32_t catc
             cs__draft_seq *ds = j->ds;
             int32_t k = p == 0 ? d->first[i] : j->want > p;
             if (k == 0) continue;
-            d->spans[ns] = (cs_span){j->tokens + ds->n_computed, k,          ds->n_computed,
-                                     ds->pt.pages,                ds->pt.n_pages, j->want > 0,
+            d->spans[ns] = (cs_span){j->tokens + ds->n_computed,
+                                     k,
+                                     ds->n_computed,
+                                     ds->pt.pages,
+                                     ds->pt.n_pages,
+                                     j->want > 0,
                                      ds->pt.cap};
             d->slot[ns++] = i;
         }
@@ -187,7 +186,8 @@ int cs__drafter_run(cs__drafter *d, cs__draft_job *jobs, int32_t n, int32_t catc
             cs__draft_job *j = &jobs[d->slot[s]];
             j->ds->n_computed += d->spans[s].n_tokens;
             if (j->want <= 0) continue;
-            j->tokens[j->n_tokens + p] = argmax(d->logits + (size_t)row++ * d->n_rows, d->n_vocab);
+            j->tokens[j->n_tokens + p] =
+                cs_argmax(d->logits + (size_t)row++ * d->n_rows, d->n_vocab);
             j->got = p + 1;
         }
         tp = cs_now() - tp;

@@ -158,7 +158,7 @@ static int by_prob_desc(const void *a, const void *b, void *keys) {
     return *(const int32_t *)a - *(const int32_t *)b;
 }
 
-static int32_t argmax(const float *v, int32_t n) {
+int32_t cs_argmax(const float *v, int32_t n) {
     int32_t best = 0;
     for (int32_t i = 1; i < n; i++)
         if (v[i] > v[best]) best = i;
@@ -169,7 +169,7 @@ static int32_t argmax(const float *v, int32_t n) {
  * insertion into a short sorted list (n_top <= 20: cheaper than a sort). */
 static void raw_logprobs(const float *raw, int32_t n, int32_t chosen, int32_t n_top,
                          cs_logprobs *lp) {
-    float mx = raw[argmax(raw, n)];
+    float mx = raw[cs_argmax(raw, n)];
     double sum = 0;
     for (int32_t i = 0; i < n; i++)
         sum += exp((double)(raw[i] - mx));
@@ -251,9 +251,9 @@ int32_t cs_sampler_sample_allowed(cs_sampler *s, float *logits, const uint32_t *
             if (!((allow[i / 32] >> (i % 32)) & 1)) logits[i] = -INFINITY;
 
     if (p->temperature == 0) {
-        chosen = argmax(logits, n);
+        chosen = cs_argmax(logits, n);
     } else {
-        float mx = logits[argmax(logits, n)];
+        float mx = logits[cs_argmax(logits, n)];
         double sum = 0;
         for (int32_t i = 0; i < n; i++) {
             logits[i] = expf((logits[i] - mx) / p->temperature); /* now unnormalized probs */

@@ -77,6 +77,10 @@ typedef struct {
 void cs_prompt_logprob_of(const float *logits, int32_t n_vocab, int32_t token, int32_t n_top,
                           cs_prompt_logprob *out);
 
+/* The greedy choice: the largest of v[0..n), the lowest id on ties (what
+ * temperature 0 samples, and what a speculative draft proposes). */
+int32_t cs_argmax(const float *v, int32_t n);
+
 /* Picks the next token from logits (n_vocab floats; overwritten as scratch).
  * If lp is not NULL it receives the chosen token's log-probability and the
  * n_top (0..CS_MAX_TOP_LOGPROBS, clamped) most likely alternatives. */
