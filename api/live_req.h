@@ -40,7 +40,8 @@ typedef struct {
      * Posts coalesce, and a drain may find nothing new: it must be
      * idempotent. */
     void (*drain)(cs_live_req *q);
-    /* The last reference went: q is off the list; free it (loop thread). */
+    /* The last reference went: q is off the list and q->mu destroyed; free
+     * it (loop thread). */
     void (*release)(cs_live_req *q);
 } cs_live_list;
 

@@ -61,6 +61,7 @@ typedef struct gen {
     uint64_t id;       /* the engine's request id */
     char *request_id;  /* the client's, or "cs-<id>" */
     bool logprobs, sent_first;
+    bool ended;   /* a drain saw the final event (a later drain may see it again) */
     int end_code; /* status when we cancelled it ourselves (shutdown) */
     const char *end_msg;
     int32_t n_prompt;
@@ -158,7 +159,8 @@ static void gen_drain(cs_live_req *l) {
         if (end.code >= 0) gen_finish_call(g, end.code, end.code ? end.msg : NULL);
         if (end.cancel) cs_serve_cancel(g->s->sv, g->id);
     }
-    if (snap.done) {
+    if (snap.done && !g->ended) {
+        g->ended = true;
         gen_log_end(g, &snap);
         cs_live_req_unref(&g->life); /* the engine's */
     }
@@ -399,7 +401,8 @@ static void cancel_all(cs_proc *p, void *arg) {
 }
 
 /* The RPC server is gone: every request still live gets its CANCELLED
- * event; the posts it makes run before the loop closes and free the gens. */
+ * event; its drain and then its release run in the loop's last drains,
+ * before the loop is freed. */
 static void stop(cs_proc *p, void *arg) {
     (void)p;
     server *s = arg;

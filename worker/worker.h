@@ -120,8 +120,8 @@ typedef struct {
      * transport first (it writes into pages the engine would free); the
      * prefill role the engine first (its final events abort transfers). */
     void (*stop)(cs_worker *w);
-    /* The last reference to a request went: free what the role added
-     * (optional; the shell frees the struct). */
+    /* The last reference to a request went (its life's mutex is gone): free
+     * what the role added (optional; the shell frees the struct). */
     void (*call_free)(cs_worker_call *q);
 } cs_worker_role;
 
