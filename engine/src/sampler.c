@@ -216,6 +216,69 @@ static bool allowed_outside(const uint32_t *allow, int32_t n, const int32_t *sup
     return false;
 }
 
+/* The filters' candidates: into s->idx, the first c tokens of the vocabulary
+ * in the order (probability desc, id asc), for a c that holds every token
+ * top-k, min-p and top-p can keep; returns c. probs are the unnormalized
+ * probabilities (the largest is 1), sum their total in id order.
+ *
+ * Sorting the whole vocabulary (152k ids on Qwen) cost ~20 ms a token, so
+ * only the tokens whose probability's binary exponent is at least a cut
+ * are gathered and sorted: every token below the cut is less likely than
+ * every token above, so they are that order's first c. The cut comes from
+ * a histogram of the exponents: the highest that holds the top k, every
+ * token at or above min_p, and (when neither cuts) enough mass for top-p;
+ * if the mass read from the histogram proves short, the next lower cut. */
+/* A non-negative float's biased binary exponent (0 for 0 and subnormals):
+ * larger floats never have smaller ones. */
+static inline uint32_t exponent(float x) {
+    uint32_t b;
+    memcpy(&b, &x, sizeof b);
+    return (b >> 23) & 0xff;
+}
+
+static int32_t candidates(cs_sampler *s, const float *probs, double sum) {
+    const cs_sampling_params *p = &s->p;
+    const int32_t n = s->n_vocab;
+    const int32_t k = p->top_k > 0 && p->top_k < n ? p->top_k : n;
+    const bool by_mass = k == n && p->min_p <= 0 && p->top_p < 1; /* top-p alone */
+    int32_t count[256] = {0};
+    double mass[256] = {0};
+    float pmax = 0;
+    for (int32_t i = 0; i < n; i++) {
+        const uint32_t e = exponent(probs[i]);
+        count[e]++;
+        if (by_mass) mass[e] += probs[i];
+        if (probs[i] > pmax) pmax = probs[i];
+    }
+    int32_t cut = 0; /* gather the exponents >= cut; 0: every token */
+    if (k < n) {     /* the highest cut holding k tokens */
+        cut = 255;
+        for (int32_t have = count[cut]; have < k && cut > 0;)
+            have += count[--cut];
+    }
+    if (p->min_p > 0) { /* every token >= min_p * pmax: the exponent of that bound */
+        const int32_t e = (int32_t)exponent(p->min_p * pmax);
+        /* top-k and min-p together keep the fewer: either cut holds them */
+        if (k == n || e > cut) cut = e;
+    } else if (by_mass) { /* its mass, with a margin for the sums' order */
+        double need = p->top_p * sum * (1 + 1e-9), have = 0;
+        cut = 256;
+        while (have < need && cut > 0)
+            have += mass[--cut];
+    }
+    for (;;) {
+        int32_t c = 0;
+        for (int32_t i = 0; i < n; i++)
+            if ((int32_t)exponent(probs[i]) >= cut) s->idx[c++] = i;
+        qsort_r(s->idx, (size_t)c, sizeof *s->idx, by_prob_desc, (void *)probs);
+        if (cut == 0 || !by_mass) return c;
+        double acc = 0; /* top-p alone: does the walk end inside? */
+        for (int32_t i = 0; i < c; i++)
+            if ((acc += probs[s->idx[i]]) >= p->top_p * sum) return c;
+        cut--;
+    }
+}
+
 int32_t cs_sampler_sample(cs_sampler *s, float *logits, int32_t n_top, cs_logprobs *lp) {
     return cs_sampler_sample_allowed(s, logits, NULL, n_top, lp);
 }
@@ -262,24 +325,27 @@ int32_t cs_sampler_sample_allowed(cs_sampler *s, float *logits, const uint32_t *
         int32_t m = n;
         bool filter = p->top_k > 0 || p->top_p < 1 || p->min_p > 0;
         if (filter) {
-            for (int32_t i = 0; i < n; i++)
-                s->idx[i] = i;
-            qsort_r(s->idx, (size_t)n, sizeof *s->idx, by_prob_desc, logits);
+            int32_t c = candidates(s, logits, sum);
             if (p->top_k > 0 && p->top_k < m) m = p->top_k;
             if (p->min_p > 0) {
                 float cut = p->min_p * logits[s->idx[0]];
                 int32_t k = 1;
-                while (k < m && logits[s->idx[k]] >= cut)
+                while (k < m && k < c && logits[s->idx[k]] >= cut)
                     k++;
                 m = k;
             }
-            double kept = 0;
-            for (int32_t i = 0; i < m; i++)
-                kept += logits[s->idx[i]];
+            double kept = sum; /* nothing cut: the whole vocabulary's, in id order */
+            if (m < n) {
+                CS_ASSERT(m <= c);
+                kept = 0;
+                for (int32_t i = 0; i < m; i++)
+                    kept += logits[s->idx[i]];
+            }
             if (p->top_p < 1) {
                 double acc = 0;
                 int32_t k = 0;
                 while (k < m) {
+                    CS_ASSERT(k < c);
                     acc += logits[s->idx[k++]];
                     if (acc >= p->top_p * kept) break;
                 }

@@ -1,9 +1,143 @@
 /* test_sampler: parameter checks, greedy ties, the filters (top-k, top-p,
- * min-p), penalties, logit_bias, reproducibility from the seed and RNG state transfer. */
+ * min-p), penalties, logit_bias, reproducibility from the seed and RNG state
+ * transfer; the filters against a reference that sorts the whole vocabulary. */
+#include <stdint.h>
+
 #include "chunkserve/sampler.h"
 #include "test.h"
 
 #define V 8
+
+/* ---- the reference: the filters by a sort of every token (what the
+ * sampler did before it sorted only the candidates) ---- */
+
+static uint64_t ref_draw(uint64_t seed, int64_t n_generated) {
+    uint64_t z = seed + 0x9E3779B97F4A7C15ull * (uint64_t)n_generated + 0x9e3779b97f4a7c15ull;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+static int by_prob_desc(const void *a, const void *b, void *keys) {
+    const float *k = keys;
+    float x = k[*(const int32_t *)a], y = k[*(const int32_t *)b];
+    if (x != y) return x > y ? -1 : 1;
+    return *(const int32_t *)a - *(const int32_t *)b;
+}
+
+/* The token a temperature > 0 request with filters draws from logits (n,
+ * overwritten) at its n_generated-th token. When no top-k or min-p cut
+ * applies, top-p's mass is measured against the total in id order. */
+static int32_t ref_sample(const cs_sampling_params *p, float *l, int32_t n, int64_t n_generated) {
+    float mx = l[0];
+    for (int32_t i = 1; i < n; i++)
+        if (l[i] > mx) mx = l[i];
+    double sum = 0;
+    for (int32_t i = 0; i < n; i++) {
+        l[i] = expf((l[i] - mx) / p->temperature);
+        sum += l[i];
+    }
+    int32_t *idx = malloc((size_t)n * sizeof *idx);
+    ASSERT_TRUE(idx);
+    for (int32_t i = 0; i < n; i++)
+        idx[i] = i;
+    qsort_r(idx, (size_t)n, sizeof *idx, by_prob_desc, l);
+    int32_t m = n;
+    if (p->top_k > 0 && p->top_k < m) m = p->top_k;
+    if (p->min_p > 0) {
+        float cut = p->min_p * l[idx[0]];
+        int32_t k = 1;
+        while (k < m && l[idx[k]] >= cut)
+            k++;
+        m = k;
+    }
+    double kept = sum;
+    if (m < n) {
+        kept = 0;
+        for (int32_t i = 0; i < m; i++)
+            kept += l[idx[i]];
+    }
+    if (p->top_p < 1) {
+        double acc = 0;
+        int32_t k = 0;
+        while (k < m) {
+            acc += l[idx[k++]];
+            if (acc >= p->top_p * kept) break;
+        }
+        m = k;
+        kept = acc;
+    }
+    double u = (double)(ref_draw(p->seed, n_generated) >> 11) * (1.0 / 9007199254740992.0) * kept;
+    double acc = 0;
+    int32_t chosen = idx[m - 1];
+    for (int32_t i = 0; i < m; i++) {
+        acc += l[idx[i]];
+        if (u < acc) {
+            chosen = idx[i];
+            break;
+        }
+    }
+    free(idx);
+    return chosen;
+}
+
+/* Random logits of several shapes: flat, peaked, a few spikes, ties,
+ * tokens at -inf, a vocabulary of 1 to ~40k. */
+static uint64_t rng = 88172645463325252ull;
+static uint64_t next_u64(void) {
+    rng ^= rng << 13, rng ^= rng >> 7, rng ^= rng << 17;
+    return rng;
+}
+static float uniform(void) {
+    return (float)(next_u64() >> 40) / (float)(1 << 24);
+}
+
+static void check_filters_against_the_reference(void) {
+    const int cases = 3000;
+    int32_t checked = 0, cut_by_mass = 0;
+    for (int c = 0; c < cases; c++) {
+        int32_t n =
+            c % 10 == 0 ? 1 + (int32_t)(next_u64() % 40000) : 1 + (int32_t)(next_u64() % 3000);
+        float *l = malloc((size_t)n * sizeof *l), *a = malloc((size_t)n * sizeof *a);
+        ASSERT_TRUE(l && a);
+        int shape = c % 5;
+        float scale = shape == 0 ? 0.5f : shape == 1 ? 4 : 12;
+        for (int32_t i = 0; i < n; i++) {
+            l[i] = (uniform() - 0.5f) * scale;
+            if (shape == 2 && next_u64() % 50 == 0) l[i] += 10;
+            if (shape == 3) l[i] = (float)(int)(l[i]); /* many ties */
+            if (shape == 4 && next_u64() % 3 == 0) l[i] = -INFINITY;
+        }
+        if (shape == 4) l[next_u64() % (uint64_t)n] = 1; /* one finite at least */
+        cs_sampling_params p = cs_sampling_params_default();
+        p.temperature = 0.2f + 1.8f * uniform();
+        p.seed = next_u64();
+        int f = (int)(next_u64() % 7);
+        if (f & 1) p.top_k = 1 + (int32_t)(next_u64() % (uint64_t)(n + 5));
+        if (f & 2) p.top_p = 0.05f + 0.95f * uniform();
+        if (f & 4) p.min_p = uniform() * 0.5f;
+        if (f == 0) p.top_p = 0.999f;
+        cut_by_mass += !(f & 1) && !(f & 4);
+        cs_sampler *s = NULL;
+        ASSERT_EQ_INT(cs_sampler_init(&p, n, &s), 0);
+        int64_t skip = (int64_t)(next_u64() % 5);
+        for (int64_t i = 0; i < skip; i++)
+            cs_sampler_accept(s, 0);
+        memcpy(a, l, (size_t)n * sizeof *l);
+        int32_t got = cs_sampler_sample(s, a, 0, NULL);
+        int32_t want = ref_sample(&p, l, n, skip);
+        if (got != want)
+            fprintf(stderr, "case %d: n %d T %g top_k %d top_p %g min_p %g: %d != %d\n", c, n,
+                    p.temperature, p.top_k, p.top_p, p.min_p, got, want);
+        ASSERT_EQ_INT(got, want);
+        checked++;
+        cs_sampler_free(s);
+        free(l);
+        free(a);
+    }
+    printf("filters: %d cases equal to the full sort's (%d by top-p alone)\n", checked,
+           cut_by_mass);
+}
 
 static int32_t sample_with(cs_sampling_params p, const float *logits_in, cs_sampler *s) {
     float l[V];
@@ -196,5 +330,6 @@ int main(void) {
     cs_sampler_free(b);
     cs_sampler_free(c);
     cs_sampler_free(NULL);
+    check_filters_against_the_reference();
     return 0;
 }
