@@ -186,8 +186,9 @@ int cs__drafter_run(cs__drafter *d, cs__draft_job *jobs, int32_t n, int32_t catc
             cs__draft_job *j = &jobs[d->slot[s]];
             j->ds->n_computed += d->spans[s].n_tokens;
             if (j->want <= 0) continue;
+            float *lg = d->logits + (size_t)row++ * d->n_rows;
             j->tokens[j->n_tokens + p] =
-                cs_argmax(d->logits + (size_t)row++ * d->n_rows, d->n_vocab);
+                j->smp ? cs_sampler_propose(j->smp, lg, d->n_vocab, p) : cs_argmax(lg, d->n_vocab);
             j->got = p + 1;
         }
         tp = cs_now() - tp;

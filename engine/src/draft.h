@@ -4,16 +4,20 @@
  * verifies what it proposes: for each sequence that drafts, one pass
  * computes the tokens its draft KV lacks (after a prefill, a migration or
  * a rejection) and proposes the first draft, then each further pass feeds
- * the last draft and proposes the next. Proposals are the draft model's
- * argmax: a function of the tokens alone, so the scheduler's check
- * (sampling each row with the request's own sampler, keeping drafts while
- * they equal the sample) keeps the output exactly the target's. */
+ * the last draft and proposes the next. A proposal is what the request's
+ * sampler picks from the draft's logits with the random number the
+ * target's sample at that position will use (cs_sampler_propose: the
+ * argmax for greedy requests): a function of the tokens and the seed alone,
+ * so the scheduler's check (sampling each row with the request's own
+ * sampler, keeping drafts while they equal the sample) keeps the output
+ * exactly the target's. */
 #ifndef CS_DRAFT_H
 #define CS_DRAFT_H
 
 #include <stdint.h>
 
 #include "chunkserve/engine.h"
+#include "chunkserve/sampler.h"
 
 /* A sequence's state in the draft model: its pages in the draft pool and how
  * many of its leading tokens have draft KV there. Zeroed: nothing yet. */
@@ -31,6 +35,7 @@ typedef struct {
                          when the catch-up does not finish within the room */
     int32_t got;      /* out: drafts written at tokens[n_tokens ..] (0 when the draft
                          pool had no pages, or the catch-up did not finish) */
+    cs_sampler *smp;  /* the request's: proposals by cs_sampler_propose (NULL: argmax) */
 } cs__draft_job;
 
 typedef struct cs__drafter cs__drafter;

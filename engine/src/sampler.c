@@ -144,10 +144,11 @@ void cs_sampler_accept(cs_sampler *s, int32_t id) {
     if (s->counts) s->counts[id]++;
 }
 
-/* The random number for the next token: the n_generated-th output of a
- * splitmix64 stream started at the seed (counter-based, no state). */
-static uint64_t draw(const cs_sampler *s) {
-    uint64_t x = s->p.seed + 0x9E3779B97F4A7C15ull * (uint64_t)s->n_generated;
+/* The random number for the token ahead tokens after the next: the
+ * (n_generated + ahead)-th output of a splitmix64 stream started at the
+ * seed (counter-based, no state). */
+static uint64_t draw(const cs_sampler *s, int64_t ahead) {
+    uint64_t x = s->p.seed + 0x9E3779B97F4A7C15ull * (uint64_t)(s->n_generated + ahead);
     return splitmix64(&x);
 }
 
@@ -236,9 +237,8 @@ static inline uint32_t exponent(float x) {
     return (b >> 23) & 0xff;
 }
 
-static int32_t candidates(cs_sampler *s, const float *probs, double sum) {
+static int32_t candidates(cs_sampler *s, const float *probs, int32_t n, double sum) {
     const cs_sampling_params *p = &s->p;
-    const int32_t n = s->n_vocab;
     const int32_t k = p->top_k > 0 && p->top_k < n ? p->top_k : n;
     const bool by_mass = k == n && p->min_p <= 0 && p->top_p < 1; /* top-p alone */
     int32_t count[256] = {0};
@@ -279,6 +279,64 @@ static int32_t candidates(cs_sampler *s, const float *probs, double sum) {
     }
 }
 
+/* Temperature, the filters and the pick by the sequence's random number for
+ * its token `ahead` tokens from now: the first n logits become the
+ * unnormalized probabilities (scratch). */
+static int32_t pick(cs_sampler *s, float *logits, int32_t n, int64_t ahead) {
+    const cs_sampling_params *p = &s->p;
+    int32_t chosen;
+    float mx = logits[cs_argmax(logits, n)];
+    double sum = 0;
+    for (int32_t i = 0; i < n; i++) {
+        logits[i] = expf((logits[i] - mx) / p->temperature); /* now unnormalized probs */
+        sum += logits[i];
+    }
+    int32_t m = n;
+    bool filter = p->top_k > 0 || p->top_p < 1 || p->min_p > 0;
+    if (filter) {
+        int32_t c = candidates(s, logits, n, sum);
+        if (p->top_k > 0 && p->top_k < m) m = p->top_k;
+        if (p->min_p > 0) {
+            float cut = p->min_p * logits[s->idx[0]];
+            int32_t k = 1;
+            while (k < m && k < c && logits[s->idx[k]] >= cut)
+                k++;
+            m = k;
+        }
+        double kept = sum; /* nothing cut: the whole vocabulary's, in id order */
+        if (m < n) {
+            CS_ASSERT(m <= c);
+            kept = 0;
+            for (int32_t i = 0; i < m; i++)
+                kept += logits[s->idx[i]];
+        }
+        if (p->top_p < 1) {
+            double acc = 0;
+            int32_t k = 0;
+            while (k < m) {
+                CS_ASSERT(k < c);
+                acc += logits[s->idx[k++]];
+                if (acc >= p->top_p * kept) break;
+            }
+            m = k;
+            kept = acc;
+        }
+        sum = kept;
+    }
+    double u = (double)(draw(s, ahead) >> 11) * (1.0 / 9007199254740992.0) * sum;
+    double acc = 0;
+    chosen = filter ? s->idx[m - 1] : n - 1;
+    for (int32_t i = 0; i < m; i++) {
+        int32_t id = filter ? s->idx[i] : i;
+        acc += logits[id];
+        if (u < acc) {
+            chosen = id;
+            break;
+        }
+    }
+    return chosen;
+}
+
 int32_t cs_sampler_sample(cs_sampler *s, float *logits, int32_t n_top, cs_logprobs *lp) {
     return cs_sampler_sample_allowed(s, logits, NULL, n_top, lp);
 }
@@ -316,56 +374,14 @@ int32_t cs_sampler_sample_allowed(cs_sampler *s, float *logits, const uint32_t *
     if (p->temperature == 0) {
         chosen = cs_argmax(logits, n);
     } else {
-        float mx = logits[cs_argmax(logits, n)];
-        double sum = 0;
-        for (int32_t i = 0; i < n; i++) {
-            logits[i] = expf((logits[i] - mx) / p->temperature); /* now unnormalized probs */
-            sum += logits[i];
-        }
-        int32_t m = n;
-        bool filter = p->top_k > 0 || p->top_p < 1 || p->min_p > 0;
-        if (filter) {
-            int32_t c = candidates(s, logits, sum);
-            if (p->top_k > 0 && p->top_k < m) m = p->top_k;
-            if (p->min_p > 0) {
-                float cut = p->min_p * logits[s->idx[0]];
-                int32_t k = 1;
-                while (k < m && k < c && logits[s->idx[k]] >= cut)
-                    k++;
-                m = k;
-            }
-            double kept = sum; /* nothing cut: the whole vocabulary's, in id order */
-            if (m < n) {
-                CS_ASSERT(m <= c);
-                kept = 0;
-                for (int32_t i = 0; i < m; i++)
-                    kept += logits[s->idx[i]];
-            }
-            if (p->top_p < 1) {
-                double acc = 0;
-                int32_t k = 0;
-                while (k < m) {
-                    CS_ASSERT(k < c);
-                    acc += logits[s->idx[k++]];
-                    if (acc >= p->top_p * kept) break;
-                }
-                m = k;
-                kept = acc;
-            }
-            sum = kept;
-        }
-        double u = (double)(draw(s) >> 11) * (1.0 / 9007199254740992.0) * sum;
-        double acc = 0;
-        chosen = filter ? s->idx[m - 1] : n - 1;
-        for (int32_t i = 0; i < m; i++) {
-            int32_t id = filter ? s->idx[i] : i;
-            acc += logits[id];
-            if (u < acc) {
-                chosen = id;
-                break;
-            }
-        }
+        chosen = pick(s, logits, n, 0);
     }
     if (lp) raw_logprobs(s->raw, n, chosen, n_top, lp);
     return chosen;
+}
+
+int32_t cs_sampler_propose(cs_sampler *s, float *logits, int32_t n, int32_t ahead) {
+    if (n > s->n_vocab) n = s->n_vocab;
+    if (s->p.temperature == 0) return cs_argmax(logits, n);
+    return pick(s, logits, n, ahead);
 }

@@ -23,13 +23,13 @@
 /* A tenant (sched.h, tenants): what the scheduler computed for it. */
 typedef struct tenant {
     char name[CS_TENANT_NAME_MAX + 1];
-    double weight;   /* its share (1 unless the params name it) */
-    double vtokens;  /* tokens computed for it / weight */
-    uint64_t joined; /* when it last became active (cs_sched.joins): ties go to the later */
-    uint64_t tokens; /* tokens computed for it */
-    int32_t n_live;  /* its live requests */
-    bool named;      /* in the params' shares: kept while idle (the others go when idle) */
-    uint64_t pass;        /* the last candidate pass (cs_sched.pass) that saw a prompt of it, */
+    double weight;         /* its share (1 unless the params name it) */
+    double vtokens;        /* tokens computed for it / weight */
+    uint64_t joined;       /* when it last became active (cs_sched.joins): ties go to the later */
+    uint64_t tokens;       /* tokens computed for it */
+    int32_t n_live;        /* its live requests */
+    bool named;            /* in the params' shares: kept while idle (the others go when idle) */
+    uint64_t pass;         /* the last candidate pass (cs_sched.pass) that saw a prompt of it, */
     int32_t pass_priority; /* at this priority: its newer ones there are not candidates */
     struct tenant *next;
 } tenant;
@@ -39,7 +39,7 @@ typedef struct seq {
     tenant *tn;           /* whose request */
     uint64_t chunk_stamp; /* the step that last gave (or tried) it a prompt chunk */
     int32_t step_k;       /* tokens the step of chunk_stamp computes for it */
-    int32_t *tokens; /* (cap) prompt then generated */
+    int32_t *tokens;      /* (cap) prompt then generated */
     int32_t n_tokens, cap, n_prompt;
     int32_t n_context; /* tokens to compute before the first sample: the prompt
                           plus any resumed (migrated) tokens */
@@ -88,21 +88,21 @@ struct cs_sched {
     double vfloor;          /* the virtual tokens of the last tenant to go idle (tenant_join) */
     uint64_t joins;         /* counts tenants becoming active (tenant.joined) */
     uint64_t stamp;         /* counts steps (seq.chunk_stamp) */
-    uint64_t pass;          /* counts the candidate passes of a step's prompt chunks (tenant.pass) */
+    uint64_t pass; /* counts the candidate passes of a step's prompt chunks (tenant.pass) */
     int32_t n_waiting, n_running, n_remote, n_kv_ready;
     uint64_t next_arrival;
     cs_sched_stats st;
     cs_step_info last;
-    cs_step_model model; /* step time, for step_time_target_ms (fitted in every mode; the
-                            target's part of a step: a draft model's is its own) */
+    cs_step_model model;  /* step time, for step_time_target_ms (fitted in every mode; the
+                             target's part of a step: a draft model's is its own) */
     cs__drafter *drafter; /* with draft_engine */
     float spec_prior;     /* every check's acceptance rate, a slow moving average (0.5
                              before any): a new sequence's when above 0.5 */
-    double overrun;      /* measured / predicted seconds of recent steps with prompt chunks
-                            (moving average; 1 until measured): the TTFT prediction's rate */
-    double prompt_rate;  /* prompt tokens / seconds of recent steps with prompt chunks (moving
-                            average; 0 until one): the rate while the model is not fitted */
-    int32_t probe;       /* chunk cap until the model is ready (timed_chunk) */
+    double overrun;       /* measured / predicted seconds of recent steps with prompt chunks
+                             (moving average; 1 until measured): the TTFT prediction's rate */
+    double prompt_rate;   /* prompt tokens / seconds of recent steps with prompt chunks (moving
+                             average; 0 until one): the rate while the model is not fitted */
+    int32_t probe;        /* chunk cap until the model is ready (timed_chunk) */
     /* structured outputs: the vocabulary trie (built at the first such request)
      * and the compiled grammars, shared by equal specs with their mask caches */
     cs_vocab_trie *trie;
@@ -116,7 +116,7 @@ struct cs_sched {
     /* step scratch */
     cs_span *spans;
     seq **owners;
-    int32_t *drafts; /* per span: drafted tokens after its decode token (speculation) */
+    int32_t *drafts;     /* per span: drafted tokens after its decode token (speculation) */
     cs__draft_job *jobs; /* a draft model's: per drafting decode, and its span */
     int32_t *job_span;
     float *logits;
@@ -547,11 +547,11 @@ int cs_sched_add(cs_sched *s, const cs_request *r) {
     int32_t from = r->kv_mode == CS_KV_REMOTE ? r->n_prompt : q->n_computed;
     if (!rc && (r->reserve || r->kv_mode == CS_KV_REMOTE) &&
         (rc = cs_page_table_reserve(&q->pt, s->kv, from, r->n_prompt)) == CS_ENOSPC)
-        rc = cs_fail(
-            CS_ENOSPC, "request %llu: no room now: its %d tokens need %d KV pages, %d are free",
-            (unsigned long long)r->id, r->n_prompt,
-            cs_page_table_need(&q->pt, s->kv, from, r->n_prompt),
-            cs_kv_cache_n_free(s->kv) + cs_kv_cache_n_cached(s->kv));
+        rc = cs_fail(CS_ENOSPC,
+                     "request %llu: no room now: its %d tokens need %d KV pages, %d are free",
+                     (unsigned long long)r->id, r->n_prompt,
+                     cs_page_table_need(&q->pt, s->kv, from, r->n_prompt),
+                     cs_kv_cache_n_free(s->kv) + cs_kv_cache_n_cached(s->kv));
     if (!rc && !(q->tn = tenant_of(s, r->tenant ? r->tenant : "")))
         rc = cs_fail(CS_ENOMEM, "out of memory");
     if (!rc) tenant_join(s, q->tn);
@@ -656,7 +656,8 @@ static int32_t missing_block(const cs_sched *s, const uint64_t *h, int32_t b0, i
     const int32_t wb = cs_kv_cache_window_block(s->kv, hit * s->page_size);
     for (int32_t b = b1 - 1; b >= b0; b--)
         for (int32_t j = 0; j < per_block; j++)
-            if ((j < n_global || b >= wb) && !cs_kv_cache_has(s->kv, cs_kv_cache_kind_hash(h[b], j)))
+            if ((j < n_global || b >= wb) &&
+                !cs_kv_cache_has(s->kv, cs_kv_cache_kind_hash(h[b], j)))
                 return b;
     return -1;
 }
@@ -678,7 +679,8 @@ static void reuse_prefix(cs_sched *s, seq *q) {
     if (!h) return; /* no reuse; the pages are computed instead */
     uint64_t prev = q->hash_root;
     for (int32_t i = 0; i < full; i++)
-        h[i] = prev = cs_kv_cache_page_hash(prev, q->tokens + (size_t)i * s->page_size, s->page_size);
+        h[i] = prev =
+            cs_kv_cache_page_hash(prev, q->tokens + (size_t)i * s->page_size, s->page_size);
     /* the longest run of blocks whose global pages are all cached */
     const int32_t per_block = cs_kv_cache_per_block(s->kv), n_global = cs_kv_cache_n_global(s->kv);
     int32_t k = 0;
@@ -726,7 +728,8 @@ static void settle_pages(cs_sched *s, seq *q) {
                 q->last_hash, q->tokens + (size_t)q->n_hashed * s->page_size, s->page_size);
             for (int32_t j = 0; j < per_block; j++) {
                 int32_t id = q->pt.pages[(size_t)j * q->pt.cap + q->n_hashed];
-                if (id >= 0) cs_kv_cache_register(s->kv, id, cs_kv_cache_kind_hash(q->last_hash, j));
+                if (id >= 0)
+                    cs_kv_cache_register(s->kv, id, cs_kv_cache_kind_hash(q->last_hash, j));
             }
         }
     }
@@ -816,7 +819,7 @@ static void add_span(cs_sched *s, int32_t *n_spans, seq *q, int32_t k) {
     bool last = q->n_computed + k == q->n_tokens;
     int32_t rows = plp_rows(q, k);
     s->spans[*n_spans] =
-        (cs_span){q->tokens + q->n_computed, k, q->n_computed, q->pt.pages, q->pt.n_pages,
+        (cs_span){q->tokens + q->n_computed, k,        q->n_computed, q->pt.pages, q->pt.n_pages,
                   rows ? rows + last : last, q->pt.cap};
     s->drafts[*n_spans] = 0;
     s->owners[(*n_spans)++] = q;
@@ -1091,8 +1094,8 @@ void cs_sched_ttft_load(const cs_sched *s, cs_ttft_load *L) {
     for (int k = 0; k < CS_STEP_MODEL_FEATURES; k++)
         L->w[k] *= s->overrun;
     const double mean = todo > 0 ? at / todo : 0; /* the queued tokens' mean position */
-    int32_t c = (s->p.max_num_batched_tokens ? s->p.max_num_batched_tokens : 8192) -
-                (int32_t)L->dec_tokens;
+    int32_t c =
+        (s->p.max_num_batched_tokens ? s->p.max_num_batched_tokens : 8192) - (int32_t)L->dec_tokens;
     if (s->p.max_chunk_tokens > 0 && s->p.max_num_partial_prefills > 0 &&
         c > s->p.max_chunk_tokens * s->p.max_num_partial_prefills)
         c = s->p.max_chunk_tokens * s->p.max_num_partial_prefills;
@@ -1120,7 +1123,7 @@ void cs_sched_ttft_load(const cs_sched *s, cs_ttft_load *L) {
     int32_t per_seq = cs_kv_cache_seq_pages(s->kv, (int32_t)(ctx < 1e9 ? ctx : 1e9) + 1);
     double fit = (double)cs_kv_cache_n_pages(s->kv) / (per_seq > 0 ? per_seq : 1);
     if (fit < n) n = fit > 1 ? floor(fit) : 1;
-#define DECODES(k) cs_step_model_eval(L->w, (k), (k) * ctx, (k))
+#define DECODES(k) cs_step_model_eval(L->w, (k), (k)*ctx, (k))
     if (DECODES(n) > target) {
         double lo = 1, hi = n; /* lo fits (or is the least), hi does not */
         while (hi - lo > 1) {
@@ -1287,7 +1290,8 @@ static int32_t add_drafts(cs_sched *s, step_work *work, int32_t room) {
             continue;
         }
         work_add(&plan, q->n_computed + 1, d, d);
-        s->jobs[n_jobs++] = (cs__draft_job){&q->ds, q->tokens, q->n_tokens, d, 0};
+        s->jobs[n_jobs++] = (cs__draft_job){
+            .ds = &q->ds, .tokens = q->tokens, .n_tokens = q->n_tokens, .want = d, .smp = q->smp};
         s->job_span[n_jobs - 1] = i;
         added += d;
     }
@@ -1302,7 +1306,8 @@ static int32_t add_drafts(cs_sched *s, step_work *work, int32_t room) {
     if (target > 0 && cost.token_s <= 0) {
         catchup = s->page_size;
     } else if (target > 0 && cs_step_model_ready(&s->model)) {
-        double left = target - cs_step_model_predict(&s->model, plan.tokens, plan.pairs, plan.rows) -
+        double left = target -
+                      cs_step_model_predict(&s->model, plan.tokens, plan.pairs, plan.rows) -
                       cost.passes * cost.pass_s;
         double fit = left > 0 ? left / cost.token_s : 0;
         if (fit < catchup) catchup = (int32_t)fit;
@@ -1618,8 +1623,7 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
         int32_t k = timed_chunk(s, q, pool_chunk(s, q, chunk_len(s, left, budget - used)), &work,
                                 n_spans > s->last.n_decode);
         k = plp_cap(q, k, plp_room);
-        if (k == 0 ||
-            cs_page_table_reserve(&q->pt, s->kv, q->n_computed, q->n_computed + k) != 0) {
+        if (k == 0 || cs_page_table_reserve(&q->pt, s->kv, q->n_computed, q->n_computed + k) != 0) {
             /* no time, or not enough pages now: give back the prefix and wait */
             cs_page_table_release(&q->pt, s->kv);
             q->n_computed = q->n_hashed = 0;

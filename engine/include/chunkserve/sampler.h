@@ -85,6 +85,15 @@ int32_t cs_argmax(const float *v, int32_t n);
  * If lp is not NULL it receives the chosen token's log-probability and the
  * n_top (0..CS_MAX_TOP_LOGPROBS, clamped) most likely alternatives. */
 int32_t cs_sampler_sample(cs_sampler *s, float *logits, int32_t n_top, cs_logprobs *lp);
+/* A speculative draft's proposal for the token `ahead` tokens after the
+ * next (0: the next), from a draft model's logits over the first n ids
+ * (overwritten as scratch): greedy requests take the argmax; sampled ones
+ * the pick of the request's temperature and filters with the very random
+ * number its own sample there will use (no penalties, bias or masks). The
+ * check compares the proposal with that sample, so a draft model close to
+ * the target proposes what the target will draw, not only its most likely
+ * token; and the output stays the target's own samples. */
+int32_t cs_sampler_propose(cs_sampler *s, float *logits, int32_t n, int32_t ahead);
 /* The same, with only the tokens set in allow (n_vocab bits, bit i of
  * allow[i / 32]; at least one set) eligible: a structured output's mask
  * (chunkserve/grammar.h), applied after the penalties, logit_bias and the
