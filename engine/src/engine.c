@@ -134,6 +134,16 @@ static int check_span_pages(const cs_engine *e, const cs_span *sp, int32_t s) {
     return 0;
 }
 
+void cs_engine_parallel_for(cs_engine *e, int64_t n,
+                            void (*fn)(void *arg, int64_t begin, int64_t end, int range),
+                            void *arg) {
+    if (n <= 0) return;
+    if (e->be->iface->parallel_for)
+        e->be->iface->parallel_for(e->be->ctx, n, fn, arg);
+    else
+        fn(arg, 0, n, 0);
+}
+
 int cs_engine_step(cs_engine *e, const cs_span *spans, int32_t n_spans, float *logits) {
     const cs_model_config *c = &e->m->cfg;
     if (n_spans < 1) return cs_fail(CS_EINVAL, "step: no spans");
@@ -174,9 +184,9 @@ int cs_engine_step(cs_engine *e, const cs_span *spans, int32_t n_spans, float *l
         e->cap_spans = n_spans;
     }
     for (int32_t s = 0; s < n_spans; s++)
-        e->bspans[s] = (cs_backend_span){spans[s].tokens, spans[s].n_tokens, spans[s].pos,
-                                         spans[s].pages,  spans[s].n_pages,  spans[s].n_logits,
-                                         spans[s].stride};
+        e->bspans[s] =
+            (cs_backend_span){spans[s].tokens,  spans[s].n_tokens, spans[s].pos,   spans[s].pages,
+                              spans[s].n_pages, spans[s].n_logits, spans[s].stride};
     return e->be->iface->forward(e->be->ctx, e->bspans, n_spans, (int32_t)n_tokens, logits);
 }
 
@@ -211,8 +221,7 @@ int cs_engine_eval_seq(cs_engine *e, cs_page_table *pt, int32_t pos, const int32
         int32_t k = n - done < chunk ? n - done : chunk;
         int r = cs_page_table_reserve(pt, e->kv, pos + done, pos + done + k);
         if (r) return r;
-        cs_span sp = {tokens + done, k,         pos + done, pt->pages, pt->n_pages,
-                      done + k == n, pt->cap};
+        cs_span sp = {tokens + done, k, pos + done, pt->pages, pt->n_pages, done + k == n, pt->cap};
         if ((r = cs_engine_step(e, &sp, 1, logits))) return r;
         cs_page_table_trim(pt, e->kv, pos + done + k);
     }

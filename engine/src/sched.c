@@ -119,6 +119,7 @@ struct cs_sched {
     int32_t *drafts;     /* per span: drafted tokens after its decode token (speculation) */
     cs__draft_job *jobs; /* a draft model's: per drafting decode, and its span */
     int32_t *job_span;
+    struct sample *samples; /* per span: its sample, drawn before the events (draw_samples) */
     float *logits;
     int32_t cap_spans, cap_rows;
     cs_event *events;
@@ -126,6 +127,16 @@ struct cs_sched {
     cs_prompt_logprob **plps; /* their prompt logprobs, likewise */
     int32_t n_events, cap_events;
 };
+
+/* A span's sampled token (a decode's, or a prompt's last chunk's first token). */
+typedef struct sample {
+    seq *q;                /* NULL: the span samples nothing this step */
+    float *row;            /* its logits (scratch for the sampler) */
+    const uint32_t *allow; /* a structured output's mask, or NULL */
+    bool failed;           /* no memory for that mask */
+    int32_t id;
+    cs_logprobs lp;
+} sample;
 
 cs_sched_params cs_sched_params_default(void) {
     cs_sched_params p = {0};
@@ -291,7 +302,7 @@ void cs_sched_free(cs_sched *s) {
     for (tenant *t = s->tenants, *n; t; t = n)
         n = t->next, free(t);
     free(s->spans), free(s->owners), free(s->drafts), free(s->logits), free(s->events);
-    free(s->jobs), free(s->job_span);
+    free(s->jobs), free(s->job_span), free(s->samples);
     free(s->texts);
     free(s->plps);
     for (int i = 0; i < CS_SCHED_GRAMMARS; i++) {
@@ -782,7 +793,10 @@ static int grow_scratch(cs_sched *s, int32_t n) {
     if (jb) s->jobs = jb;
     int32_t *js = realloc(s->job_span, (size_t)cap * sizeof *js);
     if (js) s->job_span = js;
-    if (!sp || !ow || !dr || !jb || !js) return cs_fail(CS_ENOMEM, "scheduler: out of memory");
+    sample *sm = realloc(s->samples, (size_t)cap * sizeof *sm);
+    if (sm) s->samples = sm;
+    if (!sp || !ow || !dr || !jb || !js || !sm)
+        return cs_fail(CS_ENOMEM, "scheduler: out of memory");
     s->cap_spans = cap;
     return grow_events(s, 2 * cap);
 }
@@ -1331,6 +1345,42 @@ static int32_t add_drafts(cs_sched *s, step_work *work, int32_t room) {
     return added;
 }
 
+static void sample_range(void *arg, int64_t begin, int64_t end, int range) {
+    (void)range;
+    sample *sm = arg;
+    for (int64_t i = begin; i < end; i++) {
+        sample *x = &sm[i];
+        if (!x->q || x->failed) continue;
+        x->id = cs_sampler_sample_allowed(x->q->smp, x->row, x->allow, x->q->top_logprobs,
+                                          x->q->logprobs ? &x->lp : NULL);
+    }
+}
+
+/* Draws the step's samples (every span that ends at its sequence's last
+ * token, not a speculating one: verify draws those in order) on the
+ * engine's threads: each sequence's sampler is its own, so the tokens are
+ * those of one after the other; the events follow in span order. The
+ * structured outputs' masks are taken first, here. */
+static void draw_samples(cs_sched *s, int32_t n_spans) {
+    int32_t row = 0, n = 0;
+    for (int32_t i = 0; i < n_spans; i++) {
+        const cs_span *sp = &s->spans[i];
+        sample *x = &s->samples[i];
+        *x = (sample){0};
+        row += sp->n_logits;
+        seq *q = s->owners[i];
+        if (s->drafts[i] > 0 || q->n_computed + sp->n_tokens != q->n_tokens) continue;
+        x->q = q;
+        x->row = s->logits + (size_t)(row - 1) * s->n_vocab;
+        x->failed = q->gm && cs_matcher_mask(q->gm, &x->allow) < 0;
+        n++;
+    }
+    if (n > 1)
+        cs_engine_parallel_for(s->e, n_spans, sample_range, s->samples);
+    else
+        sample_range(s->samples, 0, n_spans, 0);
+}
+
 /* Checks span i's drafts (speculation in sched.h): samples its rows in order
  * with the sequence's own sampler (and structured output), keeps drafted
  * tokens while they equal the sample, and emits every sampled token up to
@@ -1694,6 +1744,7 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
         return r;
     }
     s->st.steps++;
+    draw_samples(s, n_spans);
     int32_t li = 0;
     for (int32_t i = 0; i < n_spans; i++) {
         if (s->drafts[i] > 0) { /* a decode with drafts: its own rows */
@@ -1747,17 +1798,16 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
             }
             continue;
         }
-        cs_logprobs lp;
-        const uint32_t *allow = NULL;
-        if (q->gm && cs_matcher_mask(q->gm, &allow) < 0) {
-            li++;
+        sample *x = &s->samples[i];
+        CS_ASSERT(x->q == q);
+        li++;
+        if (x->failed) {
             end_in_error(s, q, CS_ENOMEM, "out of memory for the structured output's mask");
             s->owners[i] = NULL;
             continue;
         }
-        int32_t id = cs_sampler_sample_allowed(q->smp, s->logits + (size_t)li++ * s->n_vocab, allow,
-                                               q->top_logprobs, q->logprobs ? &lp : NULL);
-        if ((r = emit_token(s, q, id, &lp, n_new ? q->xfer + first : NULL, first, n_new, NULL)))
+        if ((r = emit_token(s, q, x->id, &x->lp, n_new ? q->xfer + first : NULL, first, n_new,
+                            NULL)))
             return r;
         s->owners[i] = NULL;
     }

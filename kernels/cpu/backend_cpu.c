@@ -294,8 +294,13 @@ static void *cpu_kv_pool(void *p, int *device) {
     return ((cpu_ctx *)p)->kv;
 }
 
+static void cpu_parallel_for(void *p, int64_t n, cs_range_fn fn, void *arg) {
+    cs_threadpool_for(((cpu_ctx *)p)->pool, n, fn, arg);
+}
+
 static const struct cs_backend_iface cpu_iface = {
-    "cpu", cpu_free, cpu_kv_init, cpu_forward, cpu_kv_export, cpu_kv_import, cpu_kv_pool,
+    "cpu",         cpu_free,      cpu_kv_init, cpu_forward,
+    cpu_kv_export, cpu_kv_import, cpu_kv_pool, cpu_parallel_for,
 };
 
 int cs_backend_cpu_init(const cs_weights *m, int n_threads, bool kv_bf16, cs_backend **out) {

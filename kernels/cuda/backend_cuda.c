@@ -286,8 +286,8 @@ static int cuda_forward(void *p, const cs_backend_span *spans, int32_t n_spans, 
     CS_ASSERT(t == n_tokens);
     CS_CUDA_CHECK(
         cudaMemcpyAsync(c->meta_d, c->meta_h, (size_t)n_meta * 4, cudaMemcpyHostToDevice, c->st));
-    const int32_t *d_ids = c->meta_d, *d_pos = d_ids + T, *d_slot = d_pos + T,
-                  *d_page = d_slot + T, *d_rows = d_page + (size_t)K * T;
+    const int32_t *d_ids = c->meta_d, *d_pos = d_ids + T, *d_slot = d_pos + T, *d_page = d_slot + T,
+                  *d_rows = d_page + (size_t)K * T;
     const cs_cuda_att_tile *d_tiles = (const cs_cuda_att_tile *)(d_rows + n_rows);
     const int32_t *d_ptab = (const int32_t *)(d_tiles + T);
 
@@ -302,8 +302,7 @@ static int cuda_forward(void *p, const cs_backend_span *spans, int32_t n_spans, 
                                 L->inv_freq, l_page, d_slot, c->kv, L->kv_slot, T, nh, nkv, hd,
                                 c->st);
         cs__cuda_attention(c->act, c->q, d_tiles, n_tiles, max_ctx, l_ptab, c->kv, L->kv_slot, nh,
-                           nkv, hd,
-                           cf->attn_scale, L->window, &c->att_split, c->st);
+                           nkv, hd, cf->attn_scale, L->window, &c->att_split, c->st);
         /* the residual add: in the GEMM's epilogue, or after the post norm */
         if (L->post_attn_norm) {
             cs__cuda_gemm(c->blas, c->big, c->act, L->wo, T, dim, qd, 0.0f);
@@ -386,7 +385,8 @@ static void *cuda_kv_pool(void *p, int *device) {
 }
 
 static const struct cs_backend_iface cuda_iface = {
-    "cuda", cuda_free, cuda_kv_init, cuda_forward, cuda_kv_export, cuda_kv_import, cuda_kv_pool,
+    "cuda",         cuda_free,      cuda_kv_init, cuda_forward,
+    cuda_kv_export, cuda_kv_import, cuda_kv_pool, NULL, /* parallel_for: the caller alone */
 };
 
 /* Carves the weights; fills them from m (fp32, converted on the device) or

@@ -62,9 +62,9 @@ typedef struct {
     const int32_t *pages;  /* page table covering positions [0, pos + n_tokens): a
                               cs_page_table's pages (kind j's row at pages + j * stride) */
     int32_t n_pages;       /* blocks */
-    int32_t n_logits; /* logits of the span's last n_logits tokens (0..n_tokens): 1 to
-                         sample the next token, more for the prompt's log-probabilities */
-    int32_t stride;   /* the table's cap: read only when a block takes several pages */
+    int32_t n_logits;      /* logits of the span's last n_logits tokens (0..n_tokens): 1 to
+                              sample the next token, more for the prompt's log-probabilities */
+    int32_t stride;        /* the table's cap: read only when a block takes several pages */
 } cs_span;
 
 /* One ragged forward step over n_spans spans (at most one span per sequence).
@@ -74,6 +74,14 @@ typedef struct {
  * Checks everything first (token ids, positions within the model's context,
  * page ids allocated and covering each span); on CS_EINVAL nothing is written. */
 int cs_engine_step(cs_engine *e, const cs_span *spans, int32_t n_spans, float *logits);
+
+/* Runs fn(arg, begin, end, range) over [0, n), split on the engine's host
+ * threads when the backend has them (the CPU backend's pool), between
+ * steps only (one job at a time, the caller's thread among them); the
+ * split depends only on n and the thread count. */
+void cs_engine_parallel_for(cs_engine *e, int64_t n,
+                            void (*fn)(void *arg, int64_t begin, int64_t end, int range),
+                            void *arg);
 
 /* Convenience for driving one sequence (tools, tests; the scheduler does this
  * for many): evaluates n tokens at positions pos.. in chunks of at most

@@ -140,8 +140,8 @@ typedef struct {
     const int32_t *pages;  /* page table covering positions [0, pos + n_tokens): kind j's
                               page of block i at pages[j * stride + i] */
     int32_t n_pages;       /* blocks */
-    int32_t n_logits; /* logits of the span's last n_logits tokens */
-    int32_t stride;   /* entries between one kind's row and the next */
+    int32_t n_logits;      /* logits of the span's last n_logits tokens */
+    int32_t stride;        /* entries between one kind's row and the next */
 } cs_backend_span;
 
 typedef struct cs_backend cs_backend;
@@ -160,6 +160,10 @@ struct cs_backend_iface {
     /* The pool's memory (page p at base + p * page_bytes) and where it is:
      * *device = -1 for host memory, else the CUDA device ordinal. */
     void *(*kv_pool)(void *ctx, int *device);
+    /* Runs fn over [0, n) split on the backend's host threads, between steps
+     * (cs_threadpool_for's contract); NULL: the caller runs it alone. */
+    void (*parallel_for)(void *ctx, int64_t n,
+                         void (*fn)(void *arg, int64_t begin, int64_t end, int range), void *arg);
 };
 
 struct cs_backend {
