@@ -373,41 +373,39 @@ void cs__qmat_amx_panels(const cs_qout *outs, const cs_qact *a, const cs_qmat *w
     /* whole tiles of 16 tokens; none where the tile state was not granted
      * (a test forcing these kernels), so every token goes to VNNI */
     const int64_t full = cs__qmat_amx_usable() ? a->n_tokens / 16 * 16 : 0;
-    if (full > 0) {
-        const tile_config *loaded = NULL;
-        int part = 0;
-        for (int64_t p = p0; p < p1; p++) {
-            part = cs__qmat_part_of(w, p, part);
-            const cs_qpart *P = &w->part[part];
-            if (!amx_type(P->type)) continue;
-            const tile_config *cfg = cs__qmat_is_k(P->type) ? &k_config : &block_config;
-            if (cfg != loaded) _tile_loadconfig(cfg), loaded = cfg;
+    /* the rest (fewer than a tile) on VNNI, each panel right after its
+     * tiles, while its weights are still in cache: a second pass over the
+     * panels read every weight again (a decode step of 17 tokens cost
+     * about two of 16) */
+    cs_qact rest;
+    cs_qout ro[CS_QMAT_PARTS];
+    cs__qmat_token_slice(outs, a, w->n_parts, full, a->n_tokens - full, ro, &rest);
+    const tile_config *loaded = NULL;
+    int part = 0;
+    for (int64_t p = p0; p < p1;) {
+        part = cs__qmat_part_of(w, p, part);
+        const cs_qpart *P = &w->part[part];
+        int64_t e = part + 1 < w->n_parts ? w->part[part + 1].panel0 : w->n_panels;
+        if (e > p1) e = p1;
+        if (full == 0 || !amx_type(P->type)) { /* this part's panels on VNNI, every token */
+            cs__qmat_vnni_panels(outs, a, w, p, e);
+            p = e;
+            continue;
+        }
+        const tile_config *cfg = cs__qmat_is_k(P->type) ? &k_config : &block_config;
+        if (cfg != loaded) _tile_loadconfig(cfg), loaded = cfg;
+        const cs_qout *o = &outs[part];
+        for (; p < e; p++) {
             const int64_t row0 = (p - P->panel0) * CS_QROWS;
             const int64_t left = P->rows - row0;
-            const cs_qout *o = &outs[part];
             const cs_qpanel v = cs__qmat_panel(w, P, p - P->panel0);
             panels[P->type](&v, o->out + row0, o->ldo, o->bias ? o->bias + row0 : NULL,
                             left >= CS_QROWS ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1), a,
                             full);
+            if (rest.n_tokens > 0) cs__qmat_vnni_panels(ro, &rest, w, p, p + 1);
         }
-        _tile_release(); /* back to the init state: cheap context switches */
     }
-    /* the rest on VNNI: the last tokens (fewer than a tile) */
-    cs_qact rest;
-    cs_qout ro[CS_QMAT_PARTS];
-    cs__qmat_token_slice(outs, a, w->n_parts, full, a->n_tokens - full, ro, &rest);
-    int part = 0;
-    for (int64_t p = p0; p < p1;) { /* runs of panels of one part */
-        part = cs__qmat_part_of(w, p, part);
-        const bool amx = full > 0 && amx_type(w->part[part].type);
-        int64_t e = part + 1 < w->n_parts ? w->part[part + 1].panel0 : w->n_panels;
-        if (e > p1) e = p1;
-        if (!amx)
-            cs__qmat_vnni_panels(outs, a, w, p, e);
-        else if (rest.n_tokens > 0)
-            cs__qmat_vnni_panels(ro, &rest, w, p, e);
-        p = e;
-    }
+    if (loaded) _tile_release(); /* back to the init state: cheap context switches */
 }
 
 /* iters x 16 tile products of 16 x 16 x 64 bytes (16,384 MACs each) on
