@@ -228,7 +228,7 @@ static bool allowed_outside(const uint32_t *allow, int32_t n, const int32_t *sup
  * every token above, so they are that order's first c. The cut comes from
  * a histogram of the exponents: the highest that holds the top k, every
  * token at or above min_p, and (when neither cuts) enough mass for top-p;
- * if the mass read from the histogram proves short, the next lower cut. */
+ * if the mass read from the histogram proves short, every token. */
 /* A non-negative float's biased binary exponent (0 for 0 and subnormals):
  * larger floats never have smaller ones. */
 static inline uint32_t exponent(float x) {
@@ -275,7 +275,7 @@ static int32_t candidates(cs_sampler *s, const float *probs, int32_t n, double s
         double acc = 0; /* top-p alone: does the walk end inside? */
         for (int32_t i = 0; i < c; i++)
             if ((acc += probs[s->idx[i]]) >= p->top_p * sum) return c;
-        cut--;
+        cut = 0; /* the histogram's mass was short (the sums' order; NaN): every token */
     }
 }
 
@@ -303,7 +303,9 @@ static int32_t pick(cs_sampler *s, float *logits, int32_t n, int64_t ahead) {
                 k++;
             m = k;
         }
-        double kept = sum; /* nothing cut: the whole vocabulary's, in id order */
+        /* nothing cut by top-k or min-p: the whole vocabulary's total, in id
+         * order (no sort of every token needed) */
+        double kept = sum;
         if (m < n) {
             CS_ASSERT(m <= c);
             kept = 0;

@@ -120,6 +120,7 @@ struct cs_sched {
     cs__draft_job *jobs; /* a draft model's: per drafting decode, and its span */
     int32_t *job_span;
     struct sample *samples; /* per span: its sample, drawn before the events (draw_samples) */
+    int32_t *sampling;      /* the spans that sample this step (draw_samples) */
     float *logits;
     int32_t cap_spans, cap_rows;
     cs_event *events;
@@ -302,7 +303,7 @@ void cs_sched_free(cs_sched *s) {
     for (tenant *t = s->tenants, *n; t; t = n)
         n = t->next, free(t);
     free(s->spans), free(s->owners), free(s->drafts), free(s->logits), free(s->events);
-    free(s->jobs), free(s->job_span), free(s->samples);
+    free(s->jobs), free(s->job_span), free(s->samples), free(s->sampling);
     free(s->texts);
     free(s->plps);
     for (int i = 0; i < CS_SCHED_GRAMMARS; i++) {
@@ -795,7 +796,9 @@ static int grow_scratch(cs_sched *s, int32_t n) {
     if (js) s->job_span = js;
     sample *sm = realloc(s->samples, (size_t)cap * sizeof *sm);
     if (sm) s->samples = sm;
-    if (!sp || !ow || !dr || !jb || !js || !sm)
+    int32_t *sg = realloc(s->sampling, (size_t)cap * sizeof *sg);
+    if (sg) s->sampling = sg;
+    if (!sp || !ow || !dr || !jb || !js || !sm || !sg)
         return cs_fail(CS_ENOMEM, "scheduler: out of memory");
     s->cap_spans = cap;
     return grow_events(s, 2 * cap);
@@ -1347,10 +1350,10 @@ static int32_t add_drafts(cs_sched *s, step_work *work, int32_t room) {
 
 static void sample_range(void *arg, int64_t begin, int64_t end, int range) {
     (void)range;
-    sample *sm = arg;
+    const cs_sched *s = arg;
     for (int64_t i = begin; i < end; i++) {
-        sample *x = &sm[i];
-        if (!x->q || x->failed) continue;
+        sample *x = &s->samples[s->sampling[i]];
+        if (x->failed) continue;
         x->id = cs_sampler_sample_allowed(x->q->smp, x->row, x->allow, x->q->top_logprobs,
                                           x->q->logprobs ? &x->lp : NULL);
     }
@@ -1373,12 +1376,12 @@ static void draw_samples(cs_sched *s, int32_t n_spans) {
         x->q = q;
         x->row = s->logits + (size_t)(row - 1) * s->n_vocab;
         x->failed = q->gm && cs_matcher_mask(q->gm, &x->allow) < 0;
-        n++;
+        s->sampling[n++] = i;
     }
     if (n > 1)
-        cs_engine_parallel_for(s->e, n_spans, sample_range, s->samples);
+        cs_engine_parallel_for(s->e, n, sample_range, s);
     else
-        sample_range(s->samples, 0, n_spans, 0);
+        sample_range(s, 0, n, 0);
 }
 
 /* Checks span i's drafts (speculation in sched.h): samples its rows in order
