@@ -1,7 +1,7 @@
 /* sampler.c: token selection. Order of operations follows vLLM: penalties on
  * raw logits, then logit_bias, the min_tokens suppression and a structured output's mask
  * (tokens it does not allow at -inf), temperature, then top-k / min-p / top-p on probabilities,
- * then one draw from the sequence's own xoshiro256** stream. */
+ * then one number from the sequence's counter-based splitmix64 stream (seed, token index). */
 #include "chunkserve/sampler.h"
 
 #include <math.h>

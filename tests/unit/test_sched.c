@@ -308,7 +308,7 @@ static void check_speculation(void) {
  * step-time target), draft lengths 1..16, a target
  * pool small enough to preempt and a draft pool too small for every
  * sequence (those draft nothing), drafts always taken or weighed by the
- * step model. Drafts from the target itself (every greedy draft kept), from
+ * step model. Drafts from the target itself (every draft kept, greedy and seeded), from
  * the same model in f16 and from one with other weights (the seed2 tiny:
  * mostly rejected). The tiny gemma3 drafts for itself (windowed layers: the
  * draft's windowed pages are trimmed and rebuilt). (Every tiny model has
