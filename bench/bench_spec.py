@@ -26,10 +26,12 @@ design). Nothing here asserts a speed.
   python3 bench/bench_spec.py [--bin build/bin/chunkserve] [--model M] [--rounds 3]
                               [--concurrency 1,4,16] [--tokens 128] [--drafts 4]
                               [--spec ngram|draft:PATH] [--workloads code,edit,rag,chat]
+                              [--trace DIR]
 """
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import threading
@@ -103,12 +105,16 @@ STOP = {"edit": ["```"]}  # the end of the code block ends the answer
 IGNORE_EOS = {"chat"}  # a full-length answer: what speculation costs where it finds little
 
 
-def start(binary, model, threads, spec, drafts, mode):
+def start(binary, model, threads, spec, drafts, mode, trace):
+    env = dict(os.environ)
+    if trace:  # one step trace per server (serve's CHUNKSERVE_STEP_TRACE)
+        os.makedirs(trace, exist_ok=True)
+        env["CHUNKSERVE_STEP_TRACE"] = os.path.join(trace, "spec.csv" if spec else "plain.csv")
     args = [binary, "serve", "--model", model, "--port", "0", "--openai-port", "0",
             "--threads", str(threads), "--kv-cache-mib", "512"]
     if spec:
         args += ["--speculative", mode, "--num-speculative-tokens", str(drafts)]
-    p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    p = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env)
     lines = [p.stdout.readline().decode().strip() for _ in range(3)]
     return p, lines[1].split()[-1], lines[2].split()[-1]
 
@@ -180,6 +186,7 @@ def main():
     ap.add_argument("--drafts", type=int, default=4)
     ap.add_argument("--workloads", default="code,edit,rag,chat")
     ap.add_argument("--spec", default="ngram", help="the speculating server's --speculative")
+    ap.add_argument("--trace", help="a folder for each server's step trace (plain.csv, spec.csv)")
     a = ap.parse_args()
     concs = [int(c) for c in a.concurrency.split(",")]
     works = a.workloads.split(",")
@@ -189,7 +196,7 @@ def main():
     # Both servers stay up (an idle one waits on a futex); each (workload, concurrency)
     # runs its rounds back to back, the two modes alternating which goes first, so the
     # two sides of a per-round ratio are measured seconds apart.
-    servers = {spec: start(a.bin, a.model, a.threads, spec, a.drafts, a.spec)
+    servers = {spec: start(a.bin, a.model, a.threads, spec, a.drafts, a.spec, a.trace)
                for spec in (False, True)}
     try:
         for w in works:

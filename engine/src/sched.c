@@ -18,6 +18,7 @@
 #include "chunkserve/step_model.h"
 #include "chunkserve/ttft.h"
 #include "draft.h"
+#include "spec_gate.h"
 #include "util.h"
 
 /* A tenant (sched.h, tenants): what the scheduler computed for it. */
@@ -98,6 +99,7 @@ struct cs_sched {
     cs__drafter *drafter; /* with draft_engine */
     float spec_prior;     /* every check's acceptance rate, a slow moving average (0.5
                              before any): a new sequence's when above 0.5 */
+    cs__spec_gate gate;   /* whether drafts paid, measured per decode batch size */
     double overrun;       /* measured / predicted seconds of recent steps with prompt chunks
                              (moving average; 1 until measured): the TTFT prediction's rate */
     double prompt_rate;   /* prompt tokens / seconds of recent steps with prompt chunks (moving
@@ -1714,7 +1716,9 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
 
     /* 3. speculation: drafts for the decodes, in the budget that is left
      * (at most CS_SCHED_DRAFT_ROWS: they are logits rows too) */
-    if (s->p.num_speculative_tokens > 0 && s->last.n_decode > 0 && used < budget) {
+    if (s->p.num_speculative_tokens > 0 && s->last.n_decode > 0 && used < budget &&
+        (s->p.speculative_always ||
+         cs__spec_gate_allows(&s->gate, s->last.n_decode, s->last.n_prefill == 0))) {
         int32_t room = budget - used < CS_SCHED_DRAFT_ROWS ? budget - used : CS_SCHED_DRAFT_ROWS;
         int32_t added = add_drafts(s, &work, room);
         s->last.n_draft_tokens = added;
@@ -1737,6 +1741,7 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
         cs_step_model_ready(&s->model)
             ? cs_step_model_predict(&s->model, work.tokens, work.pairs, work.rows)
             : NAN;
+    const uint64_t kept0 = s->st.spec_accepted_tokens;
     double t0 = cs_now();
     r = cs_engine_step(s->e, s->spans, n_spans, s->logits);
     if (r) {
@@ -1818,6 +1823,11 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
     const double target_s = cs_now() - t0;
     cs_step_model_observe(&s->model, work.tokens, work.pairs, work.rows, target_s);
     s->last.seconds = target_s + s->last.draft_seconds;
+    if (s->last.n_prefill == 0 && s->p.num_speculative_tokens > 0) /* drafts paid? */
+        cs__spec_gate_observe(&s->gate, s->last.n_decode,
+                              s->last.n_draft_tokens > 0 || s->last.draft_seconds > 0,
+                              s->last.n_decode + (int32_t)(s->st.spec_accepted_tokens - kept0),
+                              s->last.seconds);
     if (s->last.n_prefill > 0 && s->last.seconds > 0) {
         double x = (s->last.n_tokens - s->last.n_decode - s->last.n_draft_tokens) / s->last.seconds;
         s->prompt_rate = s->prompt_rate > 0 ? 0.9 * s->prompt_rate + 0.1 * x : x;

@@ -111,7 +111,13 @@ enum { CS_TENANT_NAME_MAX = 64 };
  * is, a sequence gets the number of drafts (up to num_speculative_tokens)
  * that maximizes the step's expected decode tokens per predicted second,
  * from its recent acceptance rate, within the step-time target, and none
- * when they would not pay.
+ * when they would not pay. The prediction is a linear fit, and a CPU's
+ * step time is not linear in a few tokens, so the rule is gated by what
+ * was measured: for each decode batch size, the decode tokens a second
+ * that decode-only steps served with drafts and without; at a size where
+ * drafting served less, no drafts, but for a retry every 16 steps of that
+ * size (64 when the two differ by a quarter), and likewise for plain steps
+ * where drafting serves more (engine/src/spec_gate.h).
  *
  * A draft model (draft_engine) runs in the same step, on this thread, before
  * the target: one pass computes the draft KV a sequence lacks (its context

@@ -1,0 +1,56 @@
+/* spec_gate.h (engine/src/): whether speculation pays at a decode batch
+ * size, by measurement. The scheduler's cost rule picks each sequence's
+ * drafts from the step model's predicted time (chunkserve/step_model.h), a
+ * linear fit; a CPU's step time is not linear in a few tokens (on AMX, 16
+ * tokens fill a tile and a 17th costs a quarter of the step), so at a
+ * large decode batch the rule's drafts can lose while it predicts a gain.
+ * The gate keeps, for each decode batch size, what was served: decode
+ * tokens emitted (kept drafts included) per second of the decode-only
+ * steps that carried drafts and of those that did not, and lets the rule
+ * draft at that size only while drafting steps served more. The side not
+ * chosen is tried again from time to time, so a change of workload or
+ * machine is seen (a retry's measurement weighs half the side's average):
+ * as rarely as keeps what the retries lose (each its step's time times the
+ * gap between the sides) to CS__SPEC_GATE_COST of the time, every
+ * CS__SPEC_GATE_RETRY_MIN to _MAX steps of that size. Before three
+ * measurements of each side, drafting is allowed (the rule alone decides)
+ * until three drafting steps are measured, then refused until three plain
+ * ones are. Plain data, single-threaded, no allocation. */
+#ifndef CS_SPEC_GATE_H
+#define CS_SPEC_GATE_H
+
+#include <stdbool.h>
+#include <stdint.h>
+
+enum {
+    CS__SPEC_GATE_SIZES = 32, /* batch sizes 1-24 each their own, then ranges (spec_gate.c) */
+    CS__SPEC_GATE_SEEN = 3,   /* measurements of each side before the better one is chosen */
+    CS__SPEC_GATE_RETRY_MIN = 16,
+    CS__SPEC_GATE_RETRY_MAX = 256,
+};
+#define CS__SPEC_GATE_COST 0.01 /* of the time, lost to retries of the worse side */
+
+typedef struct {
+    double rate[2];   /* decode tokens per second, moving average: [0] steps without drafts,
+                         [1] steps with */
+    double secs[2];   /* their seconds, likewise */
+    int32_t seen[2];  /* steps measured (stops counting at 1000) */
+    int32_t since[2]; /* decode-only steps at this size since each side was last measured */
+} cs__spec_size;
+
+typedef struct {
+    cs__spec_size size[CS__SPEC_GATE_SIZES];
+} cs__spec_gate; /* zeroed: nothing measured */
+
+/* Whether a step with n_decode decodes (>= 1) may carry drafts. A step
+ * with prompt chunks (!decode_only) gets the better side: it is not
+ * measured, so a retry there would learn nothing. */
+bool cs__spec_gate_allows(const cs__spec_gate *g, int32_t n_decode, bool decode_only);
+/* Records a decode-only step: n_decode decodes, whether it carried drafts,
+ * the decode tokens it emitted (n_decode plus the drafts kept) and its
+ * seconds (a draft model's included). Steps with prompt chunks are not
+ * recorded: their time is not the decodes'. */
+void cs__spec_gate_observe(cs__spec_gate *g, int32_t n_decode, bool drafted, int32_t emitted,
+                           double seconds);
+
+#endif
