@@ -1199,16 +1199,31 @@ typedef struct {
 } draft_cost;
 
 /* How many of d drafts q gets. With speculative_always, or until the step
- * model is ready, all (add_drafts bounds the unready case). Then the count
- * that maximizes the step's expected decode tokens per predicted second
- * (a draft model's passes counted), 0 when no count beats none; within the
- * step-time target. *expect (the step's expected decode tokens) grows by
- * the count's kept tokens, *c by its passes. */
+ * model is ready, all (add_drafts bounds the unready case). In a gated
+ * step (all: decodes alone, as many as the gate measures), all that fit
+ * the step-time target, none when q's acceptance is under
+ * CS__SPEC_FLOOR: the gate measures whether that pays (a linear fit cannot
+ * see that a few drafts pay a tile's jump for little where many pay it
+ * well). Else the count that maximizes the step's expected decode tokens
+ * per predicted second (a draft model's passes counted), 0 when no count
+ * beats none; within the step-time target. *expect (the step's expected
+ * decode tokens) grows by the count's kept tokens, *c by its passes. */
+#define CS__SPEC_FLOOR 0.3f
 static int32_t draft_count(const cs_sched *s, const step_work *w, const seq *q, int32_t d,
-                           double *expect, draft_cost *c) {
+                           bool all, double *expect, draft_cost *c) {
     const double a = q->spec_rate;
     int32_t best_d = d;
-    if (!s->p.speculative_always && cs_step_model_ready(&s->model)) {
+    if (all && !s->p.speculative_always && cs_step_model_ready(&s->model)) {
+        const double target = s->p.step_time_target_ms / 1e3;
+        const int32_t want = a < CS__SPEC_FLOOR ? 0 : d;
+        for (best_d = 0; best_d < want; best_d++) {
+            const int32_t k = best_d + 1;
+            step_work t = *w;
+            work_add(&t, q->n_computed + 1, k, k);
+            double tk = cs_step_model_predict(&s->model, t.tokens, t.pairs, t.rows);
+            if (target > 0 && tk + (k > c->passes ? k : c->passes) * c->pass_s > target) break;
+        }
+    } else if (!s->p.speculative_always && cs_step_model_ready(&s->model)) {
         const double target = s->p.step_time_target_ms / 1e3;
         double t0 = cs_step_model_predict(&s->model, w->tokens, w->pairs, w->rows);
         t0 += c->passes * c->pass_s;
@@ -1259,10 +1274,12 @@ static int32_t take_drafts(cs_sched *s, step_work *work, int32_t i, int32_t d) {
 }
 
 /* Step pass 3: drafts for the step's decodes (spans [0, n_decode)), within
- * room tokens (a draft model's catch-up too). A span with d drafts computes
- * its decode token and the d drafted after it, one logits row each. Returns
- * the drafted tokens added. */
-static int32_t add_drafts(cs_sched *s, step_work *work, int32_t room) {
+ * room tokens (a draft model's catch-up too); all: a gated step, where
+ * every sequence not under the acceptance floor drafts what it found
+ * (draft_count). A span with d drafts computes its decode token and the d
+ * drafted after it, one logits row each. Returns the drafted tokens
+ * added. */
+static int32_t add_drafts(cs_sched *s, step_work *work, int32_t room, bool all) {
     int32_t added = 0;
     double expect = s->last.n_decode;
     /* Until the step model is ready nothing weighs a draft's cost: a step
@@ -1298,12 +1315,12 @@ static int32_t add_drafts(cs_sched *s, step_work *work, int32_t room) {
         if (max <= 0) continue;
         if (!s->drafter) {
             int32_t d = ngram_draft(q, max);
-            if (d > 0 && (d = draft_count(s, work, q, d, &expect, &cost)) == 0) reprobe(q);
+            if (d > 0 && (d = draft_count(s, work, q, d, all, &expect, &cost)) == 0) reprobe(q);
             added += take_drafts(s, work, i, d);
             continue;
         }
         if (q->n_tokens >= cs__drafter_ctx_len(s->drafter)) continue; /* past its context */
-        int32_t d = draft_count(s, &plan, q, max, &expect, &cost);
+        int32_t d = draft_count(s, &plan, q, max, all, &expect, &cost);
         if (d <= 0) {
             reprobe(q);
             continue;
@@ -1720,7 +1737,9 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
         (s->p.speculative_always ||
          cs__spec_gate_allows(&s->gate, s->last.n_decode, s->last.n_prefill == 0))) {
         int32_t room = budget - used < CS_SCHED_DRAFT_ROWS ? budget - used : CS_SCHED_DRAFT_ROWS;
-        int32_t added = add_drafts(s, &work, room);
+        int32_t added = add_drafts(s, &work, room,
+                                   s->last.n_prefill == 0 &&
+                                       s->last.n_decode >= CS__SPEC_GATE_MIN_DECODES);
         s->last.n_draft_tokens = added;
         used += added;
         /* an event per emitted token: up to one more per draft than the two

@@ -3,13 +3,15 @@
 
 #include <math.h>
 
-/* A batch size's slot: 1-24 their own; above, ranges each half again as
- * wide (the AMX tile boundaries at 16 and 32 tokens fall on range ends). */
+/* A batch size's slot (n >= CS__SPEC_GATE_MIN_DECODES): up to 24 their
+ * own; above, ranges each half again as wide (the AMX tile boundaries at
+ * 16 and 32 tokens fall on range ends). */
 static int32_t slot(int32_t n) {
     static const int32_t upper[] = {32, 48, 64, 96, 128, 192, 256};
-    if (n <= 24) return n < 1 ? 0 : n - 1;
+    enum { OWN = 24 - CS__SPEC_GATE_MIN_DECODES + 1 };
+    if (n <= 24) return n - CS__SPEC_GATE_MIN_DECODES;
     for (int32_t i = 0; i < (int32_t)(sizeof upper / sizeof upper[0]); i++)
-        if (n <= upper[i]) return 24 + i;
+        if (n <= upper[i]) return OWN + i;
     return CS__SPEC_GATE_SIZES - 1;
 }
 
@@ -27,6 +29,7 @@ static int32_t retry_after(const cs__spec_size *z, int better) {
 }
 
 bool cs__spec_gate_allows(const cs__spec_gate *g, int32_t n_decode, bool decode_only) {
+    if (n_decode < CS__SPEC_GATE_MIN_DECODES) return true;
     const cs__spec_size *z = &g->size[slot(n_decode)];
     if (z->seen[1] < CS__SPEC_GATE_SEEN) return true;
     if (z->seen[0] < CS__SPEC_GATE_SEEN) return !decode_only;
@@ -37,7 +40,7 @@ bool cs__spec_gate_allows(const cs__spec_gate *g, int32_t n_decode, bool decode_
 
 void cs__spec_gate_observe(cs__spec_gate *g, int32_t n_decode, bool drafted, int32_t emitted,
                            double seconds) {
-    if (n_decode < 1 || emitted < 1 || !(seconds > 0)) return;
+    if (n_decode < CS__SPEC_GATE_MIN_DECODES || emitted < 1 || !(seconds > 0)) return;
     cs__spec_size *z = &g->size[slot(n_decode)];
     const int d = drafted;
     /* the mean of the first measurements, then a moving average over about

@@ -3,19 +3,28 @@
  * drafts from the step model's predicted time (chunkserve/step_model.h), a
  * linear fit; a CPU's step time is not linear in a few tokens (on AMX, 16
  * tokens fill a tile and a 17th costs a quarter of the step), so at a
- * large decode batch the rule's drafts can lose while it predicts a gain.
- * The gate keeps, for each decode batch size, what was served: decode
- * tokens emitted (kept drafts included) per second of the decode-only
- * steps that carried drafts and of those that did not, and lets the rule
- * draft at that size only while drafting steps served more. The side not
- * chosen is tried again from time to time, so a change of workload or
- * machine is seen (a retry's measurement weighs half the side's average):
- * as rarely as keeps what the retries lose (each its step's time times the
- * gap between the sides) to CS__SPEC_GATE_COST of the time, every
- * CS__SPEC_GATE_RETRY_MIN to _MAX steps of that size. Before three
- * measurements of each side, drafting is allowed (the rule alone decides)
- * until three drafting steps are measured, then refused until three plain
- * ones are. Plain data, single-threaded, no allocation. */
+ * large decode batch the rule cannot tell whether drafts pay: a few pay
+ * that jump for little, many may pay it well. There the scheduler asks
+ * the gate instead, and a step of decodes alone carries either every
+ * draft found (of sequences whose acceptance is not low) or none. The gate
+ * keeps, for each decode batch size, what each served: decode tokens
+ * emitted (kept drafts included) per second of the decode-only steps that
+ * carried drafts and of those that did not, and chooses the one that
+ * served more (a step with prompt chunks gets that choice too, with the
+ * rule's counts). The side not chosen is tried again from time to time,
+ * so a change of workload or machine is seen (a retry's measurement weighs
+ * half the side's average): as rarely as keeps what the retries lose
+ * (each its step's time times the gap between the sides) to
+ * CS__SPEC_GATE_COST of the time, every CS__SPEC_GATE_RETRY_MIN to _MAX
+ * steps of that size. Before three measurements of each side, drafting is
+ * allowed until three drafting steps are measured, then refused until
+ * three plain ones are. Below CS__SPEC_GATE_MIN_DECODES decodes the rule
+ * alone decides: there a step's outcome is a few sequences' luck (one
+ * answer's copied stretch, then its own words), which the rule follows
+ * sequence by sequence and a batch-wide average would not (gated, one
+ * stream's code edit fell from 1.3x to 1.0x); and a step of a few tokens
+ * is not where the fit fails. Plain data, single-threaded, no
+ * allocation. */
 #ifndef CS_SPEC_GATE_H
 #define CS_SPEC_GATE_H
 
@@ -23,7 +32,8 @@
 #include <stdint.h>
 
 enum {
-    CS__SPEC_GATE_SIZES = 32, /* batch sizes 1-24 each their own, then ranges (spec_gate.c) */
+    CS__SPEC_GATE_MIN_DECODES = 8, /* smaller decode batches are not gated */
+    CS__SPEC_GATE_SIZES = 25, /* batch sizes 8-24 each their own, then 8 ranges (spec_gate.c) */
     CS__SPEC_GATE_SEEN = 3,   /* measurements of each side before the better one is chosen */
     CS__SPEC_GATE_RETRY_MIN = 16,
     CS__SPEC_GATE_RETRY_MAX = 256,

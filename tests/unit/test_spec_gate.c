@@ -4,12 +4,13 @@
  * 100 ms, 17 to 32 cost 135 ms) with 10% noise, and drafts kept with a set
  * probability. Checks: where drafts lose (16 decodes, a chat's acceptance)
  * the gate refuses all but its retries and serves within 3% of never
- * drafting; where they win (one decode, a code edit's acceptance) it
+ * drafting; where they win (8 decodes, a code edit's acceptance) it
  * allows all but its retries and serves within 3% of always drafting; when
  * the workload turns, the gate follows within two retries; retries come
  * as rarely as keeps their cost to 1%; a step with
  * prompt chunks gets the better side, never a retry; batch sizes are
- * measured apart; nonsense measurements change nothing. */
+ * measured apart, and below 8 decodes not gated; nonsense measurements
+ * change nothing. */
 #include <math.h>
 #include <string.h>
 
@@ -73,7 +74,7 @@ static void test_losing_drafts_are_refused(void) {
 static void test_winning_drafts_are_allowed(void) {
     cs__spec_gate g;
     memset(&g, 0, sizeof g);
-    const load code = {1, 4, 0.8}; /* 3 kept a step for 2% more time: a wide gap */
+    const load code = {8, 4, 0.8}; /* 8 -> 40 tokens (+46%) for 22 kept: a wide gap */
     tally t = run(&g, &code, 2000, 0), always = run(&g, &code, 2000, 2);
     ASSERT_TRUE(t.steps - t.drafting <= CS__SPEC_GATE_SEEN + 2000 / CS__SPEC_GATE_RETRY_MIN + 1);
     ASSERT_TRUE(t.tokens / t.seconds >= 0.97 * (always.tokens / always.seconds));
@@ -99,20 +100,20 @@ static void test_retries_are_as_rare_as_their_cost(void) {
 static void test_it_follows_a_change_of_workload(void) {
     cs__spec_gate g;
     memset(&g, 0, sizeof g);
-    load l = {1, 16, 0.0}; /* nothing kept: 17 tokens for one */
+    load l = {8, 4, 0.0}; /* nothing kept: 40 tokens for 8 */
     run(&g, &l, 500, 0);
-    ASSERT_TRUE(!cs__spec_gate_allows(&g, 1, false));
+    ASSERT_TRUE(!cs__spec_gate_allows(&g, 8, false));
     l.accept = 0.8; /* the answer turns predictable */
     int32_t i = 0;
-    while (i < 2 * CS__SPEC_GATE_RETRY_MAX + 2 && !cs__spec_gate_allows(&g, 1, false)) {
+    while (i < 2 * CS__SPEC_GATE_RETRY_MAX + 2 && !cs__spec_gate_allows(&g, 8, false)) {
         run(&g, &l, 1, 0);
         i++;
     }
-    ASSERT_TRUE(cs__spec_gate_allows(&g, 1, false));
+    ASSERT_TRUE(cs__spec_gate_allows(&g, 8, false));
     l.accept = 0.0; /* and back */
-    for (i = 0; i < 2 * CS__SPEC_GATE_RETRY_MAX + 2 && cs__spec_gate_allows(&g, 1, false); i++)
+    for (i = 0; i < 2 * CS__SPEC_GATE_RETRY_MAX + 2 && cs__spec_gate_allows(&g, 8, false); i++)
         run(&g, &l, 1, 0);
-    ASSERT_TRUE(!cs__spec_gate_allows(&g, 1, false));
+    ASSERT_TRUE(!cs__spec_gate_allows(&g, 8, false));
 }
 
 static void test_mixed_steps_get_the_better_side(void) {
@@ -142,11 +143,15 @@ static void test_sizes_are_apart(void) {
     for (int i = 0; i < 10; i++) {
         cs__spec_gate_observe(&g, 16, true, 16, 0.2);
         cs__spec_gate_observe(&g, 16, false, 16, 0.1);
-        cs__spec_gate_observe(&g, 4, true, 8, 0.1);
+        cs__spec_gate_observe(&g, 9, true, 18, 0.1);
+        cs__spec_gate_observe(&g, 9, false, 9, 0.1);
+        cs__spec_gate_observe(&g, 4, true, 4, 0.2); /* below the gated sizes: not kept */
         cs__spec_gate_observe(&g, 4, false, 4, 0.1);
     }
     ASSERT_TRUE(!cs__spec_gate_allows(&g, 16, false));
-    ASSERT_TRUE(cs__spec_gate_allows(&g, 4, false));
+    ASSERT_TRUE(cs__spec_gate_allows(&g, 9, false));
+    ASSERT_TRUE(cs__spec_gate_allows(&g, 4, true));
+    ASSERT_TRUE(cs__spec_gate_allows(&g, 1, true));
     ASSERT_TRUE(cs__spec_gate_allows(&g, 17, false)); /* 17 is not 16: nothing measured */
     /* past 24, ranges: 40 and 48 share one, 49 is the next */
     for (int i = 0; i < 10; i++) {
@@ -162,11 +167,12 @@ static void test_nonsense_is_ignored(void) {
     cs__spec_gate g, zero;
     memset(&g, 0, sizeof g);
     memset(&zero, 0, sizeof zero);
-    cs__spec_gate_observe(&g, 4, true, 4, 0.0);
-    cs__spec_gate_observe(&g, 4, true, 4, -1.0);
-    cs__spec_gate_observe(&g, 4, true, 4, NAN);
+    cs__spec_gate_observe(&g, 8, true, 8, 0.0);
+    cs__spec_gate_observe(&g, 8, true, 8, -1.0);
+    cs__spec_gate_observe(&g, 8, true, 8, NAN);
     cs__spec_gate_observe(&g, 0, true, 4, 0.1);
-    cs__spec_gate_observe(&g, 4, true, 0, 0.1);
+    cs__spec_gate_observe(&g, 7, true, 7, 0.1); /* below the gated sizes */
+    cs__spec_gate_observe(&g, 8, true, 0, 0.1);
     ASSERT_TRUE(memcmp(&g, &zero, sizeof g) == 0);
 }
 

@@ -112,12 +112,15 @@ enum { CS_TENANT_NAME_MAX = 64 };
  * that maximizes the step's expected decode tokens per predicted second,
  * from its recent acceptance rate, within the step-time target, and none
  * when they would not pay. The prediction is a linear fit, and a CPU's
- * step time is not linear in a few tokens, so the rule is gated by what
- * was measured: for each decode batch size, the decode tokens a second
- * that decode-only steps served with drafts and without; at a size where
- * drafting served less, no drafts, but for a retry every 16 steps of that
- * size (64 when the two differ by a quarter), and likewise for plain steps
- * where drafting serves more (engine/src/spec_gate.h).
+ * step time is not linear in a few tokens (a few drafts can pay a tile's
+ * jump for little where many pay it well), so with 8 decodes or more a
+ * step of decodes alone carries every draft found (of sequences whose
+ * acceptance is not low) or none, by measurement: for each such decode
+ * batch size, the decode tokens a second that decode-only steps served
+ * with drafts and without; the one that served more, and now and then the
+ * other again (as rarely as keeps those retries' cost near 1% of the time:
+ * every 16 to 256 steps of that size); a step with prompt chunks drafts
+ * by the rule where drafting served more (engine/src/spec_gate.h).
  *
  * A draft model (draft_engine) runs in the same step, on this thread, before
  * the target: one pass computes the draft KV a sequence lacks (its context
