@@ -1200,8 +1200,8 @@ typedef struct {
 
 /* How many of d drafts q gets. With speculative_always, or until the step
  * model is ready, all (add_drafts bounds the unready case). In a gated
- * step (all: decodes alone, as many as the gate measures), all that fit
- * the step-time target, none when q's acceptance is under
+ * step (all: prompt lookup, decodes alone, as many as the gate measures),
+ * all that fit the step-time target, none when q's acceptance is under
  * CS__SPEC_FLOOR: the gate measures whether that pays (a linear fit cannot
  * see that a few drafts pay a tile's jump for little where many pay it
  * well). Else the count that maximizes the step's expected decode tokens
@@ -1733,12 +1733,16 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
 
     /* 3. speculation: drafts for the decodes, in the budget that is left
      * (at most CS_SCHED_DRAFT_ROWS: they are logits rows too) */
+    /* prompt lookup's drafts are gated once the step model is fitted (before,
+     * the probe bounds them); a draft model's are not: after plain steps its
+     * KV lags, and the catch-up would be charged to the drafting side */
+    const bool gated = s->p.num_speculative_tokens > 0 && !s->drafter &&
+                       !s->p.speculative_always && cs_step_model_ready(&s->model);
     if (s->p.num_speculative_tokens > 0 && s->last.n_decode > 0 && used < budget &&
-        (s->p.speculative_always ||
-         cs__spec_gate_allows(&s->gate, s->last.n_decode, s->last.n_prefill == 0))) {
+        (!gated || cs__spec_gate_allows(&s->gate, s->last.n_decode, s->last.n_prefill == 0))) {
         int32_t room = budget - used < CS_SCHED_DRAFT_ROWS ? budget - used : CS_SCHED_DRAFT_ROWS;
         int32_t added = add_drafts(s, &work, room,
-                                   s->last.n_prefill == 0 &&
+                                   gated && s->last.n_prefill == 0 &&
                                        s->last.n_decode >= CS__SPEC_GATE_MIN_DECODES);
         s->last.n_draft_tokens = added;
         used += added;
@@ -1760,7 +1764,7 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
         cs_step_model_ready(&s->model)
             ? cs_step_model_predict(&s->model, work.tokens, work.pairs, work.rows)
             : NAN;
-    const uint64_t kept0 = s->st.spec_accepted_tokens;
+    const uint64_t emitted0 = s->st.generated_tokens;
     double t0 = cs_now();
     r = cs_engine_step(s->e, s->spans, n_spans, s->logits);
     if (r) {
@@ -1842,11 +1846,9 @@ int cs_sched_step(cs_sched *s, const cs_event **events, int32_t *n_events) {
     const double target_s = cs_now() - t0;
     cs_step_model_observe(&s->model, work.tokens, work.pairs, work.rows, target_s);
     s->last.seconds = target_s + s->last.draft_seconds;
-    if (s->last.n_prefill == 0 && s->p.num_speculative_tokens > 0) /* drafts paid? */
-        cs__spec_gate_observe(&s->gate, s->last.n_decode,
-                              s->last.n_draft_tokens > 0 || s->last.draft_seconds > 0,
-                              s->last.n_decode + (int32_t)(s->st.spec_accepted_tokens - kept0),
-                              s->last.seconds);
+    if (gated && s->last.n_prefill == 0) /* drafts paid? */
+        cs__spec_gate_observe(&s->gate, s->last.n_decode, s->last.n_draft_tokens > 0,
+                              (int32_t)(s->st.generated_tokens - emitted0), s->last.seconds);
     if (s->last.n_prefill > 0 && s->last.seconds > 0) {
         double x = (s->last.n_tokens - s->last.n_decode - s->last.n_draft_tokens) / s->last.seconds;
         s->prompt_rate = s->prompt_rate > 0 ? 0.9 * s->prompt_rate + 0.1 * x : x;

@@ -4,11 +4,14 @@
 #include <math.h>
 
 /* A batch size's slot (n >= CS__SPEC_GATE_MIN_DECODES): up to 24 their
- * own; above, ranges each half again as wide (the AMX tile boundaries at
- * 16 and 32 tokens fall on range ends). */
+ * own, then the ranges 25-32, 33-48, 49-64, 65-96, 97-128, 129-192,
+ * 193-256 and above. */
+static const int32_t upper[] = {32, 48, 64, 96, 128, 192, 256};
+enum { OWN = 24 - CS__SPEC_GATE_MIN_DECODES + 1 };
+_Static_assert(OWN + sizeof upper / sizeof upper[0] + 1 == CS__SPEC_GATE_SIZES,
+               "a slot for each size and range");
+
 static int32_t slot(int32_t n) {
-    static const int32_t upper[] = {32, 48, 64, 96, 128, 192, 256};
-    enum { OWN = 24 - CS__SPEC_GATE_MIN_DECODES + 1 };
     if (n <= 24) return n - CS__SPEC_GATE_MIN_DECODES;
     for (int32_t i = 0; i < (int32_t)(sizeof upper / sizeof upper[0]); i++)
         if (n <= upper[i]) return OWN + i;
@@ -44,9 +47,9 @@ void cs__spec_gate_observe(cs__spec_gate *g, int32_t n_decode, bool drafted, int
     cs__spec_size *z = &g->size[slot(n_decode)];
     const int d = drafted;
     /* the mean of the first measurements, then a moving average over about
-     * the last four; a retry's counts for half (its side was measured a
-     * retry's steps ago: the workload may have turned since, and a side
-     * measured once in many steps would follow it too slowly) */
+     * the last four; one taken 16 steps or more after its side's last (a
+     * retry) counts for half: the workload may have turned since, and a
+     * side measured once in many steps would follow it too slowly */
     if (z->seen[d] < 1000) z->seen[d]++;
     const double a = z->seen[d] < 4                         ? 1.0 / z->seen[d]
                      : z->since[d] >= CS__SPEC_GATE_RETRY_MIN ? 1.0 / 2

@@ -219,8 +219,12 @@ def test_the_router_refuses_by_tenant(bin_dir, model_path, pb):
         # chat: its 600 and the flood's 600 (1,200 tokens); the flood's tenant: all of the
         # flood ahead (3,000 when it is seen, less what drains before the request) and its
         # 600; the bound between them (the second router has learnt no rest yet: its first
-        # requests)
-        bound_ms = int(1000 * 1800 / rate)
+        # requests). The bound is read at the rate reported now, and the router predicts at
+        # the rate reported under the flood, which is lower (its chunks attend to longer
+        # contexts): a full `make test` run saw chat predicted at 1,870 tokens' time against a
+        # bound at 1,800 (the rate at about 64% of this one). At 2,100 the chat fits down to
+        # 57% and the flood's request (2,600 tokens or more) stays over up to 124%.
+        bound_ms = int(1000 * 2100 / rate)
         slo = Proc(bin_dir / "chunkserve-router", [
             f"--model={model_path}", "--port=0", "--status-interval-ms=100", "--grace-ms=3000",
             f"--decode-workers={c.decode[0].addr}", f"--prefill-workers={c.prefill[0].addr}",
@@ -242,7 +246,12 @@ def test_the_router_refuses_by_tenant(bin_dir, model_path, pb):
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value
         assert "the workers are busy" in e.value.details()
         flood_predicted = float(e.value.details().split("first token is ")[1].split(" s")[0])
-        last = list(stub.Generate(request(own, 51, "chat"), timeout=120))[-1]
+        try:
+            last = list(stub.Generate(request(own, 51, "chat"), timeout=120))[-1]
+        except grpc.RpcError as err:  # say at what rate the worker's queue was read
+            pytest.fail(f"chat refused: {err.details()}; the prefill worker reports "
+                        f"{c.status(c.prefill[0]).prefill_tokens_per_second:.0f} tokens/s, "
+                        f"{rate:.0f} when the bound was set")
         assert last.finish_reason, last
         chat_predicted = last.usage.predicted_ttft_seconds
         assert 0 < chat_predicted < bound_ms / 1000, (last.usage, bound_ms)

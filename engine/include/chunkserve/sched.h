@@ -113,14 +113,16 @@ enum { CS_TENANT_NAME_MAX = 64 };
  * from its recent acceptance rate, within the step-time target, and none
  * when they would not pay. The prediction is a linear fit, and a CPU's
  * step time is not linear in a few tokens (a few drafts can pay a tile's
- * jump for little where many pay it well), so with 8 decodes or more a
- * step of decodes alone carries every draft found (of sequences whose
- * acceptance is not low) or none, by measurement: for each such decode
- * batch size, the decode tokens a second that decode-only steps served
- * with drafts and without; the one that served more, and now and then the
- * other again (as rarely as keeps those retries' cost near 1% of the time:
- * every 16 to 256 steps of that size); a step with prompt chunks drafts
- * by the rule where drafting served more (engine/src/spec_gate.h).
+ * jump for little where many pay it well), so with prompt lookup, once the
+ * model is fitted and with 8 decodes or more, a step of decodes alone
+ * carries every draft found (of sequences whose acceptance is not low,
+ * within the step-time target) or none, by measurement: for each such
+ * decode batch size, the decode tokens a second that decode-only steps
+ * served with drafts and without; the one that served more, and now and
+ * then the other again (as rarely as keeps those retries' cost near 1% of
+ * the time: every 16 to 256 steps of that size); a step with prompt chunks
+ * drafts by the rule unless plain steps served more (engine/src/spec_gate.h).
+ * speculative_always skips the rule and the gate.
  *
  * A draft model (draft_engine) runs in the same step, on this thread, before
  * the target: one pass computes the draft KV a sequence lacks (its context
@@ -130,8 +132,10 @@ enum { CS_TENANT_NAME_MAX = 64 };
  * draft and proposes the next (the draft model's argmax: the check above
  * keeps the output the target's). Its pages are its own pool's, given back
  * with the sequence's. The cost rule counts the draft's measured time: a
- * pass a step for the most drafts any sequence gets, and each sequence's
- * catch-up tokens. */
+ * pass a step for the most drafts any sequence gets (a sequence's
+ * catch-up is not weighed: it is paid once, like a prompt chunk). The gate
+ * above is prompt lookup's only: after plain steps a draft model's KV
+ * lags, and its catch-up would be charged to the drafting side. */
 enum { CS_SCHED_NGRAM_MAX = 4, CS_SCHED_NGRAM_MIN = 1, CS_SCHED_SPEC_MAX = 16 };
 /* Drafted tokens a step verifies at most (each is a logits row: with no
  * token budget, this bounds the step's logits buffer). */
