@@ -1221,7 +1221,7 @@ static int32_t draft_count(const cs_sched *s, const step_work *w, const seq *q, 
             step_work t = *w;
             work_add(&t, q->n_computed + 1, k, k);
             double tk = cs_step_model_predict(&s->model, t.tokens, t.pairs, t.rows);
-            if (target > 0 && tk + (k > c->passes ? k : c->passes) * c->pass_s > target) break;
+            if (target > 0 && tk > target) break;
         }
     } else if (!s->p.speculative_always && cs_step_model_ready(&s->model)) {
         const double target = s->p.step_time_target_ms / 1e3;
@@ -1274,9 +1274,9 @@ static int32_t take_drafts(cs_sched *s, step_work *work, int32_t i, int32_t d) {
 }
 
 /* Step pass 3: drafts for the step's decodes (spans [0, n_decode)), within
- * room tokens (a draft model's catch-up too); all: a gated step, where
- * every sequence not under the acceptance floor drafts what it found
- * (draft_count). A span with d drafts computes its decode token and the d
+ * room tokens (a draft model's catch-up too); all: a gated step (prompt
+ * lookup only), where every sequence not under the acceptance floor
+ * drafts what it found (draft_count). A span with d drafts computes its decode token and the d
  * drafted after it, one logits row each. Returns the drafted tokens
  * added. */
 static int32_t add_drafts(cs_sched *s, step_work *work, int32_t room, bool all) {
@@ -1320,7 +1320,7 @@ static int32_t add_drafts(cs_sched *s, step_work *work, int32_t room, bool all) 
             continue;
         }
         if (q->n_tokens >= cs__drafter_ctx_len(s->drafter)) continue; /* past its context */
-        int32_t d = draft_count(s, &plan, q, max, all, &expect, &cost);
+        int32_t d = draft_count(s, &plan, q, max, false, &expect, &cost); /* not gated */
         if (d <= 0) {
             reprobe(q);
             continue;
