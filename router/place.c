@@ -80,20 +80,47 @@ double cs_place_ttft(const cs_place_worker *w, int64_t n_tokens, const cs_place_
     return (work + (double)w->tokens_placed) / w->prefill_rate;
 }
 
-void cs_place_queue_take(cs_ttft_load *L, int64_t *queued, const cs_place_class *c, int64_t n) {
+/* c's group in L: its index, or CS_TTFT_GROUPS (the tokens past the
+ * table, or L's sum alone). */
+static int32_t queue_group(const cs_ttft_load *L, const cs_place_class *c) {
+    const char *tenant = c && c->tenant ? c->tenant : "";
+    int32_t priority = c ? c->priority : 0;
+    for (int32_t i = 0; L && i < L->n_groups; i++)
+        if (L->groups[i].priority == priority && !strcmp(L->groups[i].tenant, tenant)) return i;
+    return CS_TTFT_GROUPS;
+}
+
+static void take_group(cs_ttft_load *L, int64_t *queued, int32_t g, int64_t n) {
     if (n <= 0) return;
     *queued = *queued > n ? *queued - n : 0;
     if (!L) return;
-    const char *tenant = c && c->tenant ? c->tenant : "";
-    int32_t priority = c ? c->priority : 0;
-    for (int32_t i = 0; i < L->n_groups; i++) {
-        cs_ttft_group *g = &L->groups[i];
-        if (g->priority == priority && !strcmp(g->tenant, tenant)) {
-            g->tokens = g->tokens > n ? g->tokens - n : 0;
-            return;
-        }
+    int64_t *t = g < L->n_groups ? &L->groups[g].tokens : &L->overflow_tokens;
+    *t = *t > n ? *t - n : 0;
+}
+
+void cs_place_queue_take(cs_ttft_load *L, int64_t *queued, const cs_place_class *c, int64_t n) {
+    take_group(L, queued, queue_group(L, c), n);
+}
+
+void cs_place_queue_left(cs_ttft_load *L, int64_t *queued, cs_place_since *s,
+                         const cs_place_class *c, int64_t n, double most) {
+    if (n <= 0) return;
+    int64_t *o = &s->owed[queue_group(L, c)];
+    *o = *o > INT64_MAX - n ? INT64_MAX : *o + n;
+    cs_place_queue_settle(L, queued, s, most);
+}
+
+void cs_place_queue_settle(cs_ttft_load *L, int64_t *queued, cs_place_since *s, double most) {
+    if (!(most > (double)s->done)) return; /* also NAN: an unknown rate takes nothing */
+    double room = most - (double)s->done;
+    for (int32_t g = 0; g <= CS_TTFT_GROUPS && room >= 1; g++) {
+        if (s->owed[g] <= 0) continue;
+        int64_t n = (double)s->owed[g] <= room ? s->owed[g] : (int64_t)room;
+        take_group(L, queued, g, n);
+        s->owed[g] -= n;
+        s->done += n;
+        room -= (double)n;
     }
-    L->overflow_tokens = L->overflow_tokens > n ? L->overflow_tokens - n : 0;
 }
 
 void cs_ttft_rest_add(cs_ttft_rest *r, bool busy, double seconds, double tokens) {

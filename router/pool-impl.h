@@ -51,7 +51,7 @@ struct cs_pool_worker {
     uint64_t kv_layout;    /* the KV layout fingerprint it reported (0: unknown) */
     int32_t pages_placed;  /* since that status */
     int64_t tokens_placed; /* since that status (less those of them that left since) */
-    int64_t tokens_done;   /* taken off that status's queue since (cs_pool_prompt_left) */
+    cs_place_since since;  /* what left that status's queue since (cs_pool_prompt_left) */
     int32_t reqs_placed;   /* since that status */
     cs_prefix_set *prefix; /* the pages of the requests placed here (prefix.h); NULL: none yet */
     cs_prefix_summary summary; /* what it publishes it holds (prefix.h); empty: nothing */

@@ -364,7 +364,7 @@ static void apply_status(cs_pool_worker *w, const Chunkserve__V1__WorkerStatus *
     w->kv_layout = s->kv_layout_fingerprint;
     w->pages_placed = 0;
     w->tokens_placed = 0;
-    w->tokens_done = 0;
+    w->since = (cs_place_since){0};
     w->reqs_placed = 0;
     w->status_at = cs_now();
     w->status_seq++;
@@ -553,12 +553,25 @@ int cs_pool_n_usable(const cs_pool *p, enum cs_pool_role role) {
     return n;
 }
 
-double cs_pool_ttft(const cs_pool *p, enum cs_pool_role role, int64_t n_tokens,
+/* Prompt tokens w can have computed since its status, at its rate (0:
+ * unknown). */
+static double computable(const cs_pool_worker *w, double now) {
+    return w->prefill_rate > 0 ? w->prefill_rate * (now - w->status_at) : 0;
+}
+
+/* Takes off w's reported queue what its computed prompts still owe it
+ * (cs_place_queue_settle), before the queue is read. */
+static void settle(cs_pool_worker *w, double now) {
+    cs_place_queue_settle(w->queue, &w->queued_prefill, &w->since, computable(w, now));
+}
+
+double cs_pool_ttft(cs_pool *p, enum cs_pool_role role, int64_t n_tokens,
                     const cs_place_class *c, double *alone, double *rate) {
     double now = cs_now(), best = NAN;
     *alone = *rate = NAN;
-    for (const cs_pool_worker *w = p->workers[role]; w; w = w->next) {
+    for (cs_pool_worker *w = p->workers[role]; w; w = w->next) {
         if (!worker_usable(w, now) || !(w->prefill_rate > 0)) continue;
+        settle(w, now);
         cs_place_worker s = {.queued_prefill_tokens = w->queued_prefill,
                              .tokens_placed = w->tokens_placed,
                              .prefill_rate = w->prefill_rate,
@@ -694,6 +707,7 @@ cs_pool_worker *cs_pool_place(cs_pool *p, enum cs_pool_role role, int64_t n_toke
     int cand = 0;
     for (cs_pool_worker *w = p->workers[role]; w; w = w->next, i++) {
         ws[i] = w;
+        settle(w, now);
         snap[i] = (cs_place_worker){
             .usable = worker_usable(w, now),
             .skip = excluded(w, marks),
@@ -765,11 +779,9 @@ void cs_pool_prompt_left(cs_pool_worker *w, int64_t n_tokens, uint64_t placed_se
         w->tokens_placed = w->tokens_placed > n_tokens ? w->tokens_placed - n_tokens : 0;
         return;
     }
-    if (!computed || !(w->prefill_rate > 0)) return;
-    double most = w->prefill_rate * (cs_now() - w->status_at) - (double)w->tokens_done;
-    int64_t n = most <= 0 ? 0 : most < (double)n_tokens ? (int64_t)most : n_tokens;
-    w->tokens_done += n;
-    cs_place_queue_take(w->queue, &w->queued_prefill, c, n);
+    if (computed)
+        cs_place_queue_left(w->queue, &w->queued_prefill, &w->since, c, n_tokens,
+                            computable(w, cs_now()));
 }
 
 int cs_pool_mark_add(cs_pool_mark **arr, size_t *n, const cs_pool_worker *w) {

@@ -76,7 +76,7 @@ int cs_pool_n_usable(const cs_pool *p, enum cs_pool_role role);
  * (cs_place_ttft, the prefix cache not counted), into *rate that worker's
  * prefill rate and into *alone what it would be there with nothing queued;
  * NAN (and *alone, *rate NAN) when no usable worker reports its rate. */
-double cs_pool_ttft(const cs_pool *p, enum cs_pool_role role, int64_t n_tokens,
+double cs_pool_ttft(cs_pool *p, enum cs_pool_role role, int64_t n_tokens,
                     const cs_place_class *c, double *alone, double *rate);
 /* One replica's capacity in role's pool (demand.h): the mean prefill and
  * decode rates over its usable workers that report them (0 when none). */
@@ -174,8 +174,9 @@ uint64_t cs_pool_status_seq(const cs_pool_worker *w);
  * tokens are taken back. Counted by that status, a computed one comes off
  * its class's group of the status's queue, all of them together at most
  * what w computes at its prefill rate in the time since the status (the
- * status counted only what each had left then); a dropped one stays
- * counted until the next status. w may be NULL. */
+ * status counted only what each had left then): the rest comes off as that
+ * time grows, at each later reading of w's queue (cs_place_queue_settle).
+ * A dropped one stays counted until the next status. w may be NULL. */
 void cs_pool_prompt_left(cs_pool_worker *w, int64_t n_tokens, uint64_t placed_seq,
                          const cs_place_class *c, bool computed);
 

@@ -393,6 +393,55 @@ static void test_demand(void) {
  * shift gets through once it is half the window, the oldest samples leave,
  * and a new rate moves every sample's queue part at once; a busy worker's
  * samples are their own, the other kind standing in while there are none. */
+/* A computed prompt leaves a worker's reported queue at most as fast as the
+ * worker computes since its status: the rest is owed and comes off as time
+ * passes, at each reading, by its own group. */
+static void test_queue_owed(void) {
+    cs_ttft_load L = {0};
+    cs_ttft_load_add(&L, 0, "b", 1, 3000);
+    cs_ttft_load_add(&L, 0, "chat", 1, 40);
+    int64_t queued = 3040;
+    cs_place_since s = {0};
+    const cs_place_class b = {0, "b"}, chat = {0, "chat"}, other = {2, "x"};
+    /* 10 ms after the status at 1,000 tokens/s: 10 of b's 2,000 come off now */
+    cs_place_queue_left(&L, &queued, &s, &b, 2000, 10);
+    ASSERT_EQ_INT((int)queued, 3030);
+    ASSERT_EQ_INT((int)L.groups[0].tokens, 2990);
+    ASSERT_EQ_INT((int)s.done, 10);
+    ASSERT_EQ_INT((int)s.owed[0], 1990);
+    /* a reading at 500 ms: 490 more; none taken twice for an unchanged time */
+    cs_place_queue_settle(&L, &queued, &s, 500);
+    cs_place_queue_settle(&L, &queued, &s, 500);
+    ASSERT_EQ_INT((int)L.groups[0].tokens, 2500);
+    ASSERT_EQ_INT((int)s.done, 500);
+    /* chat's prompt finishes too: owed behind b's, so nothing of it comes off yet */
+    cs_place_queue_left(&L, &queued, &s, &chat, 40, 500);
+    ASSERT_EQ_INT((int)L.groups[1].tokens, 40);
+    /* by 3 s every owed token is off, and no more: the rate's bound is not a debt */
+    cs_place_queue_settle(&L, &queued, &s, 3000);
+    ASSERT_EQ_INT((int)L.groups[0].tokens, 1000);
+    ASSERT_EQ_INT((int)L.groups[1].tokens, 0);
+    ASSERT_EQ_INT((int)queued, 1000);
+    ASSERT_EQ_INT((int)s.done, 2040);
+    ASSERT_EQ_INT((int)s.owed[0] + (int)s.owed[1], 0);
+    /* a class the table lacks owes the tokens of no group; an unknown rate (NAN,
+     * 0) takes nothing; none below 0 */
+    L.overflow_tokens = 100, queued = 1100;
+    cs_place_queue_left(&L, &queued, &s, &other, 500, NAN);
+    ASSERT_EQ_INT((int)s.owed[CS_TTFT_GROUPS], 500);
+    ASSERT_EQ_INT((int)L.overflow_tokens, 100);
+    cs_place_queue_settle(&L, &queued, &s, 10000);
+    ASSERT_EQ_INT((int)L.overflow_tokens, 0);
+    ASSERT_EQ_INT((int)queued, 600);
+    /* a worker with no groups: its sum */
+    cs_place_since s2 = {0};
+    int64_t q2 = 100;
+    cs_place_queue_left(NULL, &q2, &s2, &chat, 80, 50);
+    ASSERT_EQ_INT((int)q2, 50);
+    cs_place_queue_settle(NULL, &q2, &s2, 1000);
+    ASSERT_EQ_INT((int)q2, 20);
+}
+
 static void test_ttft_rest(void) {
     const double rate = 4000; /* tokens/s: 16 tokens are 4 ms */
     cs_ttft_rest r = {0};
@@ -434,6 +483,7 @@ static void test_ttft_rest(void) {
 }
 
 int main(void) {
+    test_queue_owed();
     test_ttft_rest();
     test_demand();
     test_prefix_summary();
