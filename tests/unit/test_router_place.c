@@ -388,11 +388,6 @@ static void test_demand(void) {
            at3, step);
 }
 
-/* The TTFT rest is the median of the window, read at the rate given: a
- * cold first token (20 ms over a 9 ms rest) moves it not at all, a lasting
- * shift gets through once it is half the window, the oldest samples leave,
- * and a new rate moves every sample's queue part at once; a busy worker's
- * samples are their own, the other kind standing in while there are none. */
 /* A computed prompt leaves a worker's reported queue at most as fast as the
  * worker computes since its status: the rest is owed and comes off as time
  * passes, at each reading, by its own group. */
@@ -442,6 +437,11 @@ static void test_queue_owed(void) {
     ASSERT_EQ_INT((int)q2, 20);
 }
 
+/* The TTFT rest is the median of the window, read at the rate given: a
+ * cold first token (20 ms over a 9 ms rest) moves it not at all, a lasting
+ * shift gets through once it is half the window, the oldest samples leave,
+ * and a new rate moves every sample's queue part at once; a busy worker's
+ * samples are their own, the other kind standing in while there are none. */
 static void test_ttft_rest(void) {
     const double rate = 4000; /* tokens/s: 16 tokens are 4 ms */
     cs_ttft_rest r = {0};
