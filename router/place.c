@@ -90,36 +90,51 @@ static int32_t queue_group(const cs_ttft_load *L, const cs_place_class *c) {
     return CS_TTFT_GROUPS;
 }
 
+/* The tokens group g of L holds (L NULL: the sum alone). */
+static int64_t *group_tokens(cs_ttft_load *L, int64_t *queued, int32_t g) {
+    if (!L) return queued;
+    return g < L->n_groups ? &L->groups[g].tokens : &L->overflow_tokens;
+}
+
 static void take_group(cs_ttft_load *L, int64_t *queued, int32_t g, int64_t n) {
     if (n <= 0) return;
     *queued = *queued > n ? *queued - n : 0;
     if (!L) return;
-    int64_t *t = g < L->n_groups ? &L->groups[g].tokens : &L->overflow_tokens;
+    int64_t *t = group_tokens(L, queued, g);
     *t = *t > n ? *t - n : 0;
-}
-
-void cs_place_queue_take(cs_ttft_load *L, int64_t *queued, const cs_place_class *c, int64_t n) {
-    take_group(L, queued, queue_group(L, c), n);
 }
 
 void cs_place_queue_left(cs_ttft_load *L, int64_t *queued, cs_place_since *s,
                          const cs_place_class *c, int64_t n, double most) {
-    if (n <= 0) return;
-    int64_t *o = &s->owed[queue_group(L, c)];
-    *o = *o > INT64_MAX - n ? INT64_MAX : *o + n;
+    const int32_t g = queue_group(L, c);
+    /* what its group holds and does not owe yet: the status counted no more of it (a
+     * prompt that spanned the status had only its rest there) */
+    const int64_t held = *group_tokens(L, queued, g) - s->owed[g];
+    if (n > 0 && held > 0) s->owed[g] += n < held ? n : held;
     cs_place_queue_settle(L, queued, s, most);
 }
 
 void cs_place_queue_settle(cs_ttft_load *L, int64_t *queued, cs_place_since *s, double most) {
     if (!(most > (double)s->done)) return; /* also NAN: an unknown rate takes nothing */
     double room = most - (double)s->done;
-    for (int32_t g = 0; g <= CS_TTFT_GROUPS && room >= 1; g++) {
+    /* in the order the worker computes them: the tokens past its table (counted ahead
+     * of everyone), then the groups by priority, a lower number first */
+    int32_t order[CS_TTFT_GROUPS + 1], n = 0;
+    order[n++] = CS_TTFT_GROUPS;
+    for (int32_t i = 0; L && i < L->n_groups; i++, n++) {
+        int32_t j = n;
+        for (; j > 1 && L->groups[order[j - 1]].priority > L->groups[i].priority; j--)
+            order[j] = order[j - 1];
+        order[j] = i;
+    }
+    for (int32_t k = 0; k < n && room >= 1; k++) {
+        const int32_t g = order[k];
         if (s->owed[g] <= 0) continue;
-        int64_t n = (double)s->owed[g] <= room ? s->owed[g] : (int64_t)room;
-        take_group(L, queued, g, n);
-        s->owed[g] -= n;
-        s->done += n;
-        room -= (double)n;
+        int64_t t = (double)s->owed[g] <= room ? s->owed[g] : (int64_t)room;
+        take_group(L, queued, g, t);
+        s->owed[g] -= t;
+        s->done += t;
+        room -= (double)t;
     }
 }
 

@@ -88,31 +88,29 @@ void cs_ttft_rest_add(cs_ttft_rest *r, bool busy, double seconds, double tokens)
  * count); NAN before any, or when the rate is not positive. */
 double cs_ttft_rest_get(const cs_ttft_rest *r, bool busy, double rate);
 
-/* Takes n prompt tokens of class c (NULL: the default) that left a
- * worker's queue off the queue it reported: its sum (*queued) and, when L
- * (may be NULL) has groups, c's group (or, when it has none, the tokens
- * past the table); none below 0. */
-void cs_place_queue_take(cs_ttft_load *L, int64_t *queued, const cs_place_class *c, int64_t n);
-
 /* What left a worker's reported queue since that status: done, the tokens
  * taken off it; owed, computed prompts' tokens not taken yet because the
  * worker cannot have computed that many since the status at its rate, by
- * the group of the queue they belong to (the last: the tokens of no group).
- * Zeroed with each status. */
+ * the group of the queue they belong to (the last: the tokens past the
+ * table, or the queue's sum when it has no groups). Each is at most what
+ * its group holds. Zeroed with each status. */
 typedef struct {
     int64_t done;
     int64_t owed[CS_TTFT_GROUPS + 1];
 } cs_place_since;
 
-/* A prompt of n tokens of class c came off a worker's queue computed (its
- * first token came): the tokens are owed, then settled (below). */
+/* A prompt of n tokens of class c (NULL: the default) came off a worker's
+ * queue computed (its first token came): its tokens, at most what c's
+ * group of the reported queue L (may be NULL: the sum *queued alone) holds
+ * and does not owe yet, are owed, then settled (below). */
 void cs_place_queue_left(cs_ttft_load *L, int64_t *queued, cs_place_since *s,
                          const cs_place_class *c, int64_t n, double most);
-/* Takes owed tokens off the queue (as cs_place_queue_take, group by
- * group), all of them since the status at most `most` (the worker's rate
- * times the time since its status): what the status counted was only what
- * each prompt had left then, so the rest comes off as time passes, at each
- * reading of the queue. */
+/* Takes owed tokens off their groups of L and off the sum *queued, all of
+ * them since the status at most `most` (the worker's rate times the time
+ * since its status; NAN or 0: none): the status counted only what each
+ * prompt had left then, so the rest comes off as that time grows, at each
+ * reading of the queue. In the order the worker computes them: the tokens
+ * past the table first, then by priority. */
 void cs_place_queue_settle(cs_ttft_load *L, int64_t *queued, cs_place_since *s, double most);
 
 /* Pages a context of n_tokens takes on a worker whose pages hold blocks as

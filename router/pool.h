@@ -75,7 +75,8 @@ int cs_pool_n_usable(const cs_pool *p, enum cs_pool_role role);
  * c (may be NULL: behind the whole queue) over the usable workers of role
  * (cs_place_ttft, the prefix cache not counted), into *rate that worker's
  * prefill rate and into *alone what it would be there with nothing queued;
- * NAN (and *alone, *rate NAN) when no usable worker reports its rate. */
+ * NAN (and *alone, *rate NAN) when no usable worker reports its rate.
+ * Each worker's queue is first settled (cs_pool_prompt_left). */
 double cs_pool_ttft(cs_pool *p, enum cs_pool_role role, int64_t n_tokens,
                     const cs_place_class *c, double *alone, double *rate);
 /* One replica's capacity in role's pool (demand.h): the mean prefill and

@@ -170,19 +170,23 @@ static void test_prefill(void) {
     ASSERT_TRUE(fabs(cs_place_ttft(&w[0], 100, &chat) - 250.0 / 1000) < 1e-12);
     /* tokens that left the worker's queue since its status come off their own group and
      * the sum: 150 of b's flood done, chat's share is as before (its 100 and as many of
-     * b's), b's own wait shorter; none below 0; a class the table lacks: the overflow */
+     * b's), b's own wait shorter; no more than the group holds; a class the table lacks:
+     * the overflow (an unbounded time since the status: all of them at once) */
     const cs_place_class chat_urgent = {-1, "chat"};
-    cs_place_queue_take(&q0, &w[0].queued_prefill_tokens, &b, 150);
+    cs_place_since since = {0};
+    cs_place_queue_left(&q0, &w[0].queued_prefill_tokens, &since, &b, 150, INFINITY);
     ASSERT_EQ_INT((int)w[0].queued_prefill_tokens, 850);
     ASSERT_TRUE(fabs(cs_place_ttft(&w[0], 100, &chat) - 250.0 / 1000) < 1e-12);
     ASSERT_TRUE(fabs(cs_place_ttft(&w[0], 100, &b) - 1000.0 / 1000) < 1e-12);
-    cs_place_queue_take(&q0, &w[0].queued_prefill_tokens, &b, 5000);
+    cs_place_queue_left(&q0, &w[0].queued_prefill_tokens, &since, &b, 5000, INFINITY);
     ASSERT_EQ_INT((int)w[0].queued_prefill_tokens, 0);
     ASSERT_TRUE(fabs(cs_place_ttft(&w[0], 100, &b) - 150.0 / 1000) < 1e-12); /* the overflow */
-    cs_place_queue_take(&q0, &w[0].queued_prefill_tokens, &chat_urgent, 30);
+    cs_place_queue_left(&q0, &w[0].queued_prefill_tokens, &since, &chat_urgent, 30, INFINITY);
     ASSERT_TRUE(q0.overflow_tokens == 20);
-    cs_place_queue_take(NULL, &w[0].queued_prefill_tokens, NULL, 10); /* no groups: the sum */
-    ASSERT_EQ_INT((int)w[0].queued_prefill_tokens, 0);
+    cs_place_since none_since = {0};
+    int64_t sum = 10; /* no groups: the sum */
+    cs_place_queue_left(NULL, &sum, &none_since, NULL, 25, INFINITY);
+    ASSERT_EQ_INT((int)sum, 0);
 }
 
 /* Placing repeatedly with the router's own accounting spreads a burst over
@@ -390,7 +394,8 @@ static void test_demand(void) {
 
 /* A computed prompt leaves a worker's reported queue at most as fast as the
  * worker computes since its status: the rest is owed and comes off as time
- * passes, at each reading, by its own group. */
+ * passes, at each reading, by its own group, never more than the group holds,
+ * and in the order the worker computes them. */
 static void test_queue_owed(void) {
     cs_ttft_load L = {0};
     cs_ttft_load_add(&L, 0, "b", 1, 3000);
@@ -409,8 +414,10 @@ static void test_queue_owed(void) {
     cs_place_queue_settle(&L, &queued, &s, 500);
     ASSERT_EQ_INT((int)L.groups[0].tokens, 2500);
     ASSERT_EQ_INT((int)s.done, 500);
-    /* chat's prompt finishes too: owed behind b's, so nothing of it comes off yet */
-    cs_place_queue_left(&L, &queued, &s, &chat, 40, 500);
+    /* chat's prompt finishes at 600 ms: 100 of room, all of it b's, owed first (the
+     * same priority: the table's order) */
+    cs_place_queue_left(&L, &queued, &s, &chat, 40, 600);
+    ASSERT_EQ_INT((int)L.groups[0].tokens, 2400);
     ASSERT_EQ_INT((int)L.groups[1].tokens, 40);
     /* by 3 s every owed token is off, and no more: the rate's bound is not a debt */
     cs_place_queue_settle(&L, &queued, &s, 3000);
@@ -418,16 +425,46 @@ static void test_queue_owed(void) {
     ASSERT_EQ_INT((int)L.groups[1].tokens, 0);
     ASSERT_EQ_INT((int)queued, 1000);
     ASSERT_EQ_INT((int)s.done, 2040);
-    ASSERT_EQ_INT((int)s.owed[0] + (int)s.owed[1], 0);
-    /* a class the table lacks owes the tokens of no group; an unknown rate (NAN,
-     * 0) takes nothing; none below 0 */
+    ASSERT_EQ_INT((int)s.owed[0], 0);
+    ASSERT_EQ_INT((int)s.owed[1], 0);
+    /* a class the table lacks owes the tokens past it; an unknown rate (NAN, 0) takes
+     * nothing; none below 0 */
     L.overflow_tokens = 100, queued = 1100;
-    cs_place_queue_left(&L, &queued, &s, &other, 500, NAN);
-    ASSERT_EQ_INT((int)s.owed[CS_TTFT_GROUPS], 500);
+    cs_place_queue_left(&L, &queued, &s, &other, 80, NAN);
+    cs_place_queue_settle(&L, &queued, &s, 0);
+    ASSERT_EQ_INT((int)s.owed[CS_TTFT_GROUPS], 80);
     ASSERT_EQ_INT((int)L.overflow_tokens, 100);
     cs_place_queue_settle(&L, &queued, &s, 10000);
-    ASSERT_EQ_INT((int)L.overflow_tokens, 0);
-    ASSERT_EQ_INT((int)queued, 600);
+    ASSERT_EQ_INT((int)L.overflow_tokens, 20);
+    ASSERT_EQ_INT((int)queued, 1020);
+
+    /* A prompt that spanned the status owes only what its group held: 1,900 of its
+     * 2,000 were done before the status, which counted 100. So another group's prompt
+     * that finishes later comes off by the room left, not behind 1,900 phantom tokens;
+     * and the tokens past the table and a better priority come off first */
+    cs_ttft_load M = {0};
+    cs_ttft_load_add(&M, 0, "a", 1, 100);
+    cs_ttft_load_add(&M, 0, "b", 1, 40);
+    cs_ttft_load_add(&M, -1, "c", 1, 30);
+    M.overflow_tokens = 10;
+    int64_t q = 180;
+    cs_place_since t = {0};
+    const cs_place_class a = {0, "a"}, c = {-1, "c"}, stray = {5, "nobody"};
+    cs_place_queue_left(&M, &q, &t, &a, 2000, 100); /* at 0.1 s: all 100 off */
+    ASSERT_EQ_INT((int)M.groups[0].tokens, 0);
+    ASSERT_EQ_INT((int)t.owed[0], 0);
+    cs_place_queue_left(&M, &q, &t, &b, 40, 150); /* at 0.15 s: b's 40 off */
+    ASSERT_EQ_INT((int)M.groups[1].tokens, 0);
+    ASSERT_EQ_INT((int)q, 40);
+    cs_place_queue_left(&M, &q, &t, &stray, 10, 140); /* no room yet: owed */
+    cs_place_queue_left(&M, &q, &t, &c, 30, 140);
+    ASSERT_EQ_INT((int)t.owed[CS_TTFT_GROUPS], 10);
+    ASSERT_EQ_INT((int)t.owed[2], 30);
+    cs_place_queue_settle(&M, &q, &t, 165); /* 25 of room: the overflow's 10, then c's 15 */
+    ASSERT_EQ_INT((int)M.overflow_tokens, 0);
+    ASSERT_EQ_INT((int)M.groups[2].tokens, 15);
+    ASSERT_EQ_INT((int)q, 15);
+
     /* a worker with no groups: its sum */
     cs_place_since s2 = {0};
     int64_t q2 = 100;
