@@ -300,7 +300,7 @@ static void start_attempt(req *q, cs_pool_worker *dw, int64_t dcached) {
     int64_t pcached = 0;
     if (q->sampling && q->sampling->prompt_logprobs && q->n_relayed == 0)
         dcached = 0; /* prompt logprobs: the prompt is computed whole, cache or not */
-    if ((int64_t)q->n_ctx - dcached >= r->o->local_prefill_threshold)
+    if ((int64_t)q->n_ctx - dcached >= r->o->local_prefill_threshold && !q->slo_local)
         pw = cs_pool_place(r->pool, CS_POOL_PREFILL, (int64_t)q->n_ctx, &q->marks, NULL, dw,
                            prefix_of(q, &pf), &(cs_place_class){q->priority, q->tenant},
                            &pcached);

@@ -122,6 +122,8 @@ struct req {
     double predicted_tokens; /* its queue part's tokens (cs_pool_ttft), by pool predicted_pool */
     bool predicted_busy;     /* with prompt tokens ahead of its own (cs_ttft_rest) */
     int predicted_pool;     /* enum cs_pool_role, or -1: none */
+    bool slo_local;         /* prefilled by a decode worker: the prefill pool was predicted
+                               over its TTFT bound, a decode worker within it (router.c) */
     uint64_t rng[4];
     bool have_rng;
     bool sent_first; /* the client has its first message (it carries the request id) */
@@ -200,7 +202,7 @@ struct router {
         cs_metric *running, *waiting, *retries, *migrations, *prefill_local, *prefill_remote;
         cs_metric *prefix_predicted, *prefix_cached;
         cs_metric *ttft, *itl, *e2e, *overhead, *prompt_tokens, *gen_tokens;
-        cs_metric *ttft_error, *ttft_refused;
+        cs_metric *ttft_error, *ttft_refused, *prefill_slo_local;
         cs_metric *wanted[2], *demand[2], *capacity[2]; /* by role (demand.h) */
         cs_metric *usable[2];
         cs_metric *lag_max, *stalls, *pair_trips;

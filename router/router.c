@@ -97,6 +97,30 @@ static void generate(void *arg, cs_gen_call *c) {
     r->n_preparing++;
 }
 
+/* A predicted time to first token on one pool. */
+typedef struct {
+    int pool;         /* enum cs_pool_role */
+    double queued;    /* the queue part (cs_pool_ttft): NAN when no worker reports a rate */
+    double rate;      /* that worker's prefill rate */
+    double alone;     /* the time with nothing queued, the rest learnt alone added */
+    double predicted; /* queued plus the rest learnt (cs_ttft_rest): the prediction */
+    bool busy;        /* prompt tokens ahead of its own: the worker is in a step */
+} ttft_guess;
+
+static ttft_guess guess_ttft(router *r, int pool, int64_t n, const cs_place_class *c) {
+    ttft_guess g = {.pool = pool, .rate = NAN};
+    g.queued = cs_pool_ttft(r->pool, (enum cs_pool_role)pool, n, c, &g.alone, &g.rate);
+    g.predicted = g.queued;
+    g.busy = g.queued * g.rate > (double)n + 0.5;
+    double rest = cs_ttft_rest_get(&r->ttft_rest[pool], g.busy, g.rate);
+    double rest_idle = g.busy ? cs_ttft_rest_get(&r->ttft_rest[pool], false, g.rate) : rest;
+    if (!isnan(g.queued) && !isnan(rest)) {
+        g.predicted = fmax(g.queued + rest, 0);
+        g.alone = fmax(g.alone + rest_idle, 0);
+    }
+    return g;
+}
+
 /* The request is tokenized (or refused): admitted now, queued, or refused. */
 static void on_prepared(void *arg, cs_gen_call *c, uint64_t seq, double t_recv, int rc,
                         const char *err, const char *field, cs_wire_request *wp) {
@@ -147,32 +171,31 @@ static void on_prepared(void *arg, cs_gen_call *c, uint64_t seq, double t_recv, 
     /* the TTFT the workers' queues predict (prefill pool for a long prompt,
      * else the decode workers' own prefill), what they leave out added, and
      * the refusal it may bring */
-    double alone, rate = NAN, queued = NAN;
-    int pool = CS_POOL_PREFILL;
     const cs_place_class cls = {w.r.priority, w.r.tenant};
+    ttft_guess p = {.queued = NAN};
     if (w.r.n_prompt >= r->o->local_prefill_threshold)
-        queued = cs_pool_ttft(r->pool, CS_POOL_PREFILL, w.r.n_prompt, &cls, &alone, &rate);
-    if (isnan(queued)) {
-        pool = CS_POOL_DECODE;
-        queued = cs_pool_ttft(r->pool, CS_POOL_DECODE, w.r.n_prompt, &cls, &alone, &rate);
-    }
-    double predicted = queued;
-    /* prompt tokens ahead of its own: the worker is in a step (cs_ttft_rest) */
-    bool busy = queued * rate > (double)w.r.n_prompt + 0.5;
-    double rest = cs_ttft_rest_get(&r->ttft_rest[pool], busy, rate);
-    double rest_idle = busy ? cs_ttft_rest_get(&r->ttft_rest[pool], false, rate) : rest; /* alone */
-    if (!isnan(queued) && !isnan(rest)) {
-        predicted = fmax(queued + rest, 0);
-        alone = fmax(alone + rest_idle, 0);
-    }
+        p = guess_ttft(r, CS_POOL_PREFILL, w.r.n_prompt, &cls);
+    if (isnan(p.queued)) p = guess_ttft(r, CS_POOL_DECODE, w.r.n_prompt, &cls);
     double bound = cs_slo_ttft_bound(&r->o->slo, w.r.priority);
-    int64_t retry = cs_slo_refuse_ms(predicted, alone, bound);
+    int64_t retry = cs_slo_refuse_ms(p.predicted, p.alone, bound);
+    bool local = false;
+    if (retry && p.pool == CS_POOL_PREFILL) {
+        /* the prefill pool would miss the bound: a decode worker's own prefill
+         * instead, when that is predicted to meet it (disaggregation as long as it
+         * keeps the SLO, then its decode pool's spare steps, then a refusal) */
+        ttft_guess l = guess_ttft(r, CS_POOL_DECODE, w.r.n_prompt, &cls);
+        if (isfinite(l.predicted) && l.predicted < p.predicted &&
+            cs_slo_refuse_ms(l.predicted, l.alone, bound) == 0) {
+            p = l, retry = 0, local = true;
+            cs_metric_inc(r->m.prefill_slo_local);
+        }
+    }
     if (retry && !c->sibling) { /* a sibling goes with the first (gen_call.h) */
         char msg[300];
         snprintf(msg, sizeof msg,
                  "the predicted time to first token is %.2f s, over the bound of %.2f s for "
                  "priority %d (--ttft-slo-ms): the workers are busy; retry in %.1f s",
-                 predicted, bound, w.r.priority, retry / 1e3);
+                 p.predicted, bound, w.r.priority, retry / 1e3);
         cs__router_fault_end(r, seq);
         cs_wire_request_free(&w);
         cs_metric_inc(r->m.ttft_refused);
@@ -201,10 +224,11 @@ static void on_prepared(void *arg, cs_gen_call *c, uint64_t seq, double t_recv, 
     q->call = c;
     q->seq = seq;
     q->priority = w.r.priority;
-    q->predicted_ttft = isfinite(predicted) ? predicted : 0;
-    q->predicted_tokens = queued * rate; /* NAN without a prediction */
-    q->predicted_busy = busy;
-    q->predicted_pool = isfinite(queued) ? pool : -1;
+    q->predicted_ttft = isfinite(p.predicted) ? p.predicted : 0;
+    q->predicted_tokens = p.queued * p.rate; /* NAN without a prediction */
+    q->predicted_busy = p.busy;
+    q->predicted_pool = isfinite(p.queued) ? p.pool : -1;
+    q->slo_local = local;
     if (seq == r->fault_seq) memcpy(q->fault_worker, r->fault_worker, sizeof q->fault_worker);
     q->ctx = w.prompt; /* taken over */
     q->n_ctx = q->cap_ctx = (size_t)w.r.n_prompt;
@@ -340,6 +364,10 @@ static const cs_metric_def router_metrics[] = {
     {M(ttft_refused), "chunkserve:requests_refused_ttft_total", CS_METRIC_COUNTER, NULL,
      "Requests refused early (RESOURCE_EXHAUSTED / 429 + Retry-After) because the workers' "
      "queues put their predicted time to first token over --ttft-slo-ms.",
+     NULL, 0},
+    {M(prefill_slo_local), "chunkserve:prefills_slo_local_total", CS_METRIC_COUNTER, NULL,
+     "Long prompts prefilled on a decode worker because the prefill pool was predicted over "
+     "their --ttft-slo-ms bound and the decode worker within it (else refused).",
      NULL, 0},
     {M(itl), "chunkserve:inter_token_latency_seconds", CS_METRIC_HISTOGRAM, NULL,
      "Time between token messages relayed to a client.", cs_metrics_itl_buckets, 0},

@@ -263,3 +263,77 @@ def test_the_router_refuses_by_tenant(bin_dir, model_path, pb):
         rc = slo.stop() if slo is not None else 0
         c.stop()
     assert rc == 0, slo.stderr()[-3000:]
+
+
+def test_the_router_prefills_on_a_decode_worker_to_keep_the_bound(bin_dir, model_path, pb):
+    """A long prompt goes to the prefill pool while that pool is predicted to meet its TTFT
+    bound. When a flood puts the prefill pool over the bound and a decode worker's own prefill
+    is predicted within it, the router prefills the prompt there instead of refusing it
+    (chunkserve:prefills_slo_local_total), as disaggregated servers do when their prefill queue
+    is too long; only when neither meets the bound is a request refused (the tests above, where
+    the decode worker has computed no prompt and so reports no rate)."""
+    c = Cluster(bin_dir, model_path, pb, n_prefill=1, n_decode=1,
+                prefill_args=["--max-batched-tokens=64"])
+    slo = None
+    try:
+        g = pb.generation_pb2
+
+        def request(n, seed):
+            return g.GenerateRequest(token_ids=g.TokenIds(ids=[(seed * 7 + k) % 300 + 3 for k in range(n)]),
+                                     sampling=g.SamplingParams(max_tokens=2, ignore_eos=True))
+
+        for i, n in enumerate((520, 700, 900)):  # remote prefills: the prefill worker's rate
+            list(c.stub.Generate(request(n, i), timeout=120))
+        for i, n in enumerate((300, 400, 450, 350)):  # local prefills: the decode worker's
+            list(c.stub.Generate(request(n, 10 + i), timeout=120))
+        rate = wait_for(lambda: c.status(c.prefill[0]).prefill_tokens_per_second, 30,
+                        "the prefill worker reports its rate")
+        local_rate = wait_for(lambda: c.status(c.decode[0]).prefill_tokens_per_second, 30,
+                              "the decode worker reports its rate")
+        own = 600
+        # Behind the flood (3,000 tokens or more queued when it is seen) and its own 600, the
+        # request is over a bound of 2,100 tokens' time on the prefill worker (as in the tenant
+        # test above) even at 124% of the rate read now; on the idle decode worker its 600
+        # tokens fit in it down to 29% of the prefill worker's rate (it takes larger chunks
+        # than the prefill worker's 64 and reads at least as fast).
+        bound_ms = int(1000 * 2100 / rate)
+        assert own / local_rate < 0.8 * bound_ms / 1000, (rate, local_rate)
+        slo = Proc(bin_dir / "chunkserve-router", [
+            f"--model={model_path}", "--port=0", "--status-interval-ms=100", "--grace-ms=3000",
+            f"--decode-workers={c.decode[0].addr}", f"--prefill-workers={c.prefill[0].addr}",
+            f"--ttft-slo-ms={bound_ms}"], "router-slo")
+        wait_for(lambda: metric(slo.metrics(), "chunkserve:workers_usable", 'role="prefill"') == 1 and
+                 metric(slo.metrics(), "chunkserve:workers_usable", 'role="decode"') == 1, 30,
+                 "the second router to reach both workers")
+        stub = pb.generation_pb2_grpc.GenerationStub(grpc.insecure_channel(slo.addr))
+        f = Flood(c.stub, g, FLOOD, FLOOD_TOKENS, seed=30)
+        wait_for(lambda: c.status(c.prefill[0]).queued_prefill_tokens >= 3 * FLOOD_TOKENS
+                 or f.errors, 60, "the flood queued on the prefill worker")
+        time.sleep(0.15)  # the second router's next poll
+        try:
+            last = list(stub.Generate(request(own, 60), timeout=120))[-1]
+        except grpc.RpcError as err:
+            pytest.fail(f"refused: {err.details()}; the workers report prefill rates of "
+                        f"{c.status(c.prefill[0]).prefill_tokens_per_second:.0f} (prefill) and "
+                        f"{c.status(c.decode[0]).prefill_tokens_per_second:.0f} (decode) "
+                        f"tokens/s, {rate:.0f} and {local_rate:.0f} when the bound was set")
+        assert last.finish_reason, last
+        assert 0 < last.usage.predicted_ttft_seconds < bound_ms / 1000, (last.usage, bound_ms)
+        m = slo.metrics()
+        assert metric(m, "chunkserve:prefills_slo_local_total") == 1
+        assert metric(m, "chunkserve:prefills_total", 'path="local"') == 1
+        assert metric(m, "chunkserve:prefills_total", 'path="remote"') == 0
+        assert metric(m, "chunkserve:requests_refused_ttft_total") == 0
+        f.join()
+        assert not f.errors, f.errors
+        # with the flood gone the prefill pool meets the bound again: remote, as before
+        c.wait_idle()
+        time.sleep(0.3)
+        list(stub.Generate(request(own, 61), timeout=120))
+        m = slo.metrics()
+        assert metric(m, "chunkserve:prefills_total", 'path="remote"') == 1
+        assert metric(m, "chunkserve:prefills_slo_local_total") == 1
+    finally:
+        rc = slo.stop() if slo is not None else 0
+        c.stop()
+    assert rc == 0, slo.stderr()[-3000:]
