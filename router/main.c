@@ -51,7 +51,8 @@ static const cs_config_entry options[] = {
      0.05, 3600},
     {"local-prefill-threshold", CS_CONFIG_INT, O(local_prefill_threshold), "512",
      "contexts shorter than this (tokens, less the ones predicted cached on the decode worker) "
-     "prefill on the decode worker",
+     "prefill on the decode worker (and longer ones whose --ttft-slo-ms bound only the decode "
+     "worker is predicted to meet)",
      0, 1e9},
     {"prefix-routing", CS_CONFIG_BOOL, O(prefix_routing), "true",
      "place requests where their prompt's KV pages are predicted cached (the pages of requests "

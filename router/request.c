@@ -300,7 +300,8 @@ static void start_attempt(req *q, cs_pool_worker *dw, int64_t dcached) {
     int64_t pcached = 0;
     if (q->sampling && q->sampling->prompt_logprobs && q->n_relayed == 0)
         dcached = 0; /* prompt logprobs: the prompt is computed whole, cache or not */
-    if ((int64_t)q->n_ctx - dcached >= r->o->local_prefill_threshold && !q->slo_local)
+    if ((int64_t)q->n_ctx - dcached >= r->o->local_prefill_threshold &&
+        !(q->slo_local && q->n_relayed == 0))
         pw = cs_pool_place(r->pool, CS_POOL_PREFILL, (int64_t)q->n_ctx, &q->marks, NULL, dw,
                            prefix_of(q, &pf), &(cs_place_class){q->priority, q->tenant},
                            &pcached);
@@ -392,6 +393,7 @@ void cs__req_on_admitted(req *q, leg *l, const char *kv_endpoint, int kv_transpo
     memset(q->t_wait, 0, sizeof q->t_wait);
     if (q->local) {
         cs_metric_inc(q->r->m.prefill_local);
+        if (q->slo_local && q->n_relayed == 0) cs_metric_inc(q->r->m.prefill_slo_local);
         cs__req_set_state(q, RQ_STREAMING);
     } else if (!kv_endpoint[0]) {
         cs__req_fail_attempt(q, l->w, "decode", CS_RPC_INTERNAL, "admitted without a KV endpoint");

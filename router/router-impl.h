@@ -122,8 +122,9 @@ struct req {
     double predicted_tokens; /* its queue part's tokens (cs_pool_ttft), by pool predicted_pool */
     bool predicted_busy;     /* with prompt tokens ahead of its own (cs_ttft_rest) */
     int predicted_pool;     /* enum cs_pool_role, or -1: none */
-    bool slo_local;         /* prefilled by a decode worker: the prefill pool was predicted
-                               over its TTFT bound, a decode worker within it (router.c) */
+    bool slo_local;         /* its prompt prefilled by a decode worker (until its first token):
+                               the prefill pool was predicted over its TTFT bound, the decode
+                               pool within it (router.c) */
     uint64_t rng[4];
     bool have_rng;
     bool sent_first; /* the client has its first message (it carries the request id) */

@@ -144,7 +144,9 @@ static void on_prepared(void *arg, cs_gen_call *c, uint64_t seq, double t_recv, 
         return;
     }
     /* demand counts as it arrives, refused or not (a refusal is demand unmet), by where
-     * its prompt will be prefilled (request.c start_attempt) */
+     * its prompt is to be prefilled (request.c start_attempt): a long prompt the prefill
+     * pool is too busy for, prefilled on a decode worker to keep its TTFT bound (below),
+     * is the prefill pool's demand unmet too */
     bool remote = w.r.n_prompt >= r->o->local_prefill_threshold &&
                   cs_pool_n_usable(r->pool, CS_POOL_PREFILL) > 0;
     cs_rate_add(remote ? &r->prompt_demand : &r->local_demand, w.r.n_prompt, cs_now(),
@@ -184,11 +186,8 @@ static void on_prepared(void *arg, cs_gen_call *c, uint64_t seq, double t_recv, 
          * instead, when that is predicted to meet it (disaggregation as long as it
          * keeps the SLO, then its decode pool's spare steps, then a refusal) */
         ttft_guess l = guess_ttft(r, CS_POOL_DECODE, w.r.n_prompt, &cls);
-        if (isfinite(l.predicted) && l.predicted < p.predicted &&
-            cs_slo_refuse_ms(l.predicted, l.alone, bound) == 0) {
+        if (isfinite(l.predicted) && l.predicted < p.predicted && l.predicted <= bound)
             p = l, retry = 0, local = true;
-            cs_metric_inc(r->m.prefill_slo_local);
-        }
     }
     if (retry && !c->sibling) { /* a sibling goes with the first (gen_call.h) */
         char msg[300];
@@ -367,7 +366,7 @@ static const cs_metric_def router_metrics[] = {
      NULL, 0},
     {M(prefill_slo_local), "chunkserve:prefills_slo_local_total", CS_METRIC_COUNTER, NULL,
      "Long prompts prefilled on a decode worker because the prefill pool was predicted over "
-     "their --ttft-slo-ms bound and the decode worker within it (else refused).",
+     "their --ttft-slo-ms bound and the decode pool within it (they would have been refused).",
      NULL, 0},
     {M(itl), "chunkserve:inter_token_latency_seconds", CS_METRIC_HISTOGRAM, NULL,
      "Time between token messages relayed to a client.", cs_metrics_itl_buckets, 0},
@@ -470,7 +469,8 @@ static void update_metrics(cs_proc *p, void *arg) {
             if (q->n_relayed > 0 || q->state == RQ_ENDED || (q->state == RQ_STREAMING && !q->local))
                 continue;
             bool remote = placed ? !q->local
-                                 : q->n_prompt >= r->o->local_prefill_threshold && any_prefill;
+                                 : !q->slo_local &&
+                                       q->n_prompt >= r->o->local_prefill_threshold && any_prefill;
             *(remote ? &d.prompt_backlog : &d.local_backlog) += q->n_prompt;
         }
         cs_metric_set(r->m.wanted[CS_POOL_PREFILL], cs_demand_prefill_replicas(&d));

@@ -36,7 +36,8 @@ typedef struct {
     int64_t dns_refresh_ms;
     int64_t status_interval_ms;
     int64_t local_prefill_threshold; /* contexts (less their predicted cached tokens) shorter than
-                                        this prefill on the decode worker */
+                                        this prefill on the decode worker (longer ones too when
+                                        only it is predicted to meet their TTFT bound) */
     bool prefix_routing;             /* place by predicted cached prefix too (router/prefix.h) */
     int64_t prefix_balance_seqs;     /* decode: load slack a cached prefix may cost */
     int64_t prefix_balance_tokens;   /* prefill: queued-token slack a cached prefix may cost */

@@ -123,6 +123,8 @@ def test_the_router_refuses_early_from_the_workers_queues(bin_dir, model_path, p
         f = Flood(c.stub, g, FLOOD, FLOOD_TOKENS, seed=10)
         wait_for(lambda: c.status(c.prefill[0]).queued_prefill_tokens >= 3 * FLOOD_TOKENS
                  or f.errors, 60, "the flood queued on the prefill worker")
+        # refused, not prefilled on the decode worker instead: it has computed no prompt
+        # yet, so it reports no prefill rate to predict by (the last test of this file)
         late = g.GenerateRequest(token_ids=ids(600, 99),
                                  sampling=g.SamplingParams(max_tokens=2, priority=5))
         with pytest.raises(grpc.RpcError) as e:
@@ -241,6 +243,9 @@ def test_the_router_refuses_by_tenant(bin_dir, model_path, pb):
             return groups.get("flood", 0) >= 3 * FLOOD_TOKENS or f.errors
         wait_for(flood_queued, 60, "the flood queued on the prefill worker, by tenant")
         time.sleep(0.15)  # the second router's next poll
+        # refused, not prefilled on the decode worker instead (the test below): that worker
+        # has computed no prompt (only the KV of remote prefills came to it, and a handful
+        # of decode steps fit no step model), so it reports no prefill rate to predict by
         with pytest.raises(grpc.RpcError) as e:
             list(stub.Generate(request(own, 50, "flood"), timeout=60))
         assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, e.value
@@ -293,7 +298,8 @@ def test_the_router_prefills_on_a_decode_worker_to_keep_the_bound(bin_dir, model
         own = 600
         # Behind the flood (3,000 tokens or more queued when it is seen) and its own 600, the
         # request is over a bound of 2,100 tokens' time on the prefill worker (as in the tenant
-        # test above) even at 124% of the rate read now; on the idle decode worker its 600
+        # test above) even at 171% of the rate read now (less what drains before it is
+        # predicted); on the idle decode worker its 600
         # tokens fit in it down to 29% of the prefill worker's rate (it takes larger chunks
         # than the prefill worker's 64 and reads at least as fast).
         bound_ms = int(1000 * 2100 / rate)
