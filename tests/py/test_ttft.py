@@ -44,6 +44,23 @@ def retry_info(err: grpc.RpcError):
     return info
 
 
+def slo_router(bin_dir, model_path, c, bound_ms):
+    """A second router in front of cluster c's workers with --ttft-slo-ms=bound_ms (its own
+    process, stopped by the caller)."""
+    return Proc(bin_dir / "chunkserve-router", [
+        f"--model={model_path}", "--port=0", "--status-interval-ms=100", "--grace-ms=3000",
+        f"--decode-workers={c.decode[0].addr}", f"--prefill-workers={c.prefill[0].addr}",
+        f"--ttft-slo-ms={bound_ms}"], "router-slo")
+
+
+def slo_stub(slo, pb):
+    """A Generation stub on slo once it reaches both workers."""
+    wait_for(lambda: metric(slo.metrics(), "chunkserve:workers_usable", 'role="prefill"') == 1 and
+             metric(slo.metrics(), "chunkserve:workers_usable", 'role="decode"') == 1, 30,
+             "the second router to reach both workers")
+    return pb.generation_pb2_grpc.GenerationStub(grpc.insecure_channel(slo.addr))
+
+
 def test_a_request_over_its_bound_is_refused_early(chunkserve_bin, model_path, pb):
     s = Serve(chunkserve_bin, model_path, pb, "--max-queue", "64", "--max-batched-tokens", "64",
               "--ttft-slo-ms", "0=600000,100")
@@ -215,33 +232,28 @@ def test_the_router_refuses_by_tenant(bin_dir, model_path, pb):
 
         for i, n in enumerate((520, 700, 900)):  # remote prefills: the prefill worker's model fits
             list(c.stub.Generate(request(n, i, ""), timeout=120))
-        rate = wait_for(lambda: c.status(c.prefill[0]).prefill_tokens_per_second, 30,
-                        "the prefill worker reports its rate")
+        wait_for(lambda: c.status(c.prefill[0]).prefill_tokens_per_second, 30,
+                 "the prefill worker reports its rate")
         own = 600
-        # chat: its 600 and the flood's 600 (1,200 tokens); the flood's tenant: all of the
-        # flood ahead (3,000 when it is seen, less what drains before the request) and its
-        # 600; the bound between them (the second router has learnt no rest yet: its first
-        # requests). The bound is read at the rate reported now, and the router predicts at
-        # the rate reported under the flood, which is lower (its chunks attend to longer
-        # contexts): a full `make test` run saw chat predicted at 1,870 tokens' time against a
-        # bound at 1,800 (the rate at about 64% of this one). At 2,100 the chat fits down to
-        # 57% and the flood's request (2,600 tokens or more) stays over up to 124%.
-        bound_ms = int(1000 * 2100 / rate)
-        slo = Proc(bin_dir / "chunkserve-router", [
-            f"--model={model_path}", "--port=0", "--status-interval-ms=100", "--grace-ms=3000",
-            f"--decode-workers={c.decode[0].addr}", f"--prefill-workers={c.prefill[0].addr}",
-            f"--ttft-slo-ms={bound_ms}"], "router-slo")
-        wait_for(lambda: metric(slo.metrics(), "chunkserve:workers_usable", 'role="prefill"') == 1 and
-                 metric(slo.metrics(), "chunkserve:workers_usable", 'role="decode"') == 1, 30,
-                 "the second router to reach both workers")
-        stub = pb.generation_pb2_grpc.GenerationStub(grpc.insecure_channel(slo.addr))
-        f = Flood(c.stub, g, FLOOD, FLOOD_TOKENS, seed=20, tenant="flood")
+        f = Flood(c.stub, g, FLOOD + 2, FLOOD_TOKENS, seed=20, tenant="flood")
 
         def flood_queued():
             s = c.status(c.prefill[0])
             groups = {q.tenant: q.tokens for q in s.queued_prompts}
             return groups.get("flood", 0) >= 3 * FLOOD_TOKENS or f.errors
         wait_for(flood_queued, 60, "the flood queued on the prefill worker, by tenant")
+        # chat: its 600 and the flood's 600 (1,200 tokens); the flood's tenant: all of the
+        # flood ahead (8,000 tokens, less what drains before the request) and its 600; the
+        # bound between them (the second router has learnt no rest yet: its first requests),
+        # read at the rate the worker reports under the flood, which the router predicts by:
+        # that rate is lower than before the flood (its chunks attend to longer contexts, and
+        # on a loaded 2-core machine far lower: a bound read before the flood refused chat at
+        # 27% of that rate). At 2,100 tokens' time the chat fits down to 57% of the rate read
+        # here, and the flood's request stays over while 1,500 of its tokens are left.
+        rate = c.status(c.prefill[0]).prefill_tokens_per_second
+        bound_ms = int(1000 * 2100 / rate)
+        slo = slo_router(bin_dir, model_path, c, bound_ms)
+        stub = slo_stub(slo, pb)
         time.sleep(0.15)  # the second router's next poll
         # refused, not prefilled on the decode worker instead (the test below): that worker
         # has computed no prompt (only the KV of remote prefills came to it, and a handful
@@ -304,14 +316,8 @@ def test_the_router_prefills_on_a_decode_worker_to_keep_the_bound(bin_dir, model
         # than the prefill worker's 64 and reads at least as fast).
         bound_ms = int(1000 * 2100 / rate)
         assert own / local_rate < 0.8 * bound_ms / 1000, (rate, local_rate)
-        slo = Proc(bin_dir / "chunkserve-router", [
-            f"--model={model_path}", "--port=0", "--status-interval-ms=100", "--grace-ms=3000",
-            f"--decode-workers={c.decode[0].addr}", f"--prefill-workers={c.prefill[0].addr}",
-            f"--ttft-slo-ms={bound_ms}"], "router-slo")
-        wait_for(lambda: metric(slo.metrics(), "chunkserve:workers_usable", 'role="prefill"') == 1 and
-                 metric(slo.metrics(), "chunkserve:workers_usable", 'role="decode"') == 1, 30,
-                 "the second router to reach both workers")
-        stub = pb.generation_pb2_grpc.GenerationStub(grpc.insecure_channel(slo.addr))
+        slo = slo_router(bin_dir, model_path, c, bound_ms)
+        stub = slo_stub(slo, pb)
         f = Flood(c.stub, g, FLOOD, FLOOD_TOKENS, seed=30)
         wait_for(lambda: c.status(c.prefill[0]).queued_prefill_tokens >= 3 * FLOOD_TOKENS
                  or f.errors, 60, "the flood queued on the prefill worker")
