@@ -116,6 +116,10 @@ void cs_place_queue_left(cs_ttft_load *L, int64_t *queued, cs_place_since *s,
 
 void cs_place_queue_settle(cs_ttft_load *L, int64_t *queued, cs_place_since *s, double most) {
     if (!(most > (double)s->done)) return; /* also NAN: an unknown rate takes nothing */
+    int32_t owing = 0; /* nothing owed (the usual case at a placement): no order to make */
+    for (int32_t g = 0; g <= CS_TTFT_GROUPS && !owing; g++)
+        owing = s->owed[g] > 0;
+    if (!owing) return;
     double room = most - (double)s->done;
     /* in the order the worker computes them: the tokens past its table (counted ahead
      * of everyone), then the groups by priority, a lower number first */
